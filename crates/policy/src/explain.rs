@@ -1,0 +1,91 @@
+//! `warden policy explain`: what a policy allows, in plain words.
+
+use std::fmt::Write as _;
+
+use crate::model::Policy;
+
+/// Renders the policy as sentences a reviewer can check without knowing the schema.
+pub fn explain(policy: &Policy) -> String {
+    let mut out = String::new();
+    let fs = &policy.filesystem;
+    let ws = &fs.workspace;
+    let _ = writeln!(out, "Isolation tier: {}.", policy.tier.name());
+    let _ = writeln!(out, "\nFiles");
+    let _ = writeln!(
+        out,
+        "  - The workspace (--workspace DIR) appears read-write at {} and writes go straight to \
+         the host directory (mode: direct); without --workspace it is an empty scratch directory.",
+        ws.mount.display()
+    );
+    if !ws.protect.is_empty() {
+        let _ = writeln!(
+            out,
+            "  - Inside the workspace these stay read-only when they exist, because the host runs \
+             or trusts them later: {}.",
+            ws.protect.join(", ")
+        );
+    }
+    let _ = writeln!(out, "  - /tmp is private to the cell, in memory, at most {}.", fs.tmp_size);
+    let _ = writeln!(out, "  - Read-only from the host (when present there): {}.", join_paths(&fs.read_only));
+    if fs.read_write.is_empty() {
+        let _ = writeln!(out, "  - No other host directory is writable.");
+    } else {
+        let _ = writeln!(out, "  - Read-write from the host: {}.", join_paths(&fs.read_write));
+    }
+    if !fs.hidden.is_empty() {
+        let _ = writeln!(out, "  - Always hidden: {}.", join_paths(&fs.hidden));
+    }
+    let _ = writeln!(
+        out,
+        "  - Nothing else of the host is visible: /etc holds only the files listed above plus \
+         generated passwd, group, hosts and hostname; /dev holds null, zero, full, random, \
+         urandom, tty, pts and shm; /proc shows only the cell's processes, with sensitive \
+         entries masked; there is no /sys."
+    );
+
+    let proc = &policy.process;
+    let _ = writeln!(out, "\nProcess");
+    let _ = writeln!(
+        out,
+        "  - Runs as uid {} gid {} inside the cell, which maps to an unprivileged host id; no \
+         capabilities, no_new_privs, its own session, pid, ipc, uts and cgroup namespaces.",
+        proc.user,
+        proc.group()
+    );
+    let _ = writeln!(out, "  - Starts in {}.", proc.cwd.display());
+    let mut env: Vec<String> = proc.env.set.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    env.extend(proc.env.pass.iter().map(|k| format!("{k} (from the caller, if set)")));
+    let _ = writeln!(out, "  - Environment: only {}; everything else of the caller is dropped.", env.join(", "));
+    let _ = writeln!(
+        out,
+        "  - System calls that reach beyond the cell are refused (mount, ptrace, bpf, io_uring, \
+         keyrings, kernel modules, clock setting, new user namespaces, setns, terminal injection, \
+         vsock, packet and non-route netlink sockets)."
+    );
+
+    let limits = &policy.limits;
+    let _ = writeln!(out, "\nLimits");
+    let unlimited = || "unlimited".to_owned();
+    let _ = writeln!(out, "  - Memory: {}.", limits.memory.map_or_else(unlimited, |m| m.to_string()));
+    let _ = writeln!(out, "  - Processes and threads: {}.", limits.pids.map_or_else(unlimited, |p| p.to_string()));
+    let _ = writeln!(out, "  - CPU: {}.", limits.cpus.map_or_else(unlimited, |c| format!("{c} cores")));
+    let _ = writeln!(out, "  - Wall clock: {}.", limits.wall.map_or_else(unlimited, |w| w.to_string()));
+    let _ = writeln!(out, "  - Output relayed: {}.", limits.output.map_or_else(unlimited, |o| o.to_string()));
+
+    let _ = writeln!(out, "\nNetwork");
+    let _ = writeln!(
+        out,
+        "  - None: the cell has only its own loopback interface; nothing on the host or beyond \
+         is reachable."
+    );
+    let _ = writeln!(out, "\nCredentials: none are given to the cell.");
+    let _ = writeln!(out, "GPU: no devices.");
+    out
+}
+
+fn join_paths(paths: &[std::path::PathBuf]) -> String {
+    if paths.is_empty() {
+        return "nothing".to_owned();
+    }
+    paths.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+}

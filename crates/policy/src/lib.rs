@@ -1,0 +1,20 @@
+//! Warden policy: the declarative YAML document that says what a cell may do.
+//!
+//! A policy is parsed strictly (unknown fields are errors that carry line and column), validated
+//! once, and then handed to the tiers as plain data. This crate never touches the operating
+//! system: it must stay usable by every face (CLI, API, SDK) to check a policy before a cell exists.
+
+mod explain;
+mod model;
+mod parse;
+mod preset;
+mod units;
+
+pub use explain::explain;
+pub use model::{
+    Approvals, Credentials, EnvPolicy, Filesystem, Gpu, Limits, Network, NetworkDefault, Policy,
+    Process, Tier, Workspace, WorkspaceMode,
+};
+pub use parse::{PolicyError, from_file, from_yaml};
+pub use preset::{PRESETS, preset};
+pub use units::{ByteSize, Duration};

@@ -1,0 +1,381 @@
+//! The policy document as Rust types. Every struct refuses unknown fields, so a typo is an error
+//! with a line and column rather than a silently ignored rule.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Deserializer, de};
+
+use crate::units::{ByteSize, Duration};
+
+/// A whole policy. Sections that are left out take the values of the built-in `default` preset.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Policy {
+    /// Schema version; only `1` exists.
+    #[serde(deserialize_with = "version_one")]
+    pub version: u32,
+    /// Isolation tier the cell runs under.
+    #[serde(default)]
+    pub tier: Tier,
+    #[serde(default)]
+    pub filesystem: Filesystem,
+    #[serde(default)]
+    pub process: Process,
+    #[serde(default)]
+    pub limits: Limits,
+    #[serde(default)]
+    pub network: Network,
+    #[serde(default)]
+    pub credentials: Credentials,
+    #[serde(default)]
+    pub approvals: Approvals,
+    #[serde(default)]
+    pub gpu: Gpu,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Self {
+            version: 1,
+            tier: Tier::default(),
+            filesystem: Filesystem::default(),
+            process: Process::default(),
+            limits: Limits::default(),
+            network: Network::default(),
+            credentials: Credentials::default(),
+            approvals: Approvals::default(),
+            gpu: Gpu::default(),
+        }
+    }
+}
+
+fn version_one<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u32, D::Error> {
+    let version = u32::deserialize(deserializer)?;
+    if version == 1 {
+        Ok(version)
+    } else {
+        Err(de::Error::custom(format!(
+            "unsupported policy version {version}: this warden understands version 1"
+        )))
+    }
+}
+
+/// The isolation mechanism behind a cell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Tier {
+    /// Linux namespaces, seccomp, Landlock and cgroups.
+    #[default]
+    Process,
+    /// gVisor (`runsc`).
+    Gvisor,
+    /// A microVM driven by the warden.
+    Microvm,
+}
+
+impl Tier {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Process => "process",
+            Self::Gvisor => "gvisor",
+            Self::Microvm => "microvm",
+        }
+    }
+}
+
+/// What the cell sees of the host file system.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Filesystem {
+    /// Host paths visible read-only at the same place inside the cell. Paths missing on the host
+    /// are left out (so one policy serves hosts with and without `/lib64`).
+    #[serde(deserialize_with = "absolute_paths")]
+    pub read_only: Vec<PathBuf>,
+    /// Host directories visible read-write at the same place inside the cell.
+    #[serde(deserialize_with = "absolute_paths")]
+    pub read_write: Vec<PathBuf>,
+    /// Paths inside the cell that are masked even when a parent is visible.
+    #[serde(deserialize_with = "absolute_paths")]
+    pub hidden: Vec<PathBuf>,
+    /// Size of the cell's private `/tmp`.
+    pub tmp_size: ByteSize,
+    pub workspace: Workspace,
+}
+
+impl Default for Filesystem {
+    fn default() -> Self {
+        let read_only = [
+            "/usr",
+            "/bin",
+            "/sbin",
+            "/lib",
+            "/lib32",
+            "/lib64",
+            "/libx32",
+            "/etc/alternatives",
+            "/etc/ssl",
+            "/etc/ca-certificates",
+            "/etc/ld.so.cache",
+            "/etc/ld.so.conf",
+            "/etc/ld.so.conf.d",
+            "/etc/localtime",
+            "/etc/mime.types",
+            "/etc/os-release",
+            "/etc/debian_version",
+            "/etc/profile",
+            "/etc/bash.bashrc",
+            "/etc/inputrc",
+            "/etc/shells",
+            "/etc/protocols",
+            "/etc/services",
+            "/etc/gai.conf",
+            "/etc/python3",
+            "/etc/python3.11",
+            "/etc/perl",
+        ];
+        Self {
+            read_only: read_only.iter().map(PathBuf::from).collect(),
+            read_write: Vec::new(),
+            hidden: Vec::new(),
+            tmp_size: ByteSize(256 << 20),
+            workspace: Workspace::default(),
+        }
+    }
+}
+
+/// How the host project directory (`--workspace DIR`) appears in the cell.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Workspace {
+    /// Where the workspace appears inside the cell.
+    #[serde(deserialize_with = "absolute_path")]
+    pub mount: PathBuf,
+    pub mode: WorkspaceMode,
+    /// Paths, relative to the workspace, that the host later executes or trusts (`.git`, `.envrc`,
+    /// shell rc files, editor and agent configuration). They are read-only inside the cell.
+    pub protect: Vec<String>,
+}
+
+impl Default for Workspace {
+    fn default() -> Self {
+        let protect = [
+            ".git",
+            ".envrc",
+            ".env",
+            ".bashrc",
+            ".bash_profile",
+            ".profile",
+            ".zshrc",
+            ".zprofile",
+            ".vscode",
+            ".idea",
+            ".devcontainer",
+            ".claude",
+            ".cursor",
+            ".github",
+            ".gitmodules",
+            ".gitattributes",
+            "Makefile",
+        ];
+        Self {
+            mount: PathBuf::from("/workspace"),
+            mode: WorkspaceMode::default(),
+            protect: protect.iter().map(|p| (*p).to_owned()).collect(),
+        }
+    }
+}
+
+/// `direct`: the cell writes the host directory itself. `overlay`: copy-on-write (planned).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkspaceMode {
+    #[default]
+    Direct,
+    Overlay,
+}
+
+/// Who the command runs as and what it starts with.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Process {
+    /// User id inside the cell (never host root: see the docs on id mapping).
+    pub user: u32,
+    /// Group id inside the cell; defaults to the user id.
+    pub group: Option<u32>,
+    /// Host name of the cell; defaults to the cell's name.
+    pub hostname: Option<String>,
+    /// Working directory inside the cell.
+    #[serde(deserialize_with = "absolute_path")]
+    pub cwd: PathBuf,
+    pub env: EnvPolicy,
+}
+
+impl Default for Process {
+    fn default() -> Self {
+        Self {
+            user: 1000,
+            group: None,
+            hostname: None,
+            cwd: PathBuf::from("/workspace"),
+            env: EnvPolicy::default(),
+        }
+    }
+}
+
+impl Process {
+    pub fn group(&self) -> u32 {
+        self.group.unwrap_or(self.user)
+    }
+}
+
+/// The environment is cleared; only what is named here enters the cell.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EnvPolicy {
+    /// Variables copied from the caller's environment when set there.
+    pub pass: Vec<String>,
+    /// Variables set to fixed values.
+    pub set: BTreeMap<String, String>,
+}
+
+impl Default for EnvPolicy {
+    fn default() -> Self {
+        let set = [
+            ("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"),
+            ("HOME", "/tmp"),
+            ("LANG", "C.UTF-8"),
+        ];
+        Self {
+            pass: vec!["TERM".to_owned(), "TZ".to_owned()],
+            set: set.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
+        }
+    }
+}
+
+/// Resource limits. `null` means unlimited.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    pub memory: Option<ByteSize>,
+    pub pids: Option<u64>,
+    /// CPU bandwidth in cores (`0.5` is half of one core).
+    #[serde(deserialize_with = "cpus")]
+    pub cpus: Option<f64>,
+    /// Wall-clock time after which the whole cell is killed.
+    pub wall: Option<Duration>,
+    /// Total bytes of stdout and stderr the warden relays before it kills the cell.
+    pub output: Option<ByteSize>,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            memory: Some(ByteSize(1 << 30)),
+            pids: Some(512),
+            cpus: None,
+            wall: None,
+            output: Some(ByteSize(64 << 20)),
+        }
+    }
+}
+
+fn cpus<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<f64>, D::Error> {
+    let value = Option::<f64>::deserialize(deserializer)?;
+    match value {
+        Some(v) if !(v.is_finite() && v >= 0.01) => Err(de::Error::custom(format!(
+            "cpus must be a number of cores of at least 0.01 (got {v})"
+        ))),
+        other => Ok(other),
+    }
+}
+
+/// Network section. Cells have loopback only; the egress gateway will add rules here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Network {
+    pub default: NetworkDefault,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NetworkDefault {
+    #[default]
+    Deny,
+    Allow,
+}
+
+/// Named credentials the gateway injects. Reserved: must be empty until the gateway exists.
+pub type Credentials = BTreeMap<String, Reserved>;
+
+/// Approval behaviour for `ask` decisions.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Approvals {
+    pub timeout: Duration,
+    pub on_timeout: ApprovalOutcome,
+}
+
+impl Default for Approvals {
+    fn default() -> Self {
+        Self { timeout: Duration(std::time::Duration::from_secs(300)), on_timeout: ApprovalOutcome::Deny }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ApprovalOutcome {
+    #[default]
+    Deny,
+    Allow,
+}
+
+/// GPU access. Only `none` exists in this version.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Gpu {
+    pub devices: GpuDevices,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GpuDevices {
+    #[default]
+    None,
+}
+
+fn absolute_path<'de, D: Deserializer<'de>>(deserializer: D) -> Result<PathBuf, D::Error> {
+    let path = PathBuf::deserialize(deserializer)?;
+    check_absolute(&path).map_err(de::Error::custom)?;
+    Ok(path)
+}
+
+fn absolute_paths<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<PathBuf>, D::Error> {
+    let paths = Vec::<PathBuf>::deserialize(deserializer)?;
+    for path in &paths {
+        check_absolute(path).map_err(de::Error::custom)?;
+    }
+    Ok(paths)
+}
+
+fn check_absolute(path: &std::path::Path) -> Result<(), String> {
+    use std::path::Component;
+    if !path.is_absolute() {
+        return Err(format!("path `{}` must be absolute (start with /)", path.display()));
+    }
+    if path.components().any(|c| c == Component::ParentDir) {
+        return Err(format!("path `{}` must not contain `..`", path.display()));
+    }
+    Ok(())
+}
+
+/// Any YAML value, accepted by reserved sections so that their emptiness can be checked with a
+/// clear message rather than a type error.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reserved;
+
+impl<'de> Deserialize<'de> for Reserved {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        de::IgnoredAny::deserialize(deserializer).map(|_| Reserved)
+    }
+}

@@ -1,0 +1,176 @@
+//! Reading a policy from YAML, with errors that point at the offending line and column.
+
+use std::path::{Path, PathBuf};
+
+use crate::model::{NetworkDefault, Policy, WorkspaceMode};
+
+/// Why a policy could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    #[error("cannot read policy {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{origin}:{line}:{column}: {message}")]
+    Syntax { origin: String, line: u64, column: u64, message: String },
+    #[error("{origin}: {message}")]
+    Unlocated { origin: String, message: String },
+    #[error("{origin}: {field}: {message}")]
+    Invalid { origin: String, field: &'static str, message: String },
+    #[error("unknown preset `{name}`; the built-in presets are: {known}")]
+    UnknownPreset { name: String, known: String },
+}
+
+/// Reads and validates a policy file.
+pub fn from_file(path: &Path) -> Result<Policy, PolicyError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|source| PolicyError::Read { path: path.to_path_buf(), source })?;
+    from_yaml(&path.display().to_string(), &text)
+}
+
+/// Parses and validates policy text; `origin` names the source in error messages.
+pub fn from_yaml(origin: &str, text: &str) -> Result<Policy, PolicyError> {
+    let policy: Policy = serde_saphyr::from_str(text).map_err(|err| syntax_error(origin, &err))?;
+    validate(origin, &policy)?;
+    Ok(policy)
+}
+
+fn syntax_error(origin: &str, err: &serde_saphyr::Error) -> PolicyError {
+    let message = first_line(&err.to_string());
+    match err.location() {
+        Some(at) => PolicyError::Syntax {
+            origin: origin.to_owned(),
+            line: at.line(),
+            column: at.column(),
+            message,
+        },
+        None => PolicyError::Unlocated { origin: origin.to_owned(), message },
+    }
+}
+
+/// The deserializer renders a source snippet after the message; the CLI prints its own context.
+fn first_line(rendered: &str) -> String {
+    let line = rendered.lines().next().unwrap_or(rendered).trim();
+    // Drop a trailing " at line L column C" that repeats what the error variant carries.
+    match line.find(" at line ") {
+        Some(cut) => line[..cut].to_owned(),
+        None => line.to_owned(),
+    }
+}
+
+/// Checks that need the whole document, or name features that are reserved in the schema but not
+/// built yet. Each error says what to write instead.
+fn validate(origin: &str, policy: &Policy) -> Result<(), PolicyError> {
+    let invalid = |field: &'static str, message: &str| PolicyError::Invalid {
+        origin: origin.to_owned(),
+        field,
+        message: message.to_owned(),
+    };
+    if policy.network.default == NetworkDefault::Allow {
+        return Err(invalid(
+            "network.default",
+            "`allow` needs the egress gateway, which this version of warden does not have yet; \
+             cells get loopback only (write `default: deny`)",
+        ));
+    }
+    if !policy.credentials.is_empty() {
+        return Err(invalid(
+            "credentials",
+            "credential injection needs the egress gateway, which this version of warden does \
+             not have yet; remove the section",
+        ));
+    }
+    if policy.filesystem.workspace.mode == WorkspaceMode::Overlay {
+        return Err(invalid(
+            "filesystem.workspace.mode",
+            "overlay (copy-on-write) workspaces are not available in this version; write `mode: direct`",
+        ));
+    }
+    for entry in &policy.filesystem.workspace.protect {
+        let path = Path::new(entry);
+        if entry.is_empty()
+            || path.is_absolute()
+            || path.components().any(|c| !matches!(c, std::path::Component::Normal(_)))
+        {
+            return Err(invalid(
+                "filesystem.workspace.protect",
+                &format!("`{entry}` must be a plain path relative to the workspace (no `..`, no leading /)"),
+            ));
+        }
+    }
+    if let Some(name) = &policy.process.hostname {
+        let valid = !name.is_empty()
+            && name.len() <= 63
+            && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-');
+        if !valid {
+            return Err(invalid(
+                "process.hostname",
+                "must be 1-63 letters, digits or dashes",
+            ));
+        }
+    }
+    if policy.limits.pids == Some(0) {
+        return Err(invalid("limits.pids", "must be at least 1 (use null for no limit)"));
+    }
+    if policy.limits.memory.is_some_and(|m| m.0 < (4 << 20)) {
+        return Err(invalid("limits.memory", "must be at least 4MiB (use null for no limit)"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_field_reports_line_and_column() {
+        let err = from_yaml("p.yaml", "version: 1\nlimits:\n  memroy: 1GiB\n").unwrap_err();
+        match err {
+            PolicyError::Syntax { line, column, message, .. } => {
+                assert_eq!((line, column), (3, 3), "{message}");
+                assert!(message.contains("memroy"), "{message}");
+            }
+            other => panic!("expected a located error, got {other}"),
+        }
+    }
+
+    #[test]
+    fn bad_size_reports_its_location() {
+        let err = from_yaml("p.yaml", "version: 1\nlimits:\n  memory: lots\n").unwrap_err();
+        let text = err.to_string();
+        assert!(text.starts_with("p.yaml:3:"), "{text}");
+        assert!(text.contains("not a size"), "{text}");
+    }
+
+    #[test]
+    fn wrong_version_is_refused() {
+        let err = from_yaml("p.yaml", "version: 2\n").unwrap_err().to_string();
+        assert!(err.contains("unsupported policy version 2"), "{err}");
+    }
+
+    #[test]
+    fn missing_sections_take_defaults() {
+        let policy = from_yaml("p.yaml", "version: 1\nlimits:\n  pids: 64\n").unwrap();
+        assert_eq!(policy.limits.pids, Some(64));
+        assert_eq!(policy.limits.memory, Policy::default().limits.memory);
+        assert_eq!(policy.filesystem, Policy::default().filesystem);
+    }
+
+    #[test]
+    fn relative_paths_are_refused() {
+        let err = from_yaml("p.yaml", "version: 1\nfilesystem:\n  read_only: [usr]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("must be absolute"), "{err}");
+    }
+
+    #[test]
+    fn reserved_features_are_named() {
+        let err = from_yaml("p.yaml", "version: 1\nnetwork:\n  default: allow\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("egress gateway"), "{err}");
+        let err = from_yaml("p.yaml", "version: 1\nfilesystem:\n  workspace:\n    protect: ['../x']\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("plain path"), "{err}");
+    }
+}

@@ -1,0 +1,46 @@
+//! Built-in presets. Each is policy YAML parsed by the same strict parser as a user's file.
+
+use crate::model::Policy;
+use crate::parse::{PolicyError, from_yaml};
+
+/// Name, one-line description and YAML of every built-in preset.
+pub const PRESETS: &[(&str, &str, &str)] = &[
+    (
+        "default",
+        "host system directories read-only, workspace read-write, no network, 1 GiB / 512 pids",
+        "version: 1\n",
+    ),
+    (
+        "minimal",
+        "only /usr and the libraries, 256 MiB / 64 pids, 10 minutes of wall time",
+        include_str!("presets/minimal.yaml"),
+    ),
+];
+
+/// Returns the named preset, or an error that lists the known names.
+pub fn preset(name: &str) -> Result<Policy, PolicyError> {
+    let Some((_, _, yaml)) = PRESETS.iter().find(|(known, _, _)| *known == name) else {
+        let known = PRESETS.iter().map(|(n, _, _)| *n).collect::<Vec<_>>().join(", ");
+        return Err(PolicyError::UnknownPreset { name: name.to_owned(), known });
+    };
+    from_yaml(&format!("preset {name}"), yaml)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_preset_parses() {
+        for (name, _, _) in PRESETS {
+            preset(name).unwrap();
+        }
+        assert_eq!(preset("default").unwrap(), Policy::default());
+    }
+
+    #[test]
+    fn unknown_preset_lists_known_ones() {
+        let err = preset("nope").unwrap_err().to_string();
+        assert!(err.contains("unknown preset `nope`") && err.contains("default"), "{err}");
+    }
+}
