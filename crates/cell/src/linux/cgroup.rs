@@ -1,0 +1,413 @@
+//! Control groups of a cell: limits, freezing, killing and OOM accounting.
+//!
+//! Each controller is used from whichever hierarchy has it: cgroup v2 where the controller is
+//! enabled in the unified hierarchy, else its cgroup v1 hierarchy (hybrid hosts have memory, pids,
+//! freezer and cpu on v1). Cells live only under `warden/` inside the warden's own cgroup, never
+//! anywhere else.
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+/// The controllers a cell uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Controller {
+    Memory,
+    Pids,
+    Cpu,
+    Freezer,
+}
+
+impl Controller {
+    pub const ALL: [Controller; 4] = [Self::Memory, Self::Pids, Self::Cpu, Self::Freezer];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Memory => "memory",
+            Self::Pids => "pids",
+            Self::Cpu => "cpu",
+            Self::Freezer => "freezer",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Version {
+    V1,
+    V2,
+}
+
+/// Where one controller of the host lives, for the warden's own process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hierarchy {
+    pub controller: Controller,
+    pub version: Version,
+    /// The warden's own cgroup directory in that hierarchy.
+    pub own: PathBuf,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupError {
+    #[error("no cgroup hierarchy offers the {0} controller on this host (see `warden doctor`)")]
+    Missing(&'static str),
+    #[error("cannot create cgroup {path}: {source} (the warden needs a cgroup subtree it may write; \
+             as an ordinary user that means a delegated cgroup v2 subtree, see `warden doctor`)")]
+    Create { path: PathBuf, source: io::Error },
+    #[error("cannot write {value:?} to {path}: {source}")]
+    Write { path: PathBuf, value: String, source: io::Error },
+    #[error("cannot read {path}: {source}")]
+    Read { path: PathBuf, source: io::Error },
+    #[error("the cell's {controller} cgroup did not reach state {state} within {waited:?}")]
+    Timeout { controller: &'static str, state: &'static str, waited: Duration },
+}
+
+/// Finds the hierarchy of each controller a cell needs. Controllers the host lacks are absent.
+pub fn discover() -> Vec<Hierarchy> {
+    let Ok(mountinfo) = fs::read_to_string("/proc/self/mountinfo") else { return Vec::new() };
+    let Ok(own) = fs::read_to_string("/proc/self/cgroup") else { return Vec::new() };
+    discover_from(&mountinfo, &own)
+}
+
+fn discover_from(mountinfo: &str, own_cgroups: &str) -> Vec<Hierarchy> {
+    let mut v1_mounts: Vec<(PathBuf, Vec<String>)> = Vec::new();
+    let mut v2_mount: Option<PathBuf> = None;
+    for line in mountinfo.lines() {
+        // Fields: id parent maj:min root mountpoint opts [optional...] - fstype source superopts
+        let Some((left, right)) = line.split_once(" - ") else { continue };
+        let left: Vec<&str> = left.split(' ').collect();
+        let right: Vec<&str> = right.split(' ').collect();
+        let (Some(mountpoint), Some(fstype), Some(superopts)) = (left.get(4), right.first(), right.get(2))
+        else {
+            continue;
+        };
+        match *fstype {
+            "cgroup2" => v2_mount = Some(PathBuf::from(unescape(mountpoint))),
+            "cgroup" => v1_mounts.push((
+                PathBuf::from(unescape(mountpoint)),
+                superopts.split(',').map(str::to_owned).collect(),
+            )),
+            _ => {}
+        }
+    }
+    let mut v1_paths: Vec<(Vec<String>, String)> = Vec::new();
+    let mut v2_path: Option<String> = None;
+    for line in own_cgroups.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(_), Some(ctrls), Some(path)) = (parts.next(), parts.next(), parts.next()) else { continue };
+        if ctrls.is_empty() {
+            v2_path = Some(path.to_owned());
+        } else {
+            v1_paths.push((ctrls.split(',').map(str::to_owned).collect(), path.to_owned()));
+        }
+    }
+    let v2_own = match (&v2_mount, &v2_path) {
+        (Some(mount), Some(path)) => Some(mount.join(path.trim_start_matches('/'))),
+        _ => None,
+    };
+    let v2_controllers: Vec<String> = v2_own
+        .as_ref()
+        .and_then(|own| fs::read_to_string(own.join("cgroup.controllers")).ok())
+        .map(|text| text.split_whitespace().map(str::to_owned).collect())
+        .unwrap_or_default();
+
+    let mut found = Vec::new();
+    for controller in Controller::ALL {
+        let name = controller.name();
+        let v1 = v1_mounts.iter().find(|(_, opts)| opts.iter().any(|o| o == name)).and_then(|(mount, _)| {
+            let (_, path) = v1_paths.iter().find(|(ctrls, _)| ctrls.iter().any(|c| c == name))?;
+            Some(mount.join(path.trim_start_matches('/')))
+        });
+        // The v2 freezer is built in (cgroup.freeze), not a listed controller.
+        let in_v2 = if controller == Controller::Freezer {
+            v2_own.is_some()
+        } else {
+            v2_controllers.iter().any(|c| c == name)
+        };
+        if let (true, Some(own)) = (in_v2 && v1.is_none(), &v2_own) {
+            found.push(Hierarchy { controller, version: Version::V2, own: own.clone() });
+        } else if let Some(own) = v1 {
+            found.push(Hierarchy { controller, version: Version::V1, own });
+        }
+    }
+    found
+}
+
+fn unescape(field: &str) -> String {
+    field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+}
+
+/// One directory of a cell's cgroup, in one hierarchy.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CgroupDir {
+    pub controller: Controller,
+    pub version: Version,
+    pub path: PathBuf,
+}
+
+/// A cell's cgroups. Serializable, so that other warden processes can pause or kill the cell.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CellCgroup {
+    pub dirs: Vec<CgroupDir>,
+}
+
+/// The resource limits to write, already in kernel units.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Limits {
+    pub memory_bytes: Option<u64>,
+    pub pids: Option<u64>,
+    pub cpus: Option<f64>,
+}
+
+const CPU_PERIOD_US: u64 = 100_000;
+
+impl CellCgroup {
+    /// Creates `warden/<id>` in every hierarchy that has one of the controllers, and writes the
+    /// limits. On error, whatever was created is removed again.
+    pub fn create(hierarchies: &[Hierarchy], id: &str, limits: &Limits) -> Result<Self, CgroupError> {
+        let mut cgroup = Self::default();
+        let result = cgroup.create_dirs(hierarchies, id).and_then(|()| cgroup.apply(limits));
+        if let Err(err) = result {
+            cgroup.remove();
+            return Err(err);
+        }
+        Ok(cgroup)
+    }
+
+    fn create_dirs(&mut self, hierarchies: &[Hierarchy], id: &str) -> Result<(), CgroupError> {
+        let mut v2_prepared: Vec<PathBuf> = Vec::new();
+        for h in hierarchies {
+            let base = h.own.join("warden");
+            let path = base.join(id);
+            if h.version == Version::V2 && !v2_prepared.contains(&h.own) {
+                let wanted: Vec<&str> = hierarchies
+                    .iter()
+                    .filter(|o| o.version == Version::V2 && o.controller != Controller::Freezer)
+                    .map(|o| o.controller.name())
+                    .collect();
+                enable_v2(&h.own, &base, &wanted)?;
+                v2_prepared.push(h.own.clone());
+            }
+            // Several v2 controllers share one directory.
+            if !self.dirs.iter().any(|d| d.path == path) {
+                fs::create_dir_all(&path).map_err(|source| CgroupError::Create { path: path.clone(), source })?;
+            }
+            self.dirs.push(CgroupDir { controller: h.controller, version: h.version, path });
+        }
+        Ok(())
+    }
+
+    fn dir(&self, controller: Controller) -> Option<&CgroupDir> {
+        self.dirs.iter().find(|d| d.controller == controller)
+    }
+
+    fn apply(&self, limits: &Limits) -> Result<(), CgroupError> {
+        if let Some(bytes) = limits.memory_bytes {
+            let dir = self.dir(Controller::Memory).ok_or(CgroupError::Missing("memory"))?;
+            match dir.version {
+                Version::V2 => {
+                    write(&dir.path.join("memory.max"), &bytes.to_string())?;
+                    write_if_present(&dir.path.join("memory.swap.max"), "0")?;
+                    write(&dir.path.join("memory.oom.group"), "1")?;
+                }
+                Version::V1 => {
+                    write(&dir.path.join("memory.limit_in_bytes"), &bytes.to_string())?;
+                    write_if_present(&dir.path.join("memory.memsw.limit_in_bytes"), &bytes.to_string())?;
+                    write_if_present(&dir.path.join("memory.swappiness"), "0")?;
+                }
+            }
+        }
+        if let Some(pids) = limits.pids {
+            let dir = self.dir(Controller::Pids).ok_or(CgroupError::Missing("pids"))?;
+            write(&dir.path.join("pids.max"), &pids.to_string())?;
+        }
+        if let Some(cpus) = limits.cpus {
+            let dir = self.dir(Controller::Cpu).ok_or(CgroupError::Missing("cpu"))?;
+            let quota = ((cpus * CPU_PERIOD_US as f64).round() as u64).max(1000);
+            match dir.version {
+                Version::V2 => write(&dir.path.join("cpu.max"), &format!("{quota} {CPU_PERIOD_US}"))?,
+                Version::V1 => {
+                    write(&dir.path.join("cpu.cfs_period_us"), &CPU_PERIOD_US.to_string())?;
+                    write(&dir.path.join("cpu.cfs_quota_us"), &quota.to_string())?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves process `pid` (and so its future children) into every directory of the cell.
+    pub fn add(&self, pid: i32) -> Result<(), CgroupError> {
+        for dir in &self.dirs {
+            write(&dir.path.join("cgroup.procs"), &pid.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// Whether the cell is frozen (paused).
+    pub fn is_frozen(&self) -> bool {
+        let Some(dir) = self.dir(Controller::Freezer) else { return false };
+        match dir.version {
+            Version::V1 => fs::read_to_string(dir.path.join("freezer.state")).is_ok_and(|s| s.trim() == "FROZEN"),
+            Version::V2 => {
+                fs::read_to_string(dir.path.join("cgroup.events")).is_ok_and(|s| s.lines().any(|l| l == "frozen 1"))
+            }
+        }
+    }
+
+    /// Freezes every process of the cell and waits until the kernel reports them frozen.
+    pub fn freeze(&self) -> Result<(), CgroupError> {
+        self.set_frozen(true)
+    }
+
+    /// Thaws a frozen cell.
+    pub fn thaw(&self) -> Result<(), CgroupError> {
+        self.set_frozen(false)
+    }
+
+    fn set_frozen(&self, frozen: bool) -> Result<(), CgroupError> {
+        let dir = self.dir(Controller::Freezer).ok_or(CgroupError::Missing("freezer"))?;
+        match dir.version {
+            Version::V1 => write(&dir.path.join("freezer.state"), if frozen { "FROZEN" } else { "THAWED" })?,
+            Version::V2 => write(&dir.path.join("cgroup.freeze"), if frozen { "1" } else { "0" })?,
+        }
+        let state = if frozen { "frozen" } else { "thawed" };
+        let deadline = Duration::from_secs(5);
+        let start = Instant::now();
+        while self.is_frozen() != frozen {
+            if start.elapsed() > deadline {
+                return Err(CgroupError::Timeout { controller: "freezer", state, waited: deadline });
+            }
+            if dir.version == Version::V1 && frozen {
+                // A v1 freeze that raced with a fork stays FREEZING; asking again finishes it.
+                write(&dir.path.join("freezer.state"), "FROZEN")?;
+            }
+            sleep(Duration::from_millis(1));
+        }
+        Ok(())
+    }
+
+    /// The processes of the cell, from the first hierarchy that lists them.
+    pub fn pids(&self) -> Vec<i32> {
+        for dir in &self.dirs {
+            if let Ok(text) = fs::read_to_string(dir.path.join("cgroup.procs")) {
+                return text.lines().filter_map(|l| l.trim().parse().ok()).collect();
+            }
+        }
+        Vec::new()
+    }
+
+    /// SIGKILLs every process of the cell. Works on frozen cells and on processes that ignore
+    /// signals or keep forking: v2 uses `cgroup.kill`; v1 freezes, kills each listed process by
+    /// id, then thaws so the kills take effect.
+    pub fn kill_all(&self) -> Result<(), CgroupError> {
+        if let Some(dir) = self.dirs.iter().find(|d| d.version == Version::V2 && d.path.join("cgroup.kill").exists()) {
+            return write(&dir.path.join("cgroup.kill"), "1");
+        }
+        let freezable = self.dir(Controller::Freezer).is_some();
+        if freezable {
+            self.freeze()?;
+        }
+        for pid in self.pids() {
+            // The pid is listed in this cell's cgroup, which only the warden creates processes in.
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+        }
+        if freezable {
+            self.thaw()?;
+        }
+        Ok(())
+    }
+
+    /// How many times the kernel's OOM killer acted inside the cell.
+    pub fn oom_kills(&self) -> u64 {
+        let Some(dir) = self.dir(Controller::Memory) else { return 0 };
+        let file = match dir.version {
+            Version::V2 => "memory.events",
+            Version::V1 => "memory.oom_control",
+        };
+        let Ok(text) = fs::read_to_string(dir.path.join(file)) else { return 0 };
+        text.lines()
+            .find_map(|l| l.strip_prefix("oom_kill ").and_then(|n| n.trim().parse().ok()))
+            .unwrap_or(0)
+    }
+
+    /// Peak memory use in bytes, when the kernel reports it.
+    pub fn memory_peak(&self) -> Option<u64> {
+        let dir = self.dir(Controller::Memory)?;
+        let file = match dir.version {
+            Version::V2 => "memory.peak",
+            Version::V1 => "memory.max_usage_in_bytes",
+        };
+        fs::read_to_string(dir.path.join(file)).ok()?.trim().parse().ok()
+    }
+
+    /// Removes the cell's directories, waiting briefly for dying processes to leave them.
+    pub fn remove(&self) {
+        for dir in self.dirs.iter().rev() {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while dir.path.exists() {
+                match fs::remove_dir(&dir.path) {
+                    Ok(()) => break,
+                    Err(err) if err.kind() == io::ErrorKind::NotFound => break,
+                    Err(_) if Instant::now() < deadline => sleep(Duration::from_millis(2)),
+                    Err(_) => break,
+                }
+            }
+            // The shared `warden/` parent goes too once the last cell has left it.
+            if let Some(parent) = dir.path.parent() {
+                let _ = fs::remove_dir(parent);
+            }
+        }
+    }
+}
+
+fn enable_v2(own: &Path, base: &Path, controllers: &[&str]) -> Result<(), CgroupError> {
+    fs::create_dir_all(base).map_err(|source| CgroupError::Create { path: base.to_path_buf(), source })?;
+    let value = controllers.iter().map(|c| format!("+{c}")).collect::<Vec<_>>().join(" ");
+    if value.is_empty() {
+        return Ok(());
+    }
+    for dir in [own, base] {
+        let path = dir.join("cgroup.subtree_control");
+        let current = fs::read_to_string(&path).unwrap_or_default();
+        if controllers.iter().all(|c| current.split_whitespace().any(|have| have == *c)) {
+            continue;
+        }
+        fs::write(&path, &value).map_err(|source| CgroupError::Write { path: path.clone(), value: value.clone(), source })?;
+    }
+    Ok(())
+}
+
+fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
+    fs::write(path, value).map_err(|source| CgroupError::Write { path: path.to_path_buf(), value: value.to_owned(), source })
+}
+
+fn write_if_present(path: &Path, value: &str) -> Result<(), CgroupError> {
+    if path.exists() { write(path, value) } else { Ok(()) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hybrid_host_uses_v1_for_controllers_missing_from_v2() {
+        let mountinfo = "\
+30 25 0:26 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
+31 25 0:27 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids
+32 25 0:28 / /sys/fs/cgroup/freezer rw,relatime - cgroup cgroup rw,freezer
+33 25 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu
+34 25 0:30 / /nonexistent/unified rw,relatime - cgroup2 cgroup2 rw
+";
+        let own = "8:pids:/\n6:freezer:/\n4:memory:/jobs/x\n1:cpu:/\n0::/\n";
+        let found = discover_from(mountinfo, own);
+        let memory = found.iter().find(|h| h.controller == Controller::Memory).unwrap();
+        assert_eq!(memory.version, Version::V1);
+        assert_eq!(memory.own, PathBuf::from("/sys/fs/cgroup/memory/jobs/x"));
+        assert_eq!(found.len(), 4);
+        assert!(found.iter().all(|h| h.version == Version::V1));
+    }
+}

@@ -1,0 +1,183 @@
+//! The cell's first process. It finishes the setup from inside the new namespaces, starts the
+//! command, then stays as the cell's pid 1: it reaps orphans, passes on the signals the warden
+//! forwards, and exits with the command's status. It holds no power over the cell: it is confined
+//! exactly like the command, and the warden controls the cell through the kernel, not through it.
+
+use std::io::{Read, Write};
+use std::os::fd::{OwnedFd, RawFd};
+use std::os::unix::process::CommandExt as _;
+use std::process::Command;
+
+use nix::sched::{CloneFlags, unshare};
+use nix::sys::signal::{SigSet, Signal, kill};
+use nix::sys::signalfd::SignalFd;
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::unistd::{Gid, Pid, Uid, sethostname, setresgid, setresuid, setsid};
+
+use super::plan::CellPlan;
+use super::{confine, rootfs, sys};
+
+/// Descriptor numbers inside the cell's first process.
+const SYNC_FD: RawFd = 3;
+const STATUS_FD: RawFd = 4;
+const TREE_FD: RawFd = 5;
+
+/// Signals the init passes on to the command's process group.
+const FORWARDED: [Signal; 6] =
+    [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP, Signal::SIGQUIT, Signal::SIGUSR1, Signal::SIGUSR2];
+
+/// The descriptors the warden hands to the cell's first process.
+#[derive(Debug)]
+pub struct InitFds {
+    pub stdin: RawFd,
+    pub stdout: RawFd,
+    pub stderr: RawFd,
+    pub sync: RawFd,
+    pub status: RawFd,
+    pub tree: Option<RawFd>,
+}
+
+/// Outcome codes sent on the status pipe.
+pub const SETUP_FAILED: i32 = 125;
+pub const NOT_EXECUTABLE: i32 = 126;
+pub const NOT_FOUND: i32 = 127;
+
+/// Entry point of the cloned child. Never returns.
+pub fn run(plan: &CellPlan, fds: &InitFds, use_cgroup_ns: bool) -> ! {
+    // A panic must not unwind into the warden's code in this forked copy of it.
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| setup_and_start(plan, fds, use_cgroup_ns)));
+    match result {
+        Ok(Ok(main)) => supervise(main),
+        Ok(Err((code, message))) => report(code, &message),
+        Err(_) => report(SETUP_FAILED, "internal error during cell setup"),
+    }
+}
+
+fn report(code: i32, message: &str) -> ! {
+    // STATUS_FD was placed by `arrange_fds`; if it is gone there is no one to tell.
+    let mut status = status_file();
+    let _ = writeln!(status, "err {code} {message}");
+    sys::exit_now(code)
+}
+
+fn status_file() -> std::fs::File {
+    std::fs::File::from(owned(STATUS_FD))
+}
+
+fn owned(fd: RawFd) -> OwnedFd {
+    sys::own_fd(fd)
+}
+
+type SetupResult<T> = Result<T, (i32, String)>;
+
+fn failed<E: std::fmt::Display>(what: &str) -> impl FnOnce(E) -> (i32, String) + '_ {
+    move |err| (SETUP_FAILED, format!("{what}: {err}"))
+}
+
+fn arrange_fds(fds: &InitFds) -> SetupResult<()> {
+    // Move everything above the range we are about to fill, then place each at its number.
+    let high = |fd| sys::dup_above(fd, 64).map_err(failed("arranging descriptors"));
+    let stdin = high(fds.stdin)?;
+    let stdout = high(fds.stdout)?;
+    let stderr = high(fds.stderr)?;
+    let sync = high(fds.sync)?;
+    let status = high(fds.status)?;
+    let tree = fds.tree.map(high).transpose()?;
+    let place = |from, to| sys::dup_onto(from, to).map_err(failed("arranging descriptors"));
+    place(stdin, 0)?;
+    place(stdout, 1)?;
+    place(stderr, 2)?;
+    place(sync, SYNC_FD)?;
+    place(status, STATUS_FD)?;
+    if let Some(tree) = tree {
+        place(tree, TREE_FD)?;
+    }
+    // Every other inherited descriptor goes.
+    sys::close_from(if tree.is_some() { TREE_FD + 1 } else { TREE_FD }).map_err(failed("closing inherited descriptors"))?;
+    for fd in [SYNC_FD, STATUS_FD, TREE_FD] {
+        let _ = sys::set_cloexec(fd);
+    }
+    Ok(())
+}
+
+fn setup_and_start(plan: &CellPlan, fds: &InitFds, use_cgroup_ns: bool) -> SetupResult<(Pid, SignalFd)> {
+    let _ = sys::set_parent_death_signal(libc::SIGKILL);
+    arrange_fds(fds)?;
+    // Wait until the warden has written our id maps and placed us in the cell's cgroup.
+    let mut go = [0u8; 1];
+    let mut sync = std::fs::File::from(owned(SYNC_FD));
+    if !matches!(sync.read(&mut go), Ok(1)) {
+        sys::exit_now(SETUP_FAILED);
+    }
+    drop(sync);
+    if use_cgroup_ns {
+        unshare(CloneFlags::CLONE_NEWCGROUP).map_err(failed("creating the cgroup namespace"))?;
+    }
+    let (sgid, suid) = (Gid::from_raw(plan.ids.setup_gid()), Uid::from_raw(plan.ids.setup_uid()));
+    setresgid(sgid, sgid, sgid).map_err(failed("taking the setup group id"))?;
+    setresuid(suid, suid, suid).map_err(failed("taking the setup user id"))?;
+    let tree = fds.tree.map(|_| owned(TREE_FD));
+    rootfs::build(plan, tree.as_ref()).map_err(|e| (SETUP_FAILED, e.to_string()))?;
+    drop(tree);
+    sethostname(&plan.hostname).map_err(failed("setting the host name"))?;
+    sys::loopback_up().map_err(failed("bringing up loopback"))?;
+    confine::confine(plan).map_err(|e| (SETUP_FAILED, e.to_string()))?;
+    setsid().map_err(failed("starting a new session"))?;
+
+    let mut mask = SigSet::empty();
+    mask.add(Signal::SIGCHLD);
+    for signal in FORWARDED {
+        mask.add(signal);
+    }
+    let numbers: Vec<i32> = mask.iter().map(|s| s as i32).collect();
+    sys::install_noop_handlers(&numbers).map_err(failed("installing signal handlers"))?;
+    mask.thread_block().map_err(failed("blocking signals"))?;
+    let signals = SignalFd::new(&mask).map_err(failed("creating a signalfd"))?;
+
+    let Some((program, args)) = plan.argv.split_first() else {
+        return Err((SETUP_FAILED, "no command".to_owned()));
+    };
+    let child = Command::new(program)
+        .args(args)
+        .env_clear()
+        .envs(plan.env.iter().map(|(k, v)| (k, v)))
+        .current_dir(&plan.cwd)
+        .process_group(0)
+        .spawn()
+        .map_err(|err| {
+            let shown = program.to_string_lossy();
+            match err.kind() {
+                std::io::ErrorKind::NotFound => (NOT_FOUND, format!("command not found: {shown}")),
+                std::io::ErrorKind::PermissionDenied => (NOT_EXECUTABLE, format!("cannot execute {shown}: permission denied")),
+                _ => (NOT_EXECUTABLE, format!("cannot execute {shown}: {err}")),
+            }
+        })?;
+    let main = Pid::from_raw(child.id() as i32);
+    let mut status = status_file();
+    let _ = writeln!(status, "ok");
+    drop(status);
+    Ok((main, signals))
+}
+
+/// Reaps every process until the command exits, then exits with its status; forwards signals.
+fn supervise((main, signals): (Pid, SignalFd)) -> ! {
+    loop {
+        let info = match signals.read_signal() {
+            Ok(Some(info)) => info,
+            Ok(None) => continue,
+            Err(_) => sys::exit_now(SETUP_FAILED),
+        };
+        if info.ssi_signo == Signal::SIGCHLD as u32 {
+            loop {
+                match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+                    Ok(WaitStatus::Exited(pid, code)) if pid == main => sys::exit_now(code),
+                    Ok(WaitStatus::Signaled(pid, signal, _)) if pid == main => sys::exit_now(128 + signal as i32),
+                    Ok(WaitStatus::StillAlive) | Err(_) => break,
+                    Ok(_) => continue,
+                }
+            }
+        } else if let Ok(signal) = Signal::try_from(info.ssi_signo as i32) {
+            let _ = kill(Pid::from_raw(-main.as_raw()), signal);
+        }
+    }
+}

@@ -1,0 +1,16 @@
+//! The process tier: Linux namespaces, pivot_root, seccomp, Landlock and cgroups.
+
+pub mod cgroup;
+mod confine;
+pub mod control;
+pub mod ids;
+mod idmap;
+mod init;
+pub mod landlock;
+pub mod plan;
+pub mod probe;
+pub mod registry;
+mod rootfs;
+pub mod run;
+pub mod seccomp;
+mod sys;

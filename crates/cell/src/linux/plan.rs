@@ -1,0 +1,127 @@
+//! Everything a cell's setup needs, decided by the warden before the cell exists, so that the
+//! code running in the new namespaces only carries out a fixed list of steps.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+use warden_policy::Policy;
+
+use super::ids::IdMapping;
+
+/// One host path that appears in the cell.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Entry {
+    /// Bind-mount a directory or file; `writable` keeps it read-write.
+    Bind { path: PathBuf, dir: bool, writable: bool },
+    /// Recreate a symlink (e.g. `/bin -> usr/bin` on merged-/usr systems).
+    Symlink { path: PathBuf, target: PathBuf },
+}
+
+/// The workspace directory of the host, as the cell will see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkspacePlan {
+    pub host: PathBuf,
+    pub mount: PathBuf,
+    /// Protected paths that exist, relative to the workspace.
+    pub protect: Vec<PathBuf>,
+}
+
+/// A cell, ready to be built.
+#[derive(Debug, Clone)]
+pub struct CellPlan {
+    pub name: String,
+    pub hostname: String,
+    /// Empty host directory the new root is assembled on (in the cell's own mount namespace).
+    pub root: PathBuf,
+    pub entries: Vec<Entry>,
+    pub hidden: Vec<PathBuf>,
+    pub tmp_size: u64,
+    pub workspace: Option<WorkspacePlan>,
+    /// Where the workspace (or, without one, a scratch directory) appears.
+    pub workspace_mount: PathBuf,
+    pub ids: IdMapping,
+    pub argv: Vec<OsString>,
+    pub env: Vec<(OsString, OsString)>,
+    pub cwd: PathBuf,
+    /// rlimit fallbacks used when no cgroup is available (rootless without delegation).
+    pub rlimit_nproc: Option<u64>,
+    pub rlimit_as: Option<u64>,
+}
+
+impl CellPlan {
+    /// Files generated for the cell's `/etc`.
+    pub fn etc_files(&self) -> Vec<(&'static str, String)> {
+        let uid = self.ids.inside_uid;
+        let gid = self.ids.inside_gid;
+        let mut passwd = String::from("root:x:0:0:root:/root:/bin/sh\n");
+        let mut group = String::from("root:x:0:\n");
+        if uid != 0 {
+            passwd.push_str(&format!("cell:x:{uid}:{gid}:cell user:/tmp:/bin/sh\n"));
+        }
+        if gid != 0 {
+            group.push_str(&format!("cell:x:{gid}:\n"));
+        }
+        passwd.push_str("nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n");
+        group.push_str("nogroup:x:65534:\n");
+        vec![
+            ("passwd", passwd),
+            ("group", group),
+            ("hostname", format!("{}\n", self.hostname)),
+            ("hosts", format!("127.0.0.1\tlocalhost {0}\n::1\tlocalhost {0}\n", self.hostname)),
+            ("nsswitch.conf", "passwd: files\ngroup: files\nhosts: files\n".to_owned()),
+            ("resolv.conf", "# this cell has no network beyond loopback\n".to_owned()),
+        ]
+    }
+}
+
+/// Why a plan could not be made from a policy and the caller's options.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error("workspace {path} does not exist or is not a directory; create it or pass another --workspace")]
+    Workspace { path: PathBuf },
+    #[error("no command given; write it after `--`, e.g. `warden run -- sh -c 'echo hi'`")]
+    NoCommand,
+    #[error("cell name `{0}` is not valid: use 1-63 letters, digits, `-` or `_`, starting with a letter or digit")]
+    Name(String),
+    #[error("the {0} tier is not available in this version of warden; use `tier: process` (see `warden doctor`)")]
+    Tier(&'static str),
+}
+
+/// Checks a cell name (it becomes a file name, a cgroup name and the default host name).
+pub fn check_name(name: &str) -> Result<(), PlanError> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if ok { Ok(()) } else { Err(PlanError::Name(name.to_owned())) }
+}
+
+/// Resolves the host paths a policy names into the entries of the cell's root.
+pub fn entries(policy: &Policy) -> Vec<Entry> {
+    let mut out = Vec::new();
+    let fs = &policy.filesystem;
+    let both = fs.read_only.iter().map(|p| (p, false)).chain(fs.read_write.iter().map(|p| (p, true)));
+    for (path, writable) in both {
+        let Ok(meta) = std::fs::symlink_metadata(path) else { continue };
+        if meta.file_type().is_symlink() {
+            if let Ok(target) = std::fs::read_link(path) {
+                out.push(Entry::Symlink { path: path.clone(), target });
+            }
+        } else if meta.is_dir() || meta.is_file() {
+            out.push(Entry::Bind { path: path.clone(), dir: meta.is_dir(), writable });
+        }
+    }
+    out
+}
+
+/// The protected paths of a policy that exist in `workspace`.
+pub fn protected(policy: &Policy, workspace: &Path) -> Vec<PathBuf> {
+    policy
+        .filesystem
+        .workspace
+        .protect
+        .iter()
+        .map(PathBuf::from)
+        .filter(|rel| std::fs::symlink_metadata(workspace.join(rel)).is_ok_and(|m| !m.file_type().is_symlink()))
+        .collect()
+}

@@ -1,0 +1,200 @@
+//! Host feature probes behind `warden doctor`: what each tier needs, whether this host has it,
+//! and what to do when it does not.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use nix::sys::wait::waitpid;
+use nix::unistd::Pid;
+use serde::Serialize;
+
+use super::cgroup::{self, Version};
+use super::sys;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    Ok,
+    Warn,
+    Missing,
+}
+
+/// One line of the doctor's report.
+#[derive(Debug, Clone, Serialize)]
+pub struct Check {
+    pub tier: &'static str,
+    pub feature: &'static str,
+    pub status: Status,
+    pub detail: String,
+    /// What to do when the status is not ok.
+    pub fix: Option<String>,
+}
+
+fn check(tier: &'static str, feature: &'static str, status: Status, detail: String, fix: Option<&str>) -> Check {
+    Check { tier, feature, status, detail, fix: fix.map(str::to_owned) }
+}
+
+/// Runs every probe. Cheap enough to call on each `warden doctor`.
+pub fn run_all() -> Vec<Check> {
+    let mut out = vec![user_namespaces(), landlock(), seccomp(), pidfd(), overlayfs()];
+    out.extend(cgroups());
+    out.push(runsc());
+    out.push(kvm());
+    out.push(vmm());
+    out
+}
+
+fn user_namespaces() -> Check {
+    let result = sys::clone_process(libc::CLONE_NEWUSER | libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWNET);
+    match result {
+        Ok(0) => sys::exit_now(0),
+        Ok(pid) => {
+            let _ = waitpid(Pid::from_raw(pid), None);
+            let max = read_trim("/proc/sys/user/max_user_namespaces").unwrap_or_default();
+            check("process", "user namespaces", Status::Ok, format!("available (max_user_namespaces={max})"), None)
+        }
+        Err(err) => check(
+            "process",
+            "user namespaces",
+            Status::Missing,
+            format!("cannot create a user namespace: {err}"),
+            Some("enable them: sysctl -w user.max_user_namespaces=15000 kernel.unprivileged_userns_clone=1 \
+                  (and on Ubuntu kernel.apparmor_restrict_unprivileged_userns=0)"),
+        ),
+    }
+}
+
+fn landlock() -> Check {
+    match sys::landlock_abi_version() {
+        Ok(abi) if abi >= 6 => check("process", "landlock", Status::Ok, format!("ABI {abi} (file system rules, signal and abstract socket scoping)"), None),
+        Ok(abi) => check(
+            "process",
+            "landlock",
+            Status::Warn,
+            format!("ABI {abi}: file rules enforced, signal and abstract socket scoping need ABI 6"),
+            Some("use Linux 6.12 or newer for full Landlock coverage"),
+        ),
+        Err(err) => check(
+            "process",
+            "landlock",
+            Status::Missing,
+            format!("not available: {err}"),
+            Some("boot a kernel with CONFIG_SECURITY_LANDLOCK=y and `landlock` in the lsm= list"),
+        ),
+    }
+}
+
+fn seccomp() -> Check {
+    match read_trim("/proc/sys/kernel/seccomp/actions_avail") {
+        Some(actions) if actions.contains("errno") => check("process", "seccomp", Status::Ok, format!("filter mode (actions: {actions})"), None),
+        _ => check("process", "seccomp", Status::Missing, "seccomp filters are not available".to_owned(), Some("boot a kernel with CONFIG_SECCOMP_FILTER=y")),
+    }
+}
+
+fn pidfd() -> Check {
+    match sys::pidfd_open(std::process::id() as i32) {
+        Ok(_) => check("process", "pidfd", Status::Ok, "available".to_owned(), None),
+        Err(err) => check("process", "pidfd", Status::Missing, format!("pidfd_open failed: {err}"), Some("use Linux 5.3 or newer")),
+    }
+}
+
+fn overlayfs() -> Check {
+    let has = fs::read_to_string("/proc/filesystems").is_ok_and(|t| t.lines().any(|l| l.trim_end().ends_with("overlay")));
+    if has {
+        check("process", "overlayfs", Status::Ok, "available (for copy-on-write workspaces)".to_owned(), None)
+    } else {
+        check("process", "overlayfs", Status::Warn, "the overlay file system is not loaded".to_owned(), Some("modprobe overlay"))
+    }
+}
+
+fn cgroups() -> Vec<Check> {
+    let found = cgroup::discover();
+    let mut out = Vec::new();
+    for controller in cgroup::Controller::ALL {
+        let name = controller.name();
+        let feature: &'static str = match controller {
+            cgroup::Controller::Memory => "cgroup memory",
+            cgroup::Controller::Pids => "cgroup pids",
+            cgroup::Controller::Cpu => "cgroup cpu",
+            cgroup::Controller::Freezer => "cgroup freezer",
+        };
+        match found.iter().find(|h| h.controller == controller) {
+            Some(h) => {
+                let version = match h.version {
+                    Version::V1 => "v1",
+                    Version::V2 => "v2",
+                };
+                let writable = writable(&h.own);
+                let status = if writable { Status::Ok } else { Status::Warn };
+                let fix = (!writable).then_some(
+                    "run as root, or start warden inside a delegated cgroup v2 subtree \
+                     (systemd-run --user --scope -p Delegate=yes warden ...)",
+                );
+                out.push(check(
+                    "process",
+                    feature,
+                    status,
+                    format!("{version} at {}{}", h.own.display(), if writable { "" } else { " (not writable by this user)" }),
+                    fix,
+                ));
+            }
+            None => out.push(check(
+                "process",
+                feature,
+                Status::Missing,
+                format!("no hierarchy offers the {name} controller"),
+                Some("mount cgroup2 (or the v1 controller) and enable the controller"),
+            )),
+        }
+    }
+    out
+}
+
+fn writable(dir: &Path) -> bool {
+    nix::unistd::access(dir, nix::unistd::AccessFlags::W_OK).is_ok()
+}
+
+fn runsc() -> Check {
+    match which("runsc") {
+        Some(path) => {
+            let version = std::process::Command::new(&path)
+                .arg("--version")
+                .output()
+                .ok()
+                .and_then(|o| String::from_utf8(o.stdout).ok())
+                .and_then(|s| s.lines().next().map(str::to_owned))
+                .unwrap_or_default();
+            check("gvisor", "runsc", Status::Ok, format!("{} {version}", path.display()), None)
+        }
+        None => check("gvisor", "runsc", Status::Missing, "runsc is not installed".to_owned(), Some("apt-get install runsc")),
+    }
+}
+
+fn kvm() -> Check {
+    match fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
+        Ok(_) => check("microvm", "kvm", Status::Ok, "/dev/kvm is usable".to_owned(), None),
+        Err(err) => check(
+            "microvm",
+            "kvm",
+            Status::Missing,
+            format!("/dev/kvm: {err}"),
+            Some("enable virtualization and load kvm_intel or kvm_amd; add the user to the kvm group"),
+        ),
+    }
+}
+
+fn vmm() -> Check {
+    match which("qemu-system-x86_64").or_else(|| which("firecracker")).or_else(|| which("cloud-hypervisor")) {
+        Some(path) => check("microvm", "vmm", Status::Ok, path.display().to_string(), None),
+        None => check("microvm", "vmm", Status::Missing, "no VMM found".to_owned(), Some("apt-get install qemu-system-x86")),
+    }
+}
+
+fn which(program: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path).map(|dir| dir.join(program)).find(|p| p.is_file())
+}
+
+fn read_trim(path: &str) -> Option<String> {
+    fs::read_to_string(path).ok().map(|s| s.trim().to_owned())
+}

@@ -1,0 +1,207 @@
+//! The runtime directory: one folder per live cell, so that other warden processes (`ps`,
+//! `pause`, `kill`) can find and control it. A cell's folder holds its record and a lock that
+//! the owning `warden run` holds for the cell's whole life; a folder whose lock is free belongs
+//! to a warden that died, and is cleaned up by whoever finds it.
+
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use nix::fcntl::{Flock, FlockArg};
+use serde::{Deserialize, Serialize};
+
+use super::cgroup::CellCgroup;
+
+/// What other processes need to know about a running cell.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CellRecord {
+    pub name: String,
+    /// Host pid of the cell's init (pid 1 inside).
+    pub pid: i32,
+    /// Its start time in clock ticks since boot, to tell it from a later process with the same pid.
+    pub pid_start: u64,
+    /// Host pid of the `warden run` that owns the cell.
+    pub warden_pid: i32,
+    pub started_unix_ms: u64,
+    pub argv: Vec<String>,
+    pub workspace: Option<PathBuf>,
+    pub cgroup: Option<CellCgroup>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    #[error("runtime directory {path}: {source}")]
+    Io { path: PathBuf, source: io::Error },
+    #[error("a cell named `{0}` is already running; pick another --name or stop it with `warden kill {0}`")]
+    Taken(String),
+    #[error("no running cell named `{0}` (see `warden ps`)")]
+    NotFound(String),
+    #[error("cell record {path} is unreadable: {message}")]
+    Corrupt { path: PathBuf, message: String },
+}
+
+fn io_at(path: &Path) -> impl FnOnce(io::Error) -> RegistryError {
+    let path = path.to_path_buf();
+    move |source| RegistryError::Io { path, source }
+}
+
+/// The per-user runtime directory.
+#[derive(Debug, Clone)]
+pub struct Registry {
+    root: PathBuf,
+}
+
+/// A reserved cell folder; dropping it releases the name and removes the folder.
+#[derive(Debug)]
+pub struct Reservation {
+    dir: PathBuf,
+    _lock: Flock<File>,
+}
+
+impl Registry {
+    /// `$WARDEN_RUNTIME_DIR`, else `/run/warden` for root, else `$XDG_RUNTIME_DIR/warden`, else
+    /// `/tmp/warden-UID`.
+    pub fn default_root() -> PathBuf {
+        if let Some(dir) = std::env::var_os("WARDEN_RUNTIME_DIR") {
+            return PathBuf::from(dir);
+        }
+        let uid = nix::unistd::geteuid();
+        if uid.is_root() {
+            return PathBuf::from("/run/warden");
+        }
+        if let Some(dir) = std::env::var_os("XDG_RUNTIME_DIR") {
+            let dir = PathBuf::from(dir);
+            if dir.is_dir() {
+                return dir.join("warden");
+            }
+        }
+        PathBuf::from(format!("/tmp/warden-{uid}"))
+    }
+
+    pub fn open(root: PathBuf) -> Result<Self, RegistryError> {
+        let cells = root.join("cells");
+        // Search-only for others: a root-started cell's setup runs as an unprivileged host id
+        // and must be able to reach its mount point, but may list nothing.
+        for dir in [&root, &cells] {
+            fs::DirBuilder::new().recursive(true).mode(0o711).create(dir).map_err(io_at(dir))?;
+            let meta = fs::symlink_metadata(dir).map_err(io_at(dir))?;
+            if meta.file_type().is_symlink() || !meta.is_dir() {
+                return Err(RegistryError::Io {
+                    path: dir.clone(),
+                    source: io::Error::other("not a directory"),
+                });
+            }
+            fs::set_permissions(dir, fs::Permissions::from_mode(0o711)).map_err(io_at(dir))?;
+        }
+        Ok(Self { root })
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn cell_dir(&self, name: &str) -> PathBuf {
+        self.root.join("cells").join(name)
+    }
+
+    /// Claims `name` for a new cell (reclaiming a folder left by a dead warden).
+    pub fn reserve(&self, name: &str) -> Result<Reservation, RegistryError> {
+        let dir = self.cell_dir(name);
+        match fs::DirBuilder::new().mode(0o711).create(&dir) {
+            Ok(()) => {}
+            Err(err) if err.kind() == io::ErrorKind::AlreadyExists => {
+                if self.is_live(name) {
+                    return Err(RegistryError::Taken(name.to_owned()));
+                }
+                let _ = fs::remove_dir_all(&dir);
+                fs::DirBuilder::new().mode(0o711).create(&dir).map_err(|err| {
+                    if err.kind() == io::ErrorKind::AlreadyExists {
+                        RegistryError::Taken(name.to_owned())
+                    } else {
+                        RegistryError::Io { path: dir.clone(), source: err }
+                    }
+                })?;
+            }
+            Err(err) => return Err(RegistryError::Io { path: dir, source: err }),
+        }
+        let lock_path = dir.join("lock");
+        let file = OpenOptions::new().create(true).truncate(false).write(true).open(&lock_path).map_err(io_at(&lock_path))?;
+        let lock = Flock::lock(file, FlockArg::LockExclusiveNonblock)
+            .map_err(|_| RegistryError::Taken(name.to_owned()))?;
+        let root = dir.join("root");
+        fs::DirBuilder::new().mode(0o755).create(&root).map_err(io_at(&root))?;
+        Ok(Reservation { dir, _lock: lock })
+    }
+
+    /// Whether a warden still holds the cell's lock.
+    fn is_live(&self, name: &str) -> bool {
+        let Ok(file) = File::open(self.cell_dir(name).join("lock")) else { return false };
+        match Flock::lock(file, FlockArg::LockSharedNonblock) {
+            Ok(_released_on_drop) => false,
+            Err(_) => true,
+        }
+    }
+
+    /// Reads the record of a live cell.
+    pub fn get(&self, name: &str) -> Result<CellRecord, RegistryError> {
+        if super::plan::check_name(name).is_err() || !self.is_live(name) {
+            return Err(RegistryError::NotFound(name.to_owned()));
+        }
+        let path = self.cell_dir(name).join("cell.json");
+        let text = fs::read_to_string(&path).map_err(|_| RegistryError::NotFound(name.to_owned()))?;
+        serde_json::from_str(&text).map_err(|e| RegistryError::Corrupt { path, message: e.to_string() })
+    }
+
+    /// Every live cell, by name; folders of dead wardens are removed on the way.
+    pub fn list(&self) -> Result<Vec<CellRecord>, RegistryError> {
+        let cells = self.root.join("cells");
+        let mut out = Vec::new();
+        for entry in fs::read_dir(&cells).map_err(io_at(&cells))? {
+            let Ok(entry) = entry else { continue };
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !self.is_live(&name) {
+                let _ = fs::remove_dir_all(entry.path());
+                continue;
+            }
+            if let Ok(record) = self.get(&name) {
+                out.push(record);
+            }
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+
+    /// Leaves a note that the cell was killed on request, for its owner to report.
+    pub fn mark_killed(&self, name: &str) -> Result<(), RegistryError> {
+        let path = self.cell_dir(name).join("killed");
+        fs::write(&path, b"").map_err(io_at(&path))
+    }
+}
+
+impl Reservation {
+    /// The empty directory the cell's root is assembled on.
+    pub fn root_dir(&self) -> PathBuf {
+        self.dir.join("root")
+    }
+
+    /// Publishes the record, atomically.
+    pub fn publish(&self, record: &CellRecord) -> Result<(), RegistryError> {
+        let tmp = self.dir.join("cell.json.tmp");
+        let path = self.dir.join("cell.json");
+        let text = serde_json::to_vec_pretty(record).map_err(|e| RegistryError::Corrupt { path: path.clone(), message: e.to_string() })?;
+        fs::write(&tmp, text).map_err(io_at(&tmp))?;
+        fs::rename(&tmp, &path).map_err(io_at(&path))
+    }
+
+    /// Whether someone asked for the cell to be killed.
+    pub fn kill_requested(&self) -> bool {
+        self.dir.join("killed").exists()
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}

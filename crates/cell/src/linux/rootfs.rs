@@ -1,0 +1,247 @@
+//! Builds the cell's root file system inside its new mount namespace and pivots into it.
+//!
+//! Runs in the cell's first process, which still holds every capability of the cell's user
+//! namespace; nothing here is visible to the host, because `/` was made private first.
+
+use std::fs;
+use std::io;
+use std::os::unix::fs::{PermissionsExt, symlink};
+use std::path::{Path, PathBuf};
+
+use nix::mount::{MntFlags, MsFlags, mount, umount2};
+
+use super::plan::{CellPlan, Entry};
+use super::sys;
+
+/// A failed setup step, named so that the user sees which one.
+#[derive(Debug, thiserror::Error)]
+#[error("{step} {path}: {source}")]
+pub struct SetupError {
+    pub step: &'static str,
+    pub path: PathBuf,
+    pub source: io::Error,
+}
+
+fn at(step: &'static str, path: &Path) -> impl FnOnce(io::Error) -> SetupError {
+    let path = path.to_path_buf();
+    move |source| SetupError { step, path, source }
+}
+
+fn errno(err: nix::Error) -> io::Error {
+    io::Error::from_raw_os_error(err as i32)
+}
+
+/// Device nodes bound from the host.
+const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom", "tty"];
+/// `/proc` files that leak host information or control the host; hidden behind /dev/null.
+const PROC_MASKED_FILES: &[&str] =
+    &["kcore", "keys", "timer_list", "sched_debug", "sysrq-trigger", "latency_stats", "kallsyms", "kmsg", "config.gz"];
+/// `/proc` directories hidden behind an empty read-only tmpfs.
+const PROC_MASKED_DIRS: &[&str] = &["acpi", "scsi", "asound", "firmware", "driver"];
+/// `/proc` directories kept visible but read-only.
+const PROC_READ_ONLY: &[&str] = &["sys", "irq", "bus", "fs"];
+
+/// Assembles the root described by `plan` on `plan.root` and pivots into it.
+pub fn build(plan: &CellPlan, workspace_tree: Option<&std::os::fd::OwnedFd>) -> Result<(), SetupError> {
+    let root = plan.root.as_path();
+    mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>)
+        .map_err(errno)
+        .map_err(at("making mounts private at", Path::new("/")))?;
+    mount(Some("tmpfs"), root, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("mode=0755,size=16m"))
+        .map_err(errno)
+        .map_err(at("mounting the cell root on", root))?;
+
+    for entry in &plan.entries {
+        place(root, entry)?;
+    }
+    write_etc(plan)?;
+    mount_tmp(root, plan.tmp_size)?;
+    mount_workspace(plan, workspace_tree)?;
+    mount_dev(root)?;
+    mount_proc(root)?;
+    for hidden in &plan.hidden {
+        hide(&inside(root, hidden))?;
+    }
+    // The root itself: nothing may be created next to the mounts.
+    mount(None::<&str>, root, None::<&str>, MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV, None::<&str>)
+        .map_err(errno)
+        .map_err(at("making the cell root read-only", root))?;
+    pivot(root)
+}
+
+fn inside(root: &Path, path: &Path) -> PathBuf {
+    root.join(path.strip_prefix("/").unwrap_or(path))
+}
+
+fn place(root: &Path, entry: &Entry) -> Result<(), SetupError> {
+    match entry {
+        Entry::Symlink { path, target } => {
+            let link = inside(root, path);
+            make_parent(&link)?;
+            symlink(target, &link).map_err(at("creating symlink", &link))
+        }
+        Entry::Bind { path, dir, writable } => {
+            let dst = inside(root, path);
+            bind(path, &dst, *dir, !*writable)
+        }
+    }
+}
+
+fn make_parent(path: &Path) -> Result<(), SetupError> {
+    match path.parent() {
+        Some(parent) => fs::create_dir_all(parent).map_err(at("creating directory", parent)),
+        None => Ok(()),
+    }
+}
+
+fn mountpoint(dst: &Path, dir: bool) -> Result<(), SetupError> {
+    if dir {
+        fs::create_dir_all(dst).map_err(at("creating directory", dst))
+    } else {
+        make_parent(dst)?;
+        fs::OpenOptions::new().create(true).truncate(false).write(true).open(dst).map(drop).map_err(at("creating file", dst))
+    }
+}
+
+fn bind(src: &Path, dst: &Path, dir: bool, read_only: bool) -> Result<(), SetupError> {
+    mountpoint(dst, dir)?;
+    mount(Some(src), dst, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
+        .map_err(errno)
+        .map_err(at("bind-mounting", src))?;
+    sys::restrict_mount(dst, read_only).map_err(at("restricting mount", dst))
+}
+
+fn write_etc(plan: &CellPlan) -> Result<(), SetupError> {
+    let etc = plan.root.join("etc");
+    fs::create_dir_all(&etc).map_err(at("creating directory", &etc))?;
+    for (name, content) in plan.etc_files() {
+        let path = etc.join(name);
+        if path.exists() {
+            continue; // bound from the host by the policy
+        }
+        fs::write(&path, content).map_err(at("writing", &path))?;
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).map_err(at("setting mode of", &path))?;
+    }
+    Ok(())
+}
+
+fn mount_tmp(root: &Path, size: u64) -> Result<(), SetupError> {
+    let tmp = root.join("tmp");
+    fs::create_dir_all(&tmp).map_err(at("creating directory", &tmp))?;
+    let options = format!("mode=1777,size={size}");
+    mount(Some("tmpfs"), &tmp, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(options.as_str()))
+        .map_err(errno)
+        .map_err(at("mounting tmpfs on", &tmp))
+}
+
+fn mount_workspace(plan: &CellPlan, tree: Option<&std::os::fd::OwnedFd>) -> Result<(), SetupError> {
+    let dst = inside(&plan.root, &plan.workspace_mount);
+    fs::create_dir_all(&dst).map_err(at("creating directory", &dst))?;
+    let Some(workspace) = &plan.workspace else {
+        let options = format!("mode=0755,uid={},gid={},size={}", plan.ids.inside_uid, plan.ids.inside_gid, plan.tmp_size);
+        return mount(Some("tmpfs"), &dst, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(options.as_str()))
+            .map_err(errno)
+            .map_err(at("mounting the scratch workspace on", &dst));
+    };
+    match tree {
+        Some(tree) => sys::move_mount_to(tree, &dst).map_err(at("attaching the id-mapped workspace on", &dst))?,
+        None => mount(Some(&workspace.host), &dst, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
+            .map_err(errno)
+            .map_err(at("bind-mounting the workspace", &workspace.host))?,
+    }
+    sys::restrict_mount(&dst, false).map_err(at("restricting mount", &dst))?;
+    for rel in &workspace.protect {
+        let path = dst.join(rel);
+        mount(Some(&path), &path, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
+            .map_err(errno)
+            .map_err(at("protecting", &path))?;
+        sys::restrict_mount(&path, true).map_err(at("protecting", &path))?;
+    }
+    Ok(())
+}
+
+fn mount_dev(root: &Path) -> Result<(), SetupError> {
+    let dev = root.join("dev");
+    fs::create_dir_all(&dev).map_err(at("creating directory", &dev))?;
+    mount(Some("tmpfs"), &dev, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("mode=0755,size=64k"))
+        .map_err(errno)
+        .map_err(at("mounting tmpfs on", &dev))?;
+    for name in DEVICES {
+        let src = Path::new("/dev").join(name);
+        let dst = dev.join(name);
+        mountpoint(&dst, false)?;
+        mount(Some(&src), &dst, None::<&str>, MsFlags::MS_BIND, None::<&str>)
+            .map_err(errno)
+            .map_err(at("bind-mounting", &src))?;
+    }
+    let pts = dev.join("pts");
+    fs::create_dir_all(&pts).map_err(at("creating directory", &pts))?;
+    mount(Some("devpts"), &pts, Some("devpts"), MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("newinstance,ptmxmode=0666,mode=0620"))
+        .map_err(errno)
+        .map_err(at("mounting devpts on", &pts))?;
+    let shm = dev.join("shm");
+    fs::create_dir_all(&shm).map_err(at("creating directory", &shm))?;
+    mount(Some("tmpfs"), &shm, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("mode=1777,size=64m"))
+        .map_err(errno)
+        .map_err(at("mounting tmpfs on", &shm))?;
+    for (link, target) in [
+        ("ptmx", "pts/ptmx"),
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
+        let path = dev.join(link);
+        symlink(target, &path).map_err(at("creating symlink", &path))?;
+    }
+    mount(None::<&str>, &dev, None::<&str>, MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, None::<&str>)
+        .map_err(errno)
+        .map_err(at("making read-only", &dev))
+}
+
+fn mount_proc(root: &Path) -> Result<(), SetupError> {
+    let proc = root.join("proc");
+    fs::create_dir_all(&proc).map_err(at("creating directory", &proc))?;
+    mount(Some("proc"), &proc, Some("proc"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, None::<&str>)
+        .map_err(errno)
+        .map_err(at("mounting proc on", &proc))?;
+    for name in PROC_READ_ONLY {
+        let path = proc.join(name);
+        if path.exists() {
+            mount(Some(&path), &path, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
+                .map_err(errno)
+                .map_err(at("bind-mounting", &path))?;
+            sys::restrict_mount(&path, true).map_err(at("making read-only", &path))?;
+        }
+    }
+    for name in PROC_MASKED_FILES.iter().chain(PROC_MASKED_DIRS) {
+        let path = proc.join(name);
+        if path.exists() {
+            hide(&path)?;
+        }
+    }
+    Ok(())
+}
+
+/// Covers `path` with nothing: an empty read-only tmpfs for a directory, /dev/null for a file.
+fn hide(path: &Path) -> Result<(), SetupError> {
+    let Ok(meta) = fs::symlink_metadata(path) else { return Ok(()) };
+    if meta.is_dir() {
+        mount(Some("tmpfs"), path, Some("tmpfs"), MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, Some("size=0,mode=0555"))
+            .map_err(errno)
+            .map_err(at("masking", path))
+    } else {
+        mount(Some("/dev/null"), path, None::<&str>, MsFlags::MS_BIND, None::<&str>)
+            .map_err(errno)
+            .map_err(at("masking", path))?;
+        sys::restrict_mount(path, true).map_err(at("masking", path))
+    }
+}
+
+fn pivot(root: &Path) -> Result<(), SetupError> {
+    std::env::set_current_dir(root).map_err(at("entering", root))?;
+    nix::unistd::pivot_root(".", ".").map_err(errno).map_err(at("pivot_root into", root))?;
+    // The old root is now stacked on top of the new one at "/"; detach it.
+    umount2(".", MntFlags::MNT_DETACH).map_err(errno).map_err(at("detaching the host root", Path::new("/")))?;
+    std::env::set_current_dir("/").map_err(at("entering", Path::new("/")))
+}

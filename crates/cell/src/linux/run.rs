@@ -1,0 +1,485 @@
+//! The warden's side of `warden run`: plan the cell, create it, relay its stdio, enforce the
+//! limits that need a clock or a counter, and leave nothing behind.
+
+use std::ffi::OsString;
+use std::fs;
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::sys::signal::{SigSet, Signal};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::sys::wait::{WaitStatus, waitpid};
+use nix::unistd::Pid;
+use warden_policy::{Policy, Tier};
+
+use super::cgroup::{self, CellCgroup, CgroupError};
+use super::ids::IdMapping;
+use super::init::{self, InitFds};
+use super::plan::{self, CellPlan, PlanError, WorkspacePlan};
+use super::registry::{CellRecord, Registry, RegistryError};
+use super::{idmap, sys};
+
+/// What the caller asks for.
+#[derive(Debug, Clone)]
+pub struct RunRequest {
+    pub policy: Policy,
+    pub name: Option<String>,
+    pub workspace: Option<PathBuf>,
+    pub argv: Vec<OsString>,
+    /// `--env K=V` additions, on top of what the policy sets and passes.
+    pub env: Vec<(String, String)>,
+}
+
+/// How a cell ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Ending {
+    /// The command exited with this code.
+    Exited(i32),
+    /// The command was killed by this signal.
+    Signaled(i32),
+    MemoryLimit { limit: u64 },
+    WallLimit { limit: Duration },
+    OutputLimit { limit: u64 },
+    /// `warden kill` ended it.
+    Killed,
+    CommandNotFound(String),
+    CannotExecute(String),
+}
+
+/// What `run` reports beside the ending.
+#[derive(Debug, Clone)]
+pub struct RunOutcome {
+    pub name: String,
+    pub ending: Ending,
+    /// Set when limits could only be approximated (no writable cgroup).
+    pub notices: Vec<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+    #[error("{what}: {source}")]
+    Os { what: &'static str, source: io::Error },
+    #[error("cell setup failed: {0}")]
+    Setup(String),
+    #[error("creating the cell's namespaces failed: {source}; this kernel or user may lack user namespaces (run `warden doctor`)")]
+    Namespaces { source: io::Error },
+}
+
+fn os(what: &'static str) -> impl FnOnce(io::Error) -> RunError {
+    move |source| RunError::Os { what, source }
+}
+
+fn nix_os(what: &'static str) -> impl FnOnce(nix::Error) -> RunError {
+    move |err| RunError::Os { what, source: io::Error::from_raw_os_error(err as i32) }
+}
+
+const STDIO_CHUNK: usize = 64 * 1024;
+/// How often the warden checks the cell's OOM counter while a memory limit is set.
+const OOM_POLL: Duration = Duration::from_millis(100);
+/// How long stdout/stderr may stay open after the cell's init has exited.
+const DRAIN_GRACE: Duration = Duration::from_secs(2);
+
+/// Runs a command in a fresh cell and returns once the cell is gone.
+///
+/// Must be called while the process is single-threaded: the cell starts as a fork of it.
+pub fn run(registry: &Registry, request: RunRequest) -> Result<RunOutcome, RunError> {
+    let policy = &request.policy;
+    if policy.tier != Tier::Process {
+        return Err(PlanError::Tier(policy.tier.name()).into());
+    }
+    if request.argv.is_empty() {
+        return Err(PlanError::NoCommand.into());
+    }
+    let name = request.name.clone().unwrap_or_else(generate_name);
+    plan::check_name(&name)?;
+    let workspace = match &request.workspace {
+        Some(dir) => {
+            let host = fs::canonicalize(dir).ok().filter(|p| p.is_dir()).ok_or_else(|| PlanError::Workspace { path: dir.clone() })?;
+            let protect = plan::protected(policy, &host);
+            Some(WorkspacePlan { host, mount: policy.filesystem.workspace.mount.clone(), protect })
+        }
+        None => None,
+    };
+
+    let reservation = registry.reserve(&name)?;
+    let privileged = nix::unistd::geteuid().is_root();
+    let ids = IdMapping {
+        privileged,
+        inside_uid: policy.process.user,
+        inside_gid: policy.process.group(),
+        host_uid: nix::unistd::geteuid().as_raw(),
+        host_gid: nix::unistd::getegid().as_raw(),
+    };
+
+    let mut notices = Vec::new();
+    let limits = cgroup::Limits {
+        memory_bytes: policy.limits.memory.map(|m| m.0),
+        pids: policy.limits.pids,
+        cpus: policy.limits.cpus,
+    };
+    let cell_cgroup = match CellCgroup::create(&cgroup::discover(), &name, &limits) {
+        Ok(cg) => Some(cg),
+        Err(err) if !privileged => {
+            notices.push(format!(
+                "no writable cgroup for this user ({err}); memory and process limits fall back to \
+                 per-process rlimits, cpu is not limited, and pause is unavailable"
+            ));
+            None
+        }
+        Err(err) => return Err(err.into()),
+    };
+    let guard = CellGuard { cgroup: cell_cgroup.clone(), pid: None };
+
+    let mut env: Vec<(OsString, OsString)> = Vec::new();
+    for (key, value) in &policy.process.env.set {
+        env.push((key.into(), value.into()));
+    }
+    for key in &policy.process.env.pass {
+        if let Some(value) = std::env::var_os(key) {
+            env.retain(|(k, _)| k != key.as_str());
+            env.push((key.into(), value));
+        }
+    }
+    for (key, value) in &request.env {
+        env.retain(|(k, _)| k != key.as_str());
+        env.push((key.into(), value.into()));
+    }
+    let plan = CellPlan {
+        name: name.clone(),
+        hostname: policy.process.hostname.clone().unwrap_or_else(|| name.replace('_', "-")),
+        root: reservation.root_dir(),
+        entries: plan::entries(policy),
+        hidden: policy.filesystem.hidden.clone(),
+        tmp_size: policy.filesystem.tmp_size.0,
+        workspace,
+        workspace_mount: policy.filesystem.workspace.mount.clone(),
+        ids: ids.clone(),
+        argv: request.argv.clone(),
+        env,
+        cwd: policy.process.cwd.clone(),
+        rlimit_nproc: if cell_cgroup.is_none() { policy.limits.pids } else { None },
+        rlimit_as: if cell_cgroup.is_none() { policy.limits.memory.map(|m| m.0) } else { None },
+    };
+
+    // In root mode the workspace is attached through an id-mapped mount: its owner appears as the
+    // cell's user, and files the cell creates belong to that owner on the host.
+    let tree = match (&plan.workspace, privileged) {
+        (Some(ws), true) => Some(idmap::workspace_tree(&ws.host, &ids)?),
+        _ => None,
+    };
+
+    let (stdin_r, stdin_w) = sys::pipe().map_err(os("creating pipes"))?;
+    let (stdout_r, stdout_w) = sys::pipe().map_err(os("creating pipes"))?;
+    let (stderr_r, stderr_w) = sys::pipe().map_err(os("creating pipes"))?;
+    let (sync_r, sync_w) = sys::pipe().map_err(os("creating pipes"))?;
+    let (status_r, status_w) = sys::pipe().map_err(os("creating pipes"))?;
+    let fds = InitFds {
+        stdin: stdin_r.as_raw_fd(),
+        stdout: stdout_w.as_raw_fd(),
+        stderr: stderr_w.as_raw_fd(),
+        sync: sync_r.as_raw_fd(),
+        status: status_w.as_raw_fd(),
+        tree: tree.as_ref().map(|t| t.as_raw_fd()),
+    };
+
+    // Signals that would end the warden are read from a signalfd and forwarded instead; the
+    // child unblocks them before anything else.
+    let mut forwarded = SigSet::empty();
+    for signal in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP, Signal::SIGQUIT] {
+        forwarded.add(signal);
+    }
+    let old_mask = forwarded.thread_swap_mask(nix::sys::signal::SigmaskHow::SIG_BLOCK).map_err(nix_os("blocking signals"))?;
+
+    let flags = libc::CLONE_NEWUSER
+        | libc::CLONE_NEWNS
+        | libc::CLONE_NEWPID
+        | libc::CLONE_NEWNET
+        | libc::CLONE_NEWIPC
+        | libc::CLONE_NEWUTS;
+    let pid = match sys::clone_process(flags) {
+        Ok(0) => {
+            let _ = old_mask.thread_set_mask();
+            init::run(&plan, &fds, cell_cgroup.is_some())
+        }
+        Ok(pid) => Pid::from_raw(pid),
+        Err(source) => {
+            let _ = old_mask.thread_set_mask();
+            return Err(RunError::Namespaces { source });
+        }
+    };
+    let mut guard = guard;
+    guard.pid = Some(pid);
+    drop((stdin_r, stdout_w, stderr_w, sync_r, status_w, tree));
+
+    let started = Instant::now();
+    let pidfd = sys::pidfd_open(pid.as_raw()).map_err(os("opening a pidfd for the cell"))?;
+    write_id_maps(pid, &ids).map_err(os("writing the cell's id maps"))?;
+    if let Some(cg) = &cell_cgroup {
+        cg.add(pid.as_raw())?;
+    }
+    reservation.publish(&CellRecord {
+        name: name.clone(),
+        pid: pid.as_raw(),
+        pid_start: process_start_ticks(pid.as_raw()).unwrap_or(0),
+        warden_pid: std::process::id() as i32,
+        started_unix_ms: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
+        argv: request.argv.iter().map(|a| a.to_string_lossy().into_owned()).collect(),
+        workspace: plan.workspace.as_ref().map(|w| w.host.clone()),
+        cgroup: cell_cgroup.clone(),
+    })?;
+    fs::File::from(sync_w).write_all(b"g").map_err(os("starting the cell"))?;
+
+    // The init answers "ok" once the command runs, or "err CODE MESSAGE".
+    let mut line = String::new();
+    let _ = BufReader::new(fs::File::from(status_r)).read_line(&mut line);
+    let line = line.trim_end();
+    if line != "ok" {
+        let _ = waitpid(pid, None);
+        guard.pid = None;
+        let (code, message) = line.strip_prefix("err ").and_then(|rest| rest.split_once(' ')).unwrap_or(("125", "the cell's init exited during setup"));
+        return match code.parse::<i32>() {
+            Ok(init::NOT_FOUND) => Ok(RunOutcome { name, ending: Ending::CommandNotFound(message.to_owned()), notices }),
+            Ok(init::NOT_EXECUTABLE) => Ok(RunOutcome { name, ending: Ending::CannotExecute(message.to_owned()), notices }),
+            _ => Err(RunError::Setup(message.to_owned())),
+        };
+    }
+
+    let signals = SignalFd::with_flags(&forwarded, SfdFlags::SFD_CLOEXEC).map_err(nix_os("creating a signalfd"))?;
+    spawn_stdin_pump(stdin_w);
+    let relay = Relay {
+        pid,
+        pidfd: &pidfd,
+        cgroup: cell_cgroup.as_ref(),
+        stdout: stdout_r,
+        stderr: stderr_r,
+        signals,
+        deadline: policy.limits.wall.map(|w| (started + w.0, w.0)),
+        output_cap: policy.limits.output.map(|o| o.0),
+        memory_limit: policy.limits.memory.map(|m| m.0),
+    };
+    let relayed = relay.run();
+    let _ = old_mask.thread_set_mask();
+    guard.pid = None;
+    let ending = match relayed? {
+        Stop::Limit(ending) => ending,
+        Stop::Exited(status) => {
+            let oom = cell_cgroup.as_ref().is_some_and(|cg| cg.oom_kills() > 0);
+            match (oom, policy.limits.memory) {
+                (true, Some(limit)) => Ending::MemoryLimit { limit: limit.0 },
+                _ if reservation.kill_requested() => Ending::Killed,
+                _ => status,
+            }
+        }
+    };
+    drop(guard);
+    drop(reservation);
+    Ok(RunOutcome { name, ending, notices })
+}
+
+/// Kills whatever is left of the cell and removes its cgroups, on every way out of `run`.
+struct CellGuard {
+    cgroup: Option<CellCgroup>,
+    pid: Option<Pid>,
+}
+
+impl Drop for CellGuard {
+    fn drop(&mut self) {
+        if let Some(pid) = self.pid.take() {
+            let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
+            let _ = waitpid(pid, None);
+        }
+        if let Some(cg) = &self.cgroup {
+            if !cg.pids().is_empty() {
+                let _ = cg.kill_all();
+            }
+            cg.remove();
+        }
+    }
+}
+
+enum Stop {
+    Exited(Ending),
+    Limit(Ending),
+}
+
+struct Relay<'a> {
+    pid: Pid,
+    pidfd: &'a OwnedFd,
+    cgroup: Option<&'a CellCgroup>,
+    stdout: OwnedFd,
+    stderr: OwnedFd,
+    signals: SignalFd,
+    deadline: Option<(Instant, Duration)>,
+    output_cap: Option<u64>,
+    memory_limit: Option<u64>,
+}
+
+impl Relay<'_> {
+    fn kill(&self) {
+        let _ = sys::pidfd_send_signal(self.pidfd, libc::SIGKILL);
+        if let Some(cg) = self.cgroup {
+            let _ = cg.kill_all();
+        }
+    }
+
+    fn run(self) -> Result<Stop, RunError> {
+        let mut out_open = true;
+        let mut err_open = true;
+        let mut exited: Option<(Ending, Instant)> = None;
+        let mut limit: Option<Ending> = None;
+        let mut relayed: u64 = 0;
+        let mut buf = vec![0u8; STDIO_CHUNK];
+        let mut stdout = io::stdout().lock();
+        let mut stderr = io::stderr().lock();
+        loop {
+            if let Some((_, at)) = &exited {
+                if (!out_open && !err_open) || at.elapsed() > DRAIN_GRACE {
+                    break;
+                }
+            }
+            let now = Instant::now();
+            if limit.is_none() {
+                if let Some((deadline, wall)) = self.deadline {
+                    if now >= deadline {
+                        limit = Some(Ending::WallLimit { limit: wall });
+                        self.kill();
+                    }
+                }
+                if let (Some(cg), Some(bytes)) = (self.cgroup, self.memory_limit) {
+                    if cg.oom_kills() > 0 {
+                        limit = Some(Ending::MemoryLimit { limit: bytes });
+                        self.kill();
+                    }
+                }
+            }
+            let mut wait = Duration::from_secs(3600);
+            if let (None, Some((deadline, _))) = (&limit, self.deadline) {
+                wait = wait.min(deadline.saturating_duration_since(now));
+            }
+            if self.memory_limit.is_some() && self.cgroup.is_some() {
+                wait = wait.min(OOM_POLL);
+            }
+            if exited.is_some() {
+                wait = wait.min(Duration::from_millis(50));
+            }
+            let timeout = PollTimeout::try_from(wait.as_millis().min(60_000) as i32 + 1).unwrap_or(PollTimeout::MAX);
+
+            let mut fds = Vec::with_capacity(4);
+            fds.push(PollFd::new(self.signals.as_fd(), PollFlags::POLLIN));
+            let pid_slot = exited.is_none().then(|| {
+                fds.push(PollFd::new(self.pidfd.as_fd(), PollFlags::POLLIN));
+                fds.len() - 1
+            });
+            let out_slot = out_open.then(|| {
+                fds.push(PollFd::new(self.stdout.as_fd(), PollFlags::POLLIN));
+                fds.len() - 1
+            });
+            let err_slot = err_open.then(|| {
+                fds.push(PollFd::new(self.stderr.as_fd(), PollFlags::POLLIN));
+                fds.len() - 1
+            });
+            match poll(&mut fds, timeout) {
+                Ok(_) => {}
+                Err(nix::Error::EINTR) => continue,
+                Err(err) => return Err(nix_os("waiting on the cell")(err)),
+            }
+            let ready = |slot: Option<usize>| {
+                slot.and_then(|i| fds[i].revents()).is_some_and(|r| !r.is_empty())
+            };
+            let signal_ready = ready(Some(0));
+            let pid_ready = ready(pid_slot);
+            let out_ready = ready(out_slot);
+            let err_ready = ready(err_slot);
+            drop(fds);
+
+            if signal_ready {
+                if let Ok(Some(info)) = self.signals.read_signal() {
+                    let _ = nix::sys::signal::kill(self.pid, Signal::try_from(info.ssi_signo as i32).ok());
+                }
+            }
+            for (ready, fd, open, sink) in [
+                (out_ready, &self.stdout, &mut out_open, &mut stdout as &mut dyn Write),
+                (err_ready, &self.stderr, &mut err_open, &mut stderr as &mut dyn Write),
+            ] {
+                if !ready {
+                    continue;
+                }
+                let n = match fs::File::from(fd.try_clone().map_err(os("reading cell output"))?).read(&mut buf) {
+                    Ok(0) | Err(_) => {
+                        *open = false;
+                        continue;
+                    }
+                    Ok(n) => n,
+                };
+                let allowed = match (self.output_cap, &limit) {
+                    (_, Some(_)) => 0,
+                    (Some(cap), None) => (cap.saturating_sub(relayed) as usize).min(n),
+                    (None, None) => n,
+                };
+                let _ = sink.write_all(&buf[..allowed]);
+                let _ = sink.flush();
+                relayed += n as u64;
+                if let (Some(cap), None) = (self.output_cap, &limit) {
+                    if relayed > cap {
+                        limit = Some(Ending::OutputLimit { limit: cap });
+                        self.kill();
+                    }
+                }
+            }
+            if pid_ready && exited.is_none() {
+                let ending = match waitpid(self.pid, None) {
+                    Ok(WaitStatus::Exited(_, code)) => Ending::Exited(code),
+                    Ok(WaitStatus::Signaled(_, signal, _)) => Ending::Signaled(signal as i32),
+                    _ => Ending::Exited(init::SETUP_FAILED),
+                };
+                exited = Some((ending, Instant::now()));
+            }
+        }
+        let ending = exited.map_or(Ending::Exited(init::SETUP_FAILED), |(e, _)| e);
+        Ok(match limit {
+            Some(limit) => Stop::Limit(limit),
+            None => Stop::Exited(ending),
+        })
+    }
+}
+
+/// Copies the warden's stdin into the cell until either side closes. A thread, because a read
+/// from a terminal cannot be abandoned; it ends with the process.
+fn spawn_stdin_pump(pipe: OwnedFd) {
+    std::thread::spawn(move || {
+        let mut sink = fs::File::from(pipe);
+        let _ = io::copy(&mut io::stdin().lock(), &mut sink);
+    });
+}
+
+fn write_id_maps(pid: Pid, ids: &IdMapping) -> io::Result<()> {
+    let proc = PathBuf::from(format!("/proc/{pid}"));
+    if !ids.privileged {
+        fs::write(proc.join("setgroups"), "deny")?;
+    }
+    fs::write(proc.join("uid_map"), ids.uid_map())?;
+    fs::write(proc.join("gid_map"), ids.gid_map())
+}
+
+/// Field 22 of /proc/PID/stat: start time in clock ticks after boot.
+pub fn process_start_ticks(pid: i32) -> Option<u64> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may contain spaces and parentheses; count from its end.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    rest.split(' ').nth(19)?.parse().ok()
+}
+
+fn generate_name() -> String {
+    let mut bytes = [0u8; 3];
+    let _ = fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
+    format!("cell-{:02x}{:02x}{:02x}", bytes[0], bytes[1], bytes[2])
+}

@@ -1,0 +1,272 @@
+//! The raw system calls of the process tier. Everything else in the tier is safe Rust on top of
+//! these few functions; each `unsafe` block says why it is sound.
+#![allow(unsafe_code)]
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
+fn check(ret: libc::c_long) -> io::Result<libc::c_long> {
+    if ret < 0 { Err(io::Error::last_os_error()) } else { Ok(ret) }
+}
+
+fn cstring(path: &Path) -> io::Result<CString> {
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))
+}
+
+/// Forks into new namespaces, like `fork()` with `flags` added. Returns 0 in the child.
+///
+/// The caller must be single-threaded: the child continues with a copy of this thread only.
+pub fn clone_process(flags: libc::c_int) -> io::Result<libc::pid_t> {
+    let flags = (flags | libc::SIGCHLD) as libc::c_ulong;
+    // SAFETY: a NULL stack makes clone behave like fork (the child runs on a copy of the
+    // caller's stack); no parent/child tid pointers or TLS are passed.
+    let ret = unsafe { libc::syscall(libc::SYS_clone, flags, 0usize, 0usize, 0usize, 0usize) };
+    check(ret).map(|pid| pid as libc::pid_t)
+}
+
+/// Returns a pidfd for `pid`, which stays valid (and refers to that process) even if the pid is
+/// later reused.
+pub fn pidfd_open(pid: libc::pid_t) -> io::Result<OwnedFd> {
+    // SAFETY: plain syscall with integer arguments.
+    let ret = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    let fd = check(ret)? as RawFd;
+    // SAFETY: the kernel returned a fresh descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Sends `signal` to the process behind `pidfd`.
+pub fn pidfd_send_signal(pidfd: &OwnedFd, signal: libc::c_int) -> io::Result<()> {
+    // SAFETY: plain syscall; a NULL siginfo means "as kill() would send it".
+    let ret = unsafe {
+        libc::syscall(libc::SYS_pidfd_send_signal, pidfd.as_raw_fd(), signal, 0usize, 0u32)
+    };
+    check(ret).map(drop)
+}
+
+/// Closes every descriptor from `first` upwards.
+pub fn close_from(first: RawFd) -> io::Result<()> {
+    // SAFETY: closing descriptors the caller no longer needs; the caller guarantees no live
+    // Rust object owns a descriptor in that range.
+    let ret = unsafe { libc::syscall(libc::SYS_close_range, first as u32, u32::MAX, 0u32) };
+    check(ret).map(drop)
+}
+
+/// Asks the kernel to send `signal` to this process when its parent dies.
+pub fn set_parent_death_signal(signal: libc::c_int) -> io::Result<()> {
+    // SAFETY: prctl with integer arguments.
+    check(unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, signal as libc::c_ulong) }.into()).map(drop)
+}
+
+/// Sets `no_new_privs`: execve can never grant privileges again (setuid bits, file caps).
+pub fn set_no_new_privs() -> io::Result<()> {
+    // SAFETY: prctl with integer arguments.
+    check(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) }.into()).map(drop)
+}
+
+/// Makes the mount at `path` and every mount below it nosuid and nodev, and read-only when
+/// `read_only` is set.
+///
+/// `mount_setattr` (unlike a `MS_REMOUNT`) applies to the whole subtree and keeps the flags the
+/// kernel locked on mounts inherited from a more privileged namespace.
+pub fn restrict_mount(path: &Path, read_only: bool) -> io::Result<()> {
+    #[repr(C)]
+    struct MountAttr {
+        attr_set: u64,
+        attr_clr: u64,
+        propagation: u64,
+        userns_fd: u64,
+    }
+    const MOUNT_ATTR_RDONLY: u64 = 0x1;
+    const MOUNT_ATTR_NOSUID: u64 = 0x2;
+    const MOUNT_ATTR_NODEV: u64 = 0x4;
+    let attr = MountAttr {
+        attr_set: MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | if read_only { MOUNT_ATTR_RDONLY } else { 0 },
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: 0,
+    };
+    let path = cstring(path)?;
+    // SAFETY: `path` is a valid NUL-terminated string and `attr` a correctly laid out
+    // `struct mount_attr` whose size we pass; both outlive the call.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            libc::AT_FDCWD,
+            path.as_ptr(),
+            libc::AT_RECURSIVE as libc::c_uint,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    check(ret).map(drop)
+}
+
+/// Clones the mount tree at `path` into a detached mount whose owners are translated through the
+/// user namespace `userns` (an idmapped mount). Attach it with [`move_mount_to`].
+pub fn idmapped_clone(path: &Path, userns: &OwnedFd) -> io::Result<OwnedFd> {
+    #[repr(C)]
+    struct MountAttr {
+        attr_set: u64,
+        attr_clr: u64,
+        propagation: u64,
+        userns_fd: u64,
+    }
+    const OPEN_TREE_CLONE: libc::c_uint = 1;
+    const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
+    let cpath = cstring(path)?;
+    // SAFETY: valid NUL-terminated path; flags are plain integers.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_open_tree,
+            libc::AT_FDCWD,
+            cpath.as_ptr(),
+            OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
+        )
+    };
+    // SAFETY: the kernel returned a fresh descriptor that nothing else owns.
+    let tree = unsafe { OwnedFd::from_raw_fd(check(ret)? as RawFd) };
+    let attr = MountAttr {
+        attr_set: MOUNT_ATTR_IDMAP,
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: userns.as_raw_fd() as u64,
+    };
+    let empty = c"";
+    // SAFETY: `tree` is an open mount descriptor, the empty path with AT_EMPTY_PATH names it, and
+    // `attr` is a correctly laid out `struct mount_attr` that outlives the call.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            empty.as_ptr(),
+            libc::AT_EMPTY_PATH as libc::c_uint,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    check(ret)?;
+    Ok(tree)
+}
+
+/// Attaches a detached mount (from [`idmapped_clone`]) at `target`.
+pub fn move_mount_to(tree: &OwnedFd, target: &Path) -> io::Result<()> {
+    const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
+    let target = cstring(target)?;
+    let empty = c"";
+    // SAFETY: `tree` is an open mount descriptor; both strings are valid and outlive the call.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_move_mount,
+            tree.as_raw_fd(),
+            empty.as_ptr(),
+            libc::AT_FDCWD,
+            target.as_ptr(),
+            MOVE_MOUNT_F_EMPTY_PATH,
+        )
+    };
+    check(ret).map(drop)
+}
+
+/// Brings the loopback interface of the current network namespace up.
+pub fn loopback_up() -> io::Result<()> {
+    // SAFETY: plain socket() call.
+    let sock = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    let sock = check(sock.into())? as RawFd;
+    // SAFETY: the kernel returned a fresh descriptor that nothing else owns.
+    let sock = unsafe { OwnedFd::from_raw_fd(sock) };
+    // SAFETY: ifreq is plain old data; all-zero is a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in req.ifr_name.iter_mut().zip(b"lo\0") {
+        *dst = *src as libc::c_char;
+    }
+    // SAFETY: SIOCGIFFLAGS reads and fills `req`, which is a valid ifreq for the whole call.
+    check(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) }.into())?;
+    // SAFETY: after SIOCGIFFLAGS the flags member of the union is the initialised one.
+    unsafe { req.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short };
+    // SAFETY: SIOCSIFFLAGS reads `req`, valid for the whole call.
+    check(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) }.into()).map(drop)
+}
+
+/// Installs a classic BPF seccomp program on the calling thread (no_new_privs must be set).
+pub fn install_seccomp(program: &[seccompiler::sock_filter]) -> io::Result<()> {
+    seccompiler::apply_filter(program).map_err(io::Error::other)
+}
+
+/// Sets a resource limit (soft and hard) for this process and its future children.
+pub fn set_rlimit(resource: libc::__rlimit_resource_t, value: u64) -> io::Result<()> {
+    let limit = libc::rlimit { rlim_cur: value, rlim_max: value };
+    // SAFETY: `limit` is a valid rlimit for the duration of the call.
+    check(unsafe { libc::setrlimit(resource, &limit) }.into()).map(drop)
+}
+
+/// Duplicates `fd` onto `target` (closing what was there); the copy is inheritable.
+pub fn dup_onto(fd: RawFd, target: RawFd) -> io::Result<()> {
+    // SAFETY: dup2 on descriptors the caller owns; `target` is replaced on purpose.
+    check(unsafe { libc::dup2(fd, target) }.into()).map(drop)
+}
+
+/// Marks `fd` close-on-exec.
+pub fn set_cloexec(fd: RawFd) -> io::Result<()> {
+    // SAFETY: fcntl with integer arguments on a descriptor the caller owns.
+    check(unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) }.into()).map(drop)
+}
+
+/// Creates a pipe whose both ends are close-on-exec: (read end, write end).
+pub fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as RawFd; 2];
+    // SAFETY: `fds` has room for the two descriptors pipe2 writes.
+    check(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }.into())?;
+    // SAFETY: the kernel returned two fresh descriptors that nothing else owns.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// The Landlock ABI version of the running kernel, or the errno that says why there is none.
+pub fn landlock_abi_version() -> io::Result<i64> {
+    const LANDLOCK_CREATE_RULESET_VERSION: u32 = 1;
+    // SAFETY: with a NULL attribute pointer and size 0 this call only queries the version.
+    let ret = unsafe {
+        libc::syscall(libc::SYS_landlock_create_ruleset, 0usize, 0usize, LANDLOCK_CREATE_RULESET_VERSION)
+    };
+    check(ret)
+}
+
+/// Duplicates `fd` to a free descriptor numbered at least `min`, close-on-exec.
+pub fn dup_above(fd: RawFd, min: RawFd) -> io::Result<RawFd> {
+    // SAFETY: fcntl with integer arguments on a descriptor the caller owns.
+    check(unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, min) }.into()).map(|fd| fd as RawFd)
+}
+
+/// Ends the calling process at once, without running exit handlers or flushing stdio buffers
+/// (which in a forked child still hold the parent's unwritten data).
+pub fn exit_now(code: i32) -> ! {
+    // SAFETY: _exit never returns and touches no user-space state.
+    unsafe { libc::_exit(code) }
+}
+
+extern "C" fn ignore_signal(_: libc::c_int) {}
+
+/// Gives `signals` a handler that does nothing. A pid-namespace init drops signals whose
+/// disposition is the default, so the cell's init needs handlers for the signals it reads from
+/// a signalfd.
+pub fn install_noop_handlers(signals: &[libc::c_int]) -> io::Result<()> {
+    for &signal in signals {
+        // SAFETY: sigaction is plain data; all-zero is a valid starting value.
+        let mut action: libc::sigaction = unsafe { std::mem::zeroed() };
+        action.sa_sigaction = ignore_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+        action.sa_flags = libc::SA_RESTART;
+        // SAFETY: the handler is async-signal-safe (it does nothing) and `action` is valid.
+        check(unsafe { libc::sigaction(signal, &action, std::ptr::null_mut()) }.into())?;
+    }
+    Ok(())
+}
+
+/// Takes ownership of a descriptor number that the cell's init arranged itself.
+pub fn own_fd(fd: RawFd) -> OwnedFd {
+    // SAFETY: only called by the cell's init for the fixed descriptor numbers it placed with
+    // `dup_onto` and owns exclusively; each number is taken at most once.
+    unsafe { OwnedFd::from_raw_fd(fd) }
+}

@@ -1,0 +1,77 @@
+//! Command-line grammar.
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "warden", version, about = "Run commands and agents in cells that cannot touch the host; control them from outside.")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run a command in a fresh cell; exits with the command's status.
+    Run(RunArgs),
+    /// List running cells.
+    Ps {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Freeze every process of a cell.
+    Pause { name: String },
+    /// Thaw a paused cell.
+    Resume { name: String },
+    /// End every process of a cell.
+    Kill { name: String },
+    /// Check or explain a policy.
+    Policy {
+        #[command(subcommand)]
+        command: PolicyCommand,
+    },
+    /// Report which isolation features this host offers, and how to fix what is missing.
+    Doctor {
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct RunArgs {
+    /// Policy file (YAML).
+    #[arg(long, conflicts_with = "preset")]
+    pub policy: Option<PathBuf>,
+    /// Built-in policy preset (`warden policy presets` lists them).
+    #[arg(long)]
+    pub preset: Option<String>,
+    /// Host directory that appears at /workspace.
+    #[arg(long, short = 'w')]
+    pub workspace: Option<PathBuf>,
+    /// Cell name, for `warden ps`, `pause`, `resume` and `kill`.
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Extra environment variable for the command (repeatable).
+    #[arg(long = "env", short = 'e', value_name = "K=V")]
+    pub env: Vec<String>,
+    /// The command and its arguments.
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub command: Vec<std::ffi::OsString>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PolicyCommand {
+    /// Parse and validate a policy file.
+    Check { file: PathBuf },
+    /// Say in plain words what a policy allows.
+    Explain {
+        /// Policy file; without it, explain --preset (default: `default`).
+        file: Option<PathBuf>,
+        #[arg(long, conflicts_with = "file")]
+        preset: Option<String>,
+    },
+    /// List the built-in presets.
+    Presets,
+}
