@@ -10,7 +10,7 @@ use std::process::Command;
 
 use nix::sched::{CloneFlags, unshare};
 use nix::sys::signal::{SigSet, Signal, kill};
-use nix::sys::signalfd::SignalFd;
+use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{Gid, Pid, Uid, sethostname, setresgid, setresuid, setsid};
 
@@ -132,7 +132,7 @@ fn setup_and_start(plan: &CellPlan, fds: &InitFds, use_cgroup_ns: bool) -> Setup
     let numbers: Vec<i32> = mask.iter().map(|s| s as i32).collect();
     sys::install_noop_handlers(&numbers).map_err(failed("installing signal handlers"))?;
     mask.thread_block().map_err(failed("blocking signals"))?;
-    let signals = SignalFd::new(&mask).map_err(failed("creating a signalfd"))?;
+    let signals = SignalFd::with_flags(&mask, SfdFlags::SFD_CLOEXEC).map_err(failed("creating a signalfd"))?;
 
     let Some((program, args)) = plan.argv.split_first() else {
         return Err((SETUP_FAILED, "no command".to_owned()));

@@ -1,0 +1,239 @@
+//! Each confinement of a process-tier cell, proven by an attempt that fails inside a real cell.
+
+mod support;
+
+use std::io::Read as _;
+use std::net::TcpListener;
+use std::os::linux::net::SocketAddrExt as _;
+use std::os::unix::fs::PermissionsExt;
+
+use support::*;
+
+/// Python snippet: call `expr` (a libc call returning -1 on failure) and print the errno name.
+fn errno_of(setup: &str, expr: &str) -> String {
+    format!(
+        "import ctypes, errno, os\n\
+         libc = ctypes.CDLL(None, use_errno=True)\n\
+         {setup}\n\
+         r = {expr}\n\
+         print('errno', errno.errorcode.get(ctypes.get_errno(), 'OK') if r == -1 else 'OK')"
+    )
+}
+
+#[test]
+fn writes_outside_workspace_and_tmp_are_denied() {
+    let ws = tempdir();
+    let ran = run_sh(
+        &["--workspace", ws.path().to_str().unwrap()],
+        "for p in /etc/x /usr/x /x /proc/sys/kernel/hostname /dev/x; do \
+           if echo pwned > $p 2>/dev/null; then echo WROTE $p; else echo denied $p; fi; done; \
+         echo ok > /workspace/inside && echo ok > /tmp/inside && echo writable",
+    );
+    assert_eq!(ran.code, 0, "{ran:?}");
+    for path in ["/etc/x", "/usr/x", "/x", "/proc/sys/kernel/hostname", "/dev/x"] {
+        assert!(ran.stdout.contains(&format!("denied {path}\n")), "{path}: {ran:?}");
+    }
+    assert!(!ran.stdout.contains("WROTE"), "{ran:?}");
+    assert!(ran.stdout.ends_with("writable\n"), "{ran:?}");
+    assert_eq!(std::fs::read_to_string(ws.path().join("inside")).unwrap(), "ok\n");
+    assert!(!std::path::Path::new("/x").exists() && !std::path::Path::new("/usr/x").exists());
+}
+
+#[test]
+fn host_secret_outside_the_policy_is_unreadable() {
+    let dir = tempdir();
+    let secret = dir.path().join("secret.txt");
+    std::fs::write(&secret, "TOPSECRET-4711").unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let path = secret.to_str().unwrap();
+    let ran = run_sh(&[], &format!("cat {path} /etc/shadow /root/.bashrc /home 2>&1; cat /etc/passwd"));
+    assert!(!ran.stdout.contains("TOPSECRET"), "{ran:?}");
+    assert!(ran.stdout.contains(&format!("cat: {path}: No such file or directory")), "{ran:?}");
+    assert!(ran.stdout.contains("cat: /etc/shadow: No such file or directory"), "{ran:?}");
+    // The cell's /etc/passwd is generated, not the host's.
+    let host_passwd = std::fs::read_to_string("/etc/passwd").unwrap();
+    assert!(host_passwd.lines().count() > 3);
+    assert!(ran.stdout.contains("cell:x:1000:1000"), "{ran:?}");
+    assert!(!ran.stdout.contains("daemon:x:1:1"), "{ran:?}");
+}
+
+#[test]
+fn host_processes_are_invisible_and_cannot_be_signalled() {
+    let mut host = std::process::Command::new("sleep").arg("60").spawn().unwrap();
+    let pid = host.id();
+    let ran = run_sh(
+        &[],
+        &format!("ls /proc | grep -E '^[0-9]+$' | tr '\\n' ' '; echo; kill -0 {pid} 2>&1 || echo cannot-signal; kill -9 1 2>&1; echo alive"),
+    );
+    let still_running = host.try_wait().unwrap().is_none();
+    host.kill().unwrap();
+    let _ = host.wait();
+    assert!(still_running, "the host process was killed from the cell");
+    assert!(ran.stdout.contains("cannot-signal"), "{ran:?}");
+    let pids: Vec<u32> = ran.stdout.lines().next().unwrap().split_whitespace().map(|p| p.parse().unwrap()).collect();
+    assert!(pids.iter().all(|p| *p < 20), "cell sees host pids: {pids:?}");
+    assert!(pids.contains(&1), "{pids:?}");
+}
+
+#[test]
+fn ptrace_is_refused() {
+    let ran = run_py(&[], &errno_of("", "libc.ptrace(0, 0, 0, 0)"));
+    assert_eq!(ran.stdout.trim(), "errno EPERM", "{ran:?}");
+}
+
+#[test]
+fn mount_is_refused() {
+    let ran = run_py(&[], &errno_of("", "libc.mount(b'none', b'/tmp', b'tmpfs', 0, None)"));
+    assert_eq!(ran.stdout.trim(), "errno EPERM", "{ran:?}");
+    let ran = run_sh(&[], "mount -t tmpfs none /tmp 2>&1; echo status=$?");
+    assert!(ran.stdout.contains("status=32") || ran.stdout.contains("status=1"), "{ran:?}");
+}
+
+#[test]
+fn new_user_namespace_is_refused() {
+    let ran = run_py(&[], &errno_of("", "libc.unshare(0x10000000)"));
+    assert_eq!(ran.stdout.trim(), "errno EPERM", "{ran:?}");
+    let ran = run_sh(&[], "unshare -U -r id 2>&1; echo status=$?");
+    assert!(!ran.stdout.contains("uid=0"), "{ran:?}");
+    assert!(!ran.stdout.contains("status=0"), "{ran:?}");
+}
+
+#[test]
+fn bpf_is_refused() {
+    let ran = run_py(&[], &errno_of("buf = ctypes.create_string_buffer(128)", "libc.syscall(321, 0, buf, 128)"));
+    assert_eq!(ran.stdout.trim(), "errno EPERM", "{ran:?}");
+}
+
+#[test]
+fn io_uring_is_refused() {
+    let ran = run_py(&[], &errno_of("params = ctypes.create_string_buffer(120)", "libc.syscall(425, 4, params)"));
+    assert_eq!(ran.stdout.trim(), "errno EPERM", "{ran:?}");
+}
+
+#[test]
+fn terminal_injection_with_tiocsti_is_refused() {
+    let code = "import os, fcntl, termios, errno\n\
+                m, s = os.openpty()\n\
+                try:\n    fcntl.ioctl(s, termios.TIOCSTI, b'x'); print('injected')\n\
+                except OSError as e: print('errno', errno.errorcode[e.errno])\n\
+                print('tty' if os.isatty(0) else 'no-tty')";
+    let ran = run_py(&[], code);
+    assert_eq!(ran.stdout, "errno EPERM\nno-tty\n", "{ran:?}");
+}
+
+#[test]
+fn tcp_to_a_host_loopback_listener_is_unreachable() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    listener.set_nonblocking(true).unwrap();
+    let code = format!(
+        "import socket, errno\n\
+         s = socket.socket()\n\
+         try:\n    s.connect(('127.0.0.1', {port})); print('connected')\n\
+         except OSError as e: print('errno', errno.errorcode[e.errno])"
+    );
+    let ran = run_py(&[], &code);
+    assert_eq!(ran.stdout.trim(), "errno ECONNREFUSED", "{ran:?}");
+    assert!(listener.accept().is_err(), "the host listener received a connection from the cell");
+}
+
+#[test]
+fn vsock_packet_and_netlink_sockets_are_refused() {
+    let code = "import socket, errno\n\
+                for fam, typ, proto in [(40, 1, 0), (17, 3, 0), (16, 3, 9)]:\n\
+                \x20   try:\n\
+                \x20       socket.socket(fam, typ, proto); print(fam, 'opened')\n\
+                \x20   except OSError as e: print(fam, errno.errorcode[e.errno])\n\
+                socket.socket(16, 3, 0); print('route netlink ok')";
+    let ran = run_py(&[], code);
+    assert_eq!(ran.stdout, "40 EPERM\n17 EPERM\n16 EPERM\nroute netlink ok\n", "{ran:?}");
+}
+
+#[test]
+fn caller_environment_and_inherited_fds_do_not_reach_the_cell() {
+    let dir = tempdir();
+    let secret = dir.path().join("fd-secret");
+    std::fs::write(&secret, "FD-SECRET-99").unwrap();
+    // The shell opens fd 7 without close-on-exec and exports a secret, then execs warden.
+    let script = format!(
+        "exec 7<{} 8>&1; export API_KEY=ENV-SECRET-42; exec {BIN} run -- sh -c \
+         'env; ls /proc/self/fd | tr \"\\n\" \" \"; echo; cat <&7 2>&1 || echo no-fd7'",
+        secret.display()
+    );
+    let out = std::process::Command::new("sh").args(["-c", &script]).stdin(std::process::Stdio::null()).output().unwrap();
+    let ran = Ran::from(out);
+    assert_eq!(ran.code, 0, "{ran:?}");
+    assert!(!ran.stdout.contains("ENV-SECRET-42") && !ran.stdout.contains("API_KEY"), "{ran:?}");
+    assert!(!ran.stdout.contains("FD-SECRET-99"), "{ran:?}");
+    assert!(ran.stdout.contains("no-fd7"), "{ran:?}");
+    let fds_line = ran.stdout.lines().find(|l| l.starts_with("0 ")).unwrap();
+    assert_eq!(fds_line.trim(), "0 1 2 3", "only stdio (and ls's own directory fd) may be open");
+}
+
+#[test]
+fn the_command_runs_unprivileged_with_no_capabilities() {
+    let ran = run_sh(&[], "id -u; grep -E '^(CapEff|CapBnd|CapPrm|NoNewPrivs|Seccomp):' /proc/self/status; cat /proc/self/uid_map");
+    let lines: Vec<&str> = ran.stdout.lines().collect();
+    assert_eq!(lines[0], "1000", "{ran:?}");
+    assert!(ran.stdout.contains("CapEff:\t0000000000000000"), "{ran:?}");
+    assert!(ran.stdout.contains("CapBnd:\t0000000000000000"), "{ran:?}");
+    assert!(ran.stdout.contains("NoNewPrivs:\t1"), "{ran:?}");
+    assert!(ran.stdout.contains("Seccomp:\t2"), "{ran:?}");
+    // No inside id maps to host root: the uid map is the last output, one range per line.
+    let map: Vec<&str> = lines.iter().copied().filter(|l| !l.contains(':')).skip(1).collect();
+    assert!(!map.is_empty(), "{ran:?}");
+    for line in map {
+        let fields: Vec<u64> = line.split_whitespace().map(|f| f.parse().unwrap()).collect();
+        assert_eq!(fields.len(), 3, "{line}");
+        assert!(fields[1] > 0, "an inside id maps to host root: {line}");
+    }
+}
+
+#[test]
+fn setuid_bits_cannot_be_set() {
+    let ws = tempdir();
+    let ran = run_sh(
+        &["--workspace", ws.path().to_str().unwrap()],
+        "cp /bin/true /workspace/t && chmod u+s /workspace/t 2>&1; chmod g+s /workspace 2>&1; stat -c %A /workspace/t",
+    );
+    assert!(ran.stdout.contains("Operation not permitted"), "{ran:?}");
+    let mode = std::fs::metadata(ws.path().join("t")).unwrap().permissions().mode();
+    assert_eq!(mode & 0o6000, 0, "setuid bit reached the host");
+}
+
+#[test]
+fn protected_workspace_paths_are_read_only() {
+    let ws = tempdir();
+    std::fs::create_dir_all(ws.path().join(".git/hooks")).unwrap();
+    std::fs::write(ws.path().join(".envrc"), "export A=1\n").unwrap();
+    let ran = run_sh(
+        &["--workspace", ws.path().to_str().unwrap()],
+        "echo evil > /workspace/.git/hooks/pre-commit 2>&1; echo evil >> /workspace/.envrc 2>&1; \
+         rm -f /workspace/.envrc 2>&1; echo fine > /workspace/src.txt && echo done",
+    );
+    assert!(ran.stdout.contains("done"), "{ran:?}");
+    assert!(!ws.path().join(".git/hooks/pre-commit").exists());
+    assert_eq!(std::fs::read_to_string(ws.path().join(".envrc")).unwrap(), "export A=1\n");
+    assert_eq!(std::fs::read_to_string(ws.path().join("src.txt")).unwrap(), "fine\n");
+}
+
+#[test]
+fn abstract_unix_sockets_of_the_host_are_out_of_reach() {
+    // An abstract socket listening on the host; the cell has its own network namespace and a
+    // Landlock scope, so connecting must fail.
+    let name = unique("warden-abstract");
+    let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+    let listener = std::os::unix::net::UnixListener::bind_addr(&addr).unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let code = format!(
+        "import socket, errno\n\
+         s = socket.socket(socket.AF_UNIX)\n\
+         try:\n    s.connect('\\0{name}'); print('connected')\n\
+         except OSError as e: print('errno', errno.errorcode[e.errno])"
+    );
+    let ran = run_py(&[], &code);
+    assert!(ran.stdout.starts_with("errno "), "{ran:?}");
+    let mut buf = [0u8; 1];
+    assert!(listener.accept().map(|(mut s, _)| s.read(&mut buf)).is_err());
+}
