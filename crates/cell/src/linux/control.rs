@@ -58,7 +58,13 @@ pub fn kill(registry: &Registry, name: &str) -> Result<CellRecord, ControlError>
     sys::pidfd_send_signal(&pidfd, Signal::SIGKILL as i32)
         .map_err(|source| ControlError::Signal { name: name.to_owned(), source })?;
     if let Some(cgroup) = &record.cgroup {
-        cgroup.kill_all()?;
+        // The init's death usually empties and removes the cgroup at once; what is still listed
+        // (a frozen cell, stragglers) is killed through the cgroup.
+        if let Err(err) = cgroup.kill_all() {
+            if !cgroup.pids().is_empty() {
+                return Err(err.into());
+            }
+        }
     }
     Ok(record)
 }

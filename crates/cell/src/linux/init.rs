@@ -137,12 +137,10 @@ fn setup_and_start(plan: &CellPlan, fds: &InitFds, use_cgroup_ns: bool) -> Setup
     let Some((program, args)) = plan.argv.split_first() else {
         return Err((SETUP_FAILED, "no command".to_owned()));
     };
-    let child = Command::new(program)
-        .args(args)
-        .env_clear()
-        .envs(plan.env.iter().map(|(k, v)| (k, v)))
-        .current_dir(&plan.cwd)
-        .process_group(0)
+    let mut command = Command::new(program);
+    command.args(args).env_clear().envs(plan.env.iter().map(|(k, v)| (k, v))).current_dir(&plan.cwd).process_group(0);
+    sys::unblock_signals_on_exec(&mut command);
+    let child = command
         .spawn()
         .map_err(|err| {
             let shown = program.to_string_lossy();

@@ -270,3 +270,20 @@ pub fn own_fd(fd: RawFd) -> OwnedFd {
     // `dup_onto` and owns exclusively; each number is taken at most once.
     unsafe { OwnedFd::from_raw_fd(fd) }
 }
+
+/// Makes `command` start with an empty signal mask, whatever the spawning thread blocks.
+pub fn unblock_signals_on_exec(command: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt as _;
+    // SAFETY: the closure runs in the forked child before exec and only calls sigemptyset and
+    // pthread_sigmask on a local set, both async-signal-safe.
+    unsafe {
+        command.pre_exec(|| {
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            match libc::pthread_sigmask(libc::SIG_SETMASK, &set, std::ptr::null_mut()) {
+                0 => Ok(()),
+                err => Err(io::Error::from_raw_os_error(err)),
+            }
+        });
+    }
+}

@@ -1,0 +1,116 @@
+//! The process tier without root: run as an unprivileged host user (when the tests run as root,
+//! they drop to `nobody` with setpriv; otherwise they already are unprivileged).
+
+mod support;
+
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use support::*;
+
+const NOBODY: u32 = 65534;
+
+/// A copy of the warden binary that an unprivileged user can execute, and a directory it owns.
+struct Rootless {
+    _dir: tempfile::TempDir,
+    bin: PathBuf,
+    workspace: PathBuf,
+    runtime: PathBuf,
+}
+
+fn setup() -> Rootless {
+    let dir = tempdir();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let bin = dir.path().join("warden");
+    std::fs::copy(BIN, &bin).unwrap();
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let workspace = dir.path().join("ws");
+    let runtime = dir.path().join("run");
+    std::fs::create_dir(&workspace).unwrap();
+    std::fs::create_dir(&runtime).unwrap();
+    if is_root() {
+        for path in [&workspace, &runtime] {
+            std::os::unix::fs::chown(path, Some(NOBODY), Some(NOBODY)).unwrap();
+        }
+    }
+    Rootless { _dir: dir, bin, workspace, runtime }
+}
+
+fn as_user(env: &Rootless, args: &[&str]) -> Command {
+    let mut cmd = if is_root() {
+        let mut c = Command::new("setpriv");
+        c.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"]).arg(&env.bin);
+        c
+    } else {
+        Command::new(&env.bin)
+    };
+    cmd.args(args).env("WARDEN_RUNTIME_DIR", &env.runtime).env_remove("XDG_RUNTIME_DIR").stdin(Stdio::null());
+    cmd
+}
+
+fn host_uid() -> u32 {
+    if is_root() { NOBODY } else { std::fs::metadata("/proc/self").unwrap().uid() }
+}
+
+#[test]
+fn rootless_cell_is_confined_and_writes_its_workspace() {
+    let env = setup();
+    let ws = env.workspace.to_str().unwrap().to_owned();
+    let out = as_user(&env, &["run", "--workspace", &ws, "--", "sh", "-c",
+        "id -u; cat /proc/self/uid_map; echo x > /etc/x 2>/dev/null || echo etc-denied; \
+         echo hello > /workspace/made-inside && echo ws-ok; grep CapEff /proc/self/status"])
+        .output()
+        .unwrap();
+    let ran = Ran::from(out);
+    assert_eq!(ran.code, 0, "{ran:?}");
+    let lines: Vec<&str> = ran.stdout.lines().collect();
+    assert_eq!(lines[0], "1000");
+    let map: Vec<&str> = lines[1].split_whitespace().collect();
+    assert_eq!(map, ["1000", host_uid().to_string().as_str(), "1"]);
+    assert!(ran.stdout.contains("etc-denied\nws-ok\nCapEff:\t0000000000000000"), "{ran:?}");
+    let made = Path::new(&ws).join("made-inside");
+    assert_eq!(std::fs::read_to_string(&made).unwrap(), "hello\n");
+    assert_eq!(std::fs::metadata(&made).unwrap().uid(), host_uid());
+}
+
+#[test]
+fn rootless_cell_refuses_the_dangerous_surface() {
+    let env = setup();
+    let code = "import ctypes, errno, socket\n\
+                libc = ctypes.CDLL(None, use_errno=True)\n\
+                for name, call in [('ptrace', lambda: libc.ptrace(0,0,0,0)), ('unshare', lambda: libc.unshare(0x10000000)), ('mount', lambda: libc.mount(b'n', b'/tmp', b'tmpfs', 0, None))]:\n\
+                \x20   r = call(); print(name, errno.errorcode.get(ctypes.get_errno()) if r == -1 else 'ALLOWED')";
+    let ran = Ran::from(as_user(&env, &["run", "--", "python3", "-c", code]).output().unwrap());
+    assert_eq!(ran.stdout, "ptrace EPERM\nunshare EPERM\nmount EPERM\n", "{ran:?}");
+}
+
+#[test]
+fn rootless_cells_are_listed_and_killed_from_outside() {
+    let env = setup();
+    let name = unique("rootless");
+    let ws = env.workspace.to_str().unwrap().to_owned();
+    let mut cell = as_user(&env, &["run", "--name", &name, "--workspace", &ws, "--", "sh", "-c",
+        "trap '' TERM; echo up > /workspace/up; while true; do sleep 0.05; done"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !env.workspace.join("up").exists() {
+        assert!(std::time::Instant::now() < deadline, "the rootless cell did not start");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let ps = Ran::from(as_user(&env, &["ps"]).output().unwrap());
+    assert!(ps.stdout.contains(&name), "{ps:?}");
+    let kill = Ran::from(as_user(&env, &["kill", &name]).output().unwrap());
+    assert_eq!(kill.code, 0, "{kill:?}");
+    let out = cell.wait_with_output().unwrap();
+    let ran = Ran::from(out);
+    assert_eq!(ran.code, 137, "{ran:?}");
+    if is_root() {
+        // Without a delegated cgroup the fallback is announced, never silent.
+        assert!(ran.stderr.contains("no writable cgroup"), "{ran:?}");
+    }
+    let ps = Ran::from(as_user(&env, &["ps"]).output().unwrap());
+    assert!(!ps.stdout.contains(&name), "{ps:?}");
+}
