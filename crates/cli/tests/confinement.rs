@@ -237,3 +237,15 @@ fn abstract_unix_sockets_of_the_host_are_out_of_reach() {
     let mut buf = [0u8; 1];
     assert!(listener.accept().map(|(mut s, _)| s.read(&mut buf)).is_err());
 }
+
+#[test]
+fn x32_syscalls_and_unfilterable_clone3_are_refused() {
+    // getpid through the x32 ABI (bit 30 set) must not slip past the filter; clone3 and openat2
+    // answer ENOSYS so that libc falls back to calls whose flags the filter can read.
+    let code = errno_of("", "libc.syscall(0x40000000 | 39)")
+        + "\nr = libc.syscall(435, 0, 0); print('clone3', errno.errorcode.get(ctypes.get_errno()) if r == -1 else 'OK')"
+        + "\nr = libc.syscall(437, -100, b'/etc/passwd', 0, 0); print('openat2', errno.errorcode.get(ctypes.get_errno()) if r == -1 else 'OK')"
+        + "\nimport subprocess; print(subprocess.run(['true']).returncode)";
+    let ran = run_py(&[], &code);
+    assert_eq!(ran.stdout, "errno EPERM\nclone3 ENOSYS\nopenat2 ENOSYS\n0\n", "{ran:?}");
+}

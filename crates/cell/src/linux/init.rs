@@ -42,10 +42,16 @@ pub const SETUP_FAILED: i32 = 125;
 pub const NOT_EXECUTABLE: i32 = 126;
 pub const NOT_FOUND: i32 = 127;
 
+/// Go-ahead bytes from the warden: first after the id maps are written, then once the cell is in
+/// its cgroup (or, when no cgroup could be made, with the order to use rlimits instead).
+pub const GO_MAPPED: u8 = b'm';
+pub const GO_IN_CGROUP: u8 = b'c';
+pub const GO_RLIMITS: u8 = b'r';
+
 /// Entry point of the cloned child. Never returns.
-pub fn run(plan: &CellPlan, fds: &InitFds, use_cgroup_ns: bool) -> ! {
+pub fn run(plan: &CellPlan, fds: &InitFds) -> ! {
     // A panic must not unwind into the warden's code in this forked copy of it.
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| setup_and_start(plan, fds, use_cgroup_ns)));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| setup_and_start(plan, fds)));
     match result {
         Ok(Ok(main)) => supervise(main),
         Ok(Err((code, message))) => report(code, &message),
@@ -100,28 +106,28 @@ fn arrange_fds(fds: &InitFds) -> SetupResult<()> {
     Ok(())
 }
 
-fn setup_and_start(plan: &CellPlan, fds: &InitFds, use_cgroup_ns: bool) -> SetupResult<(Pid, SignalFd)> {
+fn setup_and_start(plan: &CellPlan, fds: &InitFds) -> SetupResult<(Pid, SignalFd)> {
     let _ = sys::set_parent_death_signal(libc::SIGKILL);
     arrange_fds(fds)?;
-    // Wait until the warden has written our id maps and placed us in the cell's cgroup.
-    let mut go = [0u8; 1];
+    // The warden writes our id maps, then (in parallel with the mounts below, because moving a
+    // process between cgroups can wait for an RCU grace period) places us in the cell's cgroup.
+    // Each step is acknowledged with one byte; nothing of the command runs before both.
     let mut sync = std::fs::File::from(owned(SYNC_FD));
-    if !matches!(sync.read(&mut go), Ok(1)) {
-        sys::exit_now(SETUP_FAILED);
-    }
-    drop(sync);
-    if use_cgroup_ns {
-        unshare(CloneFlags::CLONE_NEWCGROUP).map_err(failed("creating the cgroup namespace"))?;
-    }
+    wait_for_warden(&mut sync);
     let (sgid, suid) = (Gid::from_raw(plan.ids.setup_gid()), Uid::from_raw(plan.ids.setup_uid()));
     setresgid(sgid, sgid, sgid).map_err(failed("taking the setup group id"))?;
     setresuid(suid, suid, suid).map_err(failed("taking the setup user id"))?;
     let tree = fds.tree.map(|_| owned(TREE_FD));
     rootfs::build(plan, tree.as_ref()).map_err(|e| (SETUP_FAILED, e.to_string()))?;
     drop(tree);
+    let in_cgroup = wait_for_warden(&mut sync) == GO_IN_CGROUP;
+    drop(sync);
+    if in_cgroup {
+        unshare(CloneFlags::CLONE_NEWCGROUP).map_err(failed("creating the cgroup namespace"))?;
+    }
     sethostname(&plan.hostname).map_err(failed("setting the host name"))?;
     sys::loopback_up().map_err(failed("bringing up loopback"))?;
-    confine::confine(plan).map_err(|e| (SETUP_FAILED, e.to_string()))?;
+    confine::confine(plan, !in_cgroup).map_err(|e| (SETUP_FAILED, e.to_string()))?;
     setsid().map_err(failed("starting a new session"))?;
 
     let mut mask = SigSet::empty();
@@ -155,6 +161,16 @@ fn setup_and_start(plan: &CellPlan, fds: &InitFds, use_cgroup_ns: bool) -> Setup
     let _ = writeln!(status, "ok");
     drop(status);
     Ok((main, signals))
+}
+
+/// Blocks until the warden sends the next go-ahead byte; a closed pipe means the warden gave
+/// up on this cell.
+fn wait_for_warden(sync: &mut std::fs::File) -> u8 {
+    let mut go = [0u8; 1];
+    if !matches!(sync.read(&mut go), Ok(1)) {
+        sys::exit_now(SETUP_FAILED);
+    }
+    go[0]
 }
 
 /// Reaps every process until the command exits, then exits with its status; forwards signals.

@@ -15,6 +15,9 @@ pub enum Entry {
     Bind { path: PathBuf, dir: bool, writable: bool },
     /// Recreate a symlink (e.g. `/bin -> usr/bin` on merged-/usr systems).
     Symlink { path: PathBuf, target: PathBuf },
+    /// Copy a small read-only file (most of `/etc`): cheaper than a mount to set up and tear down,
+    /// and the cell gets a snapshot it cannot change.
+    Copy { path: PathBuf },
 }
 
 /// The workspace directory of the host, as the cell will see it.
@@ -43,7 +46,8 @@ pub struct CellPlan {
     pub argv: Vec<OsString>,
     pub env: Vec<(OsString, OsString)>,
     pub cwd: PathBuf,
-    /// rlimit fallbacks used when no cgroup is available (rootless without delegation).
+    /// rlimits that stand in for the cgroup limits when no cgroup can be made (rootless without
+    /// a delegated subtree).
     pub rlimit_nproc: Option<u64>,
     pub rlimit_as: Option<u64>,
 }
@@ -96,6 +100,9 @@ pub fn check_name(name: &str) -> Result<(), PlanError> {
     if ok { Ok(()) } else { Err(PlanError::Name(name.to_owned())) }
 }
 
+/// Read-only files up to this size are copied into the cell rather than bind-mounted.
+const COPY_LIMIT: u64 = 256 * 1024;
+
 /// Resolves the host paths a policy names into the entries of the cell's root.
 pub fn entries(policy: &Policy) -> Vec<Entry> {
     let mut out = Vec::new();
@@ -107,6 +114,8 @@ pub fn entries(policy: &Policy) -> Vec<Entry> {
             if let Ok(target) = std::fs::read_link(path) {
                 out.push(Entry::Symlink { path: path.clone(), target });
             }
+        } else if meta.is_file() && !writable && meta.len() <= COPY_LIMIT {
+            out.push(Entry::Copy { path: path.clone() });
         } else if meta.is_dir() || meta.is_file() {
             out.push(Entry::Bind { path: path.clone(), dir: meta.is_dir(), writable });
         }

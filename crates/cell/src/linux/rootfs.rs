@@ -51,10 +51,26 @@ pub fn build(plan: &CellPlan, workspace_tree: Option<&std::os::fd::OwnedFd>) -> 
         .map_err(errno)
         .map_err(at("mounting the cell root on", root))?;
 
+    // Read-only entries first; the whole tree is then made read-only, nosuid and nodev in one
+    // recursive step, and the writable mounts go on top of their (already created) mount points.
     for entry in &plan.entries {
         place(root, entry)?;
     }
     write_etc(plan)?;
+    let workspace = inside(root, &plan.workspace_mount);
+    for dir in [&root.join("tmp"), &workspace, &root.join("dev"), &root.join("proc")] {
+        fs::create_dir_all(dir).map_err(at("creating directory", dir))?;
+    }
+    sys::restrict_mount(root, true).map_err(at("making the cell root read-only", root))?;
+    for entry in &plan.entries {
+        if let Entry::Bind { path, writable: true, .. } = entry {
+            let dst = inside(root, path);
+            mount(Some(path), &dst, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
+                .map_err(errno)
+                .map_err(at("bind-mounting", path))?;
+            sys::restrict_mount(&dst, false).map_err(at("restricting mount", &dst))?;
+        }
+    }
     mount_tmp(root, plan.tmp_size)?;
     mount_workspace(plan, workspace_tree)?;
     mount_dev(root)?;
@@ -62,10 +78,6 @@ pub fn build(plan: &CellPlan, workspace_tree: Option<&std::os::fd::OwnedFd>) -> 
     for hidden in &plan.hidden {
         hide(&inside(root, hidden))?;
     }
-    // The root itself: nothing may be created next to the mounts.
-    mount(None::<&str>, root, None::<&str>, MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV, None::<&str>)
-        .map_err(errno)
-        .map_err(at("making the cell root read-only", root))?;
     pivot(root)
 }
 
@@ -80,9 +92,20 @@ fn place(root: &Path, entry: &Entry) -> Result<(), SetupError> {
             make_parent(&link)?;
             symlink(target, &link).map_err(at("creating symlink", &link))
         }
+        Entry::Copy { path } => {
+            let dst = inside(root, path);
+            make_parent(&dst)?;
+            fs::copy(path, &dst).map(drop).map_err(at("copying", path))
+        }
         Entry::Bind { path, dir, writable } => {
             let dst = inside(root, path);
-            bind(path, &dst, *dir, !*writable)
+            mountpoint(&dst, *dir)?;
+            if *writable {
+                return Ok(()); // mounted after the tree is made read-only
+            }
+            mount(Some(path), &dst, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
+                .map_err(errno)
+                .map_err(at("bind-mounting", path))
         }
     }
 }
@@ -103,14 +126,6 @@ fn mountpoint(dst: &Path, dir: bool) -> Result<(), SetupError> {
     }
 }
 
-fn bind(src: &Path, dst: &Path, dir: bool, read_only: bool) -> Result<(), SetupError> {
-    mountpoint(dst, dir)?;
-    mount(Some(src), dst, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
-        .map_err(errno)
-        .map_err(at("bind-mounting", src))?;
-    sys::restrict_mount(dst, read_only).map_err(at("restricting mount", dst))
-}
-
 fn write_etc(plan: &CellPlan) -> Result<(), SetupError> {
     let etc = plan.root.join("etc");
     fs::create_dir_all(&etc).map_err(at("creating directory", &etc))?;
@@ -127,7 +142,6 @@ fn write_etc(plan: &CellPlan) -> Result<(), SetupError> {
 
 fn mount_tmp(root: &Path, size: u64) -> Result<(), SetupError> {
     let tmp = root.join("tmp");
-    fs::create_dir_all(&tmp).map_err(at("creating directory", &tmp))?;
     let options = format!("mode=1777,size={size}");
     mount(Some("tmpfs"), &tmp, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(options.as_str()))
         .map_err(errno)
@@ -136,7 +150,6 @@ fn mount_tmp(root: &Path, size: u64) -> Result<(), SetupError> {
 
 fn mount_workspace(plan: &CellPlan, tree: Option<&std::os::fd::OwnedFd>) -> Result<(), SetupError> {
     let dst = inside(&plan.root, &plan.workspace_mount);
-    fs::create_dir_all(&dst).map_err(at("creating directory", &dst))?;
     let Some(workspace) = &plan.workspace else {
         let options = format!("mode=0755,uid={},gid={},size={}", plan.ids.inside_uid, plan.ids.inside_gid, plan.tmp_size);
         return mount(Some("tmpfs"), &dst, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(options.as_str()))
@@ -162,7 +175,6 @@ fn mount_workspace(plan: &CellPlan, tree: Option<&std::os::fd::OwnedFd>) -> Resu
 
 fn mount_dev(root: &Path) -> Result<(), SetupError> {
     let dev = root.join("dev");
-    fs::create_dir_all(&dev).map_err(at("creating directory", &dev))?;
     mount(Some("tmpfs"), &dev, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("mode=0755,size=64k"))
         .map_err(errno)
         .map_err(at("mounting tmpfs on", &dev))?;
@@ -201,7 +213,6 @@ fn mount_dev(root: &Path) -> Result<(), SetupError> {
 
 fn mount_proc(root: &Path) -> Result<(), SetupError> {
     let proc = root.join("proc");
-    fs::create_dir_all(&proc).map_err(at("creating directory", &proc))?;
     mount(Some("proc"), &proc, Some("proc"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, None::<&str>)
         .map_err(errno)
         .map_err(at("mounting proc on", &proc))?;

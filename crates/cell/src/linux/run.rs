@@ -121,24 +121,6 @@ pub fn run(registry: &Registry, request: RunRequest) -> Result<RunOutcome, RunEr
     };
 
     let mut notices = Vec::new();
-    let limits = cgroup::Limits {
-        memory_bytes: policy.limits.memory.map(|m| m.0),
-        pids: policy.limits.pids,
-        cpus: policy.limits.cpus,
-    };
-    let cell_cgroup = match CellCgroup::create(&cgroup::discover(), &name, &limits) {
-        Ok(cg) => Some(cg),
-        Err(err) if !privileged => {
-            notices.push(format!(
-                "no writable cgroup for this user ({err}); memory and process limits fall back to \
-                 per-process rlimits, cpu is not limited, and pause is unavailable"
-            ));
-            None
-        }
-        Err(err) => return Err(err.into()),
-    };
-    let guard = CellGuard { cgroup: cell_cgroup.clone(), pid: None };
-
     let mut env: Vec<(OsString, OsString)> = Vec::new();
     for (key, value) in &policy.process.env.set {
         env.push((key.into(), value.into()));
@@ -166,8 +148,8 @@ pub fn run(registry: &Registry, request: RunRequest) -> Result<RunOutcome, RunEr
         argv: request.argv.clone(),
         env,
         cwd: policy.process.cwd.clone(),
-        rlimit_nproc: if cell_cgroup.is_none() { policy.limits.pids } else { None },
-        rlimit_as: if cell_cgroup.is_none() { policy.limits.memory.map(|m| m.0) } else { None },
+        rlimit_nproc: policy.limits.pids,
+        rlimit_as: policy.limits.memory.map(|m| m.0),
     };
 
     // In root mode the workspace is attached through an id-mapped mount: its owner appears as the
@@ -208,7 +190,7 @@ pub fn run(registry: &Registry, request: RunRequest) -> Result<RunOutcome, RunEr
     let pid = match sys::clone_process(flags) {
         Ok(0) => {
             let _ = old_mask.thread_set_mask();
-            init::run(&plan, &fds, cell_cgroup.is_some())
+            init::run(&plan, &fds)
         }
         Ok(pid) => Pid::from_raw(pid),
         Err(source) => {
@@ -216,13 +198,34 @@ pub fn run(registry: &Registry, request: RunRequest) -> Result<RunOutcome, RunEr
             return Err(RunError::Namespaces { source });
         }
     };
-    let mut guard = guard;
-    guard.pid = Some(pid);
+    let mut guard = CellGuard { cgroup: None, pid: Some(pid) };
     drop((stdin_r, stdout_w, stderr_w, sync_r, status_w, tree));
 
     let started = Instant::now();
     let pidfd = sys::pidfd_open(pid.as_raw()).map_err(os("opening a pidfd for the cell"))?;
     write_id_maps(pid, &ids).map_err(os("writing the cell's id maps"))?;
+    let mut sync = fs::File::from(sync_w);
+    sync.write_all(&[init::GO_MAPPED]).map_err(os("starting the cell"))?;
+
+    // While the cell assembles its root, make its cgroup and move it in: moving a process
+    // between cgroups may wait for an RCU grace period, which then overlaps the mounts.
+    let limits = cgroup::Limits {
+        memory_bytes: policy.limits.memory.map(|m| m.0),
+        pids: policy.limits.pids,
+        cpus: policy.limits.cpus,
+    };
+    let cell_cgroup = match CellCgroup::create(&cgroup::discover(), &name, &limits) {
+        Ok(cg) => Some(cg),
+        Err(err) if !privileged => {
+            notices.push(format!(
+                "no writable cgroup for this user ({err}); memory and process limits fall back to \
+                 per-process rlimits, cpu is not limited, and pause is unavailable"
+            ));
+            None
+        }
+        Err(err) => return Err(err.into()),
+    };
+    guard.cgroup = cell_cgroup.clone();
     if let Some(cg) = &cell_cgroup {
         cg.add(pid.as_raw())?;
     }
@@ -236,7 +239,9 @@ pub fn run(registry: &Registry, request: RunRequest) -> Result<RunOutcome, RunEr
         workspace: plan.workspace.as_ref().map(|w| w.host.clone()),
         cgroup: cell_cgroup.clone(),
     })?;
-    fs::File::from(sync_w).write_all(b"g").map_err(os("starting the cell"))?;
+    let go = if cell_cgroup.is_some() { init::GO_IN_CGROUP } else { init::GO_RLIMITS };
+    sync.write_all(&[go]).map_err(os("starting the cell"))?;
+    drop(sync);
 
     // The init answers "ok" once the command runs, or "err CODE MESSAGE".
     let mut line = String::new();

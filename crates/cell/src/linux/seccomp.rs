@@ -1,6 +1,6 @@
 //! The seccomp filter of the process tier: a deny list of the kernel surface a cell never needs
-//! and that has a history of escapes. Everything refused returns EPERM (ENOSYS for `clone3`, so
-//! that libc falls back to `clone`, whose flags the filter can inspect).
+//! and that has a history of escapes. Everything refused returns EPERM (ENOSYS for `clone3` and
+//! `openat2`, so that libc falls back to calls whose flags the filter can inspect).
 
 use std::collections::BTreeMap;
 
@@ -154,33 +154,39 @@ pub fn deny_filter() -> Result<BpfProgram, SeccompError> {
         TargetArch::x86_64,
     )
     .map_err(|e| SeccompError::Build(e.to_string()))?;
-    filter.try_into().map_err(|e: seccompiler::BackendError| SeccompError::Build(e.to_string()))
+    let compiled: BpfProgram =
+        filter.try_into().map_err(|e: seccompiler::BackendError| SeccompError::Build(e.to_string()))?;
+    // seccompiler's program is [architecture check (3 instructions), rest]; the rest reloads the
+    // syscall number itself, so the prelude can go between them without moving any jump target.
+    let (arch_check, rest) = compiled.split_at(ARCH_CHECK_LEN);
+    let mut program = arch_check.to_vec();
+    program.extend(prelude());
+    program.extend_from_slice(rest);
+    Ok(program)
 }
 
-/// A second, tiny program: refuse x32 system calls (numbers with bit 30 set share the x86_64
-/// audit architecture and would otherwise slip past a deny list), and make `clone3` and
-/// `openat2` fail with ENOSYS: both pass their flags in memory a filter cannot read, and libc
-/// falls back to `clone` and `openat`, whose arguments the main filter checks.
-pub fn abi_filter() -> BpfProgram {
+const ARCH_CHECK_LEN: usize = 3;
+
+/// Checks that run before the per-syscall rules: refuse x32 system calls (numbers with bit 30
+/// set share the x86_64 audit architecture and would otherwise slip past a deny list), and make
+/// `clone3` and `openat2` fail with ENOSYS: both pass their flags in memory a filter cannot read,
+/// and libc then falls back to `clone` and `openat`, whose arguments the rules check.
+fn prelude() -> Vec<sock_filter> {
     const BPF_LD_W_ABS: u16 = 0x20;
     const BPF_JMP_JEQ_K: u16 = 0x15;
     const BPF_JMP_JGE_K: u16 = 0x35;
     const BPF_RET_K: u16 = 0x06;
-    const AUDIT_ARCH_X86_64: u32 = 62 | 0x8000_0000 | 0x4000_0000;
+    const SECCOMP_DATA_NR: u32 = 0;
     const X32_SYSCALL_BIT: u32 = 0x4000_0000;
     let stmt = |code, k| sock_filter { code, jt: 0, jf: 0, k };
     let jump = |code, k, jt, jf| sock_filter { code, jt, jf, k };
     vec![
-        stmt(BPF_LD_W_ABS, 4), // seccomp_data.arch
-        jump(BPF_JMP_JEQ_K, AUDIT_ARCH_X86_64, 1, 0),
-        stmt(BPF_RET_K, libc::SECCOMP_RET_KILL_PROCESS),
-        stmt(BPF_LD_W_ABS, 0), // seccomp_data.nr
+        stmt(BPF_LD_W_ABS, SECCOMP_DATA_NR),
         jump(BPF_JMP_JGE_K, X32_SYSCALL_BIT, 0, 1),
         stmt(BPF_RET_K, libc::SECCOMP_RET_ERRNO | libc::EPERM as u32),
         jump(BPF_JMP_JEQ_K, libc::SYS_clone3 as u32, 1, 0),
         jump(BPF_JMP_JEQ_K, libc::SYS_openat2 as u32, 0, 1),
         stmt(BPF_RET_K, libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32),
-        stmt(BPF_RET_K, libc::SECCOMP_RET_ALLOW),
     ]
 }
 
@@ -189,8 +195,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn filters_compile() {
-        assert!(deny_filter().unwrap().len() > DENIED.len());
-        assert_eq!(abi_filter().len(), 10);
+    fn prelude_sits_between_the_arch_check_and_the_rules() {
+        let program = deny_filter().unwrap();
+        assert!(program.len() > DENIED.len());
+        // The arch check's success jump lands on the prelude's first instruction.
+        assert_eq!(program[1].jt, 1);
+        assert_eq!(program[ARCH_CHECK_LEN..ARCH_CHECK_LEN + prelude().len()], prelude()[..]);
+        // The rules start by loading the syscall number again.
+        assert_eq!(program[ARCH_CHECK_LEN + prelude().len()], program[ARCH_CHECK_LEN]);
     }
 }
