@@ -17,7 +17,13 @@ struct Contender {
 /// Runs a command as `nobody`, so that rootless sandboxes can be measured from a root shell;
 /// both rootless rows pay the same extra exec of setpriv.
 fn as_nobody(argv: &[String]) -> Vec<String> {
-    let mut out = strings(&["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]);
+    let mut out = strings(&[
+        "setpriv",
+        "--reuid=65534",
+        "--regid=65534",
+        "--clear-groups",
+        "--",
+    ]);
     out.extend(argv.iter().cloned());
     out
 }
@@ -29,7 +35,9 @@ fn is_root() -> bool {
 
 fn which(program: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path).map(|d| d.join(program)).find(|p| p.is_file())
+    std::env::split_paths(&path)
+        .map(|d| d.join(program))
+        .find(|p| p.is_file())
 }
 
 fn strings(items: &[&str]) -> Vec<String> {
@@ -39,26 +47,63 @@ fn strings(items: &[&str]) -> Vec<String> {
 fn contenders(warden: &str) -> Vec<Contender> {
     let warden_run = strings(&[warden, "run", "--", "true"]);
     let bwrap = strings(&[
-        "bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin",
-        "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev",
-        "--tmpfs", "/tmp", "true",
+        "bwrap",
+        "--unshare-all",
+        "--die-with-parent",
+        "--ro-bind",
+        "/usr",
+        "/usr",
+        "--symlink",
+        "usr/bin",
+        "/bin",
+        "--symlink",
+        "usr/lib",
+        "/lib",
+        "--symlink",
+        "usr/lib64",
+        "/lib64",
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--tmpfs",
+        "/tmp",
+        "true",
     ]);
-    let mut out = vec![Contender { name: "warden run", argv: warden_run.clone() }];
+    let mut out = vec![Contender {
+        name: "warden run",
+        argv: warden_run.clone(),
+    }];
     let rootless = is_root() && which("setpriv").is_some();
     if rootless {
-        out.push(Contender { name: "warden run (rootless)", argv: as_nobody(&warden_run) });
+        out.push(Contender {
+            name: "warden run (rootless)",
+            argv: as_nobody(&warden_run),
+        });
     }
     if which("bwrap").is_some() {
-        out.push(Contender { name: "bwrap --unshare-all", argv: bwrap.clone() });
+        out.push(Contender {
+            name: "bwrap --unshare-all",
+            argv: bwrap.clone(),
+        });
         if rootless {
-            out.push(Contender { name: "bwrap (rootless)", argv: as_nobody(&bwrap) });
+            out.push(Contender {
+                name: "bwrap (rootless)",
+                argv: as_nobody(&bwrap),
+            });
         }
     }
     if which("unshare").is_some() {
-        out.push(Contender { name: "unshare -Umpnif", argv: strings(&["unshare", "-Umpnif", "true"]) });
+        out.push(Contender {
+            name: "unshare -Umpnif",
+            argv: strings(&["unshare", "-Umpnif", "true"]),
+        });
     }
     if which("runsc").is_some() {
-        out.push(Contender { name: "runsc do", argv: strings(&["runsc", "--network=none", "do", "true"]) });
+        out.push(Contender {
+            name: "runsc do",
+            argv: strings(&["runsc", "--network=none", "do", "true"]),
+        });
     }
     out
 }
@@ -68,7 +113,12 @@ fn time_once(argv: &[String]) -> Result<Duration> {
     let mut command = Command::new(&argv[0]);
     if argv[0] == "setpriv" {
         // Rootless runs keep their state where `nobody` may create it.
-        command.env("WARDEN_RUNTIME_DIR", std::env::temp_dir().join("warden-bench-nobody")).env_remove("XDG_RUNTIME_DIR");
+        command
+            .env(
+                "WARDEN_RUNTIME_DIR",
+                std::env::temp_dir().join("warden-bench-nobody"),
+            )
+            .env_remove("XDG_RUNTIME_DIR");
     }
     let status = command
         .args(&argv[1..])
@@ -105,11 +155,16 @@ fn main() -> Result<()> {
         }
     }
     let warden = std::fs::canonicalize(&warden)
-        .with_context(|| format!("{warden} not found; build it with `cargo build --release` or pass --warden PATH"))?
+        .with_context(|| {
+            format!(
+                "{warden} not found; build it with `cargo build --release` or pass --warden PATH"
+            )
+        })?
         .display()
         .to_string();
     let contenders = contenders(&warden);
-    let mut results: Vec<(&str, Vec<Duration>)> = contenders.iter().map(|c| (c.name, Vec::new())).collect();
+    let mut results: Vec<(&str, Vec<Duration>)> =
+        contenders.iter().map(|c| (c.name, Vec::new())).collect();
     // Warm-up, then interleave the contenders so that machine noise hits them alike.
     for c in &contenders {
         for _ in 0..5 {
@@ -132,8 +187,14 @@ fn main() -> Result<()> {
     };
     println!("cold start: create a sandbox, run `true`, tear it down ({runs} rounds, interleaved)");
     println!();
-    println!("| {:<28} | {:>5} | {:>11} | {:>8} | {:>17} |", "sandbox", "runs", "median (ms)", "p90 (ms)", "median vs warden");
-    println!("|{:-<30}|{:->7}|{:->13}|{:->10}|{:->19}|", "", "", "", "", "");
+    println!(
+        "| {:<28} | {:>5} | {:>11} | {:>8} | {:>17} |",
+        "sandbox", "runs", "median (ms)", "p90 (ms)", "median vs warden"
+    );
+    println!(
+        "|{:-<30}|{:->7}|{:->13}|{:->10}|{:->19}|",
+        "", "", "", "", ""
+    );
     for (name, mut samples) in results {
         samples.sort();
         let median = percentile(&samples, 0.5);

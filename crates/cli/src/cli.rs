@@ -5,7 +5,11 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(name = "warden", version, about = "Run commands and agents in cells that cannot touch the host; control them from outside.")]
+#[command(
+    name = "warden",
+    version,
+    about = "Run commands and agents in cells that cannot touch the host; control them from outside."
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,

@@ -57,7 +57,13 @@ fn run(args: RunArgs) -> Result<i32> {
         }
         env.push((key.to_owned(), value.to_owned()));
     }
-    let request = RunRequest { policy, name: args.name, workspace: args.workspace, argv: args.command, env };
+    let request = RunRequest {
+        policy,
+        name: args.name,
+        workspace: args.workspace,
+        argv: args.command,
+        env,
+    };
     let outcome = warden_cell::run(&registry()?, request)?;
     for notice in &outcome.notices {
         eprintln!("warden: note: {notice}");
@@ -67,15 +73,24 @@ fn run(args: RunArgs) -> Result<i32> {
         Ending::Exited(code) => code,
         Ending::Signaled(signal) => 128 + signal,
         Ending::MemoryLimit { limit } => {
-            eprintln!("warden: cell {name}: memory limit {} exceeded: killed", warden_policy::ByteSize(limit));
+            eprintln!(
+                "warden: cell {name}: memory limit {} exceeded: killed",
+                warden_policy::ByteSize(limit)
+            );
             exit::MEMORY_LIMIT
         }
         Ending::WallLimit { limit } => {
-            eprintln!("warden: cell {name}: wall-clock limit {} exceeded: killed", humanize(limit));
+            eprintln!(
+                "warden: cell {name}: wall-clock limit {} exceeded: killed",
+                humanize(limit)
+            );
             exit::WALL_LIMIT
         }
         Ending::OutputLimit { limit } => {
-            eprintln!("warden: cell {name}: output limit {} exceeded: killed", warden_policy::ByteSize(limit));
+            eprintln!(
+                "warden: cell {name}: output limit {} exceeded: killed",
+                warden_policy::ByteSize(limit)
+            );
             exit::OUTPUT_LIMIT
         }
         Ending::Killed => {
@@ -83,7 +98,9 @@ fn run(args: RunArgs) -> Result<i32> {
             exit::KILLED
         }
         Ending::CommandNotFound(message) => {
-            eprintln!("warden: {message} (in cell {name}; is it under a read-only path of the policy?)");
+            eprintln!(
+                "warden: {message} (in cell {name}; is it under a read-only path of the policy?)"
+            );
             exit::NOT_FOUND
         }
         Ending::CannotExecute(message) => {
@@ -103,7 +120,11 @@ fn ps(json: bool) -> Result<i32> {
         .iter()
         .map(|record| CellSummary {
             name: record.name.clone(),
-            state: if control::is_paused(record) { CellState::Paused } else { CellState::Running },
+            state: if control::is_paused(record) {
+                CellState::Paused
+            } else {
+                CellState::Running
+            },
             pid: record.pid,
             started_unix_ms: record.started_unix_ms,
             command: record.argv.clone(),
@@ -114,15 +135,27 @@ fn ps(json: bool) -> Result<i32> {
         println!("{}", serde_json::to_string_pretty(&summaries)?);
         return Ok(0);
     }
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-    println!("{:<20} {:<8} {:>8} {:>8}  COMMAND", "NAME", "STATE", "PID", "AGE");
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    println!(
+        "{:<20} {:<8} {:>8} {:>8}  COMMAND",
+        "NAME", "STATE", "PID", "AGE"
+    );
     for cell in &summaries {
         let age = now.saturating_sub(cell.started_unix_ms) / 1000;
         let state = match cell.state {
             CellState::Running => "running",
             CellState::Paused => "paused",
         };
-        println!("{:<20} {:<8} {:>8} {:>7}s  {}", cell.name, state, cell.pid, age, cell.command.join(" "));
+        println!(
+            "{:<20} {:<8} {:>8} {:>7}s  {}",
+            cell.name,
+            state,
+            cell.pid,
+            age,
+            cell.command.join(" ")
+        );
     }
     Ok(0)
 }
@@ -149,7 +182,10 @@ fn policy(command: PolicyCommand) -> Result<i32> {
 fn doctor(json: bool) -> Result<i32> {
     let checks = probe::run_all();
     if json {
-        println!("{}", serde_json::to_string_pretty(&checks).context("rendering the report")?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&checks).context("rendering the report")?
+        );
     } else {
         for check in &checks {
             let mark = match check.status {
@@ -157,12 +193,18 @@ fn doctor(json: bool) -> Result<i32> {
                 probe::Status::Warn => "warn",
                 probe::Status::Missing => "MISS",
             };
-            println!("[{mark}] {:<8} {:<16} {}", check.tier, check.feature, check.detail);
+            println!(
+                "[{mark}] {:<8} {:<16} {}",
+                check.tier, check.feature, check.detail
+            );
             if let Some(fix) = &check.fix {
                 println!("                              fix: {fix}");
             }
         }
     }
-    let process_ok = checks.iter().filter(|c| c.tier == "process").all(|c| c.status != probe::Status::Missing);
+    let process_ok = checks
+        .iter()
+        .filter(|c| c.tier == "process")
+        .all(|c| c.status != probe::Status::Missing);
     Ok(if process_ok { 0 } else { 1 })
 }

@@ -1,4 +1,5 @@
 //! Bad input gets a clear error (what failed, why, what to do) and a distinct exit status.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed step is a failed test
 
 mod support;
 
@@ -7,11 +8,20 @@ use support::*;
 #[test]
 fn invalid_policy_reports_line_and_column() {
     let dir = tempdir();
-    let file = policy(dir.path(), "version: 1\nlimits:\n  memory: 1GiB\n  pidz: 5\n");
-    let out = warden().args(["policy", "check", file.to_str().unwrap()]).output().unwrap();
+    let file = policy(
+        dir.path(),
+        "version: 1\nlimits:\n  memory: 1GiB\n  pidz: 5\n",
+    );
+    let out = warden()
+        .args(["policy", "check", file.to_str().unwrap()])
+        .output()
+        .unwrap();
     let ran = Ran::from(out);
     assert_eq!(ran.code, 125);
-    assert!(ran.stderr.contains(&format!("{}:4:3:", file.display())), "{ran:?}");
+    assert!(
+        ran.stderr.contains(&format!("{}:4:3:", file.display())),
+        "{ran:?}"
+    );
     assert!(ran.stderr.contains("pidz"), "{ran:?}");
 
     let ran = run_sh(&["--policy", file.to_str().unwrap()], "echo should-not-run");
@@ -24,44 +34,88 @@ fn invalid_policy_reports_line_and_column() {
 fn bad_values_point_at_their_line() {
     let dir = tempdir();
     let file = policy(dir.path(), "version: 1\nlimits:\n  wall: forever\n");
-    let ran = Ran::from(warden().args(["policy", "check", file.to_str().unwrap()]).output().unwrap());
+    let ran = Ran::from(
+        warden()
+            .args(["policy", "check", file.to_str().unwrap()])
+            .output()
+            .unwrap(),
+    );
     assert_eq!(ran.code, 125);
-    assert!(ran.stderr.contains(":3:") && ran.stderr.contains("not a duration"), "{ran:?}");
+    assert!(
+        ran.stderr.contains(":3:") && ran.stderr.contains("not a duration"),
+        "{ran:?}"
+    );
 }
 
 #[test]
 fn valid_policy_checks_and_explains() {
     let dir = tempdir();
-    let file = policy(dir.path(), "version: 1\nlimits:\n  memory: 256MiB\n  pids: 32\n");
-    let ran = Ran::from(warden().args(["policy", "check", file.to_str().unwrap()]).output().unwrap());
+    let file = policy(
+        dir.path(),
+        "version: 1\nlimits:\n  memory: 256MiB\n  pids: 32\n",
+    );
+    let ran = Ran::from(
+        warden()
+            .args(["policy", "check", file.to_str().unwrap()])
+            .output()
+            .unwrap(),
+    );
     assert_eq!(ran.code, 0, "{ran:?}");
-    let ran = Ran::from(warden().args(["policy", "explain", file.to_str().unwrap()]).output().unwrap());
+    let ran = Ran::from(
+        warden()
+            .args(["policy", "explain", file.to_str().unwrap()])
+            .output()
+            .unwrap(),
+    );
     assert_eq!(ran.code, 0, "{ran:?}");
     assert!(ran.stdout.contains("Memory: 256 MiB."), "{}", ran.stdout);
-    assert!(ran.stdout.contains("Processes and threads: 32."), "{}", ran.stdout);
-    assert!(ran.stdout.contains("only its own loopback"), "{}", ran.stdout);
+    assert!(
+        ran.stdout.contains("Processes and threads: 32."),
+        "{}",
+        ran.stdout
+    );
+    assert!(
+        ran.stdout.contains("only its own loopback"),
+        "{}",
+        ran.stdout
+    );
 }
 
 #[test]
 fn missing_workspace_is_named() {
     let ran = run_sh(&["--workspace", "/nonexistent/project"], "true");
     assert_eq!(ran.code, 125);
-    assert!(ran.stderr.contains("workspace /nonexistent/project does not exist"), "{ran:?}");
+    assert!(
+        ran.stderr
+            .contains("workspace /nonexistent/project does not exist"),
+        "{ran:?}"
+    );
 }
 
 #[test]
 fn unknown_preset_lists_the_known_ones() {
     let ran = run_sh(&["--preset", "yolo"], "true");
     assert_eq!(ran.code, 125);
-    assert!(ran.stderr.contains("unknown preset `yolo`; the built-in presets are: default, minimal"), "{ran:?}");
+    assert!(
+        ran.stderr
+            .contains("unknown preset `yolo`; the built-in presets are: default, minimal"),
+        "{ran:?}"
+    );
 }
 
 #[test]
 fn command_not_found_exits_127() {
-    let out = warden().args(["run", "--", "definitely-not-a-command"]).output().unwrap();
+    let out = warden()
+        .args(["run", "--", "definitely-not-a-command"])
+        .output()
+        .unwrap();
     let ran = Ran::from(out);
     assert_eq!(ran.code, 127, "{ran:?}");
-    assert!(ran.stderr.contains("command not found: definitely-not-a-command"), "{ran:?}");
+    assert!(
+        ran.stderr
+            .contains("command not found: definitely-not-a-command"),
+        "{ran:?}"
+    );
 }
 
 #[test]
@@ -74,7 +128,10 @@ fn exit_status_and_signals_pass_through() {
 fn invalid_cell_names_are_refused() {
     let ran = run_sh(&["--name", "../escape"], "true");
     assert_eq!(ran.code, 125);
-    assert!(ran.stderr.contains("cell name `../escape` is not valid"), "{ran:?}");
+    assert!(
+        ran.stderr.contains("cell name `../escape` is not valid"),
+        "{ran:?}"
+    );
 }
 
 #[test]
@@ -86,7 +143,12 @@ fn stdin_reaches_the_command() {
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    child.stdin.take().unwrap().write_all(b"hello cell\n").unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"hello cell\n")
+        .unwrap();
     let out = child.wait_with_output().unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout), "HELLO CELL\n");
 }
@@ -96,17 +158,30 @@ fn stdin_reaches_the_command() {
 #[test]
 fn missing_kernel_feature_is_named_and_points_to_doctor() {
     let dir = tempdir();
-    let bin_dir = std::path::Path::new(BIN).parent().unwrap().to_str().unwrap().to_owned();
+    let bin_dir = std::path::Path::new(BIN)
+        .parent()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_owned();
     let file = policy(
         dir.path(),
         &format!(
             "version: 1\nfilesystem:\n  read_only: [/usr, /bin, /sbin, /lib, /lib64, /etc/alternatives, /etc/ld.so.cache, {bin_dir}]\n"
         ),
     );
-    let script = format!("WARDEN_RUNTIME_DIR=/tmp/wr {BIN} run -- true; echo status=$?; {BIN} doctor; echo doctor=$?");
+    let script = format!(
+        "WARDEN_RUNTIME_DIR=/tmp/wr {BIN} run -- true; echo status=$?; {BIN} doctor; echo doctor=$?"
+    );
     let ran = run_sh(&["--policy", file.to_str().unwrap()], &script);
     assert!(ran.stdout.contains("status=125"), "{ran:?}");
-    assert!(ran.stderr.contains("user namespaces") && ran.stderr.contains("warden doctor"), "{ran:?}");
-    assert!(ran.stdout.contains("[MISS] process  user namespaces"), "{ran:?}");
+    assert!(
+        ran.stderr.contains("user namespaces") && ran.stderr.contains("warden doctor"),
+        "{ran:?}"
+    );
+    assert!(
+        ran.stdout.contains("[MISS] process  user namespaces"),
+        "{ran:?}"
+    );
     assert!(ran.stdout.contains("doctor=1"), "{ran:?}");
 }

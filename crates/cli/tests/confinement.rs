@@ -1,4 +1,5 @@
 //! Each confinement of a process-tier cell, proven by an attempt that fails inside a real cell.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed step is a failed test
 
 mod support;
 
@@ -30,12 +31,24 @@ fn writes_outside_workspace_and_tmp_are_denied() {
          echo ok > /workspace/inside && echo ok > /tmp/inside && echo writable",
     );
     assert_eq!(ran.code, 0, "{ran:?}");
-    for path in ["/etc/x", "/usr/x", "/x", "/proc/sys/kernel/hostname", "/dev/x"] {
-        assert!(ran.stdout.contains(&format!("denied {path}\n")), "{path}: {ran:?}");
+    for path in [
+        "/etc/x",
+        "/usr/x",
+        "/x",
+        "/proc/sys/kernel/hostname",
+        "/dev/x",
+    ] {
+        assert!(
+            ran.stdout.contains(&format!("denied {path}\n")),
+            "{path}: {ran:?}"
+        );
     }
     assert!(!ran.stdout.contains("WROTE"), "{ran:?}");
     assert!(ran.stdout.ends_with("writable\n"), "{ran:?}");
-    assert_eq!(std::fs::read_to_string(ws.path().join("inside")).unwrap(), "ok\n");
+    assert_eq!(
+        std::fs::read_to_string(ws.path().join("inside")).unwrap(),
+        "ok\n"
+    );
     assert!(!std::path::Path::new("/x").exists() && !std::path::Path::new("/usr/x").exists());
 }
 
@@ -47,10 +60,21 @@ fn host_secret_outside_the_policy_is_unreadable() {
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o644)).unwrap();
     let path = secret.to_str().unwrap();
-    let ran = run_sh(&[], &format!("cat {path} /etc/shadow /root/.bashrc /home 2>&1; cat /etc/passwd"));
+    let ran = run_sh(
+        &[],
+        &format!("cat {path} /etc/shadow /root/.bashrc /home 2>&1; cat /etc/passwd"),
+    );
     assert!(!ran.stdout.contains("TOPSECRET"), "{ran:?}");
-    assert!(ran.stdout.contains(&format!("cat: {path}: No such file or directory")), "{ran:?}");
-    assert!(ran.stdout.contains("cat: /etc/shadow: No such file or directory"), "{ran:?}");
+    assert!(
+        ran.stdout
+            .contains(&format!("cat: {path}: No such file or directory")),
+        "{ran:?}"
+    );
+    assert!(
+        ran.stdout
+            .contains("cat: /etc/shadow: No such file or directory"),
+        "{ran:?}"
+    );
     // The cell's /etc/passwd is generated, not the host's.
     let host_passwd = std::fs::read_to_string("/etc/passwd").unwrap();
     assert!(host_passwd.lines().count() > 3);
@@ -60,19 +84,34 @@ fn host_secret_outside_the_policy_is_unreadable() {
 
 #[test]
 fn host_processes_are_invisible_and_cannot_be_signalled() {
-    let mut host = std::process::Command::new("sleep").arg("60").spawn().unwrap();
+    let mut host = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
     let pid = host.id();
     let ran = run_sh(
         &[],
-        &format!("ls /proc | grep -E '^[0-9]+$' | tr '\\n' ' '; echo; kill -0 {pid} 2>&1 || echo cannot-signal; kill -9 1 2>&1; echo alive"),
+        &format!(
+            "ls /proc | grep -E '^[0-9]+$' | tr '\\n' ' '; echo; kill -0 {pid} 2>&1 || echo cannot-signal; kill -9 1 2>&1; echo alive"
+        ),
     );
     let still_running = host.try_wait().unwrap().is_none();
     host.kill().unwrap();
     let _ = host.wait();
     assert!(still_running, "the host process was killed from the cell");
     assert!(ran.stdout.contains("cannot-signal"), "{ran:?}");
-    let pids: Vec<u32> = ran.stdout.lines().next().unwrap().split_whitespace().map(|p| p.parse().unwrap()).collect();
-    assert!(pids.iter().all(|p| *p < 20), "cell sees host pids: {pids:?}");
+    let pids: Vec<u32> = ran
+        .stdout
+        .lines()
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .map(|p| p.parse().unwrap())
+        .collect();
+    assert!(
+        pids.iter().all(|p| *p < 20),
+        "cell sees host pids: {pids:?}"
+    );
     assert!(pids.contains(&1), "{pids:?}");
 }
 
@@ -84,10 +123,16 @@ fn ptrace_is_refused() {
 
 #[test]
 fn mount_is_refused() {
-    let ran = run_py(&[], &errno_of("", "libc.mount(b'none', b'/tmp', b'tmpfs', 0, None)"));
+    let ran = run_py(
+        &[],
+        &errno_of("", "libc.mount(b'none', b'/tmp', b'tmpfs', 0, None)"),
+    );
     assert_eq!(ran.stdout.trim(), "errno EPERM", "{ran:?}");
     let ran = run_sh(&[], "mount -t tmpfs none /tmp 2>&1; echo status=$?");
-    assert!(ran.stdout.contains("status=32") || ran.stdout.contains("status=1"), "{ran:?}");
+    assert!(
+        ran.stdout.contains("status=32") || ran.stdout.contains("status=1"),
+        "{ran:?}"
+    );
 }
 
 #[test]
@@ -101,13 +146,25 @@ fn new_user_namespace_is_refused() {
 
 #[test]
 fn bpf_is_refused() {
-    let ran = run_py(&[], &errno_of("buf = ctypes.create_string_buffer(128)", "libc.syscall(321, 0, buf, 128)"));
+    let ran = run_py(
+        &[],
+        &errno_of(
+            "buf = ctypes.create_string_buffer(128)",
+            "libc.syscall(321, 0, buf, 128)",
+        ),
+    );
     assert_eq!(ran.stdout.trim(), "errno EPERM", "{ran:?}");
 }
 
 #[test]
 fn io_uring_is_refused() {
-    let ran = run_py(&[], &errno_of("params = ctypes.create_string_buffer(120)", "libc.syscall(425, 4, params)"));
+    let ran = run_py(
+        &[],
+        &errno_of(
+            "params = ctypes.create_string_buffer(120)",
+            "libc.syscall(425, 4, params)",
+        ),
+    );
     assert_eq!(ran.stdout.trim(), "errno EPERM", "{ran:?}");
 }
 
@@ -135,7 +192,10 @@ fn tcp_to_a_host_loopback_listener_is_unreachable() {
     );
     let ran = run_py(&[], &code);
     assert_eq!(ran.stdout.trim(), "errno ECONNREFUSED", "{ran:?}");
-    assert!(listener.accept().is_err(), "the host listener received a connection from the cell");
+    assert!(
+        listener.accept().is_err(),
+        "the host listener received a connection from the cell"
+    );
 }
 
 #[test]
@@ -147,7 +207,10 @@ fn vsock_packet_and_netlink_sockets_are_refused() {
                 \x20   except OSError as e: print(fam, errno.errorcode[e.errno])\n\
                 socket.socket(16, 3, 0); print('route netlink ok')";
     let ran = run_py(&[], code);
-    assert_eq!(ran.stdout, "40 EPERM\n17 EPERM\n16 EPERM\nroute netlink ok\n", "{ran:?}");
+    assert_eq!(
+        ran.stdout, "40 EPERM\n17 EPERM\n16 EPERM\nroute netlink ok\n",
+        "{ran:?}"
+    );
 }
 
 #[test]
@@ -161,19 +224,33 @@ fn caller_environment_and_inherited_fds_do_not_reach_the_cell() {
          'env; ls /proc/self/fd | tr \"\\n\" \" \"; echo; cat <&7 2>&1 || echo no-fd7'",
         secret.display()
     );
-    let out = std::process::Command::new("sh").args(["-c", &script]).stdin(std::process::Stdio::null()).output().unwrap();
+    let out = std::process::Command::new("sh")
+        .args(["-c", &script])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
     let ran = Ran::from(out);
     assert_eq!(ran.code, 0, "{ran:?}");
-    assert!(!ran.stdout.contains("ENV-SECRET-42") && !ran.stdout.contains("API_KEY"), "{ran:?}");
+    assert!(
+        !ran.stdout.contains("ENV-SECRET-42") && !ran.stdout.contains("API_KEY"),
+        "{ran:?}"
+    );
     assert!(!ran.stdout.contains("FD-SECRET-99"), "{ran:?}");
     assert!(ran.stdout.contains("no-fd7"), "{ran:?}");
     let fds_line = ran.stdout.lines().find(|l| l.starts_with("0 ")).unwrap();
-    assert_eq!(fds_line.trim(), "0 1 2 3", "only stdio (and ls's own directory fd) may be open");
+    assert_eq!(
+        fds_line.trim(),
+        "0 1 2 3",
+        "only stdio (and ls's own directory fd) may be open"
+    );
 }
 
 #[test]
 fn the_command_runs_unprivileged_with_no_capabilities() {
-    let ran = run_sh(&[], "id -u; grep -E '^(CapEff|CapBnd|CapPrm|NoNewPrivs|Seccomp):' /proc/self/status; cat /proc/self/uid_map");
+    let ran = run_sh(
+        &[],
+        "id -u; grep -E '^(CapEff|CapBnd|CapPrm|NoNewPrivs|Seccomp):' /proc/self/status; cat /proc/self/uid_map",
+    );
     let lines: Vec<&str> = ran.stdout.lines().collect();
     assert_eq!(lines[0], "1000", "{ran:?}");
     assert!(ran.stdout.contains("CapEff:\t0000000000000000"), "{ran:?}");
@@ -181,10 +258,18 @@ fn the_command_runs_unprivileged_with_no_capabilities() {
     assert!(ran.stdout.contains("NoNewPrivs:\t1"), "{ran:?}");
     assert!(ran.stdout.contains("Seccomp:\t2"), "{ran:?}");
     // No inside id maps to host root: the uid map is the last output, one range per line.
-    let map: Vec<&str> = lines.iter().copied().filter(|l| !l.contains(':')).skip(1).collect();
+    let map: Vec<&str> = lines
+        .iter()
+        .copied()
+        .filter(|l| !l.contains(':'))
+        .skip(1)
+        .collect();
     assert!(!map.is_empty(), "{ran:?}");
     for line in map {
-        let fields: Vec<u64> = line.split_whitespace().map(|f| f.parse().unwrap()).collect();
+        let fields: Vec<u64> = line
+            .split_whitespace()
+            .map(|f| f.parse().unwrap())
+            .collect();
         assert_eq!(fields.len(), 3, "{line}");
         assert!(fields[1] > 0, "an inside id maps to host root: {line}");
     }
@@ -198,7 +283,10 @@ fn setuid_bits_cannot_be_set() {
         "cp /bin/true /workspace/t && chmod u+s /workspace/t 2>&1; chmod g+s /workspace 2>&1; stat -c %A /workspace/t",
     );
     assert!(ran.stdout.contains("Operation not permitted"), "{ran:?}");
-    let mode = std::fs::metadata(ws.path().join("t")).unwrap().permissions().mode();
+    let mode = std::fs::metadata(ws.path().join("t"))
+        .unwrap()
+        .permissions()
+        .mode();
     assert_eq!(mode & 0o6000, 0, "setuid bit reached the host");
 }
 
@@ -214,8 +302,14 @@ fn protected_workspace_paths_are_read_only() {
     );
     assert!(ran.stdout.contains("done"), "{ran:?}");
     assert!(!ws.path().join(".git/hooks/pre-commit").exists());
-    assert_eq!(std::fs::read_to_string(ws.path().join(".envrc")).unwrap(), "export A=1\n");
-    assert_eq!(std::fs::read_to_string(ws.path().join("src.txt")).unwrap(), "fine\n");
+    assert_eq!(
+        std::fs::read_to_string(ws.path().join(".envrc")).unwrap(),
+        "export A=1\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(ws.path().join("src.txt")).unwrap(),
+        "fine\n"
+    );
 }
 
 #[test]
@@ -235,7 +329,12 @@ fn abstract_unix_sockets_of_the_host_are_out_of_reach() {
     let ran = run_py(&[], &code);
     assert!(ran.stdout.starts_with("errno "), "{ran:?}");
     let mut buf = [0u8; 1];
-    assert!(listener.accept().map(|(mut s, _)| s.read(&mut buf)).is_err());
+    assert!(
+        listener
+            .accept()
+            .map(|(mut s, _)| s.read(&mut buf))
+            .is_err()
+    );
 }
 
 #[test]
@@ -247,5 +346,8 @@ fn x32_syscalls_and_unfilterable_clone3_are_refused() {
         + "\nr = libc.syscall(437, -100, b'/etc/passwd', 0, 0); print('openat2', errno.errorcode.get(ctypes.get_errno()) if r == -1 else 'OK')"
         + "\nimport subprocess; print(subprocess.run(['true']).returncode)";
     let ran = run_py(&[], &code);
-    assert_eq!(ran.stdout, "errno EPERM\nclone3 ENOSYS\nopenat2 ENOSYS\n0\n", "{ran:?}");
+    assert_eq!(
+        ran.stdout, "errno EPERM\nclone3 ENOSYS\nopenat2 ENOSYS\n0\n",
+        "{ran:?}"
+    );
 }

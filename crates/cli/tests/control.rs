@@ -1,5 +1,6 @@
 //! Control from outside: another warden process pauses, resumes and kills a running cell,
 //! through the kernel alone.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed step is a failed test
 
 mod support;
 
@@ -11,7 +12,17 @@ use support::*;
 
 fn start(name: &str, workspace: &Path, script: &str) -> Child {
     warden()
-        .args(["run", "--name", name, "--workspace", workspace.to_str().unwrap(), "--", "sh", "-c", script])
+        .args([
+            "run",
+            "--name",
+            name,
+            "--workspace",
+            workspace.to_str().unwrap(),
+            "--",
+            "sh",
+            "-c",
+            script,
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -27,7 +38,10 @@ fn wait_for(what: &str, mut ready: impl FnMut() -> bool) {
 }
 
 fn counter(ws: &Path) -> u64 {
-    std::fs::read_to_string(ws.join("count")).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
+    std::fs::read_to_string(ws.join("count"))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
 }
 
 fn ps_json() -> serde_json::Value {
@@ -37,14 +51,26 @@ fn ps_json() -> serde_json::Value {
 }
 
 fn state_of(name: &str) -> Option<String> {
-    ps_json().as_array().unwrap().iter().find(|c| c["name"] == name).map(|c| c["state"].as_str().unwrap().to_owned())
+    ps_json()
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == name)
+        .map(|c| c["state"].as_str().unwrap().to_owned())
 }
 
 #[test]
 fn pause_stops_progress_and_resume_continues_it() {
+    if !cgroups_available("pause_stops_progress_and_resume_continues_it") {
+        return;
+    }
     let ws = tempdir();
     let name = unique("pause");
-    let mut cell = start(&name, ws.path(), "i=0; while true; do i=$((i+1)); echo $i > /workspace/count.tmp; mv /workspace/count.tmp /workspace/count; done");
+    let cell = start(
+        &name,
+        ws.path(),
+        "i=0; while true; do i=$((i+1)); echo $i > /workspace/count.tmp; mv /workspace/count.tmp /workspace/count; done",
+    );
     wait_for("the counter", || counter(ws.path()) > 10);
     assert_eq!(state_of(&name).as_deref(), Some("running"));
 
@@ -53,11 +79,17 @@ fn pause_stops_progress_and_resume_continues_it() {
     assert_eq!(state_of(&name).as_deref(), Some("paused"));
     let frozen_at = counter(ws.path());
     std::thread::sleep(Duration::from_millis(500));
-    assert_eq!(counter(ws.path()), frozen_at, "the counter advanced while paused");
+    assert_eq!(
+        counter(ws.path()),
+        frozen_at,
+        "the counter advanced while paused"
+    );
 
     let out = warden().args(["resume", &name]).output().unwrap();
     assert!(out.status.success(), "{out:?}");
-    wait_for("the counter to advance after resume", || counter(ws.path()) > frozen_at + 10);
+    wait_for("the counter to advance after resume", || {
+        counter(ws.path()) > frozen_at + 10
+    });
     assert_eq!(state_of(&name).as_deref(), Some("running"));
 
     assert!(warden().args(["kill", &name]).status().unwrap().success());
@@ -72,15 +104,23 @@ fn cell_gone(name: &str) -> bool {
 
 #[test]
 fn kill_ends_a_cell_whose_processes_ignore_sigterm_and_fork() {
+    if !cgroups_available("kill_ends_a_cell_whose_processes_ignore_sigterm_and_fork") {
+        return;
+    }
     let ws = tempdir();
     let name = unique("kill");
     let marker = format!("{}.{}", 800 + std::process::id() % 97, std::process::id());
     let script = format!(
         "trap '' TERM INT HUP; while true; do (trap '' TERM; sleep {marker}) & echo x >> /workspace/forks; sleep 0.02; done"
     );
-    let mut cell = start(&name, ws.path(), &script);
-    wait_for("forks", || std::fs::read_to_string(ws.path().join("forks")).is_ok_and(|s| s.lines().count() > 5));
-    assert!(!host_processes_with(&format!("sleep {marker}")).is_empty(), "the test cannot see the cell's processes");
+    let cell = start(&name, ws.path(), &script);
+    wait_for("forks", || {
+        std::fs::read_to_string(ws.path().join("forks")).is_ok_and(|s| s.lines().count() > 5)
+    });
+    assert!(
+        !host_processes_with(&format!("sleep {marker}")).is_empty(),
+        "the test cannot see the cell's processes"
+    );
 
     // A paused cell must be killable too.
     assert!(warden().args(["pause", &name]).status().unwrap().success());
@@ -88,9 +128,15 @@ fn kill_ends_a_cell_whose_processes_ignore_sigterm_and_fork() {
     assert!(out.status.success(), "{out:?}");
     let ran = Ran::from(cell.wait_with_output().unwrap());
     assert_eq!(ran.code, 137, "{ran:?}");
-    assert!(ran.stderr.contains("was killed by `warden kill`"), "{ran:?}");
+    assert!(
+        ran.stderr.contains("was killed by `warden kill`"),
+        "{ran:?}"
+    );
 
-    assert!(host_processes_with(&format!("sleep {marker}")).is_empty(), "processes of the cell survived");
+    assert!(
+        host_processes_with(&format!("sleep {marker}")).is_empty(),
+        "processes of the cell survived"
+    );
     assert!(cell_gone(&name), "the cell is still listed or has cgroups");
     let runtime = Path::new("/run/warden/cells").join(&name);
     assert!(!is_root() || !runtime.exists(), "runtime files left behind");
@@ -102,9 +148,16 @@ fn kill_ends_a_cell_whose_processes_ignore_sigterm_and_fork() {
 fn ctrl_c_reaches_the_command_and_ends_the_cell() {
     let ws = tempdir();
     let name = unique("sigint");
-    let mut cell = start(&name, ws.path(), "trap 'echo got-int; exit 3' INT; echo ready > /workspace/ready; while true; do sleep 0.05; done");
+    let cell = start(
+        &name,
+        ws.path(),
+        "trap 'echo got-int; exit 3' INT; echo ready > /workspace/ready; while true; do sleep 0.05; done",
+    );
     wait_for("the cell", || ws.path().join("ready").exists());
-    let status = std::process::Command::new("kill").args(["-INT", &cell.id().to_string()]).status().unwrap();
+    let status = std::process::Command::new("kill")
+        .args(["-INT", &cell.id().to_string()])
+        .status()
+        .unwrap();
     assert!(status.success());
     let ran = Ran::from(cell.wait_with_output().unwrap());
     assert_eq!(ran.code, 3, "{ran:?}");
@@ -117,7 +170,10 @@ fn control_commands_name_unknown_cells() {
         let out = warden().args([verb, "no-such-cell"]).output().unwrap();
         assert_eq!(out.status.code(), Some(125));
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(stderr.contains("no running cell named `no-such-cell`"), "{stderr}");
+        assert!(
+            stderr.contains("no running cell named `no-such-cell`"),
+            "{stderr}"
+        );
     }
 }
 
@@ -129,7 +185,11 @@ fn a_second_cell_cannot_take_a_running_name() {
     wait_for("the cell", || ws.path().join("up").exists());
     let ran = run_sh(&["--name", &name], "true");
     assert_eq!(ran.code, 125);
-    assert!(ran.stderr.contains(&format!("a cell named `{name}` is already running")), "{ran:?}");
+    assert!(
+        ran.stderr
+            .contains(&format!("a cell named `{name}` is already running")),
+        "{ran:?}"
+    );
     warden().args(["kill", &name]).status().unwrap();
     let _ = cell.wait();
 }

@@ -1,5 +1,6 @@
 //! The process tier without root: run as an unprivileged host user (when the tests run as root,
 //! they drop to `nobody` with setpriv; otherwise they already are unprivileged).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed step is a failed test
 
 mod support;
 
@@ -34,41 +35,68 @@ fn setup() -> Rootless {
             std::os::unix::fs::chown(path, Some(NOBODY), Some(NOBODY)).unwrap();
         }
     }
-    Rootless { _dir: dir, bin, workspace, runtime }
+    Rootless {
+        _dir: dir,
+        bin,
+        workspace,
+        runtime,
+    }
 }
 
 fn as_user(env: &Rootless, args: &[&str]) -> Command {
     let mut cmd = if is_root() {
         let mut c = Command::new("setpriv");
-        c.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"]).arg(&env.bin);
+        c.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+            .arg(&env.bin);
         c
     } else {
         Command::new(&env.bin)
     };
-    cmd.args(args).env("WARDEN_RUNTIME_DIR", &env.runtime).env_remove("XDG_RUNTIME_DIR").stdin(Stdio::null());
+    cmd.args(args)
+        .env("WARDEN_RUNTIME_DIR", &env.runtime)
+        .env_remove("XDG_RUNTIME_DIR")
+        .stdin(Stdio::null());
     cmd
 }
 
 fn host_uid() -> u32 {
-    if is_root() { NOBODY } else { std::fs::metadata("/proc/self").unwrap().uid() }
+    if is_root() {
+        NOBODY
+    } else {
+        std::fs::metadata("/proc/self").unwrap().uid()
+    }
 }
 
 #[test]
 fn rootless_cell_is_confined_and_writes_its_workspace() {
     let env = setup();
     let ws = env.workspace.to_str().unwrap().to_owned();
-    let out = as_user(&env, &["run", "--workspace", &ws, "--", "sh", "-c",
-        "id -u; cat /proc/self/uid_map; echo x > /etc/x 2>/dev/null || echo etc-denied; \
-         echo hello > /workspace/made-inside && echo ws-ok; grep CapEff /proc/self/status"])
-        .output()
-        .unwrap();
+    let out = as_user(
+        &env,
+        &[
+            "run",
+            "--workspace",
+            &ws,
+            "--",
+            "sh",
+            "-c",
+            "id -u; cat /proc/self/uid_map; echo x > /etc/x 2>/dev/null || echo etc-denied; \
+         echo hello > /workspace/made-inside && echo ws-ok; grep CapEff /proc/self/status",
+        ],
+    )
+    .output()
+    .unwrap();
     let ran = Ran::from(out);
     assert_eq!(ran.code, 0, "{ran:?}");
     let lines: Vec<&str> = ran.stdout.lines().collect();
     assert_eq!(lines[0], "1000");
     let map: Vec<&str> = lines[1].split_whitespace().collect();
     assert_eq!(map, ["1000", host_uid().to_string().as_str(), "1"]);
-    assert!(ran.stdout.contains("etc-denied\nws-ok\nCapEff:\t0000000000000000"), "{ran:?}");
+    assert!(
+        ran.stdout
+            .contains("etc-denied\nws-ok\nCapEff:\t0000000000000000"),
+        "{ran:?}"
+    );
     let made = Path::new(&ws).join("made-inside");
     assert_eq!(std::fs::read_to_string(&made).unwrap(), "hello\n");
     assert_eq!(std::fs::metadata(&made).unwrap().uid(), host_uid());
@@ -81,8 +109,15 @@ fn rootless_cell_refuses_the_dangerous_surface() {
                 libc = ctypes.CDLL(None, use_errno=True)\n\
                 for name, call in [('ptrace', lambda: libc.ptrace(0,0,0,0)), ('unshare', lambda: libc.unshare(0x10000000)), ('mount', lambda: libc.mount(b'n', b'/tmp', b'tmpfs', 0, None))]:\n\
                 \x20   r = call(); print(name, errno.errorcode.get(ctypes.get_errno()) if r == -1 else 'ALLOWED')";
-    let ran = Ran::from(as_user(&env, &["run", "--", "python3", "-c", code]).output().unwrap());
-    assert_eq!(ran.stdout, "ptrace EPERM\nunshare EPERM\nmount EPERM\n", "{ran:?}");
+    let ran = Ran::from(
+        as_user(&env, &["run", "--", "python3", "-c", code])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(
+        ran.stdout, "ptrace EPERM\nunshare EPERM\nmount EPERM\n",
+        "{ran:?}"
+    );
 }
 
 #[test]
@@ -90,14 +125,29 @@ fn rootless_cells_are_listed_and_killed_from_outside() {
     let env = setup();
     let name = unique("rootless");
     let ws = env.workspace.to_str().unwrap().to_owned();
-    let mut cell = as_user(&env, &["run", "--name", &name, "--workspace", &ws, "--", "sh", "-c",
-        "trap '' TERM; echo up > /workspace/up; while true; do sleep 0.05; done"])
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let cell = as_user(
+        &env,
+        &[
+            "run",
+            "--name",
+            &name,
+            "--workspace",
+            &ws,
+            "--",
+            "sh",
+            "-c",
+            "trap '' TERM; echo up > /workspace/up; while true; do sleep 0.05; done",
+        ],
+    )
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while !env.workspace.join("up").exists() {
-        assert!(std::time::Instant::now() < deadline, "the rootless cell did not start");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the rootless cell did not start"
+        );
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     let ps = Ran::from(as_user(&env, &["ps"]).output().unwrap());

@@ -25,12 +25,24 @@ pub fn explain(policy: &Policy) -> String {
             ws.protect.join(", ")
         );
     }
-    let _ = writeln!(out, "  - /tmp is private to the cell, in memory, at most {}.", fs.tmp_size);
-    let _ = writeln!(out, "  - Read-only from the host (when present there): {}.", join_paths(&fs.read_only));
+    let _ = writeln!(
+        out,
+        "  - /tmp is private to the cell, in memory, at most {}.",
+        fs.tmp_size
+    );
+    let _ = writeln!(
+        out,
+        "  - Read-only from the host (when present there): {}.",
+        join_paths(&fs.read_only)
+    );
     if fs.read_write.is_empty() {
         let _ = writeln!(out, "  - No other host directory is writable.");
     } else {
-        let _ = writeln!(out, "  - Read-write from the host: {}.", join_paths(&fs.read_write));
+        let _ = writeln!(
+            out,
+            "  - Read-write from the host: {}.",
+            join_paths(&fs.read_write)
+        );
     }
     if !fs.hidden.is_empty() {
         let _ = writeln!(out, "  - Always hidden: {}.", join_paths(&fs.hidden));
@@ -53,9 +65,23 @@ pub fn explain(policy: &Policy) -> String {
         proc.group()
     );
     let _ = writeln!(out, "  - Starts in {}.", proc.cwd.display());
-    let mut env: Vec<String> = proc.env.set.iter().map(|(k, v)| format!("{k}={v}")).collect();
-    env.extend(proc.env.pass.iter().map(|k| format!("{k} (from the caller, if set)")));
-    let _ = writeln!(out, "  - Environment: only {}; everything else of the caller is dropped.", env.join(", "));
+    let mut env: Vec<String> = proc
+        .env
+        .set
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    env.extend(
+        proc.env
+            .pass
+            .iter()
+            .map(|k| format!("{k} (from the caller, if set)")),
+    );
+    let _ = writeln!(
+        out,
+        "  - Environment: only {}; everything else of the caller is dropped.",
+        env.join(", ")
+    );
     let _ = writeln!(
         out,
         "  - System calls that reach beyond the cell are refused (mount, ptrace, bpf, io_uring, \
@@ -66,11 +92,31 @@ pub fn explain(policy: &Policy) -> String {
     let limits = &policy.limits;
     let _ = writeln!(out, "\nLimits");
     let unlimited = || "unlimited".to_owned();
-    let _ = writeln!(out, "  - Memory: {}.", limits.memory.map_or_else(unlimited, |m| m.to_string()));
-    let _ = writeln!(out, "  - Processes and threads: {}.", limits.pids.map_or_else(unlimited, |p| p.to_string()));
-    let _ = writeln!(out, "  - CPU: {}.", limits.cpus.map_or_else(unlimited, |c| format!("{c} cores")));
-    let _ = writeln!(out, "  - Wall clock: {}.", limits.wall.map_or_else(unlimited, |w| w.to_string()));
-    let _ = writeln!(out, "  - Output relayed: {}.", limits.output.map_or_else(unlimited, |o| o.to_string()));
+    let _ = writeln!(
+        out,
+        "  - Memory: {}.",
+        limits.memory.map_or_else(unlimited, |m| m.to_string())
+    );
+    let _ = writeln!(
+        out,
+        "  - Processes and threads: {}.",
+        limits.pids.map_or_else(unlimited, |p| p.to_string())
+    );
+    let _ = writeln!(
+        out,
+        "  - CPU: {}.",
+        limits.cpus.map_or_else(unlimited, |c| format!("{c} cores"))
+    );
+    let _ = writeln!(
+        out,
+        "  - Wall clock: {}.",
+        limits.wall.map_or_else(unlimited, |w| w.to_string())
+    );
+    let _ = writeln!(
+        out,
+        "  - Output relayed: {}.",
+        limits.output.map_or_else(unlimited, |o| o.to_string())
+    );
 
     let _ = writeln!(out, "\nNetwork");
     let _ = writeln!(
@@ -87,5 +133,9 @@ fn join_paths(paths: &[std::path::PathBuf]) -> String {
     if paths.is_empty() {
         return "nothing".to_owned();
     }
-    paths.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+    paths
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
 }

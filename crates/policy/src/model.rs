@@ -242,13 +242,19 @@ pub struct EnvPolicy {
 impl Default for EnvPolicy {
     fn default() -> Self {
         let set = [
-            ("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"),
+            (
+                "PATH",
+                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            ),
             ("HOME", "/tmp"),
             ("LANG", "C.UTF-8"),
         ];
         Self {
             pass: vec!["TERM".to_owned(), "TZ".to_owned()],
-            set: set.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
+            set: set
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
         }
     }
 }
@@ -318,7 +324,10 @@ pub struct Approvals {
 
 impl Default for Approvals {
     fn default() -> Self {
-        Self { timeout: Duration(std::time::Duration::from_secs(300)), on_timeout: ApprovalOutcome::Deny }
+        Self {
+            timeout: Duration(std::time::Duration::from_secs(300)),
+            on_timeout: ApprovalOutcome::Deny,
+        }
     }
 }
 
@@ -361,7 +370,10 @@ fn absolute_paths<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<Path
 fn check_absolute(path: &std::path::Path) -> Result<(), String> {
     use std::path::Component;
     if !path.is_absolute() {
-        return Err(format!("path `{}` must be absolute (start with /)", path.display()));
+        return Err(format!(
+            "path `{}` must be absolute (start with /)",
+            path.display()
+        ));
     }
     if path.components().any(|c| c == Component::ParentDir) {
         return Err(format!("path `{}` must not contain `..`", path.display()));

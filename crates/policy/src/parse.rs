@@ -8,21 +8,35 @@ use crate::model::{NetworkDefault, Policy, WorkspaceMode};
 #[derive(Debug, thiserror::Error)]
 pub enum PolicyError {
     #[error("cannot read policy {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{origin}:{line}:{column}: {message}")]
-    Syntax { origin: String, line: u64, column: u64, message: String },
+    Syntax {
+        origin: String,
+        line: u64,
+        column: u64,
+        message: String,
+    },
     #[error("{origin}: {message}")]
     Unlocated { origin: String, message: String },
     #[error("{origin}: {field}: {message}")]
-    Invalid { origin: String, field: &'static str, message: String },
+    Invalid {
+        origin: String,
+        field: &'static str,
+        message: String,
+    },
     #[error("unknown preset `{name}`; the built-in presets are: {known}")]
     UnknownPreset { name: String, known: String },
 }
 
 /// Reads and validates a policy file.
 pub fn from_file(path: &Path) -> Result<Policy, PolicyError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|source| PolicyError::Read { path: path.to_path_buf(), source })?;
+    let text = std::fs::read_to_string(path).map_err(|source| PolicyError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
     from_yaml(&path.display().to_string(), &text)
 }
 
@@ -42,7 +56,10 @@ fn syntax_error(origin: &str, err: &serde_saphyr::Error) -> PolicyError {
             column: at.column(),
             message,
         },
-        None => PolicyError::Unlocated { origin: origin.to_owned(), message },
+        None => PolicyError::Unlocated {
+            origin: origin.to_owned(),
+            message,
+        },
     }
 }
 
@@ -88,11 +105,15 @@ fn validate(origin: &str, policy: &Policy) -> Result<(), PolicyError> {
         let path = Path::new(entry);
         if entry.is_empty()
             || path.is_absolute()
-            || path.components().any(|c| !matches!(c, std::path::Component::Normal(_)))
+            || path
+                .components()
+                .any(|c| !matches!(c, std::path::Component::Normal(_)))
         {
             return Err(invalid(
                 "filesystem.workspace.protect",
-                &format!("`{entry}` must be a plain path relative to the workspace (no `..`, no leading /)"),
+                &format!(
+                    "`{entry}` must be a plain path relative to the workspace (no `..`, no leading /)"
+                ),
             ));
         }
     }
@@ -108,10 +129,16 @@ fn validate(origin: &str, policy: &Policy) -> Result<(), PolicyError> {
         }
     }
     if policy.limits.pids == Some(0) {
-        return Err(invalid("limits.pids", "must be at least 1 (use null for no limit)"));
+        return Err(invalid(
+            "limits.pids",
+            "must be at least 1 (use null for no limit)",
+        ));
     }
     if policy.limits.memory.is_some_and(|m| m.0 < (4 << 20)) {
-        return Err(invalid("limits.memory", "must be at least 4MiB (use null for no limit)"));
+        return Err(invalid(
+            "limits.memory",
+            "must be at least 4MiB (use null for no limit)",
+        ));
     }
     Ok(())
 }
@@ -124,7 +151,12 @@ mod tests {
     fn unknown_field_reports_line_and_column() {
         let err = from_yaml("p.yaml", "version: 1\nlimits:\n  memroy: 1GiB\n").unwrap_err();
         match err {
-            PolicyError::Syntax { line, column, message, .. } => {
+            PolicyError::Syntax {
+                line,
+                column,
+                message,
+                ..
+            } => {
                 assert_eq!((line, column), (3, 3), "{message}");
                 assert!(message.contains("memroy"), "{message}");
             }
@@ -168,9 +200,12 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("egress gateway"), "{err}");
-        let err = from_yaml("p.yaml", "version: 1\nfilesystem:\n  workspace:\n    protect: ['../x']\n")
-            .unwrap_err()
-            .to_string();
+        let err = from_yaml(
+            "p.yaml",
+            "version: 1\nfilesystem:\n  workspace:\n    protect: ['../x']\n",
+        )
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("plain path"), "{err}");
     }
 }

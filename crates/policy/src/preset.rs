@@ -20,8 +20,15 @@ pub const PRESETS: &[(&str, &str, &str)] = &[
 /// Returns the named preset, or an error that lists the known names.
 pub fn preset(name: &str) -> Result<Policy, PolicyError> {
     let Some((_, _, yaml)) = PRESETS.iter().find(|(known, _, _)| *known == name) else {
-        let known = PRESETS.iter().map(|(n, _, _)| *n).collect::<Vec<_>>().join(", ");
-        return Err(PolicyError::UnknownPreset { name: name.to_owned(), known });
+        let known = PRESETS
+            .iter()
+            .map(|(n, _, _)| *n)
+            .collect::<Vec<_>>()
+            .join(", ");
+        return Err(PolicyError::UnknownPreset {
+            name: name.to_owned(),
+            known,
+        });
     };
     from_yaml(&format!("preset {name}"), yaml)
 }
@@ -41,6 +48,9 @@ mod tests {
     #[test]
     fn unknown_preset_lists_known_ones() {
         let err = preset("nope").unwrap_err().to_string();
-        assert!(err.contains("unknown preset `nope`") && err.contains("default"), "{err}");
+        assert!(
+            err.contains("unknown preset `nope`") && err.contains("default"),
+            "{err}"
+        );
     }
 }

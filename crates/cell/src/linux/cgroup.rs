@@ -55,21 +55,35 @@ pub struct Hierarchy {
 pub enum CgroupError {
     #[error("no cgroup hierarchy offers the {0} controller on this host (see `warden doctor`)")]
     Missing(&'static str),
-    #[error("cannot create cgroup {path}: {source} (the warden needs a cgroup subtree it may write; \
-             as an ordinary user that means a delegated cgroup v2 subtree, see `warden doctor`)")]
+    #[error(
+        "cannot create cgroup {path}: {source} (the warden needs a cgroup subtree it may write; \
+             as an ordinary user that means a delegated cgroup v2 subtree, see `warden doctor`)"
+    )]
     Create { path: PathBuf, source: io::Error },
     #[error("cannot write {value:?} to {path}: {source}")]
-    Write { path: PathBuf, value: String, source: io::Error },
+    Write {
+        path: PathBuf,
+        value: String,
+        source: io::Error,
+    },
     #[error("cannot read {path}: {source}")]
     Read { path: PathBuf, source: io::Error },
     #[error("the cell's {controller} cgroup did not reach state {state} within {waited:?}")]
-    Timeout { controller: &'static str, state: &'static str, waited: Duration },
+    Timeout {
+        controller: &'static str,
+        state: &'static str,
+        waited: Duration,
+    },
 }
 
 /// Finds the hierarchy of each controller a cell needs. Controllers the host lacks are absent.
 pub fn discover() -> Vec<Hierarchy> {
-    let Ok(mountinfo) = fs::read_to_string("/proc/self/mountinfo") else { return Vec::new() };
-    let Ok(own) = fs::read_to_string("/proc/self/cgroup") else { return Vec::new() };
+    let Ok(mountinfo) = fs::read_to_string("/proc/self/mountinfo") else {
+        return Vec::new();
+    };
+    let Ok(own) = fs::read_to_string("/proc/self/cgroup") else {
+        return Vec::new();
+    };
     discover_from(&mountinfo, &own)
 }
 
@@ -78,10 +92,13 @@ fn discover_from(mountinfo: &str, own_cgroups: &str) -> Vec<Hierarchy> {
     let mut v2_mount: Option<PathBuf> = None;
     for line in mountinfo.lines() {
         // Fields: id parent maj:min root mountpoint opts [optional...] - fstype source superopts
-        let Some((left, right)) = line.split_once(" - ") else { continue };
+        let Some((left, right)) = line.split_once(" - ") else {
+            continue;
+        };
         let left: Vec<&str> = left.split(' ').collect();
         let right: Vec<&str> = right.split(' ').collect();
-        let (Some(mountpoint), Some(fstype), Some(superopts)) = (left.get(4), right.first(), right.get(2))
+        let (Some(mountpoint), Some(fstype), Some(superopts)) =
+            (left.get(4), right.first(), right.get(2))
         else {
             continue;
         };
@@ -98,11 +115,16 @@ fn discover_from(mountinfo: &str, own_cgroups: &str) -> Vec<Hierarchy> {
     let mut v2_path: Option<String> = None;
     for line in own_cgroups.lines() {
         let mut parts = line.splitn(3, ':');
-        let (Some(_), Some(ctrls), Some(path)) = (parts.next(), parts.next(), parts.next()) else { continue };
+        let (Some(_), Some(ctrls), Some(path)) = (parts.next(), parts.next(), parts.next()) else {
+            continue;
+        };
         if ctrls.is_empty() {
             v2_path = Some(path.to_owned());
         } else {
-            v1_paths.push((ctrls.split(',').map(str::to_owned).collect(), path.to_owned()));
+            v1_paths.push((
+                ctrls.split(',').map(str::to_owned).collect(),
+                path.to_owned(),
+            ));
         }
     }
     let v2_own = match (&v2_mount, &v2_path) {
@@ -118,10 +140,15 @@ fn discover_from(mountinfo: &str, own_cgroups: &str) -> Vec<Hierarchy> {
     let mut found = Vec::new();
     for controller in Controller::ALL {
         let name = controller.name();
-        let v1 = v1_mounts.iter().find(|(_, opts)| opts.iter().any(|o| o == name)).and_then(|(mount, _)| {
-            let (_, path) = v1_paths.iter().find(|(ctrls, _)| ctrls.iter().any(|c| c == name))?;
-            Some(mount.join(path.trim_start_matches('/')))
-        });
+        let v1 = v1_mounts
+            .iter()
+            .find(|(_, opts)| opts.iter().any(|o| o == name))
+            .and_then(|(mount, _)| {
+                let (_, path) = v1_paths
+                    .iter()
+                    .find(|(ctrls, _)| ctrls.iter().any(|c| c == name))?;
+                Some(mount.join(path.trim_start_matches('/')))
+            });
         // The v2 freezer is built in (cgroup.freeze), not a listed controller.
         let in_v2 = if controller == Controller::Freezer {
             v2_own.is_some()
@@ -129,16 +156,28 @@ fn discover_from(mountinfo: &str, own_cgroups: &str) -> Vec<Hierarchy> {
             v2_controllers.iter().any(|c| c == name)
         };
         if let (true, Some(own)) = (in_v2 && v1.is_none(), &v2_own) {
-            found.push(Hierarchy { controller, version: Version::V2, own: own.clone() });
+            found.push(Hierarchy {
+                controller,
+                version: Version::V2,
+                own: own.clone(),
+            });
         } else if let Some(own) = v1 {
-            found.push(Hierarchy { controller, version: Version::V1, own });
+            found.push(Hierarchy {
+                controller,
+                version: Version::V1,
+                own,
+            });
         }
     }
     found
 }
 
 fn unescape(field: &str) -> String {
-    field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+    field
+        .replace("\\040", " ")
+        .replace("\\011", "\t")
+        .replace("\\012", "\n")
+        .replace("\\134", "\\")
 }
 
 /// One directory of a cell's cgroup, in one hierarchy.
@@ -168,9 +207,15 @@ const CPU_PERIOD_US: u64 = 100_000;
 impl CellCgroup {
     /// Creates `warden/<id>` in every hierarchy that has one of the controllers, and writes the
     /// limits. On error, whatever was created is removed again.
-    pub fn create(hierarchies: &[Hierarchy], id: &str, limits: &Limits) -> Result<Self, CgroupError> {
+    pub fn create(
+        hierarchies: &[Hierarchy],
+        id: &str,
+        limits: &Limits,
+    ) -> Result<Self, CgroupError> {
         let mut cgroup = Self::default();
-        let result = cgroup.create_dirs(hierarchies, id).and_then(|()| cgroup.apply(limits));
+        let result = cgroup
+            .create_dirs(hierarchies, id)
+            .and_then(|()| cgroup.apply(limits));
         if let Err(err) = result {
             cgroup.remove();
             return Err(err);
@@ -194,9 +239,16 @@ impl CellCgroup {
             }
             // Several v2 controllers share one directory.
             if !self.dirs.iter().any(|d| d.path == path) {
-                fs::create_dir_all(&path).map_err(|source| CgroupError::Create { path: path.clone(), source })?;
+                fs::create_dir_all(&path).map_err(|source| CgroupError::Create {
+                    path: path.clone(),
+                    source,
+                })?;
             }
-            self.dirs.push(CgroupDir { controller: h.controller, version: h.version, path });
+            self.dirs.push(CgroupDir {
+                controller: h.controller,
+                version: h.version,
+                path,
+            });
         }
         Ok(())
     }
@@ -207,7 +259,9 @@ impl CellCgroup {
 
     fn apply(&self, limits: &Limits) -> Result<(), CgroupError> {
         if let Some(bytes) = limits.memory_bytes {
-            let dir = self.dir(Controller::Memory).ok_or(CgroupError::Missing("memory"))?;
+            let dir = self
+                .dir(Controller::Memory)
+                .ok_or(CgroupError::Missing("memory"))?;
             match dir.version {
                 Version::V2 => {
                     write(&dir.path.join("memory.max"), &bytes.to_string())?;
@@ -216,22 +270,35 @@ impl CellCgroup {
                 }
                 Version::V1 => {
                     write(&dir.path.join("memory.limit_in_bytes"), &bytes.to_string())?;
-                    write_if_present(&dir.path.join("memory.memsw.limit_in_bytes"), &bytes.to_string())?;
+                    write_if_present(
+                        &dir.path.join("memory.memsw.limit_in_bytes"),
+                        &bytes.to_string(),
+                    )?;
                     write_if_present(&dir.path.join("memory.swappiness"), "0")?;
                 }
             }
         }
         if let Some(pids) = limits.pids {
-            let dir = self.dir(Controller::Pids).ok_or(CgroupError::Missing("pids"))?;
+            let dir = self
+                .dir(Controller::Pids)
+                .ok_or(CgroupError::Missing("pids"))?;
             write(&dir.path.join("pids.max"), &pids.to_string())?;
         }
         if let Some(cpus) = limits.cpus {
-            let dir = self.dir(Controller::Cpu).ok_or(CgroupError::Missing("cpu"))?;
+            let dir = self
+                .dir(Controller::Cpu)
+                .ok_or(CgroupError::Missing("cpu"))?;
             let quota = ((cpus * CPU_PERIOD_US as f64).round() as u64).max(1000);
             match dir.version {
-                Version::V2 => write(&dir.path.join("cpu.max"), &format!("{quota} {CPU_PERIOD_US}"))?,
+                Version::V2 => write(
+                    &dir.path.join("cpu.max"),
+                    &format!("{quota} {CPU_PERIOD_US}"),
+                )?,
                 Version::V1 => {
-                    write(&dir.path.join("cpu.cfs_period_us"), &CPU_PERIOD_US.to_string())?;
+                    write(
+                        &dir.path.join("cpu.cfs_period_us"),
+                        &CPU_PERIOD_US.to_string(),
+                    )?;
                     write(&dir.path.join("cpu.cfs_quota_us"), &quota.to_string())?;
                 }
             }
@@ -249,12 +316,14 @@ impl CellCgroup {
 
     /// Whether the cell is frozen (paused).
     pub fn is_frozen(&self) -> bool {
-        let Some(dir) = self.dir(Controller::Freezer) else { return false };
+        let Some(dir) = self.dir(Controller::Freezer) else {
+            return false;
+        };
         match dir.version {
-            Version::V1 => fs::read_to_string(dir.path.join("freezer.state")).is_ok_and(|s| s.trim() == "FROZEN"),
-            Version::V2 => {
-                fs::read_to_string(dir.path.join("cgroup.events")).is_ok_and(|s| s.lines().any(|l| l == "frozen 1"))
-            }
+            Version::V1 => fs::read_to_string(dir.path.join("freezer.state"))
+                .is_ok_and(|s| s.trim() == "FROZEN"),
+            Version::V2 => fs::read_to_string(dir.path.join("cgroup.events"))
+                .is_ok_and(|s| s.lines().any(|l| l == "frozen 1")),
         }
     }
 
@@ -269,17 +338,29 @@ impl CellCgroup {
     }
 
     fn set_frozen(&self, frozen: bool) -> Result<(), CgroupError> {
-        let dir = self.dir(Controller::Freezer).ok_or(CgroupError::Missing("freezer"))?;
+        let dir = self
+            .dir(Controller::Freezer)
+            .ok_or(CgroupError::Missing("freezer"))?;
         match dir.version {
-            Version::V1 => write(&dir.path.join("freezer.state"), if frozen { "FROZEN" } else { "THAWED" })?,
-            Version::V2 => write(&dir.path.join("cgroup.freeze"), if frozen { "1" } else { "0" })?,
+            Version::V1 => write(
+                &dir.path.join("freezer.state"),
+                if frozen { "FROZEN" } else { "THAWED" },
+            )?,
+            Version::V2 => write(
+                &dir.path.join("cgroup.freeze"),
+                if frozen { "1" } else { "0" },
+            )?,
         }
         let state = if frozen { "frozen" } else { "thawed" };
         let deadline = Duration::from_secs(5);
         let start = Instant::now();
         while self.is_frozen() != frozen {
             if start.elapsed() > deadline {
-                return Err(CgroupError::Timeout { controller: "freezer", state, waited: deadline });
+                return Err(CgroupError::Timeout {
+                    controller: "freezer",
+                    state,
+                    waited: deadline,
+                });
             }
             if dir.version == Version::V1 && frozen {
                 // A v1 freeze that raced with a fork stays FREEZING; asking again finishes it.
@@ -304,7 +385,11 @@ impl CellCgroup {
     /// signals or keep forking: v2 uses `cgroup.kill`; v1 freezes, kills each listed process by
     /// id, then thaws so the kills take effect.
     pub fn kill_all(&self) -> Result<(), CgroupError> {
-        if let Some(dir) = self.dirs.iter().find(|d| d.version == Version::V2 && d.path.join("cgroup.kill").exists()) {
+        if let Some(dir) = self
+            .dirs
+            .iter()
+            .find(|d| d.version == Version::V2 && d.path.join("cgroup.kill").exists())
+        {
             return write(&dir.path.join("cgroup.kill"), "1");
         }
         let freezable = self.dir(Controller::Freezer).is_some();
@@ -313,7 +398,10 @@ impl CellCgroup {
         }
         for pid in self.pids() {
             // The pid is listed in this cell's cgroup, which only the warden creates processes in.
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
         }
         if freezable {
             self.thaw()?;
@@ -323,14 +411,21 @@ impl CellCgroup {
 
     /// How many times the kernel's OOM killer acted inside the cell.
     pub fn oom_kills(&self) -> u64 {
-        let Some(dir) = self.dir(Controller::Memory) else { return 0 };
+        let Some(dir) = self.dir(Controller::Memory) else {
+            return 0;
+        };
         let file = match dir.version {
             Version::V2 => "memory.events",
             Version::V1 => "memory.oom_control",
         };
-        let Ok(text) = fs::read_to_string(dir.path.join(file)) else { return 0 };
+        let Ok(text) = fs::read_to_string(dir.path.join(file)) else {
+            return 0;
+        };
         text.lines()
-            .find_map(|l| l.strip_prefix("oom_kill ").and_then(|n| n.trim().parse().ok()))
+            .find_map(|l| {
+                l.strip_prefix("oom_kill ")
+                    .and_then(|n| n.trim().parse().ok())
+            })
             .unwrap_or(0)
     }
 
@@ -341,7 +436,11 @@ impl CellCgroup {
             Version::V2 => "memory.peak",
             Version::V1 => "memory.max_usage_in_bytes",
         };
-        fs::read_to_string(dir.path.join(file)).ok()?.trim().parse().ok()
+        fs::read_to_string(dir.path.join(file))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
     }
 
     /// Removes the cell's directories, waiting briefly for dying processes to leave them.
@@ -365,28 +464,50 @@ impl CellCgroup {
 }
 
 fn enable_v2(own: &Path, base: &Path, controllers: &[&str]) -> Result<(), CgroupError> {
-    fs::create_dir_all(base).map_err(|source| CgroupError::Create { path: base.to_path_buf(), source })?;
-    let value = controllers.iter().map(|c| format!("+{c}")).collect::<Vec<_>>().join(" ");
+    fs::create_dir_all(base).map_err(|source| CgroupError::Create {
+        path: base.to_path_buf(),
+        source,
+    })?;
+    let value = controllers
+        .iter()
+        .map(|c| format!("+{c}"))
+        .collect::<Vec<_>>()
+        .join(" ");
     if value.is_empty() {
         return Ok(());
     }
     for dir in [own, base] {
         let path = dir.join("cgroup.subtree_control");
         let current = fs::read_to_string(&path).unwrap_or_default();
-        if controllers.iter().all(|c| current.split_whitespace().any(|have| have == *c)) {
+        if controllers
+            .iter()
+            .all(|c| current.split_whitespace().any(|have| have == *c))
+        {
             continue;
         }
-        fs::write(&path, &value).map_err(|source| CgroupError::Write { path: path.clone(), value: value.clone(), source })?;
+        fs::write(&path, &value).map_err(|source| CgroupError::Write {
+            path: path.clone(),
+            value: value.clone(),
+            source,
+        })?;
     }
     Ok(())
 }
 
 fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
-    fs::write(path, value).map_err(|source| CgroupError::Write { path: path.to_path_buf(), value: value.to_owned(), source })
+    fs::write(path, value).map_err(|source| CgroupError::Write {
+        path: path.to_path_buf(),
+        value: value.to_owned(),
+        source,
+    })
 }
 
 fn write_if_present(path: &Path, value: &str) -> Result<(), CgroupError> {
-    if path.exists() { write(path, value) } else { Ok(()) }
+    if path.exists() {
+        write(path, value)
+    } else {
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -404,7 +525,10 @@ mod tests {
 ";
         let own = "8:pids:/\n6:freezer:/\n4:memory:/jobs/x\n1:cpu:/\n0::/\n";
         let found = discover_from(mountinfo, own);
-        let memory = found.iter().find(|h| h.controller == Controller::Memory).unwrap();
+        let memory = found
+            .iter()
+            .find(|h| h.controller == Controller::Memory)
+            .unwrap();
         assert_eq!(memory.version, Version::V1);
         assert_eq!(memory.own, PathBuf::from("/sys/fs/cgroup/memory/jobs/x"));
         assert_eq!(found.len(), 4);

@@ -15,9 +15,16 @@ pub enum ConfineError {
     #[error("dropping capabilities: {0}")]
     Caps(#[from] caps::errors::CapsError),
     #[error("switching to uid {uid} gid {gid}: {source}")]
-    Ids { uid: u32, gid: u32, source: io::Error },
+    Ids {
+        uid: u32,
+        gid: u32,
+        source: io::Error,
+    },
     #[error("setting {what}: {source}")]
-    Prctl { what: &'static str, source: io::Error },
+    Prctl {
+        what: &'static str,
+        source: io::Error,
+    },
     #[error(transparent)]
     Landlock(#[from] landlock::LandlockError),
     #[error(transparent)]
@@ -35,7 +42,11 @@ pub fn confine(plan: &CellPlan, rlimit_fallback: bool) -> Result<(), ConfineErro
     caps::clear(None, CapSet::Bounding)?;
     caps::clear(None, CapSet::Ambient)?;
     caps::clear(None, CapSet::Inheritable)?;
-    let ids_error = |source: nix::Error| ConfineError::Ids { uid, gid, source: io::Error::from_raw_os_error(source as i32) };
+    let ids_error = |source: nix::Error| ConfineError::Ids {
+        uid,
+        gid,
+        source: io::Error::from_raw_os_error(source as i32),
+    };
     if plan.ids.privileged {
         // Supplementary groups from the host would otherwise still grant host group access.
         setgroups(&[]).map_err(ids_error)?;
@@ -57,14 +68,25 @@ pub fn confine(plan: &CellPlan, rlimit_fallback: bool) -> Result<(), ConfineErro
             limit("RLIMIT_AS", libc::RLIMIT_AS, bytes)?;
         }
     }
-    sys::set_no_new_privs().map_err(|source| ConfineError::Prctl { what: "no_new_privs", source })?;
+    sys::set_no_new_privs().map_err(|source| ConfineError::Prctl {
+        what: "no_new_privs",
+        source,
+    })?;
 
-    let mut read_write: Vec<PathBuf> = vec!["/tmp".into(), "/dev".into(), plan.workspace_mount.clone()];
+    let mut read_write: Vec<PathBuf> =
+        vec!["/tmp".into(), "/dev".into(), plan.workspace_mount.clone()];
     read_write.extend(plan.entries.iter().filter_map(|e| match e {
-        super::plan::Entry::Bind { path, writable: true, .. } => Some(path.clone()),
+        super::plan::Entry::Bind {
+            path,
+            writable: true,
+            ..
+        } => Some(path.clone()),
         _ => None,
     }));
-    landlock::restrict(&landlock::FsRules { read_only: vec!["/".into()], read_write })?;
+    landlock::restrict(&landlock::FsRules {
+        read_only: vec!["/".into()],
+        read_write,
+    })?;
 
     sys::install_seccomp(&seccomp::deny_filter()?).map_err(ConfineError::SeccompInstall)?;
     Ok(())

@@ -14,18 +14,26 @@ pub enum ControlError {
     Registry(#[from] RegistryError),
     #[error(transparent)]
     Cgroup(#[from] CgroupError),
-    #[error("cell `{0}` has no cgroup freezer (it was started without a writable cgroup); pause needs one, see `warden doctor`")]
+    #[error(
+        "cell `{0}` has no cgroup freezer (it was started without a writable cgroup); pause needs one, see `warden doctor`"
+    )]
     NoFreezer(String),
     #[error("cell `{0}` is already gone")]
     Gone(String),
     #[error("signalling cell `{name}`: {source}")]
-    Signal { name: String, source: std::io::Error },
+    Signal {
+        name: String,
+        source: std::io::Error,
+    },
 }
 
 /// Freezes every process of the cell.
 pub fn pause(registry: &Registry, name: &str) -> Result<CellRecord, ControlError> {
     let record = registry.get(name)?;
-    let cgroup = record.cgroup.as_ref().ok_or_else(|| ControlError::NoFreezer(name.to_owned()))?;
+    let cgroup = record
+        .cgroup
+        .as_ref()
+        .ok_or_else(|| ControlError::NoFreezer(name.to_owned()))?;
     cgroup.freeze()?;
     Ok(record)
 }
@@ -33,7 +41,10 @@ pub fn pause(registry: &Registry, name: &str) -> Result<CellRecord, ControlError
 /// Thaws a paused cell.
 pub fn resume(registry: &Registry, name: &str) -> Result<CellRecord, ControlError> {
     let record = registry.get(name)?;
-    let cgroup = record.cgroup.as_ref().ok_or_else(|| ControlError::NoFreezer(name.to_owned()))?;
+    let cgroup = record
+        .cgroup
+        .as_ref()
+        .ok_or_else(|| ControlError::NoFreezer(name.to_owned()))?;
     cgroup.thaw()?;
     Ok(record)
 }
@@ -55,8 +66,12 @@ pub fn kill(registry: &Registry, name: &str) -> Result<CellRecord, ControlError>
     if process_start_ticks(record.pid) != Some(record.pid_start) {
         return Err(ControlError::Gone(name.to_owned()));
     }
-    sys::pidfd_send_signal(&pidfd, Signal::SIGKILL as i32)
-        .map_err(|source| ControlError::Signal { name: name.to_owned(), source })?;
+    sys::pidfd_send_signal(&pidfd, Signal::SIGKILL as i32).map_err(|source| {
+        ControlError::Signal {
+            name: name.to_owned(),
+            source,
+        }
+    })?;
     if let Some(cgroup) = &record.cgroup {
         // The init's death usually empties and removes the cgroup at once; what is still listed
         // (a frozen cell, stragglers) is killed through the cgroup.

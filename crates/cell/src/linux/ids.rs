@@ -47,12 +47,20 @@ impl IdMapping {
 
     /// The host uid that the cell's user runs as.
     pub fn host_uid_of_cell_user(&self) -> u32 {
-        if self.privileged { ROOT_MODE_BASE + self.inside_uid } else { self.host_uid }
+        if self.privileged {
+            ROOT_MODE_BASE + self.inside_uid
+        } else {
+            self.host_uid
+        }
     }
 
     /// The host gid that the cell's group runs as.
     pub fn host_gid_of_cell_group(&self) -> u32 {
-        if self.privileged { ROOT_MODE_BASE + self.inside_gid } else { self.host_gid }
+        if self.privileged {
+            ROOT_MODE_BASE + self.inside_gid
+        } else {
+            self.host_gid
+        }
     }
 
     /// Whether the inside id the setup code runs as before dropping to the cell user is root
@@ -72,14 +80,29 @@ mod tests {
 
     #[test]
     fn root_mode_never_maps_host_root() {
-        let ids = IdMapping { privileged: true, inside_uid: 1000, inside_gid: 1000, host_uid: 0, host_gid: 0 };
-        assert_eq!(ids.uid_map(), format!("0 {ROOT_MODE_BASE} {ROOT_MODE_COUNT}\n"));
+        let ids = IdMapping {
+            privileged: true,
+            inside_uid: 1000,
+            inside_gid: 1000,
+            host_uid: 0,
+            host_gid: 0,
+        };
+        assert_eq!(
+            ids.uid_map(),
+            format!("0 {ROOT_MODE_BASE} {ROOT_MODE_COUNT}\n")
+        );
         assert_eq!(ids.host_uid_of_cell_user(), ROOT_MODE_BASE + 1000);
     }
 
     #[test]
     fn rootless_maps_only_the_caller() {
-        let ids = IdMapping { privileged: false, inside_uid: 1000, inside_gid: 1000, host_uid: 4242, host_gid: 4243 };
+        let ids = IdMapping {
+            privileged: false,
+            inside_uid: 1000,
+            inside_gid: 1000,
+            host_uid: 4242,
+            host_gid: 4243,
+        };
         assert_eq!(ids.uid_map(), "1000 4242 1\n");
         assert_eq!(ids.gid_map(), "1000 4243 1\n");
     }

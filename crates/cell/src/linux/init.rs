@@ -23,8 +23,14 @@ const STATUS_FD: RawFd = 4;
 const TREE_FD: RawFd = 5;
 
 /// Signals the init passes on to the command's process group.
-const FORWARDED: [Signal; 6] =
-    [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP, Signal::SIGQUIT, Signal::SIGUSR1, Signal::SIGUSR2];
+const FORWARDED: [Signal; 6] = [
+    Signal::SIGINT,
+    Signal::SIGTERM,
+    Signal::SIGHUP,
+    Signal::SIGQUIT,
+    Signal::SIGUSR1,
+    Signal::SIGUSR2,
+];
 
 /// The descriptors the warden hands to the cell's first process.
 #[derive(Debug)]
@@ -51,7 +57,8 @@ pub const GO_RLIMITS: u8 = b'r';
 /// Entry point of the cloned child. Never returns.
 pub fn run(plan: &CellPlan, fds: &InitFds) -> ! {
     // A panic must not unwind into the warden's code in this forked copy of it.
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| setup_and_start(plan, fds)));
+    let result =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| setup_and_start(plan, fds)));
     match result {
         Ok(Ok(main)) => supervise(main),
         Ok(Err((code, message))) => report(code, &message),
@@ -99,7 +106,8 @@ fn arrange_fds(fds: &InitFds) -> SetupResult<()> {
         place(tree, TREE_FD)?;
     }
     // Every other inherited descriptor goes.
-    sys::close_from(if tree.is_some() { TREE_FD + 1 } else { TREE_FD }).map_err(failed("closing inherited descriptors"))?;
+    sys::close_from(if tree.is_some() { TREE_FD + 1 } else { TREE_FD })
+        .map_err(failed("closing inherited descriptors"))?;
     for fd in [SYNC_FD, STATUS_FD, TREE_FD] {
         let _ = sys::set_cloexec(fd);
     }
@@ -114,7 +122,10 @@ fn setup_and_start(plan: &CellPlan, fds: &InitFds) -> SetupResult<(Pid, SignalFd
     // Each step is acknowledged with one byte; nothing of the command runs before both.
     let mut sync = std::fs::File::from(owned(SYNC_FD));
     wait_for_warden(&mut sync);
-    let (sgid, suid) = (Gid::from_raw(plan.ids.setup_gid()), Uid::from_raw(plan.ids.setup_uid()));
+    let (sgid, suid) = (
+        Gid::from_raw(plan.ids.setup_gid()),
+        Uid::from_raw(plan.ids.setup_uid()),
+    );
     setresgid(sgid, sgid, sgid).map_err(failed("taking the setup group id"))?;
     setresuid(suid, suid, suid).map_err(failed("taking the setup user id"))?;
     let tree = fds.tree.map(|_| owned(TREE_FD));
@@ -138,24 +149,31 @@ fn setup_and_start(plan: &CellPlan, fds: &InitFds) -> SetupResult<(Pid, SignalFd
     let numbers: Vec<i32> = mask.iter().map(|s| s as i32).collect();
     sys::install_noop_handlers(&numbers).map_err(failed("installing signal handlers"))?;
     mask.thread_block().map_err(failed("blocking signals"))?;
-    let signals = SignalFd::with_flags(&mask, SfdFlags::SFD_CLOEXEC).map_err(failed("creating a signalfd"))?;
+    let signals = SignalFd::with_flags(&mask, SfdFlags::SFD_CLOEXEC)
+        .map_err(failed("creating a signalfd"))?;
 
     let Some((program, args)) = plan.argv.split_first() else {
         return Err((SETUP_FAILED, "no command".to_owned()));
     };
     let mut command = Command::new(program);
-    command.args(args).env_clear().envs(plan.env.iter().map(|(k, v)| (k, v))).current_dir(&plan.cwd).process_group(0);
+    command
+        .args(args)
+        .env_clear()
+        .envs(plan.env.iter().map(|(k, v)| (k, v)))
+        .current_dir(&plan.cwd)
+        .process_group(0);
     sys::unblock_signals_on_exec(&mut command);
-    let child = command
-        .spawn()
-        .map_err(|err| {
-            let shown = program.to_string_lossy();
-            match err.kind() {
-                std::io::ErrorKind::NotFound => (NOT_FOUND, format!("command not found: {shown}")),
-                std::io::ErrorKind::PermissionDenied => (NOT_EXECUTABLE, format!("cannot execute {shown}: permission denied")),
-                _ => (NOT_EXECUTABLE, format!("cannot execute {shown}: {err}")),
-            }
-        })?;
+    let child = command.spawn().map_err(|err| {
+        let shown = program.to_string_lossy();
+        match err.kind() {
+            std::io::ErrorKind::NotFound => (NOT_FOUND, format!("command not found: {shown}")),
+            std::io::ErrorKind::PermissionDenied => (
+                NOT_EXECUTABLE,
+                format!("cannot execute {shown}: permission denied"),
+            ),
+            _ => (NOT_EXECUTABLE, format!("cannot execute {shown}: {err}")),
+        }
+    })?;
     let main = Pid::from_raw(child.id() as i32);
     let mut status = status_file();
     let _ = writeln!(status, "ok");
@@ -185,7 +203,9 @@ fn supervise((main, signals): (Pid, SignalFd)) -> ! {
             loop {
                 match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
                     Ok(WaitStatus::Exited(pid, code)) if pid == main => sys::exit_now(code),
-                    Ok(WaitStatus::Signaled(pid, signal, _)) if pid == main => sys::exit_now(128 + signal as i32),
+                    Ok(WaitStatus::Signaled(pid, signal, _)) if pid == main => {
+                        sys::exit_now(128 + signal as i32)
+                    }
                     Ok(WaitStatus::StillAlive) | Err(_) => break,
                     Ok(_) => continue,
                 }

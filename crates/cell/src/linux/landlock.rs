@@ -62,7 +62,8 @@ fn add(
     access: landlock::BitFlags<AccessFs>,
 ) -> Result<landlock::RulesetCreated, LandlockError> {
     // A path that does not exist in the cell simply grants nothing.
-    let Ok(fd) = PathFd::new(path) else { return Ok(ruleset) };
+    let Ok(fd) = PathFd::new(path) else {
+        return Ok(ruleset);
+    };
     Ok(ruleset.add_rule(PathBeneath::new(fd, access))?)
 }
-

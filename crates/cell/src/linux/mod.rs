@@ -3,8 +3,8 @@
 pub mod cgroup;
 mod confine;
 pub mod control;
-pub mod ids;
 mod idmap;
+pub mod ids;
 mod init;
 pub mod landlock;
 pub mod plan;

@@ -12,7 +12,11 @@ use super::ids::IdMapping;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Entry {
     /// Bind-mount a directory or file; `writable` keeps it read-write.
-    Bind { path: PathBuf, dir: bool, writable: bool },
+    Bind {
+        path: PathBuf,
+        dir: bool,
+        writable: bool,
+    },
     /// Recreate a symlink (e.g. `/bin -> usr/bin` on merged-/usr systems).
     Symlink { path: PathBuf, target: PathBuf },
     /// Copy a small read-only file (most of `/etc`): cheaper than a mount to set up and tear down,
@@ -71,9 +75,21 @@ impl CellPlan {
             ("passwd", passwd),
             ("group", group),
             ("hostname", format!("{}\n", self.hostname)),
-            ("hosts", format!("127.0.0.1\tlocalhost {0}\n::1\tlocalhost {0}\n", self.hostname)),
-            ("nsswitch.conf", "passwd: files\ngroup: files\nhosts: files\n".to_owned()),
-            ("resolv.conf", "# this cell has no network beyond loopback\n".to_owned()),
+            (
+                "hosts",
+                format!(
+                    "127.0.0.1\tlocalhost {0}\n::1\tlocalhost {0}\n",
+                    self.hostname
+                ),
+            ),
+            (
+                "nsswitch.conf",
+                "passwd: files\ngroup: files\nhosts: files\n".to_owned(),
+            ),
+            (
+                "resolv.conf",
+                "# this cell has no network beyond loopback\n".to_owned(),
+            ),
         ]
     }
 }
@@ -81,13 +97,19 @@ impl CellPlan {
 /// Why a plan could not be made from a policy and the caller's options.
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
-    #[error("workspace {path} does not exist or is not a directory; create it or pass another --workspace")]
+    #[error(
+        "workspace {path} does not exist or is not a directory; create it or pass another --workspace"
+    )]
     Workspace { path: PathBuf },
     #[error("no command given; write it after `--`, e.g. `warden run -- sh -c 'echo hi'`")]
     NoCommand,
-    #[error("cell name `{0}` is not valid: use 1-63 letters, digits, `-` or `_`, starting with a letter or digit")]
+    #[error(
+        "cell name `{0}` is not valid: use 1-63 letters, digits, `-` or `_`, starting with a letter or digit"
+    )]
     Name(String),
-    #[error("the {0} tier is not available in this version of warden; use `tier: process` (see `warden doctor`)")]
+    #[error(
+        "the {0} tier is not available in this version of warden; use `tier: process` (see `warden doctor`)"
+    )]
     Tier(&'static str),
 }
 
@@ -95,9 +117,18 @@ pub enum PlanError {
 pub fn check_name(name: &str) -> Result<(), PlanError> {
     let ok = !name.is_empty()
         && name.len() <= 63
-        && name.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
-        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-    if ok { Ok(()) } else { Err(PlanError::Name(name.to_owned())) }
+        && name
+            .bytes()
+            .next()
+            .is_some_and(|b| b.is_ascii_alphanumeric())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(PlanError::Name(name.to_owned()))
+    }
 }
 
 /// Read-only files up to this size are copied into the cell rather than bind-mounted.
@@ -107,17 +138,30 @@ const COPY_LIMIT: u64 = 256 * 1024;
 pub fn entries(policy: &Policy) -> Vec<Entry> {
     let mut out = Vec::new();
     let fs = &policy.filesystem;
-    let both = fs.read_only.iter().map(|p| (p, false)).chain(fs.read_write.iter().map(|p| (p, true)));
+    let both = fs
+        .read_only
+        .iter()
+        .map(|p| (p, false))
+        .chain(fs.read_write.iter().map(|p| (p, true)));
     for (path, writable) in both {
-        let Ok(meta) = std::fs::symlink_metadata(path) else { continue };
+        let Ok(meta) = std::fs::symlink_metadata(path) else {
+            continue;
+        };
         if meta.file_type().is_symlink() {
             if let Ok(target) = std::fs::read_link(path) {
-                out.push(Entry::Symlink { path: path.clone(), target });
+                out.push(Entry::Symlink {
+                    path: path.clone(),
+                    target,
+                });
             }
         } else if meta.is_file() && !writable && meta.len() <= COPY_LIMIT {
             out.push(Entry::Copy { path: path.clone() });
         } else if meta.is_dir() || meta.is_file() {
-            out.push(Entry::Bind { path: path.clone(), dir: meta.is_dir(), writable });
+            out.push(Entry::Bind {
+                path: path.clone(),
+                dir: meta.is_dir(),
+                writable,
+            });
         }
     }
     out
@@ -131,6 +175,9 @@ pub fn protected(policy: &Policy, workspace: &Path) -> Vec<PathBuf> {
         .protect
         .iter()
         .map(PathBuf::from)
-        .filter(|rel| std::fs::symlink_metadata(workspace.join(rel)).is_ok_and(|m| !m.file_type().is_symlink()))
+        .filter(|rel| {
+            std::fs::symlink_metadata(workspace.join(rel))
+                .is_ok_and(|m| !m.file_type().is_symlink())
+        })
         .collect()
 }

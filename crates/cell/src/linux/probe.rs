@@ -30,13 +30,31 @@ pub struct Check {
     pub fix: Option<String>,
 }
 
-fn check(tier: &'static str, feature: &'static str, status: Status, detail: String, fix: Option<&str>) -> Check {
-    Check { tier, feature, status, detail, fix: fix.map(str::to_owned) }
+fn check(
+    tier: &'static str,
+    feature: &'static str,
+    status: Status,
+    detail: String,
+    fix: Option<&str>,
+) -> Check {
+    Check {
+        tier,
+        feature,
+        status,
+        detail,
+        fix: fix.map(str::to_owned),
+    }
 }
 
 /// Runs every probe. Cheap enough to call on each `warden doctor`.
 pub fn run_all() -> Vec<Check> {
-    let mut out = vec![user_namespaces(), landlock(), seccomp(), pidfd(), overlayfs()];
+    let mut out = vec![
+        user_namespaces(),
+        landlock(),
+        seccomp(),
+        pidfd(),
+        overlayfs(),
+    ];
     out.extend(cgroups());
     out.push(runsc());
     out.push(kvm());
@@ -45,33 +63,51 @@ pub fn run_all() -> Vec<Check> {
 }
 
 fn user_namespaces() -> Check {
-    let result = sys::clone_process(libc::CLONE_NEWUSER | libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWNET);
+    let result = sys::clone_process(
+        libc::CLONE_NEWUSER | libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWNET,
+    );
     match result {
         Ok(0) => sys::exit_now(0),
         Ok(pid) => {
             let _ = waitpid(Pid::from_raw(pid), None);
             let max = read_trim("/proc/sys/user/max_user_namespaces").unwrap_or_default();
-            check("process", "user namespaces", Status::Ok, format!("available (max_user_namespaces={max})"), None)
+            check(
+                "process",
+                "user namespaces",
+                Status::Ok,
+                format!("available (max_user_namespaces={max})"),
+                None,
+            )
         }
         Err(err) => check(
             "process",
             "user namespaces",
             Status::Missing,
             format!("cannot create a user namespace: {err}"),
-            Some("enable them: sysctl -w user.max_user_namespaces=15000 kernel.unprivileged_userns_clone=1 \
-                  (and on Ubuntu kernel.apparmor_restrict_unprivileged_userns=0)"),
+            Some(
+                "enable them: sysctl -w user.max_user_namespaces=15000 kernel.unprivileged_userns_clone=1 \
+                  (and on Ubuntu kernel.apparmor_restrict_unprivileged_userns=0)",
+            ),
         ),
     }
 }
 
 fn landlock() -> Check {
     match sys::landlock_abi_version() {
-        Ok(abi) if abi >= 6 => check("process", "landlock", Status::Ok, format!("ABI {abi} (file system rules, signal and abstract socket scoping)"), None),
+        Ok(abi) if abi >= 6 => check(
+            "process",
+            "landlock",
+            Status::Ok,
+            format!("ABI {abi} (file system rules, signal and abstract socket scoping)"),
+            None,
+        ),
         Ok(abi) => check(
             "process",
             "landlock",
             Status::Warn,
-            format!("ABI {abi}: file rules enforced, signal and abstract socket scoping need ABI 6"),
+            format!(
+                "ABI {abi}: file rules enforced, signal and abstract socket scoping need ABI 6"
+            ),
             Some("use Linux 6.12 or newer for full Landlock coverage"),
         ),
         Err(err) => check(
@@ -86,24 +122,55 @@ fn landlock() -> Check {
 
 fn seccomp() -> Check {
     match read_trim("/proc/sys/kernel/seccomp/actions_avail") {
-        Some(actions) if actions.contains("errno") => check("process", "seccomp", Status::Ok, format!("filter mode (actions: {actions})"), None),
-        _ => check("process", "seccomp", Status::Missing, "seccomp filters are not available".to_owned(), Some("boot a kernel with CONFIG_SECCOMP_FILTER=y")),
+        Some(actions) if actions.contains("errno") => check(
+            "process",
+            "seccomp",
+            Status::Ok,
+            format!("filter mode (actions: {actions})"),
+            None,
+        ),
+        _ => check(
+            "process",
+            "seccomp",
+            Status::Missing,
+            "seccomp filters are not available".to_owned(),
+            Some("boot a kernel with CONFIG_SECCOMP_FILTER=y"),
+        ),
     }
 }
 
 fn pidfd() -> Check {
     match sys::pidfd_open(std::process::id() as i32) {
         Ok(_) => check("process", "pidfd", Status::Ok, "available".to_owned(), None),
-        Err(err) => check("process", "pidfd", Status::Missing, format!("pidfd_open failed: {err}"), Some("use Linux 5.3 or newer")),
+        Err(err) => check(
+            "process",
+            "pidfd",
+            Status::Missing,
+            format!("pidfd_open failed: {err}"),
+            Some("use Linux 5.3 or newer"),
+        ),
     }
 }
 
 fn overlayfs() -> Check {
-    let has = fs::read_to_string("/proc/filesystems").is_ok_and(|t| t.lines().any(|l| l.trim_end().ends_with("overlay")));
+    let has = fs::read_to_string("/proc/filesystems")
+        .is_ok_and(|t| t.lines().any(|l| l.trim_end().ends_with("overlay")));
     if has {
-        check("process", "overlayfs", Status::Ok, "available (for copy-on-write workspaces)".to_owned(), None)
+        check(
+            "process",
+            "overlayfs",
+            Status::Ok,
+            "available (for copy-on-write workspaces)".to_owned(),
+            None,
+        )
     } else {
-        check("process", "overlayfs", Status::Warn, "the overlay file system is not loaded".to_owned(), Some("modprobe overlay"))
+        check(
+            "process",
+            "overlayfs",
+            Status::Warn,
+            "the overlay file system is not loaded".to_owned(),
+            Some("modprobe overlay"),
+        )
     }
 }
 
@@ -134,7 +201,15 @@ fn cgroups() -> Vec<Check> {
                     "process",
                     feature,
                     status,
-                    format!("{version} at {}{}", h.own.display(), if writable { "" } else { " (not writable by this user)" }),
+                    format!(
+                        "{version} at {}{}",
+                        h.own.display(),
+                        if writable {
+                            ""
+                        } else {
+                            " (not writable by this user)"
+                        }
+                    ),
                     fix,
                 ));
             }
@@ -164,35 +239,76 @@ fn runsc() -> Check {
                 .and_then(|o| String::from_utf8(o.stdout).ok())
                 .and_then(|s| s.lines().next().map(str::to_owned))
                 .unwrap_or_default();
-            check("gvisor", "runsc", Status::Ok, format!("{} {version}", path.display()), None)
+            check(
+                "gvisor",
+                "runsc",
+                Status::Ok,
+                format!("{} {version}", path.display()),
+                None,
+            )
         }
-        None => check("gvisor", "runsc", Status::Missing, "runsc is not installed".to_owned(), Some("apt-get install runsc")),
+        None => check(
+            "gvisor",
+            "runsc",
+            Status::Missing,
+            "runsc is not installed".to_owned(),
+            Some("apt-get install runsc"),
+        ),
     }
 }
 
 fn kvm() -> Check {
-    match fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
-        Ok(_) => check("microvm", "kvm", Status::Ok, "/dev/kvm is usable".to_owned(), None),
+    match fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+    {
+        Ok(_) => check(
+            "microvm",
+            "kvm",
+            Status::Ok,
+            "/dev/kvm is usable".to_owned(),
+            None,
+        ),
         Err(err) => check(
             "microvm",
             "kvm",
             Status::Missing,
             format!("/dev/kvm: {err}"),
-            Some("enable virtualization and load kvm_intel or kvm_amd; add the user to the kvm group"),
+            Some(
+                "enable virtualization and load kvm_intel or kvm_amd; add the user to the kvm group",
+            ),
         ),
     }
 }
 
 fn vmm() -> Check {
-    match which("qemu-system-x86_64").or_else(|| which("firecracker")).or_else(|| which("cloud-hypervisor")) {
-        Some(path) => check("microvm", "vmm", Status::Ok, path.display().to_string(), None),
-        None => check("microvm", "vmm", Status::Missing, "no VMM found".to_owned(), Some("apt-get install qemu-system-x86")),
+    match which("qemu-system-x86_64")
+        .or_else(|| which("firecracker"))
+        .or_else(|| which("cloud-hypervisor"))
+    {
+        Some(path) => check(
+            "microvm",
+            "vmm",
+            Status::Ok,
+            path.display().to_string(),
+            None,
+        ),
+        None => check(
+            "microvm",
+            "vmm",
+            Status::Missing,
+            "no VMM found".to_owned(),
+            Some("apt-get install qemu-system-x86"),
+        ),
     }
 }
 
 fn which(program: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path).map(|dir| dir.join(program)).find(|p| p.is_file())
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(program))
+        .find(|p| p.is_file())
 }
 
 fn read_trim(path: &str) -> Option<String> {

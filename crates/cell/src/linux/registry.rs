@@ -33,7 +33,9 @@ pub struct CellRecord {
 pub enum RegistryError {
     #[error("runtime directory {path}: {source}")]
     Io { path: PathBuf, source: io::Error },
-    #[error("a cell named `{0}` is already running; pick another --name or stop it with `warden kill {0}`")]
+    #[error(
+        "a cell named `{0}` is already running; pick another --name or stop it with `warden kill {0}`"
+    )]
     Taken(String),
     #[error("no running cell named `{0}` (see `warden ps`)")]
     NotFound(String),
@@ -84,7 +86,11 @@ impl Registry {
         // Search-only for others: a root-started cell's setup runs as an unprivileged host id
         // and must be able to reach its mount point, but may list nothing.
         for dir in [&root, &cells] {
-            fs::DirBuilder::new().recursive(true).mode(0o711).create(dir).map_err(io_at(dir))?;
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o711)
+                .create(dir)
+                .map_err(io_at(dir))?;
             let meta = fs::symlink_metadata(dir).map_err(io_at(dir))?;
             if meta.file_type().is_symlink() || !meta.is_dir() {
                 return Err(RegistryError::Io {
@@ -115,28 +121,49 @@ impl Registry {
                     return Err(RegistryError::Taken(name.to_owned()));
                 }
                 let _ = fs::remove_dir_all(&dir);
-                fs::DirBuilder::new().mode(0o711).create(&dir).map_err(|err| {
-                    if err.kind() == io::ErrorKind::AlreadyExists {
-                        RegistryError::Taken(name.to_owned())
-                    } else {
-                        RegistryError::Io { path: dir.clone(), source: err }
-                    }
-                })?;
+                fs::DirBuilder::new()
+                    .mode(0o711)
+                    .create(&dir)
+                    .map_err(|err| {
+                        if err.kind() == io::ErrorKind::AlreadyExists {
+                            RegistryError::Taken(name.to_owned())
+                        } else {
+                            RegistryError::Io {
+                                path: dir.clone(),
+                                source: err,
+                            }
+                        }
+                    })?;
             }
-            Err(err) => return Err(RegistryError::Io { path: dir, source: err }),
+            Err(err) => {
+                return Err(RegistryError::Io {
+                    path: dir,
+                    source: err,
+                });
+            }
         }
         let lock_path = dir.join("lock");
-        let file = OpenOptions::new().create(true).truncate(false).write(true).open(&lock_path).map_err(io_at(&lock_path))?;
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(io_at(&lock_path))?;
         let lock = Flock::lock(file, FlockArg::LockExclusiveNonblock)
             .map_err(|_| RegistryError::Taken(name.to_owned()))?;
         let root = dir.join("root");
-        fs::DirBuilder::new().mode(0o755).create(&root).map_err(io_at(&root))?;
+        fs::DirBuilder::new()
+            .mode(0o755)
+            .create(&root)
+            .map_err(io_at(&root))?;
         Ok(Reservation { dir, _lock: lock })
     }
 
     /// Whether a warden still holds the cell's lock.
     fn is_live(&self, name: &str) -> bool {
-        let Ok(file) = File::open(self.cell_dir(name).join("lock")) else { return false };
+        let Ok(file) = File::open(self.cell_dir(name).join("lock")) else {
+            return false;
+        };
         match Flock::lock(file, FlockArg::LockSharedNonblock) {
             Ok(_released_on_drop) => false,
             Err(_) => true,
@@ -149,8 +176,12 @@ impl Registry {
             return Err(RegistryError::NotFound(name.to_owned()));
         }
         let path = self.cell_dir(name).join("cell.json");
-        let text = fs::read_to_string(&path).map_err(|_| RegistryError::NotFound(name.to_owned()))?;
-        serde_json::from_str(&text).map_err(|e| RegistryError::Corrupt { path, message: e.to_string() })
+        let text =
+            fs::read_to_string(&path).map_err(|_| RegistryError::NotFound(name.to_owned()))?;
+        serde_json::from_str(&text).map_err(|e| RegistryError::Corrupt {
+            path,
+            message: e.to_string(),
+        })
     }
 
     /// Every live cell, by name; folders of dead wardens are removed on the way.
@@ -189,7 +220,10 @@ impl Reservation {
     pub fn publish(&self, record: &CellRecord) -> Result<(), RegistryError> {
         let tmp = self.dir.join("cell.json.tmp");
         let path = self.dir.join("cell.json");
-        let text = serde_json::to_vec_pretty(record).map_err(|e| RegistryError::Corrupt { path: path.clone(), message: e.to_string() })?;
+        let text = serde_json::to_vec_pretty(record).map_err(|e| RegistryError::Corrupt {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
         fs::write(&tmp, text).map_err(io_at(&tmp))?;
         fs::rename(&tmp, &path).map_err(io_at(&path))
     }

@@ -34,22 +34,46 @@ fn errno(err: nix::Error) -> io::Error {
 /// Device nodes bound from the host.
 const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom", "tty"];
 /// `/proc` files that leak host information or control the host; hidden behind /dev/null.
-const PROC_MASKED_FILES: &[&str] =
-    &["kcore", "keys", "timer_list", "sched_debug", "sysrq-trigger", "latency_stats", "kallsyms", "kmsg", "config.gz"];
+const PROC_MASKED_FILES: &[&str] = &[
+    "kcore",
+    "keys",
+    "timer_list",
+    "sched_debug",
+    "sysrq-trigger",
+    "latency_stats",
+    "kallsyms",
+    "kmsg",
+    "config.gz",
+];
 /// `/proc` directories hidden behind an empty read-only tmpfs.
 const PROC_MASKED_DIRS: &[&str] = &["acpi", "scsi", "asound", "firmware", "driver"];
 /// `/proc` directories kept visible but read-only.
 const PROC_READ_ONLY: &[&str] = &["sys", "irq", "bus", "fs"];
 
 /// Assembles the root described by `plan` on `plan.root` and pivots into it.
-pub fn build(plan: &CellPlan, workspace_tree: Option<&std::os::fd::OwnedFd>) -> Result<(), SetupError> {
+pub fn build(
+    plan: &CellPlan,
+    workspace_tree: Option<&std::os::fd::OwnedFd>,
+) -> Result<(), SetupError> {
     let root = plan.root.as_path();
-    mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>)
-        .map_err(errno)
-        .map_err(at("making mounts private at", Path::new("/")))?;
-    mount(Some("tmpfs"), root, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("mode=0755,size=16m"))
-        .map_err(errno)
-        .map_err(at("mounting the cell root on", root))?;
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None::<&str>,
+    )
+    .map_err(errno)
+    .map_err(at("making mounts private at", Path::new("/")))?;
+    mount(
+        Some("tmpfs"),
+        root,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("mode=0755,size=16m"),
+    )
+    .map_err(errno)
+    .map_err(at("mounting the cell root on", root))?;
 
     // Read-only entries first; the whole tree is then made read-only, nosuid and nodev in one
     // recursive step, and the writable mounts go on top of their (already created) mount points.
@@ -58,16 +82,32 @@ pub fn build(plan: &CellPlan, workspace_tree: Option<&std::os::fd::OwnedFd>) -> 
     }
     write_etc(plan)?;
     let workspace = inside(root, &plan.workspace_mount);
-    for dir in [&root.join("tmp"), &workspace, &root.join("dev"), &root.join("proc")] {
+    for dir in [
+        &root.join("tmp"),
+        &workspace,
+        &root.join("dev"),
+        &root.join("proc"),
+    ] {
         fs::create_dir_all(dir).map_err(at("creating directory", dir))?;
     }
     sys::restrict_mount(root, true).map_err(at("making the cell root read-only", root))?;
     for entry in &plan.entries {
-        if let Entry::Bind { path, writable: true, .. } = entry {
+        if let Entry::Bind {
+            path,
+            writable: true,
+            ..
+        } = entry
+        {
             let dst = inside(root, path);
-            mount(Some(path), &dst, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
-                .map_err(errno)
-                .map_err(at("bind-mounting", path))?;
+            mount(
+                Some(path),
+                &dst,
+                None::<&str>,
+                MsFlags::MS_BIND | MsFlags::MS_REC,
+                None::<&str>,
+            )
+            .map_err(errno)
+            .map_err(at("bind-mounting", path))?;
             sys::restrict_mount(&dst, false).map_err(at("restricting mount", &dst))?;
         }
     }
@@ -97,15 +137,25 @@ fn place(root: &Path, entry: &Entry) -> Result<(), SetupError> {
             make_parent(&dst)?;
             fs::copy(path, &dst).map(drop).map_err(at("copying", path))
         }
-        Entry::Bind { path, dir, writable } => {
+        Entry::Bind {
+            path,
+            dir,
+            writable,
+        } => {
             let dst = inside(root, path);
             mountpoint(&dst, *dir)?;
             if *writable {
                 return Ok(()); // mounted after the tree is made read-only
             }
-            mount(Some(path), &dst, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
-                .map_err(errno)
-                .map_err(at("bind-mounting", path))
+            mount(
+                Some(path),
+                &dst,
+                None::<&str>,
+                MsFlags::MS_BIND | MsFlags::MS_REC,
+                None::<&str>,
+            )
+            .map_err(errno)
+            .map_err(at("bind-mounting", path))
         }
     }
 }
@@ -122,7 +172,13 @@ fn mountpoint(dst: &Path, dir: bool) -> Result<(), SetupError> {
         fs::create_dir_all(dst).map_err(at("creating directory", dst))
     } else {
         make_parent(dst)?;
-        fs::OpenOptions::new().create(true).truncate(false).write(true).open(dst).map(drop).map_err(at("creating file", dst))
+        fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(dst)
+            .map(drop)
+            .map_err(at("creating file", dst))
     }
 }
 
@@ -135,7 +191,8 @@ fn write_etc(plan: &CellPlan) -> Result<(), SetupError> {
             continue; // bound from the host by the policy
         }
         fs::write(&path, content).map_err(at("writing", &path))?;
-        fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).map_err(at("setting mode of", &path))?;
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o644))
+            .map_err(at("setting mode of", &path))?;
     }
     Ok(())
 }
@@ -143,31 +200,59 @@ fn write_etc(plan: &CellPlan) -> Result<(), SetupError> {
 fn mount_tmp(root: &Path, size: u64) -> Result<(), SetupError> {
     let tmp = root.join("tmp");
     let options = format!("mode=1777,size={size}");
-    mount(Some("tmpfs"), &tmp, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(options.as_str()))
-        .map_err(errno)
-        .map_err(at("mounting tmpfs on", &tmp))
+    mount(
+        Some("tmpfs"),
+        &tmp,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some(options.as_str()),
+    )
+    .map_err(errno)
+    .map_err(at("mounting tmpfs on", &tmp))
 }
 
 fn mount_workspace(plan: &CellPlan, tree: Option<&std::os::fd::OwnedFd>) -> Result<(), SetupError> {
     let dst = inside(&plan.root, &plan.workspace_mount);
     let Some(workspace) = &plan.workspace else {
-        let options = format!("mode=0755,uid={},gid={},size={}", plan.ids.inside_uid, plan.ids.inside_gid, plan.tmp_size);
-        return mount(Some("tmpfs"), &dst, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(options.as_str()))
-            .map_err(errno)
-            .map_err(at("mounting the scratch workspace on", &dst));
+        let options = format!(
+            "mode=0755,uid={},gid={},size={}",
+            plan.ids.inside_uid, plan.ids.inside_gid, plan.tmp_size
+        );
+        return mount(
+            Some("tmpfs"),
+            &dst,
+            Some("tmpfs"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+            Some(options.as_str()),
+        )
+        .map_err(errno)
+        .map_err(at("mounting the scratch workspace on", &dst));
     };
     match tree {
-        Some(tree) => sys::move_mount_to(tree, &dst).map_err(at("attaching the id-mapped workspace on", &dst))?,
-        None => mount(Some(&workspace.host), &dst, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
-            .map_err(errno)
-            .map_err(at("bind-mounting the workspace", &workspace.host))?,
+        Some(tree) => sys::move_mount_to(tree, &dst)
+            .map_err(at("attaching the id-mapped workspace on", &dst))?,
+        None => mount(
+            Some(&workspace.host),
+            &dst,
+            None::<&str>,
+            MsFlags::MS_BIND | MsFlags::MS_REC,
+            None::<&str>,
+        )
+        .map_err(errno)
+        .map_err(at("bind-mounting the workspace", &workspace.host))?,
     }
     sys::restrict_mount(&dst, false).map_err(at("restricting mount", &dst))?;
     for rel in &workspace.protect {
         let path = dst.join(rel);
-        mount(Some(&path), &path, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
-            .map_err(errno)
-            .map_err(at("protecting", &path))?;
+        mount(
+            Some(&path),
+            &path,
+            None::<&str>,
+            MsFlags::MS_BIND | MsFlags::MS_REC,
+            None::<&str>,
+        )
+        .map_err(errno)
+        .map_err(at("protecting", &path))?;
         sys::restrict_mount(&path, true).map_err(at("protecting", &path))?;
     }
     Ok(())
@@ -175,27 +260,51 @@ fn mount_workspace(plan: &CellPlan, tree: Option<&std::os::fd::OwnedFd>) -> Resu
 
 fn mount_dev(root: &Path) -> Result<(), SetupError> {
     let dev = root.join("dev");
-    mount(Some("tmpfs"), &dev, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("mode=0755,size=64k"))
-        .map_err(errno)
-        .map_err(at("mounting tmpfs on", &dev))?;
+    mount(
+        Some("tmpfs"),
+        &dev,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        Some("mode=0755,size=64k"),
+    )
+    .map_err(errno)
+    .map_err(at("mounting tmpfs on", &dev))?;
     for name in DEVICES {
         let src = Path::new("/dev").join(name);
         let dst = dev.join(name);
         mountpoint(&dst, false)?;
-        mount(Some(&src), &dst, None::<&str>, MsFlags::MS_BIND, None::<&str>)
-            .map_err(errno)
-            .map_err(at("bind-mounting", &src))?;
+        mount(
+            Some(&src),
+            &dst,
+            None::<&str>,
+            MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .map_err(errno)
+        .map_err(at("bind-mounting", &src))?;
     }
     let pts = dev.join("pts");
     fs::create_dir_all(&pts).map_err(at("creating directory", &pts))?;
-    mount(Some("devpts"), &pts, Some("devpts"), MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("newinstance,ptmxmode=0666,mode=0620"))
-        .map_err(errno)
-        .map_err(at("mounting devpts on", &pts))?;
+    mount(
+        Some("devpts"),
+        &pts,
+        Some("devpts"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        Some("newinstance,ptmxmode=0666,mode=0620"),
+    )
+    .map_err(errno)
+    .map_err(at("mounting devpts on", &pts))?;
     let shm = dev.join("shm");
     fs::create_dir_all(&shm).map_err(at("creating directory", &shm))?;
-    mount(Some("tmpfs"), &shm, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("mode=1777,size=64m"))
-        .map_err(errno)
-        .map_err(at("mounting tmpfs on", &shm))?;
+    mount(
+        Some("tmpfs"),
+        &shm,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("mode=1777,size=64m"),
+    )
+    .map_err(errno)
+    .map_err(at("mounting tmpfs on", &shm))?;
     for (link, target) in [
         ("ptmx", "pts/ptmx"),
         ("fd", "/proc/self/fd"),
@@ -206,22 +315,44 @@ fn mount_dev(root: &Path) -> Result<(), SetupError> {
         let path = dev.join(link);
         symlink(target, &path).map_err(at("creating symlink", &path))?;
     }
-    mount(None::<&str>, &dev, None::<&str>, MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, None::<&str>)
-        .map_err(errno)
-        .map_err(at("making read-only", &dev))
+    mount(
+        None::<&str>,
+        &dev,
+        None::<&str>,
+        MsFlags::MS_REMOUNT
+            | MsFlags::MS_BIND
+            | MsFlags::MS_RDONLY
+            | MsFlags::MS_NOSUID
+            | MsFlags::MS_NOEXEC,
+        None::<&str>,
+    )
+    .map_err(errno)
+    .map_err(at("making read-only", &dev))
 }
 
 fn mount_proc(root: &Path) -> Result<(), SetupError> {
     let proc = root.join("proc");
-    mount(Some("proc"), &proc, Some("proc"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, None::<&str>)
-        .map_err(errno)
-        .map_err(at("mounting proc on", &proc))?;
+    mount(
+        Some("proc"),
+        &proc,
+        Some("proc"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        None::<&str>,
+    )
+    .map_err(errno)
+    .map_err(at("mounting proc on", &proc))?;
     for name in PROC_READ_ONLY {
         let path = proc.join(name);
         if path.exists() {
-            mount(Some(&path), &path, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
-                .map_err(errno)
-                .map_err(at("bind-mounting", &path))?;
+            mount(
+                Some(&path),
+                &path,
+                None::<&str>,
+                MsFlags::MS_BIND | MsFlags::MS_REC,
+                None::<&str>,
+            )
+            .map_err(errno)
+            .map_err(at("bind-mounting", &path))?;
             sys::restrict_mount(&path, true).map_err(at("making read-only", &path))?;
         }
     }
@@ -236,23 +367,41 @@ fn mount_proc(root: &Path) -> Result<(), SetupError> {
 
 /// Covers `path` with nothing: an empty read-only tmpfs for a directory, /dev/null for a file.
 fn hide(path: &Path) -> Result<(), SetupError> {
-    let Ok(meta) = fs::symlink_metadata(path) else { return Ok(()) };
+    let Ok(meta) = fs::symlink_metadata(path) else {
+        return Ok(());
+    };
     if meta.is_dir() {
-        mount(Some("tmpfs"), path, Some("tmpfs"), MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, Some("size=0,mode=0555"))
-            .map_err(errno)
-            .map_err(at("masking", path))
+        mount(
+            Some("tmpfs"),
+            path,
+            Some("tmpfs"),
+            MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+            Some("size=0,mode=0555"),
+        )
+        .map_err(errno)
+        .map_err(at("masking", path))
     } else {
-        mount(Some("/dev/null"), path, None::<&str>, MsFlags::MS_BIND, None::<&str>)
-            .map_err(errno)
-            .map_err(at("masking", path))?;
+        mount(
+            Some("/dev/null"),
+            path,
+            None::<&str>,
+            MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .map_err(errno)
+        .map_err(at("masking", path))?;
         sys::restrict_mount(path, true).map_err(at("masking", path))
     }
 }
 
 fn pivot(root: &Path) -> Result<(), SetupError> {
     std::env::set_current_dir(root).map_err(at("entering", root))?;
-    nix::unistd::pivot_root(".", ".").map_err(errno).map_err(at("pivot_root into", root))?;
+    nix::unistd::pivot_root(".", ".")
+        .map_err(errno)
+        .map_err(at("pivot_root into", root))?;
     // The old root is now stacked on top of the new one at "/"; detach it.
-    umount2(".", MntFlags::MNT_DETACH).map_err(errno).map_err(at("detaching the host root", Path::new("/")))?;
+    umount2(".", MntFlags::MNT_DETACH)
+        .map_err(errno)
+        .map_err(at("detaching the host root", Path::new("/")))?;
     std::env::set_current_dir("/").map_err(at("entering", Path::new("/")))
 }

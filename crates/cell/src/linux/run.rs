@@ -40,9 +40,15 @@ pub enum Ending {
     Exited(i32),
     /// The command was killed by this signal.
     Signaled(i32),
-    MemoryLimit { limit: u64 },
-    WallLimit { limit: Duration },
-    OutputLimit { limit: u64 },
+    MemoryLimit {
+        limit: u64,
+    },
+    WallLimit {
+        limit: Duration,
+    },
+    OutputLimit {
+        limit: u64,
+    },
     /// `warden kill` ended it.
     Killed,
     CommandNotFound(String),
@@ -67,10 +73,15 @@ pub enum RunError {
     #[error(transparent)]
     Cgroup(#[from] CgroupError),
     #[error("{what}: {source}")]
-    Os { what: &'static str, source: io::Error },
+    Os {
+        what: &'static str,
+        source: io::Error,
+    },
     #[error("cell setup failed: {0}")]
     Setup(String),
-    #[error("creating the cell's namespaces failed: {source}; this kernel or user may lack user namespaces (run `warden doctor`)")]
+    #[error(
+        "creating the cell's namespaces failed: {source}; this kernel or user may lack user namespaces (run `warden doctor`)"
+    )]
     Namespaces { source: io::Error },
 }
 
@@ -79,7 +90,10 @@ fn os(what: &'static str) -> impl FnOnce(io::Error) -> RunError {
 }
 
 fn nix_os(what: &'static str) -> impl FnOnce(nix::Error) -> RunError {
-    move |err| RunError::Os { what, source: io::Error::from_raw_os_error(err as i32) }
+    move |err| RunError::Os {
+        what,
+        source: io::Error::from_raw_os_error(err as i32),
+    }
 }
 
 const STDIO_CHUNK: usize = 64 * 1024;
@@ -103,9 +117,16 @@ pub fn run(registry: &Registry, request: RunRequest) -> Result<RunOutcome, RunEr
     plan::check_name(&name)?;
     let workspace = match &request.workspace {
         Some(dir) => {
-            let host = fs::canonicalize(dir).ok().filter(|p| p.is_dir()).ok_or_else(|| PlanError::Workspace { path: dir.clone() })?;
+            let host = fs::canonicalize(dir)
+                .ok()
+                .filter(|p| p.is_dir())
+                .ok_or_else(|| PlanError::Workspace { path: dir.clone() })?;
             let protect = plan::protected(policy, &host);
-            Some(WorkspacePlan { host, mount: policy.filesystem.workspace.mount.clone(), protect })
+            Some(WorkspacePlan {
+                host,
+                mount: policy.filesystem.workspace.mount.clone(),
+                protect,
+            })
         }
         None => None,
     };
@@ -137,7 +158,11 @@ pub fn run(registry: &Registry, request: RunRequest) -> Result<RunOutcome, RunEr
     }
     let plan = CellPlan {
         name: name.clone(),
-        hostname: policy.process.hostname.clone().unwrap_or_else(|| name.replace('_', "-")),
+        hostname: policy
+            .process
+            .hostname
+            .clone()
+            .unwrap_or_else(|| name.replace('_', "-")),
         root: reservation.root_dir(),
         entries: plan::entries(policy),
         hidden: policy.filesystem.hidden.clone(),
@@ -176,10 +201,17 @@ pub fn run(registry: &Registry, request: RunRequest) -> Result<RunOutcome, RunEr
     // Signals that would end the warden are read from a signalfd and forwarded instead; the
     // child unblocks them before anything else.
     let mut forwarded = SigSet::empty();
-    for signal in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP, Signal::SIGQUIT] {
+    for signal in [
+        Signal::SIGINT,
+        Signal::SIGTERM,
+        Signal::SIGHUP,
+        Signal::SIGQUIT,
+    ] {
         forwarded.add(signal);
     }
-    let old_mask = forwarded.thread_swap_mask(nix::sys::signal::SigmaskHow::SIG_BLOCK).map_err(nix_os("blocking signals"))?;
+    let old_mask = forwarded
+        .thread_swap_mask(nix::sys::signal::SigmaskHow::SIG_BLOCK)
+        .map_err(nix_os("blocking signals"))?;
 
     let flags = libc::CLONE_NEWUSER
         | libc::CLONE_NEWNS
@@ -198,14 +230,18 @@ pub fn run(registry: &Registry, request: RunRequest) -> Result<RunOutcome, RunEr
             return Err(RunError::Namespaces { source });
         }
     };
-    let mut guard = CellGuard { cgroup: None, pid: Some(pid) };
+    let mut guard = CellGuard {
+        cgroup: None,
+        pid: Some(pid),
+    };
     drop((stdin_r, stdout_w, stderr_w, sync_r, status_w, tree));
 
     let started = Instant::now();
     let pidfd = sys::pidfd_open(pid.as_raw()).map_err(os("opening a pidfd for the cell"))?;
     write_id_maps(pid, &ids).map_err(os("writing the cell's id maps"))?;
     let mut sync = fs::File::from(sync_w);
-    sync.write_all(&[init::GO_MAPPED]).map_err(os("starting the cell"))?;
+    sync.write_all(&[init::GO_MAPPED])
+        .map_err(os("starting the cell"))?;
 
     // While the cell assembles its root, make its cgroup and move it in: moving a process
     // between cgroups may wait for an RCU grace period, which then overlaps the mounts.
@@ -234,12 +270,22 @@ pub fn run(registry: &Registry, request: RunRequest) -> Result<RunOutcome, RunEr
         pid: pid.as_raw(),
         pid_start: process_start_ticks(pid.as_raw()).unwrap_or(0),
         warden_pid: std::process::id() as i32,
-        started_unix_ms: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
-        argv: request.argv.iter().map(|a| a.to_string_lossy().into_owned()).collect(),
+        started_unix_ms: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64),
+        argv: request
+            .argv
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect(),
         workspace: plan.workspace.as_ref().map(|w| w.host.clone()),
         cgroup: cell_cgroup.clone(),
     })?;
-    let go = if cell_cgroup.is_some() { init::GO_IN_CGROUP } else { init::GO_RLIMITS };
+    let go = if cell_cgroup.is_some() {
+        init::GO_IN_CGROUP
+    } else {
+        init::GO_RLIMITS
+    };
     sync.write_all(&[go]).map_err(os("starting the cell"))?;
     drop(sync);
 
@@ -250,15 +296,27 @@ pub fn run(registry: &Registry, request: RunRequest) -> Result<RunOutcome, RunEr
     if line != "ok" {
         let _ = waitpid(pid, None);
         guard.pid = None;
-        let (code, message) = line.strip_prefix("err ").and_then(|rest| rest.split_once(' ')).unwrap_or(("125", "the cell's init exited during setup"));
+        let (code, message) = line
+            .strip_prefix("err ")
+            .and_then(|rest| rest.split_once(' '))
+            .unwrap_or(("125", "the cell's init exited during setup"));
         return match code.parse::<i32>() {
-            Ok(init::NOT_FOUND) => Ok(RunOutcome { name, ending: Ending::CommandNotFound(message.to_owned()), notices }),
-            Ok(init::NOT_EXECUTABLE) => Ok(RunOutcome { name, ending: Ending::CannotExecute(message.to_owned()), notices }),
+            Ok(init::NOT_FOUND) => Ok(RunOutcome {
+                name,
+                ending: Ending::CommandNotFound(message.to_owned()),
+                notices,
+            }),
+            Ok(init::NOT_EXECUTABLE) => Ok(RunOutcome {
+                name,
+                ending: Ending::CannotExecute(message.to_owned()),
+                notices,
+            }),
             _ => Err(RunError::Setup(message.to_owned())),
         };
     }
 
-    let signals = SignalFd::with_flags(&forwarded, SfdFlags::SFD_CLOEXEC).map_err(nix_os("creating a signalfd"))?;
+    let signals = SignalFd::with_flags(&forwarded, SfdFlags::SFD_CLOEXEC)
+        .map_err(nix_os("creating a signalfd"))?;
     spawn_stdin_pump(stdin_w);
     let relay = Relay {
         pid,
@@ -287,7 +345,11 @@ pub fn run(registry: &Registry, request: RunRequest) -> Result<RunOutcome, RunEr
     };
     drop(guard);
     drop(reservation);
-    Ok(RunOutcome { name, ending, notices })
+    Ok(RunOutcome {
+        name,
+        ending,
+        notices,
+    })
 }
 
 /// Kills whatever is left of the cell and removes its cgroups, on every way out of `run`.
@@ -376,7 +438,8 @@ impl Relay<'_> {
             if exited.is_some() {
                 wait = wait.min(Duration::from_millis(50));
             }
-            let timeout = PollTimeout::try_from(wait.as_millis().min(60_000) as i32 + 1).unwrap_or(PollTimeout::MAX);
+            let timeout = PollTimeout::try_from(wait.as_millis().min(60_000) as i32 + 1)
+                .unwrap_or(PollTimeout::MAX);
 
             let mut fds = Vec::with_capacity(4);
             fds.push(PollFd::new(self.signals.as_fd(), PollFlags::POLLIN));
@@ -398,7 +461,8 @@ impl Relay<'_> {
                 Err(err) => return Err(nix_os("waiting on the cell")(err)),
             }
             let ready = |slot: Option<usize>| {
-                slot.and_then(|i| fds[i].revents()).is_some_and(|r| !r.is_empty())
+                slot.and_then(|i| fds[i].revents())
+                    .is_some_and(|r| !r.is_empty())
             };
             let signal_ready = ready(Some(0));
             let pid_ready = ready(pid_slot);
@@ -408,17 +472,32 @@ impl Relay<'_> {
 
             if signal_ready {
                 if let Ok(Some(info)) = self.signals.read_signal() {
-                    let _ = nix::sys::signal::kill(self.pid, Signal::try_from(info.ssi_signo as i32).ok());
+                    let _ = nix::sys::signal::kill(
+                        self.pid,
+                        Signal::try_from(info.ssi_signo as i32).ok(),
+                    );
                 }
             }
             for (ready, fd, open, sink) in [
-                (out_ready, &self.stdout, &mut out_open, &mut stdout as &mut dyn Write),
-                (err_ready, &self.stderr, &mut err_open, &mut stderr as &mut dyn Write),
+                (
+                    out_ready,
+                    &self.stdout,
+                    &mut out_open,
+                    &mut stdout as &mut dyn Write,
+                ),
+                (
+                    err_ready,
+                    &self.stderr,
+                    &mut err_open,
+                    &mut stderr as &mut dyn Write,
+                ),
             ] {
                 if !ready {
                     continue;
                 }
-                let n = match fs::File::from(fd.try_clone().map_err(os("reading cell output"))?).read(&mut buf) {
+                let n = match fs::File::from(fd.try_clone().map_err(os("reading cell output"))?)
+                    .read(&mut buf)
+                {
                     Ok(0) | Err(_) => {
                         *open = false;
                         continue;

@@ -5,8 +5,8 @@
 use std::collections::BTreeMap;
 
 use seccompiler::{
-    BpfProgram, SeccompAction, SeccompCmpArgLen as Len, SeccompCmpOp as Op, SeccompCondition as Cond,
-    SeccompFilter, SeccompRule, TargetArch, sock_filter,
+    BpfProgram, SeccompAction, SeccompCmpArgLen as Len, SeccompCmpOp as Op,
+    SeccompCondition as Cond, SeccompFilter, SeccompRule, TargetArch, sock_filter,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -126,7 +126,10 @@ pub fn deny_filter() -> Result<BpfProgram, SeccompError> {
     let socket_rules = vec![
         rule(vec![family(AF_VSOCK)?])?,
         rule(vec![family(AF_PACKET)?])?,
-        rule(vec![family(AF_NETLINK)?, cond(2, Len::Dword, Op::Ne, NETLINK_ROUTE)?])?,
+        rule(vec![
+            family(AF_NETLINK)?,
+            cond(2, Len::Dword, Op::Ne, NETLINK_ROUTE)?,
+        ])?,
     ];
     rules.insert(libc::SYS_socket, socket_rules.clone());
     rules.insert(libc::SYS_socketpair, socket_rules);
@@ -135,7 +138,10 @@ pub fn deny_filter() -> Result<BpfProgram, SeccompError> {
     // way for host users to gain the owner's rights.
     let special_bit = |arg: u8, bit: u64| cond(arg, Len::Dword, Op::MaskedEq(bit), bit);
     let mode_rules = |arg: u8| -> Result<Vec<SeccompRule>, SeccompError> {
-        Ok(vec![rule(vec![special_bit(arg, SETUID)?])?, rule(vec![special_bit(arg, SETGID)?])?])
+        Ok(vec![
+            rule(vec![special_bit(arg, SETUID)?])?,
+            rule(vec![special_bit(arg, SETGID)?])?,
+        ])
     };
     rules.insert(libc::SYS_chmod, mode_rules(1)?);
     rules.insert(libc::SYS_fchmod, mode_rules(1)?);
@@ -154,8 +160,9 @@ pub fn deny_filter() -> Result<BpfProgram, SeccompError> {
         TargetArch::x86_64,
     )
     .map_err(|e| SeccompError::Build(e.to_string()))?;
-    let compiled: BpfProgram =
-        filter.try_into().map_err(|e: seccompiler::BackendError| SeccompError::Build(e.to_string()))?;
+    let compiled: BpfProgram = filter
+        .try_into()
+        .map_err(|e: seccompiler::BackendError| SeccompError::Build(e.to_string()))?;
     // seccompiler's program is [architecture check (3 instructions), rest]; the rest reloads the
     // syscall number itself, so the prelude can go between them without moving any jump target.
     let (arch_check, rest) = compiled.split_at(ARCH_CHECK_LEN);
@@ -178,7 +185,12 @@ fn prelude() -> Vec<sock_filter> {
     const BPF_RET_K: u16 = 0x06;
     const SECCOMP_DATA_NR: u32 = 0;
     const X32_SYSCALL_BIT: u32 = 0x4000_0000;
-    let stmt = |code, k| sock_filter { code, jt: 0, jf: 0, k };
+    let stmt = |code, k| sock_filter {
+        code,
+        jt: 0,
+        jf: 0,
+        k,
+    };
     let jump = |code, k, jt, jf| sock_filter { code, jt, jf, k };
     vec![
         stmt(BPF_LD_W_ABS, SECCOMP_DATA_NR),
@@ -200,8 +212,14 @@ mod tests {
         assert!(program.len() > DENIED.len());
         // The arch check's success jump lands on the prelude's first instruction.
         assert_eq!(program[1].jt, 1);
-        assert_eq!(program[ARCH_CHECK_LEN..ARCH_CHECK_LEN + prelude().len()], prelude()[..]);
+        assert_eq!(
+            program[ARCH_CHECK_LEN..ARCH_CHECK_LEN + prelude().len()],
+            prelude()[..]
+        );
         // The rules start by loading the syscall number again.
-        assert_eq!(program[ARCH_CHECK_LEN + prelude().len()], program[ARCH_CHECK_LEN]);
+        assert_eq!(
+            program[ARCH_CHECK_LEN + prelude().len()],
+            program[ARCH_CHECK_LEN]
+        );
     }
 }

@@ -9,7 +9,11 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
 fn check(ret: libc::c_long) -> io::Result<libc::c_long> {
-    if ret < 0 { Err(io::Error::last_os_error()) } else { Ok(ret) }
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret)
+    }
 }
 
 fn cstring(path: &Path) -> io::Result<CString> {
@@ -42,7 +46,13 @@ pub fn pidfd_open(pid: libc::pid_t) -> io::Result<OwnedFd> {
 pub fn pidfd_send_signal(pidfd: &OwnedFd, signal: libc::c_int) -> io::Result<()> {
     // SAFETY: plain syscall; a NULL siginfo means "as kill() would send it".
     let ret = unsafe {
-        libc::syscall(libc::SYS_pidfd_send_signal, pidfd.as_raw_fd(), signal, 0usize, 0u32)
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            signal,
+            0usize,
+            0u32,
+        )
     };
     check(ret).map(drop)
 }
@@ -84,7 +94,9 @@ pub fn restrict_mount(path: &Path, read_only: bool) -> io::Result<()> {
     const MOUNT_ATTR_NOSUID: u64 = 0x2;
     const MOUNT_ATTR_NODEV: u64 = 0x4;
     let attr = MountAttr {
-        attr_set: MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | if read_only { MOUNT_ATTR_RDONLY } else { 0 },
+        attr_set: MOUNT_ATTR_NOSUID
+            | MOUNT_ATTR_NODEV
+            | if read_only { MOUNT_ATTR_RDONLY } else { 0 },
         attr_clr: 0,
         propagation: 0,
         userns_fd: 0,
@@ -198,7 +210,10 @@ pub fn install_seccomp(program: &[seccompiler::sock_filter]) -> io::Result<()> {
 
 /// Sets a resource limit (soft and hard) for this process and its future children.
 pub fn set_rlimit(resource: libc::__rlimit_resource_t, value: u64) -> io::Result<()> {
-    let limit = libc::rlimit { rlim_cur: value, rlim_max: value };
+    let limit = libc::rlimit {
+        rlim_cur: value,
+        rlim_max: value,
+    };
     // SAFETY: `limit` is a valid rlimit for the duration of the call.
     check(unsafe { libc::setrlimit(resource, &limit) }.into()).map(drop)
 }
@@ -229,7 +244,12 @@ pub fn landlock_abi_version() -> io::Result<i64> {
     const LANDLOCK_CREATE_RULESET_VERSION: u32 = 1;
     // SAFETY: with a NULL attribute pointer and size 0 this call only queries the version.
     let ret = unsafe {
-        libc::syscall(libc::SYS_landlock_create_ruleset, 0usize, 0usize, LANDLOCK_CREATE_RULESET_VERSION)
+        libc::syscall(
+            libc::SYS_landlock_create_ruleset,
+            0usize,
+            0usize,
+            LANDLOCK_CREATE_RULESET_VERSION,
+        )
     };
     check(ret)
 }

@@ -1,6 +1,6 @@
 //! Shared helpers for the end-to-end tests: they drive the real `warden` binary, which creates
 //! real namespaces, cgroups and filters on the running kernel.
-#![allow(dead_code)]
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -12,7 +12,11 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_warden");
 /// A unique cell name for this test process.
 pub fn unique(prefix: &str) -> String {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
-    format!("{prefix}-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
+    format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 pub fn warden() -> Command {
@@ -49,7 +53,9 @@ pub fn run_sh(extra: &[&str], script: &str) -> Ran {
 /// `warden run [extra...] -- python3 -c CODE`.
 pub fn run_py(extra: &[&str], code: &str) -> Ran {
     let mut cmd = warden();
-    cmd.arg("run").args(extra).args(["--", "python3", "-c", code]);
+    cmd.arg("run")
+        .args(extra)
+        .args(["--", "python3", "-c", code]);
     cmd.output().expect("warden runs").into()
 }
 
@@ -62,18 +68,25 @@ pub fn policy(dir: &Path, yaml: &str) -> PathBuf {
 }
 
 pub fn tempdir() -> tempfile::TempDir {
-    tempfile::Builder::new().prefix("warden-test-").tempdir().unwrap()
+    tempfile::Builder::new()
+        .prefix("warden-test-")
+        .tempdir()
+        .unwrap()
 }
 
 /// Host processes whose command line contains `marker`.
 pub fn host_processes_with(marker: &str) -> Vec<i32> {
     let mut found = Vec::new();
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
         if pid == std::process::id() as i32 {
             continue;
         }
-        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
         let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
         // The warden that launched the cell carries the marker in its own arguments.
         if cmdline.contains(marker) && !cmdline.contains(BIN) && !cmdline.starts_with("warden") {
@@ -88,7 +101,9 @@ pub fn cgroup_dirs_of(name: &str) -> Vec<PathBuf> {
     let mut found = Vec::new();
     let mut stack = vec![PathBuf::from("/sys/fs/cgroup")];
     while let Some(dir) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
         for entry in entries.flatten() {
             let path = entry.path();
             if entry.file_type().is_ok_and(|t| t.is_dir()) {
@@ -108,4 +123,30 @@ pub fn cgroup_dirs_of(name: &str) -> Vec<PathBuf> {
 pub fn is_root() -> bool {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
+}
+
+/// Whether this test process can give cells cgroups (root, or a delegated subtree). When it
+/// cannot, the caller skips and says why.
+pub fn cgroups_available(test: &str) -> bool {
+    let out = warden()
+        .args(["doctor", "--json"])
+        .output()
+        .expect("warden doctor runs");
+    let checks: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("doctor prints JSON");
+    let ok = checks.as_array().is_some_and(|all| {
+        all.iter()
+            .filter(|c| {
+                c["feature"]
+                    .as_str()
+                    .is_some_and(|f| f.starts_with("cgroup "))
+            })
+            .all(|c| c["status"] == "ok")
+    });
+    if !ok {
+        eprintln!(
+            "skipped {test}: no writable cgroup hierarchy for this user (run the tests as root)"
+        );
+    }
+    ok
 }
