@@ -185,3 +185,21 @@ fn missing_kernel_feature_is_named_and_points_to_doctor() {
     );
     assert!(ran.stdout.contains("doctor=1"), "{ran:?}");
 }
+
+#[test]
+fn a_reader_that_stops_reading_ends_the_writer_in_the_cell() {
+    // `warden run -- yes | head -1`: when the caller's stdout closes, the cell's writer must get
+    // EPIPE like in any pipeline instead of running (and being relayed) forever.
+    let script = format!("{BIN} run -- yes | head -n 1; echo piped");
+    let start = std::time::Instant::now();
+    let out = std::process::Command::new("timeout")
+        .args(["20", "sh", "-c", &script])
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "y\npiped\n");
+    assert!(
+        start.elapsed() < std::time::Duration::from_secs(10),
+        "{:?}",
+        start.elapsed()
+    );
+}

@@ -73,6 +73,9 @@ fn first_line(rendered: &str) -> String {
     }
 }
 
+/// Cells map 65536 ids; ids above that do not exist inside.
+const MAX_INSIDE_ID: u32 = 65535;
+
 /// Checks that need the whole document, or name features that are reserved in the schema but not
 /// built yet. Each error says what to write instead.
 fn validate(origin: &str, policy: &Policy) -> Result<(), PolicyError> {
@@ -127,6 +130,12 @@ fn validate(origin: &str, policy: &Policy) -> Result<(), PolicyError> {
                 "must be 1-63 letters, digits or dashes",
             ));
         }
+    }
+    if policy.process.user > MAX_INSIDE_ID || policy.process.group() > MAX_INSIDE_ID {
+        return Err(invalid(
+            "process.user",
+            &format!("user and group ids inside a cell must be at most {MAX_INSIDE_ID}"),
+        ));
     }
     if policy.limits.pids == Some(0) {
         return Err(invalid(

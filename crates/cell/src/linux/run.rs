@@ -322,8 +322,8 @@ pub fn run(registry: &Registry, request: RunRequest) -> Result<RunOutcome, RunEr
         pid,
         pidfd: &pidfd,
         cgroup: cell_cgroup.as_ref(),
-        stdout: stdout_r,
-        stderr: stderr_r,
+        stdout: Some(stdout_r),
+        stderr: Some(stderr_r),
         signals,
         deadline: policy.limits.wall.map(|w| (started + w.0, w.0)),
         output_cap: policy.limits.output.map(|o| o.0),
@@ -331,7 +331,9 @@ pub fn run(registry: &Registry, request: RunRequest) -> Result<RunOutcome, RunEr
     };
     let relayed = relay.run();
     let _ = old_mask.thread_set_mask();
-    guard.pid = None;
+    if relayed.is_ok() {
+        guard.pid = None; // the relay reaped the init
+    }
     let ending = match relayed? {
         Stop::Limit(ending) => ending,
         Stop::Exited(status) => {
@@ -382,8 +384,8 @@ struct Relay<'a> {
     pid: Pid,
     pidfd: &'a OwnedFd,
     cgroup: Option<&'a CellCgroup>,
-    stdout: OwnedFd,
-    stderr: OwnedFd,
+    stdout: Option<OwnedFd>,
+    stderr: Option<OwnedFd>,
     signals: SignalFd,
     deadline: Option<(Instant, Duration)>,
     output_cap: Option<u64>,
@@ -398,9 +400,10 @@ impl Relay<'_> {
         }
     }
 
-    fn run(self) -> Result<Stop, RunError> {
-        let mut out_open = true;
-        let mut err_open = true;
+    fn run(mut self) -> Result<Stop, RunError> {
+        // Each stream is dropped (closing our end) at EOF, or when the caller stops reading it:
+        // the cell's writer then gets EPIPE, as in a shell pipeline.
+        let mut sources = [self.stdout.take(), self.stderr.take()];
         let mut exited: Option<(Ending, Instant)> = None;
         let mut limit: Option<Ending> = None;
         let mut relayed: u64 = 0;
@@ -409,7 +412,7 @@ impl Relay<'_> {
         let mut stderr = io::stderr().lock();
         loop {
             if let Some((_, at)) = &exited {
-                if (!out_open && !err_open) || at.elapsed() > DRAIN_GRACE {
+                if sources.iter().all(Option::is_none) || at.elapsed() > DRAIN_GRACE {
                     break;
                 }
             }
@@ -447,14 +450,15 @@ impl Relay<'_> {
                 fds.push(PollFd::new(self.pidfd.as_fd(), PollFlags::POLLIN));
                 fds.len() - 1
             });
-            let out_slot = out_open.then(|| {
-                fds.push(PollFd::new(self.stdout.as_fd(), PollFlags::POLLIN));
-                fds.len() - 1
-            });
-            let err_slot = err_open.then(|| {
-                fds.push(PollFd::new(self.stderr.as_fd(), PollFlags::POLLIN));
-                fds.len() - 1
-            });
+            let slots: Vec<Option<usize>> = sources
+                .iter()
+                .map(|source| {
+                    source.as_ref().map(|fd| {
+                        fds.push(PollFd::new(fd.as_fd(), PollFlags::POLLIN));
+                        fds.len() - 1
+                    })
+                })
+                .collect();
             match poll(&mut fds, timeout) {
                 Ok(_) => {}
                 Err(nix::Error::EINTR) => continue,
@@ -466,8 +470,7 @@ impl Relay<'_> {
             };
             let signal_ready = ready(Some(0));
             let pid_ready = ready(pid_slot);
-            let out_ready = ready(out_slot);
-            let err_ready = ready(err_slot);
+            let readable: Vec<bool> = slots.iter().map(|slot| ready(*slot)).collect();
             drop(fds);
 
             if signal_ready {
@@ -478,28 +481,14 @@ impl Relay<'_> {
                     );
                 }
             }
-            for (ready, fd, open, sink) in [
-                (
-                    out_ready,
-                    &self.stdout,
-                    &mut out_open,
-                    &mut stdout as &mut dyn Write,
-                ),
-                (
-                    err_ready,
-                    &self.stderr,
-                    &mut err_open,
-                    &mut stderr as &mut dyn Write,
-                ),
-            ] {
-                if !ready {
+            let sinks: [&mut dyn Write; 2] = [&mut stdout, &mut stderr];
+            for ((source, sink), readable) in sources.iter_mut().zip(sinks).zip(readable) {
+                let Some(fd) = source.as_ref().filter(|_| readable) else {
                     continue;
-                }
-                let n = match fs::File::from(fd.try_clone().map_err(os("reading cell output"))?)
-                    .read(&mut buf)
-                {
+                };
+                let n = match nix::unistd::read(fd, &mut buf) {
                     Ok(0) | Err(_) => {
-                        *open = false;
+                        *source = None;
                         continue;
                     }
                     Ok(n) => n,
@@ -509,8 +498,13 @@ impl Relay<'_> {
                     (Some(cap), None) => (cap.saturating_sub(relayed) as usize).min(n),
                     (None, None) => n,
                 };
-                let _ = sink.write_all(&buf[..allowed]);
-                let _ = sink.flush();
+                if sink
+                    .write_all(&buf[..allowed])
+                    .and_then(|()| sink.flush())
+                    .is_err()
+                {
+                    *source = None;
+                }
                 relayed += n as u64;
                 if let (Some(cap), None) = (self.output_cap, &limit) {
                     if relayed > cap {
