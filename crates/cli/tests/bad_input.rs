@@ -3,6 +3,8 @@
 
 mod support;
 
+use std::os::unix::fs::PermissionsExt as _;
+
 use support::*;
 
 #[test]
@@ -157,13 +159,15 @@ fn stdin_reaches_the_command() {
 /// filter refuses new user namespaces.
 #[test]
 fn missing_kernel_feature_is_named_and_points_to_doctor() {
-    let dir = tempdir();
-    let bin_dir = std::path::Path::new(BIN)
-        .parent()
-        .unwrap()
-        .to_str()
-        .unwrap()
-        .to_owned();
+    // The inner warden is copied outside /tmp: the cell's own /tmp would cover a path there.
+    let dir = tempfile::Builder::new()
+        .prefix("warden-test-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let inner = dir.path().join("warden");
+    std::fs::copy(BIN, &inner).unwrap();
+    let (bin_dir, inner) = (dir.path().display(), inner.display());
     let file = policy(
         dir.path(),
         &format!(
@@ -171,7 +175,7 @@ fn missing_kernel_feature_is_named_and_points_to_doctor() {
         ),
     );
     let script = format!(
-        "WARDEN_RUNTIME_DIR=/tmp/wr {BIN} run -- true; echo status=$?; {BIN} doctor; echo doctor=$?"
+        "WARDEN_RUNTIME_DIR=/tmp/wr {inner} run -- true; echo status=$?; {inner} doctor; echo doctor=$?"
     );
     let ran = run_sh(&["--policy", file.to_str().unwrap()], &script);
     assert!(ran.stdout.contains("status=125"), "{ran:?}");
