@@ -193,3 +193,28 @@ fn a_second_cell_cannot_take_a_running_name() {
     warden().args(["kill", &name]).status().unwrap();
     let _ = cell.wait();
 }
+
+#[test]
+fn a_killed_warden_leaves_nothing_behind() {
+    let ws = tempdir();
+    let name = unique("orphan");
+    let marker = format!("{}.{}", 700 + std::process::id() % 97, std::process::id());
+    let mut cell = start(
+        &name,
+        ws.path(),
+        &format!("sleep {marker} & echo up > /workspace/up; wait"),
+    );
+    wait_for("the cell", || ws.path().join("up").exists());
+    // SIGKILL the warden itself: no cleanup code of its own runs.
+    cell.kill().unwrap();
+    let _ = cell.wait();
+    wait_for("the cell's processes to die", || {
+        host_processes_with(&format!("sleep {marker}")).is_empty()
+    });
+    // The next warden that looks finds the dead cell and removes what is left of it.
+    assert_eq!(state_of(&name), None);
+    assert!(cgroup_dirs_of(&name).is_empty(), "cgroups left behind");
+    assert!(!Path::new("/run/warden/cells").join(&name).exists() || !is_root());
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!mounts.contains(&name), "mounts left behind");
+}

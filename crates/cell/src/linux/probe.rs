@@ -56,6 +56,7 @@ pub fn run_all() -> Vec<Check> {
         overlayfs(),
     ];
     out.extend(cgroups());
+    out.push(cgroup_attach());
     out.push(runsc());
     out.push(kvm());
     out.push(vmm());
@@ -223,6 +224,39 @@ fn cgroups() -> Vec<Check> {
         }
     }
     out
+}
+
+/// Moving a process into a cgroup takes the kernel's `cgroup_threadgroup_rwsem` for writing,
+/// which waits for an RCU grace period unless the hierarchy is mounted with `favordynmods`.
+fn cgroup_attach() -> Check {
+    let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let cgroup_mounts: Vec<&str> = mountinfo
+        .lines()
+        .filter_map(|line| line.split_once(" - ").map(|(_, right)| right))
+        .filter(|right| right.starts_with("cgroup ") || right.starts_with("cgroup2 "))
+        .collect();
+    let fast =
+        !cgroup_mounts.is_empty() && cgroup_mounts.iter().any(|m| m.contains("favordynmods"));
+    if fast {
+        check(
+            "process",
+            "cgroup attach",
+            Status::Ok,
+            "favordynmods: placing a cell in its cgroups is fast".to_owned(),
+            None,
+        )
+    } else {
+        check(
+            "process",
+            "cgroup attach",
+            Status::Warn,
+            "placing each new cell in its cgroups waits for an RCU grace period (often 10-20 ms)"
+                .to_owned(),
+            Some(
+                "for faster cell starts, mount the cgroup hierarchies with the favordynmods option (Linux 6.1+)",
+            ),
+        )
+    }
 }
 
 fn writable(dir: &Path) -> bool {

@@ -120,7 +120,7 @@ impl Registry {
                 if self.is_live(name) {
                     return Err(RegistryError::Taken(name.to_owned()));
                 }
-                let _ = fs::remove_dir_all(&dir);
+                clean_stale(&dir);
                 fs::DirBuilder::new()
                     .mode(0o711)
                     .create(&dir)
@@ -192,7 +192,7 @@ impl Registry {
             let Ok(entry) = entry else { continue };
             let name = entry.file_name().to_string_lossy().into_owned();
             if !self.is_live(&name) {
-                let _ = fs::remove_dir_all(entry.path());
+                clean_stale(&entry.path());
                 continue;
             }
             if let Ok(record) = self.get(&name) {
@@ -208,6 +208,22 @@ impl Registry {
         let path = self.cell_dir(name).join("killed");
         fs::write(&path, b"").map_err(io_at(&path))
     }
+}
+
+/// Removes what a warden that died (SIGKILL, power cut) left of its cell: the cell's processes
+/// died with it (the init has a parent-death signal), but its cgroup directories and runtime
+/// folder remain until someone finds them.
+fn clean_stale(dir: &Path) {
+    let record = fs::read_to_string(dir.join("cell.json"))
+        .ok()
+        .and_then(|text| serde_json::from_str::<CellRecord>(&text).ok());
+    if let Some(cgroup) = record.and_then(|r| r.cgroup) {
+        if !cgroup.pids().is_empty() {
+            let _ = cgroup.kill_all();
+        }
+        cgroup.remove();
+    }
+    let _ = fs::remove_dir_all(dir);
 }
 
 impl Reservation {
