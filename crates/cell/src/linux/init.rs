@@ -60,7 +60,7 @@ pub fn run(plan: &CellPlan, fds: &InitFds) -> ! {
     let result =
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| setup_and_start(plan, fds)));
     match result {
-        Ok(Ok(main)) => supervise(main),
+        Ok(Ok(started)) => supervise(started),
         Ok(Err((code, message))) => report(code, &message),
         Err(_) => report(SETUP_FAILED, "internal error during cell setup"),
     }
@@ -114,7 +114,7 @@ fn arrange_fds(fds: &InitFds) -> SetupResult<()> {
     Ok(())
 }
 
-fn setup_and_start(plan: &CellPlan, fds: &InitFds) -> SetupResult<(Pid, SignalFd)> {
+fn setup_and_start(plan: &CellPlan, fds: &InitFds) -> SetupResult<Started> {
     let _ = sys::set_parent_death_signal(libc::SIGKILL);
     arrange_fds(fds)?;
     // The warden writes our id maps, then (in parallel with the mounts below, because moving a
@@ -132,7 +132,6 @@ fn setup_and_start(plan: &CellPlan, fds: &InitFds) -> SetupResult<(Pid, SignalFd
     rootfs::build(plan, tree.as_ref()).map_err(|e| (SETUP_FAILED, e.to_string()))?;
     drop(tree);
     let in_cgroup = wait_for_warden(&mut sync) == GO_IN_CGROUP;
-    drop(sync);
     if in_cgroup {
         unshare(CloneFlags::CLONE_NEWCGROUP).map_err(failed("creating the cgroup namespace"))?;
     }
@@ -178,7 +177,11 @@ fn setup_and_start(plan: &CellPlan, fds: &InitFds) -> SetupResult<(Pid, SignalFd
     let mut status = status_file();
     let _ = writeln!(status, "ok");
     drop(status);
-    Ok((main, signals))
+    Ok(Started {
+        main,
+        signals,
+        lifeline: sync,
+    })
 }
 
 /// Blocks until the warden sends the next go-ahead byte; a closed pipe means the warden gave
@@ -191,9 +194,39 @@ fn wait_for_warden(sync: &mut std::fs::File) -> u8 {
     go[0]
 }
 
-/// Reaps every process until the command exits, then exits with its status; forwards signals.
-fn supervise((main, signals): (Pid, SignalFd)) -> ! {
+/// What the init holds once the command runs.
+struct Started {
+    main: Pid,
+    signals: SignalFd,
+    /// The sync pipe: the warden keeps its end open for the cell's whole life, so a hang-up means
+    /// the warden died (a parent-death signal would not do: credential changes clear it).
+    lifeline: std::fs::File,
+}
+
+/// Reaps every process until the command exits, then exits with its status; forwards signals;
+/// ends the cell if the warden dies.
+fn supervise(
+    Started {
+        main,
+        signals,
+        lifeline,
+    }: Started,
+) -> ! {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    use std::os::fd::AsFd as _;
     loop {
+        let mut fds = [
+            PollFd::new(signals.as_fd(), PollFlags::POLLIN),
+            PollFd::new(lifeline.as_fd(), PollFlags::POLLIN),
+        ];
+        match poll(&mut fds, PollTimeout::NONE) {
+            Ok(_) | Err(nix::Error::EINTR) => {}
+            Err(_) => sys::exit_now(SETUP_FAILED),
+        }
+        if fds[1].revents().is_some_and(|r| !r.is_empty()) {
+            // The warden is gone: exiting makes the kernel kill everything in the pid namespace.
+            sys::exit_now(SETUP_FAILED);
+        }
         let info = match signals.read_signal() {
             Ok(Some(info)) => info,
             Ok(None) => continue,

@@ -287,7 +287,6 @@ pub fn run(registry: &Registry, request: RunRequest) -> Result<RunOutcome, RunEr
         init::GO_RLIMITS
     };
     sync.write_all(&[go]).map_err(os("starting the cell"))?;
-    drop(sync);
 
     // The init answers "ok" once the command runs, or "err CODE MESSAGE".
     let mut line = String::new();
@@ -330,6 +329,7 @@ pub fn run(registry: &Registry, request: RunRequest) -> Result<RunOutcome, RunEr
         memory_limit: policy.limits.memory.map(|m| m.0),
     };
     let relayed = relay.run();
+    drop(sync); // the cell's lifeline: held until the cell is gone
     let _ = old_mask.thread_set_mask();
     if relayed.is_ok() {
         guard.pid = None; // the relay reaped the init

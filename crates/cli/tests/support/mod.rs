@@ -137,9 +137,15 @@ pub fn cgroups_available(test: &str) -> bool {
     let ok = checks.as_array().is_some_and(|all| {
         all.iter()
             .filter(|c| {
+                let controllers = [
+                    "cgroup memory",
+                    "cgroup pids",
+                    "cgroup cpu",
+                    "cgroup freezer",
+                ];
                 c["feature"]
                     .as_str()
-                    .is_some_and(|f| f.starts_with("cgroup "))
+                    .is_some_and(|f| controllers.contains(&f))
             })
             .all(|c| c["status"] == "ok")
     });
