@@ -1,0 +1,397 @@
+//! Applying chosen changes of an upper layer to the host directory: all of them or none, each
+//! file replaced atomically, nothing written outside the directory, no ownership, device nodes or
+//! set-id bits carried over.
+
+use std::fs;
+use std::io::{self, Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use cap_std::ambient_authority;
+use cap_std::fs::{Dir, MetadataExt as _, Permissions, PermissionsExt as _};
+use serde::Serialize;
+
+use crate::WorkspaceError;
+use crate::change::{Change, ChangeKind, Diff, EntryKind};
+
+/// What to apply and how.
+#[derive(Debug, Clone, Default)]
+pub struct ApplyOptions {
+    /// Paths to apply (a directory selects what is below it); empty applies everything.
+    pub paths: Vec<String>,
+    pub dry_run: bool,
+    /// Overwrite host files changed since the cell started.
+    pub force: bool,
+    /// Apply sensitive changes without naming each one.
+    pub include_sensitive: bool,
+    /// When the cell started: a host entry changed after this is a conflict.
+    pub started: Option<SystemTime>,
+    /// Owner for new files (when the warden runs as root for another user's directory).
+    pub owner: Option<(u32, u32)>,
+}
+
+/// What an apply did (or, with `dry_run`, would do).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ApplyReport {
+    pub applied: Vec<String>,
+    /// Changes left out, with the reason.
+    pub skipped: Vec<(String, String)>,
+    pub dry_run: bool,
+}
+
+/// Applies the selected changes of `diff` (computed from `upper` against `lower`) to `lower`.
+pub fn apply(
+    lower: &Path,
+    upper: &Path,
+    diff: &Diff,
+    options: &ApplyOptions,
+) -> Result<ApplyReport, WorkspaceError> {
+    let mut report = ApplyReport {
+        dry_run: options.dry_run,
+        ..ApplyReport::default()
+    };
+    let selected = select(diff, options, &mut report)?;
+    let host = Dir::open_ambient_dir(lower, ambient_authority()).map_err(|source| {
+        WorkspaceError::Write {
+            path: lower.to_path_buf(),
+            source,
+        }
+    })?;
+    if !options.force {
+        check_conflicts(&host, &selected, options.started)?;
+    }
+    if options.dry_run {
+        report.applied = selected.iter().map(|c| c.path.clone()).collect();
+        return Ok(report);
+    }
+    let staging_name = format!(".warden-apply-{}-{}", std::process::id(), now_nanos());
+    host.create_dir(&staging_name)
+        .map_err(|source| WorkspaceError::Write {
+            path: lower.join(&staging_name),
+            source,
+        })?;
+    let staging = host
+        .open_dir(&staging_name)
+        .map_err(|source| WorkspaceError::Write {
+            path: lower.join(&staging_name),
+            source,
+        })?;
+    let mut tx = Transaction {
+        host: &host,
+        staging: &staging,
+        staging_name: &staging_name,
+        undo: Vec::new(),
+        next: 0,
+    };
+    let result = selected.iter().try_for_each(|change| {
+        tx.apply_one(upper, change, options.owner)
+            .map_err(|e| (change.path.clone(), e))
+    });
+    if let Err((path, source)) = result {
+        tx.roll_back();
+        let _ = host.remove_dir_all(&staging_name);
+        return Err(WorkspaceError::RolledBack { path, source });
+    }
+    let _ = host.remove_dir_all(&staging_name);
+    report.applied = selected.iter().map(|c| c.path.clone()).collect();
+    Ok(report)
+}
+
+fn now_nanos() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos())
+}
+
+fn under(path: &str, prefix: &str) -> bool {
+    let prefix = prefix.trim_end_matches('/');
+    prefix.is_empty() || prefix == "." || path == prefix || path.starts_with(&format!("{prefix}/"))
+}
+
+fn select<'d>(
+    diff: &'d Diff,
+    options: &ApplyOptions,
+    report: &mut ApplyReport,
+) -> Result<Vec<&'d Change>, WorkspaceError> {
+    for named in &options.paths {
+        if !diff.changes.iter().any(|c| under(&c.path, named)) {
+            return Err(WorkspaceError::UnknownPath(named.clone()));
+        }
+    }
+    let mut selected = Vec::new();
+    for change in &diff.changes {
+        let named_exactly = options
+            .paths
+            .iter()
+            .any(|p| p.trim_end_matches('/') == change.path);
+        if !options.paths.is_empty() && !options.paths.iter().any(|p| under(&change.path, p)) {
+            continue;
+        }
+        if let Some(reason) = &change.refused {
+            if named_exactly {
+                return Err(WorkspaceError::Refused {
+                    path: change.path.clone(),
+                    reason: reason.clone(),
+                });
+            }
+            report
+                .skipped
+                .push((change.path.clone(), format!("refused: {reason}")));
+            continue;
+        }
+        if let Some(reason) = &change.sensitive {
+            if !named_exactly && !options.include_sensitive {
+                report.skipped.push((
+                    change.path.clone(),
+                    format!("sensitive ({reason}): name it or pass --include-sensitive"),
+                ));
+                continue;
+            }
+        }
+        // Below a deleted or replaced directory there is nothing left to do separately.
+        if selected.iter().any(|s: &&Change| {
+            s.kind == ChangeKind::Deleted && under(&change.path, &s.path) && s.path != change.path
+        }) {
+            continue;
+        }
+        selected.push(change);
+    }
+    Ok(selected)
+}
+
+fn check_conflicts(
+    host: &Dir,
+    selected: &[&Change],
+    started: Option<SystemTime>,
+) -> Result<(), WorkspaceError> {
+    let Some(started) = started else {
+        return Ok(());
+    };
+    let since = started.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let mut conflicts = Vec::new();
+    for change in selected {
+        let Ok(meta) = host.symlink_metadata(&change.path) else {
+            continue;
+        };
+        // ctime cannot be set from user space: any change to the host entry after the cell
+        // started moves it past the start time.
+        let changed = (meta.ctime() as u64, meta.ctime_nsec() as u32);
+        if changed > (since.as_secs(), since.subsec_nanos()) {
+            conflicts.push(change.path.clone());
+        }
+    }
+    if conflicts.is_empty() {
+        Ok(())
+    } else {
+        Err(WorkspaceError::Conflict {
+            count: conflicts.len(),
+            paths: conflicts.join(", "),
+        })
+    }
+}
+
+/// Steps done so far, undone in reverse on failure.
+enum Undo {
+    /// `path` did not exist before: remove it.
+    Remove { path: PathBuf, dir: bool },
+    /// `path` was moved or linked to the staging entry `backup`: put it back.
+    Restore { path: PathBuf, backup: String },
+    /// `path` had these permissions.
+    Permissions { path: PathBuf, mode: u32 },
+}
+
+struct Transaction<'a> {
+    host: &'a Dir,
+    staging: &'a Dir,
+    staging_name: &'a str,
+    undo: Vec<Undo>,
+    next: usize,
+}
+
+impl Transaction<'_> {
+    fn slot(&mut self) -> String {
+        self.next += 1;
+        format!("{}", self.next)
+    }
+
+    fn staged(&self, slot: &str) -> PathBuf {
+        Path::new(self.staging_name).join(slot)
+    }
+
+    /// Keeps the current host entry at `path` reachable from staging, without removing it.
+    fn back_up(&mut self, path: &Path) -> io::Result<()> {
+        let Ok(meta) = self.host.symlink_metadata(path) else {
+            return Ok(());
+        };
+        let backup = self.slot();
+        if meta.is_dir() {
+            // A directory leaves in one rename: present, then absent.
+            self.host.rename(path, self.host, self.staged(&backup))?;
+        } else if self.host.hard_link(path, self.staging, &backup).is_err() {
+            self.host.rename(path, self.host, self.staged(&backup))?;
+        }
+        self.undo.push(Undo::Restore {
+            path: path.to_path_buf(),
+            backup,
+        });
+        Ok(())
+    }
+
+    fn ensure_parent(&mut self, path: &Path) -> io::Result<()> {
+        let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) else {
+            return Ok(());
+        };
+        let mut partial = PathBuf::new();
+        for component in parent.components() {
+            partial.push(component);
+            match self.host.symlink_metadata(&partial) {
+                Ok(meta) if meta.is_dir() => {}
+                Ok(_) => {
+                    return Err(io::Error::other(format!(
+                        "{} is not a directory on the host",
+                        partial.display()
+                    )));
+                }
+                Err(_) => {
+                    self.host.create_dir(&partial)?;
+                    self.undo.push(Undo::Remove {
+                        path: partial.clone(),
+                        dir: true,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn apply_one(
+        &mut self,
+        upper: &Path,
+        change: &Change,
+        owner: Option<(u32, u32)>,
+    ) -> io::Result<()> {
+        let path = PathBuf::from(&change.path);
+        let mode = change.new_mode.unwrap_or(0o644) & 0o777; // never set-id or sticky bits
+        match (change.kind, change.entry) {
+            (ChangeKind::Deleted, _) => {
+                self.back_up(&path)?;
+                // Files were linked to staging; the host copy goes now.
+                if self.host.symlink_metadata(&path).is_ok() {
+                    self.host.remove_file(&path)?;
+                }
+                Ok(())
+            }
+            (_, EntryKind::Dir) => {
+                self.ensure_parent(&path)?;
+                match self.host.symlink_metadata(&path) {
+                    Ok(meta) if meta.is_dir() => {
+                        self.undo.push(Undo::Permissions {
+                            path: path.clone(),
+                            mode: meta.mode() & 0o7777,
+                        });
+                        self.host
+                            .set_permissions(&path, Permissions::from_mode(mode))
+                    }
+                    existing => {
+                        if existing.is_ok() {
+                            self.back_up(&path)?;
+                            if self.host.symlink_metadata(&path).is_ok() {
+                                self.host.remove_file(&path)?;
+                            }
+                        }
+                        self.host.create_dir(&path)?;
+                        self.undo.push(Undo::Remove {
+                            path: path.clone(),
+                            dir: true,
+                        });
+                        self.host
+                            .set_permissions(&path, Permissions::from_mode(mode))?;
+                        chown(self.host, &path, owner)
+                    }
+                }
+            }
+            (_, EntryKind::File | EntryKind::Symlink) => {
+                let slot = self.slot();
+                if change.entry == EntryKind::Symlink {
+                    let target = change.link_target.clone().unwrap_or_default();
+                    self.staging.symlink(&target, &slot)?;
+                } else {
+                    self.stage_file(&upper.join(&path), &slot, mode, change.size)?;
+                    chown(self.staging, Path::new(&slot), owner)?;
+                }
+                self.ensure_parent(&path)?;
+                let existing = self.host.symlink_metadata(&path).ok();
+                if existing.as_ref().is_some_and(|m| m.is_dir()) {
+                    self.back_up(&path)?; // a directory replaced by a file leaves first
+                } else if existing.is_some() {
+                    self.back_up(&path)?;
+                } else {
+                    self.undo.push(Undo::Remove {
+                        path: path.clone(),
+                        dir: false,
+                    });
+                }
+                // rename() replaces the old file atomically: a reader sees old or new, never torn.
+                self.host.rename(self.staged(&slot), self.host, &path)
+            }
+            (_, EntryKind::Special) => Err(io::Error::other("special files are never applied")),
+        }
+    }
+
+    fn stage_file(
+        &self,
+        source: &Path,
+        slot: &str,
+        mode: u32,
+        expected: Option<u64>,
+    ) -> io::Result<()> {
+        let mut input = fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(source)?;
+        let meta = input.metadata()?;
+        if !meta.is_file() || Some(meta.len()) != expected {
+            return Err(io::Error::other(
+                "the file changed in the cell since the diff; run the diff again",
+            ));
+        }
+        let mut output = self.staging.create(slot)?;
+        let mut buf = vec![0u8; 256 * 1024];
+        loop {
+            let n = input.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            output.write_all(&buf[..n])?;
+        }
+        output.sync_all()?;
+        self.staging
+            .set_permissions(slot, Permissions::from_mode(mode))
+    }
+
+    fn roll_back(&mut self) {
+        while let Some(step) = self.undo.pop() {
+            let _ = match step {
+                Undo::Remove { path, dir: true } => self.host.remove_dir_all(&path),
+                Undo::Remove { path, dir: false } => self.host.remove_file(&path),
+                Undo::Restore { path, backup } => {
+                    self.host.rename(self.staged(&backup), self.host, &path)
+                }
+                Undo::Permissions { path, mode } => self
+                    .host
+                    .set_permissions(&path, Permissions::from_mode(mode)),
+            };
+        }
+    }
+}
+
+fn chown(dir: &Dir, path: &Path, owner: Option<(u32, u32)>) -> io::Result<()> {
+    let Some((uid, gid)) = owner else {
+        return Ok(());
+    };
+    // cap-std has no chown; resolve through the directory's descriptor path.
+    use std::os::fd::AsRawFd as _;
+    let full = PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd())).join(path);
+    std::os::unix::fs::lchown(full, Some(uid), Some(gid))
+}

@@ -1,0 +1,328 @@
+//! Computing a workspace's changes from its overlay upper layer, without running anything in the
+//! cell: whiteouts are deletions, opaque directories hide everything below them in the lower
+//! layer, and every other upper entry is compared with the host directory.
+
+use std::ffi::OsStr;
+use std::fs::{self, Metadata};
+use std::io::{self, Read};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::path::Path;
+
+use cap_std::ambient_authority;
+use cap_std::fs::{Dir, MetadataExt as _};
+
+use crate::WorkspaceError;
+use crate::change::{Change, ChangeKind, Diff, EntryKind};
+use crate::sensitive::{self, Sensitivity};
+
+/// How much work a diff does.
+#[derive(Debug, Clone)]
+pub struct DiffOptions {
+    pub sensitivity: Sensitivity,
+    /// Produce unified diffs for text files up to this size (0: none).
+    pub max_patch_bytes: u64,
+    /// Files larger than this are refused (and never read in full).
+    pub max_file_bytes: u64,
+}
+
+impl Default for DiffOptions {
+    fn default() -> Self {
+        Self {
+            sensitivity: Sensitivity::default(),
+            max_patch_bytes: 256 * 1024,
+            max_file_bytes: 1 << 30,
+        }
+    }
+}
+
+const OPAQUE_XATTRS: [&str; 2] = ["trusted.overlay.opaque", "user.overlay.opaque"];
+
+/// Compares the upper layer with the lower (host) directory.
+pub fn diff(lower: &Path, upper: &Path, options: &DiffOptions) -> Result<Diff, WorkspaceError> {
+    let lower_dir = Dir::open_ambient_dir(lower, ambient_authority()).map_err(|source| {
+        WorkspaceError::Read {
+            path: lower.to_path_buf(),
+            source,
+        }
+    })?;
+    let mut walker = Walker {
+        lower: &lower_dir,
+        upper,
+        options,
+        changes: Vec::new(),
+    };
+    walker.walk_dir(Path::new(""), true)?;
+    let mut changes = walker.changes;
+    changes.sort_by(|a, b| a.path.cmp(&b.path));
+    Ok(Diff { changes })
+}
+
+struct Walker<'a> {
+    lower: &'a Dir,
+    upper: &'a Path,
+    options: &'a DiffOptions,
+    changes: Vec<Change>,
+}
+
+fn mode(meta_mode: u32) -> u32 {
+    meta_mode & 0o7777
+}
+
+impl Walker<'_> {
+    fn read_err(path: &Path) -> impl FnOnce(io::Error) -> WorkspaceError + '_ {
+        move |source| WorkspaceError::Read {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+
+    fn lower_meta(&self, rel: &Path) -> Option<cap_std::fs::Metadata> {
+        if rel.as_os_str().is_empty() {
+            return self.lower.dir_metadata().ok();
+        }
+        self.lower.symlink_metadata(rel).ok()
+    }
+
+    fn walk_dir(&mut self, rel: &Path, lower_is_dir: bool) -> Result<(), WorkspaceError> {
+        let dir = self.upper.join(rel);
+        let mut names: Vec<_> = fs::read_dir(&dir)
+            .map_err(Self::read_err(&dir))?
+            .filter_map(|e| e.ok().map(|e| e.file_name()))
+            .collect();
+        names.sort();
+        if lower_is_dir && is_opaque(&dir) {
+            self.hidden_lower_children(rel, &names)?;
+        }
+        for name in names {
+            self.entry(&rel.join(&name), &name)?;
+        }
+        Ok(())
+    }
+
+    /// An opaque upper directory hides every lower child it does not itself contain.
+    fn hidden_lower_children(
+        &mut self,
+        rel: &Path,
+        present: &[std::ffi::OsString],
+    ) -> Result<(), WorkspaceError> {
+        let listing = if rel.as_os_str().is_empty() {
+            self.lower.entries()
+        } else {
+            self.lower.read_dir(rel)
+        };
+        let Ok(listing) = listing else { return Ok(()) };
+        for entry in listing.flatten() {
+            let name = entry.file_name();
+            if present.contains(&name) {
+                continue;
+            }
+            let child = rel.join(&name);
+            if let Some(meta) = self.lower_meta(&child) {
+                let mut change =
+                    Change::new(display(&child), ChangeKind::Deleted, lower_kind(&meta));
+                change.old_mode = Some(mode(meta.mode()));
+                self.push(change);
+            }
+        }
+        Ok(())
+    }
+
+    fn push(&mut self, mut change: Change) {
+        if change.sensitive.is_none() {
+            change.sensitive = self.options.sensitivity.of_path(&change.path);
+        }
+        self.changes.push(change);
+    }
+
+    fn entry(&mut self, rel: &Path, name: &OsStr) -> Result<(), WorkspaceError> {
+        let path = self.upper.join(rel);
+        let meta = fs::symlink_metadata(&path).map_err(Self::read_err(&path))?;
+        let lower = self.lower_meta(rel);
+        let shown = display(rel);
+        if name.to_str().is_none() {
+            let mut change = Change::new(shown, ChangeKind::Added, kind_of(&meta));
+            change.refused = Some("the name is not valid UTF-8".to_owned());
+            self.push(change);
+            return Ok(());
+        }
+        let file_type = meta.file_type();
+        if file_type.is_char_device() && meta.rdev() == 0 {
+            // A whiteout: the path was deleted in the cell.
+            if let Some(lower) = lower {
+                let mut change = Change::new(shown, ChangeKind::Deleted, lower_kind(&lower));
+                change.old_mode = Some(mode(lower.mode()));
+                self.push(change);
+            }
+            return Ok(());
+        }
+        let kind = if lower.is_some() {
+            ChangeKind::Modified
+        } else {
+            ChangeKind::Added
+        };
+        let old_mode = lower.as_ref().map(|l| mode(l.mode()));
+        let same_type = lower
+            .as_ref()
+            .is_some_and(|l| lower_kind(l) == kind_of(&meta));
+        let mut change = Change::new(shown.clone(), kind, kind_of(&meta));
+        change.old_mode = old_mode;
+        change.new_mode = Some(mode(meta.mode()));
+        if file_type.is_dir() {
+            let lower_is_dir = lower.as_ref().is_some_and(|l| l.is_dir());
+            if !same_type || old_mode != change.new_mode {
+                self.push(change);
+            }
+            return self.walk_dir(rel, lower_is_dir);
+        }
+        if file_type.is_symlink() {
+            let target = fs::read_link(&path).map_err(Self::read_err(&path))?;
+            let before = if same_type {
+                self.lower.read_link(rel).ok()
+            } else {
+                None
+            };
+            if before.as_deref() == Some(target.as_path()) {
+                return Ok(());
+            }
+            change.sensitive = sensitive::of_link(&shown, &target);
+            change.link_target = Some(target.to_string_lossy().into_owned());
+            change.old_mode = old_mode.filter(|_| !same_type);
+            change.new_mode = None;
+            self.push(change);
+            return Ok(());
+        }
+        if !file_type.is_file() {
+            change.refused = Some(format!("{} cannot be applied", special_name(&meta)));
+            change.entry = EntryKind::Special;
+            self.push(change);
+            return Ok(());
+        }
+        change.size = Some(meta.len());
+        if meta.len() > self.options.max_file_bytes {
+            change.refused = Some(format!(
+                "{} bytes is more than apply's limit of {} bytes",
+                meta.len(),
+                self.options.max_file_bytes
+            ));
+            self.push(change);
+            return Ok(());
+        }
+        let new = read_upper(&path)?;
+        let old = if same_type {
+            self.lower.read(rel).ok()
+        } else {
+            None
+        };
+        if old.as_deref() == Some(new.as_slice()) && old_mode == change.new_mode {
+            return Ok(()); // copied up, but nothing changed
+        }
+        change.hash = Some(blake3::hash(&new).to_hex().to_string());
+        if let Some(patch) = self.patch(&shown, old.as_deref(), &new) {
+            change.patch = Some(patch);
+        }
+        let gains_exec = change.new_mode.is_some_and(|m| m & 0o111 != 0)
+            && old_mode.is_none_or(|m| m & 0o111 == 0);
+        if gains_exec {
+            change.sensitive = Some("becomes executable".to_owned());
+        }
+        self.push(change);
+        Ok(())
+    }
+
+    fn patch(&self, shown: &str, old: Option<&[u8]>, new: &[u8]) -> Option<String> {
+        let limit = self.options.max_patch_bytes as usize;
+        if new.len() > limit || old.is_some_and(|o| o.len() > limit) {
+            return None;
+        }
+        let new = text(new)?;
+        let old = match old {
+            Some(bytes) => text(bytes)?,
+            None => "",
+        };
+        let diff = similar::TextDiff::from_lines(old, new);
+        let from = if old.is_empty() {
+            "/dev/null".to_owned()
+        } else {
+            format!("a/{shown}")
+        };
+        Some(
+            diff.unified_diff()
+                .context_radius(3)
+                .header(&from, &format!("b/{shown}"))
+                .to_string(),
+        )
+    }
+}
+
+fn text(bytes: &[u8]) -> Option<&str> {
+    if bytes.contains(&0) {
+        None
+    } else {
+        std::str::from_utf8(bytes).ok()
+    }
+}
+
+fn read_upper(path: &Path) -> Result<Vec<u8>, WorkspaceError> {
+    let mut file = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(|source| WorkspaceError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    let mut out = Vec::new();
+    file.read_to_end(&mut out)
+        .map_err(|source| WorkspaceError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    Ok(out)
+}
+
+fn is_opaque(dir: &Path) -> bool {
+    OPAQUE_XATTRS
+        .iter()
+        .any(|name| matches!(xattr::get(dir, name), Ok(Some(v)) if v == b"y"))
+}
+
+fn kind_of(meta: &Metadata) -> EntryKind {
+    let t = meta.file_type();
+    if t.is_dir() {
+        EntryKind::Dir
+    } else if t.is_symlink() {
+        EntryKind::Symlink
+    } else if t.is_file() {
+        EntryKind::File
+    } else {
+        EntryKind::Special
+    }
+}
+
+fn lower_kind(meta: &cap_std::fs::Metadata) -> EntryKind {
+    let t = meta.file_type();
+    if t.is_dir() {
+        EntryKind::Dir
+    } else if t.is_symlink() {
+        EntryKind::Symlink
+    } else if t.is_file() {
+        EntryKind::File
+    } else {
+        EntryKind::Special
+    }
+}
+
+fn special_name(meta: &Metadata) -> &'static str {
+    let t = meta.file_type();
+    if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_socket() {
+        "a socket"
+    } else {
+        "a device node"
+    }
+}
+
+fn display(rel: &Path) -> String {
+    rel.to_string_lossy().into_owned()
+}

@@ -1,0 +1,68 @@
+//! Where a cell's copy-on-write layer lives on disk, and what the warden records about it.
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
+
+use serde::{Deserialize, Serialize};
+
+/// A cell's layer: `upper/` (what the cell changed), `work/` (overlayfs scratch), `layer.json`.
+#[derive(Debug, Clone)]
+pub struct Layer {
+    dir: PathBuf,
+}
+
+/// What the warden records when the layer is created.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerMeta {
+    /// The host directory the layer is on top of.
+    pub lower: PathBuf,
+    /// When the cell started; host entries changed later are conflicts for apply.
+    pub started: SystemTime,
+    /// Paths relative to the workspace whose changes need explicit naming.
+    pub protected: Vec<String>,
+}
+
+impl Layer {
+    pub fn at(dir: PathBuf) -> Self {
+        Self { dir }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn upper(&self) -> PathBuf {
+        self.dir.join("upper")
+    }
+
+    pub fn work(&self) -> PathBuf {
+        self.dir.join("work")
+    }
+
+    /// Creates the layer's directories and records `meta`.
+    pub fn create(&self, meta: &LayerMeta) -> io::Result<()> {
+        fs::create_dir_all(self.upper())?;
+        fs::create_dir_all(self.work())?;
+        let text = serde_json::to_string_pretty(meta).map_err(io::Error::other)?;
+        fs::write(self.dir.join("layer.json"), text)
+    }
+
+    pub fn meta(&self) -> io::Result<LayerMeta> {
+        let text = fs::read_to_string(self.dir.join("layer.json"))?;
+        serde_json::from_str(&text).map_err(io::Error::other)
+    }
+
+    pub fn exists(&self) -> bool {
+        self.dir.join("layer.json").exists()
+    }
+
+    /// Removes the layer and everything in it.
+    pub fn remove(&self) -> io::Result<()> {
+        match fs::remove_dir_all(&self.dir) {
+            Err(err) if err.kind() != io::ErrorKind::NotFound => Err(err),
+            _ => Ok(()),
+        }
+    }
+}

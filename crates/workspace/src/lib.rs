@@ -1,0 +1,50 @@
+//! Copy-on-write workspaces: the cell works on an overlay of a host directory; this crate reads
+//! the cell's upper layer from outside to say exactly what changed, and applies chosen changes
+//! back to the host directory.
+//!
+//! Everything in an upper layer is hostile input: it was written by whatever ran in the cell.
+//! Nothing here follows a symlink of the layer, writes outside the host directory, or carries
+//! ownership, device nodes or set-id bits over; and nothing here runs anything in the cell.
+
+mod apply;
+mod change;
+mod diff;
+mod layer;
+mod sensitive;
+
+pub use apply::{ApplyOptions, ApplyReport, apply};
+pub use change::{Change, ChangeKind, Diff, EntryKind};
+pub use diff::{DiffOptions, diff};
+pub use layer::{Layer, LayerMeta};
+pub use sensitive::Sensitivity;
+
+use std::path::PathBuf;
+
+/// Why a workspace operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkspaceError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("writing {path}: {source}")]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("`{0}` is not among the changes of this cell (see `warden diff`)")]
+    UnknownPath(String),
+    #[error(
+        "{count} change(s) conflict with edits made on the host since the cell started: {paths}; \
+             re-run with --force to overwrite them"
+    )]
+    Conflict { count: usize, paths: String },
+    #[error("`{path}` cannot be applied: {reason}")]
+    Refused { path: String, reason: String },
+    #[error("apply failed at `{path}` and was rolled back: {source}")]
+    RolledBack {
+        path: String,
+        source: std::io::Error,
+    },
+}

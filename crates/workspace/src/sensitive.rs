@@ -1,0 +1,69 @@
+//! Paths whose change deserves a human's explicit choice: files the host later executes or
+//! trusts, links that point outside the workspace, files that become executable.
+
+use std::path::{Component, Path};
+
+/// Which changed paths are sensitive.
+#[derive(Debug, Clone, Default)]
+pub struct Sensitivity {
+    /// Paths relative to the workspace root; a change at or below one is sensitive.
+    pub protected: Vec<String>,
+}
+
+impl Sensitivity {
+    pub fn new(protected: Vec<String>) -> Self {
+        Self { protected }
+    }
+
+    /// Why a change at `path` is sensitive, if it is.
+    pub fn of_path(&self, path: &str) -> Option<String> {
+        let candidate = Path::new(path);
+        self.protected
+            .iter()
+            .find(|p| candidate.starts_with(Path::new(p)))
+            .map(|p| format!("under `{p}`, which the host executes or trusts"))
+    }
+}
+
+/// Why a symlink target is sensitive: it leads outside the workspace.
+pub fn of_link(path: &str, target: &Path) -> Option<String> {
+    if target.is_absolute() {
+        return Some("symlink to an absolute path outside the workspace".to_owned());
+    }
+    // Resolve `..` lexically against the link's own directory.
+    let mut depth: i64 = Path::new(path).components().count() as i64 - 1;
+    for component in target.components() {
+        match component {
+            Component::ParentDir => depth -= 1,
+            Component::Normal(_) => depth += 1,
+            _ => {}
+        }
+        if depth < 0 {
+            return Some("symlink that leads outside the workspace".to_owned());
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn protected_prefixes_match_whole_components() {
+        let s = Sensitivity::new(vec![".git".into(), ".envrc".into()]);
+        assert!(s.of_path(".git/hooks/pre-commit").is_some());
+        assert!(s.of_path(".envrc").is_some());
+        assert!(s.of_path(".github/x").is_none());
+        assert!(s.of_path("src/.git").is_none());
+    }
+
+    #[test]
+    fn links_leaving_the_workspace_are_sensitive() {
+        assert!(of_link("a", Path::new("/etc/passwd")).is_some());
+        assert!(of_link("a", Path::new("../x")).is_some());
+        assert!(of_link("d/a", Path::new("../x")).is_none());
+        assert!(of_link("d/a", Path::new("../../x")).is_some());
+        assert!(of_link("a", Path::new("b/c")).is_none());
+    }
+}

@@ -1,0 +1,406 @@
+//! Diff and apply on real directories shaped like overlayfs upper layers, including hostile ones.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed step is a failed test
+
+use std::fs;
+use std::os::unix::fs::{MetadataExt, PermissionsExt, symlink};
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, SystemTime};
+
+use warden_workspace::{
+    ApplyOptions, ChangeKind, DiffOptions, EntryKind, Sensitivity, WorkspaceError, apply, diff,
+};
+
+fn is_root() -> bool {
+    fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
+}
+
+/// A whiteout is a character device 0:0, which only root can create.
+fn whiteout(path: &Path) -> bool {
+    if !is_root() {
+        eprintln!("skipping whiteouts: creating a 0:0 character device needs root");
+        return false;
+    }
+    assert!(
+        Command::new("mknod")
+            .arg(path)
+            .args(["c", "0", "0"])
+            .status()
+            .unwrap()
+            .success()
+    );
+    true
+}
+
+fn write(path: &Path, text: &str) {
+    fs::create_dir_all(path.parent().unwrap()).unwrap();
+    fs::write(path, text).unwrap();
+}
+
+struct Fixture {
+    _tmp: tempfile::TempDir,
+    lower: std::path::PathBuf,
+    upper: std::path::PathBuf,
+}
+
+fn fixture() -> Fixture {
+    let tmp = tempfile::tempdir().unwrap();
+    let lower = tmp.path().join("lower");
+    let upper = tmp.path().join("upper");
+    fs::create_dir_all(&lower).unwrap();
+    fs::create_dir_all(&upper).unwrap();
+    write(&lower.join("keep.txt"), "unchanged\n");
+    write(&lower.join("edit.txt"), "one\ntwo\nthree\n");
+    write(&lower.join("gone.txt"), "bye\n");
+    write(&lower.join("dir/a"), "a\n");
+    write(&lower.join("dir/b"), "b\n");
+    write(&lower.join("mode.sh"), "echo\n");
+    Fixture {
+        _tmp: tmp,
+        lower,
+        upper,
+    }
+}
+
+fn options() -> DiffOptions {
+    DiffOptions {
+        sensitivity: Sensitivity::new(vec![".git".into(), ".envrc".into()]),
+        ..DiffOptions::default()
+    }
+}
+
+fn hash_tree(root: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in fs::read_dir(&dir).unwrap().flatten() {
+            let path = entry.path();
+            let meta = fs::symlink_metadata(&path).unwrap();
+            let rel = path.strip_prefix(root).unwrap().display().to_string();
+            if meta.is_dir() {
+                stack.push(path);
+                out.push((rel, b"<dir>".to_vec()));
+            } else if meta.file_type().is_symlink() {
+                out.push((
+                    rel,
+                    fs::read_link(&path)
+                        .unwrap()
+                        .display()
+                        .to_string()
+                        .into_bytes(),
+                ));
+            } else {
+                let mut content = fs::read(&path).unwrap_or_default();
+                content.extend(format!(" mode={:o}", meta.mode() & 0o7777).bytes());
+                out.push((rel, content));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn diff_names_every_kind_of_change() {
+    let f = fixture();
+    write(&f.upper.join("edit.txt"), "one\nTWO\nthree\n");
+    write(&f.upper.join("new.txt"), "fresh\n");
+    write(&f.upper.join("keep.txt"), "unchanged\n"); // copied up, not changed
+    fs::copy(f.lower.join("mode.sh"), f.upper.join("mode.sh")).unwrap();
+    fs::set_permissions(f.upper.join("mode.sh"), fs::Permissions::from_mode(0o755)).unwrap();
+    symlink("new.txt", f.upper.join("link")).unwrap();
+    let whiteouts = whiteout(&f.upper.join("gone.txt"));
+
+    let d = diff(&f.lower, &f.upper, &options()).unwrap();
+    let summary: Vec<(char, &str, EntryKind)> = d
+        .changes
+        .iter()
+        .map(|c| (c.marker(), c.path.as_str(), c.entry))
+        .collect();
+    let mut expected = vec![
+        ('M', "edit.txt", EntryKind::File),
+        ('A', "link", EntryKind::Symlink),
+        ('M', "mode.sh", EntryKind::File),
+        ('A', "new.txt", EntryKind::File),
+    ];
+    if whiteouts {
+        expected.insert(1, ('D', "gone.txt", EntryKind::File));
+    }
+    assert_eq!(summary, expected);
+    let edit = &d.changes[0];
+    let patch = edit.patch.as_deref().unwrap();
+    assert!(patch.contains("-two\n+TWO\n"), "{patch}");
+    let mode = d.changes.iter().find(|c| c.path == "mode.sh").unwrap();
+    assert_eq!((mode.old_mode, mode.new_mode), (Some(0o644), Some(0o755)));
+    assert_eq!(mode.sensitive.as_deref(), Some("becomes executable"));
+}
+
+#[test]
+fn opaque_directories_delete_what_they_hide() {
+    if !is_root() {
+        eprintln!("skipping: trusted.* extended attributes need root");
+        return;
+    }
+    let f = fixture();
+    fs::create_dir_all(f.upper.join("dir")).unwrap();
+    xattr::set(f.upper.join("dir"), "trusted.overlay.opaque", b"y").unwrap();
+    write(&f.upper.join("dir/c"), "c\n");
+    let d = diff(&f.lower, &f.upper, &options()).unwrap();
+    let summary: Vec<(char, &str)> = d
+        .changes
+        .iter()
+        .map(|c| (c.marker(), c.path.as_str()))
+        .collect();
+    assert_eq!(
+        summary,
+        vec![('D', "dir/a"), ('D', "dir/b"), ('A', "dir/c")]
+    );
+}
+
+#[test]
+fn apply_makes_the_host_equal_to_what_the_cell_saw() {
+    let f = fixture();
+    write(&f.upper.join("edit.txt"), "edited\n");
+    write(&f.upper.join("deep/new/file.txt"), "deep\n");
+    fs::copy(f.lower.join("mode.sh"), f.upper.join("mode.sh")).unwrap();
+    fs::set_permissions(f.upper.join("mode.sh"), fs::Permissions::from_mode(0o755)).unwrap();
+    let whiteouts = whiteout(&f.upper.join("gone.txt"));
+    let d = diff(&f.lower, &f.upper, &options()).unwrap();
+    let report = apply(
+        &f.lower,
+        &f.upper,
+        &d,
+        &ApplyOptions {
+            include_sensitive: true,
+            ..ApplyOptions::default()
+        },
+    )
+    .unwrap();
+    assert!(report.skipped.is_empty(), "{report:?}");
+    assert_eq!(
+        fs::read_to_string(f.lower.join("edit.txt")).unwrap(),
+        "edited\n"
+    );
+    assert_eq!(
+        fs::read_to_string(f.lower.join("deep/new/file.txt")).unwrap(),
+        "deep\n"
+    );
+    assert_eq!(
+        fs::metadata(f.lower.join("mode.sh")).unwrap().mode() & 0o777,
+        0o755
+    );
+    assert_eq!(f.lower.join("gone.txt").exists(), !whiteouts);
+    // Nothing is left to apply, and no staging directory remains.
+    assert!(
+        diff(&f.lower, &f.upper, &options())
+            .unwrap()
+            .changes
+            .is_empty()
+    );
+    assert!(
+        fs::read_dir(&f.lower)
+            .unwrap()
+            .flatten()
+            .all(|e| !e.file_name().to_string_lossy().starts_with(".warden-apply"))
+    );
+}
+
+#[test]
+fn applying_a_subset_applies_only_that_subset() {
+    let f = fixture();
+    write(&f.upper.join("edit.txt"), "edited\n");
+    write(&f.upper.join("new.txt"), "new\n");
+    write(&f.upper.join("dir/a"), "changed a\n");
+    let d = diff(&f.lower, &f.upper, &options()).unwrap();
+    let chosen = ApplyOptions {
+        paths: vec!["dir".into(), "new.txt".into()],
+        ..ApplyOptions::default()
+    };
+    let report = apply(&f.lower, &f.upper, &d, &chosen).unwrap();
+    assert_eq!(report.applied, vec!["dir/a", "new.txt"]);
+    assert_eq!(
+        fs::read_to_string(f.lower.join("edit.txt")).unwrap(),
+        "one\ntwo\nthree\n"
+    );
+    assert_eq!(
+        fs::read_to_string(f.lower.join("dir/a")).unwrap(),
+        "changed a\n"
+    );
+    let err = apply(
+        &f.lower,
+        &f.upper,
+        &d,
+        &ApplyOptions {
+            paths: vec!["nope".into()],
+            ..ApplyOptions::default()
+        },
+    )
+    .unwrap_err();
+    assert!(matches!(err, WorkspaceError::UnknownPath(_)), "{err}");
+}
+
+#[test]
+fn hostile_layers_cannot_reach_outside_the_directory() {
+    let f = fixture();
+    let outside = f.lower.parent().unwrap().join("outside");
+    fs::create_dir_all(&outside).unwrap();
+    write(&outside.join("secret"), "host secret\n");
+    let before = hash_tree(&outside);
+    // The host has a symlink leading out; the cell replaced it by a directory with a file.
+    symlink(&outside, f.lower.join("escape")).unwrap();
+    write(&f.upper.join("escape/secret"), "overwritten\n");
+    // A symlink to a host file, a setuid file, a FIFO, a name with a newline, a huge sparse file.
+    symlink("/etc/passwd", f.upper.join("passwd-link")).unwrap();
+    write(&f.upper.join("suid"), "#!/bin/sh\n");
+    fs::set_permissions(f.upper.join("suid"), fs::Permissions::from_mode(0o4755)).unwrap();
+    assert!(
+        Command::new("mkfifo")
+            .arg(f.upper.join("fifo"))
+            .status()
+            .unwrap()
+            .success()
+    );
+    write(&f.upper.join("line\nbreak"), "odd name\n");
+    let sparse = fs::File::create(f.upper.join("sparse")).unwrap();
+    sparse.set_len(4 << 30).unwrap();
+    // A directory replaced by a file.
+    write(&f.upper.join("dir"), "now a file\n");
+    fs::create_dir(f.upper.join("dir-was-file")).ok();
+
+    let started = std::time::Instant::now();
+    let d = diff(&f.lower, &f.upper, &options()).unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the sparse file was read"
+    );
+    let by_path = |p: &str| d.changes.iter().find(|c| c.path == p).unwrap();
+    assert!(by_path("passwd-link").sensitive.is_some());
+    assert!(by_path("fifo").refused.is_some());
+    assert!(by_path("sparse").refused.is_some());
+
+    let report = apply(&f.lower, &f.upper, &d, &ApplyOptions::default()).unwrap();
+    let skipped: Vec<&str> = report.skipped.iter().map(|(p, _)| p.as_str()).collect();
+    assert!(
+        skipped.contains(&"passwd-link")
+            && skipped.contains(&"fifo")
+            && skipped.contains(&"sparse"),
+        "{report:?}"
+    );
+    assert!(
+        skipped.contains(&"suid"),
+        "a new executable is sensitive: {report:?}"
+    );
+    assert_eq!(
+        hash_tree(&outside),
+        before,
+        "something outside the directory changed"
+    );
+    assert!(
+        fs::symlink_metadata(f.lower.join("escape"))
+            .unwrap()
+            .is_dir()
+    );
+    assert_eq!(
+        fs::read_to_string(f.lower.join("escape/secret")).unwrap(),
+        "overwritten\n"
+    );
+    assert_eq!(
+        fs::read_to_string(f.lower.join("line\nbreak")).unwrap(),
+        "odd name\n"
+    );
+    assert_eq!(
+        fs::read_to_string(f.lower.join("dir")).unwrap(),
+        "now a file\n"
+    );
+
+    // Named explicitly, the setuid file arrives without its setuid bit.
+    apply(
+        &f.lower,
+        &f.upper,
+        &d,
+        &ApplyOptions {
+            paths: vec!["suid".into()],
+            ..ApplyOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        fs::metadata(f.lower.join("suid")).unwrap().mode() & 0o7777,
+        0o755
+    );
+    // A refused change named explicitly is an error, not a silent skip.
+    let err = apply(
+        &f.lower,
+        &f.upper,
+        &d,
+        &ApplyOptions {
+            paths: vec!["fifo".into()],
+            ..ApplyOptions::default()
+        },
+    )
+    .unwrap_err();
+    assert!(matches!(err, WorkspaceError::Refused { .. }), "{err}");
+    assert_eq!(hash_tree(&outside), before);
+}
+
+#[test]
+fn host_edits_after_the_start_conflict_unless_forced() {
+    let f = fixture();
+    let started = SystemTime::now();
+    std::thread::sleep(Duration::from_millis(20));
+    write(&f.lower.join("edit.txt"), "host edit\n");
+    write(&f.upper.join("edit.txt"), "cell edit\n");
+    write(&f.upper.join("new.txt"), "new\n");
+    let d = diff(&f.lower, &f.upper, &options()).unwrap();
+    let opts = ApplyOptions {
+        started: Some(started),
+        ..ApplyOptions::default()
+    };
+    let err = apply(&f.lower, &f.upper, &d, &opts).unwrap_err();
+    assert!(
+        matches!(&err, WorkspaceError::Conflict { paths, .. } if paths == "edit.txt"),
+        "{err}"
+    );
+    assert_eq!(
+        fs::read_to_string(f.lower.join("edit.txt")).unwrap(),
+        "host edit\n"
+    );
+    assert!(
+        !f.lower.join("new.txt").exists(),
+        "a refused apply changed something"
+    );
+    apply(
+        &f.lower,
+        &f.upper,
+        &d,
+        &ApplyOptions {
+            force: true,
+            ..opts
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        fs::read_to_string(f.lower.join("edit.txt")).unwrap(),
+        "cell edit\n"
+    );
+}
+
+#[test]
+fn a_failure_midway_rolls_everything_back() {
+    let f = fixture();
+    write(&f.upper.join("a-first.txt"), "first\n");
+    write(&f.upper.join("edit.txt"), "edited\n");
+    write(&f.upper.join("zz/inner.txt"), "inner\n");
+    let d = diff(&f.lower, &f.upper, &options()).unwrap();
+    // The cell (still running) changes the last file after the diff: staging it must fail.
+    write(&f.upper.join("zz/inner.txt"), "inner, and longer now\n");
+    let before = hash_tree(&f.lower);
+    let err = apply(&f.lower, &f.upper, &d, &ApplyOptions::default()).unwrap_err();
+    assert!(matches!(err, WorkspaceError::RolledBack { .. }), "{err}");
+    assert_eq!(
+        hash_tree(&f.lower),
+        before,
+        "the failed apply left changes behind"
+    );
+    assert!(matches!(d.changes[0].kind, ChangeKind::Added));
+}
