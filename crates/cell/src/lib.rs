@@ -9,7 +9,8 @@ pub mod linux;
 
 #[cfg(target_os = "linux")]
 pub use linux::{
-    control, probe,
+    changes, control, probe,
     registry::{CellRecord, Registry, RegistryError},
     run::{Ending, RunError, RunOutcome, RunRequest, run},
+    store::{Store, StoreError},
 };

@@ -19,12 +19,42 @@ pub struct Cli {
 pub enum Command {
     /// Run a command in a fresh cell; exits with the command's status.
     Run(RunArgs),
-    /// List running cells.
+    /// List running cells (and, with --all, stopped cells with kept workspace changes).
     Ps {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// Include stopped cells whose workspace changes are kept.
+        #[arg(long, short = 'a')]
+        all: bool,
     },
+    /// Show what a cell changed in its copy-on-write workspace.
+    Diff {
+        name: String,
+        /// Print JSON.
+        #[arg(long, conflicts_with = "stat")]
+        json: bool,
+        /// Only list the changed paths with a summary.
+        #[arg(long)]
+        stat: bool,
+    },
+    /// Write chosen workspace changes of a cell into the host directory.
+    Apply {
+        name: String,
+        /// Paths to apply (a directory selects what is below it); none applies everything.
+        paths: Vec<String>,
+        /// Say what would be applied, change nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Overwrite host files edited since the cell started.
+        #[arg(long)]
+        force: bool,
+        /// Apply sensitive changes (hooks, rc files, new executables, outward symlinks) too.
+        #[arg(long)]
+        include_sensitive: bool,
+    },
+    /// Remove a stopped cell's workspace layer (its unapplied changes are lost).
+    Rm { name: String },
     /// Freeze every process of a cell.
     Pause { name: String },
     /// Thaw a paused cell.
@@ -57,6 +87,9 @@ pub struct RunArgs {
     /// Cell name, for `warden ps`, `pause`, `resume` and `kill`.
     #[arg(long)]
     pub name: Option<String>,
+    /// Discard the copy-on-write workspace changes when the cell ends.
+    #[arg(long)]
+    pub rm: bool,
     /// Extra environment variable for the command (repeatable).
     #[arg(long = "env", short = 'e', value_name = "K=V")]
     pub env: Vec<String>,

@@ -3,16 +3,39 @@
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
-use warden_cell::{Ending, Registry, RunRequest, control, probe};
+use warden_cell::{Ending, Registry, RunRequest, Store, changes, control, probe};
 use warden_policy::Policy;
 use warden_protocol::{CellState, CellSummary, exit};
+use warden_workspace::{ApplyOptions, Change, ChangeKind, EntryKind};
 
 use crate::cli::{Cli, Command, PolicyCommand, RunArgs};
 
 pub fn dispatch(cli: Cli) -> Result<i32> {
     match cli.command {
         Command::Run(args) => run(args),
-        Command::Ps { json } => ps(json),
+        Command::Ps { json, all } => ps(json, all),
+        Command::Diff { name, json, stat } => diff(&name, json, stat),
+        Command::Apply {
+            name,
+            paths,
+            dry_run,
+            force,
+            include_sensitive,
+        } => {
+            let options = ApplyOptions {
+                paths,
+                dry_run,
+                force,
+                include_sensitive,
+                ..ApplyOptions::default()
+            };
+            apply(&name, options)
+        }
+        Command::Rm { name } => {
+            changes::remove(&registry()?, &store()?, &name)?;
+            println!("removed {name}");
+            Ok(0)
+        }
         Command::Pause { name } => {
             control::pause(&registry()?, &name)?;
             println!("paused {name}");
@@ -35,6 +58,10 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
 
 fn registry() -> Result<Registry> {
     Ok(Registry::open(Registry::default_root())?)
+}
+
+fn store() -> Result<Store> {
+    Ok(Store::open(Store::default_root())?)
 }
 
 fn load_policy(file: Option<&std::path::Path>, preset: Option<&str>) -> Result<Policy> {
@@ -63,12 +90,19 @@ fn run(args: RunArgs) -> Result<i32> {
         workspace: args.workspace,
         argv: args.command,
         env,
+        discard_changes: args.rm,
     };
-    let outcome = warden_cell::run(&registry()?, request)?;
+    let outcome = warden_cell::run(&registry()?, &store()?, request)?;
     for notice in &outcome.notices {
         eprintln!("warden: note: {notice}");
     }
     let name = &outcome.name;
+    if outcome.kept_changes {
+        eprintln!(
+            "warden: cell {name} changed its workspace; the host directory is untouched. Review with \
+             `warden diff {name}`, then `warden apply {name}` or `warden rm {name}`."
+        );
+    }
     Ok(match outcome.ending {
         Ending::Exited(code) => code,
         Ending::Signaled(signal) => 128 + signal,
@@ -114,9 +148,10 @@ fn humanize(duration: std::time::Duration) -> String {
     warden_policy::Duration(duration).to_string()
 }
 
-fn ps(json: bool) -> Result<i32> {
-    let cells = registry()?.list()?;
-    let summaries: Vec<CellSummary> = cells
+fn ps(json: bool, all: bool) -> Result<i32> {
+    let registry = registry()?;
+    let cells = registry.list()?;
+    let mut summaries: Vec<CellSummary> = cells
         .iter()
         .map(|record| CellSummary {
             name: record.name.clone(),
@@ -125,12 +160,30 @@ fn ps(json: bool) -> Result<i32> {
             } else {
                 CellState::Running
             },
-            pid: record.pid,
+            pid: Some(record.pid),
             started_unix_ms: record.started_unix_ms,
             command: record.argv.clone(),
             workspace: record.workspace.as_ref().map(|w| w.display().to_string()),
         })
         .collect();
+    if all {
+        for (name, meta) in store()?.layers() {
+            if summaries.iter().any(|s| s.name == name) {
+                continue;
+            }
+            summaries.push(CellSummary {
+                name,
+                state: CellState::Stopped,
+                pid: None,
+                started_unix_ms: meta
+                    .started
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as u64),
+                command: Vec::new(),
+                workspace: Some(meta.lower.display().to_string()),
+            });
+        }
+    }
     if json {
         println!("{}", serde_json::to_string_pretty(&summaries)?);
         return Ok(0);
@@ -147,16 +200,108 @@ fn ps(json: bool) -> Result<i32> {
         let state = match cell.state {
             CellState::Running => "running",
             CellState::Paused => "paused",
+            CellState::Stopped => "stopped",
+        };
+        let pid = cell.pid.map_or_else(|| "-".to_owned(), |p| p.to_string());
+        let what = if cell.command.is_empty() {
+            format!(
+                "(kept changes of {})",
+                cell.workspace.as_deref().unwrap_or("?")
+            )
+        } else {
+            cell.command.join(" ")
         };
         println!(
             "{:<20} {:<8} {:>8} {:>7}s  {}",
-            cell.name,
-            state,
-            cell.pid,
-            age,
-            cell.command.join(" ")
+            cell.name, state, pid, age, what
         );
     }
+    Ok(0)
+}
+
+fn diff(name: &str, json: bool, stat: bool) -> Result<i32> {
+    let (diff, _) = changes::diff(&registry()?, &store()?, name)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&diff)?);
+        return Ok(0);
+    }
+    let (mut added, mut modified, mut deleted) = (0, 0, 0);
+    for change in &diff.changes {
+        match change.kind {
+            ChangeKind::Added => added += 1,
+            ChangeKind::Modified => modified += 1,
+            ChangeKind::Deleted => deleted += 1,
+        }
+        println!("{}", describe(change));
+    }
+    if !stat {
+        for change in diff.changes.iter().filter(|c| c.patch.is_some()) {
+            print!("\n{}", change.patch.as_deref().unwrap_or_default());
+        }
+    }
+    println!(
+        "\n{} changed: {added} added, {modified} modified, {deleted} deleted",
+        diff.changes.len()
+    );
+    Ok(0)
+}
+
+/// One line per change: marker, path (escaped when it holds control characters), details.
+fn describe(change: &Change) -> String {
+    let path = if change.path.chars().any(char::is_control) {
+        format!("{:?}", change.path)
+    } else {
+        change.path.clone()
+    };
+    let mut line = format!("{} {path}", change.marker());
+    match change.entry {
+        EntryKind::Dir => line.push('/'),
+        EntryKind::Symlink => line.push_str(&format!(
+            " -> {}",
+            change.link_target.as_deref().unwrap_or("")
+        )),
+        EntryKind::File | EntryKind::Special => {}
+    }
+    if let (Some(old), Some(new)) = (change.old_mode, change.new_mode) {
+        if old != new {
+            line.push_str(&format!(" (mode {old:o} -> {new:o})"));
+        }
+    }
+    if change.patch.is_none()
+        && change.entry == EntryKind::File
+        && change.kind != ChangeKind::Deleted
+    {
+        if let (Some(size), Some(hash)) = (change.size, &change.hash) {
+            line.push_str(&format!(
+                " [binary, {size} bytes, blake3 {}]",
+                &hash[..16.min(hash.len())]
+            ));
+        }
+    }
+    if let Some(reason) = &change.sensitive {
+        line.push_str(&format!("  ! sensitive: {reason}"));
+    }
+    if let Some(reason) = &change.refused {
+        line.push_str(&format!("  x refused: {reason}"));
+    }
+    line
+}
+
+fn apply(name: &str, options: ApplyOptions) -> Result<i32> {
+    let dry_run = options.dry_run;
+    let report = changes::apply(&registry()?, &store()?, name, options)?;
+    let verb = if dry_run { "would apply" } else { "applied" };
+    for path in &report.applied {
+        println!("{verb} {path}");
+    }
+    for (path, reason) in &report.skipped {
+        println!("skipped {path}: {reason}");
+    }
+    println!(
+        "{} {verb}, {} skipped",
+        report.applied.len(),
+        report.skipped.len()
+    );
     Ok(0)
 }
 

@@ -25,7 +25,12 @@ fn errno_of(setup: &str, expr: &str) -> String {
 fn writes_outside_workspace_and_tmp_are_denied() {
     let ws = tempdir();
     let ran = run_sh(
-        &["--workspace", ws.path().to_str().unwrap()],
+        &[
+            "--policy",
+            &direct_policy(),
+            "--workspace",
+            ws.path().to_str().unwrap(),
+        ],
         "for p in /etc/x /usr/x /x /proc/sys/kernel/hostname /dev/x; do \
            if echo pwned > $p 2>/dev/null; then echo WROTE $p; else echo denied $p; fi; done; \
          echo ok > /workspace/inside && echo ok > /tmp/inside && echo writable",
@@ -279,7 +284,12 @@ fn the_command_runs_unprivileged_with_no_capabilities() {
 fn setuid_bits_cannot_be_set() {
     let ws = tempdir();
     let ran = run_sh(
-        &["--workspace", ws.path().to_str().unwrap()],
+        &[
+            "--policy",
+            &direct_policy(),
+            "--workspace",
+            ws.path().to_str().unwrap(),
+        ],
         "cp /bin/true /workspace/t && chmod u+s /workspace/t 2>&1; chmod g+s /workspace 2>&1; stat -c %A /workspace/t",
     );
     assert!(ran.stdout.contains("Operation not permitted"), "{ran:?}");
@@ -296,7 +306,12 @@ fn protected_workspace_paths_are_read_only() {
     std::fs::create_dir_all(ws.path().join(".git/hooks")).unwrap();
     std::fs::write(ws.path().join(".envrc"), "export A=1\n").unwrap();
     let ran = run_sh(
-        &["--workspace", ws.path().to_str().unwrap()],
+        &[
+            "--policy",
+            &direct_policy(),
+            "--workspace",
+            ws.path().to_str().unwrap(),
+        ],
         "echo evil > /workspace/.git/hooks/pre-commit 2>&1; echo evil >> /workspace/.envrc 2>&1; \
          rm -f /workspace/.envrc 2>&1; echo fine > /workspace/src.txt && echo done",
     );

@@ -14,6 +14,8 @@ fn start(name: &str, workspace: &Path, script: &str) -> Child {
     warden()
         .args([
             "run",
+            "--policy",
+            &direct_policy(),
             "--name",
             name,
             "--workspace",

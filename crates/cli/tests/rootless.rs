@@ -18,6 +18,7 @@ struct Rootless {
     bin: PathBuf,
     workspace: PathBuf,
     runtime: PathBuf,
+    state: PathBuf,
 }
 
 fn setup() -> Rootless {
@@ -28,10 +29,12 @@ fn setup() -> Rootless {
     std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
     let workspace = dir.path().join("ws");
     let runtime = dir.path().join("run");
+    let state = dir.path().join("state");
     std::fs::create_dir(&workspace).unwrap();
     std::fs::create_dir(&runtime).unwrap();
+    std::fs::create_dir(&state).unwrap();
     if is_root() {
-        for path in [&workspace, &runtime] {
+        for path in [&workspace, &runtime, &state] {
             std::os::unix::fs::chown(path, Some(NOBODY), Some(NOBODY)).unwrap();
         }
     }
@@ -40,6 +43,7 @@ fn setup() -> Rootless {
         bin,
         workspace,
         runtime,
+        state,
     }
 }
 
@@ -54,6 +58,7 @@ fn as_user(env: &Rootless, args: &[&str]) -> Command {
     };
     cmd.args(args)
         .env("WARDEN_RUNTIME_DIR", &env.runtime)
+        .env("WARDEN_STATE_DIR", &env.state)
         .env_remove("XDG_RUNTIME_DIR")
         .stdin(Stdio::null());
     cmd
@@ -75,6 +80,8 @@ fn rootless_cell_is_confined_and_writes_its_workspace() {
         &env,
         &[
             "run",
+            "--policy",
+            &direct_policy(),
             "--workspace",
             &ws,
             "--",
@@ -129,6 +136,8 @@ fn rootless_cells_are_listed_and_killed_from_outside() {
         &env,
         &[
             "run",
+            "--policy",
+            &direct_policy(),
             "--name",
             &name,
             "--workspace",
@@ -163,4 +172,63 @@ fn rootless_cells_are_listed_and_killed_from_outside() {
     }
     let ps = Ran::from(as_user(&env, &["ps"]).output().unwrap());
     assert!(!ps.stdout.contains(&name), "{ps:?}");
+}
+
+#[test]
+fn rootless_copy_on_write_workspace_reaches_the_host_only_through_apply() {
+    let env = setup();
+    let name = unique("rootless-cow");
+    let ws = env.workspace.to_str().unwrap().to_owned();
+    std::fs::write(env.workspace.join("kept.txt"), "original\n").unwrap();
+    if is_root() {
+        std::os::unix::fs::chown(env.workspace.join("kept.txt"), Some(NOBODY), Some(NOBODY))
+            .unwrap();
+    }
+    let ran = Ran::from(
+        as_user(
+            &env,
+            &[
+                "run",
+                "--name",
+                &name,
+                "--workspace",
+                &ws,
+                "--",
+                "sh",
+                "-c",
+                "echo changed > /workspace/kept.txt && echo new > /workspace/new.txt",
+            ],
+        )
+        .output()
+        .unwrap(),
+    );
+    assert_eq!(ran.code, 0, "{ran:?}");
+    assert!(
+        ran.stderr.contains(&format!("warden diff {name}")),
+        "{ran:?}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(env.workspace.join("kept.txt")).unwrap(),
+        "original\n"
+    );
+    assert!(!env.workspace.join("new.txt").exists());
+    let diff = Ran::from(as_user(&env, &["diff", &name, "--stat"]).output().unwrap());
+    assert!(
+        diff.stdout.starts_with("M kept.txt\nA new.txt\n"),
+        "{diff:?}"
+    );
+    let applied = Ran::from(as_user(&env, &["apply", &name]).output().unwrap());
+    assert_eq!(applied.code, 0, "{applied:?}");
+    assert_eq!(
+        std::fs::read_to_string(env.workspace.join("kept.txt")).unwrap(),
+        "changed\n"
+    );
+    assert_eq!(
+        std::fs::metadata(env.workspace.join("new.txt"))
+            .unwrap()
+            .uid(),
+        host_uid()
+    );
+    let removed = Ran::from(as_user(&env, &["rm", &name]).output().unwrap());
+    assert_eq!(removed.code, 0, "{removed:?}");
 }

@@ -2,7 +2,7 @@
 
 use std::fmt::Write as _;
 
-use crate::model::Policy;
+use crate::model::{Policy, WorkspaceMode};
 
 /// Renders the policy as sentences a reviewer can check without knowing the schema.
 pub fn explain(policy: &Policy) -> String {
@@ -11,19 +11,42 @@ pub fn explain(policy: &Policy) -> String {
     let ws = &fs.workspace;
     let _ = writeln!(out, "Isolation tier: {}.", policy.tier.name());
     let _ = writeln!(out, "\nFiles");
-    let _ = writeln!(
-        out,
-        "  - The workspace (--workspace DIR) appears read-write at {} and writes go straight to \
-         the host directory (mode: direct); without --workspace it is an empty scratch directory.",
-        ws.mount.display()
-    );
-    if !ws.protect.is_empty() {
-        let _ = writeln!(
-            out,
-            "  - Inside the workspace these stay read-only when they exist, because the host runs \
-             or trusts them later: {}.",
-            ws.protect.join(", ")
-        );
+    match ws.mode {
+        WorkspaceMode::Overlay => {
+            let _ = writeln!(
+                out,
+                "  - The workspace (--workspace DIR) appears at {} as a copy-on-write layer \
+                 (mode: overlay): the cell may change anything in it, DIR on the host stays \
+                 unchanged, and changes reach it only through `warden apply` after review with \
+                 `warden diff`. Without --workspace it is an empty scratch directory.",
+                ws.mount.display()
+            );
+            if !ws.protect.is_empty() {
+                let _ = writeln!(
+                    out,
+                    "  - Changes to these, which the host runs or trusts later, are applied only \
+                     when named: {}; so are new executables and symlinks leading outside.",
+                    ws.protect.join(", ")
+                );
+            }
+        }
+        WorkspaceMode::Direct => {
+            let _ = writeln!(
+                out,
+                "  - The workspace (--workspace DIR) appears read-write at {} and writes go \
+                 straight to the host directory (mode: direct); without --workspace it is an \
+                 empty scratch directory.",
+                ws.mount.display()
+            );
+            if !ws.protect.is_empty() {
+                let _ = writeln!(
+                    out,
+                    "  - Inside the workspace these stay read-only when they exist, because the \
+                     host runs or trusts them later: {}.",
+                    ws.protect.join(", ")
+                );
+            }
+        }
     }
     let _ = writeln!(
         out,

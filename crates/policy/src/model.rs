@@ -153,7 +153,8 @@ pub struct Workspace {
     pub mount: PathBuf,
     pub mode: WorkspaceMode,
     /// Paths, relative to the workspace, that the host later executes or trusts (`.git`, `.envrc`,
-    /// shell rc files, editor and agent configuration). They are read-only inside the cell.
+    /// shell rc files, editor and agent configuration). In `direct` mode they are read-only
+    /// inside the cell; in `overlay` mode changes to them are applied only when named.
     pub protect: Vec<String>,
 }
 
@@ -186,13 +187,14 @@ impl Default for Workspace {
     }
 }
 
-/// `direct`: the cell writes the host directory itself. `overlay`: copy-on-write (planned).
+/// `overlay`: the cell writes a copy-on-write layer over the host directory, and changes reach
+/// the host only through `warden apply`. `direct`: the cell writes the host directory itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum WorkspaceMode {
     #[default]
-    Direct,
     Overlay,
+    Direct,
 }
 
 /// Who the command runs as and what it starts with.

@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::model::{NetworkDefault, Policy, WorkspaceMode};
+use crate::model::{NetworkDefault, Policy};
 
 /// Why a policy could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -96,12 +96,6 @@ fn validate(origin: &str, policy: &Policy) -> Result<(), PolicyError> {
             "credentials",
             "credential injection needs the egress gateway, which this version of warden does \
              not have yet; remove the section",
-        ));
-    }
-    if policy.filesystem.workspace.mode == WorkspaceMode::Overlay {
-        return Err(invalid(
-            "filesystem.workspace.mode",
-            "overlay (copy-on-write) workspaces are not available in this version; write `mode: direct`",
         ));
     }
     for entry in &policy.filesystem.workspace.protect {

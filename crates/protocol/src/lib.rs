@@ -28,6 +28,8 @@ pub mod exit {
 pub enum CellState {
     Running,
     Paused,
+    /// The processes are gone; workspace changes are kept for review.
+    Stopped,
 }
 
 /// One line of `warden ps`.
@@ -35,8 +37,8 @@ pub enum CellState {
 pub struct CellSummary {
     pub name: String,
     pub state: CellState,
-    /// Host pid of the cell's init.
-    pub pid: i32,
+    /// Host pid of the cell's init, while it runs.
+    pub pid: Option<i32>,
     pub started_unix_ms: u64,
     pub command: Vec<String>,
     pub workspace: Option<String>,

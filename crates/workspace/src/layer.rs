@@ -60,9 +60,23 @@ impl Layer {
 
     /// Removes the layer and everything in it.
     pub fn remove(&self) -> io::Result<()> {
+        // overlayfs leaves `work/work` with mode 000; its owner may open it up again.
+        let _ = open_up(&self.work());
         match fs::remove_dir_all(&self.dir) {
             Err(err) if err.kind() != io::ErrorKind::NotFound => Err(err),
             _ => Ok(()),
         }
     }
+}
+
+/// Gives the owner access to every directory below `dir` (not following symlinks).
+fn open_up(dir: &Path) -> io::Result<()> {
+    use std::os::unix::fs::PermissionsExt as _;
+    fs::set_permissions(dir, fs::Permissions::from_mode(0o700))?;
+    for entry in fs::read_dir(dir)?.flatten() {
+        if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            let _ = open_up(&entry.path());
+        }
+    }
+    Ok(())
 }

@@ -1,6 +1,7 @@
 //! The process tier: Linux namespaces, pivot_root, seccomp, Landlock and cgroups.
 
 pub mod cgroup;
+pub mod changes;
 mod confine;
 pub mod control;
 mod idmap;
@@ -13,4 +14,5 @@ pub mod registry;
 mod rootfs;
 pub mod run;
 pub mod seccomp;
+pub mod store;
 mod sys;

@@ -29,8 +29,20 @@ pub enum Entry {
 pub struct WorkspacePlan {
     pub host: PathBuf,
     pub mount: PathBuf,
-    /// Protected paths that exist, relative to the workspace.
+    /// Protected paths that exist, relative to the workspace (made read-only in direct mode).
     pub protect: Vec<PathBuf>,
+    /// Copy-on-write: the cell's writes go to this layer, never to `host`.
+    pub overlay: Option<OverlayPlan>,
+}
+
+/// The directories of a copy-on-write workspace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OverlayPlan {
+    pub upper: PathBuf,
+    pub work: PathBuf,
+    /// Where the id-mapped host directory is attached (root mode), inside the cell's mount
+    /// namespace only, to serve as the lower layer.
+    pub lower_mountpoint: PathBuf,
 }
 
 /// A cell, ready to be built.
@@ -111,6 +123,14 @@ pub enum PlanError {
         "the {0} tier is not available in this version of warden; use `tier: process` (see `warden doctor`)"
     )]
     Tier(&'static str),
+    #[error(
+        "workspace path {0} contains `,` or `:`, which overlayfs cannot take; rename it or use `mode: direct`"
+    )]
+    OverlayPath(PathBuf),
+    #[error(
+        "cell `{0}` has kept workspace changes; review them with `warden diff {0}`, then `warden apply {0}` or `warden rm {0}`"
+    )]
+    LayerKept(String),
 }
 
 /// Checks a cell name (it becomes a file name, a cgroup name and the default host name).

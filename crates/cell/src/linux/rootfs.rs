@@ -228,6 +228,35 @@ fn mount_workspace(plan: &CellPlan, tree: Option<&std::os::fd::OwnedFd>) -> Resu
         .map_err(errno)
         .map_err(at("mounting the scratch workspace on", &dst));
     };
+    if let Some(overlay) = &workspace.overlay {
+        // The lower layer is the host directory: in root mode its id-mapped clone, attached
+        // outside the new root so that the cell can never reach it directly.
+        let lower = match tree {
+            Some(tree) => {
+                sys::move_mount_to(tree, &overlay.lower_mountpoint).map_err(at(
+                    "attaching the id-mapped workspace on",
+                    &overlay.lower_mountpoint,
+                ))?;
+                overlay.lower_mountpoint.clone()
+            }
+            None => workspace.host.clone(),
+        };
+        let options = format!(
+            "lowerdir={},upperdir={},workdir={},userxattr",
+            lower.display(),
+            overlay.upper.display(),
+            overlay.work.display()
+        );
+        return mount(
+            Some("overlay"),
+            &dst,
+            Some("overlay"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+            Some(options.as_str()),
+        )
+        .map_err(errno)
+        .map_err(at("mounting the copy-on-write workspace on", &dst));
+    }
     match tree {
         Some(tree) => sys::move_mount_to(tree, &dst)
             .map_err(at("attaching the id-mapped workspace on", &dst))?,

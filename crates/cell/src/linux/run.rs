@@ -5,7 +5,9 @@ use std::ffi::OsString;
 use std::fs;
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::path::PathBuf;
+use std::os::unix::ffi::OsStrExt as _;
+use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
@@ -13,13 +15,15 @@ use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::wait::{WaitStatus, waitpid};
 use nix::unistd::Pid;
-use warden_policy::{Policy, Tier};
+use warden_policy::{Policy, Tier, WorkspaceMode};
+use warden_workspace::{Layer, LayerMeta};
 
 use super::cgroup::{self, CellCgroup, CgroupError};
 use super::ids::IdMapping;
 use super::init::{self, InitFds};
-use super::plan::{self, CellPlan, PlanError, WorkspacePlan};
+use super::plan::{self, CellPlan, OverlayPlan, PlanError, WorkspacePlan};
 use super::registry::{CellRecord, Registry, RegistryError};
+use super::store::Store;
 use super::{idmap, sys};
 
 /// What the caller asks for.
@@ -31,6 +35,8 @@ pub struct RunRequest {
     pub argv: Vec<OsString>,
     /// `--env K=V` additions, on top of what the policy sets and passes.
     pub env: Vec<(String, String)>,
+    /// Drop the copy-on-write workspace layer when the cell ends (`--rm`).
+    pub discard_changes: bool,
 }
 
 /// How a cell ended.
@@ -62,6 +68,8 @@ pub struct RunOutcome {
     pub ending: Ending,
     /// Set when limits could only be approximated (no writable cgroup).
     pub notices: Vec<String>,
+    /// The cell changed its copy-on-write workspace, and the layer was kept for review.
+    pub kept_changes: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -105,7 +113,11 @@ const DRAIN_GRACE: Duration = Duration::from_secs(2);
 /// Runs a command in a fresh cell and returns once the cell is gone.
 ///
 /// Must be called while the process is single-threaded: the cell starts as a fork of it.
-pub fn run(registry: &Registry, request: RunRequest) -> Result<RunOutcome, RunError> {
+pub fn run(
+    registry: &Registry,
+    store: &Store,
+    request: RunRequest,
+) -> Result<RunOutcome, RunError> {
     let policy = &request.policy;
     if policy.tier != Tier::Process {
         return Err(PlanError::Tier(policy.tier.name()).into());
@@ -126,19 +138,38 @@ pub fn run(registry: &Registry, request: RunRequest) -> Result<RunOutcome, RunEr
                 host,
                 mount: policy.filesystem.workspace.mount.clone(),
                 protect,
+                overlay: None,
             })
         }
         None => None,
     };
+    let overlay = workspace.is_some() && policy.filesystem.workspace.mode == WorkspaceMode::Overlay;
 
     let reservation = registry.reserve(&name)?;
     let privileged = nix::unistd::geteuid().is_root();
+    let mut workspace = workspace;
     let ids = IdMapping {
         privileged,
         inside_uid: policy.process.user,
         inside_gid: policy.process.group(),
         host_uid: nix::unistd::geteuid().as_raw(),
         host_gid: nix::unistd::getegid().as_raw(),
+    };
+    let layer = match (&mut workspace, overlay) {
+        (Some(ws), true) => {
+            let layer =
+                LayerGuard::create(store, &name, &ws.host, policy, privileged.then_some(&ids))?;
+            ws.overlay = Some(OverlayPlan {
+                upper: layer.layer.upper(),
+                work: layer.layer.work(),
+                lower_mountpoint: reservation
+                    .lower_dir()
+                    .map_err(os("creating the lower-layer mount point"))?,
+            });
+            ws.protect.clear(); // reviewed at apply time instead
+            Some(layer)
+        }
+        _ => None,
     };
 
     let mut notices = Vec::new();
@@ -304,11 +335,13 @@ pub fn run(registry: &Registry, request: RunRequest) -> Result<RunOutcome, RunEr
                 name,
                 ending: Ending::CommandNotFound(message.to_owned()),
                 notices,
+                kept_changes: false,
             }),
             Ok(init::NOT_EXECUTABLE) => Ok(RunOutcome {
                 name,
                 ending: Ending::CannotExecute(message.to_owned()),
                 notices,
+                kept_changes: false,
             }),
             _ => Err(RunError::Setup(message.to_owned())),
         };
@@ -347,11 +380,92 @@ pub fn run(registry: &Registry, request: RunRequest) -> Result<RunOutcome, RunEr
     };
     drop(guard);
     drop(reservation);
+    let kept_changes = layer.is_some_and(|layer| layer.finish(request.discard_changes));
     Ok(RunOutcome {
         name,
         ending,
         notices,
+        kept_changes,
     })
+}
+
+/// A cell's copy-on-write layer while the cell runs: removed on every way out of `run` unless
+/// the cell ran and changed something worth reviewing.
+struct LayerGuard {
+    layer: Layer,
+    armed: bool,
+}
+
+impl LayerGuard {
+    fn create(
+        store: &Store,
+        name: &str,
+        host: &Path,
+        policy: &Policy,
+        privileged: Option<&IdMapping>,
+    ) -> Result<Self, RunError> {
+        for text in [host.as_os_str(), store.root().as_os_str()] {
+            if text.as_bytes().iter().any(|b| *b == b',' || *b == b':') {
+                return Err(PlanError::OverlayPath(PathBuf::from(text)).into());
+            }
+        }
+        let layer = store.layer(name);
+        if layer.exists() {
+            return Err(PlanError::LayerKept(name.to_owned()).into());
+        }
+        let meta = LayerMeta {
+            lower: host.to_path_buf(),
+            started: SystemTime::now(),
+            protected: policy.filesystem.workspace.protect.clone(),
+        };
+        let guard = Self { layer, armed: true };
+        guard
+            .layer
+            .create(&meta)
+            .map_err(os("creating the workspace layer"))?;
+        // The merged workspace root takes its owner and mode from the upper directory: make
+        // them those of the host directory as the cell sees it.
+        let host_meta = fs::metadata(host).map_err(os("reading the workspace"))?;
+        fs::set_permissions(
+            guard.layer.upper(),
+            fs::Permissions::from_mode(host_meta.mode() & 0o777),
+        )
+        .map_err(os("preparing the workspace layer"))?;
+        if let Some(ids) = privileged {
+            // In root mode the overlay is mounted by the cell's root, an unprivileged host id.
+            let chown = |dir: PathBuf, uid, gid| {
+                std::os::unix::fs::chown(dir, Some(uid), Some(gid))
+                    .map_err(os("handing the workspace layer to the cell"))
+            };
+            chown(
+                guard.layer.upper(),
+                ids.host_uid_of_cell_user(),
+                ids.host_gid_of_cell_group(),
+            )?;
+            chown(
+                guard.layer.work(),
+                super::ids::ROOT_MODE_BASE,
+                super::ids::ROOT_MODE_BASE,
+            )?;
+        }
+        Ok(guard)
+    }
+
+    /// Keeps the layer when the cell changed something (and changes are not discarded).
+    fn finish(mut self, discard: bool) -> bool {
+        let changed =
+            fs::read_dir(self.layer.upper()).is_ok_and(|mut entries| entries.next().is_some());
+        self.armed = discard || !changed;
+        !self.armed
+    }
+}
+
+impl Drop for LayerGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self.layer.remove();
+        }
+    }
 }
 
 /// Kills whatever is left of the cell and removes its cgroups, on every way out of `run`.

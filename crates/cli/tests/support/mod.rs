@@ -156,3 +156,24 @@ pub fn cgroups_available(test: &str) -> bool {
     }
     ok
 }
+
+/// Path of a policy whose workspace is written directly (no copy-on-write layer), for tests
+/// that watch the host directory while a cell writes it.
+pub fn direct_policy() -> String {
+    static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    PATH.get_or_init(|| {
+        let path =
+            std::env::temp_dir().join(format!("warden-test-direct-{}.yaml", std::process::id()));
+        std::fs::write(
+            &path,
+            "version: 1\nfilesystem:\n  workspace:\n    mode: direct\n",
+        )
+        .unwrap();
+        let mut perms = std::fs::metadata(&path).unwrap().permissions();
+        std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o644);
+        std::fs::set_permissions(&path, perms).unwrap();
+        path
+    })
+    .display()
+    .to_string()
+}

@@ -1,0 +1,134 @@
+//! A cell's workspace changes, seen and applied from outside: `warden diff`, `apply` and `rm`.
+//! A running cell is frozen while its layer is read, so the warden sees a consistent state;
+//! nothing runs inside the cell for any of this.
+
+use std::os::unix::fs::MetadataExt as _;
+
+use warden_workspace::{
+    ApplyOptions, ApplyReport, Diff, DiffOptions, Layer, LayerMeta, Sensitivity, WorkspaceError,
+};
+
+use super::cgroup::{CellCgroup, CgroupError};
+use super::registry::{Registry, RegistryError};
+use super::store::Store;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ChangesError {
+    #[error(
+        "cell `{0}` has no copy-on-write workspace layer (it ran without --workspace, in direct mode, changed nothing, or was removed)"
+    )]
+    NoLayer(String),
+    #[error("cell `{0}` is still running; stop it with `warden kill {0}` first")]
+    Running(String),
+    #[error("reading the layer of cell `{name}`: {source}")]
+    Layer {
+        name: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Workspace(#[from] WorkspaceError),
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+}
+
+/// Thaws the cell again however the read ends.
+struct Frozen<'a>(Option<&'a CellCgroup>);
+
+impl Drop for Frozen<'_> {
+    fn drop(&mut self) {
+        if let Some(cgroup) = self.0 {
+            let _ = cgroup.thaw();
+        }
+    }
+}
+
+fn open(store: &Store, name: &str) -> Result<(Layer, LayerMeta), ChangesError> {
+    if super::plan::check_name(name).is_err() {
+        return Err(ChangesError::NoLayer(name.to_owned()));
+    }
+    let layer = store.layer(name);
+    if !layer.exists() {
+        return Err(ChangesError::NoLayer(name.to_owned()));
+    }
+    let meta = layer.meta().map_err(|source| ChangesError::Layer {
+        name: name.to_owned(),
+        source,
+    })?;
+    Ok((layer, meta))
+}
+
+fn options(meta: &LayerMeta) -> DiffOptions {
+    DiffOptions {
+        sensitivity: Sensitivity::new(meta.protected.clone()),
+        ..DiffOptions::default()
+    }
+}
+
+/// Freezes the cell when it runs and can be frozen (a cell without a freezer is read live).
+fn freeze<'a>(
+    registry: &Registry,
+    name: &str,
+    record: &'a mut Option<super::registry::CellRecord>,
+) -> Result<Frozen<'a>, ChangesError> {
+    *record = registry.get(name).ok();
+    let cgroup = record.as_ref().and_then(|r| r.cgroup.as_ref());
+    // Already paused by the user: leave it paused afterwards.
+    let cgroup = cgroup.filter(|cg| !cg.is_frozen());
+    if let Some(cg) = cgroup {
+        cg.freeze()?;
+    }
+    Ok(Frozen(cgroup))
+}
+
+/// The changes of a cell's workspace, running or stopped.
+pub fn diff(
+    registry: &Registry,
+    store: &Store,
+    name: &str,
+) -> Result<(Diff, LayerMeta), ChangesError> {
+    let (layer, meta) = open(store, name)?;
+    let mut record = None;
+    let _frozen = freeze(registry, name, &mut record)?;
+    let diff = warden_workspace::diff(&meta.lower, &layer.upper(), &options(&meta))?;
+    Ok((diff, meta))
+}
+
+/// Applies chosen changes of a cell's workspace to the host directory.
+pub fn apply(
+    registry: &Registry,
+    store: &Store,
+    name: &str,
+    mut options: ApplyOptions,
+) -> Result<ApplyReport, ChangesError> {
+    let (layer, meta) = open(store, name)?;
+    let mut record = None;
+    let _frozen = freeze(registry, name, &mut record)?;
+    let diff = warden_workspace::diff(&meta.lower, &layer.upper(), &self::options(&meta))?;
+    options.started = Some(meta.started);
+    if nix::unistd::geteuid().is_root() {
+        // New files belong to the directory's owner, not to root or the cell.
+        if let Ok(dir) = std::fs::metadata(&meta.lower) {
+            options.owner = Some((dir.uid(), dir.gid()));
+        }
+    }
+    Ok(warden_workspace::apply(
+        &meta.lower,
+        &layer.upper(),
+        &diff,
+        &options,
+    )?)
+}
+
+/// Removes a stopped cell's layer (its unapplied changes are lost).
+pub fn remove(registry: &Registry, store: &Store, name: &str) -> Result<(), ChangesError> {
+    if registry.get(name).is_ok() {
+        return Err(ChangesError::Running(name.to_owned()));
+    }
+    let (layer, _) = open(store, name)?;
+    layer.remove().map_err(|source| ChangesError::Layer {
+        name: name.to_owned(),
+        source,
+    })
+}

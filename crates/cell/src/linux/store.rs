@@ -1,0 +1,90 @@
+//! The persistent state directory: what outlives a cell's processes, today its copy-on-write
+//! workspace layer, kept until the user applies or removes it.
+
+use std::fs;
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use warden_workspace::{Layer, LayerMeta};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("state directory {path}: {source}")]
+    Io { path: PathBuf, source: io::Error },
+}
+
+/// The per-user state directory.
+#[derive(Debug, Clone)]
+pub struct Store {
+    root: PathBuf,
+}
+
+impl Store {
+    /// `$WARDEN_STATE_DIR`, else `/var/lib/warden` for root, else `$XDG_DATA_HOME/warden`, else
+    /// `~/.local/share/warden`.
+    pub fn default_root() -> PathBuf {
+        if let Some(dir) = std::env::var_os("WARDEN_STATE_DIR") {
+            return PathBuf::from(dir);
+        }
+        let uid = nix::unistd::geteuid();
+        if uid.is_root() {
+            return PathBuf::from("/var/lib/warden");
+        }
+        if let Some(dir) = std::env::var_os("XDG_DATA_HOME").filter(|d| !d.is_empty()) {
+            return PathBuf::from(dir).join("warden");
+        }
+        match std::env::var_os("HOME").filter(|h| !h.is_empty()) {
+            Some(home) => PathBuf::from(home).join(".local/share/warden"),
+            None => PathBuf::from(format!("/tmp/warden-state-{uid}")),
+        }
+    }
+
+    pub fn open(root: PathBuf) -> Result<Self, StoreError> {
+        let layers = root.join("layers");
+        for dir in [&root, &layers] {
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o711)
+                .create(dir)
+                .map_err(|source| StoreError::Io {
+                    path: dir.clone(),
+                    source,
+                })?;
+            // Search-only for others: a root-started cell mounts its layer as an unprivileged id.
+            fs::set_permissions(dir, fs::Permissions::from_mode(0o711)).map_err(|source| {
+                StoreError::Io {
+                    path: dir.clone(),
+                    source,
+                }
+            })?;
+        }
+        Ok(Self { root })
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The layer of the cell `name` (which may not exist).
+    pub fn layer(&self, name: &str) -> Layer {
+        Layer::at(self.root.join("layers").join(name))
+    }
+
+    /// Every kept layer, by cell name.
+    pub fn layers(&self) -> Vec<(String, LayerMeta)> {
+        let Ok(entries) = fs::read_dir(self.root.join("layers")) else {
+            return Vec::new();
+        };
+        let mut out: Vec<(String, LayerMeta)> = entries
+            .flatten()
+            .filter_map(|entry| {
+                let name = entry.file_name().to_str()?.to_owned();
+                let meta = Layer::at(entry.path()).meta().ok()?;
+                Some((name, meta))
+            })
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+}

@@ -1,0 +1,412 @@
+//! Copy-on-write workspaces end to end: a real overlay in a real cell, reviewed and applied from
+//! outside.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed step is a failed test
+
+mod support;
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use support::*;
+
+/// Every regular file and symlink under `root` with its content, sorted.
+fn tree(root: &Path) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap().flatten() {
+            let path = entry.path();
+            let rel = path.strip_prefix(root).unwrap().display().to_string();
+            let meta = std::fs::symlink_metadata(&path).unwrap();
+            if meta.is_dir() {
+                out.push((rel, "<dir>".to_owned()));
+                stack.push(path);
+            } else if meta.file_type().is_symlink() {
+                out.push((
+                    rel,
+                    format!("-> {}", std::fs::read_link(&path).unwrap().display()),
+                ));
+            } else {
+                out.push((
+                    rel,
+                    String::from_utf8_lossy(&std::fs::read(&path).unwrap()).into_owned(),
+                ));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+fn project() -> tempfile::TempDir {
+    let ws = tempdir();
+    let p = ws.path();
+    std::fs::create_dir_all(p.join("src")).unwrap();
+    std::fs::create_dir_all(p.join("docs/old")).unwrap();
+    std::fs::write(p.join("README.md"), "# Project\nline two\n").unwrap();
+    std::fs::write(p.join("src/main.rs"), "fn main() {}\n").unwrap();
+    std::fs::write(p.join("src/util.rs"), "pub fn util() {}\n").unwrap();
+    std::fs::write(p.join("docs/old/notes.txt"), "old notes\n").unwrap();
+    std::fs::write(p.join("remove-me.txt"), "bye\n").unwrap();
+    ws
+}
+
+fn warden_ok(args: &[&str]) -> Ran {
+    let ran = Ran::from(warden().args(args).output().unwrap());
+    assert_eq!(ran.code, 0, "warden {args:?}: {ran:?}");
+    ran
+}
+
+const EDITS: &str = "cd /workspace && printf '# Project\\nline 2\\n' > README.md && echo new > added.txt \
+    && rm remove-me.txt && mv src/util.rs src/helpers.rs && rm -r docs/old && mkdir -p docs/new \
+    && echo fresh > docs/new/notes.txt && chmod 600 src/main.rs";
+
+#[test]
+fn edits_stay_in_the_cell_until_applied() {
+    let ws = project();
+    let name = unique("cow");
+    let before = tree(ws.path());
+    let ran = run_sh(
+        &["--name", &name, "--workspace", ws.path().to_str().unwrap()],
+        EDITS,
+    );
+    assert_eq!(ran.code, 0, "{ran:?}");
+    assert_eq!(
+        tree(ws.path()),
+        before,
+        "the host directory changed while the cell ran"
+    );
+    assert!(
+        ran.stderr.contains(&format!("warden diff {name}")),
+        "{ran:?}"
+    );
+
+    let json = warden_ok(&["diff", &name, "--json"]);
+    let diff: serde_json::Value = serde_json::from_str(&json.stdout).unwrap();
+    let changes: Vec<(String, String)> = diff["changes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["kind"].as_str().unwrap().to_owned(),
+                c["path"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    let expected: Vec<(String, String)> = [
+        ("modified", "README.md"),
+        ("added", "added.txt"),
+        ("added", "docs/new"),
+        ("added", "docs/new/notes.txt"),
+        ("deleted", "docs/old"),
+        ("deleted", "remove-me.txt"),
+        ("added", "src/helpers.rs"),
+        ("modified", "src/main.rs"),
+        ("deleted", "src/util.rs"),
+    ]
+    .iter()
+    .map(|(k, p)| ((*k).to_owned(), (*p).to_owned()))
+    .collect();
+    assert_eq!(changes, expected);
+    let text = warden_ok(&["diff", &name]).stdout;
+    assert!(text.contains("-line two\n+line 2\n"), "{text}");
+    assert!(text.contains("M src/main.rs (mode 644 -> 600)"), "{text}");
+
+    // What the cell saw, rebuilt on the host by apply.
+    let mut expected_tree = before.clone();
+    expected_tree.retain(|(p, _)| {
+        ![
+            "remove-me.txt",
+            "src/util.rs",
+            "docs/old",
+            "docs/old/notes.txt",
+        ]
+        .contains(&p.as_str())
+    });
+    for (path, content) in [
+        ("README.md", "# Project\nline 2\n"),
+        ("added.txt", "new\n"),
+        ("docs/new", "<dir>"),
+        ("docs/new/notes.txt", "fresh\n"),
+        ("src/helpers.rs", "pub fn util() {}\n"),
+    ] {
+        expected_tree.retain(|(p, _)| p != path);
+        expected_tree.push((path.to_owned(), content.to_owned()));
+    }
+    expected_tree.sort();
+    warden_ok(&["apply", &name]);
+    assert_eq!(tree(ws.path()), expected_tree);
+    let meta = std::fs::metadata(ws.path().join("src/main.rs")).unwrap();
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&meta.permissions()) & 0o777,
+        0o600
+    );
+    assert!(
+        warden_ok(&["diff", &name, "--stat"])
+            .stdout
+            .contains("0 changed")
+    );
+    warden_ok(&["rm", &name]);
+    assert!(!warden_ok(&["ps", "--all"]).stdout.contains(&name));
+}
+
+#[test]
+fn applying_a_subset_leaves_the_rest_for_later() {
+    let ws = project();
+    let name = unique("subset");
+    let ran = run_sh(
+        &["--name", &name, "--workspace", ws.path().to_str().unwrap()],
+        EDITS,
+    );
+    assert_eq!(ran.code, 0, "{ran:?}");
+    let dry = warden_ok(&["apply", &name, "README.md", "--dry-run"]);
+    assert!(dry.stdout.contains("would apply README.md"), "{dry:?}");
+    assert_eq!(
+        std::fs::read_to_string(ws.path().join("README.md")).unwrap(),
+        "# Project\nline two\n"
+    );
+    warden_ok(&["apply", &name, "README.md", "docs"]);
+    assert_eq!(
+        std::fs::read_to_string(ws.path().join("README.md")).unwrap(),
+        "# Project\nline 2\n"
+    );
+    assert!(ws.path().join("docs/new/notes.txt").exists() && !ws.path().join("docs/old").exists());
+    assert!(ws.path().join("remove-me.txt").exists() && !ws.path().join("added.txt").exists());
+    let left = warden_ok(&["diff", &name, "--stat"]).stdout;
+    assert!(left.contains("5 changed"), "{left}");
+    let unknown = Ran::from(
+        warden()
+            .args(["apply", &name, "nope.txt"])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(unknown.code, 125);
+    assert!(
+        unknown
+            .stderr
+            .contains("`nope.txt` is not among the changes"),
+        "{unknown:?}"
+    );
+    warden_ok(&["rm", &name]);
+}
+
+#[test]
+fn host_edits_after_the_start_are_conflicts() {
+    let ws = project();
+    let name = unique("conflict");
+    let cell = warden()
+        .args([
+            "run",
+            "--name",
+            &name,
+            "--workspace",
+            ws.path().to_str().unwrap(),
+            "--",
+            "sh",
+            "-c",
+            "echo cell > /workspace/README.md; sleep 1",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    std::fs::write(ws.path().join("README.md"), "host edit\n").unwrap();
+    let out = cell.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let refused = Ran::from(warden().args(["apply", &name]).output().unwrap());
+    assert_eq!(refused.code, 125, "{refused:?}");
+    assert!(
+        refused.stderr.contains("conflict")
+            && refused.stderr.contains("README.md")
+            && refused.stderr.contains("--force"),
+        "{refused:?}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(ws.path().join("README.md")).unwrap(),
+        "host edit\n"
+    );
+    warden_ok(&["apply", &name, "--force"]);
+    assert_eq!(
+        std::fs::read_to_string(ws.path().join("README.md")).unwrap(),
+        "cell\n"
+    );
+    warden_ok(&["rm", &name]);
+}
+
+#[test]
+fn a_running_cell_is_diffed_from_outside_and_keeps_running() {
+    let ws = project();
+    let name = unique("live");
+    let mut cell = warden()
+        .args([
+            "run",
+            "--name",
+            &name,
+            "--workspace",
+            ws.path().to_str().unwrap(),
+            "--",
+            "sh",
+            "-c",
+            "echo live > /workspace/live.txt; while true; do sleep 0.05; done",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let ran = Ran::from(warden().args(["diff", &name, "--stat"]).output().unwrap());
+        if ran.stdout.contains("A live.txt") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the live change never showed: {ran:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let ps = warden_ok(&["ps"]).stdout;
+    assert!(
+        ps.lines()
+            .any(|l| l.starts_with(&name) && l.contains("running")),
+        "{ps}"
+    );
+    let busy = Ran::from(warden().args(["rm", &name]).output().unwrap());
+    assert_eq!(busy.code, 125);
+    assert!(busy.stderr.contains("still running"), "{busy:?}");
+    warden_ok(&["kill", &name]);
+    let _ = cell.wait();
+    warden_ok(&["rm", &name]);
+}
+
+#[test]
+fn hostile_changes_are_refused_or_neutralised() {
+    let ws = project();
+    let name = unique("hostile");
+    let outside = ["/etc/passwd", "/etc/hostname"];
+    let before: Vec<Vec<u8>> = outside
+        .iter()
+        .map(|p| std::fs::read(p).unwrap_or_default())
+        .collect();
+    let script = "cd /workspace && ln -s /etc/passwd passwd-link && mkfifo pipe && truncate -s 8G huge \
+        && printf x > \"$(printf 'new\\nline')\" && rm -r docs && echo file > docs \
+        && mkdir -p .git/hooks && printf '#!/bin/sh\\necho pwned\\n' > .git/hooks/pre-commit \
+        && chmod +x .git/hooks/pre-commit; chmod u+s src/main.rs 2>/dev/null; echo done";
+    let ran = run_sh(
+        &["--name", &name, "--workspace", ws.path().to_str().unwrap()],
+        script,
+    );
+    assert!(ran.stdout.contains("done"), "{ran:?}");
+    let diff = warden_ok(&["diff", &name]).stdout;
+    assert!(
+        diff.contains("A passwd-link -> /etc/passwd  ! sensitive"),
+        "{diff}"
+    );
+    assert!(
+        diff.contains("A pipe  x refused: a FIFO cannot be applied"),
+        "{diff}"
+    );
+    assert!(diff.contains("A huge  x refused"), "{diff}");
+    assert!(
+        diff.contains("A .git/hooks/pre-commit  ! sensitive"),
+        "{diff}"
+    );
+    assert!(diff.contains("A \"new\\nline\""), "{diff}");
+    let applied = warden_ok(&["apply", &name]);
+    assert!(
+        applied.stdout.contains("skipped passwd-link") && applied.stdout.contains("skipped pipe"),
+        "{applied:?}"
+    );
+    assert!(
+        !ws.path().join("passwd-link").exists()
+            && !ws.path().join("pipe").exists()
+            && !ws.path().join("huge").exists()
+    );
+    assert!(!ws.path().join(".git/hooks/pre-commit").exists());
+    assert_eq!(
+        std::fs::read_to_string(ws.path().join("docs")).unwrap(),
+        "file\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(ws.path().join("new\nline")).unwrap(),
+        "x"
+    );
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(ws.path().join("src/main.rs"))
+            .unwrap()
+            .permissions(),
+    );
+    assert_eq!(mode & 0o6000, 0, "a set-id bit reached the host");
+    let after: Vec<Vec<u8>> = outside
+        .iter()
+        .map(|p| std::fs::read(p).unwrap_or_default())
+        .collect();
+    assert_eq!(before, after, "a file outside the workspace changed");
+    warden_ok(&["rm", &name]);
+}
+
+#[test]
+fn layers_are_kept_only_when_there_is_something_to_review() {
+    let ws = project();
+    let unchanged = unique("noop");
+    run_sh(
+        &[
+            "--name",
+            &unchanged,
+            "--workspace",
+            ws.path().to_str().unwrap(),
+        ],
+        "cat /workspace/README.md > /dev/null",
+    );
+    assert!(
+        !warden_ok(&["ps", "--all"]).stdout.contains(&unchanged),
+        "a layer without changes was kept"
+    );
+
+    let discarded = unique("discard");
+    let ran = run_sh(
+        &[
+            "--rm",
+            "--name",
+            &discarded,
+            "--workspace",
+            ws.path().to_str().unwrap(),
+        ],
+        "echo x > /workspace/x",
+    );
+    assert_eq!(ran.code, 0);
+    assert!(!warden_ok(&["ps", "--all"]).stdout.contains(&discarded));
+
+    let kept = unique("kept");
+    run_sh(
+        &["--name", &kept, "--workspace", ws.path().to_str().unwrap()],
+        "echo x > /workspace/x",
+    );
+    let ps = warden_ok(&["ps", "--all"]).stdout;
+    assert!(
+        ps.lines()
+            .any(|l| l.starts_with(&kept) && l.contains("stopped")),
+        "{ps}"
+    );
+    let again = run_sh(
+        &["--name", &kept, "--workspace", ws.path().to_str().unwrap()],
+        "true",
+    );
+    assert_eq!(again.code, 125);
+    assert!(
+        again
+            .stderr
+            .contains(&format!("cell `{kept}` has kept workspace changes")),
+        "{again:?}"
+    );
+    warden_ok(&["rm", &kept]);
+    let gone = Ran::from(warden().args(["diff", &kept]).output().unwrap());
+    assert_eq!(gone.code, 125);
+    assert!(
+        gone.stderr.contains("has no copy-on-write workspace layer"),
+        "{gone:?}"
+    );
+}
