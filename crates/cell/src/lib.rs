@@ -12,5 +12,7 @@ pub use linux::{
     changes, control, probe,
     registry::{CellRecord, Registry, RegistryError},
     run::{Ending, RunError, RunOutcome, RunRequest, run},
+    snapshot,
+    snapshot::SnapshotInfo,
     store::{Store, StoreError},
 };

@@ -53,8 +53,35 @@ pub enum Command {
         #[arg(long)]
         include_sensitive: bool,
     },
-    /// Remove a stopped cell's workspace layer (its unapplied changes are lost).
+    /// Remove a stopped cell's workspace layer (its unapplied changes are lost), or a snapshot
+    /// (`CELL@SNAP`).
     Rm { name: String },
+    /// Save the current state of a cell's workspace as an immutable snapshot `CELL@SNAP`.
+    Snapshot {
+        name: String,
+        /// Snapshot name (default: s1, s2, ...).
+        #[arg(long = "as", value_name = "SNAP")]
+        as_name: Option<String>,
+    },
+    /// List snapshots with their size.
+    Snapshots {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Return a cell's workspace to a snapshot of it, or to its start.
+    Reset {
+        name: String,
+        /// Snapshot to return to (`CELL@SNAP` or `SNAP`); default: the start.
+        #[arg(long)]
+        to: Option<String>,
+    },
+    /// Run a new cell starting from a snapshot (or from a cell's current state).
+    Fork {
+        /// `CELL@SNAP`, or a cell name (snapshotted first).
+        source: String,
+        #[command(flatten)]
+        run: RunArgs,
+    },
     /// Freeze every process of a cell.
     Pause { name: String },
     /// Thaw a paused cell.

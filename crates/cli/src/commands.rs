@@ -3,7 +3,9 @@
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
-use warden_cell::{Ending, Registry, RunRequest, Store, changes, control, probe};
+use warden_cell::{
+    Ending, Registry, RunRequest, SnapshotInfo, Store, changes, control, probe, snapshot,
+};
 use warden_policy::Policy;
 use warden_protocol::{CellState, CellSummary, exit};
 use warden_workspace::{ApplyOptions, Change, ChangeKind, EntryKind};
@@ -12,7 +14,7 @@ use crate::cli::{Cli, Command, PolicyCommand, RunArgs};
 
 pub fn dispatch(cli: Cli) -> Result<i32> {
     match cli.command {
-        Command::Run(args) => run(args),
+        Command::Run(args) => run(args, None),
         Command::Ps { json, all } => ps(json, all),
         Command::Diff { name, json, stat } => diff(&name, json, stat),
         Command::Apply {
@@ -32,9 +34,40 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             apply(&name, options)
         }
         Command::Rm { name } => {
-            changes::remove(&registry()?, &store()?, &name)?;
+            if name.contains('@') {
+                snapshot::remove(&store()?, &name)?;
+            } else {
+                changes::remove(&registry()?, &store()?, &name)?;
+            }
             println!("removed {name}");
             Ok(0)
+        }
+        Command::Snapshot { name, as_name } => {
+            let info = snapshot::take(&registry()?, &store()?, &name, as_name.as_deref())?;
+            println!("{} ({} bytes)", info.id, info.size);
+            Ok(0)
+        }
+        Command::Snapshots { json } => snapshots(json),
+        Command::Reset { name, to } => {
+            let to = to.map(|t| {
+                if t.contains('@') {
+                    t
+                } else {
+                    format!("{name}@{t}")
+                }
+            });
+            changes::reset(&registry()?, &store()?, &name, to.as_deref())?;
+            println!("reset {name} to {}", to.as_deref().unwrap_or("its start"));
+            Ok(0)
+        }
+        Command::Fork { source, run } => {
+            let (registry, store) = (registry()?, store()?);
+            let from = if source.contains('@') {
+                snapshot::get(&store, &source)?
+            } else {
+                snapshot::take(&registry, &store, &source, None)?
+            };
+            self::run(run, Some(from))
         }
         Command::Pause { name } => {
             control::pause(&registry()?, &name)?;
@@ -72,7 +105,7 @@ fn load_policy(file: Option<&std::path::Path>, preset: Option<&str>) -> Result<P
     })
 }
 
-fn run(args: RunArgs) -> Result<i32> {
+fn run(args: RunArgs, from: Option<SnapshotInfo>) -> Result<i32> {
     let policy = load_policy(args.policy.as_deref(), args.preset.as_deref())?;
     let mut env = Vec::new();
     for pair in &args.env {
@@ -91,6 +124,7 @@ fn run(args: RunArgs) -> Result<i32> {
         argv: args.command,
         env,
         discard_changes: args.rm,
+        from,
     };
     let outcome = warden_cell::run(&registry()?, &store()?, request)?;
     for notice in &outcome.notices {
@@ -285,6 +319,28 @@ fn describe(change: &Change) -> String {
         line.push_str(&format!("  x refused: {reason}"));
     }
     line
+}
+
+fn snapshots(json: bool) -> Result<i32> {
+    let all = snapshot::list(&store()?);
+    if json {
+        println!("{}", serde_json::to_string_pretty(&all)?);
+        return Ok(0);
+    }
+    println!(
+        "{:<32} {:>12} {:>7}  WORKSPACE",
+        "SNAPSHOT", "SIZE", "LAYERS"
+    );
+    for snap in &all {
+        println!(
+            "{:<32} {:>12} {:>7}  {}",
+            snap.id,
+            warden_policy::ByteSize(snap.size).to_string(),
+            snap.stack().len(),
+            snap.lower.display()
+        );
+    }
+    Ok(0)
 }
 
 fn apply(name: &str, options: ApplyOptions) -> Result<i32> {

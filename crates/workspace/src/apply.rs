@@ -40,10 +40,10 @@ pub struct ApplyReport {
     pub dry_run: bool,
 }
 
-/// Applies the selected changes of `diff` (computed from `upper` against `lower`) to `lower`.
+/// Applies the selected changes of `diff` (computed from `layers` against `lower`) to `lower`.
 pub fn apply(
     lower: &Path,
-    upper: &Path,
+    layers: &[PathBuf],
     diff: &Diff,
     options: &ApplyOptions,
 ) -> Result<ApplyReport, WorkspaceError> {
@@ -85,7 +85,7 @@ pub fn apply(
         next: 0,
     };
     let result = selected.iter().try_for_each(|change| {
-        tx.apply_one(upper, change, options.owner)
+        tx.apply_one(layers, change, options.owner)
             .map_err(|e| (change.path.clone(), e))
     });
     if let Err((path, source)) = result {
@@ -267,7 +267,7 @@ impl Transaction<'_> {
 
     fn apply_one(
         &mut self,
-        upper: &Path,
+        layers: &[PathBuf],
         change: &Change,
         owner: Option<(u32, u32)>,
     ) -> io::Result<()> {
@@ -317,7 +317,12 @@ impl Transaction<'_> {
                     let target = change.link_target.clone().unwrap_or_default();
                     self.staging.symlink(&target, &slot)?;
                 } else {
-                    self.stage_file(&upper.join(&path), &slot, mode, change.size)?;
+                    let source = crate::diff::locate(layers, &path).ok_or_else(|| {
+                        io::Error::other(
+                            "the file is gone from the cell's layers; run the diff again",
+                        )
+                    })?;
+                    self.stage_file(&source, &slot, mode, change.size)?;
                     chown(self.staging, Path::new(&slot), owner)?;
                 }
                 self.ensure_parent(&path)?;

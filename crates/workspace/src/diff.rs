@@ -1,12 +1,13 @@
-//! Computing a workspace's changes from its overlay upper layer, without running anything in the
-//! cell: whiteouts are deletions, opaque directories hide everything below them in the lower
-//! layer, and every other upper entry is compared with the host directory.
+//! Computing a workspace's changes from its overlay layers, without running anything in the
+//! cell: whiteouts are deletions, opaque directories hide everything below them, and every other
+//! entry is compared with the host directory. The layers are the cell's upper layer and the
+//! snapshots it was forked from, topmost first; the host directory is the bottom.
 
 use std::ffi::OsStr;
 use std::fs::{self, Metadata};
 use std::io::{self, Read};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use cap_std::ambient_authority;
 use cap_std::fs::{Dir, MetadataExt as _};
@@ -37,8 +38,12 @@ impl Default for DiffOptions {
 
 const OPAQUE_XATTRS: [&str; 2] = ["trusted.overlay.opaque", "user.overlay.opaque"];
 
-/// Compares the upper layer with the lower (host) directory.
-pub fn diff(lower: &Path, upper: &Path, options: &DiffOptions) -> Result<Diff, WorkspaceError> {
+/// Compares the merged `layers` (topmost first) with the lower (host) directory.
+pub fn diff(
+    lower: &Path,
+    layers: &[PathBuf],
+    options: &DiffOptions,
+) -> Result<Diff, WorkspaceError> {
     let lower_dir = Dir::open_ambient_dir(lower, ambient_authority()).map_err(|source| {
         WorkspaceError::Read {
             path: lower.to_path_buf(),
@@ -47,7 +52,7 @@ pub fn diff(lower: &Path, upper: &Path, options: &DiffOptions) -> Result<Diff, W
     })?;
     let mut walker = Walker {
         lower: &lower_dir,
-        upper,
+        layers,
         options,
         changes: Vec::new(),
     };
@@ -59,7 +64,7 @@ pub fn diff(lower: &Path, upper: &Path, options: &DiffOptions) -> Result<Diff, W
 
 struct Walker<'a> {
     lower: &'a Dir,
-    upper: &'a Path,
+    layers: &'a [PathBuf],
     options: &'a DiffOptions,
     changes: Vec<Change>,
 }
@@ -84,13 +89,34 @@ impl Walker<'_> {
     }
 
     fn walk_dir(&mut self, rel: &Path, lower_is_dir: bool) -> Result<(), WorkspaceError> {
-        let dir = self.upper.join(rel);
-        let mut names: Vec<_> = fs::read_dir(&dir)
-            .map_err(Self::read_err(&dir))?
-            .filter_map(|e| e.ok().map(|e| e.file_name()))
-            .collect();
+        // The directory's entries are the union over the layers, down to the first layer where
+        // it is opaque (or not a directory): that layer hides everything below it.
+        let mut names: Vec<std::ffi::OsString> = Vec::new();
+        let mut hides_lower = false;
+        for layer in self.layers {
+            let dir = layer.join(rel);
+            match fs::symlink_metadata(&dir) {
+                Ok(meta) if meta.is_dir() => {
+                    for entry in fs::read_dir(&dir).map_err(Self::read_err(&dir))?.flatten() {
+                        let name = entry.file_name();
+                        if !names.contains(&name) {
+                            names.push(name);
+                        }
+                    }
+                    if is_opaque(&dir) {
+                        hides_lower = true;
+                        break;
+                    }
+                }
+                Ok(_) => {
+                    hides_lower = true;
+                    break;
+                }
+                Err(_) => {}
+            }
+        }
         names.sort();
-        if lower_is_dir && is_opaque(&dir) {
+        if lower_is_dir && hides_lower {
             self.hidden_lower_children(rel, &names)?;
         }
         for name in names {
@@ -135,7 +161,9 @@ impl Walker<'_> {
     }
 
     fn entry(&mut self, rel: &Path, name: &OsStr) -> Result<(), WorkspaceError> {
-        let path = self.upper.join(rel);
+        let Some(path) = locate(self.layers, rel) else {
+            return Ok(());
+        };
         let meta = fs::symlink_metadata(&path).map_err(Self::read_err(&path))?;
         let lower = self.lower_meta(rel);
         let shown = display(rel);
@@ -325,4 +353,12 @@ fn special_name(meta: &Metadata) -> &'static str {
 
 fn display(rel: &Path) -> String {
     rel.to_string_lossy().into_owned()
+}
+
+/// The topmost layer's copy of `rel`, if any layer has it.
+pub(crate) fn locate(layers: &[PathBuf], rel: &Path) -> Option<PathBuf> {
+    layers
+        .iter()
+        .map(|layer| layer.join(rel))
+        .find(|path| fs::symlink_metadata(path).is_ok())
 }

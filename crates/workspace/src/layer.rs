@@ -22,6 +22,9 @@ pub struct LayerMeta {
     pub started: SystemTime,
     /// Paths relative to the workspace whose changes need explicit naming.
     pub protected: Vec<String>,
+    /// Snapshot layers under this one (topmost first), when the cell was forked from a snapshot.
+    #[serde(default)]
+    pub base: Vec<PathBuf>,
 }
 
 impl Layer {
@@ -52,6 +55,13 @@ impl Layer {
     pub fn meta(&self) -> io::Result<LayerMeta> {
         let text = fs::read_to_string(self.dir.join("layer.json"))?;
         serde_json::from_str(&text).map_err(io::Error::other)
+    }
+
+    /// Every layer of the cell's workspace, topmost first (the host directory excluded).
+    pub fn stack(&self, meta: &LayerMeta) -> Vec<PathBuf> {
+        let mut layers = vec![self.upper()];
+        layers.extend(meta.base.iter().cloned());
+        layers
     }
 
     pub fn exists(&self) -> bool {

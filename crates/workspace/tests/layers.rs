@@ -111,7 +111,7 @@ fn diff_names_every_kind_of_change() {
     symlink("new.txt", f.upper.join("link")).unwrap();
     let whiteouts = whiteout(&f.upper.join("gone.txt"));
 
-    let d = diff(&f.lower, &f.upper, &options()).unwrap();
+    let d = diff(&f.lower, &[f.upper.clone()], &options()).unwrap();
     let summary: Vec<(char, &str, EntryKind)> = d
         .changes
         .iter()
@@ -145,7 +145,7 @@ fn opaque_directories_delete_what_they_hide() {
     fs::create_dir_all(f.upper.join("dir")).unwrap();
     xattr::set(f.upper.join("dir"), "trusted.overlay.opaque", b"y").unwrap();
     write(&f.upper.join("dir/c"), "c\n");
-    let d = diff(&f.lower, &f.upper, &options()).unwrap();
+    let d = diff(&f.lower, &[f.upper.clone()], &options()).unwrap();
     let summary: Vec<(char, &str)> = d
         .changes
         .iter()
@@ -165,10 +165,10 @@ fn apply_makes_the_host_equal_to_what_the_cell_saw() {
     fs::copy(f.lower.join("mode.sh"), f.upper.join("mode.sh")).unwrap();
     fs::set_permissions(f.upper.join("mode.sh"), fs::Permissions::from_mode(0o755)).unwrap();
     let whiteouts = whiteout(&f.upper.join("gone.txt"));
-    let d = diff(&f.lower, &f.upper, &options()).unwrap();
+    let d = diff(&f.lower, &[f.upper.clone()], &options()).unwrap();
     let report = apply(
         &f.lower,
-        &f.upper,
+        &[f.upper.clone()],
         &d,
         &ApplyOptions {
             include_sensitive: true,
@@ -192,7 +192,7 @@ fn apply_makes_the_host_equal_to_what_the_cell_saw() {
     assert_eq!(f.lower.join("gone.txt").exists(), !whiteouts);
     // Nothing is left to apply, and no staging directory remains.
     assert!(
-        diff(&f.lower, &f.upper, &options())
+        diff(&f.lower, &[f.upper.clone()], &options())
             .unwrap()
             .changes
             .is_empty()
@@ -211,12 +211,12 @@ fn applying_a_subset_applies_only_that_subset() {
     write(&f.upper.join("edit.txt"), "edited\n");
     write(&f.upper.join("new.txt"), "new\n");
     write(&f.upper.join("dir/a"), "changed a\n");
-    let d = diff(&f.lower, &f.upper, &options()).unwrap();
+    let d = diff(&f.lower, &[f.upper.clone()], &options()).unwrap();
     let chosen = ApplyOptions {
         paths: vec!["dir".into(), "new.txt".into()],
         ..ApplyOptions::default()
     };
-    let report = apply(&f.lower, &f.upper, &d, &chosen).unwrap();
+    let report = apply(&f.lower, &[f.upper.clone()], &d, &chosen).unwrap();
     assert_eq!(report.applied, vec!["dir/a", "new.txt"]);
     assert_eq!(
         fs::read_to_string(f.lower.join("edit.txt")).unwrap(),
@@ -228,7 +228,7 @@ fn applying_a_subset_applies_only_that_subset() {
     );
     let err = apply(
         &f.lower,
-        &f.upper,
+        &[f.upper.clone()],
         &d,
         &ApplyOptions {
             paths: vec!["nope".into()],
@@ -268,7 +268,7 @@ fn hostile_layers_cannot_reach_outside_the_directory() {
     fs::create_dir(f.upper.join("dir-was-file")).ok();
 
     let started = std::time::Instant::now();
-    let d = diff(&f.lower, &f.upper, &options()).unwrap();
+    let d = diff(&f.lower, &[f.upper.clone()], &options()).unwrap();
     assert!(
         started.elapsed() < Duration::from_secs(5),
         "the sparse file was read"
@@ -278,7 +278,7 @@ fn hostile_layers_cannot_reach_outside_the_directory() {
     assert!(by_path("fifo").refused.is_some());
     assert!(by_path("sparse").refused.is_some());
 
-    let report = apply(&f.lower, &f.upper, &d, &ApplyOptions::default()).unwrap();
+    let report = apply(&f.lower, &[f.upper.clone()], &d, &ApplyOptions::default()).unwrap();
     let skipped: Vec<&str> = report.skipped.iter().map(|(p, _)| p.as_str()).collect();
     assert!(
         skipped.contains(&"passwd-link")
@@ -316,7 +316,7 @@ fn hostile_layers_cannot_reach_outside_the_directory() {
     // Named explicitly, the setuid file arrives without its setuid bit.
     apply(
         &f.lower,
-        &f.upper,
+        &[f.upper.clone()],
         &d,
         &ApplyOptions {
             paths: vec!["suid".into()],
@@ -331,7 +331,7 @@ fn hostile_layers_cannot_reach_outside_the_directory() {
     // A refused change named explicitly is an error, not a silent skip.
     let err = apply(
         &f.lower,
-        &f.upper,
+        &[f.upper.clone()],
         &d,
         &ApplyOptions {
             paths: vec!["fifo".into()],
@@ -351,12 +351,12 @@ fn host_edits_after_the_start_conflict_unless_forced() {
     write(&f.lower.join("edit.txt"), "host edit\n");
     write(&f.upper.join("edit.txt"), "cell edit\n");
     write(&f.upper.join("new.txt"), "new\n");
-    let d = diff(&f.lower, &f.upper, &options()).unwrap();
+    let d = diff(&f.lower, &[f.upper.clone()], &options()).unwrap();
     let opts = ApplyOptions {
         started: Some(started),
         ..ApplyOptions::default()
     };
-    let err = apply(&f.lower, &f.upper, &d, &opts).unwrap_err();
+    let err = apply(&f.lower, &[f.upper.clone()], &d, &opts).unwrap_err();
     assert!(
         matches!(&err, WorkspaceError::Conflict { paths, .. } if paths == "edit.txt"),
         "{err}"
@@ -371,7 +371,7 @@ fn host_edits_after_the_start_conflict_unless_forced() {
     );
     apply(
         &f.lower,
-        &f.upper,
+        &[f.upper.clone()],
         &d,
         &ApplyOptions {
             force: true,
@@ -391,11 +391,11 @@ fn a_failure_midway_rolls_everything_back() {
     write(&f.upper.join("a-first.txt"), "first\n");
     write(&f.upper.join("edit.txt"), "edited\n");
     write(&f.upper.join("zz/inner.txt"), "inner\n");
-    let d = diff(&f.lower, &f.upper, &options()).unwrap();
+    let d = diff(&f.lower, &[f.upper.clone()], &options()).unwrap();
     // The cell (still running) changes the last file after the diff: staging it must fail.
     write(&f.upper.join("zz/inner.txt"), "inner, and longer now\n");
     let before = hash_tree(&f.lower);
-    let err = apply(&f.lower, &f.upper, &d, &ApplyOptions::default()).unwrap_err();
+    let err = apply(&f.lower, &[f.upper.clone()], &d, &ApplyOptions::default()).unwrap_err();
     assert!(matches!(err, WorkspaceError::RolledBack { .. }), "{err}");
     assert_eq!(
         hash_tree(&f.lower),
@@ -403,4 +403,38 @@ fn a_failure_midway_rolls_everything_back() {
         "the failed apply left changes behind"
     );
     assert!(matches!(d.changes[0].kind, ChangeKind::Added));
+}
+
+#[test]
+fn layers_stack_like_overlayfs() {
+    // A snapshot layer under the upper layer: the upper's whiteout hides the snapshot's file,
+    // its edit wins over the snapshot's, and the snapshot's other changes show through.
+    let f = fixture();
+    let snapshot = f.upper.parent().unwrap().join("snapshot");
+    write(&snapshot.join("edit.txt"), "from snapshot\n");
+    write(&snapshot.join("snap-only.txt"), "snap\n");
+    write(&snapshot.join("later-deleted.txt"), "short-lived\n");
+    write(&f.upper.join("edit.txt"), "from upper\n");
+    let whiteouts = whiteout(&f.upper.join("later-deleted.txt"));
+    let layers = [f.upper.clone(), snapshot];
+    let d = diff(&f.lower, &layers, &options()).unwrap();
+    let summary: Vec<(char, &str)> = d
+        .changes
+        .iter()
+        .map(|c| (c.marker(), c.path.as_str()))
+        .collect();
+    let mut expected = vec![('M', "edit.txt"), ('A', "snap-only.txt")];
+    if !whiteouts {
+        expected.insert(1, ('A', "later-deleted.txt"));
+    }
+    assert_eq!(summary, expected);
+    apply(&f.lower, &layers, &d, &ApplyOptions::default()).unwrap();
+    assert_eq!(
+        fs::read_to_string(f.lower.join("edit.txt")).unwrap(),
+        "from upper\n"
+    );
+    assert_eq!(
+        fs::read_to_string(f.lower.join("snap-only.txt")).unwrap(),
+        "snap\n"
+    );
 }

@@ -34,14 +34,26 @@ pub enum ChangesError {
 }
 
 /// Thaws the cell again however the read ends.
-struct Frozen<'a>(Option<&'a CellCgroup>);
+#[derive(Debug)]
+pub struct Frozen(Option<CellCgroup>);
 
-impl Drop for Frozen<'_> {
+impl Drop for Frozen {
     fn drop(&mut self) {
-        if let Some(cgroup) = self.0 {
+        if let Some(cgroup) = &self.0 {
             let _ = cgroup.thaw();
         }
     }
+}
+
+/// Opens a cell's layer and freezes the cell while the caller holds the guard.
+pub fn hold(
+    registry: &Registry,
+    store: &Store,
+    name: &str,
+) -> Result<(Layer, LayerMeta, Frozen), ChangesError> {
+    let (layer, meta) = open(store, name)?;
+    let frozen = freeze(registry, name)?;
+    Ok((layer, meta, frozen))
 }
 
 fn open(store: &Store, name: &str) -> Result<(Layer, LayerMeta), ChangesError> {
@@ -67,16 +79,11 @@ fn options(meta: &LayerMeta) -> DiffOptions {
 }
 
 /// Freezes the cell when it runs and can be frozen (a cell without a freezer is read live).
-fn freeze<'a>(
-    registry: &Registry,
-    name: &str,
-    record: &'a mut Option<super::registry::CellRecord>,
-) -> Result<Frozen<'a>, ChangesError> {
-    *record = registry.get(name).ok();
-    let cgroup = record.as_ref().and_then(|r| r.cgroup.as_ref());
+fn freeze(registry: &Registry, name: &str) -> Result<Frozen, ChangesError> {
+    let cgroup = registry.get(name).ok().and_then(|r| r.cgroup);
     // Already paused by the user: leave it paused afterwards.
     let cgroup = cgroup.filter(|cg| !cg.is_frozen());
-    if let Some(cg) = cgroup {
+    if let Some(cg) = &cgroup {
         cg.freeze()?;
     }
     Ok(Frozen(cgroup))
@@ -88,10 +95,8 @@ pub fn diff(
     store: &Store,
     name: &str,
 ) -> Result<(Diff, LayerMeta), ChangesError> {
-    let (layer, meta) = open(store, name)?;
-    let mut record = None;
-    let _frozen = freeze(registry, name, &mut record)?;
-    let diff = warden_workspace::diff(&meta.lower, &layer.upper(), &options(&meta))?;
+    let (layer, meta, _frozen) = hold(registry, store, name)?;
+    let diff = warden_workspace::diff(&meta.lower, &layer.stack(&meta), &options(&meta))?;
     Ok((diff, meta))
 }
 
@@ -102,10 +107,8 @@ pub fn apply(
     name: &str,
     mut options: ApplyOptions,
 ) -> Result<ApplyReport, ChangesError> {
-    let (layer, meta) = open(store, name)?;
-    let mut record = None;
-    let _frozen = freeze(registry, name, &mut record)?;
-    let diff = warden_workspace::diff(&meta.lower, &layer.upper(), &self::options(&meta))?;
+    let (layer, meta, _frozen) = hold(registry, store, name)?;
+    let diff = warden_workspace::diff(&meta.lower, &layer.stack(&meta), &self::options(&meta))?;
     options.started = Some(meta.started);
     if nix::unistd::geteuid().is_root() {
         // New files belong to the directory's owner, not to root or the cell.
@@ -115,10 +118,24 @@ pub fn apply(
     }
     Ok(warden_workspace::apply(
         &meta.lower,
-        &layer.upper(),
+        &layer.stack(&meta),
         &diff,
         &options,
     )?)
+}
+
+/// Returns a cell's workspace to a snapshot of it (`to`), or to its start.
+pub fn reset(
+    registry: &Registry,
+    store: &Store,
+    name: &str,
+    to: Option<&str>,
+) -> Result<(), super::snapshot::SnapshotError> {
+    let (layer, _meta) = open(store, name)?;
+    if registry.get(name).is_ok() {
+        return Err(ChangesError::Running(name.to_owned()).into());
+    }
+    super::snapshot::reset_stopped(store, &layer, name, to)
 }
 
 /// Removes a stopped cell's layer (its unapplied changes are lost).

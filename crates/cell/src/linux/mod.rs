@@ -14,5 +14,6 @@ pub mod registry;
 mod rootfs;
 pub mod run;
 pub mod seccomp;
+pub mod snapshot;
 pub mod store;
 mod sys;

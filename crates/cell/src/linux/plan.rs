@@ -43,6 +43,8 @@ pub struct OverlayPlan {
     /// Where the id-mapped host directory is attached (root mode), inside the cell's mount
     /// namespace only, to serve as the lower layer.
     pub lower_mountpoint: PathBuf,
+    /// Snapshot layers between the upper layer and the host directory, topmost first.
+    pub base: Vec<PathBuf>,
 }
 
 /// A cell, ready to be built.
@@ -131,6 +133,8 @@ pub enum PlanError {
         "cell `{0}` has kept workspace changes; review them with `warden diff {0}`, then `warden apply {0}` or `warden rm {0}`"
     )]
     LayerKept(String),
+    #[error("snapshot `{snapshot}` is of the workspace {}; a fork keeps that workspace (leave out --workspace)", lower.display())]
+    ForkWorkspace { snapshot: String, lower: PathBuf },
 }
 
 /// Checks a cell name (it becomes a file name, a cgroup name and the default host name).

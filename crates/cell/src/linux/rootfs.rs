@@ -241,9 +241,15 @@ fn mount_workspace(plan: &CellPlan, tree: Option<&std::os::fd::OwnedFd>) -> Resu
             }
             None => workspace.host.clone(),
         };
+        let mut lowers: Vec<String> = overlay
+            .base
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect();
+        lowers.push(lower.display().to_string());
         let options = format!(
             "lowerdir={},upperdir={},workdir={},userxattr",
-            lower.display(),
+            lowers.join(":"),
             overlay.upper.display(),
             overlay.work.display()
         );

@@ -23,6 +23,7 @@ use super::ids::IdMapping;
 use super::init::{self, InitFds};
 use super::plan::{self, CellPlan, OverlayPlan, PlanError, WorkspacePlan};
 use super::registry::{CellRecord, Registry, RegistryError};
+use super::snapshot::SnapshotInfo;
 use super::store::Store;
 use super::{idmap, sys};
 
@@ -37,6 +38,8 @@ pub struct RunRequest {
     pub env: Vec<(String, String)>,
     /// Drop the copy-on-write workspace layer when the cell ends (`--rm`).
     pub discard_changes: bool,
+    /// Start from this snapshot (a fork): its layers go under the cell's own, copying nothing.
+    pub from: Option<SnapshotInfo>,
 }
 
 /// How a cell ended.
@@ -143,7 +146,37 @@ pub fn run(
         }
         None => None,
     };
-    let overlay = workspace.is_some() && policy.filesystem.workspace.mode == WorkspaceMode::Overlay;
+    let (workspace, base) = match &request.from {
+        Some(snapshot) => {
+            if request
+                .workspace
+                .as_ref()
+                .and_then(|w| fs::canonicalize(w).ok())
+                .is_some_and(|w| w != snapshot.lower)
+            {
+                return Err(PlanError::ForkWorkspace {
+                    snapshot: snapshot.id.clone(),
+                    lower: snapshot.lower.clone(),
+                }
+                .into());
+            }
+            let host = snapshot.lower.clone();
+            if !host.is_dir() {
+                return Err(PlanError::Workspace { path: host }.into());
+            }
+            let ws = WorkspacePlan {
+                protect: plan::protected(policy, &host),
+                host,
+                mount: policy.filesystem.workspace.mount.clone(),
+                overlay: None,
+            };
+            (Some(ws), snapshot.stack())
+        }
+        None => (workspace, Vec::new()),
+    };
+    let overlay = (workspace.is_some()
+        && policy.filesystem.workspace.mode == WorkspaceMode::Overlay)
+        || !base.is_empty();
 
     let reservation = registry.reserve(&name)?;
     let privileged = nix::unistd::geteuid().is_root();
@@ -157,11 +190,18 @@ pub fn run(
     };
     let layer = match (&mut workspace, overlay) {
         (Some(ws), true) => {
-            let layer =
-                LayerGuard::create(store, &name, &ws.host, policy, privileged.then_some(&ids))?;
+            let layer = LayerGuard::create(
+                store,
+                &name,
+                &ws.host,
+                &base,
+                policy,
+                privileged.then_some(&ids),
+            )?;
             ws.overlay = Some(OverlayPlan {
                 upper: layer.layer.upper(),
                 work: layer.layer.work(),
+                base: base.clone(),
                 lower_mountpoint: reservation
                     .lower_dir()
                     .map_err(os("creating the lower-layer mount point"))?,
@@ -401,6 +441,7 @@ impl LayerGuard {
         store: &Store,
         name: &str,
         host: &Path,
+        base: &[PathBuf],
         policy: &Policy,
         privileged: Option<&IdMapping>,
     ) -> Result<Self, RunError> {
@@ -417,6 +458,7 @@ impl LayerGuard {
             lower: host.to_path_buf(),
             started: SystemTime::now(),
             protected: policy.filesystem.workspace.protect.clone(),
+            base: base.to_vec(),
         };
         let guard = Self { layer, armed: true };
         guard

@@ -1,0 +1,301 @@
+//! Snapshots: immutable copies of a cell's upper layer. Their cost is what the cell changed, not
+//! the size of the tree; forks stack them as lower layers under a fresh upper layer, so a fork
+//! copies nothing at all.
+
+use std::fs;
+use std::io;
+use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _, PermissionsExt as _};
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
+
+use nix::sys::stat::{Mode, SFlag, mknod};
+use serde::{Deserialize, Serialize};
+use warden_workspace::Layer;
+
+use super::changes::{self, ChangesError};
+use super::registry::Registry;
+use super::store::Store;
+
+/// What is recorded with a snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotInfo {
+    /// `CELL@NAME`.
+    pub id: String,
+    pub cell: String,
+    /// The host directory at the bottom of the stack.
+    pub lower: PathBuf,
+    /// The snapshot's own layer, then the layers under it (topmost first).
+    pub layer: PathBuf,
+    pub base: Vec<PathBuf>,
+    pub protected: Vec<String>,
+    pub created: SystemTime,
+    /// Bytes of file content in the snapshot's own layer.
+    pub size: u64,
+}
+
+impl SnapshotInfo {
+    /// The snapshot's layers, topmost first.
+    pub fn stack(&self) -> Vec<PathBuf> {
+        let mut out = vec![self.layer.clone()];
+        out.extend(self.base.iter().cloned());
+        out
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    #[error(transparent)]
+    Changes(#[from] ChangesError),
+    #[error("snapshot name `{0}` is not valid: use letters, digits, `-` or `_`")]
+    Name(String),
+    #[error("snapshot `{0}` already exists")]
+    Exists(String),
+    #[error("no snapshot `{0}` (see `warden snapshots`)")]
+    NotFound(String),
+    #[error("snapshot `{id}` is the base of {user}; remove that first")]
+    InUse { id: String, user: String },
+    #[error("snapshot `{id}` belongs to another cell; reset takes a snapshot of `{cell}`")]
+    Foreign { id: String, cell: String },
+    #[error("copying {path}: {source}")]
+    Copy { path: PathBuf, source: io::Error },
+    #[error("snapshot record {path}: {source}")]
+    Record { path: PathBuf, source: io::Error },
+}
+
+fn snapshots_dir(store: &Store) -> PathBuf {
+    store.root().join("snapshots")
+}
+
+fn record_path(store: &Store, id: &str) -> PathBuf {
+    snapshots_dir(store).join(id).join("snapshot.json")
+}
+
+/// Reads one snapshot's record.
+pub fn get(store: &Store, id: &str) -> Result<SnapshotInfo, SnapshotError> {
+    let valid = id.split_once('@').is_some_and(|(cell, snap)| {
+        super::plan::check_name(cell).is_ok() && super::plan::check_name(snap).is_ok()
+    });
+    if !valid {
+        return Err(SnapshotError::NotFound(id.to_owned()));
+    }
+    let path = record_path(store, id);
+    let text = fs::read_to_string(&path).map_err(|_| SnapshotError::NotFound(id.to_owned()))?;
+    serde_json::from_str(&text).map_err(|e| SnapshotError::Record {
+        path,
+        source: io::Error::other(e),
+    })
+}
+
+/// Every snapshot, by id.
+pub fn list(store: &Store) -> Vec<SnapshotInfo> {
+    let Ok(entries) = fs::read_dir(snapshots_dir(store)) else {
+        return Vec::new();
+    };
+    let mut out: Vec<SnapshotInfo> = entries
+        .flatten()
+        .filter_map(|e| get(store, e.file_name().to_str()?).ok())
+        .collect();
+    out.sort_by(|a, b| a.id.cmp(&b.id));
+    out
+}
+
+/// Takes a snapshot of a cell's workspace (frozen while it is copied, if it runs).
+pub fn take(
+    registry: &Registry,
+    store: &Store,
+    cell: &str,
+    name: Option<&str>,
+) -> Result<SnapshotInfo, SnapshotError> {
+    let snap = match name {
+        Some(name) => {
+            super::plan::check_name(name).map_err(|_| SnapshotError::Name(name.to_owned()))?;
+            name.to_owned()
+        }
+        None => (1..)
+            .map(|n| format!("s{n}"))
+            .find(|n| !record_path(store, &format!("{cell}@{n}")).exists())
+            .unwrap_or_default(),
+    };
+    let id = format!("{cell}@{snap}");
+    let (layer, meta, _frozen) = changes::hold(registry, store, cell)?;
+    let dir = snapshots_dir(store).join(&id);
+    fs::create_dir_all(snapshots_dir(store)).map_err(|source| SnapshotError::Copy {
+        path: dir.clone(),
+        source,
+    })?;
+    match fs::create_dir(&dir) {
+        Ok(()) => {}
+        Err(err) if err.kind() == io::ErrorKind::AlreadyExists => {
+            return Err(SnapshotError::Exists(id));
+        }
+        Err(source) => return Err(SnapshotError::Copy { path: dir, source }),
+    }
+    let own = dir.join("layer");
+    let result = copy_tree(&layer.upper(), &own).map(|size| SnapshotInfo {
+        id: id.clone(),
+        cell: cell.to_owned(),
+        lower: meta.lower.clone(),
+        layer: own.clone(),
+        base: meta.base.clone(),
+        protected: meta.protected.clone(),
+        created: SystemTime::now(),
+        size,
+    });
+    let info = match result {
+        Ok(info) => info,
+        Err(err) => {
+            let _ = fs::remove_dir_all(&dir);
+            return Err(err);
+        }
+    };
+    let path = record_path(store, &id);
+    let text = serde_json::to_vec_pretty(&info).map_err(|e| SnapshotError::Record {
+        path: path.clone(),
+        source: io::Error::other(e),
+    })?;
+    fs::write(&path, text).map_err(|source| SnapshotError::Record { path, source })?;
+    Ok(info)
+}
+
+/// Removes a snapshot nothing is built on.
+pub fn remove(store: &Store, id: &str) -> Result<(), SnapshotError> {
+    let info = get(store, id)?;
+    for (cell, meta) in store.layers() {
+        if meta.base.contains(&info.layer) {
+            return Err(SnapshotError::InUse {
+                id: id.to_owned(),
+                user: format!("cell `{cell}`"),
+            });
+        }
+    }
+    for other in list(store) {
+        if other.base.contains(&info.layer) {
+            return Err(SnapshotError::InUse {
+                id: id.to_owned(),
+                user: format!("snapshot `{}`", other.id),
+            });
+        }
+    }
+    let dir = snapshots_dir(store).join(id);
+    fs::remove_dir_all(&dir).map_err(|source| SnapshotError::Copy { path: dir, source })
+}
+
+/// Returns a stopped cell's workspace to a snapshot of it, or to its start: the upper layer is
+/// replaced by a copy of the snapshot's.
+pub fn reset_stopped(
+    store: &Store,
+    layer: &Layer,
+    cell: &str,
+    to: Option<&str>,
+) -> Result<(), SnapshotError> {
+    let source = match to {
+        Some(id) => {
+            let info = get(store, id)?;
+            if info.cell != cell {
+                return Err(SnapshotError::Foreign {
+                    id: id.to_owned(),
+                    cell: cell.to_owned(),
+                });
+            }
+            Some(info.layer)
+        }
+        None => None,
+    };
+    let upper = layer.upper();
+    let fresh = layer.dir().join("upper.new");
+    let _ = fs::remove_dir_all(&fresh);
+    match &source {
+        Some(src) => {
+            copy_tree(src, &fresh)?;
+        }
+        None => {
+            fs::create_dir(&fresh).map_err(|source| SnapshotError::Copy {
+                path: fresh.clone(),
+                source,
+            })?;
+            let meta = fs::symlink_metadata(&upper).map_err(|source| SnapshotError::Copy {
+                path: upper.clone(),
+                source,
+            })?;
+            fs::set_permissions(&fresh, fs::Permissions::from_mode(meta.mode() & 0o7777)).map_err(
+                |source| SnapshotError::Copy {
+                    path: fresh.clone(),
+                    source,
+                },
+            )?;
+            let _ = std::os::unix::fs::lchown(&fresh, Some(meta.uid()), Some(meta.gid()));
+        }
+    }
+    let old = layer.dir().join("upper.old");
+    let _ = fs::remove_dir_all(&old);
+    fs::rename(&upper, &old).map_err(|source| SnapshotError::Copy {
+        path: upper.clone(),
+        source,
+    })?;
+    fs::rename(&fresh, &upper).map_err(|source| SnapshotError::Copy {
+        path: upper.clone(),
+        source,
+    })?;
+    let _ = fs::remove_dir_all(&old);
+    Ok(())
+}
+
+/// Copies an overlayfs layer: directories with their overlay xattrs (opaque), files, symlinks,
+/// whiteouts and FIFOs, with modes and (as root) owners. Returns the bytes of file content.
+pub fn copy_tree(from: &Path, to: &Path) -> Result<u64, SnapshotError> {
+    let err = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| SnapshotError::Copy { path, source }
+    };
+    let meta = fs::symlink_metadata(from).map_err(err(from))?;
+    let file_type = meta.file_type();
+    let mut size = 0;
+    if file_type.is_dir() {
+        fs::create_dir(to).map_err(err(to))?;
+        copy_overlay_xattrs(from, to).map_err(err(to))?;
+        for entry in fs::read_dir(from).map_err(err(from))? {
+            let entry = entry.map_err(err(from))?;
+            size += copy_tree(&entry.path(), &to.join(entry.file_name()))?;
+        }
+    } else if file_type.is_symlink() {
+        let target = fs::read_link(from).map_err(err(from))?;
+        std::os::unix::fs::symlink(target, to).map_err(err(to))?;
+    } else if file_type.is_file() {
+        size = fs::copy(from, to).map_err(err(to))?;
+        copy_overlay_xattrs(from, to).map_err(err(to))?;
+    } else if file_type.is_char_device() && meta.rdev() == 0 {
+        mknod(to, SFlag::S_IFCHR, Mode::empty(), 0).map_err(|e| SnapshotError::Copy {
+            path: to.to_path_buf(),
+            source: io::Error::from_raw_os_error(e as i32),
+        })?;
+    } else if file_type.is_fifo() {
+        nix::unistd::mkfifo(to, Mode::from_bits_truncate(0o600)).map_err(|e| {
+            SnapshotError::Copy {
+                path: to.to_path_buf(),
+                source: io::Error::from_raw_os_error(e as i32),
+            }
+        })?;
+    } else {
+        return Ok(0); // sockets and device nodes cannot be carried; the cell could not make them
+    }
+    if !file_type.is_symlink() {
+        fs::set_permissions(to, fs::Permissions::from_mode(meta.mode() & 0o7777))
+            .map_err(err(to))?;
+    }
+    if nix::unistd::geteuid().is_root() {
+        std::os::unix::fs::lchown(to, Some(meta.uid()), Some(meta.gid())).map_err(err(to))?;
+    }
+    Ok(size)
+}
+
+fn copy_overlay_xattrs(from: &Path, to: &Path) -> io::Result<()> {
+    for name in xattr::list(from)? {
+        let text = name.to_string_lossy();
+        if text.starts_with("user.overlay.") || text.starts_with("trusted.overlay.") {
+            if let Some(value) = xattr::get(from, &name)? {
+                xattr::set(to, &name, &value)?;
+            }
+        }
+    }
+    Ok(())
+}
