@@ -111,7 +111,7 @@ fn diff_names_every_kind_of_change() {
     symlink("new.txt", f.upper.join("link")).unwrap();
     let whiteouts = whiteout(&f.upper.join("gone.txt"));
 
-    let d = diff(&f.lower, &[f.upper.clone()], &options()).unwrap();
+    let d = diff(&f.lower, std::slice::from_ref(&f.upper), &options()).unwrap();
     let summary: Vec<(char, &str, EntryKind)> = d
         .changes
         .iter()
@@ -145,7 +145,7 @@ fn opaque_directories_delete_what_they_hide() {
     fs::create_dir_all(f.upper.join("dir")).unwrap();
     xattr::set(f.upper.join("dir"), "trusted.overlay.opaque", b"y").unwrap();
     write(&f.upper.join("dir/c"), "c\n");
-    let d = diff(&f.lower, &[f.upper.clone()], &options()).unwrap();
+    let d = diff(&f.lower, std::slice::from_ref(&f.upper), &options()).unwrap();
     let summary: Vec<(char, &str)> = d
         .changes
         .iter()
@@ -165,10 +165,10 @@ fn apply_makes_the_host_equal_to_what_the_cell_saw() {
     fs::copy(f.lower.join("mode.sh"), f.upper.join("mode.sh")).unwrap();
     fs::set_permissions(f.upper.join("mode.sh"), fs::Permissions::from_mode(0o755)).unwrap();
     let whiteouts = whiteout(&f.upper.join("gone.txt"));
-    let d = diff(&f.lower, &[f.upper.clone()], &options()).unwrap();
+    let d = diff(&f.lower, std::slice::from_ref(&f.upper), &options()).unwrap();
     let report = apply(
         &f.lower,
-        &[f.upper.clone()],
+        std::slice::from_ref(&f.upper),
         &d,
         &ApplyOptions {
             include_sensitive: true,
@@ -192,7 +192,7 @@ fn apply_makes_the_host_equal_to_what_the_cell_saw() {
     assert_eq!(f.lower.join("gone.txt").exists(), !whiteouts);
     // Nothing is left to apply, and no staging directory remains.
     assert!(
-        diff(&f.lower, &[f.upper.clone()], &options())
+        diff(&f.lower, std::slice::from_ref(&f.upper), &options())
             .unwrap()
             .changes
             .is_empty()
@@ -211,12 +211,12 @@ fn applying_a_subset_applies_only_that_subset() {
     write(&f.upper.join("edit.txt"), "edited\n");
     write(&f.upper.join("new.txt"), "new\n");
     write(&f.upper.join("dir/a"), "changed a\n");
-    let d = diff(&f.lower, &[f.upper.clone()], &options()).unwrap();
+    let d = diff(&f.lower, std::slice::from_ref(&f.upper), &options()).unwrap();
     let chosen = ApplyOptions {
         paths: vec!["dir".into(), "new.txt".into()],
         ..ApplyOptions::default()
     };
-    let report = apply(&f.lower, &[f.upper.clone()], &d, &chosen).unwrap();
+    let report = apply(&f.lower, std::slice::from_ref(&f.upper), &d, &chosen).unwrap();
     assert_eq!(report.applied, vec!["dir/a", "new.txt"]);
     assert_eq!(
         fs::read_to_string(f.lower.join("edit.txt")).unwrap(),
@@ -228,7 +228,7 @@ fn applying_a_subset_applies_only_that_subset() {
     );
     let err = apply(
         &f.lower,
-        &[f.upper.clone()],
+        std::slice::from_ref(&f.upper),
         &d,
         &ApplyOptions {
             paths: vec!["nope".into()],
@@ -268,7 +268,7 @@ fn hostile_layers_cannot_reach_outside_the_directory() {
     fs::create_dir(f.upper.join("dir-was-file")).ok();
 
     let started = std::time::Instant::now();
-    let d = diff(&f.lower, &[f.upper.clone()], &options()).unwrap();
+    let d = diff(&f.lower, std::slice::from_ref(&f.upper), &options()).unwrap();
     assert!(
         started.elapsed() < Duration::from_secs(5),
         "the sparse file was read"
@@ -278,7 +278,13 @@ fn hostile_layers_cannot_reach_outside_the_directory() {
     assert!(by_path("fifo").refused.is_some());
     assert!(by_path("sparse").refused.is_some());
 
-    let report = apply(&f.lower, &[f.upper.clone()], &d, &ApplyOptions::default()).unwrap();
+    let report = apply(
+        &f.lower,
+        std::slice::from_ref(&f.upper),
+        &d,
+        &ApplyOptions::default(),
+    )
+    .unwrap();
     let skipped: Vec<&str> = report.skipped.iter().map(|(p, _)| p.as_str()).collect();
     assert!(
         skipped.contains(&"passwd-link")
@@ -316,7 +322,7 @@ fn hostile_layers_cannot_reach_outside_the_directory() {
     // Named explicitly, the setuid file arrives without its setuid bit.
     apply(
         &f.lower,
-        &[f.upper.clone()],
+        std::slice::from_ref(&f.upper),
         &d,
         &ApplyOptions {
             paths: vec!["suid".into()],
@@ -331,7 +337,7 @@ fn hostile_layers_cannot_reach_outside_the_directory() {
     // A refused change named explicitly is an error, not a silent skip.
     let err = apply(
         &f.lower,
-        &[f.upper.clone()],
+        std::slice::from_ref(&f.upper),
         &d,
         &ApplyOptions {
             paths: vec!["fifo".into()],
@@ -351,12 +357,12 @@ fn host_edits_after_the_start_conflict_unless_forced() {
     write(&f.lower.join("edit.txt"), "host edit\n");
     write(&f.upper.join("edit.txt"), "cell edit\n");
     write(&f.upper.join("new.txt"), "new\n");
-    let d = diff(&f.lower, &[f.upper.clone()], &options()).unwrap();
+    let d = diff(&f.lower, std::slice::from_ref(&f.upper), &options()).unwrap();
     let opts = ApplyOptions {
         started: Some(started),
         ..ApplyOptions::default()
     };
-    let err = apply(&f.lower, &[f.upper.clone()], &d, &opts).unwrap_err();
+    let err = apply(&f.lower, std::slice::from_ref(&f.upper), &d, &opts).unwrap_err();
     assert!(
         matches!(&err, WorkspaceError::Conflict { paths, .. } if paths == "edit.txt"),
         "{err}"
@@ -371,7 +377,7 @@ fn host_edits_after_the_start_conflict_unless_forced() {
     );
     apply(
         &f.lower,
-        &[f.upper.clone()],
+        std::slice::from_ref(&f.upper),
         &d,
         &ApplyOptions {
             force: true,
@@ -391,11 +397,17 @@ fn a_failure_midway_rolls_everything_back() {
     write(&f.upper.join("a-first.txt"), "first\n");
     write(&f.upper.join("edit.txt"), "edited\n");
     write(&f.upper.join("zz/inner.txt"), "inner\n");
-    let d = diff(&f.lower, &[f.upper.clone()], &options()).unwrap();
+    let d = diff(&f.lower, std::slice::from_ref(&f.upper), &options()).unwrap();
     // The cell (still running) changes the last file after the diff: staging it must fail.
     write(&f.upper.join("zz/inner.txt"), "inner, and longer now\n");
     let before = hash_tree(&f.lower);
-    let err = apply(&f.lower, &[f.upper.clone()], &d, &ApplyOptions::default()).unwrap_err();
+    let err = apply(
+        &f.lower,
+        std::slice::from_ref(&f.upper),
+        &d,
+        &ApplyOptions::default(),
+    )
+    .unwrap_err();
     assert!(matches!(err, WorkspaceError::RolledBack { .. }), "{err}");
     assert_eq!(
         hash_tree(&f.lower),
