@@ -410,3 +410,184 @@ fn layers_are_kept_only_when_there_is_something_to_review() {
         "{gone:?}"
     );
 }
+
+/// Lines a child prints, collected by a thread.
+fn line_reader(child: &mut std::process::Child) -> std::sync::mpsc::Receiver<String> {
+    use std::io::BufRead as _;
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+fn wait_for_line(rx: &std::sync::mpsc::Receiver<String>, wanted: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) if line == wanted => return,
+            Ok(_) => {}
+            Err(_) => panic!("the cell never printed {wanted:?}"),
+        }
+    }
+}
+
+#[test]
+fn reset_of_a_running_cell_reverts_what_its_processes_see() {
+    let ws = project();
+    let name = unique("reset");
+    // The cell edits README.md, then keeps printing it whenever it differs from what it last saw.
+    let script = "echo edited > /workspace/README.md; last=; while true; do now=$(head -n 1 /workspace/README.md); \
+                  if [ \"$now\" != \"$last\" ]; then echo \"$now\"; last=$now; fi; sleep 0.02; done";
+    let mut cell = warden()
+        .args([
+            "run",
+            "--name",
+            &name,
+            "--workspace",
+            ws.path().to_str().unwrap(),
+            "--",
+            "sh",
+            "-c",
+            script,
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let lines = line_reader(&mut cell);
+    wait_for_line(&lines, "edited");
+    let snap = warden_ok(&["snapshot", &name, "--as", "edited"]);
+    assert!(
+        snap.stdout.starts_with(&format!("{name}@edited")),
+        "{snap:?}"
+    );
+
+    warden_ok(&["reset", &name]);
+    wait_for_line(&lines, "# Project");
+    assert!(
+        warden_ok(&["diff", &name, "--stat"])
+            .stdout
+            .contains("0 changed")
+    );
+    warden_ok(&["reset", &name, "--to", "edited"]);
+    wait_for_line(&lines, "edited");
+    let ps = warden_ok(&["ps"]).stdout;
+    assert!(
+        ps.lines()
+            .any(|l| l.starts_with(&name) && l.contains("running")),
+        "{ps}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(ws.path().join("README.md")).unwrap(),
+        "# Project\nline two\n"
+    );
+
+    warden_ok(&["kill", &name]);
+    let _ = cell.wait();
+    warden_ok(&["rm", &name]);
+    warden_ok(&["rm", &format!("{name}@edited")]);
+}
+
+#[test]
+fn forks_start_from_a_snapshot_and_run_independently() {
+    let ws = project();
+    let parent = unique("parent");
+    let child = unique("child");
+    run_sh(
+        &[
+            "--name",
+            &parent,
+            "--workspace",
+            ws.path().to_str().unwrap(),
+        ],
+        "echo parent > /workspace/parent.txt",
+    );
+    warden_ok(&["snapshot", &parent, "--as", "base"]);
+    let snap = format!("{parent}@base");
+    let forked = run_sh_fork(
+        &snap,
+        &child,
+        "cat /workspace/parent.txt && echo child > /workspace/child.txt",
+    );
+    assert_eq!(forked.code, 0, "{forked:?}");
+    assert_eq!(forked.stdout, "parent\n");
+
+    let parent_diff = warden_ok(&["diff", &parent, "--stat"]).stdout;
+    let child_diff = warden_ok(&["diff", &child, "--stat"]).stdout;
+    assert!(
+        parent_diff.starts_with("A parent.txt\n\n1 changed"),
+        "{parent_diff}"
+    );
+    assert!(
+        child_diff.starts_with("A child.txt\nA parent.txt\n\n2 changed"),
+        "{child_diff}"
+    );
+    // The parent changes on; the fork does not see it.
+    warden_ok(&["reset", &parent]);
+    assert!(
+        warden_ok(&["diff", &child, "--stat"])
+            .stdout
+            .contains("2 changed")
+    );
+
+    let in_use = Ran::from(warden().args(["rm", &snap]).output().unwrap());
+    assert_eq!(in_use.code, 125);
+    assert!(
+        in_use
+            .stderr
+            .contains(&format!("is the base of cell `{child}`")),
+        "{in_use:?}"
+    );
+    let listed = warden_ok(&["snapshots"]).stdout;
+    assert!(listed.contains(&snap), "{listed}");
+    warden_ok(&["rm", &child]);
+    warden_ok(&["rm", &snap]);
+    warden_ok(&["rm", &parent]);
+}
+
+fn run_sh_fork(source: &str, name: &str, script: &str) -> Ran {
+    Ran::from(
+        warden()
+            .args(["fork", source, "--name", name, "--", "sh", "-c", script])
+            .output()
+            .unwrap(),
+    )
+}
+
+#[test]
+fn snapshots_cost_what_changed_not_the_tree() {
+    let ws = project();
+    // 16 MiB that the cell never touches.
+    std::fs::write(ws.path().join("big.bin"), vec![7u8; 16 << 20]).unwrap();
+    let name = unique("space");
+    run_sh(
+        &["--name", &name, "--workspace", ws.path().to_str().unwrap()],
+        "echo small > /workspace/small.txt",
+    );
+    let out = warden_ok(&["snapshot", &name]);
+    assert!(
+        out.stdout.starts_with(&format!("{name}@s1 (6 bytes)")),
+        "{out:?}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&warden_ok(&["snapshots", "--json"]).stdout).unwrap();
+    let entry = json
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["id"] == format!("{name}@s1"))
+        .unwrap();
+    assert_eq!(entry["size"], 6);
+    warden_ok(&["rm", &format!("{name}@s1")]);
+    warden_ok(&["rm", &name]);
+}

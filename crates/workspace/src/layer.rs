@@ -25,6 +25,13 @@ pub struct LayerMeta {
     /// Snapshot layers under this one (topmost first), when the cell was forked from a snapshot.
     #[serde(default)]
     pub base: Vec<PathBuf>,
+    /// Where the workspace appears inside the cell.
+    #[serde(default = "default_mount")]
+    pub mount: PathBuf,
+}
+
+fn default_mount() -> PathBuf {
+    PathBuf::from("/workspace")
 }
 
 impl Layer {
@@ -66,6 +73,12 @@ impl Layer {
 
     pub fn exists(&self) -> bool {
         self.dir.join("layer.json").exists()
+    }
+
+    /// Removes a directory tree that overlayfs used (as upper or work directory).
+    pub fn remove_tree(&self) -> io::Result<()> {
+        let _ = open_up(&self.dir);
+        fs::remove_dir_all(&self.dir)
     }
 
     /// Removes the layer and everything in it.

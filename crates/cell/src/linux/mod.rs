@@ -8,6 +8,7 @@ mod idmap;
 pub mod ids;
 mod init;
 pub mod landlock;
+mod overlay;
 pub mod plan;
 pub mod probe;
 pub mod registry;

@@ -40,9 +40,10 @@ pub struct WorkspacePlan {
 pub struct OverlayPlan {
     pub upper: PathBuf,
     pub work: PathBuf,
-    /// Where the id-mapped host directory is attached (root mode), inside the cell's mount
-    /// namespace only, to serve as the lower layer.
-    pub lower_mountpoint: PathBuf,
+    /// The host directory holding `upper` and `work`.
+    pub layer_dir: PathBuf,
+    /// The host directory of all snapshots (bound read-only under `/.warden` when `base` is used).
+    pub snapshots_dir: PathBuf,
     /// Snapshot layers between the upper layer and the host directory, topmost first.
     pub base: Vec<PathBuf>,
 }

@@ -232,14 +232,6 @@ impl Reservation {
         self.dir.join("root")
     }
 
-    /// An empty directory where a root-started cell attaches its id-mapped lower layer (in its
-    /// own mount namespace only).
-    pub fn lower_dir(&self) -> io::Result<PathBuf> {
-        let dir = self.dir.join("lower");
-        fs::DirBuilder::new().mode(0o755).create(&dir)?;
-        Ok(dir)
-    }
-
     /// Publishes the record, atomically.
     pub fn publish(&self, record: &CellRecord) -> Result<(), RegistryError> {
         let tmp = self.dir.join("cell.json.tmp");

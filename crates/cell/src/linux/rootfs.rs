@@ -10,7 +10,8 @@ use std::path::{Path, PathBuf};
 
 use nix::mount::{MntFlags, MsFlags, mount, umount2};
 
-use super::plan::{CellPlan, Entry};
+use super::overlay;
+use super::plan::{CellPlan, Entry, OverlayPlan, WorkspacePlan};
 use super::sys;
 
 /// A failed setup step, named so that the user sees which one.
@@ -89,6 +90,10 @@ pub fn build(
         &root.join("proc"),
     ] {
         fs::create_dir_all(dir).map_err(at("creating directory", dir))?;
+    }
+    if plan.workspace.as_ref().is_some_and(|w| w.overlay.is_some()) {
+        let hidden = inside(root, Path::new(overlay::HIDDEN));
+        fs::create_dir(&hidden).map_err(at("creating directory", &hidden))?;
     }
     sys::restrict_mount(root, true).map_err(at("making the cell root read-only", root))?;
     for entry in &plan.entries {
@@ -229,39 +234,7 @@ fn mount_workspace(plan: &CellPlan, tree: Option<&std::os::fd::OwnedFd>) -> Resu
         .map_err(at("mounting the scratch workspace on", &dst));
     };
     if let Some(overlay) = &workspace.overlay {
-        // The lower layer is the host directory: in root mode its id-mapped clone, attached
-        // outside the new root so that the cell can never reach it directly.
-        let lower = match tree {
-            Some(tree) => {
-                sys::move_mount_to(tree, &overlay.lower_mountpoint).map_err(at(
-                    "attaching the id-mapped workspace on",
-                    &overlay.lower_mountpoint,
-                ))?;
-                overlay.lower_mountpoint.clone()
-            }
-            None => workspace.host.clone(),
-        };
-        let mut lowers: Vec<String> = overlay
-            .base
-            .iter()
-            .map(|p| p.display().to_string())
-            .collect();
-        lowers.push(lower.display().to_string());
-        let options = format!(
-            "lowerdir={},upperdir={},workdir={},userxattr",
-            lowers.join(":"),
-            overlay.upper.display(),
-            overlay.work.display()
-        );
-        return mount(
-            Some("overlay"),
-            &dst,
-            Some("overlay"),
-            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-            Some(options.as_str()),
-        )
-        .map_err(errno)
-        .map_err(at("mounting the copy-on-write workspace on", &dst));
+        return mount_copy_on_write(&plan.root, &dst, workspace, overlay, tree);
     }
     match tree {
         Some(tree) => sys::move_mount_to(tree, &dst)
@@ -291,6 +264,80 @@ fn mount_workspace(plan: &CellPlan, tree: Option<&std::os::fd::OwnedFd>) -> Resu
         sys::restrict_mount(&path, true).map_err(at("protecting", &path))?;
     }
     Ok(())
+}
+
+/// The copy-on-write workspace. Its layers are first made reachable under the hidden
+/// `/.warden` (lower read-only, snapshots read-only, the cell's own layer directory
+/// read-write), then the overlay is stacked from those paths.
+fn mount_copy_on_write(
+    root: &Path,
+    dst: &Path,
+    workspace: &WorkspacePlan,
+    overlay: &OverlayPlan,
+    tree: Option<&std::os::fd::OwnedFd>,
+) -> Result<(), SetupError> {
+    let hidden = inside(root, Path::new(overlay::HIDDEN));
+    mount(
+        Some("tmpfs"),
+        &hidden,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        Some("mode=0700,size=16k"),
+    )
+    .map_err(errno)
+    .map_err(at("mounting tmpfs on", &hidden))?;
+    let lower = inside(root, Path::new(overlay::LOWER));
+    let layer = inside(root, Path::new(overlay::LAYER));
+    let snapshots = inside(root, Path::new(overlay::SNAPSHOTS));
+    for dir in [&lower, &layer, &snapshots] {
+        fs::create_dir(dir).map_err(at("creating directory", dir))?;
+    }
+    match tree {
+        // Root mode: the id-mapped clone of the host directory.
+        Some(tree) => sys::move_mount_to(tree, &lower)
+            .map_err(at("attaching the id-mapped workspace on", &lower))?,
+        None => mount(
+            Some(&workspace.host),
+            &lower,
+            None::<&str>,
+            MsFlags::MS_BIND | MsFlags::MS_REC,
+            None::<&str>,
+        )
+        .map_err(errno)
+        .map_err(at("bind-mounting the workspace", &workspace.host))?,
+    }
+    sys::restrict_mount(&lower, true).map_err(at("making read-only", &lower))?;
+    mount(
+        Some(&overlay.layer_dir),
+        &layer,
+        None::<&str>,
+        MsFlags::MS_BIND,
+        None::<&str>,
+    )
+    .map_err(errno)
+    .map_err(at("bind-mounting the workspace layer", &overlay.layer_dir))?;
+    sys::restrict_mount(&layer, false).map_err(at("restricting mount", &layer))?;
+    if !overlay.base.is_empty() {
+        mount(
+            Some(&overlay.snapshots_dir),
+            &snapshots,
+            None::<&str>,
+            MsFlags::MS_BIND | MsFlags::MS_REC,
+            None::<&str>,
+        )
+        .map_err(errno)
+        .map_err(at("bind-mounting the snapshots", &overlay.snapshots_dir))?;
+        sys::restrict_mount(&snapshots, true).map_err(at("making read-only", &snapshots))?;
+    }
+    let mut lowers: Vec<PathBuf> = overlay
+        .base
+        .iter()
+        .map(|b| inside(root, &overlay::inside_snapshot(&overlay.snapshots_dir, b)))
+        .collect();
+    lowers.push(lower);
+    overlay::mount_overlay(dst, &lowers, &layer.join("upper"), &layer.join("work"))
+        .map_err(errno)
+        .map_err(at("mounting the copy-on-write workspace on", dst))
 }
 
 fn mount_dev(root: &Path) -> Result<(), SetupError> {

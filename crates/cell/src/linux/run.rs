@@ -202,9 +202,8 @@ pub fn run(
                 upper: layer.layer.upper(),
                 work: layer.layer.work(),
                 base: base.clone(),
-                lower_mountpoint: reservation
-                    .lower_dir()
-                    .map_err(os("creating the lower-layer mount point"))?,
+                layer_dir: layer.layer.dir().to_path_buf(),
+                snapshots_dir: store.root().join("snapshots"),
             });
             ws.protect.clear(); // reviewed at apply time instead
             Some(layer)
@@ -459,6 +458,7 @@ impl LayerGuard {
             started: SystemTime::now(),
             protected: policy.filesystem.workspace.protect.clone(),
             base: base.to_vec(),
+            mount: policy.filesystem.workspace.mount.clone(),
         };
         let guard = Self { layer, armed: true };
         guard

@@ -3,18 +3,19 @@
 //! copies nothing at all.
 
 use std::fs;
-use std::io;
+use std::io::{self, Read as _, Write as _};
 use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
 use nix::sys::stat::{Mode, SFlag, mknod};
 use serde::{Deserialize, Serialize};
-use warden_workspace::Layer;
+use warden_workspace::{Layer, LayerMeta};
 
 use super::changes::{self, ChangesError};
 use super::registry::Registry;
 use super::store::Store;
+use super::{overlay, sys};
 
 /// What is recorded with a snapshot.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -60,6 +61,8 @@ pub enum SnapshotError {
     Copy { path: PathBuf, source: io::Error },
     #[error("snapshot record {path}: {source}")]
     Record { path: PathBuf, source: io::Error },
+    #[error("remounting the workspace of cell `{cell}`: {source}")]
+    Remount { cell: String, source: io::Error },
 }
 
 fn snapshots_dir(store: &Store) -> PathBuf {
@@ -180,15 +183,22 @@ pub fn remove(store: &Store, id: &str) -> Result<(), SnapshotError> {
     fs::remove_dir_all(&dir).map_err(|source| SnapshotError::Copy { path: dir, source })
 }
 
-/// Returns a stopped cell's workspace to a snapshot of it, or to its start: the upper layer is
-/// replaced by a copy of the snapshot's.
-pub fn reset_stopped(
+/// The upper layer a reset starts from: a copy of the snapshot's layer, or an empty directory
+/// with the current upper's mode and owner. Built next to the current one, as `upper.new`.
+fn fresh_upper(
     store: &Store,
     layer: &Layer,
     cell: &str,
     to: Option<&str>,
-) -> Result<(), SnapshotError> {
-    let source = match to {
+) -> Result<PathBuf, SnapshotError> {
+    let upper = layer.upper();
+    let fresh = layer.dir().join("upper.new");
+    let _ = fs::remove_dir_all(&fresh);
+    let copy_err = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| SnapshotError::Copy { path, source }
+    };
+    match to {
         Some(id) => {
             let info = get(store, id)?;
             if info.cell != cell {
@@ -197,47 +207,161 @@ pub fn reset_stopped(
                     cell: cell.to_owned(),
                 });
             }
-            Some(info.layer)
-        }
-        None => None,
-    };
-    let upper = layer.upper();
-    let fresh = layer.dir().join("upper.new");
-    let _ = fs::remove_dir_all(&fresh);
-    match &source {
-        Some(src) => {
-            copy_tree(src, &fresh)?;
+            copy_tree(&info.layer, &fresh)?;
         }
         None => {
-            fs::create_dir(&fresh).map_err(|source| SnapshotError::Copy {
-                path: fresh.clone(),
-                source,
-            })?;
-            let meta = fs::symlink_metadata(&upper).map_err(|source| SnapshotError::Copy {
-                path: upper.clone(),
-                source,
-            })?;
-            fs::set_permissions(&fresh, fs::Permissions::from_mode(meta.mode() & 0o7777)).map_err(
-                |source| SnapshotError::Copy {
-                    path: fresh.clone(),
-                    source,
-                },
-            )?;
-            let _ = std::os::unix::fs::lchown(&fresh, Some(meta.uid()), Some(meta.gid()));
+            fs::create_dir(&fresh).map_err(copy_err(&fresh))?;
+            let meta = fs::symlink_metadata(&upper).map_err(copy_err(&upper))?;
+            fs::set_permissions(&fresh, fs::Permissions::from_mode(meta.mode() & 0o7777))
+                .map_err(copy_err(&fresh))?;
+            std::os::unix::fs::lchown(&fresh, Some(meta.uid()), Some(meta.gid()))
+                .map_err(copy_err(&fresh))?;
         }
     }
-    let old = layer.dir().join("upper.old");
+    Ok(fresh)
+}
+
+/// Swaps `name.new` in for `name` in the layer directory and removes the old one.
+fn swap_in(layer: &Layer, name: &str) -> Result<(), SnapshotError> {
+    let current = layer.dir().join(name);
+    let fresh = layer.dir().join(format!("{name}.new"));
+    let old = layer.dir().join(format!("{name}.old"));
     let _ = fs::remove_dir_all(&old);
-    fs::rename(&upper, &old).map_err(|source| SnapshotError::Copy {
-        path: upper.clone(),
+    fs::rename(&current, &old).map_err(|source| SnapshotError::Copy {
+        path: current.clone(),
         source,
     })?;
-    fs::rename(&fresh, &upper).map_err(|source| SnapshotError::Copy {
-        path: upper.clone(),
+    fs::rename(&fresh, &current).map_err(|source| SnapshotError::Copy {
+        path: current.clone(),
         source,
     })?;
-    let _ = fs::remove_dir_all(&old);
+    let _ = Layer::at(old).remove_tree();
     Ok(())
+}
+
+/// Returns a stopped cell's workspace to a snapshot of it, or to its start.
+pub fn reset_stopped(
+    store: &Store,
+    layer: &Layer,
+    cell: &str,
+    to: Option<&str>,
+) -> Result<(), SnapshotError> {
+    fresh_upper(store, layer, cell, to)?;
+    swap_in(layer, "upper")
+}
+
+/// Returns a running (frozen) cell's workspace to a snapshot of it, or to its start: a new
+/// overlay over a fresh upper layer replaces the old one at the workspace mount point, mounted
+/// from inside the cell's namespaces by a short-lived helper of the warden. Processes see the
+/// reset tree from their next path lookup; a working directory inside the old tree stays there.
+pub fn reset_running(
+    store: &Store,
+    layer: &Layer,
+    meta: &LayerMeta,
+    cell: &str,
+    cell_pid: i32,
+    to: Option<&str>,
+) -> Result<(), SnapshotError> {
+    fresh_upper(store, layer, cell, to)?;
+    let work = layer.work();
+    let fresh_work = layer.dir().join("work.new");
+    let _ = fs::remove_dir_all(&fresh_work);
+    let work_meta = fs::symlink_metadata(&work).map_err(|source| SnapshotError::Copy {
+        path: work.clone(),
+        source,
+    })?;
+    fs::create_dir(&fresh_work).map_err(|source| SnapshotError::Copy {
+        path: fresh_work.clone(),
+        source,
+    })?;
+    let _ = std::os::unix::fs::lchown(&fresh_work, Some(work_meta.uid()), Some(work_meta.gid()));
+
+    let snapshots = store.root().join("snapshots");
+    let mut lowers: Vec<PathBuf> = meta
+        .base
+        .iter()
+        .map(|b| overlay::inside_snapshot(&snapshots, b))
+        .collect();
+    lowers.push(PathBuf::from(overlay::LOWER));
+    let inside_layer = Path::new(overlay::LAYER);
+    let remount = Remount {
+        target: meta.mount.clone(),
+        lowers,
+        upper: inside_layer.join("upper.new"),
+        work: inside_layer.join("work.new"),
+    };
+    remount
+        .run_in(cell_pid)
+        .map_err(|source| SnapshotError::Remount {
+            cell: cell.to_owned(),
+            source,
+        })?;
+    swap_in(layer, "upper")?;
+    swap_in(layer, "work")
+}
+
+/// A new overlay for the workspace mount point, as seen inside the cell.
+struct Remount {
+    target: PathBuf,
+    lowers: Vec<PathBuf>,
+    upper: PathBuf,
+    work: PathBuf,
+}
+
+impl Remount {
+    /// Forks a helper that joins the cell's user and mount namespaces (as the cell's root) and
+    /// swaps the mounts there; its error comes back through a pipe.
+    fn run_in(&self, pid: i32) -> io::Result<()> {
+        let userns = fs::File::open(format!("/proc/{pid}/ns/user"))?;
+        let mntns = fs::File::open(format!("/proc/{pid}/ns/mnt"))?;
+        let (report_r, report_w) = sys::pipe()?;
+        let child = sys::clone_process(0)?;
+        if child == 0 {
+            drop(report_r);
+            let result = self.swap(&userns, &mntns);
+            let mut report = fs::File::from(report_w);
+            if let Err(err) = result {
+                let _ = write!(report, "{err}");
+                sys::exit_now(1);
+            }
+            sys::exit_now(0);
+        }
+        drop(report_w);
+        let mut message = String::new();
+        let _ = fs::File::from(report_r).read_to_string(&mut message);
+        let status = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(child), None);
+        match status {
+            Ok(nix::sys::wait::WaitStatus::Exited(_, 0)) => Ok(()),
+            _ if !message.is_empty() => Err(io::Error::other(message)),
+            other => Err(io::Error::other(format!(
+                "the remount helper ended with {other:?}"
+            ))),
+        }
+    }
+
+    fn swap(&self, userns: &fs::File, mntns: &fs::File) -> Result<(), String> {
+        use nix::sched::{CloneFlags, setns};
+        setns(userns, CloneFlags::CLONE_NEWUSER)
+            .map_err(|e| format!("joining the cell's user namespace: {e}"))?;
+        setns(mntns, CloneFlags::CLONE_NEWNS)
+            .map_err(|e| format!("joining the cell's mount namespace: {e}"))?;
+        // Act as the cell's root, which owns the layers in root mode (a no-op rootless).
+        let _ = nix::unistd::setresgid(0.into(), 0.into(), 0.into());
+        let _ = nix::unistd::setresuid(0.into(), 0.into(), 0.into());
+        std::env::set_current_dir("/").map_err(|e| format!("entering the cell's root: {e}"))?;
+        nix::mount::umount2(&self.target, nix::mount::MntFlags::MNT_DETACH).map_err(|e| {
+            format!(
+                "detaching the old workspace at {}: {e}",
+                self.target.display()
+            )
+        })?;
+        overlay::mount_overlay(&self.target, &self.lowers, &self.upper, &self.work).map_err(|e| {
+            format!(
+                "mounting the reset workspace at {}: {e}",
+                self.target.display()
+            )
+        })
+    }
 }
 
 /// Copies an overlayfs layer: directories with their overlay xattrs (opaque), files, symlinks,
