@@ -591,3 +591,69 @@ fn snapshots_cost_what_changed_not_the_tree() {
     warden_ok(&["rm", &format!("{name}@s1")]);
     warden_ok(&["rm", &name]);
 }
+
+#[test]
+fn killing_the_warden_during_apply_leaves_every_file_old_or_new() {
+    let ws = tempdir();
+    let old = "o".repeat(64 * 1024);
+    let new = "n".repeat(64 * 1024);
+    for i in 0..300 {
+        std::fs::write(ws.path().join(format!("f{i:03}")), &old).unwrap();
+    }
+    let name = unique("torn");
+    let ran = run_sh(
+        &["--name", &name, "--workspace", ws.path().to_str().unwrap()],
+        "cd /workspace && python3 -c \"import glob\nfor f in glob.glob('f*'): open(f,'w').write('n'*65536)\"",
+    );
+    assert_eq!(ran.code, 0, "{ran:?}");
+    // The diff before any rename takes about as long as a dry run: aim the kills after it.
+    let start = Instant::now();
+    warden_ok(&["apply", &name, "--dry-run"]);
+    let diff_ms = start.elapsed().as_millis() as u64;
+    let mut killed_midway = false;
+    for delay_ms in (0..40).map(|step| diff_ms + step * 15) {
+        let mut apply = warden()
+            .args(["apply", &name])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        let _ = apply.kill();
+        let _ = apply.wait();
+        let mut counts = (0, 0);
+        for i in 0..300 {
+            let content = std::fs::read_to_string(ws.path().join(format!("f{i:03}"))).unwrap();
+            if content == old {
+                counts.0 += 1;
+            } else {
+                assert_eq!(
+                    content, new,
+                    "f{i:03} is torn after killing apply at {delay_ms} ms"
+                );
+                counts.1 += 1;
+            }
+        }
+        if counts.0 > 0 && counts.1 > 0 {
+            killed_midway = true;
+        }
+        if counts.0 == 0 {
+            break;
+        }
+    }
+    assert!(killed_midway, "no kill landed in the middle of an apply");
+    // The next apply cleans up after the killed one and finishes the job.
+    warden_ok(&["apply", &name]);
+    for i in 0..300 {
+        assert_eq!(
+            std::fs::read_to_string(ws.path().join(format!("f{i:03}"))).unwrap(),
+            new
+        );
+    }
+    let leftovers: Vec<_> = std::fs::read_dir(ws.path())
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(".warden-apply"))
+        .collect();
+    assert!(leftovers.is_empty(), "staging directories left behind");
+    warden_ok(&["rm", &name]);
+}

@@ -65,7 +65,8 @@ pub fn apply(
         report.applied = selected.iter().map(|c| c.path.clone()).collect();
         return Ok(report);
     }
-    let staging_name = format!(".warden-apply-{}-{}", std::process::id(), now_nanos());
+    remove_stale_staging(&host);
+    let staging_name = format!("{STAGING_PREFIX}{}-{}", std::process::id(), now_nanos());
     host.create_dir(&staging_name)
         .map_err(|source| WorkspaceError::Write {
             path: lower.join(&staging_name),
@@ -96,6 +97,26 @@ pub fn apply(
     let _ = host.remove_dir_all(&staging_name);
     report.applied = selected.iter().map(|c| c.path.clone()).collect();
     Ok(report)
+}
+
+const STAGING_PREFIX: &str = ".warden-apply-";
+
+/// Removes staging directories left by an apply that was killed (its process is gone). What
+/// that apply had renamed into place stays: each file is either its old or its new version.
+fn remove_stale_staging(host: &Dir) {
+    let Ok(entries) = host.entries() else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(STAGING_PREFIX)) else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = host.remove_dir_all(&name);
+        }
+    }
 }
 
 fn now_nanos() -> u128 {
