@@ -4,7 +4,9 @@
 
 use std::fs;
 use std::io::{self, Read as _, Write as _};
-use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _, PermissionsExt as _};
+use std::os::unix::fs::{
+    FileTypeExt as _, MetadataExt as _, OpenOptionsExt as _, PermissionsExt as _,
+};
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
@@ -225,8 +227,10 @@ fn fresh_upper(
 fn swap_in(layer: &Layer, name: &str) -> Result<(), SnapshotError> {
     let current = layer.dir().join(name);
     let fresh = layer.dir().join(format!("{name}.new"));
-    let old = layer.dir().join(format!("{name}.old"));
-    let _ = fs::remove_dir_all(&old);
+    let stamp = SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let old = layer.dir().join(format!("{name}.old-{stamp}"));
     fs::rename(&current, &old).map_err(|source| SnapshotError::Copy {
         path: current.clone(),
         source,
@@ -235,8 +239,34 @@ fn swap_in(layer: &Layer, name: &str) -> Result<(), SnapshotError> {
         path: current.clone(),
         source,
     })?;
-    let _ = Layer::at(old).remove_tree();
+    remove_in_background(old);
     Ok(())
+}
+
+/// Removes a discarded layer directory in a child process, so that the caller does not wait
+/// for thousands of unlinks; a leftover goes with the layer when the cell is removed.
+fn remove_in_background(dir: PathBuf) {
+    match sys::clone_process(0) {
+        Ok(0) => {
+            // Let go of the caller's stdio, so that nobody waits on this child's pipes.
+            if let Ok(null) = fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open("/dev/null")
+            {
+                use std::os::fd::AsRawFd as _;
+                for fd in 0..3 {
+                    let _ = sys::dup_onto(null.as_raw_fd(), fd);
+                }
+            }
+            let _ = Layer::at(dir).remove_tree();
+            sys::exit_now(0);
+        }
+        Ok(_) => {} // reaped by init once the warden command exits
+        Err(_) => {
+            let _ = Layer::at(dir).remove_tree();
+        }
+    }
 }
 
 /// Returns a stopped cell's workspace to a snapshot of it, or to its start.
@@ -366,50 +396,107 @@ impl Remount {
 
 /// Copies an overlayfs layer: directories with their overlay xattrs (opaque), files, symlinks,
 /// whiteouts and FIFOs, with modes and (as root) owners. Returns the bytes of file content.
+/// The top level is split between two threads: a snapshot's cost is its many small files.
 pub fn copy_tree(from: &Path, to: &Path) -> Result<u64, SnapshotError> {
-    let err = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| SnapshotError::Copy { path, source }
-    };
-    let meta = fs::symlink_metadata(from).map_err(err(from))?;
+    let as_root = nix::unistd::geteuid().is_root();
+    let meta = fs::symlink_metadata(from).map_err(copy_err(from))?;
+    copy_entry(from, to, &meta, as_root, true)
+}
+
+fn copy_err(path: &Path) -> impl FnOnce(io::Error) -> SnapshotError + use<> {
+    let path = path.to_path_buf();
+    move |source| SnapshotError::Copy { path, source }
+}
+
+fn nix_copy_err(path: &Path) -> impl FnOnce(nix::Error) -> SnapshotError + use<> {
+    let path = path.to_path_buf();
+    move |e| SnapshotError::Copy {
+        path,
+        source: io::Error::from_raw_os_error(e as i32),
+    }
+}
+
+fn copy_entry(
+    from: &Path,
+    to: &Path,
+    meta: &fs::Metadata,
+    as_root: bool,
+    parallel: bool,
+) -> Result<u64, SnapshotError> {
     let file_type = meta.file_type();
-    let mut size = 0;
+    let mode = fs::Permissions::from_mode(meta.mode() & 0o7777);
+    let owner = (Some(meta.uid()), Some(meta.gid()));
     if file_type.is_dir() {
-        fs::create_dir(to).map_err(err(to))?;
-        copy_overlay_xattrs(from, to).map_err(err(to))?;
-        for entry in fs::read_dir(from).map_err(err(from))? {
-            let entry = entry.map_err(err(from))?;
-            size += copy_tree(&entry.path(), &to.join(entry.file_name()))?;
+        fs::create_dir(to).map_err(copy_err(to))?;
+        copy_overlay_xattrs(from, to).map_err(copy_err(to))?;
+        let mut children = Vec::new();
+        for entry in fs::read_dir(from).map_err(copy_err(from))? {
+            let entry = entry.map_err(copy_err(from))?;
+            let meta = entry.metadata().map_err(copy_err(&entry.path()))?; // lstat: never follows
+            children.push((entry.path(), to.join(entry.file_name()), meta));
         }
-    } else if file_type.is_symlink() {
-        let target = fs::read_link(from).map_err(err(from))?;
-        std::os::unix::fs::symlink(target, to).map_err(err(to))?;
-    } else if file_type.is_file() {
-        size = fs::copy(from, to).map_err(err(to))?;
-        copy_overlay_xattrs(from, to).map_err(err(to))?;
+        let copy_all = |part: &[(PathBuf, PathBuf, fs::Metadata)]| -> Result<u64, SnapshotError> {
+            part.iter().try_fold(0, |sum, (f, t, m)| {
+                Ok(sum + copy_entry(f, t, m, as_root, false)?)
+            })
+        };
+        let size = if parallel && children.len() > 8 {
+            let (left, right) = children.split_at(children.len() / 2);
+            std::thread::scope(|scope| {
+                let other = scope.spawn(|| copy_all(right));
+                let mine = copy_all(left);
+                let theirs = other.join().unwrap_or_else(|_| {
+                    Err(SnapshotError::Copy {
+                        path: to.to_path_buf(),
+                        source: io::Error::other("copy thread panicked"),
+                    })
+                });
+                Ok::<u64, SnapshotError>(mine? + theirs?)
+            })?
+        } else {
+            copy_all(&children)?
+        };
+        fs::set_permissions(to, mode).map_err(copy_err(to))?;
+        if as_root {
+            std::os::unix::fs::lchown(to, owner.0, owner.1).map_err(copy_err(to))?;
+        }
+        return Ok(size);
+    }
+    if file_type.is_file() {
+        let mut source = fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(from)
+            .map_err(copy_err(from))?;
+        let mut target = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(to)
+            .map_err(copy_err(to))?;
+        let size = io::copy(&mut source, &mut target).map_err(copy_err(to))?;
+        target.set_permissions(mode).map_err(copy_err(to))?;
+        if as_root {
+            std::os::unix::fs::fchown(&target, owner.0, owner.1).map_err(copy_err(to))?;
+        }
+        copy_overlay_xattrs(from, to).map_err(copy_err(to))?;
+        return Ok(size);
+    }
+    if file_type.is_symlink() {
+        let target = fs::read_link(from).map_err(copy_err(from))?;
+        std::os::unix::fs::symlink(target, to).map_err(copy_err(to))?;
     } else if file_type.is_char_device() && meta.rdev() == 0 {
-        mknod(to, SFlag::S_IFCHR, Mode::empty(), 0).map_err(|e| SnapshotError::Copy {
-            path: to.to_path_buf(),
-            source: io::Error::from_raw_os_error(e as i32),
-        })?;
+        mknod(to, SFlag::S_IFCHR, Mode::empty(), 0).map_err(nix_copy_err(to))?;
+        fs::set_permissions(to, mode).map_err(copy_err(to))?;
     } else if file_type.is_fifo() {
-        nix::unistd::mkfifo(to, Mode::from_bits_truncate(0o600)).map_err(|e| {
-            SnapshotError::Copy {
-                path: to.to_path_buf(),
-                source: io::Error::from_raw_os_error(e as i32),
-            }
-        })?;
+        nix::unistd::mkfifo(to, Mode::from_bits_truncate(0o600)).map_err(nix_copy_err(to))?;
+        fs::set_permissions(to, mode).map_err(copy_err(to))?;
     } else {
         return Ok(0); // sockets and device nodes cannot be carried; the cell could not make them
     }
-    if !file_type.is_symlink() {
-        fs::set_permissions(to, fs::Permissions::from_mode(meta.mode() & 0o7777))
-            .map_err(err(to))?;
+    if as_root {
+        std::os::unix::fs::lchown(to, owner.0, owner.1).map_err(copy_err(to))?;
     }
-    if nix::unistd::geteuid().is_root() {
-        std::os::unix::fs::lchown(to, Some(meta.uid()), Some(meta.gid())).map_err(err(to))?;
-    }
-    Ok(size)
+    Ok(0)
 }
 
 fn copy_overlay_xattrs(from: &Path, to: &Path) -> io::Result<()> {

@@ -1,0 +1,259 @@
+//! Workspace benchmark: on a tree of 10,000 files of which a cell changed 1,000, time `warden
+//! diff`, `snapshot`, `reset` (of the running cell) and `fork`, and cold start with a
+//! copy-on-write workspace beside one without. Each figure is the wall time of the whole
+//! `warden` command, as a user sees it.
+//!
+//! Usage: `workspace-ops [--runs N] [--warden PATH]` (as root or as an ordinary user).
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+const DIRS: usize = 100;
+const FILES_PER_DIR: usize = 100;
+const CHANGED: usize = 1000;
+
+fn warden(bin: &str, args: &[&str]) -> Result<Duration> {
+    let start = Instant::now();
+    let out = Command::new(bin)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("running {bin}"))?;
+    let took = start.elapsed();
+    if !out.status.success() {
+        bail!(
+            "warden {} failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(took)
+}
+
+fn make_tree(root: &Path) -> Result<()> {
+    let content = vec![b'x'; 1024];
+    for d in 0..DIRS {
+        let dir = root.join(format!("d{d:03}"));
+        std::fs::create_dir_all(&dir)?;
+        for f in 0..FILES_PER_DIR {
+            std::fs::write(dir.join(format!("f{f:03}.txt")), &content)?;
+        }
+    }
+    Ok(())
+}
+
+struct Stats {
+    name: &'static str,
+    samples: Vec<Duration>,
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let index = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[index.min(sorted.len().saturating_sub(1))]
+}
+
+fn main() -> Result<()> {
+    let mut runs = 15usize;
+    let mut bin = String::from("target/release/warden");
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--runs" => runs = args.next().context("--runs needs a number")?.parse()?,
+            "--warden" => bin = args.next().context("--warden needs a path")?,
+            other => {
+                bail!("unknown argument {other}; usage: workspace-ops [--runs N] [--warden PATH]")
+            }
+        }
+    }
+    let bin = std::fs::canonicalize(&bin)
+        .with_context(|| format!("{bin} not found; build with `cargo build --release`"))?;
+    let bin = bin.to_str().context("warden path is not UTF-8")?.to_owned();
+    let tmp = std::env::temp_dir().join(format!("warden-bench-ws-{}", std::process::id()));
+    let tree = tmp.join("tree");
+    make_tree(&tree)?;
+    let result = measure(&bin, &tree, runs);
+    let _ = std::fs::remove_dir_all(&tmp);
+    let stats = result?;
+    println!(
+        "workspace of {} files, {CHANGED} changed by the cell ({runs} runs each)",
+        DIRS * FILES_PER_DIR
+    );
+    println!();
+    println!(
+        "| {:<40} | {:>11} | {:>8} |",
+        "operation", "median (ms)", "p90 (ms)"
+    );
+    println!("|{:-<42}|{:->13}|{:->10}|", "", "", "");
+    let mut medians = Vec::new();
+    for mut s in stats {
+        s.samples.sort();
+        let median = percentile(&s.samples, 0.5);
+        medians.push((s.name, median));
+        println!(
+            "| {:<40} | {:>11.2} | {:>8.2} |",
+            s.name,
+            ms(median),
+            ms(percentile(&s.samples, 0.9))
+        );
+    }
+    let get = |name: &str| {
+        medians
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, d)| ms(*d))
+            .unwrap_or(0.0)
+    };
+    println!();
+    println!(
+        "fork beyond a plain cold start: {:.2} ms; overlay workspace beyond no workspace: {:.2} ms",
+        get("fork from a snapshot, run `true`") - get("cold start, no workspace"),
+        get("cold start, copy-on-write workspace") - get("cold start, no workspace"),
+    );
+    Ok(())
+}
+
+/// The warden's state directory, as it chooses it (see `Store::default_root`).
+fn state_dir() -> std::path::PathBuf {
+    if let Some(dir) = std::env::var_os("WARDEN_STATE_DIR") {
+        return dir.into();
+    }
+    let root =
+        std::fs::metadata("/proc/self").is_ok_and(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0);
+    if root {
+        return "/var/lib/warden".into();
+    }
+    match std::env::var_os("XDG_DATA_HOME") {
+        Some(dir) => Path::new(&dir).join("warden"),
+        None => {
+            Path::new(&std::env::var_os("HOME").unwrap_or_default()).join(".local/share/warden")
+        }
+    }
+}
+
+/// Waits (untimed) until a reset's old layer, removed in the background, is gone, so that the
+/// next measurement does not share the disk with it.
+fn settle(layer_dir: &Path) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::fs::read_dir(layer_dir)?
+        .flatten()
+        .any(|e| e.file_name().to_string_lossy().contains(".old-"))
+    {
+        if Instant::now() > deadline {
+            bail!("the old layers of a reset were not removed within 10 s");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Ok(())
+}
+
+fn measure(bin: &str, tree: &Path, runs: usize) -> Result<Vec<Stats>> {
+    let tree_str = tree.to_str().context("path is not UTF-8")?;
+    let cell = format!("bench-{}", std::process::id());
+    // The cell changes 1,000 files and stays up, so that diff, snapshot and reset see a live cell.
+    let script = format!(
+        "cd /workspace && n=0; for f in d0[0-9][0-9]/f00[0-9].txt; do echo changed > $f; n=$((n+1)); \
+         [ $n -ge {CHANGED} ] && break; done; echo ready; exec sleep 3600"
+    );
+    let mut child: Child = Command::new(bin)
+        .args([
+            "run",
+            "--rm",
+            "--name",
+            &cell,
+            "--workspace",
+            tree_str,
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()?;
+    {
+        use std::io::BufRead as _;
+        let stdout = child.stdout.take().context("no stdout")?;
+        let mut line = String::new();
+        std::io::BufReader::new(stdout).read_line(&mut line)?;
+        if line.trim() != "ready" {
+            bail!("the benchmark cell did not start: {line:?}");
+        }
+    }
+    let result = (|| -> Result<Vec<Stats>> {
+        let mut stats = vec![
+            Stats {
+                name: "diff (running cell, frozen while read)",
+                samples: Vec::new(),
+            },
+            Stats {
+                name: "snapshot (running cell)",
+                samples: Vec::new(),
+            },
+            Stats {
+                name: "reset to the start (running cell)",
+                samples: Vec::new(),
+            },
+            Stats {
+                name: "reset to a snapshot (running cell)",
+                samples: Vec::new(),
+            },
+            Stats {
+                name: "fork from a snapshot, run `true`",
+                samples: Vec::new(),
+            },
+            Stats {
+                name: "cold start, copy-on-write workspace",
+                samples: Vec::new(),
+            },
+            Stats {
+                name: "cold start, no workspace",
+                samples: Vec::new(),
+            },
+        ];
+        warden(bin, &["snapshot", &cell, "--as", "base"])?;
+        let layers = state_dir().join("layers").join(&cell);
+        let base = format!("{cell}@base");
+        for i in 0..runs {
+            stats[0]
+                .samples
+                .push(warden(bin, &["diff", &cell, "--stat"])?);
+            let snap = format!("s{i}");
+            stats[1]
+                .samples
+                .push(warden(bin, &["snapshot", &cell, "--as", &snap])?);
+            warden(bin, &["rm", &format!("{cell}@{snap}")])?;
+            stats[2].samples.push(warden(bin, &["reset", &cell])?);
+            settle(&layers)?;
+            stats[3]
+                .samples
+                .push(warden(bin, &["reset", &cell, "--to", "base"])?);
+            settle(&layers)?;
+            let fork = format!("{cell}-f{i}");
+            stats[4].samples.push(warden(
+                bin,
+                &["fork", &base, "--rm", "--name", &fork, "--", "true"],
+            )?);
+            stats[5].samples.push(warden(
+                bin,
+                &["run", "--rm", "--workspace", tree_str, "--", "true"],
+            )?);
+            stats[6]
+                .samples
+                .push(warden(bin, &["run", "--rm", "--", "true"])?);
+        }
+        Ok(stats)
+    })();
+    let _ = warden(bin, &["kill", &cell]);
+    let _ = child.wait();
+    let _ = warden(bin, &["rm", &cell]);
+    let _ = warden(bin, &["rm", &format!("{cell}@base")]);
+    result
+}
