@@ -220,6 +220,8 @@ enum Undo {
     Restore { path: PathBuf, backup: String },
     /// `path` had these permissions.
     Permissions { path: PathBuf, mode: u32 },
+    /// `path` and the staging entry `slot` were exchanged: exchange them back.
+    Exchange { path: PathBuf, slot: String },
 }
 
 struct Transaction<'a> {
@@ -257,6 +259,26 @@ impl Transaction<'_> {
             backup,
         });
         Ok(())
+    }
+
+    /// Atomically exchanges the staging entry `slot` with the host entry at `path`, naming each
+    /// by its own directory so that no path is resolved through a symlink.
+    fn exchange(&self, slot: &str, path: &Path) -> io::Result<()> {
+        let parent = match path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            Some(parent) => self.host.open_dir(parent)?,
+            None => self.host.try_clone()?,
+        };
+        let name = path
+            .file_name()
+            .ok_or_else(|| io::Error::other("a change without a file name"))?;
+        rustix::fs::renameat_with(
+            self.staging,
+            slot,
+            &parent,
+            name,
+            rustix::fs::RenameFlags::EXCHANGE,
+        )
+        .map_err(io::Error::from)
     }
 
     fn ensure_parent(&mut self, path: &Path) -> io::Result<()> {
@@ -347,18 +369,24 @@ impl Transaction<'_> {
                     chown(self.staging, Path::new(&slot), owner)?;
                 }
                 self.ensure_parent(&path)?;
-                let existing = self.host.symlink_metadata(&path).ok();
-                if existing.as_ref().is_some_and(|m| m.is_dir()) {
-                    self.back_up(&path)?; // a directory replaced by a file leaves first
-                } else if existing.is_some() {
-                    self.back_up(&path)?;
-                } else {
-                    self.undo.push(Undo::Remove {
+                match self.host.symlink_metadata(&path) {
+                    Ok(meta) if !meta.is_dir() => {
+                        // Swap the staged file and the host's in one atomic step: a reader sees
+                        // the old or the new file, and the old inode moves to staging untouched
+                        // (so an interrupted apply leaves no false conflict behind).
+                        self.exchange(&slot, &path)?;
+                        self.undo.push(Undo::Exchange {
+                            path: path.clone(),
+                            slot,
+                        });
+                        return Ok(());
+                    }
+                    Ok(_) => self.back_up(&path)?, // a directory replaced by a file leaves first
+                    Err(_) => self.undo.push(Undo::Remove {
                         path: path.clone(),
                         dir: false,
-                    });
+                    }),
                 }
-                // rename() replaces the old file atomically: a reader sees old or new, never torn.
                 self.host.rename(self.staged(&slot), self.host, &path)
             }
             (_, EntryKind::Special) => Err(io::Error::other("special files are never applied")),
@@ -407,6 +435,7 @@ impl Transaction<'_> {
                 Undo::Permissions { path, mode } => self
                     .host
                     .set_permissions(&path, Permissions::from_mode(mode)),
+                Undo::Exchange { path, slot } => self.exchange(&slot, &path),
             };
         }
     }

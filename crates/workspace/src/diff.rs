@@ -316,27 +316,20 @@ fn is_opaque(dir: &Path) -> bool {
 
 fn kind_of(meta: &Metadata) -> EntryKind {
     let t = meta.file_type();
-    if t.is_dir() {
-        EntryKind::Dir
-    } else if t.is_symlink() {
-        EntryKind::Symlink
-    } else if t.is_file() {
-        EntryKind::File
-    } else {
-        EntryKind::Special
-    }
+    entry_kind(t.is_dir(), t.is_symlink(), t.is_file())
 }
 
 fn lower_kind(meta: &cap_std::fs::Metadata) -> EntryKind {
     let t = meta.file_type();
-    if t.is_dir() {
-        EntryKind::Dir
-    } else if t.is_symlink() {
-        EntryKind::Symlink
-    } else if t.is_file() {
-        EntryKind::File
-    } else {
-        EntryKind::Special
+    entry_kind(t.is_dir(), t.is_symlink(), t.is_file())
+}
+
+fn entry_kind(dir: bool, symlink: bool, file: bool) -> EntryKind {
+    match (dir, symlink, file) {
+        (true, _, _) => EntryKind::Dir,
+        (_, true, _) => EntryKind::Symlink,
+        (_, _, true) => EntryKind::File,
+        _ => EntryKind::Special,
     }
 }
 

@@ -66,15 +66,13 @@ pub fn build(
     )
     .map_err(errno)
     .map_err(at("making mounts private at", Path::new("/")))?;
-    mount(
-        Some("tmpfs"),
+    mount_fs(
+        "mounting the cell root on",
+        "tmpfs",
         root,
-        Some("tmpfs"),
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
         Some("mode=0755,size=16m"),
-    )
-    .map_err(errno)
-    .map_err(at("mounting the cell root on", root))?;
+    )?;
 
     // Read-only entries first; the whole tree is then made read-only, nosuid and nodev in one
     // recursive step, and the writable mounts go on top of their (already created) mount points.
@@ -104,15 +102,7 @@ pub fn build(
         } = entry
         {
             let dst = inside(root, path);
-            mount(
-                Some(path),
-                &dst,
-                None::<&str>,
-                MsFlags::MS_BIND | MsFlags::MS_REC,
-                None::<&str>,
-            )
-            .map_err(errno)
-            .map_err(at("bind-mounting", path))?;
+            bind("bind-mounting", path, &dst, true)?;
             sys::restrict_mount(&dst, false).map_err(at("restricting mount", &dst))?;
         }
     }
@@ -124,6 +114,49 @@ pub fn build(
         hide(&inside(root, hidden))?;
     }
     pivot(root)
+}
+
+/// Mounts a file system of type `fstype` on `target`; the error names `step`.
+fn mount_fs(
+    step: &'static str,
+    fstype: &str,
+    target: &Path,
+    flags: MsFlags,
+    data: Option<&str>,
+) -> Result<(), SetupError> {
+    mount(Some(fstype), target, Some(fstype), flags, data)
+        .map_err(errno)
+        .map_err(at(step, target))
+}
+
+/// Bind-mounts `source` on `target` (with the mounts below it when `recursive`).
+fn bind(
+    step: &'static str,
+    source: &Path,
+    target: &Path,
+    recursive: bool,
+) -> Result<(), SetupError> {
+    let flags = if recursive {
+        MsFlags::MS_BIND | MsFlags::MS_REC
+    } else {
+        MsFlags::MS_BIND
+    };
+    mount(Some(source), target, None::<&str>, flags, None::<&str>)
+        .map_err(errno)
+        .map_err(at(step, source))
+}
+
+/// Changes the flags of the mount at `target` (a bind remount: this mount only).
+fn remount(step: &'static str, target: &Path, flags: MsFlags) -> Result<(), SetupError> {
+    mount(
+        None::<&str>,
+        target,
+        None::<&str>,
+        MsFlags::MS_REMOUNT | MsFlags::MS_BIND | flags,
+        None::<&str>,
+    )
+    .map_err(errno)
+    .map_err(at(step, target))
 }
 
 fn inside(root: &Path, path: &Path) -> PathBuf {
@@ -152,15 +185,7 @@ fn place(root: &Path, entry: &Entry) -> Result<(), SetupError> {
             if *writable {
                 return Ok(()); // mounted after the tree is made read-only
             }
-            mount(
-                Some(path),
-                &dst,
-                None::<&str>,
-                MsFlags::MS_BIND | MsFlags::MS_REC,
-                None::<&str>,
-            )
-            .map_err(errno)
-            .map_err(at("bind-mounting", path))
+            bind("bind-mounting", path, &dst, true)
         }
     }
 }
@@ -205,15 +230,13 @@ fn write_etc(plan: &CellPlan) -> Result<(), SetupError> {
 fn mount_tmp(root: &Path, size: u64) -> Result<(), SetupError> {
     let tmp = root.join("tmp");
     let options = format!("mode=1777,size={size}");
-    mount(
-        Some("tmpfs"),
+    mount_fs(
+        "mounting tmpfs on",
+        "tmpfs",
         &tmp,
-        Some("tmpfs"),
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
         Some(options.as_str()),
     )
-    .map_err(errno)
-    .map_err(at("mounting tmpfs on", &tmp))
 }
 
 fn mount_workspace(plan: &CellPlan, tree: Option<&std::os::fd::OwnedFd>) -> Result<(), SetupError> {
@@ -223,15 +246,13 @@ fn mount_workspace(plan: &CellPlan, tree: Option<&std::os::fd::OwnedFd>) -> Resu
             "mode=0755,uid={},gid={},size={}",
             plan.ids.inside_uid, plan.ids.inside_gid, plan.tmp_size
         );
-        return mount(
-            Some("tmpfs"),
+        return mount_fs(
+            "mounting the scratch workspace on",
+            "tmpfs",
             &dst,
-            Some("tmpfs"),
             MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
             Some(options.as_str()),
-        )
-        .map_err(errno)
-        .map_err(at("mounting the scratch workspace on", &dst));
+        );
     };
     if let Some(overlay) = &workspace.overlay {
         return mount_copy_on_write(&plan.root, &dst, workspace, overlay, tree);
@@ -239,28 +260,12 @@ fn mount_workspace(plan: &CellPlan, tree: Option<&std::os::fd::OwnedFd>) -> Resu
     match tree {
         Some(tree) => sys::move_mount_to(tree, &dst)
             .map_err(at("attaching the id-mapped workspace on", &dst))?,
-        None => mount(
-            Some(&workspace.host),
-            &dst,
-            None::<&str>,
-            MsFlags::MS_BIND | MsFlags::MS_REC,
-            None::<&str>,
-        )
-        .map_err(errno)
-        .map_err(at("bind-mounting the workspace", &workspace.host))?,
+        None => bind("bind-mounting the workspace", &workspace.host, &dst, true)?,
     }
     sys::restrict_mount(&dst, false).map_err(at("restricting mount", &dst))?;
     for rel in &workspace.protect {
         let path = dst.join(rel);
-        mount(
-            Some(&path),
-            &path,
-            None::<&str>,
-            MsFlags::MS_BIND | MsFlags::MS_REC,
-            None::<&str>,
-        )
-        .map_err(errno)
-        .map_err(at("protecting", &path))?;
+        bind("protecting", &path, &path, true)?;
         sys::restrict_mount(&path, true).map_err(at("protecting", &path))?;
     }
     Ok(())
@@ -277,15 +282,13 @@ fn mount_copy_on_write(
     tree: Option<&std::os::fd::OwnedFd>,
 ) -> Result<(), SetupError> {
     let hidden = inside(root, Path::new(overlay::HIDDEN));
-    mount(
-        Some("tmpfs"),
+    mount_fs(
+        "mounting tmpfs on",
+        "tmpfs",
         &hidden,
-        Some("tmpfs"),
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
         Some("mode=0700,size=16k"),
-    )
-    .map_err(errno)
-    .map_err(at("mounting tmpfs on", &hidden))?;
+    )?;
     let lower = inside(root, Path::new(overlay::LOWER));
     let layer = inside(root, Path::new(overlay::LAYER));
     let snapshots = inside(root, Path::new(overlay::SNAPSHOTS));
@@ -296,37 +299,23 @@ fn mount_copy_on_write(
         // Root mode: the id-mapped clone of the host directory.
         Some(tree) => sys::move_mount_to(tree, &lower)
             .map_err(at("attaching the id-mapped workspace on", &lower))?,
-        None => mount(
-            Some(&workspace.host),
-            &lower,
-            None::<&str>,
-            MsFlags::MS_BIND | MsFlags::MS_REC,
-            None::<&str>,
-        )
-        .map_err(errno)
-        .map_err(at("bind-mounting the workspace", &workspace.host))?,
+        None => bind("bind-mounting the workspace", &workspace.host, &lower, true)?,
     }
     sys::restrict_mount(&lower, true).map_err(at("making read-only", &lower))?;
-    mount(
-        Some(&overlay.layer_dir),
+    bind(
+        "bind-mounting the workspace layer",
+        &overlay.layer_dir,
         &layer,
-        None::<&str>,
-        MsFlags::MS_BIND,
-        None::<&str>,
-    )
-    .map_err(errno)
-    .map_err(at("bind-mounting the workspace layer", &overlay.layer_dir))?;
+        false,
+    )?;
     sys::restrict_mount(&layer, false).map_err(at("restricting mount", &layer))?;
     if !overlay.base.is_empty() {
-        mount(
-            Some(&overlay.snapshots_dir),
+        bind(
+            "bind-mounting the snapshots",
+            &overlay.snapshots_dir,
             &snapshots,
-            None::<&str>,
-            MsFlags::MS_BIND | MsFlags::MS_REC,
-            None::<&str>,
-        )
-        .map_err(errno)
-        .map_err(at("bind-mounting the snapshots", &overlay.snapshots_dir))?;
+            true,
+        )?;
         sys::restrict_mount(&snapshots, true).map_err(at("making read-only", &snapshots))?;
     }
     let mut lowers: Vec<PathBuf> = overlay
@@ -342,51 +331,37 @@ fn mount_copy_on_write(
 
 fn mount_dev(root: &Path) -> Result<(), SetupError> {
     let dev = root.join("dev");
-    mount(
-        Some("tmpfs"),
+    mount_fs(
+        "mounting tmpfs on",
+        "tmpfs",
         &dev,
-        Some("tmpfs"),
         MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
         Some("mode=0755,size=64k"),
-    )
-    .map_err(errno)
-    .map_err(at("mounting tmpfs on", &dev))?;
+    )?;
     for name in DEVICES {
         let src = Path::new("/dev").join(name);
         let dst = dev.join(name);
         mountpoint(&dst, false)?;
-        mount(
-            Some(&src),
-            &dst,
-            None::<&str>,
-            MsFlags::MS_BIND,
-            None::<&str>,
-        )
-        .map_err(errno)
-        .map_err(at("bind-mounting", &src))?;
+        bind("bind-mounting", &src, &dst, false)?;
     }
     let pts = dev.join("pts");
     fs::create_dir_all(&pts).map_err(at("creating directory", &pts))?;
-    mount(
-        Some("devpts"),
+    mount_fs(
+        "mounting devpts on",
+        "devpts",
         &pts,
-        Some("devpts"),
         MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
         Some("newinstance,ptmxmode=0666,mode=0620"),
-    )
-    .map_err(errno)
-    .map_err(at("mounting devpts on", &pts))?;
+    )?;
     let shm = dev.join("shm");
     fs::create_dir_all(&shm).map_err(at("creating directory", &shm))?;
-    mount(
-        Some("tmpfs"),
+    mount_fs(
+        "mounting tmpfs on",
+        "tmpfs",
         &shm,
-        Some("tmpfs"),
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
         Some("mode=1777,size=64m"),
-    )
-    .map_err(errno)
-    .map_err(at("mounting tmpfs on", &shm))?;
+    )?;
     for (link, target) in [
         ("ptmx", "pts/ptmx"),
         ("fd", "/proc/self/fd"),
@@ -397,44 +372,26 @@ fn mount_dev(root: &Path) -> Result<(), SetupError> {
         let path = dev.join(link);
         symlink(target, &path).map_err(at("creating symlink", &path))?;
     }
-    mount(
-        None::<&str>,
+    remount(
+        "making read-only",
         &dev,
-        None::<&str>,
-        MsFlags::MS_REMOUNT
-            | MsFlags::MS_BIND
-            | MsFlags::MS_RDONLY
-            | MsFlags::MS_NOSUID
-            | MsFlags::MS_NOEXEC,
-        None::<&str>,
+        MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
     )
-    .map_err(errno)
-    .map_err(at("making read-only", &dev))
 }
 
 fn mount_proc(root: &Path) -> Result<(), SetupError> {
     let proc = root.join("proc");
-    mount(
-        Some("proc"),
+    mount_fs(
+        "mounting proc on",
+        "proc",
         &proc,
-        Some("proc"),
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
-        None::<&str>,
-    )
-    .map_err(errno)
-    .map_err(at("mounting proc on", &proc))?;
+        None,
+    )?;
     for name in PROC_READ_ONLY {
         let path = proc.join(name);
         if path.exists() {
-            mount(
-                Some(&path),
-                &path,
-                None::<&str>,
-                MsFlags::MS_BIND | MsFlags::MS_REC,
-                None::<&str>,
-            )
-            .map_err(errno)
-            .map_err(at("bind-mounting", &path))?;
+            bind("bind-mounting", &path, &path, true)?;
             sys::restrict_mount(&path, true).map_err(at("making read-only", &path))?;
         }
     }
@@ -453,25 +410,15 @@ fn hide(path: &Path) -> Result<(), SetupError> {
         return Ok(());
     };
     if meta.is_dir() {
-        mount(
-            Some("tmpfs"),
+        mount_fs(
+            "masking",
+            "tmpfs",
             path,
-            Some("tmpfs"),
             MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
             Some("size=0,mode=0555"),
         )
-        .map_err(errno)
-        .map_err(at("masking", path))
     } else {
-        mount(
-            Some("/dev/null"),
-            path,
-            None::<&str>,
-            MsFlags::MS_BIND,
-            None::<&str>,
-        )
-        .map_err(errno)
-        .map_err(at("masking", path))?;
+        bind("masking", Path::new("/dev/null"), path, false)?;
         sys::restrict_mount(path, true).map_err(at("masking", path))
     }
 }

@@ -77,19 +77,21 @@ pub fn set_no_new_privs() -> io::Result<()> {
     check(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) }.into()).map(drop)
 }
 
+/// `struct mount_attr` of mount_setattr(2).
+#[repr(C)]
+struct MountAttr {
+    attr_set: u64,
+    attr_clr: u64,
+    propagation: u64,
+    userns_fd: u64,
+}
+
 /// Makes the mount at `path` and every mount below it nosuid and nodev, and read-only when
 /// `read_only` is set.
 ///
 /// `mount_setattr` (unlike a `MS_REMOUNT`) applies to the whole subtree and keeps the flags the
 /// kernel locked on mounts inherited from a more privileged namespace.
 pub fn restrict_mount(path: &Path, read_only: bool) -> io::Result<()> {
-    #[repr(C)]
-    struct MountAttr {
-        attr_set: u64,
-        attr_clr: u64,
-        propagation: u64,
-        userns_fd: u64,
-    }
     const MOUNT_ATTR_RDONLY: u64 = 0x1;
     const MOUNT_ATTR_NOSUID: u64 = 0x2;
     const MOUNT_ATTR_NODEV: u64 = 0x4;
@@ -120,13 +122,6 @@ pub fn restrict_mount(path: &Path, read_only: bool) -> io::Result<()> {
 /// Clones the mount tree at `path` into a detached mount whose owners are translated through the
 /// user namespace `userns` (an idmapped mount). Attach it with [`move_mount_to`].
 pub fn idmapped_clone(path: &Path, userns: &OwnedFd) -> io::Result<OwnedFd> {
-    #[repr(C)]
-    struct MountAttr {
-        attr_set: u64,
-        attr_clr: u64,
-        propagation: u64,
-        userns_fd: u64,
-    }
     const OPEN_TREE_CLONE: libc::c_uint = 1;
     const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
     let cpath = cstring(path)?;
