@@ -137,6 +137,16 @@ fn state_dir() -> std::path::PathBuf {
     }
 }
 
+/// Writes back (untimed) what earlier steps left dirty, so that a copying step is not charged
+/// for the previous step's disk writes.
+fn quiesce() -> Result<()> {
+    let status = Command::new("sync").status()?;
+    if !status.success() {
+        bail!("sync failed");
+    }
+    Ok(())
+}
+
 /// Waits (untimed) until a reset's old layer, removed in the background, is gone, so that the
 /// next measurement does not share the disk with it.
 fn settle(layer_dir: &Path) -> Result<()> {
@@ -226,12 +236,14 @@ fn measure(bin: &str, tree: &Path, runs: usize) -> Result<Vec<Stats>> {
                 .samples
                 .push(warden(bin, &["diff", &cell, "--stat"])?);
             let snap = format!("s{i}");
+            quiesce()?;
             stats[1]
                 .samples
                 .push(warden(bin, &["snapshot", &cell, "--as", &snap])?);
             warden(bin, &["rm", &format!("{cell}@{snap}")])?;
             stats[2].samples.push(warden(bin, &["reset", &cell])?);
             settle(&layers)?;
+            quiesce()?;
             stats[3]
                 .samples
                 .push(warden(bin, &["reset", &cell, "--to", "base"])?);

@@ -88,6 +88,12 @@ pub enum Command {
     Resume { name: String },
     /// End every process of a cell.
     Kill { name: String },
+    /// Show the egress gateway's decisions for a cell (running or stopped).
+    Net {
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
     /// Check or explain a policy.
     Policy {
         #[command(subcommand)]

@@ -37,11 +37,23 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             if name.contains('@') {
                 snapshot::remove(&store()?, &name)?;
             } else {
-                changes::remove(&registry()?, &store()?, &name)?;
+                let store = store()?;
+                // A cell that only has an egress log left still counts as something to remove.
+                let log = store.net_log_path(&name);
+                let had_log = warden_cell::linux::plan::check_name(&name).is_ok() && log.exists();
+                match changes::remove(&registry()?, &store, &name) {
+                    Err(changes::ChangesError::NoLayer(_)) if had_log => {}
+                    other => other?,
+                }
+                if had_log {
+                    std::fs::remove_file(&log)
+                        .with_context(|| format!("removing {}", log.display()))?;
+                }
             }
             println!("removed {name}");
             Ok(0)
         }
+        Command::Net { name, json } => net(&name, json),
         Command::Snapshot { name, as_name } => {
             let info = snapshot::take(&registry()?, &store()?, &name, as_name.as_deref())?;
             println!("{} ({} bytes)", info.id, info.size);
@@ -319,6 +331,39 @@ fn describe(change: &Change) -> String {
         line.push_str(&format!("  x refused: {reason}"));
     }
     line
+}
+
+fn net(name: &str, json: bool) -> Result<i32> {
+    warden_cell::linux::plan::check_name(name)?;
+    let path = store()?.net_log_path(name);
+    let decisions = warden_egress::read_log(&path).with_context(|| {
+        format!(
+            "cell `{name}` has no egress record (its policy lets nothing out, or it was removed)"
+        )
+    })?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&decisions)?);
+        return Ok(0);
+    }
+    println!(
+        "{:<8} {:<6} {:<40} {:<8} {:>10} {:>10}  RULE / REASON",
+        "VERDICT", "KIND", "DESTINATION", "METHOD", "UP", "DOWN"
+    );
+    for d in &decisions {
+        let destination = format!("{}:{}{}", d.host, d.port, d.path.as_deref().unwrap_or(""));
+        println!(
+            "{:<8} {:<6} {:<40} {:<8} {:>10} {:>10}  {}: {}",
+            if d.allowed { "allow" } else { "DENY" },
+            d.kind,
+            destination,
+            d.method.as_deref().unwrap_or("-"),
+            d.bytes_up,
+            d.bytes_down,
+            d.rule,
+            d.reason
+        );
+    }
+    Ok(0)
 }
 
 fn snapshots(json: bool) -> Result<i32> {

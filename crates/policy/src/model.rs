@@ -298,11 +298,43 @@ fn cpus<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<f64>, D::Er
     }
 }
 
-/// Network section. Cells have loopback only; the egress gateway will add rules here.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+/// Network section: what the egress gateway lets out. Without rules and with `default: deny`
+/// the cell has loopback only and no gateway at all.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Network {
+    /// What happens to a connection no rule matches.
     pub default: NetworkDefault,
+    /// Destinations let through. Deny rules win over allow rules.
+    pub allow: Vec<NetRule>,
+    pub deny: Vec<NetRule>,
+    /// Reserved for the approval queue.
+    pub ask: Vec<NetRule>,
+}
+
+impl Network {
+    /// Whether the cell gets an egress gateway at all.
+    pub fn has_gateway(&self) -> bool {
+        self.default == NetworkDefault::Allow || !self.allow.is_empty()
+    }
+}
+
+/// One network rule.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetRule {
+    /// A host name (`pypi.org`), a glob of subdomains (`*.githubusercontent.com`), an IP address
+    /// or a CIDR block.
+    pub host: String,
+    /// Ports the rule covers; empty covers every port.
+    #[serde(default)]
+    pub ports: Vec<u16>,
+    /// HTTP methods (plain HTTP requests only in this version); empty covers all.
+    #[serde(default)]
+    pub methods: Vec<String>,
+    /// URL path globs such as `/simple/**` (plain HTTP only); empty covers all.
+    #[serde(default)]
+    pub paths: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]

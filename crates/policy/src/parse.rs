@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::model::{NetworkDefault, Policy};
+use crate::model::Policy;
 
 /// Why a policy could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -84,12 +84,49 @@ fn validate(origin: &str, policy: &Policy) -> Result<(), PolicyError> {
         field,
         message: message.to_owned(),
     };
-    if policy.network.default == NetworkDefault::Allow {
+    if !policy.network.ask.is_empty() {
         return Err(invalid(
-            "network.default",
-            "`allow` needs the egress gateway, which this version of warden does not have yet; \
-             cells get loopback only (write `default: deny`)",
+            "network.ask",
+            "`ask` rules need the approval queue of the warden daemon, which this version does \
+             not have yet; use allow or deny",
         ));
+    }
+    for (list, rules) in [
+        ("network.allow", &policy.network.allow),
+        ("network.deny", &policy.network.deny),
+    ] {
+        for rule in rules {
+            let host = rule.host.as_str();
+            let valid = !host.is_empty()
+                && host
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b".-*:/".contains(&b))
+                && (!host.contains('*') || (host.starts_with("*.") && !host[2..].contains('*')));
+            if !valid {
+                return Err(invalid(
+                    list,
+                    &format!(
+                        "host `{host}` must be a host name, `*.domain`, an IP address or a CIDR block"
+                    ),
+                ));
+            }
+            if let Some(method) = rule
+                .methods
+                .iter()
+                .find(|m| m.is_empty() || !m.bytes().all(|b| b.is_ascii_uppercase()))
+            {
+                return Err(invalid(
+                    list,
+                    &format!("method `{method}` must be an upper-case HTTP method like GET"),
+                ));
+            }
+            if let Some(path) = rule.paths.iter().find(|p| !p.starts_with('/')) {
+                return Err(invalid(list, &format!("path `{path}` must start with /")));
+            }
+            if rule.ports.contains(&0) {
+                return Err(invalid(list, "port 0 is not a port"));
+            }
+        }
     }
     if !policy.credentials.is_empty() {
         return Err(invalid(
@@ -199,10 +236,10 @@ mod tests {
 
     #[test]
     fn reserved_features_are_named() {
-        let err = from_yaml("p.yaml", "version: 1\nnetwork:\n  default: allow\n")
+        let err = from_yaml("p.yaml", "version: 1\nnetwork:\n  ask: [{host: x.org}]\n")
             .unwrap_err()
             .to_string();
-        assert!(err.contains("egress gateway"), "{err}");
+        assert!(err.contains("approval queue"), "{err}");
         let err = from_yaml(
             "p.yaml",
             "version: 1\nfilesystem:\n  workspace:\n    protect: ['../x']\n",

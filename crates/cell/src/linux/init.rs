@@ -21,6 +21,7 @@ use super::{confine, rootfs, sys};
 const SYNC_FD: RawFd = 3;
 const STATUS_FD: RawFd = 4;
 const TREE_FD: RawFd = 5;
+const GATEWAY_FD: RawFd = 6;
 
 /// Signals the init passes on to the command's process group.
 const FORWARDED: [Signal; 6] = [
@@ -41,6 +42,8 @@ pub struct InitFds {
     pub sync: RawFd,
     pub status: RawFd,
     pub tree: Option<RawFd>,
+    /// A unix socket on which the init sends back the egress gateway's listening socket.
+    pub gateway: Option<RawFd>,
 }
 
 /// Outcome codes sent on the status pipe.
@@ -96,6 +99,7 @@ fn arrange_fds(fds: &InitFds) -> SetupResult<()> {
     let sync = high(fds.sync)?;
     let status = high(fds.status)?;
     let tree = fds.tree.map(high).transpose()?;
+    let gateway = fds.gateway.map(high).transpose()?;
     let place = |from, to| sys::dup_onto(from, to).map_err(failed("arranging descriptors"));
     place(stdin, 0)?;
     place(stdout, 1)?;
@@ -105,10 +109,18 @@ fn arrange_fds(fds: &InitFds) -> SetupResult<()> {
     if let Some(tree) = tree {
         place(tree, TREE_FD)?;
     }
-    // Every other inherited descriptor goes.
-    sys::close_from(if tree.is_some() { TREE_FD + 1 } else { TREE_FD })
-        .map_err(failed("closing inherited descriptors"))?;
-    for fd in [SYNC_FD, STATUS_FD, TREE_FD] {
+    if let Some(gateway) = gateway {
+        place(gateway, GATEWAY_FD)?;
+    }
+    // Every other inherited descriptor goes (the optional slots too, when unused).
+    sys::close_from(GATEWAY_FD + 1).map_err(failed("closing inherited descriptors"))?;
+    if tree.is_none() {
+        sys::close_quietly(TREE_FD);
+    }
+    if gateway.is_none() {
+        sys::close_quietly(GATEWAY_FD);
+    }
+    for fd in [SYNC_FD, STATUS_FD, TREE_FD, GATEWAY_FD] {
         let _ = sys::set_cloexec(fd);
     }
     Ok(())
@@ -137,6 +149,9 @@ fn setup_and_start(plan: &CellPlan, fds: &InitFds) -> SetupResult<Started> {
     }
     sethostname(&plan.hostname).map_err(failed("setting the host name"))?;
     sys::loopback_up().map_err(failed("bringing up loopback"))?;
+    if fds.gateway.is_some() {
+        hand_over_gateway_socket()?;
+    }
     confine::confine(plan, !in_cgroup).map_err(|e| (SETUP_FAILED, e.to_string()))?;
     setsid().map_err(failed("starting a new session"))?;
 
@@ -182,6 +197,28 @@ fn setup_and_start(plan: &CellPlan, fds: &InitFds) -> SetupResult<Started> {
         signals,
         lifeline: sync,
     })
+}
+
+/// Opens the egress gateway's listening socket in the cell's network namespace and hands it to
+/// the warden, which serves it from outside. No process of the cell keeps it: the init closes
+/// its copy, and the port stays taken, so nothing in the cell can listen there instead.
+fn hand_over_gateway_socket() -> SetupResult<()> {
+    use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
+    use std::os::fd::AsRawFd as _;
+    let listener = std::net::TcpListener::bind(("127.0.0.1", warden_egress::GATEWAY_PORT))
+        .map_err(failed("opening the egress gateway's port"))?;
+    let channel = owned(GATEWAY_FD);
+    let fds = [listener.as_raw_fd()];
+    let iov = [std::io::IoSlice::new(b"g")];
+    sendmsg::<()>(
+        channel.as_raw_fd(),
+        &iov,
+        &[ControlMessage::ScmRights(&fds)],
+        MsgFlags::empty(),
+        None,
+    )
+    .map_err(failed("handing the gateway socket to the warden"))?;
+    Ok(())
 }
 
 /// Blocks until the warden sends the next go-ahead byte; a closed pipe means the warden gave

@@ -90,6 +90,8 @@ pub enum RunError {
     },
     #[error("cell setup failed: {0}")]
     Setup(String),
+    #[error(transparent)]
+    Egress(#[from] warden_egress::RulesError),
     #[error(
         "creating the cell's namespaces failed: {source}; this kernel or user may lack user namespaces (run `warden doctor`)"
     )]
@@ -222,6 +224,29 @@ pub fn run(
             env.push((key.into(), value));
         }
     }
+    // The egress gateway, when the policy lets anything out: rules are compiled before the
+    // cell exists, and proxy-aware clients are pointed at the gateway's port on loopback.
+    let gateway_rules = if policy.network.has_gateway() {
+        let proxy = format!("http://127.0.0.1:{}", warden_egress::GATEWAY_PORT);
+        for key in [
+            "HTTP_PROXY",
+            "HTTPS_PROXY",
+            "ALL_PROXY",
+            "http_proxy",
+            "https_proxy",
+            "all_proxy",
+        ] {
+            env.retain(|(k, _)| k != key);
+            env.push((key.into(), proxy.clone().into()));
+        }
+        for key in ["NO_PROXY", "no_proxy"] {
+            env.retain(|(k, _)| k != key);
+            env.push((key.into(), "localhost,127.0.0.1,::1".into()));
+        }
+        Some(warden_egress::Rules::compile(&policy.network)?)
+    } else {
+        None
+    };
     for (key, value) in &request.env {
         env.retain(|(k, _)| k != key.as_str());
         env.push((key.into(), value.into()));
@@ -259,7 +284,12 @@ pub fn run(
     let (stderr_r, stderr_w) = sys::pipe().map_err(os("creating pipes"))?;
     let (sync_r, sync_w) = sys::pipe().map_err(os("creating pipes"))?;
     let (status_r, status_w) = sys::pipe().map_err(os("creating pipes"))?;
+    let gateway_channel = match &gateway_rules {
+        Some(_) => Some(sys::seqpacket_pair().map_err(os("creating the gateway channel"))?),
+        None => None,
+    };
     let fds = InitFds {
+        gateway: gateway_channel.as_ref().map(|(_, child)| child.as_raw_fd()),
         stdin: stdin_r.as_raw_fd(),
         stdout: stdout_w.as_raw_fd(),
         stderr: stderr_w.as_raw_fd(),
@@ -305,6 +335,7 @@ pub fn run(
         pid: Some(pid),
     };
     drop((stdin_r, stdout_w, stderr_w, sync_r, status_w, tree));
+    let gateway_channel = gateway_channel.map(|(warden_end, _child_end)| warden_end);
 
     let started = Instant::now();
     let pidfd = sys::pidfd_open(pid.as_raw()).map_err(os("opening a pidfd for the cell"))?;
@@ -386,6 +417,17 @@ pub fn run(
         };
     }
 
+    if let (Some(rules), Some(channel)) = (gateway_rules, &gateway_channel) {
+        let listener = std::net::TcpListener::from(
+            sys::receive_fd(channel).map_err(os("receiving the gateway socket"))?,
+        );
+        let log = store
+            .net_log(&name)
+            .map_err(os("creating the egress log"))?;
+        warden_egress::Gateway::new(rules, &log, &name)
+            .map_err(os("opening the egress log"))?
+            .serve(listener);
+    }
     let signals = SignalFd::with_flags(&forwarded, SfdFlags::SFD_CLOEXEC)
         .map_err(nix_os("creating a signalfd"))?;
     spawn_stdin_pump(stdin_w);

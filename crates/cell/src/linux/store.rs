@@ -71,6 +71,26 @@ impl Store {
         Layer::at(self.root.join("layers").join(name))
     }
 
+    /// The egress decisions of cell `name`, kept after it stops.
+    pub fn net_log_path(&self, name: &str) -> PathBuf {
+        self.root.join("net").join(format!("{name}.jsonl"))
+    }
+
+    /// A fresh egress log for a new cell `name` (an older cell's log of that name is dropped).
+    pub fn net_log(&self, name: &str) -> io::Result<PathBuf> {
+        let dir = self.root.join("net");
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&dir)?;
+        let path = self.net_log_path(name);
+        match fs::remove_file(&path) {
+            Err(err) if err.kind() != io::ErrorKind::NotFound => return Err(err),
+            _ => {}
+        }
+        Ok(path)
+    }
+
     /// Every kept layer, by cell name.
     pub fn layers(&self) -> Vec<(String, LayerMeta)> {
         let Ok(entries) = fs::read_dir(self.root.join("layers")) else {

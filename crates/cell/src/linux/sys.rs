@@ -302,3 +302,58 @@ pub fn unblock_signals_on_exec(command: &mut std::process::Command) {
         });
     }
 }
+
+/// Closes `fd` if it is open; a descriptor slot the caller knows nothing else uses.
+pub fn close_quietly(fd: RawFd) {
+    // SAFETY: only called by the cell's init for its own fixed descriptor slots, which no Rust
+    // object owns; EBADF for a slot that is already closed is ignored.
+    unsafe {
+        libc::close(fd);
+    }
+}
+
+/// A connected pair of unix datagram-sequence sockets, both close-on-exec.
+pub fn seqpacket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as RawFd; 2];
+    // SAFETY: `fds` has room for the two descriptors socketpair writes.
+    check(
+        unsafe {
+            libc::socketpair(
+                libc::AF_UNIX,
+                libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
+                0,
+                fds.as_mut_ptr(),
+            )
+        }
+        .into(),
+    )?;
+    // SAFETY: the kernel returned two fresh descriptors that nothing else owns.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// Receives one descriptor sent with SCM_RIGHTS on `channel`.
+pub fn receive_fd(channel: &OwnedFd) -> io::Result<OwnedFd> {
+    use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
+    let mut byte = [0u8; 1];
+    let mut iov = [io::IoSliceMut::new(&mut byte)];
+    let mut space = nix::cmsg_space!([RawFd; 1]);
+    let msg = recvmsg::<()>(
+        channel.as_raw_fd(),
+        &mut iov,
+        Some(&mut space),
+        MsgFlags::MSG_CMSG_CLOEXEC,
+    )
+    .map_err(|e| io::Error::from_raw_os_error(e as i32))?;
+    for cmsg in msg
+        .cmsgs()
+        .map_err(|e| io::Error::from_raw_os_error(e as i32))?
+    {
+        if let ControlMessageOwned::ScmRights(fds) = cmsg {
+            if let Some(fd) = fds.first() {
+                // SAFETY: the kernel installed this descriptor in our table for us alone.
+                return Ok(unsafe { OwnedFd::from_raw_fd(*fd) });
+            }
+        }
+    }
+    Err(io::Error::other("no descriptor was received"))
+}

@@ -1,0 +1,20 @@
+//! The egress gateway: the only way out of a cell. It runs in the warden, outside the cell,
+//! decides every connection by the policy's network rules (deny wins, private destinations need
+//! a rule that names them), answers refusals with a 403 whose JSON body names the reason, and
+//! records every decision.
+//!
+//! It must never let a connection out that no rule allows, and never trust what the cell says
+//! about a destination beyond what it checks itself (host syntax, resolved addresses).
+
+mod host;
+mod proxy;
+mod record;
+mod rules;
+
+pub use host::{Host, HostError};
+pub use proxy::Gateway;
+pub use record::{Decision, read_log};
+pub use rules::{Request, Rules, RulesError, Verdict};
+
+/// Port the gateway listens on inside the cell's loopback.
+pub const GATEWAY_PORT: u16 = 3128;

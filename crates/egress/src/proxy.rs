@@ -1,0 +1,402 @@
+//! The HTTP proxy the cell's clients talk to: CONNECT tunnels and plain HTTP requests in
+//! absolute form. One request per connection (a kept-alive connection cannot smuggle a second
+//! request to another host), headers bounded in size and time, ambiguous framing refused.
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::host::{Host, split_authority};
+use crate::record::{Decision, Log};
+use crate::rules::{Request, Rules, Verdict};
+
+const MAX_HEAD: usize = 64 * 1024;
+const MAX_HEADERS: usize = 100;
+const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+const IDLE_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// A running gateway for one cell.
+#[derive(Debug, Clone)]
+pub struct Gateway {
+    rules: Arc<Rules>,
+    log: Arc<Log>,
+    cell: String,
+}
+
+impl Gateway {
+    pub fn new(rules: Rules, log_path: &Path, cell: &str) -> io::Result<Self> {
+        Ok(Self {
+            rules: Arc::new(rules),
+            log: Arc::new(Log::open(log_path)?),
+            cell: cell.to_owned(),
+        })
+    }
+
+    /// Accepts connections on `listener` (a socket in the cell's network namespace) until it
+    /// fails; each connection is served on its own thread, so a slow client stalls nobody else.
+    pub fn serve(self, listener: TcpListener) -> std::thread::JoinHandle<()> {
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(conn) = conn else { continue };
+                let gateway = self.clone();
+                std::thread::spawn(move || gateway.handle(conn));
+            }
+        })
+    }
+
+    fn record(
+        &self,
+        kind: &str,
+        host: &str,
+        port: u16,
+        http: Option<(&str, &str)>,
+        verdict: &Verdict,
+    ) -> Decision {
+        Decision {
+            time_unix_ms: Decision::now_ms(),
+            cell: self.cell.clone(),
+            kind: kind.to_owned(),
+            host: host.to_owned(),
+            port,
+            method: http.map(|(m, _)| m.to_owned()),
+            path: http.map(|(_, p)| p.to_owned()),
+            allowed: verdict.allowed,
+            rule: verdict.rule.clone(),
+            reason: verdict.reason.clone(),
+            address: None,
+            bytes_up: 0,
+            bytes_down: 0,
+        }
+    }
+
+    fn handle(&self, mut conn: TcpStream) {
+        let _ = conn.set_read_timeout(Some(HEAD_TIMEOUT));
+        let (head, rest) = match read_head(&mut conn) {
+            Ok(parts) => parts,
+            Err(HeadError::TooLarge) => {
+                return reply(
+                    &mut conn,
+                    431,
+                    "Request Header Fields Too Large",
+                    &json!({"error": "request headers larger than 64 KiB"}),
+                );
+            }
+            Err(HeadError::Io) => return,
+        };
+        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut request = httparse::Request::new(&mut headers);
+        let parsed = request.parse(&head);
+        let (Ok(httparse::Status::Complete(_)), Some(method), Some(target)) =
+            (parsed, request.method, request.path)
+        else {
+            return reply(
+                &mut conn,
+                400,
+                "Bad Request",
+                &json!({"error": "malformed HTTP request"}),
+            );
+        };
+        let method = method.to_owned();
+        let target = target.to_owned();
+        let header_list: Vec<(String, Vec<u8>)> = request
+            .headers
+            .iter()
+            .map(|h| (h.name.to_ascii_lowercase(), h.value.to_vec()))
+            .collect();
+        if method == "CONNECT" {
+            self.tunnel(conn, &target, rest);
+        } else {
+            self.forward(conn, &method, &target, &header_list, rest);
+        }
+    }
+
+    fn deny(&self, conn: &mut TcpStream, decision: &Decision) {
+        self.log.write(decision);
+        let body = json!({
+            "error": "blocked by the warden egress policy",
+            "destination": format!("{}:{}", decision.host, decision.port),
+            "method": decision.method,
+            "path": decision.path,
+            "rule": decision.rule,
+            "reason": decision.reason,
+        });
+        reply(conn, 403, "Forbidden", &body);
+    }
+
+    fn refuse(&self, conn: &mut TcpStream, kind: &str, target: &str, reason: String) {
+        let verdict = Verdict {
+            allowed: false,
+            rule: "syntax".to_owned(),
+            reason,
+        };
+        let decision = self.record(kind, target, 0, None, &verdict);
+        self.deny(conn, &decision);
+    }
+
+    /// Resolves (once) and connects to the first address the rules allow: the connection is
+    /// pinned to the address that was checked.
+    fn connect(&self, host: &Host, port: u16) -> Result<(TcpStream, SocketAddr), String> {
+        let candidates: Vec<SocketAddr> = match host {
+            Host::Ip(ip) => vec![SocketAddr::new(*ip, port)],
+            Host::Name(name) => (name.as_str(), port)
+                .to_socket_addrs()
+                .map_err(|e| format!("cannot resolve {name}: {e}"))?
+                .collect(),
+        };
+        let allowed: Vec<SocketAddr> = candidates
+            .iter()
+            .copied()
+            .filter(|a| self.rules.address_allowed(host, a.ip(), port))
+            .collect();
+        if allowed.is_empty() {
+            let shown: Vec<String> = candidates.iter().map(|a| a.ip().to_string()).collect();
+            return Err(format!(
+                "{} resolves to a private, loopback, link-local or metadata address ({}) that no rule names",
+                host.as_text(),
+                shown.join(", ")
+            ));
+        }
+        let mut last = String::new();
+        for addr in allowed {
+            match TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT) {
+                Ok(stream) => return Ok((stream, addr)),
+                Err(e) => last = format!("connecting to {addr}: {e}"),
+            }
+        }
+        Err(last)
+    }
+
+    fn tunnel(&self, mut conn: TcpStream, target: &str, early: Vec<u8>) {
+        let (host, port) = match split_authority(target, 443) {
+            Ok(parts) => parts,
+            Err(e) => return self.refuse(&mut conn, "connect", target, e.to_string()),
+        };
+        let verdict = self.rules.decide(&Request {
+            host: &host,
+            port,
+            http: None,
+        });
+        let mut decision = self.record("connect", &host.as_text(), port, None, &verdict);
+        if !verdict.allowed {
+            return self.deny(&mut conn, &decision);
+        }
+        let (upstream, addr) = match self.connect(&host, port) {
+            Ok(pair) => pair,
+            Err(reason) => {
+                decision.allowed = false;
+                decision.reason = reason;
+                return self.deny(&mut conn, &decision);
+            }
+        };
+        decision.address = Some(addr.to_string());
+        if conn
+            .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            .is_err()
+        {
+            return;
+        }
+        let (up, down) = splice(conn, upstream, &early);
+        decision.bytes_up = up;
+        decision.bytes_down = down;
+        self.log.write(&decision);
+    }
+
+    fn forward(
+        &self,
+        mut conn: TcpStream,
+        method: &str,
+        target: &str,
+        headers: &[(String, Vec<u8>)],
+        early: Vec<u8>,
+    ) {
+        let Some(rest) = target.strip_prefix("http://") else {
+            let reason = if target.starts_with("https://") {
+                "HTTPS goes through CONNECT; set HTTPS_PROXY".to_owned()
+            } else {
+                format!("`{target}` is not an absolute http:// URL; this is a proxy")
+            };
+            return self.refuse(&mut conn, "http", target, reason);
+        };
+        let (authority, path) = match rest.find('/') {
+            Some(i) => (&rest[..i], &rest[i..]),
+            None => (rest, "/"),
+        };
+        let (host, port) = match split_authority(authority, 80) {
+            Ok(parts) => parts,
+            Err(e) => return self.refuse(&mut conn, "http", target, e.to_string()),
+        };
+        let header = |name: &str| {
+            headers
+                .iter()
+                .filter(|(n, _)| n == name)
+                .map(|(_, v)| v.as_slice())
+                .collect::<Vec<_>>()
+        };
+        // Ambiguous framing is how requests are smuggled past a proxy.
+        let lengths = header("content-length");
+        if !header("transfer-encoding").is_empty() {
+            let reason = if lengths.is_empty() {
+                "chunked request bodies are not supported by this gateway; send Content-Length"
+            } else {
+                "both Content-Length and Transfer-Encoding: refused as request smuggling"
+            };
+            return self.refuse(&mut conn, "http", target, reason.to_owned());
+        }
+        let length: u64 = match lengths.as_slice() {
+            [] => 0,
+            [one] => match std::str::from_utf8(one)
+                .ok()
+                .and_then(|s| s.trim().parse().ok())
+            {
+                Some(n) => n,
+                None => {
+                    return self.refuse(
+                        &mut conn,
+                        "http",
+                        target,
+                        "invalid Content-Length".to_owned(),
+                    );
+                }
+            },
+            _ => {
+                return self.refuse(
+                    &mut conn,
+                    "http",
+                    target,
+                    "several Content-Length headers: refused as request smuggling".to_owned(),
+                );
+            }
+        };
+        if let Some(host_header) = header("host").first() {
+            let named = std::str::from_utf8(host_header)
+                .ok()
+                .and_then(|h| split_authority(h, 80).ok());
+            if named.as_ref() != Some(&(host.clone(), port)) {
+                return self.refuse(
+                    &mut conn,
+                    "http",
+                    target,
+                    "the Host header names another host than the URL".to_owned(),
+                );
+            }
+        }
+        let path_only = path.split(['?', '#']).next().unwrap_or("/");
+        let verdict = self.rules.decide(&Request {
+            host: &host,
+            port,
+            http: Some((method, path_only)),
+        });
+        let mut decision = self.record(
+            "http",
+            &host.as_text(),
+            port,
+            Some((method, path_only)),
+            &verdict,
+        );
+        if !verdict.allowed {
+            return self.deny(&mut conn, &decision);
+        }
+        let (mut upstream, addr) = match self.connect(&host, port) {
+            Ok(pair) => pair,
+            Err(reason) => {
+                decision.allowed = false;
+                decision.reason = reason;
+                return self.deny(&mut conn, &decision);
+            }
+        };
+        decision.address = Some(addr.to_string());
+        let mut out = format!("{method} {path} HTTP/1.1\r\n").into_bytes();
+        for (name, value) in headers {
+            if name.starts_with("proxy-") || name == "connection" || name == "keep-alive" {
+                continue;
+            }
+            out.extend_from_slice(name.as_bytes());
+            out.extend_from_slice(b": ");
+            out.extend_from_slice(value);
+            out.extend_from_slice(b"\r\n");
+        }
+        out.extend_from_slice(b"Connection: close\r\n\r\n");
+        let _ = upstream.set_read_timeout(Some(IDLE_TIMEOUT));
+        let _ = conn.set_read_timeout(Some(IDLE_TIMEOUT));
+        let sent = upstream.write_all(&out).and_then(|()| {
+            // Exactly the announced body, then nothing more from this client.
+            let early_body = &early[..early.len().min(length as usize)];
+            upstream.write_all(early_body)?;
+            let remaining = length - early_body.len() as u64;
+            io::copy(&mut (&conn).take(remaining), &mut upstream)
+                .map(|n| n + early_body.len() as u64)
+        });
+        let Ok(body_bytes) = sent else { return };
+        decision.bytes_up = out.len() as u64 + body_bytes;
+        decision.bytes_down = io::copy(&mut upstream, &mut conn).unwrap_or(0);
+        let _ = conn.shutdown(Shutdown::Both);
+        self.log.write(&decision);
+    }
+}
+
+enum HeadError {
+    TooLarge,
+    Io,
+}
+
+/// Reads up to the end of the request head; returns the head and any bytes read past it.
+fn read_head(conn: &mut TcpStream) -> Result<(Vec<u8>, Vec<u8>), HeadError> {
+    let mut buf = Vec::with_capacity(4096);
+    let mut chunk = [0u8; 4096];
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let rest = buf.split_off(end + 4);
+            return Ok((buf, rest));
+        }
+        if buf.len() > MAX_HEAD {
+            return Err(HeadError::TooLarge);
+        }
+        match conn.read(&mut chunk) {
+            Ok(0) | Err(_) => return Err(HeadError::Io),
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+fn reply(conn: &mut TcpStream, code: u16, text: &str, body: &serde_json::Value) {
+    let body = body.to_string();
+    let head = format!(
+        "HTTP/1.1 {code} {text}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\nX-Warden-Egress: refused\r\n\r\n",
+        body.len()
+    );
+    let _ = conn
+        .write_all(head.as_bytes())
+        .and_then(|()| conn.write_all(body.as_bytes()));
+    let _ = conn.shutdown(Shutdown::Both);
+}
+
+/// Copies both ways until both sides are done; returns the bytes sent up and down.
+fn splice(client: TcpStream, upstream: TcpStream, early: &[u8]) -> (u64, u64) {
+    let _ = client.set_read_timeout(Some(IDLE_TIMEOUT));
+    let _ = upstream.set_read_timeout(Some(IDLE_TIMEOUT));
+    let (Ok(client_read), Ok(mut upstream_write)) = (client.try_clone(), upstream.try_clone())
+    else {
+        return (0, 0);
+    };
+    let early = early.to_vec();
+    let up = std::thread::spawn(move || {
+        let mut client_read = client_read;
+        let mut sent = 0u64;
+        if upstream_write.write_all(&early).is_ok() {
+            sent =
+                early.len() as u64 + io::copy(&mut client_read, &mut upstream_write).unwrap_or(0);
+        }
+        let _ = upstream_write.shutdown(Shutdown::Write);
+        sent
+    });
+    let (mut upstream_read, mut client_write) = (upstream, client);
+    let down = io::copy(&mut upstream_read, &mut client_write).unwrap_or(0);
+    let _ = client_write.shutdown(Shutdown::Write);
+    let up = up.join().unwrap_or(0);
+    (up, down)
+}

@@ -1,0 +1,329 @@
+//! Network rules compiled once into matchers. Deny rules win over allow rules; with no match
+//! the policy's default decides; a private, loopback, link-local or metadata address is refused
+//! unless an allow rule names it (by its IP or CIDR, or by the exact host name asked for).
+
+use std::net::IpAddr;
+
+use globset::{Glob, GlobMatcher, GlobSet, GlobSetBuilder};
+use ipnet::IpNet;
+use serde::Serialize;
+use warden_policy::{NetRule, Network, NetworkDefault};
+
+use crate::host::Host;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RulesError {
+    #[error("network rule `{rule}`: {message}")]
+    Rule { rule: String, message: String },
+}
+
+#[derive(Debug)]
+enum HostMatch {
+    Exact(String),
+    /// `*.example.com`: any subdomain, not the apex.
+    Subdomains(GlobMatcher),
+    Ip(IpAddr),
+    Net(IpNet),
+}
+
+#[derive(Debug)]
+struct Rule {
+    label: String,
+    host: HostMatch,
+    ports: Vec<u16>,
+    methods: Vec<String>,
+    paths: Option<GlobSet>,
+}
+
+/// What a connection asks for.
+#[derive(Debug, Clone)]
+pub struct Request<'a> {
+    pub host: &'a Host,
+    pub port: u16,
+    /// Method and path of a plain HTTP request; absent for a CONNECT tunnel.
+    pub http: Option<(&'a str, &'a str)>,
+}
+
+/// A decision and the rule or reason behind it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Verdict {
+    pub allowed: bool,
+    /// The rule that decided (`allow[0] host=pypi.org`), or `default`.
+    pub rule: String,
+    pub reason: String,
+}
+
+/// A compiled `network` section.
+#[derive(Debug)]
+pub struct Rules {
+    default_allow: bool,
+    allow: Vec<Rule>,
+    deny: Vec<Rule>,
+}
+
+impl Rules {
+    pub fn compile(network: &Network) -> Result<Self, RulesError> {
+        let compile_list = |list: &[NetRule], name: &str| -> Result<Vec<Rule>, RulesError> {
+            list.iter()
+                .enumerate()
+                .map(|(i, r)| compile_rule(r, &format!("{name}[{i}]")))
+                .collect()
+        };
+        Ok(Self {
+            default_allow: network.default == NetworkDefault::Allow,
+            allow: compile_list(&network.allow, "allow")?,
+            deny: compile_list(&network.deny, "deny")?,
+        })
+    }
+
+    /// Decides a request by its host name or address, before any resolution.
+    pub fn decide(&self, request: &Request<'_>) -> Verdict {
+        if let Some(rule) = self.deny.iter().find(|r| r.matches(request)) {
+            return Verdict {
+                allowed: false,
+                rule: rule.label.clone(),
+                reason: "denied by rule".to_owned(),
+            };
+        }
+        if let Some(rule) = self.allow.iter().find(|r| r.matches(request)) {
+            return Verdict {
+                allowed: true,
+                rule: rule.label.clone(),
+                reason: "allowed by rule".to_owned(),
+            };
+        }
+        let wants_l7 = request.http.is_none()
+            && self
+                .allow
+                .iter()
+                .any(|r| r.host_matches(request.host) && r.is_l7());
+        let reason = if wants_l7 {
+            "the only matching rules restrict methods or paths, which a CONNECT tunnel cannot show \
+             (TLS interception is not in this version)"
+        } else if self.default_allow {
+            return Verdict {
+                allowed: true,
+                rule: "default".to_owned(),
+                reason: "network.default is allow".to_owned(),
+            };
+        } else {
+            "no rule allows this destination (network.default is deny)"
+        };
+        Verdict {
+            allowed: false,
+            rule: "default".to_owned(),
+            reason: reason.to_owned(),
+        }
+    }
+
+    /// Whether a resolved address may be used: public addresses always; private, loopback,
+    /// link-local and metadata addresses only when an allow rule names them.
+    pub fn address_allowed(&self, asked: &Host, ip: IpAddr, port: u16) -> bool {
+        if !is_internal(ip) {
+            return true;
+        }
+        self.allow
+            .iter()
+            .filter(|r| r.port_matches(port))
+            .any(|r| match &r.host {
+                HostMatch::Ip(rule_ip) => *rule_ip == ip,
+                HostMatch::Net(net) => net.contains(&ip),
+                HostMatch::Exact(name) => matches!(asked, Host::Name(n) if n == name),
+                HostMatch::Subdomains(_) => false,
+            })
+    }
+}
+
+impl Rule {
+    fn is_l7(&self) -> bool {
+        !self.methods.is_empty() || self.paths.is_some()
+    }
+
+    fn port_matches(&self, port: u16) -> bool {
+        self.ports.is_empty() || self.ports.contains(&port)
+    }
+
+    fn host_matches(&self, host: &Host) -> bool {
+        match (&self.host, host) {
+            (HostMatch::Exact(name), Host::Name(n)) => name == n,
+            (HostMatch::Subdomains(glob), Host::Name(n)) => glob.is_match(n),
+            (HostMatch::Ip(ip), Host::Ip(asked)) => ip == asked,
+            (HostMatch::Net(net), Host::Ip(asked)) => net.contains(asked),
+            _ => false,
+        }
+    }
+
+    fn matches(&self, request: &Request<'_>) -> bool {
+        if !self.host_matches(request.host) || !self.port_matches(request.port) {
+            return false;
+        }
+        match request.http {
+            Some((method, path)) => {
+                (self.methods.is_empty() || self.methods.iter().any(|m| m == method))
+                    && self.paths.as_ref().is_none_or(|paths| paths.is_match(path))
+            }
+            // A tunnel shows no method or path: only rules without them can allow it.
+            None => !self.is_l7(),
+        }
+    }
+}
+
+fn compile_rule(rule: &NetRule, label: &str) -> Result<Rule, RulesError> {
+    let err = |message: String| RulesError::Rule {
+        rule: format!("{label} host={}", rule.host),
+        message,
+    };
+    let host = if let Ok(ip) = rule.host.parse::<IpAddr>() {
+        HostMatch::Ip(ip)
+    } else if let Ok(net) = rule.host.parse::<IpNet>() {
+        HostMatch::Net(net.trunc())
+    } else if let Some(domain) = rule.host.strip_prefix("*.") {
+        let glob = Glob::new(&format!("*.{}", domain.to_ascii_lowercase()))
+            .map_err(|e| err(e.to_string()))?;
+        HostMatch::Subdomains(glob.compile_matcher())
+    } else {
+        match Host::parse(&rule.host) {
+            Ok(Host::Name(name)) => HostMatch::Exact(name),
+            Ok(Host::Ip(ip)) => HostMatch::Ip(ip),
+            Err(e) => return Err(err(e.to_string())),
+        }
+    };
+    let paths = if rule.paths.is_empty() {
+        None
+    } else {
+        let mut builder = GlobSetBuilder::new();
+        for path in &rule.paths {
+            builder.add(Glob::new(path).map_err(|e| err(e.to_string()))?);
+        }
+        Some(builder.build().map_err(|e| err(e.to_string()))?)
+    };
+    Ok(Rule {
+        label: format!("{label} host={}", rule.host),
+        host,
+        ports: rule.ports.clone(),
+        methods: rule.methods.clone(),
+        paths,
+    })
+}
+
+/// Addresses that lead into the host, its networks or a cloud's metadata service.
+fn is_internal(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => {
+            v4.is_private()
+                || v4.is_loopback()
+                || v4.is_link_local()
+                || v4.is_unspecified()
+                || v4.is_broadcast()
+                || v4.is_multicast()
+                || v4.octets()[0] == 0
+                || (v4.octets()[0] == 100 && (64..128).contains(&v4.octets()[1])) // CGNAT
+        }
+        IpAddr::V6(v6) => {
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                return is_internal(IpAddr::V4(v4));
+            }
+            let first = v6.segments()[0];
+            v6.is_loopback()
+                || v6.is_unspecified()
+                || v6.is_multicast()
+                || (first & 0xfe00) == 0xfc00 // unique local, includes fd00:ec2::254
+                || (first & 0xffc0) == 0xfe80 // link-local
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rule(host: &str) -> NetRule {
+        NetRule {
+            host: host.into(),
+            ports: vec![],
+            methods: vec![],
+            paths: vec![],
+        }
+    }
+
+    fn rules(allow: Vec<NetRule>, deny: Vec<NetRule>, default: NetworkDefault) -> Rules {
+        Rules::compile(&Network {
+            default,
+            allow,
+            deny,
+            ask: vec![],
+        })
+        .unwrap()
+    }
+
+    fn name(n: &str) -> Host {
+        Host::parse(n).unwrap()
+    }
+
+    #[test]
+    fn deny_wins_and_globs_cover_subdomains_only() {
+        let r = rules(
+            vec![rule("*.example.com"), rule("pypi.org")],
+            vec![rule("bad.example.com")],
+            NetworkDefault::Deny,
+        );
+        let decide = |h: &str| {
+            r.decide(&Request {
+                host: &name(h),
+                port: 443,
+                http: None,
+            })
+            .allowed
+        };
+        assert!(decide("a.example.com"));
+        assert!(!decide("example.com"));
+        assert!(!decide("bad.example.com"));
+        assert!(decide("pypi.org"));
+        assert!(!decide("evil.org"));
+    }
+
+    #[test]
+    fn methods_and_paths_apply_to_http_and_block_tunnels() {
+        let mut get_only = rule("api.x.org");
+        get_only.methods = vec!["GET".into()];
+        get_only.paths = vec!["/repos/**".into()];
+        let r = rules(vec![get_only], vec![], NetworkDefault::Deny);
+        let host = name("api.x.org");
+        let http = |m, p| {
+            r.decide(&Request {
+                host: &host,
+                port: 80,
+                http: Some((m, p)),
+            })
+            .allowed
+        };
+        assert!(http("GET", "/repos/a/b"));
+        assert!(!http("POST", "/repos/a/b"));
+        assert!(!http("GET", "/users"));
+        let tunnel = r.decide(&Request {
+            host: &host,
+            port: 443,
+            http: None,
+        });
+        assert!(
+            !tunnel.allowed && tunnel.reason.contains("TLS interception"),
+            "{tunnel:?}"
+        );
+    }
+
+    #[test]
+    fn internal_addresses_need_a_rule_that_names_them() {
+        let r = rules(
+            vec![rule("127.0.0.1"), rule("internal.corp")],
+            vec![],
+            NetworkDefault::Allow,
+        );
+        let public: IpAddr = "93.184.216.34".parse().unwrap();
+        assert!(r.address_allowed(&name("example.com"), public, 443));
+        assert!(!r.address_allowed(&name("example.com"), "10.0.0.5".parse().unwrap(), 443));
+        assert!(!r.address_allowed(&name("x"), "169.254.169.254".parse().unwrap(), 80));
+        assert!(!r.address_allowed(&name("x"), "::ffff:10.0.0.1".parse().unwrap(), 80));
+        assert!(r.address_allowed(&name("x"), "127.0.0.1".parse().unwrap(), 80));
+        assert!(r.address_allowed(&name("internal.corp"), "10.1.2.3".parse().unwrap(), 80));
+    }
+}
