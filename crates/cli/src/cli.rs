@@ -120,7 +120,7 @@ pub struct RunArgs {
     /// Cell name, for `warden ps`, `pause`, `resume` and `kill`.
     #[arg(long)]
     pub name: Option<String>,
-    /// Discard the copy-on-write workspace changes when the cell ends.
+    /// Remove the cell when it ends: its workspace changes and its egress record.
     #[arg(long)]
     pub rm: bool,
     /// Extra environment variable for the command (repeatable).

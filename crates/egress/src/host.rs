@@ -58,7 +58,7 @@ impl Host {
         if numeric
             && name
                 .split('.')
-                .last()
+                .next_back()
                 .is_some_and(|l| l.bytes().next().is_some_and(|b| b.is_ascii_digit()))
         {
             return Err(HostError::NumericForm(raw.to_owned()));

@@ -36,7 +36,8 @@ pub struct RunRequest {
     pub argv: Vec<OsString>,
     /// `--env K=V` additions, on top of what the policy sets and passes.
     pub env: Vec<(String, String)>,
-    /// Drop the copy-on-write workspace layer when the cell ends (`--rm`).
+    /// Remove what the cell leaves behind when it ends (`--rm`): its workspace layer and its
+    /// egress record.
     pub discard_changes: bool,
     /// Start from this snapshot (a fork): its layers go under the cell's own, copying nothing.
     pub from: Option<SnapshotInfo>,
@@ -462,6 +463,9 @@ pub fn run(
     drop(guard);
     drop(reservation);
     let kept_changes = layer.is_some_and(|layer| layer.finish(request.discard_changes));
+    if request.discard_changes {
+        let _ = fs::remove_file(store.net_log_path(&name));
+    }
     Ok(RunOutcome {
         name,
         ending,

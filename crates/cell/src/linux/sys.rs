@@ -315,18 +315,10 @@ pub fn close_quietly(fd: RawFd) {
 /// A connected pair of unix datagram-sequence sockets, both close-on-exec.
 pub fn seqpacket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
     let mut fds = [0 as RawFd; 2];
+    let kind = libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC;
     // SAFETY: `fds` has room for the two descriptors socketpair writes.
-    check(
-        unsafe {
-            libc::socketpair(
-                libc::AF_UNIX,
-                libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
-                0,
-                fds.as_mut_ptr(),
-            )
-        }
-        .into(),
-    )?;
+    let ret = unsafe { libc::socketpair(libc::AF_UNIX, kind, 0, fds.as_mut_ptr()) };
+    check(ret.into())?;
     // SAFETY: the kernel returned two fresh descriptors that nothing else owns.
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }

@@ -1,0 +1,328 @@
+//! The egress gateway end to end: a cell's only way out, decided by policy, with every upstream
+//! a local server that the test starts on the host's loopback (127.0.0.2, which the cell's own
+//! loopback cannot reach directly).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed step is a failed test
+
+mod support;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use support::*;
+
+/// A minimal HTTP upstream: answers every request with its method and path, counting them.
+struct Upstream {
+    port: u16,
+    hits: Arc<AtomicUsize>,
+}
+
+fn http_upstream() -> Upstream {
+    let listener = TcpListener::bind("127.0.0.2:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let hits = Arc::new(AtomicUsize::new(0));
+    let counter = hits.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            counter.fetch_add(1, Ordering::SeqCst);
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(conn.try_clone().unwrap());
+                let mut line = String::new();
+                reader.read_line(&mut line).unwrap_or(0);
+                let mut length = 0usize;
+                loop {
+                    let mut header = String::new();
+                    if reader.read_line(&mut header).unwrap_or(0) == 0 || header == "\r\n" {
+                        break;
+                    }
+                    if let Some(v) = header.to_ascii_lowercase().strip_prefix("content-length:") {
+                        length = v.trim().parse().unwrap_or(0);
+                    }
+                }
+                let mut body = vec![0u8; length];
+                reader.read_exact(&mut body).unwrap_or(());
+                let answer = format!(
+                    "upstream saw {} body={}",
+                    line.trim(),
+                    String::from_utf8_lossy(&body)
+                );
+                let mut conn = conn;
+                let _ = write!(
+                    conn,
+                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{answer}",
+                    answer.len()
+                );
+            });
+        }
+    });
+    Upstream { port, hits }
+}
+
+/// A TCP echo upstream for tunnels.
+fn echo_upstream() -> u16 {
+    let listener = TcpListener::bind("127.0.0.2:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            std::thread::spawn(move || {
+                let mut reader = conn.try_clone().unwrap();
+                let mut writer = conn;
+                let _ = std::io::copy(&mut reader, &mut writer);
+            });
+        }
+    });
+    port
+}
+
+fn net_policy(dir: &std::path::Path, body: &str) -> String {
+    policy(dir, &format!("version: 1\nnetwork:\n{body}"))
+        .display()
+        .to_string()
+}
+
+/// Python that sends raw bytes to the gateway and prints the first line (and body) it answers.
+fn raw_exchange(request: &str, then_send: &str) -> String {
+    format!(
+        "import socket\n\
+         s = socket.create_connection(('127.0.0.1', 3128))\n\
+         s.sendall({request:?}.encode())\n\
+         data = b''\n\
+         while b'\\r\\n\\r\\n' not in data:\n    chunk = s.recv(4096)\n    if not chunk: break\n    data += chunk\n\
+         head, _, rest = data.partition(b'\\r\\n\\r\\n')\n\
+         print(head.split(b'\\r\\n')[0].decode())\n\
+         if b' 200 ' in head.split(b'\\r\\n')[0] and {then_send:?}:\n    s.sendall({then_send:?}.encode()); print(s.recv(100).decode())\n\
+         else:\n    s.settimeout(5)\n    try:\n        while True:\n            more = s.recv(4096)\n            if not more: break\n            rest += more\n    except OSError: pass\n    print(rest.decode())"
+    )
+}
+
+#[test]
+fn allowed_requests_pass_and_refused_ones_get_a_403_that_says_why() {
+    let dir = tempdir();
+    let up = http_upstream();
+    let policy = net_policy(
+        dir.path(),
+        &format!(
+            "  allow:\n    - host: 127.0.0.2\n      ports: [{}]\n      methods: [GET]\n",
+            up.port
+        ),
+    );
+    let name = unique("net");
+    let code = format!(
+        "import urllib.request, urllib.error, json\n\
+         print(urllib.request.urlopen('http://127.0.0.2:{port}/ok').read().decode())\n\
+         for req in [urllib.request.Request('http://127.0.0.2:{port}/x', method='POST', data=b'leak'),\n\
+                     urllib.request.Request('http://127.0.0.3:{port}/'),\n\
+                     urllib.request.Request('http://example.com/')]:\n\
+         \x20   try:\n        urllib.request.urlopen(req); print('LEAKED')\n\
+         \x20   except urllib.error.HTTPError as e:\n        body = json.loads(e.read()); print(e.code, body['destination'], body['rule'], '|', body['reason'])",
+        port = up.port
+    );
+    let ran = run_py(&["--name", &name, "--policy", &policy], &code);
+    assert_eq!(ran.code, 0, "{ran:?}");
+    let lines: Vec<&str> = ran.stdout.lines().collect();
+    assert_eq!(lines[0], "upstream saw GET /ok HTTP/1.1 body=");
+    assert!(
+        lines[1].starts_with(&format!(
+            "403 127.0.0.2:{} default | no rule allows",
+            up.port
+        )),
+        "{ran:?}"
+    );
+    assert!(
+        lines[2].starts_with(&format!("403 127.0.0.3:{} default", up.port)),
+        "{ran:?}"
+    );
+    assert!(
+        lines[3].starts_with("403 example.com:80 default"),
+        "{ran:?}"
+    );
+    assert_eq!(
+        up.hits.load(Ordering::SeqCst),
+        1,
+        "a refused request reached the upstream"
+    );
+
+    let net = Ran::from(warden().args(["net", &name, "--json"]).output().unwrap());
+    let decisions: serde_json::Value = serde_json::from_str(&net.stdout).unwrap();
+    let verdicts: Vec<(bool, String)> = decisions
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| {
+            (
+                d["allowed"].as_bool().unwrap(),
+                d["host"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(verdicts.len(), 4, "{net:?}");
+    assert_eq!(verdicts[0], (true, "127.0.0.2".to_owned()));
+    assert!(verdicts[1..].iter().all(|(allowed, _)| !allowed));
+    let allowed = &decisions[0];
+    assert!(
+        allowed["bytes_down"].as_u64().unwrap() > 20
+            && allowed["rule"].as_str().unwrap().starts_with("allow[0]")
+    );
+    assert!(warden().args(["rm", &name]).status().unwrap().success());
+}
+
+#[test]
+fn tunnels_follow_the_host_rules() {
+    let dir = tempdir();
+    let echo = echo_upstream();
+    let policy = net_policy(
+        dir.path(),
+        &format!("  allow:\n    - host: 127.0.0.2\n      ports: [{echo}]\n"),
+    );
+    let allowed = raw_exchange(
+        &format!("CONNECT 127.0.0.2:{echo} HTTP/1.1\r\nHost: 127.0.0.2:{echo}\r\n\r\n"),
+        "ping",
+    );
+    let ran = run_py(&["--rm", "--policy", &policy], &allowed);
+    assert_eq!(
+        ran.stdout, "HTTP/1.1 200 Connection established\nping\n",
+        "{ran:?}"
+    );
+    let other_port = raw_exchange(
+        "CONNECT 127.0.0.2:9 HTTP/1.1\r\nHost: 127.0.0.2:9\r\n\r\n",
+        "",
+    );
+    let ran = run_py(&["--rm", "--policy", &policy], &other_port);
+    assert!(
+        ran.stdout.starts_with("HTTP/1.1 403 Forbidden\n{"),
+        "{ran:?}"
+    );
+}
+
+#[test]
+fn bypass_attempts_are_refused() {
+    let dir = tempdir();
+    let up = http_upstream();
+    let echo = echo_upstream();
+    let policy = net_policy(
+        dir.path(),
+        &format!(
+            "  allow:\n    - host: 127.0.0.2\n      ports: [{}, {echo}]\n",
+            up.port
+        ),
+    );
+    let attempts = [
+        // userinfo that names the allowed host before the real one
+        (
+            format!("CONNECT 127.0.0.2@evil.test:{echo} HTTP/1.1\r\n\r\n"),
+            "user information",
+        ),
+        // 127.0.0.2 as a decimal number
+        (
+            format!("CONNECT 2130706434:{echo} HTTP/1.1\r\n\r\n"),
+            "non-canonical",
+        ),
+        // conflicting framing: request smuggling
+        (
+            format!(
+                "POST http://127.0.0.2:{}/ HTTP/1.1\r\nHost: 127.0.0.2:{}\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+                up.port, up.port
+            ),
+            "smuggling",
+        ),
+        // a Host header naming another host than the URL
+        (
+            format!(
+                "GET http://127.0.0.2:{}/ HTTP/1.1\r\nHost: evil.test\r\n\r\n",
+                up.port
+            ),
+            "Host header",
+        ),
+        // not a proxy request at all
+        (
+            "GET / HTTP/1.1\r\nHost: 127.0.0.2\r\n\r\n".to_owned(),
+            "not an absolute",
+        ),
+    ];
+    for (request, reason) in attempts {
+        let ran = run_py(&["--rm", "--policy", &policy], &raw_exchange(&request, ""));
+        assert!(
+            ran.stdout.starts_with("HTTP/1.1 403 Forbidden\n"),
+            "{request:?}: {ran:?}"
+        );
+        assert!(ran.stdout.contains(reason), "{request:?}: {ran:?}");
+    }
+    assert_eq!(
+        up.hits.load(Ordering::SeqCst),
+        0,
+        "a refused request reached the upstream"
+    );
+
+    // Around the gateway: direct TCP to the host, UDP, DNS: the cell has no route at all.
+    let code = format!(
+        "import socket, errno\n\
+         for family, kind, addr in [(socket.AF_INET, socket.SOCK_STREAM, ('127.0.0.2', {port})),\n\
+                                    (socket.AF_INET, socket.SOCK_DGRAM, ('8.8.8.8', 53)),\n\
+                                    (socket.AF_INET6, socket.SOCK_STREAM, ('2001:db8::1', 80))]:\n\
+         \x20   s = socket.socket(family, kind)\n\
+         \x20   try:\n        s.connect(addr); s.send(b'x'); print('REACHED', addr)\n\
+         \x20   except OSError as e: print(errno.errorcode[e.errno])",
+        port = up.port
+    );
+    let ran = run_py(&["--rm", "--policy", &policy], &code);
+    assert!(!ran.stdout.contains("REACHED"), "{ran:?}");
+    assert_eq!(ran.stdout.lines().count(), 3, "{ran:?}");
+}
+
+#[test]
+fn private_addresses_need_a_rule_that_names_them() {
+    let dir = tempdir();
+    let up = http_upstream();
+    let policy = net_policy(dir.path(), "  default: allow\n");
+    let code = format!(
+        "import urllib.request, urllib.error, json\n\
+         try:\n    urllib.request.urlopen('http://127.0.0.2:{}/'); print('LEAKED')\n\
+         except urllib.error.HTTPError as e: print(e.code, json.loads(e.read())['reason'])",
+        up.port
+    );
+    let ran = run_py(&["--rm", "--policy", &policy], &code);
+    assert!(
+        ran.stdout
+            .starts_with("403 127.0.0.2 resolves to a private, loopback"),
+        "{ran:?}"
+    );
+    assert_eq!(up.hits.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn a_stalled_client_does_not_block_the_gateway_for_others() {
+    let dir = tempdir();
+    let up = http_upstream();
+    let policy = net_policy(
+        dir.path(),
+        &format!(
+            "  allow:\n    - host: 127.0.0.2\n      ports: [{}]\n",
+            up.port
+        ),
+    );
+    let code = format!(
+        "import socket, urllib.request\n\
+         stalled = socket.create_connection(('127.0.0.1', 3128)); stalled.sendall(b'GET http://127.0.0.2/ HT')\n\
+         huge = socket.create_connection(('127.0.0.1', 3128)); huge.sendall(b'GET http://127.0.0.2/ HTTP/1.1\\r\\nX: ' + b'a' * 70000)\n\
+         print(huge.recv(100).split(b'\\r\\n')[0].decode())\n\
+         print(urllib.request.urlopen('http://127.0.0.2:{}/fine', timeout=10).read().decode())",
+        up.port
+    );
+    let ran = run_py(&["--rm", "--policy", &policy], &code);
+    assert_eq!(
+        ran.stdout,
+        "HTTP/1.1 431 Request Header Fields Too Large\nupstream saw GET /fine HTTP/1.1 body=\n",
+        "{ran:?}"
+    );
+}
+
+#[test]
+fn without_network_rules_there_is_no_gateway() {
+    let ran = run_sh(
+        &["--rm"],
+        "env | grep -i proxy; echo end; (echo > /dev/tcp/127.0.0.1/3128) 2>&1 | head -c 0; python3 -c \"import socket; socket.create_connection(('127.0.0.1', 3128))\" 2>&1 | tail -1",
+    );
+    assert!(ran.stdout.starts_with("end\n"), "{ran:?}");
+    assert!(ran.stdout.contains("Connection refused"), "{ran:?}");
+}
