@@ -200,7 +200,7 @@ impl Gateway {
         {
             return;
         }
-        let (up, down) = splice(conn, upstream, &early);
+        let (up, down) = tunnel_bytes(conn, upstream, &early);
         decision.bytes_up = up;
         decision.bytes_down = down;
         self.log.write(&decision);
@@ -333,7 +333,7 @@ impl Gateway {
         });
         let Ok(body_bytes) = sent else { return };
         decision.bytes_up = out.len() as u64 + body_bytes;
-        decision.bytes_down = io::copy(&mut upstream, &mut conn).unwrap_or(0);
+        decision.bytes_down = pump(&upstream, &conn);
         let _ = conn.shutdown(Shutdown::Both);
         self.log.write(&decision);
     }
@@ -376,7 +376,7 @@ fn reply(conn: &mut TcpStream, code: u16, text: &str, body: &serde_json::Value) 
 }
 
 /// Copies both ways until both sides are done; returns the bytes sent up and down.
-fn splice(client: TcpStream, upstream: TcpStream, early: &[u8]) -> (u64, u64) {
+fn tunnel_bytes(client: TcpStream, upstream: TcpStream, early: &[u8]) -> (u64, u64) {
     let _ = client.set_read_timeout(Some(IDLE_TIMEOUT));
     let _ = upstream.set_read_timeout(Some(IDLE_TIMEOUT));
     let (Ok(client_read), Ok(mut upstream_write)) = (client.try_clone(), upstream.try_clone())
@@ -385,18 +385,33 @@ fn splice(client: TcpStream, upstream: TcpStream, early: &[u8]) -> (u64, u64) {
     };
     let early = early.to_vec();
     let up = std::thread::spawn(move || {
-        let mut client_read = client_read;
         let mut sent = 0u64;
         if upstream_write.write_all(&early).is_ok() {
-            sent =
-                early.len() as u64 + io::copy(&mut client_read, &mut upstream_write).unwrap_or(0);
+            sent = early.len() as u64 + pump(&client_read, &upstream_write);
         }
         let _ = upstream_write.shutdown(Shutdown::Write);
         sent
     });
-    let (mut upstream_read, mut client_write) = (upstream, client);
-    let down = io::copy(&mut upstream_read, &mut client_write).unwrap_or(0);
+    let (upstream_read, client_write) = (upstream, client);
+    let down = pump(&upstream_read, &client_write);
     let _ = client_write.shutdown(Shutdown::Write);
     let up = up.join().unwrap_or(0);
     (up, down)
+}
+
+/// Copies from one socket to another until end of stream or error, with a buffer large enough
+/// to keep the system calls few (`io::copy` uses 8 KiB). Returns the bytes copied.
+fn pump(mut from: &TcpStream, mut to: &TcpStream) -> u64 {
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut total = 0u64;
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) | Err(_) => return total,
+            Ok(n) => n,
+        };
+        if to.write_all(&buf[..n]).is_err() {
+            return total;
+        }
+        total += n as u64;
+    }
 }
