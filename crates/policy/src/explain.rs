@@ -142,14 +142,56 @@ pub fn explain(policy: &Policy) -> String {
     );
 
     let _ = writeln!(out, "\nNetwork");
-    let _ = writeln!(
-        out,
-        "  - None: the cell has only its own loopback interface; nothing on the host or beyond \
-         is reachable."
-    );
+    let net = &policy.network;
+    if !net.has_gateway() {
+        let _ = writeln!(
+            out,
+            "  - None: the cell has only its own loopback interface; nothing on the host or beyond \
+             is reachable."
+        );
+    } else {
+        let _ = writeln!(
+            out,
+            "  - Only through the warden's egress gateway (HTTP proxy on the cell's 127.0.0.1:3128); \
+             every connection is decided and recorded (`warden net NAME`)."
+        );
+        for rule in &net.deny {
+            let _ = writeln!(out, "  - Refused: {}.", describe_rule(rule));
+        }
+        for rule in &net.allow {
+            let _ = writeln!(out, "  - Allowed: {}.", describe_rule(rule));
+        }
+        let _ = writeln!(
+            out,
+            "  - Anything else: {}. Private, loopback, link-local and metadata addresses are \
+             refused unless a rule names them.",
+            match net.default {
+                crate::model::NetworkDefault::Allow => "allowed",
+                crate::model::NetworkDefault::Deny => "refused with a 403 that names the reason",
+            }
+        );
+    }
     let _ = writeln!(out, "\nCredentials: none are given to the cell.");
     let _ = writeln!(out, "GPU: no devices.");
     out
+}
+
+fn describe_rule(rule: &crate::model::NetRule) -> String {
+    let mut text = rule.host.clone();
+    if !rule.ports.is_empty() {
+        let ports: Vec<String> = rule.ports.iter().map(u16::to_string).collect();
+        text.push_str(&format!(" on port {}", ports.join(", ")));
+    }
+    if !rule.methods.is_empty() {
+        text.push_str(&format!(", methods {}", rule.methods.join(", ")));
+    }
+    if !rule.paths.is_empty() {
+        text.push_str(&format!(", paths {}", rule.paths.join(", ")));
+    }
+    if !rule.methods.is_empty() || !rule.paths.is_empty() {
+        text.push_str(" (plain HTTP only)");
+    }
+    text
 }
 
 fn join_paths(paths: &[std::path::PathBuf]) -> String {
