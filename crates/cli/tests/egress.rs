@@ -59,20 +59,29 @@ fn http_upstream() -> Upstream {
     Upstream { port, hits }
 }
 
-/// A TCP echo upstream for tunnels.
-fn echo_upstream() -> u16 {
+/// A TCP echo upstream for tunnels; counts the bytes it received.
+fn echo_upstream() -> (u16, Arc<AtomicUsize>) {
     let listener = TcpListener::bind("127.0.0.2:0").unwrap();
     let port = listener.local_addr().unwrap().port();
+    let received = Arc::new(AtomicUsize::new(0));
+    let counter = received.clone();
     std::thread::spawn(move || {
         for conn in listener.incoming().flatten() {
+            let counter = counter.clone();
             std::thread::spawn(move || {
                 let mut reader = conn.try_clone().unwrap();
                 let mut writer = conn;
-                let _ = std::io::copy(&mut reader, &mut writer);
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = reader.read(&mut buf) {
+                    if n == 0 || writer.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                    counter.fetch_add(n, Ordering::SeqCst);
+                }
             });
         }
     });
-    port
+    (port, received)
 }
 
 fn net_policy(dir: &std::path::Path, body: &str) -> String {
@@ -170,7 +179,7 @@ fn allowed_requests_pass_and_refused_ones_get_a_403_that_says_why() {
 #[test]
 fn tunnels_follow_the_host_rules() {
     let dir = tempdir();
-    let echo = echo_upstream();
+    let (echo, received) = echo_upstream();
     let policy = net_policy(
         dir.path(),
         &format!("  allow:\n    - host: 127.0.0.2\n      ports: [{echo}]\n"),
@@ -193,13 +202,43 @@ fn tunnels_follow_the_host_rules() {
         ran.stdout.starts_with("HTTP/1.1 403 Forbidden\n{"),
         "{ran:?}"
     );
+
+    // A tunnel opened for one host cannot carry TLS for another: the ClientHello's server name
+    // is checked before a byte of it is relayed.
+    let name = unique("sni");
+    let before = received.load(Ordering::SeqCst);
+    let code = format!(
+        "import socket, ssl\n\
+         s = socket.create_connection(('127.0.0.1', 3128))\n\
+         s.sendall(b'CONNECT 127.0.0.2:{echo} HTTP/1.1\\r\\n\\r\\n')\n\
+         print(s.recv(100).split(b'\\r\\n')[0].decode())\n\
+         try:\n    ssl.create_default_context().wrap_socket(s, server_hostname='evil.test'); print('HANDSHAKE')\n\
+         except (ssl.SSLError, OSError) as e: print('closed')"
+    );
+    let ran = run_py(&["--name", &name, "--policy", &policy], &code);
+    assert_eq!(
+        ran.stdout, "HTTP/1.1 200 Connection established\nclosed\n",
+        "{ran:?}"
+    );
+    assert_eq!(
+        received.load(Ordering::SeqCst),
+        before,
+        "the ClientHello reached the upstream"
+    );
+    let net = Ran::from(warden().args(["net", &name]).output().unwrap());
+    assert!(
+        net.stdout
+            .contains("the TLS server name `evil.test` is not the CONNECT host"),
+        "{net:?}"
+    );
+    assert!(warden().args(["rm", &name]).status().unwrap().success());
 }
 
 #[test]
 fn bypass_attempts_are_refused() {
     let dir = tempdir();
     let up = http_upstream();
-    let echo = echo_upstream();
+    let (echo, _) = echo_upstream();
     let policy = net_policy(
         dir.path(),
         &format!(

@@ -10,6 +10,7 @@ mod host;
 mod proxy;
 mod record;
 mod rules;
+mod sni;
 
 pub use host::{Host, HostError};
 pub use proxy::Gateway;

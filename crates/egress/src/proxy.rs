@@ -200,9 +200,13 @@ impl Gateway {
         {
             return;
         }
-        let (up, down) = tunnel_bytes(conn, upstream, &early);
+        let (up, down, refused) = tunnel_bytes(conn, upstream, &early, host.as_text());
         decision.bytes_up = up;
         decision.bytes_down = down;
+        if let Some(reason) = refused {
+            decision.allowed = false;
+            decision.reason = reason;
+        }
         self.log.write(&decision);
     }
 
@@ -339,6 +343,21 @@ impl Gateway {
     }
 }
 
+/// Reads the client's first bytes in a tunnel, up to a whole TLS ClientHello (which a client
+/// sends at once), so that its server name can be checked before anything is relayed.
+fn first_bytes(conn: &mut TcpStream, mut bytes: Vec<u8>) -> Option<Vec<u8>> {
+    let mut chunk = [0u8; 4096];
+    while crate::sni::client_hello(&bytes) == crate::sni::Hello::Incomplete && bytes.len() < 20_000
+    {
+        match conn.read(&mut chunk) {
+            Ok(0) => return if bytes.is_empty() { None } else { Some(bytes) },
+            Ok(n) => bytes.extend_from_slice(&chunk[..n]),
+            Err(_) => return None,
+        }
+    }
+    Some(bytes)
+}
+
 enum HeadError {
     TooLarge,
     Io,
@@ -376,27 +395,51 @@ fn reply(conn: &mut TcpStream, code: u16, text: &str, body: &serde_json::Value) 
 }
 
 /// Copies both ways until both sides are done; returns the bytes sent up and down.
-fn tunnel_bytes(client: TcpStream, upstream: TcpStream, early: &[u8]) -> (u64, u64) {
+/// Relays a tunnel both ways. The client's first bytes are held back until they show whether
+/// they are a TLS ClientHello, whose server name must be `expected` (whenever they come: the
+/// server may speak first). Returns the bytes each way, and the refusal if the name differed.
+fn tunnel_bytes(
+    client: TcpStream,
+    upstream: TcpStream,
+    early: &[u8],
+    expected: String,
+) -> (u64, u64, Option<String>) {
     let _ = client.set_read_timeout(Some(IDLE_TIMEOUT));
     let _ = upstream.set_read_timeout(Some(IDLE_TIMEOUT));
-    let (Ok(client_read), Ok(mut upstream_write)) = (client.try_clone(), upstream.try_clone())
+    let (Ok(mut client_read), Ok(mut upstream_write)) = (client.try_clone(), upstream.try_clone())
     else {
-        return (0, 0);
+        return (0, 0, None);
     };
     let early = early.to_vec();
     let up = std::thread::spawn(move || {
+        let Some(first) = first_bytes(&mut client_read, early) else {
+            let _ = upstream_write.shutdown(Shutdown::Write);
+            return (0, None);
+        };
+        if let crate::sni::Hello::Tls(Some(name)) = crate::sni::client_hello(&first) {
+            if name.trim_end_matches('.') != expected {
+                let _ = upstream_write.shutdown(Shutdown::Both);
+                let _ = client_read.shutdown(Shutdown::Both);
+                return (
+                    0,
+                    Some(format!(
+                        "the TLS server name `{name}` is not the CONNECT host `{expected}`"
+                    )),
+                );
+            }
+        }
         let mut sent = 0u64;
-        if upstream_write.write_all(&early).is_ok() {
-            sent = early.len() as u64 + pump(&client_read, &upstream_write);
+        if upstream_write.write_all(&first).is_ok() {
+            sent = first.len() as u64 + pump(&client_read, &upstream_write);
         }
         let _ = upstream_write.shutdown(Shutdown::Write);
-        sent
+        (sent, None)
     });
     let (upstream_read, client_write) = (upstream, client);
     let down = pump(&upstream_read, &client_write);
     let _ = client_write.shutdown(Shutdown::Write);
-    let up = up.join().unwrap_or(0);
-    (up, down)
+    let (up, refused) = up.join().unwrap_or((0, None));
+    (up, down, refused)
 }
 
 /// Copies from one socket to another until end of stream or error, with a buffer large enough
