@@ -232,3 +232,51 @@ fn rootless_copy_on_write_workspace_reaches_the_host_only_through_apply() {
     let removed = Ran::from(as_user(&env, &["rm", &name]).output().unwrap());
     assert_eq!(removed.code, 0, "{removed:?}");
 }
+
+#[test]
+fn rootless_cells_get_the_egress_gateway_too() {
+    let env = setup();
+    let upstream = std::net::TcpListener::bind("127.0.0.2:0").unwrap();
+    let port = upstream.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for conn in upstream.incoming().flatten() {
+            let mut conn = conn;
+            let mut buf = [0u8; 4096];
+            let _ = std::io::Read::read(&mut conn, &mut buf);
+            let _ = std::io::Write::write_all(
+                &mut conn,
+                b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\nConnection: close\r\n\r\nupstream",
+            );
+        }
+    });
+    let policy = env.state.parent().unwrap().join("net.yaml");
+    std::fs::write(
+        &policy,
+        format!("version: 1\nnetwork:\n  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n"),
+    )
+    .unwrap();
+    let code = format!(
+        "import urllib.request, urllib.error\n\
+         print(urllib.request.urlopen('http://127.0.0.2:{port}/').read().decode())\n\
+         try:\n    urllib.request.urlopen('http://127.0.0.2:{}/')\n\
+         except urllib.error.HTTPError as e: print(e.code)",
+        port.wrapping_add(1)
+    );
+    let out = as_user(
+        &env,
+        &[
+            "run",
+            "--rm",
+            "--policy",
+            policy.to_str().unwrap(),
+            "--",
+            "python3",
+            "-c",
+            &code,
+        ],
+    )
+    .output()
+    .unwrap();
+    let ran = Ran::from(out);
+    assert_eq!(ran.stdout, "upstream\n403\n", "{ran:?}");
+}
