@@ -144,4 +144,6 @@ pub enum PolicyCommand {
     },
     /// List the built-in presets.
     Presets,
+    /// Replace the network rules of a running cell (open connections they forbid are closed).
+    Set { name: String, file: PathBuf },
 }

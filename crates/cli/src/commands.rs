@@ -416,6 +416,10 @@ fn policy(command: PolicyCommand) -> Result<i32> {
             let policy = load_policy(file.as_deref(), preset.as_deref())?;
             print!("{}", warden_policy::explain(&policy));
         }
+        PolicyCommand::Set { name, file } => {
+            let closed = control::set_network_policy(&registry()?, &name, &file)?;
+            println!("network rules of {name} replaced; {closed} open connection(s) closed");
+        }
         PolicyCommand::Presets => {
             for (name, description, _) in warden_policy::PRESETS {
                 println!("{name:<10} {description}");

@@ -365,3 +365,90 @@ fn without_network_rules_there_is_no_gateway() {
     assert!(ran.stdout.starts_with("end\n"), "{ran:?}");
     assert!(ran.stdout.contains("Connection refused"), "{ran:?}");
 }
+
+#[test]
+fn network_rules_change_while_the_cell_runs() {
+    let dir = tempdir();
+    let up = http_upstream();
+    let (echo, _) = echo_upstream();
+    let open = net_policy(
+        dir.path(),
+        &format!(
+            "  allow:\n    - host: 127.0.0.2\n      ports: [{}, {echo}]\n",
+            up.port
+        ),
+    );
+    let closed = net_policy(
+        dir.path(),
+        &format!(
+            "  allow:\n    - host: 127.0.0.9\n      ports: [{}]\n",
+            up.port
+        ),
+    );
+    let name = unique("live-net");
+    // The cell keeps a tunnel open and polls an HTTP URL, printing each change it sees.
+    let code = format!(
+        "import socket, time, urllib.request, urllib.error, sys\n\
+         t = socket.create_connection(('127.0.0.1', 3128))\n\
+         t.sendall(b'CONNECT 127.0.0.2:{echo} HTTP/1.1\\r\\n\\r\\n'); t.recv(100); t.settimeout(2)\n\
+         last = None\n\
+         while True:\n\
+         \x20   try:\n        status = urllib.request.urlopen('http://127.0.0.2:{port}/').status\n\
+         \x20   except urllib.error.HTTPError as e: status = e.code\n\
+         \x20   try:\n        t.sendall(b'x'); tunnel = 'tunnel open' if t.recv(1) == b'x' else 'tunnel closed'\n\
+         \x20   except OSError: tunnel = 'tunnel closed'\n\
+         \x20   now = f'{{status}} {{tunnel}}'\n\
+         \x20   if now != last: print(now, flush=True); last = now\n\
+         \x20   time.sleep(0.05)",
+        port = up.port
+    );
+    let mut cell = warden()
+        .args([
+            "run", "--rm", "--name", &name, "--policy", &open, "--", "python3", "-c", &code,
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = cell.stdout.take().unwrap();
+    let (tx, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let wait = |wanted: &str| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match lines.recv_timeout(left) {
+                Ok(line) if line == wanted => return,
+                Ok(_) => {}
+                Err(_) => panic!("the cell never printed {wanted:?}"),
+            }
+        }
+    };
+    wait("200 tunnel open");
+    let set = Ran::from(
+        warden()
+            .args(["policy", "set", &name, &closed])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(set.code, 0, "{set:?}");
+    assert!(
+        set.stdout.contains("open connection(s) closed") && !set.stdout.contains(" 0 open"),
+        "{set:?}"
+    );
+    wait("403 tunnel closed");
+    // A cell without a gateway has nothing to change.
+    let bad = Ran::from(
+        warden()
+            .args(["policy", "set", "no-such-cell", &closed])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(bad.code, 125);
+    assert!(warden().args(["kill", &name]).status().unwrap().success());
+    let _ = cell.wait();
+}

@@ -2,10 +2,12 @@
 //! absolute form. One request per connection (a kept-alive connection cannot smuggle a second
 //! request to another host), headers bounded in size and time, ambiguous framing refused.
 
+use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use serde_json::json;
@@ -23,17 +25,111 @@ const IDLE_TIMEOUT: Duration = Duration::from_secs(300);
 /// A running gateway for one cell.
 #[derive(Debug, Clone)]
 pub struct Gateway {
-    rules: Arc<Rules>,
+    rules: Arc<RwLock<Arc<Rules>>>,
     log: Arc<Log>,
     cell: String,
+    active: Arc<Mutex<HashMap<u64, Active>>>,
+    next_id: Arc<AtomicU64>,
+}
+
+/// A connection the gateway let out and still relays: re-decided when the rules change.
+#[derive(Debug)]
+struct Active {
+    host: Host,
+    port: u16,
+    http: Option<(String, String)>,
+    client: TcpStream,
+    upstream: TcpStream,
+}
+
+/// Removes a connection from the active set when its relay ends.
+struct Tracked {
+    id: u64,
+    active: Arc<Mutex<HashMap<u64, Active>>>,
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        if let Ok(mut active) = self.active.lock() {
+            active.remove(&self.id);
+        }
+    }
 }
 
 impl Gateway {
     pub fn new(rules: Rules, log_path: &Path, cell: &str) -> io::Result<Self> {
         Ok(Self {
-            rules: Arc::new(rules),
+            rules: Arc::new(RwLock::new(Arc::new(rules))),
             log: Arc::new(Log::open(log_path)?),
             cell: cell.to_owned(),
+            active: Arc::new(Mutex::new(HashMap::new())),
+            next_id: Arc::new(AtomicU64::new(0)),
+        })
+    }
+
+    /// The rules in force now.
+    fn rules(&self) -> Arc<Rules> {
+        match self.rules.read() {
+            Ok(rules) => rules.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    /// Replaces the rules while the cell runs. Connections the new rules refuse are closed (both
+    /// ends) and recorded; returns how many.
+    pub fn replace_rules(&self, rules: Rules) -> usize {
+        let rules = Arc::new(rules);
+        match self.rules.write() {
+            Ok(mut current) => *current = rules.clone(),
+            Err(poisoned) => *poisoned.into_inner() = rules.clone(),
+        }
+        let Ok(active) = self.active.lock() else {
+            return 0;
+        };
+        let mut closed = 0;
+        for conn in active.values() {
+            let http = conn.http.as_ref().map(|(m, p)| (m.as_str(), p.as_str()));
+            let verdict = rules.decide(&Request {
+                host: &conn.host,
+                port: conn.port,
+                http,
+            });
+            if verdict.allowed {
+                continue;
+            }
+            let _ = conn.client.shutdown(Shutdown::Both);
+            let _ = conn.upstream.shutdown(Shutdown::Both);
+            closed += 1;
+            let kind = if http.is_some() { "http" } else { "connect" };
+            let mut decision = self.record(kind, &conn.host.as_text(), conn.port, http, &verdict);
+            decision.reason = format!("closed by a policy change: {}", verdict.reason);
+            self.log.write(&decision);
+        }
+        closed
+    }
+
+    /// Keeps a relayed connection reachable for [`Gateway::replace_rules`] while the guard lives.
+    fn track(
+        &self,
+        host: &Host,
+        port: u16,
+        http: Option<(&str, &str)>,
+        client: &TcpStream,
+        upstream: &TcpStream,
+    ) -> Option<Tracked> {
+        let (client, upstream) = (client.try_clone().ok()?, upstream.try_clone().ok()?);
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let entry = Active {
+            host: host.clone(),
+            port,
+            http: http.map(|(m, p)| (m.to_owned(), p.to_owned())),
+            client,
+            upstream,
+        };
+        self.active.lock().ok()?.insert(id, entry);
+        Some(Tracked {
+            id,
+            active: self.active.clone(),
         })
     }
 
@@ -141,6 +237,7 @@ impl Gateway {
     /// Resolves (once) and connects to the first address the rules allow: the connection is
     /// pinned to the address that was checked.
     fn connect(&self, host: &Host, port: u16) -> Result<(TcpStream, SocketAddr), String> {
+        let rules = self.rules();
         let candidates: Vec<SocketAddr> = match host {
             Host::Ip(ip) => vec![SocketAddr::new(*ip, port)],
             Host::Name(name) => (name.as_str(), port)
@@ -151,7 +248,7 @@ impl Gateway {
         let allowed: Vec<SocketAddr> = candidates
             .iter()
             .copied()
-            .filter(|a| self.rules.address_allowed(host, a.ip(), port))
+            .filter(|a| rules.address_allowed(host, a.ip(), port))
             .collect();
         if allowed.is_empty() {
             let shown: Vec<String> = candidates.iter().map(|a| a.ip().to_string()).collect();
@@ -176,7 +273,7 @@ impl Gateway {
             Ok(parts) => parts,
             Err(e) => return self.refuse(&mut conn, "connect", target, e.to_string()),
         };
-        let verdict = self.rules.decide(&Request {
+        let verdict = self.rules().decide(&Request {
             host: &host,
             port,
             http: None,
@@ -200,6 +297,7 @@ impl Gateway {
         {
             return;
         }
+        let _tracked = self.track(&host, port, None, &conn, &upstream);
         let (up, down, refused) = tunnel_bytes(conn, upstream, &early, host.as_text());
         decision.bytes_up = up;
         decision.bytes_down = down;
@@ -290,7 +388,7 @@ impl Gateway {
             }
         }
         let path_only = path.split(['?', '#']).next().unwrap_or("/");
-        let verdict = self.rules.decide(&Request {
+        let verdict = self.rules().decide(&Request {
             host: &host,
             port,
             http: Some((method, path_only)),
@@ -337,6 +435,7 @@ impl Gateway {
         });
         let Ok(body_bytes) = sent else { return };
         decision.bytes_up = out.len() as u64 + body_bytes;
+        let _tracked = self.track(&host, port, Some((method, path_only)), &conn, &upstream);
         decision.bytes_down = pump(&upstream, &conn);
         let _ = conn.shutdown(Shutdown::Both);
         self.log.write(&decision);

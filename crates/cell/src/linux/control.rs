@@ -83,3 +83,72 @@ pub fn kill(registry: &Registry, name: &str) -> Result<CellRecord, ControlError>
     }
     Ok(record)
 }
+
+#[derive(Debug, thiserror::Error)]
+pub enum PolicySetError {
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+    #[error(transparent)]
+    Policy(#[from] warden_policy::PolicyError),
+    #[error(transparent)]
+    Rules(#[from] warden_egress::RulesError),
+    #[error(
+        "cell `{0}` has no egress gateway: its policy let nothing out when it started, so there is nothing to change; start it with network rules"
+    )]
+    NoGateway(String),
+    #[error("handing the policy to cell `{name}`: {source}")]
+    Io {
+        name: String,
+        source: std::io::Error,
+    },
+    #[error("the warden of cell `{0}` did not take the new policy within 5 s")]
+    NoAnswer(String),
+    #[error("cell `{name}` refused the new policy: {message}")]
+    Refused { name: String, message: String },
+}
+
+/// Replaces the network rules of a running cell; returns how many open connections the new rules
+/// closed. Only the `network` section takes effect on a running cell.
+pub fn set_network_policy(
+    registry: &Registry,
+    name: &str,
+    file: &std::path::Path,
+) -> Result<u64, PolicySetError> {
+    use super::run::{POLICY_ACK, POLICY_UPDATE};
+    let policy = warden_policy::from_file(file)?;
+    warden_egress::Rules::compile(&policy.network)?;
+    let record = registry.get(name)?;
+    if !record.gateway {
+        return Err(PolicySetError::NoGateway(name.to_owned()));
+    }
+    let io = |source| PolicySetError::Io {
+        name: name.to_owned(),
+        source,
+    };
+    let text = std::fs::read(file).map_err(io)?;
+    let target = registry.cell_file(name, POLICY_UPDATE);
+    let ack = registry.cell_file(name, POLICY_ACK);
+    let _ = std::fs::remove_file(&ack);
+    let tmp = target.with_extension("tmp");
+    std::fs::write(&tmp, text).map_err(io)?;
+    std::fs::rename(&tmp, &target).map_err(io)?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while std::time::Instant::now() < deadline {
+        if let Ok(answer) = std::fs::read_to_string(&ack) {
+            let value: serde_json::Value = serde_json::from_str(&answer).unwrap_or_default();
+            if value["ok"] == true {
+                return Ok(value["closed"].as_u64().unwrap_or(0));
+            }
+            let message = value["error"]
+                .as_str()
+                .unwrap_or("unknown error")
+                .to_owned();
+            return Err(PolicySetError::Refused {
+                name: name.to_owned(),
+                message,
+            });
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    Err(PolicySetError::NoAnswer(name.to_owned()))
+}

@@ -27,6 +27,9 @@ pub struct CellRecord {
     pub argv: Vec<String>,
     pub workspace: Option<PathBuf>,
     pub cgroup: Option<CellCgroup>,
+    /// Whether the cell has an egress gateway (whose rules may change while it runs).
+    #[serde(default)]
+    pub gateway: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -203,6 +206,11 @@ impl Registry {
         Ok(out)
     }
 
+    /// A file in the folder of the running cell `name` (for requests to its warden).
+    pub fn cell_file(&self, name: &str, file: &str) -> PathBuf {
+        self.cell_dir(name).join(file)
+    }
+
     /// Leaves a note that the cell was killed on request, for its owner to report.
     pub fn mark_killed(&self, name: &str) -> Result<(), RegistryError> {
         let path = self.cell_dir(name).join("killed");
@@ -230,6 +238,11 @@ impl Reservation {
     /// The empty directory the cell's root is assembled on.
     pub fn root_dir(&self) -> PathBuf {
         self.dir.join("root")
+    }
+
+    /// A file in the cell's folder.
+    pub fn file(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
     }
 
     /// Publishes the record, atomically.

@@ -382,6 +382,7 @@ pub fn run(
             .collect(),
         workspace: plan.workspace.as_ref().map(|w| w.host.clone()),
         cgroup: cell_cgroup.clone(),
+        gateway: gateway_channel.is_some(),
     })?;
     let go = if cell_cgroup.is_some() {
         init::GO_IN_CGROUP
@@ -418,6 +419,7 @@ pub fn run(
         };
     }
 
+    let mut policy_watch = None;
     if let (Some(rules), Some(channel)) = (gateway_rules, &gateway_channel) {
         let listener = std::net::TcpListener::from(
             sys::receive_fd(channel).map_err(os("receiving the gateway socket"))?,
@@ -425,14 +427,21 @@ pub fn run(
         let log = store
             .net_log(&name)
             .map_err(os("creating the egress log"))?;
-        warden_egress::Gateway::new(rules, &log, &name)
-            .map_err(os("opening the egress log"))?
-            .serve(listener);
+        let gateway = warden_egress::Gateway::new(rules, &log, &name)
+            .map_err(os("opening the egress log"))?;
+        gateway.clone().serve(listener);
+        policy_watch = Some(PolicyWatch {
+            path: reservation.file(POLICY_UPDATE),
+            ack: reservation.file(POLICY_ACK),
+            gateway,
+            seen: None,
+        });
     }
     let signals = SignalFd::with_flags(&forwarded, SfdFlags::SFD_CLOEXEC)
         .map_err(nix_os("creating a signalfd"))?;
     spawn_stdin_pump(stdin_w);
     let relay = Relay {
+        policy_watch,
         pid,
         pidfd: &pidfd,
         cgroup: cell_cgroup.as_ref(),
@@ -582,7 +591,49 @@ enum Stop {
     Limit(Ending),
 }
 
+/// Where `warden policy set` drops a new policy for a running cell, and where the warden
+/// answers.
+pub const POLICY_UPDATE: &str = "policy-update.yaml";
+pub const POLICY_ACK: &str = "policy-update.json";
+const POLICY_POLL: Duration = Duration::from_millis(100);
+
+/// A running gateway whose network rules may be replaced through the runtime directory.
+struct PolicyWatch {
+    path: PathBuf,
+    ack: PathBuf,
+    gateway: warden_egress::Gateway,
+    seen: Option<SystemTime>,
+}
+
+impl PolicyWatch {
+    /// Applies a new policy file once per modification; the answer goes to the ack file.
+    fn check(&mut self) {
+        let Ok(modified) = fs::metadata(&self.path).and_then(|m| m.modified()) else {
+            return;
+        };
+        if self.seen == Some(modified) {
+            return;
+        }
+        self.seen = Some(modified);
+        let answer = warden_policy::from_file(&self.path)
+            .map_err(|e| e.to_string())
+            .and_then(|policy| {
+                warden_egress::Rules::compile(&policy.network).map_err(|e| e.to_string())
+            })
+            .map(|rules| self.gateway.replace_rules(rules));
+        let json = match answer {
+            Ok(closed) => serde_json::json!({ "ok": true, "closed": closed }),
+            Err(error) => serde_json::json!({ "ok": false, "error": error }),
+        };
+        let tmp = self.ack.with_extension("tmp");
+        if fs::write(&tmp, json.to_string()).is_ok() {
+            let _ = fs::rename(&tmp, &self.ack);
+        }
+    }
+}
+
 struct Relay<'a> {
+    policy_watch: Option<PolicyWatch>,
     pid: Pid,
     pidfd: &'a OwnedFd,
     cgroup: Option<&'a CellCgroup>,
@@ -642,6 +693,10 @@ impl Relay<'_> {
             }
             if exited.is_some() {
                 wait = wait.min(Duration::from_millis(50));
+            }
+            if let Some(watch) = self.policy_watch.as_mut() {
+                watch.check();
+                wait = wait.min(POLICY_POLL);
             }
             let timeout = PollTimeout::try_from(wait.as_millis().min(60_000) as i32 + 1)
                 .unwrap_or(PollTimeout::MAX);
