@@ -114,7 +114,7 @@ pub fn set_network_policy(
     name: &str,
     file: &std::path::Path,
 ) -> Result<u64, PolicySetError> {
-    use super::run::{POLICY_ACK, POLICY_UPDATE};
+    use super::relay::{POLICY_ACK, POLICY_UPDATE};
     let policy = warden_policy::from_file(file)?;
     warden_egress::Rules::compile(&policy.network)?;
     let record = registry.get(name)?;

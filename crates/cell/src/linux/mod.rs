@@ -12,6 +12,7 @@ mod overlay;
 pub mod plan;
 pub mod probe;
 pub mod registry;
+mod relay;
 mod rootfs;
 pub mod run;
 pub mod seccomp;

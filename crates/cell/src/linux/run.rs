@@ -4,16 +4,15 @@
 use std::ffi::OsString;
 use std::fs;
 use std::io::{self, BufRead, BufReader, Read, Write};
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt as _;
 use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
-use nix::sys::wait::{WaitStatus, waitpid};
+use nix::sys::wait::waitpid;
 use nix::unistd::Pid;
 use warden_policy::{Policy, Tier, WorkspaceMode};
 use warden_workspace::{Layer, LayerMeta};
@@ -23,6 +22,7 @@ use super::ids::IdMapping;
 use super::init::{self, InitFds};
 use super::plan::{self, CellPlan, OverlayPlan, PlanError, WorkspacePlan};
 use super::registry::{CellRecord, Registry, RegistryError};
+use super::relay::{POLICY_ACK, POLICY_UPDATE, PolicyWatch, Relay, Stop, spawn_stdin_pump};
 use super::snapshot::SnapshotInfo;
 use super::store::Store;
 use super::{idmap, sys};
@@ -99,22 +99,16 @@ pub enum RunError {
     Namespaces { source: io::Error },
 }
 
-fn os(what: &'static str) -> impl FnOnce(io::Error) -> RunError {
+pub(super) fn os(what: &'static str) -> impl FnOnce(io::Error) -> RunError {
     move |source| RunError::Os { what, source }
 }
 
-fn nix_os(what: &'static str) -> impl FnOnce(nix::Error) -> RunError {
+pub(super) fn nix_os(what: &'static str) -> impl FnOnce(nix::Error) -> RunError {
     move |err| RunError::Os {
         what,
         source: io::Error::from_raw_os_error(err as i32),
     }
 }
-
-const STDIO_CHUNK: usize = 64 * 1024;
-/// How often the warden checks the cell's OOM counter while a memory limit is set.
-const OOM_POLL: Duration = Duration::from_millis(100);
-/// How long stdout/stderr may stay open after the cell's init has exited.
-const DRAIN_GRACE: Duration = Duration::from_secs(2);
 
 /// Runs a command in a fresh cell and returns once the cell is gone.
 ///
@@ -584,216 +578,6 @@ impl Drop for CellGuard {
             cg.remove();
         }
     }
-}
-
-enum Stop {
-    Exited(Ending),
-    Limit(Ending),
-}
-
-/// Where `warden policy set` drops a new policy for a running cell, and where the warden
-/// answers.
-pub const POLICY_UPDATE: &str = "policy-update.yaml";
-pub const POLICY_ACK: &str = "policy-update.json";
-const POLICY_POLL: Duration = Duration::from_millis(100);
-
-/// A running gateway whose network rules may be replaced through the runtime directory.
-struct PolicyWatch {
-    path: PathBuf,
-    ack: PathBuf,
-    gateway: warden_egress::Gateway,
-    seen: Option<SystemTime>,
-}
-
-impl PolicyWatch {
-    /// Applies a new policy file once per modification; the answer goes to the ack file.
-    fn check(&mut self) {
-        let Ok(modified) = fs::metadata(&self.path).and_then(|m| m.modified()) else {
-            return;
-        };
-        if self.seen == Some(modified) {
-            return;
-        }
-        self.seen = Some(modified);
-        let answer = warden_policy::from_file(&self.path)
-            .map_err(|e| e.to_string())
-            .and_then(|policy| {
-                warden_egress::Rules::compile(&policy.network).map_err(|e| e.to_string())
-            })
-            .map(|rules| self.gateway.replace_rules(rules));
-        let json = match answer {
-            Ok(closed) => serde_json::json!({ "ok": true, "closed": closed }),
-            Err(error) => serde_json::json!({ "ok": false, "error": error }),
-        };
-        let tmp = self.ack.with_extension("tmp");
-        if fs::write(&tmp, json.to_string()).is_ok() {
-            let _ = fs::rename(&tmp, &self.ack);
-        }
-    }
-}
-
-struct Relay<'a> {
-    policy_watch: Option<PolicyWatch>,
-    pid: Pid,
-    pidfd: &'a OwnedFd,
-    cgroup: Option<&'a CellCgroup>,
-    stdout: Option<OwnedFd>,
-    stderr: Option<OwnedFd>,
-    signals: SignalFd,
-    deadline: Option<(Instant, Duration)>,
-    output_cap: Option<u64>,
-    memory_limit: Option<u64>,
-}
-
-impl Relay<'_> {
-    fn kill(&self) {
-        let _ = sys::pidfd_send_signal(self.pidfd, libc::SIGKILL);
-        if let Some(cg) = self.cgroup {
-            let _ = cg.kill_all();
-        }
-    }
-
-    fn run(mut self) -> Result<Stop, RunError> {
-        // Each stream is dropped (closing our end) at EOF, or when the caller stops reading it:
-        // the cell's writer then gets EPIPE, as in a shell pipeline.
-        let mut sources = [self.stdout.take(), self.stderr.take()];
-        let mut exited: Option<(Ending, Instant)> = None;
-        let mut limit: Option<Ending> = None;
-        let mut relayed: u64 = 0;
-        let mut buf = vec![0u8; STDIO_CHUNK];
-        let mut stdout = io::stdout().lock();
-        let mut stderr = io::stderr().lock();
-        loop {
-            if let Some((_, at)) = &exited {
-                if sources.iter().all(Option::is_none) || at.elapsed() > DRAIN_GRACE {
-                    break;
-                }
-            }
-            let now = Instant::now();
-            if limit.is_none() {
-                if let Some((deadline, wall)) = self.deadline {
-                    if now >= deadline {
-                        limit = Some(Ending::WallLimit { limit: wall });
-                        self.kill();
-                    }
-                }
-                if let (Some(cg), Some(bytes)) = (self.cgroup, self.memory_limit) {
-                    if cg.oom_kills() > 0 {
-                        limit = Some(Ending::MemoryLimit { limit: bytes });
-                        self.kill();
-                    }
-                }
-            }
-            let mut wait = Duration::from_secs(3600);
-            if let (None, Some((deadline, _))) = (&limit, self.deadline) {
-                wait = wait.min(deadline.saturating_duration_since(now));
-            }
-            if self.memory_limit.is_some() && self.cgroup.is_some() {
-                wait = wait.min(OOM_POLL);
-            }
-            if exited.is_some() {
-                wait = wait.min(Duration::from_millis(50));
-            }
-            if let Some(watch) = self.policy_watch.as_mut() {
-                watch.check();
-                wait = wait.min(POLICY_POLL);
-            }
-            let timeout = PollTimeout::try_from(wait.as_millis().min(60_000) as i32 + 1)
-                .unwrap_or(PollTimeout::MAX);
-
-            let mut fds = Vec::with_capacity(4);
-            fds.push(PollFd::new(self.signals.as_fd(), PollFlags::POLLIN));
-            let pid_slot = exited.is_none().then(|| {
-                fds.push(PollFd::new(self.pidfd.as_fd(), PollFlags::POLLIN));
-                fds.len() - 1
-            });
-            let slots: Vec<Option<usize>> = sources
-                .iter()
-                .map(|source| {
-                    source.as_ref().map(|fd| {
-                        fds.push(PollFd::new(fd.as_fd(), PollFlags::POLLIN));
-                        fds.len() - 1
-                    })
-                })
-                .collect();
-            match poll(&mut fds, timeout) {
-                Ok(_) => {}
-                Err(nix::Error::EINTR) => continue,
-                Err(err) => return Err(nix_os("waiting on the cell")(err)),
-            }
-            let ready = |slot: Option<usize>| {
-                slot.and_then(|i| fds[i].revents())
-                    .is_some_and(|r| !r.is_empty())
-            };
-            let signal_ready = ready(Some(0));
-            let pid_ready = ready(pid_slot);
-            let readable: Vec<bool> = slots.iter().map(|slot| ready(*slot)).collect();
-            drop(fds);
-
-            if signal_ready {
-                if let Ok(Some(info)) = self.signals.read_signal() {
-                    let _ = nix::sys::signal::kill(
-                        self.pid,
-                        Signal::try_from(info.ssi_signo as i32).ok(),
-                    );
-                }
-            }
-            let sinks: [&mut dyn Write; 2] = [&mut stdout, &mut stderr];
-            for ((source, sink), readable) in sources.iter_mut().zip(sinks).zip(readable) {
-                let Some(fd) = source.as_ref().filter(|_| readable) else {
-                    continue;
-                };
-                let n = match nix::unistd::read(fd, &mut buf) {
-                    Ok(0) | Err(_) => {
-                        *source = None;
-                        continue;
-                    }
-                    Ok(n) => n,
-                };
-                let allowed = match (self.output_cap, &limit) {
-                    (_, Some(_)) => 0,
-                    (Some(cap), None) => (cap.saturating_sub(relayed) as usize).min(n),
-                    (None, None) => n,
-                };
-                if sink
-                    .write_all(&buf[..allowed])
-                    .and_then(|()| sink.flush())
-                    .is_err()
-                {
-                    *source = None;
-                }
-                relayed += n as u64;
-                if let (Some(cap), None) = (self.output_cap, &limit) {
-                    if relayed > cap {
-                        limit = Some(Ending::OutputLimit { limit: cap });
-                        self.kill();
-                    }
-                }
-            }
-            if pid_ready && exited.is_none() {
-                let ending = match waitpid(self.pid, None) {
-                    Ok(WaitStatus::Exited(_, code)) => Ending::Exited(code),
-                    Ok(WaitStatus::Signaled(_, signal, _)) => Ending::Signaled(signal as i32),
-                    _ => Ending::Exited(init::SETUP_FAILED),
-                };
-                exited = Some((ending, Instant::now()));
-            }
-        }
-        let ending = exited.map_or(Ending::Exited(init::SETUP_FAILED), |(e, _)| e);
-        Ok(match limit {
-            Some(limit) => Stop::Limit(limit),
-            None => Stop::Exited(ending),
-        })
-    }
-}
-
-/// Copies the warden's stdin into the cell until either side closes. A thread, because a read
-/// from a terminal cannot be abandoned; it ends with the process.
-fn spawn_stdin_pump(pipe: OwnedFd) {
-    std::thread::spawn(move || {
-        let mut sink = fs::File::from(pipe);
-        let _ = io::copy(&mut io::stdin().lock(), &mut sink);
-    });
 }
 
 fn write_id_maps(pid: Pid, ids: &IdMapping) -> io::Result<()> {
