@@ -268,6 +268,33 @@ impl Gateway {
         Err(last)
     }
 
+    /// Connects to the destination of an allowed decision; a refusal (by the rules, or because
+    /// of the resolved address) is answered and recorded, and gives `None`.
+    fn open_upstream(
+        &self,
+        conn: &mut TcpStream,
+        host: &Host,
+        port: u16,
+        decision: &mut Decision,
+    ) -> Option<TcpStream> {
+        if !decision.allowed {
+            self.deny(conn, decision);
+            return None;
+        }
+        match self.connect(host, port) {
+            Ok((upstream, addr)) => {
+                decision.address = Some(addr.to_string());
+                Some(upstream)
+            }
+            Err(reason) => {
+                decision.allowed = false;
+                decision.reason = reason;
+                self.deny(conn, decision);
+                None
+            }
+        }
+    }
+
     fn tunnel(&self, mut conn: TcpStream, target: &str, early: Vec<u8>) {
         let (host, port) = match split_authority(target, 443) {
             Ok(parts) => parts,
@@ -279,18 +306,9 @@ impl Gateway {
             http: None,
         });
         let mut decision = self.record("connect", &host.as_text(), port, None, &verdict);
-        if !verdict.allowed {
-            return self.deny(&mut conn, &decision);
-        }
-        let (upstream, addr) = match self.connect(&host, port) {
-            Ok(pair) => pair,
-            Err(reason) => {
-                decision.allowed = false;
-                decision.reason = reason;
-                return self.deny(&mut conn, &decision);
-            }
+        let Some(upstream) = self.open_upstream(&mut conn, &host, port, &mut decision) else {
+            return;
         };
-        decision.address = Some(addr.to_string());
         if conn
             .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
             .is_err()
@@ -400,18 +418,9 @@ impl Gateway {
             Some((method, path_only)),
             &verdict,
         );
-        if !verdict.allowed {
-            return self.deny(&mut conn, &decision);
-        }
-        let (mut upstream, addr) = match self.connect(&host, port) {
-            Ok(pair) => pair,
-            Err(reason) => {
-                decision.allowed = false;
-                decision.reason = reason;
-                return self.deny(&mut conn, &decision);
-            }
+        let Some(mut upstream) = self.open_upstream(&mut conn, &host, port, &mut decision) else {
+            return;
         };
-        decision.address = Some(addr.to_string());
         let mut out = format!("{method} {path} HTTP/1.1\r\n").into_bytes();
         for (name, value) in headers {
             if name.starts_with("proxy-") || name == "connection" || name == "keep-alive" {
