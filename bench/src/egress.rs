@@ -102,14 +102,21 @@ fn main() -> Result<()> {
             ports: vec![up.port()],
             methods: vec![],
             paths: vec![],
+            credential: None,
         }],
         deny: vec![],
         ask: vec![],
+        extra_ca: None,
     };
     let log =
         std::env::temp_dir().join(format!("warden-bench-egress-{}.jsonl", std::process::id()));
-    let gateway =
-        warden_egress::Gateway::new(warden_egress::Rules::compile(&network)?, &log, "bench")?;
+    let gateway = warden_egress::Gateway::new(
+        warden_egress::Rules::compile(&network)?,
+        &log,
+        "bench",
+        warden_egress::Secrets::default(),
+        None,
+    )?;
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let proxy = listener.local_addr()?;
     gateway.serve(listener);

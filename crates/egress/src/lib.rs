@@ -10,12 +10,16 @@ mod host;
 mod proxy;
 mod record;
 mod rules;
+mod secrets;
 mod sni;
+mod tls;
 
 pub use host::{Host, HostError};
 pub use proxy::Gateway;
 pub use record::{Decision, read_log};
 pub use rules::{Request, Rules, RulesError, Verdict};
+pub use secrets::{SecretError, Secrets};
+pub use tls::{Interceptor, TlsError};
 
 /// Port the gateway listens on inside the cell's loopback.
 pub const GATEWAY_PORT: u16 = 3128;

@@ -15,6 +15,8 @@ use serde_json::json;
 use crate::host::{Host, split_authority};
 use crate::record::{Decision, Log};
 use crate::rules::{Request, Rules, Verdict};
+use crate::secrets::{Scrubber, Secret, Secrets};
+use crate::tls::Interceptor;
 
 const MAX_HEAD: usize = 64 * 1024;
 const MAX_HEADERS: usize = 100;
@@ -28,6 +30,8 @@ pub struct Gateway {
     rules: Arc<RwLock<Arc<Rules>>>,
     log: Arc<Log>,
     cell: String,
+    secrets: Arc<Secrets>,
+    interceptor: Option<Arc<Interceptor>>,
     active: Arc<Mutex<HashMap<u64, Active>>>,
     next_id: Arc<AtomicU64>,
 }
@@ -57,11 +61,19 @@ impl Drop for Tracked {
 }
 
 impl Gateway {
-    pub fn new(rules: Rules, log_path: &Path, cell: &str) -> io::Result<Self> {
+    pub fn new(
+        rules: Rules,
+        log_path: &Path,
+        cell: &str,
+        secrets: Secrets,
+        interceptor: Option<Interceptor>,
+    ) -> io::Result<Self> {
         Ok(Self {
             rules: Arc::new(RwLock::new(Arc::new(rules))),
             log: Arc::new(Log::open(log_path)?),
             cell: cell.to_owned(),
+            secrets: Arc::new(secrets),
+            interceptor: interceptor.map(Arc::new),
             active: Arc::new(Mutex::new(HashMap::new())),
             next_id: Arc::new(AtomicU64::new(0)),
         })
@@ -225,11 +237,7 @@ impl Gateway {
     }
 
     fn refuse(&self, conn: &mut TcpStream, kind: &str, target: &str, reason: String) {
-        let verdict = Verdict {
-            allowed: false,
-            rule: "syntax".to_owned(),
-            reason,
-        };
+        let verdict = Verdict::new(false, "syntax", &reason);
         let decision = self.record(kind, target, 0, None, &verdict);
         self.deny(conn, &decision);
     }
@@ -295,11 +303,206 @@ impl Gateway {
         }
     }
 
+    /// A request may carry a credential's placeholder only where a rule binds that credential.
+    fn check_placeholders(
+        &self,
+        headers: &[(String, Vec<u8>)],
+        verdict: &Verdict,
+    ) -> Result<(), String> {
+        for (_, value) in headers {
+            if let Some(secret) = self.secrets.placeholder_in(value) {
+                if verdict.credential.as_deref() != Some(secret.name.as_str()) {
+                    return Err(format!(
+                        "the request carries the placeholder of credential `{}` to a destination that credential is not bound to",
+                        secret.name
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// An opened-up tunnel: TLS with the cell's CA toward the client, one request decided on
+    /// method and path, the bound credential added, TLS verified toward the upstream, and the
+    /// response scrubbed of secrets on its way back.
+    fn intercept(
+        &self,
+        interceptor: &Interceptor,
+        mut conn: TcpStream,
+        host: Host,
+        port: u16,
+        early: Vec<u8>,
+    ) {
+        let name = host.as_text();
+        if conn
+            .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            .is_err()
+        {
+            return;
+        }
+        let (Ok(config), Ok(inner)) = (interceptor.server_for(&name), conn.try_clone()) else {
+            return;
+        };
+        let Ok(server) = rustls::ServerConnection::new(config) else {
+            return;
+        };
+        let mut client = rustls::StreamOwned::new(
+            server,
+            Prefixed {
+                early: io::Cursor::new(early),
+                inner,
+            },
+        );
+        let Ok((head, rest)) = read_head(&mut client) else {
+            return;
+        };
+        let sni = client.conn.server_name().map(str::to_owned);
+        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut request = httparse::Request::new(&mut headers);
+        let parsed = request.parse(&head);
+        let (Ok(httparse::Status::Complete(_)), Some(method), Some(path)) =
+            (parsed, request.method, request.path)
+        else {
+            return write_reply(
+                &mut client,
+                400,
+                "Bad Request",
+                &json!({"error": "malformed HTTP request"}),
+            );
+        };
+        let (method, path) = (method.to_owned(), path.to_owned());
+        let headers: Vec<(String, Vec<u8>)> = request
+            .headers
+            .iter()
+            .map(|h| (h.name.to_ascii_lowercase(), h.value.to_vec()))
+            .collect();
+        let path_only = path.split(['?', '#']).next().unwrap_or("/").to_owned();
+        let verdict = self.rules().decide(&Request {
+            host: &host,
+            port,
+            http: Some((&method, &path_only)),
+        });
+        let mut decision = self.record("https", &name, port, Some((&method, &path_only)), &verdict);
+        let refusal = if sni
+            .as_deref()
+            .is_some_and(|s| s.trim_end_matches('.') != name)
+        {
+            Some(format!(
+                "the TLS server name `{}` is not the CONNECT host `{name}`",
+                sni.unwrap_or_default()
+            ))
+        } else if !path.starts_with('/') {
+            Some("the request inside TLS must use a path, not a URL".to_owned())
+        } else {
+            request_length(&headers)
+                .err()
+                .map(str::to_owned)
+                .or_else(|| self.check_placeholders(&headers, &verdict).err())
+        };
+        let length = request_length(&headers).unwrap_or(0);
+        if let Some(reason) = refusal {
+            decision.allowed = false;
+            decision.reason = reason;
+        }
+        let upstream_tcp = if decision.allowed {
+            match self.connect(&host, port) {
+                Ok((tcp, addr)) => {
+                    decision.address = Some(addr.to_string());
+                    Some(tcp)
+                }
+                Err(reason) => {
+                    decision.allowed = false;
+                    decision.reason = reason;
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let (Some(upstream_tcp), Ok(server_name)) = (
+            upstream_tcp,
+            rustls::pki_types::ServerName::try_from(name.clone()),
+        ) else {
+            self.log.write(&decision);
+            let body = json!({
+                "error": "blocked by the warden egress policy",
+                "destination": format!("{name}:{port}"),
+                "method": decision.method, "path": decision.path,
+                "rule": decision.rule, "reason": decision.reason,
+            });
+            write_reply(&mut client, 403, "Forbidden", &body);
+            client.conn.send_close_notify();
+            let _ = client.flush();
+            return;
+        };
+        let _tracked = self.track(
+            &host,
+            port,
+            Some((&method, &path_only)),
+            &conn,
+            &upstream_tcp,
+        );
+        let _ = upstream_tcp.set_read_timeout(Some(IDLE_TIMEOUT));
+        let Ok(tls) = rustls::ClientConnection::new(interceptor.client(), server_name) else {
+            return;
+        };
+        let mut upstream = rustls::StreamOwned::new(tls, upstream_tcp);
+        let credential = verdict
+            .credential
+            .as_deref()
+            .and_then(|n| self.secrets.get(n));
+        let out = upstream_request(&method, &path, &headers, credential);
+        let sent = upstream.write_all(&out).and_then(|()| {
+            let early_body = &rest[..rest.len().min(length as usize)];
+            upstream.write_all(early_body)?;
+            let remaining = length - early_body.len() as u64;
+            io::copy(&mut (&mut client).take(remaining), &mut upstream)
+                .map(|n| n + early_body.len() as u64)
+        });
+        match sent {
+            Ok(body) => decision.bytes_up = out.len() as u64 + body,
+            Err(e) => {
+                decision.allowed = false;
+                decision.reason = format!("talking TLS to the upstream: {e}");
+                self.log.write(&decision);
+                return write_reply(
+                    &mut client,
+                    502,
+                    "Bad Gateway",
+                    &json!({"error": decision.reason}),
+                );
+            }
+        }
+        let mut scrubbed = Scrubber::new(&mut client, &self.secrets);
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            // An upstream that closes without close_notify has still sent its whole response.
+            let n = match upstream.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            decision.bytes_down += n as u64;
+            if scrubbed.write_all(&buf[..n]).is_err() {
+                break;
+            }
+        }
+        if let Ok(client) = scrubbed.finish() {
+            client.conn.send_close_notify();
+            let _ = client.flush();
+        }
+        self.log.write(&decision);
+    }
+
     fn tunnel(&self, mut conn: TcpStream, target: &str, early: Vec<u8>) {
         let (host, port) = match split_authority(target, 443) {
             Ok(parts) => parts,
             Err(e) => return self.refuse(&mut conn, "connect", target, e.to_string()),
         };
+        if let Some(interceptor) = &self.interceptor {
+            if self.rules().intercepts(&host, port) {
+                return self.intercept(interceptor, conn, host, port, early);
+            }
+        }
         let verdict = self.rules().decide(&Request {
             host: &host,
             port,
@@ -350,47 +553,16 @@ impl Gateway {
             Ok(parts) => parts,
             Err(e) => return self.refuse(&mut conn, "http", target, e.to_string()),
         };
+        let length = match request_length(headers) {
+            Ok(length) => length,
+            Err(reason) => return self.refuse(&mut conn, "http", target, reason.to_owned()),
+        };
         let header = |name: &str| {
             headers
                 .iter()
                 .filter(|(n, _)| n == name)
                 .map(|(_, v)| v.as_slice())
                 .collect::<Vec<_>>()
-        };
-        // Ambiguous framing is how requests are smuggled past a proxy.
-        let lengths = header("content-length");
-        if !header("transfer-encoding").is_empty() {
-            let reason = if lengths.is_empty() {
-                "chunked request bodies are not supported by this gateway; send Content-Length"
-            } else {
-                "both Content-Length and Transfer-Encoding: refused as request smuggling"
-            };
-            return self.refuse(&mut conn, "http", target, reason.to_owned());
-        }
-        let length: u64 = match lengths.as_slice() {
-            [] => 0,
-            [one] => match std::str::from_utf8(one)
-                .ok()
-                .and_then(|s| s.trim().parse().ok())
-            {
-                Some(n) => n,
-                None => {
-                    return self.refuse(
-                        &mut conn,
-                        "http",
-                        target,
-                        "invalid Content-Length".to_owned(),
-                    );
-                }
-            },
-            _ => {
-                return self.refuse(
-                    &mut conn,
-                    "http",
-                    target,
-                    "several Content-Length headers: refused as request smuggling".to_owned(),
-                );
-            }
         };
         if let Some(host_header) = header("host").first() {
             let named = std::str::from_utf8(host_header)
@@ -418,20 +590,18 @@ impl Gateway {
             Some((method, path_only)),
             &verdict,
         );
+        if let Err(reason) = self.check_placeholders(headers, &verdict) {
+            decision.allowed = false;
+            decision.reason = reason;
+        }
         let Some(mut upstream) = self.open_upstream(&mut conn, &host, port, &mut decision) else {
             return;
         };
-        let mut out = format!("{method} {path} HTTP/1.1\r\n").into_bytes();
-        for (name, value) in headers {
-            if name.starts_with("proxy-") || name == "connection" || name == "keep-alive" {
-                continue;
-            }
-            out.extend_from_slice(name.as_bytes());
-            out.extend_from_slice(b": ");
-            out.extend_from_slice(value);
-            out.extend_from_slice(b"\r\n");
-        }
-        out.extend_from_slice(b"Connection: close\r\n\r\n");
+        let credential = verdict
+            .credential
+            .as_deref()
+            .and_then(|name| self.secrets.get(name));
+        let out = upstream_request(method, path, headers, credential);
         let _ = upstream.set_read_timeout(Some(IDLE_TIMEOUT));
         let _ = conn.set_read_timeout(Some(IDLE_TIMEOUT));
         let sent = upstream.write_all(&out).and_then(|()| {
@@ -445,7 +615,14 @@ impl Gateway {
         let Ok(body_bytes) = sent else { return };
         decision.bytes_up = out.len() as u64 + body_bytes;
         let _tracked = self.track(&host, port, Some((method, path_only)), &conn, &upstream);
-        decision.bytes_down = pump(&upstream, &conn);
+        decision.bytes_down = if self.secrets.all.is_empty() {
+            pump(&upstream, &conn)
+        } else {
+            let mut scrubbed = Scrubber::new(&conn, &self.secrets);
+            let n = io::copy(&mut upstream, &mut scrubbed).unwrap_or(0);
+            let _ = scrubbed.finish();
+            n
+        };
         let _ = conn.shutdown(Shutdown::Both);
         self.log.write(&decision);
     }
@@ -466,13 +643,101 @@ fn first_bytes(conn: &mut TcpStream, mut bytes: Vec<u8>) -> Option<Vec<u8>> {
     Some(bytes)
 }
 
+/// The body length a request announces; ambiguous framing is how requests are smuggled past
+/// a proxy, so it is refused.
+fn request_length(headers: &[(String, Vec<u8>)]) -> Result<u64, &'static str> {
+    let values = |name: &str| {
+        headers
+            .iter()
+            .filter(|(n, _)| n == name)
+            .map(|(_, v)| v.as_slice())
+            .collect::<Vec<_>>()
+    };
+    let lengths = values("content-length");
+    if !values("transfer-encoding").is_empty() {
+        return Err(if lengths.is_empty() {
+            "chunked request bodies are not supported by this gateway; send Content-Length"
+        } else {
+            "both Content-Length and Transfer-Encoding: refused as request smuggling"
+        });
+    }
+    match lengths.as_slice() {
+        [] => Ok(0),
+        [one] => std::str::from_utf8(one)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .ok_or("invalid Content-Length"),
+        _ => Err("several Content-Length headers: refused as request smuggling"),
+    }
+}
+
+/// The request sent upstream: origin form, no proxy or hop-by-hop headers, `Connection:
+/// close`, and the bound credential (if any) in its header instead of whatever the cell sent.
+fn upstream_request(
+    method: &str,
+    path: &str,
+    headers: &[(String, Vec<u8>)],
+    credential: Option<&Secret>,
+) -> Vec<u8> {
+    let mut out = format!("{method} {path} HTTP/1.1\r\n").into_bytes();
+    let injected = credential.map(|c| c.header.to_ascii_lowercase());
+    for (name, value) in headers {
+        if name.starts_with("proxy-")
+            || name == "connection"
+            || name == "keep-alive"
+            || Some(name) == injected.as_ref()
+        {
+            continue;
+        }
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value);
+        out.extend_from_slice(b"\r\n");
+    }
+    if let Some(secret) = credential {
+        out.extend_from_slice(
+            format!(
+                "{}: {}\r\n",
+                secret.header,
+                secret.format.replace("{}", &secret.value)
+            )
+            .as_bytes(),
+        );
+    }
+    out.extend_from_slice(b"Connection: close\r\n\r\n");
+    out
+}
+
+/// Reads from an already-read prefix, then from the stream; writes go to the stream.
+struct Prefixed {
+    early: io::Cursor<Vec<u8>>,
+    inner: TcpStream,
+}
+
+impl Read for Prefixed {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.early.read(buf)?;
+        if n > 0 { Ok(n) } else { self.inner.read(buf) }
+    }
+}
+
+impl Write for Prefixed {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.inner.write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
 enum HeadError {
     TooLarge,
     Io,
 }
 
 /// Reads up to the end of the request head; returns the head and any bytes read past it.
-fn read_head(conn: &mut TcpStream) -> Result<(Vec<u8>, Vec<u8>), HeadError> {
+fn read_head(conn: &mut impl Read) -> Result<(Vec<u8>, Vec<u8>), HeadError> {
     let mut buf = Vec::with_capacity(4096);
     let mut chunk = [0u8; 4096];
     loop {
@@ -491,6 +756,12 @@ fn read_head(conn: &mut TcpStream) -> Result<(Vec<u8>, Vec<u8>), HeadError> {
 }
 
 fn reply(conn: &mut TcpStream, code: u16, text: &str, body: &serde_json::Value) {
+    write_reply(conn, code, text, body);
+    let _ = conn.shutdown(Shutdown::Both);
+}
+
+/// Writes a complete JSON response (over plain TCP or TLS).
+fn write_reply(conn: &mut impl Write, code: u16, text: &str, body: &serde_json::Value) {
     let body = body.to_string();
     let head = format!(
         "HTTP/1.1 {code} {text}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\nX-Warden-Egress: refused\r\n\r\n",
@@ -498,11 +769,10 @@ fn reply(conn: &mut TcpStream, code: u16, text: &str, body: &serde_json::Value) 
     );
     let _ = conn
         .write_all(head.as_bytes())
-        .and_then(|()| conn.write_all(body.as_bytes()));
-    let _ = conn.shutdown(Shutdown::Both);
+        .and_then(|()| conn.write_all(body.as_bytes()))
+        .and_then(|()| conn.flush());
 }
 
-/// Copies both ways until both sides are done; returns the bytes sent up and down.
 /// Relays a tunnel both ways. The client's first bytes are held back until they show whether
 /// they are a TLS ClientHello, whose server name must be `expected` (whenever they come: the
 /// server may speak first). Returns the bytes each way, and the refusal if the name differed.

@@ -29,6 +29,7 @@ enum HostMatch {
 #[derive(Debug)]
 struct Rule {
     label: String,
+    credential: Option<String>,
     host: HostMatch,
     ports: Vec<u16>,
     methods: Vec<String>,
@@ -51,6 +52,20 @@ pub struct Verdict {
     /// The rule that decided (`allow[0] host=pypi.org`), or `default`.
     pub rule: String,
     pub reason: String,
+    /// The credential the allowing rule binds to this request.
+    #[serde(skip)]
+    pub credential: Option<String>,
+}
+
+impl Verdict {
+    pub fn new(allowed: bool, rule: &str, reason: &str) -> Self {
+        Self {
+            allowed,
+            rule: rule.to_owned(),
+            reason: reason.to_owned(),
+            credential: None,
+        }
+    }
 }
 
 /// A compiled `network` section.
@@ -79,41 +94,44 @@ impl Rules {
     /// Decides a request by its host name or address, before any resolution.
     pub fn decide(&self, request: &Request<'_>) -> Verdict {
         if let Some(rule) = self.deny.iter().find(|r| r.matches(request)) {
-            return Verdict {
-                allowed: false,
-                rule: rule.label.clone(),
-                reason: "denied by rule".to_owned(),
-            };
+            return Verdict::new(false, &rule.label, "denied by rule");
         }
         if let Some(rule) = self.allow.iter().find(|r| r.matches(request)) {
-            return Verdict {
-                allowed: true,
-                rule: rule.label.clone(),
-                reason: "allowed by rule".to_owned(),
-            };
+            let mut verdict = Verdict::new(true, &rule.label, "allowed by rule");
+            verdict.credential = rule.credential.clone();
+            return verdict;
         }
-        let wants_l7 = request.http.is_none()
-            && self
-                .allow
-                .iter()
-                .any(|r| r.host_matches(request.host) && r.is_l7());
-        let reason = if wants_l7 {
-            "the only matching rules restrict methods or paths, which a CONNECT tunnel cannot show \
-             (TLS interception is not in this version)"
-        } else if self.default_allow {
-            return Verdict {
-                allowed: true,
-                rule: "default".to_owned(),
-                reason: "network.default is allow".to_owned(),
-            };
-        } else {
-            "no rule allows this destination (network.default is deny)"
+        if self.default_allow {
+            return Verdict::new(true, "default", "network.default is allow");
+        }
+        Verdict::new(
+            false,
+            "default",
+            "no rule allows this destination (network.default is deny)",
+        )
+    }
+
+    /// Whether a tunnel to `host:port` must be opened up (TLS interception): an allow rule for it
+    /// restricts methods or paths, or binds a credential, and no deny rule refuses it outright.
+    pub fn intercepts(&self, host: &Host, port: u16) -> bool {
+        let tunnel = Request {
+            host,
+            port,
+            http: None,
         };
-        Verdict {
-            allowed: false,
-            rule: "default".to_owned(),
-            reason: reason.to_owned(),
-        }
+        !self.deny.iter().any(|r| r.matches(&tunnel))
+            && self.allow.iter().any(|r| {
+                r.host_matches(host)
+                    && r.port_matches(port)
+                    && (r.is_l7() || r.credential.is_some())
+            })
+    }
+
+    /// Whether any rule needs TLS interception at all.
+    pub fn need_interception(&self) -> bool {
+        self.allow
+            .iter()
+            .any(|r| r.is_l7() || r.credential.is_some())
     }
 
     /// Whether a resolved address may be used: public addresses always; private, loopback,
@@ -162,8 +180,9 @@ impl Rule {
                 (self.methods.is_empty() || self.methods.iter().any(|m| m == method))
                     && self.paths.as_ref().is_none_or(|paths| paths.is_match(path))
             }
-            // A tunnel shows no method or path: only rules without them can allow it.
-            None => !self.is_l7(),
+            // A tunnel shows no method or path and carries no credential: only rules that need
+            // neither allow it (the others apply inside intercepted TLS).
+            None => !self.is_l7() && self.credential.is_none(),
         }
     }
 }
@@ -199,6 +218,7 @@ fn compile_rule(rule: &NetRule, label: &str) -> Result<Rule, RulesError> {
     };
     Ok(Rule {
         label: format!("{label} host={}", rule.host),
+        credential: rule.credential.clone(),
         host,
         ports: rule.ports.clone(),
         methods: rule.methods.clone(),
@@ -243,6 +263,7 @@ mod tests {
             ports: vec![],
             methods: vec![],
             paths: vec![],
+            credential: None,
         }
     }
 
@@ -252,6 +273,7 @@ mod tests {
             allow,
             deny,
             ask: vec![],
+            extra_ca: None,
         })
         .unwrap()
     }
@@ -305,10 +327,10 @@ mod tests {
             port: 443,
             http: None,
         });
-        assert!(
-            !tunnel.allowed && tunnel.reason.contains("TLS interception"),
-            "{tunnel:?}"
-        );
+        // A plain tunnel cannot show its method or path: such hosts are intercepted instead.
+        assert!(!tunnel.allowed, "{tunnel:?}");
+        assert!(r.intercepts(&host, 443));
+        assert!(!r.intercepts(&name("other.org"), 443));
     }
 
     #[test]

@@ -310,6 +310,9 @@ pub struct Network {
     pub deny: Vec<NetRule>,
     /// Reserved for the approval queue.
     pub ask: Vec<NetRule>,
+    /// An extra CA (PEM file) trusted for upstream TLS, beside the host's roots.
+    #[serde(deserialize_with = "optional_absolute_path")]
+    pub extra_ca: Option<PathBuf>,
 }
 
 impl Network {
@@ -332,9 +335,13 @@ pub struct NetRule {
     /// HTTP methods (plain HTTP requests only in this version); empty covers all.
     #[serde(default)]
     pub methods: Vec<String>,
-    /// URL path globs such as `/simple/**` (plain HTTP only); empty covers all.
+    /// URL path globs such as `/simple/**`; empty covers all. On HTTPS, method and path rules
+    /// make the gateway intercept TLS with the cell's own CA.
     #[serde(default)]
     pub paths: Vec<String>,
+    /// A credential (from `credentials`) the gateway adds to requests this rule allows.
+    #[serde(default)]
+    pub credential: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -345,8 +352,35 @@ pub enum NetworkDefault {
     Allow,
 }
 
-/// Named credentials the gateway injects. Reserved: must be empty until the gateway exists.
-pub type Credentials = BTreeMap<String, Reserved>;
+/// Named credentials the gateway injects into requests to the hosts bound to them.
+pub type Credentials = BTreeMap<String, Credential>;
+
+/// A secret of the caller that the cell never sees: it gets a placeholder, and the gateway puts
+/// the secret in `header` only on requests that a rule naming this credential allows.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Credential {
+    /// Environment variable of the caller holding the secret (the cell gets the placeholder
+    /// under the same name).
+    pub from_env: Option<String>,
+    /// File of the caller holding the secret.
+    #[serde(default, deserialize_with = "optional_absolute_path")]
+    pub from_file: Option<PathBuf>,
+    /// Header that carries it.
+    #[serde(default = "default_credential_header")]
+    pub header: String,
+    /// How the header value is built; `{}` is replaced by the secret.
+    #[serde(default = "default_credential_format")]
+    pub format: String,
+}
+
+fn default_credential_header() -> String {
+    "Authorization".to_owned()
+}
+
+fn default_credential_format() -> String {
+    "Bearer {}".to_owned()
+}
 
 /// Approval behaviour for `ask` decisions.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -387,6 +421,16 @@ pub enum GpuDevices {
     None,
 }
 
+fn optional_absolute_path<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<PathBuf>, D::Error> {
+    let path = Option::<PathBuf>::deserialize(deserializer)?;
+    if let Some(path) = &path {
+        check_absolute(path).map_err(de::Error::custom)?;
+    }
+    Ok(path)
+}
+
 fn absolute_path<'de, D: Deserializer<'de>>(deserializer: D) -> Result<PathBuf, D::Error> {
     let path = PathBuf::deserialize(deserializer)?;
     check_absolute(&path).map_err(de::Error::custom)?;
@@ -413,15 +457,4 @@ fn check_absolute(path: &std::path::Path) -> Result<(), String> {
         return Err(format!("path `{}` must not contain `..`", path.display()));
     }
     Ok(())
-}
-
-/// Any YAML value, accepted by reserved sections so that their emptiness can be checked with a
-/// clear message rather than a type error.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Reserved;
-
-impl<'de> Deserialize<'de> for Reserved {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        de::IgnoredAny::deserialize(deserializer).map(|_| Reserved)
-    }
 }

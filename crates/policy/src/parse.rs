@@ -128,12 +128,47 @@ fn validate(origin: &str, policy: &Policy) -> Result<(), PolicyError> {
             }
         }
     }
-    if !policy.credentials.is_empty() {
-        return Err(invalid(
-            "credentials",
-            "credential injection needs the egress gateway, which this version of warden does \
-             not have yet; remove the section",
-        ));
+    for (name, credential) in &policy.credentials {
+        let field = "credentials";
+        match (&credential.from_env, &credential.from_file) {
+            (Some(_), None) | (None, Some(_)) => {}
+            _ => {
+                return Err(invalid(
+                    field,
+                    &format!("`{name}` needs exactly one of from_env or from_file"),
+                ));
+            }
+        }
+        if !credential.format.contains("{}") {
+            return Err(invalid(
+                field,
+                &format!("the format of `{name}` must contain {{}} where the secret goes"),
+            ));
+        }
+        let header_ok = !credential.header.is_empty()
+            && credential
+                .header
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-');
+        if !header_ok {
+            return Err(invalid(
+                field,
+                &format!("the header of `{name}` is not a header name"),
+            ));
+        }
+    }
+    for rule in policy.network.allow.iter().chain(&policy.network.deny) {
+        if let Some(name) = &rule.credential {
+            if !policy.credentials.contains_key(name) {
+                return Err(invalid(
+                    "network",
+                    &format!(
+                        "rule for `{}` names credential `{name}`, which `credentials` does not define",
+                        rule.host
+                    ),
+                ));
+            }
+        }
     }
     for entry in &policy.filesystem.workspace.protect {
         let path = Path::new(entry);

@@ -69,11 +69,13 @@ pub struct CellPlan {
     /// a delegated subtree).
     pub rlimit_nproc: Option<u64>,
     pub rlimit_as: Option<u64>,
+    /// More generated files under `/etc` (path relative to it, content): the egress CA.
+    pub extra_etc: Vec<(String, String)>,
 }
 
 impl CellPlan {
     /// Files generated for the cell's `/etc`.
-    pub fn etc_files(&self) -> Vec<(&'static str, String)> {
+    pub fn etc_files(&self) -> Vec<(String, String)> {
         let uid = self.ids.inside_uid;
         let gid = self.ids.inside_gid;
         let mut passwd = String::from("root:x:0:0:root:/root:/bin/sh\n");
@@ -86,26 +88,28 @@ impl CellPlan {
         }
         passwd.push_str("nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n");
         group.push_str("nogroup:x:65534:\n");
-        vec![
-            ("passwd", passwd),
-            ("group", group),
-            ("hostname", format!("{}\n", self.hostname)),
+        let mut files = vec![
+            ("passwd".to_owned(), passwd),
+            ("group".to_owned(), group),
+            ("hostname".to_owned(), format!("{}\n", self.hostname)),
             (
-                "hosts",
+                "hosts".to_owned(),
                 format!(
                     "127.0.0.1\tlocalhost {0}\n::1\tlocalhost {0}\n",
                     self.hostname
                 ),
             ),
             (
-                "nsswitch.conf",
+                "nsswitch.conf".to_owned(),
                 "passwd: files\ngroup: files\nhosts: files\n".to_owned(),
             ),
             (
-                "resolv.conf",
+                "resolv.conf".to_owned(),
                 "# this cell has no network beyond loopback\n".to_owned(),
             ),
-        ]
+        ];
+        files.extend(self.extra_etc.iter().cloned());
+        files
     }
 }
 

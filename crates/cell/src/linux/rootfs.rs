@@ -216,10 +216,11 @@ fn write_etc(plan: &CellPlan) -> Result<(), SetupError> {
     let etc = plan.root.join("etc");
     fs::create_dir_all(&etc).map_err(at("creating directory", &etc))?;
     for (name, content) in plan.etc_files() {
-        let path = etc.join(name);
+        let path = etc.join(&name);
         if path.exists() {
             continue; // bound from the host by the policy
         }
+        make_parent(&path)?;
         fs::write(&path, content).map_err(at("writing", &path))?;
         fs::set_permissions(&path, fs::Permissions::from_mode(0o644))
             .map_err(at("setting mode of", &path))?;

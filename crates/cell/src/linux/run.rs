@@ -93,6 +93,10 @@ pub enum RunError {
     Setup(String),
     #[error(transparent)]
     Egress(#[from] warden_egress::RulesError),
+    #[error(transparent)]
+    Secret(#[from] warden_egress::SecretError),
+    #[error(transparent)]
+    Tls(#[from] warden_egress::TlsError),
     #[error(
         "creating the cell's namespaces failed: {source}; this kernel or user may lack user namespaces (run `warden doctor`)"
     )]
@@ -221,6 +225,7 @@ pub fn run(
     }
     // The egress gateway, when the policy lets anything out: rules are compiled before the
     // cell exists, and proxy-aware clients are pointed at the gateway's port on loopback.
+    let mut extra_etc: Vec<(String, String)> = Vec::new();
     let gateway_rules = if policy.network.has_gateway() {
         let proxy = format!("http://127.0.0.1:{}", warden_egress::GATEWAY_PORT);
         for key in [
@@ -238,7 +243,42 @@ pub fn run(
             env.retain(|(k, _)| k != key);
             env.push((key.into(), "localhost,127.0.0.1,::1".into()));
         }
-        Some(warden_egress::Rules::compile(&policy.network)?)
+        let rules = warden_egress::Rules::compile(&policy.network)?;
+        // Credentials: the cell gets placeholders, the gateway keeps the secrets.
+        let secrets = warden_egress::Secrets::load(&policy.credentials)?;
+        for secret in &secrets.all {
+            if let Some(var) = &secret.env {
+                env.retain(|(k, _)| k != var.as_str());
+                env.push((var.into(), secret.placeholder.clone().into()));
+            }
+        }
+        // TLS interception: the cell's own CA, trusted by the cell only.
+        let interceptor = if rules.need_interception() {
+            let interceptor =
+                warden_egress::Interceptor::new(&name, policy.network.extra_ca.as_deref())?;
+            let ca = interceptor.ca_pem();
+            let host_roots =
+                fs::read_to_string("/etc/ssl/certs/ca-certificates.crt").unwrap_or_default();
+            extra_etc.push(("warden/egress-ca.pem".to_owned(), ca.clone()));
+            extra_etc.push((
+                "warden/ca-bundle.pem".to_owned(),
+                format!("{host_roots}\n{ca}"),
+            ));
+            for (key, file) in [
+                ("SSL_CERT_FILE", "ca-bundle.pem"),
+                ("REQUESTS_CA_BUNDLE", "ca-bundle.pem"),
+                ("CURL_CA_BUNDLE", "ca-bundle.pem"),
+                ("GIT_SSL_CAINFO", "ca-bundle.pem"),
+                ("NODE_EXTRA_CA_CERTS", "egress-ca.pem"),
+            ] {
+                env.retain(|(k, _)| k != key);
+                env.push((key.into(), format!("/etc/warden/{file}").into()));
+            }
+            Some(interceptor)
+        } else {
+            None
+        };
+        Some((rules, secrets, interceptor))
     } else {
         None
     };
@@ -265,6 +305,7 @@ pub fn run(
         cwd: policy.process.cwd.clone(),
         rlimit_nproc: policy.limits.pids,
         rlimit_as: policy.limits.memory.map(|m| m.0),
+        extra_etc,
     };
 
     // In root mode the workspace is attached through an id-mapped mount: its owner appears as the
@@ -414,14 +455,15 @@ pub fn run(
     }
 
     let mut policy_watch = None;
-    if let (Some(rules), Some(channel)) = (gateway_rules, &gateway_channel) {
+    if let (Some((rules, secrets, interceptor)), Some(channel)) = (gateway_rules, &gateway_channel)
+    {
         let listener = std::net::TcpListener::from(
             sys::receive_fd(channel).map_err(os("receiving the gateway socket"))?,
         );
         let log = store
             .net_log(&name)
             .map_err(os("creating the egress log"))?;
-        let gateway = warden_egress::Gateway::new(rules, &log, &name)
+        let gateway = warden_egress::Gateway::new(rules, &log, &name, secrets, interceptor)
             .map_err(os("opening the egress log"))?;
         gateway.clone().serve(listener);
         policy_watch = Some(PolicyWatch {

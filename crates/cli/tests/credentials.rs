@@ -1,0 +1,182 @@
+//! TLS interception and credentials end to end: the cell talks HTTPS to a local upstream through
+//! the gateway, which opens the TLS with the cell's own CA, applies method and path rules, puts
+//! the caller's secret in the request, and keeps the secret out of everything the cell gets back.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed step is a failed test
+
+mod support;
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::sync::{Arc, Mutex};
+
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
+use support::*;
+
+const SECRET: &str = "super-secret-value-4711";
+
+/// An HTTPS upstream on 127.0.0.2 whose certificate a test CA signed; it answers with the
+/// Authorization header it received. Returns its port, the CA's PEM and what it saw.
+fn https_upstream() -> (u16, String, Arc<Mutex<Vec<String>>>) {
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let cert = CertificateParams::new(vec!["127.0.0.2".to_owned()])
+        .unwrap()
+        .signed_by(&key, &ca)
+        .unwrap();
+    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(
+        vec![cert.der().clone()],
+        PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+    )
+    .unwrap();
+    let config = Arc::new(config);
+    let listener = TcpListener::bind("127.0.0.2:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let log = seen.clone();
+    std::thread::spawn(move || {
+        for tcp in listener.incoming().flatten() {
+            let config = config.clone();
+            let log = log.clone();
+            std::thread::spawn(move || {
+                let Ok(conn) = rustls::ServerConnection::new(config) else {
+                    return;
+                };
+                let mut tls = rustls::StreamOwned::new(conn, tcp);
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") {
+                    match tls.read(&mut byte) {
+                        Ok(1) => head.push(byte[0]),
+                        _ => return,
+                    }
+                }
+                let head = String::from_utf8_lossy(&head).into_owned();
+                let auth = head
+                    .lines()
+                    .find_map(|l| {
+                        l.to_ascii_lowercase()
+                            .starts_with("authorization:")
+                            .then(|| l[14..].trim().to_owned())
+                    })
+                    .unwrap_or_default();
+                log.lock().unwrap().push(format!(
+                    "{} {auth}",
+                    head.lines().next().unwrap_or_default()
+                ));
+                let body = format!("upstream got auth={auth}");
+                let _ = write!(
+                    tls,
+                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                tls.conn.send_close_notify();
+                let _ = tls.flush();
+            });
+        }
+    });
+    (port, ca.pem(), seen)
+}
+
+#[test]
+fn the_secret_reaches_the_upstream_and_never_the_cell() {
+    let dir = tempdir();
+    let (port, ca_pem, seen) = https_upstream();
+    let ca_path = dir.path().join("upstream-ca.pem");
+    std::fs::write(&ca_path, ca_pem).unwrap();
+    let plain = TcpListener::bind("127.0.0.2:0").unwrap();
+    let plain_port = plain.local_addr().unwrap().port();
+    let policy = policy(
+        dir.path(),
+        &format!(
+            "version: 1\nnetwork:\n  extra_ca: {}\n  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n      methods: [GET]\n      paths: [\"/api/**\"]\n      credential: api\n    - host: 127.0.0.2\n      ports: [{plain_port}]\ncredentials:\n  api: {{ from_env: WARDEN_TEST_API_TOKEN }}\n",
+            ca_path.display()
+        ),
+    );
+    let name = unique("cred");
+    let code = format!(
+        "import os, urllib.request, urllib.error\n\
+         token = os.environ['WARDEN_TEST_API_TOKEN']\n\
+         print('placeholder' if len(token) == {secret_len} and token != '{SECRET}' else 'LEAK ' + token)\n\
+         def get(url, method='GET'):\n\
+         \x20   req = urllib.request.Request(url, method=method, headers={{'Authorization': 'Bearer ' + token}})\n\
+         \x20   try:\n        return urllib.request.urlopen(req, timeout=10).read().decode().replace(token, '<placeholder>')\n\
+         \x20   except urllib.error.HTTPError as e: return str(e.code)\n\
+         print(get('https://127.0.0.2:{port}/api/items'))\n\
+         print(get('https://127.0.0.2:{port}/admin'))\n\
+         print(get('https://127.0.0.2:{port}/api/items', 'POST'))\n\
+         print(get('http://127.0.0.2:{plain_port}/'))\n\
+         print(open('/proc/self/environ', 'rb').read().count(b'{SECRET}'))",
+        secret_len = SECRET.len()
+    );
+    let out = warden()
+        .args([
+            "run",
+            "--name",
+            &name,
+            "--policy",
+            policy.to_str().unwrap(),
+            "--",
+            "python3",
+            "-c",
+            &code,
+        ])
+        .env("WARDEN_TEST_API_TOKEN", SECRET)
+        .output()
+        .unwrap();
+    let ran = Ran::from(out);
+    assert_eq!(
+        ran.stdout, "placeholder\nupstream got auth=Bearer <placeholder>\n403\n403\n403\n0\n",
+        "{ran:?}"
+    );
+    assert!(!ran.stdout.contains(SECRET) && !ran.stderr.contains(SECRET));
+    let upstream_saw = seen.lock().unwrap().clone();
+    assert_eq!(
+        upstream_saw,
+        vec![format!("GET /api/items HTTP/1.1 Bearer {SECRET}")]
+    );
+
+    let net = Ran::from(warden().args(["net", &name, "--json"]).output().unwrap());
+    assert!(
+        !net.stdout.contains(SECRET),
+        "the secret is in the egress record"
+    );
+    assert!(net.stdout.contains("not bound to"), "{net:?}");
+    assert!(warden().args(["rm", &name]).status().unwrap().success());
+}
+
+#[test]
+fn a_missing_secret_stops_the_cell_before_it_starts() {
+    let dir = tempdir();
+    let policy = policy(
+        dir.path(),
+        "version: 1\nnetwork:\n  allow:\n    - host: api.example.com\n      credential: api\ncredentials:\n  api: { from_env: WARDEN_TEST_UNSET_TOKEN }\n",
+    );
+    let out = warden()
+        .args([
+            "run",
+            "--rm",
+            "--policy",
+            policy.to_str().unwrap(),
+            "--",
+            "true",
+        ])
+        .env_remove("WARDEN_TEST_UNSET_TOKEN")
+        .output()
+        .unwrap();
+    let ran = Ran::from(out);
+    assert_eq!(ran.code, 125);
+    assert!(
+        ran.stderr
+            .contains("credential `api`: the caller's environment has no WARDEN_TEST_UNSET_TOKEN"),
+        "{ran:?}"
+    );
+}
