@@ -171,7 +171,38 @@ pub fn explain(policy: &Policy) -> String {
             }
         );
     }
-    let _ = writeln!(out, "\nCredentials: none are given to the cell.");
+    if policy.credentials.is_empty() {
+        let _ = writeln!(out, "\nCredentials: none.");
+    } else {
+        let _ = writeln!(
+            out,
+            "\nCredentials (the cell sees placeholders; the gateway adds the secrets)"
+        );
+        for (name, credential) in &policy.credentials {
+            let source = match (&credential.from_env, &credential.from_file) {
+                (Some(var), _) => format!("the caller's ${var}"),
+                (None, Some(path)) => path.display().to_string(),
+                (None, None) => "nowhere".to_owned(),
+            };
+            let hosts: Vec<&str> = policy
+                .network
+                .allow
+                .iter()
+                .filter(|r| r.credential.as_deref() == Some(name.as_str()))
+                .map(|r| r.host.as_str())
+                .collect();
+            let _ = writeln!(
+                out,
+                "  - {name}: from {source}, sent as {} only to {}.",
+                credential.header,
+                if hosts.is_empty() {
+                    "no host".to_owned()
+                } else {
+                    hosts.join(", ")
+                }
+            );
+        }
+    }
     let _ = writeln!(out, "GPU: no devices.");
     out
 }
@@ -188,8 +219,8 @@ fn describe_rule(rule: &crate::model::NetRule) -> String {
     if !rule.paths.is_empty() {
         text.push_str(&format!(", paths {}", rule.paths.join(", ")));
     }
-    if !rule.methods.is_empty() || !rule.paths.is_empty() {
-        text.push_str(" (plain HTTP only)");
+    if let Some(credential) = &rule.credential {
+        text.push_str(&format!(", with credential {credential}"));
     }
     text
 }
