@@ -283,4 +283,21 @@ mod tests {
         .to_string();
         assert!(err.contains("plain path"), "{err}");
     }
+
+    #[test]
+    fn credentials_must_be_defined_and_have_one_source() {
+        let undefined = "version: 1\nnetwork:\n  allow:\n    - host: x.org\n      credential: gh\n";
+        let err = from_yaml("p.yaml", undefined).unwrap_err().to_string();
+        assert!(err.contains("names credential `gh`"), "{err}");
+        let both = "version: 1\ncredentials:\n  gh: { from_env: A, from_file: /b }\n";
+        let err = from_yaml("p.yaml", both).unwrap_err().to_string();
+        assert!(
+            err.contains("exactly one of from_env or from_file"),
+            "{err}"
+        );
+        let ok = "version: 1\nnetwork:\n  allow:\n    - host: x.org\n      credential: gh\ncredentials:\n  gh: { from_env: GH_TOKEN }\n";
+        let policy = from_yaml("p.yaml", ok).unwrap();
+        assert_eq!(policy.credentials["gh"].header, "Authorization");
+        assert_eq!(policy.credentials["gh"].format, "Bearer {}");
+    }
 }
