@@ -1,84 +1,189 @@
-//! Egress benchmark: small HTTP requests and a 100 MiB download through the warden's gateway
-//! beside the same traffic sent directly, on loopback, in one run. The gateway is the real one
+//! Egress benchmark: small HTTP requests and 100 MiB downloads through the warden's gateway
+//! beside the same traffic sent directly, on loopback, in one run; plain HTTP, and HTTPS both
+//! direct and through the gateway's TLS interception. The gateway is the real one
 //! (`warden-egress`), serving a listener on the host's loopback exactly as it serves the one in
 //! a cell's namespace.
 //!
 //! Usage: `egress [--requests N]`.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
 use warden_policy::{NetRule, Network, NetworkDefault};
 
 const DOWNLOAD: usize = 100 << 20;
 /// Downloads per path; the median rate is reported.
-const DOWNLOADS: usize = 7;
+const DOWNLOADS: usize = 5;
 
-/// An upstream that answers `/small` with 2 bytes and `/big` with 100 MiB.
-fn upstream() -> Result<SocketAddr> {
-    let listener = TcpListener::bind("127.0.0.2:0")?;
-    let addr = listener.local_addr()?;
-    std::thread::spawn(move || {
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// Answers `/small` with 2 bytes and `/big` with 100 MiB, then closes.
+fn serve(mut conn: impl Read + Write) {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        match conn.read(&mut byte) {
+            Ok(1) => head.push(byte[0]),
+            _ => return,
+        }
+    }
+    if head.windows(4).any(|w| w == b"/big") {
         let chunk = vec![b'x'; 1 << 20];
-        for conn in listener.incoming().flatten() {
-            let chunk = chunk.clone();
+        let _ = write!(
+            conn,
+            "HTTP/1.1 200 OK\r\nContent-Length: {DOWNLOAD}\r\nConnection: close\r\n\r\n"
+        );
+        for _ in 0..DOWNLOAD / chunk.len() {
+            if conn.write_all(&chunk).is_err() {
+                return;
+            }
+        }
+    } else {
+        let _ =
+            conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok");
+    }
+    let _ = conn.flush();
+}
+
+/// A plain upstream and a TLS one (certificate signed by a fresh CA, returned as PEM).
+fn upstreams() -> Result<(SocketAddr, SocketAddr, String)> {
+    let plain = TcpListener::bind("127.0.0.2:0")?;
+    let plain_addr = plain.local_addr()?;
+    std::thread::spawn(move || {
+        for conn in plain.incoming().flatten() {
+            std::thread::spawn(move || serve(conn));
+        }
+    });
+    let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate()?)?;
+    let key = KeyPair::generate()?;
+    let cert = CertificateParams::new(vec!["127.0.0.2".to_owned()])?.signed_by(&key, &ca)?;
+    let config = Arc::new(
+        rustls::ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()?
+            .with_no_client_auth()
+            .with_single_cert(
+                vec![cert.der().clone()],
+                PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+            )?,
+    );
+    let tls = TcpListener::bind("127.0.0.2:0")?;
+    let tls_addr = tls.local_addr()?;
+    std::thread::spawn(move || {
+        for tcp in tls.incoming().flatten() {
+            let config = config.clone();
             std::thread::spawn(move || {
-                let mut reader = BufReader::new(match conn.try_clone() {
-                    Ok(c) => c,
-                    Err(_) => return,
-                });
-                let mut line = String::new();
-                if reader.read_line(&mut line).is_err() {
-                    return;
-                }
-                loop {
-                    let mut header = String::new();
-                    if reader.read_line(&mut header).unwrap_or(0) == 0 || header == "\r\n" {
-                        break;
-                    }
-                }
-                let mut conn = conn;
-                if line.contains("/big") {
-                    let _ = write!(
-                        conn,
-                        "HTTP/1.1 200 OK\r\nContent-Length: {DOWNLOAD}\r\nConnection: close\r\n\r\n"
-                    );
-                    for _ in 0..DOWNLOAD / chunk.len() {
-                        if conn.write_all(&chunk).is_err() {
-                            return;
-                        }
-                    }
-                } else {
-                    let _ = conn.write_all(
-                        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok",
-                    );
+                if let Ok(conn) = rustls::ServerConnection::new(config) {
+                    let mut stream = rustls::StreamOwned::new(conn, tcp);
+                    serve(&mut stream);
+                    stream.conn.send_close_notify();
+                    let _ = stream.flush();
                 }
             });
         }
     });
-    Ok(addr)
+    Ok((plain_addr, tls_addr, ca.pem()))
 }
 
-/// One request over a fresh connection; returns the bytes of the response.
-fn get(connect_to: SocketAddr, target: &str, host: &str) -> Result<usize> {
-    let mut conn = TcpStream::connect(connect_to)?;
-    conn.set_nodelay(true)?;
-    write!(
-        conn,
-        "GET {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
-    )?;
+fn client_config(ca_pem: &str) -> Result<Arc<rustls::ClientConfig>> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(cert?)?;
+    }
+    Ok(Arc::new(
+        rustls::ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots)
+            .with_no_client_auth(),
+    ))
+}
+
+/// How a request travels.
+enum Path {
+    Direct(SocketAddr),
+    Proxied {
+        proxy: SocketAddr,
+        upstream: SocketAddr,
+    },
+    DirectTls(SocketAddr, Arc<rustls::ClientConfig>),
+    InterceptedTls {
+        proxy: SocketAddr,
+        upstream: SocketAddr,
+        trust: Arc<rustls::ClientConfig>,
+    },
+}
+
+fn read_all(mut stream: impl Read) -> usize {
     let mut buf = vec![0u8; 1 << 20];
     let mut total = 0;
     loop {
-        let n = conn.read(&mut buf)?;
-        if n == 0 {
-            break;
+        match stream.read(&mut buf) {
+            Ok(0) | Err(_) => return total,
+            Ok(n) => total += n,
         }
-        total += n;
     }
-    Ok(total)
+}
+
+/// One request over a fresh connection; returns the bytes of the response.
+fn get(path: &Path, target: &str) -> Result<usize> {
+    let origin = |addr: SocketAddr| {
+        format!("GET {target} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")
+    };
+    let tls_get = |tcp: TcpStream,
+                   trust: &Arc<rustls::ClientConfig>,
+                   upstream: SocketAddr|
+     -> Result<usize> {
+        let name = ServerName::try_from("127.0.0.2")?;
+        let mut tls =
+            rustls::StreamOwned::new(rustls::ClientConnection::new(trust.clone(), name)?, tcp);
+        tls.write_all(origin(upstream).as_bytes())?;
+        Ok(read_all(tls))
+    };
+    match path {
+        Path::Direct(addr) => {
+            let mut tcp = TcpStream::connect(addr)?;
+            tcp.write_all(origin(*addr).as_bytes())?;
+            Ok(read_all(tcp))
+        }
+        Path::Proxied { proxy, upstream } => {
+            let mut tcp = TcpStream::connect(proxy)?;
+            write!(
+                tcp,
+                "GET http://{upstream}{target} HTTP/1.1\r\nHost: {upstream}\r\nConnection: close\r\n\r\n"
+            )?;
+            Ok(read_all(tcp))
+        }
+        Path::DirectTls(addr, trust) => tls_get(TcpStream::connect(addr)?, trust, *addr),
+        Path::InterceptedTls {
+            proxy,
+            upstream,
+            trust,
+        } => {
+            let mut tcp = TcpStream::connect(proxy)?;
+            write!(tcp, "CONNECT {upstream} HTTP/1.1\r\n\r\n")?;
+            let mut reply = Vec::new();
+            let mut byte = [0u8; 1];
+            while !reply.ends_with(b"\r\n\r\n") {
+                if tcp.read(&mut byte)? == 0 {
+                    bail!("the gateway closed the tunnel");
+                }
+                reply.push(byte[0]);
+            }
+            if !reply.starts_with(b"HTTP/1.1 200") {
+                bail!("the gateway refused: {}", String::from_utf8_lossy(&reply));
+            }
+            tls_get(tcp, trust, *upstream)
+        }
+    }
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -94,91 +199,112 @@ fn main() -> Result<()> {
             other => bail!("unknown argument {other}; usage: egress [--requests N]"),
         }
     }
-    let up = upstream()?;
+    let (plain, tls, upstream_ca) = upstreams()?;
+    let ca_file =
+        std::env::temp_dir().join(format!("warden-bench-egress-ca-{}.pem", std::process::id()));
+    std::fs::write(&ca_file, &upstream_ca)?;
+    let rule = |port: u16, paths: Vec<String>| NetRule {
+        host: "127.0.0.2".into(),
+        ports: vec![port],
+        methods: vec![],
+        paths,
+        credential: None,
+    };
     let network = Network {
         default: NetworkDefault::Deny,
-        allow: vec![NetRule {
-            host: "127.0.0.2".into(),
-            ports: vec![up.port()],
-            methods: vec![],
-            paths: vec![],
-            credential: None,
-        }],
+        // A path rule on the TLS upstream makes the gateway open its TLS up.
+        allow: vec![
+            rule(plain.port(), vec![]),
+            rule(tls.port(), vec!["/**".to_owned()]),
+        ],
         deny: vec![],
         ask: vec![],
-        extra_ca: None,
+        extra_ca: Some(ca_file.clone()),
     };
+    let interceptor = warden_egress::Interceptor::new("bench", Some(&ca_file))?;
+    let cell_trust = client_config(&interceptor.ca_pem())?;
     let log =
         std::env::temp_dir().join(format!("warden-bench-egress-{}.jsonl", std::process::id()));
+    let rules = warden_egress::Rules::compile(&network)?;
     let gateway = warden_egress::Gateway::new(
-        warden_egress::Rules::compile(&network)?,
+        rules,
         &log,
         "bench",
         warden_egress::Secrets::default(),
-        None,
+        Some(interceptor),
     )?;
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let proxy = listener.local_addr()?;
     gateway.serve(listener);
 
-    let host = format!("127.0.0.2:{}", up.port());
-    let absolute = |path: &str| format!("http://{host}{path}");
+    let paths = [
+        ("HTTP, direct", Path::Direct(plain)),
+        (
+            "HTTP, through the gateway",
+            Path::Proxied {
+                proxy,
+                upstream: plain,
+            },
+        ),
+        (
+            "HTTPS, direct",
+            Path::DirectTls(tls, client_config(&upstream_ca)?),
+        ),
+        (
+            "HTTPS, intercepted",
+            Path::InterceptedTls {
+                proxy,
+                upstream: tls,
+                trust: cell_trust,
+            },
+        ),
+    ];
     let mut rows = Vec::new();
-    for (name, via_proxy) in [("direct", false), ("through the gateway", true)] {
-        let (addr, target) = if via_proxy {
-            (proxy, absolute("/small"))
-        } else {
-            (up, "/small".to_owned())
-        };
-        for _ in 0..50 {
-            get(addr, &target, &host)?;
+    for (name, path) in &paths {
+        for _ in 0..20 {
+            get(path, "/small")?;
         }
         let mut samples = Vec::with_capacity(requests);
         let started = Instant::now();
         for _ in 0..requests {
             let t = Instant::now();
-            get(addr, &target, &host)?;
+            get(path, "/small")?;
             samples.push(t.elapsed());
         }
         let per_second = requests as f64 / started.elapsed().as_secs_f64();
         samples.sort();
-        let big = if via_proxy {
-            absolute("/big")
-        } else {
-            "/big".to_owned()
-        };
         let mut rates = Vec::new();
         for _ in 0..DOWNLOADS {
             let t = Instant::now();
-            let bytes = get(addr, &big, &host)?;
+            let bytes = get(path, "/big")?;
             rates.push(bytes as f64 / (1 << 20) as f64 / t.elapsed().as_secs_f64());
         }
         rates.sort_by(f64::total_cmp);
-        let mib_per_s = rates[rates.len() / 2];
         rows.push((
-            name,
+            *name,
             percentile(&samples, 0.5),
             percentile(&samples, 0.99),
             per_second,
-            mib_per_s,
+            rates[rates.len() / 2],
         ));
     }
     let _ = std::fs::remove_file(&log);
+    let _ = std::fs::remove_file(&ca_file);
     println!(
         "egress on loopback: {requests} small requests (a new connection each), {DOWNLOADS} downloads of 100 MiB (median rate)"
     );
     println!();
     println!(
-        "| {:<20} | {:>12} | {:>12} | {:>12} | {:>14} |",
+        "| {:<26} | {:>11} | {:>9} | {:>10} | {:>14} |",
         "path", "median (ms)", "p99 (ms)", "requests/s", "download MiB/s"
     );
     println!(
-        "|{:-<22}|{:->14}|{:->14}|{:->14}|{:->16}|",
+        "|{:-<28}|{:->13}|{:->11}|{:->12}|{:->16}|",
         "", "", "", "", ""
     );
     for (name, median, p99, rps, mibs) in &rows {
         println!(
-            "| {:<20} | {:>12.3} | {:>12.3} | {:>12.0} | {:>14.0} |",
+            "| {:<26} | {:>11.3} | {:>9.3} | {:>10.0} | {:>14.0} |",
             name,
             median.as_secs_f64() * 1000.0,
             p99.as_secs_f64() * 1000.0,
@@ -186,12 +312,17 @@ fn main() -> Result<()> {
             mibs
         );
     }
-    let (direct, gateway) = (&rows[0], &rows[1]);
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     println!();
-    println!(
-        "added median latency: {:.3} ms; throughput through the gateway: {:.0}% of direct",
-        (gateway.1.as_secs_f64() - direct.1.as_secs_f64()) * 1000.0,
-        gateway.4 / direct.4 * 100.0
-    );
+    for (label, direct, via) in [
+        ("HTTP", &rows[0], &rows[1]),
+        ("HTTPS (intercepted)", &rows[2], &rows[3]),
+    ] {
+        println!(
+            "{label}: added median latency {:.3} ms; throughput through the gateway {:.0}% of direct",
+            ms(via.1) - ms(direct.1),
+            via.4 / direct.4 * 100.0
+        );
+    }
     Ok(())
 }

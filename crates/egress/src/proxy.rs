@@ -184,6 +184,8 @@ impl Gateway {
 
     fn handle(&self, mut conn: TcpStream) {
         let _ = conn.set_read_timeout(Some(HEAD_TIMEOUT));
+        // Small TLS records and request heads must not wait for delayed acknowledgements.
+        let _ = conn.set_nodelay(true);
         let (head, rest) = match read_head(&mut conn) {
             Ok(parts) => parts,
             Err(HeadError::TooLarge) => {
@@ -269,7 +271,10 @@ impl Gateway {
         let mut last = String::new();
         for addr in allowed {
             match TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT) {
-                Ok(stream) => return Ok((stream, addr)),
+                Ok(stream) => {
+                    let _ = stream.set_nodelay(true);
+                    return Ok((stream, addr));
+                }
                 Err(e) => last = format!("connecting to {addr}: {e}"),
             }
         }
