@@ -96,6 +96,8 @@ pub enum RunError {
     #[error(transparent)]
     Secret(#[from] warden_egress::SecretError),
     #[error(transparent)]
+    Store(#[from] super::store::StoreError),
+    #[error(transparent)]
     Tls(#[from] warden_egress::TlsError),
     #[error(
         "creating the cell's namespaces failed: {source}; this kernel or user may lack user namespaces (run `warden doctor`)"
@@ -544,6 +546,7 @@ impl LayerGuard {
         if layer.exists() {
             return Err(PlanError::LayerKept(name.to_owned()).into());
         }
+        store.prepare()?;
         let meta = LayerMeta {
             lower: host.to_path_buf(),
             started: SystemTime::now(),

@@ -124,6 +124,10 @@ pub fn take(
     let id = format!("{cell}@{snap}");
     let (layer, meta, _frozen) = changes::hold(registry, store, cell)?;
     let dir = snapshots_dir(store).join(&id);
+    store.prepare().map_err(|e| SnapshotError::Copy {
+        path: store.root().to_path_buf(),
+        source: io::Error::other(e.to_string()),
+    })?;
     fs::create_dir_all(snapshots_dir(store)).map_err(|source| SnapshotError::Copy {
         path: dir.clone(),
         source,

@@ -40,26 +40,29 @@ impl Store {
         }
     }
 
+    /// The state directory at `root`. Nothing is created until something is stored: a cell
+    /// without a workspace layer or an egress record needs no state directory at all.
     pub fn open(root: PathBuf) -> Result<Self, StoreError> {
-        let layers = root.join("layers");
-        for dir in [&root, &layers] {
+        Ok(Self { root })
+    }
+
+    /// Creates the directories that hold layers, before the first is stored.
+    pub fn prepare(&self) -> Result<(), StoreError> {
+        let layers = self.root.join("layers");
+        for dir in [&self.root, &layers] {
+            let io = |source| StoreError::Io {
+                path: dir.clone(),
+                source,
+            };
             fs::DirBuilder::new()
                 .recursive(true)
                 .mode(0o711)
                 .create(dir)
-                .map_err(|source| StoreError::Io {
-                    path: dir.clone(),
-                    source,
-                })?;
+                .map_err(io)?;
             // Search-only for others: a root-started cell mounts its layer as an unprivileged id.
-            fs::set_permissions(dir, fs::Permissions::from_mode(0o711)).map_err(|source| {
-                StoreError::Io {
-                    path: dir.clone(),
-                    source,
-                }
-            })?;
+            fs::set_permissions(dir, fs::Permissions::from_mode(0o711)).map_err(io)?;
         }
-        Ok(Self { root })
+        Ok(())
     }
 
     pub fn root(&self) -> &Path {
@@ -78,6 +81,8 @@ impl Store {
 
     /// A fresh egress log for a new cell `name` (an older cell's log of that name is dropped).
     pub fn net_log(&self, name: &str) -> io::Result<PathBuf> {
+        self.prepare()
+            .map_err(|e| io::Error::other(e.to_string()))?;
         let dir = self.root.join("net");
         fs::DirBuilder::new()
             .recursive(true)
