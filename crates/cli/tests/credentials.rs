@@ -154,6 +154,50 @@ fn the_secret_reaches_the_upstream_and_never_the_cell() {
 }
 
 #[test]
+fn curl_works_through_the_gateway_with_interception() {
+    let dir = tempdir();
+    let (port, ca_pem, seen) = https_upstream();
+    let ca_path = dir.path().join("upstream-ca.pem");
+    std::fs::write(&ca_path, ca_pem).unwrap();
+    let policy = policy(
+        dir.path(),
+        &format!(
+            "version: 1\nnetwork:\n  extra_ca: {}\n  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n      paths: [\"/ok\"]\n      credential: api\ncredentials:\n  api: {{ from_env: WARDEN_TEST_API_TOKEN, header: Authorization, format: \"token {{}}\" }}\n",
+            ca_path.display()
+        ),
+    );
+    // curl reads the proxy from https_proxy and the CA bundle from CURL_CA_BUNDLE.
+    let script = format!(
+        "curl -sS https://127.0.0.2:{port}/ok; echo; curl -s -o /dev/null -w '%{{http_code}}\\n' https://127.0.0.2:{port}/other"
+    );
+    let out = warden()
+        .args([
+            "run",
+            "--rm",
+            "--policy",
+            policy.to_str().unwrap(),
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ])
+        .env("WARDEN_TEST_API_TOKEN", SECRET)
+        .output()
+        .unwrap();
+    let ran = Ran::from(out);
+    assert!(
+        ran.stdout.starts_with("upstream got auth=token "),
+        "{ran:?}"
+    );
+    assert!(!ran.stdout.contains(SECRET), "{ran:?}");
+    assert!(ran.stdout.ends_with("\n403\n"), "{ran:?}");
+    assert_eq!(
+        seen.lock().unwrap().clone(),
+        vec![format!("GET /ok HTTP/1.1 token {SECRET}")]
+    );
+}
+
+#[test]
 fn a_missing_secret_stops_the_cell_before_it_starts() {
     let dir = tempdir();
     let policy = policy(
