@@ -60,10 +60,10 @@ impl Interceptor {
             .map_err(ca_err)?;
 
         let mut roots = RootCertStore::empty();
-        for path in [Some(Path::new(HOST_ROOTS)), extra_ca]
-            .into_iter()
-            .flatten()
-        {
+        // A host without a CA bundle trusts only the policy's CA (or nothing, and says so when a
+        // connection fails verification).
+        let host_roots = Some(Path::new(HOST_ROOTS)).filter(|p| p.exists());
+        for path in [host_roots, extra_ca].into_iter().flatten() {
             let roots_err = |message: String| TlsError::Roots {
                 path: path.display().to_string(),
                 message,
