@@ -366,3 +366,22 @@ fn x32_syscalls_and_unfilterable_clone3_are_refused() {
         "{ran:?}"
     );
 }
+
+#[test]
+fn the_policy_sets_user_host_name_environment_and_hidden_paths() {
+    let dir = tempdir();
+    let file = policy(
+        dir.path(),
+        "version: 1\nfilesystem:\n  hidden: [/usr/share/doc]\nprocess:\n  user: 1234\n  group: 4321\n  hostname: sandbox-7\n  env:\n    set: { PATH: /usr/bin:/bin, GREETING: hello }\n    pass: []\n",
+    );
+    let ran = run_sh(
+        &["--policy", file.to_str().unwrap()],
+        "id -u; id -g; hostname; echo $GREETING; ls /usr/share/doc | wc -l; touch /usr/share/doc/x 2>&1 | tail -c 22",
+    );
+    assert_eq!(
+        ran.stdout, "1234\n4321\nsandbox-7\nhello\n0\nRead-only file system\n",
+        "{ran:?}"
+    );
+    // The host still has the directory and its content.
+    assert!(std::fs::read_dir("/usr/share/doc").unwrap().count() > 0);
+}
