@@ -459,3 +459,28 @@ fn network_rules_change_while_the_cell_runs() {
     assert!(warden().args(["kill", &name]).status().unwrap().success());
     let _ = cell.wait();
 }
+
+#[test]
+fn chunked_uploads_pass_with_their_framing_checked() {
+    let dir = tempdir();
+    let up = http_upstream();
+    let policy = net_policy(
+        dir.path(),
+        &format!(
+            "  allow:\n    - host: 127.0.0.2\n      ports: [{}]\n",
+            up.port
+        ),
+    );
+    let code = format!(
+        "import http.client\n\
+         c = http.client.HTTPConnection('127.0.0.1', 3128)\n\
+         c.request('POST', 'http://127.0.0.2:{}/upload', body=iter([b'ab', b'cd']), encode_chunked=True)\n\
+         r = c.getresponse(); print(r.status, r.read().decode().split(' body=')[0])",
+        up.port
+    );
+    let ran = run_py(&["--rm", "--policy", &policy], &code);
+    assert_eq!(
+        ran.stdout, "200 upstream saw POST /upload HTTP/1.1\n",
+        "{ran:?}"
+    );
+}

@@ -399,12 +399,12 @@ impl Gateway {
         } else if !path.starts_with('/') {
             Some("the request inside TLS must use a path, not a URL".to_owned())
         } else {
-            request_length(&headers)
+            request_body(&headers)
                 .err()
                 .map(str::to_owned)
                 .or_else(|| self.check_placeholders(&headers, &verdict).err())
         };
-        let length = request_length(&headers).unwrap_or(0);
+        let body = request_body(&headers).unwrap_or(Body::Length(0));
         if let Some(reason) = refusal {
             decision.allowed = false;
             decision.reason = reason;
@@ -457,13 +457,9 @@ impl Gateway {
             .as_deref()
             .and_then(|n| self.secrets.get(n));
         let out = upstream_request(&method, &path, &headers, credential);
-        let sent = upstream.write_all(&out).and_then(|()| {
-            let early_body = &rest[..rest.len().min(length as usize)];
-            upstream.write_all(early_body)?;
-            let remaining = length - early_body.len() as u64;
-            io::copy(&mut (&mut client).take(remaining), &mut upstream)
-                .map(|n| n + early_body.len() as u64)
-        });
+        let sent = upstream
+            .write_all(&out)
+            .and_then(|()| copy_body(&rest, &mut client, &mut upstream, body));
         match sent {
             Ok(body) => decision.bytes_up = out.len() as u64 + body,
             Err(e) => {
@@ -558,8 +554,8 @@ impl Gateway {
             Ok(parts) => parts,
             Err(e) => return self.refuse(&mut conn, "http", target, e.to_string()),
         };
-        let length = match request_length(headers) {
-            Ok(length) => length,
+        let body = match request_body(headers) {
+            Ok(body) => body,
             Err(reason) => return self.refuse(&mut conn, "http", target, reason.to_owned()),
         };
         let header = |name: &str| {
@@ -609,14 +605,10 @@ impl Gateway {
         let out = upstream_request(method, path, headers, credential);
         let _ = upstream.set_read_timeout(Some(IDLE_TIMEOUT));
         let _ = conn.set_read_timeout(Some(IDLE_TIMEOUT));
-        let sent = upstream.write_all(&out).and_then(|()| {
-            // Exactly the announced body, then nothing more from this client.
-            let early_body = &early[..early.len().min(length as usize)];
-            upstream.write_all(early_body)?;
-            let remaining = length - early_body.len() as u64;
-            io::copy(&mut (&conn).take(remaining), &mut upstream)
-                .map(|n| n + early_body.len() as u64)
-        });
+        // Exactly the announced body, then nothing more from this client.
+        let sent = upstream
+            .write_all(&out)
+            .and_then(|()| copy_body(&early, &mut &conn, &mut upstream, body));
         let Ok(body_bytes) = sent else { return };
         decision.bytes_up = out.len() as u64 + body_bytes;
         let _tracked = self.track(&host, port, Some((method, path_only)), &conn, &upstream);
@@ -648,9 +640,15 @@ fn first_bytes(conn: &mut TcpStream, mut bytes: Vec<u8>) -> Option<Vec<u8>> {
     Some(bytes)
 }
 
-/// The body length a request announces; ambiguous framing is how requests are smuggled past
-/// a proxy, so it is refused.
-fn request_length(headers: &[(String, Vec<u8>)]) -> Result<u64, &'static str> {
+/// How a request's body is framed. Ambiguous framing is how requests are smuggled past a
+/// proxy, so it is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Body {
+    Length(u64),
+    Chunked,
+}
+
+fn request_body(headers: &[(String, Vec<u8>)]) -> Result<Body, &'static str> {
     let values = |name: &str| {
         headers
             .iter()
@@ -659,20 +657,79 @@ fn request_length(headers: &[(String, Vec<u8>)]) -> Result<u64, &'static str> {
             .collect::<Vec<_>>()
     };
     let lengths = values("content-length");
-    if !values("transfer-encoding").is_empty() {
-        return Err(if lengths.is_empty() {
-            "chunked request bodies are not supported by this gateway; send Content-Length"
-        } else {
-            "both Content-Length and Transfer-Encoding: refused as request smuggling"
-        });
-    }
-    match lengths.as_slice() {
-        [] => Ok(0),
-        [one] => std::str::from_utf8(one)
+    let encodings = values("transfer-encoding");
+    match (lengths.as_slice(), encodings.as_slice()) {
+        ([], []) => Ok(Body::Length(0)),
+        ([one], []) => std::str::from_utf8(one)
             .ok()
             .and_then(|s| s.trim().parse().ok())
+            .map(Body::Length)
             .ok_or("invalid Content-Length"),
-        _ => Err("several Content-Length headers: refused as request smuggling"),
+        ([], [te]) if te.eq_ignore_ascii_case(b"chunked") => Ok(Body::Chunked),
+        ([], _) => Err("a Transfer-Encoding other than a single `chunked` is refused"),
+        (_, []) => Err("several Content-Length headers: refused as request smuggling"),
+        _ => Err("both Content-Length and Transfer-Encoding: refused as request smuggling"),
+    }
+}
+
+/// Copies exactly the request body that `body` announces, starting with the bytes already read
+/// past the head; for a chunked body, up to its last chunk and trailers (so that nothing the
+/// client sends after it can reach the upstream as a second request).
+fn copy_body(
+    early: &[u8],
+    client: &mut impl Read,
+    upstream: &mut impl Write,
+    body: Body,
+) -> io::Result<u64> {
+    use std::io::BufRead as _;
+    match body {
+        Body::Length(length) => {
+            let early_body = &early[..early.len().min(length as usize)];
+            upstream.write_all(early_body)?;
+            let remaining = length - early_body.len() as u64;
+            io::copy(&mut client.take(remaining), upstream).map(|n| n + early_body.len() as u64)
+        }
+        Body::Chunked => {
+            let mut reader = io::BufReader::new(io::Cursor::new(early.to_vec()).chain(client));
+            let mut total = 0u64;
+            let mut line = Vec::new();
+            let read_line = |reader: &mut io::BufReader<_>, line: &mut Vec<u8>| -> io::Result<()> {
+                line.clear();
+                (&mut *reader).take(4096).read_until(b'\n', line)?;
+                if !line.ends_with(b"\r\n") {
+                    return Err(io::Error::other("malformed chunked body"));
+                }
+                Ok(())
+            };
+            loop {
+                read_line(&mut reader, &mut line)?;
+                let size_text =
+                    std::str::from_utf8(&line[..line.len() - 2]).map_err(io::Error::other)?;
+                let size =
+                    u64::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
+                        .map_err(|_| io::Error::other("malformed chunk size"))?;
+                upstream.write_all(&line)?;
+                total += line.len() as u64;
+                if size == 0 {
+                    // Trailers, up to the empty line.
+                    loop {
+                        read_line(&mut reader, &mut line)?;
+                        upstream.write_all(&line)?;
+                        total += line.len() as u64;
+                        if line == b"\r\n" {
+                            return Ok(total);
+                        }
+                    }
+                }
+                total += io::copy(&mut (&mut reader).take(size), upstream)?;
+                read_line(&mut reader, &mut line)?;
+                if line != b"\r\n" {
+                    return Err(io::Error::other("a chunk is longer than its size"));
+                }
+                upstream.write_all(&line)?;
+                total += 2;
+            }
+        }
     }
 }
 
@@ -839,5 +896,54 @@ fn pump(mut from: &TcpStream, mut to: &TcpStream) -> u64 {
             return total;
         }
         total += n as u64;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
+        pairs
+            .iter()
+            .map(|(n, v)| ((*n).to_owned(), v.as_bytes().to_vec()))
+            .collect()
+    }
+
+    #[test]
+    fn framing_is_unambiguous_or_refused() {
+        assert_eq!(request_body(&headers(&[])), Ok(Body::Length(0)));
+        assert_eq!(
+            request_body(&headers(&[("content-length", "5")])),
+            Ok(Body::Length(5))
+        );
+        assert_eq!(
+            request_body(&headers(&[("transfer-encoding", "Chunked")])),
+            Ok(Body::Chunked)
+        );
+        for bad in [
+            headers(&[("content-length", "5"), ("transfer-encoding", "chunked")]),
+            headers(&[("content-length", "5"), ("content-length", "6")]),
+            headers(&[("transfer-encoding", "gzip, chunked")]),
+            headers(&[("content-length", "five")]),
+        ] {
+            assert!(request_body(&bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_chunked_body_ends_at_its_last_chunk() {
+        let body = b"4\r\nwiki\r\n5;ext=1\r\npedia\r\n0\r\nTrailer: x\r\n\r\n";
+        let smuggled = b"GET http://evil.test/ HTTP/1.1\r\n\r\n";
+        let (early, rest) = body.split_at(7);
+        let mut input = rest.to_vec();
+        input.extend_from_slice(smuggled);
+        let mut out = Vec::new();
+        let copied = copy_body(early, &mut input.as_slice(), &mut out, Body::Chunked).unwrap();
+        assert_eq!(out, body);
+        assert_eq!(copied, body.len() as u64);
+        let mut sink = Vec::new();
+        let lying = b"3\r\ntoo long\r\n0\r\n\r\n";
+        assert!(copy_body(b"", &mut lying.as_slice(), &mut sink, Body::Chunked).is_err());
     }
 }
