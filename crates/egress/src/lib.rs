@@ -23,3 +23,5 @@ pub use tls::{Interceptor, TlsError};
 
 /// Port the gateway listens on inside the cell's loopback.
 pub const GATEWAY_PORT: u16 = 3128;
+/// Port that connections of clients ignoring the proxy variables are redirected to.
+pub const TRANSPARENT_PORT: u16 = 3129;

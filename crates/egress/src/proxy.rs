@@ -23,6 +23,8 @@ const MAX_HEADERS: usize = 100;
 const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 const IDLE_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long a redirected connection may stay silent before it is decided on its address alone.
+const FIRST_BYTES_WAIT: Duration = Duration::from_secs(3);
 
 /// A running gateway for one cell.
 #[derive(Debug, Clone)]
@@ -155,6 +157,140 @@ impl Gateway {
                 std::thread::spawn(move || gateway.handle(conn));
             }
         })
+    }
+
+    /// Accepts connections redirected from the cell's namespace (clients that ignore the proxy
+    /// variables): the destination is the original one, the name the client's TLS server name or
+    /// Host header, which must resolve to that destination.
+    pub fn serve_transparent(self, listener: TcpListener) -> std::thread::JoinHandle<()> {
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(conn) = conn else { continue };
+                let gateway = self.clone();
+                std::thread::spawn(move || gateway.transparent(conn));
+            }
+        })
+    }
+
+    fn transparent(&self, mut conn: TcpStream) {
+        let _ = conn.set_nodelay(true);
+        let Ok(original) =
+            nix::sys::socket::getsockopt(&conn, nix::sys::socket::sockopt::OriginalDst)
+        else {
+            return;
+        };
+        let ip = std::net::Ipv4Addr::from(u32::from_be(original.sin_addr.s_addr));
+        let destination =
+            SocketAddr::new(std::net::IpAddr::V4(ip), u16::from_be(original.sin_port));
+        // The client's first bytes name the host (TLS server name or HTTP Host); a client that
+        // waits for the server to speak first is decided on the address alone.
+        let _ = conn.set_read_timeout(Some(FIRST_BYTES_WAIT));
+        let early = first_bytes(&mut conn, Vec::new()).unwrap_or_default();
+        let _ = conn.set_read_timeout(Some(IDLE_TIMEOUT));
+        let looks_http = early.first().is_some_and(u8::is_ascii_uppercase);
+        let claimed = match crate::sni::client_hello(&early) {
+            crate::sni::Hello::Tls(name) => name,
+            _ if looks_http => http_host(&early),
+            _ => None,
+        };
+        let host = match claimed.as_deref().map(Host::parse) {
+            Some(Ok(host)) => host,
+            Some(Err(e)) => {
+                return self.refuse_transparent(&mut conn, destination, looks_http, e.to_string());
+            }
+            None => Host::Ip(destination.ip()),
+        };
+        let rules = self.rules();
+        let port = destination.port();
+        let mut verdict = rules.decide(&Request {
+            host: &host,
+            port,
+            http: None,
+        });
+        if verdict.allowed && rules.intercepts(&host, port) {
+            verdict = Verdict::new(
+                false,
+                &verdict.rule,
+                "this destination's rules need the proxy (HTTPS_PROXY): TLS interception does not apply to redirected connections",
+            );
+        }
+        if verdict.allowed {
+            if let Host::Name(name) = &host {
+                let resolves = (name.as_str(), port)
+                    .to_socket_addrs()
+                    .is_ok_and(|mut a| a.any(|a| a.ip() == destination.ip()));
+                if !resolves {
+                    verdict = Verdict::new(
+                        false,
+                        "pinning",
+                        &format!(
+                            "{name} does not resolve to {}, where the client connected",
+                            destination.ip()
+                        ),
+                    );
+                }
+            }
+        }
+        if verdict.allowed && !rules.address_allowed(&host, destination.ip(), port) {
+            verdict = Verdict::new(
+                false,
+                "address",
+                &format!(
+                    "{} is a private, loopback, link-local or metadata address that no rule names",
+                    destination.ip()
+                ),
+            );
+        }
+        let mut decision = self.record("transparent", &host.as_text(), port, None, &verdict);
+        decision.address = Some(destination.to_string());
+        if !verdict.allowed {
+            // An HTTP client gets the 403 that says why (and `deny` records it); others are closed.
+            if looks_http {
+                self.deny(&mut conn, &decision);
+            } else {
+                self.log.write(&decision);
+            }
+            return;
+        }
+        let Ok(upstream) = TcpStream::connect_timeout(&destination, CONNECT_TIMEOUT) else {
+            decision.allowed = false;
+            decision.reason = format!("connecting to {destination} failed");
+            self.log.write(&decision);
+            return;
+        };
+        let _ = upstream.set_nodelay(true);
+        let _tracked = self.track(&host, port, None, &conn, &upstream);
+        let (up, down, refused) = tunnel_bytes(conn, upstream, &early, host.as_text());
+        decision.bytes_up = up;
+        decision.bytes_down = down;
+        if let Some(reason) = refused {
+            decision.allowed = false;
+            decision.reason = reason;
+        }
+        self.log.write(&decision);
+    }
+
+    fn refuse_transparent(
+        &self,
+        conn: &mut TcpStream,
+        destination: SocketAddr,
+        http: bool,
+        reason: String,
+    ) {
+        let verdict = Verdict::new(false, "syntax", &reason);
+        let mut decision = self.record(
+            "transparent",
+            &destination.ip().to_string(),
+            destination.port(),
+            None,
+            &verdict,
+        );
+        decision.address = Some(destination.to_string());
+        if http {
+            self.deny(conn, &decision);
+        } else {
+            self.log.write(&decision);
+        }
     }
 
     fn record(
@@ -638,6 +774,20 @@ fn first_bytes(conn: &mut TcpStream, mut bytes: Vec<u8>) -> Option<Vec<u8>> {
         }
     }
     Some(bytes)
+}
+
+/// The host of the Host header of a request head (without the port).
+fn http_host(head: &[u8]) -> Option<String> {
+    let text = std::str::from_utf8(head).ok()?;
+    let value = text.lines().find_map(|l| {
+        let (name, value) = l.split_once(':')?;
+        name.trim()
+            .eq_ignore_ascii_case("host")
+            .then(|| value.trim().to_owned())
+    })?;
+    split_authority(&value, 80)
+        .ok()
+        .map(|(host, _)| host.as_text())
 }
 
 /// How a request's body is framed. Ambiguous framing is how requests are smuggled past a

@@ -57,6 +57,7 @@ pub fn run_all() -> Vec<Check> {
     ];
     out.extend(cgroups());
     out.push(cgroup_attach());
+    out.push(redirect());
     out.push(runsc());
     out.push(kvm());
     out.push(vmm());
@@ -261,6 +262,26 @@ fn cgroup_attach() -> Check {
 
 fn writable(dir: &Path) -> bool {
     nix::unistd::access(dir, nix::unistd::AccessFlags::W_OK).is_ok()
+}
+
+fn redirect() -> Check {
+    let present = |paths: &[&str]| paths.iter().any(|p| std::path::Path::new(p).exists());
+    match (present(&["/usr/sbin/nft", "/sbin/nft"]), present(&["/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip"])) {
+        (true, true) => check(
+            "process",
+            "egress redirect",
+            Status::Ok,
+            "nft and ip present: clients that ignore the proxy variables are redirected to the gateway".to_owned(),
+            None,
+        ),
+        _ => check(
+            "process",
+            "egress redirect",
+            Status::Warn,
+            "without nft and ip, clients that ignore the proxy variables have no route out at all".to_owned(),
+            Some("apt-get install nftables iproute2"),
+        ),
+    }
 }
 
 fn runsc() -> Check {

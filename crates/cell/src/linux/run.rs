@@ -459,15 +459,33 @@ pub fn run(
     let mut policy_watch = None;
     if let (Some((rules, secrets, interceptor)), Some(channel)) = (gateway_rules, &gateway_channel)
     {
-        let listener = std::net::TcpListener::from(
-            sys::receive_fd(channel).map_err(os("receiving the gateway socket"))?,
-        );
+        let (flag, mut sockets) =
+            sys::receive_fds(channel).map_err(os("receiving the gateway sockets"))?;
+        let transparent = (sockets.len() == 2).then(|| sockets.pop()).flatten();
+        let Some(proxy_socket) = sockets.pop() else {
+            return Err(RunError::Setup(
+                "the cell did not hand over the gateway's socket".to_owned(),
+            ));
+        };
+        let listener = std::net::TcpListener::from(proxy_socket);
+        if flag != b't' {
+            notices.push(
+                "clients that ignore the proxy variables have no route out (install `ip` and `nft` \
+                 on the host to have them redirected to the gateway)"
+                    .to_owned(),
+            );
+        }
         let log = store
             .net_log(&name)
             .map_err(os("creating the egress log"))?;
         let gateway = warden_egress::Gateway::new(rules, &log, &name, secrets, interceptor)
             .map_err(os("opening the egress log"))?;
         gateway.clone().serve(listener);
+        if let (Some(socket), b't') = (transparent, flag) {
+            gateway
+                .clone()
+                .serve_transparent(std::net::TcpListener::from(socket));
+        }
         policy_watch = Some(PolicyWatch {
             path: reservation.file(POLICY_UPDATE),
             ack: reservation.file(POLICY_ACK),

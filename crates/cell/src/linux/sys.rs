@@ -323,12 +323,12 @@ pub fn seqpacket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
-/// Receives one descriptor sent with SCM_RIGHTS on `channel`.
-pub fn receive_fd(channel: &OwnedFd) -> io::Result<OwnedFd> {
+/// Receives the descriptors sent with SCM_RIGHTS on `channel`, with the one-byte message.
+pub fn receive_fds(channel: &OwnedFd) -> io::Result<(u8, Vec<OwnedFd>)> {
     use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
     let mut byte = [0u8; 1];
     let mut iov = [io::IoSliceMut::new(&mut byte)];
-    let mut space = nix::cmsg_space!([RawFd; 1]);
+    let mut space = nix::cmsg_space!([RawFd; 4]);
     let msg = recvmsg::<()>(
         channel.as_raw_fd(),
         &mut iov,
@@ -336,16 +336,17 @@ pub fn receive_fd(channel: &OwnedFd) -> io::Result<OwnedFd> {
         MsgFlags::MSG_CMSG_CLOEXEC,
     )
     .map_err(|e| io::Error::from_raw_os_error(e as i32))?;
+    let mut out = Vec::new();
     for cmsg in msg
         .cmsgs()
         .map_err(|e| io::Error::from_raw_os_error(e as i32))?
     {
         if let ControlMessageOwned::ScmRights(fds) = cmsg {
-            if let Some(fd) = fds.first() {
-                // SAFETY: the kernel installed this descriptor in our table for us alone.
-                return Ok(unsafe { OwnedFd::from_raw_fd(*fd) });
+            for fd in fds {
+                // SAFETY: the kernel installed these descriptors in our table for us alone.
+                out.push(unsafe { OwnedFd::from_raw_fd(fd) });
             }
         }
     }
-    Err(io::Error::other("no descriptor was received"))
+    Ok((byte[0], out))
 }
