@@ -537,3 +537,107 @@ fn clients_that_ignore_the_proxy_variables_are_still_decided_by_the_gateway() {
     assert_eq!(kinds, ["transparent"; 3], "{net:?}");
     assert!(warden().args(["rm", &name]).status().unwrap().success());
 }
+
+/// A package index with one wheel, built in `dir`, served over plain HTTP on 127.0.0.2.
+fn package_index(dir: &std::path::Path) -> u16 {
+    let wheel = "demo_pkg-1.0-py3-none-any.whl";
+    let build = format!(
+        "import zipfile, hashlib, base64\n\
+         files = {{'demo_pkg/__init__.py': b'VALUE = 42\\n',\n\
+                   'demo_pkg-1.0.dist-info/METADATA': b'Metadata-Version: 2.1\\nName: demo-pkg\\nVersion: 1.0\\n',\n\
+                   'demo_pkg-1.0.dist-info/WHEEL': b'Wheel-Version: 1.0\\nGenerator: test\\nRoot-Is-Purelib: true\\nTag: py3-none-any\\n'}}\n\
+         record = ''\n\
+         with zipfile.ZipFile('{dir}/{wheel}', 'w') as z:\n\
+         \x20   for name, data in files.items():\n\
+         \x20       z.writestr(name, data)\n\
+         \x20       digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()\n\
+         \x20       record += f'{{name}},sha256={{digest}},{{len(data)}}\\n'\n\
+         \x20   z.writestr('demo_pkg-1.0.dist-info/RECORD', record + 'demo_pkg-1.0.dist-info/RECORD,,\\n')",
+        dir = dir.display()
+    );
+    let status = std::process::Command::new("python3")
+        .args(["-c", &build])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let listener = TcpListener::bind("127.0.0.2:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let wheel_bytes = std::fs::read(dir.join(wheel)).unwrap();
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            let wheel_bytes = wheel_bytes.clone();
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(conn.try_clone().unwrap());
+                let mut line = String::new();
+                reader.read_line(&mut line).unwrap_or(0);
+                loop {
+                    let mut header = String::new();
+                    if reader.read_line(&mut header).unwrap_or(0) == 0 || header == "\r\n" {
+                        break;
+                    }
+                }
+                let path = line.split_whitespace().nth(1).unwrap_or("/").to_owned();
+                let (kind, body): (&str, Vec<u8>) = if path.ends_with(".whl") {
+                    ("application/octet-stream", wheel_bytes)
+                } else if path.starts_with("/simple/demo-pkg") {
+                    (
+                        "text/html",
+                        format!("<html><body><a href=\"/files/{wheel}\">{wheel}</a></body></html>")
+                            .into_bytes(),
+                    )
+                } else {
+                    (
+                        "text/html",
+                        b"<html><body><a href=\"/simple/demo-pkg/\">demo-pkg</a></body></html>"
+                            .to_vec(),
+                    )
+                };
+                let mut conn = conn;
+                let _ = write!(
+                    conn,
+                    "HTTP/1.1 200 OK\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                    body.len()
+                );
+                let _ = conn.write_all(&body);
+            });
+        }
+    });
+    port
+}
+
+#[test]
+fn pip_downloads_from_an_allowed_index_and_nothing_else() {
+    let dir = tempdir();
+    let port = package_index(dir.path());
+    let policy = net_policy(
+        dir.path(),
+        &format!("  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n      methods: [GET]\n"),
+    );
+    let name = unique("pip");
+    let script = format!(
+        "python3 -m pip download --no-deps --disable-pip-version-check --no-cache-dir -q \
+           --index-url http://127.0.0.2:{port}/simple/ --trusted-host 127.0.0.2 -d /tmp/dl demo-pkg==1.0 \
+         && ls /tmp/dl && python3 -m pip download --no-deps --disable-pip-version-check --no-cache-dir -q \
+           --retries 0 --timeout 5 --index-url http://pypi.example/simple/ --trusted-host pypi.example \
+           -d /tmp/dl2 demo-pkg 2>&1 | tail -1"
+    );
+    let ran = run_sh(&["--name", &name, "--policy", &policy], &script);
+    assert!(
+        ran.stdout.starts_with("demo_pkg-1.0-py3-none-any.whl\n"),
+        "{ran:?}"
+    );
+    let net = Ran::from(warden().args(["net", &name, "--json"]).output().unwrap());
+    let decisions: serde_json::Value = serde_json::from_str(&net.stdout).unwrap();
+    let denied: Vec<&str> = decisions
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|d| d["allowed"] == false)
+        .map(|d| d["host"].as_str().unwrap())
+        .collect();
+    assert!(
+        !denied.is_empty() && denied.iter().all(|h| *h == "pypi.example"),
+        "{net:?}"
+    );
+    assert!(warden().args(["rm", &name]).status().unwrap().success());
+}
