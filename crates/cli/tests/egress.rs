@@ -294,12 +294,13 @@ fn bypass_attempts_are_refused() {
     );
 
     // Around the proxy variables: direct TCP is redirected to the gateway and decided there (a
-    // destination no rule allows is closed); UDP, DNS and IPv6 get nowhere.
+    // destination no rule allows is closed); other UDP and IPv6 get nowhere, and DNS is answered
+    // by the gateway, which resolves no name that no rule allows.
     let code = format!(
         "import socket, errno\n\
          s = socket.create_connection(('127.0.0.3', {port}), timeout=5); s.sendall(b'x')\n\
          print('REACHED' if s.recv(10) else 'closed by the gateway')\n\
-         for family, kind, addr in [(socket.AF_INET, socket.SOCK_DGRAM, ('8.8.8.8', 53)),\n\
+         for family, kind, addr in [(socket.AF_INET, socket.SOCK_DGRAM, ('8.8.8.8', 123)),\n\
                                     (socket.AF_INET6, socket.SOCK_STREAM, ('2001:db8::1', 80))]:\n\
          \x20   s = socket.socket(family, kind)\n\
          \x20   try:\n        s.connect(addr); s.send(b'x'); s.settimeout(2); s.recv(1); print('REACHED', addr)\n\
@@ -535,6 +536,51 @@ fn clients_that_ignore_the_proxy_variables_are_still_decided_by_the_gateway() {
         .map(|d| d["kind"].as_str().unwrap())
         .collect();
     assert_eq!(kinds, ["transparent"; 3], "{net:?}");
+    assert!(warden().args(["rm", &name]).status().unwrap().success());
+}
+
+#[test]
+fn names_are_answered_by_the_gateway_and_only_allowed_ones_resolve() {
+    let dir = tempdir();
+    let policy = net_policy(dir.path(), "  allow:\n    - host: localhost\n");
+    let name = unique("dns");
+    // Raw queries to a public resolver's address: the gateway answers them, whatever the
+    // address, and a name no rule allows gets NXDOMAIN without leaving the host.
+    let code = "import socket, struct\n\
+         def ask(name):\n\
+         \x20   q = struct.pack('>HHHHHH', 0x1234, 0x0100, 1, 0, 0, 0)\n\
+         \x20   q += b''.join(bytes([len(p)]) + p.encode() for p in name.split('.')) + b'\\0' + struct.pack('>HH', 1, 1)\n\
+         \x20   s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(5)\n\
+         \x20   s.sendto(q, ('8.8.8.8', 53)); r = s.recv(512)\n\
+         \x20   answers = struct.unpack('>H', r[6:8])[0]\n\
+         \x20   return r[3] & 15, socket.inet_ntoa(r[-4:]) if answers else None\n\
+         print(*ask('localhost'))\n\
+         print(*ask('c2VjcmV0.attacker.test'))\n\
+         print('nameserver 127.0.0.1' in open('/etc/resolv.conf').read())";
+    let ran = run_py(&["--name", &name, "--policy", &policy], code);
+    assert_eq!(ran.stdout, "0 127.0.0.1\n3 None\nTrue\n", "{ran:?}");
+    let net = Ran::from(warden().args(["net", &name, "--json"]).output().unwrap());
+    let decisions: serde_json::Value = serde_json::from_str(&net.stdout).unwrap();
+    let seen: Vec<(&str, &str, bool)> = decisions
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| {
+            (
+                d["kind"].as_str().unwrap(),
+                d["host"].as_str().unwrap(),
+                d["allowed"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            ("dns", "localhost", true),
+            ("dns", "c2vjcmv0.attacker.test", false)
+        ],
+        "{net:?}"
+    );
     assert!(warden().args(["rm", &name]).status().unwrap().success());
 }
 

@@ -6,6 +6,7 @@
 //! It must never let a connection out that no rule allows, and never trust what the cell says
 //! about a destination beyond what it checks itself (host syntax, resolved addresses).
 
+mod dns;
 mod host;
 mod proxy;
 mod record;

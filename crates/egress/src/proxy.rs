@@ -36,6 +36,8 @@ pub struct Gateway {
     interceptor: Option<Arc<Interceptor>>,
     active: Arc<Mutex<HashMap<u64, Active>>>,
     next_id: Arc<AtomicU64>,
+    /// Addresses handed out by the gateway's DNS, with the name they were resolved from.
+    names: Arc<Mutex<HashMap<std::net::IpAddr, Host>>>,
 }
 
 /// A connection the gateway let out and still relays: re-decided when the rules change.
@@ -78,11 +80,23 @@ impl Gateway {
             interceptor: interceptor.map(Arc::new),
             active: Arc::new(Mutex::new(HashMap::new())),
             next_id: Arc::new(AtomicU64::new(0)),
+            names: Arc::new(Mutex::new(HashMap::new())),
         })
     }
 
+    /// Remembers that the gateway's DNS answered `host` with `ip`.
+    pub(crate) fn remember(&self, ip: std::net::IpAddr, host: &Host) {
+        if let Ok(mut names) = self.names.lock() {
+            names.insert(ip, host.clone());
+        }
+    }
+
+    pub(crate) fn log_decision(&self, decision: &Decision) {
+        self.log.write(decision);
+    }
+
     /// The rules in force now.
-    fn rules(&self) -> Arc<Rules> {
+    pub(crate) fn rules(&self) -> Arc<Rules> {
         match self.rules.read() {
             Ok(rules) => rules.clone(),
             Err(poisoned) => poisoned.into_inner().clone(),
@@ -198,7 +212,13 @@ impl Gateway {
             Some(Err(e)) => {
                 return self.refuse_transparent(&mut conn, destination, looks_http, e.to_string());
             }
-            None => Host::Ip(destination.ip()),
+            // No name in the bytes: the name the gateway's DNS resolved to this address, if any.
+            None => self
+                .names
+                .lock()
+                .ok()
+                .and_then(|names| names.get(&destination.ip()).cloned())
+                .unwrap_or(Host::Ip(destination.ip())),
         };
         let rules = self.rules();
         let port = destination.port();
@@ -293,7 +313,7 @@ impl Gateway {
         }
     }
 
-    fn record(
+    pub(crate) fn record(
         &self,
         kind: &str,
         host: &str,

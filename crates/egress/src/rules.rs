@@ -127,6 +127,42 @@ impl Rules {
             })
     }
 
+    /// Whether a name may be resolved for the cell: some allow rule covers it on some port (or
+    /// the default allows), and no deny rule covers it on every port.
+    pub fn decide_name(&self, host: &Host) -> Verdict {
+        if let Some(rule) = self
+            .deny
+            .iter()
+            .find(|r| r.host_matches(host) && r.ports.is_empty() && !r.is_l7())
+        {
+            return Verdict::new(false, &rule.label, "denied by rule");
+        }
+        if let Some(rule) = self.allow.iter().find(|r| r.host_matches(host)) {
+            return Verdict::new(true, &rule.label, "allowed by rule");
+        }
+        if self.default_allow {
+            return Verdict::new(true, "default", "network.default is allow");
+        }
+        Verdict::new(
+            false,
+            "default",
+            "no rule allows this name (network.default is deny)",
+        )
+    }
+
+    /// Like [`Rules::address_allowed`], for any port of the rules that name the address.
+    pub fn address_allowed_any_port(&self, asked: &Host, ip: IpAddr) -> bool {
+        if !is_internal(ip) {
+            return true;
+        }
+        self.allow.iter().any(|r| match &r.host {
+            HostMatch::Ip(rule_ip) => *rule_ip == ip,
+            HostMatch::Net(net) => net.contains(&ip),
+            HostMatch::Exact(name) => matches!(asked, Host::Name(n) if n == name),
+            HostMatch::Subdomains(_) => false,
+        })
+    }
+
     /// Whether any rule needs TLS interception at all.
     pub fn need_interception(&self) -> bool {
         self.allow
@@ -347,5 +383,28 @@ mod tests {
         assert!(!r.address_allowed(&name("x"), "::ffff:10.0.0.1".parse().unwrap(), 80));
         assert!(r.address_allowed(&name("x"), "127.0.0.1".parse().unwrap(), 80));
         assert!(r.address_allowed(&name("internal.corp"), "10.1.2.3".parse().unwrap(), 80));
+    }
+
+    #[test]
+    fn names_resolve_when_a_rule_could_use_them() {
+        let mut on_443 = rule("api.x.org");
+        on_443.ports = vec![443];
+        let mut deny_on_25 = rule("mail.x.org");
+        deny_on_25.ports = vec![25];
+        let r = rules(
+            vec![on_443, rule("*.x.org"), rule("10.0.0.0/8")],
+            vec![rule("bad.x.org"), deny_on_25],
+            NetworkDefault::Deny,
+        );
+        assert!(r.decide_name(&name("api.x.org")).allowed);
+        assert!(r.decide_name(&name("a.x.org")).allowed);
+        // A deny on some ports still lets the name resolve for the others; on all ports, not.
+        assert!(r.decide_name(&name("mail.x.org")).allowed);
+        assert!(!r.decide_name(&name("bad.x.org")).allowed);
+        assert!(!r.decide_name(&name("c2VjcmV0.attacker.test")).allowed);
+        // Private answers only where a rule names the address or the exact name.
+        assert!(r.address_allowed_any_port(&name("a.x.org"), "10.9.9.9".parse().unwrap()));
+        assert!(!r.address_allowed_any_port(&name("a.x.org"), "192.168.1.1".parse().unwrap()));
+        assert!(r.address_allowed_any_port(&name("a.x.org"), "93.184.216.34".parse().unwrap()));
     }
 }

@@ -209,13 +209,20 @@ fn hand_over_gateway_socket() -> SetupResult<()> {
         .map_err(failed("opening the egress gateway's port"))?;
     let transparent = std::net::TcpListener::bind(("127.0.0.1", warden_egress::TRANSPARENT_PORT))
         .map_err(failed("opening the egress gateway's transparent port"))?;
+    // DNS for the cell, answered by the warden (port 53 needs the capabilities the init still has).
+    let dns = std::net::UdpSocket::bind(("127.0.0.1", 53))
+        .map_err(failed("opening the cell's DNS port"))?;
     // Clients that ignore the proxy variables: every TCP connection to anything but the cell's
-    // own loopback address goes to the transparent port; everything else that is not TCP and
-    // not for the cell itself (UDP, DNS, ICMP) is dropped. Needs `ip` and `nft` on the host; the
-    // warden is told whether it worked.
+    // own loopback address goes to the transparent port; DNS to any server goes to the warden's
+    // resolver; everything else that is not TCP and not for the cell itself (UDP, ICMP) is
+    // dropped. Needs `ip` and `nft` on the host; the warden is told whether it worked.
     let redirected = redirect_to_gateway();
     let channel = owned(GATEWAY_FD);
-    let fds = [listener.as_raw_fd(), transparent.as_raw_fd()];
+    let fds = [
+        listener.as_raw_fd(),
+        transparent.as_raw_fd(),
+        dns.as_raw_fd(),
+    ];
     let flag: &[u8] = if redirected { b"t" } else { b"p" };
     let iov = [std::io::IoSlice::new(flag)];
     sendmsg::<()>(
@@ -234,6 +241,7 @@ const REDIRECT_RULES: &str = "table ip warden {
   chain out {
     type nat hook output priority -100; policy accept;
     ip daddr 127.0.0.1 return
+    udp dport 53 redirect to :53
     meta l4proto tcp redirect to :3129
   }
   chain deny {

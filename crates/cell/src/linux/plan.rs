@@ -88,7 +88,9 @@ impl CellPlan {
         }
         passwd.push_str("nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n");
         group.push_str("nogroup:x:65534:\n");
-        let mut files = vec![
+        // Files the warden adds come first: a later file of the same name is then skipped.
+        let mut files = self.extra_etc.clone();
+        files.extend(vec![
             ("passwd".to_owned(), passwd),
             ("group".to_owned(), group),
             ("hostname".to_owned(), format!("{}\n", self.hostname)),
@@ -107,8 +109,7 @@ impl CellPlan {
                 "resolv.conf".to_owned(),
                 "# this cell has no network beyond loopback\n".to_owned(),
             ),
-        ];
-        files.extend(self.extra_etc.iter().cloned());
+        ]);
         files
     }
 }

@@ -246,6 +246,15 @@ pub fn run(
             env.push((key.into(), "localhost,127.0.0.1,::1".into()));
         }
         let rules = warden_egress::Rules::compile(&policy.network)?;
+        // Names resolve through the gateway, which answers only what the rules let out.
+        extra_etc.push((
+            "resolv.conf".to_owned(),
+            "nameserver 127.0.0.1\n".to_owned(),
+        ));
+        extra_etc.push((
+            "nsswitch.conf".to_owned(),
+            "passwd: files\ngroup: files\nhosts: files dns\n".to_owned(),
+        ));
         // Credentials: the cell gets placeholders, the gateway keeps the secrets.
         let secrets = warden_egress::Secrets::load(&policy.credentials)?;
         for secret in &secrets.all {
@@ -461,6 +470,7 @@ pub fn run(
     {
         let (flag, mut sockets) =
             sys::receive_fds(channel).map_err(os("receiving the gateway sockets"))?;
+        let dns_socket = (sockets.len() == 3).then(|| sockets.pop()).flatten();
         let transparent = (sockets.len() == 2).then(|| sockets.pop()).flatten();
         let Some(proxy_socket) = sockets.pop() else {
             return Err(RunError::Setup(
@@ -485,6 +495,9 @@ pub fn run(
             gateway
                 .clone()
                 .serve_transparent(std::net::TcpListener::from(socket));
+        }
+        if let Some(socket) = dns_socket {
+            gateway.clone().serve_dns(std::net::UdpSocket::from(socket));
         }
         policy_watch = Some(PolicyWatch {
             path: reservation.file(POLICY_UPDATE),
