@@ -2,12 +2,13 @@
 //! beside the same traffic sent directly, on loopback, in one run; plain HTTP, and HTTPS both
 //! direct and through the gateway's TLS interception. The gateway is the real one
 //! (`warden-egress`), serving a listener on the host's loopback exactly as it serves the one in
-//! a cell's namespace.
+//! a cell's namespace. Then name lookups: the gateway's DNS answering over UDP beside the host's
+//! own resolver for the same name.
 //!
 //! Usage: `egress [--requests N]`.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -216,6 +217,13 @@ fn main() -> Result<()> {
         allow: vec![
             rule(plain.port(), vec![]),
             rule(tls.port(), vec!["/**".to_owned()]),
+            NetRule {
+                host: "localhost".into(),
+                ports: vec![],
+                methods: vec![],
+                paths: vec![],
+                credential: None,
+            },
         ],
         deny: vec![],
         ask: vec![],
@@ -233,6 +241,9 @@ fn main() -> Result<()> {
         warden_egress::Secrets::default(),
         Some(interceptor),
     )?;
+    let dns = UdpSocket::bind("127.0.0.1:0")?;
+    let dns_address = dns.local_addr()?;
+    gateway.clone().serve_dns(dns);
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let proxy = listener.local_addr()?;
     gateway.serve(listener);
@@ -288,6 +299,7 @@ fn main() -> Result<()> {
             rates[rates.len() / 2],
         ));
     }
+    let lookups = lookups(requests, dns_address)?;
     let _ = std::fs::remove_file(&log);
     let _ = std::fs::remove_file(&ca_file);
     println!(
@@ -324,5 +336,66 @@ fn main() -> Result<()> {
             via.4 / direct.4 * 100.0
         );
     }
+    println!();
+    println!("name lookups of `localhost`, {requests} each (median, p99 in ms):");
+    println!();
+    println!(
+        "| {:<34} | {:>11} | {:>9} |",
+        "path", "median (ms)", "p99 (ms)"
+    );
+    println!("|{:-<36}|{:->13}|{:->11}|", "", "", "");
+    for (name, samples) in &lookups {
+        println!(
+            "| {:<34} | {:>11.3} | {:>9.3} |",
+            name,
+            ms(percentile(samples, 0.5)),
+            ms(percentile(samples, 0.99))
+        );
+    }
+    println!(
+        "DNS through the gateway: {:.1}x the host resolver's median",
+        ms(percentile(&lookups[1].1, 0.5)) / ms(percentile(&lookups[0].1, 0.5))
+    );
     Ok(())
+}
+
+/// Times `count` lookups of `localhost` by the host's resolver and by the gateway's DNS (a UDP
+/// query and its answer, as a cell's resolver sends it); sorted samples for each.
+fn lookups(count: usize, server: SocketAddr) -> Result<[(&'static str, Vec<Duration>); 2]> {
+    use simple_dns::{CLASS, Name, Packet, QCLASS, QTYPE, Question, TYPE};
+    let mut host = Vec::with_capacity(count);
+    for _ in 0..count {
+        let t = Instant::now();
+        let found = ("localhost", 0).to_socket_addrs()?.count();
+        host.push(t.elapsed());
+        anyhow::ensure!(found > 0, "the host does not resolve localhost");
+    }
+    let client = UdpSocket::bind("127.0.0.1:0")?;
+    client.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut via = Vec::with_capacity(count);
+    let mut buf = [0u8; 512];
+    for id in 0..count {
+        let mut query = Packet::new_query(id as u16);
+        query.questions.push(Question::new(
+            Name::new("localhost")?,
+            QTYPE::TYPE(TYPE::A),
+            QCLASS::CLASS(CLASS::IN),
+            false,
+        ));
+        let query = query.build_bytes_vec()?;
+        let t = Instant::now();
+        client.send_to(&query, server)?;
+        let n = client
+            .recv(&mut buf)
+            .context("the gateway's DNS did not answer")?;
+        via.push(t.elapsed());
+        let reply = Packet::parse(&buf[..n])?;
+        anyhow::ensure!(!reply.answers.is_empty(), "no answer for localhost");
+    }
+    host.sort();
+    via.sort();
+    Ok([
+        ("host resolver (getaddrinfo)", host),
+        ("gateway DNS (UDP query + answer)", via),
+    ])
 }
