@@ -12,14 +12,19 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use support::*;
 
-/// A minimal HTTP upstream: answers every request with its method and path, counting them.
+/// A minimal HTTP upstream: answers every request with its method and path, counting them; a
+/// request for `/redirect/URL` is answered with a redirect to URL.
 struct Upstream {
     port: u16,
     hits: Arc<AtomicUsize>,
 }
 
 fn http_upstream() -> Upstream {
-    let listener = TcpListener::bind("127.0.0.2:0").unwrap();
+    http_upstream_on("127.0.0.2")
+}
+
+fn http_upstream_on(ip: &str) -> Upstream {
+    let listener = TcpListener::bind((ip, 0)).unwrap();
     let port = listener.local_addr().unwrap().port();
     let hits = Arc::new(AtomicUsize::new(0));
     let counter = hits.clone();
@@ -48,6 +53,18 @@ fn http_upstream() -> Upstream {
                     String::from_utf8_lossy(&body)
                 );
                 let mut conn = conn;
+                if let Some(target) = line
+                    .split(' ')
+                    .nth(1)
+                    .and_then(|p| p.split_once("/redirect/"))
+                {
+                    let _ = write!(
+                        conn,
+                        "HTTP/1.1 302 Found\r\nLocation: {}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+                        target.1
+                    );
+                    return;
+                }
                 let _ = write!(
                     conn,
                     "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{answer}",
@@ -314,6 +331,51 @@ fn bypass_attempts_are_refused() {
     assert_eq!(
         ran.stdout, "closed by the gateway\nEPERM\nECONNREFUSED\nno resolution\n",
         "{ran:?}"
+    );
+}
+
+#[test]
+fn a_second_request_or_a_redirect_cannot_reach_another_host() {
+    let dir = tempdir();
+    let up = http_upstream();
+    let other = http_upstream_on("127.0.0.3");
+    let policy = net_policy(
+        dir.path(),
+        &format!(
+            "  allow:\n    - host: 127.0.0.2\n      ports: [{}]\n",
+            up.port
+        ),
+    );
+    // Two requests on one kept-alive connection, the second for a host no rule allows: the
+    // gateway answers the first and closes, so the second goes nowhere.
+    let pipelined = format!(
+        "import socket\n\
+         s = socket.create_connection(('127.0.0.1', 3128), timeout=10)\n\
+         s.sendall(b'GET http://127.0.0.2:{up}/one HTTP/1.1\\r\\nHost: 127.0.0.2:{up}\\r\\nConnection: keep-alive\\r\\n\\r\\n'\n\
+         \x20         b'GET http://127.0.0.3:{other}/two HTTP/1.1\\r\\nHost: 127.0.0.3:{other}\\r\\n\\r\\n')\n\
+         data = b''\n\
+         while True:\n    chunk = s.recv(4096)\n    if not chunk: break\n    data += chunk\n\
+         print(data.count(b'HTTP/1.1 200 '), b'saw GET /one' in data, b'/two' in data)",
+        up = up.port,
+        other = other.port
+    );
+    let ran = run_py(&["--rm", "--policy", &policy], &pipelined);
+    assert_eq!(ran.stdout, "1 True False\n", "{ran:?}");
+    // An allowed upstream redirects to a host no rule allows: the client follows it through the
+    // gateway, which refuses it.
+    let redirect = format!(
+        "import urllib.request, urllib.error, json\n\
+         try:\n    urllib.request.urlopen('http://127.0.0.2:{}/redirect/http://127.0.0.3:{}/x'); print('LEAKED')\n\
+         except urllib.error.HTTPError as e: print(e.code, json.loads(e.read())['reason'])",
+        up.port, other.port
+    );
+    let ran = run_py(&["--rm", "--policy", &policy], &redirect);
+    assert!(ran.stdout.starts_with("403 no rule allows"), "{ran:?}");
+    assert_eq!(up.hits.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        other.hits.load(Ordering::SeqCst),
+        0,
+        "a request reached a host no rule allows"
     );
 }
 
