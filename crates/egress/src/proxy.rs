@@ -188,14 +188,9 @@ impl Gateway {
 
     fn transparent(&self, mut conn: TcpStream) {
         let _ = conn.set_nodelay(true);
-        let Ok(original) =
-            nix::sys::socket::getsockopt(&conn, nix::sys::socket::sockopt::OriginalDst)
-        else {
+        let Some(destination) = original_destination(&conn) else {
             return;
         };
-        let ip = std::net::Ipv4Addr::from(u32::from_be(original.sin_addr.s_addr));
-        let destination =
-            SocketAddr::new(std::net::IpAddr::V4(ip), u16::from_be(original.sin_port));
         // The client's first bytes name the host (TLS server name or HTTP Host); a client that
         // waits for the server to speak first is decided on the address alone.
         let _ = conn.set_read_timeout(Some(FIRST_BYTES_WAIT));
@@ -1066,6 +1061,27 @@ fn pump(mut from: &TcpStream, mut to: &TcpStream) -> u64 {
             return total;
         }
         total += n as u64;
+    }
+}
+
+/// Where a redirected connection was going before nftables sent it to the gateway.
+fn original_destination(conn: &TcpStream) -> Option<SocketAddr> {
+    use nix::sys::socket::{getsockopt, sockopt};
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+    if conn.local_addr().ok()?.is_ipv6() {
+        let original = getsockopt(conn, sockopt::Ip6tOriginalDst).ok()?;
+        let ip = Ipv6Addr::from(original.sin6_addr.s6_addr);
+        Some(SocketAddr::new(
+            IpAddr::V6(ip),
+            u16::from_be(original.sin6_port),
+        ))
+    } else {
+        let original = getsockopt(conn, sockopt::OriginalDst).ok()?;
+        let ip = Ipv4Addr::from(u32::from_be(original.sin_addr.s_addr));
+        Some(SocketAddr::new(
+            IpAddr::V4(ip),
+            u16::from_be(original.sin_port),
+        ))
     }
 }
 

@@ -217,12 +217,15 @@ fn hand_over_gateway_socket() -> SetupResult<()> {
     // resolver; everything else that is not TCP and not for the cell itself (UDP, ICMP) is
     // dropped. Needs `ip` and `nft` on the host; the warden is told whether it worked.
     let redirected = redirect_to_gateway();
+    // IPv6 connections are redirected to [::1]; a kernel without IPv6 simply has none.
+    let transparent6 = std::net::TcpListener::bind(("::1", warden_egress::TRANSPARENT_PORT)).ok();
     let channel = owned(GATEWAY_FD);
-    let fds = [
+    let mut fds = vec![
         listener.as_raw_fd(),
         transparent.as_raw_fd(),
         dns.as_raw_fd(),
     ];
+    fds.extend(transparent6.as_ref().map(|l| l.as_raw_fd()));
     let flag: &[u8] = if redirected { b"t" } else { b"p" };
     let iov = [std::io::IoSlice::new(flag)];
     sendmsg::<()>(

@@ -468,11 +468,18 @@ pub fn run(
     let mut policy_watch = None;
     if let (Some((rules, secrets, interceptor)), Some(channel)) = (gateway_rules, &gateway_channel)
     {
-        let (flag, mut sockets) =
+        let (flag, sockets) =
             sys::receive_fds(channel).map_err(os("receiving the gateway sockets"))?;
-        let dns_socket = (sockets.len() == 3).then(|| sockets.pop()).flatten();
-        let transparent = (sockets.len() == 2).then(|| sockets.pop()).flatten();
-        let Some(proxy_socket) = sockets.pop() else {
+        // In the init's order: the proxy port, the transparent port, DNS, and the transparent
+        // port on IPv6 where the kernel has IPv6.
+        let mut sockets = sockets.into_iter();
+        let (proxy_socket, transparent, dns_socket, transparent6) = (
+            sockets.next(),
+            sockets.next(),
+            sockets.next(),
+            sockets.next(),
+        );
+        let Some(proxy_socket) = proxy_socket else {
             return Err(RunError::Setup(
                 "the cell did not hand over the gateway's socket".to_owned(),
             ));
@@ -491,10 +498,12 @@ pub fn run(
         let gateway = warden_egress::Gateway::new(rules, &log, &name, secrets, interceptor)
             .map_err(os("opening the egress log"))?;
         gateway.clone().serve(listener);
-        if let (Some(socket), b't') = (transparent, flag) {
-            gateway
-                .clone()
-                .serve_transparent(std::net::TcpListener::from(socket));
+        if flag == b't' {
+            for socket in [transparent, transparent6].into_iter().flatten() {
+                gateway
+                    .clone()
+                    .serve_transparent(std::net::TcpListener::from(socket));
+            }
         }
         if let Some(socket) = dns_socket {
             gateway.clone().serve_dns(std::net::UdpSocket::from(socket));
