@@ -94,6 +94,16 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// List the questions a cell's `ask` rules are waiting on.
+    Approvals {
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Let a held connection through (ID from `warden approvals NAME` or the cell's terminal).
+    Approve { name: String, id: u64 },
+    /// Refuse a held connection: the cell gets a 403 that says so.
+    Deny { name: String, id: u64 },
     /// Check or explain a policy.
     Policy {
         #[command(subcommand)]

@@ -54,6 +54,17 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             Ok(0)
         }
         Command::Net { name, json } => net(&name, json),
+        Command::Approvals { name, json } => approvals(&name, json),
+        Command::Approve { name, id } => {
+            control::answer_question(&registry()?, &name, id, true)?;
+            println!("approved question {id} of {name}");
+            Ok(0)
+        }
+        Command::Deny { name, id } => {
+            control::answer_question(&registry()?, &name, id, false)?;
+            println!("denied question {id} of {name}");
+            Ok(0)
+        }
         Command::Snapshot { name, as_name } => {
             let info = snapshot::take(&registry()?, &store()?, &name, as_name.as_deref())?;
             println!("{} ({} bytes)", info.id, info.size);
@@ -331,6 +342,25 @@ fn describe(change: &Change) -> String {
         line.push_str(&format!("  x refused: {reason}"));
     }
     line
+}
+
+fn approvals(name: &str, json: bool) -> Result<i32> {
+    let questions = control::pending_questions(&registry()?, name)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&questions)?);
+        return Ok(0);
+    }
+    println!(
+        "{:<4} {:<50} {:<12} {:>9}",
+        "ID", "REQUEST", "RULE", "TIMEOUT"
+    );
+    for q in &questions {
+        println!(
+            "{:<4} {:<50} {:<12} {:>8}s",
+            q.id, q.request, q.rule, q.timeout_s
+        );
+    }
+    Ok(0)
 }
 
 fn net(name: &str, json: bool) -> Result<i32> {

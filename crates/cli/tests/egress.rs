@@ -396,6 +396,113 @@ fn a_second_request_or_a_redirect_cannot_reach_another_host() {
     );
 }
 
+/// Waits for the next question of cell `name` and returns its id and request.
+fn next_question(name: &str, after: u64) -> (u64, String) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while std::time::Instant::now() < deadline {
+        let listed = warden()
+            .args(["approvals", name, "--json"])
+            .output()
+            .unwrap();
+        if let Ok(serde_json::Value::Array(questions)) = serde_json::from_slice(&listed.stdout) {
+            if let Some(q) = questions.iter().find(|q| q["id"].as_u64() > Some(after)) {
+                return (
+                    q["id"].as_u64().unwrap(),
+                    q["request"].as_str().unwrap().to_owned(),
+                );
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    panic!("cell {name} asked nothing within 30 s");
+}
+
+#[test]
+fn ask_rules_hold_a_connection_until_a_person_answers() {
+    let dir = tempdir();
+    let up = http_upstream();
+    let rule = format!(
+        "  ask:\n    - host: 127.0.0.2\n      ports: [{}]\n",
+        up.port
+    );
+    // A test that fails half-way leaves no connection held for long.
+    let asking = net_policy(dir.path(), &format!("{rule}approvals:\n  timeout: 30s\n"));
+    let name = unique("ask");
+    let code = format!(
+        "import urllib.request, urllib.error, json\n\
+         for path in ['first', 'second']:\n\
+         \x20   try:\n        print(urllib.request.urlopen('http://127.0.0.2:{}/' + path).read().decode().split(' body=')[0])\n\
+         \x20   except urllib.error.HTTPError as e: print(e.code, json.loads(e.read())['reason'])",
+        up.port
+    );
+    let cell = warden()
+        .args([
+            "run", "--name", &name, "--policy", &asking, "--", "python3", "-c",
+        ])
+        .arg(&code)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (first, request) = next_question(&name, 0);
+    assert_eq!(request, format!("GET 127.0.0.2:{}/first", up.port));
+    // Held: nothing reached the upstream before the answer.
+    assert_eq!(up.hits.load(Ordering::SeqCst), 0);
+    let approve = Ran::from(
+        warden()
+            .args(["approve", &name, &first.to_string()])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(approve.code, 0, "{approve:?}");
+    let (second, request) = next_question(&name, first);
+    assert!(request.ends_with("/second"), "{request}");
+    // A question that is not open is a clear error.
+    let wrong = Ran::from(warden().args(["deny", &name, "999"]).output().unwrap());
+    assert_eq!(wrong.code, 125, "{wrong:?}");
+    assert!(wrong.stderr.contains("no open question 999"), "{wrong:?}");
+    let deny = Ran::from(
+        warden()
+            .args(["deny", &name, &second.to_string()])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(deny.code, 0, "{deny:?}");
+    let ran = Ran::from(cell.wait_with_output().unwrap());
+    assert_eq!(
+        ran.stdout,
+        format!("upstream saw GET /first HTTP/1.1\n403 denied by a person (question {second})\n"),
+        "{ran:?}"
+    );
+    // The terminal of `warden run` was told how to answer.
+    assert!(
+        ran.stderr.contains(&format!(
+            "`warden approve {name} {first}` or `warden deny {name} {first}`"
+        )),
+        "{ran:?}"
+    );
+    assert_eq!(up.hits.load(Ordering::SeqCst), 1);
+    assert!(warden().args(["rm", &name]).status().unwrap().success());
+
+    // Nobody answers: the policy's timeout and on_timeout decide.
+    let quick = policy(
+        dir.path(),
+        &format!("version: 1\nnetwork:\n{rule}approvals:\n  timeout: 1s\n"),
+    );
+    let code = format!(
+        "import urllib.request, urllib.error, json\n\
+         try:\n    urllib.request.urlopen('http://127.0.0.2:{}/'); print('LEAKED')\n\
+         except urllib.error.HTTPError as e: print(e.code, json.loads(e.read())['reason'])",
+        up.port
+    );
+    let ran = run_py(&["--rm", "--policy", &quick.display().to_string()], &code);
+    assert_eq!(
+        ran.stdout, "403 no answer to question 1 within 1 s (approvals.on_timeout: deny)\n",
+        "{ran:?}"
+    );
+    assert_eq!(up.hits.load(Ordering::SeqCst), 1);
+}
+
 #[test]
 fn private_addresses_need_a_rule_that_names_them() {
     let dir = tempdir();

@@ -6,6 +6,7 @@
 //! It must never let a connection out that no rule allows, and never trust what the cell says
 //! about a destination beyond what it checks itself (host syntax, resolved addresses).
 
+mod approvals;
 mod dns;
 mod host;
 mod proxy;
@@ -15,6 +16,7 @@ mod secrets;
 mod sni;
 mod tls;
 
+pub use approvals::{AnswerError, Approvals, Question, answer, pending};
 pub use host::{Host, HostError};
 pub use proxy::Gateway;
 pub use record::{Decision, read_log};

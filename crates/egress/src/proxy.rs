@@ -38,6 +38,8 @@ pub struct Gateway {
     next_id: Arc<AtomicU64>,
     /// Addresses handed out by the gateway's DNS, with the name they were resolved from.
     names: Arc<Mutex<HashMap<std::net::IpAddr, Host>>>,
+    /// Where `ask` rules put their questions; without it, what they match is refused.
+    approvals: Option<Arc<crate::Approvals>>,
 }
 
 /// A connection the gateway let out and still relays: re-decided when the rules change.
@@ -81,7 +83,36 @@ impl Gateway {
             active: Arc::new(Mutex::new(HashMap::new())),
             next_id: Arc::new(AtomicU64::new(0)),
             names: Arc::new(Mutex::new(HashMap::new())),
+            approvals: None,
         })
+    }
+
+    /// Lets `ask` rules hold connections for a person's answer.
+    pub fn with_approvals(mut self, approvals: crate::Approvals) -> Self {
+        self.approvals = Some(Arc::new(approvals));
+        self
+    }
+
+    /// Decides `request` by `rules`; where an ask rule matches, holds it for a person's answer.
+    fn decide(&self, rules: &Rules, request: &Request<'_>) -> Verdict {
+        let mut verdict = rules.decide(request);
+        if !verdict.ask {
+            return verdict;
+        }
+        let Some(approvals) = &self.approvals else {
+            verdict.reason = "an ask rule matched, and this cell has no way to ask".to_owned();
+            return verdict;
+        };
+        let target = match request.http {
+            Some((method, path)) => {
+                format!("{method} {}:{}{path}", request.host.as_text(), request.port)
+            }
+            None => format!("connect {}:{}", request.host.as_text(), request.port),
+        };
+        let (allowed, reason) = approvals.ask(target, &verdict.rule);
+        verdict.allowed = allowed;
+        verdict.reason = reason;
+        verdict
     }
 
     /// Remembers that the gateway's DNS answered `host` with `ip`.
@@ -122,7 +153,7 @@ impl Gateway {
                 port: conn.port,
                 http,
             });
-            if verdict.allowed {
+            if verdict.allowed || verdict.ask {
                 continue;
             }
             let _ = conn.client.shutdown(Shutdown::Both);
@@ -217,11 +248,14 @@ impl Gateway {
         };
         let rules = self.rules();
         let port = destination.port();
-        let mut verdict = rules.decide(&Request {
-            host: &host,
-            port,
-            http: None,
-        });
+        let mut verdict = self.decide(
+            &rules,
+            &Request {
+                host: &host,
+                port,
+                http: None,
+            },
+        );
         if verdict.allowed && rules.intercepts(&host, port) {
             verdict = Verdict::new(
                 false,
@@ -533,11 +567,14 @@ impl Gateway {
             .map(|h| (h.name.to_ascii_lowercase(), h.value.to_vec()))
             .collect();
         let path_only = path.split(['?', '#']).next().unwrap_or("/").to_owned();
-        let verdict = self.rules().decide(&Request {
-            host: &host,
-            port,
-            http: Some((&method, &path_only)),
-        });
+        let verdict = self.decide(
+            &self.rules(),
+            &Request {
+                host: &host,
+                port,
+                http: Some((&method, &path_only)),
+            },
+        );
         let mut decision = self.record("https", &name, port, Some((&method, &path_only)), &verdict);
         let refusal = if sni
             .as_deref()
@@ -655,11 +692,14 @@ impl Gateway {
                 return self.intercept(interceptor, conn, host, port, early);
             }
         }
-        let verdict = self.rules().decide(&Request {
-            host: &host,
-            port,
-            http: None,
-        });
+        let verdict = self.decide(
+            &self.rules(),
+            &Request {
+                host: &host,
+                port,
+                http: None,
+            },
+        );
         let mut decision = self.record("connect", &host.as_text(), port, None, &verdict);
         let Some(upstream) = self.open_upstream(&mut conn, &host, port, &mut decision) else {
             return;
@@ -730,11 +770,14 @@ impl Gateway {
             }
         }
         let path_only = path.split(['?', '#']).next().unwrap_or("/");
-        let verdict = self.rules().decide(&Request {
-            host: &host,
-            port,
-            http: Some((method, path_only)),
-        });
+        let verdict = self.decide(
+            &self.rules(),
+            &Request {
+                host: &host,
+                port,
+                http: Some((method, path_only)),
+            },
+        );
         let mut decision = self.record(
             "http",
             &host.as_text(),

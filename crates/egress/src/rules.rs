@@ -55,6 +55,9 @@ pub struct Verdict {
     /// The credential the allowing rule binds to this request.
     #[serde(skip)]
     pub credential: Option<String>,
+    /// An `ask` rule matched: a person decides (until then, not allowed).
+    #[serde(skip)]
+    pub ask: bool,
 }
 
 impl Verdict {
@@ -64,6 +67,7 @@ impl Verdict {
             rule: rule.to_owned(),
             reason: reason.to_owned(),
             credential: None,
+            ask: false,
         }
     }
 }
@@ -74,6 +78,7 @@ pub struct Rules {
     default_allow: bool,
     allow: Vec<Rule>,
     deny: Vec<Rule>,
+    ask: Vec<Rule>,
 }
 
 impl Rules {
@@ -88,13 +93,20 @@ impl Rules {
             default_allow: network.default == NetworkDefault::Allow,
             allow: compile_list(&network.allow, "allow")?,
             deny: compile_list(&network.deny, "deny")?,
+            ask: compile_list(&network.ask, "ask")?,
         })
     }
 
-    /// Decides a request by its host name or address, before any resolution.
+    /// Decides a request by its host name or address, before any resolution: deny rules win,
+    /// then ask rules (the verdict says a person must decide), then allow rules, then the default.
     pub fn decide(&self, request: &Request<'_>) -> Verdict {
         if let Some(rule) = self.deny.iter().find(|r| r.matches(request)) {
             return Verdict::new(false, &rule.label, "denied by rule");
+        }
+        if let Some(rule) = self.ask.iter().find(|r| r.matches(request)) {
+            let mut verdict = Verdict::new(false, &rule.label, "waiting for a person's answer");
+            verdict.ask = true;
+            return verdict;
         }
         if let Some(rule) = self.allow.iter().find(|r| r.matches(request)) {
             let mut verdict = Verdict::new(true, &rule.label, "allowed by rule");
@@ -137,7 +149,12 @@ impl Rules {
         {
             return Verdict::new(false, &rule.label, "denied by rule");
         }
-        if let Some(rule) = self.allow.iter().find(|r| r.host_matches(host)) {
+        if let Some(rule) = self
+            .allow
+            .iter()
+            .chain(&self.ask)
+            .find(|r| r.host_matches(host))
+        {
             return Verdict::new(true, &rule.label, "allowed by rule");
         }
         if self.default_allow {
@@ -155,7 +172,7 @@ impl Rules {
         if !is_internal(ip) {
             return true;
         }
-        self.allow.iter().any(|r| match &r.host {
+        self.allow.iter().chain(&self.ask).any(|r| match &r.host {
             HostMatch::Ip(rule_ip) => *rule_ip == ip,
             HostMatch::Net(net) => net.contains(&ip),
             HostMatch::Exact(name) => matches!(asked, Host::Name(n) if n == name),
@@ -171,13 +188,14 @@ impl Rules {
     }
 
     /// Whether a resolved address may be used: public addresses always; private, loopback,
-    /// link-local and metadata addresses only when an allow rule names them.
+    /// link-local and metadata addresses only when an allow (or ask) rule names them.
     pub fn address_allowed(&self, asked: &Host, ip: IpAddr, port: u16) -> bool {
         if !is_internal(ip) {
             return true;
         }
         self.allow
             .iter()
+            .chain(&self.ask)
             .filter(|r| r.port_matches(port))
             .any(|r| match &r.host {
                 HostMatch::Ip(rule_ip) => *rule_ip == ip,
@@ -406,5 +424,34 @@ mod tests {
         assert!(r.address_allowed_any_port(&name("a.x.org"), "10.9.9.9".parse().unwrap()));
         assert!(!r.address_allowed_any_port(&name("a.x.org"), "192.168.1.1".parse().unwrap()));
         assert!(r.address_allowed_any_port(&name("a.x.org"), "93.184.216.34".parse().unwrap()));
+    }
+
+    #[test]
+    fn deny_wins_over_ask_and_ask_over_allow() {
+        let r = Rules::compile(&Network {
+            default: NetworkDefault::Allow,
+            allow: vec![rule("*.x.org")],
+            deny: vec![rule("bad.x.org")],
+            ask: vec![rule("*.x.org"), rule("10.1.2.3")],
+            extra_ca: None,
+        })
+        .unwrap();
+        let decide = |h: &str| {
+            r.decide(&Request {
+                host: &name(h),
+                port: 443,
+                http: None,
+            })
+        };
+        let bad = decide("bad.x.org");
+        assert!(!bad.allowed && !bad.ask, "{bad:?}");
+        let asked = decide("a.x.org");
+        assert!(!asked.allowed && asked.ask, "{asked:?}");
+        assert_eq!(asked.rule, "ask[0] host=*.x.org");
+        assert!(decide("other.org").allowed);
+        // The name resolves (so that the connection can be asked about), and a private address
+        // an ask rule names is usable once approved.
+        assert!(r.decide_name(&name("a.x.org")).allowed);
+        assert!(r.address_allowed(&name("y"), "10.1.2.3".parse().unwrap(), 443));
     }
 }

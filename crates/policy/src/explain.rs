@@ -158,6 +158,19 @@ pub fn explain(policy: &Policy) -> String {
         for rule in &net.deny {
             let _ = writeln!(out, "  - Refused: {}.", describe_rule(rule));
         }
+        for rule in &net.ask {
+            let _ = writeln!(
+                out,
+                "  - Held for a person's answer (`warden approve`/`warden deny`, {} at most, then \
+                 {}): {}.",
+                policy.approvals.timeout,
+                match policy.approvals.on_timeout {
+                    crate::model::ApprovalOutcome::Allow => "allowed",
+                    crate::model::ApprovalOutcome::Deny => "refused",
+                },
+                describe_rule(rule)
+            );
+        }
         for rule in &net.allow {
             let _ = writeln!(out, "  - Allowed: {}.", describe_rule(rule));
         }

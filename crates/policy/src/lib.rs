@@ -12,8 +12,8 @@ mod units;
 
 pub use explain::explain;
 pub use model::{
-    Approvals, Credential, Credentials, EnvPolicy, Filesystem, Gpu, Limits, NetRule, Network,
-    NetworkDefault, Policy, Process, Tier, Workspace, WorkspaceMode,
+    ApprovalOutcome, Approvals, Credential, Credentials, EnvPolicy, Filesystem, Gpu, Limits,
+    NetRule, Network, NetworkDefault, Policy, Process, Tier, Workspace, WorkspaceMode,
 };
 pub use parse::{PolicyError, from_file, from_yaml};
 pub use preset::{PRESETS, preset};

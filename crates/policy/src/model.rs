@@ -308,7 +308,8 @@ pub struct Network {
     /// Destinations let through. Deny rules win over allow rules.
     pub allow: Vec<NetRule>,
     pub deny: Vec<NetRule>,
-    /// Reserved for the approval queue.
+    /// Destinations a person decides on (`warden approve`/`warden deny`) while the connection
+    /// waits; deny rules win over them, they win over allow rules.
     pub ask: Vec<NetRule>,
     /// An extra CA (PEM file) trusted for upstream TLS, beside the host's roots.
     #[serde(deserialize_with = "optional_absolute_path")]
@@ -318,7 +319,7 @@ pub struct Network {
 impl Network {
     /// Whether the cell gets an egress gateway at all.
     pub fn has_gateway(&self) -> bool {
-        self.default == NetworkDefault::Allow || !self.allow.is_empty()
+        self.default == NetworkDefault::Allow || !self.allow.is_empty() || !self.ask.is_empty()
     }
 }
 

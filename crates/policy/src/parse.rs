@@ -84,16 +84,22 @@ fn validate(origin: &str, policy: &Policy) -> Result<(), PolicyError> {
         field,
         message: message.to_owned(),
     };
-    if !policy.network.ask.is_empty() {
+    if policy
+        .network
+        .ask
+        .iter()
+        .any(|r| !r.methods.is_empty() || !r.paths.is_empty() || r.credential.is_some())
+    {
         return Err(invalid(
             "network.ask",
-            "`ask` rules need the approval queue of the warden daemon, which this version does \
-             not have yet; use allow or deny",
+            "`ask` rules match a host and ports only in this version; put methods, paths and \
+             credentials on allow rules",
         ));
     }
     for (list, rules) in [
         ("network.allow", &policy.network.allow),
         ("network.deny", &policy.network.deny),
+        ("network.ask", &policy.network.ask),
     ] {
         for rule in rules {
             let host = rule.host.as_str();
@@ -271,10 +277,18 @@ mod tests {
 
     #[test]
     fn reserved_features_are_named() {
-        let err = from_yaml("p.yaml", "version: 1\nnetwork:\n  ask: [{host: x.org}]\n")
+        assert!(from_yaml("p.yaml", "version: 1\nnetwork:\n  ask: [{host: x.org}]\n").is_ok());
+        let err = from_yaml(
+            "p.yaml",
+            "version: 1\nnetwork:\n  ask: [{host: x.org, methods: [GET]}]\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("host and ports only"), "{err}");
+        let err = from_yaml("p.yaml", "version: 1\nnetwork:\n  ask: [{host: 'a b'}]\n")
             .unwrap_err()
             .to_string();
-        assert!(err.contains("approval queue"), "{err}");
+        assert!(err.contains("network.ask"), "{err}");
         let err = from_yaml(
             "p.yaml",
             "version: 1\nfilesystem:\n  workspace:\n    protect: ['../x']\n",

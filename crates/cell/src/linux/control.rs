@@ -152,3 +152,34 @@ pub fn set_network_policy(
     }
     Err(PolicySetError::NoAnswer(name.to_owned()))
 }
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApprovalError {
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+    #[error(transparent)]
+    Answer(#[from] warden_egress::AnswerError),
+}
+
+/// The questions that `ask` rules of a running cell are waiting on, oldest first.
+pub fn pending_questions(
+    registry: &Registry,
+    name: &str,
+) -> Result<Vec<warden_egress::Question>, ApprovalError> {
+    registry.get(name)?;
+    Ok(warden_egress::pending(
+        &registry.cell_file(name, super::relay::APPROVALS),
+    ))
+}
+
+/// Answers question `id` of a running cell: the held connection goes on, or gets its 403.
+pub fn answer_question(
+    registry: &Registry,
+    name: &str,
+    id: u64,
+    allow: bool,
+) -> Result<(), ApprovalError> {
+    registry.get(name)?;
+    let dir = registry.cell_file(name, super::relay::APPROVALS);
+    Ok(warden_egress::answer(&dir, name, id, allow)?)
+}

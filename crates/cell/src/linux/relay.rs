@@ -34,6 +34,8 @@ pub(super) enum Stop {
 /// answers.
 pub const POLICY_UPDATE: &str = "policy-update.yaml";
 pub const POLICY_ACK: &str = "policy-update.json";
+/// The folder of a running cell where `ask` rules leave their questions.
+pub const APPROVALS: &str = "approvals";
 const POLICY_POLL: Duration = Duration::from_millis(100);
 
 /// A running gateway whose network rules may be replaced through the runtime directory.

@@ -22,7 +22,9 @@ use super::ids::IdMapping;
 use super::init::{self, InitFds};
 use super::plan::{self, CellPlan, OverlayPlan, PlanError, WorkspacePlan};
 use super::registry::{CellRecord, Registry, RegistryError};
-use super::relay::{POLICY_ACK, POLICY_UPDATE, PolicyWatch, Relay, Stop, spawn_stdin_pump};
+use super::relay::{
+    APPROVALS, POLICY_ACK, POLICY_UPDATE, PolicyWatch, Relay, Stop, spawn_stdin_pump,
+};
 use super::snapshot::SnapshotInfo;
 use super::store::Store;
 use super::{idmap, sys};
@@ -495,8 +497,32 @@ pub fn run(
         let log = store
             .net_log(&name)
             .map_err(os("creating the egress log"))?;
-        let gateway = warden_egress::Gateway::new(rules, &log, &name, secrets, interceptor)
+        let mut gateway = warden_egress::Gateway::new(rules, &log, &name, secrets, interceptor)
             .map_err(os("opening the egress log"))?;
+        if !policy.network.ask.is_empty() {
+            // Questions of `ask` rules: told on this terminal, answered by `warden approve` or
+            // `warden deny` from anywhere on the host.
+            let cell = name.clone();
+            let approvals = warden_egress::Approvals::new(
+                &reservation.file(APPROVALS),
+                policy.approvals.timeout.0,
+                policy.approvals.on_timeout == warden_policy::ApprovalOutcome::Allow,
+                move |q| {
+                    let line = format!(
+                        "warden: cell `{cell}` asks to {} (rule {}): answer with `warden approve {cell} {id}` or `warden deny {cell} {id}` within {} s\n",
+                        q.request,
+                        q.rule,
+                        q.timeout_s,
+                        id = q.id
+                    );
+                    // Straight to the descriptor: the relay holds the lock of `stderr` while
+                    // it forwards the cell's output.
+                    let _ = nix::unistd::write(std::io::stderr(), line.as_bytes());
+                },
+            )
+            .map_err(os("creating the approvals folder"))?;
+            gateway = gateway.with_approvals(approvals);
+        }
         gateway.clone().serve(listener);
         if flag == b't' {
             for socket in [transparent, transparent6].into_iter().flatten() {
