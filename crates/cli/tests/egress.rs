@@ -118,6 +118,13 @@ fn echo_upstream() -> (u16, Arc<AtomicUsize>) {
     (port, received)
 }
 
+/// The egress record of cell `name`, as `warden net --json` prints it, and its decisions.
+fn net_decisions(name: &str) -> (Ran, Vec<serde_json::Value>) {
+    let net = Ran::from(warden().args(["net", name, "--json"]).output().unwrap());
+    let decisions = serde_json::from_str(&net.stdout).unwrap_or_else(|e| panic!("{e}: {net:?}"));
+    (net, decisions)
+}
+
 fn net_policy(dir: &std::path::Path, body: &str) -> String {
     policy(dir, &format!("version: 1\nnetwork:\n{body}"))
         .display()
@@ -186,11 +193,8 @@ fn allowed_requests_pass_and_refused_ones_get_a_403_that_says_why() {
         "a refused request reached the upstream"
     );
 
-    let net = Ran::from(warden().args(["net", &name, "--json"]).output().unwrap());
-    let decisions: serde_json::Value = serde_json::from_str(&net.stdout).unwrap();
+    let (net, decisions) = net_decisions(&name);
     let verdicts: Vec<(bool, String)> = decisions
-        .as_array()
-        .unwrap()
         .iter()
         .map(|d| {
             (
@@ -713,11 +717,8 @@ fn clients_that_ignore_the_proxy_variables_are_still_decided_by_the_gateway() {
         "{ran:?}"
     );
     assert_eq!(up.hits.load(Ordering::SeqCst), 1);
-    let net = Ran::from(warden().args(["net", &name, "--json"]).output().unwrap());
-    let decisions: serde_json::Value = serde_json::from_str(&net.stdout).unwrap();
+    let (net, decisions) = net_decisions(&name);
     let kinds: Vec<&str> = decisions
-        .as_array()
-        .unwrap()
         .iter()
         .map(|d| d["kind"].as_str().unwrap())
         .collect();
@@ -745,11 +746,8 @@ fn names_are_answered_by_the_gateway_and_only_allowed_ones_resolve() {
          print('nameserver 127.0.0.1' in open('/etc/resolv.conf').read())";
     let ran = run_py(&["--name", &name, "--policy", &policy], code);
     assert_eq!(ran.stdout, "0 127.0.0.1\n3 None\nTrue\n", "{ran:?}");
-    let net = Ran::from(warden().args(["net", &name, "--json"]).output().unwrap());
-    let decisions: serde_json::Value = serde_json::from_str(&net.stdout).unwrap();
+    let (net, decisions) = net_decisions(&name);
     let seen: Vec<(&str, &str, bool)> = decisions
-        .as_array()
-        .unwrap()
         .iter()
         .map(|d| {
             (
@@ -858,11 +856,8 @@ fn pip_downloads_from_an_allowed_index_and_nothing_else() {
         ran.stdout.starts_with("demo_pkg-1.0-py3-none-any.whl\n"),
         "{ran:?}"
     );
-    let net = Ran::from(warden().args(["net", &name, "--json"]).output().unwrap());
-    let decisions: serde_json::Value = serde_json::from_str(&net.stdout).unwrap();
+    let (net, decisions) = net_decisions(&name);
     let denied: Vec<&str> = decisions
-        .as_array()
-        .unwrap()
         .iter()
         .filter(|d| d["allowed"] == false)
         .map(|d| d["host"].as_str().unwrap())

@@ -308,15 +308,7 @@ impl Gateway {
             return;
         };
         let _ = upstream.set_nodelay(true);
-        let _tracked = self.track(&host, port, None, &conn, &upstream);
-        let (up, down, refused) = tunnel_bytes(conn, upstream, &early, host.as_text());
-        decision.bytes_up = up;
-        decision.bytes_down = down;
-        if let Some(reason) = refused {
-            decision.allowed = false;
-            decision.reason = reason;
-        }
-        self.log.write(&decision);
+        self.relay_tunnel(conn, upstream, &host, port, &early, decision);
     }
 
     fn refuse_transparent(
@@ -710,8 +702,22 @@ impl Gateway {
         {
             return;
         }
-        let _tracked = self.track(&host, port, None, &conn, &upstream);
-        let (up, down, refused) = tunnel_bytes(conn, upstream, &early, host.as_text());
+        self.relay_tunnel(conn, upstream, &host, port, &early, decision);
+    }
+
+    /// Relays a tunnel the gateway let out until either side ends it, then records it with the
+    /// bytes each way (and the reason, where the relay refused the client's first bytes).
+    fn relay_tunnel(
+        &self,
+        conn: TcpStream,
+        upstream: TcpStream,
+        host: &Host,
+        port: u16,
+        early: &[u8],
+        mut decision: Decision,
+    ) {
+        let _tracked = self.track(host, port, None, &conn, &upstream);
+        let (up, down, refused) = tunnel_bytes(conn, upstream, early, host.as_text());
         decision.bytes_up = up;
         decision.bytes_down = down;
         if let Some(reason) = refused {
