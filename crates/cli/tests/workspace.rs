@@ -39,6 +39,18 @@ fn tree(root: &Path) -> Vec<(String, String)> {
     out
 }
 
+/// Starts `script` in a cell named `name` with `workspace` at /workspace, output discarded.
+fn spawn_in(name: &str, workspace: &std::path::Path, script: &str) -> std::process::Child {
+    warden()
+        .args(["run", "--name", name, "--workspace"])
+        .arg(workspace)
+        .args(["--", "sh", "-c", script])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
 fn project() -> tempfile::TempDir {
     let ws = tempdir();
     let p = ws.path();
@@ -196,22 +208,11 @@ fn applying_a_subset_leaves_the_rest_for_later() {
 fn host_edits_after_the_start_are_conflicts() {
     let ws = project();
     let name = unique("conflict");
-    let cell = warden()
-        .args([
-            "run",
-            "--name",
-            &name,
-            "--workspace",
-            ws.path().to_str().unwrap(),
-            "--",
-            "sh",
-            "-c",
-            "echo cell > /workspace/README.md; sleep 1",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let cell = spawn_in(
+        &name,
+        ws.path(),
+        "echo cell > /workspace/README.md; sleep 1",
+    );
     std::thread::sleep(Duration::from_millis(300));
     std::fs::write(ws.path().join("README.md"), "host edit\n").unwrap();
     let out = cell.wait_with_output().unwrap();
@@ -240,22 +241,11 @@ fn host_edits_after_the_start_are_conflicts() {
 fn a_running_cell_is_diffed_from_outside_and_keeps_running() {
     let ws = project();
     let name = unique("live");
-    let mut cell = warden()
-        .args([
-            "run",
-            "--name",
-            &name,
-            "--workspace",
-            ws.path().to_str().unwrap(),
-            "--",
-            "sh",
-            "-c",
-            "echo live > /workspace/live.txt; while true; do sleep 0.05; done",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut cell = spawn_in(
+        &name,
+        ws.path(),
+        "echo live > /workspace/live.txt; while true; do sleep 0.05; done",
+    );
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let ran = Ran::from(warden().args(["diff", &name, "--stat"]).output().unwrap());
