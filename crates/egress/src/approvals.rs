@@ -169,7 +169,8 @@ fn answer_file(dir: &Path, id: u64) -> PathBuf {
 }
 
 fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let tmp = path.with_extension("tmp");
+    // `ID.json.tmp`, `ID.answer.tmp`: the question and its answer never share a temporary name.
+    let tmp = PathBuf::from(format!("{}.tmp", path.display()));
     std::fs::write(&tmp, bytes)?;
     std::fs::rename(&tmp, path)
 }
