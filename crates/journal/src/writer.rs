@@ -1,0 +1,507 @@
+//! The journal's one writer: group commit with fdatasync before acknowledgement.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read as _, Seek as _, SeekFrom, Write as _};
+use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, RwLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde_json::{Value, json};
+
+use crate::entry::{Entry, GENESIS, redact};
+use crate::keys::SigningKeys;
+use crate::{CHECKPOINT, JOURNAL_FILE};
+
+/// A checkpoint after this many entries ...
+const CHECKPOINT_EVERY: u64 = 1024;
+/// ... or when entries have waited this long for one.
+const CHECKPOINT_AFTER: Duration = Duration::from_secs(5);
+/// At most this many entries share one fdatasync.
+const MAX_BATCH: usize = 8192;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum JournalError {
+    #[error("{what} ({path}): {source}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: Arc<io::Error>,
+    },
+    #[error("the journal signing key {path} is not 32 bytes; restore it from a backup")]
+    BadKey { path: PathBuf },
+    #[error(
+        "the last entry of {path} does not verify ({reason}); run `warden audit verify` to find the first bad entry, and move the journal aside to start a new one"
+    )]
+    Corrupt { path: PathBuf, reason: String },
+    #[error("the journal stopped accepting entries after a write failure: {0}")]
+    Stopped(String),
+}
+
+impl JournalError {
+    fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> Self + 'a {
+        move |source| Self::Io {
+            what,
+            path: path.to_path_buf(),
+            source: Arc::new(source),
+        }
+    }
+}
+
+/// Proof that an entry is on disk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Receipt {
+    pub seq: u64,
+    pub hash: String,
+}
+
+type Ack = Box<dyn FnOnce(Result<Receipt, JournalError>) + Send>;
+
+struct Pending {
+    cell: Option<String>,
+    kind: String,
+    data: Value,
+    ack: Ack,
+}
+
+/// An open journal. Appends from any thread; dropping it writes a last checkpoint.
+pub struct Journal {
+    sender: Option<mpsc::Sender<Pending>>,
+    writer: Option<JoinHandle<()>>,
+    redactions: Arc<RwLock<Vec<String>>>,
+    public_key: String,
+    dir: PathBuf,
+}
+
+impl std::fmt::Debug for Journal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Journal").field("dir", &self.dir).finish()
+    }
+}
+
+impl Journal {
+    /// Opens (or starts) the journal in `dir`. A torn last line, left by a crash in the middle
+    /// of a write that was never acknowledged, is cut off and the cut is recorded.
+    pub fn open(dir: &Path) -> Result<Self, JournalError> {
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(JournalError::io("creating the journal directory", dir))?;
+        let keys = SigningKeys::load_or_create(dir)?;
+        let path = dir.join(JOURNAL_FILE);
+        let mut file = OpenOptions::new()
+            .read(true)
+            .append(true)
+            .create(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(JournalError::io("opening the journal", &path))?;
+        let tail = read_tail(&mut file, &path)?;
+        let (next_seq, prev) = match &tail.last {
+            Some(entry) => (entry.seq + 1, entry.hash.clone()),
+            None => (1, GENESIS.to_owned()),
+        };
+        let public_key = keys.public_hex();
+        let redactions = Arc::new(RwLock::new(Vec::new()));
+        let (sender, receiver) = mpsc::channel();
+        let state = WriterState {
+            file,
+            path: path.clone(),
+            keys,
+            next_seq,
+            prev,
+            since_checkpoint: 0,
+            oldest_unsigned: None,
+            redactions: Arc::clone(&redactions),
+            stopped: None,
+        };
+        let writer = std::thread::Builder::new()
+            .name("journal".to_owned())
+            .spawn(move || state.run(receiver))
+            .map_err(JournalError::io("starting the journal writer", &path))?;
+        let journal = Self {
+            sender: Some(sender),
+            writer: Some(writer),
+            redactions,
+            public_key,
+            dir: dir.to_path_buf(),
+        };
+        if tail.cut_bytes > 0 {
+            journal.append(
+                None,
+                "journal.recovered",
+                json!({ "cut_bytes": tail.cut_bytes, "reason": "a torn last line, never acknowledged, was removed" }),
+            )?;
+        }
+        Ok(journal)
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The hex public key that verifies this journal's checkpoints.
+    pub fn public_key(&self) -> &str {
+        &self.public_key
+    }
+
+    /// Adds strings that must never be written: each is replaced by `[redacted]`.
+    pub fn add_redactions(&self, secrets: impl IntoIterator<Item = String>) {
+        if let Ok(mut list) = self.redactions.write() {
+            for secret in secrets {
+                if !secret.is_empty() && !list.contains(&secret) {
+                    list.push(secret);
+                }
+            }
+        }
+    }
+
+    /// Queues an entry; `ack` is called once it is on disk (or could not be written).
+    pub fn submit(
+        &self,
+        cell: Option<&str>,
+        kind: &str,
+        data: Value,
+        ack: impl FnOnce(Result<Receipt, JournalError>) + Send + 'static,
+    ) {
+        let pending = Pending {
+            cell: cell.map(str::to_owned),
+            kind: kind.to_owned(),
+            data,
+            ack: Box::new(ack),
+        };
+        match &self.sender {
+            Some(sender) => {
+                if let Err(mpsc::SendError(pending)) = sender.send(pending) {
+                    (pending.ack)(Err(JournalError::Stopped("the writer is gone".to_owned())));
+                }
+            }
+            None => (pending.ack)(Err(JournalError::Stopped("closed".to_owned()))),
+        }
+    }
+
+    /// Appends an entry and returns once it is on disk.
+    pub fn append(
+        &self,
+        cell: Option<&str>,
+        kind: &str,
+        data: Value,
+    ) -> Result<Receipt, JournalError> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.submit(cell, kind, data, move |result| {
+            let _ = tx.send(result);
+        });
+        rx.recv()
+            .unwrap_or_else(|_| Err(JournalError::Stopped("the writer is gone".to_owned())))
+    }
+
+    /// Writes a last checkpoint and waits for the writer.
+    pub fn close(mut self) {
+        self.shut_down();
+    }
+
+    fn shut_down(&mut self) {
+        drop(self.sender.take());
+        if let Some(writer) = self.writer.take() {
+            let _ = writer.join();
+        }
+    }
+}
+
+impl Drop for Journal {
+    fn drop(&mut self) {
+        self.shut_down();
+    }
+}
+
+struct Tail {
+    last: Option<Entry>,
+    cut_bytes: u64,
+}
+
+/// Finds the last complete line, cutting off a torn one, and checks that it verifies.
+fn read_tail(file: &mut File, path: &Path) -> Result<Tail, JournalError> {
+    let io = |what| JournalError::io(what, path);
+    let len = file
+        .seek(SeekFrom::End(0))
+        .map_err(io("reading the journal"))?;
+    if len == 0 {
+        return Ok(Tail {
+            last: None,
+            cut_bytes: 0,
+        });
+    }
+    // Read backwards in blocks until the last two newlines (or the start) are in view.
+    let mut block = 64 * 1024u64;
+    loop {
+        let start = len.saturating_sub(block);
+        file.seek(SeekFrom::Start(start))
+            .map_err(io("reading the journal"))?;
+        let mut buf = Vec::with_capacity((len - start) as usize);
+        file.read_to_end(&mut buf)
+            .map_err(io("reading the journal"))?;
+        let end_of_complete = buf.iter().rposition(|b| *b == b'\n').map(|i| i + 1);
+        let Some(end) = end_of_complete else {
+            if start == 0 {
+                // Not one complete line: the whole file is a torn first write.
+                file.set_len(0).map_err(io("cutting a torn last line"))?;
+                file.sync_all().map_err(io("cutting a torn last line"))?;
+                return Ok(Tail {
+                    last: None,
+                    cut_bytes: len,
+                });
+            }
+            block *= 4;
+            continue;
+        };
+        let line_start = buf[..end - 1]
+            .iter()
+            .rposition(|b| *b == b'\n')
+            .map(|i| i + 1);
+        if line_start.is_none() && start > 0 {
+            block *= 4;
+            continue;
+        }
+        let line = &buf[line_start.unwrap_or(0)..end - 1];
+        let cut = (buf.len() - end) as u64;
+        let entry = check_line(line).map_err(|reason| JournalError::Corrupt {
+            path: path.to_path_buf(),
+            reason,
+        })?;
+        if cut > 0 {
+            file.set_len(len - cut)
+                .map_err(io("cutting a torn last line"))?;
+            file.sync_all().map_err(io("cutting a torn last line"))?;
+        }
+        return Ok(Tail {
+            last: Some(entry),
+            cut_bytes: cut,
+        });
+    }
+}
+
+/// Parses one line and checks that it is canonical and that its hash is right.
+pub(crate) fn check_line(line: &[u8]) -> Result<Entry, String> {
+    let entry: Entry =
+        serde_json::from_slice(line).map_err(|e| format!("not a journal entry: {e}"))?;
+    if entry.hash != entry.compute_hash() {
+        return Err("its hash does not match its content".to_owned());
+    }
+    if entry.to_line() != line {
+        return Err("it is not in canonical form (bytes were changed)".to_owned());
+    }
+    Ok(entry)
+}
+
+struct WriterState {
+    file: File,
+    path: PathBuf,
+    keys: SigningKeys,
+    next_seq: u64,
+    prev: String,
+    since_checkpoint: u64,
+    oldest_unsigned: Option<Instant>,
+    redactions: Arc<RwLock<Vec<String>>>,
+    stopped: Option<String>,
+}
+
+impl WriterState {
+    fn run(mut self, receiver: mpsc::Receiver<Pending>) {
+        let mut batch = Vec::new();
+        let mut buf = Vec::new();
+        loop {
+            let wait = match self.oldest_unsigned {
+                Some(since) => CHECKPOINT_AFTER.saturating_sub(since.elapsed()),
+                None => Duration::from_secs(3600),
+            };
+            match receiver.recv_timeout(wait) {
+                Ok(first) => batch.push(first),
+                Err(RecvTimeoutError::Timeout) => {
+                    self.write_batch(&mut Vec::new(), &mut buf, true);
+                    continue;
+                }
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+            while batch.len() < MAX_BATCH {
+                match receiver.try_recv() {
+                    Ok(next) => batch.push(next),
+                    Err(_) => break,
+                }
+            }
+            self.write_batch(&mut batch, &mut buf, false);
+        }
+        // Closing: sign whatever the last checkpoint does not cover.
+        self.write_batch(&mut Vec::new(), &mut buf, true);
+    }
+
+    fn seal(&mut self, cell: Option<String>, kind: String, data: Value) -> Entry {
+        let time_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let entry = Entry::seal(
+            self.next_seq,
+            time_ms,
+            cell,
+            kind,
+            data,
+            std::mem::take(&mut self.prev),
+        );
+        self.next_seq += 1;
+        self.prev = entry.hash.clone();
+        entry
+    }
+
+    fn write_batch(&mut self, batch: &mut Vec<Pending>, buf: &mut Vec<u8>, force_checkpoint: bool) {
+        if let Some(reason) = &self.stopped {
+            for pending in batch.drain(..) {
+                (pending.ack)(Err(JournalError::Stopped(reason.clone())));
+            }
+            return;
+        }
+        buf.clear();
+        let mut receipts = Vec::with_capacity(batch.len());
+        let secrets = self
+            .redactions
+            .read()
+            .map(|s| s.clone())
+            .unwrap_or_default();
+        for pending in batch.iter_mut() {
+            let mut data = std::mem::take(&mut pending.data);
+            redact(&mut data, &secrets);
+            let entry = self.seal(pending.cell.take(), std::mem::take(&mut pending.kind), data);
+            buf.extend_from_slice(&entry.to_line());
+            buf.push(b'\n');
+            receipts.push(Receipt {
+                seq: entry.seq,
+                hash: entry.hash,
+            });
+        }
+        self.since_checkpoint += receipts.len() as u64;
+        if !receipts.is_empty() && self.oldest_unsigned.is_none() {
+            self.oldest_unsigned = Some(Instant::now());
+        }
+        let due = self.since_checkpoint >= CHECKPOINT_EVERY
+            || (force_checkpoint && self.since_checkpoint > 0);
+        if due {
+            let head_seq = self.next_seq - 1;
+            let signature = self.keys.sign(head_seq, &self.prev);
+            let data = json!({
+                "head_seq": head_seq,
+                "head": self.prev,
+                "key": self.keys.public_hex(),
+                "signature": signature,
+            });
+            let entry = self.seal(None, CHECKPOINT.to_owned(), data);
+            buf.extend_from_slice(&entry.to_line());
+            buf.push(b'\n');
+            self.since_checkpoint = 0;
+            self.oldest_unsigned = None;
+        }
+        if buf.is_empty() {
+            return;
+        }
+        let written = self
+            .file
+            .write_all(buf)
+            .and_then(|()| self.file.sync_data());
+        let result = match written {
+            Ok(()) => Ok(()),
+            Err(err) => {
+                let reason = format!("writing {}: {err}", self.path.display());
+                self.stopped = Some(reason.clone());
+                Err(JournalError::Stopped(reason))
+            }
+        };
+        for (pending, receipt) in batch.drain(..).zip(receipts) {
+            (pending.ack)(result.clone().map(|()| receipt));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::verify;
+
+    #[test]
+    fn entries_chain_across_reopen_and_a_torn_tail_is_cut() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path()).unwrap();
+        let first = journal.append(Some("a"), "t.one", json!({"n": 1})).unwrap();
+        let second = journal.append(None, "t.two", json!({"n": 2})).unwrap();
+        assert_eq!((first.seq, second.seq), (1, 2));
+        drop(journal);
+        // A crash in the middle of a write: half a line with no newline.
+        let path = dir.path().join(JOURNAL_FILE);
+        let mut file = OpenOptions::new().append(true).open(&path).unwrap();
+        file.write_all(b"{\"seq\":99,\"time_ms\":1,\"ce").unwrap();
+        drop(file);
+        let journal = Journal::open(dir.path()).unwrap();
+        let third = journal.append(Some("a"), "t.three", json!({})).unwrap();
+        drop(journal);
+        let report = verify(&path, None).unwrap();
+        // two entries, a checkpoint, the recovery note, the third, and a closing checkpoint
+        assert_eq!(report.entries, 6, "{report:?}");
+        assert!(third.seq > second.seq + 1);
+        assert_eq!(report.checkpoints, 2);
+        let text = fs::read_to_string(&path).unwrap();
+        assert!(text.contains("journal.recovered"));
+        assert!(!text.contains("\"seq\":99"));
+    }
+
+    #[test]
+    fn concurrent_appends_are_all_acknowledged_in_one_chain() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Arc::new(Journal::open(dir.path()).unwrap());
+        let threads: Vec<_> = (0..8)
+            .map(|t| {
+                let journal = Arc::clone(&journal);
+                std::thread::spawn(move || {
+                    (0..200)
+                        .map(|i| {
+                            journal
+                                .append(None, "t", json!({"t": t, "i": i}))
+                                .unwrap()
+                                .seq
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        let mut seqs: Vec<u64> = threads
+            .into_iter()
+            .flat_map(|t| t.join().unwrap())
+            .collect();
+        seqs.sort_unstable();
+        seqs.dedup();
+        assert_eq!(seqs.len(), 1600);
+        drop(journal);
+        let report = verify(&dir.path().join(JOURNAL_FILE), None).unwrap();
+        assert!(
+            report.entries > 1600 && report.checkpoints >= 1,
+            "{report:?}"
+        );
+    }
+
+    #[test]
+    fn a_tampered_last_entry_stops_the_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path()).unwrap();
+        journal.append(None, "t", json!({"v": "abc"})).unwrap();
+        journal.close();
+        let path = dir.path().join(JOURNAL_FILE);
+        let text = fs::read_to_string(&path).unwrap();
+        // The last line is the closing checkpoint; change its head.
+        let changed = text.replacen("\"head_seq\":1", "\"head_seq\":7", 1);
+        assert_ne!(changed, text);
+        fs::write(&path, changed).unwrap();
+        let err = Journal::open(dir.path()).unwrap_err();
+        assert!(matches!(err, JournalError::Corrupt { .. }), "{err}");
+        assert!(err.to_string().contains("warden audit verify"));
+    }
+}
