@@ -114,6 +114,121 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Run the daemon: the HTTP API on a unix socket (and, with --listen, on loopback TCP with a
+    /// token), the journal, and the cells made through it.
+    Serve {
+        /// Also listen on this loopback address, e.g. 127.0.0.1:8787 (requests need the token).
+        #[arg(long, value_name = "ADDR")]
+        listen: Option<std::net::SocketAddr>,
+        /// Read the TCP token from this file instead of making one.
+        #[arg(long, value_name = "FILE", requires = "listen")]
+        token_file: Option<PathBuf>,
+    },
+    /// Make a long-lived cell through the daemon; run commands in it with `warden exec`.
+    Create(CreateArgs),
+    /// Run a command in a cell made with `warden create`, streaming its output.
+    Exec(ExecArgs),
+    /// Check or export the journal.
+    Audit {
+        #[command(subcommand)]
+        command: AuditCommand,
+    },
+    /// Print a cell's timeline from the journal.
+    Replay {
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Keep a cell for the daemon (started by `warden serve`, not by hand).
+    #[command(hide = true)]
+    Keep(KeepArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct CreateArgs {
+    /// Cell name (default: generated).
+    pub name: Option<String>,
+    /// Policy file (YAML).
+    #[arg(long, conflicts_with = "preset")]
+    pub policy: Option<PathBuf>,
+    /// Built-in policy preset.
+    #[arg(long)]
+    pub preset: Option<String>,
+    /// Host directory that appears at /workspace.
+    #[arg(long, short = 'w')]
+    pub workspace: Option<PathBuf>,
+    /// Environment variable for every process of the cell (repeatable).
+    #[arg(long = "env", short = 'e', value_name = "K=V")]
+    pub env: Vec<String>,
+    /// Label (repeatable).
+    #[arg(long = "label", short = 'l', value_name = "K=V")]
+    pub labels: Vec<String>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ExecArgs {
+    pub name: String,
+    /// Extra environment variable (repeatable).
+    #[arg(long = "env", short = 'e', value_name = "K=V")]
+    pub env: Vec<String>,
+    /// Working directory inside the cell.
+    #[arg(long)]
+    pub cwd: Option<String>,
+    /// Kill the process after this long (e.g. 30s, 5m).
+    #[arg(long, value_name = "DURATION")]
+    pub timeout: Option<String>,
+    /// Send this command's stdin (read to its end first) to the process.
+    #[arg(long, short = 'i')]
+    pub interactive: bool,
+    /// The command and its arguments.
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub command: Vec<String>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct KeepArgs {
+    #[arg(long)]
+    pub name: String,
+    #[arg(long, conflicts_with = "preset")]
+    pub policy: Option<PathBuf>,
+    #[arg(long)]
+    pub preset: Option<String>,
+    #[arg(long)]
+    pub workspace: Option<PathBuf>,
+    #[arg(long = "env", value_name = "K=V")]
+    pub env: Vec<String>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum AuditCommand {
+    /// Prove the journal's hash chain and checkpoint signatures; name the first bad entry.
+    Verify {
+        /// Journal directory (default: `journal` in the state directory).
+        #[arg(long)]
+        journal: Option<PathBuf>,
+        /// Public key (hex) to check checkpoints with, instead of the one beside the journal.
+        #[arg(long)]
+        key: Option<String>,
+    },
+    /// Write journal entries to stdout.
+    Export {
+        #[arg(long, value_enum, default_value = "jsonl")]
+        format: ExportFormat,
+        /// Only entries about this cell.
+        #[arg(long)]
+        cell: Option<String>,
+        /// Only entries at or after this time (RFC 3339, or an age such as 1h).
+        #[arg(long)]
+        since: Option<String>,
+        #[arg(long)]
+        journal: Option<PathBuf>,
+    },
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum ExportFormat {
+    Jsonl,
+    Ocsf,
 }
 
 #[derive(Debug, clap::Args)]

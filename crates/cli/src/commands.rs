@@ -36,6 +36,8 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         Command::Rm { name } => {
             if name.contains('@') {
                 snapshot::remove(&store()?, &name)?;
+            } else if crate::daemon::through_daemon(&name, "delete")? {
+                // A daemon cell: the daemon removed it with its layer and records.
             } else {
                 let store = store()?;
                 // A cell that only has an egress log left still counts as something to remove.
@@ -93,22 +95,40 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             self::run(run, Some(from))
         }
         Command::Pause { name } => {
+            if crate::daemon::through_daemon(&name, "pause")? {
+                println!("paused {name}");
+                return Ok(0);
+            }
             control::pause(&registry()?, &name)?;
             println!("paused {name}");
             Ok(0)
         }
         Command::Resume { name } => {
+            if crate::daemon::through_daemon(&name, "resume")? {
+                println!("resumed {name}");
+                return Ok(0);
+            }
             control::resume(&registry()?, &name)?;
             println!("resumed {name}");
             Ok(0)
         }
         Command::Kill { name } => {
+            if crate::daemon::through_daemon(&name, "kill")? {
+                println!("killed {name}");
+                return Ok(0);
+            }
             control::kill(&registry()?, &name)?;
             println!("killed {name}");
             Ok(0)
         }
         Command::Policy { command } => policy(command),
         Command::Doctor { json } => doctor(json),
+        Command::Serve { listen, token_file } => crate::daemon::serve(listen, token_file),
+        Command::Create(args) => crate::daemon::create(args),
+        Command::Exec(args) => crate::daemon::exec(args),
+        Command::Audit { command } => crate::daemon::audit(command),
+        Command::Replay { name, json } => crate::daemon::replay(&name, json),
+        Command::Keep(args) => crate::daemon::keep(args),
     }
 }
 
@@ -148,6 +168,7 @@ fn run(args: RunArgs, from: Option<SnapshotInfo>) -> Result<i32> {
         env,
         discard_changes: args.rm,
         from,
+        serve_exec: false,
     };
     let outcome = warden_cell::run(&registry()?, &store()?, request)?;
     for notice in &outcome.notices {
@@ -260,7 +281,9 @@ fn ps(json: bool, all: bool) -> Result<i32> {
             CellState::Stopped => "stopped",
         };
         let pid = cell.pid.map_or_else(|| "-".to_owned(), |p| p.to_string());
-        let what = if cell.command.is_empty() {
+        let what = if cell.command.is_empty() && cell.state != CellState::Stopped {
+            "(takes `warden exec`)".to_owned()
+        } else if cell.command.is_empty() {
             format!(
                 "(kept changes of {})",
                 cell.workspace.as_deref().unwrap_or("?")

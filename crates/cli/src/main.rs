@@ -4,7 +4,9 @@
 //! (`warden_cell`, `warden_policy`); no confinement logic lives here.
 
 mod cli;
+mod client;
 mod commands;
+mod daemon;
 
 use std::process::ExitCode;
 

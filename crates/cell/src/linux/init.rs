@@ -3,6 +3,7 @@
 //! forwards, and exits with the command's status. It holds no power over the cell: it is confined
 //! exactly like the command, and the warden controls the cell through the kernel, not through it.
 
+use std::ffi::OsString;
 use std::io::{Read, Write};
 use std::os::fd::{OwnedFd, RawFd};
 use std::os::unix::process::CommandExt as _;
@@ -14,6 +15,7 @@ use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{Gid, Pid, Uid, sethostname, setresgid, setresuid, setsid};
 
+use super::exec::{ExecEvent, Request};
 use super::plan::CellPlan;
 use super::{confine, rootfs, sys};
 
@@ -22,6 +24,7 @@ const SYNC_FD: RawFd = 3;
 const STATUS_FD: RawFd = 4;
 const TREE_FD: RawFd = 5;
 const GATEWAY_FD: RawFd = 6;
+const EXEC_FD: RawFd = 7;
 
 /// Signals the init passes on to the command's process group.
 const FORWARDED: [Signal; 6] = [
@@ -44,6 +47,8 @@ pub struct InitFds {
     pub tree: Option<RawFd>,
     /// A unix socket on which the init sends back the egress gateway's listening socket.
     pub gateway: Option<RawFd>,
+    /// The exec channel to the cell's keeper (see `exec`).
+    pub exec: Option<RawFd>,
 }
 
 /// Outcome codes sent on the status pipe.
@@ -63,7 +68,7 @@ pub fn run(plan: &CellPlan, fds: &InitFds) -> ! {
     let result =
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| setup_and_start(plan, fds)));
     match result {
-        Ok(Ok(started)) => supervise(started),
+        Ok(Ok(started)) => supervise(started, plan),
         Ok(Err((code, message))) => report(code, &message),
         Err(_) => report(SETUP_FAILED, "internal error during cell setup"),
     }
@@ -100,6 +105,7 @@ fn arrange_fds(fds: &InitFds) -> SetupResult<()> {
     let status = high(fds.status)?;
     let tree = fds.tree.map(high).transpose()?;
     let gateway = fds.gateway.map(high).transpose()?;
+    let exec = fds.exec.map(high).transpose()?;
     let place = |from, to| sys::dup_onto(from, to).map_err(failed("arranging descriptors"));
     place(stdin, 0)?;
     place(stdout, 1)?;
@@ -112,15 +118,21 @@ fn arrange_fds(fds: &InitFds) -> SetupResult<()> {
     if let Some(gateway) = gateway {
         place(gateway, GATEWAY_FD)?;
     }
+    if let Some(exec) = exec {
+        place(exec, EXEC_FD)?;
+    }
     // Every other inherited descriptor goes (the optional slots too, when unused).
-    sys::close_from(GATEWAY_FD + 1).map_err(failed("closing inherited descriptors"))?;
+    sys::close_from(EXEC_FD + 1).map_err(failed("closing inherited descriptors"))?;
     if tree.is_none() {
         sys::close_quietly(TREE_FD);
     }
     if gateway.is_none() {
         sys::close_quietly(GATEWAY_FD);
     }
-    for fd in [SYNC_FD, STATUS_FD, TREE_FD, GATEWAY_FD] {
+    if exec.is_none() {
+        sys::close_quietly(EXEC_FD);
+    }
+    for fd in [SYNC_FD, STATUS_FD, TREE_FD, GATEWAY_FD, EXEC_FD] {
         let _ = sys::set_cloexec(fd);
     }
     Ok(())
@@ -153,6 +165,8 @@ fn setup_and_start(plan: &CellPlan, fds: &InitFds) -> SetupResult<Started> {
         hand_over_gateway_socket()?;
     }
     confine::confine(plan, !in_cgroup).map_err(|e| (SETUP_FAILED, e.to_string()))?;
+    // No other process of the cell may ptrace the init or write its memory: it starts execs.
+    sys::set_not_dumpable().map_err(failed("making the init undumpable"))?;
     setsid().map_err(failed("starting a new session"))?;
 
     let mut mask = SigSet::empty();
@@ -166,29 +180,15 @@ fn setup_and_start(plan: &CellPlan, fds: &InitFds) -> SetupResult<Started> {
     let signals = SignalFd::with_flags(&mask, SfdFlags::SFD_CLOEXEC)
         .map_err(failed("creating a signalfd"))?;
 
-    let Some((program, args)) = plan.argv.split_first() else {
-        return Err((SETUP_FAILED, "no command".to_owned()));
+    let exec = fds.exec.map(|_| owned(EXEC_FD));
+    // A cell that serves execs may start without a command of its own.
+    let main = if plan.argv.is_empty() && exec.is_some() {
+        None
+    } else {
+        let env: Vec<(OsString, OsString)> = plan.env.clone();
+        let child = spawn(&plan.argv, &env, &plan.cwd, None)?;
+        Some(Pid::from_raw(child.id() as i32))
     };
-    let mut command = Command::new(program);
-    command
-        .args(args)
-        .env_clear()
-        .envs(plan.env.iter().map(|(k, v)| (k, v)))
-        .current_dir(&plan.cwd)
-        .process_group(0);
-    sys::unblock_signals_on_exec(&mut command);
-    let child = command.spawn().map_err(|err| {
-        let shown = program.to_string_lossy();
-        match err.kind() {
-            std::io::ErrorKind::NotFound => (NOT_FOUND, format!("command not found: {shown}")),
-            std::io::ErrorKind::PermissionDenied => (
-                NOT_EXECUTABLE,
-                format!("cannot execute {shown}: permission denied"),
-            ),
-            _ => (NOT_EXECUTABLE, format!("cannot execute {shown}: {err}")),
-        }
-    })?;
-    let main = Pid::from_raw(child.id() as i32);
     let mut status = status_file();
     let _ = writeln!(status, "ok");
     drop(status);
@@ -196,6 +196,45 @@ fn setup_and_start(plan: &CellPlan, fds: &InitFds) -> SetupResult<Started> {
         main,
         signals,
         lifeline: sync,
+        exec,
+    })
+}
+
+/// Starts a command of the cell (its first, or an exec) in its own process group.
+fn spawn(
+    argv: &[OsString],
+    env: &[(OsString, OsString)],
+    cwd: &std::path::Path,
+    stdio: Option<[OwnedFd; 3]>,
+) -> SetupResult<std::process::Child> {
+    let Some((program, args)) = argv.split_first() else {
+        return Err((NOT_EXECUTABLE, "no command".to_owned()));
+    };
+    let mut command = Command::new(program);
+    command
+        .args(args)
+        .env_clear()
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .current_dir(cwd)
+        .process_group(0);
+    if let Some([stdin, stdout, stderr]) = stdio {
+        command.stdin(stdin).stdout(stdout).stderr(stderr);
+    }
+    sys::unblock_signals_on_exec(&mut command);
+    command.spawn().map_err(|err| {
+        let shown = program.to_string_lossy();
+        match err.kind() {
+            std::io::ErrorKind::NotFound if !cwd.is_dir() => (
+                NOT_EXECUTABLE,
+                format!("cannot start {shown}: no directory {}", cwd.display()),
+            ),
+            std::io::ErrorKind::NotFound => (NOT_FOUND, format!("command not found: {shown}")),
+            std::io::ErrorKind::PermissionDenied => (
+                NOT_EXECUTABLE,
+                format!("cannot execute {shown}: permission denied"),
+            ),
+            _ => (NOT_EXECUTABLE, format!("cannot execute {shown}: {err}")),
+        }
     })
 }
 
@@ -318,36 +357,66 @@ fn wait_for_warden(sync: &mut std::fs::File) -> u8 {
 
 /// What the init holds once the command runs.
 struct Started {
-    main: Pid,
+    /// The cell's first command; `None` for a cell that only serves execs.
+    main: Option<Pid>,
     signals: SignalFd,
     /// The sync pipe: the warden keeps its end open for the cell's whole life, so a hang-up means
     /// the warden died (a parent-death signal would not do: credential changes clear it).
     lifeline: std::fs::File,
+    /// The exec channel to the keeper, for cells that serve execs.
+    exec: Option<OwnedFd>,
 }
 
 /// Reaps every process until the command exits, then exits with its status; forwards signals;
-/// ends the cell if the warden dies.
+/// starts execs; ends the cell if the warden dies.
 fn supervise(
     Started {
         main,
         signals,
         lifeline,
+        exec,
     }: Started,
+    plan: &CellPlan,
 ) -> ! {
     use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    use std::collections::HashMap;
     use std::os::fd::AsFd as _;
+    // Exec'd processes: pid -> the keeper's id for them.
+    let mut execs: HashMap<Pid, u64> = HashMap::new();
     loop {
-        let mut fds = [
+        let mut fds = vec![
             PollFd::new(signals.as_fd(), PollFlags::POLLIN),
             PollFd::new(lifeline.as_fd(), PollFlags::POLLIN),
         ];
+        if let Some(exec) = &exec {
+            fds.push(PollFd::new(exec.as_fd(), PollFlags::POLLIN));
+        }
         match poll(&mut fds, PollTimeout::NONE) {
             Ok(_) | Err(nix::Error::EINTR) => {}
             Err(_) => sys::exit_now(SETUP_FAILED),
         }
-        if fds[1].revents().is_some_and(|r| !r.is_empty()) {
+        let ready = |i: usize| {
+            fds.get(i)
+                .and_then(|f| f.revents())
+                .is_some_and(|r| !r.is_empty())
+        };
+        if ready(1) {
             // The warden is gone: exiting makes the kernel kill everything in the pid namespace.
             sys::exit_now(SETUP_FAILED);
+        }
+        let (exec_ready, signal_ready) = (ready(2), ready(0));
+        drop(fds);
+        if let (true, Some(channel)) = (exec_ready, &exec) {
+            match sys::receive_message(channel.as_fd()) {
+                Ok(Some((payload, received))) => {
+                    handle_exec_message(channel, &payload, received, plan, &mut execs);
+                }
+                // The keeper is gone: so is the cell.
+                Ok(None) | Err(_) => sys::exit_now(SETUP_FAILED),
+            }
+        }
+        if !signal_ready {
+            continue;
         }
         let info = match signals.read_signal() {
             Ok(Some(info)) => info,
@@ -356,17 +425,84 @@ fn supervise(
         };
         if info.ssi_signo == Signal::SIGCHLD as u32 {
             loop {
-                match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
-                    Ok(WaitStatus::Exited(pid, code)) if pid == main => sys::exit_now(code),
-                    Ok(WaitStatus::Signaled(pid, signal, _)) if pid == main => {
-                        sys::exit_now(128 + signal as i32)
-                    }
+                let (pid, event) = match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+                    Ok(WaitStatus::Exited(pid, code)) => (pid, Ok(code)),
+                    Ok(WaitStatus::Signaled(pid, signal, _)) => (pid, Err(signal as i32)),
                     Ok(WaitStatus::StillAlive) | Err(_) => break,
                     Ok(_) => continue,
+                };
+                if Some(pid) == main {
+                    sys::exit_now(event.unwrap_or_else(|signal| 128 + signal));
+                }
+                if let (Some(id), Some(channel)) = (execs.remove(&pid), &exec) {
+                    let event = match event {
+                        Ok(code) => ExecEvent::Exited { id, code },
+                        Err(signal) => ExecEvent::Signaled { id, signal },
+                    };
+                    send_event(channel, &event);
                 }
             }
-        } else if let Ok(signal) = Signal::try_from(info.ssi_signo as i32) {
+        } else if let (Ok(signal), Some(main)) = (Signal::try_from(info.ssi_signo as i32), main) {
             let _ = kill(Pid::from_raw(-main.as_raw()), signal);
         }
+    }
+}
+
+fn send_event(channel: &OwnedFd, event: &ExecEvent) {
+    use std::os::fd::AsFd as _;
+    let _ = sys::send_message(
+        channel.as_fd(),
+        &serde_json::to_vec(event).unwrap_or_default(),
+        &[],
+    );
+}
+
+/// Starts an exec'd process, or passes a signal to one.
+fn handle_exec_message(
+    channel: &OwnedFd,
+    payload: &[u8],
+    received: Vec<OwnedFd>,
+    plan: &CellPlan,
+    execs: &mut std::collections::HashMap<Pid, u64>,
+) {
+    match serde_json::from_slice::<Request>(payload) {
+        Ok(Request::Exec { id, request }) => {
+            let Ok(stdio) = <[OwnedFd; 3]>::try_from(received) else {
+                return send_event(
+                    channel,
+                    &ExecEvent::Failed {
+                        id,
+                        code: NOT_EXECUTABLE,
+                        message: "an exec request needs stdin, stdout and stderr".to_owned(),
+                    },
+                );
+            };
+            let mut env = plan.env.clone();
+            for (key, value) in request.env {
+                env.retain(|(k, _)| k.as_os_str() != key.as_str());
+                env.push((key.into(), value.into()));
+            }
+            let cwd = request.cwd.map_or_else(|| plan.cwd.clone(), Into::into);
+            let argv: Vec<OsString> = request.argv.into_iter().map(Into::into).collect();
+            let event = match spawn(&argv, &env, &cwd, Some(stdio)) {
+                Ok(child) => {
+                    let pid = Pid::from_raw(child.id() as i32);
+                    execs.insert(pid, id);
+                    ExecEvent::Started {
+                        id,
+                        pid: pid.as_raw(),
+                    }
+                }
+                Err((code, message)) => ExecEvent::Failed { id, code, message },
+            };
+            send_event(channel, &event);
+        }
+        Ok(Request::Signal { id, signal }) => {
+            let target = execs.iter().find(|(_, i)| **i == id).map(|(pid, _)| *pid);
+            if let (Some(pid), Ok(signal)) = (target, Signal::try_from(signal)) {
+                let _ = kill(Pid::from_raw(-pid.as_raw()), signal);
+            }
+        }
+        Err(_) => {}
     }
 }

@@ -4,6 +4,7 @@ pub mod cgroup;
 pub mod changes;
 mod confine;
 pub mod control;
+pub mod exec;
 mod idmap;
 pub mod ids;
 mod init;

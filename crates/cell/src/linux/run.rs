@@ -43,6 +43,9 @@ pub struct RunRequest {
     pub discard_changes: bool,
     /// Start from this snapshot (a fork): its layers go under the cell's own, copying nothing.
     pub from: Option<SnapshotInfo>,
+    /// Take exec requests on `exec.sock` in the cell's runtime folder (see `exec`); with this,
+    /// `argv` may be empty: the cell then runs until it is killed.
+    pub serve_exec: bool,
 }
 
 /// How a cell ended.
@@ -130,7 +133,7 @@ pub fn run(
     if policy.tier != Tier::Process {
         return Err(PlanError::Tier(policy.tier.name()).into());
     }
-    if request.argv.is_empty() {
+    if request.argv.is_empty() && !request.serve_exec {
         return Err(PlanError::NoCommand.into());
     }
     let name = request.name.clone().unwrap_or_else(generate_name);
@@ -337,7 +340,13 @@ pub fn run(
         Some(_) => Some(sys::seqpacket_pair().map_err(os("creating the gateway channel"))?),
         None => None,
     };
+    let exec_channel = if request.serve_exec {
+        Some(sys::seqpacket_pair().map_err(os("creating the exec channel"))?)
+    } else {
+        None
+    };
     let fds = InitFds {
+        exec: exec_channel.as_ref().map(|(_, child)| child.as_raw_fd()),
         gateway: gateway_channel.as_ref().map(|(_, child)| child.as_raw_fd()),
         stdin: stdin_r.as_raw_fd(),
         stdout: stdout_w.as_raw_fd(),
@@ -385,6 +394,7 @@ pub fn run(
     };
     drop((stdin_r, stdout_w, stderr_w, sync_r, status_w, tree));
     let gateway_channel = gateway_channel.map(|(warden_end, _child_end)| warden_end);
+    let exec_channel = exec_channel.map(|(warden_end, _child_end)| warden_end);
 
     let started = Instant::now();
     let pidfd = sys::pidfd_open(pid.as_raw()).map_err(os("opening a pidfd for the cell"))?;
@@ -540,6 +550,10 @@ pub fn run(
             gateway,
             seen: None,
         });
+    }
+    if let Some(channel) = exec_channel {
+        super::exec::serve(&reservation.file(super::exec::EXEC_SOCKET), channel)
+            .map_err(os("opening the cell's exec socket"))?;
     }
     let signals = SignalFd::with_flags(&forwarded, SfdFlags::SFD_CLOEXEC)
         .map_err(nix_os("creating a signalfd"))?;

@@ -4,7 +4,7 @@
 
 use std::ffi::CString;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
@@ -349,4 +349,127 @@ pub fn receive_fds(channel: &OwnedFd) -> io::Result<(u8, Vec<OwnedFd>)> {
         }
     }
     Ok((byte[0], out))
+}
+
+/// The largest message on a cell's exec channel.
+pub const MESSAGE_MAX: usize = 256 * 1024;
+
+/// Sends one message, with descriptors, on a datagram-sequence socket.
+pub fn send_message(socket: BorrowedFd<'_>, payload: &[u8], fds: &[RawFd]) -> io::Result<()> {
+    use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
+    let iov = [io::IoSlice::new(payload)];
+    let rights = [ControlMessage::ScmRights(fds)];
+    let cmsgs: &[ControlMessage<'_>] = if fds.is_empty() { &[] } else { &rights };
+    sendmsg::<()>(
+        socket.as_raw_fd(),
+        &iov,
+        cmsgs,
+        MsgFlags::MSG_NOSIGNAL,
+        None,
+    )
+    .map(|_| ())
+    .map_err(|e| io::Error::from_raw_os_error(e as i32))
+}
+
+/// Receives one message and its descriptors; `None` when the peer hung up.
+pub fn receive_message(socket: BorrowedFd<'_>) -> io::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
+    use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
+    let mut buf = vec![0u8; MESSAGE_MAX];
+    let mut space = nix::cmsg_space!([RawFd; 4]);
+    let (len, flags, fds) = loop {
+        let mut iov = [io::IoSliceMut::new(&mut buf)];
+        let msg = match recvmsg::<()>(
+            socket.as_raw_fd(),
+            &mut iov,
+            Some(&mut space),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        ) {
+            Ok(msg) => msg,
+            Err(nix::Error::EINTR) => continue,
+            Err(e) => return Err(io::Error::from_raw_os_error(e as i32)),
+        };
+        let mut fds = Vec::new();
+        for cmsg in msg
+            .cmsgs()
+            .map_err(|e| io::Error::from_raw_os_error(e as i32))?
+        {
+            if let ControlMessageOwned::ScmRights(received) = cmsg {
+                for fd in received {
+                    // SAFETY: the kernel installed these descriptors in our table for us alone.
+                    fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
+                }
+            }
+        }
+        break (msg.bytes, msg.flags, fds);
+    };
+    if len == 0 && fds.is_empty() {
+        return Ok(None);
+    }
+    if flags.contains(MsgFlags::MSG_TRUNC) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("a message larger than {MESSAGE_MAX} bytes"),
+        ));
+    }
+    buf.truncate(len);
+    Ok(Some((buf, fds)))
+}
+
+/// A listening datagram-sequence unix socket at `path`, reachable by its owner only.
+pub fn seqpacket_listen(path: &Path) -> io::Result<OwnedFd> {
+    use nix::sys::socket::{
+        AddressFamily, Backlog, SockFlag, SockType, UnixAddr, bind, listen, socket,
+    };
+    let nix_err = |e: nix::Error| io::Error::from_raw_os_error(e as i32);
+    let socket = socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .map_err(nix_err)?;
+    let _ = std::fs::remove_file(path);
+    let addr = UnixAddr::new(path).map_err(nix_err)?;
+    // Bound with a umask-independent mode: the file is made owner-only before anyone listens.
+    bind(socket.as_raw_fd(), &addr).map_err(nix_err)?;
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    listen(&socket, Backlog::new(128).map_err(nix_err)?).map_err(nix_err)?;
+    Ok(socket)
+}
+
+/// Accepts one connection on a listening socket.
+pub fn accept(listener: BorrowedFd<'_>) -> io::Result<OwnedFd> {
+    loop {
+        match nix::sys::socket::accept4(
+            listener.as_raw_fd(),
+            nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+        ) {
+            // SAFETY: accept4 returned a fresh descriptor that nothing else owns.
+            Ok(fd) => return Ok(unsafe { OwnedFd::from_raw_fd(fd) }),
+            Err(nix::Error::EINTR | nix::Error::ECONNABORTED) => continue,
+            Err(e) => return Err(io::Error::from_raw_os_error(e as i32)),
+        }
+    }
+}
+
+/// Connects to a datagram-sequence unix socket.
+pub fn seqpacket_connect(path: &Path) -> io::Result<OwnedFd> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket};
+    let nix_err = |e: nix::Error| io::Error::from_raw_os_error(e as i32);
+    let socket = socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .map_err(nix_err)?;
+    let addr = UnixAddr::new(path).map_err(nix_err)?;
+    connect(socket.as_raw_fd(), &addr).map_err(nix_err)?;
+    Ok(socket)
+}
+
+/// Makes this process non-dumpable: other processes of the same user can neither ptrace it nor
+/// read its memory through /proc.
+pub fn set_not_dumpable() -> io::Result<()> {
+    nix::sys::prctl::set_dumpable(false).map_err(|e| io::Error::from_raw_os_error(e as i32))
 }

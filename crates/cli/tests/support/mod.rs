@@ -177,3 +177,4 @@ pub fn direct_policy() -> String {
     .display()
     .to_string()
 }
+pub mod daemon;

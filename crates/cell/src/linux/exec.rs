@@ -1,0 +1,337 @@
+//! Exec into a running cell.
+//!
+//! A cell started to serve execs (`RunRequest::serve_exec`) keeps a datagram-sequence channel
+//! between its keeper (the warden process that started it, outside the cell) and its init. A
+//! client connects to the keeper's owner-only socket `exec.sock` in the cell's runtime folder,
+//! sends one request with three descriptors (stdin, stdout, stderr), and reads events until the
+//! process ends. The keeper routes requests and events between clients and the init; the init,
+//! already inside every namespace, cgroup, Landlock domain and seccomp filter of the cell, forks
+//! the process, so it is confined exactly like the cell's first command, and starts without
+//! paying for a cgroup move.
+//!
+//! The process's output goes straight into the client's pipes: the warden sees every byte
+//! itself. Its exit status is the one fact the init reports; the init is not dumpable, so no
+//! other process of the cell can ptrace it or write its memory.
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::{AsFd as _, AsRawFd as _, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+
+use super::registry::{Registry, RegistryError};
+use super::sys;
+
+/// The keeper's socket in a cell's runtime folder.
+pub const EXEC_SOCKET: &str = "exec.sock";
+
+/// What a client asks for.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ExecRequest {
+    pub argv: Vec<String>,
+    /// Added to (and overriding) the cell's environment.
+    #[serde(default)]
+    pub env: Vec<(String, String)>,
+    /// Working directory inside the cell (default: the cell's).
+    #[serde(default)]
+    pub cwd: Option<String>,
+}
+
+/// Messages to the init (and, without `id`, from clients to the keeper).
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "lowercase")]
+pub(super) enum Request {
+    Exec {
+        #[serde(default)]
+        id: u64,
+        #[serde(flatten)]
+        request: ExecRequest,
+    },
+    Signal {
+        #[serde(default)]
+        id: u64,
+        signal: i32,
+    },
+}
+
+/// What happens to an exec'd process.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "lowercase")]
+pub enum ExecEvent {
+    /// Running, with this pid inside the cell.
+    Started {
+        #[serde(default)]
+        id: u64,
+        pid: i32,
+    },
+    /// Could not start (127: not found, 126: not executable or bad request).
+    Failed {
+        #[serde(default)]
+        id: u64,
+        code: i32,
+        message: String,
+    },
+    Exited {
+        #[serde(default)]
+        id: u64,
+        code: i32,
+    },
+    Signaled {
+        #[serde(default)]
+        id: u64,
+        signal: i32,
+    },
+}
+
+impl ExecEvent {
+    fn id(&self) -> u64 {
+        match self {
+            Self::Started { id, .. }
+            | Self::Failed { id, .. }
+            | Self::Exited { id, .. }
+            | Self::Signaled { id, .. } => *id,
+        }
+    }
+
+    /// Whether this is the last event of its process.
+    pub fn is_final(&self) -> bool {
+        !matches!(self, Self::Started { .. })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+    #[error(
+        "cell `{0}` does not take exec requests (only cells made with `warden create` or the API do)"
+    )]
+    NotServing(String),
+    #[error("{what} for cell `{cell}`: {source}")]
+    Io {
+        what: &'static str,
+        cell: String,
+        source: io::Error,
+    },
+    #[error("cell `{0}` ended")]
+    CellEnded(String),
+    #[error("cell `{cell}` sent a message that is not an exec event: {reason}")]
+    Protocol { cell: String, reason: String },
+}
+
+/// One exec'd process, seen from the client.
+#[derive(Debug)]
+pub struct ExecSession {
+    cell: String,
+    socket: OwnedFd,
+}
+
+impl ExecSession {
+    /// Asks the keeper of cell `name` to start a process with these descriptors as its stdio.
+    pub fn start(
+        registry: &Registry,
+        name: &str,
+        request: &ExecRequest,
+        stdio: [&OwnedFd; 3],
+    ) -> Result<Self, ExecError> {
+        registry.get(name)?;
+        let path = registry.cell_file(name, EXEC_SOCKET);
+        let socket = sys::seqpacket_connect(&path).map_err(|source| {
+            if matches!(
+                source.kind(),
+                io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused
+            ) {
+                ExecError::NotServing(name.to_owned())
+            } else {
+                ExecError::Io {
+                    what: "connecting to the cell's keeper",
+                    cell: name.to_owned(),
+                    source,
+                }
+            }
+        })?;
+        let message = Request::Exec {
+            id: 0,
+            request: request.clone(),
+        };
+        let payload = serde_json::to_vec(&message).unwrap_or_default();
+        let fds = stdio.map(|fd| fd.as_raw_fd());
+        sys::send_message(socket.as_fd(), &payload, &fds).map_err(|source| ExecError::Io {
+            what: "sending the exec request",
+            cell: name.to_owned(),
+            source,
+        })?;
+        Ok(Self {
+            cell: name.to_owned(),
+            socket,
+        })
+    }
+
+    /// The next event; `CellEnded` when the keeper went away first.
+    pub fn next_event(&self) -> Result<ExecEvent, ExecError> {
+        let received =
+            sys::receive_message(self.socket.as_fd()).map_err(|source| ExecError::Io {
+                what: "reading exec events",
+                cell: self.cell.clone(),
+                source,
+            })?;
+        let Some((payload, _)) = received else {
+            return Err(ExecError::CellEnded(self.cell.clone()));
+        };
+        serde_json::from_slice(&payload).map_err(|e| ExecError::Protocol {
+            cell: self.cell.clone(),
+            reason: e.to_string(),
+        })
+    }
+
+    /// Sends a signal to the process's group.
+    pub fn signal(&self, signal: i32) -> Result<(), ExecError> {
+        let payload = serde_json::to_vec(&Request::Signal { id: 0, signal }).unwrap_or_default();
+        sys::send_message(self.socket.as_fd(), &payload, &[]).map_err(|source| ExecError::Io {
+            what: "sending a signal",
+            cell: self.cell.clone(),
+            source,
+        })
+    }
+}
+
+type Clients = Arc<Mutex<HashMap<u64, Arc<OwnedFd>>>>;
+
+/// The keeper's router: accepts clients on `path` and relays between them and the init's
+/// `channel`. Runs on its own threads for the rest of the keeper's life.
+pub(super) fn serve(path: &Path, channel: OwnedFd) -> io::Result<()> {
+    let listener = sys::seqpacket_listen(path)?;
+    let channel = Arc::new(channel);
+    let clients: Clients = Arc::new(Mutex::new(HashMap::new()));
+    let next_id = Arc::new(AtomicU64::new(1));
+    {
+        let channel = Arc::clone(&channel);
+        let clients = Arc::clone(&clients);
+        std::thread::Builder::new()
+            .name("exec-events".to_owned())
+            .spawn(move || route_events(&channel, &clients))?;
+    }
+    let path: PathBuf = path.to_path_buf();
+    std::thread::Builder::new()
+        .name("exec-accept".to_owned())
+        .spawn(move || {
+            while let Ok(client) = sys::accept(listener.as_fd()) {
+                let channel = Arc::clone(&channel);
+                let clients = Arc::clone(&clients);
+                let id = next_id.fetch_add(1, Ordering::Relaxed);
+                let _ = std::thread::Builder::new()
+                    .name("exec-client".to_owned())
+                    .spawn(move || serve_client(id, Arc::new(client), &channel, &clients));
+            }
+            let _ = std::fs::remove_file(&path);
+        })?;
+    Ok(())
+}
+
+/// Events from the init go to the client of their id; the final one releases it.
+fn route_events(channel: &OwnedFd, clients: &Clients) {
+    while let Ok(Some((payload, _))) = sys::receive_message(channel.as_fd()) {
+        let Ok(event) = serde_json::from_slice::<ExecEvent>(&payload) else {
+            continue;
+        };
+        let id = event.id();
+        let client = match clients.lock() {
+            Ok(mut map) if event.is_final() => map.remove(&id),
+            Ok(map) => map.get(&id).cloned(),
+            Err(_) => None,
+        };
+        if let Some(client) = client {
+            let _ = sys::send_message(client.as_fd(), &payload, &[]);
+        }
+    }
+    // The init is gone, and with it every process: hang up on every client.
+    if let Ok(mut map) = clients.lock() {
+        for (_, client) in map.drain() {
+            let _ =
+                nix::sys::socket::shutdown(client.as_raw_fd(), nix::sys::socket::Shutdown::Both);
+        }
+    }
+}
+
+fn serve_client(id: u64, client: Arc<OwnedFd>, channel: &OwnedFd, clients: &Clients) {
+    let refuse = |message: String| {
+        let event = ExecEvent::Failed {
+            id: 0,
+            code: 126,
+            message,
+        };
+        let _ = sys::send_message(
+            client.as_fd(),
+            &serde_json::to_vec(&event).unwrap_or_default(),
+            &[],
+        );
+    };
+    let (payload, fds) = match sys::receive_message(client.as_fd()) {
+        Ok(Some(message)) => message,
+        Ok(None) => return,
+        Err(err) => return refuse(format!("unreadable exec request: {err}")),
+    };
+    let request = match serde_json::from_slice::<Request>(&payload) {
+        Ok(Request::Exec { request, .. }) => request,
+        Ok(Request::Signal { .. }) => return refuse("a signal before any exec".to_owned()),
+        Err(err) => return refuse(format!("unreadable exec request: {err}")),
+    };
+    if fds.len() != 3 {
+        return refuse(format!(
+            "an exec request needs 3 descriptors (stdin, stdout, stderr), got {}",
+            fds.len()
+        ));
+    }
+    if let Ok(mut map) = clients.lock() {
+        map.insert(id, Arc::clone(&client));
+    }
+    let forward = Request::Exec { id, request };
+    let raw: Vec<_> = fds.iter().map(|fd| fd.as_raw_fd()).collect();
+    let sent = sys::send_message(
+        channel.as_fd(),
+        &serde_json::to_vec(&forward).unwrap_or_default(),
+        &raw,
+    );
+    drop(fds);
+    if sent.is_err() {
+        if let Ok(mut map) = clients.lock() {
+            map.remove(&id);
+        }
+        return;
+    }
+    // Later messages from the client are signals; its hang-up kills a process still running.
+    loop {
+        let signal = match sys::receive_message(client.as_fd()) {
+            Ok(Some((payload, _))) => match serde_json::from_slice::<Request>(&payload) {
+                Ok(Request::Signal { signal, .. }) => signal,
+                _ => continue,
+            },
+            Ok(None) | Err(_) => {
+                let running = clients
+                    .lock()
+                    .is_ok_and(|mut map| map.remove(&id).is_some());
+                if running {
+                    let kill = Request::Signal {
+                        id,
+                        signal: libc::SIGKILL,
+                    };
+                    let _ = sys::send_message(
+                        channel.as_fd(),
+                        &serde_json::to_vec(&kill).unwrap_or_default(),
+                        &[],
+                    );
+                }
+                return;
+            }
+        };
+        let message = Request::Signal { id, signal };
+        let _ = sys::send_message(
+            channel.as_fd(),
+            &serde_json::to_vec(&message).unwrap_or_default(),
+            &[],
+        );
+    }
+}

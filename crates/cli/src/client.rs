@@ -1,0 +1,149 @@
+//! The CLI as a client of the daemon's API, over its unix socket.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, anyhow, bail};
+use http_body_util::{BodyExt as _, Full};
+use hyper::body::{Bytes, Incoming};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde_json::Value;
+
+#[derive(Debug, Clone)]
+pub struct Client {
+    socket: PathBuf,
+}
+
+/// An answer that is not a success: its status and the API's message.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+}
+
+impl Client {
+    pub fn new(socket: PathBuf) -> Self {
+        Self { socket }
+    }
+
+    /// The daemon of this runtime directory, if one answers.
+    pub fn detect(runtime: &Path) -> Option<Self> {
+        let socket = runtime.join(warden_server::SOCKET);
+        std::os::unix::net::UnixStream::connect(&socket)
+            .ok()
+            .map(|_| Self::new(socket))
+    }
+
+    async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<Response<Incoming>> {
+        let stream = tokio::net::UnixStream::connect(&self.socket)
+            .await
+            .with_context(|| {
+                format!(
+                    "connecting to the warden daemon at {} (is `warden serve` running?)",
+                    self.socket.display()
+                )
+            })?;
+        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .context("talking to the warden daemon")?;
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        let bytes = body.map(|b| b.to_string()).unwrap_or_default();
+        let request = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", "warden")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(bytes)))
+            .context("building a request")?;
+        sender
+            .send_request(request)
+            .await
+            .context("the warden daemon did not answer")
+    }
+
+    /// A JSON request; errors carry the API's message.
+    pub async fn json(&self, method: Method, path: &str, body: Option<&Value>) -> Result<Value> {
+        let response = self.send(method, path, body).await?;
+        let status = response.status();
+        let bytes = response
+            .into_body()
+            .collect()
+            .await
+            .context("reading the daemon's answer")?
+            .to_bytes();
+        if !status.is_success() {
+            let message = serde_json::from_slice::<Value>(&bytes)
+                .ok()
+                .and_then(|v| v.get("error").and_then(Value::as_str).map(str::to_owned))
+                .unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
+            return Err(ApiError { status, message }.into());
+        }
+        if bytes.is_empty() {
+            return Ok(Value::Null);
+        }
+        serde_json::from_slice(&bytes).context("the daemon's answer is not JSON")
+    }
+
+    /// A request answered with server-sent events; `on_event(name, data)` for each.
+    pub async fn events(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+        mut on_event: impl FnMut(&str, &str),
+    ) -> Result<()> {
+        let response = self.send(method, path, body).await?;
+        let status = response.status();
+        let mut body = response.into_body();
+        if !status.is_success() {
+            let bytes = body
+                .collect()
+                .await
+                .map(|c| c.to_bytes())
+                .unwrap_or_default();
+            let message = serde_json::from_slice::<Value>(&bytes)
+                .ok()
+                .and_then(|v| v.get("error").and_then(Value::as_str).map(str::to_owned))
+                .unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
+            return Err(ApiError { status, message }.into());
+        }
+        let mut buffer = String::new();
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| anyhow!("the daemon's stream broke off: {e}"))?;
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            buffer.push_str(&String::from_utf8_lossy(&data));
+            while let Some(end) = buffer.find("\n\n") {
+                let block: String = buffer.drain(..end + 2).collect();
+                let mut event = "message";
+                let mut data = String::new();
+                for line in block.lines() {
+                    if let Some(name) = line.strip_prefix("event:") {
+                        event = name.trim();
+                    } else if let Some(text) = line.strip_prefix("data:") {
+                        if !data.is_empty() {
+                            data.push('\n');
+                        }
+                        data.push_str(text.strip_prefix(' ').unwrap_or(text));
+                    }
+                }
+                if !data.is_empty() {
+                    on_event(event, &data);
+                    if event == "exit" {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+        bail!("the daemon's stream ended before the process did (did the daemon stop?)")
+    }
+}

@@ -1,0 +1,378 @@
+//! The subcommands that involve the daemon: `serve`, `keep`, `create`, `exec`, and the journal's
+//! `audit` and `replay`.
+
+use std::io::{Read as _, Write as _};
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use base64::Engine as _;
+use hyper::Method;
+use serde_json::{Value, json};
+use warden_cell::{Registry, RunRequest, Store};
+use warden_journal::{Entry, Format};
+
+use crate::cli::{AuditCommand, CreateArgs, ExecArgs, ExportFormat, KeepArgs};
+use crate::client::Client;
+
+fn runtime() -> PathBuf {
+    Registry::default_root()
+}
+
+fn journal_dir(given: Option<PathBuf>) -> PathBuf {
+    given.unwrap_or_else(|| Store::default_root().join("journal"))
+}
+
+fn current_thread() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+/// The running daemon, or an error that says how to start one.
+pub fn client() -> Result<Client> {
+    let runtime = runtime();
+    Client::detect(&runtime).with_context(|| {
+        format!(
+            "no warden daemon answers on {} — start one with `warden serve` (in another terminal or as a service)",
+            runtime.join(warden_server::SOCKET).display()
+        )
+    })
+}
+
+/// Carries out `pause`, `resume`, `kill` or `delete` through the daemon when one runs and the
+/// cell is one of its own (so that the journal records it); `false` when the caller should act
+/// directly.
+pub fn through_daemon(name: &str, action: &str) -> Result<bool> {
+    let Some(client) = Client::detect(&runtime()) else {
+        return Ok(false);
+    };
+    let (method, path) = match action {
+        "delete" => (Method::DELETE, format!("/v1/cells/{name}")),
+        _ => (Method::POST, format!("/v1/cells/{name}/{action}")),
+    };
+    match current_thread()?.block_on(client.json(method, &path, None)) {
+        Ok(_) => Ok(true),
+        Err(err) => match err.downcast_ref::<crate::client::ApiError>() {
+            Some(api) if api.status == hyper::StatusCode::NOT_FOUND => Ok(false),
+            _ => Err(err),
+        },
+    }
+}
+
+pub fn serve(listen: Option<std::net::SocketAddr>, token_file: Option<PathBuf>) -> Result<i32> {
+    let config = warden_server::ServeConfig {
+        harness: warden_harness::Config {
+            runtime: runtime(),
+            state: Store::default_root(),
+            warden_exe: std::env::current_exe().context("finding the warden binary")?,
+        },
+        listen,
+        token_file,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(warden_server::serve(config, |socket, tcp| {
+        eprintln!("warden: serving the API on {}", socket.display());
+        if let Some(addr) = tcp {
+            eprintln!(
+                "warden: and on http://{addr} (token in {})",
+                runtime().join(warden_server::TOKEN_FILE).display()
+            );
+        }
+    }))?;
+    Ok(0)
+}
+
+fn pairs(list: &[String], what: &str) -> Result<serde_json::Map<String, Value>> {
+    let mut out = serde_json::Map::new();
+    for pair in list {
+        let Some((key, value)) = pair.split_once('=') else {
+            bail!("--{what} {pair}: write it as KEY=VALUE");
+        };
+        out.insert(key.to_owned(), Value::String(value.to_owned()));
+    }
+    Ok(out)
+}
+
+pub fn create(args: CreateArgs) -> Result<i32> {
+    let client = client()?;
+    let policy = match &args.policy {
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("reading the policy {}", path.display()))?,
+        ),
+        None => None,
+    };
+    let workspace = match &args.workspace {
+        Some(dir) => Some(
+            std::fs::canonicalize(dir)
+                .with_context(|| format!("workspace {}", dir.display()))?
+                .display()
+                .to_string(),
+        ),
+        None => None,
+    };
+    let body = json!({
+        "name": args.name,
+        "policy": policy,
+        "preset": args.preset,
+        "workspace": workspace,
+        "env": pairs(&args.env, "env")?,
+        "labels": pairs(&args.labels, "label")?,
+    });
+    let cell = current_thread()?.block_on(client.json(Method::POST, "/v1/cells", Some(&body)))?;
+    println!("{}", cell["name"].as_str().unwrap_or_default());
+    Ok(0)
+}
+
+pub fn exec(args: ExecArgs) -> Result<i32> {
+    let client = client()?;
+    let timeout_ms = match &args.timeout {
+        Some(text) => Some(
+            humantime::parse_duration(text)
+                .with_context(|| format!("--timeout {text}: write it as 30s, 5m, 1h"))?
+                .as_millis() as u64,
+        ),
+        None => None,
+    };
+    let stdin = if args.interactive {
+        let mut input = String::new();
+        std::io::stdin()
+            .read_to_string(&mut input)
+            .context("reading stdin")?;
+        Some(input)
+    } else {
+        None
+    };
+    let body = json!({
+        "argv": args.command,
+        "env": pairs(&args.env, "env")?,
+        "cwd": args.cwd,
+        "stdin": stdin,
+        "timeout_ms": timeout_ms,
+    });
+    let path = format!("/v1/cells/{}/exec", args.name);
+    let mut code = warden_protocol::exit::WARDEN_ERROR;
+    let mut stdout = std::io::stdout();
+    let mut stderr = std::io::stderr();
+    current_thread()?.block_on(client.events(
+        Method::POST,
+        &path,
+        Some(&body),
+        |event, data| {
+            let Ok(value) = serde_json::from_str::<Value>(data) else {
+                return;
+            };
+            let bytes = || -> Vec<u8> {
+                if let Some(text) = value.get("text").and_then(Value::as_str) {
+                    text.as_bytes().to_vec()
+                } else {
+                    value
+                        .get("base64")
+                        .and_then(Value::as_str)
+                        .and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok())
+                        .unwrap_or_default()
+                }
+            };
+            match event {
+                "stdout" => {
+                    let _ = stdout.write_all(&bytes());
+                    let _ = stdout.flush();
+                }
+                "stderr" => {
+                    let _ = stderr.write_all(&bytes());
+                }
+                "exit" => {
+                    let reason = value["reason"].as_str().unwrap_or_default();
+                    code = match reason {
+                        "exited" | "failed" => value["code"]
+                            .as_i64()
+                            .map_or(warden_protocol::exit::WARDEN_ERROR, |c| c as i32),
+                        "signaled" => 128 + value["signal"].as_i64().unwrap_or(0) as i32,
+                        "timeout" => warden_protocol::exit::WALL_LIMIT,
+                        _ => warden_protocol::exit::WARDEN_ERROR,
+                    };
+                    if let Some(message) = value["message"].as_str() {
+                        eprintln!("warden: {message}");
+                    } else if reason == "timeout" {
+                        eprintln!("warden: the process ran past --timeout and was killed");
+                    } else if reason == "cell-ended" {
+                        eprintln!("warden: the cell ended before the process did");
+                    }
+                }
+                _ => {}
+            }
+        },
+    ))?;
+    Ok(code)
+}
+
+/// `warden keep`: the keeper of one daemon cell, an exec-serving cell without a command.
+pub fn keep(args: KeepArgs) -> Result<i32> {
+    let policy = match (&args.policy, &args.preset) {
+        (Some(file), _) => warden_policy::from_file(file)?,
+        (None, Some(preset)) => warden_policy::preset(preset)?,
+        (None, None) => warden_policy::preset("default")?,
+    };
+    let env = pairs(&args.env, "env")?
+        .into_iter()
+        .map(|(k, v)| (k, v.as_str().unwrap_or_default().to_owned()))
+        .collect();
+    let request = RunRequest {
+        policy,
+        name: Some(args.name),
+        workspace: args.workspace,
+        argv: Vec::new(),
+        env,
+        discard_changes: false,
+        from: None,
+        serve_exec: true,
+    };
+    let outcome = warden_cell::run(
+        &Registry::open(Registry::default_root())?,
+        &Store::open(Store::default_root())?,
+        request,
+    )?;
+    for notice in &outcome.notices {
+        eprintln!("warden: note: {notice}");
+    }
+    Ok(match outcome.ending {
+        warden_cell::Ending::Exited(code) => code,
+        warden_cell::Ending::Signaled(signal) => 128 + signal,
+        _ => warden_protocol::exit::KILLED,
+    })
+}
+
+pub fn audit(command: AuditCommand) -> Result<i32> {
+    match command {
+        AuditCommand::Verify { journal, key } => {
+            let dir = journal_dir(journal);
+            let path = dir.join(warden_journal::JOURNAL_FILE);
+            match warden_journal::verify(&path, key.as_deref()) {
+                Ok(report) => {
+                    println!(
+                        "ok: {} entries (last {}), {} signed checkpoints, {} entries after the last one; key {}",
+                        report.entries,
+                        report.last_seq,
+                        report.checkpoints,
+                        report.unsigned_tail,
+                        report.key
+                    );
+                    if report.torn_bytes > 0 {
+                        println!(
+                            "note: a torn last line of {} bytes (a write cut by a crash, never acknowledged) follows; the daemon removes it when it next starts",
+                            report.torn_bytes
+                        );
+                    }
+                    Ok(0)
+                }
+                Err(err @ warden_journal::VerifyError::Bad { .. }) => {
+                    println!("FAILED: {err}");
+                    Ok(1)
+                }
+                Err(err) => Err(err.into()),
+            }
+        }
+        AuditCommand::Export {
+            format,
+            cell,
+            since,
+            journal,
+        } => {
+            let since_ms = match since {
+                Some(text) => Some(parse_since(&text)?),
+                None => None,
+            };
+            let path = journal_dir(journal).join(warden_journal::JOURNAL_FILE);
+            let format = match format {
+                ExportFormat::Jsonl => Format::Jsonl,
+                ExportFormat::Ocsf => Format::Ocsf,
+            };
+            let mut out = std::io::stdout().lock();
+            warden_journal::export(&path, format, cell.as_deref(), since_ms, &mut out)
+                .with_context(|| format!("reading {}", path.display()))?;
+            Ok(0)
+        }
+    }
+}
+
+fn parse_since(text: &str) -> Result<u64> {
+    if let Ok(time) = humantime::parse_rfc3339_weak(text) {
+        return Ok(time
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64));
+    }
+    let age = humantime::parse_duration(text).with_context(|| {
+        format!("--since {text}: give a time (2026-01-02T03:04:05Z) or an age (90m, 2h)")
+    })?;
+    Ok(warden_harness::now_ms().saturating_sub(age.as_millis() as u64))
+}
+
+pub fn replay(name: &str, json_out: bool) -> Result<i32> {
+    let path = journal_dir(None).join(warden_journal::JOURNAL_FILE);
+    let mut text = Vec::new();
+    warden_journal::export(&path, Format::Jsonl, Some(name), None, &mut text)
+        .with_context(|| format!("reading {}", path.display()))?;
+    let entries: Vec<Entry> = String::from_utf8_lossy(&text)
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    if entries.is_empty() {
+        bail!("the journal has nothing about cell `{name}`");
+    }
+    if json_out {
+        for entry in &entries {
+            println!("{}", serde_json::to_string(entry)?);
+        }
+        return Ok(0);
+    }
+    for entry in &entries {
+        println!(
+            "{}  #{:<6} {:<14} {}",
+            entry.time_text(),
+            entry.seq,
+            entry.kind,
+            summary(entry)
+        );
+    }
+    Ok(0)
+}
+
+/// One line about an entry, for people.
+fn summary(entry: &Entry) -> String {
+    let d = &entry.data;
+    let argv = || {
+        d["argv"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(Value::as_str)
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            })
+            .unwrap_or_default()
+    };
+    match entry.kind.as_str() {
+        "exec.start" => format!("process {}: {}", d["process"], argv()),
+        "exec.exit" => {
+            let how = match (d["code"].as_i64(), d["signal"].as_i64()) {
+                (Some(code), _) => format!("code {code}"),
+                (None, Some(signal)) => format!("signal {signal}"),
+                _ => String::new(),
+            };
+            format!(
+                "process {} {} {how} after {} ms, {} bytes out, {} bytes err",
+                d["process"],
+                d["reason"].as_str().unwrap_or_default(),
+                d["duration_ms"].as_u64().unwrap_or(0),
+                d["stdout_bytes"].as_u64().unwrap_or(0),
+                d["stderr_bytes"].as_u64().unwrap_or(0)
+            )
+        }
+        _ if d.as_object().is_some_and(|o| o.is_empty()) => String::new(),
+        _ => d.to_string(),
+    }
+}

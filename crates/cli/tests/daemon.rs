@@ -1,0 +1,582 @@
+//! The daemon end to end: a real `warden serve`, real cells behind it, requests over its real
+//! sockets, and its journal read back from disk.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed step is a failed test
+
+mod support;
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use support::daemon::{Daemon, exchange, stream_bytes};
+use support::*;
+
+fn exit_of(events: &[(String, Value)]) -> Value {
+    let (name, data) = events.last().expect("some events");
+    assert_eq!(name, "exit", "the stream ends with exit: {events:?}");
+    data.clone()
+}
+
+#[test]
+fn api_end_to_end_create_exec_background_pause_kill_delete() {
+    if !cgroups_available("api_end_to_end") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("api"), json!({ "labels": { "team": "qa" } }));
+
+    // Streamed output, both streams, and the exit code.
+    let events = daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "echo out; echo err >&2; id -u; exit 7"] }),
+    );
+    assert_eq!(events[0].0, "started");
+    assert_eq!(stream_bytes(&events, "stdout"), b"out\n1000\n");
+    assert_eq!(stream_bytes(&events, "stderr"), b"err\n");
+    let exit = exit_of(&events);
+    assert_eq!(
+        (exit["reason"].as_str(), exit["code"].as_i64()),
+        (Some("exited"), Some(7))
+    );
+
+    // Stdin, and bytes that are not UTF-8 come back exactly.
+    let events = daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "cat; printf '\\377\\376'"], "stdin": "line one\nline two\n" }),
+    );
+    assert_eq!(
+        stream_bytes(&events, "stdout"),
+        b"line one\nline two\n\xff\xfe"
+    );
+
+    // A process that lives in the cell between execs: files persist, and so do processes.
+    daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "echo kept > /tmp/note"] }),
+    );
+    let events = daemon.exec(&cell, json!({ "argv": ["cat", "/tmp/note"] }));
+    assert_eq!(stream_bytes(&events, "stdout"), b"kept\n");
+
+    // Background: started, read twice from the start, fed stdin, waited for.
+    let started = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["sh", "-c", "echo first; read line; echo got $line"], "background": true })),
+    );
+    assert_eq!(
+        started.status,
+        201,
+        "{}",
+        String::from_utf8_lossy(&started.body)
+    );
+    let id = started.json()["id"].as_u64().unwrap();
+    let answer = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/processes/{id}/stdin"),
+        Some(json!({ "data": "second\n", "close": true })),
+    );
+    assert_eq!(
+        answer.status,
+        204,
+        "{}",
+        String::from_utf8_lossy(&answer.body)
+    );
+    let waited = daemon.call(
+        "GET",
+        &format!("/v1/cells/{cell}/processes/{id}/wait"),
+        None,
+    );
+    assert_eq!(waited.json()["code"], 0);
+    for _ in 0..2 {
+        let replay = daemon.call(
+            "GET",
+            &format!("/v1/cells/{cell}/processes/{id}/output"),
+            None,
+        );
+        assert_eq!(
+            stream_bytes(&replay.events(), "stdout"),
+            b"first\ngot second\n"
+        );
+    }
+
+    // A timeout ends the process and says so.
+    let events = daemon.exec(&cell, json!({ "argv": ["sleep", "30"], "timeout_ms": 300 }));
+    assert_eq!(exit_of(&events)["reason"], "timeout");
+    // A command that does not exist is an exit event with 127, not a hang.
+    let events = daemon.exec(&cell, json!({ "argv": ["no-such-command"] }));
+    assert_eq!(exit_of(&events)["code"], 127);
+
+    // Pause: the cell's processes stop running; exec is refused until resume.
+    let bg = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["sh", "-c", "while true; do date +%s%N >> /tmp/ticks; sleep 0.02; done"], "background": true })),
+    );
+    assert_eq!(bg.status, 201);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(
+        daemon
+            .call("POST", &format!("/v1/cells/{cell}/pause"), None)
+            .json()["state"],
+        "paused"
+    );
+    let refused = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["true"] })),
+    );
+    assert_eq!(refused.status, 409);
+    assert!(refused.json()["error"].as_str().unwrap().contains("resume"));
+    assert_eq!(
+        daemon
+            .call("POST", &format!("/v1/cells/{cell}/resume"), None)
+            .json()["state"],
+        "running"
+    );
+    let count = |d: &Daemon| {
+        let events = d.exec(&cell, json!({ "argv": ["sh", "-c", "wc -l < /tmp/ticks"] }));
+        String::from_utf8(stream_bytes(&events, "stdout"))
+            .unwrap()
+            .trim()
+            .parse::<u64>()
+            .unwrap()
+    };
+    let before = count(&daemon);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        count(&daemon) > before,
+        "the background loop runs again after resume"
+    );
+
+    // Kill: the cell ends, its processes with it; exec is refused; delete removes it.
+    let killed = daemon.call("POST", &format!("/v1/cells/{cell}/kill"), None);
+    assert_eq!(killed.json()["state"], "ended");
+    assert!(host_processes_with(&cell).is_empty());
+    let refused = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["true"] })),
+    );
+    assert_eq!(refused.status, 409);
+    assert_eq!(
+        daemon
+            .call("DELETE", &format!("/v1/cells/{cell}"), None)
+            .status,
+        204
+    );
+    assert_eq!(
+        daemon
+            .call("GET", &format!("/v1/cells/{cell}"), None)
+            .status,
+        404
+    );
+    assert!(cgroup_dirs_of(&cell).is_empty(), "no cgroup is left behind");
+
+    // Everything above is in the journal, in order, and the chain verifies.
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    let kinds: Vec<String> = journal
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|e| e["cell"] == cell.as_str())
+        .map(|e| e["kind"].as_str().unwrap().to_owned())
+        .collect();
+    for kind in [
+        "cell.create",
+        "cell.start",
+        "exec.start",
+        "exec.exit",
+        "exec.stdin",
+        "cell.pause",
+        "cell.resume",
+        "cell.kill",
+        "cell.end",
+        "cell.delete",
+    ] {
+        assert!(
+            kinds.contains(&kind.to_owned()),
+            "{kind} missing from {kinds:?}"
+        );
+    }
+    assert!(journal.contains(r#""argv":["sh","-c","echo out; echo err >&2; id -u; exit 7"]"#));
+    let verify = daemon.warden().args(["audit", "verify"]).output().unwrap();
+    assert!(
+        verify.status.success(),
+        "{}",
+        String::from_utf8_lossy(&verify.stdout)
+    );
+}
+
+#[test]
+fn cli_create_exec_and_the_exit_status() {
+    if !cgroups_available("cli_create_exec") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let name = unique("cli");
+    let out = daemon.warden().args(["create", &name]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = daemon
+        .warden()
+        .args([
+            "exec",
+            &name,
+            "--",
+            "sh",
+            "-c",
+            "echo hi; echo there >&2; exit 4",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(4));
+    assert_eq!(out.stdout, b"hi\n");
+    assert_eq!(out.stderr, b"there\n");
+    let out = daemon
+        .warden()
+        .args(["exec", &name, "--", "nope"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(127));
+    // `warden kill` goes through the daemon, so the journal has it.
+    let out = daemon.warden().args(["kill", &name]).output().unwrap();
+    assert!(out.status.success());
+    let replay = daemon.warden().args(["replay", &name]).output().unwrap();
+    let text = String::from_utf8_lossy(&replay.stdout);
+    assert!(
+        text.contains("cell.kill") && text.contains("exec.exit"),
+        "{text}"
+    );
+    let out = daemon
+        .warden()
+        .args(["exec", &name, "--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(125));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("ended"));
+}
+
+#[test]
+fn a_crashed_daemon_leaves_cells_controllable_and_the_journal_whole() {
+    if !cgroups_available("daemon_crash") {
+        return;
+    }
+    let mut daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("crash"), json!({}));
+    // Acknowledged work before the crash.
+    let mut acknowledged = Vec::new();
+    for i in 0..5 {
+        let events = daemon.exec(&cell, json!({ "argv": ["echo", format!("run {i}")] }));
+        acknowledged.push(exit_of(&events)["journal_seq"].as_u64().unwrap());
+    }
+    // A client streams output while the daemon dies.
+    let socket = daemon.socket();
+    let path = format!("/v1/cells/{cell}/exec");
+    let streaming = std::thread::spawn(move || {
+        let stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
+        let body = json!({ "argv": ["sh", "-c", "while true; do echo tick; sleep 0.05; done"] })
+            .to_string();
+        exchange(stream, "POST", &path, Some(&body), &[])
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    daemon.restart();
+    let cut = streaming.join().unwrap();
+    assert!(
+        String::from_utf8_lossy(&cut.body).contains("tick"),
+        "output streamed before the crash"
+    );
+
+    // The cell survived and is controllable by the new daemon.
+    assert_eq!(
+        daemon
+            .call("GET", &format!("/v1/cells/{cell}"), None)
+            .json()["state"],
+        "running"
+    );
+    let events = daemon.exec(&cell, json!({ "argv": ["echo", "after"] }));
+    assert_eq!(stream_bytes(&events, "stdout"), b"after\n");
+    assert_eq!(
+        daemon
+            .call("POST", &format!("/v1/cells/{cell}/pause"), None)
+            .json()["state"],
+        "paused"
+    );
+    assert_eq!(
+        daemon
+            .call("POST", &format!("/v1/cells/{cell}/resume"), None)
+            .json()["state"],
+        "running"
+    );
+
+    // Every acknowledged entry is there, and the journal verifies.
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    let entries: Vec<Value> = journal
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for seq in &acknowledged {
+        let entry = entries
+            .iter()
+            .find(|e| e["seq"] == *seq)
+            .expect("acknowledged entry kept");
+        assert_eq!(entry["kind"], "exec.exit");
+    }
+    assert!(
+        entries
+            .iter()
+            .any(|e| e["kind"] == "cell.reattach" && e["cell"] == cell.as_str())
+    );
+    let verify = daemon.warden().args(["audit", "verify"]).output().unwrap();
+    assert!(
+        verify.status.success(),
+        "{}",
+        String::from_utf8_lossy(&verify.stdout)
+    );
+
+    // Kill the cell with the new daemon; nothing of it is left.
+    daemon.call("POST", &format!("/v1/cells/{cell}/kill"), None);
+    assert!(host_processes_with(&cell).is_empty());
+    assert!(cgroup_dirs_of(&cell).is_empty());
+
+    // One changed byte in an entry in the middle: verify fails and names that entry.
+    let mut lines: Vec<String> = journal.lines().map(str::to_owned).collect();
+    let target = acknowledged[2] as usize;
+    let index = lines
+        .iter()
+        .position(|l| l.starts_with(&format!("{{\"seq\":{target},")))
+        .unwrap();
+    lines[index] = lines[index].replacen("run 2", "run X", 1);
+    std::fs::write(daemon.journal(), lines.join("\n") + "\n").unwrap();
+    let verify = daemon.warden().args(["audit", "verify"]).output().unwrap();
+    let text = String::from_utf8_lossy(&verify.stdout);
+    assert_eq!(verify.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains(&format!("entry {target} (line {})", index + 1)),
+        "{text}"
+    );
+}
+
+#[test]
+fn tcp_needs_the_token_and_cells_cannot_reach_the_daemon() {
+    if !cgroups_available("tcp_token") {
+        return;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let daemon = Daemon::start(&["--listen", &addr]);
+    let token = std::fs::read_to_string(daemon.runtime.join("daemon.token")).unwrap();
+    let tcp = |headers: &[(&str, &str)]| {
+        let mut last = None;
+        for _ in 0..50 {
+            if let Ok(stream) = std::net::TcpStream::connect(&addr) {
+                last = Some(exchange(stream, "GET", "/v1/cells", None, headers));
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        last.expect("the TCP listener answers")
+    };
+    assert_eq!(tcp(&[]).status, 401);
+    assert_eq!(tcp(&[("Authorization", "Bearer wrong")]).status, 401);
+    let bearer = format!("Bearer {token}");
+    assert_eq!(tcp(&[("Authorization", bearer.as_str())]).status, 200);
+
+    // From inside a cell: neither the TCP port nor the unix socket is reachable.
+    let cell = daemon.create(&unique("reach"), json!({}));
+    let socket = daemon.socket().display().to_string();
+    let script = format!(
+        "import socket\n\
+         for target in [('tcp', ('127.0.0.1', {port})), ('unix', '{socket}')]:\n\
+         \x20   kind, address = target\n\
+         \x20   s = socket.socket(socket.AF_INET if kind == 'tcp' else socket.AF_UNIX)\n\
+         \x20   s.settimeout(2)\n\
+         \x20   try:\n\
+         \x20       s.connect(address); print(kind, 'CONNECTED')\n\
+         \x20   except OSError as e:\n\
+         \x20       print(kind, 'refused', type(e).__name__)\n"
+    );
+    let events = daemon.exec(&cell, json!({ "argv": ["python3", "-c", script] }));
+    let out = String::from_utf8(stream_bytes(&events, "stdout")).unwrap();
+    assert!(
+        out.contains("tcp refused") && out.contains("unix refused"),
+        "{out}"
+    );
+    assert!(!out.contains("CONNECTED"), "{out}");
+}
+
+#[test]
+fn bad_api_input_gets_clear_errors_and_changes_nothing() {
+    if !cgroups_available("bad_api_input") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let bad = |method: &str, path: &str, body: Option<&str>, status: u16, says: &str| {
+        let answer = daemon.request(method, path, body);
+        assert_eq!(
+            answer.status,
+            status,
+            "{method} {path}: {}",
+            String::from_utf8_lossy(&answer.body)
+        );
+        let message = answer.json()["error"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        assert!(
+            message.contains(says),
+            "{method} {path}: `{message}` should say `{says}`"
+        );
+    };
+    bad("POST", "/v1/cells", Some("{not json"), 400, "request body");
+    bad(
+        "POST",
+        "/v1/cells",
+        Some(r#"{"name": "x", "colour": "red"}"#),
+        422,
+        "unknown field",
+    );
+    bad(
+        "POST",
+        "/v1/cells",
+        Some(r#"{"name": "../etc"}"#),
+        400,
+        "name",
+    );
+    bad(
+        "POST",
+        "/v1/cells",
+        Some(r#"{"name": "ok", "preset": "nope"}"#),
+        400,
+        "nope",
+    );
+    bad(
+        "POST",
+        "/v1/cells",
+        Some(r#"{"name": "ok2", "policy": "version: 1\nnetwork:\n  defualt: deny\n"}"#),
+        400,
+        "defualt",
+    );
+    bad(
+        "POST",
+        "/v1/cells",
+        Some(r#"{"name": "ok3", "workspace": "/no/such/dir"}"#),
+        400,
+        "not a directory",
+    );
+    let huge = format!(
+        r#"{{"name": "big", "labels": {{"a": "{}"}}}}"#,
+        "x".repeat(2 * 1024 * 1024)
+    );
+    bad("POST", "/v1/cells", Some(&huge), 413, "request body");
+    bad("GET", "/v1/cells/nope", None, 404, "no cell");
+    bad(
+        "POST",
+        "/v1/cells/nope/exec",
+        Some(r#"{"argv": ["true"]}"#),
+        404,
+        "no cell",
+    );
+    bad("GET", "/v1/nothing", None, 404, "openapi");
+    let cell = daemon.create(&unique("bad"), json!({}));
+    bad(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(r#"{"argv": []}"#),
+        400,
+        "argv",
+    );
+    bad(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(r#"{"argv": "ls"}"#),
+        422,
+        "argv",
+    );
+    bad(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(r#"{"argv": ["true"], "env": {"A=B": "c"}}"#),
+        400,
+        "A=B",
+    );
+    bad(
+        "POST",
+        &format!("/v1/cells/{cell}/processes/99/signal"),
+        Some(r#"{"signal": 9}"#),
+        404,
+        "no process",
+    );
+    // A working directory that does not exist is the process's failure, reported as its end.
+    let events = daemon.exec(&cell, json!({ "argv": ["true"], "cwd": "/no/such/dir" }));
+    let exit = events.last().unwrap().1.clone();
+    assert_eq!(exit["reason"], "failed");
+    assert!(
+        exit["message"].as_str().unwrap().contains("/no/such/dir"),
+        "{exit}"
+    );
+    // None of the refused creations left a cell behind.
+    let cells = daemon.call("GET", "/v1/cells", None).json();
+    assert_eq!(cells.as_array().unwrap().len(), 1, "{cells}");
+    // The committed OpenAPI document is what the daemon serves, and names every route.
+    let served = daemon.call("GET", "/openapi.json", None).json();
+    let committed: Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../docs/openapi.json"
+        ))
+        .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(served, committed);
+    for path in [
+        "/v1/cells",
+        "/v1/cells/{name}/exec",
+        "/v1/cells/{name}/processes/{id}/output",
+    ] {
+        assert!(served["paths"].get(path).is_some(), "{path} documented");
+    }
+}
+
+#[test]
+fn a_hundred_concurrent_exec_streams_from_twenty_cells_deliver_every_byte_in_order() {
+    if !cgroups_available("exec_load") {
+        return;
+    }
+    let daemon = std::sync::Arc::new(Daemon::start(&[]));
+    let cells: Vec<String> = (0..20)
+        .map(|i| daemon.create(&unique(&format!("load{i}")), json!({})))
+        .collect();
+    let mut threads = Vec::new();
+    for (c, cell) in cells.iter().enumerate() {
+        for e in 0..5 {
+            let daemon = std::sync::Arc::clone(&daemon);
+            let cell = cell.clone();
+            threads.push(std::thread::spawn(move || {
+                let tag = format!("{c}-{e}");
+                let events = daemon.exec(
+                    &cell,
+                    json!({ "argv": ["sh", "-c", format!("seq 1 20000 | sed 's/^/{tag}:/'")] }),
+                );
+                let expected: String = (1..=20000).map(|n| format!("{tag}:{n}\n")).collect();
+                let got = stream_bytes(&events, "stdout");
+                assert_eq!(got.len(), expected.len(), "{tag}: byte count");
+                assert!(
+                    got == expected.as_bytes(),
+                    "{tag}: bytes out of order or changed"
+                );
+                assert_eq!(
+                    exit_of(&events)["stdout_bytes"].as_u64(),
+                    Some(expected.len() as u64)
+                );
+            }));
+        }
+    }
+    for thread in threads {
+        thread.join().unwrap();
+    }
+}

@@ -1,0 +1,293 @@
+//! A real `warden serve` with its own runtime and state directories, and a minimal HTTP/1.1
+//! client over its unix socket (or TCP) for the tests.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt as _;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use super::BIN;
+
+pub struct Daemon {
+    pub dir: tempfile::TempDir,
+    pub runtime: PathBuf,
+    pub state: PathBuf,
+    child: Option<Child>,
+    extra: Vec<String>,
+}
+
+/// An HTTP answer.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: u16,
+    pub headers: String,
+    pub body: Vec<u8>,
+}
+
+impl Answer {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|_| {
+            panic!(
+                "not JSON ({}): {}",
+                self.status,
+                String::from_utf8_lossy(&self.body)
+            )
+        })
+    }
+
+    /// Server-sent events as (event, data) pairs.
+    pub fn events(&self) -> Vec<(String, Value)> {
+        parse_events(&String::from_utf8_lossy(&self.body))
+    }
+}
+
+pub fn parse_events(text: &str) -> Vec<(String, Value)> {
+    let mut out = Vec::new();
+    for block in text.split("\n\n") {
+        let mut event = String::new();
+        let mut data = String::new();
+        for line in block.lines() {
+            if let Some(e) = line.strip_prefix("event:") {
+                event = e.trim().to_owned();
+            } else if let Some(d) = line.strip_prefix("data:") {
+                data.push_str(d.strip_prefix(' ').unwrap_or(d));
+            }
+        }
+        if !data.is_empty() {
+            out.push((
+                event,
+                serde_json::from_str(&data).unwrap_or(Value::String(data)),
+            ));
+        }
+    }
+    out
+}
+
+/// The bytes of one stream in a list of events, in order.
+pub fn stream_bytes(events: &[(String, Value)], stream: &str) -> Vec<u8> {
+    use base64::Engine as _;
+    let mut out = Vec::new();
+    for (event, data) in events {
+        if event == stream {
+            if let Some(text) = data["text"].as_str() {
+                out.extend_from_slice(text.as_bytes());
+            } else if let Some(b64) = data["base64"].as_str() {
+                out.extend(
+                    base64::engine::general_purpose::STANDARD
+                        .decode(b64)
+                        .unwrap(),
+                );
+            }
+        }
+    }
+    out
+}
+
+impl Daemon {
+    pub fn start(extra: &[&str]) -> Self {
+        let dir = tempfile::Builder::new()
+            .prefix("warden-daemon-")
+            .tempdir()
+            .unwrap();
+        // A root-started cell's setup runs as an unprivileged id and must traverse to its
+        // mount point under the runtime directory.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+        let runtime = dir.path().join("run");
+        let state = dir.path().join("state");
+        let mut daemon = Self {
+            dir,
+            runtime,
+            state,
+            child: None,
+            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+        };
+        daemon.spawn();
+        daemon
+    }
+
+    pub fn warden(&self) -> Command {
+        let mut cmd = Command::new(BIN);
+        cmd.env("WARDEN_RUNTIME_DIR", &self.runtime)
+            .env("WARDEN_STATE_DIR", &self.state)
+            .stdin(Stdio::null());
+        cmd
+    }
+
+    fn spawn(&mut self) {
+        let mut cmd = self.warden();
+        cmd.arg("serve")
+            .args(&self.extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        self.child = Some(cmd.spawn().expect("warden serve starts"));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if UnixStream::connect(self.socket()).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("warden serve did not come up");
+    }
+
+    pub fn socket(&self) -> PathBuf {
+        self.runtime.join("daemon.sock")
+    }
+
+    pub fn journal(&self) -> PathBuf {
+        self.state.join("journal").join("journal.jsonl")
+    }
+
+    /// `kill -9` of the daemon, as a crash.
+    pub fn crash(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+    }
+
+    pub fn restart(&mut self) {
+        self.crash();
+        self.spawn();
+    }
+
+    pub fn request(&self, method: &str, path: &str, body: Option<&str>) -> Answer {
+        let stream = UnixStream::connect(self.socket()).expect("the daemon's socket answers");
+        exchange(stream, method, path, body, &[])
+    }
+
+    pub fn call(&self, method: &str, path: &str, body: Option<Value>) -> Answer {
+        self.request(method, path, body.map(|b| b.to_string()).as_deref())
+    }
+
+    /// Creates a cell and returns its name.
+    pub fn create(&self, name: &str, extra: Value) -> String {
+        let mut body = serde_json::json!({ "name": name });
+        if let Value::Object(map) = extra {
+            for (k, v) in map {
+                body[k] = v;
+            }
+        }
+        let answer = self.call("POST", "/v1/cells", Some(body));
+        assert_eq!(
+            answer.status,
+            201,
+            "create: {}",
+            String::from_utf8_lossy(&answer.body)
+        );
+        name.to_owned()
+    }
+
+    /// A foreground exec; returns its events.
+    pub fn exec(&self, cell: &str, spec: Value) -> Vec<(String, Value)> {
+        let answer = self.call("POST", &format!("/v1/cells/{cell}/exec"), Some(spec));
+        assert_eq!(
+            answer.status,
+            200,
+            "exec: {}",
+            String::from_utf8_lossy(&answer.body)
+        );
+        answer.events()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        // End every cell (their keepers outlive the daemon by design), then the daemon.
+        if self.child.is_some() {
+            let list = self.call("GET", "/v1/cells", None);
+            if let Ok(Value::Array(cells)) = serde_json::from_slice::<Value>(&list.body) {
+                for cell in cells {
+                    if cell["state"] != "ended" {
+                        let name = cell["name"].as_str().unwrap_or_default();
+                        let _ = self.call("DELETE", &format!("/v1/cells/{name}"), None);
+                    }
+                }
+            }
+            if let Some(mut child) = self.child.take() {
+                unsafe_free_terminate(&mut child);
+            }
+        }
+    }
+}
+
+fn unsafe_free_terminate(child: &mut Child) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// One HTTP/1.1 request on a fresh connection, read to its end.
+pub fn exchange(
+    mut stream: impl Read + Write,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    headers: &[(&str, &str)],
+) -> Answer {
+    let body = body.unwrap_or("");
+    let mut head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: warden\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\n");
+    stream.write_all(head.as_bytes()).unwrap();
+    // A refused large body may close the connection before it is all sent.
+    let _ = stream.write_all(body.as_bytes());
+    let mut raw = Vec::new();
+    let _ = stream.read_to_end(&mut raw);
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("an HTTP answer");
+    let headers = String::from_utf8_lossy(&raw[..split]).into_owned();
+    let status: u16 = headers.split(' ').nth(1).unwrap().parse().unwrap();
+    let mut body = raw[split + 4..].to_vec();
+    if headers
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        body = dechunk(&body);
+    }
+    Answer {
+        status,
+        headers,
+        body,
+    }
+}
+
+fn dechunk(mut data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(end) = data.windows(2).position(|w| w == b"\r\n") {
+        let size_text = String::from_utf8_lossy(&data[..end]);
+        let size = usize::from_str_radix(size_text.split(';').next().unwrap().trim(), 16).unwrap();
+        if size == 0 {
+            break;
+        }
+        let start = end + 2;
+        out.extend_from_slice(&data[start..start + size]);
+        data = &data[start + size + 2..];
+    }
+    out
+}
+
+pub fn read_file(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}

@@ -1,0 +1,235 @@
+//! Processes exec'd into cells, as the harness sees them: their output, kept (within a bound)
+//! so that a client can reconnect and read it from any point, and how they ended.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+use serde::Serialize;
+use tokio::sync::watch;
+use warden_cell::linux::exec::ExecSession;
+
+/// Output kept per process for readers that connect late; older chunks are dropped first.
+const KEPT_OUTPUT: usize = 8 * 1024 * 1024;
+/// Output copied into the journal's exec entry, per stream.
+pub(crate) const JOURNALED_OUTPUT: usize = 64 * 1024;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Stream {
+    Stdout,
+    Stderr,
+}
+
+/// How a process ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ExitInfo {
+    /// `exited`, `signaled`, `failed` (never started), `timeout`, `killed` (by a client or the
+    /// cell's end) or `cell-ended`.
+    pub reason: String,
+    pub code: Option<i32>,
+    pub signal: Option<i32>,
+    pub message: Option<String>,
+    pub duration_ms: u64,
+    pub stdout_bytes: u64,
+    pub stderr_bytes: u64,
+    /// The journal entry that records the ending.
+    pub journal_seq: Option<u64>,
+}
+
+/// What a reader gets next.
+#[derive(Debug, Clone)]
+pub enum Item {
+    Output(Stream, Arc<[u8]>),
+    /// Output that was dropped before this reader got to it (bytes).
+    Dropped(u64),
+    Exit(ExitInfo),
+}
+
+#[derive(Debug, Default)]
+struct Log {
+    chunks: VecDeque<(Stream, Arc<[u8]>)>,
+    /// Index of `chunks[0]` in the process's whole output.
+    first: u64,
+    kept_bytes: usize,
+    dropped_bytes: u64,
+    counts: [u64; 2],
+    captured: [Vec<u8>; 2],
+    exit: Option<ExitInfo>,
+}
+
+/// One exec'd process.
+#[derive(Debug)]
+pub struct Process {
+    pub id: u64,
+    pub cell: String,
+    pub argv: Vec<String>,
+    pub started_ms: u64,
+    pub background: bool,
+    pub pid: i32,
+    log: Mutex<Log>,
+    version: watch::Sender<u64>,
+    pub(crate) session: Arc<ExecSession>,
+    pub(crate) stdin: tokio::sync::Mutex<Option<tokio::net::unix::pipe::Sender>>,
+}
+
+/// A summary for listings.
+#[derive(Debug, Clone, Serialize)]
+pub struct ProcessInfo {
+    pub id: u64,
+    pub cell: String,
+    pub argv: Vec<String>,
+    pub pid: i32,
+    pub started_ms: u64,
+    pub background: bool,
+    pub running: bool,
+    pub exit: Option<ExitInfo>,
+}
+
+impl Process {
+    pub(crate) fn new(
+        id: u64,
+        cell: String,
+        argv: Vec<String>,
+        background: bool,
+        pid: i32,
+        session: Arc<ExecSession>,
+        stdin: Option<tokio::net::unix::pipe::Sender>,
+    ) -> Self {
+        Self {
+            id,
+            cell,
+            argv,
+            started_ms: crate::now_ms(),
+            background,
+            pid,
+            log: Mutex::new(Log::default()),
+            version: watch::channel(0).0,
+            session,
+            stdin: tokio::sync::Mutex::new(stdin),
+        }
+    }
+
+    pub fn info(&self) -> ProcessInfo {
+        let exit = self.log.lock().ok().and_then(|l| l.exit.clone());
+        ProcessInfo {
+            id: self.id,
+            cell: self.cell.clone(),
+            argv: self.argv.clone(),
+            pid: self.pid,
+            started_ms: self.started_ms,
+            background: self.background,
+            running: exit.is_none(),
+            exit,
+        }
+    }
+
+    pub fn exit(&self) -> Option<ExitInfo> {
+        self.log.lock().ok().and_then(|l| l.exit.clone())
+    }
+
+    pub(crate) fn push(&self, stream: Stream, data: &[u8]) {
+        if let Ok(mut log) = self.log.lock() {
+            let slot = stream as usize;
+            log.counts[slot] += data.len() as u64;
+            let room = JOURNALED_OUTPUT.saturating_sub(log.captured[slot].len());
+            let take = room.min(data.len());
+            log.captured[slot].extend_from_slice(&data[..take]);
+            log.kept_bytes += data.len();
+            log.chunks.push_back((stream, Arc::from(data)));
+            while log.kept_bytes > KEPT_OUTPUT && log.chunks.len() > 1 {
+                if let Some((_, old)) = log.chunks.pop_front() {
+                    log.kept_bytes -= old.len();
+                    log.dropped_bytes += old.len() as u64;
+                    log.first += 1;
+                }
+            }
+        }
+        self.version.send_modify(|v| *v += 1);
+    }
+
+    /// Byte counts and the journaled head of each stream.
+    pub(crate) fn totals(&self) -> ([u64; 2], [Vec<u8>; 2]) {
+        self.log
+            .lock()
+            .map(|l| (l.counts, l.captured.clone()))
+            .unwrap_or_default()
+    }
+
+    pub(crate) fn finish(&self, exit: ExitInfo) {
+        if let Ok(mut log) = self.log.lock() {
+            log.exit = Some(exit);
+        }
+        self.version.send_modify(|v| *v += 1);
+    }
+
+    /// The next item after `cursor` (a chunk index), waiting for it; advances the cursor.
+    pub async fn next(&self, cursor: &mut u64) -> Item {
+        loop {
+            let mut changed = self.version.subscribe();
+            if let Ok(log) = self.log.lock() {
+                if *cursor < log.first {
+                    let lost: u64 = log.dropped_bytes;
+                    *cursor = log.first;
+                    return Item::Dropped(lost);
+                }
+                let at = (*cursor - log.first) as usize;
+                if let Some((stream, data)) = log.chunks.get(at) {
+                    *cursor += 1;
+                    return Item::Output(*stream, Arc::clone(data));
+                }
+                if let Some(exit) = &log.exit {
+                    return Item::Exit(exit.clone());
+                }
+            }
+            if changed.changed().await.is_err() {
+                // The process object is going away; report what is known.
+                return Item::Exit(self.exit().unwrap_or_else(|| ExitInfo {
+                    reason: "cell-ended".to_owned(),
+                    code: None,
+                    signal: None,
+                    message: None,
+                    duration_ms: 0,
+                    stdout_bytes: 0,
+                    stderr_bytes: 0,
+                    journal_seq: None,
+                }));
+            }
+        }
+    }
+
+    /// Sends a signal to the process's group (through the cell's keeper).
+    pub async fn signal(self: &Arc<Self>, signal: i32) {
+        let session = Arc::clone(&self.session);
+        let _ = tokio::task::spawn_blocking(move || session.signal(signal)).await;
+    }
+
+    /// Writes to the process's stdin; `close` ends it.
+    pub async fn write_stdin(&self, data: &[u8], close: bool) -> std::io::Result<()> {
+        use tokio::io::AsyncWriteExt as _;
+        let mut stdin = self.stdin.lock().await;
+        let Some(pipe) = stdin.as_mut() else {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::BrokenPipe,
+                "the process's stdin is closed",
+            ));
+        };
+        let written = pipe.write_all(data).await;
+        if close || written.is_err() {
+            *stdin = None;
+        }
+        written
+    }
+}
+
+/// Kills a foreground process whose reader went away before it ended.
+#[derive(Debug)]
+pub struct KillOnDrop(pub Arc<Process>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if self.0.exit().is_none() {
+            let session = Arc::clone(&self.0.session);
+            std::thread::spawn(move || session.signal(libc::SIGKILL));
+        }
+    }
+}

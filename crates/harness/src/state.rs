@@ -1,0 +1,103 @@
+//! The daemon's embedded state: which cells it made and with what, kept in redb so that a new
+//! daemon knows them after a crash of the old one.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use redb::{Database, ReadableTable as _, TableDefinition};
+use serde::{Deserialize, Serialize};
+
+use crate::HarnessError;
+
+const CELLS: TableDefinition<&str, &str> = TableDefinition::new("cells");
+
+/// What the daemon remembers of a cell.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CellEntry {
+    pub name: String,
+    pub created_ms: u64,
+    /// The policy as given (YAML), or the preset's name.
+    pub policy: PolicySource,
+    pub workspace: Option<String>,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Set once the cell's processes are gone, with why.
+    #[serde(default)]
+    pub ended: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PolicySource {
+    Preset(String),
+    Yaml(String),
+}
+
+#[derive(Debug)]
+pub struct State {
+    db: Database,
+}
+
+fn db_error(err: impl std::fmt::Display) -> HarnessError {
+    HarnessError::internal(format!("the daemon's state database: {err}"))
+}
+
+impl State {
+    pub fn open(path: &Path) -> Result<Self, HarnessError> {
+        let db = Database::create(path).map_err(|e| {
+            HarnessError::internal(format!(
+                "opening the state database {}: {e}",
+                path.display()
+            ))
+        })?;
+        let txn = db.begin_write().map_err(db_error)?;
+        txn.open_table(CELLS).map_err(db_error)?;
+        txn.commit().map_err(db_error)?;
+        Ok(Self { db })
+    }
+
+    pub fn put(&self, entry: &CellEntry) -> Result<(), HarnessError> {
+        let json = serde_json::to_string(entry).map_err(db_error)?;
+        let txn = self.db.begin_write().map_err(db_error)?;
+        {
+            let mut table = txn.open_table(CELLS).map_err(db_error)?;
+            table
+                .insert(entry.name.as_str(), json.as_str())
+                .map_err(db_error)?;
+        }
+        txn.commit().map_err(db_error)
+    }
+
+    pub fn remove(&self, name: &str) -> Result<(), HarnessError> {
+        let txn = self.db.begin_write().map_err(db_error)?;
+        {
+            let mut table = txn.open_table(CELLS).map_err(db_error)?;
+            table.remove(name).map_err(db_error)?;
+        }
+        txn.commit().map_err(db_error)
+    }
+
+    pub fn get(&self, name: &str) -> Result<Option<CellEntry>, HarnessError> {
+        let txn = self.db.begin_read().map_err(db_error)?;
+        let table = txn.open_table(CELLS).map_err(db_error)?;
+        let Some(value) = table.get(name).map_err(db_error)? else {
+            return Ok(None);
+        };
+        serde_json::from_str(value.value())
+            .map(Some)
+            .map_err(db_error)
+    }
+
+    pub fn all(&self) -> Result<Vec<CellEntry>, HarnessError> {
+        let txn = self.db.begin_read().map_err(db_error)?;
+        let table = txn.open_table(CELLS).map_err(db_error)?;
+        let mut out = Vec::new();
+        for item in table.iter().map_err(db_error)? {
+            let (_, value) = item.map_err(db_error)?;
+            out.push(serde_json::from_str(value.value()).map_err(db_error)?);
+        }
+        Ok(out)
+    }
+}

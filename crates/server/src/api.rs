@@ -1,0 +1,394 @@
+//! The routes of the HTTP API. Each handler turns a request into one harness call; the harness
+//! validates, journals and carries it out.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{DefaultBodyLimit, FromRequest, Path, Query, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use base64::Engine as _;
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use serde_json::json;
+use tokio_stream::wrappers::ReceiverStream;
+use warden_harness::{
+    CreateCell, ErrorKind, ExecSpec, Harness, HarnessError, Item, KillOnDrop, Process, Stream,
+};
+
+/// The API's OpenAPI document (also committed as docs/openapi.json).
+pub const OPENAPI: &str = include_str!("../../../docs/openapi.json");
+
+/// Largest request body.
+const BODY_LIMIT: usize = 1024 * 1024;
+
+type Shared = Arc<Harness>;
+
+/// An error as the API answers it: a status and `{"error": "..."}`.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+}
+
+impl From<HarnessError> for ApiError {
+    fn from(err: HarnessError) -> Self {
+        let status = match err.kind {
+            ErrorKind::BadRequest => StatusCode::BAD_REQUEST,
+            ErrorKind::NotFound => StatusCode::NOT_FOUND,
+            ErrorKind::Conflict => StatusCode::CONFLICT,
+            ErrorKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        Self {
+            status,
+            message: err.message,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(json!({ "error": self.message }))).into_response()
+    }
+}
+
+/// A JSON body whose rejections (malformed, wrong type, too large) are API errors too.
+pub struct Body<T>(T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        match Json::<T>::from_request(req, state).await {
+            Ok(Json(value)) => Ok(Self(value)),
+            Err(rejection) => Err(ApiError {
+                status: rejection.status(),
+                message: format!("request body: {}", rejection.body_text()),
+            }),
+        }
+    }
+}
+
+/// The API. With a token, every request must carry `Authorization: Bearer TOKEN`.
+pub fn router(harness: Shared, token: Option<String>) -> Router {
+    let router = Router::new()
+        .route("/openapi.json", get(openapi))
+        .route("/v1/health", get(health))
+        .route("/v1/cells", get(list_cells).post(create_cell))
+        .route("/v1/cells/{name}", get(get_cell).delete(delete_cell))
+        .route("/v1/cells/{name}/pause", post(pause))
+        .route("/v1/cells/{name}/resume", post(resume))
+        .route("/v1/cells/{name}/kill", post(kill))
+        .route("/v1/cells/{name}/exec", post(exec))
+        .route("/v1/cells/{name}/processes", get(processes))
+        .route("/v1/cells/{name}/processes/{id}", get(process))
+        .route("/v1/cells/{name}/processes/{id}/output", get(output))
+        .route("/v1/cells/{name}/processes/{id}/wait", get(wait))
+        .route("/v1/cells/{name}/processes/{id}/stdin", post(stdin))
+        .route("/v1/cells/{name}/processes/{id}/signal", post(signal))
+        .fallback(no_route)
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .with_state(harness);
+    match token {
+        Some(token) => router.layer(middleware::from_fn_with_state(
+            Arc::new(token),
+            require_token,
+        )),
+        None => router,
+    }
+}
+
+async fn require_token(
+    State(token): State<Arc<String>>,
+    headers: HeaderMap,
+    request: Request,
+    next: Next,
+) -> Response {
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if constant_time_eq(given.as_bytes(), token.as_bytes()) {
+        next.run(request).await
+    } else {
+        let mut response = ApiError {
+            status: StatusCode::UNAUTHORIZED,
+            message: "a bearer token is required on TCP (`Authorization: Bearer TOKEN`, the token is in the daemon's runtime directory, file daemon.token)".to_owned(),
+        }
+        .into_response();
+        response.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            header::HeaderValue::from_static("Bearer"),
+        );
+        response
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn no_route() -> ApiError {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        message: "no such endpoint; GET /openapi.json lists them".to_owned(),
+    }
+}
+
+async fn openapi() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
+}
+
+async fn health(State(harness): State<Shared>) -> Json<serde_json::Value> {
+    Json(json!({
+        "status": "ok",
+        "version": env!("CARGO_PKG_VERSION"),
+        "journal_key": harness.journal().public_key(),
+    }))
+}
+
+async fn list_cells(State(harness): State<Shared>) -> Result<Response, ApiError> {
+    Ok(Json(harness.list()?).into_response())
+}
+
+async fn create_cell(
+    State(harness): State<Shared>,
+    Body(request): Body<CreateCell>,
+) -> Result<Response, ApiError> {
+    let cell = harness.create(request).await?;
+    Ok((StatusCode::CREATED, Json(cell)).into_response())
+}
+
+async fn get_cell(
+    State(harness): State<Shared>,
+    Path(name): Path<String>,
+) -> Result<Response, ApiError> {
+    Ok(Json(harness.get(&name)?).into_response())
+}
+
+async fn delete_cell(
+    State(harness): State<Shared>,
+    Path(name): Path<String>,
+) -> Result<Response, ApiError> {
+    harness.delete(&name).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn pause(State(h): State<Shared>, Path(name): Path<String>) -> Result<Response, ApiError> {
+    Ok(Json(h.control(&name, "pause").await?).into_response())
+}
+
+async fn resume(State(h): State<Shared>, Path(name): Path<String>) -> Result<Response, ApiError> {
+    Ok(Json(h.control(&name, "resume").await?).into_response())
+}
+
+async fn kill(State(h): State<Shared>, Path(name): Path<String>) -> Result<Response, ApiError> {
+    Ok(Json(h.control(&name, "kill").await?).into_response())
+}
+
+/// Starts a process. Foreground: the answer is an event stream of its output and ending, and
+/// the process is killed if the client goes away first. Background: the answer is the process,
+/// whose output is read (from the start, any number of times) at `.../output`.
+async fn exec(
+    State(harness): State<Shared>,
+    Path(name): Path<String>,
+    Body(spec): Body<ExecSpec>,
+) -> Result<Response, ApiError> {
+    let background = spec.background;
+    let process = harness.exec(&name, spec).await?;
+    if background {
+        return Ok((StatusCode::CREATED, Json(process.info())).into_response());
+    }
+    Ok(stream_output(process, 0, true))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OutputQuery {
+    /// Chunk index to start from (0: the first kept).
+    #[serde(default)]
+    from: u64,
+}
+
+async fn output(
+    State(harness): State<Shared>,
+    Path((name, id)): Path<(String, u64)>,
+    Query(query): Query<OutputQuery>,
+) -> Result<Response, ApiError> {
+    let process = harness.process(&name, id)?;
+    Ok(stream_output(process, query.from, false))
+}
+
+async fn processes(
+    State(harness): State<Shared>,
+    Path(name): Path<String>,
+) -> Result<Response, ApiError> {
+    Ok(Json(harness.processes(&name)?).into_response())
+}
+
+async fn process(
+    State(harness): State<Shared>,
+    Path((name, id)): Path<(String, u64)>,
+) -> Result<Response, ApiError> {
+    Ok(Json(harness.process(&name, id)?.info()).into_response())
+}
+
+async fn wait(
+    State(harness): State<Shared>,
+    Path((name, id)): Path<(String, u64)>,
+) -> Result<Response, ApiError> {
+    let process = harness.process(&name, id)?;
+    let mut cursor = u64::MAX; // skip output: only the ending matters here
+    loop {
+        if let Item::Exit(exit) = process.next(&mut cursor).await {
+            return Ok(Json(exit).into_response());
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StdinBody {
+    #[serde(default)]
+    data: String,
+    /// The same bytes in base64, for binary input.
+    data_base64: Option<String>,
+    #[serde(default)]
+    close: bool,
+}
+
+async fn stdin(
+    State(harness): State<Shared>,
+    Path((name, id)): Path<(String, u64)>,
+    Body(body): Body<StdinBody>,
+) -> Result<Response, ApiError> {
+    let data = match body.data_base64 {
+        Some(encoded) => base64::engine::general_purpose::STANDARD
+            .decode(encoded)
+            .map_err(|e| HarnessError::bad(format!("data_base64: {e}")))?,
+        None => body.data.into_bytes(),
+    };
+    harness.stdin(&name, id, &data, body.close).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SignalBody {
+    signal: i32,
+}
+
+async fn signal(
+    State(harness): State<Shared>,
+    Path((name, id)): Path<(String, u64)>,
+    Body(body): Body<SignalBody>,
+) -> Result<Response, ApiError> {
+    harness.signal(&name, id, body.signal).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// Server-sent events: `started`, then `stdout`/`stderr` chunks in order (`{"text": ...}` when
+/// the bytes are UTF-8, else `{"base64": ...}`; a UTF-8 character is never split), `dropped`
+/// when kept output was discarded before this reader got to it, and a last `exit`.
+fn stream_output(process: Arc<Process>, from: u64, kill_on_disconnect: bool) -> Response {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        let _guard = kill_on_disconnect.then(|| KillOnDrop(Arc::clone(&process)));
+        let started = json!({ "process": process.id, "pid": process.pid });
+        if tx
+            .send(Ok(Event::default()
+                .event("started")
+                .data(started.to_string())))
+            .await
+            .is_err()
+        {
+            return;
+        }
+        let mut cursor = from;
+        let mut pending: [Vec<u8>; 2] = [Vec::new(), Vec::new()];
+        loop {
+            let item = tokio::select! {
+                item = process.next(&mut cursor) => item,
+                () = tx.closed() => return,
+            };
+            let event = match item {
+                Item::Output(stream, data) => {
+                    let slot = stream as usize;
+                    pending[slot].extend_from_slice(&data);
+                    match output_event(stream, &mut pending[slot], false) {
+                        Some(event) => event,
+                        None => continue,
+                    }
+                }
+                Item::Dropped(bytes) => Event::default()
+                    .event("dropped")
+                    .data(json!({ "bytes": bytes }).to_string()),
+                Item::Exit(exit) => {
+                    for (stream, slot) in [(Stream::Stdout, 0), (Stream::Stderr, 1)] {
+                        if let Some(event) = output_event(stream, &mut pending[slot], true) {
+                            let _ = tx.send(Ok(event)).await;
+                        }
+                    }
+                    let event = Event::default()
+                        .event("exit")
+                        .data(serde_json::to_string(&exit).unwrap_or_default());
+                    let _ = tx.send(Ok(event)).await;
+                    return;
+                }
+            };
+            if tx.send(Ok(event)).await.is_err() {
+                return;
+            }
+        }
+    });
+    Sse::new(ReceiverStream::<Result<Event, Infallible>>::new(rx))
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response()
+}
+
+/// Takes what can be sent from `pending`: UTF-8 text up to an incomplete character at the end
+/// (kept for the next chunk unless `last`), or base64 for bytes that are not UTF-8.
+fn output_event(stream: Stream, pending: &mut Vec<u8>, last: bool) -> Option<Event> {
+    if pending.is_empty() {
+        return None;
+    }
+    let name = match stream {
+        Stream::Stdout => "stdout",
+        Stream::Stderr => "stderr",
+    };
+    let data = match std::str::from_utf8(pending) {
+        Ok(text) => {
+            let data = json!({ "text": text });
+            pending.clear();
+            data
+        }
+        Err(err) if err.error_len().is_none() && !last && err.valid_up_to() > 0 => {
+            let rest = pending.split_off(err.valid_up_to());
+            let text = String::from_utf8_lossy(pending).into_owned();
+            *pending = rest;
+            json!({ "text": text })
+        }
+        Err(err) if err.error_len().is_none() && !last => {
+            // Only the start of a character so far: wait for the rest.
+            let _ = err;
+            return None;
+        }
+        Err(_) => {
+            let data =
+                json!({ "base64": base64::engine::general_purpose::STANDARD.encode(&pending) });
+            pending.clear();
+            data
+        }
+    };
+    Some(Event::default().event(name).data(data.to_string()))
+}

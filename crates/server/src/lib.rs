@@ -1,0 +1,140 @@
+//! `warden serve`: the HTTP API over the harness, on an owner-only unix socket and, when asked,
+//! on a loopback TCP port that requires a bearer token.
+
+mod api;
+
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use warden_harness::{Config, Harness};
+
+pub use api::{OPENAPI, router};
+
+/// The daemon's socket in the runtime directory.
+pub const SOCKET: &str = "daemon.sock";
+/// Where the TCP listener's token is written (owner-only) unless one is given.
+pub const TOKEN_FILE: &str = "daemon.token";
+
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    pub harness: Config,
+    /// Also listen on this loopback address (token required).
+    pub listen: Option<SocketAddr>,
+    /// A file holding the token; without it one is made and written next to the socket.
+    pub token_file: Option<PathBuf>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("a warden daemon already listens on {0}; stop it first (or use it)")]
+    Running(PathBuf),
+    #[error(
+        "--listen {0}: the API may listen on loopback addresses only (127.0.0.1, ::1); put a TLS proxy in front for anything else"
+    )]
+    NotLoopback(SocketAddr),
+    #[error("{what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the token in {0} is shorter than 16 characters")]
+    WeakToken(PathBuf),
+    #[error(transparent)]
+    Harness(#[from] warden_harness::HarnessError),
+}
+
+fn io_at<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> ServeError + 'a {
+    move |source| ServeError::Io {
+        what,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Runs the daemon until SIGINT or SIGTERM. `ready` is called with the socket path once the API
+/// accepts requests.
+pub async fn serve(
+    config: ServeConfig,
+    ready: impl FnOnce(&Path, Option<SocketAddr>),
+) -> Result<(), ServeError> {
+    let socket = config.harness.runtime.join(SOCKET);
+    if let Some(addr) = config.listen
+        && !addr.ip().is_loopback()
+    {
+        return Err(ServeError::NotLoopback(addr));
+    }
+    std::fs::create_dir_all(&config.harness.runtime)
+        .map_err(io_at("creating", &config.harness.runtime))?;
+    if tokio::net::UnixStream::connect(&socket).await.is_ok() {
+        return Err(ServeError::Running(socket));
+    }
+    let harness = Harness::open(config.harness.clone()).await?;
+    let _ = std::fs::remove_file(&socket);
+    let unix = tokio::net::UnixListener::bind(&socket).map_err(io_at("listening on", &socket))?;
+    std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))
+        .map_err(io_at("restricting", &socket))?;
+    let app = router(Arc::clone(&harness), None);
+    let unix_server = tokio::spawn(async move { axum::serve(unix, app).await });
+    let mut tcp_addr = None;
+    if let Some(addr) = config.listen {
+        let token = load_or_make_token(&config, &config.harness.runtime.join(TOKEN_FILE))?;
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| ServeError::Io {
+                what: "listening on",
+                path: PathBuf::from(addr.to_string()),
+                source,
+            })?;
+        tcp_addr = listener.local_addr().ok();
+        let app = router(Arc::clone(&harness), Some(token));
+        tokio::spawn(async move { axum::serve(listener, app).await });
+    }
+    ready(&socket, tcp_addr);
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(io_at("handling signals for", &socket))?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+        _ = unix_server => {}
+    }
+    harness.shutdown().await;
+    let _ = std::fs::remove_file(&socket);
+    Ok(())
+}
+
+fn load_or_make_token(config: &ServeConfig, default: &Path) -> Result<String, ServeError> {
+    if let Some(path) = &config.token_file {
+        let token = std::fs::read_to_string(path)
+            .map_err(io_at("reading the token", path))?
+            .trim()
+            .to_owned();
+        if token.len() < 16 {
+            return Err(ServeError::WeakToken(path.clone()));
+        }
+        return Ok(token);
+    }
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes).map_err(|e| ServeError::Io {
+        what: "making a token for",
+        path: default.to_path_buf(),
+        source: std::io::Error::other(e.to_string()),
+    })?;
+    let token = hex::encode(bytes);
+    let _ = std::fs::remove_file(default);
+    {
+        use std::io::Write as _;
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(default)
+            .map_err(io_at("writing the token to", default))?;
+        file.write_all(token.as_bytes())
+            .map_err(io_at("writing the token to", default))?;
+    }
+    Ok(token)
+}
