@@ -101,7 +101,14 @@ pub enum Command {
         json: bool,
     },
     /// Let a held connection through (ID from `warden approvals NAME` or the cell's terminal).
-    Approve { name: String, id: u64 },
+    Approve {
+        name: String,
+        id: u64,
+        /// With the daemon: `cell` also approves the same request from this cell from now on,
+        /// `always` from every cell.
+        #[arg(long, default_value = "once", value_parser = ["once", "cell", "always"])]
+        scope: String,
+    },
     /// Refuse a held connection: the cell gets a 403 that says so.
     Deny { name: String, id: u64 },
     /// Check or explain a policy.
@@ -197,6 +204,9 @@ pub struct KeepArgs {
     pub workspace: Option<PathBuf>,
     #[arg(long = "env", value_name = "K=V")]
     pub env: Vec<String>,
+    /// Leave the wall-clock limit to the daemon (which may pause instead of kill).
+    #[arg(long)]
+    pub no_wall: bool,
 }
 
 #[derive(Debug, Subcommand)]

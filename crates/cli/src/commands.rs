@@ -57,12 +57,23 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         }
         Command::Net { name, json } => net(&name, json),
         Command::Approvals { name, json } => approvals(&name, json),
-        Command::Approve { name, id } => {
+        Command::Approve { name, id, scope } => {
+            if crate::daemon::through_daemon(&name, &format!("approve {id} {scope}"))? {
+                println!("approved question {id} of {name} (scope {scope})");
+                return Ok(0);
+            }
+            if scope != "once" {
+                bail!("--scope {scope} needs the daemon (`warden serve`): it remembers grants");
+            }
             control::answer_question(&registry()?, &name, id, true)?;
             println!("approved question {id} of {name}");
             Ok(0)
         }
         Command::Deny { name, id } => {
+            if crate::daemon::through_daemon(&name, &format!("deny {id}"))? {
+                println!("denied question {id} of {name}");
+                return Ok(0);
+            }
             control::answer_question(&registry()?, &name, id, false)?;
             println!("denied question {id} of {name}");
             Ok(0)

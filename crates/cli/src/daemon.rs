@@ -47,11 +47,24 @@ pub fn through_daemon(name: &str, action: &str) -> Result<bool> {
     let Some(client) = Client::detect(&runtime()) else {
         return Ok(false);
     };
-    let (method, path) = match action {
-        "delete" => (Method::DELETE, format!("/v1/cells/{name}")),
-        _ => (Method::POST, format!("/v1/cells/{name}/{action}")),
+    let (method, path, body) = match action {
+        "delete" => (Method::DELETE, format!("/v1/cells/{name}"), None),
+        _ => match action.split_once(' ') {
+            // "approve ID SCOPE" / "deny ID"
+            Some((verb, rest)) => {
+                let mut parts = rest.split(' ');
+                let id = parts.next().unwrap_or_default();
+                let scope = parts.next().unwrap_or("once");
+                (
+                    Method::POST,
+                    format!("/v1/approvals/{name}/{id}"),
+                    Some(json!({ "decision": verb, "scope": scope })),
+                )
+            }
+            None => (Method::POST, format!("/v1/cells/{name}/{action}"), None),
+        },
     };
-    match current_thread()?.block_on(client.json(method, &path, None)) {
+    match current_thread()?.block_on(client.json(method, &path, body.as_ref())) {
         Ok(_) => Ok(true),
         Err(err) => match err.downcast_ref::<crate::client::ApiError>() {
             Some(api) if api.status == hyper::StatusCode::NOT_FOUND => Ok(false),
@@ -212,11 +225,14 @@ pub fn exec(args: ExecArgs) -> Result<i32> {
 
 /// `warden keep`: the keeper of one daemon cell, an exec-serving cell without a command.
 pub fn keep(args: KeepArgs) -> Result<i32> {
-    let policy = match (&args.policy, &args.preset) {
+    let mut policy = match (&args.policy, &args.preset) {
         (Some(file), _) => warden_policy::from_file(file)?,
         (None, Some(preset)) => warden_policy::preset(preset)?,
         (None, None) => warden_policy::preset("default")?,
     };
+    if args.no_wall {
+        policy.limits.wall = None;
+    }
     let env = pairs(&args.env, "env")?
         .into_iter()
         .map(|(k, v)| (k, v.as_str().unwrap_or_default().to_owned()))

@@ -580,3 +580,206 @@ fn a_hundred_concurrent_exec_streams_from_twenty_cells_deliver_every_byte_in_ord
         thread.join().unwrap();
     }
 }
+
+/// A local upstream that answers every request with 200 "ok" and counts connections.
+fn upstream() -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.2:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let hits = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = std::sync::Arc::clone(&hits);
+    std::thread::spawn(move || {
+        for mut conn in listener.incoming().flatten() {
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let mut buf = [0u8; 4096];
+            let _ = conn.read(&mut buf);
+            let _ = conn
+                .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok");
+        }
+    });
+    (port, hits)
+}
+
+#[test]
+fn approvals_held_by_the_daemon_proceed_on_approve_and_fail_on_deny_or_timeout() {
+    if !cgroups_available("daemon_approvals") {
+        return;
+    }
+    let (port, hits) = upstream();
+    let daemon = Daemon::start(&[]);
+    let policy = format!(
+        "version: 1\nnetwork:\n  ask:\n    - host: 127.0.0.2\n      ports: [{port}]\napprovals:\n  timeout: 2s\n  on_timeout: deny\n"
+    );
+    let cell = daemon.create(&unique("approve"), json!({ "policy": policy }));
+    let fetch = |path: &str| -> u64 {
+        let code = format!(
+            "import urllib.request, urllib.error\n\
+             try:\n    print(urllib.request.urlopen('http://127.0.0.2:{port}/{path}').status)\n\
+             except urllib.error.HTTPError as e:\n    print(e.code)"
+        );
+        let started = daemon.call(
+            "POST",
+            &format!("/v1/cells/{cell}/exec"),
+            Some(json!({ "argv": ["python3", "-c", code], "background": true })),
+        );
+        assert_eq!(started.status, 201);
+        started.json()["id"].as_u64().unwrap()
+    };
+    let question = |path: &str| -> u64 {
+        for _ in 0..200 {
+            let list = daemon.call("GET", "/v1/approvals", None).json();
+            if let Some(q) = list.as_array().unwrap().iter().find(|q| {
+                q["request"]
+                    .as_str()
+                    .unwrap()
+                    .ends_with(&format!("/{path}"))
+            }) {
+                assert_eq!(q["cell"], cell.as_str());
+                return q["id"].as_u64().unwrap();
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        panic!("no approval appeared for /{path}");
+    };
+    let result = |id: u64| -> String {
+        daemon.call(
+            "GET",
+            &format!("/v1/cells/{cell}/processes/{id}/wait"),
+            None,
+        );
+        let out = daemon.call(
+            "GET",
+            &format!("/v1/cells/{cell}/processes/{id}/output"),
+            None,
+        );
+        String::from_utf8(stream_bytes(&out.events(), "stdout"))
+            .unwrap()
+            .trim()
+            .to_owned()
+    };
+    let answer = |id: u64, decision: &str, scope: &str| {
+        let answer = daemon.call(
+            "POST",
+            &format!("/v1/approvals/{cell}/{id}"),
+            Some(json!({ "decision": decision, "scope": scope })),
+        );
+        assert_eq!(
+            answer.status,
+            204,
+            "{}",
+            String::from_utf8_lossy(&answer.body)
+        );
+    };
+
+    // Approved: the request goes through, and only then reaches the upstream.
+    let p = fetch("a");
+    let q = question("a");
+    assert_eq!(
+        hits.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "held until answered"
+    );
+    answer(q, "approve", "once");
+    assert_eq!(result(p), "200");
+
+    // Denied: a 403, and the upstream never sees it.
+    let before = hits.load(std::sync::atomic::Ordering::SeqCst);
+    let p = fetch("b");
+    answer(question("b"), "deny", "once");
+    assert_eq!(result(p), "403");
+    // Unanswered: the policy's timeout decides (deny).
+    let p = fetch("c");
+    question("c");
+    assert_eq!(result(p), "403");
+    assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), before);
+
+    // Scope `cell`: the same request from this cell is approved from now on without asking.
+    let p = fetch("d");
+    answer(question("d"), "approve", "cell");
+    assert_eq!(result(p), "200");
+    let p = fetch("d");
+    assert_eq!(result(p), "200");
+
+    // The journal says who answered what, and that the timeout decided one; the gateway's
+    // decisions reach it within a tick of the daemon's watch.
+    let mut entries: Vec<Value> = Vec::new();
+    for _ in 0..40 {
+        let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+        entries = journal
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        if entries
+            .iter()
+            .filter(|e| e["kind"] == "net.decision")
+            .count()
+            >= 5
+        {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let answers: Vec<&Value> = entries
+        .iter()
+        .filter(|e| e["kind"] == "approval.answer")
+        .collect();
+    assert_eq!(answers.len(), 4, "{answers:?}");
+    assert!(
+        answers[0]["data"]["by"]
+            .as_str()
+            .unwrap()
+            .contains("on the unix socket"),
+        "{}",
+        answers[0]
+    );
+    assert_eq!(answers[1]["data"]["decision"], "deny");
+    assert!(
+        answers[3]["data"]["by"]
+            .as_str()
+            .unwrap()
+            .starts_with("grant:"),
+        "{}",
+        answers[3]
+    );
+    assert!(entries.iter().any(|e| e["kind"] == "approval.timeout"
+        && e["data"]["request"].as_str().unwrap().ends_with("/c")));
+    let decisions = entries
+        .iter()
+        .filter(|e| e["kind"] == "net.decision")
+        .count();
+    assert!(
+        decisions >= 5,
+        "gateway decisions are journaled ({decisions})"
+    );
+}
+
+#[test]
+fn an_idle_cell_is_paused_and_the_next_exec_wakes_it() {
+    if !cgroups_available("daemon_idle") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(
+        &unique("idle"),
+        json!({ "policy": "version: 1\nlimits:\n  idle: 1s\n  on_idle: pause\n" }),
+    );
+    let mut state = String::new();
+    for _ in 0..60 {
+        state = daemon
+            .call("GET", &format!("/v1/cells/{cell}"), None)
+            .json()["state"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        if state == "paused" {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(state, "paused", "idle for 1 s: paused");
+    let events = daemon.exec(&cell, json!({ "argv": ["echo", "awake"] }));
+    assert_eq!(stream_bytes(&events, "stdout"), b"awake\n");
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    assert!(journal.contains("\"kind\":\"cell.idle\""));
+    assert!(journal.contains("exec after an idle pause"));
+}

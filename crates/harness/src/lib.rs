@@ -11,6 +11,7 @@
 
 mod process;
 mod state;
+mod supervise;
 
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::OwnedFd;
@@ -27,7 +28,9 @@ use warden_journal::{Journal, Receipt};
 
 pub use process::{ExitInfo, Item, KillOnDrop, Process, ProcessInfo, Stream};
 use state::State;
-pub use state::{CellEntry, PolicySource};
+pub use state::{CellEntry, Grant, PolicySource};
+use supervise::Live;
+pub use supervise::{Approval, Scope};
 
 /// What kind of failure, for the faces to map onto their own codes (HTTP status, exit code).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -138,6 +141,9 @@ pub struct Harness {
     daemon_dir: PathBuf,
     processes: Mutex<HashMap<String, Vec<Arc<Process>>>>,
     next_process: AtomicU64,
+    /// The live cells this daemon supervises.
+    live: Mutex<HashMap<String, Live>>,
+    grants: Mutex<Vec<state::Grant>>,
 }
 
 /// Milliseconds since the epoch.
@@ -165,7 +171,10 @@ impl Harness {
         let state = State::open(&daemon_dir.join("state.redb"))?;
         let journal = Journal::open(&config.state.join("journal"))
             .map_err(|e| HarnessError::internal(e.to_string()))?;
+        let grants = state.grants()?;
         let harness = Arc::new(Self {
+            live: Mutex::new(HashMap::new()),
+            grants: Mutex::new(grants),
             config,
             registry,
             store,
@@ -223,6 +232,7 @@ impl Harness {
             if self.registry.get(&entry.name).is_ok() {
                 self.record(Some(&entry.name), "cell.reattach", json!({}))
                     .await?;
+                self.adopt(&entry);
                 self.watch(entry.name.clone());
             } else {
                 let reason = "ended while no daemon was running".to_owned();
@@ -235,32 +245,23 @@ impl Harness {
         Ok(())
     }
 
-    /// Marks the cell ended when its processes are gone.
-    fn watch(self: &Arc<Self>, name: String) {
-        let harness = Arc::clone(self);
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                if harness.registry.get(&name).is_ok() {
-                    continue;
-                }
-                if let Ok(Some(mut entry)) = harness.state.get(&name)
-                    && entry.ended.is_none()
-                {
-                    let reason = if harness.kill_requested(&name) {
-                        "killed"
-                    } else {
-                        "its processes ended"
-                    };
-                    entry.ended = Some(reason.to_owned());
-                    let _ = harness.state.put(&entry);
-                    let _ = harness
-                        .record(Some(&name), "cell.end", json!({ "reason": reason }))
-                        .await;
-                }
-                return;
-            }
-        });
+    /// Starts supervising a live cell: its policy (for limits and approvals), and the secrets
+    /// of its credentials, which must never reach the journal.
+    fn adopt(&self, entry: &CellEntry) {
+        let policy = match &entry.policy {
+            PolicySource::Preset(p) => warden_policy::preset(p).ok(),
+            PolicySource::Yaml(y) => warden_policy::from_yaml("policy", y).ok(),
+        };
+        let Some(policy) = policy else {
+            return;
+        };
+        if let Ok(secrets) = warden_egress::Secrets::load(&policy.credentials) {
+            self.journal
+                .add_redactions(secrets.all.iter().map(|s| s.value.clone()));
+        }
+        if let Ok(mut live) = self.live.lock() {
+            live.insert(entry.name.clone(), Live::new(policy));
+        }
     }
 
     fn kill_requested(&self, name: &str) -> bool {
@@ -394,7 +395,12 @@ impl Harness {
         std::fs::create_dir_all(&cell_dir)
             .map_err(|e| HarnessError::internal(format!("creating {}: {e}", cell_dir.display())))?;
         let mut command = tokio::process::Command::new(&self.config.warden_exe);
-        command.arg("keep").arg("--name").arg(&name);
+        // The daemon applies the wall-clock limit itself (with the policy's `on_wall`).
+        command
+            .arg("keep")
+            .arg("--no-wall")
+            .arg("--name")
+            .arg(&name);
         match &policy {
             PolicySource::Preset(preset) => {
                 command.arg("--preset").arg(preset);
@@ -473,6 +479,7 @@ impl Harness {
             let _ = child.wait().await;
         });
         self.state.put(&entry)?;
+        self.adopt(&entry);
         self.record(
             Some(&name),
             "cell.start",
@@ -500,10 +507,23 @@ impl Harness {
     }
 
     /// Freezes, thaws or kills a cell, from outside.
-    pub async fn control(&self, name: &str, action: &str) -> Result<CellInfo, HarnessError> {
+    pub async fn control(
+        &self,
+        name: &str,
+        action: &str,
+        by: &str,
+    ) -> Result<CellInfo, HarnessError> {
         self.live(name)?;
-        self.record(Some(name), &format!("cell.{action}"), json!({}))
+        self.record(Some(name), &format!("cell.{action}"), json!({ "by": by }))
             .await?;
+        if let Ok(mut live) = self.live.lock()
+            && let Some(l) = live.get_mut(name)
+        {
+            if action == "resume" {
+                l.idle_paused = false;
+                l.last_activity = Instant::now();
+            }
+        }
         let registry = self.registry.clone();
         let owned = name.to_owned();
         let action_owned = action.to_owned();
@@ -537,12 +557,13 @@ impl Harness {
     }
 
     /// Kills the cell if it runs and forgets it: its workspace layer and egress record go too.
-    pub async fn delete(&self, name: &str) -> Result<(), HarnessError> {
+    pub async fn delete(&self, name: &str, by: &str) -> Result<(), HarnessError> {
         let entry = self.entry(name)?;
         if entry.ended.is_none() && self.registry.get(name).is_ok() {
-            self.control(name, "kill").await?;
+            self.control(name, "kill", by).await?;
         }
-        self.record(Some(name), "cell.delete", json!({})).await?;
+        self.record(Some(name), "cell.delete", json!({ "by": by }))
+            .await?;
         if let Ok(mut processes) = self.processes.lock() {
             processes.remove(name);
         }
@@ -560,7 +581,16 @@ impl Harness {
         spec: ExecSpec,
     ) -> Result<Arc<Process>, HarnessError> {
         let record = self.live(name)?;
-        if control::is_paused(&record) {
+        let idle_paused = self
+            .live
+            .lock()
+            .map(|l| l.get(name).is_some_and(|l| l.idle_paused))
+            .unwrap_or(false);
+        if idle_paused && control::is_paused(&record) {
+            // Paused for being idle: an exec is activity, so it wakes the cell.
+            self.control(name, "resume", "exec after an idle pause")
+                .await?;
+        } else if control::is_paused(&record) {
             return Err(HarnessError::new(
                 ErrorKind::Conflict,
                 format!("cell `{name}` is paused; resume it first"),
@@ -579,6 +609,7 @@ impl Harness {
                 )));
             }
         }
+        self.touch(name);
         let id = self.next_process.fetch_add(1, Ordering::Relaxed);
         let started = self
             .record(
@@ -788,6 +819,7 @@ impl Harness {
             Ok(Err(err)) => ("cell-ended", None, None, Some(err.to_string())),
             Err(err) => ("cell-ended", None, None, Some(err.to_string())),
         };
+        self.touch(&process.cell);
         let (counts, captured) = process.totals();
         let duration_ms = begun.elapsed().as_millis() as u64;
         let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
@@ -821,6 +853,14 @@ impl Harness {
             stderr_bytes: counts[1],
             journal_seq: receipt.ok().map(|r| r.seq),
         });
+    }
+
+    fn touch(&self, name: &str) {
+        if let Ok(mut live) = self.live.lock()
+            && let Some(l) = live.get_mut(name)
+        {
+            l.last_activity = Instant::now();
+        }
     }
 
     /// The processes exec'd into a cell by this daemon.

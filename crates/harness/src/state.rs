@@ -10,6 +10,16 @@ use serde::{Deserialize, Serialize};
 use crate::HarnessError;
 
 const CELLS: TableDefinition<&str, &str> = TableDefinition::new("cells");
+const GRANTS: TableDefinition<&str, &str> = TableDefinition::new("grants");
+
+/// A standing approval: the same request is approved without asking.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Grant {
+    /// The cell it is limited to; `None` for every cell (scope `always`).
+    pub cell: Option<String>,
+    pub request: String,
+    pub by: String,
+}
 
 /// What the daemon remembers of a cell.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -54,6 +64,7 @@ impl State {
         })?;
         let txn = db.begin_write().map_err(db_error)?;
         txn.open_table(CELLS).map_err(db_error)?;
+        txn.open_table(GRANTS).map_err(db_error)?;
         txn.commit().map_err(db_error)?;
         Ok(Self { db })
     }
@@ -93,6 +104,30 @@ impl State {
     pub fn all(&self) -> Result<Vec<CellEntry>, HarnessError> {
         let txn = self.db.begin_read().map_err(db_error)?;
         let table = txn.open_table(CELLS).map_err(db_error)?;
+        let mut out = Vec::new();
+        for item in table.iter().map_err(db_error)? {
+            let (_, value) = item.map_err(db_error)?;
+            out.push(serde_json::from_str(value.value()).map_err(db_error)?);
+        }
+        Ok(out)
+    }
+
+    /// Keeps a scope-`always` grant across restarts.
+    pub fn put_grant(&self, grant: &Grant) -> Result<(), HarnessError> {
+        let json = serde_json::to_string(grant).map_err(db_error)?;
+        let txn = self.db.begin_write().map_err(db_error)?;
+        {
+            let mut table = txn.open_table(GRANTS).map_err(db_error)?;
+            table
+                .insert(grant.request.as_str(), json.as_str())
+                .map_err(db_error)?;
+        }
+        txn.commit().map_err(db_error)
+    }
+
+    pub fn grants(&self) -> Result<Vec<Grant>, HarnessError> {
+        let txn = self.db.begin_read().map_err(db_error)?;
+        let table = txn.open_table(GRANTS).map_err(db_error)?;
         let mut out = Vec::new();
         for item in table.iter().map_err(db_error)? {
             let (_, value) = item.map_err(db_error)?;

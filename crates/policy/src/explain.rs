@@ -135,6 +135,19 @@ pub fn explain(policy: &Policy) -> String {
         "  - Wall clock: {}.",
         limits.wall.map_or_else(unlimited, |w| w.to_string())
     );
+    if let Some(idle) = limits.idle {
+        let _ = writeln!(
+            out,
+            "  - Idle (daemon cells): after {idle} without an exec, the daemon will {} it.",
+            limits.on_idle.name()
+        );
+    }
+    if limits.wall.is_some() && limits.on_wall == crate::LifecycleAction::Pause {
+        let _ = writeln!(
+            out,
+            "  - At the wall-clock limit the daemon pauses a cell it keeps (`warden run` kills)."
+        );
+    }
     let _ = writeln!(
         out,
         "  - Output relayed: {}.",

@@ -274,6 +274,30 @@ pub struct Limits {
     pub wall: Option<Duration>,
     /// Total bytes of stdout and stderr the warden relays before it kills the cell.
     pub output: Option<ByteSize>,
+    /// For cells kept by the daemon: time without a running or new exec after which `on_idle`
+    /// happens.
+    pub idle: Option<Duration>,
+    /// What the daemon does to an idle cell (`pause` frees its CPU; the next exec resumes it).
+    pub on_idle: LifecycleAction,
+    /// What the daemon does when a cell it keeps reaches `wall` (`warden run` always kills).
+    pub on_wall: LifecycleAction,
+}
+
+/// What happens to a cell at a lifecycle limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LifecycleAction {
+    Pause,
+    Kill,
+}
+
+impl LifecycleAction {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Pause => "pause",
+            Self::Kill => "kill",
+        }
+    }
 }
 
 impl Default for Limits {
@@ -284,6 +308,9 @@ impl Default for Limits {
             cpus: None,
             wall: None,
             output: Some(ByteSize(64 << 20)),
+            idle: None,
+            on_idle: LifecycleAction::Pause,
+            on_wall: LifecycleAction::Kill,
         }
     }
 }

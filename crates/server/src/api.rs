@@ -5,7 +5,8 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::{DefaultBodyLimit, FromRequest, Path, Query, Request, State};
+use axum::extract::connect_info::{ConnectInfo, Connected};
+use axum::extract::{DefaultBodyLimit, Extension, FromRequest, Path, Query, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -18,7 +19,8 @@ use serde::de::DeserializeOwned;
 use serde_json::json;
 use tokio_stream::wrappers::ReceiverStream;
 use warden_harness::{
-    CreateCell, ErrorKind, ExecSpec, Harness, HarnessError, Item, KillOnDrop, Process, Stream,
+    CreateCell, ErrorKind, ExecSpec, Harness, HarnessError, Item, KillOnDrop, Process, Scope,
+    Stream,
 };
 
 /// The API's OpenAPI document (also committed as docs/openapi.json).
@@ -75,6 +77,46 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
     }
 }
 
+/// Who sent a request, as the journal records it.
+#[derive(Debug, Clone)]
+pub struct Caller(pub String);
+
+/// The peer of a unix-socket connection, from the kernel (SO_PEERCRED).
+#[derive(Debug, Clone)]
+pub struct UnixPeer {
+    uid: Option<u32>,
+    pid: Option<i32>,
+}
+
+impl Connected<axum::serve::IncomingStream<'_, tokio::net::UnixListener>> for UnixPeer {
+    fn connect_info(stream: axum::serve::IncomingStream<'_, tokio::net::UnixListener>) -> Self {
+        let cred = stream.io().peer_cred().ok();
+        Self {
+            uid: cred.map(|c| c.uid()),
+            pid: cred.and_then(|c| c.pid()),
+        }
+    }
+}
+
+async fn identify_unix(mut request: Request, next: Next) -> Response {
+    let caller = match request.extensions().get::<ConnectInfo<UnixPeer>>() {
+        Some(ConnectInfo(UnixPeer {
+            uid: Some(uid),
+            pid,
+        })) => match pid {
+            Some(pid) => format!("uid {uid} (pid {pid}) on the unix socket"),
+            None => format!("uid {uid} on the unix socket"),
+        },
+        _ => "a client on the unix socket".to_owned(),
+    };
+    request.extensions_mut().insert(Caller(caller));
+    next.run(request).await
+}
+
+fn caller(extension: Option<Extension<Caller>>) -> String {
+    extension.map_or_else(|| "unknown".to_owned(), |Extension(Caller(c))| c)
+}
+
 /// The API. With a token, every request must carry `Authorization: Bearer TOKEN`.
 pub fn router(harness: Shared, token: Option<String>) -> Router {
     let router = Router::new()
@@ -92,6 +134,8 @@ pub fn router(harness: Shared, token: Option<String>) -> Router {
         .route("/v1/cells/{name}/processes/{id}/wait", get(wait))
         .route("/v1/cells/{name}/processes/{id}/stdin", post(stdin))
         .route("/v1/cells/{name}/processes/{id}/signal", post(signal))
+        .route("/v1/approvals", get(approvals))
+        .route("/v1/approvals/{name}/{id}", post(answer))
         .fallback(no_route)
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .with_state(harness);
@@ -100,14 +144,14 @@ pub fn router(harness: Shared, token: Option<String>) -> Router {
             Arc::new(token),
             require_token,
         )),
-        None => router,
+        None => router.layer(middleware::from_fn(identify_unix)),
     }
 }
 
 async fn require_token(
     State(token): State<Arc<String>>,
     headers: HeaderMap,
-    request: Request,
+    mut request: Request,
     next: Next,
 ) -> Response {
     let given = headers
@@ -116,6 +160,14 @@ async fn require_token(
         .and_then(|v| v.strip_prefix("Bearer "))
         .unwrap_or("");
     if constant_time_eq(given.as_bytes(), token.as_bytes()) {
+        let peer = request
+            .extensions()
+            .get::<ConnectInfo<std::net::SocketAddr>>()
+            .map(|ConnectInfo(addr)| addr.to_string())
+            .unwrap_or_else(|| "?".to_owned());
+        request
+            .extensions_mut()
+            .insert(Caller(format!("the bearer token, over TCP from {peer}")));
         next.run(request).await
     } else {
         let mut response = ApiError {
@@ -179,21 +231,34 @@ async fn get_cell(
 async fn delete_cell(
     State(harness): State<Shared>,
     Path(name): Path<String>,
+    by: Option<Extension<Caller>>,
 ) -> Result<Response, ApiError> {
-    harness.delete(&name).await?;
+    harness.delete(&name, &caller(by)).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
-async fn pause(State(h): State<Shared>, Path(name): Path<String>) -> Result<Response, ApiError> {
-    Ok(Json(h.control(&name, "pause").await?).into_response())
+async fn pause(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+    by: Option<Extension<Caller>>,
+) -> Result<Response, ApiError> {
+    Ok(Json(h.control(&name, "pause", &caller(by)).await?).into_response())
 }
 
-async fn resume(State(h): State<Shared>, Path(name): Path<String>) -> Result<Response, ApiError> {
-    Ok(Json(h.control(&name, "resume").await?).into_response())
+async fn resume(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+    by: Option<Extension<Caller>>,
+) -> Result<Response, ApiError> {
+    Ok(Json(h.control(&name, "resume", &caller(by)).await?).into_response())
 }
 
-async fn kill(State(h): State<Shared>, Path(name): Path<String>) -> Result<Response, ApiError> {
-    Ok(Json(h.control(&name, "kill").await?).into_response())
+async fn kill(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+    by: Option<Extension<Caller>>,
+) -> Result<Response, ApiError> {
+    Ok(Json(h.control(&name, "kill", &caller(by)).await?).into_response())
 }
 
 /// Starts a process. Foreground: the answer is an event stream of its output and ending, and
@@ -279,6 +344,39 @@ async fn stdin(
         None => body.data.into_bytes(),
     };
     harness.stdin(&name, id, &data, body.close).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn approvals(State(harness): State<Shared>) -> Json<Vec<warden_harness::Approval>> {
+    Json(harness.approvals())
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AnswerBody {
+    /// `approve` or `deny`.
+    decision: String,
+    /// `once` (default), `cell` or `always`.
+    scope: Option<String>,
+}
+
+async fn answer(
+    State(harness): State<Shared>,
+    Path((name, id)): Path<(String, u64)>,
+    by: Option<Extension<Caller>>,
+    Body(body): Body<AnswerBody>,
+) -> Result<Response, ApiError> {
+    let allow = match body.decision.as_str() {
+        "approve" => true,
+        "deny" => false,
+        other => {
+            return Err(
+                HarnessError::bad(format!("decision `{other}`: use approve or deny")).into(),
+            );
+        }
+    };
+    let scope = Scope::parse(body.scope.as_deref().unwrap_or("once"))?;
+    harness.answer(&name, id, allow, scope, &caller(by)).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 

@@ -76,7 +76,8 @@ pub async fn serve(
     let unix = tokio::net::UnixListener::bind(&socket).map_err(io_at("listening on", &socket))?;
     std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))
         .map_err(io_at("restricting", &socket))?;
-    let app = router(Arc::clone(&harness), None);
+    let app =
+        router(Arc::clone(&harness), None).into_make_service_with_connect_info::<api::UnixPeer>();
     let unix_server = tokio::spawn(async move { axum::serve(unix, app).await });
     let mut tcp_addr = None;
     if let Some(addr) = config.listen {
@@ -89,7 +90,8 @@ pub async fn serve(
                 source,
             })?;
         tcp_addr = listener.local_addr().ok();
-        let app = router(Arc::clone(&harness), Some(token));
+        let app = router(Arc::clone(&harness), Some(token))
+            .into_make_service_with_connect_info::<SocketAddr>();
         tokio::spawn(async move { axum::serve(listener, app).await });
     }
     ready(&socket, tcp_addr);

@@ -1,0 +1,417 @@
+//! What the daemon does for each live cell, from outside and on its own clock: notice its end,
+//! copy its gateway's decisions into the journal, turn its `ask` questions into approvals, and
+//! apply its idle and wall-clock limits.
+
+use std::collections::{HashMap, HashSet};
+use std::io::{BufRead as _, Seek as _};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use serde_json::json;
+use warden_cell::control;
+use warden_policy::{LifecycleAction, Policy};
+
+use crate::{ErrorKind, Harness, HarnessError};
+
+const TICK: Duration = Duration::from_millis(100);
+
+/// The daemon's running view of one live cell.
+#[derive(Debug)]
+pub(crate) struct Live {
+    pub(crate) policy: Policy,
+    pub(crate) started: Instant,
+    pub(crate) last_activity: Instant,
+    /// Paused by the idle limit: the next exec resumes it.
+    pub(crate) idle_paused: bool,
+    wall_done: bool,
+    net_offset: u64,
+    /// Questions seen (by id) and whether the daemon answered them.
+    asked: HashMap<u64, Question>,
+}
+
+impl Live {
+    pub(crate) fn new(policy: Policy) -> Self {
+        Self {
+            policy,
+            started: Instant::now(),
+            last_activity: Instant::now(),
+            idle_paused: false,
+            wall_done: false,
+            net_offset: 0,
+            asked: HashMap::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Question {
+    request: String,
+    answered: bool,
+}
+
+/// A pending approval as the API shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Approval {
+    pub cell: String,
+    pub id: u64,
+    pub request: String,
+    pub rule: String,
+    pub asked_at: u64,
+    pub timeout_s: u64,
+}
+
+/// How far an approval reaches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// This question only.
+    Once,
+    /// This request from this cell, from now on.
+    Cell,
+    /// This request from any cell, from now on (kept across restarts).
+    Always,
+}
+
+impl Scope {
+    pub fn parse(text: &str) -> Result<Self, HarnessError> {
+        match text {
+            "once" => Ok(Self::Once),
+            "cell" => Ok(Self::Cell),
+            "always" => Ok(Self::Always),
+            other => Err(HarnessError::bad(format!(
+                "scope `{other}`: use once, cell or always"
+            ))),
+        }
+    }
+    fn name(self) -> &'static str {
+        match self {
+            Self::Once => "once",
+            Self::Cell => "cell",
+            Self::Always => "always",
+        }
+    }
+}
+
+impl Harness {
+    /// Watches a live cell until its processes are gone.
+    pub(crate) fn watch(self: &Arc<Self>, name: String) {
+        let harness = Arc::clone(self);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(TICK).await;
+                let alive = harness.registry.get(&name).is_ok();
+                harness.copy_decisions(&name).await;
+                if !alive {
+                    harness.ended(&name).await;
+                    return;
+                }
+                harness.questions(&name).await;
+                harness.lifecycle(&name).await;
+            }
+        });
+    }
+
+    async fn ended(&self, name: &str) {
+        if let Ok(mut live) = self.live.lock() {
+            live.remove(name);
+        }
+        if let Ok(Some(mut entry)) = self.state.get(name)
+            && entry.ended.is_none()
+        {
+            let reason = if self.kill_requested(name) {
+                "killed"
+            } else {
+                "its processes ended"
+            };
+            entry.ended = Some(reason.to_owned());
+            let _ = self.state.put(&entry);
+            let _ = self
+                .record(Some(name), "cell.end", json!({ "reason": reason }))
+                .await;
+        }
+    }
+
+    /// New lines of the cell's egress record become `net.decision` entries.
+    async fn copy_decisions(&self, name: &str) {
+        let offset = match self.live.lock() {
+            Ok(live) => match live.get(name) {
+                Some(l) => l.net_offset,
+                None => return,
+            },
+            Err(_) => return,
+        };
+        let path = self.store.net_log_path(name);
+        let Ok(mut file) = std::fs::File::open(&path) else {
+            return;
+        };
+        if file.seek(std::io::SeekFrom::Start(offset)).is_err() {
+            return;
+        }
+        let mut reader = std::io::BufReader::new(file);
+        let mut consumed = offset;
+        let mut line = String::new();
+        loop {
+            line.clear();
+            match reader.read_line(&mut line) {
+                Ok(0) | Err(_) => break,
+                Ok(n) if !line.ends_with('\n') => {
+                    let _ = n; // a line still being written: take it next time
+                    break;
+                }
+                Ok(n) => {
+                    consumed += n as u64;
+                    if let Ok(decision) = serde_json::from_str::<serde_json::Value>(&line) {
+                        let _ = self.record(Some(name), "net.decision", decision).await;
+                    }
+                }
+            }
+        }
+        if let Ok(mut live) = self.live.lock()
+            && let Some(l) = live.get_mut(name)
+        {
+            l.net_offset = consumed;
+        }
+    }
+
+    /// Journals new questions, answers those covered by a grant, and notes those that timed out.
+    async fn questions(&self, name: &str) {
+        let pending = control::pending_questions(&self.registry, name).unwrap_or_default();
+        let open: HashSet<u64> = pending.iter().map(|q| q.id).collect();
+        let mut new = Vec::new();
+        let mut gone = Vec::new();
+        if let Ok(mut live) = self.live.lock()
+            && let Some(l) = live.get_mut(name)
+        {
+            for q in &pending {
+                if !l.asked.contains_key(&q.id) {
+                    l.asked.insert(
+                        q.id,
+                        Question {
+                            request: q.request.clone(),
+                            answered: false,
+                        },
+                    );
+                    new.push(q.clone());
+                }
+            }
+            l.asked.retain(|id, q| {
+                if open.contains(id) {
+                    return true;
+                }
+                if !q.answered {
+                    gone.push((*id, q.request.clone()));
+                }
+                false
+            });
+        }
+        let on_timeout = self.policy_of(name).map(|p| p.approvals.on_timeout);
+        for (id, request) in gone {
+            let outcome = match on_timeout {
+                Some(warden_policy::ApprovalOutcome::Allow) => "allow",
+                _ => "deny",
+            };
+            let _ = self
+                .record(
+                    Some(name),
+                    "approval.timeout",
+                    json!({ "id": id, "request": request, "outcome": outcome }),
+                )
+                .await;
+        }
+        for q in new {
+            let _ = self
+                .record(
+                    Some(name),
+                    "approval.ask",
+                    json!({ "id": q.id, "request": q.request, "rule": q.rule, "timeout_s": q.timeout_s }),
+                )
+                .await;
+            if let Some(grant) = self.grant_for(name, &q.request) {
+                let _ = self
+                    .answer_inner(name, q.id, true, Scope::Once, &format!("grant: {grant}"))
+                    .await;
+            }
+        }
+    }
+
+    fn policy_of(&self, name: &str) -> Option<Policy> {
+        self.live
+            .lock()
+            .ok()
+            .and_then(|l| l.get(name).map(|l| l.policy.clone()))
+    }
+
+    /// A standing grant that covers this request from this cell, described.
+    fn grant_for(&self, name: &str, request: &str) -> Option<String> {
+        let grants = self.grants.lock().ok()?;
+        grants
+            .iter()
+            .find(|g| g.request == request && g.cell.as_deref().is_none_or(|c| c == name))
+            .map(|g| {
+                format!(
+                    "{} approved with scope {} by {}",
+                    g.request,
+                    if g.cell.is_some() { "cell" } else { "always" },
+                    g.by
+                )
+            })
+    }
+
+    /// The approvals waiting for a person, over every cell.
+    pub fn approvals(&self) -> Vec<Approval> {
+        let names: Vec<String> = self
+            .live
+            .lock()
+            .map(|l| l.keys().cloned().collect::<Vec<String>>())
+            .unwrap_or_default();
+        let mut out = Vec::new();
+        for name in names {
+            for q in control::pending_questions(&self.registry, &name).unwrap_or_default() {
+                out.push(Approval {
+                    cell: name.clone(),
+                    id: q.id,
+                    request: q.request,
+                    rule: q.rule,
+                    asked_at: q.asked_at,
+                    timeout_s: q.timeout_s,
+                });
+            }
+        }
+        out.sort_by_key(|a| a.asked_at);
+        out
+    }
+
+    /// Answers an approval; `by` says who (journaled with the answer).
+    pub async fn answer(
+        &self,
+        name: &str,
+        id: u64,
+        allow: bool,
+        scope: Scope,
+        by: &str,
+    ) -> Result<(), HarnessError> {
+        self.entry(name)?;
+        if !allow && scope != Scope::Once {
+            return Err(HarnessError::bad(
+                "a denial answers one question (scope once); change the policy to refuse for good",
+            ));
+        }
+        self.answer_inner(name, id, allow, scope, by).await
+    }
+
+    async fn answer_inner(
+        &self,
+        name: &str,
+        id: u64,
+        allow: bool,
+        scope: Scope,
+        by: &str,
+    ) -> Result<(), HarnessError> {
+        let request = self.live.lock().ok().and_then(|l| {
+            l.get(name)
+                .and_then(|l| l.asked.get(&id).map(|q| q.request.clone()))
+        });
+        let Some(request) = request.or_else(|| {
+            control::pending_questions(&self.registry, name)
+                .ok()?
+                .into_iter()
+                .find(|q| q.id == id)
+                .map(|q| q.request)
+        }) else {
+            return Err(HarnessError::new(
+                ErrorKind::NotFound,
+                format!("cell `{name}` has no open question {id} (GET /v1/approvals lists them)"),
+            ));
+        };
+        self.record(
+            Some(name),
+            "approval.answer",
+            json!({
+                "id": id,
+                "request": request,
+                "decision": if allow { "approve" } else { "deny" },
+                "scope": scope.name(),
+                "by": by,
+            }),
+        )
+        .await?;
+        control::answer_question(&self.registry, name, id, allow)
+            .map_err(|e| HarnessError::new(ErrorKind::NotFound, e.to_string()))?;
+        if let Ok(mut live) = self.live.lock()
+            && let Some(q) = live.get_mut(name).and_then(|l| l.asked.get_mut(&id))
+        {
+            q.answered = true;
+        }
+        if allow && scope != Scope::Once {
+            let grant = crate::state::Grant {
+                cell: (scope == Scope::Cell).then(|| name.to_owned()),
+                request,
+                by: by.to_owned(),
+            };
+            if scope == Scope::Always {
+                self.state.put_grant(&grant)?;
+            }
+            if let Ok(mut grants) = self.grants.lock() {
+                grants.push(grant);
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies the idle and wall-clock limits of a cell the daemon keeps.
+    async fn lifecycle(&self, name: &str) {
+        let running = self
+            .processes
+            .lock()
+            .map(|p| {
+                p.get(name)
+                    .is_some_and(|list| list.iter().any(|p| p.exit().is_none()))
+            })
+            .unwrap_or(false);
+        let mut due = None;
+        if let Ok(mut live) = self.live.lock()
+            && let Some(l) = live.get_mut(name)
+        {
+            if running {
+                l.last_activity = Instant::now();
+            }
+            let limits = &l.policy.limits;
+            if let Some(wall) = limits.wall
+                && !l.wall_done
+                && l.started.elapsed() >= wall.0
+            {
+                l.wall_done = true;
+                due = Some(("cell.wall", limits.on_wall, wall.to_string()));
+            } else if let Some(idle) = limits.idle
+                && !l.idle_paused
+                && l.last_activity.elapsed() >= idle.0
+            {
+                if limits.on_idle == LifecycleAction::Pause {
+                    l.idle_paused = true;
+                } else {
+                    l.last_activity = Instant::now();
+                }
+                due = Some(("cell.idle", limits.on_idle, idle.to_string()));
+            }
+        }
+        let Some((kind, action, limit)) = due else {
+            return;
+        };
+        if action == LifecycleAction::Pause
+            && self
+                .registry
+                .get(name)
+                .is_ok_and(|r| control::is_paused(&r))
+        {
+            return;
+        }
+        let _ = self
+            .record(
+                Some(name),
+                kind,
+                json!({ "limit": limit, "action": action.name() }),
+            )
+            .await;
+        let _ = self.control(name, action.name(), "policy").await;
+    }
+}
