@@ -516,13 +516,12 @@ impl Harness {
         self.live(name)?;
         self.record(Some(name), &format!("cell.{action}"), json!({ "by": by }))
             .await?;
-        if let Ok(mut live) = self.live.lock()
+        if action == "resume"
+            && let Ok(mut live) = self.live.lock()
             && let Some(l) = live.get_mut(name)
         {
-            if action == "resume" {
-                l.idle_paused = false;
-                l.last_activity = Instant::now();
-            }
+            l.idle_paused = false;
+            l.last_activity = Instant::now();
         }
         let registry = self.registry.clone();
         let owned = name.to_owned();

@@ -183,14 +183,11 @@ impl Harness {
             && let Some(l) = live.get_mut(name)
         {
             for q in &pending {
-                if !l.asked.contains_key(&q.id) {
-                    l.asked.insert(
-                        q.id,
-                        Question {
-                            request: q.request.clone(),
-                            answered: false,
-                        },
-                    );
+                if let std::collections::hash_map::Entry::Vacant(slot) = l.asked.entry(q.id) {
+                    slot.insert(Question {
+                        request: q.request.clone(),
+                        answered: false,
+                    });
                     new.push(q.clone());
                 }
             }
