@@ -783,3 +783,206 @@ fn an_idle_cell_is_paused_and_the_next_exec_wakes_it() {
     assert!(journal.contains("\"kind\":\"cell.idle\""));
     assert!(journal.contains("exec after an idle pause"));
 }
+
+#[test]
+fn files_round_trip_and_paths_cannot_leave_the_cell() {
+    if !cgroups_available("daemon_files") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let host = tempdir();
+    std::fs::write(host.path().join("readme.txt"), "from the host\n").unwrap();
+    std::os::unix::fs::symlink("/etc/passwd", host.path().join("escape")).unwrap();
+    let workspace = host.path().display().to_string();
+    let cell = daemon.create(&unique("files"), json!({ "workspace": workspace }));
+    let files = |op: &str, query: &str| format!("/v1/cells/{cell}/files/{op}?path={query}");
+
+    // Read what the host put there; write, list, stat, move, remove.
+    let read = daemon.request("GET", &files("content", "readme.txt"), None);
+    assert_eq!(
+        (read.status, read.body.as_slice()),
+        (200, &b"from the host\n"[..])
+    );
+    assert_eq!(
+        daemon
+            .call(
+                "POST",
+                &format!("/v1/cells/{cell}/files/mkdir"),
+                Some(json!({"path": "notes/deep"}))
+            )
+            .status,
+        204
+    );
+    let write = daemon.request(
+        "PUT",
+        &files("content", "notes/a.txt"),
+        Some("hello\u{0}bytes"),
+    );
+    assert_eq!(
+        write.status,
+        204,
+        "{}",
+        String::from_utf8_lossy(&write.body)
+    );
+    assert_eq!(
+        daemon
+            .request("GET", &files("content", "notes/a.txt"), None)
+            .body,
+        b"hello\0bytes"
+    );
+    let list = daemon.call("GET", &files("list", "notes"), None).json();
+    let names: Vec<&str> = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["a.txt", "deep"]);
+    let stat = daemon
+        .call("GET", &files("stat", "notes/a.txt"), None)
+        .json();
+    assert_eq!(
+        (stat["kind"].as_str(), stat["size"].as_u64()),
+        (Some("file"), Some(11))
+    );
+    let moved = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/files/move"),
+        Some(json!({"from": "notes/a.txt", "to": "notes/b.txt"})),
+    );
+    assert_eq!(
+        moved.status,
+        204,
+        "{}",
+        String::from_utf8_lossy(&moved.body)
+    );
+    assert_eq!(
+        daemon
+            .request("GET", &files("content", "notes/a.txt"), None)
+            .status,
+        404
+    );
+    assert_eq!(
+        daemon
+            .call(
+                "POST",
+                &format!("/v1/cells/{cell}/files/remove"),
+                Some(json!({"path": "notes", "recursive": true}))
+            )
+            .status,
+        204
+    );
+    assert_eq!(
+        daemon.call("GET", &files("stat", "notes"), None).status,
+        404
+    );
+
+    // The cell sees what the API wrote, and the host directory is untouched (copy-on-write).
+    daemon.request("PUT", &files("content", "made-by-api"), Some("x"));
+    let events = daemon.exec(&cell, json!({ "argv": ["cat", "/workspace/made-by-api"] }));
+    assert_eq!(stream_bytes(&events, "stdout"), b"x");
+    assert!(!host.path().join("made-by-api").exists());
+
+    // Escapes: `..`, absolute paths, and symlinks (from the host or made in the cell) that
+    // point out of the files root are refused with 400 before anything is done.
+    daemon.exec(
+        &cell,
+        json!({ "argv": ["ln", "-s", "/etc", "/workspace/etc-link"] }),
+    );
+    let passwd_before = std::fs::read("/etc/passwd").unwrap();
+    for (method, url, body) in [
+        ("GET", files("content", "../../etc/passwd"), None),
+        ("GET", files("content", "/etc/passwd"), None),
+        ("GET", files("content", "escape"), None),
+        ("PUT", files("content", "etc-link/passwd"), Some("owned")),
+        ("PUT", files("content", "escape"), Some("owned")),
+        ("GET", files("archive", "etc-link"), None),
+    ] {
+        let answer = daemon.request(method, &url, body);
+        assert_eq!(
+            answer.status,
+            400,
+            "{method} {url}: {}",
+            String::from_utf8_lossy(&answer.body)
+        );
+        let message = answer.json()["error"].as_str().unwrap().to_owned();
+        assert!(
+            message.contains("outside") || message.contains("..") || message.contains("absolute"),
+            "{message}"
+        );
+    }
+    assert_eq!(std::fs::read("/etc/passwd").unwrap(), passwd_before);
+
+    // Archives: upload unpacks (members with `..` are refused by tar in the cell), download packs.
+    let staging = tempdir();
+    std::fs::create_dir(staging.path().join("sub")).unwrap();
+    std::fs::write(staging.path().join("sub/ok.txt"), "fine\n").unwrap();
+    std::fs::write(staging.path().join("evil"), "evil\n").unwrap();
+    let tar = staging.path().join("x.tar");
+    let made = std::process::Command::new("tar")
+        .args([
+            "-C",
+            &staging.path().join("sub").display().to_string(),
+            "-cPf",
+            &tar.display().to_string(),
+            "ok.txt",
+            "../evil",
+        ])
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let bytes = std::fs::read(&tar).unwrap();
+    let mut stream = std::os::unix::net::UnixStream::connect(daemon.socket()).unwrap();
+    use std::io::Write as _;
+    let head = format!(
+        "PUT {} HTTP/1.1\r\nHost: w\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
+        files("archive", "unpacked"),
+        bytes.len()
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    stream.write_all(&bytes).unwrap();
+    let mut raw = Vec::new();
+    use std::io::Read as _;
+    stream.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8_lossy(&raw);
+    assert!(
+        text.starts_with("HTTP/1.1 400"),
+        "tar refuses the `..` member: {text}"
+    );
+    let events = daemon.exec(&cell, json!({ "argv": ["sh", "-c", "cat /workspace/unpacked/ok.txt; ls /workspace/evil /evil 2>&1 | wc -l"] }));
+    let out = String::from_utf8(stream_bytes(&events, "stdout")).unwrap();
+    assert!(out.starts_with("fine\n"), "{out}");
+    assert!(!host.path().join("evil").exists() && !staging.path().join("sub/evil").exists());
+    let archive = daemon.request("GET", &files("archive", "unpacked"), None);
+    assert_eq!(archive.status, 200);
+    let listed = std::process::Command::new("tar")
+        .arg("-t")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    listed
+        .stdin
+        .as_ref()
+        .unwrap()
+        .write_all(&archive.body)
+        .unwrap();
+    let listed = listed.wait_with_output().unwrap();
+    assert!(String::from_utf8_lossy(&listed.stdout).contains("./ok.txt"));
+
+    // Every change is journaled with its path.
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    for kind in [
+        "file.write",
+        "file.mkdir",
+        "file.move",
+        "file.remove",
+        "file.upload",
+        "file.read",
+    ] {
+        assert!(
+            journal.contains(&format!("\"kind\":\"{kind}\"")),
+            "{kind} journaled"
+        );
+    }
+}

@@ -9,6 +9,7 @@
 //! do not depend on the daemon, so `kill -9` of the daemon leaves every cell running; the next
 //! daemon finds them through the runtime registry and reattaches.
 
+mod files;
 mod process;
 mod state;
 mod supervise;
@@ -26,6 +27,7 @@ use warden_cell::linux::exec::{ExecEvent, ExecRequest, ExecSession};
 use warden_cell::{Registry, Store, control};
 use warden_journal::{Journal, Receipt};
 
+pub use files::{FileInfo, READ_LIMIT};
 pub use process::{ExitInfo, Item, KillOnDrop, Process, ProcessInfo, Stream};
 use state::State;
 pub use state::{CellEntry, Grant, PolicySource};

@@ -28,6 +28,8 @@ pub const OPENAPI: &str = include_str!("../../../docs/openapi.json");
 
 /// Largest request body.
 const BODY_LIMIT: usize = 1024 * 1024;
+/// Largest file or archive upload.
+const UPLOAD_LIMIT: usize = 64 * 1024 * 1024;
 
 type Shared = Arc<Harness>;
 
@@ -134,6 +136,23 @@ pub fn router(harness: Shared, token: Option<String>) -> Router {
         .route("/v1/cells/{name}/processes/{id}/wait", get(wait))
         .route("/v1/cells/{name}/processes/{id}/stdin", post(stdin))
         .route("/v1/cells/{name}/processes/{id}/signal", post(signal))
+        .route(
+            "/v1/cells/{name}/files/content",
+            get(read_file)
+                .put(write_file)
+                .layer(DefaultBodyLimit::max(UPLOAD_LIMIT)),
+        )
+        .route(
+            "/v1/cells/{name}/files/archive",
+            get(download)
+                .put(upload)
+                .layer(DefaultBodyLimit::max(UPLOAD_LIMIT)),
+        )
+        .route("/v1/cells/{name}/files/list", get(list_files))
+        .route("/v1/cells/{name}/files/stat", get(stat_file))
+        .route("/v1/cells/{name}/files/mkdir", post(mkdir))
+        .route("/v1/cells/{name}/files/remove", post(remove_file))
+        .route("/v1/cells/{name}/files/move", post(move_file))
         .route("/v1/approvals", get(approvals))
         .route("/v1/approvals/{name}/{id}", post(answer))
         .fallback(no_route)
@@ -344,6 +363,110 @@ async fn stdin(
         None => body.data.into_bytes(),
     };
     harness.stdin(&name, id, &data, body.close).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PathQuery {
+    /// Relative to the cell's files root (its workspace, else its working directory).
+    #[serde(default)]
+    path: String,
+}
+
+async fn read_file(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+    Query(q): Query<PathQuery>,
+) -> Result<Response, ApiError> {
+    let data = h.read_file(&name, &q.path).await?;
+    Ok(([(header::CONTENT_TYPE, "application/octet-stream")], data).into_response())
+}
+
+async fn write_file(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+    Query(q): Query<PathQuery>,
+    body: axum::body::Bytes,
+) -> Result<Response, ApiError> {
+    h.write_file(&name, &q.path, body.to_vec()).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn download(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+    Query(q): Query<PathQuery>,
+) -> Result<Response, ApiError> {
+    let data = h.download(&name, &q.path).await?;
+    Ok(([(header::CONTENT_TYPE, "application/x-tar")], data).into_response())
+}
+
+async fn upload(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+    Query(q): Query<PathQuery>,
+    body: axum::body::Bytes,
+) -> Result<Response, ApiError> {
+    h.upload(&name, &q.path, body.to_vec()).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn list_files(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+    Query(q): Query<PathQuery>,
+) -> Result<Response, ApiError> {
+    Ok(Json(h.list_files(&name, &q.path).await?).into_response())
+}
+
+async fn stat_file(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+    Query(q): Query<PathQuery>,
+) -> Result<Response, ApiError> {
+    Ok(Json(h.stat_file(&name, &q.path).await?).into_response())
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PathBody {
+    path: String,
+    #[serde(default)]
+    recursive: bool,
+}
+
+async fn mkdir(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+    Body(body): Body<PathBody>,
+) -> Result<Response, ApiError> {
+    h.mkdir(&name, &body.path).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn remove_file(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+    Body(body): Body<PathBody>,
+) -> Result<Response, ApiError> {
+    h.remove(&name, &body.path, body.recursive).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MoveBody {
+    from: String,
+    to: String,
+}
+
+async fn move_file(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+    Body(body): Body<MoveBody>,
+) -> Result<Response, ApiError> {
+    h.rename(&name, &body.from, &body.to).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
