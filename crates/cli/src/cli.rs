@@ -135,6 +135,9 @@ pub enum Command {
     Create(CreateArgs),
     /// Run a command in a cell made with `warden create`, streaming its output.
     Exec(ExecArgs),
+    /// Copy a file or directory between the host and a daemon cell: `warden cp FILE CELL:PATH`
+    /// or `warden cp CELL:PATH DEST` (PATH is relative to the cell's workspace).
+    Cp { source: String, dest: String },
     /// Check or export the journal.
     Audit {
         #[command(subcommand)]

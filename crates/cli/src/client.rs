@@ -41,6 +41,16 @@ impl Client {
         path: &str,
         body: Option<&Value>,
     ) -> Result<Response<Incoming>> {
+        let bytes = body.map(|b| b.to_string()).unwrap_or_default();
+        self.send_bytes(method, path, bytes.into_bytes()).await
+    }
+
+    async fn send_bytes(
+        &self,
+        method: Method,
+        path: &str,
+        bytes: Vec<u8>,
+    ) -> Result<Response<Incoming>> {
         let stream = tokio::net::UnixStream::connect(&self.socket)
             .await
             .with_context(|| {
@@ -55,7 +65,6 @@ impl Client {
         tokio::spawn(async move {
             let _ = connection.await;
         });
-        let bytes = body.map(|b| b.to_string()).unwrap_or_default();
         let request = Request::builder()
             .method(method)
             .uri(path)
@@ -67,6 +76,26 @@ impl Client {
             .send_request(request)
             .await
             .context("the warden daemon did not answer")
+    }
+
+    /// A request with raw bytes each way (files and archives).
+    pub async fn bytes(&self, method: Method, path: &str, body: Vec<u8>) -> Result<Vec<u8>> {
+        let response = self.send_bytes(method, path, body).await?;
+        let status = response.status();
+        let bytes = response
+            .into_body()
+            .collect()
+            .await
+            .context("reading the daemon's answer")?
+            .to_bytes();
+        if !status.is_success() {
+            let message = serde_json::from_slice::<Value>(&bytes)
+                .ok()
+                .and_then(|v| v.get("error").and_then(Value::as_str).map(str::to_owned))
+                .unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
+            return Err(ApiError { status, message }.into());
+        }
+        Ok(bytes.to_vec())
     }
 
     /// A JSON request; errors carry the API's message.

@@ -136,6 +136,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         Command::Doctor { json } => doctor(json),
         Command::Serve { listen, token_file } => crate::daemon::serve(listen, token_file),
         Command::Create(args) => crate::daemon::create(args),
+        Command::Cp { source, dest } => crate::daemon::copy(&source, &dest),
         Command::Exec(args) => crate::daemon::exec(args),
         Command::Audit { command } => crate::daemon::audit(command),
         Command::Replay { name, json } => crate::daemon::replay(&name, json),

@@ -223,6 +223,77 @@ pub fn exec(args: ExecArgs) -> Result<i32> {
     Ok(code)
 }
 
+/// `CELL:PATH`, when the text names a cell side.
+fn cell_side(text: &str) -> Option<(&str, &str)> {
+    let (cell, path) = text.split_once(':')?;
+    warden_cell::linux::plan::check_name(cell).ok()?;
+    Some((cell, path))
+}
+
+/// Percent-encodes a query value.
+fn query(value: &str) -> String {
+    value
+        .bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' | b'/' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+pub fn copy(source: &str, dest: &str) -> Result<i32> {
+    let client = client()?;
+    let rt = current_thread()?;
+    match (cell_side(source), cell_side(dest)) {
+        (None, Some((cell, path))) => {
+            let host = std::path::Path::new(source);
+            let meta = std::fs::metadata(host).with_context(|| format!("{source}"))?;
+            if meta.is_dir() {
+                let mut builder = tar::Builder::new(Vec::new());
+                builder.follow_symlinks(false);
+                builder
+                    .append_dir_all(".", host)
+                    .with_context(|| format!("packing {source}"))?;
+                let archive = builder.into_inner().context("packing")?;
+                let url = format!("/v1/cells/{cell}/files/archive?path={}", query(path));
+                rt.block_on(client.bytes(Method::PUT, &url, archive))?;
+            } else {
+                let data = std::fs::read(host).with_context(|| format!("reading {source}"))?;
+                let url = format!("/v1/cells/{cell}/files/content?path={}", query(path));
+                rt.block_on(client.bytes(Method::PUT, &url, data))?;
+            }
+        }
+        (Some((cell, path)), None) => {
+            let stat = format!("/v1/cells/{cell}/files/stat?path={}", query(path));
+            let info = rt.block_on(client.json(Method::GET, &stat, None))?;
+            if info["kind"] == "dir" {
+                let url = format!("/v1/cells/{cell}/files/archive?path={}", query(path));
+                let archive = rt.block_on(client.bytes(Method::GET, &url, Vec::new()))?;
+                std::fs::create_dir_all(dest).with_context(|| format!("making {dest}"))?;
+                // `unpack` keeps every member inside `dest` (no `..`, no absolute paths).
+                tar::Archive::new(archive.as_slice())
+                    .unpack(dest)
+                    .with_context(|| format!("unpacking into {dest}"))?;
+            } else {
+                let url = format!("/v1/cells/{cell}/files/content?path={}", query(path));
+                let data = rt.block_on(client.bytes(Method::GET, &url, Vec::new()))?;
+                let target = std::path::Path::new(dest);
+                let target = if target.is_dir() {
+                    target.join(path.rsplit('/').next().unwrap_or(path))
+                } else {
+                    target.to_path_buf()
+                };
+                std::fs::write(&target, data)
+                    .with_context(|| format!("writing {}", target.display()))?;
+            }
+        }
+        _ => bail!("one side of `warden cp` must be CELL:PATH and the other a host path"),
+    }
+    Ok(0)
+}
+
 /// `warden keep`: the keeper of one daemon cell, an exec-serving cell without a command.
 pub fn keep(args: KeepArgs) -> Result<i32> {
     let mut policy = match (&args.policy, &args.preset) {

@@ -3,8 +3,7 @@
 //! Every operation runs *inside* the cell, as the cell's user, under the cell's mount namespace,
 //! Landlock domain and seccomp filter, using the cell's own read-only tools (`cat`, `find`,
 //! `tar`, ...): the API can read or change nothing that the cell itself could not. On top of
-//! that, paths are relative to the cell's files root (its workspace, else its working
-//! directory), `..` and absolute paths are refused, and a path whose real location (symlinks
+//! that, paths are relative to the cell's files root (its workspace, else its private /tmp), `..` and absolute paths are refused, and a path whose real location (symlinks
 //! resolved inside the cell) leaves the root is refused before anything is done.
 
 use std::sync::Arc;
@@ -50,12 +49,13 @@ impl Harness {
             .ok_or_else(|| {
                 HarnessError::new(ErrorKind::Conflict, format!("cell `{name}` has ended"))
             })?;
+        // A cell without a workspace has no work area but its private /tmp.
         let root = if entry.workspace.is_some() {
-            policy.filesystem.workspace.mount.clone()
+            policy.filesystem.workspace.mount.display().to_string()
         } else {
-            policy.process.cwd.clone()
+            "/tmp".to_owned()
         };
-        Ok(root.display().to_string())
+        Ok(root)
     }
 
     /// Checks a relative path and returns it joined to the root.

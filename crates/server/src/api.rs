@@ -369,7 +369,7 @@ async fn stdin(
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct PathQuery {
-    /// Relative to the cell's files root (its workspace, else its working directory).
+    /// Relative to the cell's files root (its workspace, else its private /tmp).
     #[serde(default)]
     path: String,
 }
@@ -612,4 +612,29 @@ fn output_event(stream: Stream, pending: &mut Vec<u8>, last: bool) -> Option<Eve
         }
     };
     Some(Event::default().event(name).data(data.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    /// Every route of the router is in the OpenAPI document, and nothing else is.
+    #[test]
+    fn the_openapi_document_names_exactly_the_routes() {
+        let source = include_str!("api.rs");
+        let mut routes: Vec<String> = source
+            .split(".route(")
+            .skip(1)
+            .filter_map(|rest| rest.trim_start().strip_prefix('"'))
+            .map(|rest| rest.split('"').next().unwrap().to_owned())
+            .filter(|route| route.starts_with('/'))
+            .collect();
+        routes.sort();
+        routes.dedup();
+        let doc: serde_json::Value = serde_json::from_str(super::OPENAPI).unwrap();
+        let mut documented: Vec<String> =
+            doc["paths"].as_object().unwrap().keys().cloned().collect();
+        documented.sort();
+        assert_eq!(routes, documented);
+    }
 }
