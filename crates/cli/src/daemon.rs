@@ -249,7 +249,7 @@ pub fn copy(source: &str, dest: &str) -> Result<i32> {
     match (cell_side(source), cell_side(dest)) {
         (None, Some((cell, path))) => {
             let host = std::path::Path::new(source);
-            let meta = std::fs::metadata(host).with_context(|| format!("{source}"))?;
+            let meta = std::fs::metadata(host).with_context(|| source.to_owned())?;
             if meta.is_dir() {
                 let mut builder = tar::Builder::new(Vec::new());
                 builder.follow_symlinks(false);
