@@ -186,9 +186,13 @@ impl Harness {
             processes: Mutex::new(HashMap::new()),
             next_process: AtomicU64::new(1),
         });
-        harness
+        let start = harness
             .record(None, "daemon.start", json!({ "pid": std::process::id() }))
             .await?;
+        // Process ids stay unique across restarts: they start above the journal's last entry.
+        harness
+            .next_process
+            .store(start.seq * 1000 + 1, Ordering::Relaxed);
         harness.reconcile().await?;
         Ok(harness)
     }

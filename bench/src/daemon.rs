@@ -1,0 +1,399 @@
+//! The daemon's speed and weight: exec round trip of `true` through the API beside a plain
+//! fork/exec and `runsc exec` into a running gVisor container; memory per idle cell; journal
+//! entries per second with fsync.
+//!
+//! `cargo build --release --workspace && target/release/daemon-bench [--runs N] [--cells N]`
+//! (as root, for cgroups and runsc).
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+struct Args {
+    runs: usize,
+    cells: usize,
+    entries: usize,
+}
+
+fn args() -> Result<Args> {
+    let mut out = Args {
+        runs: 200,
+        cells: 100,
+        entries: 200_000,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let mut value = || -> Result<usize> {
+            it.next()
+                .context("a number must follow")?
+                .parse()
+                .context("not a number")
+        };
+        match arg.as_str() {
+            "--runs" => out.runs = value()?,
+            "--cells" => out.cells = value()?,
+            "--entries" => out.entries = value()?,
+            other => bail!("unknown argument {other}; use --runs N --cells N --entries N"),
+        }
+    }
+    Ok(out)
+}
+
+fn percentile(samples: &mut [Duration], p: f64) -> Duration {
+    samples.sort();
+    let index = ((samples.len() as f64 - 1.0) * p).round() as usize;
+    samples[index]
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.2} ms", d.as_secs_f64() * 1000.0)
+}
+
+/// One HTTP/1.1 request on a fresh unix connection, read to its end.
+fn request(socket: &Path, method: &str, path: &str, body: &str) -> Result<(u16, String)> {
+    let mut stream = UnixStream::connect(socket).context("connecting to the daemon")?;
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: w\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw)?;
+    let status = raw
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    Ok((status, raw))
+}
+
+struct Daemon {
+    child: Child,
+    socket: PathBuf,
+    _dir: PathBuf,
+}
+
+impl Daemon {
+    fn start(warden: &Path, dir: &Path) -> Result<Self> {
+        let runtime = dir.join("run");
+        let state = dir.join("state");
+        let child = Command::new(warden)
+            .arg("serve")
+            .env("WARDEN_RUNTIME_DIR", &runtime)
+            .env("WARDEN_STATE_DIR", &state)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", warden.display()))?;
+        let socket = runtime.join("daemon.sock");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while UnixStream::connect(&socket).is_err() {
+            if Instant::now() > deadline {
+                bail!("the daemon did not come up");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Ok(Self {
+            child,
+            socket,
+            _dir: dir.to_path_buf(),
+        })
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Ok((_, raw)) = request(&self.socket, "GET", "/v1/cells", "") {
+            for name in raw.split("\"name\":\"").skip(1) {
+                if let Some(name) = name.split('"').next() {
+                    let _ = request(&self.socket, "DELETE", &format!("/v1/cells/{name}"), "");
+                }
+            }
+        }
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let _ = self.child.wait();
+    }
+}
+
+/// Proportional and resident memory of a process, in KiB.
+fn memory_kib(pid: u32) -> (u64, u64) {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
+    let field = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    (field("Pss:"), field("Rss:"))
+}
+
+/// The daemon and every process below it (keepers, cell inits).
+fn tree_memory(root: u32) -> (u64, u64, usize) {
+    let mut parents: Vec<(u32, u32)> = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else {
+            continue;
+        };
+        if let Some(ppid) = rest.split(' ').nth(1).and_then(|p| p.parse().ok()) {
+            parents.push((pid, ppid));
+        }
+    }
+    let mut tree = vec![root];
+    let mut i = 0;
+    while i < tree.len() {
+        let parent = tree[i];
+        tree.extend(
+            parents
+                .iter()
+                .filter(|(_, pp)| *pp == parent)
+                .map(|(p, _)| *p),
+        );
+        i += 1;
+    }
+    let (mut pss, mut rss) = (0, 0);
+    for pid in &tree {
+        let (p, r) = memory_kib(*pid);
+        pss += p;
+        rss += r;
+    }
+    (pss, rss, tree.len())
+}
+
+fn runsc_exec(runs: usize) -> Result<Option<Vec<Duration>>> {
+    let Some(runsc) = which("runsc") else {
+        return Ok(None);
+    };
+    if !nix_root() {
+        return Ok(None);
+    }
+    let bundle = std::env::temp_dir().join(format!("warden-bench-runsc-{}", std::process::id()));
+    std::fs::create_dir_all(&bundle)?;
+    let config = r#"{"ociVersion":"1.0.0","process":{"terminal":false,"user":{"uid":0,"gid":0},"args":["sleep","3600"],"env":["PATH=/usr/bin:/bin"],"cwd":"/"},"root":{"path":"/","readonly":true},"hostname":"bench","mounts":[{"destination":"/proc","type":"proc","source":"proc"},{"destination":"/tmp","type":"tmpfs","source":"tmpfs"}],"linux":{"namespaces":[{"type":"pid"},{"type":"network"},{"type":"ipc"},{"type":"uts"},{"type":"mount"}]}}"#;
+    std::fs::write(bundle.join("config.json"), config)?;
+    let id = format!("warden-bench-{}", std::process::id());
+    let mut container = Command::new(&runsc)
+        .args(["--network=none", "--ignore-cgroups", "run", "--bundle"])
+        .arg(&bundle)
+        .arg(&id)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let ok = Command::new(&runsc)
+            .args(["exec", &id, "true"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if ok {
+            break;
+        }
+        if Instant::now() > deadline {
+            let _ = container.kill();
+            return Ok(None);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let mut samples = Vec::new();
+    for _ in 0..runs {
+        let start = Instant::now();
+        Command::new(&runsc)
+            .args(["exec", &id, "true"])
+            .stdout(Stdio::null())
+            .status()?;
+        samples.push(start.elapsed());
+    }
+    let _ = Command::new(&runsc).args(["kill", &id, "KILL"]).status();
+    let _ = container.wait();
+    let _ = Command::new(&runsc)
+        .args(["delete", "-force", &id])
+        .stderr(Stdio::null())
+        .status();
+    let _ = std::fs::remove_dir_all(&bundle);
+    Ok(Some(samples))
+}
+
+fn nix_root() -> bool {
+    std::fs::metadata("/proc/self")
+        .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
+        .unwrap_or(false)
+}
+
+fn which(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")?
+        .to_str()?
+        .split(':')
+        .map(|dir| Path::new(dir).join(name))
+        .find(|p| p.exists())
+}
+
+fn journal_rate(entries: usize, threads: usize) -> Result<(f64, Duration)> {
+    let dir = std::env::temp_dir().join(format!("warden-bench-journal-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let journal = Arc::new(warden_journal::Journal::open(&dir)?);
+    let per_thread = entries / threads;
+    let start = Instant::now();
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let journal = Arc::clone(&journal);
+            std::thread::spawn(move || {
+                for i in 0..per_thread {
+                    let data = serde_json::json!({ "process": i, "thread": t, "argv": ["true"], "code": 0 });
+                    if journal.append(Some("bench"), "exec.exit", data).is_err() {
+                        return;
+                    }
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        let _ = h.join();
+    }
+    let elapsed = start.elapsed();
+    // One writer alone: every append waits for its own fdatasync.
+    let single_start = Instant::now();
+    for i in 0..200 {
+        journal.append(None, "t", serde_json::json!({ "i": i }))?;
+    }
+    let single = single_start.elapsed() / 200;
+    drop(journal);
+    let verify = warden_journal::verify(&dir.join(warden_journal::JOURNAL_FILE), None)?;
+    if verify.entries < (per_thread * threads) as u64 {
+        bail!("the journal lost entries: {verify:?}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok((
+        (per_thread * threads) as f64 / elapsed.as_secs_f64(),
+        single,
+    ))
+}
+
+fn main() -> Result<()> {
+    let args = args()?;
+    let warden = std::env::current_exe()?.with_file_name("warden");
+    if !warden.exists() {
+        bail!(
+            "{} is missing: build it with `cargo build --release`",
+            warden.display()
+        );
+    }
+    let dir = std::env::temp_dir().join(format!("warden-bench-daemon-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o711))?;
+    let daemon = Daemon::start(&warden, &dir)?;
+    let (status, raw) = request(&daemon.socket, "POST", "/v1/cells", r#"{"name":"bench"}"#)?;
+    if status != 201 {
+        bail!("creating a cell failed: {raw}");
+    }
+
+    println!(
+        "exec round trip of `true` ({} runs each, 2-core VM)",
+        args.runs
+    );
+    let mut rows: Vec<(String, Vec<Duration>)> = Vec::new();
+    let mut api = Vec::new();
+    for i in 0..args.runs + 10 {
+        let start = Instant::now();
+        let (status, raw) = request(
+            &daemon.socket,
+            "POST",
+            "/v1/cells/bench/exec",
+            r#"{"argv":["true"]}"#,
+        )?;
+        let took = start.elapsed();
+        if status != 200 || !raw.contains("event: exit") {
+            bail!("exec failed: {raw}");
+        }
+        if i >= 10 {
+            api.push(took);
+        }
+    }
+    rows.push(("warden exec (API, unix socket)".to_owned(), api));
+    let mut plain = Vec::new();
+    for _ in 0..args.runs {
+        let start = Instant::now();
+        Command::new("true").status()?;
+        plain.push(start.elapsed());
+    }
+    rows.push(("fork/exec on the host".to_owned(), plain));
+    if let Some(samples) = runsc_exec(args.runs.min(100))? {
+        rows.push(("runsc exec (running gVisor container)".to_owned(), samples));
+    }
+    let base = percentile(&mut rows[0].1.clone(), 0.5);
+    println!(
+        "{:<40} {:>10} {:>10} {:>14}",
+        "", "median", "p99", "median/warden"
+    );
+    for (name, samples) in &mut rows {
+        let median = percentile(samples, 0.5);
+        let p99 = percentile(samples, 0.99);
+        println!(
+            "{name:<40} {:>10} {:>10} {:>13.2}x",
+            ms(median),
+            ms(p99),
+            median.as_secs_f64() / base.as_secs_f64()
+        );
+    }
+
+    println!(
+        "\nmemory of idle cells ({} cells, PSS and RSS of the daemon, keepers and cell inits)",
+        args.cells
+    );
+    let (before_pss, before_rss, _) = tree_memory(daemon.child.id());
+    let created = Instant::now();
+    for i in 0..args.cells {
+        let body = format!(r#"{{"name":"idle{i}"}}"#);
+        let (status, raw) = request(&daemon.socket, "POST", "/v1/cells", &body)?;
+        if status != 201 {
+            bail!("creating cell {i} failed: {raw}");
+        }
+    }
+    let create_each = created.elapsed() / args.cells.max(1) as u32;
+    std::thread::sleep(Duration::from_secs(1));
+    let (after_pss, after_rss, processes) = tree_memory(daemon.child.id());
+    let n = args.cells.max(1) as f64;
+    println!(
+        "{:<40} {:>10.0} KiB PSS {:>10.0} KiB RSS  ({processes} processes)",
+        "total", after_pss as f64, after_rss as f64
+    );
+    println!(
+        "{:<40} {:>10.0} KiB PSS {:>10.0} KiB RSS",
+        "per idle cell",
+        (after_pss - before_pss) as f64 / n,
+        (after_rss - before_rss) as f64 / n
+    );
+    println!(
+        "{:<40} {:>10}",
+        "create, each (sequential)",
+        ms(create_each)
+    );
+    drop(daemon);
+
+    println!(
+        "\njournal with fdatasync before acknowledgement ({} entries, 64 writers)",
+        args.entries
+    );
+    let (rate, single) = journal_rate(args.entries, 64)?;
+    println!(
+        "{:<40} {:>10.0} entries/s",
+        "group commit, 64 concurrent writers", rate
+    );
+    println!("{:<40} {:>10}", "one writer alone, per entry", ms(single));
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
