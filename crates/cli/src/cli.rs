@@ -210,6 +210,9 @@ pub struct KeepArgs {
     /// Leave the wall-clock limit to the daemon (which may pause instead of kill).
     #[arg(long)]
     pub no_wall: bool,
+    /// Start from this snapshot (`CELL@SNAP`).
+    #[arg(long)]
+    pub from: Option<String>,
 }
 
 #[derive(Debug, Subcommand)]

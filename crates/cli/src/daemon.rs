@@ -308,21 +308,22 @@ pub fn keep(args: KeepArgs) -> Result<i32> {
         .into_iter()
         .map(|(k, v)| (k, v.as_str().unwrap_or_default().to_owned()))
         .collect();
+    let store = Store::open(Store::default_root())?;
+    let from = match &args.from {
+        Some(id) => Some(warden_cell::snapshot::get(&store, id)?),
+        None => None,
+    };
     let request = RunRequest {
         policy,
         name: Some(args.name),
-        workspace: args.workspace,
+        workspace: if from.is_some() { None } else { args.workspace },
         argv: Vec::new(),
         env,
         discard_changes: false,
-        from: None,
+        from,
         serve_exec: true,
     };
-    let outcome = warden_cell::run(
-        &Registry::open(Registry::default_root())?,
-        &Store::open(Store::default_root())?,
-        request,
-    )?;
+    let outcome = warden_cell::run(&Registry::open(Registry::default_root())?, &store, request)?;
     for notice in &outcome.notices {
         eprintln!("warden: note: {notice}");
     }

@@ -986,3 +986,134 @@ fn files_round_trip_and_paths_cannot_leave_the_cell() {
         );
     }
 }
+
+#[test]
+fn snapshot_reset_fork_policy_and_events_over_the_api() {
+    if !cgroups_available("daemon_workspace") {
+        return;
+    }
+    let (port, _hits) = upstream();
+    let daemon = Daemon::start(&[]);
+    let host = tempdir();
+    std::fs::write(host.path().join("a.txt"), "v1\n").unwrap();
+    let allow =
+        format!("version: 1\nnetwork:\n  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n");
+    let cell = daemon.create(
+        &unique("ws"),
+        json!({ "workspace": host.path().display().to_string(), "policy": allow }),
+    );
+    // The events stream: journal entries as they are written.
+    let socket = daemon.socket();
+    let watched = cell.clone();
+    let stream_thread = std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        let mut stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
+        write!(
+            stream,
+            "GET /v1/events?cell={watched} HTTP/1.1\r\nHost: w\r\n\r\n"
+        )
+        .unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        let mut seen = String::new();
+        let mut buf = [0u8; 4096];
+        while !seen.contains("workspace.reset") {
+            match stream.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => seen.push_str(&String::from_utf8_lossy(&buf[..n])),
+            }
+        }
+        seen
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let sh = |script: &str| {
+        let events = daemon.exec(&cell, json!({ "argv": ["sh", "-c", script] }));
+        String::from_utf8(stream_bytes(&events, "stdout")).unwrap()
+    };
+    sh("echo v2 > /workspace/a.txt");
+    let snap = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/snapshot"),
+        Some(json!({ "as": "s1" })),
+    );
+    assert_eq!(snap.status, 201, "{}", String::from_utf8_lossy(&snap.body));
+    assert_eq!(snap.json()["id"], format!("{cell}@s1"));
+    sh("echo v3 > /workspace/a.txt");
+    let reset = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/reset"),
+        Some(json!({ "to": "s1" })),
+    );
+    assert_eq!(
+        reset.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&reset.body)
+    );
+    assert_eq!(sh("cat /workspace/a.txt"), "v2\n");
+    assert_eq!(
+        daemon
+            .call("POST", &format!("/v1/cells/{cell}/reset"), Some(json!({})))
+            .status,
+        200
+    );
+    assert_eq!(sh("cat /workspace/a.txt"), "v1\n");
+    assert_eq!(
+        std::fs::read_to_string(host.path().join("a.txt")).unwrap(),
+        "v1\n"
+    );
+    let listed = daemon
+        .call("GET", &format!("/v1/cells/{cell}/snapshots"), None)
+        .json();
+    assert_eq!(listed[0]["id"], format!("{cell}@s1"));
+
+    // A fork from the snapshot sees the snapshot, not the parent's present.
+    let fork = daemon.create(&unique("fork"), json!({ "from": format!("{cell}@s1") }));
+    let events = daemon.exec(&fork, json!({ "argv": ["cat", "/workspace/a.txt"] }));
+    assert_eq!(stream_bytes(&events, "stdout"), b"v2\n");
+
+    // Policy: read it back, then replace the network rules of the running cell.
+    let policy = daemon
+        .call("GET", &format!("/v1/cells/{cell}/policy"), None)
+        .json();
+    assert!(policy["policy"].as_str().unwrap().contains("127.0.0.2"));
+    let fetch = format!(
+        "import urllib.request, urllib.error\n\
+         try:\n    print(urllib.request.urlopen('http://127.0.0.2:{port}/').status)\n\
+         except urllib.error.HTTPError as e:\n    print(e.code)"
+    );
+    let run = |d: &Daemon| {
+        let events = d.exec(&cell, json!({ "argv": ["python3", "-c", fetch] }));
+        String::from_utf8(stream_bytes(&events, "stdout"))
+            .unwrap()
+            .trim()
+            .to_owned()
+    };
+    assert_eq!(run(&daemon), "200");
+    let replaced = daemon.call(
+        "PUT",
+        &format!("/v1/cells/{cell}/policy"),
+        Some(json!({ "policy": "version: 1\nnetwork:\n  default: deny\n  allow:\n    - host: example.invalid\n" })),
+    );
+    assert_eq!(
+        replaced.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&replaced.body)
+    );
+    assert_eq!(run(&daemon), "403");
+
+    let seen = stream_thread.join().unwrap();
+    for kind in [
+        "workspace.snapshot",
+        "exec.start",
+        "exec.exit",
+        "workspace.reset",
+    ] {
+        assert!(
+            seen.contains(&format!("\"kind\":\"{kind}\"")),
+            "{kind} in the events stream: {seen}"
+        );
+    }
+}

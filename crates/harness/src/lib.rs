@@ -13,6 +13,7 @@ mod files;
 mod process;
 mod state;
 mod supervise;
+mod workspace;
 
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::OwnedFd;
@@ -33,6 +34,7 @@ use state::State;
 pub use state::{CellEntry, Grant, PolicySource};
 use supervise::Live;
 pub use supervise::{Approval, Scope};
+pub use workspace::Snapshot;
 
 /// What kind of failure, for the faces to map onto their own codes (HTTP status, exit code).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,6 +100,9 @@ pub struct CreateCell {
     pub env: BTreeMap<String, String>,
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
+    /// Start from this snapshot (`CELL@SNAP`), or from a snapshot taken now of a cell (`CELL`):
+    /// a fork. Its workspace is the snapshot's.
+    pub from: Option<String>,
 }
 
 /// A request to start a process in a cell.
@@ -146,6 +151,8 @@ pub struct Harness {
     /// The live cells this daemon supervises.
     live: Mutex<HashMap<String, Live>>,
     grants: Mutex<Vec<state::Grant>>,
+    /// Every journaled entry, for the events stream, once it is on disk.
+    events: tokio::sync::broadcast::Sender<Arc<Value>>,
 }
 
 /// Milliseconds since the epoch.
@@ -177,6 +184,7 @@ impl Harness {
         let harness = Arc::new(Self {
             live: Mutex::new(HashMap::new()),
             grants: Mutex::new(grants),
+            events: tokio::sync::broadcast::channel(1024).0,
             config,
             registry,
             store,
@@ -205,6 +213,12 @@ impl Harness {
         &self.journal
     }
 
+    /// Entries as they are journaled, for the events stream (only the daemon's owner can
+    /// connect to it).
+    pub fn subscribe(&self) -> tokio::sync::broadcast::Receiver<Arc<Value>> {
+        self.events.subscribe()
+    }
+
     /// Appends to the journal and waits until it is on disk.
     pub async fn record(
         &self,
@@ -213,11 +227,22 @@ impl Harness {
         data: Value,
     ) -> Result<Receipt, HarnessError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
+        let event = (self.events.receiver_count() > 0).then(|| data.clone());
         self.journal.submit(cell, kind, data, move |result| {
             let _ = tx.send(result);
         });
         match rx.await {
-            Ok(Ok(receipt)) => Ok(receipt),
+            Ok(Ok(receipt)) => {
+                if let Some(data) = event {
+                    let _ = self.events.send(Arc::new(json!({
+                        "seq": receipt.seq,
+                        "cell": cell,
+                        "kind": kind,
+                        "data": data,
+                    })));
+                }
+                Ok(receipt)
+            }
             Ok(Err(err)) => Err(HarnessError::new(ErrorKind::Unavailable, err.to_string())),
             Err(_) => Err(HarnessError::new(
                 ErrorKind::Unavailable,
@@ -376,11 +401,27 @@ impl Harness {
                 format!("a cell named `{name}` runs already (started by `warden run`)"),
             ));
         }
+        // A fork starts from a snapshot; of a cell, one is taken now.
+        let from = match &request.from {
+            Some(source) if source.contains('@') => Some(source.clone()),
+            Some(source) => Some(self.snapshot(source, None).await?.id),
+            None => None,
+        };
+        let workspace = match &from {
+            Some(id) => Some(
+                warden_cell::snapshot::get(&self.store, id)
+                    .map_err(|e| HarnessError::new(ErrorKind::NotFound, e.to_string()))?
+                    .lower
+                    .display()
+                    .to_string(),
+            ),
+            None => request.workspace.clone(),
+        };
         let entry = CellEntry {
             name: name.clone(),
             created_ms: now_ms(),
             policy: policy.clone(),
-            workspace: request.workspace.clone(),
+            workspace,
             labels: request.labels.clone(),
             env: request.env.clone(),
             ended: None,
@@ -391,6 +432,7 @@ impl Harness {
             json!({
                 "policy": match &policy { PolicySource::Preset(p) => json!({"preset": p}), PolicySource::Yaml(y) => json!({"yaml": y}) },
                 "workspace": request.workspace,
+                "from": from,
                 "labels": request.labels,
                 "env": request.env.keys().collect::<Vec<_>>(),
             }),
@@ -420,6 +462,9 @@ impl Harness {
         }
         if let Some(dir) = &request.workspace {
             command.arg("--workspace").arg(dir);
+        }
+        if let Some(from) = &from {
+            command.arg("--from").arg(from);
         }
         for (key, value) in &request.env {
             command.arg("--env").arg(format!("{key}={value}"));

@@ -153,6 +153,11 @@ pub fn router(harness: Shared, token: Option<String>) -> Router {
         .route("/v1/cells/{name}/files/mkdir", post(mkdir))
         .route("/v1/cells/{name}/files/remove", post(remove_file))
         .route("/v1/cells/{name}/files/move", post(move_file))
+        .route("/v1/cells/{name}/snapshot", post(snapshot))
+        .route("/v1/cells/{name}/snapshots", get(snapshots))
+        .route("/v1/cells/{name}/reset", post(reset))
+        .route("/v1/cells/{name}/policy", get(get_policy).put(put_policy))
+        .route("/v1/events", get(events))
         .route("/v1/approvals", get(approvals))
         .route("/v1/approvals/{name}/{id}", post(answer))
         .fallback(no_route)
@@ -468,6 +473,110 @@ async fn move_file(
 ) -> Result<Response, ApiError> {
     h.rename(&name, &body.from, &body.to).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SnapshotBody {
+    #[serde(rename = "as")]
+    as_name: Option<String>,
+}
+
+async fn snapshot(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+    Body(body): Body<SnapshotBody>,
+) -> Result<Response, ApiError> {
+    let snap = h.snapshot(&name, body.as_name.as_deref()).await?;
+    Ok((StatusCode::CREATED, Json(snap)).into_response())
+}
+
+async fn snapshots(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+) -> Result<Response, ApiError> {
+    Ok(Json(h.snapshots(&name)?).into_response())
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResetBody {
+    /// `SNAP` or `CELL@SNAP`; none: the start.
+    to: Option<String>,
+}
+
+async fn reset(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+    Body(body): Body<ResetBody>,
+) -> Result<Response, ApiError> {
+    h.reset(&name, body.to.as_deref()).await?;
+    Ok(Json(h.get(&name)?).into_response())
+}
+
+async fn get_policy(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+) -> Result<Response, ApiError> {
+    let body = match h.policy(&name)? {
+        warden_harness::PolicySource::Preset(p) => json!({ "preset": p }),
+        warden_harness::PolicySource::Yaml(y) => json!({ "policy": y }),
+    };
+    Ok(Json(body).into_response())
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PolicyBody {
+    /// A whole policy (YAML); its `network` section replaces the running cell's.
+    policy: String,
+}
+
+async fn put_policy(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+    Body(body): Body<PolicyBody>,
+) -> Result<Response, ApiError> {
+    let closed = h.replace_policy(&name, &body.policy).await?;
+    Ok(Json(json!({ "closed_connections": closed })).into_response())
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EventsQuery {
+    cell: Option<String>,
+}
+
+/// Journal entries as they are written (`entry` events), optionally of one cell.
+async fn events(State(h): State<Shared>, Query(q): Query<EventsQuery>) -> Response {
+    let mut entries = h.subscribe();
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        loop {
+            let entry = tokio::select! {
+                entry = entries.recv() => entry,
+                () = tx.closed() => return,
+            };
+            let event = match entry {
+                Ok(entry) => {
+                    if q.cell.as_deref().is_some_and(|c| entry["cell"] != c) {
+                        continue;
+                    }
+                    Event::default().event("entry").data(entry.to_string())
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(missed)) => Event::default()
+                    .event("lagged")
+                    .data(json!({ "missed": missed }).to_string()),
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+            };
+            if tx.send(Ok::<_, Infallible>(event)).await.is_err() {
+                return;
+            }
+        }
+    });
+    Sse::new(ReceiverStream::new(rx))
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response()
 }
 
 async fn approvals(State(harness): State<Shared>) -> Json<Vec<warden_harness::Approval>> {

@@ -16,6 +16,8 @@ pub use api::{OPENAPI, router};
 pub const SOCKET: &str = "daemon.sock";
 /// Where the TCP listener's token is written (owner-only) unless one is given.
 pub const TOKEN_FILE: &str = "daemon.token";
+/// The TCP listener's address, once it listens.
+pub const ADDR_FILE: &str = "daemon.addr";
 
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
@@ -90,6 +92,11 @@ pub async fn serve(
                 source,
             })?;
         tcp_addr = listener.local_addr().ok();
+        if let Some(bound) = tcp_addr {
+            // Where a client finds the port when `--listen` asked for port 0.
+            let file = config.harness.runtime.join(ADDR_FILE);
+            std::fs::write(&file, bound.to_string()).map_err(io_at("writing", &file))?;
+        }
         let app = router(Arc::clone(&harness), Some(token))
             .into_make_service_with_connect_info::<SocketAddr>();
         tokio::spawn(async move { axum::serve(listener, app).await });

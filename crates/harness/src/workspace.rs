@@ -1,0 +1,162 @@
+//! Snapshot, reset and policy replacement of daemon cells.
+//!
+//! Snapshot and reset are carried out by a short-lived `warden` process, exactly as the CLI does
+//! them: a reset of a running cell forks a helper that joins the cell's namespaces, which must
+//! not happen from the daemon's many threads.
+
+use serde::Serialize;
+use serde_json::json;
+
+use crate::{ErrorKind, Harness, HarnessError, PolicySource};
+
+/// A snapshot as the API shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Snapshot {
+    pub id: String,
+    pub size: u64,
+}
+
+impl Harness {
+    async fn warden_command(&self, args: &[&str]) -> Result<String, HarnessError> {
+        let output = tokio::process::Command::new(&self.config.warden_exe)
+            .args(args)
+            .env("WARDEN_RUNTIME_DIR", &self.config.runtime)
+            .env("WARDEN_STATE_DIR", &self.config.state)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .await
+            .map_err(|e| HarnessError::internal(format!("running warden {}: {e}", args[0])))?;
+        if output.status.success() {
+            return Ok(String::from_utf8_lossy(&output.stdout).trim().to_owned());
+        }
+        let message = String::from_utf8_lossy(&output.stderr)
+            .trim()
+            .trim_start_matches("warden: ")
+            .to_owned();
+        let kind = if message.contains("no snapshot") || message.contains("not found") {
+            ErrorKind::NotFound
+        } else {
+            ErrorKind::Conflict
+        };
+        Err(HarnessError::new(kind, message))
+    }
+
+    /// Saves the cell's workspace as `CELL@SNAP`.
+    pub async fn snapshot(
+        &self,
+        name: &str,
+        as_name: Option<&str>,
+    ) -> Result<Snapshot, HarnessError> {
+        self.entry(name)?;
+        if let Some(snap) = as_name {
+            warden_cell::linux::plan::check_name(snap)
+                .map_err(|e| HarnessError::bad(format!("snapshot name: {e}")))?;
+        }
+        self.record(Some(name), "workspace.snapshot", json!({ "as": as_name }))
+            .await?;
+        let mut args = vec!["snapshot", name];
+        if let Some(snap) = as_name {
+            args.extend(["--as", snap]);
+        }
+        let out = self.warden_command(&args).await?;
+        // "CELL@SNAP (N bytes)"
+        let (id, rest) = out.split_once(' ').unwrap_or((out.as_str(), ""));
+        let size = rest
+            .trim_start_matches('(')
+            .split(' ')
+            .next()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        self.record(
+            Some(name),
+            "workspace.snapshot.done",
+            json!({ "id": id, "size": size }),
+        )
+        .await?;
+        Ok(Snapshot {
+            id: id.to_owned(),
+            size,
+        })
+    }
+
+    /// Snapshots of this cell.
+    pub fn snapshots(&self, name: &str) -> Result<Vec<Snapshot>, HarnessError> {
+        self.entry(name)?;
+        let prefix = format!("{name}@");
+        Ok(warden_cell::snapshot::list(&self.store)
+            .into_iter()
+            .filter(|s| s.id.starts_with(&prefix))
+            .map(|s| Snapshot {
+                id: s.id,
+                size: s.size,
+            })
+            .collect())
+    }
+
+    /// Returns the cell's workspace to a snapshot of it (`SNAP` or `CELL@SNAP`), or to its start.
+    pub async fn reset(&self, name: &str, to: Option<&str>) -> Result<(), HarnessError> {
+        self.entry(name)?;
+        let to = to.map(|t| {
+            if t.contains('@') {
+                t.to_owned()
+            } else {
+                format!("{name}@{t}")
+            }
+        });
+        self.record(Some(name), "workspace.reset", json!({ "to": to }))
+            .await?;
+        let mut args = vec!["reset", name];
+        if let Some(to) = &to {
+            args.extend(["--to", to.as_str()]);
+        }
+        self.warden_command(&args).await?;
+        Ok(())
+    }
+
+    /// The policy the cell was made with.
+    pub fn policy(&self, name: &str) -> Result<PolicySource, HarnessError> {
+        Ok(self.entry(name)?.policy)
+    }
+
+    /// Replaces the network rules of a running cell with those of `yaml` (a whole policy; only
+    /// its `network` section takes effect); returns how many open connections were closed.
+    pub async fn replace_policy(&self, name: &str, yaml: &str) -> Result<u64, HarnessError> {
+        let mut entry = self.entry(name)?;
+        self.live(name)?;
+        let policy = warden_policy::from_yaml("policy", yaml)
+            .map_err(|e| HarnessError::bad(e.to_string()))?;
+        self.record(Some(name), "policy.replace", json!({ "yaml": yaml }))
+            .await?;
+        let file = self
+            .daemon_dir
+            .join("cells")
+            .join(name)
+            .join("policy-update.yaml");
+        std::fs::write(&file, yaml)
+            .map_err(|e| HarnessError::internal(format!("writing {}: {e}", file.display())))?;
+        let registry = self.registry.clone();
+        let owned = name.to_owned();
+        let closed = tokio::task::spawn_blocking(move || {
+            warden_cell::control::set_network_policy(&registry, &owned, &file)
+        })
+        .await
+        .map_err(|e| HarnessError::internal(e.to_string()))?
+        .map_err(|e| HarnessError::new(ErrorKind::Conflict, e.to_string()))?;
+        // The network part now differs from what the cell was made with: remember the whole new
+        // document, as the policy of record.
+        entry.policy = PolicySource::Yaml(yaml.to_owned());
+        self.state.put(&entry)?;
+        if let Ok(mut live) = self.live.lock()
+            && let Some(l) = live.get_mut(name)
+        {
+            l.policy.network = policy.network;
+        }
+        self.record(
+            Some(name),
+            "policy.replaced",
+            json!({ "closed_connections": closed }),
+        )
+        .await?;
+        Ok(closed)
+    }
+}
