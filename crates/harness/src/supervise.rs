@@ -304,22 +304,49 @@ impl Harness {
         scope: Scope,
         by: &str,
     ) -> Result<(), HarnessError> {
-        let request = self.live.lock().ok().and_then(|l| {
-            l.get(name)
-                .and_then(|l| l.asked.get(&id).map(|q| q.request.clone()))
+        // The question as this daemon knows it; one it has not seen yet (answered between two
+        // ticks of the watch) is journaled as asked first. Either way it is marked answered
+        // before anything else, so that the watch never answers it a second time.
+        let pending = control::pending_questions(&self.registry, name)
+            .unwrap_or_default()
+            .into_iter()
+            .find(|q| q.id == id);
+        let mut unseen = None;
+        let known = self.live.lock().ok().and_then(|mut live| {
+            let l = live.get_mut(name)?;
+            match l.asked.entry(id) {
+                std::collections::hash_map::Entry::Occupied(mut q) if !q.get().answered => {
+                    q.get_mut().answered = true;
+                    Some(q.get().request.clone())
+                }
+                std::collections::hash_map::Entry::Occupied(_) => None,
+                std::collections::hash_map::Entry::Vacant(slot) => {
+                    let q = pending.clone()?;
+                    slot.insert(Question {
+                        request: q.request.clone(),
+                        answered: true,
+                    });
+                    unseen = Some(q.clone());
+                    Some(q.request)
+                }
+            }
         });
-        let Some(request) = request.or_else(|| {
-            control::pending_questions(&self.registry, name)
-                .ok()?
-                .into_iter()
-                .find(|q| q.id == id)
-                .map(|q| q.request)
-        }) else {
+        let Some(request) = known else {
             return Err(HarnessError::new(
                 ErrorKind::NotFound,
-                format!("cell `{name}` has no open question {id} (GET /v1/approvals lists them)"),
+                format!(
+                    "cell `{name}` has no open question {id}, or it was answered already (GET /v1/approvals lists open ones)"
+                ),
             ));
         };
+        if let Some(q) = unseen {
+            self.record(
+                Some(name),
+                "approval.ask",
+                json!({ "id": q.id, "request": q.request, "rule": q.rule, "timeout_s": q.timeout_s }),
+            )
+            .await?;
+        }
         self.record(
             Some(name),
             "approval.answer",
@@ -334,11 +361,6 @@ impl Harness {
         .await?;
         control::answer_question(&self.registry, name, id, allow)
             .map_err(|e| HarnessError::new(ErrorKind::NotFound, e.to_string()))?;
-        if let Ok(mut live) = self.live.lock()
-            && let Some(q) = live.get_mut(name).and_then(|l| l.asked.get_mut(&id))
-        {
-            q.answered = true;
-        }
         if allow && scope != Scope::Once {
             let grant = crate::state::Grant {
                 cell: (scope == Scope::Cell).then(|| name.to_owned()),
