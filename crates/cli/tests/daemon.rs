@@ -1117,3 +1117,82 @@ fn snapshot_reset_fork_policy_and_events_over_the_api() {
         );
     }
 }
+
+#[test]
+fn a_terminal_in_the_cell_with_input_and_resize_from_outside() {
+    if !cgroups_available("daemon_pty") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("pty"), json!({}));
+    // A foreground process on a terminal of the cell's own devpts.
+    let events = daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "tty; stty size; test -t 0 && echo interactive"], "tty": { "rows": 24, "cols": 80 } }),
+    );
+    let out = String::from_utf8(stream_bytes(&events, "stdout")).unwrap();
+    assert!(out.contains("/dev/pts/0"), "{out}");
+    assert!(
+        out.contains("24 80") && out.contains("interactive"),
+        "{out}"
+    );
+
+    // In the background: typed input reaches it, and a resize from outside is seen inside.
+    let started = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["sh", "-c", "read line; echo got:$line; stty size"], "tty": { "rows": 10, "cols": 20 }, "background": true })),
+    );
+    assert_eq!(
+        started.status,
+        201,
+        "{}",
+        String::from_utf8_lossy(&started.body)
+    );
+    let id = started.json()["id"].as_u64().unwrap();
+    let resized = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/processes/{id}/resize"),
+        Some(json!({ "rows": 40, "cols": 100 })),
+    );
+    assert_eq!(
+        resized.status,
+        204,
+        "{}",
+        String::from_utf8_lossy(&resized.body)
+    );
+    daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/processes/{id}/stdin"),
+        Some(json!({ "data": "hello\n" })),
+    );
+    let exit = daemon
+        .call(
+            "GET",
+            &format!("/v1/cells/{cell}/processes/{id}/wait"),
+            None,
+        )
+        .json();
+    assert_eq!(exit["code"], 0, "{exit}");
+    let out = daemon.call(
+        "GET",
+        &format!("/v1/cells/{cell}/processes/{id}/output"),
+        None,
+    );
+    let text = String::from_utf8(stream_bytes(&out.events(), "stdout")).unwrap();
+    assert!(text.contains("got:hello"), "{text}");
+    assert!(text.contains("40 100"), "{text}");
+    // A process without a terminal cannot be resized.
+    let plain = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["sleep", "5"], "background": true })),
+    );
+    let plain_id = plain.json()["id"].as_u64().unwrap();
+    let refused = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/processes/{plain_id}/resize"),
+        Some(json!({ "rows": 1, "cols": 1 })),
+    );
+    assert_eq!(refused.status, 409);
+}

@@ -104,6 +104,7 @@ impl Harness {
             argv: argv.iter().map(|s| (*s).to_owned()).collect(),
             env: vec![("LC_ALL".to_owned(), "C".to_owned())],
             cwd: Some("/".to_owned()),
+            tty: None,
         };
         tokio::task::spawn_blocking(move || run_helper(&registry, &cell, &request, stdin, limit))
             .await
@@ -438,8 +439,13 @@ fn run_helper(
     let (stdin_r, stdin_w) = pipe()?;
     let (stdout_r, stdout_w) = pipe()?;
     let (stderr_r, stderr_w) = pipe()?;
-    let session = ExecSession::start(registry, cell, request, [&stdin_r, &stdout_w, &stderr_w])
-        .map_err(|e| HarnessError::new(ErrorKind::Conflict, e.to_string()))?;
+    let session = ExecSession::start(
+        registry,
+        cell,
+        request,
+        Some([&stdin_r, &stdout_w, &stderr_w]),
+    )
+    .map_err(|e| HarnessError::new(ErrorKind::Conflict, e.to_string()))?;
     drop((stdin_r, stdout_w, stderr_w));
     let session = Arc::new(session);
     let feeder = std::thread::spawn(move || {

@@ -16,7 +16,6 @@ mod supervise;
 mod workspace;
 
 use std::collections::{BTreeMap, HashMap};
-use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -24,6 +23,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
+pub use warden_cell::linux::exec::TtySize;
 use warden_cell::linux::exec::{ExecEvent, ExecRequest, ExecSession};
 use warden_cell::{Registry, Store, control};
 use warden_journal::{Journal, Receipt};
@@ -121,6 +121,8 @@ pub struct ExecSpec {
     /// Keep running when the client that started it goes away; read it again by its id.
     #[serde(default)]
     pub background: bool,
+    /// Run on a terminal of this size (one output stream; resize it later).
+    pub tty: Option<TtySize>,
 }
 
 /// A cell as the API shows it.
@@ -680,27 +682,38 @@ impl Harness {
             nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
                 .map_err(|e| HarnessError::internal(format!("creating pipes: {e}")))
         };
-        let (stdin_r, stdin_w) = pipe()?;
-        let (stdout_r, stdout_w) = pipe()?;
-        let (stderr_r, stderr_w) = pipe()?;
+        // Pipes, or nothing when the cell makes a terminal (its master comes back).
+        let pipes = if spec.tty.is_none() {
+            Some((pipe()?, pipe()?, pipe()?))
+        } else {
+            None
+        };
+        let (ours, theirs) = match pipes {
+            Some(((stdin_r, stdin_w), (stdout_r, stdout_w), (stderr_r, stderr_w))) => (
+                Some((stdin_w, stdout_r, stderr_r)),
+                Some([stdin_r, stdout_w, stderr_w]),
+            ),
+            None => (None, None),
+        };
         let request = ExecRequest {
             argv: spec.argv.clone(),
             env: spec.env.clone().into_iter().collect(),
             cwd: spec.cwd.clone(),
+            tty: spec.tty,
         };
         let registry = self.registry.clone();
         let cell = name.to_owned();
         let begun = Instant::now();
         let opened = tokio::task::spawn_blocking(move || {
-            let session =
-                ExecSession::start(&registry, &cell, &request, [&stdin_r, &stdout_w, &stderr_w])?;
-            drop((stdin_r, stdout_w, stderr_w));
-            let first = session.next_event()?;
-            Ok::<_, warden_cell::linux::exec::ExecError>((session, first))
+            let stdio = theirs.as_ref().map(|[a, b, c]| [a, b, c]);
+            let session = ExecSession::start(&registry, &cell, &request, stdio)?;
+            drop(theirs);
+            let (first, fds) = session.next_event_with_fds()?;
+            Ok::<_, warden_cell::linux::exec::ExecError>((session, first, fds))
         })
         .await
         .map_err(|e| HarnessError::internal(e.to_string()))?;
-        let (session, first) = match opened {
+        let (session, first, mut fds) = match opened {
             Ok(opened) => opened,
             Err(err) => {
                 let message = err.to_string();
@@ -750,8 +763,28 @@ impl Harness {
                 )));
             }
         };
-        let stdin = tokio::net::unix::pipe::Sender::from_owned_fd(stdin_w)
-            .map_err(|e| HarnessError::internal(format!("stdin pipe: {e}")))?;
+        let (input, outputs) = match ours {
+            Some((stdin_w, stdout_r, stderr_r)) => {
+                let stdin = tokio::net::unix::pipe::Sender::from_owned_fd(stdin_w)
+                    .map_err(|e| HarnessError::internal(format!("stdin pipe: {e}")))?;
+                (
+                    process::Input::Pipe(stdin),
+                    process::Outputs::Pipes([stdout_r, stderr_r]),
+                )
+            }
+            None => {
+                let Some(master) = fds.pop() else {
+                    return Err(HarnessError::internal(
+                        "the cell started a terminal process without its terminal",
+                    ));
+                };
+                let master = Arc::new(master);
+                (
+                    process::Input::Tty(Arc::clone(&master)),
+                    process::Outputs::Tty(master),
+                )
+            }
+        };
         let process = Arc::new(Process::new(
             id,
             name.to_owned(),
@@ -759,7 +792,7 @@ impl Harness {
             spec.background,
             pid,
             Arc::new(session),
-            Some(stdin),
+            Some(input),
         ));
         if let Ok(mut processes) = self.processes.lock() {
             processes
@@ -780,13 +813,7 @@ impl Harness {
         let monitored = Arc::clone(&process);
         tokio::spawn(async move {
             harness
-                .monitor(
-                    monitored,
-                    [stdout_r, stderr_r],
-                    begun,
-                    spec.timeout_ms,
-                    started.seq,
-                )
+                .monitor(monitored, outputs, begun, spec.timeout_ms, started.seq)
                 .await;
         });
         Ok(process)
@@ -796,31 +823,13 @@ impl Harness {
     async fn monitor(
         self: Arc<Self>,
         process: Arc<Process>,
-        outputs: [OwnedFd; 2],
+        outputs: process::Outputs,
         begun: Instant,
         timeout_ms: Option<u64>,
         start_seq: u64,
     ) {
-        let [stdout, stderr] = outputs;
-        let readers: Vec<_> = [(Stream::Stdout, stdout), (Stream::Stderr, stderr)]
-            .into_iter()
-            .map(|(stream, fd)| {
-                let process = Arc::clone(&process);
-                tokio::spawn(async move {
-                    use tokio::io::AsyncReadExt as _;
-                    let Ok(mut pipe) = tokio::net::unix::pipe::Receiver::from_owned_fd(fd) else {
-                        return;
-                    };
-                    let mut buf = vec![0u8; 64 * 1024];
-                    while let Ok(n) = pipe.read(&mut buf).await {
-                        if n == 0 {
-                            break;
-                        }
-                        process.push(stream, &buf[..n]);
-                    }
-                })
-            })
-            .collect();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let readers = outputs.start(&process, &stop);
         let session = Arc::clone(&process.session);
         let mut events = tokio::task::spawn_blocking(move || {
             loop {
@@ -957,6 +966,25 @@ impl Harness {
         .await?;
         process.signal(signal).await;
         Ok(())
+    }
+
+    /// Resizes a process's terminal.
+    pub async fn resize(&self, name: &str, id: u64, size: TtySize) -> Result<(), HarnessError> {
+        let process = self.process(name, id)?;
+        if size.rows == 0 || size.cols == 0 {
+            return Err(HarnessError::bad(
+                "a terminal needs at least one row and one column",
+            ));
+        }
+        self.record(
+            Some(name),
+            "exec.resize",
+            json!({ "process": id, "rows": size.rows, "cols": size.cols }),
+        )
+        .await?;
+        process
+            .resize(size)
+            .map_err(|e| HarnessError::new(ErrorKind::Conflict, e.to_string()))
     }
 
     /// Writes to a process's stdin.

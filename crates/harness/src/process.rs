@@ -2,6 +2,8 @@
 //! so that a client can reconnect and read it from any point, and how they ended.
 
 use std::collections::VecDeque;
+use std::os::fd::{AsFd as _, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use serde::Serialize;
@@ -57,6 +59,77 @@ struct Log {
     exit: Option<ExitInfo>,
 }
 
+/// Where a process's input goes.
+#[derive(Debug)]
+pub(crate) enum Input {
+    Pipe(tokio::net::unix::pipe::Sender),
+    /// The master of its terminal.
+    Tty(Arc<OwnedFd>),
+}
+
+/// Where its output comes from.
+#[derive(Debug)]
+pub(crate) enum Outputs {
+    Pipes([OwnedFd; 2]),
+    Tty(Arc<OwnedFd>),
+}
+
+impl Outputs {
+    /// Starts copying output into the process's log; `stop` ends a terminal reader that a
+    /// left-behind process of the cell keeps open.
+    pub(crate) fn start(
+        self,
+        process: &Arc<Process>,
+        stop: &Arc<AtomicBool>,
+    ) -> Vec<tokio::task::JoinHandle<()>> {
+        match self {
+            Self::Pipes([stdout, stderr]) => [(Stream::Stdout, stdout), (Stream::Stderr, stderr)]
+                .into_iter()
+                .map(|(stream, fd)| {
+                    let process = Arc::clone(process);
+                    tokio::spawn(async move {
+                        use tokio::io::AsyncReadExt as _;
+                        let Ok(mut pipe) = tokio::net::unix::pipe::Receiver::from_owned_fd(fd)
+                        else {
+                            return;
+                        };
+                        let mut buf = vec![0u8; 64 * 1024];
+                        while let Ok(n) = pipe.read(&mut buf).await {
+                            if n == 0 {
+                                break;
+                            }
+                            process.push(stream, &buf[..n]);
+                        }
+                    })
+                })
+                .collect(),
+            Self::Tty(master) => {
+                let process = Arc::clone(process);
+                let stop = Arc::clone(stop);
+                vec![tokio::task::spawn_blocking(move || {
+                    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+                    let mut buf = vec![0u8; 64 * 1024];
+                    while !stop.load(Ordering::Relaxed) {
+                        let mut fds = [PollFd::new(master.as_fd(), PollFlags::POLLIN)];
+                        match poll(&mut fds, PollTimeout::from(200u16)) {
+                            Ok(0) | Err(nix::Error::EINTR) => continue,
+                            Ok(_) => {}
+                            Err(_) => break,
+                        }
+                        match nix::unistd::read(master.as_fd(), &mut buf) {
+                            Ok(0) => break,
+                            Ok(n) => process.push(Stream::Stdout, &buf[..n]),
+                            Err(nix::Error::EINTR | nix::Error::EAGAIN) => continue,
+                            // EIO: every holder of the terminal's slave side is gone.
+                            Err(_) => break,
+                        }
+                    }
+                })]
+            }
+        }
+    }
+}
+
 /// One exec'd process.
 #[derive(Debug)]
 pub struct Process {
@@ -69,7 +142,8 @@ pub struct Process {
     log: Mutex<Log>,
     version: watch::Sender<u64>,
     pub(crate) session: Arc<ExecSession>,
-    pub(crate) stdin: tokio::sync::Mutex<Option<tokio::net::unix::pipe::Sender>>,
+    pub(crate) stdin: tokio::sync::Mutex<Option<Input>>,
+    terminal: Option<Arc<OwnedFd>>,
 }
 
 /// A summary for listings.
@@ -93,8 +167,12 @@ impl Process {
         background: bool,
         pid: i32,
         session: Arc<ExecSession>,
-        stdin: Option<tokio::net::unix::pipe::Sender>,
+        stdin: Option<Input>,
     ) -> Self {
+        let terminal = match &stdin {
+            Some(Input::Tty(master)) => Some(Arc::clone(master)),
+            _ => None,
+        };
         Self {
             id,
             cell,
@@ -106,6 +184,18 @@ impl Process {
             version: watch::channel(0).0,
             session,
             stdin: tokio::sync::Mutex::new(stdin),
+            terminal,
+        }
+    }
+
+    /// Resizes the process's terminal; an error for a process without one.
+    pub fn resize(&self, size: crate::TtySize) -> std::io::Result<()> {
+        match &self.terminal {
+            Some(master) => warden_cell::linux::exec::resize(master.as_fd(), size),
+            None => Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "the process has no terminal (start it with `tty`)",
+            )),
         }
     }
 
@@ -203,20 +293,45 @@ impl Process {
         let _ = tokio::task::spawn_blocking(move || session.signal(signal)).await;
     }
 
-    /// Writes to the process's stdin; `close` ends it.
+    /// Writes to the process's stdin; `close` ends it (on a terminal: sends end-of-file, ^D).
     pub async fn write_stdin(&self, data: &[u8], close: bool) -> std::io::Result<()> {
         use tokio::io::AsyncWriteExt as _;
         let mut stdin = self.stdin.lock().await;
-        let Some(pipe) = stdin.as_mut() else {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::BrokenPipe,
-                "the process's stdin is closed",
-            ));
+        let written = match stdin.as_mut() {
+            None => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::BrokenPipe,
+                    "the process's stdin is closed",
+                ));
+            }
+            Some(Input::Pipe(pipe)) => {
+                let written = pipe.write_all(data).await;
+                if close || written.is_err() {
+                    *stdin = None;
+                }
+                written
+            }
+            Some(Input::Tty(master)) => {
+                let master = Arc::clone(master);
+                let mut bytes = data.to_vec();
+                if close {
+                    bytes.push(0x04);
+                }
+                tokio::task::spawn_blocking(move || {
+                    let mut rest = bytes.as_slice();
+                    while !rest.is_empty() {
+                        match nix::unistd::write(master.as_fd(), rest) {
+                            Ok(n) => rest = &rest[n..],
+                            Err(nix::Error::EINTR | nix::Error::EAGAIN) => continue,
+                            Err(e) => return Err(std::io::Error::from_raw_os_error(e as i32)),
+                        }
+                    }
+                    Ok(())
+                })
+                .await
+                .map_err(std::io::Error::other)?
+            }
         };
-        let written = pipe.write_all(data).await;
-        if close || written.is_err() {
-            *stdin = None;
-        }
         written
     }
 }

@@ -136,6 +136,7 @@ pub fn router(harness: Shared, token: Option<String>) -> Router {
         .route("/v1/cells/{name}/processes/{id}/wait", get(wait))
         .route("/v1/cells/{name}/processes/{id}/stdin", post(stdin))
         .route("/v1/cells/{name}/processes/{id}/signal", post(signal))
+        .route("/v1/cells/{name}/processes/{id}/resize", post(resize))
         .route(
             "/v1/cells/{name}/files/content",
             get(read_file)
@@ -609,6 +610,15 @@ async fn answer(
     };
     let scope = Scope::parse(body.scope.as_deref().unwrap_or("once"))?;
     harness.answer(&name, id, allow, scope, &caller(by)).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn resize(
+    State(harness): State<Shared>,
+    Path((name, id)): Path<(String, u64)>,
+    Body(size): Body<warden_harness::TtySize>,
+) -> Result<Response, ApiError> {
+    harness.resize(&name, id, size).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 

@@ -38,6 +38,18 @@ pub struct ExecRequest {
     /// Working directory inside the cell (default: the cell's).
     #[serde(default)]
     pub cwd: Option<String>,
+    /// Run on a new pseudo-terminal of the cell's own devpts, of this size; the terminal's
+    /// master comes back with the `started` event, and no stdio descriptors are sent.
+    #[serde(default)]
+    pub tty: Option<TtySize>,
+}
+
+/// A terminal's size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TtySize {
+    pub rows: u16,
+    pub cols: u16,
 }
 
 /// Messages to the init (and, without `id`, from clients to the keeper).
@@ -130,12 +142,13 @@ pub struct ExecSession {
 }
 
 impl ExecSession {
-    /// Asks the keeper of cell `name` to start a process with these descriptors as its stdio.
+    /// Asks the keeper of cell `name` to start a process with these descriptors as its stdio
+    /// (none for a process on a terminal: see `ExecRequest::tty`).
     pub fn start(
         registry: &Registry,
         name: &str,
         request: &ExecRequest,
-        stdio: [&OwnedFd; 3],
+        stdio: Option<[&OwnedFd; 3]>,
     ) -> Result<Self, ExecError> {
         registry.get(name)?;
         let path = registry.cell_file(name, EXEC_SOCKET);
@@ -158,7 +171,9 @@ impl ExecSession {
             request: request.clone(),
         };
         let payload = serde_json::to_vec(&message).unwrap_or_default();
-        let fds = stdio.map(|fd| fd.as_raw_fd());
+        let fds: Vec<_> = stdio
+            .map(|s| s.map(|fd| fd.as_raw_fd()).to_vec())
+            .unwrap_or_default();
         sys::send_message(socket.as_fd(), &payload, &fds).map_err(|source| ExecError::Io {
             what: "sending the exec request",
             cell: name.to_owned(),
@@ -172,19 +187,26 @@ impl ExecSession {
 
     /// The next event; `CellEnded` when the keeper went away first.
     pub fn next_event(&self) -> Result<ExecEvent, ExecError> {
+        self.next_event_with_fds().map(|(event, _)| event)
+    }
+
+    /// The next event with the descriptors that came with it (a terminal's master comes with
+    /// `started`).
+    pub fn next_event_with_fds(&self) -> Result<(ExecEvent, Vec<OwnedFd>), ExecError> {
         let received =
             sys::receive_message(self.socket.as_fd()).map_err(|source| ExecError::Io {
                 what: "reading exec events",
                 cell: self.cell.clone(),
                 source,
             })?;
-        let Some((payload, _)) = received else {
+        let Some((payload, fds)) = received else {
             return Err(ExecError::CellEnded(self.cell.clone()));
         };
-        serde_json::from_slice(&payload).map_err(|e| ExecError::Protocol {
+        let event = serde_json::from_slice(&payload).map_err(|e| ExecError::Protocol {
             cell: self.cell.clone(),
             reason: e.to_string(),
-        })
+        })?;
+        Ok((event, fds))
     }
 
     /// Sends a signal to the process's group.
@@ -196,6 +218,11 @@ impl ExecSession {
             source,
         })
     }
+}
+
+/// Sets the size of an exec'd process's terminal, through the master the warden holds.
+pub fn resize(master: std::os::fd::BorrowedFd<'_>, size: TtySize) -> io::Result<()> {
+    sys::set_window_size(master, size.rows, size.cols)
 }
 
 type Clients = Arc<Mutex<HashMap<u64, Arc<OwnedFd>>>>;
@@ -233,7 +260,7 @@ pub(super) fn serve(path: &Path, channel: OwnedFd) -> io::Result<()> {
 
 /// Events from the init go to the client of their id; the final one releases it.
 fn route_events(channel: &OwnedFd, clients: &Clients) {
-    while let Ok(Some((payload, _))) = sys::receive_message(channel.as_fd()) {
+    while let Ok(Some((payload, fds))) = sys::receive_message(channel.as_fd()) {
         let Ok(event) = serde_json::from_slice::<ExecEvent>(&payload) else {
             continue;
         };
@@ -244,7 +271,8 @@ fn route_events(channel: &OwnedFd, clients: &Clients) {
             Err(_) => None,
         };
         if let Some(client) = client {
-            let _ = sys::send_message(client.as_fd(), &payload, &[]);
+            let raw: Vec<_> = fds.iter().map(|fd| fd.as_raw_fd()).collect();
+            let _ = sys::send_message(client.as_fd(), &payload, &raw);
         }
     }
     // The init is gone, and with it every process: hang up on every client.
@@ -279,9 +307,10 @@ fn serve_client(id: u64, client: Arc<OwnedFd>, channel: &OwnedFd, clients: &Clie
         Ok(Request::Signal { .. }) => return refuse("a signal before any exec".to_owned()),
         Err(err) => return refuse(format!("unreadable exec request: {err}")),
     };
-    if fds.len() != 3 {
+    let wanted = if request.tty.is_some() { 0 } else { 3 };
+    if fds.len() != wanted {
         return refuse(format!(
-            "an exec request needs 3 descriptors (stdin, stdout, stderr), got {}",
+            "an exec request needs {wanted} descriptors (stdin, stdout, stderr; none on a terminal), got {}",
             fds.len()
         ));
     }

@@ -186,7 +186,7 @@ fn setup_and_start(plan: &CellPlan, fds: &InitFds) -> SetupResult<Started> {
         None
     } else {
         let env: Vec<(OsString, OsString)> = plan.env.clone();
-        let child = spawn(&plan.argv, &env, &plan.cwd, None)?;
+        let child = spawn(&plan.argv, &env, &plan.cwd, None, false)?;
         Some(Pid::from_raw(child.id() as i32))
     };
     let mut status = status_file();
@@ -206,6 +206,7 @@ fn spawn(
     env: &[(OsString, OsString)],
     cwd: &std::path::Path,
     stdio: Option<[OwnedFd; 3]>,
+    terminal: bool,
 ) -> SetupResult<std::process::Child> {
     let Some((program, args)) = argv.split_first() else {
         return Err((NOT_EXECUTABLE, "no command".to_owned()));
@@ -215,10 +216,15 @@ fn spawn(
         .args(args)
         .env_clear()
         .envs(env.iter().map(|(k, v)| (k, v)))
-        .current_dir(cwd)
-        .process_group(0);
+        .current_dir(cwd);
     if let Some([stdin, stdout, stderr]) = stdio {
         command.stdin(stdin).stdout(stdout).stderr(stderr);
+    }
+    if terminal {
+        // Its own session, with the terminal as controlling tty (and so its own group).
+        sys::controlling_terminal_on_exec(&mut command);
+    } else {
+        command.process_group(0);
     }
     sys::unblock_signals_on_exec(&mut command);
     command.spawn().map_err(|err| {
@@ -467,15 +473,37 @@ fn handle_exec_message(
 ) {
     match serde_json::from_slice::<Request>(payload) {
         Ok(Request::Exec { id, request }) => {
-            let Ok(stdio) = <[OwnedFd; 3]>::try_from(received) else {
-                return send_event(
+            let fail = |message: String| {
+                send_event(
                     channel,
                     &ExecEvent::Failed {
                         id,
                         code: NOT_EXECUTABLE,
-                        message: "an exec request needs stdin, stdout and stderr".to_owned(),
+                        message,
                     },
-                );
+                )
+            };
+            // A terminal is made here, in the cell's own devpts; its master goes back to the
+            // warden with the `started` event.
+            let (stdio, master) = match request.tty {
+                Some(size) => {
+                    let made = sys::open_pty().and_then(|(master, slave)| {
+                        use std::os::fd::AsFd as _;
+                        sys::set_window_size(slave.as_fd(), size.rows, size.cols)?;
+                        let (a, b) = (slave.try_clone()?, slave.try_clone()?);
+                        Ok(([a, b, slave], master))
+                    });
+                    match made {
+                        Ok((stdio, master)) => (stdio, Some(master)),
+                        Err(err) => return fail(format!("making a terminal: {err}")),
+                    }
+                }
+                None => match <[OwnedFd; 3]>::try_from(received) {
+                    Ok(stdio) => (stdio, None),
+                    Err(_) => {
+                        return fail("an exec request needs stdin, stdout and stderr".to_owned());
+                    }
+                },
             };
             let mut env = plan.env.clone();
             for (key, value) in request.env {
@@ -484,7 +512,7 @@ fn handle_exec_message(
             }
             let cwd = request.cwd.map_or_else(|| plan.cwd.clone(), Into::into);
             let argv: Vec<OsString> = request.argv.into_iter().map(Into::into).collect();
-            let event = match spawn(&argv, &env, &cwd, Some(stdio)) {
+            let event = match spawn(&argv, &env, &cwd, Some(stdio), master.is_some()) {
                 Ok(child) => {
                     let pid = Pid::from_raw(child.id() as i32);
                     execs.insert(pid, id);
@@ -495,7 +523,17 @@ fn handle_exec_message(
                 }
                 Err((code, message)) => ExecEvent::Failed { id, code, message },
             };
-            send_event(channel, &event);
+            match (&event, master) {
+                (ExecEvent::Started { .. }, Some(master)) => {
+                    use std::os::fd::{AsFd as _, AsRawFd as _};
+                    let _ = sys::send_message(
+                        channel.as_fd(),
+                        &serde_json::to_vec(&event).unwrap_or_default(),
+                        &[master.as_raw_fd()],
+                    );
+                }
+                _ => send_event(channel, &event),
+            }
         }
         Ok(Request::Signal { id, signal }) => {
             let target = execs.iter().find(|(_, i)| **i == id).map(|(pid, _)| *pid);

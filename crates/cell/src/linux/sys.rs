@@ -473,3 +473,55 @@ pub fn seqpacket_connect(path: &Path) -> io::Result<OwnedFd> {
 pub fn set_not_dumpable() -> io::Result<()> {
     nix::sys::prctl::set_dumpable(false).map_err(|e| io::Error::from_raw_os_error(e as i32))
 }
+
+/// Makes the command a session leader whose controlling terminal is its stdin (a pty slave).
+pub fn controlling_terminal_on_exec(command: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt as _;
+    // SAFETY: the closure runs in the forked child before exec and only calls setsid and ioctl,
+    // both async-signal-safe, on the child's own stdin.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::setsid() < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Sets the window size of a terminal (master or slave side).
+pub fn set_window_size(fd: BorrowedFd<'_>, rows: u16, cols: u16) -> io::Result<()> {
+    let size = libc::winsize {
+        ws_row: rows,
+        ws_col: cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: TIOCSWINSZ reads one `winsize` from the pointer, which points at a live local.
+    let ret = unsafe { libc::ioctl(fd.as_raw_fd(), libc::TIOCSWINSZ, &size) };
+    check(ret.into()).map(|_| ())
+}
+
+/// A new pseudo-terminal from this mount namespace's `/dev/ptmx`: (master, slave), both
+/// close-on-exec.
+pub fn open_pty() -> io::Result<(OwnedFd, OwnedFd)> {
+    use nix::fcntl::OFlag;
+    let nix_err = |e: nix::Error| io::Error::from_raw_os_error(e as i32);
+    let master = nix::pty::posix_openpt(OFlag::O_RDWR | OFlag::O_NOCTTY | OFlag::O_CLOEXEC)
+        .map_err(nix_err)?;
+    nix::pty::grantpt(&master).map_err(nix_err)?;
+    nix::pty::unlockpt(&master).map_err(nix_err)?;
+    let name = nix::pty::ptsname_r(&master).map_err(nix_err)?;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let slave = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NOCTTY | libc::O_CLOEXEC)
+        .open(name)?;
+    // SAFETY: `master` owns the descriptor posix_openpt returned; into_raw_fd gives it up.
+    let master = unsafe { OwnedFd::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(master)) };
+    Ok((master, OwnedFd::from(slave)))
+}
