@@ -297,7 +297,7 @@ impl Process {
     pub async fn write_stdin(&self, data: &[u8], close: bool) -> std::io::Result<()> {
         use tokio::io::AsyncWriteExt as _;
         let mut stdin = self.stdin.lock().await;
-        let written = match stdin.as_mut() {
+        match stdin.as_mut() {
             None => {
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::BrokenPipe,
@@ -331,8 +331,7 @@ impl Process {
                 .await
                 .map_err(std::io::Error::other)?
             }
-        };
-        written
+        }
     }
 }
 
