@@ -298,12 +298,10 @@ impl Process {
         use tokio::io::AsyncWriteExt as _;
         let mut stdin = self.stdin.lock().await;
         match stdin.as_mut() {
-            None => {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::BrokenPipe,
-                    "the process's stdin is closed",
-                ));
-            }
+            None => Err(std::io::Error::new(
+                std::io::ErrorKind::BrokenPipe,
+                "the process's stdin is closed",
+            )),
             Some(Input::Pipe(pipe)) => {
                 let written = pipe.write_all(data).await;
                 if close || written.is_err() {
