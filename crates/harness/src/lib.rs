@@ -23,8 +23,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
-pub use warden_cell::linux::exec::TtySize;
 use warden_cell::linux::exec::{ExecEvent, ExecRequest, ExecSession};
+pub use warden_cell::linux::exec::{TtySize, Usage};
 use warden_cell::{Registry, Store, control};
 use warden_journal::{Journal, Receipt};
 
@@ -751,6 +751,7 @@ impl Harness {
                     signal: None,
                     message: Some(message),
                     duration_ms: begun.elapsed().as_millis() as u64,
+                    usage: None,
                     stdout_bytes: 0,
                     stderr_bytes: 0,
                     journal_seq: Some(exit.seq),
@@ -865,6 +866,10 @@ impl Harness {
                 abort.abort();
             }
         }
+        let usage = match &ended {
+            Ok(Ok(ExecEvent::Exited { usage, .. } | ExecEvent::Signaled { usage, .. })) => *usage,
+            _ => None,
+        };
         let (reason, code, signal, message) = match ended {
             Ok(Ok(ExecEvent::Exited { code, .. })) => ("exited", Some(code), None, None),
             Ok(Ok(ExecEvent::Signaled { signal, .. })) if timed_out => {
@@ -894,6 +899,7 @@ impl Harness {
                     "signal": signal,
                     "message": message,
                     "duration_ms": duration_ms,
+                    "usage": usage,
                     "stdout_bytes": counts[0],
                     "stderr_bytes": counts[1],
                     "stdout": text(&captured[0]),
@@ -908,6 +914,7 @@ impl Harness {
             signal,
             message,
             duration_ms,
+            usage,
             stdout_bytes: counts[0],
             stderr_bytes: counts[1],
             journal_seq: receipt.ok().map(|r| r.seq),

@@ -32,6 +32,8 @@ pub struct ExitInfo {
     pub signal: Option<i32>,
     pub message: Option<String>,
     pub duration_ms: u64,
+    /// CPU time and peak memory, as the cell's init saw them when it reaped the process.
+    pub usage: Option<crate::Usage>,
     pub stdout_bytes: u64,
     pub stderr_bytes: u64,
     /// The journal entry that records the ending.
@@ -279,6 +281,7 @@ impl Process {
                     signal: None,
                     message: None,
                     duration_ms: 0,
+                    usage: None,
                     stdout_bytes: 0,
                     stderr_bytes: 0,
                     journal_seq: None,

@@ -90,12 +90,25 @@ pub enum ExecEvent {
         #[serde(default)]
         id: u64,
         code: i32,
+        #[serde(default)]
+        usage: Option<Usage>,
     },
     Signaled {
         #[serde(default)]
         id: u64,
         signal: i32,
+        #[serde(default)]
+        usage: Option<Usage>,
     },
+}
+
+/// What an exec'd process used (from `wait4` in the cell's init; its children included once
+/// they were waited for).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    pub cpu_user_ms: u64,
+    pub cpu_system_ms: u64,
+    pub max_rss_kib: u64,
 }
 
 impl ExecEvent {

@@ -12,10 +12,9 @@ use std::process::Command;
 use nix::sched::{CloneFlags, unshare};
 use nix::sys::signal::{SigSet, Signal, kill};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
-use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{Gid, Pid, Uid, sethostname, setresgid, setresuid, setsid};
 
-use super::exec::{ExecEvent, Request};
+use super::exec::{ExecEvent, Request, Usage};
 use super::plan::CellPlan;
 use super::{confine, rootfs, sys};
 
@@ -430,20 +429,20 @@ fn supervise(
             Err(_) => sys::exit_now(SETUP_FAILED),
         };
         if info.ssi_signo == Signal::SIGCHLD as u32 {
-            loop {
-                let (pid, event) = match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
-                    Ok(WaitStatus::Exited(pid, code)) => (pid, Ok(code)),
-                    Ok(WaitStatus::Signaled(pid, signal, _)) => (pid, Err(signal as i32)),
-                    Ok(WaitStatus::StillAlive) | Err(_) => break,
-                    Ok(_) => continue,
-                };
+            while let Ok(Some(reaped)) = sys::reap_any() {
+                let pid = Pid::from_raw(reaped.pid);
                 if Some(pid) == main {
-                    sys::exit_now(event.unwrap_or_else(|signal| 128 + signal));
+                    sys::exit_now(reaped.status.unwrap_or_else(|signal| 128 + signal));
                 }
                 if let (Some(id), Some(channel)) = (execs.remove(&pid), &exec) {
-                    let event = match event {
-                        Ok(code) => ExecEvent::Exited { id, code },
-                        Err(signal) => ExecEvent::Signaled { id, signal },
+                    let usage = Some(Usage {
+                        cpu_user_ms: reaped.user_us / 1000,
+                        cpu_system_ms: reaped.system_us / 1000,
+                        max_rss_kib: reaped.max_rss_kib,
+                    });
+                    let event = match reaped.status {
+                        Ok(code) => ExecEvent::Exited { id, code, usage },
+                        Err(signal) => ExecEvent::Signaled { id, signal, usage },
                     };
                     send_event(channel, &event);
                 }

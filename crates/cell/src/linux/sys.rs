@@ -525,3 +525,51 @@ pub fn open_pty() -> io::Result<(OwnedFd, OwnedFd)> {
     let master = unsafe { OwnedFd::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(master)) };
     Ok((master, OwnedFd::from(slave)))
 }
+
+/// A child that ended, with what it used.
+#[derive(Debug, Clone, Copy)]
+pub struct Reaped {
+    pub pid: i32,
+    /// `Ok(code)` when it exited, `Err(signal)` when a signal ended it.
+    pub status: Result<i32, i32>,
+    pub user_us: u64,
+    pub system_us: u64,
+    pub max_rss_kib: u64,
+}
+
+/// Reaps one ended child without waiting (`None` when no child has ended).
+pub fn reap_any() -> io::Result<Option<Reaped>> {
+    let mut status: libc::c_int = 0;
+    // SAFETY: an all-zero rusage is a valid value of this plain C struct.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    loop {
+        // SAFETY: wait4 writes the status and the rusage through pointers to live locals.
+        let pid = unsafe { libc::wait4(-1, &mut status, libc::WNOHANG, &mut usage) };
+        if pid == 0 {
+            return Ok(None);
+        }
+        if pid < 0 {
+            let err = io::Error::last_os_error();
+            match err.raw_os_error() {
+                Some(libc::EINTR) => continue,
+                Some(libc::ECHILD) => return Ok(None),
+                _ => return Err(err),
+            }
+        }
+        let status = if libc::WIFEXITED(status) {
+            Ok(libc::WEXITSTATUS(status))
+        } else if libc::WIFSIGNALED(status) {
+            Err(libc::WTERMSIG(status))
+        } else {
+            continue;
+        };
+        let micros = |t: libc::timeval| t.tv_sec as u64 * 1_000_000 + t.tv_usec as u64;
+        return Ok(Some(Reaped {
+            pid,
+            status,
+            user_us: micros(usage.ru_utime),
+            system_us: micros(usage.ru_stime),
+            max_rss_kib: usage.ru_maxrss as u64,
+        }));
+    }
+}
