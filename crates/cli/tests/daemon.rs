@@ -1196,3 +1196,137 @@ fn a_terminal_in_the_cell_with_input_and_resize_from_outside() {
     );
     assert_eq!(refused.status, 409);
 }
+
+#[test]
+fn fuzzed_api_input_gets_4xx_answers_and_leaves_the_daemon_well() {
+    if !cgroups_available("daemon_fuzz") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("fuzz"), json!({}));
+    let canary = tempdir();
+    std::fs::write(canary.path().join("canary"), "untouched").unwrap();
+    // A small deterministic generator: the same inputs on every run.
+    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let canary_path = canary.path().join("canary").display().to_string();
+    let segments = [
+        cell.as_str(),
+        "..",
+        "%2e%2e",
+        "nope",
+        "",
+        "a/b",
+        "%00",
+        "\u{202e}x",
+        "0",
+        "-1",
+        "18446744073709551616",
+        &canary_path,
+        "processes",
+        "files",
+        "exec",
+    ];
+    let tails = [
+        "",
+        "/exec",
+        "/pause",
+        "/resume",
+        "/processes",
+        "/processes/1",
+        "/processes/1/stdin",
+        "/processes/abc/signal",
+        "/files/content?path=",
+        "/files/content?path=../../etc/passwd",
+        "/files/list?path=%2Fetc",
+        "/files/mkdir",
+        "/files/move",
+        "/snapshot",
+        "/reset",
+        "/policy",
+        "/files/content?path=x&bogus=1",
+        "/processes/1/output?from=-3",
+    ];
+    let bodies = [
+        "",
+        "{",
+        "}",
+        "null",
+        "[]",
+        "\"x\"",
+        "{\"argv\": null}",
+        "{\"argv\": [1, 2]}",
+        "{\"argv\": [\"sh\"], \"timeout_ms\": -5}",
+        "{\"name\": 7}",
+        "{\"path\": {\"a\": 1}}",
+        "{\"from\": \"..\", \"to\": \"/etc\"}",
+        "{\"policy\": \"version: 2\"}",
+        "\u{0}\u{1}\u{2}",
+        "{\"argv\": [\"true\"], \"env\": {\"\": \"x\"}}",
+        "{\"signal\": 99999}",
+        "{\"decision\": \"maybe\"}",
+        "{\"rows\": 0, \"cols\": 0}",
+    ];
+    let methods = ["GET", "POST", "PUT", "DELETE", "PATCH"];
+    for round in 0..300 {
+        let method = methods[(next() % methods.len() as u64) as usize];
+        let path = match next() % 3 {
+            0 => format!(
+                "/v1/cells/{}{}",
+                segments[(next() % segments.len() as u64) as usize],
+                tails[(next() % tails.len() as u64) as usize]
+            ),
+            1 => format!(
+                "/v1/approvals/{}/{}",
+                segments[(next() % segments.len() as u64) as usize],
+                next() % 5
+            ),
+            _ => format!(
+                "/v1/{}",
+                segments[(next() % segments.len() as u64) as usize]
+            ),
+        };
+        let mut body = bodies[(next() % bodies.len() as u64) as usize].to_owned();
+        if next() % 5 == 0 {
+            // Random bytes, cut to valid UTF-8 for the request line's sake.
+            body = (0..(next() % 200))
+                .map(|_| char::from((next() % 95 + 32) as u8))
+                .collect();
+        }
+        let answer = daemon.request(method, &path, Some(&body));
+        assert!(
+            answer.status < 500,
+            "round {round}: {method} {path} {body:?} -> {} {}",
+            answer.status,
+            String::from_utf8_lossy(&answer.body)
+        );
+        if answer.status >= 400 {
+            let value: Value = serde_json::from_slice(&answer.body).unwrap_or_else(|_| {
+                panic!(
+                    "round {round}: {method} {path}: a non-JSON error: {}",
+                    String::from_utf8_lossy(&answer.body)
+                )
+            });
+            assert!(
+                !value["error"].as_str().unwrap_or_default().is_empty(),
+                "round {round}: {value}"
+            );
+        }
+    }
+    assert_eq!(
+        std::fs::read_to_string(canary.path().join("canary")).unwrap(),
+        "untouched"
+    );
+    assert_eq!(daemon.call("GET", "/v1/health", None).status, 200);
+    let verify = daemon.warden().args(["audit", "verify"]).output().unwrap();
+    assert!(
+        verify.status.success(),
+        "{}",
+        String::from_utf8_lossy(&verify.stdout)
+    );
+}

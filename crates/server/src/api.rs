@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::connect_info::{ConnectInfo, Connected};
-use axum::extract::{DefaultBodyLimit, Extension, FromRequest, Path, Query, Request, State};
+use axum::extract::{DefaultBodyLimit, Extension, FromRequest, FromRequestParts, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -119,6 +119,46 @@ fn caller(extension: Option<Extension<Caller>>) -> String {
     extension.map_or_else(|| "unknown".to_owned(), |Extension(Caller(c))| c)
 }
 
+/// Path parameters whose rejections are API errors.
+pub struct Path<T>(T);
+
+impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for Path<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, ApiError> {
+        match axum::extract::Path::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(value)) => Ok(Self(value)),
+            Err(rejection) => Err(ApiError {
+                status: rejection.status(),
+                message: format!("path: {}", rejection.body_text()),
+            }),
+        }
+    }
+}
+
+/// Query parameters whose rejections are API errors.
+pub struct Query<T>(T);
+
+impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for Query<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, ApiError> {
+        match axum::extract::Query::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Query(value)) => Ok(Self(value)),
+            Err(rejection) => Err(ApiError {
+                status: rejection.status(),
+                message: format!("query: {}", rejection.body_text()),
+            }),
+        }
+    }
+}
+
 /// The API. With a token, every request must carry `Authorization: Bearer TOKEN`.
 pub fn router(harness: Shared, token: Option<String>) -> Router {
     let router = Router::new()
@@ -162,6 +202,7 @@ pub fn router(harness: Shared, token: Option<String>) -> Router {
         .route("/v1/approvals", get(approvals))
         .route("/v1/approvals/{name}/{id}", post(answer))
         .fallback(no_route)
+        .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .with_state(harness);
     match token {
@@ -219,6 +260,13 @@ async fn no_route() -> ApiError {
     ApiError {
         status: StatusCode::NOT_FOUND,
         message: "no such endpoint; GET /openapi.json lists them".to_owned(),
+    }
+}
+
+async fn wrong_method() -> ApiError {
+    ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        message: "this endpoint does not take that method; GET /openapi.json lists them".to_owned(),
     }
 }
 
