@@ -970,8 +970,29 @@ fn files_round_trip_and_paths_cannot_leave_the_cell() {
     let listed = listed.wait_with_output().unwrap();
     assert!(String::from_utf8_lossy(&listed.stdout).contains("./ok.txt"));
 
-    // Every change is journaled with its path.
+    // Deleting the cell journals what it changed in its workspace, then every change is there.
+    assert_eq!(
+        daemon
+            .call("DELETE", &format!("/v1/cells/{cell}"), None)
+            .status,
+        204
+    );
     let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    let changes: Value = journal
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .find(|e| e["kind"] == "workspace.changes")
+        .expect("workspace.changes journaled");
+    let paths: Vec<&str> = changes["data"]["changes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["path"].as_str().unwrap())
+        .collect();
+    assert!(
+        paths.contains(&"made-by-api") && paths.contains(&"unpacked/ok.txt"),
+        "{paths:?}"
+    );
     for kind in [
         "file.write",
         "file.mkdir",

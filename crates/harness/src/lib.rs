@@ -258,6 +258,22 @@ impl Harness {
     async fn reconcile(self: &Arc<Self>) -> Result<(), HarnessError> {
         // Listing also removes the runtime folders and cgroups of dead cells.
         let _ = self.registry.list();
+        // Processes the old daemon was relaying: their output pipes went with it, so the
+        // keeper killed them when the daemon's end of their exec connection closed.
+        for (id, note) in self.state.take_running()? {
+            let cell = note["cell"].as_str().map(str::to_owned);
+            self.record(
+                cell.as_deref(),
+                "exec.lost",
+                json!({
+                    "process": id,
+                    "argv": note["argv"],
+                    "start_seq": note["start_seq"],
+                    "reason": "the daemon stopped while it ran; it was ended with the daemon's connection",
+                }),
+            )
+            .await?;
+        }
         for mut entry in self.state.all()? {
             if entry.ended.is_some() {
                 continue;
@@ -614,6 +630,8 @@ impl Harness {
         if entry.ended.is_none() && self.registry.get(name).is_ok() {
             self.control(name, "kill", by).await?;
         }
+        self.journal_changes(name, "deleted, changes discarded")
+            .await;
         self.record(Some(name), "cell.delete", json!({ "by": by }))
             .await?;
         if let Ok(mut processes) = self.processes.lock() {
@@ -678,6 +696,10 @@ impl Harness {
                 }),
             )
             .await?;
+        self.state.put_running(
+            id,
+            &json!({ "cell": name, "argv": spec.argv, "start_seq": started.seq }),
+        )?;
         let pipe = || {
             nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
                 .map_err(|e| HarnessError::internal(format!("creating pipes: {e}")))
@@ -723,6 +745,7 @@ impl Harness {
                     json!({ "process": id, "reason": "failed", "message": message }),
                 )
                 .await?;
+                let _ = self.state.remove_running(id);
                 return Err(HarnessError::new(ErrorKind::Conflict, message));
             }
         };
@@ -736,6 +759,7 @@ impl Harness {
                         json!({ "process": id, "reason": "failed", "code": code, "message": message }),
                     )
                     .await?;
+                let _ = self.state.remove_running(id);
                 let process = Arc::new(Process::new(
                     id,
                     name.to_owned(),
@@ -908,6 +932,9 @@ impl Harness {
                 }),
             )
             .await;
+        if receipt.is_ok() {
+            let _ = self.state.remove_running(process.id);
+        }
         process.finish(ExitInfo {
             reason: reason.to_owned(),
             code,

@@ -11,6 +11,8 @@ use crate::HarnessError;
 
 const CELLS: TableDefinition<&str, &str> = TableDefinition::new("cells");
 const GRANTS: TableDefinition<&str, &str> = TableDefinition::new("grants");
+/// Processes started and not yet ended, so that a new daemon can journal the ones a crash cut.
+const RUNNING: TableDefinition<u64, &str> = TableDefinition::new("running");
 
 /// A standing approval: the same request is approved without asking.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -65,6 +67,7 @@ impl State {
         let txn = db.begin_write().map_err(db_error)?;
         txn.open_table(CELLS).map_err(db_error)?;
         txn.open_table(GRANTS).map_err(db_error)?;
+        txn.open_table(RUNNING).map_err(db_error)?;
         txn.commit().map_err(db_error)?;
         Ok(Self { db })
     }
@@ -133,6 +136,48 @@ impl State {
             let (_, value) = item.map_err(db_error)?;
             out.push(serde_json::from_str(value.value()).map_err(db_error)?);
         }
+        Ok(out)
+    }
+
+    /// Notes a running process. Not synced on its own (the journal has its start already): a
+    /// crash may lose the note, and then only the `exec.lost` entry.
+    pub fn put_running(&self, id: u64, note: &serde_json::Value) -> Result<(), HarnessError> {
+        let json = note.to_string();
+        let mut txn = self.db.begin_write().map_err(db_error)?;
+        txn.set_durability(redb::Durability::Eventual);
+        {
+            let mut table = txn.open_table(RUNNING).map_err(db_error)?;
+            table.insert(id, json.as_str()).map_err(db_error)?;
+        }
+        txn.commit().map_err(db_error)
+    }
+
+    pub fn remove_running(&self, id: u64) -> Result<(), HarnessError> {
+        let mut txn = self.db.begin_write().map_err(db_error)?;
+        txn.set_durability(redb::Durability::Eventual);
+        {
+            let mut table = txn.open_table(RUNNING).map_err(db_error)?;
+            table.remove(id).map_err(db_error)?;
+        }
+        txn.commit().map_err(db_error)
+    }
+
+    /// Takes every note of a running process (those of a daemon that is gone).
+    pub fn take_running(&self) -> Result<Vec<(u64, serde_json::Value)>, HarnessError> {
+        let txn = self.db.begin_write().map_err(db_error)?;
+        let mut out = Vec::new();
+        {
+            let mut table = txn.open_table(RUNNING).map_err(db_error)?;
+            for item in table.iter().map_err(db_error)? {
+                let (key, value) = item.map_err(db_error)?;
+                out.push((
+                    key.value(),
+                    serde_json::from_str(value.value()).unwrap_or_default(),
+                ));
+            }
+            table.retain(|_, _| false).map_err(db_error)?;
+        }
+        txn.commit().map_err(db_error)?;
         Ok(out)
     }
 }

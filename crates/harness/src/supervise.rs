@@ -128,6 +128,8 @@ impl Harness {
             let _ = self
                 .record(Some(name), "cell.end", json!({ "reason": reason }))
                 .await;
+            self.journal_changes(name, "ended, changes kept for review")
+                .await;
         }
     }
 

@@ -79,6 +79,60 @@ impl Harness {
         })
     }
 
+    /// Journals what the cell changed in its workspace (paths, kinds, sizes and hashes; not the
+    /// contents), from the warden's own diff of the copy-on-write layer.
+    pub(crate) async fn journal_changes(&self, name: &str, when: &str) {
+        let Ok(Some(entry)) = self.state.get(name) else {
+            return;
+        };
+        if entry.workspace.is_none() {
+            return;
+        }
+        let diff = self
+            .warden_command(&["diff", name, "--json"])
+            .await
+            .and_then(|out| {
+                serde_json::from_str::<serde_json::Value>(&out)
+                    .map_err(|e| HarnessError::internal(format!("reading the diff: {e}")))
+            });
+        let diff = match diff {
+            Ok(diff) => diff,
+            Err(err) => {
+                let _ = self
+                    .record(
+                        Some(name),
+                        "workspace.changes",
+                        json!({ "when": when, "error": err.message }),
+                    )
+                    .await;
+                return;
+            }
+        };
+        let Some(changes) = diff["changes"].as_array() else {
+            return;
+        };
+        let listed: Vec<serde_json::Value> = changes
+            .iter()
+            .take(1000)
+            .map(|c| {
+                json!({
+                    "path": c["path"],
+                    "kind": c["kind"],
+                    "entry": c["entry"],
+                    "size": c["size"],
+                    "blake3": c["hash"],
+                })
+            })
+            .collect();
+        let _ = self
+            .record(
+                Some(name),
+                "workspace.changes",
+                json!({ "when": when, "count": changes.len(), "changes": listed }),
+            )
+            .await;
+    }
+
     /// Snapshots of this cell.
     pub fn snapshots(&self, name: &str) -> Result<Vec<Snapshot>, HarnessError> {
         self.entry(name)?;
