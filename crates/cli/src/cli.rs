@@ -138,6 +138,15 @@ pub enum Command {
     /// Copy a file or directory between the host and a daemon cell: `warden cp FILE CELL:PATH`
     /// or `warden cp CELL:PATH DEST` (PATH is relative to the cell's workspace).
     Cp { source: String, dest: String },
+    /// Print the output of the processes exec'd into a daemon cell (-f: follow running ones).
+    Logs {
+        name: String,
+        #[arg(long, short = 'f')]
+        follow: bool,
+        /// Only this process (ids from `GET /v1/cells/NAME/processes`).
+        #[arg(long)]
+        process: Option<u64>,
+    },
     /// Check or export the journal.
     Audit {
         #[command(subcommand)]

@@ -167,7 +167,7 @@ impl Client {
                 }
                 if !data.is_empty() {
                     on_event(event, &data);
-                    if event == "exit" {
+                    if event == "exit" || event == "live" {
                         return Ok(());
                     }
                 }

@@ -137,6 +137,11 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         Command::Serve { listen, token_file } => crate::daemon::serve(listen, token_file),
         Command::Create(args) => crate::daemon::create(args),
         Command::Cp { source, dest } => crate::daemon::copy(&source, &dest),
+        Command::Logs {
+            name,
+            follow,
+            process,
+        } => crate::daemon::logs(&name, follow, process),
         Command::Exec(args) => crate::daemon::exec(args),
         Command::Audit { command } => crate::daemon::audit(command),
         Command::Replay { name, json } => crate::daemon::replay(&name, json),

@@ -294,6 +294,54 @@ pub fn copy(source: &str, dest: &str) -> Result<i32> {
     Ok(0)
 }
 
+pub fn logs(name: &str, follow: bool, only: Option<u64>) -> Result<i32> {
+    let client = client()?;
+    let rt = current_thread()?;
+    let list =
+        rt.block_on(client.json(Method::GET, &format!("/v1/cells/{name}/processes"), None))?;
+    let processes = list.as_array().cloned().unwrap_or_default();
+    let mut stdout = std::io::stdout();
+    let mut stderr = std::io::stderr();
+    for process in processes {
+        let id = process["id"].as_u64().unwrap_or(0);
+        if only.is_some_and(|o| o != id) {
+            continue;
+        }
+        let argv: Vec<&str> = process["argv"]
+            .as_array()
+            .map(|a| a.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        eprintln!("==> process {id}: {} <==", argv.join(" "));
+        let path = format!("/v1/cells/{name}/processes/{id}/output?follow={follow}");
+        rt.block_on(client.events(Method::GET, &path, None, |event, data| {
+            let Ok(value) = serde_json::from_str::<Value>(data) else {
+                return;
+            };
+            let bytes = value["text"]
+                .as_str()
+                .map(|t| t.as_bytes().to_vec())
+                .or_else(|| {
+                    value["base64"]
+                        .as_str()
+                        .and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok())
+                })
+                .unwrap_or_default();
+            match event {
+                "stdout" => {
+                    let _ = stdout.write_all(&bytes);
+                    let _ = stdout.flush();
+                }
+                "stderr" => {
+                    let _ = stderr.write_all(&bytes);
+                }
+                "dropped" => eprintln!("warden: ({} earlier bytes were dropped)", value["bytes"]),
+                _ => {}
+            }
+        }))?;
+    }
+    Ok(0)
+}
+
 /// `warden keep`: the keeper of one daemon cell, an exec-serving cell without a command.
 pub fn keep(args: KeepArgs) -> Result<i32> {
     let mut policy = match (&args.policy, &args.preset) {

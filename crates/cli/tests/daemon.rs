@@ -239,6 +239,25 @@ fn cli_create_exec_and_the_exit_status() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(127));
+    // `warden logs`: what the processes printed, without waiting for running ones.
+    let bg = daemon.call(
+        "POST",
+        &format!("/v1/cells/{name}/exec"),
+        Some(json!({ "argv": ["sh", "-c", "echo still-running; sleep 30"], "background": true })),
+    );
+    assert_eq!(bg.status, 201);
+    std::thread::sleep(Duration::from_millis(300));
+    let logs = daemon.warden().args(["logs", &name]).output().unwrap();
+    assert!(
+        logs.status.success(),
+        "{}",
+        String::from_utf8_lossy(&logs.stderr)
+    );
+    let text = String::from_utf8_lossy(&logs.stdout);
+    assert!(
+        text.contains("hi\n") && text.contains("still-running\n"),
+        "{text}"
+    );
     // `warden kill` goes through the daemon, so the journal has it.
     let out = daemon.warden().args(["kill", &name]).output().unwrap();
     assert!(out.status.success());

@@ -254,6 +254,22 @@ impl Process {
         self.version.send_modify(|v| *v += 1);
     }
 
+    /// The next item after `cursor` if there is one now (`None`: caught up with a running
+    /// process).
+    pub fn try_next(&self, cursor: &mut u64) -> Option<Item> {
+        let log = self.log.lock().ok()?;
+        if *cursor < log.first {
+            *cursor = log.first;
+            return Some(Item::Dropped(log.dropped_bytes));
+        }
+        let at = (*cursor - log.first) as usize;
+        if let Some((stream, data)) = log.chunks.get(at) {
+            *cursor += 1;
+            return Some(Item::Output(*stream, Arc::clone(data)));
+        }
+        log.exit.clone().map(Item::Exit)
+    }
+
     /// The next item after `cursor` (a chunk index), waiting for it; advances the cursor.
     pub async fn next(&self, cursor: &mut u64) -> Item {
         loop {

@@ -347,7 +347,7 @@ async fn exec(
     if background {
         return Ok((StatusCode::CREATED, Json(process.info())).into_response());
     }
-    Ok(stream_output(process, 0, true))
+    Ok(stream_output(process, 0, true, true))
 }
 
 #[derive(Debug, Deserialize)]
@@ -356,6 +356,8 @@ struct OutputQuery {
     /// Chunk index to start from (0: the first kept).
     #[serde(default)]
     from: u64,
+    /// `false`: end with a `live` event once caught up with a running process.
+    follow: Option<bool>,
 }
 
 async fn output(
@@ -364,7 +366,12 @@ async fn output(
     Query(query): Query<OutputQuery>,
 ) -> Result<Response, ApiError> {
     let process = harness.process(&name, id)?;
-    Ok(stream_output(process, query.from, false))
+    Ok(stream_output(
+        process,
+        query.from,
+        false,
+        query.follow.unwrap_or(true),
+    ))
 }
 
 async fn processes(
@@ -687,8 +694,14 @@ async fn signal(
 
 /// Server-sent events: `started`, then `stdout`/`stderr` chunks in order (`{"text": ...}` when
 /// the bytes are UTF-8, else `{"base64": ...}`; a UTF-8 character is never split), `dropped`
-/// when kept output was discarded before this reader got to it, and a last `exit`.
-fn stream_output(process: Arc<Process>, from: u64, kill_on_disconnect: bool) -> Response {
+/// when kept output was discarded before this reader got to it, and a last `exit` (or, when
+/// not following, `live` once caught up with a process that still runs).
+fn stream_output(
+    process: Arc<Process>,
+    from: u64,
+    kill_on_disconnect: bool,
+    follow: bool,
+) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     tokio::spawn(async move {
         let _guard = kill_on_disconnect.then(|| KillOnDrop(Arc::clone(&process)));
@@ -705,9 +718,24 @@ fn stream_output(process: Arc<Process>, from: u64, kill_on_disconnect: bool) -> 
         let mut cursor = from;
         let mut pending: [Vec<u8>; 2] = [Vec::new(), Vec::new()];
         loop {
-            let item = tokio::select! {
-                item = process.next(&mut cursor) => item,
-                () = tx.closed() => return,
+            let item = if follow {
+                tokio::select! {
+                    item = process.next(&mut cursor) => item,
+                    () = tx.closed() => return,
+                }
+            } else if let Some(item) = process.try_next(&mut cursor) {
+                item
+            } else {
+                for (stream, slot) in [(Stream::Stdout, 0), (Stream::Stderr, 1)] {
+                    if let Some(event) = output_event(stream, &mut pending[slot], true) {
+                        let _ = tx.send(Ok(event)).await;
+                    }
+                }
+                let event = Event::default()
+                    .event("live")
+                    .data(json!({ "running": true, "next": cursor }).to_string());
+                let _ = tx.send(Ok(event)).await;
+                return;
             };
             let event = match item {
                 Item::Output(stream, data) => {
