@@ -177,6 +177,10 @@ fn run(args: RunArgs, from: Option<SnapshotInfo>) -> Result<i32> {
         }
         env.push((key.to_owned(), value.to_owned()));
     }
+    // With a daemon running, the run goes through it (and into its journal).
+    if let Some(client) = crate::daemon::client_if_running() {
+        return crate::daemon::run_through(&client, &args, &policy, &env, from.map(|f| f.id));
+    }
     let request = RunRequest {
         policy,
         name: args.name,

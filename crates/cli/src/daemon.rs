@@ -40,6 +40,242 @@ pub fn client() -> Result<Client> {
     })
 }
 
+/// The daemon, when one runs.
+pub fn client_if_running() -> Option<Client> {
+    Client::detect(&runtime())
+}
+
+/// `warden run` through the daemon: a cell made for the command, the command exec'd into it
+/// with stdin, signals and output relayed, the same exit statuses as an in-process run, and the
+/// cell ended afterwards (its workspace changes kept for review unless `--rm`).
+pub fn run_through(
+    client: &Client,
+    args: &crate::cli::RunArgs,
+    policy: &warden_policy::Policy,
+    env: &[(String, String)],
+    from: Option<String>,
+) -> Result<i32> {
+    use warden_protocol::exit;
+    let argv: Vec<String> = args
+        .command
+        .iter()
+        .map(|a| {
+            a.to_str().map(str::to_owned).with_context(|| {
+                format!(
+                    "argument {a:?} is not UTF-8, which the daemon's API cannot carry; stop the daemon to run it in-process"
+                )
+            })
+        })
+        .collect::<Result<_>>()?;
+    let policy_text = match &args.policy {
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("reading the policy {}", path.display()))?,
+        ),
+        None => None,
+    };
+    let workspace = match &args.workspace {
+        Some(dir) => Some(
+            std::fs::canonicalize(dir)
+                .with_context(|| format!("workspace {}", dir.display()))?
+                .display()
+                .to_string(),
+        ),
+        None => None,
+    };
+    let preset = match (&policy_text, &args.preset) {
+        (None, None) => Some("default".to_owned()),
+        (_, preset) => preset.clone(),
+    };
+    let rt = current_thread()?;
+    let body = json!({
+        "name": args.name,
+        "policy": policy_text,
+        "preset": preset,
+        "workspace": workspace,
+        "from": from,
+        "labels": { "made-by": "warden run" },
+    });
+    let cell = rt.block_on(client.json(Method::POST, "/v1/cells", Some(&body)))?;
+    let name = cell["name"].as_str().unwrap_or_default().to_owned();
+    let spec = json!({
+        "argv": argv,
+        "env": env
+            .iter()
+            .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+            .collect::<serde_json::Map<String, Value>>(),
+        "background": true,
+        "timeout_ms": policy.limits.wall.map(|w| w.0.as_millis() as u64),
+        "output_limit": policy.limits.output.map(|o| o.0),
+    });
+    let outcome = rt.block_on(relay_process(client, &name, &spec));
+    // The cell ends with its command; what it changed waits for review unless --rm.
+    let end = if args.rm {
+        rt.block_on(client.json(Method::DELETE, &format!("/v1/cells/{name}"), None))
+    } else {
+        rt.block_on(client.json(Method::POST, &format!("/v1/cells/{name}/kill"), None))
+    };
+    let exit = outcome?;
+    end?;
+    let store = Store::open(Store::default_root())?;
+    let changed = !args.rm
+        && std::fs::read_dir(store.layer(&name).upper())
+            .is_ok_and(|mut entries| entries.next().is_some());
+    if !args.rm && !changed {
+        // Nothing to review: the daemon forgets the cell, as an in-process run leaves nothing.
+        let _ = rt.block_on(client.json(Method::DELETE, &format!("/v1/cells/{name}"), None));
+    }
+    if changed {
+        eprintln!(
+            "warden: cell {name} changed its workspace; the host directory is untouched. Review with \
+             `warden diff {name}`, then `warden apply {name}` or `warden rm {name}`."
+        );
+    }
+    let reason = exit["reason"].as_str().unwrap_or_default();
+    let message = exit["message"].as_str();
+    Ok(match reason {
+        "exited" => exit["code"].as_i64().unwrap_or(0) as i32,
+        "signaled" => 128 + exit["signal"].as_i64().unwrap_or(0) as i32,
+        "timeout" => {
+            let limit = policy
+                .limits
+                .wall
+                .map(|w| w.to_string())
+                .unwrap_or_default();
+            eprintln!("warden: cell {name}: wall-clock limit {limit} exceeded: killed");
+            exit::WALL_LIMIT
+        }
+        "memory-limit" => {
+            let limit = policy
+                .limits
+                .memory
+                .map(|m| m.to_string())
+                .unwrap_or_default();
+            eprintln!("warden: cell {name}: memory limit {limit} exceeded: killed");
+            exit::MEMORY_LIMIT
+        }
+        "output-limit" => {
+            let limit = policy
+                .limits
+                .output
+                .map(|o| o.to_string())
+                .unwrap_or_default();
+            eprintln!("warden: cell {name}: output limit {limit} exceeded: killed");
+            exit::OUTPUT_LIMIT
+        }
+        "failed" => {
+            if let Some(message) = message {
+                eprintln!("warden: {message} (in cell {name})");
+            }
+            exit["code"]
+                .as_i64()
+                .map_or(exit::WARDEN_ERROR, |c| c as i32)
+        }
+        _ => {
+            eprintln!("warden: cell {name} was killed by `warden kill`");
+            exit::KILLED
+        }
+    })
+}
+
+/// Starts the process, pumps stdin to it, forwards signals, writes its output; returns its
+/// exit information.
+async fn relay_process(client: &Client, cell: &str, spec: &Value) -> Result<Value> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let started = client
+        .json(Method::POST, &format!("/v1/cells/{cell}/exec"), Some(spec))
+        .await?;
+    let id = started["id"].as_u64().unwrap_or(0);
+    if let Some(exit) = started.get("exit").filter(|e| !e.is_null()) {
+        return Ok(exit.clone());
+    }
+    // stdin, from a thread of its own (reads block).
+    let pump_client = client.clone();
+    let stdin_path = format!("/v1/cells/{cell}/processes/{id}/stdin");
+    std::thread::spawn(move || {
+        let Ok(rt) = current_thread() else {
+            return;
+        };
+        let mut stdin = std::io::stdin();
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = stdin.read(&mut buf).unwrap_or(0);
+            let body = if n == 0 {
+                json!({ "close": true })
+            } else {
+                json!({ "data_base64": base64::engine::general_purpose::STANDARD.encode(&buf[..n]) })
+            };
+            if rt
+                .block_on(pump_client.json(Method::POST, &stdin_path, Some(&body)))
+                .is_err()
+                || n == 0
+            {
+                return;
+            }
+        }
+    });
+    let listen = |kind| signal(kind).context("handling signals");
+    let mut interrupt = listen(SignalKind::interrupt())?;
+    let mut terminate = listen(SignalKind::terminate())?;
+    let mut hangup = listen(SignalKind::hangup())?;
+    let mut quit = listen(SignalKind::quit())?;
+    let output_path = format!("/v1/cells/{cell}/processes/{id}/output");
+    let mut exit = Value::Null;
+    let mut output = Box::pin(
+        client.events(Method::GET, &output_path, None, |event, data| {
+            let Ok(value) = serde_json::from_str::<Value>(data) else {
+                return;
+            };
+            let bytes = || -> Vec<u8> {
+                value["text"]
+                    .as_str()
+                    .map(|t| t.as_bytes().to_vec())
+                    .or_else(|| {
+                        value["base64"]
+                            .as_str()
+                            .and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok())
+                    })
+                    .unwrap_or_default()
+            };
+            match event {
+                "stdout" => {
+                    let mut out = std::io::stdout();
+                    let _ = out.write_all(&bytes());
+                    let _ = out.flush();
+                }
+                "stderr" => {
+                    let _ = std::io::stderr().write_all(&bytes());
+                }
+                "exit" => exit = value.clone(),
+                _ => {}
+            }
+        }),
+    );
+    let signal_path = format!("/v1/cells/{cell}/processes/{id}/signal");
+    loop {
+        // Signals that would end this client go to the process instead.
+        let number = tokio::select! {
+            done = &mut output => {
+                done?;
+                break;
+            }
+            _ = interrupt.recv() => libc::SIGINT,
+            _ = terminate.recv() => libc::SIGTERM,
+            _ = hangup.recv() => libc::SIGHUP,
+            _ = quit.recv() => libc::SIGQUIT,
+        };
+        let _ = client
+            .json(
+                Method::POST,
+                &signal_path,
+                Some(&json!({ "signal": number })),
+            )
+            .await;
+    }
+    drop(output);
+    Ok(exit)
+}
+
 /// Carries out `pause`, `resume`, `kill` or `delete` through the daemon when one runs and the
 /// cell is one of its own (so that the journal records it); `false` when the caller should act
 /// directly.

@@ -1370,3 +1370,157 @@ fn fuzzed_api_input_gets_4xx_answers_and_leaves_the_daemon_well() {
         String::from_utf8_lossy(&verify.stdout)
     );
 }
+
+#[test]
+fn warden_run_goes_through_a_running_daemon_with_the_same_behaviour() {
+    if !cgroups_available("daemon_run") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let dir = tempdir();
+    let run = |extra: &[&str], input: Option<&str>| {
+        let mut cmd = daemon.warden();
+        cmd.arg("run").args(extra);
+        cmd.stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        if input.is_some() {
+            cmd.stdin(std::process::Stdio::piped());
+        }
+        let mut child = cmd.spawn().unwrap();
+        if let Some(text) = input {
+            use std::io::Write as _;
+            child
+                .stdin
+                .take()
+                .unwrap()
+                .write_all(text.as_bytes())
+                .unwrap();
+        }
+        Ran::from(child.wait_with_output().unwrap())
+    };
+    let ran = run(&["--", "sh", "-c", "echo out; echo err >&2; exit 3"], None);
+    assert_eq!(
+        (ran.code, ran.stdout.as_str(), ran.stderr.as_str()),
+        (3, "out\n", "err\n"),
+        "{ran:?}"
+    );
+    let ran = run(&["--", "tr", "a-z", "A-Z"], Some("through the daemon\n"));
+    assert_eq!(ran.stdout, "THROUGH THE DAEMON\n", "{ran:?}");
+    let ran = run(&["--", "no-such-command"], None);
+    assert_eq!(ran.code, 127, "{ran:?}");
+    assert!(ran.stderr.contains("command not found"), "{ran:?}");
+
+    // Ctrl-C reaches the command, not the client.
+    let mut child = daemon
+        .warden()
+        .args([
+            "run",
+            "--",
+            "sh",
+            "-c",
+            "trap 'echo got-int; exit 9' INT; echo ready; sleep 30 & wait",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut stdout, &mut line).unwrap();
+    assert_eq!(line, "ready\n");
+    std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
+    assert_eq!(rest, "got-int\n");
+    assert_eq!(child.wait().unwrap().code(), Some(9));
+
+    // The limits end the command with the same statuses and messages.
+    let limits = policy(
+        dir.path(),
+        "version: 1\nlimits:\n  wall: 1s\n  output: 1KiB\n  memory: 64MiB\n",
+    );
+    let limits = limits.to_str().unwrap();
+    let ran = run(&["--policy", limits, "--", "sleep", "30"], None);
+    assert_eq!(ran.code, 124, "{ran:?}");
+    assert!(
+        ran.stderr.contains("wall-clock limit 1s exceeded: killed"),
+        "{ran:?}"
+    );
+    let ran = run(
+        &[
+            "--policy",
+            limits,
+            "--",
+            "sh",
+            "-c",
+            "while true; do echo xxxxxxxxxxxxxxxx; done",
+        ],
+        None,
+    );
+    assert_eq!(ran.code, 252, "{ran:?}");
+    let ran = run(
+        &[
+            "--policy",
+            limits,
+            "--",
+            "python3",
+            "-c",
+            "x = []\nwhile True: x.append(bytearray(8 << 20))",
+        ],
+        None,
+    );
+    assert_eq!(ran.code, 251, "{ran:?}");
+    assert!(
+        ran.stderr.contains("memory limit 64 MiB exceeded: killed"),
+        "{ran:?}"
+    );
+
+    // Workspace changes wait for review, as with an in-process run.
+    let host = tempdir();
+    let name = unique("viad");
+    let ran = run(
+        &[
+            "--name",
+            &name,
+            "-w",
+            host.path().to_str().unwrap(),
+            "--",
+            "sh",
+            "-c",
+            "echo new > /workspace/f",
+        ],
+        None,
+    );
+    assert_eq!(ran.code, 0, "{ran:?}");
+    assert!(
+        ran.stderr.contains(&format!("warden diff {name}")),
+        "{ran:?}"
+    );
+    assert!(!host.path().join("f").exists());
+    let diff = daemon
+        .warden()
+        .args(["diff", &name, "--stat"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&diff.stdout).contains("A f"));
+    // The runs are in the daemon's journal; the cells without changes are gone from its list.
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    assert!(journal.contains(r#""argv":["tr","a-z","A-Z"]"#));
+    let cells = daemon.call("GET", "/v1/cells", None).json();
+    let names: Vec<&str> = cells
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [name.as_str()],
+        "only the cell with changes to review is kept"
+    );
+    let rm = daemon.warden().args(["rm", &name]).output().unwrap();
+    assert!(rm.status.success());
+    assert_eq!(daemon.call("GET", "/v1/cells", None).json(), json!([]));
+}

@@ -123,6 +123,8 @@ pub struct ExecSpec {
     pub background: bool,
     /// Run on a terminal of this size (one output stream; resize it later).
     pub tty: Option<TtySize>,
+    /// Kill the process once it has written more than this many bytes (stdout and stderr).
+    pub output_limit: Option<u64>,
 }
 
 /// A cell as the API shows it.
@@ -155,6 +157,10 @@ pub struct Harness {
     grants: Mutex<Vec<state::Grant>>,
     /// Every journaled entry, for the events stream, once it is on disk.
     events: tokio::sync::broadcast::Sender<Arc<Value>>,
+}
+
+fn spec_limit(process: &Process) -> u64 {
+    process.output_limit().unwrap_or(0)
 }
 
 /// Milliseconds since the epoch.
@@ -680,6 +686,7 @@ impl Harness {
             }
         }
         self.touch(name);
+        let oom_before = record.cgroup.as_ref().map(|cg| cg.oom_kills());
         let id = self.next_process.fetch_add(1, Ordering::Relaxed);
         let started = self
             .record(
@@ -810,15 +817,18 @@ impl Harness {
                 )
             }
         };
-        let process = Arc::new(Process::new(
-            id,
-            name.to_owned(),
-            spec.argv.clone(),
-            spec.background,
-            pid,
-            Arc::new(session),
-            Some(input),
-        ));
+        let process = Arc::new(
+            Process::new(
+                id,
+                name.to_owned(),
+                spec.argv.clone(),
+                spec.background,
+                pid,
+                Arc::new(session),
+                Some(input),
+            )
+            .with_output_limit(spec.output_limit),
+        );
         if let Ok(mut processes) = self.processes.lock() {
             processes
                 .entry(name.to_owned())
@@ -838,7 +848,13 @@ impl Harness {
         let monitored = Arc::clone(&process);
         tokio::spawn(async move {
             harness
-                .monitor(monitored, outputs, begun, spec.timeout_ms, started.seq)
+                .monitor(
+                    monitored,
+                    outputs,
+                    begun,
+                    spec.timeout_ms,
+                    (started.seq, oom_before),
+                )
                 .await;
         });
         Ok(process)
@@ -851,7 +867,7 @@ impl Harness {
         outputs: process::Outputs,
         begun: Instant,
         timeout_ms: Option<u64>,
-        start_seq: u64,
+        (start_seq, oom_before): (u64, Option<u64>),
     ) {
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let readers = outputs.start(&process, &stop);
@@ -881,12 +897,10 @@ impl Harness {
         };
         // Output written just before the end is still in the pipes: drain it (bounded, since
         // a process the exec started in the background may hold them open).
+        let drained_by = tokio::time::Instant::now() + Duration::from_secs(2);
         for reader in readers {
             let abort = reader.abort_handle();
-            if tokio::time::timeout(Duration::from_secs(2), reader)
-                .await
-                .is_err()
-            {
+            if tokio::time::timeout_at(drained_by, reader).await.is_err() {
                 abort.abort();
             }
         }
@@ -895,9 +909,28 @@ impl Harness {
             _ => None,
         };
         let (reason, code, signal, message) = match ended {
+            Ok(Ok(ExecEvent::Signaled { signal, .. })) if process.over_output_limit() => (
+                "output-limit",
+                None,
+                Some(signal),
+                Some(format!(
+                    "the output limit of {} bytes was exceeded; the process was killed",
+                    spec_limit(&process)
+                )),
+            ),
             Ok(Ok(ExecEvent::Exited { code, .. })) => ("exited", Some(code), None, None),
             Ok(Ok(ExecEvent::Signaled { signal, .. })) if timed_out => {
                 ("timeout", None, Some(signal), None)
+            }
+            Ok(Ok(ExecEvent::Signaled { signal, .. }))
+                if signal == libc::SIGKILL && self.oom_since(&process.cell, oom_before) =>
+            {
+                (
+                    "memory-limit",
+                    None,
+                    Some(signal),
+                    Some("the cell's memory limit was reached and the kernel killed it".to_owned()),
+                )
             }
             Ok(Ok(ExecEvent::Signaled { signal, .. })) => ("signaled", None, Some(signal), None),
             Ok(Ok(ExecEvent::Failed { code, message, .. })) => {
@@ -946,6 +979,16 @@ impl Harness {
             stderr_bytes: counts[1],
             journal_seq: receipt.ok().map(|r| r.seq),
         });
+    }
+
+    /// Whether the cell's memory cgroup killed something since `before` was read.
+    fn oom_since(&self, name: &str, before: Option<u64>) -> bool {
+        let now = self
+            .registry
+            .get(name)
+            .ok()
+            .and_then(|r| r.cgroup.map(|cg| cg.oom_kills()));
+        matches!((before, now), (Some(b), Some(n)) if n > b)
     }
 
     fn touch(&self, name: &str) {

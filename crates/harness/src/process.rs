@@ -146,6 +146,8 @@ pub struct Process {
     pub(crate) session: Arc<ExecSession>,
     pub(crate) stdin: tokio::sync::Mutex<Option<Input>>,
     terminal: Option<Arc<OwnedFd>>,
+    output_limit: Option<u64>,
+    over_limit: AtomicBool,
 }
 
 /// A summary for listings.
@@ -187,7 +189,23 @@ impl Process {
             session,
             stdin: tokio::sync::Mutex::new(stdin),
             terminal,
+            output_limit: None,
+            over_limit: AtomicBool::new(false),
         }
+    }
+
+    pub(crate) fn with_output_limit(mut self, limit: Option<u64>) -> Self {
+        self.output_limit = limit;
+        self
+    }
+
+    pub(crate) fn output_limit(&self) -> Option<u64> {
+        self.output_limit
+    }
+
+    /// Whether the process was killed for writing more than its output limit.
+    pub(crate) fn over_output_limit(&self) -> bool {
+        self.over_limit.load(Ordering::Relaxed)
     }
 
     /// Resizes the process's terminal; an error for a process without one.
@@ -223,6 +241,13 @@ impl Process {
         if let Ok(mut log) = self.log.lock() {
             let slot = stream as usize;
             log.counts[slot] += data.len() as u64;
+            if let Some(limit) = self.output_limit
+                && log.counts[0] + log.counts[1] > limit
+                && !self.over_limit.swap(true, Ordering::Relaxed)
+            {
+                let session = Arc::clone(&self.session);
+                std::thread::spawn(move || session.signal(libc::SIGKILL));
+            }
             let room = JOURNALED_OUTPUT.saturating_sub(log.captured[slot].len());
             let take = room.min(data.len());
             log.captured[slot].extend_from_slice(&data[..take]);
