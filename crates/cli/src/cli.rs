@@ -196,9 +196,12 @@ pub struct ExecArgs {
     /// Kill the process after this long (e.g. 30s, 5m).
     #[arg(long, value_name = "DURATION")]
     pub timeout: Option<String>,
-    /// Send this command's stdin (read to its end first) to the process.
+    /// Pass this command's stdin to the process as it comes.
     #[arg(long, short = 'i')]
     pub interactive: bool,
+    /// Run the process on a terminal of the cell (this terminal in raw mode, resized with it).
+    #[arg(long, short = 't')]
+    pub tty: bool,
     /// The command and its arguments.
     #[arg(last = true, required = true, value_name = "CMD")]
     pub command: Vec<String>,

@@ -108,7 +108,7 @@ pub fn run_through(
         "timeout_ms": policy.limits.wall.map(|w| w.0.as_millis() as u64),
         "output_limit": policy.limits.output.map(|o| o.0),
     });
-    let outcome = rt.block_on(relay_process(client, &name, &spec));
+    let outcome = rt.block_on(relay_process(client, &name, &spec, false));
     // The cell ends with its command; what it changed waits for review unless --rm.
     let end = if args.rm {
         rt.block_on(client.json(Method::DELETE, &format!("/v1/cells/{name}"), None))
@@ -180,7 +180,7 @@ pub fn run_through(
 
 /// Starts the process, pumps stdin to it, forwards signals, writes its output; returns its
 /// exit information.
-async fn relay_process(client: &Client, cell: &str, spec: &Value) -> Result<Value> {
+async fn relay_process(client: &Client, cell: &str, spec: &Value, tty: bool) -> Result<Value> {
     use tokio::signal::unix::{SignalKind, signal};
     let started = client
         .json(Method::POST, &format!("/v1/cells/{cell}/exec"), Some(spec))
@@ -219,6 +219,8 @@ async fn relay_process(client: &Client, cell: &str, spec: &Value) -> Result<Valu
     let mut terminate = listen(SignalKind::terminate())?;
     let mut hangup = listen(SignalKind::hangup())?;
     let mut quit = listen(SignalKind::quit())?;
+    let mut winch = listen(SignalKind::window_change())?;
+    let resize_path = format!("/v1/cells/{cell}/processes/{id}/resize");
     let output_path = format!("/v1/cells/{cell}/processes/{id}/output");
     let mut exit = Value::Null;
     let mut output = Box::pin(
@@ -263,6 +265,13 @@ async fn relay_process(client: &Client, cell: &str, spec: &Value) -> Result<Valu
             _ = terminate.recv() => libc::SIGTERM,
             _ = hangup.recv() => libc::SIGHUP,
             _ = quit.recv() => libc::SIGQUIT,
+            _ = winch.recv() => {
+                if let (true, Some((rows, cols))) = (tty, terminal_size()) {
+                    let size = json!({ "rows": rows, "cols": cols });
+                    let _ = client.json(Method::POST, &resize_path, Some(&size)).await;
+                }
+                continue;
+            }
         };
         let _ = client
             .json(
@@ -387,20 +396,13 @@ pub fn exec(args: ExecArgs) -> Result<i32> {
         ),
         None => None,
     };
-    let stdin = if args.interactive {
-        let mut input = String::new();
-        std::io::stdin()
-            .read_to_string(&mut input)
-            .context("reading stdin")?;
-        Some(input)
-    } else {
-        None
-    };
+    if args.interactive || args.tty {
+        return exec_interactive(&client, &args, timeout_ms);
+    }
     let body = json!({
         "argv": args.command,
         "env": pairs(&args.env, "env")?,
         "cwd": args.cwd,
-        "stdin": stdin,
         "timeout_ms": timeout_ms,
     });
     let path = format!("/v1/cells/{}/exec", args.name);
@@ -576,6 +578,79 @@ pub fn logs(name: &str, follow: bool, only: Option<u64>) -> Result<i32> {
         }))?;
     }
     Ok(0)
+}
+
+/// Puts a terminal in raw mode until dropped.
+struct RawMode {
+    saved: rustix::termios::Termios,
+}
+
+impl RawMode {
+    fn enter() -> Result<Self> {
+        let stdin = std::io::stdin();
+        let saved = rustix::termios::tcgetattr(&stdin).context("reading the terminal's mode")?;
+        let mut raw = saved.clone();
+        raw.make_raw();
+        rustix::termios::tcsetattr(&stdin, rustix::termios::OptionalActions::Now, &raw)
+            .context("putting the terminal in raw mode")?;
+        Ok(Self { saved })
+    }
+}
+
+impl Drop for RawMode {
+    fn drop(&mut self) {
+        let _ = rustix::termios::tcsetattr(
+            std::io::stdin(),
+            rustix::termios::OptionalActions::Now,
+            &self.saved,
+        );
+    }
+}
+
+fn terminal_size() -> Option<(u16, u16)> {
+    let size = rustix::termios::tcgetwinsize(std::io::stdout()).ok()?;
+    (size.ws_row > 0 && size.ws_col > 0).then_some((size.ws_row, size.ws_col))
+}
+
+/// `warden exec -i` / `-t`: stdin passed as it comes, on a terminal with `-t`.
+fn exec_interactive(client: &Client, args: &ExecArgs, timeout_ms: Option<u64>) -> Result<i32> {
+    use std::io::IsTerminal as _;
+    let mut spec = json!({
+        "argv": args.command,
+        "env": pairs(&args.env, "env")?,
+        "cwd": args.cwd,
+        "timeout_ms": timeout_ms,
+        "background": true,
+    });
+    let _raw = if args.tty {
+        if !std::io::stdin().is_terminal() {
+            bail!("-t needs a terminal on stdin (use -i to pass a pipe or a file)");
+        }
+        let (rows, cols) = terminal_size().unwrap_or((24, 80));
+        spec["tty"] = json!({ "rows": rows, "cols": cols });
+        Some(RawMode::enter()?)
+    } else {
+        None
+    };
+    let exit = current_thread()?.block_on(relay_process(client, &args.name, &spec, args.tty));
+    drop(_raw);
+    let exit = exit?;
+    Ok(match exit["reason"].as_str().unwrap_or_default() {
+        "exited" => exit["code"].as_i64().unwrap_or(0) as i32,
+        "signaled" => 128 + exit["signal"].as_i64().unwrap_or(0) as i32,
+        "timeout" => {
+            eprintln!("warden: the process ran past --timeout and was killed");
+            warden_protocol::exit::WALL_LIMIT
+        }
+        _ => {
+            if let Some(message) = exit["message"].as_str() {
+                eprintln!("warden: {message}");
+            }
+            exit["code"]
+                .as_i64()
+                .map_or(warden_protocol::exit::WARDEN_ERROR, |c| c as i32)
+        }
+    })
 }
 
 /// `warden keep`: the keeper of one daemon cell, an exec-serving cell without a command.

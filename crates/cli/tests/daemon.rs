@@ -239,6 +239,59 @@ fn cli_create_exec_and_the_exit_status() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(127));
+    // -i passes stdin as it comes.
+    let mut child = daemon
+        .warden()
+        .args([
+            "exec",
+            "-i",
+            &name,
+            "--",
+            "sh",
+            "-c",
+            "read a; echo first:$a; read b; echo second:$b",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write as _;
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(b"one\n").unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        stdin.write_all(b"two\n").unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "first:one\nsecond:two\n"
+    );
+    // -t gives the process a terminal of the cell, sized like the client's.
+    let script = format!(
+        "import os, pty, struct, fcntl, termios, sys\n\
+         pid, fd = pty.fork()\n\
+         if pid == 0:\n    os.execv({BIN:?}, ['warden', 'exec', '-t', {name:?}, '--', 'sh', '-c', 'tty; stty size'])\n\
+         fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack('HHHH', 33, 99, 0, 0))\n\
+         out = b''\n\
+         while True:\n    try:\n        chunk = os.read(fd, 4096)\n    except OSError:\n        break\n    if not chunk:\n        break\n    out += chunk\n\
+         _, status = os.waitpid(pid, 0)\n\
+         sys.stdout.write(out.decode(errors='replace'))\n\
+         sys.stdout.write('status=%d' % os.waitstatus_to_exitcode(status))"
+    );
+    let out = std::process::Command::new("python3")
+        .args(["-c", &script])
+        .env("WARDEN_RUNTIME_DIR", &daemon.runtime)
+        .env("WARDEN_STATE_DIR", &daemon.state)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("/dev/pts/") && text.contains("33 99") && text.contains("status=0"),
+        "{text} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
     // `warden logs`: what the processes printed, without waiting for running ones.
     let bg = daemon.call(
         "POST",

@@ -968,6 +968,7 @@ impl Harness {
         if receipt.is_ok() {
             let _ = self.state.remove_running(process.id);
         }
+        self.forget_old(&process.cell);
         process.finish(ExitInfo {
             reason: reason.to_owned(),
             code,
@@ -989,6 +990,25 @@ impl Harness {
             .ok()
             .and_then(|r| r.cgroup.map(|cg| cg.oom_kills()));
         matches!((before, now), (Some(b), Some(n)) if n > b)
+    }
+
+    /// Keeps the daemon's memory bounded: running processes stay, and the most recent ended
+    /// ones (their output is in the journal, up to its limit, in any case).
+    fn forget_old(&self, name: &str) {
+        if let Ok(mut processes) = self.processes.lock()
+            && let Some(list) = processes.get_mut(name)
+        {
+            let ended = list.iter().filter(|p| p.exit().is_some()).count();
+            let mut drop_count = ended.saturating_sub(process::KEPT_ENDED);
+            list.retain(|p| {
+                if drop_count > 0 && p.exit().is_some() {
+                    drop_count -= 1;
+                    false
+                } else {
+                    true
+                }
+            });
+        }
     }
 
     fn touch(&self, name: &str) {

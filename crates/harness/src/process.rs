@@ -11,7 +11,9 @@ use tokio::sync::watch;
 use warden_cell::linux::exec::ExecSession;
 
 /// Output kept per process for readers that connect late; older chunks are dropped first.
-const KEPT_OUTPUT: usize = 8 * 1024 * 1024;
+const KEPT_OUTPUT: usize = 4 * 1024 * 1024;
+/// Ended processes whose output is kept per cell (the oldest are forgotten first).
+pub(crate) const KEPT_ENDED: usize = 16;
 /// Output copied into the journal's exec entry, per stream.
 pub(crate) const JOURNALED_OUTPUT: usize = 64 * 1024;
 
