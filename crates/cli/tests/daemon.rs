@@ -1577,3 +1577,121 @@ fn warden_run_goes_through_a_running_daemon_with_the_same_behaviour() {
     assert!(rm.status.success());
     assert_eq!(daemon.call("GET", "/v1/cells", None).json(), json!([]));
 }
+
+#[test]
+fn commands_held_by_an_ask_rule_run_after_approve_and_are_refused_after_deny_or_timeout() {
+    if !cgroups_available("daemon_exec_ask") {
+        return;
+    }
+    let daemon = std::sync::Arc::new(Daemon::start(&[]));
+    let policy = "version: 1\ncommands:\n  deny: [\"rm -rf *\"]\n  ask: [\"echo push*\"]\napprovals:\n  timeout: 2s\n";
+    let cell = daemon.create(&unique("cmdask"), json!({ "policy": policy }));
+    // Refused outright by a deny rule.
+    let refused = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["rm", "-rf", "/tmp/x"] })),
+    );
+    assert_eq!(refused.status, 403);
+    assert!(
+        refused.json()["error"]
+            .as_str()
+            .unwrap()
+            .contains("rm -rf *")
+    );
+    // Held: the request waits for the answer.
+    let ask = |words: &'static str| {
+        let daemon = std::sync::Arc::clone(&daemon);
+        let cell = cell.clone();
+        std::thread::spawn(move || {
+            let argv: Vec<&str> = words.split(' ').collect();
+            daemon.call(
+                "POST",
+                &format!("/v1/cells/{cell}/exec"),
+                Some(json!({ "argv": argv })),
+            )
+        })
+    };
+    let question = |request: &str| -> u64 {
+        for _ in 0..200 {
+            let list = daemon.call("GET", "/v1/approvals", None).json();
+            if let Some(q) = list
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|q| q["request"] == request)
+            {
+                return q["id"].as_u64().unwrap();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("no question `{request}`");
+    };
+    let held = ask("echo push one");
+    let id = question("exec echo push one");
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!held.is_finished(), "the exec waits for its answer");
+    let answered = daemon.call(
+        "POST",
+        &format!("/v1/approvals/{cell}/{id}"),
+        Some(json!({ "decision": "approve" })),
+    );
+    assert_eq!(answered.status, 204);
+    let ran = held.join().unwrap();
+    assert_eq!(ran.status, 200);
+    assert_eq!(stream_bytes(&ran.events(), "stdout"), b"push one\n");
+
+    let held = ask("echo push two");
+    let id = question("exec echo push two");
+    daemon.call(
+        "POST",
+        &format!("/v1/approvals/{cell}/{id}"),
+        Some(json!({ "decision": "deny" })),
+    );
+    let ran = held.join().unwrap();
+    assert_eq!(ran.status, 403);
+    assert!(ran.json()["error"].as_str().unwrap().contains("refused"));
+
+    let held = ask("echo push three");
+    question("exec echo push three");
+    let ran = held.join().unwrap();
+    assert_eq!(ran.status, 403, "the policy's timeout (2 s) denies");
+    assert!(
+        ran.json()["error"]
+            .as_str()
+            .unwrap()
+            .contains("nobody answered")
+    );
+
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    let entries: Vec<Value> = journal
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let kinds = |kind: &str| entries.iter().filter(|e| e["kind"] == kind).count();
+    assert_eq!(
+        (
+            kinds("approval.ask"),
+            kinds("approval.answer"),
+            kinds("approval.timeout"),
+            kinds("exec.denied")
+        ),
+        (3, 2, 1, 1)
+    );
+    let answer = entries
+        .iter()
+        .find(|e| e["kind"] == "approval.answer")
+        .unwrap();
+    assert!(
+        answer["data"]["by"]
+            .as_str()
+            .unwrap()
+            .contains("unix socket"),
+        "{answer}"
+    );
+    // Only the approved command ran.
+    assert_eq!(
+        entries.iter().filter(|e| e["kind"] == "exec.start").count(),
+        1
+    );
+}

@@ -40,6 +40,8 @@ pub use workspace::Snapshot;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ErrorKind {
     BadRequest,
+    /// The policy, or a person, refused it.
+    Forbidden,
     NotFound,
     Conflict,
     Unavailable,
@@ -155,6 +157,8 @@ pub struct Harness {
     /// The live cells this daemon supervises.
     live: Mutex<HashMap<String, Live>>,
     grants: Mutex<Vec<state::Grant>>,
+    exec_questions: Mutex<HashMap<(String, u64), supervise::ExecQuestion>>,
+    next_question: AtomicU64,
     /// Every journaled entry, for the events stream, once it is on disk.
     events: tokio::sync::broadcast::Sender<Arc<Value>>,
 }
@@ -192,6 +196,8 @@ impl Harness {
         let harness = Arc::new(Self {
             live: Mutex::new(HashMap::new()),
             grants: Mutex::new(grants),
+            exec_questions: Mutex::new(HashMap::new()),
+            next_question: AtomicU64::new(1),
             events: tokio::sync::broadcast::channel(1024).0,
             config,
             registry,
@@ -685,6 +691,8 @@ impl Harness {
                 )));
             }
         }
+        self.touch(name);
+        self.check_command(name, &spec.argv).await?;
         self.touch(name);
         let oom_before = record.cgroup.as_ref().map(|cg| cg.oom_kills());
         let id = self.next_process.fetch_add(1, Ordering::Relaxed);

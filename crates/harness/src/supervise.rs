@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use serde_json::json;
 use warden_cell::control;
-use warden_policy::{LifecycleAction, Policy};
+use warden_policy::{CommandRules, CommandVerdict, LifecycleAction, Policy};
 
 use crate::{ErrorKind, Harness, HarnessError};
 
@@ -20,6 +20,8 @@ const TICK: Duration = Duration::from_millis(100);
 #[derive(Debug)]
 pub(crate) struct Live {
     pub(crate) policy: Policy,
+    /// The policy's command rules, compiled.
+    pub(crate) commands: Option<CommandRules>,
     pub(crate) started: Instant,
     pub(crate) last_activity: Instant,
     /// Paused by the idle limit: the next exec resumes it.
@@ -33,6 +35,7 @@ pub(crate) struct Live {
 impl Live {
     pub(crate) fn new(policy: Policy) -> Self {
         Self {
+            commands: CommandRules::compile(&policy.commands).ok(),
             policy,
             started: Instant::now(),
             last_activity: Instant::now(),
@@ -59,6 +62,16 @@ pub struct Approval {
     pub rule: String,
     pub asked_at: u64,
     pub timeout_s: u64,
+}
+
+/// Ids of questions about commands start here, above any id a cell's gateway gives its own.
+const EXEC_QUESTIONS: u64 = 1 << 32;
+
+/// A command held for a person's answer; the exec request waits on `answer`.
+#[derive(Debug)]
+pub(crate) struct ExecQuestion {
+    approval: Approval,
+    answer: tokio::sync::oneshot::Sender<bool>,
 }
 
 /// How far an approval reaches.
@@ -256,6 +269,123 @@ impl Harness {
             })
     }
 
+    /// Applies the cell's command rules to an exec: allowed, refused, or held until a person
+    /// (or the policy's timeout) decides.
+    pub(crate) async fn check_command(
+        &self,
+        name: &str,
+        argv: &[String],
+    ) -> Result<(), HarnessError> {
+        let (verdict, approvals) = {
+            let live = self
+                .live
+                .lock()
+                .map_err(|_| HarnessError::internal("the harness's state is poisoned"))?;
+            let Some(l) = live.get(name) else {
+                return Ok(());
+            };
+            let verdict = l
+                .commands
+                .as_ref()
+                .map_or(CommandVerdict::Allow, |rules| rules.decide(argv));
+            (verdict, l.policy.approvals.clone())
+        };
+        let line = argv.join(" ");
+        let rule = match verdict {
+            CommandVerdict::Allow => return Ok(()),
+            CommandVerdict::Deny(rule) => {
+                self.record(
+                    Some(name),
+                    "exec.denied",
+                    json!({ "argv": argv, "rule": rule }),
+                )
+                .await?;
+                return Err(HarnessError::new(
+                    ErrorKind::Forbidden,
+                    format!("the cell's policy refuses the command `{line}` (rule {rule})"),
+                ));
+            }
+            CommandVerdict::Ask(rule) => rule,
+        };
+        let request = format!("exec {line}");
+        if let Some(grant) = self.grant_for(name, &request) {
+            self.record(
+                Some(name),
+                "approval.answer",
+                json!({ "request": request, "decision": "approve", "scope": "once", "by": format!("grant: {grant}") }),
+            )
+            .await?;
+            return Ok(());
+        }
+        let id = EXEC_QUESTIONS
+            + self
+                .next_question
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let timeout = approvals.timeout.0;
+        let approval = Approval {
+            cell: name.to_owned(),
+            id,
+            request: request.clone(),
+            rule: rule.clone(),
+            asked_at: crate::now_ms() / 1000,
+            timeout_s: timeout.as_secs(),
+        };
+        self.record(
+            Some(name),
+            "approval.ask",
+            json!({ "id": id, "request": request, "rule": rule, "timeout_s": approval.timeout_s }),
+        )
+        .await?;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if let Ok(mut questions) = self.exec_questions.lock() {
+            questions.insert(
+                (name.to_owned(), id),
+                ExecQuestion {
+                    approval,
+                    answer: tx,
+                },
+            );
+        }
+        match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(true)) => Ok(()),
+            Ok(Ok(false)) => Err(HarnessError::new(
+                ErrorKind::Forbidden,
+                format!("a person refused the command `{line}` (question {id})"),
+            )),
+            Ok(Err(_)) => Err(HarnessError::new(
+                ErrorKind::Unavailable,
+                format!("the question about `{line}` was dropped"),
+            )),
+            Err(_) => {
+                let held = self
+                    .exec_questions
+                    .lock()
+                    .ok()
+                    .and_then(|mut q| q.remove(&(name.to_owned(), id)));
+                let allow = approvals.on_timeout == warden_policy::ApprovalOutcome::Allow;
+                if held.is_some() {
+                    self.record(
+                        Some(name),
+                        "approval.timeout",
+                        json!({ "id": id, "request": request, "outcome": if allow { "allow" } else { "deny" } }),
+                    )
+                    .await?;
+                }
+                if allow {
+                    Ok(())
+                } else {
+                    Err(HarnessError::new(
+                        ErrorKind::Forbidden,
+                        format!(
+                            "nobody answered about the command `{line}` within {} s; the policy's approvals.on_timeout refuses it",
+                            timeout.as_secs()
+                        ),
+                    ))
+                }
+            }
+        }
+    }
+
     /// The approvals waiting for a person, over every cell.
     pub fn approvals(&self) -> Vec<Approval> {
         let names: Vec<String> = self
@@ -275,6 +405,9 @@ impl Harness {
                     timeout_s: q.timeout_s,
                 });
             }
+        }
+        if let Ok(questions) = self.exec_questions.lock() {
+            out.extend(questions.values().map(|q| q.approval.clone()));
         }
         out.sort_by_key(|a| a.asked_at);
         out
@@ -306,6 +439,30 @@ impl Harness {
         scope: Scope,
         by: &str,
     ) -> Result<(), HarnessError> {
+        // A question about a command: the exec request waits on it in this daemon.
+        let held = self
+            .exec_questions
+            .lock()
+            .ok()
+            .and_then(|mut q| q.remove(&(name.to_owned(), id)));
+        if let Some(question) = held {
+            let request = question.approval.request.clone();
+            self.record(
+                Some(name),
+                "approval.answer",
+                json!({
+                    "id": id,
+                    "request": request,
+                    "decision": if allow { "approve" } else { "deny" },
+                    "scope": scope.name(),
+                    "by": by,
+                }),
+            )
+            .await?;
+            let _ = question.answer.send(allow);
+            self.remember_grant(name, request, allow, scope, by)?;
+            return Ok(());
+        }
         // The question as this daemon knows it; one it has not seen yet (answered between two
         // ticks of the watch) is journaled as asked first. Either way it is marked answered
         // before anything else, so that the watch never answers it a second time.
@@ -363,6 +520,17 @@ impl Harness {
         .await?;
         control::answer_question(&self.registry, name, id, allow)
             .map_err(|e| HarnessError::new(ErrorKind::NotFound, e.to_string()))?;
+        self.remember_grant(name, request, allow, scope, by)
+    }
+
+    fn remember_grant(
+        &self,
+        name: &str,
+        request: String,
+        allow: bool,
+        scope: Scope,
+        by: &str,
+    ) -> Result<(), HarnessError> {
         if allow && scope != Scope::Once {
             let grant = crate::state::Grant {
                 cell: (scope == Scope::Cell).then(|| name.to_owned()),

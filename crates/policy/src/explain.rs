@@ -229,6 +229,33 @@ pub fn explain(policy: &Policy) -> String {
             );
         }
     }
+    let commands = &policy.commands;
+    if commands.deny.is_empty()
+        && commands.ask.is_empty()
+        && commands.default == crate::model::CommandDefault::Allow
+    {
+        let _ = writeln!(out, "\nCommands (exec through the daemon): any.");
+    } else {
+        let _ = writeln!(out, "\nCommands (exec through the daemon)");
+        for rule in &commands.deny {
+            let _ = writeln!(out, "  - Refused: `{rule}`.");
+        }
+        for rule in &commands.ask {
+            let _ = writeln!(out, "  - Held for a person's answer: `{rule}`.");
+        }
+        for rule in &commands.allow {
+            let _ = writeln!(out, "  - Allowed: `{rule}`.");
+        }
+        let _ = writeln!(
+            out,
+            "  - Anything else: {}.",
+            match commands.default {
+                crate::model::CommandDefault::Allow => "allowed",
+                crate::model::CommandDefault::Deny => "refused",
+                crate::model::CommandDefault::Ask => "held for a person's answer",
+            }
+        );
+    }
     let _ = writeln!(out, "GPU: no devices.");
     out
 }

@@ -30,6 +30,9 @@ pub struct Policy {
     pub credentials: Credentials,
     #[serde(default)]
     pub approvals: Approvals,
+    /// Which commands the warden runs when asked to (exec through the daemon).
+    #[serde(default)]
+    pub commands: Commands,
     #[serde(default)]
     pub gpu: Gpu,
 }
@@ -45,6 +48,7 @@ impl Default for Policy {
             network: Network::default(),
             credentials: Credentials::default(),
             approvals: Approvals::default(),
+            commands: Commands::default(),
             gpu: Gpu::default(),
         }
     }
@@ -435,6 +439,90 @@ pub enum ApprovalOutcome {
     Allow,
 }
 
+/// Rules on the commands a client asks the warden to start in a cell (exec). Patterns are
+/// globs over the command line (the arguments joined by spaces): `git push*`, `rm -rf *`,
+/// `*/curl *`. Deny wins over ask, ask over allow; `default` decides the rest. They govern
+/// what the warden is asked to run, not what a running program starts by itself.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Commands {
+    pub default: CommandDefault,
+    pub allow: Vec<String>,
+    pub deny: Vec<String>,
+    pub ask: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CommandDefault {
+    #[default]
+    Allow,
+    Deny,
+    Ask,
+}
+
+/// What the command rules say about one command line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CommandVerdict {
+    Allow,
+    /// Refused, by this rule (`deny: PATTERN` or `default: deny`).
+    Deny(String),
+    /// Held for a person, by this rule.
+    Ask(String),
+}
+
+/// The command rules compiled into matchers.
+#[derive(Debug, Clone)]
+pub struct CommandRules {
+    allow: globset::GlobSet,
+    deny: globset::GlobSet,
+    ask: globset::GlobSet,
+    rules: Commands,
+}
+
+impl CommandRules {
+    pub fn compile(rules: &Commands) -> Result<Self, String> {
+        let set = |patterns: &[String]| {
+            let mut builder = globset::GlobSetBuilder::new();
+            for pattern in patterns {
+                let glob = globset::GlobBuilder::new(pattern)
+                    .literal_separator(false)
+                    .build()
+                    .map_err(|e| format!("pattern `{pattern}`: {e}"))?;
+                builder.add(glob);
+            }
+            builder.build().map_err(|e| e.to_string())
+        };
+        Ok(Self {
+            allow: set(&rules.allow)?,
+            deny: set(&rules.deny)?,
+            ask: set(&rules.ask)?,
+            rules: rules.clone(),
+        })
+    }
+
+    pub fn decide(&self, argv: &[String]) -> CommandVerdict {
+        let line = argv.join(" ");
+        let first = |set: &globset::GlobSet, list: &[String]| {
+            set.matches(&line).first().map(|&i| list[i].clone())
+        };
+        if let Some(rule) = first(&self.deny, &self.rules.deny) {
+            return CommandVerdict::Deny(format!("deny: {rule}"));
+        }
+        if let Some(rule) = first(&self.ask, &self.rules.ask) {
+            return CommandVerdict::Ask(format!("ask: {rule}"));
+        }
+        if self.allow.is_match(&line) {
+            return CommandVerdict::Allow;
+        }
+        match self.rules.default {
+            CommandDefault::Allow => CommandVerdict::Allow,
+            CommandDefault::Deny => CommandVerdict::Deny("default: deny".to_owned()),
+            CommandDefault::Ask => CommandVerdict::Ask("default: ask".to_owned()),
+        }
+    }
+}
+
 /// GPU access. Only `none` exists in this version.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -485,4 +573,46 @@ fn check_absolute(path: &std::path::Path) -> Result<(), String> {
         return Err(format!("path `{}` must not contain `..`", path.display()));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod command_tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn argv(line: &str) -> Vec<String> {
+        line.split(' ').map(str::to_owned).collect()
+    }
+
+    #[test]
+    fn deny_wins_then_ask_then_allow_then_the_default() {
+        let rules = CommandRules::compile(&Commands {
+            default: CommandDefault::Deny,
+            allow: vec!["git *".to_owned(), "ls*".to_owned()],
+            deny: vec!["git push --force*".to_owned()],
+            ask: vec!["git push*".to_owned()],
+        })
+        .unwrap();
+        assert_eq!(rules.decide(&argv("ls -la /tmp")), CommandVerdict::Allow);
+        assert_eq!(rules.decide(&argv("git status")), CommandVerdict::Allow);
+        assert_eq!(
+            rules.decide(&argv("git push origin")),
+            CommandVerdict::Ask("ask: git push*".to_owned())
+        );
+        assert_eq!(
+            rules.decide(&argv("git push --force origin")),
+            CommandVerdict::Deny("deny: git push --force*".to_owned())
+        );
+        assert_eq!(
+            rules.decide(&argv("/usr/bin/rm -rf /")),
+            CommandVerdict::Deny("default: deny".to_owned())
+        );
+        assert!(
+            CommandRules::compile(&Commands {
+                ask: vec!["[unclosed".to_owned()],
+                ..Commands::default()
+            })
+            .is_err()
+        );
+    }
 }

@@ -84,6 +84,9 @@ fn validate(origin: &str, policy: &Policy) -> Result<(), PolicyError> {
         field,
         message: message.to_owned(),
     };
+    if let Err(message) = crate::CommandRules::compile(&policy.commands) {
+        return Err(invalid("commands", &message));
+    }
     if policy
         .network
         .ask
