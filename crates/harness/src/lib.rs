@@ -150,7 +150,9 @@ pub struct Harness {
     registry: Registry,
     store: Store,
     journal: Journal,
-    state: State,
+    state: Arc<State>,
+    /// Notes of running processes, written in order off the exec path (see `State::put_running`).
+    notes: Mutex<std::sync::mpsc::Sender<RunningNote>>,
     daemon_dir: PathBuf,
     processes: Mutex<HashMap<String, Vec<Arc<Process>>>>,
     next_process: AtomicU64,
@@ -165,6 +167,13 @@ pub struct Harness {
 
 fn spec_limit(process: &Process) -> u64 {
     process.output_limit().unwrap_or(0)
+}
+
+/// A change to the notes of running processes.
+#[derive(Debug)]
+enum RunningNote {
+    Put(u64, Value),
+    Remove(u64),
 }
 
 /// Milliseconds since the epoch.
@@ -193,7 +202,24 @@ impl Harness {
         let journal = Journal::open(&config.state.join("journal"))
             .map_err(|e| HarnessError::internal(e.to_string()))?;
         let grants = state.grants()?;
+        let state = Arc::new(state);
+        let (notes, pending_notes) = std::sync::mpsc::channel::<RunningNote>();
+        {
+            let state = Arc::clone(&state);
+            std::thread::Builder::new()
+                .name("running-notes".to_owned())
+                .spawn(move || {
+                    for note in pending_notes {
+                        let _ = match note {
+                            RunningNote::Put(id, value) => state.put_running(id, &value),
+                            RunningNote::Remove(id) => state.remove_running(id),
+                        };
+                    }
+                })
+                .map_err(|e| HarnessError::internal(format!("starting a thread: {e}")))?;
+        }
         let harness = Arc::new(Self {
+            notes: Mutex::new(notes),
             live: Mutex::new(HashMap::new()),
             grants: Mutex::new(grants),
             exec_questions: Mutex::new(HashMap::new()),
@@ -711,10 +737,10 @@ impl Harness {
                 }),
             )
             .await?;
-        self.state.put_running(
+        self.note(RunningNote::Put(
             id,
-            &json!({ "cell": name, "argv": spec.argv, "start_seq": started.seq }),
-        )?;
+            json!({ "cell": name, "argv": spec.argv, "start_seq": started.seq }),
+        ));
         let pipe = || {
             nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
                 .map_err(|e| HarnessError::internal(format!("creating pipes: {e}")))
@@ -760,7 +786,7 @@ impl Harness {
                     json!({ "process": id, "reason": "failed", "message": message }),
                 )
                 .await?;
-                let _ = self.state.remove_running(id);
+                self.note(RunningNote::Remove(id));
                 return Err(HarnessError::new(ErrorKind::Conflict, message));
             }
         };
@@ -774,7 +800,7 @@ impl Harness {
                         json!({ "process": id, "reason": "failed", "code": code, "message": message }),
                     )
                     .await?;
-                let _ = self.state.remove_running(id);
+                self.note(RunningNote::Remove(id));
                 let process = Arc::new(Process::new(
                     id,
                     name.to_owned(),
@@ -974,7 +1000,7 @@ impl Harness {
             )
             .await;
         if receipt.is_ok() {
-            let _ = self.state.remove_running(process.id);
+            self.note(RunningNote::Remove(process.id));
         }
         self.forget_old(&process.cell);
         process.finish(ExitInfo {
@@ -1016,6 +1042,12 @@ impl Harness {
                     true
                 }
             });
+        }
+    }
+
+    fn note(&self, note: RunningNote) {
+        if let Ok(notes) = self.notes.lock() {
+            let _ = notes.send(note);
         }
     }
 

@@ -63,20 +63,40 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// A JSON body whose rejections (malformed, wrong type, too large) are API errors too.
+/// A JSON body whose rejections (malformed, wrong type, too large) are API errors too. Any
+/// content type is read as JSON, so `curl -d '{...}'` works without a header.
 pub struct Body<T>(T);
 
 impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
-        match Json::<T>::from_request(req, state).await {
-            Ok(Json(value)) => Ok(Self(value)),
-            Err(rejection) => Err(ApiError {
+        let bytes = axum::body::Bytes::from_request(req, state)
+            .await
+            .map_err(|rejection| ApiError {
                 status: rejection.status(),
                 message: format!("request body: {}", rejection.body_text()),
-            }),
-        }
+            })?;
+        let mut json = serde_json::Deserializer::from_slice(&bytes);
+        let value = serde_path_to_error::deserialize(&mut json).map_err(|err| {
+            let status = match err.inner().classify() {
+                serde_json::error::Category::Data => StatusCode::UNPROCESSABLE_ENTITY,
+                _ => StatusCode::BAD_REQUEST,
+            };
+            let path = err.path().to_string();
+            let message = if path == "." {
+                format!("request body: {}", err.inner())
+            } else {
+                format!("request body: {path}: {}", err.inner())
+            };
+            ApiError { status, message }
+        })?;
+        // Nothing may follow the JSON value.
+        json.end().map_err(|err| ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: format!("request body: {err}"),
+        })?;
+        Ok(Self(value))
     }
 }
 
