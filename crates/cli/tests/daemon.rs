@@ -1695,3 +1695,39 @@ fn commands_held_by_an_ask_rule_run_after_approve_and_are_refused_after_deny_or_
         1
     );
 }
+
+#[test]
+fn credential_secrets_never_reach_the_journal() {
+    if !cgroups_available("daemon_redaction") {
+        return;
+    }
+    let secret = format!("s3cr3t-{}-value", std::process::id());
+    let daemon = Daemon::start_with(&[], &[("WARDEN_TEST_JOURNAL_TOKEN", secret.as_str())]);
+    let policy = "version: 1\nnetwork:\n  allow:\n    - host: 127.0.0.2\n      ports: [9]\n      credential: api\ncredentials:\n  api: { from_env: WARDEN_TEST_JOURNAL_TOKEN }\n";
+    let cell = daemon.create(&unique("redact"), json!({ "policy": policy }));
+    // The cell sees a placeholder, not the secret.
+    let events = daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "printf %s \"$WARDEN_TEST_JOURNAL_TOKEN\""] }),
+    );
+    let seen = String::from_utf8(stream_bytes(&events, "stdout")).unwrap();
+    assert!(
+        !seen.is_empty() && seen != secret,
+        "the cell has a placeholder: {seen}"
+    );
+    // A client that passes the secret itself (in argv, so in the output too) is answered, but
+    // the journal never holds it.
+    let events = daemon.exec(
+        &cell,
+        json!({ "argv": ["echo", format!("token={secret}")] }),
+    );
+    assert_eq!(
+        stream_bytes(&events, "stdout"),
+        format!("token={secret}\n").as_bytes()
+    );
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    assert!(!journal.contains(&secret), "the secret is in the journal");
+    assert!(journal.contains("token=[redacted]"));
+    let verify = daemon.warden().args(["audit", "verify"]).output().unwrap();
+    assert!(verify.status.success());
+}

@@ -127,6 +127,9 @@ pub struct ExecSpec {
     pub tty: Option<TtySize>,
     /// Kill the process once it has written more than this many bytes (stdout and stderr).
     pub output_limit: Option<u64>,
+    /// The user to run as: a cell runs every process as its one user (`process.user` of its
+    /// policy; no process in it can change ids), so only that uid is accepted.
+    pub user: Option<u32>,
 }
 
 /// A cell as the API shows it.
@@ -714,6 +717,19 @@ impl Harness {
             if key.is_empty() || key.contains(['=', '\0']) || value.contains('\0') {
                 return Err(HarnessError::bad(format!(
                     "environment variable `{key}`: the name must be non-empty without `=`, and neither part may contain NUL"
+                )));
+            }
+        }
+        if let Some(user) = spec.user {
+            let cell_user = self
+                .live
+                .lock()
+                .ok()
+                .and_then(|l| l.get(name).map(|l| l.policy.process.user));
+            if cell_user.is_some_and(|u| u != user) {
+                return Err(HarnessError::bad(format!(
+                    "user {user}: cell `{name}` runs every process as uid {} (its policy's process.user); no process in a cell can change ids. Make a cell with another process.user instead",
+                    cell_user.unwrap_or_default()
                 )));
             }
         }

@@ -19,6 +19,7 @@ pub struct Daemon {
     pub state: PathBuf,
     child: Option<Child>,
     extra: Vec<String>,
+    envs: Vec<(String, String)>,
 }
 
 /// An HTTP answer.
@@ -90,6 +91,11 @@ pub fn stream_bytes(events: &[(String, Value)], stream: &str) -> Vec<u8> {
 
 impl Daemon {
     pub fn start(extra: &[&str]) -> Self {
+        Self::start_with(extra, &[])
+    }
+
+    /// A daemon with these extra environment variables (credentials' sources).
+    pub fn start_with(extra: &[&str], envs: &[(&str, &str)]) -> Self {
         let dir = tempfile::Builder::new()
             .prefix("warden-daemon-")
             .tempdir()
@@ -105,6 +111,10 @@ impl Daemon {
             state,
             child: None,
             extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+            envs: envs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
         };
         daemon.spawn();
         daemon
@@ -122,6 +132,7 @@ impl Daemon {
         let mut cmd = self.warden();
         cmd.arg("serve")
             .args(&self.extra)
+            .envs(self.envs.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(Stdio::null());
         self.child = Some(cmd.spawn().expect("warden serve starts"));
