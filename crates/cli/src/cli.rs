@@ -52,6 +52,9 @@ pub enum Command {
         /// Apply sensitive changes (hooks, rc files, new executables, outward symlinks) too.
         #[arg(long)]
         include_sensitive: bool,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Remove a stopped cell's workspace layer (its unapplied changes are lost), or a snapshot
     /// (`CELL@SNAP`).

@@ -23,6 +23,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             dry_run,
             force,
             include_sensitive,
+            json,
         } => {
             let options = ApplyOptions {
                 paths,
@@ -31,7 +32,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
                 include_sensitive,
                 ..ApplyOptions::default()
             };
-            apply(&name, options)
+            apply(&name, options, json)
         }
         Command::Rm { name } => {
             if name.contains('@') {
@@ -462,9 +463,13 @@ fn snapshots(json: bool) -> Result<i32> {
     Ok(0)
 }
 
-fn apply(name: &str, options: ApplyOptions) -> Result<i32> {
+fn apply(name: &str, options: ApplyOptions, json: bool) -> Result<i32> {
     let dry_run = options.dry_run;
     let report = changes::apply(&registry()?, &store()?, name, options)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(0);
+    }
     let verb = if dry_run { "would apply" } else { "applied" };
     for path in &report.applied {
         println!("{verb} {path}");

@@ -1731,3 +1731,94 @@ fn credential_secrets_never_reach_the_journal() {
     let verify = daemon.warden().args(["audit", "verify"]).output().unwrap();
     assert!(verify.status.success());
 }
+
+#[test]
+fn diff_and_apply_over_the_api_with_apply_held_for_a_person() {
+    if !cgroups_available("daemon_apply") {
+        return;
+    }
+    let daemon = std::sync::Arc::new(Daemon::start(&[]));
+    let host = tempdir();
+    std::fs::write(host.path().join("kept.txt"), "old\n").unwrap();
+    let cell = daemon.create(
+        &unique("apply"),
+        json!({ "workspace": host.path().display().to_string(), "policy": "version: 1\napprovals:\n  timeout: 10s\n  apply: ask\n" }),
+    );
+    daemon.exec(&cell, json!({ "argv": ["sh", "-c", "echo new > /workspace/kept.txt; echo made > /workspace/made.txt"] }));
+    let diff = daemon
+        .call("GET", &format!("/v1/cells/{cell}/diff"), None)
+        .json();
+    let mut paths: Vec<&str> = diff["changes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["path"].as_str().unwrap())
+        .collect();
+    paths.sort();
+    assert_eq!(paths, ["kept.txt", "made.txt"]);
+    // A dry run says what would happen and needs nobody.
+    let dry = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/apply"),
+        Some(json!({ "dry_run": true, "paths": ["made.txt"] })),
+    );
+    assert_eq!(dry.status, 200, "{}", String::from_utf8_lossy(&dry.body));
+    assert_eq!(dry.json()["applied"], json!(["made.txt"]));
+    assert!(!host.path().join("made.txt").exists());
+    // The real apply waits for a person.
+    let applying = {
+        let daemon = std::sync::Arc::clone(&daemon);
+        let cell = cell.clone();
+        std::thread::spawn(move || {
+            daemon.call(
+                "POST",
+                &format!("/v1/cells/{cell}/apply"),
+                Some(json!({ "paths": ["made.txt"] })),
+            )
+        })
+    };
+    let mut id = None;
+    for _ in 0..200 {
+        let list = daemon.call("GET", "/v1/approvals", None).json();
+        if let Some(q) = list
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|q| q["request"].as_str().unwrap().starts_with("apply made.txt"))
+        {
+            id = q["id"].as_u64();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let id = id.expect("the apply asks");
+    assert!(
+        !host.path().join("made.txt").exists(),
+        "nothing is applied before the answer"
+    );
+    daemon.call(
+        "POST",
+        &format!("/v1/approvals/{cell}/{id}"),
+        Some(json!({ "decision": "approve" })),
+    );
+    let applied = applying.join().unwrap();
+    assert_eq!(
+        applied.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&applied.body)
+    );
+    assert_eq!(
+        std::fs::read_to_string(host.path().join("made.txt")).unwrap(),
+        "made\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(host.path().join("kept.txt")).unwrap(),
+        "old\n",
+        "only the chosen path"
+    );
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    for kind in ["workspace.apply", "approval.answer", "workspace.applied"] {
+        assert!(journal.contains(&format!("\"kind\":\"{kind}\"")), "{kind}");
+    }
+}

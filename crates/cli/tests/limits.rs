@@ -25,7 +25,8 @@ fn fork_bomb_is_contained_and_the_host_stays_responsive() {
             "--",
             "sh",
             "-c",
-            "b() { b | b & }; b; sleep 30",
+            // `exec`: the shell must not need a fork of its own to outlive the bomb.
+            "b() { b | b & }; b; exec sleep 30",
         ])
         .stderr(std::process::Stdio::piped())
         .spawn()

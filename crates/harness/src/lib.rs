@@ -34,7 +34,7 @@ use state::State;
 pub use state::{CellEntry, Grant, PolicySource};
 use supervise::Live;
 pub use supervise::{Approval, Scope};
-pub use workspace::Snapshot;
+pub use workspace::{ApplyRequest, Snapshot};
 
 /// What kind of failure, for the faces to map onto their own codes (HTTP status, exit code).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

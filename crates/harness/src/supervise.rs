@@ -308,6 +308,19 @@ impl Harness {
             CommandVerdict::Ask(rule) => rule,
         };
         let request = format!("exec {line}");
+        self.ask_person(name, request, rule, &approvals).await
+    }
+
+    /// Holds an effect until a person answers (or a standing grant covers it, or the policy's
+    /// timeout decides).
+    pub(crate) async fn ask_person(
+        &self,
+        name: &str,
+        request: String,
+        rule: String,
+        approvals: &warden_policy::Approvals,
+    ) -> Result<(), HarnessError> {
+        let line = request.clone();
         if let Some(grant) = self.grant_for(name, &request) {
             self.record(
                 Some(name),
@@ -350,7 +363,7 @@ impl Harness {
             Ok(Ok(true)) => Ok(()),
             Ok(Ok(false)) => Err(HarnessError::new(
                 ErrorKind::Forbidden,
-                format!("a person refused the command `{line}` (question {id})"),
+                format!("a person refused `{line}` (question {id})"),
             )),
             Ok(Err(_)) => Err(HarnessError::new(
                 ErrorKind::Unavailable,
@@ -377,7 +390,7 @@ impl Harness {
                     Err(HarnessError::new(
                         ErrorKind::Forbidden,
                         format!(
-                            "nobody answered about the command `{line}` within {} s; the policy's approvals.on_timeout refuses it",
+                            "nobody answered about `{line}` within {} s; the policy's approvals.on_timeout refuses it",
                             timeout.as_secs()
                         ),
                     ))

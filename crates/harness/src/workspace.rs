@@ -9,6 +9,23 @@ use serde_json::json;
 
 use crate::{ErrorKind, Harness, HarnessError, PolicySource};
 
+/// Which workspace changes to apply, and how.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApplyRequest {
+    /// Paths (a directory selects what is below it); none: every change.
+    #[serde(default)]
+    pub paths: Vec<String>,
+    #[serde(default)]
+    pub dry_run: bool,
+    /// Overwrite host files edited since the cell started.
+    #[serde(default)]
+    pub force: bool,
+    /// Apply sensitive changes (hooks, rc files, new executables, outward symlinks) too.
+    #[serde(default)]
+    pub include_sensitive: bool,
+}
+
 /// A snapshot as the API shows it.
 #[derive(Debug, Clone, Serialize)]
 pub struct Snapshot {
@@ -131,6 +148,91 @@ impl Harness {
                 json!({ "when": when, "count": changes.len(), "changes": listed }),
             )
             .await;
+    }
+
+    /// What the cell changed in its workspace (the `warden diff --json` document).
+    pub async fn diff(&self, name: &str) -> Result<serde_json::Value, HarnessError> {
+        let entry = self.entry(name)?;
+        if entry.workspace.is_none() {
+            return Err(HarnessError::new(
+                ErrorKind::Conflict,
+                format!("cell `{name}` has no workspace"),
+            ));
+        }
+        let out = self.warden_command(&["diff", name, "--json"]).await?;
+        serde_json::from_str(&out)
+            .map_err(|e| HarnessError::internal(format!("reading the diff: {e}")))
+    }
+
+    /// Writes chosen changes of the cell's workspace into its host directory (all of them when
+    /// `request.paths` is empty); with `approvals.apply: ask`, only once a person agreed.
+    pub async fn apply(
+        &self,
+        name: &str,
+        request: &ApplyRequest,
+        by: &str,
+    ) -> Result<serde_json::Value, HarnessError> {
+        let entry = self.entry(name)?;
+        let Some(host) = entry.workspace.clone() else {
+            return Err(HarnessError::new(
+                ErrorKind::Conflict,
+                format!("cell `{name}` has no workspace"),
+            ));
+        };
+        for path in &request.paths {
+            if path.starts_with('-') || path.contains('\0') {
+                return Err(HarnessError::bad(format!(
+                    "path `{path}` is not a workspace path"
+                )));
+            }
+        }
+        let approvals = match &entry.policy {
+            PolicySource::Preset(p) => warden_policy::preset(p).ok(),
+            PolicySource::Yaml(y) => warden_policy::from_yaml("policy", y).ok(),
+        }
+        .map(|p| p.approvals)
+        .unwrap_or_default();
+        let what = if request.paths.is_empty() {
+            "every change".to_owned()
+        } else {
+            request.paths.join(", ")
+        };
+        self.record(
+            Some(name),
+            "workspace.apply",
+            json!({ "paths": request.paths, "dry_run": request.dry_run, "force": request.force,
+                    "include_sensitive": request.include_sensitive, "host": host, "by": by }),
+        )
+        .await?;
+        if !request.dry_run && approvals.apply == warden_policy::ApplyApproval::Ask {
+            self.ask_person(
+                name,
+                format!("apply {what} of {name} to {host}"),
+                "approvals.apply: ask".to_owned(),
+                &approvals,
+            )
+            .await?;
+        }
+        let mut args = vec!["apply", name, "--json"];
+        for (flag, on) in [
+            ("--dry-run", request.dry_run),
+            ("--force", request.force),
+            ("--include-sensitive", request.include_sensitive),
+        ] {
+            if on {
+                args.push(flag);
+            }
+        }
+        if !request.paths.is_empty() {
+            args.push("--");
+            args.extend(request.paths.iter().map(String::as_str));
+        }
+        let out = self.warden_command(&args).await?;
+        let report: serde_json::Value = serde_json::from_str(&out)
+            .map_err(|e| HarnessError::internal(format!("reading the apply report: {e}")))?;
+        self.record(Some(name), "workspace.applied", report.clone())
+            .await?;
+        Ok(report)
     }
 
     /// Snapshots of this cell.

@@ -12,9 +12,9 @@ mod units;
 
 pub use explain::explain;
 pub use model::{
-    ApprovalOutcome, Approvals, CommandDefault, CommandRules, CommandVerdict, Commands, Credential,
-    Credentials, EnvPolicy, Filesystem, Gpu, LifecycleAction, Limits, NetRule, Network,
-    NetworkDefault, Policy, Process, Tier, Workspace, WorkspaceMode,
+    ApplyApproval, ApprovalOutcome, Approvals, CommandDefault, CommandRules, CommandVerdict,
+    Commands, Credential, Credentials, EnvPolicy, Filesystem, Gpu, LifecycleAction, Limits,
+    NetRule, Network, NetworkDefault, Policy, Process, Tier, Workspace, WorkspaceMode,
 };
 pub use parse::{PolicyError, from_file, from_yaml};
 pub use preset::{PRESETS, preset};

@@ -420,6 +420,16 @@ fn default_credential_format() -> String {
 pub struct Approvals {
     pub timeout: Duration,
     pub on_timeout: ApprovalOutcome,
+    /// `ask`: an apply of workspace changes through the daemon waits for a person's answer.
+    pub apply: ApplyApproval,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ApplyApproval {
+    #[default]
+    Allow,
+    Ask,
 }
 
 impl Default for Approvals {
@@ -427,6 +437,7 @@ impl Default for Approvals {
         Self {
             timeout: Duration(std::time::Duration::from_secs(300)),
             on_timeout: ApprovalOutcome::Deny,
+            apply: ApplyApproval::Allow,
         }
     }
 }

@@ -218,6 +218,8 @@ pub fn router(harness: Shared, token: Option<String>) -> Router {
         .route("/v1/cells/{name}/snapshot", post(snapshot))
         .route("/v1/cells/{name}/snapshots", get(snapshots))
         .route("/v1/cells/{name}/reset", post(reset))
+        .route("/v1/cells/{name}/diff", get(diff))
+        .route("/v1/cells/{name}/apply", post(apply))
         .route("/v1/cells/{name}/policy", get(get_policy).put(put_policy))
         .route("/v1/events", get(events))
         .route("/v1/approvals", get(approvals))
@@ -589,6 +591,19 @@ async fn reset(
 ) -> Result<Response, ApiError> {
     h.reset(&name, body.to.as_deref()).await?;
     Ok(Json(h.get(&name)?).into_response())
+}
+
+async fn diff(State(h): State<Shared>, Path(name): Path<String>) -> Result<Response, ApiError> {
+    Ok(Json(h.diff(&name).await?).into_response())
+}
+
+async fn apply(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+    by: Option<Extension<Caller>>,
+    Body(request): Body<warden_harness::ApplyRequest>,
+) -> Result<Response, ApiError> {
+    Ok(Json(h.apply(&name, &request, &caller(by)).await?).into_response())
 }
 
 async fn get_policy(
