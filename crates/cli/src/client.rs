@@ -81,40 +81,13 @@ impl Client {
     /// A request with raw bytes each way (files and archives).
     pub async fn bytes(&self, method: Method, path: &str, body: Vec<u8>) -> Result<Vec<u8>> {
         let response = self.send_bytes(method, path, body).await?;
-        let status = response.status();
-        let bytes = response
-            .into_body()
-            .collect()
-            .await
-            .context("reading the daemon's answer")?
-            .to_bytes();
-        if !status.is_success() {
-            let message = serde_json::from_slice::<Value>(&bytes)
-                .ok()
-                .and_then(|v| v.get("error").and_then(Value::as_str).map(str::to_owned))
-                .unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
-            return Err(ApiError { status, message }.into());
-        }
-        Ok(bytes.to_vec())
+        Ok(read_success(response).await?.to_vec())
     }
 
     /// A JSON request; errors carry the API's message.
     pub async fn json(&self, method: Method, path: &str, body: Option<&Value>) -> Result<Value> {
         let response = self.send(method, path, body).await?;
-        let status = response.status();
-        let bytes = response
-            .into_body()
-            .collect()
-            .await
-            .context("reading the daemon's answer")?
-            .to_bytes();
-        if !status.is_success() {
-            let message = serde_json::from_slice::<Value>(&bytes)
-                .ok()
-                .and_then(|v| v.get("error").and_then(Value::as_str).map(str::to_owned))
-                .unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
-            return Err(ApiError { status, message }.into());
-        }
+        let bytes = read_success(response).await?;
         if bytes.is_empty() {
             return Ok(Value::Null);
         }
@@ -130,20 +103,12 @@ impl Client {
         mut on_event: impl FnMut(&str, &str),
     ) -> Result<()> {
         let response = self.send(method, path, body).await?;
-        let status = response.status();
-        let mut body = response.into_body();
-        if !status.is_success() {
-            let bytes = body
-                .collect()
-                .await
-                .map(|c| c.to_bytes())
-                .unwrap_or_default();
-            let message = serde_json::from_slice::<Value>(&bytes)
-                .ok()
-                .and_then(|v| v.get("error").and_then(Value::as_str).map(str::to_owned))
-                .unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
-            return Err(ApiError { status, message }.into());
+        if !response.status().is_success() {
+            // Not a stream: the API's error.
+            read_success(response).await?;
+            bail!("the daemon refused the stream");
         }
+        let mut body = response.into_body();
         let mut buffer = String::new();
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| anyhow!("the daemon's stream broke off: {e}"))?;
@@ -175,4 +140,24 @@ impl Client {
         }
         bail!("the daemon's stream ended before the process did (did the daemon stop?)")
     }
+}
+
+/// The body of a successful answer; an answer that is not one becomes an `ApiError` carrying
+/// the API's message.
+async fn read_success(response: Response<Incoming>) -> Result<Bytes> {
+    let status = response.status();
+    let bytes = response
+        .into_body()
+        .collect()
+        .await
+        .context("reading the daemon's answer")?
+        .to_bytes();
+    if status.is_success() {
+        return Ok(bytes);
+    }
+    let message = serde_json::from_slice::<Value>(&bytes)
+        .ok()
+        .and_then(|v| v.get("error").and_then(Value::as_str).map(str::to_owned))
+        .unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
+    Err(ApiError { status, message }.into())
 }

@@ -116,7 +116,15 @@ pub fn run_through(
         rt.block_on(client.json(Method::POST, &format!("/v1/cells/{name}/kill"), None))
     };
     let exit = outcome?;
-    end?;
+    if let Err(err) = end {
+        // A cell that its own limits ended already needs no kill.
+        let ended = err
+            .downcast_ref::<crate::client::ApiError>()
+            .is_some_and(|api| api.status == hyper::StatusCode::CONFLICT);
+        if !ended {
+            return Err(err);
+        }
+    }
     let store = Store::open(Store::default_root())?;
     let changed = !args.rm
         && std::fs::read_dir(store.layer(&name).upper())
@@ -228,17 +236,7 @@ async fn relay_process(client: &Client, cell: &str, spec: &Value, tty: bool) -> 
             let Ok(value) = serde_json::from_str::<Value>(data) else {
                 return;
             };
-            let bytes = || -> Vec<u8> {
-                value["text"]
-                    .as_str()
-                    .map(|t| t.as_bytes().to_vec())
-                    .or_else(|| {
-                        value["base64"]
-                            .as_str()
-                            .and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok())
-                    })
-                    .unwrap_or_default()
-            };
+            let bytes = || chunk_bytes(&value);
             match event {
                 "stdout" => {
                     let mut out = std::io::stdout();
@@ -417,17 +415,7 @@ pub fn exec(args: ExecArgs) -> Result<i32> {
             let Ok(value) = serde_json::from_str::<Value>(data) else {
                 return;
             };
-            let bytes = || -> Vec<u8> {
-                if let Some(text) = value.get("text").and_then(Value::as_str) {
-                    text.as_bytes().to_vec()
-                } else {
-                    value
-                        .get("base64")
-                        .and_then(Value::as_str)
-                        .and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok())
-                        .unwrap_or_default()
-                }
-            };
+            let bytes = || chunk_bytes(&value);
             match event {
                 "stdout" => {
                     let _ = stdout.write_all(&bytes());
@@ -459,6 +447,17 @@ pub fn exec(args: ExecArgs) -> Result<i32> {
         },
     ))?;
     Ok(code)
+}
+
+/// The bytes of an output event: `{"text": ...}` or `{"base64": ...}`.
+fn chunk_bytes(value: &Value) -> Vec<u8> {
+    match value["text"].as_str() {
+        Some(text) => text.as_bytes().to_vec(),
+        None => value["base64"]
+            .as_str()
+            .and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok())
+            .unwrap_or_default(),
+    }
 }
 
 /// `CELL:PATH`, when the text names a cell side.
@@ -555,15 +554,7 @@ pub fn logs(name: &str, follow: bool, only: Option<u64>) -> Result<i32> {
             let Ok(value) = serde_json::from_str::<Value>(data) else {
                 return;
             };
-            let bytes = value["text"]
-                .as_str()
-                .map(|t| t.as_bytes().to_vec())
-                .or_else(|| {
-                    value["base64"]
-                        .as_str()
-                        .and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok())
-                })
-                .unwrap_or_default();
+            let bytes = chunk_bytes(&value);
             match event {
                 "stdout" => {
                     let _ = stdout.write_all(&bytes);

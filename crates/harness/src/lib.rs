@@ -163,6 +163,8 @@ pub struct Harness {
     live: Mutex<HashMap<String, Live>>,
     grants: Mutex<Vec<state::Grant>>,
     exec_questions: Mutex<HashMap<(String, u64), supervise::ExecQuestion>>,
+    /// Cells killed by their wall-clock limit.
+    walled: Mutex<std::collections::HashSet<String>>,
     next_question: AtomicU64,
     /// Every journaled entry, for the events stream, once it is on disk.
     events: tokio::sync::broadcast::Sender<Arc<Value>>,
@@ -226,6 +228,7 @@ impl Harness {
             live: Mutex::new(HashMap::new()),
             grants: Mutex::new(grants),
             exec_questions: Mutex::new(HashMap::new()),
+            walled: Mutex::new(std::collections::HashSet::new()),
             next_question: AtomicU64::new(1),
             events: tokio::sync::broadcast::channel(1024).0,
             config,
@@ -646,7 +649,15 @@ impl Harness {
         })
         .await
         .map_err(|e| HarnessError::internal(e.to_string()))?;
-        result.map_err(|e| HarnessError::new(ErrorKind::Conflict, e.to_string()))?;
+        match result {
+            Ok(()) => {}
+            // A cell that ended on its own between the check and the kill is what a kill wants.
+            Err(
+                control::ControlError::Gone(_)
+                | control::ControlError::Registry(warden_cell::RegistryError::NotFound(_)),
+            ) if action == "kill" => {}
+            Err(err) => return Err(HarnessError::new(ErrorKind::Conflict, err.to_string())),
+        }
         if action == "kill" {
             // Wait (bounded) until the keeper has let go of the cell.
             let deadline = Instant::now() + Duration::from_secs(10);
@@ -677,6 +688,9 @@ impl Harness {
             .await?;
         if let Ok(mut processes) = self.processes.lock() {
             processes.remove(name);
+        }
+        if let Ok(mut walled) = self.walled.lock() {
+            walled.remove(name);
         }
         let _ = warden_cell::changes::remove(&self.registry, &self.store, name);
         let _ = std::fs::remove_file(self.store.net_log_path(name));
@@ -987,6 +1001,12 @@ impl Harness {
                 ("failed", Some(code), None, Some(message))
             }
             Ok(Ok(ExecEvent::Started { .. })) => ("failed", None, None, None),
+            _ if self.walled.lock().is_ok_and(|w| w.contains(&process.cell)) => (
+                "timeout",
+                None,
+                None,
+                Some("the cell's wall-clock limit ended it".to_owned()),
+            ),
             Ok(Err(err)) => ("cell-ended", None, None, Some(err.to_string())),
             Err(err) => ("cell-ended", None, None, Some(err.to_string())),
         };

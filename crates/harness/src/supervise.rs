@@ -460,18 +460,8 @@ impl Harness {
             .and_then(|mut q| q.remove(&(name.to_owned(), id)));
         if let Some(question) = held {
             let request = question.approval.request.clone();
-            self.record(
-                Some(name),
-                "approval.answer",
-                json!({
-                    "id": id,
-                    "request": request,
-                    "decision": if allow { "approve" } else { "deny" },
-                    "scope": scope.name(),
-                    "by": by,
-                }),
-            )
-            .await?;
+            self.record_answer(name, id, &request, allow, scope, by)
+                .await?;
             let _ = question.answer.send(allow);
             self.remember_grant(name, request, allow, scope, by)?;
             return Ok(());
@@ -519,6 +509,22 @@ impl Harness {
             )
             .await?;
         }
+        self.record_answer(name, id, &request, allow, scope, by)
+            .await?;
+        control::answer_question(&self.registry, name, id, allow)
+            .map_err(|e| HarnessError::new(ErrorKind::NotFound, e.to_string()))?;
+        self.remember_grant(name, request, allow, scope, by)
+    }
+
+    async fn record_answer(
+        &self,
+        name: &str,
+        id: u64,
+        request: &str,
+        allow: bool,
+        scope: Scope,
+        by: &str,
+    ) -> Result<(), HarnessError> {
         self.record(
             Some(name),
             "approval.answer",
@@ -530,10 +536,8 @@ impl Harness {
                 "by": by,
             }),
         )
-        .await?;
-        control::answer_question(&self.registry, name, id, allow)
-            .map_err(|e| HarnessError::new(ErrorKind::NotFound, e.to_string()))?;
-        self.remember_grant(name, request, allow, scope, by)
+        .await
+        .map(|_| ())
     }
 
     fn remember_grant(
@@ -614,6 +618,12 @@ impl Harness {
                 json!({ "limit": limit, "action": action.name() }),
             )
             .await;
+        if kind == "cell.wall" && action == LifecycleAction::Kill {
+            // Processes cut by this kill ended by the wall-clock limit, and say so.
+            if let Ok(mut walled) = self.walled.lock() {
+                walled.insert(name.to_owned());
+            }
+        }
         let _ = self.control(name, action.name(), "policy").await;
     }
 }

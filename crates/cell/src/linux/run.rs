@@ -568,7 +568,13 @@ pub fn run(
         signals,
         deadline: policy.limits.wall.map(|w| (started + w.0, w.0)),
         output_cap: policy.limits.output.map(|o| o.0),
-        memory_limit: policy.limits.memory.map(|m| m.0),
+        // A cell that serves execs outlives an OOM: the kernel kills the process that went
+        // over, and the daemon reports that exec's ending; a `warden run` cell ends with it.
+        memory_limit: if request.serve_exec {
+            None
+        } else {
+            policy.limits.memory.map(|m| m.0)
+        },
     };
     let relayed = relay.run();
     drop(sync); // the cell's lifeline: held until the cell is gone

@@ -415,19 +415,23 @@ pub fn receive_message(socket: BorrowedFd<'_>) -> io::Result<Option<(Vec<u8>, Ve
     Ok(Some((buf, fds)))
 }
 
-/// A listening datagram-sequence unix socket at `path`, reachable by its owner only.
-pub fn seqpacket_listen(path: &Path) -> io::Result<OwnedFd> {
-    use nix::sys::socket::{
-        AddressFamily, Backlog, SockFlag, SockType, UnixAddr, bind, listen, socket,
-    };
-    let nix_err = |e: nix::Error| io::Error::from_raw_os_error(e as i32);
-    let socket = socket(
+/// A new unix datagram-sequence socket, close-on-exec.
+fn seqpacket_socket() -> io::Result<OwnedFd> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, socket};
+    socket(
         AddressFamily::Unix,
         SockType::SeqPacket,
         SockFlag::SOCK_CLOEXEC,
         None,
     )
-    .map_err(nix_err)?;
+    .map_err(|e| io::Error::from_raw_os_error(e as i32))
+}
+
+/// A listening datagram-sequence unix socket at `path`, reachable by its owner only.
+pub fn seqpacket_listen(path: &Path) -> io::Result<OwnedFd> {
+    use nix::sys::socket::{Backlog, UnixAddr, bind, listen};
+    let nix_err = |e: nix::Error| io::Error::from_raw_os_error(e as i32);
+    let socket = seqpacket_socket()?;
     let _ = std::fs::remove_file(path);
     let addr = UnixAddr::new(path).map_err(nix_err)?;
     // Bound with a umask-independent mode: the file is made owner-only before anyone listens.
@@ -454,15 +458,9 @@ pub fn accept(listener: BorrowedFd<'_>) -> io::Result<OwnedFd> {
 
 /// Connects to a datagram-sequence unix socket.
 pub fn seqpacket_connect(path: &Path) -> io::Result<OwnedFd> {
-    use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket};
+    use nix::sys::socket::{UnixAddr, connect};
     let nix_err = |e: nix::Error| io::Error::from_raw_os_error(e as i32);
-    let socket = socket(
-        AddressFamily::Unix,
-        SockType::SeqPacket,
-        SockFlag::SOCK_CLOEXEC,
-        None,
-    )
-    .map_err(nix_err)?;
+    let socket = seqpacket_socket()?;
     let addr = UnixAddr::new(path).map_err(nix_err)?;
     connect(socket.as_raw_fd(), &addr).map_err(nix_err)?;
     Ok(socket)
