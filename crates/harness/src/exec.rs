@@ -1,0 +1,509 @@
+//! Processes exec'd into cells: start them (after the command rules and the journal), relay
+//! their output into their logs, notice how they end, and journal that.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use warden_cell::control;
+use warden_cell::linux::exec::{ExecEvent, ExecRequest, ExecSession};
+
+use crate::process::{self, ExitInfo, Process, ProcessInfo};
+use crate::{ErrorKind, ExecSpec, Harness, HarnessError, TtySize};
+
+impl Harness {
+    /// Starts a process in a running cell. Its output and ending are read through the returned
+    /// process; the journal has its start before it runs and its end once it ended.
+    pub async fn exec(
+        self: &Arc<Self>,
+        name: &str,
+        spec: ExecSpec,
+    ) -> Result<Arc<Process>, HarnessError> {
+        let record = self.live(name)?;
+        let idle_paused = self
+            .live
+            .lock()
+            .map(|l| l.get(name).is_some_and(|l| l.idle_paused))
+            .unwrap_or(false);
+        if idle_paused && control::is_paused(&record) {
+            // Paused for being idle: an exec is activity, so it wakes the cell.
+            self.control(name, "resume", "exec after an idle pause")
+                .await?;
+        } else if control::is_paused(&record) {
+            return Err(HarnessError::new(
+                ErrorKind::Conflict,
+                format!("cell `{name}` is paused; resume it first"),
+            ));
+        }
+        if spec.argv.is_empty() || spec.argv[0].is_empty() {
+            return Err(HarnessError::bad("`argv` needs at least the program"));
+        }
+        if spec.argv.iter().any(|a| a.contains('\0')) {
+            return Err(HarnessError::bad("`argv` may not contain NUL bytes"));
+        }
+        for (key, value) in &spec.env {
+            if key.is_empty() || key.contains(['=', '\0']) || value.contains('\0') {
+                return Err(HarnessError::bad(format!(
+                    "environment variable `{key}`: the name must be non-empty without `=`, and neither part may contain NUL"
+                )));
+            }
+        }
+        if let Some(user) = spec.user {
+            let cell_user = self
+                .live
+                .lock()
+                .ok()
+                .and_then(|l| l.get(name).map(|l| l.policy.process.user));
+            if cell_user.is_some_and(|u| u != user) {
+                return Err(HarnessError::bad(format!(
+                    "user {user}: cell `{name}` runs every process as uid {} (its policy's process.user); no process in a cell can change ids. Make a cell with another process.user instead",
+                    cell_user.unwrap_or_default()
+                )));
+            }
+        }
+        self.touch(name);
+        self.check_command(name, &spec.argv).await?;
+        self.touch(name);
+        let oom_before = record.cgroup.as_ref().map(|cg| cg.oom_kills());
+        let id = self.next_process.fetch_add(1, Ordering::Relaxed);
+        let started = self
+            .record(
+                Some(name),
+                "exec.start",
+                json!({
+                    "process": id,
+                    "argv": spec.argv,
+                    "cwd": spec.cwd,
+                    // Names only: values may be secrets.
+                    "env": spec.env.keys().collect::<Vec<_>>(),
+                    "background": spec.background,
+                    "timeout_ms": spec.timeout_ms,
+                }),
+            )
+            .await?;
+        self.note(RunningNote::Put(
+            id,
+            json!({ "cell": name, "argv": spec.argv, "start_seq": started.seq }),
+        ));
+        let pipe = || {
+            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+                .map_err(|e| HarnessError::internal(format!("creating pipes: {e}")))
+        };
+        // Pipes, or nothing when the cell makes a terminal (its master comes back).
+        let pipes = if spec.tty.is_none() {
+            Some((pipe()?, pipe()?, pipe()?))
+        } else {
+            None
+        };
+        let (ours, theirs) = match pipes {
+            Some(((stdin_r, stdin_w), (stdout_r, stdout_w), (stderr_r, stderr_w))) => (
+                Some((stdin_w, stdout_r, stderr_r)),
+                Some([stdin_r, stdout_w, stderr_w]),
+            ),
+            None => (None, None),
+        };
+        let request = ExecRequest {
+            argv: spec.argv.clone(),
+            env: spec.env.clone().into_iter().collect(),
+            cwd: spec.cwd.clone(),
+            tty: spec.tty,
+        };
+        let registry = self.registry.clone();
+        let cell = name.to_owned();
+        let begun = Instant::now();
+        let opened = tokio::task::spawn_blocking(move || {
+            let stdio = theirs.as_ref().map(|[a, b, c]| [a, b, c]);
+            let session = ExecSession::start(&registry, &cell, &request, stdio)?;
+            drop(theirs);
+            let (first, fds) = session.next_event_with_fds()?;
+            Ok::<_, warden_cell::linux::exec::ExecError>((session, first, fds))
+        })
+        .await
+        .map_err(|e| HarnessError::internal(e.to_string()))?;
+        let (session, first, mut fds) = match opened {
+            Ok(opened) => opened,
+            Err(err) => {
+                let message = err.to_string();
+                self.record(
+                    Some(name),
+                    "exec.exit",
+                    json!({ "process": id, "reason": "failed", "message": message }),
+                )
+                .await?;
+                self.note(RunningNote::Remove(id));
+                return Err(HarnessError::new(ErrorKind::Conflict, message));
+            }
+        };
+        let pid = match first {
+            ExecEvent::Started { pid, .. } => pid,
+            ExecEvent::Failed { code, message, .. } => {
+                let exit = self
+                    .record(
+                        Some(name),
+                        "exec.exit",
+                        json!({ "process": id, "reason": "failed", "code": code, "message": message }),
+                    )
+                    .await?;
+                self.note(RunningNote::Remove(id));
+                let process = Arc::new(Process::new(
+                    id,
+                    name.to_owned(),
+                    spec.argv.clone(),
+                    spec.background,
+                    0,
+                    Arc::new(session),
+                    None,
+                ));
+                process.finish(ExitInfo {
+                    reason: "failed".to_owned(),
+                    code: Some(code),
+                    signal: None,
+                    message: Some(message),
+                    duration_ms: begun.elapsed().as_millis() as u64,
+                    usage: None,
+                    stdout_bytes: 0,
+                    stderr_bytes: 0,
+                    journal_seq: Some(exit.seq),
+                });
+                return Ok(process);
+            }
+            other => {
+                return Err(HarnessError::internal(format!(
+                    "the cell answered an exec with {other:?}"
+                )));
+            }
+        };
+        let (input, outputs) = match ours {
+            Some((stdin_w, stdout_r, stderr_r)) => {
+                let stdin = tokio::net::unix::pipe::Sender::from_owned_fd(stdin_w)
+                    .map_err(|e| HarnessError::internal(format!("stdin pipe: {e}")))?;
+                (
+                    process::Input::Pipe(stdin),
+                    process::Outputs::Pipes([stdout_r, stderr_r]),
+                )
+            }
+            None => {
+                let Some(master) = fds.pop() else {
+                    return Err(HarnessError::internal(
+                        "the cell started a terminal process without its terminal",
+                    ));
+                };
+                let master = Arc::new(master);
+                (
+                    process::Input::Tty(Arc::clone(&master)),
+                    process::Outputs::Tty(master),
+                )
+            }
+        };
+        let process = Arc::new(
+            Process::new(
+                id,
+                name.to_owned(),
+                spec.argv.clone(),
+                spec.background,
+                pid,
+                Arc::new(session),
+                Some(input),
+            )
+            .with_output_limit(spec.output_limit),
+        );
+        if let Ok(mut processes) = self.processes.lock() {
+            processes
+                .entry(name.to_owned())
+                .or_default()
+                .push(Arc::clone(&process));
+        }
+        if let Some(input) = &spec.stdin {
+            let writer = Arc::clone(&process);
+            let input = input.clone().into_bytes();
+            tokio::spawn(async move {
+                let _ = writer.write_stdin(&input, true).await;
+            });
+        } else if !spec.background {
+            let _ = process.write_stdin(&[], true).await;
+        }
+        let harness = Arc::clone(self);
+        let monitored = Arc::clone(&process);
+        tokio::spawn(async move {
+            harness
+                .monitor(
+                    monitored,
+                    outputs,
+                    begun,
+                    spec.timeout_ms,
+                    (started.seq, oom_before),
+                )
+                .await;
+        });
+        Ok(process)
+    }
+
+    /// Relays a process's output into its log, waits for its end, and journals it.
+    async fn monitor(
+        self: Arc<Self>,
+        process: Arc<Process>,
+        outputs: process::Outputs,
+        begun: Instant,
+        timeout_ms: Option<u64>,
+        (start_seq, oom_before): (u64, Option<u64>),
+    ) {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let readers = outputs.start(&process, &stop);
+        let session = Arc::clone(&process.session);
+        let mut events = tokio::task::spawn_blocking(move || {
+            loop {
+                match session.next_event() {
+                    Ok(event) if event.is_final() => return Ok(event),
+                    Ok(_) => continue,
+                    Err(err) => return Err(err),
+                }
+            }
+        });
+        let mut timed_out = false;
+        let ended = match timeout_ms {
+            Some(ms) => {
+                tokio::select! {
+                    ended = &mut events => ended,
+                    () = tokio::time::sleep(Duration::from_millis(ms)) => {
+                        timed_out = true;
+                        process.signal(libc::SIGKILL).await;
+                        events.await
+                    }
+                }
+            }
+            None => events.await,
+        };
+        // Output written just before the end is still in the pipes: drain it (bounded, since
+        // a process the exec started in the background may hold them open).
+        let drained_by = tokio::time::Instant::now() + Duration::from_secs(2);
+        for reader in readers {
+            let abort = reader.abort_handle();
+            if tokio::time::timeout_at(drained_by, reader).await.is_err() {
+                abort.abort();
+            }
+        }
+        let usage = match &ended {
+            Ok(Ok(ExecEvent::Exited { usage, .. } | ExecEvent::Signaled { usage, .. })) => *usage,
+            _ => None,
+        };
+        let (reason, code, signal, message) = match ended {
+            Ok(Ok(ExecEvent::Signaled { signal, .. })) if process.over_output_limit() => (
+                "output-limit",
+                None,
+                Some(signal),
+                Some(format!(
+                    "the output limit of {} bytes was exceeded; the process was killed",
+                    spec_limit(&process)
+                )),
+            ),
+            Ok(Ok(ExecEvent::Exited { code, .. })) => ("exited", Some(code), None, None),
+            Ok(Ok(ExecEvent::Signaled { signal, .. })) if timed_out => {
+                ("timeout", None, Some(signal), None)
+            }
+            Ok(Ok(ExecEvent::Signaled { signal, .. }))
+                if signal == libc::SIGKILL && self.oom_since(&process.cell, oom_before) =>
+            {
+                (
+                    "memory-limit",
+                    None,
+                    Some(signal),
+                    Some("the cell's memory limit was reached and the kernel killed it".to_owned()),
+                )
+            }
+            Ok(Ok(ExecEvent::Signaled { signal, .. })) => ("signaled", None, Some(signal), None),
+            Ok(Ok(ExecEvent::Failed { code, message, .. })) => {
+                ("failed", Some(code), None, Some(message))
+            }
+            Ok(Ok(ExecEvent::Started { .. })) => ("failed", None, None, None),
+            _ if self.walled.lock().is_ok_and(|w| w.contains(&process.cell)) => (
+                "timeout",
+                None,
+                None,
+                Some("the cell's wall-clock limit ended it".to_owned()),
+            ),
+            Ok(Err(err)) => ("cell-ended", None, None, Some(err.to_string())),
+            Err(err) => ("cell-ended", None, None, Some(err.to_string())),
+        };
+        self.touch(&process.cell);
+        let (counts, captured) = process.totals();
+        let duration_ms = begun.elapsed().as_millis() as u64;
+        let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+        let receipt = self
+            .record(
+                Some(&process.cell),
+                "exec.exit",
+                json!({
+                    "process": process.id,
+                    "start_seq": start_seq,
+                    "reason": reason,
+                    "code": code,
+                    "signal": signal,
+                    "message": message,
+                    "duration_ms": duration_ms,
+                    "usage": usage,
+                    "stdout_bytes": counts[0],
+                    "stderr_bytes": counts[1],
+                    "stdout": text(&captured[0]),
+                    "stderr": text(&captured[1]),
+                    "output_truncated": counts[0] as usize > process::JOURNALED_OUTPUT || counts[1] as usize > process::JOURNALED_OUTPUT,
+                }),
+            )
+            .await;
+        if receipt.is_ok() {
+            self.note(RunningNote::Remove(process.id));
+        }
+        self.forget_old(&process.cell);
+        process.finish(ExitInfo {
+            reason: reason.to_owned(),
+            code,
+            signal,
+            message,
+            duration_ms,
+            usage,
+            stdout_bytes: counts[0],
+            stderr_bytes: counts[1],
+            journal_seq: receipt.ok().map(|r| r.seq),
+        });
+    }
+
+    /// Whether the cell's memory cgroup killed something since `before` was read.
+    fn oom_since(&self, name: &str, before: Option<u64>) -> bool {
+        let now = self
+            .registry
+            .get(name)
+            .ok()
+            .and_then(|r| r.cgroup.map(|cg| cg.oom_kills()));
+        matches!((before, now), (Some(b), Some(n)) if n > b)
+    }
+
+    /// Keeps the daemon's memory bounded: running processes stay, and the most recent ended
+    /// ones (their output is in the journal, up to its limit, in any case).
+    fn forget_old(&self, name: &str) {
+        if let Ok(mut processes) = self.processes.lock()
+            && let Some(list) = processes.get_mut(name)
+        {
+            let ended = list.iter().filter(|p| p.exit().is_some()).count();
+            let mut drop_count = ended.saturating_sub(process::KEPT_ENDED);
+            list.retain(|p| {
+                if drop_count > 0 && p.exit().is_some() {
+                    drop_count -= 1;
+                    false
+                } else {
+                    true
+                }
+            });
+        }
+    }
+
+    fn note(&self, note: RunningNote) {
+        if let Ok(notes) = self.notes.lock() {
+            let _ = notes.send(note);
+        }
+    }
+
+    fn touch(&self, name: &str) {
+        if let Ok(mut live) = self.live.lock()
+            && let Some(l) = live.get_mut(name)
+        {
+            l.last_activity = Instant::now();
+        }
+    }
+
+    /// The processes exec'd into a cell by this daemon.
+    pub fn processes(&self, name: &str) -> Result<Vec<ProcessInfo>, HarnessError> {
+        self.entry(name)?;
+        Ok(self
+            .processes
+            .lock()
+            .map(|p| {
+                p.get(name)
+                    .map(|list| list.iter().map(|p| p.info()).collect())
+                    .unwrap_or_default()
+            })
+            .unwrap_or_default())
+    }
+
+    pub fn process(&self, name: &str, id: u64) -> Result<Arc<Process>, HarnessError> {
+        self.entry(name)?;
+        self.processes
+            .lock()
+            .ok()
+            .and_then(|p| p.get(name).and_then(|l| l.iter().find(|p| p.id == id).cloned()))
+            .ok_or_else(|| {
+                HarnessError::new(
+                    ErrorKind::NotFound,
+                    format!("cell `{name}` has no process {id} (processes do not outlive the daemon that started them)"),
+                )
+            })
+    }
+
+    /// Sends a signal to a process, journaled.
+    pub async fn signal(&self, name: &str, id: u64, signal: i32) -> Result<(), HarnessError> {
+        let process = self.process(name, id)?;
+        if !(1..=64).contains(&signal) {
+            return Err(HarnessError::bad(format!(
+                "{signal} is not a signal number"
+            )));
+        }
+        self.record(
+            Some(name),
+            "exec.signal",
+            json!({ "process": id, "signal": signal }),
+        )
+        .await?;
+        process.signal(signal).await;
+        Ok(())
+    }
+
+    /// Resizes a process's terminal.
+    pub async fn resize(&self, name: &str, id: u64, size: TtySize) -> Result<(), HarnessError> {
+        let process = self.process(name, id)?;
+        if size.rows == 0 || size.cols == 0 {
+            return Err(HarnessError::bad(
+                "a terminal needs at least one row and one column",
+            ));
+        }
+        self.record(
+            Some(name),
+            "exec.resize",
+            json!({ "process": id, "rows": size.rows, "cols": size.cols }),
+        )
+        .await?;
+        process
+            .resize(size)
+            .map_err(|e| HarnessError::new(ErrorKind::Conflict, e.to_string()))
+    }
+
+    /// Writes to a process's stdin.
+    pub async fn stdin(
+        &self,
+        name: &str,
+        id: u64,
+        data: &[u8],
+        close: bool,
+    ) -> Result<(), HarnessError> {
+        let process = self.process(name, id)?;
+        self.record(
+            Some(name),
+            "exec.stdin",
+            json!({ "process": id, "bytes": data.len(), "close": close }),
+        )
+        .await?;
+        process
+            .write_stdin(data, close)
+            .await
+            .map_err(|e| HarnessError::new(ErrorKind::Conflict, e.to_string()))
+    }
+}
+
+pub(crate) fn spec_limit(process: &Process) -> u64 {
+    process.output_limit().unwrap_or(0)
+}
+
+/// A change to the notes of running processes.
+#[derive(Debug)]
+pub(crate) enum RunningNote {
+    Put(u64, Value),
+    Remove(u64),
+}
