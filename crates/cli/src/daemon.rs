@@ -141,36 +141,30 @@ pub fn run_through(
     }
     let reason = exit["reason"].as_str().unwrap_or_default();
     let message = exit["message"].as_str();
+    // The same words as an in-process run.
+    let limit_hit = |what: &str, limit: Option<String>, code: i32| {
+        let limit = limit.unwrap_or_default();
+        eprintln!("warden: cell {name}: {what} limit {limit} exceeded: killed");
+        code
+    };
     Ok(match reason {
         "exited" => exit["code"].as_i64().unwrap_or(0) as i32,
         "signaled" => 128 + exit["signal"].as_i64().unwrap_or(0) as i32,
-        "timeout" => {
-            let limit = policy
-                .limits
-                .wall
-                .map(|w| w.to_string())
-                .unwrap_or_default();
-            eprintln!("warden: cell {name}: wall-clock limit {limit} exceeded: killed");
-            exit::WALL_LIMIT
-        }
-        "memory-limit" => {
-            let limit = policy
-                .limits
-                .memory
-                .map(|m| m.to_string())
-                .unwrap_or_default();
-            eprintln!("warden: cell {name}: memory limit {limit} exceeded: killed");
-            exit::MEMORY_LIMIT
-        }
-        "output-limit" => {
-            let limit = policy
-                .limits
-                .output
-                .map(|o| o.to_string())
-                .unwrap_or_default();
-            eprintln!("warden: cell {name}: output limit {limit} exceeded: killed");
-            exit::OUTPUT_LIMIT
-        }
+        "timeout" => limit_hit(
+            "wall-clock",
+            policy.limits.wall.map(|w| w.to_string()),
+            exit::WALL_LIMIT,
+        ),
+        "memory-limit" => limit_hit(
+            "memory",
+            policy.limits.memory.map(|m| m.to_string()),
+            exit::MEMORY_LIMIT,
+        ),
+        "output-limit" => limit_hit(
+            "output",
+            policy.limits.output.map(|o| o.to_string()),
+            exit::OUTPUT_LIMIT,
+        ),
         "failed" => {
             if let Some(message) = message {
                 eprintln!("warden: {message} (in cell {name})");

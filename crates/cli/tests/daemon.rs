@@ -197,12 +197,7 @@ fn api_end_to_end_create_exec_background_pause_kill_delete() {
         );
     }
     assert!(journal.contains(r#""argv":["sh","-c","echo out; echo err >&2; id -u; exit 7"]"#));
-    let verify = daemon.warden().args(["audit", "verify"]).output().unwrap();
-    assert!(
-        verify.status.success(),
-        "{}",
-        String::from_utf8_lossy(&verify.stdout)
-    );
+    daemon.assert_journal_verifies();
 }
 
 #[test]
@@ -399,12 +394,7 @@ fn a_crashed_daemon_leaves_cells_controllable_and_the_journal_whole() {
             .iter()
             .any(|e| e["kind"] == "cell.reattach" && e["cell"] == cell.as_str())
     );
-    let verify = daemon.warden().args(["audit", "verify"]).output().unwrap();
-    assert!(
-        verify.status.success(),
-        "{}",
-        String::from_utf8_lossy(&verify.stdout)
-    );
+    daemon.assert_journal_verifies();
 
     // Kill the cell with the new daemon; nothing of it is left.
     daemon.call("POST", &format!("/v1/cells/{cell}/kill"), None);
@@ -434,14 +424,11 @@ fn tcp_needs_the_token_and_cells_cannot_reach_the_daemon() {
     if !cgroups_available("tcp_token") {
         return;
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = format!("127.0.0.1:{port}");
-    let daemon = Daemon::start(&["--listen", &addr]);
+    // Port 0: the daemon says which port it got in `daemon.addr`.
+    let daemon = Daemon::start(&["--listen", "127.0.0.1:0"]);
     let token = std::fs::read_to_string(daemon.runtime.join("daemon.token")).unwrap();
+    let addr = std::fs::read_to_string(daemon.runtime.join("daemon.addr")).unwrap();
+    let port: u16 = addr.rsplit(':').next().unwrap().parse().unwrap();
     let tcp = |headers: &[(&str, &str)]| {
         let mut last = None;
         for _ in 0..50 {
@@ -1416,12 +1403,7 @@ fn fuzzed_api_input_gets_4xx_answers_and_leaves_the_daemon_well() {
         "untouched"
     );
     assert_eq!(daemon.call("GET", "/v1/health", None).status, 200);
-    let verify = daemon.warden().args(["audit", "verify"]).output().unwrap();
-    assert!(
-        verify.status.success(),
-        "{}",
-        String::from_utf8_lossy(&verify.stdout)
-    );
+    daemon.assert_journal_verifies();
 }
 
 #[test]
@@ -1728,8 +1710,7 @@ fn credential_secrets_never_reach_the_journal() {
     let journal = std::fs::read_to_string(daemon.journal()).unwrap();
     assert!(!journal.contains(&secret), "the secret is in the journal");
     assert!(journal.contains("token=[redacted]"));
-    let verify = daemon.warden().args(["audit", "verify"]).output().unwrap();
-    assert!(verify.status.success());
+    daemon.assert_journal_verifies();
 }
 
 #[test]

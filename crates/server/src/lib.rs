@@ -74,13 +74,7 @@ pub async fn serve(
         return Err(ServeError::Running(socket));
     }
     let harness = Harness::open(config.harness.clone()).await?;
-    let _ = std::fs::remove_file(&socket);
-    let unix = tokio::net::UnixListener::bind(&socket).map_err(io_at("listening on", &socket))?;
-    std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))
-        .map_err(io_at("restricting", &socket))?;
-    let app =
-        router(Arc::clone(&harness), None).into_make_service_with_connect_info::<api::UnixPeer>();
-    let unix_server = tokio::spawn(async move { axum::serve(unix, app).await });
+    // TCP first (token, port, address file): once the unix socket answers, all is ready.
     let mut tcp_addr = None;
     if let Some(addr) = config.listen {
         let token = load_or_make_token(&config, &config.harness.runtime.join(TOKEN_FILE))?;
@@ -101,6 +95,13 @@ pub async fn serve(
             .into_make_service_with_connect_info::<SocketAddr>();
         tokio::spawn(async move { axum::serve(listener, app).await });
     }
+    let _ = std::fs::remove_file(&socket);
+    let unix = tokio::net::UnixListener::bind(&socket).map_err(io_at("listening on", &socket))?;
+    std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))
+        .map_err(io_at("restricting", &socket))?;
+    let app =
+        router(Arc::clone(&harness), None).into_make_service_with_connect_info::<api::UnixPeer>();
+    let unix_server = tokio::spawn(async move { axum::serve(unix, app).await });
     ready(&socket, tcp_addr);
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(io_at("handling signals for", &socket))?;

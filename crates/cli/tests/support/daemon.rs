@@ -146,6 +146,16 @@ impl Daemon {
         panic!("warden serve did not come up");
     }
 
+    /// `warden audit verify` of this daemon's journal must pass.
+    pub fn assert_journal_verifies(&self) {
+        let verify = self.warden().args(["audit", "verify"]).output().unwrap();
+        assert!(
+            verify.status.success(),
+            "audit verify: {}",
+            String::from_utf8_lossy(&verify.stdout)
+        );
+    }
+
     pub fn socket(&self) -> PathBuf {
         self.runtime.join("daemon.sock")
     }
