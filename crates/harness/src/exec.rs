@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
+use serde_json::json;
 use warden_cell::control;
 use warden_cell::linux::exec::{ExecEvent, ExecRequest, ExecSession};
 
@@ -82,10 +82,10 @@ impl Harness {
                 }),
             )
             .await?;
-        self.note(RunningNote::Put(
+        self.running.put(
             id,
-            json!({ "cell": name, "argv": spec.argv, "start_seq": started.seq }),
-        ));
+            &json!({ "cell": name, "argv": spec.argv, "start_seq": started.seq }),
+        );
         let pipe = || {
             nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
                 .map_err(|e| HarnessError::internal(format!("creating pipes: {e}")))
@@ -131,7 +131,7 @@ impl Harness {
                     json!({ "process": id, "reason": "failed", "message": message }),
                 )
                 .await?;
-                self.note(RunningNote::Remove(id));
+                self.running.remove(id);
                 return Err(HarnessError::new(ErrorKind::Conflict, message));
             }
         };
@@ -145,7 +145,7 @@ impl Harness {
                         json!({ "process": id, "reason": "failed", "code": code, "message": message }),
                     )
                     .await?;
-                self.note(RunningNote::Remove(id));
+                self.running.remove(id);
                 let process = Arc::new(Process::new(
                     id,
                     name.to_owned(),
@@ -351,7 +351,7 @@ impl Harness {
             )
             .await;
         if receipt.is_ok() {
-            self.note(RunningNote::Remove(process.id));
+            self.running.remove(process.id);
         }
         self.forget_old(&process.cell);
         process.finish(ExitInfo {
@@ -393,12 +393,6 @@ impl Harness {
                     true
                 }
             });
-        }
-    }
-
-    fn note(&self, note: RunningNote) {
-        if let Ok(notes) = self.notes.lock() {
-            let _ = notes.send(note);
         }
     }
 
@@ -499,11 +493,4 @@ impl Harness {
 
 pub(crate) fn spec_limit(process: &Process) -> u64 {
     process.output_limit().unwrap_or(0)
-}
-
-/// A change to the notes of running processes.
-#[derive(Debug)]
-pub(crate) enum RunningNote {
-    Put(u64, Value),
-    Remove(u64),
 }

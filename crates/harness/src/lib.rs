@@ -28,7 +28,6 @@ pub use warden_cell::linux::exec::{TtySize, Usage};
 use warden_cell::{Registry, Store, control};
 use warden_journal::{Journal, Receipt};
 
-use exec::RunningNote;
 pub use files::{FileInfo, READ_LIMIT};
 pub use process::{ExitInfo, Item, KillOnDrop, Process, ProcessInfo, Stream};
 use state::State;
@@ -154,9 +153,9 @@ pub struct Harness {
     registry: Registry,
     store: Store,
     journal: Journal,
-    state: Arc<State>,
-    /// Notes of running processes, written in order off the exec path (see `State::put_running`).
-    notes: Mutex<std::sync::mpsc::Sender<RunningNote>>,
+    state: State,
+    /// Notes of running processes (see `RunningLog`).
+    running: state::RunningLog,
     daemon_dir: PathBuf,
     processes: Mutex<HashMap<String, Vec<Arc<Process>>>>,
     next_process: AtomicU64,
@@ -197,24 +196,9 @@ impl Harness {
         let journal = Journal::open(&config.state.join("journal"))
             .map_err(|e| HarnessError::internal(e.to_string()))?;
         let grants = state.grants()?;
-        let state = Arc::new(state);
-        let (notes, pending_notes) = std::sync::mpsc::channel::<RunningNote>();
-        {
-            let state = Arc::clone(&state);
-            std::thread::Builder::new()
-                .name("running-notes".to_owned())
-                .spawn(move || {
-                    for note in pending_notes {
-                        let _ = match note {
-                            RunningNote::Put(id, value) => state.put_running(id, &value),
-                            RunningNote::Remove(id) => state.remove_running(id),
-                        };
-                    }
-                })
-                .map_err(|e| HarnessError::internal(format!("starting a thread: {e}")))?;
-        }
+        let (running, cut) = state::RunningLog::open(&daemon_dir.join("running.log"))?;
         let harness = Arc::new(Self {
-            notes: Mutex::new(notes),
+            running,
             live: Mutex::new(HashMap::new()),
             grants: Mutex::new(grants),
             exec_questions: Mutex::new(HashMap::new()),
@@ -237,7 +221,7 @@ impl Harness {
         harness
             .next_process
             .store(start.seq * 1000 + 1, Ordering::Relaxed);
-        harness.reconcile().await?;
+        harness.reconcile(cut).await?;
         Ok(harness)
     }
 
@@ -289,12 +273,12 @@ impl Harness {
 
     /// Takes back the cells of an earlier daemon: live ones are watched again, dead ones are
     /// marked ended (their keepers already removed what they held).
-    async fn reconcile(self: &Arc<Self>) -> Result<(), HarnessError> {
+    async fn reconcile(self: &Arc<Self>, cut: Vec<(u64, Value)>) -> Result<(), HarnessError> {
         // Listing also removes the runtime folders and cgroups of dead cells.
         let _ = self.registry.list();
         // Processes the old daemon was relaying: their output pipes went with it, so the
         // keeper killed them when the daemon's end of their exec connection closed.
-        for (id, note) in self.state.take_running()? {
+        for (id, note) in cut {
             let cell = note["cell"].as_str().map(str::to_owned);
             self.record(
                 cell.as_deref(),

@@ -11,8 +11,6 @@ use crate::HarnessError;
 
 const CELLS: TableDefinition<&str, &str> = TableDefinition::new("cells");
 const GRANTS: TableDefinition<&str, &str> = TableDefinition::new("grants");
-/// Processes started and not yet ended, so that a new daemon can journal the ones a crash cut.
-const RUNNING: TableDefinition<u64, &str> = TableDefinition::new("running");
 
 /// A standing approval: the same request is approved without asking.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -67,7 +65,6 @@ impl State {
         let txn = db.begin_write().map_err(db_error)?;
         txn.open_table(CELLS).map_err(db_error)?;
         txn.open_table(GRANTS).map_err(db_error)?;
-        txn.open_table(RUNNING).map_err(db_error)?;
         txn.commit().map_err(db_error)?;
         Ok(Self { db })
     }
@@ -138,46 +135,67 @@ impl State {
         }
         Ok(out)
     }
+}
 
-    /// Notes a running process. Not synced on its own (the journal has its start already): a
-    /// crash may lose the note, and then only the `exec.lost` entry.
-    pub fn put_running(&self, id: u64, note: &serde_json::Value) -> Result<(), HarnessError> {
-        let json = note.to_string();
-        let mut txn = self.db.begin_write().map_err(db_error)?;
-        txn.set_durability(redb::Durability::Eventual);
-        {
-            let mut table = txn.open_table(RUNNING).map_err(db_error)?;
-            table.insert(id, json.as_str()).map_err(db_error)?;
-        }
-        txn.commit().map_err(db_error)
-    }
+/// Notes of running processes, so that a new daemon can journal the ones a crash cut: an
+/// append-only file of `+ID JSON` and `-ID` lines, written without fsync (each start is in the
+/// journal already). The page cache keeps it through a crash of the daemon, not a power cut.
+#[derive(Debug)]
+pub struct RunningLog {
+    file: std::sync::Mutex<std::fs::File>,
+}
 
-    pub fn remove_running(&self, id: u64) -> Result<(), HarnessError> {
-        let mut txn = self.db.begin_write().map_err(db_error)?;
-        txn.set_durability(redb::Durability::Eventual);
-        {
-            let mut table = txn.open_table(RUNNING).map_err(db_error)?;
-            table.remove(id).map_err(db_error)?;
-        }
-        txn.commit().map_err(db_error)
-    }
-
-    /// Takes every note of a running process (those of a daemon that is gone).
-    pub fn take_running(&self) -> Result<Vec<(u64, serde_json::Value)>, HarnessError> {
-        let txn = self.db.begin_write().map_err(db_error)?;
-        let mut out = Vec::new();
-        {
-            let mut table = txn.open_table(RUNNING).map_err(db_error)?;
-            for item in table.iter().map_err(db_error)? {
-                let (key, value) = item.map_err(db_error)?;
-                out.push((
-                    key.value(),
-                    serde_json::from_str(value.value()).unwrap_or_default(),
-                ));
+impl RunningLog {
+    /// Opens the log and returns the processes it still lists (those of a daemon that is gone),
+    /// then starts it afresh.
+    pub fn open(path: &Path) -> Result<(Self, Vec<(u64, serde_json::Value)>), HarnessError> {
+        let io = |e: std::io::Error| {
+            HarnessError::internal(format!("the running-process log {}: {e}", path.display()))
+        };
+        let mut running = std::collections::BTreeMap::new();
+        if let Ok(text) = std::fs::read_to_string(path) {
+            for line in text.lines() {
+                if let Some(rest) = line.strip_prefix('+') {
+                    let (id, note) = rest.split_once(' ').unwrap_or((rest, "null"));
+                    if let Ok(id) = id.parse::<u64>() {
+                        running.insert(id, serde_json::from_str(note).unwrap_or_default());
+                    }
+                } else if let Some(id) = line.strip_prefix('-').and_then(|i| i.parse().ok()) {
+                    running.remove(&id);
+                }
             }
-            table.retain(|_, _| false).map_err(db_error)?;
         }
-        txn.commit().map_err(db_error)?;
-        Ok(out)
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .truncate(true)
+            .open(path)
+            .map_err(io)?;
+        drop(file);
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(path)
+            .map_err(io)?;
+        Ok((
+            Self {
+                file: std::sync::Mutex::new(file),
+            },
+            running.into_iter().collect(),
+        ))
+    }
+
+    fn write(&self, line: String) {
+        use std::io::Write as _;
+        if let Ok(mut file) = self.file.lock() {
+            let _ = file.write_all(line.as_bytes());
+        }
+    }
+
+    pub fn put(&self, id: u64, note: &serde_json::Value) {
+        self.write(format!("+{id} {note}\n"));
+    }
+
+    pub fn remove(&self, id: u64) {
+        self.write(format!("-{id}\n"));
     }
 }
