@@ -163,10 +163,14 @@ impl ExecSession {
         request: &ExecRequest,
         stdio: Option<[&OwnedFd; 3]>,
     ) -> Result<Self, ExecError> {
-        registry.get(name)?;
+        super::plan::check_name(name).map_err(|_| RegistryError::NotFound(name.to_owned()))?;
         let path = registry.cell_file(name, EXEC_SOCKET);
+        // The socket is the keeper's: connecting proves the cell is served (the registry is
+        // read only to explain a failure).
         let socket = sys::seqpacket_connect(&path).map_err(|source| {
-            if matches!(
+            if let Err(gone) = registry.get(name) {
+                ExecError::Registry(gone)
+            } else if matches!(
                 source.kind(),
                 io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused
             ) {
