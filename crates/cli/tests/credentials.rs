@@ -68,8 +68,25 @@ fn https_upstream() -> (u16, String, Arc<Mutex<Vec<String>>>) {
                             .then(|| l[14..].trim().to_owned())
                     })
                     .unwrap_or_default();
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| {
+                        l.to_ascii_lowercase()
+                            .strip_prefix("content-length:")
+                            .map(|v| v.trim().parse().unwrap_or(0))
+                    })
+                    .unwrap_or(0);
+                let mut body = vec![0u8; length];
+                if tls.read_exact(&mut body).is_err() {
+                    return;
+                }
+                let body = if body.is_empty() {
+                    String::new()
+                } else {
+                    format!(" body={}", String::from_utf8_lossy(&body))
+                };
                 log.lock().unwrap().push(format!(
-                    "{} {auth}",
+                    "{} {auth}{body}",
                     head.lines().next().unwrap_or_default()
                 ));
                 let body = format!("upstream got auth={auth}");
@@ -222,5 +239,53 @@ fn a_missing_secret_stops_the_cell_before_it_starts() {
         ran.stderr
             .contains("credential `api`: the caller's environment has no WARDEN_TEST_UNSET_TOKEN"),
         "{ran:?}"
+    );
+}
+
+#[test]
+fn a_credential_bound_in_body_reaches_the_upstream_in_the_request_body() {
+    let dir = tempdir();
+    let (port, ca_pem, seen) = https_upstream();
+    let ca_path = dir.path().join("upstream-ca.pem");
+    std::fs::write(&ca_path, ca_pem).unwrap();
+    let policy = policy(
+        dir.path(),
+        &format!(
+            "version: 1\nnetwork:\n  extra_ca: {}\n  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n      paths: [\"/login\"]\n      credential: api\ncredentials:\n  api: {{ from_env: WARDEN_TEST_API_TOKEN, in_body: true }}\n",
+            ca_path.display()
+        ),
+    );
+    // The cell puts its placeholder in a JSON body, as a login form would.
+    let code = format!(
+        "import os, json, urllib.request\n\
+         token = os.environ['WARDEN_TEST_API_TOKEN']\n\
+         body = json.dumps({{'user': 'agent', 'password': token}}).encode()\n\
+         req = urllib.request.Request('https://127.0.0.2:{port}/login', data=body, method='POST', headers={{'Content-Type': 'application/json'}})\n\
+         print(urllib.request.urlopen(req, timeout=10).status)\n\
+         print(token != '{SECRET}')"
+    );
+    let out = warden()
+        .args([
+            "run",
+            "--rm",
+            "--policy",
+            policy.to_str().unwrap(),
+            "--",
+            "python3",
+            "-c",
+            &code,
+        ])
+        .env("WARDEN_TEST_API_TOKEN", SECRET)
+        .output()
+        .unwrap();
+    let ran = Ran::from(out);
+    assert_eq!(ran.stdout, "200\nTrue\n", "{ran:?}");
+    let upstream_saw = seen.lock().unwrap().clone();
+    assert_eq!(upstream_saw.len(), 1, "{upstream_saw:?}");
+    assert!(
+        upstream_saw[0].ends_with(&format!(
+            "body={{\"user\": \"agent\", \"password\": \"{SECRET}\"}}"
+        )),
+        "the upstream got the secret in the body: {upstream_saw:?}"
     );
 }

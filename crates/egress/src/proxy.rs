@@ -15,7 +15,7 @@ use serde_json::json;
 use crate::host::{Host, split_authority};
 use crate::record::{Decision, Log};
 use crate::rules::{Request, Rules, Verdict};
-use crate::secrets::{Scrubber, Secret, Secrets};
+use crate::secrets::{Replacer, Secret, Secrets};
 use crate::tls::Interceptor;
 
 const MAX_HEAD: usize = 64 * 1024;
@@ -639,7 +639,7 @@ impl Gateway {
         let out = upstream_request(&method, &path, &headers, credential);
         let sent = upstream
             .write_all(&out)
-            .and_then(|()| copy_body(&rest, &mut client, &mut upstream, body));
+            .and_then(|()| send_body(&rest, &mut client, &mut upstream, body, credential));
         match sent {
             Ok(body) => decision.bytes_up = out.len() as u64 + body,
             Err(e) => {
@@ -654,7 +654,7 @@ impl Gateway {
                 );
             }
         }
-        let mut scrubbed = Scrubber::new(&mut client, &self.secrets);
+        let mut scrubbed = Replacer::scrubbing(&mut client, &self.secrets);
         let mut buf = vec![0u8; 64 * 1024];
         loop {
             // An upstream that closes without close_notify has still sent its whole response.
@@ -808,14 +808,14 @@ impl Gateway {
         // Exactly the announced body, then nothing more from this client.
         let sent = upstream
             .write_all(&out)
-            .and_then(|()| copy_body(&early, &mut &conn, &mut upstream, body));
+            .and_then(|()| send_body(&early, &mut &conn, &mut upstream, body, credential));
         let Ok(body_bytes) = sent else { return };
         decision.bytes_up = out.len() as u64 + body_bytes;
         let _tracked = self.track(&host, port, Some((method, path_only)), &conn, &upstream);
         decision.bytes_down = if self.secrets.all.is_empty() {
             pump(&upstream, &conn)
         } else {
-            let mut scrubbed = Scrubber::new(&conn, &self.secrets);
+            let mut scrubbed = Replacer::scrubbing(&conn, &self.secrets);
             let n = io::copy(&mut upstream, &mut scrubbed).unwrap_or(0);
             let _ = scrubbed.finish();
             n
@@ -883,6 +883,26 @@ fn request_body(headers: &[(String, Vec<u8>)]) -> Result<Body, &'static str> {
         ([], _) => Err("a Transfer-Encoding other than a single `chunked` is refused"),
         (_, []) => Err("several Content-Length headers: refused as request smuggling"),
         _ => Err("both Content-Length and Transfer-Encoding: refused as request smuggling"),
+    }
+}
+
+/// Copies the request body; a credential bound with `in_body` gets its secret in place of its
+/// placeholder on the way (equal lengths: the framing holds).
+fn send_body(
+    early: &[u8],
+    client: &mut impl Read,
+    upstream: &mut impl Write,
+    body: Body,
+    credential: Option<&Secret>,
+) -> io::Result<u64> {
+    match credential.filter(|c| c.in_body) {
+        Some(secret) => {
+            let mut injecting = Replacer::injecting(upstream, secret);
+            let sent = copy_body(early, client, &mut injecting, body)?;
+            injecting.finish()?;
+            Ok(sent)
+        }
+        None => copy_body(early, client, upstream, body),
     }
 }
 

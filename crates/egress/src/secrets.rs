@@ -32,6 +32,8 @@ pub struct Secret {
     pub format: String,
     /// The environment variable the cell gets the placeholder in.
     pub env: Option<String>,
+    /// The placeholder is also swapped in request bodies (see `Credential::in_body`).
+    pub in_body: bool,
 }
 
 impl std::fmt::Debug for Secret {
@@ -85,6 +87,7 @@ impl Secrets {
                 header: credential.header.clone(),
                 format: credential.format.clone(),
                 env: credential.from_env.clone(),
+                in_body: credential.in_body,
             });
         }
         Ok(Self { all })
@@ -124,16 +127,29 @@ fn contains(haystack: &[u8], needle: &[u8]) -> bool {
     !needle.is_empty() && haystack.windows(needle.len()).any(|w| w == needle)
 }
 
-/// A writer that replaces every secret by its placeholder, also across write boundaries: the
-/// last bytes that could start a secret are held back until the next write or `finish`.
-pub struct Scrubber<W: Write> {
+/// A writer that replaces byte strings by others of the same length, also across write
+/// boundaries: the last bytes that could start one are held back until the next write or
+/// `finish`. `scrubbing` puts placeholders in place of every secret (responses to the cell);
+/// `injecting` puts one secret in place of its placeholder (a request body it is bound to).
+pub struct Replacer<W: Write> {
     inner: W,
     pairs: Vec<(Vec<u8>, Vec<u8>)>,
     held: Vec<u8>,
 }
 
-impl<W: Write> Scrubber<W> {
-    pub fn new(inner: W, secrets: &Secrets) -> Self {
+impl<W: Write> Replacer<W> {
+    pub fn injecting(inner: W, secret: &Secret) -> Self {
+        Self {
+            inner,
+            pairs: vec![(
+                secret.placeholder.clone().into_bytes(),
+                secret.value.clone().into_bytes(),
+            )],
+            held: Vec::new(),
+        }
+    }
+
+    pub fn scrubbing(inner: W, secrets: &Secrets) -> Self {
         let pairs = secrets
             .all
             .iter()
@@ -191,7 +207,7 @@ impl<W: Write> Scrubber<W> {
     }
 }
 
-impl<W: Write> Write for Scrubber<W> {
+impl<W: Write> Write for Replacer<W> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         self.held.extend_from_slice(buf);
         let keep = self.keep_back();
@@ -231,7 +247,25 @@ mod tests {
                 header: "Authorization".into(),
                 format: "Bearer {}".into(),
                 env: None,
+                in_body: true,
             }],
+        }
+    }
+
+    #[test]
+    fn a_bound_body_gets_the_secret_in_place_of_its_placeholder_across_writes() {
+        let secrets = secrets();
+        let text = b"{\"token\": \"PLACEHOLDER!\", \"again\": \"PLACEHOLDER!\"}";
+        for split in 1..text.len() {
+            let mut injector = Replacer::injecting(Vec::new(), &secrets.all[0]);
+            injector.write_all(&text[..split]).unwrap();
+            injector.write_all(&text[split..]).unwrap();
+            let out = injector.finish().unwrap();
+            assert_eq!(
+                out, b"{\"token\": \"s3cr3t-value\", \"again\": \"s3cr3t-value\"}",
+                "split at {split}"
+            );
+            assert_eq!(out.len(), text.len(), "the length never changes");
         }
     }
 
@@ -239,7 +273,7 @@ mod tests {
     fn secrets_never_pass_even_split_across_writes() {
         let text = b"token=s3cr3t-value; again s3cr3t-value end";
         for split in 1..text.len() {
-            let mut scrubber = Scrubber::new(Vec::new(), &secrets());
+            let mut scrubber = Replacer::scrubbing(Vec::new(), &secrets());
             scrubber.write_all(&text[..split]).unwrap();
             scrubber.write_all(&text[split..]).unwrap();
             let out = String::from_utf8(scrubber.finish().unwrap()).unwrap();

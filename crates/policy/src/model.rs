@@ -404,6 +404,10 @@ pub struct Credential {
     /// How the header value is built; `{}` is replaced by the secret.
     #[serde(default = "default_credential_format")]
     pub format: String,
+    /// Also put the secret in place of its placeholder in the bodies of requests that a rule
+    /// binding this credential allows (the two are equally long, so the framing holds).
+    #[serde(default)]
+    pub in_body: bool,
 }
 
 fn default_credential_header() -> String {
