@@ -876,3 +876,51 @@ fn pip_downloads_from_an_allowed_index_and_nothing_else() {
     );
     assert!(warden().args(["rm", &name]).status().unwrap().success());
 }
+
+#[test]
+fn ask_rules_on_methods_hold_only_the_requests_they_name() {
+    let dir = tempdir();
+    let up = http_upstream();
+    let rules = format!(
+        "  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n      methods: [GET]\n  ask:\n    - host: 127.0.0.2\n      ports: [{port}]\n      methods: [POST]\n      paths: [\"/write/**\"]\napprovals:\n  timeout: 30s\n",
+        port = up.port
+    );
+    let asking = net_policy(dir.path(), &rules);
+    let name = unique("askl7");
+    let code = format!(
+        "import urllib.request\n\
+         print(urllib.request.urlopen('http://127.0.0.2:{port}/read').read().decode().split(' body=')[0])\n\
+         req = urllib.request.Request('http://127.0.0.2:{port}/write/x', data=b'payload', method='POST')\n\
+         print(urllib.request.urlopen(req).read().decode().split(' body=')[0])",
+        port = up.port
+    );
+    let cell = warden()
+        .args([
+            "run", "--rm", "--name", &name, "--policy", &asking, "--", "python3", "-c",
+        ])
+        .arg(&code)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The GET went through on its allow rule; the POST waits for a person.
+    let (id, request) = next_question(&name, 0);
+    assert_eq!(request, format!("POST 127.0.0.2:{}/write/x", up.port));
+    assert_eq!(
+        up.hits.load(Ordering::SeqCst),
+        1,
+        "only the GET reached the upstream"
+    );
+    let approve = Ran::from(
+        warden()
+            .args(["approve", &name, &id.to_string()])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(approve.code, 0, "{approve:?}");
+    let ran = Ran::from(cell.wait_with_output().unwrap());
+    assert_eq!(
+        ran.stdout, "upstream saw GET /read HTTP/1.1\nupstream saw POST /write/x HTTP/1.1\n",
+        "{ran:?}"
+    );
+}

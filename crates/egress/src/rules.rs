@@ -123,8 +123,9 @@ impl Rules {
         )
     }
 
-    /// Whether a tunnel to `host:port` must be opened up (TLS interception): an allow rule for it
-    /// restricts methods or paths, or binds a credential, and no deny rule refuses it outright.
+    /// Whether a tunnel to `host:port` must be opened up (TLS interception): an allow or ask rule
+    /// for it restricts methods or paths, or binds a credential, and no deny rule refuses it
+    /// outright.
     pub fn intercepts(&self, host: &Host, port: u16) -> bool {
         let tunnel = Request {
             host,
@@ -132,7 +133,7 @@ impl Rules {
             http: None,
         };
         !self.deny.iter().any(|r| r.matches(&tunnel))
-            && self.allow.iter().any(|r| {
+            && self.allow.iter().chain(&self.ask).any(|r| {
                 r.host_matches(host)
                     && r.port_matches(port)
                     && (r.is_l7() || r.credential.is_some())
@@ -184,6 +185,7 @@ impl Rules {
     pub fn need_interception(&self) -> bool {
         self.allow
             .iter()
+            .chain(&self.ask)
             .any(|r| r.is_l7() || r.credential.is_some())
     }
 
@@ -453,5 +455,32 @@ mod tests {
         // an ask rule names is usable once approved.
         assert!(r.decide_name(&name("a.x.org")).allowed);
         assert!(r.address_allowed(&name("y"), "10.1.2.3".parse().unwrap(), 443));
+    }
+
+    #[test]
+    fn an_ask_rule_on_methods_opens_up_tls_and_asks_inside_it() {
+        let mut post = rule("api.x.org");
+        post.methods = vec!["POST".into()];
+        let r = Rules::compile(&Network {
+            default: NetworkDefault::Deny,
+            allow: vec![],
+            deny: vec![],
+            ask: vec![post],
+            extra_ca: None,
+        })
+        .unwrap();
+        assert!(r.need_interception());
+        assert!(r.intercepts(&name("api.x.org"), 443));
+        assert!(!r.intercepts(&name("other.org"), 443));
+        let inside = |method: &str| {
+            r.decide(&Request {
+                host: &name("api.x.org"),
+                port: 443,
+                http: Some((method, "/v1/x")),
+            })
+        };
+        assert!(inside("POST").ask);
+        let get = inside("GET");
+        assert!(!get.allowed && !get.ask, "{get:?}");
     }
 }

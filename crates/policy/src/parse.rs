@@ -87,16 +87,10 @@ fn validate(origin: &str, policy: &Policy) -> Result<(), PolicyError> {
     if let Err(message) = crate::CommandRules::compile(&policy.commands) {
         return Err(invalid("commands", &message));
     }
-    if policy
-        .network
-        .ask
-        .iter()
-        .any(|r| !r.methods.is_empty() || !r.paths.is_empty() || r.credential.is_some())
-    {
+    if policy.network.ask.iter().any(|r| r.credential.is_some()) {
         return Err(invalid(
             "network.ask",
-            "`ask` rules match a host and ports only in this version; put methods, paths and \
-             credentials on allow rules",
+            "`ask` rules cannot bind a credential; put the credential on an allow rule",
         ));
     }
     for (list, rules) in [
@@ -281,13 +275,20 @@ mod tests {
     #[test]
     fn reserved_features_are_named() {
         assert!(from_yaml("p.yaml", "version: 1\nnetwork:\n  ask: [{host: x.org}]\n").is_ok());
+        assert!(
+            from_yaml(
+                "p.yaml",
+                "version: 1\nnetwork:\n  ask: [{host: x.org, methods: [POST], paths: ['/x/**']}]\n",
+            )
+            .is_ok()
+        );
         let err = from_yaml(
             "p.yaml",
-            "version: 1\nnetwork:\n  ask: [{host: x.org, methods: [GET]}]\n",
+            "version: 1\nnetwork:\n  ask: [{host: x.org, credential: api}]\ncredentials:\n  api: {from_env: X}\n",
         )
         .unwrap_err()
         .to_string();
-        assert!(err.contains("host and ports only"), "{err}");
+        assert!(err.contains("cannot bind a credential"), "{err}");
         let err = from_yaml("p.yaml", "version: 1\nnetwork:\n  ask: [{host: 'a b'}]\n")
             .unwrap_err()
             .to_string();
