@@ -924,3 +924,28 @@ fn ask_rules_on_methods_hold_only_the_requests_they_name() {
         "{ran:?}"
     );
 }
+
+#[test]
+fn the_proxy_port_answers_on_ipv6_loopback_too() {
+    if !std::path::Path::new("/proc/net/if_inet6").exists() {
+        eprintln!("skipped the_proxy_port_answers_on_ipv6_loopback_too: this kernel has no IPv6");
+        return;
+    }
+    let dir = tempdir();
+    let up = http_upstream();
+    let policy = net_policy(
+        dir.path(),
+        &format!(
+            "  allow:\n    - host: 127.0.0.2\n      ports: [{}]\n",
+            up.port
+        ),
+    );
+    let code = format!(
+        "import urllib.request\n\
+         opener = urllib.request.build_opener(urllib.request.ProxyHandler({{'http': 'http://[::1]:3128'}}))\n\
+         print(opener.open('http://127.0.0.2:{}/six').read().decode().split(' body=')[0])",
+        up.port
+    );
+    let ran = run_py(&["--rm", "--policy", &policy], &code);
+    assert_eq!(ran.stdout, "upstream saw GET /six HTTP/1.1\n", "{ran:?}");
+}

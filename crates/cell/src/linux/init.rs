@@ -263,6 +263,11 @@ fn hand_over_gateway_socket() -> SetupResult<()> {
     let redirected = redirect_to_gateway();
     // IPv6 connections are redirected to [::1]; a kernel without IPv6 simply has none.
     let transparent6 = std::net::TcpListener::bind(("::1", warden_egress::TRANSPARENT_PORT)).ok();
+    // The proxy port on IPv6 too, for clients that reach `localhost` over ::1 (only where the
+    // transparent one could bind, so that the warden can tell the sockets apart by position).
+    let proxy6 = transparent6
+        .as_ref()
+        .and_then(|_| std::net::TcpListener::bind(("::1", warden_egress::GATEWAY_PORT)).ok());
     let channel = owned(GATEWAY_FD);
     let mut fds = vec![
         listener.as_raw_fd(),
@@ -270,6 +275,7 @@ fn hand_over_gateway_socket() -> SetupResult<()> {
         dns.as_raw_fd(),
     ];
     fds.extend(transparent6.as_ref().map(|l| l.as_raw_fd()));
+    fds.extend(proxy6.as_ref().map(|l| l.as_raw_fd()));
     let flag: &[u8] = if redirected { b"t" } else { b"p" };
     let iov = [std::io::IoSlice::new(flag)];
     sendmsg::<()>(

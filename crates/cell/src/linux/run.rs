@@ -482,10 +482,11 @@ pub fn run(
     {
         let (flag, sockets) =
             sys::receive_fds(channel).map_err(os("receiving the gateway sockets"))?;
-        // In the init's order: the proxy port, the transparent port, DNS, and the transparent
-        // port on IPv6 where the kernel has IPv6.
+        // In the init's order: the proxy port, the transparent port, DNS, and, where the
+        // kernel has IPv6, the transparent and the proxy port on ::1.
         let mut sockets = sockets.into_iter();
-        let (proxy_socket, transparent, dns_socket, transparent6) = (
+        let (proxy_socket, transparent, dns_socket, transparent6, proxy6) = (
+            sockets.next(),
             sockets.next(),
             sockets.next(),
             sockets.next(),
@@ -534,6 +535,9 @@ pub fn run(
             gateway = gateway.with_approvals(approvals);
         }
         gateway.clone().serve(listener);
+        if let Some(socket) = proxy6 {
+            gateway.clone().serve(std::net::TcpListener::from(socket));
+        }
         if flag == b't' {
             for socket in [transparent, transparent6].into_iter().flatten() {
                 gateway

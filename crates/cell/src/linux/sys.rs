@@ -328,7 +328,7 @@ pub fn receive_fds(channel: &OwnedFd) -> io::Result<(u8, Vec<OwnedFd>)> {
     use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
     let mut byte = [0u8; 1];
     let mut iov = [io::IoSliceMut::new(&mut byte)];
-    let mut space = nix::cmsg_space!([RawFd; 4]);
+    let mut space = nix::cmsg_space!([RawFd; 8]);
     let msg = recvmsg::<()>(
         channel.as_raw_fd(),
         &mut iov,
