@@ -1803,3 +1803,59 @@ fn diff_and_apply_over_the_api_with_apply_held_for_a_person() {
         assert!(journal.contains(&format!("\"kind\":\"{kind}\"")), "{kind}");
     }
 }
+
+#[test]
+fn a_process_attached_over_a_websocket_takes_input_resize_and_streams_its_terminal() {
+    if !cgroups_available("daemon_websocket") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("ws"), json!({}));
+    let started = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["sh", "-c", "echo ready; read line; echo got:$line; stty size"], "tty": { "rows": 24, "cols": 80 }, "background": true })),
+    );
+    assert_eq!(started.status, 201);
+    let id = started.json()["id"].as_u64().unwrap();
+    let stream = std::os::unix::net::UnixStream::connect(daemon.socket()).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let url = format!("ws://warden/v1/cells/{cell}/processes/{id}/attach");
+    let (mut socket, _) =
+        tungstenite::client::client(url.as_str(), stream).expect("the upgrade succeeds");
+    let mut output = String::new();
+    let mut sent = false;
+    let exit = loop {
+        let message = socket.read().expect("a message before the end");
+        let tungstenite::Message::Text(text) = message else {
+            continue;
+        };
+        let event: Value = serde_json::from_str(text.as_str()).unwrap();
+        match event["event"].as_str().unwrap() {
+            "stdout" => output.push_str(event["text"].as_str().unwrap_or_default()),
+            "exit" => break event,
+            other => panic!("unexpected {other}: {event}"),
+        }
+        if !sent && output.contains("ready") {
+            sent = true;
+            for message in [
+                json!({ "resize": { "rows": 50, "cols": 132 } }),
+                json!({ "stdin": "over the socket\n" }),
+            ] {
+                socket
+                    .send(tungstenite::Message::Text(message.to_string().into()))
+                    .unwrap();
+            }
+        }
+    };
+    assert_eq!(exit["code"], 0, "{exit}");
+    assert!(output.contains("got:over the socket"), "{output}");
+    assert!(output.contains("50 132"), "{output}");
+    // Input and the resize went through the journal like any other request.
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    assert!(
+        journal.contains("\"kind\":\"exec.resize\"") && journal.contains("\"kind\":\"exec.stdin\"")
+    );
+}
