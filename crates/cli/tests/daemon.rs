@@ -1859,3 +1859,46 @@ fn a_process_attached_over_a_websocket_takes_input_resize_and_streams_its_termin
         journal.contains("\"kind\":\"exec.resize\"") && journal.contains("\"kind\":\"exec.stdin\"")
     );
 }
+
+#[test]
+fn ended_processes_leave_no_descriptors_or_threads_behind() {
+    if !cgroups_available("daemon_release") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("release"), json!({}));
+    let init: u32 = daemon
+        .call("GET", &format!("/v1/cells/{cell}"), None)
+        .json()["pid"]
+        .as_u64()
+        .unwrap() as u32;
+    let stat = std::fs::read_to_string(format!("/proc/{init}/stat")).unwrap();
+    let keeper: u32 = stat[stat.rfind(')').unwrap() + 2..]
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let count = |dir: String| std::fs::read_dir(dir).unwrap().count();
+    let daemon_fds = || count(format!("/proc/{}/fd", daemon.pid().unwrap()));
+    let keeper_threads = || count(format!("/proc/{keeper}/task"));
+    for _ in 0..3 {
+        daemon.exec(&cell, json!({ "argv": ["true"] }));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let (fds_before, threads_before) = (daemon_fds(), keeper_threads());
+    for i in 0..40 {
+        let events = daemon.exec(&cell, json!({ "argv": ["echo", i.to_string()], "tty": if i % 2 == 0 { json!({"rows": 5, "cols": 20}) } else { Value::Null } }));
+        assert_eq!(exit_of(&events)["code"], 0);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let (fds_after, threads_after) = (daemon_fds(), keeper_threads());
+    assert!(
+        fds_after <= fds_before + 4,
+        "the daemon kept descriptors: {fds_before} -> {fds_after}"
+    );
+    assert!(
+        threads_after <= threads_before + 2,
+        "the keeper kept threads: {threads_before} -> {threads_after}"
+    );
+}

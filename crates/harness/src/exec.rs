@@ -250,7 +250,9 @@ impl Harness {
     ) {
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let readers = outputs.start(&process, &stop);
-        let session = Arc::clone(&process.session);
+        let Some(session) = process.session() else {
+            return;
+        };
         let mut events = tokio::task::spawn_blocking(move || {
             loop {
                 match session.next_event() {

@@ -145,9 +145,11 @@ pub struct Process {
     pub pid: i32,
     log: Mutex<Log>,
     version: watch::Sender<u64>,
-    pub(crate) session: Arc<ExecSession>,
+    /// The connection to the cell's keeper, while the process runs (dropped at its end, so an
+    /// ended process holds no descriptor of the daemon's nor a thread of the keeper's).
+    session: Mutex<Option<Arc<ExecSession>>>,
     pub(crate) stdin: tokio::sync::Mutex<Option<Input>>,
-    terminal: Option<Arc<OwnedFd>>,
+    terminal: Mutex<Option<Arc<OwnedFd>>>,
     output_limit: Option<u64>,
     over_limit: AtomicBool,
 }
@@ -188,9 +190,9 @@ impl Process {
             pid,
             log: Mutex::new(Log::default()),
             version: watch::channel(0).0,
-            session,
+            session: Mutex::new(Some(session)),
             stdin: tokio::sync::Mutex::new(stdin),
-            terminal,
+            terminal: Mutex::new(terminal),
             output_limit: None,
             over_limit: AtomicBool::new(false),
         }
@@ -212,7 +214,8 @@ impl Process {
 
     /// Resizes the process's terminal; an error for a process without one.
     pub fn resize(&self, size: crate::TtySize) -> std::io::Result<()> {
-        match &self.terminal {
+        let terminal = self.terminal.lock().ok().and_then(|t| t.clone());
+        match terminal {
             Some(master) => warden_cell::linux::exec::resize(master.as_fd(), size),
             None => Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
@@ -246,8 +249,8 @@ impl Process {
             if let Some(limit) = self.output_limit
                 && log.counts[0] + log.counts[1] > limit
                 && !self.over_limit.swap(true, Ordering::Relaxed)
+                && let Some(session) = self.session()
             {
-                let session = Arc::clone(&self.session);
                 std::thread::spawn(move || session.signal(libc::SIGKILL));
             }
             let room = JOURNALED_OUTPUT.saturating_sub(log.captured[slot].len());
@@ -274,9 +277,24 @@ impl Process {
             .unwrap_or_default()
     }
 
+    /// The keeper connection, while the process runs.
+    pub(crate) fn session(&self) -> Option<Arc<ExecSession>> {
+        self.session.lock().ok().and_then(|s| s.clone())
+    }
+
     pub(crate) fn finish(&self, exit: ExitInfo) {
         if let Ok(mut log) = self.log.lock() {
             log.exit = Some(exit);
+        }
+        // What only a running process needs goes now.
+        if let Ok(mut session) = self.session.lock() {
+            *session = None;
+        }
+        if let Ok(mut terminal) = self.terminal.lock() {
+            *terminal = None;
+        }
+        if let Ok(mut stdin) = self.stdin.try_lock() {
+            *stdin = None;
         }
         self.version.send_modify(|v| *v += 1);
     }
@@ -335,8 +353,9 @@ impl Process {
 
     /// Sends a signal to the process's group (through the cell's keeper).
     pub async fn signal(self: &Arc<Self>, signal: i32) {
-        let session = Arc::clone(&self.session);
-        let _ = tokio::task::spawn_blocking(move || session.signal(signal)).await;
+        if let Some(session) = self.session() {
+            let _ = tokio::task::spawn_blocking(move || session.signal(signal)).await;
+        }
     }
 
     /// Writes to the process's stdin; `close` ends it (on a terminal: sends end-of-file, ^D).
@@ -386,8 +405,9 @@ pub struct KillOnDrop(pub Arc<Process>);
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
         if self.0.exit().is_none() {
-            let session = Arc::clone(&self.0.session);
-            std::thread::spawn(move || session.signal(libc::SIGKILL));
+            if let Some(session) = self.0.session() {
+                std::thread::spawn(move || session.signal(libc::SIGKILL));
+            }
         }
     }
 }

@@ -156,6 +156,11 @@ impl Daemon {
         );
     }
 
+    /// The daemon's pid, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     pub fn socket(&self) -> PathBuf {
         self.runtime.join("daemon.sock")
     }
