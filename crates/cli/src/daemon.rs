@@ -67,22 +67,8 @@ pub fn run_through(
             })
         })
         .collect::<Result<_>>()?;
-    let policy_text = match &args.policy {
-        Some(path) => Some(
-            std::fs::read_to_string(path)
-                .with_context(|| format!("reading the policy {}", path.display()))?,
-        ),
-        None => None,
-    };
-    let workspace = match &args.workspace {
-        Some(dir) => Some(
-            std::fs::canonicalize(dir)
-                .with_context(|| format!("workspace {}", dir.display()))?
-                .display()
-                .to_string(),
-        ),
-        None => None,
-    };
+    let (policy_text, workspace) =
+        policy_and_workspace(args.policy.as_deref(), args.workspace.as_deref())?;
     let preset = match (&policy_text, &args.preset) {
         (None, None) => Some("default".to_owned()),
         (_, preset) => preset.clone(),
@@ -347,16 +333,19 @@ fn pairs(list: &[String], what: &str) -> Result<serde_json::Map<String, Value>> 
     Ok(out)
 }
 
-pub fn create(args: CreateArgs) -> Result<i32> {
-    let client = client()?;
-    let policy = match &args.policy {
+/// A policy file's text and a workspace's absolute path, as the API takes them.
+fn policy_and_workspace(
+    policy: Option<&std::path::Path>,
+    workspace: Option<&std::path::Path>,
+) -> Result<(Option<String>, Option<String>)> {
+    let text = match policy {
         Some(path) => Some(
             std::fs::read_to_string(path)
                 .with_context(|| format!("reading the policy {}", path.display()))?,
         ),
         None => None,
     };
-    let workspace = match &args.workspace {
+    let dir = match workspace {
         Some(dir) => Some(
             std::fs::canonicalize(dir)
                 .with_context(|| format!("workspace {}", dir.display()))?
@@ -365,6 +354,13 @@ pub fn create(args: CreateArgs) -> Result<i32> {
         ),
         None => None,
     };
+    Ok((text, dir))
+}
+
+pub fn create(args: CreateArgs) -> Result<i32> {
+    let client = client()?;
+    let (policy, workspace) =
+        policy_and_workspace(args.policy.as_deref(), args.workspace.as_deref())?;
     let body = json!({
         "name": args.name,
         "policy": policy,
