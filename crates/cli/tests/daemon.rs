@@ -7,7 +7,7 @@ mod support;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use support::daemon::{Daemon, exchange, stream_bytes};
+use support::daemon::{Daemon, assert_has_kinds, exchange, stream_bytes};
 use support::*;
 
 fn exit_of(events: &[(String, Value)]) -> Value {
@@ -1052,19 +1052,17 @@ fn files_round_trip_and_paths_cannot_leave_the_cell() {
         paths.contains(&"made-by-api") && paths.contains(&"unpacked/ok.txt"),
         "{paths:?}"
     );
-    for kind in [
-        "file.write",
-        "file.mkdir",
-        "file.move",
-        "file.remove",
-        "file.upload",
-        "file.read",
-    ] {
-        assert!(
-            journal.contains(&format!("\"kind\":\"{kind}\"")),
-            "{kind} journaled"
-        );
-    }
+    assert_has_kinds(
+        &journal,
+        &[
+            "file.write",
+            "file.mkdir",
+            "file.move",
+            "file.remove",
+            "file.upload",
+            "file.read",
+        ],
+    );
 }
 
 #[test]
@@ -1185,17 +1183,15 @@ fn snapshot_reset_fork_policy_and_events_over_the_api() {
     assert_eq!(run(&daemon), "403");
 
     let seen = stream_thread.join().unwrap();
-    for kind in [
-        "workspace.snapshot",
-        "exec.start",
-        "exec.exit",
-        "workspace.reset",
-    ] {
-        assert!(
-            seen.contains(&format!("\"kind\":\"{kind}\"")),
-            "{kind} in the events stream: {seen}"
-        );
-    }
+    assert_has_kinds(
+        &seen,
+        &[
+            "workspace.snapshot",
+            "exec.start",
+            "exec.exit",
+            "workspace.reset",
+        ],
+    );
 }
 
 #[test]
@@ -1799,9 +1795,10 @@ fn diff_and_apply_over_the_api_with_apply_held_for_a_person() {
         "only the chosen path"
     );
     let journal = std::fs::read_to_string(daemon.journal()).unwrap();
-    for kind in ["workspace.apply", "approval.answer", "workspace.applied"] {
-        assert!(journal.contains(&format!("\"kind\":\"{kind}\"")), "{kind}");
-    }
+    assert_has_kinds(
+        &journal,
+        &["workspace.apply", "approval.answer", "workspace.applied"],
+    );
 }
 
 #[test]

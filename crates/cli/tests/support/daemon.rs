@@ -69,6 +69,16 @@ pub fn parse_events(text: &str) -> Vec<(String, Value)> {
     out
 }
 
+/// Each of `kinds` appears as an entry kind in `text` (the journal, or an events stream).
+pub fn assert_has_kinds(text: &str, kinds: &[&str]) {
+    for kind in kinds {
+        assert!(
+            text.contains(&format!("\"kind\":\"{kind}\"")),
+            "{kind} is missing from: {text}"
+        );
+    }
+}
+
 /// The bytes of one stream in a list of events, in order.
 pub fn stream_bytes(events: &[(String, Value)], stream: &str) -> Vec<u8> {
     use base64::Engine as _;
