@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use warden_cell::control;
-use warden_cell::linux::exec::{ExecEvent, ExecRequest, ExecSession};
+use tokio::io::unix::AsyncFd;
+use warden_cell::linux::exec::{ExecError, ExecEvent, ExecRequest, ExecSession};
 
 use crate::process::{self, ExitInfo, Process, ProcessInfo};
 use crate::{ErrorKind, ExecSpec, Harness, HarnessError, TtySize};
@@ -109,19 +110,19 @@ impl Harness {
             cwd: spec.cwd.clone(),
             tty: spec.tty,
         };
-        let registry = self.registry.clone();
-        let cell = name.to_owned();
         let begun = Instant::now();
-        let opened = tokio::task::spawn_blocking(move || {
+        // Connecting to the keeper and sending the request do not wait on the cell (the keeper
+        // accepts on a thread of its own); the answer is awaited on the runtime.
+        let opened = async {
             let stdio = theirs.as_ref().map(|[a, b, c]| [a, b, c]);
-            let session = ExecSession::start(&registry, &cell, &request, stdio)?;
+            let session = Arc::new(ExecSession::start(&self.registry, name, &request, stdio)?);
             drop(theirs);
-            let (first, fds) = session.next_event_with_fds()?;
-            Ok::<_, warden_cell::linux::exec::ExecError>((session, first, fds))
-        })
-        .await
-        .map_err(|e| HarnessError::internal(e.to_string()))?;
-        let (session, first, mut fds) = match opened {
+            let events = Events::new(Arc::clone(&session), name)?;
+            let (first, fds) = events.next().await?;
+            Ok::<_, ExecError>((session, events, first, fds))
+        }
+        .await;
+        let (session, events, first, mut fds) = match opened {
             Ok(opened) => opened,
             Err(err) => {
                 let message = err.to_string();
@@ -152,7 +153,7 @@ impl Harness {
                     spec.argv.clone(),
                     spec.background,
                     0,
-                    Arc::new(session),
+                    session,
                     None,
                 ));
                 process.finish(ExitInfo {
@@ -203,7 +204,7 @@ impl Harness {
                 spec.argv.clone(),
                 spec.background,
                 pid,
-                Arc::new(session),
+                session,
                 Some(input),
             )
             .with_output_limit(spec.output_limit),
@@ -229,6 +230,7 @@ impl Harness {
             harness
                 .monitor(
                     monitored,
+                    events,
                     outputs,
                     begun,
                     spec.timeout_ms,
@@ -243,6 +245,7 @@ impl Harness {
     async fn monitor(
         self: Arc<Self>,
         process: Arc<Process>,
+        events: Events,
         outputs: process::Outputs,
         begun: Instant,
         timeout_ms: Option<u64>,
@@ -250,31 +253,21 @@ impl Harness {
     ) {
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let readers = outputs.start(&process, &stop);
-        let Some(session) = process.session() else {
-            return;
-        };
-        let mut events = tokio::task::spawn_blocking(move || {
-            loop {
-                match session.next_event() {
-                    Ok(event) if event.is_final() => return Ok(event),
-                    Ok(_) => continue,
-                    Err(err) => return Err(err),
-                }
-            }
-        });
         let mut timed_out = false;
         let ended = match timeout_ms {
             Some(ms) => {
+                let last = events.last();
+                tokio::pin!(last);
                 tokio::select! {
-                    ended = &mut events => ended,
+                    ended = &mut last => ended,
                     () = tokio::time::sleep(Duration::from_millis(ms)) => {
                         timed_out = true;
                         process.signal(libc::SIGKILL).await;
-                        events.await
+                        last.await
                     }
                 }
             }
-            None => events.await,
+            None => events.last().await,
         };
         // Output written just before the end is still in the pipes: drain it (bounded, since
         // a process the exec started in the background may hold them open).
@@ -286,11 +279,11 @@ impl Harness {
             }
         }
         let usage = match &ended {
-            Ok(Ok(ExecEvent::Exited { usage, .. } | ExecEvent::Signaled { usage, .. })) => *usage,
+            Ok(ExecEvent::Exited { usage, .. } | ExecEvent::Signaled { usage, .. }) => *usage,
             _ => None,
         };
         let (reason, code, signal, message) = match ended {
-            Ok(Ok(ExecEvent::Signaled { signal, .. })) if process.over_output_limit() => (
+            Ok(ExecEvent::Signaled { signal, .. }) if process.over_output_limit() => (
                 "output-limit",
                 None,
                 Some(signal),
@@ -299,11 +292,11 @@ impl Harness {
                     spec_limit(&process)
                 )),
             ),
-            Ok(Ok(ExecEvent::Exited { code, .. })) => ("exited", Some(code), None, None),
-            Ok(Ok(ExecEvent::Signaled { signal, .. })) if timed_out => {
+            Ok(ExecEvent::Exited { code, .. }) => ("exited", Some(code), None, None),
+            Ok(ExecEvent::Signaled { signal, .. }) if timed_out => {
                 ("timeout", None, Some(signal), None)
             }
-            Ok(Ok(ExecEvent::Signaled { signal, .. }))
+            Ok(ExecEvent::Signaled { signal, .. })
                 if signal == libc::SIGKILL && self.oom_since(&process.cell, oom_before) =>
             {
                 (
@@ -313,18 +306,17 @@ impl Harness {
                     Some("the cell's memory limit was reached and the kernel killed it".to_owned()),
                 )
             }
-            Ok(Ok(ExecEvent::Signaled { signal, .. })) => ("signaled", None, Some(signal), None),
-            Ok(Ok(ExecEvent::Failed { code, message, .. })) => {
+            Ok(ExecEvent::Signaled { signal, .. }) => ("signaled", None, Some(signal), None),
+            Ok(ExecEvent::Failed { code, message, .. }) => {
                 ("failed", Some(code), None, Some(message))
             }
-            Ok(Ok(ExecEvent::Started { .. })) => ("failed", None, None, None),
+            Ok(ExecEvent::Started { .. }) => ("failed", None, None, None),
             _ if self.walled.lock().is_ok_and(|w| w.contains(&process.cell)) => (
                 "timeout",
                 None,
                 None,
                 Some("the cell's wall-clock limit ended it".to_owned()),
             ),
-            Ok(Err(err)) => ("cell-ended", None, None, Some(err.to_string())),
             Err(err) => ("cell-ended", None, None, Some(err.to_string())),
         };
         self.touch(&process.cell);
@@ -495,4 +487,62 @@ impl Harness {
 
 pub(crate) fn spec_limit(process: &Process) -> u64 {
     process.output_limit().unwrap_or(0)
+}
+
+/// The events of one exec'd process, awaited on the runtime: no thread waits for a process.
+pub(crate) struct Events {
+    socket: AsyncFd<Arc<ExecSession>>,
+    cell: String,
+}
+
+impl Events {
+    // The one `unsafe` outside the cell tier's `sys.rs`: registering a descriptor with the
+    // runtime's reactor.
+    #[allow(unsafe_code)]
+    fn new(session: Arc<ExecSession>, cell: &str) -> Result<Self, ExecError> {
+        // SAFETY: the session owns its socket and closes it only when dropped; the `Arc` given
+        // to the registration keeps the session alive, so the descriptor stays open (and the
+        // same) until the registration is dropped.
+        let registered = unsafe {
+            AsyncFd::register_with_interest(session, tokio::io::Interest::READABLE)
+        };
+        let socket = registered.map_err(|err| ExecError::Io {
+            what: "watching the exec channel",
+            cell: cell.to_owned(),
+            source: err.into_parts().1,
+        })?;
+        Ok(Self {
+            socket,
+            cell: cell.to_owned(),
+        })
+    }
+
+    /// The next event and the descriptors that came with it.
+    async fn next(&self) -> Result<(ExecEvent, Vec<std::os::fd::OwnedFd>), ExecError> {
+        loop {
+            let mut ready = self
+                .socket
+                .readable()
+                .await
+                .map_err(|source| ExecError::Io {
+                    what: "waiting for exec events",
+                    cell: self.cell.clone(),
+                    source,
+                })?;
+            match ready.get_inner().try_next_event_with_fds()? {
+                Some(event) => return Ok(event),
+                None => ready.clear_ready(),
+            }
+        }
+    }
+
+    /// The process's final event.
+    async fn last(&self) -> Result<ExecEvent, ExecError> {
+        loop {
+            let (event, _) = self.next().await?;
+            if event.is_final() {
+                return Ok(event);
+            }
+        }
+    }
 }

@@ -210,12 +210,29 @@ impl ExecSession {
     /// The next event with the descriptors that came with it (a terminal's master comes with
     /// `started`).
     pub fn next_event_with_fds(&self) -> Result<(ExecEvent, Vec<OwnedFd>), ExecError> {
-        let received =
-            sys::receive_message(self.socket.as_fd()).map_err(|source| ExecError::Io {
-                what: "reading exec events",
-                cell: self.cell.clone(),
-                source,
-            })?;
+        self.decode(sys::receive_message(self.socket.as_fd()))
+    }
+
+    /// The next event if one has arrived, without waiting (`None` when none has): for callers
+    /// that wait for the socket (`AsRawFd`) to be readable themselves.
+    pub fn try_next_event_with_fds(
+        &self,
+    ) -> Result<Option<(ExecEvent, Vec<OwnedFd>)>, ExecError> {
+        match sys::try_receive_message(self.socket.as_fd()) {
+            Err(err) if err.kind() == io::ErrorKind::WouldBlock => Ok(None),
+            received => self.decode(received).map(Some),
+        }
+    }
+
+    fn decode(
+        &self,
+        received: io::Result<Option<(Vec<u8>, Vec<OwnedFd>)>>,
+    ) -> Result<(ExecEvent, Vec<OwnedFd>), ExecError> {
+        let received = received.map_err(|source| ExecError::Io {
+            what: "reading exec events",
+            cell: self.cell.clone(),
+            source,
+        })?;
         let Some((payload, fds)) = received else {
             return Err(ExecError::CellEnded(self.cell.clone()));
         };
@@ -234,6 +251,12 @@ impl ExecSession {
             cell: self.cell.clone(),
             source,
         })
+    }
+}
+
+impl std::os::fd::AsRawFd for ExecSession {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.socket.as_raw_fd()
     }
 }
 

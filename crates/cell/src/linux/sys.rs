@@ -373,6 +373,20 @@ pub fn send_message(socket: BorrowedFd<'_>, payload: &[u8], fds: &[RawFd]) -> io
 
 /// Receives one message and its descriptors; `None` when the peer hung up.
 pub fn receive_message(socket: BorrowedFd<'_>) -> io::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
+    receive(socket, nix::sys::socket::MsgFlags::empty())
+}
+
+/// Like `receive_message`, without waiting: `WouldBlock` when no message is there.
+pub fn try_receive_message(
+    socket: BorrowedFd<'_>,
+) -> io::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
+    receive(socket, nix::sys::socket::MsgFlags::MSG_DONTWAIT)
+}
+
+fn receive(
+    socket: BorrowedFd<'_>,
+    flags: nix::sys::socket::MsgFlags,
+) -> io::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
     use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
     let mut buf = vec![0u8; MESSAGE_MAX];
     let mut space = nix::cmsg_space!([RawFd; 4]);
@@ -382,7 +396,7 @@ pub fn receive_message(socket: BorrowedFd<'_>) -> io::Result<Option<(Vec<u8>, Ve
             socket.as_raw_fd(),
             &mut iov,
             Some(&mut space),
-            MsgFlags::MSG_CMSG_CLOEXEC,
+            MsgFlags::MSG_CMSG_CLOEXEC | flags,
         ) {
             Ok(msg) => msg,
             Err(nix::Error::EINTR) => continue,
