@@ -220,3 +220,18 @@ fn a_killed_warden_leaves_nothing_behind() {
     let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
     assert!(!mounts.contains(&name), "mounts left behind");
 }
+
+#[test]
+fn the_command_starts_with_no_signal_blocked_and_signals_at_their_defaults() {
+    // The init blocks signals for itself (it reads them from a signalfd); none of that may
+    // reach the command, or a SIGTERM sent from outside would never end it.
+    let ran = run_sh(&[], "grep -E '^Sig(Blk|Ign)' /proc/self/status; echo $0");
+    assert_eq!(ran.code, 0, "{ran:?}");
+    let field = |name: &str| {
+        let line = ran.stdout.lines().find(|l| l.starts_with(name)).unwrap();
+        u64::from_str_radix(line.split_whitespace().nth(1).unwrap(), 16).unwrap()
+    };
+    assert_eq!(field("SigBlk:"), 0, "{ran:?}");
+    assert_eq!(field("SigIgn:") & 0x7fff, 0, "{ran:?}");
+    assert!(ran.stdout.ends_with("sh\n"), "argv[0] as given: {ran:?}");
+}

@@ -1899,3 +1899,62 @@ fn ended_processes_leave_no_descriptors_or_threads_behind() {
         "the keeper kept threads: {threads_before} -> {threads_after}"
     );
 }
+
+#[test]
+fn exec_finds_programs_in_the_process_path_and_starts_them_clean() {
+    if !cgroups_available("daemon_spawn") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("spawn"), json!({}));
+    let out = |spec: Value| {
+        let events = daemon.exec(&cell, spec);
+        (
+            String::from_utf8(stream_bytes(&events, "stdout")).unwrap(),
+            exit_of(&events),
+        )
+    };
+    // No blocked signals, none ignored that a program could care about, whatever the init
+    // blocks for itself.
+    let (status, exit) =
+        out(json!({ "argv": ["grep", "-E", "^Sig(Blk|Ign)", "/proc/self/status"] }));
+    assert_eq!(exit["code"], 0, "{exit}");
+    let field = |name: &str| {
+        let line = status.lines().find(|l| l.starts_with(name)).unwrap();
+        u64::from_str_radix(line.split_whitespace().nth(1).unwrap(), 16).unwrap()
+    };
+    assert_eq!(field("SigBlk:"), 0, "{status}");
+    // SIGHUP..SIGTERM and SIGPIPE (bits 0-14) are at their defaults.
+    assert_eq!(field("SigIgn:") & 0x7fff, 0, "{status}");
+    // argv[0] stays as given; the process leads a group of its own.
+    let (text, _) = out(json!({ "argv": ["sh", "-c", "echo $0; ps -o pgid= -p $$; echo $$"] }));
+    let lines: Vec<&str> = text.lines().map(str::trim).collect();
+    assert_eq!(lines[0], "sh", "{text}");
+    assert_eq!(lines[1], lines[2], "not a group leader: {text}");
+    // The PATH searched is the process's own: a program in a directory it names is found, and
+    // without a PATH entry that has it, nothing is.
+    out(
+        json!({ "argv": ["sh", "-c", "mkdir -p /tmp/bin && printf '#!/bin/sh\\necho mine $0\\n' > /tmp/bin/mine && chmod +x /tmp/bin/mine"] }),
+    );
+    let (text, exit) =
+        out(json!({ "argv": ["mine"], "env": { "PATH": "/tmp/bin:/usr/bin:/bin" } }));
+    assert_eq!(
+        (text.as_str(), exit["code"].as_i64()),
+        ("mine /tmp/bin/mine\n", Some(0))
+    );
+    let (_, exit) = out(json!({ "argv": ["mine"] }));
+    assert_eq!(exit["code"], 127, "{exit}");
+    let (_, exit) = out(json!({ "argv": ["true"], "env": { "PATH": "/nowhere" } }));
+    assert_eq!(exit["code"], 127, "{exit}");
+    // A file that is not executable is found and refused as such.
+    out(json!({ "argv": ["sh", "-c", "printf 'echo no\\n' > /tmp/bin/plain"] }));
+    let (_, exit) = out(json!({ "argv": ["plain"], "env": { "PATH": "/tmp/bin" } }));
+    assert_eq!(exit["code"], 126, "{exit}");
+    assert!(
+        exit["message"]
+            .as_str()
+            .unwrap()
+            .contains("permission denied"),
+        "{exit}"
+    );
+}

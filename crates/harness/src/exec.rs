@@ -6,8 +6,8 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use warden_cell::control;
 use tokio::io::unix::AsyncFd;
+use warden_cell::control;
 use warden_cell::linux::exec::{ExecError, ExecEvent, ExecRequest, ExecSession};
 
 use crate::process::{self, ExitInfo, Process, ProcessInfo};
@@ -68,8 +68,10 @@ impl Harness {
         self.touch(name);
         let oom_before = record.cgroup.as_ref().map(|cg| cg.oom_kills());
         let id = self.next_process.fetch_add(1, Ordering::Relaxed);
-        let started = self
-            .record(
+        // The start is in the journal's file before the process starts; the fdatasync that makes
+        // it durable overlaps the start, and nothing is acknowledged before it is done.
+        let durable = self
+            .record_ahead(
                 Some(name),
                 "exec.start",
                 json!({
@@ -83,6 +85,7 @@ impl Harness {
                 }),
             )
             .await?;
+        let started = durable.receipt.clone();
         self.running.put(
             id,
             &json!({ "cell": name, "argv": spec.argv, "start_seq": started.seq }),
@@ -122,6 +125,14 @@ impl Harness {
             Ok::<_, ExecError>((session, events, first, fds))
         }
         .await;
+        if let Err(err) = durable.wait(self).await {
+            // Not on disk: the start cannot be acknowledged, so the process does not go on.
+            if let Ok((session, ..)) = &opened {
+                let _ = session.signal(libc::SIGKILL);
+            }
+            self.running.remove(id);
+            return Err(err);
+        }
         let (session, events, first, mut fds) = match opened {
             Ok(opened) => opened,
             Err(err) => {
@@ -503,9 +514,8 @@ impl Events {
         // SAFETY: the session owns its socket and closes it only when dropped; the `Arc` given
         // to the registration keeps the session alive, so the descriptor stays open (and the
         // same) until the registration is dropped.
-        let registered = unsafe {
-            AsyncFd::register_with_interest(session, tokio::io::Interest::READABLE)
-        };
+        let registered =
+            unsafe { AsyncFd::register_with_interest(session, tokio::io::Interest::READABLE) };
         let socket = registered.map_err(|err| ExecError::Io {
             what: "watching the exec channel",
             cell: cell.to_owned(),

@@ -251,23 +251,51 @@ impl Harness {
         self.journal.submit(cell, kind, data, move |result| {
             let _ = tx.send(result);
         });
-        match rx.await {
-            Ok(Ok(receipt)) => {
-                if let Some(data) = event {
-                    let _ = self.events.send(Arc::new(json!({
-                        "seq": receipt.seq,
-                        "cell": cell,
-                        "kind": kind,
-                        "data": data,
-                    })));
-                }
-                Ok(receipt)
-            }
-            Ok(Err(err)) => Err(HarnessError::new(ErrorKind::Unavailable, err.to_string())),
-            Err(_) => Err(HarnessError::new(
-                ErrorKind::Unavailable,
-                "the journal writer is gone",
-            )),
+        let receipt = journaled(rx.await)?;
+        self.announce(&receipt, cell, kind, event);
+        Ok(receipt)
+    }
+
+    /// Appends to the journal and waits until the entry is in the file (a crash of the warden
+    /// cannot lose it); the returned `Durable` resolves once it is on disk. For an effect that
+    /// may start while the disk catches up, but must not be acknowledged before.
+    pub(crate) async fn record_ahead(
+        &self,
+        cell: Option<&str>,
+        kind: &str,
+        data: Value,
+    ) -> Result<Durable, HarnessError> {
+        let (written_tx, written_rx) = tokio::sync::oneshot::channel();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let event = (self.events.receiver_count() > 0).then(|| data.clone());
+        self.journal.submit_ahead(
+            cell,
+            kind,
+            data,
+            move |result| {
+                let _ = written_tx.send(result);
+            },
+            move |result| {
+                let _ = tx.send(result);
+            },
+        );
+        let receipt = journaled(written_rx.await)?;
+        Ok(Durable {
+            receipt,
+            synced: rx,
+            event: event.map(|data| (cell.map(str::to_owned), kind.to_owned(), data)),
+        })
+    }
+
+    /// Sends a journaled entry to the events stream.
+    fn announce(&self, receipt: &Receipt, cell: Option<&str>, kind: &str, data: Option<Value>) {
+        if let Some(data) = data {
+            let _ = self.events.send(Arc::new(json!({
+                "seq": receipt.seq,
+                "cell": cell,
+                "kind": kind,
+                "data": data,
+            })));
         }
     }
 
@@ -686,4 +714,38 @@ fn generate_name() -> String {
         "cell-{}",
         bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()
     )
+}
+
+/// An entry in the journal's file that is still on its way to the disk.
+pub(crate) struct Durable {
+    pub(crate) receipt: Receipt,
+    synced: tokio::sync::oneshot::Receiver<Result<Receipt, warden_journal::JournalError>>,
+    event: Option<(Option<String>, String, Value)>,
+}
+
+impl Durable {
+    /// Waits until the entry is on disk.
+    pub(crate) async fn wait(self, harness: &Harness) -> Result<Receipt, HarnessError> {
+        let receipt = journaled(self.synced.await)?;
+        if let Some((cell, kind, data)) = self.event {
+            harness.announce(&receipt, cell.as_deref(), &kind, Some(data));
+        }
+        Ok(receipt)
+    }
+}
+
+fn journaled(
+    answer: Result<
+        Result<Receipt, warden_journal::JournalError>,
+        tokio::sync::oneshot::error::RecvError,
+    >,
+) -> Result<Receipt, HarnessError> {
+    match answer {
+        Ok(Ok(receipt)) => Ok(receipt),
+        Ok(Err(err)) => Err(HarnessError::new(ErrorKind::Unavailable, err.to_string())),
+        Err(_) => Err(HarnessError::new(
+            ErrorKind::Unavailable,
+            "the journal writer is gone",
+        )),
+    }
 }

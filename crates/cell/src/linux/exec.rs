@@ -215,9 +215,7 @@ impl ExecSession {
 
     /// The next event if one has arrived, without waiting (`None` when none has): for callers
     /// that wait for the socket (`AsRawFd`) to be readable themselves.
-    pub fn try_next_event_with_fds(
-        &self,
-    ) -> Result<Option<(ExecEvent, Vec<OwnedFd>)>, ExecError> {
+    pub fn try_next_event_with_fds(&self) -> Result<Option<(ExecEvent, Vec<OwnedFd>)>, ExecError> {
         match sys::try_receive_message(self.socket.as_fd()) {
             Err(err) if err.kind() == io::ErrorKind::WouldBlock => Ok(None),
             received => self.decode(received).map(Some),
@@ -286,12 +284,37 @@ pub(super) fn serve(path: &Path, channel: OwnedFd) -> io::Result<()> {
         .name("exec-accept".to_owned())
         .spawn(move || {
             while let Ok(client) = sys::accept(listener.as_fd()) {
+                let client = Arc::new(client);
+                let id = next_id.fetch_add(1, Ordering::Relaxed);
+                // A client sends its request as it connects: forwarded from here, it reaches
+                // the init without waiting for a thread to start. The client's thread then
+                // relays its signals (or first waits for a request that was late).
+                let first = match sys::try_receive_message(client.as_fd()) {
+                    Err(err) if err.kind() == io::ErrorKind::WouldBlock => None,
+                    received => {
+                        if !forward_request(id, &client, received, &channel, &clients) {
+                            continue;
+                        }
+                        Some(())
+                    }
+                };
                 let channel = Arc::clone(&channel);
                 let clients = Arc::clone(&clients);
-                let id = next_id.fetch_add(1, Ordering::Relaxed);
                 let _ = std::thread::Builder::new()
                     .name("exec-client".to_owned())
-                    .spawn(move || serve_client(id, Arc::new(client), &channel, &clients));
+                    .spawn(move || {
+                        if first.is_some()
+                            || forward_request(
+                                id,
+                                &client,
+                                sys::receive_message(client.as_fd()),
+                                &channel,
+                                &clients,
+                            )
+                        {
+                            relay_signals(id, &client, &channel, &clients);
+                        }
+                    });
             }
             let _ = std::fs::remove_file(&path);
         })?;
@@ -324,7 +347,16 @@ fn route_events(channel: &OwnedFd, clients: &Clients) {
     }
 }
 
-fn serve_client(id: u64, client: Arc<OwnedFd>, channel: &OwnedFd, clients: &Clients) {
+type Message = (Vec<u8>, Vec<OwnedFd>);
+
+/// Checks a client's request and passes it to the init; false when there is nothing to serve.
+fn forward_request(
+    id: u64,
+    client: &Arc<OwnedFd>,
+    received: io::Result<Option<Message>>,
+    channel: &OwnedFd,
+    clients: &Clients,
+) -> bool {
     let refuse = |message: String| {
         let event = ExecEvent::Failed {
             id: 0,
@@ -337,25 +369,35 @@ fn serve_client(id: u64, client: Arc<OwnedFd>, channel: &OwnedFd, clients: &Clie
             &[],
         );
     };
-    let (payload, fds) = match sys::receive_message(client.as_fd()) {
+    let (payload, fds) = match received {
         Ok(Some(message)) => message,
-        Ok(None) => return,
-        Err(err) => return refuse(format!("unreadable exec request: {err}")),
+        Ok(None) => return false,
+        Err(err) => {
+            refuse(format!("unreadable exec request: {err}"));
+            return false;
+        }
     };
     let request = match serde_json::from_slice::<Request>(&payload) {
         Ok(Request::Exec { request, .. }) => request,
-        Ok(Request::Signal { .. }) => return refuse("a signal before any exec".to_owned()),
-        Err(err) => return refuse(format!("unreadable exec request: {err}")),
+        Ok(Request::Signal { .. }) => {
+            refuse("a signal before any exec".to_owned());
+            return false;
+        }
+        Err(err) => {
+            refuse(format!("unreadable exec request: {err}"));
+            return false;
+        }
     };
     let wanted = if request.tty.is_some() { 0 } else { 3 };
     if fds.len() != wanted {
-        return refuse(format!(
+        refuse(format!(
             "an exec request needs {wanted} descriptors (stdin, stdout, stderr; none on a terminal), got {}",
             fds.len()
         ));
+        return false;
     }
     if let Ok(mut map) = clients.lock() {
-        map.insert(id, Arc::clone(&client));
+        map.insert(id, Arc::clone(client));
     }
     let forward = Request::Exec { id, request };
     let raw: Vec<_> = fds.iter().map(|fd| fd.as_raw_fd()).collect();
@@ -369,9 +411,13 @@ fn serve_client(id: u64, client: Arc<OwnedFd>, channel: &OwnedFd, clients: &Clie
         if let Ok(mut map) = clients.lock() {
             map.remove(&id);
         }
-        return;
+        return false;
     }
-    // Later messages from the client are signals; its hang-up kills a process still running.
+    true
+}
+
+/// Later messages from a client are signals; its hang-up kills a process still running.
+fn relay_signals(id: u64, client: &OwnedFd, channel: &OwnedFd, clients: &Clients) {
     loop {
         let signal = match sys::receive_message(client.as_fd()) {
             Ok(Some((payload, _))) => match serde_json::from_slice::<Request>(&payload) {

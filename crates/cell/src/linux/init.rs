@@ -185,8 +185,7 @@ fn setup_and_start(plan: &CellPlan, fds: &InitFds) -> SetupResult<Started> {
         None
     } else {
         let env: Vec<(OsString, OsString)> = plan.env.clone();
-        let child = spawn(&plan.argv, &env, &plan.cwd, None, false)?;
-        Some(Pid::from_raw(child.id() as i32))
+        Some(spawn(&plan.argv, &env, &plan.cwd, None, false)?)
     };
     let mut status = status_file();
     let _ = writeln!(status, "ok");
@@ -199,48 +198,110 @@ fn setup_and_start(plan: &CellPlan, fds: &InitFds) -> SetupResult<Started> {
     })
 }
 
-/// Starts a command of the cell (its first, or an exec) in its own process group.
+/// Starts a command of the cell (its first, or an exec) in its own process group, or on a
+/// terminal as the leader of a session of its own.
 fn spawn(
     argv: &[OsString],
     env: &[(OsString, OsString)],
     cwd: &std::path::Path,
     stdio: Option<[OwnedFd; 3]>,
     terminal: bool,
-) -> SetupResult<std::process::Child> {
+) -> SetupResult<Pid> {
     let Some((program, args)) = argv.split_first() else {
         return Err((NOT_EXECUTABLE, "no command".to_owned()));
     };
-    let mut command = Command::new(program);
-    command
-        .args(args)
-        .env_clear()
-        .envs(env.iter().map(|(k, v)| (k, v)))
-        .current_dir(cwd);
-    if let Some([stdin, stdout, stderr]) = stdio {
-        command.stdin(stdin).stdout(stdout).stderr(stderr);
-    }
-    if terminal {
-        // Its own session, with the terminal as controlling tty (and so its own group).
-        sys::controlling_terminal_on_exec(&mut command);
-    } else {
-        command.process_group(0);
-    }
-    sys::unblock_signals_on_exec(&mut command);
-    command.spawn().map_err(|err| {
-        let shown = program.to_string_lossy();
-        match err.kind() {
-            std::io::ErrorKind::NotFound if !cwd.is_dir() => (
-                NOT_EXECUTABLE,
-                format!("cannot start {shown}: no directory {}", cwd.display()),
-            ),
-            std::io::ErrorKind::NotFound => (NOT_FOUND, format!("command not found: {shown}")),
-            std::io::ErrorKind::PermissionDenied => (
-                NOT_EXECUTABLE,
-                format!("cannot execute {shown}: permission denied"),
-            ),
-            _ => (NOT_EXECUTABLE, format!("cannot execute {shown}: {err}")),
+    let shown = program.to_string_lossy();
+    let no_directory = || {
+        (
+            NOT_EXECUTABLE,
+            format!("cannot start {shown}: no directory {}", cwd.display()),
+        )
+    };
+    let path = find_program(program, env, cwd).ok_or_else(|| {
+        if cwd.is_dir() {
+            (NOT_FOUND, format!("command not found: {shown}"))
+        } else {
+            no_directory()
         }
+    })?;
+    let started = if terminal {
+        // A terminal needs setsid and TIOCSCTTY between fork and exec: the one fork left.
+        let mut command = Command::new(&path);
+        command
+            .arg0(program)
+            .args(args)
+            .env_clear()
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .current_dir(cwd);
+        if let Some([stdin, stdout, stderr]) = stdio {
+            command.stdin(stdin).stdout(stdout).stderr(stderr);
+        }
+        sys::controlling_terminal_on_exec(&mut command);
+        sys::unblock_signals_on_exec(&mut command);
+        command.spawn().map(|child| child.id() as i32)
+    } else {
+        use std::os::fd::AsFd as _;
+        sys::spawn(&sys::Spawn {
+            program: &path,
+            argv,
+            env,
+            cwd,
+            stdio: stdio
+                .as_ref()
+                .map(|[a, b, c]| [a.as_fd(), b.as_fd(), c.as_fd()]),
+        })
+    };
+    started.map(Pid::from_raw).map_err(|err| match err.kind() {
+        std::io::ErrorKind::NotFound if !cwd.is_dir() => no_directory(),
+        std::io::ErrorKind::NotFound => (NOT_FOUND, format!("command not found: {shown}")),
+        std::io::ErrorKind::PermissionDenied => (
+            NOT_EXECUTABLE,
+            format!("cannot execute {shown}: permission denied"),
+        ),
+        _ => (NOT_EXECUTABLE, format!("cannot execute {shown}: {err}")),
     })
+}
+
+/// Where `program` is, as execvp would find it in the PATH of `env` (a name with a slash is a
+/// path already): the first regular file with an execute bit, else the first entry that exists
+/// (so that starting it reports why it cannot run).
+fn find_program(
+    program: &std::ffi::OsStr,
+    env: &[(OsString, OsString)],
+    cwd: &std::path::Path,
+) -> Option<std::path::PathBuf> {
+    use std::os::unix::ffi::OsStrExt as _;
+    use std::os::unix::fs::PermissionsExt as _;
+    if program.as_bytes().contains(&b'/') {
+        return Some(program.into());
+    }
+    if program.is_empty() {
+        return None;
+    }
+    let search = env
+        .iter()
+        .rev()
+        .find(|(k, _)| k == "PATH")
+        .map_or_else(|| OsString::from("/bin:/usr/bin"), |(_, v)| v.clone());
+    let mut existing = None;
+    for dir in search.as_bytes().split(|b| *b == b':') {
+        let dir = std::path::Path::new(std::ffi::OsStr::from_bytes(dir));
+        let candidate = if dir.as_os_str().is_empty() {
+            cwd.join(program)
+        } else {
+            cwd.join(dir).join(program)
+        };
+        match std::fs::metadata(&candidate) {
+            Ok(meta) if meta.is_file() && meta.permissions().mode() & 0o111 != 0 => {
+                return Some(candidate);
+            }
+            Ok(_) => {
+                existing.get_or_insert(candidate);
+            }
+            Err(_) => {}
+        }
+    }
+    existing
 }
 
 /// Opens the egress gateway's listening socket in the cell's network namespace and hands it to
@@ -518,8 +579,7 @@ fn handle_exec_message(
             let cwd = request.cwd.map_or_else(|| plan.cwd.clone(), Into::into);
             let argv: Vec<OsString> = request.argv.into_iter().map(Into::into).collect();
             let event = match spawn(&argv, &env, &cwd, Some(stdio), master.is_some()) {
-                Ok(child) => {
-                    let pid = Pid::from_raw(child.id() as i32);
+                Ok(pid) => {
                     execs.insert(pid, id);
                     ExecEvent::Started {
                         id,

@@ -303,6 +303,111 @@ pub fn unblock_signals_on_exec(command: &mut std::process::Command) {
     }
 }
 
+/// What `spawn` starts.
+pub struct Spawn<'a> {
+    /// A path (not searched for in PATH).
+    pub program: &'a Path,
+    pub argv: &'a [std::ffi::OsString],
+    pub env: &'a [(std::ffi::OsString, std::ffi::OsString)],
+    pub cwd: &'a Path,
+    /// Its stdin, stdout and stderr; the caller's own when `None`.
+    pub stdio: Option<[BorrowedFd<'a>; 3]>,
+}
+
+/// Starts a process with posix_spawn: a vfork, so neither the caller's memory is copied nor
+/// its pages faulted in again. The process runs in `cwd`, in a process group of its own, with
+/// an empty signal mask and every signal at its default action. Fails with the errno of the
+/// failed step (ENOENT, EACCES, ...): the process exists only if its program started.
+pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
+    let c = |bytes: &[u8]| {
+        CString::new(bytes).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+    };
+    let program = c(what.program.as_os_str().as_bytes())?;
+    let cwd = c(what.cwd.as_os_str().as_bytes())?;
+    let argv = what
+        .argv
+        .iter()
+        .map(|a| c(a.as_bytes()))
+        .collect::<io::Result<Vec<_>>>()?;
+    let env = what
+        .env
+        .iter()
+        .map(|(k, v)| c(&[k.as_bytes(), b"=", v.as_bytes()].concat()))
+        .collect::<io::Result<Vec<_>>>()?;
+    let pointers = |strings: &[CString]| {
+        let mut list: Vec<*mut libc::c_char> =
+            strings.iter().map(|s| s.as_ptr().cast_mut()).collect();
+        list.push(std::ptr::null_mut());
+        list
+    };
+    let (argv_p, env_p) = (pointers(&argv), pointers(&env));
+    let errno = |ret: libc::c_int| match ret {
+        0 => Ok(()),
+        err => Err(io::Error::from_raw_os_error(err)),
+    };
+
+    struct Actions(libc::posix_spawn_file_actions_t);
+    impl Drop for Actions {
+        fn drop(&mut self) {
+            // SAFETY: initialised by posix_spawn_file_actions_init below, destroyed once.
+            unsafe { libc::posix_spawn_file_actions_destroy(&mut self.0) };
+        }
+    }
+    struct Attr(libc::posix_spawnattr_t);
+    impl Drop for Attr {
+        fn drop(&mut self) {
+            // SAFETY: initialised by posix_spawnattr_init below, destroyed once.
+            unsafe { libc::posix_spawnattr_destroy(&mut self.0) };
+        }
+    }
+    // SAFETY: both objects are plain C structs that the init functions fill in before any
+    // other use; the guards destroy them exactly once, after posix_spawn returned. Every
+    // pointer handed over (paths, argv, envp and their NULL-terminated arrays) points into
+    // locals that outlive the call, and the descriptors are borrowed, so open.
+    unsafe {
+        let mut actions = Actions(std::mem::zeroed());
+        errno(libc::posix_spawn_file_actions_init(&mut actions.0))?;
+        if let Some(stdio) = &what.stdio {
+            for (target, fd) in stdio.iter().enumerate() {
+                errno(libc::posix_spawn_file_actions_adddup2(
+                    &mut actions.0,
+                    fd.as_raw_fd(),
+                    target as libc::c_int,
+                ))?;
+            }
+        }
+        errno(libc::posix_spawn_file_actions_addchdir_np(
+            &mut actions.0,
+            cwd.as_ptr(),
+        ))?;
+        let mut attr = Attr(std::mem::zeroed());
+        errno(libc::posix_spawnattr_init(&mut attr.0))?;
+        let mut none: libc::sigset_t = std::mem::zeroed();
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut none);
+        libc::sigfillset(&mut all);
+        errno(libc::posix_spawnattr_setsigmask(&mut attr.0, &none))?;
+        errno(libc::posix_spawnattr_setsigdefault(&mut attr.0, &all))?;
+        errno(libc::posix_spawnattr_setpgroup(&mut attr.0, 0))?;
+        errno(libc::posix_spawnattr_setflags(
+            &mut attr.0,
+            (libc::POSIX_SPAWN_SETSIGMASK
+                | libc::POSIX_SPAWN_SETSIGDEF
+                | libc::POSIX_SPAWN_SETPGROUP) as libc::c_short,
+        ))?;
+        let mut pid: libc::pid_t = 0;
+        errno(libc::posix_spawn(
+            &mut pid,
+            program.as_ptr(),
+            &actions.0,
+            &attr.0,
+            argv_p.as_ptr(),
+            env_p.as_ptr(),
+        ))?;
+        Ok(pid)
+    }
+}
+
 /// Closes `fd` if it is open; a descriptor slot the caller knows nothing else uses.
 pub fn close_quietly(fd: RawFd) {
     // SAFETY: only called by the cell's init for its own fixed descriptor slots, which no Rust
@@ -377,9 +482,7 @@ pub fn receive_message(socket: BorrowedFd<'_>) -> io::Result<Option<(Vec<u8>, Ve
 }
 
 /// Like `receive_message`, without waiting: `WouldBlock` when no message is there.
-pub fn try_receive_message(
-    socket: BorrowedFd<'_>,
-) -> io::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
+pub fn try_receive_message(socket: BorrowedFd<'_>) -> io::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
     receive(socket, nix::sys::socket::MsgFlags::MSG_DONTWAIT)
 }
 
@@ -387,11 +490,28 @@ fn receive(
     socket: BorrowedFd<'_>,
     flags: nix::sys::socket::MsgFlags,
 ) -> io::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
+    thread_local! {
+        // One buffer per thread for the largest message: a fresh zeroed one per message would
+        // cost a 256 KiB memset each.
+        static BUFFER: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    BUFFER.with_borrow_mut(|buf| {
+        if buf.len() < MESSAGE_MAX {
+            buf.resize(MESSAGE_MAX, 0);
+        }
+        receive_into(socket, flags, buf)
+    })
+}
+
+fn receive_into(
+    socket: BorrowedFd<'_>,
+    flags: nix::sys::socket::MsgFlags,
+    buf: &mut [u8],
+) -> io::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
     use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
-    let mut buf = vec![0u8; MESSAGE_MAX];
     let mut space = nix::cmsg_space!([RawFd; 4]);
     let (len, flags, fds) = loop {
-        let mut iov = [io::IoSliceMut::new(&mut buf)];
+        let mut iov = [io::IoSliceMut::new(buf)];
         let msg = match recvmsg::<()>(
             socket.as_raw_fd(),
             &mut iov,
@@ -425,8 +545,7 @@ fn receive(
             format!("a message larger than {MESSAGE_MAX} bytes"),
         ));
     }
-    buf.truncate(len);
-    Ok(Some((buf, fds)))
+    Ok(Some((buf[..len].to_vec(), fds)))
 }
 
 /// A new unix datagram-sequence socket, close-on-exec.
