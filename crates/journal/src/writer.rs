@@ -1,11 +1,14 @@
-//! The journal's one writer: group commit with fdatasync before acknowledgement.
+//! The journal's writer. Entries are sealed into the chain by the thread that appends them;
+//! one syncer thread writes what was sealed and makes it durable with fdatasync, many entries
+//! at a time (group commit), before their acknowledgements. An entry submitted ahead is also
+//! written by its own thread, so it is in the file when the call returns.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read as _, Seek as _, SeekFrom, Write as _};
 use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{self, RecvTimeoutError};
-use std::sync::{Arc, RwLock};
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -19,8 +22,6 @@ use crate::{CHECKPOINT, JOURNAL_FILE};
 const CHECKPOINT_EVERY: u64 = 1024;
 /// ... or when entries have waited this long for one.
 const CHECKPOINT_AFTER: Duration = Duration::from_secs(5);
-/// At most this many entries share one fdatasync.
-const MAX_BATCH: usize = 8192;
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum JournalError {
@@ -71,8 +72,8 @@ struct Pending {
 
 /// An open journal. Appends from any thread; dropping it writes a last checkpoint.
 pub struct Journal {
-    sender: Option<mpsc::Sender<Pending>>,
-    writer: Option<JoinHandle<()>>,
+    shared: Arc<Shared>,
+    syncer: Option<JoinHandle<()>>,
     redactions: Arc<RwLock<Vec<String>>>,
     public_key: String,
     dir: PathBuf,
@@ -109,7 +110,9 @@ impl Journal {
         };
         let public_key = keys.public_hex();
         let redactions = Arc::new(RwLock::new(Vec::new()));
-        let (sender, receiver) = mpsc::channel();
+        let sync_file = file
+            .try_clone()
+            .map_err(JournalError::io("opening the journal", &path))?;
         let state = WriterState {
             file,
             path: path.clone(),
@@ -120,14 +123,25 @@ impl Journal {
             oldest_unsigned: None,
             redactions: Arc::clone(&redactions),
             stopped: None,
+            closing: false,
+            unsynced: Vec::new(),
+            unwritten: Vec::new(),
         };
-        let writer = std::thread::Builder::new()
-            .name("journal".to_owned())
-            .spawn(move || state.run(receiver))
-            .map_err(JournalError::io("starting the journal writer", &path))?;
+        let shared = Arc::new(Shared {
+            state: Mutex::new(state),
+            work: Condvar::new(),
+            sync_file,
+        });
+        let syncer = {
+            let shared = Arc::clone(&shared);
+            std::thread::Builder::new()
+                .name("journal".to_owned())
+                .spawn(move || shared.sync_loop())
+                .map_err(JournalError::io("starting the journal writer", &path))?
+        };
         let journal = Self {
-            sender: Some(sender),
-            writer: Some(writer),
+            shared,
+            syncer: Some(syncer),
             redactions,
             public_key,
             dir: dir.to_path_buf(),
@@ -179,10 +193,10 @@ impl Journal {
         });
     }
 
-    /// Like `submit`, and `written` is called first, once the entry is in the file (where a
-    /// crash of this process cannot take it) but before the fdatasync that makes it survive a
-    /// power cut: work that must follow the entry can overlap that wait, while what
-    /// acknowledges it waits for `ack`.
+    /// Like `submit`, and `written` is called first, before this returns, once the entry is in
+    /// the file (where a crash of this process cannot take it) but not yet through the
+    /// fdatasync that makes it survive a power cut: work that must follow the entry can overlap
+    /// that wait, while what acknowledges it waits for `ack`.
     pub fn submit_ahead(
         &self,
         cell: Option<&str>,
@@ -200,20 +214,39 @@ impl Journal {
         });
     }
 
+    /// Seals the entry here, in the caller's thread (and writes it, when it is submitted
+    /// ahead), and leaves its acknowledgement to the syncer.
     fn queue(&self, pending: Pending) {
-        let refuse = |pending: Pending, reason: &str| {
-            if let Some(written) = pending.written {
-                written(Err(JournalError::Stopped(reason.to_owned())));
-            }
-            (pending.ack)(Err(JournalError::Stopped(reason.to_owned())));
+        let Pending {
+            cell,
+            kind,
+            data,
+            written,
+            ack,
+        } = pending;
+        let appended = match self.shared.state.lock() {
+            Ok(mut state) => match state.append(cell, kind, data, written.is_some()) {
+                Ok(receipt) => {
+                    state.unsynced.push((receipt.clone(), ack));
+                    Ok(receipt)
+                }
+                Err(err) => Err((err, ack)),
+            },
+            Err(_) => Err((JournalError::Stopped("the writer failed".to_owned()), ack)),
         };
-        match &self.sender {
-            Some(sender) => {
-                if let Err(mpsc::SendError(pending)) = sender.send(pending) {
-                    refuse(pending, "the writer is gone");
+        match appended {
+            Ok(receipt) => {
+                self.shared.work.notify_one();
+                if let Some(written) = written {
+                    written(Ok(receipt));
                 }
             }
-            None => refuse(pending, "closed"),
+            Err((err, ack)) => {
+                if let Some(written) = written {
+                    written(Err(err.clone()));
+                }
+                ack(Err(err));
+            }
         }
     }
 
@@ -238,9 +271,12 @@ impl Journal {
     }
 
     fn shut_down(&mut self) {
-        drop(self.sender.take());
-        if let Some(writer) = self.writer.take() {
-            let _ = writer.join();
+        if let Ok(mut state) = self.shared.state.lock() {
+            state.closing = true;
+        }
+        self.shared.work.notify_one();
+        if let Some(syncer) = self.syncer.take() {
+            let _ = syncer.join();
         }
     }
 }
@@ -330,6 +366,15 @@ pub(crate) fn check_line(line: &[u8]) -> Result<Entry, String> {
     Ok(entry)
 }
 
+/// What appenders and the syncer share.
+struct Shared {
+    state: Mutex<WriterState>,
+    /// Wakes the syncer: entries wait for the disk, or the journal closes.
+    work: Condvar,
+    /// Another descriptor of the journal file, synced outside the lock.
+    sync_file: File,
+}
+
 struct WriterState {
     file: File,
     path: PathBuf,
@@ -340,35 +385,106 @@ struct WriterState {
     oldest_unsigned: Option<Instant>,
     redactions: Arc<RwLock<Vec<String>>>,
     stopped: Option<String>,
+    closing: bool,
+    /// Sealed entries that wait for the next fdatasync, with their acknowledgements.
+    unsynced: Vec<(Receipt, Ack)>,
+    /// Their lines not yet written, in chain order.
+    unwritten: Vec<u8>,
+}
+
+impl Shared {
+    /// The syncer: makes written entries durable, many per fdatasync, then acknowledges them;
+    /// signs a checkpoint when entries waited too long for one, and a last one at close.
+    fn sync_loop(&self) {
+        loop {
+            let batch = {
+                let Ok(mut state) = self.state.lock() else {
+                    return;
+                };
+                loop {
+                    if !state.unsynced.is_empty() {
+                        break;
+                    }
+                    if state.closing {
+                        // Sign whatever the last checkpoint does not cover.
+                        state.checkpoint_and_sync();
+                        return;
+                    }
+                    let wait = match state.oldest_unsigned {
+                        Some(since) => CHECKPOINT_AFTER.saturating_sub(since.elapsed()),
+                        None => Duration::from_secs(3600),
+                    };
+                    if wait.is_zero() {
+                        state.checkpoint_and_sync();
+                        continue;
+                    }
+                    state = match self.work.wait_timeout(state, wait) {
+                        Ok((state, _)) => state,
+                        Err(_) => return,
+                    };
+                }
+                // Written under the lock, so that the file keeps the chain's order.
+                if let Err(err) = state.write_unwritten() {
+                    let batch = std::mem::take(&mut state.unsynced);
+                    drop(state);
+                    for (_, ack) in batch {
+                        ack(Err(err.clone()));
+                    }
+                    continue;
+                }
+                std::mem::take(&mut state.unsynced)
+            };
+            // Entries written while this runs wait for the next round.
+            let result = match self.sync_file.sync_data() {
+                Ok(()) => Ok(()),
+                Err(err) => {
+                    let Ok(mut state) = self.state.lock() else {
+                        return;
+                    };
+                    Err(JournalError::Stopped(state.stop(&err)))
+                }
+            };
+            for (receipt, ack) in batch {
+                ack(result.clone().map(|()| receipt));
+            }
+        }
+    }
 }
 
 impl WriterState {
-    fn run(mut self, receiver: mpsc::Receiver<Pending>) {
-        let mut batch = Vec::new();
-        let mut buf = Vec::new();
-        loop {
-            let wait = match self.oldest_unsigned {
-                Some(since) => CHECKPOINT_AFTER.saturating_sub(since.elapsed()),
-                None => Duration::from_secs(3600),
-            };
-            match receiver.recv_timeout(wait) {
-                Ok(first) => batch.push(first),
-                Err(RecvTimeoutError::Timeout) => {
-                    self.write_batch(&mut Vec::new(), &mut buf, true);
-                    continue;
-                }
-                Err(RecvTimeoutError::Disconnected) => break,
-            }
-            while batch.len() < MAX_BATCH {
-                match receiver.try_recv() {
-                    Ok(next) => batch.push(next),
-                    Err(_) => break,
-                }
-            }
-            self.write_batch(&mut batch, &mut buf, false);
+    /// Seals one entry (and a checkpoint when one is due); `write_now` writes it (and all
+    /// sealed before it) to the file before returning.
+    fn append(
+        &mut self,
+        cell: Option<String>,
+        kind: String,
+        mut data: Value,
+        write_now: bool,
+    ) -> Result<Receipt, JournalError> {
+        if let Some(reason) = &self.stopped {
+            return Err(JournalError::Stopped(reason.clone()));
         }
-        // Closing: sign whatever the last checkpoint does not cover.
-        self.write_batch(&mut Vec::new(), &mut buf, true);
+        if self.closing {
+            return Err(JournalError::Stopped("closed".to_owned()));
+        }
+        if let Ok(secrets) = self.redactions.read() {
+            redact(&mut data, &secrets);
+        }
+        let entry = self.seal(cell, kind, data);
+        self.unwritten.extend_from_slice(&entry.to_line());
+        self.unwritten.push(b'\n');
+        self.since_checkpoint += 1;
+        self.oldest_unsigned.get_or_insert_with(Instant::now);
+        if self.since_checkpoint >= CHECKPOINT_EVERY {
+            self.push_checkpoint();
+        }
+        if write_now {
+            self.write_unwritten()?;
+        }
+        Ok(Receipt {
+            seq: entry.seq,
+            hash: entry.hash,
+        })
     }
 
     fn seal(&mut self, cell: Option<String>, kind: String, data: Value) -> Entry {
@@ -388,81 +504,51 @@ impl WriterState {
         entry
     }
 
-    fn write_batch(&mut self, batch: &mut Vec<Pending>, buf: &mut Vec<u8>, force_checkpoint: bool) {
-        if let Some(reason) = &self.stopped {
-            for pending in batch.drain(..) {
-                if let Some(written) = pending.written {
-                    written(Err(JournalError::Stopped(reason.clone())));
-                }
-                (pending.ack)(Err(JournalError::Stopped(reason.clone())));
-            }
-            return;
-        }
-        buf.clear();
-        let mut receipts = Vec::with_capacity(batch.len());
-        let secrets = self
-            .redactions
-            .read()
-            .map(|s| s.clone())
-            .unwrap_or_default();
-        for pending in batch.iter_mut() {
-            let mut data = std::mem::take(&mut pending.data);
-            redact(&mut data, &secrets);
-            let entry = self.seal(pending.cell.take(), std::mem::take(&mut pending.kind), data);
-            buf.extend_from_slice(&entry.to_line());
-            buf.push(b'\n');
-            receipts.push(Receipt {
-                seq: entry.seq,
-                hash: entry.hash,
-            });
-        }
-        self.since_checkpoint += receipts.len() as u64;
-        if !receipts.is_empty() && self.oldest_unsigned.is_none() {
-            self.oldest_unsigned = Some(Instant::now());
-        }
-        let due = self.since_checkpoint >= CHECKPOINT_EVERY
-            || (force_checkpoint && self.since_checkpoint > 0);
-        if due {
-            let head_seq = self.next_seq - 1;
-            let signature = self.keys.sign(head_seq, &self.prev);
-            let data = json!({
-                "head_seq": head_seq,
-                "head": self.prev,
-                "key": self.keys.public_hex(),
-                "signature": signature,
-            });
-            let entry = self.seal(None, CHECKPOINT.to_owned(), data);
-            buf.extend_from_slice(&entry.to_line());
-            buf.push(b'\n');
-            self.since_checkpoint = 0;
+    /// Seals a signed checkpoint of the chain so far.
+    fn push_checkpoint(&mut self) {
+        let head_seq = self.next_seq - 1;
+        let signature = self.keys.sign(head_seq, &self.prev);
+        let data = json!({
+            "head_seq": head_seq,
+            "head": self.prev,
+            "key": self.keys.public_hex(),
+            "signature": signature,
+        });
+        let entry = self.seal(None, CHECKPOINT.to_owned(), data);
+        self.unwritten.extend_from_slice(&entry.to_line());
+        self.unwritten.push(b'\n');
+        self.since_checkpoint = 0;
+        self.oldest_unsigned = None;
+    }
+
+    /// Writes and syncs a checkpoint if entries are not covered by one.
+    fn checkpoint_and_sync(&mut self) {
+        if self.since_checkpoint == 0 || self.stopped.is_some() {
             self.oldest_unsigned = None;
-        }
-        if buf.is_empty() {
             return;
         }
-        let mut written = self.file.write_all(buf);
-        if written.is_ok() {
-            for (pending, receipt) in batch.iter_mut().zip(&receipts) {
-                if let Some(written) = pending.written.take() {
-                    written(Ok(receipt.clone()));
-                }
-            }
-            written = self.file.sync_data();
+        self.push_checkpoint();
+        if self.write_unwritten().is_ok()
+            && let Err(err) = self.file.sync_data()
+        {
+            self.stop(&err);
         }
-        let result = match written {
-            Ok(()) => Ok(()),
-            Err(err) => {
-                let reason = format!("writing {}: {err}", self.path.display());
-                self.stopped = Some(reason.clone());
-                Err(JournalError::Stopped(reason))
-            }
-        };
-        for (pending, receipt) in batch.drain(..).zip(receipts) {
-            if let Some(written) = pending.written {
-                written(result.clone().map(|()| receipt.clone()));
-            }
-            (pending.ack)(result.clone().map(|()| receipt));
+    }
+
+    fn write_unwritten(&mut self) -> Result<(), JournalError> {
+        if let Some(reason) = &self.stopped {
+            return Err(JournalError::Stopped(reason.clone()));
         }
+        let written = self.file.write_all(&self.unwritten);
+        self.unwritten.clear();
+        written.map_err(|err| JournalError::Stopped(self.stop(&err)))
+    }
+
+    /// After a failed write or sync nothing more is accepted: what follows could not be
+    /// chained to what the disk holds.
+    fn stop(&mut self, err: &io::Error) -> String {
+        let reason = format!("writing {}: {err}", self.path.display());
+        self.stopped.get_or_insert(reason).clone()
     }
 }
 
