@@ -491,16 +491,12 @@ fn receive(
     flags: nix::sys::socket::MsgFlags,
 ) -> io::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
     thread_local! {
-        // One buffer per thread for the largest message: a fresh zeroed one per message would
-        // cost a 256 KiB memset each.
-        static BUFFER: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+        // One buffer per thread for the largest message, allocated zeroed (fresh pages from
+        // the kernel, made resident only as messages fill them): a new one per message would
+        // be zeroed again each time, and one zeroed here would be resident in every thread.
+        static BUFFER: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(vec![0; MESSAGE_MAX]);
     }
-    BUFFER.with_borrow_mut(|buf| {
-        if buf.len() < MESSAGE_MAX {
-            buf.resize(MESSAGE_MAX, 0);
-        }
-        receive_into(socket, flags, buf)
-    })
+    BUFFER.with_borrow_mut(|buf| receive_into(socket, flags, buf))
 }
 
 fn receive_into(
