@@ -133,6 +133,9 @@ pub enum Command {
         /// Read the TCP token from this file instead of making one.
         #[arg(long, value_name = "FILE", requires = "listen")]
         token_file: Option<PathBuf>,
+        /// Close the journal's active segment for a new one at this size.
+        #[arg(long, value_name = "MIB", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
+        journal_segment_mib: u64,
     },
     /// Make a long-lived cell through the daemon; run commands in it with `warden exec`.
     Create(CreateArgs),

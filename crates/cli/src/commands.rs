@@ -135,7 +135,11 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         }
         Command::Policy { command } => policy(command),
         Command::Doctor { json } => doctor(json),
-        Command::Serve { listen, token_file } => crate::daemon::serve(listen, token_file),
+        Command::Serve {
+            listen,
+            token_file,
+            journal_segment_mib,
+        } => crate::daemon::serve(listen, token_file, journal_segment_mib),
         Command::Create(args) => crate::daemon::create(args),
         Command::Cp { source, dest } => crate::daemon::copy(&source, &dest),
         Command::Logs {

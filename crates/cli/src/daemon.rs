@@ -296,12 +296,17 @@ pub fn through_daemon(name: &str, action: &str) -> Result<bool> {
     }
 }
 
-pub fn serve(listen: Option<std::net::SocketAddr>, token_file: Option<PathBuf>) -> Result<i32> {
+pub fn serve(
+    listen: Option<std::net::SocketAddr>,
+    token_file: Option<PathBuf>,
+    journal_segment_mib: u64,
+) -> Result<i32> {
     let config = warden_server::ServeConfig {
         harness: warden_harness::Config {
             runtime: runtime(),
             state: Store::default_root(),
             warden_exe: std::env::current_exe().context("finding the warden binary")?,
+            journal_segment_bytes: journal_segment_mib.saturating_mul(1024 * 1024),
         },
         listen,
         token_file,
@@ -678,17 +683,24 @@ pub fn audit(command: AuditCommand) -> Result<i32> {
     match command {
         AuditCommand::Verify { journal, key } => {
             let dir = journal_dir(journal);
-            let path = dir.join(warden_journal::JOURNAL_FILE);
-            match warden_journal::verify(&path, key.as_deref()) {
+            match warden_journal::verify(&dir, key.as_deref()) {
                 Ok(report) => {
                     println!(
-                        "ok: {} entries (last {}), {} signed checkpoints, {} entries after the last one; key {}",
+                        "ok: {} entries (last {}) in {} segment(s), {} signed checkpoints, {} entries after the last one; key {}",
                         report.entries,
                         report.last_seq,
+                        report.segments,
                         report.checkpoints,
                         report.unsigned_tail,
                         report.key
                     );
+                    if report.first_seq > 1 {
+                        println!(
+                            "note: the chain is proven from entry {}: the segments before it are not in {}",
+                            report.first_seq,
+                            dir.display()
+                        );
+                    }
                     if report.torn_bytes > 0 {
                         println!(
                             "note: a torn last line of {} bytes (a write cut by a crash, never acknowledged) follows; the daemon removes it when it next starts",
@@ -714,14 +726,14 @@ pub fn audit(command: AuditCommand) -> Result<i32> {
                 Some(text) => Some(parse_since(&text)?),
                 None => None,
             };
-            let path = journal_dir(journal).join(warden_journal::JOURNAL_FILE);
+            let dir = journal_dir(journal);
             let format = match format {
                 ExportFormat::Jsonl => Format::Jsonl,
                 ExportFormat::Ocsf => Format::Ocsf,
             };
             let mut out = std::io::stdout().lock();
-            warden_journal::export(&path, format, cell.as_deref(), since_ms, &mut out)
-                .with_context(|| format!("reading {}", path.display()))?;
+            warden_journal::export(&dir, format, cell.as_deref(), since_ms, &mut out)
+                .with_context(|| format!("reading the journal in {}", dir.display()))?;
             Ok(0)
         }
     }
@@ -740,10 +752,10 @@ fn parse_since(text: &str) -> Result<u64> {
 }
 
 pub fn replay(name: &str, json_out: bool) -> Result<i32> {
-    let path = journal_dir(None).join(warden_journal::JOURNAL_FILE);
+    let dir = journal_dir(None);
     let mut text = Vec::new();
-    warden_journal::export(&path, Format::Jsonl, Some(name), None, &mut text)
-        .with_context(|| format!("reading {}", path.display()))?;
+    warden_journal::export(&dir, Format::Jsonl, Some(name), None, &mut text)
+        .with_context(|| format!("reading the journal in {}", dir.display()))?;
     let entries: Vec<Entry> = String::from_utf8_lossy(&text)
         .lines()
         .filter_map(|l| serde_json::from_str(l).ok())

@@ -414,7 +414,10 @@ fn a_crashed_daemon_leaves_cells_controllable_and_the_journal_whole() {
     let text = String::from_utf8_lossy(&verify.stdout);
     assert_eq!(verify.status.code(), Some(1), "{text}");
     assert!(
-        text.contains(&format!("entry {target} (line {})", index + 1)),
+        text.contains(&format!(
+            "entry {target} (journal.jsonl line {})",
+            index + 1
+        )),
         "{text}"
     );
 }
@@ -1956,5 +1959,76 @@ fn exec_finds_programs_in_the_process_path_and_starts_them_clean() {
             .unwrap()
             .contains("permission denied"),
         "{exit}"
+    );
+}
+
+#[test]
+fn the_journal_rotates_into_segments_that_verify_replay_and_export_read_as_one() {
+    if !cgroups_available("daemon_rotate") {
+        return;
+    }
+    let mut daemon = Daemon::start(&["--journal-segment-mib", "1"]);
+    let cell = daemon.create(&unique("rotate"), json!({}));
+    // Kept output goes into the journal (64 KiB of each stream per exec): 2.5 MiB in 20 execs.
+    for i in 0..20 {
+        let events = daemon.exec(
+            &cell,
+            json!({ "argv": ["sh", "-c", format!("echo start {i}; head -c 98304 /dev/zero | base64 -w 0; head -c 98304 /dev/zero | base64 -w 0 >&2")] }),
+        );
+        assert_eq!(exit_of(&events)["code"], 0);
+    }
+    // A crash and a restart on the way do not break the chain across segments.
+    daemon.crash();
+    daemon.restart();
+    daemon.exec(&cell, json!({ "argv": ["echo", "after"] }));
+    let dir = daemon.journal().parent().unwrap().to_path_buf();
+    let closed: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.unwrap().file_name().to_string_lossy().into_owned();
+            name.starts_with("journal-").then_some(name)
+        })
+        .collect();
+    assert!(closed.len() >= 2, "no rotation: {closed:?}");
+    let verify = daemon.warden().args(["audit", "verify"]).output().unwrap();
+    let said = String::from_utf8_lossy(&verify.stdout);
+    assert!(verify.status.success(), "{said}");
+    assert!(
+        said.contains(&format!("in {} segment(s)", closed.len() + 1)),
+        "{said}"
+    );
+    // The timeline of the cell spans every segment, in order.
+    let replay = daemon
+        .warden()
+        .args(["replay", &cell, "--json"])
+        .output()
+        .unwrap();
+    let lines = String::from_utf8_lossy(&replay.stdout);
+    let seqs: Vec<u64> = lines
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["seq"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{seqs:?}");
+    let starts = lines
+        .lines()
+        .filter(|l| l.contains("\"exec.start\""))
+        .count();
+    assert_eq!(starts, 21, "{lines}");
+    // A closed segment changed by one byte is caught and named.
+    let first = dir.join(closed.iter().min().unwrap());
+    let mut bytes = std::fs::read(&first).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] = if bytes[at] == b'A' { b'B' } else { b'A' };
+    std::fs::write(&first, bytes).unwrap();
+    let verify = daemon.warden().args(["audit", "verify"]).output().unwrap();
+    let said = String::from_utf8_lossy(&verify.stdout);
+    assert!(!verify.status.success(), "{said}");
+    assert!(
+        said.contains(closed.iter().min().unwrap().as_str()),
+        "{said}"
     );
 }

@@ -85,6 +85,8 @@ pub struct Config {
     pub state: PathBuf,
     /// The `warden` binary, started as each cell's keeper.
     pub warden_exe: PathBuf,
+    /// The journal's active segment is closed for a new one at this size.
+    pub journal_segment_bytes: u64,
 }
 
 /// A request to make a cell.
@@ -193,8 +195,9 @@ impl Harness {
         let store =
             Store::open(config.state.clone()).map_err(|e| HarnessError::internal(e.to_string()))?;
         let state = State::open(&daemon_dir.join("state.redb"))?;
-        let journal = Journal::open(&config.state.join("journal"))
-            .map_err(|e| HarnessError::internal(e.to_string()))?;
+        let journal =
+            Journal::open_with(&config.state.join("journal"), config.journal_segment_bytes)
+                .map_err(|e| HarnessError::internal(e.to_string()))?;
         let grants = state.grants()?;
         let (running, cut) = state::RunningLog::open(&daemon_dir.join("running.log"))?;
         let harness = Arc::new(Self {

@@ -16,18 +16,32 @@ pub enum Format {
     Ocsf,
 }
 
-/// Writes the entries of `path` that match the filters to `out`; returns how many.
+/// Writes the entries of the journal in `dir` (every segment, in order) that match the
+/// filters to `out`; returns how many.
 /// Lines that do not parse are skipped here: `warden audit verify` is the place that judges them.
 pub fn export(
+    dir: &Path,
+    format: Format,
+    cell: Option<&str>,
+    since_ms: Option<u64>,
+    out: &mut dyn Write,
+) -> io::Result<u64> {
+    let mut count = 0;
+    for path in crate::segments(dir)? {
+        count += export_segment(&path, format, cell, since_ms, out)?;
+    }
+    Ok(count)
+}
+
+fn export_segment(
     path: &Path,
     format: Format,
     cell: Option<&str>,
     since_ms: Option<u64>,
     out: &mut dyn Write,
 ) -> io::Result<u64> {
-    let reader = BufReader::new(File::open(path)?);
     let mut count = 0;
-    for line in reader.lines() {
+    for line in BufReader::new(File::open(path)?).lines() {
         let line = line?;
         let Ok(entry) = serde_json::from_str::<Entry>(&line) else {
             continue;

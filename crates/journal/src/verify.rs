@@ -12,6 +12,10 @@ use crate::writer::check_line;
 /// What a successful verification saw.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Report {
+    /// The first entry verified: 1, unless the oldest segments were archived or removed.
+    pub first_seq: u64,
+    /// Segment files read, oldest first.
+    pub segments: usize,
     pub entries: u64,
     pub checkpoints: u64,
     pub last_seq: u64,
@@ -32,8 +36,10 @@ pub enum VerifyError {
         "no public key to check checkpoints with: {path} is missing or not a hex ed25519 key (pass --key)"
     )]
     NoKey { path: PathBuf },
-    #[error("entry {seq} (line {line}) is bad: {reason}")]
+    #[error("entry {seq} ({file} line {line}) is bad: {reason}")]
     Bad {
+        /// The segment file's name.
+        file: String,
         line: u64,
         /// The entry's sequence number as it should be.
         seq: u64,
@@ -41,25 +47,33 @@ pub enum VerifyError {
     },
 }
 
-/// Verifies the journal at `path`; `key` (hex) overrides the public key next to it.
-pub fn verify(path: &Path, key: Option<&str>) -> Result<Report, VerifyError> {
-    let io = |source| VerifyError::Io {
-        path: path.to_path_buf(),
-        source,
-    };
+/// Verifies the journal in `dir`, every segment in chain order; `key` (hex) overrides the
+/// public key kept there.
+pub fn verify(dir: &Path, key: Option<&str>) -> Result<Report, VerifyError> {
     let key_text = match key {
         Some(k) => k.to_owned(),
         None => {
-            let pub_path = path.with_file_name(PUBLIC_FILE);
+            let pub_path = dir.join(PUBLIC_FILE);
             std::fs::read_to_string(&pub_path).map_err(|_| VerifyError::NoKey { path: pub_path })?
         }
     };
     let public = keys::parse_public(&key_text).ok_or_else(|| VerifyError::NoKey {
-        path: path.with_file_name(PUBLIC_FILE),
+        path: dir.join(PUBLIC_FILE),
     })?;
     let key_hex = key_text.trim().to_owned();
-    let mut reader = BufReader::new(File::open(path).map_err(io)?);
+    let files = crate::segments(dir).map_err(|source| VerifyError::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    if files.is_empty() {
+        return Err(VerifyError::Io {
+            path: dir.join(crate::JOURNAL_FILE),
+            source: io::Error::from(io::ErrorKind::NotFound),
+        });
+    }
     let mut report = Report {
+        first_seq: 0,
+        segments: files.len(),
         entries: 0,
         checkpoints: 0,
         last_seq: 0,
@@ -68,6 +82,29 @@ pub fn verify(path: &Path, key: Option<&str>) -> Result<Report, VerifyError> {
         unsigned_tail: 0,
         torn_bytes: 0,
     };
+    for (index, path) in files.iter().enumerate() {
+        let last_file = index + 1 == files.len();
+        verify_segment(path, last_file, &public, &key_hex, &mut report)?;
+    }
+    Ok(report)
+}
+
+fn verify_segment(
+    path: &Path,
+    last_file: bool,
+    public: &ed25519_dalek::VerifyingKey,
+    key_hex: &str,
+    report: &mut Report,
+) -> Result<(), VerifyError> {
+    let io = |source| VerifyError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let mut reader = BufReader::new(File::open(path).map_err(io)?);
     let mut line = Vec::new();
     let mut number = 0u64;
     loop {
@@ -79,16 +116,47 @@ pub fn verify(path: &Path, key: Option<&str>) -> Result<Report, VerifyError> {
         number += 1;
         let expected_seq = report.last_seq + 1;
         let bad = |reason: String| VerifyError::Bad {
+            file: name.clone(),
             line: number,
             seq: expected_seq,
             reason,
         };
         if line.last() != Some(&b'\n') {
             // Only the very last line can be torn, and only if nothing follows it.
+            if !last_file {
+                return Err(bad(
+                    "a closed segment ends in a partial line (it was cut or changed)".to_owned(),
+                ));
+            }
             report.torn_bytes = line.len() as u64;
             break;
         }
         let entry = check_line(&line[..line.len() - 1]).map_err(bad)?;
+        if number == 1 {
+            // A closed segment is named after its first entry; the first segment of all starts
+            // the chain, unless it is a closed one whose elders were archived or removed.
+            let due = named_first(&name).unwrap_or(expected_seq);
+            if entry.seq != due {
+                return Err(bad(format!(
+                    "the segment's first entry is {} where {due} was due (entries were removed)",
+                    entry.seq
+                )));
+            }
+            if report.entries == 0 {
+                report.first_seq = entry.seq;
+                if entry.seq > 1 {
+                    report.last_seq = entry.seq - 1;
+                    report.head = entry.prev.clone();
+                }
+            }
+        }
+        let expected_seq = report.last_seq + 1;
+        let bad = |reason: String| VerifyError::Bad {
+            file: name.clone(),
+            line: number,
+            seq: expected_seq,
+            reason,
+        };
         if entry.seq != expected_seq {
             return Err(bad(format!(
                 "its sequence number is {} where {expected_seq} was due (entries were removed or reordered)",
@@ -101,7 +169,7 @@ pub fn verify(path: &Path, key: Option<&str>) -> Result<Report, VerifyError> {
             ));
         }
         if entry.kind == CHECKPOINT {
-            check_checkpoint(&entry, &public, &key_hex, &report).map_err(bad)?;
+            check_checkpoint(&entry, public, key_hex, report).map_err(bad)?;
             report.checkpoints += 1;
             report.unsigned_tail = 0;
         } else {
@@ -111,7 +179,15 @@ pub fn verify(path: &Path, key: Option<&str>) -> Result<Report, VerifyError> {
         report.last_seq = entry.seq;
         report.head = entry.hash;
     }
-    Ok(report)
+    Ok(())
+}
+
+/// The first sequence number a closed segment's name gives (`journal-<seq>.jsonl`).
+fn named_first(name: &str) -> Option<u64> {
+    name.strip_prefix("journal-")?
+        .strip_suffix(".jsonl")?
+        .parse()
+        .ok()
 }
 
 fn check_checkpoint(
@@ -167,7 +243,8 @@ mod tests {
     fn flipping_any_single_byte_is_caught_and_named() {
         let (_dir, path) = journal_with(5);
         let original = std::fs::read(&path).unwrap();
-        let report = verify(&path, None).unwrap();
+        let dir = path.parent().unwrap().to_path_buf();
+        let report = verify(&dir, None).unwrap();
         assert_eq!(report.entries, 6);
         // Flip one bit of every byte position in turn (newlines excepted: a flipped newline
         // merges or splits lines, caught the same way but not attributable to one entry).
@@ -179,7 +256,7 @@ mod tests {
             bytes[at] ^= 0x01;
             std::fs::write(&path, &bytes).unwrap();
             let line_of_byte = original[..at].iter().filter(|b| **b == b'\n').count() as u64 + 1;
-            match verify(&path, None) {
+            match verify(&dir, None) {
                 Err(VerifyError::Bad { line, .. }) => assert_eq!(line, line_of_byte, "at {at}"),
                 other => panic!("a flip at byte {at} was not caught: {other:?}"),
             }
@@ -193,8 +270,11 @@ mod tests {
         let lines: Vec<&str> = text.lines().collect();
         let without_second = format!("{}\n{}\n", lines[0], lines[2..].join("\n"));
         std::fs::write(&path, without_second).unwrap();
-        let err = verify(&path, None).unwrap_err();
-        assert!(err.to_string().contains("entry 2 (line 2)"), "{err}");
+        let err = verify(dir.path(), None).unwrap_err();
+        assert!(
+            err.to_string().contains("entry 2 (journal.jsonl line 2)"),
+            "{err}"
+        );
 
         // Rewrite the whole chain with correct hashes but without the key: the checkpoint's
         // signature no longer verifies.
@@ -221,7 +301,7 @@ mod tests {
             out.push('\n');
         }
         std::fs::write(&path, out).unwrap();
-        let err = verify(&path, None).unwrap_err();
+        let err = verify(dir.path(), None).unwrap_err();
         assert!(
             err.to_string().contains("signature does not verify"),
             "{err}"

@@ -16,12 +16,14 @@ use serde_json::{Value, json};
 
 use crate::entry::{Entry, GENESIS, redact};
 use crate::keys::SigningKeys;
-use crate::{CHECKPOINT, JOURNAL_FILE};
+use crate::{CHECKPOINT, JOURNAL_FILE, segment_name, segments};
 
 /// A checkpoint after this many entries ...
 const CHECKPOINT_EVERY: u64 = 1024;
 /// ... or when entries have waited this long for one.
 const CHECKPOINT_AFTER: Duration = Duration::from_secs(5);
+/// The active segment is closed once it is this large (see `Journal::open_with`).
+pub const DEFAULT_ROTATE_BYTES: u64 = 64 * 1024 * 1024;
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum JournalError {
@@ -89,6 +91,12 @@ impl Journal {
     /// Opens (or starts) the journal in `dir`. A torn last line, left by a crash in the middle
     /// of a write that was never acknowledged, is cut off and the cut is recorded.
     pub fn open(dir: &Path) -> Result<Self, JournalError> {
+        Self::open_with(dir, DEFAULT_ROTATE_BYTES)
+    }
+
+    /// Opens the journal, closing the active segment for a new one whenever it has grown past
+    /// `rotate_bytes`.
+    pub fn open_with(dir: &Path, rotate_bytes: u64) -> Result<Self, JournalError> {
         fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
@@ -104,18 +112,32 @@ impl Journal {
             .open(&path)
             .map_err(JournalError::io("opening the journal", &path))?;
         let tail = read_tail(&mut file, &path)?;
-        let (next_seq, prev) = match &tail.last {
+        // An empty active segment continues the chain where the last closed one ends.
+        let last = match tail.last {
+            Some(entry) => Some(entry),
+            None => last_closed_entry(dir)?,
+        };
+        let (next_seq, prev) = match &last {
             Some(entry) => (entry.seq + 1, entry.hash.clone()),
             None => (1, GENESIS.to_owned()),
         };
+        let size = file
+            .metadata()
+            .map_err(JournalError::io("opening the journal", &path))?
+            .len();
+        let segment_first = match size {
+            0 => next_seq,
+            _ => first_seq(&path)?.unwrap_or(next_seq),
+        };
         let public_key = keys.public_hex();
         let redactions = Arc::new(RwLock::new(Vec::new()));
-        let sync_file = file
-            .try_clone()
-            .map_err(JournalError::io("opening the journal", &path))?;
         let state = WriterState {
-            file,
+            file: Arc::new(file),
             path: path.clone(),
+            dir: dir.to_path_buf(),
+            size,
+            segment_first,
+            rotate_bytes: rotate_bytes.max(1),
             keys,
             next_seq,
             prev,
@@ -130,7 +152,6 @@ impl Journal {
         let shared = Arc::new(Shared {
             state: Mutex::new(state),
             work: Condvar::new(),
-            sync_file,
         });
         let syncer = {
             let shared = Arc::clone(&shared);
@@ -287,6 +308,29 @@ impl Drop for Journal {
     }
 }
 
+/// The last entry of the newest closed segment (closed segments end whole and synced).
+fn last_closed_entry(dir: &Path) -> Result<Option<Entry>, JournalError> {
+    let all = segments(dir).map_err(JournalError::io("listing the journal", dir))?;
+    let Some(newest) = all.iter().rev().find(|p| !p.ends_with(JOURNAL_FILE)) else {
+        return Ok(None);
+    };
+    let mut file = File::open(newest).map_err(JournalError::io("reading the journal", newest))?;
+    Ok(read_tail(&mut file, newest)?.last)
+}
+
+/// The sequence number of the first entry in a segment.
+fn first_seq(path: &Path) -> Result<Option<u64>, JournalError> {
+    use std::io::BufRead as _;
+    let file = File::open(path).map_err(JournalError::io("reading the journal", path))?;
+    let mut line = Vec::new();
+    io::BufReader::new(file)
+        .read_until(b'\n', &mut line)
+        .map_err(JournalError::io("reading the journal", path))?;
+    Ok(check_line(line.strip_suffix(b"\n").unwrap_or(&line))
+        .ok()
+        .map(|e| e.seq))
+}
+
 struct Tail {
     last: Option<Entry>,
     cut_bytes: u64,
@@ -371,13 +415,17 @@ struct Shared {
     state: Mutex<WriterState>,
     /// Wakes the syncer: entries wait for the disk, or the journal closes.
     work: Condvar,
-    /// Another descriptor of the journal file, synced outside the lock.
-    sync_file: File,
 }
 
 struct WriterState {
-    file: File,
+    /// The active segment (shared with the syncer, which syncs it outside the lock).
+    file: Arc<File>,
     path: PathBuf,
+    dir: PathBuf,
+    /// The active segment's size, its first entry, and the size that closes it.
+    size: u64,
+    segment_first: u64,
+    rotate_bytes: u64,
     keys: SigningKeys,
     next_seq: u64,
     prev: String,
@@ -432,10 +480,11 @@ impl Shared {
                     }
                     continue;
                 }
-                std::mem::take(&mut state.unsynced)
+                (std::mem::take(&mut state.unsynced), Arc::clone(&state.file))
             };
+            let (batch, file) = batch;
             // Entries written while this runs wait for the next round.
-            let result = match self.sync_file.sync_data() {
+            let result = match file.sync_data() {
                 Ok(()) => Ok(()),
                 Err(err) => {
                     let Ok(mut state) = self.state.lock() else {
@@ -446,6 +495,12 @@ impl Shared {
             };
             for (receipt, ack) in batch {
                 ack(result.clone().map(|()| receipt));
+            }
+            if let Ok(mut state) = self.state.lock()
+                && state.size >= state.rotate_bytes
+                && state.stopped.is_none()
+            {
+                state.rotate();
             }
         }
     }
@@ -539,9 +594,48 @@ impl WriterState {
         if let Some(reason) = &self.stopped {
             return Err(JournalError::Stopped(reason.clone()));
         }
-        let written = self.file.write_all(&self.unwritten);
+        let written = (&*self.file).write_all(&self.unwritten);
+        self.size += self.unwritten.len() as u64;
         self.unwritten.clear();
         written.map_err(|err| JournalError::Stopped(self.stop(&err)))
+    }
+
+    /// Closes the active segment (signed and on disk, renamed `journal-<first seq>.jsonl`) and
+    /// starts an empty one; the chain runs on across the two.
+    fn rotate(&mut self) {
+        if self.since_checkpoint > 0 {
+            self.push_checkpoint();
+        }
+        if self.write_unwritten().is_err() {
+            return;
+        }
+        let closed = self.dir.join(segment_name(self.segment_first));
+        let reopened = self
+            .file
+            .sync_data()
+            .and_then(|()| fs::rename(&self.path, &closed))
+            .and_then(|()| {
+                OpenOptions::new()
+                    .read(true)
+                    .append(true)
+                    .create_new(true)
+                    .mode(0o600)
+                    .open(&self.path)
+            })
+            .and_then(|file| {
+                File::open(&self.dir)?.sync_all()?;
+                Ok(file)
+            });
+        match reopened {
+            Ok(file) => {
+                self.file = Arc::new(file);
+                self.size = 0;
+                self.segment_first = self.next_seq;
+            }
+            Err(err) => {
+                self.stop(&err);
+            }
+        }
     }
 
     /// After a failed write or sync nothing more is accepted: what follows could not be
@@ -574,7 +668,7 @@ mod tests {
         let journal = Journal::open(dir.path()).unwrap();
         let third = journal.append(Some("a"), "t.three", json!({})).unwrap();
         drop(journal);
-        let report = verify(&path, None).unwrap();
+        let report = verify(dir.path(), None).unwrap();
         // two entries, a checkpoint, the recovery note, the third, and a closing checkpoint
         assert_eq!(report.entries, 6, "{report:?}");
         assert!(third.seq > second.seq + 1);
@@ -611,7 +705,7 @@ mod tests {
         seqs.dedup();
         assert_eq!(seqs.len(), 1600);
         drop(journal);
-        let report = verify(&dir.path().join(JOURNAL_FILE), None).unwrap();
+        let report = verify(dir.path(), None).unwrap();
         assert!(
             report.entries > 1600 && report.checkpoints >= 1,
             "{report:?}"
@@ -643,6 +737,65 @@ mod tests {
         assert!(text.contains("\"exec.start\""), "{text}");
         let (second, durable_seq, _) = rx.recv().unwrap();
         assert_eq!((second, durable_seq), ("durable", seq));
+    }
+
+    #[test]
+    fn segments_rotate_and_the_chain_runs_through_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open_with(dir.path(), 2_000).unwrap();
+        for i in 0..60 {
+            journal
+                .append(
+                    Some("c"),
+                    "exec.exit",
+                    json!({ "i": i, "pad": "x".repeat(40) }),
+                )
+                .unwrap();
+        }
+        journal.close();
+        let files = segments(dir.path()).unwrap();
+        assert!(files.len() > 3, "{files:?}");
+        for closed in &files[..files.len() - 1] {
+            let text = fs::read_to_string(closed).unwrap();
+            assert!(text.len() < 4_000, "{closed:?} was not rotated in time");
+            let last: Entry = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+            assert_eq!(last.kind, CHECKPOINT, "{closed:?} ends signed");
+        }
+        let report = crate::verify(dir.path(), None).unwrap();
+        assert_eq!((report.first_seq, report.segments), (1, files.len()));
+        let last_seq = report.last_seq;
+
+        // An active segment lost between the rename and the new file: the chain goes on from
+        // the last closed segment.
+        fs::remove_file(dir.path().join(JOURNAL_FILE)).unwrap();
+        let last_closed = crate::verify(dir.path(), None).unwrap().last_seq;
+        let journal = Journal::open_with(dir.path(), 2_000).unwrap();
+        let next = journal.append(None, "t.after", json!({})).unwrap();
+        assert_eq!(next.seq, last_closed + 1);
+        journal.close();
+        assert!(crate::verify(dir.path(), None).is_ok());
+        assert!(last_seq >= last_closed);
+
+        // The oldest segment archived: the rest verifies, from where it starts.
+        let files = segments(dir.path()).unwrap();
+        fs::rename(&files[0], dir.path().join("archived")).unwrap();
+        let report = crate::verify(dir.path(), None).unwrap();
+        assert!(report.first_seq > 1, "{report:?}");
+        // A segment missing in the middle, or the head of a segment cut, is caught and named.
+        let middle = files[2].clone();
+        let kept = fs::read(&middle).unwrap();
+        fs::remove_file(&middle).unwrap();
+        let err = crate::verify(dir.path(), None).unwrap_err();
+        assert!(err.to_string().contains("were removed"), "{err}");
+        let text = String::from_utf8(kept).unwrap();
+        let without_first: String = text.lines().skip(1).map(|l| format!("{l}\n")).collect();
+        fs::write(&middle, without_first).unwrap();
+        let err = crate::verify(dir.path(), None).unwrap_err();
+        let name = middle.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(
+            err.to_string().contains(&format!("({name} line 1)")),
+            "{err}"
+        );
     }
 
     #[test]
