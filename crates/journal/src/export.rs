@@ -28,35 +28,23 @@ pub fn export(
 ) -> io::Result<u64> {
     let mut count = 0;
     for path in crate::segments(dir)? {
-        count += export_segment(&path, format, cell, since_ms, out)?;
-    }
-    Ok(count)
-}
-
-fn export_segment(
-    path: &Path,
-    format: Format,
-    cell: Option<&str>,
-    since_ms: Option<u64>,
-    out: &mut dyn Write,
-) -> io::Result<u64> {
-    let mut count = 0;
-    for line in BufReader::new(File::open(path)?).lines() {
-        let line = line?;
-        let Ok(entry) = serde_json::from_str::<Entry>(&line) else {
-            continue;
-        };
-        if cell.is_some_and(|c| entry.cell.as_deref() != Some(c)) {
-            continue;
+        for line in BufReader::new(File::open(path)?).lines() {
+            let line = line?;
+            let Ok(entry) = serde_json::from_str::<Entry>(&line) else {
+                continue;
+            };
+            if cell.is_some_and(|c| entry.cell.as_deref() != Some(c)) {
+                continue;
+            }
+            if since_ms.is_some_and(|t| entry.time_ms < t) {
+                continue;
+            }
+            match format {
+                Format::Jsonl => writeln!(out, "{line}")?,
+                Format::Ocsf => writeln!(out, "{}", ocsf(&entry))?,
+            }
+            count += 1;
         }
-        if since_ms.is_some_and(|t| entry.time_ms < t) {
-            continue;
-        }
-        match format {
-            Format::Jsonl => writeln!(out, "{line}")?,
-            Format::Ocsf => writeln!(out, "{}", ocsf(&entry))?,
-        }
-        count += 1;
     }
     Ok(count)
 }

@@ -114,30 +114,34 @@ fn verify_segment(
             break;
         }
         number += 1;
-        let expected_seq = report.last_seq + 1;
-        let bad = |reason: String| VerifyError::Bad {
-            file: name.clone(),
-            line: number,
-            seq: expected_seq,
-            reason,
+        // An error about this line, naming the entry that was due there.
+        let bad = |seq: u64| {
+            let file = name.clone();
+            move |reason: String| VerifyError::Bad {
+                file: file.clone(),
+                line: number,
+                seq,
+                reason,
+            }
         };
+        let expected_seq = report.last_seq + 1;
         if line.last() != Some(&b'\n') {
             // Only the very last line can be torn, and only if nothing follows it.
             if !last_file {
-                return Err(bad(
+                return Err(bad(expected_seq)(
                     "a closed segment ends in a partial line (it was cut or changed)".to_owned(),
                 ));
             }
             report.torn_bytes = line.len() as u64;
             break;
         }
-        let entry = check_line(&line[..line.len() - 1]).map_err(bad)?;
+        let entry = check_line(&line[..line.len() - 1]).map_err(bad(expected_seq))?;
         if number == 1 {
             // A closed segment is named after its first entry; the first segment of all starts
             // the chain, unless it is a closed one whose elders were archived or removed.
             let due = named_first(&name).unwrap_or(expected_seq);
             if entry.seq != due {
-                return Err(bad(format!(
+                return Err(bad(expected_seq)(format!(
                     "the segment's first entry is {} where {due} was due (entries were removed)",
                     entry.seq
                 )));
@@ -151,12 +155,7 @@ fn verify_segment(
             }
         }
         let expected_seq = report.last_seq + 1;
-        let bad = |reason: String| VerifyError::Bad {
-            file: name.clone(),
-            line: number,
-            seq: expected_seq,
-            reason,
-        };
+        let bad = bad(expected_seq);
         if entry.seq != expected_seq {
             return Err(bad(format!(
                 "its sequence number is {} where {expected_seq} was due (entries were removed or reordered)",
