@@ -21,6 +21,32 @@ impl Harness {
         name: &str,
         spec: ExecSpec,
     ) -> Result<Arc<Process>, HarnessError> {
+        // The start runs to its end on a task of its own, so that a caller that goes away
+        // half-way (a client hanging up) cannot leave a process started but unwatched, with no
+        // end in the journal; such a process, unless it was asked for in the background, has
+        // nobody to stream to and is killed.
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let harness = Arc::clone(self);
+        let name = name.to_owned();
+        let background = spec.background;
+        tokio::spawn(async move {
+            let started = harness.start(&name, spec, &tx).await;
+            if let Err(Ok(process)) = tx.send(started)
+                && !background
+            {
+                process.signal(libc::SIGKILL).await;
+            }
+        });
+        rx.await
+            .unwrap_or_else(|_| Err(HarnessError::internal("the exec was cut short")))
+    }
+
+    async fn start(
+        self: &Arc<Self>,
+        name: &str,
+        spec: ExecSpec,
+        caller: &tokio::sync::oneshot::Sender<Result<Arc<Process>, HarnessError>>,
+    ) -> Result<Arc<Process>, HarnessError> {
         let record = self.live(name)?;
         let idle_paused = self
             .live
@@ -66,6 +92,13 @@ impl Harness {
         self.touch(name);
         self.check_command(name, &spec.argv).await?;
         self.touch(name);
+        if caller.is_closed() {
+            // Gone while the command rules held the exec: nothing starts.
+            return Err(HarnessError::new(
+                ErrorKind::Conflict,
+                "the caller went away before the start",
+            ));
+        }
         let oom_before = record.cgroup.as_ref().map(|cg| cg.oom_kills());
         let id = self.next_process.fetch_add(1, Ordering::Relaxed);
         // The start is in the journal's file before the process starts; the fdatasync that makes
