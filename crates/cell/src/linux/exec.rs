@@ -175,6 +175,12 @@ impl ExecSession {
                 io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused
             ) {
                 ExecError::NotServing(name.to_owned())
+            } else if source.kind() == io::ErrorKind::WouldBlock {
+                ExecError::Io {
+                    what: "the cell's keeper takes no more requests (its queue is full)",
+                    cell: name.to_owned(),
+                    source,
+                }
             } else {
                 ExecError::Io {
                     what: "connecting to the cell's keeper",

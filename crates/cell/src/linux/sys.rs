@@ -585,13 +585,18 @@ pub fn accept(listener: BorrowedFd<'_>) -> io::Result<OwnedFd> {
     }
 }
 
-/// Connects to a datagram-sequence unix socket.
+/// Connects to a datagram-sequence unix socket without waiting: a listener whose backlog is
+/// full (one that stopped accepting) gives `WouldBlock` at once. The socket is blocking after.
 pub fn seqpacket_connect(path: &Path) -> io::Result<OwnedFd> {
+    use nix::fcntl::{FcntlArg, OFlag, fcntl};
     use nix::sys::socket::{UnixAddr, connect};
     let nix_err = |e: nix::Error| io::Error::from_raw_os_error(e as i32);
     let socket = seqpacket_socket()?;
+    let flags = OFlag::from_bits_truncate(fcntl(&socket, FcntlArg::F_GETFL).map_err(nix_err)?);
+    fcntl(&socket, FcntlArg::F_SETFL(flags | OFlag::O_NONBLOCK)).map_err(nix_err)?;
     let addr = UnixAddr::new(path).map_err(nix_err)?;
     connect(socket.as_raw_fd(), &addr).map_err(nix_err)?;
+    fcntl(&socket, FcntlArg::F_SETFL(flags)).map_err(nix_err)?;
     Ok(socket)
 }
 
@@ -698,5 +703,32 @@ pub fn reap_any() -> io::Result<Option<Reaped>> {
             system_us: micros(usage.ru_stime),
             max_rss_kib: usage.ru_maxrss as u64,
         }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn a_listener_that_stopped_accepting_is_reported_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("stuck.sock");
+        let _listener = seqpacket_listen(&path).unwrap();
+        // Nobody accepts: the queue fills, and the next connect fails instead of waiting.
+        let mut kept = Vec::new();
+        let refused = loop {
+            match seqpacket_connect(&path) {
+                Ok(socket) => kept.push(socket),
+                Err(err) => break err,
+            }
+            assert!(kept.len() < 10_000, "connect never refused");
+        };
+        assert_eq!(refused.kind(), io::ErrorKind::WouldBlock, "{refused}");
+        assert!(kept.len() >= 128, "{}", kept.len());
+        // A connected socket is blocking again.
+        let flags = nix::fcntl::fcntl(&kept[0], nix::fcntl::FcntlArg::F_GETFL).unwrap();
+        assert_eq!(flags & libc::O_NONBLOCK, 0);
     }
 }
