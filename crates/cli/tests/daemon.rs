@@ -1945,6 +1945,9 @@ fn exec_finds_programs_in_the_process_path_and_starts_them_clean() {
         (text.as_str(), exit["code"].as_i64()),
         ("mine /tmp/bin/mine\n", Some(0))
     );
+    // A relative entry is relative to the process's working directory.
+    let (text, _) = out(json!({ "argv": ["mine"], "cwd": "/tmp", "env": { "PATH": "bin" } }));
+    assert_eq!(text, "mine bin/mine\n");
     let (_, exit) = out(json!({ "argv": ["mine"] }));
     assert_eq!(exit["code"], 127, "{exit}");
     let (_, exit) = out(json!({ "argv": ["true"], "env": { "PATH": "/nowhere" } }));

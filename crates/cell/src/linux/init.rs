@@ -286,12 +286,13 @@ fn find_program(
     let mut existing = None;
     for dir in search.as_bytes().split(|b| *b == b':') {
         let dir = std::path::Path::new(std::ffi::OsStr::from_bytes(dir));
+        // Relative entries are relative to `cwd`, where the process is when it execs.
         let candidate = if dir.as_os_str().is_empty() {
-            cwd.join(program)
+            std::path::Path::new(".").join(program)
         } else {
-            cwd.join(dir).join(program)
+            dir.join(program)
         };
-        match std::fs::metadata(&candidate) {
+        match std::fs::metadata(cwd.join(&candidate)) {
             Ok(meta) if meta.is_file() && meta.permissions().mode() & 0o111 != 0 => {
                 return Some(candidate);
             }
