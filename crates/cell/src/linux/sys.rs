@@ -349,24 +349,26 @@ pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
     struct Actions(libc::posix_spawn_file_actions_t);
     impl Drop for Actions {
         fn drop(&mut self) {
-            // SAFETY: initialised by posix_spawn_file_actions_init below, destroyed once.
+            // SAFETY: made only from an initialised object (below), and dropped once.
             unsafe { libc::posix_spawn_file_actions_destroy(&mut self.0) };
         }
     }
     struct Attr(libc::posix_spawnattr_t);
     impl Drop for Attr {
         fn drop(&mut self) {
-            // SAFETY: initialised by posix_spawnattr_init below, destroyed once.
+            // SAFETY: made only from an initialised object (below), and dropped once.
             unsafe { libc::posix_spawnattr_destroy(&mut self.0) };
         }
     }
-    // SAFETY: both objects are plain C structs that the init functions fill in before any
-    // other use; the guards destroy them exactly once, after posix_spawn returned. Every
-    // pointer handed over (paths, argv, envp and their NULL-terminated arrays) points into
-    // locals that outlive the call, and the descriptors are borrowed, so open.
+    // SAFETY: both objects are plain C structs (no pointers into themselves, so they may move)
+    // that their init functions fill in before any other use; a guard takes each only once it
+    // is initialised and destroys it exactly once, after posix_spawn returned. Every pointer
+    // handed over (paths, argv, envp and their NULL-terminated arrays) points into locals that
+    // outlive the call, and the descriptors are borrowed, so open.
     unsafe {
-        let mut actions = Actions(std::mem::zeroed());
-        errno(libc::posix_spawn_file_actions_init(&mut actions.0))?;
+        let mut raw = std::mem::zeroed();
+        errno(libc::posix_spawn_file_actions_init(&mut raw))?;
+        let mut actions = Actions(raw);
         if let Some(stdio) = &what.stdio {
             for (target, fd) in stdio.iter().enumerate() {
                 errno(libc::posix_spawn_file_actions_adddup2(
@@ -380,8 +382,9 @@ pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
             &mut actions.0,
             cwd.as_ptr(),
         ))?;
-        let mut attr = Attr(std::mem::zeroed());
-        errno(libc::posix_spawnattr_init(&mut attr.0))?;
+        let mut raw = std::mem::zeroed();
+        errno(libc::posix_spawnattr_init(&mut raw))?;
+        let mut attr = Attr(raw);
         let mut none: libc::sigset_t = std::mem::zeroed();
         let mut all: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut none);
