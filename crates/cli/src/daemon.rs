@@ -174,9 +174,8 @@ async fn relay_process(client: &Client, cell: &str, spec: &Value, tty: bool) -> 
         .json(Method::POST, &format!("/v1/cells/{cell}/exec"), Some(spec))
         .await?;
     let id = started["id"].as_u64().unwrap_or(0);
-    if let Some(exit) = started.get("exit").filter(|e| !e.is_null()) {
-        return Ok(exit.clone());
-    }
+    // Even a process that has ended already (a quick one, or one that could not start) is read
+    // through its output: what it wrote is kept, and the stream ends with its exit.
     // stdin, from a thread of its own (reads block).
     let pump_client = client.clone();
     let stdin_path = format!("/v1/cells/{cell}/processes/{id}/stdin");

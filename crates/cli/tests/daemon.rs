@@ -1952,6 +1952,23 @@ fn exec_finds_programs_in_the_process_path_and_starts_them_clean() {
     assert_eq!(exit["code"], 127, "{exit}");
     let (_, exit) = out(json!({ "argv": ["true"], "env": { "PATH": "/nowhere" } }));
     assert_eq!(exit["code"], 127, "{exit}");
+    // A background exec that could not start is a process like any other: looked up, read.
+    let started = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["nosuch"], "background": true })),
+    );
+    assert_eq!(started.status, 201);
+    let id = started.json()["id"].as_u64().unwrap();
+    let info = daemon.call("GET", &format!("/v1/cells/{cell}/processes/{id}"), None);
+    assert_eq!(info.status, 200);
+    assert_eq!(info.json()["exit"]["code"], 127);
+    let output = daemon.call(
+        "GET",
+        &format!("/v1/cells/{cell}/processes/{id}/output"),
+        None,
+    );
+    assert_eq!(exit_of(&output.events())["reason"], "failed");
     // A file that is not executable is found and refused as such.
     out(json!({ "argv": ["sh", "-c", "printf 'echo no\\n' > /tmp/bin/plain"] }));
     let (_, exit) = out(json!({ "argv": ["plain"], "env": { "PATH": "/tmp/bin" } }));

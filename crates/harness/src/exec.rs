@@ -211,6 +211,9 @@ impl Harness {
                     stderr_bytes: 0,
                     journal_seq: Some(exit.seq),
                 });
+                // Listed like any other: its id can be looked up, waited for and read.
+                self.remember(name, &process);
+                self.forget_old(name);
                 return Ok(process);
             }
             other => {
@@ -253,12 +256,7 @@ impl Harness {
             )
             .with_output_limit(spec.output_limit),
         );
-        if let Ok(mut processes) = self.processes.lock() {
-            processes
-                .entry(name.to_owned())
-                .or_default()
-                .push(Arc::clone(&process));
-        }
+        self.remember(name, &process);
         if let Some(input) = &spec.stdin {
             let writer = Arc::clone(&process);
             let input = input.clone().into_bytes();
@@ -413,6 +411,15 @@ impl Harness {
             .ok()
             .and_then(|r| r.cgroup.map(|cg| cg.oom_kills()));
         matches!((before, now), (Some(b), Some(n)) if n > b)
+    }
+
+    fn remember(&self, name: &str, process: &Arc<Process>) {
+        if let Ok(mut processes) = self.processes.lock() {
+            processes
+                .entry(name.to_owned())
+                .or_default()
+                .push(Arc::clone(process));
+        }
     }
 
     /// Keeps the daemon's memory bounded: running processes stay, and the most recent ended
