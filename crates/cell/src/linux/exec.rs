@@ -17,7 +17,6 @@ use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsFd as _, AsRawFd as _, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
@@ -272,12 +271,12 @@ pub fn resize(master: std::os::fd::BorrowedFd<'_>, size: TtySize) -> io::Result<
 type Clients = Arc<Mutex<HashMap<u64, Arc<OwnedFd>>>>;
 
 /// The keeper's router: accepts clients on `path` and relays between them and the init's
-/// `channel`. Runs on its own threads for the rest of the keeper's life.
+/// `channel`, on two threads of its own (the init's events; every client) for the rest of the
+/// keeper's life.
 pub(super) fn serve(path: &Path, channel: OwnedFd) -> io::Result<()> {
     let listener = sys::seqpacket_listen(path)?;
     let channel = Arc::new(channel);
     let clients: Clients = Arc::new(Mutex::new(HashMap::new()));
-    let next_id = Arc::new(AtomicU64::new(1));
     {
         let channel = Arc::clone(&channel);
         let clients = Arc::clone(&clients);
@@ -287,44 +286,70 @@ pub(super) fn serve(path: &Path, channel: OwnedFd) -> io::Result<()> {
     }
     let path: PathBuf = path.to_path_buf();
     std::thread::Builder::new()
-        .name("exec-accept".to_owned())
+        .name("exec-clients".to_owned())
         .spawn(move || {
-            while let Ok(client) = sys::accept(listener.as_fd()) {
-                let client = Arc::new(client);
-                let id = next_id.fetch_add(1, Ordering::Relaxed);
-                // A client sends its request as it connects: forwarded from here, it reaches
-                // the init without waiting for a thread to start. The client's thread then
-                // relays its signals (or first waits for a request that was late).
-                let first = match sys::try_receive_message(client.as_fd()) {
-                    Err(err) if err.kind() == io::ErrorKind::WouldBlock => None,
-                    received => {
-                        if !forward_request(id, &client, received, &channel, &clients) {
-                            continue;
-                        }
-                        Some(())
-                    }
-                };
-                let channel = Arc::clone(&channel);
-                let clients = Arc::clone(&clients);
-                let _ = std::thread::Builder::new()
-                    .name("exec-client".to_owned())
-                    .spawn(move || {
-                        if first.is_some()
-                            || forward_request(
-                                id,
-                                &client,
-                                sys::receive_message(client.as_fd()),
-                                &channel,
-                                &clients,
-                            )
-                        {
-                            relay_signals(id, &client, &channel, &clients);
-                        }
-                    });
-            }
+            serve_clients(&listener, &channel, &clients);
             let _ = std::fs::remove_file(&path);
         })?;
     Ok(())
+}
+
+/// The keeper's one thread for every client: accepts them, passes each one's request to the
+/// init (a client sends it as it connects, so it is usually there at once), then its signals;
+/// a client's hang-up kills its process if that still runs.
+fn serve_clients(listener: &OwnedFd, channel: &OwnedFd, clients: &Clients) {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    // Connected clients, and whether their request was passed on yet.
+    let mut open: Vec<(u64, Arc<OwnedFd>, bool)> = Vec::new();
+    let mut next_id = 1u64;
+    loop {
+        let ready: Vec<bool> = {
+            let mut fds: Vec<PollFd<'_>> = std::iter::once(listener.as_fd())
+                .chain(open.iter().map(|(_, client, _)| client.as_fd()))
+                .map(|fd| PollFd::new(fd, PollFlags::POLLIN))
+                .collect();
+            match poll(&mut fds, PollTimeout::NONE) {
+                Ok(_) => {}
+                Err(nix::Error::EINTR) => continue,
+                Err(_) => return,
+            }
+            fds.iter()
+                .map(|fd| fd.revents().is_some_and(|r| !r.is_empty()))
+                .collect()
+        };
+        let mut index = 0;
+        open.retain_mut(|(id, client, forwarded)| {
+            index += 1;
+            if !ready[index] {
+                return true;
+            }
+            let received = sys::receive_message(client.as_fd());
+            if *forwarded {
+                relay(*id, received, channel, clients)
+            } else {
+                *forwarded = forward_request(*id, client, received, channel, clients);
+                *forwarded
+            }
+        });
+        if ready[0] {
+            let Ok(client) = sys::accept(listener.as_fd()) else {
+                return;
+            };
+            let client = Arc::new(client);
+            let id = next_id;
+            next_id += 1;
+            match sys::try_receive_message(client.as_fd()) {
+                Err(err) if err.kind() == io::ErrorKind::WouldBlock => {
+                    open.push((id, client, false));
+                }
+                received => {
+                    if forward_request(id, &client, received, channel, clients) {
+                        open.push((id, client, true));
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Events from the init go to the client of their id; the final one releases it.
@@ -422,37 +447,37 @@ fn forward_request(
     true
 }
 
-/// Later messages from a client are signals; its hang-up kills a process still running.
-fn relay_signals(id: u64, client: &OwnedFd, channel: &OwnedFd, clients: &Clients) {
-    loop {
-        let signal = match sys::receive_message(client.as_fd()) {
-            Ok(Some((payload, _))) => match serde_json::from_slice::<Request>(&payload) {
-                Ok(Request::Signal { signal, .. }) => signal,
-                _ => continue,
-            },
-            Ok(None) | Err(_) => {
-                let running = clients
-                    .lock()
-                    .is_ok_and(|mut map| map.remove(&id).is_some());
-                if running {
-                    let kill = Request::Signal {
-                        id,
-                        signal: libc::SIGKILL,
-                    };
-                    let _ = sys::send_message(
-                        channel.as_fd(),
-                        &serde_json::to_vec(&kill).unwrap_or_default(),
-                        &[],
-                    );
-                }
-                return;
+/// A later message from a client: a signal for its process, passed on; or its hang-up (false),
+/// which kills the process if it still runs.
+fn relay(
+    id: u64,
+    received: io::Result<Option<Message>>,
+    channel: &OwnedFd,
+    clients: &Clients,
+) -> bool {
+    let signal = match received {
+        Ok(Some((payload, _))) => match serde_json::from_slice::<Request>(&payload) {
+            Ok(Request::Signal { signal, .. }) => signal,
+            _ => return true,
+        },
+        Ok(None) | Err(_) => {
+            let running = clients
+                .lock()
+                .is_ok_and(|mut map| map.remove(&id).is_some());
+            if running {
+                signal_init(channel, id, libc::SIGKILL);
             }
-        };
-        let message = Request::Signal { id, signal };
-        let _ = sys::send_message(
-            channel.as_fd(),
-            &serde_json::to_vec(&message).unwrap_or_default(),
-            &[],
-        );
-    }
+            return false;
+        }
+    };
+    signal_init(channel, id, signal);
+    true
+}
+
+fn signal_init(channel: &OwnedFd, id: u64, signal: i32) {
+    let _ = sys::send_message(
+        channel.as_fd(),
+        &serde_json::to_vec(&Request::Signal { id, signal }).unwrap_or_default(),
+        &[],
+    );
 }
