@@ -136,6 +136,10 @@ pub enum Command {
         /// Close the journal's active segment for a new one at this size.
         #[arg(long, value_name = "MIB", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
         journal_segment_mib: u64,
+        /// Keep this many closed journal segments and remove older ones (default: keep all;
+        /// `warden audit verify` then proves the chain from the oldest one kept).
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+        journal_keep_segments: Option<u64>,
     },
     /// Make a long-lived cell through the daemon; run commands in it with `warden exec`.
     Create(CreateArgs),

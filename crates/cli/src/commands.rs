@@ -139,7 +139,13 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             listen,
             token_file,
             journal_segment_mib,
-        } => crate::daemon::serve(listen, token_file, journal_segment_mib),
+            journal_keep_segments,
+        } => crate::daemon::serve(
+            listen,
+            token_file,
+            journal_segment_mib,
+            journal_keep_segments.map(|n| n as usize),
+        ),
         Command::Create(args) => crate::daemon::create(args),
         Command::Cp { source, dest } => crate::daemon::copy(&source, &dest),
         Command::Logs {

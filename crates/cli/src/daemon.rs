@@ -299,13 +299,17 @@ pub fn serve(
     listen: Option<std::net::SocketAddr>,
     token_file: Option<PathBuf>,
     journal_segment_mib: u64,
+    journal_keep_segments: Option<usize>,
 ) -> Result<i32> {
     let config = warden_server::ServeConfig {
         harness: warden_harness::Config {
             runtime: runtime(),
             state: Store::default_root(),
             warden_exe: std::env::current_exe().context("finding the warden binary")?,
-            journal_segment_bytes: journal_segment_mib.saturating_mul(1024 * 1024),
+            journal_segments: warden_journal::Segments {
+                bytes: journal_segment_mib.saturating_mul(1024 * 1024),
+                keep: journal_keep_segments,
+            },
         },
         listen,
         token_file,

@@ -85,8 +85,8 @@ pub struct Config {
     pub state: PathBuf,
     /// The `warden` binary, started as each cell's keeper.
     pub warden_exe: PathBuf,
-    /// The journal's active segment is closed for a new one at this size.
-    pub journal_segment_bytes: u64,
+    /// How the journal closes and keeps its segments.
+    pub journal_segments: warden_journal::Segments,
 }
 
 /// A request to make a cell.
@@ -195,9 +195,8 @@ impl Harness {
         let store =
             Store::open(config.state.clone()).map_err(|e| HarnessError::internal(e.to_string()))?;
         let state = State::open(&daemon_dir.join("state.redb"))?;
-        let journal =
-            Journal::open_with(&config.state.join("journal"), config.journal_segment_bytes)
-                .map_err(|e| HarnessError::internal(e.to_string()))?;
+        let journal = Journal::open_with(&config.state.join("journal"), config.journal_segments)
+            .map_err(|e| HarnessError::internal(e.to_string()))?;
         let grants = state.grants()?;
         let (running, cut) = state::RunningLog::open(&daemon_dir.join("running.log"))?;
         let harness = Arc::new(Self {

@@ -26,7 +26,7 @@ pub use entry::{Entry, GENESIS, redact};
 pub use export::{Format, export};
 pub use keys::{KEY_FILE, PUBLIC_FILE, SigningKeys};
 pub use verify::{Report, VerifyError, verify};
-pub use writer::{DEFAULT_ROTATE_BYTES, Journal, JournalError, Receipt};
+pub use writer::{Journal, JournalError, Receipt, Segments};
 
 /// The active segment inside the journal directory.
 pub const JOURNAL_FILE: &str = "journal.jsonl";

@@ -22,8 +22,24 @@ use crate::{CHECKPOINT, JOURNAL_FILE, segment_name, segments};
 const CHECKPOINT_EVERY: u64 = 1024;
 /// ... or when entries have waited this long for one.
 const CHECKPOINT_AFTER: Duration = Duration::from_secs(5);
-/// The active segment is closed once it is this large (see `Journal::open_with`).
-pub const DEFAULT_ROTATE_BYTES: u64 = 64 * 1024 * 1024;
+/// How the journal keeps its segments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segments {
+    /// The active segment is closed for a new one once it is this large.
+    pub bytes: u64,
+    /// Closed segments kept (at least one, so that the chain left starts in a segment named
+    /// after its first entry); the oldest beyond this are removed. `None`: all are kept.
+    pub keep: Option<usize>,
+}
+
+impl Default for Segments {
+    fn default() -> Self {
+        Self {
+            bytes: 64 * 1024 * 1024,
+            keep: None,
+        }
+    }
+}
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum JournalError {
@@ -91,12 +107,12 @@ impl Journal {
     /// Opens (or starts) the journal in `dir`. A torn last line, left by a crash in the middle
     /// of a write that was never acknowledged, is cut off and the cut is recorded.
     pub fn open(dir: &Path) -> Result<Self, JournalError> {
-        Self::open_with(dir, DEFAULT_ROTATE_BYTES)
+        Self::open_with(dir, Segments::default())
     }
 
     /// Opens the journal, closing the active segment for a new one whenever it has grown past
-    /// `rotate_bytes`.
-    pub fn open_with(dir: &Path, rotate_bytes: u64) -> Result<Self, JournalError> {
+    /// `segments.bytes`, and keeping `segments.keep` closed ones.
+    pub fn open_with(dir: &Path, segments: Segments) -> Result<Self, JournalError> {
         fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
@@ -137,7 +153,8 @@ impl Journal {
             dir: dir.to_path_buf(),
             size,
             segment_first,
-            rotate_bytes: rotate_bytes.max(1),
+            rotate_bytes: segments.bytes.max(1),
+            keep_segments: segments.keep,
             keys,
             next_seq,
             prev,
@@ -426,6 +443,7 @@ struct WriterState {
     size: u64,
     segment_first: u64,
     rotate_bytes: u64,
+    keep_segments: Option<usize>,
     keys: SigningKeys,
     next_seq: u64,
     prev: String,
@@ -631,10 +649,26 @@ impl WriterState {
                 self.file = Arc::new(file);
                 self.size = 0;
                 self.segment_first = self.next_seq;
+                self.drop_old_segments();
             }
             Err(err) => {
                 self.stop(&err);
             }
+        }
+    }
+
+    /// Removes the oldest closed segments beyond the number to keep. The chain that is left
+    /// still verifies, from its first entry on (`verify` says where it starts).
+    fn drop_old_segments(&self) {
+        let Some(keep) = self.keep_segments else {
+            return;
+        };
+        let Ok(all) = segments(&self.dir) else {
+            return;
+        };
+        let closed: Vec<_> = all.iter().filter(|p| !p.ends_with(JOURNAL_FILE)).collect();
+        for old in closed.iter().take(closed.len().saturating_sub(keep.max(1))) {
+            let _ = fs::remove_file(old);
         }
     }
 
@@ -742,7 +776,11 @@ mod tests {
     #[test]
     fn segments_rotate_and_the_chain_runs_through_them() {
         let dir = tempfile::tempdir().unwrap();
-        let journal = Journal::open_with(dir.path(), 2_000).unwrap();
+        let small = Segments {
+            bytes: 2_000,
+            keep: None,
+        };
+        let journal = Journal::open_with(dir.path(), small).unwrap();
         for i in 0..60 {
             journal
                 .append(
@@ -769,7 +807,7 @@ mod tests {
         // the last closed segment.
         fs::remove_file(dir.path().join(JOURNAL_FILE)).unwrap();
         let last_closed = crate::verify(dir.path(), None).unwrap().last_seq;
-        let journal = Journal::open_with(dir.path(), 2_000).unwrap();
+        let journal = Journal::open_with(dir.path(), small).unwrap();
         let next = journal.append(None, "t.after", json!({})).unwrap();
         assert_eq!(next.seq, last_closed + 1);
         journal.close();
@@ -796,6 +834,28 @@ mod tests {
             err.to_string().contains(&format!("({name} line 1)")),
             "{err}"
         );
+    }
+
+    #[test]
+    fn only_the_newest_closed_segments_are_kept_when_asked() {
+        let dir = tempfile::tempdir().unwrap();
+        let keep_two = Segments {
+            bytes: 2_000,
+            keep: Some(2),
+        };
+        let journal = Journal::open_with(dir.path(), keep_two).unwrap();
+        for i in 0..80 {
+            journal
+                .append(None, "t", json!({ "i": i, "pad": "x".repeat(40) }))
+                .unwrap();
+        }
+        let last = journal.append(None, "t.last", json!({})).unwrap();
+        journal.close();
+        let files = segments(dir.path()).unwrap();
+        assert_eq!(files.len(), 3, "two closed and the active one: {files:?}");
+        let report = crate::verify(dir.path(), None).unwrap();
+        assert!(report.first_seq > 1, "{report:?}");
+        assert!(report.last_seq > last.seq, "{report:?}");
     }
 
     #[test]
