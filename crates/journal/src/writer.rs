@@ -657,9 +657,9 @@ impl WriterState {
         }
     }
 
-    /// Removes the oldest closed segments beyond the number to keep. The chain that is left
-    /// still verifies, from its first entry on (`verify` says where it starts).
-    fn drop_old_segments(&self) {
+    /// Removes the oldest closed segments beyond the number to keep, and journals which. The
+    /// chain that is left still verifies, from its first entry on (`verify` says where).
+    fn drop_old_segments(&mut self) {
         let Some(keep) = self.keep_segments else {
             return;
         };
@@ -667,9 +667,26 @@ impl WriterState {
             return;
         };
         let closed: Vec<_> = all.iter().filter(|p| !p.ends_with(JOURNAL_FILE)).collect();
-        for old in closed.iter().take(closed.len().saturating_sub(keep.max(1))) {
-            let _ = fs::remove_file(old);
+        let removed: Vec<String> = closed
+            .iter()
+            .take(closed.len().saturating_sub(keep.max(1)))
+            .filter(|old| fs::remove_file(old).is_ok())
+            .filter_map(|old| old.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .collect();
+        if removed.is_empty() {
+            return;
         }
+        let entry = self.seal(
+            None,
+            "journal.pruned".to_owned(),
+            json!({ "removed": removed, "keep": keep.max(1) }),
+        );
+        self.unwritten.extend_from_slice(&entry.to_line());
+        self.unwritten.push(b'\n');
+        self.since_checkpoint += 1;
+        self.oldest_unsigned.get_or_insert_with(Instant::now);
+        // On disk with the next round, or the next checkpoint at the latest.
+        let _ = self.write_unwritten();
     }
 
     /// After a failed write or sync nothing more is accepted: what follows could not be
@@ -856,6 +873,16 @@ mod tests {
         let report = crate::verify(dir.path(), None).unwrap();
         assert!(report.first_seq > 1, "{report:?}");
         assert!(report.last_seq > last.seq, "{report:?}");
+        // Each removal is in the journal, naming what went.
+        let mut text = Vec::new();
+        crate::export(dir.path(), crate::Format::Jsonl, None, None, &mut text).unwrap();
+        let text = String::from_utf8(text).unwrap();
+        let pruned: Vec<&str> = text
+            .lines()
+            .filter(|l| l.contains("\"journal.pruned\""))
+            .collect();
+        assert!(!pruned.is_empty(), "{text}");
+        assert!(pruned[pruned.len() - 1].contains("journal-0"), "{pruned:?}");
     }
 
     #[test]
