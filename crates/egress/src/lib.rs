@@ -10,6 +10,7 @@ mod approvals;
 mod dns;
 mod host;
 mod proxy;
+mod pump;
 mod record;
 mod rules;
 mod secrets;

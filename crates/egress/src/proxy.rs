@@ -13,6 +13,7 @@ use std::time::Duration;
 use serde_json::json;
 
 use crate::host::{Host, split_authority};
+use crate::pump::pump;
 use crate::record::{Decision, Log};
 use crate::rules::{Request, Rules, Verdict};
 use crate::secrets::{Replacer, Secret, Secrets};
@@ -1114,23 +1115,6 @@ fn tunnel_bytes(
     let _ = client_write.shutdown(Shutdown::Write);
     let (up, refused) = up.join().unwrap_or((0, None));
     (up, down, refused)
-}
-
-/// Copies from one socket to another until end of stream or error, with a buffer large enough
-/// to keep the system calls few (`io::copy` uses 8 KiB). Returns the bytes copied.
-fn pump(mut from: &TcpStream, mut to: &TcpStream) -> u64 {
-    let mut buf = vec![0u8; 256 * 1024];
-    let mut total = 0u64;
-    loop {
-        let n = match from.read(&mut buf) {
-            Ok(0) | Err(_) => return total,
-            Ok(n) => n,
-        };
-        if to.write_all(&buf[..n]).is_err() {
-            return total;
-        }
-        total += n as u64;
-    }
 }
 
 /// Where a redirected connection was going before nftables sent it to the gateway.
