@@ -19,7 +19,7 @@ mod tls;
 
 pub use approvals::{AnswerError, Approvals, Question, answer, pending};
 pub use host::{Host, HostError};
-pub use proxy::Gateway;
+pub use proxy::{Gateway, Resolver};
 pub use record::{Decision, read_log};
 pub use rules::{Request, Rules, RulesError, Verdict};
 pub use secrets::{SecretError, Secrets};

@@ -38,9 +38,27 @@ pub struct Gateway {
     active: Arc<Mutex<HashMap<u64, Active>>>,
     next_id: Arc<AtomicU64>,
     /// Addresses handed out by the gateway's DNS, with the name they were resolved from.
-    names: Arc<Mutex<HashMap<std::net::IpAddr, Host>>>,
+    names: Arc<Mutex<crate::dns::Answered>>,
     /// Where `ask` rules put their questions; without it, what they match is refused.
     approvals: Option<Arc<crate::Approvals>>,
+    /// How names become addresses: the host's resolver, unless replaced.
+    resolver: Lookup,
+}
+
+#[derive(Clone)]
+struct Lookup(Resolver);
+
+impl std::fmt::Debug for Lookup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Resolver")
+    }
+}
+
+/// Looks a name up, as the host's resolver does (`getaddrinfo`): the addresses, or why none.
+pub type Resolver = Arc<dyn Fn(&str) -> io::Result<Vec<std::net::IpAddr>> + Send + Sync>;
+
+fn host_resolver(name: &str) -> io::Result<Vec<std::net::IpAddr>> {
+    Ok((name, 0).to_socket_addrs()?.map(|a| a.ip()).collect())
 }
 
 /// A connection the gateway let out and still relays: re-decided when the rules change.
@@ -83,9 +101,21 @@ impl Gateway {
             interceptor: interceptor.map(Arc::new),
             active: Arc::new(Mutex::new(HashMap::new())),
             next_id: Arc::new(AtomicU64::new(0)),
-            names: Arc::new(Mutex::new(HashMap::new())),
+            names: Arc::new(Mutex::new(crate::dns::Answered::default())),
             approvals: None,
+            resolver: Lookup(Arc::new(host_resolver)),
         })
+    }
+
+    /// Looks names up with `resolver` instead of the host's resolver.
+    pub fn with_resolver(mut self, resolver: Resolver) -> Self {
+        self.resolver = Lookup(resolver);
+        self
+    }
+
+    /// The addresses of `name`, by the gateway's resolver.
+    pub(crate) fn lookup(&self, name: &str) -> io::Result<Vec<std::net::IpAddr>> {
+        (self.resolver.0)(name)
     }
 
     /// Lets `ask` rules hold connections for a person's answer.
@@ -119,7 +149,7 @@ impl Gateway {
     /// Remembers that the gateway's DNS answered `host` with `ip`.
     pub(crate) fn remember(&self, ip: std::net::IpAddr, host: &Host) {
         if let Ok(mut names) = self.names.lock() {
-            names.insert(ip, host.clone());
+            names.insert(ip, host);
         }
     }
 
@@ -244,7 +274,7 @@ impl Gateway {
                 .names
                 .lock()
                 .ok()
-                .and_then(|names| names.get(&destination.ip()).cloned())
+                .and_then(|names| names.get(destination.ip()))
                 .unwrap_or(Host::Ip(destination.ip())),
         };
         let rules = self.rules();
@@ -266,9 +296,9 @@ impl Gateway {
         }
         if verdict.allowed {
             if let Host::Name(name) = &host {
-                let resolves = (name.as_str(), port)
-                    .to_socket_addrs()
-                    .is_ok_and(|mut a| a.any(|a| a.ip() == destination.ip()));
+                let resolves = self
+                    .lookup(name.as_str())
+                    .is_ok_and(|a| a.contains(&destination.ip()));
                 if !resolves {
                     verdict = Verdict::new(
                         false,
@@ -428,9 +458,11 @@ impl Gateway {
         let rules = self.rules();
         let candidates: Vec<SocketAddr> = match host {
             Host::Ip(ip) => vec![SocketAddr::new(*ip, port)],
-            Host::Name(name) => (name.as_str(), port)
-                .to_socket_addrs()
+            Host::Name(name) => self
+                .lookup(name.as_str())
                 .map_err(|e| format!("cannot resolve {name}: {e}"))?
+                .into_iter()
+                .map(|ip| SocketAddr::new(ip, port))
                 .collect(),
         };
         let allowed: Vec<SocketAddr> = candidates
