@@ -561,13 +561,7 @@ impl Gateway {
         let Ok(server) = rustls::ServerConnection::new(config) else {
             return;
         };
-        let mut client = rustls::StreamOwned::new(
-            server,
-            Prefixed {
-                early: io::Cursor::new(early),
-                inner,
-            },
-        );
+        let mut client = rustls::StreamOwned::new(server, Prefixed::new(early, inner));
         let Ok((head, rest)) = read_head(&mut client) else {
             return;
         };
@@ -664,7 +658,7 @@ impl Gateway {
         let Ok(tls) = rustls::ClientConnection::new(interceptor.client(), server_name) else {
             return;
         };
-        let mut upstream = rustls::StreamOwned::new(tls, upstream_tcp);
+        let mut upstream = rustls::StreamOwned::new(tls, Prefixed::new(Vec::new(), upstream_tcp));
         let credential = verdict
             .credential
             .as_deref()
@@ -1037,16 +1031,50 @@ fn upstream_request(
     out
 }
 
-/// Reads from an already-read prefix, then from the stream; writes go to the stream.
+/// Reads from an already-read prefix, then from the stream; writes go to the stream. Reads
+/// from the stream are made ahead, into a buffer that grows (16 KiB to 1 MiB) while they fill
+/// it: rustls asks for 4 KiB at a time, which on a bulk transfer would be a system call for
+/// every TLS record.
 struct Prefixed {
-    early: io::Cursor<Vec<u8>>,
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
     inner: TcpStream,
 }
 
+impl Prefixed {
+    const FIRST_AHEAD: usize = 16 * 1024;
+    const MAX_AHEAD: usize = 1 << 20;
+
+    fn new(early: Vec<u8>, inner: TcpStream) -> Self {
+        let end = early.len();
+        let mut buf = early;
+        buf.resize(end.max(Self::FIRST_AHEAD), 0);
+        Self {
+            buf,
+            start: 0,
+            end,
+            inner,
+        }
+    }
+}
+
 impl Read for Prefixed {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let n = self.early.read(buf)?;
-        if n > 0 { Ok(n) } else { self.inner.read(buf) }
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        if out.is_empty() {
+            return Ok(0);
+        }
+        if self.start == self.end {
+            let n = self.inner.read(&mut self.buf)?;
+            (self.start, self.end) = (0, n);
+            if n == self.buf.len() && n < Self::MAX_AHEAD {
+                self.buf.resize(n * 2, 0);
+            }
+        }
+        let n = out.len().min(self.end - self.start);
+        out[..n].copy_from_slice(&self.buf[self.start..self.start + n]);
+        self.start += n;
+        Ok(n)
     }
 }
 
@@ -1179,6 +1207,35 @@ mod tests {
             .iter()
             .map(|(n, v)| ((*n).to_owned(), v.as_bytes().to_vec()))
             .collect()
+    }
+
+    #[test]
+    fn a_prefixed_stream_gives_the_prefix_then_the_stream_whole_and_reads_ahead() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut writer = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (reader, _) = listener.accept().unwrap();
+        let data: Vec<u8> = (0..5u32 << 20).map(|i| (i % 251) as u8).collect();
+        let sent = data.clone();
+        let feeder = std::thread::spawn(move || {
+            writer.write_all(&sent).unwrap();
+        });
+        let mut stream = Prefixed::new(b"early bytes|".to_vec(), reader);
+        let mut received = Vec::new();
+        // rustls's way: 4 KiB at a time, and an empty read that must not wait.
+        let mut chunk = [0u8; 4096];
+        assert_eq!(stream.read(&mut []).unwrap(), 0);
+        while received.len() < 12 + data.len() {
+            let n = stream.read(&mut chunk).unwrap();
+            assert!(n > 0, "the stream ended early");
+            received.extend_from_slice(&chunk[..n]);
+        }
+        feeder.join().unwrap();
+        assert_eq!(&received[..12], b"early bytes|");
+        assert!(received[12..] == data[..], "the stream's bytes differ");
+        assert!(
+            stream.buf.len() > Prefixed::FIRST_AHEAD,
+            "no read was made ahead"
+        );
     }
 
     #[test]
