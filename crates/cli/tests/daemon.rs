@@ -346,9 +346,17 @@ fn a_crashed_daemon_leaves_cells_controllable_and_the_journal_whole() {
             .to_string();
         exchange(stream, "POST", &path, Some(&body), &[])
     });
+    let quiet_socket = daemon.socket();
+    let quiet_path = format!("/v1/cells/{cell}/exec");
+    let quiet = std::thread::spawn(move || {
+        let stream = std::os::unix::net::UnixStream::connect(quiet_socket).unwrap();
+        let body = json!({ "argv": ["sleep", "1000"] }).to_string();
+        exchange(stream, "POST", &quiet_path, Some(&body), &[])
+    });
     std::thread::sleep(Duration::from_millis(500));
     daemon.restart();
     let cut = streaming.join().unwrap();
+    quiet.join().unwrap();
     assert!(
         String::from_utf8_lossy(&cut.body).contains("tick"),
         "output streamed before the crash"
@@ -363,6 +371,22 @@ fn a_crashed_daemon_leaves_cells_controllable_and_the_journal_whole() {
     );
     let events = daemon.exec(&cell, json!({ "argv": ["echo", "after"] }));
     assert_eq!(stream_bytes(&events, "stdout"), b"after\n");
+    // A quiet process whose client was the dead daemon lost that client (its pipes may stay
+    // quiet forever), so the cell's init killed it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let events = daemon.exec(&cell, json!({ "argv": ["ps", "-eo", "args"] }));
+        let listing = String::from_utf8(stream_bytes(&events, "stdout")).unwrap();
+        assert!(listing.contains("ps -eo args"), "{listing}");
+        if !listing.contains("while true") && !listing.contains("sleep 1000") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the process of the lost client still runs: {listing}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     assert_eq!(
         daemon
             .call("POST", &format!("/v1/cells/{cell}/pause"), None)
@@ -1929,6 +1953,9 @@ fn exec_finds_programs_in_the_process_path_and_starts_them_clean() {
     assert_eq!(field("SigBlk:"), 0, "{status}");
     // SIGHUP..SIGTERM and SIGPIPE (bits 0-14) are at their defaults.
     assert_eq!(field("SigIgn:") & 0x7fff, 0, "{status}");
+    // Nothing but its stdio is open in it: not the client's socket, not the init's channel.
+    let (fds, _) = out(json!({ "argv": ["sh", "-c", "ls /proc/$$/fd"] }));
+    assert_eq!(fds.split_whitespace().collect::<Vec<_>>(), ["0", "1", "2"]);
     // argv[0] stays as given; the process leads a group of its own.
     let (text, _) = out(json!({ "argv": ["sh", "-c", "echo $0; ps -o pgid= -p $$; echo $$"] }));
     let lines: Vec<&str> = text.lines().map(str::trim).collect();

@@ -4,20 +4,20 @@
 //! between its keeper (the warden process that started it, outside the cell) and its init. A
 //! client connects to the keeper's owner-only socket `exec.sock` in the cell's runtime folder,
 //! sends one request with three descriptors (stdin, stdout, stderr), and reads events until the
-//! process ends. The keeper routes requests and events between clients and the init; the init,
-//! already inside every namespace, cgroup, Landlock domain and seccomp filter of the cell, forks
-//! the process, so it is confined exactly like the cell's first command, and starts without
-//! paying for a cgroup move.
+//! process ends. The keeper checks the request and passes it to the init together with the
+//! client's socket, then lets go of it: the init sends the process's events to the client and
+//! takes its signals (and its hang-up, which kills the process) directly. The init, already
+//! inside every namespace, cgroup, Landlock domain and seccomp filter of the cell, starts the
+//! process, so it is confined exactly like the cell's first command, and starts without paying
+//! for a cgroup move.
 //!
 //! The process's output goes straight into the client's pipes: the warden sees every byte
 //! itself. Its exit status is the one fact the init reports; the init is not dumpable, so no
 //! other process of the cell can ptrace it or write its memory.
 
-use std::collections::HashMap;
 use std::io;
-use std::os::fd::{AsFd as _, AsRawFd as _, OwnedFd};
+use std::os::fd::{AsFd as _, AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
@@ -111,15 +111,6 @@ pub struct Usage {
 }
 
 impl ExecEvent {
-    fn id(&self) -> u64 {
-        match self {
-            Self::Started { id, .. }
-            | Self::Failed { id, .. }
-            | Self::Exited { id, .. }
-            | Self::Signaled { id, .. } => *id,
-        }
-    }
-
     /// Whether this is the last event of its process.
     pub fn is_final(&self) -> bool {
         !matches!(self, Self::Started { .. })
@@ -268,44 +259,33 @@ pub fn resize(master: std::os::fd::BorrowedFd<'_>, size: TtySize) -> io::Result<
     sys::set_window_size(master, size.rows, size.cols)
 }
 
-type Clients = Arc<Mutex<HashMap<u64, Arc<OwnedFd>>>>;
-
-/// The keeper's router: accepts clients on `path` and relays between them and the init's
-/// `channel`, on two threads of its own (the init's events; every client) for the rest of the
-/// keeper's life.
+/// The keeper's router: accepts clients on `path` and passes each one's request, with the
+/// client's own socket, to the init's `channel`, on a thread of its own for the rest of the
+/// keeper's life. From then on the init and the client talk directly (events out, signals
+/// and the hang-up in), so no event waits on a relay.
 pub(super) fn serve(path: &Path, channel: OwnedFd) -> io::Result<()> {
     let listener = sys::seqpacket_listen(path)?;
-    let channel = Arc::new(channel);
-    let clients: Clients = Arc::new(Mutex::new(HashMap::new()));
-    {
-        let channel = Arc::clone(&channel);
-        let clients = Arc::clone(&clients);
-        std::thread::Builder::new()
-            .name("exec-events".to_owned())
-            .spawn(move || route_events(&channel, &clients))?;
-    }
     let path: PathBuf = path.to_path_buf();
     std::thread::Builder::new()
         .name("exec-clients".to_owned())
         .spawn(move || {
-            serve_clients(&listener, &channel, &clients);
+            serve_clients(&listener, &channel);
             let _ = std::fs::remove_file(&path);
         })?;
     Ok(())
 }
 
-/// The keeper's one thread for every client: accepts them, passes each one's request to the
-/// init (a client sends it as it connects, so it is usually there at once), then its signals;
-/// a client's hang-up kills its process if that still runs.
-fn serve_clients(listener: &OwnedFd, channel: &OwnedFd, clients: &Clients) {
+/// The keeper's one thread for every client: accepts them and passes each one's request to the
+/// init (a client sends it as it connects, so it is usually there at once).
+fn serve_clients(listener: &OwnedFd, channel: &OwnedFd) {
     use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
-    // Connected clients, and whether their request was passed on yet.
-    let mut open: Vec<(u64, Arc<OwnedFd>, bool)> = Vec::new();
+    // Clients whose request has not come yet.
+    let mut waiting: Vec<OwnedFd> = Vec::new();
     let mut next_id = 1u64;
     loop {
         let ready: Vec<bool> = {
             let mut fds: Vec<PollFd<'_>> = std::iter::once(listener.as_fd())
-                .chain(open.iter().map(|(_, client, _)| client.as_fd()))
+                .chain(waiting.iter().map(OwnedFd::as_fd))
                 .map(|fd| PollFd::new(fd, PollFlags::POLLIN))
                 .collect();
             match poll(&mut fds, PollTimeout::NONE) {
@@ -318,76 +298,41 @@ fn serve_clients(listener: &OwnedFd, channel: &OwnedFd, clients: &Clients) {
                 .collect()
         };
         let mut index = 0;
-        open.retain_mut(|(id, client, forwarded)| {
+        waiting.retain(|client| {
             index += 1;
             if !ready[index] {
                 return true;
             }
             let received = sys::receive_message(client.as_fd());
-            if *forwarded {
-                relay(*id, received, channel, clients)
-            } else {
-                *forwarded = forward_request(*id, client, received, channel, clients);
-                *forwarded
-            }
+            forward_request(next_id, client, received, channel);
+            next_id += 1;
+            false
         });
         if ready[0] {
             let Ok(client) = sys::accept(listener.as_fd()) else {
                 return;
             };
-            let client = Arc::new(client);
-            let id = next_id;
-            next_id += 1;
             match sys::try_receive_message(client.as_fd()) {
-                Err(err) if err.kind() == io::ErrorKind::WouldBlock => {
-                    open.push((id, client, false));
-                }
+                Err(err) if err.kind() == io::ErrorKind::WouldBlock => waiting.push(client),
                 received => {
-                    if forward_request(id, &client, received, channel, clients) {
-                        open.push((id, client, true));
-                    }
+                    forward_request(next_id, &client, received, channel);
+                    next_id += 1;
                 }
             }
-        }
-    }
-}
-
-/// Events from the init go to the client of their id; the final one releases it.
-fn route_events(channel: &OwnedFd, clients: &Clients) {
-    while let Ok(Some((payload, fds))) = sys::receive_message(channel.as_fd()) {
-        let Ok(event) = serde_json::from_slice::<ExecEvent>(&payload) else {
-            continue;
-        };
-        let id = event.id();
-        let client = match clients.lock() {
-            Ok(mut map) if event.is_final() => map.remove(&id),
-            Ok(map) => map.get(&id).cloned(),
-            Err(_) => None,
-        };
-        if let Some(client) = client {
-            let raw: Vec<_> = fds.iter().map(|fd| fd.as_raw_fd()).collect();
-            let _ = sys::send_message(client.as_fd(), &payload, &raw);
-        }
-    }
-    // The init is gone, and with it every process: hang up on every client.
-    if let Ok(mut map) = clients.lock() {
-        for (_, client) in map.drain() {
-            let _ =
-                nix::sys::socket::shutdown(client.as_raw_fd(), nix::sys::socket::Shutdown::Both);
         }
     }
 }
 
 type Message = (Vec<u8>, Vec<OwnedFd>);
 
-/// Checks a client's request and passes it to the init; false when there is nothing to serve.
+/// Checks a client's request and passes it, with the client's socket, to the init; a request
+/// that cannot be served is answered with `failed` here.
 fn forward_request(
     id: u64,
-    client: &Arc<OwnedFd>,
+    client: &OwnedFd,
     received: io::Result<Option<Message>>,
     channel: &OwnedFd,
-    clients: &Clients,
-) -> bool {
+) {
     let refuse = |message: String| {
         let event = ExecEvent::Failed {
             id: 0,
@@ -402,82 +347,30 @@ fn forward_request(
     };
     let (payload, fds) = match received {
         Ok(Some(message)) => message,
-        Ok(None) => return false,
-        Err(err) => {
-            refuse(format!("unreadable exec request: {err}"));
-            return false;
-        }
+        Ok(None) => return,
+        Err(err) => return refuse(format!("unreadable exec request: {err}")),
     };
     let request = match serde_json::from_slice::<Request>(&payload) {
         Ok(Request::Exec { request, .. }) => request,
-        Ok(Request::Signal { .. }) => {
-            refuse("a signal before any exec".to_owned());
-            return false;
-        }
-        Err(err) => {
-            refuse(format!("unreadable exec request: {err}"));
-            return false;
-        }
+        Ok(Request::Signal { .. }) => return refuse("a signal before any exec".to_owned()),
+        Err(err) => return refuse(format!("unreadable exec request: {err}")),
     };
     let wanted = if request.tty.is_some() { 0 } else { 3 };
     if fds.len() != wanted {
-        refuse(format!(
+        return refuse(format!(
             "an exec request needs {wanted} descriptors (stdin, stdout, stderr; none on a terminal), got {}",
             fds.len()
         ));
-        return false;
-    }
-    if let Ok(mut map) = clients.lock() {
-        map.insert(id, Arc::clone(client));
     }
     let forward = Request::Exec { id, request };
-    let raw: Vec<_> = fds.iter().map(|fd| fd.as_raw_fd()).collect();
-    let sent = sys::send_message(
+    let raw: Vec<_> = std::iter::once(client.as_raw_fd())
+        .chain(fds.iter().map(AsRawFd::as_raw_fd))
+        .collect();
+    // A failed send means the init is gone: the client hears the end of the cell when this
+    // copy of its socket closes.
+    let _ = sys::send_message(
         channel.as_fd(),
         &serde_json::to_vec(&forward).unwrap_or_default(),
         &raw,
-    );
-    drop(fds);
-    if sent.is_err() {
-        if let Ok(mut map) = clients.lock() {
-            map.remove(&id);
-        }
-        return false;
-    }
-    true
-}
-
-/// A later message from a client: a signal for its process, passed on; or its hang-up (false),
-/// which kills the process if it still runs.
-fn relay(
-    id: u64,
-    received: io::Result<Option<Message>>,
-    channel: &OwnedFd,
-    clients: &Clients,
-) -> bool {
-    let signal = match received {
-        Ok(Some((payload, _))) => match serde_json::from_slice::<Request>(&payload) {
-            Ok(Request::Signal { signal, .. }) => signal,
-            _ => return true,
-        },
-        Ok(None) | Err(_) => {
-            let running = clients
-                .lock()
-                .is_ok_and(|mut map| map.remove(&id).is_some());
-            if running {
-                signal_init(channel, id, libc::SIGKILL);
-            }
-            return false;
-        }
-    };
-    signal_init(channel, id, signal);
-    true
-}
-
-fn signal_init(channel: &OwnedFd, id: u64, signal: i32) {
-    let _ = sys::send_message(
-        channel.as_fd(),
-        &serde_json::to_vec(&Request::Signal { id, signal }).unwrap_or_default(),
-        &[],
     );
 }

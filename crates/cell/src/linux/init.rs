@@ -440,8 +440,14 @@ struct Started {
     exec: Option<OwnedFd>,
 }
 
+/// A process exec'd into the cell, and the client it answers to (gone once it hung up).
+struct Exec {
+    id: u64,
+    client: Option<OwnedFd>,
+}
+
 /// Reaps every process until the command exits, then exits with its status; forwards signals;
-/// starts execs; ends the cell if the warden dies.
+/// starts execs and talks to their clients directly; ends the cell if the warden dies.
 fn supervise(
     Started {
         main,
@@ -454,9 +460,14 @@ fn supervise(
     use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
     use std::collections::HashMap;
     use std::os::fd::AsFd as _;
-    // Exec'd processes: pid -> the keeper's id for them.
-    let mut execs: HashMap<Pid, u64> = HashMap::new();
+    let mut execs: HashMap<Pid, Exec> = HashMap::new();
     loop {
+        // Clients still connected, watched for their signals and their hang-up.
+        let watched: Vec<Pid> = execs
+            .iter()
+            .filter(|(_, e)| e.client.is_some())
+            .map(|(pid, _)| *pid)
+            .collect();
         let mut fds = vec![
             PollFd::new(signals.as_fd(), PollFlags::POLLIN),
             PollFd::new(lifeline.as_fd(), PollFlags::POLLIN),
@@ -464,6 +475,13 @@ fn supervise(
         if let Some(exec) = &exec {
             fds.push(PollFd::new(exec.as_fd(), PollFlags::POLLIN));
         }
+        let first_client = fds.len();
+        fds.extend(
+            watched
+                .iter()
+                .filter_map(|pid| execs.get(pid).and_then(|e| e.client.as_ref()))
+                .map(|client| PollFd::new(client.as_fd(), PollFlags::POLLIN)),
+        );
         match poll(&mut fds, PollTimeout::NONE) {
             Ok(_) | Err(nix::Error::EINTR) => {}
             Err(_) => sys::exit_now(SETUP_FAILED),
@@ -477,15 +495,26 @@ fn supervise(
             // The warden is gone: exiting makes the kernel kill everything in the pid namespace.
             sys::exit_now(SETUP_FAILED);
         }
-        let (exec_ready, signal_ready) = (ready(2), ready(0));
+        let (exec_ready, signal_ready) = (exec.is_some() && ready(2), ready(0));
+        let clients_ready: Vec<Pid> = watched
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| ready(first_client + i))
+            .map(|(_, pid)| *pid)
+            .collect();
         drop(fds);
         if let (true, Some(channel)) = (exec_ready, &exec) {
             match sys::receive_message(channel.as_fd()) {
                 Ok(Some((payload, received))) => {
-                    handle_exec_message(channel, &payload, received, plan, &mut execs);
+                    start_exec(&payload, received, plan, &mut execs);
                 }
                 // The keeper is gone: so is the cell.
                 Ok(None) | Err(_) => sys::exit_now(SETUP_FAILED),
+            }
+        }
+        for pid in clients_ready {
+            if let Some(exec) = execs.get_mut(&pid) {
+                serve_client(pid, exec);
             }
         }
         if !signal_ready {
@@ -502,7 +531,11 @@ fn supervise(
                 if Some(pid) == main {
                     sys::exit_now(reaped.status.unwrap_or_else(|signal| 128 + signal));
                 }
-                if let (Some(id), Some(channel)) = (execs.remove(&pid), &exec) {
+                if let Some(Exec {
+                    id,
+                    client: Some(client),
+                }) = execs.remove(&pid)
+                {
                     let usage = Some(Usage {
                         cpu_user_ms: reaped.user_us / 1000,
                         cpu_system_ms: reaped.system_us / 1000,
@@ -512,7 +545,7 @@ fn supervise(
                         Ok(code) => ExecEvent::Exited { id, code, usage },
                         Err(signal) => ExecEvent::Signaled { id, signal, usage },
                     };
-                    send_event(channel, &event);
+                    send_event(&client, &event, &[]);
                 }
             }
         } else if let (Ok(signal), Some(main)) = (Signal::try_from(info.ssi_signo as i32), main) {
@@ -521,92 +554,115 @@ fn supervise(
     }
 }
 
-fn send_event(channel: &OwnedFd, event: &ExecEvent) {
+/// Sends an event to an exec's client. Never waits: the client reads as it goes, and one
+/// that does not must not hold the cell's init.
+fn send_event(client: &OwnedFd, event: &ExecEvent, fds: &[RawFd]) {
     use std::os::fd::AsFd as _;
-    let _ = sys::send_message(
-        channel.as_fd(),
+    let _ = sys::send_message_nowait(
+        client.as_fd(),
         &serde_json::to_vec(event).unwrap_or_default(),
-        &[],
+        fds,
     );
 }
 
-/// Starts an exec'd process, or passes a signal to one.
-fn handle_exec_message(
-    channel: &OwnedFd,
+/// A message from an exec's client: a signal for its process's group; or its hang-up, which
+/// kills the process (nobody is left to hear how it ends).
+fn serve_client(pid: Pid, exec: &mut Exec) {
+    use std::os::fd::AsFd as _;
+    let Some(client) = &exec.client else { return };
+    let signal = match sys::try_receive_message(client.as_fd()) {
+        Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => return,
+        Ok(Some((payload, _))) => match serde_json::from_slice::<Request>(&payload) {
+            Ok(Request::Signal { signal, .. }) => Signal::try_from(signal).ok(),
+            _ => None,
+        },
+        Ok(None) | Err(_) => {
+            exec.client = None;
+            Some(Signal::SIGKILL)
+        }
+    };
+    if let Some(signal) = signal {
+        let _ = kill(Pid::from_raw(-pid.as_raw()), signal);
+    }
+}
+
+/// Starts a process asked for by the keeper: the descriptors are the client's socket (where
+/// its events go, and its signals come from), then its stdin, stdout and stderr (none for a
+/// terminal, which is made here).
+fn start_exec(
     payload: &[u8],
-    received: Vec<OwnedFd>,
+    mut received: Vec<OwnedFd>,
     plan: &CellPlan,
-    execs: &mut std::collections::HashMap<Pid, u64>,
+    execs: &mut std::collections::HashMap<Pid, Exec>,
 ) {
-    match serde_json::from_slice::<Request>(payload) {
-        Ok(Request::Exec { id, request }) => {
-            let fail = |message: String| {
-                send_event(
-                    channel,
-                    &ExecEvent::Failed {
-                        id,
-                        code: NOT_EXECUTABLE,
-                        message,
-                    },
-                )
-            };
-            // A terminal is made here, in the cell's own devpts; its master goes back to the
-            // warden with the `started` event.
-            let (stdio, master) = match request.tty {
-                Some(size) => {
-                    let made = sys::open_pty().and_then(|(master, slave)| {
-                        use std::os::fd::AsFd as _;
-                        sys::set_window_size(slave.as_fd(), size.rows, size.cols)?;
-                        let (a, b) = (slave.try_clone()?, slave.try_clone()?);
-                        Ok(([a, b, slave], master))
-                    });
-                    match made {
-                        Ok((stdio, master)) => (stdio, Some(master)),
-                        Err(err) => return fail(format!("making a terminal: {err}")),
-                    }
-                }
-                None => match <[OwnedFd; 3]>::try_from(received) {
-                    Ok(stdio) => (stdio, None),
-                    Err(_) => {
-                        return fail("an exec request needs stdin, stdout and stderr".to_owned());
-                    }
+    let Ok(Request::Exec { id, request }) = serde_json::from_slice::<Request>(payload) else {
+        return;
+    };
+    if received.is_empty() {
+        // No client to answer to: nothing to start.
+        return;
+    }
+    let client = received.remove(0);
+    let fail = |message: String| {
+        send_event(
+            &client,
+            &ExecEvent::Failed {
+                id,
+                code: NOT_EXECUTABLE,
+                message,
+            },
+            &[],
+        );
+    };
+    // A terminal is made here, in the cell's own devpts; its master goes back to the client
+    // with the `started` event.
+    let (stdio, master) = match request.tty {
+        Some(size) => {
+            let made = sys::open_pty().and_then(|(master, slave)| {
+                use std::os::fd::AsFd as _;
+                sys::set_window_size(slave.as_fd(), size.rows, size.cols)?;
+                let (a, b) = (slave.try_clone()?, slave.try_clone()?);
+                Ok(([a, b, slave], master))
+            });
+            match made {
+                Ok((stdio, master)) => (stdio, Some(master)),
+                Err(err) => return fail(format!("making a terminal: {err}")),
+            }
+        }
+        None => match <[OwnedFd; 3]>::try_from(received) {
+            Ok(stdio) => (stdio, None),
+            Err(_) => {
+                return fail("an exec request needs stdin, stdout and stderr".to_owned());
+            }
+        },
+    };
+    let mut env = plan.env.clone();
+    for (key, value) in request.env {
+        env.retain(|(k, _)| k.as_os_str() != key.as_str());
+        env.push((key.into(), value.into()));
+    }
+    let cwd = request.cwd.map_or_else(|| plan.cwd.clone(), Into::into);
+    let argv: Vec<OsString> = request.argv.into_iter().map(Into::into).collect();
+    match spawn(&argv, &env, &cwd, Some(stdio), master.is_some()) {
+        Ok(pid) => {
+            use std::os::fd::AsRawFd as _;
+            let fds: Vec<RawFd> = master.iter().map(|m| m.as_raw_fd()).collect();
+            send_event(
+                &client,
+                &ExecEvent::Started {
+                    id,
+                    pid: pid.as_raw(),
                 },
-            };
-            let mut env = plan.env.clone();
-            for (key, value) in request.env {
-                env.retain(|(k, _)| k.as_os_str() != key.as_str());
-                env.push((key.into(), value.into()));
-            }
-            let cwd = request.cwd.map_or_else(|| plan.cwd.clone(), Into::into);
-            let argv: Vec<OsString> = request.argv.into_iter().map(Into::into).collect();
-            let event = match spawn(&argv, &env, &cwd, Some(stdio), master.is_some()) {
-                Ok(pid) => {
-                    execs.insert(pid, id);
-                    ExecEvent::Started {
-                        id,
-                        pid: pid.as_raw(),
-                    }
-                }
-                Err((code, message)) => ExecEvent::Failed { id, code, message },
-            };
-            match (&event, master) {
-                (ExecEvent::Started { .. }, Some(master)) => {
-                    use std::os::fd::{AsFd as _, AsRawFd as _};
-                    let _ = sys::send_message(
-                        channel.as_fd(),
-                        &serde_json::to_vec(&event).unwrap_or_default(),
-                        &[master.as_raw_fd()],
-                    );
-                }
-                _ => send_event(channel, &event),
-            }
+                &fds,
+            );
+            execs.insert(
+                pid,
+                Exec {
+                    id,
+                    client: Some(client),
+                },
+            );
         }
-        Ok(Request::Signal { id, signal }) => {
-            let target = execs.iter().find(|(_, i)| **i == id).map(|(pid, _)| *pid);
-            if let (Some(pid), Ok(signal)) = (target, Signal::try_from(signal)) {
-                let _ = kill(Pid::from_raw(-pid.as_raw()), signal);
-            }
-        }
-        Err(_) => {}
+        Err((code, message)) => send_event(&client, &ExecEvent::Failed { id, code, message }, &[]),
     }
 }

@@ -464,6 +464,29 @@ pub const MESSAGE_MAX: usize = 256 * 1024;
 
 /// Sends one message, with descriptors, on a datagram-sequence socket.
 pub fn send_message(socket: BorrowedFd<'_>, payload: &[u8], fds: &[RawFd]) -> io::Result<()> {
+    send(socket, payload, fds, nix::sys::socket::MsgFlags::empty())
+}
+
+/// Like `send_message`, without waiting: `WouldBlock` when the peer's queue is full.
+pub fn send_message_nowait(
+    socket: BorrowedFd<'_>,
+    payload: &[u8],
+    fds: &[RawFd],
+) -> io::Result<()> {
+    send(
+        socket,
+        payload,
+        fds,
+        nix::sys::socket::MsgFlags::MSG_DONTWAIT,
+    )
+}
+
+fn send(
+    socket: BorrowedFd<'_>,
+    payload: &[u8],
+    fds: &[RawFd],
+    flags: nix::sys::socket::MsgFlags,
+) -> io::Result<()> {
     use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
     let iov = [io::IoSlice::new(payload)];
     let rights = [ControlMessage::ScmRights(fds)];
@@ -472,7 +495,7 @@ pub fn send_message(socket: BorrowedFd<'_>, payload: &[u8], fds: &[RawFd]) -> io
         socket.as_raw_fd(),
         &iov,
         cmsgs,
-        MsgFlags::MSG_NOSIGNAL,
+        MsgFlags::MSG_NOSIGNAL | flags,
         None,
     )
     .map(|_| ())
