@@ -235,6 +235,9 @@ pub struct KeepArgs {
     /// Start from this snapshot (`CELL@SNAP`).
     #[arg(long)]
     pub from: Option<String>,
+    /// The soft limit of open files to take back (the daemon raised its own).
+    #[arg(long)]
+    pub open_files: Option<u64>,
 }
 
 #[derive(Debug, Subcommand)]

@@ -301,6 +301,7 @@ pub fn serve(
     journal_segment_mib: u64,
     journal_keep_segments: Option<usize>,
 ) -> Result<i32> {
+    let keeper_open_files = raise_open_files_limit();
     let config = warden_server::ServeConfig {
         harness: warden_harness::Config {
             runtime: runtime(),
@@ -310,6 +311,7 @@ pub fn serve(
                 bytes: journal_segment_mib.saturating_mul(1024 * 1024),
                 keep: journal_keep_segments,
             },
+            keeper_open_files,
         },
         listen,
         token_file,
@@ -643,7 +645,46 @@ fn exec_interactive(client: &Client, args: &ExecArgs, timeout_ms: Option<u64>) -
 }
 
 /// `warden keep`: the keeper of one daemon cell, an exec-serving cell without a command.
+/// The daemon holds a few descriptors for every cell and every stream, so it takes the hard
+/// limit of open files as its own (many hosts start services at a soft limit of 1,024, which
+/// a few hundred cells would reach). Returns the soft limit it had, for its keepers to take
+/// back, so that cells see the limit they would have seen anyway.
+fn raise_open_files_limit() -> Option<u64> {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let Rlimit { current, maximum } = getrlimit(Resource::Nofile);
+    let soft = current?;
+    if maximum.is_some_and(|hard| hard <= soft) {
+        return None;
+    }
+    setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: maximum,
+            maximum,
+        },
+    )
+    .ok()?;
+    Some(soft)
+}
+
+/// Takes back the soft limit of open files the daemon had before it raised its own.
+fn restore_open_files_limit(soft: u64) -> Result<()> {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let maximum = getrlimit(Resource::Nofile).maximum;
+    setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(maximum.map_or(soft, |hard| soft.min(hard))),
+            maximum,
+        },
+    )
+    .context("setting the soft limit of open files")
+}
+
 pub fn keep(args: KeepArgs) -> Result<i32> {
+    if let Some(soft) = args.open_files {
+        restore_open_files_limit(soft)?;
+    }
     let mut policy = match (&args.policy, &args.preset) {
         (Some(file), _) => warden_policy::from_file(file)?,
         (None, Some(preset)) => warden_policy::preset(preset)?,

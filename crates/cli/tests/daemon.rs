@@ -2079,3 +2079,37 @@ fn the_journal_rotates_into_segments_that_verify_replay_and_export_read_as_one()
         "{said}"
     );
 }
+
+#[test]
+fn the_daemon_takes_the_hard_limit_of_open_files_and_cells_keep_the_soft_one() {
+    if !cgroups_available("daemon_nofile") {
+        return;
+    }
+    let limits = |pid: u32| -> (String, String) {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("Max open files"))
+            .unwrap()
+            .to_owned();
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        (fields[3].to_owned(), fields[4].to_owned())
+    };
+    let (_, hard) = limits(std::process::id());
+    // Started as many hosts start services: a soft limit of a few hundred.
+    let daemon = Daemon::start_wrapped(&["prlimit", &format!("--nofile=256:{hard}"), "--"]);
+    let (soft, daemon_hard) = limits(daemon.pid().unwrap());
+    assert_eq!(
+        (soft.as_str(), daemon_hard.as_str()),
+        (hard.as_str(), hard.as_str())
+    );
+    let cell = daemon.create(&unique("nofile"), json!({}));
+    let init = daemon
+        .call("GET", &format!("/v1/cells/{cell}"), None)
+        .json()["pid"]
+        .as_u64()
+        .unwrap() as u32;
+    assert_eq!(limits(init).0, "256", "the cell's init");
+    let events = daemon.exec(&cell, json!({ "argv": ["sh", "-c", "ulimit -n"] }));
+    assert_eq!(stream_bytes(&events, "stdout"), b"256\n");
+}

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use tokio::io::unix::AsyncFd;
 use warden_cell::control;
-use warden_cell::linux::exec::{ExecError, ExecEvent, ExecRequest, ExecSession};
+use warden_cell::linux::exec::{ExecError, ExecEvent, ExecRequest, ExecSession, Line};
 
 use crate::process::{self, ExitInfo, Process, ProcessInfo};
 use crate::{ErrorKind, ExecSpec, Harness, HarnessError, TtySize};
@@ -151,7 +151,7 @@ impl Harness {
         // accepts on a thread of its own); the answer is awaited on the runtime.
         let opened = async {
             let stdio = theirs.as_ref().map(|[a, b, c]| [a, b, c]);
-            let session = Arc::new(ExecSession::start(&self.registry, name, &request, stdio)?);
+            let session = Arc::new(self.start_session(name, &request, stdio)?);
             drop(theirs);
             let events = Events::new(Arc::clone(&session), name)?;
             let (first, fds) = events.next().await?;
@@ -438,6 +438,39 @@ impl Harness {
                     true
                 }
             });
+        }
+    }
+
+    /// Starts a process over the line to the cell's init, opening one first where there is
+    /// none yet (or the last one closed: the cell's keeper hands out a new one).
+    fn start_session(
+        &self,
+        name: &str,
+        request: &ExecRequest,
+        stdio: Option<[&std::os::fd::OwnedFd; 3]>,
+    ) -> Result<ExecSession, ExecError> {
+        let cached = self
+            .lines
+            .lock()
+            .ok()
+            .and_then(|lines| lines.get(name).cloned());
+        if let Some(line) = cached {
+            match ExecSession::start_on(&line, request, stdio) {
+                Err(ExecError::LineClosed(_)) => self.drop_line(name),
+                started => return started,
+            }
+        }
+        let line = Arc::new(Line::open(&self.registry, name)?);
+        if let Ok(mut lines) = self.lines.lock() {
+            lines.insert(name.to_owned(), Arc::clone(&line));
+        }
+        ExecSession::start_on(&line, request, stdio)
+    }
+
+    /// Forgets the line to a cell's init (the cell ended, or the line closed).
+    pub(crate) fn drop_line(&self, name: &str) {
+        if let Ok(mut lines) = self.lines.lock() {
+            lines.remove(name);
         }
     }
 

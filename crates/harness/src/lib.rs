@@ -87,6 +87,9 @@ pub struct Config {
     pub warden_exe: PathBuf,
     /// How the journal closes and keeps its segments.
     pub journal_segments: warden_journal::Segments,
+    /// The soft limit of open files to give keepers (and so cells) back, where the daemon
+    /// raised its own.
+    pub keeper_open_files: Option<u64>,
 }
 
 /// A request to make a cell.
@@ -167,6 +170,8 @@ pub struct Harness {
     exec_questions: Mutex<HashMap<(String, u64), supervise::ExecQuestion>>,
     /// Cells killed by their wall-clock limit.
     walled: Mutex<std::collections::HashSet<String>>,
+    /// Lines straight to the inits of cells this daemon exec'd into (see `exec::Line`).
+    lines: Mutex<HashMap<String, Arc<warden_cell::linux::exec::Line>>>,
     next_question: AtomicU64,
     /// Every journaled entry, for the events stream, once it is on disk.
     events: tokio::sync::broadcast::Sender<Arc<Value>>,
@@ -205,6 +210,7 @@ impl Harness {
             grants: Mutex::new(grants),
             exec_questions: Mutex::new(HashMap::new()),
             walled: Mutex::new(std::collections::HashSet::new()),
+            lines: Mutex::new(HashMap::new()),
             next_question: AtomicU64::new(1),
             events: tokio::sync::broadcast::channel(1024).0,
             config,
@@ -532,6 +538,9 @@ impl Harness {
         if let Some(from) = &from {
             command.arg("--from").arg(from);
         }
+        if let Some(limit) = self.config.keeper_open_files {
+            command.arg("--open-files").arg(limit.to_string());
+        }
         for (key, value) in &request.env {
             command.arg("--env").arg(format!("{key}={value}"));
         }
@@ -696,6 +705,7 @@ impl Harness {
         if let Ok(mut walled) = self.walled.lock() {
             walled.remove(name);
         }
+        self.drop_line(name);
         let _ = warden_cell::changes::remove(&self.registry, &self.store, name);
         let _ = std::fs::remove_file(self.store.net_log_path(name));
         let _ = std::fs::remove_dir_all(self.daemon_dir.join("cells").join(name));

@@ -128,6 +128,7 @@ impl Harness {
         if let Ok(mut live) = self.live.lock() {
             live.remove(name);
         }
+        self.drop_line(name);
         if let Ok(Some(mut entry)) = self.state.get(name)
             && entry.ended.is_none()
         {

@@ -66,6 +66,9 @@ pub(super) enum Request {
         id: u64,
         signal: i32,
     },
+    /// A client asks for a line of its own to the init (see [`Line`]); the keeper passes one
+    /// end of a new pair to the init with this request, and the other to the client.
+    Line,
 }
 
 /// What happens to an exec'd process.
@@ -133,6 +136,8 @@ pub enum ExecError {
     },
     #[error("cell `{0}` ended")]
     CellEnded(String),
+    #[error("the line to cell `{0}` is closed")]
+    LineClosed(String),
     #[error("cell `{cell}` sent a message that is not an exec event: {reason}")]
     Protocol { cell: String, reason: String },
 }
@@ -153,49 +158,41 @@ impl ExecSession {
         request: &ExecRequest,
         stdio: Option<[&OwnedFd; 3]>,
     ) -> Result<Self, ExecError> {
-        super::plan::check_name(name).map_err(|_| RegistryError::NotFound(name.to_owned()))?;
-        let path = registry.cell_file(name, EXEC_SOCKET);
-        // The socket is the keeper's: connecting proves the cell is served (the registry is
-        // read only to explain a failure).
-        let socket = sys::seqpacket_connect(&path).map_err(|source| {
-            if let Err(gone) = registry.get(name) {
-                ExecError::Registry(gone)
-            } else if matches!(
-                source.kind(),
-                io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused
-            ) {
-                ExecError::NotServing(name.to_owned())
-            } else if source.kind() == io::ErrorKind::WouldBlock {
-                ExecError::Io {
-                    what: "the cell's keeper takes no more requests (its queue is full)",
-                    cell: name.to_owned(),
-                    source,
-                }
-            } else {
-                ExecError::Io {
-                    what: "connecting to the cell's keeper",
-                    cell: name.to_owned(),
-                    source,
-                }
-            }
-        })?;
-        let message = Request::Exec {
-            id: 0,
-            request: request.clone(),
-        };
-        let payload = serde_json::to_vec(&message).unwrap_or_default();
-        let fds: Vec<_> = stdio
-            .map(|s| s.map(|fd| fd.as_raw_fd()).to_vec())
-            .unwrap_or_default();
-        sys::send_message(socket.as_fd(), &payload, &fds).map_err(|source| ExecError::Io {
-            what: "sending the exec request",
-            cell: name.to_owned(),
-            source,
-        })?;
+        let socket = connect_keeper(registry, name)?;
+        send_request(name, &socket, request, None, stdio)?;
         Ok(Self {
             cell: name.to_owned(),
             socket,
         })
+    }
+
+    /// Like `start`, over a line straight to the cell's init: no keeper in between.
+    /// `LineClosed` when the line no longer leads anywhere (open a new one).
+    pub fn start_on(
+        line: &Line,
+        request: &ExecRequest,
+        stdio: Option<[&OwnedFd; 3]>,
+    ) -> Result<Self, ExecError> {
+        let (ours, theirs) = sys::seqpacket_pair().map_err(|source| ExecError::Io {
+            what: "making an exec socket",
+            cell: line.cell.clone(),
+            source,
+        })?;
+        match send_request(&line.cell, &line.socket, request, Some(&theirs), stdio) {
+            Err(ExecError::Io { source, .. })
+                if matches!(
+                    source.raw_os_error(),
+                    Some(libc::EPIPE | libc::ECONNRESET | libc::ENOTCONN)
+                ) =>
+            {
+                Err(ExecError::LineClosed(line.cell.clone()))
+            }
+            Err(err) => Err(err),
+            Ok(()) => Ok(Self {
+                cell: line.cell.clone(),
+                socket: ours,
+            }),
+        }
     }
 
     /// The next event; `CellEnded` when the keeper went away first.
@@ -245,6 +242,110 @@ impl ExecSession {
             cell: self.cell.clone(),
             source,
         })
+    }
+}
+
+/// Connects to the keeper of cell `name`. Connecting proves the cell is served (the registry is
+/// read only to explain a failure).
+fn connect_keeper(registry: &Registry, name: &str) -> Result<OwnedFd, ExecError> {
+    super::plan::check_name(name).map_err(|_| RegistryError::NotFound(name.to_owned()))?;
+    let path = registry.cell_file(name, EXEC_SOCKET);
+    sys::seqpacket_connect(&path).map_err(|source| {
+        if let Err(gone) = registry.get(name) {
+            ExecError::Registry(gone)
+        } else if matches!(
+            source.kind(),
+            io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused
+        ) {
+            ExecError::NotServing(name.to_owned())
+        } else if source.kind() == io::ErrorKind::WouldBlock {
+            ExecError::Io {
+                what: "the cell's keeper takes no more requests (its queue is full)",
+                cell: name.to_owned(),
+                source,
+            }
+        } else {
+            ExecError::Io {
+                what: "connecting to the cell's keeper",
+                cell: name.to_owned(),
+                source,
+            }
+        }
+    })
+}
+
+/// Sends an exec request on `socket`: with the socket the process's events go to, when the
+/// request goes straight to the init, then its stdio.
+fn send_request(
+    cell: &str,
+    socket: &OwnedFd,
+    request: &ExecRequest,
+    client: Option<&OwnedFd>,
+    stdio: Option<[&OwnedFd; 3]>,
+) -> Result<(), ExecError> {
+    let message = Request::Exec {
+        id: 0,
+        request: request.clone(),
+    };
+    let payload = serde_json::to_vec(&message).unwrap_or_default();
+    let fds: Vec<_> = client
+        .into_iter()
+        .chain(stdio.into_iter().flatten())
+        .map(AsRawFd::as_raw_fd)
+        .collect();
+    sys::send_message(socket.as_fd(), &payload, &fds).map_err(|source| ExecError::Io {
+        what: "sending the exec request",
+        cell: cell.to_owned(),
+        source,
+    })
+}
+
+/// A line straight to a cell's init, for a client that starts many processes: an exec on it
+/// (`ExecSession::start_on`) reaches the init without a keeper in between. The keeper hands it
+/// out once; it lasts as long as both the client and the cell.
+#[derive(Debug)]
+pub struct Line {
+    cell: String,
+    socket: OwnedFd,
+}
+
+impl Line {
+    /// Asks the keeper of cell `name` for a line to its init.
+    pub fn open(registry: &Registry, name: &str) -> Result<Self, ExecError> {
+        let keeper = connect_keeper(registry, name)?;
+        // The keeper answers at once; a keeper that does not is not waited for without end.
+        let _ = nix::sys::socket::setsockopt(
+            &keeper,
+            nix::sys::socket::sockopt::ReceiveTimeout,
+            &nix::sys::time::TimeVal::new(5, 0),
+        );
+        let io_error = |what| {
+            move |source| ExecError::Io {
+                what,
+                cell: name.to_owned(),
+                source,
+            }
+        };
+        let payload = serde_json::to_vec(&Request::Line).unwrap_or_default();
+        sys::send_message(keeper.as_fd(), &payload, &[]).map_err(io_error("asking for a line"))?;
+        let Some((payload, mut fds)) =
+            sys::receive_message(keeper.as_fd()).map_err(io_error("receiving a line"))?
+        else {
+            return Err(ExecError::CellEnded(name.to_owned()));
+        };
+        match (serde_json::from_slice::<Request>(&payload), fds.pop()) {
+            (Ok(Request::Line), Some(socket)) if fds.is_empty() => Ok(Self {
+                cell: name.to_owned(),
+                socket,
+            }),
+            _ => Err(ExecError::Protocol {
+                cell: name.to_owned(),
+                reason: format!(
+                    "the keeper answered a request for a line with {}",
+                    String::from_utf8_lossy(&payload)
+                ),
+            }),
+        }
     }
 }
 
@@ -353,6 +454,7 @@ fn forward_request(
     let request = match serde_json::from_slice::<Request>(&payload) {
         Ok(Request::Exec { request, .. }) => request,
         Ok(Request::Signal { .. }) => return refuse("a signal before any exec".to_owned()),
+        Ok(Request::Line) => return hand_out_line(client, channel),
         Err(err) => return refuse(format!("unreadable exec request: {err}")),
     };
     let wanted = if request.tty.is_some() { 0 } else { 3 };
@@ -373,4 +475,16 @@ fn forward_request(
         &serde_json::to_vec(&forward).unwrap_or_default(),
         &raw,
     );
+}
+
+/// Makes a line between a client and the init: one end goes to the init, the other back to the
+/// client, each with a `line` message.
+fn hand_out_line(client: &OwnedFd, channel: &OwnedFd) {
+    let Ok((for_client, for_init)) = sys::seqpacket_pair() else {
+        return;
+    };
+    let payload = serde_json::to_vec(&Request::Line).unwrap_or_default();
+    if sys::send_message(channel.as_fd(), &payload, &[for_init.as_raw_fd()]).is_ok() {
+        let _ = sys::send_message(client.as_fd(), &payload, &[for_client.as_raw_fd()]);
+    }
 }

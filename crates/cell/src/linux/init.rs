@@ -461,6 +461,8 @@ fn supervise(
     use std::collections::HashMap;
     use std::os::fd::AsFd as _;
     let mut execs: HashMap<Pid, Exec> = HashMap::new();
+    // Lines straight from clients (see `exec::Line`), handed out through the keeper.
+    let mut lines: Vec<OwnedFd> = Vec::new();
     loop {
         // Clients still connected, watched for their signals and their hang-up.
         let watched: Vec<Pid> = execs
@@ -475,6 +477,12 @@ fn supervise(
         if let Some(exec) = &exec {
             fds.push(PollFd::new(exec.as_fd(), PollFlags::POLLIN));
         }
+        let first_line = fds.len();
+        fds.extend(
+            lines
+                .iter()
+                .map(|line| PollFd::new(line.as_fd(), PollFlags::POLLIN)),
+        );
         let first_client = fds.len();
         fds.extend(
             watched
@@ -496,6 +504,7 @@ fn supervise(
             sys::exit_now(SETUP_FAILED);
         }
         let (exec_ready, signal_ready) = (exec.is_some() && ready(2), ready(0));
+        let lines_ready: Vec<bool> = (0..lines.len()).map(|i| ready(first_line + i)).collect();
         let clients_ready: Vec<Pid> = watched
             .iter()
             .enumerate()
@@ -505,13 +514,36 @@ fn supervise(
         drop(fds);
         if let (true, Some(channel)) = (exec_ready, &exec) {
             match sys::receive_message(channel.as_fd()) {
-                Ok(Some((payload, received))) => {
-                    start_exec(&payload, received, plan, &mut execs);
+                Ok(Some((payload, mut received))) => {
+                    if matches!(serde_json::from_slice(&payload), Ok(Request::Line)) {
+                        if let (Some(line), true) = (received.pop(), received.is_empty()) {
+                            lines.push(line);
+                        }
+                    } else {
+                        start_exec(&payload, received, plan, &mut execs);
+                    }
                 }
                 // The keeper is gone: so is the cell.
                 Ok(None) | Err(_) => sys::exit_now(SETUP_FAILED),
             }
         }
+        let mut index = 0;
+        lines.retain(|line| {
+            index += 1;
+            // (A line that came in this round was not polled yet.)
+            if !lines_ready.get(index - 1).copied().unwrap_or(false) {
+                return true;
+            }
+            match sys::try_receive_message(line.as_fd()) {
+                Ok(Some((payload, received))) => {
+                    start_exec(&payload, received, plan, &mut execs);
+                    true
+                }
+                Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => true,
+                // The client let go of its line.
+                Ok(None) | Err(_) => false,
+            }
+        });
         for pid in clients_ready {
             if let Some(exec) = execs.get_mut(&pid) {
                 serve_client(pid, exec);

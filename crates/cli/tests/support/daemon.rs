@@ -20,6 +20,8 @@ pub struct Daemon {
     child: Option<Child>,
     extra: Vec<String>,
     envs: Vec<(String, String)>,
+    /// A program that starts `warden serve` (e.g. `prlimit` with limits), with its arguments.
+    wrapper: Vec<String>,
 }
 
 /// An HTTP answer.
@@ -104,8 +106,18 @@ impl Daemon {
         Self::start_with(extra, &[])
     }
 
+    /// A daemon started by `wrapper` (a program and its arguments, followed by the warden's
+    /// command line), as `prlimit --nofile=...` starts it.
+    pub fn start_wrapped(wrapper: &[&str]) -> Self {
+        Self::start_full(&[], &[], wrapper)
+    }
+
     /// A daemon with these extra environment variables (credentials' sources).
     pub fn start_with(extra: &[&str], envs: &[(&str, &str)]) -> Self {
+        Self::start_full(extra, envs, &[])
+    }
+
+    fn start_full(extra: &[&str], envs: &[(&str, &str)], wrapper: &[&str]) -> Self {
         let dir = tempfile::Builder::new()
             .prefix("warden-daemon-")
             .tempdir()
@@ -125,6 +137,7 @@ impl Daemon {
                 .iter()
                 .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
                 .collect(),
+            wrapper: wrapper.iter().map(|s| (*s).to_owned()).collect(),
         };
         daemon.spawn();
         daemon
@@ -139,7 +152,18 @@ impl Daemon {
     }
 
     fn spawn(&mut self) {
-        let mut cmd = self.warden();
+        let mut cmd = match self.wrapper.split_first() {
+            Some((program, args)) => {
+                let mut cmd = Command::new(program);
+                cmd.args(args)
+                    .arg(BIN)
+                    .env("WARDEN_RUNTIME_DIR", &self.runtime)
+                    .env("WARDEN_STATE_DIR", &self.state)
+                    .stdin(Stdio::null());
+                cmd
+            }
+            None => self.warden(),
+        };
         cmd.arg("serve")
             .args(&self.extra)
             .envs(self.envs.iter().map(|(k, v)| (k, v)))
