@@ -244,13 +244,13 @@ mod tests {
     use simple_dns::{Name, QCLASS, Question};
     use std::net::{Ipv4Addr, SocketAddr};
     use std::time::Instant;
-    use warden_policy::{NetRule, Network, NetworkDefault};
+    use warden_policy::{NetRule, Network};
 
     /// A gateway that lets out `*.test`, looks names up with `resolver`, and serves DNS on a
     /// loopback port; returns that port's address.
     fn dns_gateway(resolver: crate::Resolver) -> SocketAddr {
+        // Denied by default; `*.test` let out on every port.
         let network = Network {
-            default: NetworkDefault::Deny,
             allow: vec![NetRule {
                 host: "*.test".into(),
                 ports: vec![],
@@ -258,9 +258,7 @@ mod tests {
                 paths: vec![],
                 credential: None,
             }],
-            deny: vec![],
-            ask: vec![],
-            extra_ca: None,
+            ..Network::default()
         };
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let log = std::env::temp_dir().join(format!(
