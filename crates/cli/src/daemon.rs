@@ -644,7 +644,6 @@ fn exec_interactive(client: &Client, args: &ExecArgs, timeout_ms: Option<u64>) -
     })
 }
 
-/// `warden keep`: the keeper of one daemon cell, an exec-serving cell without a command.
 /// The daemon holds a few descriptors for every cell and every stream, so it takes the hard
 /// limit of open files as its own (many hosts start services at a soft limit of 1,024, which
 /// a few hundred cells would reach). Returns the soft limit it had, for its keepers to take
@@ -681,6 +680,7 @@ fn restore_open_files_limit(soft: u64) -> Result<()> {
     .context("setting the soft limit of open files")
 }
 
+/// `warden keep`: the keeper of one daemon cell, an exec-serving cell without a command.
 pub fn keep(args: KeepArgs) -> Result<i32> {
     if let Some(soft) = args.open_files {
         restore_open_files_limit(soft)?;

@@ -147,8 +147,9 @@ impl Harness {
             tty: spec.tty,
         };
         let begun = Instant::now();
-        // Connecting to the keeper and sending the request do not wait on the cell (the keeper
-        // accepts on a thread of its own); the answer is awaited on the runtime.
+        // Sending the request on the line to the init does not wait on the cell (nor does the
+        // first exec's request for a line, which the keeper answers from its own thread); the
+        // answer is awaited on the runtime.
         let opened = async {
             let stdio = theirs.as_ref().map(|[a, b, c]| [a, b, c]);
             let session = Arc::new(self.start_session(name, &request, stdio)?);
