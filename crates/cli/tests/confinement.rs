@@ -121,6 +121,21 @@ fn host_processes_are_invisible_and_cannot_be_signalled() {
 }
 
 #[test]
+fn the_wardens_command_line_with_host_paths_is_not_visible_in_the_cell() {
+    let workspace = tempdir();
+    let host_path = workspace.path().to_str().unwrap().to_owned();
+    let ran = run_sh(
+        &["--workspace", &host_path],
+        "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done",
+    );
+    assert_eq!(ran.code, 0, "{ran:?}");
+    let init = ran.stdout.lines().next().unwrap_or_default();
+    assert_eq!(init.trim(), "warden-init", "{ran:?}");
+    assert!(!ran.stdout.contains(&host_path), "{ran:?}");
+    assert!(!ran.stdout.contains("--workspace"), "{ran:?}");
+}
+
+#[test]
 fn ptrace_is_refused() {
     let ran = run_py(&[], &errno_of("", "libc.ptrace(0, 0, 0, 0)"));
     assert_eq!(ran.stdout.trim(), "errno EPERM", "{ran:?}");

@@ -63,6 +63,9 @@ pub const GO_RLIMITS: u8 = b'r';
 
 /// Entry point of the cloned child. Never returns.
 pub fn run(plan: &CellPlan, fds: &InitFds) -> ! {
+    // The warden's command line names host paths; the cell sees only this. (Best effort: a
+    // kernel that hides the argument area leaves nothing to read either.)
+    let _ = sys::replace_cmdline("warden-init");
     // A panic must not unwind into the warden's code in this forked copy of it.
     let result =
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| setup_and_start(plan, fds)));

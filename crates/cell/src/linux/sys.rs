@@ -32,6 +32,43 @@ pub fn clone_process(flags: libc::c_int) -> io::Result<libc::pid_t> {
     check(ret).map(|pid| pid as libc::pid_t)
 }
 
+/// Makes `/proc/self/cmdline` of the calling process read `title`: the memory that held its
+/// command line (the warden's, in a forked child) is overwritten in place, as setproctitle
+/// does. A cell's init calls it first, so that no process in the cell can read the host paths
+/// the warden was started with (its binary, the workspace, the policy file).
+pub fn replace_cmdline(title: &str) -> io::Result<()> {
+    let stat = std::fs::read_to_string("/proc/self/stat")?;
+    let bad = || io::Error::new(io::ErrorKind::InvalidData, "unreadable /proc/self/stat");
+    let after_comm = stat.rfind(')').ok_or_else(bad)?;
+    let fields: Vec<&str> = stat
+        .get(after_comm + 2..)
+        .unwrap_or("")
+        .split(' ')
+        .collect();
+    // arg_start and arg_end are fields 48 and 49 of proc_pid_stat(5); `fields[0]` is field 3.
+    let field = |n: usize| {
+        fields
+            .get(n - 3)
+            .and_then(|f| f.trim().parse::<usize>().ok())
+            .ok_or_else(bad)
+    };
+    let (start, end) = (field(48)?, field(49)?);
+    if end <= start || start == 0 {
+        return Err(bad());
+    }
+    let title = title.as_bytes();
+    let shown = title.len().min(end - start - 1);
+    // SAFETY: [start, end) holds this process's argument strings, placed by the kernel at exec
+    // at the top of the initial stack: mapped, writable and this process's own (a forked copy:
+    // the parent's are untouched). Nothing else writes there, and whatever reads the arguments
+    // later (the standard library keeps pointers to them) reads the title and empty strings.
+    unsafe {
+        std::ptr::write_bytes(start as *mut u8, 0, end - start);
+        std::ptr::copy_nonoverlapping(title.as_ptr(), start as *mut u8, shown);
+    }
+    Ok(())
+}
+
 /// Returns a pidfd for `pid`, which stays valid (and refers to that process) even if the pid is
 /// later reused.
 pub fn pidfd_open(pid: libc::pid_t) -> io::Result<OwnedFd> {
