@@ -5,7 +5,7 @@
 //! a small buffer and doubles it each time a read fills it, up to [`MAX_BUFFER`]; once a
 //! connection shows itself bulk, the two sockets also get large, fixed kernel buffers, so that
 //! each wakeup of the relay moves megabytes rather than one loopback segment. On a 2-core host
-//! this took a 100 MiB download through the gateway from 47-63% of the direct rate to 63-78%
+//! this took a 100 MiB download through the gateway from 47-63% of the direct rate to 62-76%
 //! (`bench/`'s `egress`), while a small connection keeps its 64 KiB.
 
 use std::io::{Read, Write};
@@ -15,7 +15,7 @@ use std::sync::OnceLock;
 /// What a pump starts with.
 const FIRST_BUFFER: usize = 64 * 1024;
 /// What a pump grows to: the size of the largest reads worth making.
-pub(crate) const MAX_BUFFER: usize = 4 << 20;
+const MAX_BUFFER: usize = 4 << 20;
 /// The buffer size from which a connection counts as bulk.
 const BULK_AT: usize = 256 * 1024;
 /// The kernel buffer asked for on each side of a bulk connection (the kernel doubles it).
