@@ -83,22 +83,9 @@ impl Gateway {
         })
     }
 
-    /// Whether answering `query` means a host lookup: a well-formed question for a name the
-    /// rules let out (anything else is answered without one).
-    fn needs_lookup(&self, query: &[u8]) -> bool {
-        let Ok(packet) = Packet::parse(query) else {
-            return false;
-        };
-        let Some(question) = packet.questions.first() else {
-            return false;
-        };
-        match Host::parse(&question.qname.to_string()) {
-            Ok(host @ Host::Name(_)) => self.rules().decide_name(&host).allowed,
-            _ => false,
-        }
-    }
-
-    fn answer(&self, query: &[u8]) -> Option<Vec<u8>> {
+    /// Answers `query`. Before a host lookup, `may_wait` is asked whether this thread may wait
+    /// on the host's resolver; when it says no, the answer is SERVFAIL.
+    fn answer(&self, query: &[u8], may_wait: impl FnOnce() -> bool) -> Option<Vec<u8>> {
         let query = Packet::parse(query).ok()?;
         let mut reply = Packet::new_reply(query.id());
         reply.set_flags(PacketFlag::RECURSION_AVAILABLE);
@@ -126,6 +113,10 @@ impl Gateway {
         if !verdict.allowed {
             self.log_decision(&decision);
             *reply.rcode_mut() = RCODE::NameError;
+            return reply.build_bytes_vec().ok();
+        }
+        if !may_wait() {
+            *reply.rcode_mut() = RCODE::ServerFailure;
             return reply.build_bytes_vec().ok();
         }
         let addresses = self.lookup(&host.as_text()).unwrap_or_default();
@@ -193,16 +184,8 @@ impl Answerers {
                 // The cell's network is gone: nothing more will come.
                 Err(_) => break,
             };
-            let query = &buf[..n];
-            let reply = if self.gateway.needs_lookup(query)
-                && self.idle.load(Ordering::Acquire) == 0
-                && !self.add_spare()
-            {
-                server_failure(query)
-            } else {
-                self.gateway.answer(query)
-            };
-            if let Some(reply) = reply {
+            let may_wait = || self.idle.load(Ordering::Acquire) > 0 || self.add_spare();
+            if let Some(reply) = self.gateway.answer(&buf[..n], may_wait) {
                 let _ = self.socket.send_to(&reply, from);
             }
         }
@@ -224,18 +207,6 @@ impl Answerers {
         std::thread::spawn(move || answerers.answer_queries(false));
         true
     }
-}
-
-/// SERVFAIL for `query`, when it can be parsed enough to answer at all.
-fn server_failure(query: &[u8]) -> Option<Vec<u8>> {
-    let query = Packet::parse(query).ok()?;
-    let mut reply = Packet::new_reply(query.id());
-    reply.set_flags(PacketFlag::RECURSION_AVAILABLE);
-    if let Some(question) = query.questions.first() {
-        reply.questions.push(question.clone());
-    }
-    *reply.rcode_mut() = RCODE::ServerFailure;
-    reply.build_bytes_vec().ok()
 }
 
 #[cfg(test)]
