@@ -256,9 +256,10 @@ impl Harness {
     ) -> Result<Receipt, HarnessError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let event = (self.events.receiver_count() > 0).then(|| data.clone());
-        self.journal.submit(cell, kind, data, move |result| {
-            let _ = tx.send(result);
-        });
+        self.journal
+            .submit_leading(cell, kind, data, move |result| {
+                let _ = tx.send(result);
+            });
         let receipt = journaled(rx.await)?;
         self.announce(&receipt, cell, kind, event);
         Ok(receipt)

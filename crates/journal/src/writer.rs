@@ -1,7 +1,9 @@
 //! The journal's writer. Entries are sealed into the chain by the thread that appends them;
 //! one syncer thread writes what was sealed and makes it durable with fdatasync, many entries
-//! at a time (group commit), before their acknowledgements. An entry submitted ahead is also
-//! written by its own thread, so it is in the file when the call returns.
+//! at a time (group commit), before their acknowledgements. An entry appended while nothing
+//! else waits is written and synced by its own thread instead (no hand-off to the syncer and
+//! back); one round runs at a time, whoever runs it. An entry submitted ahead is also written
+//! by its own thread, so it is in the file when the call returns.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read as _, Seek as _, SeekFrom, Write as _};
@@ -165,6 +167,7 @@ impl Journal {
             closing: false,
             unsynced: Vec::new(),
             unwritten: Vec::new(),
+            syncing: false,
         };
         let shared = Arc::new(Shared {
             state: Mutex::new(state),
@@ -252,6 +255,41 @@ impl Journal {
         });
     }
 
+    /// Like `submit`, but when no round of the group commit is under way, the calling thread
+    /// runs one itself (writing and syncing all that waits, this entry included), and `ack` is
+    /// called before this returns: the hand-off to the syncer thread and back, each a wake-up
+    /// of a sleeping thread, are saved, for the price of the caller waiting on the fdatasync.
+    /// While a round is under way the entry waits for the syncer's next one, as with `submit`.
+    pub fn submit_leading(
+        &self,
+        cell: Option<&str>,
+        kind: &str,
+        data: Value,
+        ack: impl FnOnce(Result<Receipt, JournalError>) + Send + 'static,
+    ) {
+        let ack: Ack = Box::new(ack);
+        let mut state = match self.shared.state.lock() {
+            Ok(state) => state,
+            Err(_) => return ack(Err(JournalError::Stopped("the writer failed".to_owned()))),
+        };
+        // Alone: nothing else waits and no round is under way. Otherwise the syncer is (or is
+        // about to be) at work, and a round of its own would only come between.
+        let alone = !state.syncing && state.unsynced.is_empty();
+        match state.append(cell.map(str::to_owned), kind.to_owned(), data, false) {
+            Ok(receipt) => state.unsynced.push((receipt, ack)),
+            Err(err) => {
+                drop(state);
+                return ack(Err(err));
+            }
+        }
+        if alone {
+            self.shared.sync_round(state);
+        } else {
+            drop(state);
+            self.shared.work.notify_one();
+        }
+    }
+
     /// Seals the entry here, in the caller's thread (and writes it, when it is submitted
     /// ahead), and leaves its acknowledgement to the syncer.
     fn queue(&self, pending: Pending) {
@@ -296,7 +334,7 @@ impl Journal {
         data: Value,
     ) -> Result<Receipt, JournalError> {
         let (tx, rx) = mpsc::sync_channel(1);
-        self.submit(cell, kind, data, move |result| {
+        self.submit_leading(cell, kind, data, move |result| {
             let _ = tx.send(result);
         });
         rx.recv()
@@ -456,6 +494,8 @@ struct WriterState {
     unsynced: Vec<(Receipt, Ack)>,
     /// Their lines not yet written, in chain order.
     unwritten: Vec<u8>,
+    /// A round of the group commit is between its write and its acknowledgements.
+    syncing: bool,
 }
 
 impl Shared {
@@ -463,63 +503,80 @@ impl Shared {
     /// signs a checkpoint when entries waited too long for one, and a last one at close.
     fn sync_loop(&self) {
         loop {
-            let batch = {
-                let Ok(mut state) = self.state.lock() else {
-                    return;
-                };
-                loop {
-                    if !state.unsynced.is_empty() {
-                        break;
-                    }
-                    if state.closing {
-                        // Sign whatever the last checkpoint does not cover.
-                        state.checkpoint_and_sync();
-                        return;
-                    }
-                    let wait = match state.oldest_unsigned {
-                        Some(since) => CHECKPOINT_AFTER.saturating_sub(since.elapsed()),
-                        None => Duration::from_secs(3600),
-                    };
-                    if wait.is_zero() {
-                        state.checkpoint_and_sync();
-                        continue;
-                    }
-                    state = match self.work.wait_timeout(state, wait) {
-                        Ok((state, _)) => state,
-                        Err(_) => return,
-                    };
+            let Ok(mut state) = self.state.lock() else {
+                return;
+            };
+            loop {
+                if !state.unsynced.is_empty() && !state.syncing {
+                    break;
                 }
-                // Written under the lock, so that the file keeps the chain's order.
-                if let Err(err) = state.write_unwritten() {
-                    let batch = std::mem::take(&mut state.unsynced);
-                    drop(state);
-                    for (_, ack) in batch {
-                        ack(Err(err.clone()));
-                    }
+                if state.closing && !state.syncing {
+                    // Sign whatever the last checkpoint does not cover.
+                    state.checkpoint_and_sync();
+                    return;
+                }
+                let wait = match state.oldest_unsigned {
+                    Some(since) => CHECKPOINT_AFTER.saturating_sub(since.elapsed()),
+                    None => Duration::from_secs(3600),
+                };
+                if wait.is_zero() && !state.syncing {
+                    state.checkpoint_and_sync();
                     continue;
                 }
-                (std::mem::take(&mut state.unsynced), Arc::clone(&state.file))
-            };
-            let (batch, file) = batch;
-            // Entries written while this runs wait for the next round.
-            let result = match file.sync_data() {
-                Ok(()) => Ok(()),
-                Err(err) => {
-                    let Ok(mut state) = self.state.lock() else {
-                        return;
-                    };
-                    Err(JournalError::Stopped(state.stop(&err)))
-                }
-            };
-            for (receipt, ack) in batch {
-                ack(result.clone().map(|()| receipt));
+                state = match self
+                    .work
+                    .wait_timeout(state, wait.max(Duration::from_millis(1)))
+                {
+                    Ok((state, _)) => state,
+                    Err(_) => return,
+                };
             }
-            if let Ok(mut state) = self.state.lock()
-                && state.size >= state.rotate_bytes
-                && state.stopped.is_none()
-            {
-                state.rotate();
+            self.sync_round(state);
+        }
+    }
+
+    /// One round of the group commit, by the syncer or by an appender that found it idle:
+    /// writes what waits (under the lock, so that the file keeps the chain's order), makes it
+    /// durable with one fdatasync outside the lock, and acknowledges it. Entries sealed
+    /// meanwhile wait for the next round, which nobody starts before this one is done.
+    fn sync_round(&self, mut state: std::sync::MutexGuard<'_, WriterState>) {
+        if let Err(err) = state.write_unwritten() {
+            let batch = std::mem::take(&mut state.unsynced);
+            drop(state);
+            for (_, ack) in batch {
+                ack(Err(err.clone()));
             }
+            return;
+        }
+        state.syncing = true;
+        let batch = std::mem::take(&mut state.unsynced);
+        let file = Arc::clone(&state.file);
+        drop(state);
+        let result = file.sync_data();
+        let stopped = result.as_ref().err().map(|err| {
+            self.state
+                .lock()
+                .map_or_else(|_| "the writer failed".to_owned(), |mut s| s.stop(err))
+        });
+        for (receipt, ack) in batch {
+            ack(match &stopped {
+                None => Ok(receipt),
+                Some(reason) => Err(JournalError::Stopped(reason.clone())),
+            });
+        }
+        // The round ends after its acknowledgements: entries sealed meanwhile are left to the
+        // syncer, which is not kept waiting on a wake-up between rounds.
+        let Ok(mut state) = self.state.lock() else {
+            return;
+        };
+        state.syncing = false;
+        if state.size >= state.rotate_bytes && state.stopped.is_none() {
+            state.rotate();
+        }
+        let more = !state.unsynced.is_empty() || state.closing;
+        drop(state);
+        if more {
+            self.work.notify_one();
         }
     }
 }
@@ -727,6 +784,50 @@ mod tests {
         let text = fs::read_to_string(&path).unwrap();
         assert!(text.contains("journal.recovered"));
         assert!(!text.contains("\"seq\":99"));
+    }
+
+    #[test]
+    fn an_entry_alone_is_synced_by_its_own_thread_and_others_by_the_syncer() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Arc::new(Journal::open(dir.path()).unwrap());
+        let me = std::thread::current().id();
+        let (tx, rx) = mpsc::channel();
+        let acked = tx.clone();
+        journal.submit_leading(None, "t.alone", json!({}), move |r| {
+            acked
+                .send((r.unwrap().seq, std::thread::current().id()))
+                .unwrap();
+        });
+        // Acknowledged before the call returned, on this thread.
+        let (seq, by) = rx.try_recv().expect("acknowledged before returning");
+        assert_eq!((seq, by), (1, me));
+        // While a round is under way (marked so here by hand), a leading entry is left to the
+        // syncer thread.
+        {
+            let mut state = journal.shared.state.lock().unwrap();
+            state.syncing = true;
+        }
+        let acked = tx.clone();
+        journal.submit_leading(None, "t.queued", json!({}), move |r| {
+            acked
+                .send((r.unwrap().seq, std::thread::current().id()))
+                .unwrap();
+        });
+        assert!(
+            rx.try_recv().is_err(),
+            "not synced by the caller while a round runs"
+        );
+        journal.shared.state.lock().unwrap().syncing = false;
+        journal.shared.work.notify_one();
+        let (seq, by) = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert_eq!(seq, 2);
+        assert_ne!(by, me, "the syncer acknowledged it");
+        drop(journal);
+        let report = verify(dir.path(), None).unwrap();
+        assert_eq!(
+            report.entries, 3,
+            "two entries and the closing checkpoint: {report:?}"
+        );
     }
 
     #[test]
