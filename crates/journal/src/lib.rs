@@ -7,7 +7,8 @@
 //! ed25519 key, so that rewriting the chain from some point on also needs the key.
 //!
 //! Appends are group-committed: entries are sealed by the threads that append them, and one
-//! syncer thread writes what waits, calls `fdatasync` once, and only then acknowledges them. An
+//! syncer thread writes what waits, calls `fdatasync` once, and only then acknowledges them (an
+//! entry that finds nothing else waiting is written and synced by its own thread). An
 //! acknowledged entry survives a crash of the process; a torn last line (written but never
 //! acknowledged) is cut off at the next open.
 //!

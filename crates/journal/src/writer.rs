@@ -24,6 +24,8 @@ use crate::{CHECKPOINT, JOURNAL_FILE, segment_name, segments};
 const CHECKPOINT_EVERY: u64 = 1024;
 /// ... or when entries have waited this long for one.
 const CHECKPOINT_AFTER: Duration = Duration::from_secs(5);
+/// How long the syncer stays awake for an appender's round to end, when entries wait behind it.
+const SPIN_FOR: Duration = Duration::from_millis(2);
 /// How the journal keeps its segments.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Segments {
@@ -506,6 +508,7 @@ impl Shared {
             let Ok(mut state) = self.state.lock() else {
                 return;
             };
+            let mut spinning: Option<Instant> = None;
             loop {
                 if !state.unsynced.is_empty() && !state.syncing {
                     break;
@@ -521,6 +524,21 @@ impl Shared {
                 };
                 if wait.is_zero() && !state.syncing {
                     state.checkpoint_and_sync();
+                    continue;
+                }
+                if state.syncing
+                    && !state.unsynced.is_empty()
+                    && spinning.get_or_insert_with(Instant::now).elapsed() < SPIN_FOR
+                {
+                    // Entries wait behind an appender's round, which usually ends within one
+                    // fdatasync: the syncer stays awake for it (yielding the core) rather than
+                    // pay a wake-up between the two rounds; a slow disk ends the spinning.
+                    drop(state);
+                    std::thread::yield_now();
+                    state = match self.state.lock() {
+                        Ok(state) => state,
+                        Err(_) => return,
+                    };
                     continue;
                 }
                 state = match self
