@@ -289,3 +289,90 @@ fn a_credential_bound_in_body_reaches_the_upstream_in_the_request_body() {
         "the upstream got the secret in the body: {upstream_saw:?}"
     );
 }
+
+#[test]
+fn clients_that_ignore_the_proxy_variables_are_intercepted_alike() {
+    let dir = tempdir();
+    let (port, ca_pem, seen) = https_upstream();
+    let ca_path = dir.path().join("upstream-ca.pem");
+    std::fs::write(&ca_path, ca_pem).unwrap();
+    let policy = policy(
+        dir.path(),
+        &format!(
+            "version: 1\nnetwork:\n  extra_ca: {}\n  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n      methods: [GET]\n      paths: [\"/ok\"]\n      credential: api\ncredentials:\n  api: {{ from_env: WARDEN_TEST_API_TOKEN, header: Authorization, format: \"token {{}}\" }}\n",
+            ca_path.display()
+        ),
+    );
+    // `--noproxy '*'`: curl connects to the address itself; nftables in the cell's namespace
+    // sends the connection to the gateway, which must open the TLS, decide each request on
+    // method and path and add the credential exactly as for a proxied one.
+    let script = format!(
+        "curl --noproxy '*' -sS -H \"Authorization: token $WARDEN_TEST_API_TOKEN\" https://127.0.0.2:{port}/ok; echo; \
+         curl --noproxy '*' -s -o /dev/null -w '%{{http_code}}\\n' https://127.0.0.2:{port}/other; \
+         curl --noproxy '*' -s -o /dev/null -w '%{{http_code}}\\n' -X DELETE https://127.0.0.2:{port}/ok"
+    );
+    let name = unique("redirected-tls");
+    let out = warden()
+        .args([
+            "run",
+            "--name",
+            &name,
+            "--policy",
+            policy.to_str().unwrap(),
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ])
+        .env("WARDEN_TEST_API_TOKEN", SECRET)
+        .output()
+        .unwrap();
+    let ran = Ran::from(out);
+    assert!(
+        ran.stdout.starts_with("upstream got auth=token "),
+        "{ran:?}"
+    );
+    assert!(!ran.stdout.contains(SECRET), "{ran:?}");
+    assert!(ran.stdout.ends_with("\n403\n403\n"), "{ran:?}");
+    assert_eq!(
+        seen.lock().unwrap().clone(),
+        vec![format!("GET /ok HTTP/1.1 token {SECRET}")],
+        "only the allowed request reached the upstream, with the secret"
+    );
+    let net = Ran::from(warden().args(["net", &name, "--json"]).output().unwrap());
+    let decisions: Vec<serde_json::Value> = serde_json::from_str(&net.stdout).unwrap();
+    let seen_by_gateway: Vec<(String, String, String, bool)> = decisions
+        .iter()
+        .map(|d| {
+            (
+                d["kind"].as_str().unwrap().to_owned(),
+                d["method"].as_str().unwrap_or_default().to_owned(),
+                d["path"].as_str().unwrap_or_default().to_owned(),
+                d["allowed"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    let expected = [
+        ("GET", "/ok", true),
+        ("GET", "/other", false),
+        ("DELETE", "/ok", false),
+    ];
+    assert_eq!(
+        seen_by_gateway,
+        expected
+            .iter()
+            .map(|(m, p, a)| (
+                "transparent".to_owned(),
+                (*m).to_owned(),
+                (*p).to_owned(),
+                *a
+            ))
+            .collect::<Vec<_>>(),
+        "{net:?}"
+    );
+    assert!(
+        !net.stdout.contains(SECRET),
+        "the secret is in the egress record"
+    );
+    assert!(warden().args(["rm", &name]).status().unwrap().success());
+}

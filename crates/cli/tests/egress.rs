@@ -735,6 +735,82 @@ fn clients_that_ignore_the_proxy_variables_are_still_decided_by_the_gateway() {
 }
 
 #[test]
+fn redirected_plain_http_is_decided_on_method_and_path() {
+    let dir = tempdir();
+    let up = http_upstream();
+    let policy = net_policy(
+        dir.path(),
+        &format!(
+            "  allow:\n    - host: 127.0.0.2\n      ports: [{}]\n      methods: [GET]\n      paths: [\"/ok/**\"]\n",
+            up.port
+        ),
+    );
+    // Raw sockets, no proxy: each connection is redirected to the gateway, which reads the
+    // request as it would a proxied one.
+    let code = format!(
+        "import socket, json\n\
+         def raw(method, target):\n\
+         \x20   s = socket.create_connection(('127.0.0.2', {port}), timeout=5)\n\
+         \x20   s.sendall(f'{{method}} {{target}} HTTP/1.1\\r\\nHost: 127.0.0.2:{port}\\r\\nContent-Length: 0\\r\\nConnection: close\\r\\n\\r\\n'.encode())\n\
+         \x20   data = b''\n\
+         \x20   while True:\n        chunk = s.recv(4096)\n        if not chunk: break\n        data += chunk\n\
+         \x20   head, _, body = data.partition(b'\\r\\n\\r\\n')\n\
+         \x20   first = head.split(b'\\r\\n')[0].decode()\n\
+         \x20   return first + ' ' + (json.loads(body)['reason'] if ' 403 ' in first else body.decode())\n\
+         print(raw('GET', '/ok/item'))\n\
+         print(raw('GET', '/secret'))\n\
+         print(raw('POST', '/ok/item'))\n\
+         print(raw('GET', 'http://127.0.0.3:{port}/ok/item'))",
+        port = up.port
+    );
+    let name = unique("redirected-http");
+    let ran = run_py(&["--name", &name, "--policy", &policy], &code);
+    let lines: Vec<&str> = ran.stdout.lines().collect();
+    assert_eq!(lines.len(), 4, "{ran:?}");
+    assert_eq!(
+        lines[0], "HTTP/1.1 200 OK upstream saw GET /ok/item HTTP/1.1 body=",
+        "{ran:?}"
+    );
+    assert!(lines[1].starts_with("HTTP/1.1 403 Forbidden"), "{ran:?}");
+    assert!(lines[2].starts_with("HTTP/1.1 403 Forbidden"), "{ran:?}");
+    assert_eq!(
+        lines[3], "HTTP/1.1 403 Forbidden a redirected request must name a path, not a URL",
+        "{ran:?}"
+    );
+    assert_eq!(
+        up.hits.load(Ordering::SeqCst),
+        1,
+        "only the allowed request got through"
+    );
+    let (net, decisions) = net_decisions(&name);
+    let decided: Vec<(&str, &str, bool)> = decisions
+        .iter()
+        .filter(|d| d["method"].is_string())
+        .map(|d| {
+            (
+                d["method"].as_str().unwrap(),
+                d["path"].as_str().unwrap(),
+                d["allowed"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        decided,
+        [
+            ("GET", "/ok/item", true),
+            ("GET", "/secret", false),
+            ("POST", "/ok/item", false)
+        ],
+        "{net:?}"
+    );
+    assert!(
+        decisions.iter().all(|d| d["kind"] == "transparent"),
+        "{net:?}"
+    );
+    assert!(warden().args(["rm", &name]).status().unwrap().success());
+}
+
+#[test]
 fn names_are_answered_by_the_gateway_and_only_allowed_ones_resolve() {
     let dir = tempdir();
     let policy = net_policy(dir.path(), "  allow:\n    - host: localhost\n");

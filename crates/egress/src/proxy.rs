@@ -27,6 +27,25 @@ const IDLE_TIMEOUT: Duration = Duration::from_secs(300);
 /// How long a redirected connection may stay silent before it is decided on its address alone.
 const FIRST_BYTES_WAIT: Duration = Duration::from_secs(3);
 
+/// How a connection reached the gateway: through the proxy port (CONNECT or an absolute URL),
+/// or redirected by nftables from the cell's namespace on its way to this address, which the
+/// gateway has checked and connects to (rather than resolving the name anew).
+#[derive(Debug, Clone, Copy)]
+enum Via {
+    Proxy,
+    Redirected(SocketAddr),
+}
+
+impl Via {
+    /// The kind recorded for a decision: the proxy's own, or `transparent`.
+    fn kind(self, proxied: &'static str) -> &'static str {
+        match self {
+            Self::Proxy => proxied,
+            Self::Redirected(_) => "transparent",
+        }
+    }
+}
+
 /// A running gateway for one cell.
 #[derive(Debug, Clone)]
 pub struct Gateway {
@@ -279,6 +298,39 @@ impl Gateway {
         };
         let rules = self.rules();
         let port = destination.port();
+        let tls = matches!(crate::sni::client_hello(&early), crate::sni::Hello::Tls(_));
+        if rules.intercepts(&host, port) && (tls || looks_http) {
+            // Rules on methods, paths or credentials: each request is decided inside, as for a
+            // proxied one, once the name is known to lead where the client connected.
+            if let Err(verdict) = self.pinned(&rules, &host, destination) {
+                let mut decision =
+                    self.record("transparent", &host.as_text(), port, None, &verdict);
+                decision.address = Some(destination.to_string());
+                return if looks_http {
+                    self.deny(&mut conn, &decision)
+                } else {
+                    self.log.write(&decision)
+                };
+            }
+            let via = Via::Redirected(destination);
+            return match &self.interceptor {
+                Some(interceptor) if tls => {
+                    self.intercept(interceptor, conn, host, port, early, via)
+                }
+                _ if looks_http => self.transparent_http(conn, &host, early, via),
+                _ => {
+                    let verdict = Verdict::new(
+                        false,
+                        "interception",
+                        "TLS interception is not set up for this cell",
+                    );
+                    let mut decision =
+                        self.record("transparent", &host.as_text(), port, None, &verdict);
+                    decision.address = Some(destination.to_string());
+                    self.log.write(&decision);
+                }
+            };
+        }
         let mut verdict = self.decide(
             &rules,
             &Request {
@@ -291,35 +343,13 @@ impl Gateway {
             verdict = Verdict::new(
                 false,
                 &verdict.rule,
-                "this destination's rules need the proxy (HTTPS_PROXY): TLS interception does not apply to redirected connections",
+                "this destination's rules decide HTTP requests, and the client spoke neither HTTP nor TLS",
             );
         }
         if verdict.allowed {
-            if let Host::Name(name) = &host {
-                let resolves = self
-                    .lookup(name.as_str())
-                    .is_ok_and(|a| a.contains(&destination.ip()));
-                if !resolves {
-                    verdict = Verdict::new(
-                        false,
-                        "pinning",
-                        &format!(
-                            "{name} does not resolve to {}, where the client connected",
-                            destination.ip()
-                        ),
-                    );
-                }
+            if let Err(refused) = self.pinned(&rules, &host, destination) {
+                verdict = refused;
             }
-        }
-        if verdict.allowed && !rules.address_allowed(&host, destination.ip(), port) {
-            verdict = Verdict::new(
-                false,
-                "address",
-                &format!(
-                    "{} is a private, loopback, link-local or metadata address that no rule names",
-                    destination.ip()
-                ),
-            );
         }
         let mut decision = self.record("transparent", &host.as_text(), port, None, &verdict);
         decision.address = Some(destination.to_string());
@@ -340,6 +370,94 @@ impl Gateway {
         };
         let _ = upstream.set_nodelay(true);
         self.relay_tunnel(conn, upstream, &host, port, &early, decision);
+    }
+
+    /// A redirected connection goes where the client connected: its name (if it has one) must
+    /// resolve to that address, and a private, loopback, link-local or metadata address needs a
+    /// rule that names it.
+    fn pinned(&self, rules: &Rules, host: &Host, destination: SocketAddr) -> Result<(), Verdict> {
+        if let Host::Name(name) = host {
+            let resolves = self
+                .lookup(name.as_str())
+                .is_ok_and(|a| a.contains(&destination.ip()));
+            if !resolves {
+                return Err(Verdict::new(
+                    false,
+                    "pinning",
+                    &format!(
+                        "{name} does not resolve to {}, where the client connected",
+                        destination.ip()
+                    ),
+                ));
+            }
+        }
+        if !rules.address_allowed(host, destination.ip(), destination.port()) {
+            return Err(Verdict::new(
+                false,
+                "address",
+                &format!(
+                    "{} is a private, loopback, link-local or metadata address that no rule names",
+                    destination.ip()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// A redirected plain-HTTP request to a destination whose rules decide requests: read like
+    /// a proxied one, its origin-form target taken with the host it was checked for.
+    fn transparent_http(&self, mut conn: TcpStream, host: &Host, early: Vec<u8>, via: Via) {
+        let Via::Redirected(destination) = via else {
+            return;
+        };
+        let _ = conn.set_read_timeout(Some(HEAD_TIMEOUT));
+        let read = {
+            let mut reader = early.as_slice().chain(&conn);
+            read_head(&mut reader)
+        };
+        let (head, rest) = match read {
+            Ok(parts) => parts,
+            Err(HeadError::TooLarge) => {
+                return reply(
+                    &mut conn,
+                    431,
+                    "Request Header Fields Too Large",
+                    &json!({"error": "request headers larger than 64 KiB"}),
+                );
+            }
+            Err(HeadError::Io) => return,
+        };
+        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut request = httparse::Request::new(&mut headers);
+        let parsed = request.parse(&head);
+        let (Ok(httparse::Status::Complete(_)), Some(method), Some(path)) =
+            (parsed, request.method, request.path)
+        else {
+            return reply(
+                &mut conn,
+                400,
+                "Bad Request",
+                &json!({"error": "malformed HTTP request"}),
+            );
+        };
+        let (method, path) = (method.to_owned(), path.to_owned());
+        let header_list: Vec<(String, Vec<u8>)> = request
+            .headers
+            .iter()
+            .map(|h| (h.name.to_ascii_lowercase(), h.value.to_vec()))
+            .collect();
+        if !path.starts_with('/') {
+            // A URL would name a host of its own; this connection was checked for one already.
+            let target = format!("{method} {path}");
+            let reason = "a redirected request must name a path, not a URL".to_owned();
+            return self.refuse(&mut conn, "transparent", &target, reason);
+        }
+        let authority = match host {
+            Host::Ip(std::net::IpAddr::V6(ip)) => format!("[{ip}]:{}", destination.port()),
+            _ => format!("{}:{}", host.as_text(), destination.port()),
+        };
+        let target = format!("http://{authority}{path}");
+        self.forward(conn, &method, &target, &header_list, rest, via);
     }
 
     fn refuse_transparent(
@@ -429,7 +547,7 @@ impl Gateway {
         if method == "CONNECT" {
             self.tunnel(conn, &target, rest);
         } else {
-            self.forward(conn, &method, &target, &header_list, rest);
+            self.forward(conn, &method, &target, &header_list, rest, Via::Proxy);
         }
     }
 
@@ -491,6 +609,27 @@ impl Gateway {
         Err(last)
     }
 
+    /// Connects to the checked destination of a redirected connection, or to an allowed
+    /// address of the host a proxied request names.
+    fn connect_via(
+        &self,
+        host: &Host,
+        port: u16,
+        via: Via,
+    ) -> Result<(TcpStream, SocketAddr), String> {
+        match via {
+            Via::Proxy => self.connect(host, port),
+            Via::Redirected(destination) => {
+                TcpStream::connect_timeout(&destination, CONNECT_TIMEOUT)
+                    .map(|stream| {
+                        let _ = stream.set_nodelay(true);
+                        (stream, destination)
+                    })
+                    .map_err(|e| format!("connecting to {destination}: {e}"))
+            }
+        }
+    }
+
     /// Connects to the destination of an allowed decision; a refusal (by the rules, or because
     /// of the resolved address) is answered and recorded, and gives `None`.
     fn open_upstream(
@@ -499,12 +638,13 @@ impl Gateway {
         host: &Host,
         port: u16,
         decision: &mut Decision,
+        via: Via,
     ) -> Option<TcpStream> {
         if !decision.allowed {
             self.deny(conn, decision);
             return None;
         }
-        match self.connect(host, port) {
+        match self.connect_via(host, port, via) {
             Ok((upstream, addr)) => {
                 decision.address = Some(addr.to_string());
                 Some(upstream)
@@ -547,11 +687,13 @@ impl Gateway {
         host: Host,
         port: u16,
         early: Vec<u8>,
+        via: Via,
     ) {
         let name = host.as_text();
-        if conn
-            .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
-            .is_err()
+        if matches!(via, Via::Proxy)
+            && conn
+                .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                .is_err()
         {
             return;
         }
@@ -594,7 +736,13 @@ impl Gateway {
                 http: Some((&method, &path_only)),
             },
         );
-        let mut decision = self.record("https", &name, port, Some((&method, &path_only)), &verdict);
+        let mut decision = self.record(
+            via.kind("https"),
+            &name,
+            port,
+            Some((&method, &path_only)),
+            &verdict,
+        );
         let refusal = if sni
             .as_deref()
             .is_some_and(|s| s.trim_end_matches('.') != name)
@@ -617,7 +765,7 @@ impl Gateway {
             decision.reason = reason;
         }
         let upstream_tcp = if decision.allowed {
-            match self.connect(&host, port) {
+            match self.connect_via(&host, port, via) {
                 Ok((tcp, addr)) => {
                     decision.address = Some(addr.to_string());
                     Some(tcp)
@@ -708,7 +856,7 @@ impl Gateway {
         };
         if let Some(interceptor) = &self.interceptor {
             if self.rules().intercepts(&host, port) {
-                return self.intercept(interceptor, conn, host, port, early);
+                return self.intercept(interceptor, conn, host, port, early, Via::Proxy);
             }
         }
         let verdict = self.decide(
@@ -720,7 +868,8 @@ impl Gateway {
             },
         );
         let mut decision = self.record("connect", &host.as_text(), port, None, &verdict);
-        let Some(upstream) = self.open_upstream(&mut conn, &host, port, &mut decision) else {
+        let Some(upstream) = self.open_upstream(&mut conn, &host, port, &mut decision, Via::Proxy)
+        else {
             return;
         };
         if conn
@@ -761,14 +910,16 @@ impl Gateway {
         target: &str,
         headers: &[(String, Vec<u8>)],
         early: Vec<u8>,
+        via: Via,
     ) {
+        let kind = via.kind("http");
         let Some(rest) = target.strip_prefix("http://") else {
             let reason = if target.starts_with("https://") {
                 "HTTPS goes through CONNECT; set HTTPS_PROXY".to_owned()
             } else {
                 format!("`{target}` is not an absolute http:// URL; this is a proxy")
             };
-            return self.refuse(&mut conn, "http", target, reason);
+            return self.refuse(&mut conn, kind, target, reason);
         };
         let (authority, path) = match rest.find('/') {
             Some(i) => (&rest[..i], &rest[i..]),
@@ -776,11 +927,11 @@ impl Gateway {
         };
         let (host, port) = match split_authority(authority, 80) {
             Ok(parts) => parts,
-            Err(e) => return self.refuse(&mut conn, "http", target, e.to_string()),
+            Err(e) => return self.refuse(&mut conn, kind, target, e.to_string()),
         };
         let body = match request_body(headers) {
             Ok(body) => body,
-            Err(reason) => return self.refuse(&mut conn, "http", target, reason.to_owned()),
+            Err(reason) => return self.refuse(&mut conn, kind, target, reason.to_owned()),
         };
         let header = |name: &str| {
             headers
@@ -796,7 +947,7 @@ impl Gateway {
             if named.as_ref() != Some(&(host.clone(), port)) {
                 return self.refuse(
                     &mut conn,
-                    "http",
+                    kind,
                     target,
                     "the Host header names another host than the URL".to_owned(),
                 );
@@ -812,7 +963,7 @@ impl Gateway {
             },
         );
         let mut decision = self.record(
-            "http",
+            kind,
             &host.as_text(),
             port,
             Some((method, path_only)),
@@ -822,7 +973,8 @@ impl Gateway {
             decision.allowed = false;
             decision.reason = reason;
         }
-        let Some(mut upstream) = self.open_upstream(&mut conn, &host, port, &mut decision) else {
+        let Some(mut upstream) = self.open_upstream(&mut conn, &host, port, &mut decision, via)
+        else {
             return;
         };
         let credential = verdict
