@@ -376,3 +376,97 @@ fn clients_that_ignore_the_proxy_variables_are_intercepted_alike() {
     );
     assert!(warden().args(["rm", &name]).status().unwrap().success());
 }
+
+/// A plain HTTP upstream on 127.0.0.2 that records each whole request body it receives and
+/// answers 200.
+fn plain_upstream() -> (u16, Arc<Mutex<Vec<String>>>) {
+    let listener = TcpListener::bind("127.0.0.2:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let bodies = Arc::new(Mutex::new(Vec::new()));
+    let log = bodies.clone();
+    std::thread::spawn(move || {
+        for mut conn in listener.incoming().flatten() {
+            let mut got = Vec::new();
+            let mut byte = [0u8; 1];
+            while !got.ends_with(b"\r\n\r\n") {
+                match conn.read(&mut byte) {
+                    Ok(1) => got.push(byte[0]),
+                    _ => break,
+                }
+            }
+            let head = String::from_utf8_lossy(&got).to_ascii_lowercase();
+            let length: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .map_or(0, |v| v.trim().parse().unwrap_or(0));
+            let mut body = vec![0u8; length];
+            // Only a whole body counts as received.
+            if conn.read_exact(&mut body).is_ok() {
+                log.lock()
+                    .unwrap()
+                    .push(String::from_utf8_lossy(&body).into_owned());
+                let _ = conn.write_all(
+                    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok",
+                );
+            }
+        }
+    });
+    (port, bodies)
+}
+
+#[test]
+fn a_placeholder_in_a_body_bound_for_another_destination_stops_the_request() {
+    let dir = tempdir();
+    let (port, ca_pem, seen) = https_upstream();
+    let ca_path = dir.path().join("upstream-ca.pem");
+    std::fs::write(&ca_path, ca_pem).unwrap();
+    let (plain_port, plain_saw) = plain_upstream();
+    let policy = policy(
+        dir.path(),
+        &format!(
+            "version: 1\nnetwork:\n  extra_ca: {}\n  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n      paths: [\"/login\"]\n      credential: api\n    - host: 127.0.0.2\n      ports: [{plain_port}]\ncredentials:\n  api: {{ from_env: WARDEN_TEST_API_TOKEN }}\n  other: {{ from_env: WARDEN_TEST_OTHER_TOKEN }}\n",
+            ca_path.display()
+        ),
+    );
+    // Bodies large enough to go out in several writes, with the placeholder past the first.
+    let code = format!(
+        "import os, json, urllib.request, urllib.error\n\
+         api, other = os.environ['WARDEN_TEST_API_TOKEN'], os.environ['WARDEN_TEST_OTHER_TOKEN']\n\
+         def post(url, body):\n\
+         \x20   req = urllib.request.Request(url, data=body.encode(), method='POST')\n\
+         \x20   try:\n        return str(urllib.request.urlopen(req, timeout=10).status)\n\
+         \x20   except urllib.error.HTTPError as e: return f'{{e.code}} ' + json.loads(e.read())['reason']\n\
+         pad = 'x' * 100000\n\
+         print(post('https://127.0.0.2:{port}/login', pad + other))\n\
+         print(post('https://127.0.0.2:{port}/login', 'user=agent'))\n\
+         print(post('http://127.0.0.2:{plain_port}/', pad + 'token=' + api))\n\
+         print(post('http://127.0.0.2:{plain_port}/', 'hello'))"
+    );
+    let out = warden()
+        .args([
+            "run",
+            "--rm",
+            "--policy",
+            policy.to_str().unwrap(),
+            "--",
+            "python3",
+            "-c",
+            &code,
+        ])
+        .env("WARDEN_TEST_API_TOKEN", SECRET)
+        .env("WARDEN_TEST_OTHER_TOKEN", "another-secret-0815")
+        .output()
+        .unwrap();
+    let ran = Ran::from(out);
+    assert_eq!(
+        ran.stdout,
+        "403 the request body carries the placeholder of credential `other` to a destination that credential is not bound to\n\
+         200\n\
+         403 the request body carries the placeholder of credential `api` to a destination that credential is not bound to\n\
+         200\n",
+        "{ran:?}"
+    );
+    // Neither upstream got a whole request with a placeholder in it.
+    assert_eq!(seen.lock().unwrap().len(), 1, "{:?}", seen.lock().unwrap());
+    assert_eq!(plain_saw.lock().unwrap().clone(), vec!["hello".to_owned()]);
+}

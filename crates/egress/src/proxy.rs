@@ -16,7 +16,7 @@ use crate::host::{Host, split_authority};
 use crate::pump::pump;
 use crate::record::{Decision, Log};
 use crate::rules::{Request, Rules, Verdict};
-use crate::secrets::{Replacer, Secret, Secrets};
+use crate::secrets::{PlaceholderGuard, PlaceholderInBody, Replacer, Secret, Secrets};
 use crate::tls::Interceptor;
 
 const MAX_HEAD: usize = 64 * 1024;
@@ -553,15 +553,7 @@ impl Gateway {
 
     fn deny(&self, conn: &mut TcpStream, decision: &Decision) {
         self.log.write(decision);
-        let body = json!({
-            "error": "blocked by the warden egress policy",
-            "destination": format!("{}:{}", decision.host, decision.port),
-            "method": decision.method,
-            "path": decision.path,
-            "rule": decision.rule,
-            "reason": decision.reason,
-        });
-        reply(conn, 403, "Forbidden", &body);
+        reply(conn, 403, "Forbidden", &refusal_body(decision));
     }
 
     fn refuse(&self, conn: &mut TcpStream, kind: &str, target: &str, reason: String) {
@@ -784,13 +776,7 @@ impl Gateway {
             rustls::pki_types::ServerName::try_from(name.clone()),
         ) else {
             self.log.write(&decision);
-            let body = json!({
-                "error": "blocked by the warden egress policy",
-                "destination": format!("{name}:{port}"),
-                "method": decision.method, "path": decision.path,
-                "rule": decision.rule, "reason": decision.reason,
-            });
-            write_reply(&mut client, 403, "Forbidden", &body);
+            write_reply(&mut client, 403, "Forbidden", &refusal_body(&decision));
             client.conn.send_close_notify();
             let _ = client.flush();
             return;
@@ -812,11 +798,27 @@ impl Gateway {
             .as_deref()
             .and_then(|n| self.secrets.get(n));
         let out = upstream_request(&method, &path, &headers, credential);
-        let sent = upstream
-            .write_all(&out)
-            .and_then(|()| send_body(&rest, &mut client, &mut upstream, body, credential));
+        let sent = upstream.write_all(&out).and_then(|()| {
+            send_body(
+                &rest,
+                &mut client,
+                &mut upstream,
+                body,
+                credential,
+                &self.secrets,
+            )
+        });
         match sent {
             Ok(body) => decision.bytes_up = out.len() as u64 + body,
+            Err(e) if placeholder_refusal(&e).is_some() => {
+                decision.allowed = false;
+                decision.reason = placeholder_refusal(&e).unwrap_or_default();
+                self.log.write(&decision);
+                write_reply(&mut client, 403, "Forbidden", &refusal_body(&decision));
+                client.conn.send_close_notify();
+                let _ = client.flush();
+                return;
+            }
             Err(e) => {
                 decision.allowed = false;
                 decision.reason = format!("talking TLS to the upstream: {e}");
@@ -985,10 +987,27 @@ impl Gateway {
         let _ = upstream.set_read_timeout(Some(IDLE_TIMEOUT));
         let _ = conn.set_read_timeout(Some(IDLE_TIMEOUT));
         // Exactly the announced body, then nothing more from this client.
-        let sent = upstream
-            .write_all(&out)
-            .and_then(|()| send_body(&early, &mut &conn, &mut upstream, body, credential));
-        let Ok(body_bytes) = sent else { return };
+        let sent = upstream.write_all(&out).and_then(|()| {
+            send_body(
+                &early,
+                &mut &conn,
+                &mut upstream,
+                body,
+                credential,
+                &self.secrets,
+            )
+        });
+        let body_bytes = match sent {
+            Ok(n) => n,
+            Err(e) => {
+                if let Some(reason) = placeholder_refusal(&e) {
+                    decision.allowed = false;
+                    decision.reason = reason;
+                    self.deny(&mut conn, &decision);
+                }
+                return;
+            }
+        };
         decision.bytes_up = out.len() as u64 + body_bytes;
         let _tracked = self.track(&host, port, Some((method, path_only)), &conn, &upstream);
         decision.bytes_down = if self.secrets.all.is_empty() {
@@ -1073,16 +1092,40 @@ fn send_body(
     upstream: &mut impl Write,
     body: Body,
     credential: Option<&Secret>,
+    secrets: &Secrets,
 ) -> io::Result<u64> {
+    // Another credential's placeholder stops the body; the bound one's (with `in_body`)
+    // becomes the secret before the guard sees it.
+    let mut guarded = PlaceholderGuard::new(upstream, secrets, credential.map(|c| c.name.as_str()));
     match credential.filter(|c| c.in_body) {
         Some(secret) => {
-            let mut injecting = Replacer::injecting(upstream, secret);
+            let mut injecting = Replacer::injecting(&mut guarded, secret);
             let sent = copy_body(early, client, &mut injecting, body)?;
             injecting.finish()?;
             Ok(sent)
         }
-        None => copy_body(early, client, upstream, body),
+        None => copy_body(early, client, &mut guarded, body),
     }
+}
+
+/// The reason a body was stopped for carrying a placeholder where it is not bound, if that is
+/// why `err` came.
+fn placeholder_refusal(err: &io::Error) -> Option<String> {
+    err.get_ref()
+        .and_then(|inner| inner.downcast_ref::<PlaceholderInBody>())
+        .map(ToString::to_string)
+}
+
+/// The JSON body of a 403: what was refused and why, so that an agent can correct itself.
+fn refusal_body(decision: &Decision) -> serde_json::Value {
+    json!({
+        "error": "blocked by the warden egress policy",
+        "destination": format!("{}:{}", decision.host, decision.port),
+        "method": decision.method,
+        "path": decision.path,
+        "rule": decision.rule,
+        "reason": decision.reason,
+    })
 }
 
 /// Copies exactly the request body that `body` announces, starting with the bytes already read

@@ -127,6 +127,69 @@ fn contains(haystack: &[u8], needle: &[u8]) -> bool {
     !needle.is_empty() && haystack.windows(needle.len()).any(|w| w == needle)
 }
 
+/// Why a request body was stopped: it carries the placeholder of credential `.0` toward a
+/// destination that credential is not bound to.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the request body carries the placeholder of credential `{0}` to a destination that credential is not bound to"
+)]
+pub struct PlaceholderInBody(pub String);
+
+/// A writer that lets a request body through only while it carries no placeholder of a
+/// credential other than `bound` (also one split across writes): the write that would complete
+/// one fails with [`PlaceholderInBody`] and passes nothing on, so the upstream is left with an
+/// unfinished request.
+pub struct PlaceholderGuard<W: Write> {
+    inner: W,
+    watched: Vec<(String, Vec<u8>)>,
+    tail: Vec<u8>,
+}
+
+impl<W: Write> PlaceholderGuard<W> {
+    pub fn new(inner: W, secrets: &Secrets, bound: Option<&str>) -> Self {
+        let watched = secrets
+            .all
+            .iter()
+            .filter(|s| Some(s.name.as_str()) != bound && !s.placeholder.is_empty())
+            .map(|s| (s.name.clone(), s.placeholder.clone().into_bytes()))
+            .collect();
+        Self {
+            inner,
+            watched,
+            tail: Vec::new(),
+        }
+    }
+}
+
+impl<W: Write> Write for PlaceholderGuard<W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        if self.watched.is_empty() {
+            return self.inner.write(buf);
+        }
+        let mut window = std::mem::take(&mut self.tail);
+        window.extend_from_slice(buf);
+        if let Some((name, _)) = self.watched.iter().find(|(_, p)| contains(&window, p)) {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                PlaceholderInBody(name.clone()),
+            ));
+        }
+        self.inner.write_all(buf)?;
+        let keep = self
+            .watched
+            .iter()
+            .map(|(_, p)| p.len() - 1)
+            .max()
+            .unwrap_or(0);
+        self.tail = window.split_off(window.len().saturating_sub(keep));
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
 /// A writer that replaces byte strings by others of the same length, also across write
 /// boundaries: the last bytes that could start one are held back until the next write or
 /// `finish`. `scrubbing` puts placeholders in place of every secret (responses to the cell);
@@ -250,6 +313,29 @@ mod tests {
                 in_body: true,
             }],
         }
+    }
+
+    #[test]
+    fn an_unbound_placeholder_stops_a_body_even_split_across_writes() {
+        let secrets = secrets();
+        let placeholder = secrets.all[0].placeholder.clone();
+        let (head, tail) = placeholder.split_at(placeholder.len() / 2);
+        let mut sent = Vec::new();
+        let mut guard = PlaceholderGuard::new(&mut sent, &secrets, None);
+        guard.write_all(b"user=agent&password=").unwrap();
+        guard.write_all(head.as_bytes()).unwrap();
+        let err = guard.write_all(tail.as_bytes()).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::PermissionDenied);
+        assert!(err.to_string().contains("`api`"), "{err}");
+        assert!(
+            !contains(&sent, placeholder.as_bytes()),
+            "the placeholder went out whole"
+        );
+        // Bound to this destination, the same bytes pass.
+        let mut sent = Vec::new();
+        let mut guard = PlaceholderGuard::new(&mut sent, &secrets, Some("api"));
+        guard.write_all(placeholder.as_bytes()).unwrap();
+        assert_eq!(sent, placeholder.as_bytes());
     }
 
     #[test]
