@@ -103,12 +103,41 @@ fn https_upstream() -> (u16, String, Arc<Mutex<Vec<String>>>) {
     (port, ca.pem(), seen)
 }
 
+/// Runs `command` in a cell under `policy`, with the test's secret in the caller's environment
+/// (and `env` besides); `name` keeps the cell for `warden net`, else it is removed.
+fn run_with_secret(
+    policy: &std::path::Path,
+    name: Option<&str>,
+    env: &[(&str, &str)],
+    command: &[&str],
+) -> Ran {
+    let mut args = vec!["run"];
+    match name {
+        Some(name) => args.extend(["--name", name]),
+        None => args.push("--rm"),
+    }
+    args.extend(["--policy", policy.to_str().unwrap(), "--"]);
+    args.extend(command);
+    let mut cmd = warden();
+    cmd.args(&args).env("WARDEN_TEST_API_TOKEN", SECRET);
+    for (key, value) in env {
+        cmd.env(key, value);
+    }
+    Ran::from(cmd.output().unwrap())
+}
+
+/// The test upstream's CA, written where a policy's `extra_ca` can name it.
+fn write_ca(dir: &std::path::Path, pem: String) -> std::path::PathBuf {
+    let path = dir.join("upstream-ca.pem");
+    std::fs::write(&path, pem).unwrap();
+    path
+}
+
 #[test]
 fn the_secret_reaches_the_upstream_and_never_the_cell() {
     let dir = tempdir();
     let (port, ca_pem, seen) = https_upstream();
-    let ca_path = dir.path().join("upstream-ca.pem");
-    std::fs::write(&ca_path, ca_pem).unwrap();
+    let ca_path = write_ca(dir.path(), ca_pem);
     let plain = TcpListener::bind("127.0.0.2:0").unwrap();
     let plain_port = plain.local_addr().unwrap().port();
     let policy = policy(
@@ -134,22 +163,7 @@ fn the_secret_reaches_the_upstream_and_never_the_cell() {
          print(open('/proc/self/environ', 'rb').read().count(b'{SECRET}'))",
         secret_len = SECRET.len()
     );
-    let out = warden()
-        .args([
-            "run",
-            "--name",
-            &name,
-            "--policy",
-            policy.to_str().unwrap(),
-            "--",
-            "python3",
-            "-c",
-            &code,
-        ])
-        .env("WARDEN_TEST_API_TOKEN", SECRET)
-        .output()
-        .unwrap();
-    let ran = Ran::from(out);
+    let ran = run_with_secret(&policy, Some(&name), &[], &["python3", "-c", &code]);
     assert_eq!(
         ran.stdout, "placeholder\nupstream got auth=Bearer <placeholder>\n403\n403\n403\n0\n",
         "{ran:?}"
@@ -174,8 +188,7 @@ fn the_secret_reaches_the_upstream_and_never_the_cell() {
 fn curl_works_through_the_gateway_with_interception() {
     let dir = tempdir();
     let (port, ca_pem, seen) = https_upstream();
-    let ca_path = dir.path().join("upstream-ca.pem");
-    std::fs::write(&ca_path, ca_pem).unwrap();
+    let ca_path = write_ca(dir.path(), ca_pem);
     let policy = policy(
         dir.path(),
         &format!(
@@ -187,21 +200,7 @@ fn curl_works_through_the_gateway_with_interception() {
     let script = format!(
         "curl -sS https://127.0.0.2:{port}/ok; echo; curl -s -o /dev/null -w '%{{http_code}}\\n' https://127.0.0.2:{port}/other"
     );
-    let out = warden()
-        .args([
-            "run",
-            "--rm",
-            "--policy",
-            policy.to_str().unwrap(),
-            "--",
-            "sh",
-            "-c",
-            &script,
-        ])
-        .env("WARDEN_TEST_API_TOKEN", SECRET)
-        .output()
-        .unwrap();
-    let ran = Ran::from(out);
+    let ran = run_with_secret(&policy, None, &[], &["sh", "-c", &script]);
     assert!(
         ran.stdout.starts_with("upstream got auth=token "),
         "{ran:?}"
@@ -246,8 +245,7 @@ fn a_missing_secret_stops_the_cell_before_it_starts() {
 fn a_credential_bound_in_body_reaches_the_upstream_in_the_request_body() {
     let dir = tempdir();
     let (port, ca_pem, seen) = https_upstream();
-    let ca_path = dir.path().join("upstream-ca.pem");
-    std::fs::write(&ca_path, ca_pem).unwrap();
+    let ca_path = write_ca(dir.path(), ca_pem);
     let policy = policy(
         dir.path(),
         &format!(
@@ -264,21 +262,7 @@ fn a_credential_bound_in_body_reaches_the_upstream_in_the_request_body() {
          print(urllib.request.urlopen(req, timeout=10).status)\n\
          print(token != '{SECRET}')"
     );
-    let out = warden()
-        .args([
-            "run",
-            "--rm",
-            "--policy",
-            policy.to_str().unwrap(),
-            "--",
-            "python3",
-            "-c",
-            &code,
-        ])
-        .env("WARDEN_TEST_API_TOKEN", SECRET)
-        .output()
-        .unwrap();
-    let ran = Ran::from(out);
+    let ran = run_with_secret(&policy, None, &[], &["python3", "-c", &code]);
     assert_eq!(ran.stdout, "200\nTrue\n", "{ran:?}");
     let upstream_saw = seen.lock().unwrap().clone();
     assert_eq!(upstream_saw.len(), 1, "{upstream_saw:?}");
@@ -294,8 +278,7 @@ fn a_credential_bound_in_body_reaches_the_upstream_in_the_request_body() {
 fn clients_that_ignore_the_proxy_variables_are_intercepted_alike() {
     let dir = tempdir();
     let (port, ca_pem, seen) = https_upstream();
-    let ca_path = dir.path().join("upstream-ca.pem");
-    std::fs::write(&ca_path, ca_pem).unwrap();
+    let ca_path = write_ca(dir.path(), ca_pem);
     let policy = policy(
         dir.path(),
         &format!(
@@ -312,22 +295,7 @@ fn clients_that_ignore_the_proxy_variables_are_intercepted_alike() {
          curl --noproxy '*' -s -o /dev/null -w '%{{http_code}}\\n' -X DELETE https://127.0.0.2:{port}/ok"
     );
     let name = unique("redirected-tls");
-    let out = warden()
-        .args([
-            "run",
-            "--name",
-            &name,
-            "--policy",
-            policy.to_str().unwrap(),
-            "--",
-            "sh",
-            "-c",
-            &script,
-        ])
-        .env("WARDEN_TEST_API_TOKEN", SECRET)
-        .output()
-        .unwrap();
-    let ran = Ran::from(out);
+    let ran = run_with_secret(&policy, Some(&name), &[], &["sh", "-c", &script]);
     assert!(
         ran.stdout.starts_with("upstream got auth=token "),
         "{ran:?}"
@@ -418,8 +386,7 @@ fn plain_upstream() -> (u16, Arc<Mutex<Vec<String>>>) {
 fn a_placeholder_in_a_body_bound_for_another_destination_stops_the_request() {
     let dir = tempdir();
     let (port, ca_pem, seen) = https_upstream();
-    let ca_path = dir.path().join("upstream-ca.pem");
-    std::fs::write(&ca_path, ca_pem).unwrap();
+    let ca_path = write_ca(dir.path(), ca_pem);
     let (plain_port, plain_saw) = plain_upstream();
     let policy = policy(
         dir.path(),
@@ -442,22 +409,12 @@ fn a_placeholder_in_a_body_bound_for_another_destination_stops_the_request() {
          print(post('http://127.0.0.2:{plain_port}/', pad + 'token=' + api))\n\
          print(post('http://127.0.0.2:{plain_port}/', 'hello'))"
     );
-    let out = warden()
-        .args([
-            "run",
-            "--rm",
-            "--policy",
-            policy.to_str().unwrap(),
-            "--",
-            "python3",
-            "-c",
-            &code,
-        ])
-        .env("WARDEN_TEST_API_TOKEN", SECRET)
-        .env("WARDEN_TEST_OTHER_TOKEN", "another-secret-0815")
-        .output()
-        .unwrap();
-    let ran = Ran::from(out);
+    let ran = run_with_secret(
+        &policy,
+        None,
+        &[("WARDEN_TEST_OTHER_TOKEN", "another-secret-0815")],
+        &["python3", "-c", &code],
+    );
     assert_eq!(
         ran.stdout,
         "403 the request body carries the placeholder of credential `other` to a destination that credential is not bound to\n\

@@ -411,41 +411,17 @@ impl Gateway {
             return;
         };
         let _ = conn.set_read_timeout(Some(HEAD_TIMEOUT));
-        let read = {
-            let mut reader = early.as_slice().chain(&conn);
-            read_head(&mut reader)
-        };
-        let (head, rest) = match read {
-            Ok(parts) => parts,
-            Err(HeadError::TooLarge) => {
-                return reply(
-                    &mut conn,
-                    431,
-                    "Request Header Fields Too Large",
-                    &json!({"error": "request headers larger than 64 KiB"}),
-                );
-            }
-            Err(HeadError::Io) => return,
-        };
-        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
-        let mut request = httparse::Request::new(&mut headers);
-        let parsed = request.parse(&head);
-        let (Ok(httparse::Status::Complete(_)), Some(method), Some(path)) =
-            (parsed, request.method, request.path)
+        let mut reader = early.as_slice().chain(&conn);
+        let read = read_request(&mut reader);
+        let Some(ParsedRequest {
+            method,
+            target: path,
+            headers: header_list,
+            rest,
+        }) = answer_bad_request(&mut conn, read)
         else {
-            return reply(
-                &mut conn,
-                400,
-                "Bad Request",
-                &json!({"error": "malformed HTTP request"}),
-            );
+            return;
         };
-        let (method, path) = (method.to_owned(), path.to_owned());
-        let header_list: Vec<(String, Vec<u8>)> = request
-            .headers
-            .iter()
-            .map(|h| (h.name.to_ascii_lowercase(), h.value.to_vec()))
-            .collect();
         if !path.starts_with('/') {
             // A URL would name a host of its own; this connection was checked for one already.
             let target = format!("{method} {path}");
@@ -512,38 +488,16 @@ impl Gateway {
         let _ = conn.set_read_timeout(Some(HEAD_TIMEOUT));
         // Small TLS records and request heads must not wait for delayed acknowledgements.
         let _ = conn.set_nodelay(true);
-        let (head, rest) = match read_head(&mut conn) {
-            Ok(parts) => parts,
-            Err(HeadError::TooLarge) => {
-                return reply(
-                    &mut conn,
-                    431,
-                    "Request Header Fields Too Large",
-                    &json!({"error": "request headers larger than 64 KiB"}),
-                );
-            }
-            Err(HeadError::Io) => return,
-        };
-        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
-        let mut request = httparse::Request::new(&mut headers);
-        let parsed = request.parse(&head);
-        let (Ok(httparse::Status::Complete(_)), Some(method), Some(target)) =
-            (parsed, request.method, request.path)
+        let read = read_request(&mut conn);
+        let Some(ParsedRequest {
+            method,
+            target,
+            headers: header_list,
+            rest,
+        }) = answer_bad_request(&mut conn, read)
         else {
-            return reply(
-                &mut conn,
-                400,
-                "Bad Request",
-                &json!({"error": "malformed HTTP request"}),
-            );
+            return;
         };
-        let method = method.to_owned();
-        let target = target.to_owned();
-        let header_list: Vec<(String, Vec<u8>)> = request
-            .headers
-            .iter()
-            .map(|h| (h.name.to_ascii_lowercase(), h.value.to_vec()))
-            .collect();
         if method == "CONNECT" {
             self.tunnel(conn, &target, rest);
         } else {
@@ -696,29 +650,24 @@ impl Gateway {
             return;
         };
         let mut client = rustls::StreamOwned::new(server, Prefixed::new(early, inner));
-        let Ok((head, rest)) = read_head(&mut client) else {
-            return;
+        let ParsedRequest {
+            method,
+            target: path,
+            headers,
+            rest,
+        } = match read_request(&mut client) {
+            Ok(request) => request,
+            Err(RequestError::Malformed) => {
+                return write_reply(
+                    &mut client,
+                    400,
+                    "Bad Request",
+                    &json!({"error": "malformed HTTP request"}),
+                );
+            }
+            Err(RequestError::TooLarge | RequestError::Io) => return,
         };
         let sni = client.conn.server_name().map(str::to_owned);
-        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
-        let mut request = httparse::Request::new(&mut headers);
-        let parsed = request.parse(&head);
-        let (Ok(httparse::Status::Complete(_)), Some(method), Some(path)) =
-            (parsed, request.method, request.path)
-        else {
-            return write_reply(
-                &mut client,
-                400,
-                "Bad Request",
-                &json!({"error": "malformed HTTP request"}),
-            );
-        };
-        let (method, path) = (method.to_owned(), path.to_owned());
-        let headers: Vec<(String, Vec<u8>)> = request
-            .headers
-            .iter()
-            .map(|h| (h.name.to_ascii_lowercase(), h.value.to_vec()))
-            .collect();
         let path_only = path.split(['?', '#']).next().unwrap_or("/").to_owned();
         let verdict = self.decide(
             &self.rules(),
@@ -1304,6 +1253,77 @@ fn read_head(conn: &mut impl Read) -> Result<(Vec<u8>, Vec<u8>), HeadError> {
             Ok(0) | Err(_) => return Err(HeadError::Io),
             Ok(n) => buf.extend_from_slice(&chunk[..n]),
         }
+    }
+}
+
+/// A request head, read and parsed: method, target as sent, headers with lowercase names, and
+/// the bytes read past the head.
+struct ParsedRequest {
+    method: String,
+    target: String,
+    headers: Vec<(String, Vec<u8>)>,
+    rest: Vec<u8>,
+}
+
+enum RequestError {
+    TooLarge,
+    Malformed,
+    Io,
+}
+
+/// Reads and parses a request head (at most 64 KiB, 100 headers).
+fn read_request(conn: &mut impl Read) -> Result<ParsedRequest, RequestError> {
+    let (head, rest) = read_head(conn).map_err(|e| match e {
+        HeadError::TooLarge => RequestError::TooLarge,
+        HeadError::Io => RequestError::Io,
+    })?;
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut request = httparse::Request::new(&mut headers);
+    let parsed = request.parse(&head);
+    let (Ok(httparse::Status::Complete(_)), Some(method), Some(target)) =
+        (parsed, request.method, request.path)
+    else {
+        return Err(RequestError::Malformed);
+    };
+    Ok(ParsedRequest {
+        method: method.to_owned(),
+        target: target.to_owned(),
+        headers: request
+            .headers
+            .iter()
+            .map(|h| (h.name.to_ascii_lowercase(), h.value.to_vec()))
+            .collect(),
+        rest,
+    })
+}
+
+/// The request, or `None` once a client that sent an oversized or malformed head has its answer
+/// (one that went away gets none).
+fn answer_bad_request(
+    conn: &mut TcpStream,
+    read: Result<ParsedRequest, RequestError>,
+) -> Option<ParsedRequest> {
+    match read {
+        Ok(request) => Some(request),
+        Err(RequestError::TooLarge) => {
+            reply(
+                conn,
+                431,
+                "Request Header Fields Too Large",
+                &json!({"error": "request headers larger than 64 KiB"}),
+            );
+            None
+        }
+        Err(RequestError::Malformed) => {
+            reply(
+                conn,
+                400,
+                "Bad Request",
+                &json!({"error": "malformed HTTP request"}),
+            );
+            None
+        }
+        Err(RequestError::Io) => None,
     }
 }
 
