@@ -506,6 +506,12 @@ fn policy(command: PolicyCommand) -> Result<i32> {
             print!("{}", warden_policy::explain(&policy));
         }
         PolicyCommand::Set { name, file } => {
+            if let Some(closed) = crate::daemon::set_policy_through_daemon(&name, &file)? {
+                println!(
+                    "network and command rules of {name} replaced; {closed} open connection(s) closed"
+                );
+                return Ok(0);
+            }
             let closed = control::set_network_policy(&registry()?, &name, &file)?;
             println!("network rules of {name} replaced; {closed} open connection(s) closed");
         }

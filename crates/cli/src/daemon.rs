@@ -2,7 +2,7 @@
 //! `audit` and `replay`.
 
 use std::io::{Read as _, Write as _};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use base64::Engine as _;
@@ -290,6 +290,26 @@ pub fn through_daemon(name: &str, action: &str) -> Result<bool> {
         Ok(_) => Ok(true),
         Err(err) => match err.downcast_ref::<crate::client::ApiError>() {
             Some(api) if api.status == hyper::StatusCode::NOT_FOUND => Ok(false),
+            _ => Err(err),
+        },
+    }
+}
+
+/// Replaces the policy of a cell the running daemon keeps (its `network` and `commands`, journaled
+/// and in force for the daemon's own decisions); `None` when no daemon keeps the cell and the
+/// caller should act directly. Returns how many connections were closed.
+pub fn set_policy_through_daemon(name: &str, file: &Path) -> Result<Option<u64>> {
+    let Some(client) = Client::detect(&runtime()) else {
+        return Ok(None);
+    };
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("reading the policy {}", file.display()))?;
+    let body = json!({ "policy": text });
+    let path = format!("/v1/cells/{name}/policy");
+    match current_thread()?.block_on(client.json(Method::PUT, &path, Some(&body))) {
+        Ok(answer) => Ok(Some(answer["closed_connections"].as_u64().unwrap_or(0))),
+        Err(err) => match err.downcast_ref::<crate::client::ApiError>() {
+            Some(api) if api.status == hyper::StatusCode::NOT_FOUND => Ok(None),
             _ => Err(err),
         },
     }

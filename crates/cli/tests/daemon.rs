@@ -2113,3 +2113,112 @@ fn the_daemon_takes_the_hard_limit_of_open_files_and_cells_keep_the_soft_one() {
     let events = daemon.exec(&cell, json!({ "argv": ["sh", "-c", "ulimit -n"] }));
     assert_eq!(stream_bytes(&events, "stdout"), b"256\n");
 }
+
+#[test]
+fn a_replaced_policy_changes_the_command_rules_and_nothing_fixed() {
+    if !cgroups_available("daemon_policy_commands") {
+        return;
+    }
+    let mut daemon = Daemon::start(&[]);
+    let made =
+        "version: 1\nlimits:\n  memory: 256MiB\n  pids: 64\ncommands:\n  deny: [\"rm -rf *\"]\n";
+    let cell = daemon.create(&unique("cmdswap"), json!({ "policy": made }));
+    let exec_status = |d: &Daemon, argv: &[&str]| {
+        d.call(
+            "POST",
+            &format!("/v1/cells/{cell}/exec"),
+            Some(json!({ "argv": argv })),
+        )
+        .status
+    };
+    assert_eq!(exec_status(&daemon, &["touch", "/tmp/x"]), 200);
+    assert_eq!(exec_status(&daemon, &["rm", "-rf", "/tmp/x"]), 403);
+
+    // Only the command rules: in force for the very next exec.
+    let commands = "version: 1\ncommands:\n  deny: [\"touch *\"]\n";
+    let replaced = daemon.call(
+        "PUT",
+        &format!("/v1/cells/{cell}/policy"),
+        Some(json!({ "policy": commands })),
+    );
+    assert_eq!(
+        replaced.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&replaced.body)
+    );
+    assert_eq!(exec_status(&daemon, &["touch", "/tmp/y"]), 403);
+    assert_eq!(exec_status(&daemon, &["rm", "-rf", "/tmp/x"]), 200);
+
+    // A section fixed when the cell was made may be repeated as it is, not changed: the
+    // refusal names it, and nothing of the document takes effect.
+    let same_limits =
+        "version: 1\nlimits:\n  memory: 256MiB\n  pids: 64\ncommands:\n  deny: [\"touch *\"]\n";
+    let repeated = daemon.call(
+        "PUT",
+        &format!("/v1/cells/{cell}/policy"),
+        Some(json!({ "policy": same_limits })),
+    );
+    assert_eq!(
+        repeated.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&repeated.body)
+    );
+    let changing =
+        "version: 1\nlimits:\n  memory: 2GiB\nprocess:\n  user: 0\ncommands:\n  default: allow\n";
+    let refused = daemon.call(
+        "PUT",
+        &format!("/v1/cells/{cell}/policy"),
+        Some(json!({ "policy": changing })),
+    );
+    assert_eq!(
+        refused.status,
+        409,
+        "{}",
+        String::from_utf8_lossy(&refused.body)
+    );
+    let message = refused.json()["error"].as_str().unwrap().to_owned();
+    assert!(
+        message.contains("this policy also changes `limits`, `process`, which are fixed"),
+        "{message}"
+    );
+    assert_eq!(
+        exec_status(&daemon, &["touch", "/tmp/y"]),
+        403,
+        "the refused document changed nothing"
+    );
+
+    // The record: the policy as made, and the replacement in force.
+    let record = daemon
+        .call("GET", &format!("/v1/cells/{cell}/policy"), None)
+        .json();
+    assert_eq!(record["policy"], made);
+    assert_eq!(record["replaced"], same_limits);
+
+    // A daemon that starts again finds the same rules in force.
+    daemon.restart();
+    assert_eq!(exec_status(&daemon, &["touch", "/tmp/y"]), 403);
+    assert_eq!(exec_status(&daemon, &["rm", "-rf", "/tmp/x"]), 200);
+
+    // `warden policy set` goes through the daemon that keeps the cell, so it is journaled and
+    // the daemon's own decisions follow it.
+    let dir = tempdir();
+    let file = dir.path().join("policy.yaml");
+    std::fs::write(&file, "version: 1\ncommands:\n  deny: [\"rm *\"]\n").unwrap();
+    let set = Ran::from(
+        daemon
+            .warden()
+            .args(["policy", "set", &cell, file.to_str().unwrap()])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(set.code, 0, "{set:?}");
+    assert!(set.stdout.contains("network and command rules"), "{set:?}");
+    assert_eq!(exec_status(&daemon, &["rm", "-rf", "/tmp/x"]), 403);
+    assert_eq!(exec_status(&daemon, &["touch", "/tmp/y"]), 200);
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    assert_eq!(journal.matches("\"kind\":\"policy.replaced\"").count(), 3);
+    assert_eq!(journal.matches("\"kind\":\"policy.refused\"").count(), 1);
+    daemon.assert_journal_verifies();
+}

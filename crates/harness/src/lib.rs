@@ -352,11 +352,7 @@ impl Harness {
     /// Starts supervising a live cell: its policy (for limits and approvals), and the secrets
     /// of its credentials, which must never reach the journal.
     fn adopt(&self, entry: &CellEntry) {
-        let policy = match &entry.policy {
-            PolicySource::Preset(p) => warden_policy::preset(p).ok(),
-            PolicySource::Yaml(y) => warden_policy::from_yaml("policy", y).ok(),
-        };
-        let Some(policy) = policy else {
+        let Some(policy) = entry.policy_in_force() else {
             return;
         };
         if let Ok(secrets) = warden_egress::Secrets::load(&policy.credentials) {
@@ -498,6 +494,7 @@ impl Harness {
             labels: request.labels.clone(),
             env: request.env.clone(),
             ended: None,
+            replaced: None,
         };
         self.record(
             Some(&name),

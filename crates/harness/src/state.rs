@@ -36,6 +36,30 @@ pub struct CellEntry {
     /// Set once the cell's processes are gone, with why.
     #[serde(default)]
     pub ended: Option<String>,
+    /// The latest policy document that replaced the cell's `network` and `commands` while it
+    /// ran (the other sections stay as made).
+    #[serde(default)]
+    pub replaced: Option<String>,
+}
+
+impl CellEntry {
+    /// The policy in force: as the cell was made, with the `network` and `commands` of its
+    /// latest replacement.
+    pub fn policy_in_force(&self) -> Option<warden_policy::Policy> {
+        let mut policy = match &self.policy {
+            PolicySource::Preset(p) => warden_policy::preset(p).ok(),
+            PolicySource::Yaml(y) => warden_policy::from_yaml("policy", y).ok(),
+        }?;
+        if let Some(newer) = self
+            .replaced
+            .as_deref()
+            .and_then(|y| warden_policy::from_yaml("policy", y).ok())
+        {
+            policy.network = newer.network;
+            policy.commands = newer.commands;
+        }
+        Some(policy)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

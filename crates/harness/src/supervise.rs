@@ -33,6 +33,18 @@ pub(crate) struct Live {
 }
 
 impl Live {
+    /// Takes the rules of a replaced policy: the network rules (which the gateway enforces, for
+    /// the record) and the command rules, which decide the next exec.
+    pub(crate) fn replace_rules(
+        &mut self,
+        network: warden_policy::Network,
+        commands: warden_policy::Commands,
+    ) {
+        self.commands = CommandRules::compile(&commands).ok();
+        self.policy.network = network;
+        self.policy.commands = commands;
+    }
+
     pub(crate) fn new(policy: Policy) -> Self {
         Self {
             commands: CommandRules::compile(&policy.commands).ok(),

@@ -270,47 +270,89 @@ impl Harness {
     }
 
     /// The policy the cell was made with.
-    pub fn policy(&self, name: &str) -> Result<PolicySource, HarnessError> {
-        Ok(self.entry(name)?.policy)
+    /// The cell's policy as it was made, and the latest document whose `network` and
+    /// `commands` replaced those of the running cell (if any).
+    pub fn policy(&self, name: &str) -> Result<(PolicySource, Option<String>), HarnessError> {
+        let entry = self.entry(name)?;
+        Ok((entry.policy, entry.replaced))
     }
 
-    /// Replaces the network rules of a running cell with those of `yaml` (a whole policy; only
-    /// its `network` section takes effect); returns how many open connections were closed.
+    /// Replaces the `network` and `commands` of a running cell with those of `yaml` (a whole
+    /// policy document): the gateway closes open connections the new rules forbid, and the
+    /// next exec is decided by the new command rules. The other sections are fixed when a cell
+    /// is made: the document may leave them out or repeat them, and one that changes them is
+    /// refused with nothing changed. Returns how many connections were closed.
     pub async fn replace_policy(&self, name: &str, yaml: &str) -> Result<u64, HarnessError> {
         let mut entry = self.entry(name)?;
         self.live(name)?;
         let policy = warden_policy::from_yaml("policy", yaml)
             .map_err(|e| HarnessError::bad(e.to_string()))?;
+        let current = entry.policy_in_force().ok_or_else(|| {
+            HarnessError::internal(format!(
+                "the policy cell `{name}` was made with no longer parses"
+            ))
+        })?;
+        let fixed: Vec<String> = warden_policy::sections(yaml)
+            .into_iter()
+            .filter(|section| match section.as_str() {
+                "tier" => policy.tier != current.tier,
+                "filesystem" => policy.filesystem != current.filesystem,
+                "process" => policy.process != current.process,
+                "limits" => policy.limits != current.limits,
+                "credentials" => policy.credentials != current.credentials,
+                "approvals" => policy.approvals != current.approvals,
+                "gpu" => policy.gpu != current.gpu,
+                _ => false,
+            })
+            .map(|section| format!("`{section}`"))
+            .collect();
+        if !fixed.is_empty() {
+            let message = format!(
+                "cell `{name}`: a running cell's `network` and `commands` can be replaced, but this policy also changes {}, which are fixed when a cell is made; leave them out (or as they are), or make a new cell with this policy",
+                fixed.join(", ")
+            );
+            // Nothing changes, but the attempt is on record.
+            self.record(
+                Some(name),
+                "policy.refused",
+                json!({ "yaml": yaml, "reason": message }),
+            )
+            .await?;
+            return Err(HarnessError::new(ErrorKind::Conflict, message));
+        }
+        let network_changes = policy.network != current.network;
         self.record(Some(name), "policy.replace", json!({ "yaml": yaml }))
             .await?;
-        let file = self
-            .daemon_dir
-            .join("cells")
-            .join(name)
-            .join("policy-update.yaml");
-        std::fs::write(&file, yaml)
-            .map_err(|e| HarnessError::internal(format!("writing {}: {e}", file.display())))?;
-        let registry = self.registry.clone();
-        let owned = name.to_owned();
-        let closed = tokio::task::spawn_blocking(move || {
-            warden_cell::control::set_network_policy(&registry, &owned, &file)
-        })
-        .await
-        .map_err(|e| HarnessError::internal(e.to_string()))?
-        .map_err(|e| HarnessError::new(ErrorKind::Conflict, e.to_string()))?;
-        // The network part now differs from what the cell was made with: remember the whole new
-        // document, as the policy of record.
-        entry.policy = PolicySource::Yaml(yaml.to_owned());
+        let closed = if network_changes {
+            let file = self
+                .daemon_dir
+                .join("cells")
+                .join(name)
+                .join("policy-update.yaml");
+            std::fs::write(&file, yaml)
+                .map_err(|e| HarnessError::internal(format!("writing {}: {e}", file.display())))?;
+            let registry = self.registry.clone();
+            let owned = name.to_owned();
+            tokio::task::spawn_blocking(move || {
+                warden_cell::control::set_network_policy(&registry, &owned, &file)
+            })
+            .await
+            .map_err(|e| HarnessError::internal(e.to_string()))?
+            .map_err(|e| HarnessError::new(ErrorKind::Conflict, e.to_string()))?
+        } else {
+            0
+        };
+        entry.replaced = Some(yaml.to_owned());
         self.state.put(&entry)?;
         if let Ok(mut live) = self.live.lock()
             && let Some(l) = live.get_mut(name)
         {
-            l.policy.network = policy.network;
+            l.replace_rules(policy.network, policy.commands);
         }
         self.record(
             Some(name),
             "policy.replaced",
-            json!({ "closed_connections": closed }),
+            json!({ "closed_connections": closed, "network_changed": network_changes }),
         )
         .await?;
         Ok(closed)

@@ -16,6 +16,6 @@ pub use model::{
     Commands, Credential, Credentials, EnvPolicy, Filesystem, Gpu, LifecycleAction, Limits,
     NetRule, Network, NetworkDefault, Policy, Process, Tier, Workspace, WorkspaceMode,
 };
-pub use parse::{PolicyError, from_file, from_yaml};
+pub use parse::{PolicyError, from_file, from_yaml, sections};
 pub use preset::{PRESETS, preset};
 pub use units::{ByteSize, Duration};

@@ -47,6 +47,14 @@ pub fn from_yaml(origin: &str, text: &str) -> Result<Policy, PolicyError> {
     Ok(policy)
 }
 
+/// The top-level sections a policy document writes out (`network`, `limits`, ...), as opposed
+/// to those it leaves to their defaults; empty for a document that does not parse.
+pub fn sections(text: &str) -> Vec<String> {
+    serde_saphyr::from_str::<std::collections::BTreeMap<String, serde::de::IgnoredAny>>(text)
+        .map(|map| map.into_keys().collect())
+        .unwrap_or_default()
+}
+
 fn syntax_error(origin: &str, err: &serde_saphyr::Error) -> PolicyError {
     let message = first_line(&err.to_string());
     match err.location() {
@@ -224,6 +232,13 @@ fn validate(origin: &str, policy: &Policy) -> Result<(), PolicyError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sections_are_those_the_document_writes_out() {
+        let text = "version: 1\nnetwork:\n  default: deny\ncommands:\n  default: allow\n";
+        assert_eq!(sections(text), ["commands", "network", "version"]);
+        assert!(sections("[not, a, map]").is_empty());
+    }
 
     #[test]
     fn unknown_field_reports_line_and_column() {

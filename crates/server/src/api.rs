@@ -611,17 +611,21 @@ async fn get_policy(
     State(h): State<Shared>,
     Path(name): Path<String>,
 ) -> Result<Response, ApiError> {
-    let body = match h.policy(&name)? {
+    let (made, replaced) = h.policy(&name)?;
+    let mut body = match made {
         warden_harness::PolicySource::Preset(p) => json!({ "preset": p }),
         warden_harness::PolicySource::Yaml(y) => json!({ "policy": y }),
     };
+    if let Some(replaced) = replaced {
+        body["replaced"] = json!(replaced);
+    }
     Ok(Json(body).into_response())
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct PolicyBody {
-    /// A whole policy (YAML); its `network` section replaces the running cell's.
+    /// A whole policy (YAML); its `network` and `commands` replace the running cell's.
     policy: String,
 }
 
