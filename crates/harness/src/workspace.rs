@@ -269,7 +269,6 @@ impl Harness {
         Ok(())
     }
 
-    /// The policy the cell was made with.
     /// The cell's policy as it was made, and the latest document whose `network` and
     /// `commands` replaced those of the running cell (if any).
     pub fn policy(&self, name: &str) -> Result<(PolicySource, Option<String>), HarnessError> {
