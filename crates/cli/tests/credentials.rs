@@ -126,25 +126,28 @@ fn run_with_secret(
     Ran::from(cmd.output().unwrap())
 }
 
-/// The test upstream's CA, written where a policy's `extra_ca` can name it.
-fn write_ca(dir: &std::path::Path, pem: String) -> std::path::PathBuf {
-    let path = dir.join("upstream-ca.pem");
-    std::fs::write(&path, pem).unwrap();
-    path
+/// A policy file in `dir` whose `network` trusts the test upstream's CA (`ca_pem`) and goes on
+/// with `rest` (the network rules, then any other sections).
+fn trusting_policy(dir: &std::path::Path, ca_pem: String, rest: &str) -> std::path::PathBuf {
+    let ca = dir.join("upstream-ca.pem");
+    std::fs::write(&ca, ca_pem).unwrap();
+    policy(
+        dir,
+        &format!("version: 1\nnetwork:\n  extra_ca: {}\n{rest}", ca.display()),
+    )
 }
 
 #[test]
 fn the_secret_reaches_the_upstream_and_never_the_cell() {
     let dir = tempdir();
     let (port, ca_pem, seen) = https_upstream();
-    let ca_path = write_ca(dir.path(), ca_pem);
     let plain = TcpListener::bind("127.0.0.2:0").unwrap();
     let plain_port = plain.local_addr().unwrap().port();
-    let policy = policy(
+    let policy = trusting_policy(
         dir.path(),
+        ca_pem,
         &format!(
-            "version: 1\nnetwork:\n  extra_ca: {}\n  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n      methods: [GET]\n      paths: [\"/api/**\"]\n      credential: api\n    - host: 127.0.0.2\n      ports: [{plain_port}]\ncredentials:\n  api: {{ from_env: WARDEN_TEST_API_TOKEN }}\n",
-            ca_path.display()
+            "  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n      methods: [GET]\n      paths: [\"/api/**\"]\n      credential: api\n    - host: 127.0.0.2\n      ports: [{plain_port}]\ncredentials:\n  api: {{ from_env: WARDEN_TEST_API_TOKEN }}\n"
         ),
     );
     let name = unique("cred");
@@ -188,12 +191,11 @@ fn the_secret_reaches_the_upstream_and_never_the_cell() {
 fn curl_works_through_the_gateway_with_interception() {
     let dir = tempdir();
     let (port, ca_pem, seen) = https_upstream();
-    let ca_path = write_ca(dir.path(), ca_pem);
-    let policy = policy(
+    let policy = trusting_policy(
         dir.path(),
+        ca_pem,
         &format!(
-            "version: 1\nnetwork:\n  extra_ca: {}\n  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n      paths: [\"/ok\"]\n      credential: api\ncredentials:\n  api: {{ from_env: WARDEN_TEST_API_TOKEN, header: Authorization, format: \"token {{}}\" }}\n",
-            ca_path.display()
+            "  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n      paths: [\"/ok\"]\n      credential: api\ncredentials:\n  api: {{ from_env: WARDEN_TEST_API_TOKEN, header: Authorization, format: \"token {{}}\" }}\n"
         ),
     );
     // curl reads the proxy from https_proxy and the CA bundle from CURL_CA_BUNDLE.
@@ -245,12 +247,11 @@ fn a_missing_secret_stops_the_cell_before_it_starts() {
 fn a_credential_bound_in_body_reaches_the_upstream_in_the_request_body() {
     let dir = tempdir();
     let (port, ca_pem, seen) = https_upstream();
-    let ca_path = write_ca(dir.path(), ca_pem);
-    let policy = policy(
+    let policy = trusting_policy(
         dir.path(),
+        ca_pem,
         &format!(
-            "version: 1\nnetwork:\n  extra_ca: {}\n  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n      paths: [\"/login\"]\n      credential: api\ncredentials:\n  api: {{ from_env: WARDEN_TEST_API_TOKEN, in_body: true }}\n",
-            ca_path.display()
+            "  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n      paths: [\"/login\"]\n      credential: api\ncredentials:\n  api: {{ from_env: WARDEN_TEST_API_TOKEN, in_body: true }}\n"
         ),
     );
     // The cell puts its placeholder in a JSON body, as a login form would.
@@ -278,12 +279,11 @@ fn a_credential_bound_in_body_reaches_the_upstream_in_the_request_body() {
 fn clients_that_ignore_the_proxy_variables_are_intercepted_alike() {
     let dir = tempdir();
     let (port, ca_pem, seen) = https_upstream();
-    let ca_path = write_ca(dir.path(), ca_pem);
-    let policy = policy(
+    let policy = trusting_policy(
         dir.path(),
+        ca_pem,
         &format!(
-            "version: 1\nnetwork:\n  extra_ca: {}\n  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n      methods: [GET]\n      paths: [\"/ok\"]\n      credential: api\ncredentials:\n  api: {{ from_env: WARDEN_TEST_API_TOKEN, header: Authorization, format: \"token {{}}\" }}\n",
-            ca_path.display()
+            "  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n      methods: [GET]\n      paths: [\"/ok\"]\n      credential: api\ncredentials:\n  api: {{ from_env: WARDEN_TEST_API_TOKEN, header: Authorization, format: \"token {{}}\" }}\n"
         ),
     );
     // `--noproxy '*'`: curl connects to the address itself; nftables in the cell's namespace
@@ -386,13 +386,12 @@ fn plain_upstream() -> (u16, Arc<Mutex<Vec<String>>>) {
 fn a_placeholder_in_a_body_bound_for_another_destination_stops_the_request() {
     let dir = tempdir();
     let (port, ca_pem, seen) = https_upstream();
-    let ca_path = write_ca(dir.path(), ca_pem);
     let (plain_port, plain_saw) = plain_upstream();
-    let policy = policy(
+    let policy = trusting_policy(
         dir.path(),
+        ca_pem,
         &format!(
-            "version: 1\nnetwork:\n  extra_ca: {}\n  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n      paths: [\"/login\"]\n      credential: api\n    - host: 127.0.0.2\n      ports: [{plain_port}]\ncredentials:\n  api: {{ from_env: WARDEN_TEST_API_TOKEN }}\n  other: {{ from_env: WARDEN_TEST_OTHER_TOKEN }}\n",
-            ca_path.display()
+            "  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n      paths: [\"/login\"]\n      credential: api\n    - host: 127.0.0.2\n      ports: [{plain_port}]\ncredentials:\n  api: {{ from_env: WARDEN_TEST_API_TOKEN }}\n  other: {{ from_env: WARDEN_TEST_OTHER_TOKEN }}\n"
         ),
     );
     // Bodies large enough to go out in several writes, with the placeholder past the first.

@@ -2131,22 +2131,27 @@ fn a_replaced_policy_changes_the_command_rules_and_nothing_fixed() {
         )
         .status
     };
+    // A replacement, answered with its status (the body shown when it is not the one expected).
+    let put = |d: &Daemon, policy: &str, expected: u16| {
+        let answer = d.call(
+            "PUT",
+            &format!("/v1/cells/{cell}/policy"),
+            Some(json!({ "policy": policy })),
+        );
+        assert_eq!(
+            answer.status,
+            expected,
+            "{}",
+            String::from_utf8_lossy(&answer.body)
+        );
+        answer
+    };
     assert_eq!(exec_status(&daemon, &["touch", "/tmp/x"]), 200);
     assert_eq!(exec_status(&daemon, &["rm", "-rf", "/tmp/x"]), 403);
 
     // Only the command rules: in force for the very next exec.
     let commands = "version: 1\ncommands:\n  deny: [\"touch *\"]\n";
-    let replaced = daemon.call(
-        "PUT",
-        &format!("/v1/cells/{cell}/policy"),
-        Some(json!({ "policy": commands })),
-    );
-    assert_eq!(
-        replaced.status,
-        200,
-        "{}",
-        String::from_utf8_lossy(&replaced.body)
-    );
+    put(&daemon, commands, 200);
     assert_eq!(exec_status(&daemon, &["touch", "/tmp/y"]), 403);
     assert_eq!(exec_status(&daemon, &["rm", "-rf", "/tmp/x"]), 200);
 
@@ -2154,30 +2159,10 @@ fn a_replaced_policy_changes_the_command_rules_and_nothing_fixed() {
     // refusal names it, and nothing of the document takes effect.
     let same_limits =
         "version: 1\nlimits:\n  memory: 256MiB\n  pids: 64\ncommands:\n  deny: [\"touch *\"]\n";
-    let repeated = daemon.call(
-        "PUT",
-        &format!("/v1/cells/{cell}/policy"),
-        Some(json!({ "policy": same_limits })),
-    );
-    assert_eq!(
-        repeated.status,
-        200,
-        "{}",
-        String::from_utf8_lossy(&repeated.body)
-    );
+    put(&daemon, same_limits, 200);
     let changing =
         "version: 1\nlimits:\n  memory: 2GiB\nprocess:\n  user: 0\ncommands:\n  default: allow\n";
-    let refused = daemon.call(
-        "PUT",
-        &format!("/v1/cells/{cell}/policy"),
-        Some(json!({ "policy": changing })),
-    );
-    assert_eq!(
-        refused.status,
-        409,
-        "{}",
-        String::from_utf8_lossy(&refused.body)
-    );
+    let refused = put(&daemon, changing, 409);
     let message = refused.json()["error"].as_str().unwrap().to_owned();
     assert!(
         message.contains("this policy also changes `limits`, `process`, which are fixed"),
