@@ -596,29 +596,36 @@ fn killing_the_warden_during_apply_leaves_every_file_old_or_new() {
         "cd /workspace && python3 -c \"import glob\nfor f in glob.glob('f*'): open(f,'w').write('n'*65536)\"",
     );
     assert_eq!(ran.code, 0, "{ran:?}");
-    // The diff before any rename takes about as long as a dry run: aim the kills after it.
-    let start = Instant::now();
-    warden_ok(&["apply", &name, "--dry-run"]);
-    let diff_ms = start.elapsed().as_millis() as u64;
+    // Each kill lands right after the apply replaced its first file (a file's inode changes when
+    // the new one is swapped in), so it falls between the first and the last of 300 renames
+    // however long the diff before them takes on a busy host.
+    use std::os::unix::fs::MetadataExt as _;
+    let path = |i: usize| ws.path().join(format!("f{i:03}"));
+    let inode = |i: usize| std::fs::metadata(path(i)).map(|m| m.ino()).ok();
     let mut killed_midway = false;
-    for delay_ms in (0..40).map(|step| diff_ms + step * 15) {
+    for attempt in 0..5 {
+        let before: Vec<Option<u64>> = (0..300).map(inode).collect();
         let mut apply = warden()
             .args(["apply", &name])
             .stdout(Stdio::null())
             .spawn()
             .unwrap();
-        std::thread::sleep(Duration::from_millis(delay_ms));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while (0..300).all(|i| inode(i) == before[i])
+            && apply.try_wait().unwrap().is_none()
+            && Instant::now() < deadline
+        {}
         let _ = apply.kill();
         let _ = apply.wait();
         let mut counts = (0, 0);
         for i in 0..300 {
-            let content = std::fs::read_to_string(ws.path().join(format!("f{i:03}"))).unwrap();
+            let content = std::fs::read_to_string(path(i)).unwrap();
             if content == old {
                 counts.0 += 1;
             } else {
                 assert_eq!(
                     content, new,
-                    "f{i:03} is torn after killing apply at {delay_ms} ms"
+                    "f{i:03} is torn after killing apply (attempt {attempt})"
                 );
                 counts.1 += 1;
             }
@@ -626,7 +633,7 @@ fn killing_the_warden_during_apply_leaves_every_file_old_or_new() {
         if counts.0 > 0 && counts.1 > 0 {
             killed_midway = true;
         }
-        if counts.0 == 0 {
+        if counts.0 == 0 || killed_midway {
             break;
         }
     }
