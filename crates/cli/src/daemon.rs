@@ -876,6 +876,11 @@ fn summary(entry: &Entry) -> String {
                 d["stderr_bytes"].as_u64().unwrap_or(0)
             )
         }
+        "policy.replaced" => format!(
+            "network and command rules replaced, {} open connection(s) closed",
+            d["closed_connections"].as_u64().unwrap_or(0)
+        ),
+        "policy.refused" => d["reason"].as_str().unwrap_or_default().to_owned(),
         _ if d.as_object().is_some_and(|o| o.is_empty()) => String::new(),
         _ => d.to_string(),
     }

@@ -2205,5 +2205,15 @@ fn a_replaced_policy_changes_the_command_rules_and_nothing_fixed() {
     let journal = std::fs::read_to_string(daemon.journal()).unwrap();
     assert_eq!(journal.matches("\"kind\":\"policy.replaced\"").count(), 3);
     assert_eq!(journal.matches("\"kind\":\"policy.refused\"").count(), 1);
+    let replay = Ran::from(daemon.warden().args(["replay", &cell]).output().unwrap());
+    assert!(
+        replay
+            .stdout
+            .contains("network and command rules replaced, 0 open connection(s) closed")
+            && replay
+                .stdout
+                .contains("this policy also changes `limits`, `process`"),
+        "{replay:?}"
+    );
     daemon.assert_journal_verifies();
 }
