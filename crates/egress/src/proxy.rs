@@ -278,10 +278,10 @@ impl Gateway {
         let early = first_bytes(&mut conn, Vec::new()).unwrap_or_default();
         let _ = conn.set_read_timeout(Some(IDLE_TIMEOUT));
         let looks_http = early.first().is_some_and(u8::is_ascii_uppercase);
-        let claimed = match crate::sni::client_hello(&early) {
-            crate::sni::Hello::Tls(name) => name,
-            _ if looks_http => http_host(&early),
-            _ => None,
+        let (tls, claimed) = match crate::sni::client_hello(&early) {
+            crate::sni::Hello::Tls(name) => (true, name),
+            _ if looks_http => (false, http_host(&early)),
+            _ => (false, None),
         };
         let host = match claimed.as_deref().map(Host::parse) {
             Some(Ok(host)) => host,
@@ -298,7 +298,6 @@ impl Gateway {
         };
         let rules = self.rules();
         let port = destination.port();
-        let tls = matches!(crate::sni::client_hello(&early), crate::sni::Hello::Tls(_));
         if rules.intercepts(&host, port) && (tls || looks_http) {
             // Rules on methods, paths or credentials: each request is decided inside, as for a
             // proxied one, once the name is known to lead where the client connected.
@@ -759,9 +758,9 @@ impl Gateway {
         });
         match sent {
             Ok(body) => decision.bytes_up = out.len() as u64 + body,
-            Err(e) if placeholder_refusal(&e).is_some() => {
+            Err(e) if let Some(reason) = placeholder_refusal(&e) => {
                 decision.allowed = false;
-                decision.reason = placeholder_refusal(&e).unwrap_or_default();
+                decision.reason = reason;
                 self.log.write(&decision);
                 write_reply(&mut client, 403, "Forbidden", &refusal_body(&decision));
                 client.conn.send_close_notify();

@@ -142,7 +142,9 @@ pub struct PlaceholderInBody(pub String);
 pub struct PlaceholderGuard<W: Write> {
     inner: W,
     watched: Vec<(String, Vec<u8>)>,
+    /// Bytes of the last writes that could begin a placeholder the next write completes.
     tail: Vec<u8>,
+    keep: usize,
 }
 
 impl<W: Write> PlaceholderGuard<W> {
@@ -152,11 +154,13 @@ impl<W: Write> PlaceholderGuard<W> {
             .iter()
             .filter(|s| Some(s.name.as_str()) != bound && !s.placeholder.is_empty())
             .map(|s| (s.name.clone(), s.placeholder.clone().into_bytes()))
-            .collect();
+            .collect::<Vec<_>>();
+        let keep = watched.iter().map(|(_, p)| p.len() - 1).max().unwrap_or(0);
         Self {
             inner,
             watched,
             tail: Vec::new(),
+            keep,
         }
     }
 }
@@ -175,13 +179,7 @@ impl<W: Write> Write for PlaceholderGuard<W> {
             ));
         }
         self.inner.write_all(buf)?;
-        let keep = self
-            .watched
-            .iter()
-            .map(|(_, p)| p.len() - 1)
-            .max()
-            .unwrap_or(0);
-        self.tail = window.split_off(window.len().saturating_sub(keep));
+        self.tail = window.split_off(window.len().saturating_sub(self.keep));
         Ok(buf.len())
     }
 
