@@ -210,6 +210,7 @@ fn main() -> Result<()> {
         methods: vec![],
         paths,
         credential: None,
+        dns: warden_policy::NameLookup::Any,
     };
     let network = Network {
         default: NetworkDefault::Deny,
@@ -223,6 +224,7 @@ fn main() -> Result<()> {
                 methods: vec![],
                 paths: vec![],
                 credential: None,
+                dns: warden_policy::NameLookup::Any,
             },
         ],
         deny: vec![],
@@ -240,13 +242,14 @@ fn main() -> Result<()> {
         "bench",
         warden_egress::Secrets::default(),
         Some(interceptor),
+        warden_egress::Bounds::default(),
     )?;
     let dns = UdpSocket::bind("127.0.0.1:0")?;
     let dns_address = dns.local_addr()?;
-    gateway.clone().serve_dns(dns);
+    gateway.clone().serve_dns(dns)?;
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let proxy = listener.local_addr()?;
-    gateway.serve(listener);
+    gateway.serve(listener)?;
 
     let paths = [
         ("HTTP, direct", Path::Direct(plain)),

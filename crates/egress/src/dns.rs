@@ -65,22 +65,50 @@ impl Answered {
     }
 }
 
+/// Names the gateway looked up for connections the rules allowed, with the usable addresses
+/// the lookup gave: what the cell's DNS answers for names under rules with `dns: connected`.
+/// Bounded like [`Answered`].
+#[derive(Debug, Default)]
+pub(crate) struct LookedUp {
+    names: HashMap<String, (Vec<IpAddr>, u64)>,
+    clock: u64,
+}
+
+impl LookedUp {
+    pub(crate) fn insert(&mut self, name: &str, addresses: Vec<IpAddr>) {
+        self.clock += 1;
+        self.names.insert(name.to_owned(), (addresses, self.clock));
+        if self.names.len() > MAX_ANSWERED {
+            let mut ages: Vec<u64> = self.names.values().map(|(_, at)| *at).collect();
+            let (_, cutoff, _) = ages.select_nth_unstable(MAX_ANSWERED / 4);
+            let cutoff = *cutoff;
+            self.names.retain(|_, (_, at)| *at > cutoff);
+        }
+    }
+
+    pub(crate) fn get(&self, name: &str) -> Option<Vec<IpAddr>> {
+        self.names.get(name).map(|(addresses, _)| addresses.clone())
+    }
+}
+
 impl Gateway {
     /// Answers queries on `socket` (UDP, the cell's 127.0.0.1:53) until it fails.
-    pub fn serve_dns(self, socket: UdpSocket) -> std::thread::JoinHandle<()> {
+    pub fn serve_dns(self, socket: UdpSocket) -> std::io::Result<std::thread::JoinHandle<()>> {
         let answerers = Arc::new(Answerers {
             gateway: self,
             socket,
             threads: AtomicUsize::new(1),
             idle: AtomicUsize::new(0),
         });
-        std::thread::spawn(move || {
-            if answerers.socket.set_nonblocking(false).is_ok()
-                && answerers.socket.set_read_timeout(Some(SPARE_IDLE)).is_ok()
-            {
-                answerers.answer_queries(true);
-            }
-        })
+        std::thread::Builder::new()
+            .name("egress-dns".to_owned())
+            .spawn(move || {
+                if answerers.socket.set_nonblocking(false).is_ok()
+                    && answerers.socket.set_read_timeout(Some(SPARE_IDLE)).is_ok()
+                {
+                    answerers.answer_queries(true);
+                }
+            })
     }
 
     /// Answers `query`. Before a host lookup, `may_wait` is asked whether this thread may wait
@@ -115,11 +143,29 @@ impl Gateway {
             *reply.rcode_mut() = RCODE::NameError;
             return reply.build_bytes_vec().ok();
         }
-        if !may_wait() {
-            *reply.rcode_mut() = RCODE::ServerFailure;
-            return reply.build_bytes_vec().ok();
-        }
-        let addresses = self.lookup(&host.as_text()).unwrap_or_default();
+        let addresses = if verdict.lookup == warden_policy::NameLookup::Connected {
+            // Only what a lookup for an allowed connection found: the query itself never
+            // leaves the host.
+            let known = self
+                .looked_up
+                .lock()
+                .ok()
+                .and_then(|l| l.get(&host.as_text()));
+            let Some(known) = known else {
+                decision.allowed = false;
+                decision.reason = "the rule answers only names the gateway looked up for a connection it allowed (dns: connected), and none was made to this name yet".to_owned();
+                self.log_decision(&decision);
+                *reply.rcode_mut() = RCODE::NameError;
+                return reply.build_bytes_vec().ok();
+            };
+            known
+        } else {
+            if !may_wait() {
+                *reply.rcode_mut() = RCODE::ServerFailure;
+                return reply.build_bytes_vec().ok();
+            }
+            self.lookup(&host.as_text()).unwrap_or_default()
+        };
         let usable: Vec<IpAddr> = addresses
             .into_iter()
             .filter(|ip| rules.address_allowed_any_port(&host, *ip))
@@ -204,8 +250,13 @@ impl Answerers {
             return false;
         }
         let answerers = Arc::clone(self);
-        std::thread::spawn(move || answerers.answer_queries(false));
-        true
+        let started = std::thread::Builder::new()
+            .name("egress-dns".to_owned())
+            .spawn(move || answerers.answer_queries(false));
+        if started.is_err() {
+            self.threads.fetch_sub(1, Ordering::AcqRel);
+        }
+        started.is_ok()
     }
 }
 
@@ -228,6 +279,7 @@ mod tests {
                 methods: vec![],
                 paths: vec![],
                 credential: None,
+                dns: warden_policy::NameLookup::Any,
             }],
             ..Network::default()
         };
@@ -243,6 +295,7 @@ mod tests {
             "test",
             crate::Secrets::default(),
             None,
+            crate::Bounds::default(),
         )
         .unwrap()
         .with_resolver(resolver);
@@ -250,7 +303,7 @@ mod tests {
         let _ = std::fs::remove_file(&log);
         let socket = UdpSocket::bind("127.0.0.1:0").unwrap();
         let address = socket.local_addr().unwrap();
-        gateway.serve_dns(socket);
+        gateway.serve_dns(socket).unwrap();
         address
     }
 

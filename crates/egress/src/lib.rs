@@ -7,8 +7,13 @@
 //! about a destination beyond what it checks itself (host syntax, resolved addresses).
 
 mod approvals;
+mod bounds;
 mod dns;
+mod forward;
 mod host;
+mod http;
+mod intercept;
+mod path;
 mod proxy;
 mod pump;
 mod record;
@@ -16,11 +21,14 @@ mod rules;
 mod secrets;
 mod sni;
 mod tls;
+mod transparent;
+mod tunnel;
 
 pub use approvals::{AnswerError, Approvals, Question, answer, pending};
+pub use bounds::Bounds;
 pub use host::{Host, HostError};
 pub use proxy::{Gateway, Resolver};
-pub use record::{Decision, read_log};
+pub use record::{Decision, LINES_PER_SECOND, read_log};
 pub use rules::{Request, Rules, RulesError, Verdict};
 pub use secrets::{SecretError, Secrets};
 pub use tls::{Interceptor, TlsError};

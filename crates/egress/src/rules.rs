@@ -7,7 +7,7 @@ use std::net::IpAddr;
 use globset::{Glob, GlobMatcher, GlobSet, GlobSetBuilder};
 use ipnet::IpNet;
 use serde::Serialize;
-use warden_policy::{NetRule, Network, NetworkDefault};
+use warden_policy::{NameLookup, NetRule, Network, NetworkDefault};
 
 use crate::host::Host;
 
@@ -34,6 +34,7 @@ struct Rule {
     ports: Vec<u16>,
     methods: Vec<String>,
     paths: Option<GlobSet>,
+    dns: NameLookup,
 }
 
 /// What a connection asks for.
@@ -58,6 +59,9 @@ pub struct Verdict {
     /// An `ask` rule matched: a person decides (until then, not allowed).
     #[serde(skip)]
     pub ask: bool,
+    /// For a name: whether the cell's own query may make a lookup (see `NameLookup`).
+    #[serde(skip)]
+    pub lookup: NameLookup,
 }
 
 impl Verdict {
@@ -68,6 +72,7 @@ impl Verdict {
             reason: reason.to_owned(),
             credential: None,
             ask: false,
+            lookup: NameLookup::Any,
         }
     }
 }
@@ -150,13 +155,21 @@ impl Rules {
         {
             return Verdict::new(false, &rule.label, "denied by rule");
         }
-        if let Some(rule) = self
+        let mut covering = self
             .allow
             .iter()
             .chain(&self.ask)
-            .find(|r| r.host_matches(host))
-        {
-            return Verdict::new(true, &rule.label, "allowed by rule");
+            .filter(|r| r.host_matches(host))
+            .peekable();
+        if let Some(first) = covering.peek() {
+            let mut verdict = Verdict::new(true, &first.label, "allowed by rule");
+            // One rule that lets the cell's queries make lookups is enough.
+            verdict.lookup = if covering.any(|r| r.dns == NameLookup::Any) {
+                NameLookup::Any
+            } else {
+                NameLookup::Connected
+            };
+            return verdict;
         }
         if self.default_allow {
             return Verdict::new(true, "default", "network.default is allow");
@@ -279,11 +292,21 @@ fn compile_rule(rule: &NetRule, label: &str) -> Result<Rule, RulesError> {
         ports: rule.ports.clone(),
         methods: rule.methods.clone(),
         paths,
+        dns: rule.dns,
     })
 }
 
-/// Addresses that lead into the host, its networks or a cloud's metadata service.
-fn is_internal(ip: IpAddr) -> bool {
+/// Addresses that lead into the host, its networks or a cloud's metadata service. An IPv6
+/// address that carries an IPv4 one (mapped, compatible, translated, NAT64, 6to4, Teredo) is
+/// judged by the IPv4 address it leads to as well.
+pub(crate) fn is_internal(ip: IpAddr) -> bool {
+    if let IpAddr::V6(v6) = ip
+        && embedded_v4(v6)
+            .into_iter()
+            .any(|v4| is_internal(IpAddr::V4(v4)))
+    {
+        return true;
+    }
     match ip {
         IpAddr::V4(v4) => {
             v4.is_private()
@@ -296,17 +319,56 @@ fn is_internal(ip: IpAddr) -> bool {
                 || (v4.octets()[0] == 100 && (64..128).contains(&v4.octets()[1])) // CGNAT
         }
         IpAddr::V6(v6) => {
-            if let Some(v4) = v6.to_ipv4_mapped() {
-                return is_internal(IpAddr::V4(v4));
-            }
-            let first = v6.segments()[0];
+            let segments = v6.segments();
+            let first = segments[0];
             v6.is_loopback()
                 || v6.is_unspecified()
                 || v6.is_multicast()
                 || (first & 0xfe00) == 0xfc00 // unique local, includes fd00:ec2::254
                 || (first & 0xffc0) == 0xfe80 // link-local
+                || (first & 0xffc0) == 0xfec0 // site-local (deprecated, still routed by some)
+                // Local-use NAT64 (RFC 8215): translates into whatever network the operator has.
+                || segments[..3] == [0x64, 0xff9b, 1]
+                // Discard-only (RFC 6666).
+                || segments[..4] == [0x100, 0, 0, 0]
         }
     }
+}
+
+/// The IPv4 addresses an IPv6 address leads to, for the forms that carry one.
+fn embedded_v4(v6: std::net::Ipv6Addr) -> Vec<std::net::Ipv4Addr> {
+    use std::net::Ipv4Addr;
+    let s = v6.segments();
+    let low = Ipv4Addr::new((s[6] >> 8) as u8, s[6] as u8, (s[7] >> 8) as u8, s[7] as u8);
+    let mut found = Vec::new();
+    if s[..6] == [0, 0, 0, 0, 0, 0xffff] // IPv4-mapped ::ffff:a.b.c.d
+        || s[..6] == [0, 0, 0, 0, 0xffff, 0] // IPv4-translated ::ffff:0:a.b.c.d (SIIT)
+        || (s[..6] == [0, 0, 0, 0, 0, 0] && (s[6] != 0 || s[7] > 1)) // IPv4-compatible ::a.b.c.d
+        || s[..6] == [0x64, 0xff9b, 0, 0, 0, 0]
+    // NAT64 well-known prefix 64:ff9b::/96
+    {
+        found.push(low);
+    }
+    if s[0] == 0x2002 {
+        // 6to4: 2002:AABB:CCDD::/48
+        found.push(Ipv4Addr::new(
+            (s[1] >> 8) as u8,
+            s[1] as u8,
+            (s[2] >> 8) as u8,
+            s[2] as u8,
+        ));
+    }
+    if s[..2] == [0x2001, 0] {
+        // Teredo: the server in bits 32-63, the client (inverted) in the last 32.
+        found.push(Ipv4Addr::new(
+            (s[2] >> 8) as u8,
+            s[2] as u8,
+            (s[3] >> 8) as u8,
+            s[3] as u8,
+        ));
+        found.push(Ipv4Addr::from(!u32::from(low)));
+    }
+    found
 }
 
 #[cfg(test)]
@@ -320,6 +382,7 @@ mod tests {
             methods: vec![],
             paths: vec![],
             credential: None,
+            dns: NameLookup::Any,
         }
     }
 
@@ -426,6 +489,52 @@ mod tests {
         assert!(r.address_allowed_any_port(&name("a.x.org"), "10.9.9.9".parse().unwrap()));
         assert!(!r.address_allowed_any_port(&name("a.x.org"), "192.168.1.1".parse().unwrap()));
         assert!(r.address_allowed_any_port(&name("a.x.org"), "93.184.216.34".parse().unwrap()));
+    }
+
+    #[test]
+    fn ipv6_forms_that_carry_a_private_ipv4_are_private() {
+        let r = rules(vec![], vec![], NetworkDefault::Allow);
+        let blocked = |text: &str| !r.address_allowed(&name("x"), text.parse().unwrap(), 80);
+        for internal in [
+            "::ffff:10.0.0.1",
+            "::ffff:127.0.0.1",
+            "::ffff:0:169.254.169.254",
+            "::127.0.0.1",
+            "::10.1.2.3",
+            "64:ff9b::10.0.0.1",
+            "64:ff9b::169.254.169.254",
+            "64:ff9b::7f00:1",
+            "64:ff9b:1::8.8.8.8",
+            "2002:a00:1::1",
+            "2002:7f00:1::",
+            "2002:a9fe:a9fe::1",
+            // Teredo with a client of 127.0.0.1 (inverted: 80ff:fffe).
+            "2001:0:4136:e378:8000:63bf:80ff:fffe",
+            "2001:0:a00:1::1",
+            "fec0::1",
+            "100::1",
+        ] {
+            assert!(blocked(internal), "{internal} was taken for public");
+        }
+        for public in [
+            "2606:4700::1111",
+            "64:ff9b::8.8.8.8",
+            "2002:808:808::1",
+            "::ffff:8.8.8.8",
+        ] {
+            assert!(!blocked(public), "{public} was taken for private");
+        }
+    }
+
+    #[test]
+    fn names_under_a_connected_only_rule_are_not_looked_up_for_queries() {
+        let mut quiet = rule("*.quiet.test");
+        quiet.dns = NameLookup::Connected;
+        let r = rules(vec![quiet, rule("loud.test")], vec![], NetworkDefault::Deny);
+        let verdict = r.decide_name(&name("c2VjcmV0.quiet.test"));
+        assert!(verdict.allowed);
+        assert_eq!(verdict.lookup, NameLookup::Connected);
+        assert_eq!(r.decide_name(&name("loud.test")).lookup, NameLookup::Any);
     }
 
     #[test]

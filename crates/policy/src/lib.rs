@@ -14,7 +14,8 @@ pub use explain::explain;
 pub use model::{
     ApplyApproval, ApprovalOutcome, Approvals, CommandDefault, CommandRules, CommandVerdict,
     Commands, Credential, Credentials, EnvPolicy, Filesystem, Gpu, LifecycleAction, Limits,
-    NetRule, Network, NetworkDefault, Policy, Process, Tier, Workspace, WorkspaceMode,
+    MAX_CONNECTIONS, NameLookup, NetRule, Network, NetworkDefault, Policy, Process, Tier,
+    Workspace, WorkspaceMode,
 };
 pub use parse::{PolicyError, from_file, from_yaml, sections};
 pub use preset::{PRESETS, preset};

@@ -285,7 +285,20 @@ pub struct Limits {
     pub on_idle: LifecycleAction,
     /// What the daemon does when a cell it keeps reaches `wall` (`warden run` always kills).
     pub on_wall: LifecycleAction,
+    /// Connections the cell may have open through its egress gateway at once; one more is
+    /// refused (a 503 on the proxy port, a reset when redirected). Each costs the warden a
+    /// thread or two, so this bounds what the cell can make the warden hold.
+    #[serde(deserialize_with = "connections")]
+    pub connections: u32,
+    /// A gateway connection with no byte in either direction for this long is closed.
+    pub connection_idle: Duration,
+    /// How much the warden writes about the cell's network decisions (its egress record, and
+    /// the journal entries copied from it); past it, decisions are counted, not recorded.
+    pub records: ByteSize,
 }
+
+/// Most connections a policy may allow a cell at once.
+pub const MAX_CONNECTIONS: u32 = 4096;
 
 /// What happens to a cell at a lifecycle limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -315,7 +328,21 @@ impl Default for Limits {
             idle: None,
             on_idle: LifecycleAction::Pause,
             on_wall: LifecycleAction::Kill,
+            connections: 128,
+            connection_idle: Duration(std::time::Duration::from_secs(300)),
+            records: ByteSize(16 << 20),
         }
+    }
+}
+
+fn connections<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u32, D::Error> {
+    let value = u32::deserialize(deserializer)?;
+    if (1..=MAX_CONNECTIONS).contains(&value) {
+        Ok(value)
+    } else {
+        Err(de::Error::custom(format!(
+            "connections must be between 1 and {MAX_CONNECTIONS} (got {value})"
+        )))
     }
 }
 
@@ -374,6 +401,22 @@ pub struct NetRule {
     /// A credential (from `credentials`) the gateway adds to requests this rule allows.
     #[serde(default)]
     pub credential: Option<String>,
+    /// Which names this rule lets the cell's own DNS queries resolve (see [`NameLookup`]).
+    #[serde(default)]
+    pub dns: NameLookup,
+}
+
+/// How the gateway's DNS answers the cell for names a rule covers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NameLookup {
+    /// Any name the rule covers is looked up on the host when the cell asks. Under a wildcard,
+    /// the labels the cell chose reach that domain's name servers.
+    #[default]
+    Any,
+    /// Only names the gateway already looked up for a connection this rule allowed are
+    /// answered (from what that lookup returned); a query alone never leaves the host.
+    Connected,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]

@@ -508,8 +508,15 @@ pub fn run(
         let log = store
             .net_log(&name)
             .map_err(os("creating the egress log"))?;
-        let mut gateway = warden_egress::Gateway::new(rules, &log, &name, secrets, interceptor)
-            .map_err(os("opening the egress log"))?;
+        let mut gateway = warden_egress::Gateway::new(
+            rules,
+            &log,
+            &name,
+            secrets,
+            interceptor,
+            warden_egress::Bounds::of(&policy.limits),
+        )
+        .map_err(os("opening the egress log"))?;
         if !policy.network.ask.is_empty() {
             // Questions of `ask` rules: told on this terminal, answered by `warden approve` or
             // `warden deny` from anywhere on the host.
@@ -534,19 +541,29 @@ pub fn run(
             .map_err(os("creating the approvals folder"))?;
             gateway = gateway.with_approvals(approvals);
         }
-        gateway.clone().serve(listener);
+        gateway
+            .clone()
+            .serve(listener)
+            .map_err(os("starting the egress gateway"))?;
         if let Some(socket) = proxy6 {
-            gateway.clone().serve(std::net::TcpListener::from(socket));
+            gateway
+                .clone()
+                .serve(std::net::TcpListener::from(socket))
+                .map_err(os("starting the egress gateway"))?;
         }
         if flag == b't' {
             for socket in [transparent, transparent6].into_iter().flatten() {
                 gateway
                     .clone()
-                    .serve_transparent(std::net::TcpListener::from(socket));
+                    .serve_transparent(std::net::TcpListener::from(socket))
+                    .map_err(os("starting the egress gateway"))?;
             }
         }
         if let Some(socket) = dns_socket {
-            gateway.clone().serve_dns(std::net::UdpSocket::from(socket));
+            gateway
+                .clone()
+                .serve_dns(std::net::UdpSocket::from(socket))
+                .map_err(os("starting the egress gateway"))?;
         }
         policy_watch = Some(PolicyWatch {
             path: reservation.file(POLICY_UPDATE),

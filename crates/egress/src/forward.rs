@@ -1,0 +1,418 @@
+//! Plain HTTP requests: absolute-form ones through the proxy port, and origin-form ones
+//! redirected from clients that ignore the proxy variables. One request per connection (a
+//! kept-alive connection cannot smuggle a second request to another host); each is decided on
+//! its normalised path, its method and any method it asks the server to take instead, with
+//! credential placeholders allowed only where their credential is bound.
+
+use std::io::{self, Read as _};
+use std::net::{Shutdown, TcpStream};
+
+use serde_json::json;
+
+use crate::host::{Host, split_authority};
+use crate::http::{self, Body, ParsedRequest, ResponseError};
+use crate::path::Target;
+use crate::proxy::{Gateway, Via};
+use crate::pump::pump;
+use crate::record::Decision;
+use crate::rules::{Request, Verdict};
+use crate::secrets::{PlaceholderInBody, Replacer};
+
+/// Headers through which a client asks a server to take a request for another method.
+const METHOD_OVERRIDES: [&str; 3] = [
+    "x-http-method-override",
+    "x-http-method",
+    "x-method-override",
+];
+
+/// A request after its checks: the verdict (with the credential it binds), the decision to
+/// record (refused, with the reason, when a check failed), the target to forward and the body's
+/// framing.
+pub(crate) struct Checked {
+    pub(crate) verdict: Verdict,
+    pub(crate) decision: Decision,
+    pub(crate) target: Target,
+    pub(crate) body: Body,
+}
+
+impl Gateway {
+    /// Checks an origin-form request to `host:port` and decides it. Refused (in the decision)
+    /// are: an ambiguous target, ambiguous framing, a `Host` that is missing where `host_required`,
+    /// repeated, or names another host than the one decided, a method override the rules do not
+    /// allow, and a credential's placeholder (in the target, a header's name or value) sent where
+    /// that credential is not bound.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn check_request(
+        &self,
+        kind: &str,
+        host: &Host,
+        port: u16,
+        default_port: u16,
+        method: &str,
+        raw_target: &str,
+        headers: &[(String, Vec<u8>)],
+        host_required: bool,
+    ) -> Checked {
+        let refused = |path: &str, reason: String| {
+            let verdict = Verdict::new(false, "syntax", &reason);
+            let decision = self.record(kind, &host.as_text(), port, Some((method, path)), &verdict);
+            Checked {
+                verdict,
+                decision,
+                target: Target {
+                    path: path.to_owned(),
+                    forwarded: path.to_owned(),
+                },
+                body: Body::Length(0),
+            }
+        };
+        let shown_path = raw_target.split(['?', '#']).next().unwrap_or(raw_target);
+        let target = match crate::path::normalize(raw_target) {
+            Ok(target) => target,
+            Err(e) => return refused(shown_path, e.to_string()),
+        };
+        let body = match http::request_body(headers) {
+            Ok(body) => body,
+            Err(reason) => return refused(&target.path, reason.to_owned()),
+        };
+        match http::values(headers, "host").as_slice() {
+            [] if host_required => {
+                return refused(&target.path, "the request has no Host header".to_owned());
+            }
+            [] => {}
+            [one] => {
+                let named = std::str::from_utf8(one)
+                    .ok()
+                    .and_then(|h| split_authority(h, default_port).ok());
+                if named.as_ref() != Some(&(host.clone(), port)) {
+                    return refused(
+                        &target.path,
+                        format!(
+                            "the Host header names another host than the {} decided on",
+                            host.as_text()
+                        ),
+                    );
+                }
+            }
+            _ => {
+                return refused(
+                    &target.path,
+                    "the request has several Host headers".to_owned(),
+                );
+            }
+        }
+        let rules = self.rules();
+        let verdict = self.decide(
+            &rules,
+            &Request {
+                host,
+                port,
+                http: Some((method, &target.path)),
+            },
+        );
+        let mut decision = self.record(
+            kind,
+            &host.as_text(),
+            port,
+            Some((method, &target.path)),
+            &verdict,
+        );
+        let mut checked = Checked {
+            verdict,
+            decision: decision.clone(),
+            target,
+            body,
+        };
+        if !decision.allowed {
+            return checked;
+        }
+        if let Some(reason) = overridden_method(headers, &checked.target.forwarded)
+            .into_iter()
+            .filter(|other| !other.eq_ignore_ascii_case(method))
+            .find_map(|other| {
+                let verdict = rules.decide(&Request {
+                    host,
+                    port,
+                    http: Some((&other, &checked.target.path)),
+                });
+                (!verdict.allowed).then(|| {
+                    format!(
+                        "the request asks the server to take it as `{other}` (a method override), which the rules do not allow: {}",
+                        verdict.reason
+                    )
+                })
+            })
+        {
+            decision.allowed = false;
+            decision.reason = reason;
+        } else if let Err(reason) = self.check_placeholders(raw_target, headers, &checked.verdict) {
+            decision.allowed = false;
+            decision.reason = reason;
+        }
+        checked.decision = decision;
+        checked
+    }
+
+    /// A request may carry a credential's placeholder only where a rule binds that credential:
+    /// not in its target (as sent, or percent-decoded), nor in a header's name or value.
+    fn check_placeholders(
+        &self,
+        target: &str,
+        headers: &[(String, Vec<u8>)],
+        verdict: &Verdict,
+    ) -> Result<(), String> {
+        let decoded = percent_decoded(target);
+        let places = [target.as_bytes(), decoded.as_slice()].into_iter().chain(
+            headers
+                .iter()
+                .flat_map(|(n, v)| [n.as_bytes(), v.as_slice()]),
+        );
+        for bytes in places {
+            if let Some(secret) = self.secrets.placeholder_in(bytes)
+                && verdict.credential.as_deref() != Some(secret.name.as_str())
+            {
+                return Err(format!(
+                    "the request carries the placeholder of credential `{}` to a destination that credential is not bound to",
+                    secret.name
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// A plain HTTP request in absolute form, from the proxy port.
+    pub(crate) fn forward(&self, mut conn: TcpStream, request: ParsedRequest, via: Via) {
+        let kind = via.kind("http");
+        let target = request.target.clone();
+        let Some(rest) = target.strip_prefix("http://") else {
+            let reason = if target.starts_with("https://") {
+                "HTTPS goes through CONNECT; set HTTPS_PROXY".to_owned()
+            } else {
+                format!("`{target}` is not an absolute http:// URL; this is a proxy")
+            };
+            return self.refuse(&mut conn, kind, &target, reason);
+        };
+        let (authority, path) = match rest.find(['/', '?']) {
+            Some(i) if rest[i..].starts_with('/') => (&rest[..i], rest[i..].to_owned()),
+            Some(i) => (&rest[..i], format!("/{}", &rest[i..])),
+            None => (rest, "/".to_owned()),
+        };
+        let (host, port) = match split_authority(authority, 80) {
+            Ok(parts) => parts,
+            Err(e) => return self.refuse(&mut conn, kind, &target, e.to_string()),
+        };
+        self.forward_to(conn, &host, port, &path, request, via, false);
+    }
+
+    /// A redirected plain-HTTP request to a destination whose rules decide requests, taken with
+    /// the host it was checked for.
+    pub(crate) fn transparent_http(
+        &self,
+        mut conn: TcpStream,
+        host: &Host,
+        early: Vec<u8>,
+        via: Via,
+    ) {
+        let Via::Redirected(destination) = via else {
+            return;
+        };
+        let until = std::time::Instant::now() + crate::bounds::HEAD_TIMEOUT;
+        let read = http::read_request(&mut http::Until {
+            inner: early.as_slice().chain(&conn),
+            socket: &conn,
+            until,
+        });
+        let Some(request) = http::answer_bad_request(&mut conn, read) else {
+            return;
+        };
+        if !request.target.starts_with('/') {
+            // A URL would name a host of its own; this connection was checked for one already.
+            let target = format!("{} {}", request.method, request.target);
+            let reason = "a redirected request must name a path, not a URL".to_owned();
+            return self.refuse(&mut conn, "transparent", &target, reason);
+        }
+        let path = request.target.clone();
+        self.forward_to(conn, host, destination.port(), &path, request, via, true);
+    }
+
+    /// Checks, decides and relays one request with an origin-form `path` to `host:port`.
+    #[allow(clippy::too_many_arguments)]
+    fn forward_to(
+        &self,
+        mut conn: TcpStream,
+        host: &Host,
+        port: u16,
+        path: &str,
+        request: ParsedRequest,
+        via: Via,
+        host_required: bool,
+    ) {
+        let ParsedRequest {
+            method,
+            headers,
+            rest: early,
+            ..
+        } = request;
+        let checked = self.check_request(
+            via.kind("http"),
+            host,
+            port,
+            80,
+            &method,
+            path,
+            &headers,
+            host_required,
+        );
+        let Checked {
+            verdict,
+            mut decision,
+            target,
+            body,
+        } = checked;
+        let Some(mut upstream) = self.open_upstream(&mut conn, host, port, &mut decision, via)
+        else {
+            return;
+        };
+        let credential = verdict
+            .credential
+            .as_deref()
+            .and_then(|name| self.secrets.get(name));
+        let out = http::upstream_request(
+            &method,
+            &target.forwarded,
+            &authority(host, port, 80),
+            &headers,
+            credential,
+        );
+        let idle = Some(self.bounds.idle);
+        let _ = upstream.set_read_timeout(idle);
+        let _ = conn.set_read_timeout(idle);
+        // Exactly the announced body, then nothing more from this client.
+        let sent = io::Write::write_all(&mut upstream, &out).and_then(|()| {
+            http::send_body(
+                &early,
+                &mut &conn,
+                &mut upstream,
+                body,
+                credential,
+                &self.secrets,
+            )
+        });
+        let body_bytes = match sent {
+            Ok(n) => n,
+            Err(e) => {
+                if let Some(reason) = placeholder_refusal(&e) {
+                    decision.allowed = false;
+                    decision.reason = reason;
+                    self.deny(&mut conn, &decision);
+                }
+                return;
+            }
+        };
+        decision.bytes_up = out.len() as u64 + body_bytes;
+        let _tracked = self.track(host, port, Some((&method, &target.path)), &conn, &upstream);
+        decision.bytes_down = if credential.is_some() {
+            match http::relay_inspected(&mut &upstream, &mut &conn, &self.secrets, &method) {
+                Ok(n) => n,
+                Err(ResponseError::Refused(reason)) => {
+                    decision.allowed = false;
+                    decision.reason = format!("response refused: {reason}");
+                    http::reply(
+                        &mut conn,
+                        502,
+                        "Bad Gateway",
+                        &json!({ "error": decision.reason }),
+                    );
+                    0
+                }
+                Err(ResponseError::Io) => 0,
+            }
+        } else if self.secrets.all.is_empty() {
+            pump(&upstream, &conn)
+        } else {
+            let mut scrubbed = Replacer::scrubbing(&conn, &self.secrets);
+            let n = io::copy(&mut upstream, &mut scrubbed).unwrap_or(0);
+            let _ = scrubbed.finish();
+            n
+        };
+        let _ = conn.shutdown(Shutdown::Both);
+        self.log_decision(&decision);
+    }
+}
+
+/// `host:port` as a Host header writes it (the port left out where it is the default).
+pub(crate) fn authority(host: &Host, port: u16, default_port: u16) -> String {
+    let name = match host {
+        Host::Ip(std::net::IpAddr::V6(ip)) => format!("[{ip}]"),
+        other => other.as_text(),
+    };
+    if port == default_port {
+        name
+    } else {
+        format!("{name}:{port}")
+    }
+}
+
+/// The methods a request asks the server to take it for instead of its own: the override
+/// headers, and a `_method` query parameter.
+fn overridden_method(headers: &[(String, Vec<u8>)], target: &str) -> Vec<String> {
+    let mut methods: Vec<String> = METHOD_OVERRIDES
+        .iter()
+        .flat_map(|name| http::values(headers, name))
+        .map(|v| String::from_utf8_lossy(v).trim().to_ascii_uppercase())
+        .collect();
+    if let Some((_, query)) = target.split_once('?') {
+        methods.extend(query.split('&').filter_map(|pair| {
+            let (key, value) = pair.split_once('=')?;
+            (percent_decoded(key) == b"_method")
+                .then(|| String::from_utf8_lossy(&percent_decoded(value)).to_ascii_uppercase())
+        }));
+    }
+    methods
+}
+
+/// Every percent-encoding of `text` decoded.
+fn percent_decoded(text: &str) -> Vec<u8> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = (bytes[i] == b'%')
+            .then(|| bytes.get(i + 1..i + 3))
+            .flatten()
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match hex {
+            Some(byte) => {
+                out.push(byte);
+                i += 3;
+            }
+            None => {
+                out.push(bytes[i]);
+                i += 1;
+            }
+        }
+    }
+    out
+}
+
+/// The reason a body was stopped for carrying a placeholder where it is not bound, if that is
+/// why `err` came.
+pub(crate) fn placeholder_refusal(err: &io::Error) -> Option<String> {
+    err.get_ref()
+        .and_then(|inner| inner.downcast_ref::<PlaceholderInBody>())
+        .map(ToString::to_string)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn method_overrides_are_found_in_headers_and_the_query() {
+        let headers = vec![("x-http-method-override".to_owned(), b" delete".to_vec())];
+        assert_eq!(overridden_method(&headers, "/x"), vec!["DELETE"]);
+        assert_eq!(overridden_method(&[], "/x?a=1&%5Fmethod=put"), vec!["PUT"]);
+        assert!(overridden_method(&[], "/x?method=put").is_empty());
+    }
+}

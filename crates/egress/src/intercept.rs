@@ -1,0 +1,355 @@
+//! Opened-up TLS, for destinations whose rules decide methods, paths or bind a credential: TLS
+//! with the cell's CA toward the client, one request checked and decided as a plain one is
+//! (its Host included: it must name the host the tunnel was opened for), the bound credential
+//! added, TLS verified toward the upstream, and the response inspected for secrets on its way
+//! back.
+
+use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::time::Instant;
+
+use serde_json::json;
+
+use crate::forward::{Checked, authority, placeholder_refusal};
+use crate::host::Host;
+use crate::http::{self, ParsedRequest, RequestError, ResponseError, write_reply};
+use crate::proxy::{Gateway, Via, refusal_body};
+use crate::secrets::Replacer;
+use crate::tls::Interceptor;
+
+impl Gateway {
+    pub(crate) fn intercept(
+        &self,
+        interceptor: &Interceptor,
+        mut conn: TcpStream,
+        host: Host,
+        port: u16,
+        early: Vec<u8>,
+        via: Via,
+    ) {
+        let name = host.as_text();
+        if matches!(via, Via::Proxy)
+            && conn
+                .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                .is_err()
+        {
+            return;
+        }
+        let (Ok(config), Ok(inner)) = (interceptor.server_for(&name), conn.try_clone()) else {
+            return;
+        };
+        let Ok(server) = rustls::ServerConnection::new(config) else {
+            return;
+        };
+        // The handshake and the request head, under one deadline.
+        let until = Instant::now() + crate::bounds::HEAD_TIMEOUT;
+        let mut client = rustls::StreamOwned::new(server, Prefixed::new(early, inner, Some(until)));
+        let ParsedRequest {
+            method,
+            target: path,
+            headers,
+            rest,
+        } = match http::read_request(&mut client) {
+            Ok(request) => request,
+            Err(RequestError::Malformed) => {
+                return write_reply(
+                    &mut client,
+                    400,
+                    "Bad Request",
+                    &json!({"error": "malformed HTTP request"}),
+                );
+            }
+            Err(RequestError::TimedOut) => {
+                return write_reply(
+                    &mut client,
+                    408,
+                    "Request Timeout",
+                    &json!({"error": "the request head did not arrive whole within the gateway's deadline"}),
+                );
+            }
+            Err(RequestError::TooLarge | RequestError::Io) => return,
+        };
+        client.sock.until = None;
+        let sni = client.conn.server_name().map(str::to_owned);
+        let kind = via.kind("https");
+        let Checked {
+            verdict,
+            mut decision,
+            target,
+            body,
+        } = self.check_request(kind, &host, port, 443, &method, &path, &headers, true);
+        if decision.allowed
+            && sni
+                .as_deref()
+                .is_none_or(|s| s.trim_end_matches('.') != name)
+            && matches!(host, Host::Name(_))
+        {
+            decision.allowed = false;
+            decision.reason = format!(
+                "the TLS server name `{}` is not the host `{name}` the tunnel was opened for",
+                sni.unwrap_or_default()
+            );
+        }
+        let upstream_tcp = if decision.allowed {
+            match self.connect_via(&host, port, via) {
+                Ok((tcp, addr)) => {
+                    decision.address = Some(addr.to_string());
+                    Some(tcp)
+                }
+                Err(reason) => {
+                    decision.allowed = false;
+                    decision.reason = reason;
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let refuse = |client: &mut rustls::StreamOwned<rustls::ServerConnection, Prefixed>,
+                      decision: &crate::Decision| {
+            self.log_decision(decision);
+            write_reply(client, 403, "Forbidden", &refusal_body(decision));
+            client.conn.send_close_notify();
+            let _ = client.flush();
+        };
+        let (Some(upstream_tcp), Ok(server_name)) = (
+            upstream_tcp,
+            rustls::pki_types::ServerName::try_from(name.clone()),
+        ) else {
+            return refuse(&mut client, &decision);
+        };
+        let _tracked = self.track(
+            &host,
+            port,
+            Some((&method, &target.path)),
+            &conn,
+            &upstream_tcp,
+        );
+        let _ = upstream_tcp.set_read_timeout(Some(self.bounds.idle));
+        let _ = conn.set_read_timeout(Some(self.bounds.idle));
+        let Ok(tls) = rustls::ClientConnection::new(interceptor.client(), server_name) else {
+            return;
+        };
+        let mut upstream =
+            rustls::StreamOwned::new(tls, Prefixed::new(Vec::new(), upstream_tcp, None));
+        let credential = verdict
+            .credential
+            .as_deref()
+            .and_then(|n| self.secrets.get(n));
+        let out = http::upstream_request(
+            &method,
+            &target.forwarded,
+            &authority(&host, port, 443),
+            &headers,
+            credential,
+        );
+        let sent = upstream.write_all(&out).and_then(|()| {
+            http::send_body(
+                &rest,
+                &mut client,
+                &mut upstream,
+                body,
+                credential,
+                &self.secrets,
+            )
+        });
+        match sent {
+            Ok(body) => decision.bytes_up = out.len() as u64 + body,
+            Err(e) if let Some(reason) = placeholder_refusal(&e) => {
+                decision.allowed = false;
+                decision.reason = reason;
+                return refuse(&mut client, &decision);
+            }
+            Err(e) => {
+                decision.allowed = false;
+                decision.reason = format!("talking TLS to the upstream: {e}");
+                self.log_decision(&decision);
+                return write_reply(
+                    &mut client,
+                    502,
+                    "Bad Gateway",
+                    &json!({"error": decision.reason}),
+                );
+            }
+        }
+        if credential.is_some() {
+            match http::relay_inspected(&mut upstream, &mut client, &self.secrets, &method) {
+                Ok(n) => decision.bytes_down = n,
+                Err(ResponseError::Refused(reason)) => {
+                    decision.allowed = false;
+                    decision.reason = format!("response refused: {reason}");
+                    write_reply(
+                        &mut client,
+                        502,
+                        "Bad Gateway",
+                        &json!({"error": decision.reason}),
+                    );
+                }
+                Err(ResponseError::Io) => {}
+            }
+            client.conn.send_close_notify();
+            let _ = client.flush();
+        } else {
+            let mut scrubbed = Replacer::scrubbing(&mut client, &self.secrets);
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                // An upstream that closes without close_notify has still sent its whole response.
+                let n = match upstream.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => n,
+                };
+                decision.bytes_down += n as u64;
+                if scrubbed.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+            }
+            if let Ok(client) = scrubbed.finish() {
+                client.conn.send_close_notify();
+                let _ = client.flush();
+            }
+        }
+        self.log_decision(&decision);
+    }
+}
+
+/// Reads from an already-read prefix, then from the stream; writes go to the stream. Reads
+/// from the stream are made ahead, into a buffer that grows (16 KiB to 1 MiB) while they fill
+/// it: rustls asks for 4 KiB at a time, which on a bulk transfer would be a system call for
+/// every TLS record. Until `until`, every read waits only for what is left of that deadline.
+pub(crate) struct Prefixed {
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+    inner: TcpStream,
+    pub(crate) until: Option<Instant>,
+}
+
+impl Prefixed {
+    const FIRST_AHEAD: usize = 16 * 1024;
+    const MAX_AHEAD: usize = 1 << 20;
+
+    pub(crate) fn new(early: Vec<u8>, inner: TcpStream, until: Option<Instant>) -> Self {
+        let end = early.len();
+        let mut buf = early;
+        buf.resize(end.max(Self::FIRST_AHEAD), 0);
+        Self {
+            buf,
+            start: 0,
+            end,
+            inner,
+            until,
+        }
+    }
+}
+
+impl Read for Prefixed {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        if out.is_empty() {
+            return Ok(0);
+        }
+        if self.start == self.end {
+            if let Some(until) = self.until {
+                let left = until.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(io::ErrorKind::TimedOut.into());
+                }
+                self.inner.set_read_timeout(Some(left))?;
+            }
+            let n = match self.inner.read(&mut self.buf) {
+                Err(e) if self.until.is_some() && e.kind() == io::ErrorKind::WouldBlock => {
+                    return Err(io::ErrorKind::TimedOut.into());
+                }
+                other => other?,
+            };
+            (self.start, self.end) = (0, n);
+            if n == self.buf.len() && n < Self::MAX_AHEAD {
+                self.buf.resize(n * 2, 0);
+            }
+        }
+        let n = out.len().min(self.end - self.start);
+        out[..n].copy_from_slice(&self.buf[self.start..self.start + n]);
+        self.start += n;
+        Ok(n)
+    }
+}
+
+impl Write for Prefixed {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.inner.write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    #[test]
+    fn a_prefixed_stream_gives_the_prefix_then_the_stream_whole_and_reads_ahead() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut writer = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (reader, _) = listener.accept().unwrap();
+        let data: Vec<u8> = (0..5u32 << 20).map(|i| (i % 251) as u8).collect();
+        let sent = data.clone();
+        let feeder = std::thread::spawn(move || {
+            writer.write_all(&sent).unwrap();
+        });
+        let mut stream = Prefixed::new(b"early bytes|".to_vec(), reader, None);
+        let mut received = Vec::new();
+        // rustls's way: 4 KiB at a time, and an empty read that must not wait.
+        let mut chunk = [0u8; 4096];
+        assert_eq!(stream.read(&mut []).unwrap(), 0);
+        while received.len() < 12 + data.len() {
+            let n = stream.read(&mut chunk).unwrap();
+            assert!(n > 0, "the stream ended early");
+            received.extend_from_slice(&chunk[..n]);
+        }
+        feeder.join().unwrap();
+        assert_eq!(&received[..12], b"early bytes|");
+        assert!(received[12..] == data[..], "the stream's bytes differ");
+        assert!(
+            stream.buf.len() > Prefixed::FIRST_AHEAD,
+            "no read was made ahead"
+        );
+    }
+
+    #[test]
+    fn a_deadline_holds_for_all_reads_together() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut writer = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (reader, _) = listener.accept().unwrap();
+        // A byte every 100 ms: each read is quick, all of them together are not.
+        let trickle = std::thread::spawn(move || {
+            for _ in 0..30 {
+                if writer.write_all(b"x").is_err() {
+                    return;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+        });
+        let begun = Instant::now();
+        let mut stream = Prefixed::new(
+            Vec::new(),
+            reader,
+            Some(begun + std::time::Duration::from_millis(500)),
+        );
+        let mut byte = [0u8; 1];
+        let ended = loop {
+            if let Err(e) = stream.read(&mut byte) {
+                break e;
+            }
+        };
+        assert_eq!(ended.kind(), io::ErrorKind::TimedOut);
+        let took = begun.elapsed();
+        assert!(
+            took < std::time::Duration::from_millis(900),
+            "the deadline of 500 ms held for {took:?}"
+        );
+        drop(stream);
+        let _ = trickle.join();
+    }
+}

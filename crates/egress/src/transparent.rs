@@ -1,0 +1,262 @@
+//! Connections redirected to the gateway by nftables in the cell's namespace, from clients that
+//! ignore the proxy variables. The destination is where the client connected; the name is the
+//! TLS server name or the Host header of the client's first bytes (or the name the gateway's
+//! DNS resolved to that address), and it must resolve to that destination.
+
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
+
+use crate::host::{Host, split_authority};
+use crate::proxy::{Gateway, Via};
+use crate::rules::{Request, Rules, Verdict};
+use crate::sni::Hello;
+use crate::tunnel::{first_bytes, looks_http};
+
+/// How long a redirected connection may stay silent before it is decided on its address alone.
+const FIRST_BYTES_WAIT: Duration = Duration::from_secs(3);
+
+impl Gateway {
+    pub(crate) fn transparent(&self, mut conn: TcpStream) {
+        let _ = conn.set_nodelay(true);
+        let Some(destination) = original_destination(&conn) else {
+            return;
+        };
+        // The client's first bytes name the host (TLS server name or HTTP Host); a client that
+        // waits for the server to speak first is decided on the address alone.
+        let early = first_bytes(
+            &mut conn,
+            Vec::new(),
+            FIRST_BYTES_WAIT,
+            crate::bounds::HEAD_TIMEOUT,
+        )
+        .unwrap_or_default();
+        let _ = conn.set_read_timeout(Some(self.bounds.idle));
+        let http = looks_http(&early);
+        let (tls, claimed) = match crate::sni::client_hello(&early) {
+            Hello::Tls(name) => (true, name.map(Ok)),
+            Hello::Malformed(why) => {
+                let reason = format!("the TLS ClientHello was refused: {why}");
+                return self.refuse_transparent(&mut conn, destination, false, reason);
+            }
+            _ if http => (false, http_host(&early)),
+            _ => (false, None),
+        };
+        let host = match claimed {
+            Some(Ok(raw)) => match split_authority(&raw, destination.port()).map(|(h, _)| h) {
+                Ok(host) => host,
+                Err(e) => {
+                    return self.refuse_transparent(&mut conn, destination, http, e.to_string());
+                }
+            },
+            Some(Err(reason)) => {
+                return self.refuse_transparent(&mut conn, destination, http, reason);
+            }
+            // No name in the bytes: the name the gateway's DNS resolved to this address, if any.
+            None => self
+                .names
+                .lock()
+                .ok()
+                .and_then(|names| names.get(destination.ip()))
+                .unwrap_or(Host::Ip(destination.ip())),
+        };
+        let rules = self.rules();
+        let port = destination.port();
+        if rules.intercepts(&host, port) && (tls || http) {
+            // Rules on methods, paths or credentials: each request is decided inside, as for a
+            // proxied one, once the name is known to lead where the client connected.
+            if let Err(verdict) = self.pinned(&rules, &host, destination) {
+                let mut decision =
+                    self.record("transparent", &host.as_text(), port, None, &verdict);
+                decision.address = Some(destination.to_string());
+                return if http {
+                    self.deny(&mut conn, &decision)
+                } else {
+                    self.log_decision(&decision)
+                };
+            }
+            let via = Via::Redirected(destination);
+            return match &self.interceptor {
+                Some(interceptor) if tls => {
+                    self.intercept(interceptor, conn, host, port, early, via);
+                }
+                _ if http => self.transparent_http(conn, &host, early, via),
+                _ => {
+                    let verdict = Verdict::new(
+                        false,
+                        "interception",
+                        "TLS interception is not set up for this cell",
+                    );
+                    let mut decision =
+                        self.record("transparent", &host.as_text(), port, None, &verdict);
+                    decision.address = Some(destination.to_string());
+                    self.log_decision(&decision);
+                }
+            };
+        }
+        let mut verdict = self.decide(
+            &rules,
+            &Request {
+                host: &host,
+                port,
+                http: None,
+            },
+        );
+        if verdict.allowed && rules.intercepts(&host, port) {
+            verdict = Verdict::new(
+                false,
+                &verdict.rule,
+                "this destination's rules decide HTTP requests, and the client spoke neither HTTP nor TLS",
+            );
+        }
+        if verdict.allowed {
+            if let Err(refused) = self.pinned(&rules, &host, destination) {
+                verdict = refused;
+            }
+        }
+        let mut decision = self.record("transparent", &host.as_text(), port, None, &verdict);
+        decision.address = Some(destination.to_string());
+        if !verdict.allowed {
+            // An HTTP client gets the 403 that says why (and `deny` records it); others are closed.
+            if http {
+                self.deny(&mut conn, &decision);
+            } else {
+                self.log_decision(&decision);
+            }
+            return;
+        }
+        let Ok(upstream) = TcpStream::connect_timeout(&destination, crate::proxy::CONNECT_TIMEOUT)
+        else {
+            decision.allowed = false;
+            decision.reason = format!("connecting to {destination} failed");
+            self.log_decision(&decision);
+            return;
+        };
+        let _ = upstream.set_nodelay(true);
+        self.relay_tunnel(conn, upstream, &host, port, &early, decision);
+    }
+
+    /// A redirected connection goes where the client connected: its name (if it has one) must
+    /// resolve to that address, and a private, loopback, link-local or metadata address needs a
+    /// rule that names it.
+    fn pinned(&self, rules: &Rules, host: &Host, destination: SocketAddr) -> Result<(), Verdict> {
+        if let Host::Name(name) = host {
+            let resolves = self
+                .lookup(name.as_str())
+                .is_ok_and(|a| a.contains(&destination.ip()));
+            if !resolves {
+                return Err(Verdict::new(
+                    false,
+                    "pinning",
+                    &format!(
+                        "{name} does not resolve to {}, where the client connected",
+                        destination.ip()
+                    ),
+                ));
+            }
+        }
+        if !rules.address_allowed(host, destination.ip(), destination.port()) {
+            return Err(Verdict::new(
+                false,
+                "address",
+                &format!(
+                    "{} is a private, loopback, link-local or metadata address that no rule names",
+                    destination.ip()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn refuse_transparent(
+        &self,
+        conn: &mut TcpStream,
+        destination: SocketAddr,
+        http: bool,
+        reason: String,
+    ) {
+        let verdict = Verdict::new(false, "syntax", &reason);
+        let mut decision = self.record(
+            "transparent",
+            &destination.ip().to_string(),
+            destination.port(),
+            None,
+            &verdict,
+        );
+        decision.address = Some(destination.to_string());
+        if http {
+            self.deny(conn, &decision);
+        } else {
+            self.log_decision(&decision);
+        }
+    }
+}
+
+/// The Host header of a whole request head at the start of `bytes` (none while the head is not
+/// whole: its body, or the bytes of a second request, never name the host). Several Host
+/// headers are an error.
+fn http_host(bytes: &[u8]) -> Option<Result<String, String>> {
+    let mut headers = [httparse::EMPTY_HEADER; 100];
+    let mut request = httparse::Request::new(&mut headers);
+    let Ok(httparse::Status::Complete(_)) = request.parse(bytes) else {
+        return None;
+    };
+    let hosts: Vec<&[u8]> = request
+        .headers
+        .iter()
+        .filter(|h| h.name.eq_ignore_ascii_case("host"))
+        .map(|h| h.value)
+        .collect();
+    match hosts.as_slice() {
+        [] => None,
+        [one] => Some(
+            std::str::from_utf8(one)
+                .map(|h| h.trim().to_owned())
+                .map_err(|_| "the Host header is not text".to_owned()),
+        ),
+        _ => Some(Err("the request has several Host headers".to_owned())),
+    }
+}
+
+/// Where a redirected connection was going before nftables sent it to the gateway.
+pub(crate) fn original_destination(conn: &TcpStream) -> Option<SocketAddr> {
+    use nix::sys::socket::{getsockopt, sockopt};
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+    if conn.local_addr().ok()?.is_ipv6() {
+        let original = getsockopt(conn, sockopt::Ip6tOriginalDst).ok()?;
+        let ip = Ipv6Addr::from(original.sin6_addr.s6_addr);
+        Some(SocketAddr::new(
+            IpAddr::V6(ip),
+            u16::from_be(original.sin6_port),
+        ))
+    } else {
+        let original = getsockopt(conn, sockopt::OriginalDst).ok()?;
+        let ip = Ipv4Addr::from(u32::from_be(original.sin_addr.s_addr));
+        Some(SocketAddr::new(
+            IpAddr::V4(ip),
+            u16::from_be(original.sin_port),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_host_comes_from_the_head_only() {
+        assert_eq!(
+            http_host(b"GET / HTTP/1.1\r\nHost: a.test\r\n\r\n"),
+            Some(Ok("a.test".to_owned()))
+        );
+        // A body (or anything past the head) naming a host is not a Host header.
+        assert_eq!(
+            http_host(b"POST / HTTP/1.1\r\nContent-Length: 20\r\n\r\nHost: allowed.test\r\n"),
+            None
+        );
+        assert_eq!(http_host(b"GET / HTTP/1.1\r\nX: 1\r\nHost: a.test"), None);
+        assert!(matches!(
+            http_host(b"GET / HTTP/1.1\r\nHost: a.test\r\nHost: b.test\r\n\r\n"),
+            Some(Err(_))
+        ));
+    }
+}

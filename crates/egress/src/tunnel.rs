@@ -1,0 +1,270 @@
+//! CONNECT tunnels: decided on host and port, then relayed both ways. A tunnel carries TLS only
+//! for the host it was opened for: the ClientHello (put together from however many records
+//! and reads it comes in) must name that host, and one that names none, or cannot be read, is
+//! refused. A tunnel silent in both directions for the cell's idle limit is closed.
+
+use std::io::{Read as _, Write as _};
+use std::net::{Shutdown, TcpStream};
+use std::time::{Duration, Instant};
+
+use crate::host::{Host, split_authority};
+use crate::proxy::{Gateway, Via};
+use crate::pump::pump;
+use crate::record::Decision;
+use crate::rules::Request;
+use crate::sni::{Hello, MAX_INPUT, client_hello};
+
+impl Gateway {
+    pub(crate) fn tunnel(&self, mut conn: TcpStream, target: &str, early: Vec<u8>) {
+        let (host, port) = match split_authority(target, 443) {
+            Ok(parts) => parts,
+            Err(e) => return self.refuse(&mut conn, "connect", target, e.to_string()),
+        };
+        if let Some(interceptor) = &self.interceptor {
+            if self.rules().intercepts(&host, port) {
+                return self.intercept(interceptor, conn, host, port, early, Via::Proxy);
+            }
+        }
+        let verdict = self.decide(
+            &self.rules(),
+            &Request {
+                host: &host,
+                port,
+                http: None,
+            },
+        );
+        let mut decision = self.record("connect", &host.as_text(), port, None, &verdict);
+        let Some(upstream) = self.open_upstream(&mut conn, &host, port, &mut decision, Via::Proxy)
+        else {
+            return;
+        };
+        if conn
+            .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            .is_err()
+        {
+            return;
+        }
+        self.relay_tunnel(conn, upstream, &host, port, &early, decision);
+    }
+
+    /// Relays a tunnel the gateway let out until either side ends it, then records it with the
+    /// bytes each way (and the reason, where the relay refused the client's first bytes).
+    pub(crate) fn relay_tunnel(
+        &self,
+        conn: TcpStream,
+        upstream: TcpStream,
+        host: &Host,
+        port: u16,
+        early: &[u8],
+        mut decision: Decision,
+    ) {
+        let _tracked = self.track(host, port, None, &conn, &upstream);
+        let (up, down, refused) = tunnel_bytes(conn, upstream, early, host, self.bounds.idle);
+        decision.bytes_up = up;
+        decision.bytes_down = down;
+        if let Some(reason) = refused {
+            decision.allowed = false;
+            decision.reason = reason;
+        }
+        self.log_decision(&decision);
+    }
+}
+
+/// Reads a client's first bytes: up to a whole TLS ClientHello, or an HTTP head, or whatever
+/// the first read brought for other protocols. The first bytes may take `first_wait` (a server
+/// may speak first: then nothing is returned); once they came, the rest must come within
+/// `whole_within` (then what came is returned). `None` when the client closed without a byte,
+/// or failed.
+pub(crate) fn first_bytes(
+    conn: &mut TcpStream,
+    mut bytes: Vec<u8>,
+    first_wait: Duration,
+    whole_within: Duration,
+) -> Option<Vec<u8>> {
+    let mut chunk = [0u8; 4096];
+    let mut until: Option<Instant> = None;
+    loop {
+        if (!bytes.is_empty() && !needs_more(&bytes)) || bytes.len() >= MAX_INPUT {
+            return Some(bytes);
+        }
+        let wait = if bytes.is_empty() {
+            first_wait
+        } else {
+            let deadline = *until.get_or_insert_with(|| Instant::now() + whole_within);
+            deadline.saturating_duration_since(Instant::now())
+        };
+        if wait.is_zero() {
+            return Some(bytes);
+        }
+        conn.set_read_timeout(Some(wait)).ok()?;
+        match conn.read(&mut chunk) {
+            Ok(0) => return (!bytes.is_empty()).then_some(bytes),
+            Ok(n) => bytes.extend_from_slice(&chunk[..n]),
+            // What came in time (nothing, when the client stayed silent).
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Some(bytes);
+            }
+            Err(_) => return None,
+        }
+    }
+}
+
+/// Whether the first bytes so far are the start of a ClientHello or an HTTP head that is not
+/// whole yet.
+fn needs_more(bytes: &[u8]) -> bool {
+    match client_hello(bytes) {
+        Hello::Incomplete => true,
+        Hello::NotTls => {
+            looks_http(bytes)
+                && !bytes.windows(4).any(|w| w == b"\r\n\r\n")
+                && bytes.len() < crate::http::MAX_HEAD
+        }
+        _ => false,
+    }
+}
+
+/// Whether a client's first bytes look like an HTTP request line.
+pub(crate) fn looks_http(bytes: &[u8]) -> bool {
+    bytes.first().is_some_and(u8::is_ascii_uppercase)
+}
+
+/// Why a tunnel's first bytes are refused for a tunnel opened for `host`, if they are.
+pub(crate) fn refused_hello(bytes: &[u8], host: &Host) -> Option<String> {
+    let expected = host.as_text();
+    match client_hello(bytes) {
+        Hello::NotTls => None,
+        Hello::Tls(Some(name)) if name.trim_end_matches('.') == expected => None,
+        Hello::Tls(Some(name)) => Some(format!(
+            "the TLS server name `{name}` is not the CONNECT host `{expected}`"
+        )),
+        // A name was asked for: the handshake must carry it.
+        Hello::Tls(None) if matches!(host, Host::Name(_)) => Some(format!(
+            "the TLS ClientHello names no server, and the tunnel was opened for `{expected}`"
+        )),
+        Hello::Tls(None) => None,
+        Hello::Malformed(why) => Some(format!("the TLS ClientHello was refused: {why}")),
+        Hello::Incomplete => Some(
+            "the TLS ClientHello did not arrive whole within the gateway's deadline".to_owned(),
+        ),
+    }
+}
+
+/// Relays a tunnel both ways. The client's first bytes are held back until they show whether
+/// they are a TLS ClientHello, whose server name must be `host`'s (whenever they come: the
+/// server may speak first). Returns the bytes each way, and the refusal if the hello was
+/// refused. Each direction ends after `idle` without a byte; so the tunnel does, once both have.
+fn tunnel_bytes(
+    client: TcpStream,
+    upstream: TcpStream,
+    early: &[u8],
+    host: &Host,
+    idle: Duration,
+) -> (u64, u64, Option<String>) {
+    let _ = client.set_read_timeout(Some(idle));
+    let _ = upstream.set_read_timeout(Some(idle));
+    let (Ok(mut client_read), Ok(mut upstream_write)) = (client.try_clone(), upstream.try_clone())
+    else {
+        return (0, 0, None);
+    };
+    let early = early.to_vec();
+    let host = host.clone();
+    let up = std::thread::Builder::new()
+        .name("egress-tunnel".to_owned())
+        .spawn(move || {
+            let Some(first) =
+                first_bytes(&mut client_read, early, idle, crate::bounds::HEAD_TIMEOUT)
+            else {
+                let _ = upstream_write.shutdown(Shutdown::Write);
+                return (0, None);
+            };
+            let _ = client_read.set_read_timeout(Some(idle));
+            if first.is_empty() {
+                // Silent for the whole idle limit.
+                let _ = upstream_write.shutdown(Shutdown::Write);
+                return (0, None);
+            }
+            if let Some(reason) = refused_hello(&first, &host) {
+                let _ = upstream_write.shutdown(Shutdown::Both);
+                let _ = client_read.shutdown(Shutdown::Both);
+                return (0, Some(reason));
+            }
+            let mut sent = 0u64;
+            if upstream_write.write_all(&first).is_ok() {
+                sent = first.len() as u64 + pump(&client_read, &upstream_write);
+            }
+            let _ = upstream_write.shutdown(Shutdown::Write);
+            (sent, None)
+        });
+    let Ok(up) = up else {
+        // No thread for the other direction: the tunnel cannot be relayed.
+        let _ = client.shutdown(Shutdown::Both);
+        return (
+            0,
+            0,
+            Some("the warden could not start the tunnel's relay".to_owned()),
+        );
+    };
+    let (upstream_read, client_write) = (upstream, client);
+    let down = pump(&upstream_read, &client_write);
+    let _ = client_write.shutdown(Shutdown::Write);
+    let (up, refused) = up.join().unwrap_or((0, None));
+    (up, down, refused)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    fn pair() -> (TcpStream, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (b, _) = listener.accept().unwrap();
+        (a, b)
+    }
+
+    #[test]
+    fn a_hello_trickled_byte_by_byte_has_one_deadline() {
+        let (mut client, mut server) = pair();
+        let hello = crate::sni::tests::hello_with_sni("slow.test");
+        let trickle = std::thread::spawn(move || {
+            for byte in hello {
+                if client.write_all(&[byte]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        let begun = Instant::now();
+        let got = first_bytes(
+            &mut server,
+            Vec::new(),
+            Duration::from_secs(5),
+            Duration::from_millis(400),
+        )
+        .unwrap();
+        let took = begun.elapsed();
+        assert!(took < Duration::from_millis(900), "{took:?}");
+        assert_eq!(
+            refused_hello(&got, &Host::Name("slow.test".into())).as_deref(),
+            Some("the TLS ClientHello did not arrive whole within the gateway's deadline")
+        );
+        drop(server);
+        let _ = trickle.join();
+    }
+
+    #[test]
+    fn hellos_are_checked_against_the_tunnels_host() {
+        let named = Host::Name("a.test".into());
+        let hello = crate::sni::tests::hello_with_sni("a.test");
+        assert_eq!(refused_hello(&hello, &named), None);
+        let split = crate::sni::tests::hello_with_sni("b.test");
+        assert!(refused_hello(&split, &named).is_some());
+        assert_eq!(refused_hello(b"SSH-2.0-x\r\n", &named), None);
+    }
+}
