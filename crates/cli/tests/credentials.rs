@@ -15,9 +15,9 @@ use support::*;
 
 const SECRET: &str = "super-secret-value-4711";
 
-/// An HTTPS upstream on 127.0.0.2 whose certificate a test CA signed; it answers with the
-/// Authorization header it received. Returns its port, the CA's PEM and what it saw.
-fn https_upstream() -> (u16, String, Arc<Mutex<Vec<String>>>) {
+/// A server configuration for 127.0.0.2 with a certificate a new test CA signed, and that CA's
+/// PEM.
+fn test_server_config() -> (Arc<rustls::ServerConfig>, String) {
     let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
     ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
@@ -37,7 +37,13 @@ fn https_upstream() -> (u16, String, Arc<Mutex<Vec<String>>>) {
         PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
     )
     .unwrap();
-    let config = Arc::new(config);
+    (Arc::new(config), ca.pem())
+}
+
+/// An HTTPS upstream on 127.0.0.2 whose certificate a test CA signed; it answers with the
+/// Authorization header it received. Returns its port, the CA's PEM and what it saw.
+fn https_upstream() -> (u16, String, Arc<Mutex<Vec<String>>>) {
+    let (config, ca_pem) = test_server_config();
     let listener = TcpListener::bind("127.0.0.2:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     let seen = Arc::new(Mutex::new(Vec::new()));
@@ -100,7 +106,7 @@ fn https_upstream() -> (u16, String, Arc<Mutex<Vec<String>>>) {
             });
         }
     });
-    (port, ca.pem(), seen)
+    (port, ca_pem, seen)
 }
 
 /// Runs `command` in a cell under `policy`, with the test's secret in the caller's environment
@@ -425,4 +431,250 @@ fn a_placeholder_in_a_body_bound_for_another_destination_stops_the_request() {
     // Neither upstream got a whole request with a placeholder in it.
     assert_eq!(seen.lock().unwrap().len(), 1, "{:?}", seen.lock().unwrap());
     assert_eq!(plain_saw.lock().unwrap().clone(), vec!["hello".to_owned()]);
+}
+
+/// Answers a request with the head it received, as echo services do: gzip-compressed when the
+/// request accepts gzip (always, on `/always-gzip`), in chunks of 3 bytes on `/chunks`, else as
+/// it is. Returns the head.
+fn reflect(stream: &mut (impl Read + Write)) -> String {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        match stream.read(&mut byte) {
+            Ok(1) => head.push(byte[0]),
+            _ => return String::new(),
+        }
+    }
+    let text = String::from_utf8_lossy(&head).into_owned();
+    let path = text.split(' ').nth(1).unwrap_or("/").to_owned();
+    let accepts_gzip = text.to_ascii_lowercase().contains("accept-encoding: gzip");
+    let answer = if path == "/chunks" {
+        let mut out =
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n".to_vec();
+        for piece in head.chunks(3) {
+            out.extend_from_slice(format!("{:x}\r\n", piece.len()).as_bytes());
+            out.extend_from_slice(piece);
+            out.extend_from_slice(b"\r\n");
+        }
+        out.extend_from_slice(b"0\r\n\r\n");
+        out
+    } else if accepts_gzip || path == "/always-gzip" {
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        gz.write_all(&head).unwrap();
+        let body = gz.finish().unwrap();
+        let mut out = format!(
+            "HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            body.len()
+        )
+        .into_bytes();
+        out.extend_from_slice(&body);
+        out
+    } else {
+        let mut out = format!(
+            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            head.len()
+        )
+        .into_bytes();
+        out.extend_from_slice(&head);
+        out
+    };
+    let _ = stream.write_all(&answer);
+    let _ = stream.flush();
+    text
+}
+
+/// A reflecting upstream on 127.0.0.2 (see `reflect`), over HTTPS with `tls`, else plain; its
+/// port and the heads it received.
+fn reflecting_upstream(tls: Option<Arc<rustls::ServerConfig>>) -> (u16, Arc<Mutex<Vec<String>>>) {
+    let listener = TcpListener::bind("127.0.0.2:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let log = seen.clone();
+    std::thread::spawn(move || {
+        for tcp in listener.incoming().flatten() {
+            let (tls, log) = (tls.clone(), log.clone());
+            std::thread::spawn(move || {
+                let head = match tls {
+                    Some(config) => {
+                        let Ok(conn) = rustls::ServerConnection::new(config) else {
+                            return;
+                        };
+                        let mut stream = rustls::StreamOwned::new(conn, tcp);
+                        let head = reflect(&mut stream);
+                        stream.conn.send_close_notify();
+                        let _ = stream.flush();
+                        head
+                    }
+                    None => reflect(&mut { tcp }),
+                };
+                if !head.is_empty() {
+                    log.lock().unwrap().push(head);
+                }
+            });
+        }
+    });
+    (port, seen)
+}
+
+#[test]
+fn a_reflecting_upstream_cannot_hand_the_cell_its_secret() {
+    let dir = tempdir();
+    let (config, ca_pem) = test_server_config();
+    let (tls_port, tls_saw) = reflecting_upstream(Some(config));
+    let (plain_port, plain_saw) = reflecting_upstream(None);
+    let policy = trusting_policy(
+        dir.path(),
+        ca_pem,
+        &format!(
+            "  allow:\n    - host: 127.0.0.2\n      ports: [{tls_port}, {plain_port}]\n      credential: api\ncredentials:\n  api: {{ from_env: WARDEN_TEST_API_TOKEN }}\n"
+        ),
+    );
+    // The cell asks for gzip and decodes what it gets: the secret must not be in it, whatever
+    // encoding or chunking the upstream chose.
+    let code = format!(
+        "import os, gzip, urllib.request, urllib.error\n\
+         token = os.environ['WARDEN_TEST_API_TOKEN']\n\
+         for base in ['http://127.0.0.2:{plain_port}', 'https://127.0.0.2:{tls_port}']:\n\
+         \x20   for path in ['/gzip', '/chunks', '/always-gzip']:\n\
+         \x20       req = urllib.request.Request(base + path, headers={{'Authorization': 'Bearer ' + token, 'Accept-Encoding': 'gzip'}})\n\
+         \x20       try:\n\
+         \x20           r = urllib.request.urlopen(req, timeout=10); body = r.read()\n\
+         \x20           if r.headers.get('Content-Encoding') == 'gzip': body = gzip.decompress(body)\n\
+         \x20           print(path, r.status, body.decode().replace(token, '<placeholder>').lower().replace('\\r\\n', '|'))\n\
+         \x20       except urllib.error.HTTPError as e: print(path, e.code, e.read().decode())"
+    );
+    let ran = run_with_secret(&policy, None, &[], &["python3", "-c", &code]);
+    assert!(
+        !ran.stdout.contains(SECRET),
+        "the secret reached the cell: {ran:?}"
+    );
+    let lines: Vec<&str> = ran.stdout.lines().collect();
+    assert_eq!(lines.len(), 6, "{ran:?}");
+    for line in [lines[0], lines[1], lines[3], lines[4]] {
+        assert!(line.contains(" 200 "), "{line}");
+        assert!(
+            line.contains("authorization: bearer <placeholder>"),
+            "{line}"
+        );
+        assert!(line.contains("accept-encoding: identity"), "{line}");
+    }
+    for line in [lines[2], lines[5]] {
+        assert!(line.starts_with("/always-gzip 502 "), "{line}");
+        assert!(line.contains("cannot inspect for the secret"), "{line}");
+    }
+    // The upstreams did get the secret: it is the reflection that is the limit.
+    for saw in [plain_saw, tls_saw] {
+        let saw = saw.lock().unwrap();
+        assert_eq!(saw.len(), 3);
+        assert!(saw.iter().all(|head| head.contains(SECRET)), "{saw:?}");
+    }
+}
+
+#[test]
+fn inside_intercepted_tls_the_host_must_be_the_one_decided() {
+    let dir = tempdir();
+    let (port, ca_pem, seen) = https_upstream();
+    let policy = trusting_policy(
+        dir.path(),
+        ca_pem,
+        &format!(
+            "  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n      credential: api\ncredentials:\n  api: {{ from_env: WARDEN_TEST_API_TOKEN }}\n"
+        ),
+    );
+    // Another virtual host on the same address, and a second Host header.
+    let script = format!(
+        "curl -s -o /dev/null -w '%{{http_code}}\\n' -H 'Host: other.example' https://127.0.0.2:{port}/x; \
+         curl -s -o /dev/null -w '%{{http_code}}\\n' -H 'Host: 127.0.0.2' -H 'Host: other.example' https://127.0.0.2:{port}/x; \
+         curl -s -o /dev/null -w '%{{http_code}}\\n' https://127.0.0.2:{port}/x"
+    );
+    let ran = run_with_secret(&policy, None, &[], &["sh", "-c", &script]);
+    assert_eq!(ran.stdout, "403\n403\n200\n", "{ran:?}");
+    assert_eq!(
+        seen.lock().unwrap().clone(),
+        vec![format!("GET /x HTTP/1.1 Bearer {SECRET}")],
+        "only the request for the decided host reached the upstream"
+    );
+}
+
+/// A TCP upstream on 127.0.0.2 that keeps every byte each connection brought (until it
+/// closes or is silent for a second), and answers nothing.
+fn recording_upstream() -> (u16, Arc<Mutex<Vec<Vec<u8>>>>) {
+    let listener = TcpListener::bind("127.0.0.2:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let log = seen.clone();
+    std::thread::spawn(move || {
+        for mut conn in listener.incoming().flatten() {
+            let log = log.clone();
+            std::thread::spawn(move || {
+                conn.set_read_timeout(Some(std::time::Duration::from_secs(1)))
+                    .unwrap();
+                let mut got = Vec::new();
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = conn.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    got.extend_from_slice(&buf[..n]);
+                }
+                log.lock().unwrap().push(got);
+            });
+        }
+    });
+    (port, seen)
+}
+
+#[test]
+fn placeholders_cannot_leave_in_a_target_a_header_name_or_split_chunks() {
+    let dir = tempdir();
+    let (port, ca_pem, _) = https_upstream();
+    let (plain_port, plain_saw) = recording_upstream();
+    let policy = trusting_policy(
+        dir.path(),
+        ca_pem,
+        &format!(
+            "  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n      credential: api\n    - host: 127.0.0.2\n      ports: [{plain_port}]\ncredentials:\n  api: {{ from_env: WARDEN_TEST_API_TOKEN }}\n"
+        ),
+    );
+    let code = format!(
+        "import os, json, socket, urllib.parse\n\
+         t = os.environ['WARDEN_TEST_API_TOKEN']\n\
+         print(t)\n\
+         half = len(t) // 2\n\
+         target = 'http://127.0.0.2:{plain_port}'\n\
+         chunked = 'POST %s/ HTTP/1.1\\r\\nHost: 127.0.0.2:{plain_port}\\r\\nTransfer-Encoding: chunked\\r\\n\\r\\n%x\\r\\n%s\\r\\n%x\\r\\n%s\\r\\n0\\r\\n\\r\\n' % (target, half, t[:half], len(t) - half, t[half:])\n\
+         for request in ['GET %s/?key=%s HTTP/1.1\\r\\n\\r\\n' % (target, t),\n\
+         \x20               'GET %s/%s HTTP/1.1\\r\\n\\r\\n' % (target, urllib.parse.quote(t, safe='').replace('a', '%61')),\n\
+         \x20               'GET %s/ HTTP/1.1\\r\\n%s: 1\\r\\n\\r\\n' % (target, t),\n\
+         \x20               chunked]:\n\
+         \x20   s = socket.create_connection(('127.0.0.1', 3128)); s.sendall(request.encode())\n\
+         \x20   data = b''\n\
+         \x20   while True:\n\
+         \x20       more = s.recv(4096)\n\
+         \x20       if not more: break\n\
+         \x20       data += more\n\
+         \x20   head, _, body = data.partition(b'\\r\\n\\r\\n')\n\
+         \x20   print(head.split(b' ')[1].decode() if head else 'nothing', json.loads(body)['reason'] if body.startswith(b'{{') else body.decode())"
+    );
+    let ran = run_with_secret(&policy, None, &[], &["python3", "-c", &code]);
+    let lines: Vec<&str> = ran.stdout.lines().collect();
+    assert_eq!(lines.len(), 5, "{ran:?}");
+    let placeholder = lines[0];
+    for line in &lines[1..] {
+        assert!(
+            line.starts_with("403 ") && line.contains("placeholder of credential `api`"),
+            "{line}: {ran:?}"
+        );
+    }
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let saw = plain_saw.lock().unwrap();
+    // Only the chunked request's head and its first chunk went up, never the whole placeholder.
+    assert!(saw.len() <= 1, "{saw:?}");
+    for bytes in saw.iter() {
+        let text = String::from_utf8_lossy(bytes).replace("\r\n", "");
+        assert!(
+            !text.contains(placeholder),
+            "the placeholder reached the unbound upstream: {text}"
+        );
+    }
 }

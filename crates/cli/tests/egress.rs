@@ -1025,3 +1025,492 @@ fn the_proxy_port_answers_on_ipv6_loopback_too() {
     let ran = run_py(&["--rm", "--policy", &policy], &code);
     assert_eq!(ran.stdout, "upstream saw GET /six HTTP/1.1\n", "{ran:?}");
 }
+
+/// Threads of a host process, from its status file.
+fn threads_of(pid: u32) -> usize {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Threads:"))
+                .and_then(|n| n.trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+#[test]
+fn a_cell_cannot_make_its_gateway_hold_more_connections_than_its_limit() {
+    let dir = tempdir();
+    let (echo, _) = echo_upstream();
+    let limit = 16;
+    let policy = policy(
+        dir.path(),
+        &format!(
+            "version: 1\nlimits:\n  pids: 32\n  connections: {limit}\nnetwork:\n  allow:\n    - host: 127.0.0.2\n      ports: [{echo}]\n"
+        ),
+    );
+    // 400 connections, far beyond the cell's 32 processes: half of them tunnels (two relay
+    // threads each), half of them heads that never end; all held while the test counts the
+    // warden's threads.
+    let code = format!(
+        "import socket, sys, time\n\
+         print('ready'); sys.stdout.flush(); time.sleep(1)\n\
+         socks = []\n\
+         for i in range(400):\n\
+         \x20   try: s = socket.create_connection(('127.0.0.1', 3128), timeout=5)\n\
+         \x20   except OSError: continue\n\
+         \x20   try: s.sendall(b'CONNECT 127.0.0.2:{echo} HTTP/1.1\\r\\n\\r\\n' if i % 2 else b'GET http://127.0.0.2:{echo}/ HTTP/1.1\\r\\nHo')\n\
+         \x20   except OSError: pass\n\
+         \x20   socks.append(s)\n\
+         time.sleep(3)\n\
+         busy = 0\n\
+         for s in socks:\n\
+         \x20   s.settimeout(0.2)\n\
+         \x20   try: data = s.recv(300)\n\
+         \x20   except OSError: data = b''\n\
+         \x20   busy += b' 503 ' in data and b'limits.connections' in data\n\
+         print(busy)"
+    );
+    let name = unique("flood");
+    let mut child = warden()
+        .args(["run", "--name", &name, "--policy", policy.to_str().unwrap()])
+        .args(["--", "python3", "-c", &code])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    assert_eq!(line, "ready\n");
+    let pid = child.id();
+    let baseline = threads_of(pid);
+    let mut most = baseline;
+    while child.try_wait().unwrap().is_none() {
+        most = most.max(threads_of(pid));
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).unwrap();
+    let busy: usize = rest.trim().parse().unwrap_or_else(|_| panic!("{rest:?}"));
+    eprintln!(
+        "warden threads: {baseline} before the flood, {most} at most during it; {busy} of 400 connections refused with 503"
+    );
+    // One thread per connection, two per tunnel, and nothing else grows.
+    assert!(
+        most <= baseline + 2 * limit + 4,
+        "the warden grew from {baseline} to {most} threads for a cell limited to {limit} connections"
+    );
+    assert!(
+        busy >= 400 - 2 * limit,
+        "only {busy} connections were refused"
+    );
+    let (_, decisions) = net_decisions(&name);
+    let refused: u64 = decisions
+        .iter()
+        .filter(|d| d["rule"] == "limits.connections")
+        .map(|d| d["repeats"].as_u64().unwrap_or(1).max(1))
+        .sum();
+    assert!(
+        refused >= busy as u64,
+        "{refused} refusals recorded for {busy}"
+    );
+    assert!(warden().args(["rm", &name]).status().unwrap().success());
+}
+
+#[test]
+fn a_head_trickled_byte_by_byte_is_cut_at_one_deadline() {
+    let dir = tempdir();
+    let up = http_upstream();
+    let policy = net_policy(
+        dir.path(),
+        &format!(
+            "  allow:\n    - host: 127.0.0.2\n      ports: [{}]\n",
+            up.port
+        ),
+    );
+    // A byte every two seconds: each read is quick, the head never ends.
+    let code = format!(
+        "import socket, time\n\
+         s = socket.create_connection(('127.0.0.1', 3128))\n\
+         s.sendall(b'GET http://127.0.0.2:{}/ HTTP/1.1\\r\\n')\n\
+         begun = time.time(); s.settimeout(2)\n\
+         answer = b''\n\
+         while time.time() - begun < 90:\n\
+         \x20   try:\n        s.sendall(b'X')\n\
+         \x20   except OSError: break\n\
+         \x20   try:\n        got = s.recv(200)\n        answer = got\n        if not got or b'HTTP/1.1' in got: break\n\
+         \x20   except socket.timeout: pass\n\
+         \x20   except OSError: break\n\
+         print(int(time.time() - begun), answer.split(b'\\r\\n')[0].decode())",
+        up.port
+    );
+    let ran = run_py(&["--rm", "--policy", &policy], &code);
+    let (seconds, status) = ran.stdout.trim().split_once(' ').unwrap_or(("", ""));
+    let seconds: u64 = seconds.parse().unwrap_or_else(|_| panic!("{ran:?}"));
+    assert!(
+        (28..=40).contains(&seconds),
+        "the head was cut after {seconds} s: {ran:?}"
+    );
+    assert_eq!(status, "HTTP/1.1 408 Request Timeout", "{ran:?}");
+    assert_eq!(up.hits.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn a_flood_of_decisions_is_collapsed_rate_limited_and_stops_at_its_quota() {
+    let dir = tempdir();
+    let state = tempdir();
+    let up = http_upstream();
+    // DNS is served because something is allowed; every other name is refused, and recorded.
+    let flood = "import socket, struct, time, random\n\
+         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.setblocking(False)\n\
+         def query(name):\n\
+         \x20   q = struct.pack('>HHHHHH', random.randrange(65536), 0x100, 1, 0, 0, 0)\n\
+         \x20   for label in name.split('.'): q += bytes([len(label)]) + label.encode()\n\
+         \x20   return q + b'\\x00\\x00\\x01\\x00\\x01'\n\
+         sent = answered = 0\n\
+         begun = time.time()\n\
+         while time.time() - begun < 5:\n\
+         \x20   for name in ['same.denied.test', 'x%d.denied.test' % sent]:\n\
+         \x20       try: s.sendto(query(name), ('127.0.0.1', 53)); sent += 1\n\
+         \x20       except BlockingIOError: pass\n\
+         \x20   try:\n        while s.recv(512): answered += 1\n\
+         \x20   except BlockingIOError: pass\n\
+         time.sleep(2)\n\
+         try:\n    while s.recv(512): answered += 1\n\
+         except BlockingIOError: pass\n\
+         print(sent, answered)";
+    for (quota, name) in [
+        (None, unique("dnsflood")),
+        (Some(64 * 1024), unique("quota")),
+    ] {
+        let limits = quota.map_or(String::new(), |q| format!("limits:\n  records: {q}\n"));
+        let policy = policy(
+            dir.path(),
+            &format!(
+                "version: 1\n{limits}network:\n  allow:\n    - host: 127.0.0.2\n      ports: [{}]\n",
+                up.port
+            ),
+        );
+        let ran = Ran::from(
+            warden()
+                .args(["run", "--name", &name, "--policy", policy.to_str().unwrap()])
+                .args(["--", "python3", "-c", flood])
+                .env("WARDEN_STATE_DIR", state.path())
+                .output()
+                .unwrap(),
+        );
+        assert_eq!(ran.code, 0, "{ran:?}");
+        let (sent, answered) = ran.stdout.trim().split_once(' ').unwrap();
+        let (sent, answered): (u64, u64) = (sent.parse().unwrap(), answered.parse().unwrap());
+        let record = state.path().join("net").join(format!("{name}.jsonl"));
+        let bytes = std::fs::metadata(&record).unwrap().len();
+        let decisions: Vec<serde_json::Value> = std::fs::read_to_string(&record)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        eprintln!(
+            "{sent} queries sent, {answered} answered; the record has {} lines, {bytes} bytes (quota {quota:?})",
+            decisions.len()
+        );
+        assert!(
+            answered > 2_000,
+            "the flood was too small to prove anything: {answered}"
+        );
+        match quota {
+            None => {
+                // 5 s of flood: each second at most LINES_PER_SECOND lines one by one, their
+                // repeats and one summary.
+                assert!(
+                    decisions.len() <= 8 * (2 * 100 + 1),
+                    "{} lines for {answered} decisions",
+                    decisions.len()
+                );
+                let counted: u64 = decisions
+                    .iter()
+                    .map(|d| {
+                        let repeats = d["repeats"].as_u64().unwrap_or(0);
+                        if d["kind"] == "summary" || repeats > 0 {
+                            repeats
+                        } else {
+                            1
+                        }
+                    })
+                    .sum();
+                assert!(
+                    counted >= answered && counted <= sent,
+                    "{counted} decisions counted, {answered} answered, {sent} sent"
+                );
+                let same: u64 = decisions
+                    .iter()
+                    .filter(|d| d["host"] == "same.denied.test")
+                    .map(|d| d["repeats"].as_u64().unwrap_or(0).max(1))
+                    .sum();
+                assert!(
+                    same > answered / 4,
+                    "repeats of one name were not counted: {same}"
+                );
+            }
+            Some(quota) => {
+                assert!(bytes <= quota + 1024, "the record grew to {bytes} bytes");
+                assert!(
+                    decisions
+                        .iter()
+                        .any(|d| d["reason"].as_str().unwrap().contains("reached its quota")),
+                    "no line says the quota was reached"
+                );
+                let last = decisions.last().unwrap();
+                assert!(
+                    last["reason"].as_str().unwrap().contains("after the quota"),
+                    "{last}"
+                );
+            }
+        }
+        let rm = warden()
+            .args(["rm", &name])
+            .env("WARDEN_STATE_DIR", state.path())
+            .status()
+            .unwrap();
+        assert!(rm.success());
+    }
+}
+
+#[test]
+fn paths_and_methods_are_decided_as_the_upstream_reads_them() {
+    let dir = tempdir();
+    let up = http_upstream();
+    let policy = net_policy(
+        dir.path(),
+        &format!(
+            "  allow:\n    - host: 127.0.0.2\n      ports: [{}]\n      methods: [GET]\n      paths: [\"/public/**\"]\n",
+            up.port
+        ),
+    );
+    let url = format!("http://127.0.0.2:{}", up.port);
+    let host = format!("Host: 127.0.0.2:{}\r\n", up.port);
+    let refused = [
+        (
+            format!("GET {url}/public/../private/x HTTP/1.1\r\n{host}\r\n"),
+            "no rule allows",
+        ),
+        (
+            format!("GET {url}/public/%2e%2e/private/x HTTP/1.1\r\n{host}\r\n"),
+            "no rule allows",
+        ),
+        (
+            format!("GET {url}/public/%2E%2E/%2e%2e/x HTTP/1.1\r\n{host}\r\n"),
+            "climbs above",
+        ),
+        (
+            format!("GET {url}/public/..%2fprivate/x HTTP/1.1\r\n{host}\r\n"),
+            "%2f",
+        ),
+        (
+            format!("GET {url}/public/..;/private/x HTTP/1.1\r\n{host}\r\n"),
+            "parameter",
+        ),
+        (
+            format!("GET {url}/public/%252e%252e/private HTTP/1.1\r\n{host}\r\n"),
+            "%25",
+        ),
+        (
+            format!("GET {url}/public/x HTTP/1.1\r\n{host}X-HTTP-Method-Override: DELETE\r\n\r\n"),
+            "`DELETE`",
+        ),
+        (
+            format!("GET {url}/public/x?_method=delete HTTP/1.1\r\n{host}\r\n"),
+            "`DELETE`",
+        ),
+        (
+            format!("GET {url}/public/x HTTP/1.1\r\n{host}{host}\r\n"),
+            "several Host",
+        ),
+    ];
+    for (request, reason) in &refused {
+        let ran = run_py(&["--rm", "--policy", &policy], &raw_exchange(request, ""));
+        assert!(
+            ran.stdout.starts_with("HTTP/1.1 403 Forbidden\n"),
+            "{request:?}: {ran:?}"
+        );
+        assert!(ran.stdout.contains(reason), "{request:?}: {ran:?}");
+    }
+    assert_eq!(
+        up.hits.load(Ordering::SeqCst),
+        0,
+        "a refused request reached the upstream"
+    );
+    // What passes goes upstream exactly as it was decided.
+    let ran = run_py(
+        &["--rm", "--policy", &policy],
+        &raw_exchange(
+            &format!("GET {url}/public/./a/%7e/../b?q=/../x HTTP/1.1\r\n{host}\r\n"),
+            "",
+        ),
+    );
+    assert!(
+        ran.stdout
+            .contains("upstream saw GET /public/a/b?q=/../x HTTP/1.1"),
+        "{ran:?}"
+    );
+}
+
+/// Python that builds a real ClientHello for `server_name` (none for `None`), carried in
+/// records of `record_size` bytes, sends it into a tunnel opened with CONNECT to `target`, and
+/// prints the CONNECT answer and whether the tunnel stayed open.
+fn split_hello(target: &str, server_name: Option<&str>, record_size: usize) -> String {
+    let name = server_name.map_or("None".to_owned(), |n| format!("'{n}'"));
+    format!(
+        "import socket, ssl\n\
+         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT); ctx.check_hostname = False; ctx.verify_mode = ssl.CERT_NONE\n\
+         incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()\n\
+         tls = ctx.wrap_bio(incoming, outgoing, server_hostname={name})\n\
+         try: tls.do_handshake()\n\
+         except ssl.SSLWantReadError: pass\n\
+         record = outgoing.read()\n\
+         handshake = record[5:5 + int.from_bytes(record[3:5], 'big')]\n\
+         split = b''.join(b'\\x16\\x03\\x01' + len(p).to_bytes(2, 'big') + p for p in (handshake[i:i + {record_size}] for i in range(0, len(handshake), {record_size})))\n\
+         s = socket.create_connection(('127.0.0.1', 3128))\n\
+         s.sendall(b'CONNECT {target} HTTP/1.1\\r\\n\\r\\n')\n\
+         print(s.recv(100).split(b'\\r\\n')[0].decode())\n\
+         s.sendall(split[:len(split) // 2]); s.sendall(split[len(split) // 2:])\n\
+         s.settimeout(5)\n\
+         try: print('relayed' if s.recv(100) else 'closed')\n\
+         except OSError: print('closed')"
+    )
+}
+
+#[test]
+fn tunnels_refuse_hellos_split_across_records_or_without_the_name_asked_for() {
+    let dir = tempdir();
+    let (echo, received) = echo_upstream();
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let local_echo = listener.local_addr().unwrap().port();
+    drop(listener);
+    let policy = net_policy(
+        dir.path(),
+        &format!(
+            "  allow:\n    - host: 127.0.0.2\n      ports: [{echo}]\n    - host: localhost\n      ports: [{local_echo}]\n"
+        ),
+    );
+    let name = unique("hello");
+    // A hello naming another host, in records of 40 bytes, to a tunnel opened for an address.
+    let ran = run_py(
+        &["--name", &name, "--policy", &policy],
+        &split_hello(&format!("127.0.0.2:{echo}"), Some("evil.test"), 40),
+    );
+    assert_eq!(
+        ran.stdout, "HTTP/1.1 200 Connection established\nclosed\n",
+        "{ran:?}"
+    );
+    assert_eq!(
+        received.load(Ordering::SeqCst),
+        0,
+        "the ClientHello reached the upstream"
+    );
+    let net = Ran::from(warden().args(["net", &name]).output().unwrap());
+    assert!(
+        net.stdout
+            .contains("the TLS server name `evil.test` is not the CONNECT host"),
+        "{net:?}"
+    );
+    assert!(warden().args(["rm", &name]).status().unwrap().success());
+    // A hello naming no server, to a tunnel opened for a name.
+    let (local, local_received) = {
+        let listener = TcpListener::bind(("127.0.0.1", local_echo)).unwrap();
+        let received = Arc::new(AtomicUsize::new(0));
+        let counter = received.clone();
+        std::thread::spawn(move || {
+            for mut conn in listener.incoming().flatten() {
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = conn.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    counter.fetch_add(n, Ordering::SeqCst);
+                }
+            }
+        });
+        (local_echo, received)
+    };
+    let name = unique("hello");
+    let ran = run_py(
+        &["--name", &name, "--policy", &policy],
+        &split_hello(&format!("localhost:{local}"), None, 1 << 14),
+    );
+    assert_eq!(
+        ran.stdout, "HTTP/1.1 200 Connection established\nclosed\n",
+        "{ran:?}"
+    );
+    assert_eq!(local_received.load(Ordering::SeqCst), 0);
+    let net = Ran::from(warden().args(["net", &name]).output().unwrap());
+    assert!(net.stdout.contains("names no server"), "{net:?}");
+    assert!(warden().args(["rm", &name]).status().unwrap().success());
+}
+
+#[test]
+fn ipv6_addresses_that_carry_a_private_ipv4_are_refused() {
+    let dir = tempdir();
+    let policy = net_policy(dir.path(), "  default: allow\n");
+    // 127.0.0.2 and the metadata address, in NAT64, SIIT, 6to4 and Teredo forms.
+    for address in [
+        "[64:ff9b::7f00:2]:80",
+        "[64:ff9b::a9fe:a9fe]:80",
+        "[::ffff:0:7f00:2]:80",
+        "[2002:7f00:2::1]:80",
+        "[2001:0:4136:e378:8000:63bf:80ff:fffd]:80",
+    ] {
+        let ran = run_py(
+            &["--rm", "--policy", &policy],
+            &raw_exchange(&format!("CONNECT {address} HTTP/1.1\r\n\r\n"), ""),
+        );
+        assert!(
+            ran.stdout.starts_with("HTTP/1.1 403 Forbidden\n"),
+            "{address}: {ran:?}"
+        );
+        assert!(
+            ran.stdout
+                .contains("private, loopback, link-local or metadata"),
+            "{address}: {ran:?}"
+        );
+    }
+}
+
+#[test]
+fn under_dns_connected_a_query_alone_never_makes_a_lookup() {
+    let dir = tempdir();
+    let up = http_upstream_on("127.0.0.1");
+    let policy = net_policy(
+        dir.path(),
+        &format!(
+            "  allow:\n    - host: localhost\n      ports: [{}]\n      dns: connected\n",
+            up.port
+        ),
+    );
+    let name = unique("dns-connected");
+    // Asked before any connection, the name is not looked up; once the gateway connected to
+    // it for an allowed request, the query is answered from that lookup.
+    let code = format!(
+        "import os, socket, struct, urllib.request\n\
+         for var in ['no_proxy', 'NO_PROXY']: os.environ.pop(var, None)\n\
+         def ask(name):\n\
+         \x20   q = struct.pack('>HHHHHH', 0x1234, 0x0100, 1, 0, 0, 0)\n\
+         \x20   q += b''.join(bytes([len(p)]) + p.encode() for p in name.split('.')) + b'\\0' + struct.pack('>HH', 1, 1)\n\
+         \x20   s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(5)\n\
+         \x20   s.sendto(q, ('127.0.0.1', 53)); r = s.recv(512)\n\
+         \x20   answers = struct.unpack('>H', r[6:8])[0]\n\
+         \x20   return r[3] & 15, socket.inet_ntoa(r[-4:]) if answers else None\n\
+         print(*ask('localhost'))\n\
+         print(urllib.request.urlopen('http://localhost:{}/x').read().decode())\n\
+         print(*ask('localhost'))",
+        up.port
+    );
+    let ran = run_py(&["--name", &name, "--policy", &policy], &code);
+    assert_eq!(
+        ran.stdout, "3 None\nupstream saw GET /x HTTP/1.1 body=\n0 127.0.0.1\n",
+        "{ran:?}"
+    );
+    let (net, _) = net_decisions(&name);
+    assert!(net.stdout.contains("dns: connected"), "{net:?}");
+    assert!(warden().args(["rm", &name]).status().unwrap().success());
+}

@@ -298,18 +298,19 @@ impl Gateway {
                 &self.secrets,
             )
         });
-        let body_bytes = match sent {
-            Ok(n) => n,
-            Err(e) => {
-                if let Some(reason) = placeholder_refusal(&e) {
-                    decision.allowed = false;
-                    decision.reason = reason;
-                    self.deny(&mut conn, &decision);
-                }
-                return;
+        match sent {
+            Ok(n) => decision.bytes_up = out.len() as u64 + n,
+            Err(e) if let Some(reason) = placeholder_refusal(&e) => {
+                decision.allowed = false;
+                decision.reason = reason;
+                return self.deny(&mut conn, &decision);
             }
-        };
-        decision.bytes_up = out.len() as u64 + body_bytes;
+            // The body did not get through whole (an upstream that answers early, a client
+            // that went away): nothing more goes up, and what the upstream answers comes back.
+            Err(_) => {
+                let _ = upstream.shutdown(Shutdown::Write);
+            }
+        }
         let _tracked = self.track(host, port, Some((&method, &target.path)), &conn, &upstream);
         decision.bytes_down = if credential.is_some() {
             match http::relay_inspected(&mut &upstream, &mut &conn, &self.secrets, &method) {

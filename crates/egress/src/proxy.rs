@@ -183,6 +183,12 @@ impl Gateway {
         self.log.write(decision);
     }
 
+    /// Writes the record's last lines (what the last second summed up, what the quota kept
+    /// out), once the cell has ended.
+    pub fn close_record(&self) {
+        self.log.close();
+    }
+
     /// The rules in force now.
     pub(crate) fn rules(&self) -> Arc<Rules> {
         match self.rules.read() {
@@ -424,7 +430,11 @@ impl Gateway {
     /// Resolves (once) and connects to the first address the rules allow: the connection is
     /// pinned to the address that was checked. The name's addresses are remembered for the
     /// cell's DNS (rules with `dns: connected` answer only from them).
-    fn connect(&self, host: &Host, port: u16) -> Result<(TcpStream, SocketAddr), String> {
+    pub(crate) fn connect(
+        &self,
+        host: &Host,
+        port: u16,
+    ) -> Result<(TcpStream, SocketAddr), String> {
         let rules = self.rules();
         let candidates: Vec<SocketAddr> = match host {
             Host::Ip(ip) => vec![SocketAddr::new(*ip, port)],

@@ -156,6 +156,14 @@ impl Log {
             state.add(decision);
         }
     }
+
+    /// Writes what is summed up so far, and the count of what the quota kept out: the
+    /// record's last lines, when the cell ends (threads still serving it keep the log alive).
+    pub fn close(&self) {
+        if let Ok(mut state) = self.state.lock() {
+            state.close();
+        }
+    }
 }
 
 /// Ends each window a second after it began, until the log is dropped.
@@ -267,11 +275,11 @@ impl State {
     }
 }
 
-impl Drop for State {
+impl State {
     /// The count of what the quota kept out, as the record's last line.
-    fn drop(&mut self) {
+    fn close(&mut self) {
         self.end_window();
-        let (allowed, refused) = self.over_quota;
+        let (allowed, refused) = std::mem::take(&mut self.over_quota);
         if allowed + refused > 0 {
             let summary = Decision::summary(
                 &self.cell,
@@ -287,6 +295,12 @@ impl Drop for State {
                 self.append(&line);
             }
         }
+    }
+}
+
+impl Drop for State {
+    fn drop(&mut self) {
+        self.close();
     }
 }
 

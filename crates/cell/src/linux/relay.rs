@@ -220,6 +220,9 @@ impl Relay<'_> {
                 exited = Some((ending, Instant::now()));
             }
         }
+        if let Some(watch) = &self.policy_watch {
+            watch.gateway.close_record();
+        }
         let ending = exited.map_or(Ending::Exited(init::SETUP_FAILED), |(e, _)| e);
         Ok(match limit {
             Some(limit) => Stop::Limit(limit),
