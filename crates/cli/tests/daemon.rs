@@ -2217,3 +2217,144 @@ fn a_replaced_policy_changes_the_command_rules_and_nothing_fixed() {
     );
     daemon.assert_journal_verifies();
 }
+
+/// Threads of a host process, from its status file.
+fn threads_of(pid: u32) -> usize {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Threads:"))
+                .and_then(|n| n.trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+#[test]
+fn a_file_the_cell_controls_cannot_freeze_the_harness() {
+    if !cgroups_available("daemon_fifo") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let hostile = daemon.create(&unique("fifo"), json!({}));
+    let other = daemon.create(&unique("other"), json!({}));
+    daemon.exec(
+        &hostile,
+        json!({ "argv": ["sh", "-c", "mkfifo pipe && ln -s pipe link && mkdir d && mkfifo d/p && mkdir out && mkfifo out/x"] }),
+    );
+    let threads_before = threads_of(daemon.pid().unwrap());
+    // 600 reads and writes of FIFOs at once (more than the runtime's blocking pool), each
+    // client giving up after two seconds.
+    let socket = daemon.socket();
+    let askers: Vec<_> = (0..600)
+        .map(|i| {
+            let socket = socket.clone();
+            let hostile = hostile.clone();
+            std::thread::spawn(move || {
+                let (method, path, body) = match i % 4 {
+                    0 => ("GET", "content?path=pipe", ""),
+                    1 => ("GET", "content?path=link", ""),
+                    2 => ("PUT", "content?path=d/p", "data"),
+                    _ => ("GET", "archive?path=out", ""),
+                };
+                let mut stream = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+                stream
+                    .set_read_timeout(Some(Duration::from_secs(2)))
+                    .unwrap();
+                use std::io::{Read as _, Write as _};
+                let _ = write!(
+                    stream,
+                    "{method} /v1/cells/{hostile}/files/{path} HTTP/1.1\r\nHost: w\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+                let mut answer = Vec::new();
+                let _ = stream.read_to_end(&mut answer);
+                String::from_utf8_lossy(&answer).into_owned()
+            })
+        })
+        .collect();
+    // Meanwhile, the other cell is paused, resumed and killed, and each lands at once.
+    std::thread::sleep(Duration::from_millis(300));
+    let mut took = Vec::new();
+    for action in ["pause", "resume", "kill"] {
+        let begun = std::time::Instant::now();
+        let answer = daemon.call("POST", &format!("/v1/cells/{other}/{action}"), None);
+        took.push((action, begun.elapsed()));
+        assert_eq!(
+            answer.status,
+            200,
+            "{action}: {}",
+            String::from_utf8_lossy(&answer.body)
+        );
+    }
+    let answers: Vec<String> = askers.into_iter().map(|t| t.join().unwrap()).collect();
+    eprintln!("control of another cell during 600 FIFO requests: {took:?}");
+    for (action, elapsed) in &took {
+        assert!(
+            *elapsed < Duration::from_secs(5),
+            "{action} of another cell took {elapsed:?}"
+        );
+    }
+    let refused = answers
+        .iter()
+        .filter(|a| a.starts_with("HTTP/1.1 400") && a.contains("FIFO"))
+        .count();
+    let packed = answers
+        .iter()
+        .filter(|a| a.starts_with("HTTP/1.1 200"))
+        .count();
+    assert_eq!(
+        refused + packed,
+        600,
+        "some requests hung or failed otherwise: {:?}",
+        answers
+            .iter()
+            .find(|a| !a.starts_with("HTTP/1.1 400") && !a.starts_with("HTTP/1.1 200"))
+    );
+    // The archive of a directory holding only a FIFO is an archive without it.
+    assert_eq!(packed, 150);
+    let threads_after = threads_of(daemon.pid().unwrap());
+    assert!(
+        threads_after <= threads_before + 16,
+        "the daemon went from {threads_before} to {threads_after} threads"
+    );
+
+    // A helper frozen mid-transfer, whose client goes away, is killed once the cell runs again.
+    daemon.exec(
+        &hostile,
+        json!({ "argv": ["dd", "if=/dev/zero", "of=big", "bs=1M", "count=48", "status=none"] }),
+    );
+    {
+        use std::io::Write as _;
+        let mut stream = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+        write!(
+            stream,
+            "GET /v1/cells/{hostile}/files/content?path=big HTTP/1.1\r\nHost: w\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(150));
+        assert_eq!(
+            daemon
+                .call("POST", &format!("/v1/cells/{hostile}/pause"), None)
+                .status,
+            200
+        );
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        daemon
+            .call("POST", &format!("/v1/cells/{hostile}/resume"), None)
+            .status,
+        200
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let events = daemon.exec(
+        &hostile,
+        json!({ "argv": ["sh", "-c", "cat /proc/[0-9]*/comm | grep -c warden"] }),
+    );
+    assert_eq!(
+        String::from_utf8(stream_bytes(&events, "stdout")).unwrap(),
+        "1\n",
+        "a file helper outlived its client (only the init should be left)"
+    );
+}

@@ -450,22 +450,32 @@ impl Harness {
         request: &ExecRequest,
         stdio: Option<[&std::os::fd::OwnedFd; 3]>,
     ) -> Result<ExecSession, ExecError> {
+        self.with_line(name, |line| ExecSession::start_on(line, request, stdio))
+    }
+
+    /// Sends something over the line to the cell's init, opening a line first where there is
+    /// none (or the last one closed).
+    pub(crate) fn with_line<T>(
+        &self,
+        name: &str,
+        send: impl Fn(&Line) -> Result<T, ExecError>,
+    ) -> Result<T, ExecError> {
         let cached = self
             .lines
             .lock()
             .ok()
             .and_then(|lines| lines.get(name).cloned());
         if let Some(line) = cached {
-            match ExecSession::start_on(&line, request, stdio) {
+            match send(&line) {
                 Err(ExecError::LineClosed(_)) => self.drop_line(name),
-                started => return started,
+                sent => return sent,
             }
         }
         let line = Arc::new(Line::open(&self.registry, name)?);
         if let Ok(mut lines) = self.lines.lock() {
             lines.insert(name.to_owned(), Arc::clone(&line));
         }
-        ExecSession::start_on(&line, request, stdio)
+        send(&line)
     }
 
     /// Forgets the line to a cell's init (the cell ended, or the line closed).
@@ -584,7 +594,7 @@ impl Events {
     // The one `unsafe` outside the cell tier's `sys.rs`: registering a descriptor with the
     // runtime's reactor.
     #[allow(unsafe_code)]
-    fn new(session: Arc<ExecSession>, cell: &str) -> Result<Self, ExecError> {
+    pub(crate) fn new(session: Arc<ExecSession>, cell: &str) -> Result<Self, ExecError> {
         // SAFETY: the session owns its socket and closes it only when dropped; the `Arc` given
         // to the registration keeps the session alive, so the descriptor stays open (and the
         // same) until the registration is dropped.
@@ -621,7 +631,7 @@ impl Events {
     }
 
     /// The process's final event.
-    async fn last(&self) -> Result<ExecEvent, ExecError> {
+    pub(crate) async fn last(&self) -> Result<ExecEvent, ExecError> {
         loop {
             let (event, _) = self.next().await?;
             if event.is_final() {

@@ -1,21 +1,32 @@
 //! Files of a running cell, through the API.
 //!
-//! Every operation runs *inside* the cell, as the cell's user, under the cell's mount namespace,
-//! Landlock domain and seccomp filter, using the cell's own read-only tools (`cat`, `find`,
-//! `tar`, ...): the API can read or change nothing that the cell itself could not. On top of
-//! that, paths are relative to the cell's files root (its workspace, else its private /tmp), `..` and absolute paths are refused, and a path whose real location (symlinks
-//! resolved inside the cell) leaves the root is refused before anything is done.
+//! Every operation runs *inside* the cell, in a fork of its init (`warden_cell::linux::files`):
+//! as the cell's user, under its mount namespace, Landlock domain and seccomp filter, so the API
+//! can read or change nothing the cell itself could not. Paths are relative to the cell's files
+//! root (its workspace mount: the project, or the scratch directory of a cell without one,
+//! which is also where its commands start); `..` and absolute paths are refused, and the walk
+//! inside the cell refuses a symlink that leads out of the root where it meets it.
+//!
+//! Nothing a cell controls can hold the harness: only regular files are read or written, each
+//! operation has a deadline ([`FILE_DEADLINE`]) after which it is killed, and one whose caller
+//! goes away is killed with it (the init kills a process whose client hangs up).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use serde::Serialize;
 use serde_json::json;
-use warden_cell::linux::exec::{ExecEvent, ExecRequest, ExecSession};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use warden_cell::linux::exec::{ExecEvent, ExecSession};
+use warden_cell::linux::files::{FileEntry, FileError, FileErrorKind, FileOp};
 
+use crate::exec::Events;
 use crate::{ErrorKind, Harness, HarnessError};
 
 /// Largest file read or archive made through the API.
 pub const READ_LIMIT: u64 = 64 * 1024 * 1024;
+/// Longest a file operation may take before it is killed.
+pub const FILE_DEADLINE: Duration = Duration::from_secs(60);
 
 /// One directory entry.
 #[derive(Debug, Clone, Serialize)]
@@ -24,23 +35,31 @@ pub struct FileInfo {
     /// `file`, `dir`, `symlink` or `other`.
     pub kind: String,
     pub size: u64,
+    /// Permission bits, in octal.
     pub mode: String,
     pub modified_s: u64,
     /// Where a symlink points (as written in it).
     pub target: Option<String>,
 }
 
-/// What a helper process did.
-struct Captured {
-    code: Option<i32>,
-    stdout: Vec<u8>,
-    stderr: Vec<u8>,
+impl From<FileEntry> for FileInfo {
+    fn from(entry: FileEntry) -> Self {
+        Self {
+            name: entry.name,
+            kind: entry.kind,
+            size: entry.size,
+            mode: format!("{:o}", entry.mode),
+            modified_s: entry.modified_s,
+            target: entry.target,
+        }
+    }
 }
 
 impl Harness {
-    /// The directory that file paths of this cell are relative to.
+    /// The directory that file paths of this cell are relative to: its workspace mount, with
+    /// or without a host workspace behind it.
     fn files_root(&self, name: &str) -> Result<String, HarnessError> {
-        let entry = self.entry(name)?;
+        self.entry(name)?;
         let policy = self
             .live
             .lock()
@@ -49,16 +68,10 @@ impl Harness {
             .ok_or_else(|| {
                 HarnessError::new(ErrorKind::Conflict, format!("cell `{name}` has ended"))
             })?;
-        // A cell without a workspace has no work area but its private /tmp.
-        let root = if entry.workspace.is_some() {
-            policy.filesystem.workspace.mount.display().to_string()
-        } else {
-            "/tmp".to_owned()
-        };
-        Ok(root)
+        Ok(policy.filesystem.workspace.mount.display().to_string())
     }
 
-    /// Checks a relative path and returns it joined to the root.
+    /// Checks a relative path; returns the root and the path as the cell sees it.
     fn cell_path(&self, name: &str, path: &str) -> Result<(String, String), HarnessError> {
         let root = self.files_root(name)?;
         if path.contains('\0') {
@@ -83,14 +96,17 @@ impl Harness {
         Ok((root, full))
     }
 
-    /// Runs a helper inside the cell and collects what it printed (stdout up to `limit`).
-    async fn helper(
+    /// Runs one file operation inside the cell: `stdin` is fed to it, its answer (at most
+    /// `limit` bytes) returned. It is killed at [`FILE_DEADLINE`], past `limit`, or when the
+    /// future is dropped.
+    async fn file_op(
         &self,
         name: &str,
-        argv: &[&str],
+        op: FileOp,
         stdin: Option<Vec<u8>>,
         limit: u64,
-    ) -> Result<Captured, HarnessError> {
+    ) -> Result<Vec<u8>, HarnessError> {
+        let root = self.files_root(name)?;
         let record = self.live(name)?;
         if warden_cell::control::is_paused(&record) {
             return Err(HarnessError::new(
@@ -98,82 +114,126 @@ impl Harness {
                 format!("cell `{name}` is paused; resume it first"),
             ));
         }
-        let registry = self.registry.clone();
-        let cell = name.to_owned();
-        let request = ExecRequest {
-            argv: argv.iter().map(|s| (*s).to_owned()).collect(),
-            env: vec![("LC_ALL".to_owned(), "C".to_owned())],
-            cwd: Some("/".to_owned()),
-            tty: None,
+        let pipe = || {
+            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+                .map_err(|e| HarnessError::internal(format!("creating pipes: {e}")))
         };
-        tokio::task::spawn_blocking(move || run_helper(&registry, &cell, &request, stdin, limit))
-            .await
-            .map_err(|e| HarnessError::internal(e.to_string()))?
+        let (stdin_r, stdin_w) = pipe()?;
+        let (stdout_r, stdout_w) = pipe()?;
+        let (stderr_r, stderr_w) = pipe()?;
+        let session = self
+            .with_line(name, |line| {
+                ExecSession::files_on(line, &root, &op, [&stdin_r, &stdout_w, &stderr_w])
+            })
+            .map_err(|e| HarnessError::new(ErrorKind::Conflict, e.to_string()))?;
+        drop((stdin_r, stdout_w, stderr_w));
+        let session = Arc::new(session);
+        let events = Events::new(Arc::clone(&session), name)
+            .map_err(|e| HarnessError::internal(e.to_string()))?;
+        let io_error = |e: std::io::Error| HarnessError::internal(format!("file operation: {e}"));
+        let mut input = tokio::net::unix::pipe::Sender::from_owned_fd(stdin_w).map_err(io_error)?;
+        let mut output =
+            tokio::net::unix::pipe::Receiver::from_owned_fd(stdout_r).map_err(io_error)?;
+        let mut errors =
+            tokio::net::unix::pipe::Receiver::from_owned_fd(stderr_r).map_err(io_error)?;
+        let feed = async move {
+            if let Some(data) = stdin {
+                let _ = input.write_all(&data).await;
+            }
+            // Dropped: the end of the input.
+        };
+        let killer = Arc::clone(&session);
+        let collect = async move {
+            let mut out = Vec::new();
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                match output.read(&mut buf).await {
+                    Ok(0) | Err(_) => return Some(out),
+                    Ok(n) => out.extend_from_slice(&buf[..n]),
+                }
+                if out.len() as u64 > limit {
+                    let _ = killer.signal(libc::SIGKILL);
+                    return None;
+                }
+            }
+        };
+        let complaints = async move {
+            let mut text = Vec::new();
+            let _ = (&mut errors).take(64 * 1024).read_to_end(&mut text).await;
+            text
+        };
+        let all = async { tokio::join!(feed, collect, complaints, events.last()) };
+        let Ok(((), out, complaint, end)) = tokio::time::timeout(FILE_DEADLINE, all).await else {
+            let _ = session.signal(libc::SIGKILL);
+            return Err(HarnessError::new(
+                ErrorKind::Unavailable,
+                format!(
+                    "the file operation in cell `{name}` did not finish within {} s and was killed (the cell may hold the file, or its disk is slow)",
+                    FILE_DEADLINE.as_secs()
+                ),
+            ));
+        };
+        let Some(out) = out else {
+            return Err(HarnessError::bad(format!(
+                "more than {limit} bytes: too large to transfer through the API"
+            )));
+        };
+        match end {
+            Ok(ExecEvent::Exited { code: 0, .. }) => Ok(out),
+            Ok(ExecEvent::Exited { .. }) => {
+                Err(match serde_json::from_slice::<FileError>(&complaint) {
+                    Ok(err) => file_error(err),
+                    Err(_) => HarnessError::internal(format!(
+                        "the file operation failed: {}",
+                        String::from_utf8_lossy(&complaint).trim()
+                    )),
+                })
+            }
+            Ok(ExecEvent::Failed { message, .. }) => Err(HarnessError::new(
+                ErrorKind::Conflict,
+                format!("the cell could not run the file operation: {message}"),
+            )),
+            Ok(other) => Err(HarnessError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "the file operation ended with {other:?} (the cell's memory limit, or a kill)"
+                ),
+            )),
+            Err(err) => Err(HarnessError::new(ErrorKind::Conflict, err.to_string())),
+        }
     }
 
-    /// Resolves `full` inside the cell (symlinks included) and refuses it if it leaves `root`.
-    async fn confined(
+    /// The answer of an operation that prints JSON.
+    async fn file_json<T: serde::de::DeserializeOwned>(
         &self,
         name: &str,
-        root: &str,
-        full: &str,
-        must_exist: bool,
-    ) -> Result<(), HarnessError> {
-        let flag = if must_exist { "-e" } else { "-m" };
-        let out = self
-            .helper(name, &["realpath", flag, "--", root, full], None, 1 << 16)
-            .await?;
-        let text = String::from_utf8_lossy(&out.stdout);
-        let mut lines = text.lines();
-        let (Some(real_root), Some(real)) = (lines.next(), lines.next()) else {
-            return Err(HarnessError::new(
-                ErrorKind::NotFound,
-                format!("{full}: no such file or directory in the cell"),
-            ));
-        };
-        if out.code != Some(0) {
-            return Err(HarnessError::new(
-                ErrorKind::NotFound,
-                format!("{full}: no such file or directory in the cell"),
-            ));
-        }
-        if real != real_root && !real.starts_with(&format!("{}/", real_root.trim_end_matches('/')))
-        {
-            return Err(HarnessError::bad(format!(
-                "{full} resolves to {real}, outside the cell's files root {root} (a symlink points out); refused"
-            )));
-        }
-        Ok(())
-    }
-
-    fn failed(what: &str, out: &Captured) -> HarnessError {
-        let message = String::from_utf8_lossy(&out.stderr).trim().to_owned();
-        let kind = if message.contains("No such file") {
-            ErrorKind::NotFound
-        } else if message.contains("Permission denied") || message.contains("Read-only") {
-            ErrorKind::Conflict
-        } else {
-            ErrorKind::BadRequest
-        };
-        HarnessError::new(kind, format!("{what}: {message}"))
+        op: FileOp,
+    ) -> Result<T, HarnessError> {
+        let out = self.file_op(name, op, None, READ_LIMIT).await?;
+        serde_json::from_slice(&out)
+            .map_err(|e| HarnessError::internal(format!("the cell's file service answered: {e}")))
     }
 
     pub async fn read_file(&self, name: &str, path: &str) -> Result<Vec<u8>, HarnessError> {
-        let (root, full) = self.cell_path(name, path)?;
-        self.confined(name, &root, &full, true).await?;
-        let out = self
-            .helper(name, &["cat", "--", &full], None, READ_LIMIT)
+        let (_, full) = self.cell_path(name, path)?;
+        let data = self
+            .file_op(
+                name,
+                FileOp::Read {
+                    path: path.to_owned(),
+                    limit: READ_LIMIT,
+                },
+                None,
+                READ_LIMIT,
+            )
             .await?;
-        if out.code != Some(0) {
-            return Err(Self::failed(&format!("reading {full}"), &out));
-        }
         self.record(
             Some(name),
             "file.read",
-            json!({ "path": full, "bytes": out.stdout.len() }),
+            json!({ "path": full, "bytes": data.len() }),
         )
         .await?;
-        Ok(out.stdout)
+        Ok(data)
     }
 
     pub async fn write_file(
@@ -182,8 +242,7 @@ impl Harness {
         path: &str,
         data: Vec<u8>,
     ) -> Result<(), HarnessError> {
-        let (root, full) = self.cell_path(name, path)?;
-        self.confined(name, &root, &full, false).await?;
+        let (_, full) = self.cell_path(name, path)?;
         let digest = blake3_hex(&data);
         self.record(
             Some(name),
@@ -191,110 +250,58 @@ impl Harness {
             json!({ "path": full, "bytes": data.len(), "blake3": digest }),
         )
         .await?;
-        let out = self
-            .helper(
-                name,
-                &["sh", "-c", "cat > \"$1\"", "sh", &full],
-                Some(data),
-                1 << 16,
-            )
-            .await?;
-        if out.code != Some(0) {
-            return Err(Self::failed(&format!("writing {full}"), &out));
-        }
-        Ok(())
+        self.file_op(
+            name,
+            FileOp::Write {
+                path: path.to_owned(),
+            },
+            Some(data),
+            1 << 16,
+        )
+        .await
+        .map(drop)
     }
 
     pub async fn list_files(&self, name: &str, path: &str) -> Result<Vec<FileInfo>, HarnessError> {
-        self.find(name, path, "1").await
+        self.cell_path(name, path)?;
+        let entries: Vec<FileEntry> = self
+            .file_json(
+                name,
+                FileOp::List {
+                    path: path.to_owned(),
+                },
+            )
+            .await?;
+        Ok(entries.into_iter().map(FileInfo::from).collect())
     }
 
     pub async fn stat_file(&self, name: &str, path: &str) -> Result<FileInfo, HarnessError> {
-        self.find(name, path, "0")
-            .await?
-            .into_iter()
-            .next()
-            .ok_or_else(|| HarnessError::new(ErrorKind::NotFound, format!("{path}: not found")))
-    }
-
-    async fn find(
-        &self,
-        name: &str,
-        path: &str,
-        depth: &str,
-    ) -> Result<Vec<FileInfo>, HarnessError> {
-        let (root, full) = self.cell_path(name, path)?;
-        self.confined(name, &root, &full, true).await?;
-        let min = if depth == "0" { "0" } else { "1" };
-        let out = self
-            .helper(
+        self.cell_path(name, path)?;
+        let entry: FileEntry = self
+            .file_json(
                 name,
-                &[
-                    "find",
-                    &full,
-                    "-mindepth",
-                    min,
-                    "-maxdepth",
-                    depth,
-                    "-printf",
-                    "%y\\t%s\\t%m\\t%T@\\t%l\\t%f\\0",
-                ],
-                None,
-                READ_LIMIT,
+                FileOp::Stat {
+                    path: path.to_owned(),
+                },
             )
             .await?;
-        if out.code != Some(0) {
-            return Err(Self::failed(&format!("listing {full}"), &out));
-        }
-        let mut entries: Vec<FileInfo> = out
-            .stdout
-            .split(|b| *b == 0)
-            .filter(|r| !r.is_empty())
-            .filter_map(|record| {
-                let text = String::from_utf8_lossy(record);
-                let mut f = text.splitn(6, '\t');
-                let kind = match f.next()? {
-                    "f" => "file",
-                    "d" => "dir",
-                    "l" => "symlink",
-                    _ => "other",
-                };
-                let size = f.next()?.parse().unwrap_or(0);
-                let mode = f.next()?.to_owned();
-                let modified_s = f
-                    .next()?
-                    .split('.')
-                    .next()
-                    .and_then(|s| s.parse().ok())
-                    .unwrap_or(0);
-                let target = Some(f.next()?.to_owned()).filter(|t| !t.is_empty());
-                let name = f.next()?.to_owned();
-                Some(FileInfo {
-                    name,
-                    kind: kind.to_owned(),
-                    size,
-                    mode,
-                    modified_s,
-                    target,
-                })
-            })
-            .collect();
-        entries.sort_by(|a, b| a.name.cmp(&b.name));
-        Ok(entries)
+        Ok(entry.into())
     }
 
     pub async fn mkdir(&self, name: &str, path: &str) -> Result<(), HarnessError> {
-        let (root, full) = self.cell_path(name, path)?;
-        self.confined(name, &root, &full, false).await?;
+        let (_, full) = self.cell_path(name, path)?;
         self.record(Some(name), "file.mkdir", json!({ "path": full }))
             .await?;
-        let out = self
-            .helper(name, &["mkdir", "-p", "--", &full], None, 1 << 16)
-            .await?;
-        if out.code != Some(0) {
-            return Err(Self::failed(&format!("making {full}"), &out));
-        }
-        Ok(())
+        self.file_op(
+            name,
+            FileOp::Mkdir {
+                path: path.to_owned(),
+            },
+            None,
+            1 << 16,
+        )
+        .await
+        .map(drop)
     }
 
     pub async fn remove(
@@ -309,195 +316,116 @@ impl Harness {
                 "refusing to remove the files root itself",
             ));
         }
-        self.confined(name, &root, &full, true).await?;
         self.record(
             Some(name),
             "file.remove",
             json!({ "path": full, "recursive": recursive }),
         )
         .await?;
-        let flag = if recursive { "-rf" } else { "-f" };
-        let argv: Vec<&str> = if recursive {
-            vec!["rm", flag, "--", &full]
-        } else {
-            vec![
-                "sh",
-                "-c",
-                "if [ -d \"$1\" ] && [ ! -L \"$1\" ]; then rmdir -- \"$1\"; else rm -f -- \"$1\"; fi",
-                "sh",
-                &full,
-            ]
-        };
-        let out = self.helper(name, &argv, None, 1 << 16).await?;
-        if out.code != Some(0) {
-            return Err(Self::failed(&format!("removing {full}"), &out));
-        }
-        Ok(())
+        self.file_op(
+            name,
+            FileOp::Remove {
+                path: path.to_owned(),
+                recursive,
+            },
+            None,
+            1 << 16,
+        )
+        .await
+        .map(drop)
     }
 
     pub async fn rename(&self, name: &str, from: &str, to: &str) -> Result<(), HarnessError> {
-        let (root, from_full) = self.cell_path(name, from)?;
+        let (_, from_full) = self.cell_path(name, from)?;
         let (_, to_full) = self.cell_path(name, to)?;
-        self.confined(name, &root, &from_full, true).await?;
-        self.confined(name, &root, &to_full, false).await?;
         self.record(
             Some(name),
             "file.move",
             json!({ "from": from_full, "to": to_full }),
         )
         .await?;
-        let out = self
-            .helper(
-                name,
-                &["mv", "-T", "--", &from_full, &to_full],
-                None,
-                1 << 16,
-            )
-            .await?;
-        if out.code != Some(0) {
-            return Err(Self::failed(&format!("moving {from_full}"), &out));
-        }
-        Ok(())
+        self.file_op(
+            name,
+            FileOp::Rename {
+                from: from.to_owned(),
+                to: to.to_owned(),
+            },
+            None,
+            1 << 16,
+        )
+        .await
+        .map(drop)
     }
 
-    /// Unpacks a tar archive into a directory of the cell (made if missing). GNU tar inside the
-    /// cell refuses members with `..` and strips leading `/`; owners are not kept.
+    /// Unpacks a tar archive into a directory of the cell (made if missing): members with `..`
+    /// are refused, leading `/` stripped, owners and set-id bits not kept, device nodes and
+    /// FIFOs refused, and no member is written through a symlink that leads out of the root.
     pub async fn upload(
         &self,
         name: &str,
         path: &str,
         archive: Vec<u8>,
     ) -> Result<(), HarnessError> {
-        let (root, full) = self.cell_path(name, path)?;
-        self.confined(name, &root, &full, false).await?;
+        let (_, full) = self.cell_path(name, path)?;
         self.record(
             Some(name),
             "file.upload",
             json!({ "path": full, "bytes": archive.len(), "blake3": blake3_hex(&archive) }),
         )
         .await?;
-        let out = self
-            .helper(
-                name,
-                &[
-                    "sh", "-c",
-                    "mkdir -p -- \"$1\" && tar -x --no-same-owner --no-same-permissions -C \"$1\" -f -",
-                    "sh", &full,
-                ],
-                Some(archive),
-                1 << 16,
-            )
-            .await?;
-        if out.code != Some(0) {
-            return Err(Self::failed(&format!("unpacking into {full}"), &out));
-        }
-        Ok(())
+        self.file_op(
+            name,
+            FileOp::Unpack {
+                path: path.to_owned(),
+            },
+            Some(archive),
+            1 << 16,
+        )
+        .await
+        .map(drop)
     }
 
-    /// A tar archive of a directory of the cell.
+    /// A tar archive of a directory of the cell (regular files, directories and symlinks).
     pub async fn download(&self, name: &str, path: &str) -> Result<Vec<u8>, HarnessError> {
-        let (root, full) = self.cell_path(name, path)?;
-        self.confined(name, &root, &full, true).await?;
-        let out = self
-            .helper(
+        let (_, full) = self.cell_path(name, path)?;
+        let archive = self
+            .file_op(
                 name,
-                &["tar", "-c", "-C", &full, "-f", "-", "."],
+                FileOp::Pack {
+                    path: path.to_owned(),
+                    limit: READ_LIMIT,
+                },
                 None,
-                READ_LIMIT,
+                READ_LIMIT + (16 << 20),
             )
             .await?;
-        if out.code != Some(0) {
-            return Err(Self::failed(&format!("archiving {full}"), &out));
-        }
         self.record(
             Some(name),
             "file.download",
-            json!({ "path": full, "bytes": out.stdout.len() }),
+            json!({ "path": full, "bytes": archive.len() }),
         )
         .await?;
-        Ok(out.stdout)
+        Ok(archive)
     }
+}
+
+/// A file service's error as the harness reports it.
+fn file_error(err: FileError) -> HarnessError {
+    let kind = match err.kind {
+        FileErrorKind::NotFound => ErrorKind::NotFound,
+        FileErrorKind::ReadOnly | FileErrorKind::Denied | FileErrorKind::Exists => {
+            ErrorKind::Conflict
+        }
+        FileErrorKind::Io => ErrorKind::Internal,
+        FileErrorKind::Outside
+        | FileErrorKind::NotRegular
+        | FileErrorKind::NotDirectory
+        | FileErrorKind::TooLarge
+        | FileErrorKind::Invalid => ErrorKind::BadRequest,
+    };
+    HarnessError::new(kind, err.message)
 }
 
 fn blake3_hex(data: &[u8]) -> String {
     blake3::hash(data).to_hex().to_string()
-}
-
-/// Starts the helper, feeds stdin, collects output (stdout up to `limit`), waits for its end.
-fn run_helper(
-    registry: &warden_cell::Registry,
-    cell: &str,
-    request: &ExecRequest,
-    stdin: Option<Vec<u8>>,
-    limit: u64,
-) -> Result<Captured, HarnessError> {
-    use std::io::{Read as _, Write as _};
-    let pipe = || {
-        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
-            .map_err(|e| HarnessError::internal(format!("creating pipes: {e}")))
-    };
-    let (stdin_r, stdin_w) = pipe()?;
-    let (stdout_r, stdout_w) = pipe()?;
-    let (stderr_r, stderr_w) = pipe()?;
-    let session = ExecSession::start(
-        registry,
-        cell,
-        request,
-        Some([&stdin_r, &stdout_w, &stderr_w]),
-    )
-    .map_err(|e| HarnessError::new(ErrorKind::Conflict, e.to_string()))?;
-    drop((stdin_r, stdout_w, stderr_w));
-    let session = Arc::new(session);
-    let feeder = std::thread::spawn(move || {
-        let mut file = std::fs::File::from(stdin_w);
-        if let Some(data) = stdin {
-            let _ = file.write_all(&data);
-        }
-    });
-    let err_reader = std::thread::spawn(move || {
-        let mut text = Vec::new();
-        let _ = std::fs::File::from(stderr_r)
-            .take(1 << 16)
-            .read_to_end(&mut text);
-        text
-    });
-    let mut stdout = Vec::new();
-    let mut reader = std::fs::File::from(stdout_r).take(limit + 1);
-    let _ = reader.read_to_end(&mut stdout);
-    let too_big = stdout.len() as u64 > limit;
-    if too_big {
-        let _ = session.signal(libc::SIGKILL);
-    }
-    drop(reader);
-    let end = loop {
-        match session.next_event() {
-            Ok(event) if event.is_final() => break Ok(event),
-            Ok(_) => continue,
-            Err(err) => break Err(err),
-        }
-    };
-    let _ = feeder.join();
-    let stderr = err_reader.join().unwrap_or_default();
-    if too_big {
-        return Err(HarnessError::new(
-            ErrorKind::BadRequest,
-            format!("more than {limit} bytes: too large to transfer through the API"),
-        ));
-    }
-    let code = match end {
-        Ok(ExecEvent::Exited { code, .. }) => Some(code),
-        Ok(ExecEvent::Failed { message, .. }) => {
-            return Err(HarnessError::new(
-                ErrorKind::Conflict,
-                format!("the cell cannot run {}: {message}", request.argv[0]),
-            ));
-        }
-        Ok(_) => None,
-        Err(err) => return Err(HarnessError::new(ErrorKind::Conflict, err.to_string())),
-    };
-    Ok(Captured {
-        code,
-        stdout,
-        stderr,
-    })
 }

@@ -173,6 +173,10 @@ pub struct Harness {
     /// Lines straight to the inits of cells this daemon exec'd into (see `exec::Line`).
     lines: Mutex<HashMap<String, Arc<warden_cell::linux::exec::Line>>>,
     next_question: AtomicU64,
+    /// Per cell, how far its egress record is copied into the journal (one copier at a time).
+    copiers: Mutex<HashMap<String, Arc<tokio::sync::Mutex<u64>>>>,
+    /// How far the journal's newest entries say each record was copied, as found at open.
+    journaled_ends: HashMap<String, u64>,
     /// Every journaled entry, for the events stream, once it is on disk.
     events: tokio::sync::broadcast::Sender<Arc<Value>>,
 }
@@ -204,7 +208,10 @@ impl Harness {
             .map_err(|e| HarnessError::internal(e.to_string()))?;
         let grants = state.grants()?;
         let (running, cut) = state::RunningLog::open(&daemon_dir.join("running.log"))?;
+        let journaled_ends = state::journaled_record_ends(journal.dir(), 16 << 20);
         let harness = Arc::new(Self {
+            copiers: Mutex::new(HashMap::new()),
+            journaled_ends,
             running,
             live: Mutex::new(HashMap::new()),
             grants: Mutex::new(grants),
@@ -263,6 +270,30 @@ impl Harness {
         let receipt = journaled(rx.await)?;
         self.announce(&receipt, cell, kind, event);
         Ok(receipt)
+    }
+
+    /// Appends entries of one kind about one cell (one group commit) and waits until all are
+    /// on disk.
+    pub(crate) async fn record_many(
+        &self,
+        cell: &str,
+        kind: &str,
+        entries: Vec<Value>,
+    ) -> Result<(), HarnessError> {
+        let mut waiting = Vec::with_capacity(entries.len());
+        for data in entries {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let event = (self.events.receiver_count() > 0).then(|| data.clone());
+            self.journal.submit(Some(cell), kind, data, move |result| {
+                let _ = tx.send(result);
+            });
+            waiting.push((rx, event));
+        }
+        for (rx, event) in waiting {
+            let receipt = journaled(rx.await)?;
+            self.announce(&receipt, Some(cell), kind, event);
+        }
+        Ok(())
     }
 
     /// Appends to the journal and waits until the entry is in the file (a crash of the warden
@@ -333,7 +364,17 @@ impl Harness {
             if entry.ended.is_some() {
                 continue;
             }
-            if self.registry.get(&entry.name).is_ok() {
+            let alive = self.alive(&entry.name).ok_or_else(|| {
+                HarnessError::new(
+                    ErrorKind::Unavailable,
+                    format!(
+                        "cannot tell whether cell `{}` still runs (its runtime folder in {} cannot be read now); start the daemon again once the host has descriptors and memory to spare",
+                        entry.name,
+                        self.registry.root().display()
+                    ),
+                )
+            })?;
+            if alive {
                 self.record(Some(&entry.name), "cell.reattach", json!({}))
                     .await?;
                 self.adopt(&entry);
@@ -603,6 +644,11 @@ impl Harness {
             let _ = child.wait().await;
         });
         self.state.put(&entry)?;
+        // A record of an earlier cell of this name is gone with it: copying starts over.
+        self.state.set_record_offset(&name, None)?;
+        if let Ok(mut copiers) = self.copiers.lock() {
+            copiers.insert(name.clone(), Arc::new(tokio::sync::Mutex::new(0)));
+        }
         self.adopt(&entry);
         self.record(
             Some(&name),
@@ -653,13 +699,12 @@ impl Harness {
         if action == "kill" {
             let _ = std::fs::write(self.daemon_dir.join("cells").join(name).join("killed"), "");
         }
-        let result = tokio::task::spawn_blocking(move || match action_owned.as_str() {
+        let result = on_own_thread("cell-control", move || match action_owned.as_str() {
             "pause" => control::pause(&registry, &owned).map(|_| ()),
             "resume" => control::resume(&registry, &owned).map(|_| ()),
             _ => control::kill(&registry, &owned).map(|_| ()),
         })
-        .await
-        .map_err(|e| HarnessError::internal(e.to_string()))?;
+        .await?;
         match result {
             Ok(()) => {}
             // A cell that ended on its own between the check and the kill is what a kill wants.
@@ -706,6 +751,10 @@ impl Harness {
         self.drop_line(name);
         let _ = warden_cell::changes::remove(&self.registry, &self.store, name);
         let _ = std::fs::remove_file(self.store.net_log_path(name));
+        if let Ok(mut copiers) = self.copiers.lock() {
+            copiers.remove(name);
+        }
+        let _ = self.state.set_record_offset(name, None);
         let _ = std::fs::remove_dir_all(self.daemon_dir.join("cells").join(name));
         self.state.remove(name)
     }
@@ -714,6 +763,25 @@ impl Harness {
     pub async fn shutdown(&self) {
         let _ = self.record(None, "daemon.stop", json!({})).await;
     }
+}
+
+/// Runs blocking control work on a thread of its own: freezing, thawing and killing a cell never
+/// wait behind other blocking work (whatever a cell makes slow), and never behind each other.
+pub(crate) async fn on_own_thread<T: Send + 'static>(
+    name: &str,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, HarnessError> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(move || {
+            let _ = tx.send(work());
+        })
+        .map_err(|e| {
+            HarnessError::new(ErrorKind::Unavailable, format!("starting a thread: {e}"))
+        })?;
+    rx.await
+        .map_err(|_| HarnessError::internal("the control thread ended without an answer"))
 }
 
 fn generate_name() -> String {

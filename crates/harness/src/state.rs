@@ -11,6 +11,8 @@ use crate::HarnessError;
 
 const CELLS: TableDefinition<&str, &str> = TableDefinition::new("cells");
 const GRANTS: TableDefinition<&str, &str> = TableDefinition::new("grants");
+/// How far into each cell's egress record the journal has copied (bytes).
+const RECORD_OFFSETS: TableDefinition<&str, u64> = TableDefinition::new("record_offsets");
 
 /// A standing approval: the same request is approved without asking.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -89,8 +91,34 @@ impl State {
         let txn = db.begin_write().map_err(db_error)?;
         txn.open_table(CELLS).map_err(db_error)?;
         txn.open_table(GRANTS).map_err(db_error)?;
+        txn.open_table(RECORD_OFFSETS).map_err(db_error)?;
         txn.commit().map_err(db_error)?;
         Ok(Self { db })
+    }
+
+    /// How far into the cell's egress record the journal has copied.
+    pub fn record_offset(&self, name: &str) -> Result<u64, HarnessError> {
+        let txn = self.db.begin_read().map_err(db_error)?;
+        let table = txn.open_table(RECORD_OFFSETS).map_err(db_error)?;
+        Ok(table.get(name).map_err(db_error)?.map_or(0, |v| v.value()))
+    }
+
+    /// Notes how far the journal has copied the cell's egress record (`None`: forget it, for
+    /// a new cell of that name).
+    pub fn set_record_offset(&self, name: &str, offset: Option<u64>) -> Result<(), HarnessError> {
+        let txn = self.db.begin_write().map_err(db_error)?;
+        {
+            let mut table = txn.open_table(RECORD_OFFSETS).map_err(db_error)?;
+            match offset {
+                Some(offset) => {
+                    table.insert(name, offset).map_err(db_error)?;
+                }
+                None => {
+                    table.remove(name).map_err(db_error)?;
+                }
+            }
+        }
+        txn.commit().map_err(db_error)
     }
 
     pub fn put(&self, entry: &CellEntry) -> Result<(), HarnessError> {
@@ -222,4 +250,64 @@ impl RunningLog {
     pub fn remove(&self, id: u64) {
         self.write(format!("-{id}\n"));
     }
+}
+
+/// How far each cell's egress record was copied, as the journal's newest entries say: a crash
+/// between journaling a batch of decisions and noting its end in the database leaves the end
+/// only there. Reads the last `window` bytes of the newest segments; a cell made again within
+/// them starts over.
+pub fn journaled_record_ends(
+    journal: &Path,
+    window: u64,
+) -> std::collections::HashMap<String, u64> {
+    use std::io::{Read as _, Seek as _};
+    let mut ends = std::collections::HashMap::new();
+    let Ok(segments) = warden_journal::segments(journal) else {
+        return ends;
+    };
+    // The newest segments, as many as the window reaches, oldest of them first.
+    let mut picked = Vec::new();
+    let mut left = window;
+    for path in segments.iter().rev() {
+        let size = std::fs::metadata(path).map_or(0, |m| m.len());
+        picked.push((path.clone(), size.saturating_sub(left)));
+        left = left.saturating_sub(size);
+        if left == 0 {
+            break;
+        }
+    }
+    for (path, from) in picked.into_iter().rev() {
+        let Ok(mut file) = std::fs::File::open(&path) else {
+            continue;
+        };
+        let mut text = Vec::new();
+        if file.seek(std::io::SeekFrom::Start(from)).is_err()
+            || file.read_to_end(&mut text).is_err()
+        {
+            continue;
+        }
+        let mut lines = text.split(|b| *b == b'\n');
+        if from > 0 {
+            lines.next(); // a line cut by the window
+        }
+        for line in lines {
+            let Ok(entry) = serde_json::from_slice::<warden_journal::Entry>(line) else {
+                continue;
+            };
+            let Some(cell) = entry.cell else { continue };
+            match entry.kind.as_str() {
+                "cell.create" => {
+                    ends.remove(&cell);
+                }
+                "net.decision" => {
+                    if let Some(end) = entry.data["record_end"].as_u64() {
+                        let known = ends.entry(cell).or_insert(0);
+                        *known = (*known).max(end);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    ends
 }

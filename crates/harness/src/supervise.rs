@@ -15,6 +15,31 @@ use warden_policy::{CommandRules, CommandVerdict, LifecycleAction, Policy};
 use crate::{ErrorKind, Harness, HarnessError};
 
 const TICK: Duration = Duration::from_millis(100);
+/// Decisions copied into the journal in one go (one group commit).
+const DECISION_BATCH: usize = 256;
+
+/// Up to `max` whole lines of the file at `path` from byte `from`, each with the offset where it
+/// ends, and the offset after the last; `None` when the file cannot be read.
+fn read_lines(path: &std::path::Path, from: u64, max: usize) -> Option<(Vec<(String, u64)>, u64)> {
+    let mut file = std::fs::File::open(path).ok()?;
+    file.seek(std::io::SeekFrom::Start(from)).ok()?;
+    let mut reader = std::io::BufReader::new(file);
+    let mut lines = Vec::new();
+    let mut end = from;
+    while lines.len() < max {
+        let mut line = String::new();
+        match reader.read_line(&mut line) {
+            Ok(0) | Err(_) => break,
+            // A line still being written: taken next time.
+            Ok(_) if !line.ends_with('\n') => break,
+            Ok(n) => {
+                end += n as u64;
+                lines.push((line, end));
+            }
+        }
+    }
+    Some((lines, end))
+}
 
 /// The daemon's running view of one live cell.
 #[derive(Debug)]
@@ -27,7 +52,6 @@ pub(crate) struct Live {
     /// Paused by the idle limit: the next exec resumes it.
     pub(crate) idle_paused: bool,
     wall_done: bool,
-    net_offset: u64,
     /// Questions seen (by id) and whether the daemon answered them.
     asked: HashMap<u64, Question>,
 }
@@ -53,7 +77,6 @@ impl Live {
             last_activity: Instant::now(),
             idle_paused: false,
             wall_done: false,
-            net_offset: 0,
             asked: HashMap::new(),
         }
     }
@@ -118,22 +141,53 @@ impl Scope {
 }
 
 impl Harness {
-    /// Watches a live cell until its processes are gone.
+    /// Watches a live cell until its processes are gone: on one task its end, its questions
+    /// and its limits, on another the copy of its gateway's decisions into the journal, so that
+    /// however many decisions wait, the limits and questions are handled on time.
     pub(crate) fn watch(self: &Arc<Self>, name: String) {
         let harness = Arc::clone(self);
+        let cell = name.clone();
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(TICK).await;
-                let alive = harness.registry.get(&name).is_ok();
-                harness.copy_decisions(&name).await;
-                if !alive {
-                    harness.ended(&name).await;
-                    return;
+                match harness.alive(&cell) {
+                    // Gone: the rest of its record, then its end.
+                    Some(false) => {
+                        while harness.copy_decisions(&cell).await {}
+                        harness.ended(&cell).await;
+                        return;
+                    }
+                    Some(true) => {}
+                    // Not known this time (the host is short of something): the next tick.
+                    None => continue,
                 }
-                harness.questions(&name).await;
-                harness.lifecycle(&name).await;
+                harness.questions(&cell).await;
+                harness.lifecycle(&cell).await;
             }
         });
+        let harness = Arc::clone(self);
+        tokio::spawn(async move {
+            loop {
+                // A full batch is followed at once by the next.
+                if !harness.copy_decisions(&name).await {
+                    tokio::time::sleep(TICK).await;
+                }
+                let watched = harness.live.lock().is_ok_and(|l| l.contains_key(&name));
+                if !watched {
+                    return;
+                }
+            }
+        });
+    }
+
+    /// Whether the cell still runs, as its keeper's lock says; `None` when that cannot be told
+    /// now. A cell's end is never concluded from a failure to look.
+    pub(crate) fn alive(&self, name: &str) -> Option<bool> {
+        match self.registry.get(name) {
+            Ok(_) => Some(true),
+            Err(warden_cell::RegistryError::NotFound(_)) => Some(false),
+            Err(_) => None,
+        }
     }
 
     async fn ended(&self, name: &str) {
@@ -159,48 +213,57 @@ impl Harness {
         }
     }
 
-    /// New lines of the cell's egress record become `net.decision` entries.
-    async fn copy_decisions(&self, name: &str) {
-        let offset = match self.live.lock() {
-            Ok(live) => match live.get(name) {
-                Some(l) => l.net_offset,
-                None => return,
-            },
-            Err(_) => return,
+    /// Copies up to [`DECISION_BATCH`] new lines of the cell's egress record into the journal
+    /// (`net.decision`, each with where its line ends in the record), and then notes how far it
+    /// got; whether the batch was full. One copy per cell at a time, and each line once: where
+    /// a crash fell between the journal and that note, the journal's own entries say how far.
+    pub(crate) async fn copy_decisions(&self, name: &str) -> bool {
+        let copier = {
+            let Ok(mut copiers) = self.copiers.lock() else {
+                return false;
+            };
+            Arc::clone(copiers.entry(name.to_owned()).or_insert_with(|| {
+                let offset = self
+                    .state
+                    .record_offset(name)
+                    .unwrap_or(0)
+                    .max(self.journaled_ends.get(name).copied().unwrap_or(0));
+                Arc::new(tokio::sync::Mutex::new(offset))
+            }))
         };
+        let mut offset = copier.lock().await;
         let path = self.store.net_log_path(name);
-        let Ok(mut file) = std::fs::File::open(&path) else {
-            return;
+        let from = *offset;
+        let read = tokio::task::spawn_blocking(move || read_lines(&path, from, DECISION_BATCH))
+            .await
+            .unwrap_or_default();
+        let Some((lines, end)) = read else {
+            return false;
         };
-        if file.seek(std::io::SeekFrom::Start(offset)).is_err() {
-            return;
+        if lines.is_empty() {
+            return false;
         }
-        let mut reader = std::io::BufReader::new(file);
-        let mut consumed = offset;
-        let mut line = String::new();
-        loop {
-            line.clear();
-            match reader.read_line(&mut line) {
-                Ok(0) | Err(_) => break,
-                Ok(n) if !line.ends_with('\n') => {
-                    let _ = n; // a line still being written: take it next time
-                    break;
-                }
-                Ok(n) => {
-                    consumed += n as u64;
-                    if let Ok(decision) = serde_json::from_str::<serde_json::Value>(&line) {
-                        let _ = self.record(Some(name), "net.decision", decision).await;
-                    }
-                }
-            }
-        }
-        if let Ok(mut live) = self.live.lock()
-            && let Some(l) = live.get_mut(name)
+        let full = lines.len() == DECISION_BATCH;
+        let entries = lines
+            .into_iter()
+            .filter_map(|(line, line_end)| {
+                let mut decision = serde_json::from_str::<serde_json::Value>(&line).ok()?;
+                decision["record_end"] = json!(line_end);
+                Some(decision)
+            })
+            .collect();
+        if self
+            .record_many(name, "net.decision", entries)
+            .await
+            .is_err()
         {
-            l.net_offset = consumed;
+            // Not journaled: taken again next time.
+            return false;
         }
+        *offset = end;
+        let _ = self.state.set_record_offset(name, Some(end));
+        full
     }
-
     /// Journals new questions, answers those covered by a grant, and notes those that timed out.
     async fn questions(&self, name: &str) {
         let pending = control::pending_questions(&self.registry, name).unwrap_or_default();

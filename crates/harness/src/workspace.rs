@@ -332,11 +332,10 @@ impl Harness {
                 .map_err(|e| HarnessError::internal(format!("writing {}: {e}", file.display())))?;
             let registry = self.registry.clone();
             let owned = name.to_owned();
-            tokio::task::spawn_blocking(move || {
+            crate::on_own_thread("cell-policy", move || {
                 warden_cell::control::set_network_policy(&registry, &owned, &file)
             })
-            .await
-            .map_err(|e| HarnessError::internal(e.to_string()))?
+            .await?
             .map_err(|e| HarnessError::new(ErrorKind::Conflict, e.to_string()))?
         } else {
             0

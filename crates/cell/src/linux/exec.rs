@@ -69,6 +69,15 @@ pub(super) enum Request {
     /// A client asks for a line of its own to the init (see [`Line`]); the keeper passes one
     /// end of a new pair to the init with this request, and the other to the client.
     Line,
+    /// A file operation, run by a fork of the init (see `files`), with stdin, stdout and stderr
+    /// like an exec's; its events are an exec's too.
+    Files {
+        #[serde(default)]
+        id: u64,
+        /// The files root, a directory of the cell.
+        root: String,
+        file: super::files::FileOp,
+    },
 }
 
 /// What happens to an exec'd process.
@@ -159,7 +168,11 @@ impl ExecSession {
         stdio: Option<[&OwnedFd; 3]>,
     ) -> Result<Self, ExecError> {
         let socket = connect_keeper(registry, name)?;
-        send_request(name, &socket, request, None, stdio)?;
+        let message = Request::Exec {
+            id: 0,
+            request: request.clone(),
+        };
+        send_request(name, &socket, &message, None, stdio)?;
         Ok(Self {
             cell: name.to_owned(),
             socket,
@@ -173,12 +186,40 @@ impl ExecSession {
         request: &ExecRequest,
         stdio: Option<[&OwnedFd; 3]>,
     ) -> Result<Self, ExecError> {
+        let message = Request::Exec {
+            id: 0,
+            request: request.clone(),
+        };
+        Self::send_on(line, &message, stdio)
+    }
+
+    /// Starts a file operation in the cell, over a line to its init: `root` is the directory
+    /// paths are relative to; stdin, stdout and stderr carry its data, answer and error.
+    pub fn files_on(
+        line: &Line,
+        root: &str,
+        op: &super::files::FileOp,
+        stdio: [&OwnedFd; 3],
+    ) -> Result<Self, ExecError> {
+        let message = Request::Files {
+            id: 0,
+            root: root.to_owned(),
+            file: op.clone(),
+        };
+        Self::send_on(line, &message, Some(stdio))
+    }
+
+    fn send_on(
+        line: &Line,
+        message: &Request,
+        stdio: Option<[&OwnedFd; 3]>,
+    ) -> Result<Self, ExecError> {
         let (ours, theirs) = sys::seqpacket_pair().map_err(|source| ExecError::Io {
             what: "making an exec socket",
             cell: line.cell.clone(),
             source,
         })?;
-        match send_request(&line.cell, &line.socket, request, Some(&theirs), stdio) {
+        match send_request(&line.cell, &line.socket, message, Some(&theirs), stdio) {
             Err(ExecError::Io { source, .. })
                 if matches!(
                     source.raw_os_error(),
@@ -274,20 +315,16 @@ fn connect_keeper(registry: &Registry, name: &str) -> Result<OwnedFd, ExecError>
     })
 }
 
-/// Sends an exec request on `socket`: with the socket the process's events go to, when the
-/// request goes straight to the init, then its stdio.
+/// Sends an exec (or file) request on `socket`: with the socket the process's events go to,
+/// when the request goes straight to the init, then its stdio.
 fn send_request(
     cell: &str,
     socket: &OwnedFd,
-    request: &ExecRequest,
+    message: &Request,
     client: Option<&OwnedFd>,
     stdio: Option<[&OwnedFd; 3]>,
 ) -> Result<(), ExecError> {
-    let message = Request::Exec {
-        id: 0,
-        request: request.clone(),
-    };
-    let payload = serde_json::to_vec(&message).unwrap_or_default();
+    let payload = serde_json::to_vec(message).unwrap_or_default();
     let fds: Vec<_> = client
         .into_iter()
         .chain(stdio.into_iter().flatten())
@@ -451,20 +488,23 @@ fn forward_request(
         Ok(None) => return,
         Err(err) => return refuse(format!("unreadable exec request: {err}")),
     };
-    let request = match serde_json::from_slice::<Request>(&payload) {
-        Ok(Request::Exec { request, .. }) => request,
+    let forward = match serde_json::from_slice::<Request>(&payload) {
+        Ok(Request::Exec { request, .. }) => Request::Exec { id, request },
+        Ok(Request::Files { root, file, .. }) => Request::Files { id, root, file },
         Ok(Request::Signal { .. }) => return refuse("a signal before any exec".to_owned()),
         Ok(Request::Line) => return hand_out_line(client, channel),
         Err(err) => return refuse(format!("unreadable exec request: {err}")),
     };
-    let wanted = if request.tty.is_some() { 0 } else { 3 };
+    let wanted = match &forward {
+        Request::Exec { request, .. } if request.tty.is_some() => 0,
+        _ => 3,
+    };
     if fds.len() != wanted {
         return refuse(format!(
             "an exec request needs {wanted} descriptors (stdin, stdout, stderr; none on a terminal), got {}",
             fds.len()
         ));
     }
-    let forward = Request::Exec { id, request };
     let raw: Vec<_> = std::iter::once(client.as_raw_fd())
         .chain(fds.iter().map(AsRawFd::as_raw_fd))
         .collect();

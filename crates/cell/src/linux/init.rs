@@ -621,17 +621,20 @@ fn serve_client(pid: Pid, exec: &mut Exec) {
     }
 }
 
-/// Starts a process asked for by the keeper: the descriptors are the client's socket (where
-/// its events go, and its signals come from), then its stdin, stdout and stderr (none for a
-/// terminal, which is made here).
+/// Starts a process asked for by the keeper (or on a line): the descriptors are the client's
+/// socket (where its events go, and its signals come from), then its stdin, stdout and stderr
+/// (none for a terminal, which is made here). A file operation is a process too: a fork of this
+/// init that runs it (see `files`).
 fn start_exec(
     payload: &[u8],
     mut received: Vec<OwnedFd>,
     plan: &CellPlan,
     execs: &mut std::collections::HashMap<Pid, Exec>,
 ) {
-    let Ok(Request::Exec { id, request }) = serde_json::from_slice::<Request>(payload) else {
-        return;
+    let (id, request) = match serde_json::from_slice::<Request>(payload) {
+        Ok(Request::Exec { id, request }) => (id, Some(request)),
+        Ok(Request::Files { id, .. }) => (id, None),
+        _ => return,
     };
     if received.is_empty() {
         // No client to answer to: nothing to start.
@@ -648,6 +651,35 @@ fn start_exec(
             },
             &[],
         );
+    };
+    let Some(request) = request else {
+        let Ok(Request::Files { root, file, .. }) = serde_json::from_slice::<Request>(payload)
+        else {
+            return;
+        };
+        let Ok(stdio) = <[OwnedFd; 3]>::try_from(received) else {
+            return fail("a file operation needs stdin, stdout and stderr".to_owned());
+        };
+        return match start_file_operation(&root, file, stdio) {
+            Ok(pid) => {
+                send_event(
+                    &client,
+                    &ExecEvent::Started {
+                        id,
+                        pid: pid.as_raw(),
+                    },
+                    &[],
+                );
+                execs.insert(
+                    pid,
+                    Exec {
+                        id,
+                        client: Some(client),
+                    },
+                );
+            }
+            Err(err) => fail(format!("starting the file operation: {err}")),
+        };
     };
     // A terminal is made here, in the cell's own devpts; its master goes back to the client
     // with the `started` event.
@@ -700,4 +732,30 @@ fn start_exec(
         }
         Err((code, message)) => send_event(&client, &ExecEvent::Failed { id, code, message }, &[]),
     }
+}
+
+/// Forks a child of the init that runs one file operation with `stdio` and exits with its
+/// status. The init is single-threaded, so the fork is a plain copy of it: confined alike.
+fn start_file_operation(
+    root: &str,
+    op: super::files::FileOp,
+    stdio: [OwnedFd; 3],
+) -> std::io::Result<Pid> {
+    use std::os::fd::AsRawFd as _;
+    let pid = sys::clone_process(0)?;
+    if pid != 0 {
+        return Ok(Pid::from_raw(pid));
+    }
+    // The child: its own process group (signals go to the group), its stdio, nothing else of
+    // the init's, and no signal blocked.
+    let _ = nix::unistd::setpgid(Pid::from_raw(0), Pid::from_raw(0));
+    for (fd, target) in stdio.iter().zip([0, 1, 2]) {
+        if sys::dup_onto(fd.as_raw_fd(), target).is_err() {
+            sys::exit_now(SETUP_FAILED);
+        }
+    }
+    std::mem::forget(stdio);
+    let _ = sys::close_from(3);
+    let _ = SigSet::empty().thread_set_mask();
+    sys::exit_now(super::files::serve(root, op))
 }

@@ -5,6 +5,7 @@ pub mod changes;
 mod confine;
 pub mod control;
 pub mod exec;
+pub mod files;
 mod idmap;
 pub mod ids;
 mod init;

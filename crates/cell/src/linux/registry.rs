@@ -120,7 +120,7 @@ impl Registry {
         match fs::DirBuilder::new().mode(0o711).create(&dir) {
             Ok(()) => {}
             Err(err) if err.kind() == io::ErrorKind::AlreadyExists => {
-                if self.is_live(name) {
+                if self.is_live(name)? {
                     return Err(RegistryError::Taken(name.to_owned()));
                 }
                 clean_stale(&dir);
@@ -162,25 +162,40 @@ impl Registry {
         Ok(Reservation { dir, _lock: lock })
     }
 
-    /// Whether a warden still holds the cell's lock.
-    fn is_live(&self, name: &str) -> bool {
-        let Ok(file) = File::open(self.cell_dir(name).join("lock")) else {
-            return false;
+    /// Whether a warden still holds the cell's lock. Only a lock file that is missing, or that
+    /// nobody holds, says the cell is gone; a check that fails for another reason (out of
+    /// descriptors, say) is an error, never taken for the cell's end.
+    fn is_live(&self, name: &str) -> Result<bool, RegistryError> {
+        let path = self.cell_dir(name).join("lock");
+        let file = match File::open(&path) {
+            Ok(file) => file,
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(false),
+            Err(source) => return Err(RegistryError::Io { path, source }),
         };
         match Flock::lock(file, FlockArg::LockSharedNonblock) {
-            Ok(_released_on_drop) => false,
-            Err(_) => true,
+            Ok(_released_on_drop) => Ok(false),
+            Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(true),
+            Err((_, errno)) => Err(RegistryError::Io {
+                path,
+                source: errno.into(),
+            }),
         }
     }
 
-    /// Reads the record of a live cell.
+    /// Reads the record of a live cell: `NotFound` only when the cell is gone.
     pub fn get(&self, name: &str) -> Result<CellRecord, RegistryError> {
-        if super::plan::check_name(name).is_err() || !self.is_live(name) {
+        if super::plan::check_name(name).is_err() || !self.is_live(name)? {
             return Err(RegistryError::NotFound(name.to_owned()));
         }
         let path = self.cell_dir(name).join("cell.json");
-        let text =
-            fs::read_to_string(&path).map_err(|_| RegistryError::NotFound(name.to_owned()))?;
+        let text = match fs::read_to_string(&path) {
+            Ok(text) => text,
+            // Reserved, but not published yet (or just removed): not a running cell.
+            Err(err) if err.kind() == io::ErrorKind::NotFound => {
+                return Err(RegistryError::NotFound(name.to_owned()));
+            }
+            Err(source) => return Err(RegistryError::Io { path, source }),
+        };
         serde_json::from_str(&text).map_err(|e| RegistryError::Corrupt {
             path,
             message: e.to_string(),
@@ -194,9 +209,14 @@ impl Registry {
         for entry in fs::read_dir(&cells).map_err(io_at(&cells))? {
             let Ok(entry) = entry else { continue };
             let name = entry.file_name().to_string_lossy().into_owned();
-            if !self.is_live(&name) {
-                clean_stale(&entry.path());
-                continue;
+            match self.is_live(&name) {
+                Ok(true) => {}
+                Ok(false) => {
+                    clean_stale(&entry.path());
+                    continue;
+                }
+                // Unknown for now: neither listed nor swept.
+                Err(_) => continue,
             }
             if let Ok(record) = self.get(&name) {
                 out.push(record);
