@@ -7,7 +7,7 @@ mod support;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use support::daemon::{Daemon, assert_has_kinds, exchange, stream_bytes};
+use support::daemon::{Daemon, assert_has_kinds, exchange, read_file, stream_bytes};
 use support::*;
 
 fn exit_of(events: &[(String, Value)]) -> Value {
@@ -2356,5 +2356,93 @@ fn a_file_the_cell_controls_cannot_freeze_the_harness() {
         String::from_utf8(stream_bytes(&events, "stdout")).unwrap(),
         "1\n",
         "a file helper outlived its client (only the init should be left)"
+    );
+}
+
+#[test]
+fn strangers_cannot_take_the_daemon_down_or_make_it_forget_a_cell() {
+    if !cgroups_available("daemon_strangers") {
+        return;
+    }
+    // A host that starts services with few descriptors, and the API on TCP.
+    let daemon = Daemon::start_wrapped_with(
+        &["prlimit", "--nofile=400", "--"],
+        &["--listen", "127.0.0.1:0"],
+    );
+    let cell = daemon.create(&unique("strangers"), json!({}));
+    let runtime = daemon.socket().parent().unwrap().to_owned();
+    let address: std::net::SocketAddr = read_file(&runtime.join("daemon.addr")).parse().unwrap();
+    let token = read_file(&runtime.join("daemon.token"));
+    // Thousands of strangers that connect and say nothing.
+    let idle: Vec<std::net::TcpStream> = (0..1000)
+        .filter_map(|_| std::net::TcpStream::connect(address).ok())
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    // The owner still gets in, over TCP with the token and over the unix socket.
+    let begun = std::time::Instant::now();
+    let health = exchange(
+        std::net::TcpStream::connect(address).unwrap(),
+        "GET",
+        "/v1/health",
+        None,
+        &[("Authorization", &format!("Bearer {token}"))],
+    );
+    let waited = begun.elapsed();
+    assert_eq!(
+        health.status,
+        200,
+        "{:?}",
+        String::from_utf8_lossy(&health.body)
+    );
+    let pid = daemon.pid().unwrap();
+    let descriptors = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count();
+    eprintln!(
+        "{} idle strangers connected; the owner waited {waited:?}; the daemon holds {descriptors} descriptors (limit 400)",
+        idle.len()
+    );
+    assert!(waited < Duration::from_secs(5), "{waited:?}");
+    assert!(descriptors < 400, "{descriptors} descriptors");
+    let info = daemon
+        .call("GET", &format!("/v1/cells/{cell}"), None)
+        .json();
+    assert_eq!(info["state"], "running", "{info}");
+    let events = daemon.exec(&cell, json!({ "argv": ["echo", "still here"] }));
+    assert_eq!(stream_bytes(&events, "stdout"), b"still here\n");
+    drop(idle);
+    // A slow stranger, once the crowd is gone: a head that never ends, a byte every two seconds.
+    let slow = std::thread::spawn(move || {
+        use std::io::{Read as _, Write as _};
+        let mut stream = std::net::TcpStream::connect(address).unwrap();
+        stream.write_all(b"GET /v1/health HTTP/1.1\r\n").unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(2)))
+            .unwrap();
+        let begun = std::time::Instant::now();
+        let mut byte = [0u8; 1];
+        while begun.elapsed() < Duration::from_secs(60) {
+            if stream.write_all(b"X").is_err() {
+                break;
+            }
+            match stream.read(&mut byte) {
+                Ok(0) => break,
+                Ok(_) => break,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(_) => break,
+            }
+        }
+        begun.elapsed()
+    });
+    let slow_for = slow.join().unwrap();
+    eprintln!("a head trickled byte by byte was cut after {slow_for:?}");
+    assert!(
+        slow_for >= Duration::from_secs(18) && slow_for < Duration::from_secs(30),
+        "{slow_for:?}"
+    );
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    assert!(
+        !journal.contains("\"cell.end\"") && !journal.contains("\"cell.lost\""),
+        "the cell was taken for ended"
     );
 }

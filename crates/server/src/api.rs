@@ -5,7 +5,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::connect_info::{ConnectInfo, Connected};
+use axum::extract::connect_info::ConnectInfo;
 use axum::extract::{DefaultBodyLimit, Extension, FromRequest, FromRequestParts, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::{self, Next};
@@ -111,9 +111,10 @@ pub struct UnixPeer {
     pid: Option<i32>,
 }
 
-impl Connected<axum::serve::IncomingStream<'_, tokio::net::UnixListener>> for UnixPeer {
-    fn connect_info(stream: axum::serve::IncomingStream<'_, tokio::net::UnixListener>) -> Self {
-        let cred = stream.io().peer_cred().ok();
+impl UnixPeer {
+    /// The peer of a unix-socket connection, as the kernel gives it.
+    pub fn of(stream: &tokio::net::UnixStream) -> Self {
+        let cred = stream.peer_cred().ok();
         Self {
             uid: cred.map(|c| c.uid()),
             pid: cred.and_then(|c| c.pid()),
@@ -258,6 +259,10 @@ async fn require_token(
         request
             .extensions_mut()
             .insert(Caller(format!("the bearer token, over TCP from {peer}")));
+        // The connection has proven its owner: it is not closed to make room for strangers.
+        if let Some(conn) = request.extensions().get::<Arc<crate::listen::Admitted>>() {
+            conn.trust();
+        }
         next.run(request).await
     } else {
         let mut response = ApiError {
@@ -268,6 +273,11 @@ async fn require_token(
         response.headers_mut().insert(
             header::WWW_AUTHENTICATE,
             header::HeaderValue::from_static("Bearer"),
+        );
+        // A connection that failed to prove itself is not kept.
+        response.headers_mut().insert(
+            header::CONNECTION,
+            header::HeaderValue::from_static("close"),
         );
         response
     }

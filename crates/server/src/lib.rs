@@ -2,6 +2,7 @@
 //! on a loopback TCP port that requires a bearer token.
 
 mod api;
+mod listen;
 
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt as _;
@@ -11,6 +12,7 @@ use std::sync::Arc;
 use warden_harness::{Config, Harness};
 
 pub use api::{OPENAPI, router};
+pub use listen::{HEAD_TIMEOUT, MAX_CONNECTIONS};
 
 /// The daemon's socket in the runtime directory.
 pub const SOCKET: &str = "daemon.sock";
@@ -91,17 +93,15 @@ pub async fn serve(
             let file = config.harness.runtime.join(ADDR_FILE);
             std::fs::write(&file, bound.to_string()).map_err(io_at("writing", &file))?;
         }
-        let app = router(Arc::clone(&harness), Some(token))
-            .into_make_service_with_connect_info::<SocketAddr>();
-        tokio::spawn(async move { axum::serve(listener, app).await });
+        let app = router(Arc::clone(&harness), Some(token));
+        tokio::spawn(listen::serve(listener, app, false));
     }
     let _ = std::fs::remove_file(&socket);
     let unix = tokio::net::UnixListener::bind(&socket).map_err(io_at("listening on", &socket))?;
     std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))
         .map_err(io_at("restricting", &socket))?;
-    let app =
-        router(Arc::clone(&harness), None).into_make_service_with_connect_info::<api::UnixPeer>();
-    let unix_server = tokio::spawn(async move { axum::serve(unix, app).await });
+    let app = router(Arc::clone(&harness), None);
+    let unix_server = tokio::spawn(listen::serve(unix, app, true));
     ready(&socket, tcp_addr);
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(io_at("handling signals for", &socket))?;

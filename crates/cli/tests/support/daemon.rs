@@ -112,6 +112,11 @@ impl Daemon {
         Self::start_full(&[], &[], wrapper)
     }
 
+    /// A daemon started by `wrapper`, with these arguments to `warden serve`.
+    pub fn start_wrapped_with(wrapper: &[&str], extra: &[&str]) -> Self {
+        Self::start_full(extra, &[], wrapper)
+    }
+
     /// A daemon with these extra environment variables (credentials' sources).
     pub fn start_with(extra: &[&str], envs: &[(&str, &str)]) -> Self {
         Self::start_full(extra, envs, &[])
