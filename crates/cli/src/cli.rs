@@ -52,6 +52,10 @@ pub enum Command {
         /// Apply sensitive changes (hooks, rc files, new executables, outward symlinks) too.
         #[arg(long)]
         include_sensitive: bool,
+        /// The digest `warden diff` printed: apply only if the changes are still exactly the
+        /// ones reviewed (else nothing is written).
+        #[arg(long, value_name = "DIGEST")]
+        digest: Option<String>,
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,

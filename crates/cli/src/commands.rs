@@ -23,6 +23,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             dry_run,
             force,
             include_sensitive,
+            digest,
             json,
         } => {
             let options = ApplyOptions {
@@ -30,6 +31,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
                 dry_run,
                 force,
                 include_sensitive,
+                digest,
                 ..ApplyOptions::default()
             };
             apply(&name, options, json)
@@ -355,6 +357,12 @@ fn diff(name: &str, json: bool, stat: bool) -> Result<i32> {
         "\n{} changed: {added} added, {modified} modified, {deleted} deleted",
         diff.changes.len()
     );
+    if !diff.changes.is_empty() {
+        println!(
+            "digest {}: `warden apply {name} --digest {}` applies exactly this, or nothing",
+            diff.digest, diff.digest
+        );
+    }
     Ok(0)
 }
 

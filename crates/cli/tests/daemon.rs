@@ -2446,3 +2446,125 @@ fn strangers_cannot_take_the_daemon_down_or_make_it_forget_a_cell() {
         "the cell was taken for ended"
     );
 }
+
+#[test]
+fn an_apply_writes_what_was_reviewed_and_approved_or_nothing() {
+    if !cgroups_available("daemon_apply_digest") {
+        return;
+    }
+    let daemon = std::sync::Arc::new(Daemon::start(&[]));
+    let host = tempdir();
+    let cell = daemon.create(
+        &unique("digest"),
+        json!({ "workspace": host.path().display().to_string(), "policy": "version: 1\napprovals:\n  timeout: 10s\n  apply: ask\n" }),
+    );
+    daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "echo reviewed > /workspace/a.txt"] }),
+    );
+    // Asked while the change is the reviewed one...
+    let applying = {
+        let daemon = std::sync::Arc::clone(&daemon);
+        let cell = cell.clone();
+        std::thread::spawn(move || {
+            daemon.call("POST", &format!("/v1/cells/{cell}/apply"), Some(json!({})))
+        })
+    };
+    let mut id = None;
+    for _ in 0..200 {
+        let list = daemon.call("GET", "/v1/approvals", None).json();
+        if let Some(q) = list.as_array().unwrap().iter().find(|q| q["cell"] == cell) {
+            id = q["id"].as_u64();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let id = id.expect("the apply asks");
+    // ...then the cell swaps the content while the person reads the question.
+    daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "echo EVIL > /workspace/a.txt"] }),
+    );
+    daemon.call(
+        "POST",
+        &format!("/v1/approvals/{cell}/{id}"),
+        Some(json!({ "decision": "approve" })),
+    );
+    let applied = applying.join().unwrap();
+    assert_eq!(
+        applied.status,
+        409,
+        "{}",
+        String::from_utf8_lossy(&applied.body)
+    );
+    assert!(
+        applied.json()["error"]
+            .as_str()
+            .unwrap()
+            .contains("changed since it was reviewed"),
+        "{}",
+        String::from_utf8_lossy(&applied.body)
+    );
+    assert!(
+        !host.path().join("a.txt").exists(),
+        "the swapped content reached the host"
+    );
+
+    // The same from the CLI: `warden diff` prints the digest, `warden apply --digest` holds to
+    // it, while the cell goes on writing.
+    let project = tempdir();
+    let name = unique("digest-cli");
+    let mut running = warden()
+        .args([
+            "run",
+            "--name",
+            &name,
+            "--workspace",
+            &project.path().display().to_string(),
+        ])
+        .args([
+            "--",
+            "sh",
+            "-c",
+            "echo reviewed > b.txt; sleep 3; echo other > b.txt; sleep 60",
+        ])
+        .spawn()
+        .unwrap();
+    let mut diff = Ran::from(warden().args(["diff", &name]).output().unwrap());
+    for _ in 0..100 {
+        if diff.stdout.contains("digest ") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        diff = Ran::from(warden().args(["diff", &name]).output().unwrap());
+    }
+    assert!(diff.stdout.contains("+reviewed"), "{diff:?}");
+    let digest = diff
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("digest "))
+        .and_then(|l| l.split(':').next())
+        .unwrap_or_else(|| panic!("{diff:?}"))
+        .to_owned();
+    let json = Ran::from(warden().args(["diff", &name, "--json"]).output().unwrap());
+    assert_eq!(
+        serde_json::from_str::<Value>(&json.stdout).unwrap()["digest"],
+        digest
+    );
+    std::thread::sleep(Duration::from_secs(4));
+    let refused = Ran::from(
+        warden()
+            .args(["apply", &name, "--digest", &digest])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(refused.code, 125, "{refused:?}");
+    assert!(
+        refused.stderr.contains("changed since it was reviewed"),
+        "{refused:?}"
+    );
+    assert!(!project.path().join("b.txt").exists());
+    assert!(warden().args(["kill", &name]).status().unwrap().success());
+    let _ = running.wait();
+    assert!(warden().args(["rm", &name]).status().unwrap().success());
+}

@@ -24,6 +24,11 @@ pub struct ApplyRequest {
     /// Apply sensitive changes (hooks, rc files, new executables, outward symlinks) too.
     #[serde(default)]
     pub include_sensitive: bool,
+    /// The digest of the diff that was reviewed (`GET .../diff` gives it): the apply writes
+    /// those changes exactly, or nothing. Without it, an apply held for a person is bound to
+    /// the diff as it was when the question was asked.
+    #[serde(default)]
+    pub digest: Option<String>,
 }
 
 /// A snapshot as the API shows it.
@@ -204,16 +209,26 @@ impl Harness {
                     "include_sensitive": request.include_sensitive, "host": host, "by": by }),
         )
         .await?;
+        let mut digest = request.digest.clone();
         if !request.dry_run && approvals.apply == warden_policy::ApplyApproval::Ask {
+            // The person answers about the changes as they are now: the apply that follows
+            // writes those, or nothing.
+            if digest.is_none() {
+                digest = self.diff(name).await?["digest"].as_str().map(str::to_owned);
+            }
+            let shown = digest.as_deref().map_or("", |d| &d[..d.len().min(16)]);
             self.ask_person(
                 name,
-                format!("apply {what} of {name} to {host}"),
+                format!("apply {what} of {name} to {host} (changes {shown})"),
                 "approvals.apply: ask".to_owned(),
                 &approvals,
             )
             .await?;
         }
         let mut args = vec!["apply", name, "--json"];
+        if let Some(digest) = &digest {
+            args.extend(["--digest", digest.as_str()]);
+        }
         for (flag, on) in [
             ("--dry-run", request.dry_run),
             ("--force", request.force),

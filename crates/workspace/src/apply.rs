@@ -29,6 +29,9 @@ pub struct ApplyOptions {
     pub started: Option<SystemTime>,
     /// Owner for new files (when the warden runs as root for another user's directory).
     pub owner: Option<(u32, u32)>,
+    /// The digest of the diff that was reviewed: the apply goes ahead only while the changes
+    /// are still exactly those.
+    pub digest: Option<String>,
 }
 
 /// What an apply did (or, with `dry_run`, would do).
@@ -47,6 +50,14 @@ pub fn apply(
     diff: &Diff,
     options: &ApplyOptions,
 ) -> Result<ApplyReport, WorkspaceError> {
+    if let Some(expected) = &options.digest
+        && *expected != diff.digest
+    {
+        return Err(WorkspaceError::Changed {
+            expected: expected.clone(),
+            found: diff.digest.clone(),
+        });
+    }
     let mut report = ApplyReport {
         dry_run: options.dry_run,
         ..ApplyReport::default()

@@ -75,4 +75,32 @@ impl Change {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct Diff {
     pub changes: Vec<Change>,
+    /// A BLAKE3 digest of what the changes would write (paths, kinds, modes, content hashes,
+    /// link targets): an apply given it writes exactly what was reviewed, or nothing.
+    pub digest: String,
+}
+
+impl Diff {
+    pub(crate) fn new(changes: Vec<Change>) -> Self {
+        let mut hasher = blake3::Hasher::new();
+        for change in &changes {
+            // One canonical line per change; none of these fields may hold a newline unescaped.
+            let line = serde_json::json!([
+                change.path,
+                change.kind,
+                change.entry,
+                change.new_mode,
+                change.size,
+                change.hash,
+                change.link_target,
+                change.refused,
+            ]);
+            hasher.update(line.to_string().as_bytes());
+            hasher.update(b"\n");
+        }
+        Self {
+            changes,
+            digest: hasher.finalize().to_hex().to_string(),
+        }
+    }
 }

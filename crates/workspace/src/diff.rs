@@ -59,7 +59,7 @@ pub fn diff(
     walker.walk_dir(Path::new(""), true)?;
     let mut changes = walker.changes;
     changes.sort_by(|a, b| a.path.cmp(&b.path));
-    Ok(Diff { changes })
+    Ok(Diff::new(changes))
 }
 
 struct Walker<'a> {

@@ -42,6 +42,10 @@ pub enum WorkspaceError {
     Conflict { count: usize, paths: String },
     #[error("`{path}` cannot be applied: {reason}")]
     Refused { path: String, reason: String },
+    #[error(
+        "the workspace changed since it was reviewed (digest {expected}, now {found}); nothing was applied: look at `warden diff` again"
+    )]
+    Changed { expected: String, found: String },
     #[error("apply failed at `{path}` and was rolled back: {source}")]
     RolledBack {
         path: String,
