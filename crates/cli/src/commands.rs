@@ -323,7 +323,7 @@ fn ps(json: bool, all: bool) -> Result<i32> {
                 cell.workspace.as_deref().unwrap_or("?")
             )
         } else {
-            cell.command.join(" ")
+            crate::render::safe(&cell.command.join(" ")).into_owned()
         };
         println!(
             "{:<20} {:<8} {:>8} {:>7}s  {}",
@@ -350,7 +350,10 @@ fn diff(name: &str, json: bool, stat: bool) -> Result<i32> {
     }
     if !stat {
         for change in diff.changes.iter().filter(|c| c.patch.is_some()) {
-            print!("\n{}", change.patch.as_deref().unwrap_or_default());
+            print!(
+                "\n{}",
+                crate::render::safe_lines(change.patch.as_deref().unwrap_or_default())
+            );
         }
     }
     println!(
@@ -366,19 +369,15 @@ fn diff(name: &str, json: bool, stat: bool) -> Result<i32> {
     Ok(0)
 }
 
-/// One line per change: marker, path (escaped when it holds control characters), details.
+/// One line per change: marker, path, details (whatever the cell chose is escaped).
 fn describe(change: &Change) -> String {
-    let path = if change.path.chars().any(char::is_control) {
-        format!("{:?}", change.path)
-    } else {
-        change.path.clone()
-    };
-    let mut line = format!("{} {path}", change.marker());
+    use crate::render::safe;
+    let mut line = format!("{} {}", change.marker(), safe(&change.path));
     match change.entry {
         EntryKind::Dir => line.push('/'),
         EntryKind::Symlink => line.push_str(&format!(
             " -> {}",
-            change.link_target.as_deref().unwrap_or("")
+            safe(change.link_target.as_deref().unwrap_or(""))
         )),
         EntryKind::File | EntryKind::Special => {}
     }
@@ -399,10 +398,10 @@ fn describe(change: &Change) -> String {
         }
     }
     if let Some(reason) = &change.sensitive {
-        line.push_str(&format!("  ! sensitive: {reason}"));
+        line.push_str(&format!("  ! sensitive: {}", safe(reason)));
     }
     if let Some(reason) = &change.refused {
-        line.push_str(&format!("  x refused: {reason}"));
+        line.push_str(&format!("  x refused: {}", safe(reason)));
     }
     line
 }
@@ -420,7 +419,10 @@ fn approvals(name: &str, json: bool) -> Result<i32> {
     for q in &questions {
         println!(
             "{:<4} {:<50} {:<12} {:>8}s",
-            q.id, q.request, q.rule, q.timeout_s
+            q.id,
+            crate::render::safe(&q.request),
+            crate::render::safe(&q.rule),
+            q.timeout_s
         );
     }
     Ok(0)
@@ -442,18 +444,24 @@ fn net(name: &str, json: bool) -> Result<i32> {
         "{:<8} {:<6} {:<40} {:<8} {:>10} {:>10}  RULE / REASON",
         "VERDICT", "KIND", "DESTINATION", "METHOD", "UP", "DOWN"
     );
+    use crate::render::safe;
     for d in &decisions {
         let destination = format!("{}:{}{}", d.host, d.port, d.path.as_deref().unwrap_or(""));
+        let repeats = if d.repeats > 0 && d.kind != "summary" {
+            format!(" (x{})", d.repeats)
+        } else {
+            String::new()
+        };
         println!(
-            "{:<8} {:<6} {:<40} {:<8} {:>10} {:>10}  {}: {}",
+            "{:<8} {:<6} {:<40} {:<8} {:>10} {:>10}  {}: {}{repeats}",
             if d.allowed { "allow" } else { "DENY" },
-            d.kind,
-            destination,
-            d.method.as_deref().unwrap_or("-"),
+            safe(&d.kind),
+            safe(&destination),
+            safe(d.method.as_deref().unwrap_or("-")),
             d.bytes_up,
             d.bytes_down,
-            d.rule,
-            d.reason
+            safe(&d.rule),
+            safe(&d.reason)
         );
     }
     Ok(0)

@@ -568,7 +568,10 @@ pub fn logs(name: &str, follow: bool, only: Option<u64>) -> Result<i32> {
             .as_array()
             .map(|a| a.iter().filter_map(Value::as_str).collect())
             .unwrap_or_default();
-        eprintln!("==> process {id}: {} <==", argv.join(" "));
+        eprintln!(
+            "==> process {id}: {} <==",
+            crate::render::safe(&argv.join(" "))
+        );
         let path = format!("/v1/cells/{name}/processes/{id}/output?follow={follow}");
         rt.block_on(client.events(Method::GET, &path, None, |event, data| {
             let Ok(value) = serde_json::from_str::<Value>(data) else {
@@ -838,8 +841,8 @@ pub fn replay(name: &str, json_out: bool) -> Result<i32> {
             "{}  #{:<6} {:<14} {}",
             entry.time_text(),
             entry.seq,
-            entry.kind,
-            summary(entry)
+            crate::render::safe(&entry.kind),
+            crate::render::safe(&summary(entry))
         );
     }
     Ok(0)

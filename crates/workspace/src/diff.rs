@@ -161,8 +161,17 @@ impl Walker<'_> {
     }
 
     fn entry(&mut self, rel: &Path, name: &OsStr) -> Result<(), WorkspaceError> {
-        let Some(path) = locate(self.layers, rel) else {
-            return Ok(());
+        let path = match locate_checked(self.layers, rel) {
+            Ok(Some(path)) => path,
+            Ok(None) => return Ok(()),
+            // Never dropped without a word: a path the host cannot name (longer than PATH_MAX,
+            // say) is listed, and refused.
+            Err(err) => {
+                let mut change = Change::new(display(rel), ChangeKind::Added, EntryKind::Special);
+                change.refused = Some(format!("the host cannot reach it ({err})"));
+                self.push(change);
+                return Ok(());
+            }
         };
         let meta = fs::symlink_metadata(&path).map_err(Self::read_err(&path))?;
         let lower = self.lower_meta(rel);
@@ -212,7 +221,8 @@ impl Walker<'_> {
             if before.as_deref() == Some(target.as_path()) {
                 return Ok(());
             }
-            change.sensitive = sensitive::of_link(&shown, &target);
+            change.sensitive =
+                sensitive::of_link(&shown, &target).or_else(|| self.leads_out(&shown, &target));
             change.link_target = Some(target.to_string_lossy().into_owned());
             change.old_mode = old_mode.filter(|_| !same_type);
             change.new_mode = None;
@@ -250,11 +260,79 @@ impl Walker<'_> {
         }
         let gains_exec = change.new_mode.is_some_and(|m| m & 0o111 != 0)
             && old_mode.is_none_or(|m| m & 0o111 == 0);
+        let was_exec = old_mode.is_some_and(|m| m & 0o111 != 0);
         if gains_exec {
             change.sensitive = Some("becomes executable".to_owned());
+        } else if was_exec && change.new_mode.is_some_and(|m| m & 0o111 != 0) {
+            change.sensitive = Some("changes the content of an executable file".to_owned());
         }
         self.push(change);
         Ok(())
+    }
+
+    /// Why the link at `path` to `target` leads out of the workspace once the links it goes
+    /// through are followed in the merged tree (`a -> ..` makes `a/..` the parent of the root,
+    /// which no lexical check sees).
+    fn leads_out(&self, path: &str, target: &Path) -> Option<String> {
+        const MAX_HOPS: usize = 40;
+        let mut at: Vec<String> = Path::new(path)
+            .parent()
+            .map(|p| {
+                p.components()
+                    .filter_map(|c| c.as_os_str().to_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let mut pending: std::collections::VecDeque<String> = components(target);
+        let mut hops = 0;
+        while let Some(part) = pending.pop_front() {
+            match part.as_str() {
+                "." => {}
+                ".." => {
+                    if at.pop().is_none() {
+                        return Some(
+                            "symlink that leads outside the workspace through the links on its way"
+                                .to_owned(),
+                        );
+                    }
+                }
+                name => {
+                    at.push(name.to_owned());
+                    let rel = at.join("/");
+                    if let Some(next) = self.merged_link(Path::new(&rel)) {
+                        hops += 1;
+                        if hops > MAX_HOPS {
+                            return Some(
+                                "symlink through a chain of more than 40 links".to_owned(),
+                            );
+                        }
+                        if next.is_absolute() {
+                            return Some("symlink through a link to an absolute path".to_owned());
+                        }
+                        at.pop();
+                        let mut spliced = components(&next);
+                        spliced.extend(pending);
+                        pending = spliced;
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    /// The target of `rel` where it is a symlink in the merged tree (the topmost layer that
+    /// has it, else the host directory).
+    fn merged_link(&self, rel: &Path) -> Option<PathBuf> {
+        match locate(self.layers, rel) {
+            Some(path) => {
+                let meta = fs::symlink_metadata(&path).ok()?;
+                meta.file_type()
+                    .is_symlink()
+                    .then(|| fs::read_link(&path).ok())
+                    .flatten()
+            }
+            None => self.lower.read_link(rel).ok(),
+        }
     }
 
     fn patch(&self, shown: &str, old: Option<&[u8]>, new: &[u8]) -> Option<String> {
@@ -344,14 +422,35 @@ fn special_name(meta: &Metadata) -> &'static str {
     }
 }
 
+/// A path's components as text (`..` kept).
+fn components(path: &Path) -> std::collections::VecDeque<String> {
+    path.components()
+        .filter_map(|c| match c {
+            std::path::Component::Normal(n) => n.to_str().map(str::to_owned),
+            std::path::Component::ParentDir => Some("..".to_owned()),
+            _ => None,
+        })
+        .collect()
+}
+
 fn display(rel: &Path) -> String {
     rel.to_string_lossy().into_owned()
 }
 
 /// The topmost layer's copy of `rel`, if any layer has it.
 pub(crate) fn locate(layers: &[PathBuf], rel: &Path) -> Option<PathBuf> {
-    layers
-        .iter()
-        .map(|layer| layer.join(rel))
-        .find(|path| fs::symlink_metadata(path).is_ok())
+    locate_checked(layers, rel).ok().flatten()
+}
+
+/// Like [`locate`], with the error when a layer could not be looked at (not only lacked it).
+fn locate_checked(layers: &[PathBuf], rel: &Path) -> io::Result<Option<PathBuf>> {
+    for layer in layers {
+        let path = layer.join(rel);
+        match fs::symlink_metadata(&path) {
+            Ok(_) => return Ok(Some(path)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(None)
 }

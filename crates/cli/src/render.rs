@@ -1,0 +1,54 @@
+//! Text from a cell, made safe for a person's terminal. What a cell writes (file contents,
+//! names, link targets, TLS server names, request paths) is printed by `diff`, `net`, `replay`
+//! and the lists; a control character in it could move the cursor, erase a line or recolour
+//! one, so that a DENY reads as an allow. Every such character is shown as an escape instead.
+
+use std::borrow::Cow;
+use std::fmt::Write as _;
+
+/// `text` with every character that could steer a terminal written as `\u{..}` (tabs kept).
+pub fn safe(text: &str) -> Cow<'_, str> {
+    if !text.chars().any(steers) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 16);
+    for c in text.chars() {
+        if steers(c) {
+            let _ = write!(out, "\\u{{{:x}}}", u32::from(c));
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// A multi-line text (a patch) made safe line by line: its line breaks stay breaks.
+pub fn safe_lines(text: &str) -> String {
+    text.split_inclusive('\n')
+        .map(|line| match line.strip_suffix('\n') {
+            Some(body) => format!("{}\n", safe(body)),
+            None => safe(line).into_owned(),
+        })
+        .collect()
+}
+
+/// Control characters (C0 but tab, DEL, C1) and the ones that reorder text on screen.
+fn steers(c: char) -> bool {
+    (c.is_control() && c != '\t')
+        || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_could_steer_a_terminal_is_escaped() {
+        assert_eq!(safe("plain\ttext"), "plain\ttext");
+        assert_eq!(safe("a\x1b[2Kb"), "a\\u{1b}[2Kb");
+        assert_eq!(safe("x\ry"), "x\\u{d}y");
+        assert_eq!(safe("\u{9b}31m"), "\\u{9b}31m");
+        assert_eq!(safe("evil\u{202e}txt.exe"), "evil\\u{202e}txt.exe");
+        assert_eq!(safe_lines("+a\r\n-b\x08\n"), "+a\\u{d}\n-b\\u{8}\n");
+    }
+}
