@@ -242,6 +242,9 @@ pub struct KeepArgs {
     /// The soft limit of open files to take back (the daemon raised its own).
     #[arg(long)]
     pub open_files: Option<u64>,
+    /// Write how the cell ended here (JSON) before its name is released.
+    #[arg(long)]
+    pub report: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]

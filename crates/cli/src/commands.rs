@@ -203,6 +203,7 @@ fn run(args: RunArgs, from: Option<SnapshotInfo>) -> Result<i32> {
         discard_changes: args.rm,
         from,
         serve_exec: false,
+        report: None,
     };
     let outcome = warden_cell::run(&registry()?, &store()?, request)?;
     for notice in &outcome.notices {
@@ -372,7 +373,12 @@ fn diff(name: &str, json: bool, stat: bool) -> Result<i32> {
 /// One line per change: marker, path, details (whatever the cell chose is escaped).
 fn describe(change: &Change) -> String {
     use crate::render::safe;
-    let mut line = format!("{} {}", change.marker(), safe(&change.path));
+    // A name that needs escaping is shown quoted, as Rust writes strings.
+    let path = match safe(&change.path) {
+        std::borrow::Cow::Borrowed(path) => path.to_owned(),
+        std::borrow::Cow::Owned(_) => format!("{:?}", change.path),
+    };
+    let mut line = format!("{} {path}", change.marker());
     match change.entry {
         EntryKind::Dir => line.push('/'),
         EntryKind::Symlink => line.push_str(&format!(

@@ -734,6 +734,7 @@ pub fn keep(args: KeepArgs) -> Result<i32> {
         discard_changes: false,
         from,
         serve_exec: true,
+        report: args.report,
     };
     let outcome = warden_cell::run(&Registry::open(Registry::default_root())?, &store, request)?;
     for notice in &outcome.notices {

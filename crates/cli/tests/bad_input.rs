@@ -207,3 +207,37 @@ fn a_reader_that_stops_reading_ends_the_writer_in_the_cell() {
         start.elapsed()
     );
 }
+
+#[test]
+fn wardens_own_directories_are_never_shown_to_a_cell() {
+    let state = tempdir();
+    let dir = tempdir();
+    std::fs::create_dir_all(state.path().join("journal")).unwrap();
+    std::fs::write(state.path().join("journal/signing.key"), "secret key").unwrap();
+    let holding = policy(
+        dir.path(),
+        &format!("version: 1\nfilesystem:\n  read_only: [/usr, /bin, /lib, /lib64, {}]\n", state.path().parent().unwrap().display()),
+    );
+    for (args, what) in [
+        (vec!["--workspace".to_owned(), state.path().display().to_string()], "workspace"),
+        (vec!["--workspace".to_owned(), state.path().join("journal").display().to_string()], "workspace"),
+        (vec!["--policy".to_owned(), holding.display().to_string()], "read_only path"),
+    ] {
+        let ran = Ran::from(
+            warden()
+                .arg("run")
+                .arg("--rm")
+                .args(&args)
+                .args(["--", "cat", "/workspace/journal/signing.key"])
+                .env("WARDEN_STATE_DIR", state.path())
+                .output()
+                .unwrap(),
+        );
+        assert_eq!(ran.code, 125, "{args:?}: {ran:?}");
+        assert!(
+            ran.stderr.contains(what) && ran.stderr.contains("Warden's own state directory"),
+            "{args:?}: {ran:?}"
+        );
+        assert!(!ran.stdout.contains("secret key"));
+    }
+}

@@ -2568,3 +2568,45 @@ fn an_apply_writes_what_was_reviewed_and_approved_or_nothing() {
     let _ = running.wait();
     assert!(warden().args(["rm", &name]).status().unwrap().success());
 }
+
+#[test]
+fn a_cell_whose_tmp_fills_its_memory_ends_by_the_memory_limit() {
+    if !cgroups_available("daemon_tmp_oom") {
+        return;
+    }
+    let dir = tempdir();
+    let daemon = Daemon::start(&[]);
+    let policy = policy(
+        dir.path(),
+        "version: 1\nfilesystem:\n  tmp_size: 512MiB\nlimits:\n  memory: 64MiB\n",
+    );
+    // Through the daemon, as a `warden run`: files in /tmp are memory, and filling it past the
+    // limit is the memory limit, not a kill by someone.
+    let ran = Ran::from(
+        daemon
+            .warden()
+            .args(["run", "--policy", policy.to_str().unwrap(), "--"])
+            .args(["sh", "-c", "head -c 300000000 /dev/zero > /tmp/fill; echo survived"])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(ran.code, 251, "{ran:?}");
+    assert!(ran.stderr.contains("memory limit 64 MiB exceeded"), "{ran:?}");
+    assert!(!ran.stderr.contains("warden kill"), "{ran:?}");
+    // Over the API, the exec and the cell say so too.
+    let cell = daemon.create(&unique("tmpoom"), json!({ "policy": "version: 1\nfilesystem:\n  tmp_size: 512MiB\nlimits:\n  memory: 64MiB\n" }));
+    let events = daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "head -c 300000000 /dev/zero > /tmp/fill; sleep 5"] }),
+    );
+    let exit = exit_of(&events);
+    assert_eq!(exit["reason"], "memory-limit", "{exit}");
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    let end = journal
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .find(|e| e["kind"] == "cell.end" && e["cell"] == cell.as_str());
+    if let Some(end) = end {
+        assert!(end["data"]["reason"].as_str().unwrap().contains("memory limit"), "{end}");
+    }
+}

@@ -360,7 +360,17 @@ impl Harness {
                 None,
                 Some("the cell's wall-clock limit ended it".to_owned()),
             ),
-            Err(err) => ("cell-ended", None, None, Some(err.to_string())),
+            // The whole cell ended under the process: its keeper says why (the memory limit,
+            // when files in /tmp filled it and the kernel took the init).
+            Err(err) => match self.ending_after_end(&process.cell).await {
+                Some(ending) if ending["reason"] == "memory-limit" => (
+                    "memory-limit",
+                    None,
+                    Some(libc::SIGKILL),
+                    ending["message"].as_str().map(str::to_owned),
+                ),
+                _ => ("cell-ended", None, None, Some(err.to_string())),
+            },
         };
         self.touch(&process.cell);
         let (counts, captured) = process.totals();
@@ -402,6 +412,22 @@ impl Harness {
             stderr_bytes: counts[1],
             journal_seq: receipt.ok().map(|r| r.seq),
         });
+    }
+
+    /// How the cell ended, once its keeper let go of it (waited for a little: the process's
+    /// line closes as the init dies, before the keeper is done).
+    async fn ending_after_end(&self, name: &str) -> Option<serde_json::Value> {
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < deadline {
+            if let Some(ending) = self.ending_of(name) {
+                return Some(ending);
+            }
+            if self.alive(name) == Some(false) {
+                return self.ending_of(name);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        None
     }
 
     /// Whether the cell's memory cgroup killed something since `before` was read.

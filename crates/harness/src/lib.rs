@@ -181,6 +181,9 @@ pub struct Harness {
     events: tokio::sync::broadcast::Sender<Arc<Value>>,
 }
 
+/// Where a cell's keeper writes how the cell ended, in the daemon's folder of the cell.
+const ENDING_FILE: &str = "ending.json";
+
 /// Milliseconds since the epoch.
 pub fn now_ms() -> u64 {
     SystemTime::now()
@@ -405,6 +408,15 @@ impl Harness {
         }
     }
 
+    /// How the cell ended, as its keeper wrote it before letting go of the cell (`None` while
+    /// it runs, or when the keeper died first).
+    pub(crate) fn ending_of(&self, name: &str) -> Option<Value> {
+        let path = self.daemon_dir.join("cells").join(name).join(ENDING_FILE);
+        std::fs::read(path)
+            .ok()
+            .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+    }
+
     fn kill_requested(&self, name: &str) -> bool {
         self.daemon_dir
             .join("cells")
@@ -580,6 +592,7 @@ impl Harness {
         if let Some(limit) = self.config.keeper_open_files {
             command.arg("--open-files").arg(limit.to_string());
         }
+        command.arg("--report").arg(cell_dir.join(ENDING_FILE));
         for (key, value) in &request.env {
             command.arg("--env").arg(format!("{key}={value}"));
         }

@@ -198,15 +198,26 @@ impl Harness {
         if let Ok(Some(mut entry)) = self.state.get(name)
             && entry.ended.is_none()
         {
+            let ending = self.ending_of(name);
             let reason = if self.kill_requested(name) {
-                "killed"
+                "killed".to_owned()
+            } else if let Some(message) = ending
+                .as_ref()
+                .filter(|e| e["reason"] == "memory-limit")
+                .and_then(|e| e["message"].as_str())
+            {
+                message.to_owned()
             } else {
-                "its processes ended"
+                "its processes ended".to_owned()
             };
-            entry.ended = Some(reason.to_owned());
+            entry.ended = Some(reason.clone());
             let _ = self.state.put(&entry);
             let _ = self
-                .record(Some(name), "cell.end", json!({ "reason": reason }))
+                .record(
+                    Some(name),
+                    "cell.end",
+                    json!({ "reason": reason, "ending": ending }),
+                )
                 .await;
             self.journal_changes(name, "ended, changes kept for review")
                 .await;

@@ -141,6 +141,48 @@ pub enum PlanError {
     LayerKept(String),
     #[error("snapshot `{snapshot}` is of the workspace {}; a fork keeps that workspace (leave out --workspace)", lower.display())]
     ForkWorkspace { snapshot: String, lower: PathBuf },
+    #[error(
+        "{what} {} {how} Warden's own {dir} {}, which holds the journal's signing key and other cells' layers; a cell may not see it: choose another directory (or move Warden's with WARDEN_STATE_DIR / WARDEN_RUNTIME_DIR)",
+        path.display(), own.display()
+    )]
+    WardensOwn {
+        what: &'static str,
+        path: PathBuf,
+        how: &'static str,
+        dir: &'static str,
+        own: PathBuf,
+    },
+}
+
+/// Refuses a host path a cell would see (`what`) that is, holds or lies inside one of Warden's
+/// own directories: through it a cell would read the journal's signing key, other cells'
+/// layers and records, or the daemon's socket.
+pub fn check_not_wardens(
+    what: &'static str,
+    path: &Path,
+    own: &[(&'static str, &Path)],
+) -> Result<(), PlanError> {
+    let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    for (dir, own) in own {
+        let own = std::fs::canonicalize(own).unwrap_or_else(|_| own.to_path_buf());
+        let how = if path == own {
+            "is"
+        } else if own.starts_with(&path) {
+            "holds"
+        } else if path.starts_with(&own) {
+            "is inside"
+        } else {
+            continue;
+        };
+        return Err(PlanError::WardensOwn {
+            what,
+            path: path.clone(),
+            how,
+            dir,
+            own,
+        });
+    }
+    Ok(())
 }
 
 /// Checks a cell name (it becomes a file name, a cgroup name and the default host name).

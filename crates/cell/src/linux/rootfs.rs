@@ -319,15 +319,27 @@ fn mount_copy_on_write(
         )?;
         sys::restrict_mount(&snapshots, true).map_err(at("making read-only", &snapshots))?;
     }
+    // The layers are named relative to the hidden directory: the mount's options (which every
+    // process of the cell can read in /proc/self/mountinfo) then name no path of the host.
+    let relative = |inner: &Path| -> PathBuf {
+        inner
+            .strip_prefix(overlay::HIDDEN)
+            .map_or_else(|_| inner.to_path_buf(), Path::to_path_buf)
+    };
     let mut lowers: Vec<PathBuf> = overlay
         .base
         .iter()
-        .map(|b| inside(root, &overlay::inside_snapshot(&overlay.snapshots_dir, b)))
+        .map(|b| relative(&overlay::inside_snapshot(&overlay.snapshots_dir, b)))
         .collect();
-    lowers.push(lower);
-    overlay::mount_overlay(dst, &lowers, &layer.join("upper"), &layer.join("work"))
+    lowers.push(relative(Path::new(overlay::LOWER)));
+    let layer = relative(Path::new(overlay::LAYER));
+    let back = std::env::current_dir().map_err(at("reading the working directory", root))?;
+    std::env::set_current_dir(&hidden).map_err(at("entering", &hidden))?;
+    let mounted = overlay::mount_overlay(dst, &lowers, &layer.join("upper"), &layer.join("work"))
         .map_err(errno)
-        .map_err(at("mounting the copy-on-write workspace on", dst))
+        .map_err(at("mounting the copy-on-write workspace on", dst));
+    std::env::set_current_dir(&back).map_err(at("returning to", &back))?;
+    mounted
 }
 
 fn mount_dev(root: &Path) -> Result<(), SetupError> {

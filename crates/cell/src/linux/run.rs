@@ -46,6 +46,9 @@ pub struct RunRequest {
     /// Take exec requests on `exec.sock` in the cell's runtime folder (see `exec`); with this,
     /// `argv` may be empty: the cell then runs until it is killed.
     pub serve_exec: bool,
+    /// Where the ending is written (JSON, see [`Ending::report`]) before the cell's name is
+    /// released: a supervisor that learns of the end from the name's lock finds why there.
+    pub report: Option<PathBuf>,
 }
 
 /// How a cell ended.
@@ -68,6 +71,32 @@ pub enum Ending {
     Killed,
     CommandNotFound(String),
     CannotExecute(String),
+}
+
+impl Ending {
+    /// The ending as JSON: `reason` (`exited`, `signaled`, `memory-limit`, `wall-limit`,
+    /// `output-limit`, `killed`, `not-found`, `not-executable`), with `code`, `signal`,
+    /// `limit` and `message` where they apply.
+    pub fn report(&self) -> serde_json::Value {
+        use serde_json::json;
+        match self {
+            Self::Exited(code) => json!({ "reason": "exited", "code": code }),
+            Self::Signaled(signal) => json!({ "reason": "signaled", "signal": signal }),
+            Self::MemoryLimit { limit } => json!({
+                "reason": "memory-limit",
+                "limit": limit,
+                "message": format!(
+                    "the cell's memory limit ({}) was reached and the kernel ended it (files in its /tmp and /dev/shm count towards the limit)",
+                    warden_policy::ByteSize(*limit)
+                ),
+            }),
+            Self::WallLimit { limit } => json!({ "reason": "wall-limit", "limit_ms": limit.as_millis() as u64 }),
+            Self::OutputLimit { limit } => json!({ "reason": "output-limit", "limit": limit }),
+            Self::Killed => json!({ "reason": "killed" }),
+            Self::CommandNotFound(message) => json!({ "reason": "not-found", "message": message }),
+            Self::CannotExecute(message) => json!({ "reason": "not-executable", "message": message }),
+        }
+    }
 }
 
 /// What `run` reports beside the ending.
@@ -138,12 +167,30 @@ pub fn run(
     }
     let name = request.name.clone().unwrap_or_else(generate_name);
     plan::check_name(&name)?;
+    let own = [
+        ("state directory", store.root()),
+        ("runtime directory", registry.root()),
+    ];
+    for (path, rw) in policy
+        .filesystem
+        .read_only
+        .iter()
+        .map(|p| (p, false))
+        .chain(policy.filesystem.read_write.iter().map(|p| (p, true)))
+    {
+        // Only what the cell will see (missing paths are left out).
+        if path.exists() {
+            let what = if rw { "read_write path" } else { "read_only path" };
+            plan::check_not_wardens(what, path, &own)?;
+        }
+    }
     let workspace = match &request.workspace {
         Some(dir) => {
             let host = fs::canonicalize(dir)
                 .ok()
                 .filter(|p| p.is_dir())
                 .ok_or_else(|| PlanError::Workspace { path: dir.clone() })?;
+            plan::check_not_wardens("workspace", &host, &own)?;
             let protect = plan::protected(policy, &host);
             Some(WorkspacePlan {
                 host,
@@ -615,6 +662,13 @@ pub fn run(
         }
     };
     drop(guard);
+    if let Some(path) = &request.report {
+        // Before the name is released: whoever sees the lock go finds this already.
+        let tmp = path.with_extension("tmp");
+        if fs::write(&tmp, ending.report().to_string()).is_ok() {
+            let _ = fs::rename(&tmp, path);
+        }
+    }
     drop(reservation);
     let kept_changes = layer.is_some_and(|layer| layer.finish(request.discard_changes));
     if request.discard_changes {
