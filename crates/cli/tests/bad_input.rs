@@ -216,12 +216,27 @@ fn wardens_own_directories_are_never_shown_to_a_cell() {
     std::fs::write(state.path().join("journal/signing.key"), "secret key").unwrap();
     let holding = policy(
         dir.path(),
-        &format!("version: 1\nfilesystem:\n  read_only: [/usr, /bin, /lib, /lib64, {}]\n", state.path().parent().unwrap().display()),
+        &format!(
+            "version: 1\nfilesystem:\n  read_only: [/usr, /bin, /lib, /lib64, {}]\n",
+            state.path().parent().unwrap().display()
+        ),
     );
     for (args, what) in [
-        (vec!["--workspace".to_owned(), state.path().display().to_string()], "workspace"),
-        (vec!["--workspace".to_owned(), state.path().join("journal").display().to_string()], "workspace"),
-        (vec!["--policy".to_owned(), holding.display().to_string()], "read_only path"),
+        (
+            vec!["--workspace".to_owned(), state.path().display().to_string()],
+            "workspace",
+        ),
+        (
+            vec![
+                "--workspace".to_owned(),
+                state.path().join("journal").display().to_string(),
+            ],
+            "workspace",
+        ),
+        (
+            vec!["--policy".to_owned(), holding.display().to_string()],
+            "read_only path",
+        ),
     ] {
         let ran = Ran::from(
             warden()

@@ -2586,12 +2586,19 @@ fn a_cell_whose_tmp_fills_its_memory_ends_by_the_memory_limit() {
         daemon
             .warden()
             .args(["run", "--policy", policy.to_str().unwrap(), "--"])
-            .args(["sh", "-c", "head -c 300000000 /dev/zero > /tmp/fill; echo survived"])
+            .args([
+                "sh",
+                "-c",
+                "head -c 300000000 /dev/zero > /tmp/fill; echo survived",
+            ])
             .output()
             .unwrap(),
     );
     assert_eq!(ran.code, 251, "{ran:?}");
-    assert!(ran.stderr.contains("memory limit 64 MiB exceeded"), "{ran:?}");
+    assert!(
+        ran.stderr.contains("memory limit 64 MiB exceeded"),
+        "{ran:?}"
+    );
     assert!(!ran.stderr.contains("warden kill"), "{ran:?}");
     // Over the API, the exec and the cell say so too.
     let cell = daemon.create(&unique("tmpoom"), json!({ "policy": "version: 1\nfilesystem:\n  tmp_size: 512MiB\nlimits:\n  memory: 64MiB\n" }));
@@ -2607,6 +2614,52 @@ fn a_cell_whose_tmp_fills_its_memory_ends_by_the_memory_limit() {
         .map(|l| serde_json::from_str::<Value>(l).unwrap())
         .find(|e| e["kind"] == "cell.end" && e["cell"] == cell.as_str());
     if let Some(end) = end {
-        assert!(end["data"]["reason"].as_str().unwrap().contains("memory limit"), "{end}");
+        assert!(
+            end["data"]["reason"]
+                .as_str()
+                .unwrap()
+                .contains("memory limit"),
+            "{end}"
+        );
     }
+}
+
+#[test]
+fn a_daemon_cell_writes_after_its_workspace_is_reset() {
+    if !cgroups_available("daemon_reset_writes") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let host = tempdir();
+    std::fs::write(host.path().join("readme.txt"), "host\n").unwrap();
+    let cell = daemon.create(
+        &unique("resetw"),
+        json!({ "workspace": host.path().display().to_string() }),
+    );
+    daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "echo cell > readme.txt"] }),
+    );
+    let snap = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/snapshot"),
+        Some(json!({"as": "s"})),
+    );
+    assert_eq!(snap.status, 201, "{}", String::from_utf8_lossy(&snap.body));
+    for to in [json!({}), json!({ "to": "s" })] {
+        let reset = daemon.call("POST", &format!("/v1/cells/{cell}/reset"), Some(to.clone()));
+        assert!(
+            reset.status < 300,
+            "{to}: {}",
+            String::from_utf8_lossy(&reset.body)
+        );
+        let events = daemon.exec(
+            &cell,
+            json!({ "argv": ["sh", "-c", "echo x >> readme.txt && echo y > new.txt && rm new.txt && mkdir d && rmdir d && cat readme.txt"] }),
+        );
+        let exit = exit_of(&events);
+        assert_eq!(exit["code"], 0, "after a reset to {to}: {events:?}");
+    }
+    let events = daemon.exec(&cell, json!({ "argv": ["cat", "readme.txt"] }));
+    assert_eq!(stream_bytes(&events, "stdout"), b"cell\nx\n");
 }

@@ -280,3 +280,21 @@ fn rootless_cells_get_the_egress_gateway_too() {
     let ran = Ran::from(out);
     assert_eq!(ran.stdout, "upstream\n403\n", "{ran:?}");
 }
+
+#[test]
+fn rootless_a_running_cell_writes_creates_and_deletes_after_a_reset() {
+    let env = setup();
+    std::fs::create_dir_all(env.workspace.join("src")).unwrap();
+    std::fs::write(env.workspace.join("README.md"), "# Project\n").unwrap();
+    std::fs::write(env.workspace.join("src/main.rs"), "fn main() {}\n").unwrap();
+    if is_root() {
+        for path in ["README.md", "src", "src/main.rs"] {
+            std::os::unix::fs::chown(env.workspace.join(path), Some(NOBODY), Some(NOBODY)).unwrap();
+        }
+    }
+    writes_after_reset(
+        &|args: &[&str]| as_user(&env, args),
+        &env.workspace,
+        &unique("rootless-rewrite"),
+    );
+}

@@ -745,3 +745,17 @@ fn what_the_cell_wrote_cannot_steer_the_reviewers_terminal() {
     assert!(out.contains("evil\\u{202e}txt.sh"), "{out}");
     warden_ok(&["rm", &name]);
 }
+
+#[test]
+fn a_running_cell_writes_creates_and_deletes_after_a_reset() {
+    let ws = project();
+    writes_after_reset(
+        &|args: &[&str]| {
+            let mut cmd = warden();
+            cmd.args(args);
+            cmd
+        },
+        ws.path(),
+        &unique("rewrite"),
+    );
+}

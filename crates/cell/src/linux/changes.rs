@@ -139,7 +139,9 @@ pub fn reset(
             if super::run::process_start_ticks(record.pid) != Some(record.pid_start) {
                 return super::snapshot::reset_stopped(store, &layer, name, to);
             }
-            let result = super::snapshot::reset_running(store, &layer, &meta, name, record.pid, to);
+            let result = super::snapshot::reset_running(
+                registry, store, &layer, &meta, name, record.pid, to,
+            );
             drop(frozen);
             result
         }

@@ -69,6 +69,9 @@ pub(super) enum Request {
     /// A client asks for a line of its own to the init (see [`Line`]); the keeper passes one
     /// end of a new pair to the init with this request, and the other to the client.
     Line,
+    /// A client asks the keeper for the cell's user and mount namespaces (the keeper answers
+    /// with them, two descriptors), to act inside the cell from outside (a reset).
+    Namespaces,
     /// A file operation, run by a fork of the init (see `files`), with stdin, stdout and stderr
     /// like an exec's; its events are an exec's too.
     Files {
@@ -386,6 +389,51 @@ impl Line {
     }
 }
 
+/// The user and mount namespaces of cell `name`, from its keeper: the way to join the cell
+/// from outside without reading its init's `/proc` entries (which its init, not dumpable,
+/// keeps from an unprivileged warden).
+pub fn namespaces(registry: &Registry, name: &str) -> Result<(OwnedFd, OwnedFd), ExecError> {
+    let keeper = connect_keeper(registry, name)?;
+    let _ = nix::sys::socket::setsockopt(
+        &keeper,
+        nix::sys::socket::sockopt::ReceiveTimeout,
+        &nix::sys::time::TimeVal::new(5, 0),
+    );
+    let io_error = |what| {
+        move |source| ExecError::Io {
+            what,
+            cell: name.to_owned(),
+            source,
+        }
+    };
+    let payload = serde_json::to_vec(&Request::Namespaces).unwrap_or_default();
+    sys::send_message(keeper.as_fd(), &payload, &[])
+        .map_err(io_error("asking for the namespaces"))?;
+    let Some((payload, mut fds)) =
+        sys::receive_message(keeper.as_fd()).map_err(io_error("receiving the namespaces"))?
+    else {
+        return Err(ExecError::CellEnded(name.to_owned()));
+    };
+    match (serde_json::from_slice::<Request>(&payload), fds.len()) {
+        (Ok(Request::Namespaces), 2) => {
+            let mnt = fds
+                .pop()
+                .ok_or_else(|| ExecError::CellEnded(name.to_owned()))?;
+            let user = fds
+                .pop()
+                .ok_or_else(|| ExecError::CellEnded(name.to_owned()))?;
+            Ok((user, mnt))
+        }
+        _ => Err(ExecError::Protocol {
+            cell: name.to_owned(),
+            reason: format!(
+                "the keeper answered a request for the namespaces with {}",
+                String::from_utf8_lossy(&payload)
+            ),
+        }),
+    }
+}
+
 impl std::os::fd::AsRawFd for ExecSession {
     fn as_raw_fd(&self) -> std::os::fd::RawFd {
         self.socket.as_raw_fd()
@@ -397,25 +445,43 @@ pub fn resize(master: std::os::fd::BorrowedFd<'_>, size: TtySize) -> io::Result<
     sys::set_window_size(master, size.rows, size.cols)
 }
 
+/// The cell's user and mount namespaces, held by its keeper for the cell's life.
+pub(super) type Namespaces = (OwnedFd, OwnedFd);
+
 /// The keeper's router: accepts clients on `path` and passes each one's request, with the
-/// client's own socket, to the init's `channel`, on a thread of its own for the rest of the
-/// keeper's life. From then on the init and the client talk directly (events out, signals
-/// and the hang-up in), so no event waits on a relay.
-pub(super) fn serve(path: &Path, channel: OwnedFd) -> io::Result<()> {
+/// client's own socket, to the init's `channel` (a cell that takes no execs has none: it
+/// answers only for its namespaces), on a thread of its own for the rest of the keeper's life.
+/// From then on the init and the client talk directly (events out, signals and the hang-up
+/// in), so no event waits on a relay.
+pub(super) fn serve(
+    path: &Path,
+    channel: Option<OwnedFd>,
+    namespaces: Option<Namespaces>,
+) -> io::Result<()> {
     let listener = sys::seqpacket_listen(path)?;
     let path: PathBuf = path.to_path_buf();
     std::thread::Builder::new()
         .name("exec-clients".to_owned())
         .spawn(move || {
-            serve_clients(&listener, &channel);
+            let keeper = Keeper {
+                channel,
+                namespaces,
+            };
+            serve_clients(&listener, &keeper);
             let _ = std::fs::remove_file(&path);
         })?;
     Ok(())
 }
 
+/// What the keeper's router holds.
+struct Keeper {
+    channel: Option<OwnedFd>,
+    namespaces: Option<Namespaces>,
+}
+
 /// The keeper's one thread for every client: accepts them and passes each one's request to the
 /// init (a client sends it as it connects, so it is usually there at once).
-fn serve_clients(listener: &OwnedFd, channel: &OwnedFd) {
+fn serve_clients(listener: &OwnedFd, keeper: &Keeper) {
     use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
     // Clients whose request has not come yet.
     let mut waiting: Vec<OwnedFd> = Vec::new();
@@ -442,7 +508,7 @@ fn serve_clients(listener: &OwnedFd, channel: &OwnedFd) {
                 return true;
             }
             let received = sys::receive_message(client.as_fd());
-            forward_request(next_id, client, received, channel);
+            forward_request(next_id, client, received, keeper);
             next_id += 1;
             false
         });
@@ -453,7 +519,7 @@ fn serve_clients(listener: &OwnedFd, channel: &OwnedFd) {
             match sys::try_receive_message(client.as_fd()) {
                 Err(err) if err.kind() == io::ErrorKind::WouldBlock => waiting.push(client),
                 received => {
-                    forward_request(next_id, &client, received, channel);
+                    forward_request(next_id, &client, received, keeper);
                     next_id += 1;
                 }
             }
@@ -469,7 +535,7 @@ fn forward_request(
     id: u64,
     client: &OwnedFd,
     received: io::Result<Option<Message>>,
-    channel: &OwnedFd,
+    keeper: &Keeper,
 ) {
     let refuse = |message: String| {
         let event = ExecEvent::Failed {
@@ -488,11 +554,22 @@ fn forward_request(
         Ok(None) => return,
         Err(err) => return refuse(format!("unreadable exec request: {err}")),
     };
-    let forward = match serde_json::from_slice::<Request>(&payload) {
+    let parsed = serde_json::from_slice::<Request>(&payload);
+    if let Ok(Request::Namespaces) = parsed {
+        return hand_out_namespaces(client, keeper.namespaces.as_ref());
+    }
+    let Some(channel) = &keeper.channel else {
+        return refuse(
+            "this cell takes no exec requests (only cells made with `warden create` or the API do)"
+                .to_owned(),
+        );
+    };
+    let forward = match parsed {
         Ok(Request::Exec { request, .. }) => Request::Exec { id, request },
         Ok(Request::Files { root, file, .. }) => Request::Files { id, root, file },
         Ok(Request::Signal { .. }) => return refuse("a signal before any exec".to_owned()),
         Ok(Request::Line) => return hand_out_line(client, channel),
+        Ok(Request::Namespaces) => return,
         Err(err) => return refuse(format!("unreadable exec request: {err}")),
     };
     let wanted = match &forward {
@@ -515,6 +592,15 @@ fn forward_request(
         &serde_json::to_vec(&forward).unwrap_or_default(),
         &raw,
     );
+}
+
+/// Gives a client the cell's namespaces (nothing, when the keeper could not open them).
+fn hand_out_namespaces(client: &OwnedFd, namespaces: Option<&Namespaces>) {
+    let payload = serde_json::to_vec(&Request::Namespaces).unwrap_or_default();
+    let fds: Vec<_> = namespaces
+        .map(|(user, mnt)| vec![user.as_raw_fd(), mnt.as_raw_fd()])
+        .unwrap_or_default();
+    let _ = sys::send_message(client.as_fd(), &payload, &fds);
 }
 
 /// Makes a line between a client and the init: one end goes to the init, the other back to the

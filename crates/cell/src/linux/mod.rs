@@ -15,6 +15,7 @@ pub mod plan;
 pub mod probe;
 pub mod registry;
 mod relay;
+mod reset;
 mod rootfs;
 pub mod run;
 pub mod seccomp;

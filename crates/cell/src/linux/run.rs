@@ -90,11 +90,15 @@ impl Ending {
                     warden_policy::ByteSize(*limit)
                 ),
             }),
-            Self::WallLimit { limit } => json!({ "reason": "wall-limit", "limit_ms": limit.as_millis() as u64 }),
+            Self::WallLimit { limit } => {
+                json!({ "reason": "wall-limit", "limit_ms": limit.as_millis() as u64 })
+            }
             Self::OutputLimit { limit } => json!({ "reason": "output-limit", "limit": limit }),
             Self::Killed => json!({ "reason": "killed" }),
             Self::CommandNotFound(message) => json!({ "reason": "not-found", "message": message }),
-            Self::CannotExecute(message) => json!({ "reason": "not-executable", "message": message }),
+            Self::CannotExecute(message) => {
+                json!({ "reason": "not-executable", "message": message })
+            }
         }
     }
 }
@@ -180,7 +184,11 @@ pub fn run(
     {
         // Only what the cell will see (missing paths are left out).
         if path.exists() {
-            let what = if rw { "read_write path" } else { "read_only path" };
+            let what = if rw {
+                "read_write path"
+            } else {
+                "read_only path"
+            };
             plan::check_not_wardens(what, path, &own)?;
         }
     }
@@ -446,6 +454,16 @@ pub fn run(
     let started = Instant::now();
     let pidfd = sys::pidfd_open(pid.as_raw()).map_err(os("opening a pidfd for the cell"))?;
     write_id_maps(pid, &ids).map_err(os("writing the cell's id maps"))?;
+    // The cell's namespaces, taken while its init may still be looked at (it makes itself
+    // undumpable at the end of its setup): the keeper hands them to whoever acts inside the
+    // cell from outside later (a reset), which an unprivileged warden could not open then.
+    let namespaces = ["user", "mnt"].map(|ns| {
+        fs::File::open(format!("/proc/{}/ns/{ns}", pid.as_raw())).map(std::os::fd::OwnedFd::from)
+    });
+    let namespaces = match namespaces {
+        [Ok(user), Ok(mnt)] => Some((user, mnt)),
+        _ => None,
+    };
     let mut sync = fs::File::from(sync_w);
     sync.write_all(&[init::GO_MAPPED])
         .map_err(os("starting the cell"))?;
@@ -619,10 +637,12 @@ pub fn run(
             seen: None,
         });
     }
-    if let Some(channel) = exec_channel {
-        super::exec::serve(&reservation.file(super::exec::EXEC_SOCKET), channel)
-            .map_err(os("opening the cell's exec socket"))?;
-    }
+    super::exec::serve(
+        &reservation.file(super::exec::EXEC_SOCKET),
+        exec_channel,
+        namespaces,
+    )
+    .map_err(os("opening the cell's exec socket"))?;
     let signals = SignalFd::with_flags(&forwarded, SfdFlags::SFD_CLOEXEC)
         .map_err(nix_os("creating a signalfd"))?;
     spawn_stdin_pump(stdin_w);

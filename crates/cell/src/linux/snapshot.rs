@@ -3,7 +3,7 @@
 //! copies nothing at all.
 
 use std::fs;
-use std::io::{self, Read as _, Write as _};
+use std::io;
 use std::os::unix::fs::{
     FileTypeExt as _, MetadataExt as _, OpenOptionsExt as _, PermissionsExt as _,
 };
@@ -17,7 +17,7 @@ use warden_workspace::{Layer, LayerMeta};
 use super::changes::{self, ChangesError};
 use super::registry::Registry;
 use super::store::Store;
-use super::{overlay, sys};
+use super::sys;
 
 /// What is recorded with a snapshot.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -284,11 +284,10 @@ pub fn reset_stopped(
     swap_in(layer, "upper")
 }
 
-/// Returns a running (frozen) cell's workspace to a snapshot of it, or to its start: a new
-/// overlay over a fresh upper layer replaces the old one at the workspace mount point, mounted
-/// from inside the cell's namespaces by a short-lived helper of the warden. Processes see the
-/// reset tree from their next path lookup; a working directory inside the old tree stays there.
+/// Returns a running (frozen) cell's workspace to a snapshot of it, or to its start, in place
+/// (see `reset`): its processes see the reset tree at once, and go on writing it.
 pub fn reset_running(
+    registry: &Registry,
     store: &Store,
     layer: &Layer,
     meta: &LayerMeta,
@@ -296,106 +295,21 @@ pub fn reset_running(
     cell_pid: i32,
     to: Option<&str>,
 ) -> Result<(), SnapshotError> {
-    fresh_upper(store, layer, cell, to)?;
-    let work = layer.work();
-    let fresh_work = layer.dir().join("work.new");
-    let _ = fs::remove_dir_all(&fresh_work);
-    let work_meta = fs::symlink_metadata(&work).map_err(|source| SnapshotError::Copy {
-        path: work.clone(),
-        source,
-    })?;
-    fs::create_dir(&fresh_work).map_err(|source| SnapshotError::Copy {
-        path: fresh_work.clone(),
-        source,
-    })?;
-    let _ = std::os::unix::fs::lchown(&fresh_work, Some(work_meta.uid()), Some(work_meta.gid()));
-
-    let snapshots = store.root().join("snapshots");
-    let mut lowers: Vec<PathBuf> = meta
-        .base
-        .iter()
-        .map(|b| overlay::inside_snapshot(&snapshots, b))
-        .collect();
-    lowers.push(PathBuf::from(overlay::LOWER));
-    let inside_layer = Path::new(overlay::LAYER);
-    let remount = Remount {
-        target: meta.mount.clone(),
-        lowers,
-        upper: inside_layer.join("upper.new"),
-        work: inside_layer.join("work.new"),
-    };
-    remount
-        .run_in(cell_pid)
-        .map_err(|source| SnapshotError::Remount {
-            cell: cell.to_owned(),
-            source,
-        })?;
-    swap_in(layer, "upper")?;
-    swap_in(layer, "work")
-}
-
-/// A new overlay for the workspace mount point, as seen inside the cell.
-struct Remount {
-    target: PathBuf,
-    lowers: Vec<PathBuf>,
-    upper: PathBuf,
-    work: PathBuf,
-}
-
-impl Remount {
-    /// Forks a helper that joins the cell's user and mount namespaces (as the cell's root) and
-    /// swaps the mounts there; its error comes back through a pipe.
-    fn run_in(&self, pid: i32) -> io::Result<()> {
-        let userns = fs::File::open(format!("/proc/{pid}/ns/user"))?;
-        let mntns = fs::File::open(format!("/proc/{pid}/ns/mnt"))?;
-        let (report_r, report_w) = sys::pipe()?;
-        let child = sys::clone_process(0)?;
-        if child == 0 {
-            drop(report_r);
-            let result = self.swap(&userns, &mntns);
-            let mut report = fs::File::from(report_w);
-            if let Err(err) = result {
-                let _ = write!(report, "{err}");
-                sys::exit_now(1);
+    let target = match to {
+        Some(id) => {
+            let info = get(store, id)?;
+            if info.cell != cell {
+                return Err(SnapshotError::Foreign {
+                    id: id.to_owned(),
+                    cell: cell.to_owned(),
+                });
             }
-            sys::exit_now(0);
+            info.stack()
         }
-        drop(report_w);
-        let mut message = String::new();
-        let _ = fs::File::from(report_r).read_to_string(&mut message);
-        let status = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(child), None);
-        match status {
-            Ok(nix::sys::wait::WaitStatus::Exited(_, 0)) => Ok(()),
-            _ if !message.is_empty() => Err(io::Error::other(message)),
-            other => Err(io::Error::other(format!(
-                "the remount helper ended with {other:?}"
-            ))),
-        }
-    }
-
-    fn swap(&self, userns: &fs::File, mntns: &fs::File) -> Result<(), String> {
-        use nix::sched::{CloneFlags, setns};
-        setns(userns, CloneFlags::CLONE_NEWUSER)
-            .map_err(|e| format!("joining the cell's user namespace: {e}"))?;
-        setns(mntns, CloneFlags::CLONE_NEWNS)
-            .map_err(|e| format!("joining the cell's mount namespace: {e}"))?;
-        // Act as the cell's root, which owns the layers in root mode (a no-op rootless).
-        let _ = nix::unistd::setresgid(0.into(), 0.into(), 0.into());
-        let _ = nix::unistd::setresuid(0.into(), 0.into(), 0.into());
-        std::env::set_current_dir("/").map_err(|e| format!("entering the cell's root: {e}"))?;
-        nix::mount::umount2(&self.target, nix::mount::MntFlags::MNT_DETACH).map_err(|e| {
-            format!(
-                "detaching the old workspace at {}: {e}",
-                self.target.display()
-            )
-        })?;
-        overlay::mount_overlay(&self.target, &self.lowers, &self.upper, &self.work).map_err(|e| {
-            format!(
-                "mounting the reset workspace at {}: {e}",
-                self.target.display()
-            )
-        })
-    }
+        // The start: the layers the cell was forked from (none for a plain cell).
+        None => meta.base.clone(),
+    };
+    super::reset::in_place(registry, meta, cell, cell_pid, &layer.stack(meta), &target)
 }
 
 /// Copies an overlayfs layer: directories with their overlay xattrs (opaque), files, symlinks,
@@ -538,7 +452,7 @@ impl Copy {
 
 /// Copies the data of a file of `length` bytes, extent by extent: holes are skipped (and stay
 /// holes, the target being set to the full length). Returns the bytes of data copied.
-fn copy_data(source: &fs::File, target: &fs::File, length: u64) -> io::Result<u64> {
+pub(super) fn copy_data(source: &fs::File, target: &fs::File, length: u64) -> io::Result<u64> {
     use rustix::fs::{SeekFrom, seek};
     let mut copied = 0u64;
     let mut at = 0u64;

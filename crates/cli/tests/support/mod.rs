@@ -178,3 +178,84 @@ pub fn direct_policy() -> String {
     .to_string()
 }
 pub mod daemon;
+
+/// Proves that a running cell writes, creates and deletes in its workspace after a reset to its
+/// start and after a reset to a snapshot. `warden(args)` makes the warden command (as whoever
+/// the test runs cells as); `workspace` holds `README.md` ("# Project") and `src/main.rs`.
+pub fn writes_after_reset(warden: &dyn Fn(&[&str]) -> Command, workspace: &Path, name: &str) {
+    use std::io::{BufRead as _, Write as _};
+    let ws = workspace.display().to_string();
+    // Each line read from stdin is a round: write, create, delete, and report.
+    let script = "cd /workspace; echo edited > README.md; echo ready; \
+        while read round; do \
+          echo \"$round\" >> README.md && echo new > \"new-$round.txt\" && rm -f src/main.rs \
+          && mkdir -p \"dir-$round\" && touch \"dir-$round/f\" && rm -r \"dir-$round\" \
+          && echo \"done $round\" || echo \"failed $round\"; \
+        done";
+    let mut cell = warden(&[
+        "run",
+        "--name",
+        name,
+        "--workspace",
+        &ws,
+        "--",
+        "sh",
+        "-c",
+        script,
+    ])
+    .stdin(Stdio::piped())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::inherit())
+    .spawn()
+    .unwrap();
+    let mut stdin = cell.stdin.take().unwrap();
+    let mut lines = std::io::BufReader::new(cell.stdout.take().unwrap()).lines();
+    let mut next = || lines.next().unwrap().unwrap();
+    assert_eq!(next(), "ready");
+    let ok = |args: &[&str]| {
+        let out = warden(args).stdin(Stdio::null()).output().unwrap();
+        assert!(
+            out.status.success(),
+            "warden {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    ok(&["snapshot", name, "--as", "edited"]);
+    for (round, reset) in [
+        ("one", vec!["reset", name]),
+        ("two", vec!["reset", name, "--to", "edited"]),
+    ] {
+        ok(&reset);
+        writeln!(stdin, "{round}").unwrap();
+        assert_eq!(next(), format!("done {round}"), "after `warden {reset:?}`");
+    }
+    let diff = ok(&["diff", name, "--json"]);
+    let diff: serde_json::Value = serde_json::from_str(&diff).unwrap();
+    let mut changes: Vec<(String, String)> = diff["changes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["path"].as_str().unwrap().to_owned(),
+                c["kind"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    changes.sort();
+    // Back at the snapshot (README edited), then round two: what the cell did after the resets.
+    assert_eq!(
+        changes,
+        [
+            ("README.md".to_owned(), "modified".to_owned()),
+            ("new-two.txt".to_owned(), "added".to_owned()),
+            ("src/main.rs".to_owned(), "deleted".to_owned()),
+        ],
+        "{diff}"
+    );
+    drop(stdin);
+    let _ = cell.wait();
+    ok(&["rm", &format!("{name}@edited")]);
+    ok(&["rm", name]);
+}

@@ -1,0 +1,496 @@
+//! Resetting a running cell's workspace in place. The cell's overlay stays mounted: with the cell
+//! frozen, a short-lived helper of the warden joins the cell's user and mount namespaces and
+//! makes the merged tree at the workspace mount equal to the target (the start, or a snapshot),
+//! through the overlay itself, changing only the paths that differ.
+//!
+//! Why not a new overlay: the Landlock domain of every process of the cell grants write access
+//! on the workspace's root *inode*; a new overlay has a new root, and the processes (the cell's
+//! init, and so every process started later) could never write the workspace again. Landlock
+//! ignores mount points on its walk, so no rule could cover whatever is mounted there later.
+//! Writing through the mounted overlay is also the one way of changing it that overlayfs
+//! defines: the layers underneath are never touched while it is mounted.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::{self, Read as _, Write as _};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::MetadataExt as _;
+use std::path::{Path, PathBuf};
+
+use rustix::fs::{AtFlags, FileType, Mode, OFlags};
+use warden_workspace::{Change, ChangeKind, DiffOptions, EntryKind, LayerMeta, Sensitivity};
+
+use super::snapshot::SnapshotError;
+use super::sys;
+
+/// What a path must become.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Want {
+    Absent,
+    Dir {
+        mode: u32,
+    },
+    /// A file with this content hash (when known); read from target layer `from` (an index into
+    /// the target stack), or from the host directory (`None`).
+    File {
+        mode: u32,
+        hash: Option<String>,
+        from: Option<usize>,
+    },
+    Link {
+        target: String,
+    },
+}
+
+/// One step of a reset, run inside the cell.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Step {
+    Remove(String),
+    Dir {
+        path: String,
+        mode: u32,
+    },
+    File {
+        path: String,
+        mode: u32,
+        from: Option<usize>,
+    },
+    Link {
+        path: String,
+        target: String,
+    },
+}
+
+fn want(change: &Change, stack: &[PathBuf]) -> Want {
+    if change.kind == ChangeKind::Deleted {
+        return Want::Absent;
+    }
+    match change.entry {
+        EntryKind::Dir => Want::Dir {
+            mode: change.new_mode.unwrap_or(0o755),
+        },
+        EntryKind::Symlink => Want::Link {
+            target: change.link_target.clone().unwrap_or_default(),
+        },
+        // A FIFO or socket of a snapshot is not made again (nothing can be applied from it).
+        EntryKind::Special => Want::Absent,
+        EntryKind::File => Want::File {
+            mode: change.new_mode.unwrap_or(0o644),
+            hash: change.hash.clone(),
+            from: stack
+                .iter()
+                .position(|layer| fs::symlink_metadata(layer.join(&change.path)).is_ok()),
+        },
+    }
+}
+
+/// The steps that turn the current tree (host directory under `current` layers) into the
+/// target (host directory under `target` layers): removals deepest first, then what is made,
+/// parents first. A path the two trees agree on is left alone.
+pub(super) fn plan(
+    lower: &Path,
+    current: &[PathBuf],
+    target: &[PathBuf],
+) -> Result<Vec<Step>, warden_workspace::WorkspaceError> {
+    let options = DiffOptions {
+        sensitivity: Sensitivity::default(),
+        max_patch_bytes: 0,
+        max_file_bytes: u64::MAX,
+    };
+    let now = warden_workspace::diff(lower, current, &options)?;
+    let then = warden_workspace::diff(lower, target, &options)?;
+    let now: BTreeMap<&str, &Change> = now.changes.iter().map(|c| (c.path.as_str(), c)).collect();
+    let then: BTreeMap<&str, &Change> = then.changes.iter().map(|c| (c.path.as_str(), c)).collect();
+    let host_state = |path: &str| -> Want {
+        match fs::symlink_metadata(lower.join(path)) {
+            Err(_) => Want::Absent,
+            Ok(meta) if meta.is_dir() => Want::Dir {
+                mode: meta.mode() & 0o7777,
+            },
+            Ok(meta) if meta.file_type().is_symlink() => Want::Link {
+                target: fs::read_link(lower.join(path))
+                    .map(|t| t.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
+            },
+            Ok(meta) => Want::File {
+                mode: meta.mode() & 0o7777,
+                hash: None,
+                from: None,
+            },
+        }
+    };
+    let mut removals = Vec::new();
+    let mut makes = Vec::new();
+    let paths: std::collections::BTreeSet<&str> = now.keys().chain(then.keys()).copied().collect();
+    for path in paths {
+        let is = now
+            .get(path)
+            .map_or_else(|| host_state(path), |c| want(c, current));
+        let should = then
+            .get(path)
+            .map_or_else(|| host_state(path), |c| want(c, target));
+        let same = match (&is, &should) {
+            // Both read from the host directory, unchanged: the same file.
+            (
+                Want::File {
+                    from: None,
+                    hash: None,
+                    mode: a,
+                },
+                Want::File {
+                    from: None,
+                    hash: None,
+                    mode: b,
+                },
+            ) => a == b,
+            (
+                Want::File {
+                    hash: Some(a),
+                    mode: m,
+                    ..
+                },
+                Want::File {
+                    hash: Some(b),
+                    mode: n,
+                    ..
+                },
+            ) => a == b && m == n,
+            (Want::File { .. }, Want::File { .. }) => false,
+            (a, b) => a == b,
+        };
+        if same {
+            continue;
+        }
+        let replaced = !matches!(
+            (&is, &should),
+            (Want::Dir { .. }, Want::Dir { .. }) | (Want::Absent, _)
+        );
+        if replaced {
+            removals.push(path.to_owned());
+        }
+        match should {
+            Want::Absent => {}
+            Want::Dir { mode } => makes.push(Step::Dir {
+                path: path.to_owned(),
+                mode,
+            }),
+            Want::File { mode, from, .. } => makes.push(Step::File {
+                path: path.to_owned(),
+                mode,
+                from,
+            }),
+            Want::Link { target } => makes.push(Step::Link {
+                path: path.to_owned(),
+                target,
+            }),
+        }
+    }
+    // Deepest first, so that a directory goes after what it held.
+    removals.sort_by(|a, b| b.cmp(a));
+    let mut steps: Vec<Step> = removals.into_iter().map(Step::Remove).collect();
+    steps.extend(makes);
+    Ok(steps)
+}
+
+/// Resets the workspace of the running (frozen) cell whose init is `pid`, mounted at
+/// `meta.mount` inside it, from its `current` layers to the `target` ones.
+pub(super) fn in_place(
+    registry: &super::registry::Registry,
+    meta: &LayerMeta,
+    cell: &str,
+    pid: i32,
+    current: &[PathBuf],
+    target: &[PathBuf],
+) -> Result<(), SnapshotError> {
+    let steps = plan(&meta.lower, current, target)
+        .map_err(|e| SnapshotError::Changes(super::changes::ChangesError::Workspace(e)))?;
+    if steps.is_empty() {
+        return Ok(());
+    }
+    let remount_err = |source: io::Error| SnapshotError::Remount {
+        cell: cell.to_owned(),
+        source,
+    };
+    // The sources, opened here: inside the cell's mount namespace no host path is reachable,
+    // but these descriptors still lead where they were opened.
+    let open_dir = |path: &Path| -> io::Result<OwnedFd> {
+        rustix::fs::open(
+            path,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(io::Error::from)
+    };
+    let lower = open_dir(&meta.lower).map_err(remount_err)?;
+    let layers: Vec<OwnedFd> = target
+        .iter()
+        .map(|l| open_dir(l))
+        .collect::<io::Result<_>>()
+        .map_err(remount_err)?;
+    let (userns, mntns) = namespaces(registry, cell, pid).map_err(remount_err)?;
+    let (report_r, report_w) = sys::pipe().map_err(remount_err)?;
+    let child = sys::clone_process(0).map_err(remount_err)?;
+    if child == 0 {
+        drop(report_r);
+        let result = run_inside(&userns, &mntns, &meta.mount, &lower, &layers, &steps);
+        let mut report = fs::File::from(report_w);
+        if let Err(err) = result {
+            let _ = write!(report, "{err}");
+            sys::exit_now(1);
+        }
+        sys::exit_now(0);
+    }
+    drop(report_w);
+    let mut message = String::new();
+    let _ = fs::File::from(report_r).read_to_string(&mut message);
+    let status = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(child), None);
+    match status {
+        Ok(nix::sys::wait::WaitStatus::Exited(_, 0)) => Ok(()),
+        _ if !message.is_empty() => Err(remount_err(io::Error::other(message))),
+        other => Err(remount_err(io::Error::other(format!(
+            "the reset helper ended with {other:?}"
+        )))),
+    }
+}
+
+/// The cell's user and mount namespaces: from its keeper, or (a cell whose keeper holds none)
+/// from its init's `/proc` entries, which only a privileged warden may open.
+fn namespaces(
+    registry: &super::registry::Registry,
+    cell: &str,
+    pid: i32,
+) -> io::Result<(OwnedFd, OwnedFd)> {
+    match super::exec::namespaces(registry, cell) {
+        Ok(both) => Ok(both),
+        Err(_) => {
+            let open = |ns: &str| fs::File::open(format!("/proc/{pid}/ns/{ns}")).map(OwnedFd::from);
+            Ok((open("user")?, open("mnt")?))
+        }
+    }
+}
+
+/// In the helper: joins the cell (as its root) and carries out the steps under `mount`.
+fn run_inside(
+    userns: &OwnedFd,
+    mntns: &OwnedFd,
+    mount: &Path,
+    lower: &OwnedFd,
+    layers: &[OwnedFd],
+    steps: &[Step],
+) -> Result<(), String> {
+    use nix::sched::{CloneFlags, setns};
+    setns(userns, CloneFlags::CLONE_NEWUSER)
+        .map_err(|e| format!("joining the cell's user namespace: {e}"))?;
+    setns(mntns, CloneFlags::CLONE_NEWNS)
+        .map_err(|e| format!("joining the cell's mount namespace: {e}"))?;
+    let _ = nix::unistd::setresgid(0.into(), 0.into(), 0.into());
+    let _ = nix::unistd::setresuid(0.into(), 0.into(), 0.into());
+    let root = rustix::fs::open(
+        mount,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| format!("opening the workspace at {}: {e}", mount.display()))?;
+    // What the cell sees as the workspace's owner owns what the reset makes.
+    let owner = rustix::fs::fstat(&root).map_err(|e| format!("reading the workspace: {e}"))?;
+    let owner = (owner.st_uid, owner.st_gid);
+    for step in steps {
+        carry_out(&root, lower, layers, step, owner)
+            .map_err(|e| format!("{}: {e}", step_path(step)))?;
+    }
+    Ok(())
+}
+
+fn step_path(step: &Step) -> &str {
+    match step {
+        Step::Remove(path)
+        | Step::Dir { path, .. }
+        | Step::File { path, .. }
+        | Step::Link { path, .. } => path,
+    }
+}
+
+/// Splits a workspace path into its directory (opened beneath `root`, never through a link)
+/// and its last component.
+fn parent_of<'p>(root: &OwnedFd, path: &'p str) -> io::Result<(OwnedFd, &'p str)> {
+    let (dir, name) = match path.rsplit_once('/') {
+        Some((dir, name)) => (dir, name),
+        None => ("", path),
+    };
+    let mut fd = root.as_fd().try_clone_to_owned()?;
+    for part in dir.split('/').filter(|p| !p.is_empty()) {
+        fd = rustix::fs::openat(
+            &fd,
+            part,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
+    }
+    Ok((fd, name))
+}
+
+fn carry_out(
+    root: &OwnedFd,
+    lower: &OwnedFd,
+    layers: &[OwnedFd],
+    step: &Step,
+    (uid, gid): (u32, u32),
+) -> io::Result<()> {
+    let chown = |dir: &OwnedFd, name: &str| {
+        rustix::fs::chownat(
+            dir,
+            name,
+            Some(rustix::fs::Uid::from_raw(uid)),
+            Some(rustix::fs::Gid::from_raw(gid)),
+            AtFlags::SYMLINK_NOFOLLOW,
+        )
+    };
+    match step {
+        Step::Remove(path) => {
+            let (dir, name) = parent_of(root, path)?;
+            remove_all(&dir, name)
+        }
+        Step::Dir { path, mode } => {
+            let (dir, name) = parent_of(root, path)?;
+            match rustix::fs::mkdirat(&dir, name, Mode::from_raw_mode(mode & 0o777)) {
+                Ok(()) => chown(&dir, name)?,
+                Err(rustix::io::Errno::EXIST) => {}
+                Err(e) => return Err(e.into()),
+            }
+            rustix::fs::chmodat(
+                &dir,
+                name,
+                Mode::from_raw_mode(mode & 0o777),
+                AtFlags::empty(),
+            )?;
+            Ok(())
+        }
+        Step::File { path, mode, from } => {
+            let source_dir = match from {
+                Some(i) => layers
+                    .get(*i)
+                    .ok_or_else(|| io::Error::other("no such target layer"))?,
+                None => lower,
+            };
+            let source = rustix::fs::openat(
+                source_dir,
+                path.as_str(),
+                OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::empty(),
+            )?;
+            let (dir, name) = parent_of(root, path)?;
+            let temporary = format!(".warden-reset-{}-{name}", std::process::id());
+            let target = rustix::fs::openat(
+                &dir,
+                temporary.as_str(),
+                OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::from_raw_mode(mode & 0o777),
+            )?;
+            let length = rustix::fs::fstat(&source)?.st_size as u64;
+            let copied = super::snapshot::copy_data(
+                &fs::File::from(source),
+                &fs::File::from(target),
+                length,
+            )
+            .and_then(|_| chown(&dir, &temporary).map_err(io::Error::from))
+            .and_then(|()| {
+                rustix::fs::chmodat(
+                    &dir,
+                    temporary.as_str(),
+                    Mode::from_raw_mode(mode & 0o777),
+                    AtFlags::empty(),
+                )
+                .map_err(io::Error::from)
+            })
+            .and_then(|()| {
+                rustix::fs::renameat(&dir, temporary.as_str(), &dir, name).map_err(io::Error::from)
+            });
+            if copied.is_err() {
+                let _ = rustix::fs::unlinkat(&dir, temporary.as_str(), AtFlags::empty());
+            }
+            copied
+        }
+        Step::Link { path, target } => {
+            let (dir, name) = parent_of(root, path)?;
+            rustix::fs::symlinkat(target.as_str(), &dir, name)?;
+            let _ = chown(&dir, name);
+            Ok(())
+        }
+    }
+}
+
+/// Removes `name` in `dir`, a whole tree if it is a directory, following no link.
+fn remove_all(dir: &OwnedFd, name: &str) -> io::Result<()> {
+    let stat = match rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW) {
+        Ok(stat) => stat,
+        Err(rustix::io::Errno::NOENT) => return Ok(()),
+        Err(e) => return Err(e.into()),
+    };
+    if FileType::from_raw_mode(stat.st_mode) != FileType::Directory {
+        return rustix::fs::unlinkat(dir, name, AtFlags::empty()).map_err(Into::into);
+    }
+    let inner = rustix::fs::openat(
+        dir,
+        name,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    let names: Vec<String> = rustix::fs::Dir::read_from(&inner)?
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n != "." && n != "..")
+        .collect();
+    for child in names {
+        remove_all(&inner, &child)?;
+    }
+    rustix::fs::unlinkat(dir, name, AtFlags::REMOVEDIR).map_err(Into::into)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_what_differs_is_touched_and_removals_come_first() {
+        let tmp = tempfile::tempdir().unwrap();
+        let lower = tmp.path().join("lower");
+        let now = tmp.path().join("now");
+        let then = tmp.path().join("then");
+        for dir in [&lower, &now, &then] {
+            fs::create_dir_all(dir).unwrap();
+        }
+        fs::write(lower.join("kept"), "same\n").unwrap();
+        fs::write(lower.join("edited"), "old\n").unwrap();
+        fs::create_dir_all(now.join("newdir/deep")).unwrap();
+        fs::write(now.join("newdir/deep/x"), "x").unwrap();
+        fs::write(now.join("edited"), "new\n").unwrap();
+        fs::write(now.join("both"), "same in both\n").unwrap();
+        fs::write(then.join("both"), "same in both\n").unwrap();
+        fs::write(then.join("snap-only"), "s\n").unwrap();
+        let steps = plan(
+            &lower,
+            std::slice::from_ref(&now),
+            std::slice::from_ref(&then),
+        )
+        .unwrap();
+        assert_eq!(
+            steps,
+            vec![
+                Step::Remove("newdir/deep/x".into()),
+                Step::Remove("newdir/deep".into()),
+                Step::Remove("newdir".into()),
+                Step::Remove("edited".into()),
+                Step::File {
+                    path: "edited".into(),
+                    mode: 0o644,
+                    from: None
+                },
+                Step::File {
+                    path: "snap-only".into(),
+                    mode: 0o644,
+                    from: Some(0)
+                },
+            ]
+        );
+    }
+}
