@@ -136,6 +136,76 @@ fn the_wardens_command_line_with_host_paths_is_not_visible_in_the_cell() {
 }
 
 #[test]
+fn the_mount_table_names_no_host_path_of_the_workspace_or_the_warden() {
+    let workspace = tempdir();
+    let state = tempdir();
+    let runtime = tempdir();
+    std::fs::set_permissions(runtime.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    let host_path = workspace.path().to_str().unwrap().to_owned();
+    let name = unique("mounts");
+    let env = |cmd: &mut std::process::Command| {
+        cmd.env("WARDEN_STATE_DIR", state.path())
+            .env("WARDEN_RUNTIME_DIR", runtime.path());
+    };
+    let mut cmd = warden();
+    env(&mut cmd);
+    let ran = Ran::from(
+        cmd.args(["run", "--name", &name, "--workspace", &host_path, "--"])
+            .args([
+                "sh",
+                "-c",
+                "echo x > /workspace/f; cat /proc/self/mountinfo /proc/self/mounts; ls -a /",
+            ])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(ran.code, 0, "{ran:?}");
+    // A fork stacks a snapshot under its layer: still nothing of the host.
+    let mut snap = warden();
+    env(&mut snap);
+    assert!(
+        snap.args(["snapshot", &name, "--as", "s"])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let mut fork = warden();
+    env(&mut fork);
+    let forked = Ran::from(
+        fork.args([
+            "fork",
+            &format!("{name}@s"),
+            "--name",
+            &format!("{name}-f"),
+            "--",
+        ])
+        .args(["sh", "-c", "cat /workspace/f /proc/self/mountinfo"])
+        .output()
+        .unwrap(),
+    );
+    assert_eq!(forked.code, 0, "{forked:?}");
+    assert!(forked.stdout.starts_with("x\n"), "{forked:?}");
+    for text in [&ran.stdout, &forked.stdout] {
+        for host in [
+            host_path.as_str(),
+            state.path().to_str().unwrap(),
+            runtime.path().to_str().unwrap(),
+        ] {
+            assert!(!text.contains(host), "{host} shows in the cell: {text}");
+        }
+        assert!(!text.contains(".warden"), "{text}");
+    }
+    for cell in [format!("{name}-f"), name.clone()] {
+        let mut rm = warden();
+        env(&mut rm);
+        let _ = rm.args(["rm", &cell]).status();
+    }
+    let mut rm = warden();
+    env(&mut rm);
+    let _ = rm.args(["rm", &format!("{name}@s")]).status();
+}
+
+#[test]
 fn ptrace_is_refused() {
     let ran = run_py(&[], &errno_of("", "libc.ptrace(0, 0, 0, 0)"));
     assert_eq!(ran.stdout.trim(), "errno EPERM", "{ran:?}");

@@ -89,10 +89,6 @@ pub fn build(
     ] {
         fs::create_dir_all(dir).map_err(at("creating directory", dir))?;
     }
-    if plan.workspace.as_ref().is_some_and(|w| w.overlay.is_some()) {
-        let hidden = inside(root, Path::new(overlay::HIDDEN));
-        fs::create_dir(&hidden).map_err(at("creating directory", &hidden))?;
-    }
     sys::restrict_mount(root, true).map_err(at("making the cell root read-only", root))?;
     for entry in &plan.entries {
         if let Entry::Bind {
@@ -272,9 +268,10 @@ fn mount_workspace(plan: &CellPlan, tree: Option<&std::os::fd::OwnedFd>) -> Resu
     Ok(())
 }
 
-/// The copy-on-write workspace. Its layers are first made reachable under the hidden
-/// `/.warden` (lower read-only, snapshots read-only, the cell's own layer directory
-/// read-write), then the overlay is stacked from those paths.
+/// The copy-on-write workspace, stacked from detached mounts of its layers (the host directory,
+/// or in root mode its id-mapped clone; the cell's layer directory; the snapshots it was forked
+/// from). They are in no mount tree, so no process of the cell can reach them or read a host
+/// path in `/proc/self/mountinfo`; the overlay keeps its own hold on them.
 fn mount_copy_on_write(
     root: &Path,
     dst: &Path,
@@ -282,64 +279,68 @@ fn mount_copy_on_write(
     overlay: &OverlayPlan,
     tree: Option<&std::os::fd::OwnedFd>,
 ) -> Result<(), SetupError> {
-    let hidden = inside(root, Path::new(overlay::HIDDEN));
-    mount_fs(
-        "mounting tmpfs on",
-        "tmpfs",
-        &hidden,
-        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
-        Some("mode=0700,size=16k"),
-    )?;
-    let lower = inside(root, Path::new(overlay::LOWER));
-    let layer = inside(root, Path::new(overlay::LAYER));
-    let snapshots = inside(root, Path::new(overlay::SNAPSHOTS));
-    for dir in [&lower, &layer, &snapshots] {
-        fs::create_dir(dir).map_err(at("creating directory", dir))?;
-    }
-    match tree {
-        // Root mode: the id-mapped clone of the host directory.
-        Some(tree) => sys::move_mount_to(tree, &lower)
-            .map_err(at("attaching the id-mapped workspace on", &lower))?,
-        None => bind("bind-mounting the workspace", &workspace.host, &lower, true)?,
-    }
-    sys::restrict_mount(&lower, true).map_err(at("making read-only", &lower))?;
-    bind(
-        "bind-mounting the workspace layer",
-        &overlay.layer_dir,
-        &layer,
-        false,
-    )?;
-    sys::restrict_mount(&layer, false).map_err(at("restricting mount", &layer))?;
-    if !overlay.base.is_empty() {
-        bind(
-            "bind-mounting the snapshots",
-            &overlay.snapshots_dir,
-            &snapshots,
-            true,
-        )?;
-        sys::restrict_mount(&snapshots, true).map_err(at("making read-only", &snapshots))?;
-    }
-    // The layers are named relative to the hidden directory: the mount's options (which every
-    // process of the cell can read in /proc/self/mountinfo) then name no path of the host.
-    let relative = |inner: &Path| -> PathBuf {
-        inner
-            .strip_prefix(overlay::HIDDEN)
-            .map_or_else(|_| inner.to_path_buf(), Path::to_path_buf)
+    let detached = |path: &Path, read_only: bool| -> Result<std::os::fd::OwnedFd, SetupError> {
+        let fd = sys::detached_clone(path).map_err(at("taking a detached mount of", path))?;
+        if read_only {
+            sys::restrict_detached(&fd).map_err(at("making read-only", path))?;
+        }
+        Ok(fd)
     };
-    let mut lowers: Vec<PathBuf> = overlay
-        .base
-        .iter()
-        .map(|b| relative(&overlay::inside_snapshot(&overlay.snapshots_dir, b)))
-        .collect();
-    lowers.push(relative(Path::new(overlay::LOWER)));
-    let layer = relative(Path::new(overlay::LAYER));
-    let back = std::env::current_dir().map_err(at("reading the working directory", root))?;
-    std::env::set_current_dir(&hidden).map_err(at("entering", &hidden))?;
-    let mounted = overlay::mount_overlay(dst, &lowers, &layer.join("upper"), &layer.join("work"))
-        .map_err(errno)
-        .map_err(at("mounting the copy-on-write workspace on", dst));
-    std::env::set_current_dir(&back).map_err(at("returning to", &back))?;
-    mounted
+    let lower = match tree {
+        // Root mode: the id-mapped clone of the host directory. The warden made it, so it
+        // belongs to the host's namespaces, which the cell's overlay may not take a layer
+        // from: attached for a moment in the cell's own tree (under its fresh /tmp), it is
+        // cloned from there, and detached again.
+        Some(tree) => {
+            let scratch = root.join("tmp").join(".warden-lower");
+            fs::create_dir(&scratch).map_err(at("creating directory", &scratch))?;
+            sys::move_mount_to(tree, &scratch)
+                .map_err(at("attaching the id-mapped workspace on", &scratch))?;
+            let clone = detached(&scratch, true);
+            nix::mount::umount2(&scratch, nix::mount::MntFlags::MNT_DETACH)
+                .map_err(errno)
+                .map_err(at("detaching", &scratch))?;
+            fs::remove_dir(&scratch).map_err(at("removing", &scratch))?;
+            clone?
+        }
+        None => detached(&workspace.host, true)?,
+    };
+    let lower_fd = Some(std::os::fd::AsRawFd::as_raw_fd(&lower));
+    let layer = detached(&overlay.layer_dir, false)?;
+    let snapshots = if overlay.base.is_empty() {
+        None
+    } else {
+        Some(detached(&overlay.snapshots_dir, true)?)
+    };
+    let fd_path =
+        |fd: std::os::fd::RawFd, rel: &Path| PathBuf::from(format!("/proc/self/fd/{fd}")).join(rel);
+    let mut lowers: Vec<PathBuf> = Vec::new();
+    if let Some(snapshots) = &snapshots {
+        use std::os::fd::AsRawFd as _;
+        for base in &overlay.base {
+            let rel = base
+                .strip_prefix(&overlay.snapshots_dir)
+                .map_err(|_| SetupError {
+                    step: "stacking the snapshot",
+                    path: base.clone(),
+                    source: std::io::Error::other("not in the snapshots directory"),
+                })?;
+            lowers.push(fd_path(snapshots.as_raw_fd(), rel));
+        }
+    }
+    if let Some(fd) = lower_fd {
+        lowers.push(fd_path(fd, Path::new("")));
+    }
+    use std::os::fd::AsRawFd as _;
+    let layer_fd = layer.as_raw_fd();
+    overlay::mount_overlay(
+        dst,
+        &lowers,
+        &fd_path(layer_fd, Path::new("upper")),
+        &fd_path(layer_fd, Path::new("work")),
+    )
+    .map_err(errno)
+    .map_err(at("mounting the copy-on-write workspace on", dst))
 }
 
 fn mount_dev(root: &Path) -> Result<(), SetupError> {

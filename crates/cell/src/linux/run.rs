@@ -465,8 +465,8 @@ pub fn run(
         _ => None,
     };
     let mut sync = fs::File::from(sync_w);
-    sync.write_all(&[init::GO_MAPPED])
-        .map_err(os("starting the cell"))?;
+    // A failed go-ahead means the init ended already: why is on the status pipe (read below).
+    let mut go_ahead = sync.write_all(&[init::GO_MAPPED]);
 
     // While the cell assembles its root, make its cgroup and move it in: moving a process
     // between cgroups may wait for an RCU grace period, which then overlaps the mounts.
@@ -512,7 +512,9 @@ pub fn run(
     } else {
         init::GO_RLIMITS
     };
-    sync.write_all(&[go]).map_err(os("starting the cell"))?;
+    if go_ahead.is_ok() {
+        go_ahead = sync.write_all(&[go]);
+    }
 
     // The init answers "ok" once the command runs, or "err CODE MESSAGE".
     let mut line = String::new();
@@ -521,10 +523,16 @@ pub fn run(
     if line != "ok" {
         let _ = waitpid(pid, None);
         guard.pid = None;
+        let unexplained = match &go_ahead {
+            Err(err) => {
+                format!("the cell's init ended during its setup without saying why ({err})")
+            }
+            Ok(()) => "the cell's init exited during setup".to_owned(),
+        };
         let (code, message) = line
             .strip_prefix("err ")
             .and_then(|rest| rest.split_once(' '))
-            .unwrap_or(("125", "the cell's init exited during setup"));
+            .unwrap_or(("125", unexplained.as_str()));
         return match code.parse::<i32>() {
             Ok(init::NOT_FOUND) => Ok(RunOutcome {
                 name,

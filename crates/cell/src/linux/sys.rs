@@ -156,11 +156,11 @@ pub fn restrict_mount(path: &Path, read_only: bool) -> io::Result<()> {
     check(ret).map(drop)
 }
 
-/// Clones the mount tree at `path` into a detached mount whose owners are translated through the
-/// user namespace `userns` (an idmapped mount). Attach it with [`move_mount_to`].
-pub fn idmapped_clone(path: &Path, userns: &OwnedFd) -> io::Result<OwnedFd> {
+/// Clones the mount at `path` into a detached (anonymous) mount: a descriptor of a mount that
+/// is in no mount tree, so that nothing in the cell sees it, and that an overlay can take as a
+/// layer (`/proc/self/fd/N`).
+pub fn detached_clone(path: &Path) -> io::Result<OwnedFd> {
     const OPEN_TREE_CLONE: libc::c_uint = 1;
-    const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
     let cpath = cstring(path)?;
     // SAFETY: valid NUL-terminated path; flags are plain integers.
     let ret = unsafe {
@@ -172,13 +172,23 @@ pub fn idmapped_clone(path: &Path, userns: &OwnedFd) -> io::Result<OwnedFd> {
         )
     };
     // SAFETY: the kernel returned a fresh descriptor that nothing else owns.
-    let tree = unsafe { OwnedFd::from_raw_fd(check(ret)? as RawFd) };
-    let attr = MountAttr {
-        attr_set: MOUNT_ATTR_IDMAP,
-        attr_clr: 0,
-        propagation: 0,
-        userns_fd: userns.as_raw_fd() as u64,
-    };
+    Ok(unsafe { OwnedFd::from_raw_fd(check(ret)? as RawFd) })
+}
+
+/// Makes a detached mount (from [`detached_clone`]) read-only, nosuid and nodev.
+pub fn restrict_detached(tree: &OwnedFd) -> io::Result<()> {
+    set_detached_attr(
+        tree,
+        &MountAttr {
+            attr_set: 0x1 | 0x2 | 0x4, // MOUNT_ATTR_RDONLY | NOSUID | NODEV
+            attr_clr: 0,
+            propagation: 0,
+            userns_fd: 0,
+        },
+    )
+}
+
+fn set_detached_attr(tree: &OwnedFd, attr: &MountAttr) -> io::Result<()> {
     let empty = c"";
     // SAFETY: `tree` is an open mount descriptor, the empty path with AT_EMPTY_PATH names it, and
     // `attr` is a correctly laid out `struct mount_attr` that outlives the call.
@@ -188,11 +198,25 @@ pub fn idmapped_clone(path: &Path, userns: &OwnedFd) -> io::Result<OwnedFd> {
             tree.as_raw_fd(),
             empty.as_ptr(),
             libc::AT_EMPTY_PATH as libc::c_uint,
-            &attr as *const MountAttr,
+            attr as *const MountAttr,
             std::mem::size_of::<MountAttr>(),
         )
     };
-    check(ret)?;
+    check(ret).map(drop)
+}
+
+/// Clones the mount tree at `path` into a detached mount whose owners are translated through the
+/// user namespace `userns` (an idmapped mount).
+pub fn idmapped_clone(path: &Path, userns: &OwnedFd) -> io::Result<OwnedFd> {
+    const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
+    let tree = detached_clone(path)?;
+    let attr = MountAttr {
+        attr_set: MOUNT_ATTR_IDMAP,
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: userns.as_raw_fd() as u64,
+    };
+    set_detached_attr(&tree, &attr)?;
     Ok(tree)
 }
 
