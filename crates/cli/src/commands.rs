@@ -520,7 +520,10 @@ fn apply(name: &str, options: ApplyOptions, json: bool) -> Result<i32> {
 fn policy(command: PolicyCommand) -> Result<i32> {
     match command {
         PolicyCommand::Check { file } => {
-            warden_policy::from_file(&file)?;
+            let policy = warden_policy::from_file(&file)?;
+            // What only this host can tell: the tier, and the paths the cell would see.
+            warden_cell::linux::plan::check_paths(&policy, store()?.root(), registry()?.root())
+                .with_context(|| format!("{}", file.display()))?;
             println!("{}: ok", file.display());
         }
         PolicyCommand::Explain { file, preset } => {

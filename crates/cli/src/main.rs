@@ -18,7 +18,7 @@ fn main() -> ExitCode {
     match commands::dispatch(args) {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
         Err(err) => {
-            eprintln!("warden: {err}");
+            eprintln!("warden: {err:#}");
             ExitCode::from(warden_protocol::exit::WARDEN_ERROR as u8)
         }
     }

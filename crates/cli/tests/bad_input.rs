@@ -256,3 +256,84 @@ fn wardens_own_directories_are_never_shown_to_a_cell() {
         assert!(!ran.stdout.contains("secret key"));
     }
 }
+
+#[test]
+fn paths_the_cell_could_not_see_are_refused_before_it_starts_with_the_reason() {
+    let dir = tempdir();
+    // A directory above the path that the cell's setup may not search (not under /tmp, which
+    // is refused for its own reason).
+    let closed = tempfile::Builder::new()
+        .prefix("warden-test-closed-")
+        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .unwrap();
+    std::fs::set_permissions(closed.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    std::fs::create_dir(closed.path().join("data")).unwrap();
+    let unreachable = policy(
+        dir.path(),
+        &format!(
+            "version: 1\nfilesystem:\n  read_only: [/usr, /bin, /lib, /lib64, {}]\n",
+            closed.path().join("data").display()
+        ),
+    );
+    let under_tmp = policy(
+        dir.path(),
+        "version: 1\nfilesystem:\n  read_write: [/tmp/from-the-host]\n",
+    );
+    let gvisor = policy(dir.path(), "version: 1\ntier: gvisor\n");
+    let mut cases = vec![
+        (under_tmp, "is under /tmp, which is the cell's own"),
+        (gvisor, "the gvisor tier is not implemented in this version"),
+    ];
+    if is_root() {
+        // Root-started cells set up as an unprivileged host id; the caller may reach anything.
+        cases.push((unreachable, "cannot be reached by the cell's setup"));
+    }
+    for (file, reason) in cases {
+        // `warden policy check` says it, and so does a run, before anything starts.
+        let checked = Ran::from(
+            warden()
+                .args(["policy", "check", file.to_str().unwrap()])
+                .output()
+                .unwrap(),
+        );
+        assert_eq!(checked.code, 125, "{checked:?}");
+        assert!(checked.stderr.contains(reason), "{checked:?}");
+        let ran = run_sh(&["--rm", "--policy", file.to_str().unwrap()], "echo ran");
+        assert_eq!(ran.code, 125, "{ran:?}");
+        assert!(ran.stderr.contains(reason), "{ran:?}");
+        assert!(!ran.stderr.contains("Broken pipe"), "{ran:?}");
+        assert!(ran.stdout.is_empty());
+    }
+    // `warden doctor` keeps prerequisites and what is implemented apart.
+    let doctor: serde_json::Value =
+        serde_json::from_slice(&warden().args(["doctor", "--json"]).output().unwrap().stdout)
+            .unwrap();
+    let tier = |name: &str| {
+        doctor
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["tier"] == name && c["feature"] == "tier")
+            .cloned()
+            .unwrap()
+    };
+    assert_eq!(tier("gvisor")["status"], "missing");
+    assert!(
+        tier("gvisor")["detail"]
+            .as_str()
+            .unwrap()
+            .contains("implemented: no")
+    );
+    assert!(
+        tier("microvm")["detail"]
+            .as_str()
+            .unwrap()
+            .contains("implemented: no")
+    );
+    assert!(
+        tier("process")["detail"]
+            .as_str()
+            .unwrap()
+            .contains("implemented: yes")
+    );
+}

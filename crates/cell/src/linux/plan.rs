@@ -128,7 +128,7 @@ pub enum PlanError {
     )]
     Name(String),
     #[error(
-        "the {0} tier is not available in this version of warden; use `tier: process` (see `warden doctor`)"
+        "the {0} tier is not implemented in this version of warden (it is planned); use `tier: process`, the one tier this warden runs (`warden doctor` lists each tier: implemented, prerequisites present, usable here)"
     )]
     Tier(&'static str),
     #[error(
@@ -152,6 +152,146 @@ pub enum PlanError {
         dir: &'static str,
         own: PathBuf,
     },
+    #[error(
+        "{what} {} cannot be reached by the cell's setup: {} is mode {mode:03o} (owner uid {owner}), and the setup runs as host uid {uid}{why}; make it searchable (`chmod o+x {}`) or use a path outside it",
+        path.display(), blocker.display(), blocker.display()
+    )]
+    Unreachable {
+        what: &'static str,
+        path: PathBuf,
+        blocker: PathBuf,
+        mode: u32,
+        owner: u32,
+        uid: u32,
+        why: &'static str,
+    },
+    #[error(
+        "{what} {} is under {under}, which is the cell's own (a fresh {under} is mounted over it, so the host's would be hidden); put it elsewhere, or bring files in through the workspace",
+        path.display()
+    )]
+    UnderCellsOwn {
+        what: &'static str,
+        path: PathBuf,
+        under: &'static str,
+    },
+}
+
+/// The host ids a cell's setup runs as (before it takes the cell user's): in root mode the
+/// first of the cell's block (inside root), rootless the caller.
+pub fn setup_host_ids() -> ((u32, u32), bool) {
+    let root_mode = nix::unistd::geteuid().is_root();
+    if root_mode {
+        (
+            (super::ids::ROOT_MODE_BASE, super::ids::ROOT_MODE_BASE),
+            true,
+        )
+    } else {
+        (
+            (
+                nix::unistd::geteuid().as_raw(),
+                nix::unistd::getegid().as_raw(),
+            ),
+            false,
+        )
+    }
+}
+
+/// Checks what of a policy only this host can tell, before a cell is made from it: the tier must
+/// be one this warden implements, and of the host paths it shows the cell (and Warden's own
+/// directories) none may be Warden's own, lie under the cell's own `/tmp`, `/dev` or `/proc`,
+/// or be out of reach of the cell's setup. `warden policy check` runs the same checks.
+pub fn check_paths(policy: &Policy, state: &Path, runtime: &Path) -> Result<(), PlanError> {
+    if policy.tier != warden_policy::Tier::Process {
+        return Err(PlanError::Tier(policy.tier.name()));
+    }
+    let own = [("state directory", state), ("runtime directory", runtime)];
+    let (setup, root_mode) = setup_host_ids();
+    for (path, rw) in policy
+        .filesystem
+        .read_only
+        .iter()
+        .map(|p| (p, false))
+        .chain(policy.filesystem.read_write.iter().map(|p| (p, true)))
+    {
+        let what = if rw {
+            "read_write path"
+        } else {
+            "read_only path"
+        };
+        // Only what the cell will see (missing paths are left out).
+        if path.exists() {
+            check_not_wardens(what, path, &own)?;
+        }
+        check_not_under_cells_own(what, path)?;
+        if path.exists() {
+            check_reachable(what, path, setup, root_mode)?;
+        }
+    }
+    // The cell's root is assembled under the runtime directory, its layers are in the state
+    // directory: the setup must reach both.
+    check_reachable("the runtime directory", runtime, setup, root_mode)?;
+    check_reachable("the state directory", state, setup, root_mode)?;
+    Ok(())
+}
+
+/// The directories every cell gets its own of, mounted over whatever the host has there.
+const CELLS_OWN: [&str; 3] = ["/tmp", "/dev", "/proc"];
+
+/// Refuses a host path the policy shows the cell that lies under one of the cell's own
+/// directories (where a fresh one would hide it).
+pub fn check_not_under_cells_own(what: &'static str, path: &Path) -> Result<(), PlanError> {
+    match CELLS_OWN.iter().find(|own| path.starts_with(own)) {
+        Some(under) => Err(PlanError::UnderCellsOwn {
+            what,
+            path: path.to_path_buf(),
+            under,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Refuses a host path that the cell's setup, running as host `uid`/`gid`, cannot reach (a
+/// directory above it it may not search): said before the cell starts, instead of a failed
+/// mount. `root_mode`: the warden runs as root, and root-started cells never act as host root.
+pub fn check_reachable(
+    what: &'static str,
+    path: &Path,
+    (uid, gid): (u32, u32),
+    root_mode: bool,
+) -> Result<(), PlanError> {
+    use std::os::unix::fs::MetadataExt as _;
+    let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut above: Vec<&Path> = path.ancestors().skip(1).collect();
+    above.reverse();
+    for dir in above {
+        let Ok(meta) = std::fs::metadata(dir) else {
+            continue;
+        };
+        let mode = meta.mode() & 0o777;
+        let search = if meta.uid() == uid {
+            mode & 0o100
+        } else if meta.gid() == gid {
+            mode & 0o010
+        } else {
+            mode & 0o001
+        };
+        if search == 0 {
+            return Err(PlanError::Unreachable {
+                what,
+                path: path.clone(),
+                blocker: dir.to_path_buf(),
+                mode,
+                owner: meta.uid(),
+                uid,
+                why: if root_mode {
+                    " (root-started cells never act as host root)"
+                } else {
+                    ""
+                },
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Refuses a host path a cell would see (`what`) that is, holds or lies inside one of Warden's

@@ -61,7 +61,50 @@ pub fn run_all() -> Vec<Check> {
     out.push(runsc());
     out.push(kvm());
     out.push(vmm());
+    let summaries: Vec<Check> = TIERS.iter().map(|tier| summary(tier, &out)).collect();
+    out.extend(summaries);
     out
+}
+
+/// The tiers, and whether this version of warden implements each.
+const TIERS: [(&str, bool); 3] = [("process", true), ("gvisor", false), ("microvm", false)];
+
+/// One line per tier, apart from its prerequisites: implemented, prerequisites present, usable
+/// here. A tier is usable only when both hold; nothing falls back to another tier silently.
+fn summary(&(tier, implemented): &(&'static str, bool), checks: &[Check]) -> Check {
+    let missing: Vec<&str> = checks
+        .iter()
+        .filter(|c| c.tier == tier && c.status == Status::Missing)
+        .map(|c| c.feature)
+        .collect();
+    let prerequisites = if missing.is_empty() {
+        "prerequisites present".to_owned()
+    } else {
+        format!("prerequisites missing: {}", missing.join(", "))
+    };
+    let (status, usable, fix) = match (implemented, missing.is_empty()) {
+        (true, true) => (Status::Ok, "usable here", None),
+        (true, false) => (
+            Status::Missing,
+            "not usable here",
+            Some("fix the prerequisites above".to_owned()),
+        ),
+        (false, _) => (
+            Status::Missing,
+            "not usable: not implemented in this version",
+            Some("use `tier: process`".to_owned()),
+        ),
+    };
+    Check {
+        tier,
+        feature: "tier",
+        status,
+        detail: format!(
+            "implemented: {}; {prerequisites}; {usable}",
+            if implemented { "yes" } else { "no (planned)" }
+        ),
+        fix,
+    }
 }
 
 fn user_namespaces() -> Check {

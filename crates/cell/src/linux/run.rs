@@ -171,27 +171,11 @@ pub fn run(
     }
     let name = request.name.clone().unwrap_or_else(generate_name);
     plan::check_name(&name)?;
+    plan::check_paths(policy, store.root(), registry.root())?;
     let own = [
         ("state directory", store.root()),
         ("runtime directory", registry.root()),
     ];
-    for (path, rw) in policy
-        .filesystem
-        .read_only
-        .iter()
-        .map(|p| (p, false))
-        .chain(policy.filesystem.read_write.iter().map(|p| (p, true)))
-    {
-        // Only what the cell will see (missing paths are left out).
-        if path.exists() {
-            let what = if rw {
-                "read_write path"
-            } else {
-                "read_only path"
-            };
-            plan::check_not_wardens(what, path, &own)?;
-        }
-    }
     let workspace = match &request.workspace {
         Some(dir) => {
             let host = fs::canonicalize(dir)
