@@ -62,7 +62,13 @@ pub enum Command {
     },
     /// Remove a stopped cell's workspace layer (its unapplied changes are lost), or a snapshot
     /// (`CELL@SNAP`).
-    Rm { name: String },
+    Rm {
+        name: String,
+        /// Also a cell the daemon keeps that still runs: it is killed first, and its unapplied
+        /// workspace changes are dropped.
+        #[arg(long)]
+        force: bool,
+    },
     /// Save the current state of a cell's workspace as an immutable snapshot `CELL@SNAP`.
     Snapshot {
         name: String,
@@ -101,9 +107,9 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// List the questions a cell's `ask` rules are waiting on.
+    /// List the questions `ask` rules are waiting on: of one cell, or with no NAME of every cell.
     Approvals {
-        name: String,
+        name: Option<String>,
         #[arg(long)]
         json: bool,
     },

@@ -100,17 +100,50 @@ impl Client {
         method: Method,
         path: &str,
         body: Option<&Value>,
-        mut on_event: impl FnMut(&str, &str),
+        on_event: impl FnMut(&str, &str),
     ) -> Result<()> {
+        if self
+            .open_events(method, path, body)
+            .await?
+            .each(on_event)
+            .await?
+        {
+            return Ok(());
+        }
+        bail!("the daemon's stream ended before the process did (did the daemon stop?)")
+    }
+
+    /// Opens a stream of server-sent events: once this returns, the daemon has subscribed, and
+    /// nothing that happens after is missed.
+    pub async fn open_events(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<EventStream> {
         let response = self.send(method, path, body).await?;
         if !response.status().is_success() {
             // Not a stream: the API's error.
             read_success(response).await?;
             bail!("the daemon refused the stream");
         }
-        let mut body = response.into_body();
+        Ok(EventStream {
+            body: response.into_body(),
+        })
+    }
+}
+
+/// An open stream of server-sent events.
+pub struct EventStream {
+    body: Incoming,
+}
+
+impl EventStream {
+    /// Calls `on_event(name, data)` for each event; returns `true` after an `exit` or `live`
+    /// event, `false` when the stream ends without one.
+    pub async fn each(mut self, mut on_event: impl FnMut(&str, &str)) -> Result<bool> {
         let mut buffer = String::new();
-        while let Some(frame) = body.frame().await {
+        while let Some(frame) = self.body.frame().await {
             let frame = frame.map_err(|e| anyhow!("the daemon's stream broke off: {e}"))?;
             let Ok(data) = frame.into_data() else {
                 continue;
@@ -133,12 +166,12 @@ impl Client {
                 if !data.is_empty() {
                     on_event(event, &data);
                     if event == "exit" || event == "live" {
-                        return Ok(());
+                        return Ok(true);
                     }
                 }
             }
         }
-        bail!("the daemon's stream ended before the process did (did the daemon stop?)")
+        Ok(false)
     }
 }
 

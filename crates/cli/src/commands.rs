@@ -36,10 +36,10 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             };
             apply(&name, options, json)
         }
-        Command::Rm { name } => {
+        Command::Rm { name, force } => {
             if name.contains('@') {
                 snapshot::remove(&store()?, &name)?;
-            } else if crate::daemon::through_daemon(&name, "delete")? {
+            } else if crate::daemon::remove_through_daemon(&name, force)? {
                 // A daemon cell: the daemon removed it with its layer and records.
             } else {
                 let store = store()?;
@@ -59,7 +59,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             Ok(0)
         }
         Command::Net { name, json } => net(&name, json),
-        Command::Approvals { name, json } => approvals(&name, json),
+        Command::Approvals { name, json } => approvals(name.as_deref(), json),
         Command::Approve { name, id, scope } => {
             if crate::daemon::through_daemon(&name, &format!("approve {id} {scope}"))? {
                 println!("approved question {id} of {name} (scope {scope})");
@@ -412,25 +412,88 @@ fn describe(change: &Change) -> String {
     line
 }
 
-fn approvals(name: &str, json: bool) -> Result<i32> {
-    let questions = control::pending_questions(&registry()?, name)?;
+/// One open question, as `warden approvals` lists it.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct OpenQuestion {
+    cell: String,
+    id: u64,
+    request: String,
+    rule: String,
+    asked_at: u64,
+    timeout_s: u64,
+}
+
+/// The questions of one cell, or of every cell: the daemon's when one runs (its ids, which
+/// survive its restarts, and questions about commands too), else each running cell's gateway's.
+fn approvals(name: Option<&str>, json: bool) -> Result<i32> {
+    if let Some(name) = name {
+        warden_cell::linux::plan::check_name(name)?;
+    }
+    let mut questions: Vec<OpenQuestion> = match crate::daemon::approvals_through_daemon()? {
+        Some(all) => serde_json::from_value(serde_json::Value::Array(all))
+            .context("reading the daemon's approvals")?,
+        None => {
+            let registry = registry()?;
+            let names = match name {
+                Some(name) => vec![name.to_owned()],
+                None => registry.list()?.into_iter().map(|r| r.name).collect(),
+            };
+            let mut out = Vec::new();
+            for cell in names {
+                let pending = match control::pending_questions(&registry, &cell) {
+                    Ok(pending) => pending,
+                    // A cell that ended between listing and asking has no questions.
+                    Err(_) if name.is_none() => continue,
+                    Err(err) => return Err(err.into()),
+                };
+                out.extend(pending.into_iter().map(|q| OpenQuestion {
+                    cell: cell.clone(),
+                    id: q.id,
+                    request: q.request,
+                    rule: q.rule,
+                    asked_at: q.asked_at,
+                    timeout_s: q.timeout_s,
+                }));
+            }
+            out
+        }
+    };
+    if let Some(name) = name {
+        questions.retain(|q| q.cell == name);
+    }
     if json {
         println!("{}", serde_json::to_string_pretty(&questions)?);
         return Ok(0);
     }
+    if questions.is_empty() {
+        match name {
+            Some(name) => eprintln!("cell {name} waits on no question"),
+            None => eprintln!("no cell waits on a question"),
+        }
+        return Ok(0);
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    use crate::render::safe;
     println!(
-        "{:<4} {:<50} {:<12} {:>9}",
-        "ID", "REQUEST", "RULE", "TIMEOUT"
+        "{:<16} {:<6} {:<50} {:<16} {:>8}",
+        "CELL", "ID", "REQUEST", "RULE", "LEFT"
     );
     for q in &questions {
+        let left = (q.asked_at + q.timeout_s).saturating_sub(now);
         println!(
-            "{:<4} {:<50} {:<12} {:>8}s",
+            "{:<16} {:<6} {:<50} {:<16} {:>7}s",
+            safe(&q.cell),
             q.id,
-            crate::render::safe(&q.request),
-            crate::render::safe(&q.rule),
-            q.timeout_s
+            safe(&q.request),
+            safe(&q.rule),
+            left
         );
     }
+    eprintln!(
+        "answer with `warden approve CELL ID [--scope once|cell|always]` or `warden deny CELL ID`"
+    );
     Ok(0)
 }
 

@@ -101,7 +101,6 @@ pub fn run_through(
     } else {
         rt.block_on(client.json(Method::POST, &format!("/v1/cells/{name}/kill"), None))
     };
-    let exit = outcome?;
     if let Err(err) = end {
         // A cell that its own limits ended already needs no kill.
         let ended = err
@@ -125,6 +124,10 @@ pub fn run_through(
              `warden diff {name}`, then `warden apply {name}` or `warden rm {name}`."
         );
     }
+    let exit = match outcome {
+        Ok(exit) => exit,
+        Err(err) => return refused(&err).ok_or(err),
+    };
     let reason = exit["reason"].as_str().unwrap_or_default();
     let message = exit["message"].as_str();
     // The same words as an in-process run.
@@ -166,9 +169,101 @@ pub fn run_through(
     })
 }
 
+/// Runs `work` while announcing on stderr each question the cell's `ask` rules raise meanwhile
+/// (about this command or about a connection it makes), with its id and how to answer, and each
+/// answer. The daemon subscribes before `work` starts, so no question is missed. `tty`: the
+/// terminal is raw, lines end in CR LF.
+async fn announcing<T>(
+    client: &Client,
+    cell: &str,
+    tty: bool,
+    work: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    let path = format!("/v1/events?cell={}", query(cell));
+    let stream = client.open_events(Method::GET, &path, None).await;
+    let announce = async {
+        if let Ok(stream) = stream {
+            let _ = stream
+                .each(|event, data| {
+                    if event != "entry" {
+                        return;
+                    }
+                    if let Some(line) = serde_json::from_str::<Value>(data)
+                        .ok()
+                        .and_then(|entry| announcement(cell, &entry))
+                    {
+                        let end = if tty { "\r\n" } else { "\n" };
+                        let _ = write!(std::io::stderr(), "{line}{end}");
+                    }
+                })
+                .await;
+        }
+        // Without the stream (an older daemon, one that stopped) the work goes on unannounced.
+        std::future::pending::<()>().await
+    };
+    tokio::select! {
+        done = work => done,
+        () = announce => unreachable!("the announcer never ends by itself"),
+    }
+}
+
+/// The line that tells a person at the terminal about a question or its answer.
+fn announcement(cell: &str, entry: &Value) -> Option<String> {
+    use crate::render::safe;
+    let data = &entry["data"];
+    let text = |key: &str| safe(data[key].as_str().unwrap_or_default());
+    match entry["kind"].as_str()? {
+        "approval.ask" => {
+            let id = entry["seq"].as_u64()?;
+            Some(format!(
+                "warden: cell {cell} asks for {} (rule {}): answer within {}s with `warden approve {cell} {id}` \
+                 (--scope cell or always to keep the answer) or `warden deny {cell} {id}`",
+                text("request"),
+                text("rule"),
+                data["timeout_s"].as_u64().unwrap_or(0),
+            ))
+        }
+        "approval.answer" => Some(format!(
+            "warden: {} {} for cell {cell} (by {}, scope {})",
+            if data["decision"] == "approve" {
+                "approved"
+            } else {
+                "denied"
+            },
+            text("request"),
+            text("by"),
+            text("scope"),
+        )),
+        "approval.timeout" => Some(format!(
+            "warden: nobody answered about {} for cell {cell} in time: {}",
+            text("request"),
+            if data["outcome"] == "allow" {
+                "allowed"
+            } else {
+                "denied"
+            },
+        )),
+        _ => None,
+    }
+}
+
+/// A command its cell's rules, or a person, refused: said, with its own exit status.
+fn refused(err: &anyhow::Error) -> Option<i32> {
+    let api = err.downcast_ref::<crate::client::ApiError>()?;
+    (api.status == hyper::StatusCode::FORBIDDEN).then(|| {
+        eprintln!("warden: refused: {}", api.message);
+        warden_protocol::exit::REFUSED
+    })
+}
+
 /// Starts the process, pumps stdin to it, forwards signals, writes its output; returns its
 /// exit information.
+/// Questions the cell's `ask` rules raise meanwhile are announced on stderr.
 async fn relay_process(client: &Client, cell: &str, spec: &Value, tty: bool) -> Result<Value> {
+    announcing(client, cell, tty, relay(client, cell, spec, tty)).await
+}
+
+async fn relay(client: &Client, cell: &str, spec: &Value, tty: bool) -> Result<Value> {
     use tokio::signal::unix::{SignalKind, signal};
     let started = client
         .json(Method::POST, &format!("/v1/cells/{cell}/exec"), Some(spec))
@@ -293,6 +388,51 @@ pub fn through_daemon(name: &str, action: &str) -> Result<bool> {
             _ => Err(err),
         },
     }
+}
+
+/// Every open question the running daemon knows of; `None` when no daemon runs.
+pub fn approvals_through_daemon() -> Result<Option<Vec<Value>>> {
+    let Some(client) = Client::detect(&runtime()) else {
+        return Ok(None);
+    };
+    let all = current_thread()?.block_on(client.json(Method::GET, "/v1/approvals", None))?;
+    match all {
+        Value::Array(all) => Ok(Some(all)),
+        other => bail!("the daemon answered GET /v1/approvals with {other}, not a list"),
+    }
+}
+
+/// Removes a cell the running daemon keeps; `false` when no daemon keeps it. One that still runs
+/// is refused unless `force` (it is then killed, and its unapplied changes dropped, which is
+/// said).
+pub fn remove_through_daemon(name: &str, force: bool) -> Result<bool> {
+    let Some(client) = Client::detect(&runtime()) else {
+        return Ok(false);
+    };
+    let rt = current_thread()?;
+    let info = match rt.block_on(client.json(Method::GET, &format!("/v1/cells/{name}"), None)) {
+        Ok(info) => info,
+        Err(err) => {
+            return match err.downcast_ref::<crate::client::ApiError>() {
+                Some(api) if api.status == hyper::StatusCode::NOT_FOUND => Ok(false),
+                _ => Err(err),
+            };
+        }
+    };
+    let running = info["state"] != "ended";
+    if running && !force {
+        bail!(
+            "cell `{name}` is {}; `warden kill {name}` first (its workspace changes stay for review), or `warden rm --force {name}` to kill it and drop them",
+            info["state"].as_str().unwrap_or("running")
+        );
+    }
+    rt.block_on(client.json(Method::DELETE, &format!("/v1/cells/{name}"), None))?;
+    if running {
+        eprintln!(
+            "warden: cell {name} was running: killed, and its unapplied workspace changes dropped"
+        );
+    }
+    Ok(true)
 }
 
 /// Replaces the policy of a cell the running daemon keeps (its `network` and `commands`, journaled
@@ -427,46 +567,45 @@ pub fn exec(args: ExecArgs) -> Result<i32> {
     let mut code = warden_protocol::exit::WARDEN_ERROR;
     let mut stdout = std::io::stdout();
     let mut stderr = std::io::stderr();
-    current_thread()?.block_on(client.events(
-        Method::POST,
-        &path,
-        Some(&body),
-        |event, data| {
-            let Ok(value) = serde_json::from_str::<Value>(data) else {
-                return;
-            };
-            let bytes = || chunk_bytes(&value);
-            match event {
-                "stdout" => {
-                    let _ = stdout.write_all(&bytes());
-                    let _ = stdout.flush();
-                }
-                "stderr" => {
-                    let _ = stderr.write_all(&bytes());
-                }
-                "exit" => {
-                    let reason = value["reason"].as_str().unwrap_or_default();
-                    code = match reason {
-                        "exited" | "failed" => value["code"]
-                            .as_i64()
-                            .map_or(warden_protocol::exit::WARDEN_ERROR, |c| c as i32),
-                        "signaled" => 128 + value["signal"].as_i64().unwrap_or(0) as i32,
-                        "timeout" => warden_protocol::exit::WALL_LIMIT,
-                        _ => warden_protocol::exit::WARDEN_ERROR,
-                    };
-                    if let Some(message) = value["message"].as_str() {
-                        eprintln!("warden: {message}");
-                    } else if reason == "timeout" {
-                        eprintln!("warden: the process ran past --timeout and was killed");
-                    } else if reason == "cell-ended" {
-                        eprintln!("warden: the cell ended before the process did");
-                    }
-                }
-                _ => {}
+    let rt = current_thread()?;
+    let run = client.events(Method::POST, &path, Some(&body), |event, data| {
+        let Ok(value) = serde_json::from_str::<Value>(data) else {
+            return;
+        };
+        let bytes = || chunk_bytes(&value);
+        match event {
+            "stdout" => {
+                let _ = stdout.write_all(&bytes());
+                let _ = stdout.flush();
             }
-        },
-    ))?;
-    Ok(code)
+            "stderr" => {
+                let _ = stderr.write_all(&bytes());
+            }
+            "exit" => {
+                let reason = value["reason"].as_str().unwrap_or_default();
+                code = match reason {
+                    "exited" | "failed" => value["code"]
+                        .as_i64()
+                        .map_or(warden_protocol::exit::WARDEN_ERROR, |c| c as i32),
+                    "signaled" => 128 + value["signal"].as_i64().unwrap_or(0) as i32,
+                    "timeout" => warden_protocol::exit::WALL_LIMIT,
+                    _ => warden_protocol::exit::WARDEN_ERROR,
+                };
+                if let Some(message) = value["message"].as_str() {
+                    eprintln!("warden: {message}");
+                } else if reason == "timeout" {
+                    eprintln!("warden: the process ran past --timeout and was killed");
+                } else if reason == "cell-ended" {
+                    eprintln!("warden: the cell ended before the process did");
+                }
+            }
+            _ => {}
+        }
+    });
+    match rt.block_on(announcing(&client, &args.name, false, run)) {
+        Ok(()) => Ok(code),
+        Err(err) => refused(&err).ok_or(err),
+    }
 }
 
 /// The bytes of an output event: `{"text": ...}` or `{"base64": ...}`.
@@ -506,7 +645,8 @@ pub fn copy(source: &str, dest: &str) -> Result<i32> {
     match (cell_side(source), cell_side(dest)) {
         (None, Some((cell, path))) => {
             let host = std::path::Path::new(source);
-            let meta = std::fs::metadata(host).with_context(|| source.to_owned())?;
+            let meta = std::fs::metadata(host)
+                .with_context(|| format!("{source} (on the host) cannot be copied"))?;
             if meta.is_dir() {
                 let mut builder = tar::Builder::new(Vec::new());
                 builder.follow_symlinks(false);
@@ -518,7 +658,28 @@ pub fn copy(source: &str, dest: &str) -> Result<i32> {
                 rt.block_on(client.bytes(Method::PUT, &url, archive))?;
             } else {
                 let data = std::fs::read(host).with_context(|| format!("reading {source}"))?;
-                let url = format!("/v1/cells/{cell}/files/content?path={}", query(path));
+                // Into a directory of the cell (`cell:dir/`, or one that exists), as cp does.
+                let into_dir = path.is_empty()
+                    || path.ends_with('/')
+                    || rt
+                        .block_on(client.json(
+                            Method::GET,
+                            &format!("/v1/cells/{cell}/files/stat?path={}", query(path)),
+                            None,
+                        ))
+                        .is_ok_and(|info| info["kind"] == "dir");
+                let path = if into_dir {
+                    let name = host
+                        .file_name()
+                        .map(|n| n.to_string_lossy().into_owned())
+                        .unwrap_or_default();
+                    format!("{}/{name}", path.trim_end_matches('/'))
+                        .trim_start_matches('/')
+                        .to_owned()
+                } else {
+                    path.to_owned()
+                };
+                let url = format!("/v1/cells/{cell}/files/content?path={}", query(&path));
                 rt.block_on(client.bytes(Method::PUT, &url, data))?;
             }
         }
@@ -554,44 +715,57 @@ pub fn copy(source: &str, dest: &str) -> Result<i32> {
 pub fn logs(name: &str, follow: bool, only: Option<u64>) -> Result<i32> {
     let client = client()?;
     let rt = current_thread()?;
-    let list =
-        rt.block_on(client.json(Method::GET, &format!("/v1/cells/{name}/processes"), None))?;
-    let processes = list.as_array().cloned().unwrap_or_default();
     let mut stdout = std::io::stdout();
     let mut stderr = std::io::stderr();
-    for process in processes {
-        let id = process["id"].as_u64().unwrap_or(0);
-        if only.is_some_and(|o| o != id) {
-            continue;
-        }
-        let argv: Vec<&str> = process["argv"]
-            .as_array()
-            .map(|a| a.iter().filter_map(Value::as_str).collect())
-            .unwrap_or_default();
-        eprintln!(
-            "==> process {id}: {} <==",
-            crate::render::safe(&argv.join(" "))
-        );
-        let path = format!("/v1/cells/{name}/processes/{id}/output?follow={follow}");
-        rt.block_on(client.events(Method::GET, &path, None, |event, data| {
-            let Ok(value) = serde_json::from_str::<Value>(data) else {
-                return;
-            };
-            let bytes = chunk_bytes(&value);
-            match event {
-                "stdout" => {
-                    let _ = stdout.write_all(&bytes);
-                    let _ = stdout.flush();
-                }
-                "stderr" => {
-                    let _ = stderr.write_all(&bytes);
-                }
-                "dropped" => eprintln!("warden: ({} earlier bytes were dropped)", value["bytes"]),
-                _ => {}
+    let mut shown = std::collections::HashSet::new();
+    loop {
+        let list =
+            rt.block_on(client.json(Method::GET, &format!("/v1/cells/{name}/processes"), None))?;
+        let processes = list.as_array().cloned().unwrap_or_default();
+        for process in processes {
+            let id = process["id"].as_u64().unwrap_or(0);
+            if only.is_some_and(|o| o != id) || !shown.insert(id) {
+                continue;
             }
-        }))?;
+            let argv: Vec<&str> = process["argv"]
+                .as_array()
+                .map(|a| a.iter().filter_map(Value::as_str).collect())
+                .unwrap_or_default();
+            eprintln!(
+                "==> process {id}: {} <==",
+                crate::render::safe(&argv.join(" "))
+            );
+            let path = format!("/v1/cells/{name}/processes/{id}/output?follow={follow}");
+            rt.block_on(client.events(Method::GET, &path, None, |event, data| {
+                let Ok(value) = serde_json::from_str::<Value>(data) else {
+                    return;
+                };
+                let bytes = chunk_bytes(&value);
+                match event {
+                    "stdout" => {
+                        let _ = stdout.write_all(&bytes);
+                        let _ = stdout.flush();
+                    }
+                    "stderr" => {
+                        let _ = stderr.write_all(&bytes);
+                    }
+                    "dropped" => {
+                        eprintln!("warden: ({} earlier bytes were dropped)", value["bytes"]);
+                    }
+                    _ => {}
+                }
+            }))?;
+        }
+        if !follow {
+            return Ok(0);
+        }
+        // Following: processes started later are shown as they come, until the cell ends.
+        let cell = rt.block_on(client.json(Method::GET, &format!("/v1/cells/{name}"), None))?;
+        if cell["state"] == "ended" {
+            return Ok(0);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(250));
     }
-    Ok(0)
 }
 
 /// Puts a terminal in raw mode until dropped.
@@ -648,7 +822,10 @@ fn exec_interactive(client: &Client, args: &ExecArgs, timeout_ms: Option<u64>) -
     };
     let exit = current_thread()?.block_on(relay_process(client, &args.name, &spec, args.tty));
     drop(_raw);
-    let exit = exit?;
+    let exit = match exit {
+        Ok(exit) => exit,
+        Err(err) => return refused(&err).ok_or(err),
+    };
     Ok(match exit["reason"].as_str().unwrap_or_default() {
         "exited" => exit["code"].as_i64().unwrap_or(0) as i32,
         "signaled" => 128 + exit["signal"].as_i64().unwrap_or(0) as i32,

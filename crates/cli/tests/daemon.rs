@@ -2663,3 +2663,567 @@ fn a_daemon_cell_writes_after_its_workspace_is_reset() {
     let events = daemon.exec(&cell, json!({ "argv": ["cat", "readme.txt"] }));
     assert_eq!(stream_bytes(&events, "stdout"), b"cell\nx\n");
 }
+
+#[test]
+fn each_gateway_decision_is_journaled_once_across_restarts() {
+    if !cgroups_available("daemon_decisions_once") {
+        return;
+    }
+    let mut daemon = Daemon::start(&[]);
+    let upstream = std::net::TcpListener::bind("127.0.0.2:0").unwrap();
+    let port = upstream.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for mut conn in upstream.incoming().flatten() {
+            use std::io::Write as _;
+            let _ = conn
+                .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok");
+        }
+    });
+    let policy =
+        format!("version: 1\nnetwork:\n  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n");
+    let cell = daemon.create(&unique("once"), json!({ "policy": policy }));
+    let journaled = |daemon: &Daemon| {
+        std::fs::read_to_string(daemon.journal())
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .filter(|e| e["kind"] == "net.decision" && e["cell"] == cell.as_str())
+            .count()
+    };
+    let wait_for = |daemon: &Daemon, count: usize| {
+        for _ in 0..200 {
+            if journaled(daemon) >= count {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        journaled(daemon)
+    };
+    // Distinct requests, each a decision of its own.
+    let request = |daemon: &Daemon, path: &str| {
+        let script = format!(
+            "import urllib.request\nprint(urllib.request.urlopen('http://127.0.0.2:{port}/{path}').read())"
+        );
+        daemon.exec(&cell, json!({ "argv": ["python3", "-c", script] }));
+    };
+    request(&daemon, "one");
+    request(&daemon, "two");
+    assert_eq!(wait_for(&daemon, 2), 2);
+    // Restart twice (a crash, then a clean stop): nothing is journaled a second time, and what
+    // comes after is journaled once.
+    daemon.restart();
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        journaled(&daemon),
+        2,
+        "decisions were journaled again after a crash"
+    );
+    request(&daemon, "three");
+    assert_eq!(wait_for(&daemon, 3), 3);
+    daemon.restart();
+    std::thread::sleep(Duration::from_millis(500));
+    request(&daemon, "four");
+    assert_eq!(wait_for(&daemon, 4), 4);
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(journaled(&daemon), 4, "a decision was journaled twice");
+}
+
+/// Reads a child's stderr on a thread; lines arrive on the channel as they are written.
+fn stderr_lines(child: &mut std::process::Child) -> std::sync::mpsc::Receiver<String> {
+    use std::io::BufRead as _;
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+/// The id in the announcement `... warden approve CELL ID ...`, waiting for it (up to 20 s);
+/// every line read is kept in `seen`.
+fn announced_id(
+    lines: &std::sync::mpsc::Receiver<String>,
+    cell: &str,
+    seen: &mut Vec<String>,
+) -> u64 {
+    let marker = format!("`warden approve {cell} ");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) {
+        let Ok(line) = lines.recv_timeout(left) else {
+            break;
+        };
+        seen.push(line.clone());
+        if let Some(at) = line.find(&marker) {
+            let digits: String = line[at + marker.len()..]
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect();
+            return digits.parse().unwrap();
+        }
+    }
+    panic!("no question was announced on the terminal: {seen:?}");
+}
+
+#[test]
+fn questions_are_announced_on_the_waiting_terminal_listed_for_all_cells_and_answered_by_id() {
+    if !cgroups_available("daemon_questions_cli") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let policy = "version: 1\ncommands:\n  deny: [\"rm *\"]\n  ask: [\"echo push*\"]\napprovals:\n  timeout: 30s\n";
+    let cell = daemon.create(&unique("qcli"), json!({ "policy": policy }));
+    let exec = |words: &[&str]| {
+        daemon
+            .warden()
+            .arg("exec")
+            .arg(&cell)
+            .arg("--")
+            .args(words)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let cli = |args: &[&str]| daemon.warden().args(args).output().unwrap();
+
+    // Held: `warden exec` says so, with the id and how to answer.
+    let mut held = exec(&["echo", "push", "one"]);
+    let lines = stderr_lines(&mut held);
+    let mut seen = Vec::new();
+    let id = announced_id(&lines, &cell, &mut seen);
+    assert!(seen.last().unwrap().contains("echo push one"), "{seen:?}");
+    // `warden approvals` with no name lists every cell's questions, with that id.
+    let all = cli(&["approvals"]);
+    let listed = String::from_utf8_lossy(&all.stdout);
+    assert!(all.status.success());
+    assert!(
+        listed.lines().any(|l| l.starts_with(cell.as_str())
+            && l.split_whitespace().nth(1) == Some(id.to_string().as_str())
+            && l.contains("exec echo push one")),
+        "{listed}"
+    );
+    let one: Value = serde_json::from_slice(&cli(&["approvals", &cell, "--json"]).stdout).unwrap();
+    assert_eq!(one.as_array().unwrap().len(), 1, "{one}");
+    assert_eq!(one[0]["id"], id);
+    let approve = cli(&["approve", &cell, &id.to_string()]);
+    assert!(
+        approve.status.success(),
+        "{}",
+        String::from_utf8_lossy(&approve.stderr)
+    );
+    let out = held.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(out.stdout, b"push one\n");
+
+    // Denied by a person: its own exit status, and the words say so.
+    let mut held = exec(&["echo", "push", "two"]);
+    let lines = stderr_lines(&mut held);
+    let mut seen = Vec::new();
+    let id = announced_id(&lines, &cell, &mut seen);
+    let deny = cli(&["deny", &cell, &id.to_string()]);
+    assert!(
+        deny.status.success(),
+        "{}",
+        String::from_utf8_lossy(&deny.stderr)
+    );
+    let status = held.wait().unwrap();
+    seen.extend(lines.iter());
+    assert_eq!(
+        status.code(),
+        Some(warden_protocol::exit::REFUSED),
+        "{seen:?}"
+    );
+    assert!(seen.iter().any(|l| l.contains("refused")), "{seen:?}");
+    assert!(held.stdout.take().is_none_or(|mut o| {
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut o, &mut text).unwrap();
+        text.is_empty()
+    }));
+    // Refused by a rule: the same status, the rule named.
+    let ruled = cli(&["exec", &cell, "--", "rm", "/tmp/x"]);
+    assert_eq!(ruled.status.code(), Some(warden_protocol::exit::REFUSED));
+    assert!(String::from_utf8_lossy(&ruled.stderr).contains("rm *"));
+    // Nothing is left open.
+    let empty: Value = serde_json::from_slice(&cli(&["approvals", "--json"]).stdout).unwrap();
+    assert_eq!(empty, json!([]));
+}
+
+#[test]
+fn a_network_question_keeps_its_id_across_a_restart_and_scope_cell_covers_the_host() {
+    if !cgroups_available("daemon_questions_restart") {
+        return;
+    }
+    let (port, hits) = upstream();
+    let mut daemon = Daemon::start(&[]);
+    let policy = format!(
+        "version: 1\nnetwork:\n  ask:\n    - host: 127.0.0.2\n      ports: [{port}]\napprovals:\n  timeout: 60s\n"
+    );
+    let cell = daemon.create(&unique("qrestart"), json!({ "policy": policy }));
+    let fetch = |daemon: &Daemon, path: &str| {
+        let code = format!(
+            "import urllib.request, urllib.error\n\
+             try:\n    print(urllib.request.urlopen('http://127.0.0.2:{port}/{path}').status)\n\
+             except urllib.error.HTTPError as e:\n    print(e.code)"
+        );
+        daemon
+            .warden()
+            .args(["exec", &cell, "--", "python3", "-c", &code])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let open = |daemon: &Daemon| -> Vec<u64> {
+        daemon
+            .call("GET", "/v1/approvals", None)
+            .json()
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|q| q["id"].as_u64().unwrap())
+            .collect()
+    };
+    // Announced on the terminal that waits, for a connection as for a command.
+    let mut held = fetch(&daemon, "zero");
+    let lines = stderr_lines(&mut held);
+    let mut seen = Vec::new();
+    let id = announced_id(&lines, &cell, &mut seen);
+    assert!(
+        seen.last()
+            .unwrap()
+            .contains(&format!("127.0.0.2:{port}/zero")),
+        "{seen:?}"
+    );
+    assert_eq!(open(&daemon), vec![id]);
+    assert!(
+        daemon
+            .warden()
+            .args(["approve", &cell, &id.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let zero = held.wait_with_output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&zero.stdout).trim(), "200");
+    // A question open while the daemon dies and comes back is the same question, by the same
+    // id. (The process that waits is the daemon's background one: a terminal's stream ends with
+    // the daemon.)
+    let code =
+        format!("import urllib.request\nurllib.request.urlopen('http://127.0.0.2:{port}/first')");
+    let started = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["python3", "-c", code], "background": true })),
+    );
+    assert_eq!(started.status, 201);
+    let mut before = Vec::new();
+    for _ in 0..200 {
+        before = open(&daemon);
+        if !before.is_empty() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    assert_eq!(before.len(), 1, "no question for /first");
+    let id = before[0];
+    daemon.restart();
+    let mut after = Vec::new();
+    for _ in 0..100 {
+        after = open(&daemon);
+        if !after.is_empty() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        after,
+        vec![id],
+        "the question's id changed across the restart"
+    );
+    let journal_path = daemon.journal();
+    let asks = || {
+        std::fs::read_to_string(&journal_path)
+            .unwrap()
+            .lines()
+            .filter(|l| l.contains("\"approval.ask\""))
+            .count()
+    };
+    assert_eq!(asks(), 2, "the question was asked again after the restart");
+    // Scope cell: the person means the host, so another path on it goes through unasked.
+    let approve = daemon
+        .warden()
+        .args(["approve", &cell, &id.to_string(), "--scope", "cell"])
+        .output()
+        .unwrap();
+    assert!(
+        approve.status.success(),
+        "{}",
+        String::from_utf8_lossy(&approve.stderr)
+    );
+    for _ in 0..200 {
+        if hits.load(std::sync::atomic::Ordering::SeqCst) == 2 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    assert_eq!(
+        hits.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "/first went through"
+    );
+    // The grant is kept across a restart.
+    daemon.restart();
+    let second = fetch(&daemon, "second/path?q=1")
+        .wait_with_output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&second.stdout).trim(), "200");
+    assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 3);
+    assert_eq!(
+        asks(),
+        3,
+        "the second request was asked and answered by the grant"
+    );
+    // `warden run` through the daemon tells its terminal too.
+    let dir = tempdir();
+    let file = support::policy(dir.path(), &policy);
+    let ran_name = unique("qrun");
+    let code = format!(
+        "import urllib.request\nprint(urllib.request.urlopen('http://127.0.0.2:{port}/run').status)"
+    );
+    let mut ran = daemon
+        .warden()
+        .args([
+            "run",
+            "--name",
+            &ran_name,
+            "--policy",
+            file.to_str().unwrap(),
+            "--",
+            "python3",
+            "-c",
+            &code,
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = stderr_lines(&mut ran);
+    let mut seen = Vec::new();
+    let id = announced_id(&lines, &ran_name, &mut seen);
+    assert!(
+        daemon
+            .warden()
+            .args(["approve", &ran_name, &id.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let ran = ran.wait_with_output().unwrap();
+    assert_eq!(ran.status.code(), Some(0), "{seen:?}");
+    assert_eq!(String::from_utf8_lossy(&ran.stdout).trim(), "200");
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    assert!(
+        journal
+            .lines()
+            .any(|l| l.contains("\"approval.answer\"") && l.contains("grant:")),
+        "the grant answered the second request"
+    );
+}
+
+#[test]
+fn copies_removals_logs_events_signals_and_refusals_say_what_they_mean() {
+    if !cgroups_available("daemon_small_things") {
+        return;
+    }
+    let (port, _) = upstream();
+    let daemon = Daemon::start(&[]);
+    let policy = format!(
+        "version: 1\nnetwork:\n  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n      methods: [GET]\n      paths: [\"/api/**\"]\n"
+    );
+    let cell = daemon.create(&unique("small"), json!({ "policy": policy }));
+    let cli = |args: &[&str]| daemon.warden().args(args).output().unwrap();
+    let sh = |script: &str| {
+        let events = daemon.exec(&cell, json!({ "argv": ["sh", "-c", script] }));
+        String::from_utf8(stream_bytes(&events, "stdout")).unwrap()
+    };
+    let dir = tempdir();
+    let file = dir.path().join("notes.txt");
+    std::fs::write(&file, "hello\n").unwrap();
+    let file = file.to_str().unwrap();
+
+    // cp into a directory of the cell, named with a slash or existing, keeps the file's name.
+    sh("mkdir -p /workspace/inbox");
+    assert!(cli(&["cp", file, &format!("{cell}:new/")]).status.success());
+    assert!(
+        cli(&["cp", file, &format!("{cell}:inbox")])
+            .status
+            .success()
+    );
+    assert_eq!(
+        sh("cat /workspace/new/notes.txt /workspace/inbox/notes.txt"),
+        "hello\nhello\n"
+    );
+    // A missing host file is named, with the reason.
+    let missing = cli(&["cp", "./no-such-file", &format!("{cell}:x")]);
+    assert_eq!(missing.status.code(), Some(125));
+    let words = String::from_utf8_lossy(&missing.stderr);
+    assert!(
+        words.contains("no-such-file") && words.contains("No such file"),
+        "{words}"
+    );
+
+    // A 403 for a wrong method on an allowed host names the rule and what it needs.
+    let post = format!(
+        "import urllib.request, urllib.error\n\
+         try:\n    urllib.request.urlopen(urllib.request.Request('http://127.0.0.2:{port}/api/x', data=b'1'))\n\
+         except urllib.error.HTTPError as e:\n    print(e.code, e.read().decode())"
+    );
+    let events = daemon.exec(&cell, json!({ "argv": ["python3", "-c", post] }));
+    let refusal = String::from_utf8(stream_bytes(&events, "stdout")).unwrap();
+    assert!(refusal.starts_with("403"), "{refusal}");
+    assert!(
+        refusal.contains("covers the host")
+            && refusal.contains("only GET")
+            && refusal.contains("/api/**"),
+        "{refusal}"
+    );
+
+    // A command that is not found ends with 127 and never says it started.
+    let events = daemon.exec(&cell, json!({ "argv": ["no-such-program"] }));
+    assert!(!events.iter().any(|(e, _)| e == "started"), "{events:?}");
+    assert_eq!(exit_of(&events)["code"], 127);
+
+    // Signals by name.
+    let started = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["sleep", "30"], "background": true })),
+    );
+    let id = started.json()["id"].as_u64().unwrap();
+    for bad in [json!("SIGNOPE"), json!(0), json!(99), json!("")] {
+        let answer = daemon.call(
+            "POST",
+            &format!("/v1/cells/{cell}/processes/{id}/signal"),
+            Some(json!({ "signal": bad })),
+        );
+        assert_eq!(
+            answer.status,
+            400,
+            "{bad}: {}",
+            String::from_utf8_lossy(&answer.body)
+        );
+    }
+    let sent = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/processes/{id}/signal"),
+        Some(json!({ "signal": "term" })),
+    );
+    assert!(sent.status < 300, "{}", String::from_utf8_lossy(&sent.body));
+    let waited = daemon.call(
+        "GET",
+        &format!("/v1/cells/{cell}/processes/{id}/wait"),
+        None,
+    );
+    assert_eq!(
+        waited.json()["signal"],
+        15,
+        "{}",
+        String::from_utf8_lossy(&waited.body)
+    );
+
+    // The events stream resumes after a cursor: exactly what came after it.
+    let journal: Vec<Value> = std::fs::read_to_string(daemon.journal())
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let mine: Vec<&Value> = journal
+        .iter()
+        .filter(|e| e["cell"] == cell.as_str())
+        .collect();
+    let cursor = mine[mine.len() / 2]["seq"].as_u64().unwrap();
+    let expected: Vec<u64> = mine
+        .iter()
+        .map(|e| e["seq"].as_u64().unwrap())
+        .filter(|s| *s > cursor)
+        .collect();
+    let resumed = |request: String| -> Vec<u64> {
+        use std::io::{Read as _, Write as _};
+        let mut stream = std::os::unix::net::UnixStream::connect(daemon.socket()).unwrap();
+        stream.write_all(request.as_bytes()).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_millis(1500)))
+            .unwrap();
+        let mut seen = String::new();
+        let mut buf = [0u8; 8192];
+        while let Ok(n) = stream.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+        seen.lines()
+            .filter_map(|l| l.strip_prefix("id: "))
+            .map(|id| id.trim().parse().unwrap())
+            .collect()
+    };
+    assert_eq!(
+        resumed(format!(
+            "GET /v1/events?cell={cell}&after={cursor} HTTP/1.1\r\nHost: w\r\n\r\n"
+        )),
+        expected
+    );
+    assert_eq!(
+        resumed(format!(
+            "GET /v1/events?cell={cell} HTTP/1.1\r\nHost: w\r\nLast-Event-ID: {cursor}\r\n\r\n"
+        )),
+        expected
+    );
+
+    // `logs -f` with nothing running waits, shows a process started later, and ends with the cell.
+    let mut follow = daemon
+        .warden()
+        .args(["logs", "-f", &cell])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(700));
+    assert!(
+        follow.try_wait().unwrap().is_none(),
+        "logs -f returned with the cell running"
+    );
+    sh("echo came-later");
+
+    // `rm` of a running cell is refused without --force; nothing is lost by the refusal.
+    let refused = cli(&["rm", &cell]);
+    assert_ne!(refused.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--force"));
+    assert_eq!(sh("cat /workspace/new/notes.txt"), "hello\n");
+    std::thread::sleep(Duration::from_millis(700));
+    let forced = cli(&["rm", "--force", &cell]);
+    assert!(
+        forced.status.success(),
+        "{}",
+        String::from_utf8_lossy(&forced.stderr)
+    );
+    assert_eq!(
+        daemon
+            .call("GET", &format!("/v1/cells/{cell}"), None)
+            .status,
+        404
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while follow.try_wait().unwrap().is_none() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let followed = follow.wait_with_output().unwrap();
+    assert!(String::from_utf8_lossy(&followed.stdout).contains("came-later"));
+}

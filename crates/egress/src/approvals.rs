@@ -16,8 +16,11 @@ const POLL: Duration = Duration::from_millis(25);
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Question {
     pub id: u64,
-    /// What the cell wants: `CONNECT pypi.org:443`, `GET http://x.org/path`.
+    /// What the cell wants: `connect pypi.org:443`, `GET pypi.org:443/simple/`.
     pub request: String,
+    /// Where to: `host:port` (what a standing grant of this question covers).
+    #[serde(default)]
+    pub destination: String,
     /// The ask rule that matched.
     pub rule: String,
     /// Seconds since the epoch when the question was asked.
@@ -79,11 +82,12 @@ impl Approvals {
     }
 
     /// Asks about `request` and waits for the answer: whether it is allowed, and why.
-    pub(crate) fn ask(&self, request: String, rule: &str) -> (bool, String) {
+    pub(crate) fn ask(&self, request: String, destination: String, rule: &str) -> (bool, String) {
         let id = self.next.fetch_add(1, Ordering::SeqCst);
         let question = Question {
             id,
             request,
+            destination,
             rule: rule.to_owned(),
             asked_at: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)

@@ -166,7 +166,8 @@ impl Gateway {
             }
             None => format!("connect {}:{}", request.host.as_text(), request.port),
         };
-        let (allowed, reason) = approvals.ask(target, &verdict.rule);
+        let destination = format!("{}:{}", request.host.as_text(), request.port);
+        let (allowed, reason) = approvals.ask(target, destination, &verdict.rule);
         verdict.allowed = allowed;
         verdict.reason = reason;
         verdict

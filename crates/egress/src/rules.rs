@@ -34,6 +34,8 @@ struct Rule {
     ports: Vec<u16>,
     methods: Vec<String>,
     paths: Option<GlobSet>,
+    /// The path globs as written, for messages.
+    path_globs: Option<Vec<String>>,
     dns: NameLookup,
 }
 
@@ -120,6 +122,24 @@ impl Rules {
         }
         if self.default_allow {
             return Verdict::new(true, "default", "network.default is allow");
+        }
+        // A rule for this host that the request misses on its method or path says what it
+        // would take, so that an agent can correct itself.
+        if let Some((method, path)) = request.http
+            && let Some(near) = self
+                .allow
+                .iter()
+                .find(|r| r.host_matches(request.host) && r.port_matches(request.port))
+        {
+            return Verdict::new(
+                false,
+                "default",
+                &format!(
+                    "no rule allows this request: {} covers the host but allows {} (this is {method} {path}); network.default is deny",
+                    near.label,
+                    near.allows()
+                ),
+            );
         }
         Verdict::new(
             false,
@@ -222,6 +242,19 @@ impl Rules {
 }
 
 impl Rule {
+    /// What the rule allows of a request, in words.
+    fn allows(&self) -> String {
+        let methods = if self.methods.is_empty() {
+            "any method".to_owned()
+        } else {
+            format!("only {}", self.methods.join(", "))
+        };
+        match &self.path_globs {
+            Some(globs) => format!("{methods} on {}", globs.join(", ")),
+            None => format!("{methods} on any path"),
+        }
+    }
+
     fn is_l7(&self) -> bool {
         !self.methods.is_empty() || self.paths.is_some()
     }
@@ -291,6 +324,7 @@ fn compile_rule(rule: &NetRule, label: &str) -> Result<Rule, RulesError> {
         host,
         ports: rule.ports.clone(),
         methods: rule.methods.clone(),
+        path_globs: paths.as_ref().map(|_| rule.paths.clone()),
         paths,
         dns: rule.dns,
     })
@@ -441,6 +475,15 @@ mod tests {
         assert!(http("GET", "/repos/a/b"));
         assert!(!http("POST", "/repos/a/b"));
         assert!(!http("GET", "/users"));
+        let missed = r.decide(&Request {
+            host: &host,
+            port: 80,
+            http: Some(("POST", "/users")),
+        });
+        assert_eq!(
+            missed.reason,
+            "no rule allows this request: allow[0] host=api.x.org covers the host but allows only GET on /repos/** (this is POST /users); network.default is deny"
+        );
         let tunnel = r.decide(&Request {
             host: &host,
             port: 443,

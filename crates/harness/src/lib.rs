@@ -172,7 +172,6 @@ pub struct Harness {
     walled: Mutex<std::collections::HashSet<String>>,
     /// Lines straight to the inits of cells this daemon exec'd into (see `exec::Line`).
     lines: Mutex<HashMap<String, Arc<warden_cell::linux::exec::Line>>>,
-    next_question: AtomicU64,
     /// Per cell, how far its egress record is copied into the journal (one copier at a time).
     copiers: Mutex<HashMap<String, Arc<tokio::sync::Mutex<u64>>>>,
     /// How far the journal's newest entries say each record was copied, as found at open.
@@ -221,7 +220,6 @@ impl Harness {
             exec_questions: Mutex::new(HashMap::new()),
             walled: Mutex::new(std::collections::HashSet::new()),
             lines: Mutex::new(HashMap::new()),
-            next_question: AtomicU64::new(1),
             events: tokio::sync::broadcast::channel(1024).0,
             config,
             registry,
@@ -257,7 +255,68 @@ impl Harness {
         self.events.subscribe()
     }
 
-    /// Appends to the journal and waits until it is on disk.
+    /// Journal entries after `after` (their sequence number), of `cell` only when given, as the
+    /// events stream shows them: what a client that reconnects missed. Only the segments that
+    /// can hold them are read.
+    pub async fn entries_after(
+        &self,
+        after: u64,
+        cell: Option<String>,
+    ) -> Result<Vec<Value>, HarnessError> {
+        let dir = self.journal.dir().to_path_buf();
+        tokio::task::spawn_blocking(move || {
+            let segments = warden_journal::segments(&dir)
+                .map_err(|e| HarnessError::internal(format!("listing the journal: {e}")))?;
+            // Closed segments are named by their first entry: skip those wholly at or before
+            // `after`.
+            let first_seq = |path: &Path| -> Option<u64> {
+                path.file_name()?
+                    .to_str()?
+                    .strip_prefix("journal-")?
+                    .strip_suffix(".jsonl")?
+                    .parse()
+                    .ok()
+            };
+            let mut start = 0;
+            for (i, path) in segments.iter().enumerate() {
+                if first_seq(path).is_some_and(|first| first <= after + 1) {
+                    start = i;
+                }
+            }
+            let mut out = Vec::new();
+            for path in &segments[start..] {
+                let text = std::fs::read_to_string(path).map_err(|e| {
+                    HarnessError::internal(format!("reading {}: {e}", path.display()))
+                })?;
+                for line in text.lines() {
+                    let Ok(entry) = serde_json::from_str::<warden_journal::Entry>(line) else {
+                        continue;
+                    };
+                    if entry.seq <= after
+                        || cell
+                            .as_deref()
+                            .is_some_and(|c| entry.cell.as_deref() != Some(c))
+                    {
+                        continue;
+                    }
+                    out.push(json!({
+                        "seq": entry.seq,
+                        "cell": entry.cell,
+                        "kind": entry.kind,
+                        "data": entry.data,
+                    }));
+                }
+            }
+            Ok(out)
+        })
+        .await
+        .map_err(|e| HarnessError::internal(e.to_string()))?
+    }
+
+    /// Appends to the journal and waits until it is on disk. Every entry goes to the events
+    /// stream once it is on disk (whether or not anyone listens as it is made: a client that
+    /// subscribes, then reads what it missed from the journal, must find each entry in one of
+    /// the two).
     pub async fn record(
         &self,
         cell: Option<&str>,
@@ -265,7 +324,7 @@ impl Harness {
         data: Value,
     ) -> Result<Receipt, HarnessError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let event = (self.events.receiver_count() > 0).then(|| data.clone());
+        let event = Some(data.clone());
         self.journal
             .submit_leading(cell, kind, data, move |result| {
                 let _ = tx.send(result);
@@ -286,7 +345,7 @@ impl Harness {
         let mut waiting = Vec::with_capacity(entries.len());
         for data in entries {
             let (tx, rx) = tokio::sync::oneshot::channel();
-            let event = (self.events.receiver_count() > 0).then(|| data.clone());
+            let event = Some(data.clone());
             self.journal.submit(Some(cell), kind, data, move |result| {
                 let _ = tx.send(result);
             });
@@ -310,7 +369,7 @@ impl Harness {
     ) -> Result<Durable, HarnessError> {
         let (written_tx, written_rx) = tokio::sync::oneshot::channel();
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let event = (self.events.receiver_count() > 0).then(|| data.clone());
+        let event = Some(data.clone());
         self.journal.submit_ahead(
             cell,
             kind,
@@ -768,6 +827,11 @@ impl Harness {
             copiers.remove(name);
         }
         let _ = self.state.set_record_offset(name, None);
+        let _ = self.state.forget_questions(name);
+        let _ = self.state.forget_grants_of(name);
+        if let Ok(mut grants) = self.grants.lock() {
+            grants.retain(|g| g.cell.as_deref() != Some(name));
+        }
         let _ = std::fs::remove_dir_all(self.daemon_dir.join("cells").join(name));
         self.state.remove(name)
     }

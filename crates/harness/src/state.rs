@@ -13,14 +13,28 @@ const CELLS: TableDefinition<&str, &str> = TableDefinition::new("cells");
 const GRANTS: TableDefinition<&str, &str> = TableDefinition::new("grants");
 /// How far into each cell's egress record the journal has copied (bytes).
 const RECORD_OFFSETS: TableDefinition<&str, u64> = TableDefinition::new("record_offsets");
+/// The public id (journal sequence number) of each open gateway question, keyed by cell,
+/// gateway id and time asked, so that a question keeps its id across daemon restarts.
+const QUESTIONS: TableDefinition<&str, u64> = TableDefinition::new("questions");
 
 /// A standing approval: the same request is approved without asking.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Grant {
     /// The cell it is limited to; `None` for every cell (scope `always`).
     pub cell: Option<String>,
+    /// The request it was given for (shown).
     pub request: String,
+    /// What it covers (the rule and destination of a network question, the command line of a
+    /// command); grants kept by an earlier version cover their exact request.
+    #[serde(default)]
+    pub key: Option<String>,
     pub by: String,
+}
+
+impl Grant {
+    pub fn key(&self) -> &str {
+        self.key.as_deref().unwrap_or(&self.request)
+    }
 }
 
 /// What the daemon remembers of a cell.
@@ -92,8 +106,66 @@ impl State {
         txn.open_table(CELLS).map_err(db_error)?;
         txn.open_table(GRANTS).map_err(db_error)?;
         txn.open_table(RECORD_OFFSETS).map_err(db_error)?;
+        txn.open_table(QUESTIONS).map_err(db_error)?;
         txn.commit().map_err(db_error)?;
         Ok(Self { db })
+    }
+
+    fn question_key(name: &str, gateway_id: u64, asked_at: u64) -> String {
+        format!("{name}/{gateway_id}/{asked_at}")
+    }
+
+    /// The id a gateway question was given when it was first seen, if it was.
+    pub fn question_id(
+        &self,
+        name: &str,
+        gateway_id: u64,
+        asked_at: u64,
+    ) -> Result<Option<u64>, HarnessError> {
+        let txn = self.db.begin_read().map_err(db_error)?;
+        let table = txn.open_table(QUESTIONS).map_err(db_error)?;
+        let key = Self::question_key(name, gateway_id, asked_at);
+        Ok(table
+            .get(key.as_str())
+            .map_err(db_error)?
+            .map(|v| v.value()))
+    }
+
+    /// Notes (or, with `None`, forgets) the id of a gateway question.
+    pub fn set_question_id(
+        &self,
+        name: &str,
+        gateway_id: u64,
+        asked_at: u64,
+        id: Option<u64>,
+    ) -> Result<(), HarnessError> {
+        let key = Self::question_key(name, gateway_id, asked_at);
+        let txn = self.db.begin_write().map_err(db_error)?;
+        {
+            let mut table = txn.open_table(QUESTIONS).map_err(db_error)?;
+            match id {
+                Some(id) => {
+                    table.insert(key.as_str(), id).map_err(db_error)?;
+                }
+                None => {
+                    table.remove(key.as_str()).map_err(db_error)?;
+                }
+            }
+        }
+        txn.commit().map_err(db_error)
+    }
+
+    /// Forgets every question of a cell (it ended or was removed).
+    pub fn forget_questions(&self, name: &str) -> Result<(), HarnessError> {
+        let prefix = format!("{name}/");
+        let txn = self.db.begin_write().map_err(db_error)?;
+        {
+            let mut table = txn.open_table(QUESTIONS).map_err(db_error)?;
+            table
+                .retain(|key, _| !key.starts_with(&prefix))
+                .map_err(db_error)?;
+        }
+        txn.commit().map_err(db_error)
     }
 
     /// How far into the cell's egress record the journal has copied.
@@ -164,14 +236,32 @@ impl State {
         Ok(out)
     }
 
-    /// Keeps a scope-`always` grant across restarts.
+    /// Keeps a standing grant across restarts (one of a cell until the cell is removed).
     pub fn put_grant(&self, grant: &Grant) -> Result<(), HarnessError> {
         let json = serde_json::to_string(grant).map_err(db_error)?;
+        let key = match &grant.cell {
+            None => grant.key().to_owned(),
+            Some(cell) => format!("cell {cell} {}", grant.key()),
+        };
         let txn = self.db.begin_write().map_err(db_error)?;
         {
             let mut table = txn.open_table(GRANTS).map_err(db_error)?;
             table
-                .insert(grant.request.as_str(), json.as_str())
+                .insert(key.as_str(), json.as_str())
+                .map_err(db_error)?;
+        }
+        txn.commit().map_err(db_error)
+    }
+
+    /// Forgets the grants limited to a cell (it was removed; a new cell of its name starts
+    /// with none).
+    pub fn forget_grants_of(&self, name: &str) -> Result<(), HarnessError> {
+        let prefix = format!("cell {name} ");
+        let txn = self.db.begin_write().map_err(db_error)?;
+        {
+            let mut table = txn.open_table(GRANTS).map_err(db_error)?;
+            table
+                .retain(|key, _| !key.starts_with(&prefix))
                 .map_err(db_error)?;
         }
         txn.commit().map_err(db_error)

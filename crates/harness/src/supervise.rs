@@ -82,13 +82,22 @@ impl Live {
     }
 }
 
+/// A question of a cell's gateway, as the daemon knows it.
 #[derive(Debug, Clone)]
 struct Question {
     request: String,
+    /// The id the daemon shows: the sequence number of its `approval.ask` entry.
+    seq: u64,
+    /// What a standing grant of it covers.
+    grant: String,
     answered: bool,
+    /// When the gateway asked it (with the gateway's id, the key of its public id).
+    asked_at: u64,
 }
 
-/// A pending approval as the API shows it.
+/// A pending approval as the API shows it. Its `id` is the sequence number of the journal entry
+/// that asked it: short, unique to it for as long as the journal lives (so an answer meant for
+/// one question never answers another, across restarts too), and the same for every face.
 #[derive(Debug, Clone, Serialize)]
 pub struct Approval {
     pub cell: String,
@@ -99,13 +108,27 @@ pub struct Approval {
     pub timeout_s: u64,
 }
 
-/// Ids of questions about commands start here, above any id a cell's gateway gives its own.
-const EXEC_QUESTIONS: u64 = 1 << 32;
+/// What a standing grant of a network question covers: its rule and destination (`host:port`),
+/// whatever the method or path; a person who lets a cell reach a host means the host.
+fn network_grant(rule: &str, destination: &str, request: &str) -> String {
+    if destination.is_empty() {
+        format!("network {rule} {request}")
+    } else {
+        format!("network {rule} {destination}")
+    }
+}
+
+/// What a standing grant of a command covers: that command line.
+fn command_grant(line: &str) -> String {
+    format!("exec {line}")
+}
 
 /// A command held for a person's answer; the exec request waits on `answer`.
 #[derive(Debug)]
 pub(crate) struct ExecQuestion {
     approval: Approval,
+    /// What a standing grant of it covers.
+    grant: String,
     answer: tokio::sync::oneshot::Sender<bool>,
 }
 
@@ -194,6 +217,7 @@ impl Harness {
         if let Ok(mut live) = self.live.lock() {
             live.remove(name);
         }
+        let _ = self.state.forget_questions(name);
         self.drop_line(name);
         if let Ok(Some(mut entry)) = self.state.get(name)
             && entry.ended.is_none()
@@ -275,34 +299,31 @@ impl Harness {
         let _ = self.state.set_record_offset(name, Some(end));
         full
     }
-    /// Journals new questions, answers those covered by a grant, and notes those that timed out.
+    /// Journals new questions (the entry's sequence number becomes the question's id), answers
+    /// those covered by a grant, and notes those that timed out.
     async fn questions(&self, name: &str) {
         let pending = control::pending_questions(&self.registry, name).unwrap_or_default();
         let open: HashSet<u64> = pending.iter().map(|q| q.id).collect();
-        let mut new = Vec::new();
         let mut gone = Vec::new();
-        if let Ok(mut live) = self.live.lock()
-            && let Some(l) = live.get_mut(name)
-        {
-            for q in &pending {
-                if let std::collections::hash_map::Entry::Vacant(slot) = l.asked.entry(q.id) {
-                    slot.insert(Question {
-                        request: q.request.clone(),
-                        answered: false,
-                    });
-                    new.push(q.clone());
-                }
-            }
-            l.asked.retain(|id, q| {
-                if open.contains(id) {
-                    return true;
-                }
-                if !q.answered {
-                    gone.push((*id, q.request.clone()));
-                }
-                false
-            });
-        }
+        let known: HashSet<u64> = self
+            .live
+            .lock()
+            .ok()
+            .and_then(|mut live| {
+                let l = live.get_mut(name)?;
+                l.asked.retain(|id, q| {
+                    if open.contains(id) {
+                        return true;
+                    }
+                    if !q.answered {
+                        gone.push((q.seq, q.request.clone()));
+                    }
+                    let _ = self.state.set_question_id(name, *id, q.asked_at, None);
+                    false
+                });
+                Some(l.asked.keys().copied().collect())
+            })
+            .unwrap_or_default();
         let on_timeout = self.policy_of(name).map(|p| p.approvals.on_timeout);
         for (id, request) in gone {
             let outcome = match on_timeout {
@@ -317,20 +338,58 @@ impl Harness {
                 )
                 .await;
         }
-        for q in new {
-            let _ = self
-                .record(
-                    Some(name),
-                    "approval.ask",
-                    json!({ "id": q.id, "request": q.request, "rule": q.rule, "timeout_s": q.timeout_s }),
-                )
-                .await;
-            if let Some(grant) = self.grant_for(name, &q.request) {
-                let _ = self
-                    .answer_inner(name, q.id, true, Scope::Once, &format!("grant: {grant}"))
-                    .await;
-            }
+        for q in pending.into_iter().filter(|q| !known.contains(&q.id)) {
+            let _ = self.take_question(name, &q).await;
         }
+    }
+
+    /// Journals a question of the cell's gateway the daemon had not seen, and answers it at
+    /// once where a standing grant covers it; returns its id (the entry's sequence number).
+    async fn take_question(
+        &self,
+        name: &str,
+        q: &warden_egress::Question,
+    ) -> Result<u64, HarnessError> {
+        let grant = network_grant(&q.rule, &q.destination, &q.request);
+        // A question asked before the daemon restarted keeps the id it was shown with.
+        let known = self.state.question_id(name, q.id, q.asked_at)?;
+        let seq = match known {
+            Some(seq) => seq,
+            None => {
+                let receipt = self
+                    .record(
+                        Some(name),
+                        "approval.ask",
+                        json!({ "id": null, "gateway_id": q.id, "request": q.request,
+                                "rule": q.rule, "destination": q.destination,
+                                "timeout_s": q.timeout_s }),
+                    )
+                    .await?;
+                self.state
+                    .set_question_id(name, q.id, q.asked_at, Some(receipt.seq))?;
+                receipt.seq
+            }
+        };
+        if let Ok(mut live) = self.live.lock()
+            && let Some(l) = live.get_mut(name)
+        {
+            l.asked.insert(
+                q.id,
+                Question {
+                    request: q.request.clone(),
+                    seq,
+                    grant: grant.clone(),
+                    answered: false,
+                    asked_at: q.asked_at,
+                },
+            );
+        }
+        if let Some(by) = self.grant_for(name, &grant) {
+            let _ = self
+                .answer_inner(name, seq, true, Scope::Once, &format!("grant: {by}"))
+                .await;
+        }
+        Ok(seq)
     }
 
     fn policy_of(&self, name: &str) -> Option<Policy> {
@@ -340,12 +399,13 @@ impl Harness {
             .and_then(|l| l.get(name).map(|l| l.policy.clone()))
     }
 
-    /// A standing grant that covers this request from this cell, described.
-    fn grant_for(&self, name: &str, request: &str) -> Option<String> {
+    /// A standing grant that covers `grant` (see `network_grant`, `command_grant`) from this
+    /// cell, described.
+    fn grant_for(&self, name: &str, grant: &str) -> Option<String> {
         let grants = self.grants.lock().ok()?;
         grants
             .iter()
-            .find(|g| g.request == request && g.cell.as_deref().is_none_or(|c| c == name))
+            .find(|g| g.key() == grant && g.cell.as_deref().is_none_or(|c| c == name))
             .map(|g| {
                 format!(
                     "{} approved with scope {} by {}",
@@ -395,33 +455,39 @@ impl Harness {
             CommandVerdict::Ask(rule) => rule,
         };
         let request = format!("exec {line}");
-        self.ask_person(name, request, rule, &approvals).await
+        self.ask_person(name, request, command_grant(&line), rule, &approvals)
+            .await
     }
 
-    /// Holds an effect until a person answers (or a standing grant covers it, or the policy's
-    /// timeout decides).
+    /// Holds an effect until a person answers (or a standing grant covers `grant`, or the
+    /// policy's timeout decides).
     pub(crate) async fn ask_person(
         &self,
         name: &str,
         request: String,
+        grant: String,
         rule: String,
         approvals: &warden_policy::Approvals,
     ) -> Result<(), HarnessError> {
         let line = request.clone();
-        if let Some(grant) = self.grant_for(name, &request) {
+        if let Some(by) = self.grant_for(name, &grant) {
             self.record(
                 Some(name),
                 "approval.answer",
-                json!({ "request": request, "decision": "approve", "scope": "once", "by": format!("grant: {grant}") }),
+                json!({ "request": request, "decision": "approve", "scope": "once", "by": format!("grant: {by}") }),
             )
             .await?;
             return Ok(());
         }
-        let id = EXEC_QUESTIONS
-            + self
-                .next_question
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let timeout = approvals.timeout.0;
+        let asked = self
+            .record(
+                Some(name),
+                "approval.ask",
+                json!({ "id": null, "request": request, "rule": rule, "timeout_s": timeout.as_secs() }),
+            )
+            .await?;
+        let id = asked.seq;
         let approval = Approval {
             cell: name.to_owned(),
             id,
@@ -430,18 +496,13 @@ impl Harness {
             asked_at: crate::now_ms() / 1000,
             timeout_s: timeout.as_secs(),
         };
-        self.record(
-            Some(name),
-            "approval.ask",
-            json!({ "id": id, "request": request, "rule": rule, "timeout_s": approval.timeout_s }),
-        )
-        .await?;
         let (tx, rx) = tokio::sync::oneshot::channel();
         if let Ok(mut questions) = self.exec_questions.lock() {
             questions.insert(
                 (name.to_owned(), id),
                 ExecQuestion {
                     approval,
+                    grant,
                     answer: tx,
                 },
             );
@@ -486,7 +547,8 @@ impl Harness {
         }
     }
 
-    /// The approvals waiting for a person, over every cell.
+    /// The approvals waiting for a person, over every cell (a gateway's question once the
+    /// daemon has journaled it: within a tick of its asking).
     pub fn approvals(&self) -> Vec<Approval> {
         let names: Vec<String> = self
             .live
@@ -495,10 +557,25 @@ impl Harness {
             .unwrap_or_default();
         let mut out = Vec::new();
         for name in names {
+            let seen: HashMap<u64, u64> = self
+                .live
+                .lock()
+                .ok()
+                .and_then(|l| {
+                    l.get(&name).map(|l| {
+                        l.asked
+                            .iter()
+                            .filter(|(_, q)| !q.answered)
+                            .map(|(id, q)| (*id, q.seq))
+                            .collect()
+                    })
+                })
+                .unwrap_or_default();
             for q in control::pending_questions(&self.registry, &name).unwrap_or_default() {
+                let Some(seq) = seen.get(&q.id) else { continue };
                 out.push(Approval {
                     cell: name.clone(),
-                    id: q.id,
+                    id: *seq,
                     request: q.request,
                     rule: q.rule,
                     asked_at: q.asked_at,
@@ -509,7 +586,7 @@ impl Harness {
         if let Ok(questions) = self.exec_questions.lock() {
             out.extend(questions.values().map(|q| q.approval.clone()));
         }
-        out.sort_by_key(|a| a.asked_at);
+        out.sort_by_key(|a| a.id);
         out
     }
 
@@ -550,57 +627,33 @@ impl Harness {
             self.record_answer(name, id, &request, allow, scope, by)
                 .await?;
             let _ = question.answer.send(allow);
-            self.remember_grant(name, request, allow, scope, by)?;
+            self.remember_grant(name, request, question.grant, allow, scope, by)?;
             return Ok(());
         }
-        // The question as this daemon knows it; one it has not seen yet (answered between two
-        // ticks of the watch) is journaled as asked first. Either way it is marked answered
+        // A question of the cell's gateway, by the id the daemon gave it; marked answered
         // before anything else, so that the watch never answers it a second time.
-        let pending = control::pending_questions(&self.registry, name)
-            .unwrap_or_default()
-            .into_iter()
-            .find(|q| q.id == id);
-        let mut unseen = None;
-        let known = self.live.lock().ok().and_then(|mut live| {
+        let found = self.live.lock().ok().and_then(|mut live| {
             let l = live.get_mut(name)?;
-            match l.asked.entry(id) {
-                std::collections::hash_map::Entry::Occupied(mut q) if !q.get().answered => {
-                    q.get_mut().answered = true;
-                    Some(q.get().request.clone())
-                }
-                std::collections::hash_map::Entry::Occupied(_) => None,
-                std::collections::hash_map::Entry::Vacant(slot) => {
-                    let q = pending.clone()?;
-                    slot.insert(Question {
-                        request: q.request.clone(),
-                        answered: true,
-                    });
-                    unseen = Some(q.clone());
-                    Some(q.request)
-                }
+            let (gateway_id, q) = l.asked.iter_mut().find(|(_, q)| q.seq == id)?;
+            if q.answered {
+                return None;
             }
+            q.answered = true;
+            Some((*gateway_id, q.request.clone(), q.grant.clone()))
         });
-        let Some(request) = known else {
+        let Some((gateway_id, request, grant)) = found else {
             return Err(HarnessError::new(
                 ErrorKind::NotFound,
                 format!(
-                    "cell `{name}` has no open question {id}, or it was answered already (GET /v1/approvals lists open ones)"
+                    "cell `{name}` has no open question {id}, or it was answered already (`warden approvals` lists the open ones)"
                 ),
             ));
         };
-        if let Some(q) = unseen {
-            self.record(
-                Some(name),
-                "approval.ask",
-                json!({ "id": q.id, "request": q.request, "rule": q.rule, "timeout_s": q.timeout_s }),
-            )
-            .await?;
-        }
         self.record_answer(name, id, &request, allow, scope, by)
             .await?;
-        control::answer_question(&self.registry, name, id, allow)
+        control::answer_question(&self.registry, name, gateway_id, allow)
             .map_err(|e| HarnessError::new(ErrorKind::NotFound, e.to_string()))?;
-        self.remember_grant(name, request, allow, scope, by)
+        self.remember_grant(name, request, grant, allow, scope, by)
     }
 
     async fn record_answer(
@@ -631,6 +684,7 @@ impl Harness {
         &self,
         name: &str,
         request: String,
+        key: String,
         allow: bool,
         scope: Scope,
         by: &str,
@@ -639,11 +693,10 @@ impl Harness {
             let grant = crate::state::Grant {
                 cell: (scope == Scope::Cell).then(|| name.to_owned()),
                 request,
+                key: Some(key),
                 by: by.to_owned(),
             };
-            if scope == Scope::Always {
-                self.state.put_grant(&grant)?;
-            }
+            self.state.put_grant(&grant)?;
             if let Ok(mut grants) = self.grants.lock() {
                 grants.push(grant);
             }

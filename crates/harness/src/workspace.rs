@@ -217,9 +217,13 @@ impl Harness {
                 digest = self.diff(name).await?["digest"].as_str().map(str::to_owned);
             }
             let shown = digest.as_deref().map_or("", |d| &d[..d.len().min(16)]);
+            let question = format!("apply {what} of {name} to {host} (changes {shown})");
+            // A standing grant covers exactly these changes: another apply asks again.
+            let grant = format!("apply {question}");
             self.ask_person(
                 name,
-                format!("apply {what} of {name} to {host} (changes {shown})"),
+                question,
+                grant,
                 "approvals.apply: ask".to_owned(),
                 &approvals,
             )

@@ -56,7 +56,10 @@ pub fn sections(text: &str) -> Vec<String> {
 }
 
 fn syntax_error(origin: &str, err: &serde_saphyr::Error) -> PolicyError {
-    let message = first_line(&err.to_string());
+    let mut message = first_line(&err.to_string());
+    if message == "missing field `version`" {
+        message = "the policy has no `version`; write `version: 1` as its first line".to_owned();
+    }
     match err.location() {
         Some(at) => PolicyError::Syntax {
             origin: origin.to_owned(),
@@ -73,7 +76,15 @@ fn syntax_error(origin: &str, err: &serde_saphyr::Error) -> PolicyError {
 
 /// The deserializer renders a source snippet after the message; the CLI prints its own context.
 fn first_line(rendered: &str) -> String {
-    let line = rendered.lines().next().unwrap_or(rendered).trim();
+    let mut line = rendered.lines().next().unwrap_or(rendered).trim();
+    // A leading "error: line L column C: " repeats what the error variant carries, too.
+    line = line.strip_prefix("error: ").unwrap_or(line);
+    if let Some(rest) = line.strip_prefix("line ")
+        && let Some((_, after)) = rest.split_once(": ")
+        && rest.split(' ').nth(1) == Some("column")
+    {
+        line = after;
+    }
     // Drop a trailing " at line L column C" that repeats what the error variant carries.
     match line.find(" at line ") {
         Some(cut) => line[..cut].to_owned(),
@@ -263,6 +274,21 @@ mod tests {
         let text = err.to_string();
         assert!(text.starts_with("p.yaml:3:"), "{text}");
         assert!(text.contains("not a size"), "{text}");
+    }
+
+    #[test]
+    fn a_missing_version_says_what_to_write_once() {
+        let err = from_yaml("p.yaml", "network:\n  default: deny\n")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "p.yaml:1:1: the policy has no `version`; write `version: 1` as its first line"
+        );
+        let err = from_yaml("p.yaml", "version: 1\nlimits:\n  memroy: 1GiB\n")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err.matches("line").count(), 0, "{err}");
     }
 
     #[test]

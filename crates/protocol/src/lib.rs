@@ -16,6 +16,8 @@ pub mod exit {
     pub const NOT_FOUND: i32 = 127;
     /// `warden kill` ended the cell (128 + SIGKILL).
     pub const KILLED: i32 = 137;
+    /// A command rule, or a person answering an `ask` rule, refused the command: nothing ran.
+    pub const REFUSED: i32 = 250;
     /// The memory limit was exceeded and the cell was killed.
     pub const MEMORY_LIMIT: i32 = 251;
     /// The output limit was exceeded and the cell was killed.
@@ -42,4 +44,80 @@ pub struct CellSummary {
     pub started_unix_ms: u64,
     pub command: Vec<String>,
     pub workspace: Option<String>,
+}
+
+/// A signal as a face may name it: a number (`15`), or a name with or without `SIG` (`TERM`,
+/// `SIGTERM`, `term`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Signal {
+    Number(i32),
+    Name(String),
+}
+
+/// The signals a client may name, with their numbers on Linux.
+pub const SIGNALS: [(&str, i32); 20] = [
+    ("HUP", 1),
+    ("INT", 2),
+    ("QUIT", 3),
+    ("ILL", 4),
+    ("TRAP", 5),
+    ("ABRT", 6),
+    ("BUS", 7),
+    ("FPE", 8),
+    ("KILL", 9),
+    ("USR1", 10),
+    ("SEGV", 11),
+    ("USR2", 12),
+    ("PIPE", 13),
+    ("ALRM", 14),
+    ("TERM", 15),
+    ("CHLD", 17),
+    ("CONT", 18),
+    ("STOP", 19),
+    ("TSTP", 20),
+    ("WINCH", 28),
+];
+
+impl Signal {
+    /// The signal's number, or why it names none.
+    pub fn number(&self) -> Result<i32, String> {
+        match self {
+            Self::Number(n) if (1..=64).contains(n) => Ok(*n),
+            Self::Number(n) => Err(format!("{n} is not a signal number (1-64)")),
+            Self::Name(name) => {
+                let upper = name.trim().to_ascii_uppercase();
+                let bare = upper.strip_prefix("SIG").unwrap_or(&upper);
+                if let Ok(n) = bare.parse::<i32>() {
+                    return Self::Number(n).number();
+                }
+                SIGNALS
+                    .iter()
+                    .find(|(known, _)| *known == bare)
+                    .map(|(_, n)| *n)
+                    .ok_or_else(|| {
+                        let known: Vec<&str> = SIGNALS.iter().map(|(k, _)| *k).collect();
+                        format!(
+                            "`{name}` is not a signal; use a number or one of {}",
+                            known.join(", ")
+                        )
+                    })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signals_are_numbers_or_names() {
+        assert_eq!(Signal::Number(15).number(), Ok(15));
+        assert_eq!(Signal::Name("TERM".into()).number(), Ok(15));
+        assert_eq!(Signal::Name("sigkill".into()).number(), Ok(9));
+        assert_eq!(Signal::Name("9".into()).number(), Ok(9));
+        assert!(Signal::Name("TERMINATE".into()).number().is_err());
+        assert!(Signal::Number(0).number().is_err());
+    }
 }

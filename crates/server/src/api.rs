@@ -464,7 +464,7 @@ async fn stdin(
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct PathQuery {
-    /// Relative to the cell's files root (its workspace, else its private /tmp).
+    /// Relative to the cell's files root (its workspace mount).
     #[serde(default)]
     path: String,
 }
@@ -652,13 +652,51 @@ async fn put_policy(
 #[serde(deny_unknown_fields)]
 struct EventsQuery {
     cell: Option<String>,
+    /// Start after this entry (its `seq`, which is each event's id): the entries written
+    /// since come first, then the live ones. `Last-Event-ID` does the same.
+    after: Option<u64>,
 }
 
-/// Journal entries as they are written (`entry` events), optionally of one cell.
-async fn events(State(h): State<Shared>, Query(q): Query<EventsQuery>) -> Response {
+/// Journal entries as they are written (`entry` events, each with the entry's `seq` as its
+/// id), optionally of one cell; a client that reconnects with `after` (or `Last-Event-ID`)
+/// gets what it missed first.
+async fn events(
+    State(h): State<Shared>,
+    headers: HeaderMap,
+    Query(q): Query<EventsQuery>,
+) -> Result<Response, ApiError> {
+    let after = q.after.or_else(|| {
+        headers
+            .get("last-event-id")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse().ok())
+    });
+    // Subscribed before the journal is read: nothing falls between the two.
     let mut entries = h.subscribe();
+    let missed = match after {
+        Some(after) => h.entries_after(after, q.cell.clone()).await?,
+        None => Vec::new(),
+    };
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     tokio::spawn(async move {
+        let entry_event = |entry: &serde_json::Value| {
+            let event = Event::default().event("entry").data(entry.to_string());
+            match entry["seq"].as_u64() {
+                Some(seq) => event.id(seq.to_string()),
+                None => event,
+            }
+        };
+        let mut last = after.unwrap_or(0);
+        for entry in &missed {
+            last = last.max(entry["seq"].as_u64().unwrap_or(0));
+            if tx
+                .send(Ok::<_, Infallible>(entry_event(entry)))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
         loop {
             let entry = tokio::select! {
                 entry = entries.recv() => entry,
@@ -666,10 +704,12 @@ async fn events(State(h): State<Shared>, Query(q): Query<EventsQuery>) -> Respon
             };
             let event = match entry {
                 Ok(entry) => {
-                    if q.cell.as_deref().is_some_and(|c| entry["cell"] != c) {
+                    if q.cell.as_deref().is_some_and(|c| entry["cell"] != c)
+                        || entry["seq"].as_u64().is_some_and(|seq| seq <= last)
+                    {
                         continue;
                     }
-                    Event::default().event("entry").data(entry.to_string())
+                    entry_event(&entry)
                 }
                 Err(tokio::sync::broadcast::error::RecvError::Lagged(missed)) => Event::default()
                     .event("lagged")
@@ -681,9 +721,9 @@ async fn events(State(h): State<Shared>, Query(q): Query<EventsQuery>) -> Respon
             }
         }
     });
-    Sse::new(ReceiverStream::new(rx))
+    Ok(Sse::new(ReceiverStream::new(rx))
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
-        .into_response()
+        .into_response())
 }
 
 async fn approvals(State(harness): State<Shared>) -> Json<Vec<warden_harness::Approval>> {
@@ -731,7 +771,8 @@ async fn resize(
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct SignalBody {
-    signal: i32,
+    /// A number (`15`) or a name (`"TERM"`, `"SIGTERM"`).
+    signal: warden_protocol::Signal,
 }
 
 async fn signal(
@@ -739,7 +780,11 @@ async fn signal(
     Path((name, id)): Path<(String, u64)>,
     Body(body): Body<SignalBody>,
 ) -> Result<Response, ApiError> {
-    harness.signal(&name, id, body.signal).await?;
+    let signal = body.signal.number().map_err(|message| ApiError {
+        status: StatusCode::BAD_REQUEST,
+        message: format!("signal: {message}"),
+    })?;
+    harness.signal(&name, id, signal).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
@@ -756,15 +801,19 @@ fn stream_output(
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     tokio::spawn(async move {
         let _guard = kill_on_disconnect.then(|| KillOnDrop(Arc::clone(&process)));
-        let started = json!({ "process": process.id, "pid": process.pid });
-        if tx
-            .send(Ok(Event::default()
-                .event("started")
-                .data(started.to_string())))
-            .await
-            .is_err()
-        {
-            return;
+        // A process that could not start (not found, not executable) never ran: its stream is
+        // its `exit` alone.
+        if process.pid != 0 {
+            let started = json!({ "process": process.id, "pid": process.pid });
+            if tx
+                .send(Ok(Event::default()
+                    .event("started")
+                    .data(started.to_string())))
+                .await
+                .is_err()
+            {
+                return;
+            }
         }
         let mut cursor = from;
         let mut pending: [Vec<u8>; 2] = [Vec::new(), Vec::new()];

@@ -345,9 +345,11 @@ impl Walker {
         Ok(())
     }
 
+    /// Writes a regular file whole (through a temporary, renamed over it), making missing
+    /// directories on the way.
     fn write(&self, path: &str, data: &mut impl Read) -> Result<(), FileError> {
         let shown = self.shown(path);
-        let place = self.resolve(path, true, false)?;
+        let place = self.resolve(path, true, true)?;
         let Some(name) = &place.name else {
             return Err(error(
                 FileErrorKind::NotRegular,
