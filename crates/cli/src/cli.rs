@@ -187,12 +187,8 @@ pub enum Command {
 pub struct CreateArgs {
     /// Cell name (default: generated).
     pub name: Option<String>,
-    /// Policy file (YAML).
-    #[arg(long, conflicts_with = "preset")]
-    pub policy: Option<PathBuf>,
-    /// Built-in policy preset.
-    #[arg(long)]
-    pub preset: Option<String>,
+    #[command(flatten)]
+    pub policy: PolicyArgs,
     /// Host directory that appears at /workspace.
     #[arg(long, short = 'w')]
     pub workspace: Option<PathBuf>,
@@ -285,14 +281,46 @@ pub enum ExportFormat {
     Ocsf,
 }
 
-#[derive(Debug, clap::Args)]
-pub struct RunArgs {
+/// The policy of a new cell: a file or a preset, and the common knobs on top of it.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct PolicyArgs {
     /// Policy file (YAML).
-    #[arg(long, conflicts_with = "preset")]
-    pub policy: Option<PathBuf>,
+    #[arg(long = "policy", conflicts_with = "preset", value_name = "FILE")]
+    pub file: Option<PathBuf>,
     /// Built-in policy preset (`warden policy presets` lists them).
     #[arg(long)]
     pub preset: Option<String>,
+    /// Memory limit (e.g. 512MiB, 2GiB; `none`: unlimited).
+    #[arg(long, value_name = "SIZE")]
+    pub memory: Option<String>,
+    /// CPU limit in cores (e.g. 0.5; `none`: unlimited).
+    #[arg(long, value_name = "CORES")]
+    pub cpus: Option<String>,
+    /// Most processes and threads (`none`: unlimited).
+    #[arg(long, value_name = "N")]
+    pub pids: Option<String>,
+    /// Wall-clock limit of the cell (e.g. 30s, 10m; `none`: unlimited).
+    #[arg(long, value_name = "DURATION")]
+    pub timeout: Option<String>,
+    /// Disk limit of the workspace (e.g. 4GiB; `none`: unlimited).
+    #[arg(long, value_name = "SIZE")]
+    pub disk: Option<String>,
+    /// Let the cell reach HOST (a name, `*.domain`, an IP or a CIDR block), on PORT or on any
+    /// port (repeatable).
+    #[arg(long, value_name = "HOST[:PORT]")]
+    pub allow: Vec<String>,
+    /// Show a host path to the cell read-only, at the same place (repeatable).
+    #[arg(long = "ro", value_name = "PATH")]
+    pub read_only: Vec<PathBuf>,
+    /// Show a host directory to the cell read-write, at the same place (repeatable).
+    #[arg(long = "rw", value_name = "PATH")]
+    pub read_write: Vec<PathBuf>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub policy: PolicyArgs,
     /// Host directory that appears at /workspace.
     #[arg(long, short = 'w')]
     pub workspace: Option<PathBuf>,
@@ -314,6 +342,12 @@ pub struct RunArgs {
 pub enum PolicyCommand {
     /// Parse and validate a policy file.
     Check { file: PathBuf },
+    /// Print the policy in force, every section written out, as YAML (what `extends`, the
+    /// preset and the flags make of it).
+    Show {
+        #[command(flatten)]
+        policy: PolicyArgs,
+    },
     /// Say in plain words what a policy allows.
     Explain {
         /// Policy file; without it, explain --preset (default: `default`).

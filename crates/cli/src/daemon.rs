@@ -67,17 +67,12 @@ pub fn run_through(
             })
         })
         .collect::<Result<_>>()?;
-    let (policy_text, workspace) =
-        policy_and_workspace(args.policy.as_deref(), args.workspace.as_deref())?;
-    let preset = match (&policy_text, &args.preset) {
-        (None, None) => Some("default".to_owned()),
-        (_, preset) => preset.clone(),
-    };
+    let workspace = workspace_dir(args.workspace.as_deref())?;
     let rt = current_thread()?;
+    // The policy as this command made it (file or preset, `~`, flags): the daemon gets it whole.
     let body = json!({
         "name": args.name,
-        "policy": policy_text,
-        "preset": preset,
+        "policy": warden_policy::to_yaml(policy),
         "workspace": workspace,
         "from": from,
         "labels": { "made-by": "warden run" },
@@ -148,6 +143,11 @@ pub fn run_through(
             "memory",
             policy.limits.memory.map(|m| m.to_string()),
             exit::MEMORY_LIMIT,
+        ),
+        "disk-limit" => limit_hit(
+            "disk",
+            policy.limits.disk.map(|d| d.to_string()),
+            exit::DISK_LIMIT,
         ),
         "output-limit" => limit_hit(
             "output",
@@ -504,18 +504,8 @@ fn pairs(list: &[String], what: &str) -> Result<serde_json::Map<String, Value>> 
 }
 
 /// A policy file's text and a workspace's absolute path, as the API takes them.
-fn policy_and_workspace(
-    policy: Option<&std::path::Path>,
-    workspace: Option<&std::path::Path>,
-) -> Result<(Option<String>, Option<String>)> {
-    let text = match policy {
-        Some(path) => Some(
-            std::fs::read_to_string(path)
-                .with_context(|| format!("reading the policy {}", path.display()))?,
-        ),
-        None => None,
-    };
-    let dir = match workspace {
+fn workspace_dir(workspace: Option<&std::path::Path>) -> Result<Option<String>> {
+    Ok(match workspace {
         Some(dir) => Some(
             std::fs::canonicalize(dir)
                 .with_context(|| format!("workspace {}", dir.display()))?
@@ -523,18 +513,16 @@ fn policy_and_workspace(
                 .to_string(),
         ),
         None => None,
-    };
-    Ok((text, dir))
+    })
 }
 
 pub fn create(args: CreateArgs) -> Result<i32> {
     let client = client()?;
-    let (policy, workspace) =
-        policy_and_workspace(args.policy.as_deref(), args.workspace.as_deref())?;
+    let policy = crate::commands::effective_policy(&args.policy)?;
+    let workspace = workspace_dir(args.workspace.as_deref())?;
     let body = json!({
         "name": args.name,
-        "policy": policy,
-        "preset": args.preset,
+        "policy": warden_policy::to_yaml(&policy),
         "workspace": workspace,
         "env": pairs(&args.env, "env")?,
         "labels": pairs(&args.labels, "label")?,
@@ -581,24 +569,7 @@ pub fn exec(args: ExecArgs) -> Result<i32> {
             "stderr" => {
                 let _ = stderr.write_all(&bytes());
             }
-            "exit" => {
-                let reason = value["reason"].as_str().unwrap_or_default();
-                code = match reason {
-                    "exited" | "failed" => value["code"]
-                        .as_i64()
-                        .map_or(warden_protocol::exit::WARDEN_ERROR, |c| c as i32),
-                    "signaled" => 128 + value["signal"].as_i64().unwrap_or(0) as i32,
-                    "timeout" => warden_protocol::exit::WALL_LIMIT,
-                    _ => warden_protocol::exit::WARDEN_ERROR,
-                };
-                if let Some(message) = value["message"].as_str() {
-                    eprintln!("warden: {message}");
-                } else if reason == "timeout" {
-                    eprintln!("warden: the process ran past --timeout and was killed");
-                } else if reason == "cell-ended" {
-                    eprintln!("warden: the cell ended before the process did");
-                }
-            }
+            "exit" => code = process_exit(&value),
             _ => {}
         }
     });
@@ -606,6 +577,36 @@ pub fn exec(args: ExecArgs) -> Result<i32> {
         Ok(()) => Ok(code),
         Err(err) => refused(&err).ok_or(err),
     }
+}
+
+/// The exit status of an exec'd process, from its `exit` event (said on stderr where it was
+/// not the process's own doing).
+fn process_exit(exit: &Value) -> i32 {
+    use warden_protocol::exit;
+    let reason = exit["reason"].as_str().unwrap_or_default();
+    let code = match reason {
+        "exited" => return exit["code"].as_i64().unwrap_or(0) as i32,
+        "signaled" => return 128 + exit["signal"].as_i64().unwrap_or(0) as i32,
+        "failed" => exit["code"]
+            .as_i64()
+            .map_or(exit::WARDEN_ERROR, |c| c as i32),
+        "timeout" => exit::WALL_LIMIT,
+        "memory-limit" => exit::MEMORY_LIMIT,
+        "output-limit" => exit::OUTPUT_LIMIT,
+        "disk-limit" => exit::DISK_LIMIT,
+        _ => exit::WARDEN_ERROR,
+    };
+    match exit["message"].as_str() {
+        Some(message) => eprintln!("warden: {message}"),
+        None if reason == "timeout" => {
+            eprintln!("warden: the process ran past --timeout and was killed")
+        }
+        None if reason == "cell-ended" => {
+            eprintln!("warden: the cell ended before the process did")
+        }
+        None => {}
+    }
+    code
 }
 
 /// The bytes of an output event: `{"text": ...}` or `{"base64": ...}`.
@@ -826,22 +827,7 @@ fn exec_interactive(client: &Client, args: &ExecArgs, timeout_ms: Option<u64>) -
         Ok(exit) => exit,
         Err(err) => return refused(&err).ok_or(err),
     };
-    Ok(match exit["reason"].as_str().unwrap_or_default() {
-        "exited" => exit["code"].as_i64().unwrap_or(0) as i32,
-        "signaled" => 128 + exit["signal"].as_i64().unwrap_or(0) as i32,
-        "timeout" => {
-            eprintln!("warden: the process ran past --timeout and was killed");
-            warden_protocol::exit::WALL_LIMIT
-        }
-        _ => {
-            if let Some(message) = exit["message"].as_str() {
-                eprintln!("warden: {message}");
-            }
-            exit["code"]
-                .as_i64()
-                .map_or(warden_protocol::exit::WARDEN_ERROR, |c| c as i32)
-        }
-    })
+    Ok(process_exit(&exit))
 }
 
 /// The daemon holds a few descriptors for every cell and every stream, so it takes the hard

@@ -280,14 +280,10 @@ fn paths_the_cell_could_not_see_are_refused_before_it_starts_with_the_reason() {
         "version: 1\nfilesystem:\n  read_write: [/tmp/from-the-host]\n",
     );
     let gvisor = policy(dir.path(), "version: 1\ntier: gvisor\n");
-    let mut cases = vec![
+    let cases = vec![
         (under_tmp, "is under /tmp, which is the cell's own"),
         (gvisor, "the gvisor tier is not implemented in this version"),
     ];
-    if is_root() {
-        // Root-started cells set up as an unprivileged host id; the caller may reach anything.
-        cases.push((unreachable, "cannot be reached by the cell's setup"));
-    }
     for (file, reason) in cases {
         // `warden policy check` says it, and so does a run, before anything starts.
         let checked = Ran::from(
@@ -303,6 +299,31 @@ fn paths_the_cell_could_not_see_are_refused_before_it_starts_with_the_reason() {
         assert!(ran.stderr.contains(reason), "{ran:?}");
         assert!(!ran.stderr.contains("Broken pipe"), "{ran:?}");
         assert!(ran.stdout.is_empty());
+    }
+    if is_root() {
+        // A root warden opens what the policy shows for the cell's setup (an unprivileged host
+        // id), so a path below a directory closed to others is seen all the same...
+        std::fs::write(closed.path().join("data").join("note"), "seen\n").unwrap();
+        let ran = run_sh(
+            &["--rm", "--policy", unreachable.to_str().unwrap()],
+            &format!("cat {}/data/note", closed.path().display()),
+        );
+        assert_eq!((ran.code, ran.stdout.as_str()), (0, "seen\n"), "{ran:?}");
+        // ...but its own state directory must be reachable by the setup: said before it starts.
+        let state = closed.path().join("state");
+        let ran = Ran::from(
+            warden()
+                .env("WARDEN_STATE_DIR", &state)
+                .args(["run", "--rm", "--", "true"])
+                .output()
+                .unwrap(),
+        );
+        assert_eq!(ran.code, 125, "{ran:?}");
+        assert!(
+            ran.stderr.contains("cannot be reached by the cell's setup"),
+            "{ran:?}"
+        );
+        assert!(!ran.stderr.contains("Broken pipe"), "{ran:?}");
     }
     // `warden doctor` keeps prerequisites and what is implemented apart.
     let doctor: serde_json::Value =

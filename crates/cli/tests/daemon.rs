@@ -2081,7 +2081,7 @@ fn the_journal_rotates_into_segments_that_verify_replay_and_export_read_as_one()
 }
 
 #[test]
-fn the_daemon_takes_the_hard_limit_of_open_files_and_cells_keep_the_soft_one() {
+fn the_daemon_takes_the_hard_limit_of_open_files_and_cells_get_their_policys() {
     if !cgroups_available("daemon_nofile") {
         return;
     }
@@ -2103,15 +2103,27 @@ fn the_daemon_takes_the_hard_limit_of_open_files_and_cells_keep_the_soft_one() {
         (soft.as_str(), daemon_hard.as_str()),
         (hard.as_str(), hard.as_str())
     );
-    let cell = daemon.create(&unique("nofile"), json!({}));
+    // The keeper takes the soft limit back; the cell has its policy's `open_files`, soft and
+    // hard, whatever the daemon has.
+    let cell = daemon.create(
+        &unique("nofile"),
+        json!({ "policy": "version: 1\nlimits:\n  open_files: 300\n" }),
+    );
     let init = daemon
         .call("GET", &format!("/v1/cells/{cell}"), None)
         .json()["pid"]
         .as_u64()
         .unwrap() as u32;
-    assert_eq!(limits(init).0, "256", "the cell's init");
-    let events = daemon.exec(&cell, json!({ "argv": ["sh", "-c", "ulimit -n"] }));
-    assert_eq!(stream_bytes(&events, "stdout"), b"256\n");
+    assert_eq!(
+        limits(init),
+        ("300".to_owned(), "300".to_owned()),
+        "the cell's init"
+    );
+    let events = daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "ulimit -n; ulimit -Hn"] }),
+    );
+    assert_eq!(stream_bytes(&events, "stdout"), b"300\n300\n");
 }
 
 #[test]

@@ -3,6 +3,7 @@
 
 mod support;
 
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use support::*;
@@ -169,4 +170,161 @@ fn cpu_limit_throttles_a_busy_loop() {
     assert_eq!(ran.code, 0, "{ran:?}");
     let share: f64 = ran.stdout.trim().parse().unwrap();
     assert!(share <= 0.7, "a 0.5-core cell used {share} of a core");
+}
+
+#[test]
+fn a_workspace_cannot_be_written_past_its_disk_limit_and_the_cell_goes_on() {
+    if !is_root() {
+        return; // rootless: tests/rootless.rs
+    }
+    let dir = tempdir();
+    let ws = dir.path().join("ws");
+    std::fs::create_dir(&ws).unwrap();
+    let state = dir.path().join("state");
+    let name = unique("disk");
+    let policy = policy(dir.path(), "version: 1\nlimits:\n  disk: 64MiB\n");
+    // Twice the limit, in one file and then in many; each write past it fails, the cell goes on
+    // and can still free room and write again.
+    let script = "dd if=/dev/zero of=/workspace/one bs=1M count=128 2>&1 | grep -o 'No space left on device' | head -1; \
+                  rm /workspace/one; \
+                  i=0; while [ $i -lt 32 ]; do head -c 4194304 /dev/zero > /workspace/f$i 2>/dev/null || { echo full at $i; break; }; i=$((i+1)); done; \
+                  rm -f /workspace/f*; echo again > /workspace/after && cat /workspace/after";
+    let ran = warden()
+        .env("WARDEN_STATE_DIR", &state)
+        .args(["run", "--name", &name, "--policy", policy.to_str().unwrap()])
+        .arg("-w")
+        .arg(&ws)
+        .args(["--", "sh", "-c", script])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&ran.stdout);
+    assert_eq!(
+        ran.status.code(),
+        Some(0),
+        "{stdout} {}",
+        String::from_utf8_lossy(&ran.stderr)
+    );
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines[0], "No space left on device", "{stdout}");
+    let full_at: u32 = lines[1].strip_prefix("full at ").unwrap().parse().unwrap();
+    assert!(
+        (10..16).contains(&full_at),
+        "64 MiB held {full_at} files of 4 MiB: {stdout}"
+    );
+    assert_eq!(lines[2], "again");
+    // The host holds no more than the limit for it, and the host directory nothing.
+    let image = state.join("layers").join(&name).join("disk.img");
+    let held = std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(&image).unwrap()) * 512;
+    assert!(held <= 64 << 20, "the image takes {held} bytes on the host");
+    assert_eq!(std::fs::read_dir(&ws).unwrap().count(), 0);
+    // The change is there for review; removing the cell lets go of its file system.
+    let diff = warden()
+        .env("WARDEN_STATE_DIR", &state)
+        .args(["diff", &name])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&diff.stdout).contains("A after"));
+    let mounts = || std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(mounts().contains(&format!("/layers/{name}/fs")));
+    assert!(
+        warden()
+            .env("WARDEN_STATE_DIR", &state)
+            .args(["rm", &name])
+            .status()
+            .unwrap()
+            .success()
+    );
+    assert!(
+        !mounts().contains(&format!("/layers/{name}/fs")),
+        "the layer's mount stayed"
+    );
+    assert!(!image.exists());
+}
+
+#[test]
+fn a_kept_layer_whose_mount_went_is_mounted_again_when_it_is_read() {
+    if !is_root() {
+        return;
+    }
+    let dir = tempdir();
+    let ws = dir.path().join("ws");
+    std::fs::create_dir(&ws).unwrap();
+    let state = dir.path().join("state");
+    let name = unique("remount");
+    let ran = warden()
+        .env("WARDEN_STATE_DIR", &state)
+        .args(["run", "--name", &name, "-w"])
+        .arg(&ws)
+        .args(["--", "sh", "-c", "echo kept > /workspace/kept"])
+        .output()
+        .unwrap();
+    assert_eq!(ran.status.code(), Some(0));
+    // As after a reboot: the mount is gone, the image stays.
+    let fs_dir = state.join("layers").join(&name).join("fs");
+    assert!(
+        Command::new("umount")
+            .arg("-l")
+            .arg(&fs_dir)
+            .status()
+            .unwrap()
+            .success()
+    );
+    let warden_in = |args: &[&str]| {
+        warden()
+            .env("WARDEN_STATE_DIR", &state)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    assert!(String::from_utf8_lossy(&warden_in(&["diff", &name]).stdout).contains("A kept"));
+    // Read twice at once: one attachment only.
+    let both: Vec<_> = (0..2)
+        .map(|_| {
+            let state = state.clone();
+            let name = name.clone();
+            std::thread::spawn(move || {
+                warden()
+                    .env("WARDEN_STATE_DIR", &state)
+                    .args(["diff", &name])
+                    .output()
+                    .unwrap()
+            })
+        })
+        .collect();
+    for diff in both {
+        assert!(String::from_utf8_lossy(&diff.join().unwrap().stdout).contains("A kept"));
+    }
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert_eq!(
+        mounts.matches(&format!("/layers/{name}/fs ")).count(),
+        1,
+        "{mounts}"
+    );
+    assert!(warden_in(&["apply", &name]).status.success());
+    assert_eq!(std::fs::read_to_string(ws.join("kept")).unwrap(), "kept\n");
+    assert!(warden_in(&["rm", &name]).status.success());
+}
+
+#[test]
+fn a_process_cannot_open_more_files_than_its_limit_or_raise_it() {
+    let dir = tempdir();
+    let policy = policy(dir.path(), "version: 1\nlimits:\n  open_files: 64\n");
+    let ran = run_py(
+        &["--policy", policy.to_str().unwrap()],
+        "import resource, os\n\
+         print(resource.getrlimit(resource.RLIMIT_NOFILE))\n\
+         try:\n    resource.setrlimit(resource.RLIMIT_NOFILE, (4096, 4096))\n    print('raised')\n\
+         except (ValueError, OSError) as e:\n    print('not raised')\n\
+         fds = []\n\
+         try:\n    [fds.append(os.open('/dev/null', os.O_RDONLY)) for _ in range(1000)]\n\
+         except OSError as e:\n    print(len(fds), e.strerror)",
+    );
+    assert_eq!(ran.code, 0, "{ran:?}");
+    let lines: Vec<&str> = ran.stdout.lines().collect();
+    assert_eq!(lines[0], "(64, 64)", "{ran:?}");
+    assert_eq!(lines[1], "not raised");
+    let (opened, why) = lines[2].split_once(' ').unwrap();
+    let opened: usize = opened.parse().unwrap();
+    assert!((55..64).contains(&opened), "{ran:?}");
+    assert_eq!(why, "Too many open files");
 }

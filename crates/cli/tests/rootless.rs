@@ -298,3 +298,80 @@ fn rootless_a_running_cell_writes_creates_and_deletes_after_a_reset() {
         &unique("rootless-rewrite"),
     );
 }
+
+#[test]
+fn rootless_a_workspace_is_held_to_its_disk_limit() {
+    let env = setup();
+    let ws = env.workspace.to_str().unwrap().to_owned();
+    let policy_path = env.state.join("disk.yaml");
+    std::fs::write(
+        &policy_path,
+        "version: 1\nlimits:\n  disk: 64MiB\n  open_files: 100\n",
+    )
+    .unwrap();
+    if is_root() {
+        std::os::unix::fs::chown(&policy_path, Some(NOBODY), Some(NOBODY)).unwrap();
+    }
+    let policy = policy_path.to_str().unwrap().to_owned();
+    let run = |name: &str, script: &str| {
+        Ran::from(
+            as_user(
+                &env,
+                &[
+                    "run",
+                    "--rm",
+                    "--name",
+                    name,
+                    "--policy",
+                    &policy,
+                    "--workspace",
+                    &ws,
+                    "--",
+                    "sh",
+                    "-c",
+                    script,
+                ],
+            )
+            .output()
+            .unwrap(),
+        )
+    };
+    // One file past the limit: the kernel refuses the write, the cell goes on.
+    let one = run(
+        &unique("rl-disk-one"),
+        "dd if=/dev/zero of=/workspace/one bs=1M count=128 2>&1 | grep -o 'File too large' | head -1; \
+         ls -l /workspace/one | awk '{print $5}'; ulimit -n",
+    );
+    assert_eq!(one.code, 0, "{one:?}");
+    assert_eq!(
+        one.stdout,
+        format!("File too large\n{}\n100\n", 64 << 20),
+        "{one:?}"
+    );
+    // Many files past it, some in a directory closed even to its owner: the warden's watch
+    // sees them all and ends the cell.
+    let started = std::time::Instant::now();
+    let many = run(
+        &unique("rl-disk-many"),
+        "mkdir /workspace/hidden; i=0; while [ $i -lt 12 ]; do head -c 8388608 /dev/zero > /workspace/hidden/f$i; i=$((i+1)); done; \
+         chmod 000 /workspace/hidden; echo written; sleep 60; echo survived",
+    );
+    assert_eq!(many.code, 253, "{many:?}");
+    assert_eq!(many.stdout, "written\n", "{many:?}");
+    assert!(
+        many.stderr
+            .contains("disk limit 64 MiB of its workspace exceeded: killed"),
+        "{many:?}"
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(30));
+    // Under the limit nothing happens.
+    let under = run(
+        &unique("rl-disk-under"),
+        "head -c 8388608 /dev/zero > /workspace/f; sleep 5; echo fine",
+    );
+    assert_eq!(
+        (under.code, under.stdout.as_str()),
+        (0, "fine\n"),
+        "{under:?}"
+    );
+}

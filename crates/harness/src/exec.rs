@@ -363,12 +363,20 @@ impl Harness {
             // The whole cell ended under the process: its keeper says why (the memory limit,
             // when files in /tmp filled it and the kernel took the init).
             Err(err) => match self.ending_after_end(&process.cell).await {
-                Some(ending) if ending["reason"] == "memory-limit" => (
-                    "memory-limit",
-                    None,
-                    Some(libc::SIGKILL),
-                    ending["message"].as_str().map(str::to_owned),
-                ),
+                Some(ending)
+                    if ending["reason"] == "memory-limit" || ending["reason"] == "disk-limit" =>
+                {
+                    (
+                        if ending["reason"] == "memory-limit" {
+                            "memory-limit"
+                        } else {
+                            "disk-limit"
+                        },
+                        None,
+                        Some(libc::SIGKILL),
+                        ending["message"].as_str().map(str::to_owned),
+                    )
+                }
                 _ => ("cell-ended", None, None, Some(err.to_string())),
             },
         };

@@ -227,7 +227,7 @@ impl Harness {
                 "killed".to_owned()
             } else if let Some(message) = ending
                 .as_ref()
-                .filter(|e| e["reason"] == "memory-limit")
+                .filter(|e| e["reason"] == "memory-limit" || e["reason"] == "disk-limit")
                 .and_then(|e| e["message"].as_str())
             {
                 message.to_owned()

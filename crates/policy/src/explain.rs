@@ -48,10 +48,13 @@ pub fn explain(policy: &Policy) -> String {
             }
         }
     }
+    let in_memory = match policy.limits.memory {
+        Some(memory) if memory.0 < fs.tmp_size.0 => memory,
+        _ => fs.tmp_size,
+    };
     let _ = writeln!(
         out,
-        "  - /tmp is private to the cell, in memory, at most {}.",
-        fs.tmp_size
+        "  - /tmp is private to the cell, in memory, at most {in_memory} (/dev/shm at most 64 MiB);          what is stored there counts towards the memory limit."
     );
     let _ = writeln!(
         out,
@@ -153,6 +156,12 @@ pub fn explain(policy: &Policy) -> String {
         "  - Output relayed: {}.",
         limits.output.map_or_else(unlimited, |o| o.to_string())
     );
+    let _ = writeln!(
+        out,
+        "  - Workspace disk: {} (what the cell writes to its copy-on-write layer).",
+        limits.disk.map_or_else(unlimited, |d| d.to_string())
+    );
+    let _ = writeln!(out, "  - Open files: {} per process.", limits.open_files);
 
     let _ = writeln!(out, "\nNetwork");
     let net = &policy.network;

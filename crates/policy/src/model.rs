@@ -4,17 +4,25 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use serde::{Deserialize, Deserializer, de};
+use serde::{Deserialize, Deserializer, Serialize, de};
 
 use crate::units::{ByteSize, Duration};
 
 /// A whole policy. Sections that are left out take the values of the built-in `default` preset.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Policy {
     /// Schema version; only `1` exists.
     #[serde(deserialize_with = "version_one")]
     pub version: u32,
+    /// A preset this document builds on: its lists add to the preset's, its other values replace
+    /// the preset's (see `compose`). Gone from the policy once composed.
+    #[serde(default, skip_serializing)]
+    pub extends: Option<String>,
+    /// Entries taken out of the preset's lists and maps, in the policy's own shape (with
+    /// `extends` only).
+    #[serde(default, skip_serializing)]
+    pub remove: Option<serde_json::Value>,
     /// Isolation tier the cell runs under.
     #[serde(default)]
     pub tier: Tier,
@@ -41,6 +49,8 @@ impl Default for Policy {
     fn default() -> Self {
         Self {
             version: 1,
+            extends: None,
+            remove: None,
             tier: Tier::default(),
             filesystem: Filesystem::default(),
             process: Process::default(),
@@ -66,7 +76,7 @@ fn version_one<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u32, D::Err
 }
 
 /// The isolation mechanism behind a cell.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Tier {
     /// Linux namespaces, seccomp, Landlock and cgroups.
@@ -89,7 +99,7 @@ impl Tier {
 }
 
 /// What the cell sees of the host file system.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Filesystem {
     /// Host paths visible read-only at the same place inside the cell. Paths missing on the host
@@ -149,7 +159,7 @@ impl Default for Filesystem {
 }
 
 /// How the host project directory (`--workspace DIR`) appears in the cell.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Workspace {
     /// Where the workspace appears inside the cell.
@@ -193,7 +203,7 @@ impl Default for Workspace {
 
 /// `overlay`: the cell writes a copy-on-write layer over the host directory, and changes reach
 /// the host only through `warden apply`. `direct`: the cell writes the host directory itself.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum WorkspaceMode {
     #[default]
@@ -202,7 +212,7 @@ pub enum WorkspaceMode {
 }
 
 /// Who the command runs as and what it starts with.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Process {
     /// User id inside the cell (never host root: see the docs on id mapping).
@@ -236,12 +246,14 @@ impl Process {
 }
 
 /// The environment is cleared; only what is named here enters the cell.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct EnvPolicy {
     /// Variables copied from the caller's environment when set there.
     pub pass: Vec<String>,
-    /// Variables set to fixed values.
+    /// Variables set to fixed values. A `~/` at the start of a value, or of one of its
+    /// `:`-separated parts, is the home directory of whoever reads the policy.
+    #[serde(deserialize_with = "env_values")]
     pub set: BTreeMap<String, String>,
 }
 
@@ -266,7 +278,7 @@ impl Default for EnvPolicy {
 }
 
 /// Resource limits. `null` means unlimited.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Limits {
     pub memory: Option<ByteSize>,
@@ -295,13 +307,26 @@ pub struct Limits {
     /// How much the warden writes about the cell's network decisions (its egress record, and
     /// the journal entries copied from it); past it, decisions are counted, not recorded.
     pub records: ByteSize,
+    /// What the cell may store in its copy-on-write workspace layer. As root the layer is a
+    /// file system of exactly this size (writes past it fail with ENOSPC); rootless, no single
+    /// file may grow past it (EFBIG) and the warden ends the cell when the layer does.
+    #[serde(deserialize_with = "disk")]
+    pub disk: Option<ByteSize>,
+    /// Files each process of the cell may hold open (RLIMIT_NOFILE, soft and hard).
+    #[serde(deserialize_with = "open_files")]
+    pub open_files: u64,
 }
+
+/// The smallest disk limit: room for the file system's own structures and a little more.
+pub const MIN_DISK: u64 = 32 << 20;
+/// Most open files a policy may allow a process.
+pub const MAX_OPEN_FILES: u64 = 1 << 20;
 
 /// Most connections a policy may allow a cell at once.
 pub const MAX_CONNECTIONS: u32 = 4096;
 
 /// What happens to a cell at a lifecycle limit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum LifecycleAction {
     Pause,
@@ -331,7 +356,31 @@ impl Default for Limits {
             connections: 128,
             connection_idle: Duration(std::time::Duration::from_secs(300)),
             records: ByteSize(16 << 20),
+            disk: Some(ByteSize(2 << 30)),
+            open_files: 4096,
         }
+    }
+}
+
+fn disk<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<ByteSize>, D::Error> {
+    let value = Option::<ByteSize>::deserialize(deserializer)?;
+    match value {
+        Some(size) if size.0 < MIN_DISK => Err(de::Error::custom(format!(
+            "disk must be at least {} (got {size}); write null for no limit",
+            ByteSize(MIN_DISK)
+        ))),
+        other => Ok(other),
+    }
+}
+
+fn open_files<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
+    let value = u64::deserialize(deserializer)?;
+    if (16..=MAX_OPEN_FILES).contains(&value) {
+        Ok(value)
+    } else {
+        Err(de::Error::custom(format!(
+            "open_files must be between 16 and {MAX_OPEN_FILES} (got {value})"
+        )))
     }
 }
 
@@ -358,7 +407,7 @@ fn cpus<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<f64>, D::Er
 
 /// Network section: what the egress gateway lets out. Without rules and with `default: deny`
 /// the cell has loopback only and no gateway at all.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Network {
     /// What happens to a connection no rule matches.
@@ -382,7 +431,7 @@ impl Network {
 }
 
 /// One network rule.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct NetRule {
     /// A host name (`pypi.org`), a glob of subdomains (`*.githubusercontent.com`), an IP address
@@ -407,7 +456,7 @@ pub struct NetRule {
 }
 
 /// How the gateway's DNS answers the cell for names a rule covers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum NameLookup {
     /// Any name the rule covers is looked up on the host when the cell asks. Under a wildcard,
@@ -419,7 +468,7 @@ pub enum NameLookup {
     Connected,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum NetworkDefault {
     #[default]
@@ -432,7 +481,7 @@ pub type Credentials = BTreeMap<String, Credential>;
 
 /// A secret of the caller that the cell never sees: it gets a placeholder, and the gateway puts
 /// the secret in `header` only on requests that a rule naming this credential allows.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Credential {
     /// Environment variable of the caller holding the secret (the cell gets the placeholder
@@ -462,7 +511,7 @@ fn default_credential_format() -> String {
 }
 
 /// Approval behaviour for `ask` decisions.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Approvals {
     pub timeout: Duration,
@@ -471,7 +520,7 @@ pub struct Approvals {
     pub apply: ApplyApproval,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ApplyApproval {
     #[default]
@@ -489,7 +538,7 @@ impl Default for Approvals {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ApprovalOutcome {
     #[default]
@@ -501,7 +550,7 @@ pub enum ApprovalOutcome {
 /// globs over the command line (the arguments joined by spaces): `git push*`, `rm -rf *`,
 /// `*/curl *`. Deny wins over ask, ask over allow; `default` decides the rest. They govern
 /// what the warden is asked to run, not what a running program starts by itself.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Commands {
     pub default: CommandDefault,
@@ -510,7 +559,7 @@ pub struct Commands {
     pub ask: Vec<String>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum CommandDefault {
     #[default]
@@ -582,13 +631,13 @@ impl CommandRules {
 }
 
 /// GPU access. Only `none` exists in this version.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Gpu {
     pub devices: GpuDevices,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum GpuDevices {
     #[default]
@@ -611,12 +660,43 @@ fn absolute_path<'de, D: Deserializer<'de>>(deserializer: D) -> Result<PathBuf, 
     Ok(path)
 }
 
+/// Absolute paths; `~/...` is under the home directory of whoever reads the policy.
 fn absolute_paths<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<PathBuf>, D::Error> {
     let paths = Vec::<PathBuf>::deserialize(deserializer)?;
-    for path in &paths {
-        check_absolute(path).map_err(de::Error::custom)?;
+    let mut out = Vec::with_capacity(paths.len());
+    for path in paths {
+        let path = expand_home(&path.to_string_lossy()).map_err(de::Error::custom)?;
+        let path = PathBuf::from(path);
+        check_absolute(&path).map_err(de::Error::custom)?;
+        out.push(path);
     }
-    Ok(paths)
+    Ok(out)
+}
+
+fn env_values<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<BTreeMap<String, String>, D::Error> {
+    let values = BTreeMap::<String, String>::deserialize(deserializer)?;
+    values
+        .into_iter()
+        .map(|(key, value)| {
+            let parts: Result<Vec<String>, String> = value.split(':').map(expand_home).collect();
+            Ok((key, parts.map_err(de::Error::custom)?.join(":")))
+        })
+        .collect()
+}
+
+/// `~/rest` as `$HOME/rest`; anything else as it is.
+fn expand_home(text: &str) -> Result<String, String> {
+    let Some(rest) = text.strip_prefix("~/") else {
+        return Ok(text.to_owned());
+    };
+    match std::env::var("HOME") {
+        Ok(home) if home.starts_with('/') => Ok(format!("{}/{rest}", home.trim_end_matches('/'))),
+        _ => Err(format!(
+            "`{text}` names the home directory, but HOME is not set to an absolute path"
+        )),
+    }
 }
 
 fn check_absolute(path: &std::path::Path) -> Result<(), String> {

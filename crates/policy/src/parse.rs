@@ -42,17 +42,164 @@ pub fn from_file(path: &Path) -> Result<Policy, PolicyError> {
 
 /// Parses and validates policy text; `origin` names the source in error messages.
 pub fn from_yaml(origin: &str, text: &str) -> Result<Policy, PolicyError> {
+    // The document alone first: its own mistakes are reported with their line and column.
     let policy: Policy = serde_saphyr::from_str(text).map_err(|err| syntax_error(origin, &err))?;
+    let policy = match &policy.extends {
+        Some(base) => compose(origin, base, text)?,
+        None if policy.remove.is_some() => {
+            return Err(PolicyError::Unlocated {
+                origin: origin.to_owned(),
+                message: "`remove` takes entries out of a preset: it needs `extends: PRESET`"
+                    .to_owned(),
+            });
+        }
+        None => policy,
+    };
     validate(origin, &policy)?;
     Ok(policy)
+}
+
+/// The policy a document with `extends: base` means: the preset's, with the document's lists
+/// appended to the preset's lists (an entry already there is not repeated), the document's
+/// other values in place of the preset's, and then what `remove` names taken out (list entries
+/// it matches, map keys it names).
+fn compose(origin: &str, base: &str, text: &str) -> Result<Policy, PolicyError> {
+    let unlocated = |message: String| PolicyError::Unlocated {
+        origin: origin.to_owned(),
+        message,
+    };
+    let base_policy = crate::preset::preset(base)?;
+    let mut merged = serde_json::to_value(&base_policy)
+        .map_err(|e| unlocated(format!("reading preset {base}: {e}")))?;
+    let mut document: serde_json::Value =
+        serde_saphyr::from_str(text).map_err(|err| syntax_error(origin, &err))?;
+    let remove = document.as_object_mut().and_then(|doc| {
+        doc.remove("extends");
+        doc.remove("remove")
+    });
+    merge(&mut merged, document);
+    if let Some(remove) = remove {
+        subtract(&mut merged, &remove, "").map_err(unlocated)?;
+    }
+    serde_json::from_value(merged).map_err(|e| {
+        unlocated(format!(
+            "the document does not compose with preset {base}: {e}"
+        ))
+    })
+}
+
+/// Lays `top` over `base`: maps key by key, lists appended, anything else replaced.
+fn merge(base: &mut serde_json::Value, top: serde_json::Value) {
+    use serde_json::Value;
+    match (base, top) {
+        (Value::Object(base), Value::Object(top)) => {
+            for (key, value) in top {
+                match base.get_mut(&key) {
+                    Some(slot) => merge(slot, value),
+                    None => {
+                        base.insert(key, value);
+                    }
+                }
+            }
+        }
+        (Value::Array(base), Value::Array(top)) => {
+            for item in top {
+                if !base.contains(&item) {
+                    base.push(item);
+                }
+            }
+        }
+        (base, top) => *base = top,
+    }
+}
+
+/// Takes out of `base` what `remove` names; `at` is where in the policy (for errors). An entry
+/// of a list of rules matches a rule whose fields it names all agree.
+fn subtract(
+    base: &mut serde_json::Value,
+    remove: &serde_json::Value,
+    at: &str,
+) -> Result<(), String> {
+    use serde_json::Value;
+    let place = |key: &str| {
+        if at.is_empty() {
+            key.to_owned()
+        } else {
+            format!("{at}.{key}")
+        }
+    };
+    match (base, remove) {
+        (Value::Object(base), Value::Object(remove)) => {
+            for (key, what) in remove {
+                match (base.get_mut(key), what) {
+                    (Some(slot), Value::Object(_) | Value::Array(_)) => {
+                        subtract(slot, what, &place(key))?;
+                    }
+                    (Some(_), _) => {
+                        base.remove(key);
+                    }
+                    (None, _) => {
+                        return Err(format!(
+                            "remove: {} is not in the policy it extends",
+                            place(key)
+                        ));
+                    }
+                }
+            }
+            Ok(())
+        }
+        (Value::Array(base), Value::Array(remove)) => {
+            for what in remove {
+                let matches = |item: &Value| match (item, what) {
+                    (Value::Object(item), Value::Object(what)) => {
+                        what.iter().all(|(k, v)| item.get(k) == Some(v))
+                    }
+                    (item, what) => item == what,
+                };
+                let before = base.len();
+                base.retain(|item| !matches(item));
+                if base.len() == before {
+                    return Err(format!(
+                        "remove: {what} is not in {at} of the policy it extends"
+                    ));
+                }
+            }
+            Ok(())
+        }
+        (_, _) => Err(format!(
+            "remove: {at} is not a list or a map; write the value you want instead"
+        )),
+    }
 }
 
 /// The top-level sections a policy document writes out (`network`, `limits`, ...), as opposed
 /// to those it leaves to their defaults; empty for a document that does not parse.
 pub fn sections(text: &str) -> Vec<String> {
-    serde_saphyr::from_str::<std::collections::BTreeMap<String, serde::de::IgnoredAny>>(text)
-        .map(|map| map.into_keys().collect())
-        .unwrap_or_default()
+    let written: Vec<String> =
+        serde_saphyr::from_str::<std::collections::BTreeMap<String, serde::de::IgnoredAny>>(text)
+            .map(|map| map.into_keys().collect())
+            .unwrap_or_default();
+    if !written.iter().any(|s| s == "extends") {
+        return written;
+    }
+    // A document that extends a preset writes every section the preset has.
+    let mut all: Vec<String> = serde_json::to_value(Policy::default())
+        .ok()
+        .and_then(|v| v.as_object().map(|o| o.keys().cloned().collect()))
+        .unwrap_or_default();
+    all.extend(
+        written
+            .into_iter()
+            .filter(|s| s != "extends" && s != "remove"),
+    );
+    all.sort();
+    all.dedup();
+    all
+}
+
+/// The policy as a document: every section and value written out (`warden policy show`).
+pub fn to_yaml(policy: &Policy) -> String {
+    serde_saphyr::to_string(policy).unwrap_or_else(|e| format!("# cannot be written: {e}\n"))
 }
 
 fn syntax_error(origin: &str, err: &serde_saphyr::Error) -> PolicyError {
@@ -358,5 +505,64 @@ mod tests {
         let policy = from_yaml("p.yaml", ok).unwrap();
         assert_eq!(policy.credentials["gh"].header, "Authorization");
         assert_eq!(policy.credentials["gh"].format, "Bearer {}");
+    }
+
+    #[test]
+    fn every_preset_is_written_back_as_a_document_that_reads_the_same() {
+        for (name, _, _) in crate::PRESETS {
+            let policy = crate::preset(name).unwrap();
+            let text = to_yaml(&policy);
+            let again = from_yaml("shown", &text).unwrap_or_else(|e| panic!("{name}: {e}\n{text}"));
+            assert_eq!(again, policy, "{name}:\n{text}");
+        }
+    }
+
+    #[test]
+    fn extends_appends_lists_replaces_values_and_removes_what_it_names() {
+        let text = "version: 1\nextends: default\nfilesystem:\n  read_only: [/opt/tools, /usr]\n\
+                    limits:\n  memory: 2GiB\n  pids: null\nnetwork:\n  allow:\n    - host: pypi.org\n\
+                    remove:\n  filesystem:\n    read_only: [/etc/perl]\n  process:\n    env:\n      set:\n        LANG: x\n";
+        let policy = from_yaml("p.yaml", text).unwrap();
+        let base = Policy::default();
+        let ro = &policy.filesystem.read_only;
+        assert_eq!(
+            ro.len(),
+            base.filesystem.read_only.len(),
+            "one added, one removed, /usr kept once"
+        );
+        assert!(ro.contains(&"/opt/tools".into()) && !ro.contains(&"/etc/perl".into()));
+        assert_eq!(
+            ro.iter()
+                .filter(|p| *p == std::path::Path::new("/usr"))
+                .count(),
+            1
+        );
+        assert_eq!(policy.limits.memory, Some(crate::ByteSize(2 << 30)));
+        assert_eq!(policy.limits.pids, None);
+        assert_eq!(
+            policy.limits.output, base.limits.output,
+            "what is not written stays"
+        );
+        assert_eq!(policy.network.allow.len(), 1);
+        assert!(!policy.process.env.set.contains_key("LANG"));
+        assert!(policy.process.env.set.contains_key("PATH"));
+        assert_eq!(policy.extends, None);
+    }
+
+    #[test]
+    fn extends_errors_name_what_is_wrong() {
+        let bad = |text: &str| from_yaml("p.yaml", text).unwrap_err().to_string();
+        assert!(bad("version: 1\nextends: nope\n").contains("unknown preset `nope`"));
+        let missing = bad(
+            "version: 1\nextends: default\nremove:\n  filesystem:\n    read_only: [/not/there]\n",
+        );
+        assert!(
+            missing.contains("/not/there") && missing.contains("filesystem.read_only"),
+            "{missing}"
+        );
+        assert!(bad("version: 1\nremove: {limits: {memory: x}}\n").contains("needs `extends"));
+        // The document's own mistakes keep their line and column.
+        let typo = bad("version: 1\nextends: default\nlimits:\n  memroy: 1GiB\n");
+        assert!(typo.starts_with("p.yaml:4:"), "{typo}");
     }
 }

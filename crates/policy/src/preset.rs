@@ -15,6 +15,21 @@ pub const PRESETS: &[(&str, &str, &str)] = &[
         "only /usr and the libraries, 256 MiB / 64 pids, 10 minutes of wall time",
         include_str!("presets/minimal.yaml"),
     ),
+    (
+        "python",
+        "default, with pypi.org and files.pythonhosted.org allowed (HTTPS), 2 GiB",
+        include_str!("presets/python.yaml"),
+    ),
+    (
+        "node",
+        "default, with registry.npmjs.org allowed (HTTPS), 2 GiB / 1024 pids",
+        include_str!("presets/node.yaml"),
+    ),
+    (
+        "rust",
+        "default, with crates.io allowed (HTTPS) and ~/.rustup, ~/.cargo/bin read-only, 4 GiB, 8 GiB of disk",
+        include_str!("presets/rust.yaml"),
+    ),
 ];
 
 /// Returns the named preset, or an error that lists the known names.

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use serde::{Deserialize, Deserializer, de};
+use serde::{Deserialize, Deserializer, Serialize, Serializer, de};
 
 /// A byte count written like `512MiB`, `1GiB` or `4096`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -32,6 +32,24 @@ impl fmt::Display for ByteSize {
             }
         }
         write!(f, "{} bytes", self.0)
+    }
+}
+
+/// Written back as the shortest exact form: `2GiB`, `512MiB`, or a number of bytes.
+impl Serialize for ByteSize {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        const UNITS: [(&str, u64); 4] = [
+            ("TiB", 1 << 40),
+            ("GiB", 1 << 30),
+            ("MiB", 1 << 20),
+            ("KiB", 1 << 10),
+        ];
+        for (unit, scale) in UNITS {
+            if self.0 >= scale && self.0 % scale == 0 {
+                return serializer.serialize_str(&format!("{}{unit}", self.0 / scale));
+            }
+        }
+        serializer.serialize_u64(self.0)
     }
 }
 
@@ -68,6 +86,12 @@ impl Duration {
 impl fmt::Display for Duration {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", humantime::format_duration(self.0))
+    }
+}
+
+impl Serialize for Duration {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&self.to_string().replace(' ', ""))
     }
 }
 

@@ -22,6 +22,9 @@ pub mod exit {
     pub const MEMORY_LIMIT: i32 = 251;
     /// The output limit was exceeded and the cell was killed.
     pub const OUTPUT_LIMIT: i32 = 252;
+    /// The workspace passed its disk limit where the warden's watch keeps it (rootless), and
+    /// the cell was killed. (Where the kernel keeps it, a write past it fails with ENOSPC.)
+    pub const DISK_LIMIT: i32 = 253;
 }
 
 /// Whether a cell's processes may run.

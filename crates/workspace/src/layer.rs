@@ -8,6 +8,9 @@ use std::time::SystemTime;
 use serde::{Deserialize, Serialize};
 
 /// A cell's layer: `upper/` (what the cell changed), `work/` (overlayfs scratch), `layer.json`.
+///
+/// A layer with a disk limit of its own (see the process tier's `disk`) keeps `upper/` and
+/// `work/` in a file system of that size: the image `disk.img`, mounted on `fs/`.
 #[derive(Debug, Clone)]
 pub struct Layer {
     dir: PathBuf,
@@ -44,11 +47,54 @@ impl Layer {
     }
 
     pub fn upper(&self) -> PathBuf {
-        self.dir.join("upper")
+        self.base().join("upper")
     }
 
     pub fn work(&self) -> PathBuf {
-        self.dir.join("work")
+        self.base().join("work")
+    }
+
+    /// The image of the layer's own file system, when it has one.
+    pub fn image(&self) -> PathBuf {
+        self.dir.join("disk.img")
+    }
+
+    /// Where the layer's own file system is mounted.
+    pub fn fs_dir(&self) -> PathBuf {
+        self.dir.join("fs")
+    }
+
+    /// Whether the layer keeps its changes in a file system of its own.
+    pub fn has_image(&self) -> bool {
+        self.image().exists()
+    }
+
+    /// Whether the layer's own file system is mounted on `fs/`.
+    pub fn is_attached(&self) -> bool {
+        use std::os::unix::fs::MetadataExt as _;
+        match (fs::metadata(&self.dir), fs::metadata(self.fs_dir())) {
+            (Ok(dir), Ok(mount)) => dir.dev() != mount.dev(),
+            _ => false,
+        }
+    }
+
+    /// Unmounts the layer's own file system (lazily: a cell still using it keeps it until it
+    /// ends; its loop device goes with the last user).
+    pub fn detach(&self) -> io::Result<()> {
+        if !self.is_attached() {
+            return Ok(());
+        }
+        rustix::mount::unmount(self.fs_dir(), rustix::mount::UnmountFlags::DETACH)
+            .map_err(io::Error::from)
+    }
+
+    /// The directory that holds `upper/` and `work/`.
+    fn base(&self) -> PathBuf {
+        if self.has_image() {
+            self.fs_dir()
+        } else {
+            self.dir.clone()
+        }
     }
 
     /// Creates the layer's directories and records `meta`.
@@ -83,6 +129,8 @@ impl Layer {
 
     /// Removes the layer and everything in it.
     pub fn remove(&self) -> io::Result<()> {
+        // The layer's own file system goes with its image; nothing of it is read again.
+        self.detach()?;
         // overlayfs leaves `work/work` with mode 000; its owner may open it up again.
         let _ = open_up(&self.work());
         match fs::remove_dir_all(&self.dir) {

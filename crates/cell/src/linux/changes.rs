@@ -68,6 +68,11 @@ fn open(store: &Store, name: &str) -> Result<(Layer, LayerMeta), ChangesError> {
         name: name.to_owned(),
         source,
     })?;
+    // A layer with a file system of its own whose mount went (a reboot) is mounted again.
+    super::disk::attach(&layer).map_err(|e| ChangesError::Layer {
+        name: name.to_owned(),
+        source: std::io::Error::other(e.to_string()),
+    })?;
     Ok((layer, meta))
 }
 

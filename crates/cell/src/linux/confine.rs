@@ -60,6 +60,19 @@ pub fn confine(plan: &CellPlan, rlimit_fallback: bool) -> Result<(), ConfineErro
         sys::set_rlimit(resource, value).map_err(|source| ConfineError::Prctl { what, source })
     };
     limit("RLIMIT_CORE", libc::RLIMIT_CORE, 0)?;
+    // Not above the hard limit the warden has: raising it needs a privilege the cell lacks.
+    let nofile = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        .map_or(plan.rlimit_nofile, |(_, hard)| plan.rlimit_nofile.min(hard));
+    limit("RLIMIT_NOFILE", libc::RLIMIT_NOFILE, nofile)?;
+    if let Some(bytes) = plan.rlimit_fsize {
+        limit("RLIMIT_FSIZE", libc::RLIMIT_FSIZE, bytes)?;
+        // An ignored SIGXFSZ stays ignored across exec: the write past the limit fails with
+        // EFBIG instead of killing the writer.
+        sys::set_signal_ignored(libc::SIGXFSZ).map_err(|source| ConfineError::Prctl {
+            what: "ignoring SIGXFSZ",
+            source,
+        })?;
+    }
     if rlimit_fallback {
         if let Some(n) = plan.rlimit_nproc {
             limit("RLIMIT_NPROC", libc::RLIMIT_NPROC, n)?;

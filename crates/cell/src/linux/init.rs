@@ -24,6 +24,9 @@ const STATUS_FD: RawFd = 4;
 const TREE_FD: RawFd = 5;
 const GATEWAY_FD: RawFd = 6;
 const EXEC_FD: RawFd = 7;
+/// The first of the host paths the policy shows the cell, opened by the warden (see
+/// `InitFds::sources`), one after another in the order of the plan's entries.
+pub(super) const SOURCES_FD: RawFd = 8;
 
 /// Signals the init passes on to the command's process group.
 const FORWARDED: [Signal; 6] = [
@@ -48,6 +51,10 @@ pub struct InitFds {
     pub gateway: Option<RawFd>,
     /// The exec channel to the cell's keeper (see `exec`).
     pub exec: Option<RawFd>,
+    /// The host side of each bind and copy entry of the plan, in order, opened `O_PATH` by the
+    /// warden: the cell's setup reaches them through these even below a directory it may not
+    /// search (a home directory of mode 0700, as root's is).
+    pub sources: Vec<RawFd>,
 }
 
 /// Outcome codes sent on the status pipe.
@@ -99,7 +106,8 @@ fn failed<E: std::fmt::Display>(what: &str) -> impl FnOnce(E) -> (i32, String) +
 
 fn arrange_fds(fds: &InitFds) -> SetupResult<()> {
     // Move everything above the range we are about to fill, then place each at its number.
-    let high = |fd| sys::dup_above(fd, 64).map_err(failed("arranging descriptors"));
+    let floor = 64.max(SOURCES_FD + fds.sources.len() as RawFd + 1);
+    let high = |fd| sys::dup_above(fd, floor).map_err(failed("arranging descriptors"));
     let stdin = high(fds.stdin)?;
     let stdout = high(fds.stdout)?;
     let stderr = high(fds.stderr)?;
@@ -108,6 +116,11 @@ fn arrange_fds(fds: &InitFds) -> SetupResult<()> {
     let tree = fds.tree.map(high).transpose()?;
     let gateway = fds.gateway.map(high).transpose()?;
     let exec = fds.exec.map(high).transpose()?;
+    let sources: Vec<RawFd> = fds
+        .sources
+        .iter()
+        .map(|fd| high(*fd))
+        .collect::<SetupResult<_>>()?;
     let place = |from, to| sys::dup_onto(from, to).map_err(failed("arranging descriptors"));
     place(stdin, 0)?;
     place(stdout, 1)?;
@@ -123,8 +136,13 @@ fn arrange_fds(fds: &InitFds) -> SetupResult<()> {
     if let Some(exec) = exec {
         place(exec, EXEC_FD)?;
     }
+    // `high` placed every descriptor above the last source slot, so none is overwritten here.
+    for (i, source) in sources.iter().enumerate() {
+        place(*source, SOURCES_FD + i as RawFd)?;
+    }
     // Every other inherited descriptor goes (the optional slots too, when unused).
-    sys::close_from(EXEC_FD + 1).map_err(failed("closing inherited descriptors"))?;
+    sys::close_from(SOURCES_FD + sources.len() as RawFd)
+        .map_err(failed("closing inherited descriptors"))?;
     if tree.is_none() {
         sys::close_quietly(TREE_FD);
     }
@@ -157,6 +175,8 @@ fn setup_and_start(plan: &CellPlan, fds: &InitFds) -> SetupResult<Started> {
     let tree = fds.tree.map(|_| owned(TREE_FD));
     rootfs::build(plan, tree.as_ref()).map_err(|e| (SETUP_FAILED, e.to_string()))?;
     drop(tree);
+    // The host's sources are mounted or copied: nothing of the cell may inherit them.
+    sys::close_from(SOURCES_FD).map_err(failed("closing the host's sources"))?;
     let in_cgroup = wait_for_warden(&mut sync) == GO_IN_CGROUP;
     if in_cgroup {
         unshare(CloneFlags::CLONE_NEWCGROUP).map_err(failed("creating the cgroup namespace"))?;

@@ -4,6 +4,7 @@ pub mod cgroup;
 pub mod changes;
 mod confine;
 pub mod control;
+pub mod disk;
 pub mod exec;
 pub mod files;
 mod idmap;

@@ -58,6 +58,12 @@ pub struct CellPlan {
     pub entries: Vec<Entry>,
     pub hidden: Vec<PathBuf>,
     pub tmp_size: u64,
+    /// Size of `/dev/shm`.
+    pub shm_size: u64,
+    /// For each of `entries`, the descriptor slot of what the warden opened of its host side
+    /// (a detached tree for a bind, an `O_PATH` descriptor for a copy), where the cell's setup
+    /// could not reach it by its path; `None` where it can.
+    pub sources: Vec<Option<std::os::fd::RawFd>>,
     pub workspace: Option<WorkspacePlan>,
     /// Where the workspace (or, without one, a scratch directory) appears.
     pub workspace_mount: PathBuf,
@@ -69,6 +75,11 @@ pub struct CellPlan {
     /// a delegated subtree).
     pub rlimit_nproc: Option<u64>,
     pub rlimit_as: Option<u64>,
+    /// Open files per process (soft and hard; no more than the warden's own hard limit).
+    pub rlimit_nofile: u64,
+    /// Largest file a process may write (the per-file part of a disk limit the kernel cannot
+    /// keep whole); SIGXFSZ is ignored, so that a write past it fails with EFBIG.
+    pub rlimit_fsize: Option<u64>,
     /// More generated files under `/etc` (path relative to it, content): the egress CA.
     pub extra_etc: Vec<(String, String)>,
 }
@@ -223,7 +234,9 @@ pub fn check_paths(policy: &Policy, state: &Path, runtime: &Path) -> Result<(), 
             check_not_wardens(what, path, &own)?;
         }
         check_not_under_cells_own(what, path)?;
-        if path.exists() {
+        // A root warden opens these for the setup (see `InitFds::sources`); an unprivileged
+        // one can open only what its user reaches.
+        if path.exists() && !root_mode {
             check_reachable(what, path, setup, root_mode)?;
         }
     }

@@ -73,6 +73,9 @@ impl PolicyWatch {
     }
 }
 
+/// How often the relay reads the disk watch's last look.
+const DISK_POLL: Duration = Duration::from_millis(250);
+
 pub(super) struct Relay<'a> {
     pub(super) policy_watch: Option<PolicyWatch>,
     pub(super) pid: Pid,
@@ -84,6 +87,8 @@ pub(super) struct Relay<'a> {
     pub(super) deadline: Option<(Instant, Duration)>,
     pub(super) output_cap: Option<u64>,
     pub(super) memory_limit: Option<u64>,
+    /// The disk limit, where the warden's watch keeps it.
+    pub(super) disk: Option<super::disk::Watch>,
 }
 
 impl Relay<'_> {
@@ -124,6 +129,10 @@ impl Relay<'_> {
                         self.kill();
                     }
                 }
+                if let Some(watch) = self.disk.as_ref().filter(|w| w.over()) {
+                    limit = Some(Ending::DiskLimit { limit: watch.limit });
+                    self.kill();
+                }
             }
             let mut wait = Duration::from_secs(3600);
             if let (None, Some((deadline, _))) = (&limit, self.deadline) {
@@ -131,6 +140,9 @@ impl Relay<'_> {
             }
             if self.memory_limit.is_some() && self.cgroup.is_some() {
                 wait = wait.min(OOM_POLL);
+            }
+            if self.disk.is_some() {
+                wait = wait.min(DISK_POLL);
             }
             if exited.is_some() {
                 wait = wait.min(Duration::from_millis(50));

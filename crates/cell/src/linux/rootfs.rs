@@ -76,8 +76,9 @@ pub fn build(
 
     // Read-only entries first; the whole tree is then made read-only, nosuid and nodev in one
     // recursive step, and the writable mounts go on top of their (already created) mount points.
-    for entry in &plan.entries {
-        place(root, entry)?;
+    let sources = sources(plan);
+    for (entry, source) in plan.entries.iter().zip(&sources) {
+        place(root, entry, *source)?;
     }
     write_etc(plan)?;
     let workspace = inside(root, &plan.workspace_mount);
@@ -90,7 +91,7 @@ pub fn build(
         fs::create_dir_all(dir).map_err(at("creating directory", dir))?;
     }
     sys::restrict_mount(root, true).map_err(at("making the cell root read-only", root))?;
-    for entry in &plan.entries {
+    for (entry, source) in plan.entries.iter().zip(&sources) {
         if let Entry::Bind {
             path,
             writable: true,
@@ -98,13 +99,13 @@ pub fn build(
         } = entry
         {
             let dst = inside(root, path);
-            bind("bind-mounting", path, &dst, true)?;
+            bind_from("bind-mounting", path, *source, &dst)?;
             sys::restrict_mount(&dst, false).map_err(at("restricting mount", &dst))?;
         }
     }
     mount_tmp(root, plan.tmp_size)?;
     mount_workspace(plan, workspace_tree)?;
-    mount_dev(root)?;
+    mount_dev(root, plan.shm_size)?;
     mount_proc(root)?;
     for hidden in &plan.hidden {
         hide(&inside(root, hidden))?;
@@ -159,7 +160,41 @@ fn inside(root: &Path, path: &Path) -> PathBuf {
     root.join(path.strip_prefix("/").unwrap_or(path))
 }
 
-fn place(root: &Path, entry: &Entry) -> Result<(), SetupError> {
+/// How the setup reaches an entry's host side: by its path, or (below a directory the setup
+/// may not search) through what the warden opened for it, in the slot `Source` names.
+#[derive(Debug, Clone, Copy)]
+enum Source {
+    Path,
+    Slot(std::os::fd::RawFd),
+}
+
+fn sources(plan: &CellPlan) -> Vec<Source> {
+    (0..plan.entries.len())
+        .map(|i| match plan.sources.get(i).copied().flatten() {
+            Some(slot) => Source::Slot(slot),
+            None => Source::Path,
+        })
+        .collect()
+}
+
+/// Bind-mounts `path` of the host on `target`: a recursive bind of the path, or the attachment
+/// of the detached tree the warden cloned of it.
+fn bind_from(
+    step: &'static str,
+    path: &Path,
+    source: Source,
+    target: &Path,
+) -> Result<(), SetupError> {
+    match source {
+        Source::Path => bind(step, path, target, true),
+        Source::Slot(slot) => {
+            let tree = sys::own_fd(slot);
+            sys::move_mount_to(&tree, target).map_err(at(step, path))
+        }
+    }
+}
+
+fn place(root: &Path, entry: &Entry, source: Source) -> Result<(), SetupError> {
     match entry {
         Entry::Symlink { path, target } => {
             let link = inside(root, path);
@@ -169,7 +204,11 @@ fn place(root: &Path, entry: &Entry) -> Result<(), SetupError> {
         Entry::Copy { path } => {
             let dst = inside(root, path);
             make_parent(&dst)?;
-            fs::copy(path, &dst).map(drop).map_err(at("copying", path))
+            let from = match source {
+                Source::Path => path.clone(),
+                Source::Slot(slot) => PathBuf::from(format!("/proc/self/fd/{slot}")),
+            };
+            fs::copy(from, &dst).map(drop).map_err(at("copying", path))
         }
         Entry::Bind {
             path,
@@ -181,7 +220,7 @@ fn place(root: &Path, entry: &Entry) -> Result<(), SetupError> {
             if *writable {
                 return Ok(()); // mounted after the tree is made read-only
             }
-            bind("bind-mounting", path, &dst, true)
+            bind_from("bind-mounting", path, source, &dst)
         }
     }
 }
@@ -343,7 +382,7 @@ fn mount_copy_on_write(
     .map_err(at("mounting the copy-on-write workspace on", dst))
 }
 
-fn mount_dev(root: &Path) -> Result<(), SetupError> {
+fn mount_dev(root: &Path, shm_size: u64) -> Result<(), SetupError> {
     let dev = root.join("dev");
     mount_fs(
         "mounting tmpfs on",
@@ -374,7 +413,7 @@ fn mount_dev(root: &Path) -> Result<(), SetupError> {
         "tmpfs",
         &shm,
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-        Some("mode=1777,size=64m"),
+        Some(format!("mode=1777,size={shm_size}").as_str()),
     )?;
     for (link, target) in [
         ("ptmx", "pts/ptmx"),

@@ -51,6 +51,9 @@ pub struct RunRequest {
     pub report: Option<PathBuf>,
 }
 
+/// The size of a cell's `/dev/shm` (no larger than its memory limit).
+pub const SHM_SIZE: u64 = 64 << 20;
+
 /// How a cell ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Ending {
@@ -67,6 +70,10 @@ pub enum Ending {
     OutputLimit {
         limit: u64,
     },
+    /// The workspace layer passed `limits.disk` where only the warden's watch keeps it.
+    DiskLimit {
+        limit: u64,
+    },
     /// `warden kill` ended it.
     Killed,
     CommandNotFound(String),
@@ -75,7 +82,7 @@ pub enum Ending {
 
 impl Ending {
     /// The ending as JSON: `reason` (`exited`, `signaled`, `memory-limit`, `wall-limit`,
-    /// `output-limit`, `killed`, `not-found`, `not-executable`), with `code`, `signal`,
+    /// `output-limit`, `disk-limit`, `killed`, `not-found`, `not-executable`), with `code`, `signal`,
     /// `limit` and `message` where they apply.
     pub fn report(&self) -> serde_json::Value {
         use serde_json::json;
@@ -94,6 +101,14 @@ impl Ending {
                 json!({ "reason": "wall-limit", "limit_ms": limit.as_millis() as u64 })
             }
             Self::OutputLimit { limit } => json!({ "reason": "output-limit", "limit": limit }),
+            Self::DiskLimit { limit } => json!({
+                "reason": "disk-limit",
+                "limit": limit,
+                "message": format!(
+                    "the cell's workspace passed its disk limit ({}) and the warden ended it",
+                    warden_policy::ByteSize(*limit)
+                ),
+            }),
             Self::Killed => json!({ "reason": "killed" }),
             Self::CommandNotFound(message) => json!({ "reason": "not-found", "message": message }),
             Self::CannotExecute(message) => {
@@ -129,6 +144,8 @@ pub enum RunError {
     },
     #[error("cell setup failed: {0}")]
     Setup(String),
+    #[error("giving the workspace its disk limit: {0}")]
+    Disk(#[from] super::disk::DiskError),
     #[error(transparent)]
     Egress(#[from] warden_egress::RulesError),
     #[error(transparent)]
@@ -227,6 +244,7 @@ pub fn run(
 
     let reservation = registry.reserve(&name)?;
     let privileged = nix::unistd::geteuid().is_root();
+    let mut notices = Vec::new();
     let mut workspace = workspace;
     let ids = IdMapping {
         privileged,
@@ -244,12 +262,17 @@ pub fn run(
                 &base,
                 policy,
                 privileged.then_some(&ids),
+                &mut notices,
             )?;
+            let upper = layer.layer.upper();
             ws.overlay = Some(OverlayPlan {
-                upper: layer.layer.upper(),
+                layer_dir: upper
+                    .parent()
+                    .unwrap_or_else(|| layer.layer.dir())
+                    .to_path_buf(),
+                upper,
                 work: layer.layer.work(),
                 base: base.clone(),
-                layer_dir: layer.layer.dir().to_path_buf(),
                 snapshots_dir: store.root().join("snapshots"),
             });
             ws.protect.clear(); // reviewed at apply time instead
@@ -257,8 +280,10 @@ pub fn run(
         }
         _ => None,
     };
+    // A disk limit the kernel cannot keep whole (rootless, or no loop devices): RLIMIT_FSIZE
+    // for each file, and the warden's watch for the layer (see `disk`).
+    let watched_disk = layer.as_ref().and_then(|l| l.watched);
 
-    let mut notices = Vec::new();
     let mut env: Vec<(OsString, OsString)> = Vec::new();
     for (key, value) in &policy.process.env.set {
         env.push((key.into(), value.into()));
@@ -341,7 +366,8 @@ pub fn run(
         env.retain(|(k, _)| k != key.as_str());
         env.push((key.into(), value.into()));
     }
-    let plan = CellPlan {
+    let mut plan = CellPlan {
+        sources: Vec::new(),
         name: name.clone(),
         hostname: policy
             .process
@@ -351,7 +377,14 @@ pub fn run(
         root: reservation.root_dir(),
         entries: plan::entries(policy),
         hidden: policy.filesystem.hidden.clone(),
-        tmp_size: policy.filesystem.tmp_size.0,
+        // In memory, so no larger than the memory limit (their pages count towards it).
+        tmp_size: policy
+            .limits
+            .memory
+            .map_or(policy.filesystem.tmp_size.0, |m| {
+                m.0.min(policy.filesystem.tmp_size.0)
+            }),
+        shm_size: policy.limits.memory.map_or(SHM_SIZE, |m| m.0.min(SHM_SIZE)),
         workspace,
         workspace_mount: policy.filesystem.workspace.mount.clone(),
         ids: ids.clone(),
@@ -360,6 +393,8 @@ pub fn run(
         cwd: policy.process.cwd.clone(),
         rlimit_nproc: policy.limits.pids,
         rlimit_as: policy.limits.memory.map(|m| m.0),
+        rlimit_nofile: policy.limits.open_files,
+        rlimit_fsize: watched_disk,
         extra_etc,
     };
 
@@ -384,7 +419,45 @@ pub fn run(
     } else {
         None
     };
+    // Host paths the policy shows the cell below a directory its setup may not search (a home
+    // directory of mode 0700, as root's is): a root warden opens them here, for the setup to
+    // attach (a detached clone) or copy (an O_PATH descriptor). Everything else is bound by its
+    // path, from mounts the kernel keeps locked in the cell.
+    let mut sources = Vec::new();
+    if privileged {
+        let (setup, _) = plan::setup_host_ids();
+        for (i, entry) in plan.entries.iter().enumerate() {
+            let (path, bind) = match entry {
+                plan::Entry::Bind { path, .. } => (path, true),
+                plan::Entry::Copy { path } => (path, false),
+                plan::Entry::Symlink { .. } => continue,
+            };
+            if plan::check_reachable("", path, setup, true).is_ok() {
+                continue;
+            }
+            let opened = if bind {
+                sys::detached_clone_recursive(path)
+            } else {
+                rustix::fs::open(
+                    path,
+                    rustix::fs::OFlags::PATH | rustix::fs::OFlags::CLOEXEC,
+                    rustix::fs::Mode::empty(),
+                )
+                .map_err(io::Error::from)
+            };
+            let fd = opened.map_err(|e| RunError::Os {
+                what: "opening a path the policy shows the cell",
+                source: io::Error::other(format!("{}: {e}", path.display())),
+            })?;
+            sources.push((i, fd));
+        }
+    }
+    plan.sources = vec![None; plan.entries.len()];
+    for (k, (i, _)) in sources.iter().enumerate() {
+        plan.sources[*i] = Some(init::SOURCES_FD + k as i32);
+    }
     let fds = InitFds {
+        sources: sources.iter().map(|(_, fd)| fd.as_raw_fd()).collect(),
         exec: exec_channel.as_ref().map(|(_, child)| child.as_raw_fd()),
         gateway: gateway_channel.as_ref().map(|(_, child)| child.as_raw_fd()),
         stdin: stdin_r.as_raw_fd(),
@@ -431,7 +504,7 @@ pub fn run(
         cgroup: None,
         pid: Some(pid),
     };
-    drop((stdin_r, stdout_w, stderr_w, sync_r, status_w, tree));
+    drop((stdin_r, stdout_w, stderr_w, sync_r, status_w, tree, sources));
     let gateway_channel = gateway_channel.map(|(warden_end, _child_end)| warden_end);
     let exec_channel = exec_channel.map(|(warden_end, _child_end)| warden_end);
 
@@ -629,6 +702,26 @@ pub fn run(
             seen: None,
         });
     }
+    let disk_watch = match (watched_disk, &plan.workspace) {
+        (Some(limit), Some(ws)) => match &ws.overlay {
+            Some(overlay) => {
+                // Rootless, the watch looks from inside the cell's user namespace.
+                let userns = match (&namespaces, privileged) {
+                    (Some((user, _)), false) => Some(
+                        user.try_clone()
+                            .map_err(os("holding the cell's user namespace"))?,
+                    ),
+                    _ => None,
+                };
+                Some(
+                    super::disk::Watch::start(overlay.upper.clone(), limit, userns)
+                        .map_err(os("starting the disk watch"))?,
+                )
+            }
+            None => None,
+        },
+        _ => None,
+    };
     super::exec::serve(
         &reservation.file(super::exec::EXEC_SOCKET),
         exec_channel,
@@ -655,6 +748,7 @@ pub fn run(
         } else {
             policy.limits.memory.map(|m| m.0)
         },
+        disk: disk_watch,
     };
     let relayed = relay.run();
     drop(sync); // the cell's lifeline: held until the cell is gone
@@ -699,6 +793,9 @@ pub fn run(
 struct LayerGuard {
     layer: Layer,
     armed: bool,
+    /// The disk limit, when the warden's watch keeps it (the layer has no file system of its
+    /// own).
+    watched: Option<u64>,
 }
 
 impl LayerGuard {
@@ -709,6 +806,7 @@ impl LayerGuard {
         base: &[PathBuf],
         policy: &Policy,
         privileged: Option<&IdMapping>,
+        notices: &mut Vec<String>,
     ) -> Result<Self, RunError> {
         for text in [host.as_os_str(), store.root().as_os_str()] {
             if text.as_bytes().iter().any(|b| *b == b',' || *b == b':') {
@@ -727,7 +825,32 @@ impl LayerGuard {
             base: base.to_vec(),
             mount: policy.filesystem.workspace.mount.clone(),
         };
-        let guard = Self { layer, armed: true };
+        let mut guard = Self {
+            layer,
+            armed: true,
+            watched: None,
+        };
+        if let Some(disk) = policy.limits.disk {
+            let why_not = match privileged {
+                None => Some(None),
+                Some(_) => super::disk::unavailable().map(Some),
+            };
+            match why_not {
+                None => {
+                    fs::create_dir_all(guard.layer.dir())
+                        .map_err(os("creating the workspace layer"))?;
+                    super::disk::create(&guard.layer, disk.0)?;
+                }
+                Some(reason) => {
+                    if let Some(reason) = reason {
+                        notices.push(format!(
+                            "{reason}: the disk limit ({disk}) is kept per file by the kernel and                              for the whole workspace by the warden's watch"
+                        ));
+                    }
+                    guard.watched = Some(disk.0);
+                }
+            }
+        }
         guard
             .layer
             .create(&meta)

@@ -198,7 +198,7 @@ fn fresh_upper(
     to: Option<&str>,
 ) -> Result<PathBuf, SnapshotError> {
     let upper = layer.upper();
-    let fresh = layer.dir().join("upper.new");
+    let fresh = upper_dir(layer).join("upper.new");
     let _ = fs::remove_dir_all(&fresh);
     let copy_err = |path: &Path| {
         let path = path.to_path_buf();
@@ -227,14 +227,22 @@ fn fresh_upper(
     Ok(fresh)
 }
 
+/// The directory that holds the layer's `upper/` (its own file system, when it has one).
+fn upper_dir(layer: &Layer) -> PathBuf {
+    layer
+        .upper()
+        .parent()
+        .map_or_else(|| layer.dir().to_path_buf(), Path::to_path_buf)
+}
+
 /// Swaps `name.new` in for `name` in the layer directory and removes the old one.
 fn swap_in(layer: &Layer, name: &str) -> Result<(), SnapshotError> {
-    let current = layer.dir().join(name);
-    let fresh = layer.dir().join(format!("{name}.new"));
+    let current = upper_dir(layer).join(name);
+    let fresh = upper_dir(layer).join(format!("{name}.new"));
     let stamp = SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
-    let old = layer.dir().join(format!("{name}.old-{stamp}"));
+    let old = upper_dir(layer).join(format!("{name}.old-{stamp}"));
     fs::rename(&current, &old).map_err(|source| SnapshotError::Copy {
         path: current.clone(),
         source,

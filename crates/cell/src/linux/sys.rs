@@ -25,6 +25,9 @@ fn cstring(path: &Path) -> io::Result<CString> {
 ///
 /// The caller must be single-threaded: the child continues with a copy of this thread only.
 pub fn clone_process(flags: libc::c_int) -> io::Result<libc::pid_t> {
+    if flags == 0 {
+        return fork_process();
+    }
     let flags = (flags | libc::SIGCHLD) as libc::c_ulong;
     // SAFETY: a NULL stack makes clone behave like fork (the child runs on a copy of the
     // caller's stack); no parent/child tid pointers or TLS are passed.
@@ -169,6 +172,23 @@ pub fn detached_clone(path: &Path) -> io::Result<OwnedFd> {
             libc::AT_FDCWD,
             cpath.as_ptr(),
             OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
+        )
+    };
+    // SAFETY: the kernel returned a fresh descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(check(ret)? as RawFd) })
+}
+
+/// A detached copy of the mount tree at `path`, its submounts included.
+pub fn detached_clone_recursive(path: &Path) -> io::Result<OwnedFd> {
+    const OPEN_TREE_CLONE: libc::c_uint = 1;
+    let cpath = cstring(path)?;
+    // SAFETY: valid NUL-terminated path; flags are plain integers.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_open_tree,
+            libc::AT_FDCWD,
+            cpath.as_ptr(),
+            OPEN_TREE_CLONE | libc::AT_RECURSIVE as libc::c_uint | libc::O_CLOEXEC as libc::c_uint,
         )
     };
     // SAFETY: the kernel returned a fresh descriptor that nothing else owns.
@@ -377,8 +397,8 @@ pub struct Spawn<'a> {
 
 /// Starts a process with posix_spawn: a vfork, so neither the caller's memory is copied nor
 /// its pages faulted in again. The process runs in `cwd`, in a process group of its own, with
-/// an empty signal mask and every signal at its default action. Fails with the errno of the
-/// failed step (ENOENT, EACCES, ...): the process exists only if its program started.
+/// an empty signal mask and every signal at its default action (but an ignored SIGXFSZ). Fails
+/// with the errno of the failed step (ENOENT, EACCES, ...): the process exists only if its program started.
 pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
     let c = |bytes: &[u8]| {
         CString::new(bytes).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
@@ -450,6 +470,14 @@ pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
         let mut all: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut none);
         libc::sigfillset(&mut all);
+        // An ignored SIGXFSZ (the per-file part of a disk limit) stays ignored, so that a
+        // write past the limit fails with EFBIG rather than killing the writer.
+        let mut current: libc::sigaction = std::mem::zeroed();
+        if libc::sigaction(libc::SIGXFSZ, std::ptr::null(), &mut current) == 0
+            && current.sa_sigaction == libc::SIG_IGN
+        {
+            libc::sigdelset(&mut all, libc::SIGXFSZ);
+        }
         errno(libc::posix_spawnattr_setsigmask(&mut attr.0, &none))?;
         errno(libc::posix_spawnattr_setsigdefault(&mut attr.0, &all))?;
         errno(libc::posix_spawnattr_setpgroup(&mut attr.0, 0))?;
@@ -791,6 +819,83 @@ pub fn reap_any() -> io::Result<Option<Reaped>> {
             max_rss_kib: usage.ru_maxrss as u64,
         }));
     }
+}
+
+/// `fork()`: the C library's, so that its locks (the allocator's among them) are taken around
+/// the fork and usable in the child even when other threads held them. Returns 0 in the child.
+pub fn fork_process() -> io::Result<libc::pid_t> {
+    // SAFETY: fork has no memory-safety preconditions; the child continues with a copy of this
+    // thread only, and the C library's fork handlers leave its own locks usable there.
+    let ret = unsafe { libc::fork() };
+    check(ret.into()).map(|pid| pid as libc::pid_t)
+}
+
+/// Attaches `file` to a free loop device (detached again when its last user, the mount that
+/// follows, goes) and returns the device, opened.
+pub fn attach_loop(file: BorrowedFd<'_>) -> io::Result<(OwnedFd, std::path::PathBuf)> {
+    use linux_raw_sys::loop_device::{
+        LO_FLAGS_AUTOCLEAR, LOOP_CONFIGURE, LOOP_CTL_GET_FREE, loop_config,
+    };
+    let control = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/loop-control")?;
+    // Another process may take the free device first: then ask again.
+    let mut last = io::Error::other("no loop device could be configured");
+    for _ in 0..32 {
+        // SAFETY: LOOP_CTL_GET_FREE takes no argument and returns a device number.
+        let number = check(
+            unsafe { libc::ioctl(control.as_raw_fd(), LOOP_CTL_GET_FREE as libc::c_ulong) }.into(),
+        )?;
+        let path = std::path::PathBuf::from(format!("/dev/loop{number}"));
+        let device = match std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+        {
+            Ok(device) => device,
+            Err(err) => {
+                last = err;
+                continue;
+            }
+        };
+        // SAFETY: an all-zero loop_config is its documented "no options" value.
+        let mut config: loop_config = unsafe { std::mem::zeroed() };
+        config.fd = file.as_raw_fd() as u32;
+        config.info.lo_flags = LO_FLAGS_AUTOCLEAR as u32;
+        // SAFETY: `config` is a valid loop_config for the duration of the call; the kernel
+        // only reads it.
+        let ret = unsafe {
+            libc::ioctl(
+                device.as_raw_fd(),
+                LOOP_CONFIGURE as libc::c_ulong,
+                &config as *const loop_config,
+            )
+        };
+        match check(ret.into()) {
+            Ok(_) => return Ok((OwnedFd::from(device), path)),
+            Err(err) if err.raw_os_error() == Some(libc::EBUSY) => last = err,
+            Err(err) => return Err(err),
+        }
+    }
+    Err(last)
+}
+
+/// Lets go of a loop device's file (for a device whose mount failed: autoclear needs a mount).
+pub fn detach_loop(device: BorrowedFd<'_>) -> io::Result<()> {
+    use linux_raw_sys::loop_device::LOOP_CLR_FD;
+    // SAFETY: LOOP_CLR_FD takes no argument.
+    check(unsafe { libc::ioctl(device.as_raw_fd(), LOOP_CLR_FD as libc::c_ulong) }.into()).map(drop)
+}
+
+/// Sets `signal`'s disposition to ignored (kept across exec).
+pub fn set_signal_ignored(signal: libc::c_int) -> io::Result<()> {
+    // SAFETY: SIG_IGN installs no handler, so nothing runs in signal context.
+    let previous = unsafe { libc::signal(signal, libc::SIG_IGN) };
+    if previous == libc::SIG_ERR {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1,0 +1,275 @@
+//! The disk limit of a cell's workspace layer (`limits.disk`).
+//!
+//! **As root** the layer's `upper/` and `work/` live in an ext4 file system of exactly the limit:
+//! a sparse image in the layer's directory (`disk.img`; it takes on the host only what the cell
+//! wrote, never more than the limit), attached to a loop device and mounted on the layer's `fs/`
+//! (`nosuid`, `nodev`) for as long as the layer exists. The kernel refuses a write past it with
+//! ENOSPC; nothing else on the host is touched, and the cell goes on. A layer whose mount is gone
+//! (after a reboot) is attached again when it is next read. One image is never attached twice
+//! (two file systems over one image would corrupt it): attaching takes a lock on the image and
+//! looks first.
+//!
+//! **Rootless** (loop devices are for root only, and no file system an unprivileged user may
+//! mount is both persistent and bounded), and as root where the host has no loop devices or no
+//! `mke2fs`, the limit is kept in two parts: `RLIMIT_FSIZE` makes the kernel refuse to grow any
+//! one file past it (EFBIG), and a [`Watch`] sums the blocks of the layer every few seconds and
+//! ends the cell when they pass it (many files together can run ahead of it by what the cell
+//! writes between two looks).
+
+use std::collections::HashSet;
+use std::fs;
+use std::io::{self, Read as _, Write as _};
+use std::os::fd::{AsFd as _, OwnedFd};
+use std::os::unix::fs::MetadataExt as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use warden_workspace::Layer;
+
+use super::sys;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DiskError {
+    #[error("{what}: {source}")]
+    Os {
+        what: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("making the workspace's file system with mke2fs failed: {0}")]
+    Mkfs(String),
+}
+
+fn os(what: impl Into<String>) -> impl FnOnce(io::Error) -> DiskError {
+    let what = what.into();
+    move |source| DiskError::Os { what, source }
+}
+
+/// Why a root warden cannot give a layer a file system of its own on this host, if it cannot.
+pub fn unavailable() -> Option<String> {
+    if !Path::new("/dev/loop-control").exists() {
+        return Some("the host has no /dev/loop-control (the loop module is not loaded)".into());
+    }
+    if mkfs().is_none() {
+        return Some("mke2fs (e2fsprogs) is not installed".into());
+    }
+    None
+}
+
+fn mkfs() -> Option<PathBuf> {
+    ["/usr/sbin/mke2fs", "/sbin/mke2fs", "/usr/bin/mke2fs"]
+        .into_iter()
+        .map(PathBuf::from)
+        .find(|p| p.exists())
+}
+
+/// Gives `layer` (whose directory exists, with nothing in it yet) a file system of `size` bytes
+/// and mounts it. Root only.
+pub fn create(layer: &Layer, size: u64) -> Result<(), DiskError> {
+    let image = layer.image();
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&image)
+        .map_err(os(format!("creating {}", image.display())))?;
+    file.set_len(size)
+        .map_err(os(format!("sizing {}", image.display())))?;
+    drop(file);
+    let Some(mkfs) = mkfs() else {
+        return Err(DiskError::Mkfs("mke2fs is not installed".into()));
+    };
+    // No reserved blocks (the cell is the only user); the inode tables and the journal are
+    // initialised lazily, so that a new layer costs a few milliseconds and no writes.
+    let made = Command::new(mkfs)
+        .args([
+            "-q",
+            "-F",
+            "-t",
+            "ext4",
+            "-m",
+            "0",
+            "-L",
+            "warden-layer",
+            "-E",
+        ])
+        .arg("lazy_itable_init=1,lazy_journal_init=1,nodiscard")
+        .arg(&image)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(os("running mke2fs"))?;
+    if !made.status.success() {
+        let _ = fs::remove_file(&image);
+        return Err(DiskError::Mkfs(
+            String::from_utf8_lossy(&made.stderr).trim().to_owned(),
+        ));
+    }
+    attach(layer).inspect_err(|_| {
+        let _ = fs::remove_file(&image);
+    })
+}
+
+/// Mounts the layer's file system on its `fs/` unless it is mounted already; a layer without
+/// one needs nothing.
+pub fn attach(layer: &Layer) -> Result<(), DiskError> {
+    if !layer.has_image() {
+        return Ok(());
+    }
+    let image = layer.image();
+    // One attachment per image, whoever asks at once. (The lock is on a file of its own: the
+    // loop device keeps the image's open file, and a lock on it, for as long as it is attached.)
+    let lock_path = layer.dir().join("disk.lock");
+    let lock = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&lock_path)
+        .map_err(os(format!("opening {}", lock_path.display())))?;
+    rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive).map_err(|e| {
+        DiskError::Os {
+            what: format!("locking {}", lock_path.display()),
+            source: e.into(),
+        }
+    })?;
+    if layer.is_attached() {
+        return Ok(());
+    }
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&image)
+        .map_err(os(format!("opening {}", image.display())))?;
+    let mount_point = layer.fs_dir();
+    fs::create_dir_all(&mount_point).map_err(os(format!("creating {}", mount_point.display())))?;
+    let (device, path) = sys::attach_loop(file.as_fd()).map_err(os(format!(
+        "attaching {} to a loop device",
+        image.display()
+    )))?;
+    let mounted = nix::mount::mount(
+        Some(&path),
+        &mount_point,
+        Some("ext4"),
+        nix::mount::MsFlags::MS_NOSUID | nix::mount::MsFlags::MS_NODEV,
+        None::<&str>,
+    );
+    if let Err(err) = mounted {
+        let _ = sys::detach_loop(device.as_fd());
+        return Err(DiskError::Os {
+            what: format!("mounting {} on {}", image.display(), mount_point.display()),
+            source: io::Error::from_raw_os_error(err as i32),
+        });
+    }
+    Ok(())
+}
+
+/// The bytes `dir` takes on disk (its blocks, each inode once), counting no further than
+/// `stop_at`.
+pub fn usage(dir: &Path, stop_at: u64) -> io::Result<u64> {
+    let mut total = 0u64;
+    let mut seen = HashSet::new();
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(dir) = pending.pop() {
+        let entries = match fs::read_dir(&dir) {
+            Ok(entries) => entries,
+            // Removed meanwhile: the cell is writing.
+            Err(err) if err.kind() == io::ErrorKind::NotFound => continue,
+            Err(err) => return Err(err),
+        };
+        for entry in entries.flatten() {
+            let Ok(meta) = entry.metadata() else { continue };
+            if meta.nlink() > 1 && !meta.is_dir() && !seen.insert((meta.dev(), meta.ino())) {
+                continue;
+            }
+            total += meta.blocks() * 512;
+            if total > stop_at {
+                return Ok(total);
+            }
+            if meta.is_dir() {
+                pending.push(entry.path());
+            }
+        }
+    }
+    Ok(total)
+}
+
+/// Keeps the size of a layer in view for a limit the kernel cannot keep (see the module's
+/// words): a thread looks every few seconds, from a helper that joins the cell's user namespace
+/// (there it may read whatever the cell made, even a directory it closed to its owner).
+#[derive(Debug)]
+pub struct Watch {
+    used: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    pub limit: u64,
+}
+
+/// The least time between two looks; a look that takes long makes the next one wait longer
+/// (ten times its cost), so that the watch never costs more than a tenth of a core.
+const LEAST_INTERVAL: Duration = Duration::from_secs(2);
+
+impl Watch {
+    /// Starts watching `upper` for `limit`, looking from inside `userns` when given.
+    pub fn start(upper: PathBuf, limit: u64, userns: Option<OwnedFd>) -> io::Result<Self> {
+        let used = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (seen, done) = (Arc::clone(&used), Arc::clone(&stop));
+        std::thread::Builder::new()
+            .name("disk-watch".into())
+            .spawn(move || {
+                while !done.load(Ordering::Relaxed) {
+                    let began = Instant::now();
+                    if let Ok(bytes) = look(&upper, limit, userns.as_ref()) {
+                        seen.store(bytes, Ordering::Relaxed);
+                    }
+                    let wait = LEAST_INTERVAL.max(began.elapsed() * 10);
+                    let until = Instant::now() + wait;
+                    while !done.load(Ordering::Relaxed) && Instant::now() < until {
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                }
+            })?;
+        Ok(Self { used, stop, limit })
+    }
+
+    /// Whether the layer was over the limit at the last look.
+    pub fn over(&self) -> bool {
+        self.used.load(Ordering::Relaxed) > self.limit
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// One look: in a forked helper when it must join the cell's user namespace.
+fn look(upper: &Path, limit: u64, userns: Option<&OwnedFd>) -> io::Result<u64> {
+    let Some(userns) = userns else {
+        return usage(upper, limit);
+    };
+    let (read, write) = sys::pipe()?;
+    let child = sys::fork_process()?;
+    if child == 0 {
+        drop(read);
+        let joined = nix::sched::setns(userns, nix::sched::CloneFlags::CLONE_NEWUSER);
+        let answer = match (joined, usage(upper, limit)) {
+            (Ok(()), Ok(bytes)) => bytes,
+            _ => u64::MAX,
+        };
+        let _ = fs::File::from(write).write_all(&answer.to_le_bytes());
+        sys::exit_now(0);
+    }
+    drop(write);
+    let mut bytes = [0u8; 8];
+    let read = fs::File::from(read).read_exact(&mut bytes);
+    let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(child), None);
+    read?;
+    match u64::from_le_bytes(bytes) {
+        u64::MAX => Err(io::Error::other("the disk watch could not look")),
+        bytes => Ok(bytes),
+    }
+}
