@@ -129,6 +129,13 @@ pub enum Command {
         #[command(subcommand)]
         command: PolicyCommand,
     },
+    /// Print a completion script for a shell: `warden completions bash > /etc/bash_completion.d/warden`.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the manual page (roff): `warden man > /usr/local/share/man/man1/warden.1`.
+    Man,
     /// Report which isolation features this host offers, and how to fix what is missing.
     Doctor {
         #[arg(long)]

@@ -137,6 +137,33 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         }
         Command::Policy { command } => policy(command),
         Command::Doctor { json } => doctor(json),
+        Command::Completions { shell } => {
+            use clap::CommandFactory as _;
+            let mut command = crate::cli::Cli::command();
+            clap_complete::generate(shell, &mut command, "warden", &mut std::io::stdout());
+            Ok(0)
+        }
+        Command::Man => {
+            use clap::CommandFactory as _;
+            // The whole tree on one page: each subcommand with its own synopsis and options.
+            let command = crate::cli::Cli::command();
+            let mut out = Vec::new();
+            clap_mangen::Man::new(command.clone())
+                .render(&mut out)
+                .context("writing the manual page")?;
+            for sub in command.get_subcommands().filter(|c| !c.is_hide_set()) {
+                let name = format!("warden {}", sub.get_name());
+                let page = clap_mangen::Man::new(sub.clone().bin_name(name.clone()));
+                out.extend_from_slice(format!(".SH \"{}\"\n", name.to_uppercase()).as_bytes());
+                page.render_synopsis_section(&mut out)
+                    .and_then(|()| page.render_description_section(&mut out))
+                    .and_then(|()| page.render_options_section(&mut out))
+                    .context("writing the manual page")?;
+            }
+            std::io::Write::write_all(&mut std::io::stdout(), &out)
+                .context("writing the manual page")?;
+            Ok(0)
+        }
         Command::Serve {
             listen,
             token_file,
@@ -297,6 +324,7 @@ fn run(args: RunArgs, from: Option<SnapshotInfo>) -> Result<i32> {
         from,
         serve_exec: false,
         report: None,
+        always_gateway: false,
     };
     let outcome = warden_cell::run(&registry()?, &store()?, request)?;
     for notice in &outcome.notices {

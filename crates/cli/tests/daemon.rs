@@ -3240,3 +3240,57 @@ fn copies_removals_logs_events_signals_and_refusals_say_what_they_mean() {
     let followed = follow.wait_with_output().unwrap();
     assert!(String::from_utf8_lossy(&followed.stdout).contains("came-later"));
 }
+
+#[test]
+fn a_daemon_cell_made_without_network_can_be_given_some_later() {
+    if !cgroups_available("daemon_network_later") {
+        return;
+    }
+    let (port, hits) = upstream();
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("netlater"), json!({ "preset": "default" }));
+    let fetch = || {
+        let code = format!(
+            "import urllib.request, urllib.error\n\
+             try:\n    print(urllib.request.urlopen('http://127.0.0.2:{port}/', timeout=10).status)\n\
+             except urllib.error.HTTPError as e:\n    print(e.code)\n\
+             except OSError as e:\n    print('unreachable')"
+        );
+        let events = daemon.exec(&cell, json!({ "argv": ["python3", "-c", code] }));
+        String::from_utf8(stream_bytes(&events, "stdout"))
+            .unwrap()
+            .trim()
+            .to_owned()
+    };
+    // Nothing gets out, and what was tried is on record.
+    assert_eq!(fetch(), "403");
+    assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 0);
+    // A replacement of its network rules lets the host out, from the next connection on.
+    let answer = daemon.call(
+        "PUT",
+        &format!("/v1/cells/{cell}/policy"),
+        Some(json!({ "policy": format!("version: 1\nnetwork:\n  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n") })),
+    );
+    assert_eq!(
+        answer.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&answer.body)
+    );
+    assert_eq!(fetch(), "200");
+    assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 1);
+    // And taken away again.
+    let answer = daemon.call(
+        "PUT",
+        &format!("/v1/cells/{cell}/policy"),
+        Some(json!({ "policy": "version: 1\n" })),
+    );
+    assert_eq!(
+        answer.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&answer.body)
+    );
+    assert_eq!(fetch(), "403");
+    assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
