@@ -212,6 +212,16 @@ fn a_workspace_cannot_be_written_past_its_disk_limit_and_the_cell_goes_on() {
         "64 MiB held {full_at} files of 4 MiB: {stdout}"
     );
     assert_eq!(lines[2], "again");
+    // Another cell, meanwhile and after, writes as it likes: the limit was this one's.
+    let other = run_sh(
+        &["--rm"],
+        "head -c 100000000 /dev/zero > /workspace/big && wc -c < /workspace/big",
+    );
+    assert_eq!(
+        (other.code, other.stdout.trim()),
+        (0, "100000000"),
+        "{other:?}"
+    );
     // The host holds no more than the limit for it, and the host directory nothing.
     let image = state.join("layers").join(&name).join("disk.img");
     let held = std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(&image).unwrap()) * 512;

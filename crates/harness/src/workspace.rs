@@ -1,11 +1,12 @@
-//! Snapshot, reset and policy replacement of daemon cells.
-//!
-//! Snapshot and reset are carried out by a short-lived `warden` process, exactly as the CLI does
-//! them: a reset of a running cell forks a helper that joins the cell's namespaces, which must
-//! not happen from the daemon's many threads.
+//! Diff, apply, snapshot, reset and policy replacement of daemon cells: the process tier's own
+//! library calls (on blocking threads), their errors classified by what they are.
 
 use serde::Serialize;
 use serde_json::json;
+use warden_cell::changes::ChangesError;
+use warden_cell::snapshot::SnapshotError;
+use warden_cell::{Registry, Store};
+use warden_workspace::WorkspaceError;
 
 use crate::{ErrorKind, Harness, HarnessError, PolicySource};
 
@@ -38,29 +39,53 @@ pub struct Snapshot {
     pub size: u64,
 }
 
-impl Harness {
-    async fn warden_command(&self, args: &[&str]) -> Result<String, HarnessError> {
-        let output = tokio::process::Command::new(&self.config.warden_exe)
-            .args(args)
-            .env("WARDEN_RUNTIME_DIR", &self.config.runtime)
-            .env("WARDEN_STATE_DIR", &self.config.state)
-            .stdin(std::process::Stdio::null())
-            .output()
-            .await
-            .map_err(|e| HarnessError::internal(format!("running warden {}: {e}", args[0])))?;
-        if output.status.success() {
-            return Ok(String::from_utf8_lossy(&output.stdout).trim().to_owned());
+/// A workspace error, classified by what it is (never by its words).
+fn changes_error(err: ChangesError) -> HarnessError {
+    let kind = match &err {
+        ChangesError::NoLayer(_) | ChangesError::Running(_) => ErrorKind::Conflict,
+        ChangesError::Workspace(e) => match e {
+            WorkspaceError::UnknownPath(_) => ErrorKind::BadRequest,
+            WorkspaceError::Conflict { .. }
+            | WorkspaceError::Refused { .. }
+            | WorkspaceError::Changed { .. } => ErrorKind::Conflict,
+            _ => ErrorKind::Internal,
+        },
+        ChangesError::Registry(warden_cell::RegistryError::NotFound(_)) => ErrorKind::NotFound,
+        ChangesError::Layer { .. } | ChangesError::Cgroup(_) | ChangesError::Registry(_) => {
+            ErrorKind::Internal
         }
-        let message = String::from_utf8_lossy(&output.stderr)
-            .trim()
-            .trim_start_matches("warden: ")
-            .to_owned();
-        let kind = if message.contains("no snapshot") || message.contains("not found") {
-            ErrorKind::NotFound
-        } else {
-            ErrorKind::Conflict
-        };
-        Err(HarnessError::new(kind, message))
+    };
+    HarnessError::new(kind, err.to_string())
+}
+
+fn snapshot_error(err: SnapshotError) -> HarnessError {
+    let err = match err {
+        SnapshotError::Changes(inner) => return changes_error(inner),
+        other => other,
+    };
+    let kind = match &err {
+        SnapshotError::Changes(_) => ErrorKind::Internal,
+        SnapshotError::Name(_) | SnapshotError::Foreign { .. } => ErrorKind::BadRequest,
+        SnapshotError::NotFound(_) => ErrorKind::NotFound,
+        SnapshotError::Exists(_) | SnapshotError::InUse { .. } => ErrorKind::Conflict,
+        SnapshotError::Copy { .. }
+        | SnapshotError::Record { .. }
+        | SnapshotError::Remount { .. } => ErrorKind::Internal,
+    };
+    HarnessError::new(kind, err.to_string())
+}
+
+impl Harness {
+    /// Runs blocking work on the layer (walks, copies, a reset helper's fork) off the runtime's
+    /// threads.
+    async fn blocking<T: Send + 'static>(
+        &self,
+        work: impl FnOnce(Registry, Store) -> Result<T, HarnessError> + Send + 'static,
+    ) -> Result<T, HarnessError> {
+        let (registry, store) = (self.registry.clone(), self.store.clone());
+        tokio::task::spawn_blocking(move || work(registry, store))
+            .await
+            .map_err(|e| HarnessError::internal(format!("a workspace task failed: {e}")))?
     }
 
     /// Saves the cell's workspace as `CELL@SNAP`.
@@ -76,29 +101,21 @@ impl Harness {
         }
         self.record(Some(name), "workspace.snapshot", json!({ "as": as_name }))
             .await?;
-        let mut args = vec!["snapshot", name];
-        if let Some(snap) = as_name {
-            args.extend(["--as", snap]);
-        }
-        let out = self.warden_command(&args).await?;
-        // "CELL@SNAP (N bytes)"
-        let (id, rest) = out.split_once(' ').unwrap_or((out.as_str(), ""));
-        let size = rest
-            .trim_start_matches('(')
-            .split(' ')
-            .next()
-            .and_then(|n| n.parse().ok())
-            .unwrap_or(0);
+        let (cell, snap) = (name.to_owned(), as_name.map(str::to_owned));
+        let info = self
+            .blocking(move |registry, store| {
+                warden_cell::snapshot::take(&registry, &store, &cell, snap.as_deref())
+                    .map_err(snapshot_error)
+            })
+            .await?;
+        let (id, size) = (info.id, info.size);
         self.record(
             Some(name),
             "workspace.snapshot.done",
             json!({ "id": id, "size": size }),
         )
         .await?;
-        Ok(Snapshot {
-            id: id.to_owned(),
-            size,
-        })
+        Ok(Snapshot { id, size })
     }
 
     /// Journals what the cell changed in its workspace (paths, kinds, sizes and hashes; not the
@@ -110,13 +127,7 @@ impl Harness {
         if entry.workspace.is_none() {
             return;
         }
-        let diff = self
-            .warden_command(&["diff", name, "--json"])
-            .await
-            .and_then(|out| {
-                serde_json::from_str::<serde_json::Value>(&out)
-                    .map_err(|e| HarnessError::internal(format!("reading the diff: {e}")))
-            });
+        let diff = self.diff_of(name).await;
         let diff = match diff {
             Ok(diff) => diff,
             Err(err) => {
@@ -164,9 +175,21 @@ impl Harness {
                 format!("cell `{name}` has no workspace"),
             ));
         }
-        let out = self.warden_command(&["diff", name, "--json"]).await?;
-        serde_json::from_str(&out)
-            .map_err(|e| HarnessError::internal(format!("reading the diff: {e}")))
+        self.diff_of(name).await
+    }
+
+    /// The diff of a cell's layer as the API shows it.
+    async fn diff_of(&self, name: &str) -> Result<serde_json::Value, HarnessError> {
+        let cell = name.to_owned();
+        let diff = self
+            .blocking(move |registry, store| {
+                warden_cell::changes::diff(&registry, &store, &cell)
+                    .map(|(diff, _)| diff)
+                    .map_err(changes_error)
+            })
+            .await?;
+        serde_json::to_value(&diff)
+            .map_err(|e| HarnessError::internal(format!("writing the diff: {e}")))
     }
 
     /// Writes chosen changes of the cell's workspace into its host directory (all of them when
@@ -229,26 +252,23 @@ impl Harness {
             )
             .await?;
         }
-        let mut args = vec!["apply", name, "--json"];
-        if let Some(digest) = &digest {
-            args.extend(["--digest", digest.as_str()]);
-        }
-        for (flag, on) in [
-            ("--dry-run", request.dry_run),
-            ("--force", request.force),
-            ("--include-sensitive", request.include_sensitive),
-        ] {
-            if on {
-                args.push(flag);
-            }
-        }
-        if !request.paths.is_empty() {
-            args.push("--");
-            args.extend(request.paths.iter().map(String::as_str));
-        }
-        let out = self.warden_command(&args).await?;
-        let report: serde_json::Value = serde_json::from_str(&out)
-            .map_err(|e| HarnessError::internal(format!("reading the apply report: {e}")))?;
+        let options = warden_workspace::ApplyOptions {
+            paths: request.paths.clone(),
+            dry_run: request.dry_run,
+            force: request.force,
+            include_sensitive: request.include_sensitive,
+            digest,
+            ..warden_workspace::ApplyOptions::default()
+        };
+        let cell = name.to_owned();
+        let report = self
+            .blocking(move |registry, store| {
+                warden_cell::changes::apply(&registry, &store, &cell, options)
+                    .map_err(changes_error)
+            })
+            .await?;
+        let report = serde_json::to_value(&report)
+            .map_err(|e| HarnessError::internal(format!("writing the apply report: {e}")))?;
         self.record(Some(name), "workspace.applied", report.clone())
             .await?;
         Ok(report)
@@ -280,12 +300,14 @@ impl Harness {
         });
         self.record(Some(name), "workspace.reset", json!({ "to": to }))
             .await?;
-        let mut args = vec!["reset", name];
-        if let Some(to) = &to {
-            args.extend(["--to", to.as_str()]);
-        }
-        self.warden_command(&args).await?;
-        Ok(())
+        // A running cell's reset forks a helper that joins the cell; `fork` is the C library's,
+        // so the allocator is usable in the child whatever the daemon's other threads held.
+        let cell = name.to_owned();
+        self.blocking(move |registry, store| {
+            warden_cell::changes::reset(&registry, &store, &cell, to.as_deref())
+                .map_err(snapshot_error)
+        })
+        .await
     }
 
     /// The cell's policy as it was made, and the latest document whose `network` and
