@@ -118,6 +118,10 @@ fn time_once(argv: &[String]) -> Result<Duration> {
                 "WARDEN_RUNTIME_DIR",
                 std::env::temp_dir().join("warden-bench-nobody"),
             )
+            .env(
+                "WARDEN_STATE_DIR",
+                std::env::temp_dir().join("warden-bench-nobody-state"),
+            )
             .env_remove("XDG_RUNTIME_DIR");
     }
     let status = command

@@ -151,9 +151,16 @@ fn quiesce() -> Result<()> {
 /// next measurement does not share the disk with it.
 fn settle(layer_dir: &Path) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(10);
-    while std::fs::read_dir(layer_dir)?
-        .flatten()
-        .any(|e| e.file_name().to_string_lossy().contains(".old-"))
+    // A reset's old upper in the layer, and layers of cells that went (`.gone-*`) beside it.
+    let busy = |dir: &Path, mark: &str| {
+        std::fs::read_dir(dir).is_ok_and(|entries| {
+            entries
+                .flatten()
+                .any(|e| e.file_name().to_string_lossy().contains(mark))
+        })
+    };
+    let layers = layer_dir.parent().unwrap_or(layer_dir);
+    while busy(layer_dir, ".old-") || busy(&layer_dir.join("fs"), ".old-") || busy(layers, ".gone-")
     {
         if Instant::now() > deadline {
             bail!("the old layers of a reset were not removed within 10 s");
@@ -253,10 +260,12 @@ fn measure(bin: &str, tree: &Path, runs: usize) -> Result<Vec<Stats>> {
                 bin,
                 &["fork", &base, "--rm", "--name", &fork, "--", "true"],
             )?);
+            settle(&layers)?;
             stats[5].samples.push(warden(
                 bin,
                 &["run", "--rm", "--workspace", tree_str, "--", "true"],
             )?);
+            settle(&layers)?;
             stats[6]
                 .samples
                 .push(warden(bin, &["run", "--rm", "--", "true"])?);

@@ -210,6 +210,17 @@ fn load_policy(file: Option<&std::path::Path>, preset: Option<&str>) -> Result<P
 pub fn effective_policy(args: &crate::cli::PolicyArgs) -> Result<Policy> {
     use warden_policy::{ByteSize, Duration as PolicyDuration};
     let mut policy = load_policy(args.file.as_deref(), args.preset.as_deref())?;
+    let knobs = args.memory.is_some()
+        || args.disk.is_some()
+        || args.cpus.is_some()
+        || args.pids.is_some()
+        || args.timeout.is_some()
+        || !args.allow.is_empty()
+        || !args.read_only.is_empty()
+        || !args.read_write.is_empty();
+    if !knobs {
+        return Ok(policy);
+    }
     let none = |text: &str| matches!(text.trim(), "none" | "unlimited");
     if let Some(text) = &args.memory {
         policy.limits.memory = if none(text) {
@@ -414,7 +425,7 @@ fn ps(json: bool, all: bool) -> Result<i32> {
             }
             summaries.push(CellSummary {
                 name,
-                state: CellState::Stopped,
+                state: CellState::Ended,
                 pid: None,
                 started_unix_ms: meta
                     .started
@@ -441,10 +452,10 @@ fn ps(json: bool, all: bool) -> Result<i32> {
         let state = match cell.state {
             CellState::Running => "running",
             CellState::Paused => "paused",
-            CellState::Stopped => "stopped",
+            CellState::Ended => "ended",
         };
         let pid = cell.pid.map_or_else(|| "-".to_owned(), |p| p.to_string());
-        let what = if cell.command.is_empty() && cell.state != CellState::Stopped {
+        let what = if cell.command.is_empty() && cell.state != CellState::Ended {
             "(takes `warden exec`)".to_owned()
         } else if cell.command.is_empty() {
             format!(

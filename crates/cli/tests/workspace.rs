@@ -378,7 +378,7 @@ fn layers_are_kept_only_when_there_is_something_to_review() {
     let ps = warden_ok(&["ps", "--all"]).stdout;
     assert!(
         ps.lines()
-            .any(|l| l.starts_with(&kept) && l.contains("stopped")),
+            .any(|l| l.starts_with(&kept) && l.contains("ended")),
         "{ps}"
     );
     let again = run_sh(

@@ -10,8 +10,9 @@ use tokio::io::unix::AsyncFd;
 use warden_cell::control;
 use warden_cell::linux::exec::{ExecError, ExecEvent, ExecRequest, ExecSession, Line};
 
-use crate::process::{self, ExitInfo, Process, ProcessInfo};
+use crate::process::{self, Process};
 use crate::{ErrorKind, ExecSpec, Harness, HarnessError, TtySize};
+use crate::{ExitInfo, ExitReason, ProcessInfo};
 
 impl Harness {
     /// Starts a process in a running cell. Its output and ending are read through the returned
@@ -202,7 +203,7 @@ impl Harness {
                     None,
                 ));
                 process.finish(ExitInfo {
-                    reason: "failed".to_owned(),
+                    reason: ExitReason::Failed,
                     code: Some(code),
                     signal: None,
                     message: Some(message),
@@ -327,7 +328,7 @@ impl Harness {
         };
         let (reason, code, signal, message) = match ended {
             Ok(ExecEvent::Signaled { signal, .. }) if process.over_output_limit() => (
-                "output-limit",
+                ExitReason::OutputLimit,
                 None,
                 Some(signal),
                 Some(format!(
@@ -335,27 +336,29 @@ impl Harness {
                     spec_limit(&process)
                 )),
             ),
-            Ok(ExecEvent::Exited { code, .. }) => ("exited", Some(code), None, None),
+            Ok(ExecEvent::Exited { code, .. }) => (ExitReason::Exited, Some(code), None, None),
             Ok(ExecEvent::Signaled { signal, .. }) if timed_out => {
-                ("timeout", None, Some(signal), None)
+                (ExitReason::Timeout, None, Some(signal), None)
             }
             Ok(ExecEvent::Signaled { signal, .. })
                 if signal == libc::SIGKILL && self.oom_since(&process.cell, oom_before) =>
             {
                 (
-                    "memory-limit",
+                    ExitReason::MemoryLimit,
                     None,
                     Some(signal),
                     Some("the cell's memory limit was reached and the kernel killed it".to_owned()),
                 )
             }
-            Ok(ExecEvent::Signaled { signal, .. }) => ("signaled", None, Some(signal), None),
-            Ok(ExecEvent::Failed { code, message, .. }) => {
-                ("failed", Some(code), None, Some(message))
+            Ok(ExecEvent::Signaled { signal, .. }) => {
+                (ExitReason::Signaled, None, Some(signal), None)
             }
-            Ok(ExecEvent::Started { .. }) => ("failed", None, None, None),
+            Ok(ExecEvent::Failed { code, message, .. }) => {
+                (ExitReason::Failed, Some(code), None, Some(message))
+            }
+            Ok(ExecEvent::Started { .. }) => (ExitReason::Failed, None, None, None),
             _ if self.walled.lock().is_ok_and(|w| w.contains(&process.cell)) => (
-                "timeout",
+                ExitReason::Timeout,
                 None,
                 None,
                 Some("the cell's wall-clock limit ended it".to_owned()),
@@ -368,16 +371,16 @@ impl Harness {
                 {
                     (
                         if ending["reason"] == "memory-limit" {
-                            "memory-limit"
+                            ExitReason::MemoryLimit
                         } else {
-                            "disk-limit"
+                            ExitReason::DiskLimit
                         },
                         None,
                         Some(libc::SIGKILL),
                         ending["message"].as_str().map(str::to_owned),
                     )
                 }
-                _ => ("cell-ended", None, None, Some(err.to_string())),
+                _ => (ExitReason::CellEnded, None, None, Some(err.to_string())),
             },
         };
         self.touch(&process.cell);
@@ -391,7 +394,7 @@ impl Harness {
                 json!({
                     "process": process.id,
                     "start_seq": start_seq,
-                    "reason": reason,
+                    "reason": reason.name(),
                     "code": code,
                     "signal": signal,
                     "message": message,
@@ -410,7 +413,7 @@ impl Harness {
         }
         self.forget_old(&process.cell);
         process.finish(ExitInfo {
-            reason: reason.to_owned(),
+            reason,
             code,
             signal,
             message,

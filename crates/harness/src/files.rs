@@ -14,7 +14,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::Serialize;
+use crate::FileInfo;
 use serde_json::json;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use warden_cell::linux::exec::{ExecEvent, ExecSession};
@@ -28,30 +28,15 @@ pub const READ_LIMIT: u64 = 64 * 1024 * 1024;
 /// Longest a file operation may take before it is killed.
 pub const FILE_DEADLINE: Duration = Duration::from_secs(60);
 
-/// One directory entry.
-#[derive(Debug, Clone, Serialize)]
-pub struct FileInfo {
-    pub name: String,
-    /// `file`, `dir`, `symlink` or `other`.
-    pub kind: String,
-    pub size: u64,
-    /// Permission bits, in octal.
-    pub mode: String,
-    pub modified_s: u64,
-    /// Where a symlink points (as written in it).
-    pub target: Option<String>,
-}
-
-impl From<FileEntry> for FileInfo {
-    fn from(entry: FileEntry) -> Self {
-        Self {
-            name: entry.name,
-            kind: entry.kind,
-            size: entry.size,
-            mode: format!("{:o}", entry.mode),
-            modified_s: entry.modified_s,
-            target: entry.target,
-        }
+/// The API's view of an entry (its mode in octal).
+fn file_info(entry: FileEntry) -> FileInfo {
+    FileInfo {
+        name: entry.name,
+        kind: entry.kind,
+        size: entry.size,
+        mode: format!("{:o}", entry.mode),
+        modified_s: entry.modified_s,
+        target: entry.target,
     }
 }
 
@@ -272,7 +257,7 @@ impl Harness {
                 },
             )
             .await?;
-        Ok(entries.into_iter().map(FileInfo::from).collect())
+        Ok(entries.into_iter().map(file_info).collect())
     }
 
     pub async fn stat_file(&self, name: &str, path: &str) -> Result<FileInfo, HarnessError> {
@@ -285,7 +270,7 @@ impl Harness {
                 },
             )
             .await?;
-        Ok(entry.into())
+        Ok(file_info(entry))
     }
 
     pub async fn mkdir(&self, name: &str, path: &str) -> Result<(), HarnessError> {

@@ -16,25 +16,25 @@ mod state;
 mod supervise;
 mod workspace;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
-pub use warden_cell::linux::exec::{TtySize, Usage};
 use warden_cell::{Registry, Store, control};
 use warden_journal::{Journal, Receipt};
+pub use warden_protocol::{
+    ApplyRequest, Approval, CellInfo, CellState, CreateCell, ExecSpec, ExitInfo, ExitReason,
+    FileInfo, FileKind, ProcessInfo, Scope, Snapshot, Stream, TtySize, Usage,
+};
 
-pub use files::{FileInfo, READ_LIMIT};
-pub use process::{ExitInfo, Item, KillOnDrop, Process, ProcessInfo, Stream};
+pub use files::READ_LIMIT;
+pub use process::{Item, KillOnDrop, Process};
 use state::State;
 pub use state::{CellEntry, Grant, PolicySource};
 use supervise::Live;
-pub use supervise::{Approval, Scope};
-pub use workspace::{ApplyRequest, Snapshot};
 
 /// What kind of failure, for the faces to map onto their own codes (HTTP status, exit code).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,65 +90,6 @@ pub struct Config {
     /// The soft limit of open files to give keepers (and so cells) back, where the daemon
     /// raised its own.
     pub keeper_open_files: Option<u64>,
-}
-
-/// A request to make a cell.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CreateCell {
-    pub name: Option<String>,
-    /// A policy document (YAML, as `warden run --policy` takes it).
-    pub policy: Option<String>,
-    /// A built-in preset, instead of `policy`.
-    pub preset: Option<String>,
-    /// Host directory that appears at the policy's workspace mount.
-    pub workspace: Option<String>,
-    #[serde(default)]
-    pub env: BTreeMap<String, String>,
-    #[serde(default)]
-    pub labels: BTreeMap<String, String>,
-    /// Start from this snapshot (`CELL@SNAP`), or from a snapshot taken now of a cell (`CELL`):
-    /// a fork. Its workspace is the snapshot's.
-    pub from: Option<String>,
-}
-
-/// A request to start a process in a cell.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ExecSpec {
-    pub argv: Vec<String>,
-    #[serde(default)]
-    pub env: BTreeMap<String, String>,
-    pub cwd: Option<String>,
-    /// Bytes for stdin, then end of input; without it stdin stays open for later writes
-    /// (background processes) or is closed at once (foreground).
-    pub stdin: Option<String>,
-    /// Kill the process after this many milliseconds.
-    pub timeout_ms: Option<u64>,
-    /// Keep running when the client that started it goes away; read it again by its id.
-    #[serde(default)]
-    pub background: bool,
-    /// Run on a terminal of this size (one output stream; resize it later).
-    pub tty: Option<TtySize>,
-    /// Kill the process once it has written more than this many bytes (stdout and stderr).
-    pub output_limit: Option<u64>,
-    /// The user to run as: a cell runs every process as its one user (`process.user` of its
-    /// policy; no process in it can change ids), so only that uid is accepted.
-    pub user: Option<u32>,
-}
-
-/// A cell as the API shows it.
-#[derive(Debug, Clone, Serialize)]
-pub struct CellInfo {
-    pub name: String,
-    /// `running`, `paused` or `ended`.
-    pub state: String,
-    pub pid: Option<i32>,
-    pub created_ms: u64,
-    pub workspace: Option<String>,
-    pub labels: BTreeMap<String, String>,
-    pub ended: Option<String>,
-    pub processes: usize,
 }
 
 /// The core.
@@ -497,9 +438,9 @@ impl Harness {
             None
         };
         let state = match &record {
-            Some(r) if control::is_paused(r) => "paused",
-            Some(_) => "running",
-            None => "ended",
+            Some(r) if control::is_paused(r) => CellState::Paused,
+            Some(_) => CellState::Running,
+            None => CellState::Ended,
         };
         let processes = self
             .processes
@@ -508,7 +449,7 @@ impl Harness {
             .unwrap_or(0);
         CellInfo {
             name: entry.name.clone(),
-            state: state.to_owned(),
+            state,
             pid: record.map(|r| r.pid),
             created_ms: entry.created_ms,
             workspace: entry.workspace.clone(),
@@ -516,7 +457,7 @@ impl Harness {
             ended: entry
                 .ended
                 .clone()
-                .or_else(|| (state == "ended").then(|| "its processes ended".to_owned())),
+                .or_else(|| (state == CellState::Ended).then(|| "its processes ended".to_owned())),
             processes,
         }
     }

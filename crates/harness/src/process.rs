@@ -1,12 +1,12 @@
 //! Processes exec'd into cells, as the harness sees them: their output, kept (within a bound)
 //! so that a client can reconnect and read it from any point, and how they ended.
 
+use crate::{ExitInfo, ExitReason, ProcessInfo, Stream};
 use std::collections::VecDeque;
 use std::os::fd::{AsFd as _, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use serde::Serialize;
 use tokio::sync::watch;
 use warden_cell::linux::exec::ExecSession;
 
@@ -16,31 +16,6 @@ const KEPT_OUTPUT: usize = 4 * 1024 * 1024;
 pub(crate) const KEPT_ENDED: usize = 16;
 /// Output copied into the journal's exec entry, per stream.
 pub(crate) const JOURNALED_OUTPUT: usize = 64 * 1024;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Stream {
-    Stdout,
-    Stderr,
-}
-
-/// How a process ended.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct ExitInfo {
-    /// `exited`, `signaled`, `failed` (never started), `timeout`, `killed` (by a client or the
-    /// cell's end) or `cell-ended`.
-    pub reason: String,
-    pub code: Option<i32>,
-    pub signal: Option<i32>,
-    pub message: Option<String>,
-    pub duration_ms: u64,
-    /// CPU time and peak memory, as the cell's init saw them when it reaped the process.
-    pub usage: Option<crate::Usage>,
-    pub stdout_bytes: u64,
-    pub stderr_bytes: u64,
-    /// The journal entry that records the ending.
-    pub journal_seq: Option<u64>,
-}
 
 /// What a reader gets next.
 #[derive(Debug, Clone)]
@@ -152,19 +127,6 @@ pub struct Process {
     terminal: Mutex<Option<Arc<OwnedFd>>>,
     output_limit: Option<u64>,
     over_limit: AtomicBool,
-}
-
-/// A summary for listings.
-#[derive(Debug, Clone, Serialize)]
-pub struct ProcessInfo {
-    pub id: u64,
-    pub cell: String,
-    pub argv: Vec<String>,
-    pub pid: i32,
-    pub started_ms: u64,
-    pub background: bool,
-    pub running: bool,
-    pub exit: Option<ExitInfo>,
 }
 
 impl Process {
@@ -336,8 +298,8 @@ impl Process {
             }
             if changed.changed().await.is_err() {
                 // The process object is going away; report what is known.
-                return Item::Exit(self.exit().unwrap_or_else(|| ExitInfo {
-                    reason: "cell-ended".to_owned(),
+                return Item::Exit(self.exit().unwrap_or(ExitInfo {
+                    reason: ExitReason::CellEnded,
                     code: None,
                     signal: None,
                     message: None,

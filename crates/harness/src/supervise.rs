@@ -2,12 +2,12 @@
 //! copy its gateway's decisions into the journal, turn its `ask` questions into approvals, and
 //! apply its idle and wall-clock limits.
 
+use crate::{Approval, Scope};
 use std::collections::{HashMap, HashSet};
 use std::io::{BufRead as _, Seek as _};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
 use serde_json::json;
 use warden_cell::control;
 use warden_policy::{CommandRules, CommandVerdict, LifecycleAction, Policy};
@@ -95,19 +95,6 @@ struct Question {
     asked_at: u64,
 }
 
-/// A pending approval as the API shows it. Its `id` is the sequence number of the journal entry
-/// that asked it: short, unique to it for as long as the journal lives (so an answer meant for
-/// one question never answers another, across restarts too), and the same for every face.
-#[derive(Debug, Clone, Serialize)]
-pub struct Approval {
-    pub cell: String,
-    pub id: u64,
-    pub request: String,
-    pub rule: String,
-    pub asked_at: u64,
-    pub timeout_s: u64,
-}
-
 /// What a standing grant of a network question covers: its rule and destination (`host:port`),
 /// whatever the method or path; a person who lets a cell reach a host means the host.
 fn network_grant(rule: &str, destination: &str, request: &str) -> String {
@@ -130,37 +117,6 @@ pub(crate) struct ExecQuestion {
     /// What a standing grant of it covers.
     grant: String,
     answer: tokio::sync::oneshot::Sender<bool>,
-}
-
-/// How far an approval reaches.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Scope {
-    /// This question only.
-    Once,
-    /// This request from this cell, from now on.
-    Cell,
-    /// This request from any cell, from now on (kept across restarts).
-    Always,
-}
-
-impl Scope {
-    pub fn parse(text: &str) -> Result<Self, HarnessError> {
-        match text {
-            "once" => Ok(Self::Once),
-            "cell" => Ok(Self::Cell),
-            "always" => Ok(Self::Always),
-            other => Err(HarnessError::bad(format!(
-                "scope `{other}`: use once, cell or always"
-            ))),
-        }
-    }
-    fn name(self) -> &'static str {
-        match self {
-            Self::Once => "once",
-            Self::Cell => "cell",
-            Self::Always => "always",
-        }
-    }
 }
 
 impl Harness {

@@ -1,43 +1,13 @@
 //! Diff, apply, snapshot, reset and policy replacement of daemon cells: the process tier's own
 //! library calls (on blocking threads), their errors classified by what they are.
 
-use serde::Serialize;
 use serde_json::json;
 use warden_cell::changes::ChangesError;
 use warden_cell::snapshot::SnapshotError;
 use warden_cell::{Registry, Store};
 use warden_workspace::WorkspaceError;
 
-use crate::{ErrorKind, Harness, HarnessError, PolicySource};
-
-/// Which workspace changes to apply, and how.
-#[derive(Debug, Clone, Default, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ApplyRequest {
-    /// Paths (a directory selects what is below it); none: every change.
-    #[serde(default)]
-    pub paths: Vec<String>,
-    #[serde(default)]
-    pub dry_run: bool,
-    /// Overwrite host files edited since the cell started.
-    #[serde(default)]
-    pub force: bool,
-    /// Apply sensitive changes (hooks, rc files, new executables, outward symlinks) too.
-    #[serde(default)]
-    pub include_sensitive: bool,
-    /// The digest of the diff that was reviewed (`GET .../diff` gives it): the apply writes
-    /// those changes exactly, or nothing. Without it, an apply held for a person is bound to
-    /// the diff as it was when the question was asked.
-    #[serde(default)]
-    pub digest: Option<String>,
-}
-
-/// A snapshot as the API shows it.
-#[derive(Debug, Clone, Serialize)]
-pub struct Snapshot {
-    pub id: String,
-    pub size: u64,
-}
+use crate::{ApplyRequest, ErrorKind, Harness, HarnessError, PolicySource, Snapshot};
 
 /// A workspace error, classified by what it is (never by its words).
 fn changes_error(err: ChangesError) -> HarnessError {

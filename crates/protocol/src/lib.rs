@@ -3,6 +3,22 @@
 
 use serde::{Deserialize, Serialize};
 
+pub mod approvals;
+pub mod cells;
+pub mod error;
+pub mod exec;
+pub mod files;
+pub mod workspace;
+
+pub use approvals::{Answer, Approval, Decision, Scope};
+pub use cells::{CellInfo, CellState, CellSummary, CreateCell};
+pub use error::{ErrorBody, ErrorCode};
+pub use exec::{
+    Chunk, ExecSpec, ExitInfo, ExitReason, ProcessInfo, SignalBody, Started, Stream, TtySize, Usage,
+};
+pub use files::{FileInfo, FileKind};
+pub use workspace::{ApplyRequest, Snapshot};
+
 /// Exit statuses of `warden run`, beside the command's own status (0-123) and 128+N for a
 /// command killed by signal N.
 pub mod exit {
@@ -25,28 +41,6 @@ pub mod exit {
     /// The workspace passed its disk limit where the warden's watch keeps it (rootless), and
     /// the cell was killed. (Where the kernel keeps it, a write past it fails with ENOSPC.)
     pub const DISK_LIMIT: i32 = 253;
-}
-
-/// Whether a cell's processes may run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum CellState {
-    Running,
-    Paused,
-    /// The processes are gone; workspace changes are kept for review.
-    Stopped,
-}
-
-/// One line of `warden ps`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CellSummary {
-    pub name: String,
-    pub state: CellState,
-    /// Host pid of the cell's init, while it runs.
-    pub pid: Option<i32>,
-    pub started_unix_ms: u64,
-    pub command: Vec<String>,
-    pub workspace: Option<String>,
 }
 
 /// A signal as a face may name it: a number (`15`), or a name with or without `SIG` (`TERM`,

@@ -19,8 +19,7 @@ use serde::de::DeserializeOwned;
 use serde_json::json;
 use tokio_stream::wrappers::ReceiverStream;
 use warden_harness::{
-    CreateCell, ErrorKind, ExecSpec, Harness, HarnessError, Item, KillOnDrop, Process, Scope,
-    Stream,
+    CreateCell, ErrorKind, ExecSpec, Harness, HarnessError, Item, KillOnDrop, Process, Stream,
 };
 
 /// The API's OpenAPI document (also committed as docs/openapi.json).
@@ -59,7 +58,22 @@ impl From<HarnessError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(json!({ "error": self.message }))).into_response()
+        use warden_protocol::ErrorCode;
+        let code = match self.status {
+            StatusCode::FORBIDDEN => ErrorCode::Forbidden,
+            StatusCode::NOT_FOUND | StatusCode::METHOD_NOT_ALLOWED => ErrorCode::NotFound,
+            StatusCode::CONFLICT => ErrorCode::Conflict,
+            StatusCode::PAYLOAD_TOO_LARGE => ErrorCode::TooLarge,
+            StatusCode::SERVICE_UNAVAILABLE => ErrorCode::Unavailable,
+            status if status.is_server_error() => ErrorCode::Internal,
+            _ => ErrorCode::BadRequest,
+        };
+        let body = warden_protocol::ErrorBody {
+            error: self.message,
+            code,
+            hint: None,
+        };
+        (self.status, Json(body)).into_response()
     }
 }
 
@@ -730,32 +744,16 @@ async fn approvals(State(harness): State<Shared>) -> Json<Vec<warden_harness::Ap
     Json(harness.approvals())
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct AnswerBody {
-    /// `approve` or `deny`.
-    decision: String,
-    /// `once` (default), `cell` or `always`.
-    scope: Option<String>,
-}
-
 async fn answer(
     State(harness): State<Shared>,
     Path((name, id)): Path<(String, u64)>,
     by: Option<Extension<Caller>>,
-    Body(body): Body<AnswerBody>,
+    Body(body): Body<warden_protocol::Answer>,
 ) -> Result<Response, ApiError> {
-    let allow = match body.decision.as_str() {
-        "approve" => true,
-        "deny" => false,
-        other => {
-            return Err(
-                HarnessError::bad(format!("decision `{other}`: use approve or deny")).into(),
-            );
-        }
-    };
-    let scope = Scope::parse(body.scope.as_deref().unwrap_or("once"))?;
-    harness.answer(&name, id, allow, scope, &caller(by)).await?;
+    let allow = body.decision == warden_protocol::Decision::Approve;
+    harness
+        .answer(&name, id, allow, body.scope, &caller(by))
+        .await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
@@ -768,17 +766,10 @@ async fn resize(
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct SignalBody {
-    /// A number (`15`) or a name (`"TERM"`, `"SIGTERM"`).
-    signal: warden_protocol::Signal,
-}
-
 async fn signal(
     State(harness): State<Shared>,
     Path((name, id)): Path<(String, u64)>,
-    Body(body): Body<SignalBody>,
+    Body(body): Body<warden_protocol::SignalBody>,
 ) -> Result<Response, ApiError> {
     let signal = body.signal.number().map_err(|message| ApiError {
         status: StatusCode::BAD_REQUEST,

@@ -67,23 +67,57 @@ fn mkfs() -> Option<PathBuf> {
 }
 
 /// Gives `layer` (whose directory exists, with nothing in it yet) a file system of `size` bytes
-/// and mounts it. Root only.
-pub fn create(layer: &Layer, size: u64) -> Result<(), DiskError> {
+/// and mounts it. Root only. The file system is made once per size, as a template in the
+/// state directory (`disk-templates/`), and each layer gets a sparse copy of it: the few
+/// hundred KiB `mke2fs` wrote, not a new run of it.
+pub fn create(layer: &Layer, templates: &Path, size: u64) -> Result<(), DiskError> {
+    let template = template(templates, size)?;
     let image = layer.image();
+    let copied = (|| -> io::Result<()> {
+        let source = fs::File::open(&template)?;
+        let target = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&image)?;
+        super::snapshot::copy_data(&source, &target, size)?;
+        Ok(())
+    })();
+    if let Err(source) = copied {
+        let _ = fs::remove_file(&image);
+        return Err(DiskError::Os {
+            what: format!("copying the file system template to {}", image.display()),
+            source,
+        });
+    }
+    attach(layer).inspect_err(|_| {
+        let _ = fs::remove_file(&image);
+    })
+}
+
+/// The template file system of `size` bytes, made now if there is none yet.
+fn template(templates: &Path, size: u64) -> Result<PathBuf, DiskError> {
+    let path = templates.join(format!("ext4-{size}.img"));
+    if path.exists() {
+        return Ok(path);
+    }
+    fs::create_dir_all(templates).map_err(os(format!("creating {}", templates.display())))?;
+    // Made under another name and renamed into place: a template is whole or absent.
+    let partial = templates.join(format!(".ext4-{size}.img.{}", std::process::id()));
     let file = fs::OpenOptions::new()
-        .read(true)
         .write(true)
-        .create_new(true)
-        .open(&image)
-        .map_err(os(format!("creating {}", image.display())))?;
+        .create(true)
+        .truncate(true)
+        .open(&partial)
+        .map_err(os(format!("creating {}", partial.display())))?;
     file.set_len(size)
-        .map_err(os(format!("sizing {}", image.display())))?;
+        .map_err(os(format!("sizing {}", partial.display())))?;
     drop(file);
     let Some(mkfs) = mkfs() else {
+        let _ = fs::remove_file(&partial);
         return Err(DiskError::Mkfs("mke2fs is not installed".into()));
     };
     // No reserved blocks (the cell is the only user); the inode tables and the journal are
-    // initialised lazily, so that a new layer costs a few milliseconds and no writes.
+    // initialised lazily, so that the template holds a few hundred KiB of data.
     let made = Command::new(mkfs)
         .args([
             "-q",
@@ -97,19 +131,18 @@ pub fn create(layer: &Layer, size: u64) -> Result<(), DiskError> {
             "-E",
         ])
         .arg("lazy_itable_init=1,lazy_journal_init=1,nodiscard")
-        .arg(&image)
+        .arg(&partial)
         .stdin(std::process::Stdio::null())
         .output()
         .map_err(os("running mke2fs"))?;
     if !made.status.success() {
-        let _ = fs::remove_file(&image);
+        let _ = fs::remove_file(&partial);
         return Err(DiskError::Mkfs(
             String::from_utf8_lossy(&made.stderr).trim().to_owned(),
         ));
     }
-    attach(layer).inspect_err(|_| {
-        let _ = fs::remove_file(&image);
-    })
+    fs::rename(&partial, &path).map_err(os(format!("placing {}", path.display())))?;
+    Ok(path)
 }
 
 /// Mounts the layer's file system on its `fs/` unless it is mounted already; a layer without

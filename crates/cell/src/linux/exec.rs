@@ -43,13 +43,9 @@ pub struct ExecRequest {
     pub tty: Option<TtySize>,
 }
 
-/// A terminal's size.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TtySize {
-    pub rows: u16,
-    pub cols: u16,
-}
+/// A terminal's size, and what an exec'd process used (from `wait4` in the cell's init; its
+/// children included once they were waited for): the wire's own types.
+pub use warden_protocol::{TtySize, Usage};
 
 /// Messages to the init (and, without `id`, from clients to the keeper).
 #[derive(Debug, Serialize, Deserialize)]
@@ -114,15 +110,6 @@ pub enum ExecEvent {
         #[serde(default)]
         usage: Option<Usage>,
     },
-}
-
-/// What an exec'd process used (from `wait4` in the cell's init; its children included once
-/// they were waited for).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Usage {
-    pub cpu_user_ms: u64,
-    pub cpu_system_ms: u64,
-    pub max_rss_kib: u64,
 }
 
 impl ExecEvent {

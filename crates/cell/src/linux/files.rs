@@ -13,6 +13,7 @@
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
+use warden_protocol::FileKind;
 
 use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 use serde::{Deserialize, Serialize};
@@ -65,8 +66,7 @@ pub enum FileOp {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileEntry {
     pub name: String,
-    /// `file`, `dir`, `symlink` or `other`.
-    pub kind: String,
+    pub kind: FileKind,
     pub size: u64,
     /// Permission bits.
     pub mode: u32,
@@ -849,18 +849,18 @@ fn describe(dir: &OwnedFd, name: &str) -> Result<FileEntry, FileError> {
     let stat =
         rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW).map_err(|e| io_error(name, e))?;
     let kind = match FileType::from_raw_mode(stat.st_mode) {
-        FileType::RegularFile => "file",
-        FileType::Directory => "dir",
-        FileType::Symlink => "symlink",
-        _ => "other",
+        FileType::RegularFile => FileKind::File,
+        FileType::Directory => FileKind::Dir,
+        FileType::Symlink => FileKind::Symlink,
+        _ => FileKind::Other,
     };
-    let target = (kind == "symlink")
+    let target = (kind == FileKind::Symlink)
         .then(|| rustix::fs::readlinkat(dir, name, Vec::new()).ok())
         .flatten()
         .map(|t| t.to_string_lossy().into_owned());
     Ok(FileEntry {
         name: name.to_owned(),
-        kind: kind.to_owned(),
+        kind,
         size: stat.st_size as u64,
         mode: stat.st_mode & 0o7777,
         modified_s: stat.st_mtime.max(0) as u64,

@@ -215,8 +215,8 @@ pub fn check_paths(policy: &Policy, state: &Path, runtime: &Path) -> Result<(), 
     if policy.tier != warden_policy::Tier::Process {
         return Err(PlanError::Tier(policy.tier.name()));
     }
-    let own = [("state directory", state), ("runtime directory", runtime)];
-    let (setup, root_mode) = setup_host_ids();
+    let own = canonical_own(&[("state directory", state), ("runtime directory", runtime)]);
+    let mut reach = Reach::new();
     for (path, rw) in policy
         .filesystem
         .read_only
@@ -230,21 +230,108 @@ pub fn check_paths(policy: &Policy, state: &Path, runtime: &Path) -> Result<(), 
             "read_only path"
         };
         // Only what the cell will see (missing paths are left out).
-        if path.exists() {
-            check_not_wardens(what, path, &own)?;
+        let canonical = std::fs::canonicalize(path).ok();
+        if let Some(canonical) = &canonical {
+            check_not_wardens_canonical(what, canonical, &own)?;
         }
         check_not_under_cells_own(what, path)?;
+        let Some(canonical) = canonical else {
+            continue;
+        };
         // A root warden opens these for the setup (see `InitFds::sources`); an unprivileged
         // one can open only what its user reaches.
-        if path.exists() && !root_mode {
-            check_reachable(what, path, setup, root_mode)?;
+        if !reach.root_mode {
+            reach.check(what, &canonical)?;
         }
     }
     // The cell's root is assembled under the runtime directory, its layers are in the state
     // directory: the setup must reach both.
-    check_reachable("the runtime directory", runtime, setup, root_mode)?;
-    check_reachable("the state directory", state, setup, root_mode)?;
+    for (what, dir) in [
+        ("the runtime directory", runtime),
+        ("the state directory", state),
+    ] {
+        let canonical = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+        reach.check(what, &canonical)?;
+    }
     Ok(())
+}
+
+/// Warden's own directories, resolved once for many checks.
+pub fn canonical_own(own: &[(&'static str, &Path)]) -> Vec<(&'static str, PathBuf)> {
+    own.iter()
+        .map(|(what, dir)| {
+            (
+                *what,
+                std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf()),
+            )
+        })
+        .collect()
+}
+
+/// What the cell's setup, running as its host ids, may search on the way to host paths: each
+/// directory is looked at once, however many paths pass through it.
+#[derive(Debug)]
+pub struct Reach {
+    ids: (u32, u32),
+    root_mode: bool,
+    /// A directory the setup may not search: its mode and owner; `None`: it may.
+    seen: std::collections::HashMap<PathBuf, Option<(u32, u32)>>,
+}
+
+impl Default for Reach {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Reach {
+    pub fn new() -> Self {
+        let (ids, root_mode) = setup_host_ids();
+        Self {
+            ids,
+            root_mode,
+            seen: std::collections::HashMap::new(),
+        }
+    }
+
+    /// Refuses a host path (canonical) that the setup cannot reach (a directory above it it
+    /// may not search): said before the cell starts, instead of a failed mount.
+    pub fn check(&mut self, what: &'static str, path: &Path) -> Result<(), PlanError> {
+        use std::os::unix::fs::MetadataExt as _;
+        let (uid, gid) = self.ids;
+        let mut above: Vec<&Path> = path.ancestors().skip(1).collect();
+        above.reverse();
+        for dir in above {
+            let closed = *self.seen.entry(dir.to_path_buf()).or_insert_with(|| {
+                let meta = std::fs::metadata(dir).ok()?;
+                let mode = meta.mode() & 0o777;
+                let search = if meta.uid() == uid {
+                    mode & 0o100
+                } else if meta.gid() == gid {
+                    mode & 0o010
+                } else {
+                    mode & 0o001
+                };
+                (search == 0).then_some((mode, meta.uid()))
+            });
+            if let Some((mode, owner)) = closed {
+                return Err(PlanError::Unreachable {
+                    what,
+                    path: path.to_path_buf(),
+                    blocker: dir.to_path_buf(),
+                    mode,
+                    owner,
+                    uid,
+                    why: if self.root_mode {
+                        " (root-started cells never act as host root)"
+                    } else {
+                        ""
+                    },
+                });
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The directories every cell gets its own of, mounted over whatever the host has there.
@@ -263,50 +350,6 @@ pub fn check_not_under_cells_own(what: &'static str, path: &Path) -> Result<(), 
     }
 }
 
-/// Refuses a host path that the cell's setup, running as host `uid`/`gid`, cannot reach (a
-/// directory above it it may not search): said before the cell starts, instead of a failed
-/// mount. `root_mode`: the warden runs as root, and root-started cells never act as host root.
-pub fn check_reachable(
-    what: &'static str,
-    path: &Path,
-    (uid, gid): (u32, u32),
-    root_mode: bool,
-) -> Result<(), PlanError> {
-    use std::os::unix::fs::MetadataExt as _;
-    let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
-    let mut above: Vec<&Path> = path.ancestors().skip(1).collect();
-    above.reverse();
-    for dir in above {
-        let Ok(meta) = std::fs::metadata(dir) else {
-            continue;
-        };
-        let mode = meta.mode() & 0o777;
-        let search = if meta.uid() == uid {
-            mode & 0o100
-        } else if meta.gid() == gid {
-            mode & 0o010
-        } else {
-            mode & 0o001
-        };
-        if search == 0 {
-            return Err(PlanError::Unreachable {
-                what,
-                path: path.clone(),
-                blocker: dir.to_path_buf(),
-                mode,
-                owner: meta.uid(),
-                uid,
-                why: if root_mode {
-                    " (root-started cells never act as host root)"
-                } else {
-                    ""
-                },
-            });
-        }
-    }
-    Ok(())
-}
-
 /// Refuses a host path a cell would see (`what`) that is, holds or lies inside one of Warden's
 /// own directories: through it a cell would read the journal's signing key, other cells'
 /// layers and records, or the daemon's socket.
@@ -316,23 +359,31 @@ pub fn check_not_wardens(
     own: &[(&'static str, &Path)],
 ) -> Result<(), PlanError> {
     let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    check_not_wardens_canonical(what, &path, &canonical_own(own))
+}
+
+/// [`check_not_wardens`] of a canonical path against canonical own directories.
+pub fn check_not_wardens_canonical(
+    what: &'static str,
+    path: &Path,
+    own: &[(&'static str, PathBuf)],
+) -> Result<(), PlanError> {
     for (dir, own) in own {
-        let own = std::fs::canonicalize(own).unwrap_or_else(|_| own.to_path_buf());
         let how = if path == own {
             "is"
-        } else if own.starts_with(&path) {
+        } else if own.starts_with(path) {
             "holds"
-        } else if path.starts_with(&own) {
+        } else if path.starts_with(own) {
             "is inside"
         } else {
             continue;
         };
         return Err(PlanError::WardensOwn {
             what,
-            path: path.clone(),
+            path: path.to_path_buf(),
             how,
             dir,
-            own,
+            own: own.clone(),
         });
     }
     Ok(())

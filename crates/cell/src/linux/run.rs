@@ -429,14 +429,15 @@ pub fn run(
     // path, from mounts the kernel keeps locked in the cell.
     let mut sources = Vec::new();
     if privileged {
-        let (setup, _) = plan::setup_host_ids();
+        let mut reach = plan::Reach::new();
         for (i, entry) in plan.entries.iter().enumerate() {
             let (path, bind) = match entry {
                 plan::Entry::Bind { path, .. } => (path, true),
                 plan::Entry::Copy { path } => (path, false),
                 plan::Entry::Symlink { .. } => continue,
             };
-            if plan::check_reachable("", path, setup, true).is_ok() {
+            let canonical = fs::canonicalize(path).unwrap_or_else(|_| path.clone());
+            if reach.check("", &canonical).is_ok() {
                 continue;
             }
             let opened = if bind {
@@ -843,7 +844,11 @@ impl LayerGuard {
                 None => {
                     fs::create_dir_all(guard.layer.dir())
                         .map_err(os("creating the workspace layer"))?;
-                    super::disk::create(&guard.layer, disk.0)?;
+                    super::disk::create(
+                        &guard.layer,
+                        &store.root().join("disk-templates"),
+                        disk.0,
+                    )?;
                 }
                 Some(reason) => {
                     if let Some(reason) = reason {
@@ -898,8 +903,27 @@ impl LayerGuard {
 
 impl Drop for LayerGuard {
     fn drop(&mut self) {
-        if self.armed {
-            let _ = self.layer.remove();
+        if !self.armed {
+            return;
+        }
+        // Out of the way at once (the name is free for the next cell), removed in the
+        // background: freeing a layer's file system image takes the host a few milliseconds.
+        let _ = self.layer.detach();
+        let dir = self.layer.dir();
+        let stamp = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let gone = dir.with_file_name(format!(
+            ".gone-{}-{stamp}",
+            dir.file_name()
+                .map(|n| n.to_string_lossy())
+                .unwrap_or_default()
+        ));
+        match fs::rename(dir, &gone) {
+            Ok(()) => super::snapshot::remove_in_background(gone),
+            Err(_) => {
+                let _ = self.layer.remove();
+            }
         }
     }
 }

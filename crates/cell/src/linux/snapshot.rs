@@ -257,7 +257,7 @@ fn swap_in(layer: &Layer, name: &str) -> Result<(), SnapshotError> {
 
 /// Removes a discarded layer directory in a child process, so that the caller does not wait
 /// for thousands of unlinks; a leftover goes with the layer when the cell is removed.
-fn remove_in_background(dir: PathBuf) {
+pub(super) fn remove_in_background(dir: PathBuf) {
     match sys::clone_process(0) {
         Ok(0) => {
             // Let go of the caller's stdio, so that nobody waits on this child's pipes.

@@ -105,6 +105,10 @@ impl Store {
             .flatten()
             .filter_map(|entry| {
                 let name = entry.file_name().to_str()?.to_owned();
+                // Layers on their way out (`.gone-*`) are no cell's.
+                if name.starts_with('.') {
+                    return None;
+                }
                 let meta = Layer::at(entry.path()).meta().ok()?;
                 Some((name, meta))
             })

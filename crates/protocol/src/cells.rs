@@ -1,0 +1,71 @@
+//! Cells: the request that makes one, and a cell as every face shows it.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// Whether a cell's processes may run. One vocabulary for every face.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CellState {
+    Running,
+    Paused,
+    /// The processes are gone; workspace changes, if any, are kept for review.
+    Ended,
+}
+
+impl CellState {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Running => "running",
+            Self::Paused => "paused",
+            Self::Ended => "ended",
+        }
+    }
+}
+
+/// One line of `warden ps`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CellSummary {
+    pub name: String,
+    pub state: CellState,
+    /// Host pid of the cell's init, while it runs.
+    pub pid: Option<i32>,
+    pub started_unix_ms: u64,
+    pub command: Vec<String>,
+    pub workspace: Option<String>,
+}
+
+/// A request to make a cell.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateCell {
+    pub name: Option<String>,
+    /// A policy document (YAML, as `warden run --policy` takes it).
+    pub policy: Option<String>,
+    /// A built-in preset, instead of `policy`.
+    pub preset: Option<String>,
+    /// Host directory that appears at the policy's workspace mount.
+    pub workspace: Option<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// Start from this snapshot (`CELL@SNAP`), or from a snapshot taken now of a cell (`CELL`):
+    /// a fork. Its workspace is the snapshot's.
+    pub from: Option<String>,
+}
+
+/// A cell as the API shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CellInfo {
+    pub name: String,
+    pub state: CellState,
+    pub pid: Option<i32>,
+    pub created_ms: u64,
+    pub workspace: Option<String>,
+    pub labels: BTreeMap<String, String>,
+    /// Why it ended, once it has.
+    pub ended: Option<String>,
+    pub processes: usize,
+}
