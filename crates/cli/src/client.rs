@@ -20,6 +20,8 @@ pub struct Client {
 pub struct ApiError {
     pub status: StatusCode,
     pub message: String,
+    /// The API's error code (absent from an answer that was not the API's own).
+    pub code: Option<warden_protocol::ErrorCode>,
 }
 
 impl Client {
@@ -76,6 +78,24 @@ impl Client {
             .send_request(request)
             .await
             .context("the warden daemon did not answer")
+    }
+
+    /// A typed request and answer: `body` goes as JSON, the answer is read as `T` (errors
+    /// carry the API's message and code).
+    pub async fn call<B: serde::Serialize, T: serde::de::DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&B>,
+    ) -> Result<T> {
+        let body = body
+            .map(serde_json::to_value)
+            .transpose()
+            .context("writing the request")?;
+        let value = self.json(method, path, body.as_ref()).await?;
+        serde_json::from_value(value).with_context(|| {
+            format!("the daemon's answer to {path} is not what this warden understands")
+        })
     }
 
     /// A request with raw bytes each way (files and archives).
@@ -188,9 +208,20 @@ async fn read_success(response: Response<Incoming>) -> Result<Bytes> {
     if status.is_success() {
         return Ok(bytes);
     }
-    let message = serde_json::from_slice::<Value>(&bytes)
-        .ok()
-        .and_then(|v| v.get("error").and_then(Value::as_str).map(str::to_owned))
-        .unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
-    Err(ApiError { status, message }.into())
+    let (message, code) = match serde_json::from_slice::<warden_protocol::ErrorBody>(&bytes) {
+        Ok(body) => {
+            let message = match body.hint {
+                Some(hint) => format!("{} ({hint})", body.error),
+                None => body.error,
+            };
+            (message, Some(body.code))
+        }
+        Err(_) => (String::from_utf8_lossy(&bytes).into_owned(), None),
+    };
+    Err(ApiError {
+        status,
+        message,
+        code,
+    }
+    .into())
 }

@@ -551,52 +551,41 @@ fn describe(change: &Change) -> String {
     line
 }
 
-/// One open question, as `warden approvals` lists it.
-#[derive(serde::Serialize, serde::Deserialize)]
-struct OpenQuestion {
-    cell: String,
-    id: u64,
-    request: String,
-    rule: String,
-    asked_at: u64,
-    timeout_s: u64,
-}
-
 /// The questions of one cell, or of every cell: the daemon's when one runs (its ids, which
 /// survive its restarts, and questions about commands too), else each running cell's gateway's.
 fn approvals(name: Option<&str>, json: bool) -> Result<i32> {
     if let Some(name) = name {
         warden_cell::linux::plan::check_name(name)?;
     }
-    let mut questions: Vec<OpenQuestion> = match crate::daemon::approvals_through_daemon()? {
-        Some(all) => serde_json::from_value(serde_json::Value::Array(all))
-            .context("reading the daemon's approvals")?,
-        None => {
-            let registry = registry()?;
-            let names = match name {
-                Some(name) => vec![name.to_owned()],
-                None => registry.list()?.into_iter().map(|r| r.name).collect(),
-            };
-            let mut out = Vec::new();
-            for cell in names {
-                let pending = match control::pending_questions(&registry, &cell) {
-                    Ok(pending) => pending,
-                    // A cell that ended between listing and asking has no questions.
-                    Err(_) if name.is_none() => continue,
-                    Err(err) => return Err(err.into()),
+    let mut questions: Vec<warden_protocol::Approval> =
+        match crate::daemon::approvals_through_daemon()? {
+            Some(all) => all,
+            None => {
+                let registry = registry()?;
+                let names = match name {
+                    Some(name) => vec![name.to_owned()],
+                    None => registry.list()?.into_iter().map(|r| r.name).collect(),
                 };
-                out.extend(pending.into_iter().map(|q| OpenQuestion {
-                    cell: cell.clone(),
-                    id: q.id,
-                    request: q.request,
-                    rule: q.rule,
-                    asked_at: q.asked_at,
-                    timeout_s: q.timeout_s,
-                }));
+                let mut out = Vec::new();
+                for cell in names {
+                    let pending = match control::pending_questions(&registry, &cell) {
+                        Ok(pending) => pending,
+                        // A cell that ended between listing and asking has no questions.
+                        Err(_) if name.is_none() => continue,
+                        Err(err) => return Err(err.into()),
+                    };
+                    out.extend(pending.into_iter().map(|q| warden_protocol::Approval {
+                        cell: cell.clone(),
+                        id: q.id,
+                        request: q.request,
+                        rule: q.rule,
+                        asked_at: q.asked_at,
+                        timeout_s: q.timeout_s,
+                    }));
+                }
+                out
             }
-            out
-        }
-    };
+        };
     if let Some(name) = name {
         questions.retain(|q| q.cell == name);
     }

@@ -70,25 +70,25 @@ pub fn run_through(
     let workspace = workspace_dir(args.workspace.as_deref())?;
     let rt = current_thread()?;
     // The policy as this command made it (file or preset, `~`, flags): the daemon gets it whole.
-    let body = json!({
-        "name": args.name,
-        "policy": warden_policy::to_yaml(policy),
-        "workspace": workspace,
-        "from": from,
-        "labels": { "made-by": "warden run" },
-    });
-    let cell = rt.block_on(client.json(Method::POST, "/v1/cells", Some(&body)))?;
-    let name = cell["name"].as_str().unwrap_or_default().to_owned();
-    let spec = json!({
-        "argv": argv,
-        "env": env
-            .iter()
-            .map(|(k, v)| (k.clone(), Value::String(v.clone())))
-            .collect::<serde_json::Map<String, Value>>(),
-        "background": true,
-        "timeout_ms": policy.limits.wall.map(|w| w.0.as_millis() as u64),
-        "output_limit": policy.limits.output.map(|o| o.0),
-    });
+    let body = warden_protocol::CreateCell {
+        name: args.name.clone(),
+        policy: Some(warden_policy::to_yaml(policy)),
+        workspace,
+        from,
+        labels: [("made-by".to_owned(), "warden run".to_owned())].into(),
+        ..Default::default()
+    };
+    let cell: warden_protocol::CellInfo =
+        rt.block_on(client.call(Method::POST, "/v1/cells", Some(&body)))?;
+    let name = cell.name;
+    let spec = warden_protocol::ExecSpec {
+        argv,
+        env: env.iter().cloned().collect(),
+        background: true,
+        timeout_ms: policy.limits.wall.map(|w| w.0.as_millis() as u64),
+        output_limit: policy.limits.output.map(|o| o.0),
+        ..Default::default()
+    };
     let outcome = rt.block_on(relay_process(client, &name, &spec, false));
     // The cell ends with its command; what it changed waits for review unless --rm.
     let end = if args.rm {
@@ -123,46 +123,42 @@ pub fn run_through(
         Ok(exit) => exit,
         Err(err) => return refused(&err).ok_or(err),
     };
-    let reason = exit["reason"].as_str().unwrap_or_default();
-    let message = exit["message"].as_str();
     // The same words as an in-process run.
     let limit_hit = |what: &str, limit: Option<String>, code: i32| {
         let limit = limit.unwrap_or_default();
         eprintln!("warden: cell {name}: {what} limit {limit} exceeded: killed");
         code
     };
-    Ok(match reason {
-        "exited" => exit["code"].as_i64().unwrap_or(0) as i32,
-        "signaled" => 128 + exit["signal"].as_i64().unwrap_or(0) as i32,
-        "timeout" => limit_hit(
+    use warden_protocol::ExitReason;
+    Ok(match exit.reason {
+        ExitReason::Exited | ExitReason::Signaled => exit.status(),
+        ExitReason::Timeout => limit_hit(
             "wall-clock",
             policy.limits.wall.map(|w| w.to_string()),
             exit::WALL_LIMIT,
         ),
-        "memory-limit" => limit_hit(
+        ExitReason::MemoryLimit => limit_hit(
             "memory",
             policy.limits.memory.map(|m| m.to_string()),
             exit::MEMORY_LIMIT,
         ),
-        "disk-limit" => limit_hit(
+        ExitReason::DiskLimit => limit_hit(
             "disk",
             policy.limits.disk.map(|d| d.to_string()),
             exit::DISK_LIMIT,
         ),
-        "output-limit" => limit_hit(
+        ExitReason::OutputLimit => limit_hit(
             "output",
             policy.limits.output.map(|o| o.to_string()),
             exit::OUTPUT_LIMIT,
         ),
-        "failed" => {
-            if let Some(message) = message {
+        ExitReason::Failed => {
+            if let Some(message) = &exit.message {
                 eprintln!("warden: {message} (in cell {name})");
             }
-            exit["code"]
-                .as_i64()
-                .map_or(exit::WARDEN_ERROR, |c| c as i32)
+            exit.status()
         }
-        _ => {
+        ExitReason::Killed | ExitReason::CellEnded => {
             eprintln!("warden: cell {name} was killed by `warden kill`");
             exit::KILLED
         }
@@ -259,16 +255,26 @@ fn refused(err: &anyhow::Error) -> Option<i32> {
 /// Starts the process, pumps stdin to it, forwards signals, writes its output; returns its
 /// exit information.
 /// Questions the cell's `ask` rules raise meanwhile are announced on stderr.
-async fn relay_process(client: &Client, cell: &str, spec: &Value, tty: bool) -> Result<Value> {
+async fn relay_process(
+    client: &Client,
+    cell: &str,
+    spec: &warden_protocol::ExecSpec,
+    tty: bool,
+) -> Result<warden_protocol::ExitInfo> {
     announcing(client, cell, tty, relay(client, cell, spec, tty)).await
 }
 
-async fn relay(client: &Client, cell: &str, spec: &Value, tty: bool) -> Result<Value> {
+async fn relay(
+    client: &Client,
+    cell: &str,
+    spec: &warden_protocol::ExecSpec,
+    tty: bool,
+) -> Result<warden_protocol::ExitInfo> {
     use tokio::signal::unix::{SignalKind, signal};
-    let started = client
-        .json(Method::POST, &format!("/v1/cells/{cell}/exec"), Some(spec))
+    let started: warden_protocol::Started = client
+        .call(Method::POST, &format!("/v1/cells/{cell}/exec"), Some(spec))
         .await?;
-    let id = started["id"].as_u64().unwrap_or(0);
+    let id = started.id;
     // Even a process that has ended already (a quick one, or one that could not start) is read
     // through its output: what it wrote is kept, and the stream ends with its exit.
     // stdin, from a thread of its own (reads block).
@@ -304,7 +310,7 @@ async fn relay(client: &Client, cell: &str, spec: &Value, tty: bool) -> Result<V
     let mut winch = listen(SignalKind::window_change())?;
     let resize_path = format!("/v1/cells/{cell}/processes/{id}/resize");
     let output_path = format!("/v1/cells/{cell}/processes/{id}/output");
-    let mut exit = Value::Null;
+    let mut exit: Option<warden_protocol::ExitInfo> = None;
     let mut output = Box::pin(
         client.events(Method::GET, &output_path, None, |event, data| {
             let Ok(value) = serde_json::from_str::<Value>(data) else {
@@ -320,7 +326,7 @@ async fn relay(client: &Client, cell: &str, spec: &Value, tty: bool) -> Result<V
                 "stderr" => {
                     let _ = std::io::stderr().write_all(&bytes());
                 }
-                "exit" => exit = value.clone(),
+                "exit" => exit = serde_json::from_value(value.clone()).ok(),
                 _ => {}
             }
         }),
@@ -339,22 +345,21 @@ async fn relay(client: &Client, cell: &str, spec: &Value, tty: bool) -> Result<V
             _ = quit.recv() => libc::SIGQUIT,
             _ = winch.recv() => {
                 if let (true, Some((rows, cols))) = (tty, terminal_size()) {
-                    let size = json!({ "rows": rows, "cols": cols });
-                    let _ = client.json(Method::POST, &resize_path, Some(&size)).await;
+                    let size = warden_protocol::TtySize { rows, cols };
+                    let _ = client.call::<_, Value>(Method::POST, &resize_path, Some(&size)).await;
                 }
                 continue;
             }
         };
+        let signal = warden_protocol::SignalBody {
+            signal: warden_protocol::Signal::Number(number),
+        };
         let _ = client
-            .json(
-                Method::POST,
-                &signal_path,
-                Some(&json!({ "signal": number })),
-            )
+            .call::<_, Value>(Method::POST, &signal_path, Some(&signal))
             .await;
     }
     drop(output);
-    Ok(exit)
+    exit.context("the process's output ended without its exit (did the daemon stop?)")
 }
 
 /// Carries out `pause`, `resume`, `kill` or `delete` through the daemon when one runs and the
@@ -391,15 +396,13 @@ pub fn through_daemon(name: &str, action: &str) -> Result<bool> {
 }
 
 /// Every open question the running daemon knows of; `None` when no daemon runs.
-pub fn approvals_through_daemon() -> Result<Option<Vec<Value>>> {
+pub fn approvals_through_daemon() -> Result<Option<Vec<warden_protocol::Approval>>> {
     let Some(client) = Client::detect(&runtime()) else {
         return Ok(None);
     };
-    let all = current_thread()?.block_on(client.json(Method::GET, "/v1/approvals", None))?;
-    match all {
-        Value::Array(all) => Ok(Some(all)),
-        other => bail!("the daemon answered GET /v1/approvals with {other}, not a list"),
-    }
+    current_thread()?
+        .block_on(client.call::<(), _>(Method::GET, "/v1/approvals", None))
+        .map(Some)
 }
 
 /// Removes a cell the running daemon keeps; `false` when no daemon keeps it. One that still runs
@@ -410,20 +413,21 @@ pub fn remove_through_daemon(name: &str, force: bool) -> Result<bool> {
         return Ok(false);
     };
     let rt = current_thread()?;
-    let info = match rt.block_on(client.json(Method::GET, &format!("/v1/cells/{name}"), None)) {
-        Ok(info) => info,
-        Err(err) => {
-            return match err.downcast_ref::<crate::client::ApiError>() {
-                Some(api) if api.status == hyper::StatusCode::NOT_FOUND => Ok(false),
-                _ => Err(err),
-            };
-        }
-    };
-    let running = info["state"] != "ended";
+    let info: warden_protocol::CellInfo =
+        match rt.block_on(client.call::<(), _>(Method::GET, &format!("/v1/cells/{name}"), None)) {
+            Ok(info) => info,
+            Err(err) => {
+                return match err.downcast_ref::<crate::client::ApiError>() {
+                    Some(api) if api.status == hyper::StatusCode::NOT_FOUND => Ok(false),
+                    _ => Err(err),
+                };
+            }
+        };
+    let running = info.state != warden_protocol::CellState::Ended;
     if running && !force {
         bail!(
             "cell `{name}` is {}; `warden kill {name}` first (its workspace changes stay for review), or `warden rm --force {name}` to kill it and drop them",
-            info["state"].as_str().unwrap_or("running")
+            info.state.name()
         );
     }
     rt.block_on(client.json(Method::DELETE, &format!("/v1/cells/{name}"), None))?;
@@ -492,13 +496,13 @@ pub fn serve(
     Ok(0)
 }
 
-fn pairs(list: &[String], what: &str) -> Result<serde_json::Map<String, Value>> {
-    let mut out = serde_json::Map::new();
+fn pairs(list: &[String], what: &str) -> Result<std::collections::BTreeMap<String, String>> {
+    let mut out = std::collections::BTreeMap::new();
     for pair in list {
         let Some((key, value)) = pair.split_once('=') else {
             bail!("--{what} {pair}: write it as KEY=VALUE");
         };
-        out.insert(key.to_owned(), Value::String(value.to_owned()));
+        out.insert(key.to_owned(), value.to_owned());
     }
     Ok(out)
 }
@@ -520,15 +524,17 @@ pub fn create(args: CreateArgs) -> Result<i32> {
     let client = client()?;
     let policy = crate::commands::effective_policy(&args.policy)?;
     let workspace = workspace_dir(args.workspace.as_deref())?;
-    let body = json!({
-        "name": args.name,
-        "policy": warden_policy::to_yaml(&policy),
-        "workspace": workspace,
-        "env": pairs(&args.env, "env")?,
-        "labels": pairs(&args.labels, "label")?,
-    });
-    let cell = current_thread()?.block_on(client.json(Method::POST, "/v1/cells", Some(&body)))?;
-    println!("{}", cell["name"].as_str().unwrap_or_default());
+    let body = warden_protocol::CreateCell {
+        name: args.name,
+        policy: Some(warden_policy::to_yaml(&policy)),
+        workspace,
+        env: pairs(&args.env, "env")?,
+        labels: pairs(&args.labels, "label")?,
+        ..Default::default()
+    };
+    let cell: warden_protocol::CellInfo =
+        current_thread()?.block_on(client.call(Method::POST, "/v1/cells", Some(&body)))?;
+    println!("{}", cell.name);
     Ok(0)
 }
 
@@ -545,12 +551,13 @@ pub fn exec(args: ExecArgs) -> Result<i32> {
     if args.interactive || args.tty {
         return exec_interactive(&client, &args, timeout_ms);
     }
-    let body = json!({
-        "argv": args.command,
-        "env": pairs(&args.env, "env")?,
-        "cwd": args.cwd,
-        "timeout_ms": timeout_ms,
-    });
+    let body = serde_json::to_value(warden_protocol::ExecSpec {
+        argv: args.command.clone(),
+        env: pairs(&args.env, "env")?,
+        cwd: args.cwd.clone(),
+        timeout_ms,
+        ..Default::default()
+    })?;
     let path = format!("/v1/cells/{}/exec", args.name);
     let mut code = warden_protocol::exit::WARDEN_ERROR;
     let mut stdout = std::io::stdout();
@@ -569,7 +576,15 @@ pub fn exec(args: ExecArgs) -> Result<i32> {
             "stderr" => {
                 let _ = stderr.write_all(&bytes());
             }
-            "exit" => code = process_exit(&value),
+            "exit" => {
+                code = match serde_json::from_value::<warden_protocol::ExitInfo>(value) {
+                    Ok(exit) => process_exit(&exit),
+                    Err(err) => {
+                        eprintln!("warden: an exit this warden does not understand: {err}");
+                        warden_protocol::exit::WARDEN_ERROR
+                    }
+                }
+            }
             _ => {}
         }
     });
@@ -581,32 +596,24 @@ pub fn exec(args: ExecArgs) -> Result<i32> {
 
 /// The exit status of an exec'd process, from its `exit` event (said on stderr where it was
 /// not the process's own doing).
-fn process_exit(exit: &Value) -> i32 {
-    use warden_protocol::exit;
-    let reason = exit["reason"].as_str().unwrap_or_default();
-    let code = match reason {
-        "exited" => return exit["code"].as_i64().unwrap_or(0) as i32,
-        "signaled" => return 128 + exit["signal"].as_i64().unwrap_or(0) as i32,
-        "failed" => exit["code"]
-            .as_i64()
-            .map_or(exit::WARDEN_ERROR, |c| c as i32),
-        "timeout" => exit::WALL_LIMIT,
-        "memory-limit" => exit::MEMORY_LIMIT,
-        "output-limit" => exit::OUTPUT_LIMIT,
-        "disk-limit" => exit::DISK_LIMIT,
-        _ => exit::WARDEN_ERROR,
-    };
-    match exit["message"].as_str() {
-        Some(message) => eprintln!("warden: {message}"),
-        None if reason == "timeout" => {
+fn process_exit(exit: &warden_protocol::ExitInfo) -> i32 {
+    use warden_protocol::ExitReason;
+    match (&exit.message, exit.reason) {
+        (_, ExitReason::Exited | ExitReason::Signaled) => {}
+        (Some(message), _) => eprintln!("warden: {message}"),
+        (None, ExitReason::Timeout) => {
             eprintln!("warden: the process ran past --timeout and was killed")
         }
-        None if reason == "cell-ended" => {
+        (None, ExitReason::CellEnded) => {
             eprintln!("warden: the cell ended before the process did")
         }
-        None => {}
+        (None, _) => {}
     }
-    code
+    match exit.reason {
+        // Not the process's own status: the cell ended under it.
+        ExitReason::CellEnded | ExitReason::Killed => warden_protocol::exit::WARDEN_ERROR,
+        _ => exit.status(),
+    }
 }
 
 /// The bytes of an output event: `{"text": ...}` or `{"base64": ...}`.
@@ -720,21 +727,19 @@ pub fn logs(name: &str, follow: bool, only: Option<u64>) -> Result<i32> {
     let mut stderr = std::io::stderr();
     let mut shown = std::collections::HashSet::new();
     loop {
-        let list =
-            rt.block_on(client.json(Method::GET, &format!("/v1/cells/{name}/processes"), None))?;
-        let processes = list.as_array().cloned().unwrap_or_default();
+        let processes: Vec<warden_protocol::ProcessInfo> = rt.block_on(client.call::<(), _>(
+            Method::GET,
+            &format!("/v1/cells/{name}/processes"),
+            None,
+        ))?;
         for process in processes {
-            let id = process["id"].as_u64().unwrap_or(0);
+            let id = process.id;
             if only.is_some_and(|o| o != id) || !shown.insert(id) {
                 continue;
             }
-            let argv: Vec<&str> = process["argv"]
-                .as_array()
-                .map(|a| a.iter().filter_map(Value::as_str).collect())
-                .unwrap_or_default();
             eprintln!(
                 "==> process {id}: {} <==",
-                crate::render::safe(&argv.join(" "))
+                crate::render::safe(&process.argv.join(" "))
             );
             let path = format!("/v1/cells/{name}/processes/{id}/output?follow={follow}");
             rt.block_on(client.events(Method::GET, &path, None, |event, data| {
@@ -761,8 +766,9 @@ pub fn logs(name: &str, follow: bool, only: Option<u64>) -> Result<i32> {
             return Ok(0);
         }
         // Following: processes started later are shown as they come, until the cell ends.
-        let cell = rt.block_on(client.json(Method::GET, &format!("/v1/cells/{name}"), None))?;
-        if cell["state"] == "ended" {
+        let cell: warden_protocol::CellInfo =
+            rt.block_on(client.call::<(), _>(Method::GET, &format!("/v1/cells/{name}"), None))?;
+        if cell.state == warden_protocol::CellState::Ended {
             return Ok(0);
         }
         std::thread::sleep(std::time::Duration::from_millis(250));
@@ -804,19 +810,20 @@ fn terminal_size() -> Option<(u16, u16)> {
 /// `warden exec -i` / `-t`: stdin passed as it comes, on a terminal with `-t`.
 fn exec_interactive(client: &Client, args: &ExecArgs, timeout_ms: Option<u64>) -> Result<i32> {
     use std::io::IsTerminal as _;
-    let mut spec = json!({
-        "argv": args.command,
-        "env": pairs(&args.env, "env")?,
-        "cwd": args.cwd,
-        "timeout_ms": timeout_ms,
-        "background": true,
-    });
+    let mut spec = warden_protocol::ExecSpec {
+        argv: args.command.clone(),
+        env: pairs(&args.env, "env")?,
+        cwd: args.cwd.clone(),
+        timeout_ms,
+        background: true,
+        ..Default::default()
+    };
     let _raw = if args.tty {
         if !std::io::stdin().is_terminal() {
             bail!("-t needs a terminal on stdin (use -i to pass a pipe or a file)");
         }
         let (rows, cols) = terminal_size().unwrap_or((24, 80));
-        spec["tty"] = json!({ "rows": rows, "cols": cols });
+        spec.tty = Some(warden_protocol::TtySize { rows, cols });
         Some(RawMode::enter()?)
     } else {
         None
@@ -879,10 +886,7 @@ pub fn keep(args: KeepArgs) -> Result<i32> {
     if args.no_wall {
         policy.limits.wall = None;
     }
-    let env = pairs(&args.env, "env")?
-        .into_iter()
-        .map(|(k, v)| (k, v.as_str().unwrap_or_default().to_owned()))
-        .collect();
+    let env = pairs(&args.env, "env")?.into_iter().collect();
     let store = Store::open(Store::default_root())?;
     let from = match &args.from {
         Some(id) => Some(warden_cell::snapshot::get(&store, id)?),

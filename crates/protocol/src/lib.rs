@@ -109,6 +109,74 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_wire_forms_are_the_documented_words() {
+        fn words<T: Serialize>(value: &T) -> String {
+            serde_json::to_string(value).unwrap_or_default()
+        }
+        assert_eq!(words(&ExitReason::CellEnded), "\"cell-ended\"");
+        assert_eq!(words(&ExitReason::MemoryLimit), "\"memory-limit\"");
+        assert_eq!(words(&CellState::Ended), "\"ended\"");
+        assert_eq!(words(&Scope::default()), "\"once\"");
+        assert_eq!(words(&FileKind::Symlink), "\"symlink\"");
+        let body = ErrorBody {
+            error: "no cell".into(),
+            code: ErrorCode::NotFound,
+            hint: None,
+        };
+        assert_eq!(words(&body), r#"{"error":"no cell","code":"not-found"}"#);
+        // Every reason reads back as itself, and its name is its wire word.
+        for reason in [
+            ExitReason::Exited,
+            ExitReason::Signaled,
+            ExitReason::Failed,
+            ExitReason::Timeout,
+            ExitReason::Killed,
+            ExitReason::CellEnded,
+            ExitReason::MemoryLimit,
+            ExitReason::OutputLimit,
+            ExitReason::DiskLimit,
+        ] {
+            assert_eq!(words(&reason), format!("\"{}\"", reason.name()));
+            let back: ExitReason =
+                serde_json::from_str(&words(&reason)).unwrap_or(ExitReason::Exited);
+            assert_eq!(back, reason);
+        }
+        // An answer without a scope is for this question only; unknown fields are refused.
+        let answer: Answer = serde_json::from_str(r#"{"decision":"approve"}"#).unwrap_or(Answer {
+            decision: Decision::Deny,
+            scope: Scope::Always,
+        });
+        assert_eq!(
+            (answer.decision, answer.scope),
+            (Decision::Approve, Scope::Once)
+        );
+        assert!(serde_json::from_str::<Answer>(r#"{"decision":"approve","why":1}"#).is_err());
+    }
+
+    #[test]
+    fn an_ending_gives_the_documented_exit_status() {
+        let exit = |reason, code, signal| ExitInfo {
+            reason,
+            code,
+            signal,
+            message: None,
+            duration_ms: 0,
+            usage: None,
+            stdout_bytes: 0,
+            stderr_bytes: 0,
+            journal_seq: None,
+        };
+        assert_eq!(exit(ExitReason::Exited, Some(3), None).status(), 3);
+        assert_eq!(exit(ExitReason::Signaled, None, Some(9)).status(), 137);
+        assert_eq!(exit(ExitReason::Failed, Some(127), None).status(), 127);
+        assert_eq!(
+            exit(ExitReason::Timeout, None, Some(9)).status(),
+            exit::WALL_LIMIT
+        );
+        assert_eq!(exit(ExitReason::DiskLimit, None, None).status(), 253);
+    }
+
+    #[test]
     fn signals_are_numbers_or_names() {
         assert_eq!(Signal::Number(15).number(), Ok(15));
         assert_eq!(Signal::Name("TERM".into()).number(), Ok(15));
