@@ -230,6 +230,7 @@ fn main() -> Result<()> {
         deny: vec![],
         ask: vec![],
         extra_ca: Some(ca_file.clone()),
+        gateway: false,
     };
     let interceptor = warden_egress::Interceptor::new("bench", Some(&ca_file))?;
     let cell_trust = client_config(&interceptor.ca_pem())?;

@@ -335,7 +335,6 @@ fn run(args: RunArgs, from: Option<SnapshotInfo>) -> Result<i32> {
         from,
         serve_exec: false,
         report: None,
-        always_gateway: false,
     };
     let outcome = warden_cell::run(&registry()?, &store()?, request)?;
     for notice in &outcome.notices {

@@ -902,7 +902,6 @@ pub fn keep(args: KeepArgs) -> Result<i32> {
         from,
         serve_exec: true,
         report: args.report,
-        always_gateway: true,
     };
     let outcome = warden_cell::run(&Registry::open(Registry::default_root())?, &store, request)?;
     for notice in &outcome.notices {

@@ -3242,13 +3242,30 @@ fn copies_removals_logs_events_signals_and_refusals_say_what_they_mean() {
 }
 
 #[test]
-fn a_daemon_cell_made_without_network_can_be_given_some_later() {
+fn a_cell_made_with_a_gateway_and_no_rules_can_be_given_network_later() {
     if !cgroups_available("daemon_network_later") {
         return;
     }
     let (port, hits) = upstream();
     let daemon = Daemon::start(&[]);
-    let cell = daemon.create(&unique("netlater"), json!({ "preset": "default" }));
+    // Without a gateway a cell has none for life, and says how to ask for one.
+    let without = daemon.create(&unique("nonet"), json!({ "preset": "default" }));
+    let refused = daemon.call(
+        "PUT",
+        &format!("/v1/cells/{without}/policy"),
+        Some(json!({ "policy": "version: 1\nnetwork:\n  allow:\n    - host: 127.0.0.2\n" })),
+    );
+    assert_eq!(
+        refused.status,
+        409,
+        "{}",
+        String::from_utf8_lossy(&refused.body)
+    );
+    assert!(String::from_utf8_lossy(&refused.body).contains("gateway: true"));
+    let cell = daemon.create(
+        &unique("netlater"),
+        json!({ "policy": "version: 1\nnetwork:\n  gateway: true\n" }),
+    );
     let fetch = || {
         let code = format!(
             "import urllib.request, urllib.error\n\

@@ -169,7 +169,8 @@ pub fn explain(policy: &Policy) -> String {
         let _ = writeln!(
             out,
             "  - None: the cell has only its own loopback interface; nothing on the host or beyond \
-             is reachable."
+             is reachable (and no gateway that a replaced policy could open later: write \
+             `network: {{gateway: true}}` for one)."
         );
     } else {
         let _ = writeln!(

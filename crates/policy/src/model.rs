@@ -421,12 +421,20 @@ pub struct Network {
     /// An extra CA (PEM file) trusted for upstream TLS, beside the host's roots.
     #[serde(deserialize_with = "optional_absolute_path")]
     pub extra_ca: Option<PathBuf>,
+    /// Give the cell its egress gateway even while these rules let nothing out (everything is
+    /// refused and recorded), so that a replaced policy can let something out later. A cell
+    /// made without a gateway has none for life: the gateway's sockets, the redirect and the
+    /// proxy variables are set up when the cell is made.
+    pub gateway: bool,
 }
 
 impl Network {
     /// Whether the cell gets an egress gateway at all.
     pub fn has_gateway(&self) -> bool {
-        self.default == NetworkDefault::Allow || !self.allow.is_empty() || !self.ask.is_empty()
+        self.gateway
+            || self.default == NetworkDefault::Allow
+            || !self.allow.is_empty()
+            || !self.ask.is_empty()
     }
 }
 

@@ -93,7 +93,7 @@ pub enum PolicySetError {
     #[error(transparent)]
     Rules(#[from] warden_egress::RulesError),
     #[error(
-        "cell `{0}` has no egress gateway: its policy let nothing out when it started, so there is nothing to change; start it with network rules"
+        "cell `{0}` has no egress gateway: its policy let nothing out when it was made (a gateway's sockets, redirect and proxy variables are set up then); make the cell with network rules, or with `network: {{gateway: true}}` to let something out later"
     )]
     NoGateway(String),
     #[error("handing the policy to cell `{name}`: {source}")]

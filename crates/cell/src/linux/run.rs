@@ -49,10 +49,6 @@ pub struct RunRequest {
     /// Where the ending is written (JSON, see [`Ending::report`]) before the cell's name is
     /// released: a supervisor that learns of the end from the name's lock finds why there.
     pub report: Option<PathBuf>,
-    /// Give the cell its egress gateway even when its policy lets nothing out (everything is
-    /// then refused, and recorded), so that a replacement of its network rules can let
-    /// something out later: for long-lived cells.
-    pub always_gateway: bool,
 }
 
 /// The size of a cell's `/dev/shm` (no larger than its memory limit).
@@ -301,7 +297,7 @@ pub fn run(
     // The egress gateway, when the policy lets anything out: rules are compiled before the
     // cell exists, and proxy-aware clients are pointed at the gateway's port on loopback.
     let mut extra_etc: Vec<(String, String)> = Vec::new();
-    let gateway_rules = if policy.network.has_gateway() || request.always_gateway {
+    let gateway_rules = if policy.network.has_gateway() {
         let proxy = format!("http://127.0.0.1:{}", warden_egress::GATEWAY_PORT);
         for key in [
             "HTTP_PROXY",
@@ -652,7 +648,7 @@ pub fn run(
             warden_egress::Bounds::of(&policy.limits),
         )
         .map_err(os("opening the egress log"))?;
-        if !policy.network.ask.is_empty() || request.always_gateway {
+        if !policy.network.ask.is_empty() || policy.network.gateway {
             // Questions of `ask` rules: told on this terminal, answered by `warden approve` or
             // `warden deny` from anywhere on the host.
             let cell = name.clone();
