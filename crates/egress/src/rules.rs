@@ -427,6 +427,7 @@ mod tests {
             deny,
             ask: vec![],
             extra_ca: None,
+            gateway: false,
         })
         .unwrap()
     }
@@ -588,6 +589,7 @@ mod tests {
             deny: vec![rule("bad.x.org")],
             ask: vec![rule("*.x.org"), rule("10.1.2.3")],
             extra_ca: None,
+            gateway: false,
         })
         .unwrap();
         let decide = |h: &str| {
@@ -619,6 +621,7 @@ mod tests {
             deny: vec![],
             ask: vec![post],
             extra_ca: None,
+            gateway: false,
         })
         .unwrap();
         assert!(r.need_interception());
