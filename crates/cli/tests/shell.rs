@@ -71,3 +71,16 @@ fn the_manual_page_covers_every_subcommand_with_its_options() {
     // The hidden keeper is not documented as a command for people.
     assert!(!page.contains(".SH \"WARDEN KEEP\""));
 }
+
+#[test]
+fn a_reader_that_goes_away_ends_the_output_without_a_word() {
+    // The reader (`true`) is gone before `warden man` writes: its writes find no reader.
+    let out = std::process::Command::new("bash")
+        .args([
+            "-c",
+            &format!("{{ sleep 0.3; exec {BIN} man 2>/tmp/warden-epipe-$$; }} | true; echo ${{PIPESTATUS[0]}}; cat /tmp/warden-epipe-$$; rm -f /tmp/warden-epipe-$$"),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "141\n", "{out:?}");
+}
