@@ -76,6 +76,7 @@ pub fn run_through(
         workspace,
         from,
         labels: [("made-by".to_owned(), "warden run".to_owned())].into(),
+        secrets: callers_secrets(policy)?,
         ..Default::default()
     };
     let cell: warden_protocol::CellInfo =
@@ -508,6 +509,26 @@ fn pairs(list: &[String], what: &str) -> Result<std::collections::BTreeMap<Strin
 }
 
 /// A policy file's text and a workspace's absolute path, as the API takes them.
+/// The values of the policy's `from_env` credentials, from this caller's environment: the
+/// daemon's is not the caller's.
+fn callers_secrets(
+    policy: &warden_policy::Policy,
+) -> Result<std::collections::BTreeMap<String, String>> {
+    let mut out = std::collections::BTreeMap::new();
+    for (name, credential) in &policy.credentials {
+        let Some(var) = &credential.from_env else {
+            continue;
+        };
+        match std::env::var(var) {
+            Ok(value) => {
+                out.insert(var.clone(), value);
+            }
+            Err(_) => bail!("credential `{name}`: the caller's environment has no {var}"),
+        }
+    }
+    Ok(out)
+}
+
 fn workspace_dir(workspace: Option<&std::path::Path>) -> Result<Option<String>> {
     Ok(match workspace {
         Some(dir) => Some(
@@ -530,6 +551,7 @@ pub fn create(args: CreateArgs) -> Result<i32> {
         workspace,
         env: pairs(&args.env, "env")?,
         labels: pairs(&args.labels, "label")?,
+        secrets: callers_secrets(&policy)?,
         ..Default::default()
     };
     let cell: warden_protocol::CellInfo =

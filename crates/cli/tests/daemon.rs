@@ -3311,3 +3311,112 @@ fn a_cell_made_with_a_gateway_and_no_rules_can_be_given_network_later() {
     assert_eq!(fetch(), "403");
     assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
+
+#[test]
+fn credentials_come_from_the_callers_environment_through_the_daemon_too() {
+    if !cgroups_available("daemon_callers_secrets") {
+        return;
+    }
+    use std::io::{Read as _, Write as _};
+    // An upstream that says whether it got the caller's secret (it may not echo it: the
+    // gateway scrubs a secret out of what comes back).
+    let secret = format!("callers-{}-token", std::process::id());
+    let expected = format!("Bearer {secret}");
+    let listener = std::net::TcpListener::bind("127.0.0.2:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for mut conn in listener.incoming().flatten() {
+            let mut buf = vec![0u8; 8192];
+            let n = conn.read(&mut buf).unwrap_or(0);
+            let head = String::from_utf8_lossy(&buf[..n]).to_string();
+            let got = head.lines().any(|l| {
+                l.split_once(':').is_some_and(|(k, v)| {
+                    k.eq_ignore_ascii_case("authorization") && v.trim() == expected
+                })
+            });
+            let answer = if got { "got it" } else { "not it" };
+            let _ = write!(
+                conn,
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{answer}",
+                answer.len()
+            );
+        }
+    });
+    // The daemon's environment has no such variable; the caller's has.
+    let daemon = Daemon::start(&[]);
+    let dir = tempdir();
+    let file = support::policy(
+        dir.path(),
+        &format!(
+            "version: 1\nnetwork:\n  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n      credential: api\n\
+             credentials:\n  api: {{ from_env: WARDEN_TEST_CALLERS_TOKEN, format: \"Bearer {{}}\" }}\n"
+        ),
+    );
+    let code = format!(
+        "import urllib.request\nprint(urllib.request.urlopen('http://127.0.0.2:{port}/').read().decode())"
+    );
+    let ran = daemon
+        .warden()
+        .env("WARDEN_TEST_CALLERS_TOKEN", &secret)
+        .args([
+            "run",
+            "--rm",
+            "--policy",
+            file.to_str().unwrap(),
+            "--",
+            "python3",
+            "-c",
+            &code,
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(
+        ran.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&ran.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&ran.stdout).trim(), "got it");
+    // `warden create` the same; without the variable, the caller is told before anything starts.
+    let made = daemon
+        .warden()
+        .env("WARDEN_TEST_CALLERS_TOKEN", &secret)
+        .args(["create", &unique("sec"), "--policy", file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let missing = daemon
+        .warden()
+        .args([
+            "create",
+            &unique("nosec"),
+            "--policy",
+            file.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(missing.status.code(), Some(125));
+    assert!(
+        String::from_utf8_lossy(&missing.stderr)
+            .contains("the caller's environment has no WARDEN_TEST_CALLERS_TOKEN")
+    );
+    // A secret the policy does not read is refused.
+    let extra = daemon.call(
+        "POST",
+        "/v1/cells",
+        Some(json!({ "name": unique("extra"), "secrets": { "HOME": "x" } })),
+    );
+    assert_eq!(
+        extra.status,
+        400,
+        "{}",
+        String::from_utf8_lossy(&extra.body)
+    );
+    // And the journal never holds it.
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    assert!(!journal.contains(&secret), "the secret is in the journal");
+}

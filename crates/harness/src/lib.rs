@@ -502,6 +502,33 @@ impl Harness {
                 )));
             }
         }
+        // Secrets only for the variables the policy's credentials read.
+        let parsed = match &policy {
+            PolicySource::Yaml(yaml) => warden_policy::from_yaml("policy", yaml),
+            PolicySource::Preset(preset) => warden_policy::preset(preset),
+        }
+        .map_err(|e| HarnessError::bad(e.to_string()))?;
+        let wanted: Vec<&str> = parsed
+            .credentials
+            .values()
+            .filter_map(|c| c.from_env.as_deref())
+            .collect();
+        if let Some(extra) = request
+            .secrets
+            .keys()
+            .find(|k| !wanted.contains(&k.as_str()))
+        {
+            return Err(HarnessError::bad(format!(
+                "secrets: `{extra}` is not read by any credential of the policy (their from_env: {})",
+                if wanted.is_empty() {
+                    "none".to_owned()
+                } else {
+                    wanted.join(", ")
+                }
+            )));
+        }
+        self.journal
+            .add_redactions(request.secrets.values().cloned());
         if let Some(dir) = &request.workspace
             && !Path::new(dir).is_dir()
         {
@@ -595,6 +622,11 @@ impl Harness {
         command.arg("--report").arg(cell_dir.join(ENDING_FILE));
         for (key, value) in &request.env {
             command.arg("--env").arg(format!("{key}={value}"));
+        }
+        // The caller's secrets reach the keeper's gateway as the variables its credentials
+        // read (in its environment, never on a command line).
+        for (var, value) in &request.secrets {
+            command.env(var, value);
         }
         let log_path = cell_dir.join("keeper.log");
         let log = std::fs::File::create(&log_path)

@@ -54,6 +54,11 @@ pub struct CreateCell {
     /// Start from this snapshot (`CELL@SNAP`), or from a snapshot taken now of a cell (`CELL`):
     /// a fork. Its workspace is the snapshot's.
     pub from: Option<String>,
+    /// The values of the policy's `from_env` credentials, by variable name, taken from the
+    /// caller's environment (a face sends them; the daemon's own environment is not the
+    /// caller's). Only the gateway gets them; they are never journaled or shown.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub secrets: BTreeMap<String, String>,
 }
 
 /// A cell as the API shows it.
