@@ -4,7 +4,7 @@ use serde::{Deserialize, Serialize};
 
 /// A pending question. Its `id` is the sequence number of the journal entry that asked it:
 /// short, unique for as long as the journal lives, and the same after a daemon restart.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Approval {
     pub cell: String,
     pub id: u64,
@@ -16,7 +16,9 @@ pub struct Approval {
 }
 
 /// How far an approval reaches.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Scope {
     /// This question only.
@@ -40,7 +42,7 @@ impl Scope {
 }
 
 /// A person's answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Decision {
     Approve,
@@ -48,7 +50,7 @@ pub enum Decision {
 }
 
 /// `POST /v1/approvals/CELL/ID`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Answer {
     pub decision: Decision,

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 /// Whether a cell's processes may run. One vocabulary for every face.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum CellState {
     Running,
@@ -25,7 +25,7 @@ impl CellState {
 }
 
 /// One line of `warden ps`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct CellSummary {
     pub name: String,
     pub state: CellState,
@@ -37,7 +37,7 @@ pub struct CellSummary {
 }
 
 /// A request to make a cell.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateCell {
     pub name: Option<String>,
@@ -62,7 +62,7 @@ pub struct CreateCell {
 }
 
 /// A cell as the API shows it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct CellInfo {
     pub name: String,
     pub state: CellState,

@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 /// What kind of failure, for a program to act on (the HTTP status says the same in its terms).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum ErrorCode {
     /// The request is malformed or names something that cannot be (400, 422).
@@ -23,7 +23,7 @@ pub enum ErrorCode {
 }
 
 /// An error as the API answers it: `{"error": "...", "code": "...", "hint": "..."}`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct ErrorBody {
     /// What failed and why, in words.
     pub error: String,

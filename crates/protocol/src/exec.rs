@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 /// The size of a terminal.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TtySize {
     pub rows: u16,
@@ -13,7 +13,9 @@ pub struct TtySize {
 }
 
 /// CPU time and peak memory of a process, as the cell's init saw them when it reaped it.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 pub struct Usage {
     pub cpu_user_ms: u64,
     pub cpu_system_ms: u64,
@@ -21,7 +23,7 @@ pub struct Usage {
 }
 
 /// A request to start a process in a cell.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ExecSpec {
     pub argv: Vec<String>,
@@ -46,7 +48,7 @@ pub struct ExecSpec {
 }
 
 /// Why a process ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum ExitReason {
     /// It exited with `code`.
@@ -86,7 +88,7 @@ impl ExitReason {
 }
 
 /// How a process ended.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct ExitInfo {
     pub reason: ExitReason,
     pub code: Option<i32>,
@@ -120,7 +122,7 @@ impl ExitInfo {
 }
 
 /// One of a process's output streams.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Stream {
     Stdout,
@@ -128,7 +130,7 @@ pub enum Stream {
 }
 
 /// Bytes of output: `text` when they are UTF-8, else `base64`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Chunk {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub text: Option<String>,
@@ -137,7 +139,7 @@ pub struct Chunk {
 }
 
 /// The answer to a background exec, and the `started` event of a foreground one.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Started {
     /// The process's id in the daemon (for output, stdin, signals, wait).
     pub id: u64,
@@ -146,7 +148,7 @@ pub struct Started {
 }
 
 /// A process in a listing.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct ProcessInfo {
     pub id: u64,
     pub cell: String,
@@ -159,7 +161,7 @@ pub struct ProcessInfo {
 }
 
 /// A signal for a process, by number or by name.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SignalBody {
     pub signal: crate::Signal,

@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 /// What a directory entry is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum FileKind {
     File,
@@ -13,7 +13,7 @@ pub enum FileKind {
 }
 
 /// One directory entry.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct FileInfo {
     pub name: String,
     pub kind: FileKind,

@@ -45,7 +45,7 @@ pub mod exit {
 
 /// A signal as a face may name it: a number (`15`), or a name with or without `SIG` (`TERM`,
 /// `SIGTERM`, `term`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(untagged)]
 pub enum Signal {
     Number(i32),

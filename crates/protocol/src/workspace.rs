@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 /// A snapshot of a cell's workspace.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Snapshot {
     /// `CELL@SNAP`.
     pub id: String,
@@ -12,7 +12,7 @@ pub struct Snapshot {
 }
 
 /// Which workspace changes to apply, and how.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ApplyRequest {
     /// Paths (a directory selects what is below it); none: every change.

@@ -3,6 +3,7 @@
 
 mod api;
 mod listen;
+pub mod openapi;
 
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt as _;
