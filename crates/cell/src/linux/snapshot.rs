@@ -402,35 +402,36 @@ impl Copy {
             return Ok(size);
         }
         if file_type.is_file() {
-            if meta.nlink() > 1 {
+            let create = || {
+                fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .open(to)
+                    .map_err(copy_err(to))
+            };
+            let target = if meta.nlink() > 1 {
+                // The first copy of an inode is made (created) under the lock, so that a link
+                // from the other thread never finds its target missing.
                 let key = (meta.dev(), meta.ino());
-                let first = self
-                    .linked
-                    .lock()
-                    .map_err(|_| SnapshotError::Copy {
-                        path: to.to_path_buf(),
-                        source: io::Error::other("a copy thread panicked"),
-                    })?
-                    .get(&key)
-                    .cloned();
-                if let Some(first) = first {
-                    fs::hard_link(&first, to).map_err(copy_err(to))?;
+                let mut linked = self.linked.lock().map_err(|_| SnapshotError::Copy {
+                    path: to.to_path_buf(),
+                    source: io::Error::other("a copy thread panicked"),
+                })?;
+                if let Some(first) = linked.get(&key) {
+                    fs::hard_link(first, to).map_err(copy_err(to))?;
                     return Ok(0);
                 }
-                if let Ok(mut linked) = self.linked.lock() {
-                    linked.insert(key, to.to_path_buf());
-                }
-            }
+                let target = create()?;
+                linked.insert(key, to.to_path_buf());
+                target
+            } else {
+                create()?
+            };
             let source = fs::OpenOptions::new()
                 .read(true)
                 .custom_flags(libc::O_NOFOLLOW)
                 .open(from)
                 .map_err(copy_err(from))?;
-            let target = fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(to)
-                .map_err(copy_err(to))?;
             let size = copy_data(&source, &target, meta.len()).map_err(copy_err(to))?;
             target.set_permissions(mode).map_err(copy_err(to))?;
             if as_root {
