@@ -61,7 +61,15 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         Command::Net { name, json } => net(&name, json),
         Command::Approvals { name, json } => approvals(name.as_deref(), json),
         Command::Approve { name, id, scope } => {
-            if crate::daemon::through_daemon(&name, &format!("approve {id} {scope}"))? {
+            let answer = warden_protocol::Answer {
+                decision: warden_protocol::Decision::Approve,
+                scope: match scope.as_str() {
+                    "cell" => warden_protocol::Scope::Cell,
+                    "always" => warden_protocol::Scope::Always,
+                    _ => warden_protocol::Scope::Once,
+                },
+            };
+            if crate::daemon::answer_through_daemon(&name, id, &answer)? {
                 println!("approved question {id} of {name} (scope {scope})");
                 return Ok(0);
             }
@@ -73,7 +81,11 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             Ok(0)
         }
         Command::Deny { name, id } => {
-            if crate::daemon::through_daemon(&name, &format!("deny {id}"))? {
+            let answer = warden_protocol::Answer {
+                decision: warden_protocol::Decision::Deny,
+                scope: warden_protocol::Scope::Once,
+            };
+            if crate::daemon::answer_through_daemon(&name, id, &answer)? {
                 println!("denied question {id} of {name}");
                 return Ok(0);
             }
@@ -109,7 +121,8 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             self::run(run, Some(from))
         }
         Command::Pause { name } => {
-            if crate::daemon::through_daemon(&name, "pause")? {
+            if crate::daemon::control_through_daemon(&name, warden_protocol::ControlAction::Pause)?
+            {
                 println!("paused {name}");
                 return Ok(0);
             }
@@ -118,7 +131,8 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             Ok(0)
         }
         Command::Resume { name } => {
-            if crate::daemon::through_daemon(&name, "resume")? {
+            if crate::daemon::control_through_daemon(&name, warden_protocol::ControlAction::Resume)?
+            {
                 println!("resumed {name}");
                 return Ok(0);
             }
@@ -127,7 +141,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             Ok(0)
         }
         Command::Kill { name } => {
-            if crate::daemon::through_daemon(&name, "kill")? {
+            if crate::daemon::control_through_daemon(&name, warden_protocol::ControlAction::Kill)? {
                 println!("killed {name}");
                 return Ok(0);
             }

@@ -363,32 +363,38 @@ async fn relay(
     exit.context("the process's output ended without its exit (did the daemon stop?)")
 }
 
-/// Carries out `pause`, `resume`, `kill` or `delete` through the daemon when one runs and the
-/// cell is one of its own (so that the journal records it); `false` when the caller should act
-/// directly.
-pub fn through_daemon(name: &str, action: &str) -> Result<bool> {
+/// Pauses, resumes or kills a cell through the daemon when one runs and the cell is one of its
+/// own (so that the journal records it); `false` when the caller should act directly.
+pub fn control_through_daemon(name: &str, action: warden_protocol::ControlAction) -> Result<bool> {
+    let path = format!("/v1/cells/{name}/{}", action.name());
+    daemon_owns(|client, rt| {
+        rt.block_on(client.call::<(), warden_protocol::CellInfo>(Method::POST, &path, None))
+            .map(drop)
+    })
+}
+
+/// Answers a question of a cell the daemon keeps; `false` when the caller should answer
+/// through the cell's own folder.
+pub fn answer_through_daemon(
+    name: &str,
+    id: u64,
+    answer: &warden_protocol::Answer,
+) -> Result<bool> {
+    let path = format!("/v1/approvals/{name}/{id}");
+    daemon_owns(|client, rt| {
+        rt.block_on(client.call::<_, Value>(Method::POST, &path, Some(answer)))
+            .map(drop)
+    })
+}
+
+/// Runs `act` against the daemon: `true` when it did it, `false` when no daemon runs or it
+/// does not know the cell (a 404).
+fn daemon_owns(act: impl FnOnce(&Client, &tokio::runtime::Runtime) -> Result<()>) -> Result<bool> {
     let Some(client) = Client::detect(&runtime()) else {
         return Ok(false);
     };
-    let (method, path, body) = match action {
-        "delete" => (Method::DELETE, format!("/v1/cells/{name}"), None),
-        _ => match action.split_once(' ') {
-            // "approve ID SCOPE" / "deny ID"
-            Some((verb, rest)) => {
-                let mut parts = rest.split(' ');
-                let id = parts.next().unwrap_or_default();
-                let scope = parts.next().unwrap_or("once");
-                (
-                    Method::POST,
-                    format!("/v1/approvals/{name}/{id}"),
-                    Some(json!({ "decision": verb, "scope": scope })),
-                )
-            }
-            None => (Method::POST, format!("/v1/cells/{name}/{action}"), None),
-        },
-    };
-    match current_thread()?.block_on(client.json(method, &path, body.as_ref())) {
-        Ok(_) => Ok(true),
+    match act(&client, &current_thread()?) {
+        Ok(()) => Ok(true),
         Err(err) => match err.downcast_ref::<crate::client::ApiError>() {
             Some(api) if api.status == hyper::StatusCode::NOT_FOUND => Ok(false),
             _ => Err(err),

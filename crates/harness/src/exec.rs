@@ -56,8 +56,12 @@ impl Harness {
             .unwrap_or(false);
         if idle_paused && control::is_paused(&record) {
             // Paused for being idle: an exec is activity, so it wakes the cell.
-            self.control(name, "resume", "exec after an idle pause")
-                .await?;
+            self.control(
+                name,
+                crate::ControlAction::Resume,
+                "exec after an idle pause",
+            )
+            .await?;
         } else if control::is_paused(&record) {
             return Err(HarnessError::new(
                 ErrorKind::Conflict,

@@ -26,8 +26,8 @@ use serde_json::{Value, json};
 use warden_cell::{Registry, Store, control};
 use warden_journal::{Journal, Receipt};
 pub use warden_protocol::{
-    ApplyRequest, Approval, CellInfo, CellState, CreateCell, ExecSpec, ExitInfo, ExitReason,
-    FileInfo, FileKind, ProcessInfo, Scope, Snapshot, Stream, TtySize, Usage,
+    ApplyRequest, Approval, CellInfo, CellState, ControlAction, CreateCell, ExecSpec, ExitInfo,
+    ExitReason, FileInfo, FileKind, ProcessInfo, Scope, Snapshot, Stream, TtySize, Usage,
 };
 
 pub use files::READ_LIMIT;
@@ -725,13 +725,17 @@ impl Harness {
     pub async fn control(
         &self,
         name: &str,
-        action: &str,
+        action: ControlAction,
         by: &str,
     ) -> Result<CellInfo, HarnessError> {
         self.live(name)?;
-        self.record(Some(name), &format!("cell.{action}"), json!({ "by": by }))
-            .await?;
-        if action == "resume"
+        self.record(
+            Some(name),
+            &format!("cell.{}", action.name()),
+            json!({ "by": by }),
+        )
+        .await?;
+        if action == ControlAction::Resume
             && let Ok(mut live) = self.live.lock()
             && let Some(l) = live.get_mut(name)
         {
@@ -740,14 +744,13 @@ impl Harness {
         }
         let registry = self.registry.clone();
         let owned = name.to_owned();
-        let action_owned = action.to_owned();
-        if action == "kill" {
+        if action == ControlAction::Kill {
             let _ = std::fs::write(self.daemon_dir.join("cells").join(name).join("killed"), "");
         }
-        let result = on_own_thread("cell-control", move || match action_owned.as_str() {
-            "pause" => control::pause(&registry, &owned).map(|_| ()),
-            "resume" => control::resume(&registry, &owned).map(|_| ()),
-            _ => control::kill(&registry, &owned).map(|_| ()),
+        let result = on_own_thread("cell-control", move || match action {
+            ControlAction::Pause => control::pause(&registry, &owned).map(|_| ()),
+            ControlAction::Resume => control::resume(&registry, &owned).map(|_| ()),
+            ControlAction::Kill => control::kill(&registry, &owned).map(|_| ()),
         })
         .await?;
         match result {
@@ -756,10 +759,10 @@ impl Harness {
             Err(
                 control::ControlError::Gone(_)
                 | control::ControlError::Registry(warden_cell::RegistryError::NotFound(_)),
-            ) if action == "kill" => {}
+            ) if action == ControlAction::Kill => {}
             Err(err) => return Err(HarnessError::new(ErrorKind::Conflict, err.to_string())),
         }
-        if action == "kill" {
+        if action == ControlAction::Kill {
             // Wait (bounded) until the keeper has let go of the cell.
             let deadline = Instant::now() + Duration::from_secs(10);
             while self.registry.get(name).is_ok() && Instant::now() < deadline {
@@ -781,7 +784,7 @@ impl Harness {
     pub async fn delete(&self, name: &str, by: &str) -> Result<(), HarnessError> {
         let entry = self.entry(name)?;
         if entry.ended.is_none() && self.registry.get(name).is_ok() {
-            self.control(name, "kill", by).await?;
+            self.control(name, ControlAction::Kill, by).await?;
         }
         self.journal_changes(name, "deleted, changes discarded")
             .await;

@@ -720,6 +720,10 @@ impl Harness {
                 walled.insert(name.to_owned());
             }
         }
-        let _ = self.control(name, action.name(), "policy").await;
+        let action = match action {
+            LifecycleAction::Pause => crate::ControlAction::Pause,
+            LifecycleAction::Kill => crate::ControlAction::Kill,
+        };
+        let _ = self.control(name, action, "policy").await;
     }
 }

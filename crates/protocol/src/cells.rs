@@ -74,3 +74,25 @@ pub struct CellInfo {
     pub ended: Option<String>,
     pub processes: usize,
 }
+
+/// What a face may do to a running cell from outside.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ControlAction {
+    /// Freeze every process of the cell (its cgroup freezer).
+    Pause,
+    /// Thaw it.
+    Resume,
+    /// End every process of the cell.
+    Kill,
+}
+
+impl ControlAction {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Pause => "pause",
+            Self::Resume => "resume",
+            Self::Kill => "kill",
+        }
+    }
+}

@@ -11,7 +11,7 @@ pub mod files;
 pub mod workspace;
 
 pub use approvals::{Answer, Approval, Decision, Scope};
-pub use cells::{CellInfo, CellState, CellSummary, CreateCell};
+pub use cells::{CellInfo, CellState, CellSummary, ControlAction, CreateCell};
 pub use error::{ErrorBody, ErrorCode};
 pub use exec::{
     Chunk, ExecSpec, ExitInfo, ExitReason, ProcessInfo, SignalBody, Started, Stream, TtySize, Usage,

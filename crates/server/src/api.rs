@@ -363,7 +363,11 @@ async fn pause(
     Path(name): Path<String>,
     by: Option<Extension<Caller>>,
 ) -> Result<Response, ApiError> {
-    Ok(Json(h.control(&name, "pause", &caller(by)).await?).into_response())
+    Ok(Json(
+        h.control(&name, warden_protocol::ControlAction::Pause, &caller(by))
+            .await?,
+    )
+    .into_response())
 }
 
 async fn resume(
@@ -371,7 +375,11 @@ async fn resume(
     Path(name): Path<String>,
     by: Option<Extension<Caller>>,
 ) -> Result<Response, ApiError> {
-    Ok(Json(h.control(&name, "resume", &caller(by)).await?).into_response())
+    Ok(Json(
+        h.control(&name, warden_protocol::ControlAction::Resume, &caller(by))
+            .await?,
+    )
+    .into_response())
 }
 
 async fn kill(
@@ -379,7 +387,11 @@ async fn kill(
     Path(name): Path<String>,
     by: Option<Extension<Caller>>,
 ) -> Result<Response, ApiError> {
-    Ok(Json(h.control(&name, "kill", &caller(by)).await?).into_response())
+    Ok(Json(
+        h.control(&name, warden_protocol::ControlAction::Kill, &caller(by))
+            .await?,
+    )
+    .into_response())
 }
 
 /// Starts a process. Foreground: the answer is an event stream of its output and ending, and
