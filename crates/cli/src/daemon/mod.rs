@@ -1,0 +1,246 @@
+//! The subcommands that involve the daemon: the CLI as its client (`create`, the control and
+//! answers of its cells, policy replacement), and by module: `relay` (`run` through the daemon,
+//! `exec`, terminals, announcements), `files` (`cp`, `logs`), `serve` (`serve`, `keep`),
+//! `journal` (`audit`, `replay`).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use base64::Engine as _;
+use hyper::Method;
+use serde_json::{Value, json};
+use warden_cell::{Registry, Store};
+
+use crate::cli::CreateArgs;
+use crate::client::Client;
+
+mod files;
+mod journal;
+mod relay;
+mod serve;
+
+pub use files::{copy, logs};
+pub use journal::{audit, replay};
+pub use relay::{exec, run_through};
+pub use serve::{keep, serve};
+
+fn runtime() -> PathBuf {
+    Registry::default_root()
+}
+
+fn journal_dir(given: Option<PathBuf>) -> PathBuf {
+    given.unwrap_or_else(|| Store::default_root().join("journal"))
+}
+
+fn current_thread() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+/// The running daemon, or an error that says how to start one.
+pub fn client() -> Result<Client> {
+    let runtime = runtime();
+    Client::detect(&runtime).with_context(|| {
+        format!(
+            "no warden daemon answers on {} — start one with `warden serve` (in another terminal or as a service)",
+            runtime.join(warden_server::SOCKET).display()
+        )
+    })
+}
+
+/// The daemon, when one runs.
+pub fn client_if_running() -> Option<Client> {
+    Client::detect(&runtime())
+}
+
+/// Pauses, resumes or kills a cell through the daemon when one runs and the cell is one of its
+/// own (so that the journal records it); `false` when the caller should act directly.
+pub fn control_through_daemon(name: &str, action: warden_protocol::ControlAction) -> Result<bool> {
+    let path = format!("/v1/cells/{name}/{}", action.name());
+    daemon_owns(|client, rt| {
+        rt.block_on(client.call::<(), warden_protocol::CellInfo>(Method::POST, &path, None))
+            .map(drop)
+    })
+}
+
+/// Answers a question of a cell the daemon keeps; `false` when the caller should answer
+/// through the cell's own folder.
+pub fn answer_through_daemon(
+    name: &str,
+    id: u64,
+    answer: &warden_protocol::Answer,
+) -> Result<bool> {
+    let path = format!("/v1/approvals/{name}/{id}");
+    daemon_owns(|client, rt| {
+        rt.block_on(client.call::<_, Value>(Method::POST, &path, Some(answer)))
+            .map(drop)
+    })
+}
+
+/// Runs `act` against the daemon: `true` when it did it, `false` when no daemon runs or it
+/// does not know the cell (a 404).
+fn daemon_owns(act: impl FnOnce(&Client, &tokio::runtime::Runtime) -> Result<()>) -> Result<bool> {
+    let Some(client) = Client::detect(&runtime()) else {
+        return Ok(false);
+    };
+    match act(&client, &current_thread()?) {
+        Ok(()) => Ok(true),
+        Err(err) => match err.downcast_ref::<crate::client::ApiError>() {
+            Some(api) if api.status == hyper::StatusCode::NOT_FOUND => Ok(false),
+            _ => Err(err),
+        },
+    }
+}
+
+/// Every open question the running daemon knows of; `None` when no daemon runs.
+pub fn approvals_through_daemon() -> Result<Option<Vec<warden_protocol::Approval>>> {
+    let Some(client) = Client::detect(&runtime()) else {
+        return Ok(None);
+    };
+    current_thread()?
+        .block_on(client.call::<(), _>(Method::GET, "/v1/approvals", None))
+        .map(Some)
+}
+
+/// Removes a cell the running daemon keeps; `false` when no daemon keeps it. One that still runs
+/// is refused unless `force` (it is then killed, and its unapplied changes dropped, which is
+/// said).
+pub fn remove_through_daemon(name: &str, force: bool) -> Result<bool> {
+    let Some(client) = Client::detect(&runtime()) else {
+        return Ok(false);
+    };
+    let rt = current_thread()?;
+    let info: warden_protocol::CellInfo =
+        match rt.block_on(client.call::<(), _>(Method::GET, &format!("/v1/cells/{name}"), None)) {
+            Ok(info) => info,
+            Err(err) => {
+                return match err.downcast_ref::<crate::client::ApiError>() {
+                    Some(api) if api.status == hyper::StatusCode::NOT_FOUND => Ok(false),
+                    _ => Err(err),
+                };
+            }
+        };
+    let running = info.state != warden_protocol::CellState::Ended;
+    if running && !force {
+        bail!(
+            "cell `{name}` is {}; `warden kill {name}` first (its workspace changes stay for review), or `warden rm --force {name}` to kill it and drop them",
+            info.state.name()
+        );
+    }
+    rt.block_on(client.json(Method::DELETE, &format!("/v1/cells/{name}"), None))?;
+    if running {
+        eprintln!(
+            "warden: cell {name} was running: killed, and its unapplied workspace changes dropped"
+        );
+    }
+    Ok(true)
+}
+
+/// Replaces the policy of a cell the running daemon keeps (its `network` and `commands`, journaled
+/// and in force for the daemon's own decisions); `None` when no daemon keeps the cell and the
+/// caller should act directly. Returns how many connections were closed.
+pub fn set_policy_through_daemon(name: &str, file: &Path) -> Result<Option<u64>> {
+    let Some(client) = Client::detect(&runtime()) else {
+        return Ok(None);
+    };
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("reading the policy {}", file.display()))?;
+    let body = json!({ "policy": text });
+    let path = format!("/v1/cells/{name}/policy");
+    match current_thread()?.block_on(client.json(Method::PUT, &path, Some(&body))) {
+        Ok(answer) => Ok(Some(answer["closed_connections"].as_u64().unwrap_or(0))),
+        Err(err) => match err.downcast_ref::<crate::client::ApiError>() {
+            Some(api) if api.status == hyper::StatusCode::NOT_FOUND => Ok(None),
+            _ => Err(err),
+        },
+    }
+}
+
+fn pairs(list: &[String], what: &str) -> Result<std::collections::BTreeMap<String, String>> {
+    let mut out = std::collections::BTreeMap::new();
+    for pair in list {
+        let Some((key, value)) = pair.split_once('=') else {
+            bail!("--{what} {pair}: write it as KEY=VALUE");
+        };
+        out.insert(key.to_owned(), value.to_owned());
+    }
+    Ok(out)
+}
+
+/// A policy file's text and a workspace's absolute path, as the API takes them.
+/// The values of the policy's `from_env` credentials, from this caller's environment: the
+/// daemon's is not the caller's.
+fn callers_secrets(
+    policy: &warden_policy::Policy,
+) -> Result<std::collections::BTreeMap<String, String>> {
+    let mut out = std::collections::BTreeMap::new();
+    for (name, credential) in &policy.credentials {
+        let Some(var) = &credential.from_env else {
+            continue;
+        };
+        match std::env::var(var) {
+            Ok(value) => {
+                out.insert(var.clone(), value);
+            }
+            Err(_) => bail!("credential `{name}`: the caller's environment has no {var}"),
+        }
+    }
+    Ok(out)
+}
+
+fn workspace_dir(workspace: Option<&std::path::Path>) -> Result<Option<String>> {
+    Ok(match workspace {
+        Some(dir) => Some(
+            std::fs::canonicalize(dir)
+                .with_context(|| format!("workspace {}", dir.display()))?
+                .display()
+                .to_string(),
+        ),
+        None => None,
+    })
+}
+
+pub fn create(args: CreateArgs) -> Result<i32> {
+    let client = client()?;
+    let policy = crate::commands::effective_policy(&args.policy)?;
+    let workspace = workspace_dir(args.workspace.as_deref())?;
+    let body = warden_protocol::CreateCell {
+        name: args.name,
+        policy: Some(warden_policy::to_yaml(&policy)),
+        workspace,
+        env: pairs(&args.env, "env")?,
+        labels: pairs(&args.labels, "label")?,
+        secrets: callers_secrets(&policy)?,
+        ..Default::default()
+    };
+    let cell: warden_protocol::CellInfo =
+        current_thread()?.block_on(client.call(Method::POST, "/v1/cells", Some(&body)))?;
+    println!("{}", cell.name);
+    Ok(0)
+}
+
+/// The bytes of an output event: `{"text": ...}` or `{"base64": ...}`.
+fn chunk_bytes(value: &Value) -> Vec<u8> {
+    match value["text"].as_str() {
+        Some(text) => text.as_bytes().to_vec(),
+        None => value["base64"]
+            .as_str()
+            .and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok())
+            .unwrap_or_default(),
+    }
+}
+
+/// Percent-encodes a query value.
+fn query(value: &str) -> String {
+    value
+        .bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' | b'/' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
