@@ -36,17 +36,9 @@ use state::State;
 pub use state::{CellEntry, Grant, PolicySource};
 use supervise::Live;
 
-/// What kind of failure, for the faces to map onto their own codes (HTTP status, exit code).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ErrorKind {
-    BadRequest,
-    /// The policy, or a person, refused it.
-    Forbidden,
-    NotFound,
-    Conflict,
-    Unavailable,
-    Internal,
-}
+/// What kind of failure: the protocol's one vocabulary, which each face maps once onto its own
+/// codes (HTTP status, exit status).
+pub use warden_protocol::ErrorCode as ErrorKind;
 
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("{message}")]

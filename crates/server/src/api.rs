@@ -41,11 +41,13 @@ pub struct ApiError {
 
 impl From<HarnessError> for ApiError {
     fn from(err: HarnessError) -> Self {
+        // The one mapping of the core's error codes onto HTTP statuses.
         let status = match err.kind {
             ErrorKind::BadRequest => StatusCode::BAD_REQUEST,
             ErrorKind::Forbidden => StatusCode::FORBIDDEN,
             ErrorKind::NotFound => StatusCode::NOT_FOUND,
             ErrorKind::Conflict => StatusCode::CONFLICT,
+            ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         };
