@@ -1,0 +1,262 @@
+//! Cells as a whole: their lifecycle, workspace, policy, approvals and the journal's stream.
+
+use axum::Json;
+use axum::extract::{Extension, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::json;
+use std::convert::Infallible;
+use std::time::Duration;
+use tokio_stream::wrappers::ReceiverStream;
+use warden_harness::CreateCell;
+
+use super::*;
+
+pub(super) async fn list_cells(State(harness): State<Shared>) -> Result<Response, ApiError> {
+    Ok(Json(harness.list()?).into_response())
+}
+
+pub(super) async fn create_cell(
+    State(harness): State<Shared>,
+    Body(request): Body<CreateCell>,
+) -> Result<Response, ApiError> {
+    let cell = harness.create(request).await?;
+    Ok((StatusCode::CREATED, Json(cell)).into_response())
+}
+
+pub(super) async fn get_cell(
+    State(harness): State<Shared>,
+    Path(name): Path<String>,
+) -> Result<Response, ApiError> {
+    Ok(Json(harness.get(&name)?).into_response())
+}
+
+pub(super) async fn delete_cell(
+    State(harness): State<Shared>,
+    Path(name): Path<String>,
+    by: Option<Extension<Caller>>,
+) -> Result<Response, ApiError> {
+    harness.delete(&name, &caller(by)).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+pub(super) async fn pause(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+    by: Option<Extension<Caller>>,
+) -> Result<Response, ApiError> {
+    Ok(Json(
+        h.control(&name, warden_protocol::ControlAction::Pause, &caller(by))
+            .await?,
+    )
+    .into_response())
+}
+
+pub(super) async fn resume(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+    by: Option<Extension<Caller>>,
+) -> Result<Response, ApiError> {
+    Ok(Json(
+        h.control(&name, warden_protocol::ControlAction::Resume, &caller(by))
+            .await?,
+    )
+    .into_response())
+}
+
+pub(super) async fn kill(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+    by: Option<Extension<Caller>>,
+) -> Result<Response, ApiError> {
+    Ok(Json(
+        h.control(&name, warden_protocol::ControlAction::Kill, &caller(by))
+            .await?,
+    )
+    .into_response())
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct SnapshotBody {
+    #[serde(rename = "as")]
+    as_name: Option<String>,
+}
+
+pub(super) async fn snapshot(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+    Body(body): Body<SnapshotBody>,
+) -> Result<Response, ApiError> {
+    let snap = h.snapshot(&name, body.as_name.as_deref()).await?;
+    Ok((StatusCode::CREATED, Json(snap)).into_response())
+}
+
+pub(super) async fn snapshots(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+) -> Result<Response, ApiError> {
+    Ok(Json(h.snapshots(&name)?).into_response())
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ResetBody {
+    /// `SNAP` or `CELL@SNAP`; none: the start.
+    to: Option<String>,
+}
+
+pub(super) async fn reset(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+    Body(body): Body<ResetBody>,
+) -> Result<Response, ApiError> {
+    h.reset(&name, body.to.as_deref()).await?;
+    Ok(Json(h.get(&name)?).into_response())
+}
+
+pub(super) async fn diff(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+) -> Result<Response, ApiError> {
+    Ok(Json(h.diff(&name).await?).into_response())
+}
+
+pub(super) async fn apply(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+    by: Option<Extension<Caller>>,
+    Body(request): Body<warden_harness::ApplyRequest>,
+) -> Result<Response, ApiError> {
+    Ok(Json(h.apply(&name, &request, &caller(by)).await?).into_response())
+}
+
+pub(super) async fn get_policy(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+) -> Result<Response, ApiError> {
+    let (made, replaced) = h.policy(&name)?;
+    let mut body = match made {
+        warden_harness::PolicySource::Preset(p) => json!({ "preset": p }),
+        warden_harness::PolicySource::Yaml(y) => json!({ "policy": y }),
+    };
+    if let Some(replaced) = replaced {
+        body["replaced"] = json!(replaced);
+    }
+    Ok(Json(body).into_response())
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct PolicyBody {
+    /// A whole policy (YAML); its `network` and `commands` replace the running cell's.
+    policy: String,
+}
+
+pub(super) async fn put_policy(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+    Body(body): Body<PolicyBody>,
+) -> Result<Response, ApiError> {
+    let closed = h.replace_policy(&name, &body.policy).await?;
+    Ok(Json(json!({ "closed_connections": closed })).into_response())
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct EventsQuery {
+    cell: Option<String>,
+    /// Start after this entry (its `seq`, which is each event's id): the entries written
+    /// since come first, then the live ones. `Last-Event-ID` does the same.
+    after: Option<u64>,
+}
+
+/// Journal entries as they are written (`entry` events, each with the entry's `seq` as its
+/// id), optionally of one cell; a client that reconnects with `after` (or `Last-Event-ID`)
+/// gets what it missed first.
+pub(super) async fn events(
+    State(h): State<Shared>,
+    headers: HeaderMap,
+    Query(q): Query<EventsQuery>,
+) -> Result<Response, ApiError> {
+    let after = q.after.or_else(|| {
+        headers
+            .get("last-event-id")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse().ok())
+    });
+    // Subscribed before the journal is read: nothing falls between the two.
+    let mut entries = h.subscribe();
+    let missed = match after {
+        Some(after) => h.entries_after(after, q.cell.clone()).await?,
+        None => Vec::new(),
+    };
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        let entry_event = |entry: &serde_json::Value| {
+            let event = Event::default().event("entry").data(entry.to_string());
+            match entry["seq"].as_u64() {
+                Some(seq) => event.id(seq.to_string()),
+                None => event,
+            }
+        };
+        let mut last = after.unwrap_or(0);
+        for entry in &missed {
+            last = last.max(entry["seq"].as_u64().unwrap_or(0));
+            if tx
+                .send(Ok::<_, Infallible>(entry_event(entry)))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+        loop {
+            let entry = tokio::select! {
+                entry = entries.recv() => entry,
+                () = tx.closed() => return,
+            };
+            let event = match entry {
+                Ok(entry) => {
+                    if q.cell.as_deref().is_some_and(|c| entry["cell"] != c)
+                        || entry["seq"].as_u64().is_some_and(|seq| seq <= last)
+                    {
+                        continue;
+                    }
+                    entry_event(&entry)
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(missed)) => Event::default()
+                    .event("lagged")
+                    .data(json!({ "missed": missed }).to_string()),
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+            };
+            if tx.send(Ok::<_, Infallible>(event)).await.is_err() {
+                return;
+            }
+        }
+    });
+    Ok(Sse::new(ReceiverStream::new(rx))
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response())
+}
+
+pub(super) async fn approvals(
+    State(harness): State<Shared>,
+) -> Json<Vec<warden_harness::Approval>> {
+    Json(harness.approvals())
+}
+
+pub(super) async fn answer(
+    State(harness): State<Shared>,
+    Path((name, id)): Path<(String, u64)>,
+    by: Option<Extension<Caller>>,
+    Body(body): Body<warden_protocol::Answer>,
+) -> Result<Response, ApiError> {
+    let allow = body.decision == warden_protocol::Decision::Approve;
+    harness
+        .answer(&name, id, allow, body.scope, &caller(by))
+        .await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}

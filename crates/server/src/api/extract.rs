@@ -1,0 +1,133 @@
+//! What handlers take and give: JSON bodies, paths and queries whose rejections are API
+//! errors, and the API's error answer.
+
+use axum::Json;
+use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::de::DeserializeOwned;
+use warden_harness::{ErrorKind, HarnessError};
+
+/// An error as the API answers it: a status and `{"error": "..."}`.
+#[derive(Debug)]
+pub struct ApiError {
+    pub(crate) status: StatusCode,
+    pub(crate) message: String,
+}
+
+impl From<HarnessError> for ApiError {
+    fn from(err: HarnessError) -> Self {
+        // The one mapping of the core's error codes onto HTTP statuses.
+        let status = match err.kind {
+            ErrorKind::BadRequest => StatusCode::BAD_REQUEST,
+            ErrorKind::Forbidden => StatusCode::FORBIDDEN,
+            ErrorKind::NotFound => StatusCode::NOT_FOUND,
+            ErrorKind::Conflict => StatusCode::CONFLICT,
+            ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        Self {
+            status,
+            message: err.message,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        use warden_protocol::ErrorCode;
+        let code = match self.status {
+            StatusCode::FORBIDDEN => ErrorCode::Forbidden,
+            StatusCode::NOT_FOUND | StatusCode::METHOD_NOT_ALLOWED => ErrorCode::NotFound,
+            StatusCode::CONFLICT => ErrorCode::Conflict,
+            StatusCode::PAYLOAD_TOO_LARGE => ErrorCode::TooLarge,
+            StatusCode::SERVICE_UNAVAILABLE => ErrorCode::Unavailable,
+            status if status.is_server_error() => ErrorCode::Internal,
+            _ => ErrorCode::BadRequest,
+        };
+        let body = warden_protocol::ErrorBody {
+            error: self.message,
+            code,
+            hint: None,
+        };
+        (self.status, Json(body)).into_response()
+    }
+}
+
+/// A JSON body whose rejections (malformed, wrong type, too large) are API errors too. Any
+/// content type is read as JSON, so `curl -d '{...}'` works without a header.
+pub struct Body<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        let bytes = axum::body::Bytes::from_request(req, state)
+            .await
+            .map_err(|rejection| ApiError {
+                status: rejection.status(),
+                message: format!("request body: {}", rejection.body_text()),
+            })?;
+        let mut json = serde_json::Deserializer::from_slice(&bytes);
+        let value = serde_path_to_error::deserialize(&mut json).map_err(|err| {
+            let status = match err.inner().classify() {
+                serde_json::error::Category::Data => StatusCode::UNPROCESSABLE_ENTITY,
+                _ => StatusCode::BAD_REQUEST,
+            };
+            let path = err.path().to_string();
+            let message = if path == "." {
+                format!("request body: {}", err.inner())
+            } else {
+                format!("request body: {path}: {}", err.inner())
+            };
+            ApiError { status, message }
+        })?;
+        // Nothing may follow the JSON value.
+        json.end().map_err(|err| ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: format!("request body: {err}"),
+        })?;
+        Ok(Self(value))
+    }
+}
+
+/// Path parameters whose rejections are API errors.
+pub struct Path<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for Path<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, ApiError> {
+        match axum::extract::Path::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(value)) => Ok(Self(value)),
+            Err(rejection) => Err(ApiError {
+                status: rejection.status(),
+                message: format!("path: {}", rejection.body_text()),
+            }),
+        }
+    }
+}
+
+/// Query parameters whose rejections are API errors.
+pub struct Query<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for Query<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, ApiError> {
+        match axum::extract::Query::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Query(value)) => Ok(Self(value)),
+            Err(rejection) => Err(ApiError {
+                status: rejection.status(),
+                message: format!("query: {}", rejection.body_text()),
+            }),
+        }
+    }
+}

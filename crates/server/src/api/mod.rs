@@ -1,0 +1,151 @@
+//! The routes of the HTTP API. Each handler turns a request into one harness call; the harness
+//! validates, journals and carries it out. The router is here; the handlers are by subject
+//! (`cells`, `processes`, `files`, `ws` for attached terminals), beside who asks (`auth`) and
+//! what handlers take and give (`extract`).
+
+use std::sync::Arc;
+
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{StatusCode, header};
+use axum::middleware;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::json;
+use warden_harness::Harness;
+
+mod auth;
+mod cells;
+mod extract;
+mod files;
+mod processes;
+mod ws;
+
+pub use auth::UnixPeer;
+use auth::*;
+use cells::*;
+pub use extract::ApiError;
+use extract::*;
+use files::*;
+use processes::*;
+use ws::*;
+
+/// The API's OpenAPI document (also committed as docs/openapi.json).
+pub const OPENAPI: &str = include_str!("../../../../docs/openapi.json");
+
+/// Largest request body.
+const BODY_LIMIT: usize = 1024 * 1024;
+
+/// Largest file or archive upload.
+const UPLOAD_LIMIT: usize = 64 * 1024 * 1024;
+
+type Shared = Arc<Harness>;
+
+/// The API. With a token, every request must carry `Authorization: Bearer TOKEN`.
+pub fn router(harness: Shared, token: Option<String>) -> Router {
+    let router = Router::new()
+        .route("/openapi.json", get(openapi))
+        .route("/v1/health", get(health))
+        .route("/v1/cells", get(list_cells).post(create_cell))
+        .route("/v1/cells/{name}", get(get_cell).delete(delete_cell))
+        .route("/v1/cells/{name}/pause", post(pause))
+        .route("/v1/cells/{name}/resume", post(resume))
+        .route("/v1/cells/{name}/kill", post(kill))
+        .route("/v1/cells/{name}/exec", post(exec))
+        .route("/v1/cells/{name}/processes", get(processes))
+        .route("/v1/cells/{name}/processes/{id}", get(process))
+        .route("/v1/cells/{name}/processes/{id}/output", get(output))
+        .route("/v1/cells/{name}/processes/{id}/wait", get(wait))
+        .route("/v1/cells/{name}/processes/{id}/stdin", post(stdin))
+        .route("/v1/cells/{name}/processes/{id}/signal", post(signal))
+        .route("/v1/cells/{name}/processes/{id}/resize", post(resize))
+        .route("/v1/cells/{name}/processes/{id}/attach", get(attach))
+        .route(
+            "/v1/cells/{name}/files/content",
+            get(read_file)
+                .put(write_file)
+                .layer(DefaultBodyLimit::max(UPLOAD_LIMIT)),
+        )
+        .route(
+            "/v1/cells/{name}/files/archive",
+            get(download)
+                .put(upload)
+                .layer(DefaultBodyLimit::max(UPLOAD_LIMIT)),
+        )
+        .route("/v1/cells/{name}/files/list", get(list_files))
+        .route("/v1/cells/{name}/files/stat", get(stat_file))
+        .route("/v1/cells/{name}/files/mkdir", post(mkdir))
+        .route("/v1/cells/{name}/files/remove", post(remove_file))
+        .route("/v1/cells/{name}/files/move", post(move_file))
+        .route("/v1/cells/{name}/snapshot", post(snapshot))
+        .route("/v1/cells/{name}/snapshots", get(snapshots))
+        .route("/v1/cells/{name}/reset", post(reset))
+        .route("/v1/cells/{name}/diff", get(diff))
+        .route("/v1/cells/{name}/apply", post(apply))
+        .route("/v1/cells/{name}/policy", get(get_policy).put(put_policy))
+        .route("/v1/events", get(events))
+        .route("/v1/approvals", get(approvals))
+        .route("/v1/approvals/{name}/{id}", post(answer))
+        .fallback(no_route)
+        .method_not_allowed_fallback(wrong_method)
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .with_state(harness);
+    match token {
+        Some(token) => router.layer(middleware::from_fn_with_state(
+            Arc::new(token),
+            require_token,
+        )),
+        None => router.layer(middleware::from_fn(identify_unix)),
+    }
+}
+
+async fn no_route() -> ApiError {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        message: "no such endpoint; GET /openapi.json lists them".to_owned(),
+    }
+}
+
+async fn wrong_method() -> ApiError {
+    ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        message: "this endpoint does not take that method; GET /openapi.json lists them".to_owned(),
+    }
+}
+
+async fn openapi() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
+}
+
+async fn health(State(harness): State<Shared>) -> Json<serde_json::Value> {
+    Json(json!({
+        "status": "ok",
+        "version": env!("CARGO_PKG_VERSION"),
+        "journal_key": harness.journal().public_key(),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    /// Every route of the router is in the OpenAPI document, and nothing else is.
+    #[test]
+    fn the_openapi_document_names_exactly_the_routes() {
+        let source = include_str!("mod.rs");
+        let mut routes: Vec<String> = source
+            .split(".route(")
+            .skip(1)
+            .filter_map(|rest| rest.trim_start().strip_prefix('"'))
+            .map(|rest| rest.split('"').next().unwrap().to_owned())
+            .filter(|route| route.starts_with('/'))
+            .collect();
+        routes.sort();
+        routes.dedup();
+        let doc: serde_json::Value = serde_json::from_str(super::OPENAPI).unwrap();
+        let mut documented: Vec<String> =
+            doc["paths"].as_object().unwrap().keys().cloned().collect();
+        documented.sort();
+        assert_eq!(routes, documented);
+    }
+}

@@ -1,0 +1,264 @@
+//! Processes in cells: exec, output streams, stdin, signals, terminal sizes.
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use base64::Engine as _;
+use serde::Deserialize;
+use serde_json::json;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_stream::wrappers::ReceiverStream;
+use warden_harness::{ExecSpec, HarnessError, Item, KillOnDrop, Process, Stream};
+
+use super::*;
+
+/// Starts a process. Foreground: the answer is an event stream of its output and ending, and
+/// the process is killed if the client goes away first. Background: the answer is the process,
+/// whose output is read (from the start, any number of times) at `.../output`.
+pub(super) async fn exec(
+    State(harness): State<Shared>,
+    Path(name): Path<String>,
+    Body(spec): Body<ExecSpec>,
+) -> Result<Response, ApiError> {
+    let background = spec.background;
+    let process = harness.exec(&name, spec).await?;
+    if background {
+        return Ok((StatusCode::CREATED, Json(process.info())).into_response());
+    }
+    Ok(stream_output(process, 0, true, true))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct OutputQuery {
+    /// Chunk index to start from (0: the first kept).
+    #[serde(default)]
+    from: u64,
+    /// `false`: end with a `live` event once caught up with a running process.
+    follow: Option<bool>,
+}
+
+pub(super) async fn output(
+    State(harness): State<Shared>,
+    Path((name, id)): Path<(String, u64)>,
+    Query(query): Query<OutputQuery>,
+) -> Result<Response, ApiError> {
+    let process = harness.process(&name, id)?;
+    Ok(stream_output(
+        process,
+        query.from,
+        false,
+        query.follow.unwrap_or(true),
+    ))
+}
+
+pub(super) async fn processes(
+    State(harness): State<Shared>,
+    Path(name): Path<String>,
+) -> Result<Response, ApiError> {
+    Ok(Json(harness.processes(&name)?).into_response())
+}
+
+pub(super) async fn process(
+    State(harness): State<Shared>,
+    Path((name, id)): Path<(String, u64)>,
+) -> Result<Response, ApiError> {
+    Ok(Json(harness.process(&name, id)?.info()).into_response())
+}
+
+pub(super) async fn wait(
+    State(harness): State<Shared>,
+    Path((name, id)): Path<(String, u64)>,
+) -> Result<Response, ApiError> {
+    let process = harness.process(&name, id)?;
+    let mut cursor = u64::MAX; // skip output: only the ending matters here
+    loop {
+        if let Item::Exit(exit) = process.next(&mut cursor).await {
+            return Ok(Json(exit).into_response());
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct StdinBody {
+    #[serde(default)]
+    data: String,
+    /// The same bytes in base64, for binary input.
+    data_base64: Option<String>,
+    #[serde(default)]
+    close: bool,
+}
+
+pub(super) async fn stdin(
+    State(harness): State<Shared>,
+    Path((name, id)): Path<(String, u64)>,
+    Body(body): Body<StdinBody>,
+) -> Result<Response, ApiError> {
+    let data = match body.data_base64 {
+        Some(encoded) => base64::engine::general_purpose::STANDARD
+            .decode(encoded)
+            .map_err(|e| HarnessError::bad(format!("data_base64: {e}")))?,
+        None => body.data.into_bytes(),
+    };
+    harness.stdin(&name, id, &data, body.close).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+pub(super) async fn resize(
+    State(harness): State<Shared>,
+    Path((name, id)): Path<(String, u64)>,
+    Body(size): Body<warden_harness::TtySize>,
+) -> Result<Response, ApiError> {
+    harness.resize(&name, id, size).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+pub(super) async fn signal(
+    State(harness): State<Shared>,
+    Path((name, id)): Path<(String, u64)>,
+    Body(body): Body<warden_protocol::SignalBody>,
+) -> Result<Response, ApiError> {
+    let signal = body.signal.number().map_err(|message| ApiError {
+        status: StatusCode::BAD_REQUEST,
+        message: format!("signal: {message}"),
+    })?;
+    harness.signal(&name, id, signal).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// Server-sent events: `started`, then `stdout`/`stderr` chunks in order (`{"text": ...}` when
+/// the bytes are UTF-8, else `{"base64": ...}`; a UTF-8 character is never split), `dropped`
+/// when kept output was discarded before this reader got to it, and a last `exit` (or, when
+/// not following, `live` once caught up with a process that still runs).
+pub(super) fn stream_output(
+    process: Arc<Process>,
+    from: u64,
+    kill_on_disconnect: bool,
+    follow: bool,
+) -> Response {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        let _guard = kill_on_disconnect.then(|| KillOnDrop(Arc::clone(&process)));
+        // A process that could not start (not found, not executable) never ran: its stream is
+        // its `exit` alone.
+        if process.pid != 0 {
+            let started = json!({ "process": process.id, "pid": process.pid });
+            if tx
+                .send(Ok(Event::default()
+                    .event("started")
+                    .data(started.to_string())))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+        let mut cursor = from;
+        let mut pending: [Vec<u8>; 2] = [Vec::new(), Vec::new()];
+        loop {
+            let item = if follow {
+                tokio::select! {
+                    item = process.next(&mut cursor) => item,
+                    () = tx.closed() => return,
+                }
+            } else if let Some(item) = process.try_next(&mut cursor) {
+                item
+            } else {
+                for (stream, slot) in [(Stream::Stdout, 0), (Stream::Stderr, 1)] {
+                    if let Some(event) = output_event(stream, &mut pending[slot], true) {
+                        let _ = tx.send(Ok(event)).await;
+                    }
+                }
+                let event = Event::default()
+                    .event("live")
+                    .data(json!({ "running": true, "next": cursor }).to_string());
+                let _ = tx.send(Ok(event)).await;
+                return;
+            };
+            let event = match item {
+                Item::Output(stream, data) => {
+                    let slot = stream as usize;
+                    pending[slot].extend_from_slice(&data);
+                    match output_event(stream, &mut pending[slot], false) {
+                        Some(event) => event,
+                        None => continue,
+                    }
+                }
+                Item::Dropped(bytes) => Event::default()
+                    .event("dropped")
+                    .data(json!({ "bytes": bytes }).to_string()),
+                Item::Exit(exit) => {
+                    for (stream, slot) in [(Stream::Stdout, 0), (Stream::Stderr, 1)] {
+                        if let Some(event) = output_event(stream, &mut pending[slot], true) {
+                            let _ = tx.send(Ok(event)).await;
+                        }
+                    }
+                    let event = Event::default()
+                        .event("exit")
+                        .data(serde_json::to_string(&exit).unwrap_or_default());
+                    let _ = tx.send(Ok(event)).await;
+                    return;
+                }
+            };
+            if tx.send(Ok(event)).await.is_err() {
+                return;
+            }
+        }
+    });
+    Sse::new(ReceiverStream::<Result<Event, Infallible>>::new(rx))
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response()
+}
+
+/// The server-sent event of what can be sent from `pending` (see `output_chunk`).
+pub(super) fn output_event(stream: Stream, pending: &mut Vec<u8>, last: bool) -> Option<Event> {
+    let (name, data) = output_chunk(stream, pending, last)?;
+    Some(Event::default().event(name).data(data.to_string()))
+}
+
+/// Takes what can be sent from `pending`: UTF-8 text up to an incomplete character at the end
+/// (kept for the next chunk unless `last`), or base64 for bytes that are not UTF-8. Returns the
+/// stream's name and `{"text": ...}` or `{"base64": ...}`.
+pub(super) fn output_chunk(
+    stream: Stream,
+    pending: &mut Vec<u8>,
+    last: bool,
+) -> Option<(&'static str, serde_json::Value)> {
+    if pending.is_empty() {
+        return None;
+    }
+    let name = match stream {
+        Stream::Stdout => "stdout",
+        Stream::Stderr => "stderr",
+    };
+    let data = match std::str::from_utf8(pending) {
+        Ok(text) => {
+            let data = json!({ "text": text });
+            pending.clear();
+            data
+        }
+        Err(err) if err.error_len().is_none() && !last && err.valid_up_to() > 0 => {
+            let rest = pending.split_off(err.valid_up_to());
+            let text = String::from_utf8_lossy(pending).into_owned();
+            *pending = rest;
+            json!({ "text": text })
+        }
+        Err(err) if err.error_len().is_none() && !last => {
+            // Only the start of a character so far: wait for the rest.
+            let _ = err;
+            return None;
+        }
+        Err(_) => {
+            let data =
+                json!({ "base64": base64::engine::general_purpose::STANDARD.encode(&pending) });
+            pending.clear();
+            data
+        }
+    };
+    Some((name, data))
+}
