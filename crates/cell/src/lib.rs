@@ -3,16 +3,41 @@
 //! This crate creates, confines, observes and ends cells. The warden controls a cell only
 //! through kernel mechanisms held from outside (namespaces, cgroups, pidfds); nothing here may
 //! rely on the cooperation of a process inside the cell.
+//!
+//! Its face is the tier boundary ([`tier`]: a `Backend` makes cells, a `Cell` is the handle
+//! of one) and the workspace machinery every tier shares (layers, snapshots, changes, the
+//! registry of running cells). The tiers themselves are private modules: nothing outside this
+//! crate names one (a test in `tests/boundary.rs` holds every crate to that).
 
 #[cfg(target_os = "linux")]
-pub mod linux;
+mod process;
+pub mod tier;
+
+#[cfg(feature = "fake")]
+pub mod fake;
 
 #[cfg(target_os = "linux")]
-pub use linux::{
-    changes, control, probe,
+pub use process::{
+    backend::{KeepError, KeeperRequest, keep},
+    changes, control,
+    exec::resize as resize_terminal,
+    plan::{check_name, check_paths},
+    probe,
     registry::{CellRecord, Registry, RegistryError},
-    run::{Ending, RunError, RunOutcome, RunRequest, run},
+    run::{Ending, RunError, RunOutcome, RunRequest},
     snapshot,
     snapshot::SnapshotInfo,
     store::{Store, StoreError},
 };
+pub use tier::{Backend, Cell, CellError, CellSpec, ProcessConfig, Session, StartError, Status};
+
+/// Runs a cell to its end in this process (`warden run` without a daemon), in the tier its
+/// policy names.
+#[cfg(target_os = "linux")]
+pub fn run(
+    registry: &Registry,
+    store: &Store,
+    request: RunRequest,
+) -> Result<RunOutcome, RunError> {
+    process::run::run(registry, store, request)
+}

@@ -185,9 +185,10 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Keep a cell for the daemon (started by `warden serve`, not by hand).
+    /// Keep a cell for the daemon (started by `warden serve`, not by hand): its request, a
+    /// serialized cell spec, comes as JSON on stdin.
     #[command(hide = true)]
-    Keep(KeepArgs),
+    Keep,
 }
 
 #[derive(Debug, clap::Args)]
@@ -228,32 +229,6 @@ pub struct ExecArgs {
     /// The command and its arguments.
     #[arg(last = true, required = true, value_name = "CMD")]
     pub command: Vec<String>,
-}
-
-#[derive(Debug, clap::Args)]
-pub struct KeepArgs {
-    #[arg(long)]
-    pub name: String,
-    #[arg(long, conflicts_with = "preset")]
-    pub policy: Option<PathBuf>,
-    #[arg(long)]
-    pub preset: Option<String>,
-    #[arg(long)]
-    pub workspace: Option<PathBuf>,
-    #[arg(long = "env", value_name = "K=V")]
-    pub env: Vec<String>,
-    /// Leave the wall-clock limit to the daemon (which may pause instead of kill).
-    #[arg(long)]
-    pub no_wall: bool,
-    /// Start from this snapshot (`CELL@SNAP`).
-    #[arg(long)]
-    pub from: Option<String>,
-    /// The soft limit of open files to take back (the daemon raised its own).
-    #[arg(long)]
-    pub open_files: Option<u64>,
-    /// Write how the cell ended here (JSON) before its name is released.
-    #[arg(long)]
-    pub report: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]

@@ -45,7 +45,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
                 let store = store()?;
                 // A cell that only has an egress log left still counts as something to remove.
                 let log = store.net_log_path(&name);
-                let had_log = warden_cell::linux::plan::check_name(&name).is_ok() && log.exists();
+                let had_log = warden_cell::check_name(&name).is_ok() && log.exists();
                 match changes::remove(&registry()?, &store, &name) {
                     Err(changes::ChangesError::NoLayer(_)) if had_log => {}
                     other => other?,
@@ -199,7 +199,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         Command::Exec(args) => crate::daemon::exec(args),
         Command::Audit { command } => crate::daemon::audit(command),
         Command::Replay { name, json } => crate::daemon::replay(&name, json),
-        Command::Keep(args) => crate::daemon::keep(args),
+        Command::Keep => crate::daemon::keep(),
     }
 }
 
@@ -568,7 +568,7 @@ fn describe(change: &Change) -> String {
 /// survive its restarts, and questions about commands too), else each running cell's gateway's.
 fn approvals(name: Option<&str>, json: bool) -> Result<i32> {
     if let Some(name) = name {
-        warden_cell::linux::plan::check_name(name)?;
+        warden_cell::check_name(name)?;
     }
     let mut questions: Vec<warden_protocol::Approval> =
         match crate::daemon::approvals_through_daemon()? {
@@ -639,7 +639,7 @@ fn approvals(name: Option<&str>, json: bool) -> Result<i32> {
 }
 
 fn net(name: &str, json: bool) -> Result<i32> {
-    warden_cell::linux::plan::check_name(name)?;
+    warden_cell::check_name(name)?;
     let path = store()?.net_log_path(name);
     let decisions = warden_egress::read_log(&path).with_context(|| {
         format!(
@@ -726,7 +726,7 @@ fn policy(command: PolicyCommand) -> Result<i32> {
         PolicyCommand::Check { file } => {
             let policy = warden_policy::from_file(&file)?;
             // What only this host can tell: the tier, and the paths the cell would see.
-            warden_cell::linux::plan::check_paths(&policy, store()?.root(), registry()?.root())
+            warden_cell::check_paths(&policy, store()?.root(), registry()?.root())
                 .with_context(|| format!("{}", file.display()))?;
             println!("{}: ok", file.display());
         }

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use tokio::io::unix::AsyncFd;
-use warden_cell::control;
-use warden_cell::linux::exec::{ExecError, ExecEvent, ExecRequest, ExecSession, Line};
+use warden_cell::tier::{ExecEvent, ExecRequest};
+use warden_cell::{CellError, Session, Status};
 
 use crate::process::{self, Process};
 use crate::{ErrorKind, ExecSpec, Harness, HarnessError, TtySize};
@@ -48,13 +48,14 @@ impl Harness {
         spec: ExecSpec,
         caller: &tokio::sync::oneshot::Sender<Result<Arc<Process>, HarnessError>>,
     ) -> Result<Arc<Process>, HarnessError> {
-        let record = self.live(name)?;
+        let cell = self.live(name)?;
+        let paused = matches!(cell.status(), Ok(Status::Paused));
         let idle_paused = self
             .live
             .lock()
             .map(|l| l.get(name).is_some_and(|l| l.idle_paused))
             .unwrap_or(false);
-        if idle_paused && control::is_paused(&record) {
+        if idle_paused && paused {
             // Paused for being idle: an exec is activity, so it wakes the cell.
             self.control(
                 name,
@@ -62,7 +63,7 @@ impl Harness {
                 "exec after an idle pause",
             )
             .await?;
-        } else if control::is_paused(&record) {
+        } else if paused {
             return Err(HarnessError::new(
                 ErrorKind::Conflict,
                 format!("cell `{name}` is paused; resume it first"),
@@ -104,7 +105,7 @@ impl Harness {
                 "the caller went away before the start",
             ));
         }
-        let oom_before = record.cgroup.as_ref().map(|cg| cg.oom_kills());
+        let oom_before = cell.oom_kills();
         let id = self.next_process.fetch_add(1, Ordering::Relaxed);
         // The start is in the journal's file before the process starts; the fdatasync that makes
         // it durable overlaps the start, and nothing is acknowledged before it is done.
@@ -157,11 +158,11 @@ impl Harness {
         // answer is awaited on the runtime.
         let opened = async {
             let stdio = theirs.as_ref().map(|[a, b, c]| [a, b, c]);
-            let session = Arc::new(self.start_session(name, &request, stdio)?);
+            let session = cell.exec(&request, stdio)?;
             drop(theirs);
             let events = Events::new(Arc::clone(&session), name)?;
             let (first, fds) = events.next().await?;
-            Ok::<_, ExecError>((session, events, first, fds))
+            Ok::<_, CellError>((session, events, first, fds))
         }
         .await;
         if let Err(err) = durable.wait(self).await {
@@ -447,11 +448,7 @@ impl Harness {
 
     /// Whether the cell's memory cgroup killed something since `before` was read.
     fn oom_since(&self, name: &str, before: Option<u64>) -> bool {
-        let now = self
-            .registry
-            .get(name)
-            .ok()
-            .and_then(|r| r.cgroup.map(|cg| cg.oom_kills()));
+        let now = self.cell(name).and_then(|c| c.oom_kills());
         matches!((before, now), (Some(b), Some(n)) if n > b)
     }
 
@@ -480,49 +477,6 @@ impl Harness {
                     true
                 }
             });
-        }
-    }
-
-    /// Starts a process over the line to the cell's init, opening one first where there is
-    /// none yet (or the last one closed: the cell's keeper hands out a new one).
-    fn start_session(
-        &self,
-        name: &str,
-        request: &ExecRequest,
-        stdio: Option<[&std::os::fd::OwnedFd; 3]>,
-    ) -> Result<ExecSession, ExecError> {
-        self.with_line(name, |line| ExecSession::start_on(line, request, stdio))
-    }
-
-    /// Sends something over the line to the cell's init, opening a line first where there is
-    /// none (or the last one closed).
-    pub(crate) fn with_line<T>(
-        &self,
-        name: &str,
-        send: impl Fn(&Line) -> Result<T, ExecError>,
-    ) -> Result<T, ExecError> {
-        let cached = self
-            .lines
-            .lock()
-            .ok()
-            .and_then(|lines| lines.get(name).cloned());
-        if let Some(line) = cached {
-            match send(&line) {
-                Err(ExecError::LineClosed(_)) => self.drop_line(name),
-                sent => return sent,
-            }
-        }
-        let line = Arc::new(Line::open(&self.registry, name)?);
-        if let Ok(mut lines) = self.lines.lock() {
-            lines.insert(name.to_owned(), Arc::clone(&line));
-        }
-        send(&line)
-    }
-
-    /// Forgets the line to a cell's init (the cell ended, or the line closed).
-    pub(crate) fn drop_line(&self, name: &str) {
-        if let Ok(mut lines) = self.lines.lock() {
-            lines.remove(name);
         }
     }
 
@@ -627,44 +581,47 @@ pub(crate) fn spec_limit(process: &Process) -> u64 {
 
 /// The events of one exec'd process, awaited on the runtime: no thread waits for a process.
 pub(crate) struct Events {
-    socket: AsyncFd<Arc<ExecSession>>,
-    cell: String,
+    socket: AsyncFd<Watched>,
+}
+
+/// A session, watched by the runtime's reactor through its descriptor.
+struct Watched(Arc<dyn Session>);
+
+impl std::os::fd::AsRawFd for Watched {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.0.as_raw_fd()
+    }
 }
 
 impl Events {
     // The one `unsafe` outside the cell tier's `sys.rs`: registering a descriptor with the
     // runtime's reactor.
     #[allow(unsafe_code)]
-    pub(crate) fn new(session: Arc<ExecSession>, cell: &str) -> Result<Self, ExecError> {
-        // SAFETY: the session owns its socket and closes it only when dropped; the `Arc` given
-        // to the registration keeps the session alive, so the descriptor stays open (and the
-        // same) until the registration is dropped.
-        let registered =
-            unsafe { AsyncFd::register_with_interest(session, tokio::io::Interest::READABLE) };
-        let socket = registered.map_err(|err| ExecError::Io {
-            what: "watching the exec channel",
-            cell: cell.to_owned(),
-            source: err.into_parts().1,
+    pub(crate) fn new(session: Arc<dyn Session>, cell: &str) -> Result<Self, CellError> {
+        // SAFETY: the session owns its descriptor and closes it only when dropped; the `Arc`
+        // given to the registration keeps the session alive, so the descriptor stays open (and
+        // the same) until the registration is dropped.
+        let registered = unsafe {
+            AsyncFd::register_with_interest(Watched(session), tokio::io::Interest::READABLE)
+        };
+        let socket = registered.map_err(|err| {
+            CellError::Host(format!(
+                "watching the exec channel of cell `{cell}`: {}",
+                err.into_parts().1
+            ))
         })?;
-        Ok(Self {
-            socket,
-            cell: cell.to_owned(),
-        })
+        Ok(Self { socket })
     }
 
     /// The next event and the descriptors that came with it.
-    async fn next(&self) -> Result<(ExecEvent, Vec<std::os::fd::OwnedFd>), ExecError> {
+    async fn next(&self) -> Result<(ExecEvent, Vec<std::os::fd::OwnedFd>), CellError> {
         loop {
             let mut ready = self
                 .socket
                 .readable()
                 .await
-                .map_err(|source| ExecError::Io {
-                    what: "waiting for exec events",
-                    cell: self.cell.clone(),
-                    source,
-                })?;
-            match ready.get_inner().try_next_event_with_fds()? {
+                .map_err(|e| CellError::Host(format!("waiting for exec events: {e}")))?;
+            match ready.get_inner().0.try_next_event()? {
                 Some(event) => return Ok(event),
                 None => ready.clear_ready(),
             }
@@ -672,7 +629,7 @@ impl Events {
     }
 
     /// The process's final event.
-    pub(crate) async fn last(&self) -> Result<ExecEvent, ExecError> {
+    pub(crate) async fn last(&self) -> Result<ExecEvent, CellError> {
         loop {
             let (event, _) = self.next().await?;
             if event.is_final() {

@@ -1,6 +1,6 @@
 //! Files of a running cell, through the API.
 //!
-//! Every operation runs *inside* the cell, in a fork of its init (`warden_cell::linux::files`):
+//! Every operation runs *inside* the cell, in a fork of its init (the tier's file service):
 //! as the cell's user, under its mount namespace, Landlock domain and seccomp filter, so the API
 //! can read or change nothing the cell itself could not. Paths are relative to the cell's files
 //! root (its workspace mount: the project, or the scratch directory of a cell without one,
@@ -17,8 +17,8 @@ use std::time::Duration;
 use crate::FileInfo;
 use serde_json::json;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use warden_cell::linux::exec::{ExecEvent, ExecSession};
-use warden_cell::linux::files::{FileEntry, FileError, FileErrorKind, FileOp};
+use warden_cell::Status;
+use warden_cell::tier::{ExecEvent, FileEntry, FileError, FileErrorKind, FileOp};
 
 use crate::exec::Events;
 use crate::{ErrorKind, Harness, HarnessError};
@@ -92,8 +92,8 @@ impl Harness {
         limit: u64,
     ) -> Result<Vec<u8>, HarnessError> {
         let root = self.files_root(name)?;
-        let record = self.live(name)?;
-        if warden_cell::control::is_paused(&record) {
+        let cell = self.live(name)?;
+        if matches!(cell.status(), Ok(Status::Paused)) {
             return Err(HarnessError::new(
                 ErrorKind::Conflict,
                 format!("cell `{name}` is paused; resume it first"),
@@ -106,13 +106,10 @@ impl Harness {
         let (stdin_r, stdin_w) = pipe()?;
         let (stdout_r, stdout_w) = pipe()?;
         let (stderr_r, stderr_w) = pipe()?;
-        let session = self
-            .with_line(name, |line| {
-                ExecSession::files_on(line, &root, &op, [&stdin_r, &stdout_w, &stderr_w])
-            })
+        let session = cell
+            .file_op(&root, &op, [&stdin_r, &stdout_w, &stderr_w])
             .map_err(|e| HarnessError::new(ErrorKind::Conflict, e.to_string()))?;
         drop((stdin_r, stdout_w, stderr_w));
-        let session = Arc::new(session);
         let events = Events::new(Arc::clone(&session), name)
             .map_err(|e| HarnessError::internal(e.to_string()))?;
         let io_error = |e: std::io::Error| HarnessError::internal(format!("file operation: {e}"));

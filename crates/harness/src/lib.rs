@@ -4,10 +4,11 @@
 //! in the journal, carry out through the cell crate, record the outcome) and remembers enough in
 //! its embedded database to take its cells back after a crash.
 //!
-//! A cell made here is kept by its own small warden process (`warden keep`), outside the cell:
-//! it holds the cell's lifeline and egress gateway and routes execs to the cell's init. Keepers
-//! do not depend on the daemon, so `kill -9` of the daemon leaves every cell running; the next
-//! daemon finds them through the runtime registry and reattaches.
+//! Cells are made and controlled through the tier boundary (`warden_cell::tier`): a `Backend`
+//! makes them, and the harness keeps one `Cell` handle for each live one. The process tier's
+//! cells are kept by their own small warden processes, outside the cell, which do not depend on
+//! the daemon: `kill -9` of the daemon leaves every cell running, and the next daemon adopts
+//! them through the backend.
 
 mod exec;
 mod files;
@@ -23,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{Value, json};
-use warden_cell::{Registry, Store, control};
+use warden_cell::{Backend, Cell, CellError, CellSpec, Registry, StartError, Status, Store};
 use warden_journal::{Journal, Receipt};
 pub use warden_protocol::{
     ApplyRequest, Approval, CellInfo, CellState, ControlAction, CreateCell, ExecSpec, ExitInfo,
@@ -75,19 +76,18 @@ pub struct Config {
     pub runtime: PathBuf,
     /// The state directory (layers, egress records, the journal, the daemon's database).
     pub state: PathBuf,
-    /// The `warden` binary, started as each cell's keeper.
-    pub warden_exe: PathBuf,
     /// How the journal closes and keeps its segments.
     pub journal_segments: warden_journal::Segments,
-    /// The soft limit of open files to give keepers (and so cells) back, where the daemon
-    /// raised its own.
-    pub keeper_open_files: Option<u64>,
+    /// The tier cells are made in.
+    pub backend: Arc<dyn Backend>,
 }
 
 /// The core.
 #[derive(Debug)]
 pub struct Harness {
-    config: Config,
+    backend: Arc<dyn Backend>,
+    /// The registry of running cells and the store of layers and snapshots: the workspace
+    /// machinery every tier shares (diff, apply, snapshot, reset).
     registry: Registry,
     store: Store,
     journal: Journal,
@@ -103,8 +103,8 @@ pub struct Harness {
     exec_questions: Mutex<HashMap<(String, u64), supervise::ExecQuestion>>,
     /// Cells killed by their wall-clock limit.
     walled: Mutex<std::collections::HashSet<String>>,
-    /// Lines straight to the inits of cells this daemon exec'd into (see `exec::Line`).
-    lines: Mutex<HashMap<String, Arc<warden_cell::linux::exec::Line>>>,
+    /// The handle of every live cell, from its tier.
+    cells: Mutex<HashMap<String, Arc<dyn Cell>>>,
     /// Per cell, how far its egress record is copied into the journal (one copier at a time).
     copiers: Mutex<HashMap<String, Arc<tokio::sync::Mutex<u64>>>>,
     /// How far the journal's newest entries say each record was copied, as found at open.
@@ -152,9 +152,9 @@ impl Harness {
             grants: Mutex::new(grants),
             exec_questions: Mutex::new(HashMap::new()),
             walled: Mutex::new(std::collections::HashSet::new()),
-            lines: Mutex::new(HashMap::new()),
+            cells: Mutex::new(HashMap::new()),
             events: tokio::sync::broadcast::channel(1024).0,
-            config,
+            backend: config.backend,
             registry,
             store,
             journal,
@@ -172,10 +172,6 @@ impl Harness {
             .store(start.seq * 1000 + 1, Ordering::Relaxed);
         harness.reconcile(cut).await?;
         Ok(harness)
-    }
-
-    pub fn registry(&self) -> &Registry {
-        &self.registry
     }
 
     pub fn journal(&self) -> &Journal {
@@ -337,8 +333,6 @@ impl Harness {
     /// Takes back the cells of an earlier daemon: live ones are watched again, dead ones are
     /// marked ended (their keepers already removed what they held).
     async fn reconcile(self: &Arc<Self>, cut: Vec<(u64, Value)>) -> Result<(), HarnessError> {
-        // Listing also removes the runtime folders and cgroups of dead cells.
-        let _ = self.registry.list();
         // Processes the old daemon was relaying: their output pipes went with it, so the
         // keeper killed them when the daemon's end of their exec connection closed.
         for (id, note) in cut {
@@ -359,17 +353,19 @@ impl Harness {
             if entry.ended.is_some() {
                 continue;
             }
-            let alive = self.alive(&entry.name).ok_or_else(|| {
+            let adopted = self.backend.adopt(&entry.name).map_err(|e| {
                 HarnessError::new(
                     ErrorKind::Unavailable,
                     format!(
-                        "cannot tell whether cell `{}` still runs (its runtime folder in {} cannot be read now); start the daemon again once the host has descriptors and memory to spare",
+                        "cannot tell whether cell `{}` still runs ({e}); start the daemon again once the host has descriptors and memory to spare",
                         entry.name,
-                        self.registry.root().display()
                     ),
                 )
             })?;
-            if alive {
+            if let Some(cell) = adopted {
+                if let Ok(mut cells) = self.cells.lock() {
+                    cells.insert(entry.name.clone(), cell);
+                }
                 self.record(Some(&entry.name), "cell.reattach", json!({}))
                     .await?;
                 self.adopt(&entry);
@@ -423,16 +419,21 @@ impl Harness {
             .ok_or_else(|| HarnessError::not_found(name))
     }
 
+    /// The handle of a live cell of this daemon's.
+    pub(crate) fn cell(&self, name: &str) -> Option<Arc<dyn Cell>> {
+        self.cells.lock().ok()?.get(name).cloned()
+    }
+
     fn info(&self, entry: &CellEntry) -> CellInfo {
-        let record = if entry.ended.is_none() {
-            self.registry.get(&entry.name).ok()
+        let cell = if entry.ended.is_none() {
+            self.cell(&entry.name)
         } else {
             None
         };
-        let state = match &record {
-            Some(r) if control::is_paused(r) => CellState::Paused,
-            Some(_) => CellState::Running,
-            None => CellState::Ended,
+        let state = match cell.as_ref().map(|c| c.status()) {
+            Some(Ok(Status::Paused)) => CellState::Paused,
+            Some(Ok(Status::Running) | Err(_)) => CellState::Running,
+            Some(Ok(Status::Ended)) | None => CellState::Ended,
         };
         let processes = self
             .processes
@@ -442,7 +443,10 @@ impl Harness {
         CellInfo {
             name: entry.name.clone(),
             state,
-            pid: record.map(|r| r.pid),
+            pid: cell
+                .as_ref()
+                .filter(|_| state != CellState::Ended)
+                .and_then(|c| c.pid()),
             created_ms: entry.created_ms,
             workspace: entry.workspace.clone(),
             labels: entry.labels.clone(),
@@ -468,7 +472,8 @@ impl Harness {
             Some(name) => name.clone(),
             None => generate_name(),
         };
-        warden_cell::linux::plan::check_name(&name)
+        self.backend
+            .check_name(&name)
             .map_err(|e| HarnessError::bad(e.to_string()))?;
         let policy = match (&request.policy, &request.preset) {
             (Some(_), Some(_)) => {
@@ -528,15 +533,16 @@ impl Harness {
                 "workspace {dir} is not a directory on the host"
             )));
         }
+        let exists = self.backend.exists(&name);
         if let Some(old) = self.state.get(&name)? {
-            if old.ended.is_none() || self.registry.get(&name).is_ok() {
+            if old.ended.is_none() || exists {
                 return Err(HarnessError::new(
                     ErrorKind::Conflict,
                     format!("a cell named `{name}` exists; delete it first or pick another name"),
                 ));
             }
         }
-        if self.registry.get(&name).is_ok() {
+        if exists {
             return Err(HarnessError::new(
                 ErrorKind::Conflict,
                 format!("a cell named `{name}` runs already (started by `warden run`)"),
@@ -584,102 +590,52 @@ impl Harness {
         let _ = std::fs::remove_dir_all(&cell_dir);
         std::fs::create_dir_all(&cell_dir)
             .map_err(|e| HarnessError::internal(format!("creating {}: {e}", cell_dir.display())))?;
-        let mut command = tokio::process::Command::new(&self.config.warden_exe);
+        let mut spec_policy = parsed.clone();
         // The daemon applies the wall-clock limit itself (with the policy's `on_wall`).
-        command
-            .arg("keep")
-            .arg("--no-wall")
-            .arg("--name")
-            .arg(&name);
-        match &policy {
-            PolicySource::Preset(preset) => {
-                command.arg("--preset").arg(preset);
-            }
-            PolicySource::Yaml(yaml) => {
-                let file = cell_dir.join("policy.yaml");
-                std::fs::write(&file, yaml)
-                    .map_err(|e| HarnessError::internal(format!("writing the policy: {e}")))?;
-                command.arg("--policy").arg(file);
-            }
-        }
-        if let Some(dir) = &request.workspace {
-            command.arg("--workspace").arg(dir);
-        }
-        if let Some(from) = &from {
-            command.arg("--from").arg(from);
-        }
-        if let Some(limit) = self.config.keeper_open_files {
-            command.arg("--open-files").arg(limit.to_string());
-        }
-        command.arg("--report").arg(cell_dir.join(ENDING_FILE));
-        for (key, value) in &request.env {
-            command.arg("--env").arg(format!("{key}={value}"));
-        }
-        // The caller's secrets reach the keeper's gateway as the variables its credentials
-        // read (in its environment, never on a command line).
-        for (var, value) in &request.secrets {
-            command.env(var, value);
-        }
-        let log_path = cell_dir.join("keeper.log");
-        let log = std::fs::File::create(&log_path)
-            .map_err(|e| HarnessError::internal(format!("creating the keeper log: {e}")))?;
-        let log2 = log
-            .try_clone()
-            .map_err(|e| HarnessError::internal(e.to_string()))?;
-        command
-            .env("WARDEN_RUNTIME_DIR", &self.config.runtime)
-            .env("WARDEN_STATE_DIR", &self.config.state)
-            .stdin(std::process::Stdio::null())
-            .stdout(log)
-            .stderr(log2)
-            // Its own process group: signals meant for the daemon's terminal are not its.
-            .process_group(0)
-            .kill_on_drop(false);
-        let mut child = command.spawn().map_err(|e| {
-            HarnessError::internal(format!(
-                "starting the keeper {}: {e}",
-                self.config.warden_exe.display()
-            ))
-        })?;
-        let socket = self
-            .registry
-            .cell_file(&name, warden_cell::linux::exec::EXEC_SOCKET);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if socket.exists() && self.registry.get(&name).is_ok() {
-                break;
-            }
-            if let Ok(Some(status)) = child.try_wait() {
-                let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-                let message = log
-                    .lines()
-                    .filter_map(|l| l.strip_prefix("warden: "))
-                    .collect::<Vec<_>>()
-                    .join("; ");
-                let message = if message.is_empty() {
-                    format!("the cell's keeper exited with {status}")
-                } else {
-                    message
-                };
+        spec_policy.limits.wall = None;
+        let spec = CellSpec {
+            name: name.clone(),
+            policy: spec_policy,
+            workspace: if from.is_some() {
+                None
+            } else {
+                request.workspace.as_ref().map(PathBuf::from)
+            },
+            from: from.clone(),
+            env: request.env.clone().into_iter().collect(),
+            report: Some(cell_dir.join(ENDING_FILE)),
+            log: Some(cell_dir.join("keeper.log")),
+            secrets: request.secrets.clone().into_iter().collect(),
+        };
+        let backend = Arc::clone(&self.backend);
+        let started = tokio::task::spawn_blocking(move || backend.start(spec))
+            .await
+            .map_err(|e| HarnessError::internal(format!("starting the cell: {e}")))?;
+        let cell = match started {
+            Ok(cell) => cell,
+            Err(StartError::Refused(message)) => {
                 self.record(Some(&name), "cell.fail", json!({ "error": message }))
                     .await?;
                 return Err(HarnessError::bad(format!(
                     "cell `{name}` could not start: {message}"
                 )));
             }
-            if Instant::now() > deadline {
-                let _ = child.start_kill();
-                return Err(HarnessError::internal(format!(
-                    "cell `{name}` did not come up within 30 s (see {})",
-                    log_path.display()
-                )));
+            Err(err @ StartError::TimedOut(_)) => {
+                return Err(HarnessError::internal(err.to_string()));
             }
-            tokio::time::sleep(Duration::from_millis(2)).await;
+            Err(StartError::Host(message)) => {
+                self.record(Some(&name), "cell.fail", json!({ "error": message }))
+                    .await?;
+                return Err(HarnessError::new(
+                    ErrorKind::Unavailable,
+                    format!("cell `{name}` could not start: {message}"),
+                ));
+            }
+        };
+        let pid = cell.pid();
+        if let Ok(mut cells) = self.cells.lock() {
+            cells.insert(name.clone(), cell);
         }
-        // The keeper is our child while this daemon lives: reap it.
-        tokio::spawn(async move {
-            let _ = child.wait().await;
-        });
         self.state.put(&entry)?;
         // A record of an earlier cell of this name is gone with it: copying starts over.
         self.state.set_record_offset(&name, None)?;
@@ -687,17 +643,13 @@ impl Harness {
             copiers.insert(name.clone(), Arc::new(tokio::sync::Mutex::new(0)));
         }
         self.adopt(&entry);
-        self.record(
-            Some(&name),
-            "cell.start",
-            json!({ "pid": self.registry.get(&name).ok().map(|r| r.pid) }),
-        )
-        .await?;
+        self.record(Some(&name), "cell.start", json!({ "pid": pid }))
+            .await?;
         self.watch(name.clone());
         Ok(self.info(&entry))
     }
 
-    fn live(&self, name: &str) -> Result<warden_cell::CellRecord, HarnessError> {
+    fn live(&self, name: &str) -> Result<Arc<dyn Cell>, HarnessError> {
         let entry = self.entry(name)?;
         if entry.ended.is_some() {
             return Err(HarnessError::new(
@@ -708,9 +660,11 @@ impl Harness {
                 ),
             ));
         }
-        self.registry
-            .get(name)
-            .map_err(|_| HarnessError::new(ErrorKind::Conflict, format!("cell `{name}` has ended")))
+        self.cell(name)
+            .filter(|c| !matches!(c.status(), Ok(Status::Ended)))
+            .ok_or_else(|| {
+                HarnessError::new(ErrorKind::Conflict, format!("cell `{name}` has ended"))
+            })
     }
 
     /// Freezes, thaws or kills a cell, from outside.
@@ -720,7 +674,7 @@ impl Harness {
         action: ControlAction,
         by: &str,
     ) -> Result<CellInfo, HarnessError> {
-        self.live(name)?;
+        let cell = self.live(name)?;
         self.record(
             Some(name),
             &format!("cell.{}", action.name()),
@@ -734,30 +688,26 @@ impl Harness {
             l.idle_paused = false;
             l.last_activity = Instant::now();
         }
-        let registry = self.registry.clone();
-        let owned = name.to_owned();
         if action == ControlAction::Kill {
             let _ = std::fs::write(self.daemon_dir.join("cells").join(name).join("killed"), "");
         }
+        let handle = Arc::clone(&cell);
         let result = on_own_thread("cell-control", move || match action {
-            ControlAction::Pause => control::pause(&registry, &owned).map(|_| ()),
-            ControlAction::Resume => control::resume(&registry, &owned).map(|_| ()),
-            ControlAction::Kill => control::kill(&registry, &owned).map(|_| ()),
+            ControlAction::Pause => handle.freeze(),
+            ControlAction::Resume => handle.thaw(),
+            ControlAction::Kill => handle.kill(),
         })
         .await?;
         match result {
             Ok(()) => {}
             // A cell that ended on its own between the check and the kill is what a kill wants.
-            Err(
-                control::ControlError::Gone(_)
-                | control::ControlError::Registry(warden_cell::RegistryError::NotFound(_)),
-            ) if action == ControlAction::Kill => {}
+            Err(CellError::Ended(_)) if action == ControlAction::Kill => {}
             Err(err) => return Err(HarnessError::new(ErrorKind::Conflict, err.to_string())),
         }
         if action == ControlAction::Kill {
-            // Wait (bounded) until the keeper has let go of the cell.
+            // Wait (bounded) until the tier has let go of the cell.
             let deadline = Instant::now() + Duration::from_secs(10);
-            while self.registry.get(name).is_ok() && Instant::now() < deadline {
+            while !matches!(cell.status(), Ok(Status::Ended)) && Instant::now() < deadline {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
             if let Ok(Some(mut entry)) = self.state.get(name)
@@ -775,7 +725,7 @@ impl Harness {
     /// Kills the cell if it runs and forgets it: its workspace layer and egress record go too.
     pub async fn delete(&self, name: &str, by: &str) -> Result<(), HarnessError> {
         let entry = self.entry(name)?;
-        if entry.ended.is_none() && self.registry.get(name).is_ok() {
+        if entry.ended.is_none() && self.live(name).is_ok() {
             self.control(name, ControlAction::Kill, by).await?;
         }
         self.journal_changes(name, "deleted, changes discarded")
@@ -788,7 +738,9 @@ impl Harness {
         if let Ok(mut walled) = self.walled.lock() {
             walled.remove(name);
         }
-        self.drop_line(name);
+        if let Ok(mut cells) = self.cells.lock() {
+            cells.remove(name);
+        }
         let _ = warden_cell::changes::remove(&self.registry, &self.store, name);
         let _ = std::fs::remove_file(self.store.net_log_path(name));
         if let Ok(mut copiers) = self.copiers.lock() {

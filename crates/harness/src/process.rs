@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::watch;
-use warden_cell::linux::exec::ExecSession;
+use warden_cell::Session;
 
 /// Output kept per process for readers that connect late; older chunks are dropped first.
 const KEPT_OUTPUT: usize = 4 * 1024 * 1024;
@@ -122,7 +122,7 @@ pub struct Process {
     version: watch::Sender<u64>,
     /// The connection to the cell's keeper, while the process runs (dropped at its end, so an
     /// ended process holds no descriptor of the daemon's nor a thread of the keeper's).
-    session: Mutex<Option<Arc<ExecSession>>>,
+    session: Mutex<Option<Arc<dyn Session>>>,
     pub(crate) stdin: tokio::sync::Mutex<Option<Input>>,
     terminal: Mutex<Option<Arc<OwnedFd>>>,
     output_limit: Option<u64>,
@@ -136,7 +136,7 @@ impl Process {
         argv: Vec<String>,
         background: bool,
         pid: i32,
-        session: Arc<ExecSession>,
+        session: Arc<dyn Session>,
         stdin: Option<Input>,
     ) -> Self {
         let terminal = match &stdin {
@@ -178,7 +178,7 @@ impl Process {
     pub fn resize(&self, size: crate::TtySize) -> std::io::Result<()> {
         let terminal = self.terminal.lock().ok().and_then(|t| t.clone());
         match terminal {
-            Some(master) => warden_cell::linux::exec::resize(master.as_fd(), size),
+            Some(master) => warden_cell::resize_terminal(master.as_fd(), size),
             None => Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
                 "the process has no terminal (start it with `tty`)",
@@ -240,7 +240,7 @@ impl Process {
     }
 
     /// The keeper connection, while the process runs.
-    pub(crate) fn session(&self) -> Option<Arc<ExecSession>> {
+    pub(crate) fn session(&self) -> Option<Arc<dyn Session>> {
         self.session.lock().ok().and_then(|s| s.clone())
     }
 

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use warden_cell::control;
+use warden_cell::Status;
 use warden_policy::{CommandRules, CommandVerdict, LifecycleAction, Policy};
 
 use crate::{ErrorKind, Harness, HarnessError};
@@ -159,12 +159,15 @@ impl Harness {
         });
     }
 
-    /// Whether the cell still runs, as its keeper's lock says; `None` when that cannot be told
-    /// now. A cell's end is never concluded from a failure to look.
+    /// Whether the cell still runs, as its tier says; `None` when that cannot be told now. A
+    /// cell's end is never concluded from a failure to look.
     pub(crate) fn alive(&self, name: &str) -> Option<bool> {
-        match self.registry.get(name) {
+        let Some(cell) = self.cell(name) else {
+            return Some(false);
+        };
+        match cell.status() {
+            Ok(Status::Ended) => Some(false),
             Ok(_) => Some(true),
-            Err(warden_cell::RegistryError::NotFound(_)) => Some(false),
             Err(_) => None,
         }
     }
@@ -174,7 +177,9 @@ impl Harness {
             live.remove(name);
         }
         let _ = self.state.forget_questions(name);
-        self.drop_line(name);
+        if let Ok(mut cells) = self.cells.lock() {
+            cells.remove(name);
+        }
         if let Ok(Some(mut entry)) = self.state.get(name)
             && entry.ended.is_none()
         {
@@ -258,7 +263,7 @@ impl Harness {
     /// Journals new questions (the entry's sequence number becomes the question's id), answers
     /// those covered by a grant, and notes those that timed out.
     async fn questions(&self, name: &str) {
-        let pending = control::pending_questions(&self.registry, name).unwrap_or_default();
+        let pending = self.cell(name).map(|c| c.questions()).unwrap_or_default();
         let open: HashSet<u64> = pending.iter().map(|q| q.id).collect();
         let mut gone = Vec::new();
         let known: HashSet<u64> = self
@@ -527,7 +532,7 @@ impl Harness {
                     })
                 })
                 .unwrap_or_default();
-            for q in control::pending_questions(&self.registry, &name).unwrap_or_default() {
+            for q in self.cell(&name).map(|c| c.questions()).unwrap_or_default() {
                 let Some(seq) = seen.get(&q.id) else { continue };
                 out.push(Approval {
                     cell: name.clone(),
@@ -607,7 +612,11 @@ impl Harness {
         };
         self.record_answer(name, id, &request, allow, scope, by)
             .await?;
-        control::answer_question(&self.registry, name, gateway_id, allow)
+        self.cell(name)
+            .ok_or_else(|| {
+                HarnessError::new(ErrorKind::NotFound, format!("cell `{name}` has ended"))
+            })?
+            .answer(gateway_id, allow)
             .map_err(|e| HarnessError::new(ErrorKind::NotFound, e.to_string()))?;
         self.remember_grant(name, request, grant, allow, scope, by)
     }
@@ -701,9 +710,8 @@ impl Harness {
         };
         if action == LifecycleAction::Pause
             && self
-                .registry
-                .get(name)
-                .is_ok_and(|r| control::is_paused(&r))
+                .cell(name)
+                .is_some_and(|c| matches!(c.status(), Ok(Status::Paused)))
         {
             return;
         }

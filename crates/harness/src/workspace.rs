@@ -66,7 +66,7 @@ impl Harness {
     ) -> Result<Snapshot, HarnessError> {
         self.entry(name)?;
         if let Some(snap) = as_name {
-            warden_cell::linux::plan::check_name(snap)
+            warden_cell::check_name(snap)
                 .map_err(|e| HarnessError::bad(format!("snapshot name: {e}")))?;
         }
         self.record(Some(name), "workspace.snapshot", json!({ "as": as_name }))
@@ -341,13 +341,10 @@ impl Harness {
                 .join("policy-update.yaml");
             std::fs::write(&file, yaml)
                 .map_err(|e| HarnessError::internal(format!("writing {}: {e}", file.display())))?;
-            let registry = self.registry.clone();
-            let owned = name.to_owned();
-            crate::on_own_thread("cell-policy", move || {
-                warden_cell::control::set_network_policy(&registry, &owned, &file)
-            })
-            .await?
-            .map_err(|e| HarnessError::new(ErrorKind::Conflict, e.to_string()))?
+            let cell = self.live(name)?;
+            crate::on_own_thread("cell-policy", move || cell.set_network_rules(&file))
+                .await?
+                .map_err(|e| HarnessError::new(ErrorKind::Conflict, e.to_string()))?
         } else {
             0
         };

@@ -60,6 +60,24 @@ mod tests {
         assert_eq!(preset("default").unwrap(), Policy::default());
     }
 
+    /// A resolved policy travels as JSON (a cell spec to its tier): it must come back the same.
+    #[test]
+    fn every_preset_survives_a_json_round_trip() {
+        for (name, _, _) in PRESETS {
+            let policy = preset(name).unwrap();
+            let text = serde_json::to_string(&policy).unwrap();
+            let back: Policy = serde_json::from_str(&text).unwrap();
+            assert_eq!(back, policy, "{name}: {text}");
+        }
+        let full = crate::from_yaml(
+            "t",
+            "version: 1\nlimits: {memory: 64MiB, wall: 90s, disk: 1GiB}\nnetwork:\n  allow: [{host: 10.0.0.1, ports: [80]}]\n  ask: [{host: example.org}]\n",
+        )
+        .unwrap();
+        let back: Policy = serde_json::from_str(&serde_json::to_string(&full).unwrap()).unwrap();
+        assert_eq!(back, full);
+    }
+
     #[test]
     fn unknown_preset_lists_known_ones() {
         let err = preset("nope").unwrap_err().to_string();

@@ -10,7 +10,7 @@ use super::*;
 /// `CELL:PATH`, when the text names a cell side.
 fn cell_side(text: &str) -> Option<(&str, &str)> {
     let (cell, path) = text.split_once(':')?;
-    warden_cell::linux::plan::check_name(cell).ok()?;
+    warden_cell::check_name(cell).ok()?;
     Some((cell, path))
 }
 

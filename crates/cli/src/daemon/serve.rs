@@ -1,9 +1,8 @@
 //! `warden serve` and `warden keep` (the keeper of one daemon cell).
 
-use crate::cli::KeepArgs;
 use anyhow::{Context, Result};
 use std::path::PathBuf;
-use warden_cell::{Registry, RunRequest, Store};
+use warden_cell::Store;
 
 use super::*;
 
@@ -14,16 +13,25 @@ pub fn serve(
     journal_keep_segments: Option<usize>,
 ) -> Result<i32> {
     let keeper_open_files = raise_open_files_limit();
+    let backend = warden_cell::tier::backend(
+        warden_policy::Tier::Process,
+        warden_cell::ProcessConfig {
+            runtime: runtime(),
+            state: Store::default_root(),
+            warden_exe: std::env::current_exe().context("finding the warden binary")?,
+            keeper_open_files,
+            keeper_env: Vec::new(),
+        },
+    )?;
     let config = warden_server::ServeConfig {
         harness: warden_harness::Config {
             runtime: runtime(),
             state: Store::default_root(),
-            warden_exe: std::env::current_exe().context("finding the warden binary")?,
             journal_segments: warden_journal::Segments {
                 bytes: journal_segment_mib.saturating_mul(1024 * 1024),
                 keep: journal_keep_segments,
             },
-            keeper_open_files,
+            backend,
         },
         listen,
         token_file,
@@ -66,57 +74,12 @@ fn raise_open_files_limit() -> Option<u64> {
     Some(soft)
 }
 
-/// Takes back the soft limit of open files the daemon had before it raised its own.
-fn restore_open_files_limit(soft: u64) -> Result<()> {
-    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
-    let maximum = getrlimit(Resource::Nofile).maximum;
-    setrlimit(
-        Resource::Nofile,
-        Rlimit {
-            current: Some(maximum.map_or(soft, |hard| soft.min(hard))),
-            maximum,
-        },
-    )
-    .context("setting the soft limit of open files")
-}
-
-/// `warden keep`: the keeper of one daemon cell, an exec-serving cell without a command.
-pub fn keep(args: KeepArgs) -> Result<i32> {
-    if let Some(soft) = args.open_files {
-        restore_open_files_limit(soft)?;
-    }
-    let mut policy = match (&args.policy, &args.preset) {
-        (Some(file), _) => warden_policy::from_file(file)?,
-        (None, Some(preset)) => warden_policy::preset(preset)?,
-        (None, None) => warden_policy::preset("default")?,
-    };
-    if args.no_wall {
-        policy.limits.wall = None;
-    }
-    let env = pairs(&args.env, "env")?.into_iter().collect();
-    let store = Store::open(Store::default_root())?;
-    let from = match &args.from {
-        Some(id) => Some(warden_cell::snapshot::get(&store, id)?),
-        None => None,
-    };
-    let request = RunRequest {
-        policy,
-        name: Some(args.name),
-        workspace: if from.is_some() { None } else { args.workspace },
-        argv: Vec::new(),
-        env,
-        discard_changes: false,
-        from,
-        serve_exec: true,
-        report: args.report,
-    };
-    let outcome = warden_cell::run(&Registry::open(Registry::default_root())?, &store, request)?;
-    for notice in &outcome.notices {
+/// `warden keep`: the keeper of one daemon cell, an exec-serving cell without a command. It
+/// takes its request (a serialized cell spec) as JSON on stdin.
+pub fn keep() -> Result<i32> {
+    let (status, notices) = warden_cell::keep(std::io::stdin().lock())?;
+    for notice in &notices {
         eprintln!("warden: note: {notice}");
     }
-    Ok(match outcome.ending {
-        warden_cell::Ending::Exited(code) => code,
-        warden_cell::Ending::Signaled(signal) => 128 + signal,
-        _ => warden_protocol::exit::KILLED,
-    })
+    Ok(status)
 }

@@ -51,7 +51,6 @@ pub struct OverlayPlan {
 /// A cell, ready to be built.
 #[derive(Debug, Clone)]
 pub struct CellPlan {
-    pub name: String,
     pub hostname: String,
     /// Empty host directory the new root is assembled on (in the cell's own mount namespace).
     pub root: PathBuf,

@@ -149,26 +149,6 @@ pub struct ExecSession {
 }
 
 impl ExecSession {
-    /// Asks the keeper of cell `name` to start a process with these descriptors as its stdio
-    /// (none for a process on a terminal: see `ExecRequest::tty`).
-    pub fn start(
-        registry: &Registry,
-        name: &str,
-        request: &ExecRequest,
-        stdio: Option<[&OwnedFd; 3]>,
-    ) -> Result<Self, ExecError> {
-        let socket = connect_keeper(registry, name)?;
-        let message = Request::Exec {
-            id: 0,
-            request: request.clone(),
-        };
-        send_request(name, &socket, &message, None, stdio)?;
-        Ok(Self {
-            cell: name.to_owned(),
-            socket,
-        })
-    }
-
     /// Like `start`, over a line straight to the cell's init: no keeper in between.
     /// `LineClosed` when the line no longer leads anywhere (open a new one).
     pub fn start_on(
@@ -224,17 +204,6 @@ impl ExecSession {
                 socket: ours,
             }),
         }
-    }
-
-    /// The next event; `CellEnded` when the keeper went away first.
-    pub fn next_event(&self) -> Result<ExecEvent, ExecError> {
-        self.next_event_with_fds().map(|(event, _)| event)
-    }
-
-    /// The next event with the descriptors that came with it (a terminal's master comes with
-    /// `started`).
-    pub fn next_event_with_fds(&self) -> Result<(ExecEvent, Vec<OwnedFd>), ExecError> {
-        self.decode(sys::receive_message(self.socket.as_fd()))
     }
 
     /// The next event if one has arrived, without waiting (`None` when none has): for callers

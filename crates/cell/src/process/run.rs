@@ -368,7 +368,6 @@ pub fn run(
     }
     let mut plan = CellPlan {
         sources: Vec::new(),
-        name: name.clone(),
         hostname: policy
             .process
             .hostname

@@ -1,0 +1,429 @@
+//! The process tier behind the tier boundary: a cell is kept by its own small warden process
+//! (the keeper, `warden keep`), which takes a [`KeeperRequest`] as JSON on its stdin, holds the
+//! cell's lifeline and gateway, and routes execs to the cell's init. Keepers do not depend on
+//! whoever started them, so a daemon that dies leaves its cells running; the next one adopts
+//! them through the registry.
+
+use std::io::Write as _;
+use std::os::fd::OwnedFd;
+use std::os::unix::process::CommandExt as _;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use warden_policy::Tier;
+
+use super::control::{self, ApprovalError, ControlError, PolicySetError};
+use super::exec::{EXEC_SOCKET, ExecError, ExecSession, Line};
+use super::registry::{CellRecord, Registry, RegistryError};
+use super::run::{Ending, RunError, RunRequest};
+use super::store::Store;
+use crate::tier::{
+    Backend, Cell, CellError, CellSpec, Check, ExecEvent, ExecRequest, FileOp, ProcessConfig,
+    Question, Session, StartError, Status,
+};
+
+/// What a keeper is asked to keep.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct KeeperRequest {
+    pub spec: CellSpec,
+    /// The soft limit of open files to take back (the daemon raised its own).
+    #[serde(default)]
+    pub open_files: Option<u64>,
+}
+
+/// How long a keeper may take to bring its cell up.
+const START_DEADLINE: Duration = Duration::from_secs(30);
+
+#[derive(Debug)]
+pub struct ProcessBackend {
+    config: ProcessConfig,
+    registry: Registry,
+}
+
+impl ProcessBackend {
+    pub fn open(config: ProcessConfig) -> Result<Self, CellError> {
+        let registry =
+            Registry::open(config.runtime.clone()).map_err(|e| CellError::Host(e.to_string()))?;
+        Store::open(config.state.clone()).map_err(|e| CellError::Host(e.to_string()))?;
+        // Listing removes the runtime folders and cgroups of cells whose keepers died.
+        let _ = registry.list();
+        Ok(Self { config, registry })
+    }
+
+    fn handle(&self, record: CellRecord, keeper: Option<Child>) -> Arc<dyn Cell> {
+        Arc::new(ProcessCell {
+            registry: self.registry.clone(),
+            record,
+            line: Mutex::new(None),
+            keeper: Mutex::new(keeper),
+        })
+    }
+}
+
+impl Backend for ProcessBackend {
+    fn tier(&self) -> Tier {
+        Tier::Process
+    }
+
+    fn check_name(&self, name: &str) -> Result<(), CellError> {
+        super::plan::check_name(name).map_err(|e| CellError::Invalid(e.to_string()))
+    }
+
+    fn start(&self, spec: CellSpec) -> Result<Arc<dyn Cell>, StartError> {
+        let name = spec.name.clone();
+        let log_path = spec.log.clone();
+        let mut command = Command::new(&self.config.warden_exe);
+        command.arg("keep");
+        let open = |path: &Path| {
+            std::fs::File::create(path)
+                .map_err(|e| StartError::Host(format!("creating {}: {e}", path.display())))
+        };
+        let (out, err) = match &log_path {
+            Some(path) => {
+                let log = open(path)?;
+                let copy = log
+                    .try_clone()
+                    .map_err(|e| StartError::Host(format!("the keeper's log: {e}")))?;
+                (Stdio::from(log), Stdio::from(copy))
+            }
+            None => (Stdio::null(), Stdio::null()),
+        };
+        // The caller's secrets reach the keeper's gateway as the variables its credentials
+        // read: in its environment, never on a command line or in a file.
+        for (var, value) in &spec.secrets {
+            command.env(var, value);
+        }
+        command
+            .envs(self.config.keeper_env.iter().map(|(k, v)| (k, v)))
+            .env("WARDEN_RUNTIME_DIR", &self.config.runtime)
+            .env("WARDEN_STATE_DIR", &self.config.state)
+            .stdin(Stdio::piped())
+            .stdout(out)
+            .stderr(err)
+            // Its own process group: signals meant for the caller's terminal are not its.
+            .process_group(0);
+        let request = serde_json::to_vec(&KeeperRequest {
+            spec,
+            open_files: self.config.keeper_open_files,
+        })
+        .map_err(|e| StartError::Host(format!("writing the keeper's request: {e}")))?;
+        let mut child = command.spawn().map_err(|e| {
+            StartError::Host(format!(
+                "starting the keeper {}: {e}",
+                self.config.warden_exe.display()
+            ))
+        })?;
+        if let Some(mut stdin) = child.stdin.take() {
+            // A keeper that died at once says why in its log (below), not through this write.
+            let _ = stdin.write_all(&request);
+        }
+        let socket = self.registry.cell_file(&name, EXEC_SOCKET);
+        let deadline = Instant::now() + START_DEADLINE;
+        loop {
+            if socket.exists()
+                && let Ok(record) = self.registry.get(&name)
+            {
+                return Ok(self.handle(record, Some(child)));
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                let said = log_path
+                    .as_ref()
+                    .and_then(|p| std::fs::read_to_string(p).ok())
+                    .unwrap_or_default();
+                let message = said
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("warden: "))
+                    .collect::<Vec<_>>()
+                    .join("; ");
+                return Err(StartError::Refused(if message.is_empty() {
+                    format!("the cell's keeper exited with {status}")
+                } else {
+                    message
+                }));
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(StartError::TimedOut(format!(
+                    "cell `{name}` did not come up within {} s{}",
+                    START_DEADLINE.as_secs(),
+                    log_path
+                        .map(|p| format!(" (see {})", p.display()))
+                        .unwrap_or_default()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    fn adopt(&self, name: &str) -> Result<Option<Arc<dyn Cell>>, CellError> {
+        match self.registry.get(name) {
+            Ok(record) => Ok(Some(self.handle(record, None))),
+            Err(RegistryError::NotFound(_)) => Ok(None),
+            Err(err) => Err(CellError::Host(err.to_string())),
+        }
+    }
+
+    fn exists(&self, name: &str) -> bool {
+        self.registry.get(name).is_ok()
+    }
+
+    fn probe(&self) -> Vec<Check> {
+        super::probe::run_all()
+    }
+}
+
+/// One cell of the process tier: its record (pid, cgroup) as its keeper published it, the line
+/// to its init once one is open, and its keeper where this process started it (to be reaped).
+#[derive(Debug)]
+pub struct ProcessCell {
+    registry: Registry,
+    record: CellRecord,
+    line: Mutex<Option<Arc<Line>>>,
+    keeper: Mutex<Option<Child>>,
+}
+
+impl ProcessCell {
+    fn name_str(&self) -> &str {
+        &self.record.name
+    }
+
+    fn ended(&self) -> CellError {
+        CellError::Ended(format!("cell `{}` has ended", self.name_str()))
+    }
+
+    /// The registry's record, if it is still this cell's (not a later one of the same name).
+    fn current(&self) -> Result<Option<CellRecord>, CellError> {
+        match self.registry.get(self.name_str()) {
+            Ok(record)
+                if record.pid == self.record.pid && record.pid_start == self.record.pid_start =>
+            {
+                Ok(Some(record))
+            }
+            Ok(_) | Err(RegistryError::NotFound(_)) => Ok(None),
+            Err(err) => Err(CellError::Host(err.to_string())),
+        }
+    }
+
+    fn reap(&self) {
+        if let Ok(mut keeper) = self.keeper.lock()
+            && let Some(child) = keeper.as_mut()
+            && matches!(child.try_wait(), Ok(Some(_)))
+        {
+            *keeper = None;
+        }
+    }
+
+    /// Sends something over the line to the cell's init, opening a line first where there is
+    /// none (or the last one closed: the keeper hands out a new one).
+    fn with_line<T>(&self, send: impl Fn(&Line) -> Result<T, ExecError>) -> Result<T, CellError> {
+        let cached = self.line.lock().ok().and_then(|l| l.clone());
+        if let Some(line) = cached {
+            match send(&line) {
+                Err(ExecError::LineClosed(_)) => {
+                    if let Ok(mut l) = self.line.lock() {
+                        *l = None;
+                    }
+                }
+                sent => return sent.map_err(exec_error),
+            }
+        }
+        let line = Arc::new(Line::open(&self.registry, self.name_str()).map_err(exec_error)?);
+        if let Ok(mut l) = self.line.lock() {
+            *l = Some(Arc::clone(&line));
+        }
+        send(&line).map_err(exec_error)
+    }
+}
+
+impl Cell for ProcessCell {
+    fn name(&self) -> &str {
+        self.name_str()
+    }
+
+    fn pid(&self) -> Option<i32> {
+        Some(self.record.pid)
+    }
+
+    fn status(&self) -> Result<Status, CellError> {
+        self.reap();
+        Ok(match self.current()? {
+            Some(record) if control::is_paused(&record) => Status::Paused,
+            Some(_) => Status::Running,
+            None => Status::Ended,
+        })
+    }
+
+    fn oom_kills(&self) -> Option<u64> {
+        self.record.cgroup.as_ref().map(|cg| cg.oom_kills())
+    }
+
+    fn freeze(&self) -> Result<(), CellError> {
+        control::pause(&self.registry, self.name_str())
+            .map(|_| ())
+            .map_err(control_error)
+    }
+
+    fn thaw(&self) -> Result<(), CellError> {
+        control::resume(&self.registry, self.name_str())
+            .map(|_| ())
+            .map_err(control_error)
+    }
+
+    fn kill(&self) -> Result<(), CellError> {
+        if self.current()?.is_none() {
+            return Err(self.ended());
+        }
+        control::kill(&self.registry, self.name_str())
+            .map(|_| ())
+            .map_err(control_error)
+    }
+
+    fn exec(
+        &self,
+        request: &ExecRequest,
+        stdio: Option<[&OwnedFd; 3]>,
+    ) -> Result<Arc<dyn Session>, CellError> {
+        let session = self.with_line(|line| ExecSession::start_on(line, request, stdio))?;
+        Ok(Arc::new(session))
+    }
+
+    fn file_op(
+        &self,
+        root: &str,
+        op: &FileOp,
+        stdio: [&OwnedFd; 3],
+    ) -> Result<Arc<dyn Session>, CellError> {
+        let session = self.with_line(|line| ExecSession::files_on(line, root, op, stdio))?;
+        Ok(Arc::new(session))
+    }
+
+    fn questions(&self) -> Vec<Question> {
+        control::pending_questions(&self.registry, self.name_str()).unwrap_or_default()
+    }
+
+    fn answer(&self, id: u64, allow: bool) -> Result<(), CellError> {
+        control::answer_question(&self.registry, self.name_str(), id, allow).map_err(|e| match e {
+            ApprovalError::Registry(RegistryError::NotFound(_)) => self.ended(),
+            ApprovalError::Registry(other) => CellError::Host(other.to_string()),
+            ApprovalError::Answer(answer) => CellError::Invalid(answer.to_string()),
+        })
+    }
+
+    fn set_network_rules(&self, file: &Path) -> Result<u64, CellError> {
+        control::set_network_policy(&self.registry, self.name_str(), file).map_err(|e| match e {
+            PolicySetError::Registry(RegistryError::NotFound(_)) => self.ended(),
+            PolicySetError::Policy(_) | PolicySetError::Rules(_) => {
+                CellError::Invalid(e.to_string())
+            }
+            PolicySetError::Io { .. } | PolicySetError::Registry(_) => {
+                CellError::Host(e.to_string())
+            }
+            PolicySetError::NoGateway(_)
+            | PolicySetError::NoAnswer(_)
+            | PolicySetError::Refused { .. } => CellError::Refused(e.to_string()),
+        })
+    }
+}
+
+impl Session for ExecSession {
+    fn try_next_event(&self) -> Result<Option<(ExecEvent, Vec<OwnedFd>)>, CellError> {
+        self.try_next_event_with_fds().map_err(exec_error)
+    }
+
+    fn signal(&self, signal: i32) -> Result<(), CellError> {
+        ExecSession::signal(self, signal).map_err(exec_error)
+    }
+}
+
+fn exec_error(err: ExecError) -> CellError {
+    match &err {
+        ExecError::Registry(RegistryError::NotFound(_))
+        | ExecError::CellEnded(_)
+        | ExecError::LineClosed(_) => CellError::Ended(err.to_string()),
+        ExecError::NotServing(_) => CellError::Refused(err.to_string()),
+        ExecError::Registry(_) | ExecError::Io { .. } | ExecError::Protocol { .. } => {
+            CellError::Host(err.to_string())
+        }
+    }
+}
+
+fn control_error(err: ControlError) -> CellError {
+    match &err {
+        ControlError::Registry(RegistryError::NotFound(_)) | ControlError::Gone(_) => {
+            CellError::Ended(err.to_string())
+        }
+        ControlError::NoFreezer(_) => CellError::Refused(err.to_string()),
+        ControlError::Registry(_) | ControlError::Cgroup(_) | ControlError::Signal { .. } => {
+            CellError::Host(err.to_string())
+        }
+    }
+}
+
+/// Why a keeper could not keep its cell.
+#[derive(Debug, thiserror::Error)]
+pub enum KeepError {
+    #[error("reading the keeper's request from stdin: {0}")]
+    Request(String),
+    #[error("setting the soft limit of open files: {0}")]
+    OpenFiles(std::io::Error),
+    #[error(transparent)]
+    Store(#[from] super::store::StoreError),
+    #[error(transparent)]
+    Snapshot(#[from] super::snapshot::SnapshotError),
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+    #[error(transparent)]
+    Run(#[from] RunError),
+}
+
+/// The keeper of one cell (`warden keep`): reads its [`KeeperRequest`] from `input`, runs the
+/// cell to serve execs until it ends, and returns the exit status to leave with.
+pub fn keep(input: impl std::io::Read) -> Result<(i32, Vec<String>), KeepError> {
+    let request: KeeperRequest =
+        serde_json::from_reader(input).map_err(|e| KeepError::Request(e.to_string()))?;
+    if let Some(soft) = request.open_files {
+        restore_open_files_limit(soft).map_err(KeepError::OpenFiles)?;
+    }
+    let spec = request.spec;
+    let store = Store::open(Store::default_root())?;
+    let from = match &spec.from {
+        Some(id) => Some(super::snapshot::get(&store, id)?),
+        None => None,
+    };
+    let run = RunRequest {
+        policy: spec.policy,
+        name: Some(spec.name),
+        workspace: if from.is_some() { None } else { spec.workspace },
+        argv: Vec::new(),
+        env: spec.env,
+        discard_changes: false,
+        from,
+        serve_exec: true,
+        report: spec.report,
+    };
+    let outcome = super::run::run(&Registry::open(Registry::default_root())?, &store, run)?;
+    let status = match outcome.ending {
+        Ending::Exited(code) => code,
+        Ending::Signaled(signal) => 128 + signal,
+        _ => warden_protocol::exit::KILLED,
+    };
+    Ok((status, outcome.notices))
+}
+
+/// Takes back the soft limit of open files the daemon had before it raised its own.
+fn restore_open_files_limit(soft: u64) -> std::io::Result<()> {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let maximum = getrlimit(Resource::Nofile).maximum;
+    setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(maximum.map_or(soft, |hard| soft.min(hard))),
+            maximum,
+        },
+    )
+    .map_err(std::io::Error::from)
+}

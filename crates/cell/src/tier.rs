@@ -1,0 +1,195 @@
+//! The tier boundary: what the harness asks of an isolation tier, and nothing more.
+//!
+//! A [`Backend`] makes cells from a typed [`CellSpec`] and takes back the ones that still run
+//! after a daemon restart; a [`Cell`] is the handle of one of them: exec and file operations
+//! (each a [`Session`] that yields typed [`ExecEvent`]s), freeze, thaw and kill from outside,
+//! its status, and its egress gateway's questions and rules. The process tier
+//! (`crates/cell/src/process`) is one implementation; the `fake` feature gives another, for
+//! tests of the harness without root and without the kernel's isolation. A new tier plugs in
+//! here: it implements these three traits and gets a case in [`backend`].
+//!
+//! Everything here is blocking: the harness calls it on threads of its own (control never
+//! waits behind work a cell can stall) or on the runtime's blocking pool.
+
+use std::fmt::Debug;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use warden_policy::{Policy, Tier};
+
+pub use crate::process::exec::{ExecEvent, ExecRequest};
+pub use crate::process::files::{FileEntry, FileError, FileErrorKind, FileOp};
+pub use warden_egress::Question;
+
+/// Everything a tier needs to make one cell: a serialized request, the same for every tier
+/// (the process tier hands it to the cell's keeper as JSON on its stdin).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CellSpec {
+    pub name: String,
+    /// The policy in force, resolved (presets and `extends:` already applied).
+    pub policy: Policy,
+    /// Host directory at the policy's workspace mount (copy-on-write).
+    #[serde(default)]
+    pub workspace: Option<PathBuf>,
+    /// Start from this snapshot (`CELL@SNAP`) instead of a workspace.
+    #[serde(default)]
+    pub from: Option<String>,
+    /// Added to the environment of every process of the cell.
+    #[serde(default)]
+    pub env: Vec<(String, String)>,
+    /// Where the tier writes how the cell ended (JSON), before its name is released.
+    #[serde(default)]
+    pub report: Option<PathBuf>,
+    /// Where the tier writes what it has to say while it keeps the cell.
+    #[serde(default)]
+    pub log: Option<PathBuf>,
+    /// The variables its credentials read (`from_env`), with their values. Never serialized:
+    /// the process tier passes them in its keeper's environment, never in a file or argv.
+    #[serde(skip)]
+    pub secrets: Vec<(String, String)>,
+}
+
+/// A cell's state as its tier sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    Running,
+    Paused,
+    Ended,
+}
+
+/// Why a tier could not do what it was asked; each carries the whole message.
+#[derive(Debug, thiserror::Error)]
+pub enum CellError {
+    /// The cell does not run (any more).
+    #[error("{0}")]
+    Ended(String),
+    /// The cell runs, but cannot do this now (paused, no freezer, no gateway, its keeper is
+    /// busy or refused).
+    #[error("{0}")]
+    Refused(String),
+    /// This tier cannot do this at all.
+    #[error("{0}")]
+    Unsupported(String),
+    /// A request that could never succeed (a bad name, a rule file that does not parse).
+    #[error("{0}")]
+    Invalid(String),
+    /// The host is short of something, or failed: trying again later may work.
+    #[error("{0}")]
+    Host(String),
+}
+
+/// A cell could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// What the tier said, in its words (the policy cannot be met here, the name is taken...).
+    #[error("{0}")]
+    Refused(String),
+    /// It did not come up in time.
+    #[error("{0}")]
+    TimedOut(String),
+    #[error("{0}")]
+    Host(String),
+}
+
+/// One process (or file operation) started in a cell, seen from outside: its events arrive on
+/// a descriptor that polls readable when one is there (`AsRawFd`), so that a caller can await
+/// them on an event loop; signals reach it through here.
+pub trait Session: AsRawFd + Send + Sync + Debug {
+    /// The next event, if one has arrived, with the descriptors that came with it (a
+    /// terminal's master comes with `started`); `None` when none has yet. `Ended` when the
+    /// cell went away first.
+    fn try_next_event(&self) -> Result<Option<(ExecEvent, Vec<OwnedFd>)>, CellError>;
+    /// Sends a signal to the process's group.
+    fn signal(&self, signal: i32) -> Result<(), CellError>;
+}
+
+/// The handle of one running cell.
+pub trait Cell: Send + Sync + Debug {
+    fn name(&self) -> &str;
+    /// The host pid of the cell's first process, where the tier has one.
+    fn pid(&self) -> Option<i32>;
+    /// Whether it runs; `Err` when that cannot be told now (never taken for an end).
+    fn status(&self) -> Result<Status, CellError>;
+    /// How many processes its memory limit has killed so far, where the tier counts them.
+    fn oom_kills(&self) -> Option<u64>;
+    fn freeze(&self) -> Result<(), CellError>;
+    fn thaw(&self) -> Result<(), CellError>;
+    /// Ends every process of the cell, frozen or not. `Ended` when it had ended already.
+    fn kill(&self) -> Result<(), CellError>;
+    /// Starts a process: with these descriptors as its stdin, stdout and stderr, or, where the
+    /// request asks for a terminal, on one of the cell's own (its master comes back).
+    fn exec(
+        &self,
+        request: &ExecRequest,
+        stdio: Option<[&OwnedFd; 3]>,
+    ) -> Result<Arc<dyn Session>, CellError>;
+    /// Runs one file operation inside the cell, relative to `root` (a directory of the cell):
+    /// stdin, stdout and stderr carry its data, its answer and its error (a [`FileError`]).
+    fn file_op(
+        &self,
+        root: &str,
+        op: &FileOp,
+        stdio: [&OwnedFd; 3],
+    ) -> Result<Arc<dyn Session>, CellError>;
+    /// The questions its gateway's `ask` rules are waiting on, oldest first.
+    fn questions(&self) -> Vec<Question>;
+    /// Answers question `id` of its gateway.
+    fn answer(&self, id: u64, allow: bool) -> Result<(), CellError>;
+    /// Replaces its gateway's network rules with those of the policy in `file`; how many open
+    /// connections the new rules closed.
+    fn set_network_rules(&self, file: &std::path::Path) -> Result<u64, CellError>;
+}
+
+/// What a doctor's check found.
+pub use crate::process::probe::{Check, Status as CheckStatus};
+
+/// An isolation tier.
+pub trait Backend: Send + Sync + Debug {
+    /// The tier's name, as policies name it.
+    fn tier(&self) -> Tier;
+    /// Whether `name` can name a cell of this tier.
+    fn check_name(&self, name: &str) -> Result<(), CellError>;
+    /// Makes a cell and returns once it takes execs.
+    fn start(&self, spec: CellSpec) -> Result<Arc<dyn Cell>, StartError>;
+    /// Takes back a cell started earlier (by this process or another): `None` once it has
+    /// ended; `Err` when that cannot be told now.
+    fn adopt(&self, name: &str) -> Result<Option<Arc<dyn Cell>>, CellError>;
+    /// Whether a cell of this name runs now (made by anyone: a daemon, a `warden run`).
+    fn exists(&self, name: &str) -> bool {
+        matches!(self.adopt(name), Ok(Some(_)))
+    }
+    /// What the host offers this tier (for `warden doctor`).
+    fn probe(&self) -> Vec<Check>;
+}
+
+/// Where the process tier keeps things, and how it starts keepers.
+#[derive(Debug, Clone)]
+pub struct ProcessConfig {
+    /// The runtime directory (the cells' registry).
+    pub runtime: PathBuf,
+    /// The state directory (layers, egress records).
+    pub state: PathBuf,
+    /// The `warden` binary, started as each cell's keeper (`warden keep`).
+    pub warden_exe: PathBuf,
+    /// The soft limit of open files to give keepers (and so cells) back, where the caller
+    /// raised its own.
+    pub keeper_open_files: Option<u64>,
+    /// Environment the keepers get besides the secrets (where they find the directories).
+    pub keeper_env: Vec<(String, String)>,
+}
+
+/// The backend of a tier. Only the process tier is built in so far; the others are refused
+/// with what to use instead.
+pub fn backend(tier: Tier, config: ProcessConfig) -> Result<Arc<dyn Backend>, CellError> {
+    match tier {
+        Tier::Process => Ok(Arc::new(crate::process::backend::ProcessBackend::open(
+            config,
+        )?)),
+        other => Err(CellError::Unsupported(format!(
+            "the {} tier is not built in yet: only the process tier is (use `tier: process`)",
+            other.name()
+        ))),
+    }
+}

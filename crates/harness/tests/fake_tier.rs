@@ -1,0 +1,415 @@
+//! The harness driven through the tier boundary's second implementation, the fake tier: create,
+//! exec, pause, resume, kill, approvals and journaling, as an ordinary user, with no root and no
+//! kernel isolation. What these prove is the harness's own work (what it checks, journals,
+//! refuses and hands to the tier), whatever the tier.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed step is a failed test
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::Value;
+use warden_cell::fake::FakeBackend;
+use warden_harness::{
+    CellState, Config, ControlAction, CreateCell, ErrorKind, ExecSpec, ExitReason, Harness, Item,
+    Scope, Stream,
+};
+
+struct Setup {
+    _dir: tempfile::TempDir,
+    harness: Arc<Harness>,
+    fake: Arc<FakeBackend>,
+}
+
+async fn setup() -> Setup {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = FakeBackend::new(&dir.path().join("cells"));
+    let harness = Harness::open(Config {
+        runtime: dir.path().join("run"),
+        state: dir.path().join("state"),
+        journal_segments: Default::default(),
+        backend: fake.clone(),
+    })
+    .await
+    .unwrap();
+    Setup {
+        _dir: dir,
+        harness,
+        fake,
+    }
+}
+
+fn create(name: &str, policy: Option<&str>) -> CreateCell {
+    CreateCell {
+        name: Some(name.to_owned()),
+        policy: policy.map(str::to_owned),
+        ..Default::default()
+    }
+}
+
+fn exec(argv: &[&str]) -> ExecSpec {
+    ExecSpec {
+        argv: argv.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    }
+}
+
+/// Kinds of the journal's entries about `cell`, in order.
+async fn kinds(harness: &Harness, cell: &str) -> Vec<String> {
+    entries(harness, cell)
+        .await
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap_or_default().to_owned())
+        .collect()
+}
+
+async fn entries(harness: &Harness, cell: &str) -> Vec<Value> {
+    harness
+        .entries_after(0, Some(cell.to_owned()))
+        .await
+        .unwrap()
+}
+
+/// Reads a process to its end: (stdout, stderr, exit).
+async fn finish(process: &warden_harness::Process) -> (String, String, warden_harness::ExitInfo) {
+    let mut cursor = 0;
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    loop {
+        let item = tokio::time::timeout(Duration::from_secs(20), process.next(&mut cursor))
+            .await
+            .expect("the process ended in time");
+        match item {
+            Item::Output(Stream::Stdout, data) => out.extend_from_slice(&data),
+            Item::Output(Stream::Stderr, data) => err.extend_from_slice(&data),
+            Item::Dropped(_) => {}
+            Item::Exit(exit) => {
+                return (
+                    String::from_utf8_lossy(&out).into_owned(),
+                    String::from_utf8_lossy(&err).into_owned(),
+                    exit,
+                );
+            }
+        }
+    }
+}
+
+async fn wait_for(what: &str, mut check: impl AsyncFnMut() -> bool) {
+    for _ in 0..400 {
+        if check().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+#[tokio::test]
+async fn a_cell_is_made_from_a_typed_spec_and_an_exec_is_journaled_from_start_to_end() {
+    let s = setup().await;
+    let info = s
+        .harness
+        .create(CreateCell {
+            env: [("GREETING".to_owned(), "hello".to_owned())].into(),
+            ..create("one", None)
+        })
+        .await
+        .unwrap();
+    assert_eq!(info.state, CellState::Running);
+    let cell = s.fake.cell("one").expect("the tier was asked for the cell");
+    // The tier got the resolved policy and the environment; the wall clock stays the harness's.
+    assert_eq!(cell.spec().policy.limits.wall, None);
+    assert_eq!(
+        cell.spec().env,
+        vec![("GREETING".to_owned(), "hello".to_owned())]
+    );
+    let process = s
+        .harness
+        .exec(
+            "one",
+            exec(&["sh", "-c", "echo \"$GREETING\"; echo oops >&2; exit 3"]),
+        )
+        .await
+        .unwrap();
+    let (out, err, exit) = finish(&process).await;
+    assert_eq!((out.as_str(), err.as_str()), ("hello\n", "oops\n"));
+    assert_eq!((exit.reason, exit.code), (ExitReason::Exited, Some(3)));
+    let journal = entries(&s.harness, "one").await;
+    let kinds: Vec<&str> = journal
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        kinds,
+        ["cell.create", "cell.start", "exec.start", "exec.exit"]
+    );
+    assert_eq!(journal[3]["data"]["code"], 3);
+    assert_eq!(journal[3]["data"]["stdout"], "hello\n");
+    assert_eq!(exit.journal_seq, journal[3]["seq"].as_u64());
+}
+
+#[tokio::test]
+async fn a_missing_program_is_a_failed_exec_with_its_end_in_the_journal() {
+    let s = setup().await;
+    s.harness.create(create("two", None)).await.unwrap();
+    let process = s
+        .harness
+        .exec("two", exec(&["/no/such/program"]))
+        .await
+        .unwrap();
+    let (_, _, exit) = finish(&process).await;
+    assert_eq!((exit.reason, exit.code), (ExitReason::Failed, Some(127)));
+    assert_eq!(
+        kinds(&s.harness, "two").await,
+        ["cell.create", "cell.start", "exec.start", "exec.exit"]
+    );
+}
+
+#[tokio::test]
+async fn bad_requests_are_refused_before_the_tier_sees_them() {
+    let s = setup().await;
+    let bad_name = s
+        .harness
+        .create(create("no/slash", None))
+        .await
+        .unwrap_err();
+    assert_eq!(bad_name.kind, ErrorKind::BadRequest, "{bad_name}");
+    let bad_policy = s
+        .harness
+        .create(create("p", Some("version: 1\nlimits: {memory: lots}\n")))
+        .await
+        .unwrap_err();
+    assert_eq!(bad_policy.kind, ErrorKind::BadRequest, "{bad_policy}");
+    let secret = s
+        .harness
+        .create(CreateCell {
+            secrets: [("TOKEN".to_owned(), "s3cret".to_owned())].into(),
+            ..create("q", None)
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        secret.message.contains("not read by any credential"),
+        "{secret}"
+    );
+    assert!(s.fake.cell("no/slash").is_none() && s.fake.cell("p").is_none());
+    assert!(s.fake.cell("q").is_none());
+    s.harness.create(create("r", None)).await.unwrap();
+    let empty = s.harness.exec("r", exec(&[])).await.unwrap_err();
+    assert_eq!(empty.kind, ErrorKind::BadRequest);
+    let nul = s.harness.exec("r", exec(&["a\0b"])).await.unwrap_err();
+    assert_eq!(nul.kind, ErrorKind::BadRequest);
+    let twice = s.harness.create(create("r", None)).await.unwrap_err();
+    assert_eq!(twice.kind, ErrorKind::Conflict, "{twice}");
+    // Nothing of the refused execs reached the journal.
+    assert_eq!(kinds(&s.harness, "r").await, ["cell.create", "cell.start"]);
+}
+
+#[tokio::test]
+async fn a_start_the_tier_refuses_is_journaled_as_a_failure() {
+    let s = setup().await;
+    s.fake.refuse_start("nope", "the host has no such thing");
+    let err = s.harness.create(create("nope", None)).await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::BadRequest);
+    assert!(err.message.contains("the host has no such thing"), "{err}");
+    let journal = entries(&s.harness, "nope").await;
+    assert_eq!(journal.last().unwrap()["kind"], "cell.fail");
+    assert_eq!(
+        journal.last().unwrap()["data"]["error"],
+        "the host has no such thing"
+    );
+}
+
+#[tokio::test]
+async fn pause_refuses_execs_until_resume_and_kill_ends_the_cell_and_its_processes() {
+    let s = setup().await;
+    s.harness.create(create("three", None)).await.unwrap();
+    let sleeper = s
+        .harness
+        .exec(
+            "three",
+            ExecSpec {
+                background: true,
+                ..exec(&["sleep", "60"])
+            },
+        )
+        .await
+        .unwrap();
+    let paused = s
+        .harness
+        .control("three", ControlAction::Pause, "test")
+        .await
+        .unwrap();
+    assert_eq!(paused.state, CellState::Paused);
+    assert!(s.fake.cell("three").unwrap().is_paused());
+    let refused = s.harness.exec("three", exec(&["true"])).await.unwrap_err();
+    assert_eq!(refused.kind, ErrorKind::Conflict);
+    assert!(refused.message.contains("paused"), "{refused}");
+    let resumed = s
+        .harness
+        .control("three", ControlAction::Resume, "test")
+        .await
+        .unwrap();
+    assert_eq!(resumed.state, CellState::Running);
+    let (_, _, exit) = finish(&s.harness.exec("three", exec(&["true"])).await.unwrap()).await;
+    assert_eq!(exit.code, Some(0));
+    let killed = s
+        .harness
+        .control("three", ControlAction::Kill, "test")
+        .await
+        .unwrap();
+    assert_eq!(killed.state, CellState::Ended);
+    let (_, _, exit) = finish(&sleeper).await;
+    assert_eq!(exit.signal, Some(libc::SIGKILL), "{exit:?}");
+    let after = s.harness.exec("three", exec(&["true"])).await.unwrap_err();
+    assert_eq!(after.kind, ErrorKind::Conflict);
+    let kinds = kinds(&s.harness, "three").await;
+    for kind in ["cell.pause", "cell.resume", "cell.kill", "cell.end"] {
+        assert!(kinds.contains(&kind.to_owned()), "{kind} in {kinds:?}");
+    }
+    assert_eq!(kinds.iter().filter(|k| *k == "exec.exit").count(), 2);
+    // A second kill finds nothing to kill.
+    let again = s
+        .harness
+        .control("three", ControlAction::Kill, "test")
+        .await
+        .unwrap_err();
+    assert_eq!(again.kind, ErrorKind::Conflict);
+}
+
+#[tokio::test]
+async fn command_rules_refuse_hold_and_release_execs_through_approvals() {
+    let s = setup().await;
+    let policy = "version: 1\ncommands:\n  deny: ['rm *']\n  ask: ['sh -c echo *']\n";
+    s.harness
+        .create(create("four", Some(policy)))
+        .await
+        .unwrap();
+    let denied = s
+        .harness
+        .exec("four", exec(&["rm", "-rf", "x"]))
+        .await
+        .unwrap_err();
+    assert_eq!(denied.kind, ErrorKind::Forbidden, "{denied}");
+    // An asked command waits for a person; the question is listed with its id.
+    let harness = Arc::clone(&s.harness);
+    let held = tokio::spawn(async move {
+        harness
+            .exec("four", exec(&["sh", "-c", "echo released"]))
+            .await
+    });
+    let mut id = 0;
+    wait_for("the question", async || {
+        match s.harness.approvals().into_iter().find(|a| a.cell == "four") {
+            Some(a) => {
+                id = a.id;
+                true
+            }
+            None => false,
+        }
+    })
+    .await;
+    assert!(!held.is_finished(), "the exec waits for the answer");
+    s.harness
+        .answer("four", id, true, Scope::Cell, "tester")
+        .await
+        .unwrap();
+    let process = held.await.unwrap().unwrap();
+    let (out, _, exit) = finish(&process).await;
+    assert_eq!((out.as_str(), exit.code), ("released\n", Some(0)));
+    // Scope `cell` covers the same command line from now on: no second question.
+    let again = s
+        .harness
+        .exec("four", exec(&["sh", "-c", "echo released"]))
+        .await
+        .unwrap();
+    finish(&again).await;
+    let kinds = kinds(&s.harness, "four").await;
+    assert_eq!(
+        kinds.iter().filter(|k| *k == "approval.ask").count(),
+        1,
+        "{kinds:?}"
+    );
+    assert!(kinds.contains(&"exec.denied".to_owned()), "{kinds:?}");
+    assert_eq!(
+        kinds.iter().filter(|k| *k == "exec.start").count(),
+        2,
+        "{kinds:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_question_of_the_cells_gateway_is_listed_journaled_and_answered_through_the_tier() {
+    let s = setup().await;
+    s.harness.create(create("five", None)).await.unwrap();
+    let cell = s.fake.cell("five").unwrap();
+    let gateway_id = cell.ask(
+        "connect example.org:443",
+        "example.org:443",
+        "ask: example.org",
+    );
+    let mut id = 0;
+    wait_for("the gateway's question", async || {
+        match s.harness.approvals().into_iter().find(|a| a.cell == "five") {
+            Some(a) => {
+                id = a.id;
+                a.request == "connect example.org:443"
+            }
+            None => false,
+        }
+    })
+    .await;
+    s.harness
+        .answer("five", id, false, Scope::Once, "tester")
+        .await
+        .unwrap();
+    assert_eq!(cell.answers(), vec![(gateway_id, false)]);
+    let journal = entries(&s.harness, "five").await;
+    let ask = journal
+        .iter()
+        .find(|e| e["kind"] == "approval.ask")
+        .unwrap();
+    assert_eq!(
+        ask["seq"].as_u64(),
+        Some(id),
+        "the id is the question's journal entry"
+    );
+    let answer = journal
+        .iter()
+        .find(|e| e["kind"] == "approval.answer")
+        .unwrap();
+    assert_eq!(answer["data"]["by"], "tester");
+    // Answered once: a second answer finds no question.
+    let twice = s
+        .harness
+        .answer("five", id, true, Scope::Once, "tester")
+        .await
+        .unwrap_err();
+    assert_eq!(twice.kind, ErrorKind::NotFound);
+}
+
+#[tokio::test]
+async fn a_cell_that_ends_under_the_harness_is_noticed_and_journaled_once() {
+    let s = setup().await;
+    s.harness.create(create("six", None)).await.unwrap();
+    // The tier ends the cell without the harness asking (its processes died, a host kill).
+    use warden_cell::Cell as _;
+    s.fake.cell("six").unwrap().kill().unwrap();
+    wait_for("the end", async || {
+        s.harness.get("six").unwrap().state == CellState::Ended
+    })
+    .await;
+    wait_for("the journal's end", async || {
+        kinds(&s.harness, "six")
+            .await
+            .contains(&"cell.end".to_owned())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let kinds = kinds(&s.harness, "six").await;
+    assert_eq!(
+        kinds.iter().filter(|k| *k == "cell.end").count(),
+        1,
+        "{kinds:?}"
+    );
+    s.harness.delete("six", "test").await.unwrap();
+    assert_eq!(s.harness.get("six").unwrap_err().kind, ErrorKind::NotFound);
+}
