@@ -20,8 +20,8 @@ use nix::unistd::Pid;
 use warden_policy::Tier;
 
 use crate::tier::{
-    Backend, Cell, CellError, CellSpec, Check, ExecEvent, ExecRequest, FileOp, Question, Session,
-    StartError, Status,
+    Attached, Backend, Cell, CellError, CellSpec, Check, Ending, ExecEvent, ExecRequest, FileOp,
+    Question, Session, StartError, Status,
 };
 
 /// Cells as directories under `root`.
@@ -75,6 +75,14 @@ impl Backend for FakeBackend {
         }
     }
 
+    fn check(
+        &self,
+        _policy: &warden_policy::Policy,
+        _workspace: Option<&Path>,
+    ) -> Result<(), CellError> {
+        Ok(())
+    }
+
     fn start(&self, spec: CellSpec) -> Result<Arc<dyn Cell>, StartError> {
         if let Some(message) = self
             .refuse
@@ -103,6 +111,53 @@ impl Backend for FakeBackend {
             cells.insert(cell.name.clone(), Arc::clone(&cell));
         }
         Ok(cell)
+    }
+
+    fn run_attached(
+        &self,
+        spec: CellSpec,
+        argv: Vec<std::ffi::OsString>,
+        _discard_changes: bool,
+    ) -> Result<Attached, StartError> {
+        if let Some(message) = self
+            .refuse
+            .lock()
+            .ok()
+            .and_then(|mut r| r.remove(&spec.name))
+        {
+            return Err(StartError::Refused(message));
+        }
+        let dir = self.root.join(&spec.name);
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| StartError::Host(format!("creating {}: {e}", dir.display())))?;
+        let Some((program, args)) = argv.split_first() else {
+            return Err(StartError::Refused("no command".to_owned()));
+        };
+        let ending = match Command::new(program)
+            .args(args)
+            .env_clear()
+            .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+            .envs(spec.env.iter().map(|(k, v)| (k, v)))
+            .current_dir(&dir)
+            .status()
+        {
+            Ok(status) => match (status.code(), status.signal()) {
+                (Some(code), _) => Ending::Exited(code),
+                (None, Some(signal)) => Ending::Signaled(signal),
+                (None, None) => Ending::Exited(255),
+            },
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+                Ending::CommandNotFound(format!("{}: not found", program.to_string_lossy()))
+            }
+            Err(err) => Ending::CannotExecute(format!("{}: {err}", program.to_string_lossy())),
+        };
+        Ok(Attached {
+            name: spec.name,
+            ending,
+            notices: Vec::new(),
+            kept_changes: false,
+            pid: None,
+        })
     }
 
     fn adopt(&self, name: &str) -> Result<Option<Arc<dyn Cell>>, CellError> {

@@ -29,7 +29,19 @@ pub use process::{
     snapshot::SnapshotInfo,
     store::{Store, StoreError},
 };
-pub use tier::{Backend, Cell, CellError, CellSpec, ProcessConfig, Session, StartError, Status};
+pub use tier::{
+    Attached, Backend, Cell, CellError, CellSpec, ProcessConfig, Session, StartError, Status,
+};
+
+/// Blocks, in the calling thread and the threads it starts from now on, the signals a cell run
+/// in this process takes for its own (SIGINT, SIGTERM, SIGHUP, SIGQUIT: forwarded to the cell
+/// from a signalfd): call it before any other thread starts, or a signal may end the warden.
+#[cfg(target_os = "linux")]
+pub fn block_forwarded_signals() -> std::io::Result<()> {
+    process::run::forwarded_signals()
+        .thread_block()
+        .map_err(std::io::Error::from)
+}
 
 /// Runs a cell to its end in this process (`warden run` without a daemon), in the tier its
 /// policy names.

@@ -21,6 +21,7 @@ use warden_policy::{Policy, Tier};
 
 pub use crate::process::exec::{ExecEvent, ExecRequest};
 pub use crate::process::files::{FileEntry, FileError, FileErrorKind, FileOp};
+pub use crate::process::run::Ending;
 pub use warden_egress::Question;
 
 /// Everything a tier needs to make one cell: a serialized request, the same for every tier
@@ -142,6 +143,19 @@ pub trait Cell: Send + Sync + Debug {
     fn set_network_rules(&self, file: &std::path::Path) -> Result<u64, CellError>;
 }
 
+/// How a cell run with one command in the caller's process ended.
+#[derive(Debug, Clone)]
+pub struct Attached {
+    pub name: String,
+    pub ending: Ending,
+    /// Where limits could only be approximated on this host.
+    pub notices: Vec<String>,
+    /// The cell changed its copy-on-write workspace, and the layer was kept for review.
+    pub kept_changes: bool,
+    /// The host pid of the cell's first process.
+    pub pid: Option<i32>,
+}
+
 /// What a doctor's check found.
 pub use crate::process::probe::{Check, Status as CheckStatus};
 
@@ -151,8 +165,24 @@ pub trait Backend: Send + Sync + Debug {
     fn tier(&self) -> Tier;
     /// Whether `name` can name a cell of this tier.
     fn check_name(&self, name: &str) -> Result<(), CellError>;
+    /// Checks, before anything is made or journaled, what only the tier and this host can tell
+    /// of a request: that the tier runs here, that the paths its policy shows and its
+    /// workspace can be given to a cell (none of Warden's own).
+    fn check(&self, policy: &Policy, workspace: Option<&std::path::Path>) -> Result<(), CellError>;
     /// Makes a cell and returns once it takes execs.
     fn start(&self, spec: CellSpec) -> Result<Arc<dyn Cell>, StartError>;
+    /// Makes a cell that runs `argv` in the caller's own process, with the caller's stdin,
+    /// stdout and stderr, and returns once it ended (`warden run` without a daemon: no keeper
+    /// to start, so it costs no more than the cell). `discard_changes`: its workspace layer and
+    /// egress record go with it. The process tier clones the cell from the calling thread, so
+    /// the caller's other threads must be parked, holding no lock, when it is called (no
+    /// journal round under way, the async runtime waiting for this call).
+    fn run_attached(
+        &self,
+        spec: CellSpec,
+        argv: Vec<std::ffi::OsString>,
+        discard_changes: bool,
+    ) -> Result<Attached, StartError>;
     /// Takes back a cell started earlier (by this process or another): `None` once it has
     /// ended; `Err` when that cannot be told now.
     fn adopt(&self, name: &str) -> Result<Option<Arc<dyn Cell>>, CellError>;
@@ -187,9 +217,8 @@ pub fn backend(tier: Tier, config: ProcessConfig) -> Result<Arc<dyn Backend>, Ce
         Tier::Process => Ok(Arc::new(crate::process::backend::ProcessBackend::open(
             config,
         )?)),
-        other => Err(CellError::Unsupported(format!(
-            "the {} tier is not built in yet: only the process tier is (use `tier: process`)",
-            other.name()
-        ))),
+        other => Err(CellError::Unsupported(
+            crate::process::plan::PlanError::Tier(other.name()).to_string(),
+        )),
     }
 }

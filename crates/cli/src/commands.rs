@@ -3,9 +3,7 @@
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
-use warden_cell::{
-    Ending, Registry, RunRequest, SnapshotInfo, Store, changes, control, probe, snapshot,
-};
+use warden_cell::{Ending, Registry, SnapshotInfo, Store, changes, control, probe, snapshot};
 use warden_policy::Policy;
 use warden_protocol::{CellState, CellSummary, exit};
 use warden_workspace::{ApplyOptions, Change, ChangeKind, EntryKind};
@@ -339,18 +337,10 @@ fn run(args: RunArgs, from: Option<SnapshotInfo>) -> Result<i32> {
     if let Some(client) = crate::daemon::client_if_running() {
         return crate::daemon::run_through(&client, &args, &policy, &env, from.map(|f| f.id));
     }
-    let request = RunRequest {
-        policy,
-        name: args.name,
-        workspace: args.workspace,
-        argv: args.command,
-        env,
-        discard_changes: args.rm,
-        from,
-        serve_exec: false,
-        report: None,
+    let outcome = match run_in_process(args, &policy, env, from.map(|f| f.id))? {
+        Ok(end) => end.attached,
+        Err(status) => return Ok(status),
     };
-    let outcome = warden_cell::run(&registry()?, &store()?, request)?;
     for notice in &outcome.notices {
         eprintln!("warden: note: {notice}");
     }
@@ -405,6 +395,84 @@ fn run(args: RunArgs, from: Option<SnapshotInfo>) -> Result<i32> {
         Ending::CannotExecute(message) => {
             eprintln!("warden: {message}");
             exit::CANNOT_EXECUTE
+        }
+    })
+}
+
+/// `warden run` without a daemon: an ephemeral harness in this process, with the same checks,
+/// command rules and journal as the daemon's, runs the cell with this process's stdio. `Err`
+/// of the inner result: the exit status of a command the policy refused.
+fn run_in_process(
+    args: RunArgs,
+    policy: &Policy,
+    env: Vec<(String, String)>,
+    from: Option<String>,
+) -> Result<std::result::Result<warden_harness::AttachedEnd, i32>> {
+    // The signals that would end the warden are the cell's: blocked here, before any thread
+    // starts (threads take the mask of their maker), and forwarded from the cell's signalfd.
+    warden_cell::block_forwarded_signals().context("blocking signals")?;
+    let state = Store::default_root();
+    let backend = warden_cell::tier::backend(
+        policy.tier,
+        warden_cell::ProcessConfig {
+            runtime: Registry::default_root(),
+            state: state.clone(),
+            warden_exe: std::env::current_exe().context("finding the warden binary")?,
+            keeper_open_files: None,
+            keeper_env: Vec::new(),
+        },
+    )?;
+    // What only the tier and this host can tell, before the journal is opened.
+    backend.check(policy, args.workspace.as_deref())?;
+    let workspace = match &args.workspace {
+        Some(dir) => Some(
+            std::fs::canonicalize(dir)
+                .with_context(|| format!("workspace {}", dir.display()))?
+                .display()
+                .to_string(),
+        ),
+        None => None,
+    };
+    let request = warden_protocol::CreateCell {
+        name: args.name,
+        policy: Some(warden_policy::to_yaml(policy)),
+        workspace,
+        from,
+        labels: [("made-by".to_owned(), "warden run".to_owned())].into(),
+        ..Default::default()
+    };
+    let run = warden_harness::AttachedRun {
+        argv: args.command,
+        env,
+        discard_changes: args.rm,
+        by: format!(
+            "warden run (uid {}, pid {})",
+            rustix::process::getuid().as_raw(),
+            std::process::id()
+        ),
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async move {
+        let harness = warden_harness::Harness::open(warden_harness::Config {
+            runtime: Registry::default_root(),
+            state,
+            journal_segments: Default::default(),
+            backend,
+            ephemeral: true,
+        })
+        .await?;
+        let ended = harness.run_attached(request, run).await;
+        harness.shutdown().await;
+        match ended {
+            Ok(end) => Ok(Ok(end)),
+            Err(err) if err.kind == warden_harness::ErrorKind::Forbidden => {
+                eprintln!("warden: refused: {}", err.message);
+                Ok(Err(exit::REFUSED))
+            }
+            Err(err) => Err(err.into()),
         }
     })
 }

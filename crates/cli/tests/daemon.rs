@@ -3420,3 +3420,151 @@ fn credentials_come_from_the_callers_environment_through_the_daemon_too() {
     let journal = std::fs::read_to_string(daemon.journal()).unwrap();
     assert!(!journal.contains(&secret), "the secret is in the journal");
 }
+
+/// One path: `warden run` without a daemon goes through the same harness (an ephemeral one in
+/// the CLI's process) as with one, so the same commands leave the same result and the same
+/// kinds of journal entries, command rules included, in the one journal both append to. The
+/// only differences are how the daemon carries a run (it starts the cell before it is given
+/// the command, relays stdin, and kills the cell after): `cell.start`, `exec.stdin` and
+/// `cell.kill`.
+#[test]
+fn a_run_leaves_the_same_journal_and_result_with_and_without_a_daemon() {
+    if !cgroups_available("one_path") {
+        return;
+    }
+    let mut daemon = Daemon::start(&[]);
+    let dir = tempdir();
+    let policy = support::policy(
+        dir.path(),
+        "version: 1\ncommands:\n  deny: ['rm *']\n  ask: ['curl *']\n",
+    );
+    let policy = policy.to_str().unwrap();
+    let runs: [(&str, &[&str]); 4] = [
+        ("exits", &["sh", "-c", "echo out; echo err >&2; exit 4"]),
+        ("denied", &["rm", "-rf", "/tmp/x"]),
+        ("missing", &["no-such-command"]),
+        ("killed", &["sh", "-c", "kill -9 $$"]),
+    ];
+    let run_all = |daemon: &Daemon, suffix: &str| -> Vec<(String, Ran)> {
+        runs.iter()
+            .map(|(name, argv)| {
+                let name = format!("{name}-{suffix}-{}", std::process::id());
+                let out = daemon
+                    .warden()
+                    .args(["run", "--policy", policy, "--name", &name, "--"])
+                    .args(*argv)
+                    .output()
+                    .unwrap();
+                (name, Ran::from(out))
+            })
+            .collect()
+    };
+    let through = run_all(&daemon, "daemon");
+    daemon.crash();
+    let without = run_all(&daemon, "alone");
+    // An asked command has nobody to answer it without a daemon: refused, and said so.
+    let asked = daemon
+        .warden()
+        .args(["run", "--policy", policy, "--", "curl", "--version"])
+        .output()
+        .unwrap();
+    let asked = Ran::from(asked);
+    assert_eq!(asked.code, 250, "{asked:?}");
+    assert!(
+        asked.stderr.contains("without a daemon nobody can answer"),
+        "{asked:?}"
+    );
+
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    let entries: Vec<Value> = journal
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let kinds_of = |cell: &str| -> Vec<String> {
+        entries
+            .iter()
+            .filter(|e| e["cell"] == cell)
+            .map(|e| e["kind"].as_str().unwrap().to_owned())
+            .filter(|k| !["cell.start", "exec.stdin", "cell.kill"].contains(&k.as_str()))
+            .collect()
+    };
+    for ((a_name, a), (b_name, b)) in through.iter().zip(&without) {
+        assert_eq!(
+            (a.code, &a.stdout, &a.stderr.replace(a_name, "NAME")),
+            (b.code, &b.stdout, &b.stderr.replace(b_name, "NAME")),
+            "the same result:\n{a:?}\n{b:?}"
+        );
+        let (a_kinds, b_kinds) = (kinds_of(a_name), kinds_of(b_name));
+        assert!(!a_kinds.is_empty(), "{a_name} is journaled");
+        assert_eq!(
+            a_kinds, b_kinds,
+            "the same entries for {a_name} and {b_name}"
+        );
+        let exit_of = |cell: &str| {
+            entries
+                .iter()
+                .find(|e| e["cell"] == cell && e["kind"] == "exec.exit")
+                .map(|e| (e["data"]["reason"].clone(), e["data"]["code"].clone()))
+        };
+        assert_eq!(exit_of(a_name), exit_of(b_name), "{a_name}");
+    }
+    let codes: Vec<i32> = without.iter().map(|(_, r)| r.code).collect();
+    assert_eq!(codes, [4, 250, 127, 137], "{without:?}");
+    let denied = entries
+        .iter()
+        .find(|e| e["cell"] == without[1].0.as_str() && e["kind"] == "exec.denied")
+        .expect("the refused command is journaled");
+    assert_eq!(denied["data"]["rule"], "deny: rm *");
+    daemon.assert_journal_verifies();
+}
+
+/// Several runs without a daemon append to one journal at once: each takes the journal's lock
+/// in turn, and the chain they leave is one that verifies, with every run in it.
+#[test]
+fn runs_without_a_daemon_at_once_leave_one_chain() {
+    let mut daemon = Daemon::start(&[]);
+    daemon.crash();
+    let children: Vec<_> = (0..6)
+        .map(|i| {
+            daemon
+                .warden()
+                .args(["run", "--name", &format!("many-{i}-{}", std::process::id())])
+                .args(["--", "sh", "-c", &format!("exit {i}")])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (i, child) in children.into_iter().enumerate() {
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(i as i32),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    for i in 0..6 {
+        let cell = format!("many-{i}-{}", std::process::id());
+        let kinds: Vec<String> = journal
+            .lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .filter(|e| e["cell"] == cell.as_str())
+            .map(|e| e["kind"].as_str().unwrap().to_owned())
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                "cell.create",
+                "exec.start",
+                "exec.exit",
+                "cell.end",
+                "cell.delete"
+            ],
+            "{cell}"
+        );
+    }
+    daemon.assert_journal_verifies();
+}

@@ -75,13 +75,7 @@ impl Harness {
         if spec.argv.iter().any(|a| a.contains('\0')) {
             return Err(HarnessError::bad("`argv` may not contain NUL bytes"));
         }
-        for (key, value) in &spec.env {
-            if key.is_empty() || key.contains(['=', '\0']) || value.contains('\0') {
-                return Err(HarnessError::bad(format!(
-                    "environment variable `{key}`: the name must be non-empty without `=`, and neither part may contain NUL"
-                )));
-            }
-        }
+        check_env(spec.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))?;
         if let Some(user) = spec.user {
             let cell_user = self
                 .live
@@ -573,6 +567,20 @@ impl Harness {
             .await
             .map_err(|e| HarnessError::new(ErrorKind::Conflict, e.to_string()))
     }
+}
+
+/// Checks the variables an exec adds to the cell's environment.
+pub(crate) fn check_env<'a>(
+    pairs: impl IntoIterator<Item = (&'a str, &'a str)>,
+) -> Result<(), HarnessError> {
+    for (key, value) in pairs {
+        if key.is_empty() || key.contains(['=', '\0']) || value.contains('\0') {
+            return Err(HarnessError::bad(format!(
+                "environment variable `{key}`: the name must be non-empty without `=`, and neither part may contain NUL"
+            )));
+        }
+    }
+    Ok(())
 }
 
 pub(crate) fn spec_limit(process: &Process) -> u64 {

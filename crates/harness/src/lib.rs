@@ -10,6 +10,7 @@
 //! the daemon: `kill -9` of the daemon leaves every cell running, and the next daemon adopts
 //! them through the backend.
 
+mod attached;
 mod exec;
 mod files;
 mod process;
@@ -31,6 +32,7 @@ pub use warden_protocol::{
     ExitReason, FileInfo, FileKind, ProcessInfo, Scope, Snapshot, Stream, TtySize, Usage,
 };
 
+pub use attached::{AttachedEnd, AttachedRun};
 pub use files::READ_LIMIT;
 pub use process::{Item, KillOnDrop, Process};
 use state::State;
@@ -80,11 +82,17 @@ pub struct Config {
     pub journal_segments: warden_journal::Segments,
     /// The tier cells are made in.
     pub backend: Arc<dyn Backend>,
+    /// A harness for the life of one command (`warden run` without a daemon): its database is
+    /// in memory, it takes back no cells and writes no `daemon.*` entries, and nobody can answer
+    /// its questions (a command rule that asks a person refuses instead). The journal is the
+    /// daemon's, appended to beside it.
+    pub ephemeral: bool,
 }
 
 /// The core.
 #[derive(Debug)]
 pub struct Harness {
+    ephemeral: bool,
     backend: Arc<dyn Backend>,
     /// The registry of running cells and the store of layers and snapshots: the workspace
     /// machinery every tier shares (diff, apply, snapshot, reset).
@@ -126,10 +134,19 @@ pub fn now_ms() -> u64 {
 impl Harness {
     /// Opens the journal and the database and reconciles with the cells that exist now.
     pub async fn open(config: Config) -> Result<Arc<Self>, HarnessError> {
-        let daemon_dir = config.state.join("daemon");
-        std::fs::create_dir_all(daemon_dir.join("cells")).map_err(|e| {
-            HarnessError::internal(format!("creating {}: {e}", daemon_dir.display()))
-        })?;
+        let daemon_dir = match config.ephemeral {
+            false => config.state.join("daemon"),
+            // Keeper logs and endings of this process's cells only.
+            true => config
+                .state
+                .join("runs")
+                .join(std::process::id().to_string()),
+        };
+        if !config.ephemeral {
+            std::fs::create_dir_all(daemon_dir.join("cells")).map_err(|e| {
+                HarnessError::internal(format!("creating {}: {e}", daemon_dir.display()))
+            })?;
+        }
         let _ = std::fs::set_permissions(
             &daemon_dir,
             std::os::unix::fs::PermissionsExt::from_mode(0o700),
@@ -138,13 +155,23 @@ impl Harness {
             .map_err(|e| HarnessError::internal(e.to_string()))?;
         let store =
             Store::open(config.state.clone()).map_err(|e| HarnessError::internal(e.to_string()))?;
-        let state = State::open(&daemon_dir.join("state.redb"))?;
+        let state = match config.ephemeral {
+            false => State::open(&daemon_dir.join("state.redb"))?,
+            true => State::in_memory(),
+        };
         let journal = Journal::open_with(&config.state.join("journal"), config.journal_segments)
             .map_err(|e| HarnessError::internal(e.to_string()))?;
         let grants = state.grants()?;
-        let (running, cut) = state::RunningLog::open(&daemon_dir.join("running.log"))?;
-        let journaled_ends = state::journaled_record_ends(journal.dir(), 16 << 20);
+        let (running, cut, journaled_ends) = match config.ephemeral {
+            false => {
+                let (running, cut) = state::RunningLog::open(&daemon_dir.join("running.log"))?;
+                let ends = state::journaled_record_ends(journal.dir(), 16 << 20);
+                (running, cut, ends)
+            }
+            true => (state::RunningLog::none(), Vec::new(), HashMap::new()),
+        };
         let harness = Arc::new(Self {
+            ephemeral: config.ephemeral,
             copiers: Mutex::new(HashMap::new()),
             journaled_ends,
             running,
@@ -163,6 +190,13 @@ impl Harness {
             processes: Mutex::new(HashMap::new()),
             next_process: AtomicU64::new(1),
         });
+        if harness.ephemeral {
+            // Ids unique enough for one command's entries (no process outlives this harness).
+            harness
+                .next_process
+                .store(u64::from(std::process::id()) * 1000 + 1, Ordering::Relaxed);
+            return Ok(harness);
+        }
         let start = harness
             .record(None, "daemon.start", json!({ "pid": std::process::id() }))
             .await?;
@@ -261,6 +295,47 @@ impl Harness {
         let receipt = journaled(rx.await)?;
         self.announce(&receipt, cell, kind, event);
         Ok(receipt)
+    }
+
+    /// Appends entries about one cell in one group commit, and a signed checkpoint after them
+    /// with `sign` (so that closing the journal then needs no write of its own), and waits
+    /// until all are on disk.
+    pub(crate) async fn record_all(
+        &self,
+        cell: &str,
+        entries: Vec<(&str, Value)>,
+        sign: bool,
+    ) -> Result<Vec<Receipt>, HarnessError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let events: Vec<(String, Value)> = entries
+            .iter()
+            .map(|(kind, data)| ((*kind).to_owned(), data.clone()))
+            .collect();
+        self.journal.submit_batch(
+            Some(cell),
+            entries
+                .into_iter()
+                .map(|(kind, data)| (kind.to_owned(), data))
+                .collect(),
+            sign,
+            move |result| {
+                let _ = tx.send(result);
+            },
+        );
+        let receipts = match rx.await {
+            Ok(Ok(receipts)) => receipts,
+            Ok(Err(err)) => return Err(HarnessError::new(ErrorKind::Unavailable, err.to_string())),
+            Err(_) => {
+                return Err(HarnessError::new(
+                    ErrorKind::Unavailable,
+                    "the journal writer is gone",
+                ));
+            }
+        };
+        for (receipt, (kind, data)) in receipts.iter().zip(events) {
+            self.announce(receipt, Some(cell), &kind, Some(data));
+        }
+        Ok(receipts)
     }
 
     /// Appends entries of one kind about one cell (one group commit) and waits until all are
@@ -384,9 +459,13 @@ impl Harness {
     /// Starts supervising a live cell: its policy (for limits and approvals), and the secrets
     /// of its credentials, which must never reach the journal.
     fn adopt(&self, entry: &CellEntry) {
-        let Some(policy) = entry.policy_in_force() else {
-            return;
-        };
+        if let Some(policy) = entry.policy_in_force() {
+            self.adopt_with(entry, policy);
+        }
+    }
+
+    /// Supervises a live cell whose policy in force is `policy`.
+    fn adopt_with(&self, entry: &CellEntry, policy: warden_policy::Policy) {
         if let Ok(secrets) = warden_egress::Secrets::load(&policy.credentials) {
             self.journal
                 .add_redactions(secrets.all.iter().map(|s| s.value.clone()));
@@ -468,122 +547,16 @@ impl Harness {
 
     /// Makes a cell and waits until it takes execs.
     pub async fn create(self: &Arc<Self>, request: CreateCell) -> Result<CellInfo, HarnessError> {
-        let name = match &request.name {
-            Some(name) => name.clone(),
-            None => generate_name(),
-        };
-        self.backend
-            .check_name(&name)
-            .map_err(|e| HarnessError::bad(e.to_string()))?;
-        let policy = match (&request.policy, &request.preset) {
-            (Some(_), Some(_)) => {
-                return Err(HarnessError::bad(
-                    "give either `policy` (YAML text) or `preset`, not both",
-                ));
-            }
-            (Some(yaml), None) => {
-                warden_policy::from_yaml("policy", yaml)
-                    .map_err(|e| HarnessError::bad(e.to_string()))?;
-                PolicySource::Yaml(yaml.clone())
-            }
-            (None, preset) => {
-                let preset = preset.clone().unwrap_or_else(|| "default".to_owned());
-                warden_policy::preset(&preset).map_err(|e| HarnessError::bad(e.to_string()))?;
-                PolicySource::Preset(preset)
-            }
-        };
-        for key in request.env.keys() {
-            if key.is_empty() || key.contains(['=', '\0']) {
-                return Err(HarnessError::bad(format!(
-                    "environment variable name `{key}` is empty or contains `=` or NUL"
-                )));
-            }
-        }
-        // Secrets only for the variables the policy's credentials read.
-        let parsed = match &policy {
-            PolicySource::Yaml(yaml) => warden_policy::from_yaml("policy", yaml),
-            PolicySource::Preset(preset) => warden_policy::preset(preset),
-        }
-        .map_err(|e| HarnessError::bad(e.to_string()))?;
-        let wanted: Vec<&str> = parsed
-            .credentials
-            .values()
-            .filter_map(|c| c.from_env.as_deref())
-            .collect();
-        if let Some(extra) = request
-            .secrets
-            .keys()
-            .find(|k| !wanted.contains(&k.as_str()))
-        {
-            return Err(HarnessError::bad(format!(
-                "secrets: `{extra}` is not read by any credential of the policy (their from_env: {})",
-                if wanted.is_empty() {
-                    "none".to_owned()
-                } else {
-                    wanted.join(", ")
-                }
-            )));
-        }
-        self.journal
-            .add_redactions(request.secrets.values().cloned());
-        if let Some(dir) = &request.workspace
-            && !Path::new(dir).is_dir()
-        {
-            return Err(HarnessError::bad(format!(
-                "workspace {dir} is not a directory on the host"
-            )));
-        }
-        let exists = self.backend.exists(&name);
-        if let Some(old) = self.state.get(&name)? {
-            if old.ended.is_none() || exists {
-                return Err(HarnessError::new(
-                    ErrorKind::Conflict,
-                    format!("a cell named `{name}` exists; delete it first or pick another name"),
-                ));
-            }
-        }
-        if exists {
-            return Err(HarnessError::new(
-                ErrorKind::Conflict,
-                format!("a cell named `{name}` runs already (started by `warden run`)"),
-            ));
-        }
-        // A fork starts from a snapshot; of a cell, one is taken now.
-        let from = match &request.from {
-            Some(source) if source.contains('@') => Some(source.clone()),
-            Some(source) => Some(self.snapshot(source, None).await?.id),
-            None => None,
-        };
-        let workspace = match &from {
-            Some(id) => Some(
-                warden_cell::snapshot::get(&self.store, id)
-                    .map_err(|e| HarnessError::new(ErrorKind::NotFound, e.to_string()))?
-                    .lower
-                    .display()
-                    .to_string(),
-            ),
-            None => request.workspace.clone(),
-        };
-        let entry = CellEntry {
-            name: name.clone(),
-            created_ms: now_ms(),
-            policy: policy.clone(),
-            workspace,
-            labels: request.labels.clone(),
-            env: request.env.clone(),
-            ended: None,
-            replaced: None,
-        };
+        let Prepared {
+            name,
+            parsed,
+            from,
+            entry,
+        } = self.prepare(&request).await?;
         self.record(
             Some(&name),
             "cell.create",
-            json!({
-                "policy": match &policy { PolicySource::Preset(p) => json!({"preset": p}), PolicySource::Yaml(y) => json!({"yaml": y}) },
-                "workspace": request.workspace,
-                "from": from,
-                "labels": request.labels,
-                "env": request.env.keys().collect::<Vec<_>>(),
-            }),
+            create_entry(&entry, &request, &from),
         )
         .await?;
         let cell_dir = self.daemon_dir.join("cells").join(&name);
@@ -642,11 +615,127 @@ impl Harness {
         if let Ok(mut copiers) = self.copiers.lock() {
             copiers.insert(name.clone(), Arc::new(tokio::sync::Mutex::new(0)));
         }
-        self.adopt(&entry);
+        self.adopt_with(&entry, parsed);
         self.record(Some(&name), "cell.start", json!({ "pid": pid }))
             .await?;
         self.watch(name.clone());
         Ok(self.info(&entry))
+    }
+
+    /// Checks a request for a cell (name, policy, environment, secrets, workspace, that no cell
+    /// has its name), and takes the snapshot it forks from: everything before the journal's
+    /// `cell.create`, the same for a cell of the daemon and for `warden run` without one.
+    async fn prepare(self: &Arc<Self>, request: &CreateCell) -> Result<Prepared, HarnessError> {
+        let name = match &request.name {
+            Some(name) => name.clone(),
+            None => generate_name(),
+        };
+        self.backend
+            .check_name(&name)
+            .map_err(|e| HarnessError::bad(e.to_string()))?;
+        let (policy, parsed) = match (&request.policy, &request.preset) {
+            (Some(_), Some(_)) => {
+                return Err(HarnessError::bad(
+                    "give either `policy` (YAML text) or `preset`, not both",
+                ));
+            }
+            (Some(yaml), None) => (
+                PolicySource::Yaml(yaml.clone()),
+                warden_policy::from_yaml("policy", yaml)
+                    .map_err(|e| HarnessError::bad(e.to_string()))?,
+            ),
+            (None, preset) => {
+                let preset = preset.clone().unwrap_or_else(|| "default".to_owned());
+                let parsed =
+                    warden_policy::preset(&preset).map_err(|e| HarnessError::bad(e.to_string()))?;
+                (PolicySource::Preset(preset), parsed)
+            }
+        };
+        for key in request.env.keys() {
+            if key.is_empty() || key.contains(['=', '\0']) {
+                return Err(HarnessError::bad(format!(
+                    "environment variable name `{key}` is empty or contains `=` or NUL"
+                )));
+            }
+        }
+        // Secrets only for the variables the policy's credentials read.
+        let wanted: Vec<&str> = parsed
+            .credentials
+            .values()
+            .filter_map(|c| c.from_env.as_deref())
+            .collect();
+        if let Some(extra) = request
+            .secrets
+            .keys()
+            .find(|k| !wanted.contains(&k.as_str()))
+        {
+            return Err(HarnessError::bad(format!(
+                "secrets: `{extra}` is not read by any credential of the policy (their from_env: {})",
+                if wanted.is_empty() {
+                    "none".to_owned()
+                } else {
+                    wanted.join(", ")
+                }
+            )));
+        }
+        self.journal
+            .add_redactions(request.secrets.values().cloned());
+        if let Some(dir) = &request.workspace
+            && !Path::new(dir).is_dir()
+        {
+            return Err(HarnessError::bad(format!(
+                "workspace {dir} does not exist or is not a directory on the host; create it or pass another"
+            )));
+        }
+        let exists = self.backend.exists(&name);
+        if let Some(old) = self.state.get(&name)? {
+            if old.ended.is_none() || exists {
+                return Err(HarnessError::new(
+                    ErrorKind::Conflict,
+                    format!("a cell named `{name}` exists; delete it first or pick another name"),
+                ));
+            }
+        }
+        if exists {
+            return Err(HarnessError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "a cell named `{name}` is already running; pick another name or stop it with `warden kill {name}`"
+                ),
+            ));
+        }
+        // A fork starts from a snapshot; of a cell, one is taken now.
+        let from = match &request.from {
+            Some(source) if source.contains('@') => Some(source.clone()),
+            Some(source) => Some(self.snapshot(source, None).await?.id),
+            None => None,
+        };
+        let workspace = match &from {
+            Some(id) => Some(
+                warden_cell::snapshot::get(&self.store, id)
+                    .map_err(|e| HarnessError::new(ErrorKind::NotFound, e.to_string()))?
+                    .lower
+                    .display()
+                    .to_string(),
+            ),
+            None => request.workspace.clone(),
+        };
+        let entry = CellEntry {
+            name: name.clone(),
+            created_ms: now_ms(),
+            policy: policy.clone(),
+            workspace,
+            labels: request.labels.clone(),
+            env: request.env.clone(),
+            ended: None,
+            replaced: None,
+        };
+        Ok(Prepared {
+            name,
+            parsed,
+            from,
+            entry,
+        })
     }
 
     fn live(&self, name: &str) -> Result<Arc<dyn Cell>, HarnessError> {
@@ -756,8 +845,12 @@ impl Harness {
         self.state.remove(name)
     }
 
-    /// Writes the daemon's last journal entry.
+    /// Writes the daemon's last journal entry (an ephemeral harness removes its folder).
     pub async fn shutdown(&self) {
+        if self.ephemeral {
+            let _ = std::fs::remove_dir_all(&self.daemon_dir);
+            return;
+        }
         let _ = self.record(None, "daemon.stop", json!({})).await;
     }
 }
@@ -789,6 +882,34 @@ fn generate_name() -> String {
         "cell-{}",
         bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()
     )
+}
+
+/// A checked request for a cell.
+pub(crate) struct Prepared {
+    name: String,
+    /// Its policy, resolved.
+    parsed: warden_policy::Policy,
+    /// The snapshot it starts from.
+    from: Option<String>,
+    entry: CellEntry,
+}
+
+/// What the journal's `cell.create` says.
+pub(crate) fn create_entry(
+    entry: &CellEntry,
+    request: &CreateCell,
+    from: &Option<String>,
+) -> Value {
+    json!({
+        "policy": match &entry.policy {
+            PolicySource::Preset(p) => json!({ "preset": p }),
+            PolicySource::Yaml(y) => json!({ "yaml": y }),
+        },
+        "workspace": request.workspace,
+        "from": from,
+        "labels": request.labels,
+        "env": request.env.keys().collect::<Vec<_>>(),
+    })
 }
 
 /// An entry in the journal's file that is still on its way to the disk.

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use redb::{Database, ReadableTable as _, TableDefinition};
+use redb::{Database, ReadableTable as _, TableDefinition, TableHandle as _};
 use serde::{Deserialize, Serialize};
 
 use crate::HarnessError;
@@ -87,11 +87,31 @@ pub enum PolicySource {
 
 #[derive(Debug)]
 pub struct State {
-    db: Database,
+    backing: Backing,
 }
+
+#[derive(Debug)]
+enum Backing {
+    Db(Database),
+    /// The state of a harness that lives for one command: maps, gone with the process.
+    Memory(std::sync::Mutex<Memory>),
+}
+
+#[derive(Debug, Default)]
+struct Memory {
+    text: BTreeMap<(String, String), String>,
+    numbers: BTreeMap<(String, String), u64>,
+}
+
+type Text = TableDefinition<'static, &'static str, &'static str>;
+type Number = TableDefinition<'static, &'static str, u64>;
 
 fn db_error(err: impl std::fmt::Display) -> HarnessError {
     HarnessError::internal(format!("the daemon's state database: {err}"))
+}
+
+fn poisoned<T>(_: T) -> HarnessError {
+    HarnessError::internal("the harness's state is poisoned")
 }
 
 impl State {
@@ -108,7 +128,170 @@ impl State {
         txn.open_table(RECORD_OFFSETS).map_err(db_error)?;
         txn.open_table(QUESTIONS).map_err(db_error)?;
         txn.commit().map_err(db_error)?;
-        Ok(Self { db })
+        Ok(Self {
+            backing: Backing::Db(db),
+        })
+    }
+
+    /// State that lives as long as this process: that of a harness that holds its cells only
+    /// while it runs (`warden run` without a daemon). Maps, not a database (making even an
+    /// in-memory database costs milliseconds a one-command run does not have).
+    pub fn in_memory() -> Self {
+        Self {
+            backing: Backing::Memory(std::sync::Mutex::new(Memory::default())),
+        }
+    }
+
+    fn text_get(&self, table: Text, key: &str) -> Result<Option<String>, HarnessError> {
+        match &self.backing {
+            Backing::Db(db) => {
+                let txn = db.begin_read().map_err(db_error)?;
+                let table = txn.open_table(table).map_err(db_error)?;
+                Ok(table
+                    .get(key)
+                    .map_err(db_error)?
+                    .map(|v| v.value().to_owned()))
+            }
+            Backing::Memory(m) => Ok(m
+                .lock()
+                .map_err(poisoned)?
+                .text
+                .get(&(table.name().to_owned(), key.to_owned()))
+                .cloned()),
+        }
+    }
+
+    fn text_set(&self, table: Text, key: &str, value: Option<&str>) -> Result<(), HarnessError> {
+        match &self.backing {
+            Backing::Db(db) => {
+                let txn = db.begin_write().map_err(db_error)?;
+                {
+                    let mut table = txn.open_table(table).map_err(db_error)?;
+                    match value {
+                        Some(value) => drop(table.insert(key, value).map_err(db_error)?),
+                        None => drop(table.remove(key).map_err(db_error)?),
+                    }
+                }
+                txn.commit().map_err(db_error)
+            }
+            Backing::Memory(m) => {
+                let mut m = m.lock().map_err(poisoned)?;
+                let key = (table.name().to_owned(), key.to_owned());
+                match value {
+                    Some(value) => m.text.insert(key, value.to_owned()),
+                    None => m.text.remove(&key),
+                };
+                Ok(())
+            }
+        }
+    }
+
+    fn text_all(&self, table: Text) -> Result<Vec<String>, HarnessError> {
+        match &self.backing {
+            Backing::Db(db) => {
+                let txn = db.begin_read().map_err(db_error)?;
+                let table = txn.open_table(table).map_err(db_error)?;
+                let mut out = Vec::new();
+                for item in table.iter().map_err(db_error)? {
+                    let (_, value) = item.map_err(db_error)?;
+                    out.push(value.value().to_owned());
+                }
+                Ok(out)
+            }
+            Backing::Memory(m) => Ok(m
+                .lock()
+                .map_err(poisoned)?
+                .text
+                .iter()
+                .filter(|((t, _), _)| t == table.name())
+                .map(|(_, v)| v.clone())
+                .collect()),
+        }
+    }
+
+    fn text_retain(&self, table: Text, keep: impl Fn(&str) -> bool) -> Result<(), HarnessError> {
+        match &self.backing {
+            Backing::Db(db) => {
+                let txn = db.begin_write().map_err(db_error)?;
+                {
+                    let mut table = txn.open_table(table).map_err(db_error)?;
+                    table.retain(|key, _| keep(key)).map_err(db_error)?;
+                }
+                txn.commit().map_err(db_error)
+            }
+            Backing::Memory(m) => {
+                m.lock()
+                    .map_err(poisoned)?
+                    .text
+                    .retain(|(t, k), _| t != table.name() || keep(k));
+                Ok(())
+            }
+        }
+    }
+
+    fn number_get(&self, table: Number, key: &str) -> Result<Option<u64>, HarnessError> {
+        match &self.backing {
+            Backing::Db(db) => {
+                let txn = db.begin_read().map_err(db_error)?;
+                let table = txn.open_table(table).map_err(db_error)?;
+                Ok(table.get(key).map_err(db_error)?.map(|v| v.value()))
+            }
+            Backing::Memory(m) => Ok(m
+                .lock()
+                .map_err(poisoned)?
+                .numbers
+                .get(&(table.name().to_owned(), key.to_owned()))
+                .copied()),
+        }
+    }
+
+    fn number_set(&self, table: Number, key: &str, value: Option<u64>) -> Result<(), HarnessError> {
+        match &self.backing {
+            Backing::Db(db) => {
+                let txn = db.begin_write().map_err(db_error)?;
+                {
+                    let mut table = txn.open_table(table).map_err(db_error)?;
+                    match value {
+                        Some(value) => drop(table.insert(key, value).map_err(db_error)?),
+                        None => drop(table.remove(key).map_err(db_error)?),
+                    }
+                }
+                txn.commit().map_err(db_error)
+            }
+            Backing::Memory(m) => {
+                let mut m = m.lock().map_err(poisoned)?;
+                let key = (table.name().to_owned(), key.to_owned());
+                match value {
+                    Some(value) => m.numbers.insert(key, value),
+                    None => m.numbers.remove(&key),
+                };
+                Ok(())
+            }
+        }
+    }
+
+    fn number_retain(
+        &self,
+        table: Number,
+        keep: impl Fn(&str) -> bool,
+    ) -> Result<(), HarnessError> {
+        match &self.backing {
+            Backing::Db(db) => {
+                let txn = db.begin_write().map_err(db_error)?;
+                {
+                    let mut table = txn.open_table(table).map_err(db_error)?;
+                    table.retain(|key, _| keep(key)).map_err(db_error)?;
+                }
+                txn.commit().map_err(db_error)
+            }
+            Backing::Memory(m) => {
+                m.lock()
+                    .map_err(poisoned)?
+                    .numbers
+                    .retain(|(t, k), _| t != table.name() || keep(k));
+                Ok(())
+            }
+        }
     }
 
     fn question_key(name: &str, gateway_id: u64, asked_at: u64) -> String {
@@ -122,13 +305,7 @@ impl State {
         gateway_id: u64,
         asked_at: u64,
     ) -> Result<Option<u64>, HarnessError> {
-        let txn = self.db.begin_read().map_err(db_error)?;
-        let table = txn.open_table(QUESTIONS).map_err(db_error)?;
-        let key = Self::question_key(name, gateway_id, asked_at);
-        Ok(table
-            .get(key.as_str())
-            .map_err(db_error)?
-            .map(|v| v.value()))
+        self.number_get(QUESTIONS, &Self::question_key(name, gateway_id, asked_at))
     }
 
     /// Notes (or, with `None`, forgets) the id of a gateway question.
@@ -139,101 +316,50 @@ impl State {
         asked_at: u64,
         id: Option<u64>,
     ) -> Result<(), HarnessError> {
-        let key = Self::question_key(name, gateway_id, asked_at);
-        let txn = self.db.begin_write().map_err(db_error)?;
-        {
-            let mut table = txn.open_table(QUESTIONS).map_err(db_error)?;
-            match id {
-                Some(id) => {
-                    table.insert(key.as_str(), id).map_err(db_error)?;
-                }
-                None => {
-                    table.remove(key.as_str()).map_err(db_error)?;
-                }
-            }
-        }
-        txn.commit().map_err(db_error)
+        self.number_set(
+            QUESTIONS,
+            &Self::question_key(name, gateway_id, asked_at),
+            id,
+        )
     }
 
     /// Forgets every question of a cell (it ended or was removed).
     pub fn forget_questions(&self, name: &str) -> Result<(), HarnessError> {
         let prefix = format!("{name}/");
-        let txn = self.db.begin_write().map_err(db_error)?;
-        {
-            let mut table = txn.open_table(QUESTIONS).map_err(db_error)?;
-            table
-                .retain(|key, _| !key.starts_with(&prefix))
-                .map_err(db_error)?;
-        }
-        txn.commit().map_err(db_error)
+        self.number_retain(QUESTIONS, |key| !key.starts_with(&prefix))
     }
 
     /// How far into the cell's egress record the journal has copied.
     pub fn record_offset(&self, name: &str) -> Result<u64, HarnessError> {
-        let txn = self.db.begin_read().map_err(db_error)?;
-        let table = txn.open_table(RECORD_OFFSETS).map_err(db_error)?;
-        Ok(table.get(name).map_err(db_error)?.map_or(0, |v| v.value()))
+        Ok(self.number_get(RECORD_OFFSETS, name)?.unwrap_or(0))
     }
 
     /// Notes how far the journal has copied the cell's egress record (`None`: forget it, for
     /// a new cell of that name).
     pub fn set_record_offset(&self, name: &str, offset: Option<u64>) -> Result<(), HarnessError> {
-        let txn = self.db.begin_write().map_err(db_error)?;
-        {
-            let mut table = txn.open_table(RECORD_OFFSETS).map_err(db_error)?;
-            match offset {
-                Some(offset) => {
-                    table.insert(name, offset).map_err(db_error)?;
-                }
-                None => {
-                    table.remove(name).map_err(db_error)?;
-                }
-            }
-        }
-        txn.commit().map_err(db_error)
+        self.number_set(RECORD_OFFSETS, name, offset)
     }
 
     pub fn put(&self, entry: &CellEntry) -> Result<(), HarnessError> {
         let json = serde_json::to_string(entry).map_err(db_error)?;
-        let txn = self.db.begin_write().map_err(db_error)?;
-        {
-            let mut table = txn.open_table(CELLS).map_err(db_error)?;
-            table
-                .insert(entry.name.as_str(), json.as_str())
-                .map_err(db_error)?;
-        }
-        txn.commit().map_err(db_error)
+        self.text_set(CELLS, &entry.name, Some(&json))
     }
 
     pub fn remove(&self, name: &str) -> Result<(), HarnessError> {
-        let txn = self.db.begin_write().map_err(db_error)?;
-        {
-            let mut table = txn.open_table(CELLS).map_err(db_error)?;
-            table.remove(name).map_err(db_error)?;
-        }
-        txn.commit().map_err(db_error)
+        self.text_set(CELLS, name, None)
     }
 
     pub fn get(&self, name: &str) -> Result<Option<CellEntry>, HarnessError> {
-        let txn = self.db.begin_read().map_err(db_error)?;
-        let table = txn.open_table(CELLS).map_err(db_error)?;
-        let Some(value) = table.get(name).map_err(db_error)? else {
-            return Ok(None);
-        };
-        serde_json::from_str(value.value())
-            .map(Some)
-            .map_err(db_error)
+        self.text_get(CELLS, name)?
+            .map(|text| serde_json::from_str(&text).map_err(db_error))
+            .transpose()
     }
 
     pub fn all(&self) -> Result<Vec<CellEntry>, HarnessError> {
-        let txn = self.db.begin_read().map_err(db_error)?;
-        let table = txn.open_table(CELLS).map_err(db_error)?;
-        let mut out = Vec::new();
-        for item in table.iter().map_err(db_error)? {
-            let (_, value) = item.map_err(db_error)?;
-            out.push(serde_json::from_str(value.value()).map_err(db_error)?);
-        }
-        Ok(out)
+        self.text_all(CELLS)?
+            .iter()
+            .map(|text| serde_json::from_str(text).map_err(db_error))
+            .collect()
     }
 
     /// Keeps a standing grant across restarts (one of a cell until the cell is removed).
@@ -243,39 +369,21 @@ impl State {
             None => grant.key().to_owned(),
             Some(cell) => format!("cell {cell} {}", grant.key()),
         };
-        let txn = self.db.begin_write().map_err(db_error)?;
-        {
-            let mut table = txn.open_table(GRANTS).map_err(db_error)?;
-            table
-                .insert(key.as_str(), json.as_str())
-                .map_err(db_error)?;
-        }
-        txn.commit().map_err(db_error)
+        self.text_set(GRANTS, &key, Some(&json))
     }
 
     /// Forgets the grants limited to a cell (it was removed; a new cell of its name starts
     /// with none).
     pub fn forget_grants_of(&self, name: &str) -> Result<(), HarnessError> {
         let prefix = format!("cell {name} ");
-        let txn = self.db.begin_write().map_err(db_error)?;
-        {
-            let mut table = txn.open_table(GRANTS).map_err(db_error)?;
-            table
-                .retain(|key, _| !key.starts_with(&prefix))
-                .map_err(db_error)?;
-        }
-        txn.commit().map_err(db_error)
+        self.text_retain(GRANTS, |key| !key.starts_with(&prefix))
     }
 
     pub fn grants(&self) -> Result<Vec<Grant>, HarnessError> {
-        let txn = self.db.begin_read().map_err(db_error)?;
-        let table = txn.open_table(GRANTS).map_err(db_error)?;
-        let mut out = Vec::new();
-        for item in table.iter().map_err(db_error)? {
-            let (_, value) = item.map_err(db_error)?;
-            out.push(serde_json::from_str(value.value()).map_err(db_error)?);
-        }
-        Ok(out)
+        self.text_all(GRANTS)?
+            .iter()
+            .map(|text| serde_json::from_str(text).map_err(db_error))
+            .collect()
     }
 }
 
@@ -284,7 +392,8 @@ impl State {
 /// journal already). The page cache keeps it through a crash of the daemon, not a power cut.
 #[derive(Debug)]
 pub struct RunningLog {
-    file: std::sync::Mutex<std::fs::File>,
+    /// None: a harness whose processes cannot outlive it (they are its own children).
+    file: Option<std::sync::Mutex<std::fs::File>>,
 }
 
 impl RunningLog {
@@ -320,15 +429,20 @@ impl RunningLog {
             .map_err(io)?;
         Ok((
             Self {
-                file: std::sync::Mutex::new(file),
+                file: Some(std::sync::Mutex::new(file)),
             },
             running.into_iter().collect(),
         ))
     }
 
+    /// No log.
+    pub fn none() -> Self {
+        Self { file: None }
+    }
+
     fn write(&self, line: String) {
         use std::io::Write as _;
-        if let Ok(mut file) = self.file.lock() {
+        if let Some(Ok(mut file)) = self.file.as_ref().map(|f| f.lock()) {
             let _ = file.write_all(line.as_bytes());
         }
     }

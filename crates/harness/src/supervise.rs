@@ -413,6 +413,21 @@ impl Harness {
                     format!("the cell's policy refuses the command `{line}` (rule {rule})"),
                 ));
             }
+            CommandVerdict::Ask(rule) if self.ephemeral => {
+                // Nobody can answer a harness that lives for one command: refused, and said so.
+                self.record(
+                    Some(name),
+                    "exec.denied",
+                    json!({ "argv": argv, "rule": rule, "reason": "it asks a person, and no daemon runs to take the answer" }),
+                )
+                .await?;
+                return Err(HarnessError::new(
+                    ErrorKind::Forbidden,
+                    format!(
+                        "the cell's policy holds the command `{line}` for a person's approval (rule {rule}), and without a daemon nobody can answer: start `warden serve` and run it again"
+                    ),
+                ));
+            }
             CommandVerdict::Ask(rule) => rule,
         };
         let request = format!("exec {line}");

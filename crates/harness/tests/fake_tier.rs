@@ -10,8 +10,8 @@ use std::time::Duration;
 use serde_json::Value;
 use warden_cell::fake::FakeBackend;
 use warden_harness::{
-    CellState, Config, ControlAction, CreateCell, ErrorKind, ExecSpec, ExitReason, Harness, Item,
-    Scope, Stream,
+    AttachedRun, CellState, Config, ControlAction, CreateCell, ErrorKind, ExecSpec, ExitReason,
+    Harness, Item, Scope, Stream,
 };
 
 struct Setup {
@@ -21,6 +21,10 @@ struct Setup {
 }
 
 async fn setup() -> Setup {
+    setup_as(false).await
+}
+
+async fn setup_as(ephemeral: bool) -> Setup {
     let dir = tempfile::tempdir().unwrap();
     let fake = FakeBackend::new(&dir.path().join("cells"));
     let harness = Harness::open(Config {
@@ -28,6 +32,7 @@ async fn setup() -> Setup {
         state: dir.path().join("state"),
         journal_segments: Default::default(),
         backend: fake.clone(),
+        ephemeral,
     })
     .await
     .unwrap();
@@ -412,4 +417,79 @@ async fn a_cell_that_ends_under_the_harness_is_noticed_and_journaled_once() {
     );
     s.harness.delete("six", "test").await.unwrap();
     assert_eq!(s.harness.get("six").unwrap_err().kind, ErrorKind::NotFound);
+}
+
+fn attached(argv: &[&str]) -> AttachedRun {
+    AttachedRun {
+        argv: argv.iter().map(Into::into).collect(),
+        env: vec![("ADDED".to_owned(), "yes".to_owned())],
+        discard_changes: false,
+        by: "test".to_owned(),
+    }
+}
+
+#[tokio::test]
+async fn a_run_to_its_end_is_journaled_like_a_cell_and_an_exec_and_follows_the_command_rules() {
+    let s = setup_as(true).await;
+    let policy = "version: 1\ncommands:\n  deny: ['rm *']\n  ask: ['curl *']\n";
+    let end = s
+        .harness
+        .run_attached(
+            create("seven", Some(policy)),
+            attached(&["sh", "-c", "test \"$ADDED\" = yes && exit 5"]),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (end.exit.reason, end.exit.code),
+        (ExitReason::Exited, Some(5))
+    );
+    assert_eq!(end.attached.name, "seven");
+    assert_eq!(
+        kinds(&s.harness, "seven").await,
+        [
+            "cell.create",
+            "exec.start",
+            "exec.exit",
+            "cell.end",
+            "cell.delete"
+        ]
+    );
+    // A refused command never reaches the tier.
+    let denied = s
+        .harness
+        .run_attached(create("eight", Some(policy)), attached(&["rm", "-rf", "/"]))
+        .await
+        .unwrap_err();
+    assert_eq!(denied.kind, ErrorKind::Forbidden);
+    assert!(s.fake.cell("eight").is_none());
+    assert_eq!(
+        kinds(&s.harness, "eight").await,
+        ["cell.create", "exec.denied", "cell.end", "cell.delete"]
+    );
+    // Nobody can answer a harness that lives for one command: an asked one is refused.
+    let asked = s
+        .harness
+        .run_attached(create("nine", Some(policy)), attached(&["curl", "x"]))
+        .await
+        .unwrap_err();
+    assert_eq!(asked.kind, ErrorKind::Forbidden);
+    assert!(asked.message.contains("nobody can answer"), "{asked}");
+    // Nothing of them stays in the harness.
+    assert!(s.harness.list().unwrap().is_empty());
+    // A tier that refuses the start: the start's end and the failure are journaled.
+    s.fake.refuse_start("ten", "no such host feature");
+    let refused = s
+        .harness
+        .run_attached(create("ten", None), attached(&["true"]))
+        .await
+        .unwrap_err();
+    assert!(
+        refused.message.contains("no such host feature"),
+        "{refused}"
+    );
+    assert_eq!(
+        kinds(&s.harness, "ten").await,
+        ["cell.create", "exec.start", "exec.exit", "cell.fail"]
+    );
 }

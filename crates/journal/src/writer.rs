@@ -4,16 +4,23 @@
 //! else waits is written and synced by its own thread instead (no hand-off to the syncer and
 //! back); one round runs at a time, whoever runs it. An entry submitted ahead is also written
 //! by its own thread, so it is in the file when the call returns.
+//!
+//! Several processes may append to one journal (a daemon, and `warden run` without one): an
+//! appender holds an exclusive lock on `journal.lock` from the moment it seals an entry until
+//! the entry is written, and on taking the lock it reads what others wrote meanwhile (the
+//! tail, or the new active segment after another's rotation) to chain on from there. A process
+//! that dies holding the lock loses it with its descriptors; a line it tore is cut by the next.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read as _, Seek as _, SeekFrom, Write as _};
-use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
+use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use nix::fcntl::{Flock, FlockArg};
 use serde_json::{Value, json};
 
 use crate::entry::{Entry, GENESIS, redact};
@@ -26,6 +33,8 @@ const CHECKPOINT_EVERY: u64 = 1024;
 const CHECKPOINT_AFTER: Duration = Duration::from_secs(5);
 /// How long the syncer stays awake for an appender's round to end, when entries wait behind it.
 const SPIN_FOR: Duration = Duration::from_millis(2);
+/// The lock that appending processes take in turn, in the journal directory.
+pub const LOCK_FILE: &str = "journal.lock";
 /// How the journal keeps its segments.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Segments {
@@ -123,6 +132,8 @@ impl Journal {
             .create(dir)
             .map_err(JournalError::io("creating the journal directory", dir))?;
         let keys = SigningKeys::load_or_create(dir)?;
+        let mut lock = AppendLock::open(dir)?;
+        lock.hold()?;
         let path = dir.join(JOURNAL_FILE);
         let mut file = OpenOptions::new()
             .read(true)
@@ -149,9 +160,16 @@ impl Journal {
             0 => next_seq,
             _ => first_seq(&path)?.unwrap_or(next_seq),
         };
+        let inode = file
+            .metadata()
+            .map_err(JournalError::io("opening the journal", &path))?
+            .ino();
+        lock.release();
         let public_key = keys.public_hex();
         let redactions = Arc::new(RwLock::new(Vec::new()));
         let state = WriterState {
+            lock,
+            inode,
             file: Arc::new(file),
             path: path.clone(),
             dir: dir.to_path_buf(),
@@ -284,6 +302,55 @@ impl Journal {
                 return ack(Err(err));
             }
         }
+        if alone {
+            self.shared.sync_round(state);
+        } else {
+            drop(state);
+            self.shared.work.notify_one();
+        }
+    }
+
+    /// Entries about one cell, sealed in order into one round of the group commit (and, with
+    /// `sign`, a signed checkpoint after them, so that a close soon after needs no write of its
+    /// own); `ack` gets their receipts once all are on disk. Like `submit_leading`, the caller
+    /// runs the round itself when none is under way.
+    pub fn submit_batch(
+        &self,
+        cell: Option<&str>,
+        entries: Vec<(String, Value)>,
+        sign: bool,
+        ack: impl FnOnce(Result<Vec<Receipt>, JournalError>) + Send + 'static,
+    ) {
+        let mut state = match self.shared.state.lock() {
+            Ok(state) => state,
+            Err(_) => return ack(Err(JournalError::Stopped("the writer failed".to_owned()))),
+        };
+        let alone = !state.syncing && state.unsynced.is_empty();
+        let mut receipts = Vec::with_capacity(entries.len());
+        for (kind, data) in entries {
+            match state.append(cell.map(str::to_owned), kind, data, false) {
+                Ok(receipt) => receipts.push(receipt),
+                Err(err) => {
+                    // Those sealed already go on with the next round, unacknowledged here.
+                    drop(state);
+                    self.shared.work.notify_one();
+                    return ack(Err(err));
+                }
+            }
+        }
+        if sign && state.since_checkpoint > 0 {
+            state.push_checkpoint();
+        }
+        let Some(last) = receipts.last().cloned() else {
+            drop(state);
+            return ack(Ok(Vec::new()));
+        };
+        state.unsynced.push((
+            last,
+            Box::new(move |result: Result<Receipt, JournalError>| {
+                ack(result.map(|_| receipts));
+            }),
+        ));
         if alone {
             self.shared.sync_round(state);
         } else {
@@ -475,6 +542,11 @@ struct Shared {
 }
 
 struct WriterState {
+    /// Held from the sealing of an entry until it is written (see the module's text).
+    lock: AppendLock,
+    /// The active segment's inode as this process opened it: another number at the path
+    /// means another process closed it.
+    inode: u64,
     /// The active segment (shared with the syncer, which syncs it outside the lock).
     file: Arc<File>,
     path: PathBuf,
@@ -618,6 +690,7 @@ impl WriterState {
         if let Ok(secrets) = self.redactions.read() {
             redact(&mut data, &secrets);
         }
+        self.hold()?;
         let entry = self.seal(cell, kind, data);
         self.unwritten.extend_from_slice(&entry.to_line());
         self.unwritten.push(b'\n');
@@ -675,6 +748,9 @@ impl WriterState {
             self.oldest_unsigned = None;
             return;
         }
+        if self.hold().is_err() {
+            return;
+        }
         self.push_checkpoint();
         if self.write_unwritten().is_ok()
             && let Err(err) = self.file.sync_data()
@@ -684,22 +760,109 @@ impl WriterState {
     }
 
     fn write_unwritten(&mut self) -> Result<(), JournalError> {
+        self.write_out(true)
+    }
+
+    /// Writes what was sealed; `release`: and lets other processes append after it.
+    fn write_out(&mut self, release: bool) -> Result<(), JournalError> {
         if let Some(reason) = &self.stopped {
+            self.lock.release();
             return Err(JournalError::Stopped(reason.clone()));
         }
         let written = (&*self.file).write_all(&self.unwritten);
         self.size += self.unwritten.len() as u64;
         self.unwritten.clear();
+        if release {
+            self.lock.release();
+        }
         written.map_err(|err| JournalError::Stopped(self.stop(&err)))
+    }
+
+    /// Takes the append lock (when this process does not hold it yet) and catches up with
+    /// what other processes appended meanwhile.
+    fn hold(&mut self) -> Result<(), JournalError> {
+        if self.lock.hold()? {
+            if let Err(err) = self.catch_up() {
+                self.lock.release();
+                return Err(err);
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads where the chain stands now: the active segment's tail, or the new active segment
+    /// when another process closed the one this process had open.
+    fn catch_up(&mut self) -> Result<(), JournalError> {
+        let io = |what| JournalError::io(what, &self.path);
+        let at_path = fs::metadata(&self.path).ok().map(|m| m.ino());
+        if at_path != Some(self.inode) {
+            let mut file = OpenOptions::new()
+                .read(true)
+                .append(true)
+                .create(true)
+                .mode(0o600)
+                .open(&self.path)
+                .map_err(io("opening the journal"))?;
+            let tail = read_tail(&mut file, &self.path)?;
+            let last = match tail.last {
+                Some(entry) => Some(entry),
+                None => last_closed_entry(&self.dir)?,
+            };
+            let meta = file.metadata().map_err(io("opening the journal"))?;
+            self.chain_on(last.as_ref());
+            self.segment_first = match meta.len() {
+                0 => self.next_seq,
+                _ => first_seq(&self.path)?.unwrap_or(self.next_seq),
+            };
+            self.size = meta.len();
+            self.inode = meta.ino();
+            self.file = Arc::new(file);
+            return Ok(());
+        }
+        let len = self
+            .file
+            .metadata()
+            .map_err(io("reading the journal"))?
+            .len();
+        if len == self.size {
+            return Ok(());
+        }
+        let mut reader = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&self.path)
+            .map_err(io("reading the journal"))?;
+        let tail = read_tail(&mut reader, &self.path)?;
+        self.size = reader.metadata().map_err(io("reading the journal"))?.len();
+        self.chain_on(tail.last.as_ref());
+        Ok(())
+    }
+
+    fn chain_on(&mut self, last: Option<&Entry>) {
+        let (next_seq, prev) = match last {
+            Some(entry) => (entry.seq + 1, entry.hash.clone()),
+            None => (1, GENESIS.to_owned()),
+        };
+        self.next_seq = next_seq;
+        self.prev = prev;
     }
 
     /// Closes the active segment (signed and on disk, renamed `journal-<first seq>.jsonl`) and
     /// starts an empty one; the chain runs on across the two.
     fn rotate(&mut self) {
+        if self.hold().is_err() {
+            return;
+        }
+        if self.size < self.rotate_bytes {
+            // Another process closed it meanwhile.
+            self.lock.release();
+            return;
+        }
         if self.since_checkpoint > 0 {
             self.push_checkpoint();
         }
-        if self.write_unwritten().is_err() {
+        // Written, and the lock still this process's until the new segment is there.
+        if self.write_out(false).is_err() {
             return;
         }
         let closed = self.dir.join(segment_name(self.segment_first));
@@ -721,6 +884,7 @@ impl WriterState {
             });
         match reopened {
             Ok(file) => {
+                self.inode = file.metadata().map_or(0, |m| m.ino());
                 self.file = Arc::new(file);
                 self.size = 0;
                 self.segment_first = self.next_seq;
@@ -729,6 +893,9 @@ impl WriterState {
             Err(err) => {
                 self.stop(&err);
             }
+        }
+        if self.unwritten.is_empty() {
+            self.lock.release();
         }
     }
 
@@ -769,6 +936,68 @@ impl WriterState {
     fn stop(&mut self, err: &io::Error) -> String {
         let reason = format!("writing {}: {err}", self.path.display());
         self.stopped.get_or_insert(reason).clone()
+    }
+}
+
+/// The lock on `journal.lock`, taken and given back as entries are sealed and written.
+enum AppendLock {
+    Free(File),
+    Held(Flock<File>),
+    /// Between the two (never seen from outside a call).
+    Moving,
+}
+
+impl AppendLock {
+    fn open(dir: &Path) -> Result<Self, JournalError> {
+        let path = dir.join(LOCK_FILE);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(&path)
+            .map_err(JournalError::io("opening the journal's lock", &path))?;
+        Ok(Self::Free(file))
+    }
+
+    /// Takes the lock, waiting for another process to give it back; whether it was free here
+    /// (so what others wrote must be read).
+    fn hold(&mut self) -> Result<bool, JournalError> {
+        match std::mem::replace(self, Self::Moving) {
+            Self::Free(file) => match Flock::lock(file, FlockArg::LockExclusive) {
+                Ok(held) => {
+                    *self = Self::Held(held);
+                    Ok(true)
+                }
+                Err((file, errno)) => {
+                    *self = Self::Free(file);
+                    Err(JournalError::Io {
+                        what: "taking the journal's lock",
+                        path: PathBuf::from(LOCK_FILE),
+                        source: Arc::new(io::Error::from(errno)),
+                    })
+                }
+            },
+            held @ Self::Held(_) => {
+                *self = held;
+                Ok(false)
+            }
+            Self::Moving => Err(JournalError::Stopped("the journal's lock was lost".into())),
+        }
+    }
+
+    fn release(&mut self) {
+        if !matches!(self, Self::Held(_)) {
+            return;
+        }
+        if let Self::Held(held) = std::mem::replace(self, Self::Moving) {
+            *self = match held.unlock() {
+                Ok(file) => Self::Free(file),
+                // Not given back: it stays held, and goes with the descriptor at the latest.
+                Err((held, _)) => Self::Held(held),
+            };
+        }
     }
 }
 
@@ -880,6 +1109,88 @@ mod tests {
             report.entries > 1600 && report.checkpoints >= 1,
             "{report:?}"
         );
+    }
+
+    /// Two writers on one directory (as a daemon and a `warden run` beside it): each takes
+    /// the lock in turn and chains on from the other's entries, through rotations.
+    #[test]
+    fn two_writers_on_one_journal_make_one_chain_through_rotations() {
+        let dir = tempfile::tempdir().unwrap();
+        let small = Segments {
+            bytes: 16 * 1024,
+            keep: None,
+        };
+        let a = Arc::new(Journal::open_with(dir.path(), small).unwrap());
+        let b = Arc::new(Journal::open(dir.path()).unwrap());
+        let writers: Vec<_> = [Arc::clone(&a), Arc::clone(&b), a, b]
+            .into_iter()
+            .enumerate()
+            .map(|(w, journal)| {
+                std::thread::spawn(move || {
+                    for i in 0..300 {
+                        let data = json!({"w": w, "i": i});
+                        if i % 3 == 0 {
+                            journal.append(Some("c"), "t", data).unwrap();
+                        } else {
+                            let (tx, rx) = mpsc::channel();
+                            journal.submit(Some("c"), "t", data, move |r| {
+                                let _ = tx.send(r);
+                            });
+                            rx.recv().unwrap().unwrap();
+                        }
+                    }
+                })
+            })
+            .collect();
+        for writer in writers {
+            writer.join().unwrap();
+        }
+        let report = verify(dir.path(), None).unwrap();
+        assert!(report.segments > 2, "the small writer rotated: {report:?}");
+        let mut seen = std::collections::HashSet::new();
+        for path in crate::segments(dir.path()).unwrap() {
+            for line in fs::read_to_string(&path).unwrap().lines() {
+                let entry: Entry = serde_json::from_str(line).unwrap();
+                if entry.kind == "t" {
+                    assert!(seen.insert((entry.data["w"].clone(), entry.data["i"].clone())));
+                }
+            }
+        }
+        assert_eq!(
+            seen.len(),
+            1200,
+            "every acknowledged entry is in the one chain"
+        );
+    }
+
+    /// A writer that opened the journal before another wrote and rotated it chains on from
+    /// the other's last entry, not from what it read at its own open.
+    #[test]
+    fn a_writer_catches_up_with_entries_and_a_rotation_made_by_another() {
+        let dir = tempfile::tempdir().unwrap();
+        let late = Journal::open(dir.path()).unwrap();
+        {
+            let other = Journal::open_with(
+                dir.path(),
+                Segments {
+                    bytes: 1,
+                    keep: None,
+                },
+            )
+            .unwrap();
+            for i in 0..5 {
+                other.append(None, "other", json!({ "i": i })).unwrap();
+            }
+        }
+        let receipt = late.append(None, "late", json!({})).unwrap();
+        drop(late);
+        let report = verify(dir.path(), None).unwrap();
+        assert_eq!(
+            report.last_seq,
+            receipt.seq + 1,
+            "{report:?} (a last checkpoint follows)"
+        );
+        assert!(report.segments >= 5, "{report:?}");
     }
 
     #[test]

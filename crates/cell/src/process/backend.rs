@@ -21,8 +21,8 @@ use super::registry::{CellRecord, Registry, RegistryError};
 use super::run::{Ending, RunError, RunRequest};
 use super::store::Store;
 use crate::tier::{
-    Backend, Cell, CellError, CellSpec, Check, ExecEvent, ExecRequest, FileOp, ProcessConfig,
-    Question, Session, StartError, Status,
+    Attached, Backend, Cell, CellError, CellSpec, Check, ExecEvent, ExecRequest, FileOp,
+    ProcessConfig, Question, Session, StartError, Status,
 };
 
 /// What a keeper is asked to keep.
@@ -70,6 +70,15 @@ impl Backend for ProcessBackend {
 
     fn check_name(&self, name: &str) -> Result<(), CellError> {
         super::plan::check_name(name).map_err(|e| CellError::Invalid(e.to_string()))
+    }
+
+    fn check(
+        &self,
+        policy: &warden_policy::Policy,
+        workspace: Option<&Path>,
+    ) -> Result<(), CellError> {
+        super::plan::check_request(policy, workspace, &self.config.state, &self.config.runtime)
+            .map_err(|e| CellError::Invalid(e.to_string()))
     }
 
     fn start(&self, spec: CellSpec) -> Result<Arc<dyn Cell>, StartError> {
@@ -157,6 +166,42 @@ impl Backend for ProcessBackend {
             }
             std::thread::sleep(Duration::from_millis(2));
         }
+    }
+
+    fn run_attached(
+        &self,
+        spec: CellSpec,
+        argv: Vec<std::ffi::OsString>,
+        discard_changes: bool,
+    ) -> Result<Attached, StartError> {
+        let store =
+            Store::open(self.config.state.clone()).map_err(|e| StartError::Host(e.to_string()))?;
+        let from = match &spec.from {
+            Some(id) => Some(
+                super::snapshot::get(&store, id).map_err(|e| StartError::Refused(e.to_string()))?,
+            ),
+            None => None,
+        };
+        let request = RunRequest {
+            policy: spec.policy,
+            name: Some(spec.name),
+            workspace: if from.is_some() { None } else { spec.workspace },
+            argv,
+            env: spec.env,
+            discard_changes,
+            from,
+            serve_exec: false,
+            report: spec.report,
+        };
+        let outcome = super::run::run(&self.registry, &store, request)
+            .map_err(|e| StartError::Refused(e.to_string()))?;
+        Ok(Attached {
+            name: outcome.name,
+            ending: outcome.ending,
+            notices: outcome.notices,
+            kept_changes: outcome.kept_changes,
+            pid: None,
+        })
     }
 
     fn adopt(&self, name: &str) -> Result<Option<Arc<dyn Cell>>, CellError> {

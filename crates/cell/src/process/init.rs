@@ -212,12 +212,12 @@ fn setup_and_start(plan: &CellPlan, fds: &InitFds) -> SetupResult<Started> {
     };
     let mut status = status_file();
     let _ = writeln!(status, "ok");
-    drop(status);
     Ok(Started {
         main,
         signals,
         lifeline: sync,
         exec,
+        status,
     })
 }
 
@@ -461,6 +461,10 @@ struct Started {
     lifeline: std::fs::File,
     /// The exec channel to the keeper, for cells that serve execs.
     exec: Option<OwnedFd>,
+    /// The status pipe: after "ok", the one more thing the warden is told is that the first
+    /// command was killed by a signal (pid 1 cannot die of it, so its exit code alone would
+    /// not tell `exit 137` from SIGKILL).
+    status: std::fs::File,
 }
 
 /// A process exec'd into the cell, and the client it answers to (gone once it hung up).
@@ -477,6 +481,7 @@ fn supervise(
         signals,
         lifeline,
         exec,
+        mut status,
     }: Started,
     plan: &CellPlan,
 ) -> ! {
@@ -584,6 +589,9 @@ fn supervise(
             while let Ok(Some(reaped)) = sys::reap_any() {
                 let pid = Pid::from_raw(reaped.pid);
                 if Some(pid) == main {
+                    if let Err(signal) = reaped.status {
+                        let _ = writeln!(status, "signaled {signal}");
+                    }
                     sys::exit_now(reaped.status.unwrap_or_else(|signal| 128 + signal));
                 }
                 if let Some(Exec {

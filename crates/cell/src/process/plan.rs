@@ -388,6 +388,28 @@ pub fn check_not_wardens_canonical(
     Ok(())
 }
 
+/// Checks a request before anything is made for it: what `check_paths` checks, and that the
+/// workspace is a directory and none of Warden's own.
+pub fn check_request(
+    policy: &Policy,
+    workspace: Option<&Path>,
+    state: &Path,
+    runtime: &Path,
+) -> Result<(), PlanError> {
+    check_paths(policy, state, runtime)?;
+    if let Some(dir) = workspace {
+        let host = std::fs::canonicalize(dir)
+            .ok()
+            .filter(|p| p.is_dir())
+            .ok_or_else(|| PlanError::Workspace {
+                path: dir.to_path_buf(),
+            })?;
+        let own = [("state directory", state), ("runtime directory", runtime)];
+        check_not_wardens("workspace", &host, &own)?;
+    }
+    Ok(())
+}
+
 /// Checks a cell name (it becomes a file name, a cgroup name and the default host name).
 pub fn check_name(name: &str) -> Result<(), PlanError> {
     let ok = !name.is_empty()

@@ -54,6 +54,20 @@ pub struct RunRequest {
 /// The size of a cell's `/dev/shm` (no larger than its memory limit).
 pub const SHM_SIZE: u64 = 64 << 20;
 
+/// The signals that would end the warden, read from a signalfd and forwarded to the cell.
+pub(crate) fn forwarded_signals() -> SigSet {
+    let mut set = SigSet::empty();
+    for signal in [
+        Signal::SIGINT,
+        Signal::SIGTERM,
+        Signal::SIGHUP,
+        Signal::SIGQUIT,
+    ] {
+        set.add(signal);
+    }
+    set
+}
+
 /// How a cell ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Ending {
@@ -173,7 +187,9 @@ pub(super) fn nix_os(what: &'static str) -> impl FnOnce(nix::Error) -> RunError 
 
 /// Runs a command in a fresh cell and returns once the cell is gone.
 ///
-/// Must be called while the process is single-threaded: the cell starts as a fork of it.
+/// The cell starts as a clone of the calling thread, which goes on in the child without the
+/// others: call it while the process is single-threaded, or while its other threads are parked
+/// holding no lock (of the allocator, of stdio) the child could need.
 pub fn run(
     registry: &Registry,
     store: &Store,
@@ -470,15 +486,7 @@ pub fn run(
 
     // Signals that would end the warden are read from a signalfd and forwarded instead; the
     // child unblocks them before anything else.
-    let mut forwarded = SigSet::empty();
-    for signal in [
-        Signal::SIGINT,
-        Signal::SIGTERM,
-        Signal::SIGHUP,
-        Signal::SIGQUIT,
-    ] {
-        forwarded.add(signal);
-    }
+    let forwarded = forwarded_signals();
     let old_mask = forwarded
         .thread_swap_mask(nix::sys::signal::SigmaskHow::SIG_BLOCK)
         .map_err(nix_os("blocking signals"))?;
@@ -575,7 +583,8 @@ pub fn run(
 
     // The init answers "ok" once the command runs, or "err CODE MESSAGE".
     let mut line = String::new();
-    let _ = BufReader::new(fs::File::from(status_r)).read_line(&mut line);
+    let mut status_reader = BufReader::new(fs::File::from(status_r));
+    let _ = status_reader.read_line(&mut line);
     let line = line.trim_end();
     if line != "ok" {
         let _ = waitpid(pid, None);
@@ -759,6 +768,17 @@ pub fn run(
     let ending = match relayed? {
         Stop::Limit(ending) => ending,
         Stop::Exited(status) => {
+            // The init exits with 128 + the signal that killed the first command, and says so.
+            let mut said = String::new();
+            let _ = status_reader.read_line(&mut said);
+            let status = match (status, said.trim_end().strip_prefix("signaled ")) {
+                (Ending::Exited(code), Some(signal))
+                    if signal.parse::<i32>().is_ok_and(|s| 128 + s == code) =>
+                {
+                    Ending::Signaled(code - 128)
+                }
+                (status, _) => status,
+            };
             let oom = cell_cgroup.as_ref().is_some_and(|cg| cg.oom_kills() > 0);
             match (oom, policy.limits.memory) {
                 (true, Some(limit)) => Ending::MemoryLimit { limit: limit.0 },

@@ -108,9 +108,14 @@ pub fn run_through(
     }
     Ok(match exit.reason {
         ExitReason::Exited | ExitReason::Signaled => exit.status(),
+        // The same words as a run without a daemon.
         ExitReason::Failed => {
-            if let Some(message) = &exit.message {
-                eprintln!("warden: {message} (in cell {name})");
+            match (&exit.message, exit.code) {
+                (Some(message), Some(exit::NOT_FOUND)) => eprintln!(
+                    "warden: {message} (in cell {name}; is it under a read-only path of the policy?)"
+                ),
+                (Some(message), _) => eprintln!("warden: {message}"),
+                (None, _) => {}
             }
             exit.status()
         }

@@ -32,6 +32,7 @@ pub fn serve(
                 keep: journal_keep_segments,
             },
             backend,
+            ephemeral: false,
         },
         listen,
         token_file,

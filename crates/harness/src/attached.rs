@@ -1,0 +1,312 @@
+//! One command in a new cell, run to its end with the caller's own stdio: `warden run` without
+//! a daemon. The same checks, command rules and journal entries as a cell and an exec of the
+//! daemon (`cell.create`, `exec.start` before anything runs, `exec.exit`, the egress record's
+//! decisions, `cell.end`, then `cell.delete` or the changes kept for review); only the cell is
+//! run by the tier in this process, with no keeper to start.
+
+use std::ffi::OsString;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use serde_json::json;
+use warden_cell::tier::{Attached, Ending};
+use warden_cell::{CellSpec, StartError};
+
+use crate::{CreateCell, ErrorKind, ExitInfo, ExitReason, Harness, HarnessError, Prepared};
+
+/// The command, as `warden run` was given it.
+#[derive(Debug, Clone)]
+pub struct AttachedRun {
+    /// Any bytes (a command line need not be UTF-8); its rules and the journal see it as text.
+    pub argv: Vec<OsString>,
+    /// Added to the cell's environment.
+    pub env: Vec<(String, String)>,
+    /// The workspace layer and the egress record go with the cell (`--rm`).
+    pub discard_changes: bool,
+    /// Who asked, for the journal.
+    pub by: String,
+}
+
+/// How it ended.
+#[derive(Debug, Clone)]
+pub struct AttachedEnd {
+    /// What the tier says (the ending, with its limit; notices; whether changes were kept).
+    pub attached: Attached,
+    /// The same as an exec of the daemon's reports it.
+    pub exit: ExitInfo,
+}
+
+impl Harness {
+    /// Runs `run` in a new cell made from `request`, to its end. Blocks the calling thread
+    /// while the cell runs (the tier may clone the cell from it): call it on a current-thread
+    /// runtime of its own, as `warden run` does, never on a daemon's.
+    pub async fn run_attached(
+        self: &Arc<Self>,
+        request: CreateCell,
+        run: AttachedRun,
+    ) -> Result<AttachedEnd, HarnessError> {
+        if run.argv.first().is_none_or(|p| p.is_empty()) {
+            return Err(HarnessError::bad("a command needs at least the program"));
+        }
+        crate::exec::check_env(run.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))?;
+        let argv: Vec<String> = run
+            .argv
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        let Prepared {
+            name,
+            parsed,
+            from,
+            entry,
+        } = self.prepare(&request).await?;
+        // On disk before the tier clones the cell from this process: no other thread of it may
+        // be at work then (see `Backend::run_attached`), so these entries are written and
+        // synced by this thread, not handed to the journal's own.
+        self.record(
+            Some(&name),
+            "cell.create",
+            crate::create_entry(&entry, &request, &from),
+        )
+        .await?;
+        self.state.put(&entry)?;
+        self.state.set_record_offset(&name, None)?;
+        if let Ok(mut copiers) = self.copiers.lock() {
+            copiers.insert(name.clone(), Arc::new(tokio::sync::Mutex::new(0)));
+        }
+        self.adopt_with(&entry, parsed.clone());
+        let result = self
+            .run_adopted(&name, parsed, from, &request, &run, &argv)
+            .await;
+        self.forget_attached(&name);
+        result
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn run_adopted(
+        self: &Arc<Self>,
+        name: &str,
+        policy: warden_policy::Policy,
+        from: Option<String>,
+        request: &CreateCell,
+        run: &AttachedRun,
+        argv: &[String],
+    ) -> Result<AttachedEnd, HarnessError> {
+        if let Err(refused) = self.check_command(name, argv).await {
+            self.record(
+                Some(name),
+                "cell.end",
+                json!({ "reason": "its command was refused" }),
+            )
+            .await?;
+            self.record(Some(name), "cell.delete", json!({ "by": run.by }))
+                .await?;
+            return Err(refused);
+        }
+        let id = self.next_process.fetch_add(1, Ordering::Relaxed);
+        let wall = policy.limits.wall.map(|w| w.0.as_millis() as u64);
+        let start = self
+            .record(
+                Some(name),
+                "exec.start",
+                json!({
+                    "process": id,
+                    "argv": argv,
+                    "cwd": null,
+                    // Names only: values may be secrets.
+                    "env": run.env.iter().map(|(k, _)| k).collect::<Vec<_>>(),
+                    "background": false,
+                    "timeout_ms": wall,
+                }),
+            )
+            .await?;
+        let start_seq = start.seq;
+        let spec = CellSpec {
+            name: name.to_owned(),
+            policy,
+            workspace: if from.is_some() {
+                None
+            } else {
+                request.workspace.as_ref().map(Into::into)
+            },
+            from,
+            env: request
+                .env
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .chain(run.env.iter().cloned())
+                .collect(),
+            report: None,
+            log: None,
+            secrets: Vec::new(),
+        };
+        let begun = Instant::now();
+        // The layer is discarded here, after the record's decisions are in the journal. The
+        // tier clones the cell from this very thread, which therefore blocks here for the
+        // cell's life: the runtime's other work waits (there is none on the CLI's runtime), and
+        // no other thread of the process is at work when the clone is made.
+        let outcome = self.backend.run_attached(spec, run.argv.clone(), false);
+        let duration_ms = begun.elapsed().as_millis() as u64;
+        while self.copy_decisions(name).await {}
+        let attached = match outcome {
+            Ok(attached) => attached,
+            Err(err) => {
+                let message = match &err {
+                    StartError::Refused(m) | StartError::TimedOut(m) | StartError::Host(m) => {
+                        m.clone()
+                    }
+                };
+                self.record(
+                    Some(name),
+                    "exec.exit",
+                    json!({ "process": id, "start_seq": start_seq, "reason": "failed", "message": message }),
+                )
+                .await?;
+                // Nothing to discard: what the tier made it removed, and what was there before
+                // (a kept layer of an earlier cell of this name) is not this cell's.
+                self.record(Some(name), "cell.fail", json!({ "error": message }))
+                    .await?;
+                return Err(HarnessError::new(
+                    match err {
+                        StartError::Refused(_) => ErrorKind::BadRequest,
+                        _ => ErrorKind::Unavailable,
+                    },
+                    message,
+                ));
+            }
+        };
+        let (reason, code, signal, message) = exit_of(&attached.ending);
+        let exit_entry = json!({
+            "process": id,
+            "start_seq": start_seq,
+            "reason": reason.name(),
+            "code": code,
+            "signal": signal,
+            "message": message,
+            "duration_ms": duration_ms,
+            // The command's stdio was the caller's own: the warden relayed it without keeping
+            // a copy.
+            "usage": null,
+            "stdout_bytes": null,
+            "stderr_bytes": null,
+        });
+        let end_entry = json!({ "reason": ending_reason(&attached.ending) });
+        let kept = attached.kept_changes && !run.discard_changes;
+        // The end in one group commit, signed: this harness's journal closes right after.
+        let exit = if kept {
+            let receipts = self
+                .record_all(
+                    name,
+                    vec![("exec.exit", exit_entry), ("cell.end", end_entry)],
+                    false,
+                )
+                .await?;
+            self.journal_changes(name, "ended, changes kept for review")
+                .await;
+            receipts
+        } else {
+            self.discard(name, run.discard_changes);
+            self.record_all(
+                name,
+                vec![
+                    ("exec.exit", exit_entry),
+                    ("cell.end", end_entry),
+                    ("cell.delete", json!({ "by": run.by })),
+                ],
+                true,
+            )
+            .await?
+        };
+        let exit_seq = exit.first().map(|r| r.seq);
+        Ok(AttachedEnd {
+            exit: ExitInfo {
+                reason,
+                code,
+                signal,
+                message,
+                duration_ms,
+                usage: None,
+                stdout_bytes: 0,
+                stderr_bytes: 0,
+                journal_seq: exit_seq,
+            },
+            attached: Attached {
+                name: name.to_owned(),
+                ..attached
+            },
+        })
+    }
+
+    /// Removes the cell's layer, and with `record` its egress record.
+    fn discard(&self, name: &str, record: bool) {
+        let _ = warden_cell::changes::remove(&self.registry, &self.store, name);
+        if record {
+            let _ = std::fs::remove_file(self.store.net_log_path(name));
+        }
+    }
+
+    /// Forgets a cell run to its end here.
+    fn forget_attached(&self, name: &str) {
+        if let Ok(mut live) = self.live.lock() {
+            live.remove(name);
+        }
+        if let Ok(mut copiers) = self.copiers.lock() {
+            copiers.remove(name);
+        }
+        let _ = self.state.remove(name);
+    }
+}
+
+/// An ending, as an exec's exit reports it.
+fn exit_of(ending: &Ending) -> (ExitReason, Option<i32>, Option<i32>, Option<String>) {
+    const KILL: Option<i32> = Some(libc::SIGKILL);
+    match ending {
+        Ending::Exited(code) => (ExitReason::Exited, Some(*code), None, None),
+        Ending::Signaled(signal) => (ExitReason::Signaled, None, Some(*signal), None),
+        Ending::MemoryLimit { .. } => (
+            ExitReason::MemoryLimit,
+            None,
+            KILL,
+            Some(ending_reason(ending)),
+        ),
+        Ending::WallLimit { .. } => (ExitReason::Timeout, None, KILL, Some(ending_reason(ending))),
+        Ending::OutputLimit { .. } => (
+            ExitReason::OutputLimit,
+            None,
+            KILL,
+            Some(ending_reason(ending)),
+        ),
+        Ending::DiskLimit { .. } => (
+            ExitReason::DiskLimit,
+            None,
+            KILL,
+            Some(ending_reason(ending)),
+        ),
+        Ending::Killed => (ExitReason::Killed, None, KILL, None),
+        Ending::CommandNotFound(message) => {
+            (ExitReason::Failed, Some(127), None, Some(message.clone()))
+        }
+        Ending::CannotExecute(message) => {
+            (ExitReason::Failed, Some(126), None, Some(message.clone()))
+        }
+    }
+}
+
+fn ending_reason(ending: &Ending) -> String {
+    let size = |bytes: u64| warden_policy::ByteSize(bytes).to_string();
+    match ending {
+        Ending::Exited(_) | Ending::Signaled(_) => "its command ended".to_owned(),
+        Ending::MemoryLimit { limit } => format!("memory limit {} exceeded", size(*limit)),
+        Ending::WallLimit { limit } => format!(
+            "wall-clock limit {} exceeded",
+            warden_policy::Duration(*limit)
+        ),
+        Ending::OutputLimit { limit } => format!("output limit {} exceeded", size(*limit)),
+        Ending::DiskLimit { limit } => format!("disk limit {} exceeded", size(*limit)),
+        Ending::Killed => "killed".to_owned(),
+        Ending::CommandNotFound(_) | Ending::CannotExecute(_) => {
+            "its command could not start".to_owned()
+        }
+    }
+}
