@@ -174,9 +174,10 @@ pub trait Backend: Send + Sync + Debug {
     /// Makes a cell that runs `argv` in the caller's own process, with the caller's stdin,
     /// stdout and stderr, and returns once it ended (`warden run` without a daemon: no keeper
     /// to start, so it costs no more than the cell). `discard_changes`: its workspace layer and
-    /// egress record go with it. The process tier clones the cell from the calling thread, so
-    /// the caller's other threads must be parked, holding no lock, when it is called (no
-    /// journal round under way, the async runtime waiting for this call).
+    /// egress record go with it. The request has passed `check` (the caller's duty: it is not
+    /// repeated here). The process tier clones the cell from the calling thread, whose clone
+    /// goes on without the others: call it while the process has no other thread (a lock one
+    /// of them held at that moment would be held in the cell's init for ever).
     fn run_attached(
         &self,
         spec: CellSpec,

@@ -445,6 +445,7 @@ fn run_in_process(
         argv: args.command,
         env,
         discard_changes: args.rm,
+        checked: true,
         by: format!(
             "warden run (uid {}, pid {})",
             rustix::process::getuid().as_raw(),

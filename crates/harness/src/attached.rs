@@ -26,6 +26,9 @@ pub struct AttachedRun {
     pub discard_changes: bool,
     /// Who asked, for the journal.
     pub by: String,
+    /// The caller has had the tier check this request (`Backend::check`) already, as `warden
+    /// run` does before it opens the journal: the host's paths are not walked twice.
+    pub checked: bool,
 }
 
 /// How it ended.
@@ -61,15 +64,14 @@ impl Harness {
             from,
             entry,
         } = self.prepare(&request).await?;
-        // On disk before the tier clones the cell from this process: no other thread of it may
-        // be at work then (see `Backend::run_attached`), so these entries are written and
-        // synced by this thread, not handed to the journal's own.
-        self.record(
-            Some(&name),
-            "cell.create",
-            crate::create_entry(&entry, &request, &from),
-        )
-        .await?;
+        if !run.checked {
+            self.backend
+                .check(
+                    &parsed,
+                    request.workspace.as_deref().map(std::path::Path::new),
+                )
+                .map_err(|e| HarnessError::bad(e.to_string()))?;
+        }
         self.state.put(&entry)?;
         self.state.set_record_offset(&name, None)?;
         if let Ok(mut copiers) = self.copiers.lock() {
@@ -77,7 +79,7 @@ impl Harness {
         }
         self.adopt_with(&entry, parsed.clone());
         let result = self
-            .run_adopted(&name, parsed, from, &request, &run, &argv)
+            .run_adopted(&name, parsed, from, &entry, &request, &run, &argv)
             .await;
         self.forget_attached(&name);
         result
@@ -89,39 +91,54 @@ impl Harness {
         name: &str,
         policy: warden_policy::Policy,
         from: Option<String>,
+        entry: &crate::CellEntry,
         request: &CreateCell,
         run: &AttachedRun,
         argv: &[String],
     ) -> Result<AttachedEnd, HarnessError> {
-        if let Err(refused) = self.check_command(name, argv).await {
-            self.record(
-                Some(name),
-                "cell.end",
-                json!({ "reason": "its command was refused" }),
+        let created = crate::create_entry(entry, request, &from);
+        let (verdict, _) = self.command_verdict(name, argv)?;
+        if let Some((denied, refused)) = self.refusal(argv, &verdict) {
+            self.record_all(
+                name,
+                vec![
+                    ("cell.create", created),
+                    ("exec.denied", denied),
+                    ("cell.end", json!({ "reason": "its command was refused" })),
+                    ("cell.delete", json!({ "by": run.by })),
+                ],
+                true,
             )
             .await?;
-            self.record(Some(name), "cell.delete", json!({ "by": run.by }))
-                .await?;
             return Err(refused);
         }
         let id = self.next_process.fetch_add(1, Ordering::Relaxed);
         let wall = policy.limits.wall.map(|w| w.0.as_millis() as u64);
-        let start = self
-            .record(
-                Some(name),
-                "exec.start",
-                json!({
-                    "process": id,
-                    "argv": argv,
-                    "cwd": null,
-                    // Names only: values may be secrets.
-                    "env": run.env.iter().map(|(k, _)| k).collect::<Vec<_>>(),
-                    "background": false,
-                    "timeout_ms": wall,
-                }),
+        // On disk, in one round, before the tier clones the cell from this process: the round
+        // is this thread's (an ephemeral harness's journal has no thread of its own until an
+        // entry needs one, and the clone must find the process single-threaded).
+        let started = self
+            .record_all(
+                name,
+                vec![
+                    ("cell.create", created),
+                    (
+                        "exec.start",
+                        json!({
+                            "process": id,
+                            "argv": argv,
+                            "cwd": null,
+                            // Names only: values may be secrets.
+                            "env": run.env.iter().map(|(k, _)| k).collect::<Vec<_>>(),
+                            "background": false,
+                            "timeout_ms": wall,
+                        }),
+                    ),
+                ],
+                false,
             )
             .await?;
-        let start_seq = start.seq;
+        let start_seq = started.last().map_or(0, |r| r.seq);
         let spec = CellSpec {
             name: name.to_owned(),
             policy,
@@ -145,7 +162,7 @@ impl Harness {
         // The layer is discarded here, after the record's decisions are in the journal. The
         // tier clones the cell from this very thread, which therefore blocks here for the
         // cell's life: the runtime's other work waits (there is none on the CLI's runtime), and
-        // no other thread of the process is at work when the clone is made.
+        // the process has no other thread when the clone is made.
         let outcome = self.backend.run_attached(spec, run.argv.clone(), false);
         let duration_ms = begun.elapsed().as_millis() as u64;
         while self.copy_decisions(name).await {}

@@ -48,8 +48,8 @@ impl Harness {
         spec: ExecSpec,
         caller: &tokio::sync::oneshot::Sender<Result<Arc<Process>, HarnessError>>,
     ) -> Result<Arc<Process>, HarnessError> {
-        let cell = self.live(name)?;
-        let paused = matches!(cell.status(), Ok(Status::Paused));
+        let (cell, status) = self.live_with_status(name)?;
+        let paused = status == Status::Paused;
         let idle_paused = self
             .live
             .lock()

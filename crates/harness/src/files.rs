@@ -92,8 +92,8 @@ impl Harness {
         limit: u64,
     ) -> Result<Vec<u8>, HarnessError> {
         let root = self.files_root(name)?;
-        let cell = self.live(name)?;
-        if matches!(cell.status(), Ok(Status::Paused)) {
+        let (cell, status) = self.live_with_status(name)?;
+        if status == Status::Paused {
             return Err(HarnessError::new(
                 ErrorKind::Conflict,
                 format!("cell `{name}` is paused; resume it first"),

@@ -159,8 +159,14 @@ impl Harness {
             false => State::open(&daemon_dir.join("state.redb"))?,
             true => State::in_memory(),
         };
-        let journal = Journal::open_with(&config.state.join("journal"), config.journal_segments)
-            .map_err(|e| HarnessError::internal(e.to_string()))?;
+        let journal_dir = config.state.join("journal");
+        // A harness for one command clones its cell from its own thread: the journal starts
+        // no thread of its own before that (see `Backend::run_attached`).
+        let journal = match config.ephemeral {
+            false => Journal::open_with(&journal_dir, config.journal_segments),
+            true => Journal::open_deferred(&journal_dir, config.journal_segments),
+        }
+        .map_err(|e| HarnessError::internal(e.to_string()))?;
         let grants = state.grants()?;
         let (running, cut, journaled_ends) = match config.ephemeral {
             false => {
@@ -739,6 +745,15 @@ impl Harness {
     }
 
     fn live(&self, name: &str) -> Result<Arc<dyn Cell>, HarnessError> {
+        self.live_with_status(name).map(|(cell, _)| cell)
+    }
+
+    /// The handle of a live cell, with its status as its tier says it now (running or paused;
+    /// running when that cannot be told).
+    pub(crate) fn live_with_status(
+        &self,
+        name: &str,
+    ) -> Result<(Arc<dyn Cell>, Status), HarnessError> {
         let entry = self.entry(name)?;
         if entry.ended.is_some() {
             return Err(HarnessError::new(
@@ -749,11 +764,13 @@ impl Harness {
                 ),
             ));
         }
-        self.cell(name)
-            .filter(|c| !matches!(c.status(), Ok(Status::Ended)))
-            .ok_or_else(|| {
-                HarnessError::new(ErrorKind::Conflict, format!("cell `{name}` has ended"))
-            })
+        let ended = || HarnessError::new(ErrorKind::Conflict, format!("cell `{name}` has ended"));
+        let cell = self.cell(name).ok_or_else(ended)?;
+        match cell.status() {
+            Ok(Status::Ended) => Err(ended()),
+            Ok(status) => Ok((cell, status)),
+            Err(_) => Ok((cell, Status::Running)),
+        }
     }
 
     /// Freezes, thaws or kills a cell, from outside.

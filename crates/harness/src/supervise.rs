@@ -377,6 +377,58 @@ impl Harness {
             })
     }
 
+    /// What the cell's command rules say of a command line (allow for a cell this harness
+    /// does not supervise).
+    pub(crate) fn command_verdict(
+        &self,
+        name: &str,
+        argv: &[String],
+    ) -> Result<(CommandVerdict, warden_policy::Approvals), HarnessError> {
+        let live = self
+            .live
+            .lock()
+            .map_err(|_| HarnessError::internal("the harness's state is poisoned"))?;
+        let Some(l) = live.get(name) else {
+            return Ok((CommandVerdict::Allow, warden_policy::Approvals::default()));
+        };
+        let verdict = l
+            .commands
+            .as_ref()
+            .map_or(CommandVerdict::Allow, |rules| rules.decide(argv));
+        Ok((verdict, l.policy.approvals.clone()))
+    }
+
+    /// A verdict that refuses the command here and now: what `exec.denied` says, and the
+    /// error. A deny rule always; an ask rule in a harness that lives for one command, where
+    /// nobody could answer.
+    pub(crate) fn refusal(
+        &self,
+        argv: &[String],
+        verdict: &CommandVerdict,
+    ) -> Option<(serde_json::Value, HarnessError)> {
+        let line = argv.join(" ");
+        match verdict {
+            CommandVerdict::Allow => None,
+            CommandVerdict::Deny(rule) => Some((
+                json!({ "argv": argv, "rule": rule }),
+                HarnessError::new(
+                    ErrorKind::Forbidden,
+                    format!("the cell's policy refuses the command `{line}` (rule {rule})"),
+                ),
+            )),
+            CommandVerdict::Ask(_) if !self.ephemeral => None,
+            CommandVerdict::Ask(rule) => Some((
+                json!({ "argv": argv, "rule": rule, "reason": "it asks a person, and no daemon runs to take the answer" }),
+                HarnessError::new(
+                    ErrorKind::Forbidden,
+                    format!(
+                        "the cell's policy holds the command `{line}` for a person's approval (rule {rule}), and without a daemon nobody can answer: start `warden serve` and run it again"
+                    ),
+                ),
+            )),
+        }
+    }
+
     /// Applies the cell's command rules to an exec: allowed, refused, or held until a person
     /// (or the policy's timeout) decides.
     pub(crate) async fn check_command(
@@ -384,52 +436,15 @@ impl Harness {
         name: &str,
         argv: &[String],
     ) -> Result<(), HarnessError> {
-        let (verdict, approvals) = {
-            let live = self
-                .live
-                .lock()
-                .map_err(|_| HarnessError::internal("the harness's state is poisoned"))?;
-            let Some(l) = live.get(name) else {
-                return Ok(());
-            };
-            let verdict = l
-                .commands
-                .as_ref()
-                .map_or(CommandVerdict::Allow, |rules| rules.decide(argv));
-            (verdict, l.policy.approvals.clone())
+        let (verdict, approvals) = self.command_verdict(name, argv)?;
+        if let Some((entry, refused)) = self.refusal(argv, &verdict) {
+            self.record(Some(name), "exec.denied", entry).await?;
+            return Err(refused);
+        }
+        let CommandVerdict::Ask(rule) = verdict else {
+            return Ok(());
         };
         let line = argv.join(" ");
-        let rule = match verdict {
-            CommandVerdict::Allow => return Ok(()),
-            CommandVerdict::Deny(rule) => {
-                self.record(
-                    Some(name),
-                    "exec.denied",
-                    json!({ "argv": argv, "rule": rule }),
-                )
-                .await?;
-                return Err(HarnessError::new(
-                    ErrorKind::Forbidden,
-                    format!("the cell's policy refuses the command `{line}` (rule {rule})"),
-                ));
-            }
-            CommandVerdict::Ask(rule) if self.ephemeral => {
-                // Nobody can answer a harness that lives for one command: refused, and said so.
-                self.record(
-                    Some(name),
-                    "exec.denied",
-                    json!({ "argv": argv, "rule": rule, "reason": "it asks a person, and no daemon runs to take the answer" }),
-                )
-                .await?;
-                return Err(HarnessError::new(
-                    ErrorKind::Forbidden,
-                    format!(
-                        "the cell's policy holds the command `{line}` for a person's approval (rule {rule}), and without a daemon nobody can answer: start `warden serve` and run it again"
-                    ),
-                ));
-            }
-            CommandVerdict::Ask(rule) => rule,
-        };
         let request = format!("exec {line}");
         self.ask_person(name, request, command_grant(&line), rule, &approvals)
             .await

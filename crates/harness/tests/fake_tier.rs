@@ -425,6 +425,7 @@ fn attached(argv: &[&str]) -> AttachedRun {
         env: vec![("ADDED".to_owned(), "yes".to_owned())],
         discard_changes: false,
         by: "test".to_owned(),
+        checked: false,
     }
 }
 

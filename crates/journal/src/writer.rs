@@ -104,7 +104,9 @@ struct Pending {
 /// An open journal. Appends from any thread; dropping it writes a last checkpoint.
 pub struct Journal {
     shared: Arc<Shared>,
-    syncer: Option<JoinHandle<()>>,
+    /// The syncer thread, once started (at the open, or, for a journal opened deferred, by
+    /// the first entry that needs it).
+    syncer: Mutex<Option<JoinHandle<()>>>,
     redactions: Arc<RwLock<Vec<String>>>,
     public_key: String,
     dir: PathBuf,
@@ -126,6 +128,18 @@ impl Journal {
     /// Opens the journal, closing the active segment for a new one whenever it has grown past
     /// `segments.bytes`, and keeping `segments.keep` closed ones.
     pub fn open_with(dir: &Path, segments: Segments) -> Result<Self, JournalError> {
+        let journal = Self::open_deferred(dir, segments)?;
+        journal.start_syncer()?;
+        Ok(journal)
+    }
+
+    /// Like `open_with`, but the syncer thread starts only when an entry needs it (one that
+    /// finds a round under way, or is submitted to be synced later); until then every entry is
+    /// written and synced by the thread that appends it, and the process has no thread of the
+    /// journal's. For a process that must stay single-threaded for a while (`warden run`
+    /// without a daemon clones its cell from itself). Checkpoints then wait for the close, or
+    /// for the syncer.
+    pub fn open_deferred(dir: &Path, segments: Segments) -> Result<Self, JournalError> {
         fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
@@ -193,16 +207,9 @@ impl Journal {
             state: Mutex::new(state),
             work: Condvar::new(),
         });
-        let syncer = {
-            let shared = Arc::clone(&shared);
-            std::thread::Builder::new()
-                .name("journal".to_owned())
-                .spawn(move || shared.sync_loop())
-                .map_err(JournalError::io("starting the journal writer", &path))?
-        };
         let journal = Self {
             shared,
-            syncer: Some(syncer),
+            syncer: Mutex::new(None),
             redactions,
             public_key,
             dir: dir.to_path_buf(),
@@ -219,6 +226,31 @@ impl Journal {
 
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// Starts the syncer thread unless it runs.
+    fn start_syncer(&self) -> Result<(), JournalError> {
+        let mut syncer = self
+            .syncer
+            .lock()
+            .map_err(|_| JournalError::Stopped("the writer failed".to_owned()))?;
+        if syncer.is_none() {
+            let shared = Arc::clone(&self.shared);
+            *syncer = Some(
+                std::thread::Builder::new()
+                    .name("journal".to_owned())
+                    .spawn(move || shared.sync_loop())
+                    .map_err(JournalError::io("starting the journal writer", &self.dir))?,
+            );
+        }
+        Ok(())
+    }
+
+    /// Wakes the syncer, starting it first where it does not run yet.
+    fn wake(&self) {
+        // A thread that cannot start leaves the entries to the next round or the close.
+        let _ = self.start_syncer();
+        self.shared.work.notify_one();
     }
 
     /// The hex public key that verifies this journal's checkpoints.
@@ -306,7 +338,7 @@ impl Journal {
             self.shared.sync_round(state);
         } else {
             drop(state);
-            self.shared.work.notify_one();
+            self.wake();
         }
     }
 
@@ -333,7 +365,7 @@ impl Journal {
                 Err(err) => {
                     // Those sealed already go on with the next round, unacknowledged here.
                     drop(state);
-                    self.shared.work.notify_one();
+                    self.wake();
                     return ack(Err(err));
                 }
             }
@@ -355,7 +387,7 @@ impl Journal {
             self.shared.sync_round(state);
         } else {
             drop(state);
-            self.shared.work.notify_one();
+            self.wake();
         }
     }
 
@@ -381,7 +413,7 @@ impl Journal {
         };
         match appended {
             Ok(receipt) => {
-                self.shared.work.notify_one();
+                self.wake();
                 if let Some(written) = written {
                     written(Ok(receipt));
                 }
@@ -416,13 +448,23 @@ impl Journal {
     }
 
     fn shut_down(&mut self) {
+        let syncer = self.syncer.lock().ok().and_then(|mut s| s.take());
+        let Some(syncer) = syncer else {
+            // No syncer ever ran: every round was an appender's, and none is under way. The
+            // last checkpoint is this thread's.
+            if let Ok(mut state) = self.shared.state.lock()
+                && !state.closing
+            {
+                state.closing = true;
+                state.checkpoint_and_sync();
+            }
+            return;
+        };
         if let Ok(mut state) = self.shared.state.lock() {
             state.closing = true;
         }
         self.shared.work.notify_one();
-        if let Some(syncer) = self.syncer.take() {
-            let _ = syncer.join();
-        }
+        let _ = syncer.join();
     }
 }
 
@@ -1109,6 +1151,43 @@ mod tests {
             report.entries > 1600 && report.checkpoints >= 1,
             "{report:?}"
         );
+    }
+
+    /// A journal opened deferred starts no thread while every entry finds no round under way
+    /// (its appender writes and syncs it), starts its syncer for the first that needs one, and
+    /// signs its last checkpoint at the close either way.
+    #[test]
+    fn a_deferred_journal_has_no_thread_until_an_entry_needs_one() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let journal = Journal::open_deferred(dir.path(), Segments::default()).unwrap();
+            journal.append(None, "a", json!({})).unwrap();
+            let (tx, rx) = mpsc::channel();
+            journal.submit_batch(
+                Some("c"),
+                vec![("b".to_owned(), json!({})), ("c".to_owned(), json!({}))],
+                false,
+                move |r| {
+                    let _ = tx.send(r);
+                },
+            );
+            assert_eq!(rx.recv().unwrap().unwrap().len(), 2);
+            assert!(journal.syncer.lock().unwrap().is_none(), "no thread yet");
+        }
+        let report = verify(dir.path(), None).unwrap();
+        assert_eq!((report.entries, report.unsigned_tail), (4, 0), "{report:?}");
+        let journal = Journal::open_deferred(dir.path(), Segments::default()).unwrap();
+        let (tx, rx) = mpsc::channel();
+        journal.submit(None, "later", json!({}), move |r| {
+            let _ = tx.send(r);
+        });
+        assert!(
+            rx.recv().unwrap().is_ok(),
+            "the syncer it started acknowledged it"
+        );
+        assert!(journal.syncer.lock().unwrap().is_some());
+        drop(journal);
+        assert_eq!(verify(dir.path(), None).unwrap().unsigned_tail, 0);
     }
 
     /// Two writers on one directory (as a daemon and a `warden run` beside it): each takes

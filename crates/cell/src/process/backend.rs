@@ -192,6 +192,8 @@ impl Backend for ProcessBackend {
             from,
             serve_exec: false,
             report: spec.report,
+            // `warden run` checks before it opens the journal (`Backend::check`).
+            checked: true,
         };
         let outcome = super::run::run(&self.registry, &store, request)
             .map_err(|e| StartError::Refused(e.to_string()))?;
@@ -449,6 +451,7 @@ pub fn keep(input: impl std::io::Read) -> Result<(i32, Vec<String>), KeepError> 
         from,
         serve_exec: true,
         report: spec.report,
+        checked: false,
     };
     let outcome = super::run::run(&Registry::open(Registry::default_root())?, &store, run)?;
     let status = match outcome.ending {

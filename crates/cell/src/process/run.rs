@@ -49,6 +49,9 @@ pub struct RunRequest {
     /// Where the ending is written (JSON, see [`Ending::report`]) before the cell's name is
     /// released: a supervisor that learns of the end from the name's lock finds why there.
     pub report: Option<PathBuf>,
+    /// The caller checked the policy's host paths already (`Backend::check`, just before):
+    /// they are not walked twice.
+    pub checked: bool,
 }
 
 /// The size of a cell's `/dev/shm` (no larger than its memory limit).
@@ -187,9 +190,9 @@ pub(super) fn nix_os(what: &'static str) -> impl FnOnce(nix::Error) -> RunError 
 
 /// Runs a command in a fresh cell and returns once the cell is gone.
 ///
-/// The cell starts as a clone of the calling thread, which goes on in the child without the
-/// others: call it while the process is single-threaded, or while its other threads are parked
-/// holding no lock (of the allocator, of stdio) the child could need.
+/// Must be called while the process is single-threaded: the cell starts as a clone of the
+/// calling thread, which goes on in the child without the others (a lock one of them held, of
+/// the allocator or of stdio, would stay held in the cell's init).
 pub fn run(
     registry: &Registry,
     store: &Store,
@@ -204,7 +207,9 @@ pub fn run(
     }
     let name = request.name.clone().unwrap_or_else(generate_name);
     plan::check_name(&name)?;
-    plan::check_paths(policy, store.root(), registry.root())?;
+    if !request.checked {
+        plan::check_paths(policy, store.root(), registry.root())?;
+    }
     let own = [
         ("state directory", store.root()),
         ("runtime directory", registry.root()),
