@@ -502,6 +502,16 @@ pub fn run(
         | libc::CLONE_NEWNET
         | libc::CLONE_NEWIPC
         | libc::CLONE_NEWUTS;
+    // The child goes on as a copy of this thread alone: a lock another thread holds now
+    // would stay held in the init for ever. Refused instead of risked.
+    let threads = fs::read_dir("/proc/self/task").map_or(1, |d| d.count());
+    if threads > 1 {
+        let _ = old_mask.thread_set_mask();
+        return Err(RunError::Os {
+            what: "starting a cell from a process with other threads (the process tier clones the cell from the calling thread, and must be called single-threaded)",
+            source: io::Error::other(format!("{threads} threads")),
+        });
+    }
     let pid = match sys::clone_process(flags) {
         Ok(0) => {
             let _ = old_mask.thread_set_mask();
