@@ -131,13 +131,16 @@ fn summary(entry: &Entry) -> String {
                 (None, Some(signal)) => format!("signal {signal}"),
                 _ => String::new(),
             };
+            // A run without a daemon passes its output to the caller without counting it.
+            let output = match (d["stdout_bytes"].as_u64(), d["stderr_bytes"].as_u64()) {
+                (Some(out), Some(err)) => format!(", {out} bytes out, {err} bytes err"),
+                _ => ", output to the caller's terminal".to_owned(),
+            };
             format!(
-                "process {} {} {how} after {} ms, {} bytes out, {} bytes err",
+                "process {} {} {how} after {} ms{output}",
                 d["process"],
                 d["reason"].as_str().unwrap_or_default(),
                 d["duration_ms"].as_u64().unwrap_or(0),
-                d["stdout_bytes"].as_u64().unwrap_or(0),
-                d["stderr_bytes"].as_u64().unwrap_or(0)
             )
         }
         "policy.replaced" => format!(
