@@ -4,7 +4,6 @@
 //! (`warden_cell`, `warden_policy`); no confinement logic lives here.
 
 mod cli;
-mod client;
 mod commands;
 mod daemon;
 mod render;

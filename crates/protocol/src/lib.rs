@@ -19,6 +19,9 @@ pub use exec::{
 pub use files::{FileInfo, FileKind};
 pub use workspace::{ApplyRequest, Snapshot};
 
+/// The daemon's socket in the runtime directory.
+pub const DAEMON_SOCKET: &str = "daemon.sock";
+
 /// Exit statuses of `warden run`, beside the command's own status (0-123) and 128+N for a
 /// command killed by signal N.
 pub mod exit {

@@ -16,7 +16,7 @@ pub use api::{OPENAPI, router};
 pub use listen::{HEAD_TIMEOUT, MAX_CONNECTIONS};
 
 /// The daemon's socket in the runtime directory.
-pub const SOCKET: &str = "daemon.sock";
+pub const SOCKET: &str = warden_protocol::DAEMON_SOCKET;
 /// Where the TCP listener's token is written (owner-only) unless one is given.
 pub const TOKEN_FILE: &str = "daemon.token";
 /// The TCP listener's address, once it listens.

@@ -12,7 +12,7 @@ use serde_json::{Value, json};
 use warden_cell::{Registry, Store};
 
 use crate::cli::CreateArgs;
-use crate::client::Client;
+use warden_client::Client;
 
 mod files;
 mod journal;
@@ -62,6 +62,7 @@ pub fn control_through_daemon(name: &str, action: warden_protocol::ControlAction
     daemon_owns(|client, rt| {
         rt.block_on(client.call::<(), warden_protocol::CellInfo>(Method::POST, &path, None))
             .map(drop)
+            .map_err(Into::into)
     })
 }
 
@@ -76,6 +77,7 @@ pub fn answer_through_daemon(
     daemon_owns(|client, rt| {
         rt.block_on(client.call::<_, Value>(Method::POST, &path, Some(answer)))
             .map(drop)
+            .map_err(Into::into)
     })
 }
 
@@ -87,7 +89,7 @@ fn daemon_owns(act: impl FnOnce(&Client, &tokio::runtime::Runtime) -> Result<()>
     };
     match act(&client, &current_thread()?) {
         Ok(()) => Ok(true),
-        Err(err) => match err.downcast_ref::<crate::client::ApiError>() {
+        Err(err) => match api_error(&err) {
             Some(api) if api.status == hyper::StatusCode::NOT_FOUND => Ok(false),
             _ => Err(err),
         },
@@ -102,6 +104,7 @@ pub fn approvals_through_daemon() -> Result<Option<Vec<warden_protocol::Approval
     current_thread()?
         .block_on(client.call::<(), _>(Method::GET, "/v1/approvals", None))
         .map(Some)
+        .map_err(Into::into)
 }
 
 /// Removes a cell the running daemon keeps; `false` when no daemon keeps it. One that still runs
@@ -116,9 +119,9 @@ pub fn remove_through_daemon(name: &str, force: bool) -> Result<bool> {
         match rt.block_on(client.call::<(), _>(Method::GET, &format!("/v1/cells/{name}"), None)) {
             Ok(info) => info,
             Err(err) => {
-                return match err.downcast_ref::<crate::client::ApiError>() {
+                return match err.api() {
                     Some(api) if api.status == hyper::StatusCode::NOT_FOUND => Ok(false),
-                    _ => Err(err),
+                    _ => Err(err.into()),
                 };
             }
         };
@@ -151,9 +154,9 @@ pub fn set_policy_through_daemon(name: &str, file: &Path) -> Result<Option<u64>>
     let path = format!("/v1/cells/{name}/policy");
     match current_thread()?.block_on(client.json(Method::PUT, &path, Some(&body))) {
         Ok(answer) => Ok(Some(answer["closed_connections"].as_u64().unwrap_or(0))),
-        Err(err) => match err.downcast_ref::<crate::client::ApiError>() {
+        Err(err) => match err.api() {
             Some(api) if api.status == hyper::StatusCode::NOT_FOUND => Ok(None),
-            _ => Err(err),
+            _ => Err(err.into()),
         },
     }
 }
@@ -172,6 +175,12 @@ fn pairs(list: &[String], what: &str) -> Result<std::collections::BTreeMap<Strin
 /// A policy file's text and a workspace's absolute path, as the API takes them.
 /// The values of the policy's `from_env` credentials, from this caller's environment: the
 /// daemon's is not the caller's.
+/// The API's error inside a failure of a call to the daemon.
+pub(crate) fn api_error(err: &anyhow::Error) -> Option<&warden_client::ApiError> {
+    err.downcast_ref::<warden_client::ClientError>()
+        .and_then(warden_client::ClientError::api)
+}
+
 fn callers_secrets(
     policy: &warden_policy::Policy,
 ) -> Result<std::collections::BTreeMap<String, String>> {

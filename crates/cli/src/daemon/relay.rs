@@ -2,13 +2,13 @@
 //! the terminal's raw mode, and the announcements of questions on the waiting terminal.
 
 use crate::cli::ExecArgs;
-use crate::client::Client;
 use anyhow::{Context, Result, bail};
 use base64::Engine as _;
 use hyper::Method;
 use serde_json::{Value, json};
 use std::io::{Read as _, Write as _};
 use warden_cell::Store;
+use warden_client::Client;
 
 use super::*;
 
@@ -67,10 +67,10 @@ pub fn run_through(
     if let Err(err) = end {
         // A cell that its own limits ended already needs no kill.
         let ended = err
-            .downcast_ref::<crate::client::ApiError>()
+            .api()
             .is_some_and(|api| api.status == hyper::StatusCode::CONFLICT);
         if !ended {
-            return Err(err);
+            return Err(err.into());
         }
     }
     let store = Store::open(Store::default_root())?;
@@ -211,7 +211,7 @@ fn announcement(cell: &str, entry: &Value) -> Option<String> {
 
 /// A command its cell's rules, or a person, refused: said, with its own exit status.
 fn refused(err: &anyhow::Error) -> Option<i32> {
-    let api = err.downcast_ref::<crate::client::ApiError>()?;
+    let api = api_error(err)?;
     (api.status == hyper::StatusCode::FORBIDDEN).then(|| {
         eprintln!("warden: refused: {}", api.message);
         warden_protocol::exit::REFUSED
@@ -377,6 +377,7 @@ pub fn exec(args: ExecArgs) -> Result<i32> {
             _ => {}
         }
     });
+    let run = async { run.await.map_err(anyhow::Error::from) };
     match rt.block_on(announcing(&client, &args.name, false, run)) {
         Ok(()) => Ok(code),
         Err(err) => refused(&err).ok_or(err),

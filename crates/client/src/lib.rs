@@ -1,13 +1,53 @@
-//! The CLI as a client of the daemon's API, over its unix socket.
+//! A typed client of the daemon's API, over its unix socket: what the CLI speaks to a daemon,
+//! and what tests and the faces to come can speak too. Requests and answers are the protocol's
+//! wire types (`call`); errors are typed (`ClientError`), an answer that is not a success
+//! carrying the API's status, message and code (`ApiError`).
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result, anyhow, bail};
 use http_body_util::{BodyExt as _, Full};
 use hyper::body::{Bytes, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use serde_json::Value;
+
+/// What went wrong talking to the daemon.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("connecting to the warden daemon at {socket} (is `warden serve` running?): {source}")]
+    Connect {
+        socket: PathBuf,
+        source: std::io::Error,
+    },
+    /// The connection broke, or the request could not be sent.
+    #[error("{what}: {reason}")]
+    Transport { what: &'static str, reason: String },
+    /// The daemon answered, with an error of the API's.
+    #[error(transparent)]
+    Api(#[from] ApiError),
+    /// The daemon's answer is not what this client understands.
+    #[error("{0}")]
+    Answer(String),
+}
+
+impl ClientError {
+    /// The API's error, when the daemon answered with one.
+    pub fn api(&self) -> Option<&ApiError> {
+        match self {
+            Self::Api(api) => Some(api),
+            _ => None,
+        }
+    }
+}
+
+type Result<T, E = ClientError> = std::result::Result<T, E>;
+
+fn transport(what: &'static str) -> impl FnOnce(hyper::Error) -> ClientError {
+    move |err| ClientError::Transport {
+        what,
+        reason: err.to_string(),
+    }
+}
 
 #[derive(Debug, Clone)]
 pub struct Client {
@@ -31,7 +71,7 @@ impl Client {
 
     /// The daemon of this runtime directory, if one answers.
     pub fn detect(runtime: &Path) -> Option<Self> {
-        let socket = runtime.join(warden_server::SOCKET);
+        let socket = runtime.join(warden_protocol::DAEMON_SOCKET);
         std::os::unix::net::UnixStream::connect(&socket)
             .ok()
             .map(|_| Self::new(socket))
@@ -55,15 +95,13 @@ impl Client {
     ) -> Result<Response<Incoming>> {
         let stream = tokio::net::UnixStream::connect(&self.socket)
             .await
-            .with_context(|| {
-                format!(
-                    "connecting to the warden daemon at {} (is `warden serve` running?)",
-                    self.socket.display()
-                )
+            .map_err(|source| ClientError::Connect {
+                socket: self.socket.clone(),
+                source,
             })?;
         let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
-            .context("talking to the warden daemon")?;
+            .map_err(transport("talking to the warden daemon"))?;
         tokio::spawn(async move {
             let _ = connection.await;
         });
@@ -73,11 +111,14 @@ impl Client {
             .header("host", "warden")
             .header("content-type", "application/json")
             .body(Full::new(Bytes::from(bytes)))
-            .context("building a request")?;
+            .map_err(|e| ClientError::Transport {
+                what: "building a request",
+                reason: e.to_string(),
+            })?;
         sender
             .send_request(request)
             .await
-            .context("the warden daemon did not answer")
+            .map_err(transport("the warden daemon did not answer"))
     }
 
     /// A typed request and answer: `body` goes as JSON, the answer is read as `T` (errors
@@ -91,10 +132,12 @@ impl Client {
         let body = body
             .map(serde_json::to_value)
             .transpose()
-            .context("writing the request")?;
+            .map_err(|e| ClientError::Answer(format!("writing the request: {e}")))?;
         let value = self.json(method, path, body.as_ref()).await?;
-        serde_json::from_value(value).with_context(|| {
-            format!("the daemon's answer to {path} is not what this warden understands")
+        serde_json::from_value(value).map_err(|e| {
+            ClientError::Answer(format!(
+                "the daemon's answer to {path} is not what this warden understands: {e}"
+            ))
         })
     }
 
@@ -111,7 +154,8 @@ impl Client {
         if bytes.is_empty() {
             return Ok(Value::Null);
         }
-        serde_json::from_slice(&bytes).context("the daemon's answer is not JSON")
+        serde_json::from_slice(&bytes)
+            .map_err(|e| ClientError::Answer(format!("the daemon's answer is not JSON: {e}")))
     }
 
     /// A request answered with server-sent events; `on_event(name, data)` for each.
@@ -130,7 +174,9 @@ impl Client {
         {
             return Ok(());
         }
-        bail!("the daemon's stream ended before the process did (did the daemon stop?)")
+        Err(ClientError::Answer(
+            "the daemon's stream ended before the process did (did the daemon stop?)".to_owned(),
+        ))
     }
 
     /// Opens a stream of server-sent events: once this returns, the daemon has subscribed, and
@@ -145,7 +191,9 @@ impl Client {
         if !response.status().is_success() {
             // Not a stream: the API's error.
             read_success(response).await?;
-            bail!("the daemon refused the stream");
+            return Err(ClientError::Answer(
+                "the daemon refused the stream".to_owned(),
+            ));
         }
         Ok(EventStream {
             body: response.into_body(),
@@ -154,6 +202,7 @@ impl Client {
 }
 
 /// An open stream of server-sent events.
+#[derive(Debug)]
 pub struct EventStream {
     body: Incoming,
 }
@@ -164,7 +213,7 @@ impl EventStream {
     pub async fn each(mut self, mut on_event: impl FnMut(&str, &str)) -> Result<bool> {
         let mut buffer = String::new();
         while let Some(frame) = self.body.frame().await {
-            let frame = frame.map_err(|e| anyhow!("the daemon's stream broke off: {e}"))?;
+            let frame = frame.map_err(transport("the daemon's stream broke off"))?;
             let Ok(data) = frame.into_data() else {
                 continue;
             };
@@ -203,7 +252,7 @@ async fn read_success(response: Response<Incoming>) -> Result<Bytes> {
         .into_body()
         .collect()
         .await
-        .context("reading the daemon's answer")?
+        .map_err(transport("reading the daemon's answer"))?
         .to_bytes();
     if status.is_success() {
         return Ok(bytes);
