@@ -8,8 +8,9 @@
 //! tests of the harness without root and without the kernel's isolation. A new tier plugs in
 //! here: it implements these three traits and gets a case in [`backend`].
 //!
-//! Everything here is blocking: the harness calls it on threads of its own (control never
-//! waits behind work a cell can stall) or on the runtime's blocking pool.
+//! Everything here is blocking: the harness calls control on threads of its own (it never
+//! waits behind work a cell can stall), a start on the runtime's blocking pool, and what
+//! answers at once (status, an exec's request) where it is.
 
 use std::fmt::Debug;
 use std::os::fd::{AsRawFd, OwnedFd};
