@@ -47,6 +47,17 @@ impl FakeBackend {
         self.cells.lock().ok()?.get(name).cloned()
     }
 
+    /// The directory of a cell about to start, unless its start is to be refused.
+    fn cell_dir(&self, name: &str) -> Result<PathBuf, StartError> {
+        if let Some(message) = self.refuse.lock().ok().and_then(|mut r| r.remove(name)) {
+            return Err(StartError::Refused(message));
+        }
+        let dir = self.root.join(name);
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| StartError::Host(format!("creating {}: {e}", dir.display())))?;
+        Ok(dir)
+    }
+
     /// The next start of a cell named `name` fails with `message`.
     pub fn refuse_start(&self, name: &str, message: &str) {
         if let Ok(mut refuse) = self.refuse.lock() {
@@ -84,17 +95,7 @@ impl Backend for FakeBackend {
     }
 
     fn start(&self, spec: CellSpec) -> Result<Arc<dyn Cell>, StartError> {
-        if let Some(message) = self
-            .refuse
-            .lock()
-            .ok()
-            .and_then(|mut r| r.remove(&spec.name))
-        {
-            return Err(StartError::Refused(message));
-        }
-        let dir = self.root.join(&spec.name);
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| StartError::Host(format!("creating {}: {e}", dir.display())))?;
+        let dir = self.cell_dir(&spec.name)?;
         let cell = Arc::new(FakeCell {
             name: spec.name.clone(),
             dir,
@@ -119,17 +120,7 @@ impl Backend for FakeBackend {
         argv: Vec<std::ffi::OsString>,
         _discard_changes: bool,
     ) -> Result<Attached, StartError> {
-        if let Some(message) = self
-            .refuse
-            .lock()
-            .ok()
-            .and_then(|mut r| r.remove(&spec.name))
-        {
-            return Err(StartError::Refused(message));
-        }
-        let dir = self.root.join(&spec.name);
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| StartError::Host(format!("creating {}: {e}", dir.display())))?;
+        let dir = self.cell_dir(&spec.name)?;
         let Some((program, args)) = argv.split_first() else {
             return Err(StartError::Refused("no command".to_owned()));
         };
@@ -156,7 +147,6 @@ impl Backend for FakeBackend {
             ending,
             notices: Vec::new(),
             kept_changes: false,
-            pid: None,
         })
     }
 

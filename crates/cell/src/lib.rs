@@ -18,7 +18,7 @@ pub mod fake;
 
 #[cfg(target_os = "linux")]
 pub use process::{
-    backend::{KeepError, KeeperRequest, keep},
+    backend::{KeepError, keep},
     changes, control,
     exec::resize as resize_terminal,
     plan::{check_name, check_paths},

@@ -153,8 +153,6 @@ pub struct Attached {
     pub notices: Vec<String>,
     /// The cell changed its copy-on-write workspace, and the layer was kept for review.
     pub kept_changes: bool,
-    /// The host pid of the cell's first process.
-    pub pid: Option<i32>,
 }
 
 /// What a doctor's check found.

@@ -20,7 +20,7 @@ use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use nix::fcntl::{Flock, FlockArg};
+use rustix::fs::{FlockOperation, flock};
 use serde_json::{Value, json};
 
 use crate::entry::{Entry, GENESIS, redact};
@@ -982,11 +982,9 @@ impl WriterState {
 }
 
 /// The lock on `journal.lock`, taken and given back as entries are sealed and written.
-enum AppendLock {
-    Free(File),
-    Held(Flock<File>),
-    /// Between the two (never seen from outside a call).
-    Moving,
+struct AppendLock {
+    file: File,
+    held: bool,
 }
 
 impl AppendLock {
@@ -1000,45 +998,29 @@ impl AppendLock {
             .mode(0o600)
             .open(&path)
             .map_err(JournalError::io("opening the journal's lock", &path))?;
-        Ok(Self::Free(file))
+        Ok(Self { file, held: false })
     }
 
     /// Takes the lock, waiting for another process to give it back; whether it was free here
     /// (so what others wrote must be read).
     fn hold(&mut self) -> Result<bool, JournalError> {
-        match std::mem::replace(self, Self::Moving) {
-            Self::Free(file) => match Flock::lock(file, FlockArg::LockExclusive) {
-                Ok(held) => {
-                    *self = Self::Held(held);
-                    Ok(true)
-                }
-                Err((file, errno)) => {
-                    *self = Self::Free(file);
-                    Err(JournalError::Io {
-                        what: "taking the journal's lock",
-                        path: PathBuf::from(LOCK_FILE),
-                        source: Arc::new(io::Error::from(errno)),
-                    })
-                }
-            },
-            held @ Self::Held(_) => {
-                *self = held;
-                Ok(false)
-            }
-            Self::Moving => Err(JournalError::Stopped("the journal's lock was lost".into())),
+        if self.held {
+            return Ok(false);
         }
+        flock(&self.file, FlockOperation::LockExclusive).map_err(|errno| JournalError::Io {
+            what: "taking the journal's lock",
+            path: PathBuf::from(LOCK_FILE),
+            source: Arc::new(io::Error::from(errno)),
+        })?;
+        self.held = true;
+        Ok(true)
     }
 
     fn release(&mut self) {
-        if !matches!(self, Self::Held(_)) {
-            return;
-        }
-        if let Self::Held(held) = std::mem::replace(self, Self::Moving) {
-            *self = match held.unlock() {
-                Ok(file) => Self::Free(file),
-                // Not given back: it stays held, and goes with the descriptor at the latest.
-                Err((held, _)) => Self::Held(held),
-            };
+        // Not given back (it cannot fail on a descriptor that holds it): it goes with the
+        // descriptor at the latest.
+        if self.held && flock(&self.file, FlockOperation::Unlock).is_ok() {
+            self.held = false;
         }
     }
 }

@@ -202,7 +202,6 @@ impl Backend for ProcessBackend {
             ending: outcome.ending,
             notices: outcome.notices,
             kept_changes: outcome.kept_changes,
-            pid: None,
         })
     }
 
@@ -234,17 +233,13 @@ pub struct ProcessCell {
 }
 
 impl ProcessCell {
-    fn name_str(&self) -> &str {
-        &self.record.name
-    }
-
     fn ended(&self) -> CellError {
-        CellError::Ended(format!("cell `{}` has ended", self.name_str()))
+        CellError::Ended(format!("cell `{}` has ended", self.record.name))
     }
 
     /// The registry's record, if it is still this cell's (not a later one of the same name).
     fn current(&self) -> Result<Option<CellRecord>, CellError> {
-        match self.registry.get(self.name_str()) {
+        match self.registry.get(&self.record.name) {
             Ok(record)
                 if record.pid == self.record.pid && record.pid_start == self.record.pid_start =>
             {
@@ -278,7 +273,7 @@ impl ProcessCell {
                 sent => return sent.map_err(exec_error),
             }
         }
-        let line = Arc::new(Line::open(&self.registry, self.name_str()).map_err(exec_error)?);
+        let line = Arc::new(Line::open(&self.registry, &self.record.name).map_err(exec_error)?);
         if let Ok(mut l) = self.line.lock() {
             *l = Some(Arc::clone(&line));
         }
@@ -288,7 +283,7 @@ impl ProcessCell {
 
 impl Cell for ProcessCell {
     fn name(&self) -> &str {
-        self.name_str()
+        &self.record.name
     }
 
     fn pid(&self) -> Option<i32> {
@@ -309,13 +304,13 @@ impl Cell for ProcessCell {
     }
 
     fn freeze(&self) -> Result<(), CellError> {
-        control::pause(&self.registry, self.name_str())
+        control::pause(&self.registry, &self.record.name)
             .map(|_| ())
             .map_err(control_error)
     }
 
     fn thaw(&self) -> Result<(), CellError> {
-        control::resume(&self.registry, self.name_str())
+        control::resume(&self.registry, &self.record.name)
             .map(|_| ())
             .map_err(control_error)
     }
@@ -324,7 +319,7 @@ impl Cell for ProcessCell {
         if self.current()?.is_none() {
             return Err(self.ended());
         }
-        control::kill(&self.registry, self.name_str())
+        control::kill(&self.registry, &self.record.name)
             .map(|_| ())
             .map_err(control_error)
     }
@@ -349,19 +344,21 @@ impl Cell for ProcessCell {
     }
 
     fn questions(&self) -> Vec<Question> {
-        control::pending_questions(&self.registry, self.name_str()).unwrap_or_default()
+        control::pending_questions(&self.registry, &self.record.name).unwrap_or_default()
     }
 
     fn answer(&self, id: u64, allow: bool) -> Result<(), CellError> {
-        control::answer_question(&self.registry, self.name_str(), id, allow).map_err(|e| match e {
-            ApprovalError::Registry(RegistryError::NotFound(_)) => self.ended(),
-            ApprovalError::Registry(other) => CellError::Host(other.to_string()),
-            ApprovalError::Answer(answer) => CellError::Invalid(answer.to_string()),
-        })
+        control::answer_question(&self.registry, &self.record.name, id, allow).map_err(
+            |e| match e {
+                ApprovalError::Registry(RegistryError::NotFound(_)) => self.ended(),
+                ApprovalError::Registry(other) => CellError::Host(other.to_string()),
+                ApprovalError::Answer(answer) => CellError::Invalid(answer.to_string()),
+            },
+        )
     }
 
     fn set_network_rules(&self, file: &Path) -> Result<u64, CellError> {
-        control::set_network_policy(&self.registry, self.name_str(), file).map_err(|e| match e {
+        control::set_network_policy(&self.registry, &self.record.name, file).map_err(|e| match e {
             PolicySetError::Registry(RegistryError::NotFound(_)) => self.ended(),
             PolicySetError::Policy(_) | PolicySetError::Rules(_) => {
                 CellError::Invalid(e.to_string())

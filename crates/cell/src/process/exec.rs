@@ -308,40 +308,14 @@ pub struct Line {
 impl Line {
     /// Asks the keeper of cell `name` for a line to its init.
     pub fn open(registry: &Registry, name: &str) -> Result<Self, ExecError> {
-        let keeper = connect_keeper(registry, name)?;
-        // The keeper answers at once; a keeper that does not is not waited for without end.
-        let _ = nix::sys::socket::setsockopt(
-            &keeper,
-            nix::sys::socket::sockopt::ReceiveTimeout,
-            &nix::sys::time::TimeVal::new(5, 0),
-        );
-        let io_error = |what| {
-            move |source| ExecError::Io {
-                what,
-                cell: name.to_owned(),
-                source,
-            }
-        };
-        let payload = serde_json::to_vec(&Request::Line).unwrap_or_default();
-        sys::send_message(keeper.as_fd(), &payload, &[]).map_err(io_error("asking for a line"))?;
-        let Some((payload, mut fds)) =
-            sys::receive_message(keeper.as_fd()).map_err(io_error("receiving a line"))?
-        else {
-            return Err(ExecError::CellEnded(name.to_owned()));
-        };
-        match (serde_json::from_slice::<Request>(&payload), fds.pop()) {
-            (Ok(Request::Line), Some(socket)) if fds.is_empty() => Ok(Self {
-                cell: name.to_owned(),
-                socket,
-            }),
-            _ => Err(ExecError::Protocol {
-                cell: name.to_owned(),
-                reason: format!(
-                    "the keeper answered a request for a line with {}",
-                    String::from_utf8_lossy(&payload)
-                ),
-            }),
-        }
+        let mut fds = ask_keeper(registry, name, &Request::Line, 1, "a line")?;
+        let socket = fds
+            .pop()
+            .ok_or_else(|| ExecError::CellEnded(name.to_owned()))?;
+        Ok(Self {
+            cell: name.to_owned(),
+            socket,
+        })
     }
 }
 
@@ -349,6 +323,23 @@ impl Line {
 /// from outside without reading its init's `/proc` entries (which its init, not dumpable,
 /// keeps from an unprivileged warden).
 pub fn namespaces(registry: &Registry, name: &str) -> Result<(OwnedFd, OwnedFd), ExecError> {
+    let mut fds = ask_keeper(registry, name, &Request::Namespaces, 2, "the namespaces")?;
+    let ended = || ExecError::CellEnded(name.to_owned());
+    let mnt = fds.pop().ok_or_else(ended)?;
+    let user = fds.pop().ok_or_else(ended)?;
+    Ok((user, mnt))
+}
+
+/// Sends the keeper of cell `name` a request it answers itself (with the same request and
+/// `count` descriptors), and returns the descriptors. The keeper answers at once; one that
+/// does not is not waited for without end.
+fn ask_keeper(
+    registry: &Registry,
+    name: &str,
+    request: &Request,
+    count: usize,
+    what: &'static str,
+) -> Result<Vec<OwnedFd>, ExecError> {
     let keeper = connect_keeper(registry, name)?;
     let _ = nix::sys::socket::setsockopt(
         &keeper,
@@ -362,32 +353,25 @@ pub fn namespaces(registry: &Registry, name: &str) -> Result<(OwnedFd, OwnedFd),
             source,
         }
     };
-    let payload = serde_json::to_vec(&Request::Namespaces).unwrap_or_default();
-    sys::send_message(keeper.as_fd(), &payload, &[])
-        .map_err(io_error("asking for the namespaces"))?;
-    let Some((payload, mut fds)) =
-        sys::receive_message(keeper.as_fd()).map_err(io_error("receiving the namespaces"))?
+    let payload = serde_json::to_vec(request).unwrap_or_default();
+    sys::send_message(keeper.as_fd(), &payload, &[]).map_err(io_error("asking the keeper"))?;
+    let Some((answer, fds)) =
+        sys::receive_message(keeper.as_fd()).map_err(io_error("receiving the keeper's answer"))?
     else {
         return Err(ExecError::CellEnded(name.to_owned()));
     };
-    match (serde_json::from_slice::<Request>(&payload), fds.len()) {
-        (Ok(Request::Namespaces), 2) => {
-            let mnt = fds
-                .pop()
-                .ok_or_else(|| ExecError::CellEnded(name.to_owned()))?;
-            let user = fds
-                .pop()
-                .ok_or_else(|| ExecError::CellEnded(name.to_owned()))?;
-            Ok((user, mnt))
-        }
-        _ => Err(ExecError::Protocol {
-            cell: name.to_owned(),
-            reason: format!(
-                "the keeper answered a request for the namespaces with {}",
-                String::from_utf8_lossy(&payload)
-            ),
-        }),
+    let same = serde_json::from_slice::<Request>(&answer)
+        .is_ok_and(|a| std::mem::discriminant(&a) == std::mem::discriminant(request));
+    if same && fds.len() == count {
+        return Ok(fds);
     }
+    Err(ExecError::Protocol {
+        cell: name.to_owned(),
+        reason: format!(
+            "the keeper answered a request for {what} with {}",
+            String::from_utf8_lossy(&answer)
+        ),
+    })
 }
 
 impl std::os::fd::AsRawFd for ExecSession {

@@ -163,23 +163,15 @@ pub fn restrict_mount(path: &Path, read_only: bool) -> io::Result<()> {
 /// is in no mount tree, so that nothing in the cell sees it, and that an overlay can take as a
 /// layer (`/proc/self/fd/N`).
 pub fn detached_clone(path: &Path) -> io::Result<OwnedFd> {
-    const OPEN_TREE_CLONE: libc::c_uint = 1;
-    let cpath = cstring(path)?;
-    // SAFETY: valid NUL-terminated path; flags are plain integers.
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_open_tree,
-            libc::AT_FDCWD,
-            cpath.as_ptr(),
-            OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
-        )
-    };
-    // SAFETY: the kernel returned a fresh descriptor that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(check(ret)? as RawFd) })
+    open_tree_clone(path, 0)
 }
 
 /// A detached copy of the mount tree at `path`, its submounts included.
 pub fn detached_clone_recursive(path: &Path) -> io::Result<OwnedFd> {
+    open_tree_clone(path, libc::AT_RECURSIVE as libc::c_uint)
+}
+
+fn open_tree_clone(path: &Path, flags: libc::c_uint) -> io::Result<OwnedFd> {
     const OPEN_TREE_CLONE: libc::c_uint = 1;
     let cpath = cstring(path)?;
     // SAFETY: valid NUL-terminated path; flags are plain integers.
@@ -188,7 +180,7 @@ pub fn detached_clone_recursive(path: &Path) -> io::Result<OwnedFd> {
             libc::SYS_open_tree,
             libc::AT_FDCWD,
             cpath.as_ptr(),
-            OPEN_TREE_CLONE | libc::AT_RECURSIVE as libc::c_uint | libc::O_CLOEXEC as libc::c_uint,
+            OPEN_TREE_CLONE | flags | libc::O_CLOEXEC as libc::c_uint,
         )
     };
     // SAFETY: the kernel returned a fresh descriptor that nothing else owns.
