@@ -1,7 +1,9 @@
 //! Cold-start benchmark: create a sandbox, run `true`, tear it down, many times, for Warden and
 //! for the peers installed on this machine, in one run, and print a table with ratios.
 //!
-//! Usage: `coldstart [--runs N] [--warden PATH]` (see bench/README.md).
+//! Usage: `coldstart [--runs N] [--warden PATH] [--baseline PATH]` (see bench/README.md).
+//! `--baseline` adds the rows of another build of warden (an older one), interleaved with the
+//! rest, so that a change is measured against what it changed in one run.
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -10,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 
 struct Contender {
-    name: &'static str,
+    name: String,
     argv: Vec<String>,
 }
 
@@ -44,8 +46,23 @@ fn strings(items: &[&str]) -> Vec<String> {
     items.iter().map(|s| (*s).to_owned()).collect()
 }
 
-fn contenders(warden: &str) -> Vec<Contender> {
-    let warden_run = strings(&[warden, "run", "--", "true"]);
+fn contenders(warden: &str, baseline: Option<&str>) -> Vec<Contender> {
+    let rootless = is_root() && which("setpriv").is_some();
+    let mut out = Vec::new();
+    let builds = std::iter::once(("warden run", warden)).chain(baseline.map(|b| ("baseline", b)));
+    for (label, build) in builds {
+        let warden_run = strings(&[build, "run", "--", "true"]);
+        out.push(Contender {
+            name: label.to_owned(),
+            argv: warden_run.clone(),
+        });
+        if rootless {
+            out.push(Contender {
+                name: format!("{label} (rootless)"),
+                argv: as_nobody(&warden_run),
+            });
+        }
+    }
     let bwrap = strings(&[
         "bwrap",
         "--unshare-all",
@@ -70,38 +87,27 @@ fn contenders(warden: &str) -> Vec<Contender> {
         "/tmp",
         "true",
     ]);
-    let mut out = vec![Contender {
-        name: "warden run",
-        argv: warden_run.clone(),
-    }];
-    let rootless = is_root() && which("setpriv").is_some();
-    if rootless {
-        out.push(Contender {
-            name: "warden run (rootless)",
-            argv: as_nobody(&warden_run),
-        });
-    }
     if which("bwrap").is_some() {
         out.push(Contender {
-            name: "bwrap --unshare-all",
+            name: "bwrap --unshare-all".to_owned(),
             argv: bwrap.clone(),
         });
         if rootless {
             out.push(Contender {
-                name: "bwrap (rootless)",
+                name: "bwrap (rootless)".to_owned(),
                 argv: as_nobody(&bwrap),
             });
         }
     }
     if which("unshare").is_some() {
         out.push(Contender {
-            name: "unshare -Umpnif",
+            name: "unshare -Umpnif".to_owned(),
             argv: strings(&["unshare", "-Umpnif", "true"]),
         });
     }
     if which("runsc").is_some() {
         out.push(Contender {
-            name: "runsc do",
+            name: "runsc do".to_owned(),
             argv: strings(&["runsc", "--network=none", "do", "true"]),
         });
     }
@@ -138,6 +144,16 @@ fn time_once(argv: &[String]) -> Result<Duration> {
     Ok(took)
 }
 
+/// Fisher-Yates with a xorshift: the order needs no more than to differ from round to round.
+fn shuffle(items: &mut [usize], seed: &mut u64) {
+    for i in (1..items.len()).rev() {
+        *seed ^= *seed << 13;
+        *seed ^= *seed >> 7;
+        *seed ^= *seed << 17;
+        items.swap(i, (*seed % (i as u64 + 1)) as usize);
+    }
+}
+
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     let index = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[index.min(sorted.len() - 1)]
@@ -150,38 +166,56 @@ fn ms(d: Duration) -> f64 {
 fn main() -> Result<()> {
     let mut runs = 200usize;
     let mut warden = String::from("target/release/warden");
+    let mut baseline = None;
     let mut args = std::env::args().skip(1);
+    const USAGE: &str = "usage: coldstart [--runs N] [--warden PATH] [--baseline PATH]";
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--runs" => runs = args.next().context("--runs needs a number")?.parse()?,
             "--warden" => warden = args.next().context("--warden needs a path")?,
-            other => bail!("unknown argument {other}; usage: coldstart [--runs N] [--warden PATH]"),
+            "--baseline" => baseline = Some(args.next().context("--baseline needs a path")?),
+            "--help" | "-h" => {
+                println!("{USAGE}");
+                return Ok(());
+            }
+            other => bail!("unknown argument {other}; {USAGE}"),
         }
     }
-    let warden = std::fs::canonicalize(&warden)
-        .with_context(|| {
-            format!(
-                "{warden} not found; build it with `cargo build --release` or pass --warden PATH"
-            )
-        })?
-        .display()
-        .to_string();
-    let contenders = contenders(&warden);
-    let mut results: Vec<(&str, Vec<Duration>)> =
-        contenders.iter().map(|c| (c.name, Vec::new())).collect();
-    // Warm-up, then interleave the contenders so that machine noise hits them alike.
+    let found = |path: &str| -> Result<String> {
+        Ok(std::fs::canonicalize(path)
+            .with_context(|| {
+                format!("{path} not found; build it with `cargo build --release` or pass its path")
+            })?
+            .display()
+            .to_string())
+    };
+    let warden = found(&warden)?;
+    let baseline = baseline.as_deref().map(found).transpose()?;
+    let contenders = contenders(&warden, baseline.as_deref());
+    let mut results: Vec<(&str, Vec<Duration>)> = contenders
+        .iter()
+        .map(|c| (c.name.as_str(), Vec::new()))
+        .collect();
+    // Warm-up, then interleave the contenders so that machine noise hits them alike, in a new
+    // order each round: what one leaves behind falls on whichever runs next (a sandbox made
+    // just after another's namespaces went waits several ms on this VM while the kernel
+    // tears them down), so no row may always follow the same one.
     for c in &contenders {
         for _ in 0..5 {
             time_once(&c.argv)?;
         }
     }
+    let mut order: Vec<usize> = (0..contenders.len()).collect();
+    let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
     for round in 0..runs {
-        for (c, (_, samples)) in contenders.iter().zip(results.iter_mut()) {
+        shuffle(&mut order, &mut seed);
+        for &i in &order {
+            let c = &contenders[i];
             // gVisor is two orders of magnitude slower; sample it less often.
             if c.name.starts_with("runsc") && round % 10 != 0 {
                 continue;
             }
-            samples.push(time_once(&c.argv)?);
+            results[i].1.push(time_once(&c.argv)?);
         }
     }
     let warden_median = {

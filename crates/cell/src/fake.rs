@@ -119,11 +119,13 @@ impl Backend for FakeBackend {
         spec: CellSpec,
         argv: Vec<std::ffi::OsString>,
         _discard_changes: bool,
+        before_start: &mut dyn FnMut() -> Result<(), String>,
     ) -> Result<Attached, StartError> {
         let dir = self.cell_dir(&spec.name)?;
         let Some((program, args)) = argv.split_first() else {
             return Err(StartError::Refused("no command".to_owned()));
         };
+        before_start().map_err(StartError::Host)?;
         let ending = match Command::new(program)
             .args(args)
             .env_clear()

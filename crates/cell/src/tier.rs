@@ -176,12 +176,16 @@ pub trait Backend: Send + Sync + Debug {
     /// egress record go with it. The request has passed `check` (the caller's duty: it is not
     /// repeated here). The process tier clones the cell from the calling thread, whose clone
     /// goes on without the others: call it while the process has no other thread (a lock one
-    /// of them held at that moment would be held in the cell's init for ever).
+    /// of them held at that moment would be held in the cell's init for ever). `before_start`
+    /// is called once the cell is made and before its command may run (after the clone: it
+    /// may start threads); when it fails, the cell ends with nothing run and the call fails
+    /// with `StartError::Host` and its message.
     fn run_attached(
         &self,
         spec: CellSpec,
         argv: Vec<std::ffi::OsString>,
         discard_changes: bool,
+        before_start: &mut dyn FnMut() -> Result<(), String>,
     ) -> Result<Attached, StartError>;
     /// Takes back a cell started earlier (by this process or another): `None` once it has
     /// ended; `Err` when that cannot be told now.

@@ -446,6 +446,7 @@ fn run_in_process(
         env,
         discard_changes: args.rm,
         checked: true,
+        parsed: Some(policy.clone()),
         by: format!(
             "warden run (uid {}, pid {})",
             rustix::process::getuid().as_raw(),

@@ -29,6 +29,9 @@ pub struct AttachedRun {
     /// The caller has had the tier check this request (`Backend::check`) already, as `warden
     /// run` does before it opens the journal: the host's paths are not walked twice.
     pub checked: bool,
+    /// The policy the request's `policy` text holds, parsed already by the caller (`warden
+    /// run` parses it to pick the tier and check it): it is not parsed again.
+    pub parsed: Option<warden_policy::Policy>,
 }
 
 /// How it ended.
@@ -63,7 +66,7 @@ impl Harness {
             parsed,
             from,
             entry,
-        } = self.prepare(&request).await?;
+        } = self.prepare(&request, run.parsed.clone()).await?;
         if !run.checked {
             self.backend
                 .check(
@@ -114,31 +117,21 @@ impl Harness {
         }
         let id = self.next_process.fetch_add(1, Ordering::Relaxed);
         let wall = policy.limits.wall.map(|w| w.0.as_millis() as u64);
-        // On disk, in one round, before the tier clones the cell from this process: the round
-        // is this thread's (an ephemeral harness's journal has no thread of its own until an
-        // entry needs one, and the clone must find the process single-threaded).
-        let started = self
-            .record_all(
-                name,
-                vec![
-                    ("cell.create", created),
-                    (
-                        "exec.start",
-                        json!({
-                            "process": id,
-                            "argv": argv,
-                            "cwd": null,
-                            // Names only: values may be secrets.
-                            "env": run.env.iter().map(|(k, _)| k).collect::<Vec<_>>(),
-                            "background": false,
-                            "timeout_ms": wall,
-                        }),
-                    ),
-                ],
-                false,
-            )
-            .await?;
-        let start_seq = started.last().map_or(0, |r| r.seq);
+        let start_entries = vec![
+            ("cell.create", created),
+            (
+                "exec.start",
+                json!({
+                    "process": id,
+                    "argv": argv,
+                    "cwd": null,
+                    // Names only: values may be secrets.
+                    "env": run.env.iter().map(|(k, _)| k).collect::<Vec<_>>(),
+                    "background": false,
+                    "timeout_ms": wall,
+                }),
+            ),
+        ];
         let spec = CellSpec {
             name: name.to_owned(),
             policy,
@@ -159,12 +152,35 @@ impl Harness {
             secrets: Vec::new(),
         };
         let begun = Instant::now();
+        // The start is on disk before the command may run, written while the cell assembles
+        // its root (the tier calls back between the two): its cost hides behind the cell's.
+        let mut start_entries = Some(start_entries);
+        let mut started: Option<Result<Vec<warden_journal::Receipt>, HarnessError>> = None;
+        let mut before_start = || {
+            let entries = start_entries.take().unwrap_or_default();
+            let journaled = self.record_all_blocking(name, entries, false);
+            let answer = journaled
+                .as_ref()
+                .map(|_| ())
+                .map_err(|e| e.message.clone());
+            started = Some(journaled);
+            answer
+        };
         // The layer is discarded here, after the record's decisions are in the journal. The
         // tier clones the cell from this very thread, which therefore blocks here for the
         // cell's life: the runtime's other work waits (there is none on the CLI's runtime), and
         // the process has no other thread when the clone is made.
-        let outcome = self.backend.run_attached(spec, run.argv.clone(), false);
+        let outcome = self
+            .backend
+            .run_attached(spec, run.argv.clone(), false, &mut before_start);
         let duration_ms = begun.elapsed().as_millis() as u64;
+        // A start that failed before it was journaled is journaled now, with its failure.
+        let started = match (started, start_entries) {
+            (Some(started), _) => started?,
+            (None, Some(entries)) => self.record_all(name, entries, false).await?,
+            (None, None) => Vec::new(),
+        };
+        let start_seq = started.last().map_or(0, |r| r.seq);
         while self.copy_decisions(name).await {}
         let attached = match outcome {
             Ok(attached) => attached,

@@ -313,31 +313,55 @@ impl Harness {
         sign: bool,
     ) -> Result<Vec<Receipt>, HarnessError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let events: Vec<(String, Value)> = entries
-            .iter()
-            .map(|(kind, data)| ((*kind).to_owned(), data.clone()))
+        let events = self.submit_all(cell, entries, sign, move |result| {
+            let _ = tx.send(result);
+        });
+        let receipts = rx.await.unwrap_or_else(|_| Err(writer_gone()));
+        self.announce_all(cell, receipts, events)
+    }
+
+    /// Like `record_all`, blocking the calling thread until the entries are on disk: for a
+    /// caller that cannot await (a tier's `before_start`). A round no other thread has under
+    /// way is run by this thread, so an ephemeral harness's blocks no longer than its write.
+    pub(crate) fn record_all_blocking(
+        &self,
+        cell: &str,
+        entries: Vec<(&str, Value)>,
+        sign: bool,
+    ) -> Result<Vec<Receipt>, HarnessError> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let events = self.submit_all(cell, entries, sign, move |result| {
+            let _ = tx.send(result);
+        });
+        let receipts = rx.recv().unwrap_or_else(|_| Err(writer_gone()));
+        self.announce_all(cell, receipts, events)
+    }
+
+    /// Submits entries as one batch; returns them again, for the events stream.
+    fn submit_all(
+        &self,
+        cell: &str,
+        entries: Vec<(&str, Value)>,
+        sign: bool,
+        ack: impl FnOnce(Result<Vec<Receipt>, warden_journal::JournalError>) + Send + 'static,
+    ) -> Vec<(String, Value)> {
+        let entries: Vec<(String, Value)> = entries
+            .into_iter()
+            .map(|(kind, data)| (kind.to_owned(), data))
             .collect();
-        self.journal.submit_batch(
-            Some(cell),
-            entries
-                .into_iter()
-                .map(|(kind, data)| (kind.to_owned(), data))
-                .collect(),
-            sign,
-            move |result| {
-                let _ = tx.send(result);
-            },
-        );
-        let receipts = match rx.await {
-            Ok(Ok(receipts)) => receipts,
-            Ok(Err(err)) => return Err(HarnessError::new(ErrorKind::Unavailable, err.to_string())),
-            Err(_) => {
-                return Err(HarnessError::new(
-                    ErrorKind::Unavailable,
-                    "the journal writer is gone",
-                ));
-            }
-        };
+        self.journal
+            .submit_batch(Some(cell), entries.clone(), sign, ack);
+        entries
+    }
+
+    fn announce_all(
+        &self,
+        cell: &str,
+        receipts: Result<Vec<Receipt>, warden_journal::JournalError>,
+        events: Vec<(String, Value)>,
+    ) -> Result<Vec<Receipt>, HarnessError> {
+        let receipts =
+            receipts.map_err(|err| HarnessError::new(ErrorKind::Unavailable, err.to_string()))?;
         for (receipt, (kind, data)) in receipts.iter().zip(events) {
             self.announce(receipt, Some(cell), &kind, Some(data));
         }
@@ -558,7 +582,7 @@ impl Harness {
             parsed,
             from,
             entry,
-        } = self.prepare(&request).await?;
+        } = self.prepare(&request, None).await?;
         self.record(
             Some(&name),
             "cell.create",
@@ -631,7 +655,13 @@ impl Harness {
     /// Checks a request for a cell (name, policy, environment, secrets, workspace, that no cell
     /// has its name), and takes the snapshot it forks from: everything before the journal's
     /// `cell.create`, the same for a cell of the daemon and for `warden run` without one.
-    async fn prepare(self: &Arc<Self>, request: &CreateCell) -> Result<Prepared, HarnessError> {
+    /// Checks a create request and makes its entry. `parsed`: the request's policy text, parsed
+    /// already by an in-process caller (not parsed twice).
+    async fn prepare(
+        self: &Arc<Self>,
+        request: &CreateCell,
+        parsed: Option<warden_policy::Policy>,
+    ) -> Result<Prepared, HarnessError> {
         let name = match &request.name {
             Some(name) => name.clone(),
             None => generate_name(),
@@ -647,8 +677,11 @@ impl Harness {
             }
             (Some(yaml), None) => (
                 PolicySource::Yaml(yaml.clone()),
-                warden_policy::from_yaml("policy", yaml)
-                    .map_err(|e| HarnessError::bad(e.to_string()))?,
+                match parsed {
+                    Some(parsed) => parsed,
+                    None => warden_policy::from_yaml("policy", yaml)
+                        .map_err(|e| HarnessError::bad(e.to_string()))?,
+                },
             ),
             (None, preset) => {
                 let preset = preset.clone().unwrap_or_else(|| "default".to_owned());
@@ -953,12 +986,11 @@ fn journaled(
         tokio::sync::oneshot::error::RecvError,
     >,
 ) -> Result<Receipt, HarnessError> {
-    match answer {
-        Ok(Ok(receipt)) => Ok(receipt),
-        Ok(Err(err)) => Err(HarnessError::new(ErrorKind::Unavailable, err.to_string())),
-        Err(_) => Err(HarnessError::new(
-            ErrorKind::Unavailable,
-            "the journal writer is gone",
-        )),
-    }
+    answer
+        .unwrap_or_else(|_| Err(writer_gone()))
+        .map_err(|err| HarnessError::new(ErrorKind::Unavailable, err.to_string()))
+}
+
+fn writer_gone() -> warden_journal::JournalError {
+    warden_journal::JournalError::Stopped("its writer is gone".to_owned())
 }

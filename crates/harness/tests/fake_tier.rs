@@ -15,7 +15,7 @@ use warden_harness::{
 };
 
 struct Setup {
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
     harness: Arc<Harness>,
     fake: Arc<FakeBackend>,
 }
@@ -37,7 +37,7 @@ async fn setup_as(ephemeral: bool) -> Setup {
     .await
     .unwrap();
     Setup {
-        _dir: dir,
+        dir,
         harness,
         fake,
     }
@@ -426,6 +426,7 @@ fn attached(argv: &[&str]) -> AttachedRun {
         discard_changes: false,
         by: "test".to_owned(),
         checked: false,
+        parsed: None,
     }
 }
 
@@ -493,4 +494,33 @@ async fn a_run_to_its_end_is_journaled_like_a_cell_and_an_exec_and_follows_the_c
         kinds(&s.harness, "ten").await,
         ["cell.create", "exec.start", "exec.exit", "cell.fail"]
     );
+}
+
+#[tokio::test]
+async fn a_run_to_its_end_is_journaled_as_started_before_its_command_runs() {
+    let s = setup_as(true).await;
+    let journal = s.dir.path().join("state/journal/journal.jsonl");
+    // The command itself looks in the journal for its own start.
+    let look = format!(
+        "grep '\"kind\":\"exec.start\"' {} | grep -q '\"cell\":\"eleven\"'",
+        journal.display()
+    );
+    let end = s
+        .harness
+        .run_attached(create("eleven", None), attached(&["sh", "-c", &look]))
+        .await
+        .unwrap();
+    assert_eq!(
+        (end.exit.reason, end.exit.code),
+        (ExitReason::Exited, Some(0)),
+        "the command did not find its start in the journal"
+    );
+    // The same look, for a cell whose start is not in it, fails: the look can fail.
+    let other = look.replace("eleven", "twelve-not-this-one");
+    let end = s
+        .harness
+        .run_attached(create("twelve", None), attached(&["sh", "-c", &other]))
+        .await
+        .unwrap();
+    assert_eq!(end.exit.code, Some(1));
 }

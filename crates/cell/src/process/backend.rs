@@ -173,6 +173,7 @@ impl Backend for ProcessBackend {
         spec: CellSpec,
         argv: Vec<std::ffi::OsString>,
         discard_changes: bool,
+        before_start: &mut dyn FnMut() -> Result<(), String>,
     ) -> Result<Attached, StartError> {
         let store =
             Store::open(self.config.state.clone()).map_err(|e| StartError::Host(e.to_string()))?;
@@ -195,8 +196,12 @@ impl Backend for ProcessBackend {
             // `warden run` checks before it opens the journal (`Backend::check`).
             checked: true,
         };
-        let outcome = super::run::run(&self.registry, &store, request)
-            .map_err(|e| StartError::Refused(e.to_string()))?;
+        let outcome = super::run::run_with(&self.registry, &store, request, before_start).map_err(
+            |e| match e {
+                super::run::RunError::BeforeStart(message) => StartError::Host(message),
+                e => StartError::Refused(e.to_string()),
+            },
+        )?;
         Ok(Attached {
             name: outcome.name,
             ending: outcome.ending,

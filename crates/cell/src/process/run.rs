@@ -171,6 +171,9 @@ pub enum RunError {
     Store(#[from] super::store::StoreError),
     #[error(transparent)]
     Tls(#[from] warden_egress::TlsError),
+    /// The caller's `before_start` refused to let the command start.
+    #[error("{0}")]
+    BeforeStart(String),
     #[error(
         "creating the cell's namespaces failed: {source}; this kernel or user may lack user namespaces (run `warden doctor`)"
     )]
@@ -197,6 +200,19 @@ pub fn run(
     registry: &Registry,
     store: &Store,
     request: RunRequest,
+) -> Result<RunOutcome, RunError> {
+    run_with(registry, store, request, &mut || Ok(()))
+}
+
+/// Like [`run`], calling `before_start` once the cell is made, while its init assembles the
+/// cell's root and before its command may start: work of the caller's that must be done
+/// before the command runs overlaps the cell's own setup there. When it fails, the cell ends
+/// without running anything and the run fails with its message.
+pub fn run_with(
+    registry: &Registry,
+    store: &Store,
+    request: RunRequest,
+    before_start: &mut dyn FnMut() -> Result<(), String>,
 ) -> Result<RunOutcome, RunError> {
     let policy = &request.policy;
     if policy.tier != Tier::Process {
@@ -587,6 +603,10 @@ pub fn run(
         cgroup: cell_cgroup.clone(),
         gateway: gateway_channel.is_some(),
     })?;
+    // Here the init is busy with its mounts, and waits for the go-ahead to start the command.
+    if go_ahead.is_ok() {
+        before_start().map_err(RunError::BeforeStart)?;
+    }
     let go = if cell_cgroup.is_some() {
         init::GO_IN_CGROUP
     } else {
