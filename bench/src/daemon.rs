@@ -1,11 +1,11 @@
-//! The daemon's speed and weight: exec round trip of `true` through the API beside a plain
+//! The daemon's speed and weight: exec round trip of `true` through the API and the MCP tool beside a plain
 //! fork/exec and `runsc exec` into a running gVisor container; memory per idle cell; journal
 //! entries per second with fsync.
 //!
 //! `cargo build --release --workspace && target/release/daemon-bench [--runs N] [--cells N]`
 //! (as root, for cgroups and runsc).
 
-use std::io::{Read, Write};
+use std::io::{BufRead as _, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -70,6 +70,68 @@ fn request(socket: &Path, method: &str, path: &str, body: &str) -> Result<(u16, 
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
     Ok((status, raw))
+}
+
+/// An MCP session over the daemon's unix socket, as `warden mcp` opens one (`GET /v1/mcp`
+/// upgraded; newline-delimited JSON-RPC), initialized in the 2025-11-25 protocol.
+struct McpSession {
+    reader: std::io::BufReader<UnixStream>,
+    writer: UnixStream,
+    next: u64,
+}
+
+impl McpSession {
+    fn open(socket: &Path) -> Result<Self> {
+        let mut stream = UnixStream::connect(socket).context("connecting to the daemon")?;
+        write!(
+            stream,
+            "GET /v1/mcp HTTP/1.1\r\nHost: w\r\nConnection: upgrade\r\nUpgrade: warden-mcp\r\n\r\n"
+        )?;
+        let mut reader = std::io::BufReader::new(stream.try_clone()?);
+        let mut line = String::new();
+        reader.read_line(&mut line)?;
+        if !line.contains(" 101 ") {
+            bail!("the daemon did not upgrade to MCP: {line}");
+        }
+        while line != "\r\n" {
+            line.clear();
+            reader.read_line(&mut line)?;
+        }
+        let mut session = Self {
+            reader,
+            writer: stream,
+            next: 1,
+        };
+        session.call(
+            "initialize",
+            r#"{"protocolVersion":"2025-11-25","capabilities":{},"clientInfo":{"name":"bench","version":"1"}}"#,
+        )?;
+        writeln!(
+            session.writer,
+            r#"{{"jsonrpc":"2.0","method":"notifications/initialized"}}"#
+        )?;
+        Ok(session)
+    }
+
+    /// One request; its answer's line.
+    fn call(&mut self, method: &str, params: &str) -> Result<String> {
+        let id = self.next;
+        self.next += 1;
+        writeln!(
+            self.writer,
+            r#"{{"jsonrpc":"2.0","id":{id},"method":"{method}","params":{params}}}"#
+        )?;
+        let want = format!(r#""id":{id},"#);
+        loop {
+            let mut line = String::new();
+            if self.reader.read_line(&mut line)? == 0 {
+                bail!("the MCP session ended");
+            }
+            if line.contains(&want) {
+                return Ok(line);
+            }
+        }
+    }
 }
 
 struct Daemon {
@@ -306,9 +368,19 @@ fn main() -> Result<()> {
         args.runs
     );
     let mut rows: Vec<(String, Vec<Duration>)> = Vec::new();
-    // Interleaved, one of each per round, so that both see the same moments of a noisy host.
-    let (mut api, mut plain) = (Vec::new(), Vec::new());
+    // Interleaved, one of each per round, so that all see the same moments of a noisy host.
+    let (mut api, mut plain, mut mcp) = (Vec::new(), Vec::new(), Vec::new());
+    let mut session = McpSession::open(&daemon.socket)?;
     for i in 0..args.runs + 10 {
+        let start = Instant::now();
+        let answer = session.call(
+            "tools/call",
+            r#"{"name":"exec","arguments":{"cell":"bench","argv":["true"]}}"#,
+        )?;
+        let by_mcp = start.elapsed();
+        if !answer.contains(r#""status":0"#) {
+            bail!("the MCP exec failed: {answer}");
+        }
         let start = Instant::now();
         let (status, raw) = request(
             &daemon.socket,
@@ -326,9 +398,11 @@ fn main() -> Result<()> {
         if i >= 10 {
             api.push(took);
             plain.push(forked);
+            mcp.push(by_mcp);
         }
     }
     rows.push(("warden exec (API, unix socket)".to_owned(), api));
+    rows.push(("warden exec (MCP tool, one session)".to_owned(), mcp));
     rows.push(("fork/exec on the host".to_owned(), plain));
     if let Some(samples) = runsc_exec(args.runs.min(100))? {
         rows.push(("runsc exec (running gVisor container)".to_owned(), samples));

@@ -158,6 +158,11 @@ pub enum Command {
         #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
         journal_keep_segments: Option<u64>,
     },
+    /// Serve the warden's tools to an MCP client over stdin and stdout (Claude Code, Cursor,
+    /// Codex: configure the command `warden mcp`). Through the daemon when one runs, else with
+    /// the daemon's core in this process (its cells outlive it; a daemon started later takes
+    /// them back). The daemon also serves MCP over HTTP at /mcp.
+    Mcp,
     /// Make a long-lived cell through the daemon; run commands in it with `warden exec`.
     Create(CreateArgs),
     /// Run a command in a cell made with `warden create`, streaming its output.

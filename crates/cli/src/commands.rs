@@ -176,6 +176,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
                 .context("writing the manual page")?;
             Ok(0)
         }
+        Command::Mcp => crate::daemon::mcp(),
         Command::Serve {
             listen,
             token_file,
@@ -609,21 +610,20 @@ fn describe(change: &Change) -> String {
         )),
         EntryKind::File | EntryKind::Special => {}
     }
-    if let (Some(old), Some(new)) = (change.old_mode, change.new_mode) {
-        if old != new {
-            line.push_str(&format!(" (mode {old:o} -> {new:o})"));
-        }
+    if let (Some(old), Some(new)) = (change.old_mode, change.new_mode)
+        && old != new
+    {
+        line.push_str(&format!(" (mode {old:o} -> {new:o})"));
     }
     if change.patch.is_none()
         && change.entry == EntryKind::File
         && change.kind != ChangeKind::Deleted
+        && let (Some(size), Some(hash)) = (change.size, &change.hash)
     {
-        if let (Some(size), Some(hash)) = (change.size, &change.hash) {
-            line.push_str(&format!(
-                " [binary, {size} bytes, blake3 {}]",
-                &hash[..16.min(hash.len())]
-            ));
-        }
+        line.push_str(&format!(
+            " [binary, {size} bytes, blake3 {}]",
+            &hash[..16.min(hash.len())]
+        ));
     }
     if let Some(reason) = &change.sensitive {
         line.push_str(&format!("  ! sensitive: {}", safe(reason)));

@@ -416,13 +416,13 @@ fn next_question(name: &str, after: u64) -> (u64, String) {
             .args(["approvals", name, "--json"])
             .output()
             .unwrap();
-        if let Ok(serde_json::Value::Array(questions)) = serde_json::from_slice(&listed.stdout) {
-            if let Some(q) = questions.iter().find(|q| q["id"].as_u64() > Some(after)) {
-                return (
-                    q["id"].as_u64().unwrap(),
-                    q["request"].as_str().unwrap().to_owned(),
-                );
-            }
+        if let Ok(serde_json::Value::Array(questions)) = serde_json::from_slice(&listed.stdout)
+            && let Some(q) = questions.iter().find(|q| q["id"].as_u64() > Some(after))
+        {
+            return (
+                q["id"].as_u64().unwrap(),
+                q["request"].as_str().unwrap().to_owned(),
+            );
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
     }

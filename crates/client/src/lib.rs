@@ -141,6 +141,52 @@ impl Client {
         })
     }
 
+    /// Turns a connection into the byte stream of `protocol` (`GET path` with `Upgrade`), as
+    /// the daemon's `/v1/mcp` does for an MCP session.
+    pub async fn upgrade(
+        &self,
+        path: &str,
+        protocol: &str,
+    ) -> Result<TokioIo<hyper::upgrade::Upgraded>> {
+        let stream = tokio::net::UnixStream::connect(&self.socket)
+            .await
+            .map_err(|source| ClientError::Connect {
+                socket: self.socket.clone(),
+                source,
+            })?;
+        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(transport("talking to the warden daemon"))?;
+        tokio::spawn(async move {
+            let _ = connection.with_upgrades().await;
+        });
+        let request = Request::builder()
+            .method(Method::GET)
+            .uri(path)
+            .header("host", "warden")
+            .header("connection", "upgrade")
+            .header("upgrade", protocol)
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| ClientError::Transport {
+                what: "building a request",
+                reason: e.to_string(),
+            })?;
+        let response = sender
+            .send_request(request)
+            .await
+            .map_err(transport("the warden daemon did not answer"))?;
+        if response.status() != StatusCode::SWITCHING_PROTOCOLS {
+            read_success(response).await?;
+            return Err(ClientError::Answer(format!(
+                "the daemon did not switch {path} to {protocol}"
+            )));
+        }
+        let upgraded = hyper::upgrade::on(response)
+            .await
+            .map_err(transport("switching the connection"))?;
+        Ok(TokioIo::new(upgraded))
+    }
+
     /// A request with raw bytes each way (files and archives).
     pub async fn bytes(&self, method: Method, path: &str, body: Vec<u8>) -> Result<Vec<u8>> {
         let response = self.send_bytes(method, path, body).await?;

@@ -108,10 +108,10 @@ impl Gateway {
                 "this destination's rules decide HTTP requests, and the client spoke neither HTTP nor TLS",
             );
         }
-        if verdict.allowed {
-            if let Err(refused) = self.pinned(&rules, &host, destination) {
-                verdict = refused;
-            }
+        if verdict.allowed
+            && let Err(refused) = self.pinned(&rules, &host, destination)
+        {
+            verdict = refused;
         }
         let mut decision = self.record("transparent", &host.as_text(), port, None, &verdict);
         decision.address = Some(destination.to_string());

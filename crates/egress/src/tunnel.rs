@@ -20,10 +20,10 @@ impl Gateway {
             Ok(parts) => parts,
             Err(e) => return self.refuse(&mut conn, "connect", target, e.to_string()),
         };
-        if let Some(interceptor) = &self.interceptor {
-            if self.rules().intercepts(&host, port) {
-                return self.intercept(interceptor, conn, host, port, early, Via::Proxy);
-            }
+        if let Some(interceptor) = &self.interceptor
+            && self.rules().intercepts(&host, port)
+        {
+            return self.intercept(interceptor, conn, host, port, early, Via::Proxy);
         }
         let verdict = self.decide(
             &self.rules(),

@@ -71,6 +71,11 @@ impl HarnessError {
     }
 }
 
+/// Who sent a request, as the face that carried it identified them (the peer of the daemon's
+/// unix socket, the bearer of its token): the journal records it with what was done.
+#[derive(Debug, Clone)]
+pub struct Caller(pub String);
+
 /// Where the harness keeps things.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -727,13 +732,13 @@ impl Harness {
             )));
         }
         let exists = self.backend.exists(&name);
-        if let Some(old) = self.state.get(&name)? {
-            if old.ended.is_none() || exists {
-                return Err(HarnessError::new(
-                    ErrorKind::Conflict,
-                    format!("a cell named `{name}` exists; delete it first or pick another name"),
-                ));
-            }
+        if let Some(old) = self.state.get(&name)?
+            && (old.ended.is_none() || exists)
+        {
+            return Err(HarnessError::new(
+                ErrorKind::Conflict,
+                format!("a cell named `{name}` exists; delete it first or pick another name"),
+            ));
         }
         if exists {
             return Err(HarnessError::new(

@@ -366,10 +366,10 @@ pub struct KillOnDrop(pub Arc<Process>);
 
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
-        if self.0.exit().is_none() {
-            if let Some(session) = self.0.session() {
-                std::thread::spawn(move || session.signal(libc::SIGKILL));
-            }
+        if self.0.exit().is_none()
+            && let Some(session) = self.0.session()
+        {
+            std::thread::spawn(move || session.signal(libc::SIGKILL));
         }
     }
 }

@@ -36,11 +36,7 @@ async fn setup_as(ephemeral: bool) -> Setup {
     })
     .await
     .unwrap();
-    Setup {
-        dir,
-        harness,
-        fake,
-    }
+    Setup { dir, harness, fake }
 }
 
 fn create(name: &str, policy: Option<&str>) -> CreateCell {

@@ -823,11 +823,11 @@ impl WriterState {
     /// Takes the append lock (when this process does not hold it yet) and catches up with
     /// what other processes appended meanwhile.
     fn hold(&mut self) -> Result<(), JournalError> {
-        if self.lock.hold()? {
-            if let Err(err) = self.catch_up() {
-                self.lock.release();
-                return Err(err);
-            }
+        if self.lock.hold()?
+            && let Err(err) = self.catch_up()
+        {
+            self.lock.release();
+            return Err(err);
         }
         Ok(())
     }

@@ -327,16 +327,16 @@ fn validate(origin: &str, policy: &Policy) -> Result<(), PolicyError> {
         }
     }
     for rule in policy.network.allow.iter().chain(&policy.network.deny) {
-        if let Some(name) = &rule.credential {
-            if !policy.credentials.contains_key(name) {
-                return Err(invalid(
-                    "network",
-                    &format!(
-                        "rule for `{}` names credential `{name}`, which `credentials` does not define",
-                        rule.host
-                    ),
-                ));
-            }
+        if let Some(name) = &rule.credential
+            && !policy.credentials.contains_key(name)
+        {
+            return Err(invalid(
+                "network",
+                &format!(
+                    "rule for `{}` names credential `{name}`, which `credentials` does not define",
+                    rule.host
+                ),
+            ));
         }
     }
     for entry in &policy.filesystem.workspace.protect {

@@ -27,7 +27,7 @@ impl fmt::Display for ByteSize {
             ("KiB", 1 << 10),
         ];
         for (unit, scale) in UNITS {
-            if self.0 >= scale && self.0 % scale == 0 {
+            if self.0 >= scale && self.0.is_multiple_of(scale) {
                 return write!(f, "{} {unit}", self.0 / scale);
             }
         }
@@ -45,7 +45,7 @@ impl Serialize for ByteSize {
             ("KiB", 1 << 10),
         ];
         for (unit, scale) in UNITS {
-            if self.0 >= scale && self.0 % scale == 0 {
+            if self.0 >= scale && self.0.is_multiple_of(scale) {
                 return serializer.serialize_str(&format!("{}{unit}", self.0 / scale));
             }
         }

@@ -22,6 +22,10 @@ pub use workspace::{ApplyRequest, Snapshot};
 /// The daemon's socket in the runtime directory.
 pub const DAEMON_SOCKET: &str = "daemon.sock";
 
+/// The `Upgrade` protocol of the daemon's `GET /v1/mcp`: the connection becomes one MCP
+/// session over its bare bytes (newline-delimited JSON-RPC, as over stdio).
+pub const MCP_UPGRADE: &str = "warden-mcp";
+
 /// Exit statuses of `warden run`, beside the command's own status (0-123) and 128+N for a
 /// command killed by signal N.
 pub mod exit {

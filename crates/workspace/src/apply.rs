@@ -172,14 +172,15 @@ fn select<'d>(
                 .push((change.path.clone(), format!("refused: {reason}")));
             continue;
         }
-        if let Some(reason) = &change.sensitive {
-            if !named_exactly && !options.include_sensitive {
-                report.skipped.push((
-                    change.path.clone(),
-                    format!("sensitive ({reason}): name it or pass --include-sensitive"),
-                ));
-                continue;
-            }
+        if let Some(reason) = &change.sensitive
+            && !named_exactly
+            && !options.include_sensitive
+        {
+            report.skipped.push((
+                change.path.clone(),
+                format!("sensitive ({reason}): name it or pass --include-sensitive"),
+            ));
+            continue;
         }
         // Below a deleted or replaced directory there is nothing left to do separately.
         if selected.iter().any(|s: &&Change| {

@@ -75,10 +75,10 @@ pub fn kill(registry: &Registry, name: &str) -> Result<CellRecord, ControlError>
     if let Some(cgroup) = &record.cgroup {
         // The init's death usually empties and removes the cgroup at once; what is still listed
         // (a frozen cell, stragglers) is killed through the cgroup.
-        if let Err(err) = cgroup.kill_all() {
-            if !cgroup.pids().is_empty() {
-                return Err(err.into());
-            }
+        if let Err(err) = cgroup.kill_all()
+            && !cgroup.pids().is_empty()
+        {
+            return Err(err.into());
         }
     }
     Ok(record)

@@ -114,51 +114,83 @@ impl Registry {
         self.root.join("cells").join(name)
     }
 
-    /// Claims `name` for a new cell (reclaiming a folder left by a dead warden).
+    /// Claims `name` for a new cell (reclaiming a folder left by a dead warden). The folder is
+    /// made under a name no cell can have, with its lock taken, and renamed into place only if
+    /// the name is free: a sweep by another warden (`list`) never finds it unlocked half-made.
     pub fn reserve(&self, name: &str) -> Result<Reservation, RegistryError> {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static NEXT: AtomicU64 = AtomicU64::new(0);
         let dir = self.cell_dir(name);
-        match fs::DirBuilder::new().mode(0o711).create(&dir) {
-            Ok(()) => {}
-            Err(err) if err.kind() == io::ErrorKind::AlreadyExists => {
-                if self.is_live(name)? {
-                    return Err(RegistryError::Taken(name.to_owned()));
-                }
-                clean_stale(&dir);
-                fs::DirBuilder::new()
-                    .mode(0o711)
-                    .create(&dir)
-                    .map_err(|err| {
-                        if err.kind() == io::ErrorKind::AlreadyExists {
-                            RegistryError::Taken(name.to_owned())
-                        } else {
-                            RegistryError::Io {
-                                path: dir.clone(),
-                                source: err,
-                            }
-                        }
-                    })?;
-            }
-            Err(err) => {
-                return Err(RegistryError::Io {
-                    path: dir,
-                    source: err,
-                });
-            }
-        }
-        let lock_path = dir.join("lock");
-        let file = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .map_err(io_at(&lock_path))?;
-        let lock = Flock::lock(file, FlockArg::LockExclusiveNonblock)
-            .map_err(|_| RegistryError::Taken(name.to_owned()))?;
-        let root = dir.join("root");
+        let new = self.root.join("cells").join(format!(
+            ".new-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
         fs::DirBuilder::new()
-            .mode(0o755)
-            .create(&root)
-            .map_err(io_at(&root))?;
+            .mode(0o711)
+            .create(&new)
+            .map_err(io_at(&new))?;
+        let made = (|| {
+            let lock_path = new.join("lock");
+            let file = OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&lock_path)
+                .map_err(io_at(&lock_path))?;
+            let lock = Flock::lock(file, FlockArg::LockExclusiveNonblock).map_err(|(_, e)| {
+                RegistryError::Io {
+                    path: lock_path.clone(),
+                    source: e.into(),
+                }
+            })?;
+            let root = new.join("root");
+            fs::DirBuilder::new()
+                .mode(0o711)
+                .create(&root)
+                .map_err(io_at(&root))?;
+            Ok(lock)
+        })();
+        let lock = match made {
+            Ok(lock) => lock,
+            Err(err) => {
+                let _ = fs::remove_dir_all(&new);
+                return Err(err);
+            }
+        };
+        let place = || {
+            rustix::fs::renameat_with(
+                rustix::fs::CWD,
+                &new,
+                rustix::fs::CWD,
+                &dir,
+                rustix::fs::RenameFlags::NOREPLACE,
+            )
+        };
+        let placed = match place() {
+            Err(rustix::io::Errno::EXIST) => match self.is_live(name) {
+                Ok(true) => Err(RegistryError::Taken(name.to_owned())),
+                Ok(false) => {
+                    clean_stale(&dir);
+                    place().map_err(|e| match e {
+                        rustix::io::Errno::EXIST => RegistryError::Taken(name.to_owned()),
+                        e => RegistryError::Io {
+                            path: dir.clone(),
+                            source: e.into(),
+                        },
+                    })
+                }
+                Err(err) => Err(err),
+            },
+            other => other.map_err(|e| RegistryError::Io {
+                path: dir.clone(),
+                source: e.into(),
+            }),
+        };
+        if let Err(err) = placed {
+            let _ = fs::remove_dir_all(&new);
+            return Err(err);
+        }
         Ok(Reservation { dir, _lock: lock })
     }
 
@@ -209,6 +241,21 @@ impl Registry {
         for entry in fs::read_dir(&cells).map_err(io_at(&cells))? {
             let Ok(entry) = entry else { continue };
             let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with(".new-") {
+                // A folder being made (see `reserve`), or one a warden that died left half-made:
+                // swept once nobody holds its lock, and only when it is old enough that its
+                // maker cannot be between making it and taking the lock.
+                let old = entry
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|t| t.elapsed().ok())
+                    .is_some_and(|age| age > std::time::Duration::from_secs(60));
+                if old && !locked(&entry.path().join("lock")) {
+                    let _ = fs::remove_dir_all(entry.path());
+                }
+                continue;
+            }
             match self.is_live(&name) {
                 Ok(true) => {}
                 Ok(false) => {
@@ -236,6 +283,16 @@ impl Registry {
         let path = self.cell_dir(name).join("killed");
         fs::write(&path, b"").map_err(io_at(&path))
     }
+}
+
+/// Whether someone holds the lock at `path` (a missing file is nobody's).
+fn locked(path: &Path) -> bool {
+    File::open(path).is_ok_and(|file| {
+        matches!(
+            Flock::lock(file, FlockArg::LockSharedNonblock),
+            Err((_, nix::errno::Errno::EWOULDBLOCK))
+        )
+    })
 }
 
 /// Removes what a warden that died (SIGKILL, power cut) left of its cell: the cell's processes

@@ -110,24 +110,24 @@ impl Relay<'_> {
         let mut stdout = io::stdout().lock();
         let mut stderr = io::stderr().lock();
         loop {
-            if let Some((_, at)) = &exited {
-                if sources.iter().all(Option::is_none) || at.elapsed() > DRAIN_GRACE {
-                    break;
-                }
+            if let Some((_, at)) = &exited
+                && (sources.iter().all(Option::is_none) || at.elapsed() > DRAIN_GRACE)
+            {
+                break;
             }
             let now = Instant::now();
             if limit.is_none() {
-                if let Some((deadline, wall)) = self.deadline {
-                    if now >= deadline {
-                        limit = Some(Ending::WallLimit { limit: wall });
-                        self.kill();
-                    }
+                if let Some((deadline, wall)) = self.deadline
+                    && now >= deadline
+                {
+                    limit = Some(Ending::WallLimit { limit: wall });
+                    self.kill();
                 }
-                if let (Some(cg), Some(bytes)) = (self.cgroup, self.memory_limit) {
-                    if cg.oom_kills() > 0 {
-                        limit = Some(Ending::MemoryLimit { limit: bytes });
-                        self.kill();
-                    }
+                if let (Some(cg), Some(bytes)) = (self.cgroup, self.memory_limit)
+                    && cg.oom_kills() > 0
+                {
+                    limit = Some(Ending::MemoryLimit { limit: bytes });
+                    self.kill();
                 }
                 if let Some(watch) = self.disk.as_ref().filter(|w| w.over()) {
                     limit = Some(Ending::DiskLimit { limit: watch.limit });
@@ -183,13 +183,9 @@ impl Relay<'_> {
             let readable: Vec<bool> = slots.iter().map(|slot| ready(*slot)).collect();
             drop(fds);
 
-            if signal_ready {
-                if let Ok(Some(info)) = self.signals.read_signal() {
-                    let _ = nix::sys::signal::kill(
-                        self.pid,
-                        Signal::try_from(info.ssi_signo as i32).ok(),
-                    );
-                }
+            if signal_ready && let Ok(Some(info)) = self.signals.read_signal() {
+                let _ =
+                    nix::sys::signal::kill(self.pid, Signal::try_from(info.ssi_signo as i32).ok());
             }
             let sinks: [&mut dyn Write; 2] = [&mut stdout, &mut stderr];
             for ((source, sink), readable) in sources.iter_mut().zip(sinks).zip(readable) {
@@ -216,11 +212,11 @@ impl Relay<'_> {
                     *source = None;
                 }
                 relayed += n as u64;
-                if let (Some(cap), None) = (self.output_cap, &limit) {
-                    if relayed > cap {
-                        limit = Some(Ending::OutputLimit { limit: cap });
-                        self.kill();
-                    }
+                if let (Some(cap), None) = (self.output_cap, &limit)
+                    && relayed > cap
+                {
+                    limit = Some(Ending::OutputLimit { limit: cap });
+                    self.kill();
                 }
             }
             if pid_ready && exited.is_none() {

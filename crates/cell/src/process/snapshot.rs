@@ -500,10 +500,10 @@ pub(super) fn copy_data(source: &fs::File, target: &fs::File, length: u64) -> io
 fn copy_overlay_xattrs(from: &Path, to: &Path) -> io::Result<()> {
     for name in xattr::list(from)? {
         let text = name.to_string_lossy();
-        if text.starts_with("user.overlay.") || text.starts_with("trusted.overlay.") {
-            if let Some(value) = xattr::get(from, &name)? {
-                xattr::set(to, &name, &value)?;
-            }
+        if (text.starts_with("user.overlay.") || text.starts_with("trusted.overlay."))
+            && let Some(value) = xattr::get(from, &name)?
+        {
+            xattr::set(to, &name, &value)?;
         }
     }
     Ok(())

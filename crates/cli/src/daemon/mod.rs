@@ -22,7 +22,7 @@ mod serve;
 pub use files::{copy, logs};
 pub use journal::{audit, replay};
 pub use relay::{exec, run_through};
-pub use serve::{keep, serve};
+pub use serve::{keep, mcp, serve};
 
 fn runtime() -> PathBuf {
     Registry::default_root()

@@ -6,12 +6,9 @@ use warden_cell::Store;
 
 use super::*;
 
-pub fn serve(
-    listen: Option<std::net::SocketAddr>,
-    token_file: Option<PathBuf>,
-    journal_segment_mib: u64,
-    journal_keep_segments: Option<usize>,
-) -> Result<i32> {
+/// The core a daemon runs (and `warden mcp` when no daemon does): the process tier, whose
+/// keepers get back the open-files limit this process had.
+fn daemon_harness(segments: warden_journal::Segments) -> Result<warden_harness::Config> {
     let keeper_open_files = raise_open_files_limit();
     let backend = warden_cell::tier::backend(
         warden_policy::Tier::Process,
@@ -23,17 +20,26 @@ pub fn serve(
             keeper_env: Vec::new(),
         },
     )?;
+    Ok(warden_harness::Config {
+        runtime: runtime(),
+        state: Store::default_root(),
+        journal_segments: segments,
+        backend,
+        ephemeral: false,
+    })
+}
+
+pub fn serve(
+    listen: Option<std::net::SocketAddr>,
+    token_file: Option<PathBuf>,
+    journal_segment_mib: u64,
+    journal_keep_segments: Option<usize>,
+) -> Result<i32> {
     let config = warden_server::ServeConfig {
-        harness: warden_harness::Config {
-            runtime: runtime(),
-            state: Store::default_root(),
-            journal_segments: warden_journal::Segments {
-                bytes: journal_segment_mib.saturating_mul(1024 * 1024),
-                keep: journal_keep_segments,
-            },
-            backend,
-            ephemeral: false,
-        },
+        harness: daemon_harness(warden_journal::Segments {
+            bytes: journal_segment_mib.saturating_mul(1024 * 1024),
+            keep: journal_keep_segments,
+        })?,
         listen,
         token_file,
     };
@@ -51,6 +57,49 @@ pub fn serve(
         }
     }))?;
     Ok(0)
+}
+
+/// `warden mcp`: an MCP session over stdio, carried to the daemon when one runs, else served
+/// by the daemon's core opened in this process.
+pub fn mcp() -> Result<i32> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    if let Some(client) = client_if_running() {
+        return rt.block_on(async move {
+            let mut daemon = client
+                .upgrade("/v1/mcp", warden_protocol::MCP_UPGRADE)
+                .await
+                .context("opening an MCP session with the warden daemon")?;
+            let mut stdio = tokio::io::join(tokio::io::stdin(), tokio::io::stdout());
+            // Until the client closes stdin and the daemon has answered all it was asked (or
+            // the client went away without reading the rest).
+            match tokio::io::copy_bidirectional(&mut stdio, &mut daemon).await {
+                Ok(_) => Ok(0),
+                Err(err) if err.kind() == std::io::ErrorKind::BrokenPipe => Ok(0),
+                Err(err) => Err(anyhow::Error::new(err)
+                    .context("relaying the MCP session to the warden daemon")),
+            }
+        });
+    }
+    let config = daemon_harness(Default::default())?;
+    rt.block_on(async move {
+        let harness = warden_harness::Harness::open(config).await.map_err(|e| {
+            anyhow::anyhow!(
+                "{e} (is another `warden mcp` running without a daemon? start `warden serve` so that both go through it)"
+            )
+        })?;
+        let by = format!(
+            "warden mcp (uid {}, pid {})",
+            rustix::process::getuid().as_raw(),
+            std::process::id()
+        );
+        let served = warden_mcp::serve_stdio(warden_mcp::Tools::new(std::sync::Arc::clone(&harness), by)).await;
+        harness.shutdown().await;
+        served.map_err(anyhow::Error::msg)?;
+        Ok(0)
+    })
 }
 
 /// The daemon holds a few descriptors for every cell and every stream, so it takes the hard

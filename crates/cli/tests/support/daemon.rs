@@ -200,6 +200,14 @@ impl Daemon {
         self.child.as_ref().map(Child::id)
     }
 
+    pub fn runtime(&self) -> &Path {
+        &self.runtime
+    }
+
+    pub fn state(&self) -> &Path {
+        &self.state
+    }
+
     pub fn socket(&self) -> PathBuf {
         self.runtime.join("daemon.sock")
     }

@@ -9,9 +9,7 @@ use std::sync::Arc;
 
 use super::*;
 
-/// Who sent a request, as the journal records it.
-#[derive(Debug, Clone)]
-pub struct Caller(pub String);
+pub use warden_harness::Caller;
 
 /// The peer of a unix-socket connection, from the kernel (SO_PEERCRED).
 #[derive(Debug, Clone)]

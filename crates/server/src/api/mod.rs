@@ -18,6 +18,7 @@ mod auth;
 mod cells;
 mod extract;
 mod files;
+mod mcp;
 mod processes;
 mod ws;
 
@@ -27,6 +28,7 @@ use cells::*;
 pub use extract::ApiError;
 use extract::*;
 use files::*;
+use mcp::*;
 use processes::*;
 use ws::*;
 
@@ -86,6 +88,8 @@ pub fn router(harness: Shared, token: Option<String>) -> Router {
         .route("/v1/events", get(events))
         .route("/v1/approvals", get(approvals))
         .route("/v1/approvals/{name}/{id}", post(answer))
+        .route("/v1/mcp", get(mcp_stream))
+        .route_service("/mcp", warden_mcp::http_service(Arc::clone(&harness)))
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(BODY_LIMIT))

@@ -1,0 +1,60 @@
+//! The registry of running cells under wardens that start and sweep at once: a folder being
+//! made for one cell is never taken for a dead warden's by another's sweep.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use warden_cell::Registry;
+
+#[test]
+fn reservations_survive_sweeps_running_beside_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = Arc::new(Registry::open(dir.path().to_path_buf()).unwrap());
+    let done = Arc::new(AtomicBool::new(false));
+    // Sweeps, as every warden that starts makes one.
+    let sweepers: Vec<_> = (0..2)
+        .map(|_| {
+            let (registry, done) = (Arc::clone(&registry), Arc::clone(&done));
+            std::thread::spawn(move || {
+                let mut sweeps = 0u64;
+                while !done.load(Ordering::Relaxed) {
+                    registry.list().unwrap();
+                    sweeps += 1;
+                }
+                sweeps
+            })
+        })
+        .collect();
+    let makers: Vec<_> = (0..3)
+        .map(|t| {
+            let registry = Arc::clone(&registry);
+            std::thread::spawn(move || {
+                for i in 0..400 {
+                    let name = format!("cell-{t}-{i}");
+                    let reservation = registry
+                        .reserve(&name)
+                        .unwrap_or_else(|e| panic!("reserving {name}: {e}"));
+                    // The reserved folder is whole: its root and lock are there.
+                    assert!(reservation.root_dir().is_dir(), "{name} lost its folder");
+                    assert!(reservation.file("lock").is_file(), "{name} lost its lock");
+                    drop(reservation);
+                }
+            })
+        })
+        .collect();
+    for maker in makers {
+        maker.join().unwrap();
+    }
+    done.store(true, Ordering::Relaxed);
+    let sweeps: u64 = sweepers.into_iter().map(|s| s.join().unwrap()).sum();
+    assert!(
+        sweeps > 10,
+        "the sweeps ran beside the reservations ({sweeps})"
+    );
+    // A name is still taken while its reservation lives, and free once it went.
+    let held = registry.reserve("held").unwrap();
+    assert!(registry.reserve("held").is_err());
+    drop(held);
+    registry.reserve("held").unwrap();
+}

@@ -1,0 +1,238 @@
+//! The MCP face end to end, driven by the official Python `mcp` package (`mcp_client.py`): over
+//! stdio with the core in `warden mcp` itself, over stdio through a running daemon, and over the
+//! daemon's streamable HTTP, each in the current protocol (2026-07-28, stateless) and the one
+//! before (2025-11-25, with a session). Real cells behind every call; the journal read back; a
+//! cancelled call and an ended session must kill the command they ran (the client looks for it
+//! among the host's processes).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed step is a failed test
+
+mod support;
+
+use std::io::{Read as _, Write as _};
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::Value;
+use support::daemon::Daemon;
+use support::*;
+
+const CLIENT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/mcp_client.py");
+
+/// A host directory for a cell's workspace, with one file in it.
+fn workspace() -> tempfile::TempDir {
+    let dir = tempdir();
+    std::fs::write(dir.path().join("notes.txt"), "from the host\n").unwrap();
+    dir
+}
+
+/// Runs the Python client's `scenario` in `mode`; fails the test with its output unless it
+/// printed `ok`.
+fn client(scenario: &str, mode: &str, envs: &[(&str, &Path)], vars: &[(&str, &str)]) {
+    let out = Command::new("python3")
+        .args([CLIENT, scenario, mode])
+        .env("WARDEN", BIN)
+        .envs(envs.iter().map(|(k, v)| (k, v)))
+        .envs(vars.iter().map(|(k, v)| (k, v)))
+        .output()
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !stderr.contains("No module named 'mcp'"),
+        "the `mcp` package is missing: `pip install mcp==2.3.0` (.ci/run installs it)"
+    );
+    assert!(
+        out.status.success() && stdout.trim_end().ends_with("ok"),
+        "{scenario} ({mode}) failed: {}\nstdout: {stdout}\nstderr: {stderr}",
+        out.status
+    );
+}
+
+/// The journal's entries about `cell`.
+fn entries(journal: &Path, cell: &str) -> Vec<Value> {
+    std::fs::read_to_string(journal)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|e| e["cell"] == cell)
+        .collect()
+}
+
+fn kinds(entries: &[Value]) -> Vec<String> {
+    entries
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+fn assert_journaled(journal: &Path, cell: &str, by: &str) {
+    let entries = entries(journal, cell);
+    let kinds = kinds(&entries);
+    for kind in [
+        "cell.create",
+        "exec.start",
+        "exec.exit",
+        "exec.denied",
+        "approval.ask",
+        "approval.answer",
+        "file.read",
+        "file.write",
+        "workspace.snapshot",
+        "cell.kill",
+        "cell.end",
+    ] {
+        assert!(kinds.iter().any(|k| k == kind), "no {kind} in {kinds:?}");
+    }
+    let who: Vec<&str> = entries
+        .iter()
+        .filter_map(|e| e["data"]["by"].as_str())
+        .collect();
+    assert!(
+        who.iter().any(|w| w.contains(by)),
+        "nobody named `{by}` in the journal: {who:?}"
+    );
+}
+
+#[test]
+fn mcp_over_stdio_without_a_daemon_runs_the_core_in_warden_mcp() {
+    for mode in ["auto", "legacy"] {
+        let dir = tempdir();
+        std::fs::set_permissions(
+            dir.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o711),
+        )
+        .unwrap();
+        let (runtime, state) = (dir.path().join("run"), dir.path().join("state"));
+        let ws = workspace();
+        let cell = unique("mcp-core");
+        client(
+            "stdio-core",
+            mode,
+            &[
+                ("WARDEN_RUNTIME_DIR", &runtime),
+                ("WARDEN_STATE_DIR", &state),
+                ("WORKSPACE", ws.path()),
+            ],
+            &[("CELL", &cell)],
+        );
+        let journal = state.join("journal/journal.jsonl");
+        assert_journaled(&journal, &cell, "warden mcp (uid");
+        // The chain the session left verifies.
+        let verify = warden()
+            .env("WARDEN_RUNTIME_DIR", &runtime)
+            .env("WARDEN_STATE_DIR", &state)
+            .args(["audit", "verify"])
+            .output()
+            .unwrap();
+        assert!(verify.status.success(), "{verify:?}");
+        // Nothing of the cell went to the host without an apply.
+        assert!(!ws.path().join("new.txt").exists());
+        // A cancelled call kills its command; so does a session ended in the middle of one.
+        client(
+            "cancel-core",
+            mode,
+            &[
+                ("WARDEN_RUNTIME_DIR", &runtime),
+                ("WARDEN_STATE_DIR", &state),
+            ],
+            &[("CELL", &unique("mcp-cancel"))],
+        );
+    }
+}
+
+#[test]
+fn mcp_over_stdio_goes_through_a_running_daemon() {
+    let daemon = Daemon::start(&[]);
+    let ws = workspace();
+    for mode in ["auto", "legacy"] {
+        let cell = unique("mcp-daemon");
+        client(
+            "stdio-daemon",
+            mode,
+            &[
+                ("WARDEN_RUNTIME_DIR", daemon.runtime()),
+                ("WARDEN_STATE_DIR", daemon.state()),
+                ("WORKSPACE", ws.path()),
+            ],
+            &[("CELL", &cell)],
+        );
+        assert_journaled(&daemon.journal(), &cell, "through `warden mcp`");
+        // The cell was the daemon's: it still knows it after the session.
+        let info = daemon.call("GET", &format!("/v1/cells/{cell}"), None);
+        assert_eq!(info.status, 200, "{}", String::from_utf8_lossy(&info.body));
+        assert_eq!(info.json()["state"], "ended");
+        client(
+            "cancel-daemon",
+            mode,
+            &[
+                ("WARDEN_RUNTIME_DIR", daemon.runtime()),
+                ("WARDEN_STATE_DIR", daemon.state()),
+            ],
+            &[("CELL", &unique("mcp-cancel"))],
+        );
+    }
+    daemon.assert_journal_verifies();
+}
+
+#[test]
+fn mcp_over_http_streams_and_answers_only_the_token_and_loopback_hosts() {
+    let daemon = Daemon::start(&["--listen", "127.0.0.1:0"]);
+    let addr = std::fs::read_to_string(daemon.runtime().join("daemon.addr")).unwrap();
+    let token = std::fs::read_to_string(daemon.runtime().join("daemon.token")).unwrap();
+    let token = token.trim();
+    let ws = workspace();
+    for mode in ["auto", "legacy"] {
+        let cell = unique("mcp-http");
+        client(
+            "http",
+            mode,
+            &[("WORKSPACE", ws.path())],
+            &[("CELL", &cell), ("ADDR", &addr), ("TOKEN", token)],
+        );
+        assert_journaled(&daemon.journal(), &cell, "the bearer token, over TCP");
+        client(
+            "cancel-http",
+            mode,
+            &[],
+            &[
+                ("CELL", &unique("mcp-cancel")),
+                ("ADDR", &addr),
+                ("TOKEN", token),
+            ],
+        );
+    }
+    let list = r#"{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{}}"#;
+    let post = |host: &str, auth: Option<&str>| -> String {
+        let mut tcp = std::net::TcpStream::connect(&addr).unwrap();
+        let auth = auth
+            .map(|t| format!("Authorization: Bearer {t}\r\n"))
+            .unwrap_or_default();
+        write!(
+            tcp,
+            "POST /mcp HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\n\
+             Accept: application/json, text/event-stream\r\nMCP-Protocol-Version: 2025-11-25\r\n\
+             Connection: close\r\nContent-Length: {}\r\n\r\n{list}",
+            list.len()
+        )
+        .unwrap();
+        let mut answer = String::new();
+        tcp.read_to_string(&mut answer).unwrap();
+        answer
+    };
+    // No token, or another's: refused before the MCP layer sees the request.
+    assert!(post(&addr, None).starts_with("HTTP/1.1 401"));
+    assert!(post(&addr, Some("not-the-token-at-all")).starts_with("HTTP/1.1 401"));
+    // The token, but a name a web page could have rebound to loopback: refused.
+    let rebound = post("attacker.example", Some(token));
+    assert!(
+        rebound.starts_with("HTTP/1.1 4"),
+        "a foreign Host was answered: {rebound}"
+    );
+    assert!(!rebound.contains("create_cell"), "{rebound}");
+    // The upgrade endpoint of `warden mcp` says what it is for when asked plainly.
+    let plain = daemon.call("GET", "/v1/mcp", None);
+    assert_eq!(plain.status, 400);
+    let body = String::from_utf8_lossy(&plain.body);
+    assert!(body.contains("/mcp"), "{body}");
+    daemon.assert_journal_verifies();
+}
