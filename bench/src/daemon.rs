@@ -50,6 +50,22 @@ fn percentile(samples: &mut [Duration], p: f64) -> Duration {
     samples[index]
 }
 
+/// Median and p99 of each row, and the median's ratio to the first row's.
+fn table(rows: &mut [(String, Vec<Duration>)], versus: &str) {
+    let base = percentile(&mut rows[0].1.clone(), 0.5);
+    println!("{:<40} {:>10} {:>10} {:>14}", "", "median", "p99", versus);
+    for (name, samples) in rows.iter_mut() {
+        let median = percentile(samples, 0.5);
+        let p99 = percentile(samples, 0.99);
+        println!(
+            "{name:<40} {:>10} {:>10} {:>13.2}x",
+            ms(median),
+            ms(p99),
+            median.as_secs_f64() / base.as_secs_f64()
+        );
+    }
+}
+
 fn ms(d: Duration) -> String {
     format!("{:.2} ms", d.as_secs_f64() * 1000.0)
 }
@@ -145,7 +161,7 @@ impl Daemon {
         let runtime = dir.join("run");
         let state = dir.join("state");
         let child = Command::new(warden)
-            .arg("serve")
+            .args(["serve", "--e2b", "127.0.0.1:0"])
             .env("WARDEN_RUNTIME_DIR", &runtime)
             .env("WARDEN_STATE_DIR", &state)
             .stdin(Stdio::null())
@@ -167,6 +183,104 @@ impl Daemon {
             _dir: dir.to_path_buf(),
         })
     }
+
+    fn runtime(&self) -> &Path {
+        self.socket.parent().unwrap_or(Path::new("."))
+    }
+}
+
+/// What the real `e2b` SDK times against the daemon's E2B-compatible API: each round
+/// `Sandbox.create()`, `commands.run("true")`, `kill()`; milliseconds to the end of the
+/// first command, and of the whole round.
+const E2B_ROUNDS: &str = r#"
+import json, sys, time
+from e2b import Sandbox
+first, whole = [], []
+for i in range(int(sys.argv[1]) + 3):
+    t = time.perf_counter()
+    s = Sandbox.create()
+    r = s.commands.run("true")
+    f = time.perf_counter()
+    s.kill()
+    e = time.perf_counter()
+    assert r.exit_code == 0
+    if i >= 3:
+        first.append((f - t) * 1000)
+        whole.append((e - t) * 1000)
+print(json.dumps({"first": first, "whole": whole}))
+"#;
+
+/// Rounds of create, exec `true`, delete through the daemon's own API, and the same through
+/// the `e2b` SDK (2.63.0, installed where `.ci/run` puts it), when it is there.
+fn lifecycle(daemon: &Daemon, runs: usize) -> Result<Vec<(String, Vec<Duration>)>> {
+    let mut api = Vec::new();
+    for i in 0..runs + 3 {
+        let start = Instant::now();
+        let name = format!("life{i}");
+        let (status, raw) = request(
+            &daemon.socket,
+            "POST",
+            "/v1/cells",
+            &format!(r#"{{"name":"{name}"}}"#),
+        )?;
+        if status != 201 {
+            bail!("creating a cell failed: {raw}");
+        }
+        let (_, raw) = request(
+            &daemon.socket,
+            "POST",
+            &format!("/v1/cells/{name}/exec"),
+            r#"{"argv":["true"]}"#,
+        )?;
+        if !raw.contains("event: exit") {
+            bail!("exec failed: {raw}");
+        }
+        request(&daemon.socket, "DELETE", &format!("/v1/cells/{name}"), "")?;
+        if i >= 3 {
+            api.push(start.elapsed());
+        }
+    }
+    let mut rows = vec![("API: create + exec + delete".to_owned(), api)];
+    let sdk = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/pydeps/e2b-2.63.0");
+    if !sdk.join("e2b").is_dir() {
+        eprintln!(
+            "(no e2b SDK in {}: its rows are left out; .ci/run installs it)",
+            sdk.display()
+        );
+        return Ok(rows);
+    }
+    let addr = std::fs::read_to_string(daemon.runtime().join("e2b.addr"))?;
+    let key = std::fs::read_to_string(daemon.runtime().join("e2b.key"))?;
+    let out = Command::new("python3")
+        .args(["-c", E2B_ROUNDS, &runs.to_string()])
+        .env("PYTHONPATH", &sdk)
+        .env("E2B_API_URL", format!("http://{addr}"))
+        .env("E2B_SANDBOX_URL", format!("http://{addr}"))
+        .env("E2B_API_KEY", key.trim())
+        .output()?;
+    if !out.status.success() {
+        bail!(
+            "the e2b rounds failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let times: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    for (key, name) in [
+        ("first", "e2b SDK: create() to first run() done"),
+        ("whole", "e2b SDK: create + run + kill"),
+    ] {
+        let samples = times[key]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(serde_json::Value::as_f64)
+                    .map(|ms| Duration::from_secs_f64(ms / 1000.0))
+                    .collect()
+            })
+            .unwrap_or_default();
+        rows.push((name.to_owned(), samples));
+    }
+    Ok(rows)
 }
 
 impl Drop for Daemon {
@@ -407,21 +521,13 @@ fn main() -> Result<()> {
     if let Some(samples) = runsc_exec(args.runs.min(100))? {
         rows.push(("runsc exec (running gVisor container)".to_owned(), samples));
     }
-    let base = percentile(&mut rows[0].1.clone(), 0.5);
+    table(&mut rows, "median/warden");
+
+    let runs = args.runs.min(50);
     println!(
-        "{:<40} {:>10} {:>10} {:>14}",
-        "", "median", "p99", "median/warden"
+        "\nsandbox lifecycle ({runs} rounds each: the daemon's API beside the real e2b SDK against its E2B-compatible API)"
     );
-    for (name, samples) in &mut rows {
-        let median = percentile(samples, 0.5);
-        let p99 = percentile(samples, 0.99);
-        println!(
-            "{name:<40} {:>10} {:>10} {:>13.2}x",
-            ms(median),
-            ms(p99),
-            median.as_secs_f64() / base.as_secs_f64()
-        );
-    }
+    table(&mut lifecycle(&daemon, runs)?, "median/API");
 
     println!(
         "\nmemory of idle cells ({} cells, PSS and RSS of the daemon, keepers and cell inits)",

@@ -150,6 +150,11 @@ pub enum Command {
         /// Read the TCP token from this file instead of making one.
         #[arg(long, value_name = "FILE", requires = "listen")]
         token_file: Option<PathBuf>,
+        /// Also serve the E2B-compatible API on this loopback address, e.g. 127.0.0.1:3000: the
+        /// `e2b` SDK works against it with E2B_API_URL and E2B_SANDBOX_URL set to
+        /// http://ADDR and E2B_API_KEY to the key written to e2b.key in the runtime directory.
+        #[arg(long, value_name = "ADDR")]
+        e2b: Option<std::net::SocketAddr>,
         /// Close the journal's active segment for a new one at this size.
         #[arg(long, value_name = "MIB", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
         journal_segment_mib: u64,

@@ -180,11 +180,13 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         Command::Serve {
             listen,
             token_file,
+            e2b,
             journal_segment_mib,
             journal_keep_segments,
         } => crate::daemon::serve(
             listen,
             token_file,
+            e2b,
             journal_segment_mib,
             journal_keep_segments.map(|n| n as usize),
         ),

@@ -21,6 +21,10 @@ pub const SOCKET: &str = warden_protocol::DAEMON_SOCKET;
 pub const TOKEN_FILE: &str = "daemon.token";
 /// The TCP listener's address, once it listens.
 pub const ADDR_FILE: &str = "daemon.addr";
+/// Where the E2B-compatible API's key is written (owner-only).
+pub const E2B_KEY_FILE: &str = "e2b.key";
+/// The E2B-compatible API's address, once it listens.
+pub const E2B_ADDR_FILE: &str = "e2b.addr";
 
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
@@ -29,6 +33,9 @@ pub struct ServeConfig {
     pub listen: Option<SocketAddr>,
     /// A file holding the token; without it one is made and written next to the socket.
     pub token_file: Option<PathBuf>,
+    /// Also serve the E2B-compatible API on this loopback address (its key is made at start
+    /// and written to `e2b.key` in the runtime directory).
+    pub e2b: Option<SocketAddr>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -36,7 +43,7 @@ pub enum ServeError {
     #[error("a warden daemon already listens on {0}; stop it first (or use it)")]
     Running(PathBuf),
     #[error(
-        "--listen {0}: the API may listen on loopback addresses only (127.0.0.1, ::1); put a TLS proxy in front for anything else"
+        "{0}: the daemon listens on loopback addresses only (127.0.0.1, ::1; for --listen and --e2b alike); put a TLS proxy in front for anything else"
     )]
     NotLoopback(SocketAddr),
     #[error("{what} {path}: {source}")]
@@ -66,10 +73,10 @@ pub async fn serve(
     ready: impl FnOnce(&Path, Option<SocketAddr>),
 ) -> Result<(), ServeError> {
     let socket = config.harness.runtime.join(SOCKET);
-    if let Some(addr) = config.listen
-        && !addr.ip().is_loopback()
-    {
-        return Err(ServeError::NotLoopback(addr));
+    for addr in [config.listen, config.e2b].into_iter().flatten() {
+        if !addr.ip().is_loopback() {
+            return Err(ServeError::NotLoopback(addr));
+        }
     }
     std::fs::create_dir_all(&config.harness.runtime)
         .map_err(io_at("creating", &config.harness.runtime))?;
@@ -95,6 +102,28 @@ pub async fn serve(
             std::fs::write(&file, bound.to_string()).map_err(io_at("writing", &file))?;
         }
         let app = router(Arc::clone(&harness), Some(token));
+        tokio::spawn(listen::serve(listener, app, false));
+    }
+    if let Some(addr) = config.e2b {
+        let key = warden_e2b::new_key().map_err(|e| ServeError::Io {
+            what: "making a key for",
+            path: config.harness.runtime.join(E2B_KEY_FILE),
+            source: std::io::Error::other(e),
+        })?;
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| ServeError::Io {
+                what: "listening on",
+                path: PathBuf::from(addr.to_string()),
+                source,
+            })?;
+        write_private(&config.harness.runtime.join(E2B_KEY_FILE), &key)?;
+        if let Ok(bound) = listener.local_addr() {
+            let file = config.harness.runtime.join(E2B_ADDR_FILE);
+            std::fs::write(&file, bound.to_string()).map_err(io_at("writing", &file))?;
+        }
+        let app = warden_e2b::router(Arc::clone(&harness), key)
+            .layer(axum::middleware::from_fn(listen::trust_unless_refused));
         tokio::spawn(listen::serve(listener, app, false));
     }
     let _ = std::fs::remove_file(&socket);
@@ -134,18 +163,21 @@ fn load_or_make_token(config: &ServeConfig, default: &Path) -> Result<String, Se
         source: std::io::Error::other(e.to_string()),
     })?;
     let token = hex::encode(bytes);
-    let _ = std::fs::remove_file(default);
-    {
-        use std::io::Write as _;
-        use std::os::unix::fs::OpenOptionsExt as _;
-        let mut file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(default)
-            .map_err(io_at("writing the token to", default))?;
-        file.write_all(token.as_bytes())
-            .map_err(io_at("writing the token to", default))?;
-    }
+    write_private(default, &token)?;
     Ok(token)
+}
+
+/// Writes a secret to a new owner-only file (replacing what was there).
+fn write_private(path: &Path, secret: &str) -> Result<(), ServeError> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let _ = std::fs::remove_file(path);
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(io_at("writing a secret to", path))?;
+    file.write_all(secret.as_bytes())
+        .map_err(io_at("writing a secret to", path))
 }

@@ -47,6 +47,23 @@ impl Admitted {
     }
 }
 
+/// For a listener whose router checks its callers itself (the E2B-compatible API's key and
+/// tokens): a connection that carried a request not refused as unauthenticated has proven its
+/// caller, and is no longer made room with.
+pub async fn trust_unless_refused(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let connection = request.extensions().get::<Arc<Admitted>>().cloned();
+    let response = next.run(request).await;
+    if response.status() != axum::http::StatusCode::UNAUTHORIZED
+        && let Some(connection) = connection
+    {
+        connection.trust();
+    }
+    response
+}
+
 /// The connections of one listener.
 #[derive(Debug)]
 struct Admission {

@@ -32,6 +32,7 @@ fn daemon_harness(segments: warden_journal::Segments) -> Result<warden_harness::
 pub fn serve(
     listen: Option<std::net::SocketAddr>,
     token_file: Option<PathBuf>,
+    e2b: Option<std::net::SocketAddr>,
     journal_segment_mib: u64,
     journal_keep_segments: Option<usize>,
 ) -> Result<i32> {
@@ -42,6 +43,7 @@ pub fn serve(
         })?,
         listen,
         token_file,
+        e2b,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -53,6 +55,14 @@ pub fn serve(
             eprintln!(
                 "warden: and on http://{addr} (token in {})",
                 runtime().join(warden_server::TOKEN_FILE).display()
+            );
+        }
+        if let Ok(addr) = std::fs::read_to_string(runtime().join(warden_server::E2B_ADDR_FILE))
+            && e2b.is_some()
+        {
+            eprintln!(
+                "warden: and the E2B-compatible API on http://{addr} (E2B_API_URL and E2B_SANDBOX_URL; E2B_API_KEY in {})",
+                runtime().join(warden_server::E2B_KEY_FILE).display()
             );
         }
     }))?;

@@ -1,0 +1,236 @@
+//! The E2B-compatible API end to end: the real `e2b` SDK, both generations (2.31.0, which
+//! `openai-agents[e2b]` pins, and 2.63.0), pointed at `warden serve --e2b` by its environment
+//! variables only, sync and async (`e2b_client.py`); the journal read back; and the refusals
+//! a stranger gets.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed step is a failed test
+
+mod support;
+
+use std::io::{Read as _, Write as _};
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde_json::Value;
+use support::daemon::Daemon;
+
+const CLIENT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_client.py");
+const SDKS: [&str; 2] = ["2.31.0", "2.63.0"];
+
+/// Where `.ci/run` installs each SDK version (`pip install --target`).
+fn sdk(version: &str) -> PathBuf {
+    let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../target/pydeps"))
+        .join(format!("e2b-{version}"));
+    assert!(
+        dir.join("e2b").is_dir(),
+        "the e2b SDK {version} is not installed: `python3 -m pip install --target {} e2b=={version}` (.ci/run does it)",
+        dir.display()
+    );
+    dir
+}
+
+struct E2b {
+    daemon: Daemon,
+    addr: String,
+    key: String,
+}
+
+fn start() -> E2b {
+    let daemon = Daemon::start(&["--e2b", "127.0.0.1:0"]);
+    let addr = std::fs::read_to_string(daemon.runtime().join("e2b.addr")).unwrap();
+    let key = std::fs::read_to_string(daemon.runtime().join("e2b.key")).unwrap();
+    E2b { daemon, addr, key }
+}
+
+/// Runs a flow of the client with one SDK version; returns the sandbox it used.
+fn flow(e2b: &E2b, version: &str, which: &str) -> String {
+    let out = Command::new("python3")
+        .args([CLIENT, which])
+        .env("PYTHONPATH", sdk(version))
+        .env("E2B_API_URL", format!("http://{}", e2b.addr))
+        .env("E2B_SANDBOX_URL", format!("http://{}", e2b.addr))
+        .env("E2B_API_KEY", &e2b.key)
+        .env_remove("E2B_DOMAIN")
+        .output()
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.lines().any(|l| l.starts_with("ok")),
+        "{which} with e2b {version} failed: {}\nstdout: {stdout}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("sandbox "))
+        .unwrap()
+        .to_owned()
+}
+
+fn kinds(e2b: &E2b, cell: &str) -> Vec<String> {
+    std::fs::read_to_string(e2b.daemon.journal())
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|e| e["cell"] == cell)
+        .map(|e| e["kind"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[test]
+fn the_e2b_sdk_of_both_generations_works_unmodified_and_the_journal_shows_every_effect() {
+    let e2b = start();
+    for version in SDKS {
+        let id = flow(&e2b, version, "sync");
+        let kinds = kinds(&e2b, &id);
+        for kind in [
+            "cell.create",
+            "exec.start",
+            "exec.exit",
+            "exec.stdin",
+            "exec.signal",
+            "file.write",
+            "file.read",
+            "file.remove",
+            "file.mkdir",
+            "cell.kill",
+            "cell.delete",
+        ] {
+            assert!(
+                kinds.iter().any(|k| k == kind),
+                "e2b {version}: no {kind} for {id} in {kinds:?}"
+            );
+        }
+        let id = flow(&e2b, version, "async");
+        assert!(
+            kinds_of_delete(&e2b, &id),
+            "e2b {version}: {id} was deleted"
+        );
+    }
+    e2b.daemon.assert_journal_verifies();
+}
+
+fn kinds_of_delete(e2b: &E2b, id: &str) -> bool {
+    kinds(e2b, id).iter().any(|k| k == "cell.delete")
+}
+
+#[test]
+fn a_sandbox_past_its_timeout_is_gone() {
+    let e2b = start();
+    let id = flow(&e2b, "2.63.0", "timeout");
+    let kinds = kinds(&e2b, &id);
+    assert!(kinds.iter().any(|k| k == "cell.delete"), "{kinds:?}");
+    let cells = e2b.daemon.call("GET", "/v1/cells", None).json();
+    assert!(
+        !cells.as_array().unwrap().iter().any(|c| c["name"] == id),
+        "{cells}"
+    );
+}
+
+/// A raw request to the E2B listener; its status line and body.
+fn raw(e2b: &E2b, request: &str) -> (String, String) {
+    let mut tcp = std::net::TcpStream::connect(&e2b.addr).unwrap();
+    tcp.write_all(request.as_bytes()).unwrap();
+    let mut answer = String::new();
+    tcp.read_to_string(&mut answer).unwrap();
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+    (
+        head.lines().next().unwrap_or("").to_owned(),
+        body.to_owned(),
+    )
+}
+
+fn post(path: &str, headers: &str, body: &str) -> String {
+    format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\n{headers}Content-Type: application/json\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+#[test]
+fn strangers_and_unsupported_calls_get_clear_refusals() {
+    let e2b = start();
+    let key = format!("X-API-KEY: {}\r\n", e2b.key);
+    // No key, a wrong key: refused, and nothing is made.
+    let (status, body) = raw(&e2b, &post("/v2/sandboxes", "", "{}"));
+    assert!(status.contains(" 401 "), "{status} {body}");
+    assert!(body.contains("e2b.key"), "{body}");
+    let wrong = "X-API-KEY: e2b_0000000000000000000000000000000000000000\r\n";
+    let (status, _) = raw(&e2b, &post("/sandboxes", wrong, "{}"));
+    assert!(status.contains(" 401 "), "{status}");
+    let cells = e2b.daemon.call("GET", "/v1/cells", None).json();
+    assert_eq!(cells.as_array().unwrap().len(), 0, "{cells}");
+    // A template that is no preset: the known ones are named.
+    let (status, body) = raw(
+        &e2b,
+        &post("/v2/sandboxes", &key, r#"{"templateID":"no-such-image"}"#),
+    );
+    assert!(status.contains(" 400 "), "{status} {body}");
+    assert!(body.contains("base") && body.contains("python"), "{body}");
+    // A sandbox, then envd calls without its token, or with another's.
+    let (status, body) = raw(&e2b, &post("/v2/sandboxes", &key, r#"{"timeout":60}"#));
+    assert!(status.contains(" 201 "), "{status} {body}");
+    let sandbox: Value = serde_json::from_str(&body).unwrap();
+    let id = sandbox["sandboxID"].as_str().unwrap();
+    let token = sandbox["envdAccessToken"].as_str().unwrap();
+    let list = r#"{"path":"/home/user","depth":1}"#;
+    for headers in [
+        format!("E2b-Sandbox-Id: {id}\r\n"),
+        format!("E2b-Sandbox-Id: {id}\r\nX-Access-Token: not-{token}\r\n"),
+        format!("E2b-Sandbox-Id: {id}\r\n{key}"),
+    ] {
+        let (status, body) = raw(
+            &e2b,
+            &post("/filesystem.Filesystem/ListDir", &headers, list),
+        );
+        assert!(status.contains(" 401 "), "{headers:?}: {status} {body}");
+    }
+    let envd = format!("E2b-Sandbox-Id: {id}\r\nX-Access-Token: {token}\r\n");
+    let (status, body) = raw(&e2b, &post("/filesystem.Filesystem/ListDir", &envd, list));
+    assert!(status.contains(" 200 "), "{status} {body}");
+    // What is not supported says so, by name.
+    let (status, body) = raw(
+        &e2b,
+        &post(
+            "/filesystem.Filesystem/CreateWatcher",
+            &envd,
+            r#"{"path":"/home/user"}"#,
+        ),
+    );
+    assert!(status.contains(" 501 "), "{status}");
+    assert!(
+        body.contains("unimplemented") && body.contains("watching"),
+        "{body}"
+    );
+    let (status, body) = raw(
+        &e2b,
+        &post(&format!("/sandboxes/{id}/snapshots"), &key, "{}"),
+    );
+    assert!(status.contains(" 501 "), "{status}");
+    assert!(
+        body.contains("/snapshots") && body.contains("not supported"),
+        "{body}"
+    );
+    // A malformed stream request ends its stream with an error, not a hang.
+    let (status, body) = raw(&e2b, &post("/process.Process/Start", &envd, "{}"));
+    assert!(status.contains(" 200 "), "{status}");
+    assert!(body.contains("invalid_argument"), "{body}");
+    // The sandbox goes with its DELETE; a second is a 404.
+    let delete =
+        format!("DELETE /sandboxes/{id} HTTP/1.1\r\nHost: x\r\n{key}Connection: close\r\n\r\n");
+    assert!(raw(&e2b, &delete).0.contains(" 204 "));
+    assert!(raw(&e2b, &delete).0.contains(" 404 "));
+}
+
+#[test]
+fn the_e2b_api_listens_on_loopback_only() {
+    let dir = support::tempdir();
+    let out = support::warden()
+        .env("WARDEN_RUNTIME_DIR", dir.path().join("run"))
+        .env("WARDEN_STATE_DIR", dir.path().join("state"))
+        .args(["serve", "--e2b", "0.0.0.0:0"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(125));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("loopback"), "{stderr}");
+}

@@ -1,0 +1,838 @@
+//! envd's services, as the SDKs call them (Connect protocol, JSON codec): `process.Process`
+//! (start with streamed output, background processes, connect, stdin, signals, terminals),
+//! `filesystem.Filesystem` (stat, list, make dir, move, remove), and `/files` (upload and
+//! download), each mapped onto the harness's exec and files of the sandbox's cell. Paths are
+//! the E2B user's: absolute under `/home/user` (the cell's workspace mount) or relative to it.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{FromRequest as _, Multipart, Query, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+use tokio_stream::wrappers::ReceiverStream;
+use warden_harness::{ErrorKind, ExecSpec, FileKind, HarnessError, Item, Process};
+use warden_protocol::{ExitReason, Stream, TtySize};
+
+use crate::wire::{self, END_STREAM, HOME, b64, envelope};
+use crate::{Shared, status_of};
+
+const PROCESS: &str = "/process.Process/";
+const FILESYSTEM: &str = "/filesystem.Filesystem/";
+
+pub(crate) fn is_envd_path(path: &str) -> bool {
+    path.starts_with(PROCESS)
+        || path.starts_with(FILESYSTEM)
+        || path == "/files"
+        || path == "/health"
+}
+
+pub(crate) fn routes() -> Router<Shared> {
+    Router::new()
+        .route("/health", get(health))
+        .route("/files", get(download).post(upload))
+        .route("/process.Process/{method}", post(process))
+        .route("/filesystem.Filesystem/{method}", post(filesystem))
+}
+
+/// A Connect error of a unary call: its status and `{"code", "message"}`.
+pub(crate) fn connect_error(code: &str, message: impl Into<String>) -> Response {
+    let status = match code {
+        "invalid_argument" | "failed_precondition" | "out_of_range" => StatusCode::BAD_REQUEST,
+        "unauthenticated" => StatusCode::UNAUTHORIZED,
+        "permission_denied" => StatusCode::FORBIDDEN,
+        "not_found" => StatusCode::NOT_FOUND,
+        "already_exists" | "aborted" => StatusCode::CONFLICT,
+        "resource_exhausted" => StatusCode::TOO_MANY_REQUESTS,
+        "unimplemented" => StatusCode::NOT_IMPLEMENTED,
+        "unavailable" => StatusCode::SERVICE_UNAVAILABLE,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    (
+        status,
+        axum::Json(json!({ "code": code, "message": message.into() })),
+    )
+        .into_response()
+}
+
+fn code_of(kind: ErrorKind) -> &'static str {
+    match kind {
+        ErrorKind::BadRequest => "invalid_argument",
+        ErrorKind::Forbidden => "permission_denied",
+        ErrorKind::NotFound => "not_found",
+        ErrorKind::Conflict => "failed_precondition",
+        ErrorKind::TooLarge => "resource_exhausted",
+        ErrorKind::Unavailable => "unavailable",
+        ErrorKind::Internal => "internal",
+    }
+}
+
+fn failed(err: HarnessError) -> Response {
+    connect_error(code_of(err.kind), err.message)
+}
+
+fn sandbox_of(headers: &HeaderMap) -> String {
+    headers
+        .get("e2b-sandbox-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// The cell's path of an E2B path (`/home/user/x` or `x`: `x`).
+fn cell_path(path: &str) -> Result<String, Response> {
+    let rest = if path == HOME || path == format!("{HOME}/") {
+        "."
+    } else if let Some(rest) = path.strip_prefix(&format!("{HOME}/")) {
+        rest
+    } else if path.starts_with('/') {
+        return Err(connect_error(
+            "permission_denied",
+            format!(
+                "{path}: only the sandbox's workspace, {HOME}, is reachable through this API (run a command to reach the rest of the sandbox)"
+            ),
+        ));
+    } else if path.is_empty() {
+        "."
+    } else {
+        path
+    };
+    Ok(rest.trim_end_matches('/').to_owned())
+}
+
+/// The E2B path of a cell path.
+fn e2b_path(rel: &str) -> String {
+    match rel {
+        "." | "" => HOME.to_owned(),
+        rel => format!("{HOME}/{}", rel.trim_start_matches("./")),
+    }
+}
+
+fn json_of<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, Response> {
+    serde_json::from_slice(bytes).map_err(|e| {
+        connect_error(
+            "invalid_argument",
+            format!("the request is not what this method takes: {e}"),
+        )
+    })
+}
+
+async fn health() -> Response {
+    StatusCode::NO_CONTENT.into_response()
+}
+
+async fn process(
+    State(state): State<Shared>,
+    axum::extract::Path(method): axum::extract::Path<String>,
+    headers: HeaderMap,
+    bytes: Bytes,
+) -> Response {
+    let cell = sandbox_of(&headers);
+    let keepalive = headers
+        .get("keepalive-ping-interval")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|s| *s > 0)
+        .map(Duration::from_secs);
+    match method.as_str() {
+        "Start" => {
+            let request: wire::StartRequest = match streamed(&bytes) {
+                Ok(r) => r,
+                Err(e) => return e,
+            };
+            start(state, cell, request, keepalive).await
+        }
+        "Connect" => {
+            let request: wire::Selected = match streamed(&bytes) {
+                Ok(r) => r,
+                Err(e) => return e,
+            };
+            match select(&state, &cell, &request.process) {
+                Ok(process) => {
+                    // From now on: what was printed before was for the first reader.
+                    let mut cursor = 0;
+                    while process.try_next(&mut cursor).is_some() {}
+                    let tty = ttys_of(&state, &cell).contains(&process.info().id);
+                    stream(process, cursor, keepalive, tty)
+                }
+                Err((code, message)) => stream_error(code, &message),
+            }
+        }
+        "List" => match state.harness.processes(&cell) {
+            Ok(list) => {
+                let tags = tags_of(&state, &cell);
+                let processes: Vec<Value> = list
+                    .into_iter()
+                    .filter(|p| p.running)
+                    .map(|p| {
+                        let tag = tags
+                            .iter()
+                            .find(|(_, id)| *id == p.id)
+                            .map(|(tag, _)| tag.clone());
+                        json!({
+                            "config": {
+                                "cmd": p.argv.first().cloned().unwrap_or_default(),
+                                "args": p.argv.get(1..).unwrap_or_default(),
+                                "envs": {},
+                            },
+                            "pid": p.id,
+                            "tag": tag,
+                        })
+                    })
+                    .collect();
+                axum::Json(json!({ "processes": processes })).into_response()
+            }
+            Err(err) => failed(err),
+        },
+        "SendInput" => {
+            let request: wire::SendInput = match json_of(&bytes) {
+                Ok(r) => r,
+                Err(e) => return e,
+            };
+            let data = match (request.input.stdin, request.input.pty) {
+                (Some(data), None) | (None, Some(data)) => data,
+                _ => return connect_error("invalid_argument", "`input` needs `stdin` or `pty`"),
+            };
+            match select(&state, &cell, &request.process) {
+                Ok(process) => unary(
+                    state
+                        .harness
+                        .stdin(&cell, process.info().id, &data, false)
+                        .await,
+                ),
+                Err(f) => unary_failure(f),
+            }
+        }
+        "CloseStdin" => {
+            let request: wire::Selected = match json_of(&bytes) {
+                Ok(r) => r,
+                Err(e) => return e,
+            };
+            match select(&state, &cell, &request.process) {
+                Ok(process) => unary(
+                    state
+                        .harness
+                        .stdin(&cell, process.info().id, &[], true)
+                        .await,
+                ),
+                Err(f) => unary_failure(f),
+            }
+        }
+        "SendSignal" => {
+            let request: wire::SendSignal = match json_of(&bytes) {
+                Ok(r) => r,
+                Err(e) => return e,
+            };
+            let Some(signal) = request.number() else {
+                return connect_error(
+                    "invalid_argument",
+                    format!(
+                        "signal {} is not one this API sends (SIGNAL_SIGKILL, SIGNAL_SIGTERM)",
+                        request.signal
+                    ),
+                );
+            };
+            match select(&state, &cell, &request.process) {
+                Ok(process) => unary(state.harness.signal(&cell, process.info().id, signal).await),
+                Err(f) => unary_failure(f),
+            }
+        }
+        "Update" => {
+            let request: wire::Update = match json_of(&bytes) {
+                Ok(r) => r,
+                Err(e) => return e,
+            };
+            let Some(pty) = request.pty else {
+                return axum::Json(json!({})).into_response();
+            };
+            let size = TtySize {
+                rows: pty.size.rows.min(u16::MAX.into()) as u16,
+                cols: pty.size.cols.min(u16::MAX.into()) as u16,
+            };
+            match select(&state, &cell, &request.process) {
+                Ok(process) => unary(state.harness.resize(&cell, process.info().id, size).await),
+                Err(f) => unary_failure(f),
+            }
+        }
+        other => connect_error(
+            "unimplemented",
+            format!("process.Process/{other} is not supported by Warden's E2B-compatible API"),
+        ),
+    }
+}
+
+fn unary(result: Result<(), HarnessError>) -> Response {
+    match result {
+        Ok(()) => axum::Json(json!({})).into_response(),
+        Err(err) => failed(err),
+    }
+}
+
+/// The one message of a server-streaming call's body (a failure is the stream's end).
+fn streamed<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, Response> {
+    let inner = wire::unwrap_envelope(bytes).map_err(|e| stream_error("invalid_argument", &e))?;
+    serde_json::from_slice(inner).map_err(|e| {
+        stream_error(
+            "invalid_argument",
+            &format!("the request is not what this method takes: {e}"),
+        )
+    })
+}
+
+fn ttys_of(state: &Shared, cell: &str) -> Vec<u64> {
+    state
+        .sandboxes
+        .lock()
+        .ok()
+        .and_then(|s| s.get(cell).map(|s| s.ttys.clone()))
+        .unwrap_or_default()
+}
+
+fn tags_of(state: &Shared, cell: &str) -> Vec<(String, u64)> {
+    state
+        .sandboxes
+        .lock()
+        .ok()
+        .and_then(|s| {
+            s.get(cell)
+                .map(|s| s.tags.iter().map(|(k, v)| (k.clone(), *v)).collect())
+        })
+        .unwrap_or_default()
+}
+
+/// A Connect error before it is answered: its code and message.
+type Failure = (&'static str, String);
+
+/// The process a selector names.
+fn select(state: &Shared, cell: &str, selector: &wire::Selector) -> Result<Arc<Process>, Failure> {
+    let id = match (&selector.pid, &selector.tag) {
+        (Some(pid), _) => u64::from(*pid),
+        (None, Some(tag)) => match tags_of(state, cell).into_iter().find(|(t, _)| t == tag) {
+            Some((_, id)) => id,
+            None => return Err(("not_found", format!("no process tagged `{tag}`"))),
+        },
+        (None, None) => {
+            return Err((
+                "invalid_argument",
+                "`process` needs a `pid` or a `tag`".to_owned(),
+            ));
+        }
+    };
+    state
+        .harness
+        .process(cell, id)
+        .map_err(|e| (code_of(e.kind), e.message))
+}
+
+fn unary_failure((code, message): Failure) -> Response {
+    connect_error(code, message)
+}
+
+fn streaming(envelopes: Vec<Vec<u8>>) -> Response {
+    let body: Vec<u8> = envelopes.concat();
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/connect+json")],
+        body,
+    )
+        .into_response()
+}
+
+async fn start(
+    state: Shared,
+    cell: String,
+    request: wire::StartRequest,
+    keepalive: Option<Duration>,
+) -> Response {
+    let config = request.process;
+    if config.cmd.is_empty() {
+        return stream_error("invalid_argument", "`process.cmd` is empty");
+    }
+    let mut argv = vec![config.cmd];
+    argv.extend(config.args);
+    let tty = request.pty.map(|p| TtySize {
+        rows: p.size.rows.min(u16::MAX.into()) as u16,
+        cols: p.size.cols.min(u16::MAX.into()) as u16,
+    });
+    let cwd = match config.cwd.as_deref().map(absolute_cwd) {
+        Some(Ok(cwd)) => Some(cwd),
+        Some(Err(e)) => return e,
+        None => None,
+    };
+    let spec = ExecSpec {
+        argv,
+        env: config.envs,
+        cwd,
+        // E2B's processes outlive the stream that started them; input stays open only when
+        // asked for (or on a terminal).
+        background: true,
+        stdin: (!request.stdin.unwrap_or(false) && tty.is_none()).then(String::new),
+        tty,
+        ..Default::default()
+    };
+    let process = match state.harness.exec(&cell, spec).await {
+        Ok(p) => p,
+        Err(err) => return stream_error(code_of(err.kind), &err.message),
+    };
+    let on_tty = tty.is_some();
+    if let Ok(mut sandboxes) = state.sandboxes.lock()
+        && let Some(s) = sandboxes.get_mut(&cell)
+    {
+        if let Some(tag) = request.tag {
+            s.tags.insert(tag, process.info().id);
+        }
+        if on_tty {
+            s.ttys.push(process.info().id);
+        }
+    }
+    stream(process, 0, keepalive, on_tty)
+}
+
+/// A working directory of the E2B user's, as the cell sees it.
+fn absolute_cwd(cwd: &str) -> Result<String, Response> {
+    if cwd.starts_with('/') {
+        Ok(cwd.to_owned())
+    } else {
+        Ok(format!("{HOME}/{cwd}"))
+    }
+}
+
+fn stream_error(code: &str, message: &str) -> Response {
+    streaming(vec![envelope(
+        END_STREAM,
+        &json!({ "error": { "code": code, "message": message } }),
+    )])
+}
+
+/// A process's events as a Connect stream: `start`, its output, `end`, then the stream's end;
+/// keepalives at the interval the client asked for. The process outlives a reader that goes.
+fn stream(
+    process: Arc<Process>,
+    mut cursor: u64,
+    keepalive: Option<Duration>,
+    tty: bool,
+) -> Response {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, Infallible>>(64);
+    let pid = process.info().id;
+    tokio::spawn(async move {
+        let send = |message: Value, flags: u8| {
+            let tx = tx.clone();
+            async move {
+                tx.send(Ok(Bytes::from(envelope(flags, &message))))
+                    .await
+                    .is_ok()
+            }
+        };
+        if !send(json!({ "event": { "start": { "pid": pid } } }), 0).await {
+            return;
+        }
+        let mut ticks = keepalive.map(|every| {
+            let mut t = tokio::time::interval(every);
+            t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            t
+        });
+        loop {
+            let tick = async {
+                match ticks.as_mut() {
+                    Some(t) => {
+                        t.tick().await;
+                    }
+                    None => std::future::pending::<()>().await,
+                }
+            };
+            let item = tokio::select! {
+                item = process.next(&mut cursor) => item,
+                () = tick => {
+                    if !send(json!({ "event": { "keepalive": {} } }), 0).await {
+                        return;
+                    }
+                    continue;
+                }
+                () = tx.closed() => return,
+            };
+            let event = match item {
+                Item::Output(stream, data) => {
+                    let key = match (stream, tty) {
+                        (_, true) => "pty",
+                        (Stream::Stdout, _) => "stdout",
+                        (Stream::Stderr, _) => "stderr",
+                    };
+                    json!({ "event": { "data": { key: b64(&data) } } })
+                }
+                Item::Dropped(_) => continue,
+                Item::Exit(exit) => {
+                    let (code, status) = match exit.reason {
+                        ExitReason::Exited => {
+                            let code = exit.code.unwrap_or(0);
+                            (code, format!("exit status {code}"))
+                        }
+                        ExitReason::Signaled => (
+                            -1,
+                            format!("signal: {}", signal_name(exit.signal.unwrap_or(0))),
+                        ),
+                        ExitReason::Failed => (
+                            exit.code.unwrap_or(127),
+                            exit.message.clone().unwrap_or_else(|| "failed".to_owned()),
+                        ),
+                        _ => (
+                            -1,
+                            format!(
+                                "signal: killed ({})",
+                                exit.message.clone().unwrap_or_default()
+                            ),
+                        ),
+                    };
+                    let mut end = json!({
+                        "exitCode": code,
+                        "exited": exit.reason == ExitReason::Exited,
+                        "status": status,
+                    });
+                    if exit.reason != ExitReason::Exited
+                        && let Some(message) = &exit.message
+                    {
+                        end["error"] = json!(message);
+                    }
+                    let _ = send(json!({ "event": { "end": end } }), 0).await;
+                    let _ = send(json!({}), END_STREAM).await;
+                    return;
+                }
+            };
+            if !send(event, 0).await {
+                return;
+            }
+        }
+    });
+    let mut response = Body::from_stream(ReceiverStream::new(rx)).into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/connect+json"),
+    );
+    response
+}
+
+fn signal_name(signal: i32) -> &'static str {
+    match signal {
+        9 => "killed",
+        15 => "terminated",
+        2 => "interrupt",
+        1 => "hangup",
+        6 => "aborted",
+        11 => "segmentation fault",
+        13 => "broken pipe",
+        _ => "signaled",
+    }
+}
+
+fn entry(rel: &str, info: &warden_protocol::FileInfo) -> wire::Entry {
+    let mode = u32::from_str_radix(&info.mode, 8).unwrap_or(0);
+    let kind = match info.kind {
+        FileKind::File => "FILE_TYPE_FILE",
+        FileKind::Dir => "FILE_TYPE_DIRECTORY",
+        FileKind::Symlink => "FILE_TYPE_SYMLINK",
+        FileKind::Other => "FILE_TYPE_UNSPECIFIED",
+    };
+    let letter = match info.kind {
+        FileKind::Dir => 'd',
+        FileKind::Symlink => 'l',
+        _ => '-',
+    };
+    let mut permissions = String::from(letter);
+    for shift in [6, 3, 0] {
+        let bits = (mode >> shift) & 7;
+        permissions.push(if bits & 4 != 0 { 'r' } else { '-' });
+        permissions.push(if bits & 2 != 0 { 'w' } else { '-' });
+        permissions.push(if bits & 1 != 0 { 'x' } else { '-' });
+    }
+    wire::Entry {
+        name: info.name.clone(),
+        kind,
+        path: e2b_path(rel),
+        size: info.size.to_string(),
+        mode,
+        permissions,
+        owner: "user".to_owned(),
+        group: "user".to_owned(),
+        modified_time: humantime::format_rfc3339_seconds(
+            std::time::UNIX_EPOCH + Duration::from_secs(info.modified_s),
+        )
+        .to_string(),
+        symlink_target: info.target.clone(),
+    }
+}
+
+fn join(dir: &str, name: &str) -> String {
+    match dir {
+        "." | "" => name.to_owned(),
+        dir => format!("{dir}/{name}"),
+    }
+}
+
+async fn filesystem(
+    State(state): State<Shared>,
+    axum::extract::Path(method): axum::extract::Path<String>,
+    headers: HeaderMap,
+    bytes: Bytes,
+) -> Response {
+    let cell = sandbox_of(&headers);
+    let h = &state.harness;
+    match method.as_str() {
+        "Stat" => {
+            let request: wire::PathRequest = match json_of(&bytes) {
+                Ok(r) => r,
+                Err(e) => return e,
+            };
+            let rel = match cell_path(&request.path) {
+                Ok(p) => p,
+                Err(e) => return e,
+            };
+            match h.stat_file(&cell, &rel).await {
+                Ok(info) => axum::Json(json!({ "entry": entry(&rel, &info) })).into_response(),
+                Err(err) => failed(err),
+            }
+        }
+        "ListDir" => {
+            let request: wire::ListDir = match json_of(&bytes) {
+                Ok(r) => r,
+                Err(e) => return e,
+            };
+            let rel = match cell_path(&request.path) {
+                Ok(p) => p,
+                Err(e) => return e,
+            };
+            let depth = request.depth.unwrap_or(1).clamp(1, 16);
+            let mut entries = Vec::new();
+            let mut level = vec![rel];
+            for _ in 0..depth {
+                let mut next = Vec::new();
+                for dir in level {
+                    let listed = match h.list_files(&cell, &dir).await {
+                        Ok(listed) => listed,
+                        Err(err) => return failed(err),
+                    };
+                    for info in listed {
+                        let path = join(&dir, &info.name);
+                        if info.kind == FileKind::Dir {
+                            next.push(path.clone());
+                        }
+                        entries.push(entry(&path, &info));
+                    }
+                }
+                level = next;
+            }
+            axum::Json(json!({ "entries": entries })).into_response()
+        }
+        "MakeDir" => {
+            let request: wire::PathRequest = match json_of(&bytes) {
+                Ok(r) => r,
+                Err(e) => return e,
+            };
+            let rel = match cell_path(&request.path) {
+                Ok(p) => p,
+                Err(e) => return e,
+            };
+            if h.stat_file(&cell, &rel).await.is_ok() {
+                return connect_error("already_exists", format!("{} exists", request.path));
+            }
+            if let Err(err) = h.mkdir(&cell, &rel).await {
+                return failed(err);
+            }
+            match h.stat_file(&cell, &rel).await {
+                Ok(info) => axum::Json(json!({ "entry": entry(&rel, &info) })).into_response(),
+                Err(err) => failed(err),
+            }
+        }
+        "Move" => {
+            let request: wire::Move = match json_of(&bytes) {
+                Ok(r) => r,
+                Err(e) => return e,
+            };
+            let (from, to) = match (cell_path(&request.source), cell_path(&request.destination)) {
+                (Ok(from), Ok(to)) => (from, to),
+                (Err(e), _) | (_, Err(e)) => return e,
+            };
+            if let Err(err) = h.rename(&cell, &from, &to).await {
+                return failed(err);
+            }
+            match h.stat_file(&cell, &to).await {
+                Ok(info) => axum::Json(json!({ "entry": entry(&to, &info) })).into_response(),
+                Err(err) => failed(err),
+            }
+        }
+        "Remove" => {
+            let request: wire::PathRequest = match json_of(&bytes) {
+                Ok(r) => r,
+                Err(e) => return e,
+            };
+            let rel = match cell_path(&request.path) {
+                Ok(p) => p,
+                Err(e) => return e,
+            };
+            unary(h.remove(&cell, &rel, true).await)
+        }
+        "WatchDir" | "CreateWatcher" | "GetWatcherEvents" | "RemoveWatcher" => connect_error(
+            "unimplemented",
+            format!(
+                "filesystem.Filesystem/{method}: watching directories is not supported by Warden's E2B-compatible API yet"
+            ),
+        ),
+        other => connect_error(
+            "unimplemented",
+            format!(
+                "filesystem.Filesystem/{other} is not supported by Warden's E2B-compatible API"
+            ),
+        ),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct FileQuery {
+    path: Option<String>,
+}
+
+/// An error of envd's HTTP API (`/files`): `{"code": STATUS, "message"}`.
+fn http_error(err: HarnessError) -> Response {
+    let status = status_of(err.kind);
+    (
+        status,
+        axum::Json(json!({ "code": status.as_u16(), "message": err.message })),
+    )
+        .into_response()
+}
+
+async fn download(
+    State(state): State<Shared>,
+    headers: HeaderMap,
+    Query(query): Query<FileQuery>,
+) -> Response {
+    let cell = sandbox_of(&headers);
+    let Some(path) = query.path else {
+        return http_error(HarnessError::bad("`path` is required"));
+    };
+    let rel = match cell_path(&path) {
+        Ok(p) => p,
+        Err(_) => {
+            return http_error(HarnessError::new(
+                ErrorKind::Forbidden,
+                format!("{path}: only {HOME} is reachable through this API"),
+            ));
+        }
+    };
+    match state.harness.read_file(&cell, &rel).await {
+        Ok(data) => (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "application/octet-stream")],
+            data,
+        )
+            .into_response(),
+        Err(err) => http_error(err),
+    }
+}
+
+async fn upload(
+    State(state): State<Shared>,
+    headers: HeaderMap,
+    Query(query): Query<FileQuery>,
+    request: Request,
+) -> Response {
+    let cell = sandbox_of(&headers);
+    let content_type = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    let mut files: Vec<(String, Vec<u8>)> = Vec::new();
+    if content_type.starts_with("multipart/form-data") {
+        let mut multipart = match Multipart::from_request(request, &()).await {
+            Ok(m) => m,
+            Err(e) => return http_error(HarnessError::bad(format!("the upload: {e}"))),
+        };
+        loop {
+            match multipart.next_field().await {
+                Ok(Some(field)) => {
+                    let name = field.file_name().map(str::to_owned);
+                    let data = match field.bytes().await {
+                        Ok(d) => d.to_vec(),
+                        Err(e) => return http_error(HarnessError::bad(format!("the upload: {e}"))),
+                    };
+                    // The target: the query's path for one file, else each part's file name.
+                    match query.path.clone().filter(|_| files.is_empty()).or(name) {
+                        Some(path) => files.push((path, data)),
+                        None => {
+                            return http_error(HarnessError::bad(
+                                "an uploaded part has no file name and the request no `path`",
+                            ));
+                        }
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => return http_error(HarnessError::bad(format!("the upload: {e}"))),
+            }
+        }
+    } else {
+        let Some(path) = query.path.clone() else {
+            return http_error(HarnessError::bad("`path` is required"));
+        };
+        let data = match axum::body::to_bytes(request.into_body(), 64 << 20).await {
+            Ok(d) => d.to_vec(),
+            Err(e) => return http_error(HarnessError::bad(format!("the upload: {e}"))),
+        };
+        files.push((path, data));
+    }
+    if files.is_empty() {
+        return http_error(HarnessError::bad("the upload holds no file"));
+    }
+    let mut written = Vec::new();
+    for (path, data) in files {
+        let rel = match cell_path(&path) {
+            Ok(p) => p,
+            Err(_) => {
+                return http_error(HarnessError::new(
+                    ErrorKind::Forbidden,
+                    format!("{path}: only {HOME} is reachable through this API"),
+                ));
+            }
+        };
+        // Parent directories are made, as envd does.
+        let mut parent = String::new();
+        let parts: Vec<&str> = rel.split('/').collect();
+        for part in &parts[..parts.len().saturating_sub(1)] {
+            parent = join(&parent, part);
+            if state.harness.stat_file(&cell, &parent).await.is_err()
+                && let Err(err) = state.harness.mkdir(&cell, &parent).await
+            {
+                return http_error(err);
+            }
+        }
+        if let Err(err) = state.harness.write_file(&cell, &rel, data).await {
+            return http_error(err);
+        }
+        let name = rel.rsplit('/').next().unwrap_or(&rel).to_owned();
+        written.push(json!({ "name": name, "type": "file", "path": e2b_path(&rel) }));
+    }
+    axum::Json(Value::Array(written)).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn paths_are_the_users_home_or_refused() {
+        assert_eq!(cell_path("/home/user/a/b.txt").unwrap(), "a/b.txt");
+        assert_eq!(cell_path("/home/user").unwrap(), ".");
+        assert_eq!(cell_path("/home/user/").unwrap(), ".");
+        assert_eq!(cell_path("a.txt").unwrap(), "a.txt");
+        assert!(cell_path("/etc/passwd").is_err());
+        assert!(cell_path("/home/username/x").is_err());
+        assert_eq!(e2b_path("a/b.txt"), "/home/user/a/b.txt");
+        assert_eq!(e2b_path("."), "/home/user");
+    }
+}

@@ -1,0 +1,218 @@
+//! An E2B-compatible face: what the `e2b` SDKs (both generations: 2.31's `/sandboxes` and
+//! 2.5x-2.6x's `/v2/sandboxes`) speak to E2B's control plane and to the `envd` daemon inside a
+//! sandbox, served by the warden (never inside a cell) and mapped onto cells, execs and files.
+//! Point the SDK at it with its documented variables only: `E2B_API_URL` and
+//! `E2B_SANDBOX_URL` (both this listener: the two planes' paths do not collide, and envd calls
+//! carry the sandbox in `E2b-Sandbox-Id`) and `E2B_API_KEY` (the key `warden serve --e2b`
+//! writes to `e2b.key`).
+//!
+//! A sandbox is a cell whose workspace is mounted at `/home/user`, the E2B user's home and
+//! working directory, so that what `files.write("a.txt")` writes is what `commands.run("cat
+//! a.txt")` reads. Its template names a Warden preset (`base` is `default`). Every effect goes
+//! through the harness like any other face's: the cell's policy, command rules and journal.
+//! What is not supported answers with an error that names it.
+
+// A helper's error here is the request's whole answer, built once and returned as is.
+#![allow(clippy::result_large_err)]
+
+mod control;
+mod envd;
+mod wire;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+use warden_harness::{ErrorKind, Harness, HarnessError};
+
+pub use wire::{ENVD_VERSION, HOME};
+
+/// What the face keeps of a sandbox beside its cell.
+#[derive(Debug, Clone)]
+struct Sandbox {
+    template: String,
+    token: String,
+    metadata: BTreeMap<String, String>,
+    started: SystemTime,
+    /// When the sandbox's timeout ends it (none while it is paused by its timeout).
+    end: Option<SystemTime>,
+    /// At the end, pause instead of kill.
+    auto_pause: bool,
+    /// Processes started with a tag, by tag.
+    tags: HashMap<String, u64>,
+    /// Processes started on a terminal (their output is `pty` data).
+    ttys: Vec<u64>,
+}
+
+/// The face's state: the harness, the API key, and the sandboxes it made.
+#[derive(Debug)]
+pub struct E2b {
+    harness: Arc<Harness>,
+    key: String,
+    sandboxes: Mutex<HashMap<String, Sandbox>>,
+}
+
+type Shared = Arc<E2b>;
+
+/// A random key of the form the SDKs accept (`e2b_` and 40 hex digits).
+pub fn new_key() -> Result<String, String> {
+    Ok(format!("e2b_{}", random_hex(20)?))
+}
+
+fn random_hex(bytes: usize) -> Result<String, String> {
+    let mut buf = vec![0u8; bytes];
+    getrandom::fill(&mut buf).map_err(|e| format!("no randomness for a key: {e}"))?;
+    Ok(hex::encode(buf))
+}
+
+/// The face's router: the control plane and envd on one listener. `key`: the API key every
+/// control-plane call must carry (`X-API-KEY`).
+pub fn router(harness: Arc<Harness>, key: String) -> Router {
+    let state = Arc::new(E2b {
+        harness,
+        key,
+        sandboxes: Mutex::new(HashMap::new()),
+    });
+    tokio::spawn(reap(Arc::clone(&state)));
+    control::routes()
+        .merge(envd::routes())
+        .fallback(unsupported)
+        .layer(middleware::from_fn_with_state(Arc::clone(&state), auth))
+        .with_state(state)
+}
+
+/// A control-plane error as the SDKs read it: `{"code": STATUS, "message": "..."}`.
+fn api_error(status: StatusCode, message: impl Into<String>) -> Response {
+    (
+        status,
+        axum::Json(json!({ "code": status.as_u16(), "message": message.into() })),
+    )
+        .into_response()
+}
+
+fn status_of(kind: ErrorKind) -> StatusCode {
+    match kind {
+        ErrorKind::BadRequest => StatusCode::BAD_REQUEST,
+        ErrorKind::Forbidden => StatusCode::FORBIDDEN,
+        ErrorKind::NotFound => StatusCode::NOT_FOUND,
+        ErrorKind::Conflict => StatusCode::CONFLICT,
+        ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+        ErrorKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+        ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+fn harness_error(err: HarnessError) -> Response {
+    api_error(status_of(err.kind), err.message)
+}
+
+async fn unsupported(request: Request) -> Response {
+    api_error(
+        StatusCode::NOT_IMPLEMENTED,
+        format!(
+            "{} {} is not supported by Warden's E2B-compatible API (see the table of supported calls in Warden's README)",
+            request.method(),
+            request.uri().path()
+        ),
+    )
+}
+
+/// Who may call: the API key on the control plane; on envd's paths, the access token of the
+/// sandbox the call names (`E2b-Sandbox-Id`), which create and connect gave its caller.
+async fn auth(
+    State(state): State<Shared>,
+    headers: HeaderMap,
+    request: Request,
+    next: Next,
+) -> Response {
+    let path = request.uri().path();
+    let envd = envd::is_envd_path(path);
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned()
+    };
+    if envd {
+        let id = header("e2b-sandbox-id");
+        let token = header("x-access-token");
+        let expected = state
+            .sandboxes
+            .lock()
+            .ok()
+            .and_then(|s| s.get(&id).map(|s| s.token.clone()));
+        match expected {
+            Some(expected) if constant_time_eq(token.as_bytes(), expected.as_bytes()) => {}
+            Some(_) => {
+                return envd::connect_error(
+                    "unauthenticated",
+                    "wrong or missing X-Access-Token for this sandbox",
+                );
+            }
+            None => {
+                return envd::connect_error(
+                    "not_found",
+                    format!("no sandbox `{id}` (the E2b-Sandbox-Id header names it)"),
+                );
+            }
+        }
+    } else if !constant_time_eq(header("x-api-key").as_bytes(), state.key.as_bytes()) {
+        return api_error(
+            StatusCode::UNAUTHORIZED,
+            "a valid X-API-KEY is required: the key `warden serve --e2b` wrote to e2b.key in its runtime directory (E2B_API_KEY)",
+        );
+    }
+    next.run(request).await
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Ends sandboxes whose timeout passed: killed and deleted, or paused with `autoPause`.
+async fn reap(state: Shared) {
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        tick.tick().await;
+        let now = SystemTime::now();
+        let due: Vec<(String, bool)> = match state.sandboxes.lock() {
+            Ok(mut sandboxes) => {
+                let due: Vec<(String, bool)> = sandboxes
+                    .iter()
+                    .filter(|(_, s)| s.end.is_some_and(|end| end <= now))
+                    .map(|(id, s)| (id.clone(), s.auto_pause))
+                    .collect();
+                for (id, pause) in &due {
+                    if *pause {
+                        // Paused once; a connect resumes it and sets a new end.
+                        if let Some(s) = sandboxes.get_mut(id) {
+                            s.end = None;
+                        }
+                    } else {
+                        sandboxes.remove(id);
+                    }
+                }
+                due
+            }
+            Err(_) => return,
+        };
+        for (id, pause) in due {
+            let by = "the E2B sandbox timeout";
+            if pause {
+                let _ = state
+                    .harness
+                    .control(&id, warden_protocol::ControlAction::Pause, by)
+                    .await;
+            } else {
+                let _ = state.harness.delete(&id, by).await;
+            }
+        }
+    }
+}
