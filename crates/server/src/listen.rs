@@ -115,7 +115,11 @@ impl Listener for tokio::net::TcpListener {
     type Stream = tokio::net::TcpStream;
     type Peer = std::net::SocketAddr;
     async fn accept(&self) -> std::io::Result<(Self::Stream, Self::Peer)> {
-        tokio::net::TcpListener::accept(self).await
+        let (stream, peer) = tokio::net::TcpListener::accept(self).await?;
+        // Streamed answers go out as many small writes (events, envelopes): with Nagle's
+        // algorithm each waited for the peer's delayed ACK, 40 ms a stream.
+        stream.set_nodelay(true)?;
+        Ok((stream, peer))
     }
 }
 
