@@ -117,6 +117,11 @@ fn kinds_of_delete(e2b: &E2b, id: &str) -> bool {
 fn a_sandbox_past_its_timeout_is_gone() {
     let e2b = start();
     let id = flow(&e2b, "2.63.0", "timeout");
+    // The delete is journaled once the cell is gone.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    while !kinds_of_delete(&e2b, &id) && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
     let kinds = kinds(&e2b, &id);
     assert!(kinds.iter().any(|k| k == "cell.delete"), "{kinds:?}");
     let cells = e2b.daemon.call("GET", "/v1/cells", None).json();

@@ -4,6 +4,7 @@ answer. Run by tests/e2b.rs with the SDK's version on PYTHONPATH: `python3 e2b_c
 sync|async`. Exits non-zero, saying what was wrong, when anything is not as it should be."""
 
 import asyncio
+import os
 import sys
 import time
 
@@ -50,6 +51,22 @@ def sync_flow():
         check(False, "a path outside the home is refused")
     except SandboxException as e:
         check("home/user" in str(e), f"the refusal says why: {e}")
+    for sneaky in ["/home/user/../../etc/passwd", "../etc/passwd", "/home/user/sub/../../x"]:
+        try:
+            sbx.files.read(sneaky)
+            check(False, f"{sneaky} is refused")
+        except SandboxException:
+            pass
+    # A symlink the sandbox made, leading out of its home, is not followed by the files API.
+    sbx.commands.run("ln -s /etc/hostname out-link")
+    try:
+        sbx.files.read("out-link")
+        check(False, "a symlink out of the home is not followed")
+    except SandboxException:
+        pass
+    big = os.urandom(5 << 20)
+    sbx.files.write("big.bin", big)
+    check(bytes(sbx.files.read("big.bin", format="bytes")) == big, "a 5 MiB file round-trips")
 
     # Background, stdin, kill.
     h = sbx.commands.run("read line; echo got $line", background=True, stdin=True)
@@ -89,13 +106,14 @@ async def async_flow():
 
 def timeout_flow():
     sbx = Sandbox.create(timeout=1)
-    time.sleep(3)
-    try:
-        Sandbox.connect(sbx.sandbox_id)
-        check(False, "a sandbox past its timeout is gone")
-    except (NotFoundException, SandboxException):
-        pass
-    return sbx.sandbox_id
+    check(sbx.commands.run("echo alive").stdout == "alive\n", "alive before its timeout")
+    for _ in range(150):
+        time.sleep(0.1)
+        try:
+            Sandbox.connect(sbx.sandbox_id)
+        except (NotFoundException, SandboxException):
+            return sbx.sandbox_id
+    check(False, "a sandbox past its timeout is gone within 15 s")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ use crate::wire::{self, END_STREAM, HOME, b64, envelope};
 use crate::{Shared, status_of};
 
 const PROCESS: &str = "/process.Process/";
+/// The largest upload `/files` takes (the files API's limit).
+const UPLOAD_LIMIT: usize = 64 << 20;
 const FILESYSTEM: &str = "/filesystem.Filesystem/";
 
 pub(crate) fn is_envd_path(path: &str) -> bool {
@@ -37,7 +39,12 @@ pub(crate) fn is_envd_path(path: &str) -> bool {
 pub(crate) fn routes() -> Router<Shared> {
     Router::new()
         .route("/health", get(health))
-        .route("/files", get(download).post(upload))
+        .route(
+            "/files",
+            get(download)
+                .post(upload)
+                .layer(axum::extract::DefaultBodyLimit::max(UPLOAD_LIMIT)),
+        )
         .route("/process.Process/{method}", post(process))
         .route("/filesystem.Filesystem/{method}", post(filesystem))
 }
@@ -779,7 +786,7 @@ async fn upload(
         let Some(path) = query.path.clone() else {
             return http_error(HarnessError::bad("`path` is required"));
         };
-        let data = match axum::body::to_bytes(request.into_body(), 64 << 20).await {
+        let data = match axum::body::to_bytes(request.into_body(), UPLOAD_LIMIT).await {
             Ok(d) => d.to_vec(),
             Err(e) => return http_error(HarnessError::bad(format!("the upload: {e}"))),
         };

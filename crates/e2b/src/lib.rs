@@ -189,14 +189,11 @@ async fn reap(state: Shared) {
                     .filter(|(_, s)| s.end.is_some_and(|end| end <= now))
                     .map(|(id, s)| (id.clone(), s.auto_pause))
                     .collect();
-                for (id, pause) in &due {
-                    if *pause {
-                        // Paused once; a connect resumes it and sets a new end.
-                        if let Some(s) = sandboxes.get_mut(id) {
-                            s.end = None;
-                        }
-                    } else {
-                        sandboxes.remove(id);
+                // Ended once: a connect of a paused one resumes it and sets a new end; a
+                // killed one is forgotten once its cell is gone.
+                for (id, _) in &due {
+                    if let Some(s) = sandboxes.get_mut(id) {
+                        s.end = None;
                     }
                 }
                 due
@@ -212,6 +209,9 @@ async fn reap(state: Shared) {
                     .await;
             } else {
                 let _ = state.harness.delete(&id, by).await;
+                if let Ok(mut sandboxes) = state.sandboxes.lock() {
+                    sandboxes.remove(&id);
+                }
             }
         }
     }
