@@ -1,0 +1,49 @@
+"""Python client of Warden's daemon API: cells for AI agents and the code they write, whose
+every effect the warden decides, journals and can stop, from outside the cell.
+
+    from warden_cells import Warden
+    with Warden() as w:
+        cell = w.cells.create(preset="python")
+        print(cell.exec("python3 -c 'print(6 * 7)'").stdout)
+        cell.kill()
+"""
+
+from ._client import (
+    Approvals,
+    AsyncCell,
+    AsyncWarden,
+    Cell,
+    Cells,
+    Files,
+    PendingApproval,
+    Process,
+    Warden,
+)
+from ._errors import (
+    BadRequest,
+    Conflict,
+    ConnectionFailed,
+    Forbidden,
+    NotFound,
+    TooLarge,
+    Unavailable,
+    WardenError,
+)
+from ._types import (
+    SCHEMAS,
+    Approval,
+    CellInfo,
+    ExitInfo,
+    FileInfo,
+    ProcessInfo,
+    Ran,
+    Snapshot,
+    Usage,
+)
+
+__all__ = [
+    "Approval", "Approvals", "AsyncCell", "AsyncWarden", "BadRequest", "Cell", "CellInfo",
+    "Cells", "Conflict", "ConnectionFailed", "ExitInfo", "FileInfo", "Files", "Forbidden",
+    "NotFound", "PendingApproval", "Process", "ProcessInfo", "Ran", "SCHEMAS", "Snapshot",
+    "TooLarge", "Unavailable", "Usage", "Warden", "WardenError",
+]

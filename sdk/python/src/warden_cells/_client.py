@@ -1,0 +1,515 @@
+"""The clients: `Warden` (sync) and `AsyncWarden`, each sending the operations of `_ops`."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Tuple, Union
+
+import httpx
+
+from . import _ops as ops
+from ._errors import ConnectionFailed, error_of
+from ._types import Approval, CellInfo, ExitInfo, FileInfo, ProcessInfo, Ran, Snapshot, _from
+
+Event = Tuple[str, Any]
+
+
+def _transport_args(socket: Optional[str], url: Optional[str], token: Optional[str]):
+    headers = {}
+    if url is None:
+        socket = socket or ops.default_socket()
+        return socket, "http://warden", headers
+    if token:
+        headers["Authorization"] = f"Bearer {token.strip()}"
+    return None, url.rstrip("/"), headers
+
+
+def _check(response: httpx.Response) -> None:
+    if response.is_success:
+        return
+    try:
+        body: Any = response.json()
+    except ValueError:
+        body = response.text
+    raise error_of(response.status_code, body)
+
+
+def _parse(op: ops.Op, response: httpx.Response) -> Any:
+    if op.raw:
+        return response.content
+    if not response.content:
+        return None
+    return op.parse(response.json())
+
+
+class Warden:
+    """A connection to the daemon: over its unix socket (default: where `warden` finds it), or
+    `url` with the TCP listener's `token`."""
+
+    def __init__(self, socket: Optional[str] = None, *, url: Optional[str] = None,
+                 token: Optional[str] = None, timeout: Optional[float] = 60.0):
+        self.socket, base, headers = _transport_args(socket, url, token)
+        transport = httpx.HTTPTransport(uds=self.socket) if self.socket else None
+        self._http = httpx.Client(base_url=base, headers=headers, transport=transport,
+                                  timeout=httpx.Timeout(timeout, read=None))
+        self.cells = Cells(self)
+        self.approvals = Approvals(self)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "Warden":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _run(self, op: ops.Op) -> Any:
+        try:
+            response = self._http.request(op.method, op.path, json=op.json, params=op.params,
+                                          content=op.content)
+        except httpx.TransportError as e:
+            raise ConnectionFailed(0, "unavailable", f"cannot reach the warden daemon: {e}",
+                                   "is `warden serve` running?") from e
+        _check(response)
+        return _parse(op, response)
+
+    def _stream(self, op: ops.Op) -> Iterator[Tuple[str, Any, Optional[str]]]:
+        try:
+            with self._http.stream(op.method, op.path, json=op.json, params=op.params) as r:
+                if not r.is_success:
+                    r.read()
+                    _check(r)
+                parser = ops.SseParser()
+                for line in r.iter_lines():
+                    event = parser.feed(line)
+                    if event:
+                        yield event
+        except httpx.TransportError as e:
+            raise ConnectionFailed(0, "unavailable", f"the warden daemon's stream broke: {e}",
+                                   "is `warden serve` running?") from e
+
+    def health(self) -> Dict[str, Any]:
+        return self._run(ops.health())
+
+    def events(self, cell: Optional[str] = None, after: Optional[int] = None
+               ) -> Iterator[Dict[str, Any]]:
+        """Journal entries as they are written (`after`: those after this sequence number
+        first). Runs until the caller stops iterating."""
+        for name, data, _ in self._stream(ops.events(cell, after)):
+            if isinstance(data, dict):
+                yield data
+
+    def replay(self, cell: str, idle: float = 0.5) -> List[Dict[str, Any]]:
+        """The journal's entries about a cell, from the first: read until none came for
+        `idle` seconds."""
+        out: List[Dict[str, Any]] = []
+        with httpx.Client(base_url=self._http.base_url, headers=self._http.headers,
+                          transport=httpx.HTTPTransport(uds=self.socket) if self.socket else None,
+                          timeout=httpx.Timeout(30.0, read=idle)) as http:
+            try:
+                with http.stream("GET", "/v1/events", params={"cell": cell, "after": 0}) as r:
+                    if not r.is_success:
+                        r.read()
+                        _check(r)
+                    parser = ops.SseParser()
+                    for line in r.iter_lines():
+                        event = parser.feed(line)
+                        if event and isinstance(event[1], dict):
+                            out.append(event[1])
+            except httpx.ReadTimeout:
+                pass
+        return out
+
+
+class Cells:
+    def __init__(self, w: Warden):
+        self._w = w
+
+    def create(self, name: Optional[str] = None, *, preset: Optional[str] = None,
+               policy: Optional[str] = None, workspace: Optional[str] = None,
+               env: Optional[Dict[str, str]] = None, labels: Optional[Dict[str, str]] = None,
+               from_: Optional[str] = None, secrets: Optional[Dict[str, str]] = None) -> "Cell":
+        """Makes a cell and starts it. `policy`: YAML text; `preset`: a built-in one;
+        `from_`: a snapshot (`CELL@SNAP`) or a running cell to fork."""
+        info = self._w._run(ops.create(name=name, preset=preset, policy=policy,
+                                       workspace=workspace, env=env, labels=labels,
+                                       from_=from_, secrets=secrets))
+        return Cell(self._w, info)
+
+    def list(self) -> List["Cell"]:
+        return [Cell(self._w, info) for info in self._w._run(ops.cells())]
+
+    def get(self, name: str) -> "Cell":
+        return Cell(self._w, self._w._run(ops.cell(name)))
+
+
+class Cell:
+    """One cell. `info` is as it was when this handle was made; `refresh()` reads it again."""
+
+    def __init__(self, w: Warden, info: CellInfo):
+        self._w = w
+        self.info = info
+        self.name = info.name
+        self.files = Files(w, info.name)
+
+    def __repr__(self) -> str:
+        return f"Cell({self.name!r}, {self.info.state})"
+
+    def refresh(self) -> CellInfo:
+        self.info = self._w._run(ops.cell(self.name))
+        return self.info
+
+    def pause(self) -> CellInfo:
+        return self._w._run(ops.control(self.name, "pause"))
+
+    def resume(self) -> CellInfo:
+        return self._w._run(ops.control(self.name, "resume"))
+
+    def kill(self) -> CellInfo:
+        return self._w._run(ops.control(self.name, "kill"))
+
+    def delete(self) -> None:
+        self._w._run(ops.delete(self.name))
+
+    def exec_stream(self, argv: ops.Argv, **kwargs: Any) -> Iterator[Event]:
+        """Runs a command in the foreground, yielding ("started", {process, pid}), ("stdout",
+        text), ("stderr", text), ("dropped", bytes) as they come, and last ("exit",
+        ExitInfo). Stopping the iteration early kills the command."""
+        spec = ops.exec_spec(argv, **kwargs)
+        spec.pop("background", None)
+        for name, data, _ in self._w._stream(ops.exec_(self.name, spec)):
+            if name in ("stdout", "stderr"):
+                yield name, ops.chunk_text(data)
+            elif name == "exit":
+                yield name, _from(ExitInfo, data)
+                return
+            elif name == "dropped":
+                yield name, data.get("bytes", 0)
+            else:
+                yield name, data
+
+    def exec(self, argv: ops.Argv, *, background: bool = False, **kwargs: Any
+             ) -> Union[Ran, "Process"]:
+        """Runs a command (a list, or a string for `sh -c`). To its end: its exit, stdout and
+        stderr (`Ran`). With `background=True`: a `Process` at once."""
+        if background:
+            info = self._w._run(ops.exec_(self.name, ops.exec_spec(argv, background=True,
+                                                                   **kwargs)))
+            return Process(self._w, self.name, info)
+        out: Dict[str, List[str]] = {"stdout": [], "stderr": []}
+        dropped = 0
+        for name, data in self.exec_stream(argv, **kwargs):
+            if name in out:
+                out[name].append(data)
+            elif name == "dropped":
+                dropped += data
+            elif name == "exit":
+                return Ran(data, "".join(out["stdout"]), "".join(out["stderr"]), dropped)
+        raise ConnectionFailed(0, "unavailable", "the exec's stream ended without its exit")
+
+    def processes(self) -> List["Process"]:
+        return [Process(self._w, self.name, p) for p in self._w._run(ops.processes(self.name))]
+
+    def process(self, pid: int) -> "Process":
+        return Process(self._w, self.name, self._w._run(ops.process(self.name, pid)))
+
+    def snapshot(self, name: Optional[str] = None) -> Snapshot:
+        return self._w._run(ops.snapshot(self.name, name))
+
+    def snapshots(self) -> List[Snapshot]:
+        return self._w._run(ops.snapshots(self.name))
+
+    def reset(self, to: Optional[str] = None) -> None:
+        self._w._run(ops.reset(self.name, to))
+
+    def fork(self, name: Optional[str] = None, snapshot: Optional[str] = None) -> "Cell":
+        """A new cell from this one's files: of `snapshot`, or as they are now."""
+        source = f"{self.name}@{snapshot}" if snapshot else self.name
+        made = self._w._run(ops.policy(self.name))
+        return self._w.cells.create(name, from_=source, policy=made.get("policy"),
+                                    preset=made.get("preset"))
+
+    def diff(self) -> Dict[str, Any]:
+        return self._w._run(ops.diff(self.name))
+
+    def apply(self, paths: Optional[List[str]] = None, *, digest: Optional[str] = None,
+              dry_run: bool = False, force: bool = False,
+              include_sensitive: bool = False) -> Dict[str, Any]:
+        return self._w._run(ops.apply(self.name, paths, digest, dry_run, force,
+                                      include_sensitive))
+
+    def policy(self) -> Dict[str, Any]:
+        return self._w._run(ops.policy(self.name))
+
+    def set_policy(self, yaml: str) -> Dict[str, Any]:
+        return self._w._run(ops.set_policy(self.name, yaml))
+
+
+class Process:
+    """A process exec'd into a cell."""
+
+    def __init__(self, w: Warden, cell: str, info: ProcessInfo):
+        self._w = w
+        self.cell = cell
+        self.info = info
+        self.id = info.id
+
+    def __repr__(self) -> str:
+        return f"Process({self.cell!r}, {self.id}, running={self.info.running})"
+
+    def refresh(self) -> ProcessInfo:
+        self.info = self._w._run(ops.process(self.cell, self.id))
+        return self.info
+
+    def wait(self) -> ExitInfo:
+        return self._w._run(ops.wait(self.cell, self.id))
+
+    def write(self, data: Union[str, bytes], close: bool = False) -> None:
+        self._w._run(ops.stdin(self.cell, self.id, data, close))
+
+    def close_stdin(self) -> None:
+        self._w._run(ops.stdin(self.cell, self.id, "", True))
+
+    def signal(self, sig: Union[int, str] = "TERM") -> None:
+        self._w._run(ops.signal(self.cell, self.id, sig))
+
+    def kill(self) -> None:
+        self.signal("KILL")
+
+    def resize(self, rows: int, cols: int) -> None:
+        self._w._run(ops.resize(self.cell, self.id, rows, cols))
+
+    def output(self, start: int = 0, follow: bool = True) -> Iterator[Event]:
+        """Its output from the start (kept output first), then live with `follow`: like
+        `Cell.exec_stream`, ending with ("exit", ExitInfo), or ("live", ...) without follow."""
+        for name, data, _ in self._w._stream(ops.output(self.cell, self.id, start, follow)):
+            if name in ("stdout", "stderr"):
+                yield name, ops.chunk_text(data)
+            elif name == "exit":
+                yield name, _from(ExitInfo, data)
+                return
+            else:
+                yield name, data
+                if name == "live":
+                    return
+
+
+class Files:
+    """Files of a running cell, read and written inside it (paths relative to its
+    workspace)."""
+
+    def __init__(self, w: Warden, cell: str):
+        self._w = w
+        self.cell = cell
+
+    def read(self, path: str) -> bytes:
+        return self._w._run(ops.read(self.cell, path))
+
+    def read_text(self, path: str) -> str:
+        return self.read(path).decode()
+
+    def write(self, path: str, data: Union[str, bytes]) -> None:
+        self._w._run(ops.write(self.cell, path, data))
+
+    def list(self, path: str = ".") -> List[FileInfo]:
+        return self._w._run(ops.listdir(self.cell, path))
+
+    def stat(self, path: str) -> FileInfo:
+        return self._w._run(ops.stat(self.cell, path))
+
+    def exists(self, path: str) -> bool:
+        from ._errors import NotFound
+        try:
+            self.stat(path)
+            return True
+        except NotFound:
+            return False
+
+    def mkdir(self, path: str, recursive: bool = True) -> None:
+        self._w._run(ops.mkdir(self.cell, path, recursive))
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        self._w._run(ops.remove(self.cell, path, recursive))
+
+    def move(self, source: str, dest: str) -> None:
+        self._w._run(ops.move(self.cell, source, dest))
+
+
+class PendingApproval:
+    """A question an `ask` rule holds for a person."""
+
+    def __init__(self, w: Warden, approval: Approval):
+        self._w = w
+        self.approval = approval
+
+    def __repr__(self) -> str:
+        a = self.approval
+        return f"PendingApproval({a.cell!r}, {a.id}, {a.request!r}, rule={a.rule!r})"
+
+    def approve(self, scope: str = "once") -> None:
+        self._w._run(ops.answer(self.approval.cell, self.approval.id, "approve", scope))
+
+    def deny(self) -> None:
+        self._w._run(ops.answer(self.approval.cell, self.approval.id, "deny", "once"))
+
+
+class Approvals:
+    def __init__(self, w: Warden):
+        self._w = w
+
+    def list(self) -> List[PendingApproval]:
+        return [PendingApproval(self._w, a) for a in self._w._run(ops.approvals())]
+
+    def answer(self, cell: str, qid: int, decision: str, scope: str = "once") -> None:
+        self._w._run(ops.answer(cell, qid, decision, scope))
+
+    def wait(self, cell: Optional[str] = None, timeout: float = 30.0,
+             interval: float = 0.05) -> PendingApproval:
+        """The first question (of `cell`, or of any cell) that waits, once one does."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for pending in self.list():
+                if cell is None or pending.approval.cell == cell:
+                    return pending
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no approval waited within {timeout} s")
+            time.sleep(interval)
+
+
+# The async client: the same operations, awaited.
+
+class AsyncWarden:
+    """`Warden`, for asyncio."""
+
+    def __init__(self, socket: Optional[str] = None, *, url: Optional[str] = None,
+                 token: Optional[str] = None, timeout: Optional[float] = 60.0):
+        self.socket, base, headers = _transport_args(socket, url, token)
+        transport = httpx.AsyncHTTPTransport(uds=self.socket) if self.socket else None
+        self._http = httpx.AsyncClient(base_url=base, headers=headers, transport=transport,
+                                       timeout=httpx.Timeout(timeout, read=None))
+        self.cells = AsyncCells(self)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncWarden":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    async def _run(self, op: ops.Op) -> Any:
+        try:
+            response = await self._http.request(op.method, op.path, json=op.json,
+                                                params=op.params, content=op.content)
+        except httpx.TransportError as e:
+            raise ConnectionFailed(0, "unavailable", f"cannot reach the warden daemon: {e}",
+                                   "is `warden serve` running?") from e
+        _check(response)
+        return _parse(op, response)
+
+    async def _stream(self, op: ops.Op) -> AsyncIterator[Tuple[str, Any, Optional[str]]]:
+        try:
+            async with self._http.stream(op.method, op.path, json=op.json,
+                                         params=op.params) as r:
+                if not r.is_success:
+                    await r.aread()
+                    _check(r)
+                parser = ops.SseParser()
+                async for line in r.aiter_lines():
+                    event = parser.feed(line)
+                    if event:
+                        yield event
+        except httpx.TransportError as e:
+            raise ConnectionFailed(0, "unavailable", f"the warden daemon's stream broke: {e}",
+                                   "is `warden serve` running?") from e
+
+    async def health(self) -> Dict[str, Any]:
+        return await self._run(ops.health())
+
+    async def approvals(self) -> List[Approval]:
+        return await self._run(ops.approvals())
+
+    async def answer(self, cell: str, qid: int, decision: str, scope: str = "once") -> None:
+        await self._run(ops.answer(cell, qid, decision, scope))
+
+
+class AsyncCells:
+    def __init__(self, w: AsyncWarden):
+        self._w = w
+
+    async def create(self, name: Optional[str] = None, **kwargs: Any) -> "AsyncCell":
+        info = await self._w._run(ops.create(name=name, **kwargs))
+        return AsyncCell(self._w, info)
+
+    async def list(self) -> List["AsyncCell"]:
+        return [AsyncCell(self._w, i) for i in await self._w._run(ops.cells())]
+
+    async def get(self, name: str) -> "AsyncCell":
+        return AsyncCell(self._w, await self._w._run(ops.cell(name)))
+
+
+class AsyncCell:
+    def __init__(self, w: AsyncWarden, info: CellInfo):
+        self._w = w
+        self.info = info
+        self.name = info.name
+
+    async def kill(self) -> CellInfo:
+        return await self._w._run(ops.control(self.name, "kill"))
+
+    async def pause(self) -> CellInfo:
+        return await self._w._run(ops.control(self.name, "pause"))
+
+    async def resume(self) -> CellInfo:
+        return await self._w._run(ops.control(self.name, "resume"))
+
+    async def delete(self) -> None:
+        await self._w._run(ops.delete(self.name))
+
+    async def exec_stream(self, argv: ops.Argv, **kwargs: Any) -> AsyncIterator[Event]:
+        spec = ops.exec_spec(argv, **kwargs)
+        spec.pop("background", None)
+        async for name, data, _ in self._w._stream(ops.exec_(self.name, spec)):
+            if name in ("stdout", "stderr"):
+                yield name, ops.chunk_text(data)
+            elif name == "exit":
+                yield name, _from(ExitInfo, data)
+                return
+            else:
+                yield name, data
+
+    async def exec(self, argv: ops.Argv, *, background: bool = False, **kwargs: Any
+                   ) -> Union[Ran, ProcessInfo]:
+        if background:
+            return await self._w._run(ops.exec_(self.name, ops.exec_spec(
+                argv, background=True, **kwargs)))
+        out: Dict[str, List[str]] = {"stdout": [], "stderr": []}
+        async for name, data in self.exec_stream(argv, **kwargs):
+            if name in out:
+                out[name].append(data)
+            elif name == "exit":
+                return Ran(data, "".join(out["stdout"]), "".join(out["stderr"]))
+        raise ConnectionFailed(0, "unavailable", "the exec's stream ended without its exit")
+
+    async def wait(self, pid: int) -> ExitInfo:
+        return await self._w._run(ops.wait(self.name, pid))
+
+    async def read(self, path: str) -> bytes:
+        return await self._w._run(ops.read(self.name, path))
+
+    async def write(self, path: str, data: Union[str, bytes]) -> None:
+        await self._w._run(ops.write(self.name, path, data))
+
+    async def list_files(self, path: str = ".") -> List[FileInfo]:
+        return await self._w._run(ops.listdir(self.name, path))
+
+    async def diff(self) -> Dict[str, Any]:
+        return await self._w._run(ops.diff(self.name))
+
+    async def snapshot(self, name: Optional[str] = None) -> Snapshot:
+        return await self._w._run(ops.snapshot(self.name, name))
+
+    async def reset(self, to: Optional[str] = None) -> None:
+        await self._w._run(ops.reset(self.name, to))

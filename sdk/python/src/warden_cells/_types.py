@@ -1,0 +1,129 @@
+"""The API's types, field for field as `docs/openapi.json` describes them (a test of the SDK
+checks every field against the document's schemas)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Type, TypeVar
+
+T = TypeVar("T")
+
+
+def _from(cls: Type[T], data: Dict[str, Any]) -> T:
+    """An instance of a dataclass from the API's JSON (fields it does not know are ignored, so
+    that a newer daemon's additions do not break an older client)."""
+    names = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            continue
+        convert = _NESTED.get((cls.__name__, key))
+        kwargs[key] = convert(value) if convert and value is not None else value
+    return cls(**kwargs)
+
+
+@dataclass
+class Usage:
+    """CPU time and peak memory of a process, as the cell's init saw them when it reaped it."""
+
+    cpu_user_ms: int
+    cpu_system_ms: int
+    max_rss_kib: int
+
+
+@dataclass
+class ExitInfo:
+    """How a process ended. `reason`: exited, signaled, failed, timeout, killed, cell-ended,
+    memory-limit, output-limit, disk-limit."""
+
+    reason: str
+    code: Optional[int] = None
+    signal: Optional[int] = None
+    message: Optional[str] = None
+    duration_ms: int = 0
+    usage: Optional[Usage] = None
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
+    journal_seq: Optional[int] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.reason == "exited" and self.code == 0
+
+
+@dataclass
+class CellInfo:
+    name: str
+    state: str  # running, paused, ended
+    pid: Optional[int] = None
+    created_ms: int = 0
+    workspace: Optional[str] = None
+    labels: Dict[str, str] = field(default_factory=dict)
+    ended: Optional[str] = None
+    processes: int = 0
+
+
+@dataclass
+class ProcessInfo:
+    id: int
+    cell: str
+    argv: List[str]
+    pid: int
+    started_ms: int
+    background: bool
+    running: bool
+    exit: Optional[ExitInfo] = None
+
+
+@dataclass
+class FileInfo:
+    name: str
+    kind: str  # file, dir, symlink, other
+    size: int
+    mode: str  # octal
+    modified_s: int
+    target: Optional[str] = None
+
+
+@dataclass
+class Approval:
+    cell: str
+    id: int
+    request: str
+    rule: str
+    asked_at: int
+    timeout_s: int
+
+
+@dataclass
+class Snapshot:
+    id: str  # CELL@SNAP
+    size: int
+
+
+@dataclass
+class Ran:
+    """A command run to its end: its exit and everything it printed."""
+
+    exit: ExitInfo
+    stdout: str
+    stderr: str
+    dropped_bytes: int = 0
+
+
+_NESTED = {
+    ("ExitInfo", "usage"): lambda v: _from(Usage, v),
+    ("ProcessInfo", "exit"): lambda v: _from(ExitInfo, v),
+}
+
+#: The SDK's types and the OpenAPI schema each mirrors.
+SCHEMAS = {
+    Usage: "Usage",
+    ExitInfo: "ExitInfo",
+    CellInfo: "CellInfo",
+    ProcessInfo: "ProcessInfo",
+    FileInfo: "FileInfo",
+    Approval: "Approval",
+    Snapshot: "Snapshot",
+}

@@ -1,0 +1,192 @@
+"""The SDK against a real `warden serve` (started by crates/cli/tests/sdk.rs, which gives the
+daemon's runtime directory in WARDEN_RUNTIME_DIR, its TCP address and token in WARDEN_TEST_URL
+and WARDEN_TEST_TOKEN, the API's OpenAPI document in WARDEN_OPENAPI, and a host directory for
+workspaces in WARDEN_TEST_WORKSPACE). Run: `python3 -m unittest discover -s sdk/python/tests`."""
+
+import asyncio
+import dataclasses
+import json
+import os
+import threading
+import unittest
+import uuid
+
+import warden_cells
+from warden_cells import AsyncWarden, Warden
+
+
+def unique(prefix):
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+DENY = "version: 1\ncommands:\n  deny: ['rm *']\n"
+ASK = "version: 1\ncommands:\n  ask: ['touch *']\napprovals:\n  timeout: 30s\n"
+
+
+class Types(unittest.TestCase):
+    def test_every_type_has_exactly_the_fields_of_its_schema(self):
+        with open(os.environ["WARDEN_OPENAPI"]) as f:
+            schemas = json.load(f)["components"]["schemas"]
+        for cls, name in warden_cells.SCHEMAS.items():
+            schema = schemas[name]
+            fields = {f.name: f for f in dataclasses.fields(cls)}
+            self.assertEqual(set(fields), set(schema["properties"]), f"{cls.__name__} vs {name}")
+            mandatory = {n for n, f in fields.items()
+                         if f.default is dataclasses.MISSING
+                         and f.default_factory is dataclasses.MISSING}
+            self.assertLessEqual(mandatory, set(schema.get("required", [])), cls.__name__)
+
+
+class Sync(unittest.TestCase):
+    def setUp(self):
+        self.w = Warden()
+        self.workspace = os.environ["WARDEN_TEST_WORKSPACE"]
+
+    def tearDown(self):
+        self.w.close()
+
+    def test_a_cell_from_create_to_delete(self):
+        w = self.w
+        cell = w.cells.create(unique("sdk"), workspace=self.workspace, labels={"t": "sdk"})
+        self.assertEqual(cell.info.state, "running")
+        self.assertIn(cell.name, {c.name for c in w.cells.list()})
+
+        r = cell.exec("echo one; echo two >&2; exit 3")
+        self.assertEqual((r.exit.reason, r.exit.code), ("exited", 3))
+        self.assertEqual((r.stdout, r.stderr), ("one\n", "two\n"))
+        self.assertFalse(r.exit.ok)
+
+        events = list(cell.exec_stream(["sh", "-c", "echo a; sleep 0.2; echo b"]))
+        kinds = [k for k, _ in events]
+        self.assertEqual(kinds[0], "started")
+        self.assertEqual(kinds[-1], "exit")
+        self.assertEqual("".join(d for k, d in events if k == "stdout"), "a\nb\n")
+
+        p = cell.exec("read x; echo got $x", background=True)
+        self.assertTrue(p.info.running)
+        p.write("hi\n", close=True)
+        exit_info = p.wait()
+        self.assertEqual(exit_info.code, 0)
+        out = "".join(d for k, d in p.output() if k == "stdout")
+        self.assertEqual(out, "got hi\n")
+        sleeper = cell.exec(["sleep", "300"], background=True)
+        sleeper.kill()
+        self.assertEqual(sleeper.wait().reason, "signaled")
+
+        cell.files.write("new.txt", "alpha\n")
+        self.assertEqual(cell.files.read("new.txt"), b"alpha\n")
+        self.assertEqual(cell.files.stat("new.txt").size, 6)
+        self.assertTrue(cell.files.exists("notes.txt"))
+        self.assertFalse(cell.files.exists("nothing.txt"))
+        cell.files.mkdir("d/e")
+        cell.files.move("new.txt", "d/e/moved.txt")
+        self.assertEqual({f.name for f in cell.files.list("d/e")}, {"moved.txt"})
+
+        snap = cell.snapshot("before")
+        self.assertEqual(snap.id, f"{cell.name}@before")
+        cell.files.write("later.txt", "x")
+        cell.reset("before")
+        self.assertFalse(cell.files.exists("later.txt"))
+        self.assertIn(snap.id, {s.id for s in cell.snapshots()})
+
+        fork = cell.fork(unique("fork"), snapshot="before")
+        self.assertEqual(fork.files.read("d/e/moved.txt"), b"alpha\n")
+        fork.kill()
+        fork.delete()
+
+        diff = cell.diff()
+        self.assertIn("d/e/moved.txt", json.dumps(diff))
+        self.assertFalse(os.path.exists(os.path.join(self.workspace, "d")))
+        report = cell.apply(digest=diff["digest"])
+        self.assertTrue(os.path.exists(os.path.join(self.workspace, "d/e/moved.txt")), report)
+
+        entries = w.replay(cell.name)
+        kinds = [e["kind"] for e in entries]
+        for kind in ["cell.create", "exec.start", "exec.exit", "file.write",
+                     "workspace.snapshot", "workspace.apply"]:
+            self.assertIn(kind, kinds)
+
+        self.assertEqual(cell.kill().state, "ended")
+        cell.delete()
+        with self.assertRaises(warden_cells.NotFound):
+            w.cells.get(cell.name)
+
+    def test_refusals_are_typed_exceptions_with_the_servers_words(self):
+        w = self.w
+        with self.assertRaises(warden_cells.NotFound) as e:
+            w.cells.get("no-such-cell")
+        self.assertEqual((e.exception.status, e.exception.code), (404, "not-found"))
+        self.assertIn("no-such-cell", e.exception.message)
+        with self.assertRaises(warden_cells.BadRequest):
+            w.cells.create("bad name!")
+        cell = w.cells.create(unique("deny"), policy=DENY)
+        try:
+            with self.assertRaises(warden_cells.Forbidden) as e:
+                cell.exec(["rm", "-rf", "/"])
+            self.assertIn("rm *", e.exception.message)
+            with self.assertRaises(warden_cells.BadRequest):
+                cell.files.read("../../etc/shadow")
+        finally:
+            cell.kill()
+            cell.delete()
+        with self.assertRaises(ValueError):
+            cell.exec([])
+
+    def test_a_held_command_waits_for_its_approval(self):
+        w = self.w
+        cell = w.cells.create(unique("ask"), policy=ASK)
+        try:
+            done = {}
+            t = threading.Thread(target=lambda: done.update(r=cell.exec(["touch", "f"])))
+            t.start()
+            pending = w.approvals.wait(cell.name, timeout=20)
+            self.assertIn("touch", pending.approval.request)
+            self.assertTrue(t.is_alive(), "the command waits")
+            pending.approve()
+            t.join(20)
+            self.assertEqual(done["r"].exit.code, 0)
+            self.assertTrue(cell.files.exists("f"))
+        finally:
+            cell.kill()
+            cell.delete()
+
+    def test_tcp_needs_the_token(self):
+        url = os.environ["WARDEN_TEST_URL"]
+        with Warden(url=url, token=os.environ["WARDEN_TEST_TOKEN"]) as w:
+            self.assertEqual(w.health()["status"], "ok")
+            w.cells.list()
+        with Warden(url=url, token="not-the-token") as w:
+            with self.assertRaises(warden_cells.WardenError) as e:
+                w.cells.list()
+            self.assertEqual(e.exception.status, 401)
+
+    def test_a_missing_daemon_says_so(self):
+        with Warden(socket="/nonexistent/daemon.sock") as w:
+            with self.assertRaises(warden_cells.ConnectionFailed) as e:
+                w.cells.list()
+            self.assertIn("warden serve", str(e.exception))
+
+
+class Async(unittest.TestCase):
+    def test_the_async_client_does_the_same(self):
+        async def flow():
+            async with AsyncWarden() as w:
+                cell = await w.cells.create(unique("async"))
+                r = await cell.exec("echo async; exit 4")
+                self.assertEqual((r.stdout, r.exit.code), ("async\n", 4))
+                chunks = [d async for k, d in cell.exec_stream("echo x; echo y") if k == "stdout"]
+                self.assertEqual("".join(chunks), "x\ny\n")
+                await cell.write("f.txt", b"data")
+                self.assertEqual(await cell.read("f.txt"), b"data")
+                p = await cell.exec(["sleep", "0.1"], background=True)
+                self.assertEqual((await cell.wait(p.id)).code, 0)
+                with self.assertRaises(warden_cells.NotFound):
+                    await w.cells.get("no-such-cell")
+                await cell.kill()
+                await cell.delete()
+
+        asyncio.run(flow())
+
+
+if __name__ == "__main__":
+    unittest.main()
