@@ -281,3 +281,48 @@ fn the_rust_preset_builds_a_crate_with_the_callers_toolchain() {
         "{explained:?}"
     );
 }
+
+#[test]
+fn links_name_what_the_cell_sees_and_grant_nothing_more() {
+    let dir = tempdir();
+    let linked = policy(
+        dir.path(),
+        "version: 1\nfilesystem:\n  links:\n    /project: /workspace\n    /hostroot: /root\n    /hostshadow: /etc/shadow\n",
+    );
+    let linked = linked.to_str().unwrap();
+    let ran = run_sh(
+        &["--policy", linked],
+        "echo hi > /project/x && cat /workspace/x && readlink /project; \
+         cat /hostshadow 2>/dev/null && echo READ-SHADOW; \
+         ls /hostroot/ 2>/dev/null | head -1 | grep -q . && echo LISTED-ROOT; \
+         ln -s /tmp /made-here 2>/dev/null && echo MADE-LINK; echo end",
+    );
+    assert_eq!(ran.code, 0, "{ran:?}");
+    assert_eq!(ran.stdout, "hi\n/workspace\nend\n", "{ran:?}");
+    // On, above or inside what the cell mounts: refused with what to do.
+    for (path, clash) in [
+        ("/workspace", "/workspace"),
+        ("/usr/lib/x", "/usr"),
+        ("/proc/self/x", "/proc"),
+        ("/etc/passwd", "/etc"),
+    ] {
+        let bad = policy(
+            dir.path(),
+            &format!("version: 1\nfilesystem:\n  links:\n    {path}: /tmp\n"),
+        );
+        let ran = run_sh(&["--policy", bad.to_str().unwrap()], "true");
+        assert_eq!(ran.code, 125, "{path}: {ran:?}");
+        assert!(
+            ran.stderr.contains("filesystem.links") && ran.stderr.contains(clash),
+            "{path}: {}",
+            ran.stderr
+        );
+    }
+    let relative = policy(
+        dir.path(),
+        "version: 1\nfilesystem:\n  links:\n    /here: relative/path\n",
+    );
+    let ran = run_sh(&["--policy", relative.to_str().unwrap()], "true");
+    assert_eq!(ran.code, 125, "{ran:?}");
+    assert!(ran.stderr.contains("absolute"), "{}", ran.stderr);
+}

@@ -13,7 +13,7 @@ use axum::routing::{get, post};
 use serde::de::DeserializeOwned;
 use warden_protocol::{CellState, ControlAction};
 
-use crate::wire::{self, ENVD_VERSION, HOME};
+use crate::wire::{self, ALIAS, ENVD_VERSION, HOME};
 use crate::{Sandbox, Shared, api_error, harness_error, random_hex};
 
 /// How long a sandbox lives when the create does not say (the SDKs' default).
@@ -94,7 +94,7 @@ fn policy_of(template: &str) -> Result<String, Response> {
         ));
     }
     Ok(format!(
-        "version: 1\nextends: {preset}\nfilesystem:\n  workspace:\n    mount: {HOME}\nprocess:\n  cwd: {HOME}\n  env:\n    set:\n      HOME: {HOME}\n      USER: user\n"
+        "version: 1\nextends: {preset}\nfilesystem:\n  workspace:\n    mount: {HOME}\n  links:\n    {ALIAS}: {HOME}\nprocess:\n  cwd: {HOME}\n  env:\n    set:\n      HOME: {HOME}\n      USER: user\n"
     ))
 }
 

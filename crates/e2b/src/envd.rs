@@ -21,7 +21,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use warden_harness::{ErrorKind, ExecSpec, FileKind, HarnessError, Item, Process};
 use warden_protocol::{ExitReason, Stream, TtySize};
 
-use crate::wire::{self, END_STREAM, HOME, b64, envelope};
+use crate::wire::{self, ALIAS, END_STREAM, HOME, b64, envelope};
 use crate::{Shared, status_of};
 
 const PROCESS: &str = "/process.Process/";
@@ -93,11 +93,16 @@ fn sandbox_of(headers: &HeaderMap) -> String {
         .to_owned()
 }
 
-/// The cell's path of an E2B path (`/home/user/x` or `x`: `x`).
+/// The cell's path of an E2B path (`/home/user/x`, `/workspace/x` or `x`: `x`).
 fn cell_path(path: &str) -> Result<String, Response> {
-    let rest = if path == HOME || path == format!("{HOME}/") {
-        "."
-    } else if let Some(rest) = path.strip_prefix(&format!("{HOME}/")) {
+    let under = |root: &str| {
+        if path == root || path == format!("{root}/") {
+            Some(".")
+        } else {
+            path.strip_prefix(&format!("{root}/"))
+        }
+    };
+    let rest = if let Some(rest) = under(HOME).or_else(|| under(ALIAS)) {
         rest
     } else if path.starts_with('/') {
         return Err(connect_error(
@@ -839,6 +844,9 @@ mod tests {
         assert_eq!(cell_path("a.txt").unwrap(), "a.txt");
         assert!(cell_path("/etc/passwd").is_err());
         assert!(cell_path("/home/username/x").is_err());
+        assert_eq!(cell_path("/workspace/a").unwrap(), "a");
+        assert_eq!(cell_path("/workspace").unwrap(), ".");
+        assert!(cell_path("/workspaces/a").is_err());
         assert_eq!(e2b_path("a/b.txt"), "/home/user/a/b.txt");
         assert_eq!(e2b_path("."), "/home/user");
     }

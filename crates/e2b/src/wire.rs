@@ -16,6 +16,11 @@ pub const ENVD_VERSION: &str = "0.5.6";
 /// The one working directory and home of a sandbox's user: the cell's workspace mount.
 pub const HOME: &str = "/home/user";
 
+/// Another name of the same directory, where sandbox clients of agent frameworks put their
+/// workspace by default (the OpenAI Agents SDK's manifest root): a link in the cell, the same
+/// root for the files API.
+pub const ALIAS: &str = "/workspace";
+
 /// A create request, of either SDK generation (unknown fields are ignored).
 #[derive(Debug, Deserialize)]
 pub struct NewSandbox {

@@ -115,6 +115,14 @@ pub struct Filesystem {
     /// Size of the cell's private `/tmp`.
     pub tmp_size: ByteSize,
     pub workspace: Workspace,
+    /// Symbolic links made in the cell's root, by path: another name for a place the cell
+    /// sees (`/workspace: /home/user`). A link grants nothing: what it leads to is what the
+    /// cell could reach anyway.
+    #[serde(
+        deserialize_with = "absolute_links",
+        skip_serializing_if = "BTreeMap::is_empty"
+    )]
+    pub links: BTreeMap<PathBuf, PathBuf>,
 }
 
 impl Default for Filesystem {
@@ -154,6 +162,7 @@ impl Default for Filesystem {
             hidden: Vec::new(),
             tmp_size: ByteSize(256 << 20),
             workspace: Workspace::default(),
+            links: BTreeMap::new(),
         }
     }
 }
@@ -679,6 +688,20 @@ fn absolute_paths<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<Path
         out.push(path);
     }
     Ok(out)
+}
+
+fn absolute_links<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<BTreeMap<PathBuf, PathBuf>, D::Error> {
+    let links = BTreeMap::<PathBuf, PathBuf>::deserialize(deserializer)?;
+    for (path, target) in &links {
+        check_absolute(path).map_err(de::Error::custom)?;
+        check_absolute(target).map_err(de::Error::custom)?;
+        if path.parent().is_none() {
+            return Err(de::Error::custom("a link cannot replace `/`"));
+        }
+    }
+    Ok(links)
 }
 
 fn env_values<'de, D: Deserializer<'de>>(

@@ -253,6 +253,31 @@ fn validate(origin: &str, policy: &Policy) -> Result<(), PolicyError> {
     if let Err(message) = crate::CommandRules::compile(&policy.commands) {
         return Err(invalid("commands", &message));
     }
+    // A link is a name of its own: not on, above or below anything the cell mounts.
+    let fs = &policy.filesystem;
+    let fixed = ["/proc", "/dev", "/sys", "/tmp", "/etc"].map(std::path::Path::new);
+    let mounted = fixed
+        .into_iter()
+        .chain(std::iter::once(fs.workspace.mount.as_path()))
+        .chain(fs.read_only.iter().map(|p| p.as_path()))
+        .chain(fs.read_write.iter().map(|p| p.as_path()))
+        .chain(fs.hidden.iter().map(|p| p.as_path()));
+    for other in mounted {
+        if let Some(link) = fs
+            .links
+            .keys()
+            .find(|link| link.starts_with(other) || other.starts_with(link))
+        {
+            return Err(invalid(
+                "filesystem.links",
+                &format!(
+                    "link `{}` would sit on, above or inside `{}`, which the cell mounts; pick a path of its own",
+                    link.display(),
+                    other.display()
+                ),
+            ));
+        }
+    }
     if policy.network.ask.iter().any(|r| r.credential.is_some()) {
         return Err(invalid(
             "network.ask",

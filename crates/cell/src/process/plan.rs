@@ -461,6 +461,13 @@ pub fn entries(policy: &Policy) -> Vec<Entry> {
             });
         }
     }
+    // The policy's own links, made after what they may lead to.
+    for (path, target) in &fs.links {
+        out.push(Entry::Symlink {
+            path: path.clone(),
+            target: target.clone(),
+        });
+    }
     out
 }
 
