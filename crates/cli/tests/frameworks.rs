@@ -1,8 +1,10 @@
-//! Agent frameworks against Warden, unmodified: the OpenAI Agents SDK's own runner drives a
-//! `SandboxAgent` on its built-in E2B backend (`openai-agents[e2b]` 0.24.0, which pins e2b
-//! 2.31.0), pointed at `warden serve --e2b` by E2B's environment variables only, with a
-//! scripted model speaking the Responses wire format, plain and streamed (`agents_client.py`,
-//! `model_server.py`). The command the model asks for runs in a cell; the journal shows it.
+//! Agent frameworks against Warden, unmodified, pointed at `warden serve --e2b` by E2B's
+//! environment variables only, each with a scripted model (`model_server.py`): the OpenAI
+//! Agents SDK's own runner drives a `SandboxAgent` on its built-in E2B backend
+//! (`openai-agents[e2b]` 0.24.0, which pins e2b 2.31.0; the Responses wire format, plain and
+//! streamed: `agents_client.py`), and LangChain's deepagents graph runs on `langchain-e2b` 0.0.6
+//! (e2b 2.63.0; Chat Completions: `deepagents_client.py`). The commands the model asks for run
+//! in cells; the journal shows them.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed step is a failed test
 
 mod support;
@@ -13,54 +15,70 @@ use std::process::Command;
 use serde_json::Value;
 use support::daemon::Daemon;
 
-const CLIENT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/agents_client.py");
-
-fn packages() -> PathBuf {
-    let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../target/pydeps"))
-        .join("openai-agents-0.24.0");
+/// Where `.ci/run` installs a framework (`pip install --target`), checked for `module`.
+fn packages(folder: &str, module: &str, install: &str) -> PathBuf {
+    let dir =
+        PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../target/pydeps")).join(folder);
     assert!(
-        dir.join("agents").is_dir(),
-        "openai-agents is not installed: `python3 -m pip install --target {} 'openai-agents[e2b]==0.24.0'` (.ci/run does it)",
+        dir.join(module).is_dir(),
+        "{install} is not installed: `python3 -m pip install --target {} '{install}'` (.ci/run does it)",
         dir.display()
     );
     dir
 }
 
+/// Runs a framework's client script against the daemon's E2B API; returns its sandbox's id.
+fn drive(daemon: &Daemon, script: &str, packages: &PathBuf, args: &[&str], marker: &str) -> String {
+    let addr = std::fs::read_to_string(daemon.runtime().join("e2b.addr")).unwrap();
+    let key = std::fs::read_to_string(daemon.runtime().join("e2b.key")).unwrap();
+    let out = Command::new("python3")
+        .arg(format!("{}/tests/{script}", env!("CARGO_MANIFEST_DIR")))
+        .args(args)
+        .env("PYTHONPATH", packages)
+        .env("E2B_API_URL", format!("http://{addr}"))
+        .env("E2B_SANDBOX_URL", format!("http://{addr}"))
+        .env("E2B_API_KEY", key.trim())
+        .env("MARKER", marker)
+        .env_remove("OPENAI_API_KEY")
+        .output()
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.lines().any(|l| l == "ok"),
+        "{script} {args:?}: {}\nstdout: {stdout}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("sandbox "))
+        .unwrap()
+        .to_owned()
+}
+
+/// The journal's entries of `kind` about `cell`.
+fn journaled(daemon: &Daemon, cell: &str, kind: &str) -> Vec<Value> {
+    std::fs::read_to_string(daemon.journal())
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|e| e["cell"] == cell && e["kind"] == kind)
+        .collect()
+}
+
 #[test]
 fn the_openai_agents_sdk_runs_its_sandbox_agent_in_a_cell_through_the_e2b_api() {
     let daemon = Daemon::start(&["--e2b", "127.0.0.1:0"]);
-    let addr = std::fs::read_to_string(daemon.runtime().join("e2b.addr")).unwrap();
-    let key = std::fs::read_to_string(daemon.runtime().join("e2b.key")).unwrap();
+    let packages = packages(
+        "openai-agents-0.24.0",
+        "agents",
+        "openai-agents[e2b]==0.24.0",
+    );
     for mode in ["plain", "stream"] {
         let marker = support::unique("proof");
-        let out = Command::new("python3")
-            .args([CLIENT, mode])
-            .env("PYTHONPATH", packages())
-            .env("E2B_API_URL", format!("http://{addr}"))
-            .env("E2B_SANDBOX_URL", format!("http://{addr}"))
-            .env("E2B_API_KEY", key.trim())
-            .env("MARKER", &marker)
-            .env_remove("OPENAI_API_KEY")
-            .output()
-            .expect("python3 runs");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success() && stdout.lines().any(|l| l == "ok"),
-            "{mode}: {}\nstdout: {stdout}\nstderr: {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let sandbox = stdout
-            .lines()
-            .find_map(|l| l.strip_prefix("sandbox "))
-            .unwrap();
+        let sandbox = drive(&daemon, "agents_client.py", &packages, &[mode], &marker);
         // The model's command is the warden's to see: journaled with the cell's name.
-        let journal = std::fs::read_to_string(daemon.journal()).unwrap();
-        let started: Vec<Value> = journal
-            .lines()
-            .map(|l| serde_json::from_str::<Value>(l).unwrap())
-            .filter(|e| e["cell"] == sandbox && e["kind"] == "exec.start")
-            .collect();
+        let started = journaled(&daemon, &sandbox, "exec.start");
         assert!(
             started
                 .iter()
@@ -68,5 +86,26 @@ fn the_openai_agents_sdk_runs_its_sandbox_agent_in_a_cell_through_the_e2b_api() 
             "{mode}: the agent's command is not in the journal: {started:?}"
         );
     }
+    daemon.assert_journal_verifies();
+}
+
+#[test]
+fn deepagents_runs_on_langchain_e2b_in_a_cell_through_the_e2b_api() {
+    let daemon = Daemon::start(&["--e2b", "127.0.0.1:0"]);
+    let packages = packages(
+        "deepagents-langchain-e2b-0.0.6",
+        "langchain_e2b",
+        "langchain-e2b==0.0.6 langchain-openai==1.7.4",
+    );
+    let marker = support::unique("plan");
+    let sandbox = drive(&daemon, "deepagents_client.py", &packages, &[], &marker);
+    let started = journaled(&daemon, &sandbox, "exec.start");
+    assert!(
+        started
+            .iter()
+            .any(|e| e["data"]["argv"].to_string().contains("ran-in")),
+        "the agent's `execute` is not in the journal: {started:?}"
+    );
+    assert!(!journaled(&daemon, &sandbox, "cell.delete").is_empty());
     daemon.assert_journal_verifies();
 }

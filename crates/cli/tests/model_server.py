@@ -1,6 +1,6 @@
 """A scripted stand-in for an LLM API (the one thing a test cannot have for real): a local HTTP
-server that speaks the OpenAI Responses wire format, plain and streamed (server-sent events),
-and answers each request with the next step of a script. A step is a tool call (name and JSON
+server that speaks the OpenAI Responses and Chat Completions wire formats, plain and streamed
+(server-sent events), and answers each request with the next step of a script. A step is a tool call (name and JSON
 arguments) or a final text; the requests it got are kept, so a test can check what the agent
 sent back (a tool's output, for one).
 
@@ -75,12 +75,16 @@ class ScriptedModel:
             def do_POST(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"{}")
-                if not self.path.endswith("/responses"):
-                    self.send_error(404, "only /v1/responses is scripted")
+                chat = self.path.endswith("/chat/completions")
+                if not chat and not self.path.endswith("/responses"):
+                    self.send_error(404, "only /v1/responses and /v1/chat/completions are scripted")
                     return
                 with owner._lock:
                     owner.requests.append(body)
                     step = owner.script.pop(0) if owner.script else ("text", "(script ended)")
+                if chat:
+                    self._chat(step, body)
+                    return
                 response = _response([_item(step)], body.get("model", "scripted"))
                 if body.get("stream"):
                     self._stream(response)
@@ -91,6 +95,57 @@ class ScriptedModel:
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
                     self.wfile.write(data)
+
+            def _chat(self, step, body):
+                n = next(_ids)
+                if step[0] == "call":
+                    message = {"role": "assistant", "content": None, "tool_calls": [{
+                        "id": f"call_{n}", "type": "function",
+                        "function": {"name": step[1], "arguments": json.dumps(step[2])}}]}
+                    finish = "tool_calls"
+                else:
+                    message = {"role": "assistant", "content": step[1]}
+                    finish = "stop"
+                base = {"id": f"chatcmpl-{n}", "created": int(time.time()),
+                        "model": body.get("model", "scripted")}
+                usage = {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
+                if not body.get("stream"):
+                    data = json.dumps(dict(base, object="chat.completion", usage=usage, choices=[
+                        {"index": 0, "message": message, "finish_reason": finish}])).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+
+                def chunk(delta, finish_reason=None, **extra):
+                    payload = dict(base, object="chat.completion.chunk", choices=[
+                        {"index": 0, "delta": delta, "finish_reason": finish_reason}], **extra)
+                    self.wfile.write(f"data: {json.dumps(payload)}\n\n".encode())
+                    self.wfile.flush()
+
+                chunk({"role": "assistant", "content": ""})
+                if finish == "tool_calls":
+                    call = message["tool_calls"][0]
+                    chunk({"tool_calls": [{"index": 0, "id": call["id"], "type": "function",
+                                           "function": {"name": call["function"]["name"],
+                                                        "arguments": ""}}]})
+                    chunk({"tool_calls": [{"index": 0, "function": {
+                        "arguments": call["function"]["arguments"]}}]})
+                else:
+                    text = message["content"]
+                    for piece in [text[i:i + 8] for i in range(0, len(text), 8)]:
+                        chunk({"content": piece})
+                chunk({}, finish)
+                if (body.get("stream_options") or {}).get("include_usage"):
+                    payload = dict(base, object="chat.completion.chunk", choices=[], usage=usage)
+                    self.wfile.write(f"data: {json.dumps(payload)}\n\n".encode())
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
 
             def _stream(self, response):
                 self.send_response(200)
@@ -136,11 +191,15 @@ class ScriptedModel:
         self._server.shutdown()
 
     def tool_outputs(self):
-        """Every `function_call_output` the agent sent back, in order."""
+        """Every tool output the agent sent back (Responses' `function_call_output` items, Chat
+        Completions' `tool` messages), in order."""
         out = []
         for request in self.requests:
             items = request.get("input")
             if isinstance(items, list):
                 out += [i.get("output") for i in items
                         if isinstance(i, dict) and i.get("type") == "function_call_output"]
+            for message in request.get("messages") or []:
+                if isinstance(message, dict) and message.get("role") == "tool":
+                    out.append(message.get("content"))
         return out
