@@ -31,13 +31,20 @@ fn packages(folder: &str, module: &str, install: &str) -> PathBuf {
 fn drive(daemon: &Daemon, script: &str, packages: &PathBuf, args: &[&str], marker: &str) -> String {
     let addr = std::fs::read_to_string(daemon.runtime().join("e2b.addr")).unwrap();
     let key = std::fs::read_to_string(daemon.runtime().join("e2b.key")).unwrap();
-    let out = Command::new("python3")
-        .arg(format!("{}/tests/{script}", env!("CARGO_MANIFEST_DIR")))
-        .args(args)
+    let mut command = Command::new("python3");
+    command
         .env("PYTHONPATH", packages)
         .env("E2B_API_URL", format!("http://{addr}"))
         .env("E2B_SANDBOX_URL", format!("http://{addr}"))
-        .env("E2B_API_KEY", key.trim())
+        .env("E2B_API_KEY", key.trim());
+    run_client(command, script, args, marker)
+}
+
+/// Runs a client script; returns the id of the sandbox it printed.
+fn run_client(mut command: Command, script: &str, args: &[&str], marker: &str) -> String {
+    let out = command
+        .arg(format!("{}/tests/{script}", env!("CARGO_MANIFEST_DIR")))
+        .args(args)
         .env("MARKER", marker)
         .env_remove("OPENAI_API_KEY")
         .output()
@@ -107,5 +114,43 @@ fn deepagents_runs_on_langchain_e2b_in_a_cell_through_the_e2b_api() {
         "the agent's `execute` is not in the journal: {started:?}"
     );
     assert!(!journaled(&daemon, &sandbox, "cell.delete").is_empty());
+    daemon.assert_journal_verifies();
+}
+
+#[test]
+fn deepagents_on_wardens_own_backend_waits_for_approval_and_applies_what_was_reviewed() {
+    let daemon = Daemon::start(&[]);
+    let packages = packages(
+        "deepagents-langchain-e2b-0.0.6",
+        "deepagents",
+        "langchain-e2b==0.0.6 langchain-openai==1.7.4",
+    );
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
+    let project = support::tempdir();
+    std::fs::write(project.path().join("main.py"), "print('hi')\n").unwrap();
+    let marker = support::unique("native");
+    let mut command = Command::new("python3");
+    command
+        .env(
+            "PYTHONPATH",
+            format!(
+                "{root}/sdk/python/src:{root}/sdk/python/examples:{}",
+                packages.display()
+            ),
+        )
+        .env("WARDEN_RUNTIME_DIR", daemon.runtime())
+        .env("WORKSPACE", project.path());
+    let cell = run_client(command, "deepagents_native_client.py", &[], &marker);
+    for kind in [
+        "approval.ask",
+        "approval.answer",
+        "exec.start",
+        "workspace.apply",
+    ] {
+        assert!(
+            !journaled(&daemon, &cell, kind).is_empty(),
+            "no {kind} for {cell} in the journal"
+        );
+    }
     daemon.assert_journal_verifies();
 }
