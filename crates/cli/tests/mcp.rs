@@ -236,3 +236,37 @@ fn mcp_over_http_streams_and_answers_only_the_token_and_loopback_hosts() {
     assert!(body.contains("/mcp"), "{body}");
     daemon.assert_journal_verifies();
 }
+
+#[test]
+fn a_daemon_started_beside_a_warden_mcp_without_one_says_who_holds_the_state() {
+    let dir = tempdir();
+    let (runtime, state) = (dir.path().join("run"), dir.path().join("state"));
+    let mut mcp = warden()
+        .env("WARDEN_RUNTIME_DIR", &runtime)
+        .env("WARDEN_STATE_DIR", &state)
+        .arg("mcp")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Until it holds the state.
+    let held = state.join("daemon/state.redb");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !held.exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let serve = warden()
+        .env("WARDEN_RUNTIME_DIR", &runtime)
+        .env("WARDEN_STATE_DIR", &state)
+        .arg("serve")
+        .output()
+        .unwrap();
+    drop(mcp.stdin.take());
+    let _ = mcp.wait();
+    assert_eq!(serve.status.code(), Some(125), "{serve:?}");
+    let stderr = String::from_utf8_lossy(&serve.stderr);
+    assert!(
+        stderr.contains("another warden holds the state") && stderr.contains("warden mcp"),
+        "{stderr}"
+    );
+}

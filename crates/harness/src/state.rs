@@ -7,7 +7,7 @@ use std::path::Path;
 use redb::{Database, ReadableTable as _, TableDefinition, TableHandle as _};
 use serde::{Deserialize, Serialize};
 
-use crate::HarnessError;
+use crate::{ErrorKind, HarnessError};
 
 const CELLS: TableDefinition<&str, &str> = TableDefinition::new("cells");
 const GRANTS: TableDefinition<&str, &str> = TableDefinition::new("grants");
@@ -116,11 +116,18 @@ fn poisoned<T>(_: T) -> HarnessError {
 
 impl State {
     pub fn open(path: &Path) -> Result<Self, HarnessError> {
-        let db = Database::create(path).map_err(|e| {
-            HarnessError::internal(format!(
+        let db = Database::create(path).map_err(|e| match e {
+            redb::DatabaseError::DatabaseAlreadyOpen => HarnessError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "another warden holds the state database {}: a daemon (`warden serve`), or a `warden mcp` that runs without one; stop it first; for several sessions at once, run `warden serve` and start them after it (a `warden mcp` started while a daemon runs goes through the daemon)",
+                    path.display()
+                ),
+            ),
+            e => HarnessError::internal(format!(
                 "opening the state database {}: {e}",
                 path.display()
-            ))
+            )),
         })?;
         let txn = db.begin_write().map_err(db_error)?;
         txn.open_table(CELLS).map_err(db_error)?;

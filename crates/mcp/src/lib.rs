@@ -688,10 +688,12 @@ where
     T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
 {
     use rmcp::ServiceExt as _;
-    let running = tools
-        .serve(transport)
-        .await
-        .map_err(|e| format!("starting the MCP session: {e}"))?;
+    let running = match tools.serve(transport).await {
+        Ok(running) => running,
+        // The client went before it asked anything: nothing was left undone.
+        Err(rmcp::service::ServerInitializeError::ConnectionClosed(_)) => return Ok(()),
+        Err(e) => return Err(format!("starting the MCP session: {e}")),
+    };
     running
         .waiting()
         .await

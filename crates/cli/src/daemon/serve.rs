@@ -95,17 +95,15 @@ pub fn mcp() -> Result<i32> {
     }
     let config = daemon_harness(Default::default())?;
     rt.block_on(async move {
-        let harness = warden_harness::Harness::open(config).await.map_err(|e| {
-            anyhow::anyhow!(
-                "{e} (is another `warden mcp` running without a daemon? start `warden serve` so that both go through it)"
-            )
-        })?;
+        let harness = warden_harness::Harness::open(config).await?;
         let by = format!(
             "warden mcp (uid {}, pid {})",
             rustix::process::getuid().as_raw(),
             std::process::id()
         );
-        let served = warden_mcp::serve_stdio(warden_mcp::Tools::new(std::sync::Arc::clone(&harness), by)).await;
+        let served =
+            warden_mcp::serve_stdio(warden_mcp::Tools::new(std::sync::Arc::clone(&harness), by))
+                .await;
         harness.shutdown().await;
         served.map_err(anyhow::Error::msg)?;
         Ok(0)
