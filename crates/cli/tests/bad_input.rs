@@ -261,10 +261,10 @@ fn wardens_own_directories_are_never_shown_to_a_cell() {
 fn paths_the_cell_could_not_see_are_refused_before_it_starts_with_the_reason() {
     let dir = tempdir();
     // A directory above the path that the cell's setup may not search (not under /tmp, which
-    // is refused for its own reason).
+    // is refused for its own reason, even when the checkout itself is there).
     let closed = tempfile::Builder::new()
         .prefix("warden-test-closed-")
-        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .tempdir_in(outside_tmp())
         .unwrap();
     std::fs::set_permissions(closed.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
     std::fs::create_dir(closed.path().join("data")).unwrap();

@@ -12,7 +12,7 @@ use support::*;
 fn host_dir() -> tempfile::TempDir {
     let dir = tempfile::Builder::new()
         .prefix("warden-test-policy-")
-        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .tempdir_in(outside_tmp())
         .unwrap();
     std::fs::set_permissions(
         dir.path(),

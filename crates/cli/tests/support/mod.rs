@@ -67,6 +67,15 @@ pub fn policy(dir: &Path, yaml: &str) -> PathBuf {
     path
 }
 
+/// Where test folders go that a cell must see at their own path: not under /tmp (every cell
+/// has a /tmp of its own), even when the checkout is.
+pub fn outside_tmp() -> &'static Path {
+    match Path::new(env!("CARGO_TARGET_TMPDIR")) {
+        dir if dir.starts_with("/tmp") => Path::new("/var/tmp"),
+        dir => dir,
+    }
+}
+
 pub fn tempdir() -> tempfile::TempDir {
     tempfile::Builder::new()
         .prefix("warden-test-")
