@@ -154,3 +154,33 @@ fn deepagents_on_wardens_own_backend_waits_for_approval_and_applies_what_was_rev
     }
     daemon.assert_journal_verifies();
 }
+
+#[test]
+fn the_openai_agents_sdk_on_wardens_own_client_waits_for_approval_and_applies_what_was_reviewed() {
+    let daemon = Daemon::start(&[]);
+    let packages = packages(
+        "openai-agents-0.24.0",
+        "agents",
+        "openai-agents[e2b]==0.24.0",
+    );
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
+    let project = support::tempdir();
+    std::fs::write(project.path().join("main.py"), "print('hi')\n").unwrap();
+    let marker = support::unique("native");
+    let mut command = Command::new("python3");
+    command
+        .env(
+            "PYTHONPATH",
+            format!("{root}/sdk/python/src:{}", packages.display()),
+        )
+        .env("WARDEN_RUNTIME_DIR", daemon.runtime())
+        .env("WORKSPACE", project.path());
+    let cell = run_client(command, "agents_native_client.py", &[], &marker);
+    for kind in ["approval.ask", "approval.answer", "exec.start", "workspace.apply"] {
+        assert!(
+            !journaled(&daemon, &cell, kind).is_empty(),
+            "no {kind} for {cell} in the journal"
+        );
+    }
+    daemon.assert_journal_verifies();
+}

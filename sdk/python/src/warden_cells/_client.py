@@ -315,6 +315,14 @@ class Files:
     def list(self, path: str = ".") -> List[FileInfo]:
         return self._w._run(ops.listdir(self.cell, path))
 
+    def archive(self, path: str = ".") -> bytes:
+        """A tar archive of a directory of the cell."""
+        return self._w._run(ops.archive(self.cell, path))
+
+    def extract(self, tar: bytes, path: str = ".") -> None:
+        """Unpacks a tar archive into a directory of the cell."""
+        self._w._run(ops.extract(self.cell, path, tar))
+
     def stat(self, path: str) -> FileInfo:
         return self._w._run(ops.stat(self.cell, path))
 

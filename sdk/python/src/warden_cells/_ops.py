@@ -164,6 +164,15 @@ def write(name: str, path: str, data: Union[str, bytes]) -> Op:
               content=content)
 
 
+def archive(name: str, path: str) -> Op:
+    return Op("GET", f"/v1/cells/{seg(name)}/files/archive", params={"path": path}, raw=True)
+
+
+def extract(name: str, path: str, tar: bytes) -> Op:
+    return Op("PUT", f"/v1/cells/{seg(name)}/files/archive", params={"path": path},
+              content=bytes(tar))
+
+
 def listdir(name: str, path: str) -> Op:
     return Op("GET", f"/v1/cells/{seg(name)}/files/list", params={"path": path},
               parse=list_of(FileInfo))
