@@ -82,6 +82,22 @@ def sync_flow():
         pass
     check(h.pid not in {p.pid for p in sbx.commands.list()}, "a killed command is gone")
 
+    # A terminal: the shell reads what is typed, its output is the terminal's.
+    from e2b import PtySize
+    term = sbx.pty.create(PtySize(rows=24, cols=80))
+    sbx.pty.resize(term.pid, PtySize(rows=30, cols=100))
+    sbx.pty.send_stdin(term.pid, b"echo pty-$((6*7)) $(stty size)\nexit\n")
+    seen = []
+    try:
+        term.wait(on_pty=lambda data: seen.append(bytes(data)))
+    except CommandExitException:
+        pass
+    check(b"pty-42 30 100" in b"".join(seen), f"the terminal's output: {b''.join(seen)!r}")
+    # A background command, connected to again from another handle.
+    h = sbx.commands.run("sleep 0.5; echo later", background=True)
+    again = sbx.commands.connect(h.pid)
+    check(again.wait().stdout.strip() == "later", "connect sees the output to come")
+
     sbx.set_timeout(60)
     check(sbx.is_running(), "is_running")
     ids = {s.sandbox_id for s in Sandbox.list().next_items()} if hasattr(Sandbox.list(), "next_items") else None
