@@ -176,7 +176,12 @@ fn the_openai_agents_sdk_on_wardens_own_client_waits_for_approval_and_applies_wh
         .env("WARDEN_RUNTIME_DIR", daemon.runtime())
         .env("WORKSPACE", project.path());
     let cell = run_client(command, "agents_native_client.py", &[], &marker);
-    for kind in ["approval.ask", "approval.answer", "exec.start", "workspace.apply"] {
+    for kind in [
+        "approval.ask",
+        "approval.answer",
+        "exec.start",
+        "workspace.apply",
+    ] {
         assert!(
             !journaled(&daemon, &cell, kind).is_empty(),
             "no {kind} for {cell} in the journal"
