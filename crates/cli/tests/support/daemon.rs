@@ -364,3 +364,83 @@ fn dechunk(mut data: &[u8]) -> Vec<u8> {
 pub fn read_file(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
 }
+
+pub fn exit_of(events: &[(String, Value)]) -> Value {
+    let (name, data) = events.last().expect("some events");
+    assert_eq!(name, "exit", "the stream ends with exit: {events:?}");
+    data.clone()
+}
+
+/// A local upstream that answers every request with 200 "ok" and counts connections.
+pub fn upstream() -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.2:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let hits = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = std::sync::Arc::clone(&hits);
+    std::thread::spawn(move || {
+        for mut conn in listener.incoming().flatten() {
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let mut buf = [0u8; 4096];
+            let _ = conn.read(&mut buf);
+            let _ = conn
+                .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok");
+        }
+    });
+    (port, hits)
+}
+
+/// Threads of a host process, from its status file.
+pub fn threads_of(pid: u32) -> usize {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Threads:"))
+                .and_then(|n| n.trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// Reads a child's stderr on a thread; lines arrive on the channel as they are written.
+pub fn stderr_lines(child: &mut std::process::Child) -> std::sync::mpsc::Receiver<String> {
+    use std::io::BufRead as _;
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+/// The id in the announcement `... warden approve CELL ID ...`, waiting for it (up to 20 s);
+/// every line read is kept in `seen`.
+pub fn announced_id(
+    lines: &std::sync::mpsc::Receiver<String>,
+    cell: &str,
+    seen: &mut Vec<String>,
+) -> u64 {
+    let marker = format!("`warden approve {cell} ");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) {
+        let Ok(line) = lines.recv_timeout(left) else {
+            break;
+        };
+        seen.push(line.clone());
+        if let Some(at) = line.find(&marker) {
+            let digits: String = line[at + marker.len()..]
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect();
+            return digits.parse().unwrap();
+        }
+    }
+    panic!("no question was announced on the terminal: {seen:?}");
+}

@@ -1,0 +1,933 @@
+//! The daemon's API end to end: a real `warden serve`, real cells behind it, requests over its
+//! real sockets: lifecycle, streams, auth, bad and hostile input, the daemon's own limits.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed step is a failed test
+
+mod support;
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use support::daemon::*;
+use support::*;
+
+#[test]
+fn api_end_to_end_create_exec_background_pause_kill_delete() {
+    if !cgroups_available("api_end_to_end") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("api"), json!({ "labels": { "team": "qa" } }));
+
+    // Streamed output, both streams, and the exit code.
+    let events = daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "echo out; echo err >&2; id -u; exit 7"] }),
+    );
+    assert_eq!(events[0].0, "started");
+    assert_eq!(stream_bytes(&events, "stdout"), b"out\n1000\n");
+    assert_eq!(stream_bytes(&events, "stderr"), b"err\n");
+    let exit = exit_of(&events);
+    assert_eq!(
+        (exit["reason"].as_str(), exit["code"].as_i64()),
+        (Some("exited"), Some(7))
+    );
+
+    // Stdin, and bytes that are not UTF-8 come back exactly.
+    let events = daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "cat; printf '\\377\\376'"], "stdin": "line one\nline two\n" }),
+    );
+    assert_eq!(
+        stream_bytes(&events, "stdout"),
+        b"line one\nline two\n\xff\xfe"
+    );
+
+    // A process that lives in the cell between execs: files persist, and so do processes.
+    daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "echo kept > /tmp/note"] }),
+    );
+    let events = daemon.exec(&cell, json!({ "argv": ["cat", "/tmp/note"] }));
+    assert_eq!(stream_bytes(&events, "stdout"), b"kept\n");
+
+    // Background: started, read twice from the start, fed stdin, waited for.
+    let started = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["sh", "-c", "echo first; read line; echo got $line"], "background": true })),
+    );
+    assert_eq!(
+        started.status,
+        201,
+        "{}",
+        String::from_utf8_lossy(&started.body)
+    );
+    let id = started.json()["id"].as_u64().unwrap();
+    let answer = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/processes/{id}/stdin"),
+        Some(json!({ "data": "second\n", "close": true })),
+    );
+    assert_eq!(
+        answer.status,
+        204,
+        "{}",
+        String::from_utf8_lossy(&answer.body)
+    );
+    let waited = daemon.call(
+        "GET",
+        &format!("/v1/cells/{cell}/processes/{id}/wait"),
+        None,
+    );
+    assert_eq!(waited.json()["code"], 0);
+    for _ in 0..2 {
+        let replay = daemon.call(
+            "GET",
+            &format!("/v1/cells/{cell}/processes/{id}/output"),
+            None,
+        );
+        assert_eq!(
+            stream_bytes(&replay.events(), "stdout"),
+            b"first\ngot second\n"
+        );
+    }
+
+    // A timeout ends the process and says so.
+    let events = daemon.exec(&cell, json!({ "argv": ["sleep", "30"], "timeout_ms": 300 }));
+    assert_eq!(exit_of(&events)["reason"], "timeout");
+    // A command that does not exist is an exit event with 127, not a hang.
+    let events = daemon.exec(&cell, json!({ "argv": ["no-such-command"] }));
+    assert_eq!(exit_of(&events)["code"], 127);
+
+    // Pause: the cell's processes stop running; exec is refused until resume.
+    let bg = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["sh", "-c", "while true; do date +%s%N >> /tmp/ticks; sleep 0.02; done"], "background": true })),
+    );
+    assert_eq!(bg.status, 201);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(
+        daemon
+            .call("POST", &format!("/v1/cells/{cell}/pause"), None)
+            .json()["state"],
+        "paused"
+    );
+    let refused = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["true"] })),
+    );
+    assert_eq!(refused.status, 409);
+    assert!(refused.json()["error"].as_str().unwrap().contains("resume"));
+    assert_eq!(
+        daemon
+            .call("POST", &format!("/v1/cells/{cell}/resume"), None)
+            .json()["state"],
+        "running"
+    );
+    let count = |d: &Daemon| {
+        let events = d.exec(&cell, json!({ "argv": ["sh", "-c", "wc -l < /tmp/ticks"] }));
+        String::from_utf8(stream_bytes(&events, "stdout"))
+            .unwrap()
+            .trim()
+            .parse::<u64>()
+            .unwrap()
+    };
+    let before = count(&daemon);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        count(&daemon) > before,
+        "the background loop runs again after resume"
+    );
+
+    // Kill: the cell ends, its processes with it; exec is refused; delete removes it.
+    let killed = daemon.call("POST", &format!("/v1/cells/{cell}/kill"), None);
+    assert_eq!(killed.json()["state"], "ended");
+    assert!(host_processes_with(&cell).is_empty());
+    let refused = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["true"] })),
+    );
+    assert_eq!(refused.status, 409);
+    assert_eq!(
+        daemon
+            .call("DELETE", &format!("/v1/cells/{cell}"), None)
+            .status,
+        204
+    );
+    assert_eq!(
+        daemon
+            .call("GET", &format!("/v1/cells/{cell}"), None)
+            .status,
+        404
+    );
+    assert!(cgroup_dirs_of(&cell).is_empty(), "no cgroup is left behind");
+
+    // Everything above is in the journal, in order, and the chain verifies.
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    let kinds: Vec<String> = journal
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|e| e["cell"] == cell.as_str())
+        .map(|e| e["kind"].as_str().unwrap().to_owned())
+        .collect();
+    for kind in [
+        "cell.create",
+        "cell.start",
+        "exec.start",
+        "exec.exit",
+        "exec.stdin",
+        "cell.pause",
+        "cell.resume",
+        "cell.kill",
+        "cell.end",
+        "cell.delete",
+    ] {
+        assert!(
+            kinds.contains(&kind.to_owned()),
+            "{kind} missing from {kinds:?}"
+        );
+    }
+    assert!(journal.contains(r#""argv":["sh","-c","echo out; echo err >&2; id -u; exit 7"]"#));
+    daemon.assert_journal_verifies();
+}
+
+#[test]
+fn tcp_needs_the_token_and_cells_cannot_reach_the_daemon() {
+    if !cgroups_available("tcp_token") {
+        return;
+    }
+    // Port 0: the daemon says which port it got in `daemon.addr`.
+    let daemon = Daemon::start(&["--listen", "127.0.0.1:0"]);
+    let token = std::fs::read_to_string(daemon.runtime.join("daemon.token")).unwrap();
+    let addr = std::fs::read_to_string(daemon.runtime.join("daemon.addr")).unwrap();
+    let port: u16 = addr.rsplit(':').next().unwrap().parse().unwrap();
+    let tcp = |headers: &[(&str, &str)]| {
+        let mut last = None;
+        for _ in 0..50 {
+            if let Ok(stream) = std::net::TcpStream::connect(&addr) {
+                last = Some(exchange(stream, "GET", "/v1/cells", None, headers));
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        last.expect("the TCP listener answers")
+    };
+    assert_eq!(tcp(&[]).status, 401);
+    assert_eq!(tcp(&[("Authorization", "Bearer wrong")]).status, 401);
+    let bearer = format!("Bearer {token}");
+    assert_eq!(tcp(&[("Authorization", bearer.as_str())]).status, 200);
+
+    // From inside a cell: neither the TCP port nor the unix socket is reachable.
+    let cell = daemon.create(&unique("reach"), json!({}));
+    let socket = daemon.socket().display().to_string();
+    let script = format!(
+        "import socket\n\
+         for target in [('tcp', ('127.0.0.1', {port})), ('unix', '{socket}')]:\n\
+         \x20   kind, address = target\n\
+         \x20   s = socket.socket(socket.AF_INET if kind == 'tcp' else socket.AF_UNIX)\n\
+         \x20   s.settimeout(2)\n\
+         \x20   try:\n\
+         \x20       s.connect(address); print(kind, 'CONNECTED')\n\
+         \x20   except OSError as e:\n\
+         \x20       print(kind, 'refused', type(e).__name__)\n"
+    );
+    let events = daemon.exec(&cell, json!({ "argv": ["python3", "-c", script] }));
+    let out = String::from_utf8(stream_bytes(&events, "stdout")).unwrap();
+    assert!(
+        out.contains("tcp refused") && out.contains("unix refused"),
+        "{out}"
+    );
+    assert!(!out.contains("CONNECTED"), "{out}");
+}
+
+#[test]
+fn bad_api_input_gets_clear_errors_and_changes_nothing() {
+    if !cgroups_available("bad_api_input") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let bad = |method: &str, path: &str, body: Option<&str>, status: u16, says: &str| {
+        let answer = daemon.request(method, path, body);
+        assert_eq!(
+            answer.status,
+            status,
+            "{method} {path}: {}",
+            String::from_utf8_lossy(&answer.body)
+        );
+        let message = answer.json()["error"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        assert!(
+            message.contains(says),
+            "{method} {path}: `{message}` should say `{says}`"
+        );
+    };
+    bad("POST", "/v1/cells", Some("{not json"), 400, "request body");
+    bad(
+        "POST",
+        "/v1/cells",
+        Some(r#"{"name": "x", "colour": "red"}"#),
+        422,
+        "unknown field",
+    );
+    bad(
+        "POST",
+        "/v1/cells",
+        Some(r#"{"name": "../etc"}"#),
+        400,
+        "name",
+    );
+    bad(
+        "POST",
+        "/v1/cells",
+        Some(r#"{"name": "ok", "preset": "nope"}"#),
+        400,
+        "nope",
+    );
+    bad(
+        "POST",
+        "/v1/cells",
+        Some(r#"{"name": "ok2", "policy": "version: 1\nnetwork:\n  defualt: deny\n"}"#),
+        400,
+        "defualt",
+    );
+    bad(
+        "POST",
+        "/v1/cells",
+        Some(r#"{"name": "ok3", "workspace": "/no/such/dir"}"#),
+        400,
+        "not a directory",
+    );
+    let huge = format!(
+        r#"{{"name": "big", "labels": {{"a": "{}"}}}}"#,
+        "x".repeat(2 * 1024 * 1024)
+    );
+    bad("POST", "/v1/cells", Some(&huge), 413, "request body");
+    bad("GET", "/v1/cells/nope", None, 404, "no cell");
+    bad(
+        "POST",
+        "/v1/cells/nope/exec",
+        Some(r#"{"argv": ["true"]}"#),
+        404,
+        "no cell",
+    );
+    bad("GET", "/v1/nothing", None, 404, "openapi");
+    let cell = daemon.create(&unique("bad"), json!({}));
+    bad(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(r#"{"argv": []}"#),
+        400,
+        "argv",
+    );
+    bad(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(r#"{"argv": "ls"}"#),
+        422,
+        "argv",
+    );
+    bad(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(r#"{"argv": ["true"], "env": {"A=B": "c"}}"#),
+        400,
+        "A=B",
+    );
+    bad(
+        "POST",
+        &format!("/v1/cells/{cell}/processes/99/signal"),
+        Some(r#"{"signal": 9}"#),
+        404,
+        "no process",
+    );
+    // A working directory that does not exist is the process's failure, reported as its end.
+    let events = daemon.exec(&cell, json!({ "argv": ["true"], "cwd": "/no/such/dir" }));
+    let exit = events.last().unwrap().1.clone();
+    assert_eq!(exit["reason"], "failed");
+    assert!(
+        exit["message"].as_str().unwrap().contains("/no/such/dir"),
+        "{exit}"
+    );
+    // None of the refused creations left a cell behind.
+    let cells = daemon.call("GET", "/v1/cells", None).json();
+    assert_eq!(cells.as_array().unwrap().len(), 1, "{cells}");
+    // The committed OpenAPI document is what the daemon serves, and names every route.
+    let served = daemon.call("GET", "/openapi.json", None).json();
+    let committed: Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../docs/openapi.json"
+        ))
+        .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(served, committed);
+    for path in [
+        "/v1/cells",
+        "/v1/cells/{name}/exec",
+        "/v1/cells/{name}/processes/{id}/output",
+    ] {
+        assert!(served["paths"].get(path).is_some(), "{path} documented");
+    }
+}
+
+#[test]
+fn a_hundred_concurrent_exec_streams_from_twenty_cells_deliver_every_byte_in_order() {
+    if !cgroups_available("exec_load") {
+        return;
+    }
+    let daemon = std::sync::Arc::new(Daemon::start(&[]));
+    let cells: Vec<String> = (0..20)
+        .map(|i| daemon.create(&unique(&format!("load{i}")), json!({})))
+        .collect();
+    let mut threads = Vec::new();
+    for (c, cell) in cells.iter().enumerate() {
+        for e in 0..5 {
+            let daemon = std::sync::Arc::clone(&daemon);
+            let cell = cell.clone();
+            threads.push(std::thread::spawn(move || {
+                let tag = format!("{c}-{e}");
+                let events = daemon.exec(
+                    &cell,
+                    json!({ "argv": ["sh", "-c", format!("seq 1 20000 | sed 's/^/{tag}:/'")] }),
+                );
+                let expected: String = (1..=20000).map(|n| format!("{tag}:{n}\n")).collect();
+                let got = stream_bytes(&events, "stdout");
+                assert_eq!(got.len(), expected.len(), "{tag}: byte count");
+                assert!(
+                    got == expected.as_bytes(),
+                    "{tag}: bytes out of order or changed"
+                );
+                assert_eq!(
+                    exit_of(&events)["stdout_bytes"].as_u64(),
+                    Some(expected.len() as u64)
+                );
+            }));
+        }
+    }
+    for thread in threads {
+        thread.join().unwrap();
+    }
+}
+
+#[test]
+fn fuzzed_api_input_gets_4xx_answers_and_leaves_the_daemon_well() {
+    if !cgroups_available("daemon_fuzz") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("fuzz"), json!({}));
+    let canary = tempdir();
+    std::fs::write(canary.path().join("canary"), "untouched").unwrap();
+    // A small deterministic generator: the same inputs on every run.
+    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let canary_path = canary.path().join("canary").display().to_string();
+    let segments = [
+        cell.as_str(),
+        "..",
+        "%2e%2e",
+        "nope",
+        "",
+        "a/b",
+        "%00",
+        "\u{202e}x",
+        "0",
+        "-1",
+        "18446744073709551616",
+        &canary_path,
+        "processes",
+        "files",
+        "exec",
+    ];
+    let tails = [
+        "",
+        "/exec",
+        "/pause",
+        "/resume",
+        "/processes",
+        "/processes/1",
+        "/processes/1/stdin",
+        "/processes/abc/signal",
+        "/files/content?path=",
+        "/files/content?path=../../etc/passwd",
+        "/files/list?path=%2Fetc",
+        "/files/mkdir",
+        "/files/move",
+        "/snapshot",
+        "/reset",
+        "/policy",
+        "/files/content?path=x&bogus=1",
+        "/processes/1/output?from=-3",
+    ];
+    let bodies = [
+        "",
+        "{",
+        "}",
+        "null",
+        "[]",
+        "\"x\"",
+        "{\"argv\": null}",
+        "{\"argv\": [1, 2]}",
+        "{\"argv\": [\"sh\"], \"timeout_ms\": -5}",
+        "{\"name\": 7}",
+        "{\"path\": {\"a\": 1}}",
+        "{\"from\": \"..\", \"to\": \"/etc\"}",
+        "{\"policy\": \"version: 2\"}",
+        "\u{0}\u{1}\u{2}",
+        "{\"argv\": [\"true\"], \"env\": {\"\": \"x\"}}",
+        "{\"signal\": 99999}",
+        "{\"decision\": \"maybe\"}",
+        "{\"rows\": 0, \"cols\": 0}",
+    ];
+    let methods = ["GET", "POST", "PUT", "DELETE", "PATCH"];
+    for round in 0..300 {
+        let method = methods[(next() % methods.len() as u64) as usize];
+        let path = match next() % 3 {
+            0 => format!(
+                "/v1/cells/{}{}",
+                segments[(next() % segments.len() as u64) as usize],
+                tails[(next() % tails.len() as u64) as usize]
+            ),
+            1 => format!(
+                "/v1/approvals/{}/{}",
+                segments[(next() % segments.len() as u64) as usize],
+                next() % 5
+            ),
+            _ => format!(
+                "/v1/{}",
+                segments[(next() % segments.len() as u64) as usize]
+            ),
+        };
+        let mut body = bodies[(next() % bodies.len() as u64) as usize].to_owned();
+        if next() % 5 == 0 {
+            // Random bytes, cut to valid UTF-8 for the request line's sake.
+            body = (0..(next() % 200))
+                .map(|_| char::from((next() % 95 + 32) as u8))
+                .collect();
+        }
+        let answer = daemon.request(method, &path, Some(&body));
+        assert!(
+            answer.status < 500,
+            "round {round}: {method} {path} {body:?} -> {} {}",
+            answer.status,
+            String::from_utf8_lossy(&answer.body)
+        );
+        if answer.status >= 400 {
+            let value: Value = serde_json::from_slice(&answer.body).unwrap_or_else(|_| {
+                panic!(
+                    "round {round}: {method} {path}: a non-JSON error: {}",
+                    String::from_utf8_lossy(&answer.body)
+                )
+            });
+            assert!(
+                !value["error"].as_str().unwrap_or_default().is_empty(),
+                "round {round}: {value}"
+            );
+        }
+    }
+    assert_eq!(
+        std::fs::read_to_string(canary.path().join("canary")).unwrap(),
+        "untouched"
+    );
+    assert_eq!(daemon.call("GET", "/v1/health", None).status, 200);
+    daemon.assert_journal_verifies();
+}
+
+#[test]
+fn ended_processes_leave_no_descriptors_or_threads_behind() {
+    if !cgroups_available("daemon_release") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("release"), json!({}));
+    let init: u32 = daemon
+        .call("GET", &format!("/v1/cells/{cell}"), None)
+        .json()["pid"]
+        .as_u64()
+        .unwrap() as u32;
+    let stat = std::fs::read_to_string(format!("/proc/{init}/stat")).unwrap();
+    let keeper: u32 = stat[stat.rfind(')').unwrap() + 2..]
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let count = |dir: String| std::fs::read_dir(dir).unwrap().count();
+    let daemon_fds = || count(format!("/proc/{}/fd", daemon.pid().unwrap()));
+    let keeper_threads = || count(format!("/proc/{keeper}/task"));
+    for _ in 0..3 {
+        daemon.exec(&cell, json!({ "argv": ["true"] }));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let (fds_before, threads_before) = (daemon_fds(), keeper_threads());
+    for i in 0..40 {
+        let events = daemon.exec(&cell, json!({ "argv": ["echo", i.to_string()], "tty": if i % 2 == 0 { json!({"rows": 5, "cols": 20}) } else { Value::Null } }));
+        assert_eq!(exit_of(&events)["code"], 0);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let (fds_after, threads_after) = (daemon_fds(), keeper_threads());
+    assert!(
+        fds_after <= fds_before + 4,
+        "the daemon kept descriptors: {fds_before} -> {fds_after}"
+    );
+    assert!(
+        threads_after <= threads_before + 2,
+        "the keeper kept threads: {threads_before} -> {threads_after}"
+    );
+}
+
+#[test]
+fn exec_finds_programs_in_the_process_path_and_starts_them_clean() {
+    if !cgroups_available("daemon_spawn") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("spawn"), json!({}));
+    let out = |spec: Value| {
+        let events = daemon.exec(&cell, spec);
+        (
+            String::from_utf8(stream_bytes(&events, "stdout")).unwrap(),
+            exit_of(&events),
+        )
+    };
+    // No blocked signals, none ignored that a program could care about, whatever the init
+    // blocks for itself.
+    let (status, exit) =
+        out(json!({ "argv": ["grep", "-E", "^Sig(Blk|Ign)", "/proc/self/status"] }));
+    assert_eq!(exit["code"], 0, "{exit}");
+    let field = |name: &str| {
+        let line = status.lines().find(|l| l.starts_with(name)).unwrap();
+        u64::from_str_radix(line.split_whitespace().nth(1).unwrap(), 16).unwrap()
+    };
+    assert_eq!(field("SigBlk:"), 0, "{status}");
+    // SIGHUP..SIGTERM and SIGPIPE (bits 0-14) are at their defaults.
+    assert_eq!(field("SigIgn:") & 0x7fff, 0, "{status}");
+    // Nothing but its stdio is open in it: not the client's socket, not the init's channel.
+    let (fds, _) = out(json!({ "argv": ["sh", "-c", "ls /proc/$$/fd"] }));
+    assert_eq!(fds.split_whitespace().collect::<Vec<_>>(), ["0", "1", "2"]);
+    // argv[0] stays as given; the process leads a group of its own.
+    let (text, _) = out(json!({ "argv": ["sh", "-c", "echo $0; ps -o pgid= -p $$; echo $$"] }));
+    let lines: Vec<&str> = text.lines().map(str::trim).collect();
+    assert_eq!(lines[0], "sh", "{text}");
+    assert_eq!(lines[1], lines[2], "not a group leader: {text}");
+    // The PATH searched is the process's own: a program in a directory it names is found, and
+    // without a PATH entry that has it, nothing is.
+    out(
+        json!({ "argv": ["sh", "-c", "mkdir -p /tmp/bin && printf '#!/bin/sh\\necho mine $0\\n' > /tmp/bin/mine && chmod +x /tmp/bin/mine"] }),
+    );
+    let (text, exit) =
+        out(json!({ "argv": ["mine"], "env": { "PATH": "/tmp/bin:/usr/bin:/bin" } }));
+    assert_eq!(
+        (text.as_str(), exit["code"].as_i64()),
+        ("mine /tmp/bin/mine\n", Some(0))
+    );
+    // A relative entry is relative to the process's working directory.
+    let (text, _) = out(json!({ "argv": ["mine"], "cwd": "/tmp", "env": { "PATH": "bin" } }));
+    assert_eq!(text, "mine bin/mine\n");
+    let (_, exit) = out(json!({ "argv": ["mine"] }));
+    assert_eq!(exit["code"], 127, "{exit}");
+    let (_, exit) = out(json!({ "argv": ["true"], "env": { "PATH": "/nowhere" } }));
+    assert_eq!(exit["code"], 127, "{exit}");
+    // A background exec that could not start is a process like any other: looked up, read.
+    let started = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["nosuch"], "background": true })),
+    );
+    assert_eq!(started.status, 201);
+    let id = started.json()["id"].as_u64().unwrap();
+    let info = daemon.call("GET", &format!("/v1/cells/{cell}/processes/{id}"), None);
+    assert_eq!(info.status, 200);
+    assert_eq!(info.json()["exit"]["code"], 127);
+    let output = daemon.call(
+        "GET",
+        &format!("/v1/cells/{cell}/processes/{id}/output"),
+        None,
+    );
+    assert_eq!(exit_of(&output.events())["reason"], "failed");
+    // A file that is not executable is found and refused as such.
+    out(json!({ "argv": ["sh", "-c", "printf 'echo no\\n' > /tmp/bin/plain"] }));
+    let (_, exit) = out(json!({ "argv": ["plain"], "env": { "PATH": "/tmp/bin" } }));
+    assert_eq!(exit["code"], 126, "{exit}");
+    assert!(
+        exit["message"]
+            .as_str()
+            .unwrap()
+            .contains("permission denied"),
+        "{exit}"
+    );
+}
+
+#[test]
+fn the_daemon_takes_the_hard_limit_of_open_files_and_cells_get_their_policys() {
+    if !cgroups_available("daemon_nofile") {
+        return;
+    }
+    let limits = |pid: u32| -> (String, String) {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("Max open files"))
+            .unwrap()
+            .to_owned();
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        (fields[3].to_owned(), fields[4].to_owned())
+    };
+    let (_, hard) = limits(std::process::id());
+    // Started as many hosts start services: a soft limit of a few hundred.
+    let daemon = Daemon::start_wrapped(&["prlimit", &format!("--nofile=256:{hard}"), "--"]);
+    let (soft, daemon_hard) = limits(daemon.pid().unwrap());
+    assert_eq!(
+        (soft.as_str(), daemon_hard.as_str()),
+        (hard.as_str(), hard.as_str())
+    );
+    // The keeper takes the soft limit back; the cell has its policy's `open_files`, soft and
+    // hard, whatever the daemon has.
+    let cell = daemon.create(
+        &unique("nofile"),
+        json!({ "policy": "version: 1\nlimits:\n  open_files: 300\n" }),
+    );
+    let init = daemon
+        .call("GET", &format!("/v1/cells/{cell}"), None)
+        .json()["pid"]
+        .as_u64()
+        .unwrap() as u32;
+    assert_eq!(
+        limits(init),
+        ("300".to_owned(), "300".to_owned()),
+        "the cell's init"
+    );
+    let events = daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "ulimit -n; ulimit -Hn"] }),
+    );
+    assert_eq!(stream_bytes(&events, "stdout"), b"300\n300\n");
+}
+
+#[test]
+fn strangers_cannot_take_the_daemon_down_or_make_it_forget_a_cell() {
+    if !cgroups_available("daemon_strangers") {
+        return;
+    }
+    // A host that starts services with few descriptors, and the API on TCP.
+    let daemon = Daemon::start_wrapped_with(
+        &["prlimit", "--nofile=400", "--"],
+        &["--listen", "127.0.0.1:0"],
+    );
+    let cell = daemon.create(&unique("strangers"), json!({}));
+    let runtime = daemon.socket().parent().unwrap().to_owned();
+    let address: std::net::SocketAddr = read_file(&runtime.join("daemon.addr")).parse().unwrap();
+    let token = read_file(&runtime.join("daemon.token"));
+    // Thousands of strangers that connect and say nothing.
+    let idle: Vec<std::net::TcpStream> = (0..1000)
+        .filter_map(|_| std::net::TcpStream::connect(address).ok())
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    // The owner still gets in, over TCP with the token and over the unix socket.
+    let begun = std::time::Instant::now();
+    let health = exchange(
+        std::net::TcpStream::connect(address).unwrap(),
+        "GET",
+        "/v1/health",
+        None,
+        &[("Authorization", &format!("Bearer {token}"))],
+    );
+    let waited = begun.elapsed();
+    assert_eq!(
+        health.status,
+        200,
+        "{:?}",
+        String::from_utf8_lossy(&health.body)
+    );
+    let pid = daemon.pid().unwrap();
+    let descriptors = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count();
+    eprintln!(
+        "{} idle strangers connected; the owner waited {waited:?}; the daemon holds {descriptors} descriptors (limit 400)",
+        idle.len()
+    );
+    assert!(waited < Duration::from_secs(5), "{waited:?}");
+    assert!(descriptors < 400, "{descriptors} descriptors");
+    let info = daemon
+        .call("GET", &format!("/v1/cells/{cell}"), None)
+        .json();
+    assert_eq!(info["state"], "running", "{info}");
+    let events = daemon.exec(&cell, json!({ "argv": ["echo", "still here"] }));
+    assert_eq!(stream_bytes(&events, "stdout"), b"still here\n");
+    drop(idle);
+    // A slow stranger, once the crowd is gone: a head that never ends, a byte every two seconds.
+    let slow = std::thread::spawn(move || {
+        use std::io::{Read as _, Write as _};
+        let mut stream = std::net::TcpStream::connect(address).unwrap();
+        stream.write_all(b"GET /v1/health HTTP/1.1\r\n").unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(2)))
+            .unwrap();
+        let begun = std::time::Instant::now();
+        let mut byte = [0u8; 1];
+        while begun.elapsed() < Duration::from_secs(60) {
+            if stream.write_all(b"X").is_err() {
+                break;
+            }
+            match stream.read(&mut byte) {
+                Ok(0) => break,
+                Ok(_) => break,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(_) => break,
+            }
+        }
+        begun.elapsed()
+    });
+    let slow_for = slow.join().unwrap();
+    eprintln!("a head trickled byte by byte was cut after {slow_for:?}");
+    assert!(
+        slow_for >= Duration::from_secs(18) && slow_for < Duration::from_secs(30),
+        "{slow_for:?}"
+    );
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    assert!(
+        !journal.contains("\"cell.end\"") && !journal.contains("\"cell.lost\""),
+        "the cell was taken for ended"
+    );
+}
+
+#[test]
+fn a_file_the_cell_controls_cannot_freeze_the_harness() {
+    if !cgroups_available("daemon_fifo") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let hostile = daemon.create(&unique("fifo"), json!({}));
+    let other = daemon.create(&unique("other"), json!({}));
+    daemon.exec(
+        &hostile,
+        json!({ "argv": ["sh", "-c", "mkfifo pipe && ln -s pipe link && mkdir d && mkfifo d/p && mkdir out && mkfifo out/x"] }),
+    );
+    let threads_before = threads_of(daemon.pid().unwrap());
+    // 600 reads and writes of FIFOs at once (more than the runtime's blocking pool), each
+    // client giving up after two seconds.
+    let socket = daemon.socket();
+    let askers: Vec<_> = (0..600)
+        .map(|i| {
+            let socket = socket.clone();
+            let hostile = hostile.clone();
+            std::thread::spawn(move || {
+                let (method, path, body) = match i % 4 {
+                    0 => ("GET", "content?path=pipe", ""),
+                    1 => ("GET", "content?path=link", ""),
+                    2 => ("PUT", "content?path=d/p", "data"),
+                    _ => ("GET", "archive?path=out", ""),
+                };
+                let mut stream = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+                stream
+                    .set_read_timeout(Some(Duration::from_secs(2)))
+                    .unwrap();
+                use std::io::{Read as _, Write as _};
+                let _ = write!(
+                    stream,
+                    "{method} /v1/cells/{hostile}/files/{path} HTTP/1.1\r\nHost: w\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+                let mut answer = Vec::new();
+                let _ = stream.read_to_end(&mut answer);
+                String::from_utf8_lossy(&answer).into_owned()
+            })
+        })
+        .collect();
+    // Meanwhile, the other cell is paused, resumed and killed, and each lands at once.
+    std::thread::sleep(Duration::from_millis(300));
+    let mut took = Vec::new();
+    for action in ["pause", "resume", "kill"] {
+        let begun = std::time::Instant::now();
+        let answer = daemon.call("POST", &format!("/v1/cells/{other}/{action}"), None);
+        took.push((action, begun.elapsed()));
+        assert_eq!(
+            answer.status,
+            200,
+            "{action}: {}",
+            String::from_utf8_lossy(&answer.body)
+        );
+    }
+    let answers: Vec<String> = askers.into_iter().map(|t| t.join().unwrap()).collect();
+    eprintln!("control of another cell during 600 FIFO requests: {took:?}");
+    for (action, elapsed) in &took {
+        assert!(
+            *elapsed < Duration::from_secs(5),
+            "{action} of another cell took {elapsed:?}"
+        );
+    }
+    let refused = answers
+        .iter()
+        .filter(|a| a.starts_with("HTTP/1.1 400") && a.contains("FIFO"))
+        .count();
+    let packed = answers
+        .iter()
+        .filter(|a| a.starts_with("HTTP/1.1 200"))
+        .count();
+    assert_eq!(
+        refused + packed,
+        600,
+        "some requests hung or failed otherwise: {:?}",
+        answers
+            .iter()
+            .find(|a| !a.starts_with("HTTP/1.1 400") && !a.starts_with("HTTP/1.1 200"))
+    );
+    // The archive of a directory holding only a FIFO is an archive without it.
+    assert_eq!(packed, 150);
+    let threads_after = threads_of(daemon.pid().unwrap());
+    assert!(
+        threads_after <= threads_before + 16,
+        "the daemon went from {threads_before} to {threads_after} threads"
+    );
+
+    // A helper frozen mid-transfer, whose client goes away, is killed once the cell runs again.
+    daemon.exec(
+        &hostile,
+        json!({ "argv": ["dd", "if=/dev/zero", "of=big", "bs=1M", "count=48", "status=none"] }),
+    );
+    {
+        use std::io::Write as _;
+        let mut stream = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+        write!(
+            stream,
+            "GET /v1/cells/{hostile}/files/content?path=big HTTP/1.1\r\nHost: w\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(150));
+        assert_eq!(
+            daemon
+                .call("POST", &format!("/v1/cells/{hostile}/pause"), None)
+                .status,
+            200
+        );
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        daemon
+            .call("POST", &format!("/v1/cells/{hostile}/resume"), None)
+            .status,
+        200
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let events = daemon.exec(
+        &hostile,
+        json!({ "argv": ["sh", "-c", "cat /proc/[0-9]*/comm | grep -c warden"] }),
+    );
+    assert_eq!(
+        String::from_utf8(stream_bytes(&events, "stdout")).unwrap(),
+        "1\n",
+        "a file helper outlived its client (only the init should be left)"
+    );
+}

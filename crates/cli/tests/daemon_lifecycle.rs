@@ -1,0 +1,425 @@
+//! The life of the daemon and its cells: crashes and restarts, idle and memory limits,
+//! terminals (and over a WebSocket), the journal's segments.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed step is a failed test
+
+mod support;
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use support::daemon::*;
+use support::*;
+
+#[test]
+fn a_crashed_daemon_leaves_cells_controllable_and_the_journal_whole() {
+    if !cgroups_available("daemon_crash") {
+        return;
+    }
+    let mut daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("crash"), json!({}));
+    // Acknowledged work before the crash.
+    let mut acknowledged = Vec::new();
+    for i in 0..5 {
+        let events = daemon.exec(&cell, json!({ "argv": ["echo", format!("run {i}")] }));
+        acknowledged.push(exit_of(&events)["journal_seq"].as_u64().unwrap());
+    }
+    // A client streams output while the daemon dies.
+    let socket = daemon.socket();
+    let path = format!("/v1/cells/{cell}/exec");
+    let streaming = std::thread::spawn(move || {
+        let stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
+        let body = json!({ "argv": ["sh", "-c", "while true; do echo tick; sleep 0.05; done"] })
+            .to_string();
+        exchange(stream, "POST", &path, Some(&body), &[])
+    });
+    let quiet_socket = daemon.socket();
+    let quiet_path = format!("/v1/cells/{cell}/exec");
+    let quiet = std::thread::spawn(move || {
+        let stream = std::os::unix::net::UnixStream::connect(quiet_socket).unwrap();
+        let body = json!({ "argv": ["sleep", "1000"] }).to_string();
+        exchange(stream, "POST", &quiet_path, Some(&body), &[])
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    daemon.restart();
+    let cut = streaming.join().unwrap();
+    quiet.join().unwrap();
+    assert!(
+        String::from_utf8_lossy(&cut.body).contains("tick"),
+        "output streamed before the crash"
+    );
+
+    // The cell survived and is controllable by the new daemon.
+    assert_eq!(
+        daemon
+            .call("GET", &format!("/v1/cells/{cell}"), None)
+            .json()["state"],
+        "running"
+    );
+    let events = daemon.exec(&cell, json!({ "argv": ["echo", "after"] }));
+    assert_eq!(stream_bytes(&events, "stdout"), b"after\n");
+    // A quiet process whose client was the dead daemon lost that client (its pipes may stay
+    // quiet forever), so the cell's init killed it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let events = daemon.exec(&cell, json!({ "argv": ["ps", "-eo", "args"] }));
+        let listing = String::from_utf8(stream_bytes(&events, "stdout")).unwrap();
+        assert!(listing.contains("ps -eo args"), "{listing}");
+        if !listing.contains("while true") && !listing.contains("sleep 1000") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the process of the lost client still runs: {listing}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(
+        daemon
+            .call("POST", &format!("/v1/cells/{cell}/pause"), None)
+            .json()["state"],
+        "paused"
+    );
+    assert_eq!(
+        daemon
+            .call("POST", &format!("/v1/cells/{cell}/resume"), None)
+            .json()["state"],
+        "running"
+    );
+
+    // Every acknowledged entry is there, and the journal verifies.
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    let entries: Vec<Value> = journal
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for seq in &acknowledged {
+        let entry = entries
+            .iter()
+            .find(|e| e["seq"] == *seq)
+            .expect("acknowledged entry kept");
+        assert_eq!(entry["kind"], "exec.exit");
+    }
+    assert!(
+        entries
+            .iter()
+            .any(|e| e["kind"] == "cell.reattach" && e["cell"] == cell.as_str())
+    );
+    daemon.assert_journal_verifies();
+
+    // Kill the cell with the new daemon; nothing of it is left.
+    daemon.call("POST", &format!("/v1/cells/{cell}/kill"), None);
+    assert!(host_processes_with(&cell).is_empty());
+    assert!(cgroup_dirs_of(&cell).is_empty());
+
+    // One changed byte in an entry in the middle: verify fails and names that entry.
+    let mut lines: Vec<String> = journal.lines().map(str::to_owned).collect();
+    let target = acknowledged[2] as usize;
+    let index = lines
+        .iter()
+        .position(|l| l.starts_with(&format!("{{\"seq\":{target},")))
+        .unwrap();
+    lines[index] = lines[index].replacen("run 2", "run X", 1);
+    std::fs::write(daemon.journal(), lines.join("\n") + "\n").unwrap();
+    let verify = daemon.warden().args(["audit", "verify"]).output().unwrap();
+    let text = String::from_utf8_lossy(&verify.stdout);
+    assert_eq!(verify.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains(&format!(
+            "entry {target} (journal.jsonl line {})",
+            index + 1
+        )),
+        "{text}"
+    );
+}
+
+#[test]
+fn an_idle_cell_is_paused_and_the_next_exec_wakes_it() {
+    if !cgroups_available("daemon_idle") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(
+        &unique("idle"),
+        json!({ "policy": "version: 1\nlimits:\n  idle: 1s\n  on_idle: pause\n" }),
+    );
+    let mut state = String::new();
+    for _ in 0..60 {
+        state = daemon
+            .call("GET", &format!("/v1/cells/{cell}"), None)
+            .json()["state"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        if state == "paused" {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(state, "paused", "idle for 1 s: paused");
+    let events = daemon.exec(&cell, json!({ "argv": ["echo", "awake"] }));
+    assert_eq!(stream_bytes(&events, "stdout"), b"awake\n");
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    assert!(journal.contains("\"kind\":\"cell.idle\""));
+    assert!(journal.contains("exec after an idle pause"));
+}
+
+#[test]
+fn a_terminal_in_the_cell_with_input_and_resize_from_outside() {
+    if !cgroups_available("daemon_pty") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("pty"), json!({}));
+    // A foreground process on a terminal of the cell's own devpts.
+    let events = daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "tty; stty size; test -t 0 && echo interactive"], "tty": { "rows": 24, "cols": 80 } }),
+    );
+    let out = String::from_utf8(stream_bytes(&events, "stdout")).unwrap();
+    assert!(out.contains("/dev/pts/0"), "{out}");
+    assert!(
+        out.contains("24 80") && out.contains("interactive"),
+        "{out}"
+    );
+
+    // In the background: typed input reaches it, and a resize from outside is seen inside.
+    let started = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["sh", "-c", "read line; echo got:$line; stty size"], "tty": { "rows": 10, "cols": 20 }, "background": true })),
+    );
+    assert_eq!(
+        started.status,
+        201,
+        "{}",
+        String::from_utf8_lossy(&started.body)
+    );
+    let id = started.json()["id"].as_u64().unwrap();
+    let resized = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/processes/{id}/resize"),
+        Some(json!({ "rows": 40, "cols": 100 })),
+    );
+    assert_eq!(
+        resized.status,
+        204,
+        "{}",
+        String::from_utf8_lossy(&resized.body)
+    );
+    daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/processes/{id}/stdin"),
+        Some(json!({ "data": "hello\n" })),
+    );
+    let exit = daemon
+        .call(
+            "GET",
+            &format!("/v1/cells/{cell}/processes/{id}/wait"),
+            None,
+        )
+        .json();
+    assert_eq!(exit["code"], 0, "{exit}");
+    let out = daemon.call(
+        "GET",
+        &format!("/v1/cells/{cell}/processes/{id}/output"),
+        None,
+    );
+    let text = String::from_utf8(stream_bytes(&out.events(), "stdout")).unwrap();
+    assert!(text.contains("got:hello"), "{text}");
+    assert!(text.contains("40 100"), "{text}");
+    // A process without a terminal cannot be resized.
+    let plain = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["sleep", "5"], "background": true })),
+    );
+    let plain_id = plain.json()["id"].as_u64().unwrap();
+    let refused = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/processes/{plain_id}/resize"),
+        Some(json!({ "rows": 1, "cols": 1 })),
+    );
+    assert_eq!(refused.status, 409);
+}
+
+#[test]
+fn a_process_attached_over_a_websocket_takes_input_resize_and_streams_its_terminal() {
+    if !cgroups_available("daemon_websocket") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("ws"), json!({}));
+    let started = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["sh", "-c", "echo ready; read line; echo got:$line; stty size"], "tty": { "rows": 24, "cols": 80 }, "background": true })),
+    );
+    assert_eq!(started.status, 201);
+    let id = started.json()["id"].as_u64().unwrap();
+    let stream = std::os::unix::net::UnixStream::connect(daemon.socket()).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let url = format!("ws://warden/v1/cells/{cell}/processes/{id}/attach");
+    let (mut socket, _) =
+        tungstenite::client::client(url.as_str(), stream).expect("the upgrade succeeds");
+    let mut output = String::new();
+    let mut sent = false;
+    let exit = loop {
+        let message = socket.read().expect("a message before the end");
+        let tungstenite::Message::Text(text) = message else {
+            continue;
+        };
+        let event: Value = serde_json::from_str(text.as_str()).unwrap();
+        match event["event"].as_str().unwrap() {
+            "stdout" => output.push_str(event["text"].as_str().unwrap_or_default()),
+            "exit" => break event,
+            other => panic!("unexpected {other}: {event}"),
+        }
+        if !sent && output.contains("ready") {
+            sent = true;
+            for message in [
+                json!({ "resize": { "rows": 50, "cols": 132 } }),
+                json!({ "stdin": "over the socket\n" }),
+            ] {
+                socket
+                    .send(tungstenite::Message::Text(message.to_string().into()))
+                    .unwrap();
+            }
+        }
+    };
+    assert_eq!(exit["code"], 0, "{exit}");
+    assert!(output.contains("got:over the socket"), "{output}");
+    assert!(output.contains("50 132"), "{output}");
+    // Input and the resize went through the journal like any other request.
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    assert!(
+        journal.contains("\"kind\":\"exec.resize\"") && journal.contains("\"kind\":\"exec.stdin\"")
+    );
+}
+
+#[test]
+fn the_journal_rotates_into_segments_that_verify_replay_and_export_read_as_one() {
+    if !cgroups_available("daemon_rotate") {
+        return;
+    }
+    let mut daemon = Daemon::start(&["--journal-segment-mib", "1"]);
+    let cell = daemon.create(&unique("rotate"), json!({}));
+    // Kept output goes into the journal (64 KiB of each stream per exec): 2.5 MiB in 20 execs.
+    for i in 0..20 {
+        let events = daemon.exec(
+            &cell,
+            json!({ "argv": ["sh", "-c", format!("echo start {i}; head -c 98304 /dev/zero | base64 -w 0; head -c 98304 /dev/zero | base64 -w 0 >&2")] }),
+        );
+        assert_eq!(exit_of(&events)["code"], 0);
+    }
+    // A crash and a restart on the way do not break the chain across segments.
+    daemon.crash();
+    daemon.restart();
+    daemon.exec(&cell, json!({ "argv": ["echo", "after"] }));
+    let dir = daemon.journal().parent().unwrap().to_path_buf();
+    let closed: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.unwrap().file_name().to_string_lossy().into_owned();
+            name.starts_with("journal-").then_some(name)
+        })
+        .collect();
+    assert!(closed.len() >= 2, "no rotation: {closed:?}");
+    let verify = daemon.warden().args(["audit", "verify"]).output().unwrap();
+    let said = String::from_utf8_lossy(&verify.stdout);
+    assert!(verify.status.success(), "{said}");
+    assert!(
+        said.contains(&format!("in {} segment(s)", closed.len() + 1)),
+        "{said}"
+    );
+    // The timeline of the cell spans every segment, in order.
+    let replay = daemon
+        .warden()
+        .args(["replay", &cell, "--json"])
+        .output()
+        .unwrap();
+    let lines = String::from_utf8_lossy(&replay.stdout);
+    let seqs: Vec<u64> = lines
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["seq"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{seqs:?}");
+    let starts = lines
+        .lines()
+        .filter(|l| l.contains("\"exec.start\""))
+        .count();
+    assert_eq!(starts, 21, "{lines}");
+    // A closed segment changed by one byte is caught and named.
+    let first = dir.join(closed.iter().min().unwrap());
+    let mut bytes = std::fs::read(&first).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] = if bytes[at] == b'A' { b'B' } else { b'A' };
+    std::fs::write(&first, bytes).unwrap();
+    let verify = daemon.warden().args(["audit", "verify"]).output().unwrap();
+    let said = String::from_utf8_lossy(&verify.stdout);
+    assert!(!verify.status.success(), "{said}");
+    assert!(
+        said.contains(closed.iter().min().unwrap().as_str()),
+        "{said}"
+    );
+}
+
+#[test]
+fn a_cell_whose_tmp_fills_its_memory_ends_by_the_memory_limit() {
+    if !cgroups_available("daemon_tmp_oom") {
+        return;
+    }
+    let dir = tempdir();
+    let daemon = Daemon::start(&[]);
+    let policy = policy(
+        dir.path(),
+        "version: 1\nfilesystem:\n  tmp_size: 512MiB\nlimits:\n  memory: 64MiB\n",
+    );
+    // Through the daemon, as a `warden run`: files in /tmp are memory, and filling it past the
+    // limit is the memory limit, not a kill by someone.
+    let ran = Ran::from(
+        daemon
+            .warden()
+            .args(["run", "--policy", policy.to_str().unwrap(), "--"])
+            .args([
+                "sh",
+                "-c",
+                "head -c 300000000 /dev/zero > /tmp/fill; echo survived",
+            ])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(ran.code, 251, "{ran:?}");
+    assert!(
+        ran.stderr.contains("memory limit 64 MiB exceeded"),
+        "{ran:?}"
+    );
+    assert!(!ran.stderr.contains("warden kill"), "{ran:?}");
+    // Over the API, the exec and the cell say so too.
+    let cell = daemon.create(&unique("tmpoom"), json!({ "policy": "version: 1\nfilesystem:\n  tmp_size: 512MiB\nlimits:\n  memory: 64MiB\n" }));
+    let events = daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "head -c 300000000 /dev/zero > /tmp/fill; sleep 5"] }),
+    );
+    let exit = exit_of(&events);
+    assert_eq!(exit["reason"], "memory-limit", "{exit}");
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    let end = journal
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .find(|e| e["kind"] == "cell.end" && e["cell"] == cell.as_str());
+    if let Some(end) = end {
+        assert!(
+            end["data"]["reason"]
+                .as_str()
+                .unwrap()
+                .contains("memory limit"),
+            "{end}"
+        );
+    }
+}

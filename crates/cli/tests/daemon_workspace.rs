@@ -1,0 +1,616 @@
+//! Files and workspaces of the daemon's cells: the files API, snapshots, reset, fork, diff and
+//! apply (held for a person, bound to what was reviewed).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed step is a failed test
+
+mod support;
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use support::daemon::*;
+use support::*;
+
+#[test]
+fn files_round_trip_and_paths_cannot_leave_the_cell() {
+    if !cgroups_available("daemon_files") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let host = tempdir();
+    std::fs::write(host.path().join("readme.txt"), "from the host\n").unwrap();
+    std::os::unix::fs::symlink("/etc/passwd", host.path().join("escape")).unwrap();
+    let workspace = host.path().display().to_string();
+    let cell = daemon.create(&unique("files"), json!({ "workspace": workspace }));
+    let files = |op: &str, query: &str| format!("/v1/cells/{cell}/files/{op}?path={query}");
+
+    // Read what the host put there; write, list, stat, move, remove.
+    let read = daemon.request("GET", &files("content", "readme.txt"), None);
+    assert_eq!(
+        (read.status, read.body.as_slice()),
+        (200, &b"from the host\n"[..])
+    );
+    assert_eq!(
+        daemon
+            .call(
+                "POST",
+                &format!("/v1/cells/{cell}/files/mkdir"),
+                Some(json!({"path": "notes/deep"}))
+            )
+            .status,
+        204
+    );
+    let write = daemon.request(
+        "PUT",
+        &files("content", "notes/a.txt"),
+        Some("hello\u{0}bytes"),
+    );
+    assert_eq!(
+        write.status,
+        204,
+        "{}",
+        String::from_utf8_lossy(&write.body)
+    );
+    assert_eq!(
+        daemon
+            .request("GET", &files("content", "notes/a.txt"), None)
+            .body,
+        b"hello\0bytes"
+    );
+    let list = daemon.call("GET", &files("list", "notes"), None).json();
+    let names: Vec<&str> = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["a.txt", "deep"]);
+    let stat = daemon
+        .call("GET", &files("stat", "notes/a.txt"), None)
+        .json();
+    assert_eq!(
+        (stat["kind"].as_str(), stat["size"].as_u64()),
+        (Some("file"), Some(11))
+    );
+    let moved = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/files/move"),
+        Some(json!({"from": "notes/a.txt", "to": "notes/b.txt"})),
+    );
+    assert_eq!(
+        moved.status,
+        204,
+        "{}",
+        String::from_utf8_lossy(&moved.body)
+    );
+    assert_eq!(
+        daemon
+            .request("GET", &files("content", "notes/a.txt"), None)
+            .status,
+        404
+    );
+    assert_eq!(
+        daemon
+            .call(
+                "POST",
+                &format!("/v1/cells/{cell}/files/remove"),
+                Some(json!({"path": "notes", "recursive": true}))
+            )
+            .status,
+        204
+    );
+    assert_eq!(
+        daemon.call("GET", &files("stat", "notes"), None).status,
+        404
+    );
+
+    // The cell sees what the API wrote, and the host directory is untouched (copy-on-write).
+    daemon.request("PUT", &files("content", "made-by-api"), Some("x"));
+    let events = daemon.exec(&cell, json!({ "argv": ["cat", "/workspace/made-by-api"] }));
+    assert_eq!(stream_bytes(&events, "stdout"), b"x");
+    assert!(!host.path().join("made-by-api").exists());
+
+    // Escapes: `..`, absolute paths, and symlinks (from the host or made in the cell) that
+    // point out of the files root are refused with 400 before anything is done.
+    daemon.exec(
+        &cell,
+        json!({ "argv": ["ln", "-s", "/etc", "/workspace/etc-link"] }),
+    );
+    let passwd_before = std::fs::read("/etc/passwd").unwrap();
+    for (method, url, body) in [
+        ("GET", files("content", "../../etc/passwd"), None),
+        ("GET", files("content", "/etc/passwd"), None),
+        ("GET", files("content", "escape"), None),
+        ("PUT", files("content", "etc-link/passwd"), Some("owned")),
+        ("PUT", files("content", "escape"), Some("owned")),
+        ("GET", files("archive", "etc-link"), None),
+    ] {
+        let answer = daemon.request(method, &url, body);
+        assert_eq!(
+            answer.status,
+            400,
+            "{method} {url}: {}",
+            String::from_utf8_lossy(&answer.body)
+        );
+        let message = answer.json()["error"].as_str().unwrap().to_owned();
+        assert!(
+            message.contains("outside") || message.contains("..") || message.contains("absolute"),
+            "{message}"
+        );
+    }
+    assert_eq!(std::fs::read("/etc/passwd").unwrap(), passwd_before);
+
+    // Archives: upload unpacks (members with `..` are refused by tar in the cell), download packs.
+    let staging = tempdir();
+    std::fs::create_dir(staging.path().join("sub")).unwrap();
+    std::fs::write(staging.path().join("sub/ok.txt"), "fine\n").unwrap();
+    std::fs::write(staging.path().join("evil"), "evil\n").unwrap();
+    let tar = staging.path().join("x.tar");
+    let made = std::process::Command::new("tar")
+        .args([
+            "-C",
+            &staging.path().join("sub").display().to_string(),
+            "-cPf",
+            &tar.display().to_string(),
+            "ok.txt",
+            "../evil",
+        ])
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let bytes = std::fs::read(&tar).unwrap();
+    let mut stream = std::os::unix::net::UnixStream::connect(daemon.socket()).unwrap();
+    use std::io::Write as _;
+    let head = format!(
+        "PUT {} HTTP/1.1\r\nHost: w\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
+        files("archive", "unpacked"),
+        bytes.len()
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    stream.write_all(&bytes).unwrap();
+    let mut raw = Vec::new();
+    use std::io::Read as _;
+    stream.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8_lossy(&raw);
+    assert!(
+        text.starts_with("HTTP/1.1 400"),
+        "tar refuses the `..` member: {text}"
+    );
+    let events = daemon.exec(&cell, json!({ "argv": ["sh", "-c", "cat /workspace/unpacked/ok.txt; ls /workspace/evil /evil 2>&1 | wc -l"] }));
+    let out = String::from_utf8(stream_bytes(&events, "stdout")).unwrap();
+    assert!(out.starts_with("fine\n"), "{out}");
+    assert!(!host.path().join("evil").exists() && !staging.path().join("sub/evil").exists());
+    let archive = daemon.request("GET", &files("archive", "unpacked"), None);
+    assert_eq!(archive.status, 200);
+    let listed = std::process::Command::new("tar")
+        .arg("-t")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    listed
+        .stdin
+        .as_ref()
+        .unwrap()
+        .write_all(&archive.body)
+        .unwrap();
+    let listed = listed.wait_with_output().unwrap();
+    assert!(String::from_utf8_lossy(&listed.stdout).contains("./ok.txt"));
+
+    // Deleting the cell journals what it changed in its workspace, then every change is there.
+    assert_eq!(
+        daemon
+            .call("DELETE", &format!("/v1/cells/{cell}"), None)
+            .status,
+        204
+    );
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    let changes: Value = journal
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .find(|e| e["kind"] == "workspace.changes")
+        .expect("workspace.changes journaled");
+    let paths: Vec<&str> = changes["data"]["changes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["path"].as_str().unwrap())
+        .collect();
+    assert!(
+        paths.contains(&"made-by-api") && paths.contains(&"unpacked/ok.txt"),
+        "{paths:?}"
+    );
+    assert_has_kinds(
+        &journal,
+        &[
+            "file.write",
+            "file.mkdir",
+            "file.move",
+            "file.remove",
+            "file.upload",
+            "file.read",
+        ],
+    );
+}
+
+#[test]
+fn snapshot_reset_fork_policy_and_events_over_the_api() {
+    if !cgroups_available("daemon_workspace") {
+        return;
+    }
+    let (port, _hits) = upstream();
+    let daemon = Daemon::start(&[]);
+    let host = tempdir();
+    std::fs::write(host.path().join("a.txt"), "v1\n").unwrap();
+    let allow =
+        format!("version: 1\nnetwork:\n  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n");
+    let cell = daemon.create(
+        &unique("ws"),
+        json!({ "workspace": host.path().display().to_string(), "policy": allow }),
+    );
+    // The events stream: journal entries as they are written.
+    let socket = daemon.socket();
+    let watched = cell.clone();
+    let stream_thread = std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        let mut stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
+        write!(
+            stream,
+            "GET /v1/events?cell={watched} HTTP/1.1\r\nHost: w\r\n\r\n"
+        )
+        .unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        let mut seen = String::new();
+        let mut buf = [0u8; 4096];
+        while !seen.contains("workspace.reset") {
+            match stream.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => seen.push_str(&String::from_utf8_lossy(&buf[..n])),
+            }
+        }
+        seen
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let sh = |script: &str| {
+        let events = daemon.exec(&cell, json!({ "argv": ["sh", "-c", script] }));
+        String::from_utf8(stream_bytes(&events, "stdout")).unwrap()
+    };
+    sh("echo v2 > /workspace/a.txt");
+    let snap = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/snapshot"),
+        Some(json!({ "as": "s1" })),
+    );
+    assert_eq!(snap.status, 201, "{}", String::from_utf8_lossy(&snap.body));
+    assert_eq!(snap.json()["id"], format!("{cell}@s1"));
+    sh("echo v3 > /workspace/a.txt");
+    let reset = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/reset"),
+        Some(json!({ "to": "s1" })),
+    );
+    assert_eq!(
+        reset.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&reset.body)
+    );
+    assert_eq!(sh("cat /workspace/a.txt"), "v2\n");
+    assert_eq!(
+        daemon
+            .call("POST", &format!("/v1/cells/{cell}/reset"), Some(json!({})))
+            .status,
+        200
+    );
+    assert_eq!(sh("cat /workspace/a.txt"), "v1\n");
+    assert_eq!(
+        std::fs::read_to_string(host.path().join("a.txt")).unwrap(),
+        "v1\n"
+    );
+    let listed = daemon
+        .call("GET", &format!("/v1/cells/{cell}/snapshots"), None)
+        .json();
+    assert_eq!(listed[0]["id"], format!("{cell}@s1"));
+
+    // A fork from the snapshot sees the snapshot, not the parent's present.
+    let fork = daemon.create(&unique("fork"), json!({ "from": format!("{cell}@s1") }));
+    let events = daemon.exec(&fork, json!({ "argv": ["cat", "/workspace/a.txt"] }));
+    assert_eq!(stream_bytes(&events, "stdout"), b"v2\n");
+
+    // Policy: read it back, then replace the network rules of the running cell.
+    let policy = daemon
+        .call("GET", &format!("/v1/cells/{cell}/policy"), None)
+        .json();
+    assert!(policy["policy"].as_str().unwrap().contains("127.0.0.2"));
+    let fetch = format!(
+        "import urllib.request, urllib.error\n\
+         try:\n    print(urllib.request.urlopen('http://127.0.0.2:{port}/').status)\n\
+         except urllib.error.HTTPError as e:\n    print(e.code)"
+    );
+    let run = |d: &Daemon| {
+        let events = d.exec(&cell, json!({ "argv": ["python3", "-c", fetch] }));
+        String::from_utf8(stream_bytes(&events, "stdout"))
+            .unwrap()
+            .trim()
+            .to_owned()
+    };
+    assert_eq!(run(&daemon), "200");
+    let replaced = daemon.call(
+        "PUT",
+        &format!("/v1/cells/{cell}/policy"),
+        Some(json!({ "policy": "version: 1\nnetwork:\n  default: deny\n  allow:\n    - host: example.invalid\n" })),
+    );
+    assert_eq!(
+        replaced.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&replaced.body)
+    );
+    assert_eq!(run(&daemon), "403");
+
+    let seen = stream_thread.join().unwrap();
+    assert_has_kinds(
+        &seen,
+        &[
+            "workspace.snapshot",
+            "exec.start",
+            "exec.exit",
+            "workspace.reset",
+        ],
+    );
+}
+
+#[test]
+fn diff_and_apply_over_the_api_with_apply_held_for_a_person() {
+    if !cgroups_available("daemon_apply") {
+        return;
+    }
+    let daemon = std::sync::Arc::new(Daemon::start(&[]));
+    let host = tempdir();
+    std::fs::write(host.path().join("kept.txt"), "old\n").unwrap();
+    let cell = daemon.create(
+        &unique("apply"),
+        json!({ "workspace": host.path().display().to_string(), "policy": "version: 1\napprovals:\n  timeout: 10s\n  apply: ask\n" }),
+    );
+    daemon.exec(&cell, json!({ "argv": ["sh", "-c", "echo new > /workspace/kept.txt; echo made > /workspace/made.txt"] }));
+    let diff = daemon
+        .call("GET", &format!("/v1/cells/{cell}/diff"), None)
+        .json();
+    let mut paths: Vec<&str> = diff["changes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["path"].as_str().unwrap())
+        .collect();
+    paths.sort();
+    assert_eq!(paths, ["kept.txt", "made.txt"]);
+    // A dry run says what would happen and needs nobody.
+    let dry = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/apply"),
+        Some(json!({ "dry_run": true, "paths": ["made.txt"] })),
+    );
+    assert_eq!(dry.status, 200, "{}", String::from_utf8_lossy(&dry.body));
+    assert_eq!(dry.json()["applied"], json!(["made.txt"]));
+    assert!(!host.path().join("made.txt").exists());
+    // The real apply waits for a person.
+    let applying = {
+        let daemon = std::sync::Arc::clone(&daemon);
+        let cell = cell.clone();
+        std::thread::spawn(move || {
+            daemon.call(
+                "POST",
+                &format!("/v1/cells/{cell}/apply"),
+                Some(json!({ "paths": ["made.txt"] })),
+            )
+        })
+    };
+    let mut id = None;
+    for _ in 0..200 {
+        let list = daemon.call("GET", "/v1/approvals", None).json();
+        if let Some(q) = list
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|q| q["request"].as_str().unwrap().starts_with("apply made.txt"))
+        {
+            id = q["id"].as_u64();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let id = id.expect("the apply asks");
+    assert!(
+        !host.path().join("made.txt").exists(),
+        "nothing is applied before the answer"
+    );
+    daemon.call(
+        "POST",
+        &format!("/v1/approvals/{cell}/{id}"),
+        Some(json!({ "decision": "approve" })),
+    );
+    let applied = applying.join().unwrap();
+    assert_eq!(
+        applied.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&applied.body)
+    );
+    assert_eq!(
+        std::fs::read_to_string(host.path().join("made.txt")).unwrap(),
+        "made\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(host.path().join("kept.txt")).unwrap(),
+        "old\n",
+        "only the chosen path"
+    );
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    assert_has_kinds(
+        &journal,
+        &["workspace.apply", "approval.answer", "workspace.applied"],
+    );
+}
+
+#[test]
+fn an_apply_writes_what_was_reviewed_and_approved_or_nothing() {
+    if !cgroups_available("daemon_apply_digest") {
+        return;
+    }
+    let daemon = std::sync::Arc::new(Daemon::start(&[]));
+    let host = tempdir();
+    let cell = daemon.create(
+        &unique("digest"),
+        json!({ "workspace": host.path().display().to_string(), "policy": "version: 1\napprovals:\n  timeout: 10s\n  apply: ask\n" }),
+    );
+    daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "echo reviewed > /workspace/a.txt"] }),
+    );
+    // Asked while the change is the reviewed one...
+    let applying = {
+        let daemon = std::sync::Arc::clone(&daemon);
+        let cell = cell.clone();
+        std::thread::spawn(move || {
+            daemon.call("POST", &format!("/v1/cells/{cell}/apply"), Some(json!({})))
+        })
+    };
+    let mut id = None;
+    for _ in 0..200 {
+        let list = daemon.call("GET", "/v1/approvals", None).json();
+        if let Some(q) = list.as_array().unwrap().iter().find(|q| q["cell"] == cell) {
+            id = q["id"].as_u64();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let id = id.expect("the apply asks");
+    // ...then the cell swaps the content while the person reads the question.
+    daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "echo EVIL > /workspace/a.txt"] }),
+    );
+    daemon.call(
+        "POST",
+        &format!("/v1/approvals/{cell}/{id}"),
+        Some(json!({ "decision": "approve" })),
+    );
+    let applied = applying.join().unwrap();
+    assert_eq!(
+        applied.status,
+        409,
+        "{}",
+        String::from_utf8_lossy(&applied.body)
+    );
+    assert!(
+        applied.json()["error"]
+            .as_str()
+            .unwrap()
+            .contains("changed since it was reviewed"),
+        "{}",
+        String::from_utf8_lossy(&applied.body)
+    );
+    assert!(
+        !host.path().join("a.txt").exists(),
+        "the swapped content reached the host"
+    );
+
+    // The same from the CLI: `warden diff` prints the digest, `warden apply --digest` holds to
+    // it, while the cell goes on writing.
+    let project = tempdir();
+    let name = unique("digest-cli");
+    let mut running = warden()
+        .args([
+            "run",
+            "--name",
+            &name,
+            "--workspace",
+            &project.path().display().to_string(),
+        ])
+        .args([
+            "--",
+            "sh",
+            "-c",
+            "echo reviewed > b.txt; sleep 3; echo other > b.txt; sleep 60",
+        ])
+        .spawn()
+        .unwrap();
+    let mut diff = Ran::from(warden().args(["diff", &name]).output().unwrap());
+    for _ in 0..100 {
+        if diff.stdout.contains("digest ") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        diff = Ran::from(warden().args(["diff", &name]).output().unwrap());
+    }
+    assert!(diff.stdout.contains("+reviewed"), "{diff:?}");
+    let digest = diff
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("digest "))
+        .and_then(|l| l.split(':').next())
+        .unwrap_or_else(|| panic!("{diff:?}"))
+        .to_owned();
+    let json = Ran::from(warden().args(["diff", &name, "--json"]).output().unwrap());
+    assert_eq!(
+        serde_json::from_str::<Value>(&json.stdout).unwrap()["digest"],
+        digest
+    );
+    std::thread::sleep(Duration::from_secs(4));
+    let refused = Ran::from(
+        warden()
+            .args(["apply", &name, "--digest", &digest])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(refused.code, 125, "{refused:?}");
+    assert!(
+        refused.stderr.contains("changed since it was reviewed"),
+        "{refused:?}"
+    );
+    assert!(!project.path().join("b.txt").exists());
+    assert!(warden().args(["kill", &name]).status().unwrap().success());
+    let _ = running.wait();
+    assert!(warden().args(["rm", &name]).status().unwrap().success());
+}
+
+#[test]
+fn a_daemon_cell_writes_after_its_workspace_is_reset() {
+    if !cgroups_available("daemon_reset_writes") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let host = tempdir();
+    std::fs::write(host.path().join("readme.txt"), "host\n").unwrap();
+    let cell = daemon.create(
+        &unique("resetw"),
+        json!({ "workspace": host.path().display().to_string() }),
+    );
+    daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "echo cell > readme.txt"] }),
+    );
+    let snap = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/snapshot"),
+        Some(json!({"as": "s"})),
+    );
+    assert_eq!(snap.status, 201, "{}", String::from_utf8_lossy(&snap.body));
+    for to in [json!({}), json!({ "to": "s" })] {
+        let reset = daemon.call("POST", &format!("/v1/cells/{cell}/reset"), Some(to.clone()));
+        assert!(
+            reset.status < 300,
+            "{to}: {}",
+            String::from_utf8_lossy(&reset.body)
+        );
+        let events = daemon.exec(
+            &cell,
+            json!({ "argv": ["sh", "-c", "echo x >> readme.txt && echo y > new.txt && rm new.txt && mkdir d && rmdir d && cat readme.txt"] }),
+        );
+        let exit = exit_of(&events);
+        assert_eq!(exit["code"], 0, "after a reset to {to}: {events:?}");
+    }
+    let events = daemon.exec(&cell, json!({ "argv": ["cat", "readme.txt"] }));
+    assert_eq!(stream_bytes(&events, "stdout"), b"cell\nx\n");
+}
