@@ -117,6 +117,8 @@ impl Harness {
         }
         let id = self.next_process.fetch_add(1, Ordering::Relaxed);
         let wall = policy.limits.wall.map(|w| w.0.as_millis() as u64);
+        // Only a gateway writes an egress record.
+        let recorded = policy.network.has_gateway();
         let start_entries = vec![
             ("cell.create", created),
             (
@@ -181,7 +183,7 @@ impl Harness {
             (None, None) => Vec::new(),
         };
         let start_seq = started.last().map_or(0, |r| r.seq);
-        while self.copy_decisions(name).await {}
+        while recorded && self.copy_decisions(name).await {}
         let attached = match outcome {
             Ok(attached) => attached,
             Err(err) => {
