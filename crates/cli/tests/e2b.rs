@@ -133,7 +133,11 @@ fn a_sandbox_past_its_timeout_is_gone() {
 
 /// A raw request to the E2B listener; its status line and body.
 fn raw(e2b: &E2b, request: &str) -> (String, String) {
-    let mut tcp = std::net::TcpStream::connect(&e2b.addr).unwrap();
+    raw_at(&e2b.addr, request)
+}
+
+fn raw_at(addr: &str, request: &str) -> (String, String) {
+    let mut tcp = std::net::TcpStream::connect(addr).unwrap();
     tcp.write_all(request.as_bytes()).unwrap();
     let mut answer = String::new();
     tcp.read_to_string(&mut answer).unwrap();
@@ -238,4 +242,80 @@ fn the_e2b_api_listens_on_loopback_only() {
     assert_eq!(out.status.code(), Some(125));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("loopback"), "{stderr}");
+}
+
+#[test]
+fn sandboxes_outlive_a_daemon_crash_and_their_tokens_go_on_working() {
+    let mut e2b = start();
+    let key = format!("X-API-KEY: {}\r\n", e2b.key);
+    let (status, body) = raw(
+        &e2b,
+        &post(
+            "/v2/sandboxes",
+            &key,
+            r#"{"timeout":120,"metadata":{"team":"qa"}}"#,
+        ),
+    );
+    assert!(status.contains(" 201 "), "{status} {body}");
+    let sandbox: Value = serde_json::from_str(&body).unwrap();
+    let id = sandbox["sandboxID"].as_str().unwrap().to_owned();
+    let token = sandbox["envdAccessToken"].as_str().unwrap().to_owned();
+    let envd = |token: &str| format!("E2b-Sandbox-Id: {id}\r\nX-Access-Token: {token}\r\n");
+    let (status, _) = raw(
+        &e2b,
+        &post(
+            "/filesystem.Filesystem/MakeDir",
+            &envd(&token),
+            r#"{"path":"/home/user/kept"}"#,
+        ),
+    );
+    assert!(status.contains(" 200 "), "{status}");
+    // The token is in no label and no journal entry: only its digest is.
+    let journal = std::fs::read_to_string(e2b.daemon.journal()).unwrap();
+    assert!(!journal.contains(&token));
+    e2b.daemon.restart();
+    let addr = std::fs::read_to_string(e2b.daemon.runtime().join("e2b.addr")).unwrap();
+    let new_key = std::fs::read_to_string(e2b.daemon.runtime().join("e2b.key")).unwrap();
+    let key = format!("X-API-KEY: {new_key}\r\n");
+    let get = format!("GET /sandboxes/{id} HTTP/1.1\r\nHost: x\r\n{key}Connection: close\r\n\r\n");
+    let (status, body) = raw_at(&addr, &get);
+    assert!(status.contains(" 200 "), "taken back: {status} {body}");
+    let info: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(info["metadata"]["team"], "qa", "{info}");
+    assert_eq!(info["state"], "running", "{info}");
+    // The old token goes on working; a connect gives a new one, which works too.
+    let list = r#"{"path":"/home/user","depth":1}"#;
+    let (status, body) = raw_at(
+        &addr,
+        &post("/filesystem.Filesystem/ListDir", &envd(&token), list),
+    );
+    assert!(
+        status.contains(" 200 ") && body.contains("kept"),
+        "{status} {body}"
+    );
+    let (status, body) = raw_at(
+        &addr,
+        &post(&format!("/sandboxes/{id}/connect"), &key, "{}"),
+    );
+    assert!(status.contains(" 200 "), "{status} {body}");
+    let again: Value = serde_json::from_str(&body).unwrap();
+    let new_token = again["envdAccessToken"].as_str().unwrap();
+    assert!(!new_token.is_empty() && new_token != token);
+    let (status, _) = raw_at(
+        &addr,
+        &post("/filesystem.Filesystem/ListDir", &envd(new_token), list),
+    );
+    assert!(status.contains(" 200 "), "{status}");
+    let (status, _) = raw_at(
+        &addr,
+        &post("/filesystem.Filesystem/ListDir", &envd("not-a-token"), list),
+    );
+    assert!(status.contains(" 401 "), "{status}");
+    e2b.addr = addr;
+    e2b.key = new_key;
+    let delete = format!(
+        "DELETE /sandboxes/{id} HTTP/1.1\r\nHost: x\r\nX-API-KEY: {}\r\nConnection: close\r\n\r\n",
+        e2b.key
+    );
+    assert!(raw(&e2b, &delete).0.contains(" 204 "));
 }

@@ -14,7 +14,7 @@ use serde::de::DeserializeOwned;
 use warden_protocol::{CellState, ControlAction};
 
 use crate::wire::{self, ALIAS, ENVD_VERSION, HOME};
-use crate::{Sandbox, Shared, api_error, harness_error, random_hex};
+use crate::{Sandbox, Shared, api_error, harness_error, label, random_hex};
 
 /// How long a sandbox lives when the create does not say (the SDKs' default).
 const DEFAULT_TIMEOUT_S: u64 = 300;
@@ -126,15 +126,25 @@ async fn create(State(state): State<Shared>, bytes: Bytes) -> Response {
         (Ok(id), Ok(token)) => (format!("sb{id}"), token),
         _ => return api_error(StatusCode::INTERNAL_SERVER_ERROR, "no randomness for an id"),
     };
+    let token_digest = crate::digest(&token);
     let create = warden_protocol::CreateCell {
         name: Some(id.clone()),
         policy: Some(policy),
         env: request.env_vars,
         labels: [
-            ("made-by".to_owned(), "e2b".to_owned()),
-            ("e2b.template".to_owned(), request.template.clone()),
+            (label::MADE_BY, "e2b".to_owned()),
+            (label::TEMPLATE, request.template.clone()),
+            (
+                label::METADATA,
+                serde_json::to_string(&request.metadata).unwrap_or_default(),
+            ),
+            (label::TIMEOUT, timeout.as_secs().to_string()),
+            (label::AUTO_PAUSE, request.auto_pause.to_string()),
+            (label::TOKEN_DIGEST, token_digest.clone()),
         ]
-        .into(),
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect(),
         ..Default::default()
     };
     if let Err(err) = state.harness.create(create).await {
@@ -143,7 +153,8 @@ async fn create(State(state): State<Shared>, bytes: Bytes) -> Response {
     let now = SystemTime::now();
     let sandbox = Sandbox {
         template: request.template,
-        token,
+        token: Some(token),
+        token_digests: vec![token_digest],
         metadata: request.metadata,
         started: now,
         end: Some(now + timeout),
@@ -164,7 +175,7 @@ fn sandbox_of(id: &str, s: &Sandbox) -> wire::Sandbox {
         id: id.to_owned(),
         client: "warden",
         envd_version: ENVD_VERSION,
-        token: s.token.clone(),
+        token: s.token.clone().unwrap_or_default(),
     }
 }
 
@@ -199,7 +210,7 @@ fn listed(id: &str, s: &Sandbox, state: CellState, with_token: bool) -> wire::Li
         },
         envd_version: ENVD_VERSION,
         metadata: s.metadata.clone(),
-        token: with_token.then(|| s.token.clone()),
+        token: if with_token { s.token.clone() } else { None },
     }
 }
 
@@ -322,10 +333,27 @@ async fn connect(State(state): State<Shared>, Path(id): Path<String>, bytes: Byt
         Ok(r) => r,
         Err(e) => return e,
     };
-    let (sandbox, cell) = match known(&state, &id) {
+    let (mut sandbox, cell) = match known(&state, &id) {
         Ok(k) => k,
         Err(e) => return e,
     };
+    if sandbox.token.is_none() {
+        // Taken back by a daemon that started again: it knows only the old token's digest, so
+        // the connect gives the sandbox a new token (the old one goes on working too).
+        let Ok(token) = random_hex(16) else {
+            return api_error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "no randomness for a token",
+            );
+        };
+        sandbox.token = Some(token.clone());
+        if let Ok(mut sandboxes) = state.sandboxes.lock()
+            && let Some(s) = sandboxes.get_mut(&id)
+        {
+            s.token = Some(token.clone());
+            s.token_digests.push(crate::digest(&token));
+        }
+    }
     let resumed = cell == CellState::Paused;
     if resumed && let Err(err) = state.harness.control(&id, ControlAction::Resume, BY).await {
         return harness_error(err);

@@ -33,11 +33,18 @@ use warden_harness::{ErrorKind, Harness, HarnessError};
 
 pub use wire::{ENVD_VERSION, HOME};
 
-/// What the face keeps of a sandbox beside its cell.
+/// What the face keeps of a sandbox beside its cell. What must outlive the daemon is in the
+/// cell's labels (`e2b.*`: template, metadata, timeout, and the BLAKE3 digest of the access
+/// token, never the token), from which a daemon that starts again takes its sandboxes back.
 #[derive(Debug, Clone)]
 struct Sandbox {
     template: String,
-    token: String,
+    /// The access token, while this daemon knows it (a daemon that started again knows only
+    /// its digest, until a connect gives the sandbox a new one).
+    token: Option<String>,
+    /// BLAKE3 of the access tokens it takes, in hex (the first, in its cell's labels, and any a
+    /// connect gave it since this daemon started).
+    token_digests: Vec<String>,
     metadata: BTreeMap<String, String>,
     started: SystemTime,
     /// When the sandbox's timeout ends it (none while it is paused by its timeout).
@@ -74,10 +81,11 @@ fn random_hex(bytes: usize) -> Result<String, String> {
 /// The face's router: the control plane and envd on one listener. `key`: the API key every
 /// control-plane call must carry (`X-API-KEY`).
 pub fn router(harness: Arc<Harness>, key: String) -> Router {
+    let sandboxes = taken_back(&harness);
     let state = Arc::new(E2b {
         harness,
         key,
-        sandboxes: Mutex::new(HashMap::new()),
+        sandboxes: Mutex::new(sandboxes),
     });
     tokio::spawn(reap(Arc::clone(&state)));
     control::routes()
@@ -85,6 +93,61 @@ pub fn router(harness: Arc<Harness>, key: String) -> Router {
         .fallback(unsupported)
         .layer(middleware::from_fn_with_state(Arc::clone(&state), auth))
         .with_state(state)
+}
+
+/// Label keys of a sandbox's cell.
+pub(crate) mod label {
+    pub const MADE_BY: &str = "made-by";
+    pub const TEMPLATE: &str = "e2b.template";
+    pub const METADATA: &str = "e2b.metadata";
+    pub const TIMEOUT: &str = "e2b.timeout-s";
+    pub const AUTO_PAUSE: &str = "e2b.auto-pause";
+    pub const TOKEN_DIGEST: &str = "e2b.token-blake3";
+}
+
+pub(crate) fn digest(token: &str) -> String {
+    blake3::hash(token.as_bytes()).to_hex().to_string()
+}
+
+/// The sandboxes an earlier daemon made, from their cells' labels; their timeouts start anew.
+fn taken_back(harness: &Harness) -> HashMap<String, Sandbox> {
+    let now = SystemTime::now();
+    let mut out = HashMap::new();
+    for cell in harness.list().unwrap_or_default() {
+        let l = &cell.labels;
+        if l.get(label::MADE_BY).map(String::as_str) != Some("e2b")
+            || cell.state == warden_protocol::CellState::Ended
+        {
+            continue;
+        }
+        let Some(token_digest) = l.get(label::TOKEN_DIGEST).cloned() else {
+            continue;
+        };
+        let timeout_s = l
+            .get(label::TIMEOUT)
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(300);
+        let sandbox = Sandbox {
+            template: l
+                .get(label::TEMPLATE)
+                .cloned()
+                .unwrap_or_else(|| "base".to_owned()),
+            token: None,
+            token_digests: vec![token_digest],
+            metadata: l
+                .get(label::METADATA)
+                .and_then(|m| serde_json::from_str(m).ok())
+                .unwrap_or_default(),
+            started: SystemTime::UNIX_EPOCH + Duration::from_millis(cell.created_ms),
+            end: (cell.state == warden_protocol::CellState::Running)
+                .then(|| now + Duration::from_secs(timeout_s)),
+            auto_pause: l.get(label::AUTO_PAUSE).map(String::as_str) == Some("true"),
+            tags: HashMap::new(),
+            ttys: Vec::new(),
+        };
+        out.insert(cell.name, sandbox);
+    }
+    out
 }
 
 /// A control-plane error as the SDKs read it: `{"code": STATUS, "message": "..."}`.
@@ -147,9 +210,13 @@ async fn auth(
             .sandboxes
             .lock()
             .ok()
-            .and_then(|s| s.get(&id).map(|s| s.token.clone()));
+            .and_then(|s| s.get(&id).map(|s| s.token_digests.clone()));
+        let given = digest(&token);
         match expected {
-            Some(expected) if constant_time_eq(token.as_bytes(), expected.as_bytes()) => {}
+            Some(expected)
+                if expected
+                    .iter()
+                    .any(|d| constant_time_eq(given.as_bytes(), d.as_bytes())) => {}
             Some(_) => {
                 return envd::connect_error(
                     "unauthenticated",
