@@ -97,14 +97,66 @@ enum Backing {
     Memory(std::sync::Mutex<Memory>),
 }
 
-#[derive(Debug, Default)]
-struct Memory {
-    text: BTreeMap<(String, String), String>,
-    numbers: BTreeMap<(String, String), u64>,
+/// The state of a harness for one command: every table's entries, by table and key.
+type Memory = BTreeMap<(String, String), Stored>;
+
+/// A value kept in memory.
+#[derive(Debug, Clone)]
+enum Stored {
+    Text(String),
+    Number(u64),
 }
 
-type Text = TableDefinition<'static, &'static str, &'static str>;
-type Number = TableDefinition<'static, &'static str, u64>;
+type Table<V> = TableDefinition<'static, &'static str, V>;
+
+/// What a table's values are, in the database and in memory: one implementation of the
+/// tables' operations serves both kinds of value and both backings.
+trait Column: redb::Value + 'static {
+    type Owned;
+    fn owned(value: Self::SelfType<'_>) -> Self::Owned;
+    /// Calls `f` with the database's form of `value`.
+    fn with_value<R>(value: &Self::Owned, f: impl FnOnce(Self::SelfType<'_>) -> R) -> R;
+    fn stored(value: &Self::Owned) -> Stored;
+    fn from_stored(stored: &Stored) -> Option<Self::Owned>;
+}
+
+impl Column for &'static str {
+    type Owned = String;
+    fn owned(value: &str) -> String {
+        value.to_owned()
+    }
+    fn with_value<R>(value: &String, f: impl FnOnce(&str) -> R) -> R {
+        f(value)
+    }
+    fn stored(value: &String) -> Stored {
+        Stored::Text(value.clone())
+    }
+    fn from_stored(stored: &Stored) -> Option<String> {
+        match stored {
+            Stored::Text(text) => Some(text.clone()),
+            Stored::Number(_) => None,
+        }
+    }
+}
+
+impl Column for u64 {
+    type Owned = u64;
+    fn owned(value: u64) -> u64 {
+        value
+    }
+    fn with_value<R>(value: &u64, f: impl FnOnce(u64) -> R) -> R {
+        f(*value)
+    }
+    fn stored(value: &u64) -> Stored {
+        Stored::Number(*value)
+    }
+    fn from_stored(stored: &Stored) -> Option<u64> {
+        match stored {
+            Stored::Number(n) => Some(*n),
+            Stored::Text(_) => None,
+        }
+    }
+}
 
 fn db_error(err: impl std::fmt::Display) -> HarnessError {
     HarnessError::internal(format!("the daemon's state database: {err}"))
@@ -145,11 +197,15 @@ impl State {
     /// in-memory database costs milliseconds a one-command run does not have).
     pub fn in_memory() -> Self {
         Self {
-            backing: Backing::Memory(std::sync::Mutex::new(Memory::default())),
+            backing: Backing::Memory(std::sync::Mutex::new(Memory::new())),
         }
     }
 
-    fn text_get(&self, table: Text, key: &str) -> Result<Option<String>, HarnessError> {
+    fn load<V: Column>(
+        &self,
+        table: Table<V>,
+        key: &str,
+    ) -> Result<Option<V::Owned>, HarnessError> {
         match &self.backing {
             Backing::Db(db) => {
                 let txn = db.begin_read().map_err(db_error)?;
@@ -157,25 +213,31 @@ impl State {
                 Ok(table
                     .get(key)
                     .map_err(db_error)?
-                    .map(|v| v.value().to_owned()))
+                    .map(|v| V::owned(v.value())))
             }
             Backing::Memory(m) => Ok(m
                 .lock()
                 .map_err(poisoned)?
-                .text
                 .get(&(table.name().to_owned(), key.to_owned()))
-                .cloned()),
+                .and_then(V::from_stored)),
         }
     }
 
-    fn text_set(&self, table: Text, key: &str, value: Option<&str>) -> Result<(), HarnessError> {
+    fn store<V: Column>(
+        &self,
+        table: Table<V>,
+        key: &str,
+        value: Option<&V::Owned>,
+    ) -> Result<(), HarnessError> {
         match &self.backing {
             Backing::Db(db) => {
                 let txn = db.begin_write().map_err(db_error)?;
                 {
                     let mut table = txn.open_table(table).map_err(db_error)?;
                     match value {
-                        Some(value) => drop(table.insert(key, value).map_err(db_error)?),
+                        Some(value) => V::with_value(value, |v| {
+                            table.insert(key, v).map(drop).map_err(db_error)
+                        })?,
                         None => drop(table.remove(key).map_err(db_error)?),
                     }
                 }
@@ -185,15 +247,15 @@ impl State {
                 let mut m = m.lock().map_err(poisoned)?;
                 let key = (table.name().to_owned(), key.to_owned());
                 match value {
-                    Some(value) => m.text.insert(key, value.to_owned()),
-                    None => m.text.remove(&key),
+                    Some(value) => m.insert(key, V::stored(value)),
+                    None => m.remove(&key),
                 };
                 Ok(())
             }
         }
     }
 
-    fn text_all(&self, table: Text) -> Result<Vec<String>, HarnessError> {
+    fn load_all<V: Column>(&self, table: Table<V>) -> Result<Vec<V::Owned>, HarnessError> {
         match &self.backing {
             Backing::Db(db) => {
                 let txn = db.begin_read().map_err(db_error)?;
@@ -201,85 +263,23 @@ impl State {
                 let mut out = Vec::new();
                 for item in table.iter().map_err(db_error)? {
                     let (_, value) = item.map_err(db_error)?;
-                    out.push(value.value().to_owned());
+                    out.push(V::owned(value.value()));
                 }
                 Ok(out)
             }
             Backing::Memory(m) => Ok(m
                 .lock()
                 .map_err(poisoned)?
-                .text
                 .iter()
                 .filter(|((t, _), _)| t == table.name())
-                .map(|(_, v)| v.clone())
+                .filter_map(|(_, v)| V::from_stored(v))
                 .collect()),
         }
     }
 
-    fn text_retain(&self, table: Text, keep: impl Fn(&str) -> bool) -> Result<(), HarnessError> {
-        match &self.backing {
-            Backing::Db(db) => {
-                let txn = db.begin_write().map_err(db_error)?;
-                {
-                    let mut table = txn.open_table(table).map_err(db_error)?;
-                    table.retain(|key, _| keep(key)).map_err(db_error)?;
-                }
-                txn.commit().map_err(db_error)
-            }
-            Backing::Memory(m) => {
-                m.lock()
-                    .map_err(poisoned)?
-                    .text
-                    .retain(|(t, k), _| t != table.name() || keep(k));
-                Ok(())
-            }
-        }
-    }
-
-    fn number_get(&self, table: Number, key: &str) -> Result<Option<u64>, HarnessError> {
-        match &self.backing {
-            Backing::Db(db) => {
-                let txn = db.begin_read().map_err(db_error)?;
-                let table = txn.open_table(table).map_err(db_error)?;
-                Ok(table.get(key).map_err(db_error)?.map(|v| v.value()))
-            }
-            Backing::Memory(m) => Ok(m
-                .lock()
-                .map_err(poisoned)?
-                .numbers
-                .get(&(table.name().to_owned(), key.to_owned()))
-                .copied()),
-        }
-    }
-
-    fn number_set(&self, table: Number, key: &str, value: Option<u64>) -> Result<(), HarnessError> {
-        match &self.backing {
-            Backing::Db(db) => {
-                let txn = db.begin_write().map_err(db_error)?;
-                {
-                    let mut table = txn.open_table(table).map_err(db_error)?;
-                    match value {
-                        Some(value) => drop(table.insert(key, value).map_err(db_error)?),
-                        None => drop(table.remove(key).map_err(db_error)?),
-                    }
-                }
-                txn.commit().map_err(db_error)
-            }
-            Backing::Memory(m) => {
-                let mut m = m.lock().map_err(poisoned)?;
-                let key = (table.name().to_owned(), key.to_owned());
-                match value {
-                    Some(value) => m.numbers.insert(key, value),
-                    None => m.numbers.remove(&key),
-                };
-                Ok(())
-            }
-        }
-    }
-
-    fn number_retain(
+    fn keep_only<V: Column>(
         &self,
-        table: Number,
+        table: Table<V>,
         keep: impl Fn(&str) -> bool,
     ) -> Result<(), HarnessError> {
         match &self.backing {
@@ -294,7 +294,6 @@ impl State {
             Backing::Memory(m) => {
                 m.lock()
                     .map_err(poisoned)?
-                    .numbers
                     .retain(|(t, k), _| t != table.name() || keep(k));
                 Ok(())
             }
@@ -312,7 +311,7 @@ impl State {
         gateway_id: u64,
         asked_at: u64,
     ) -> Result<Option<u64>, HarnessError> {
-        self.number_get(QUESTIONS, &Self::question_key(name, gateway_id, asked_at))
+        self.load(QUESTIONS, &Self::question_key(name, gateway_id, asked_at))
     }
 
     /// Notes (or, with `None`, forgets) the id of a gateway question.
@@ -323,47 +322,47 @@ impl State {
         asked_at: u64,
         id: Option<u64>,
     ) -> Result<(), HarnessError> {
-        self.number_set(
+        self.store(
             QUESTIONS,
             &Self::question_key(name, gateway_id, asked_at),
-            id,
+            id.as_ref(),
         )
     }
 
     /// Forgets every question of a cell (it ended or was removed).
     pub fn forget_questions(&self, name: &str) -> Result<(), HarnessError> {
         let prefix = format!("{name}/");
-        self.number_retain(QUESTIONS, |key| !key.starts_with(&prefix))
+        self.keep_only(QUESTIONS, |key| !key.starts_with(&prefix))
     }
 
     /// How far into the cell's egress record the journal has copied.
     pub fn record_offset(&self, name: &str) -> Result<u64, HarnessError> {
-        Ok(self.number_get(RECORD_OFFSETS, name)?.unwrap_or(0))
+        Ok(self.load(RECORD_OFFSETS, name)?.unwrap_or(0))
     }
 
     /// Notes how far the journal has copied the cell's egress record (`None`: forget it, for
     /// a new cell of that name).
     pub fn set_record_offset(&self, name: &str, offset: Option<u64>) -> Result<(), HarnessError> {
-        self.number_set(RECORD_OFFSETS, name, offset)
+        self.store(RECORD_OFFSETS, name, offset.as_ref())
     }
 
     pub fn put(&self, entry: &CellEntry) -> Result<(), HarnessError> {
         let json = serde_json::to_string(entry).map_err(db_error)?;
-        self.text_set(CELLS, &entry.name, Some(&json))
+        self.store(CELLS, &entry.name, Some(&json))
     }
 
     pub fn remove(&self, name: &str) -> Result<(), HarnessError> {
-        self.text_set(CELLS, name, None)
+        self.store(CELLS, name, None)
     }
 
     pub fn get(&self, name: &str) -> Result<Option<CellEntry>, HarnessError> {
-        self.text_get(CELLS, name)?
+        self.load(CELLS, name)?
             .map(|text| serde_json::from_str(&text).map_err(db_error))
             .transpose()
     }
 
     pub fn all(&self) -> Result<Vec<CellEntry>, HarnessError> {
-        self.text_all(CELLS)?
+        self.load_all(CELLS)?
             .iter()
             .map(|text| serde_json::from_str(text).map_err(db_error))
             .collect()
@@ -376,18 +375,18 @@ impl State {
             None => grant.key().to_owned(),
             Some(cell) => format!("cell {cell} {}", grant.key()),
         };
-        self.text_set(GRANTS, &key, Some(&json))
+        self.store(GRANTS, &key, Some(&json))
     }
 
     /// Forgets the grants limited to a cell (it was removed; a new cell of its name starts
     /// with none).
     pub fn forget_grants_of(&self, name: &str) -> Result<(), HarnessError> {
         let prefix = format!("cell {name} ");
-        self.text_retain(GRANTS, |key| !key.starts_with(&prefix))
+        self.keep_only(GRANTS, |key| !key.starts_with(&prefix))
     }
 
     pub fn grants(&self) -> Result<Vec<Grant>, HarnessError> {
-        self.text_all(GRANTS)?
+        self.load_all(GRANTS)?
             .iter()
             .map(|text| serde_json::from_str(text).map_err(db_error))
             .collect()
@@ -521,4 +520,63 @@ pub fn journaled_record_ends(
         }
     }
     ends
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn entry(name: &str) -> CellEntry {
+        CellEntry {
+            name: name.to_owned(),
+            created_ms: 7,
+            policy: PolicySource::Preset("default".to_owned()),
+            workspace: None,
+            labels: BTreeMap::new(),
+            env: BTreeMap::new(),
+            ended: None,
+            replaced: None,
+        }
+    }
+
+    /// The database and the maps keep the same things the same way.
+    #[test]
+    fn both_backings_keep_cells_grants_offsets_and_questions_alike() {
+        let dir = tempfile::tempdir().unwrap();
+        for state in [
+            State::open(&dir.path().join("s.redb")).unwrap(),
+            State::in_memory(),
+        ] {
+            state.put(&entry("a")).unwrap();
+            state.put(&entry("b")).unwrap();
+            assert_eq!(state.get("a").unwrap().unwrap().created_ms, 7);
+            assert_eq!(state.all().unwrap().len(), 2);
+            state.remove("a").unwrap();
+            assert!(state.get("a").unwrap().is_none());
+            assert_eq!(state.record_offset("b").unwrap(), 0);
+            state.set_record_offset("b", Some(42)).unwrap();
+            assert_eq!(state.record_offset("b").unwrap(), 42);
+            state.set_record_offset("b", None).unwrap();
+            assert_eq!(state.record_offset("b").unwrap(), 0);
+            state.set_question_id("b", 1, 2, Some(9)).unwrap();
+            state.set_question_id("c", 1, 2, Some(10)).unwrap();
+            assert_eq!(state.question_id("b", 1, 2).unwrap(), Some(9));
+            state.forget_questions("b").unwrap();
+            assert_eq!(state.question_id("b", 1, 2).unwrap(), None);
+            assert_eq!(state.question_id("c", 1, 2).unwrap(), Some(10));
+            let grant = Grant {
+                cell: Some("b".to_owned()),
+                request: "r".to_owned(),
+                key: None,
+                by: "t".to_owned(),
+            };
+            state.put_grant(&grant).unwrap();
+            assert_eq!(state.grants().unwrap(), vec![grant]);
+            state.forget_grants_of("b").unwrap();
+            assert!(state.grants().unwrap().is_empty());
+            // A number table and a text table of the same key do not meet.
+            assert_eq!(state.all().unwrap().len(), 1);
+        }
+    }
 }
