@@ -1,0 +1,508 @@
+//! Cells of the harness: checks shared by create and `run_attached`, create through the tier,
+//! the handle of each live cell, control (pause, resume, kill), delete, and taking back the
+//! cells of an earlier daemon.
+
+use super::*;
+
+impl Harness {
+    /// Takes back the cells of an earlier daemon: live ones are watched again, dead ones are
+    /// marked ended (their keepers already removed what they held).
+    pub(crate) async fn reconcile(
+        self: &Arc<Self>,
+        cut: Vec<(u64, Value)>,
+    ) -> Result<(), HarnessError> {
+        // Processes the old daemon was relaying: their output pipes went with it, so the
+        // keeper killed them when the daemon's end of their exec connection closed.
+        for (id, note) in cut {
+            let cell = note["cell"].as_str().map(str::to_owned);
+            self.record(
+                cell.as_deref(),
+                "exec.lost",
+                json!({
+                    "process": id,
+                    "argv": note["argv"],
+                    "start_seq": note["start_seq"],
+                    "reason": "the daemon stopped while it ran; it was ended with the daemon's connection",
+                }),
+            )
+            .await?;
+        }
+        for mut entry in self.state.all()? {
+            if entry.ended.is_some() {
+                continue;
+            }
+            let adopted = self.backend.adopt(&entry.name).map_err(|e| {
+                HarnessError::new(
+                    ErrorKind::Unavailable,
+                    format!(
+                        "cannot tell whether cell `{}` still runs ({e}); start the daemon again once the host has descriptors and memory to spare",
+                        entry.name,
+                    ),
+                )
+            })?;
+            if let Some(cell) = adopted {
+                if let Ok(mut cells) = self.cells.lock() {
+                    cells.insert(entry.name.clone(), cell);
+                }
+                self.record(Some(&entry.name), "cell.reattach", json!({}))
+                    .await?;
+                self.adopt(&entry);
+                self.watch(entry.name.clone());
+            } else {
+                let reason = "ended while no daemon was running".to_owned();
+                entry.ended = Some(reason.clone());
+                self.state.put(&entry)?;
+                self.record(Some(&entry.name), "cell.lost", json!({ "reason": reason }))
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts supervising a live cell: its policy (for limits and approvals), and the secrets
+    /// of its credentials, which must never reach the journal.
+    pub(crate) fn adopt(&self, entry: &CellEntry) {
+        if let Some(policy) = entry.policy_in_force() {
+            self.adopt_with(entry, policy);
+        }
+    }
+
+    /// Supervises a live cell whose policy in force is `policy`.
+    pub(crate) fn adopt_with(&self, entry: &CellEntry, policy: warden_policy::Policy) {
+        if let Ok(secrets) = warden_egress::Secrets::load(&policy.credentials) {
+            self.journal
+                .add_redactions(secrets.all.iter().map(|s| s.value.clone()));
+        }
+        if let Ok(mut live) = self.live.lock() {
+            live.insert(entry.name.clone(), Live::new(policy));
+        }
+    }
+
+    /// How the cell ended, as its keeper wrote it before letting go of the cell (`None` while
+    /// it runs, or when the keeper died first).
+    pub(crate) fn ending_of(&self, name: &str) -> Option<Value> {
+        let path = self.daemon_dir.join("cells").join(name).join(ENDING_FILE);
+        std::fs::read(path)
+            .ok()
+            .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+    }
+
+    pub(crate) fn kill_requested(&self, name: &str) -> bool {
+        self.daemon_dir
+            .join("cells")
+            .join(name)
+            .join("killed")
+            .exists()
+    }
+
+    pub(crate) fn entry(&self, name: &str) -> Result<CellEntry, HarnessError> {
+        self.state
+            .get(name)?
+            .ok_or_else(|| HarnessError::not_found(name))
+    }
+
+    /// The handle of a live cell of this daemon's.
+    pub(crate) fn cell(&self, name: &str) -> Option<Arc<dyn Cell>> {
+        self.cells.lock().ok()?.get(name).cloned()
+    }
+
+    pub(crate) fn info(&self, entry: &CellEntry) -> CellInfo {
+        let cell = if entry.ended.is_none() {
+            self.cell(&entry.name)
+        } else {
+            None
+        };
+        let state = match cell.as_ref().map(|c| c.status()) {
+            Some(Ok(Status::Paused)) => CellState::Paused,
+            Some(Ok(Status::Running) | Err(_)) => CellState::Running,
+            Some(Ok(Status::Ended)) | None => CellState::Ended,
+        };
+        let processes = self
+            .processes
+            .lock()
+            .map(|p| p.get(&entry.name).map_or(0, Vec::len))
+            .unwrap_or(0);
+        CellInfo {
+            name: entry.name.clone(),
+            state,
+            pid: cell
+                .as_ref()
+                .filter(|_| state != CellState::Ended)
+                .and_then(|c| c.pid()),
+            created_ms: entry.created_ms,
+            workspace: entry.workspace.clone(),
+            labels: entry.labels.clone(),
+            ended: entry
+                .ended
+                .clone()
+                .or_else(|| (state == CellState::Ended).then(|| "its processes ended".to_owned())),
+            processes,
+        }
+    }
+
+    pub fn list(&self) -> Result<Vec<CellInfo>, HarnessError> {
+        Ok(self.state.all()?.iter().map(|e| self.info(e)).collect())
+    }
+
+    pub fn get(&self, name: &str) -> Result<CellInfo, HarnessError> {
+        Ok(self.info(&self.entry(name)?))
+    }
+
+    /// Makes a cell and waits until it takes execs.
+    pub async fn create(self: &Arc<Self>, request: CreateCell) -> Result<CellInfo, HarnessError> {
+        let Prepared {
+            name,
+            parsed,
+            from,
+            entry,
+        } = self.prepare(&request, None).await?;
+        self.record(
+            Some(&name),
+            "cell.create",
+            create_entry(&entry, &request, &from),
+        )
+        .await?;
+        let cell_dir = self.daemon_dir.join("cells").join(&name);
+        let _ = std::fs::remove_dir_all(&cell_dir);
+        std::fs::create_dir_all(&cell_dir)
+            .map_err(|e| HarnessError::internal(format!("creating {}: {e}", cell_dir.display())))?;
+        let mut spec_policy = parsed.clone();
+        // The daemon applies the wall-clock limit itself (with the policy's `on_wall`).
+        spec_policy.limits.wall = None;
+        let spec = CellSpec {
+            name: name.clone(),
+            policy: spec_policy,
+            workspace: if from.is_some() {
+                None
+            } else {
+                request.workspace.as_ref().map(PathBuf::from)
+            },
+            from: from.clone(),
+            env: request.env.clone().into_iter().collect(),
+            report: Some(cell_dir.join(ENDING_FILE)),
+            log: Some(cell_dir.join("keeper.log")),
+            secrets: request.secrets.clone().into_iter().collect(),
+        };
+        let backend = Arc::clone(&self.backend);
+        let started = tokio::task::spawn_blocking(move || backend.start(spec))
+            .await
+            .map_err(|e| HarnessError::internal(format!("starting the cell: {e}")))?;
+        let cell = match started {
+            Ok(cell) => cell,
+            Err(StartError::Refused(message)) => {
+                self.record(Some(&name), "cell.fail", json!({ "error": message }))
+                    .await?;
+                return Err(HarnessError::bad(format!(
+                    "cell `{name}` could not start: {message}"
+                )));
+            }
+            Err(err @ StartError::TimedOut(_)) => {
+                return Err(HarnessError::internal(err.to_string()));
+            }
+            Err(StartError::Host(message)) => {
+                self.record(Some(&name), "cell.fail", json!({ "error": message }))
+                    .await?;
+                return Err(HarnessError::new(
+                    ErrorKind::Unavailable,
+                    format!("cell `{name}` could not start: {message}"),
+                ));
+            }
+        };
+        let pid = cell.pid();
+        if let Ok(mut cells) = self.cells.lock() {
+            cells.insert(name.clone(), cell);
+        }
+        self.state.put(&entry)?;
+        // A record of an earlier cell of this name is gone with it: copying starts over.
+        self.state.set_record_offset(&name, None)?;
+        if let Ok(mut copiers) = self.copiers.lock() {
+            copiers.insert(name.clone(), Arc::new(tokio::sync::Mutex::new(0)));
+        }
+        self.adopt_with(&entry, parsed);
+        self.record(Some(&name), "cell.start", json!({ "pid": pid }))
+            .await?;
+        self.watch(name.clone());
+        Ok(self.info(&entry))
+    }
+
+    /// Checks a request for a cell (name, policy, environment, secrets, workspace, that no cell
+    /// has its name), and takes the snapshot it forks from: everything before the journal's
+    /// `cell.create`, the same for a cell of the daemon and for `warden run` without one.
+    /// Checks a create request and makes its entry. `parsed`: the request's policy text, parsed
+    /// already by an in-process caller (not parsed twice).
+    pub(crate) async fn prepare(
+        self: &Arc<Self>,
+        request: &CreateCell,
+        parsed: Option<warden_policy::Policy>,
+    ) -> Result<Prepared, HarnessError> {
+        let name = match &request.name {
+            Some(name) => name.clone(),
+            None => generate_name(),
+        };
+        self.backend
+            .check_name(&name)
+            .map_err(|e| HarnessError::bad(e.to_string()))?;
+        let (policy, parsed) = match (&request.policy, &request.preset) {
+            (Some(_), Some(_)) => {
+                return Err(HarnessError::bad(
+                    "give either `policy` (YAML text) or `preset`, not both",
+                ));
+            }
+            (Some(yaml), None) => (
+                PolicySource::Yaml(yaml.clone()),
+                match parsed {
+                    Some(parsed) => parsed,
+                    None => warden_policy::from_yaml("policy", yaml)
+                        .map_err(|e| HarnessError::bad(e.to_string()))?,
+                },
+            ),
+            (None, preset) => {
+                let preset = preset.clone().unwrap_or_else(|| "default".to_owned());
+                let parsed =
+                    warden_policy::preset(&preset).map_err(|e| HarnessError::bad(e.to_string()))?;
+                (PolicySource::Preset(preset), parsed)
+            }
+        };
+        for key in request.env.keys() {
+            if key.is_empty() || key.contains(['=', '\0']) {
+                return Err(HarnessError::bad(format!(
+                    "environment variable name `{key}` is empty or contains `=` or NUL"
+                )));
+            }
+        }
+        // Secrets only for the variables the policy's credentials read.
+        let wanted: Vec<&str> = parsed
+            .credentials
+            .values()
+            .filter_map(|c| c.from_env.as_deref())
+            .collect();
+        if let Some(extra) = request
+            .secrets
+            .keys()
+            .find(|k| !wanted.contains(&k.as_str()))
+        {
+            return Err(HarnessError::bad(format!(
+                "secrets: `{extra}` is not read by any credential of the policy (their from_env: {})",
+                if wanted.is_empty() {
+                    "none".to_owned()
+                } else {
+                    wanted.join(", ")
+                }
+            )));
+        }
+        self.journal
+            .add_redactions(request.secrets.values().cloned());
+        if let Some(dir) = &request.workspace
+            && !Path::new(dir).is_dir()
+        {
+            return Err(HarnessError::bad(format!(
+                "workspace {dir} does not exist or is not a directory on the host; create it or pass another"
+            )));
+        }
+        let exists = self.backend.exists(&name);
+        if let Some(old) = self.state.get(&name)?
+            && (old.ended.is_none() || exists)
+        {
+            return Err(HarnessError::new(
+                ErrorKind::Conflict,
+                format!("a cell named `{name}` exists; delete it first or pick another name"),
+            ));
+        }
+        if exists {
+            return Err(HarnessError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "a cell named `{name}` is already running; pick another name or stop it with `warden kill {name}`"
+                ),
+            ));
+        }
+        // A fork starts from a snapshot; of a cell, one is taken now.
+        let from = match &request.from {
+            Some(source) if source.contains('@') => Some(source.clone()),
+            Some(source) => Some(self.snapshot(source, None).await?.id),
+            None => None,
+        };
+        let workspace = match &from {
+            Some(id) => Some(
+                warden_cell::snapshot::get(&self.store, id)
+                    .map_err(|e| HarnessError::new(ErrorKind::NotFound, e.to_string()))?
+                    .lower
+                    .display()
+                    .to_string(),
+            ),
+            None => request.workspace.clone(),
+        };
+        let entry = CellEntry {
+            name: name.clone(),
+            created_ms: now_ms(),
+            policy: policy.clone(),
+            workspace,
+            labels: request.labels.clone(),
+            env: request.env.clone(),
+            ended: None,
+            replaced: None,
+        };
+        Ok(Prepared {
+            name,
+            parsed,
+            from,
+            entry,
+        })
+    }
+
+    pub(crate) fn live(&self, name: &str) -> Result<Arc<dyn Cell>, HarnessError> {
+        self.live_with_status(name).map(|(cell, _)| cell)
+    }
+
+    /// The handle of a live cell, with its status as its tier says it now (running or paused;
+    /// running when that cannot be told).
+    pub(crate) fn live_with_status(
+        &self,
+        name: &str,
+    ) -> Result<(Arc<dyn Cell>, Status), HarnessError> {
+        let entry = self.entry(name)?;
+        if entry.ended.is_some() {
+            return Err(HarnessError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "cell `{name}` has ended ({}); delete it and create a new one",
+                    entry.ended.unwrap_or_default()
+                ),
+            ));
+        }
+        let ended = || HarnessError::new(ErrorKind::Conflict, format!("cell `{name}` has ended"));
+        let cell = self.cell(name).ok_or_else(ended)?;
+        match cell.status() {
+            Ok(Status::Ended) => Err(ended()),
+            Ok(status) => Ok((cell, status)),
+            Err(_) => Ok((cell, Status::Running)),
+        }
+    }
+
+    /// Freezes, thaws or kills a cell, from outside.
+    pub async fn control(
+        &self,
+        name: &str,
+        action: ControlAction,
+        by: &str,
+    ) -> Result<CellInfo, HarnessError> {
+        let cell = self.live(name)?;
+        self.record(
+            Some(name),
+            &format!("cell.{}", action.name()),
+            json!({ "by": by }),
+        )
+        .await?;
+        if action == ControlAction::Resume
+            && let Ok(mut live) = self.live.lock()
+            && let Some(l) = live.get_mut(name)
+        {
+            l.idle_paused = false;
+            l.last_activity = Instant::now();
+        }
+        if action == ControlAction::Kill {
+            let _ = std::fs::write(self.daemon_dir.join("cells").join(name).join("killed"), "");
+        }
+        let handle = Arc::clone(&cell);
+        let result = on_own_thread("cell-control", move || match action {
+            ControlAction::Pause => handle.freeze(),
+            ControlAction::Resume => handle.thaw(),
+            ControlAction::Kill => handle.kill(),
+        })
+        .await?;
+        match result {
+            Ok(()) => {}
+            // A cell that ended on its own between the check and the kill is what a kill wants.
+            Err(CellError::Ended(_)) if action == ControlAction::Kill => {}
+            Err(err) => return Err(HarnessError::new(ErrorKind::Conflict, err.to_string())),
+        }
+        if action == ControlAction::Kill {
+            // Wait (bounded) until the tier has let go of the cell.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !matches!(cell.status(), Ok(Status::Ended)) && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            if let Ok(Some(mut entry)) = self.state.get(name)
+                && entry.ended.is_none()
+            {
+                entry.ended = Some("killed".to_owned());
+                self.state.put(&entry)?;
+                self.record(Some(name), "cell.end", json!({ "reason": "killed" }))
+                    .await?;
+            }
+        }
+        self.get(name)
+    }
+
+    /// Kills the cell if it runs and forgets it: its workspace layer and egress record go too.
+    pub async fn delete(&self, name: &str, by: &str) -> Result<(), HarnessError> {
+        let entry = self.entry(name)?;
+        if entry.ended.is_none() && self.live(name).is_ok() {
+            self.control(name, ControlAction::Kill, by).await?;
+        }
+        self.journal_changes(name, "deleted, changes discarded")
+            .await;
+        self.record(Some(name), "cell.delete", json!({ "by": by }))
+            .await?;
+        if let Ok(mut processes) = self.processes.lock() {
+            processes.remove(name);
+        }
+        if let Ok(mut walled) = self.walled.lock() {
+            walled.remove(name);
+        }
+        if let Ok(mut cells) = self.cells.lock() {
+            cells.remove(name);
+        }
+        let _ = warden_cell::changes::remove(&self.registry, &self.store, name);
+        let _ = std::fs::remove_file(self.store.net_log_path(name));
+        if let Ok(mut copiers) = self.copiers.lock() {
+            copiers.remove(name);
+        }
+        let _ = self.state.set_record_offset(name, None);
+        let _ = self.state.forget_questions(name);
+        let _ = self.state.forget_grants_of(name);
+        if let Ok(mut grants) = self.grants.lock() {
+            grants.retain(|g| g.cell.as_deref() != Some(name));
+        }
+        let _ = std::fs::remove_dir_all(self.daemon_dir.join("cells").join(name));
+        self.state.remove(name)
+    }
+}
+
+pub(crate) fn generate_name() -> String {
+    let mut bytes = [0u8; 4];
+    let _ = std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes));
+    format!(
+        "cell-{}",
+        bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    )
+}
+
+/// A checked request for a cell.
+pub(crate) struct Prepared {
+    pub(crate) name: String,
+    /// Its policy, resolved.
+    pub(crate) parsed: warden_policy::Policy,
+    /// The snapshot it starts from.
+    pub(crate) from: Option<String>,
+    pub(crate) entry: CellEntry,
+}
+
+/// What the journal's `cell.create` says.
+pub(crate) fn create_entry(
+    entry: &CellEntry,
+    request: &CreateCell,
+    from: &Option<String>,
+) -> Value {
+    json!({
+        "policy": match &entry.policy {
+            PolicySource::Preset(p) => json!({ "preset": p }),
+            PolicySource::Yaml(y) => json!({ "yaml": y }),
+        },
+        "workspace": request.workspace,
+        "from": from,
+        "labels": request.labels,
+        "env": request.env.keys().collect::<Vec<_>>(),
+    })
+}

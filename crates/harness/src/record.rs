@@ -1,0 +1,257 @@
+//! What the harness journals: entries on disk before they are acknowledged (one, or several
+//! of a cell in one group commit), announced to the events stream once written, and read
+//! back for a client that reconnects.
+
+use super::*;
+
+impl Harness {
+    /// Journal entries after `after` (their sequence number), of `cell` only when given, as the
+    /// events stream shows them: what a client that reconnects missed. Only the segments that
+    /// can hold them are read.
+    pub async fn entries_after(
+        &self,
+        after: u64,
+        cell: Option<String>,
+    ) -> Result<Vec<Value>, HarnessError> {
+        let dir = self.journal.dir().to_path_buf();
+        tokio::task::spawn_blocking(move || {
+            let segments = warden_journal::segments(&dir)
+                .map_err(|e| HarnessError::internal(format!("listing the journal: {e}")))?;
+            // Closed segments are named by their first entry: skip those wholly at or before
+            // `after`.
+            let first_seq = |path: &Path| -> Option<u64> {
+                path.file_name()?
+                    .to_str()?
+                    .strip_prefix("journal-")?
+                    .strip_suffix(".jsonl")?
+                    .parse()
+                    .ok()
+            };
+            let mut start = 0;
+            for (i, path) in segments.iter().enumerate() {
+                if first_seq(path).is_some_and(|first| first <= after + 1) {
+                    start = i;
+                }
+            }
+            let mut out = Vec::new();
+            for path in &segments[start..] {
+                let text = std::fs::read_to_string(path).map_err(|e| {
+                    HarnessError::internal(format!("reading {}: {e}", path.display()))
+                })?;
+                for line in text.lines() {
+                    let Ok(entry) = serde_json::from_str::<warden_journal::Entry>(line) else {
+                        continue;
+                    };
+                    if entry.seq <= after
+                        || cell
+                            .as_deref()
+                            .is_some_and(|c| entry.cell.as_deref() != Some(c))
+                    {
+                        continue;
+                    }
+                    out.push(json!({
+                        "seq": entry.seq,
+                        "cell": entry.cell,
+                        "kind": entry.kind,
+                        "data": entry.data,
+                    }));
+                }
+            }
+            Ok(out)
+        })
+        .await
+        .map_err(|e| HarnessError::internal(e.to_string()))?
+    }
+
+    /// Appends to the journal and waits until it is on disk. Every entry goes to the events
+    /// stream once it is on disk (whether or not anyone listens as it is made: a client that
+    /// subscribes, then reads what it missed from the journal, must find each entry in one of
+    /// the two).
+    pub async fn record(
+        &self,
+        cell: Option<&str>,
+        kind: &str,
+        data: Value,
+    ) -> Result<Receipt, HarnessError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let event = Some(data.clone());
+        self.journal
+            .submit_leading(cell, kind, data, move |result| {
+                let _ = tx.send(result);
+            });
+        let receipt = journaled(rx.await)?;
+        self.announce(&receipt, cell, kind, event);
+        Ok(receipt)
+    }
+
+    /// Appends entries about one cell in one group commit, and a signed checkpoint after them
+    /// with `sign` (so that closing the journal then needs no write of its own), and waits
+    /// until all are on disk.
+    pub(crate) async fn record_all(
+        &self,
+        cell: &str,
+        entries: Vec<(&str, Value)>,
+        sign: bool,
+    ) -> Result<Vec<Receipt>, HarnessError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let events = self.submit_all(cell, entries, sign, move |result| {
+            let _ = tx.send(result);
+        });
+        let receipts = rx.await.unwrap_or_else(|_| Err(writer_gone()));
+        self.announce_all(cell, receipts, events)
+    }
+
+    /// Like `record_all`, blocking the calling thread until the entries are on disk: for a
+    /// caller that cannot await (a tier's `before_start`). A round no other thread has under
+    /// way is run by this thread, so an ephemeral harness's blocks no longer than its write.
+    pub(crate) fn record_all_blocking(
+        &self,
+        cell: &str,
+        entries: Vec<(&str, Value)>,
+        sign: bool,
+    ) -> Result<Vec<Receipt>, HarnessError> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let events = self.submit_all(cell, entries, sign, move |result| {
+            let _ = tx.send(result);
+        });
+        let receipts = rx.recv().unwrap_or_else(|_| Err(writer_gone()));
+        self.announce_all(cell, receipts, events)
+    }
+
+    /// Submits entries as one batch; returns them again, for the events stream.
+    pub(crate) fn submit_all(
+        &self,
+        cell: &str,
+        entries: Vec<(&str, Value)>,
+        sign: bool,
+        ack: impl FnOnce(Result<Vec<Receipt>, warden_journal::JournalError>) + Send + 'static,
+    ) -> Vec<(String, Value)> {
+        let entries: Vec<(String, Value)> = entries
+            .into_iter()
+            .map(|(kind, data)| (kind.to_owned(), data))
+            .collect();
+        self.journal
+            .submit_batch(Some(cell), entries.clone(), sign, ack);
+        entries
+    }
+
+    pub(crate) fn announce_all(
+        &self,
+        cell: &str,
+        receipts: Result<Vec<Receipt>, warden_journal::JournalError>,
+        events: Vec<(String, Value)>,
+    ) -> Result<Vec<Receipt>, HarnessError> {
+        let receipts =
+            receipts.map_err(|err| HarnessError::new(ErrorKind::Unavailable, err.to_string()))?;
+        for (receipt, (kind, data)) in receipts.iter().zip(events) {
+            self.announce(receipt, Some(cell), &kind, Some(data));
+        }
+        Ok(receipts)
+    }
+
+    /// Appends entries of one kind about one cell (one group commit) and waits until all are
+    /// on disk.
+    pub(crate) async fn record_many(
+        &self,
+        cell: &str,
+        kind: &str,
+        entries: Vec<Value>,
+    ) -> Result<(), HarnessError> {
+        let mut waiting = Vec::with_capacity(entries.len());
+        for data in entries {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let event = Some(data.clone());
+            self.journal.submit(Some(cell), kind, data, move |result| {
+                let _ = tx.send(result);
+            });
+            waiting.push((rx, event));
+        }
+        for (rx, event) in waiting {
+            let receipt = journaled(rx.await)?;
+            self.announce(&receipt, Some(cell), kind, event);
+        }
+        Ok(())
+    }
+
+    /// Appends to the journal and waits until the entry is in the file (a crash of the warden
+    /// cannot lose it); the returned `Durable` resolves once it is on disk. For an effect that
+    /// may start while the disk catches up, but must not be acknowledged before.
+    pub(crate) async fn record_ahead(
+        &self,
+        cell: Option<&str>,
+        kind: &str,
+        data: Value,
+    ) -> Result<Durable, HarnessError> {
+        let (written_tx, written_rx) = tokio::sync::oneshot::channel();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let event = Some(data.clone());
+        self.journal.submit_ahead(
+            cell,
+            kind,
+            data,
+            move |result| {
+                let _ = written_tx.send(result);
+            },
+            move |result| {
+                let _ = tx.send(result);
+            },
+        );
+        let receipt = journaled(written_rx.await)?;
+        Ok(Durable {
+            receipt,
+            synced: rx,
+            event: event.map(|data| (cell.map(str::to_owned), kind.to_owned(), data)),
+        })
+    }
+
+    /// Sends a journaled entry to the events stream.
+    pub(crate) fn announce(
+        &self,
+        receipt: &Receipt,
+        cell: Option<&str>,
+        kind: &str,
+        data: Option<Value>,
+    ) {
+        if let Some(data) = data {
+            let _ = self.events.send(Arc::new(json!({
+                "seq": receipt.seq,
+                "cell": cell,
+                "kind": kind,
+                "data": data,
+            })));
+        }
+    }
+}
+
+/// An entry in the journal's file that is still on its way to the disk.
+pub(crate) struct Durable {
+    pub(crate) receipt: Receipt,
+    synced: tokio::sync::oneshot::Receiver<Result<Receipt, warden_journal::JournalError>>,
+    event: Option<(Option<String>, String, Value)>,
+}
+
+impl Durable {
+    /// Waits until the entry is on disk.
+    pub(crate) async fn wait(self, harness: &Harness) -> Result<Receipt, HarnessError> {
+        let receipt = journaled(self.synced.await)?;
+        if let Some((cell, kind, data)) = self.event {
+            harness.announce(&receipt, cell.as_deref(), &kind, Some(data));
+        }
+        Ok(receipt)
+    }
+}
+
+pub(crate) fn journaled(
+    answer: Result<
+        Result<Receipt, warden_journal::JournalError>,
+        tokio::sync::oneshot::error::RecvError,
+    >,
+) -> Result<Receipt, HarnessError> {
+    answer
+        .unwrap_or_else(|_| Err(writer_gone()))
+        .map_err(|err| HarnessError::new(ErrorKind::Unavailable, err.to_string()))
+}
+
+pub(crate) fn writer_gone() -> warden_journal::JournalError {
+    warden_journal::JournalError::Stopped("its writer is gone".to_owned())
+}
