@@ -223,6 +223,37 @@ fn strangers_and_unsupported_calls_get_clear_refusals() {
     let (status, body) = raw(&e2b, &post("/process.Process/Start", &envd, "{}"));
     assert!(status.contains(" 200 "), "{status}");
     assert!(body.contains("invalid_argument"), "{body}");
+    // Cells the daemon made for others are not the E2B API's to see or end.
+    let other = e2b
+        .daemon
+        .create(&support::unique("not-e2b"), serde_json::json!({}));
+    let (status, _) = raw(
+        &e2b,
+        &format!("GET /sandboxes/{other} HTTP/1.1\r\nHost: x\r\n{key}Connection: close\r\n\r\n"),
+    );
+    assert!(status.contains(" 404 "), "{status}");
+    let (status, _) = raw(
+        &e2b,
+        &format!("DELETE /sandboxes/{other} HTTP/1.1\r\nHost: x\r\n{key}Connection: close\r\n\r\n"),
+    );
+    assert!(status.contains(" 404 "), "{status}");
+    let (status, _) = raw(
+        &e2b,
+        &post(
+            "/filesystem.Filesystem/ListDir",
+            &format!("E2b-Sandbox-Id: {other}\r\nX-Access-Token: {token}\r\n"),
+            list,
+        ),
+    );
+    assert!(
+        status.contains(" 404 "),
+        "another cell by a sandbox's token: {status}"
+    );
+    let cell = e2b
+        .daemon
+        .call("GET", &format!("/v1/cells/{other}"), None)
+        .json();
+    assert_eq!(cell["state"], "running", "{cell}");
     // The sandbox goes with its DELETE; a second is a 404.
     let delete =
         format!("DELETE /sandboxes/{id} HTTP/1.1\r\nHost: x\r\n{key}Connection: close\r\n\r\n");
