@@ -200,16 +200,56 @@ fn strangers_and_unsupported_calls_get_clear_refusals() {
     let (status, body) = raw(
         &e2b,
         &post(
-            "/filesystem.Filesystem/CreateWatcher",
+            "/filesystem.Filesystem/WatchDir",
             &envd,
             r#"{"path":"/home/user"}"#,
         ),
     );
     assert!(status.contains(" 501 "), "{status}");
     assert!(
-        body.contains("unimplemented") && body.contains("watching"),
+        body.contains("unimplemented") && body.contains("WatchDir"),
         "{body}"
     );
+    // Watchers: a sandbox's own, a bounded number of them, and gone once removed.
+    let (status, body) = raw(
+        &e2b,
+        &post(
+            "/filesystem.Filesystem/CreateWatcher",
+            &envd,
+            r#"{"path":"/home/user"}"#,
+        ),
+    );
+    assert!(status.contains(" 200 "), "{status} {body}");
+    let watcher: Value = serde_json::from_str(&body).unwrap();
+    let wid = watcher["watcherId"].as_str().unwrap().to_owned();
+    let remove = format!(r#"{{"watcherId":"{wid}"}}"#);
+    let (status, _) = raw(
+        &e2b,
+        &post("/filesystem.Filesystem/RemoveWatcher", &envd, &remove),
+    );
+    assert!(status.contains(" 200 "), "{status}");
+    let (status, _) = raw(
+        &e2b,
+        &post("/filesystem.Filesystem/GetWatcherEvents", &envd, &remove),
+    );
+    assert!(status.contains(" 404 "), "{status}");
+    for i in 0.. {
+        let (status, body) = raw(
+            &e2b,
+            &post(
+                "/filesystem.Filesystem/CreateWatcher",
+                &envd,
+                r#"{"path":"."}"#,
+            ),
+        );
+        if !status.contains(" 200 ") {
+            assert!(
+                body.contains("resource_exhausted") && i == 64,
+                "{i}: {status} {body}"
+            );
+            break;
+        }
+    }
     let (status, body) = raw(
         &e2b,
         &post(&format!("/sandboxes/{id}/snapshots"), &key, "{}"),

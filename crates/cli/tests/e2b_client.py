@@ -64,6 +64,18 @@ def sync_flow():
         check(False, "a symlink out of the home is not followed")
     except SandboxException:
         pass
+    # A watched directory: what was made and removed in it, since the last look.
+    sbx.files.make_dir("watched")
+    watch = sbx.files.watch_dir("watched", recursive=True)
+    sbx.files.write("watched/a.txt", "a")
+    sbx.commands.run("mkdir -p watched/deep && echo b > watched/deep/b.txt")
+    events = {(e.name, e.type.name) for e in watch.get_new_events()}
+    check({("a.txt", "CREATE"), ("deep", "CREATE"), ("deep/b.txt", "CREATE")} <= events,
+          f"watch events: {events}")
+    sbx.commands.run("rm watched/a.txt")
+    events = {(e.name, e.type.name) for e in watch.get_new_events()}
+    check(events == {("a.txt", "REMOVE")}, f"watch events after a removal: {events}")
+    watch.stop()
     big = os.urandom(5 << 20)
     sbx.files.write("big.bin", big)
     check(bytes(sbx.files.read("big.bin", format="bytes")) == big, "a 5 MiB file round-trips")

@@ -161,6 +161,7 @@ async fn create(State(state): State<Shared>, bytes: Bytes) -> Response {
         auto_pause: request.auto_pause,
         tags: HashMap::new(),
         ttys: Vec::new(),
+        watchers: HashMap::new(),
     };
     let answer = sandbox_of(&id, &sandbox);
     if let Ok(mut sandboxes) = state.sandboxes.lock() {

@@ -4,6 +4,7 @@
 //! download), each mapped onto the harness's exec and files of the sandbox's cell. Paths are
 //! the E2B user's: absolute under `/home/user` (the cell's workspace mount) or relative to it.
 
+use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
@@ -688,11 +689,81 @@ async fn filesystem(
             };
             unary(h.remove(&cell, &rel, true).await)
         }
-        "WatchDir" | "CreateWatcher" | "GetWatcherEvents" | "RemoveWatcher" => connect_error(
+        "CreateWatcher" => {
+            let request: wire::Watch = match json_of(&bytes) {
+                Ok(r) => r,
+                Err(e) => return e,
+            };
+            let rel = match cell_path(&request.path) {
+                Ok(p) => p,
+                Err(e) => return e,
+            };
+            let seen = match scan(&state, &cell, &rel, request.recursive).await {
+                Ok(seen) => seen,
+                Err(err) => return failed(err),
+            };
+            let Ok(id) = crate::random_hex(8) else {
+                return connect_error("internal", "no randomness for a watcher id");
+            };
+            let watcher = Watcher {
+                path: rel,
+                recursive: request.recursive,
+                seen,
+            };
+            if let Ok(mut sandboxes) = state.sandboxes.lock()
+                && let Some(s) = sandboxes.get_mut(&cell)
+            {
+                if s.watchers.len() >= MAX_WATCHERS {
+                    return connect_error(
+                        "resource_exhausted",
+                        format!("a sandbox has at most {MAX_WATCHERS} watchers; remove one first"),
+                    );
+                }
+                s.watchers.insert(id.clone(), watcher);
+            }
+            axum::Json(json!({ "watcherId": id })).into_response()
+        }
+        "GetWatcherEvents" => {
+            let request: wire::WatcherId = match json_of(&bytes) {
+                Ok(r) => r,
+                Err(e) => return e,
+            };
+            let watcher = state.sandboxes.lock().ok().and_then(|s| {
+                s.get(&cell)
+                    .and_then(|s| s.watchers.get(&request.id).cloned())
+            });
+            let Some(mut watcher) = watcher else {
+                return connect_error("not_found", format!("no watcher `{}`", request.id));
+            };
+            let events = match watcher.poll(&state, &cell).await {
+                Ok(events) => events,
+                Err(err) => return failed(err),
+            };
+            if let Ok(mut sandboxes) = state.sandboxes.lock()
+                && let Some(s) = sandboxes.get_mut(&cell)
+                && let Some(kept) = s.watchers.get_mut(&request.id)
+            {
+                *kept = watcher;
+            }
+            axum::Json(json!({ "events": events })).into_response()
+        }
+        "RemoveWatcher" => {
+            let request: wire::WatcherId = match json_of(&bytes) {
+                Ok(r) => r,
+                Err(e) => return e,
+            };
+            let removed = state.sandboxes.lock().ok().and_then(|mut s| {
+                s.get_mut(&cell)
+                    .and_then(|s| s.watchers.remove(&request.id))
+            });
+            match removed {
+                Some(_) => axum::Json(json!({})).into_response(),
+                None => connect_error("not_found", format!("no watcher `{}`", request.id)),
+            }
+        }
+        "WatchDir" => connect_error(
             "unimplemented",
-            format!(
-                "filesystem.Filesystem/{method}: watching directories is not supported by Warden's E2B-compatible API yet"
-            ),
+            "filesystem.Filesystem/WatchDir (the streaming watch of the async SDKs) is not supported by Warden's E2B-compatible API yet; the polling watch (CreateWatcher, GetWatcherEvents) is",
         ),
         other => connect_error(
             "unimplemented",
@@ -701,6 +772,85 @@ async fn filesystem(
             ),
         ),
     }
+}
+
+/// The most directory watchers a sandbox may have at once.
+const MAX_WATCHERS: usize = 64;
+/// The most entries a watcher follows (a larger tree is watched to this many entries).
+const WATCH_LIMIT: usize = 10_000;
+
+/// A directory watched by polling: what it held when last looked at, by path relative to the
+/// watched directory (kind, size, modification time).
+#[derive(Debug, Clone)]
+pub(crate) struct Watcher {
+    path: String,
+    recursive: bool,
+    seen: BTreeMap<String, (FileKind, u64, u64)>,
+}
+
+impl Watcher {
+    /// What changed since the last look, as envd's `FilesystemEvent`s.
+    async fn poll(&mut self, state: &Shared, cell: &str) -> Result<Vec<Value>, HarnessError> {
+        let now = scan(state, cell, &self.path, self.recursive).await?;
+        let mut events = Vec::new();
+        for (name, entry) in &now {
+            match self.seen.get(name) {
+                None => events.push(json!({ "name": name, "type": "EVENT_TYPE_CREATE" })),
+                Some(before) if before != entry => {
+                    events.push(json!({ "name": name, "type": "EVENT_TYPE_WRITE" }));
+                }
+                Some(_) => {}
+            }
+        }
+        for name in self.seen.keys().filter(|n| !now.contains_key(*n)) {
+            events.push(json!({ "name": name, "type": "EVENT_TYPE_REMOVE" }));
+        }
+        self.seen = now;
+        Ok(events)
+    }
+}
+
+/// The entries below `rel` (recursively, up to 16 levels and `WATCH_LIMIT` entries).
+async fn scan(
+    state: &Shared,
+    cell: &str,
+    rel: &str,
+    recursive: bool,
+) -> Result<BTreeMap<String, (FileKind, u64, u64)>, HarnessError> {
+    let mut out = BTreeMap::new();
+    let mut level = vec![String::new()];
+    for _ in 0..if recursive { 16 } else { 1 } {
+        let mut next = Vec::new();
+        for dir in level {
+            let path = if dir.is_empty() {
+                rel.to_owned()
+            } else {
+                join(rel, &dir)
+            };
+            let listed = match state.harness.list_files(cell, &path).await {
+                Ok(listed) => listed,
+                // A directory that went between two listings is seen as removed.
+                Err(err) if err.kind == ErrorKind::NotFound && !dir.is_empty() => continue,
+                Err(err) => return Err(err),
+            };
+            for info in listed {
+                let name = if dir.is_empty() {
+                    info.name.clone()
+                } else {
+                    join(&dir, &info.name)
+                };
+                if info.kind == FileKind::Dir {
+                    next.push(name.clone());
+                }
+                out.insert(name, (info.kind, info.size, info.modified_s));
+                if out.len() >= WATCH_LIMIT {
+                    return Ok(out);
+                }
+            }
+        }
+        level = next;
+    }
+    Ok(out)
 }
 
 #[derive(Debug, Deserialize)]

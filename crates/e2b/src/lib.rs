@@ -55,6 +55,8 @@ struct Sandbox {
     tags: HashMap<String, u64>,
     /// Processes started on a terminal (their output is `pty` data).
     ttys: Vec<u64>,
+    /// Directory watchers by id: what each saw last.
+    watchers: HashMap<String, envd::Watcher>,
 }
 
 /// The face's state: the harness, the API key, and the sandboxes it made.
@@ -144,6 +146,7 @@ fn taken_back(harness: &Harness) -> HashMap<String, Sandbox> {
             auto_pause: l.get(label::AUTO_PAUSE).map(String::as_str) == Some("true"),
             tags: HashMap::new(),
             ttys: Vec::new(),
+            watchers: HashMap::new(),
         };
         out.insert(cell.name, sandbox);
     }

@@ -217,6 +217,19 @@ pub struct ListDir {
 }
 
 #[derive(Debug, Deserialize)]
+pub struct Watch {
+    pub path: String,
+    #[serde(default)]
+    pub recursive: bool,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct WatcherId {
+    #[serde(alias = "watcher_id", rename = "watcherId")]
+    pub id: String,
+}
+
+#[derive(Debug, Deserialize)]
 pub struct Move {
     pub source: String,
     pub destination: String,
