@@ -197,17 +197,10 @@ fn strangers_and_unsupported_calls_get_clear_refusals() {
     let (status, body) = raw(&e2b, &post("/filesystem.Filesystem/ListDir", &envd, list));
     assert!(status.contains(" 200 "), "{status} {body}");
     // What is not supported says so, by name.
-    let (status, body) = raw(
-        &e2b,
-        &post(
-            "/filesystem.Filesystem/WatchDir",
-            &envd,
-            r#"{"path":"/home/user"}"#,
-        ),
-    );
+    let (status, body) = raw(&e2b, &post("/process.Process/StreamInput", &envd, "{}"));
     assert!(status.contains(" 501 "), "{status}");
     assert!(
-        body.contains("unimplemented") && body.contains("WatchDir"),
+        body.contains("unimplemented") && body.contains("StreamInput"),
         "{body}"
     );
     // Watchers: a sandbox's own, a bounded number of them, and gone once removed.

@@ -128,6 +128,23 @@ async def async_flow():
     check(r.stdout == "async\n", f"async run: {r}")
     await sbx.files.write("x.txt", b"bytes")
     check(await sbx.files.read("x.txt") == "bytes", "async files")
+    # The streaming watch: events as they happen.
+    await sbx.files.make_dir("w2")
+    seen = []
+    handle = await sbx.files.watch_dir(
+        "w2", on_event=lambda e: seen.append((e.name, e.type.name)), recursive=True)
+    async def until(event):
+        for _ in range(100):
+            if event in seen:
+                return
+            await asyncio.sleep(0.05)
+        check(False, f"{event} was not seen: {seen}")
+
+    await sbx.files.write("w2/new.txt", "x")
+    await until(("new.txt", "CREATE"))
+    await sbx.commands.run("rm w2/new.txt")
+    await until(("new.txt", "REMOVE"))
+    await handle.stop()
     await sbx.kill()
     return sbx.sandbox_id
 

@@ -761,10 +761,40 @@ async fn filesystem(
                 None => connect_error("not_found", format!("no watcher `{}`", request.id)),
             }
         }
-        "WatchDir" => connect_error(
-            "unimplemented",
-            "filesystem.Filesystem/WatchDir (the streaming watch of the async SDKs) is not supported by Warden's E2B-compatible API yet; the polling watch (CreateWatcher, GetWatcherEvents) is",
-        ),
+        "WatchDir" => {
+            let request: wire::Watch = match streamed(&bytes) {
+                Ok(r) => r,
+                Err(e) => return e,
+            };
+            let rel = match cell_path(&request.path) {
+                Ok(p) => p,
+                Err(_) => {
+                    return stream_error(
+                        "permission_denied",
+                        &format!(
+                            "{}: only {HOME} is reachable through this API",
+                            request.path
+                        ),
+                    );
+                }
+            };
+            let keepalive = headers
+                .get("keepalive-ping-interval")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<u64>().ok())
+                .filter(|s| *s > 0)
+                .map(Duration::from_secs);
+            let seen = match scan(&state, &cell, &rel, request.recursive).await {
+                Ok(seen) => seen,
+                Err(err) => return stream_error(code_of(err.kind), &err.message),
+            };
+            let watcher = Watcher {
+                path: rel,
+                recursive: request.recursive,
+                seen,
+            };
+            watch_stream(Arc::clone(&state), cell, watcher, keepalive)
+        }
         other => connect_error(
             "unimplemented",
             format!(
@@ -808,6 +838,72 @@ impl Watcher {
         self.seen = now;
         Ok(events)
     }
+}
+
+/// How often a streamed watch looks at its directory.
+const WATCH_EVERY: Duration = Duration::from_millis(200);
+
+/// A watch as a Connect stream: `start`, then each change as a `filesystem` event as the
+/// polls find it, with keepalives; it ends when the client goes or the directory does. (A
+/// `WatchDirResponse`'s oneof is the message itself: `{"start": {}}`, not under `event` as a
+/// process's events are.)
+fn watch_stream(
+    state: Shared,
+    cell: String,
+    mut watcher: Watcher,
+    keepalive: Option<Duration>,
+) -> Response {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, Infallible>>(64);
+    tokio::spawn(async move {
+        let send = |message: Value, flags: u8| {
+            let tx = tx.clone();
+            async move {
+                tx.send(Ok(Bytes::from(envelope(flags, &message))))
+                    .await
+                    .is_ok()
+            }
+        };
+        if !send(json!({ "start": {} }), 0).await {
+            return;
+        }
+        let mut last_sign = tokio::time::Instant::now();
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(WATCH_EVERY) => {}
+                () = tx.closed() => return,
+            }
+            match watcher.poll(&state, &cell).await {
+                Ok(events) => {
+                    for event in events {
+                        if !send(json!({ "filesystem": event }), 0).await {
+                            return;
+                        }
+                        last_sign = tokio::time::Instant::now();
+                    }
+                }
+                Err(err) => {
+                    let end =
+                        json!({ "error": { "code": code_of(err.kind), "message": err.message } });
+                    let _ = send(end, END_STREAM).await;
+                    return;
+                }
+            }
+            if let Some(every) = keepalive
+                && last_sign.elapsed() >= every
+            {
+                if !send(json!({ "keepalive": {} }), 0).await {
+                    return;
+                }
+                last_sign = tokio::time::Instant::now();
+            }
+        }
+    });
+    let mut response = Body::from_stream(ReceiverStream::new(rx)).into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/connect+json"),
+    );
+    response
 }
 
 /// The entries below `rel` (recursively, up to 16 levels and `WATCH_LIMIT` entries).
