@@ -808,6 +808,8 @@ async fn filesystem(
 const MAX_WATCHERS: usize = 64;
 /// The most entries a watcher follows (a larger tree is watched to this many entries).
 const WATCH_LIMIT: usize = 10_000;
+/// The most directories one look lists (each listing is a file operation in the cell).
+const WATCH_DIRS: usize = 256;
 
 /// A directory watched by polling: what it held when last looked at, by path relative to the
 /// watched directory (kind, size, modification time).
@@ -915,9 +917,14 @@ async fn scan(
 ) -> Result<BTreeMap<String, (FileKind, u64, u64)>, HarnessError> {
     let mut out = BTreeMap::new();
     let mut level = vec![String::new()];
+    let mut listed_dirs = 0;
     for _ in 0..if recursive { 16 } else { 1 } {
         let mut next = Vec::new();
         for dir in level {
+            listed_dirs += 1;
+            if listed_dirs > WATCH_DIRS {
+                return Ok(out);
+            }
             let path = if dir.is_empty() {
                 rel.to_owned()
             } else {

@@ -117,8 +117,9 @@ impl Listener for tokio::net::TcpListener {
     async fn accept(&self) -> std::io::Result<(Self::Stream, Self::Peer)> {
         let (stream, peer) = tokio::net::TcpListener::accept(self).await?;
         // Streamed answers go out as many small writes (events, envelopes): with Nagle's
-        // algorithm each waited for the peer's delayed ACK, 40 ms a stream.
-        stream.set_nodelay(true)?;
+        // algorithm each waited for the peer's delayed ACK, 40 ms a stream. A socket that
+        // refuses the option is served all the same: the listener must not fail for one.
+        let _ = stream.set_nodelay(true);
         Ok((stream, peer))
     }
 }
