@@ -146,6 +146,10 @@ async def async_flow():
     await until(("new.txt", "REMOVE"))
     await handle.stop()
     await sbx.kill()
+    # The SDK's stop() leaves the watch's HTTP stream to the interpreter's exit, where the 2.6x
+    # SDK's transport (pyqwest) can abort the process on a stream still open: the warden ends
+    # the stream once the sandbox is gone (its next look fails), so give it that look.
+    await asyncio.sleep(0.6)
     return sbx.sandbox_id
 
 
