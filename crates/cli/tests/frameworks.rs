@@ -28,7 +28,13 @@ fn packages(folder: &str, module: &str, install: &str) -> PathBuf {
 }
 
 /// Runs a framework's client script against the daemon's E2B API; returns its sandbox's id.
-fn drive(daemon: &Daemon, script: &str, packages: &PathBuf, args: &[&str], marker: &str) -> String {
+fn drive(
+    daemon: &Daemon,
+    script: &str,
+    packages: &std::path::Path,
+    args: &[&str],
+    marker: &str,
+) -> String {
     let addr = std::fs::read_to_string(daemon.runtime().join("e2b.addr")).unwrap();
     let key = std::fs::read_to_string(daemon.runtime().join("e2b.key")).unwrap();
     let mut command = Command::new("python3");
@@ -117,30 +123,26 @@ fn deepagents_runs_on_langchain_e2b_in_a_cell_through_the_e2b_api() {
     daemon.assert_journal_verifies();
 }
 
-#[test]
-fn deepagents_on_wardens_own_backend_waits_for_approval_and_applies_what_was_reviewed() {
+/// Runs a client of Warden's own backend for a framework, on a daemon's cell over a host
+/// project, with the SDK (and `extra` folders) on PYTHONPATH: the command the policy held must
+/// be asked and answered, and the reviewed change applied, all in the journal.
+fn native(packages: &std::path::Path, extra: &[&str], script: &str) {
     let daemon = Daemon::start(&[]);
-    let packages = packages(
-        "deepagents-langchain-e2b-0.0.6",
-        "deepagents",
-        "langchain-e2b==0.0.6 langchain-openai==1.7.4",
-    );
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
     let project = support::tempdir();
     std::fs::write(project.path().join("main.py"), "print('hi')\n").unwrap();
     let marker = support::unique("native");
+    let mut path: Vec<String> = std::iter::once("sdk/python/src")
+        .chain(extra.iter().copied())
+        .map(|p| format!("{root}/{p}"))
+        .collect();
+    path.push(packages.display().to_string());
     let mut command = Command::new("python3");
     command
-        .env(
-            "PYTHONPATH",
-            format!(
-                "{root}/sdk/python/src:{root}/sdk/python/examples:{}",
-                packages.display()
-            ),
-        )
+        .env("PYTHONPATH", path.join(":"))
         .env("WARDEN_RUNTIME_DIR", daemon.runtime())
         .env("WORKSPACE", project.path());
-    let cell = run_client(command, "deepagents_native_client.py", &[], &marker);
+    let cell = run_client(command, script, &[], &marker);
     for kind in [
         "approval.ask",
         "approval.answer",
@@ -156,36 +158,25 @@ fn deepagents_on_wardens_own_backend_waits_for_approval_and_applies_what_was_rev
 }
 
 #[test]
+fn deepagents_on_wardens_own_backend_waits_for_approval_and_applies_what_was_reviewed() {
+    let packages = packages(
+        "deepagents-langchain-e2b-0.0.6",
+        "deepagents",
+        "langchain-e2b==0.0.6 langchain-openai==1.7.4",
+    );
+    native(
+        &packages,
+        &["sdk/python/examples"],
+        "deepagents_native_client.py",
+    );
+}
+
+#[test]
 fn the_openai_agents_sdk_on_wardens_own_client_waits_for_approval_and_applies_what_was_reviewed() {
-    let daemon = Daemon::start(&[]);
     let packages = packages(
         "openai-agents-0.24.0",
         "agents",
         "openai-agents[e2b]==0.24.0",
     );
-    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
-    let project = support::tempdir();
-    std::fs::write(project.path().join("main.py"), "print('hi')\n").unwrap();
-    let marker = support::unique("native");
-    let mut command = Command::new("python3");
-    command
-        .env(
-            "PYTHONPATH",
-            format!("{root}/sdk/python/src:{}", packages.display()),
-        )
-        .env("WARDEN_RUNTIME_DIR", daemon.runtime())
-        .env("WORKSPACE", project.path());
-    let cell = run_client(command, "agents_native_client.py", &[], &marker);
-    for kind in [
-        "approval.ask",
-        "approval.answer",
-        "exec.start",
-        "workspace.apply",
-    ] {
-        assert!(
-            !journaled(&daemon, &cell, kind).is_empty(),
-            "no {kind} for {cell} in the journal"
-        );
-    }
-    daemon.assert_journal_verifies();
+    native(&packages, &[], "agents_native_client.py");
 }

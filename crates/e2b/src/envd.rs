@@ -128,6 +128,26 @@ fn e2b_path(rel: &str) -> String {
     }
 }
 
+/// The value of a result, or, from the handler, its error's answer.
+macro_rules! or_answer {
+    ($result:expr) => {
+        match $result {
+            Ok(value) => value,
+            Err(answer) => return answer,
+        }
+    };
+}
+
+/// How often a stream's client asked for keepalives (`Keepalive-Ping-Interval`, seconds).
+fn keepalive_of(headers: &HeaderMap) -> Option<Duration> {
+    headers
+        .get("keepalive-ping-interval")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|s| *s > 0)
+        .map(Duration::from_secs)
+}
+
 fn json_of<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, Response> {
     serde_json::from_slice(bytes).map_err(|e| {
         connect_error(
@@ -148,25 +168,14 @@ async fn process(
     bytes: Bytes,
 ) -> Response {
     let cell = sandbox_of(&headers);
-    let keepalive = headers
-        .get("keepalive-ping-interval")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok())
-        .filter(|s| *s > 0)
-        .map(Duration::from_secs);
+    let keepalive = keepalive_of(&headers);
     match method.as_str() {
         "Start" => {
-            let request: wire::StartRequest = match streamed(&bytes) {
-                Ok(r) => r,
-                Err(e) => return e,
-            };
+            let request: wire::StartRequest = or_answer!(streamed(&bytes));
             start(state, cell, request, keepalive).await
         }
         "Connect" => {
-            let request: wire::Selected = match streamed(&bytes) {
-                Ok(r) => r,
-                Err(e) => return e,
-            };
+            let request: wire::Selected = or_answer!(streamed(&bytes));
             match select(&state, &cell, &request.process) {
                 Ok(process) => {
                     // From now on: what was printed before was for the first reader.
@@ -205,10 +214,7 @@ async fn process(
             Err(err) => failed(err),
         },
         "SendInput" => {
-            let request: wire::SendInput = match json_of(&bytes) {
-                Ok(r) => r,
-                Err(e) => return e,
-            };
+            let request: wire::SendInput = or_answer!(json_of(&bytes));
             let data = match (request.input.stdin, request.input.pty) {
                 (Some(data), None) | (None, Some(data)) => data,
                 _ => return connect_error("invalid_argument", "`input` needs `stdin` or `pty`"),
@@ -224,10 +230,7 @@ async fn process(
             }
         }
         "CloseStdin" => {
-            let request: wire::Selected = match json_of(&bytes) {
-                Ok(r) => r,
-                Err(e) => return e,
-            };
+            let request: wire::Selected = or_answer!(json_of(&bytes));
             match select(&state, &cell, &request.process) {
                 Ok(process) => unary(
                     state
@@ -239,10 +242,7 @@ async fn process(
             }
         }
         "SendSignal" => {
-            let request: wire::SendSignal = match json_of(&bytes) {
-                Ok(r) => r,
-                Err(e) => return e,
-            };
+            let request: wire::SendSignal = or_answer!(json_of(&bytes));
             let Some(signal) = request.number() else {
                 return connect_error(
                     "invalid_argument",
@@ -258,10 +258,7 @@ async fn process(
             }
         }
         "Update" => {
-            let request: wire::Update = match json_of(&bytes) {
-                Ok(r) => r,
-                Err(e) => return e,
-            };
+            let request: wire::Update = or_answer!(json_of(&bytes));
             let Some(pty) = request.pty else {
                 return axum::Json(json!({})).into_response();
             };
@@ -417,6 +414,34 @@ fn absolute_cwd(cwd: &str) -> Result<String, Response> {
     }
 }
 
+/// The sending end of a streamed Connect answer: one envelope at a time.
+#[derive(Debug, Clone)]
+struct Envelopes(tokio::sync::mpsc::Sender<Result<Bytes, Infallible>>);
+
+impl Envelopes {
+    /// Sends one envelope; `false` once the client has gone.
+    async fn send(&self, flags: u8, message: Value) -> bool {
+        let envelope = Bytes::from(envelope(flags, &message));
+        self.0.send(Ok(envelope)).await.is_ok()
+    }
+
+    /// Returns once the client has gone.
+    async fn closed(&self) {
+        self.0.closed().await
+    }
+}
+
+/// A streamed Connect answer, and what sends its envelopes.
+fn connect_stream() -> (Envelopes, Response) {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, Infallible>>(64);
+    let mut response = Body::from_stream(ReceiverStream::new(rx)).into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/connect+json"),
+    );
+    (Envelopes(tx), response)
+}
+
 fn stream_error(code: &str, message: &str) -> Response {
     streaming(vec![envelope(
         END_STREAM,
@@ -432,17 +457,10 @@ fn stream(
     keepalive: Option<Duration>,
     tty: bool,
 ) -> Response {
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, Infallible>>(64);
+    let (tx, response) = connect_stream();
     let pid = process.info().id;
     tokio::spawn(async move {
-        let send = |message: Value, flags: u8| {
-            let tx = tx.clone();
-            async move {
-                tx.send(Ok(Bytes::from(envelope(flags, &message))))
-                    .await
-                    .is_ok()
-            }
-        };
+        let send = |message: Value, flags: u8| tx.send(flags, message);
         if !send(json!({ "event": { "start": { "pid": pid } } }), 0).await {
             return;
         }
@@ -522,11 +540,6 @@ fn stream(
             }
         }
     });
-    let mut response = Body::from_stream(ReceiverStream::new(rx)).into_response();
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static("application/connect+json"),
-    );
     response
 }
 
@@ -597,28 +610,16 @@ async fn filesystem(
     let h = &state.harness;
     match method.as_str() {
         "Stat" => {
-            let request: wire::PathRequest = match json_of(&bytes) {
-                Ok(r) => r,
-                Err(e) => return e,
-            };
-            let rel = match cell_path(&request.path) {
-                Ok(p) => p,
-                Err(e) => return e,
-            };
+            let request: wire::PathRequest = or_answer!(json_of(&bytes));
+            let rel = or_answer!(cell_path(&request.path));
             match h.stat_file(&cell, &rel).await {
                 Ok(info) => axum::Json(json!({ "entry": entry(&rel, &info) })).into_response(),
                 Err(err) => failed(err),
             }
         }
         "ListDir" => {
-            let request: wire::ListDir = match json_of(&bytes) {
-                Ok(r) => r,
-                Err(e) => return e,
-            };
-            let rel = match cell_path(&request.path) {
-                Ok(p) => p,
-                Err(e) => return e,
-            };
+            let request: wire::ListDir = or_answer!(json_of(&bytes));
+            let rel = or_answer!(cell_path(&request.path));
             let depth = request.depth.unwrap_or(1).clamp(1, 16);
             let mut entries = Vec::new();
             let mut level = vec![rel];
@@ -642,14 +643,8 @@ async fn filesystem(
             axum::Json(json!({ "entries": entries })).into_response()
         }
         "MakeDir" => {
-            let request: wire::PathRequest = match json_of(&bytes) {
-                Ok(r) => r,
-                Err(e) => return e,
-            };
-            let rel = match cell_path(&request.path) {
-                Ok(p) => p,
-                Err(e) => return e,
-            };
+            let request: wire::PathRequest = or_answer!(json_of(&bytes));
+            let rel = or_answer!(cell_path(&request.path));
             if h.stat_file(&cell, &rel).await.is_ok() {
                 return connect_error("already_exists", format!("{} exists", request.path));
             }
@@ -662,10 +657,7 @@ async fn filesystem(
             }
         }
         "Move" => {
-            let request: wire::Move = match json_of(&bytes) {
-                Ok(r) => r,
-                Err(e) => return e,
-            };
+            let request: wire::Move = or_answer!(json_of(&bytes));
             let (from, to) = match (cell_path(&request.source), cell_path(&request.destination)) {
                 (Ok(from), Ok(to)) => (from, to),
                 (Err(e), _) | (_, Err(e)) => return e,
@@ -679,25 +671,13 @@ async fn filesystem(
             }
         }
         "Remove" => {
-            let request: wire::PathRequest = match json_of(&bytes) {
-                Ok(r) => r,
-                Err(e) => return e,
-            };
-            let rel = match cell_path(&request.path) {
-                Ok(p) => p,
-                Err(e) => return e,
-            };
+            let request: wire::PathRequest = or_answer!(json_of(&bytes));
+            let rel = or_answer!(cell_path(&request.path));
             unary(h.remove(&cell, &rel, true).await)
         }
         "CreateWatcher" => {
-            let request: wire::Watch = match json_of(&bytes) {
-                Ok(r) => r,
-                Err(e) => return e,
-            };
-            let rel = match cell_path(&request.path) {
-                Ok(p) => p,
-                Err(e) => return e,
-            };
+            let request: wire::Watch = or_answer!(json_of(&bytes));
+            let rel = or_answer!(cell_path(&request.path));
             let seen = match scan(&state, &cell, &rel, request.recursive).await {
                 Ok(seen) => seen,
                 Err(err) => return failed(err),
@@ -724,10 +704,7 @@ async fn filesystem(
             axum::Json(json!({ "watcherId": id })).into_response()
         }
         "GetWatcherEvents" => {
-            let request: wire::WatcherId = match json_of(&bytes) {
-                Ok(r) => r,
-                Err(e) => return e,
-            };
+            let request: wire::WatcherId = or_answer!(json_of(&bytes));
             let watcher = state.sandboxes.lock().ok().and_then(|s| {
                 s.get(&cell)
                     .and_then(|s| s.watchers.get(&request.id).cloned())
@@ -748,10 +725,7 @@ async fn filesystem(
             axum::Json(json!({ "events": events })).into_response()
         }
         "RemoveWatcher" => {
-            let request: wire::WatcherId = match json_of(&bytes) {
-                Ok(r) => r,
-                Err(e) => return e,
-            };
+            let request: wire::WatcherId = or_answer!(json_of(&bytes));
             let removed = state.sandboxes.lock().ok().and_then(|mut s| {
                 s.get_mut(&cell)
                     .and_then(|s| s.watchers.remove(&request.id))
@@ -762,10 +736,7 @@ async fn filesystem(
             }
         }
         "WatchDir" => {
-            let request: wire::Watch = match streamed(&bytes) {
-                Ok(r) => r,
-                Err(e) => return e,
-            };
+            let request: wire::Watch = or_answer!(streamed(&bytes));
             let rel = match cell_path(&request.path) {
                 Ok(p) => p,
                 Err(_) => {
@@ -778,12 +749,7 @@ async fn filesystem(
                     );
                 }
             };
-            let keepalive = headers
-                .get("keepalive-ping-interval")
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.parse::<u64>().ok())
-                .filter(|s| *s > 0)
-                .map(Duration::from_secs);
+            let keepalive = keepalive_of(&headers);
             let seen = match scan(&state, &cell, &rel, request.recursive).await {
                 Ok(seen) => seen,
                 Err(err) => return stream_error(code_of(err.kind), &err.message),
@@ -855,16 +821,9 @@ fn watch_stream(
     mut watcher: Watcher,
     keepalive: Option<Duration>,
 ) -> Response {
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, Infallible>>(64);
+    let (tx, response) = connect_stream();
     tokio::spawn(async move {
-        let send = |message: Value, flags: u8| {
-            let tx = tx.clone();
-            async move {
-                tx.send(Ok(Bytes::from(envelope(flags, &message))))
-                    .await
-                    .is_ok()
-            }
-        };
+        let send = |message: Value, flags: u8| tx.send(flags, message);
         if !send(json!({ "start": {} }), 0).await {
             return;
         }
@@ -900,11 +859,6 @@ fn watch_stream(
             }
         }
     });
-    let mut response = Body::from_stream(ReceiverStream::new(rx)).into_response();
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static("application/connect+json"),
-    );
     response
 }
 

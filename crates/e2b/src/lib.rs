@@ -29,6 +29,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
+use subtle::ConstantTimeEq as _;
 use warden_harness::{ErrorKind, Harness, HarnessError};
 
 pub use wire::{ENVD_VERSION, HOME};
@@ -163,15 +164,7 @@ fn api_error(status: StatusCode, message: impl Into<String>) -> Response {
 }
 
 fn status_of(kind: ErrorKind) -> StatusCode {
-    match kind {
-        ErrorKind::BadRequest => StatusCode::BAD_REQUEST,
-        ErrorKind::Forbidden => StatusCode::FORBIDDEN,
-        ErrorKind::NotFound => StatusCode::NOT_FOUND,
-        ErrorKind::Conflict => StatusCode::CONFLICT,
-        ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-        ErrorKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
-        ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
-    }
+    StatusCode::from_u16(kind.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
 }
 
 fn harness_error(err: HarnessError) -> Response {
@@ -219,7 +212,7 @@ async fn auth(
             Some(expected)
                 if expected
                     .iter()
-                    .any(|d| constant_time_eq(given.as_bytes(), d.as_bytes())) => {}
+                    .any(|d| bool::from(given.as_bytes().ct_eq(d.as_bytes()))) => {}
             Some(_) => {
                 return envd::connect_error(
                     "unauthenticated",
@@ -233,17 +226,13 @@ async fn auth(
                 );
             }
         }
-    } else if !constant_time_eq(header("x-api-key").as_bytes(), state.key.as_bytes()) {
+    } else if !bool::from(header("x-api-key").as_bytes().ct_eq(state.key.as_bytes())) {
         return api_error(
             StatusCode::UNAUTHORIZED,
             "a valid X-API-KEY is required: the key `warden serve --e2b` wrote to e2b.key in its runtime directory (E2B_API_KEY)",
         );
     }
     next.run(request).await
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// Ends sandboxes whose timeout passed: killed and deleted, or paused with `autoPause`.

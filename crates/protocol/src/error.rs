@@ -22,6 +22,22 @@ pub enum ErrorCode {
     Internal,
 }
 
+impl ErrorCode {
+    /// The HTTP status of the code: the one mapping every HTTP face (the API, the E2B API)
+    /// answers with.
+    pub fn http_status(self) -> u16 {
+        match self {
+            Self::BadRequest => 400,
+            Self::Forbidden => 403,
+            Self::NotFound => 404,
+            Self::Conflict => 409,
+            Self::TooLarge => 413,
+            Self::Unavailable => 503,
+            Self::Internal => 500,
+        }
+    }
+}
+
 /// An error as the API answers it: `{"error": "...", "code": "...", "hint": "..."}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct ErrorBody {

@@ -199,19 +199,7 @@ impl Registry {
     /// descriptors, say) is an error, never taken for the cell's end.
     fn is_live(&self, name: &str) -> Result<bool, RegistryError> {
         let path = self.cell_dir(name).join("lock");
-        let file = match File::open(&path) {
-            Ok(file) => file,
-            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(false),
-            Err(source) => return Err(RegistryError::Io { path, source }),
-        };
-        match Flock::lock(file, FlockArg::LockSharedNonblock) {
-            Ok(_released_on_drop) => Ok(false),
-            Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(true),
-            Err((_, errno)) => Err(RegistryError::Io {
-                path,
-                source: errno.into(),
-            }),
-        }
+        locked(&path).map_err(|source| RegistryError::Io { path, source })
     }
 
     /// Reads the record of a live cell: `NotFound` only when the cell is gone.
@@ -251,7 +239,8 @@ impl Registry {
                     .ok()
                     .and_then(|t| t.elapsed().ok())
                     .is_some_and(|age| age > std::time::Duration::from_secs(60));
-                if old && !locked(&entry.path().join("lock")) {
+                // (A lock that cannot be told is left alone, as a live one.)
+                if old && matches!(locked(&entry.path().join("lock")), Ok(false)) {
                     let _ = fs::remove_dir_all(entry.path());
                 }
                 continue;
@@ -286,13 +275,17 @@ impl Registry {
 }
 
 /// Whether someone holds the lock at `path` (a missing file is nobody's).
-fn locked(path: &Path) -> bool {
-    File::open(path).is_ok_and(|file| {
-        matches!(
-            Flock::lock(file, FlockArg::LockSharedNonblock),
-            Err((_, nix::errno::Errno::EWOULDBLOCK))
-        )
-    })
+fn locked(path: &Path) -> io::Result<bool> {
+    let file = match File::open(path) {
+        Ok(file) => file,
+        Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(false),
+        Err(err) => return Err(err),
+    };
+    match Flock::lock(file, FlockArg::LockSharedNonblock) {
+        Ok(_released_on_drop) => Ok(false),
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(true),
+        Err((_, errno)) => Err(errno.into()),
+    }
 }
 
 /// Removes what a warden that died (SIGKILL, power cut) left of its cell: the cell's processes

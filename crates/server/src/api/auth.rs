@@ -6,6 +6,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use std::sync::Arc;
+use subtle::ConstantTimeEq as _;
 
 use super::*;
 
@@ -59,7 +60,7 @@ pub(super) async fn require_token(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .unwrap_or("");
-    if constant_time_eq(given.as_bytes(), token.as_bytes()) {
+    if bool::from(given.as_bytes().ct_eq(token.as_bytes())) {
         let peer = request
             .extensions()
             .get::<ConnectInfo<std::net::SocketAddr>>()
@@ -90,11 +91,4 @@ pub(super) async fn require_token(
         );
         response
     }
-}
-
-pub(super) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }

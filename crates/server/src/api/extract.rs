@@ -6,7 +6,7 @@ use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
-use warden_harness::{ErrorKind, HarnessError};
+use warden_harness::HarnessError;
 
 /// An error as the API answers it: a status and `{"error": "..."}`.
 #[derive(Debug)]
@@ -17,16 +17,8 @@ pub struct ApiError {
 
 impl From<HarnessError> for ApiError {
     fn from(err: HarnessError) -> Self {
-        // The one mapping of the core's error codes onto HTTP statuses.
-        let status = match err.kind {
-            ErrorKind::BadRequest => StatusCode::BAD_REQUEST,
-            ErrorKind::Forbidden => StatusCode::FORBIDDEN,
-            ErrorKind::NotFound => StatusCode::NOT_FOUND,
-            ErrorKind::Conflict => StatusCode::CONFLICT,
-            ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            ErrorKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
-            ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
-        };
+        let status = StatusCode::from_u16(err.kind.http_status())
+            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         Self {
             status,
             message: err.message,

@@ -10,8 +10,7 @@ use hyper_util::rt::TokioIo;
 
 use super::*;
 
-/// The `Upgrade` protocol of `GET /v1/mcp`.
-pub const MCP_UPGRADE: &str = warden_protocol::MCP_UPGRADE;
+use warden_protocol::MCP_UPGRADE;
 
 pub(super) async fn mcp_stream(
     State(harness): State<Shared>,
