@@ -139,13 +139,7 @@ its network, files, command rules and limits. Answers the cell's name and state.
             from: args.from,
             secrets: Default::default(),
         };
-        Ok(match self.harness.create(request).await {
-            Ok(cell) => {
-                let text = format!("cell `{}` is {}", cell.name, cell.state.name());
-                answer(&cell, text)
-            }
-            Err(err) => failed(err),
-        })
+        Ok(self.made(request).await)
     }
 
     #[tool(description = "List the cells: name, state (running, paused, ended), workspace.")]
@@ -521,13 +515,7 @@ workspace; both go on separately."
             labels: [("made-by".to_owned(), "mcp".to_owned())].into(),
             ..Default::default()
         };
-        Ok(match self.harness.create(request).await {
-            Ok(cell) => {
-                let text = format!("cell `{}` is {}", cell.name, cell.state.name());
-                answer(&cell, text)
-            }
-            Err(err) => failed(err),
-        })
+        Ok(self.made(request).await)
     }
 
     #[tool(
@@ -576,6 +564,19 @@ the policies hold for approval, with the rule that asked."
                 Err(err) => failed(err),
             },
         )
+    }
+}
+
+impl Tools {
+    /// Makes a cell (a new one, or a fork) and answers with it.
+    async fn made(&self, request: warden_protocol::CreateCell) -> CallToolResult {
+        match self.harness.create(request).await {
+            Ok(cell) => {
+                let text = format!("cell `{}` is {}", cell.name, cell.state.name());
+                answer(&cell, text)
+            }
+            Err(err) => failed(err),
+        }
     }
 }
 
