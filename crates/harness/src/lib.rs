@@ -18,6 +18,7 @@ mod process;
 mod record;
 mod state;
 mod supervise;
+pub mod tools;
 mod workspace;
 
 use std::collections::HashMap;

@@ -450,6 +450,25 @@ impl Harness {
             .await
     }
 
+    /// Holds an effect a face decides to ask about (a tool of the warden's agent loop in `ask`
+    /// mode) until a person answers, in the same queue as every other question, under the
+    /// cell's policy's approval timeout. `request` says what is asked; a standing grant of it
+    /// (scope `cell` or `always`) answers it from then on.
+    pub async fn ask(&self, name: &str, request: String, rule: String) -> Result<(), HarnessError> {
+        let approvals = self
+            .policy_of(name)
+            .ok_or_else(|| HarnessError::not_found(name))?
+            .approvals;
+        if self.ephemeral {
+            return Err(HarnessError::new(
+                ErrorKind::Forbidden,
+                format!("`{request}` waits for a person's approval ({rule}), and without a daemon nobody can answer: start `warden serve`"),
+            ));
+        }
+        self.ask_person(name, request.clone(), request, rule, &approvals)
+            .await
+    }
+
     /// Holds an effect until a person answers (or a standing grant covers `grant`, or the
     /// policy's timeout decides).
     pub(crate) async fn ask_person(

@@ -8,7 +8,6 @@
 //! not fit a tool's schema are a protocol error.
 
 mod args;
-mod output;
 
 use std::sync::Arc;
 
@@ -20,10 +19,10 @@ use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer, ServerHandler, tool, tool_handler, tool_router};
 use serde::Serialize;
 use serde_json::{Value, json};
-use warden_harness::{Caller, ErrorKind, ExecSpec, Harness, HarnessError, Item, KillOnDrop};
+use warden_harness::{Caller, ErrorKind, ExecSpec, Harness, HarnessError};
 
 use args::*;
-use output::Capped;
+use warden_harness::tools::{Ran, edit_text, run_to_end};
 
 /// The most of each output stream (stdout, stderr) an exec's result holds: its head and its
 /// tail, with what was left out between them counted.
@@ -304,22 +303,15 @@ if it exists. The write goes to the cell's copy-on-write layer, not to the host.
                 args.path
             ))));
         };
-        let found = text.matches(&args.old_text).count();
-        let edited = match (found, args.replace_all) {
-            (0, _) => {
-                return Ok(failed(HarnessError::bad(format!(
-                    "`old_text` does not occur in {}; read the file and copy the text exactly",
-                    args.path
-                ))));
-            }
-            (1, _) | (_, true) => text.replace(&args.old_text, &args.new_text),
-            (n, false) => {
-                return Ok(failed(HarnessError::bad(format!(
-                    "`old_text` occurs {n} times in {}; give more of the text around it, or \
-                     `replace_all`",
-                    args.path
-                ))));
-            }
+        let (edited, found) = match edit_text(
+            &args.path,
+            &text,
+            &args.old_text,
+            &args.new_text,
+            args.replace_all,
+        ) {
+            Ok(edited) => edited,
+            Err(err) => return Ok(failed(err)),
         };
         Ok(
             match self
@@ -590,45 +582,6 @@ impl ServerHandler for Tools {
     }
 }
 
-/// A command run to its end, as a tool answers it.
-#[derive(Debug, Serialize)]
-struct Ran {
-    exit: warden_protocol::ExitInfo,
-    /// The exit status a shell would show (128 + the signal for a signal, and so on).
-    status: i32,
-    stdout: String,
-    stderr: String,
-    /// Output the warden could not keep for this reader (a flood).
-    dropped_bytes: u64,
-}
-
-impl Ran {
-    fn text(&self) -> String {
-        let mut text = match self.exit.reason {
-            warden_protocol::ExitReason::Exited => format!("exit {}", self.status),
-            reason => format!(
-                "ended: {}{} (status {})",
-                serde_json::to_value(reason)
-                    .ok()
-                    .and_then(|v| v.as_str().map(str::to_owned))
-                    .unwrap_or_default(),
-                self.exit
-                    .message
-                    .as_deref()
-                    .map(|m| format!(", {m}"))
-                    .unwrap_or_default(),
-                self.status
-            ),
-        };
-        for (name, stream) in [("stdout", &self.stdout), ("stderr", &self.stderr)] {
-            if !stream.is_empty() {
-                text.push_str(&format!("\n--- {name} ---\n{stream}"));
-            }
-        }
-        text
-    }
-}
-
 /// Runs a command to its end, streaming its output to the caller as progress notifications
 /// when the call asked for progress. A call cancelled, or a caller gone, kills the command.
 async fn run(
@@ -639,47 +592,25 @@ async fn run(
     limit: usize,
 ) -> Result<Ran, HarnessError> {
     let process = harness.exec(cell, spec).await?;
-    let _kill = KillOnDrop(Arc::clone(&process));
     let token = context.and_then(|c| c.meta.get_progress_token());
     let cancelled = context.map(|c| c.ct.clone()).unwrap_or_default();
-    let mut streams = [Capped::new(limit), Capped::new(limit)];
-    let mut dropped = 0;
-    let mut cursor = 0;
     let mut step = 0.0;
-    let exit = loop {
-        let item = tokio::select! {
-            item = process.next(&mut cursor) => item,
-            () = cancelled.cancelled() => {
-                return Err(HarnessError::new(ErrorKind::Conflict, "the call was cancelled; the command was killed"));
+    run_to_end(process, limit, cancelled.cancelled_owned(), |_, bytes| {
+        step += 1.0;
+        let progress = token.clone().zip(context).map(|(token, context)| {
+            let text = String::from_utf8_lossy(bytes).into_owned();
+            (
+                context,
+                ProgressNotificationParam::new(token, step).with_message(text),
+            )
+        });
+        async move {
+            if let Some((context, progress)) = progress {
+                let _ = context.peer.notify_progress(progress).await;
             }
-        };
-        match item {
-            Item::Output(stream, bytes) => {
-                let index = usize::from(stream == warden_protocol::Stream::Stderr);
-                streams[index].push(&bytes);
-                if let (Some(token), Some(context)) = (&token, context) {
-                    step += 1.0;
-                    let text = String::from_utf8_lossy(&bytes).into_owned();
-                    let _ = context
-                        .peer
-                        .notify_progress(
-                            ProgressNotificationParam::new(token.clone(), step).with_message(text),
-                        )
-                        .await;
-                }
-            }
-            Item::Dropped(bytes) => dropped += bytes,
-            Item::Exit(exit) => break exit,
         }
-    };
-    let [stdout, stderr] = streams;
-    Ok(Ran {
-        status: exit.status(),
-        exit,
-        stdout: stdout.text(),
-        stderr: stderr.text(),
-        dropped_bytes: dropped,
     })
+    .await
 }
 
 /// Serves the tools over a byte stream (stdio, or an upgraded connection of the daemon's)
