@@ -462,7 +462,9 @@ impl Harness {
         if self.ephemeral {
             return Err(HarnessError::new(
                 ErrorKind::Forbidden,
-                format!("`{request}` waits for a person's approval ({rule}), and without a daemon nobody can answer: start `warden serve`"),
+                format!(
+                    "`{request}` waits for a person's approval ({rule}), and without a daemon nobody can answer: start `warden serve`"
+                ),
             ));
         }
         self.ask_person(name, request.clone(), request, rule, &approvals)

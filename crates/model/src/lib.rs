@@ -154,35 +154,7 @@ impl Format {
 /// The `anthropic-version` header sent with every Messages request.
 pub const ANTHROPIC_VERSION: &str = "2023-06-01";
 
-/// One entry of a conversation, in no provider's shape.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case")]
-pub enum Item {
-    /// The user's words: the task, or an operator's instruction.
-    User { text: String },
-    /// The model's turn: what it said and the tools it called.
-    Assistant {
-        text: String,
-        #[serde(default)]
-        calls: Vec<ToolCall>,
-    },
-    /// What a tool call gave back.
-    Result {
-        call_id: String,
-        output: String,
-        #[serde(default)]
-        error: bool,
-    },
-}
-
-/// A tool the model asked for. `arguments` is the JSON text as the model wrote it (it may not
-/// parse: the loop tells the model so).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ToolCall {
-    pub id: String,
-    pub name: String,
-    pub arguments: String,
-}
+pub use warden_protocol::agents::{Item, ToolCall};
 
 /// A tool offered to the model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

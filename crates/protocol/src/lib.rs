@@ -3,6 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
+pub mod agents;
 pub mod approvals;
 pub mod cells;
 pub mod error;
@@ -10,6 +11,10 @@ pub mod exec;
 pub mod files;
 pub mod workspace;
 
+pub use agents::{
+    AgentAction, AgentInfo, AgentState, Budgets, ForkAgent, Rewind, Say, StartAgent, TokenUsage,
+    ToolMode, Transcript, TurnInfo,
+};
 pub use approvals::{Answer, Approval, Decision, Scope};
 pub use cells::{CellInfo, CellState, CellSummary, ControlAction, CreateCell};
 pub use error::{ErrorBody, ErrorCode};

@@ -1,0 +1,286 @@
+//! The model client: one request to a model API in its wire format, streamed, with retries.
+//!
+//! It is `reqwest` (TLS by rustls with the ring provider, roots from the platform's store), and
+//! the warden's own decoders of the three formats (`warden-model`), which the egress gateway
+//! shares: no SDK covers the three, and the gateway must read the same streams anyway.
+
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt as _;
+use warden_model::{Delta, Format, Reply, Request, WireError};
+
+/// The most one reply's body may hold.
+const REPLY_LIMIT: usize = 32 << 20;
+/// Tries per request, for failures worth another try.
+const ATTEMPTS: u32 = 4;
+/// The first wait before another try; it doubles each time.
+const BACKOFF: Duration = Duration::from_millis(500);
+/// The longest a `Retry-After` is waited.
+const LONGEST_WAIT: Duration = Duration::from_secs(30);
+
+/// A model at an endpoint, with the key the warden holds for it.
+#[derive(Clone)]
+pub struct Model {
+    pub format: Format,
+    pub name: String,
+    pub base_url: String,
+    key: Option<String>,
+    http: reqwest::Client,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model")
+            .field("format", &self.format)
+            .field("name", &self.name)
+            .field("base_url", &self.base_url)
+            .field("key", &self.key.as_ref().map(|_| "(held)"))
+            .finish()
+    }
+}
+
+/// A request that got its reply.
+#[derive(Debug)]
+pub struct Called {
+    pub reply: Reply,
+    pub latency: Duration,
+    pub attempts: u32,
+    pub request_bytes: usize,
+    pub reply_bytes: usize,
+}
+
+/// Why a request got no reply.
+#[derive(Debug, Clone)]
+pub struct ModelError {
+    pub message: String,
+    /// Whether another try could help (a 429, a 5xx, a cut stream, a connection refused).
+    pub retryable: bool,
+    /// The wait the API asked for.
+    retry_after: Option<Duration>,
+    pub attempts: u32,
+}
+
+impl std::fmt::Display for ModelError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl Model {
+    /// `spec` is `PROVIDER:MODEL`; `base_url` the API root (the provider's when none).
+    pub fn new(spec: &str, base_url: Option<&str>, key: Option<String>) -> Result<Self, String> {
+        let (provider, name) = spec.split_once(':').ok_or_else(|| {
+            format!(
+                "model `{spec}`: give PROVIDER:MODEL, PROVIDER one of {}",
+                Format::PROVIDERS
+            )
+        })?;
+        let format = Format::from_provider(provider).ok_or_else(|| {
+            format!(
+                "model `{spec}`: no provider `{provider}`; the providers are {}",
+                Format::PROVIDERS
+            )
+        })?;
+        if name.is_empty() {
+            return Err(format!(
+                "model `{spec}`: the model's name after `{provider}:` is empty"
+            ));
+        }
+        let base_url = base_url
+            .unwrap_or(format.default_base_url())
+            .trim_end_matches('/')
+            .to_owned();
+        let url = reqwest::Url::parse(&base_url)
+            .map_err(|e| format!("base URL `{base_url}` is not a URL: {e}"))?;
+        if !matches!(url.scheme(), "http" | "https") {
+            return Err(format!(
+                "base URL `{base_url}`: only http and https are spoken"
+            ));
+        }
+        // One process-wide TLS provider; another part of the warden may have set it already.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(10))
+            .read_timeout(Duration::from_secs(300))
+            .no_proxy()
+            .tcp_nodelay(true)
+            .build()
+            .map_err(|e| format!("making the model API's client: {e}"))?;
+        Ok(Self {
+            format,
+            name: name.to_owned(),
+            base_url,
+            key: key.filter(|k| !k.is_empty()),
+            http,
+        })
+    }
+
+    /// `PROVIDER:MODEL`.
+    pub fn spec(&self) -> String {
+        format!("{}:{}", self.format.provider(), self.name)
+    }
+
+    /// The key, for the journal's redactions (never for the journal itself).
+    pub fn key(&self) -> Option<&str> {
+        self.key.as_deref()
+    }
+
+    /// Sends a request (streamed) and reads its reply, trying again with backoff where that
+    /// can help. `on_delta` sees the text as it comes.
+    pub async fn call(
+        &self,
+        request: &Request<'_>,
+        mut on_delta: impl FnMut(Delta),
+    ) -> Result<Called, ModelError> {
+        let body = serde_json::to_vec(&self.format.body(request)).unwrap_or_default();
+        let started = Instant::now();
+        let mut wait = BACKOFF;
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match self.once(&body, &mut on_delta).await {
+                Ok((reply, reply_bytes)) => {
+                    return Ok(Called {
+                        reply,
+                        latency: started.elapsed(),
+                        attempts: attempt,
+                        request_bytes: body.len(),
+                        reply_bytes,
+                    });
+                }
+                Err(mut err) if !err.retryable || attempt >= ATTEMPTS => {
+                    err.attempts = attempt;
+                    if attempt > 1 {
+                        err.message = format!("{} (after {attempt} tries)", err.message);
+                    }
+                    return Err(err);
+                }
+                Err(err) => {
+                    let pause = err.retry_after.unwrap_or(wait).min(LONGEST_WAIT);
+                    tokio::time::sleep(pause).await;
+                    wait *= 2;
+                }
+            }
+        }
+    }
+
+    async fn once(
+        &self,
+        body: &[u8],
+        on_delta: &mut impl FnMut(Delta),
+    ) -> Result<(Reply, usize), ModelError> {
+        let url = format!("{}{}", self.base_url, self.format.path());
+        let mut request = self
+            .http
+            .post(&url)
+            .header("content-type", "application/json")
+            .header("accept", "text/event-stream")
+            .body(body.to_vec());
+        if let Some(key) = &self.key {
+            for (name, value) in self.format.headers(key) {
+                request = request.header(name, value);
+            }
+        } else if self.format == Format::Anthropic {
+            request = request.header("anthropic-version", warden_model::ANTHROPIC_VERSION);
+        }
+        let response = request.send().await.map_err(|e| ModelError {
+            message: format!("reaching the model API at {url}: {}", error_chain(&e)),
+            retryable: true,
+            retry_after: None,
+            attempts: 0,
+        })?;
+        let status = response.status();
+        if !status.is_success() {
+            let retry_after = response
+                .headers()
+                .get("retry-after")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.trim().parse::<f64>().ok())
+                .filter(|s| s.is_finite() && *s >= 0.0)
+                .map(Duration::from_secs_f64);
+            let text = response.text().await.unwrap_or_default();
+            let detail = serde_json::from_str(&text)
+                .ok()
+                .and_then(|v| warden_model::error_message(&v))
+                .unwrap_or_else(|| text.chars().take(300).collect());
+            let hint = match status.as_u16() {
+                401 | 403 => format!(
+                    "; check the key ({} in the environment of the command that started the session)",
+                    self.format.key_variable()
+                ),
+                404 => format!("; check the model name `{}` and the base URL", self.name),
+                _ => String::new(),
+            };
+            return Err(ModelError {
+                message: format!("the model API answered {status}: {detail}{hint}"),
+                retryable: matches!(status.as_u16(), 408 | 409 | 429) || status.is_server_error(),
+                retry_after,
+                attempts: 0,
+            });
+        }
+        let streamed = response
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        let wire = |e: WireError| ModelError {
+            retryable: matches!(e, WireError::Incomplete),
+            message: e.to_string(),
+            retry_after: None,
+            attempts: 0,
+        };
+        let mut size = 0;
+        if !streamed {
+            let bytes = response.bytes().await.map_err(|e| ModelError {
+                message: format!("reading the model API's reply: {}", error_chain(&e)),
+                retryable: true,
+                retry_after: None,
+                attempts: 0,
+            })?;
+            let value: serde_json::Value = serde_json::from_slice(&bytes)
+                .map_err(|e| wire(WireError::Malformed(format!("the reply is not JSON: {e}"))))?;
+            let reply = self.format.reply(&value).map_err(wire)?;
+            if !reply.text.is_empty() {
+                on_delta(Delta::Text(reply.text.clone()));
+            }
+            return Ok((reply, bytes.len()));
+        }
+        let mut decoder = self.format.stream();
+        let mut chunks = response.bytes_stream();
+        while let Some(chunk) = chunks.next().await {
+            let chunk = match chunk {
+                Ok(chunk) => chunk,
+                // A stream cut mid-way: what came is not a reply.
+                Err(_) => return Err(wire(WireError::Incomplete)),
+            };
+            size += chunk.len();
+            if size > REPLY_LIMIT {
+                return Err(ModelError {
+                    message: format!("the model API's reply is longer than {REPLY_LIMIT} bytes"),
+                    retryable: false,
+                    retry_after: None,
+                    attempts: 0,
+                });
+            }
+            for delta in decoder.feed(&chunk).map_err(wire)? {
+                on_delta(delta);
+            }
+            if decoder.is_done() {
+                break;
+            }
+        }
+        decoder.finish().map(|reply| (reply, size)).map_err(wire)
+    }
+}
+
+/// An error with its causes (reqwest's own message is only the outermost).
+fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}

@@ -1,0 +1,417 @@
+//! The brains outside the cell: the warden runs an agent's loop itself, so it can pause it,
+//! step it, give it an operator's words, rewind it to a turn or fork it there, and journal
+//! every model exchange and tool call from its own view.
+//!
+//! A session is a model (`client`), a cell (made through the harness like any other), and the
+//! loop (`session`): the model's tool calls (`tools`) are carried out in the cell through the
+//! same harness calls the API and the MCP server make, so the cell's policy, its command rules,
+//! approvals and the journal apply to each. The workspace is snapshotted at the end of every
+//! turn (its changed files only), which is what rewind and fork go back to.
+
+pub mod client;
+mod session;
+pub mod tools;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use serde_json::json;
+use warden_harness::{ErrorKind, Harness, HarnessError, PolicySource};
+use warden_model::Item;
+use warden_protocol::{
+    AgentAction, AgentInfo, AgentState, CreateCell, ForkAgent, StartAgent, TokenUsage, Transcript,
+    TurnInfo,
+};
+
+pub use client::Model;
+use session::Saved;
+pub use session::{DEFAULT_STEPS, DEFAULT_TOOL_OUTPUT, INSTRUCTIONS, Session};
+
+/// The label that marks a cell made for a session (its value: the session's id).
+pub const SESSION_LABEL: &str = "agent.session";
+
+/// The sessions of one harness.
+#[derive(Debug)]
+pub struct Agents {
+    harness: Arc<Harness>,
+    /// Where sessions are kept across restarts (none: for one command's life).
+    dir: Option<PathBuf>,
+    sessions: Mutex<BTreeMap<String, Arc<Session>>>,
+}
+
+fn not_found(id: &str) -> HarnessError {
+    HarnessError::new(
+        ErrorKind::NotFound,
+        format!("no agent session `{id}` (list them with `warden agent ls` or GET /v1/agents)"),
+    )
+}
+
+fn bad_model(message: String) -> HarnessError {
+    HarnessError::bad(message)
+}
+
+/// The key for a model: the caller's, else the warden's environment's.
+fn key_for(model: &str, given: Option<String>) -> Option<String> {
+    given.filter(|k| !k.is_empty()).or_else(|| {
+        let provider = model.split(':').next()?;
+        let format = warden_model::Format::from_provider(provider)?;
+        std::env::var(format.key_variable())
+            .ok()
+            .filter(|k| !k.is_empty())
+    })
+}
+
+impl Agents {
+    /// Opens the sessions a daemon kept in `dir` (they come back paused: their loops ended
+    /// with the daemon that ran them), or none.
+    pub fn open(harness: Arc<Harness>, dir: Option<PathBuf>) -> Arc<Self> {
+        let agents = Arc::new(Self {
+            harness,
+            dir: dir.clone(),
+            sessions: Mutex::new(BTreeMap::new()),
+        });
+        let Some(dir) = dir else { return agents };
+        let _ = std::fs::create_dir_all(&dir);
+        let _ = std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700));
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return agents;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.extension().is_none_or(|e| e != "json") {
+                continue;
+            }
+            let Some(mut saved) = std::fs::read(&path)
+                .ok()
+                .and_then(|b| serde_json::from_slice::<Saved>(&b).ok())
+            else {
+                continue;
+            };
+            let was_running = !saved.info.state.is_over();
+            if was_running {
+                saved.info.state = AgentState::Paused;
+            }
+            let key = key_for(&saved.info.model, None);
+            let Ok(model) = Model::new(&saved.info.model, Some(&saved.info.base_url), key) else {
+                continue;
+            };
+            let session = Session::new(Arc::clone(&agents.harness), model, saved, true, Some(path));
+            if was_running {
+                session.spawn();
+            }
+            if let Ok(mut sessions) = agents.sessions.lock() {
+                sessions.insert(session.id.clone(), session);
+            }
+        }
+        agents
+    }
+
+    pub fn harness(&self) -> &Arc<Harness> {
+        &self.harness
+    }
+
+    fn session(&self, id: &str) -> Result<Arc<Session>, HarnessError> {
+        self.sessions
+            .lock()
+            .ok()
+            .and_then(|s| s.get(id).cloned())
+            .ok_or_else(|| not_found(id))
+    }
+
+    pub fn list(&self) -> Vec<AgentInfo> {
+        self.sessions
+            .lock()
+            .map(|s| s.values().map(|s| s.info()).collect())
+            .unwrap_or_default()
+    }
+
+    pub fn get(&self, id: &str) -> Result<AgentInfo, HarnessError> {
+        Ok(self.session(id)?.info())
+    }
+
+    pub fn transcript(&self, id: &str) -> Result<Transcript, HarnessError> {
+        Ok(self.session(id)?.transcript())
+    }
+
+    /// Waits until the session is paused or over.
+    pub async fn settled(&self, id: &str) -> Result<AgentInfo, HarnessError> {
+        Ok(self.session(id)?.settled().await)
+    }
+
+    /// A new id: `agent-N`, above every session kept and every cell of that name.
+    fn next_id(&self) -> String {
+        let highest = self
+            .sessions
+            .lock()
+            .map(|s| {
+                s.keys()
+                    .filter_map(|k| k.strip_prefix("agent-")?.parse::<u64>().ok())
+                    .max()
+                    .unwrap_or(0)
+            })
+            .unwrap_or(0);
+        let mut n = highest + 1;
+        while self.harness.get(&format!("agent-{n}")).is_ok() {
+            n += 1;
+        }
+        format!("agent-{n}")
+    }
+
+    /// Starts a session: its cell (a new one, or the one named), the snapshot of turn 0, the
+    /// loop.
+    pub async fn start(
+        self: &Arc<Self>,
+        request: StartAgent,
+        by: &str,
+    ) -> Result<AgentInfo, HarnessError> {
+        if request.task.trim().is_empty() {
+            return Err(HarnessError::bad(
+                "the task is empty: say what the agent is to do",
+            ));
+        }
+        let key = key_for(&request.model, request.api_key.clone());
+        let model =
+            Model::new(&request.model, request.base_url.as_deref(), key).map_err(bad_model)?;
+        for tool in request.tools.keys() {
+            if !tools::names().contains(tool) {
+                return Err(HarnessError::bad(format!(
+                    "tools: there is no tool `{tool}`; the tools are {}",
+                    tools::names().join(", ")
+                )));
+            }
+        }
+        if request.budgets.steps == Some(0) {
+            return Err(HarnessError::bad("budgets.steps must be at least 1"));
+        }
+        let id = self.next_id();
+        let cell = match &request.cell {
+            Some(cell) => {
+                if request.policy.is_some()
+                    || request.preset.is_some()
+                    || request.workspace.is_some()
+                {
+                    return Err(HarnessError::bad(
+                        "give `cell` (an existing cell) or what makes a new one (policy, preset, workspace), not both",
+                    ));
+                }
+                self.harness.get(cell)?.name
+            }
+            None => {
+                let made = self
+                    .harness
+                    .create(CreateCell {
+                        name: Some(id.clone()),
+                        policy: request.policy.clone(),
+                        preset: request.preset.clone(),
+                        workspace: request.workspace.clone(),
+                        labels: [(SESSION_LABEL.to_owned(), id.clone())].into(),
+                        ..Default::default()
+                    })
+                    .await?;
+                made.name
+            }
+        };
+        let mut instructions = INSTRUCTIONS.to_owned();
+        if let Some(extra) = request
+            .instructions
+            .as_deref()
+            .filter(|s| !s.trim().is_empty())
+        {
+            instructions.push_str("\n\n");
+            instructions.push_str(extra);
+        }
+        let items = vec![Item::User {
+            text: request.task.clone(),
+        }];
+        self.launch(
+            id,
+            cell,
+            model,
+            instructions,
+            items,
+            0,
+            Vec::new(),
+            request.budgets,
+            request.tools,
+            request.paused,
+            None,
+            json!({ "task": request.task, "by": by }),
+        )
+        .await
+    }
+
+    /// Makes a session and starts its loop, after the journal has its start and turn 0.
+    #[allow(clippy::too_many_arguments)]
+    async fn launch(
+        self: &Arc<Self>,
+        id: String,
+        cell: String,
+        model: Model,
+        instructions: String,
+        items: Vec<Item>,
+        turn: u32,
+        mut turns: Vec<TurnInfo>,
+        budgets: warden_protocol::Budgets,
+        modes: BTreeMap<String, warden_protocol::ToolMode>,
+        paused: bool,
+        forked_from: Option<String>,
+        mut start: serde_json::Value,
+    ) -> Result<AgentInfo, HarnessError> {
+        if let Some(key) = model.key() {
+            self.harness.journal().add_redactions([key.to_owned()]);
+        }
+        start["id"] = id.clone().into();
+        start["model"] = model.spec().into();
+        start["base_url"] = model.base_url.clone().into();
+        start["budgets"] = json!(budgets);
+        start["tools"] = json!(modes);
+        start["forked_from"] = json!(forked_from);
+        self.harness
+            .record(Some(&cell), "agent.start", start)
+            .await?;
+        let snapshot = self.harness.snapshot(&cell, None).await?;
+        turns.push(TurnInfo {
+            turn,
+            snapshot: snapshot.id,
+            items: items.len(),
+        });
+        let info = AgentInfo {
+            id: id.clone(),
+            cell,
+            state: if paused {
+                AgentState::Paused
+            } else {
+                AgentState::Running
+            },
+            model: model.spec(),
+            base_url: model.base_url.clone(),
+            turn,
+            usage: TokenUsage::default(),
+            started_ms: warden_harness::now_ms(),
+            ended: None,
+            summary: None,
+            forked_from,
+            turns,
+        };
+        let saved = Saved {
+            info,
+            instructions,
+            items,
+            pending: Vec::new(),
+            budgets,
+            modes,
+        };
+        let path = self.dir.as_ref().map(|d| d.join(format!("{id}.json")));
+        let session = Session::new(Arc::clone(&self.harness), model, saved, paused, path);
+        if let Ok(mut sessions) = self.sessions.lock() {
+            sessions.insert(id, Arc::clone(&session));
+        }
+        session.spawn();
+        Ok(session.info())
+    }
+
+    pub async fn control(
+        &self,
+        id: &str,
+        action: AgentAction,
+        by: &str,
+    ) -> Result<AgentInfo, HarnessError> {
+        self.session(id)?.control(action, by).await
+    }
+
+    pub async fn say(&self, id: &str, text: &str, by: &str) -> Result<AgentInfo, HarnessError> {
+        self.session(id)?.say(text, by).await
+    }
+
+    pub async fn rewind(&self, id: &str, turn: u32, by: &str) -> Result<AgentInfo, HarnessError> {
+        self.session(id)?.rewind(turn, by).await
+    }
+
+    /// A new session in a new cell, from the end of a turn of another: its workspace the
+    /// turn's snapshot, its conversation the turns up to it. The original is left as it is.
+    pub async fn fork(
+        self: &Arc<Self>,
+        id: &str,
+        request: ForkAgent,
+        by: &str,
+    ) -> Result<AgentInfo, HarnessError> {
+        let original = self.session(id)?;
+        let info = original.info();
+        let target = info
+            .turns
+            .iter()
+            .find(|t| t.turn == request.turn)
+            .cloned()
+            .ok_or_else(|| {
+                HarnessError::new(
+                    ErrorKind::NotFound,
+                    format!(
+                        "session `{id}` has no turn {} (turns 0 to {})",
+                        request.turn, info.turn
+                    ),
+                )
+            })?;
+        let spec = request.model.clone().unwrap_or_else(|| info.model.clone());
+        let base_url = request
+            .base_url
+            .clone()
+            .or_else(|| request.model.is_none().then(|| info.base_url.clone()));
+        let key = key_for(
+            &spec,
+            request.api_key.clone().or_else(|| original.model_key()),
+        );
+        let model = Model::new(&spec, base_url.as_deref(), key).map_err(bad_model)?;
+        let (policy, preset) = match self.harness.policy(&info.cell)?.0 {
+            PolicySource::Preset(p) => (None, Some(p)),
+            PolicySource::Yaml(y) => (Some(y), None),
+        };
+        let new_id = self.next_id();
+        let cell = self
+            .harness
+            .create(CreateCell {
+                name: Some(new_id.clone()),
+                policy,
+                preset,
+                from: Some(target.snapshot.clone()),
+                labels: [(SESSION_LABEL.to_owned(), new_id.clone())].into(),
+                ..Default::default()
+            })
+            .await?
+            .name;
+        let transcript = original.transcript();
+        let mut items = transcript.items;
+        items.truncate(target.items);
+        let turns: Vec<TurnInfo> = info
+            .turns
+            .iter()
+            .filter(|t| t.turn < request.turn)
+            .cloned()
+            .collect();
+        let (budgets, modes) = original.limits();
+        let from = format!("{id}@{}", request.turn);
+        let agent = self
+            .launch(
+                new_id,
+                cell,
+                model,
+                transcript.instructions,
+                items,
+                request.turn,
+                turns,
+                budgets,
+                modes,
+                request.paused,
+                Some(from.clone()),
+                json!({ "fork_of": id, "at_turn": request.turn, "by": by }),
+            )
+            .await?;
+        self.harness
+            .record(Some(&info.cell), "agent.fork", json!({ "id": id, "turn": request.turn, "into": agent.id, "cell": agent.cell, "by": by }))
+            .await?;
+        if let Some(text) = request.say {
+            return self.say(&agent.id, &text, by).await;
+        }
+        Ok(agent)
+    }
+}

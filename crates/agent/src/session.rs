@@ -1,0 +1,814 @@
+//! One agent session: the loop (model turn, tool calls, snapshot), its control from outside
+//! (pause, resume, step, stop, say), and time travel (rewind).
+//!
+//! The loop holds at two kinds of checkpoints: before each model call and before each tool
+//! call. Pause holds it there and freezes the cell; step lets one turn through; stop and rewind
+//! also cut what is under way (a model call, a command), through the session's epoch: work
+//! begun in an earlier epoch is dropped, never added to the conversation.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use warden_harness::{ControlAction, ErrorKind, Harness, HarnessError};
+use warden_model::{Item, Request};
+use warden_protocol::{AgentInfo, AgentState, Budgets, ToolMode, TurnInfo};
+
+use crate::client::Model;
+use crate::tools;
+
+/// Defaults of the budgets a request leaves out.
+pub const DEFAULT_STEPS: u32 = 50;
+pub const DEFAULT_TOOL_OUTPUT: u64 = 16 * 1024;
+/// The most of one text the journal keeps (its byte count is kept whole).
+pub const JOURNAL_TEXT_LIMIT: usize = 8 * 1024;
+
+/// The warden's standing instructions to the model.
+pub const INSTRUCTIONS: &str = "You are a coding agent working in a sandboxed cell. Your \
+workspace is the current directory of your commands; use the tools to read, change and test \
+it. The cell's policy may refuse a command or hold it for a person's approval: a refusal is \
+final, so try another way. Messages that begin with [operator] come from the person \
+supervising you; follow them. When the task is done, answer with a short summary of what you \
+changed and stop calling tools.";
+
+/// Where the loop is told to be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum Mode {
+    Run,
+    Pause,
+    /// Run one turn, then pause.
+    Step,
+    Stop,
+}
+
+/// What the daemon keeps of a session on disk (never the key).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct Saved {
+    pub info: AgentInfo,
+    pub instructions: String,
+    pub items: Vec<Item>,
+    pub pending: Vec<String>,
+    pub budgets: Budgets,
+    pub modes: BTreeMap<String, ToolMode>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    info: AgentInfo,
+    items: Vec<Item>,
+    pending: Vec<String>,
+    mode: Mode,
+    /// A loop task runs.
+    looping: bool,
+    /// The session froze its cell (and thaws it when it goes on).
+    froze: bool,
+}
+
+#[derive(Debug)]
+pub struct Session {
+    pub id: String,
+    pub cell: String,
+    harness: Arc<Harness>,
+    model: Model,
+    instructions: String,
+    budgets: Budgets,
+    modes: BTreeMap<String, ToolMode>,
+    inner: Mutex<Inner>,
+    /// Told when the mode changes.
+    changed: tokio::sync::Notify,
+    /// Bumped by stop and rewind: what is under way is cut.
+    epoch: tokio::sync::watch::Sender<u64>,
+    /// The loop's wall clock (from this daemon's start of it).
+    clock: Instant,
+    saved_at: Option<PathBuf>,
+}
+
+fn lost() -> HarnessError {
+    HarnessError::internal("the session's state is poisoned")
+}
+
+/// A text for the journal: its head, and its size.
+fn clipped(text: &str) -> Value {
+    if text.len() <= JOURNAL_TEXT_LIMIT {
+        return Value::from(text);
+    }
+    let mut cut = JOURNAL_TEXT_LIMIT;
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    Value::from(format!("{}…", &text[..cut]))
+}
+
+/// Answers every call of the conversation that has none (a stop cut the turn it was in), so
+/// that the conversation can be sent again.
+fn close_calls(items: &mut Vec<Item>) {
+    let mut out = Vec::with_capacity(items.len());
+    let mut open: Vec<String> = Vec::new();
+    for item in items.drain(..) {
+        match &item {
+            Item::Result { call_id, .. } => open.retain(|id| id != call_id),
+            _ => {
+                for id in open.drain(..) {
+                    out.push(Item::Result {
+                        call_id: id,
+                        output: "not run: an operator stopped the session".to_owned(),
+                        error: true,
+                    });
+                }
+            }
+        }
+        if let Item::Assistant { calls, .. } = &item {
+            open = calls.iter().map(|c| c.id.clone()).collect();
+        }
+        out.push(item);
+    }
+    for id in open {
+        out.push(Item::Result {
+            call_id: id,
+            output: "not run: an operator stopped the session".to_owned(),
+            error: true,
+        });
+    }
+    *items = out;
+}
+
+/// How a checkpoint let the loop on.
+enum Go {
+    On { epoch: u64, stepping: bool },
+    Stop,
+}
+
+impl Session {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        harness: Arc<Harness>,
+        model: Model,
+        saved: Saved,
+        mode_paused: bool,
+        saved_at: Option<PathBuf>,
+    ) -> Arc<Self> {
+        let Saved {
+            info,
+            instructions,
+            items,
+            pending,
+            budgets,
+            modes,
+        } = saved;
+        Arc::new(Self {
+            id: info.id.clone(),
+            cell: info.cell.clone(),
+            harness,
+            model,
+            instructions,
+            budgets,
+            modes,
+            inner: Mutex::new(Inner {
+                info,
+                items,
+                pending,
+                mode: if mode_paused { Mode::Pause } else { Mode::Run },
+                looping: false,
+                froze: false,
+            }),
+            changed: tokio::sync::Notify::new(),
+            epoch: tokio::sync::watch::channel(0).0,
+            clock: Instant::now(),
+            saved_at,
+        })
+    }
+
+    pub fn info(&self) -> AgentInfo {
+        self.inner
+            .lock()
+            .map(|i| i.info.clone())
+            .unwrap_or_else(|p| p.into_inner().info.clone())
+    }
+
+    pub fn transcript(&self) -> warden_protocol::Transcript {
+        let items = self
+            .inner
+            .lock()
+            .map(|i| i.items.clone())
+            .unwrap_or_default();
+        warden_protocol::Transcript {
+            id: self.id.clone(),
+            instructions: self.instructions.clone(),
+            items,
+        }
+    }
+
+    pub(crate) fn saved(&self) -> Option<Saved> {
+        let inner = self.inner.lock().ok()?;
+        Some(Saved {
+            info: inner.info.clone(),
+            instructions: self.instructions.clone(),
+            items: inner.items.clone(),
+            pending: inner.pending.clone(),
+            budgets: self.budgets.clone(),
+            modes: self.modes.clone(),
+        })
+    }
+
+    /// Writes the session's state beside the daemon's (atomically: a crash leaves the old).
+    fn save(&self) {
+        let (Some(path), Some(saved)) = (&self.saved_at, self.saved()) else {
+            return;
+        };
+        let Ok(bytes) = serde_json::to_vec(&saved) else {
+            return;
+        };
+        let tmp = path.with_extension("json.new");
+        if std::fs::write(&tmp, bytes).is_ok() {
+            let _ = std::fs::rename(&tmp, path);
+        }
+    }
+
+    async fn record(&self, kind: &str, mut fields: Value) -> Result<(), HarnessError> {
+        fields["id"] = self.id.clone().into();
+        self.harness
+            .record(Some(&self.cell), kind, fields)
+            .await
+            .map(drop)
+    }
+
+    /// Starts the loop on a task of its own, unless one runs.
+    pub(crate) fn spawn(self: &Arc<Self>) {
+        let Ok(mut inner) = self.inner.lock() else {
+            return;
+        };
+        if inner.looping {
+            return;
+        }
+        inner.looping = true;
+        if inner.info.state.is_over() {
+            inner.info.state = if inner.mode == Mode::Pause {
+                AgentState::Paused
+            } else {
+                AgentState::Running
+            };
+            inner.info.ended = None;
+        }
+        drop(inner);
+        let session = Arc::clone(self);
+        tokio::spawn(async move { session.drive().await });
+    }
+
+    async fn drive(self: Arc<Self>) {
+        let (state, reason) = match self.turns().await {
+            Ok(end) => end,
+            Err(err) => (
+                AgentState::Failed,
+                format!("the warden could not go on: {}", err.message),
+            ),
+        };
+        self.end(state, reason).await;
+    }
+
+    /// Ends the loop: records why, thaws the cell it froze.
+    async fn end(&self, state: AgentState, reason: String) {
+        let (turn, usage, summary, froze) = {
+            let Ok(mut inner) = self.inner.lock() else {
+                return;
+            };
+            inner.looping = false;
+            inner.info.state = state;
+            inner.info.ended = Some(reason.clone());
+            if inner.mode == Mode::Stop {
+                inner.mode = Mode::Run;
+            }
+            let froze = std::mem::take(&mut inner.froze);
+            (
+                inner.info.turn,
+                inner.info.usage,
+                inner.info.summary.clone(),
+                froze,
+            )
+        };
+        if froze {
+            let _ = self
+                .harness
+                .control(&self.cell, ControlAction::Resume, "the agent session")
+                .await;
+        }
+        let _ = self
+            .record(
+                "agent.end",
+                json!({ "state": state.name(), "reason": reason, "turns": turn, "usage": usage, "summary": summary.as_deref().map(clipped) }),
+            )
+            .await;
+        self.save();
+        self.changed.notify_waiters();
+    }
+
+    /// Waits at a checkpoint until the mode lets the loop on. `turn_start`: a model call's
+    /// checkpoint (where a step begins).
+    async fn checkpoint(&self) -> Go {
+        loop {
+            let notified = self.changed.notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let Ok(inner) = self.inner.lock() else {
+                    return Go::Stop;
+                };
+                let epoch = *self.epoch.borrow();
+                match inner.mode {
+                    Mode::Run => {
+                        return Go::On {
+                            epoch,
+                            stepping: false,
+                        };
+                    }
+                    Mode::Step => {
+                        return Go::On {
+                            epoch,
+                            stepping: true,
+                        };
+                    }
+                    Mode::Stop => return Go::Stop,
+                    Mode::Pause => {}
+                }
+            }
+            notified.await;
+        }
+    }
+
+    /// Resolves once the epoch moved past `epoch` (a stop or a rewind).
+    async fn cut(&self, epoch: u64) {
+        let mut rx = self.epoch.subscribe();
+        let _ = rx.wait_for(|now| *now != epoch).await;
+    }
+
+    fn current(&self, epoch: u64) -> bool {
+        *self.epoch.borrow() == epoch
+    }
+
+    /// What a budget says before a turn, if it ends the session.
+    fn over_budget(&self, inner: &Inner) -> Option<String> {
+        let b = &self.budgets;
+        let steps = b.steps.unwrap_or(DEFAULT_STEPS);
+        let usage = inner.info.usage;
+        if inner.info.turn >= steps {
+            return Some(format!(
+                "the step budget ({steps} turns) is spent; the model never finished"
+            ));
+        }
+        if let Some(max) = b.input_tokens
+            && usage.input >= max
+        {
+            return Some(format!(
+                "the input-token budget ({max}) is spent ({} used)",
+                usage.input
+            ));
+        }
+        if let Some(max) = b.output_tokens
+            && usage.output >= max
+        {
+            return Some(format!(
+                "the output-token budget ({max}) is spent ({} used)",
+                usage.output
+            ));
+        }
+        if let Some(wall) = b.wall_s
+            && self.clock.elapsed() >= Duration::from_secs(wall)
+        {
+            return Some(format!("the wall-time budget ({wall} s) is spent"));
+        }
+        None
+    }
+
+    /// The time left of the wall budget.
+    fn wall_left(&self) -> Duration {
+        self.budgets.wall_s.map_or(Duration::MAX, |s| {
+            Duration::from_secs(s).saturating_sub(self.clock.elapsed())
+        })
+    }
+
+    /// Turns until the session ends; answers how it ended.
+    async fn turns(&self) -> Result<(AgentState, String), HarnessError> {
+        loop {
+            let (epoch, stepping) = match self.checkpoint().await {
+                Go::On { epoch, stepping } => (epoch, stepping),
+                Go::Stop => return Ok((AgentState::Stopped, "stopped by an operator".to_owned())),
+            };
+            self.thaw().await;
+            // The operator's words, and the conversation this turn sends.
+            let (turn, items, said) = {
+                let mut inner = self.inner.lock().map_err(|_| lost())?;
+                if let Some(reason) = self.over_budget(&inner) {
+                    return Ok((AgentState::Stopped, reason));
+                }
+                inner.info.state = AgentState::Running;
+                close_calls(&mut inner.items);
+                let said = std::mem::take(&mut inner.pending);
+                for text in &said {
+                    inner.items.push(Item::User {
+                        text: format!("[operator] {text}"),
+                    });
+                }
+                (inner.info.turn + 1, inner.items.clone(), said.len())
+            };
+            if said > 0 {
+                self.record("agent.said", json!({ "turn": turn, "count": said }))
+                    .await?;
+            }
+            let tools = tools::specs();
+            let request = Request {
+                model: &self.model.name,
+                instructions: &self.instructions,
+                items: &items,
+                tools: &tools,
+                max_output_tokens: None,
+                stream: true,
+            };
+            let wall = self.wall_left();
+            let called = tokio::select! {
+                called = self.model.call(&request, |_| {}) => Some(called),
+                () = self.cut(epoch) => None,
+                () = tokio::time::sleep(wall) => {
+                    return Ok((AgentState::Stopped, format!("the wall-time budget ({} s) is spent", self.budgets.wall_s.unwrap_or(0))));
+                }
+            };
+            let Some(called) = called else { continue };
+            let called = match called {
+                Ok(called) => called,
+                Err(err) => {
+                    self.record(
+                        "agent.model",
+                        json!({ "turn": turn, "model": self.model.spec(), "error": err.message, "attempts": err.attempts }),
+                    )
+                    .await?;
+                    return Ok((AgentState::Failed, err.message));
+                }
+            };
+            let reply = called.reply;
+            self.record(
+                "agent.model",
+                json!({
+                    "turn": turn,
+                    "model": self.model.spec(),
+                    "answered_by": reply.model,
+                    "latency_ms": called.latency.as_millis() as u64,
+                    "attempts": called.attempts,
+                    "usage": { "input": reply.usage.input, "output": reply.usage.output },
+                    "stop": reply.stop,
+                    "request_bytes": called.request_bytes,
+                    "reply_bytes": called.reply_bytes,
+                    "text": clipped(&reply.text),
+                    "text_bytes": reply.text.len(),
+                    "calls": reply.calls.iter().map(|c| json!({ "id": c.id, "name": c.name, "arguments": clipped(&c.arguments), "arguments_bytes": c.arguments.len() })).collect::<Vec<_>>(),
+                }),
+            )
+            .await?;
+            {
+                let mut inner = self.inner.lock().map_err(|_| lost())?;
+                inner.info.usage.input += reply.usage.input;
+                inner.info.usage.output += reply.usage.output;
+                if !self.current(epoch) {
+                    continue;
+                }
+                inner.items.push(Item::Assistant {
+                    text: reply.text.clone(),
+                    calls: reply.calls.clone(),
+                });
+            }
+            for call in &reply.calls {
+                // Pause holds here too; a stop or a rewind moved the epoch on.
+                if let Go::Stop = self.checkpoint().await {
+                    break;
+                }
+                self.thaw().await;
+                let Some(outcome) = self.call(turn, call, epoch).await? else {
+                    break;
+                };
+                let mut inner = self.inner.lock().map_err(|_| lost())?;
+                if !self.current(epoch) {
+                    break;
+                }
+                inner.items.push(Item::Result {
+                    call_id: call.id.clone(),
+                    output: outcome.output,
+                    error: outcome.error,
+                });
+            }
+            if !self.current(epoch) {
+                // Cut: the next checkpoint ends the loop (a stop) or holds it (a rewind).
+                continue;
+            }
+            self.finish_turn(turn, epoch).await?;
+            if reply.calls.is_empty() {
+                if let Ok(mut inner) = self.inner.lock() {
+                    inner.info.summary = Some(reply.text.clone());
+                }
+                return Ok((
+                    AgentState::Done,
+                    format!("the model finished ({})", tools::word(&reply.stop)),
+                ));
+            }
+            if stepping {
+                let paused = {
+                    let mut inner = self.inner.lock().map_err(|_| lost())?;
+                    if inner.mode == Mode::Step {
+                        inner.mode = Mode::Pause;
+                        inner.info.state = AgentState::Paused;
+                        true
+                    } else {
+                        false
+                    }
+                };
+                if paused {
+                    self.freeze().await;
+                    self.record("agent.paused", json!({ "after_turn": turn, "by": "step" }))
+                        .await?;
+                }
+            }
+        }
+    }
+
+    /// Snapshots the workspace at the end of a turn and records the turn.
+    async fn finish_turn(&self, turn: u32, epoch: u64) -> Result<(), HarnessError> {
+        let snapshot = self.harness.snapshot(&self.cell, None).await?;
+        {
+            let mut inner = self.inner.lock().map_err(|_| lost())?;
+            if !self.current(epoch) {
+                return Ok(());
+            }
+            let items = inner.items.len();
+            inner.info.turn = turn;
+            inner.info.turns.push(TurnInfo {
+                turn,
+                snapshot: snapshot.id.clone(),
+                items,
+            });
+        }
+        self.record(
+            "agent.turn",
+            json!({ "turn": turn, "snapshot": snapshot.id }),
+        )
+        .await?;
+        self.save();
+        Ok(())
+    }
+
+    /// One tool call: its arguments checked, its mode applied, carried out, journaled. `None`
+    /// when the epoch moved on under it.
+    async fn call(
+        &self,
+        turn: u32,
+        call: &warden_model::ToolCall,
+        epoch: u64,
+    ) -> Result<Option<tools::Outcome>, HarnessError> {
+        let started = Instant::now();
+        let mode = self.modes.get(&call.name).copied().unwrap_or_default();
+        let limit = self
+            .budgets
+            .tool_output_bytes
+            .unwrap_or(DEFAULT_TOOL_OUTPUT) as usize;
+        let outcome = match tools::arguments(&call.name, &call.arguments) {
+            Err(outcome) => outcome,
+            Ok(_) if mode == ToolMode::Deny => tools::Outcome::error(format!(
+                "refused: the operator does not allow the tool `{}` in this session",
+                call.name
+            )),
+            Ok(args) => {
+                let work = async {
+                    if mode == ToolMode::Ask {
+                        let request =
+                            format!("agent {} tool {} {}", self.id, call.name, call.arguments);
+                        if let Err(err) = self
+                            .harness
+                            .ask(&self.cell, request, format!("tools.{}: ask", call.name))
+                            .await
+                        {
+                            return tools::Outcome::from(err);
+                        }
+                    }
+                    tools::run(
+                        &self.harness,
+                        &self.cell,
+                        &call.name,
+                        &args,
+                        limit,
+                        self.cut(epoch),
+                    )
+                    .await
+                };
+                tokio::select! {
+                    outcome = work => outcome,
+                    () = self.cut(epoch) => return Ok(None),
+                }
+            }
+        };
+        self.record(
+            "agent.tool",
+            json!({
+                "turn": turn,
+                "call_id": call.id,
+                "name": call.name,
+                "mode": mode,
+                "arguments": clipped(&call.arguments),
+                "error": outcome.error,
+                "output": clipped(&outcome.output),
+                "output_bytes": outcome.output.len(),
+                "ms": started.elapsed().as_millis() as u64,
+            }),
+        )
+        .await?;
+        Ok(Some(outcome))
+    }
+
+    async fn freeze(&self) {
+        let first = self
+            .inner
+            .lock()
+            .map(|mut i| !std::mem::replace(&mut i.froze, true))
+            .unwrap_or(false);
+        if first
+            && self
+                .harness
+                .control(&self.cell, ControlAction::Pause, "the agent session")
+                .await
+                .is_err()
+            && let Ok(mut inner) = self.inner.lock()
+        {
+            inner.froze = false;
+        }
+    }
+
+    async fn thaw(&self) {
+        let froze = self
+            .inner
+            .lock()
+            .map(|mut i| std::mem::take(&mut i.froze))
+            .unwrap_or(false);
+        if froze {
+            let _ = self
+                .harness
+                .control(&self.cell, ControlAction::Resume, "the agent session")
+                .await;
+        }
+    }
+
+    /// An operator's control.
+    pub(crate) async fn control(
+        self: &Arc<Self>,
+        action: warden_protocol::AgentAction,
+        by: &str,
+    ) -> Result<AgentInfo, HarnessError> {
+        use warden_protocol::AgentAction as A;
+        let over = self.info().state.is_over();
+        if over && action != A::Resume && action != A::Step {
+            return Err(HarnessError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "session `{}` has ended ({}); rewind it or fork it to go on",
+                    self.id,
+                    self.info().ended.unwrap_or_default()
+                ),
+            ));
+        }
+        self.record(
+            "agent.control",
+            json!({ "action": action.name(), "by": by }),
+        )
+        .await?;
+        {
+            let mut inner = self.inner.lock().map_err(|_| lost())?;
+            inner.mode = match action {
+                A::Pause => Mode::Pause,
+                A::Resume => Mode::Run,
+                A::Step => Mode::Step,
+                A::Stop => Mode::Stop,
+            };
+            if action == A::Pause {
+                inner.info.state = AgentState::Paused;
+            }
+        }
+        match action {
+            A::Pause => self.freeze().await,
+            A::Stop => {
+                self.epoch.send_modify(|e| *e += 1);
+            }
+            A::Resume | A::Step => {
+                self.thaw().await;
+                if over {
+                    self.spawn();
+                }
+            }
+        }
+        self.changed.notify_waiters();
+        self.save();
+        Ok(self.info())
+    }
+
+    /// An operator's instruction, for the next turn (a session that ended goes on with it).
+    pub(crate) async fn say(
+        self: &Arc<Self>,
+        text: &str,
+        by: &str,
+    ) -> Result<AgentInfo, HarnessError> {
+        if text.trim().is_empty() {
+            return Err(HarnessError::bad("say something: the instruction is empty"));
+        }
+        self.record(
+            "agent.say",
+            json!({ "text": clipped(text), "bytes": text.len(), "by": by }),
+        )
+        .await?;
+        let over = {
+            let mut inner = self.inner.lock().map_err(|_| lost())?;
+            inner.pending.push(text.to_owned());
+            inner.info.state.is_over()
+        };
+        if over {
+            self.spawn();
+        }
+        self.changed.notify_waiters();
+        self.save();
+        Ok(self.info())
+    }
+
+    /// The workspace and the conversation as they were at the end of `turn`; the session is
+    /// left paused there (resume or step to go on).
+    pub(crate) async fn rewind(
+        self: &Arc<Self>,
+        turn: u32,
+        by: &str,
+    ) -> Result<AgentInfo, HarnessError> {
+        let target = self
+            .info()
+            .turns
+            .iter()
+            .find(|t| t.turn == turn)
+            .cloned()
+            .ok_or_else(|| {
+                HarnessError::new(
+                    ErrorKind::NotFound,
+                    format!(
+                        "session `{}` has no turn {turn} (turns 0 to {})",
+                        self.id,
+                        self.info().turn
+                    ),
+                )
+            })?;
+        self.record(
+            "agent.rewind",
+            json!({ "turn": turn, "snapshot": target.snapshot, "by": by }),
+        )
+        .await?;
+        {
+            let mut inner = self.inner.lock().map_err(|_| lost())?;
+            inner.mode = Mode::Pause;
+            self.epoch.send_modify(|e| *e += 1);
+            inner.items.truncate(target.items);
+            inner.info.turns.retain(|t| t.turn <= turn);
+            inner.info.turn = turn;
+            inner.info.summary = None;
+            inner.pending.clear();
+        }
+        self.changed.notify_waiters();
+        // The reset needs the cell thawed; a command cut by the epoch may still be ending.
+        self.thaw().await;
+        self.harness
+            .reset(&self.cell, Some(&target.snapshot))
+            .await?;
+        if let Ok(mut inner) = self.inner.lock() {
+            inner.info.state = AgentState::Paused;
+            inner.info.ended = None;
+        }
+        self.freeze().await;
+        self.spawn();
+        self.save();
+        Ok(self.info())
+    }
+
+    /// Waits until the session is over or paused.
+    pub async fn settled(&self) -> AgentInfo {
+        loop {
+            let notified = self.changed.notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            let info = self.info();
+            let looping = self.inner.lock().map(|i| i.looping).unwrap_or(false);
+            if info.state.is_over() && !looping || info.state == AgentState::Paused {
+                return info;
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(200), notified).await;
+        }
+    }
+
+    /// The key the session's model holds (a fork with the same model takes it).
+    pub(crate) fn model_key(&self) -> Option<String> {
+        self.model.key().map(str::to_owned)
+    }
+
+    /// Its budgets and tool modes (a fork takes them).
+    pub(crate) fn limits(&self) -> (Budgets, BTreeMap<String, ToolMode>) {
+        (self.budgets.clone(), self.modes.clone())
+    }
+}
