@@ -168,6 +168,12 @@ pub enum Command {
     /// the daemon's core in this process (its cells outlive it; a daemon started later takes
     /// them back). The daemon also serves MCP over HTTP at /mcp.
     Mcp,
+    /// Run an agent: the warden runs the model's loop itself, its tools in a cell, and can
+    /// pause, step, steer, rewind and fork it from outside.
+    Agent {
+        #[command(subcommand)]
+        command: AgentCommand,
+    },
     /// Make a long-lived cell through the daemon; run commands in it with `warden exec`.
     Create(CreateArgs),
     /// Run a command in a cell made with `warden create`, streaming its output.
@@ -216,6 +222,123 @@ pub struct CreateArgs {
     /// Label (repeatable).
     #[arg(long = "label", short = 'l', value_name = "K=V")]
     pub labels: Vec<String>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum AgentCommand {
+    /// Start a session on a task and follow it until it ends (through the daemon when one
+    /// runs: there it outlives this command; Ctrl-C only stops following).
+    Run(Box<AgentRunArgs>),
+    /// List the daemon's sessions.
+    Ls {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show a session: state, turns and their snapshots, usage; with --transcript the
+    /// conversation.
+    Show {
+        id: String,
+        #[arg(long)]
+        transcript: bool,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Hold the loop before its next model or tool call and freeze its cell.
+    Pause { id: String },
+    /// Let it run on (a stopped or failed session tries again).
+    Resume { id: String },
+    /// Run one model turn and its tool calls, then pause.
+    Step { id: String },
+    /// End the session (a model call or command under way is cut).
+    Stop { id: String },
+    /// Give the agent an instruction, delivered at its next turn as the operator's.
+    Say { id: String, text: String },
+    /// Reset the workspace and the conversation to the end of a turn (0: the start); the
+    /// session is left paused there.
+    Rewind {
+        id: String,
+        #[arg(long = "to", value_name = "TURN")]
+        turn: u32,
+    },
+    /// Start a new session in a new cell from the end of a turn (the original is kept), to
+    /// try another instruction or model.
+    Fork {
+        id: String,
+        #[arg(long = "at", value_name = "TURN")]
+        turn: u32,
+        /// An instruction for the fork's next turn.
+        #[arg(long)]
+        say: Option<String>,
+        /// Another PROVIDER:MODEL.
+        #[arg(long)]
+        model: Option<String>,
+        #[arg(long, value_name = "URL")]
+        base_url: Option<String>,
+        /// Start it paused.
+        #[arg(long)]
+        paused: bool,
+    },
+    /// Wait until the session is paused or has ended; print it.
+    Wait {
+        id: String,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct AgentRunArgs {
+    /// What the agent is to do.
+    pub task: String,
+    /// PROVIDER:MODEL, PROVIDER one of openai (Chat Completions), openai-responses (Responses
+    /// API), anthropic (Messages). Default: $WARDEN_MODEL, or `model:` in the config file.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// The API root as the provider's SDKs take it (e.g. http://127.0.0.1:8000/v1). Default:
+    /// $WARDEN_BASE_URL, `base_url:` in the config file, or the provider's own.
+    #[arg(long, value_name = "URL")]
+    pub base_url: Option<String>,
+    #[command(flatten)]
+    pub policy: PolicyArgs,
+    /// Host directory that appears as the cell's workspace (copy-on-write: review with
+    /// `warden diff`, write back with `warden apply`).
+    #[arg(long, short = 'w')]
+    pub workspace: Option<PathBuf>,
+    /// Run in this existing cell of the daemon instead of a new one.
+    #[arg(long, conflicts_with_all = ["workspace"])]
+    pub cell: Option<String>,
+    /// Most model turns (default 50).
+    #[arg(long, value_name = "N")]
+    pub steps: Option<u32>,
+    /// Most input tokens over the session.
+    #[arg(long, value_name = "N")]
+    pub max_input_tokens: Option<u64>,
+    /// Most output tokens over the session.
+    #[arg(long, value_name = "N")]
+    pub max_output_tokens: Option<u64>,
+    /// Most wall-clock time (e.g. 10m).
+    #[arg(long, value_name = "DURATION")]
+    pub wall: Option<String>,
+    /// Most bytes of one tool result the model gets (default 16384; the rest is cut, with a
+    /// note to the model).
+    #[arg(long, value_name = "BYTES")]
+    pub tool_output: Option<u64>,
+    /// A tool's approval mode: auto, ask (each call waits for `warden approve`), deny
+    /// (repeatable; e.g. --tool exec=ask).
+    #[arg(long = "tool", value_name = "NAME=MODE")]
+    pub tools: Vec<String>,
+    /// Words added to the warden's standing instructions to the model.
+    #[arg(long)]
+    pub instructions: Option<String>,
+    /// Start paused (step it with `warden agent step`).
+    #[arg(long)]
+    pub paused: bool,
+    /// Print the session's id and return at once (through a daemon only).
+    #[arg(long, short = 'd')]
+    pub detach: bool,
+    /// Print the session at the end as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, clap::Args)]

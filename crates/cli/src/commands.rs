@@ -190,6 +190,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             journal_segment_mib,
             journal_keep_segments.map(|n| n as usize),
         ),
+        Command::Agent { command } => crate::daemon::agent(command),
         Command::Create(args) => crate::daemon::create(args),
         Command::Cp { source, dest } => crate::daemon::copy(&source, &dest),
         Command::Logs {

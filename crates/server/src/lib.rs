@@ -84,6 +84,10 @@ pub async fn serve(
         return Err(ServeError::Running(socket));
     }
     let harness = Harness::open(config.harness.clone()).await?;
+    let agents = warden_agent::Agents::open(
+        Arc::clone(&harness),
+        Some(config.harness.state.join("daemon").join("agents")),
+    );
     // TCP first (token, port, address file): once the unix socket answers, all is ready.
     let mut tcp_addr = None;
     if let Some(addr) = config.listen {
@@ -101,7 +105,7 @@ pub async fn serve(
             let file = config.harness.runtime.join(ADDR_FILE);
             std::fs::write(&file, bound.to_string()).map_err(io_at("writing", &file))?;
         }
-        let app = router(Arc::clone(&harness), Some(token));
+        let app = router(Arc::clone(&agents), Some(token));
         tokio::spawn(listen::serve(listener, app, false));
     }
     if let Some(addr) = config.e2b {
@@ -130,7 +134,7 @@ pub async fn serve(
     let unix = tokio::net::UnixListener::bind(&socket).map_err(io_at("listening on", &socket))?;
     std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))
         .map_err(io_at("restricting", &socket))?;
-    let app = router(Arc::clone(&harness), None);
+    let app = router(Arc::clone(&agents), None);
     let unix_server = tokio::spawn(listen::serve(unix, app, true));
     ready(&socket, tcp_addr);
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())

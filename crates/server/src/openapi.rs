@@ -20,6 +20,10 @@ pub fn schemas() -> Map<String, Value> {
     requests.subschema_for::<warden_protocol::SignalBody>();
     requests.subschema_for::<warden_protocol::Answer>();
     requests.subschema_for::<warden_protocol::ApplyRequest>();
+    requests.subschema_for::<warden_protocol::StartAgent>();
+    requests.subschema_for::<warden_protocol::Say>();
+    requests.subschema_for::<warden_protocol::Rewind>();
+    requests.subschema_for::<warden_protocol::ForkAgent>();
     let mut answers = generator(Contract::Serialize);
     answers.subschema_for::<warden_protocol::CellInfo>();
     answers.subschema_for::<warden_protocol::Started>();
@@ -31,6 +35,8 @@ pub fn schemas() -> Map<String, Value> {
     answers.subschema_for::<warden_protocol::ErrorBody>();
     answers.subschema_for::<warden_workspace::Diff>();
     answers.subschema_for::<warden_workspace::ApplyReport>();
+    answers.subschema_for::<warden_protocol::AgentInfo>();
+    answers.subschema_for::<warden_protocol::Transcript>();
     let mut all = answers.take_definitions(true);
     // A type on both sides keeps its reading form.
     all.extend(requests.take_definitions(true));

@@ -14,11 +14,13 @@ use warden_cell::{Registry, Store};
 use crate::cli::CreateArgs;
 use warden_client::Client;
 
+mod agent;
 mod files;
 mod journal;
 mod relay;
 mod serve;
 
+pub use agent::agent;
 pub use files::{copy, logs};
 pub use journal::{audit, replay};
 pub use relay::{exec, run_through};

@@ -8,7 +8,7 @@ use super::*;
 
 /// The core a daemon runs (and `warden mcp` when no daemon does): the process tier, whose
 /// keepers get back the open-files limit this process had.
-fn daemon_harness(segments: warden_journal::Segments) -> Result<warden_harness::Config> {
+pub(super) fn daemon_harness(segments: warden_journal::Segments) -> Result<warden_harness::Config> {
     let keeper_open_files = raise_open_files_limit();
     let backend = warden_cell::tier::backend(
         warden_policy::Tier::Process,

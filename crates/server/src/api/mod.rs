@@ -14,6 +14,7 @@ use axum::{Json, Router};
 use serde_json::json;
 use warden_harness::Harness;
 
+mod agents;
 mod auth;
 mod cells;
 mod extract;
@@ -22,6 +23,7 @@ mod mcp;
 mod processes;
 mod ws;
 
+use agents::*;
 pub use auth::UnixPeer;
 use auth::*;
 use cells::*;
@@ -44,7 +46,21 @@ const UPLOAD_LIMIT: usize = 64 * 1024 * 1024;
 type Shared = Arc<Harness>;
 
 /// The API. With a token, every request must carry `Authorization: Bearer TOKEN`.
-pub fn router(harness: Shared, token: Option<String>) -> Router {
+pub fn router(agents: Arc<warden_agent::Agents>, token: Option<String>) -> Router {
+    let harness = Arc::clone(agents.harness());
+    let sessions = Router::new()
+        .route("/v1/agents", get(list_agents).post(start_agent))
+        .route("/v1/agents/{id}", get(get_agent))
+        .route("/v1/agents/{id}/transcript", get(transcript))
+        .route("/v1/agents/{id}/wait", get(wait_agent))
+        .route("/v1/agents/{id}/pause", post(pause_agent))
+        .route("/v1/agents/{id}/resume", post(resume_agent))
+        .route("/v1/agents/{id}/step", post(step_agent))
+        .route("/v1/agents/{id}/stop", post(stop_agent))
+        .route("/v1/agents/{id}/say", post(say_agent))
+        .route("/v1/agents/{id}/rewind", post(rewind_agent))
+        .route("/v1/agents/{id}/fork", post(fork_agent))
+        .with_state(agents);
     let router = Router::new()
         .route("/openapi.json", get(openapi))
         .route("/v1/health", get(health))
@@ -90,10 +106,11 @@ pub fn router(harness: Shared, token: Option<String>) -> Router {
         .route("/v1/approvals/{name}/{id}", post(answer))
         .route("/v1/mcp", get(mcp_stream))
         .route_service("/mcp", warden_mcp::http_service(Arc::clone(&harness)))
+        .with_state(harness)
+        .merge(sessions)
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
-        .layer(DefaultBodyLimit::max(BODY_LIMIT))
-        .with_state(harness);
+        .layer(DefaultBodyLimit::max(BODY_LIMIT));
     match token {
         Some(token) => router.layer(middleware::from_fn_with_state(
             Arc::new(token),
