@@ -299,24 +299,30 @@ fn run(args: AgentRunArgs) -> Result<i32> {
                 .call::<(), AgentInfo>(Method::POST, &format!("/v1/agents/{id}/resume"), None)
                 .await?;
         }
-        let mut over = false;
-        let ended = stream
-            .each(|_, data| {
-                if over {
-                    return;
+        let ended = tokio::sync::Notify::new();
+        let follow = stream.each(|_, data| {
+            if let Ok(entry) = serde_json::from_str::<Value>(data)
+                && show(&entry, &id)
+            {
+                ended.notify_one();
+            }
+        });
+        // The stream may lag behind a busy journal: the session's own state says when it ended.
+        let polled = async {
+            loop {
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                let path = format!("/v1/agents/{id}");
+                match client.call::<(), AgentInfo>(Method::GET, &path, None).await {
+                    Ok(now) if now.state.is_over() => return Ok(()),
+                    Ok(_) => {}
+                    Err(err) => return Err(anyhow::Error::from(err)),
                 }
-                if let Ok(entry) = serde_json::from_str::<Value>(data) {
-                    over = show(&entry, &id);
-                }
-            })
-            .await;
-        ended.map(drop).map_err(anyhow::Error::from)
-    })
-    .or_else(|err| {
-        if err.to_string().contains("ended") {
-            Ok(())
-        } else {
-            Err(err)
+            }
+        };
+        tokio::select! {
+            followed = follow => followed.map(drop).map_err(anyhow::Error::from),
+            () = ended.notified() => Ok(()),
+            polled = polled => polled,
         }
     })?;
     let info: AgentInfo = rt.block_on(client.call::<(), _>(
@@ -422,7 +428,7 @@ fn one_line(text: &str, max: usize) -> String {
 /// Prints what a journal entry of the session says; `true` at its end.
 fn show(entry: &Value, id: &str) -> bool {
     let kind = entry["kind"].as_str().unwrap_or("");
-    let fields = &entry["fields"];
+    let fields = &entry["data"];
     let mine = fields["id"].as_str() == Some(id);
     let out = &mut std::io::stderr();
     match kind {

@@ -187,6 +187,7 @@ pub fn direct_policy() -> String {
     .to_string()
 }
 pub mod daemon;
+pub mod model;
 
 /// Proves that a running cell writes, creates and deletes in its workspace after a reset to its
 /// start and after a reset to a snapshot. `warden(args)` makes the warden command (as whoever
