@@ -51,6 +51,11 @@ fn bad_model(message: String) -> HarnessError {
     HarnessError::bad(message)
 }
 
+/// This process's user id.
+fn uid() -> u32 {
+    nix::unistd::getuid().as_raw()
+}
+
 /// The key for a model: the caller's, else the warden's environment's.
 fn key_for(model: &str, given: Option<String>) -> Option<String> {
     given.filter(|k| !k.is_empty()).or_else(|| {
@@ -139,23 +144,45 @@ impl Agents {
         Ok(self.session(id)?.settled().await)
     }
 
-    /// A new id: `agent-N`, above every session kept and every cell of that name.
+    /// A new id, `agent-` and 8 random hex digits (also its cell's name: cells' names are
+    /// the host's, shared with other daemons).
     fn next_id(&self) -> String {
-        let highest = self
-            .sessions
-            .lock()
-            .map(|s| {
-                s.keys()
-                    .filter_map(|k| k.strip_prefix("agent-")?.parse::<u64>().ok())
-                    .max()
-                    .unwrap_or(0)
-            })
-            .unwrap_or(0);
-        let mut n = highest + 1;
-        while self.harness.get(&format!("agent-{n}")).is_ok() {
-            n += 1;
+        loop {
+            let mut bytes = [0u8; 4];
+            let _ = std::fs::File::open("/dev/urandom")
+                .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes));
+            let id = format!(
+                "agent-{}",
+                bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()
+            );
+            let taken = self
+                .sessions
+                .lock()
+                .map(|s| s.contains_key(&id))
+                .unwrap_or(true);
+            if !taken && self.harness.get(&id).is_err() {
+                return id;
+            }
         }
-        format!("agent-{n}")
+    }
+
+    /// A session without a host directory works in an empty one of its own (so that its
+    /// turns can be snapshotted, diffed and rewound like any other), owner-only under the
+    /// temporary directory: not under Warden's state, which no cell may see.
+    fn scratch(&self, id: &str) -> Result<String, HarnessError> {
+        use std::os::unix::fs::DirBuilderExt as _;
+        let base = std::env::temp_dir().join(format!("warden-agents-{}", uid()));
+        let made = |dir: &std::path::Path| {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(|e| HarnessError::internal(format!("making {}: {e}", dir.display())))
+        };
+        made(&base)?;
+        let dir = base.join(id);
+        made(&dir)?;
+        Ok(dir.display().to_string())
     }
 
     /// Starts a session: its cell (a new one, or the one named), the snapshot of turn 0, the
@@ -204,7 +231,10 @@ impl Agents {
                         name: Some(id.clone()),
                         policy: request.policy.clone(),
                         preset: request.preset.clone(),
-                        workspace: request.workspace.clone(),
+                        workspace: match &request.workspace {
+                            Some(dir) => Some(dir.clone()),
+                            None => Some(self.scratch(&id)?),
+                        },
                         labels: [(SESSION_LABEL.to_owned(), id.clone())].into(),
                         ..Default::default()
                     })
@@ -270,10 +300,10 @@ impl Agents {
         self.harness
             .record(Some(&cell), "agent.start", start)
             .await?;
-        let snapshot = self.harness.snapshot(&cell, None).await?;
+        let snapshot = session::snapshot(&self.harness, &cell).await?;
         turns.push(TurnInfo {
             turn,
-            snapshot: snapshot.id,
+            snapshot,
             items: items.len(),
         });
         let info = AgentInfo {
@@ -373,7 +403,7 @@ impl Agents {
                 name: Some(new_id.clone()),
                 policy,
                 preset,
-                from: Some(target.snapshot.clone()),
+                from: Some(session::snapshot_of(&target, id)?),
                 labels: [(SESSION_LABEL.to_owned(), new_id.clone())].into(),
                 ..Default::default()
             })

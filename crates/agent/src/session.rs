@@ -136,6 +136,29 @@ fn close_calls(items: &mut Vec<Item>) {
     *items = out;
 }
 
+/// Snapshots a cell's workspace; `None` for a cell with no workspace layer (an existing cell
+/// made without one), whose turns cannot be gone back to.
+pub(crate) async fn snapshot(
+    harness: &Harness,
+    cell: &str,
+) -> Result<Option<String>, HarnessError> {
+    match harness.snapshot(cell, None).await {
+        Ok(snapshot) => Ok(Some(snapshot.id)),
+        Err(err) if err.kind == ErrorKind::Conflict => Ok(None),
+        Err(err) => Err(err),
+    }
+}
+
+/// The snapshot of a turn, or why there is none.
+pub(crate) fn snapshot_of(turn: &TurnInfo, id: &str) -> Result<String, HarnessError> {
+    turn.snapshot.clone().ok_or_else(|| {
+        HarnessError::new(
+            ErrorKind::Conflict,
+            format!("session `{id}` runs in a cell without a workspace layer: its turns were not snapshotted and cannot be gone back to"),
+        )
+    })
+}
+
 /// How a checkpoint let the loop on.
 enum Go {
     On { epoch: u64, stepping: bool },
@@ -275,12 +298,6 @@ impl Session {
             let Ok(mut inner) = self.inner.lock() else {
                 return;
             };
-            inner.looping = false;
-            inner.info.state = state;
-            inner.info.ended = Some(reason.clone());
-            if inner.mode == Mode::Stop {
-                inner.mode = Mode::Run;
-            }
             let froze = std::mem::take(&mut inner.froze);
             (
                 inner.info.turn,
@@ -295,18 +312,26 @@ impl Session {
                 .control(&self.cell, ControlAction::Resume, "the agent session")
                 .await;
         }
+        // Journaled before it shows: whoever sees the session ended finds its end recorded.
         let _ = self
             .record(
                 "agent.end",
                 json!({ "state": state.name(), "reason": reason, "turns": turn, "usage": usage, "summary": summary.as_deref().map(clipped) }),
             )
             .await;
+        if let Ok(mut inner) = self.inner.lock() {
+            inner.looping = false;
+            inner.info.state = state;
+            inner.info.ended = Some(reason);
+            if inner.mode == Mode::Stop {
+                inner.mode = Mode::Run;
+            }
+        }
         self.save();
         self.changed.notify_waiters();
     }
 
-    /// Waits at a checkpoint until the mode lets the loop on. `turn_start`: a model call's
-    /// checkpoint (where a step begins).
+    /// Waits at a checkpoint until the mode lets the loop on (a step lets one turn through).
     async fn checkpoint(&self) -> Go {
         loop {
             let notified = self.changed.notified();
@@ -532,7 +557,7 @@ impl Session {
 
     /// Snapshots the workspace at the end of a turn and records the turn.
     async fn finish_turn(&self, turn: u32, epoch: u64) -> Result<(), HarnessError> {
-        let snapshot = self.harness.snapshot(&self.cell, None).await?;
+        let snapshot = snapshot(&self.harness, &self.cell).await?;
         {
             let mut inner = self.inner.lock().map_err(|_| lost())?;
             if !self.current(epoch) {
@@ -542,15 +567,12 @@ impl Session {
             inner.info.turn = turn;
             inner.info.turns.push(TurnInfo {
                 turn,
-                snapshot: snapshot.id.clone(),
+                snapshot: snapshot.clone(),
                 items,
             });
         }
-        self.record(
-            "agent.turn",
-            json!({ "turn": turn, "snapshot": snapshot.id }),
-        )
-        .await?;
+        self.record("agent.turn", json!({ "turn": turn, "snapshot": snapshot }))
+            .await?;
         self.save();
         Ok(())
     }
@@ -756,9 +778,10 @@ impl Session {
                     ),
                 )
             })?;
+        let snapshot = snapshot_of(&target, &self.id)?;
         self.record(
             "agent.rewind",
-            json!({ "turn": turn, "snapshot": target.snapshot, "by": by }),
+            json!({ "turn": turn, "snapshot": snapshot, "by": by }),
         )
         .await?;
         {
@@ -774,14 +797,12 @@ impl Session {
         self.changed.notify_waiters();
         // The reset needs the cell thawed; a command cut by the epoch may still be ending.
         self.thaw().await;
-        self.harness
-            .reset(&self.cell, Some(&target.snapshot))
-            .await?;
+        self.harness.reset(&self.cell, Some(&snapshot)).await?;
+        // Left paused with nothing under way: the cell runs, for a look at its files.
         if let Ok(mut inner) = self.inner.lock() {
             inner.info.state = AgentState::Paused;
             inner.info.ended = None;
         }
-        self.freeze().await;
         self.spawn();
         self.save();
         Ok(self.info())

@@ -259,3 +259,314 @@ fn a_scripted_model_carries_out_a_multi_step_task_in_each_wire_format() {
     }
     daemon.assert_journal_verifies();
 }
+
+/// The size of a file of the cell's workspace on the diff (read from outside the cell, so it
+/// works while the cell is frozen).
+fn size_on_diff(daemon: &Daemon, cell: &str, path: &str) -> u64 {
+    let diff = daemon
+        .call("GET", &format!("/v1/cells/{cell}/diff"), None)
+        .json();
+    diff["changes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["path"] == path)
+        .map_or(0, |c| c["size"].as_u64().unwrap_or(0))
+}
+
+/// Pause holds the loop and freezes the cell (a counting command makes no progress and no
+/// model request is made); an instruction said while paused is in the next request, marked as
+/// the operator's; step runs exactly one turn; stop ends it with the transcript complete.
+#[test]
+fn pause_holds_loop_and_cell_say_reaches_the_model_step_runs_one_turn_stop_ends_it() {
+    let daemon = Daemon::start(&[]);
+    let server = ModelServer::start(vec![
+        call(
+            "exec",
+            json!({"command": "i=0; while [ $i -lt 60 ]; do i=$((i+1)); echo $i >> count; sleep 0.05; done"}),
+        ),
+        call("exec", json!({"command": "echo two"})),
+        call("exec", json!({"command": "echo three"})),
+    ]);
+    server.then(call("exec", json!({"command": "echo more"})));
+    let agent = start(&daemon, &server, "openai", json!({ "task": "count" }));
+    let (id, cell) = (
+        agent["id"].as_str().unwrap().to_owned(),
+        agent["cell"].as_str().unwrap().to_owned(),
+    );
+    // The command counts; pause it half-way.
+    server.wait_for(1, Duration::from_secs(20));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while size_on_diff(&daemon, &cell, "count") < 20 {
+        assert!(Instant::now() < deadline, "the command never counted");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(act(&daemon, &id, "pause")["state"], "paused");
+    let held = size_on_diff(&daemon, &cell, "count");
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(
+        size_on_diff(&daemon, &cell, "count"),
+        held,
+        "the cell went on while paused"
+    );
+    assert_eq!(server.count(), 1, "a model request while paused");
+    let cell_info = daemon
+        .call("GET", &format!("/v1/cells/{cell}"), None)
+        .json();
+    assert_eq!(cell_info["state"], "paused", "the cell is frozen");
+    // Said while paused: delivered at the next turn.
+    let said = daemon.call(
+        "POST",
+        &format!("/v1/agents/{id}/say"),
+        Some(json!({"text": "use printf from now on"})),
+    );
+    assert_eq!(said.status, 200);
+    act(&daemon, &id, "resume");
+    let requests = server.wait_for(2, Duration::from_secs(20));
+    assert!(
+        size_on_diff(&daemon, &cell, "count") > held,
+        "the command went on after resume"
+    );
+    let second = requests[1].text();
+    assert!(
+        second.contains("[operator] use printf from now on"),
+        "{second}"
+    );
+    assert!(!requests[0].text().contains("printf"));
+    // Pause again, then step: exactly one more model request and turn, then paused.
+    act(&daemon, &id, "pause");
+    let paused = until(&daemon, &id, "its second turn", |a| {
+        a["turn"] == 2 && a["state"] == "paused"
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let before = server.count();
+    assert!(before <= 3, "{before}");
+    act(&daemon, &id, "step");
+    let stepped = until(&daemon, &id, "the stepped turn", |a| {
+        a["turn"].as_u64() > paused["turn"].as_u64() && a["state"] == "paused"
+    });
+    std::thread::sleep(Duration::from_millis(700));
+    assert_eq!(
+        info(&daemon, &id)["turn"],
+        stepped["turn"],
+        "step ran more than one turn"
+    );
+    assert_eq!(info(&daemon, &id)["state"], "paused");
+    let after = server.count();
+    assert_eq!(
+        after,
+        stepped["turn"].as_u64().unwrap() as usize,
+        "one request per turn"
+    );
+    // Stop: the session ends cleanly; the journal has every exchange and the end.
+    assert_eq!(act(&daemon, &id, "stop")["id"], id.as_str());
+    let stopped = until(&daemon, &id, "its end", |a| a["state"] == "stopped");
+    assert!(
+        stopped["ended"].as_str().unwrap().contains("operator"),
+        "{stopped}"
+    );
+    assert_eq!(kinds(&daemon, "agent.model", &id).len(), server.count());
+    assert_eq!(kinds(&daemon, "agent.end", &id).len(), 1);
+    let controls: Vec<String> = kinds(&daemon, "agent.control", &id)
+        .iter()
+        .map(|e| e["data"]["action"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(controls, ["pause", "resume", "pause", "step", "stop"]);
+    // A stopped session's cell is thawed, for review.
+    assert_eq!(
+        daemon
+            .call("GET", &format!("/v1/cells/{cell}"), None)
+            .json()["state"],
+        "running"
+    );
+    // Control of a session that ended is refused with the reason.
+    let again = daemon.call("POST", &format!("/v1/agents/{id}/pause"), Some(json!({})));
+    assert_eq!(
+        again.status,
+        409,
+        "{}",
+        String::from_utf8_lossy(&again.body)
+    );
+    daemon.assert_journal_verifies();
+}
+
+/// Rewind restores the workspace byte for byte as it was at the end of the turn, and the next
+/// request carries only the turns up to it; a fork from a turn diverges in its own cell and
+/// leaves the original as it was.
+#[test]
+fn rewind_restores_workspace_and_conversation_and_a_fork_diverges_alone() {
+    let daemon = Daemon::start(&[]);
+    let workspace = tempfile::tempdir().unwrap();
+    std::fs::write(workspace.path().join("keep.txt"), "host file\n").unwrap();
+    let server = ModelServer::start(vec![
+        call(
+            "write_file",
+            json!({"path": "a.txt", "content": "one\u{0}\u{ff}bytes"}),
+        ),
+        Step::Calls(vec![
+            (
+                "write_file".into(),
+                json!({"path": "a.txt", "content": "two"}).to_string(),
+            ),
+            (
+                "write_file".into(),
+                json!({"path": "b.txt", "content": "second turn"}).to_string(),
+            ),
+        ]),
+        call("exec", json!({"command": "rm a.txt keep.txt"})),
+        Step::Text("done the first time".into()),
+    ]);
+    let agent = start(
+        &daemon,
+        &server,
+        "openai",
+        json!({ "task": "write files", "workspace": workspace.path() }),
+    );
+    let (id, cell) = (
+        agent["id"].as_str().unwrap().to_owned(),
+        agent["cell"].as_str().unwrap().to_owned(),
+    );
+    let done = daemon
+        .call("GET", &format!("/v1/agents/{id}/wait"), None)
+        .json();
+    assert_eq!(done["state"], "done", "{done}");
+    assert_eq!(done["turn"], 4);
+    assert_eq!(file(&daemon, &cell, "a.txt"), None);
+    // Back to the end of turn 1.
+    let rewound = daemon.call(
+        "POST",
+        &format!("/v1/agents/{id}/rewind"),
+        Some(json!({"turn": 1})),
+    );
+    assert_eq!(
+        rewound.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&rewound.body)
+    );
+    assert_eq!(rewound.json()["state"], "paused");
+    let bytes = daemon
+        .call(
+            "GET",
+            &format!("/v1/cells/{cell}/files/content?path=a.txt"),
+            None,
+        )
+        .body;
+    assert_eq!(bytes, "one\u{0}\u{ff}bytes".as_bytes());
+    assert_eq!(
+        file(&daemon, &cell, "b.txt"),
+        None,
+        "turn 2's file is still there"
+    );
+    assert_eq!(
+        file(&daemon, &cell, "keep.txt").as_deref(),
+        Some("host file\n")
+    );
+    let transcript = daemon
+        .call("GET", &format!("/v1/agents/{id}/transcript"), None)
+        .json();
+    assert_eq!(
+        transcript["items"].as_array().unwrap().len(),
+        3,
+        "task, turn 1's call, its result: {transcript}"
+    );
+    // Going on: the next request carries turns 1..1 only.
+    server.push(call(
+        "write_file",
+        json!({"path": "c.txt", "content": "after rewind"}),
+    ));
+    server.push(Step::Text("done the second time".into()));
+    act(&daemon, &id, "resume");
+    let again = daemon
+        .call("GET", &format!("/v1/agents/{id}/wait"), None)
+        .json();
+    assert_eq!(again["state"], "done", "{again}");
+    let requests = server.requests();
+    let resumed = &requests[4].body;
+    let messages = resumed["messages"].as_array().unwrap();
+    assert_eq!(
+        messages.len(),
+        4,
+        "system, task, turn 1's call and result: {resumed}"
+    );
+    assert!(!resumed.to_string().contains("b.txt"));
+    assert_eq!(
+        file(&daemon, &cell, "c.txt").as_deref(),
+        Some("after rewind")
+    );
+    // A fork at turn 2 of the first timeline is gone (rewound away); at turn 1 it starts from
+    // a.txt as it was, with the operator's words.
+    let missing = daemon.call(
+        "POST",
+        &format!("/v1/agents/{id}/fork"),
+        Some(json!({"turn": 9})),
+    );
+    assert_eq!(
+        missing.status,
+        404,
+        "{}",
+        String::from_utf8_lossy(&missing.body)
+    );
+    server.push(call(
+        "write_file",
+        json!({"path": "fork.txt", "content": "only in the fork"}),
+    ));
+    server.push(Step::Text("fork done".into()));
+    let fork = daemon.call(
+        "POST",
+        &format!("/v1/agents/{id}/fork"),
+        Some(json!({"turn": 1, "say": "try another way"})),
+    );
+    assert_eq!(fork.status, 201, "{}", String::from_utf8_lossy(&fork.body));
+    let fork = fork.json();
+    let (fork_id, fork_cell) = (
+        fork["id"].as_str().unwrap().to_owned(),
+        fork["cell"].as_str().unwrap().to_owned(),
+    );
+    assert_ne!(fork_cell, cell);
+    assert_eq!(fork["forked_from"], format!("{id}@1"));
+    let forked = daemon
+        .call("GET", &format!("/v1/agents/{fork_id}/wait"), None)
+        .json();
+    assert_eq!(forked["state"], "done", "{forked}");
+    let first = &server.requests()[6];
+    assert!(
+        first.text().contains("[operator] try another way"),
+        "{}",
+        first.text()
+    );
+    assert!(
+        !first.text().contains("c.txt"),
+        "the fork carries the original's later turns"
+    );
+    assert_eq!(
+        file(&daemon, &fork_cell, "fork.txt").as_deref(),
+        Some("only in the fork")
+    );
+    assert_eq!(
+        daemon
+            .call(
+                "GET",
+                &format!("/v1/cells/{fork_cell}/files/content?path=a.txt"),
+                None
+            )
+            .body,
+        "one\u{0}\u{ff}bytes".as_bytes()
+    );
+    assert_eq!(file(&daemon, &fork_cell, "c.txt"), None);
+    // The original is untouched by the fork.
+    assert_eq!(file(&daemon, &cell, "fork.txt"), None);
+    assert_eq!(
+        file(&daemon, &cell, "c.txt").as_deref(),
+        Some("after rewind")
+    );
+    assert_eq!(info(&daemon, &id)["summary"], "done the second time");
+    // The host directory never changed.
+    assert_eq!(
+        std::fs::read_to_string(workspace.path().join("keep.txt")).unwrap(),
+        "host file\n"
+    );
+    assert!(!workspace.path().join("a.txt").exists());
+    assert_eq!(kinds(&daemon, "agent.rewind", &id).len(), 1);
+    assert_eq!(kinds(&daemon, "agent.fork", &id).len(), 1);
+}

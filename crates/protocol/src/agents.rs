@@ -144,8 +144,9 @@ pub struct TokenUsage {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct TurnInfo {
     pub turn: u32,
-    /// `CELL@ID`: the cell's changed files at the end of the turn.
-    pub snapshot: String,
+    /// `CELL@ID`: the cell's changed files at the end of the turn (none for a cell without a
+    /// workspace layer).
+    pub snapshot: Option<String>,
     /// Conversation items up to the end of the turn.
     pub items: usize,
 }

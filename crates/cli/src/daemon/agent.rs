@@ -500,7 +500,11 @@ fn print_info(info: &AgentInfo) {
         println!("forked    from {from}");
     }
     for t in &info.turns {
-        println!("  turn {:>3}  snapshot {}", t.turn, t.snapshot);
+        println!(
+            "  turn {:>3}  snapshot {}",
+            t.turn,
+            t.snapshot.as_deref().unwrap_or("(none)")
+        );
     }
     if let Some(summary) = &info.summary {
         println!("summary   {}", one_line(summary, 200));
