@@ -161,7 +161,7 @@ pub(crate) fn snapshot_of(turn: &TurnInfo, id: &str) -> Result<String, HarnessEr
 
 /// How a checkpoint let the loop on.
 enum Go {
-    On { epoch: u64, stepping: bool },
+    On { epoch: u64 },
     Stop,
 }
 
@@ -343,18 +343,7 @@ impl Session {
                 };
                 let epoch = *self.epoch.borrow();
                 match inner.mode {
-                    Mode::Run => {
-                        return Go::On {
-                            epoch,
-                            stepping: false,
-                        };
-                    }
-                    Mode::Step => {
-                        return Go::On {
-                            epoch,
-                            stepping: true,
-                        };
-                    }
+                    Mode::Run | Mode::Step => return Go::On { epoch },
                     Mode::Stop => return Go::Stop,
                     Mode::Pause => {}
                 }
@@ -417,8 +406,8 @@ impl Session {
     /// Turns until the session ends; answers how it ended.
     async fn turns(&self) -> Result<(AgentState, String), HarnessError> {
         loop {
-            let (epoch, stepping) = match self.checkpoint().await {
-                Go::On { epoch, stepping } => (epoch, stepping),
+            let epoch = match self.checkpoint().await {
+                Go::On { epoch } => epoch,
                 Go::Stop => return Ok((AgentState::Stopped, "stopped by an operator".to_owned())),
             };
             self.thaw().await;
@@ -535,7 +524,8 @@ impl Session {
                     format!("the model finished ({})", tools::word(&reply.stop)),
                 ));
             }
-            if stepping {
+            // A step ends with the turn it was taken in.
+            {
                 let paused = {
                     let mut inner = self.inner.lock().map_err(|_| lost())?;
                     if inner.mode == Mode::Step {

@@ -614,3 +614,41 @@ fn a_daemon_cell_writes_after_its_workspace_is_reset() {
     let events = daemon.exec(&cell, json!({ "argv": ["cat", "readme.txt"] }));
     assert_eq!(stream_bytes(&events, "stdout"), b"cell\nx\n");
 }
+
+/// A diff freezes the cell for the moment it reads the layer; an exec that arrives then is
+/// not refused as if a person had paused the cell (a dashboard or an agent's diff polls while
+/// commands run).
+#[test]
+fn execs_beside_a_stream_of_diffs_all_run() {
+    let daemon = Daemon::start(&[]);
+    let workspace = tempfile::tempdir().unwrap();
+    let cell = daemon.create(
+        &unique("diffexec"),
+        json!({ "workspace": workspace.path() }),
+    );
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let looker = {
+        let (stop, socket, cell) = (stop.clone(), daemon.socket(), cell.clone());
+        std::thread::spawn(move || {
+            let mut diffs = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let stream = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+                let answer = exchange(stream, "GET", &format!("/v1/cells/{cell}/diff"), None, &[]);
+                assert_eq!(answer.status, 200);
+                diffs += 1;
+            }
+            diffs
+        })
+    };
+    for n in 0..60 {
+        let events = daemon.exec(
+            &cell,
+            json!({ "argv": ["sh", "-c", format!("echo {n} >> log")] }),
+        );
+        let exit = exit_of(&events);
+        assert_eq!(exit["code"], 0, "exec {n}: {events:?}");
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(looker.join().unwrap() > 10);
+    std::thread::sleep(Duration::from_millis(10));
+}

@@ -393,12 +393,14 @@ impl Harness {
             json!({ "by": by }),
         )
         .await?;
-        if action == ControlAction::Resume
-            && let Ok(mut live) = self.live.lock()
+        if let Ok(mut live) = self.live.lock()
             && let Some(l) = live.get_mut(name)
         {
-            l.idle_paused = false;
-            l.last_activity = Instant::now();
+            l.paused = action == ControlAction::Pause;
+            if action == ControlAction::Resume {
+                l.idle_paused = false;
+                l.last_activity = Instant::now();
+            }
         }
         if action == ControlAction::Kill {
             let _ = std::fs::write(self.daemon_dir.join("cells").join(name).join("killed"), "");

@@ -48,13 +48,23 @@ impl Harness {
         spec: ExecSpec,
         caller: &tokio::sync::oneshot::Sender<Result<Arc<Process>, HarnessError>>,
     ) -> Result<Arc<Process>, HarnessError> {
-        let (cell, status) = self.live_with_status(name)?;
-        let paused = status == Status::Paused;
-        let idle_paused = self
+        let (cell, mut status) = self.live_with_status(name)?;
+        let (idle_paused, controlled) = self
             .live
             .lock()
-            .map(|l| l.get(name).is_some_and(|l| l.idle_paused))
-            .unwrap_or(false);
+            .ok()
+            .and_then(|l| l.get(name).map(|l| (l.idle_paused, l.paused)))
+            .unwrap_or((false, true));
+        if status == Status::Paused && !idle_paused && !controlled {
+            // Frozen by the warden's own look at the cell's layer (a diff or a snapshot under
+            // way), or by a pause from before this daemon: wait out the former.
+            let deadline = Instant::now() + Duration::from_secs(1);
+            while status == Status::Paused && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                status = cell.status().unwrap_or(Status::Running);
+            }
+        }
+        let paused = status == Status::Paused;
         if idle_paused && paused {
             // Paused for being idle: an exec is activity, so it wakes the cell.
             self.control(

@@ -51,6 +51,10 @@ pub(crate) struct Live {
     pub(crate) last_activity: Instant,
     /// Paused by the idle limit: the next exec resumes it.
     pub(crate) idle_paused: bool,
+    /// Paused through `control` (a person, an agent session) and not resumed since: a frozen
+    /// cell that is not is only held for a moment by the warden's own look at its layer (a
+    /// diff, a snapshot).
+    pub(crate) paused: bool,
     wall_done: bool,
     /// Questions seen (by id) and whether the daemon answered them.
     asked: HashMap<u64, Question>,
@@ -76,6 +80,7 @@ impl Live {
             started: Instant::now(),
             last_activity: Instant::now(),
             idle_paused: false,
+            paused: false,
             wall_done: false,
             asked: HashMap::new(),
         }
