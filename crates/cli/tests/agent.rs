@@ -708,7 +708,8 @@ fn bad_model_output_is_told_to_the_model_and_failures_are_retried() {
         Step::Cut,
         Step::Text("recovered".into()),
     ]);
-    for provider in ["anthropic"] {
+    {
+        let provider = "anthropic";
         let agent = start(
             &daemon,
             &server,
