@@ -300,6 +300,135 @@ impl Drop for Daemon {
 }
 
 /// Proportional and resident memory of a process, in KiB.
+/// A model that answers every request at once: an exec of `true` until `turns` requests came,
+/// then a final text. Answers the times between requests (one turn each).
+fn instant_model(turns: usize) -> Result<(u16, std::sync::mpsc::Receiver<Instant>)> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let port = listener.local_addr()?.port();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut served = 0;
+        for stream in listener.incoming().flatten() {
+            let _ = stream.set_nodelay(true);
+            let mut reader = std::io::BufReader::new(match stream.try_clone() {
+                Ok(s) => s,
+                Err(_) => continue,
+            });
+            let mut out = stream;
+            loop {
+                let mut length = 0;
+                let mut line = String::new();
+                if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                    break;
+                }
+                loop {
+                    let mut header = String::new();
+                    if reader.read_line(&mut header).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let header = header.trim_end().to_ascii_lowercase();
+                    if header.is_empty() {
+                        break;
+                    }
+                    if let Some(value) = header.strip_prefix("content-length:") {
+                        length = value.trim().parse().unwrap_or(0);
+                    }
+                }
+                let mut body = vec![0; length];
+                if reader.read_exact(&mut body).is_err() {
+                    return;
+                }
+                let _ = tx.send(Instant::now());
+                served += 1;
+                let events = if served < turns {
+                    concat!(
+                        "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"c\",\"type\":\"function\",\"function\":{\"name\":\"exec\",\"arguments\":\"{\\\"command\\\":\\\"true\\\"}\"}}]}}]}\n\n",
+                        "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"tool_calls\"}],\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":1}}\n\n",
+                        "data: [DONE]\n\n"
+                    )
+                } else {
+                    concat!(
+                        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"done\"},\"finish_reason\":\"stop\"}]}\n\n",
+                        "data: [DONE]\n\n"
+                    )
+                };
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\n\r\n",
+                    events.len()
+                );
+                if out
+                    .write_all(head.as_bytes())
+                    .and_then(|()| out.write_all(events.as_bytes()))
+                    .is_err()
+                {
+                    break;
+                }
+            }
+        }
+    });
+    Ok((port, rx))
+}
+
+/// Runs one agent session of `turns` turns; answers each turn's time.
+fn agent_turns(daemon: &Daemon, turns: usize) -> Result<Vec<Duration>> {
+    let (port, arrivals) = instant_model(turns + 1)?;
+    let body = format!(
+        r#"{{"task":"bench","model":"openai:instant","base_url":"http://127.0.0.1:{port}/v1","budgets":{{"steps":{}}}}}"#,
+        turns + 2
+    );
+    let (status, raw) = request(&daemon.socket, "POST", "/v1/agents", &body)?;
+    if status != 201 {
+        bail!("starting the session failed: {raw}");
+    }
+    let id = raw
+        .split("\"id\":\"")
+        .nth(1)
+        .and_then(|r| r.split('"').next())
+        .context("no session id")?
+        .to_owned();
+    let (_, end) = request(&daemon.socket, "GET", &format!("/v1/agents/{id}/wait"), "")?;
+    if !end.contains("\"state\":\"done\"") {
+        bail!("the session did not finish: {end}");
+    }
+    let times: Vec<Instant> = arrivals.try_iter().collect();
+    if times.len() != turns + 1 {
+        bail!("{} model requests, not {}", times.len(), turns + 1);
+    }
+    Ok(times.windows(2).map(|w| w[1] - w[0]).collect())
+}
+
+/// The round trip of a workspace snapshot of a cell with one changed file.
+fn snapshot_round_trips(daemon: &Daemon, runs: usize) -> Result<Vec<Duration>> {
+    let dir = tempfile_dir()?;
+    let body = format!(r#"{{"name":"snapbench","workspace":"{}"}}"#, dir.display());
+    let (status, raw) = request(&daemon.socket, "POST", "/v1/cells", &body)?;
+    if status != 201 {
+        bail!("creating a cell failed: {raw}");
+    }
+    request(
+        &daemon.socket,
+        "POST",
+        "/v1/cells/snapbench/exec",
+        r#"{"argv":["sh","-c","echo x > f"]}"#,
+    )?;
+    let mut out = Vec::new();
+    for _ in 0..runs {
+        let start = Instant::now();
+        let (status, raw) = request(&daemon.socket, "POST", "/v1/cells/snapbench/snapshot", "{}")?;
+        out.push(start.elapsed());
+        if status != 200 && status != 201 {
+            bail!("snapshot failed: {raw}");
+        }
+    }
+    Ok(out)
+}
+
+fn tempfile_dir() -> Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("warden-bench-ws-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
 fn memory_kib(pid: u32) -> (u64, u64) {
     let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
     let field = |name: &str| {
@@ -522,6 +651,33 @@ fn main() -> Result<()> {
         rows.push(("runsc exec (running gVisor container)".to_owned(), samples));
     }
     table(&mut rows, "median/warden");
+    let exec_median = percentile(&mut rows[0].1.clone(), 0.5);
+
+    println!(
+        "\nthe warden's agent loop, per turn ({} turns of one exec of `true`; a model server that answers at once, Chat Completions streamed)",
+        args.runs
+    );
+    let turns = agent_turns(&daemon, args.runs)?;
+    let overhead: Vec<Duration> = turns
+        .iter()
+        .map(|t| t.saturating_sub(exec_median))
+        .collect();
+    let snapshots = snapshot_round_trips(&daemon, args.runs.min(100))?;
+    table(
+        &mut [
+            (
+                "turn (model call + tool + snapshot + journal)".to_owned(),
+                turns,
+            ),
+            ("turn minus the exec round trip".to_owned(), overhead),
+            (
+                "exec round trip alone (API, above)".to_owned(),
+                vec![exec_median],
+            ),
+            ("a workspace snapshot alone (API)".to_owned(), snapshots),
+        ],
+        "median/turn",
+    );
 
     let runs = args.runs.min(50);
     println!(
