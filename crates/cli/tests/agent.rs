@@ -239,6 +239,14 @@ fn a_scripted_model_carries_out_a_multi_step_task_in_each_wire_format() {
         );
         assert_eq!(models[1]["data"]["calls"][0]["name"], "edit_file");
         assert_eq!(kinds(&daemon, "agent.tool", &id).len(), 5, "{provider}");
+        let replay = daemon.warden().args(["replay", &cell]).output().unwrap();
+        let replay = String::from_utf8_lossy(&replay.stdout);
+        assert!(
+            replay.contains("turn 2: edit_file")
+                && replay.contains("exec.start")
+                && replay.contains("done: the model finished"),
+            "{provider}: {replay}"
+        );
         let end = kinds(&daemon, "agent.end", &id);
         assert_eq!(end[0]["data"]["state"], "done");
         assert!(

@@ -148,6 +148,51 @@ fn summary(entry: &Entry) -> String {
             d["closed_connections"].as_u64().unwrap_or(0)
         ),
         "policy.refused" => d["reason"].as_str().unwrap_or_default().to_owned(),
+        "agent.model" => match d["error"].as_str() {
+            Some(error) => format!("turn {}: the model API failed: {error}", d["turn"]),
+            None => {
+                let calls: Vec<String> = d["calls"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|c| {
+                        format!(
+                            "{} {}",
+                            c["name"].as_str().unwrap_or("?"),
+                            c["arguments"].as_str().unwrap_or("")
+                        )
+                    })
+                    .collect();
+                format!(
+                    "turn {} ({} ms, {} in / {} out): {}{}",
+                    d["turn"],
+                    d["latency_ms"],
+                    d["usage"]["input"],
+                    d["usage"]["output"],
+                    d["text"].as_str().unwrap_or(""),
+                    if calls.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" -> {}", calls.join("; "))
+                    }
+                )
+            }
+        },
+        "agent.tool" => format!(
+            "turn {}: {} {} = {}{}",
+            d["turn"],
+            d["name"].as_str().unwrap_or("?"),
+            d["arguments"].as_str().unwrap_or(""),
+            if d["error"] == true { "error: " } else { "" },
+            d["output"].as_str().unwrap_or("")
+        ),
+        "agent.say" => format!("operator: {}", d["text"].as_str().unwrap_or("")),
+        "agent.end" => format!(
+            "{}: {} after {} turns",
+            d["state"].as_str().unwrap_or(""),
+            d["reason"].as_str().unwrap_or(""),
+            d["turns"]
+        ),
         _ if d.as_object().is_some_and(|o| o.is_empty()) => String::new(),
         _ => d.to_string(),
     }
