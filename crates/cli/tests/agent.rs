@@ -939,3 +939,50 @@ fn agent_run_without_a_daemon_runs_the_session_in_process() {
         String::from_utf8_lossy(&diff.stderr)
     );
 }
+
+/// A session outlives the daemon that ran it: after a crash, the next daemon has it back
+/// (paused, its conversation and turns kept), and `resume` goes on from where it was.
+#[test]
+fn a_session_comes_back_paused_after_a_daemon_crash_and_goes_on() {
+    let mut daemon = Daemon::start(&[]);
+    let server = ModelServer::start(vec![
+        call("write_file", json!({"path": "one.txt", "content": "1"})),
+        call("exec", json!({"command": "sleep 30"})),
+    ]);
+    let agent = start(&daemon, &server, "openai", json!({ "task": "survive" }));
+    let (id, cell) = (
+        agent["id"].as_str().unwrap().to_owned(),
+        agent["cell"].as_str().unwrap().to_owned(),
+    );
+    server.wait_for(2, Duration::from_secs(20));
+    until(&daemon, &id, "its first turn", |a| a["turn"] == 1);
+    daemon.restart();
+    let back = info(&daemon, &id);
+    assert_eq!(back["state"], "paused", "{back}");
+    assert_eq!(back["turn"], 1);
+    let transcript = daemon
+        .call("GET", &format!("/v1/agents/{id}/transcript"), None)
+        .json();
+    assert_eq!(
+        transcript["items"].as_array().unwrap().len(),
+        3,
+        "{transcript}"
+    );
+    assert_eq!(file(&daemon, &cell, "one.txt").as_deref(), Some("1"));
+    // The key was not kept: the daemon's environment has none, so the resumed session asks
+    // without one (the scripted server does not check), and says nothing of the old.
+    server.push(Step::Text("back again".into()));
+    act(&daemon, &id, "resume");
+    let done = daemon
+        .call("GET", &format!("/v1/agents/{id}/wait"), None)
+        .json();
+    assert_eq!(done["state"], "done", "{done}");
+    assert_eq!(done["summary"], "back again");
+    let last = server.requests().pop().unwrap();
+    assert!(
+        last.text().contains("write_file"),
+        "the conversation came back: {}",
+        last.text()
+    );
+    assert_eq!(last.header("authorization"), None);
+}
