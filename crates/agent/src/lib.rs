@@ -337,6 +337,7 @@ impl Agents {
         if let Ok(mut sessions) = self.sessions.lock() {
             sessions.insert(id, Arc::clone(&session));
         }
+        session.save();
         session.spawn();
         Ok(session.info())
     }
@@ -367,6 +368,7 @@ impl Agents {
         by: &str,
     ) -> Result<AgentInfo, HarnessError> {
         let original = self.session(id)?;
+        original.settle().await?;
         let info = original.info();
         let target = info
             .turns

@@ -84,6 +84,9 @@ pub struct Session {
     epoch: tokio::sync::watch::Sender<u64>,
     /// The loop's wall clock (from this daemon's start of it).
     clock: Instant,
+    /// The last turn's snapshot, under way while the next model call is (it is waited for
+    /// before anything can change the workspace: a tool call, a pause, a rewind, the end).
+    pending: tokio::sync::Mutex<Option<tokio::task::JoinHandle<Result<(), HarnessError>>>>,
     saved_at: Option<PathBuf>,
 }
 
@@ -201,6 +204,7 @@ impl Session {
             changed: tokio::sync::Notify::new(),
             epoch: tokio::sync::watch::channel(0).0,
             clock: Instant::now(),
+            pending: tokio::sync::Mutex::new(None),
             saved_at,
         })
     }
@@ -238,7 +242,7 @@ impl Session {
     }
 
     /// Writes the session's state beside the daemon's (atomically: a crash leaves the old).
-    fn save(&self) {
+    pub(crate) fn save(&self) {
         let (Some(path), Some(saved)) = (&self.saved_at, self.saved()) else {
             return;
         };
@@ -248,6 +252,28 @@ impl Session {
         let tmp = path.with_extension("json.new");
         if std::fs::write(&tmp, bytes).is_ok() {
             let _ = std::fs::rename(&tmp, path);
+        }
+    }
+
+    /// Journals what the loop saw (an exchange, a call, a turn): written before the loop goes
+    /// on, on disk with the next entry that is waited for (before any effect: an exec's start
+    /// is), not waited for itself.
+    async fn note(&self, kind: &str, mut fields: Value) -> Result<(), HarnessError> {
+        fields["id"] = self.id.clone().into();
+        self.harness
+            .record_soon(Some(&self.cell), kind, fields)
+            .await
+            .map(drop)
+    }
+
+    /// Waits for the last turn's snapshot, if one is under way.
+    pub(crate) async fn settle(&self) -> Result<(), HarnessError> {
+        let handle = self.pending.lock().await.take();
+        match handle {
+            Some(handle) => handle
+                .await
+                .map_err(|e| HarnessError::internal(format!("a turn's snapshot failed: {e}")))?,
+            None => Ok(()),
         }
     }
 
@@ -294,6 +320,7 @@ impl Session {
 
     /// Ends the loop: records why, thaws the cell it froze.
     async fn end(&self, state: AgentState, reason: String) {
+        let _ = self.settle().await;
         let (turn, usage, summary, froze) = {
             let Ok(mut inner) = self.inner.lock() else {
                 return;
@@ -404,7 +431,7 @@ impl Session {
     }
 
     /// Turns until the session ends; answers how it ended.
-    async fn turns(&self) -> Result<(AgentState, String), HarnessError> {
+    async fn turns(self: &Arc<Self>) -> Result<(AgentState, String), HarnessError> {
         loop {
             let epoch = match self.checkpoint().await {
                 Go::On { epoch } => epoch,
@@ -428,7 +455,7 @@ impl Session {
                 (inner.info.turn + 1, inner.items.clone(), said.len())
             };
             if said > 0 {
-                self.record("agent.said", json!({ "turn": turn, "count": said }))
+                self.note("agent.said", json!({ "turn": turn, "count": said }))
                     .await?;
             }
             let tools = tools::specs();
@@ -461,7 +488,7 @@ impl Session {
                 }
             };
             let reply = called.reply;
-            self.record(
+            self.note(
                 "agent.model",
                 json!({
                     "turn": turn,
@@ -496,6 +523,7 @@ impl Session {
                 if let Go::Stop = self.checkpoint().await {
                     break;
                 }
+                self.settle().await?;
                 self.thaw().await;
                 let Some(outcome) = self.call(turn, call, epoch).await? else {
                     break;
@@ -516,6 +544,7 @@ impl Session {
             }
             self.finish_turn(turn, epoch).await?;
             if reply.calls.is_empty() {
+                self.settle().await?;
                 if let Ok(mut inner) = self.inner.lock() {
                     inner.info.summary = Some(reply.text.clone());
                 }
@@ -545,25 +574,39 @@ impl Session {
         }
     }
 
-    /// Snapshots the workspace at the end of a turn and records the turn.
-    async fn finish_turn(&self, turn: u32, epoch: u64) -> Result<(), HarnessError> {
-        let snapshot = snapshot(&self.harness, &self.cell).await?;
+    /// Ends a turn: counted now, its snapshot taken on a task of its own (while the next
+    /// model call is under way) and journaled with it.
+    async fn finish_turn(self: &Arc<Self>, turn: u32, epoch: u64) -> Result<(), HarnessError> {
         {
             let mut inner = self.inner.lock().map_err(|_| lost())?;
-            if !self.current(epoch) {
-                return Ok(());
-            }
             let items = inner.items.len();
             inner.info.turn = turn;
             inner.info.turns.push(TurnInfo {
                 turn,
-                snapshot: snapshot.clone(),
+                snapshot: None,
                 items,
             });
         }
-        self.record("agent.turn", json!({ "turn": turn, "snapshot": snapshot }))
-            .await?;
         self.save();
+        let session = Arc::clone(self);
+        let handle = tokio::spawn(async move {
+            let snapshot = snapshot(&session.harness, &session.cell).await?;
+            {
+                let mut inner = session.inner.lock().map_err(|_| lost())?;
+                if !session.current(epoch) {
+                    return Ok(());
+                }
+                if let Some(t) = inner.info.turns.iter_mut().rev().find(|t| t.turn == turn) {
+                    t.snapshot = snapshot.clone();
+                }
+            }
+            session
+                .note("agent.turn", json!({ "turn": turn, "snapshot": snapshot }))
+                .await?;
+            session.save();
+            Ok(())
+        });
+        *self.pending.lock().await = Some(handle);
         Ok(())
     }
 
@@ -616,7 +659,7 @@ impl Session {
                 }
             }
         };
-        self.record(
+        self.note(
             "agent.tool",
             json!({
                 "turn": turn,
@@ -635,6 +678,8 @@ impl Session {
     }
 
     async fn freeze(&self) {
+        // A snapshot under way thaws the cell when it is done: it goes first.
+        let _ = self.settle().await;
         let first = self
             .inner
             .lock()
@@ -652,11 +697,19 @@ impl Session {
         }
     }
 
+    /// Thaws the cell the session froze, unless a pause holds now (a pause that came while the
+    /// loop was on its way past a checkpoint keeps its freeze: the command it holds goes on at
+    /// resume or step).
     async fn thaw(&self) {
+        self.release(false).await;
+    }
+
+    /// Thaws the cell the session froze; `even_paused`: whatever the mode.
+    async fn release(&self, even_paused: bool) {
         let froze = self
             .inner
             .lock()
-            .map(|mut i| std::mem::take(&mut i.froze))
+            .map(|mut i| (even_paused || i.mode != Mode::Pause) && std::mem::take(&mut i.froze))
             .unwrap_or(false);
         if froze {
             let _ = self
@@ -752,6 +805,7 @@ impl Session {
         turn: u32,
         by: &str,
     ) -> Result<AgentInfo, HarnessError> {
+        self.settle().await?;
         let target = self
             .info()
             .turns
@@ -785,8 +839,10 @@ impl Session {
             inner.pending.clear();
         }
         self.changed.notify_waiters();
-        // The reset needs the cell thawed; a command cut by the epoch may still be ending.
-        self.thaw().await;
+        // The reset needs the cell thawed, and no snapshot of the cut timeline under way; a
+        // command cut by the epoch may still be ending.
+        self.settle().await?;
+        self.release(true).await;
         self.harness.reset(&self.cell, Some(&snapshot)).await?;
         // Left paused with nothing under way: the cell runs, for a look at its files.
         if let Ok(mut inner) = self.inner.lock() {

@@ -46,7 +46,27 @@ impl Harness {
                 }
                 self.record(Some(&entry.name), "cell.reattach", json!({}))
                     .await?;
+                let frozen = matches!(cell_status(self, &entry.name), Some(Status::Paused));
+                if frozen
+                    && !entry.paused
+                    && let Some(cell) = self.cell(&entry.name)
+                    && on_own_thread("cell-control", move || cell.thaw())
+                        .await
+                        .is_ok()
+                {
+                    self.record(
+                        Some(&entry.name),
+                        "cell.resume",
+                        json!({ "by": "the warden: a hold of its own (a diff or a snapshot under way) when the last daemon stopped" }),
+                    )
+                    .await?;
+                }
                 self.adopt(&entry);
+                if let Ok(mut live) = self.live.lock()
+                    && let Some(l) = live.get_mut(&entry.name)
+                {
+                    l.paused = entry.paused;
+                }
                 self.watch(entry.name.clone());
             } else {
                 let reason = "ended while no daemon was running".to_owned();
@@ -333,6 +353,7 @@ impl Harness {
             None => request.workspace.clone(),
         };
         let entry = CellEntry {
+            paused: false,
             name: name.clone(),
             created_ms: now_ms(),
             policy: policy.clone(),
@@ -417,6 +438,12 @@ impl Harness {
             // A cell that ended on its own between the check and the kill is what a kill wants.
             Err(CellError::Ended(_)) if action == ControlAction::Kill => {}
             Err(err) => return Err(HarnessError::new(ErrorKind::Conflict, err.to_string())),
+        }
+        if action != ControlAction::Kill
+            && let Ok(Some(mut entry)) = self.state.get(name)
+        {
+            entry.paused = action == ControlAction::Pause;
+            self.state.put(&entry)?;
         }
         if action == ControlAction::Kill {
             // Wait (bounded) until the tier has let go of the cell.
@@ -507,4 +534,9 @@ pub(crate) fn create_entry(
         "labels": request.labels,
         "env": request.env.keys().collect::<Vec<_>>(),
     })
+}
+
+/// A cell's status as its tier tells it, if it can.
+fn cell_status(harness: &Harness, name: &str) -> Option<Status> {
+    harness.cell(name)?.status().ok()
 }

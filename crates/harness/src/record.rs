@@ -84,6 +84,25 @@ impl Harness {
         Ok(receipt)
     }
 
+    /// Appends an entry and answers once it is written to the journal's file, not waiting for
+    /// the disk: for a record of what the warden saw (an agent's model exchange, say) that no
+    /// effect waits on. The next entry that is waited for (the journal syncs its file as a
+    /// whole) makes it durable too; it goes to the events stream once it is on disk.
+    pub async fn record_soon(
+        self: &Arc<Self>,
+        cell: Option<&str>,
+        kind: &str,
+        data: Value,
+    ) -> Result<Receipt, HarnessError> {
+        let durable = self.record_ahead(cell, kind, data).await?;
+        let receipt = durable.receipt.clone();
+        let harness = Arc::clone(self);
+        tokio::spawn(async move {
+            let _ = durable.wait(&harness).await;
+        });
+        Ok(receipt)
+    }
+
     /// Appends entries about one cell in one group commit, and a signed checkpoint after them
     /// with `sign` (so that closing the journal then needs no write of its own), and waits
     /// until all are on disk.

@@ -56,6 +56,11 @@ pub struct CellEntry {
     /// ran (the other sections stay as made).
     #[serde(default)]
     pub replaced: Option<String>,
+    /// Paused through the harness's control (a person, an agent session) and not resumed
+    /// since: what a daemon that takes the cell back keeps frozen. A cell found frozen without
+    /// it was held by the warden's own look at its layer when the last daemon stopped.
+    #[serde(default)]
+    pub paused: bool,
 }
 
 impl CellEntry {
@@ -529,6 +534,7 @@ mod tests {
 
     fn entry(name: &str) -> CellEntry {
         CellEntry {
+            paused: false,
             name: name.to_owned(),
             created_ms: 7,
             policy: PolicySource::Preset("default".to_owned()),
