@@ -231,6 +231,7 @@ fn main() -> Result<()> {
         ask: vec![],
         extra_ca: Some(ca_file.clone()),
         gateway: false,
+        inference: None,
     };
     let interceptor = warden_egress::Interceptor::new("bench", Some(&ca_file))?;
     let cell_trust = client_config(&interceptor.ca_pem())?;

@@ -11,6 +11,7 @@ use serde_json::json;
 
 use crate::host::{Host, split_authority};
 use crate::http::{self, Body, ParsedRequest, ResponseError};
+use crate::inference::Tap;
 use crate::path::Target;
 use crate::proxy::{Gateway, Via};
 use crate::pump::pump;
@@ -201,6 +202,18 @@ impl Gateway {
             Ok(parts) => parts,
             Err(e) => return self.refuse(&mut conn, kind, &target, e.to_string()),
         };
+        // The model API's name: the request goes to the upstream, below its path, and names it.
+        if let Some(route) = self.inference_route(&host) {
+            let mut request = request;
+            let upstream = authority_of(&route.host, route.port, 80);
+            for (name, value) in &mut request.headers {
+                if name == "host" {
+                    *value = upstream.clone().into_bytes();
+                }
+            }
+            let path = format!("{}{path}", route.prefix);
+            return self.forward_to(conn, &route.host, route.port, &path, request, via, false);
+        }
         self.forward_to(conn, &host, port, &path, request, via, false);
     }
 
@@ -269,10 +282,28 @@ impl Gateway {
             target,
             body,
         } = checked;
+        let inference = crate::inference::is_inference(&verdict.rule);
+        if inference
+            && decision.allowed
+            && let Some(reason) = self.inference_refusal()
+        {
+            decision.allowed = false;
+            decision.reason = reason;
+            self.log_decision(&decision);
+            http::reply(
+                &mut conn,
+                429,
+                "Too Many Requests",
+                &json!({ "error": { "message": decision.reason, "type": "warden_token_budget", "code": "token_budget" } }),
+            );
+            return;
+        }
         let Some(mut upstream) = self.open_upstream(&mut conn, host, port, &mut decision, via)
         else {
             return;
         };
+        let started = std::time::Instant::now();
+        let (mut request_kept, mut response_kept) = (Vec::new(), Vec::new());
         let credential = verdict
             .credential
             .as_deref()
@@ -289,10 +320,15 @@ impl Gateway {
         let _ = conn.set_read_timeout(idle);
         // Exactly the announced body, then nothing more from this client.
         let sent = io::Write::write_all(&mut upstream, &out).and_then(|()| {
+            let mut tap = Tap {
+                inner: &mut upstream,
+                kept: &mut request_kept,
+            };
+            let to: &mut dyn io::Write = if inference { &mut tap } else { tap.inner };
             http::send_body(
                 &early,
                 &mut &conn,
-                &mut upstream,
+                &mut &mut *to,
                 body,
                 credential,
                 &self.secrets,
@@ -312,8 +348,13 @@ impl Gateway {
             }
         }
         let _tracked = self.track(host, port, Some((&method, &target.path)), &conn, &upstream);
-        decision.bytes_down = if credential.is_some() {
-            match http::relay_inspected(&mut &upstream, &mut &conn, &self.secrets, &method) {
+        decision.bytes_down = if credential.is_some() || inference {
+            let mut tap = Tap {
+                inner: &conn,
+                kept: &mut response_kept,
+            };
+            let to: &mut dyn io::Write = if inference { &mut tap } else { &mut tap.inner };
+            match http::relay_inspected(&mut &upstream, &mut &mut *to, &self.secrets, &method) {
                 Ok(n) => n,
                 Err(ResponseError::Refused(reason)) => {
                     decision.allowed = false;
@@ -337,8 +378,20 @@ impl Gateway {
             n
         };
         let _ = conn.shutdown(Shutdown::Both);
+        if inference {
+            decision.inference = Some(self.read_exchange(
+                &target.path,
+                &request_kept,
+                &response_kept,
+                started.elapsed(),
+            ));
+        }
         self.log_decision(&decision);
     }
+}
+
+fn authority_of(host: &Host, port: u16, default_port: u16) -> String {
+    authority(host, port, default_port)
 }
 
 /// `host:port` as a Host header writes it (the port left out where it is the default).

@@ -12,6 +12,7 @@ mod dns;
 mod forward;
 mod host;
 mod http;
+mod inference;
 mod intercept;
 mod path;
 mod proxy;

@@ -65,6 +65,8 @@ pub struct Gateway {
     resolver: Lookup,
     slots: Arc<Slots>,
     pub(crate) bounds: Bounds,
+    /// Tokens the cell's model exchanges used (`network.inference.max_tokens` bounds them).
+    pub(crate) inference_tokens: Arc<AtomicU64>,
 }
 
 #[derive(Clone)]
@@ -130,6 +132,7 @@ impl Gateway {
             resolver: Lookup(Arc::new(host_resolver)),
             slots: Slots::new(bounds.connections),
             bounds,
+            inference_tokens: Arc::new(AtomicU64::new(0)),
         })
     }
 
@@ -395,6 +398,7 @@ impl Gateway {
             bytes_up: 0,
             bytes_down: 0,
             repeats: 0,
+            inference: None,
         }
     }
 

@@ -46,6 +46,11 @@ pub struct Decision {
     /// has none and stands for itself.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub repeats: u64,
+    /// A model exchange through `network.inference`, as read from its wire format (model,
+    /// tokens, latency, stop reason, the text up to a limit): such a line is never folded into
+    /// another.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inference: Option<serde_json::Value>,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -89,6 +94,7 @@ impl Decision {
             bytes_up: 0,
             bytes_down: 0,
             repeats: allowed + refused,
+            inference: None,
         }
     }
 }
@@ -193,6 +199,13 @@ impl State {
         };
         if self.quota_said {
             return tally(&mut self.over_quota);
+        }
+        if decision.inference.is_some() {
+            // Each exchange is its own line (within the rate and the quota).
+            if self.seen.len() >= LINES_PER_SECOND as usize {
+                return tally(&mut self.over_rate);
+            }
+            return self.line(decision);
         }
         if let Some(first) = self.seen.get_mut(&decision.key()) {
             first.repeats += 1;
@@ -334,6 +347,7 @@ mod tests {
             bytes_up: 1,
             bytes_down: 2,
             repeats: 0,
+            inference: None,
         }
     }
 

@@ -86,6 +86,71 @@ pub struct Rules {
     allow: Vec<Rule>,
     deny: Vec<Rule>,
     ask: Vec<Rule>,
+    /// `network.inference`, when set.
+    pub(crate) inference: Option<InferenceRoute>,
+}
+
+/// The label of the rule that lets a cell's model traffic out to its inference upstream.
+pub(crate) const INFERENCE_RULE: &str = "inference";
+
+/// Where the cell's model traffic goes (`network.inference`).
+#[derive(Debug, Clone)]
+pub(crate) struct InferenceRoute {
+    /// The name the cell's clients use.
+    pub(crate) name: String,
+    pub(crate) host: Host,
+    pub(crate) port: u16,
+    /// The upstream's path before the cell's (`/prefix`, or empty).
+    pub(crate) prefix: String,
+    pub(crate) max_tokens: Option<u64>,
+}
+
+/// `network.inference` compiled: its route, and the allow rule for its upstream (which binds
+/// its credential).
+fn compile_inference(
+    inference: &warden_policy::Inference,
+) -> Result<(InferenceRoute, Rule), RulesError> {
+    let err = |message: String| RulesError::Rule {
+        rule: format!("network.inference upstream={}", inference.upstream),
+        message,
+    };
+    let rest = inference
+        .upstream
+        .strip_prefix("http://")
+        .ok_or_else(|| err("the upstream must be an http:// URL".to_owned()))?;
+    let (authority, prefix) = match rest.find('/') {
+        Some(i) => (&rest[..i], rest[i..].trim_end_matches('/').to_owned()),
+        None => (rest, String::new()),
+    };
+    let (host, port) =
+        crate::host::split_authority(authority, 80).map_err(|e| err(e.to_string()))?;
+    let rule = Rule {
+        label: format!("{INFERENCE_RULE} upstream={}", inference.upstream),
+        credential: inference.credential.clone(),
+        host: match &host {
+            Host::Name(name) => HostMatch::Exact(name.clone()),
+            Host::Ip(ip) => HostMatch::Ip(*ip),
+        },
+        ports: vec![port],
+        methods: Vec::new(),
+        // Decided request by request (so observed, counted and bounded), never as a raw
+        // connection: a path rule makes it so.
+        paths: Some({
+            let mut builder = GlobSetBuilder::new();
+            builder.add(Glob::new("/**").map_err(|e| err(e.to_string()))?);
+            builder.build().map_err(|e| err(e.to_string()))?
+        }),
+        path_globs: Some(vec!["/**".to_owned()]),
+        dns: NameLookup::Connected,
+    };
+    let route = InferenceRoute {
+        name: inference.name.to_ascii_lowercase(),
+        host,
+        port,
+        prefix,
+        max_tokens: inference.max_tokens,
+    };
+    Ok((route, rule))
 }
 
 impl Rules {
@@ -96,11 +161,23 @@ impl Rules {
                 .map(|(i, r)| compile_rule(r, &format!("{name}[{i}]")))
                 .collect()
         };
+        let mut allow = compile_list(&network.allow, "allow")?;
+        let inference = match &network.inference {
+            Some(inference) => {
+                let (route, rule) = compile_inference(inference)?;
+                // First: the upstream's rule decides (and binds its credential) before any
+                // broader one.
+                allow.insert(0, rule);
+                Some(route)
+            }
+            None => None,
+        };
         Ok(Self {
             default_allow: network.default == NetworkDefault::Allow,
-            allow: compile_list(&network.allow, "allow")?,
+            allow,
             deny: compile_list(&network.deny, "deny")?,
             ask: compile_list(&network.ask, "ask")?,
+            inference,
         })
     }
 
@@ -428,6 +505,7 @@ mod tests {
             ask: vec![],
             extra_ca: None,
             gateway: false,
+            inference: None,
         })
         .unwrap()
     }
@@ -590,6 +668,7 @@ mod tests {
             ask: vec![rule("*.x.org"), rule("10.1.2.3")],
             extra_ca: None,
             gateway: false,
+            inference: None,
         })
         .unwrap();
         let decide = |h: &str| {
@@ -622,6 +701,7 @@ mod tests {
             ask: vec![post],
             extra_ca: None,
             gateway: false,
+            inference: None,
         })
         .unwrap();
         assert!(r.need_interception());

@@ -34,6 +34,10 @@ impl Gateway {
             },
         );
         let mut decision = self.record("connect", &host.as_text(), port, None, &verdict);
+        if decision.allowed && crate::inference::is_inference(&verdict.rule) {
+            decision.allowed = false;
+            decision.reason = "the inference upstream takes plain HTTP requests through the gateway (network.inference.name), each read and counted; not a tunnel".to_owned();
+        }
         let Some(upstream) = self.open_upstream(&mut conn, &host, port, &mut decision, Via::Proxy)
         else {
             return;

@@ -13,8 +13,8 @@ mod units;
 pub use explain::explain;
 pub use model::{
     ApplyApproval, ApprovalOutcome, Approvals, CommandDefault, CommandRules, CommandVerdict,
-    Commands, Credential, Credentials, EnvPolicy, Filesystem, Gpu, LifecycleAction, Limits,
-    MAX_CONNECTIONS, NameLookup, NetRule, Network, NetworkDefault, Policy, Process, Tier,
+    Commands, Credential, Credentials, EnvPolicy, Filesystem, Gpu, Inference, LifecycleAction,
+    Limits, MAX_CONNECTIONS, NameLookup, NetRule, Network, NetworkDefault, Policy, Process, Tier,
     Workspace, WorkspaceMode,
 };
 pub use parse::{PolicyError, from_file, from_yaml, sections, to_yaml};

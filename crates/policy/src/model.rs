@@ -435,12 +435,43 @@ pub struct Network {
     /// made without a gateway has none for life: the gateway's sockets, the redirect and the
     /// proxy variables are set up when the cell is made.
     pub gateway: bool,
+    /// The model traffic of agents in the cell: routed to an upstream at a fixed name, with the
+    /// key injected by the gateway, every exchange parsed and recorded, under a token budget.
+    pub inference: Option<Inference>,
+}
+
+/// `network.inference`: where a cell's model API requests go. The cell's clients use
+/// `http://NAME/...` (`OPENAI_BASE_URL=http://inference.warden/v1`, say) through the gateway,
+/// which sends them to `upstream` (its path prefix before theirs) with the credential's secret
+/// in its header, reads each exchange in its wire format (Chat Completions, Responses,
+/// Anthropic Messages, streamed or not) and records model, tokens, latency and the text.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Inference {
+    /// The API's root: `http://127.0.0.1:8000` or `http://host:port/prefix` (plain HTTP in
+    /// this version: a local server, or a TLS proxy in front of a provider).
+    pub upstream: String,
+    /// The credential (from `credentials`) whose secret goes in the upstream's header.
+    #[serde(default)]
+    pub credential: Option<String>,
+    /// The name the cell's clients use.
+    #[serde(default = "default_inference_name")]
+    pub name: String,
+    /// Most tokens (input and output together) the cell's requests may use; the next request
+    /// past them is refused with a 429.
+    #[serde(default)]
+    pub max_tokens: Option<u64>,
+}
+
+fn default_inference_name() -> String {
+    "inference.warden".to_owned()
 }
 
 impl Network {
     /// Whether the cell gets an egress gateway at all.
     pub fn has_gateway(&self) -> bool {
         self.gateway
+            || self.inference.is_some()
             || self.default == NetworkDefault::Allow
             || !self.allow.is_empty()
             || !self.ask.is_empty()

@@ -364,6 +364,38 @@ fn validate(origin: &str, policy: &Policy) -> Result<(), PolicyError> {
             ));
         }
     }
+    if let Some(inference) = &policy.network.inference {
+        let field = "network.inference";
+        let Some(rest) = inference.upstream.strip_prefix("http://") else {
+            return Err(invalid(
+                field,
+                "upstream must be an http:// URL (a local model server, or a TLS proxy in front of a provider's https API)",
+            ));
+        };
+        let authority = rest.split('/').next().unwrap_or("");
+        if authority.is_empty() || authority.contains('@') {
+            return Err(invalid(
+                field,
+                "upstream must name a host (and port), without user info",
+            ));
+        }
+        if let Some(name) = &inference.credential
+            && !policy.credentials.contains_key(name)
+        {
+            return Err(invalid(
+                field,
+                &format!("credential `{name}` is not defined in `credentials`"),
+            ));
+        }
+        let name_ok = !inference.name.is_empty()
+            && inference
+                .name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.');
+        if !name_ok {
+            return Err(invalid(field, "name must be a host name"));
+        }
+    }
     for entry in &policy.filesystem.workspace.protect {
         let path = Path::new(entry);
         if entry.is_empty()
@@ -513,6 +545,29 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("plain path"), "{err}");
+    }
+
+    #[test]
+    fn inference_routes_are_checked() {
+        let ok = "version: 1\nnetwork:\n  inference:\n    upstream: http://127.0.0.1:8000/api\n    credential: k\n    max_tokens: 10\ncredentials:\n  k: { from_env: K }\n";
+        let policy = from_yaml("p.yaml", ok).unwrap();
+        let inference = policy.network.inference.as_ref().unwrap();
+        assert_eq!(inference.name, "inference.warden");
+        assert!(policy.network.has_gateway());
+        for (bad, says) in [
+            ("upstream: https://api.openai.com", "http:// URL"),
+            ("upstream: http://", "must name a host"),
+            ("upstream: http://u@h", "must name a host"),
+            (
+                "upstream: http://h\n    credential: nope",
+                "credential `nope`",
+            ),
+            ("upstream: http://h\n    name: 'a b'", "host name"),
+        ] {
+            let yaml = format!("version: 1\nnetwork:\n  inference:\n    {bad}\n");
+            let err = from_yaml("p.yaml", &yaml).unwrap_err().to_string();
+            assert!(err.contains(says), "{bad}: {err}");
+        }
     }
 
     #[test]

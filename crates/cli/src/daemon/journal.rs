@@ -187,6 +187,23 @@ fn summary(entry: &Entry) -> String {
             d["output"].as_str().unwrap_or("")
         ),
         "agent.say" => format!("operator: {}", d["text"].as_str().unwrap_or("")),
+        "net.decision" if d["inference"].is_object() => {
+            let i = &d["inference"];
+            format!(
+                "model {} via {} ({} ms, {} in / {} out, {} used): {}{}",
+                i["model"].as_str().unwrap_or("?"),
+                i["format"].as_str().unwrap_or("?"),
+                i["latency_ms"],
+                i["usage"]["input"],
+                i["usage"]["output"],
+                i["tokens_used"],
+                i["text"].as_str().unwrap_or(""),
+                i["error"]
+                    .as_str()
+                    .map(|e| format!(" (error: {e})"))
+                    .unwrap_or_default()
+            )
+        }
         "agent.end" => format!(
             "{}: {} after {} turns",
             d["state"].as_str().unwrap_or(""),

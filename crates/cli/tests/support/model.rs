@@ -235,8 +235,15 @@ fn answer(out: &mut TcpStream, path: &str, body: &Value, step: Step) -> bool {
         let _ = write!(out, "HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n");
         return true;
     };
-    let streamed = body["stream"] == true;
-    assert!(streamed, "the warden's loop streams");
+    if body["stream"] != true {
+        let text = whole(path, &step).to_string();
+        let _ = write!(
+            out,
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{text}",
+            text.len()
+        );
+        return true;
+    }
     let _ = write!(
         out,
         "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -262,6 +269,39 @@ fn answer(out: &mut TcpStream, path: &str, body: &Value, step: Step) -> bool {
     let _ = write!(out, "0\r\n\r\n");
     let _ = out.flush();
     true
+}
+
+/// A reply not streamed, in the format of `path`.
+fn whole(path: &str, step: &Step) -> Value {
+    let calls = calls_of(step);
+    let text = text_of(step);
+    let usage = (100, 20);
+    if path.ends_with("/chat/completions") {
+        let tool_calls: Vec<Value> = calls.iter().map(|(id, name, args)| json!({"id": id, "type": "function", "function": {"name": name, "arguments": args}})).collect();
+        let mut message = json!({"role": "assistant", "content": if text.is_empty() { Value::Null } else { text.clone().into() }});
+        if !tool_calls.is_empty() {
+            message["tool_calls"] = tool_calls.into();
+        }
+        json!({"id": format!("chatcmpl-{}", id()), "object": "chat.completion", "created": 0, "model": "scripted", "choices": [{"index": 0, "message": message, "finish_reason": if calls.is_empty() { "stop" } else { "tool_calls" }}], "usage": {"prompt_tokens": usage.0, "completion_tokens": usage.1, "total_tokens": usage.0 + usage.1}})
+    } else if path.ends_with("/responses") {
+        let mut output: Vec<Value> = Vec::new();
+        if !text.is_empty() {
+            output.push(json!({"type": "message", "id": format!("msg_{}", id()), "role": "assistant", "status": "completed", "content": [{"type": "output_text", "text": text, "annotations": []}]}));
+        }
+        for (call_id, name, args) in &calls {
+            output.push(json!({"type": "function_call", "id": format!("fc_{call_id}"), "call_id": call_id, "name": name, "arguments": args, "status": "completed"}));
+        }
+        json!({"id": format!("resp_{}", id()), "object": "response", "created_at": 0, "model": "scripted", "status": "completed", "output": output, "parallel_tool_calls": true, "tool_choice": "auto", "tools": [], "usage": {"input_tokens": usage.0, "output_tokens": usage.1, "total_tokens": usage.0 + usage.1, "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}})
+    } else {
+        let mut content: Vec<Value> = Vec::new();
+        if !text.is_empty() {
+            content.push(json!({"type": "text", "text": text}));
+        }
+        for (call_id, name, args) in &calls {
+            content.push(json!({"type": "tool_use", "id": call_id, "name": name, "input": serde_json::from_str::<Value>(args).unwrap_or(json!({}))}));
+        }
+        json!({"id": format!("msg_{}", id()), "type": "message", "role": "assistant", "model": "scripted", "content": content, "stop_reason": if calls.is_empty() { "end_turn" } else { "tool_use" }, "usage": {"input_tokens": usage.0, "output_tokens": usage.1}})
+    }
 }
 
 /// The calls of a step (a cut stream: a call cut half-way).

@@ -1,0 +1,124 @@
+//! Agents inside a cell: the official `openai` package in a cell reaches the model server only
+//! through the gateway at `inference.warden` (`network.inference`); the upstream gets the key,
+//! the cell never holds it; each exchange is read in its wire format and journaled; the token
+//! budget refuses the request past it.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed step is a failed test
+
+mod support;
+
+use std::path::PathBuf;
+
+use serde_json::Value;
+use support::model::{ModelServer, Step};
+
+const KEY: &str = "sk-upstream-7d1e4f0a9b3c2851";
+
+#[test]
+fn an_openai_client_in_a_cell_reaches_the_model_only_through_the_gateway() {
+    let pydeps = PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../target/pydeps/openai-agents-0.24.0"
+    ));
+    assert!(
+        pydeps.join("openai").is_dir(),
+        "the openai package is not installed in {} (.ci/run installs it with openai-agents)",
+        pydeps.display()
+    );
+    let pydeps = std::fs::canonicalize(pydeps).unwrap();
+    let server = ModelServer::start(vec![
+        Step::Text("hello from the model".into()),
+        Step::Text("hello again".into()),
+    ]);
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("policy.yaml");
+    std::fs::write(
+        &policy,
+        format!(
+            "version: 1\nextends: default\nnetwork:\n  inference:\n    upstream: http://127.0.0.1:{}\n    credential: openai\n    max_tokens: 200\ncredentials:\n  openai: {{ from_env: OPENAI_API_KEY }}\nfilesystem:\n  read_only: [{}]\n",
+            server.port,
+            pydeps.display()
+        ),
+    )
+    .unwrap();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/inference_client.py");
+    let out = support::warden()
+        .env("WARDEN_RUNTIME_DIR", dir.path().join("run"))
+        .env("WARDEN_STATE_DIR", dir.path().join("state"))
+        .env("OPENAI_API_KEY", KEY)
+        .arg("run")
+        .arg("--policy")
+        .arg(&policy)
+        .args(["--env", &format!("PYTHONPATH={}", pydeps.display())])
+        .args(["--env", &format!("UPSTREAM_PORT={}", server.port)])
+        .args([
+            "--",
+            "python3",
+            "-c",
+            &std::fs::read_to_string(script).unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("streamed: hello from the model"),
+        "{stdout}\n{stderr}"
+    );
+    assert!(
+        stdout.contains("responses: hello again"),
+        "{stdout}\n{stderr}"
+    );
+    // 2 exchanges of 120 tokens: the third is past the budget of 200.
+    assert!(
+        stdout.contains("third: RateLimitError 429") && stdout.contains("token budget"),
+        "{stdout}"
+    );
+    assert!(
+        !stdout.contains(KEY) && !stderr.contains(KEY),
+        "the key reached the cell"
+    );
+    assert!(
+        stdout.contains("key in the cell: ") && !stdout.contains("key in the cell: None"),
+        "{stdout}"
+    );
+    // The upstream got the key, from the gateway, on both requests; the third never came.
+    let requests = server.requests();
+    assert_eq!(requests.len(), 2, "{requests:?}");
+    for r in &requests {
+        assert_eq!(
+            r.header("authorization"),
+            Some(format!("Bearer {KEY}").as_str())
+        );
+        assert_eq!(
+            r.header("host"),
+            Some(format!("127.0.0.1:{}", server.port).as_str())
+        );
+    }
+    assert_eq!(requests[0].path, "/v1/chat/completions");
+    assert_eq!(requests[1].path, "/v1/responses");
+    // Each exchange is journaled with what the gateway read of it; the key is not.
+    let journal = std::fs::read_to_string(dir.path().join("state/journal/journal.jsonl")).unwrap();
+    assert!(!journal.contains(KEY));
+    let exchanges: Vec<Value> = journal
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|e| e["kind"] == "net.decision" && !e["data"]["inference"].is_null())
+        .map(|e| e["data"]["inference"].clone())
+        .collect();
+    assert_eq!(exchanges.len(), 2, "{journal}");
+    assert_eq!(exchanges[0]["format"], "openai");
+    assert_eq!(exchanges[0]["model"], "scripted-1");
+    assert_eq!(exchanges[0]["stream"], true);
+    assert_eq!(exchanges[0]["text"], "hello from the model");
+    assert_eq!(exchanges[0]["usage"]["input"], 100);
+    assert_eq!(exchanges[1]["format"], "openai-responses");
+    assert_eq!(exchanges[1]["text"], "hello again");
+    assert_eq!(exchanges[1]["tokens_used"], 240);
+    let refused = journal
+        .lines()
+        .any(|l| l.contains("\"net.decision\"") && l.contains("token budget"));
+    assert!(refused, "the refusal past the budget is journaled");
+}
