@@ -102,6 +102,14 @@ impl Agents {
                 continue;
             };
             let session = Session::new(Arc::clone(&agents.harness), model, saved, true, Some(path));
+            // A cell the session left paused is still frozen: resume thaws it.
+            if agents
+                .harness
+                .get(&session.cell)
+                .is_ok_and(|c| c.state == warden_protocol::CellState::Paused)
+            {
+                session.adopt_freeze();
+            }
             if was_running {
                 session.spawn();
             }

@@ -87,6 +87,8 @@ pub struct Session {
     /// The last turn's snapshot, under way while the next model call is (it is waited for
     /// before anything can change the workspace: a tool call, a pause, a rewind, the end).
     pending: tokio::sync::Mutex<Option<tokio::task::JoinHandle<Result<(), HarnessError>>>>,
+    /// One operator action at a time (control, say, rewind): each sees the last one's end.
+    acting: tokio::sync::Mutex<()>,
     saved_at: Option<PathBuf>,
 }
 
@@ -205,8 +207,21 @@ impl Session {
             epoch: tokio::sync::watch::channel(0).0,
             clock: Instant::now(),
             pending: tokio::sync::Mutex::new(None),
+            acting: tokio::sync::Mutex::new(()),
             saved_at,
         })
+    }
+
+    fn looping(&self) -> bool {
+        self.inner.lock().map(|i| i.looping).unwrap_or(false)
+    }
+
+    /// Takes it that the session froze its cell (a session taken back by a daemon, whose
+    /// cell the last one left paused for it).
+    pub(crate) fn adopt_freeze(&self) {
+        if let Ok(mut inner) = self.inner.lock() {
+            inner.froze = true;
+        }
     }
 
     pub fn info(&self) -> AgentInfo {
@@ -267,14 +282,16 @@ impl Session {
     }
 
     /// Waits for the last turn's snapshot, if one is under way.
+    /// Every caller waits for it (the lock is held while it finishes), and a caller that is
+    /// cancelled leaves it for the next.
     pub(crate) async fn settle(&self) -> Result<(), HarnessError> {
-        let handle = self.pending.lock().await.take();
-        match handle {
-            Some(handle) => handle
-                .await
-                .map_err(|e| HarnessError::internal(format!("a turn's snapshot failed: {e}")))?,
-            None => Ok(()),
-        }
+        let mut pending = self.pending.lock().await;
+        let Some(handle) = pending.as_mut() else {
+            return Ok(());
+        };
+        let done = handle.await;
+        *pending = None;
+        done.map_err(|e| HarnessError::internal(format!("a turn's snapshot failed: {e}")))?
     }
 
     async fn record(&self, kind: &str, mut fields: Value) -> Result<(), HarnessError> {
@@ -308,6 +325,19 @@ impl Session {
     }
 
     async fn drive(self: Arc<Self>) {
+        self.turns_to_end().await;
+        // Words said while it ended start it again.
+        let said = self
+            .inner
+            .lock()
+            .map(|i| !i.pending.is_empty())
+            .unwrap_or(false);
+        if said {
+            self.spawn();
+        }
+    }
+
+    async fn turns_to_end(self: &Arc<Self>) {
         let (state, reason) = match self.turns().await {
             Ok(end) => end,
             Err(err) => (
@@ -545,6 +575,9 @@ impl Session {
             self.finish_turn(turn, epoch).await?;
             if reply.calls.is_empty() {
                 self.settle().await?;
+                if !self.current(epoch) {
+                    continue;
+                }
                 if let Ok(mut inner) = self.inner.lock() {
                     inner.info.summary = Some(reply.text.clone());
                 }
@@ -579,6 +612,9 @@ impl Session {
     async fn finish_turn(self: &Arc<Self>, turn: u32, epoch: u64) -> Result<(), HarnessError> {
         {
             let mut inner = self.inner.lock().map_err(|_| lost())?;
+            if !self.current(epoch) {
+                return Ok(());
+            }
             let items = inner.items.len();
             inner.info.turn = turn;
             inner.info.turns.push(TurnInfo {
@@ -726,7 +762,8 @@ impl Session {
         by: &str,
     ) -> Result<AgentInfo, HarnessError> {
         use warden_protocol::AgentAction as A;
-        let over = self.info().state.is_over();
+        let _acting = self.acting.lock().await;
+        let over = !self.looping() && self.info().state.is_over();
         if over && action != A::Resume && action != A::Step {
             return Err(HarnessError::new(
                 ErrorKind::Conflict,
@@ -750,8 +787,10 @@ impl Session {
                 A::Step => Mode::Step,
                 A::Stop => Mode::Stop,
             };
-            if action == A::Pause {
-                inner.info.state = AgentState::Paused;
+            match action {
+                A::Pause => inner.info.state = AgentState::Paused,
+                A::Resume | A::Step if !over => inner.info.state = AgentState::Running,
+                _ => {}
             }
         }
         match action {
@@ -780,19 +819,18 @@ impl Session {
         if text.trim().is_empty() {
             return Err(HarnessError::bad("say something: the instruction is empty"));
         }
+        let _acting = self.acting.lock().await;
         self.record(
             "agent.say",
             json!({ "text": clipped(text), "bytes": text.len(), "by": by }),
         )
         .await?;
-        let over = {
-            let mut inner = self.inner.lock().map_err(|_| lost())?;
+        if let Ok(mut inner) = self.inner.lock() {
             inner.pending.push(text.to_owned());
-            inner.info.state.is_over()
-        };
-        if over {
-            self.spawn();
         }
+        // A session whose loop ended goes on with the words (a running one takes them at its
+        // next turn).
+        self.spawn();
         self.changed.notify_waiters();
         self.save();
         Ok(self.info())
@@ -805,6 +843,7 @@ impl Session {
         turn: u32,
         by: &str,
     ) -> Result<AgentInfo, HarnessError> {
+        let _acting = self.acting.lock().await;
         self.settle().await?;
         let target = self
             .info()

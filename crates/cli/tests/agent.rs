@@ -956,7 +956,13 @@ fn a_session_comes_back_paused_after_a_daemon_crash_and_goes_on() {
     );
     server.wait_for(2, Duration::from_secs(20));
     until(&daemon, &id, "its first turn", |a| a["turn"] == 1);
+    // Paused (its cell frozen) when the daemon goes: the next daemon's resume thaws it.
+    act(&daemon, &id, "pause");
     daemon.restart();
+    let cell_state = daemon
+        .call("GET", &format!("/v1/cells/{cell}"), None)
+        .json();
+    assert_eq!(cell_state["state"], "paused", "{cell_state}");
     let back = info(&daemon, &id);
     assert_eq!(back["state"], "paused", "{back}");
     assert_eq!(back["turn"], 1);
@@ -968,9 +974,9 @@ fn a_session_comes_back_paused_after_a_daemon_crash_and_goes_on() {
         3,
         "{transcript}"
     );
-    assert_eq!(file(&daemon, &cell, "one.txt").as_deref(), Some("1"));
     // The key was not kept: the daemon's environment has none, so the resumed session asks
     // without one (the scripted server does not check), and says nothing of the old.
+    server.push(call("exec", json!({"command": "cat one.txt"})));
     server.push(Step::Text("back again".into()));
     act(&daemon, &id, "resume");
     let done = daemon
@@ -985,4 +991,11 @@ fn a_session_comes_back_paused_after_a_daemon_crash_and_goes_on() {
         last.text()
     );
     assert_eq!(last.header("authorization"), None);
+    let ran = results(&last.body);
+    assert!(
+        ran.iter()
+            .any(|r| r.starts_with("exit 0") && r.contains('1')),
+        "the cell ran again: {ran:?}"
+    );
+    assert_eq!(file(&daemon, &cell, "one.txt").as_deref(), Some("1"));
 }

@@ -34,7 +34,7 @@ fn an_openai_client_in_a_cell_reaches_the_model_only_through_the_gateway() {
     std::fs::write(
         &policy,
         format!(
-            "version: 1\nextends: default\nnetwork:\n  inference:\n    upstream: http://127.0.0.1:{}\n    credential: openai\n    max_tokens: 200\ncredentials:\n  openai: {{ from_env: OPENAI_API_KEY }}\nfilesystem:\n  read_only: [{}]\n",
+            "version: 1\nextends: default\nnetwork:\n  inference:\n    upstream: http://127.0.0.1:{}/v1\n    credential: openai\n    max_tokens: 200\ncredentials:\n  openai: {{ from_env: OPENAI_API_KEY }}\nfilesystem:\n  read_only: [{}]\n",
             server.port,
             pydeps.display()
         ),

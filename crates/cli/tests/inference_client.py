@@ -7,7 +7,7 @@ import sys
 
 from openai import OpenAI
 
-client = OpenAI(base_url="http://inference.warden/v1")
+client = OpenAI(base_url="http://inference.warden")
 first = client.chat.completions.create(
     model="scripted-1",
     messages=[{"role": "user", "content": "say hello"}],
@@ -39,5 +39,21 @@ if b" 200 " in first.split(b"\r\n")[0]:
         print("in the tunnel:", tunnel.recv(4096)[:80])
     except OSError as err:
         print("in the tunnel:", type(err).__name__)
+# Only the model APIs' endpoints below the upstream's prefix, with their methods.
+import urllib.error
+import urllib.request
+
+for method, url in [
+    ("GET", "http://inference.warden/../admin"),
+    ("GET", "http://inference.warden/files"),
+    ("POST", "http://127.0.0.1:%s/admin/chat/completions" % os.environ["UPSTREAM_PORT"]),
+]:
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method=method, data=b"{}" if method == "POST" else None), timeout=10)
+        print("other:", method, url, "answered")
+    except urllib.error.HTTPError as err:
+        print("other:", method, url, err.code)
+    except urllib.error.URLError as err:  # refused before the body was read: a reset
+        print("other:", method, url, "refused", err.reason)
 print("key in the cell:", os.environ.get("OPENAI_API_KEY"))
 sys.stdout.flush()

@@ -211,7 +211,13 @@ impl Gateway {
                     *value = upstream.clone().into_bytes();
                 }
             }
-            let path = format!("{}{path}", route.prefix);
+            // The cell's path is made plain first (no `..` may climb out of the prefix), then
+            // put below the upstream's.
+            let plain = match crate::path::normalize(&path) {
+                Ok(target) => target.forwarded,
+                Err(e) => return self.refuse(&mut conn, kind, &target, e.to_string()),
+            };
+            let path = format!("{}{plain}", route.prefix);
             return self.forward_to(conn, &route.host, route.port, &path, request, via, false);
         }
         self.forward_to(conn, &host, port, &path, request, via, false);
@@ -283,6 +289,14 @@ impl Gateway {
             body,
         } = checked;
         let inference = crate::inference::is_inference(&verdict.rule);
+        if inference
+            && decision.allowed
+            && let Some(reason) = crate::inference::refused_request(&method, &target.path)
+        {
+            decision.allowed = false;
+            decision.reason = reason;
+            return self.deny(&mut conn, &decision);
+        }
         if inference
             && decision.allowed
             && let Some(reason) = self.inference_refusal()

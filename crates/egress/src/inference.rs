@@ -13,8 +13,10 @@ use crate::host::Host;
 use crate::proxy::Gateway;
 use crate::rules::{INFERENCE_RULE, InferenceRoute};
 
-/// The most of a request or a reply kept for reading.
-const KEPT: usize = 8 << 20;
+/// The most of a request or a reply kept for reading (a longer one is counted by its size).
+const KEPT: usize = 1 << 20;
+/// The most tool calls of one reply the record lists.
+const CALLS_LISTED: usize = 32;
 /// The most of a text the record keeps (its size is kept whole).
 const TEXT_LIMIT: usize = 8 * 1024;
 
@@ -102,25 +104,53 @@ impl Gateway {
                 .map_err(|e| warden_model::WireError::Malformed(e.to_string()))
                 .and_then(|v| format.reply(&v))
         };
+        // Tokens as the reply says, or (no usage in it, a reply longer than what is kept, one
+        // that cannot be read) a count by size: a reply's length never goes uncounted.
+        let by_size = ((request.len() + response.len()) / 4).max(1) as u64;
+        let truncated = request.len() >= KEPT || response.len() >= KEPT;
+        let counted = match &parsed {
+            Ok(reply) if !truncated && reply.usage.input + reply.usage.output > 0 => {
+                reply.usage.input + reply.usage.output
+            }
+            _ if (200..300).contains(&status) => {
+                out["tokens_estimated"] = true.into();
+                by_size
+            }
+            _ => 0,
+        };
+        let total = self.inference_tokens.fetch_add(counted, Ordering::Relaxed) + counted;
+        out["tokens_used"] = total.into();
         match parsed {
             Ok(reply) => {
-                let used = reply.usage.input + reply.usage.output;
-                let total = self.inference_tokens.fetch_add(used, Ordering::Relaxed) + used;
                 out["answered_by"] = json!(reply.model);
                 out["usage"] = json!({ "input": reply.usage.input, "output": reply.usage.output });
-                out["tokens_used"] = total.into();
                 out["stop"] = json!(reply.stop);
                 out["text"] = clip(&reply.text).into();
                 out["text_bytes"] = reply.text.len().into();
+                out["calls_count"] = reply.calls.len().into();
                 out["calls"] = reply
                     .calls
                     .iter()
+                    .take(CALLS_LISTED)
                     .map(|c| json!({ "name": c.name, "arguments": clip(&c.arguments) }))
                     .collect();
             }
             Err(err) => out["error"] = err.to_string().into(),
         }
         out
+    }
+}
+
+/// Why a request may not take the route: only what the model APIs take (a `POST` of a
+/// conversation to one of the three endpoints, or a look at the models).
+pub(crate) fn refused_request(method: &str, path: &str) -> Option<String> {
+    let models = path.trim_end_matches('/').ends_with("/models") || path.contains("/models/");
+    match (method, warden_model::Format::of_path(path)) {
+        ("POST", Some(_)) => None,
+        ("GET", None) if models => None,
+        _ => Some(format!(
+            "the inference route takes POST .../chat/completions, .../responses and .../messages (and GET .../models), not {method} {path}"
+        )),
     }
 }
 

@@ -125,6 +125,8 @@ struct State {
     window: Instant,
     /// Decisions written one by one in this window, with what came after them like them.
     seen: HashMap<Key, Decision>,
+    /// Model exchanges written in this window (each its own line, within the same rate).
+    exchanges: usize,
     /// Decisions of this window past the rate: (allowed, refused).
     over_rate: (u64, u64),
     /// Decisions past the quota: (allowed, refused).
@@ -145,6 +147,7 @@ impl Log {
                 quota,
                 window: Instant::now(),
                 seen: HashMap::new(),
+                exchanges: 0,
                 over_rate: (0, 0),
                 over_quota: (0, 0),
                 quota_said: false,
@@ -202,9 +205,10 @@ impl State {
         }
         if decision.inference.is_some() {
             // Each exchange is its own line (within the rate and the quota).
-            if self.seen.len() >= LINES_PER_SECOND as usize {
+            if self.seen.len() + self.exchanges >= LINES_PER_SECOND as usize {
                 return tally(&mut self.over_rate);
             }
+            self.exchanges += 1;
             return self.line(decision);
         }
         if let Some(first) = self.seen.get_mut(&decision.key()) {
@@ -213,7 +217,7 @@ impl State {
             first.bytes_down += decision.bytes_down;
             return;
         }
-        if self.seen.len() >= LINES_PER_SECOND as usize {
+        if self.seen.len() + self.exchanges >= LINES_PER_SECOND as usize {
             return tally(&mut self.over_rate);
         }
         self.line(decision);
@@ -226,6 +230,7 @@ impl State {
 
     /// Writes what the window summed up and starts the next.
     fn end_window(&mut self) {
+        self.exchanges = 0;
         let repeated: Vec<Decision> = self
             .seen
             .drain()

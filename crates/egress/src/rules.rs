@@ -137,10 +137,10 @@ fn compile_inference(
         // connection: a path rule makes it so.
         paths: Some({
             let mut builder = GlobSetBuilder::new();
-            builder.add(Glob::new("/**").map_err(|e| err(e.to_string()))?);
+            builder.add(Glob::new(&format!("{prefix}/**")).map_err(|e| err(e.to_string()))?);
             builder.build().map_err(|e| err(e.to_string()))?
         }),
-        path_globs: Some(vec!["/**".to_owned()]),
+        path_globs: Some(vec![format!("{prefix}/**")]),
         dns: NameLookup::Connected,
     };
     let route = InferenceRoute {

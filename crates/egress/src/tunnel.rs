@@ -20,6 +20,20 @@ impl Gateway {
             Ok(parts) => parts,
             Err(e) => return self.refuse(&mut conn, "connect", target, e.to_string()),
         };
+        // The inference upstream is spoken to in plain HTTP through the gateway, each exchange
+        // read and counted: neither a raw tunnel nor one opened up with TLS.
+        let upstream = self
+            .rules()
+            .inference
+            .as_ref()
+            .is_some_and(|r| r.host == host && r.port == port);
+        if upstream {
+            let route = crate::rules::Verdict::new(false, crate::rules::INFERENCE_RULE, "");
+            let mut decision = self.record("connect", &host.as_text(), port, None, &route);
+            decision.allowed = false;
+            decision.reason = "the inference upstream takes plain HTTP requests through the gateway (network.inference.name), each read and counted; not a tunnel".to_owned();
+            return self.deny(&mut conn, &decision);
+        }
         if let Some(interceptor) = &self.interceptor
             && self.rules().intercepts(&host, port)
         {
@@ -34,10 +48,6 @@ impl Gateway {
             },
         );
         let mut decision = self.record("connect", &host.as_text(), port, None, &verdict);
-        if decision.allowed && crate::inference::is_inference(&verdict.rule) {
-            decision.allowed = false;
-            decision.reason = "the inference upstream takes plain HTTP requests through the gateway (network.inference.name), each read and counted; not a tunnel".to_owned();
-        }
         let Some(upstream) = self.open_upstream(&mut conn, &host, port, &mut decision, Via::Proxy)
         else {
             return;

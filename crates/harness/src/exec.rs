@@ -58,7 +58,7 @@ impl Harness {
         if status == Status::Paused && !idle_paused && !controlled {
             // Frozen by the warden's own look at the cell's layer (a diff or a snapshot under
             // way), or by a pause from before this daemon: wait out the former.
-            let deadline = Instant::now() + Duration::from_secs(1);
+            let deadline = Instant::now() + Duration::from_secs(10);
             while status == Status::Paused && Instant::now() < deadline {
                 tokio::time::sleep(Duration::from_millis(5)).await;
                 status = cell.status().unwrap_or(Status::Running);

@@ -379,13 +379,26 @@ fn validate(origin: &str, policy: &Policy) -> Result<(), PolicyError> {
                 "upstream must name a host (and port), without user info",
             ));
         }
-        if let Some(name) = &inference.credential
-            && !policy.credentials.contains_key(name)
-        {
-            return Err(invalid(
-                field,
-                &format!("credential `{name}` is not defined in `credentials`"),
-            ));
+        if let Some(name) = &inference.credential {
+            match policy.credentials.get(name) {
+                None => {
+                    return Err(invalid(
+                        field,
+                        &format!("credential `{name}` is not defined in `credentials`"),
+                    ));
+                }
+                // A model can be asked to write its request back in any form: the secret goes
+                // in the header only.
+                Some(credential) if credential.in_body => {
+                    return Err(invalid(
+                        field,
+                        &format!(
+                            "credential `{name}` has in_body: true, which a model API route may not have (the model could be asked to echo the body)"
+                        ),
+                    ));
+                }
+                Some(_) => {}
+            }
         }
         let name_ok = !inference.name.is_empty()
             && inference
