@@ -90,6 +90,8 @@ pub struct Session {
     /// One operator action at a time (control, say, rewind): each sees the last one's end.
     acting: tokio::sync::Mutex<()>,
     saved_at: Option<PathBuf>,
+    /// Saves asked for, and the last one written.
+    saves: (std::sync::atomic::AtomicU64, Arc<Mutex<u64>>),
 }
 
 fn lost() -> HarnessError {
@@ -209,6 +211,10 @@ impl Session {
             pending: tokio::sync::Mutex::new(None),
             acting: tokio::sync::Mutex::new(()),
             saved_at,
+            saves: (
+                std::sync::atomic::AtomicU64::new(0),
+                Arc::new(Mutex::new(0)),
+            ),
         })
     }
 
@@ -257,16 +263,45 @@ impl Session {
     }
 
     /// Writes the session's state beside the daemon's (atomically: a crash leaves the old).
+    /// Writes the state before answering (what an operator's action changed is on disk
+    /// before it is acknowledged).
     pub(crate) fn save(&self) {
-        let (Some(path), Some(saved)) = (&self.saved_at, self.saved()) else {
+        self.save_with(false);
+    }
+
+    /// Off the loop's path (a turn's end): the state is copied now and written on a blocking
+    /// thread.
+    fn save_later(&self) {
+        self.save_with(true);
+    }
+
+    /// A write older than one already made is skipped.
+    fn save_with(&self, later: bool) {
+        let (Some(path), Some(saved)) = (self.saved_at.clone(), self.saved()) else {
             return;
         };
-        let Ok(bytes) = serde_json::to_vec(&saved) else {
-            return;
+        let order = self
+            .saves
+            .0
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1;
+        let written = Arc::clone(&self.saves.1);
+        let write = move || {
+            let Ok(mut last) = written.lock() else { return };
+            if *last >= order {
+                return;
+            }
+            let Ok(bytes) = serde_json::to_vec(&saved) else {
+                return;
+            };
+            let tmp = path.with_extension("json.new");
+            if std::fs::write(&tmp, bytes).is_ok() && std::fs::rename(&tmp, &path).is_ok() {
+                *last = order;
+            }
         };
-        let tmp = path.with_extension("json.new");
-        if std::fs::write(&tmp, bytes).is_ok() {
-            let _ = std::fs::rename(&tmp, path);
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) if later => drop(runtime.spawn_blocking(write)),
+            _ => write(),
         }
     }
 
@@ -623,7 +658,7 @@ impl Session {
                 items,
             });
         }
-        self.save();
+        self.save_later();
         let session = Arc::clone(self);
         let handle = tokio::spawn(async move {
             let snapshot = snapshot(&session.harness, &session.cell).await?;
@@ -639,7 +674,7 @@ impl Session {
             session
                 .note("agent.turn", json!({ "turn": turn, "snapshot": snapshot }))
                 .await?;
-            session.save();
+            session.save_later();
             Ok(())
         });
         *self.pending.lock().await = Some(handle);
