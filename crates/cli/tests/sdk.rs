@@ -21,7 +21,10 @@ fn the_python_sdk_passes_its_tests_against_a_real_daemon() {
     let out = Command::new("python3")
         .args(["-m", "unittest", "discover", "-v", "-s"])
         .arg(format!("{ROOT}/sdk/python/tests"))
-        .env("PYTHONPATH", format!("{ROOT}/sdk/python/src"))
+        .env(
+            "PYTHONPATH",
+            format!("{ROOT}/sdk/python/src:{ROOT}/crates/cli/tests"),
+        )
         .env("WARDEN_RUNTIME_DIR", daemon.runtime())
         .env("WARDEN_TEST_URL", format!("http://{addr}"))
         .env("WARDEN_TEST_TOKEN", token.trim())
@@ -39,6 +42,6 @@ fn the_python_sdk_passes_its_tests_against_a_real_daemon() {
         "the SDK's tests failed:\n{stderr}"
     );
     // Every test ran: none was skipped or lost.
-    assert!(stderr.contains("Ran 7 tests"), "{stderr}");
+    assert!(stderr.contains("Ran 9 tests"), "{stderr}");
     daemon.assert_journal_verifies();
 }

@@ -188,5 +188,74 @@ class Async(unittest.TestCase):
         asyncio.run(flow())
 
 
+class AgentSessions(unittest.TestCase):
+    """The warden's own agent loop through the SDK, against the scripted model of the CLI's
+    tests (crates/cli/tests/model_server.py: Chat Completions, streamed)."""
+
+    def test_a_session_stepped_steered_rewound_and_forked(self):
+        from model_server import ScriptedModel
+
+        model = ScriptedModel([
+            ("call", "write_file", {"path": "a.txt", "content": "one"}),
+            ("text", "done"),
+            ("text", "fork done"),
+        ]).start()
+        try:
+            with Warden() as w:
+                agent = w.agents.start("write a file", "openai:scripted", base_url=model.base_url,
+                                       api_key="sk-sdk-test", paused=True)
+                self.assertEqual(agent.info.state, "paused")
+                self.assertEqual(model.requests, [])
+                agent.step()
+                info = agent.wait()
+                self.assertEqual((info.state, info.turn), ("paused", 1))
+                self.assertEqual(info.turns[-1].turn, 1)
+                # Paused, the cell is frozen; its diff is read from outside it.
+                paths = [c["path"] for c in agent.cell().diff()["changes"]]
+                self.assertEqual(paths, ["a.txt"])
+                agent.say("finish up")
+                agent.resume()
+                info = agent.wait()
+                self.assertEqual((info.state, info.summary), ("done", "done"))
+                self.assertIn("[operator] finish up", json.dumps(model.requests[-1]))
+                self.assertEqual(agent.cell().files.read_text("a.txt"), "one")
+                self.assertGreater(info.usage.input, 0)
+                items = agent.transcript()["items"]
+                self.assertEqual(items[0], {"type": "user", "text": "write a file"})
+                fork = agent.fork(1, say="another way")
+                self.assertEqual(fork.wait().state, "done")
+                self.assertTrue(fork.cell().files.exists("a.txt"))
+                self.assertIn("[operator] another way", json.dumps(model.requests[-1]))
+                agent.rewind(0)
+                self.assertFalse(agent.cell().files.exists("a.txt"))
+                self.assertTrue(fork.cell().files.exists("a.txt"))
+                self.assertIn(fork.id, [a.id for a in w.agents.list()])
+                with self.assertRaises(warden_cells.BadRequest):
+                    w.agents.start("x", "no-provider")
+                with self.assertRaises(warden_cells.NotFound):
+                    w.agents.get("agent-none")
+        finally:
+            model.stop()
+
+    def test_the_async_agents_do_the_same(self):
+        from model_server import ScriptedModel
+
+        model = ScriptedModel([("text", "async done")]).start()
+
+        async def flow():
+            async with AsyncWarden() as w:
+                agent = await w.agents.start("say it", "openai:scripted", base_url=model.base_url,
+                                             api_key="sk-sdk-test")
+                info = await agent.wait()
+                self.assertEqual((info.state, info.summary), ("done", "async done"))
+                with self.assertRaises(warden_cells.Conflict):
+                    await agent.pause()
+
+        try:
+            asyncio.run(flow())
+        finally:
+            model.stop()
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -9,7 +9,11 @@ every effect the warden decides, journals and can stop, from outside the cell.
 """
 
 from ._client import (
+    Agent,
+    Agents,
     Approvals,
+    AsyncAgent,
+    AsyncAgents,
     AsyncCell,
     AsyncWarden,
     Cell,
@@ -31,6 +35,7 @@ from ._errors import (
 )
 from ._types import (
     SCHEMAS,
+    AgentInfo,
     Approval,
     CellInfo,
     ExitInfo,
@@ -42,7 +47,7 @@ from ._types import (
 )
 
 __all__ = [
-    "Approval", "Approvals", "AsyncCell", "AsyncWarden", "BadRequest", "Cell", "CellInfo",
+    "Agent", "AgentInfo", "Agents", "AsyncAgent", "AsyncAgents", "Approval", "Approvals", "AsyncCell", "AsyncWarden", "BadRequest", "Cell", "CellInfo",
     "Cells", "Conflict", "ConnectionFailed", "ExitInfo", "FileInfo", "Files", "Forbidden",
     "NotFound", "PendingApproval", "Process", "ProcessInfo", "Ran", "SCHEMAS", "Snapshot",
     "TooLarge", "Unavailable", "Usage", "Warden", "WardenError",

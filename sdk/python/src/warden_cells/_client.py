@@ -9,7 +9,8 @@ import httpx
 
 from . import _ops as ops
 from ._errors import ConnectionFailed, error_of
-from ._types import Approval, CellInfo, ExitInfo, FileInfo, ProcessInfo, Ran, Snapshot, _from
+from ._types import (AgentInfo, Approval, CellInfo, ExitInfo, FileInfo, ProcessInfo, Ran, Snapshot,
+                     _from)
 
 Event = Tuple[str, Any]
 
@@ -54,6 +55,7 @@ class Warden:
                                   timeout=httpx.Timeout(timeout, read=None))
         self.cells = Cells(self)
         self.approvals = Approvals(self)
+        self.agents = Agents(self)
 
     def close(self) -> None:
         self._http.close()
@@ -385,6 +387,77 @@ class Approvals:
             time.sleep(interval)
 
 
+class Agents:
+    """Sessions of the warden's own agent loop: the model's tool calls run in a cell under its
+    policy; pause, step, say, rewind and fork them from here."""
+
+    def __init__(self, w: Warden):
+        self._w = w
+
+    def start(self, task: str, model: str, **kwargs: Any) -> "Agent":
+        """`model` is PROVIDER:MODEL; keyword arguments as `POST /v1/agents` takes them
+        (`base_url`, `workspace`, `preset`, `policy`, `cell`, `budgets`, `tools`, `paused`,
+        `instructions`, `api_key`: by default the provider's variable of this environment)."""
+        return Agent(self._w, self._w._run(ops.start_agent(task, model, **kwargs)))
+
+    def list(self) -> List["Agent"]:
+        return [Agent(self._w, i) for i in self._w._run(ops.agents())]
+
+    def get(self, aid: str) -> "Agent":
+        return Agent(self._w, self._w._run(ops.agent(aid)))
+
+
+class Agent:
+    def __init__(self, w: Warden, info: AgentInfo):
+        self._w = w
+        self.info = info
+        self.id = info.id
+
+    def __repr__(self) -> str:
+        return f"Agent({self.id!r}, {self.info.state}, turn {self.info.turn})"
+
+    def _act(self, action: str, body: Any = None) -> AgentInfo:
+        self.info = self._w._run(ops.agent_action(self.id, action, body))
+        return self.info
+
+    def refresh(self) -> AgentInfo:
+        self.info = self._w._run(ops.agent(self.id))
+        return self.info
+
+    def wait(self) -> AgentInfo:
+        """Until the session is paused or over."""
+        self.info = self._w._run(ops.agent(self.id, "/wait"))
+        return self.info
+
+    def pause(self) -> AgentInfo:
+        return self._act("pause")
+
+    def resume(self) -> AgentInfo:
+        return self._act("resume")
+
+    def step(self) -> AgentInfo:
+        return self._act("step")
+
+    def stop(self) -> AgentInfo:
+        return self._act("stop")
+
+    def say(self, text: str) -> AgentInfo:
+        return self._act("say", {"text": text})
+
+    def rewind(self, turn: int) -> AgentInfo:
+        return self._act("rewind", {"turn": turn})
+
+    def fork(self, turn: int, say: Optional[str] = None, **kwargs: Any) -> "Agent":
+        body = {k: v for k, v in dict(turn=turn, say=say, **kwargs).items() if v is not None}
+        return Agent(self._w, self._w._run(ops.agent_action(self.id, "fork", body)))
+
+    def transcript(self) -> Dict[str, Any]:
+        return self._w._run(ops.agent_transcript(self.id))
+
+    def cell(self) -> Cell:
+        return self._w.cells.get(self.info.cell)
+
+
 # The async client: the same operations, awaited.
 
 class AsyncWarden:
@@ -397,6 +470,7 @@ class AsyncWarden:
         self._http = httpx.AsyncClient(base_url=base, headers=headers, transport=transport,
                                        timeout=httpx.Timeout(timeout, read=None))
         self.cells = AsyncCells(self)
+        self.agents = AsyncAgents(self)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -521,3 +595,61 @@ class AsyncCell:
 
     async def reset(self, to: Optional[str] = None) -> None:
         await self._w._run(ops.reset(self.name, to))
+
+
+class AsyncAgents:
+    def __init__(self, w: AsyncWarden):
+        self._w = w
+
+    async def start(self, task: str, model: str, **kwargs: Any) -> "AsyncAgent":
+        return AsyncAgent(self._w, await self._w._run(ops.start_agent(task, model, **kwargs)))
+
+    async def list(self) -> List["AsyncAgent"]:
+        return [AsyncAgent(self._w, i) for i in await self._w._run(ops.agents())]
+
+    async def get(self, aid: str) -> "AsyncAgent":
+        return AsyncAgent(self._w, await self._w._run(ops.agent(aid)))
+
+
+class AsyncAgent:
+    def __init__(self, w: AsyncWarden, info: AgentInfo):
+        self._w = w
+        self.info = info
+        self.id = info.id
+
+    async def _act(self, action: str, body: Any = None) -> AgentInfo:
+        self.info = await self._w._run(ops.agent_action(self.id, action, body))
+        return self.info
+
+    async def refresh(self) -> AgentInfo:
+        self.info = await self._w._run(ops.agent(self.id))
+        return self.info
+
+    async def wait(self) -> AgentInfo:
+        self.info = await self._w._run(ops.agent(self.id, "/wait"))
+        return self.info
+
+    async def pause(self) -> AgentInfo:
+        return await self._act("pause")
+
+    async def resume(self) -> AgentInfo:
+        return await self._act("resume")
+
+    async def step(self) -> AgentInfo:
+        return await self._act("step")
+
+    async def stop(self) -> AgentInfo:
+        return await self._act("stop")
+
+    async def say(self, text: str) -> AgentInfo:
+        return await self._act("say", {"text": text})
+
+    async def rewind(self, turn: int) -> AgentInfo:
+        return await self._act("rewind", {"turn": turn})
+
+    async def fork(self, turn: int, say: Optional[str] = None, **kwargs: Any) -> "AsyncAgent":
+        body = {k: v for k, v in dict(turn=turn, say=say, **kwargs).items() if v is not None}
+        return AsyncAgent(self._w, await self._w._run(ops.agent_action(self.id, "fork", body)))
+
+    async def transcript(self) -> Dict[str, Any]:
+        return await self._w._run(ops.agent_transcript(self.id))

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 from urllib.parse import quote
 
-from ._types import Approval, CellInfo, ExitInfo, FileInfo, ProcessInfo, Snapshot, _from
+from ._types import (AgentInfo, Approval, CellInfo, ExitInfo, FileInfo, ProcessInfo, Snapshot,
+                     _from)
 
 Argv = Union[str, Iterable[str]]
 
@@ -302,3 +303,34 @@ def chunk_text(data: Dict[str, Any]) -> str:
         return data["text"]
     import base64
     return base64.b64decode(data.get("base64", "")).decode("utf-8", "replace")
+
+
+# Agent sessions.
+
+def start_agent(task: str, model: str, **kwargs: Any) -> Op:
+    body = {k: v for k, v in dict(task=task, model=model, **kwargs).items() if v is not None}
+    if "api_key" not in body:
+        provider = model.split(":", 1)[0]
+        variable = "ANTHROPIC_API_KEY" if provider == "anthropic" else "OPENAI_API_KEY"
+        if os.environ.get(variable):
+            body["api_key"] = os.environ[variable]
+    return Op("POST", "/v1/agents", json=body, parse=one(AgentInfo))
+
+
+def agents() -> Op:
+    return Op("GET", "/v1/agents", parse=list_of(AgentInfo))
+
+
+def agent(aid: str, then: str = "") -> Op:
+    return Op("GET", f"/v1/agents/{seg(aid)}{then}", parse=one(AgentInfo))
+
+
+def agent_transcript(aid: str) -> Op:
+    return Op("GET", f"/v1/agents/{seg(aid)}/transcript")
+
+
+def agent_action(aid: str, action: str, body: Any = None) -> Op:
+    if action not in ("pause", "resume", "step", "stop", "say", "rewind", "fork"):
+        raise ValueError(f"no agent action `{action}`")
+    return Op("POST", f"/v1/agents/{seg(aid)}/{action}", json=body if body is not None else {},
+              parse=one(AgentInfo))

@@ -112,7 +112,47 @@ class Ran:
     dropped_bytes: int = 0
 
 
+@dataclass
+class TokenUsage:
+    input: int
+    output: int
+
+
+@dataclass
+class TurnInfo:
+    """A finished turn: the workspace's snapshot at its end (none for a cell without a layer)
+    and how many conversation items it ended with."""
+
+    turn: int
+    items: int
+    snapshot: Optional[str] = None
+
+
+@dataclass
+class AgentInfo:
+    """An agent session. `state`: running, paused, done, stopped, failed."""
+
+    id: str
+    cell: str
+    state: str
+    model: str
+    base_url: str
+    turn: int
+    usage: TokenUsage
+    started_ms: int
+    turns: List[TurnInfo] = field(default_factory=list)
+    ended: Optional[str] = None
+    summary: Optional[str] = None
+    forked_from: Optional[str] = None
+
+    @property
+    def over(self) -> bool:
+        return self.state in ("done", "stopped", "failed")
+
+
 _NESTED = {
+    ("AgentInfo", "usage"): lambda v: _from(TokenUsage, v),
+    ("AgentInfo", "turns"): lambda v: [_from(TurnInfo, t) for t in v],
     ("ExitInfo", "usage"): lambda v: _from(Usage, v),
     ("ProcessInfo", "exit"): lambda v: _from(ExitInfo, v),
 }
@@ -126,4 +166,7 @@ SCHEMAS = {
     FileInfo: "FileInfo",
     Approval: "Approval",
     Snapshot: "Snapshot",
+    TokenUsage: "TokenUsage",
+    TurnInfo: "TurnInfo",
+    AgentInfo: "AgentInfo",
 }
