@@ -205,7 +205,7 @@ impl Gateway {
         // The model API's name: the request goes to the upstream, below its path, and names it.
         if let Some(route) = self.inference_route(&host) {
             let mut request = request;
-            let upstream = authority_of(&route.host, route.port, 80);
+            let upstream = authority(&route.host, route.port, 80);
             for (name, value) in &mut request.headers {
                 if name == "host" {
                     *value = upstream.clone().into_bytes();
@@ -402,10 +402,6 @@ impl Gateway {
         }
         self.log_decision(&decision);
     }
-}
-
-fn authority_of(host: &Host, port: u16, default_port: u16) -> String {
-    authority(host, port, default_port)
 }
 
 /// `host:port` as a Host header writes it (the port left out where it is the default).
