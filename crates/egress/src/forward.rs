@@ -205,7 +205,7 @@ impl Gateway {
         // The model API's name: the request goes to the upstream, below its path, and names it.
         if let Some(route) = self.inference_route(&host) {
             let mut request = request;
-            let upstream = authority(&route.host, route.port, 80);
+            let upstream = crate::forward::authority(&route.host, route.port, 80);
             for (name, value) in &mut request.headers {
                 if name == "host" {
                     *value = upstream.clone().into_bytes();
