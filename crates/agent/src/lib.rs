@@ -20,8 +20,8 @@ use serde_json::json;
 use warden_harness::{ErrorKind, Harness, HarnessError, PolicySource};
 use warden_model::Item;
 use warden_protocol::{
-    AgentAction, AgentInfo, AgentState, CreateCell, ForkAgent, StartAgent, TokenUsage, Transcript,
-    TurnInfo,
+    AgentAction, AgentInfo, AgentState, CreateCell, ForkAgent, Rerun, RerunCall, StartAgent,
+    TokenUsage, Transcript, TurnInfo,
 };
 
 pub use client::Model;
@@ -365,6 +365,105 @@ impl Agents {
 
     pub async fn rewind(&self, id: &str, turn: u32, by: &str) -> Result<AgentInfo, HarnessError> {
         self.session(id)?.rewind(turn, by).await
+    }
+
+    /// Carries out a session's recorded tool calls again, in order, in a new cell made from
+    /// its first snapshot (the same policy), and says where the results diverge. Nothing asks
+    /// the model; the session is left as it is.
+    pub async fn rerun(self: &Arc<Self>, id: &str, by: &str) -> Result<Rerun, HarnessError> {
+        let original = self.session(id)?;
+        original.settle().await?;
+        let info = original.info();
+        let first = info
+            .turns
+            .iter()
+            .find(|t| t.turn == 0)
+            .cloned()
+            .ok_or_else(|| {
+                HarnessError::new(
+                    ErrorKind::NotFound,
+                    format!("session `{id}` has no first snapshot"),
+                )
+            })?;
+        let from = session::snapshot_of(&first, id)?;
+        let (policy, preset) = match self.harness.policy(&info.cell)?.0 {
+            PolicySource::Preset(p) => (None, Some(p)),
+            PolicySource::Yaml(y) => (Some(y), None),
+        };
+        let cell = self
+            .harness
+            .create(CreateCell {
+                name: Some(format!("{}-rerun", self.next_id())),
+                policy,
+                preset,
+                from: Some(from),
+                labels: [(SESSION_LABEL.to_owned(), format!("{id} (rerun)"))].into(),
+                ..Default::default()
+            })
+            .await?
+            .name;
+        let (budgets, modes) = original.limits();
+        let limit = budgets.tool_output_bytes.unwrap_or(DEFAULT_TOOL_OUTPUT) as usize;
+        let items = original.transcript().items;
+        let mut calls = Vec::new();
+        let mut turn = 0;
+        for item in &items {
+            let Item::Assistant { calls: asked, .. } = item else {
+                continue;
+            };
+            turn += 1;
+            for call in asked {
+                let Some((recorded, error)) = items.iter().find_map(|i| match i {
+                    Item::Result {
+                        call_id,
+                        output,
+                        error,
+                    } if *call_id == call.id => Some((output.clone(), *error)),
+                    _ => None,
+                }) else {
+                    continue;
+                };
+                let mode = modes.get(&call.name).copied().unwrap_or_default();
+                let now = match tools::arguments(&call.name, &call.arguments) {
+                    Err(outcome) => outcome,
+                    Ok(_) if mode == warden_protocol::ToolMode::Deny => {
+                        tools::Outcome::error(format!(
+                            "refused: the operator does not allow the tool `{}` in this session",
+                            call.name
+                        ))
+                    }
+                    Ok(args) => {
+                        tools::run(
+                            &self.harness,
+                            &cell,
+                            &call.name,
+                            &args,
+                            limit,
+                            std::future::pending(),
+                        )
+                        .await
+                    }
+                };
+                calls.push(RerunCall {
+                    turn,
+                    name: call.name.clone(),
+                    arguments: call.arguments.clone(),
+                    same: now.output == recorded && now.error == error,
+                    recorded,
+                    now: now.output,
+                });
+            }
+        }
+        let diverged = calls.iter().filter(|c| !c.same).count();
+        self.harness
+            .record(Some(&info.cell), "agent.rerun", json!({ "id": id, "cell": cell, "calls": calls.len(), "diverged": diverged, "by": by }))
+            .await?;
+        Ok(Rerun {
+            id: id.to_owned(),
+            cell,
+            calls,
+            diverged,
+        })
     }
 
     /// A new session in a new cell, from the end of a turn of another: its workspace the

@@ -195,11 +195,17 @@ pub enum Command {
         #[command(subcommand)]
         command: AuditCommand,
     },
-    /// Print a cell's timeline from the journal.
+    /// Print a cell's timeline from the journal (an agent session's: its cell's, with the
+    /// model's turns and tool calls beside the effects).
     Replay {
         name: String,
         #[arg(long)]
         json: bool,
+        /// For an agent session: carry out its recorded tool calls again, in order, in a new
+        /// cell from its first snapshot, and show where the results diverge (through the
+        /// daemon).
+        #[arg(long)]
+        rerun: bool,
     },
     /// Keep a cell for the daemon (started by `warden serve`, not by hand): its request, a
     /// serialized cell spec, comes as JSON on stdin.

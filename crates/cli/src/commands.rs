@@ -200,7 +200,10 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         } => crate::daemon::logs(&name, follow, process),
         Command::Exec(args) => crate::daemon::exec(args),
         Command::Audit { command } => crate::daemon::audit(command),
-        Command::Replay { name, json } => crate::daemon::replay(&name, json),
+        Command::Replay { name, json, rerun } => match rerun {
+            true => crate::daemon::rerun(&name, json),
+            false => crate::daemon::replay(&name, json),
+        },
         Command::Keep => crate::daemon::keep(),
     }
 }

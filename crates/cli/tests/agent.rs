@@ -999,3 +999,68 @@ fn a_session_comes_back_paused_after_a_daemon_crash_and_goes_on() {
     );
     assert_eq!(file(&daemon, &cell, "one.txt").as_deref(), Some("1"));
 }
+
+/// `warden replay SESSION --rerun` carries out the recorded tool calls again in a new cell
+/// from the session's first snapshot, without the model, and says which gave something else.
+#[test]
+fn a_rerun_repeats_the_recorded_calls_and_shows_where_they_diverge() {
+    let daemon = Daemon::start(&[]);
+    let server = ModelServer::start(vec![
+        call("write_file", json!({"path": "a.txt", "content": "steady"})),
+        Step::Calls(vec![
+            ("exec".into(), json!({"command": "cat a.txt"}).to_string()),
+            (
+                "exec".into(),
+                json!({"command": "head -c 16 /dev/urandom | od -An -tx1"}).to_string(),
+            ),
+        ]),
+        Step::Text("done".into()),
+    ]);
+    let agent = start(
+        &daemon,
+        &server,
+        "openai",
+        json!({ "task": "be repeatable" }),
+    );
+    let id = agent["id"].as_str().unwrap().to_owned();
+    let done = daemon
+        .call("GET", &format!("/v1/agents/{id}/wait"), None)
+        .json();
+    assert_eq!(done["state"], "done", "{done}");
+    let out = daemon
+        .warden()
+        .args(["replay", &id, "--rerun", "--json"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "diverged: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let calls = report["calls"].as_array().unwrap();
+    let same: Vec<bool> = calls.iter().map(|c| c["same"].as_bool().unwrap()).collect();
+    assert_eq!(same, [true, true, false], "{report}");
+    assert_eq!(report["diverged"], 1);
+    assert_eq!(
+        calls[1]["now"].as_str().unwrap(),
+        "exit 0\n--- stdout ---\nsteady"
+    );
+    let cell = report["cell"].as_str().unwrap();
+    assert_eq!(file(&daemon, cell, "a.txt").as_deref(), Some("steady"));
+    // The model was not asked; the session is as it was.
+    assert_eq!(server.count(), 3);
+    assert_eq!(info(&daemon, &id)["state"], "done");
+    assert_eq!(kinds(&daemon, "agent.rerun", &id).len(), 1);
+    let text = daemon
+        .warden()
+        .args(["replay", &id, "--rerun"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("DIFF exec") && text.contains("1 of 3 calls diverged"),
+        "{text}"
+    );
+}

@@ -236,3 +236,28 @@ pub struct Transcript {
     pub instructions: String,
     pub items: Vec<Item>,
 }
+
+/// One recorded tool call, carried out again.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct RerunCall {
+    /// The model turn it was asked in (1: the first).
+    pub turn: u32,
+    pub name: String,
+    pub arguments: String,
+    /// Whether it gave what it gave the first time (output and error alike).
+    pub same: bool,
+    pub recorded: String,
+    pub now: String,
+}
+
+/// `POST /v1/agents/{id}/rerun`: the session's recorded tool calls carried out again, in order,
+/// in a new cell made from the session's first snapshot; where their results diverge.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct Rerun {
+    pub id: String,
+    /// The cell they ran in (kept, for a look).
+    pub cell: String,
+    pub calls: Vec<RerunCall>,
+    /// How many gave something else.
+    pub diverged: usize,
+}

@@ -12,8 +12,8 @@ pub mod files;
 pub mod workspace;
 
 pub use agents::{
-    AgentAction, AgentInfo, AgentState, Budgets, ForkAgent, Rewind, Say, StartAgent, TokenUsage,
-    ToolMode, Transcript, TurnInfo,
+    AgentAction, AgentInfo, AgentState, Budgets, ForkAgent, Rerun, RerunCall, Rewind, Say,
+    StartAgent, TokenUsage, ToolMode, Transcript, TurnInfo,
 };
 pub use approvals::{Answer, Approval, Decision, Scope};
 pub use cells::{CellInfo, CellState, CellSummary, ControlAction, CreateCell};

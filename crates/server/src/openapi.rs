@@ -37,6 +37,7 @@ pub fn schemas() -> Map<String, Value> {
     answers.subschema_for::<warden_workspace::ApplyReport>();
     answers.subschema_for::<warden_protocol::AgentInfo>();
     answers.subschema_for::<warden_protocol::Transcript>();
+    answers.subschema_for::<warden_protocol::Rerun>();
     let mut all = answers.take_definitions(true);
     // A type on both sides keeps its reading form.
     all.extend(requests.take_definitions(true));

@@ -532,3 +532,36 @@ fn print_item(item: &warden_model::Item) {
         }
     }
 }
+
+/// `warden replay SESSION --rerun`: the session's tool calls again, and where they diverge.
+pub fn rerun(id: &str, json: bool) -> Result<i32> {
+    let report: warden_protocol::Rerun = call(
+        Method::POST,
+        &format!("/v1/agents/{id}/rerun"),
+        Some(&serde_json::json!({})),
+    )?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        for c in &report.calls {
+            println!(
+                "turn {:>3}  {:<4} {} {}",
+                c.turn,
+                if c.same { "same" } else { "DIFF" },
+                c.name,
+                one_line(&c.arguments, 100)
+            );
+            if !c.same {
+                println!("           then: {}", one_line(&c.recorded, 160));
+                println!("           now:  {}", one_line(&c.now, 160));
+            }
+        }
+        println!(
+            "{} of {} calls diverged; they ran in cell {}",
+            report.diverged,
+            report.calls.len(),
+            report.cell
+        );
+    }
+    Ok(i32::from(report.diverged > 0))
+}

@@ -20,7 +20,7 @@ mod journal;
 mod relay;
 mod serve;
 
-pub use agent::agent;
+pub use agent::{agent, rerun};
 pub use files::{copy, logs};
 pub use journal::{audit, replay};
 pub use relay::{exec, run_through};

@@ -115,3 +115,11 @@ pub(super) async fn fork_agent(
     let info = agents.fork(&id, fork, &caller(by)).await?;
     Ok((StatusCode::CREATED, Json(info)).into_response())
 }
+
+pub(super) async fn rerun_agent(
+    State(agents): State<Sessions>,
+    Path(id): Path<String>,
+    by: Option<Extension<Caller>>,
+) -> Result<Response, ApiError> {
+    Ok(Json(agents.rerun(&id, &caller(by)).await?).into_response())
+}

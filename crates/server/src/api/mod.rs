@@ -60,6 +60,7 @@ pub fn router(agents: Arc<warden_agent::Agents>, token: Option<String>) -> Route
         .route("/v1/agents/{id}/say", post(say_agent))
         .route("/v1/agents/{id}/rewind", post(rewind_agent))
         .route("/v1/agents/{id}/fork", post(fork_agent))
+        .route("/v1/agents/{id}/rerun", post(rerun_agent))
         .with_state(agents);
     let router = Router::new()
         .route("/openapi.json", get(openapi))
