@@ -367,6 +367,32 @@ impl Agents {
         self.session(id)?.rewind(turn, by).await
     }
 
+    /// A new cell from `snapshot` with the policy `cell` was made with, labelled for `session`.
+    async fn cell_like(
+        &self,
+        cell: &str,
+        snapshot: String,
+        name: String,
+        session: String,
+    ) -> Result<String, HarnessError> {
+        let (policy, preset) = match self.harness.policy(cell)?.0 {
+            PolicySource::Preset(p) => (None, Some(p)),
+            PolicySource::Yaml(y) => (Some(y), None),
+        };
+        Ok(self
+            .harness
+            .create(CreateCell {
+                name: Some(name),
+                policy,
+                preset,
+                from: Some(snapshot),
+                labels: [(SESSION_LABEL.to_owned(), session)].into(),
+                ..Default::default()
+            })
+            .await?
+            .name)
+    }
+
     /// Carries out a session's recorded tool calls again, in order, in a new cell made from
     /// its first snapshot (the same policy), and says where the results diverge. Nothing asks
     /// the model; the session is left as it is.
@@ -374,34 +400,15 @@ impl Agents {
         let original = self.session(id)?;
         original.settle().await?;
         let info = original.info();
-        let first = info
-            .turns
-            .iter()
-            .find(|t| t.turn == 0)
-            .cloned()
-            .ok_or_else(|| {
-                HarnessError::new(
-                    ErrorKind::NotFound,
-                    format!("session `{id}` has no first snapshot"),
-                )
-            })?;
-        let from = session::snapshot_of(&first, id)?;
-        let (policy, preset) = match self.harness.policy(&info.cell)?.0 {
-            PolicySource::Preset(p) => (None, Some(p)),
-            PolicySource::Yaml(y) => (Some(y), None),
-        };
+        let from = session::snapshot_of(&session::turn_info(&info, 0)?, id)?;
         let cell = self
-            .harness
-            .create(CreateCell {
-                name: Some(format!("{}-rerun", self.next_id())),
-                policy,
-                preset,
-                from: Some(from),
-                labels: [(SESSION_LABEL.to_owned(), format!("{id} (rerun)"))].into(),
-                ..Default::default()
-            })
-            .await?
-            .name;
+            .cell_like(
+                &info.cell,
+                from,
+                format!("{}-rerun", self.next_id()),
+                format!("{id} (rerun)"),
+            )
+            .await?;
         let (budgets, modes) = original.limits();
         let limit = budgets.tool_output_bytes.unwrap_or(DEFAULT_TOOL_OUTPUT) as usize;
         let items = original.transcript().items;
@@ -477,20 +484,7 @@ impl Agents {
         let original = self.session(id)?;
         original.settle().await?;
         let info = original.info();
-        let target = info
-            .turns
-            .iter()
-            .find(|t| t.turn == request.turn)
-            .cloned()
-            .ok_or_else(|| {
-                HarnessError::new(
-                    ErrorKind::NotFound,
-                    format!(
-                        "session `{id}` has no turn {} (turns 0 to {})",
-                        request.turn, info.turn
-                    ),
-                )
-            })?;
+        let target = session::turn_info(&info, request.turn)?;
         let spec = request.model.clone().unwrap_or_else(|| info.model.clone());
         let base_url = request
             .base_url
@@ -501,23 +495,11 @@ impl Agents {
             request.api_key.clone().or_else(|| original.model_key()),
         );
         let model = Model::new(&spec, base_url.as_deref(), key).map_err(bad_model)?;
-        let (policy, preset) = match self.harness.policy(&info.cell)?.0 {
-            PolicySource::Preset(p) => (None, Some(p)),
-            PolicySource::Yaml(y) => (Some(y), None),
-        };
         let new_id = self.next_id();
+        let from = session::snapshot_of(&target, id)?;
         let cell = self
-            .harness
-            .create(CreateCell {
-                name: Some(new_id.clone()),
-                policy,
-                preset,
-                from: Some(session::snapshot_of(&target, id)?),
-                labels: [(SESSION_LABEL.to_owned(), new_id.clone())].into(),
-                ..Default::default()
-            })
-            .await?
-            .name;
+            .cell_like(&info.cell, from, new_id.clone(), new_id.clone())
+            .await?;
         let transcript = original.transcript();
         let mut items = transcript.items;
         items.truncate(target.items);

@@ -100,14 +100,7 @@ fn lost() -> HarnessError {
 
 /// A text for the journal: its head, and its size.
 fn clipped(text: &str) -> Value {
-    if text.len() <= JOURNAL_TEXT_LIMIT {
-        return Value::from(text);
-    }
-    let mut cut = JOURNAL_TEXT_LIMIT;
-    while !text.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    Value::from(format!("{}…", &text[..cut]))
+    Value::from(warden_model::clip(text, JOURNAL_TEXT_LIMIT))
 }
 
 /// Answers every call of the conversation that has none (a stop cut the turn it was in), so
@@ -156,6 +149,23 @@ pub(crate) async fn snapshot(
     }
 }
 
+/// A turn of a session, or why there is none.
+pub(crate) fn turn_info(info: &AgentInfo, turn: u32) -> Result<TurnInfo, HarnessError> {
+    info.turns
+        .iter()
+        .find(|t| t.turn == turn)
+        .cloned()
+        .ok_or_else(|| {
+            HarnessError::new(
+                ErrorKind::NotFound,
+                format!(
+                    "session `{}` has no turn {turn} (turns 0 to {})",
+                    info.id, info.turn
+                ),
+            )
+        })
+}
+
 /// The snapshot of a turn, or why there is none.
 pub(crate) fn snapshot_of(turn: &TurnInfo, id: &str) -> Result<String, HarnessError> {
     turn.snapshot.clone().ok_or_else(|| {
@@ -173,7 +183,6 @@ enum Go {
 }
 
 impl Session {
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         harness: Arc<Harness>,
         model: Model,
@@ -880,22 +889,7 @@ impl Session {
     ) -> Result<AgentInfo, HarnessError> {
         let _acting = self.acting.lock().await;
         self.settle().await?;
-        let target = self
-            .info()
-            .turns
-            .iter()
-            .find(|t| t.turn == turn)
-            .cloned()
-            .ok_or_else(|| {
-                HarnessError::new(
-                    ErrorKind::NotFound,
-                    format!(
-                        "session `{}` has no turn {turn} (turns 0 to {})",
-                        self.id,
-                        self.info().turn
-                    ),
-                )
-            })?;
+        let target = turn_info(&self.info(), turn)?;
         let snapshot = snapshot_of(&target, &self.id)?;
         self.record(
             "agent.rewind",

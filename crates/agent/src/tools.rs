@@ -5,7 +5,8 @@
 use std::sync::Arc;
 
 use serde_json::{Value, json};
-use warden_harness::tools::{edit_text, run_to_end};
+pub(crate) use warden_harness::tools::word;
+use warden_harness::tools::{edit_text, listing, run_to_end, search_argv};
 use warden_harness::{ExecSpec, Harness, HarnessError};
 use warden_model::Tool;
 
@@ -163,17 +164,9 @@ pub async fn run(
         },
         "search" => match text(args, "pattern") {
             Ok(pattern) => {
-                let mut argv = vec!["grep".to_owned(), "-rnIE".to_owned()];
-                if args.get("ignore_case").and_then(Value::as_bool) == Some(true) {
-                    argv.push("-i".to_owned());
-                }
                 let path = args.get("path").and_then(Value::as_str).unwrap_or(".");
-                argv.extend([
-                    "-e".to_owned(),
-                    pattern.to_owned(),
-                    "--".to_owned(),
-                    path.to_owned(),
-                ]);
+                let ignore_case = args.get("ignore_case").and_then(Value::as_bool) == Some(true);
+                let argv = search_argv(pattern, path, ignore_case);
                 command_outcome(harness, cell, argv, 60, limit, cancelled, true).await
             }
             Err(outcome) => outcome,
@@ -203,13 +196,7 @@ pub async fn run(
             let path = args.get("path").and_then(Value::as_str).unwrap_or(".");
             match harness.list_files(cell, path).await {
                 Ok(entries) if entries.is_empty() => Outcome::ok(format!("{path} is empty")),
-                Ok(entries) => Outcome::ok(
-                    entries
-                        .iter()
-                        .map(|e| format!("{:<9} {:>10} {}", word(e.kind), e.size, e.name))
-                        .collect::<Vec<_>>()
-                        .join("\n"),
-                ),
+                Ok(entries) => Outcome::ok(listing(&entries)),
                 Err(err) => err.into(),
             }
         }
@@ -319,12 +306,4 @@ fn clip(mut outcome: Outcome, limit: usize) -> Outcome {
         ));
     }
     outcome
-}
-
-/// The name serde gives a unit variant (`forbidden`, `file`).
-pub(crate) fn word(value: impl serde::Serialize) -> String {
-    serde_json::to_value(value)
-        .ok()
-        .and_then(|v| v.as_str().map(str::to_owned))
-        .unwrap_or_default()
 }

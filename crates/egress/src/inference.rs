@@ -161,12 +161,5 @@ pub(crate) fn is_inference(rule: &str) -> bool {
 }
 
 fn clip(text: &str) -> String {
-    if text.len() <= TEXT_LIMIT {
-        return text.to_owned();
-    }
-    let mut cut = TEXT_LIMIT;
-    while !text.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    format!("{}…", &text[..cut])
+    warden_model::clip(text, TEXT_LIMIT)
 }

@@ -76,10 +76,7 @@ impl Ran {
             ExitReason::Exited => format!("exit {}", self.status),
             reason => format!(
                 "ended: {}{} (status {})",
-                serde_json::to_value(reason)
-                    .ok()
-                    .and_then(|v| v.as_str().map(str::to_owned))
-                    .unwrap_or_default(),
+                word(reason),
                 self.exit
                     .message
                     .as_deref()
@@ -140,6 +137,39 @@ where
         stderr: stderr.text(),
         dropped_bytes: dropped,
     })
+}
+
+/// The name serde gives a unit variant (`forbidden`, `file`, `timeout`).
+pub fn word(value: impl Serialize) -> String {
+    serde_json::to_value(value)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_default()
+}
+
+/// The command a search runs in the cell: `grep -E` below `path`, `file:line:text` for each
+/// match (its exit status 1 means no match).
+pub fn search_argv(pattern: &str, path: &str, ignore_case: bool) -> Vec<String> {
+    let mut argv = vec!["grep".to_owned(), "-rnIE".to_owned()];
+    if ignore_case {
+        argv.push("-i".to_owned());
+    }
+    argv.extend([
+        "-e".to_owned(),
+        pattern.to_owned(),
+        "--".to_owned(),
+        path.to_owned(),
+    ]);
+    argv
+}
+
+/// A directory's entries as a model reads them: kind, size and name, a line each.
+pub fn listing(entries: &[crate::FileInfo]) -> String {
+    entries
+        .iter()
+        .map(|e| format!("{:<9} {:>10} {}", word(e.kind), e.size, e.name))
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// `text` with `old` replaced by `new`: `old` must occur exactly once, unless `all`. Answers

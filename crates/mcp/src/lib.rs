@@ -22,7 +22,7 @@ use serde_json::{Value, json};
 use warden_harness::{Caller, ErrorKind, ExecSpec, Harness, HarnessError};
 
 use args::*;
-use warden_harness::tools::{Ran, edit_text, run_to_end};
+use warden_harness::tools::{Ran, edit_text, listing, run_to_end, search_argv, word};
 
 /// The most of each output stream (stdout, stderr) an exec's result holds: its head and its
 /// tail, with what was left out between them counted.
@@ -90,10 +90,7 @@ fn failed(err: HarnessError) -> CallToolResult {
     };
     let text = format!(
         "refused ({}): {}\nwhat to do: {hint}",
-        serde_json::to_value(body.code)
-            .ok()
-            .and_then(|v| v.as_str().map(str::to_owned))
-            .unwrap_or_default(),
+        word(body.code),
         body.error
     );
     let mut result = CallToolResult::structured_error(json!(body));
@@ -336,17 +333,7 @@ workspace itself): name, kind, size and mode of each entry."
         Ok(
             match self.harness.list_files(&args.cell, &args.path).await {
                 Ok(entries) => {
-                    let text = entries
-                        .iter()
-                        .map(|e| {
-                            let kind = serde_json::to_value(e.kind)
-                                .ok()
-                                .and_then(|v| v.as_str().map(str::to_owned))
-                                .unwrap_or_default();
-                            format!("{kind:<9} {:>10} {}", e.size, e.name)
-                        })
-                        .collect::<Vec<_>>()
-                        .join("\n");
+                    let text = listing(&entries);
                     answer(&json!({ "path": args.path, "entries": entries }), text)
                 }
                 Err(err) => failed(err),
@@ -364,13 +351,8 @@ It runs as a command in the cell, so the cell's command rules apply to it."
         Parameters(args): Parameters<SearchArgs>,
         context: RequestContext<RoleServer>,
     ) -> ToolResult {
-        let mut argv = vec!["grep".to_owned(), "-rnIE".to_owned()];
-        if args.ignore_case {
-            argv.push("-i".to_owned());
-        }
-        argv.extend(["-e".to_owned(), args.pattern, "--".to_owned(), args.path]);
         let spec = ExecSpec {
-            argv,
+            argv: search_argv(&args.pattern, &args.path, args.ignore_case),
             timeout_ms: Some(60_000),
             ..Default::default()
         };

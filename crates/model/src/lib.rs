@@ -300,7 +300,10 @@ impl Stream {
             return Ok(());
         }
         let value: Value = serde_json::from_str(data).map_err(|e| {
-            WireError::Malformed(format!("an event's data is not JSON ({e}): {}", clip(data)))
+            WireError::Malformed(format!(
+                "an event's data is not JSON ({e}): {}",
+                clip(data, 200)
+            ))
         })?;
         if let Some(message) = error_message(&value)
             && value.get("type").and_then(Value::as_str) != Some("response.failed")
@@ -336,12 +339,17 @@ impl Stream {
     }
 }
 
-/// A text cut to a size fit for an error message.
-fn clip(text: &str) -> String {
-    match text.char_indices().nth(200) {
-        Some((at, _)) => format!("{}…", &text[..at]),
-        None => text.to_owned(),
+/// `text` cut to at most `limit` bytes at a character boundary, with `…` where it was cut:
+/// for records and messages that keep a text's head (its size is kept beside it).
+pub fn clip(text: &str, limit: usize) -> String {
+    if text.len() <= limit {
+        return text.to_owned();
     }
+    let mut cut = limit;
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}…", &text[..cut])
 }
 
 /// The string at `key`, or "".
