@@ -27,6 +27,16 @@ fn start(daemon: &Daemon, server: &ModelServer, provider: &str, mut body: Value)
     answer.json()
 }
 
+/// The answer has `status`; else the test fails with the answer's body.
+fn status_is(answer: &support::daemon::Answer, status: u16) {
+    assert_eq!(
+        answer.status,
+        status,
+        "{}",
+        String::from_utf8_lossy(&answer.body)
+    );
+}
+
 fn info(daemon: &Daemon, id: &str) -> Value {
     daemon.call("GET", &format!("/v1/agents/{id}"), None).json()
 }
@@ -413,12 +423,7 @@ fn pause_holds_loop_and_cell_say_reaches_the_model_step_runs_one_turn_stop_ends_
     );
     // Control of a session that ended is refused with the reason.
     let again = daemon.call("POST", &format!("/v1/agents/{id}/pause"), Some(json!({})));
-    assert_eq!(
-        again.status,
-        409,
-        "{}",
-        String::from_utf8_lossy(&again.body)
-    );
+    status_is(&again, 409);
     daemon.assert_journal_verifies();
 }
 
@@ -470,12 +475,7 @@ fn rewind_restores_workspace_and_conversation_and_a_fork_diverges_alone() {
         &format!("/v1/agents/{id}/rewind"),
         Some(json!({"turn": 1})),
     );
-    assert_eq!(
-        rewound.status,
-        200,
-        "{}",
-        String::from_utf8_lossy(&rewound.body)
-    );
+    status_is(&rewound, 200);
     assert_eq!(rewound.json()["state"], "paused");
     let bytes = daemon
         .call(
@@ -533,12 +533,7 @@ fn rewind_restores_workspace_and_conversation_and_a_fork_diverges_alone() {
         &format!("/v1/agents/{id}/fork"),
         Some(json!({"turn": 9})),
     );
-    assert_eq!(
-        missing.status,
-        404,
-        "{}",
-        String::from_utf8_lossy(&missing.body)
-    );
+    status_is(&missing, 404);
     server.push(call(
         "write_file",
         json!({"path": "fork.txt", "content": "only in the fork"}),
@@ -549,7 +544,7 @@ fn rewind_restores_workspace_and_conversation_and_a_fork_diverges_alone() {
         &format!("/v1/agents/{id}/fork"),
         Some(json!({"turn": 1, "say": "try another way"})),
     );
-    assert_eq!(fork.status, 201, "{}", String::from_utf8_lossy(&fork.body));
+    status_is(&fork, 201);
     let fork = fork.json();
     let (fork_id, fork_cell) = (
         fork["id"].as_str().unwrap().to_owned(),
@@ -655,12 +650,7 @@ fn refused_and_held_calls_reach_the_model_and_the_approval_queue() {
             &format!("/v1/approvals/{cell}/{}", question["id"]),
             Some(json!({"decision": "approve"})),
         );
-        assert_eq!(
-            answered.status,
-            204,
-            "{}",
-            String::from_utf8_lossy(&answered.body)
-        );
+        status_is(&answered, 204);
     }
     let done = daemon
         .call("GET", &format!("/v1/agents/{id}/wait"), None)
@@ -860,12 +850,7 @@ fn budgets_and_lasting_failures_end_sessions_with_their_reason() {
         ),
     ] {
         let answer = daemon.call("POST", "/v1/agents", Some(body));
-        assert_eq!(
-            answer.status,
-            400,
-            "{}",
-            String::from_utf8_lossy(&answer.body)
-        );
+        status_is(&answer, 400);
         assert!(
             String::from_utf8_lossy(&answer.body).contains(says),
             "{}",
