@@ -257,30 +257,20 @@ impl EventStream {
     /// Calls `on_event(name, data)` for each event; returns `true` after an `exit` or `live`
     /// event, `false` when the stream ends without one.
     pub async fn each(mut self, mut on_event: impl FnMut(&str, &str)) -> Result<bool> {
-        let mut buffer = String::new();
+        let mut decoder = warden_model::sse::Decoder::new();
         while let Some(frame) = self.body.frame().await {
             let frame = frame.map_err(transport("the daemon's stream broke off"))?;
             let Ok(data) = frame.into_data() else {
                 continue;
             };
-            buffer.push_str(&String::from_utf8_lossy(&data));
-            while let Some(end) = buffer.find("\n\n") {
-                let block: String = buffer.drain(..end + 2).collect();
-                let mut event = "message";
-                let mut data = String::new();
-                for line in block.lines() {
-                    if let Some(name) = line.strip_prefix("event:") {
-                        event = name.trim();
-                    } else if let Some(text) = line.strip_prefix("data:") {
-                        if !data.is_empty() {
-                            data.push('\n');
-                        }
-                        data.push_str(text.strip_prefix(' ').unwrap_or(text));
-                    }
-                }
-                if !data.is_empty() {
-                    on_event(event, &data);
-                    if event == "exit" || event == "live" {
+            let events = decoder
+                .feed(&data)
+                .map_err(|e| ClientError::Answer(format!("the daemon's stream: {e}")))?;
+            for event in events {
+                let name = event.event.as_deref().unwrap_or("message");
+                if !event.data.is_empty() {
+                    on_event(name, &event.data);
+                    if name == "exit" || name == "live" {
                         return Ok(true);
                     }
                 }
