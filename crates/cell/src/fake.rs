@@ -255,6 +255,10 @@ impl Cell for FakeCell {
         None
     }
 
+    fn usage(&self) -> Option<warden_protocol::CellUsage> {
+        None
+    }
+
     fn freeze(&self) -> Result<(), CellError> {
         if self.ended.load(Ordering::SeqCst) {
             return Err(self.ended());

@@ -116,6 +116,8 @@ pub trait Cell: Send + Sync + Debug {
     fn status(&self) -> Result<Status, CellError>;
     /// How many processes its memory limit has killed so far, where the tier counts them.
     fn oom_kills(&self) -> Option<u64>;
+    /// What it uses now (CPU time, memory, tasks), where the tier accounts for it.
+    fn usage(&self) -> Option<warden_protocol::CellUsage>;
     fn freeze(&self) -> Result<(), CellError>;
     fn thaw(&self) -> Result<(), CellError>;
     /// Ends every process of the cell, frozen or not. `Ended` when it had ended already.

@@ -163,6 +163,10 @@ pub enum Command {
         #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
         journal_keep_segments: Option<u64>,
     },
+    /// Print the link that opens the daemon's dashboard in a browser, logged in (the daemon
+    /// serves it on its TCP listener: `warden serve --listen 127.0.0.1:8787`; the token is in
+    /// the link's fragment, which the browser never sends anywhere).
+    Dashboard,
     /// Serve the warden's tools to an MCP client over stdin and stdout (Claude Code, Cursor,
     /// Codex: configure the command `warden mcp`). Through the daemon when one runs, else with
     /// the daemon's core in this process (its cells outlive it; a daemon started later takes

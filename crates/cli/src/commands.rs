@@ -177,6 +177,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             Ok(0)
         }
         Command::Mcp => crate::daemon::mcp(),
+        Command::Dashboard => crate::daemon::dashboard(),
         Command::Serve {
             listen,
             token_file,

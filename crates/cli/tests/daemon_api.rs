@@ -931,3 +931,399 @@ fn a_file_the_cell_controls_cannot_freeze_the_harness() {
         "a file helper outlived its client (only the init should be left)"
     );
 }
+
+/// The dashboard's session on TCP: a login trades the token for an HttpOnly, SameSite=Strict
+/// cookie; a change made with the cookie needs the session's CSRF token and the daemon's own
+/// origin; a WebSocket opened with it must come from that origin; logout ends it; forged or
+/// foreign cookies are nobody. Cross-site requests are refused even with the bearer token and
+/// on the unix socket.
+#[test]
+fn the_dashboard_session_needs_its_csrf_token_and_its_own_origin() {
+    if !cgroups_available("dashboard_session") {
+        return;
+    }
+    let daemon = Daemon::start(&["--listen", "127.0.0.1:0"]);
+    let token = std::fs::read_to_string(daemon.runtime.join("daemon.token")).unwrap();
+    let addr = std::fs::read_to_string(daemon.runtime.join("daemon.addr")).unwrap();
+    let tcp = |method: &str, path: &str, body: Option<&str>, headers: &[(&str, &str)]| {
+        let stream = std::net::TcpStream::connect(&addr).expect("the TCP listener answers");
+        exchange(stream, method, path, body, headers)
+    };
+    // The page comes without a login, with 401; the API does not.
+    let page = tcp("GET", "/ui/", None, &[]);
+    assert_eq!(page.status, 401);
+    assert!(page.text().contains("<title>Warden</title>"));
+    assert!(
+        page.headers
+            .to_ascii_lowercase()
+            .contains("content-security-policy: default-src 'none'; script-src 'self'")
+    );
+    assert_eq!(tcp("GET", "/ui/session", None, &[]).status, 401);
+    let wrong = tcp(
+        "POST",
+        "/ui/login",
+        Some(r#"{"token":"guess-guess-guess-guess"}"#),
+        &[],
+    );
+    assert_eq!(wrong.status, 401, "{}", wrong.text());
+    assert!(!wrong.headers.to_ascii_lowercase().contains("set-cookie"));
+
+    let login = tcp(
+        "POST",
+        "/ui/login",
+        Some(&json!({ "token": token.trim() }).to_string()),
+        &[],
+    );
+    assert_eq!(login.status, 200, "{}", login.text());
+    let set_cookie = login
+        .headers
+        .lines()
+        .find(|l| l.to_ascii_lowercase().starts_with("set-cookie:"))
+        .expect("a session cookie")
+        .to_owned();
+    assert!(
+        set_cookie.contains("HttpOnly") && set_cookie.contains("SameSite=Strict"),
+        "{set_cookie}"
+    );
+    let cookie = set_cookie
+        .split_once(':')
+        .unwrap()
+        .1
+        .split(';')
+        .next()
+        .unwrap()
+        .trim()
+        .to_owned();
+    // Test-long strings, borrowed by every header list below.
+    let cookie: &'static str = Box::leak(cookie.into_boxed_str());
+    let csrf: &'static str = Box::leak(
+        login.json()["csrf"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+            .into_boxed_str(),
+    );
+    assert_eq!(csrf.len(), 64);
+    let with = |extra: &[(&'static str, &'static str)]| {
+        let mut headers = vec![("Cookie", cookie)];
+        headers.extend_from_slice(extra);
+        headers
+    };
+
+    assert_eq!(tcp("GET", "/v1/cells", None, &with(&[])).status, 200);
+    assert_eq!(
+        tcp("GET", "/ui/session", None, &with(&[])).json()["csrf"],
+        csrf
+    );
+    let make = |name: &str| json!({ "name": name, "preset": "minimal" }).to_string();
+    // Changes without the CSRF token, with a wrong one, or from another origin: refused.
+    for (name, headers) in [
+        ("csrf-none", with(&[])),
+        ("csrf-wrong", with(&[("X-Warden-CSRF", "0000")])),
+        (
+            "csrf-origin",
+            with(&[("X-Warden-CSRF", csrf), ("Origin", "http://evil.example")]),
+        ),
+        (
+            "csrf-site",
+            with(&[("X-Warden-CSRF", csrf), ("Sec-Fetch-Site", "cross-site")]),
+        ),
+    ] {
+        let refused = tcp("POST", "/v1/cells", Some(&make(name)), &headers);
+        assert_eq!(refused.status, 403, "{name}: {}", refused.text());
+        assert_eq!(
+            daemon
+                .call("GET", &format!("/v1/cells/{name}"), None)
+                .status,
+            404,
+            "{name} was made"
+        );
+    }
+    let made = tcp(
+        "POST",
+        "/v1/cells",
+        Some(&make("csrf-ok")),
+        &with(&[("X-Warden-CSRF", csrf), ("Origin", "http://warden")]),
+    );
+    assert_eq!(made.status, 201, "{}", made.text());
+
+    // A WebSocket with the cookie: only from the daemon's own origin.
+    let shell = daemon.call(
+        "POST",
+        "/v1/cells/csrf-ok/exec",
+        Some(json!({ "argv": ["sleep", "30"], "background": true })),
+    );
+    assert_eq!(shell.status, 201, "{}", shell.text());
+    let id = shell.json()["id"].as_u64().unwrap();
+    let attach = format!("/v1/cells/csrf-ok/processes/{id}/attach");
+    let upgrade: [(&str, &str); 4] = [
+        ("Upgrade", "websocket"),
+        ("Connection", "Upgrade"),
+        ("Sec-WebSocket-Version", "13"),
+        ("Sec-WebSocket-Key", "dGhlIHNhbXBsZSBub25jZQ=="),
+    ];
+    let ws = |origin: Option<&str>| {
+        let mut headers = with(&upgrade);
+        if let Some(origin) = origin {
+            headers.push(("Origin", origin));
+        }
+        let mut stream = std::net::TcpStream::connect(&addr).unwrap();
+        use std::io::{Read as _, Write as _};
+        let mut head = format!("GET {attach} HTTP/1.1\r\nHost: warden\r\n");
+        for (k, v) in headers {
+            head.push_str(&format!("{k}: {v}\r\n"));
+        }
+        head.push_str("\r\n");
+        stream.write_all(head.as_bytes()).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let mut buf = [0u8; 12];
+        stream.read_exact(&mut buf).unwrap();
+        String::from_utf8_lossy(&buf[9..12]).into_owned()
+    };
+    assert_eq!(ws(None), "403");
+    assert_eq!(ws(Some("http://evil.example")), "403");
+    assert_eq!(ws(Some("http://warden")), "101");
+
+    // The bearer token from another site is refused too (a browser would have sent it).
+    let bearer = format!("Bearer {}", token.trim());
+    let cross = tcp(
+        "GET",
+        "/v1/cells",
+        None,
+        &[("Authorization", &bearer), ("Sec-Fetch-Site", "cross-site")],
+    );
+    assert_eq!(cross.status, 403);
+    // A forged cookie is nobody.
+    let forged = tcp(
+        "GET",
+        "/v1/cells",
+        None,
+        &[("Cookie", "warden_session=00ff")],
+    );
+    assert_eq!(forged.status, 401);
+
+    // Logout ends the session.
+    let out = tcp(
+        "POST",
+        "/ui/logout",
+        None,
+        &with(&[("X-Warden-CSRF", csrf)]),
+    );
+    assert_eq!(out.status, 204);
+    assert_eq!(tcp("GET", "/v1/cells", None, &with(&[])).status, 401);
+
+    // The unix socket needs no login, and still refuses other sites.
+    assert_eq!(daemon.request("GET", "/ui/", None).status, 200);
+    assert_eq!(
+        daemon.call("GET", "/ui/session", None).json()["via"],
+        "unix"
+    );
+    let stream = std::os::unix::net::UnixStream::connect(daemon.socket()).unwrap();
+    let foreign = exchange(
+        stream,
+        "POST",
+        "/v1/cells",
+        Some(&make("csrf-unix")),
+        &[("Origin", "http://evil.example")],
+    );
+    assert_eq!(foreign.status, 403);
+    assert_eq!(daemon.call("GET", "/v1/cells/csrf-unix", None).status, 404);
+}
+
+/// The cells' use over time, from their cgroups: CPU time that grows while a process burns
+/// it, memory charged, tasks counted; the same rounds on the events stream.
+#[test]
+fn usage_is_sampled_from_the_cells_accounting() {
+    if !cgroups_available("usage_samples") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("use"), json!({}));
+    let burn = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["python3", "-c", "import time\nx = bytearray(48 << 20)\nend = time.time() + 4\nwhile time.time() < end: pass\ntime.sleep(30)"], "background": true })),
+    );
+    assert_eq!(burn.status, 201, "{}", burn.text());
+    let samples = |cell: &str| -> Vec<Value> {
+        let all = daemon
+            .call("GET", &format!("/v1/usage?cell={cell}"), None)
+            .json();
+        all.as_array()
+            .unwrap()
+            .first()
+            .map(|h| h["samples"].as_array().unwrap().clone())
+            .unwrap_or_default()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let got = loop {
+        let got = samples(&cell);
+        let cpu = |s: &Value| s["cpu_usec"].as_u64().unwrap_or(0);
+        if got.len() >= 3 && cpu(got.last().unwrap()) >= cpu(&got[0]) + 1_000_000 {
+            break got;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no CPU time seen growing: {got:?}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    let last = got.last().unwrap();
+    assert!(last["memory_bytes"].as_u64().unwrap() >= 48 << 20, "{last}");
+    assert!(last["pids"].as_u64().unwrap() >= 2, "{last}");
+    // The events stream carries the rounds.
+    let stream = std::os::unix::net::UnixStream::connect(daemon.socket()).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut stream = std::io::BufReader::new(stream);
+    use std::io::{BufRead as _, Write as _};
+    stream
+        .get_mut()
+        .write_all(b"GET /v1/events?usage=true HTTP/1.1\r\nHost: warden\r\n\r\n")
+        .unwrap();
+    let mut line = String::new();
+    let mut saw = false;
+    while stream.read_line(&mut line).unwrap() > 0 {
+        if line.starts_with("data: [") && line.contains(&cell) && line.contains("cpu_usec") {
+            saw = true;
+            break;
+        }
+        line.clear();
+    }
+    assert!(saw, "no usage event for {cell}");
+    // A cell that is gone has no history left.
+    assert_eq!(
+        daemon
+            .call("DELETE", &format!("/v1/cells/{cell}"), None)
+            .status,
+        204
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !samples(&cell).is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the history of a deleted cell stays"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+/// The journal read back whole, newest first, page by page, with the chain checked.
+#[test]
+fn the_journal_pages_back_and_checks_its_chain() {
+    if !cgroups_available("journal_pages") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("pages"), json!({}));
+    for i in 0..30 {
+        let put = daemon.request(
+            "PUT",
+            &format!("/v1/cells/{cell}/files/content?path=f{i}"),
+            Some("x"),
+        );
+        assert_eq!(put.status, 204, "{}", put.text());
+    }
+    let first = daemon
+        .call(
+            "GET",
+            &format!("/v1/journal?cell={cell}&kind=file.&limit=12"),
+            None,
+        )
+        .json();
+    let entries = first["entries"].as_array().unwrap();
+    assert_eq!(entries.len(), 12);
+    let seqs: Vec<u64> = entries.iter().map(|e| e["seq"].as_u64().unwrap()).collect();
+    assert!(
+        seqs.windows(2).all(|w| w[0] > w[1]),
+        "not newest first: {seqs:?}"
+    );
+    assert!(
+        entries
+            .iter()
+            .all(|e| e["kind"] == "file.write" && e["cell"] == cell.as_str())
+    );
+    assert!(entries.iter().all(
+        |e| e["hash"].as_str().unwrap().len() == 64 && e["prev"].as_str().unwrap().len() == 64
+    ));
+    let mut all = seqs.clone();
+    let mut before = first["next_before"].as_u64();
+    while let Some(b) = before {
+        let page = daemon
+            .call(
+                "GET",
+                &format!("/v1/journal?cell={cell}&kind=file.&limit=12&before={b}"),
+                None,
+            )
+            .json();
+        all.extend(
+            page["entries"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|e| e["seq"].as_u64().unwrap()),
+        );
+        before = page["next_before"].as_u64();
+    }
+    assert_eq!(all.len(), 30, "{all:?}");
+    // Each entry links to the one before it in the whole journal.
+    let newest = daemon.call("GET", "/v1/journal?limit=2", None).json();
+    let two = newest["entries"].as_array().unwrap();
+    assert_eq!(two[0]["prev"], two[1]["hash"]);
+    assert_eq!(newest["head_seq"], two[0]["seq"]);
+    let bad = daemon.call("GET", "/v1/journal?limit=5000", None);
+    assert_eq!(bad.status, 400, "{}", bad.text());
+    let check = daemon.call("GET", "/v1/journal/verify", None).json();
+    assert_eq!(check["ok"], true, "{check}");
+    assert!(check["last_seq"].as_u64().unwrap() >= two[0]["seq"].as_u64().unwrap());
+    // A changed byte in the journal is found.
+    daemon_tamper(&daemon);
+    let check = daemon.call("GET", "/v1/journal/verify", None).json();
+    assert_eq!(check["ok"], false, "{check}");
+    assert!(
+        check["error"].as_str().unwrap().contains("entry"),
+        "{check}"
+    );
+}
+
+/// Changes one entry's data in the journal file, as an intruder would.
+fn daemon_tamper(daemon: &Daemon) {
+    let path = daemon.journal();
+    let text = std::fs::read_to_string(&path).unwrap();
+    let changed = text.replacen(
+        "\"path\":\"/workspace/f3\"",
+        "\"path\":\"/workspace/f4\"",
+        1,
+    );
+    assert!(text != changed, "the entry to change is not in the journal");
+    std::fs::write(&path, changed).unwrap();
+}
+
+/// A handler that takes no body (pause, step, kill...) still has the body read before it
+/// answers: a kept-alive connection whose body came late is not closed under the client's next
+/// request (which then got a reset instead of an answer).
+#[test]
+fn a_late_body_to_a_handler_without_one_keeps_the_connection() {
+    use std::io::{Read as _, Write as _};
+    let daemon = Daemon::start(&[]);
+    let mut stream = std::os::unix::net::UnixStream::connect(daemon.socket()).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    stream
+        .write_all(b"POST /v1/cells/no-such-cell/pause HTTP/1.1\r\nHost: warden\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n")
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    stream
+        .write_all(b"{}GET /v1/health HTTP/1.1\r\nHost: warden\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut answers = Vec::new();
+    let _ = stream.read_to_end(&mut answers);
+    let answers = String::from_utf8_lossy(&answers);
+    assert_eq!(answers.matches("HTTP/1.1 ").count(), 2, "{answers}");
+    assert!(answers.starts_with("HTTP/1.1 404"), "{answers}");
+    assert!(answers.contains("\"status\":\"ok\""), "{answers}");
+}

@@ -142,6 +142,11 @@ impl Harness {
             .lock()
             .map(|p| p.get(&entry.name).map_or(0, Vec::len))
             .unwrap_or(0);
+        let policy = entry.policy_in_force();
+        let preset = match &entry.policy {
+            PolicySource::Preset(p) => Some(p.clone()),
+            PolicySource::Yaml(_) => policy.as_ref().and_then(|p| p.extends.clone()),
+        };
         CellInfo {
             name: entry.name.clone(),
             state,
@@ -157,6 +162,12 @@ impl Harness {
                 .clone()
                 .or_else(|| (state == CellState::Ended).then(|| "its processes ended".to_owned())),
             processes,
+            tier: policy
+                .as_ref()
+                .map_or(warden_policy::Tier::Process, |p| p.tier)
+                .name()
+                .to_owned(),
+            preset,
         }
     }
 

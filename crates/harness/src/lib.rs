@@ -14,11 +14,13 @@ mod attached;
 mod cells;
 mod exec;
 mod files;
+mod history;
 mod process;
 mod record;
 mod state;
 mod supervise;
 pub mod tools;
+mod usage;
 mod workspace;
 
 use std::collections::HashMap;
@@ -42,6 +44,7 @@ pub use process::{Item, KillOnDrop, Process};
 use state::State;
 pub use state::{CellEntry, Grant, PolicySource};
 use supervise::Live;
+pub use usage::{USAGE_EVERY, USAGE_KEPT};
 
 /// What kind of failure: the protocol's one vocabulary, which each face maps once onto its own
 /// codes (HTTP status, exit status).
@@ -128,6 +131,8 @@ pub struct Harness {
     journaled_ends: HashMap<String, u64>,
     /// Every journaled entry, for the events stream, once it is on disk.
     events: tokio::sync::broadcast::Sender<Arc<Value>>,
+    /// What the live cells used lately.
+    usage: usage::UsageBook,
 }
 
 /// Where a cell's keeper writes how the cell ended, in the daemon's folder of the cell.
@@ -196,6 +201,7 @@ impl Harness {
             walled: Mutex::new(std::collections::HashSet::new()),
             cells: Mutex::new(HashMap::new()),
             events: tokio::sync::broadcast::channel(1024).0,
+            usage: usage::UsageBook::new(),
             backend: config.backend,
             registry,
             store,
@@ -220,6 +226,7 @@ impl Harness {
             .next_process
             .store(start.seq * 1000 + 1, Ordering::Relaxed);
         harness.reconcile(cut).await?;
+        harness.sample_usage();
         Ok(harness)
     }
 

@@ -73,6 +73,12 @@ pub struct CellInfo {
     /// Why it ended, once it has.
     pub ended: Option<String>,
     pub processes: usize,
+    /// The isolation tier it runs in (`process`, `gvisor`, `microvm`).
+    #[serde(default)]
+    pub tier: String,
+    /// The preset it was made from, or `extends:` of the policy document it was given.
+    #[serde(default)]
+    pub preset: Option<String>,
 }
 
 /// What a face may do to a running cell from outside.
@@ -95,4 +101,26 @@ impl ControlAction {
             Self::Kill => "kill",
         }
     }
+}
+
+/// What a cell uses now, from the warden's own accounting (its cgroup), sampled by the daemon.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
+pub struct CellUsage {
+    /// When it was read, milliseconds since the epoch.
+    pub time_ms: u64,
+    /// CPU time used by the cell's processes so far, in microseconds.
+    pub cpu_usec: Option<u64>,
+    /// Memory charged to the cell now, in bytes.
+    pub memory_bytes: Option<u64>,
+    /// How many processes (tasks) it holds now.
+    pub pids: Option<u64>,
+}
+
+/// Recent samples of one cell's use, oldest first.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct UsageHistory {
+    pub cell: String,
+    pub samples: Vec<CellUsage>,
 }

@@ -9,6 +9,7 @@ pub mod cells;
 pub mod error;
 pub mod exec;
 pub mod files;
+pub mod journal;
 pub mod workspace;
 
 pub use agents::{
@@ -16,12 +17,15 @@ pub use agents::{
     StartAgent, TokenUsage, ToolMode, Transcript, TurnInfo,
 };
 pub use approvals::{Answer, Approval, Decision, Scope};
-pub use cells::{CellInfo, CellState, CellSummary, ControlAction, CreateCell};
+pub use cells::{
+    CellInfo, CellState, CellSummary, CellUsage, ControlAction, CreateCell, UsageHistory,
+};
 pub use error::{ErrorBody, ErrorCode};
 pub use exec::{
     Chunk, ExecSpec, ExitInfo, ExitReason, ProcessInfo, SignalBody, Started, Stream, TtySize, Usage,
 };
 pub use files::{FileInfo, FileKind};
+pub use journal::{JournalCheck, JournalEntry, JournalPage, JournalQuery};
 pub use workspace::{ApplyRequest, Snapshot};
 
 /// The daemon's socket in the runtime directory.

@@ -38,6 +38,9 @@ pub fn schemas() -> Map<String, Value> {
     answers.subschema_for::<warden_protocol::AgentInfo>();
     answers.subschema_for::<warden_protocol::Transcript>();
     answers.subschema_for::<warden_protocol::Rerun>();
+    answers.subschema_for::<warden_protocol::JournalPage>();
+    answers.subschema_for::<warden_protocol::JournalCheck>();
+    answers.subschema_for::<warden_protocol::UsageHistory>();
     let mut all = answers.take_definitions(true);
     // A type on both sides keeps its reading form.
     all.extend(requests.take_definitions(true));

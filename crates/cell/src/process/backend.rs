@@ -308,6 +308,10 @@ impl Cell for ProcessCell {
         self.record.cgroup.as_ref().map(|cg| cg.oom_kills())
     }
 
+    fn usage(&self) -> Option<warden_protocol::CellUsage> {
+        self.record.cgroup.as_ref().map(|cg| cg.usage())
+    }
+
     fn freeze(&self) -> Result<(), CellError> {
         control::pause(&self.registry, &self.record.name)
             .map(|_| ())

@@ -429,6 +429,55 @@ impl CellCgroup {
             .unwrap_or(0)
     }
 
+    /// What the cell uses now: memory charged to it and its task count from the memory and
+    /// pids controllers; CPU time from cgroup v2's `cpu.stat`, v1's `cpuacct.usage` where the
+    /// cpu hierarchy has it, or else the sum of its processes' own and reaped children's times.
+    pub fn usage(&self) -> warden_protocol::CellUsage {
+        let read = |dir: &CgroupDir, file: &str| fs::read_to_string(dir.path.join(file)).ok();
+        let number = |text: Option<String>| text.and_then(|t| t.trim().parse::<u64>().ok());
+        let memory_bytes = self.dir(Controller::Memory).and_then(|dir| {
+            number(read(
+                dir,
+                match dir.version {
+                    Version::V2 => "memory.current",
+                    Version::V1 => "memory.usage_in_bytes",
+                },
+            ))
+        });
+        let pids = self
+            .dir(Controller::Pids)
+            .and_then(|dir| number(read(dir, "pids.current")));
+        let v2_cpu = self
+            .dirs
+            .iter()
+            .find(|d| d.version == Version::V2)
+            .and_then(|dir| read(dir, "cpu.stat"))
+            .and_then(|text| {
+                text.lines().find_map(|l| {
+                    l.strip_prefix("usage_usec ")
+                        .and_then(|n| n.trim().parse().ok())
+                })
+            });
+        let v1_cpu = || {
+            self.dir(Controller::Cpu)
+                .filter(|d| d.version == Version::V1)
+                .and_then(|dir| number(read(dir, "cpuacct.usage")))
+                .map(|ns| ns / 1000)
+        };
+        let cpu_usec = v2_cpu.or_else(v1_cpu).or_else(|| {
+            let pids = self.pids();
+            (!pids.is_empty()).then(|| pids.iter().filter_map(|&pid| process_cpu_usec(pid)).sum())
+        });
+        warden_protocol::CellUsage {
+            time_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
+            cpu_usec,
+            memory_bytes,
+            pids: pids.or_else(|| Some(self.pids().len() as u64)),
+        }
+    }
+
     /// Peak memory use in bytes, when the kernel reports it.
     pub fn memory_peak(&self) -> Option<u64> {
         let dir = self.dir(Controller::Memory)?;
@@ -508,6 +557,25 @@ fn write_if_present(path: &Path, value: &str) -> Result<(), CgroupError> {
     } else {
         Ok(())
     }
+}
+
+/// A process's CPU time with that of the children it has reaped (`/proc/PID/stat` fields 14
+/// to 17), in microseconds.
+fn process_cpu_usec(pid: i32) -> Option<u64> {
+    let text = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name is in parentheses and may hold spaces: fields count from after it.
+    let rest = &text[text.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // Field 3 (state) is fields[0]: utime, stime, cutime, cstime are fields 14-17.
+    let ticks: u64 = fields
+        .get(11..15)?
+        .iter()
+        .filter_map(|f| f.parse::<i64>().ok())
+        .map(|t| t.max(0) as u64)
+        .sum();
+    let per_second = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).ok()??;
+    let per_second = u64::try_from(per_second).ok().filter(|&n| n > 0)?;
+    Some(ticks * 1_000_000 / per_second)
 }
 
 #[cfg(test)]

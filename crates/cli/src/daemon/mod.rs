@@ -52,6 +52,36 @@ pub fn client() -> Result<Client> {
     })
 }
 
+/// `warden dashboard`: the link to the daemon's page on its TCP listener, with the token in
+/// the fragment (the page trades it for a session cookie and wipes it from the address bar).
+pub fn dashboard() -> Result<i32> {
+    let runtime = runtime();
+    client()?;
+    let addr_file = runtime.join(warden_server::ADDR_FILE);
+    let addr = std::fs::read_to_string(&addr_file).map_err(|_| {
+        anyhow::anyhow!(
+            "the daemon does not listen on TCP, where the dashboard is served: restart it with `warden serve --listen 127.0.0.1:8787` (browsers cannot reach its unix socket)"
+        )
+    })?;
+    let addr = addr.trim();
+    if std::net::TcpStream::connect(addr).is_err() {
+        bail!(
+            "{} says the daemon listens on {addr}, but nothing answers there: it is left from an earlier daemon; restart `warden serve --listen ...`",
+            addr_file.display()
+        );
+    }
+    let token_file = runtime.join(warden_server::TOKEN_FILE);
+    let token = std::fs::read_to_string(&token_file)
+        .with_context(|| {
+            format!(
+                "reading the daemon's token from {} (a daemon started with --token-file keeps it in that file: open http://{addr}/ui/ and paste it)",
+                token_file.display()
+            )
+        })?;
+    println!("http://{addr}/ui/#token={}", token.trim());
+    Ok(0)
+}
+
 /// The daemon, when one runs.
 pub fn client_if_running() -> Option<Client> {
     Client::detect(&runtime())

@@ -33,6 +33,10 @@ pub struct Answer {
 }
 
 impl Answer {
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
     pub fn json(&self) -> Value {
         serde_json::from_slice(&self.body).unwrap_or_else(|_| {
             panic!(

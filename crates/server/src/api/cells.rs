@@ -171,6 +171,10 @@ pub(super) struct EventsQuery {
     /// Start after this entry (its `seq`, which is each event's id): the entries written
     /// since come first, then the live ones. `Last-Event-ID` does the same.
     after: Option<u64>,
+    /// Also each round of the cells' use (`usage` events, every few seconds: CPU time, memory,
+    /// tasks per live cell), for a live view.
+    #[serde(default)]
+    usage: bool,
 }
 
 /// Journal entries as they are written (`entry` events, each with the entry's `seq` as its
@@ -189,6 +193,7 @@ pub(super) async fn events(
     });
     // Subscribed before the journal is read: nothing falls between the two.
     let mut entries = h.subscribe();
+    let mut usage = q.usage.then(|| h.subscribe_usage());
     let missed = match after {
         Some(after) => h.entries_after(after, q.cell.clone()).await?,
         None => Vec::new(),
@@ -216,6 +221,17 @@ pub(super) async fn events(
         loop {
             let entry = tokio::select! {
                 entry = entries.recv() => entry,
+                Some(round) = async { usage.as_mut()?.recv().await.ok() }, if usage.is_some() => {
+                    let cells: Vec<serde_json::Value> = round
+                        .iter()
+                        .map(|(cell, usage)| json!({ "cell": cell, "usage": usage }))
+                        .collect();
+                    let event = Event::default().event("usage").data(json!(cells).to_string());
+                    if tx.send(Ok::<_, Infallible>(event)).await.is_err() {
+                        return;
+                    }
+                    continue;
+                }
                 () = tx.closed() => return,
             };
             let event = match entry {
@@ -240,6 +256,31 @@ pub(super) async fn events(
     Ok(Sse::new(ReceiverStream::new(rx))
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
         .into_response())
+}
+
+pub(super) async fn journal(
+    State(h): State<Shared>,
+    Query(query): Query<warden_protocol::JournalQuery>,
+) -> Result<Response, ApiError> {
+    Ok(Json(h.journal_page(query).await?).into_response())
+}
+
+pub(super) async fn verify_journal(State(h): State<Shared>) -> Result<Response, ApiError> {
+    Ok(Json(h.check_journal().await?).into_response())
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct UsageQuery {
+    cell: Option<String>,
+}
+
+/// The recent use of the live cells, oldest sample first.
+pub(super) async fn usage(
+    State(h): State<Shared>,
+    Query(q): Query<UsageQuery>,
+) -> Json<Vec<warden_protocol::UsageHistory>> {
+    Json(h.usage(q.cell.as_deref()))
 }
 
 pub(super) async fn approvals(

@@ -15,6 +15,15 @@ pub struct ApiError {
     pub(crate) message: String,
 }
 
+impl ApiError {
+    pub(crate) fn internal(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: message.into(),
+        }
+    }
+}
+
 impl From<HarnessError> for ApiError {
     fn from(err: HarnessError) -> Self {
         let status = StatusCode::from_u16(err.kind.http_status())

@@ -17,6 +17,7 @@ use warden_harness::Harness;
 mod agents;
 mod auth;
 mod cells;
+mod dashboard;
 mod extract;
 mod files;
 mod mcp;
@@ -103,21 +104,57 @@ pub fn router(agents: Arc<warden_agent::Agents>, token: Option<String>) -> Route
         .route("/v1/cells/{name}/apply", post(apply))
         .route("/v1/cells/{name}/policy", get(get_policy).put(put_policy))
         .route("/v1/events", get(events))
+        .route("/v1/journal", get(journal))
+        .route("/v1/journal/verify", get(verify_journal))
+        .route("/v1/usage", get(usage))
         .route("/v1/approvals", get(approvals))
         .route("/v1/approvals/{name}/{id}", post(answer))
         .route("/v1/mcp", get(mcp_stream))
         .route_service("/mcp", warden_mcp::http_service(Arc::clone(&harness)))
         .with_state(harness)
-        .merge(sessions)
+        .merge(sessions);
+    let tcp = token.is_some();
+    let gate = dashboard::Gate::new(token);
+    let router = router
+        .merge(dashboard::routes(Arc::clone(&gate)))
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
+        .layer(middleware::from_fn(read_small_body))
         .layer(DefaultBodyLimit::max(BODY_LIMIT));
-    match token {
-        Some(token) => router.layer(middleware::from_fn_with_state(
-            Arc::new(token),
-            require_token,
-        )),
-        None => router.layer(middleware::from_fn(identify_unix)),
+    match tcp {
+        true => router.layer(middleware::from_fn_with_state(gate, require_token)),
+        false => router.layer(middleware::from_fn_with_state(gate, identify_unix)),
+    }
+}
+
+/// Reads a small request body whole before the handler runs (after the caller has proven
+/// who it is: the gate is the outer layer). A handler that takes no body (pause, step, kill...)
+/// would otherwise leave one unread, and where its last bytes had not arrived when the answer
+/// was written, hyper closes the connection: a client that had sent its next request on it
+/// (a kept-alive connection) got a reset instead of an answer.
+async fn read_small_body(request: axum::extract::Request, next: middleware::Next) -> Response {
+    let small = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<usize>().ok())
+        .is_some_and(|n| n > 0 && n <= BODY_LIMIT);
+    if !small {
+        return next.run(request).await;
+    }
+    let (parts, body) = request.into_parts();
+    match axum::body::to_bytes(body, BODY_LIMIT).await {
+        Ok(bytes) => {
+            next.run(axum::extract::Request::from_parts(
+                parts,
+                axum::body::Body::from(bytes),
+            ))
+            .await
+        }
+        Err(e) => ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: format!("reading the request's body: {e}"),
+        }
+        .into_response(),
     }
 }
 

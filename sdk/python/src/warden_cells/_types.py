@@ -62,6 +62,8 @@ class CellInfo:
     labels: Dict[str, str] = field(default_factory=dict)
     ended: Optional[str] = None
     processes: int = 0
+    tier: str = "process"
+    preset: Optional[str] = None
 
 
 @dataclass
