@@ -84,7 +84,7 @@ fn read_page(dir: &Path, query: &JournalQuery, limit: usize) -> Result<JournalPa
         if !newest_segment
             && query
                 .before
-                .is_some_and(|b| first_seq(path).is_some_and(|f| f >= b))
+                .is_some_and(|b| warden_journal::segment_first_seq(path).is_some_and(|f| f >= b))
         {
             continue;
         }
@@ -127,13 +127,4 @@ fn read_page(dir: &Path, query: &JournalQuery, limit: usize) -> Result<JournalPa
         next_before,
         head_seq,
     })
-}
-
-fn first_seq(path: &Path) -> Option<u64> {
-    path.file_name()?
-        .to_str()?
-        .strip_prefix("journal-")?
-        .strip_suffix(".jsonl")?
-        .parse()
-        .ok()
 }

@@ -19,17 +19,9 @@ impl Harness {
                 .map_err(|e| HarnessError::internal(format!("listing the journal: {e}")))?;
             // Closed segments are named by their first entry: skip those wholly at or before
             // `after`.
-            let first_seq = |path: &Path| -> Option<u64> {
-                path.file_name()?
-                    .to_str()?
-                    .strip_prefix("journal-")?
-                    .strip_suffix(".jsonl")?
-                    .parse()
-                    .ok()
-            };
             let mut start = 0;
             for (i, path) in segments.iter().enumerate() {
-                if first_seq(path).is_some_and(|first| first <= after + 1) {
+                if warden_journal::segment_first_seq(path).is_some_and(|first| first <= after + 1) {
                     start = i;
                 }
             }

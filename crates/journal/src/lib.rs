@@ -37,6 +37,17 @@ pub(crate) fn segment_name(first_seq: u64) -> String {
     format!("journal-{first_seq:020}.jsonl")
 }
 
+/// The first sequence number a closed segment's path names (`journal-<seq>.jsonl`); none for
+/// the active segment or a file that is not a segment.
+pub fn segment_first_seq(path: &std::path::Path) -> Option<u64> {
+    path.file_name()?
+        .to_str()?
+        .strip_prefix("journal-")?
+        .strip_suffix(".jsonl")?
+        .parse()
+        .ok()
+}
+
 /// The journal's segments in chain order: the closed ones, oldest first, then the active one
 /// (when it exists).
 pub fn segments(dir: &std::path::Path) -> std::io::Result<Vec<std::path::PathBuf>> {

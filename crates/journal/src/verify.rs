@@ -139,7 +139,7 @@ fn verify_segment(
         if number == 1 {
             // A closed segment is named after its first entry; the first segment of all starts
             // the chain, unless it is a closed one whose elders were archived or removed.
-            let due = named_first(&name).unwrap_or(expected_seq);
+            let due = crate::segment_first_seq(path).unwrap_or(expected_seq);
             if entry.seq != due {
                 return Err(bad(expected_seq)(format!(
                     "the segment's first entry is {} where {due} was due (entries were removed)",
@@ -179,14 +179,6 @@ fn verify_segment(
         report.head = entry.hash;
     }
     Ok(())
-}
-
-/// The first sequence number a closed segment's name gives (`journal-<seq>.jsonl`).
-fn named_first(name: &str) -> Option<u64> {
-    name.strip_prefix("journal-")?
-        .strip_suffix(".jsonl")?
-        .parse()
-        .ok()
 }
 
 fn check_checkpoint(
