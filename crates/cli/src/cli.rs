@@ -194,6 +194,12 @@ pub enum Command {
         #[arg(long)]
         process: Option<u64>,
     },
+    /// Images as a cell's root (`image: NAME` in a policy): import an OCI image layout or a
+    /// `docker save` archive, list them, remove them.
+    Image {
+        #[command(subcommand)]
+        command: ImageCommand,
+    },
     /// Check or export the journal.
     Audit {
         #[command(subcommand)]
@@ -372,6 +378,29 @@ pub struct ExecArgs {
     /// The command and its arguments.
     #[arg(last = true, required = true, value_name = "CMD")]
     pub command: Vec<String>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ImageCommand {
+    /// Import an image from an OCI image layout (a directory, or a tar of one: `docker save`
+    /// since Docker 25, `skopeo copy ... oci-archive:FILE`) or a classic `docker save` archive.
+    /// Every blob is checked against its digest; each layer is unpacked once.
+    Import {
+        /// The layout directory or archive (tar, or tar.gz).
+        file: PathBuf,
+        /// The name cells use (`image: NAME`); default: the archive's own tag.
+        #[arg(long)]
+        name: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// List the imported images.
+    Ls {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove an image (and the layers no other image uses).
+    Rm { name: String },
 }
 
 #[derive(Debug, Subcommand)]

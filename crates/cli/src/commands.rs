@@ -177,6 +177,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             Ok(0)
         }
         Command::Mcp => crate::daemon::mcp(),
+        Command::Image { command } => image(command),
         Command::Dashboard => crate::daemon::dashboard(),
         Command::Serve {
             listen,
@@ -861,4 +862,50 @@ fn doctor(json: bool) -> Result<i32> {
         .filter(|c| c.tier == "process")
         .all(|c| c.status != probe::Status::Missing);
     Ok(if process_ok { 0 } else { 1 })
+}
+
+/// `warden image import|ls|rm`: the image store under the state directory, which the process
+/// tier reads when a policy names an `image`.
+fn image(command: crate::cli::ImageCommand) -> Result<i32> {
+    use crate::cli::ImageCommand;
+    let images = warden_image::Store::new(store()?.root());
+    let line = |image: &warden_image::Image| {
+        format!(
+            "{}  {}  {} layers  {}",
+            image.name,
+            &image.digest[..image.digest.len().min(19)],
+            image.layers.len(),
+            warden_policy::ByteSize(image.size)
+        )
+    };
+    match command {
+        ImageCommand::Import { file, name, json } => {
+            let image = images
+                .import(&file, name.as_deref())
+                .with_context(|| format!("importing {} (nothing was kept)", file.display()))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&image)?);
+            } else {
+                println!("imported {}", line(&image));
+                println!("use it with `image: {}` in a policy", image.name);
+            }
+        }
+        ImageCommand::Ls { json } => {
+            let list = images.list()?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&list)?);
+            } else if list.is_empty() {
+                println!("no images; `warden image import FILE` adds one");
+            } else {
+                for image in &list {
+                    println!("{}", line(image));
+                }
+            }
+        }
+        ImageCommand::Rm { name } => {
+            let image = images.remove(&name)?;
+            println!("removed {}", image.name);
+        }
+    }
+    Ok(0)
 }

@@ -26,6 +26,13 @@ pub struct Policy {
     /// Isolation tier the cell runs under.
     #[serde(default)]
     pub tier: Tier,
+    /// An imported image (`warden image import`) as the cell's root, instead of the host's
+    /// directories. With one, `filesystem.read_only`, `filesystem.links` and
+    /// `process.env.set` hold only what the document itself names (the presets' host
+    /// directories and variables are not laid over the image); the image's environment comes
+    /// first and the document's variables win over it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
     #[serde(default)]
     pub filesystem: Filesystem,
     #[serde(default)]
@@ -52,6 +59,7 @@ impl Default for Policy {
             extends: None,
             remove: None,
             tier: Tier::default(),
+            image: None,
             filesystem: Filesystem::default(),
             process: Process::default(),
             limits: Limits::default(),

@@ -55,7 +55,36 @@ pub fn from_yaml(origin: &str, text: &str) -> Result<Policy, PolicyError> {
         }
         None => policy,
     };
+    let policy = match policy.image.is_some() {
+        true => own_over_image(origin, text, policy)?,
+        false => policy,
+    };
     validate(origin, &policy)?;
+    Ok(policy)
+}
+
+/// With an image as the root: the host directories, links and variables of the presets give
+/// way to the image; only what the document names itself stays.
+fn own_over_image(origin: &str, text: &str, mut policy: Policy) -> Result<Policy, PolicyError> {
+    let document: serde_json::Value =
+        serde_saphyr::from_str(text).map_err(|err| syntax_error(origin, &err))?;
+    let own = |path: &[&str]| {
+        let mut at = &document;
+        for key in path {
+            at = at.get(key).unwrap_or(&serde_json::Value::Null);
+        }
+        at.clone()
+    };
+    // The document was read whole already: these parts of it parse.
+    policy.filesystem.read_only =
+        serde_json::from_value(own(&["filesystem", "read_only"])).unwrap_or_default();
+    policy.filesystem.links =
+        serde_json::from_value(own(&["filesystem", "links"])).unwrap_or_default();
+    policy
+        .process
+        .env
+        .set
+        .retain(|key, _| !own(&["process", "env", "set", key]).is_null());
     Ok(policy)
 }
 
@@ -252,6 +281,21 @@ fn validate(origin: &str, policy: &Policy) -> Result<(), PolicyError> {
     };
     if let Err(message) = crate::CommandRules::compile(&policy.commands) {
         return Err(invalid("commands", &message));
+    }
+    if let Some(image) = &policy.image {
+        let named = !image.is_empty()
+            && image.len() <= 255
+            && image
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._-:/@".contains(&b));
+        if !named {
+            return Err(invalid(
+                "image",
+                &format!(
+                    "{image:?} is not an image name (`warden image ls` lists the imported ones)"
+                ),
+            ));
+        }
     }
     // A link is a name of its own: not on, above or below anything the cell mounts.
     let fs = &policy.filesystem;

@@ -54,6 +54,9 @@ pub struct CellPlan {
     pub hostname: String,
     /// Empty host directory the new root is assembled on (in the cell's own mount namespace).
     pub root: PathBuf,
+    /// An image's unpacked layers as the root, topmost first (empty: the root is a tmpfs
+    /// holding the host paths of `entries`).
+    pub image: Vec<PathBuf>,
     pub entries: Vec<Entry>,
     pub hidden: Vec<PathBuf>,
     pub tmp_size: u64,

@@ -73,6 +73,9 @@ pub fn build(
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
         Some("mode=0755,size=16m"),
     )?;
+    if !plan.image.is_empty() {
+        mount_image(root, &plan.image)?;
+    }
 
     // Read-only entries first; the whole tree is then made read-only, nosuid and nodev in one
     // recursive step, and the writable mounts go on top of their (already created) mount points.
@@ -111,6 +114,35 @@ pub fn build(
         hide(&inside(root, hidden))?;
     }
     pivot(root)
+}
+
+/// An image's layers as the root: an overlay of detached clones of them (no host path shows in
+/// the cell's mountinfo), over an upper in the tmpfs beneath, which holds the mount points and
+/// the files the warden writes into `/etc`; the whole is made read-only with the rest.
+fn mount_image(root: &Path, layers: &[PathBuf]) -> Result<(), SetupError> {
+    use std::os::fd::AsRawFd as _;
+    let mut clones = Vec::new();
+    for layer in layers {
+        let fd = sys::detached_clone(layer).map_err(at("taking a detached mount of", layer))?;
+        sys::restrict_detached(&fd).map_err(at("making read-only", layer))?;
+        clones.push(fd);
+    }
+    let lowers: Vec<PathBuf> = clones
+        .iter()
+        .map(|fd| PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd())))
+        .collect();
+    let upper = root.join(".warden-upper");
+    let work = root.join(".warden-work");
+    // `/etc` in the upper layer is the setup's own, so that the warden can write its files
+    // there whoever owns the image's `/etc` (its files belong to ids the cell does not map).
+    for dir in [&upper, &work, &upper.join("etc")] {
+        fs::create_dir(dir).map_err(at("creating directory", dir))?;
+        fs::set_permissions(dir, fs::Permissions::from_mode(0o755))
+            .map_err(at("setting mode of", dir))?;
+    }
+    overlay::mount_overlay(root, &lowers, &upper, &work)
+        .map_err(errno)
+        .map_err(at("mounting the image's layers on", root))
 }
 
 /// Mounts a file system of type `fstype` on `target`; the error names `step`.
@@ -253,7 +285,16 @@ fn write_etc(plan: &CellPlan) -> Result<(), SetupError> {
     for (name, content) in plan.etc_files() {
         let path = etc.join(&name);
         if path.exists() {
-            continue; // bound from the host by the policy
+            if plan.image.is_empty() {
+                continue; // bound from the host by the policy
+            }
+            // An image's own file gives way to the warden's (its hosts, resolver, users):
+            // removed through the overlay, which leaves a whiteout in the upper layer.
+            if let Err(e) = fs::remove_file(&path)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                return Err(at("replacing the image's", &path)(e));
+            }
         }
         make_parent(&path)?;
         fs::write(&path, content).map_err(at("writing", &path))?;

@@ -169,6 +169,8 @@ pub enum RunError {
     Secret(#[from] warden_egress::SecretError),
     #[error(transparent)]
     Store(#[from] super::store::StoreError),
+    #[error("the policy's image: {0}")]
+    Image(#[from] warden_image::ImageError),
     #[error(transparent)]
     Tls(#[from] warden_egress::TlsError),
     /// The caller's `before_start` refused to let the command start.
@@ -321,8 +323,31 @@ pub fn run_with(
     // for each file, and the warden's watch for the layer (see `disk`).
     let watched_disk = layer.as_ref().and_then(|l| l.watched);
 
+    // An image as the root: its layers from the store, its environment first (the policy's
+    // own variables win; the built-in PATH, HOME and LANG fill what neither sets).
     let mut env: Vec<(OsString, OsString)> = Vec::new();
+    let image_lowers = match &policy.image {
+        Some(image) => {
+            let (image, lowers) = warden_image::Store::new(store.root()).lower_dirs(image)?;
+            for pair in &image.env {
+                if let Some((key, value)) = pair.split_once('=') {
+                    env.retain(|(k, _)| k != key);
+                    env.push((key.into(), value.into()));
+                }
+            }
+            for (key, value) in warden_policy::EnvPolicy::default().set {
+                if !env.iter().any(|(k, _)| k.as_os_str() == key.as_str())
+                    && !policy.process.env.set.contains_key(&key)
+                {
+                    env.push((key.into(), value.into()));
+                }
+            }
+            lowers
+        }
+        None => Vec::new(),
+    };
     for (key, value) in &policy.process.env.set {
+        env.retain(|(k, _)| k.as_os_str() != key.as_str());
         env.push((key.into(), value.into()));
     }
     for key in &policy.process.env.pass {
@@ -411,6 +436,7 @@ pub fn run_with(
             .clone()
             .unwrap_or_else(|| name.replace('_', "-")),
         root: reservation.root_dir(),
+        image: image_lowers,
         entries: plan::entries(policy),
         hidden: policy.filesystem.hidden.clone(),
         // In memory, so no larger than the memory limit (their pages count towards it).

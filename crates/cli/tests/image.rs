@@ -1,0 +1,380 @@
+//! Images as a cell's root, end to end: an image built here from the host's own `sh` and the
+//! libraries it loads (two layers, the second with a whiteout), imported with `warden image
+//! import`, run as a cell with `image: NAME`; and hostile archives refused by the CLI with
+//! nothing written outside the store.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed step is a failed test
+
+mod support;
+
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::json;
+use sha2::Digest as _;
+use support::*;
+
+fn sha(bytes: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(sha2::Sha256::digest(bytes)))
+}
+
+fn append(b: &mut tar::Builder<Vec<u8>>, path: &str, mode: u32, data: &[u8]) {
+    let mut h = tar::Header::new_gnu();
+    h.set_path(path).unwrap();
+    h.set_mode(mode);
+    h.set_size(data.len() as u64);
+    h.set_entry_type(tar::EntryType::Regular);
+    h.set_cksum();
+    b.append(&h, data).unwrap();
+}
+
+/// `/bin/sh` of the host and what `ldd` says it loads, at their paths.
+fn shell_layer() -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    let ldd = Command::new("ldd").arg("/bin/sh").output().unwrap();
+    let mut files = vec![PathBuf::from("/bin/sh")];
+    for line in String::from_utf8_lossy(&ldd.stdout).lines() {
+        let path = line
+            .split("=>")
+            .last()
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap_or("");
+        if path.starts_with('/') {
+            files.push(PathBuf::from(path));
+        }
+    }
+    for file in &files {
+        let data = std::fs::read(file).unwrap();
+        append(
+            &mut b,
+            file.to_str().unwrap().trim_start_matches('/'),
+            0o755,
+            &data,
+        );
+    }
+    append(&mut b, "etc/hello", 0o644, b"hello from the image\n");
+    append(
+        &mut b,
+        "etc/gone",
+        0o644,
+        b"the second layer removes this\n",
+    );
+    b.into_inner().unwrap()
+}
+
+fn second_layer() -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    append(&mut b, "etc/.wh.gone", 0o644, b"");
+    append(&mut b, "srv/data", 0o644, b"layer two\n");
+    b.into_inner().unwrap()
+}
+
+/// A `docker save`-style archive (manifest.json, config, ID/layer.tar) of these layers.
+fn docker_archive(dir: &Path, layers: &[Vec<u8>], tag: &str) -> PathBuf {
+    let tree = dir.join(format!("tree-{}", unique("img")));
+    std::fs::create_dir_all(&tree).unwrap();
+    let mut names = Vec::new();
+    for (i, layer) in layers.iter().enumerate() {
+        std::fs::create_dir_all(tree.join(format!("l{i}"))).unwrap();
+        std::fs::write(tree.join(format!("l{i}/layer.tar")), layer).unwrap();
+        names.push(format!("l{i}/layer.tar"));
+    }
+    let config = json!({
+        "architecture": "amd64", "os": "linux",
+        "config": { "Env": ["GREETING=from-the-image", "PATH=/bin"], "WorkingDir": "/srv" },
+        "rootfs": { "type": "layers", "diff_ids": layers.iter().map(|l| sha(l)).collect::<Vec<_>>() },
+    })
+    .to_string();
+    let config_name = format!("{}.json", &sha(config.as_bytes())[7..]);
+    std::fs::write(tree.join(&config_name), &config).unwrap();
+    std::fs::write(
+        tree.join("manifest.json"),
+        json!([{ "Config": config_name, "RepoTags": [tag], "Layers": names }]).to_string(),
+    )
+    .unwrap();
+    let archive = dir.join(format!("{}.tar", unique("image")));
+    let mut b = tar::Builder::new(std::fs::File::create(&archive).unwrap());
+    b.append_dir_all(".", &tree).unwrap();
+    b.finish().unwrap();
+    archive
+}
+
+fn warden_in(state: &Path) -> Command {
+    let mut cmd = warden();
+    cmd.env("WARDEN_STATE_DIR", state);
+    cmd
+}
+
+#[test]
+fn an_image_built_from_host_files_runs_as_a_cell() {
+    if !cgroups_available("image_root") {
+        return;
+    }
+    let dir = tempdir();
+    // A root-started cell's setup runs as an unprivileged id: it must reach the layers.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    let state = dir.path().join("state");
+    let archive = docker_archive(dir.path(), &[shell_layer(), second_layer()], "mini:1");
+    let import = warden_in(&state)
+        .args(["image", "import"])
+        .arg(&archive)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&import.stdout);
+    assert!(
+        import.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&import.stderr)
+    );
+    assert!(
+        said.contains("imported mini:1") && said.contains("2 layers"),
+        "{said}"
+    );
+    let ls = warden_in(&state)
+        .args(["image", "ls", "--json"])
+        .output()
+        .unwrap();
+    let listed: serde_json::Value = serde_json::from_slice(&ls.stdout).unwrap();
+    assert_eq!(listed[0]["name"], "mini:1");
+
+    let workspace = tempdir();
+    let policy = policy(
+        dir.path(),
+        "version: 1\nimage: mini:1\nprocess:\n  env:\n    set:\n      MINE: from-the-policy\n",
+    );
+    let script = "while read -r line; do echo \"$line\"; done < /etc/hello; \
+                  echo \"greeting=$GREETING mine=$MINE path=$PATH\"; \
+                  test -e /etc/gone && echo GONE-IS-THERE; \
+                  test -e /usr/bin/python3 && echo HOST-USR-SEEN; \
+                  while read -r line; do echo \"$line\"; done < /srv/data; \
+                  echo made > /workspace/out.txt && echo wrote";
+    let ran = warden_in(&state)
+        .arg("run")
+        .arg("--policy")
+        .arg(&policy)
+        .arg("-w")
+        .arg(workspace.path())
+        .args(["--", "/bin/sh", "-c", script])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&ran.stdout);
+    let err = String::from_utf8_lossy(&ran.stderr);
+    assert!(ran.status.success(), "{out}{err}");
+    assert!(out.contains("hello from the image"), "{out}");
+    assert!(
+        out.contains("greeting=from-the-image mine=from-the-policy path=/bin"),
+        "{out}"
+    );
+    assert!(
+        !out.contains("GONE-IS-THERE"),
+        "the whiteout was not honoured: {out}"
+    );
+    assert!(
+        !out.contains("HOST-USR-SEEN"),
+        "the host's /usr is in the image's root: {out}"
+    );
+    assert!(out.contains("layer two") && out.contains("wrote"), "{out}");
+
+    // The image cannot be changed from inside.
+    let ran = warden_in(&state)
+        .arg("run")
+        .arg("--policy")
+        .arg(&policy)
+        .args([
+            "--",
+            "/bin/sh",
+            "-c",
+            "echo x > /etc/hello && echo CHANGED; echo x > /bin/new && echo ADDED; echo done",
+        ])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&ran.stdout);
+    assert!(
+        out.contains("done") && !out.contains("CHANGED") && !out.contains("ADDED"),
+        "{out}"
+    );
+
+    // An unknown image is a clear error; removing the image removes its layers.
+    let missing = policy_with(dir.path(), "no-such:1");
+    let ran = warden_in(&state)
+        .arg("run")
+        .arg("--policy")
+        .arg(&missing)
+        .args(["--", "/bin/sh", "-c", "true"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&ran.stderr);
+    assert_eq!(ran.status.code(), Some(125), "{err}");
+    assert!(err.contains("no image named no-such:1"), "{err}");
+    let rm = warden_in(&state)
+        .args(["image", "rm", "mini:1"])
+        .output()
+        .unwrap();
+    assert!(rm.status.success());
+    let left: Vec<_> = std::fs::read_dir(state.join("images/layers"))
+        .unwrap()
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+fn policy_with(dir: &Path, image: &str) -> PathBuf {
+    policy(dir, &format!("version: 1\nimage: {image}\n"))
+}
+
+#[test]
+fn hostile_archives_are_refused_by_the_cli_and_write_nothing_outside() {
+    let dir = tempdir();
+    let state = dir.path().join("state");
+    let outside = dir.path().join("outside");
+    std::fs::create_dir_all(&outside).unwrap();
+    let raw_layer = |path: &str, kind: tar::EntryType, link: &str| {
+        let mut h = tar::Header::new_gnu();
+        h.as_gnu_mut().unwrap().name[..path.len()].copy_from_slice(path.as_bytes());
+        h.as_gnu_mut().unwrap().linkname[..link.len()].copy_from_slice(link.as_bytes());
+        h.set_entry_type(kind);
+        h.set_mode(0o644);
+        h.set_size(if kind == tar::EntryType::Regular {
+            1
+        } else {
+            0
+        });
+        h.set_cksum();
+        let mut b = tar::Builder::new(Vec::new());
+        let data: &[u8] = if kind == tar::EntryType::Regular {
+            b"x"
+        } else {
+            b""
+        };
+        b.append(&h, data).unwrap();
+        b.into_inner().unwrap()
+    };
+    let escape = format!(
+        "../../../../{}",
+        outside.file_name().unwrap().to_str().unwrap()
+    );
+    let mut through_link = tar::Builder::new(Vec::new());
+    for (path, kind, link) in [
+        ("esc", tar::EntryType::Symlink, escape.as_str()),
+        ("esc/pwned", tar::EntryType::Regular, ""),
+    ] {
+        let mut h = tar::Header::new_gnu();
+        h.as_gnu_mut().unwrap().name[..path.len()].copy_from_slice(path.as_bytes());
+        h.as_gnu_mut().unwrap().linkname[..link.len()].copy_from_slice(link.as_bytes());
+        h.set_entry_type(kind);
+        h.set_mode(0o644);
+        h.set_size(if kind == tar::EntryType::Regular {
+            1
+        } else {
+            0
+        });
+        h.set_cksum();
+        let data: &[u8] = if kind == tar::EntryType::Regular {
+            b"x"
+        } else {
+            b""
+        };
+        through_link.append(&h, data).unwrap();
+    }
+    let cases: Vec<(Vec<u8>, &str)> = vec![
+        (
+            raw_layer("/etc/passwd", tar::EntryType::Regular, ""),
+            "an absolute path",
+        ),
+        (
+            raw_layer(&format!("{escape}/pwned"), tar::EntryType::Regular, ""),
+            "a path with `..`",
+        ),
+        (through_link.into_inner().unwrap(), "which is a symlink"),
+        (
+            raw_layer("hl", tar::EntryType::Link, "/etc/shadow"),
+            "a hard link whose target is an absolute path",
+        ),
+        (raw_layer("null", tar::EntryType::Char, ""), "a device node"),
+    ];
+    for (layer, expect) in cases {
+        let archive = docker_archive(dir.path(), &[layer], "hostile:1");
+        let out = warden_in(&state)
+            .args(["image", "import"])
+            .arg(&archive)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(125), "{expect}: {err}");
+        assert!(
+            err.contains(expect) && err.contains("nothing was kept"),
+            "{expect}: {err}"
+        );
+        let written: Vec<_> = std::fs::read_dir(&outside).unwrap().collect();
+        assert!(written.is_empty(), "{expect}: written outside: {written:?}");
+        let layers: Vec<_> = std::fs::read_dir(state.join("images/layers"))
+            .unwrap()
+            .collect();
+        assert!(layers.is_empty(), "{expect}: a layer was kept: {layers:?}");
+    }
+    // A layer that is not what the configuration's digest says.
+    let archive = docker_archive(dir.path(), &[shell_layer()], "changed:1");
+    let changed = dir.path().join("changed");
+    std::fs::create_dir_all(&changed).unwrap();
+    let status = Command::new("tar")
+        .arg("-xf")
+        .arg(&archive)
+        .arg("-C")
+        .arg(&changed)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let layer = changed.join("l0/layer.tar");
+    let mut bytes = std::fs::read(&layer).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0xff;
+    std::fs::write(&layer, bytes).unwrap();
+    let out = warden_in(&state)
+        .args(["image", "import"])
+        .arg(&changed)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(125), "{err}");
+    assert!(err.contains("does not match its digest"), "{err}");
+    let ls = warden_in(&state).args(["image", "ls"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&ls.stdout).contains("no images"));
+}
+
+#[test]
+fn a_daemon_cell_runs_from_an_image_and_execs_in_it() {
+    if !cgroups_available("image_daemon") {
+        return;
+    }
+    let daemon = support::daemon::Daemon::start(&[]);
+    let dir = tempdir();
+    let archive = docker_archive(dir.path(), &[shell_layer(), second_layer()], "mini:2");
+    let import = daemon
+        .warden()
+        .args(["image", "import"])
+        .arg(&archive)
+        .output()
+        .unwrap();
+    assert!(
+        import.status.success(),
+        "{}",
+        String::from_utf8_lossy(&import.stderr)
+    );
+    let cell = daemon.create(
+        &unique("img"),
+        json!({ "policy": "version: 1\nimage: mini:2\n" }),
+    );
+    let events = daemon.exec(
+        &cell,
+        json!({ "argv": ["/bin/sh", "-c", "while read -r l; do echo \"$l\"; done < /etc/hello; echo \"$GREETING\"; test -e /usr/bin/python3 || echo no-host-usr"] }),
+    );
+    let out = String::from_utf8(support::daemon::stream_bytes(&events, "stdout")).unwrap();
+    assert_eq!(out, "hello from the image\nfrom-the-image\nno-host-usr\n");
+    // The journal records which image the cell was made from.
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    assert!(
+        journal.contains("image: mini:2"),
+        "the cell.create entry names no image"
+    );
+}
