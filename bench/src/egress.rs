@@ -1,9 +1,13 @@
 //! Egress benchmark: small HTTP requests and 100 MiB downloads through the warden's gateway
-//! beside the same traffic sent directly, on loopback, in one run; plain HTTP, and HTTPS both
-//! direct and through the gateway's TLS interception. The gateway is the real one
-//! (`warden-egress`), serving a listener on the host's loopback exactly as it serves the one in
-//! a cell's namespace. Then name lookups: the gateway's DNS answering over UDP beside the host's
-//! own resolver for the same name.
+//! beside the same traffic sent directly and through the proxies a user would otherwise put in
+//! front of a sandbox, on loopback, in one run: `squid` as a forward proxy (absolute-form HTTP,
+//! CONNECT tunnels) and `haproxy` as a plain TCP relay (the ceiling of a user-space relay here),
+//! where they are installed; plain HTTP, HTTPS tunnels, and HTTPS opened up by the gateway's TLS
+//! interception. The gateway is the real one (`warden-egress`), serving a listener on the host's
+//! loopback exactly as it serves the one in a cell's namespace, in a process of its own (this
+//! program, started again with `--serve-gateway`) so that its CPU time is its own: each relay's
+//! CPU seconds per GiB relayed are read from `/proc` around each download. Then name lookups:
+//! the gateway's DNS answering over UDP beside the host's own resolver for the same name.
 //!
 //! Usage: `egress [--requests N]`.
 
@@ -54,8 +58,9 @@ fn serve(mut conn: impl Read + Write) {
     let _ = conn.flush();
 }
 
-/// A plain upstream and a TLS one (certificate signed by a fresh CA, returned as PEM).
-fn upstreams() -> Result<(SocketAddr, SocketAddr, String)> {
+/// A plain upstream and two TLS ones (one to intercept, one to tunnel; the certificate signed by
+/// a fresh CA, returned as PEM).
+fn upstreams() -> Result<(SocketAddr, SocketAddr, SocketAddr, String)> {
     let plain = TcpListener::bind("127.0.0.2:0")?;
     let plain_addr = plain.local_addr()?;
     std::thread::spawn(move || {
@@ -77,22 +82,26 @@ fn upstreams() -> Result<(SocketAddr, SocketAddr, String)> {
                 PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
             )?,
     );
-    let tls = TcpListener::bind("127.0.0.2:0")?;
-    let tls_addr = tls.local_addr()?;
-    std::thread::spawn(move || {
-        for tcp in tls.incoming().flatten() {
-            let config = config.clone();
-            std::thread::spawn(move || {
-                if let Ok(conn) = rustls::ServerConnection::new(config) {
-                    let mut stream = rustls::StreamOwned::new(conn, tcp);
-                    serve(&mut stream);
-                    stream.conn.send_close_notify();
-                    let _ = stream.flush();
-                }
-            });
-        }
-    });
-    Ok((plain_addr, tls_addr, ca.pem()))
+    let mut addrs = Vec::new();
+    for _ in 0..2 {
+        let tls = TcpListener::bind("127.0.0.2:0")?;
+        addrs.push(tls.local_addr()?);
+        let config = config.clone();
+        std::thread::spawn(move || {
+            for tcp in tls.incoming().flatten() {
+                let config = config.clone();
+                std::thread::spawn(move || {
+                    if let Ok(conn) = rustls::ServerConnection::new(config) {
+                        let mut stream = rustls::StreamOwned::new(conn, tcp);
+                        serve(&mut stream);
+                        stream.conn.send_close_notify();
+                        let _ = stream.flush();
+                    }
+                });
+            }
+        });
+    }
+    Ok((plain_addr, addrs[0], addrs[1], ca.pem()))
 }
 
 fn client_config(ca_pem: &str) -> Result<Arc<rustls::ClientConfig>> {
@@ -116,9 +125,21 @@ enum Path {
         upstream: SocketAddr,
     },
     DirectTls(SocketAddr, Arc<rustls::ClientConfig>),
-    InterceptedTls {
+    /// A CONNECT tunnel, TLS inside it (to the upstream itself, or to the gateway's
+    /// interception when it opens the tunnel up).
+    Tunnel {
         proxy: SocketAddr,
         upstream: SocketAddr,
+        trust: Arc<rustls::ClientConfig>,
+    },
+    /// A TCP relay in front of the upstream (haproxy): the client speaks to it as to the
+    /// upstream.
+    Relay {
+        relay: SocketAddr,
+        upstream: SocketAddr,
+    },
+    RelayTls {
+        relay: SocketAddr,
         trust: Arc<rustls::ClientConfig>,
     },
 }
@@ -164,7 +185,13 @@ fn get(path: &Path, target: &str) -> Result<usize> {
             Ok(read_all(tcp))
         }
         Path::DirectTls(addr, trust) => tls_get(TcpStream::connect(addr)?, trust, *addr),
-        Path::InterceptedTls {
+        Path::Relay { relay, upstream } => {
+            let mut tcp = TcpStream::connect(relay)?;
+            tcp.write_all(origin(*upstream).as_bytes())?;
+            Ok(read_all(tcp))
+        }
+        Path::RelayTls { relay, trust } => tls_get(TcpStream::connect(relay)?, trust, *relay),
+        Path::Tunnel {
             proxy,
             upstream,
             trust,
@@ -175,12 +202,12 @@ fn get(path: &Path, target: &str) -> Result<usize> {
             let mut byte = [0u8; 1];
             while !reply.ends_with(b"\r\n\r\n") {
                 if tcp.read(&mut byte)? == 0 {
-                    bail!("the gateway closed the tunnel");
+                    bail!("the proxy closed the tunnel");
                 }
                 reply.push(byte[0]);
             }
             if !reply.starts_with(b"HTTP/1.1 200") {
-                bail!("the gateway refused: {}", String::from_utf8_lossy(&reply));
+                bail!("the proxy refused: {}", String::from_utf8_lossy(&reply));
             }
             tls_get(tcp, trust, *upstream)
         }
@@ -191,19 +218,9 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
-fn main() -> Result<()> {
-    let mut requests = 2000usize;
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        match arg.as_str() {
-            "--requests" => requests = args.next().context("--requests needs a number")?.parse()?,
-            other => bail!("unknown argument {other}; usage: egress [--requests N]"),
-        }
-    }
-    let (plain, tls, upstream_ca) = upstreams()?;
-    let ca_file =
-        std::env::temp_dir().join(format!("warden-bench-egress-ca-{}.pem", std::process::id()));
-    std::fs::write(&ca_file, &upstream_ca)?;
+/// The rules the gateway runs under: the plain upstream and the tunnelled TLS one by host and
+/// port; a path rule on the intercepted one, which makes the gateway open its TLS up.
+fn network(plain: u16, tunnel: u16, intercepted: u16, ca_file: &std::path::Path) -> Network {
     let rule = |port: u16, paths: Vec<String>| NetRule {
         host: "127.0.0.2".into(),
         ports: vec![port],
@@ -212,12 +229,12 @@ fn main() -> Result<()> {
         credential: None,
         dns: warden_policy::NameLookup::Any,
     };
-    let network = Network {
+    Network {
         default: NetworkDefault::Deny,
-        // A path rule on the TLS upstream makes the gateway open its TLS up.
         allow: vec![
-            rule(plain.port(), vec![]),
-            rule(tls.port(), vec!["/**".to_owned()]),
+            rule(plain, vec![]),
+            rule(tunnel, vec![]),
+            rule(intercepted, vec!["/**".to_owned()]),
             NetRule {
                 host: "localhost".into(),
                 ports: vec![],
@@ -229,17 +246,31 @@ fn main() -> Result<()> {
         ],
         deny: vec![],
         ask: vec![],
-        extra_ca: Some(ca_file.clone()),
+        extra_ca: Some(ca_file.to_path_buf()),
         gateway: false,
         inference: None,
+    }
+}
+
+/// `--serve-gateway PLAIN TUNNEL INTERCEPTED CA_FILE OUT_CA`: the gateway in this process, its
+/// proxy and DNS ports on stdout, its interception CA in OUT_CA; serves until killed.
+fn serve_gateway(args: &[String]) -> Result<()> {
+    let [plain, tunnel, intercepted, ca_file, out_ca] = args else {
+        bail!("--serve-gateway PLAIN TUNNEL INTERCEPTED CA_FILE OUT_CA");
     };
+    let ca_file = std::path::PathBuf::from(ca_file);
+    let network = network(
+        plain.parse()?,
+        tunnel.parse()?,
+        intercepted.parse()?,
+        &ca_file,
+    );
     let interceptor = warden_egress::Interceptor::new("bench", Some(&ca_file))?;
-    let cell_trust = client_config(&interceptor.ca_pem())?;
+    std::fs::write(out_ca, interceptor.ca_pem())?;
     let log =
         std::env::temp_dir().join(format!("warden-bench-egress-{}.jsonl", std::process::id()));
-    let rules = warden_egress::Rules::compile(&network)?;
     let gateway = warden_egress::Gateway::new(
-        rules,
+        warden_egress::Rules::compile(&network)?,
         &log,
         "bench",
         warden_egress::Secrets::default(),
@@ -252,105 +283,466 @@ fn main() -> Result<()> {
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let proxy = listener.local_addr()?;
     gateway.serve(listener)?;
+    println!("{} {}", proxy.port(), dns_address.port());
+    std::io::stdout().flush()?;
+    // Until the parent goes (it kills this process; a closed stdin says it went).
+    let _ = std::io::stdin().read(&mut [0u8; 1]);
+    let _ = std::fs::remove_file(&log);
+    Ok(())
+}
 
-    let paths = [
-        ("HTTP, direct", Path::Direct(plain)),
-        (
-            "HTTP, through the gateway",
-            Path::Proxied {
+/// A relay in a process of its own, killed when dropped.
+struct Relay {
+    name: &'static str,
+    child: std::process::Child,
+    dir: std::path::PathBuf,
+}
+
+impl Relay {
+    /// CPU seconds (user and system) it has used so far.
+    fn cpu_seconds(&self) -> f64 {
+        cpu_seconds(self.child.id())
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn cpu_seconds(pid: u32) -> f64 {
+    // Threads' and reaped children's time alike: fields 14-17 of /proc/PID/stat.
+    let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    let Some(rest) = text.rfind(')').map(|i| &text[i + 1..]) else {
+        return 0.0;
+    };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = fields
+        .get(11..15)
+        .map(|f| f.iter().filter_map(|t| t.parse::<u64>().ok()).sum())
+        .unwrap_or(0);
+    ticks as f64 / 100.0
+}
+
+fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn which(program: &str) -> Option<std::path::PathBuf> {
+    [
+        "/usr/sbin",
+        "/usr/bin",
+        "/sbin",
+        "/bin",
+        "/usr/local/sbin",
+        "/usr/local/bin",
+    ]
+    .iter()
+    .map(|d| std::path::Path::new(d).join(program))
+    .find(|p| p.is_file())
+}
+
+fn wait_listening(addr: SocketAddr, name: &str) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect(addr).is_err() {
+        if Instant::now() > deadline {
+            bail!("{name} did not listen on {addr}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+fn bench_dir(name: &str) -> Result<std::path::PathBuf> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = std::env::temp_dir().join(format!("warden-bench-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    // squid drops to its own user: it writes its pid and logs here.
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777))?;
+    Ok(dir)
+}
+
+/// haproxy as a plain TCP relay: one frontend per upstream.
+fn haproxy(upstreams: &[SocketAddr]) -> Result<Option<(Relay, Vec<SocketAddr>)>> {
+    let Some(program) = which("haproxy") else {
+        return Ok(None);
+    };
+    let dir = bench_dir("haproxy")?;
+    let mut config = String::from(
+        "global\n  maxconn 4096\n  nbthread 1\ndefaults\n  mode tcp\n  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n",
+    );
+    let mut fronts = Vec::new();
+    for (i, up) in upstreams.iter().enumerate() {
+        let front = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+        config.push_str(&format!(
+            "frontend f{i}\n  bind {front}\n  default_backend b{i}\nbackend b{i}\n  server s{i} {up}\n"
+        ));
+        fronts.push(front);
+    }
+    let file = dir.join("haproxy.cfg");
+    std::fs::write(&file, config)?;
+    let child = std::process::Command::new(program)
+        .arg("-db")
+        .arg("-f")
+        .arg(&file)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let relay = Relay {
+        name: "haproxy",
+        child,
+        dir,
+    };
+    for front in &fronts {
+        wait_listening(*front, "haproxy")?;
+    }
+    Ok(Some((relay, fronts)))
+}
+
+/// squid as a forward proxy: no cache, no logs, every destination allowed.
+fn squid() -> Result<Option<(Relay, SocketAddr)>> {
+    let Some(program) = which("squid") else {
+        return Ok(None);
+    };
+    let dir = bench_dir("squid")?;
+    let addr = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+    let config = format!(
+        "http_port {addr}\nhttp_access allow all\ncache deny all\ncache_mem 8 MB\naccess_log none\ncache_log {log}\npid_filename {pid}\ncoredump_dir {dir}\nvisible_hostname bench\nvia off\nforwarded_for delete\nshutdown_lifetime 0 seconds\nworkers 1\n",
+        log = dir.join("cache.log").display(),
+        pid = dir.join("squid.pid").display(),
+        dir = dir.display(),
+    );
+    let file = dir.join("squid.conf");
+    std::fs::write(&file, config)?;
+    let child = std::process::Command::new(program)
+        .arg("-N")
+        .arg("-f")
+        .arg(&file)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let relay = Relay {
+        name: "squid",
+        child,
+        dir,
+    };
+    wait_listening(addr, "squid")?;
+    Ok(Some((relay, addr)))
+}
+
+/// The gateway in a process of its own (this program again).
+fn gateway(
+    plain: SocketAddr,
+    tunnel: SocketAddr,
+    intercepted: SocketAddr,
+    ca_file: &std::path::Path,
+) -> Result<(Relay, SocketAddr, SocketAddr, String)> {
+    let dir = bench_dir("gateway")?;
+    let out_ca = dir.join("cell-ca.pem");
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .arg("--serve-gateway")
+        .args([plain.port(), tunnel.port(), intercepted.port()].map(|p| p.to_string()))
+        .arg(ca_file)
+        .arg(&out_ca)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()?;
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().context("the gateway's stdout")?),
+        &mut line,
+    )?;
+    let mut ports = line.split_whitespace().map(str::parse::<u16>);
+    let (Some(Ok(proxy)), Some(Ok(dns))) = (ports.next(), ports.next()) else {
+        bail!("the gateway process said {line:?}");
+    };
+    let ca = std::fs::read_to_string(&out_ca)?;
+    let relay = Relay {
+        name: "warden gateway",
+        child,
+        dir,
+    };
+    Ok((
+        relay,
+        SocketAddr::from(([127, 0, 0, 1], proxy)),
+        SocketAddr::from(([127, 0, 0, 1], dns)),
+        ca,
+    ))
+}
+
+/// One row of the table: a way of reaching an upstream, and which relay (by index) carries it.
+struct Row {
+    name: &'static str,
+    path: Path,
+    relay: Option<usize>,
+}
+
+fn main() -> Result<()> {
+    let all: Vec<String> = std::env::args().skip(1).collect();
+    if all.first().is_some_and(|a| a == "--serve-gateway") {
+        return serve_gateway(&all[1..]);
+    }
+    let mut requests = 2000usize;
+    let mut args = all.into_iter();
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--requests" => requests = args.next().context("--requests needs a number")?.parse()?,
+            other => bail!("unknown argument {other}; usage: egress [--requests N]"),
+        }
+    }
+    // The second TLS upstream is tunnelled by the gateway without being opened.
+    let (plain, tls, tunnel_tls, upstream_ca) = upstreams()?;
+    let ca_file =
+        std::env::temp_dir().join(format!("warden-bench-egress-ca-{}.pem", std::process::id()));
+    std::fs::write(&ca_file, &upstream_ca)?;
+    let upstream_trust = client_config(&upstream_ca)?;
+
+    let mut relays: Vec<Relay> = Vec::new();
+    let (gw, proxy, dns_address, cell_ca) = gateway(plain, tunnel_tls, tls, &ca_file)?;
+    relays.push(gw);
+    let cell_trust = client_config(&cell_ca)?;
+    let mut rows = vec![
+        Row {
+            name: "HTTP, direct",
+            path: Path::Direct(plain),
+            relay: None,
+        },
+        Row {
+            name: "HTTP, warden gateway",
+            path: Path::Proxied {
                 proxy,
                 upstream: plain,
             },
-        ),
-        (
-            "HTTPS, direct",
-            Path::DirectTls(tls, client_config(&upstream_ca)?),
-        ),
-        (
-            "HTTPS, intercepted",
-            Path::InterceptedTls {
-                proxy,
-                upstream: tls,
-                trust: cell_trust,
-            },
-        ),
+            relay: Some(0),
+        },
     ];
-    let mut rows = Vec::new();
-    for (name, path) in &paths {
+    let squid = squid()?;
+    let haproxy = haproxy(&[plain, tunnel_tls])?;
+    let mut missing = Vec::new();
+    if let Some((relay, addr)) = squid {
+        relays.push(relay);
+        rows.push(Row {
+            name: "HTTP, squid (forward proxy)",
+            path: Path::Proxied {
+                proxy: addr,
+                upstream: plain,
+            },
+            relay: Some(relays.len() - 1),
+        });
+    } else {
+        missing.push("squid");
+    }
+    let haproxy_fronts = if let Some((relay, fronts)) = haproxy {
+        relays.push(relay);
+        rows.push(Row {
+            name: "HTTP, haproxy (TCP relay)",
+            path: Path::Relay {
+                relay: fronts[0],
+                upstream: plain,
+            },
+            relay: Some(relays.len() - 1),
+        });
+        Some((relays.len() - 1, fronts))
+    } else {
+        missing.push("haproxy");
+        None
+    };
+    rows.push(Row {
+        name: "HTTPS, direct",
+        path: Path::DirectTls(tunnel_tls, upstream_trust.clone()),
+        relay: None,
+    });
+    rows.push(Row {
+        name: "HTTPS tunnel, warden gateway",
+        path: Path::Tunnel {
+            proxy,
+            upstream: tunnel_tls,
+            trust: upstream_trust.clone(),
+        },
+        relay: Some(0),
+    });
+    if let Some(index) = relays.iter().position(|r| r.name == "squid") {
+        let addr = rows.iter().find_map(|r| match (&r.path, r.relay) {
+            (Path::Proxied { proxy, .. }, Some(i)) if i == index => Some(*proxy),
+            _ => None,
+        });
+        if let Some(addr) = addr {
+            rows.push(Row {
+                name: "HTTPS tunnel, squid (CONNECT)",
+                path: Path::Tunnel {
+                    proxy: addr,
+                    upstream: tunnel_tls,
+                    trust: upstream_trust.clone(),
+                },
+                relay: Some(index),
+            });
+        }
+    }
+    if let Some((index, fronts)) = &haproxy_fronts {
+        rows.push(Row {
+            name: "HTTPS, haproxy (TCP relay)",
+            path: Path::RelayTls {
+                relay: fronts[1],
+                trust: upstream_trust.clone(),
+            },
+            relay: Some(*index),
+        });
+    }
+    rows.push(Row {
+        name: "HTTPS, warden interception",
+        path: Path::Tunnel {
+            proxy,
+            upstream: tls,
+            trust: cell_trust,
+        },
+        relay: Some(0),
+    });
+
+    struct Measured {
+        median: Duration,
+        p99: Duration,
+        per_second: f64,
+        mibs: f64,
+        cpu_per_gib: Option<f64>,
+    }
+    let mut measured = Vec::new();
+    for row in &rows {
         for _ in 0..20 {
-            get(path, "/small")?;
+            get(&row.path, "/small").with_context(|| row.name)?;
         }
         let mut samples = Vec::with_capacity(requests);
         let started = Instant::now();
         for _ in 0..requests {
             let t = Instant::now();
-            get(path, "/small")?;
+            get(&row.path, "/small").with_context(|| row.name)?;
             samples.push(t.elapsed());
         }
         let per_second = requests as f64 / started.elapsed().as_secs_f64();
         samples.sort();
-        rows.push((
-            *name,
-            percentile(&samples, 0.5),
-            percentile(&samples, 0.99),
+        measured.push(Measured {
+            median: percentile(&samples, 0.5),
+            p99: percentile(&samples, 0.99),
             per_second,
-            0.0,
-        ));
+            mibs: 0.0,
+            cpu_per_gib: None,
+        });
     }
     // Downloads take turns across the paths, so that a slow moment of the host falls on all of
-    // them alike rather than on whichever path ran then.
-    let mut rates = vec![Vec::with_capacity(DOWNLOADS); paths.len()];
+    // them alike rather than on whichever path ran then; each relay's CPU time is read around
+    // each of its downloads (one runs at a time).
+    let mut rates = vec![Vec::with_capacity(DOWNLOADS); rows.len()];
+    let mut cpu = vec![(0.0f64, 0u64); rows.len()];
     for _ in 0..DOWNLOADS {
-        for ((name, path), rates) in paths.iter().zip(&mut rates) {
+        for (i, row) in rows.iter().enumerate() {
+            let before = row.relay.map(|r| relays[r].cpu_seconds());
             let t = Instant::now();
-            let bytes = get(path, "/big")?;
+            let bytes = get(&row.path, "/big")?;
+            let elapsed = t.elapsed();
             if bytes < DOWNLOAD {
-                bail!("{name}: the download ended after {bytes} bytes");
+                bail!("{}: the download ended after {bytes} bytes", row.name);
             }
-            rates.push(bytes as f64 / (1 << 20) as f64 / t.elapsed().as_secs_f64());
+            if let (Some(r), Some(before)) = (row.relay, before) {
+                cpu[i].0 += relays[r].cpu_seconds() - before;
+                cpu[i].1 += bytes as u64;
+            }
+            rates[i].push(bytes as f64 / (1 << 20) as f64 / elapsed.as_secs_f64());
         }
     }
-    for (row, mut rates) in rows.iter_mut().zip(rates) {
+    for ((m, mut rates), (seconds, bytes)) in measured.iter_mut().zip(rates).zip(cpu) {
         rates.sort_by(f64::total_cmp);
-        row.4 = rates[rates.len() / 2];
+        m.mibs = rates[rates.len() / 2];
+        if bytes > 0 {
+            m.cpu_per_gib = Some(seconds / (bytes as f64 / (1u64 << 30) as f64));
+        }
     }
     let lookups = lookups(requests, dns_address)?;
-    let _ = std::fs::remove_file(&log);
+    drop(relays);
     let _ = std::fs::remove_file(&ca_file);
     println!(
-        "egress on loopback: {requests} small requests (a new connection each), {DOWNLOADS} downloads of 100 MiB (median rate)"
+        "egress on loopback: {requests} small requests (a new connection each), {DOWNLOADS} downloads of 100 MiB (median rate); each relay in its own process, its CPU time read from /proc around its downloads"
     );
-    println!();
-    println!(
-        "| {:<26} | {:>11} | {:>9} | {:>10} | {:>14} |",
-        "path", "median (ms)", "p99 (ms)", "requests/s", "download MiB/s"
-    );
-    println!(
-        "|{:-<28}|{:->13}|{:->11}|{:->12}|{:->16}|",
-        "", "", "", "", ""
-    );
-    for (name, median, p99, rps, mibs) in &rows {
+    if !missing.is_empty() {
         println!(
-            "| {:<26} | {:>11.3} | {:>9.3} | {:>10.0} | {:>14.0} |",
-            name,
-            median.as_secs_f64() * 1000.0,
-            p99.as_secs_f64() * 1000.0,
-            rps,
-            mibs
+            "not installed, left out: {} (apt-get install squid haproxy)",
+            missing.join(", ")
         );
     }
+    println!();
+    println!(
+        "| {:<30} | {:>11} | {:>9} | {:>10} | {:>14} | {:>13} |",
+        "path", "median (ms)", "p99 (ms)", "conns/s", "download MiB/s", "CPU s per GiB"
+    );
+    println!(
+        "|{:-<32}|{:->13}|{:->11}|{:->12}|{:->16}|{:->15}|",
+        "", "", "", "", "", ""
+    );
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
-    println!();
-    for (label, direct, via) in [
-        ("HTTP", &rows[0], &rows[1]),
-        ("HTTPS (intercepted)", &rows[2], &rows[3]),
-    ] {
+    for (row, m) in rows.iter().zip(&measured) {
         println!(
-            "{label}: added median latency {:.3} ms; throughput through the gateway {:.0}% of direct",
-            ms(via.1) - ms(direct.1),
-            via.4 / direct.4 * 100.0
+            "| {:<30} | {:>11.3} | {:>9.3} | {:>10.0} | {:>14.0} | {:>13} |",
+            row.name,
+            ms(m.median),
+            ms(m.p99),
+            m.per_second,
+            m.mibs,
+            m.cpu_per_gib
+                .map_or_else(|| "-".to_owned(), |c| format!("{c:.2}"))
         );
     }
+    println!();
+    let find = |name: &str| {
+        rows.iter()
+            .position(|r| r.name == name)
+            .map(|i| &measured[i])
+    };
+    let ratio = |label: &str, a: &str, b: &str| {
+        if let (Some(x), Some(y)) = (find(a), find(b)) {
+            println!(
+                "{label}: throughput {:.2}x, added median latency {:+.3} ms, CPU per GiB {}",
+                x.mibs / y.mibs,
+                ms(x.median) - ms(y.median),
+                match (x.cpu_per_gib, y.cpu_per_gib) {
+                    (Some(p), Some(q)) => format!("{:.2}x", p / q),
+                    _ => "-".to_owned(),
+                }
+            );
+        }
+    };
+    ratio(
+        "gateway / direct (HTTP)",
+        "HTTP, warden gateway",
+        "HTTP, direct",
+    );
+    ratio(
+        "gateway / haproxy (HTTP)",
+        "HTTP, warden gateway",
+        "HTTP, haproxy (TCP relay)",
+    );
+    ratio(
+        "gateway / squid (HTTP)",
+        "HTTP, warden gateway",
+        "HTTP, squid (forward proxy)",
+    );
+    ratio(
+        "gateway / haproxy (HTTPS tunnel)",
+        "HTTPS tunnel, warden gateway",
+        "HTTPS, haproxy (TCP relay)",
+    );
+    ratio(
+        "gateway / squid (HTTPS tunnel)",
+        "HTTPS tunnel, warden gateway",
+        "HTTPS tunnel, squid (CONNECT)",
+    );
+    ratio(
+        "interception / direct (HTTPS)",
+        "HTTPS, warden interception",
+        "HTTPS, direct",
+    );
     println!();
     println!("name lookups of `localhost`, {requests} each (median, p99 in ms):");
     println!();
