@@ -15,6 +15,17 @@ const KEY: &str = "sk-upstream-7d1e4f0a9b3c2851";
 
 #[test]
 fn an_openai_client_in_a_cell_reaches_the_model_only_through_the_gateway() {
+    through_the_gateway(false);
+}
+
+/// The same with an `https://` upstream: the gateway speaks TLS to it itself (verified against
+/// the policy's `extra_ca`), the cell still speaks plain HTTP to `inference.warden`.
+#[test]
+fn an_https_model_api_is_reached_through_the_gateway_the_same_way() {
+    through_the_gateway(true);
+}
+
+fn through_the_gateway(tls: bool) {
     let pydeps = PathBuf::from(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../../target/pydeps/openai-agents-0.24.0"
@@ -25,16 +36,24 @@ fn an_openai_client_in_a_cell_reaches_the_model_only_through_the_gateway() {
         pydeps.display()
     );
     let pydeps = std::fs::canonicalize(pydeps).unwrap();
-    let server = ModelServer::start(vec![
+    let script = vec![
         Step::Text("hello from the model".into()),
         Step::Text("hello again".into()),
-    ]);
+    ];
     let dir = tempfile::tempdir().unwrap();
+    let (server, scheme, extra_ca) = if tls {
+        let (server, ca) = ModelServer::start_tls(script);
+        let file = dir.path().join("model-ca.pem");
+        std::fs::write(&file, ca).unwrap();
+        (server, "https", format!("  extra_ca: {}\n", file.display()))
+    } else {
+        (ModelServer::start(script), "http", String::new())
+    };
     let policy = dir.path().join("policy.yaml");
     std::fs::write(
         &policy,
         format!(
-            "version: 1\nextends: default\nnetwork:\n  inference:\n    upstream: http://127.0.0.1:{}/v1\n    credential: openai\n    max_tokens: 200\ncredentials:\n  openai: {{ from_env: OPENAI_API_KEY }}\nfilesystem:\n  read_only: [{}]\n",
+            "version: 1\nextends: default\nnetwork:\n{extra_ca}  inference:\n    upstream: {scheme}://127.0.0.1:{}/v1\n    credential: openai\n    max_tokens: 200\ncredentials:\n  openai: {{ from_env: OPENAI_API_KEY }}\nfilesystem:\n  read_only: [{}]\n",
             server.port,
             pydeps.display()
         ),

@@ -205,7 +205,8 @@ impl Gateway {
         // The model API's name: the request goes to the upstream, below its path, and names it.
         if let Some(route) = self.inference_route(&host) {
             let mut request = request;
-            let upstream = crate::forward::authority(&route.host, route.port, 80);
+            let default_port = if route.tls.is_some() { 443 } else { 80 };
+            let upstream = crate::forward::authority(&route.host, route.port, default_port);
             for (name, value) in &mut request.headers {
                 if name == "host" {
                     *value = upstream.clone().into_bytes();
@@ -218,9 +219,18 @@ impl Gateway {
                 Err(e) => return self.refuse(&mut conn, kind, &target, e.to_string()),
             };
             let path = format!("{}{plain}", route.prefix);
-            return self.forward_to(conn, &route.host, route.port, &path, request, via, false);
+            return self.forward_to(
+                conn,
+                &route.host,
+                route.port,
+                &path,
+                request,
+                via,
+                false,
+                route.tls.clone(),
+            );
         }
-        self.forward_to(conn, &host, port, &path, request, via, false);
+        self.forward_to(conn, &host, port, &path, request, via, false, None);
     }
 
     /// A redirected plain-HTTP request to a destination whose rules decide requests, taken with
@@ -251,10 +261,21 @@ impl Gateway {
             return self.refuse(&mut conn, "transparent", &target, reason);
         }
         let path = request.target.clone();
-        self.forward_to(conn, host, destination.port(), &path, request, via, true);
+        self.forward_to(
+            conn,
+            host,
+            destination.port(),
+            &path,
+            request,
+            via,
+            true,
+            None,
+        );
     }
 
-    /// Checks, decides and relays one request with an origin-form `path` to `host:port`.
+    /// Checks, decides and relays one request with an origin-form `path` to `host:port`;
+    /// with `tls` (an `https://` model API route), the gateway speaks TLS to the upstream
+    /// itself, verifying it against the host's roots and the policy's `extra_ca`.
     #[allow(clippy::too_many_arguments)]
     fn forward_to(
         &self,
@@ -265,6 +286,7 @@ impl Gateway {
         request: ParsedRequest,
         via: Via,
         host_required: bool,
+        tls: Option<std::sync::Arc<rustls::ClientConfig>>,
     ) {
         let ParsedRequest {
             method,
@@ -312,11 +334,45 @@ impl Gateway {
             );
             return;
         }
-        let Some(mut upstream) = self.open_upstream(&mut conn, host, port, &mut decision, via)
-        else {
+        let Some(upstream) = self.open_upstream(&mut conn, host, port, &mut decision, via) else {
             return;
         };
         let started = std::time::Instant::now();
+        let default_port = if tls.is_some() { 443 } else { 80 };
+        // Over TLS, the same exchange goes through a client session on the upstream socket.
+        let mut secured = match tls {
+            Some(config) => {
+                let session = rustls::pki_types::ServerName::try_from(host.as_text())
+                    .map_err(|e| e.to_string())
+                    .and_then(|name| {
+                        rustls::ClientConnection::new(config, name).map_err(|e| e.to_string())
+                    });
+                let inner = upstream.try_clone().map_err(|e| e.to_string());
+                match (session, inner) {
+                    (Ok(session), Ok(inner)) => Some(rustls::StreamOwned::new(
+                        session,
+                        crate::intercept::Prefixed::new(Vec::new(), inner, None),
+                    )),
+                    (Err(e), _) | (_, Err(e)) => {
+                        decision.allowed = false;
+                        decision.reason = format!("starting TLS to the upstream: {e}");
+                        self.log_decision(&decision);
+                        return http::reply(
+                            &mut conn,
+                            502,
+                            "Bad Gateway",
+                            &json!({ "error": decision.reason }),
+                        );
+                    }
+                }
+            }
+            None => None,
+        };
+        let mut plain = &upstream;
+        let up: &mut dyn Duplex = match secured.as_mut() {
+            Some(stream) => stream,
+            None => &mut plain,
+        };
         let (mut request_kept, mut response_kept) = (Vec::new(), Vec::new());
         let credential = verdict
             .credential
@@ -325,7 +381,7 @@ impl Gateway {
         let out = http::upstream_request(
             &method,
             &target.forwarded,
-            &authority(host, port, 80),
+            &authority(host, port, default_port),
             &headers,
             credential,
         );
@@ -333,9 +389,9 @@ impl Gateway {
         let _ = upstream.set_read_timeout(idle);
         let _ = conn.set_read_timeout(idle);
         // Exactly the announced body, then nothing more from this client.
-        let sent = io::Write::write_all(&mut upstream, &out).and_then(|()| {
+        let sent = io::Write::write_all(&mut *up, &out).and_then(|()| {
             let mut tap = Tap {
-                inner: &mut upstream,
+                inner: &mut *up,
                 kept: &mut request_kept,
             };
             let to: &mut dyn io::Write = if inference { &mut tap } else { tap.inner };
@@ -357,6 +413,18 @@ impl Gateway {
             }
             // The body did not get through whole (an upstream that answers early, a client
             // that went away): nothing more goes up, and what the upstream answers comes back.
+            Err(e) if secured.is_some() => {
+                // Over TLS the session is the only way to the upstream: what failed is said.
+                decision.allowed = false;
+                decision.reason = format!("talking TLS to the upstream: {e}");
+                self.log_decision(&decision);
+                return http::reply(
+                    &mut conn,
+                    502,
+                    "Bad Gateway",
+                    &json!({ "error": decision.reason }),
+                );
+            }
             Err(_) => {
                 let _ = upstream.shutdown(Shutdown::Write);
             }
@@ -368,7 +436,11 @@ impl Gateway {
                 kept: &mut response_kept,
             };
             let to: &mut dyn io::Write = if inference { &mut tap } else { &mut tap.inner };
-            match http::relay_inspected(&mut &upstream, &mut &mut *to, &self.secrets, &method) {
+            let from: &mut dyn Duplex = match secured.as_mut() {
+                Some(stream) => stream,
+                None => &mut plain,
+            };
+            match http::relay_inspected(&mut &mut *from, &mut &mut *to, &self.secrets, &method) {
                 Ok(n) => n,
                 Err(ResponseError::Refused(reason)) => {
                     decision.allowed = false;
@@ -387,7 +459,7 @@ impl Gateway {
             pump(&upstream, &conn)
         } else {
             let mut scrubbed = Replacer::scrubbing(&conn, &self.secrets);
-            let n = io::copy(&mut upstream, &mut scrubbed).unwrap_or(0);
+            let n = io::copy(&mut &upstream, &mut scrubbed).unwrap_or(0);
             let _ = scrubbed.finish();
             n
         };
@@ -403,6 +475,10 @@ impl Gateway {
         self.log_decision(&decision);
     }
 }
+
+/// A connection both ways: a socket, or a TLS session on one.
+trait Duplex: io::Read + io::Write {}
+impl<T: io::Read + io::Write> Duplex for T {}
 
 /// `host:port` as a Host header writes it (the port left out where it is the default).
 pub(crate) fn authority(host: &Host, port: u16, default_port: u16) -> String {

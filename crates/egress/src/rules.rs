@@ -103,27 +103,45 @@ pub(crate) struct InferenceRoute {
     /// The upstream's path before the cell's (`/prefix`, or empty).
     pub(crate) prefix: String,
     pub(crate) max_tokens: Option<u64>,
+    /// For an `https://` upstream: what the gateway trusts when it speaks TLS to it.
+    pub(crate) tls: Option<std::sync::Arc<rustls::ClientConfig>>,
 }
 
 /// `network.inference` compiled: its route, and the allow rule for its upstream (which binds
 /// its credential).
 fn compile_inference(
     inference: &warden_policy::Inference,
+    extra_ca: Option<&std::path::Path>,
 ) -> Result<(InferenceRoute, Rule), RulesError> {
     let err = |message: String| RulesError::Rule {
         rule: format!("network.inference upstream={}", inference.upstream),
         message,
     };
-    let rest = inference
-        .upstream
-        .strip_prefix("http://")
-        .ok_or_else(|| err("the upstream must be an http:// URL".to_owned()))?;
+    let (rest, default_port, tls) = match (
+        inference.upstream.strip_prefix("http://"),
+        inference.upstream.strip_prefix("https://"),
+    ) {
+        (Some(rest), _) => (rest, 80, None),
+        (_, Some(rest)) => (
+            rest,
+            443,
+            Some(
+                crate::tls::upstream_client(extra_ca)
+                    .map_err(|e| err(format!("trusting the upstream: {e}")))?,
+            ),
+        ),
+        _ => {
+            return Err(err(
+                "the upstream must be an http:// or https:// URL".to_owned()
+            ));
+        }
+    };
     let (authority, prefix) = match rest.find('/') {
         Some(i) => (&rest[..i], rest[i..].trim_end_matches('/').to_owned()),
         None => (rest, String::new()),
     };
     let (host, port) =
-        crate::host::split_authority(authority, 80).map_err(|e| err(e.to_string()))?;
+        crate::host::split_authority(authority, default_port).map_err(|e| err(e.to_string()))?;
     let rule = Rule {
         label: format!("{INFERENCE_RULE} upstream={}", inference.upstream),
         credential: inference.credential.clone(),
@@ -149,6 +167,7 @@ fn compile_inference(
         port,
         prefix,
         max_tokens: inference.max_tokens,
+        tls,
     };
     Ok((route, rule))
 }
@@ -164,7 +183,7 @@ impl Rules {
         let mut allow = compile_list(&network.allow, "allow")?;
         let inference = match &network.inference {
             Some(inference) => {
-                let (route, rule) = compile_inference(inference)?;
+                let (route, rule) = compile_inference(inference, network.extra_ca.as_deref())?;
                 // First: the upstream's rule decides (and binds its credential) before any
                 // broader one.
                 allow.insert(0, rule);

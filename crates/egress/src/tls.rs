@@ -42,6 +42,32 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
+/// What the gateway trusts when it speaks TLS to an upstream itself: the host's roots and the
+/// policy's `extra_ca`.
+pub(crate) fn upstream_client(extra_ca: Option<&Path>) -> Result<Arc<ClientConfig>, TlsError> {
+    let mut roots = RootCertStore::empty();
+    // A host without a CA bundle trusts only the policy's CA (or nothing, and says so when a
+    // connection fails verification).
+    let host_roots = Some(Path::new(HOST_ROOTS)).filter(|p| p.exists());
+    for path in [host_roots, extra_ca].into_iter().flatten() {
+        let roots_err = |message: String| TlsError::Roots {
+            path: path.display().to_string(),
+            message,
+        };
+        let certs = CertificateDer::pem_file_iter(path).map_err(|e| roots_err(e.to_string()))?;
+        for cert in certs {
+            let cert = cert.map_err(|e| roots_err(e.to_string()))?;
+            let _ = roots.add(cert); // a malformed root is skipped, as by every TLS client
+        }
+    }
+    let client = ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TlsError::Ca(e.to_string()))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(Arc::new(client))
+}
+
 impl Interceptor {
     /// A fresh CA named after the cell; `extra_ca` is trusted for upstreams beside the host's.
     pub fn new(cell: &str, extra_ca: Option<&Path>) -> Result<Self, TlsError> {
@@ -59,31 +85,11 @@ impl Interceptor {
         let ca = CertifiedIssuer::self_signed(params, KeyPair::generate().map_err(ca_err)?)
             .map_err(ca_err)?;
 
-        let mut roots = RootCertStore::empty();
-        // A host without a CA bundle trusts only the policy's CA (or nothing, and says so when a
-        // connection fails verification).
-        let host_roots = Some(Path::new(HOST_ROOTS)).filter(|p| p.exists());
-        for path in [host_roots, extra_ca].into_iter().flatten() {
-            let roots_err = |message: String| TlsError::Roots {
-                path: path.display().to_string(),
-                message,
-            };
-            let certs =
-                CertificateDer::pem_file_iter(path).map_err(|e| roots_err(e.to_string()))?;
-            for cert in certs {
-                let cert = cert.map_err(|e| roots_err(e.to_string()))?;
-                let _ = roots.add(cert); // a malformed root is skipped, as by every TLS client
-            }
-        }
-        let client = ClientConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()
-            .map_err(|e| TlsError::Ca(e.to_string()))?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
+        let client = upstream_client(extra_ca)?;
         Ok(Self {
             ca,
             servers: Mutex::new(HashMap::new()),
-            client: Arc::new(client),
+            client,
         })
     }
 

@@ -410,10 +410,14 @@ fn validate(origin: &str, policy: &Policy) -> Result<(), PolicyError> {
     }
     if let Some(inference) = &policy.network.inference {
         let field = "network.inference";
-        let Some(rest) = inference.upstream.strip_prefix("http://") else {
+        let Some(rest) = inference
+            .upstream
+            .strip_prefix("http://")
+            .or_else(|| inference.upstream.strip_prefix("https://"))
+        else {
             return Err(invalid(
                 field,
-                "upstream must be an http:// URL (a local model server, or a TLS proxy in front of a provider's https API)",
+                "upstream must be an http:// or https:// URL (a local model server, or a provider's API)",
             ));
         };
         let authority = rest.split('/').next().unwrap_or("");
@@ -612,7 +616,7 @@ mod tests {
         assert_eq!(inference.name, "inference.warden");
         assert!(policy.network.has_gateway());
         for (bad, says) in [
-            ("upstream: https://api.openai.com", "http:// URL"),
+            ("upstream: ftp://api.openai.com", "http:// or https:// URL"),
             ("upstream: http://", "must name a host"),
             ("upstream: http://u@h", "must name a host"),
             (

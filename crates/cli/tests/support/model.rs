@@ -134,8 +134,62 @@ impl ModelServer {
         state.got.clone()
     }
 
+    /// The same server behind TLS, with a certificate for 127.0.0.1 from a CA of its own
+    /// (returned as PEM, for the client to trust).
+    pub fn start_tls(script: Vec<Step>) -> (Self, String) {
+        use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(vec!["127.0.0.1".to_owned()])
+            .unwrap()
+            .signed_by(&key, &ca)
+            .unwrap();
+        let config = Arc::new(
+            rustls::ServerConfig::builder_with_provider(Arc::new(
+                rustls::crypto::ring::default_provider(),
+            ))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(
+                vec![cert.der().clone()],
+                rustls::pki_types::PrivateKeyDer::Pkcs8(
+                    rustls::pki_types::PrivatePkcs8KeyDer::from(key.serialize_der()),
+                ),
+            )
+            .unwrap(),
+        );
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let state = Arc::new((
+            Mutex::new(State {
+                script: script.into(),
+                ..Default::default()
+            }),
+            Condvar::new(),
+        ));
+        let server = Self { state, port };
+        let accepting = server.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming().flatten() {
+                let server = accepting.clone();
+                let config = config.clone();
+                std::thread::spawn(move || {
+                    let session = rustls::ServerConnection::new(config).unwrap();
+                    server.serve_on(BufReader::new(rustls::StreamOwned::new(session, stream)));
+                });
+            }
+        });
+        (server, ca.pem())
+    }
+
     fn serve(&self, stream: TcpStream) {
-        let mut reader = BufReader::new(stream.try_clone().unwrap());
+        self.serve_on(BufReader::new(stream));
+    }
+
+    fn serve_on<S: Read + Write>(&self, mut reader: BufReader<S>) {
         loop {
             let mut line = String::new();
             if reader.read_line(&mut line).unwrap_or(0) == 0 {
@@ -177,8 +231,7 @@ impl ModelServer {
                     .unwrap_or(Step::Text("(the script ended)".into()));
                 state.script.pop_front().unwrap_or(then)
             };
-            let mut out = stream.try_clone().unwrap();
-            if !answer(&mut out, &path, &body, step) {
+            if !answer(reader.get_mut(), &path, &body, step) {
                 return;
             }
         }
@@ -208,7 +261,7 @@ fn pieces(text: &str, n: usize) -> Vec<String> {
 }
 
 /// Answers one request; `false` when the connection is to be closed.
-fn answer(out: &mut TcpStream, path: &str, body: &Value, step: Step) -> bool {
+fn answer(out: &mut impl Write, path: &str, body: &Value, step: Step) -> bool {
     let step = match step {
         Step::Delay(wait, step) => {
             std::thread::sleep(wait);
@@ -252,8 +305,8 @@ fn answer(out: &mut TcpStream, path: &str, body: &Value, step: Step) -> bool {
     let total = events.len();
     for (n, (name, data)) in events.into_iter().enumerate() {
         if cut && n == total / 2 {
+            // The connection is dropped, unfinished, by the caller.
             let _ = out.flush();
-            let _ = out.shutdown(std::net::Shutdown::Both);
             return false;
         }
         let mut event = String::new();
