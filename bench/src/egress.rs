@@ -413,19 +413,76 @@ fn haproxy(upstreams: &[SocketAddr]) -> Result<Option<(Relay, Vec<SocketAddr>)>>
     Ok(Some((relay, fronts)))
 }
 
-/// squid as a forward proxy: no cache, no logs, every destination allowed.
-fn squid() -> Result<Option<(Relay, SocketAddr)>> {
+/// squid as a forward proxy (no cache, no logs, every destination allowed) and, where it is
+/// built with OpenSSL (`squid-openssl`), a second port that bumps TLS (interception, as the
+/// gateway's path rules do): its own CA, certificates generated per host, the upstream verified
+/// against `upstream_ca` (host-name errors allowed: the upstream is named by an IP).
+struct Squid {
+    relay: Relay,
+    forward: SocketAddr,
+    /// The bumping port and the CA a client must trust there.
+    bump: Option<(SocketAddr, String)>,
+}
+
+fn squid(upstream_ca: &std::path::Path) -> Result<Option<Squid>> {
     let Some(program) = which("squid") else {
         return Ok(None);
     };
     let dir = bench_dir("squid")?;
-    let addr = SocketAddr::from(([127, 0, 0, 1], free_port()?));
-    let config = format!(
-        "http_port {addr}\nhttp_access allow all\ncache deny all\ncache_mem 8 MB\naccess_log none\ncache_log {log}\npid_filename {pid}\ncoredump_dir {dir}\nvisible_hostname bench\nvia off\nforwarded_for delete\nshutdown_lifetime 0 seconds\nworkers 1\n",
+    let forward = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+    let mut config = format!(
+        "http_port {forward}\nhttp_access allow all\ncache deny all\ncache_mem 8 MB\naccess_log none\ncache_log {log}\npid_filename {pid}\ncoredump_dir {dir}\nvisible_hostname bench\nvia off\nforwarded_for delete\nshutdown_lifetime 0 seconds\nworkers 1\n",
         log = dir.join("cache.log").display(),
         pid = dir.join("squid.pid").display(),
         dir = dir.display(),
     );
+    let version = std::process::Command::new(&program).arg("-v").output()?;
+    let mut bump = None;
+    if String::from_utf8_lossy(&version.stdout).contains("--with-openssl")
+        && let Some(certgen) = [
+            "/usr/lib/squid/security_file_certgen",
+            "/usr/libexec/squid/security_file_certgen",
+        ]
+        .iter()
+        .map(std::path::Path::new)
+        .find(|p| p.is_file())
+    {
+        let mut params = CertificateParams::new(Vec::<String>::new())?;
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "bench squid CA");
+        let key = KeyPair::generate()?;
+        let ca = CertifiedIssuer::self_signed(params, key)?;
+        let (cert_file, key_file) = (dir.join("bump-ca.pem"), dir.join("bump-ca.key"));
+        std::fs::write(&cert_file, ca.pem())?;
+        std::fs::write(&key_file, ca.key().serialize_pem())?;
+        let db = dir.join("ssl_db");
+        let made = std::process::Command::new(certgen)
+            .args(["-c", "-s"])
+            .arg(&db)
+            .args(["-M", "16MB"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()?;
+        if made.success() {
+            // squid drops to its own user, which must write the certificate cache.
+            let _ = std::process::Command::new("chmod")
+                .args(["-R", "a+rwX"])
+                .arg(&db)
+                .status();
+            let port = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+            config.push_str(&format!(
+                "http_port {port} ssl-bump cert={} key={} generate-host-certificates=on dynamic_cert_mem_cache_size=16MB\nsslcrtd_program {} -s {} -M 16MB\nsslcrtd_children 2\nacl step1 at_step SslBump1\nssl_bump peek step1\nssl_bump bump all\ntls_outgoing_options cafile={}\nsslproxy_cert_error allow all\nsslproxy_cert_sign signTrusted all\n",
+                cert_file.display(),
+                key_file.display(),
+                certgen.display(),
+                db.display(),
+                upstream_ca.display()
+            ));
+            bump = Some((port, ca.pem()));
+        }
+    }
     let file = dir.join("squid.conf");
     std::fs::write(&file, config)?;
     let child = std::process::Command::new(program)
@@ -440,8 +497,15 @@ fn squid() -> Result<Option<(Relay, SocketAddr)>> {
         child,
         dir,
     };
-    wait_listening(addr, "squid")?;
-    Ok(Some((relay, addr)))
+    wait_listening(forward, "squid")?;
+    if let Some((port, _)) = &bump {
+        wait_listening(*port, "squid (ssl-bump)")?;
+    }
+    Ok(Some(Squid {
+        relay,
+        forward,
+        bump,
+    }))
 }
 
 /// The gateway in a process of its own (this program again).
@@ -530,21 +594,33 @@ fn main() -> Result<()> {
             relay: Some(0),
         },
     ];
-    let squid = squid()?;
+    let squid = squid(&ca_file)?;
     let haproxy = haproxy(&[plain, tunnel_tls])?;
     let mut missing = Vec::new();
-    if let Some((relay, addr)) = squid {
+    let mut squid_bump = None;
+    if let Some(Squid {
+        relay,
+        forward,
+        bump,
+    }) = squid
+    {
         relays.push(relay);
         rows.push(Row {
             name: "HTTP, squid (forward proxy)",
             path: Path::Proxied {
-                proxy: addr,
+                proxy: forward,
                 upstream: plain,
             },
             relay: Some(relays.len() - 1),
         });
+        match bump {
+            Some((port, ca)) => squid_bump = Some((relays.len() - 1, port, client_config(&ca)?)),
+            None => missing.push(
+                "squid built with OpenSSL (apt-get install squid-openssl), for its ssl-bump row",
+            ),
+        }
     } else {
-        missing.push("squid");
+        missing.push("squid (apt-get install squid-openssl)");
     }
     let haproxy_fronts = if let Some((relay, fronts)) = haproxy {
         relays.push(relay);
@@ -558,7 +634,7 @@ fn main() -> Result<()> {
         });
         Some((relays.len() - 1, fronts))
     } else {
-        missing.push("haproxy");
+        missing.push("haproxy (apt-get install haproxy)");
         None
     };
     rows.push(Row {
@@ -611,6 +687,17 @@ fn main() -> Result<()> {
         },
         relay: Some(0),
     });
+    if let Some((index, port, trust)) = squid_bump {
+        rows.push(Row {
+            name: "HTTPS, squid ssl-bump",
+            path: Path::Tunnel {
+                proxy: port,
+                upstream: tls,
+                trust,
+            },
+            relay: Some(index),
+        });
+    }
 
     struct Measured {
         median: Duration,
@@ -676,10 +763,7 @@ fn main() -> Result<()> {
         "egress on loopback: {requests} small requests (a new connection each), {DOWNLOADS} downloads of 100 MiB (median rate); each relay in its own process, its CPU time read from /proc around its downloads"
     );
     if !missing.is_empty() {
-        println!(
-            "not installed, left out: {} (apt-get install squid haproxy)",
-            missing.join(", ")
-        );
+        println!("not installed, left out: {}", missing.join("; "));
     }
     println!();
     println!(
@@ -751,6 +835,11 @@ fn main() -> Result<()> {
         "interception / direct (HTTPS)",
         "HTTPS, warden interception",
         "HTTPS, direct",
+    );
+    ratio(
+        "interception / squid ssl-bump",
+        "HTTPS, warden interception",
+        "HTTPS, squid ssl-bump",
     );
     println!();
     println!("name lookups of `localhost`, {requests} each (median, p99 in ms):");
