@@ -378,3 +378,65 @@ fn a_daemon_cell_runs_from_an_image_and_execs_in_it() {
         "the cell.create entry names no image"
     );
 }
+
+/// Without root: an unprivileged user imports the image into its own state directory and runs
+/// a cell from it (as root, the test drops to `nobody`).
+#[test]
+fn an_unprivileged_user_imports_and_runs_an_image() {
+    const NOBODY: u32 = 65534;
+    let dir = tempdir();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let bin = dir.path().join("warden");
+    std::fs::copy(BIN, &bin).unwrap();
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (runtime, state) = (dir.path().join("run"), dir.path().join("state"));
+    for path in [&runtime, &state] {
+        std::fs::create_dir(path).unwrap();
+        if is_root() {
+            std::os::unix::fs::chown(path, Some(NOBODY), Some(NOBODY)).unwrap();
+        }
+    }
+    let archive = docker_archive(dir.path(), &[shell_layer(), second_layer()], "mini:3");
+    std::fs::set_permissions(&archive, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let policy = policy(dir.path(), "version: 1\nimage: mini:3\n");
+    std::fs::set_permissions(&policy, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let as_user = |args: &[&std::ffi::OsStr]| {
+        let mut cmd = if is_root() {
+            let mut c = Command::new("setpriv");
+            c.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+                .arg(&bin);
+            c
+        } else {
+            Command::new(&bin)
+        };
+        cmd.args(args)
+            .env("WARDEN_RUNTIME_DIR", &runtime)
+            .env("WARDEN_STATE_DIR", &state)
+            .env("HOME", dir.path())
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let import = as_user(&["image".as_ref(), "import".as_ref(), archive.as_os_str()]);
+    assert!(
+        import.status.success(),
+        "{}",
+        String::from_utf8_lossy(&import.stderr)
+    );
+    let ran = as_user(&[
+        "run".as_ref(),
+        "--policy".as_ref(),
+        policy.as_os_str(),
+        "--".as_ref(),
+        "/bin/sh".as_ref(),
+        "-c".as_ref(),
+        "while read -r l; do echo \"$l\"; done < /etc/hello; test -e /etc/gone || echo whiteout-ok; test -e /usr/bin/python3 || echo no-host-usr".as_ref(),
+    ]);
+    let out = String::from_utf8_lossy(&ran.stdout);
+    assert!(
+        ran.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&ran.stderr)
+    );
+    assert_eq!(out, "hello from the image\nwhiteout-ok\nno-host-usr\n");
+}
