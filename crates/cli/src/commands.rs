@@ -903,6 +903,20 @@ fn image(command: crate::cli::ImageCommand) -> Result<i32> {
             }
         }
         ImageCommand::Rm { name } => {
+            // Its layers are the root of the cells made from it: they stay while one runs.
+            let users: Vec<String> = registry()?
+                .list()?
+                .into_iter()
+                .filter(|r| r.image.as_deref() == Some(name.as_str()))
+                .map(|r| r.name)
+                .collect();
+            if !users.is_empty() {
+                bail!(
+                    "image {name} is the root of running cells: {}; end them first (`warden kill {}`)",
+                    users.join(", "),
+                    users[0]
+                );
+            }
             let image = images.remove(&name)?;
             println!("removed {}", image.name);
         }

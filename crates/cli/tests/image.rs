@@ -377,6 +377,34 @@ fn a_daemon_cell_runs_from_an_image_and_execs_in_it() {
         journal.contains("image: mini:2"),
         "the cell.create entry names no image"
     );
+    // Its layers stay while the cell runs; once it is gone the image can go.
+    let rm = daemon
+        .warden()
+        .args(["image", "rm", "mini:2"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&rm.stderr);
+    assert_eq!(rm.status.code(), Some(125), "{err}");
+    assert!(
+        err.contains(&format!("root of running cells: {cell}")),
+        "{err}"
+    );
+    assert_eq!(
+        daemon
+            .call("DELETE", &format!("/v1/cells/{cell}"), None)
+            .status,
+        204
+    );
+    let rm = daemon
+        .warden()
+        .args(["image", "rm", "mini:2"])
+        .output()
+        .unwrap();
+    assert!(
+        rm.status.success(),
+        "{}",
+        String::from_utf8_lossy(&rm.stderr)
+    );
 }
 
 /// Without root: an unprivileged user imports the image into its own state directory and runs

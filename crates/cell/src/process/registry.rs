@@ -30,6 +30,9 @@ pub struct CellRecord {
     /// Whether the cell has an egress gateway (whose rules may change while it runs).
     #[serde(default)]
     pub gateway: bool,
+    /// The image its root is made of, if any (its layers must stay while it runs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]

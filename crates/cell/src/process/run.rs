@@ -628,6 +628,7 @@ pub fn run_with(
         workspace: plan.workspace.as_ref().map(|w| w.host.clone()),
         cgroup: cell_cgroup.clone(),
         gateway: gateway_channel.is_some(),
+        image: policy.image.clone(),
     })?;
     // Here the init is busy with its mounts, and waits for the go-ahead to start the command.
     if go_ahead.is_ok() {
