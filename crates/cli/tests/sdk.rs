@@ -42,6 +42,6 @@ fn the_python_sdk_passes_its_tests_against_a_real_daemon() {
         "the SDK's tests failed:\n{stderr}"
     );
     // Every test ran: none was skipped or lost.
-    assert!(stderr.contains("Ran 9 tests"), "{stderr}");
+    assert!(stderr.contains("Ran 10 tests"), "{stderr}");
     daemon.assert_journal_verifies();
 }

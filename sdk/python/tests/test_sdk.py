@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import threading
+import time
 import unittest
 import uuid
 
@@ -131,6 +132,46 @@ class Sync(unittest.TestCase):
             cell.delete()
         with self.assertRaises(ValueError):
             cell.exec([])
+
+    def test_the_journal_pages_back_and_a_cells_use_is_sampled(self):
+        w = self.w
+        cell = w.cells.create(unique("sdkj"))
+        try:
+            cell.exec("echo hi")
+            page = w.journal(cell=cell.name, limit=2)
+            self.assertEqual(len(page.entries), 2)
+            self.assertIsInstance(page.entries[0], warden_cells.JournalEntry)
+            self.assertGreater(page.entries[0].seq, page.entries[1].seq)
+            self.assertEqual((len(page.entries[0].hash), len(page.entries[0].prev)), (64, 64))
+            kinds = []
+            before = None
+            while True:
+                older = w.journal(cell=cell.name, limit=2, before=before)
+                kinds += [e.kind for e in older.entries]
+                if older.next_before is None:
+                    break
+                before = older.next_before
+            self.assertIn("cell.create", kinds)
+            self.assertIn("exec.exit", kinds)
+            only = w.journal(cell=cell.name, kind="exec.")
+            self.assertTrue(only.entries and all(e.kind.startswith("exec.") for e in only.entries))
+            check = w.verify_journal()
+            self.assertTrue(check.ok, check.error)
+            self.assertGreaterEqual(check.last_seq, page.entries[0].seq)
+            with self.assertRaises(warden_cells.BadRequest):
+                w.journal(limit=5000)
+            deadline = time.time() + 15
+            samples = []
+            while time.time() < deadline and len(samples) < 2:
+                histories = w.usage(cell.name)
+                samples = histories[0].samples if histories else []
+                time.sleep(0.5)
+            self.assertGreaterEqual(len(samples), 2, "no usage samples of the cell")
+            self.assertIsInstance(samples[0], warden_cells.CellUsage)
+            self.assertGreater(samples[-1].memory_bytes or 0, 0)
+        finally:
+            cell.kill()
+            cell.delete()
 
     def test_a_held_command_waits_for_its_approval(self):
         w = self.w

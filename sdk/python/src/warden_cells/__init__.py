@@ -38,17 +38,23 @@ from ._types import (
     AgentInfo,
     Approval,
     CellInfo,
+    CellUsage,
     ExitInfo,
     FileInfo,
+    JournalCheck,
+    JournalEntry,
+    JournalPage,
     ProcessInfo,
     Ran,
     Snapshot,
     Usage,
+    UsageHistory,
 )
 
 __all__ = [
     "Agent", "AgentInfo", "Agents", "AsyncAgent", "AsyncAgents", "Approval", "Approvals", "AsyncCell", "AsyncWarden", "BadRequest", "Cell", "CellInfo",
     "Cells", "Conflict", "ConnectionFailed", "ExitInfo", "FileInfo", "Files", "Forbidden",
     "NotFound", "PendingApproval", "Process", "ProcessInfo", "Ran", "SCHEMAS", "Snapshot",
-    "TooLarge", "Unavailable", "Usage", "Warden", "WardenError",
+    "TooLarge", "Unavailable", "Usage", "Warden", "WardenError", "CellUsage", "UsageHistory",
+    "JournalEntry", "JournalPage", "JournalCheck",
 ]

@@ -9,8 +9,8 @@ import httpx
 
 from . import _ops as ops
 from ._errors import ConnectionFailed, error_of
-from ._types import (AgentInfo, Approval, CellInfo, ExitInfo, FileInfo, ProcessInfo, Ran, Snapshot,
-                     _from)
+from ._types import (AgentInfo, Approval, CellInfo, ExitInfo, FileInfo, JournalCheck, JournalPage,
+                     ProcessInfo, Ran, Snapshot, UsageHistory, _from)
 
 Event = Tuple[str, Any]
 
@@ -93,6 +93,21 @@ class Warden:
 
     def health(self) -> Dict[str, Any]:
         return self._run(ops.health())
+
+    def journal(self, before: Optional[int] = None, limit: Optional[int] = None,
+                cell: Optional[str] = None, kind: Optional[str] = None,
+                since_ms: Optional[int] = None, until_ms: Optional[int] = None) -> JournalPage:
+        """A page of whole journal entries (hash and link), newest first: `before` pages back
+        (a page's `next_before`), `kind` is a prefix (`net.`, `exec.exit`)."""
+        return self._run(ops.journal(before, limit, cell, kind, since_ms, until_ms))
+
+    def verify_journal(self) -> JournalCheck:
+        """Checks the whole chain and its signed checkpoints against the daemon's key."""
+        return self._run(ops.verify_journal())
+
+    def usage(self, cell: Optional[str] = None) -> List[UsageHistory]:
+        """The live cells' recent CPU time, memory and tasks, from their cgroups."""
+        return self._run(ops.usage(cell))
 
     def events(self, cell: Optional[str] = None, after: Optional[int] = None
                ) -> Iterator[Dict[str, Any]]:
@@ -509,6 +524,18 @@ class AsyncWarden:
 
     async def health(self) -> Dict[str, Any]:
         return await self._run(ops.health())
+
+    async def journal(self, before: Optional[int] = None, limit: Optional[int] = None,
+                      cell: Optional[str] = None, kind: Optional[str] = None,
+                      since_ms: Optional[int] = None, until_ms: Optional[int] = None
+                      ) -> JournalPage:
+        return await self._run(ops.journal(before, limit, cell, kind, since_ms, until_ms))
+
+    async def verify_journal(self) -> JournalCheck:
+        return await self._run(ops.verify_journal())
+
+    async def usage(self, cell: Optional[str] = None) -> List[UsageHistory]:
+        return await self._run(ops.usage(cell))
 
     async def approvals(self) -> List[Approval]:
         return await self._run(ops.approvals())

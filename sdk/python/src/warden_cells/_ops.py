@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 from urllib.parse import quote
 
-from ._types import (AgentInfo, Approval, CellInfo, ExitInfo, FileInfo, ProcessInfo, Snapshot,
-                     _from)
+from ._types import (AgentInfo, Approval, CellInfo, ExitInfo, FileInfo, JournalCheck, JournalPage,
+                     ProcessInfo, Snapshot, UsageHistory, _from)
 
 Argv = Union[str, Iterable[str]]
 
@@ -235,6 +235,23 @@ def set_policy(name: str, yaml: str) -> Op:
 
 
 # Approvals and the journal.
+
+def journal(before: Optional[int], limit: Optional[int], cell: Optional[str],
+            kind: Optional[str], since_ms: Optional[int], until_ms: Optional[int]) -> Op:
+    params = {k: v for k, v in [("before", before), ("limit", limit), ("cell", cell),
+                                ("kind", kind), ("since_ms", since_ms), ("until_ms", until_ms)]
+              if v is not None}
+    return Op("GET", "/v1/journal", params=params, parse=one(JournalPage))
+
+
+def verify_journal() -> Op:
+    return Op("GET", "/v1/journal/verify", parse=one(JournalCheck))
+
+
+def usage(cell: Optional[str]) -> Op:
+    return Op("GET", "/v1/usage", params={"cell": cell} if cell else {},
+              parse=list_of(UsageHistory))
+
 
 def approvals() -> Op:
     return Op("GET", "/v1/approvals", parse=list_of(Approval))

@@ -152,7 +152,66 @@ class AgentInfo:
         return self.state in ("done", "stopped", "failed")
 
 
+@dataclass
+class CellUsage:
+    """What a cell used at one moment, from its cgroup: CPU time so far, memory charged now,
+    tasks now (any of them None where the host does not account for it)."""
+
+    time_ms: int
+    cpu_usec: Optional[int] = None
+    memory_bytes: Optional[int] = None
+    pids: Optional[int] = None
+
+
+@dataclass
+class UsageHistory:
+    """A live cell's recent samples, oldest first (every 2 s, the last 120)."""
+
+    cell: str
+    samples: List[CellUsage] = field(default_factory=list)
+
+
+@dataclass
+class JournalEntry:
+    """One journal entry as it is on disk: `hash` covers the rest, `prev` is the hash of the
+    entry before it."""
+
+    seq: int
+    time_ms: int
+    kind: str
+    data: Any
+    prev: str
+    hash: str
+    cell: Optional[str] = None
+
+
+@dataclass
+class JournalPage:
+    """Entries newest first; pass `next_before` as `before` for the next, older page."""
+
+    entries: List[JournalEntry]
+    head_seq: int
+    next_before: Optional[int] = None
+
+
+@dataclass
+class JournalCheck:
+    """What a check of the whole chain and its signed checkpoints found."""
+
+    ok: bool
+    first_seq: int
+    last_seq: int
+    entries: int
+    checkpoints: int
+    unsigned_tail: int
+    head: str
+    key: str
+    error: Optional[str] = None
+
+
 _NESTED = {
+    ("UsageHistory", "samples"): lambda v: [_from(CellUsage, s) for s in v],
+    ("JournalPage", "entries"): lambda v: [_from(JournalEntry, e) for e in v],
     ("AgentInfo", "usage"): lambda v: _from(TokenUsage, v),
     ("AgentInfo", "turns"): lambda v: [_from(TurnInfo, t) for t in v],
     ("ExitInfo", "usage"): lambda v: _from(Usage, v),
@@ -171,4 +230,9 @@ SCHEMAS = {
     TokenUsage: "TokenUsage",
     TurnInfo: "TurnInfo",
     AgentInfo: "AgentInfo",
+    CellUsage: "CellUsage",
+    UsageHistory: "UsageHistory",
+    JournalEntry: "JournalEntry",
+    JournalPage: "JournalPage",
+    JournalCheck: "JournalCheck",
 }
