@@ -125,9 +125,9 @@ impl Gate {
             };
         }
         if let Some((_, session)) = self.session(headers) {
-            let changes = !matches!(*request.method(), Method::GET | Method::HEAD)
-                || headers.contains_key(header::UPGRADE);
-            if changes && !headers.contains_key(header::UPGRADE) {
+            let upgrade = headers.contains_key(header::UPGRADE);
+            let changes = !matches!(*request.method(), Method::GET | Method::HEAD);
+            if changes {
                 let given = headers
                     .get(CSRF_HEADER)
                     .and_then(|v| v.to_str().ok())
@@ -141,7 +141,9 @@ impl Gate {
                     });
                 }
             }
-            if headers.contains_key(header::UPGRADE) && !headers.contains_key(header::ORIGIN) {
+            // A WebSocket cannot carry the CSRF header: it must say where it comes from (and
+            // `refuse_other_sites` above has checked that this is the daemon itself).
+            if upgrade && !headers.contains_key(header::ORIGIN) {
                 return Err(ApiError {
                     status: StatusCode::FORBIDDEN,
                     message:
