@@ -308,6 +308,28 @@ struct Relay {
 }
 
 impl Relay {
+    /// Writes `config` into `dir` as `file` and starts `program FOREGROUND -f FILE` (squid and
+    /// haproxy alike), its output discarded.
+    fn start(
+        name: &'static str,
+        program: &std::path::Path,
+        foreground: &str,
+        dir: std::path::PathBuf,
+        file: &str,
+        config: &str,
+    ) -> Result<Self> {
+        let file = dir.join(file);
+        std::fs::write(&file, config)?;
+        let child = std::process::Command::new(program)
+            .arg(foreground)
+            .arg("-f")
+            .arg(&file)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()?;
+        Ok(Self { name, child, dir })
+    }
+
     /// CPU seconds (user and system) it has used so far.
     fn cpu_seconds(&self) -> f64 {
         cpu_seconds(self.child.id())
@@ -393,20 +415,7 @@ fn haproxy(upstreams: &[SocketAddr]) -> Result<Option<(Relay, Vec<SocketAddr>)>>
         ));
         fronts.push(front);
     }
-    let file = dir.join("haproxy.cfg");
-    std::fs::write(&file, config)?;
-    let child = std::process::Command::new(program)
-        .arg("-db")
-        .arg("-f")
-        .arg(&file)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()?;
-    let relay = Relay {
-        name: "haproxy",
-        child,
-        dir,
-    };
+    let relay = Relay::start("haproxy", &program, "-db", dir, "haproxy.cfg", &config)?;
     for front in &fronts {
         wait_listening(*front, "haproxy")?;
     }
@@ -483,20 +492,7 @@ fn squid(upstream_ca: &std::path::Path) -> Result<Option<Squid>> {
             bump = Some((port, ca.pem()));
         }
     }
-    let file = dir.join("squid.conf");
-    std::fs::write(&file, config)?;
-    let child = std::process::Command::new(program)
-        .arg("-N")
-        .arg("-f")
-        .arg(&file)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()?;
-    let relay = Relay {
-        name: "squid",
-        child,
-        dir,
-    };
+    let relay = Relay::start("squid", &program, "-N", dir, "squid.conf", &config)?;
     wait_listening(forward, "squid")?;
     if let Some((port, _)) = &bump {
         wait_listening(*port, "squid (ssl-bump)")?;

@@ -9,41 +9,14 @@ use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::sync::{Arc, Mutex};
 
-use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
-use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
 use support::*;
 
 const SECRET: &str = "super-secret-value-4711";
 
-/// A server configuration for 127.0.0.2 with a certificate a new test CA signed, and that CA's
-/// PEM.
-fn test_server_config() -> (Arc<rustls::ServerConfig>, String) {
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
-    let key = KeyPair::generate().unwrap();
-    let cert = CertificateParams::new(vec!["127.0.0.2".to_owned()])
-        .unwrap()
-        .signed_by(&key, &ca)
-        .unwrap();
-    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_no_client_auth()
-    .with_single_cert(
-        vec![cert.der().clone()],
-        PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
-    )
-    .unwrap();
-    (Arc::new(config), ca.pem())
-}
-
 /// An HTTPS upstream on 127.0.0.2 whose certificate a test CA signed; it answers with the
 /// Authorization header it received. Returns its port, the CA's PEM and what it saw.
 fn https_upstream() -> (u16, String, Arc<Mutex<Vec<String>>>) {
-    let (config, ca_pem) = test_server_config();
+    let (config, ca_pem) = tls_server_config("127.0.0.2");
     let listener = TcpListener::bind("127.0.0.2:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     let seen = Arc::new(Mutex::new(Vec::new()));
@@ -519,7 +492,7 @@ fn reflecting_upstream(tls: Option<Arc<rustls::ServerConfig>>) -> (u16, Arc<Mute
 #[test]
 fn a_reflecting_upstream_cannot_hand_the_cell_its_secret() {
     let dir = tempdir();
-    let (config, ca_pem) = test_server_config();
+    let (config, ca_pem) = tls_server_config("127.0.0.2");
     let (tls_port, tls_saw) = reflecting_upstream(Some(config));
     let (plain_port, plain_saw) = reflecting_upstream(None);
     let policy = trusting_policy(

@@ -229,25 +229,26 @@ fn hostile_archives_are_refused_by_the_cli_and_write_nothing_outside() {
     let state = dir.path().join("state");
     let outside = dir.path().join("outside");
     std::fs::create_dir_all(&outside).unwrap();
-    let raw_layer = |path: &str, kind: tar::EntryType, link: &str| {
-        let mut h = tar::Header::new_gnu();
-        h.as_gnu_mut().unwrap().name[..path.len()].copy_from_slice(path.as_bytes());
-        h.as_gnu_mut().unwrap().linkname[..link.len()].copy_from_slice(link.as_bytes());
-        h.set_entry_type(kind);
-        h.set_mode(0o644);
-        h.set_size(if kind == tar::EntryType::Regular {
-            1
-        } else {
-            0
-        });
-        h.set_cksum();
-        let mut b = tar::Builder::new(Vec::new());
-        let data: &[u8] = if kind == tar::EntryType::Regular {
-            b"x"
-        } else {
-            b""
+    // Entries written with raw header fields, so that hostile names get through.
+    let raw_entry =
+        |b: &mut tar::Builder<Vec<u8>>, path: &str, kind: tar::EntryType, link: &str| {
+            let mut h = tar::Header::new_gnu();
+            h.as_gnu_mut().unwrap().name[..path.len()].copy_from_slice(path.as_bytes());
+            h.as_gnu_mut().unwrap().linkname[..link.len()].copy_from_slice(link.as_bytes());
+            h.set_entry_type(kind);
+            h.set_mode(0o644);
+            let data: &[u8] = if kind == tar::EntryType::Regular {
+                b"x"
+            } else {
+                b""
+            };
+            h.set_size(data.len() as u64);
+            h.set_cksum();
+            b.append(&h, data).unwrap();
         };
-        b.append(&h, data).unwrap();
+    let raw_layer = |path: &str, kind: tar::EntryType, link: &str| {
+        let mut b = tar::Builder::new(Vec::new());
+        raw_entry(&mut b, path, kind, link);
         b.into_inner().unwrap()
     };
     let escape = format!(
@@ -255,28 +256,8 @@ fn hostile_archives_are_refused_by_the_cli_and_write_nothing_outside() {
         outside.file_name().unwrap().to_str().unwrap()
     );
     let mut through_link = tar::Builder::new(Vec::new());
-    for (path, kind, link) in [
-        ("esc", tar::EntryType::Symlink, escape.as_str()),
-        ("esc/pwned", tar::EntryType::Regular, ""),
-    ] {
-        let mut h = tar::Header::new_gnu();
-        h.as_gnu_mut().unwrap().name[..path.len()].copy_from_slice(path.as_bytes());
-        h.as_gnu_mut().unwrap().linkname[..link.len()].copy_from_slice(link.as_bytes());
-        h.set_entry_type(kind);
-        h.set_mode(0o644);
-        h.set_size(if kind == tar::EntryType::Regular {
-            1
-        } else {
-            0
-        });
-        h.set_cksum();
-        let data: &[u8] = if kind == tar::EntryType::Regular {
-            b"x"
-        } else {
-            b""
-        };
-        through_link.append(&h, data).unwrap();
-    }
+    raw_entry(&mut through_link, "esc", tar::EntryType::Symlink, &escape);
+    raw_entry(&mut through_link, "esc/pwned", tar::EntryType::Regular, "");
     let cases: Vec<(Vec<u8>, &str)> = vec![
         (
             raw_layer("/etc/passwd", tar::EntryType::Regular, ""),

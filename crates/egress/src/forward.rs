@@ -354,15 +354,8 @@ impl Gateway {
                         crate::intercept::Prefixed::new(Vec::new(), inner, None),
                     )),
                     (Err(e), _) | (_, Err(e)) => {
-                        decision.allowed = false;
-                        decision.reason = format!("starting TLS to the upstream: {e}");
-                        self.log_decision(&decision);
-                        return http::reply(
-                            &mut conn,
-                            502,
-                            "Bad Gateway",
-                            &json!({ "error": decision.reason }),
-                        );
+                        let reason = format!("starting TLS to the upstream: {e}");
+                        return self.bad_gateway(&mut conn, &mut decision, reason);
                     }
                 }
             }
@@ -415,15 +408,8 @@ impl Gateway {
             // that went away): nothing more goes up, and what the upstream answers comes back.
             Err(e) if secured.is_some() => {
                 // Over TLS the session is the only way to the upstream: what failed is said.
-                decision.allowed = false;
-                decision.reason = format!("talking TLS to the upstream: {e}");
-                self.log_decision(&decision);
-                return http::reply(
-                    &mut conn,
-                    502,
-                    "Bad Gateway",
-                    &json!({ "error": decision.reason }),
-                );
+                let reason = format!("talking TLS to the upstream: {e}");
+                return self.bad_gateway(&mut conn, &mut decision, reason);
             }
             Err(_) => {
                 let _ = upstream.shutdown(Shutdown::Write);
@@ -473,6 +459,22 @@ impl Gateway {
             ));
         }
         self.log_decision(&decision);
+    }
+}
+
+impl Gateway {
+    /// Records `decision` as refused for `reason` (the upstream could not be spoken to) and
+    /// answers the client 502 with it.
+    fn bad_gateway(&self, conn: &mut TcpStream, decision: &mut crate::Decision, reason: String) {
+        decision.allowed = false;
+        decision.reason = reason;
+        self.log_decision(decision);
+        http::reply(
+            conn,
+            502,
+            "Bad Gateway",
+            &json!({ "error": decision.reason }),
+        );
     }
 }
 

@@ -269,3 +269,31 @@ pub fn writes_after_reset(warden: &dyn Fn(&[&str]) -> Command, workspace: &Path,
     ok(&["rm", &format!("{name}@edited")]);
     ok(&["rm", name]);
 }
+
+/// A TLS server configuration for `ip` with a certificate that a new test CA signed, and that
+/// CA's PEM (for the client to trust).
+pub fn tls_server_config(ip: &str) -> (std::sync::Arc<rustls::ServerConfig>, String) {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let cert = CertificateParams::new(vec![ip.to_owned()])
+        .unwrap()
+        .signed_by(&key, &ca)
+        .unwrap();
+    let config = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(
+        vec![cert.der().clone()],
+        rustls::pki_types::PrivateKeyDer::Pkcs8(rustls::pki_types::PrivatePkcs8KeyDer::from(
+            key.serialize_der(),
+        )),
+    )
+    .unwrap();
+    (std::sync::Arc::new(config), ca.pem())
+}

@@ -72,16 +72,7 @@ pub struct ModelServer {
 
 impl ModelServer {
     pub fn start(script: Vec<Step>) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let state = Arc::new((
-            Mutex::new(State {
-                script: script.into(),
-                ..Default::default()
-            }),
-            Condvar::new(),
-        ));
-        let server = Self { state, port };
+        let (server, listener) = Self::listening(script);
         let accepting = server.clone();
         std::thread::spawn(move || {
             for stream in listener.incoming().flatten() {
@@ -137,40 +128,8 @@ impl ModelServer {
     /// The same server behind TLS, with a certificate for 127.0.0.1 from a CA of its own
     /// (returned as PEM, for the client to trust).
     pub fn start_tls(script: Vec<Step>) -> (Self, String) {
-        use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
-        let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
-        let key = KeyPair::generate().unwrap();
-        let cert = CertificateParams::new(vec!["127.0.0.1".to_owned()])
-            .unwrap()
-            .signed_by(&key, &ca)
-            .unwrap();
-        let config = Arc::new(
-            rustls::ServerConfig::builder_with_provider(Arc::new(
-                rustls::crypto::ring::default_provider(),
-            ))
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_no_client_auth()
-            .with_single_cert(
-                vec![cert.der().clone()],
-                rustls::pki_types::PrivateKeyDer::Pkcs8(
-                    rustls::pki_types::PrivatePkcs8KeyDer::from(key.serialize_der()),
-                ),
-            )
-            .unwrap(),
-        );
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let state = Arc::new((
-            Mutex::new(State {
-                script: script.into(),
-                ..Default::default()
-            }),
-            Condvar::new(),
-        ));
-        let server = Self { state, port };
+        let (config, ca) = super::tls_server_config("127.0.0.1");
+        let (server, listener) = Self::listening(script);
         let accepting = server.clone();
         std::thread::spawn(move || {
             for stream in listener.incoming().flatten() {
@@ -182,7 +141,21 @@ impl ModelServer {
                 });
             }
         });
-        (server, ca.pem())
+        (server, ca)
+    }
+
+    /// A server with this script, and its listener on a free loopback port.
+    fn listening(script: Vec<Step>) -> (Self, TcpListener) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let state = Arc::new((
+            Mutex::new(State {
+                script: script.into(),
+                ..Default::default()
+            }),
+            Condvar::new(),
+        ));
+        (Self { state, port }, listener)
     }
 
     fn serve(&self, stream: TcpStream) {
