@@ -133,6 +133,7 @@ try {
   if (!deniedText.includes('no rule allows')) fail(`the denied row does not say why: ${deniedText}`);
   const color = await denied.$eval('td.verdict', (td) => getComputedStyle(td).color);
   if (color === getComputedStyleDefault()) fail('the denied verdict is not highlighted');
+  if (!(await page.$eval('#net-older', (b) => b.hidden))) fail('"Older" is offered with no older decisions');
   await page.screenshot({ path: join(SHOTS, 'network.png') });
 
   step('a held command proceeds once its approval is clicked');

@@ -538,9 +538,22 @@ function viewNetwork(el) {
     list.replaceChildren(...rows);
   };
   for (const f of [cell, verdict, host]) f.addEventListener('input', render);
+  // The newest 500 decisions, then older ones a page at a time.
+  const more = h('button', { hidden: true, id: 'net-older' }, 'Older');
+  let next = null;
+  const load = async () => {
+    const q = new URLSearchParams({ kind: 'net.decision', limit: '500' });
+    if (next) q.set('before', String(next));
+    const page = await api('GET', `/v1/journal?${q}`);
+    entries.push(...page.entries);
+    next = page.next_before;
+    more.hidden = !next;
+    render();
+  };
+  more.addEventListener('click', act(more, load));
   el.append(h('h1', {}, 'Network'), h('div', { class: 'filters' }, cell, verdict, host),
-    h('table', {}, h('thead', {}, h('tr', {}, ['time', 'cell', 'verdict', 'destination', 'kind', 'method', 'path', 'rule', 'reason', 'bytes'].map((t) => h('th', {}, t)))), list));
-  api('GET', '/v1/journal?kind=net.decision&limit=500').then((page) => { entries = page.entries; render(); }).catch((e) => toast(e.message, true));
+    h('table', {}, h('thead', {}, h('tr', {}, ['time', 'cell', 'verdict', 'destination', 'kind', 'method', 'path', 'rule', 'reason', 'bytes'].map((t) => h('th', {}, t)))), list), more);
+  load().catch((e) => toast(e.message, true));
   onEntry((e) => { if (e.kind === 'net.decision') { entries.unshift(e); render(); } });
 }
 
