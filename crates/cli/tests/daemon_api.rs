@@ -1011,6 +1011,14 @@ fn the_dashboard_session_needs_its_csrf_token_and_its_own_origin() {
     };
 
     assert_eq!(tcp("GET", "/v1/cells", None, &with(&[])).status, 200);
+    // A second login from the same browser (the link opened again) starts a new session.
+    let again = tcp(
+        "POST",
+        "/ui/login",
+        Some(&json!({ "token": token.trim() }).to_string()),
+        &with(&[]),
+    );
+    assert_eq!(again.status, 200, "{}", again.text());
     assert_eq!(
         tcp("GET", "/ui/session", None, &with(&[])).json()["csrf"],
         csrf

@@ -108,6 +108,10 @@ try {
   const session = cookies.find((c) => c.name === 'warden_session');
   if (!session || !session.httpOnly || session.sameSite !== 'Strict') fail(`the session cookie is not HttpOnly and SameSite=Strict: ${JSON.stringify(session)}`);
   if (await page.evaluate(() => document.cookie.includes('warden_session'))) fail('the page script can read the session cookie');
+  // The link `warden dashboard` prints, opened again in a browser that has a session.
+  await page.goto(`${URL_}/ui/#token=${TOKEN}`);
+  await page.waitForSelector('#nav', { state: 'visible' });
+  if (page.url().includes('token=')) fail('the token stayed in the address bar');
 
   step('a cell made through the API appears live');
   await page.waitForSelector('#live:not(.off)');

@@ -135,6 +135,7 @@ async function logIn(token) {
     $('#login-error').textContent = '';
     await start();
   } catch (e) {
+    showLogin();
     $('#login-error').textContent = e.message;
   }
 }
@@ -653,14 +654,16 @@ async function viewAgent(el, id) {
 document.addEventListener('DOMContentLoaded', () => {
   $('#login-form').addEventListener('submit', (ev) => { ev.preventDefault(); logIn($('#token').value); });
   $('#logout').addEventListener('click', async () => { await api('POST', '/ui/logout').catch(() => {}); state.csrf = ''; if (state.events) state.events.close(); showLogin(); });
-  window.addEventListener('hashchange', route);
   // `warden dashboard` links here with the token after `#token=`: it is read, traded for a
-  // session and wiped from the address bar (a fragment never reaches the server or its logs).
-  const m = location.hash.match(/(?:^#|&)token=([^&]+)/);
-  if (m) {
+  // session and wiped from the address bar (a fragment never reaches the server or its logs),
+  // whether the page loads with it or is already open.
+  const takeToken = () => {
+    const m = location.hash.match(/(?:^#|&)token=([^&]+)/);
+    if (!m) return false;
     history.replaceState(null, '', `${location.pathname}#/cells`);
     logIn(decodeURIComponent(m[1]));
-  } else {
-    start();
-  }
+    return true;
+  };
+  window.addEventListener('hashchange', () => { if (!takeToken()) route(); });
+  if (!takeToken()) start();
 });
