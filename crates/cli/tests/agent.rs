@@ -57,6 +57,13 @@ fn until(daemon: &Daemon, id: &str, what: &str, ready: impl Fn(&Value) -> bool) 
     }
 }
 
+/// The session once it has settled (paused, or over), as `GET .../wait` answers.
+fn settled(daemon: &Daemon, id: &str) -> Value {
+    daemon
+        .call("GET", &format!("/v1/agents/{id}/wait"), None)
+        .json()
+}
+
 fn act(daemon: &Daemon, id: &str, action: &str) -> Value {
     let answer = daemon.call(
         "POST",
@@ -205,16 +212,7 @@ fn a_scripted_model_carries_out_a_multi_step_task_in_each_wire_format() {
             .next()
             .unwrap()
             .to_owned();
-        let diff = daemon
-            .call("GET", &format!("/v1/cells/{cell}/diff"), None)
-            .json();
-        let mut paths: Vec<&str> = diff["changes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|c| c["path"].as_str().unwrap())
-            .collect();
-        paths.sort();
+        let paths = daemon.changed_paths(&cell);
         assert_eq!(
             paths,
             ["greet.sh", "notes", "notes/summary.md", "out.txt"],
@@ -463,9 +461,7 @@ fn rewind_restores_workspace_and_conversation_and_a_fork_diverges_alone() {
         agent["id"].as_str().unwrap().to_owned(),
         agent["cell"].as_str().unwrap().to_owned(),
     );
-    let done = daemon
-        .call("GET", &format!("/v1/agents/{id}/wait"), None)
-        .json();
+    let done = settled(&daemon, &id);
     assert_eq!(done["state"], "done", "{done}");
     assert_eq!(done["turn"], 4);
     assert_eq!(file(&daemon, &cell, "a.txt"), None);
@@ -509,9 +505,7 @@ fn rewind_restores_workspace_and_conversation_and_a_fork_diverges_alone() {
     ));
     server.push(Step::Text("done the second time".into()));
     act(&daemon, &id, "resume");
-    let again = daemon
-        .call("GET", &format!("/v1/agents/{id}/wait"), None)
-        .json();
+    let again = settled(&daemon, &id);
     assert_eq!(again["state"], "done", "{again}");
     let requests = server.requests();
     let resumed = &requests[4].body;
@@ -552,9 +546,7 @@ fn rewind_restores_workspace_and_conversation_and_a_fork_diverges_alone() {
     );
     assert_ne!(fork_cell, cell);
     assert_eq!(fork["forked_from"], format!("{id}@1"));
-    let forked = daemon
-        .call("GET", &format!("/v1/agents/{fork_id}/wait"), None)
-        .json();
+    let forked = settled(&daemon, &fork_id);
     assert_eq!(forked["state"], "done", "{forked}");
     let first = &server.requests()[6];
     assert!(
@@ -652,9 +644,7 @@ fn refused_and_held_calls_reach_the_model_and_the_approval_queue() {
         );
         status_is(&answered, 204);
     }
-    let done = daemon
-        .call("GET", &format!("/v1/agents/{id}/wait"), None)
-        .json();
+    let done = settled(&daemon, &id);
     assert_eq!(done["state"], "done", "{done}");
     let requests = server.requests();
     let told = |n: usize| results(&requests[n].body).pop().unwrap_or_default();
@@ -715,9 +705,7 @@ fn bad_model_output_is_told_to_the_model_and_failures_are_retried() {
             json!({ "task": "misbehave", "budgets": {"tool_output_bytes": 200} }),
         );
         let id = agent["id"].as_str().unwrap().to_owned();
-        let done = daemon
-            .call("GET", &format!("/v1/agents/{id}/wait"), None)
-            .json();
+        let done = settled(&daemon, &id);
         assert_eq!(done["state"], "done", "{done}");
         assert_eq!(done["summary"], "recovered");
         let requests = server.requests();
@@ -761,9 +749,7 @@ fn budgets_and_lasting_failures_end_sessions_with_their_reason() {
         json!({ "task": "loop forever", "budgets": {"steps": 5} }),
     );
     let id = endless["id"].as_str().unwrap();
-    let ended = daemon
-        .call("GET", &format!("/v1/agents/{id}/wait"), None)
-        .json();
+    let ended = settled(&daemon, id);
     assert_eq!(ended["state"], "stopped", "{ended}");
     assert!(
         ended["ended"]
@@ -780,9 +766,7 @@ fn budgets_and_lasting_failures_end_sessions_with_their_reason() {
         json!({ "task": "spend", "budgets": {"output_tokens": 50} }),
     );
     let id = tokens["id"].as_str().unwrap();
-    let ended = daemon
-        .call("GET", &format!("/v1/agents/{id}/wait"), None)
-        .json();
+    let ended = settled(&daemon, id);
     assert!(
         ended["ended"]
             .as_str()
@@ -799,9 +783,7 @@ fn budgets_and_lasting_failures_end_sessions_with_their_reason() {
     failing.then(Step::Status(503));
     let down = start(&daemon, &failing, "openai", json!({ "task": "anything" }));
     let id = down["id"].as_str().unwrap();
-    let ended = daemon
-        .call("GET", &format!("/v1/agents/{id}/wait"), None)
-        .json();
+    let ended = settled(&daemon, id);
     assert_eq!(ended["state"], "failed", "{ended}");
     assert!(
         ended["ended"].as_str().unwrap().contains("503")
@@ -818,9 +800,7 @@ fn budgets_and_lasting_failures_end_sessions_with_their_reason() {
         json!({ "task": "anything" }),
     );
     let id = refused["id"].as_str().unwrap();
-    let ended = daemon
-        .call("GET", &format!("/v1/agents/{id}/wait"), None)
-        .json();
+    let ended = settled(&daemon, id);
     assert!(
         ended["ended"]
             .as_str()
@@ -964,9 +944,7 @@ fn a_session_comes_back_paused_after_a_daemon_crash_and_goes_on() {
     server.push(call("exec", json!({"command": "cat one.txt"})));
     server.push(Step::Text("back again".into()));
     act(&daemon, &id, "resume");
-    let done = daemon
-        .call("GET", &format!("/v1/agents/{id}/wait"), None)
-        .json();
+    let done = settled(&daemon, &id);
     assert_eq!(done["state"], "done", "{done}");
     assert_eq!(done["summary"], "back again");
     let last = server.requests().pop().unwrap();
@@ -1008,9 +986,7 @@ fn a_rerun_repeats_the_recorded_calls_and_shows_where_they_diverge() {
         json!({ "task": "be repeatable" }),
     );
     let id = agent["id"].as_str().unwrap().to_owned();
-    let done = daemon
-        .call("GET", &format!("/v1/agents/{id}/wait"), None)
-        .json();
+    let done = settled(&daemon, &id);
     assert_eq!(done["state"], "done", "{done}");
     let out = daemon
         .warden()

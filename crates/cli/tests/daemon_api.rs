@@ -1054,6 +1054,19 @@ fn the_dashboard_session_needs_its_csrf_token_and_its_own_origin() {
         &with(&[("X-Warden-CSRF", csrf), ("Origin", "http://warden")]),
     );
     assert_eq!(made.status, 201, "{}", made.text());
+    // Listed with its tier and preset (for a document, the preset it extends).
+    assert_eq!(
+        (made.json()["tier"].as_str(), made.json()["preset"].as_str()),
+        (Some("process"), Some("minimal"))
+    );
+    let extending = daemon.create(
+        "csrf-yaml",
+        json!({ "policy": "version: 1\nextends: minimal\n" }),
+    );
+    let listed = daemon
+        .call("GET", &format!("/v1/cells/{extending}"), None)
+        .json();
+    assert_eq!(listed["preset"], "minimal", "{listed}");
 
     // A WebSocket with the cookie: only from the daemon's own origin.
     let shell = daemon.call(

@@ -374,16 +374,7 @@ fn diff_and_apply_over_the_api_with_apply_held_for_a_person() {
         json!({ "workspace": host.path().display().to_string(), "policy": "version: 1\napprovals:\n  timeout: 10s\n  apply: ask\n" }),
     );
     daemon.exec(&cell, json!({ "argv": ["sh", "-c", "echo new > /workspace/kept.txt; echo made > /workspace/made.txt"] }));
-    let diff = daemon
-        .call("GET", &format!("/v1/cells/{cell}/diff"), None)
-        .json();
-    let mut paths: Vec<&str> = diff["changes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["path"].as_str().unwrap())
-        .collect();
-    paths.sort();
+    let paths = daemon.changed_paths(&cell);
     assert_eq!(paths, ["kept.txt", "made.txt"]);
     // A dry run says what would happen and needs nobody.
     let dry = daemon.call(

@@ -15,6 +15,8 @@ const { WARDEN_URL: URL_, WARDEN_TOKEN: TOKEN, WORKSPACE, POLICY, SHOTS, PLAYWRI
 const { chromium } = createRequire(join(PLAYWRIGHT_DIR, 'package.json'))('playwright-core');
 mkdirSync(SHOTS, { recursive: true });
 
+// The page's ordinary text colour (its --text): a highlighted verdict is drawn in another.
+const TEXT_COLOUR = 'rgb(215, 221, 229)';
 const step = (name) => console.log(`step: ${name}`);
 const fail = (why) => { throw new Error(why); };
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
@@ -136,7 +138,7 @@ try {
   const deniedText = await denied.textContent();
   if (!deniedText.includes('no rule allows')) fail(`the denied row does not say why: ${deniedText}`);
   const color = await denied.$eval('td.verdict', (td) => getComputedStyle(td).color);
-  if (color === getComputedStyleDefault()) fail('the denied verdict is not highlighted');
+  if (color === TEXT_COLOUR) fail('the denied verdict is not highlighted');
   if (!(await page.$eval('#net-older', (b) => b.hidden))) fail('"Older" is offered with no older decisions');
   await page.screenshot({ path: join(SHOTS, 'network.png') });
 
@@ -282,5 +284,3 @@ try {
 } finally {
   await browser.close();
 }
-
-function getComputedStyleDefault() { return 'rgb(215, 221, 229)'; }

@@ -142,11 +142,6 @@ impl Harness {
             .lock()
             .map(|p| p.get(&entry.name).map_or(0, Vec::len))
             .unwrap_or(0);
-        let policy = entry.policy_in_force();
-        let preset = match &entry.policy {
-            PolicySource::Preset(p) => Some(p.clone()),
-            PolicySource::Yaml(_) => policy.as_ref().and_then(|p| p.extends.clone()),
-        };
         CellInfo {
             name: entry.name.clone(),
             state,
@@ -162,12 +157,14 @@ impl Harness {
                 .clone()
                 .or_else(|| (state == CellState::Ended).then(|| "its processes ended".to_owned())),
             processes,
-            tier: policy
-                .as_ref()
-                .map_or(warden_policy::Tier::Process, |p| p.tier)
-                .name()
-                .to_owned(),
-            preset,
+            tier: entry
+                .tier
+                .clone()
+                .unwrap_or_else(|| warden_policy::Tier::Process.name().to_owned()),
+            preset: entry.preset.clone().or_else(|| match &entry.policy {
+                PolicySource::Preset(p) => Some(p.clone()),
+                PolicySource::Yaml(_) => None,
+            }),
         }
     }
 
@@ -373,6 +370,11 @@ impl Harness {
             env: request.env.clone(),
             ended: None,
             replaced: None,
+            tier: Some(parsed.tier.name().to_owned()),
+            preset: match &policy {
+                PolicySource::Preset(p) => Some(p.clone()),
+                PolicySource::Yaml(y) => warden_policy::extended_preset(y),
+            },
         };
         Ok(Prepared {
             name,

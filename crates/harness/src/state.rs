@@ -61,6 +61,12 @@ pub struct CellEntry {
     /// it was held by the warden's own look at its layer when the last daemon stopped.
     #[serde(default)]
     pub paused: bool,
+    /// Its tier, and the preset it was made from (or that its document `extends`), as the
+    /// faces show them; kept here so that listing cells reads no policy.
+    #[serde(default)]
+    pub tier: Option<String>,
+    #[serde(default)]
+    pub preset: Option<String>,
 }
 
 impl CellEntry {
@@ -543,6 +549,8 @@ mod tests {
             env: BTreeMap::new(),
             ended: None,
             replaced: None,
+            tier: None,
+            preset: None,
         }
     }
 

@@ -40,6 +40,11 @@ pub fn from_file(path: &Path) -> Result<Policy, PolicyError> {
     from_yaml(&path.display().to_string(), &text)
 }
 
+/// The preset a policy document builds on (its `extends:`), if it parses.
+pub fn extended_preset(text: &str) -> Option<String> {
+    serde_saphyr::from_str::<Policy>(text).ok()?.extends
+}
+
 /// Parses and validates policy text; `origin` names the source in error messages.
 pub fn from_yaml(origin: &str, text: &str) -> Result<Policy, PolicyError> {
     // The document alone first: its own mistakes are reported with their line and column.

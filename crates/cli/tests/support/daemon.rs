@@ -238,6 +238,21 @@ impl Daemon {
         exchange(stream, method, path, body, &[])
     }
 
+    /// The paths of a cell's workspace changes, sorted.
+    pub fn changed_paths(&self, cell: &str) -> Vec<String> {
+        let diff = self
+            .call("GET", &format!("/v1/cells/{cell}/diff"), None)
+            .json();
+        let mut paths: Vec<String> = diff["changes"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no diff of {cell}: {diff}"))
+            .iter()
+            .map(|c| c["path"].as_str().unwrap().to_owned())
+            .collect();
+        paths.sort();
+        paths
+    }
+
     pub fn call(&self, method: &str, path: &str, body: Option<Value>) -> Answer {
         self.request(method, path, body.map(|b| b.to_string()).as_deref())
     }
