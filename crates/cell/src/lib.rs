@@ -9,6 +9,9 @@
 //! registry of running cells). The tiers themselves are private modules: nothing outside this
 //! crate names one (a test in `tests/boundary.rs` holds every crate to that).
 
+pub mod gateway;
+#[cfg(target_os = "linux")]
+mod gvisor;
 #[cfg(target_os = "linux")]
 mod process;
 pub mod tier;
@@ -30,7 +33,7 @@ pub use process::{
     store::{Store, StoreError},
 };
 pub use tier::{
-    Attached, Backend, Cell, CellError, CellSpec, ProcessConfig, Session, StartError, Status,
+    Attached, Backend, Cell, CellError, CellSpec, ProcessConfig, Session, StartError, Status, Tiers,
 };
 
 /// Blocks, in the calling thread and the threads it starts from now on, the signals a cell run

@@ -444,6 +444,10 @@ pub struct PolicyArgs {
     /// Built-in policy preset (`warden policy presets` lists them).
     #[arg(long)]
     pub preset: Option<String>,
+    /// Isolation tier: `process` (namespaces, seccomp, Landlock) or `gvisor` (a gVisor
+    /// sandbox); `warden doctor` says which this host can run.
+    #[arg(long, value_name = "TIER")]
+    pub tier: Option<String>,
     /// Memory limit (e.g. 512MiB, 2GiB; `none`: unlimited).
     #[arg(long, value_name = "SIZE")]
     pub memory: Option<String>,
@@ -500,7 +504,7 @@ pub enum PolicyCommand {
     /// preset and the flags make of it).
     Show {
         #[command(flatten)]
-        policy: PolicyArgs,
+        policy: Box<PolicyArgs>,
     },
     /// Say in plain words what a policy allows.
     Explain {

@@ -232,6 +232,7 @@ pub fn effective_policy(args: &crate::cli::PolicyArgs) -> Result<Policy> {
     use warden_policy::{ByteSize, Duration as PolicyDuration};
     let mut policy = load_policy(args.file.as_deref(), args.preset.as_deref())?;
     let knobs = args.memory.is_some()
+        || args.tier.is_some()
         || args.disk.is_some()
         || args.cpus.is_some()
         || args.pids.is_some()
@@ -243,6 +244,11 @@ pub fn effective_policy(args: &crate::cli::PolicyArgs) -> Result<Policy> {
         return Ok(policy);
     }
     let none = |text: &str| matches!(text.trim(), "none" | "unlimited");
+    if let Some(text) = &args.tier {
+        policy.tier = warden_policy::Tier::from_name(text.trim()).with_context(|| {
+            format!("--tier {text}: write `process`, `gvisor` or `microvm` (`warden doctor` says which this host runs)")
+        })?;
+    }
     if let Some(text) = &args.memory {
         policy.limits.memory = if none(text) {
             None
@@ -421,18 +427,17 @@ fn run_in_process(
     // starts (threads take the mask of their maker), and forwarded from the cell's signalfd.
     warden_cell::block_forwarded_signals().context("blocking signals")?;
     let state = Store::default_root();
-    let backend = warden_cell::tier::backend(
-        policy.tier,
-        warden_cell::ProcessConfig {
-            runtime: Registry::default_root(),
-            state: state.clone(),
-            warden_exe: std::env::current_exe().context("finding the warden binary")?,
-            keeper_open_files: None,
-            keeper_env: Vec::new(),
-        },
-    )?;
+    let tiers = warden_cell::Tiers::built_in(warden_cell::ProcessConfig {
+        runtime: Registry::default_root(),
+        state: state.clone(),
+        warden_exe: std::env::current_exe().context("finding the warden binary")?,
+        keeper_open_files: None,
+        keeper_env: Vec::new(),
+    });
     // What only the tier and this host can tell, before the journal is opened.
-    backend.check(policy, args.workspace.as_deref())?;
+    tiers
+        .get(policy.tier)?
+        .check(policy, args.workspace.as_deref())?;
     let workspace = match &args.workspace {
         Some(dir) => Some(
             std::fs::canonicalize(dir)
@@ -471,7 +476,7 @@ fn run_in_process(
             runtime: Registry::default_root(),
             state,
             journal_segments: Default::default(),
-            backend,
+            tiers: std::sync::Arc::new(tiers),
             ephemeral: true,
         })
         .await?;

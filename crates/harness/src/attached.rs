@@ -68,7 +68,7 @@ impl Harness {
             entry,
         } = self.prepare(&request, run.parsed.clone()).await?;
         if !run.checked {
-            self.backend
+            self.backend(parsed.tier)?
                 .check(
                     &parsed,
                     request.workspace.as_deref().map(std::path::Path::new),
@@ -172,9 +172,12 @@ impl Harness {
         // tier clones the cell from this very thread, which therefore blocks here for the
         // cell's life: the runtime's other work waits (there is none on the CLI's runtime), and
         // the process has no other thread when the clone is made.
-        let outcome = self
-            .backend
-            .run_attached(spec, run.argv.clone(), false, &mut before_start);
+        let outcome = self.backend(spec.policy.tier)?.run_attached(
+            spec,
+            run.argv.clone(),
+            false,
+            &mut before_start,
+        );
         let duration_ms = begun.elapsed().as_millis() as u64;
         // A start that failed before it was journaled is journaled now, with its failure.
         let started = match (started, start_entries) {

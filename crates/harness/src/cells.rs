@@ -31,7 +31,12 @@ impl Harness {
             if entry.ended.is_some() {
                 continue;
             }
-            let adopted = self.backend.adopt(&entry.name).map_err(|e| {
+            let tier = entry
+                .tier
+                .as_deref()
+                .and_then(warden_policy::Tier::from_name)
+                .unwrap_or_default();
+            let adopted = self.backend(tier)?.adopt(&entry.name).map_err(|e| {
                 HarnessError::new(
                     ErrorKind::Unavailable,
                     format!(
@@ -211,7 +216,7 @@ impl Harness {
             log: Some(cell_dir.join("keeper.log")),
             secrets: request.secrets.clone().into_iter().collect(),
         };
-        let backend = Arc::clone(&self.backend);
+        let backend = self.backend(parsed.tier)?;
         let started = tokio::task::spawn_blocking(move || backend.start(spec))
             .await
             .map_err(|e| HarnessError::internal(format!("starting the cell: {e}")))?;
@@ -267,7 +272,7 @@ impl Harness {
             Some(name) => name.clone(),
             None => generate_name(),
         };
-        self.backend
+        self.names()?
             .check_name(&name)
             .map_err(|e| HarnessError::bad(e.to_string()))?;
         let (policy, parsed) = match (&request.policy, &request.preset) {
@@ -327,7 +332,7 @@ impl Harness {
                 "workspace {dir} does not exist or is not a directory on the host; create it or pass another"
             )));
         }
-        let exists = self.backend.exists(&name);
+        let exists = self.names()?.exists(&name);
         if let Some(old) = self.state.get(&name)?
             && (old.ended.is_none() || exists)
         {

@@ -31,6 +31,26 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{Value, json};
 use warden_cell::{Backend, Cell, CellError, CellSpec, Registry, StartError, Status, Store};
+
+impl Harness {
+    /// The backend of the tier a policy names; a tier this warden cannot run is refused with
+    /// the reason.
+    pub(crate) fn backend(
+        &self,
+        tier: warden_policy::Tier,
+    ) -> Result<Arc<dyn Backend>, HarnessError> {
+        self.tiers
+            .get(tier)
+            .map_err(|e| HarnessError::bad(e.to_string()))
+    }
+
+    /// The backend that answers for any cell's name (every tier's cells share one registry).
+    pub(crate) fn names(&self) -> Result<Arc<dyn Backend>, HarnessError> {
+        self.tiers
+            .default_tier()
+            .map_err(|e| HarnessError::new(ErrorKind::Unavailable, e.to_string()))
+    }
+}
 use warden_journal::{Journal, Receipt};
 pub use warden_protocol::{
     ApplyRequest, Approval, CellInfo, CellState, ControlAction, CreateCell, ExecSpec, ExitInfo,
@@ -92,8 +112,8 @@ pub struct Config {
     pub state: PathBuf,
     /// How the journal closes and keeps its segments.
     pub journal_segments: warden_journal::Segments,
-    /// The tier cells are made in.
-    pub backend: Arc<dyn Backend>,
+    /// The tiers cells are made in (each cell in the one its policy names).
+    pub tiers: Arc<warden_cell::Tiers>,
     /// A harness for the life of one command (`warden run` without a daemon): its database is
     /// in memory, it takes back no cells and writes no `daemon.*` entries, and nobody can answer
     /// its questions (a command rule that asks a person refuses instead). The journal is the
@@ -105,7 +125,7 @@ pub struct Config {
 #[derive(Debug)]
 pub struct Harness {
     ephemeral: bool,
-    backend: Arc<dyn Backend>,
+    tiers: Arc<warden_cell::Tiers>,
     /// The registry of running cells and the store of layers and snapshots: the workspace
     /// machinery every tier shares (diff, apply, snapshot, reset).
     registry: Registry,
@@ -202,7 +222,7 @@ impl Harness {
             cells: Mutex::new(HashMap::new()),
             events: tokio::sync::broadcast::channel(1024).0,
             usage: usage::UsageBook::new(),
-            backend: config.backend,
+            tiers: config.tiers,
             registry,
             store,
             journal,

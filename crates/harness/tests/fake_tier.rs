@@ -31,7 +31,7 @@ async fn setup_as(ephemeral: bool) -> Setup {
         runtime: dir.path().join("run"),
         state: dir.path().join("state"),
         journal_segments: Default::default(),
-        backend: fake.clone(),
+        tiers: Arc::new(warden_cell::Tiers::only(fake.clone())),
         ephemeral,
     })
     .await

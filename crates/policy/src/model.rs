@@ -84,7 +84,7 @@ fn version_one<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u32, D::Err
 }
 
 /// The isolation mechanism behind a cell.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Tier {
     /// Linux namespaces, seccomp, Landlock and cgroups.
@@ -97,12 +97,19 @@ pub enum Tier {
 }
 
 impl Tier {
+    pub const ALL: [Tier; 3] = [Self::Process, Self::Gvisor, Self::Microvm];
+
     pub fn name(self) -> &'static str {
         match self {
             Self::Process => "process",
             Self::Gvisor => "gvisor",
             Self::Microvm => "microvm",
         }
+    }
+
+    /// The tier a policy's word names.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|t| t.name() == name)
     }
 }
 

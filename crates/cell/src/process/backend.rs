@@ -44,6 +44,11 @@ pub struct ProcessBackend {
 }
 
 impl ProcessBackend {
+    /// Where the tier keeps things.
+    pub fn config(&self) -> &ProcessConfig {
+        &self.config
+    }
+
     pub fn open(config: ProcessConfig) -> Result<Self, CellError> {
         let registry =
             Registry::open(config.runtime.clone()).map_err(|e| CellError::Host(e.to_string()))?;
@@ -431,6 +436,8 @@ pub enum KeepError {
     Registry(#[from] RegistryError),
     #[error(transparent)]
     Run(#[from] RunError),
+    #[error(transparent)]
+    Gvisor(#[from] crate::gvisor::keeper::GvisorError),
 }
 
 /// The keeper of one cell (`warden keep`): reads its [`KeeperRequest`] from `input`, runs the
@@ -459,7 +466,12 @@ pub fn keep(input: impl std::io::Read) -> Result<(i32, Vec<String>), KeepError> 
         report: spec.report,
         checked: false,
     };
-    let outcome = super::run::run(&Registry::open(Registry::default_root())?, &store, run)?;
+    let registry = Registry::open(Registry::default_root())?;
+    // The keeper keeps a cell of the tier its policy names.
+    let outcome = match run.policy.tier {
+        Tier::Gvisor => crate::gvisor::keeper::keep(&registry, &store, run)?,
+        _ => super::run::run(&registry, &store, run)?,
+    };
     let status = match outcome.ending {
         Ending::Exited(code) => code,
         Ending::Signaled(signal) => 128 + signal,

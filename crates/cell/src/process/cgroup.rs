@@ -306,6 +306,14 @@ impl CellCgroup {
         Ok(())
     }
 
+    /// The files through which a process joins the cell (one per directory).
+    pub fn procs_files(&self) -> Vec<PathBuf> {
+        self.dirs
+            .iter()
+            .map(|d| d.path.join("cgroup.procs"))
+            .collect()
+    }
+
     /// Moves process `pid` (and so its future children) into every directory of the cell.
     pub fn add(&self, pid: i32) -> Result<(), CgroupError> {
         for dir in &self.dirs {

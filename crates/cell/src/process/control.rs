@@ -114,7 +114,7 @@ pub fn set_network_policy(
     name: &str,
     file: &std::path::Path,
 ) -> Result<u64, PolicySetError> {
-    use super::relay::{POLICY_ACK, POLICY_UPDATE};
+    use crate::gateway::{POLICY_ACK, POLICY_UPDATE};
     let policy = warden_policy::from_file(file)?;
     warden_egress::Rules::compile(&policy.network)?;
     let record = registry.get(name)?;
@@ -168,7 +168,7 @@ pub fn pending_questions(
 ) -> Result<Vec<warden_egress::Question>, ApprovalError> {
     registry.get(name)?;
     Ok(warden_egress::pending(
-        &registry.cell_file(name, super::relay::APPROVALS),
+        &registry.cell_file(name, crate::gateway::APPROVALS),
     ))
 }
 
@@ -180,6 +180,6 @@ pub fn answer_question(
     allow: bool,
 ) -> Result<(), ApprovalError> {
     registry.get(name)?;
-    let dir = registry.cell_file(name, super::relay::APPROVALS);
+    let dir = registry.cell_file(name, crate::gateway::APPROVALS);
     Ok(warden_egress::answer(&dir, name, id, allow)?)
 }

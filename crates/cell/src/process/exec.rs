@@ -50,7 +50,7 @@ pub use warden_protocol::{TtySize, Usage};
 /// Messages to the init (and, without `id`, from clients to the keeper).
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "lowercase")]
-pub(super) enum Request {
+pub(crate) enum Request {
     Exec {
         #[serde(default)]
         id: u64,
@@ -308,7 +308,7 @@ pub struct Line {
 impl Line {
     /// Asks the keeper of cell `name` for a line to its init.
     pub fn open(registry: &Registry, name: &str) -> Result<Self, ExecError> {
-        let mut fds = ask_keeper(registry, name, &Request::Line, 1, "a line")?;
+        let mut fds = ask_keeper(registry, name, &Request::Line, &[1], "a line")?;
         let socket = fds
             .pop()
             .ok_or_else(|| ExecError::CellEnded(name.to_owned()))?;
@@ -322,12 +322,19 @@ impl Line {
 /// The user and mount namespaces of cell `name`, from its keeper: the way to join the cell
 /// from outside without reading its init's `/proc` entries (which its init, not dumpable,
 /// keeps from an unprivileged warden).
-pub fn namespaces(registry: &Registry, name: &str) -> Result<(OwnedFd, OwnedFd), ExecError> {
-    let mut fds = ask_keeper(registry, name, &Request::Namespaces, 2, "the namespaces")?;
+pub fn namespaces(registry: &Registry, name: &str) -> Result<Namespaces, ExecError> {
+    let mut fds = ask_keeper(
+        registry,
+        name,
+        &Request::Namespaces,
+        &[2, 3],
+        "the namespaces",
+    )?;
     let ended = || ExecError::CellEnded(name.to_owned());
+    let root = (fds.len() == 3).then(|| fds.pop()).flatten();
     let mnt = fds.pop().ok_or_else(ended)?;
     let user = fds.pop().ok_or_else(ended)?;
-    Ok((user, mnt))
+    Ok(Namespaces { user, mnt, root })
 }
 
 /// Sends the keeper of cell `name` a request it answers itself (with the same request and
@@ -337,7 +344,7 @@ fn ask_keeper(
     registry: &Registry,
     name: &str,
     request: &Request,
-    count: usize,
+    counts: &[usize],
     what: &'static str,
 ) -> Result<Vec<OwnedFd>, ExecError> {
     let keeper = connect_keeper(registry, name)?;
@@ -362,7 +369,7 @@ fn ask_keeper(
     };
     let same = serde_json::from_slice::<Request>(&answer)
         .is_ok_and(|a| std::mem::discriminant(&a) == std::mem::discriminant(request));
-    if same && fds.len() == count {
+    if same && counts.contains(&fds.len()) {
         return Ok(fds);
     }
     Err(ExecError::Protocol {
@@ -385,15 +392,22 @@ pub fn resize(master: std::os::fd::BorrowedFd<'_>, size: TtySize) -> io::Result<
     sys::set_window_size(master, size.rows, size.cols)
 }
 
-/// The cell's user and mount namespaces, held by its keeper for the cell's life.
-pub(super) type Namespaces = (OwnedFd, OwnedFd);
+/// A cell's user and mount namespaces, held by its keeper for the cell's life, and where the
+/// mount namespace is not the cell's own (a sandbox's root assembled on the host), the cell's
+/// root in it.
+#[derive(Debug)]
+pub struct Namespaces {
+    pub user: OwnedFd,
+    pub mnt: OwnedFd,
+    pub root: Option<OwnedFd>,
+}
 
 /// The keeper's router: accepts clients on `path` and passes each one's request, with the
 /// client's own socket, to the init's `channel` (a cell that takes no execs has none: it
 /// answers only for its namespaces), on a thread of its own for the rest of the keeper's life.
 /// From then on the init and the client talk directly (events out, signals and the hang-up
 /// in), so no event waits on a relay.
-pub(super) fn serve(
+pub(crate) fn serve(
     path: &Path,
     channel: Option<OwnedFd>,
     namespaces: Option<Namespaces>,
@@ -538,7 +552,13 @@ fn forward_request(
 fn hand_out_namespaces(client: &OwnedFd, namespaces: Option<&Namespaces>) {
     let payload = serde_json::to_vec(&Request::Namespaces).unwrap_or_default();
     let fds: Vec<_> = namespaces
-        .map(|(user, mnt)| vec![user.as_raw_fd(), mnt.as_raw_fd()])
+        .map(|ns| {
+            [Some(&ns.user), Some(&ns.mnt), ns.root.as_ref()]
+                .into_iter()
+                .flatten()
+                .map(AsRawFd::as_raw_fd)
+                .collect()
+        })
         .unwrap_or_default();
     let _ = sys::send_message(client.as_fd(), &payload, &fds);
 }

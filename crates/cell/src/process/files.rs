@@ -113,7 +113,7 @@ const MAX_LINKS: u32 = 40;
 
 /// Runs `op` with stdio 0, 1 and 2 and returns the process's exit status: 0, or 1 with the
 /// error as JSON on stderr. Called in the forked child.
-pub(super) fn serve(root: &str, op: FileOp) -> i32 {
+pub(crate) fn serve(root: &str, op: FileOp) -> i32 {
     let result = Walker::open(root).and_then(|walker| walker.run(op));
     match result {
         Ok(()) => {

@@ -328,39 +328,17 @@ fn find_program(
     existing
 }
 
-/// Opens the egress gateway's listening socket in the cell's network namespace and hands it to
-/// the warden, which serves it from outside. No process of the cell keeps it: the init closes
-/// its copy, and the port stays taken, so nothing in the cell can listen there instead.
+/// Opens the egress gateway's listening sockets in the cell's network namespace and hands them
+/// to the warden, which serves them from outside. No process of the cell keeps them: the init
+/// closes its copies, and the ports stay taken, so nothing in the cell can listen there instead.
 fn hand_over_gateway_socket() -> SetupResult<()> {
     use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
     use std::os::fd::AsRawFd as _;
-    let listener = std::net::TcpListener::bind(("127.0.0.1", warden_egress::GATEWAY_PORT))
-        .map_err(failed("opening the egress gateway's port"))?;
-    let transparent = std::net::TcpListener::bind(("127.0.0.1", warden_egress::TRANSPARENT_PORT))
-        .map_err(failed("opening the egress gateway's transparent port"))?;
-    // DNS for the cell, answered by the warden (port 53 needs the capabilities the init still has).
-    let dns = std::net::UdpSocket::bind(("127.0.0.1", 53))
-        .map_err(failed("opening the cell's DNS port"))?;
-    // Clients that ignore the proxy variables: every TCP connection to anything but the cell's
-    // own loopback address goes to the transparent port; DNS to any server goes to the warden's
-    // resolver; everything else that is not TCP and not for the cell itself (UDP, ICMP) is
-    // dropped. Needs `ip` and `nft` on the host; the warden is told whether it worked.
-    let redirected = redirect_to_gateway();
-    // IPv6 connections are redirected to [::1]; a kernel without IPv6 simply has none.
-    let transparent6 = std::net::TcpListener::bind(("::1", warden_egress::TRANSPARENT_PORT)).ok();
-    // The proxy port on IPv6 too, for clients that reach `localhost` over ::1 (only where the
-    // transparent one could bind, so that the warden can tell the sockets apart by position).
-    let proxy6 = transparent6
-        .as_ref()
-        .and_then(|_| std::net::TcpListener::bind(("::1", warden_egress::GATEWAY_PORT)).ok());
+    let sockets =
+        crate::gateway::Sockets::open().map_err(failed("opening the egress gateway's ports"))?;
+    let (sockets, redirected) = sockets.into_ordered();
     let channel = owned(GATEWAY_FD);
-    let mut fds = vec![
-        listener.as_raw_fd(),
-        transparent.as_raw_fd(),
-        dns.as_raw_fd(),
-    ];
-    fds.extend(transparent6.as_ref().map(|l| l.as_raw_fd()));
-    fds.extend(proxy6.as_ref().map(|l| l.as_raw_fd()));
+    let fds: Vec<RawFd> = sockets.iter().map(|s| s.as_raw_fd()).collect();
     let flag: &[u8] = if redirected { b"t" } else { b"p" };
     let iov = [std::io::IoSlice::new(flag)];
     sendmsg::<()>(
@@ -372,73 +350,6 @@ fn hand_over_gateway_socket() -> SetupResult<()> {
     )
     .map_err(failed("handing the gateway socket to the warden"))?;
     Ok(())
-}
-
-/// The nftables rules of a cell's network namespace.
-const REDIRECT_RULES: &str = "table ip warden {
-  chain out {
-    type nat hook output priority -100; policy accept;
-    ip daddr 127.0.0.1 return
-    udp dport 53 redirect to :53
-    meta l4proto tcp redirect to :3129
-  }
-  chain deny {
-    type filter hook output priority 0; policy accept;
-    ip daddr != 127.0.0.1 meta l4proto != tcp drop
-  }
-}
-table ip6 warden {
-  chain out {
-    type nat hook output priority -100; policy accept;
-    ip6 daddr ::1 return
-    meta l4proto tcp redirect to :3129
-  }
-  chain deny {
-    type filter hook output priority 0; policy accept;
-    ip6 daddr != ::1 meta l4proto != tcp drop
-  }
-}
-";
-
-/// Gives the namespace a default route through loopback (so that connections to other
-/// addresses reach the output hook at all) and redirects them to the gateway.
-fn redirect_to_gateway() -> bool {
-    use std::process::{Command, Stdio};
-    let quiet = |cmd: &mut Command| {
-        cmd.stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    let ip = ["/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip"]
-        .into_iter()
-        .find(|p| std::path::Path::new(p).exists());
-    let nft = ["/usr/sbin/nft", "/sbin/nft"]
-        .into_iter()
-        .find(|p| std::path::Path::new(p).exists());
-    let (Some(ip), Some(nft)) = (ip, nft) else {
-        return false;
-    };
-    let routed = quiet(Command::new(ip).args(["route", "add", "default", "dev", "lo"]))
-        && quiet(Command::new(ip).args(["-6", "route", "add", "default", "dev", "lo"]));
-    if !routed {
-        return false;
-    }
-    let Ok(mut child) = Command::new(nft)
-        .args(["-f", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-    else {
-        return false;
-    };
-    let written = child
-        .stdin
-        .take()
-        .is_some_and(|mut stdin| stdin.write_all(REDIRECT_RULES.as_bytes()).is_ok());
-    child.wait().is_ok_and(|s| s.success()) && written
 }
 
 /// Blocks until the warden sends the next go-ahead byte; a closed pipe means the warden gave

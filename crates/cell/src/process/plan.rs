@@ -141,7 +141,7 @@ pub enum PlanError {
     )]
     Name(String),
     #[error(
-        "the {0} tier is not implemented in this version of warden (it is planned); use `tier: process`, the one tier this warden runs (`warden doctor` lists each tier: implemented, prerequisites present, usable here)"
+        "the {0} tier is not implemented in this version of warden (it is planned); use `tier: process` or `tier: gvisor`, the tiers this warden runs (`warden doctor` lists each tier: implemented, prerequisites present, usable here)"
     )]
     Tier(&'static str),
     #[error(
@@ -214,9 +214,16 @@ pub fn setup_host_ids() -> ((u32, u32), bool) {
 /// directories) none may be Warden's own, lie under the cell's own `/tmp`, `/dev` or `/proc`,
 /// or be out of reach of the cell's setup. `warden policy check` runs the same checks.
 pub fn check_paths(policy: &Policy, state: &Path, runtime: &Path) -> Result<(), PlanError> {
-    if policy.tier != warden_policy::Tier::Process {
-        return Err(PlanError::Tier(policy.tier.name()));
+    let tier = policy.tier;
+    if !matches!(
+        tier,
+        warden_policy::Tier::Process | warden_policy::Tier::Gvisor
+    ) {
+        return Err(PlanError::Tier(tier.name()));
     }
+    // A gVisor cell's keeper assembles its root as root: nothing to reach for an unprivileged
+    // setup.
+    let setup_reaches = tier == warden_policy::Tier::Process;
     let own = canonical_own(&[("state directory", state), ("runtime directory", runtime)]);
     let mut reach = Reach::new();
     for (path, rw) in policy
@@ -242,9 +249,12 @@ pub fn check_paths(policy: &Policy, state: &Path, runtime: &Path) -> Result<(), 
         };
         // A root warden opens these for the setup (see `InitFds::sources`); an unprivileged
         // one can open only what its user reaches.
-        if !reach.root_mode {
+        if !reach.root_mode && setup_reaches {
             reach.check(what, &canonical)?;
         }
+    }
+    if !setup_reaches {
+        return Ok(());
     }
     // The cell's root is assembled under the runtime directory, its layers are in the state
     // directory: the setup must reach both.

@@ -58,7 +58,9 @@ pub fn run_all() -> Vec<Check> {
     out.extend(cgroups());
     out.push(cgroup_attach());
     out.push(redirect());
-    out.push(runsc());
+    out.extend(crate::gvisor::probe::checks(
+        &super::store::Store::default_root(),
+    ));
     out.push(kvm());
     out.push(vmm());
     let summaries: Vec<Check> = TIERS.iter().map(|tier| summary(tier, &out)).collect();
@@ -67,7 +69,7 @@ pub fn run_all() -> Vec<Check> {
 }
 
 /// The tiers, and whether this version of warden implements each.
-const TIERS: [(&str, bool); 3] = [("process", true), ("gvisor", false), ("microvm", false)];
+const TIERS: [(&str, bool); 3] = [("process", true), ("gvisor", true), ("microvm", false)];
 
 /// One line per tier, apart from its prerequisites: implemented, prerequisites present, usable
 /// here. A tier is usable only when both hold; nothing falls back to another tier silently.
@@ -323,34 +325,6 @@ fn redirect() -> Check {
             Status::Warn,
             "without nft and ip, clients that ignore the proxy variables have no route out at all".to_owned(),
             Some("apt-get install nftables iproute2"),
-        ),
-    }
-}
-
-fn runsc() -> Check {
-    match which("runsc") {
-        Some(path) => {
-            let version = std::process::Command::new(&path)
-                .arg("--version")
-                .output()
-                .ok()
-                .and_then(|o| String::from_utf8(o.stdout).ok())
-                .and_then(|s| s.lines().next().map(str::to_owned))
-                .unwrap_or_default();
-            check(
-                "gvisor",
-                "runsc",
-                Status::Ok,
-                format!("{} {version}", path.display()),
-                None,
-            )
-        }
-        None => check(
-            "gvisor",
-            "runsc",
-            Status::Missing,
-            "runsc is not installed".to_owned(),
-            Some("apt-get install runsc"),
         ),
     }
 }

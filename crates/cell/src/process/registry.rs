@@ -313,6 +313,11 @@ impl Reservation {
         self.dir.join("root")
     }
 
+    /// The cell's folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// A file in the cell's folder.
     pub fn file(&self, name: &str) -> PathBuf {
         self.dir.join(name)

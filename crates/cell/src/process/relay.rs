@@ -5,8 +5,7 @@
 use std::fs;
 use std::io::{self, Write};
 use std::os::fd::{AsFd, OwnedFd};
-use std::path::PathBuf;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::signal::Signal;
@@ -18,6 +17,7 @@ use super::cgroup::CellCgroup;
 use super::init;
 use super::run::{Ending, RunError, nix_os};
 use super::sys;
+use crate::gateway::PolicyWatch;
 
 const STDIO_CHUNK: usize = 64 * 1024;
 /// How often the warden checks the cell's OOM counter while a memory limit is set.
@@ -25,70 +25,29 @@ const OOM_POLL: Duration = Duration::from_millis(100);
 /// How long stdout/stderr may stay open after the cell's init has exited.
 const DRAIN_GRACE: Duration = Duration::from_secs(2);
 
-pub(super) enum Stop {
+pub(crate) enum Stop {
     Exited(Ending),
     Limit(Ending),
 }
 
-/// Where `warden policy set` drops a new policy for a running cell, and where the warden
-/// answers.
-pub const POLICY_UPDATE: &str = "policy-update.yaml";
-pub const POLICY_ACK: &str = "policy-update.json";
-/// The folder of a running cell where `ask` rules leave their questions.
-pub const APPROVALS: &str = "approvals";
 const POLICY_POLL: Duration = Duration::from_millis(100);
-
-/// A running gateway whose network rules may be replaced through the runtime directory.
-pub(super) struct PolicyWatch {
-    pub(super) path: PathBuf,
-    pub(super) ack: PathBuf,
-    pub(super) gateway: warden_egress::Gateway,
-    pub(super) seen: Option<SystemTime>,
-}
-
-impl PolicyWatch {
-    /// Applies a new policy file once per modification; the answer goes to the ack file.
-    fn check(&mut self) {
-        let Ok(modified) = fs::metadata(&self.path).and_then(|m| m.modified()) else {
-            return;
-        };
-        if self.seen == Some(modified) {
-            return;
-        }
-        self.seen = Some(modified);
-        let answer = warden_policy::from_file(&self.path)
-            .map_err(|e| e.to_string())
-            .and_then(|policy| {
-                warden_egress::Rules::compile(&policy.network).map_err(|e| e.to_string())
-            })
-            .map(|rules| self.gateway.replace_rules(rules));
-        let json = match answer {
-            Ok(closed) => serde_json::json!({ "ok": true, "closed": closed }),
-            Err(error) => serde_json::json!({ "ok": false, "error": error }),
-        };
-        let tmp = self.ack.with_extension("tmp");
-        if fs::write(&tmp, json.to_string()).is_ok() {
-            let _ = fs::rename(&tmp, &self.ack);
-        }
-    }
-}
 
 /// How often the relay reads the disk watch's last look.
 const DISK_POLL: Duration = Duration::from_millis(250);
 
-pub(super) struct Relay<'a> {
-    pub(super) policy_watch: Option<PolicyWatch>,
-    pub(super) pid: Pid,
-    pub(super) pidfd: &'a OwnedFd,
-    pub(super) cgroup: Option<&'a CellCgroup>,
-    pub(super) stdout: Option<OwnedFd>,
-    pub(super) stderr: Option<OwnedFd>,
-    pub(super) signals: SignalFd,
-    pub(super) deadline: Option<(Instant, Duration)>,
-    pub(super) output_cap: Option<u64>,
-    pub(super) memory_limit: Option<u64>,
+pub(crate) struct Relay<'a> {
+    pub(crate) policy_watch: Option<PolicyWatch>,
+    pub(crate) pid: Pid,
+    pub(crate) pidfd: &'a OwnedFd,
+    pub(crate) cgroup: Option<&'a CellCgroup>,
+    pub(crate) stdout: Option<OwnedFd>,
+    pub(crate) stderr: Option<OwnedFd>,
+    pub(crate) signals: SignalFd,
+    pub(crate) deadline: Option<(Instant, Duration)>,
+    pub(crate) output_cap: Option<u64>,
+    pub(crate) memory_limit: Option<u64>,
     /// The disk limit, where the warden's watch keeps it.
-    pub(super) disk: Option<super::disk::Watch>,
+    pub(crate) disk: Option<super::disk::Watch>,
 }
 
 impl Relay<'_> {
@@ -99,7 +58,7 @@ impl Relay<'_> {
         }
     }
 
-    pub(super) fn run(mut self) -> Result<Stop, RunError> {
+    pub(crate) fn run(mut self) -> Result<Stop, RunError> {
         // Each stream is dropped (closing our end) at EOF, or when the caller stops reading it:
         // the cell's writer then gets EPIPE, as in a shell pipeline.
         let mut sources = [self.stdout.take(), self.stderr.take()];
@@ -229,7 +188,7 @@ impl Relay<'_> {
             }
         }
         if let Some(watch) = &self.policy_watch {
-            watch.gateway.close_record();
+            watch.close_record();
         }
         let ending = exited.map_or(Ending::Exited(init::SETUP_FAILED), |(e, _)| e);
         Ok(match limit {
@@ -241,7 +200,7 @@ impl Relay<'_> {
 
 /// Copies the warden's stdin into the cell until either side closes. A thread, because a read
 /// from a terminal cannot be abandoned; it ends with the process.
-pub(super) fn spawn_stdin_pump(pipe: OwnedFd) {
+pub(crate) fn spawn_stdin_pump(pipe: OwnedFd) {
     std::thread::spawn(move || {
         let mut sink = fs::File::from(pipe);
         let _ = io::copy(&mut io::stdin().lock(), &mut sink);

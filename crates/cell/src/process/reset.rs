@@ -227,12 +227,12 @@ pub(super) fn in_place(
         .map(|l| open_dir(l))
         .collect::<io::Result<_>>()
         .map_err(remount_err)?;
-    let (userns, mntns) = namespaces(registry, cell, pid).map_err(remount_err)?;
+    let ns = namespaces(registry, cell, pid).map_err(remount_err)?;
     let (report_r, report_w) = sys::pipe().map_err(remount_err)?;
     let child = sys::clone_process(0).map_err(remount_err)?;
     if child == 0 {
         drop(report_r);
-        let result = run_inside(&userns, &mntns, &meta.mount, &lower, &layers, &steps);
+        let result = run_inside(&ns, &meta.mount, &lower, &layers, &steps);
         let mut report = fs::File::from(report_w);
         if let Err(err) = result {
             let _ = write!(report, "{err}");
@@ -259,30 +259,48 @@ fn namespaces(
     registry: &super::registry::Registry,
     cell: &str,
     pid: i32,
-) -> io::Result<(OwnedFd, OwnedFd)> {
+) -> io::Result<super::exec::Namespaces> {
     match super::exec::namespaces(registry, cell) {
-        Ok(both) => Ok(both),
+        Ok(all) => Ok(all),
         Err(_) => {
             let open = |ns: &str| fs::File::open(format!("/proc/{pid}/ns/{ns}")).map(OwnedFd::from);
-            Ok((open("user")?, open("mnt")?))
+            Ok(super::exec::Namespaces {
+                user: open("user")?,
+                mnt: open("mnt")?,
+                root: None,
+            })
         }
     }
 }
 
 /// In the helper: joins the cell (as its root) and carries out the steps under `mount`.
 fn run_inside(
-    userns: &OwnedFd,
-    mntns: &OwnedFd,
+    ns: &super::exec::Namespaces,
     mount: &Path,
     lower: &OwnedFd,
     layers: &[OwnedFd],
     steps: &[Step],
 ) -> Result<(), String> {
     use nix::sched::{CloneFlags, setns};
-    setns(userns, CloneFlags::CLONE_NEWUSER)
-        .map_err(|e| format!("joining the cell's user namespace: {e}"))?;
-    setns(mntns, CloneFlags::CLONE_NEWNS)
+    // A sandbox's keeper is in the host's user namespace, which the helper is in already (and
+    // may not join again).
+    let same_user = rustix::fs::fstat(&ns.user)
+        .ok()
+        .zip(fs::metadata("/proc/self/ns/user").ok())
+        .is_some_and(|(theirs, ours)| {
+            use std::os::unix::fs::MetadataExt as _;
+            theirs.st_ino == ours.ino() && theirs.st_dev == ours.dev()
+        });
+    if !same_user {
+        setns(&ns.user, CloneFlags::CLONE_NEWUSER)
+            .map_err(|e| format!("joining the cell's user namespace: {e}"))?;
+    }
+    setns(&ns.mnt, CloneFlags::CLONE_NEWNS)
         .map_err(|e| format!("joining the cell's mount namespace: {e}"))?;
+    if let Some(root) = &ns.root {
+        nix::unistd::fchdir(root).map_err(|e| format!("entering the cell's root: {e}"))?;
+        nix::unistd::chroot(".").map_err(|e| format!("entering the cell's root: {e}"))?;
+    }
     let _ = nix::unistd::setresgid(0.into(), 0.into(), 0.into());
     let _ = nix::unistd::setresuid(0.into(), 0.into(), 0.into());
     let root = rustix::fs::open(

@@ -56,6 +56,29 @@ pub fn build(
     plan: &CellPlan,
     workspace_tree: Option<&std::os::fd::OwnedFd>,
 ) -> Result<(), SetupError> {
+    assemble(plan, workspace_tree, None)?;
+    let root = plan.root.as_path();
+    mount_dev(root, plan.shm_size)?;
+    mount_proc(root)?;
+    pivot(root)
+}
+
+/// What a root assembled on the host for a sandbox (the gVisor tier) has besides the plan:
+/// files of Warden's own, bound read-only at their path in the cell (its init, its shim).
+#[derive(Debug)]
+pub struct Sandbox<'a> {
+    pub files: &'a [(PathBuf, PathBuf)],
+}
+
+/// Assembles the root described by `plan` on `plan.root`, in this process's mount namespace
+/// (made private first): the tree, its `/etc`, the writable paths, `/tmp`, the workspace and the
+/// hidden paths. For a sandbox (`Some`), the mount points of what the sandbox provides itself
+/// (`/dev`, `/proc`, `/sys`) are made, and the sandbox's own files bound in.
+pub fn assemble(
+    plan: &CellPlan,
+    workspace_tree: Option<&std::os::fd::OwnedFd>,
+    sandbox: Option<Sandbox<'_>>,
+) -> Result<(), SetupError> {
     let root = plan.root.as_path();
     mount(
         None::<&str>,
@@ -83,14 +106,25 @@ pub fn build(
     for (entry, source) in plan.entries.iter().zip(&sources) {
         place(root, entry, *source)?;
     }
+    if let Some(sandbox) = &sandbox {
+        for (path, host) in sandbox.files {
+            let dst = inside(root, path);
+            mountpoint(&dst, false)?;
+            bind("bind-mounting", host, &dst, false)?;
+        }
+    }
     write_etc(plan)?;
     let workspace = inside(root, &plan.workspace_mount);
-    for dir in [
-        &root.join("tmp"),
-        &workspace,
-        &root.join("dev"),
-        &root.join("proc"),
-    ] {
+    let mut dirs = vec![
+        root.join("tmp"),
+        workspace,
+        root.join("dev"),
+        root.join("proc"),
+    ];
+    if sandbox.is_some() {
+        dirs.push(root.join("sys"));
+    }
+    for dir in &dirs {
         fs::create_dir_all(dir).map_err(at("creating directory", dir))?;
     }
     sys::restrict_mount(root, true).map_err(at("making the cell root read-only", root))?;
@@ -108,12 +142,10 @@ pub fn build(
     }
     mount_tmp(root, plan.tmp_size)?;
     mount_workspace(plan, workspace_tree)?;
-    mount_dev(root, plan.shm_size)?;
-    mount_proc(root)?;
     for hidden in &plan.hidden {
         hide(&inside(root, hidden))?;
     }
-    pivot(root)
+    Ok(())
 }
 
 /// An image's layers as the root: an overlay of detached clones of them (no host path shows in

@@ -22,9 +22,7 @@ use super::ids::IdMapping;
 use super::init::{self, InitFds};
 use super::plan::{self, CellPlan, OverlayPlan, PlanError, WorkspacePlan};
 use super::registry::{CellRecord, Registry, RegistryError};
-use super::relay::{
-    APPROVALS, POLICY_ACK, POLICY_UPDATE, PolicyWatch, Relay, Stop, spawn_stdin_pump,
-};
+use super::relay::{Relay, Stop, spawn_stdin_pump};
 use super::snapshot::SnapshotInfo;
 use super::store::Store;
 use super::{idmap, sys};
@@ -164,15 +162,11 @@ pub enum RunError {
     #[error("giving the workspace its disk limit: {0}")]
     Disk(#[from] super::disk::DiskError),
     #[error(transparent)]
-    Egress(#[from] warden_egress::RulesError),
-    #[error(transparent)]
-    Secret(#[from] warden_egress::SecretError),
+    Gateway(#[from] crate::gateway::GatewayError),
     #[error(transparent)]
     Store(#[from] super::store::StoreError),
     #[error("the policy's image: {0}")]
     Image(#[from] warden_image::ImageError),
-    #[error(transparent)]
-    Tls(#[from] warden_egress::TlsError),
     /// The caller's `before_start` refused to let the command start.
     #[error("{0}")]
     BeforeStart(String),
@@ -182,11 +176,11 @@ pub enum RunError {
     Namespaces { source: io::Error },
 }
 
-pub(super) fn os(what: &'static str) -> impl FnOnce(io::Error) -> RunError {
+pub(crate) fn os(what: &'static str) -> impl FnOnce(io::Error) -> RunError {
     move |source| RunError::Os { what, source }
 }
 
-pub(super) fn nix_os(what: &'static str) -> impl FnOnce(nix::Error) -> RunError {
+pub(crate) fn nix_os(what: &'static str) -> impl FnOnce(nix::Error) -> RunError {
     move |err| RunError::Os {
         what,
         source: io::Error::from_raw_os_error(err as i32),
@@ -223,68 +217,7 @@ pub fn run_with(
     if request.argv.is_empty() && !request.serve_exec {
         return Err(PlanError::NoCommand.into());
     }
-    let name = request.name.clone().unwrap_or_else(generate_name);
-    plan::check_name(&name)?;
-    if !request.checked {
-        plan::check_paths(policy, store.root(), registry.root())?;
-    }
-    let own = [
-        ("state directory", store.root()),
-        ("runtime directory", registry.root()),
-    ];
-    let workspace = match &request.workspace {
-        Some(dir) => {
-            let host = fs::canonicalize(dir)
-                .ok()
-                .filter(|p| p.is_dir())
-                .ok_or_else(|| PlanError::Workspace { path: dir.clone() })?;
-            plan::check_not_wardens("workspace", &host, &own)?;
-            let protect = plan::protected(policy, &host);
-            Some(WorkspacePlan {
-                host,
-                mount: policy.filesystem.workspace.mount.clone(),
-                protect,
-                overlay: None,
-            })
-        }
-        None => None,
-    };
-    let (workspace, base) = match &request.from {
-        Some(snapshot) => {
-            if request
-                .workspace
-                .as_ref()
-                .and_then(|w| fs::canonicalize(w).ok())
-                .is_some_and(|w| w != snapshot.lower)
-            {
-                return Err(PlanError::ForkWorkspace {
-                    snapshot: snapshot.id.clone(),
-                    lower: snapshot.lower.clone(),
-                }
-                .into());
-            }
-            let host = snapshot.lower.clone();
-            if !host.is_dir() {
-                return Err(PlanError::Workspace { path: host }.into());
-            }
-            let ws = WorkspacePlan {
-                protect: plan::protected(policy, &host),
-                host,
-                mount: policy.filesystem.workspace.mount.clone(),
-                overlay: None,
-            };
-            (Some(ws), snapshot.stack())
-        }
-        None => (workspace, Vec::new()),
-    };
-    let overlay = (workspace.is_some()
-        && policy.filesystem.workspace.mode == WorkspaceMode::Overlay)
-        || !base.is_empty();
-
-    let reservation = registry.reserve(&name)?;
     let privileged = nix::unistd::geteuid().is_root();
-    let mut notices = Vec::new();
-    let mut workspace = workspace;
     let ids = IdMapping {
         privileged,
         inside_uid: policy.process.user,
@@ -292,173 +225,15 @@ pub fn run_with(
         host_uid: nix::unistd::geteuid().as_raw(),
         host_gid: nix::unistd::getegid().as_raw(),
     };
-    let layer = match (&mut workspace, overlay) {
-        (Some(ws), true) => {
-            let layer = LayerGuard::create(
-                store,
-                &name,
-                &ws.host,
-                &base,
-                policy,
-                privileged.then_some(&ids),
-                &mut notices,
-            )?;
-            let upper = layer.layer.upper();
-            ws.overlay = Some(OverlayPlan {
-                layer_dir: upper
-                    .parent()
-                    .unwrap_or_else(|| layer.layer.dir())
-                    .to_path_buf(),
-                upper,
-                work: layer.layer.work(),
-                base: base.clone(),
-                snapshots_dir: store.root().join("snapshots"),
-            });
-            ws.protect.clear(); // reviewed at apply time instead
-            Some(layer)
-        }
-        _ => None,
-    };
-    // A disk limit the kernel cannot keep whole (rootless, or no loop devices): RLIMIT_FSIZE
-    // for each file, and the warden's watch for the layer (see `disk`).
-    let watched_disk = layer.as_ref().and_then(|l| l.watched);
-
-    // An image as the root: its layers from the store, its environment first (the policy's
-    // own variables win; the built-in PATH, HOME and LANG fill what neither sets).
-    let mut env: Vec<(OsString, OsString)> = Vec::new();
-    let image_lowers = match &policy.image {
-        Some(image) => {
-            let (image, lowers) = warden_image::Store::new(store.root()).lower_dirs(image)?;
-            for pair in &image.env {
-                if let Some((key, value)) = pair.split_once('=') {
-                    env.retain(|(k, _)| k != key);
-                    env.push((key.into(), value.into()));
-                }
-            }
-            for (key, value) in warden_policy::EnvPolicy::default().set {
-                if !env.iter().any(|(k, _)| k.as_os_str() == key.as_str())
-                    && !policy.process.env.set.contains_key(&key)
-                {
-                    env.push((key.into(), value.into()));
-                }
-            }
-            lowers
-        }
-        None => Vec::new(),
-    };
-    for (key, value) in &policy.process.env.set {
-        env.retain(|(k, _)| k.as_os_str() != key.as_str());
-        env.push((key.into(), value.into()));
-    }
-    for key in &policy.process.env.pass {
-        if let Some(value) = std::env::var_os(key) {
-            env.retain(|(k, _)| k != key.as_str());
-            env.push((key.into(), value));
-        }
-    }
-    // The egress gateway, when the policy lets anything out: rules are compiled before the
-    // cell exists, and proxy-aware clients are pointed at the gateway's port on loopback.
-    let mut extra_etc: Vec<(String, String)> = Vec::new();
-    let gateway_rules = if policy.network.has_gateway() {
-        let proxy = format!("http://127.0.0.1:{}", warden_egress::GATEWAY_PORT);
-        for key in [
-            "HTTP_PROXY",
-            "HTTPS_PROXY",
-            "ALL_PROXY",
-            "http_proxy",
-            "https_proxy",
-            "all_proxy",
-        ] {
-            env.retain(|(k, _)| k != key);
-            env.push((key.into(), proxy.clone().into()));
-        }
-        for key in ["NO_PROXY", "no_proxy"] {
-            env.retain(|(k, _)| k != key);
-            env.push((key.into(), "localhost,127.0.0.1,::1".into()));
-        }
-        let rules = warden_egress::Rules::compile(&policy.network)?;
-        // Names resolve through the gateway, which answers only what the rules let out.
-        extra_etc.push((
-            "resolv.conf".to_owned(),
-            "nameserver 127.0.0.1\n".to_owned(),
-        ));
-        extra_etc.push((
-            "nsswitch.conf".to_owned(),
-            "passwd: files\ngroup: files\nhosts: files dns\n".to_owned(),
-        ));
-        // Credentials: the cell gets placeholders, the gateway keeps the secrets.
-        let secrets = warden_egress::Secrets::load(&policy.credentials)?;
-        for secret in &secrets.all {
-            if let Some(var) = &secret.env {
-                env.retain(|(k, _)| k != var.as_str());
-                env.push((var.into(), secret.placeholder.clone().into()));
-            }
-        }
-        // TLS interception: the cell's own CA, trusted by the cell only.
-        let interceptor = if rules.need_interception() {
-            let interceptor =
-                warden_egress::Interceptor::new(&name, policy.network.extra_ca.as_deref())?;
-            let ca = interceptor.ca_pem();
-            let host_roots =
-                fs::read_to_string("/etc/ssl/certs/ca-certificates.crt").unwrap_or_default();
-            extra_etc.push(("warden/egress-ca.pem".to_owned(), ca.clone()));
-            extra_etc.push((
-                "warden/ca-bundle.pem".to_owned(),
-                format!("{host_roots}\n{ca}"),
-            ));
-            for (key, file) in [
-                ("SSL_CERT_FILE", "ca-bundle.pem"),
-                ("REQUESTS_CA_BUNDLE", "ca-bundle.pem"),
-                ("CURL_CA_BUNDLE", "ca-bundle.pem"),
-                ("GIT_SSL_CAINFO", "ca-bundle.pem"),
-                ("NODE_EXTRA_CA_CERTS", "egress-ca.pem"),
-            ] {
-                env.retain(|(k, _)| k != key);
-                env.push((key.into(), format!("/etc/warden/{file}").into()));
-            }
-            Some(interceptor)
-        } else {
-            None
-        };
-        Some((rules, secrets, interceptor))
-    } else {
-        None
-    };
-    for (key, value) in &request.env {
-        env.retain(|(k, _)| k != key.as_str());
-        env.push((key.into(), value.into()));
-    }
-    let mut plan = CellPlan {
-        sources: Vec::new(),
-        hostname: policy
-            .process
-            .hostname
-            .clone()
-            .unwrap_or_else(|| name.replace('_', "-")),
-        root: reservation.root_dir(),
-        image: image_lowers,
-        entries: plan::entries(policy),
-        hidden: policy.filesystem.hidden.clone(),
-        // In memory, so no larger than the memory limit (their pages count towards it).
-        tmp_size: policy
-            .limits
-            .memory
-            .map_or(policy.filesystem.tmp_size.0, |m| {
-                m.0.min(policy.filesystem.tmp_size.0)
-            }),
-        shm_size: policy.limits.memory.map_or(SHM_SIZE, |m| m.0.min(SHM_SIZE)),
-        workspace,
-        workspace_mount: policy.filesystem.workspace.mount.clone(),
-        ids: ids.clone(),
-        argv: request.argv.clone(),
-        env,
-        cwd: policy.process.cwd.clone(),
-        rlimit_nproc: policy.limits.pids,
-        rlimit_as: policy.limits.memory.map(|m| m.0),
-        rlimit_nofile: policy.limits.open_files,
-        rlimit_fsize: watched_disk,
-        extra_etc,
-    };
+    let Prepared {
+        name,
+        reservation,
+        layer,
+        mut plan,
+        gateway: gateway_rules,
+        mut notices,
+        watched_disk,
+    } = prepare(registry, store, &request, &ids, privileged.then_some(&ids))?;
 
     // In root mode the workspace is attached through an id-mapped mount: its owner appears as the
     // cell's user, and files the cell creates belong to that owner on the host.
@@ -583,7 +358,11 @@ pub fn run_with(
         fs::File::open(format!("/proc/{}/ns/{ns}", pid.as_raw())).map(std::os::fd::OwnedFd::from)
     });
     let namespaces = match namespaces {
-        [Ok(user), Ok(mnt)] => Some((user, mnt)),
+        [Ok(user), Ok(mnt)] => Some(super::exec::Namespaces {
+            user,
+            mnt,
+            root: None,
+        }),
         _ => None,
     };
     let mut sync = fs::File::from(sync_w);
@@ -679,107 +458,34 @@ pub fn run_with(
     }
 
     let mut policy_watch = None;
-    if let (Some((rules, secrets, interceptor)), Some(channel)) = (gateway_rules, &gateway_channel)
-    {
+    if let (Some(planned), Some(channel)) = (gateway_rules, &gateway_channel) {
         let (flag, sockets) =
             sys::receive_fds(channel).map_err(os("receiving the gateway sockets"))?;
-        // In the init's order: the proxy port, the transparent port, DNS, and, where the
-        // kernel has IPv6, the transparent and the proxy port on ::1.
-        let mut sockets = sockets.into_iter();
-        let (proxy_socket, transparent, dns_socket, transparent6, proxy6) = (
-            sockets.next(),
-            sockets.next(),
-            sockets.next(),
-            sockets.next(),
-            sockets.next(),
-        );
-        let Some(proxy_socket) = proxy_socket else {
-            return Err(RunError::Setup(
-                "the cell did not hand over the gateway's socket".to_owned(),
-            ));
+        let sockets =
+            crate::gateway::Sockets::from_ordered(sockets, flag == b't').ok_or_else(|| {
+                RunError::Setup("the cell did not hand over the gateway's sockets".to_owned())
+            })?;
+        if !sockets.redirected {
+            notices.push(crate::gateway::NOT_REDIRECTED.to_owned());
+        }
+        let places = crate::gateway::Places {
+            log: store
+                .net_log(&name)
+                .map_err(os("creating the egress log"))?,
+            folder: reservation.dir().to_path_buf(),
         };
-        let listener = std::net::TcpListener::from(proxy_socket);
-        if flag != b't' {
-            notices.push(
-                "clients that ignore the proxy variables have no route out (install `ip` and `nft` \
-                 on the host to have them redirected to the gateway)"
-                    .to_owned(),
-            );
-        }
-        let log = store
-            .net_log(&name)
-            .map_err(os("creating the egress log"))?;
-        let mut gateway = warden_egress::Gateway::new(
-            rules,
-            &log,
-            &name,
-            secrets,
-            interceptor,
-            warden_egress::Bounds::of(&policy.limits),
-        )
-        .map_err(os("opening the egress log"))?;
-        if !policy.network.ask.is_empty() || policy.network.gateway {
-            // Questions of `ask` rules: told on this terminal, answered by `warden approve` or
-            // `warden deny` from anywhere on the host.
-            let cell = name.clone();
-            let approvals = warden_egress::Approvals::new(
-                &reservation.file(APPROVALS),
-                policy.approvals.timeout.0,
-                policy.approvals.on_timeout == warden_policy::ApprovalOutcome::Allow,
-                move |q| {
-                    let line = format!(
-                        "warden: cell `{cell}` asks to {} (rule {}): answer with `warden approve {cell} {id}` or `warden deny {cell} {id}` within {} s\n",
-                        q.request,
-                        q.rule,
-                        q.timeout_s,
-                        id = q.id
-                    );
-                    // Straight to the descriptor: the relay holds the lock of `stderr` while
-                    // it forwards the cell's output.
-                    let _ = nix::unistd::write(std::io::stderr(), line.as_bytes());
-                },
-            )
-            .map_err(os("creating the approvals folder"))?;
-            gateway = gateway.with_approvals(approvals);
-        }
-        gateway
-            .clone()
-            .serve(listener)
-            .map_err(os("starting the egress gateway"))?;
-        if let Some(socket) = proxy6 {
-            gateway
-                .clone()
-                .serve(std::net::TcpListener::from(socket))
-                .map_err(os("starting the egress gateway"))?;
-        }
-        if flag == b't' {
-            for socket in [transparent, transparent6].into_iter().flatten() {
-                gateway
-                    .clone()
-                    .serve_transparent(std::net::TcpListener::from(socket))
-                    .map_err(os("starting the egress gateway"))?;
-            }
-        }
-        if let Some(socket) = dns_socket {
-            gateway
-                .clone()
-                .serve_dns(std::net::UdpSocket::from(socket))
-                .map_err(os("starting the egress gateway"))?;
-        }
-        policy_watch = Some(PolicyWatch {
-            path: reservation.file(POLICY_UPDATE),
-            ack: reservation.file(POLICY_ACK),
-            gateway,
-            seen: None,
-        });
+        policy_watch = Some(crate::gateway::start(
+            &name, policy, planned, sockets, places,
+        )?);
     }
     let disk_watch = match (watched_disk, &plan.workspace) {
         (Some(limit), Some(ws)) => match &ws.overlay {
             Some(overlay) => {
                 // Rootless, the watch looks from inside the cell's user namespace.
                 let userns = match (&namespaces, privileged) {
-                    (Some((user, _)), false) => Some(
-                        user.try_clone()
+                    (Some(ns), false) => Some(
+                        ns.user
+                            .try_clone()
                             .map_err(os("holding the cell's user namespace"))?,
                     ),
                     _ => None,
@@ -870,9 +576,210 @@ pub fn run_with(
     })
 }
 
+/// What a cell is made of, decided by the warden before anything of it exists: the same for
+/// every tier that builds the cell's root from a plan.
+pub(crate) struct Prepared {
+    pub(crate) name: String,
+    /// The cell's name in the registry, held until the cell is gone.
+    pub(crate) reservation: super::registry::Reservation,
+    /// Its copy-on-write workspace layer.
+    pub(crate) layer: Option<LayerGuard>,
+    pub(crate) plan: CellPlan,
+    pub(crate) gateway: Option<crate::gateway::GatewayPlan>,
+    pub(crate) notices: Vec<String>,
+    /// The disk limit, when the warden's watch keeps it (the layer has no file system of its
+    /// own).
+    pub(crate) watched_disk: Option<u64>,
+}
+
+/// Checks a request, reserves the cell's name and makes its workspace layer and plan. `ids`:
+/// the cell's ids; `layer_owner`: whose the layer's upper directory is made (root mode), so
+/// that the merged workspace root is the cell user's.
+pub(crate) fn prepare(
+    registry: &Registry,
+    store: &Store,
+    request: &RunRequest,
+    ids: &IdMapping,
+    layer_owner: Option<&IdMapping>,
+) -> Result<Prepared, RunError> {
+    let policy = &request.policy;
+    let name = request.name.clone().unwrap_or_else(generate_name);
+    plan::check_name(&name)?;
+    if !request.checked {
+        plan::check_paths(policy, store.root(), registry.root())?;
+    }
+    let own = [
+        ("state directory", store.root()),
+        ("runtime directory", registry.root()),
+    ];
+    let workspace = match &request.workspace {
+        Some(dir) => {
+            let host = fs::canonicalize(dir)
+                .ok()
+                .filter(|p| p.is_dir())
+                .ok_or_else(|| PlanError::Workspace { path: dir.clone() })?;
+            plan::check_not_wardens("workspace", &host, &own)?;
+            let protect = plan::protected(policy, &host);
+            Some(WorkspacePlan {
+                host,
+                mount: policy.filesystem.workspace.mount.clone(),
+                protect,
+                overlay: None,
+            })
+        }
+        None => None,
+    };
+    let (workspace, base) = match &request.from {
+        Some(snapshot) => {
+            if request
+                .workspace
+                .as_ref()
+                .and_then(|w| fs::canonicalize(w).ok())
+                .is_some_and(|w| w != snapshot.lower)
+            {
+                return Err(PlanError::ForkWorkspace {
+                    snapshot: snapshot.id.clone(),
+                    lower: snapshot.lower.clone(),
+                }
+                .into());
+            }
+            let host = snapshot.lower.clone();
+            if !host.is_dir() {
+                return Err(PlanError::Workspace { path: host }.into());
+            }
+            let ws = WorkspacePlan {
+                protect: plan::protected(policy, &host),
+                host,
+                mount: policy.filesystem.workspace.mount.clone(),
+                overlay: None,
+            };
+            (Some(ws), snapshot.stack())
+        }
+        None => (workspace, Vec::new()),
+    };
+    let overlay = (workspace.is_some()
+        && policy.filesystem.workspace.mode == WorkspaceMode::Overlay)
+        || !base.is_empty();
+
+    let reservation = registry.reserve(&name)?;
+    let mut notices = Vec::new();
+    let mut workspace = workspace;
+    let layer = match (&mut workspace, overlay) {
+        (Some(ws), true) => {
+            let layer = LayerGuard::create(
+                store,
+                &name,
+                &ws.host,
+                &base,
+                policy,
+                layer_owner,
+                &mut notices,
+            )?;
+            let upper = layer.layer.upper();
+            ws.overlay = Some(OverlayPlan {
+                layer_dir: upper
+                    .parent()
+                    .unwrap_or_else(|| layer.layer.dir())
+                    .to_path_buf(),
+                upper,
+                work: layer.layer.work(),
+                base: base.clone(),
+                snapshots_dir: store.root().join("snapshots"),
+            });
+            ws.protect.clear(); // reviewed at apply time instead
+            Some(layer)
+        }
+        _ => None,
+    };
+    // A disk limit the kernel cannot keep whole (rootless, or no loop devices): RLIMIT_FSIZE
+    // for each file, and the warden's watch for the layer (see `disk`).
+    let watched_disk = layer.as_ref().and_then(|l| l.watched);
+
+    // An image as the root: its layers from the store, its environment first (the policy's
+    // own variables win; the built-in PATH, HOME and LANG fill what neither sets).
+    let mut env: Vec<(OsString, OsString)> = Vec::new();
+    let image_lowers = match &policy.image {
+        Some(image) => {
+            let (image, lowers) = warden_image::Store::new(store.root()).lower_dirs(image)?;
+            for pair in &image.env {
+                if let Some((key, value)) = pair.split_once('=') {
+                    env.retain(|(k, _)| k != key);
+                    env.push((key.into(), value.into()));
+                }
+            }
+            for (key, value) in warden_policy::EnvPolicy::default().set {
+                if !env.iter().any(|(k, _)| k.as_os_str() == key.as_str())
+                    && !policy.process.env.set.contains_key(&key)
+                {
+                    env.push((key.into(), value.into()));
+                }
+            }
+            lowers
+        }
+        None => Vec::new(),
+    };
+    for (key, value) in &policy.process.env.set {
+        env.retain(|(k, _)| k.as_os_str() != key.as_str());
+        env.push((key.into(), value.into()));
+    }
+    for key in &policy.process.env.pass {
+        if let Some(value) = std::env::var_os(key) {
+            env.retain(|(k, _)| k != key.as_str());
+            env.push((key.into(), value));
+        }
+    }
+    // The egress gateway, when the policy lets anything out (see `gateway`).
+    let mut extra_etc: Vec<(String, String)> = Vec::new();
+    let gateway = crate::gateway::plan(policy, &name, &mut env, &mut extra_etc)?;
+    for (key, value) in &request.env {
+        env.retain(|(k, _)| k != key.as_str());
+        env.push((key.into(), value.into()));
+    }
+    let plan = CellPlan {
+        sources: Vec::new(),
+        hostname: policy
+            .process
+            .hostname
+            .clone()
+            .unwrap_or_else(|| name.replace('_', "-")),
+        root: reservation.root_dir(),
+        image: image_lowers,
+        entries: plan::entries(policy),
+        hidden: policy.filesystem.hidden.clone(),
+        // In memory, so no larger than the memory limit (their pages count towards it).
+        tmp_size: policy
+            .limits
+            .memory
+            .map_or(policy.filesystem.tmp_size.0, |m| {
+                m.0.min(policy.filesystem.tmp_size.0)
+            }),
+        shm_size: policy.limits.memory.map_or(SHM_SIZE, |m| m.0.min(SHM_SIZE)),
+        workspace,
+        workspace_mount: policy.filesystem.workspace.mount.clone(),
+        ids: ids.clone(),
+        argv: request.argv.clone(),
+        env,
+        cwd: policy.process.cwd.clone(),
+        rlimit_nproc: policy.limits.pids,
+        rlimit_as: policy.limits.memory.map(|m| m.0),
+        rlimit_nofile: policy.limits.open_files,
+        rlimit_fsize: watched_disk,
+        extra_etc,
+    };
+    Ok(Prepared {
+        name,
+        reservation,
+        layer,
+        plan,
+        gateway,
+        notices,
+        watched_disk,
+    })
+}
+
 /// A cell's copy-on-write layer while the cell runs: removed on every way out of `run` unless
 /// the cell ran and changed something worth reviewing.
-struct LayerGuard {
+pub(crate) struct LayerGuard {
     layer: Layer,
     armed: bool,
     /// The disk limit, when the warden's watch keeps it (the layer has no file system of its
@@ -970,7 +877,7 @@ impl LayerGuard {
     }
 
     /// Keeps the layer when the cell changed something (and changes are not discarded).
-    fn finish(mut self, discard: bool) -> bool {
+    pub(crate) fn finish(mut self, discard: bool) -> bool {
         let changed =
             fs::read_dir(self.layer.upper()).is_ok_and(|mut entries| entries.next().is_some());
         self.armed = discard || !changed;
@@ -1006,9 +913,9 @@ impl Drop for LayerGuard {
 }
 
 /// Kills whatever is left of the cell and removes its cgroups, on every way out of `run`.
-struct CellGuard {
-    cgroup: Option<CellCgroup>,
-    pid: Option<Pid>,
+pub(crate) struct CellGuard {
+    pub(crate) cgroup: Option<CellCgroup>,
+    pub(crate) pid: Option<Pid>,
 }
 
 impl Drop for CellGuard {
@@ -1043,7 +950,7 @@ pub fn process_start_ticks(pid: i32) -> Option<u64> {
     rest.split(' ').nth(19)?.parse().ok()
 }
 
-fn generate_name() -> String {
+pub(crate) fn generate_name() -> String {
     let mut bytes = [0u8; 3];
     let _ = fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
     format!("cell-{:02x}{:02x}{:02x}", bytes[0], bytes[1], bytes[2])

@@ -890,6 +890,94 @@ pub fn set_signal_ignored(signal: libc::c_int) -> io::Result<()> {
     Ok(())
 }
 
+/// Makes `command` find each descriptor of `fds` at its number (`(descriptor, number)`), and
+/// end with the signal `parent_death` when the thread that spawned it goes. Returns the copies
+/// the child takes them from: keep them until the command is spawned, then drop them.
+pub fn arrange_on_exec(
+    command: &mut std::process::Command,
+    fds: &[(BorrowedFd<'_>, RawFd)],
+    parent_death: Option<libc::c_int>,
+) -> io::Result<Vec<OwnedFd>> {
+    use std::os::unix::process::CommandExt as _;
+    // Above every number wanted, so that placing one never overwrites another's source.
+    let floor = fds.iter().map(|(_, n)| *n).max().unwrap_or(2).max(2) + 64;
+    let mut copies = Vec::with_capacity(fds.len());
+    let mut moves = Vec::with_capacity(fds.len());
+    for (fd, number) in fds {
+        let copy = dup_above(fd.as_raw_fd(), floor)?;
+        // SAFETY: `dup_above` made this descriptor; nothing else owns it.
+        copies.push(unsafe { OwnedFd::from_raw_fd(copy) });
+        moves.push((copy, *number));
+    }
+    // SAFETY: the closure runs in the forked child before exec and calls only dup2 and prctl
+    // with integers, both async-signal-safe; it reads a vector allocated before the fork.
+    unsafe {
+        command.pre_exec(move || {
+            for (from, to) in &moves {
+                if libc::dup2(*from, *to) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            if let Some(signal) = parent_death
+                && libc::prctl(libc::PR_SET_PDEATHSIG, signal as libc::c_ulong) < 0
+            {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    Ok(copies)
+}
+
+/// `chroot(2)` into `dir`, then to its root.
+pub fn enter_root(dir: &Path) -> io::Result<()> {
+    let path = cstring(dir)?;
+    // SAFETY: chroot and chdir read NUL-terminated strings that live across the calls.
+    check(unsafe { libc::chroot(path.as_ptr()) }.into())?;
+    // SAFETY: as above.
+    check(unsafe { libc::chdir(c"/".as_ptr()) }.into()).map(drop)
+}
+
+/// Makes `command` join the cgroups whose `cgroup.procs` files are `procs` before it execs, so
+/// that everything it starts is born in them.
+pub fn join_cgroups_on_exec(
+    command: &mut std::process::Command,
+    procs: &[std::path::PathBuf],
+) -> io::Result<()> {
+    use std::os::unix::process::CommandExt as _;
+    let paths: Vec<CString> = procs
+        .iter()
+        .map(|p| cstring(p))
+        .collect::<io::Result<_>>()?;
+    // SAFETY: the closure runs in the forked child before exec and calls only open, write and
+    // close on strings allocated before the fork: all async-signal-safe.
+    unsafe {
+        command.pre_exec(move || {
+            for path in &paths {
+                let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if fd < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                // "0": the writing process itself.
+                let written = libc::write(fd, c"0".as_ptr().cast(), 1);
+                libc::close(fd);
+                if written < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+    Ok(())
+}
+
+/// A borrow of the descriptor `owner` holds, for as long as `owner` is borrowed.
+pub fn borrow_of<T: AsRawFd + ?Sized>(owner: &T) -> BorrowedFd<'_> {
+    // SAFETY: `owner` keeps its descriptor open for as long as it lives, and the borrow
+    // returned cannot outlive the borrow of `owner`.
+    unsafe { BorrowedFd::borrow_raw(owner.as_raw_fd()) }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]

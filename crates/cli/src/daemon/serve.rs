@@ -6,25 +6,24 @@ use warden_cell::Store;
 
 use super::*;
 
-/// The core a daemon runs (and `warden mcp` when no daemon does): the process tier, whose
+/// The core a daemon runs (and `warden mcp` when no daemon does): every built-in tier, whose
 /// keepers get back the open-files limit this process had.
 pub(super) fn daemon_harness(segments: warden_journal::Segments) -> Result<warden_harness::Config> {
     let keeper_open_files = raise_open_files_limit();
-    let backend = warden_cell::tier::backend(
-        warden_policy::Tier::Process,
-        warden_cell::ProcessConfig {
-            runtime: runtime(),
-            state: Store::default_root(),
-            warden_exe: std::env::current_exe().context("finding the warden binary")?,
-            keeper_open_files,
-            keeper_env: Vec::new(),
-        },
-    )?;
+    let tiers = warden_cell::Tiers::built_in(warden_cell::ProcessConfig {
+        runtime: runtime(),
+        state: Store::default_root(),
+        warden_exe: std::env::current_exe().context("finding the warden binary")?,
+        keeper_open_files,
+        keeper_env: Vec::new(),
+    });
+    // The process tier opens its directories (and sweeps what dead keepers left) now.
+    tiers.default_tier()?;
     Ok(warden_harness::Config {
         runtime: runtime(),
         state: Store::default_root(),
         journal_segments: segments,
-        backend,
+        tiers: std::sync::Arc::new(tiers),
         ephemeral: false,
     })
 }

@@ -1,0 +1,63 @@
+//! Builds the two small programs the gVisor tier puts into its cells (see `gvisor-compat/`):
+//! a static init and a preloaded compatibility shim. They are compiled with the same `rustc`
+//! as the crate and embedded into it, so the `warden` binary stays the only file to install.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn main() {
+    let out = PathBuf::from(std::env::var_os("OUT_DIR").unwrap_or_default());
+    let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
+    let target = std::env::var("TARGET").unwrap_or_default();
+    let host = std::env::var("HOST").unwrap_or_default();
+    let compat = Path::new("gvisor-compat");
+    println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=gvisor-compat");
+    if !target.contains("linux") {
+        // Only Linux has a gVisor tier: empty stand-ins keep the crate building elsewhere.
+        for name in ["warden-gvisor-init", "warden-gvisor-statx.so"] {
+            if let Err(e) = std::fs::write(out.join(name), b"") {
+                panic!("writing {name}: {e}");
+            }
+        }
+        return;
+    }
+    let build = |source: &str, output: &str, extra: &[&str]| {
+        let mut command = Command::new(&rustc);
+        command
+            .arg("--edition=2024")
+            .args([
+                "-C",
+                "opt-level=s",
+                "-C",
+                "panic=abort",
+                "-C",
+                "strip=symbols",
+            ])
+            .args(extra)
+            .arg(compat.join(source))
+            .arg("-o")
+            .arg(out.join(output));
+        if target != host {
+            command.args(["--target", &target]);
+        }
+        match command.status() {
+            Ok(status) if status.success() => {}
+            Ok(status) => {
+                panic!("building {source} for the gVisor tier: rustc exited with {status}")
+            }
+            Err(e) => panic!("building {source} for the gVisor tier: starting rustc: {e}"),
+        }
+    };
+    // Static: it runs in images that have no C library of the host's kind.
+    build(
+        "init.rs",
+        "warden-gvisor-init",
+        &["-C", "target-feature=+crt-static"],
+    );
+    build(
+        "statx.rs",
+        "warden-gvisor-statx.so",
+        &["--crate-type=cdylib"],
+    );
+}

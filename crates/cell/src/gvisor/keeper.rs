@@ -1,0 +1,390 @@
+//! The keeper of a gVisor cell (`warden keep` for a policy with `tier: gvisor`): what the
+//! process tier's keeper and init do for their cell, done around a sandbox.
+//!
+//! In order: a mount namespace of its own, where the cell's root is assembled from the same
+//! plan as a process-tier cell's (the policy's host paths or an image's layers, the
+//! copy-on-write workspace, Warden's `/etc` files); the host side of the cell's processes,
+//! forked while the keeper is still single-threaded; the network namespace with the gateway's
+//! sockets; the cell's cgroup, with its limits; the bundle; then `runsc run` in the foreground
+//! (attached: the sandbox goes when runsc does, and runsc goes when the keeper does), born in
+//! the cell's cgroup. Once the cell's init says it is up, the cell is published in the registry
+//! and served like any other: the daemon finds the keeper's `exec.sock`, freezes and kills the
+//! cell through its cgroup, diffs and resets its workspace layer.
+
+use std::fs;
+use std::io::Read as _;
+use std::os::fd::{AsFd as _, AsRawFd as _, OwnedFd};
+use std::path::PathBuf;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::unistd::Pid;
+
+use super::compat::{Compat, INIT_IN_CELL, STATX_IN_CELL};
+use super::runsc::Runsc;
+use crate::process::cgroup::{self, CellCgroup};
+use crate::process::exec::{EXEC_SOCKET, Namespaces};
+use crate::process::ids::IdMapping;
+use crate::process::registry::{CellRecord, Registry};
+use crate::process::relay::{Relay, Stop};
+use crate::process::run::{
+    CellGuard, Ending, Prepared, RunError, RunOutcome, RunRequest, nix_os, os, process_start_ticks,
+};
+use crate::process::store::Store;
+use crate::process::{idmap, rootfs, sys};
+
+/// How long a sandbox may take to come up.
+const START_DEADLINE: Duration = Duration::from_secs(60);
+
+/// Why a gVisor cell could not be kept.
+#[derive(Debug, thiserror::Error)]
+pub enum GvisorError {
+    #[error(
+        "the gvisor tier needs runsc, which is not installed: install it (`apt-get install runsc` on Debian) or set WARDEN_RUNSC to its path; `warden doctor` lists the tiers this host can run"
+    )]
+    NoRunsc,
+    #[error(
+        "the gvisor tier needs root on this host (runsc makes its sandbox as root); run the daemon or `warden run` as root, or use `tier: process`, which runs rootless"
+    )]
+    NotRoot,
+    #[error("the gvisor tier: {0}")]
+    Sandbox(String),
+    #[error(transparent)]
+    Run(#[from] RunError),
+}
+
+fn sandbox(what: &str) -> impl FnOnce(std::io::Error) -> GvisorError + '_ {
+    move |e| GvisorError::Sandbox(format!("{what}: {e}"))
+}
+
+/// Keeps a gVisor cell until it ends. The caller must be single-threaded (the keeper's mount
+/// namespace and the host side's fork need it).
+pub fn keep(
+    registry: &Registry,
+    store: &Store,
+    request: RunRequest,
+) -> Result<RunOutcome, GvisorError> {
+    if !nix::unistd::geteuid().is_root() {
+        return Err(GvisorError::NotRoot);
+    }
+    let runsc = Runsc::find(store.root()).ok_or(GvisorError::NoRunsc)?;
+    // The signals that would end the keeper are read from a signalfd (the relay's), for every
+    // thread started from here on.
+    let forwarded = crate::process::run::forwarded_signals();
+    forwarded
+        .thread_block()
+        .map_err(nix_os("blocking signals"))?;
+    let compat = Compat::install(&store.root().join("gvisor").join("compat"))
+        .map_err(sandbox("installing the cell's init"))?;
+    let policy = request.policy.clone();
+    // No user namespace: the sandbox's user is the host id of the same number (gVisor is the
+    // boundary); the workspace is id-mapped to it, and its layer made its.
+    let ids = IdMapping {
+        privileged: false,
+        inside_uid: policy.process.user,
+        inside_gid: policy.process.group(),
+        host_uid: policy.process.user,
+        host_gid: policy.process.group(),
+    };
+    let Prepared {
+        name,
+        reservation,
+        layer,
+        mut plan,
+        gateway,
+        mut notices,
+        watched_disk: _,
+    } = crate::process::run::prepare(registry, store, &request, &ids, Some(&ids))?;
+    // The keeper's own mount namespace: the cell's root is assembled here, and runsc (its
+    // child) serves it from here. Nothing of it is seen by the host. (Made after the layer:
+    // a layer's own file system is mounted where every warden process sees it, as the
+    // process tier's keeper does.)
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS)
+        .map_err(|e| GvisorError::Sandbox(format!("making the keeper's mount namespace: {e}")))?;
+    // Debian 12's runsc refuses a statx flag that GNU tools always pass: the shim asks again
+    // without it (see `gvisor-compat/statx.rs`).
+    plan.extra_etc
+        .push(("ld.so.preload".to_owned(), format!("{STATX_IN_CELL}\n")));
+    let tree = plan
+        .workspace
+        .as_ref()
+        .map(|ws| idmap::workspace_tree(&ws.host, &ids))
+        .transpose()?;
+    let files = [
+        (PathBuf::from(INIT_IN_CELL), compat.init.clone()),
+        (PathBuf::from(STATX_IN_CELL), compat.statx.clone()),
+    ];
+    rootfs::assemble(
+        &plan,
+        tree.as_ref(),
+        Some(rootfs::Sandbox { files: &files }),
+    )
+    .map_err(|e| RunError::Setup(e.to_string()))?;
+    drop(tree);
+
+    // The host side of the cell's processes, forked now, while this process has one thread.
+    let (channel, served) = sys::seqpacket_pair().map_err(os("creating the exec channel"))?;
+    let (lifeline_r, lifeline_w) = sys::pipe().map_err(os("creating pipes"))?;
+    let host = super::host::Cell {
+        runsc: runsc.clone(),
+        id: name.clone(),
+        plan: plan.clone(),
+    };
+    let host_pid = match sys::clone_process(0).map_err(os("starting the cell's host side"))? {
+        0 => {
+            drop((channel, lifeline_w));
+            super::host::serve(&host, served, lifeline_r)
+        }
+        pid => pid,
+    };
+    drop((served, lifeline_r));
+    let mut host_guard = HostGuard(Some(Pid::from_raw(host_pid)));
+
+    let network = super::network::Namespace::make(gateway.is_some())
+        .map_err(sandbox("making the cell's network namespace"))?;
+    let limits = cgroup::Limits {
+        memory_bytes: policy.limits.memory.map(|m| m.0),
+        pids: policy.limits.pids,
+        cpus: policy.limits.cpus,
+    };
+    let cell_cgroup =
+        CellCgroup::create(&cgroup::discover(), &name, &limits).map_err(RunError::from)?;
+    let mut guard = CellGuard {
+        cgroup: Some(cell_cgroup.clone()),
+        pid: None,
+    };
+
+    let bundle = reservation.file("bundle");
+    fs::create_dir_all(&bundle).map_err(os("creating the cell's bundle"))?;
+    let netns = PathBuf::from(format!(
+        "/proc/{}/fd/{}",
+        std::process::id(),
+        network.fd.as_raw_fd()
+    ));
+    super::bundle::spec(&plan, &netns)
+        .and_then(|spec| spec.save(bundle.join("config.json")))
+        .map_err(|e| GvisorError::Sandbox(format!("writing the cell's bundle: {e}")))?;
+    // What an earlier keeper of this name may have left in runsc's state (it was killed).
+    let _ = quiet(runsc.command("delete").args(["--force", &name])).status();
+
+    let (stdin_r, stdin_w) = sys::pipe().map_err(os("creating pipes"))?;
+    let (stdout_r, stdout_w) = sys::pipe().map_err(os("creating pipes"))?;
+    let (stderr_r, stderr_w) = sys::pipe().map_err(os("creating pipes"))?;
+    drop(stdin_w);
+    let mut command = runsc.command("run");
+    command
+        .arg("--bundle")
+        .arg(&bundle)
+        .arg(&name)
+        .stdin(stdin_r)
+        .stdout(stdout_w)
+        .stderr(stderr_w);
+    sys::unblock_signals_on_exec(&mut command);
+    sys::join_cgroups_on_exec(&mut command, &cell_cgroup.procs_files())
+        .map_err(os("preparing runsc"))?;
+    let _copies = sys::arrange_on_exec(&mut command, &[], Some(libc::SIGKILL))
+        .map_err(os("preparing runsc"))?;
+    let child = command
+        .spawn()
+        .map_err(|e| GvisorError::Sandbox(format!("starting {}: {e}", runsc.binary.display())))?;
+    drop(command);
+    let pid = Pid::from_raw(child.id() as i32);
+    guard.pid = Some(pid);
+    let started = Instant::now();
+    let pidfd = sys::pidfd_open(pid.as_raw()).map_err(os("opening a pidfd for runsc"))?;
+    if let Err(message) = wait_ready(&stdout_r, &stderr_r) {
+        return Err(GvisorError::Sandbox(format!(
+            "runsc could not start the sandbox: {message}"
+        )));
+    }
+    reservation
+        .publish(&CellRecord {
+            name: name.clone(),
+            pid: pid.as_raw(),
+            pid_start: process_start_ticks(pid.as_raw()).unwrap_or(0),
+            warden_pid: std::process::id() as i32,
+            started_unix_ms: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
+            argv: Vec::new(),
+            workspace: plan.workspace.as_ref().map(|w| w.host.clone()),
+            cgroup: Some(cell_cgroup.clone()),
+            gateway: gateway.is_some(),
+            image: policy.image.clone(),
+        })
+        .map_err(RunError::from)?;
+
+    let mut policy_watch = None;
+    if let (Some(planned), Some(sockets)) = (gateway, network.sockets) {
+        if !sockets.redirected {
+            notices.push(crate::gateway::NOT_REDIRECTED.to_owned());
+        }
+        let places = crate::gateway::Places {
+            log: store
+                .net_log(&name)
+                .map_err(os("creating the egress log"))?,
+            folder: reservation.dir().to_path_buf(),
+        };
+        policy_watch = Some(
+            crate::gateway::start(&name, &policy, planned, sockets, places)
+                .map_err(RunError::from)?,
+        );
+    }
+    // Joining the cell from outside (a reset of its workspace): the keeper's namespaces, and
+    // the cell's root in them.
+    let namespaces = namespaces(&plan.root).map_err(os("holding the cell's namespaces"))?;
+    crate::process::exec::serve(
+        &reservation.file(EXEC_SOCKET),
+        Some(channel),
+        Some(namespaces),
+    )
+    .map_err(os("opening the cell's exec socket"))?;
+    let signals = SignalFd::with_flags(&forwarded, SfdFlags::SFD_CLOEXEC)
+        .map_err(nix_os("creating a signalfd"))?;
+    let relay = Relay {
+        policy_watch,
+        pid,
+        pidfd: &pidfd,
+        cgroup: Some(&cell_cgroup),
+        stdout: Some(stdout_r),
+        stderr: Some(stderr_r),
+        signals,
+        deadline: policy.limits.wall.map(|w| (started + w.0, w.0)),
+        output_cap: None,
+        memory_limit: None,
+        disk: None,
+    };
+    let relayed = relay.run();
+    if relayed.is_ok() {
+        guard.pid = None; // the relay reaped runsc
+    }
+    let ending = match relayed? {
+        Stop::Limit(ending) => ending,
+        Stop::Exited(status) => {
+            let oom = cell_cgroup.oom_kills() > 0;
+            match (oom, policy.limits.memory) {
+                (true, Some(limit)) => Ending::MemoryLimit { limit: limit.0 },
+                _ if reservation.kill_requested() => Ending::Killed,
+                _ => status,
+            }
+        }
+    };
+    drop(guard);
+    host_guard.end();
+    let _ = quiet(runsc.command("delete").args(["--force", &name])).status();
+    if let Some(path) = &request.report {
+        // Before the name is released: whoever sees the lock go finds this already.
+        let tmp = path.with_extension("tmp");
+        if fs::write(&tmp, ending.report().to_string()).is_ok() {
+            let _ = fs::rename(&tmp, path);
+        }
+    }
+    drop(reservation);
+    let kept_changes = layer.is_some_and(|layer| layer.finish(request.discard_changes));
+    if request.discard_changes {
+        let _ = fs::remove_file(store.net_log_path(&name));
+    }
+    Ok(RunOutcome {
+        name,
+        ending,
+        notices,
+        kept_changes,
+    })
+}
+
+/// A command with no stdio of the caller's (runsc would take them over).
+fn quiet(command: &mut std::process::Command) -> &mut std::process::Command {
+    command
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+}
+
+/// The keeper's namespaces and the cell's root in its mount namespace.
+fn namespaces(root: &std::path::Path) -> std::io::Result<Namespaces> {
+    let open = |path: &str| fs::File::open(path).map(OwnedFd::from);
+    Ok(Namespaces {
+        user: open("/proc/self/ns/user")?,
+        mnt: open("/proc/self/ns/mnt")?,
+        root: Some(rustix::fs::open(
+            root,
+            rustix::fs::OFlags::RDONLY
+                | rustix::fs::OFlags::DIRECTORY
+                | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )?),
+    })
+}
+
+/// Waits for the cell's init to say `ready` on its stdout; until then, what runsc says on its
+/// stderr is why it did not come up.
+fn wait_ready(stdout: &OwnedFd, stderr: &OwnedFd) -> Result<(), String> {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    let deadline = Instant::now() + START_DEADLINE;
+    let mut said = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(format!(
+                "it did not come up within {} s",
+                START_DEADLINE.as_secs()
+            ));
+        }
+        let mut fds = [
+            PollFd::new(stdout.as_fd(), PollFlags::POLLIN),
+            PollFd::new(stderr.as_fd(), PollFlags::POLLIN),
+        ];
+        let timeout =
+            PollTimeout::try_from(left.as_millis().min(10_000) as i32).unwrap_or(PollTimeout::NONE);
+        match poll(&mut fds, timeout) {
+            Ok(_) | Err(nix::Error::EINTR) => {}
+            Err(e) => return Err(format!("waiting for it: {e}")),
+        }
+        let out = fds[0].revents().is_some_and(|r| !r.is_empty());
+        let err = fds[1].revents().is_some_and(|r| !r.is_empty());
+        if out {
+            let mut buf = [0u8; 64];
+            let n = nix::unistd::read(stdout, &mut buf).unwrap_or(0);
+            if buf[..n].starts_with(b"ready") {
+                return Ok(());
+            }
+            if n == 0 {
+                // runsc ended: what it said on stderr is why.
+                let mut rest = Vec::new();
+                let _ = fs::File::from(stderr.try_clone().map_err(|e| e.to_string())?)
+                    .read_to_end(&mut rest);
+                said.extend(rest);
+                let text = String::from_utf8_lossy(&said);
+                let text = text.trim();
+                return Err(if text.is_empty() {
+                    "runsc ended without saying why".to_owned()
+                } else {
+                    text.lines().last().unwrap_or(text).to_owned()
+                });
+            }
+        }
+        if err {
+            let mut buf = [0u8; 4096];
+            let n = nix::unistd::read(stderr, &mut buf).unwrap_or(0);
+            said.extend_from_slice(&buf[..n]);
+        }
+    }
+}
+
+/// Ends the host side with the keeper.
+struct HostGuard(Option<Pid>);
+
+impl HostGuard {
+    fn end(&mut self) {
+        if let Some(pid) = self.0.take() {
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            let _ = nix::sys::wait::waitpid(pid, None);
+        }
+    }
+}
+
+impl Drop for HostGuard {
+    fn drop(&mut self) {
+        self.end();
+    }
+}

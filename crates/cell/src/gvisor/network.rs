@@ -1,0 +1,41 @@
+//! The network namespace of a gVisor cell: made by the keeper, with loopback only, and, where
+//! the policy lets anything out, the gateway's sockets bound in it and the rest of its traffic
+//! redirected to them, exactly as the process tier's cell does it for itself. runsc joins it
+//! (`--network=host` with the namespace's path in the bundle), so the sandbox's sockets are
+//! this namespace's: every egress rule, credential and record holds unchanged.
+
+use std::io;
+use std::os::fd::OwnedFd;
+
+/// A network namespace the keeper holds for the cell's life.
+#[derive(Debug)]
+pub struct Namespace {
+    /// The namespace itself (`/proc/self/fd/N` of it is what runsc is given).
+    pub fd: OwnedFd,
+    /// The gateway's sockets in it, where the policy asked for a gateway.
+    pub sockets: Option<crate::gateway::Sockets>,
+}
+
+impl Namespace {
+    /// Makes the namespace on a thread of its own (a network namespace is a thread's: the
+    /// rest of the keeper, the gateway's outgoing connections among it, stays in the host's),
+    /// brings up its loopback, and opens the gateway's sockets when `gateway`.
+    pub fn make(gateway: bool) -> io::Result<Self> {
+        std::thread::Builder::new()
+            .name("cell-netns".to_owned())
+            .spawn(move || -> io::Result<Self> {
+                nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).map_err(|e| {
+                    io::Error::other(format!("creating the network namespace: {e}"))
+                })?;
+                crate::process::sys::loopback_up()?;
+                let fd = std::fs::File::open("/proc/thread-self/ns/net")?.into();
+                let sockets = match gateway {
+                    true => Some(crate::gateway::Sockets::open()?),
+                    false => None,
+                };
+                Ok(Self { fd, sockets })
+            })?
+            .join()
+            .map_err(|_| io::Error::other("the thread making the network namespace failed"))?
+    }
+}

@@ -1,0 +1,76 @@
+//! The `runsc` binary and the flags every call of it shares.
+//!
+//! The warden drives runsc as a program, as its own OCI tooling does: `run` for a cell's life
+//! (in the foreground and attached, so that the sandbox goes when the keeper does), `exec`
+//! for each process, `kill` and `delete` to clean up, `checkpoint`/`restore` for memory
+//! snapshots. runsc hands the stdio it is given to the sandbox, and changes the owner of what
+//! they are (a terminal, a file) to the sandbox's user: it is only ever given pipes and
+//! terminals the warden made for the purpose, never a descriptor of anybody else's.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Where runsc is looked for when `WARDEN_RUNSC` does not name it.
+const SEARCHED: [&str; 3] = ["/usr/bin/runsc", "/usr/sbin/runsc", "/usr/local/bin/runsc"];
+
+/// runsc, with the state directory the warden gives it.
+#[derive(Debug, Clone)]
+pub struct Runsc {
+    pub binary: PathBuf,
+    /// runsc's own state (`--root`): under Warden's state directory.
+    pub root: PathBuf,
+}
+
+impl Runsc {
+    /// The runsc this host has (`WARDEN_RUNSC`, else the usual places, else `PATH`).
+    pub fn find(state: &Path) -> Option<Self> {
+        let binary = std::env::var_os("WARDEN_RUNSC")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+            .or_else(|| {
+                SEARCHED
+                    .iter()
+                    .map(PathBuf::from)
+                    .find(|p| p.is_file())
+                    .or_else(|| on_path("runsc"))
+            })?;
+        binary.is_file().then(|| Self {
+            binary,
+            root: state.join("gvisor").join("runsc"),
+        })
+    }
+
+    /// A command of runsc with the flags every call shares: the ptrace platform (the one that
+    /// works in a VM without nested virtualization), the network namespace the warden made
+    /// (`host`: the sandbox's sockets are the namespace's, where the gateway listens), no
+    /// cgroups of runsc's own (the warden places the sandbox in the cell's).
+    pub fn command(&self, verb: &str) -> Command {
+        let mut command = Command::new(&self.binary);
+        command
+            .arg("--root")
+            .arg(&self.root)
+            .args([
+                "--platform=ptrace",
+                "--network=host",
+                "--ignore-cgroups",
+                "--host-uds=none",
+            ])
+            .arg(verb);
+        command
+    }
+
+    /// runsc's own word on its version (`runsc --version`'s first line).
+    pub fn version(&self) -> Option<String> {
+        let out = Command::new(&self.binary).arg("--version").output().ok()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.lines().next().map(|l| l.trim().to_owned())
+    }
+}
+
+fn on_path(name: &str) -> Option<PathBuf> {
+    let path: OsString = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
+}
