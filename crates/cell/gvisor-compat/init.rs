@@ -10,6 +10,9 @@
 //!   nothing to a pid 1, so only SIGKILL from outside ends it.
 //! - `kill SIGNAL PGID`: sends SIGNAL to the process group PGID (runsc signals single
 //!   processes; an exec's group is its own session in gVisor), then exits.
+//! - `release`: before a checkpoint, ends every process (but pid 1) that holds a descriptor of
+//!   the host (`host:[N]` in its `/proc/PID/fd`: the pipes and terminals of the warden's execs),
+//!   which runsc could not bring back; says how many on its stdout.
 
 use std::io::Write;
 
@@ -19,8 +22,53 @@ unsafe extern "C" {
     fn kill(pid: i32, signal: i32) -> i32;
 }
 
+/// Whether process `pid` holds a descriptor of the host.
+fn holds_host_fd(pid: &str) -> bool {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    fds.flatten().any(|fd| {
+        std::fs::read_link(fd.path())
+            .is_ok_and(|target| target.to_string_lossy().starts_with("host:["))
+    })
+}
+
+/// Ends the processes that hold a descriptor of the host, until none is left (or a while has
+/// passed); how many were ended.
+fn release() -> usize {
+    let me = std::process::id().to_string();
+    let mut ended = std::collections::BTreeSet::new();
+    for _ in 0..100 {
+        let Ok(procs) = std::fs::read_dir("/proc") else {
+            break;
+        };
+        let holding: Vec<String> = procs
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|pid| pid.bytes().all(|b| b.is_ascii_digit()) && pid != "1" && *pid != me)
+            .filter(|pid| holds_host_fd(pid))
+            .collect();
+        if holding.is_empty() {
+            break;
+        }
+        for pid in holding {
+            if let Ok(number) = pid.parse::<i32>() {
+                // SAFETY: kill(2) with plain integers.
+                unsafe { kill(number, 9) };
+                ended.insert(number);
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    ended.len()
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if args.len() == 2 && args[1] == "release" {
+        println!("{}", release());
+        return;
+    }
     if args.len() == 4 && args[1] == "kill" {
         let (Ok(signal), Ok(group)) = (args[2].parse::<i32>(), args[3].parse::<i32>()) else {
             std::process::exit(2);

@@ -47,6 +47,10 @@ pub struct CellSpec {
     /// Where the tier writes what it has to say while it keeps the cell.
     #[serde(default)]
     pub log: Option<PathBuf>,
+    /// Bring the cell back from this memory image (a checkpoint's, see
+    /// [`Backend::checkpoint`]) instead of starting it afresh; its workspace is `from`.
+    #[serde(default)]
+    pub restore: Option<PathBuf>,
     /// The variables its credentials read (`from_env`), with their values. Never serialized:
     /// the process tier passes them in its keeper's environment, never in a file or argv.
     #[serde(skip)]
@@ -198,6 +202,23 @@ pub trait Backend: Send + Sync + Debug {
     }
     /// What the host offers this tier (for `warden doctor`).
     fn probe(&self) -> Vec<Check>;
+    /// Saves the memory of cell `name` (every process, where it was) into the directory
+    /// `image`, and ends the cell. `while_held` is called while the cell is held still, before
+    /// its memory is saved (the caller snapshots the workspace there, so that both are of one
+    /// moment); when it fails, the cell goes on as it was. A cell made with `restore` of the
+    /// image comes back from it.
+    fn checkpoint(
+        &self,
+        name: &str,
+        image: &std::path::Path,
+        while_held: &mut dyn FnMut() -> Result<(), String>,
+    ) -> Result<(), CellError> {
+        let _ = (name, image, while_held);
+        Err(CellError::Unsupported(format!(
+            "the {} tier has no memory snapshots; a cell of `tier: gvisor` has (`warden checkpoint`)",
+            self.tier().name()
+        )))
+    }
 }
 
 /// Where the process tier keeps things, and how it starts keepers.

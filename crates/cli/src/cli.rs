@@ -76,6 +76,23 @@ pub enum Command {
         #[arg(long = "as", value_name = "SNAP")]
         as_name: Option<String>,
     },
+    /// Save a gVisor cell's processes (their memory, where each was) with its workspace, as
+    /// `CELL@NAME`; the cell ends there. Needs the daemon.
+    Checkpoint {
+        name: String,
+        /// Checkpoint name (default: ckpt-TIME).
+        #[arg(long = "as", value_name = "NAME")]
+        as_name: Option<String>,
+    },
+    /// Bring a checkpoint `CELL@NAME` back as a running cell: its processes go on where they
+    /// were, its workspace as it was. Needs the daemon.
+    Restore {
+        /// The checkpoint, `CELL@NAME`.
+        checkpoint: String,
+        /// The new cell's name (default: a new one).
+        #[arg(long)]
+        name: Option<String>,
+    },
     /// List snapshots with their size.
     Snapshots {
         #[arg(long)]

@@ -36,7 +36,14 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         }
         Command::Rm { name, force } => {
             if name.contains('@') {
-                snapshot::remove(&store()?, &name)?;
+                let store = store()?;
+                snapshot::remove(&store, &name)?;
+                // A checkpoint's memory image goes with its workspace snapshot.
+                let image = store.root().join("checkpoints").join(&name);
+                if !name.contains('/') && image.is_dir() {
+                    std::fs::remove_dir_all(&image)
+                        .with_context(|| format!("removing {}", image.display()))?;
+                }
             } else if crate::daemon::remove_through_daemon(&name, force)? {
                 // A daemon cell: the daemon removed it with its layer and records.
             } else {
@@ -97,6 +104,8 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             Ok(0)
         }
         Command::Snapshots { json } => snapshots(json),
+        Command::Checkpoint { name, as_name } => crate::daemon::checkpoint(&name, as_name),
+        Command::Restore { checkpoint, name } => crate::daemon::restore(&checkpoint, name),
         Command::Reset { name, to } => {
             let to = to.map(|t| {
                 if t.contains('@') {
@@ -767,15 +776,22 @@ fn snapshots(json: bool) -> Result<i32> {
         return Ok(0);
     }
     println!(
-        "{:<32} {:>12} {:>7}  WORKSPACE",
-        "SNAPSHOT", "SIZE", "LAYERS"
+        "{:<32} {:>12} {:>7}  {:<10}  WORKSPACE",
+        "SNAPSHOT", "SIZE", "LAYERS", "MEMORY"
     );
+    let checkpoints = store()?.root().join("checkpoints");
     for snap in &all {
+        // A checkpoint is a snapshot with its cell's memory beside it.
+        let memory = match checkpoints.join(&snap.id).is_dir() {
+            true => "checkpoint",
+            false => "-",
+        };
         println!(
-            "{:<32} {:>12} {:>7}  {}",
+            "{:<32} {:>12} {:>7}  {:<10}  {}",
             snap.id,
             warden_policy::ByteSize(snap.size).to_string(),
             snap.stack().len(),
+            memory,
             snap.lower.display()
         );
     }

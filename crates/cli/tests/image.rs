@@ -449,3 +449,74 @@ fn an_unprivileged_user_imports_and_runs_an_image() {
     );
     assert_eq!(out, "hello from the image\nwhiteout-ok\nno-host-usr\n");
 }
+
+#[test]
+fn an_image_runs_as_a_gvisor_cell_too() {
+    if let Some(why) = gvisor_unavailable() {
+        eprintln!("skipped an_image_runs_as_a_gvisor_cell_too: {why}");
+        return;
+    }
+    let dir = tempdir();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    let state = dir.path().join("state");
+    let archive = docker_archive(dir.path(), &[shell_layer(), second_layer()], "mini:1");
+    let import = warden_in(&state)
+        .args(["image", "import"])
+        .arg(&archive)
+        .output()
+        .unwrap();
+    assert!(import.status.success(), "{import:?}");
+    let workspace = tempdir();
+    let policy = policy(
+        dir.path(),
+        "version: 1\ntier: gvisor\nimage: mini:1\nprocess:\n  env:\n    set:\n      MINE: from-the-policy\n",
+    );
+    let script = "while read -r line; do echo \"$line\"; done < /etc/hello; \
+                  echo \"greeting=$GREETING mine=$MINE\"; \
+                  test -e /etc/gone && echo GONE-IS-THERE; \
+                  test -e /usr/bin/python3 && echo HOST-USR-SEEN; \
+                  echo x > /etc/hello 2>/dev/null && echo CHANGED; \
+                  while read -r line; do echo \"$line\"; done < /proc/version; \
+                  echo made > /workspace/out.txt && echo wrote";
+    let ran = warden_in(&state)
+        .arg("run")
+        .arg("--policy")
+        .arg(&policy)
+        .arg("-w")
+        .arg(workspace.path())
+        .args(["--", "/bin/sh", "-c", script])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&ran.stdout);
+    let err = String::from_utf8_lossy(&ran.stderr);
+    assert!(ran.status.success(), "{out}{err}");
+    assert!(out.contains("hello from the image"), "{out}");
+    assert!(
+        out.contains("greeting=from-the-image mine=from-the-policy"),
+        "{out}"
+    );
+    assert!(
+        !out.contains("GONE-IS-THERE"),
+        "the whiteout was not honoured: {out}"
+    );
+    assert!(
+        !out.contains("HOST-USR-SEEN"),
+        "the host's /usr is in the image's root: {out}"
+    );
+    assert!(!out.contains("CHANGED"), "the image was changed: {out}");
+    // gVisor's own kernel answers, not the host's.
+    let host_version = std::fs::read_to_string("/proc/version").unwrap();
+    assert!(!out.contains(host_version.trim()), "{out}");
+    assert!(out.contains("wrote"), "{out}");
+}
+
+/// Why the gVisor tier cannot run here, if it cannot.
+fn gvisor_unavailable() -> Option<&'static str> {
+    if !is_root() {
+        return Some("the gvisor tier needs root");
+    }
+    let found = ["/usr/bin/runsc", "/usr/sbin/runsc", "/usr/local/bin/runsc"]
+        .iter()
+        .any(|p| Path::new(p).is_file());
+    (!found).then_some("runsc is not installed")
+}

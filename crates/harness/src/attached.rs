@@ -151,6 +151,7 @@ impl Harness {
                 .collect(),
             report: None,
             log: None,
+            restore: None,
             secrets: Vec::new(),
         };
         let begun = Instant::now();

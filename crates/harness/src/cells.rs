@@ -183,6 +183,7 @@ impl Harness {
 
     /// Makes a cell and waits until it takes execs.
     pub async fn create(self: &Arc<Self>, request: CreateCell) -> Result<CellInfo, HarnessError> {
+        let (request, restore) = self.restoring(request)?;
         let Prepared {
             name,
             parsed,
@@ -214,6 +215,7 @@ impl Harness {
             env: request.env.clone().into_iter().collect(),
             report: Some(cell_dir.join(ENDING_FILE)),
             log: Some(cell_dir.join("keeper.log")),
+            restore,
             secrets: request.secrets.clone().into_iter().collect(),
         };
         let backend = self.backend(parsed.tier)?;
@@ -549,6 +551,7 @@ pub(crate) fn create_entry(
         },
         "workspace": request.workspace,
         "from": from,
+        "restore": request.restore,
         "labels": request.labels,
         "env": request.env.keys().collect::<Vec<_>>(),
     })

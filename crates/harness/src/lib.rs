@@ -12,6 +12,7 @@
 
 mod attached;
 mod cells;
+mod checkpoint;
 mod exec;
 mod files;
 mod history;

@@ -189,7 +189,15 @@ impl Harness {
             && entry.ended.is_none()
         {
             let ending = self.ending_of(name);
-            let reason = if self.kill_requested(name) {
+            let checkpointed = std::fs::read_to_string(
+                self.daemon_dir
+                    .join("cells")
+                    .join(name)
+                    .join(crate::checkpoint::CHECKPOINTED),
+            );
+            let reason = if let Ok(id) = checkpointed {
+                format!("checkpointed as {id}")
+            } else if self.kill_requested(name) {
                 "killed".to_owned()
             } else if let Some(message) = ending
                 .as_ref()

@@ -134,6 +134,7 @@ its network, files, command rules and limits. Answers the cell's name and state.
             labels: [("made-by".to_owned(), "mcp".to_owned())].into(),
             from: args.from,
             secrets: Default::default(),
+            restore: None,
         };
         Ok(self.made(request).await)
     }

@@ -54,11 +54,36 @@ pub struct CreateCell {
     /// Start from this snapshot (`CELL@SNAP`), or from a snapshot taken now of a cell (`CELL`):
     /// a fork. Its workspace is the snapshot's.
     pub from: Option<String>,
+    /// Bring back a checkpoint (`CELL@CKPT`, see `POST /v1/cells/{name}/checkpoint`): its
+    /// processes go on where they were, its workspace is as it was, its policy and environment
+    /// are the checkpointed cell's (give no `policy`, `preset`, `workspace` or `from`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore: Option<String>,
     /// The values of the policy's `from_env` credentials, by variable name, taken from the
     /// caller's environment (a face sends them; the daemon's own environment is not the
     /// caller's). Only the gateway gets them; they are never journaled or shown.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub secrets: BTreeMap<String, String>,
+}
+
+/// What `POST /v1/cells/{name}/checkpoint` asks.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointRequest {
+    /// The checkpoint's name (`CELL@NAME`); one is made up when none is given.
+    #[serde(rename = "as", default)]
+    pub as_name: Option<String>,
+}
+
+/// A cell's memory and workspace, saved at one moment (the cell ended there).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct Checkpoint {
+    /// `CELL@NAME`: restore it with `POST /v1/cells` and `restore`.
+    pub id: String,
+    /// Bytes of the memory image.
+    pub memory_bytes: u64,
+    /// Bytes of file data of the workspace snapshot taken with it.
+    pub workspace_bytes: u64,
 }
 
 /// A cell as the API shows it.

@@ -18,7 +18,8 @@ pub use agents::{
 };
 pub use approvals::{Answer, Approval, Decision, Scope};
 pub use cells::{
-    CellInfo, CellState, CellSummary, CellUsage, ControlAction, CreateCell, UsageHistory,
+    CellInfo, CellState, CellSummary, CellUsage, Checkpoint, CheckpointRequest, ControlAction,
+    CreateCell, UsageHistory,
 };
 pub use error::{ErrorBody, ErrorCode};
 pub use exec::{

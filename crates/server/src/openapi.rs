@@ -24,6 +24,7 @@ pub fn schemas() -> Map<String, Value> {
     requests.subschema_for::<warden_protocol::Say>();
     requests.subschema_for::<warden_protocol::Rewind>();
     requests.subschema_for::<warden_protocol::ForkAgent>();
+    requests.subschema_for::<warden_protocol::CheckpointRequest>();
     let mut answers = generator(Contract::Serialize);
     answers.subschema_for::<warden_protocol::CellInfo>();
     answers.subschema_for::<warden_protocol::Started>();
@@ -41,6 +42,7 @@ pub fn schemas() -> Map<String, Value> {
     answers.subschema_for::<warden_protocol::JournalPage>();
     answers.subschema_for::<warden_protocol::JournalCheck>();
     answers.subschema_for::<warden_protocol::UsageHistory>();
+    answers.subschema_for::<warden_protocol::Checkpoint>();
     let mut all = answers.take_definitions(true);
     // A type on both sides keeps its reading form.
     all.extend(requests.take_definitions(true));

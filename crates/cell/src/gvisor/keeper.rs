@@ -14,7 +14,7 @@
 use std::fs;
 use std::io::Read as _;
 use std::os::fd::{AsFd as _, AsRawFd as _, OwnedFd};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use nix::sys::signalfd::{SfdFlags, SignalFd};
@@ -57,17 +57,19 @@ fn sandbox(what: &str) -> impl FnOnce(std::io::Error) -> GvisorError + '_ {
     move |e| GvisorError::Sandbox(format!("{what}: {e}"))
 }
 
-/// Keeps a gVisor cell until it ends. The caller must be single-threaded (the keeper's mount
+/// Keeps a gVisor cell until it ends; with `restore`, the cell comes back from that memory
+/// image instead of starting afresh. The caller must be single-threaded (the keeper's mount
 /// namespace and the host side's fork need it).
 pub fn keep(
     registry: &Registry,
     store: &Store,
     request: RunRequest,
+    restore: Option<&Path>,
 ) -> Result<RunOutcome, GvisorError> {
     if !nix::unistd::geteuid().is_root() {
         return Err(GvisorError::NotRoot);
     }
-    let runsc = Runsc::find(store.root()).ok_or(GvisorError::NoRunsc)?;
+    let mut runsc = Runsc::find(store.root()).ok_or(GvisorError::NoRunsc)?;
     // The signals that would end the keeper are read from a signalfd (the relay's), for every
     // thread started from here on.
     let forwarded = crate::process::run::forwarded_signals();
@@ -95,6 +97,11 @@ pub fn keep(
         mut notices,
         watched_disk: _,
     } = crate::process::run::prepare(registry, store, &request, &ids, Some(&ids))?;
+    // A cell that lets nothing out has gVisor's own network stack with loopback only; one
+    // with a gateway uses the sockets of the namespace the keeper makes below.
+    if gateway.is_some() {
+        runsc.network = super::runsc::Network::Host;
+    }
     // The keeper's own mount namespace: the cell's root is assembled here, and runsc (its
     // child) serves it from here. Nothing of it is seen by the host. (Made after the layer:
     // a layer's own file system is mounted where every warden process sees it, as the
@@ -171,7 +178,14 @@ pub fn keep(
     let (stdout_r, stdout_w) = sys::pipe().map_err(os("creating pipes"))?;
     let (stderr_r, stderr_w) = sys::pipe().map_err(os("creating pipes"))?;
     drop(stdin_w);
-    let mut command = runsc.command("run");
+    let mut command = match restore {
+        Some(image) => {
+            let mut command = runsc.command("restore");
+            command.arg("--image-path").arg(image);
+            command
+        }
+        None => runsc.command("run"),
+    };
     command
         .arg("--bundle")
         .arg(&bundle)
@@ -184,7 +198,7 @@ pub fn keep(
         .map_err(os("preparing runsc"))?;
     let _copies = sys::arrange_on_exec(&mut command, &[], Some(libc::SIGKILL))
         .map_err(os("preparing runsc"))?;
-    let child = command
+    let mut child = command
         .spawn()
         .map_err(|e| GvisorError::Sandbox(format!("starting {}: {e}", runsc.binary.display())))?;
     drop(command);
@@ -192,7 +206,12 @@ pub fn keep(
     guard.pid = Some(pid);
     let started = Instant::now();
     let pidfd = sys::pidfd_open(pid.as_raw()).map_err(os("opening a pidfd for runsc"))?;
-    if let Err(message) = wait_ready(&stdout_r, &stderr_r) {
+    let ready = match restore {
+        // A restored init said `ready` before it was saved: runsc says when it runs again.
+        Some(_) => wait_restored(&runsc, &name, &mut child, &stderr_r),
+        None => wait_ready(&stdout_r, &stderr_r),
+    };
+    if let Err(message) = ready {
         return Err(GvisorError::Sandbox(format!(
             "runsc could not start the sandbox: {message}"
         )));
@@ -369,6 +388,43 @@ fn wait_ready(stdout: &OwnedFd, stderr: &OwnedFd) -> Result<(), String> {
             said.extend_from_slice(&buf[..n]);
         }
     }
+}
+
+/// Waits until runsc says the restored container runs; until then, what runsc says on its
+/// stderr is why it did not come back.
+fn wait_restored(
+    runsc: &Runsc,
+    name: &str,
+    child: &mut std::process::Child,
+    stderr: &OwnedFd,
+) -> Result<(), String> {
+    let deadline = Instant::now() + START_DEADLINE;
+    while Instant::now() < deadline {
+        if let Ok(Some(status)) = child.try_wait() {
+            let mut said = String::new();
+            let _ = fs::File::from(stderr.try_clone().map_err(|e| e.to_string())?)
+                .read_to_string(&mut said);
+            return Err(format!(
+                "runsc ended ({status}): {}",
+                said.lines()
+                    .rev()
+                    .find(|l| !l.trim().is_empty())
+                    .unwrap_or("it said nothing")
+            ));
+        }
+        let state = quiet(runsc.command("state").arg(name)).output();
+        if let Ok(out) = state
+            && let Ok(state) = serde_json::from_slice::<serde_json::Value>(&out.stdout)
+            && state["status"] == "running"
+        {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Err(format!(
+        "it did not come back within {} s",
+        START_DEADLINE.as_secs()
+    ))
 }
 
 /// Ends the host side with the keeper.

@@ -7,6 +7,7 @@
 
 mod attached;
 mod bundle;
+mod checkpoint;
 pub mod compat;
 mod host;
 pub mod keeper;
@@ -87,5 +88,36 @@ impl Backend for GvisorBackend {
 
     fn probe(&self) -> Vec<Check> {
         probe::checks(&self.keepers.config().state)
+    }
+
+    fn checkpoint(
+        &self,
+        name: &str,
+        image: &Path,
+        while_held: &mut dyn FnMut() -> Result<(), String>,
+    ) -> Result<(), CellError> {
+        let runsc = runsc::Runsc::find(&self.keepers.config().state)
+            .ok_or_else(|| CellError::Unsupported(keeper::GvisorError::NoRunsc.to_string()))?;
+        // The cell's user, as its bundle says.
+        let bundle = self
+            .keepers
+            .config()
+            .runtime
+            .join("cells")
+            .join(name)
+            .join("bundle")
+            .join("config.json");
+        let spec = oci_spec::runtime::Spec::load(&bundle)
+            .map_err(|e| CellError::Ended(format!("cell `{name}` has no bundle ({e})")))?;
+        let user = spec
+            .process()
+            .as_ref()
+            .map_or((0, 0), |p| (p.user().uid(), p.user().gid()));
+        checkpoint::save(&runsc, name, user, image, while_held)?;
+        // The image is whole; the cell ends there (runsc leaves a container it saved paused).
+        match self.keepers.adopt(name)? {
+            Some(cell) => cell.kill(),
+            None => Ok(()),
+        }
     }
 }

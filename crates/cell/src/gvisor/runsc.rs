@@ -20,6 +20,17 @@ pub struct Runsc {
     pub binary: PathBuf,
     /// runsc's own state (`--root`): under Warden's state directory.
     pub root: PathBuf,
+    /// The sandbox's network: its own loopback only (`none`: gVisor's network stack, the
+    /// stricter, and the one runsc can checkpoint), or the sockets of the namespace the warden
+    /// made, where the gateway listens (`host`).
+    pub network: Network,
+}
+
+/// See [`Runsc::network`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Network {
+    None,
+    Host,
 }
 
 impl Runsc {
@@ -38,25 +49,31 @@ impl Runsc {
         binary.is_file().then(|| Self {
             binary,
             root: state.join("gvisor").join("runsc"),
+            network: Network::None,
         })
     }
 
     /// A command of runsc with the flags every call shares: the ptrace platform (the one that
-    /// works in a VM without nested virtualization), the network namespace the warden made
-    /// (`host`: the sandbox's sockets are the namespace's, where the gateway listens), no
-    /// cgroups of runsc's own (the warden places the sandbox in the cell's).
+    /// works in a VM without nested virtualization), the cell's network (see `network`), no
+    /// cgroups of runsc's own (the warden places the sandbox in the cell's), no host sockets.
     pub fn command(&self, verb: &str) -> Command {
         let mut command = Command::new(&self.binary);
         command
             .arg("--root")
             .arg(&self.root)
-            .args([
-                "--platform=ptrace",
-                "--network=host",
-                "--ignore-cgroups",
-                "--host-uds=none",
-            ])
-            .arg(verb);
+            .args(["--platform=ptrace", "--ignore-cgroups", "--host-uds=none"])
+            .arg(match self.network {
+                Network::None => "--network=none",
+                Network::Host => "--network=host",
+            });
+        // runsc's own debug logs, for a sandbox that misbehaves (a directory; see the README).
+        if let Some(dir) = std::env::var_os("WARDEN_RUNSC_DEBUG").filter(|d| !d.is_empty()) {
+            let mut log = std::ffi::OsString::from("--debug-log=");
+            log.push(dir);
+            log.push("/");
+            command.arg("--debug").arg(log);
+        }
+        command.arg(verb);
         command
     }
 

@@ -449,6 +449,7 @@ pub fn keep(input: impl std::io::Read) -> Result<(i32, Vec<String>), KeepError> 
         restore_open_files_limit(soft).map_err(KeepError::OpenFiles)?;
     }
     let spec = request.spec;
+    let restore = spec.restore.clone();
     let store = Store::open(Store::default_root())?;
     let from = match &spec.from {
         Some(id) => Some(super::snapshot::get(&store, id)?),
@@ -469,7 +470,12 @@ pub fn keep(input: impl std::io::Read) -> Result<(i32, Vec<String>), KeepError> 
     let registry = Registry::open(Registry::default_root())?;
     // The keeper keeps a cell of the tier its policy names.
     let outcome = match run.policy.tier {
-        Tier::Gvisor => crate::gvisor::keeper::keep(&registry, &store, run)?,
+        Tier::Gvisor => crate::gvisor::keeper::keep(&registry, &store, run, restore.as_deref())?,
+        _ if restore.is_some() => {
+            return Err(KeepError::Request(
+                "the process tier has no memory snapshots to restore".to_owned(),
+            ));
+        }
         _ => super::run::run(&registry, &store, run)?,
     };
     let status = match outcome.ending {

@@ -262,6 +262,33 @@ pub fn create(args: CreateArgs) -> Result<i32> {
     Ok(0)
 }
 
+pub fn checkpoint(name: &str, as_name: Option<String>) -> Result<i32> {
+    let client = client()?;
+    let saved: warden_protocol::Checkpoint = current_thread()?.block_on(client.call(
+        Method::POST,
+        &format!("/v1/cells/{name}/checkpoint"),
+        Some(&warden_protocol::CheckpointRequest { as_name }),
+    ))?;
+    println!(
+        "{} (memory {} bytes, workspace {} bytes); the cell stopped there: `warden restore {}` brings it back",
+        saved.id, saved.memory_bytes, saved.workspace_bytes, saved.id
+    );
+    Ok(0)
+}
+
+pub fn restore(checkpoint: &str, name: Option<String>) -> Result<i32> {
+    let client = client()?;
+    let body = warden_protocol::CreateCell {
+        name,
+        restore: Some(checkpoint.to_owned()),
+        ..Default::default()
+    };
+    let cell: warden_protocol::CellInfo =
+        current_thread()?.block_on(client.call(Method::POST, "/v1/cells", Some(&body)))?;
+    println!("{}", cell.name);
+    Ok(0)
+}
+
 /// The bytes of an output event: `{"text": ...}` or `{"base64": ...}`.
 fn chunk_bytes(value: &Value) -> Vec<u8> {
     match value["text"].as_str() {

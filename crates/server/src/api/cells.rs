@@ -94,6 +94,18 @@ pub(super) async fn snapshot(
     Ok((StatusCode::CREATED, Json(snap)).into_response())
 }
 
+pub(super) async fn checkpoint(
+    State(h): State<Shared>,
+    Path(name): Path<String>,
+    by: Option<Extension<Caller>>,
+    Body(body): Body<warden_protocol::CheckpointRequest>,
+) -> Result<Response, ApiError> {
+    let saved = h
+        .checkpoint(&name, body.as_name.as_deref(), &caller(by))
+        .await?;
+    Ok((StatusCode::CREATED, Json(saved)).into_response())
+}
+
 pub(super) async fn snapshots(
     State(h): State<Shared>,
     Path(name): Path<String>,

@@ -98,6 +98,7 @@ pub fn router(agents: Arc<warden_agent::Agents>, token: Option<String>) -> Route
         .route("/v1/cells/{name}/files/remove", post(remove_file))
         .route("/v1/cells/{name}/files/move", post(move_file))
         .route("/v1/cells/{name}/snapshot", post(snapshot))
+        .route("/v1/cells/{name}/checkpoint", post(checkpoint))
         .route("/v1/cells/{name}/snapshots", get(snapshots))
         .route("/v1/cells/{name}/reset", post(reset))
         .route("/v1/cells/{name}/diff", get(diff))

@@ -1,0 +1,357 @@
+//! What only the gVisor tier has or needs: memory snapshots (checkpoint and restore), its
+//! cells outliving a daemon that crashed, its refusals (no root, no runsc, a checkpoint it cannot
+//! make), and `warden doctor`'s word on it. The behaviour every tier shares is `tiers.rs`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use support::daemon::{Daemon, exit_of, stream_bytes};
+use support::*;
+
+/// Why the gVisor tier cannot run here, if it cannot (printed by the tests that skip).
+fn unavailable() -> Option<&'static str> {
+    if !is_root() {
+        return Some("the gvisor tier needs root");
+    }
+    let found = ["/usr/bin/runsc", "/usr/sbin/runsc", "/usr/local/bin/runsc"]
+        .iter()
+        .any(|p| std::path::Path::new(p).is_file());
+    (!found).then_some("runsc is not installed")
+}
+
+macro_rules! needs_gvisor {
+    ($test:literal) => {
+        if let Some(why) = unavailable() {
+            eprintln!("skipped {}: {why}", $test);
+            return;
+        }
+    };
+}
+
+const GVISOR: &str = "version: 1\nextends: default\ntier: gvisor\n";
+
+fn stdout(events: &[(String, Value)]) -> String {
+    String::from_utf8(stream_bytes(events, "stdout")).unwrap()
+}
+
+fn read_count(daemon: &Daemon, cell: &str, path: &str) -> u64 {
+    let events = daemon.exec(cell, json!({ "argv": ["cat", path] }));
+    stdout(&events)
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("{events:?}"))
+}
+
+#[test]
+fn a_restored_checkpoint_goes_on_from_where_it_stopped() {
+    needs_gvisor!("a_restored_checkpoint_goes_on_from_where_it_stopped");
+    let daemon = Daemon::start(&[]);
+    let host = tempdir();
+    std::fs::write(host.path().join("kept.txt"), "from the host\n").unwrap();
+    let cell = daemon.create(
+        &unique("ckpt"),
+        json!({ "policy": GVISOR, "workspace": host.path().display().to_string() }),
+    );
+    // A counter in memory (a shell variable), written out where the warden can read it, run on
+    // its own (its stdio inside the cell), and files of the workspace made before the
+    // checkpoint. A process whose output the warden relays ends at the checkpoint.
+    daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "setsid sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done' </dev/null >/dev/null 2>&1 &"] }),
+    );
+    let relayed = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["sh", "-c", "echo relayed; exec sleep 301"], "background": true })),
+    );
+    assert_eq!(relayed.status, 201, "{}", relayed.text());
+    let relayed = relayed.json()["id"].as_u64().unwrap();
+    daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "printf 'bin\\000ary\\377' > made.bin; echo changed > kept.txt"] }),
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while read_count(&daemon, &cell, "/tmp/count") < 20 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let before = read_count(&daemon, &cell, "/tmp/count");
+    assert!(before >= 20, "the counter runs: {before}");
+
+    let saved = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/checkpoint"),
+        Some(json!({ "as": "c1" })),
+    );
+    assert_eq!(saved.status, 201, "{}", saved.text());
+    let saved = saved.json();
+    let id = format!("{cell}@c1");
+    assert_eq!(saved["id"], id);
+    assert!(saved["memory_bytes"].as_u64().unwrap() > 0, "{saved}");
+    let info = daemon
+        .call("GET", &format!("/v1/cells/{cell}"), None)
+        .json();
+    assert_eq!(info["state"], "ended", "{info}");
+    assert_eq!(info["ended"], format!("checkpointed as {id}"), "{info}");
+    let waited = daemon.call(
+        "GET",
+        &format!("/v1/cells/{cell}/processes/{relayed}/wait"),
+        None,
+    );
+    assert_eq!(
+        waited.json()["reason"],
+        "signaled",
+        "the relayed exec ended: {}",
+        waited.text()
+    );
+
+    // Some time passes; a restored cell goes on counting from the value it had, not from one.
+    std::thread::sleep(Duration::from_millis(500));
+    let restored = daemon.call(
+        "POST",
+        "/v1/cells",
+        Some(json!({ "name": unique("restored"), "restore": id })),
+    );
+    assert_eq!(restored.status, 201, "{}", restored.text());
+    let new = restored.json()["name"].as_str().unwrap().to_owned();
+    assert_eq!(restored.json()["tier"], "gvisor");
+    let first = read_count(&daemon, &new, "/tmp/count");
+    assert!(
+        first >= before,
+        "it went on from {before}, not from the start: {first}"
+    );
+    assert!(
+        first < before + 200,
+        "it did not run while saved: {before} then {first}"
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        read_count(&daemon, &new, "/tmp/count") > first,
+        "and it keeps counting"
+    );
+    let events = daemon.exec(
+        &new,
+        json!({ "argv": ["sh", "-c", "pgrep -c -f ^sleep.301 || true"] }),
+    );
+    assert_eq!(
+        stdout(&events),
+        "0\n",
+        "the relayed exec was not brought back"
+    );
+    // Its workspace is as it was, byte for byte; the host directory is untouched.
+    let blob = daemon.call(
+        "GET",
+        &format!("/v1/cells/{new}/files/content?path=made.bin"),
+        None,
+    );
+    assert_eq!(blob.body, b"bin\x00ary\xff");
+    let kept = daemon.call(
+        "GET",
+        &format!("/v1/cells/{new}/files/content?path=kept.txt"),
+        None,
+    );
+    assert_eq!(kept.text(), "changed\n");
+    assert_eq!(
+        std::fs::read_to_string(host.path().join("kept.txt")).unwrap(),
+        "from the host\n"
+    );
+    // New processes start in it as in any cell.
+    let events = daemon.exec(&new, json!({ "argv": ["sh", "-c", "echo fresh; exit 4"] }));
+    assert_eq!(
+        (stdout(&events).as_str(), exit_of(&events)["code"].as_i64()),
+        ("fresh\n", Some(4))
+    );
+
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    support::daemon::assert_has_kinds(&journal, &["cell.checkpoint", "cell.checkpoint.done"]);
+    assert!(
+        journal.contains(&format!("\"restore\":\"{id}\"")),
+        "the restore is journaled"
+    );
+    daemon.assert_journal_verifies();
+
+    // An unknown checkpoint, and a restore that also names a policy, are refused.
+    let unknown = daemon.call(
+        "POST",
+        "/v1/cells",
+        Some(json!({ "restore": format!("{cell}@nope") })),
+    );
+    assert_eq!(unknown.status, 404, "{}", unknown.text());
+    let both = daemon.call(
+        "POST",
+        "/v1/cells",
+        Some(json!({ "restore": id, "preset": "default" })),
+    );
+    assert_eq!(both.status, 400, "{}", both.text());
+}
+
+#[test]
+fn checkpoints_a_cell_cannot_have_are_refused_and_it_goes_on() {
+    needs_gvisor!("checkpoints_a_cell_cannot_have_are_refused_and_it_goes_on");
+    let daemon = Daemon::start(&[]);
+    let host = tempdir();
+    let ws = host.path().display().to_string();
+    // The process tier has no memory snapshots.
+    let process = daemon.create(
+        &unique("proc"),
+        json!({ "preset": "default", "workspace": ws }),
+    );
+    let refused = daemon.call(
+        "POST",
+        &format!("/v1/cells/{process}/checkpoint"),
+        Some(json!({})),
+    );
+    assert_eq!(refused.status, 409, "{}", refused.text());
+    assert!(refused.text().contains("gvisor"), "{}", refused.text());
+    // A gVisor cell with a gateway lives on the namespace's network stack.
+    let networked = daemon.create(
+        &unique("net"),
+        json!({ "policy": format!("{GVISOR}network:\n  allow:\n    - host: 127.0.0.2\n"), "workspace": ws }),
+    );
+    let refused = daemon.call(
+        "POST",
+        &format!("/v1/cells/{networked}/checkpoint"),
+        Some(json!({})),
+    );
+    assert_eq!(refused.status, 409, "{}", refused.text());
+    assert!(refused.text().contains("network"), "{}", refused.text());
+    // Without a workspace there is nothing to keep the files in.
+    let bare = daemon.create(&unique("bare"), json!({ "policy": GVISOR }));
+    let refused = daemon.call(
+        "POST",
+        &format!("/v1/cells/{bare}/checkpoint"),
+        Some(json!({})),
+    );
+    assert_eq!(refused.status, 409, "{}", refused.text());
+    // Each goes on as it was.
+    for cell in [&process, &networked, &bare] {
+        let events = daemon.exec(cell, json!({ "argv": ["echo", "alive"] }));
+        assert_eq!(stdout(&events), "alive\n", "{cell}");
+    }
+}
+
+#[test]
+fn a_gvisor_cell_outlives_a_crashed_daemon() {
+    needs_gvisor!("a_gvisor_cell_outlives_a_crashed_daemon");
+    let mut daemon = Daemon::start(&[]);
+    let host = tempdir();
+    let cell = daemon.create(
+        &unique("survive"),
+        json!({ "policy": GVISOR, "workspace": host.path().display().to_string() }),
+    );
+    daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "echo before > note.txt; echo mem > /tmp/mem"] }),
+    );
+    let started = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["sleep", "300"], "background": true })),
+    );
+    assert_eq!(started.status, 201);
+    daemon.crash();
+    // While no daemon runs, the sandbox goes on.
+    assert!(
+        !host_processes_with(&cell).is_empty(),
+        "the sandbox runs without the daemon"
+    );
+    daemon.restart();
+    let info = daemon
+        .call("GET", &format!("/v1/cells/{cell}"), None)
+        .json();
+    assert_eq!(info["state"], "running", "{info}");
+    let events = daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "cat note.txt /tmp/mem; pgrep -c -x sleep"] }),
+    );
+    // Files and memory are as they were; the process whose output only the old daemon was
+    // reading was ended with its connection, as in every tier, and the journal says so.
+    assert_eq!(stdout(&events), "before\nmem\n0\n");
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    support::daemon::assert_has_kinds(&journal, &["cell.reattach", "exec.lost"]);
+    let killed = daemon.call("POST", &format!("/v1/cells/{cell}/kill"), None);
+    assert_eq!(killed.json()["state"], "ended");
+}
+
+#[test]
+fn the_gvisor_tier_is_refused_where_it_cannot_run_and_doctor_says_why() {
+    // As root with runsc, doctor says the tier is usable here; as an unprivileged user, a
+    // gVisor cell is refused with the reason, and nothing falls back to another tier.
+    if is_root() && unavailable().is_none() {
+        let doctor = warden().args(["doctor", "--json"]).output().unwrap();
+        let checks: Value = serde_json::from_slice(&doctor.stdout).unwrap();
+        let tier = checks
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["tier"] == "gvisor" && c["feature"] == "tier")
+            .cloned()
+            .unwrap();
+        assert_eq!(tier["status"], "ok", "{tier}");
+        assert!(
+            tier["detail"].as_str().unwrap().contains("usable here"),
+            "{tier}"
+        );
+        let sandbox = checks
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["tier"] == "gvisor" && c["feature"] == "sandbox")
+            .cloned()
+            .unwrap();
+        assert_eq!(
+            sandbox["status"], "ok",
+            "a sandbox really started: {sandbox}"
+        );
+    }
+    if !is_root() {
+        eprintln!("skipped the unprivileged half: it drops from root to nobody");
+        return;
+    }
+    let dir = tempdir();
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let policy = policy(dir.path(), GVISOR);
+    std::fs::set_permissions(&policy, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    let out = std::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .arg(BIN)
+        .args(["run", "--policy"])
+        .arg(&policy)
+        .args(["--", "echo", "ran"])
+        .env("HOME", dir.path())
+        .env("XDG_RUNTIME_DIR", dir.path())
+        .env_remove("WARDEN_STATE_DIR")
+        .env_remove("WARDEN_RUNTIME_DIR")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(125), "{err}");
+    assert!(
+        err.contains("needs root") && err.contains("tier: process"),
+        "{err}"
+    );
+    assert!(
+        out.stdout.is_empty(),
+        "nothing ran: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    // A tier this warden does not implement names the ones it does.
+    let microvm = policy_text_run("version: 1\ntier: microvm\n");
+    assert_eq!(microvm.code, 125, "{microvm:?}");
+    assert!(
+        microvm.stderr.contains("tier: process") && microvm.stderr.contains("tier: gvisor"),
+        "{microvm:?}"
+    );
+}
+
+fn policy_text_run(yaml: &str) -> Ran {
+    let dir = tempdir();
+    let policy = policy(dir.path(), yaml);
+    run_sh(&["--policy", &policy.display().to_string()], "echo ran")
+}
