@@ -8,11 +8,12 @@
 use std::io::{BufRead as _, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use warden_bench::{Daemon, is_root, ms, percentile, request, table, tree_memory, which};
 
 struct Args {
     runs: usize,
@@ -42,50 +43,6 @@ fn args() -> Result<Args> {
         }
     }
     Ok(out)
-}
-
-fn percentile(samples: &mut [Duration], p: f64) -> Duration {
-    samples.sort();
-    let index = ((samples.len() as f64 - 1.0) * p).round() as usize;
-    samples[index]
-}
-
-/// Median and p99 of each row, and the median's ratio to the first row's.
-fn table(rows: &mut [(String, Vec<Duration>)], versus: &str) {
-    let base = percentile(&mut rows[0].1.clone(), 0.5);
-    println!("{:<40} {:>10} {:>10} {:>14}", "", "median", "p99", versus);
-    for (name, samples) in rows.iter_mut() {
-        let median = percentile(samples, 0.5);
-        let p99 = percentile(samples, 0.99);
-        println!(
-            "{name:<40} {:>10} {:>10} {:>13.2}x",
-            ms(median),
-            ms(p99),
-            median.as_secs_f64() / base.as_secs_f64()
-        );
-    }
-}
-
-fn ms(d: Duration) -> String {
-    format!("{:.2} ms", d.as_secs_f64() * 1000.0)
-}
-
-/// One HTTP/1.1 request on a fresh unix connection, read to its end.
-fn request(socket: &Path, method: &str, path: &str, body: &str) -> Result<(u16, String)> {
-    let mut stream = UnixStream::connect(socket).context("connecting to the daemon")?;
-    write!(
-        stream,
-        "{method} {path} HTTP/1.1\r\nHost: w\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )?;
-    let mut raw = String::new();
-    stream.read_to_string(&mut raw)?;
-    let status = raw
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    Ok((status, raw))
 }
 
 /// An MCP session over the daemon's unix socket, as `warden mcp` opens one (`GET /v1/mcp`
@@ -147,45 +104,6 @@ impl McpSession {
                 return Ok(line);
             }
         }
-    }
-}
-
-struct Daemon {
-    child: Child,
-    socket: PathBuf,
-    _dir: PathBuf,
-}
-
-impl Daemon {
-    fn start(warden: &Path, dir: &Path) -> Result<Self> {
-        let runtime = dir.join("run");
-        let state = dir.join("state");
-        let child = Command::new(warden)
-            .args(["serve", "--e2b", "127.0.0.1:0"])
-            .env("WARDEN_RUNTIME_DIR", &runtime)
-            .env("WARDEN_STATE_DIR", &state)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .with_context(|| format!("starting {}", warden.display()))?;
-        let socket = runtime.join("daemon.sock");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while UnixStream::connect(&socket).is_err() {
-            if Instant::now() > deadline {
-                bail!("the daemon did not come up");
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        Ok(Self {
-            child,
-            socket,
-            _dir: dir.to_path_buf(),
-        })
-    }
-
-    fn runtime(&self) -> &Path {
-        self.socket.parent().unwrap_or(Path::new("."))
     }
 }
 
@@ -283,23 +201,6 @@ fn lifecycle(daemon: &Daemon, runs: usize) -> Result<Vec<(String, Vec<Duration>)
     Ok(rows)
 }
 
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        if let Ok((_, raw)) = request(&self.socket, "GET", "/v1/cells", "") {
-            for name in raw.split("\"name\":\"").skip(1) {
-                if let Some(name) = name.split('"').next() {
-                    let _ = request(&self.socket, "DELETE", &format!("/v1/cells/{name}"), "");
-                }
-            }
-        }
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let _ = self.child.wait();
-    }
-}
-
-/// Proportional and resident memory of a process, in KiB.
 /// A model that answers every request at once: an exec of `true` until `turns` requests came,
 /// then a final text. Answers the times between requests (one turn each).
 fn instant_model(turns: usize) -> Result<(u16, std::sync::mpsc::Receiver<Instant>)> {
@@ -429,59 +330,11 @@ fn tempfile_dir() -> Result<PathBuf> {
     Ok(dir)
 }
 
-fn memory_kib(pid: u32) -> (u64, u64) {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
-    let field = |name: &str| {
-        text.lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
-    (field("Pss:"), field("Rss:"))
-}
-
-/// The daemon and every process below it (keepers, cell inits).
-fn tree_memory(root: u32) -> (u64, u64, usize) {
-    let mut parents: Vec<(u32, u32)> = Vec::new();
-    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
-        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else {
-            continue;
-        };
-        if let Some(ppid) = rest.split(' ').nth(1).and_then(|p| p.parse().ok()) {
-            parents.push((pid, ppid));
-        }
-    }
-    let mut tree = vec![root];
-    let mut i = 0;
-    while i < tree.len() {
-        let parent = tree[i];
-        tree.extend(
-            parents
-                .iter()
-                .filter(|(_, pp)| *pp == parent)
-                .map(|(p, _)| *p),
-        );
-        i += 1;
-    }
-    let (mut pss, mut rss) = (0, 0);
-    for pid in &tree {
-        let (p, r) = memory_kib(*pid);
-        pss += p;
-        rss += r;
-    }
-    (pss, rss, tree.len())
-}
-
 fn runsc_exec(runs: usize) -> Result<Option<Vec<Duration>>> {
     let Some(runsc) = which("runsc") else {
         return Ok(None);
     };
-    if !nix_root() {
+    if !is_root() {
         return Ok(None);
     }
     let bundle = std::env::temp_dir().join(format!("warden-bench-runsc-{}", std::process::id()));
@@ -489,13 +342,15 @@ fn runsc_exec(runs: usize) -> Result<Option<Vec<Duration>>> {
     let config = r#"{"ociVersion":"1.0.0","process":{"terminal":false,"user":{"uid":0,"gid":0},"args":["sleep","3600"],"env":["PATH=/usr/bin:/bin"],"cwd":"/"},"root":{"path":"/","readonly":true},"hostname":"bench","mounts":[{"destination":"/proc","type":"proc","source":"proc"},{"destination":"/tmp","type":"tmpfs","source":"tmpfs"}],"linux":{"namespaces":[{"type":"pid"},{"type":"network"},{"type":"ipc"},{"type":"uts"},{"type":"mount"}]}}"#;
     std::fs::write(bundle.join("config.json"), config)?;
     let id = format!("warden-bench-{}", std::process::id());
+    // Pipes of its own: runsc hands its stdio to the sandbox and re-owns them (never the
+    // host's /dev/null).
     let mut container = Command::new(&runsc)
         .args(["--network=none", "--ignore-cgroups", "run", "--bundle"])
         .arg(&bundle)
         .arg(&id)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
         .spawn()?;
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
@@ -531,20 +386,6 @@ fn runsc_exec(runs: usize) -> Result<Option<Vec<Duration>>> {
         .status();
     let _ = std::fs::remove_dir_all(&bundle);
     Ok(Some(samples))
-}
-
-fn nix_root() -> bool {
-    std::fs::metadata("/proc/self")
-        .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
-        .unwrap_or(false)
-}
-
-fn which(name: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH")?
-        .to_str()?
-        .split(':')
-        .map(|dir| Path::new(dir).join(name))
-        .find(|p| p.exists())
 }
 
 fn journal_rate(entries: usize, threads: usize) -> Result<(f64, Duration)> {
@@ -600,7 +441,7 @@ fn main() -> Result<()> {
     let dir = std::env::temp_dir().join(format!("warden-bench-daemon-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o711))?;
-    let daemon = Daemon::start(&warden, &dir)?;
+    let daemon = Daemon::start(&warden, &dir, &["--e2b", "127.0.0.1:0"])?;
     let (status, raw) = request(&daemon.socket, "POST", "/v1/cells", r#"{"name":"bench"}"#)?;
     if status != 201 {
         bail!("creating a cell failed: {raw}");

@@ -10,16 +10,83 @@
 //!   nothing to a pid 1, so only SIGKILL from outside ends it.
 //! - `kill SIGNAL PGID`: sends SIGNAL to the process group PGID (runsc signals single
 //!   processes; an exec's group is its own session in gVisor), then exits.
+//! - `run ARGV...`: pid 1 of a sandbox that runs one command (`warden run`): says `ready`,
+//!   starts ARGV in a process group of its own, passes the signals it is sent on to that group,
+//!   reaps orphans, and exits with the command's status (128 + N when a signal N ended it).
 //! - `release`: before a checkpoint, ends every process (but pid 1) that holds a descriptor of
 //!   the host (`host:[N]` in its `/proc/PID/fd`: the pipes and terminals of the warden's execs),
 //!   which runsc could not bring back; says how many on its stdout.
 
 use std::io::Write;
 
+use std::sync::atomic::{AtomicI32, Ordering};
+
 unsafe extern "C" {
     fn wait(status: *mut i32) -> i32;
     fn pause() -> i32;
     fn kill(pid: i32, signal: i32) -> i32;
+    fn signal(signal: i32, handler: extern "C" fn(i32)) -> usize;
+}
+
+/// The command's process group, for the signal handler.
+static GROUP: AtomicI32 = AtomicI32::new(0);
+
+/// Passes a signal on to the command's group (async-signal-safe: an atomic load and kill).
+extern "C" fn forward(sig: i32) {
+    let group = GROUP.load(Ordering::Relaxed);
+    if group > 1 {
+        // SAFETY: kill(2) with plain integers.
+        unsafe { kill(-group, sig) };
+    }
+}
+
+/// Runs one command as described above; never returns.
+fn run(argv: &[String]) -> ! {
+    use std::os::unix::process::{CommandExt as _, ExitStatusExt as _};
+    let _ = std::io::stdout().write_all(b"ready\n");
+    let _ = std::io::stdout().flush();
+    let Some((program, args)) = argv.split_first() else {
+        eprintln!("warden: no command");
+        std::process::exit(126);
+    };
+    let child = std::process::Command::new(program)
+        .args(args)
+        .process_group(0)
+        .spawn();
+    let child = match child {
+        Ok(child) => child,
+        Err(e) => {
+            let (code, why) = match e.kind() {
+                std::io::ErrorKind::NotFound => (127, "command not found"),
+                std::io::ErrorKind::PermissionDenied => (126, "permission denied"),
+                _ => (126, "cannot execute"),
+            };
+            eprintln!("warden: {why}: {program}");
+            std::process::exit(code);
+        }
+    };
+    let pid = child.id() as i32;
+    GROUP.store(pid, Ordering::Relaxed);
+    for sig in [1, 2, 3, 10, 12, 15, 28] {
+        // SAFETY: installs `forward`, which is async-signal-safe, for a catchable signal.
+        unsafe { signal(sig, forward) };
+    }
+    loop {
+        let mut status = 0;
+        // SAFETY: wait(2) writes one int through a valid pointer.
+        let reaped = unsafe { wait(&mut status) };
+        if reaped == pid {
+            let status = std::process::ExitStatus::from_raw(status);
+            std::process::exit(match (status.code(), status.signal()) {
+                (Some(code), _) => code,
+                (None, Some(sig)) => 128 + sig,
+                _ => 125,
+            });
+        }
+        if reaped < 0 && std::io::Error::last_os_error().raw_os_error() != Some(4) {
+            std::process::exit(125);
+        }
+    }
 }
 
 /// Whether process `pid` holds a descriptor of the host.
@@ -65,6 +132,9 @@ fn release() -> usize {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if args.len() >= 2 && args[1] == "run" {
+        run(&args[2..]);
+    }
     if args.len() == 2 && args[1] == "release" {
         println!("{}", release());
         return;

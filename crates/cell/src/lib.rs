@@ -21,7 +21,7 @@ pub mod fake;
 
 #[cfg(target_os = "linux")]
 pub use process::{
-    backend::{KeepError, keep},
+    backend::{KEEP_REQUEST, KeepError, keep},
     changes, control,
     exec::resize as resize_terminal,
     plan::{check_name, check_paths},

@@ -14,7 +14,6 @@ use oci_spec::runtime::{
     SpecBuilder, UserBuilder,
 };
 
-use super::compat::INIT_IN_CELL;
 use crate::process::plan::{CellPlan, Entry};
 
 /// The OCI runtime spec version runsc of 2022 reads.
@@ -89,8 +88,9 @@ fn writable(plan: &CellPlan, path: &Path) -> Result<Mount, OciSpecError> {
         .build()
 }
 
-/// The cell's bundle. `netns`: the path of the network namespace the sandbox joins.
-pub fn spec(plan: &CellPlan, netns: &Path) -> Result<Spec, OciSpecError> {
+/// The cell's bundle: `args`, its first process; `netns`, the path of the network namespace the
+/// sandbox joins.
+pub fn spec(plan: &CellPlan, netns: &Path, args: Vec<String>) -> Result<Spec, OciSpecError> {
     let mut mounts = vec![
         mount("/proc", "proc", &[])?,
         mount("/dev", "tmpfs", &["nosuid", "strictatime", "mode=755"])?,
@@ -133,13 +133,7 @@ pub fn spec(plan: &CellPlan, netns: &Path) -> Result<Spec, OciSpecError> {
                 .readonly(true)
                 .build()?,
         )
-        .process(process(
-            plan,
-            vec![INIT_IN_CELL.to_owned()],
-            &plan.env,
-            Path::new("/"),
-            false,
-        )?)
+        .process(process(plan, args, &plan.env, &plan.cwd, false)?)
         .hostname(plan.hostname.clone())
         .mounts(mounts)
         .linux(LinuxBuilder::default().namespaces(namespaces).build()?)

@@ -356,7 +356,7 @@ fn spawn_exec(
 /// from a program's own exit status. Paths on the sandbox's own file systems (`/tmp`, `/dev`,
 /// `/proc`, `/sys`: gVisor's, not on the host) cannot be looked at from here and are left to
 /// the sandbox.
-fn resolve(
+pub(crate) fn resolve(
     root: &Path,
     program: &str,
     env: &[(OsString, OsString)],

@@ -76,6 +76,9 @@ pub fn keep(
     forwarded
         .thread_block()
         .map_err(nix_os("blocking signals"))?;
+    // runsc's sandbox and gofer outlive `runsc run` for a moment when it is killed: the keeper
+    // reaps them, so that they are gone (not zombies) when runsc cleans up after them.
+    sys::set_child_subreaper().map_err(os("becoming the cell's reaper"))?;
     let compat = Compat::install(&store.root().join("gvisor").join("compat"))
         .map_err(sandbox("installing the cell's init"))?;
     let policy = request.policy.clone();
@@ -129,23 +132,61 @@ pub fn keep(
     .map_err(|e| RunError::Setup(e.to_string()))?;
     drop(tree);
 
-    // The host side of the cell's processes, forked now, while this process has one thread.
-    let (channel, served) = sys::seqpacket_pair().map_err(os("creating the exec channel"))?;
-    let (lifeline_r, lifeline_w) = sys::pipe().map_err(os("creating pipes"))?;
-    let host = super::host::Cell {
-        runsc: runsc.clone(),
-        id: name.clone(),
-        plan: plan.clone(),
-    };
-    let host_pid = match sys::clone_process(0).map_err(os("starting the cell's host side"))? {
-        0 => {
-            drop((channel, lifeline_w));
-            super::host::serve(&host, served, lifeline_r)
+    // A cell that runs one command (`warden run`): a program that cannot start is said so
+    // before anything is made, as the process tier says it.
+    let serves = request.serve_exec;
+    let first: Vec<String> = request
+        .argv
+        .iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    if !serves {
+        let program = first.first().map(String::as_str).unwrap_or_default();
+        match super::host::resolve(&plan.root, program, &plan.env, &plan.cwd) {
+            Ok(()) => {}
+            Err((code, message)) => {
+                let ending = match code {
+                    crate::process::init::NOT_FOUND => Ending::CommandNotFound(message),
+                    _ => Ending::CannotExecute(message),
+                };
+                write_report(request.report.as_deref(), &ending);
+                drop(reservation);
+                let kept_changes = layer.is_some_and(|l| l.finish(request.discard_changes));
+                return Ok(RunOutcome {
+                    name,
+                    ending,
+                    notices,
+                    kept_changes,
+                });
+            }
         }
-        pid => pid,
-    };
-    drop((served, lifeline_r));
-    let mut host_guard = HostGuard(Some(Pid::from_raw(host_pid)));
+    }
+
+    // The host side of the cell's processes, forked now, while this process has one thread
+    // (a cell that serves execs only).
+    let mut host_guard = HostGuard(None);
+    let mut channel = None;
+    if serves {
+        let (ours, served) = sys::seqpacket_pair().map_err(os("creating the exec channel"))?;
+        let (lifeline_r, lifeline_w) = sys::pipe().map_err(os("creating pipes"))?;
+        let host = super::host::Cell {
+            runsc: runsc.clone(),
+            id: name.clone(),
+            plan: plan.clone(),
+        };
+        let host_pid = match sys::clone_process(0).map_err(os("starting the cell's host side"))? {
+            0 => {
+                drop((ours, lifeline_w));
+                super::host::serve(&host, served, lifeline_r)
+            }
+            pid => pid,
+        };
+        drop((served, lifeline_r));
+        // The host side watches the lifeline for the keeper's end; it is held here.
+        std::mem::forget(lifeline_w);
+        host_guard = HostGuard(Some(Pid::from_raw(host_pid)));
+        channel = Some(ours);
+    }
 
     let network = super::network::Namespace::make(gateway.is_some())
         .map_err(sandbox("making the cell's network namespace"))?;
@@ -168,16 +209,26 @@ pub fn keep(
         std::process::id(),
         network.fd.as_raw_fd()
     ));
-    super::bundle::spec(&plan, &netns)
+    // The sandbox's first process: Warden's init, alone (it then takes execs) or running the
+    // one command.
+    let init_args: Vec<String> = match serves {
+        true => vec![INIT_IN_CELL.to_owned()],
+        false => [INIT_IN_CELL.to_owned(), "run".to_owned()]
+            .into_iter()
+            .chain(first.iter().cloned())
+            .collect(),
+    };
+    super::bundle::spec(&plan, &netns, init_args)
         .and_then(|spec| spec.save(bundle.join("config.json")))
         .map_err(|e| GvisorError::Sandbox(format!("writing the cell's bundle: {e}")))?;
     // What an earlier keeper of this name may have left in runsc's state (it was killed).
-    let _ = quiet(runsc.command("delete").args(["--force", &name])).status();
+    if runsc.has_state(&name) {
+        let _ = quiet(runsc.command("delete").args(["--force", &name])).status();
+    }
 
     let (stdin_r, stdin_w) = sys::pipe().map_err(os("creating pipes"))?;
     let (stdout_r, stdout_w) = sys::pipe().map_err(os("creating pipes"))?;
     let (stderr_r, stderr_w) = sys::pipe().map_err(os("creating pipes"))?;
-    drop(stdin_w);
     let mut command = match restore {
         Some(image) => {
             let mut command = runsc.command("restore");
@@ -252,12 +303,13 @@ pub fn keep(
     // Joining the cell from outside (a reset of its workspace): the keeper's namespaces, and
     // the cell's root in them.
     let namespaces = namespaces(&plan.root).map_err(os("holding the cell's namespaces"))?;
-    crate::process::exec::serve(
-        &reservation.file(EXEC_SOCKET),
-        Some(channel),
-        Some(namespaces),
-    )
-    .map_err(os("opening the cell's exec socket"))?;
+    crate::process::exec::serve(&reservation.file(EXEC_SOCKET), channel, Some(namespaces))
+        .map_err(os("opening the cell's exec socket"))?;
+    // The one command's stdin is this process's (a cell that serves execs has none).
+    match serves {
+        true => drop(stdin_w),
+        false => crate::process::relay::spawn_stdin_pump(stdin_w),
+    }
     let signals = SignalFd::with_flags(&forwarded, SfdFlags::SFD_CLOEXEC)
         .map_err(nix_os("creating a signalfd"))?;
     let relay = Relay {
@@ -269,8 +321,13 @@ pub fn keep(
         stderr: Some(stderr_r),
         signals,
         deadline: policy.limits.wall.map(|w| (started + w.0, w.0)),
-        output_cap: None,
-        memory_limit: None,
+        output_cap: policy.limits.output.map(|o| o.0),
+        // A cell that serves execs outlives an OOM (the kernel kills the process that went
+        // over, and the daemon reports that exec's ending); one that runs a command ends.
+        memory_limit: match serves {
+            true => None,
+            false => policy.limits.memory.map(|m| m.0),
+        },
         disk: None,
     };
     let relayed = relay.run();
@@ -281,23 +338,26 @@ pub fn keep(
         Stop::Limit(ending) => ending,
         Stop::Exited(status) => {
             let oom = cell_cgroup.oom_kills() > 0;
-            match (oom, policy.limits.memory) {
-                (true, Some(limit)) => Ending::MemoryLimit { limit: limit.0 },
+            match (oom, policy.limits.memory, status) {
+                (true, Some(limit), _) => Ending::MemoryLimit { limit: limit.0 },
                 _ if reservation.kill_requested() => Ending::Killed,
-                _ => status,
+                // runsc exits with its first process's status, 128 + N for a signal N (the
+                // init reports its command's so).
+                (_, _, Ending::Exited(code)) if !serves && (129..=128 + 64).contains(&code) => {
+                    Ending::Signaled(code - 128)
+                }
+                (_, _, status) => status,
             }
         }
     };
     drop(guard);
     host_guard.end();
-    let _ = quiet(runsc.command("delete").args(["--force", &name])).status();
-    if let Some(path) = &request.report {
-        // Before the name is released: whoever sees the lock go finds this already.
-        let tmp = path.with_extension("tmp");
-        if fs::write(&tmp, ending.report().to_string()).is_ok() {
-            let _ = fs::rename(&tmp, path);
-        }
+    reap_orphans(Duration::from_secs(2));
+    if runsc.has_state(&name) {
+        let _ = quiet(runsc.command("delete").args(["--force", &name])).status();
     }
+    // Before the name is released: whoever sees the lock go finds this already.
+    write_report(request.report.as_deref(), &ending);
     drop(reservation);
     let kept_changes = layer.is_some_and(|layer| layer.finish(request.discard_changes));
     if request.discard_changes {
@@ -309,6 +369,16 @@ pub fn keep(
         notices,
         kept_changes,
     })
+}
+
+/// Writes how the cell ended where the keeper's caller looks for it.
+fn write_report(path: Option<&Path>, ending: &Ending) {
+    if let Some(path) = path {
+        let tmp = path.with_extension("tmp");
+        if fs::write(&tmp, ending.report().to_string()).is_ok() {
+            let _ = fs::rename(&tmp, path);
+        }
+    }
 }
 
 /// A command with no stdio of the caller's (runsc would take them over).
@@ -425,6 +495,21 @@ fn wait_restored(
         "it did not come back within {} s",
         START_DEADLINE.as_secs()
     ))
+}
+
+/// Reaps the children left (the sandbox's processes, orphaned and killed with the cell) until
+/// none is left or `grace` has passed.
+fn reap_orphans(grace: Duration) {
+    let deadline = Instant::now() + grace;
+    loop {
+        match nix::sys::wait::waitpid(None, Some(nix::sys::wait::WaitPidFlag::WNOHANG)) {
+            Ok(nix::sys::wait::WaitStatus::StillAlive) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Ok(nix::sys::wait::WaitStatus::StillAlive) | Err(_) => return,
+            Ok(_) => {}
+        }
+    }
 }
 
 /// Ends the host side with the keeper.

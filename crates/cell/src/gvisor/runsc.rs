@@ -77,6 +77,19 @@ impl Runsc {
         command
     }
 
+    /// Whether runsc keeps state of a container `id` (one that ended with runsc killed, before
+    /// it could clean up after it): then `delete --force` is needed before the name is used
+    /// again. (runsc names its state files `ID_sandbox:ID.state`; looking costs a directory
+    /// read, where asking runsc costs a start of it.)
+    pub fn has_state(&self, id: &str) -> bool {
+        let prefix = format!("{id}_sandbox:");
+        std::fs::read_dir(&self.root).is_ok_and(|entries| {
+            entries
+                .flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        })
+    }
+
     /// runsc's own word on its version (`runsc --version`'s first line).
     pub fn version(&self) -> Option<String> {
         let out = Command::new(&self.binary).arg("--version").output().ok()?;

@@ -32,7 +32,18 @@ pub struct KeeperRequest {
     /// The soft limit of open files to take back (the daemon raised its own).
     #[serde(default)]
     pub open_files: Option<u64>,
+    /// The one command the cell runs, with the keeper's stdio, and then ends (`warden run`);
+    /// none: the cell takes execs until it is killed.
+    #[serde(default)]
+    pub argv: Vec<std::ffi::OsString>,
+    /// With a command: its workspace layer and egress record go with it.
+    #[serde(default)]
+    pub discard_changes: bool,
 }
+
+/// The environment variable that names a file holding the keeper's request, where its stdin
+/// is the command's.
+pub const KEEP_REQUEST: &str = "WARDEN_KEEP_REQUEST";
 
 /// How long a keeper may take to bring its cell up.
 const START_DEADLINE: Duration = Duration::from_secs(30);
@@ -122,6 +133,8 @@ impl Backend for ProcessBackend {
         let request = serde_json::to_vec(&KeeperRequest {
             spec,
             open_files: self.config.keeper_open_files,
+            argv: Vec::new(),
+            discard_changes: false,
         })
         .map_err(|e| StartError::Host(format!("writing the keeper's request: {e}")))?;
         let mut child = command.spawn().map_err(|e| {
@@ -459,11 +472,11 @@ pub fn keep(input: impl std::io::Read) -> Result<(i32, Vec<String>), KeepError> 
         policy: spec.policy,
         name: Some(spec.name),
         workspace: if from.is_some() { None } else { spec.workspace },
-        argv: Vec::new(),
+        serve_exec: request.argv.is_empty(),
+        argv: request.argv,
         env: spec.env,
-        discard_changes: false,
+        discard_changes: request.discard_changes,
         from,
-        serve_exec: true,
         report: spec.report,
         checked: false,
     };

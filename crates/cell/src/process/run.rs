@@ -133,6 +133,34 @@ impl Ending {
     }
 }
 
+impl Ending {
+    /// The ending a report (see [`Ending::report`]) says.
+    pub fn from_report(report: &serde_json::Value) -> Option<Self> {
+        let number = |key: &str| report[key].as_i64();
+        let message = || report["message"].as_str().unwrap_or_default().to_owned();
+        Some(match report["reason"].as_str()? {
+            "exited" => Self::Exited(number("code")? as i32),
+            "signaled" => Self::Signaled(number("signal")? as i32),
+            "memory-limit" => Self::MemoryLimit {
+                limit: report["limit"].as_u64()?,
+            },
+            "wall-limit" => Self::WallLimit {
+                limit: Duration::from_millis(report["limit_ms"].as_u64()?),
+            },
+            "output-limit" => Self::OutputLimit {
+                limit: report["limit"].as_u64()?,
+            },
+            "disk-limit" => Self::DiskLimit {
+                limit: report["limit"].as_u64()?,
+            },
+            "killed" => Self::Killed,
+            "not-found" => Self::CommandNotFound(message()),
+            "not-executable" => Self::CannotExecute(message()),
+            _ => return None,
+        })
+    }
+}
+
 /// What `run` reports beside the ending.
 #[derive(Debug, Clone)]
 pub struct RunOutcome {

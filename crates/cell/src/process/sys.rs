@@ -111,6 +111,13 @@ pub fn set_parent_death_signal(signal: libc::c_int) -> io::Result<()> {
     check(unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, signal as libc::c_ulong) }.into()).map(drop)
 }
 
+/// Makes this process the reaper of its descendants' orphans (instead of the host's init, which
+/// in a container may reap nothing).
+pub fn set_child_subreaper() -> io::Result<()> {
+    // SAFETY: prctl with integer arguments.
+    check(unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) }.into()).map(drop)
+}
+
 /// Sets `no_new_privs`: execve can never grant privileges again (setuid bits, file caps).
 pub fn set_no_new_privs() -> io::Result<()> {
     // SAFETY: prctl with integer arguments.
@@ -969,13 +976,6 @@ pub fn join_cgroups_on_exec(
         });
     }
     Ok(())
-}
-
-/// A borrow of the descriptor `owner` holds, for as long as `owner` is borrowed.
-pub fn borrow_of<T: AsRawFd + ?Sized>(owner: &T) -> BorrowedFd<'_> {
-    // SAFETY: `owner` keeps its descriptor open for as long as it lives, and the borrow
-    // returned cannot outlive the borrow of `owner`.
-    unsafe { BorrowedFd::borrow_raw(owner.as_raw_fd()) }
 }
 
 #[cfg(test)]

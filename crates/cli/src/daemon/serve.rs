@@ -134,7 +134,17 @@ fn raise_open_files_limit() -> Option<u64> {
 /// `warden keep`: the keeper of one daemon cell, an exec-serving cell without a command. It
 /// takes its request (a serialized cell spec) as JSON on stdin.
 pub fn keep() -> Result<i32> {
-    let (status, notices) = warden_cell::keep(std::io::stdin().lock())?;
+    // The request comes on stdin, or (a keeper that runs a command with the caller's stdin)
+    // from the file `WARDEN_KEEP_REQUEST` names, which is removed once read.
+    let (status, notices) = match std::env::var_os(warden_cell::KEEP_REQUEST) {
+        Some(path) => {
+            let file = std::fs::File::open(&path)
+                .with_context(|| format!("opening the keeper's request {}", path.display()))?;
+            let _ = std::fs::remove_file(&path);
+            warden_cell::keep(file)?
+        }
+        None => warden_cell::keep(std::io::stdin().lock())?,
+    };
     for notice in &notices {
         eprintln!("warden: note: {notice}");
     }

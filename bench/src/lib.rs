@@ -1,0 +1,172 @@
+//! What the benchmarks share: a daemon of their own, requests over its unix socket, the
+//! memory of process trees, percentiles and tables.
+
+use std::io::{Read as _, Write as _};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+/// The `p`th percentile of `samples` (sorted in place).
+pub fn percentile(samples: &mut [Duration], p: f64) -> Duration {
+    samples.sort();
+    let index = ((samples.len() as f64 - 1.0) * p).round() as usize;
+    samples[index.min(samples.len().saturating_sub(1))]
+}
+
+pub fn ms(d: Duration) -> String {
+    format!("{:.2} ms", d.as_secs_f64() * 1000.0)
+}
+
+/// Median and p99 of each row, and the median's ratio to the first row's.
+pub fn table(rows: &mut [(String, Vec<Duration>)], versus: &str) {
+    let base = percentile(&mut rows[0].1.clone(), 0.5);
+    println!("{:<44} {:>11} {:>11} {:>14}", "", "median", "p99", versus);
+    for (name, samples) in rows.iter_mut() {
+        let median = percentile(samples, 0.5);
+        let p99 = percentile(samples, 0.99);
+        println!(
+            "{name:<44} {:>11} {:>11} {:>13.2}x",
+            ms(median),
+            ms(p99),
+            median.as_secs_f64() / base.as_secs_f64()
+        );
+    }
+}
+
+/// One HTTP/1.1 request on a fresh unix connection, read to its end: the status and the raw
+/// answer.
+pub fn request(socket: &Path, method: &str, path: &str, body: &str) -> Result<(u16, String)> {
+    let mut stream = UnixStream::connect(socket).context("connecting to the daemon")?;
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: w\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw)?;
+    let status = raw
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    Ok((status, raw))
+}
+
+/// A `warden serve` of the benchmark's own, with its runtime and state under `dir`.
+#[derive(Debug)]
+pub struct Daemon {
+    pub child: Child,
+    pub socket: PathBuf,
+}
+
+impl Daemon {
+    pub fn start(warden: &Path, dir: &Path, extra: &[&str]) -> Result<Self> {
+        let runtime = dir.join("run");
+        let state = dir.join("state");
+        let child = Command::new(warden)
+            .arg("serve")
+            .args(extra)
+            .env("WARDEN_RUNTIME_DIR", &runtime)
+            .env("WARDEN_STATE_DIR", &state)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", warden.display()))?;
+        let socket = runtime.join("daemon.sock");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while UnixStream::connect(&socket).is_err() {
+            if Instant::now() > deadline {
+                bail!("the daemon did not come up");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Ok(Self { child, socket })
+    }
+
+    pub fn runtime(&self) -> &Path {
+        self.socket.parent().unwrap_or(Path::new("."))
+    }
+}
+
+impl Drop for Daemon {
+    /// Deletes every cell (their keepers outlive a daemon by design), then ends the daemon.
+    fn drop(&mut self) {
+        if let Ok((_, raw)) = request(&self.socket, "GET", "/v1/cells", "") {
+            for name in raw.split("\"name\":\"").skip(1) {
+                if let Some(name) = name.split('"').next() {
+                    let _ = request(&self.socket, "DELETE", &format!("/v1/cells/{name}"), "");
+                }
+            }
+        }
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let _ = self.child.wait();
+    }
+}
+
+/// PSS and RSS of one process, in KiB.
+pub fn memory_kib(pid: u32) -> (u64, u64) {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
+    let field = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    (field("Pss:"), field("Rss:"))
+}
+
+/// PSS and RSS (KiB) of `root` and every process below it, and how many they are.
+pub fn tree_memory(root: u32) -> (u64, u64, usize) {
+    let mut parents: Vec<(u32, u32)> = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else {
+            continue;
+        };
+        if let Some(ppid) = rest.split(' ').nth(1).and_then(|p| p.parse().ok()) {
+            parents.push((pid, ppid));
+        }
+    }
+    let mut tree = vec![root];
+    let mut i = 0;
+    while i < tree.len() {
+        let parent = tree[i];
+        tree.extend(
+            parents
+                .iter()
+                .filter(|(_, pp)| *pp == parent)
+                .map(|(p, _)| *p),
+        );
+        i += 1;
+    }
+    let (mut pss, mut rss) = (0, 0);
+    for pid in &tree {
+        let (p, r) = memory_kib(*pid);
+        pss += p;
+        rss += r;
+    }
+    (pss, rss, tree.len())
+}
+
+pub fn is_root() -> bool {
+    std::fs::metadata("/proc/self")
+        .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
+        .unwrap_or(false)
+}
+
+pub fn which(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
