@@ -80,6 +80,13 @@ const BENCHES: &[Bench] = &[
         quick: &["--runs", "30", "--cells", "20"],
         charts: &[],
     },
+    Bench {
+        title: "The gVisor tier",
+        binary: "gvisor-bench",
+        args: &["--runs", "30"],
+        quick: &["--runs", "5"],
+        charts: &[],
+    },
 ];
 
 fn main() -> Result<()> {
