@@ -12,6 +12,7 @@
 pub mod gateway;
 #[cfg(target_os = "linux")]
 mod gvisor;
+pub mod probe;
 #[cfg(target_os = "linux")]
 mod process;
 pub mod tier;
@@ -25,7 +26,6 @@ pub use process::{
     changes, control,
     exec::resize as resize_terminal,
     plan::{check_name, check_paths},
-    probe,
     registry::{CellRecord, Registry, RegistryError},
     run::{Ending, RunError, RunOutcome, RunRequest},
     snapshot,

@@ -162,7 +162,23 @@ pub struct Attached {
 }
 
 /// What a doctor's check found.
-pub use crate::process::probe::{Check, Status as CheckStatus};
+pub use crate::probe::{Check, Status as CheckStatus};
+
+/// Whether this warden implements `tier`.
+pub fn implemented(tier: Tier) -> bool {
+    matches!(tier, Tier::Process | Tier::Gvisor)
+}
+
+/// What `tier` needs of this host and whether it has it: the checks its backend's `probe`
+/// gives, without opening a backend (`doctor` makes nothing). `state`: Warden's state
+/// directory.
+pub fn probe(tier: Tier, state: &std::path::Path) -> Vec<Check> {
+    match tier {
+        Tier::Process => crate::process::probe::checks(),
+        Tier::Gvisor => crate::gvisor::probe::checks(state),
+        Tier::Microvm => crate::probe::microvm(),
+    }
+}
 
 /// An isolation tier.
 pub trait Backend: Send + Sync + Debug {

@@ -856,7 +856,7 @@ fn policy(command: PolicyCommand) -> Result<i32> {
 }
 
 fn doctor(json: bool) -> Result<i32> {
-    let checks = probe::run_all();
+    let checks = probe::doctor(&Store::default_root());
     if json {
         println!(
             "{}",

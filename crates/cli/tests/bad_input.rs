@@ -279,10 +279,13 @@ fn paths_the_cell_could_not_see_are_refused_before_it_starts_with_the_reason() {
         dir.path(),
         "version: 1\nfilesystem:\n  read_write: [/tmp/from-the-host]\n",
     );
-    let gvisor = policy(dir.path(), "version: 1\ntier: gvisor\n");
+    let microvm = policy(dir.path(), "version: 1\ntier: microvm\n");
     let cases = vec![
         (under_tmp, "is under /tmp, which is the cell's own"),
-        (gvisor, "the gvisor tier is not implemented in this version"),
+        (
+            microvm,
+            "the microvm tier is not implemented in this version",
+        ),
     ];
     for (file, reason) in cases {
         // `warden policy check` says it, and so does a run, before anything starts.
@@ -338,18 +341,24 @@ fn paths_the_cell_could_not_see_are_refused_before_it_starts_with_the_reason() {
             .cloned()
             .unwrap()
     };
-    assert_eq!(tier("gvisor")["status"], "missing");
     assert!(
         tier("gvisor")["detail"]
             .as_str()
             .unwrap()
-            .contains("implemented: no")
+            .contains("implemented: yes")
     );
+    assert_eq!(tier("microvm")["status"], "missing");
     assert!(
         tier("microvm")["detail"]
             .as_str()
             .unwrap()
             .contains("implemented: no")
+    );
+    assert!(
+        tier("microvm")["fix"]
+            .as_str()
+            .unwrap()
+            .contains("`tier: gvisor`")
     );
     assert!(
         tier("process")["detail"]

@@ -87,7 +87,7 @@ impl Backend for GvisorBackend {
     }
 
     fn probe(&self) -> Vec<Check> {
-        probe::checks(&self.keepers.config().state)
+        crate::tier::probe(Tier::Gvisor, &self.keepers.config().state)
     }
 
     fn checkpoint(

@@ -3,7 +3,7 @@
 use std::path::Path;
 use std::process::Stdio;
 
-use crate::process::probe::{Check, Status};
+use crate::probe::{Check, Status};
 
 fn check(feature: &'static str, status: Status, detail: String, fix: Option<&str>) -> Check {
     Check {

@@ -241,7 +241,7 @@ impl Backend for ProcessBackend {
     }
 
     fn probe(&self) -> Vec<Check> {
-        super::probe::run_all()
+        crate::tier::probe(Tier::Process, &self.config.state)
     }
 }
 

@@ -1,34 +1,15 @@
-//! Host feature probes behind `warden doctor`: what each tier needs, whether this host has it,
-//! and what to do when it does not.
+//! What the process tier needs of this host (for `warden doctor`), whether it has it, and what to
+//! do when it does not.
 
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use nix::sys::wait::waitpid;
 use nix::unistd::Pid;
-use serde::Serialize;
 
 use super::cgroup::{self, Version};
 use super::sys;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Status {
-    Ok,
-    Warn,
-    Missing,
-}
-
-/// One line of the doctor's report.
-#[derive(Debug, Clone, Serialize)]
-pub struct Check {
-    pub tier: &'static str,
-    pub feature: &'static str,
-    pub status: Status,
-    pub detail: String,
-    /// What to do when the status is not ok.
-    pub fix: Option<String>,
-}
+use crate::probe::{Check, Status};
 
 fn check(
     tier: &'static str,
@@ -46,8 +27,8 @@ fn check(
     }
 }
 
-/// Runs every probe. Cheap enough to call on each `warden doctor`.
-pub fn run_all() -> Vec<Check> {
+/// The process tier's prerequisites on this host.
+pub fn checks() -> Vec<Check> {
     let mut out = vec![
         user_namespaces(),
         landlock(),
@@ -58,55 +39,7 @@ pub fn run_all() -> Vec<Check> {
     out.extend(cgroups());
     out.push(cgroup_attach());
     out.push(redirect());
-    out.extend(crate::gvisor::probe::checks(
-        &super::store::Store::default_root(),
-    ));
-    out.push(kvm());
-    out.push(vmm());
-    let summaries: Vec<Check> = TIERS.iter().map(|tier| summary(tier, &out)).collect();
-    out.extend(summaries);
     out
-}
-
-/// The tiers, and whether this version of warden implements each.
-const TIERS: [(&str, bool); 3] = [("process", true), ("gvisor", true), ("microvm", false)];
-
-/// One line per tier, apart from its prerequisites: implemented, prerequisites present, usable
-/// here. A tier is usable only when both hold; nothing falls back to another tier silently.
-fn summary(&(tier, implemented): &(&'static str, bool), checks: &[Check]) -> Check {
-    let missing: Vec<&str> = checks
-        .iter()
-        .filter(|c| c.tier == tier && c.status == Status::Missing)
-        .map(|c| c.feature)
-        .collect();
-    let prerequisites = if missing.is_empty() {
-        "prerequisites present".to_owned()
-    } else {
-        format!("prerequisites missing: {}", missing.join(", "))
-    };
-    let (status, usable, fix) = match (implemented, missing.is_empty()) {
-        (true, true) => (Status::Ok, "usable here", None),
-        (true, false) => (
-            Status::Missing,
-            "not usable here",
-            Some("fix the prerequisites above".to_owned()),
-        ),
-        (false, _) => (
-            Status::Missing,
-            "not usable: not implemented in this version",
-            Some("use `tier: process`".to_owned()),
-        ),
-    };
-    Check {
-        tier,
-        feature: "tier",
-        status,
-        detail: format!(
-            "implemented: {}; {prerequisites}; {usable}",
-            if implemented { "yes" } else { "no (planned)" }
-        ),
-        fix,
-    }
 }
 
 fn user_namespaces() -> Check {
@@ -327,60 +260,6 @@ fn redirect() -> Check {
             Some("apt-get install nftables iproute2"),
         ),
     }
-}
-
-fn kvm() -> Check {
-    match fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-    {
-        Ok(_) => check(
-            "microvm",
-            "kvm",
-            Status::Ok,
-            "/dev/kvm is usable".to_owned(),
-            None,
-        ),
-        Err(err) => check(
-            "microvm",
-            "kvm",
-            Status::Missing,
-            format!("/dev/kvm: {err}"),
-            Some(
-                "enable virtualization and load kvm_intel or kvm_amd; add the user to the kvm group",
-            ),
-        ),
-    }
-}
-
-fn vmm() -> Check {
-    match which("qemu-system-x86_64")
-        .or_else(|| which("firecracker"))
-        .or_else(|| which("cloud-hypervisor"))
-    {
-        Some(path) => check(
-            "microvm",
-            "vmm",
-            Status::Ok,
-            path.display().to_string(),
-            None,
-        ),
-        None => check(
-            "microvm",
-            "vmm",
-            Status::Missing,
-            "no VMM found".to_owned(),
-            Some("apt-get install qemu-system-x86"),
-        ),
-    }
-}
-
-fn which(program: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|dir| dir.join(program))
-        .find(|p| p.is_file())
 }
 
 fn read_trim(path: &str) -> Option<String> {
