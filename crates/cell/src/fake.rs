@@ -159,6 +159,11 @@ impl Backend for FakeBackend {
             .map(|c| c as Arc<dyn Cell>))
     }
 
+    fn layers(&self) -> Option<crate::tier::Layers> {
+        // Its cells are plain directories: no copy-on-write workspace.
+        None
+    }
+
     fn probe(&self) -> Vec<Check> {
         Vec::new()
     }

@@ -161,6 +161,17 @@ pub struct Attached {
     pub kept_changes: bool,
 }
 
+/// Where a tier keeps its cells' workspace layers (the registry of running cells, which says
+/// whether a cell runs and how to hold it still, and the store of layers and snapshots).
+#[derive(Debug, Clone)]
+pub struct Layers {
+    pub registry: crate::Registry,
+    pub store: crate::Store,
+}
+
+pub use crate::process::changes::ChangesError;
+pub use crate::process::snapshot::SnapshotError;
+
 /// What a doctor's check found.
 pub use crate::probe::{Check, Status as CheckStatus};
 
@@ -218,6 +229,60 @@ pub trait Backend: Send + Sync + Debug {
     }
     /// What the host offers this tier (for `warden doctor`).
     fn probe(&self) -> Vec<Check>;
+    /// Where the tier keeps its cells' copy-on-write workspace layers, for the workspace
+    /// machinery every tier shares (`None`: it has none). The workspace operations below read
+    /// and change the layers there; a tier that keeps them otherwise overrides those.
+    fn layers(&self) -> Option<Layers>;
+
+    /// What cell `name` changed in its workspace, running or stopped (a running cell is held
+    /// still while its layer is read).
+    fn diff(
+        &self,
+        name: &str,
+    ) -> Result<(warden_workspace::Diff, warden_workspace::LayerMeta), ChangesError> {
+        let layers = self.no_layers(name)?;
+        crate::changes::diff(&layers.registry, &layers.store, name)
+    }
+
+    /// Writes chosen changes of cell `name`'s workspace into its host directory.
+    fn apply(
+        &self,
+        name: &str,
+        options: warden_workspace::ApplyOptions,
+    ) -> Result<warden_workspace::ApplyReport, ChangesError> {
+        let layers = self.no_layers(name)?;
+        crate::changes::apply(&layers.registry, &layers.store, name, options)
+    }
+
+    /// Saves cell `name`'s workspace as the immutable snapshot `NAME@AS`.
+    fn snapshot(
+        &self,
+        name: &str,
+        as_name: Option<&str>,
+    ) -> Result<crate::SnapshotInfo, SnapshotError> {
+        let layers = self.no_layers(name)?;
+        crate::snapshot::take(&layers.registry, &layers.store, name, as_name)
+    }
+
+    /// Returns cell `name`'s workspace to snapshot `to` (`CELL@SNAP`), or to its start; a
+    /// running cell sees the change at once.
+    fn reset(&self, name: &str, to: Option<&str>) -> Result<(), SnapshotError> {
+        let layers = self.no_layers(name)?;
+        crate::changes::reset(&layers.registry, &layers.store, name, to)
+    }
+
+    /// Removes a stopped cell's workspace layer (its unapplied changes are lost).
+    fn remove_layer(&self, name: &str) -> Result<(), ChangesError> {
+        let layers = self.no_layers(name)?;
+        crate::changes::remove(&layers.registry, &layers.store, name)
+    }
+
+    #[doc(hidden)]
+    fn no_layers(&self, name: &str) -> Result<Layers, ChangesError> {
+        self.layers()
+            .ok_or_else(|| ChangesError::NoLayer(name.to_owned()))
+    }
+
     /// Saves the memory of cell `name` (every process, where it was) into the directory
     /// `image`, and ends the cell. `while_held` is called while the cell is held still, before
     /// its memory is saved (the caller snapshots the workspace there, so that both are of one

@@ -279,7 +279,9 @@ impl Harness {
 
     /// Removes the cell's layer, and with `record` its egress record.
     fn discard(&self, name: &str, record: bool) {
-        let _ = warden_cell::changes::remove(&self.registry, &self.store, name);
+        if let Ok(tier) = self.backend_of(name) {
+            let _ = tier.remove_layer(name);
+        }
         if record {
             let _ = std::fs::remove_file(self.store.net_log_path(name));
         }

@@ -502,7 +502,9 @@ impl Harness {
         if let Ok(mut cells) = self.cells.lock() {
             cells.remove(name);
         }
-        let _ = warden_cell::changes::remove(&self.registry, &self.store, name);
+        if let Ok(tier) = self.backend_of(name) {
+            let _ = tier.remove_layer(name);
+        }
         let _ = std::fs::remove_file(self.store.net_log_path(name));
         if let Ok(mut copiers) = self.copiers.lock() {
             copiers.remove(name);

@@ -89,8 +89,7 @@ impl Harness {
         )
         .await?;
         let tier = self.backend(policy.tier)?;
-        let (registry, store, cell_name) =
-            (self.registry.clone(), self.store.clone(), name.to_owned());
+        let cell_name = name.to_owned();
         let (image_dir, snap_name) = (image.clone(), snap.clone());
         let _ = std::fs::write(
             self.daemon_dir.join("cells").join(name).join(CHECKPOINTED),
@@ -99,7 +98,7 @@ impl Harness {
         let saved = tokio::task::spawn_blocking(move || {
             let mut workspace_bytes = 0;
             let mut while_held = || {
-                warden_cell::snapshot::take(&registry, &store, &cell_name, Some(&snap_name))
+                tier.snapshot(&cell_name, Some(&snap_name))
                     .map(|info| workspace_bytes = info.size)
                     .map_err(|e| format!("snapshotting the workspace: {e}"))
             };

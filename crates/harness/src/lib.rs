@@ -31,7 +31,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{Value, json};
-use warden_cell::{Backend, Cell, CellError, CellSpec, Registry, StartError, Status, Store};
+use warden_cell::{Backend, Cell, CellError, CellSpec, StartError, Status, Store};
 
 impl Harness {
     /// The backend of the tier a policy names; a tier this warden cannot run is refused with
@@ -127,9 +127,8 @@ pub struct Config {
 pub struct Harness {
     ephemeral: bool,
     tiers: Arc<warden_cell::Tiers>,
-    /// The registry of running cells and the store of layers and snapshots: the workspace
-    /// machinery every tier shares (diff, apply, snapshot, reset).
-    registry: Registry,
+    /// The store of layers, snapshots and egress records (the tiers change the layers; the
+    /// harness lists snapshots and reads records there).
     store: Store,
     journal: Journal,
     state: State,
@@ -186,8 +185,6 @@ impl Harness {
             &daemon_dir,
             std::os::unix::fs::PermissionsExt::from_mode(0o700),
         );
-        let registry = Registry::open(config.runtime.clone())
-            .map_err(|e| HarnessError::internal(e.to_string()))?;
         let store =
             Store::open(config.state.clone()).map_err(|e| HarnessError::internal(e.to_string()))?;
         let state = match config.ephemeral {
@@ -224,7 +221,6 @@ impl Harness {
             events: tokio::sync::broadcast::channel(1024).0,
             usage: usage::UsageBook::new(),
             tiers: config.tiers,
-            registry,
             store,
             journal,
             state,

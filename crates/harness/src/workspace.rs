@@ -2,9 +2,7 @@
 //! library calls (on blocking threads), their errors classified by what they are.
 
 use serde_json::json;
-use warden_cell::changes::ChangesError;
-use warden_cell::snapshot::SnapshotError;
-use warden_cell::{Registry, Store};
+use warden_cell::tier::{ChangesError, SnapshotError};
 use warden_workspace::WorkspaceError;
 
 use crate::{ApplyRequest, ErrorKind, Harness, HarnessError, PolicySource, Snapshot};
@@ -46,14 +44,30 @@ fn snapshot_error(err: SnapshotError) -> HarnessError {
 }
 
 impl Harness {
-    /// Runs blocking work on the layer (walks, copies, a reset helper's fork) off the runtime's
-    /// threads.
+    /// The backend of the tier cell `name` was made in (its entry says which).
+    pub(crate) fn backend_of(
+        &self,
+        name: &str,
+    ) -> Result<std::sync::Arc<dyn warden_cell::Backend>, HarnessError> {
+        let tier = self
+            .entry(name)?
+            .tier
+            .as_deref()
+            .and_then(warden_policy::Tier::from_name)
+            .unwrap_or_default();
+        self.backend(tier)
+    }
+
+    /// Runs blocking work on cell `name`'s workspace, through its tier (walks, copies, a reset
+    /// helper's fork), off the runtime's threads.
     async fn blocking<T: Send + 'static>(
         &self,
-        work: impl FnOnce(Registry, Store) -> Result<T, HarnessError> + Send + 'static,
+        name: &str,
+        work: impl FnOnce(&dyn warden_cell::Backend, &str) -> Result<T, HarnessError> + Send + 'static,
     ) -> Result<T, HarnessError> {
-        let (registry, store) = (self.registry.clone(), self.store.clone());
-        tokio::task::spawn_blocking(move || work(registry, store))
+        let backend = self.backend_of(name)?;
+        let cell = name.to_owned();
+        tokio::task::spawn_blocking(move || work(&*backend, &cell))
             .await
             .map_err(|e| HarnessError::internal(format!("a workspace task failed: {e}")))?
     }
@@ -71,11 +85,10 @@ impl Harness {
         }
         self.record(Some(name), "workspace.snapshot", json!({ "as": as_name }))
             .await?;
-        let (cell, snap) = (name.to_owned(), as_name.map(str::to_owned));
+        let snap = as_name.map(str::to_owned);
         let info = self
-            .blocking(move |registry, store| {
-                warden_cell::snapshot::take(&registry, &store, &cell, snap.as_deref())
-                    .map_err(snapshot_error)
+            .blocking(name, move |tier, cell| {
+                tier.snapshot(cell, snap.as_deref()).map_err(snapshot_error)
             })
             .await?;
         let (id, size) = (info.id, info.size);
@@ -150,12 +163,9 @@ impl Harness {
 
     /// The diff of a cell's layer as the API shows it.
     async fn diff_of(&self, name: &str) -> Result<serde_json::Value, HarnessError> {
-        let cell = name.to_owned();
         let diff = self
-            .blocking(move |registry, store| {
-                warden_cell::changes::diff(&registry, &store, &cell)
-                    .map(|(diff, _)| diff)
-                    .map_err(changes_error)
+            .blocking(name, |tier, cell| {
+                tier.diff(cell).map(|(diff, _)| diff).map_err(changes_error)
             })
             .await?;
         serde_json::to_value(&diff)
@@ -230,11 +240,9 @@ impl Harness {
             digest,
             ..warden_workspace::ApplyOptions::default()
         };
-        let cell = name.to_owned();
         let report = self
-            .blocking(move |registry, store| {
-                warden_cell::changes::apply(&registry, &store, &cell, options)
-                    .map_err(changes_error)
+            .blocking(name, move |tier, cell| {
+                tier.apply(cell, options).map_err(changes_error)
             })
             .await?;
         let report = serde_json::to_value(&report)
@@ -272,10 +280,8 @@ impl Harness {
             .await?;
         // A running cell's reset forks a helper that joins the cell; `fork` is the C library's,
         // so the allocator is usable in the child whatever the daemon's other threads held.
-        let cell = name.to_owned();
-        self.blocking(move |registry, store| {
-            warden_cell::changes::reset(&registry, &store, &cell, to.as_deref())
-                .map_err(snapshot_error)
+        self.blocking(name, move |tier, cell| {
+            tier.reset(cell, to.as_deref()).map_err(snapshot_error)
         })
         .await
     }

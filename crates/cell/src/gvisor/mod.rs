@@ -86,6 +86,10 @@ impl Backend for GvisorBackend {
         self.keepers.exists(name)
     }
 
+    fn layers(&self) -> Option<crate::tier::Layers> {
+        self.keepers.layers()
+    }
+
     fn probe(&self) -> Vec<Check> {
         crate::tier::probe(Tier::Gvisor, &self.keepers.config().state)
     }

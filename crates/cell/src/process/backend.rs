@@ -52,6 +52,7 @@ const START_DEADLINE: Duration = Duration::from_secs(30);
 pub struct ProcessBackend {
     config: ProcessConfig,
     registry: Registry,
+    store: Store,
 }
 
 impl ProcessBackend {
@@ -63,10 +64,15 @@ impl ProcessBackend {
     pub fn open(config: ProcessConfig) -> Result<Self, CellError> {
         let registry =
             Registry::open(config.runtime.clone()).map_err(|e| CellError::Host(e.to_string()))?;
-        Store::open(config.state.clone()).map_err(|e| CellError::Host(e.to_string()))?;
+        let store =
+            Store::open(config.state.clone()).map_err(|e| CellError::Host(e.to_string()))?;
         // Listing removes the runtime folders and cgroups of cells whose keepers died.
         let _ = registry.list();
-        Ok(Self { config, registry })
+        Ok(Self {
+            config,
+            registry,
+            store,
+        })
     }
 
     fn handle(&self, record: CellRecord, keeper: Option<Child>) -> Arc<dyn Cell> {
@@ -238,6 +244,13 @@ impl Backend for ProcessBackend {
 
     fn exists(&self, name: &str) -> bool {
         self.registry.get(name).is_ok()
+    }
+
+    fn layers(&self) -> Option<crate::tier::Layers> {
+        Some(crate::tier::Layers {
+            registry: self.registry.clone(),
+            store: self.store.clone(),
+        })
     }
 
     fn probe(&self) -> Vec<Check> {
