@@ -6,7 +6,7 @@ use anyhow::{Context, Result, bail};
 use warden_cell::{Ending, Registry, SnapshotInfo, Store, changes, control, probe, snapshot};
 use warden_policy::Policy;
 use warden_protocol::{CellState, CellSummary, exit};
-use warden_workspace::{ApplyOptions, Change, ChangeKind, EntryKind};
+use warden_workspace::{Change, ChangeKind, EntryKind};
 
 use crate::cli::{Cli, Command, PolicyCommand, RunArgs};
 
@@ -24,15 +24,14 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             digest,
             json,
         } => {
-            let options = ApplyOptions {
+            let request = warden_protocol::ApplyRequest {
                 paths,
                 dry_run,
                 force,
                 include_sensitive,
                 digest,
-                ..ApplyOptions::default()
             };
-            apply(&name, options, json)
+            apply(&name, request, json)
         }
         Command::Rm { name, force } => {
             if name.contains('@') {
@@ -74,15 +73,12 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
                     _ => warden_protocol::Scope::Once,
                 },
             };
-            if crate::daemon::answer_through_daemon(&name, id, &answer)? {
-                println!("approved question {id} of {name} (scope {scope})");
-                return Ok(0);
+            let warden = crate::core::for_cell(&name)?;
+            warden.answer(&name, id, &answer)?;
+            match warden.who() {
+                "the daemon" => println!("approved question {id} of {name} (scope {scope})"),
+                _ => println!("approved question {id} of {name}"),
             }
-            if scope != "once" {
-                bail!("--scope {scope} needs the daemon (`warden serve`): it remembers grants");
-            }
-            control::answer_question(&registry()?, &name, id, true)?;
-            println!("approved question {id} of {name}");
             Ok(0)
         }
         Command::Deny { name, id } => {
@@ -90,16 +86,12 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
                 decision: warden_protocol::Decision::Deny,
                 scope: warden_protocol::Scope::Once,
             };
-            if crate::daemon::answer_through_daemon(&name, id, &answer)? {
-                println!("denied question {id} of {name}");
-                return Ok(0);
-            }
-            control::answer_question(&registry()?, &name, id, false)?;
+            crate::core::for_cell(&name)?.answer(&name, id, &answer)?;
             println!("denied question {id} of {name}");
             Ok(0)
         }
         Command::Snapshot { name, as_name } => {
-            let info = snapshot::take(&registry()?, &store()?, &name, as_name.as_deref())?;
+            let info = crate::core::for_cell(&name)?.snapshot(&name, as_name.as_deref())?;
             println!("{} ({} bytes)", info.id, info.size);
             Ok(0)
         }
@@ -114,7 +106,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
                     format!("{name}@{t}")
                 }
             });
-            changes::reset(&registry()?, &store()?, &name, to.as_deref())?;
+            crate::core::for_cell(&name)?.reset(&name, to.as_deref())?;
             println!("reset {name} to {}", to.as_deref().unwrap_or("its start"));
             Ok(0)
         }
@@ -127,35 +119,9 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             };
             self::run(run, Some(from))
         }
-        Command::Pause { name } => {
-            if crate::daemon::control_through_daemon(&name, warden_protocol::ControlAction::Pause)?
-            {
-                println!("paused {name}");
-                return Ok(0);
-            }
-            control::pause(&registry()?, &name)?;
-            println!("paused {name}");
-            Ok(0)
-        }
-        Command::Resume { name } => {
-            if crate::daemon::control_through_daemon(&name, warden_protocol::ControlAction::Resume)?
-            {
-                println!("resumed {name}");
-                return Ok(0);
-            }
-            control::resume(&registry()?, &name)?;
-            println!("resumed {name}");
-            Ok(0)
-        }
-        Command::Kill { name } => {
-            if crate::daemon::control_through_daemon(&name, warden_protocol::ControlAction::Kill)? {
-                println!("killed {name}");
-                return Ok(0);
-            }
-            control::kill(&registry()?, &name)?;
-            println!("killed {name}");
-            Ok(0)
-        }
+        Command::Pause { name } => control_cell(&name, warden_protocol::ControlAction::Pause),
+        Command::Resume { name } => control_cell(&name, warden_protocol::ControlAction::Resume),
+        Command::Kill { name } => control_cell(&name, warden_protocol::ControlAction::Kill),
         Command::Policy { command } => policy(command),
         Command::Doctor { json } => doctor(json),
         Command::Completions { shell } => {
@@ -579,8 +545,20 @@ fn ps(json: bool, all: bool) -> Result<i32> {
     Ok(0)
 }
 
+/// Pauses, resumes or kills a cell, through the warden that keeps it.
+fn control_cell(name: &str, action: warden_protocol::ControlAction) -> Result<i32> {
+    crate::core::for_cell(name)?.control(name, action)?;
+    let done = match action {
+        warden_protocol::ControlAction::Pause => "paused",
+        warden_protocol::ControlAction::Resume => "resumed",
+        warden_protocol::ControlAction::Kill => "killed",
+    };
+    println!("{done} {name}");
+    Ok(0)
+}
+
 fn diff(name: &str, json: bool, stat: bool) -> Result<i32> {
-    let (diff, _) = changes::diff(&registry()?, &store()?, name)?;
+    let diff = crate::core::for_cell(name)?.diff(name)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&diff)?);
         return Ok(0);
@@ -798,9 +776,9 @@ fn snapshots(json: bool) -> Result<i32> {
     Ok(0)
 }
 
-fn apply(name: &str, options: ApplyOptions, json: bool) -> Result<i32> {
-    let dry_run = options.dry_run;
-    let report = changes::apply(&registry()?, &store()?, name, options)?;
+fn apply(name: &str, request: warden_protocol::ApplyRequest, json: bool) -> Result<i32> {
+    let dry_run = request.dry_run;
+    let report = crate::core::for_cell(name)?.apply(name, &request)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(0);

@@ -5,6 +5,7 @@
 
 mod cli;
 mod commands;
+mod core;
 mod daemon;
 mod render;
 

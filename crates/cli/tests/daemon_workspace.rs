@@ -643,3 +643,68 @@ fn execs_beside_a_stream_of_diffs_all_run() {
     assert!(looker.join().unwrap() > 10);
     std::thread::sleep(Duration::from_millis(10));
 }
+
+#[test]
+fn the_clis_workspace_commands_on_a_daemon_cell_go_through_the_daemon() {
+    // `warden apply` of a cell the daemon keeps must not go around it: the daemon asks the
+    // person its policy names, and journals what was done.
+    if !cgroups_available("cli_through_daemon") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let host = tempdir();
+    let cell = daemon.create(
+        &unique("clid"),
+        json!({ "workspace": host.path().display().to_string(), "policy": "version: 1\napprovals:\n  timeout: 1s\n  on_timeout: deny\n  apply: ask\n" }),
+    );
+    daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "echo made > /workspace/made.txt"] }),
+    );
+    let cli = |args: &[&str]| daemon.warden().args(args).output().unwrap();
+    // Nobody answers: the apply is refused, and nothing reaches the host.
+    let applied = cli(&["apply", &cell]);
+    let said = String::from_utf8_lossy(&applied.stderr);
+    assert!(!applied.status.success(), "{said}");
+    assert!(said.contains("apply"), "{said}");
+    assert!(
+        !host.path().join("made.txt").exists(),
+        "nothing was applied without the person"
+    );
+    let diff = cli(&["diff", &cell, "--stat"]);
+    assert!(String::from_utf8_lossy(&diff.stdout).contains("A made.txt"));
+    let snap = cli(&["snapshot", &cell, "--as", "s1"]);
+    assert!(
+        snap.status.success(),
+        "{}",
+        String::from_utf8_lossy(&snap.stderr)
+    );
+    let reset = cli(&["reset", &cell]);
+    assert!(
+        reset.status.success(),
+        "{}",
+        String::from_utf8_lossy(&reset.stderr)
+    );
+    assert!(daemon.changed_paths(&cell).is_empty());
+    let paused = cli(&["pause", &cell]);
+    assert!(paused.status.success());
+    assert_eq!(
+        daemon
+            .call("GET", &format!("/v1/cells/{cell}"), None)
+            .json()["state"],
+        "paused"
+    );
+    assert!(cli(&["resume", &cell]).status.success());
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    assert_has_kinds(
+        &journal,
+        &[
+            "workspace.apply",
+            "approval.ask",
+            "workspace.snapshot",
+            "workspace.reset",
+            "cell.pause",
+            "cell.resume",
+        ],
+    );
+}

@@ -35,7 +35,7 @@ pub struct ApplyOptions {
 }
 
 /// What an apply did (or, with `dry_run`, would do).
-#[derive(Debug, Clone, Default, Serialize, schemars::JsonSchema)]
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize, schemars::JsonSchema)]
 pub struct ApplyReport {
     pub applied: Vec<String>,
     /// Changes left out, with the reason.

@@ -1,9 +1,9 @@
 //! What changed in a workspace, as data every face can print or serialize.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// What happened to a path.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, schemars::JsonSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum ChangeKind {
     Added,
@@ -12,7 +12,7 @@ pub enum ChangeKind {
 }
 
 /// What the path is (after the change; before it, for deletions).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, schemars::JsonSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum EntryKind {
     File,
@@ -23,7 +23,7 @@ pub enum EntryKind {
 }
 
 /// One changed path, relative to the workspace root.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, schemars::JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Change {
     pub path: String,
     pub kind: ChangeKind,
@@ -72,7 +72,7 @@ impl Change {
 }
 
 /// Every change of a workspace, sorted by path.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, schemars::JsonSchema)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Diff {
     pub changes: Vec<Change>,
     /// A BLAKE3 digest of what the changes would write (paths, kinds, modes, content hashes,

@@ -87,47 +87,6 @@ pub fn client_if_running() -> Option<Client> {
     Client::detect(&runtime())
 }
 
-/// Pauses, resumes or kills a cell through the daemon when one runs and the cell is one of its
-/// own (so that the journal records it); `false` when the caller should act directly.
-pub fn control_through_daemon(name: &str, action: warden_protocol::ControlAction) -> Result<bool> {
-    let path = format!("/v1/cells/{name}/{}", action.name());
-    daemon_owns(|client, rt| {
-        rt.block_on(client.call::<(), warden_protocol::CellInfo>(Method::POST, &path, None))
-            .map(drop)
-            .map_err(Into::into)
-    })
-}
-
-/// Answers a question of a cell the daemon keeps; `false` when the caller should answer
-/// through the cell's own folder.
-pub fn answer_through_daemon(
-    name: &str,
-    id: u64,
-    answer: &warden_protocol::Answer,
-) -> Result<bool> {
-    let path = format!("/v1/approvals/{name}/{id}");
-    daemon_owns(|client, rt| {
-        rt.block_on(client.call::<_, Value>(Method::POST, &path, Some(answer)))
-            .map(drop)
-            .map_err(Into::into)
-    })
-}
-
-/// Runs `act` against the daemon: `true` when it did it, `false` when no daemon runs or it
-/// does not know the cell (a 404).
-fn daemon_owns(act: impl FnOnce(&Client, &tokio::runtime::Runtime) -> Result<()>) -> Result<bool> {
-    let Some(client) = Client::detect(&runtime()) else {
-        return Ok(false);
-    };
-    match act(&client, &current_thread()?) {
-        Ok(()) => Ok(true),
-        Err(err) => match api_error(&err) {
-            Some(api) if api.status == hyper::StatusCode::NOT_FOUND => Ok(false),
-            _ => Err(err),
-        },
-    }
-}
-
 /// Every open question the running daemon knows of; `None` when no daemon runs.
 pub fn approvals_through_daemon() -> Result<Option<Vec<warden_protocol::Approval>>> {
     let Some(client) = Client::detect(&runtime()) else {
