@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use serde_json::json;
-use warden_harness::{ErrorKind, Harness, HarnessError, PolicySource};
+use warden_harness::{Harness, HarnessError, PolicySource};
 use warden_model::Item;
 use warden_protocol::{
     AgentAction, AgentInfo, AgentState, CreateCell, ForkAgent, Rerun, RerunCall, StartAgent,
@@ -40,15 +40,29 @@ pub struct Agents {
     sessions: Mutex<BTreeMap<String, Arc<Session>>>,
 }
 
+warden_harness::failures! {
+    /// Agent sessions: starting one, and what an operator does to it.
+    AgentError {
+        /// A request a session cannot take (its task, tools, budgets, model, cell).
+        Invalid => BadRequest "invalid-request",
+        /// No session has the id, or the session no turn of the number.
+        NoSession => NotFound "no-such-session",
+        /// The session cannot do this in its state (it ended; it has no snapshots to go back to).
+        State => Conflict "wrong-state",
+        /// The session's own state failed.
+        Failed => Internal "agent-failed",
+    }
+}
+
 fn not_found(id: &str) -> HarnessError {
-    HarnessError::new(
-        ErrorKind::NotFound,
-        format!("no agent session `{id}` (list them with `warden agent ls` or GET /v1/agents)"),
-    )
+    AgentError::NoSession(format!(
+        "no agent session `{id}` (list them with `warden agent ls` or GET /v1/agents)"
+    ))
+    .into()
 }
 
 fn bad_model(message: String) -> HarnessError {
-    HarnessError::bad(message)
+    AgentError::Invalid(message).into()
 }
 
 /// This process's user id.
@@ -185,7 +199,9 @@ impl Agents {
                 .recursive(true)
                 .mode(0o700)
                 .create(dir)
-                .map_err(|e| HarnessError::internal(format!("making {}: {e}", dir.display())))
+                .map_err(|e| {
+                    HarnessError::from(AgentError::Failed(format!("making {}: {e}", dir.display())))
+                })
         };
         made(&base)?;
         let dir = base.join(id);
@@ -201,23 +217,25 @@ impl Agents {
         by: &str,
     ) -> Result<AgentInfo, HarnessError> {
         if request.task.trim().is_empty() {
-            return Err(HarnessError::bad(
-                "the task is empty: say what the agent is to do",
-            ));
+            return Err(HarnessError::from(AgentError::Invalid(
+                "the task is empty: say what the agent is to do".into(),
+            )));
         }
         let key = key_for(&request.model, request.api_key.clone());
         let model =
             Model::new(&request.model, request.base_url.as_deref(), key).map_err(bad_model)?;
         for tool in request.tools.keys() {
             if !tools::names().contains(tool) {
-                return Err(HarnessError::bad(format!(
+                return Err(HarnessError::from(AgentError::Invalid(format!(
                     "tools: there is no tool `{tool}`; the tools are {}",
                     tools::names().join(", ")
-                )));
+                ))));
             }
         }
         if request.budgets.steps == Some(0) {
-            return Err(HarnessError::bad("budgets.steps must be at least 1"));
+            return Err(HarnessError::from(AgentError::Invalid(
+                "budgets.steps must be at least 1".into(),
+            )));
         }
         let id = self.next_id();
         let cell = match &request.cell {
@@ -226,9 +244,7 @@ impl Agents {
                     || request.preset.is_some()
                     || request.workspace.is_some()
                 {
-                    return Err(HarnessError::bad(
-                        "give `cell` (an existing cell) or what makes a new one (policy, preset, workspace), not both",
-                    ));
+                    return Err(HarnessError::from(AgentError::Invalid("give `cell` (an existing cell) or what makes a new one (policy, preset, workspace), not both".into())));
                 }
                 self.harness.get(cell)?.name
             }

@@ -95,7 +95,9 @@ pub struct Session {
 }
 
 fn lost() -> HarnessError {
-    HarnessError::internal("the session's state is poisoned")
+    HarnessError::from(crate::AgentError::Failed(
+        "the session's state is poisoned".into(),
+    ))
 }
 
 /// A text for the journal: its head, and its size.
@@ -156,23 +158,17 @@ pub(crate) fn turn_info(info: &AgentInfo, turn: u32) -> Result<TurnInfo, Harness
         .find(|t| t.turn == turn)
         .cloned()
         .ok_or_else(|| {
-            HarnessError::new(
-                ErrorKind::NotFound,
-                format!(
-                    "session `{}` has no turn {turn} (turns 0 to {})",
-                    info.id, info.turn
-                ),
-            )
+            HarnessError::from(crate::AgentError::NoSession(format!(
+                "session `{}` has no turn {turn} (turns 0 to {})",
+                info.id, info.turn
+            )))
         })
 }
 
 /// The snapshot of a turn, or why there is none.
 pub(crate) fn snapshot_of(turn: &TurnInfo, id: &str) -> Result<String, HarnessError> {
     turn.snapshot.clone().ok_or_else(|| {
-        HarnessError::new(
-            ErrorKind::Conflict,
-            format!("session `{id}` runs in a cell without a workspace layer: its turns were not snapshotted and cannot be gone back to"),
-        )
+        HarnessError::from(crate::AgentError::State(format!("session `{id}` runs in a cell without a workspace layer: its turns were not snapshotted and cannot be gone back to")))
     })
 }
 
@@ -335,7 +331,11 @@ impl Session {
         };
         let done = handle.await;
         *pending = None;
-        done.map_err(|e| HarnessError::internal(format!("a turn's snapshot failed: {e}")))?
+        done.map_err(|e| {
+            HarnessError::from(crate::AgentError::Failed(format!(
+                "a turn's snapshot failed: {e}"
+            )))
+        })?
     }
 
     async fn record(&self, kind: &str, mut fields: Value) -> Result<(), HarnessError> {
@@ -809,14 +809,11 @@ impl Session {
         let _acting = self.acting.lock().await;
         let over = !self.looping() && self.info().state.is_over();
         if over && action != A::Resume && action != A::Step {
-            return Err(HarnessError::new(
-                ErrorKind::Conflict,
-                format!(
-                    "session `{}` has ended ({}); rewind it or fork it to go on",
-                    self.id,
-                    self.info().ended.unwrap_or_default()
-                ),
-            ));
+            return Err(HarnessError::from(crate::AgentError::State(format!(
+                "session `{}` has ended ({}); rewind it or fork it to go on",
+                self.id,
+                self.info().ended.unwrap_or_default()
+            ))));
         }
         self.record(
             "agent.control",
@@ -861,7 +858,9 @@ impl Session {
         by: &str,
     ) -> Result<AgentInfo, HarnessError> {
         if text.trim().is_empty() {
-            return Err(HarnessError::bad("say something: the instruction is empty"));
+            return Err(HarnessError::from(crate::AgentError::Invalid(
+                "say something: the instruction is empty".into(),
+            )));
         }
         let _acting = self.acting.lock().await;
         self.record(

@@ -9,32 +9,43 @@
 //! registry of running cells). The tiers themselves are private modules: nothing outside this
 //! crate names one (a test in `tests/boundary.rs` holds every crate to that).
 
+pub mod check;
 pub mod gateway;
 #[cfg(target_os = "linux")]
 mod gvisor;
+#[cfg(target_os = "linux")]
+mod keeper;
+mod microvm;
 pub mod probe;
 #[cfg(target_os = "linux")]
 mod process;
 pub mod tier;
+#[cfg(target_os = "linux")]
+pub mod tiers;
 
 #[cfg(feature = "fake")]
 pub mod fake;
 
 #[cfg(target_os = "linux")]
+pub use keeper::{KeepError, keep};
+#[cfg(target_os = "linux")]
 pub use process::{
-    backend::{KEEP_REQUEST, KeepError, keep},
+    backend::KEEP_REQUEST,
     changes, control,
     exec::resize as resize_terminal,
+    outcome::{Ending, RunError, RunOutcome},
     plan::{check_name, check_paths},
     registry::{CellRecord, Registry, RegistryError},
-    run::{Ending, RunError, RunOutcome, RunRequest},
+    run::RunRequest,
     snapshot,
     snapshot::SnapshotInfo,
     store::{Store, StoreError},
 };
 pub use tier::{
-    Attached, Backend, Cell, CellError, CellSpec, ProcessConfig, Session, StartError, Status, Tiers,
+    Attached, Backend, Cell, CellError, CellSpec, ProcessConfig, Session, StartError, Status,
 };
+#[cfg(target_os = "linux")]
+pub use tiers::Tiers;
 
 /// Blocks, in the calling thread and the threads it starts from now on, the signals a cell run
 /// in this process takes for its own (SIGINT, SIGTERM, SIGHUP, SIGQUIT: forwarded to the cell

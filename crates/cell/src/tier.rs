@@ -22,7 +22,7 @@ use warden_policy::{Policy, Tier};
 
 pub use crate::process::exec::{ExecEvent, ExecRequest};
 pub use crate::process::files::{FileEntry, FileError, FileErrorKind, FileOp};
-pub use crate::process::run::Ending;
+pub use crate::process::outcome::Ending;
 pub use warden_egress::Question;
 
 /// Everything a tier needs to make one cell: a serialized request, the same for every tier
@@ -173,23 +173,7 @@ pub use crate::process::changes::ChangesError;
 pub use crate::process::snapshot::SnapshotError;
 
 /// What a doctor's check found.
-pub use crate::probe::{Check, Status as CheckStatus};
-
-/// Whether this warden implements `tier`.
-pub fn implemented(tier: Tier) -> bool {
-    matches!(tier, Tier::Process | Tier::Gvisor)
-}
-
-/// What `tier` needs of this host and whether it has it: the checks its backend's `probe`
-/// gives, without opening a backend (`doctor` makes nothing). `state`: Warden's state
-/// directory.
-pub fn probe(tier: Tier, state: &std::path::Path) -> Vec<Check> {
-    match tier {
-        Tier::Process => crate::process::probe::checks(),
-        Tier::Gvisor => crate::gvisor::probe::checks(state),
-        Tier::Microvm => crate::probe::microvm(),
-    }
-}
+pub use crate::check::{Check, Status as CheckStatus};
 
 /// An isolation tier.
 pub trait Backend: Send + Sync + Debug {
@@ -268,7 +252,7 @@ pub trait Backend: Send + Sync + Debug {
     /// running cell sees the change at once.
     fn reset(&self, name: &str, to: Option<&str>) -> Result<(), SnapshotError> {
         let layers = self.no_layers(name)?;
-        crate::changes::reset(&layers.registry, &layers.store, name, to)
+        crate::snapshot::reset(&layers.registry, &layers.store, name, to)
     }
 
     /// Removes a stopped cell's workspace layer (its unapplied changes are lost).
@@ -316,84 +300,4 @@ pub struct ProcessConfig {
     pub keeper_open_files: Option<u64>,
     /// Environment the keepers get besides the secrets (where they find the directories).
     pub keeper_env: Vec<(String, String)>,
-}
-
-/// The tiers a warden runs, each opened on its first use. Every tier's cells are found by name
-/// in the same registry, so a name is one cell whatever its tier.
-#[derive(Debug)]
-pub struct Tiers {
-    source: TierSource,
-    opened: std::sync::Mutex<std::collections::HashMap<Tier, Arc<dyn Backend>>>,
-}
-
-#[derive(Debug)]
-enum TierSource {
-    /// Every built-in tier, from this configuration.
-    BuiltIn(ProcessConfig),
-    /// One backend only (a test's); other tiers are refused.
-    Only(Arc<dyn Backend>),
-}
-
-impl Tiers {
-    /// The built-in tiers.
-    pub fn built_in(config: ProcessConfig) -> Self {
-        Self {
-            source: TierSource::BuiltIn(config),
-            opened: Default::default(),
-        }
-    }
-
-    /// One backend alone, for its own tier.
-    pub fn only(backend: Arc<dyn Backend>) -> Self {
-        Self {
-            source: TierSource::Only(backend),
-            opened: Default::default(),
-        }
-    }
-
-    /// The backend of `tier`.
-    pub fn get(&self, tier: Tier) -> Result<Arc<dyn Backend>, CellError> {
-        match &self.source {
-            TierSource::Only(backend) if backend.tier() == tier => Ok(Arc::clone(backend)),
-            TierSource::Only(backend) => Err(CellError::Unsupported(format!(
-                "this warden runs only the {} tier, not the {} tier",
-                backend.tier().name(),
-                tier.name()
-            ))),
-            TierSource::BuiltIn(config) => {
-                let mut opened = self
-                    .opened
-                    .lock()
-                    .map_err(|_| CellError::Host("the tiers' table is poisoned".to_owned()))?;
-                if let Some(backend) = opened.get(&tier) {
-                    return Ok(Arc::clone(backend));
-                }
-                let backend = backend(tier, config.clone())?;
-                opened.insert(tier, Arc::clone(&backend));
-                Ok(backend)
-            }
-        }
-    }
-
-    /// The backend that answers for names of any tier (the default tier's).
-    pub fn default_tier(&self) -> Result<Arc<dyn Backend>, CellError> {
-        match &self.source {
-            TierSource::Only(backend) => Ok(Arc::clone(backend)),
-            TierSource::BuiltIn(_) => self.get(Tier::default()),
-        }
-    }
-}
-
-/// The backend of a tier: the process tier and the gVisor tier are built in; the others are
-/// refused with what to use instead.
-pub fn backend(tier: Tier, config: ProcessConfig) -> Result<Arc<dyn Backend>, CellError> {
-    match tier {
-        Tier::Process => Ok(Arc::new(crate::process::backend::ProcessBackend::open(
-            config,
-        )?)),
-        Tier::Gvisor => Ok(Arc::new(crate::gvisor::GvisorBackend::open(config)?)),
-        other => Err(CellError::Unsupported(
-            crate::process::plan::PlanError::Tier(other.name()).to_string(),
-        )),
-    }
 }

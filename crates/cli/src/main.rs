@@ -7,6 +7,7 @@ mod cli;
 mod commands;
 mod core;
 mod daemon;
+mod policy;
 mod render;
 
 use std::process::ExitCode;

@@ -1348,3 +1348,93 @@ fn a_late_body_to_a_handler_without_one_keeps_the_connection() {
     assert!(answers.starts_with("HTTP/1.1 404"), "{answers}");
     assert!(answers.contains("\"status\":\"ok\""), "{answers}");
 }
+
+#[test]
+fn every_refusal_names_its_failure_for_a_program_to_act_on() {
+    // The error body's `reason` is the operation's failure, within the code: a client tells a
+    // paused cell from an ended one, a rule's refusal from a missing process, by it.
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(
+        &unique("reasons"),
+        json!({ "policy": "version: 1\ncommands:\n  deny: [\"rm *\"]\n" }),
+    );
+    let reason = |answer: &support::daemon::Answer| {
+        answer.json()["reason"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let missing = daemon.call("GET", "/v1/cells/no-such-cell", None);
+    assert_eq!(
+        (missing.status, reason(&missing).as_str()),
+        (404, "no-such-cell")
+    );
+    let denied = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["rm", "-rf", "/workspace"] })),
+    );
+    assert_eq!(
+        (denied.status, reason(&denied).as_str()),
+        (403, "denied"),
+        "{}",
+        denied.text()
+    );
+    let bad = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": [] })),
+    );
+    assert_eq!(
+        (bad.status, reason(&bad).as_str()),
+        (400, "invalid-request")
+    );
+    let no_process = daemon.call("GET", &format!("/v1/cells/{cell}/processes/999999"), None);
+    assert_eq!(
+        (no_process.status, reason(&no_process).as_str()),
+        (404, "no-such-process")
+    );
+    let outside = daemon.call(
+        "GET",
+        &format!("/v1/cells/{cell}/files/content?path=../x"),
+        None,
+    );
+    assert_eq!(
+        (outside.status, reason(&outside).as_str()),
+        (400, "invalid-path")
+    );
+    daemon.call("POST", &format!("/v1/cells/{cell}/pause"), None);
+    let paused = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["true"] })),
+    );
+    assert_eq!(
+        (paused.status, reason(&paused).as_str()),
+        (409, "cell-paused")
+    );
+    daemon.call("POST", &format!("/v1/cells/{cell}/kill"), None);
+    let ended = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["true"] })),
+    );
+    assert_eq!((ended.status, reason(&ended).as_str()), (409, "cell-ended"));
+    let no_snapshot = daemon.call(
+        "POST",
+        "/v1/cells",
+        Some(json!({ "from": "nobody@nothing" })),
+    );
+    assert_eq!(
+        (no_snapshot.status, reason(&no_snapshot).as_str()),
+        (404, "no-such-snapshot")
+    );
+    // A malformed request is the API's own answer: no reason.
+    let malformed = daemon.request("POST", "/v1/cells", Some("{not json"));
+    assert_eq!(malformed.status, 400);
+    assert!(
+        malformed.json().get("reason").is_none(),
+        "{}",
+        malformed.text()
+    );
+}

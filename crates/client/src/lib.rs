@@ -62,6 +62,9 @@ pub struct ApiError {
     pub message: String,
     /// The API's error code (absent from an answer that was not the API's own).
     pub code: Option<warden_protocol::ErrorCode>,
+    /// Which failure it is, within its code (`cell-paused`, `name-taken`, ...), where the API
+    /// named one: what a program acts on.
+    pub reason: Option<String>,
 }
 
 impl Client {
@@ -293,20 +296,22 @@ async fn read_success(response: Response<Incoming>) -> Result<Bytes> {
     if status.is_success() {
         return Ok(bytes);
     }
-    let (message, code) = match serde_json::from_slice::<warden_protocol::ErrorBody>(&bytes) {
+    let (message, code, reason) = match serde_json::from_slice::<warden_protocol::ErrorBody>(&bytes)
+    {
         Ok(body) => {
             let message = match body.hint {
                 Some(hint) => format!("{} ({hint})", body.error),
                 None => body.error,
             };
-            (message, Some(body.code))
+            (message, Some(body.code), body.reason)
         }
-        Err(_) => (String::from_utf8_lossy(&bytes).into_owned(), None),
+        Err(_) => (String::from_utf8_lossy(&bytes).into_owned(), None, None),
     };
     Err(ApiError {
         status,
         message,
         code,
+        reason,
     }
     .into())
 }

@@ -351,7 +351,7 @@ impl Gateway {
                 match (session, inner) {
                     (Ok(session), Ok(inner)) => Some(rustls::StreamOwned::new(
                         session,
-                        crate::intercept::Prefixed::new(Vec::new(), inner, None),
+                        crate::prefixed::Prefixed::new(Vec::new(), inner, None),
                     )),
                     (Err(e), _) | (_, Err(e)) => {
                         let reason = format!("starting TLS to the upstream: {e}");

@@ -55,10 +55,10 @@ pub struct Gateway {
     active: Arc<Mutex<HashMap<u64, Active>>>,
     next_id: Arc<AtomicU64>,
     /// Addresses handed out by the gateway's DNS, with the name they were resolved from.
-    pub(crate) names: Arc<Mutex<crate::dns::Answered>>,
+    pub(crate) names: Arc<Mutex<crate::names::Answered>>,
     /// Names looked up for connections the rules allowed, with what the lookup returned (the
     /// answers for rules with `dns: connected`).
-    pub(crate) looked_up: Arc<Mutex<crate::dns::LookedUp>>,
+    pub(crate) looked_up: Arc<Mutex<crate::names::LookedUp>>,
     /// Where `ask` rules put their questions; without it, what they match is refused.
     approvals: Option<Arc<crate::Approvals>>,
     /// How names become addresses: the host's resolver, unless replaced.
@@ -126,8 +126,8 @@ impl Gateway {
             interceptor: interceptor.map(Arc::new),
             active: Arc::new(Mutex::new(HashMap::new())),
             next_id: Arc::new(AtomicU64::new(0)),
-            names: Arc::new(Mutex::new(crate::dns::Answered::default())),
-            looked_up: Arc::new(Mutex::new(crate::dns::LookedUp::default())),
+            names: Arc::new(Mutex::new(crate::names::Answered::default())),
+            looked_up: Arc::new(Mutex::new(crate::names::LookedUp::default())),
             approvals: None,
             resolver: Lookup(Arc::new(host_resolver)),
             slots: Slots::new(bounds.connections),
@@ -345,7 +345,7 @@ impl Gateway {
         let verdict = Verdict::new(false, "limits.connections", &reason);
         let kind = if proxy { "proxy" } else { "transparent" };
         let mut decision = self.record(kind, "", 0, None, &verdict);
-        if !proxy && let Some(destination) = crate::transparent::original_destination(&conn) {
+        if !proxy && let Some(destination) = crate::redirected::original_destination(&conn) {
             decision.host = destination.ip().to_string();
             decision.port = destination.port();
         }

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use crate::host::{Host, split_authority};
 use crate::proxy::{Gateway, Via};
+use crate::redirected::original_destination;
 use crate::rules::{Request, Rules, Verdict};
 use crate::sni::Hello;
 use crate::tunnel::{first_bytes, looks_http};
@@ -214,27 +215,6 @@ fn http_host(bytes: &[u8]) -> Option<Result<String, String>> {
                 .map_err(|_| "the Host header is not text".to_owned()),
         ),
         _ => Some(Err("the request has several Host headers".to_owned())),
-    }
-}
-
-/// Where a redirected connection was going before nftables sent it to the gateway.
-pub(crate) fn original_destination(conn: &TcpStream) -> Option<SocketAddr> {
-    use nix::sys::socket::{getsockopt, sockopt};
-    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-    if conn.local_addr().ok()?.is_ipv6() {
-        let original = getsockopt(conn, sockopt::Ip6tOriginalDst).ok()?;
-        let ip = Ipv6Addr::from(original.sin6_addr.s6_addr);
-        Some(SocketAddr::new(
-            IpAddr::V6(ip),
-            u16::from_be(original.sin6_port),
-        ))
-    } else {
-        let original = getsockopt(conn, sockopt::OriginalDst).ok()?;
-        let ip = Ipv4Addr::from(u32::from_be(original.sin_addr.s_addr));
-        Some(SocketAddr::new(
-            IpAddr::V4(ip),
-            u16::from_be(original.sin_port),
-        ))
     }
 }
 

@@ -13,7 +13,9 @@ use serde_json::json;
 use warden_cell::tier::{Attached, Ending};
 use warden_cell::{CellSpec, StartError};
 
-use crate::{CreateCell, ErrorKind, ExitInfo, ExitReason, Harness, HarnessError, Prepared};
+use crate::{
+    CreateCell, CreateError, ExecError, ExitInfo, ExitReason, Harness, HarnessError, Prepared,
+};
 
 /// The command, as `warden run` was given it.
 #[derive(Debug, Clone)]
@@ -53,7 +55,9 @@ impl Harness {
         run: AttachedRun,
     ) -> Result<AttachedEnd, HarnessError> {
         if run.argv.first().is_none_or(|p| p.is_empty()) {
-            return Err(HarnessError::bad("a command needs at least the program"));
+            return Err(HarnessError::from(ExecError::Invalid(
+                "a command needs at least the program".into(),
+            )));
         }
         crate::exec::check_env(run.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))?;
         let argv: Vec<String> = run
@@ -73,7 +77,7 @@ impl Harness {
                     &parsed,
                     request.workspace.as_deref().map(std::path::Path::new),
                 )
-                .map_err(|e| HarnessError::bad(e.to_string()))?;
+                .map_err(|e| HarnessError::from(CreateError::Refused(e.to_string())))?;
         }
         self.state.put(&entry)?;
         self.state.set_record_offset(&name, None)?;
@@ -206,13 +210,11 @@ impl Harness {
                 // (a kept layer of an earlier cell of this name) is not this cell's.
                 self.record(Some(name), "cell.fail", json!({ "error": message }))
                     .await?;
-                return Err(HarnessError::new(
-                    match err {
-                        StartError::Refused(_) => ErrorKind::BadRequest,
-                        _ => ErrorKind::Unavailable,
-                    },
-                    message,
-                ));
+                return Err(match err {
+                    StartError::Refused(_) => CreateError::Refused(message),
+                    _ => CreateError::Unavailable(message),
+                }
+                .into());
             }
         };
         let (reason, code, signal, message) = exit_of(&attached.ending);

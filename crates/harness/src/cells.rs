@@ -37,13 +37,10 @@ impl Harness {
                 .and_then(warden_policy::Tier::from_name)
                 .unwrap_or_default();
             let adopted = self.backend(tier)?.adopt(&entry.name).map_err(|e| {
-                HarnessError::new(
-                    ErrorKind::Unavailable,
-                    format!(
+                HarnessError::from(CellFailure::Unavailable(format!(
                         "cannot tell whether cell `{}` still runs ({e}); start the daemon again once the host has descriptors and memory to spare",
                         entry.name,
-                    ),
-                )
+                    )))
             })?;
             if let Some(cell) = adopted {
                 if let Ok(mut cells) = self.cells.lock() {
@@ -198,8 +195,12 @@ impl Harness {
         .await?;
         let cell_dir = self.daemon_dir.join("cells").join(&name);
         let _ = std::fs::remove_dir_all(&cell_dir);
-        std::fs::create_dir_all(&cell_dir)
-            .map_err(|e| HarnessError::internal(format!("creating {}: {e}", cell_dir.display())))?;
+        std::fs::create_dir_all(&cell_dir).map_err(|e| {
+            HarnessError::from(CellFailure::Core(format!(
+                "creating {}: {e}",
+                cell_dir.display()
+            )))
+        })?;
         let mut spec_policy = parsed.clone();
         // The daemon applies the wall-clock limit itself (with the policy's `on_wall`).
         spec_policy.limits.wall = None;
@@ -221,26 +222,27 @@ impl Harness {
         let backend = self.backend(parsed.tier)?;
         let started = tokio::task::spawn_blocking(move || backend.start(spec))
             .await
-            .map_err(|e| HarnessError::internal(format!("starting the cell: {e}")))?;
+            .map_err(|e| {
+                HarnessError::from(CreateError::Failed(format!("starting the cell: {e}")))
+            })?;
         let cell = match started {
             Ok(cell) => cell,
             Err(StartError::Refused(message)) => {
                 self.record(Some(&name), "cell.fail", json!({ "error": message }))
                     .await?;
-                return Err(HarnessError::bad(format!(
+                return Err(HarnessError::from(CreateError::Refused(format!(
                     "cell `{name}` could not start: {message}"
-                )));
+                ))));
             }
             Err(err @ StartError::TimedOut(_)) => {
-                return Err(HarnessError::internal(err.to_string()));
+                return Err(HarnessError::from(CreateError::Failed(err.to_string())));
             }
             Err(StartError::Host(message)) => {
                 self.record(Some(&name), "cell.fail", json!({ "error": message }))
                     .await?;
-                return Err(HarnessError::new(
-                    ErrorKind::Unavailable,
-                    format!("cell `{name}` could not start: {message}"),
-                ));
+                return Err(HarnessError::from(CreateError::Unavailable(format!(
+                    "cell `{name}` could not start: {message}"
+                ))));
             }
         };
         let pid = cell.pid();
@@ -276,33 +278,33 @@ impl Harness {
         };
         self.names()?
             .check_name(&name)
-            .map_err(|e| HarnessError::bad(e.to_string()))?;
+            .map_err(|e| HarnessError::from(CreateError::Invalid(e.to_string())))?;
         let (policy, parsed) = match (&request.policy, &request.preset) {
             (Some(_), Some(_)) => {
-                return Err(HarnessError::bad(
-                    "give either `policy` (YAML text) or `preset`, not both",
-                ));
+                return Err(HarnessError::from(CreateError::Invalid(
+                    "give either `policy` (YAML text) or `preset`, not both".into(),
+                )));
             }
             (Some(yaml), None) => (
                 PolicySource::Yaml(yaml.clone()),
                 match parsed {
                     Some(parsed) => parsed,
                     None => warden_policy::from_yaml("policy", yaml)
-                        .map_err(|e| HarnessError::bad(e.to_string()))?,
+                        .map_err(|e| HarnessError::from(CreateError::Invalid(e.to_string())))?,
                 },
             ),
             (None, preset) => {
                 let preset = preset.clone().unwrap_or_else(|| "default".to_owned());
-                let parsed =
-                    warden_policy::preset(&preset).map_err(|e| HarnessError::bad(e.to_string()))?;
+                let parsed = warden_policy::preset(&preset)
+                    .map_err(|e| HarnessError::from(CreateError::Invalid(e.to_string())))?;
                 (PolicySource::Preset(preset), parsed)
             }
         };
         for key in request.env.keys() {
             if key.is_empty() || key.contains(['=', '\0']) {
-                return Err(HarnessError::bad(format!(
+                return Err(HarnessError::from(CreateError::Invalid(format!(
                     "environment variable name `{key}` is empty or contains `=` or NUL"
-                )));
+                ))));
             }
         }
         // Secrets only for the variables the policy's credentials read.
@@ -316,40 +318,36 @@ impl Harness {
             .keys()
             .find(|k| !wanted.contains(&k.as_str()))
         {
-            return Err(HarnessError::bad(format!(
+            return Err(HarnessError::from(CreateError::Invalid(format!(
                 "secrets: `{extra}` is not read by any credential of the policy (their from_env: {})",
                 if wanted.is_empty() {
                     "none".to_owned()
                 } else {
                     wanted.join(", ")
                 }
-            )));
+            ))));
         }
         self.journal
             .add_redactions(request.secrets.values().cloned());
         if let Some(dir) = &request.workspace
             && !Path::new(dir).is_dir()
         {
-            return Err(HarnessError::bad(format!(
+            return Err(HarnessError::from(CreateError::Invalid(format!(
                 "workspace {dir} does not exist or is not a directory on the host; create it or pass another"
-            )));
+            ))));
         }
         let exists = self.names()?.exists(&name);
         if let Some(old) = self.state.get(&name)?
             && (old.ended.is_none() || exists)
         {
-            return Err(HarnessError::new(
-                ErrorKind::Conflict,
-                format!("a cell named `{name}` exists; delete it first or pick another name"),
-            ));
+            return Err(HarnessError::from(CreateError::NameTaken(format!(
+                "a cell named `{name}` exists; delete it first or pick another name"
+            ))));
         }
         if exists {
-            return Err(HarnessError::new(
-                ErrorKind::Conflict,
-                format!(
-                    "a cell named `{name}` is already running; pick another name or stop it with `warden kill {name}`"
-                ),
-            ));
+            return Err(HarnessError::from(CreateError::NameTaken(format!(
+                "a cell named `{name}` is already running; pick another name or stop it with `warden kill {name}`"
+            ))));
         }
         // A fork starts from a snapshot; of a cell, one is taken now.
         let from = match &request.from {
@@ -360,7 +358,7 @@ impl Harness {
         let workspace = match &from {
             Some(id) => Some(
                 warden_cell::snapshot::get(&self.store, id)
-                    .map_err(|e| HarnessError::new(ErrorKind::NotFound, e.to_string()))?
+                    .map_err(|e| HarnessError::from(CreateError::NoSource(e.to_string())))?
                     .lower
                     .display()
                     .to_string(),
@@ -403,15 +401,12 @@ impl Harness {
     ) -> Result<(Arc<dyn Cell>, Status), HarnessError> {
         let entry = self.entry(name)?;
         if entry.ended.is_some() {
-            return Err(HarnessError::new(
-                ErrorKind::Conflict,
-                format!(
-                    "cell `{name}` has ended ({}); delete it and create a new one",
-                    entry.ended.unwrap_or_default()
-                ),
-            ));
+            return Err(HarnessError::from(CellFailure::Ended(format!(
+                "cell `{name}` has ended ({}); delete it and create a new one",
+                entry.ended.unwrap_or_default()
+            ))));
         }
-        let ended = || HarnessError::new(ErrorKind::Conflict, format!("cell `{name}` has ended"));
+        let ended = || HarnessError::from(CellFailure::Ended(format!("cell `{name}` has ended")));
         let cell = self.cell(name).ok_or_else(ended)?;
         match cell.status() {
             Ok(Status::Ended) => Err(ended()),
@@ -457,7 +452,9 @@ impl Harness {
             Ok(()) => {}
             // A cell that ended on its own between the check and the kill is what a kill wants.
             Err(CellError::Ended(_)) if action == ControlAction::Kill => {}
-            Err(err) => return Err(HarnessError::new(ErrorKind::Conflict, err.to_string())),
+            Err(err) => {
+                return Err(HarnessError::from(ControlError::Refused(err.to_string())));
+            }
         }
         if action != ControlAction::Kill
             && let Ok(Some(mut entry)) = self.state.get(name)

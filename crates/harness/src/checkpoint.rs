@@ -13,7 +13,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use warden_protocol::{Checkpoint, CreateCell};
 
-use crate::{ErrorKind, Harness, HarnessError, PolicySource, now_ms};
+use crate::{
+    CellFailure, CreateError, Harness, HarnessError, PolicySource, WorkspaceError, now_ms,
+};
 
 /// What a checkpoint keeps of the cell it was made of.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -41,35 +43,31 @@ impl Harness {
     ) -> Result<Checkpoint, HarnessError> {
         let entry = self.entry(name)?;
         let policy = entry.policy_in_force().ok_or_else(|| {
-            HarnessError::internal(format!("cell `{name}` has no policy on record"))
+            HarnessError::from(WorkspaceError::Failed(format!(
+                "cell `{name}` has no policy on record"
+            )))
         })?;
         if policy.network.has_gateway() {
-            return Err(HarnessError::new(
-                ErrorKind::Conflict,
-                format!(
-                    "cell `{name}` lets traffic out through the gateway; its sockets live on its namespace's network stack, which cannot be saved: only a cell with no network (no `network.allow`, `ask` or `inference`) can be checkpointed"
-                ),
-            ));
+            return Err(HarnessError::from(WorkspaceError::Conflict(format!(
+                "cell `{name}` lets traffic out through the gateway; its sockets live on its namespace's network stack, which cannot be saved: only a cell with no network (no `network.allow`, `ask` or `inference`) can be checkpointed"
+            ))));
         }
         if entry.workspace.is_none() {
-            return Err(HarnessError::new(
-                ErrorKind::Conflict,
-                format!(
-                    "cell `{name}` has no workspace: a checkpoint keeps the cell's workspace beside its memory; make the cell with a workspace (`workspace` in the API, `-w DIR` on the command line)"
-                ),
-            ));
+            return Err(HarnessError::from(WorkspaceError::Conflict(format!(
+                "cell `{name}` has no workspace: a checkpoint keeps the cell's workspace beside its memory; make the cell with a workspace (`workspace` in the API, `-w DIR` on the command line)"
+            ))));
         }
         let (cell, status) = self.live_with_status(name)?;
         if status == warden_cell::Status::Paused {
-            return Err(HarnessError::new(
-                ErrorKind::Conflict,
-                format!("cell `{name}` is paused; resume it first"),
-            ));
+            return Err(HarnessError::from(CellFailure::Paused(format!(
+                "cell `{name}` is paused; resume it first"
+            ))));
         }
         let snap = match as_name {
             Some(snap) => {
-                warden_cell::check_name(snap)
-                    .map_err(|e| HarnessError::bad(format!("checkpoint name: {e}")))?;
+                warden_cell::check_name(snap).map_err(|e| {
+                    HarnessError::from(WorkspaceError::Invalid(format!("checkpoint name: {e}")))
+                })?;
                 snap.to_owned()
             }
             None => format!("ckpt-{}", now_ms()),
@@ -77,10 +75,9 @@ impl Harness {
         let id = format!("{name}@{snap}");
         let image = self.checkpoint_dir(&id);
         if image.exists() || warden_cell::snapshot::get(&self.store, &id).is_ok() {
-            return Err(HarnessError::new(
-                ErrorKind::Conflict,
-                format!("`{id}` exists; pick another name or remove it (`warden rm {id}`)"),
-            ));
+            return Err(HarnessError::from(WorkspaceError::Conflict(format!(
+                "`{id}` exists; pick another name or remove it (`warden rm {id}`)"
+            ))));
         }
         self.record(
             Some(name),
@@ -106,7 +103,7 @@ impl Harness {
                 .map(|()| workspace_bytes)
         })
         .await
-        .map_err(|e| HarnessError::internal(format!("checkpointing: {e}")))?;
+        .map_err(|e| HarnessError::from(WorkspaceError::Failed(format!("checkpointing: {e}"))))?;
         let workspace_bytes = match saved {
             Ok(bytes) => bytes,
             Err(err) => {
@@ -114,12 +111,11 @@ impl Harness {
                     self.daemon_dir.join("cells").join(name).join(CHECKPOINTED),
                 );
                 let _ = warden_cell::snapshot::remove(&self.store, &id);
-                let kind = match err {
-                    warden_cell::CellError::Unsupported(_) | warden_cell::CellError::Refused(_) => {
-                        ErrorKind::Conflict
-                    }
-                    warden_cell::CellError::Ended(_) => ErrorKind::Conflict,
-                    _ => ErrorKind::Internal,
+                let failure = match err {
+                    warden_cell::CellError::Unsupported(_)
+                    | warden_cell::CellError::Refused(_)
+                    | warden_cell::CellError::Ended(_) => WorkspaceError::Conflict,
+                    _ => WorkspaceError::Failed,
                 };
                 self.record(
                     Some(name),
@@ -127,7 +123,7 @@ impl Harness {
                     json!({ "error": err.to_string() }),
                 )
                 .await?;
-                return Err(HarnessError::new(kind, err.to_string()));
+                return Err(failure(err.to_string()).into());
             }
         };
         let saved = Saved {
@@ -140,10 +136,10 @@ impl Harness {
             .map_err(std::io::Error::other)
             .and_then(|bytes| std::fs::write(image.join("cell.json"), bytes));
         if let Err(e) = written {
-            return Err(HarnessError::internal(format!(
+            return Err(HarnessError::from(WorkspaceError::Failed(format!(
                 "writing {}: {e}",
                 image.join("cell.json").display()
-            )));
+            ))));
         }
         let memory_bytes = dir_size(&image);
         self.record(
@@ -192,24 +188,21 @@ impl Harness {
             || request.workspace.is_some()
             || request.from.is_some()
         {
-            return Err(HarnessError::bad(
-                "`restore` brings back the checkpointed cell as it was: give no `policy`, `preset`, `workspace` or `from` with it",
-            ));
+            return Err(HarnessError::from(CreateError::Invalid("`restore` brings back the checkpointed cell as it was: give no `policy`, `preset`, `workspace` or `from` with it".into())));
         }
         if !id.contains('@') || id.contains('/') {
-            return Err(HarnessError::bad(format!(
+            return Err(HarnessError::from(CreateError::Invalid(format!(
                 "`restore`: `{id}` is not a checkpoint (they are named CELL@NAME)"
-            )));
+            ))));
         }
         let image = self.checkpoint_dir(&id);
         let saved: Saved = std::fs::read(image.join("cell.json"))
             .ok()
             .and_then(|bytes| serde_json::from_slice(&bytes).ok())
             .ok_or_else(|| {
-                HarnessError::new(
-                    ErrorKind::NotFound,
-                    format!("no checkpoint `{id}` (`warden snapshots` lists them)"),
-                )
+                HarnessError::from(CreateError::NoSource(format!(
+                    "no checkpoint `{id}` (`warden snapshots` lists them)"
+                )))
             })?;
         match saved.policy {
             PolicySource::Preset(preset) => request.preset = Some(preset),

@@ -11,7 +11,7 @@ use warden_cell::tier::{ExecEvent, ExecRequest};
 use warden_cell::{CellError, Session, Status};
 
 use crate::process::{self, Process};
-use crate::{ErrorKind, ExecSpec, Harness, HarnessError, TtySize};
+use crate::{CellFailure, ExecError, ExecSpec, Harness, HarnessError, TtySize};
 use crate::{ExitInfo, ExitReason, ProcessInfo};
 
 impl Harness {
@@ -39,7 +39,7 @@ impl Harness {
             }
         });
         rx.await
-            .unwrap_or_else(|_| Err(HarnessError::internal("the exec was cut short")))
+            .unwrap_or_else(|_| Err(ExecError::Failed("the exec was cut short".to_owned()).into()))
     }
 
     async fn start(
@@ -74,16 +74,15 @@ impl Harness {
             )
             .await?;
         } else if paused {
-            return Err(HarnessError::new(
-                ErrorKind::Conflict,
-                format!("cell `{name}` is paused; resume it first"),
-            ));
+            return Err(
+                CellFailure::Paused(format!("cell `{name}` is paused; resume it first")).into(),
+            );
         }
         if spec.argv.is_empty() || spec.argv[0].is_empty() {
-            return Err(HarnessError::bad("`argv` needs at least the program"));
+            return Err(ExecError::Invalid("`argv` needs at least the program".to_owned()).into());
         }
         if spec.argv.iter().any(|a| a.contains('\0')) {
-            return Err(HarnessError::bad("`argv` may not contain NUL bytes"));
+            return Err(ExecError::Invalid("`argv` may not contain NUL bytes".to_owned()).into());
         }
         check_env(spec.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))?;
         if let Some(user) = spec.user {
@@ -93,10 +92,11 @@ impl Harness {
                 .ok()
                 .and_then(|l| l.get(name).map(|l| l.policy.process.user));
             if cell_user.is_some_and(|u| u != user) {
-                return Err(HarnessError::bad(format!(
+                return Err(ExecError::Invalid(format!(
                     "user {user}: cell `{name}` runs every process as uid {} (its policy's process.user); no process in a cell can change ids. Make a cell with another process.user instead",
                     cell_user.unwrap_or_default()
-                )));
+                ))
+                .into());
             }
         }
         self.touch(name);
@@ -104,10 +104,9 @@ impl Harness {
         self.touch(name);
         if caller.is_closed() {
             // Gone while the command rules held the exec: nothing starts.
-            return Err(HarnessError::new(
-                ErrorKind::Conflict,
-                "the caller went away before the start",
-            ));
+            return Err(
+                ExecError::State("the caller went away before the start".to_owned()).into(),
+            );
         }
         let oom_before = cell.oom_kills();
         let id = self.next_process.fetch_add(1, Ordering::Relaxed);
@@ -135,7 +134,7 @@ impl Harness {
         );
         let pipe = || {
             nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
-                .map_err(|e| HarnessError::internal(format!("creating pipes: {e}")))
+                .map_err(|e| ExecError::Failed(format!("creating pipes: {e}")))
         };
         // Pipes, or nothing when the cell makes a terminal (its master comes back).
         let pipes = if spec.tty.is_none() {
@@ -188,7 +187,7 @@ impl Harness {
                 )
                 .await?;
                 self.running.remove(id);
-                return Err(HarnessError::new(ErrorKind::Conflict, message));
+                return Err(ExecError::StartFailed(message).into());
             }
         };
         let pid = match first {
@@ -228,15 +227,15 @@ impl Harness {
                 return Ok(process);
             }
             other => {
-                return Err(HarnessError::internal(format!(
-                    "the cell answered an exec with {other:?}"
-                )));
+                return Err(
+                    ExecError::Failed(format!("the cell answered an exec with {other:?}")).into(),
+                );
             }
         };
         let (input, outputs) = match ours {
             Some((stdin_w, stdout_r, stderr_r)) => {
                 let stdin = tokio::net::unix::pipe::Sender::from_owned_fd(stdin_w)
-                    .map_err(|e| HarnessError::internal(format!("stdin pipe: {e}")))?;
+                    .map_err(|e| ExecError::Failed(format!("stdin pipe: {e}")))?;
                 (
                     process::Input::Pipe(stdin),
                     process::Outputs::Pipes([stdout_r, stderr_r]),
@@ -244,9 +243,10 @@ impl Harness {
             }
             None => {
                 let Some(master) = fds.pop() else {
-                    return Err(HarnessError::internal(
-                        "the cell started a terminal process without its terminal",
-                    ));
+                    return Err(ExecError::Failed(
+                        "the cell started a terminal process without its terminal".to_owned(),
+                    )
+                    .into());
                 };
                 let master = Arc::new(master);
                 (
@@ -513,10 +513,7 @@ impl Harness {
             .ok()
             .and_then(|p| p.get(name).and_then(|l| l.iter().find(|p| p.id == id).cloned()))
             .ok_or_else(|| {
-                HarnessError::new(
-                    ErrorKind::NotFound,
-                    format!("cell `{name}` has no process {id} (processes do not outlive the daemon that started them)"),
-                )
+                ExecError::NoProcess(format!("cell `{name}` has no process {id} (processes do not outlive the daemon that started them)")).into()
             })
     }
 
@@ -524,9 +521,7 @@ impl Harness {
     pub async fn signal(&self, name: &str, id: u64, signal: i32) -> Result<(), HarnessError> {
         let process = self.process(name, id)?;
         if !(1..=64).contains(&signal) {
-            return Err(HarnessError::bad(format!(
-                "{signal} is not a signal number"
-            )));
+            return Err(ExecError::Invalid(format!("{signal} is not a signal number")).into());
         }
         self.record(
             Some(name),
@@ -542,9 +537,10 @@ impl Harness {
     pub async fn resize(&self, name: &str, id: u64, size: TtySize) -> Result<(), HarnessError> {
         let process = self.process(name, id)?;
         if size.rows == 0 || size.cols == 0 {
-            return Err(HarnessError::bad(
-                "a terminal needs at least one row and one column",
-            ));
+            return Err(ExecError::Invalid(
+                "a terminal needs at least one row and one column".to_owned(),
+            )
+            .into());
         }
         self.record(
             Some(name),
@@ -554,7 +550,7 @@ impl Harness {
         .await?;
         process
             .resize(size)
-            .map_err(|e| HarnessError::new(ErrorKind::Conflict, e.to_string()))
+            .map_err(|e| ExecError::State(e.to_string()).into())
     }
 
     /// Writes to a process's stdin.
@@ -575,7 +571,7 @@ impl Harness {
         process
             .write_stdin(data, close)
             .await
-            .map_err(|e| HarnessError::new(ErrorKind::Conflict, e.to_string()))
+            .map_err(|e| ExecError::State(e.to_string()).into())
     }
 }
 
@@ -585,9 +581,10 @@ pub(crate) fn check_env<'a>(
 ) -> Result<(), HarnessError> {
     for (key, value) in pairs {
         if key.is_empty() || key.contains(['=', '\0']) || value.contains('\0') {
-            return Err(HarnessError::bad(format!(
+            return Err(ExecError::Invalid(format!(
                 "environment variable `{key}`: the name must be non-empty without `=`, and neither part may contain NUL"
-            )));
+            ))
+            .into());
         }
     }
     Ok(())

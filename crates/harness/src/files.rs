@@ -21,7 +21,7 @@ use warden_cell::Status;
 use warden_cell::tier::{ExecEvent, FileEntry, FileError, FileErrorKind, FileOp};
 
 use crate::exec::Events;
-use crate::{ErrorKind, Harness, HarnessError};
+use crate::{CellFailure, FilesError, Harness, HarnessError};
 
 /// Largest file read or archive made through the API.
 pub const READ_LIMIT: u64 = 64 * 1024 * 1024;
@@ -51,7 +51,7 @@ impl Harness {
             .ok()
             .and_then(|l| l.get(name).map(|l| l.policy.clone()))
             .ok_or_else(|| {
-                HarnessError::new(ErrorKind::Conflict, format!("cell `{name}` has ended"))
+                HarnessError::from(CellFailure::Ended(format!("cell `{name}` has ended")))
             })?;
         Ok(policy.filesystem.workspace.mount.display().to_string())
     }
@@ -60,17 +60,19 @@ impl Harness {
     fn cell_path(&self, name: &str, path: &str) -> Result<(String, String), HarnessError> {
         let root = self.files_root(name)?;
         if path.contains('\0') {
-            return Err(HarnessError::bad("a path may not contain NUL bytes"));
+            return Err(HarnessError::from(FilesError::Invalid(
+                "a path may not contain NUL bytes".into(),
+            )));
         }
         if path.starts_with('/') {
-            return Err(HarnessError::bad(format!(
+            return Err(HarnessError::from(FilesError::Invalid(format!(
                 "path `{path}` is absolute; file paths are relative to the cell's files root {root}"
-            )));
+            ))));
         }
         if path.split('/').any(|part| part == "..") {
-            return Err(HarnessError::bad(format!(
+            return Err(HarnessError::from(FilesError::Invalid(format!(
                 "path `{path}` contains `..`; file paths stay inside the cell's files root {root}"
-            )));
+            ))));
         }
         let trimmed = path.trim_matches('/');
         let full = if trimmed.is_empty() || trimmed == "." {
@@ -94,25 +96,26 @@ impl Harness {
         let root = self.files_root(name)?;
         let (cell, status) = self.live_with_status(name)?;
         if status == Status::Paused {
-            return Err(HarnessError::new(
-                ErrorKind::Conflict,
-                format!("cell `{name}` is paused; resume it first"),
-            ));
+            return Err(HarnessError::from(CellFailure::Paused(format!(
+                "cell `{name}` is paused; resume it first"
+            ))));
         }
         let pipe = || {
             nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
-                .map_err(|e| HarnessError::internal(format!("creating pipes: {e}")))
+                .map_err(|e| HarnessError::from(FilesError::Failed(format!("creating pipes: {e}"))))
         };
         let (stdin_r, stdin_w) = pipe()?;
         let (stdout_r, stdout_w) = pipe()?;
         let (stderr_r, stderr_w) = pipe()?;
         let session = cell
             .file_op(&root, &op, [&stdin_r, &stdout_w, &stderr_w])
-            .map_err(|e| HarnessError::new(ErrorKind::Conflict, e.to_string()))?;
+            .map_err(|e| HarnessError::from(FilesError::State(e.to_string())))?;
         drop((stdin_r, stdout_w, stderr_w));
         let events = Events::new(Arc::clone(&session), name)
-            .map_err(|e| HarnessError::internal(e.to_string()))?;
-        let io_error = |e: std::io::Error| HarnessError::internal(format!("file operation: {e}"));
+            .map_err(|e| HarnessError::from(FilesError::Failed(e.to_string())))?;
+        let io_error = |e: std::io::Error| {
+            HarnessError::from(FilesError::Failed(format!("file operation: {e}")))
+        };
         let mut input = tokio::net::unix::pipe::Sender::from_owned_fd(stdin_w).map_err(io_error)?;
         let mut output =
             tokio::net::unix::pipe::Receiver::from_owned_fd(stdout_r).map_err(io_error)?;
@@ -147,41 +150,34 @@ impl Harness {
         let all = async { tokio::join!(feed, collect, complaints, events.last()) };
         let Ok(((), out, complaint, end)) = tokio::time::timeout(FILE_DEADLINE, all).await else {
             let _ = session.signal(libc::SIGKILL);
-            return Err(HarnessError::new(
-                ErrorKind::Unavailable,
-                format!(
-                    "the file operation in cell `{name}` did not finish within {} s and was killed (the cell may hold the file, or its disk is slow)",
-                    FILE_DEADLINE.as_secs()
-                ),
-            ));
+            return Err(HarnessError::from(FilesError::TimedOut(format!(
+                "the file operation in cell `{name}` did not finish within {} s and was killed (the cell may hold the file, or its disk is slow)",
+                FILE_DEADLINE.as_secs()
+            ))));
         };
         let Some(out) = out else {
-            return Err(HarnessError::bad(format!(
+            return Err(HarnessError::from(FilesError::Invalid(format!(
                 "more than {limit} bytes: too large to transfer through the API"
-            )));
+            ))));
         };
         match end {
             Ok(ExecEvent::Exited { code: 0, .. }) => Ok(out),
             Ok(ExecEvent::Exited { .. }) => {
                 Err(match serde_json::from_slice::<FileError>(&complaint) {
                     Ok(err) => file_error(err),
-                    Err(_) => HarnessError::internal(format!(
+                    Err(_) => HarnessError::from(FilesError::Failed(format!(
                         "the file operation failed: {}",
                         String::from_utf8_lossy(&complaint).trim()
-                    )),
+                    ))),
                 })
             }
-            Ok(ExecEvent::Failed { message, .. }) => Err(HarnessError::new(
-                ErrorKind::Conflict,
+            Ok(ExecEvent::Failed { message, .. }) => Err(HarnessError::from(FilesError::State(
                 format!("the cell could not run the file operation: {message}"),
-            )),
-            Ok(other) => Err(HarnessError::new(
-                ErrorKind::Conflict,
-                format!(
-                    "the file operation ended with {other:?} (the cell's memory limit, or a kill)"
-                ),
-            )),
-            Err(err) => Err(HarnessError::new(ErrorKind::Conflict, err.to_string())),
+            ))),
+            Ok(other) => Err(HarnessError::from(FilesError::State(format!(
+                "the file operation ended with {other:?} (the cell's memory limit, or a kill)"
+            )))),
+            Err(err) => Err(HarnessError::from(FilesError::State(err.to_string()))),
         }
     }
 
@@ -192,8 +188,11 @@ impl Harness {
         op: FileOp,
     ) -> Result<T, HarnessError> {
         let out = self.file_op(name, op, None, READ_LIMIT).await?;
-        serde_json::from_slice(&out)
-            .map_err(|e| HarnessError::internal(format!("the cell's file service answered: {e}")))
+        serde_json::from_slice(&out).map_err(|e| {
+            HarnessError::from(FilesError::Failed(format!(
+                "the cell's file service answered: {e}"
+            )))
+        })
     }
 
     pub async fn read_file(&self, name: &str, path: &str) -> Result<Vec<u8>, HarnessError> {
@@ -294,9 +293,9 @@ impl Harness {
     ) -> Result<(), HarnessError> {
         let (root, full) = self.cell_path(name, path)?;
         if full.trim_end_matches('/') == root.trim_end_matches('/') {
-            return Err(HarnessError::bad(
-                "refusing to remove the files root itself",
-            ));
+            return Err(HarnessError::from(FilesError::Invalid(
+                "refusing to remove the files root itself".into(),
+            )));
         }
         self.record(
             Some(name),
@@ -393,19 +392,19 @@ impl Harness {
 
 /// A file service's error as the harness reports it.
 fn file_error(err: FileError) -> HarnessError {
-    let kind = match err.kind {
-        FileErrorKind::NotFound => ErrorKind::NotFound,
+    let failure = match err.kind {
+        FileErrorKind::NotFound => FilesError::Missing,
         FileErrorKind::ReadOnly | FileErrorKind::Denied | FileErrorKind::Exists => {
-            ErrorKind::Conflict
+            FilesError::State
         }
-        FileErrorKind::Io => ErrorKind::Internal,
+        FileErrorKind::Io => FilesError::Failed,
         FileErrorKind::Outside
         | FileErrorKind::NotRegular
         | FileErrorKind::NotDirectory
         | FileErrorKind::TooLarge
-        | FileErrorKind::Invalid => ErrorKind::BadRequest,
+        | FileErrorKind::Invalid => FilesError::Invalid,
     };
-    HarnessError::new(kind, err.message)
+    failure(err.message).into()
 }
 
 fn blake3_hex(data: &[u8]) -> String {

@@ -14,14 +14,14 @@ impl Harness {
     pub async fn journal_page(&self, query: JournalQuery) -> Result<JournalPage, HarnessError> {
         let limit = query.limit.unwrap_or(PAGE);
         if limit == 0 || limit > PAGE_MAX {
-            return Err(HarnessError::bad(format!(
+            return Err(HarnessError::from(HistoryError::Invalid(format!(
                 "limit {limit}: a page holds 1 to {PAGE_MAX} entries; page back with `before`"
-            )));
+            ))));
         }
         let dir = self.journal.dir().to_path_buf();
         tokio::task::spawn_blocking(move || read_page(&dir, &query, limit))
             .await
-            .map_err(|e| HarnessError::internal(e.to_string()))?
+            .map_err(|e| HarnessError::from(HistoryError::Unreadable(e.to_string())))?
     }
 
     /// Checks every entry's hash and link and every checkpoint's signature, as `warden audit
@@ -54,13 +54,16 @@ impl Harness {
             },
         })
         .await
-        .map_err(|e| HarnessError::internal(e.to_string()))
+        .map_err(|e| HarnessError::from(HistoryError::Unreadable(e.to_string())))
     }
 }
 
 fn read_page(dir: &Path, query: &JournalQuery, limit: usize) -> Result<JournalPage, HarnessError> {
-    let segments = warden_journal::segments(dir)
-        .map_err(|e| HarnessError::internal(format!("listing the journal: {e}")))?;
+    let segments = warden_journal::segments(dir).map_err(|e| {
+        HarnessError::from(HistoryError::Unreadable(format!(
+            "listing the journal: {e}"
+        )))
+    })?;
     let matches = |entry: &warden_journal::Entry| {
         query.before.is_none_or(|b| entry.seq < b)
             && query
@@ -88,8 +91,12 @@ fn read_page(dir: &Path, query: &JournalQuery, limit: usize) -> Result<JournalPa
         {
             continue;
         }
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| HarnessError::internal(format!("reading {}: {e}", path.display())))?;
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            HarnessError::from(HistoryError::Unreadable(format!(
+                "reading {}: {e}",
+                path.display()
+            )))
+        })?;
         let mut here: Vec<JournalEntry> = Vec::new();
         for line in text.lines() {
             let Ok(entry) = serde_json::from_str::<warden_journal::Entry>(line) else {

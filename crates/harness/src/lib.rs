@@ -13,6 +13,7 @@
 mod attached;
 mod cells;
 mod checkpoint;
+mod error;
 mod exec;
 mod files;
 mod history;
@@ -42,14 +43,14 @@ impl Harness {
     ) -> Result<Arc<dyn Backend>, HarnessError> {
         self.tiers
             .get(tier)
-            .map_err(|e| HarnessError::bad(e.to_string()))
+            .map_err(|e| HarnessError::from(CreateError::Refused(e.to_string())))
     }
 
     /// The backend that answers for any cell's name (every tier's cells share one registry).
     pub(crate) fn names(&self) -> Result<Arc<dyn Backend>, HarnessError> {
         self.tiers
             .default_tier()
-            .map_err(|e| HarnessError::new(ErrorKind::Unavailable, e.to_string()))
+            .map_err(|e| HarnessError::from(CellFailure::Unavailable(e.to_string())))
     }
 }
 use warden_journal::{Journal, Receipt};
@@ -71,31 +72,17 @@ pub use usage::{USAGE_EVERY, USAGE_KEPT};
 /// codes (HTTP status, exit status).
 pub use warden_protocol::ErrorCode as ErrorKind;
 
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("{message}")]
-pub struct HarnessError {
-    pub kind: ErrorKind,
-    pub message: String,
-}
+pub use error::{
+    ApprovalError, CellFailure, ControlError, CreateError, ExecError, Failure, FilesError,
+    HarnessError, HistoryError, WorkspaceError,
+};
 
 impl HarnessError {
-    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        Self {
-            kind,
-            message: message.into(),
-        }
-    }
-    pub fn bad(message: impl Into<String>) -> Self {
-        Self::new(ErrorKind::BadRequest, message)
-    }
-    pub fn internal(message: impl Into<String>) -> Self {
-        Self::new(ErrorKind::Internal, message)
-    }
     fn not_found(name: &str) -> Self {
-        Self::new(
-            ErrorKind::NotFound,
-            format!("no cell `{name}` (list them with GET /v1/cells or `warden ps`)"),
-        )
+        CellFailure::NoCell(format!(
+            "no cell `{name}` (list them with GET /v1/cells or `warden ps`)"
+        ))
+        .into()
     }
 }
 
@@ -178,15 +165,18 @@ impl Harness {
         };
         if !config.ephemeral {
             std::fs::create_dir_all(daemon_dir.join("cells")).map_err(|e| {
-                HarnessError::internal(format!("creating {}: {e}", daemon_dir.display()))
+                HarnessError::from(CellFailure::Core(format!(
+                    "creating {}: {e}",
+                    daemon_dir.display()
+                )))
             })?;
         }
         let _ = std::fs::set_permissions(
             &daemon_dir,
             std::os::unix::fs::PermissionsExt::from_mode(0o700),
         );
-        let store =
-            Store::open(config.state.clone()).map_err(|e| HarnessError::internal(e.to_string()))?;
+        let store = Store::open(config.state.clone())
+            .map_err(|e| HarnessError::from(CellFailure::Core(e.to_string())))?;
         let state = match config.ephemeral {
             false => State::open(&daemon_dir.join("state.redb"))?,
             true => State::in_memory(),
@@ -198,7 +188,7 @@ impl Harness {
             false => Journal::open_with(&journal_dir, config.journal_segments),
             true => Journal::open_deferred(&journal_dir, config.journal_segments),
         }
-        .map_err(|e| HarnessError::internal(e.to_string()))?;
+        .map_err(|e| HarnessError::from(CellFailure::Core(e.to_string())))?;
         let grants = state.grants()?;
         let (running, cut, journaled_ends) = match config.ephemeral {
             false => {
@@ -280,8 +270,11 @@ pub(crate) async fn on_own_thread<T: Send + 'static>(
             let _ = tx.send(work());
         })
         .map_err(|e| {
-            HarnessError::new(ErrorKind::Unavailable, format!("starting a thread: {e}"))
+            HarnessError::from(CellFailure::Unavailable(format!("starting a thread: {e}")))
         })?;
-    rx.await
-        .map_err(|_| HarnessError::internal("the control thread ended without an answer"))
+    rx.await.map_err(|_| {
+        HarnessError::from(CellFailure::Core(
+            "the control thread ended without an answer".into(),
+        ))
+    })
 }

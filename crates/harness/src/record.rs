@@ -15,8 +15,11 @@ impl Harness {
     ) -> Result<Vec<Value>, HarnessError> {
         let dir = self.journal.dir().to_path_buf();
         tokio::task::spawn_blocking(move || {
-            let segments = warden_journal::segments(&dir)
-                .map_err(|e| HarnessError::internal(format!("listing the journal: {e}")))?;
+            let segments = warden_journal::segments(&dir).map_err(|e| {
+                HarnessError::from(HistoryError::Unreadable(format!(
+                    "listing the journal: {e}"
+                )))
+            })?;
             // Closed segments are named by their first entry: skip those wholly at or before
             // `after`.
             let mut start = 0;
@@ -28,7 +31,10 @@ impl Harness {
             let mut out = Vec::new();
             for path in &segments[start..] {
                 let text = std::fs::read_to_string(path).map_err(|e| {
-                    HarnessError::internal(format!("reading {}: {e}", path.display()))
+                    HarnessError::from(HistoryError::Unreadable(format!(
+                        "reading {}: {e}",
+                        path.display()
+                    )))
                 })?;
                 for line in text.lines() {
                     let Ok(entry) = serde_json::from_str::<warden_journal::Entry>(line) else {
@@ -52,7 +58,7 @@ impl Harness {
             Ok(out)
         })
         .await
-        .map_err(|e| HarnessError::internal(e.to_string()))?
+        .map_err(|e| HarnessError::from(HistoryError::Unreadable(e.to_string())))?
     }
 
     /// Appends to the journal and waits until it is on disk. Every entry goes to the events
@@ -153,7 +159,7 @@ impl Harness {
         events: Vec<(String, Value)>,
     ) -> Result<Vec<Receipt>, HarnessError> {
         let receipts =
-            receipts.map_err(|err| HarnessError::new(ErrorKind::Unavailable, err.to_string()))?;
+            receipts.map_err(|err| HarnessError::from(CellFailure::Journal(err.to_string())))?;
         for (receipt, (kind, data)) in receipts.iter().zip(events) {
             self.announce(receipt, Some(cell), &kind, Some(data));
         }
@@ -260,7 +266,7 @@ pub(crate) fn journaled(
 ) -> Result<Receipt, HarnessError> {
     answer
         .unwrap_or_else(|_| Err(writer_gone()))
-        .map_err(|err| HarnessError::new(ErrorKind::Unavailable, err.to_string()))
+        .map_err(|err| HarnessError::from(CellFailure::Journal(err.to_string())))
 }
 
 pub(crate) fn writer_gone() -> warden_journal::JournalError {

@@ -7,7 +7,7 @@ use std::path::Path;
 use redb::{Database, ReadableTable as _, TableDefinition, TableHandle as _};
 use serde::{Deserialize, Serialize};
 
-use crate::{ErrorKind, HarnessError};
+use crate::{CellFailure, ErrorKind, HarnessError};
 
 const CELLS: TableDefinition<&str, &str> = TableDefinition::new("cells");
 const GRANTS: TableDefinition<&str, &str> = TableDefinition::new("grants");
@@ -170,11 +170,13 @@ impl Column for u64 {
 }
 
 fn db_error(err: impl std::fmt::Display) -> HarnessError {
-    HarnessError::internal(format!("the daemon's state database: {err}"))
+    HarnessError::from(CellFailure::Core(format!(
+        "the daemon's state database: {err}"
+    )))
 }
 
 fn poisoned<T>(_: T) -> HarnessError {
-    HarnessError::internal("the harness's state is poisoned")
+    HarnessError::from(CellFailure::Core("the harness's state is poisoned".into()))
 }
 
 impl State {
@@ -187,10 +189,10 @@ impl State {
                     path.display()
                 ),
             ),
-            e => HarnessError::internal(format!(
+            e => HarnessError::from(CellFailure::Core(format!(
                 "opening the state database {}: {e}",
                 path.display()
-            )),
+            ))),
         })?;
         let txn = db.begin_write().map_err(db_error)?;
         txn.open_table(CELLS).map_err(db_error)?;
@@ -418,7 +420,10 @@ impl RunningLog {
     /// then starts it afresh.
     pub fn open(path: &Path) -> Result<(Self, Vec<(u64, serde_json::Value)>), HarnessError> {
         let io = |e: std::io::Error| {
-            HarnessError::internal(format!("the running-process log {}: {e}", path.display()))
+            HarnessError::from(CellFailure::Core(format!(
+                "the running-process log {}: {e}",
+                path.display()
+            )))
         };
         let mut running = std::collections::BTreeMap::new();
         if let Ok(text) = std::fs::read_to_string(path) {

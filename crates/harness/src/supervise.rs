@@ -12,7 +12,7 @@ use serde_json::json;
 use warden_cell::Status;
 use warden_policy::{CommandRules, CommandVerdict, LifecycleAction, Policy};
 
-use crate::{ErrorKind, Harness, HarnessError};
+use crate::{ApprovalError, CellFailure, ExecError, Harness, HarnessError};
 
 const TICK: Duration = Duration::from_millis(100);
 /// Decisions copied into the journal in one go (one group commit).
@@ -400,7 +400,7 @@ impl Harness {
         let live = self
             .live
             .lock()
-            .map_err(|_| HarnessError::internal("the harness's state is poisoned"))?;
+            .map_err(|_| CellFailure::Core("the harness's state is poisoned".to_owned()))?;
         let Some(l) = live.get(name) else {
             return Ok((CommandVerdict::Allow, warden_policy::Approvals::default()));
         };
@@ -424,20 +424,18 @@ impl Harness {
             CommandVerdict::Allow => None,
             CommandVerdict::Deny(rule) => Some((
                 json!({ "argv": argv, "rule": rule }),
-                HarnessError::new(
-                    ErrorKind::Forbidden,
-                    format!("the cell's policy refuses the command `{line}` (rule {rule})"),
-                ),
+                ExecError::Denied(format!(
+                    "the cell's policy refuses the command `{line}` (rule {rule})"
+                ))
+                .into(),
             )),
             CommandVerdict::Ask(_) if !self.ephemeral => None,
             CommandVerdict::Ask(rule) => Some((
                 json!({ "argv": argv, "rule": rule, "reason": "it asks a person, and no daemon runs to take the answer" }),
-                HarnessError::new(
-                    ErrorKind::Forbidden,
-                    format!(
-                        "the cell's policy holds the command `{line}` for a person's approval (rule {rule}), and without a daemon nobody can answer: start `warden serve` and run it again"
-                    ),
-                ),
+                ExecError::Denied(format!(
+                    "the cell's policy holds the command `{line}` for a person's approval (rule {rule}), and without a daemon nobody can answer: start `warden serve` and run it again"
+                ))
+                .into(),
             )),
         }
     }
@@ -473,12 +471,10 @@ impl Harness {
             .ok_or_else(|| HarnessError::not_found(name))?
             .approvals;
         if self.ephemeral {
-            return Err(HarnessError::new(
-                ErrorKind::Forbidden,
-                format!(
-                    "`{request}` waits for a person's approval ({rule}), and without a daemon nobody can answer: start `warden serve`"
-                ),
-            ));
+            return Err(ApprovalError::Refused(format!(
+                "`{request}` waits for a person's approval ({rule}), and without a daemon nobody can answer: start `warden serve`"
+            ))
+            .into());
         }
         self.ask_person(name, request.clone(), request, rule, &approvals)
             .await
@@ -534,14 +530,13 @@ impl Harness {
         }
         match tokio::time::timeout(timeout, rx).await {
             Ok(Ok(true)) => Ok(()),
-            Ok(Ok(false)) => Err(HarnessError::new(
-                ErrorKind::Forbidden,
-                format!("a person refused `{line}` (question {id})"),
-            )),
-            Ok(Err(_)) => Err(HarnessError::new(
-                ErrorKind::Unavailable,
-                format!("the question about `{line}` was dropped"),
-            )),
+            Ok(Ok(false)) => Err(ApprovalError::Refused(format!(
+                "a person refused `{line}` (question {id})"
+            ))
+            .into()),
+            Ok(Err(_)) => {
+                Err(CellFailure::Core(format!("the question about `{line}` was dropped")).into())
+            }
             Err(_) => {
                 let held = self
                     .exec_questions
@@ -560,13 +555,11 @@ impl Harness {
                 if allow {
                     Ok(())
                 } else {
-                    Err(HarnessError::new(
-                        ErrorKind::Forbidden,
-                        format!(
-                            "nobody answered about `{line}` within {} s; the policy's approvals.on_timeout refuses it",
-                            timeout.as_secs()
-                        ),
+                    Err(ApprovalError::Refused(format!(
+                        "nobody answered about `{line}` within {} s; the policy's approvals.on_timeout refuses it",
+                        timeout.as_secs()
                     ))
+                    .into())
                 }
             }
         }
@@ -626,9 +619,11 @@ impl Harness {
     ) -> Result<(), HarnessError> {
         self.entry(name)?;
         if !allow && scope != Scope::Once {
-            return Err(HarnessError::bad(
-                "a denial answers one question (scope once); change the policy to refuse for good",
-            ));
+            return Err(ApprovalError::Invalid(
+                "a denial answers one question (scope once); change the policy to refuse for good"
+                    .to_owned(),
+            )
+            .into());
         }
         self.answer_inner(name, id, allow, scope, by).await
     }
@@ -667,21 +662,17 @@ impl Harness {
             Some((*gateway_id, q.request.clone(), q.grant.clone()))
         });
         let Some((gateway_id, request, grant)) = found else {
-            return Err(HarnessError::new(
-                ErrorKind::NotFound,
-                format!(
-                    "cell `{name}` has no open question {id}, or it was answered already (`warden approvals` lists the open ones)"
-                ),
-            ));
+            return Err(ApprovalError::NoQuestion(format!(
+                "cell `{name}` has no open question {id}, or it was answered already (`warden approvals` lists the open ones)"
+            ))
+            .into());
         };
         self.record_answer(name, id, &request, allow, scope, by)
             .await?;
         self.cell(name)
-            .ok_or_else(|| {
-                HarnessError::new(ErrorKind::NotFound, format!("cell `{name}` has ended"))
-            })?
+            .ok_or_else(|| CellFailure::Ended(format!("cell `{name}` has ended")))?
             .answer(gateway_id, allow)
-            .map_err(|e| HarnessError::new(ErrorKind::NotFound, e.to_string()))?;
+            .map_err(|e| ApprovalError::NoQuestion(e.to_string()))?;
         self.remember_grant(name, request, grant, allow, scope, by)
     }
 

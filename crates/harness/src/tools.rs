@@ -9,7 +9,7 @@ use std::sync::Arc;
 use serde::Serialize;
 
 use crate::process::{Item, KillOnDrop, Process};
-use crate::{ErrorKind, ExitInfo, ExitReason, HarnessError, Stream};
+use crate::{ExecError, ExitInfo, ExitReason, FilesError, HarnessError, Stream};
 
 /// Keeps the first and the last `limit / 2` bytes of a stream and counts what falls between.
 #[derive(Debug)]
@@ -117,7 +117,7 @@ where
         let item = tokio::select! {
             item = process.next(&mut cursor) => item,
             () = &mut cancelled => {
-                return Err(HarnessError::new(ErrorKind::Conflict, "the call was cancelled; the command was killed"));
+                return Err(HarnessError::from(ExecError::State("the call was cancelled; the command was killed".into())));
             }
         };
         match item {
@@ -182,16 +182,18 @@ pub fn edit_text(
     all: bool,
 ) -> Result<(String, usize), HarnessError> {
     if old.is_empty() {
-        return Err(HarnessError::bad("the text to replace may not be empty"));
+        return Err(HarnessError::from(FilesError::Invalid(
+            "the text to replace may not be empty".into(),
+        )));
     }
     match (text.matches(old).count(), all) {
-        (0, _) => Err(HarnessError::bad(format!(
+        (0, _) => Err(HarnessError::from(FilesError::Invalid(format!(
             "the text to replace does not occur in {path}; read the file and copy the text exactly"
-        ))),
+        )))),
         (n @ 1, _) | (n, true) => Ok((text.replace(old, new), n)),
-        (n, false) => Err(HarnessError::bad(format!(
+        (n, false) => Err(HarnessError::from(FilesError::Invalid(format!(
             "the text to replace occurs {n} times in {path}; give more of the text around it, or replace all"
-        ))),
+        )))),
     }
 }
 

@@ -3,27 +3,31 @@
 
 use serde_json::json;
 use warden_cell::tier::{ChangesError, SnapshotError};
-use warden_workspace::WorkspaceError;
+use warden_workspace::WorkspaceError as LayerError;
 
-use crate::{ApplyRequest, ErrorKind, Harness, HarnessError, PolicySource, Snapshot};
+use crate::{
+    ApplyRequest, CellFailure, Harness, HarnessError, PolicySource, Snapshot, WorkspaceError,
+};
 
 /// A workspace error, classified by what it is (never by its words).
 fn changes_error(err: ChangesError) -> HarnessError {
-    let kind = match &err {
-        ChangesError::NoLayer(_) | ChangesError::Running(_) => ErrorKind::Conflict,
+    let failure = match &err {
+        ChangesError::NoLayer(_) | ChangesError::Running(_) => WorkspaceError::Conflict,
         ChangesError::Workspace(e) => match e {
-            WorkspaceError::UnknownPath(_) => ErrorKind::BadRequest,
-            WorkspaceError::Conflict { .. }
-            | WorkspaceError::Refused { .. }
-            | WorkspaceError::Changed { .. } => ErrorKind::Conflict,
-            _ => ErrorKind::Internal,
+            LayerError::UnknownPath(_) => WorkspaceError::Invalid,
+            LayerError::Conflict { .. }
+            | LayerError::Refused { .. }
+            | LayerError::Changed { .. } => WorkspaceError::Conflict,
+            _ => WorkspaceError::Failed,
         },
-        ChangesError::Registry(warden_cell::RegistryError::NotFound(_)) => ErrorKind::NotFound,
+        ChangesError::Registry(warden_cell::RegistryError::NotFound(_)) => {
+            return CellFailure::NoCell(err.to_string()).into();
+        }
         ChangesError::Layer { .. } | ChangesError::Cgroup(_) | ChangesError::Registry(_) => {
-            ErrorKind::Internal
+            WorkspaceError::Failed
         }
     };
-    HarnessError::new(kind, err.to_string())
+    failure(err.to_string()).into()
 }
 
 fn snapshot_error(err: SnapshotError) -> HarnessError {
@@ -31,16 +35,16 @@ fn snapshot_error(err: SnapshotError) -> HarnessError {
         SnapshotError::Changes(inner) => return changes_error(inner),
         other => other,
     };
-    let kind = match &err {
-        SnapshotError::Changes(_) => ErrorKind::Internal,
-        SnapshotError::Name(_) | SnapshotError::Foreign { .. } => ErrorKind::BadRequest,
-        SnapshotError::NotFound(_) => ErrorKind::NotFound,
-        SnapshotError::Exists(_) | SnapshotError::InUse { .. } => ErrorKind::Conflict,
+    let failure = match &err {
+        SnapshotError::Changes(_) => WorkspaceError::Failed,
+        SnapshotError::Name(_) | SnapshotError::Foreign { .. } => WorkspaceError::Invalid,
+        SnapshotError::NotFound(_) => WorkspaceError::Missing,
+        SnapshotError::Exists(_) | SnapshotError::InUse { .. } => WorkspaceError::Conflict,
         SnapshotError::Copy { .. }
         | SnapshotError::Record { .. }
-        | SnapshotError::Remount { .. } => ErrorKind::Internal,
+        | SnapshotError::Remount { .. } => WorkspaceError::Failed,
     };
-    HarnessError::new(kind, err.to_string())
+    failure(err.to_string()).into()
 }
 
 impl Harness {
@@ -69,7 +73,11 @@ impl Harness {
         let cell = name.to_owned();
         tokio::task::spawn_blocking(move || work(&*backend, &cell))
             .await
-            .map_err(|e| HarnessError::internal(format!("a workspace task failed: {e}")))?
+            .map_err(|e| {
+                HarnessError::from(WorkspaceError::Failed(format!(
+                    "a workspace task failed: {e}"
+                )))
+            })?
     }
 
     /// Saves the cell's workspace as `CELL@SNAP`.
@@ -80,8 +88,9 @@ impl Harness {
     ) -> Result<Snapshot, HarnessError> {
         self.entry(name)?;
         if let Some(snap) = as_name {
-            warden_cell::check_name(snap)
-                .map_err(|e| HarnessError::bad(format!("snapshot name: {e}")))?;
+            warden_cell::check_name(snap).map_err(|e| {
+                HarnessError::from(WorkspaceError::Invalid(format!("snapshot name: {e}")))
+            })?;
         }
         self.record(Some(name), "workspace.snapshot", json!({ "as": as_name }))
             .await?;
@@ -153,10 +162,9 @@ impl Harness {
     pub async fn diff(&self, name: &str) -> Result<serde_json::Value, HarnessError> {
         let entry = self.entry(name)?;
         if entry.workspace.is_none() {
-            return Err(HarnessError::new(
-                ErrorKind::Conflict,
-                format!("cell `{name}` has no workspace"),
-            ));
+            return Err(HarnessError::from(WorkspaceError::Conflict(format!(
+                "cell `{name}` has no workspace"
+            ))));
         }
         self.diff_of(name).await
     }
@@ -168,8 +176,9 @@ impl Harness {
                 tier.diff(cell).map(|(diff, _)| diff).map_err(changes_error)
             })
             .await?;
-        serde_json::to_value(&diff)
-            .map_err(|e| HarnessError::internal(format!("writing the diff: {e}")))
+        serde_json::to_value(&diff).map_err(|e| {
+            HarnessError::from(WorkspaceError::Failed(format!("writing the diff: {e}")))
+        })
     }
 
     /// Writes chosen changes of the cell's workspace into its host directory (all of them when
@@ -182,16 +191,15 @@ impl Harness {
     ) -> Result<serde_json::Value, HarnessError> {
         let entry = self.entry(name)?;
         let Some(host) = entry.workspace.clone() else {
-            return Err(HarnessError::new(
-                ErrorKind::Conflict,
-                format!("cell `{name}` has no workspace"),
-            ));
+            return Err(HarnessError::from(WorkspaceError::Conflict(format!(
+                "cell `{name}` has no workspace"
+            ))));
         };
         for path in &request.paths {
             if path.starts_with('-') || path.contains('\0') {
-                return Err(HarnessError::bad(format!(
+                return Err(HarnessError::from(WorkspaceError::Invalid(format!(
                     "path `{path}` is not a workspace path"
-                )));
+                ))));
             }
         }
         let approvals = match &entry.policy {
@@ -245,8 +253,11 @@ impl Harness {
                 tier.apply(cell, options).map_err(changes_error)
             })
             .await?;
-        let report = serde_json::to_value(&report)
-            .map_err(|e| HarnessError::internal(format!("writing the apply report: {e}")))?;
+        let report = serde_json::to_value(&report).map_err(|e| {
+            HarnessError::from(WorkspaceError::Failed(format!(
+                "writing the apply report: {e}"
+            )))
+        })?;
         self.record(Some(name), "workspace.applied", report.clone())
             .await?;
         Ok(report)
@@ -302,11 +313,11 @@ impl Harness {
         let mut entry = self.entry(name)?;
         self.live(name)?;
         let policy = warden_policy::from_yaml("policy", yaml)
-            .map_err(|e| HarnessError::bad(e.to_string()))?;
+            .map_err(|e| HarnessError::from(WorkspaceError::Invalid(e.to_string())))?;
         let current = entry.policy_in_force().ok_or_else(|| {
-            HarnessError::internal(format!(
+            HarnessError::from(WorkspaceError::Failed(format!(
                 "the policy cell `{name}` was made with no longer parses"
-            ))
+            )))
         })?;
         let fixed: Vec<String> = warden_policy::sections(yaml)
             .into_iter()
@@ -334,7 +345,7 @@ impl Harness {
                 json!({ "yaml": yaml, "reason": message }),
             )
             .await?;
-            return Err(HarnessError::new(ErrorKind::Conflict, message));
+            return Err(WorkspaceError::Conflict(message).into());
         }
         let network_changes = policy.network != current.network;
         self.record(Some(name), "policy.replace", json!({ "yaml": yaml }))
@@ -345,12 +356,16 @@ impl Harness {
                 .join("cells")
                 .join(name)
                 .join("policy-update.yaml");
-            std::fs::write(&file, yaml)
-                .map_err(|e| HarnessError::internal(format!("writing {}: {e}", file.display())))?;
+            std::fs::write(&file, yaml).map_err(|e| {
+                HarnessError::from(WorkspaceError::Failed(format!(
+                    "writing {}: {e}",
+                    file.display()
+                )))
+            })?;
             let cell = self.live(name)?;
             crate::on_own_thread("cell-policy", move || cell.set_network_rules(&file))
                 .await?
-                .map_err(|e| HarnessError::new(ErrorKind::Conflict, e.to_string()))?
+                .map_err(|e| HarnessError::from(WorkspaceError::Conflict(e.to_string())))?
         } else {
             0
         };

@@ -3,6 +3,9 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+/// The kind of a checkpoint entry.
+pub const CHECKPOINT: &str = "journal.checkpoint";
+
 /// The `prev` of the first entry.
 pub const GENESIS: &str = "0000000000000000000000000000000000000000000000000000000000000000";
 

@@ -27,7 +27,7 @@ pub fn export(
     out: &mut dyn Write,
 ) -> io::Result<u64> {
     let mut count = 0;
-    for path in crate::segments(dir)? {
+    for path in crate::segments::segments(dir)? {
         for line in BufReader::new(File::open(path)?).lines() {
             let line = line?;
             let Ok(entry) = serde_json::from_str::<Entry>(&line) else {

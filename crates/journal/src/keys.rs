@@ -7,7 +7,7 @@ use std::path::Path;
 
 use ed25519_dalek::{Signature, Signer as _, SigningKey, Verifier as _, VerifyingKey};
 
-use crate::writer::JournalError;
+use crate::error::JournalError;
 
 /// The private key (32 raw bytes, owner-only).
 pub const KEY_FILE: &str = "signing.key";

@@ -18,57 +18,17 @@
 //! remove the oldest, and `verify` then starts at the first segment still there.
 
 mod entry;
+mod error;
 mod export;
 mod keys;
+mod segments;
 mod verify;
 mod writer;
 
-pub use entry::{Entry, GENESIS, redact};
+pub use entry::{CHECKPOINT, Entry, GENESIS, redact};
+pub use error::JournalError;
 pub use export::{Format, export};
 pub use keys::{KEY_FILE, PUBLIC_FILE, SigningKeys};
+pub use segments::{JOURNAL_FILE, segment_first_seq, segments};
 pub use verify::{Report, VerifyError, verify};
-pub use writer::{Journal, JournalError, Receipt, Segments};
-
-/// The active segment inside the journal directory.
-pub const JOURNAL_FILE: &str = "journal.jsonl";
-
-/// The name of a closed segment whose first entry is `first_seq`.
-pub(crate) fn segment_name(first_seq: u64) -> String {
-    format!("journal-{first_seq:020}.jsonl")
-}
-
-/// The first sequence number a closed segment's path names (`journal-<seq>.jsonl`); none for
-/// the active segment or a file that is not a segment.
-pub fn segment_first_seq(path: &std::path::Path) -> Option<u64> {
-    path.file_name()?
-        .to_str()?
-        .strip_prefix("journal-")?
-        .strip_suffix(".jsonl")?
-        .parse()
-        .ok()
-}
-
-/// The journal's segments in chain order: the closed ones, oldest first, then the active one
-/// (when it exists).
-pub fn segments(dir: &std::path::Path) -> std::io::Result<Vec<std::path::PathBuf>> {
-    let mut closed: Vec<_> = std::fs::read_dir(dir)?
-        .filter_map(Result::ok)
-        .map(|e| e.path())
-        .filter(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .and_then(|n| n.strip_prefix("journal-"))
-                .and_then(|n| n.strip_suffix(".jsonl"))
-                .is_some_and(|seq| seq.len() == 20 && seq.bytes().all(|b| b.is_ascii_digit()))
-        })
-        .collect();
-    closed.sort();
-    let active = dir.join(JOURNAL_FILE);
-    if active.exists() {
-        closed.push(active);
-    }
-    Ok(closed)
-}
-
-/// The kind of a checkpoint entry.
-pub const CHECKPOINT: &str = "journal.checkpoint";
+pub use writer::{Journal, Receipt, Segments};

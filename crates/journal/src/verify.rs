@@ -4,7 +4,7 @@ use std::fs::File;
 use std::io::{self, BufRead as _, BufReader};
 use std::path::{Path, PathBuf};
 
-use crate::CHECKPOINT;
+use crate::entry::CHECKPOINT;
 use crate::entry::{Entry, GENESIS};
 use crate::keys::{self, PUBLIC_FILE};
 use crate::writer::check_line;
@@ -61,13 +61,13 @@ pub fn verify(dir: &Path, key: Option<&str>) -> Result<Report, VerifyError> {
         path: dir.join(PUBLIC_FILE),
     })?;
     let key_hex = key_text.trim().to_owned();
-    let files = crate::segments(dir).map_err(|source| VerifyError::Io {
+    let files = crate::segments::segments(dir).map_err(|source| VerifyError::Io {
         path: dir.to_path_buf(),
         source,
     })?;
     if files.is_empty() {
         return Err(VerifyError::Io {
-            path: dir.join(crate::JOURNAL_FILE),
+            path: dir.join(crate::segments::JOURNAL_FILE),
             source: io::Error::from(io::ErrorKind::NotFound),
         });
     }
@@ -139,7 +139,7 @@ fn verify_segment(
         if number == 1 {
             // A closed segment is named after its first entry; the first segment of all starts
             // the chain, unless it is a closed one whose elders were archived or removed.
-            let due = crate::segment_first_seq(path).unwrap_or(expected_seq);
+            let due = crate::segments::segment_first_seq(path).unwrap_or(expected_seq);
             if entry.seq != due {
                 return Err(bad(expected_seq)(format!(
                     "the segment's first entry is {} where {due} was due (entries were removed)",

@@ -23,9 +23,11 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use rustix::fs::{FlockOperation, flock};
 use serde_json::{Value, json};
 
+use crate::entry::CHECKPOINT;
 use crate::entry::{Entry, GENESIS, redact};
+use crate::error::JournalError;
 use crate::keys::SigningKeys;
-use crate::{CHECKPOINT, JOURNAL_FILE, segment_name, segments};
+use crate::segments::{JOURNAL_FILE, segment_name, segments};
 
 /// A checkpoint after this many entries ...
 const CHECKPOINT_EVERY: u64 = 1024;
@@ -50,35 +52,6 @@ impl Default for Segments {
         Self {
             bytes: 64 * 1024 * 1024,
             keep: None,
-        }
-    }
-}
-
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum JournalError {
-    #[error("{what} ({path}): {source}")]
-    Io {
-        what: &'static str,
-        path: PathBuf,
-        #[source]
-        source: Arc<io::Error>,
-    },
-    #[error("the journal signing key {path} is not 32 bytes; restore it from a backup")]
-    BadKey { path: PathBuf },
-    #[error(
-        "the last entry of {path} does not verify ({reason}); run `warden audit verify` to find the first bad entry, and move the journal aside to start a new one"
-    )]
-    Corrupt { path: PathBuf, reason: String },
-    #[error("the journal stopped accepting entries after a write failure: {0}")]
-    Stopped(String),
-}
-
-impl JournalError {
-    fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> Self + 'a {
-        move |source| Self::Io {
-            what,
-            path: path.to_path_buf(),
-            source: Arc::new(source),
         }
     }
 }
@@ -1209,7 +1182,7 @@ mod tests {
         let report = verify(dir.path(), None).unwrap();
         assert!(report.segments > 2, "the small writer rotated: {report:?}");
         let mut seen = std::collections::HashSet::new();
-        for path in crate::segments(dir.path()).unwrap() {
+        for path in crate::segments::segments(dir.path()).unwrap() {
             for line in fs::read_to_string(&path).unwrap().lines() {
                 let entry: Entry = serde_json::from_str(line).unwrap();
                 if entry.kind == "t" {

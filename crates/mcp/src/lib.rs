@@ -87,6 +87,7 @@ fn failed(err: HarnessError) -> CallToolResult {
         error: err.message,
         code: err.kind,
         hint: Some(hint.to_owned()),
+        reason: Some(err.reason.to_owned()),
     };
     let text = format!(
         "refused ({}): {}\nwhat to do: {hint}",

@@ -17,6 +17,6 @@ pub use model::{
     Limits, MAX_CONNECTIONS, NameLookup, NetRule, Network, NetworkDefault, Policy, Process, Tier,
     Workspace, WorkspaceMode,
 };
-pub use parse::{PolicyError, extended_preset, from_file, from_yaml, sections, to_yaml};
-pub use preset::{PRESETS, preset};
+pub use parse::{PolicyError, extended_preset, from_file, from_yaml, preset, sections, to_yaml};
+pub use preset::PRESETS;
 pub use units::{ByteSize, Duration};

@@ -93,6 +93,22 @@ fn own_over_image(origin: &str, text: &str, mut policy: Policy) -> Result<Policy
     Ok(policy)
 }
 
+/// Returns the named preset, or an error that lists the known names.
+pub fn preset(name: &str) -> Result<Policy, PolicyError> {
+    let Some(yaml) = crate::preset::yaml(name) else {
+        let known = crate::preset::PRESETS
+            .iter()
+            .map(|(n, _, _)| *n)
+            .collect::<Vec<_>>()
+            .join(", ");
+        return Err(PolicyError::UnknownPreset {
+            name: name.to_owned(),
+            known,
+        });
+    };
+    from_yaml(&format!("preset {name}"), yaml)
+}
+
 /// The policy a document with `extends: base` means: the preset's, with the document's lists
 /// appended to the preset's lists (an entry already there is not repeated), the document's
 /// other values in place of the preset's, and then what `remove` names taken out (list entries
@@ -102,7 +118,7 @@ fn compose(origin: &str, base: &str, text: &str) -> Result<Policy, PolicyError> 
         origin: origin.to_owned(),
         message,
     };
-    let base_policy = crate::preset::preset(base)?;
+    let base_policy = preset(base)?;
     let mut merged = serde_json::to_value(&base_policy)
         .map_err(|e| unlocated(format!("reading preset {base}: {e}")))?;
     let mut document: serde_json::Value =
@@ -710,5 +726,40 @@ mod tests {
         // The document's own mistakes keep their line and column.
         let typo = bad("version: 1\nextends: default\nlimits:\n  memroy: 1GiB\n");
         assert!(typo.starts_with("p.yaml:4:"), "{typo}");
+    }
+
+    #[test]
+    fn every_preset_parses() {
+        for (name, _, _) in crate::PRESETS {
+            preset(name).unwrap();
+        }
+        assert_eq!(preset("default").unwrap(), Policy::default());
+    }
+
+    /// A resolved policy travels as JSON (a cell spec to its tier): it must come back the same.
+    #[test]
+    fn every_preset_survives_a_json_round_trip() {
+        for (name, _, _) in crate::PRESETS {
+            let policy = preset(name).unwrap();
+            let text = serde_json::to_string(&policy).unwrap();
+            let back: Policy = serde_json::from_str(&text).unwrap();
+            assert_eq!(back, policy, "{name}: {text}");
+        }
+        let full = from_yaml(
+            "t",
+            "version: 1\nlimits: {memory: 64MiB, wall: 90s, disk: 1GiB}\nnetwork:\n  allow: [{host: 10.0.0.1, ports: [80]}]\n  ask: [{host: example.org}]\n",
+        )
+        .unwrap();
+        let back: Policy = serde_json::from_str(&serde_json::to_string(&full).unwrap()).unwrap();
+        assert_eq!(back, full);
+    }
+
+    #[test]
+    fn unknown_preset_lists_known_ones() {
+        let err = preset("nope").unwrap_err().to_string();
+        assert!(
+            err.contains("unknown preset `nope`") && err.contains("default"),
+            "{err}"
+        );
     }
 }

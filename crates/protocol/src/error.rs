@@ -38,7 +38,7 @@ impl ErrorCode {
     }
 }
 
-/// An error as the API answers it: `{"error": "...", "code": "...", "hint": "..."}`.
+/// An error as the API answers it: `{"error": "...", "code": "...", "reason": "...", "hint": "..."}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct ErrorBody {
     /// What failed and why, in words.
@@ -47,4 +47,9 @@ pub struct ErrorBody {
     /// What to do about it, where the warden knows.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hint: Option<String>,
+    /// Which failure it is, within its code (`cell-paused`, `denied`, `no-such-process`,
+    /// `journal-unavailable`, ...): the variant of the operation's error, for a program to act
+    /// on. Absent where the answer is the API's own (a malformed request, a missing route).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }

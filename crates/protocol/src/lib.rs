@@ -139,6 +139,7 @@ mod tests {
             error: "no cell".into(),
             code: ErrorCode::NotFound,
             hint: None,
+            reason: None,
         };
         assert_eq!(words(&body), r#"{"error":"no cell","code":"not-found"}"#);
         // Every reason reads back as itself, and its name is its wire word.

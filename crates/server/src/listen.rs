@@ -126,10 +126,10 @@ impl Listener for tokio::net::TcpListener {
 
 impl Listener for tokio::net::UnixListener {
     type Stream = tokio::net::UnixStream;
-    type Peer = crate::api::UnixPeer;
+    type Peer = UnixPeer;
     async fn accept(&self) -> std::io::Result<(Self::Stream, Self::Peer)> {
         let (stream, _) = tokio::net::UnixListener::accept(self).await?;
-        let peer = crate::api::UnixPeer::of(&stream);
+        let peer = UnixPeer::of(&stream);
         Ok((stream, peer))
     }
 }
@@ -194,6 +194,24 @@ fn is_transient(err: &std::io::Error) -> bool {
         err.raw_os_error(),
         Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
     )
+}
+
+/// The peer of a unix-socket connection, from the kernel (SO_PEERCRED).
+#[derive(Debug, Clone)]
+pub struct UnixPeer {
+    pub(crate) uid: Option<u32>,
+    pub(crate) pid: Option<i32>,
+}
+
+impl UnixPeer {
+    /// The peer of a unix-socket connection, as the kernel gives it.
+    pub fn of(stream: &tokio::net::UnixStream) -> Self {
+        let cred = stream.peer_cred().ok();
+        Self {
+            uid: cred.map(|c| c.uid()),
+            pid: cred.and_then(|c| c.pid()),
+        }
+    }
 }
 
 #[cfg(test)]

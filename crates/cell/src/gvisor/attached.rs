@@ -9,7 +9,7 @@ use std::os::unix::fs::OpenOptionsExt as _;
 use std::process::Command;
 
 use crate::process::backend::{KeeperRequest, ProcessBackend};
-use crate::process::run::Ending;
+use crate::process::outcome::Ending;
 use crate::process::store::Store;
 use crate::tier::{Attached, CellSpec, StartError};
 

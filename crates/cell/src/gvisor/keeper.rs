@@ -25,12 +25,12 @@ use super::runsc::Runsc;
 use crate::process::cgroup::{self, CellCgroup};
 use crate::process::exec::{EXEC_SOCKET, Namespaces};
 use crate::process::ids::IdMapping;
+use crate::process::outcome::{Ending, RunError, RunOutcome, nix_os, os};
 use crate::process::registry::{CellRecord, Registry};
 use crate::process::relay::{Relay, Stop};
-use crate::process::run::{
-    CellGuard, Ending, Prepared, RunError, RunOutcome, RunRequest, nix_os, os, process_start_ticks,
-};
+use crate::process::run::{CellGuard, Prepared, RunRequest};
 use crate::process::store::Store;
+use crate::process::sys::process_start_ticks;
 use crate::process::{idmap, rootfs, sys};
 
 /// How long a sandbox may take to come up.

@@ -91,7 +91,7 @@ impl Backend for GvisorBackend {
     }
 
     fn probe(&self) -> Vec<Check> {
-        crate::tier::probe(Tier::Gvisor, &self.keepers.config().state)
+        probe::checks(&self.keepers.config().state)
     }
 
     fn checkpoint(

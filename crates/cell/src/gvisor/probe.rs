@@ -3,7 +3,7 @@
 use std::path::Path;
 use std::process::Stdio;
 
-use crate::probe::{Check, Status};
+use crate::check::{Check, Status};
 
 fn check(feature: &'static str, status: Status, detail: String, fix: Option<&str>) -> Check {
     Check {

@@ -18,7 +18,7 @@ use warden_policy::Tier;
 use super::control::{self, ApprovalError, ControlError, PolicySetError};
 use super::exec::{EXEC_SOCKET, ExecError, ExecSession, Line};
 use super::registry::{CellRecord, Registry, RegistryError};
-use super::run::{Ending, RunError, RunRequest};
+use super::run::RunRequest;
 use super::store::Store;
 use crate::tier::{
     Attached, Backend, Cell, CellError, CellSpec, Check, ExecEvent, ExecRequest, FileOp,
@@ -222,7 +222,7 @@ impl Backend for ProcessBackend {
         };
         let outcome = super::run::run_with(&self.registry, &store, request, before_start).map_err(
             |e| match e {
-                super::run::RunError::BeforeStart(message) => StartError::Host(message),
+                super::outcome::RunError::BeforeStart(message) => StartError::Host(message),
                 e => StartError::Refused(e.to_string()),
             },
         )?;
@@ -254,7 +254,7 @@ impl Backend for ProcessBackend {
     }
 
     fn probe(&self) -> Vec<Check> {
-        crate::tier::probe(Tier::Process, &self.config.state)
+        super::probe::checks()
     }
 }
 
@@ -445,83 +445,4 @@ fn control_error(err: ControlError) -> CellError {
             CellError::Host(err.to_string())
         }
     }
-}
-
-/// Why a keeper could not keep its cell.
-#[derive(Debug, thiserror::Error)]
-pub enum KeepError {
-    #[error("reading the keeper's request from stdin: {0}")]
-    Request(String),
-    #[error("setting the soft limit of open files: {0}")]
-    OpenFiles(std::io::Error),
-    #[error(transparent)]
-    Store(#[from] super::store::StoreError),
-    #[error(transparent)]
-    Snapshot(#[from] super::snapshot::SnapshotError),
-    #[error(transparent)]
-    Registry(#[from] RegistryError),
-    #[error(transparent)]
-    Run(#[from] RunError),
-    #[error(transparent)]
-    Gvisor(#[from] crate::gvisor::keeper::GvisorError),
-}
-
-/// The keeper of one cell (`warden keep`): reads its [`KeeperRequest`] from `input`, runs the
-/// cell to serve execs until it ends, and returns the exit status to leave with.
-pub fn keep(input: impl std::io::Read) -> Result<(i32, Vec<String>), KeepError> {
-    let request: KeeperRequest =
-        serde_json::from_reader(input).map_err(|e| KeepError::Request(e.to_string()))?;
-    if let Some(soft) = request.open_files {
-        restore_open_files_limit(soft).map_err(KeepError::OpenFiles)?;
-    }
-    let spec = request.spec;
-    let restore = spec.restore.clone();
-    let store = Store::open(Store::default_root())?;
-    let from = match &spec.from {
-        Some(id) => Some(super::snapshot::get(&store, id)?),
-        None => None,
-    };
-    let run = RunRequest {
-        policy: spec.policy,
-        name: Some(spec.name),
-        workspace: if from.is_some() { None } else { spec.workspace },
-        serve_exec: request.argv.is_empty(),
-        argv: request.argv,
-        env: spec.env,
-        discard_changes: request.discard_changes,
-        from,
-        report: spec.report,
-        checked: false,
-    };
-    let registry = Registry::open(Registry::default_root())?;
-    // The keeper keeps a cell of the tier its policy names.
-    let outcome = match run.policy.tier {
-        Tier::Gvisor => crate::gvisor::keeper::keep(&registry, &store, run, restore.as_deref())?,
-        _ if restore.is_some() => {
-            return Err(KeepError::Request(
-                "the process tier has no memory snapshots to restore".to_owned(),
-            ));
-        }
-        _ => super::run::run(&registry, &store, run)?,
-    };
-    let status = match outcome.ending {
-        Ending::Exited(code) => code,
-        Ending::Signaled(signal) => 128 + signal,
-        _ => warden_protocol::exit::KILLED,
-    };
-    Ok((status, outcome.notices))
-}
-
-/// Takes back the soft limit of open files the daemon had before it raised its own.
-fn restore_open_files_limit(soft: u64) -> std::io::Result<()> {
-    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
-    let maximum = getrlimit(Resource::Nofile).maximum;
-    setrlimit(
-        Resource::Nofile,
-        Rlimit {
-            current: Some(maximum.map_or(soft, |hard| soft.min(hard))),
-            maximum,
-        },
-    )
-    .map_err(std::io::Error::from)
 }

@@ -129,31 +129,6 @@ pub fn apply(
     )?)
 }
 
-/// Returns a cell's workspace to a snapshot of it (`to`), or to its start.
-pub fn reset(
-    registry: &Registry,
-    store: &Store,
-    name: &str,
-    to: Option<&str>,
-) -> Result<(), super::snapshot::SnapshotError> {
-    let (layer, meta, frozen) = hold(registry, store, name)?;
-    match registry.get(name) {
-        Ok(record) => {
-            let _pinned = super::sys::pidfd_open(record.pid)
-                .map_err(|_| ChangesError::Running(name.to_owned()))?;
-            if super::run::process_start_ticks(record.pid) != Some(record.pid_start) {
-                return super::snapshot::reset_stopped(store, &layer, name, to);
-            }
-            let result = super::snapshot::reset_running(
-                registry, store, &layer, &meta, name, record.pid, to,
-            );
-            drop(frozen);
-            result
-        }
-        Err(_) => super::snapshot::reset_stopped(store, &layer, name, to),
-    }
-}
-
 /// Removes a stopped cell's layer (its unapplied changes are lost).
 pub fn remove(registry: &Registry, store: &Store, name: &str) -> Result<(), ChangesError> {
     if registry.get(name).is_ok() {

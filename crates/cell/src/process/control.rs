@@ -5,8 +5,8 @@ use nix::sys::signal::Signal;
 
 use super::cgroup::CgroupError;
 use super::registry::{CellRecord, Registry, RegistryError};
-use super::run::process_start_ticks;
 use super::sys;
+use super::sys::process_start_ticks;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {

@@ -79,7 +79,7 @@ pub fn create(layer: &Layer, templates: &Path, size: u64) -> Result<(), DiskErro
             .write(true)
             .create_new(true)
             .open(&image)?;
-        super::snapshot::copy_data(&source, &target, size)?;
+        super::sys::copy_data(&source, &target, size)?;
         Ok(())
     })();
     if let Err(source) = copied {

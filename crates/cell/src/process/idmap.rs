@@ -15,7 +15,7 @@ use nix::sys::wait::waitpid;
 use nix::unistd::Pid;
 
 use super::ids::IdMapping;
-use super::run::RunError;
+use super::outcome::RunError;
 use super::sys;
 
 /// Clones the mount tree of `host` with the owner of `host` mapped to the cell's user.

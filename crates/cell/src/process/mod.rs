@@ -12,6 +12,7 @@ pub(crate) mod idmap;
 pub mod ids;
 pub(crate) mod init;
 pub mod landlock;
+pub mod outcome;
 mod overlay;
 pub mod plan;
 pub mod probe;

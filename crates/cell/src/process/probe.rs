@@ -9,7 +9,7 @@ use nix::unistd::Pid;
 
 use super::cgroup::{self, Version};
 use super::sys;
-use crate::probe::{Check, Status};
+use crate::check::{Check, Status};
 
 fn check(
     tier: &'static str,

@@ -15,7 +15,7 @@ use nix::unistd::Pid;
 
 use super::cgroup::CellCgroup;
 use super::init;
-use super::run::{Ending, RunError, nix_os};
+use super::outcome::{Ending, RunError, nix_os};
 use super::sys;
 use crate::gateway::PolicyWatch;
 

@@ -20,8 +20,17 @@ use std::path::{Path, PathBuf};
 use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 use warden_workspace::{Change, ChangeKind, DiffOptions, EntryKind, LayerMeta, Sensitivity};
 
-use super::snapshot::SnapshotError;
 use super::sys;
+
+/// What resetting a running cell's workspace in place may meet.
+#[derive(Debug, thiserror::Error)]
+pub enum ResetError {
+    /// The layers could not be compared.
+    #[error(transparent)]
+    Plan(#[from] warden_workspace::WorkspaceError),
+    #[error("remounting the workspace of cell `{cell}`: {source}")]
+    Remount { cell: String, source: io::Error },
+}
 
 /// What a path must become.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -201,13 +210,12 @@ pub(super) fn in_place(
     pid: i32,
     current: &[PathBuf],
     target: &[PathBuf],
-) -> Result<(), SnapshotError> {
-    let steps = plan(&meta.lower, current, target)
-        .map_err(|e| SnapshotError::Changes(super::changes::ChangesError::Workspace(e)))?;
+) -> Result<(), ResetError> {
+    let steps = plan(&meta.lower, current, target)?;
     if steps.is_empty() {
         return Ok(());
     }
-    let remount_err = |source: io::Error| SnapshotError::Remount {
+    let remount_err = |source: io::Error| ResetError::Remount {
         cell: cell.to_owned(),
         source,
     };
@@ -405,24 +413,21 @@ fn carry_out(
                 Mode::from_raw_mode(mode & 0o777),
             )?;
             let length = rustix::fs::fstat(&source)?.st_size as u64;
-            let copied = super::snapshot::copy_data(
-                &fs::File::from(source),
-                &fs::File::from(target),
-                length,
-            )
-            .and_then(|_| chown(&dir, &temporary).map_err(io::Error::from))
-            .and_then(|()| {
-                rustix::fs::chmodat(
-                    &dir,
-                    temporary.as_str(),
-                    Mode::from_raw_mode(mode & 0o777),
-                    AtFlags::empty(),
-                )
-                .map_err(io::Error::from)
-            })
-            .and_then(|()| {
-                rustix::fs::renameat(&dir, temporary.as_str(), &dir, name).map_err(io::Error::from)
-            });
+            let copied = sys::copy_data(&fs::File::from(source), &fs::File::from(target), length)
+                .and_then(|_| chown(&dir, &temporary).map_err(io::Error::from))
+                .and_then(|()| {
+                    rustix::fs::chmodat(
+                        &dir,
+                        temporary.as_str(),
+                        Mode::from_raw_mode(mode & 0o777),
+                        AtFlags::empty(),
+                    )
+                    .map_err(io::Error::from)
+                })
+                .and_then(|()| {
+                    rustix::fs::renameat(&dir, temporary.as_str(), &dir, name)
+                        .map_err(io::Error::from)
+                });
             if copied.is_err() {
                 let _ = rustix::fs::unlinkat(&dir, temporary.as_str(), AtFlags::empty());
             }

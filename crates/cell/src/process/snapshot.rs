@@ -67,6 +67,15 @@ pub enum SnapshotError {
     Remount { cell: String, source: io::Error },
 }
 
+impl From<super::reset::ResetError> for SnapshotError {
+    fn from(err: super::reset::ResetError) -> Self {
+        match err {
+            super::reset::ResetError::Plan(e) => Self::Changes(ChangesError::Workspace(e)),
+            super::reset::ResetError::Remount { cell, source } => Self::Remount { cell, source },
+        }
+    }
+}
+
 fn snapshots_dir(store: &Store) -> PathBuf {
     store.root().join("snapshots")
 }
@@ -317,7 +326,14 @@ pub fn reset_running(
         // The start: the layers the cell was forked from (none for a plain cell).
         None => meta.base.clone(),
     };
-    super::reset::in_place(registry, meta, cell, cell_pid, &layer.stack(meta), &target)
+    Ok(super::reset::in_place(
+        registry,
+        meta,
+        cell,
+        cell_pid,
+        &layer.stack(meta),
+        &target,
+    )?)
 }
 
 /// Copies an overlayfs layer: directories with their overlay xattrs (opaque), files, symlinks,
@@ -432,7 +448,7 @@ impl Copy {
                 .custom_flags(libc::O_NOFOLLOW)
                 .open(from)
                 .map_err(copy_err(from))?;
-            let size = copy_data(&source, &target, meta.len()).map_err(copy_err(to))?;
+            let size = sys::copy_data(&source, &target, meta.len()).map_err(copy_err(to))?;
             target.set_permissions(mode).map_err(copy_err(to))?;
             if as_root {
                 std::os::unix::fs::fchown(&target, owner.0, owner.1).map_err(copy_err(to))?;
@@ -459,44 +475,6 @@ impl Copy {
     }
 }
 
-/// Copies the data of a file of `length` bytes, extent by extent: holes are skipped (and stay
-/// holes, the target being set to the full length). Returns the bytes of data copied.
-pub(super) fn copy_data(source: &fs::File, target: &fs::File, length: u64) -> io::Result<u64> {
-    use rustix::fs::{SeekFrom, seek};
-    let mut copied = 0u64;
-    let mut at = 0u64;
-    let mut buf = vec![0u8; 1 << 20];
-    while at < length {
-        let start = match seek(source, SeekFrom::Data(at)) {
-            Ok(start) => start,
-            // No data after `at`: the rest is a hole.
-            Err(rustix::io::Errno::NXIO) => break,
-            Err(e) => return Err(e.into()),
-        };
-        let end = match seek(source, SeekFrom::Hole(start)) {
-            Ok(end) => end.min(length),
-            Err(e) => return Err(e.into()),
-        };
-        let mut offset = start;
-        while offset < end {
-            let want = buf.len().min((end - offset) as usize);
-            let n = rustix::io::pread(source, &mut buf[..want], offset)?;
-            if n == 0 {
-                break; // shrank meanwhile
-            }
-            let mut written = 0;
-            while written < n {
-                written += rustix::io::pwrite(target, &buf[written..n], offset + written as u64)?;
-            }
-            offset += n as u64;
-            copied += n as u64;
-        }
-        at = end.max(start + 1);
-    }
-    rustix::fs::ftruncate(target, length)?;
-    Ok(copied)
-}
-
 fn copy_overlay_xattrs(from: &Path, to: &Path) -> io::Result<()> {
     for name in xattr::list(from)? {
         let text = name.to_string_lossy();
@@ -507,4 +485,27 @@ fn copy_overlay_xattrs(from: &Path, to: &Path) -> io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Returns a cell's workspace to a snapshot of it (`to`), or to its start.
+pub fn reset(
+    registry: &Registry,
+    store: &Store,
+    name: &str,
+    to: Option<&str>,
+) -> Result<(), SnapshotError> {
+    let (layer, meta, frozen) = changes::hold(registry, store, name)?;
+    match registry.get(name) {
+        Ok(record) => {
+            let _pinned = super::sys::pidfd_open(record.pid)
+                .map_err(|_| ChangesError::Running(name.to_owned()))?;
+            if super::sys::process_start_ticks(record.pid) != Some(record.pid_start) {
+                return reset_stopped(store, &layer, name, to);
+            }
+            let result = reset_running(registry, store, &layer, &meta, name, record.pid, to);
+            drop(frozen);
+            result
+        }
+        Err(_) => reset_stopped(store, &layer, name, to),
+    }
 }

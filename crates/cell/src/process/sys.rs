@@ -978,6 +978,56 @@ pub fn join_cgroups_on_exec(
     Ok(())
 }
 
+/// Copies the data of a file of `length` bytes, extent by extent: holes are skipped (and stay
+/// holes, the target being set to the full length). Returns the bytes of data copied.
+pub(crate) fn copy_data(
+    source: &std::fs::File,
+    target: &std::fs::File,
+    length: u64,
+) -> std::io::Result<u64> {
+    use rustix::fs::{SeekFrom, seek};
+    let mut copied = 0u64;
+    let mut at = 0u64;
+    let mut buf = vec![0u8; 1 << 20];
+    while at < length {
+        let start = match seek(source, SeekFrom::Data(at)) {
+            Ok(start) => start,
+            // No data after `at`: the rest is a hole.
+            Err(rustix::io::Errno::NXIO) => break,
+            Err(e) => return Err(e.into()),
+        };
+        let end = match seek(source, SeekFrom::Hole(start)) {
+            Ok(end) => end.min(length),
+            Err(e) => return Err(e.into()),
+        };
+        let mut offset = start;
+        while offset < end {
+            let want = buf.len().min((end - offset) as usize);
+            let n = rustix::io::pread(source, &mut buf[..want], offset)?;
+            if n == 0 {
+                break; // shrank meanwhile
+            }
+            let mut written = 0;
+            while written < n {
+                written += rustix::io::pwrite(target, &buf[written..n], offset + written as u64)?;
+            }
+            offset += n as u64;
+            copied += n as u64;
+        }
+        at = end.max(start + 1);
+    }
+    rustix::fs::ftruncate(target, length)?;
+    Ok(copied)
+}
+
+/// Field 22 of /proc/PID/stat: start time in clock ticks after boot.
+pub fn process_start_ticks(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may contain spaces and parentheses; count from its end.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    rest.split(' ').nth(19)?.parse().ok()
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]

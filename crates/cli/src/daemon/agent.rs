@@ -230,7 +230,7 @@ fn request(args: &AgentRunArgs) -> Result<StartAgent> {
     let (policy, preset) = match &args.cell {
         Some(_) => (None, None),
         None => (
-            Some(warden_policy::to_yaml(&crate::commands::effective_policy(
+            Some(warden_policy::to_yaml(&crate::policy::effective(
                 &args.policy,
             )?)),
             None,

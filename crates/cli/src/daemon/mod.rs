@@ -204,7 +204,7 @@ fn workspace_dir(workspace: Option<&std::path::Path>) -> Result<Option<String>> 
 
 pub fn create(args: CreateArgs) -> Result<i32> {
     let client = client()?;
-    let policy = crate::commands::effective_policy(&args.policy)?;
+    let policy = crate::policy::effective(&args.policy)?;
     let workspace = workspace_dir(args.workspace.as_deref())?;
     let body = warden_protocol::CreateCell {
         name: args.name,

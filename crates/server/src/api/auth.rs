@@ -8,26 +8,9 @@ use axum::response::{IntoResponse, Response};
 use std::sync::Arc;
 
 use super::dashboard::{Gate, Proof};
+use crate::listen::UnixPeer;
 
 pub use warden_harness::Caller;
-
-/// The peer of a unix-socket connection, from the kernel (SO_PEERCRED).
-#[derive(Debug, Clone)]
-pub struct UnixPeer {
-    uid: Option<u32>,
-    pid: Option<i32>,
-}
-
-impl UnixPeer {
-    /// The peer of a unix-socket connection, as the kernel gives it.
-    pub fn of(stream: &tokio::net::UnixStream) -> Self {
-        let cred = stream.peer_cred().ok();
-        Self {
-            uid: cred.map(|c| c.uid()),
-            pid: cred.and_then(|c| c.pid()),
-        }
-    }
-}
 
 /// The unix socket's gate: every peer is the daemon's owner (the socket is owner-only); what
 /// a browser marks as sent from another site is refused even here.

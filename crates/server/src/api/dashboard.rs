@@ -139,6 +139,7 @@ impl Gate {
                     .unwrap_or("");
                 if !bool::from(given.as_bytes().ct_eq(session.csrf.as_bytes())) {
                     return Err(ApiError {
+                        reason: None,
                         status: StatusCode::FORBIDDEN,
                         message: format!(
                             "a request made with the dashboard's session cookie that changes anything must carry the session's CSRF token in {CSRF_HEADER} (GET /ui/session gives it)"
@@ -150,6 +151,7 @@ impl Gate {
             // `refuse_other_sites` above has checked that this is the daemon itself).
             if upgrade && !headers.contains_key(header::ORIGIN) {
                 return Err(ApiError {
+                    reason: None,
                     status: StatusCode::FORBIDDEN,
                     message:
                         "a WebSocket opened with the dashboard's session cookie must say its Origin"
@@ -177,7 +179,7 @@ fn is_open_path(method: &Method, path: &str) -> bool {
 }
 
 pub(super) fn unauthorized() -> ApiError {
-    ApiError {
+    ApiError { reason: None,
         status: StatusCode::UNAUTHORIZED,
         message: "a bearer token is required on TCP (`Authorization: Bearer TOKEN`, the token is in the daemon's runtime directory, file daemon.token; `warden dashboard` prints a link that logs a browser in)".to_owned(),
     }
@@ -187,6 +189,7 @@ pub(super) fn unauthorized() -> ApiError {
 /// `Origin` whose host is not the one the request was sent to.
 fn refuse_other_sites(headers: &HeaderMap) -> Result<(), ApiError> {
     let refused = |why: String| ApiError {
+        reason: None,
         status: StatusCode::FORBIDDEN,
         message: format!(
             "{why}: the daemon answers only its own pages and non-browser clients (cross-site requests are refused)"
@@ -309,7 +312,7 @@ async fn login(
         return Ok(Json(json!({ "csrf": "", "login": false })).into_response());
     };
     if !bool::from(body.token.trim().as_bytes().ct_eq(token.as_bytes())) {
-        return Err(ApiError {
+        return Err(ApiError { reason: None,
             status: StatusCode::UNAUTHORIZED,
             message: "that is not the daemon's token (it is in the daemon's runtime directory, file daemon.token)".to_owned(),
         });

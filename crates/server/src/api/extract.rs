@@ -13,14 +13,21 @@ use warden_harness::HarnessError;
 pub struct ApiError {
     pub(crate) status: StatusCode,
     pub(crate) message: String,
+    /// The failure's name, where the core said it.
+    pub(crate) reason: Option<&'static str>,
 }
 
 impl ApiError {
-    pub(crate) fn internal(message: impl Into<String>) -> Self {
+    pub(crate) fn new(status: StatusCode, message: impl Into<String>) -> Self {
         Self {
-            status: StatusCode::INTERNAL_SERVER_ERROR,
+            status,
             message: message.into(),
+            reason: None,
         }
+    }
+
+    pub(crate) fn internal(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, message)
     }
 }
 
@@ -31,6 +38,7 @@ impl From<HarnessError> for ApiError {
         Self {
             status,
             message: err.message,
+            reason: Some(err.reason),
         }
     }
 }
@@ -51,6 +59,7 @@ impl IntoResponse for ApiError {
             error: self.message,
             code,
             hint: None,
+            reason: self.reason.map(str::to_owned),
         };
         (self.status, Json(body)).into_response()
     }
@@ -67,6 +76,7 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
         let bytes = axum::body::Bytes::from_request(req, state)
             .await
             .map_err(|rejection| ApiError {
+                reason: None,
                 status: rejection.status(),
                 message: format!("request body: {}", rejection.body_text()),
             })?;
@@ -82,10 +92,15 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
             } else {
                 format!("request body: {path}: {}", err.inner())
             };
-            ApiError { status, message }
+            ApiError {
+                reason: None,
+                status,
+                message,
+            }
         })?;
         // Nothing may follow the JSON value.
         json.end().map_err(|err| ApiError {
+            reason: None,
             status: StatusCode::BAD_REQUEST,
             message: format!("request body: {err}"),
         })?;
@@ -106,6 +121,7 @@ impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for Path<T>
         match axum::extract::Path::<T>::from_request_parts(parts, state).await {
             Ok(axum::extract::Path(value)) => Ok(Self(value)),
             Err(rejection) => Err(ApiError {
+                reason: None,
                 status: rejection.status(),
                 message: format!("path: {}", rejection.body_text()),
             }),
@@ -126,6 +142,7 @@ impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for Query<T
         match axum::extract::Query::<T>::from_request_parts(parts, state).await {
             Ok(axum::extract::Query(value)) => Ok(Self(value)),
             Err(rejection) => Err(ApiError {
+                reason: None,
                 status: rejection.status(),
                 message: format!("query: {}", rejection.body_text()),
             }),

@@ -24,6 +24,7 @@ pub(super) async fn mcp_stream(
         .is_some_and(|v| v.eq_ignore_ascii_case(MCP_UPGRADE));
     if !asked {
         return Err(ApiError {
+            reason: None,
             status: StatusCode::BAD_REQUEST,
             message: format!(
                 "this endpoint upgrades the connection to an MCP session (`Upgrade: {MCP_UPGRADE}`, as `warden mcp` sends); MCP over HTTP is at /mcp"

@@ -124,6 +124,7 @@ pub(super) async fn signal(
     Body(body): Body<warden_protocol::SignalBody>,
 ) -> Result<Response, ApiError> {
     let signal = body.signal.number().map_err(|message| ApiError {
+        reason: None,
         status: StatusCode::BAD_REQUEST,
         message: format!("signal: {message}"),
     })?;

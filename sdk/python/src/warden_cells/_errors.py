@@ -7,13 +7,17 @@ from typing import Any, Optional
 
 class WardenError(Exception):
     """The daemon refused or failed a request: `status` (HTTP), `code` (the API's: bad-request,
-    forbidden, not-found, conflict, too-large, unavailable, internal), `message`, `hint`."""
+    forbidden, not-found, conflict, too-large, unavailable, internal), `message`, `hint`, and
+    `reason`, which failure within the code it is (`cell-paused`, `denied`, `no-such-process`,
+    ...), where the daemon says."""
 
-    def __init__(self, status: int, code: str, message: str, hint: Optional[str] = None):
+    def __init__(self, status: int, code: str, message: str, hint: Optional[str] = None,
+                 reason: Optional[str] = None):
         self.status = status
         self.code = code
         self.message = message
         self.hint = hint
+        self.reason = reason
         text = f"{message} ({code}, HTTP {status})"
         if hint:
             text += f"; {hint}"
@@ -63,7 +67,7 @@ def error_of(status: int, body: Any) -> WardenError:
     if isinstance(body, dict) and isinstance(body.get("error"), str):
         code = str(body.get("code") or "internal")
         cls = _BY_CODE.get(code, WardenError)
-        return cls(status, code, body["error"], body.get("hint"))
+        return cls(status, code, body["error"], body.get("hint"), body.get("reason"))
     code = {400: "bad-request", 401: "unauthorized", 403: "forbidden", 404: "not-found",
             409: "conflict", 413: "too-large", 503: "unavailable"}.get(status, "internal")
     cls = _BY_CODE.get(code, WardenError)

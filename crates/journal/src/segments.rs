@@ -1,0 +1,42 @@
+//! The journal's files: the active segment and the closed ones, named by their first entry.
+
+/// The active segment inside the journal directory.
+pub const JOURNAL_FILE: &str = "journal.jsonl";
+
+/// The name of a closed segment whose first entry is `first_seq`.
+pub(crate) fn segment_name(first_seq: u64) -> String {
+    format!("journal-{first_seq:020}.jsonl")
+}
+
+/// The first sequence number a closed segment's path names (`journal-<seq>.jsonl`); none for
+/// the active segment or a file that is not a segment.
+pub fn segment_first_seq(path: &std::path::Path) -> Option<u64> {
+    path.file_name()?
+        .to_str()?
+        .strip_prefix("journal-")?
+        .strip_suffix(".jsonl")?
+        .parse()
+        .ok()
+}
+
+/// The journal's segments in chain order: the closed ones, oldest first, then the active one
+/// (when it exists).
+pub fn segments(dir: &std::path::Path) -> std::io::Result<Vec<std::path::PathBuf>> {
+    let mut closed: Vec<_> = std::fs::read_dir(dir)?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.strip_prefix("journal-"))
+                .and_then(|n| n.strip_suffix(".jsonl"))
+                .is_some_and(|seq| seq.len() == 20 && seq.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .collect();
+    closed.sort();
+    let active = dir.join(JOURNAL_FILE);
+    if active.exists() {
+        closed.push(active);
+    }
+    Ok(closed)
+}
