@@ -56,7 +56,7 @@ impl Got {
     }
 }
 
-#[derive(Default)]
+#[derive(Default, Debug)]
 struct State {
     script: VecDeque<Step>,
     /// What is answered once the script is spent.
@@ -64,7 +64,7 @@ struct State {
     got: Vec<Got>,
 }
 
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct ModelServer {
     state: Arc<(Mutex<State>, Condvar)>,
     pub port: u16,

@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::BIN;
+use super::bin;
 
+#[derive(Debug)]
 pub struct Daemon {
     pub dir: tempfile::TempDir,
     pub runtime: PathBuf,
@@ -153,7 +154,7 @@ impl Daemon {
     }
 
     pub fn warden(&self) -> Command {
-        let mut cmd = Command::new(BIN);
+        let mut cmd = Command::new(bin());
         cmd.env("WARDEN_RUNTIME_DIR", &self.runtime)
             .env("WARDEN_STATE_DIR", &self.state)
             .stdin(Stdio::null());
@@ -165,7 +166,7 @@ impl Daemon {
             Some((program, args)) => {
                 let mut cmd = Command::new(program);
                 cmd.args(args)
-                    .arg(BIN)
+                    .arg(bin())
                     .env("WARDEN_RUNTIME_DIR", &self.runtime)
                     .env("WARDEN_STATE_DIR", &self.state)
                     .stdin(Stdio::null());

@@ -1,0 +1,339 @@
+//! What Warden's end-to-end tests (and benchmarks) share: they drive the real `warden` binary,
+//! which creates real namespaces, cgroups and filters on the running kernel. Here: the binary
+//! and commands of it, a daemon of a test's own ([`daemon`]), a scripted model server that
+//! speaks the real wire formats ([`model`]), host probes (processes, cgroups), a test CA.
+//!
+//! The binary is `WARDEN_BIN` where set, else the `warden` cargo built beside the running test
+//! (`target/<profile>/warden`; a crate's integration tests get it built by depending on the CLI).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// The `warden` binary the tests drive.
+pub fn bin() -> &'static Path {
+    static BIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| {
+        if let Some(path) = std::env::var_os("WARDEN_BIN") {
+            return PathBuf::from(path);
+        }
+        let exe = std::env::current_exe().expect("the test knows its own path");
+        // target/<profile>/deps/<test>: the binary is in target/<profile>.
+        let profile = exe
+            .parent()
+            .filter(|dir| dir.ends_with("deps"))
+            .and_then(Path::parent)
+            .unwrap_or_else(|| exe.parent().expect("the test's folder"));
+        let path = profile.join("warden");
+        assert!(
+            path.is_file(),
+            "no warden binary at {}: build it (`cargo build -p warden-cli`) or set WARDEN_BIN",
+            path.display()
+        );
+        path
+    })
+}
+
+/// A unique cell name for this test process.
+pub fn unique(prefix: &str) -> String {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+pub fn warden() -> Command {
+    let mut cmd = Command::new(bin());
+    cmd.stdin(Stdio::null());
+    cmd
+}
+
+/// Result of one `warden run`.
+#[derive(Debug)]
+pub struct Ran {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl From<Output> for Ran {
+    fn from(out: Output) -> Self {
+        Self {
+            code: out.status.code().unwrap_or(-1),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+}
+
+/// `warden run [extra...] -- sh -c SCRIPT`.
+pub fn run_sh(extra: &[&str], script: &str) -> Ran {
+    let mut cmd = warden();
+    cmd.arg("run").args(extra).args(["--", "sh", "-c", script]);
+    cmd.output().expect("warden runs").into()
+}
+
+/// `warden run [extra...] -- python3 -c CODE`.
+pub fn run_py(extra: &[&str], code: &str) -> Ran {
+    let mut cmd = warden();
+    cmd.arg("run")
+        .args(extra)
+        .args(["--", "python3", "-c", code]);
+    cmd.output().expect("warden runs").into()
+}
+
+/// Writes a policy file into `dir` and returns its path.
+pub fn policy(dir: &Path, yaml: &str) -> PathBuf {
+    let path = dir.join(format!("policy-{}.yaml", unique("p")));
+    let mut file = std::fs::File::create(&path).unwrap();
+    file.write_all(yaml.as_bytes()).unwrap();
+    path
+}
+
+/// Where test folders go that a cell must see at their own path: not under /tmp (every cell
+/// has a /tmp of its own), even when the checkout is.
+pub fn outside_tmp() -> &'static Path {
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        // cargo's folder for tests' files: target/tmp.
+        let target = bin()
+            .parent()
+            .and_then(Path::parent)
+            .expect("the binary is in target/<profile>");
+        let dir = target.join("tmp");
+        if dir.starts_with("/tmp") {
+            return PathBuf::from("/var/tmp");
+        }
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    })
+}
+
+pub fn tempdir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("warden-test-")
+        .tempdir()
+        .unwrap()
+}
+
+/// Host processes whose command line contains `marker`.
+pub fn host_processes_with(marker: &str) -> Vec<i32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        if pid == std::process::id() as i32 {
+            continue;
+        }
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        // The warden that launched the cell carries the marker in its own arguments.
+        if cmdline.contains(marker)
+            && !cmdline.contains(&*bin().to_string_lossy())
+            && !cmdline.starts_with("warden")
+        {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+/// Every cgroup directory named after the cell, in any hierarchy.
+pub fn cgroup_dirs_of(name: &str) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let mut stack = vec![PathBuf::from("/sys/fs/cgroup")];
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                if entry.file_name().to_string_lossy() == name {
+                    found.push(path.clone());
+                }
+                // Cells live under warden/ in the warden's own cgroup; no need to walk further.
+                if path.components().count() < 12 {
+                    stack.push(path);
+                }
+            }
+        }
+    }
+    found
+}
+
+pub fn is_root() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
+}
+
+/// Whether this test process can give cells cgroups (root, or a delegated subtree). When it
+/// cannot, the caller skips and says why.
+pub fn cgroups_available(test: &str) -> bool {
+    let out = warden()
+        .args(["doctor", "--json"])
+        .output()
+        .expect("warden doctor runs");
+    let checks: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("doctor prints JSON");
+    let ok = checks.as_array().is_some_and(|all| {
+        all.iter()
+            .filter(|c| {
+                let controllers = [
+                    "cgroup memory",
+                    "cgroup pids",
+                    "cgroup cpu",
+                    "cgroup freezer",
+                ];
+                c["feature"]
+                    .as_str()
+                    .is_some_and(|f| controllers.contains(&f))
+            })
+            .all(|c| c["status"] == "ok")
+    });
+    if !ok {
+        eprintln!(
+            "skipped {test}: no writable cgroup hierarchy for this user (run the tests as root)"
+        );
+    }
+    ok
+}
+
+/// Path of a policy whose workspace is written directly (no copy-on-write layer), for tests
+/// that watch the host directory while a cell writes it.
+pub fn direct_policy() -> String {
+    static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    PATH.get_or_init(|| {
+        let path =
+            std::env::temp_dir().join(format!("warden-test-direct-{}.yaml", std::process::id()));
+        std::fs::write(
+            &path,
+            "version: 1\nfilesystem:\n  workspace:\n    mode: direct\n",
+        )
+        .unwrap();
+        let mut perms = std::fs::metadata(&path).unwrap().permissions();
+        std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o644);
+        std::fs::set_permissions(&path, perms).unwrap();
+        path
+    })
+    .display()
+    .to_string()
+}
+pub mod daemon;
+pub mod model;
+
+/// Proves that a running cell writes, creates and deletes in its workspace after a reset to its
+/// start and after a reset to a snapshot. `warden(args)` makes the warden command (as whoever
+/// the test runs cells as); `workspace` holds `README.md` ("# Project") and `src/main.rs`.
+pub fn writes_after_reset(warden: &dyn Fn(&[&str]) -> Command, workspace: &Path, name: &str) {
+    use std::io::{BufRead as _, Write as _};
+    let ws = workspace.display().to_string();
+    // Each line read from stdin is a round: write, create, delete, and report.
+    let script = "cd /workspace; echo edited > README.md; echo ready; \
+        while read round; do \
+          echo \"$round\" >> README.md && echo new > \"new-$round.txt\" && rm -f src/main.rs \
+          && mkdir -p \"dir-$round\" && touch \"dir-$round/f\" && rm -r \"dir-$round\" \
+          && echo \"done $round\" || echo \"failed $round\"; \
+        done";
+    let mut cell = warden(&[
+        "run",
+        "--name",
+        name,
+        "--workspace",
+        &ws,
+        "--",
+        "sh",
+        "-c",
+        script,
+    ])
+    .stdin(Stdio::piped())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::inherit())
+    .spawn()
+    .unwrap();
+    let mut stdin = cell.stdin.take().unwrap();
+    let mut lines = std::io::BufReader::new(cell.stdout.take().unwrap()).lines();
+    let mut next = || lines.next().unwrap().unwrap();
+    assert_eq!(next(), "ready");
+    let ok = |args: &[&str]| {
+        let out = warden(args).stdin(Stdio::null()).output().unwrap();
+        assert!(
+            out.status.success(),
+            "warden {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    ok(&["snapshot", name, "--as", "edited"]);
+    for (round, reset) in [
+        ("one", vec!["reset", name]),
+        ("two", vec!["reset", name, "--to", "edited"]),
+    ] {
+        ok(&reset);
+        writeln!(stdin, "{round}").unwrap();
+        assert_eq!(next(), format!("done {round}"), "after `warden {reset:?}`");
+    }
+    let diff = ok(&["diff", name, "--json"]);
+    let diff: serde_json::Value = serde_json::from_str(&diff).unwrap();
+    let mut changes: Vec<(String, String)> = diff["changes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["path"].as_str().unwrap().to_owned(),
+                c["kind"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    changes.sort();
+    // Back at the snapshot (README edited), then round two: what the cell did after the resets.
+    assert_eq!(
+        changes,
+        [
+            ("README.md".to_owned(), "modified".to_owned()),
+            ("new-two.txt".to_owned(), "added".to_owned()),
+            ("src/main.rs".to_owned(), "deleted".to_owned()),
+        ],
+        "{diff}"
+    );
+    drop(stdin);
+    let _ = cell.wait();
+    ok(&["rm", &format!("{name}@edited")]);
+    ok(&["rm", name]);
+}
+
+/// A TLS server configuration for `ip` with a certificate that a new test CA signed, and that
+/// CA's PEM (for the client to trust).
+pub fn tls_server_config(ip: &str) -> (std::sync::Arc<rustls::ServerConfig>, String) {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let cert = CertificateParams::new(vec![ip.to_owned()])
+        .unwrap()
+        .signed_by(&key, &ca)
+        .unwrap();
+    let config = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(
+        vec![cert.der().clone()],
+        rustls::pki_types::PrivateKeyDer::Pkcs8(rustls::pki_types::PrivatePkcs8KeyDer::from(
+            key.serialize_der(),
+        )),
+    )
+    .unwrap();
+    (std::sync::Arc::new(config), ca.pem())
+}
