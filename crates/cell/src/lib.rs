@@ -34,7 +34,7 @@ pub use process::{
     changes, control,
     exec::resize as resize_terminal,
     outcome::{Ending, RunError, RunOutcome},
-    plan::{check_name, check_paths},
+    plan::{Identity, check_name, check_paths, identity},
     registry::{CellRecord, Registry, RegistryError},
     run::RunRequest,
     snapshot,

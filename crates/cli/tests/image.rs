@@ -55,6 +55,14 @@ fn shell_layer() -> Vec<u8> {
         );
     }
     append(&mut b, "etc/hello", 0o644, b"hello from the image\n");
+    // The user the configuration names, by name.
+    append(
+        &mut b,
+        "etc/passwd",
+        0o644,
+        b"root:x:0:0::/root:/bin/sh\napp:x:2345:2346::/srv:/bin/sh\n",
+    );
+    append(&mut b, "etc/group", 0o644, b"root:x:0:\napp:x:2346:\n");
     append(
         &mut b,
         "etc/gone",
@@ -83,7 +91,7 @@ fn docker_archive(dir: &Path, layers: &[Vec<u8>], tag: &str) -> PathBuf {
     }
     let config = json!({
         "architecture": "amd64", "os": "linux",
-        "config": { "Env": ["GREETING=from-the-image", "PATH=/bin"], "WorkingDir": "/srv" },
+        "config": { "Env": ["GREETING=from-the-image", "PATH=/bin"], "WorkingDir": "/srv", "User": "app" },
         "rootfs": { "type": "layers", "diff_ids": layers.iter().map(|l| sha(l)).collect::<Vec<_>>() },
     })
     .to_string();
@@ -150,6 +158,9 @@ fn an_image_built_from_host_files_runs_as_a_cell() {
                   test -e /usr/bin/python3 && echo HOST-USR-SEEN; \
                   while read -r line; do echo \"$line\"; done < /srv/data; \
                   echo made > /workspace/out.txt && echo wrote";
+    // Who it runs as and where it starts, as the kernel says.
+    let identity = "while read -r k v rest; do case $k in Uid:|Gid:) echo \"$k$v\";; esac; \
+                    done < /proc/self/status; echo \"cwd=$(pwd)\"";
     let ran = warden_in(&state)
         .arg("run")
         .arg("--policy")
@@ -176,6 +187,39 @@ fn an_image_built_from_host_files_runs_as_a_cell() {
         "the host's /usr is in the image's root: {out}"
     );
     assert!(out.contains("layer two") && out.contains("wrote"), "{out}");
+
+    // The image's user (by name, from its own /etc/passwd and /etc/group) and working
+    // directory are the cell's; the policy's own win over them.
+    let run_identity = |policy: &Path| {
+        let ran = warden_in(&state)
+            .arg("run")
+            .arg("--policy")
+            .arg(policy)
+            .arg("-w")
+            .arg(workspace.path())
+            .args(["--", "/bin/sh", "-c", identity])
+            .output()
+            .unwrap();
+        assert!(ran.status.success(), "{ran:?}");
+        String::from_utf8_lossy(&ran.stdout).into_owned()
+    };
+    assert_eq!(run_identity(&policy), "Uid:2345\nGid:2346\ncwd=/srv\n");
+    let own = policy_text(
+        dir.path(),
+        "version: 1\nimage: mini:1\nprocess:\n  user: 3000\n  cwd: /workspace\n",
+    );
+    assert_eq!(run_identity(&own), "Uid:3000\nGid:3000\ncwd=/workspace\n");
+    let explained = warden_in(&state)
+        .args(["policy", "explain"])
+        .arg(&policy)
+        .output()
+        .unwrap();
+    let explained = String::from_utf8_lossy(&explained.stdout);
+    assert!(
+        explained.contains("the image's user")
+            && explained.contains("the image's working directory"),
+        "{explained}"
+    );
 
     // The image cannot be changed from inside.
     let ran = warden_in(&state)
@@ -217,6 +261,12 @@ fn an_image_built_from_host_files_runs_as_a_cell() {
         .unwrap()
         .collect();
     assert!(left.is_empty(), "{left:?}");
+}
+
+fn policy_text(dir: &Path, yaml: &str) -> PathBuf {
+    let path = support::policy(dir, yaml);
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    path
 }
 
 fn policy_with(dir: &Path, image: &str) -> PathBuf {
@@ -352,6 +402,20 @@ fn a_daemon_cell_runs_from_an_image_and_execs_in_it() {
     );
     let out = String::from_utf8(support::daemon::stream_bytes(&events, "stdout")).unwrap();
     assert_eq!(out, "hello from the image\nfrom-the-image\nno-host-usr\n");
+    // An exec may name the cell's user, which is the image's; no other.
+    let events = daemon.exec(
+        &cell,
+        json!({ "argv": ["/bin/sh", "-c", "pwd"], "user": 2345 }),
+    );
+    let out = String::from_utf8(support::daemon::stream_bytes(&events, "stdout")).unwrap();
+    assert_eq!(out, "/srv\n");
+    let refused = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["true"], "user": 1000 })),
+    );
+    assert_eq!(refused.status, 400, "{}", refused.text());
+    assert!(refused.text().contains("uid 2345"), "{}", refused.text());
     // The journal records which image the cell was made from.
     let journal = std::fs::read_to_string(daemon.journal()).unwrap();
     assert!(
@@ -477,6 +541,8 @@ fn an_image_runs_as_a_gvisor_cell_too() {
                   test -e /usr/bin/python3 && echo HOST-USR-SEEN; \
                   echo x > /etc/hello 2>/dev/null && echo CHANGED; \
                   while read -r line; do echo \"$line\"; done < /proc/version; \
+                  while read -r k v rest; do case $k in Uid:|Gid:) echo \"$k$v\";; esac; \
+                  done < /proc/self/status; echo \"cwd=$(pwd)\"; \
                   echo made > /workspace/out.txt && echo wrote";
     let ran = warden_in(&state)
         .arg("run")
@@ -507,6 +573,8 @@ fn an_image_runs_as_a_gvisor_cell_too() {
     // gVisor's own kernel answers, not the host's.
     let host_version = std::fs::read_to_string("/proc/version").unwrap();
     assert!(!out.contains(host_version.trim()), "{out}");
+    // The image's user and working directory, as on the process tier.
+    assert!(out.contains("Uid:2345\nGid:2346\ncwd=/srv\n"), "{out}");
     assert!(out.contains("wrote"), "{out}");
 }
 

@@ -722,6 +722,19 @@ fn run_without_a_daemon_keeps_statuses_stdin_and_changes(tier: Tier) {
         "{diff}"
     );
     assert!(warden().args(["rm", &name]).status().unwrap().success());
+    // What the command writes the moment it starts is the caller's, whole (the tier's own
+    // word that the cell is up travels in the same pipe on the gVisor tier).
+    let burst: String = (0..40)
+        .map(|i| format!("line {i} of the first burst\n"))
+        .collect();
+    for _ in 0..3 {
+        let ran = run_sh(&["--policy", &policy], &format!("printf '{burst}'"));
+        assert_eq!(
+            (ran.code, ran.stdout.as_str()),
+            (0, burst.as_str()),
+            "{ran:?}"
+        );
+    }
     // Stdin, a missing program, a signal, the wall-clock limit.
     let mut child = warden()
         .args(["run", "--policy", &policy, "--", "tr", "a-z", "A-Z"])

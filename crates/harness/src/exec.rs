@@ -86,14 +86,19 @@ impl Harness {
         }
         check_env(spec.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))?;
         if let Some(user) = spec.user {
-            let cell_user = self
+            let policy = self
                 .live
                 .lock()
                 .ok()
-                .and_then(|l| l.get(name).map(|l| l.policy.process.user));
+                .and_then(|l| l.get(name).map(|l| l.policy.clone()));
+            // Its policy's user, else its image's (read from the image only when asked).
+            let cell_user = policy.map(|p| {
+                warden_cell::identity(&p, self.store.root())
+                    .map_or(p.process.user(), |identity| identity.uid)
+            });
             if cell_user.is_some_and(|u| u != user) {
                 return Err(ExecError::Invalid(format!(
-                    "user {user}: cell `{name}` runs every process as uid {} (its policy's process.user); no process in a cell can change ids. Make a cell with another process.user instead",
+                    "user {user}: cell `{name}` runs every process as uid {} (its policy's process.user, or its image's user); no process in a cell can change ids. Make a cell with another process.user instead",
                     cell_user.unwrap_or_default()
                 ))
                 .into());

@@ -11,6 +11,7 @@
 //! and renamed into place, so an import that fails leaves nothing behind.
 
 mod archive;
+mod defaults;
 pub mod extract;
 #[cfg(test)]
 mod tests;
@@ -19,6 +20,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+pub use defaults::Defaults;
 pub use extract::{Limits, Unpacked};
 
 /// One imported image.

@@ -83,14 +83,32 @@ pub fn explain(policy: &Policy) -> String {
 
     let proc = &policy.process;
     let _ = writeln!(out, "\nProcess");
+    let image = policy.image.is_some();
+    let who = match (proc.user, image) {
+        (None, true) => format!(
+            "the image's user (uid {} gid {} where it names none)",
+            proc.user(),
+            proc.group()
+        ),
+        _ => format!("uid {} gid {}", proc.user(), proc.group()),
+    };
     let _ = writeln!(
         out,
-        "  - Runs as uid {} gid {} inside the cell, which maps to an unprivileged host id; no \
-         capabilities, no_new_privs, its own session, pid, ipc, uts and cgroup namespaces.",
-        proc.user,
-        proc.group()
+        "  - Runs as {who} inside the cell, which maps to an unprivileged host id; no \
+         capabilities, no_new_privs, its own session, pid, ipc, uts and cgroup namespaces."
     );
-    let _ = writeln!(out, "  - Starts in {}.", proc.cwd.display());
+    match (&proc.cwd, image) {
+        (None, true) => {
+            let _ = writeln!(
+                out,
+                "  - Starts in the image's working directory ({} where it names none).",
+                proc.cwd().display()
+            );
+        }
+        _ => {
+            let _ = writeln!(out, "  - Starts in {}.", proc.cwd().display());
+        }
+    }
     let mut env: Vec<String> = proc
         .env
         .set

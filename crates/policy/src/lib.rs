@@ -13,9 +13,9 @@ mod units;
 pub use explain::explain;
 pub use model::{
     ApplyApproval, ApprovalOutcome, Approvals, CommandDefault, CommandRules, CommandVerdict,
-    Commands, Credential, Credentials, EnvPolicy, Filesystem, Gpu, Inference, LifecycleAction,
-    Limits, MAX_CONNECTIONS, NameLookup, NetRule, Network, NetworkDefault, Policy, Process, Tier,
-    Workspace, WorkspaceMode,
+    Commands, Credential, Credentials, DEFAULT_CWD, DEFAULT_USER, EnvPolicy, Filesystem, Gpu,
+    Inference, LifecycleAction, Limits, MAX_CONNECTIONS, NameLookup, NetRule, Network,
+    NetworkDefault, Policy, Process, Tier, Workspace, WorkspaceMode,
 };
 pub use parse::{PolicyError, extended_preset, from_file, from_yaml, preset, sections, to_yaml};
 pub use preset::PRESETS;

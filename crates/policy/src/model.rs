@@ -236,36 +236,48 @@ pub enum WorkspaceMode {
 }
 
 /// Who the command runs as and what it starts with.
-#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Process {
-    /// User id inside the cell (never host root: see the docs on id mapping).
-    pub user: u32,
-    /// Group id inside the cell; defaults to the user id.
+    /// User id inside the cell (never host root: see the docs on id mapping). When the policy
+    /// names none: the image's user (`image:`), else [`DEFAULT_USER`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub user: Option<u32>,
+    /// Group id inside the cell; defaults to the user's (the image's, or the user id).
     pub group: Option<u32>,
     /// Host name of the cell; defaults to the cell's name.
     pub hostname: Option<String>,
-    /// Working directory inside the cell.
-    #[serde(deserialize_with = "absolute_path")]
-    pub cwd: PathBuf,
+    /// Working directory inside the cell. When the policy names none: the image's working
+    /// directory (`image:`), else `/workspace`.
+    #[serde(
+        deserialize_with = "absolute_path_opt",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub cwd: Option<PathBuf>,
     pub env: EnvPolicy,
 }
 
-impl Default for Process {
-    fn default() -> Self {
-        Self {
-            user: 1000,
-            group: None,
-            hostname: None,
-            cwd: PathBuf::from("/workspace"),
-            env: EnvPolicy::default(),
-        }
-    }
-}
+/// The user a cell runs as when neither its policy nor its image names one.
+pub const DEFAULT_USER: u32 = 1000;
+/// Where a cell's commands start when neither its policy nor its image names a directory.
+pub const DEFAULT_CWD: &str = "/workspace";
 
 impl Process {
+    /// The user id, where no image decides it.
+    pub fn user(&self) -> u32 {
+        self.user.unwrap_or(DEFAULT_USER)
+    }
+
+    /// The group id, where no image decides it.
     pub fn group(&self) -> u32 {
-        self.group.unwrap_or(self.user)
+        self.group.unwrap_or(self.user())
+    }
+
+    /// The working directory, where no image decides it.
+    pub fn cwd(&self) -> PathBuf {
+        self.cwd
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_CWD))
     }
 }
 
@@ -721,6 +733,12 @@ fn absolute_path<'de, D: Deserializer<'de>>(deserializer: D) -> Result<PathBuf, 
     let path = PathBuf::deserialize(deserializer)?;
     check_absolute(&path).map_err(de::Error::custom)?;
     Ok(path)
+}
+
+fn absolute_path_opt<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<PathBuf>, D::Error> {
+    absolute_path(deserializer).map(Some)
 }
 
 /// Absolute paths; `~/...` is under the home directory of whoever reads the policy.

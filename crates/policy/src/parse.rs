@@ -505,7 +505,7 @@ fn validate(origin: &str, policy: &Policy) -> Result<(), PolicyError> {
             ));
         }
     }
-    if policy.process.user > MAX_INSIDE_ID || policy.process.group() > MAX_INSIDE_ID {
+    if policy.process.user() > MAX_INSIDE_ID || policy.process.group() > MAX_INSIDE_ID {
         return Err(invalid(
             "process.user",
             &format!("user and group ids inside a cell must be at most {MAX_INSIDE_ID}"),

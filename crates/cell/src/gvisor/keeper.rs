@@ -84,12 +84,13 @@ pub fn keep(
     let policy = request.policy.clone();
     // No user namespace: the sandbox's user is the host id of the same number (gVisor is the
     // boundary); the workspace is id-mapped to it, and its layer made its.
+    let identity = crate::process::plan::identity(&policy, store.root()).map_err(RunError::from)?;
     let ids = IdMapping {
         privileged: false,
-        inside_uid: policy.process.user,
-        inside_gid: policy.process.group(),
-        host_uid: policy.process.user,
-        host_gid: policy.process.group(),
+        inside_uid: identity.uid,
+        inside_gid: identity.gid,
+        host_uid: identity.uid,
+        host_gid: identity.gid,
     };
     let Prepared {
         name,
@@ -411,6 +412,7 @@ fn wait_ready(stdout: &OwnedFd, stderr: &OwnedFd) -> Result<(), String> {
     use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
     let deadline = Instant::now() + START_DEADLINE;
     let mut said = Vec::new();
+    let mut line = Vec::new();
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -432,10 +434,19 @@ fn wait_ready(stdout: &OwnedFd, stderr: &OwnedFd) -> Result<(), String> {
         let out = fds[0].revents().is_some_and(|r| !r.is_empty());
         let err = fds[1].revents().is_some_and(|r| !r.is_empty());
         if out {
-            let mut buf = [0u8; 64];
-            let n = nix::unistd::read(stdout, &mut buf).unwrap_or(0);
-            if buf[..n].starts_with(b"ready") {
-                return Ok(());
+            // One byte at a time: what the command writes right after `ready` is in the same
+            // pipe, and is the caller's.
+            let mut byte = [0u8; 1];
+            let n = nix::unistd::read(stdout, &mut byte).unwrap_or(0);
+            if n == 1 {
+                if byte[0] != b'\n' {
+                    line.push(byte[0]);
+                    continue;
+                }
+                if line == b"ready" {
+                    return Ok(());
+                }
+                line.clear();
             }
             if n == 0 {
                 // runsc ended: what it said on stderr is why.
@@ -527,5 +538,34 @@ impl HostGuard {
 impl Drop for HostGuard {
     fn drop(&mut self) {
         self.end();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn what_follows_ready_in_the_pipe_is_left_for_the_caller() {
+        let (out_r, out_w) = sys::pipe().unwrap();
+        let (err_r, _err_w) = sys::pipe().unwrap();
+        let said = b"ready\nthe command's first words, written at once\n";
+        nix::unistd::write(&out_w, said).unwrap();
+        drop(out_w);
+        wait_ready(&out_r, &err_r).unwrap();
+        let mut rest = Vec::new();
+        fs::File::from(out_r).read_to_end(&mut rest).unwrap();
+        assert_eq!(rest, said[6..]);
+    }
+
+    #[test]
+    fn a_sandbox_that_ends_before_ready_says_why() {
+        let (out_r, out_w) = sys::pipe().unwrap();
+        let (err_r, err_w) = sys::pipe().unwrap();
+        nix::unistd::write(&err_w, b"some detail\nrunsc: the last word\n").unwrap();
+        drop((out_w, err_w));
+        let err = wait_ready(&out_r, &err_r).unwrap_err();
+        assert_eq!(err, "runsc: the last word");
     }
 }

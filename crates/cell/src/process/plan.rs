@@ -209,6 +209,50 @@ pub fn setup_host_ids() -> ((u32, u32), bool) {
     }
 }
 
+/// Who a cell's processes run as and where they start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    pub uid: u32,
+    pub gid: u32,
+    pub cwd: PathBuf,
+}
+
+/// The highest user or group id a cell's user may have (as `process.user`).
+const MAX_INSIDE_ID: u32 = 65535;
+
+/// A cell's user, group and working directory: what its policy names, else what its image's
+/// configuration does (`image:`; names looked up in the image's own tables), else uid 1000 and
+/// `/workspace`. A group the policy does not name is its user's: the image's user's group when
+/// the user comes from the image.
+pub fn identity(policy: &Policy, state: &Path) -> Result<Identity, warden_image::ImageError> {
+    let image = match &policy.image {
+        Some(name) => {
+            let (image, lowers) = warden_image::Store::new(state).lower_dirs(name)?;
+            image.defaults(&lowers)?
+        }
+        None => warden_image::Defaults::default(),
+    };
+    let process = &policy.process;
+    let (uid, image_gid) = match (process.user, image.user) {
+        (Some(uid), _) => (uid, None),
+        (None, Some((uid, gid))) => (uid, Some(gid)),
+        (None, None) => (process.user(), None),
+    };
+    let gid = process.group.or(image_gid).unwrap_or(uid);
+    if uid > MAX_INSIDE_ID || gid > MAX_INSIDE_ID {
+        return Err(warden_image::ImageError::Format(format!(
+            "image {}: its user is uid {uid} gid {gid}, and a cell's ids are at most {MAX_INSIDE_ID}; set process.user (and process.group) in the policy",
+            policy.image.as_deref().unwrap_or_default()
+        )));
+    }
+    let cwd = process
+        .cwd
+        .clone()
+        .or(image.workdir)
+        .unwrap_or_else(|| process.cwd());
+    Ok(Identity { uid, gid, cwd })
+}
+
 /// Checks what of a policy only this host can tell, before a cell is made from it: the tier must
 /// be one this warden implements, and of the host paths it shows the cell (and Warden's own
 /// directories) none may be Warden's own, lie under the cell's own `/tmp`, `/dev` or `/proc`,

@@ -101,10 +101,11 @@ pub fn run_with(
         return Err(PlanError::NoCommand.into());
     }
     let privileged = nix::unistd::geteuid().is_root();
+    let identity = plan::identity(policy, store.root())?;
     let ids = IdMapping {
         privileged,
-        inside_uid: policy.process.user,
-        inside_gid: policy.process.group(),
+        inside_uid: identity.uid,
+        inside_gid: identity.gid,
         host_uid: nix::unistd::geteuid().as_raw(),
         host_gid: nix::unistd::getegid().as_raw(),
     };
@@ -642,7 +643,7 @@ pub(crate) fn prepare(
         ids: ids.clone(),
         argv: request.argv.clone(),
         env,
-        cwd: policy.process.cwd.clone(),
+        cwd: plan::identity(policy, store.root())?.cwd,
         rlimit_nproc: policy.limits.pids,
         rlimit_as: policy.limits.memory.map(|m| m.0),
         rlimit_nofile: policy.limits.open_files,
