@@ -1026,18 +1026,6 @@ fn the_proxy_port_answers_on_ipv6_loopback_too() {
     assert_eq!(ran.stdout, "upstream saw GET /six HTTP/1.1\n", "{ran:?}");
 }
 
-/// Threads of a host process, from its status file.
-fn threads_of(pid: u32) -> usize {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("Threads:"))
-                .and_then(|n| n.trim().parse().ok())
-        })
-        .unwrap_or(0)
-}
-
 #[test]
 fn a_cell_cannot_make_its_gateway_hold_more_connections_than_its_limit() {
     let dir = tempdir();
@@ -1084,10 +1072,10 @@ fn a_cell_cannot_make_its_gateway_hold_more_connections_than_its_limit() {
     stdout.read_line(&mut line).unwrap();
     assert_eq!(line, "ready\n");
     let pid = child.id();
-    let baseline = threads_of(pid);
+    let baseline = support::daemon::threads_of(pid);
     let mut most = baseline;
     while child.try_wait().unwrap().is_none() {
-        most = most.max(threads_of(pid));
+        most = most.max(support::daemon::threads_of(pid));
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     let mut rest = String::new();

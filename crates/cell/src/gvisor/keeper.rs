@@ -150,15 +150,15 @@ pub fn keep(
                     crate::process::init::NOT_FOUND => Ending::CommandNotFound(message),
                     _ => Ending::CannotExecute(message),
                 };
-                write_report(request.report.as_deref(), &ending);
-                drop(reservation);
-                let kept_changes = layer.is_some_and(|l| l.finish(request.discard_changes));
-                return Ok(RunOutcome {
+                return Ok(crate::process::run::finish(
+                    store,
+                    &request,
                     name,
+                    reservation,
+                    layer,
                     ending,
                     notices,
-                    kept_changes,
-                });
+                ));
             }
         }
     }
@@ -357,29 +357,15 @@ pub fn keep(
     if runsc.has_state(&name) {
         let _ = quiet(runsc.command("delete").args(["--force", &name])).status();
     }
-    // Before the name is released: whoever sees the lock go finds this already.
-    write_report(request.report.as_deref(), &ending);
-    drop(reservation);
-    let kept_changes = layer.is_some_and(|layer| layer.finish(request.discard_changes));
-    if request.discard_changes {
-        let _ = fs::remove_file(store.net_log_path(&name));
-    }
-    Ok(RunOutcome {
+    Ok(crate::process::run::finish(
+        store,
+        &request,
         name,
+        reservation,
+        layer,
         ending,
         notices,
-        kept_changes,
-    })
-}
-
-/// Writes how the cell ended where the keeper's caller looks for it.
-fn write_report(path: Option<&Path>, ending: &Ending) {
-    if let Some(path) = path {
-        let tmp = path.with_extension("tmp");
-        if fs::write(&tmp, ending.report().to_string()).is_ok() {
-            let _ = fs::rename(&tmp, path);
-        }
-    }
+    ))
 }
 
 /// A command with no stdio of the caller's (runsc would take them over).

@@ -440,8 +440,30 @@ pub fn run_with(
         }
     };
     drop(guard);
+    Ok(finish(
+        store,
+        &request,
+        name,
+        reservation,
+        layer,
+        ending,
+        notices,
+    ))
+}
+
+/// The end of a run, the same on every tier: how the cell ended written where the caller
+/// looks for it, before the name is released (whoever sees the lock go finds it already); the
+/// name released; the layer kept for review or removed, with the egress record, as asked.
+pub(crate) fn finish(
+    store: &Store,
+    request: &RunRequest,
+    name: String,
+    reservation: super::registry::Reservation,
+    layer: Option<LayerGuard>,
+    ending: Ending,
+    notices: Vec<String>,
+) -> RunOutcome {
     if let Some(path) = &request.report {
-        // Before the name is released: whoever sees the lock go finds this already.
         let tmp = path.with_extension("tmp");
         if fs::write(&tmp, ending.report().to_string()).is_ok() {
             let _ = fs::rename(&tmp, path);
@@ -452,12 +474,12 @@ pub fn run_with(
     if request.discard_changes {
         let _ = fs::remove_file(store.net_log_path(&name));
     }
-    Ok(RunOutcome {
+    RunOutcome {
         name,
         ending,
         notices,
         kept_changes,
-    })
+    }
 }
 
 /// What a cell is made of, decided by the warden before anything of it exists: the same for
