@@ -86,12 +86,20 @@ pub struct Session {
     clock: Instant,
     /// The last turn's snapshot, under way while the next model call is (it is waited for
     /// before anything can change the workspace: a tool call, a pause, a rewind, the end).
-    pending: tokio::sync::Mutex<Option<tokio::task::JoinHandle<Result<(), HarnessError>>>>,
+    pending: tokio::sync::Mutex<Option<Pending>>,
     /// One operator action at a time (control, say, rewind): each sees the last one's end.
     acting: tokio::sync::Mutex<()>,
     saved_at: Option<PathBuf>,
     /// Saves asked for, and the last one written.
     saves: (std::sync::atomic::AtomicU64, Arc<Mutex<u64>>),
+}
+
+/// A turn's snapshot under way: told once the copy is made (the cell running again), done once
+/// it is journaled too.
+#[derive(Debug)]
+pub(crate) struct Pending {
+    taken: Option<tokio::sync::oneshot::Receiver<()>>,
+    done: tokio::task::JoinHandle<Result<(), HarnessError>>,
 }
 
 fn lost() -> HarnessError {
@@ -144,7 +152,16 @@ pub(crate) async fn snapshot(
     harness: &Harness,
     cell: &str,
 ) -> Result<Option<String>, HarnessError> {
-    match harness.snapshot(cell, None).await {
+    snapshot_then(harness, cell, |_| {}).await
+}
+
+/// Like [`snapshot`], calling `taken` once the copy is made.
+async fn snapshot_then(
+    harness: &Harness,
+    cell: &str,
+    taken: impl FnOnce(&warden_protocol::Snapshot) + Send,
+) -> Result<Option<String>, HarnessError> {
+    match harness.snapshot_then(cell, None, taken).await {
         Ok(snapshot) => Ok(Some(snapshot.id)),
         Err(err) if err.kind == ErrorKind::Conflict => Ok(None),
         Err(err) => Err(err),
@@ -326,16 +343,34 @@ impl Session {
     /// cancelled leaves it for the next.
     pub(crate) async fn settle(&self) -> Result<(), HarnessError> {
         let mut pending = self.pending.lock().await;
-        let Some(handle) = pending.as_mut() else {
+        let Some(under_way) = pending.as_mut() else {
             return Ok(());
         };
-        let done = handle.await;
+        let done = (&mut under_way.done).await;
         *pending = None;
         done.map_err(|e| {
             HarnessError::from(crate::AgentError::Failed(format!(
                 "a turn's snapshot failed: {e}"
             )))
         })?
+    }
+
+    /// Waits until the last turn's snapshot is taken: its copy made and the cell running again,
+    /// its journal entry perhaps still on its way to the disk. What a tool call waits for (the
+    /// copy must not see the next turn's changes); a snapshot that failed is waited for whole,
+    /// for its error.
+    async fn settle_taken(&self) -> Result<(), HarnessError> {
+        let mut pending = self.pending.lock().await;
+        let Some(under_way) = pending.as_mut() else {
+            return Ok(());
+        };
+        let Some(taken) = under_way.taken.as_mut() else {
+            return Ok(());
+        };
+        let told = taken.await.is_ok();
+        under_way.taken = None;
+        drop(pending);
+        if told { Ok(()) } else { self.settle().await }
     }
 
     async fn record(&self, kind: &str, mut fields: Value) -> Result<(), HarnessError> {
@@ -597,7 +632,7 @@ impl Session {
                 if let Go::Stop = self.checkpoint().await {
                     break;
                 }
-                self.settle().await?;
+                self.settle_taken().await?;
                 self.thaw().await;
                 let Some(outcome) = self.call(turn, call, epoch).await? else {
                     break;
@@ -669,8 +704,12 @@ impl Session {
         }
         self.save_later();
         let session = Arc::clone(self);
+        let (told, taken) = tokio::sync::oneshot::channel();
         let handle = tokio::spawn(async move {
-            let snapshot = snapshot(&session.harness, &session.cell).await?;
+            let snapshot = snapshot_then(&session.harness, &session.cell, move |_| {
+                let _ = told.send(());
+            })
+            .await?;
             {
                 let mut inner = session.inner.lock().map_err(|_| lost())?;
                 if !session.current(epoch) {
@@ -686,7 +725,10 @@ impl Session {
             session.save_later();
             Ok(())
         });
-        *self.pending.lock().await = Some(handle);
+        *self.pending.lock().await = Some(Pending {
+            taken: Some(taken),
+            done: handle,
+        });
         Ok(())
     }
 

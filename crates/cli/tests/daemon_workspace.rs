@@ -708,3 +708,53 @@ fn the_clis_workspace_commands_on_a_daemon_cell_go_through_the_daemon() {
         ],
     );
 }
+
+/// Unnamed snapshots are numbered on (past a name taken by hand), without counting the cell's
+/// snapshots again each time; a cell removed and made again under its name starts at `s1`.
+#[test]
+fn unnamed_snapshots_count_on_and_start_over_for_a_cell_made_again() {
+    if !cgroups_available("daemon_snapshot_names") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let host = tempdir();
+    std::fs::write(host.path().join("a.txt"), "v1\n").unwrap();
+    let workspace = host.path().display().to_string();
+    let name = unique("names");
+    let snapshot = |body: Value| {
+        let answer = daemon.call("POST", &format!("/v1/cells/{name}/snapshot"), Some(body));
+        assert_eq!(answer.status, 201, "{}", answer.text());
+        answer.json()["id"].as_str().unwrap().to_owned()
+    };
+    daemon.create(&name, json!({ "workspace": workspace }));
+    assert_eq!(snapshot(json!({})), format!("{name}@s1"));
+    assert_eq!(snapshot(json!({})), format!("{name}@s2"));
+    assert_eq!(snapshot(json!({ "as": "s3" })), format!("{name}@s3"));
+    assert_eq!(snapshot(json!({})), format!("{name}@s4"));
+    // A name that is taken is refused, whoever took it.
+    let taken = daemon.call(
+        "POST",
+        &format!("/v1/cells/{name}/snapshot"),
+        Some(json!({ "as": "s2" })),
+    );
+    assert_eq!(taken.status, 409, "{}", taken.text());
+    assert_eq!(
+        daemon
+            .call("DELETE", &format!("/v1/cells/{name}"), None)
+            .status,
+        204
+    );
+    for n in 1..=4 {
+        let rm = daemon
+            .warden()
+            .args(["rm", &format!("{name}@s{n}")])
+            .output()
+            .unwrap();
+        assert!(rm.status.success(), "{rm:?}");
+    }
+    daemon.create(
+        &name,
+        json!({ "workspace": host.path().display().to_string() }),
+    );
+    assert_eq!(snapshot(json!({})), format!("{name}@s1"));
+}

@@ -86,28 +86,55 @@ impl Harness {
         name: &str,
         as_name: Option<&str>,
     ) -> Result<Snapshot, HarnessError> {
+        self.snapshot_then(name, as_name, |_| {}).await
+    }
+
+    /// A snapshot, with `taken` called as soon as it is taken (the cell running again, its
+    /// copy made), before its end is journaled: for a caller whose next step only needs the
+    /// copy made (an agent's next tool call), while the journal's disk catches up.
+    pub async fn snapshot_then(
+        &self,
+        name: &str,
+        as_name: Option<&str>,
+        taken: impl FnOnce(&Snapshot) + Send,
+    ) -> Result<Snapshot, HarnessError> {
         self.entry(name)?;
         if let Some(snap) = as_name {
             warden_cell::check_name(snap).map_err(|e| {
                 HarnessError::from(WorkspaceError::Invalid(format!("snapshot name: {e}")))
             })?;
         }
-        self.record(Some(name), "workspace.snapshot", json!({ "as": as_name }))
+        // In the file before the snapshot is taken; on disk with its end, which is waited for
+        // (a snapshot changes nothing outside the warden, so nothing waits on the disk first).
+        let begun = self
+            .record_ahead(Some(name), "workspace.snapshot", json!({ "as": as_name }))
             .await?;
         let snap = as_name.map(str::to_owned);
-        let info = self
+        let made = self
             .blocking(name, move |tier, cell| {
                 tier.snapshot(cell, snap.as_deref()).map_err(snapshot_error)
             })
-            .await?;
-        let (id, size) = (info.id, info.size);
+            .await;
+        let info = match made {
+            Ok(info) => info,
+            Err(err) => {
+                begun.wait(self).await?;
+                return Err(err);
+            }
+        };
+        let snapshot = Snapshot {
+            id: info.id,
+            size: info.size,
+        };
+        taken(&snapshot);
         self.record(
             Some(name),
             "workspace.snapshot.done",
-            json!({ "id": id, "size": size }),
+            json!({ "id": snapshot.id, "size": snapshot.size }),
         )
         .await?;
-        Ok(Snapshot { id, size })
+        begun.wait(self).await?;
+        Ok(snapshot)
     }
 
     /// Journals what the cell changed in its workspace (paths, kinds, sizes and hashes; not the

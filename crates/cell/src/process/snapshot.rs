@@ -113,6 +113,62 @@ pub fn list(store: &Store) -> Vec<SnapshotInfo> {
     out
 }
 
+/// The next number to try for a cell's unnamed snapshot (`s1`, `s2`, ...), by store and cell:
+/// a hint, so that a long session's snapshots are not counted again each time (the claim
+/// below is what makes a name the snapshot's).
+static NEXT_UNNAMED: std::sync::Mutex<Option<std::collections::HashMap<(PathBuf, String), u64>>> =
+    std::sync::Mutex::new(None);
+
+/// Makes the snapshot's folder, which claims its id: `name`, or for an unnamed one the first
+/// `sN` free from the hint on.
+fn claim(
+    store: &Store,
+    cell: &str,
+    name: Option<&str>,
+) -> Result<(String, PathBuf), SnapshotError> {
+    let make = |id: &str| {
+        let dir = snapshots_dir(store).join(id);
+        match fs::create_dir(&dir) {
+            Ok(()) => Ok(Some(dir)),
+            Err(err) if err.kind() == io::ErrorKind::AlreadyExists => Ok(None),
+            Err(source) => Err(SnapshotError::Copy { path: dir, source }),
+        }
+    };
+    if let Some(name) = name {
+        let id = format!("{cell}@{name}");
+        return match make(&id)? {
+            Some(dir) => Ok((id, dir)),
+            None => Err(SnapshotError::Exists(id)),
+        };
+    }
+    let key = (store.root().to_path_buf(), cell.to_owned());
+    let mut next = NEXT_UNNAMED
+        .lock()
+        .ok()
+        .and_then(|hints| hints.as_ref()?.get(&key).copied())
+        .unwrap_or(1);
+    // A hint whose last snapshot is gone (the cell was removed and made again) starts over.
+    if next > 1
+        && !snapshots_dir(store)
+            .join(format!("{cell}@s{}", next - 1))
+            .exists()
+    {
+        next = 1;
+    }
+    loop {
+        let id = format!("{cell}@s{next}");
+        if let Some(dir) = make(&id)? {
+            if let Ok(mut hints) = NEXT_UNNAMED.lock() {
+                hints
+                    .get_or_insert_with(Default::default)
+                    .insert(key, next + 1);
+            }
+            return Ok((id, dir));
+        }
+        next += 1;
+    }
+}
+
 /// Takes a snapshot of a cell's workspace (frozen while it is copied, if it runs).
 pub fn take(
     registry: &Registry,
@@ -120,34 +176,19 @@ pub fn take(
     cell: &str,
     name: Option<&str>,
 ) -> Result<SnapshotInfo, SnapshotError> {
-    let snap = match name {
-        Some(name) => {
-            super::plan::check_name(name).map_err(|_| SnapshotError::Name(name.to_owned()))?;
-            name.to_owned()
-        }
-        None => (1..)
-            .map(|n| format!("s{n}"))
-            .find(|n| !record_path(store, &format!("{cell}@{n}")).exists())
-            .unwrap_or_default(),
-    };
-    let id = format!("{cell}@{snap}");
+    if let Some(name) = name {
+        super::plan::check_name(name).map_err(|_| SnapshotError::Name(name.to_owned()))?;
+    }
     let (layer, meta, _frozen) = changes::hold(registry, store, cell)?;
-    let dir = snapshots_dir(store).join(&id);
     store.prepare().map_err(|e| SnapshotError::Copy {
         path: store.root().to_path_buf(),
         source: io::Error::other(e.to_string()),
     })?;
     fs::create_dir_all(snapshots_dir(store)).map_err(|source| SnapshotError::Copy {
-        path: dir.clone(),
+        path: snapshots_dir(store),
         source,
     })?;
-    match fs::create_dir(&dir) {
-        Ok(()) => {}
-        Err(err) if err.kind() == io::ErrorKind::AlreadyExists => {
-            return Err(SnapshotError::Exists(id));
-        }
-        Err(source) => return Err(SnapshotError::Copy { path: dir, source }),
-    }
+    let (id, dir) = claim(store, cell, name)?;
     let own = dir.join("layer");
     let result = copy_tree(&layer.upper(), &own).map(|size| SnapshotInfo {
         id: id.clone(),
