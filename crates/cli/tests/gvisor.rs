@@ -37,12 +37,18 @@ fn stdout(events: &[(String, Value)]) -> String {
     String::from_utf8(stream_bytes(events, "stdout")).unwrap()
 }
 
+/// The counter a cell's loop keeps in `path`; the loop replaces the file whole (a rename), so a
+/// read sees a number or, before the loop's first write, no file: that is waited out, briefly.
 fn read_count(daemon: &Daemon, cell: &str, path: &str) -> u64 {
-    let events = daemon.exec(cell, json!({ "argv": ["cat", path] }));
-    stdout(&events)
-        .trim()
-        .parse()
-        .unwrap_or_else(|_| panic!("{events:?}"))
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let events = daemon.exec(cell, json!({ "argv": ["cat", path] }));
+        match stdout(&events).trim().parse() {
+            Ok(count) => return count,
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+            Err(_) => panic!("no count in {path}: {events:?}"),
+        }
+    }
 }
 
 #[test]
@@ -60,7 +66,7 @@ fn a_restored_checkpoint_goes_on_from_where_it_stopped() {
     // checkpoint. A process whose output the warden relays ends at the checkpoint.
     daemon.exec(
         &cell,
-        json!({ "argv": ["sh", "-c", "setsid sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done' </dev/null >/dev/null 2>&1 &"] }),
+        json!({ "argv": ["sh", "-c", "setsid sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done' </dev/null >/dev/null 2>&1 &"] }),
     );
     let relayed = daemon.call(
         "POST",
