@@ -17,6 +17,8 @@ pub enum KeepError {
     Request(String),
     #[error("setting the soft limit of open files: {0}")]
     OpenFiles(std::io::Error),
+    #[error("the keeper's log {0}: {1}")]
+    Log(std::path::PathBuf, std::io::Error),
     #[error(transparent)]
     Store(#[from] crate::process::store::StoreError),
     #[error(transparent)]
@@ -31,9 +33,26 @@ pub enum KeepError {
 
 /// The keeper of one cell (`warden keep`): reads its [`KeeperRequest`] from `input`, runs the
 /// cell to serve execs until it ends, and returns the exit status to leave with.
-pub fn keep(input: impl std::io::Read) -> Result<(i32, Vec<String>), KeepError> {
+///
+/// `ready`: where to say `ready` once the cell takes execs (the line the request came on, when
+/// it is a socket). A keeper started ahead whose line closes with no request ends at once,
+/// quietly (its daemon went away).
+pub fn keep(
+    input: impl std::io::Read,
+    ready: Option<std::os::fd::OwnedFd>,
+) -> Result<(i32, Vec<String>), KeepError> {
+    // Read, and let go of, before anything else: `input` may hold the lock of this process's
+    // stdin, which the cell's init (a copy of this process) and the helpers it forks would
+    // then find held for ever.
+    let text = read_all(input).map_err(|e| KeepError::Request(e.to_string()))?;
+    if text.is_empty() && ready.is_some() {
+        return Ok((0, Vec::new()));
+    }
     let request: KeeperRequest =
-        serde_json::from_reader(input).map_err(|e| KeepError::Request(e.to_string()))?;
+        serde_json::from_slice(&text).map_err(|e| KeepError::Request(e.to_string()))?;
+    if let Some(log) = &request.log_to {
+        log_to(log).map_err(|e| KeepError::Log(log.clone(), e))?;
+    }
     if let Some(soft) = request.open_files {
         restore_open_files_limit(soft).map_err(KeepError::OpenFiles)?;
     }
@@ -55,6 +74,7 @@ pub fn keep(input: impl std::io::Read) -> Result<(i32, Vec<String>), KeepError> 
         from,
         report: spec.report,
         checked: false,
+        ready: ready.map(std::sync::Arc::new),
     };
     let registry = Registry::open(Registry::default_root())?;
     // The keeper keeps a cell of the tier its policy names.
@@ -87,4 +107,22 @@ fn restore_open_files_limit(soft: u64) -> std::io::Result<()> {
         },
     )
     .map_err(std::io::Error::from)
+}
+
+/// Sends this process's stdout and stderr to `path` (a keeper started ahead had none yet).
+fn log_to(path: &std::path::Path) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd as _;
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)?;
+    crate::process::sys::dup_onto(file.as_raw_fd(), 1)?;
+    crate::process::sys::dup_onto(file.as_raw_fd(), 2)
+}
+
+/// Everything `input` gives, `input` dropped when done.
+fn read_all(mut input: impl std::io::Read) -> std::io::Result<Vec<u8>> {
+    let mut text = Vec::new();
+    input.read_to_end(&mut text)?;
+    Ok(text)
 }

@@ -300,4 +300,7 @@ pub struct ProcessConfig {
     pub keeper_open_files: Option<u64>,
     /// Environment the keepers get besides the secrets (where they find the directories).
     pub keeper_env: Vec<(String, String)>,
+    /// Keepers to start ahead of the cells they will keep (a daemon's: a cell made then
+    /// does not wait for the `warden` binary to start); 0: each when its cell is made.
+    pub keepers_ahead: usize,
 }

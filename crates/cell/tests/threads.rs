@@ -20,6 +20,7 @@ fn a_cell_is_not_started_from_a_process_with_other_threads() {
         serve_exec: false,
         report: None,
         checked: false,
+        ready: None,
     };
     let err = warden_cell::run(&registry, &store, request).unwrap_err();
     assert!(

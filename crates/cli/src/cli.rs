@@ -179,6 +179,10 @@ pub enum Command {
         /// `warden audit verify` then proves the chain from the oldest one kept).
         #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
         journal_keep_segments: Option<u64>,
+        /// Keep this many cell keepers started ahead, so that a cell made does not wait for one
+        /// to start (0: start each when its cell is made).
+        #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u64).range(0..=64))]
+        keepers_ahead: u64,
     },
     /// Print the link that opens the daemon's dashboard in a browser, logged in (the daemon
     /// serves it on its TCP listener: `warden serve --listen 127.0.0.1:8787`; the token is in

@@ -160,12 +160,14 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             e2b,
             journal_segment_mib,
             journal_keep_segments,
+            keepers_ahead,
         } => crate::daemon::serve(
             listen,
             token_file,
             e2b,
             journal_segment_mib,
             journal_keep_segments.map(|n| n as usize),
+            keepers_ahead as usize,
         ),
         Command::Agent { command } => crate::daemon::agent(command),
         Command::Create(args) => crate::daemon::create(args),
@@ -290,6 +292,7 @@ fn run_in_process(
         warden_exe: std::env::current_exe().context("finding the warden binary")?,
         keeper_open_files: None,
         keeper_env: Vec::new(),
+        keepers_ahead: 0,
     });
     // What only the tier and this host can tell, before the journal is opened.
     tiers

@@ -138,6 +138,7 @@ impl InProcess {
                 warden_exe: std::env::current_exe().context("finding the warden binary")?,
                 keeper_open_files: None,
                 keeper_env: Vec::new(),
+                keepers_ahead: 0,
             }),
         })
     }

@@ -903,6 +903,16 @@ fn agent_run_without_a_daemon_runs_the_session_in_process() {
         String::from_utf8_lossy(&diff.stdout),
         String::from_utf8_lossy(&diff.stderr)
     );
+    // Reviewed: the cell goes (it would otherwise outlive the test, with nobody to end it).
+    for args in [["kill", cell], ["rm", cell]] {
+        let done = support::warden()
+            .env("WARDEN_RUNTIME_DIR", dir.path().join("run"))
+            .env("WARDEN_STATE_DIR", dir.path().join("state"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(done.status.success(), "warden {args:?}: {done:?}");
+    }
 }
 
 /// A session outlives the daemon that ran it: after a crash, the next daemon has it back

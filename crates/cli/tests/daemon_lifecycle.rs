@@ -503,3 +503,79 @@ fn a_cell_frozen_by_a_cut_hold_is_thawed_by_the_next_daemon() {
         "not journaled"
     );
 }
+
+/// The `warden keep` processes whose runtime directory is `runtime`.
+fn keepers_of(runtime: &std::path::Path) -> Vec<u32> {
+    let wanted = format!("WARDEN_RUNTIME_DIR={}", runtime.display());
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let environ = std::fs::read(entry.path().join("environ")).unwrap_or_default();
+        let is_keeper = cmdline.split(|b| *b == 0).nth(1) == Some(b"keep".as_slice());
+        if is_keeper
+            && environ
+                .split(|b| *b == 0)
+                .any(|var| var == wanted.as_bytes())
+        {
+            found.push(pid);
+        }
+    }
+    found.sort_unstable();
+    found
+}
+
+fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while !done() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "waited 15 s for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A daemon starts cell keepers ahead: a cell made is kept by one started before it was asked
+/// for, another is started in its place, and the idle ones end with the daemon (its cells'
+/// keepers do not).
+#[test]
+fn keepers_started_ahead_keep_the_next_cells_and_go_with_the_daemon() {
+    if !is_root() || !cgroups_available("keepers_ahead") {
+        return; // the keepers' environment is read from /proc: root only
+    }
+    let mut daemon = Daemon::start(&[]);
+    let runtime = daemon.runtime().to_path_buf();
+    wait_for("two keepers started ahead", || {
+        keepers_of(&runtime).len() == 2
+    });
+    let ahead = keepers_of(&runtime);
+    let cell = daemon.create(&unique("ahead"), json!({}));
+    let record: Value = serde_json::from_str(
+        &std::fs::read_to_string(runtime.join("cells").join(&cell).join("cell.json")).unwrap(),
+    )
+    .unwrap();
+    let keeper = record["warden_pid"].as_u64().unwrap() as u32;
+    assert!(
+        ahead.contains(&keeper),
+        "the cell's keeper {keeper} is not one of those started ahead {ahead:?}"
+    );
+    let events = daemon.exec(&cell, json!({ "argv": ["echo", "kept"] }));
+    assert_eq!(stream_bytes(&events, "stdout"), b"kept\n");
+    wait_for("another keeper started in its place", || {
+        keepers_of(&runtime).len() == 3
+    });
+    daemon.crash();
+    wait_for("the idle keepers to end with the daemon", || {
+        keepers_of(&runtime) == [keeper]
+    });
+    daemon.restart();
+    assert_eq!(
+        daemon
+            .call("DELETE", &format!("/v1/cells/{cell}"), None)
+            .status,
+        204
+    );
+}

@@ -33,6 +33,7 @@ pub fn run(
         open_files: config.keeper_open_files,
         argv,
         discard_changes,
+        log_to: None,
     })
     .map_err(|e| StartError::Host(format!("writing the keeper's request: {e}")))?;
     // The request in a file of this user's alone (the command's stdin is the caller's).

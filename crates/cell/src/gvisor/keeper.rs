@@ -306,6 +306,7 @@ pub fn keep(
     let namespaces = namespaces(&plan.root).map_err(os("holding the cell's namespaces"))?;
     crate::process::exec::serve(&reservation.file(EXEC_SOCKET), channel, Some(namespaces))
         .map_err(os("opening the cell's exec socket"))?;
+    crate::process::run::say_ready(request.ready.as_deref());
     // The one command's stdin is this process's (a cell that serves execs has none).
     match serves {
         true => drop(stdin_w),

@@ -4,11 +4,9 @@
 //! whoever started them, so a daemon that dies leaves its cells running; the next one adopts
 //! them through the registry.
 
-use std::io::Write as _;
 use std::os::fd::OwnedFd;
-use std::os::unix::process::CommandExt as _;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -16,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use warden_policy::Tier;
 
 use super::control::{self, ApprovalError, ControlError, PolicySetError};
-use super::exec::{EXEC_SOCKET, ExecError, ExecSession, Line};
+use super::exec::{ExecError, ExecSession, Line};
 use super::registry::{CellRecord, Registry, RegistryError};
 use super::run::RunRequest;
 use super::store::Store;
@@ -39,6 +37,10 @@ pub struct KeeperRequest {
     /// With a command: its workspace layer and egress record go with it.
     #[serde(default)]
     pub discard_changes: bool,
+    /// Where the keeper's own stdout and stderr go (a keeper started ahead of its cell had
+    /// none); none: where they went when it was started.
+    #[serde(default)]
+    pub log_to: Option<std::path::PathBuf>,
 }
 
 /// The environment variable that names a file holding the keeper's request, where its stdin
@@ -53,6 +55,8 @@ pub struct ProcessBackend {
     config: ProcessConfig,
     registry: Registry,
     store: Store,
+    /// Keepers started ahead of their cells (`ProcessConfig::keepers_ahead`).
+    ahead: Arc<super::ahead::Ahead>,
 }
 
 impl ProcessBackend {
@@ -69,6 +73,7 @@ impl ProcessBackend {
         // Listing removes the runtime folders and cgroups of cells whose keepers died.
         let _ = registry.list();
         Ok(Self {
+            ahead: super::ahead::Ahead::new(config.clone()),
             config,
             registry,
             store,
@@ -106,62 +111,47 @@ impl Backend for ProcessBackend {
     fn start(&self, spec: CellSpec) -> Result<Arc<dyn Cell>, StartError> {
         let name = spec.name.clone();
         let log_path = spec.log.clone();
-        let mut command = Command::new(&self.config.warden_exe);
-        command.arg("keep");
-        let open = |path: &Path| {
-            std::fs::File::create(path)
-                .map_err(|e| StartError::Host(format!("creating {}: {e}", path.display())))
+        // A keeper started ahead, unless the cell's secrets must be in its keeper's environment.
+        let ahead = match spec.secrets.is_empty() {
+            true => self.ahead.take(),
+            false => None,
         };
-        let (out, err) = match &log_path {
-            Some(path) => {
-                let log = open(path)?;
-                let copy = log
-                    .try_clone()
-                    .map_err(|e| StartError::Host(format!("the keeper's log: {e}")))?;
-                (Stdio::from(log), Stdio::from(copy))
+        let log_to = ahead.as_ref().and(log_path.clone());
+        let mut keeper = match ahead {
+            Some(keeper) => keeper,
+            None => {
+                let log = match &log_path {
+                    Some(path) => Some(std::fs::File::create(path).map_err(|e| {
+                        StartError::Host(format!("creating {}: {e}", path.display()))
+                    })?),
+                    None => None,
+                };
+                super::ahead::spawn(&self.config, &spec.secrets, log).map_err(|e| {
+                    StartError::Host(format!(
+                        "starting the keeper {}: {e}",
+                        self.config.warden_exe.display()
+                    ))
+                })?
             }
-            None => (Stdio::null(), Stdio::null()),
         };
-        // The caller's secrets reach the keeper's gateway as the variables its credentials
-        // read: in its environment, never on a command line or in a file.
-        for (var, value) in &spec.secrets {
-            command.env(var, value);
-        }
-        command
-            .envs(self.config.keeper_env.iter().map(|(k, v)| (k, v)))
-            .env("WARDEN_RUNTIME_DIR", &self.config.runtime)
-            .env("WARDEN_STATE_DIR", &self.config.state)
-            .stdin(Stdio::piped())
-            .stdout(out)
-            .stderr(err)
-            // Its own process group: signals meant for the caller's terminal are not its.
-            .process_group(0);
         let request = serde_json::to_vec(&KeeperRequest {
             spec,
             open_files: self.config.keeper_open_files,
             argv: Vec::new(),
             discard_changes: false,
+            log_to,
         })
         .map_err(|e| StartError::Host(format!("writing the keeper's request: {e}")))?;
-        let mut child = command.spawn().map_err(|e| {
-            StartError::Host(format!(
-                "starting the keeper {}: {e}",
-                self.config.warden_exe.display()
-            ))
-        })?;
-        if let Some(mut stdin) = child.stdin.take() {
-            // A keeper that died at once says why in its log (below), not through this write.
-            let _ = stdin.write_all(&request);
-        }
-        let socket = self.registry.cell_file(&name, EXEC_SOCKET);
-        let deadline = Instant::now() + START_DEADLINE;
-        loop {
-            if socket.exists()
-                && let Ok(record) = self.registry.get(&name)
-            {
-                return Ok(self.handle(record, Some(child)));
+        keeper.send(&request);
+        match keeper.wait_ready(Instant::now() + START_DEADLINE) {
+            Ok(()) => {
+                let record = self
+                    .registry
+                    .get(&name)
+                    .map_err(|e| StartError::Host(e.to_string()))?;
+                Ok(self.handle(record, Some(keeper.child)))
             }
-            if let Ok(Some(status)) = child.try_wait() {
+            Err(Some(status)) => {
                 let said = log_path
                     .as_ref()
                     .and_then(|p| std::fs::read_to_string(p).ok())
@@ -171,24 +161,23 @@ impl Backend for ProcessBackend {
                     .filter_map(|l| l.strip_prefix("warden: "))
                     .collect::<Vec<_>>()
                     .join("; ");
-                return Err(StartError::Refused(if message.is_empty() {
+                Err(StartError::Refused(if message.is_empty() {
                     format!("the cell's keeper exited with {status}")
                 } else {
                     message
-                }));
+                }))
             }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(StartError::TimedOut(format!(
+            Err(None) => {
+                let _ = keeper.child.kill();
+                let _ = keeper.child.wait();
+                Err(StartError::TimedOut(format!(
                     "cell `{name}` did not come up within {} s{}",
                     START_DEADLINE.as_secs(),
                     log_path
                         .map(|p| format!(" (see {})", p.display()))
                         .unwrap_or_default()
-                )));
+                )))
             }
-            std::thread::sleep(Duration::from_millis(2));
         }
     }
 
@@ -219,6 +208,7 @@ impl Backend for ProcessBackend {
             report: spec.report,
             // `warden run` checks before it opens the journal (`Backend::check`).
             checked: true,
+            ready: None,
         };
         let outcome = super::run::run_with(&self.registry, &store, request, before_start).map_err(
             |e| match e {

@@ -1,5 +1,6 @@
 //! The process tier: Linux namespaces, pivot_root, seccomp, Landlock and cgroups.
 
+mod ahead;
 pub mod backend;
 pub mod cgroup;
 pub mod changes;

@@ -51,6 +51,16 @@ pub struct RunRequest {
     /// The caller checked the policy's host paths already (`Backend::check`, just before):
     /// they are not walked twice.
     pub checked: bool,
+    /// Told `ready` once the cell takes execs (its exec socket is there and its record
+    /// published): how whoever started the keeper learns it without looking again and again.
+    pub ready: Option<std::sync::Arc<std::os::fd::OwnedFd>>,
+}
+
+/// Says `ready` on the line of whoever waits for the cell (the keeper's starter).
+pub(crate) fn say_ready(ready: Option<&std::os::fd::OwnedFd>) {
+    if let Some(fd) = ready {
+        let _ = rustix::io::write(fd, b"ready\n");
+    }
 }
 
 /// The size of a cell's `/dev/shm` (no larger than its memory limit).
@@ -389,6 +399,7 @@ pub fn run_with(
         namespaces,
     )
     .map_err(os("opening the cell's exec socket"))?;
+    say_ready(request.ready.as_deref());
     let signals = SignalFd::with_flags(&forwarded, SfdFlags::SFD_CLOEXEC)
         .map_err(nix_os("creating a signalfd"))?;
     spawn_stdin_pump(stdin_w);

@@ -1,6 +1,7 @@
 //! `warden serve` and `warden keep` (the keeper of one daemon cell).
 
 use anyhow::{Context, Result};
+use std::os::fd::AsFd as _;
 use std::path::PathBuf;
 use warden_cell::Store;
 
@@ -8,7 +9,10 @@ use super::*;
 
 /// The core a daemon runs (and `warden mcp` when no daemon does): every built-in tier, whose
 /// keepers get back the open-files limit this process had.
-pub(super) fn daemon_harness(segments: warden_journal::Segments) -> Result<warden_harness::Config> {
+pub(super) fn daemon_harness(
+    segments: warden_journal::Segments,
+    keepers_ahead: usize,
+) -> Result<warden_harness::Config> {
     let keeper_open_files = raise_open_files_limit();
     let tiers = warden_cell::Tiers::built_in(warden_cell::ProcessConfig {
         runtime: runtime(),
@@ -16,6 +20,7 @@ pub(super) fn daemon_harness(segments: warden_journal::Segments) -> Result<warde
         warden_exe: std::env::current_exe().context("finding the warden binary")?,
         keeper_open_files,
         keeper_env: Vec::new(),
+        keepers_ahead,
     });
     // The process tier opens its directories (and sweeps what dead keepers left) now.
     tiers.default_tier()?;
@@ -34,12 +39,16 @@ pub fn serve(
     e2b: Option<std::net::SocketAddr>,
     journal_segment_mib: u64,
     journal_keep_segments: Option<usize>,
+    keepers_ahead: usize,
 ) -> Result<i32> {
     let config = warden_server::ServeConfig {
-        harness: daemon_harness(warden_journal::Segments {
-            bytes: journal_segment_mib.saturating_mul(1024 * 1024),
-            keep: journal_keep_segments,
-        })?,
+        harness: daemon_harness(
+            warden_journal::Segments {
+                bytes: journal_segment_mib.saturating_mul(1024 * 1024),
+                keep: journal_keep_segments,
+            },
+            keepers_ahead,
+        )?,
         listen,
         token_file,
         e2b,
@@ -92,7 +101,8 @@ pub fn mcp() -> Result<i32> {
             }
         });
     }
-    let config = daemon_harness(Default::default())?;
+    // One keeper ahead: an MCP client makes its cells one at a time.
+    let config = daemon_harness(Default::default(), 1)?;
     rt.block_on(async move {
         let harness = warden_harness::Harness::open(config).await?;
         let by = format!(
@@ -141,12 +151,26 @@ pub fn keep() -> Result<i32> {
             let file = std::fs::File::open(&path)
                 .with_context(|| format!("opening the keeper's request {}", path.display()))?;
             let _ = std::fs::remove_file(&path);
-            warden_cell::keep(file)?
+            warden_cell::keep(file, None)?
         }
-        None => warden_cell::keep(std::io::stdin().lock())?,
+        None => {
+            // The line the request came on (a socket) is where the keeper says `ready`.
+            let stdin = std::io::stdin();
+            let ready = is_socket(stdin.as_fd())
+                .then(|| stdin.as_fd().try_clone_to_owned().ok())
+                .flatten();
+            warden_cell::keep(std::io::stdin().lock(), ready)?
+        }
     };
     for notice in &notices {
         eprintln!("warden: note: {notice}");
     }
     Ok(status)
+}
+
+/// Whether `fd` is a socket.
+fn is_socket(fd: std::os::fd::BorrowedFd<'_>) -> bool {
+    rustix::fs::fstat(fd).is_ok_and(|st| {
+        rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::Socket
+    })
 }
