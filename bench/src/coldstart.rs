@@ -3,7 +3,11 @@
 //!
 //! Usage: `coldstart [--runs N] [--warden PATH] [--baseline PATH]` (see bench/README.md).
 //! `--baseline` adds the rows of another build of warden (an older one), interleaved with the
-//! rest, so that a change is measured against what it changed in one run.
+//! rest, so that a change is measured against what it changed in one run. As root, two rows
+//! go through a daemon of the benchmark's own (`warden serve --pool default=2`), over its API:
+//! create, exec `true`, delete; with a name (a cell started for the create, its keeper started
+//! ahead) and without (a cell of the pool's: the row waits, untimed, until the pool has one
+//! ready before each sample).
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -14,6 +18,14 @@ use anyhow::{Context, Result, bail};
 struct Contender {
     name: String,
     argv: Vec<String>,
+    /// Through the daemon's API instead of a command: from its pool or not.
+    through: Option<Through>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Through {
+    Daemon,
+    Pool,
 }
 
 /// Runs a command as `nobody`, so that rootless sandboxes can be measured from a root shell;
@@ -55,11 +67,13 @@ fn contenders(warden: &str, baseline: Option<&str>) -> Vec<Contender> {
         out.push(Contender {
             name: label.to_owned(),
             argv: warden_run.clone(),
+            through: None,
         });
         if rootless {
             out.push(Contender {
                 name: format!("{label} (rootless)"),
                 argv: as_nobody(&warden_run),
+                through: None,
             });
         }
     }
@@ -91,11 +105,13 @@ fn contenders(warden: &str, baseline: Option<&str>) -> Vec<Contender> {
         out.push(Contender {
             name: "bwrap --unshare-all".to_owned(),
             argv: bwrap.clone(),
+            through: None,
         });
         if rootless {
             out.push(Contender {
                 name: "bwrap (rootless)".to_owned(),
                 argv: as_nobody(&bwrap),
+                through: None,
             });
         }
     }
@@ -103,15 +119,79 @@ fn contenders(warden: &str, baseline: Option<&str>) -> Vec<Contender> {
         out.push(Contender {
             name: "unshare -Umpnif".to_owned(),
             argv: strings(&["unshare", "-Umpnif", "true"]),
+            through: None,
         });
     }
     if which("runsc").is_some() {
         out.push(Contender {
             name: "runsc do".to_owned(),
             argv: strings(&["runsc", "--network=none", "do", "true"]),
+            through: None,
         });
     }
+    if is_root() {
+        for (name, through) in [
+            ("warden (daemon)", Through::Daemon),
+            ("warden (daemon, warm pool)", Through::Pool),
+        ] {
+            out.push(Contender {
+                name: name.to_owned(),
+                argv: Vec::new(),
+                through: Some(through),
+            });
+        }
+    }
     out
+}
+
+/// Create, exec `true`, delete through the daemon's API; a cell of the pool's (waited for,
+/// untimed) or one started for a named create.
+fn time_through(daemon: &warden_bench::Daemon, through: Through, n: usize) -> Result<Duration> {
+    use warden_bench::request;
+    let create = match through {
+        Through::Pool => {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !request(&daemon.socket, "GET", "/v1/pools", "")?
+                .1
+                .contains("\"ready\":2")
+            {
+                if Instant::now() > deadline {
+                    bail!("the daemon's pool made no cell within 10 s");
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            "{}".to_owned()
+        }
+        Through::Daemon => format!(r#"{{"name":"cold{n}"}}"#),
+    };
+    let start = Instant::now();
+    let (status, raw) = request(&daemon.socket, "POST", "/v1/cells", &create)?;
+    if status != 201 {
+        bail!("creating a cell failed: {raw}");
+    }
+    let name = raw
+        .split("\"name\":\"")
+        .nth(1)
+        .and_then(|r| r.split('"').next())
+        .context("no name in the create's answer")?
+        .to_owned();
+    if through == Through::Pool && !raw.contains("cell-") {
+        bail!("the create was not the pool's: {raw}");
+    }
+    let (_, raw) = request(
+        &daemon.socket,
+        "POST",
+        &format!("/v1/cells/{name}/exec"),
+        r#"{"argv":["true"]}"#,
+    )?;
+    if !raw.contains("event: exit") || !raw.contains("\"code\":0") {
+        bail!("exec failed: {raw}");
+    }
+    let (status, raw) = request(&daemon.socket, "DELETE", &format!("/v1/cells/{name}"), "")?;
+    if status != 204 {
+        bail!("deleting {name} failed: {raw}");
+    }
+    Ok(start.elapsed())
 }
 
 fn time_once(argv: &[String]) -> Result<Duration> {
@@ -192,6 +272,25 @@ fn main() -> Result<()> {
     let warden = found(&warden)?;
     let baseline = baseline.as_deref().map(found).transpose()?;
     let contenders = contenders(&warden, baseline.as_deref());
+    let daemon_dir = std::env::temp_dir().join(format!("warden-coldstart-{}", std::process::id()));
+    let daemon = match contenders.iter().any(|c| c.through.is_some()) {
+        true => Some(warden_bench::Daemon::start(
+            std::path::Path::new(&warden),
+            &daemon_dir,
+            &["--pool", "default=2"],
+        )?),
+        false => None,
+    };
+    let mut made = 0usize;
+    let mut time = |c: &Contender| -> Result<Duration> {
+        match (c.through, &daemon) {
+            (Some(through), Some(daemon)) => {
+                made += 1;
+                time_through(daemon, through, made)
+            }
+            _ => time_once(&c.argv),
+        }
+    };
     let mut results: Vec<(&str, Vec<Duration>)> = contenders
         .iter()
         .map(|c| (c.name.as_str(), Vec::new()))
@@ -202,7 +301,7 @@ fn main() -> Result<()> {
     // tears them down), so no row may always follow the same one.
     for c in &contenders {
         for _ in 0..5 {
-            time_once(&c.argv)?;
+            time(c)?;
         }
     }
     let mut order: Vec<usize> = (0..contenders.len()).collect();
@@ -215,7 +314,7 @@ fn main() -> Result<()> {
             if c.name.starts_with("runsc") && round % 10 != 0 {
                 continue;
             }
-            results[i].1.push(time_once(&c.argv)?);
+            results[i].1.push(time(c)?);
         }
     }
     let warden_median = {
@@ -246,5 +345,7 @@ fn main() -> Result<()> {
             ms(median) / ms(warden_median)
         );
     }
+    drop(daemon);
+    let _ = std::fs::remove_dir_all(&daemon_dir);
     Ok(())
 }

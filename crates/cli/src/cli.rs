@@ -183,6 +183,12 @@ pub enum Command {
         /// to start (0: start each when its cell is made).
         #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u64).range(0..=64))]
         keepers_ahead: u64,
+        /// Keep N cells of this policy made ahead (a preset's name, `e2b:TEMPLATE` for the E2B
+        /// API's sandboxes, or a policy file), so that a create asking for it with no name,
+        /// workspace, source or environment of its own takes one ready (repeat for more
+        /// policies; `warden ps` shows them and their memory).
+        #[arg(long, value_name = "POLICY=N")]
+        pool: Vec<String>,
     },
     /// Print the link that opens the daemon's dashboard in a browser, logged in (the daemon
     /// serves it on its TCP listener: `warden serve --listen 127.0.0.1:8787`; the token is in

@@ -161,14 +161,16 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             journal_segment_mib,
             journal_keep_segments,
             keepers_ahead,
-        } => crate::daemon::serve(
+            pool,
+        } => crate::daemon::serve(crate::daemon::ServeArgs {
             listen,
             token_file,
             e2b,
             journal_segment_mib,
-            journal_keep_segments.map(|n| n as usize),
-            keepers_ahead as usize,
-        ),
+            journal_keep_segments: journal_keep_segments.map(|n| n as usize),
+            keepers_ahead: keepers_ahead as usize,
+            pools: pool,
+        }),
         Command::Agent { command } => crate::daemon::agent(command),
         Command::Create(args) => crate::daemon::create(args),
         Command::Cp { source, dest } => crate::daemon::copy(&source, &dest),
@@ -338,6 +340,7 @@ fn run_in_process(
             journal_segments: Default::default(),
             tiers: std::sync::Arc::new(tiers),
             ephemeral: true,
+            pools: Vec::new(),
         })
         .await?;
         let ended = harness.run_attached(request, run).await;
@@ -360,8 +363,11 @@ fn humanize(duration: std::time::Duration) -> String {
 fn ps(json: bool, all: bool) -> Result<i32> {
     let registry = registry()?;
     let cells = registry.list()?;
+    // Cells a daemon made ahead are its pools' (shown below), not cells of anyone's yet.
+    let pooled = warden_harness::made_ahead(&Store::default_root());
     let mut summaries: Vec<CellSummary> = cells
         .iter()
+        .filter(|record| !pooled.contains(&record.name))
         .map(|record| CellSummary {
             name: record.name.clone(),
             state: if control::is_paused(record) {
@@ -426,6 +432,28 @@ fn ps(json: bool, all: bool) -> Result<i32> {
             "{:<20} {:<8} {:>8} {:>7}s  {}",
             cell.name, state, pid, age, what
         );
+    }
+    // A daemon that cannot say now leaves the pools out, not the cells.
+    if let Ok(Some(pools)) = crate::daemon::pools_through_daemon()
+        && !pools.is_empty()
+    {
+        println!(
+            "\n{:<20} {:<8} {:>8} {:>10} {:>8}",
+            "POOL", "TIER", "READY", "MEMORY", "TAKEN"
+        );
+        for pool in pools {
+            println!(
+                "{:<20} {:<8} {:>8} {:>10} {:>8}{}",
+                crate::render::safe(&pool.policy),
+                pool.tier,
+                format!("{}/{}", pool.ready, pool.size),
+                format!("{:.1} MiB", pool.memory_bytes as f64 / (1024.0 * 1024.0)),
+                pool.taken,
+                pool.error
+                    .map(|e| format!("  (last try failed: {})", crate::render::safe(&e)))
+                    .unwrap_or_default()
+            );
+        }
     }
     Ok(0)
 }

@@ -579,3 +579,163 @@ fn keepers_started_ahead_keep_the_next_cells_and_go_with_the_daemon() {
         204
     );
 }
+
+/// The entry of `kind` whose data names `cell` (as `name`) or that is about `cell`.
+fn journal_entries_of(daemon: &Daemon, kind: &str, cell: &str) -> Vec<Value> {
+    std::fs::read_to_string(daemon.journal())
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|e| e["kind"] == kind && (e["cell"] == cell || e["data"]["name"] == cell))
+        .collect()
+}
+
+fn pools(daemon: &Daemon) -> Vec<Value> {
+    match daemon.call("GET", "/v1/pools", None).json() {
+        Value::Array(pools) => pools,
+        other => panic!("{other}"),
+    }
+}
+
+/// The pids a cell's process sees in its /proc, its own left out, with their command lines.
+fn others_seen(daemon: &Daemon, cell: &str) -> String {
+    let script = "for p in /proc/[0-9]*; do n=${p#/proc/}; [ \"$n\" = \"$$\" ] || echo \"$n $(tr '\\0' ' ' < $p/cmdline)\"; done";
+    let events = daemon.exec(cell, json!({ "argv": ["sh", "-c", script] }));
+    String::from_utf8(stream_bytes(&events, "stdout")).unwrap()
+}
+
+/// What is in the places a cell with no workspace can write to.
+fn written(daemon: &Daemon, cell: &str) -> String {
+    let events = daemon.exec(
+        cell,
+        json!({ "argv": ["sh", "-c", "find /tmp /dev/shm /var/tmp -mindepth 1 2>/dev/null; true"] }),
+    );
+    String::from_utf8(stream_bytes(&events, "stdout")).unwrap()
+}
+
+#[test]
+fn a_warm_pool_hands_out_cells_that_saw_nothing_and_goes_with_the_daemon() {
+    if !is_root() || !cgroups_available("warm_pool") {
+        return; // keepers are found through /proc's environ: root only
+    }
+    let mut daemon = Daemon::start(&["--pool", "default=1"]);
+    let runtime = daemon.runtime().to_path_buf();
+    wait_for("the pool's cell", || pools(&daemon)[0]["ready"] == 1);
+    let pool = &pools(&daemon)[0];
+    assert_eq!(
+        (pool["policy"].as_str(), pool["size"].as_u64()),
+        (Some("default"), Some(1))
+    );
+    assert!(pool["memory_bytes"].as_u64().unwrap() > 0, "{pool}");
+    // Made ahead: no cell of anyone's; `warden ps` shows it as the pool's, with its memory.
+    assert_eq!(daemon.call("GET", "/v1/cells", None).json(), json!([]));
+    let ps = daemon.warden().arg("ps").output().unwrap();
+    let ps = String::from_utf8(ps.stdout).unwrap();
+    let row = ps
+        .lines()
+        .find(|l| l.starts_with("default "))
+        .unwrap_or_else(|| panic!("no pool row in:\n{ps}"));
+    assert!(row.contains("1/1") && row.contains("MiB"), "{ps}");
+    assert!(!ps.contains("(takes `warden exec`)"), "{ps}");
+
+    // An unnamed create of the pool's policy takes it.
+    let made = daemon.call("POST", "/v1/cells", Some(json!({})));
+    assert_eq!(made.status, 201, "{}", made.text());
+    let first = made.json()["name"].as_str().unwrap().to_owned();
+    assert_eq!(
+        journal_entries_of(&daemon, "pool.made", &first).len(),
+        1,
+        "it was made ahead"
+    );
+    let created = journal_entries_of(&daemon, "cell.create", &first);
+    assert_eq!(created[0]["data"]["pooled"], true, "{created:?}");
+    // It saw nothing before it was handed out: no process but its init, no file changed, no
+    // connection.
+    let seen = others_seen(&daemon, &first);
+    assert_eq!(seen.lines().count(), 1, "{seen}");
+    assert!(seen.starts_with("1 "), "{seen}");
+    assert_eq!(
+        written(&daemon, &first),
+        "",
+        "nothing written where a cell can write"
+    );
+    assert!(
+        std::fs::read_to_string(daemon.journal())
+            .unwrap()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .all(
+                |e| e["cell"] != first.as_str() || !e["kind"].as_str().unwrap().starts_with("net.")
+            ),
+        "no connection of its own"
+    );
+    // What its user leaves in it goes with it: the next cell is another one, fresh.
+    daemon.exec(
+        &first,
+        json!({ "argv": ["sh", "-c", "echo secret > /tmp/left; echo secret > left.txt; sleep 300 &"] }),
+    );
+    assert_eq!(
+        daemon
+            .call("DELETE", &format!("/v1/cells/{first}"), None)
+            .status,
+        204
+    );
+    wait_for("the pool's next cell", || pools(&daemon)[0]["ready"] == 1);
+    let second = daemon.call("POST", "/v1/cells", Some(json!({}))).json()["name"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_ne!(second, first);
+    assert_eq!(others_seen(&daemon, &second).lines().count(), 1);
+    let events = daemon.exec(
+        &second,
+        json!({ "argv": ["sh", "-c", "cat /tmp/left left.txt 2>&1; true"] }),
+    );
+    assert!(
+        !String::from_utf8_lossy(&stream_bytes(&events, "stdout")).contains("secret"),
+        "{events:?}"
+    );
+    assert_eq!(written(&daemon, &second), "");
+    // A named create, or another policy, is not the pool's.
+    let named = daemon.create(&unique("named"), json!({}));
+    assert_eq!(
+        journal_entries_of(&daemon, "cell.create", &named)[0]["data"]["pooled"],
+        false
+    );
+    assert_eq!(pools(&daemon)[0]["taken"], 2);
+
+    // A daemon that crashes leaves its cell made ahead; the next one ends it.
+    wait_for("the pool's next cell", || pools(&daemon)[0]["ready"] == 1);
+    let ahead: Vec<String> = std::fs::read_dir(daemon.state().join("daemon").join("pool"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(ahead.len(), 1, "{ahead:?}");
+    let record = |name: &str| runtime.join("cells").join(name).join("cell.json");
+    assert!(record(&ahead[0]).exists());
+    daemon.crash();
+    assert!(record(&ahead[0]).exists(), "a crash leaves it running");
+    daemon.restart();
+    wait_for("the earlier daemon's cell made ahead to end", || {
+        !record(&ahead[0]).exists()
+    });
+    assert_eq!(journal_entries_of(&daemon, "pool.drop", &ahead[0]).len(), 1);
+    wait_for("the new daemon's cell made ahead", || {
+        pools(&daemon)[0]["ready"] == 1
+    });
+    // The cells handed out are the daemon's as before.
+    assert_eq!(
+        daemon
+            .call("GET", &format!("/v1/cells/{second}"), None)
+            .json()["state"],
+        "running"
+    );
+    // A daemon that stops ends its cells made ahead (the ones handed out are the test's to
+    // delete); then no keeper of this runtime is left.
+    for cell in [&second, &named] {
+        daemon.call("DELETE", &format!("/v1/cells/{cell}"), None);
+    }
+    drop(daemon);
+    wait_for("every keeper to end", || keepers_of(&runtime).is_empty());
+}

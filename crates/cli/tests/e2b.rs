@@ -35,7 +35,16 @@ struct E2b {
 }
 
 fn start() -> E2b {
-    let daemon = Daemon::start(&["--e2b", "127.0.0.1:0"]);
+    start_with(&[])
+}
+
+fn start_with(extra: &[&str]) -> E2b {
+    let args: Vec<&str> = ["--e2b", "127.0.0.1:0"]
+        .iter()
+        .chain(extra)
+        .copied()
+        .collect();
+    let daemon = Daemon::start(&args);
     let addr = std::fs::read_to_string(daemon.runtime().join("e2b.addr")).unwrap();
     let key = std::fs::read_to_string(daemon.runtime().join("e2b.key")).unwrap();
     E2b { daemon, addr, key }
@@ -115,8 +124,24 @@ fn kinds_of_delete(e2b: &E2b, id: &str) -> bool {
 
 #[test]
 fn a_sandbox_past_its_timeout_is_gone() {
-    let e2b = start();
+    // With a sandbox of the template made ahead, which the SDK's create takes.
+    let e2b = start_with(&["--pool", "e2b:base=1"]);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    while e2b.daemon.call("GET", "/v1/pools", None).json()[0]["ready"] != 1 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the pool made no cell"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
     let id = flow(&e2b, "2.63.0", "timeout");
+    let created: Value = std::fs::read_to_string(e2b.daemon.journal())
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .find(|e| e["cell"] == id.as_str() && e["kind"] == "cell.create")
+        .unwrap();
+    assert_eq!(created["data"]["pooled"], true, "{created}");
     // The delete is journaled once the cell is gone.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
     while !kinds_of_delete(&e2b, &id) && std::time::Instant::now() < deadline {

@@ -77,6 +77,12 @@ fn timeout_of(seconds: Option<u64>) -> Result<Duration, Response> {
 /// The policy of a template: a Warden preset (`base` is `default`), with the workspace, the
 /// working directory and `HOME` at the E2B user's home.
 fn policy_of(template: &str) -> Result<String, Response> {
+    template_policy(template).map_err(|why| api_error(StatusCode::BAD_REQUEST, why))
+}
+
+/// The policy (YAML) the sandboxes of an E2B template get, or why there is none (what
+/// `warden serve --pool e2b:TEMPLATE=N` keeps made ahead).
+pub fn template_policy(template: &str) -> Result<String, String> {
     let preset = match template {
         "base" | "" => "default",
         other => other,
@@ -85,12 +91,9 @@ fn policy_of(template: &str) -> Result<String, Response> {
         let known: Vec<&str> = std::iter::once("base")
             .chain(warden_presets().into_iter().filter(|p| *p != "default"))
             .collect();
-        return Err(api_error(
-            StatusCode::BAD_REQUEST,
-            format!(
-                "template `{template}` is not known here; templates are Warden's presets: {}",
-                known.join(", ")
-            ),
+        return Err(format!(
+            "template `{template}` is not known here; templates are Warden's presets: {}",
+            known.join(", ")
         ));
     }
     Ok(format!(
@@ -122,13 +125,20 @@ async fn create(State(state): State<Shared>, bytes: Bytes) -> Response {
         Ok(p) => p,
         Err(e) => return e,
     };
-    let (id, token) = match (random_hex(6), random_hex(16)) {
-        (Ok(id), Ok(token)) => (format!("sb{id}"), token),
-        _ => return api_error(StatusCode::INTERNAL_SERVER_ERROR, "no randomness for an id"),
+    let token = match random_hex(16) {
+        Ok(token) => token,
+        _ => {
+            return api_error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "no randomness for a token",
+            );
+        }
     };
     let token_digest = crate::digest(&token);
+    // The cell's name is the sandbox's id: the warden names it, so that a cell made ahead for
+    // the template's policy (`warden serve --pool e2b:TEMPLATE=N`) can be the sandbox.
     let create = warden_protocol::CreateCell {
-        name: Some(id.clone()),
+        name: None,
         policy: Some(policy),
         env: request.env_vars,
         labels: [
@@ -147,9 +157,10 @@ async fn create(State(state): State<Shared>, bytes: Bytes) -> Response {
         .collect(),
         ..Default::default()
     };
-    if let Err(err) = state.harness.create(create).await {
-        return harness_error(err);
-    }
+    let id = match state.harness.create(create).await {
+        Ok(made) => made.name,
+        Err(err) => return harness_error(err),
+    };
     let now = SystemTime::now();
     let sandbox = Sandbox {
         template: request.template,

@@ -32,6 +32,7 @@ use serde_json::json;
 use subtle::ConstantTimeEq as _;
 use warden_harness::{ErrorKind, Harness, HarnessError};
 
+pub use control::template_policy;
 pub use wire::{ENVD_VERSION, HOME};
 
 /// What the face keeps of a sandbox beside its cell. What must outlive the daemon is in the

@@ -182,17 +182,37 @@ impl Harness {
     pub async fn create(self: &Arc<Self>, request: CreateCell) -> Result<CellInfo, HarnessError> {
         let (request, restore) = self.restoring(request)?;
         let Prepared {
-            name,
+            mut name,
             parsed,
             from,
-            entry,
+            mut entry,
         } = self.prepare(&request, None).await?;
-        self.record(
-            Some(&name),
-            "cell.create",
-            create_entry(&entry, &request, &from),
-        )
-        .await?;
+        // A cell made ahead, where the request asks for nothing a cell is started with.
+        let poolable = request.name.is_none()
+            && request.workspace.is_none()
+            && from.is_none()
+            && restore.is_none()
+            && request.env.is_empty()
+            && request.secrets.is_empty();
+        let pooled = match poolable {
+            true => self.take_pooled(&parsed),
+            false => None,
+        };
+        if let Some((pooled_name, _)) = &pooled {
+            name.clone_from(pooled_name);
+            entry.name.clone_from(pooled_name);
+        }
+        let mut created = create_entry(&entry, &request, &from);
+        created["pooled"] = json!(pooled.is_some());
+        if let Err(err) = self.record(Some(&name), "cell.create", created).await {
+            if let Some((name, cell)) = pooled {
+                self.give_back_pooled(&parsed, name, cell);
+            }
+            return Err(err);
+        }
+        if let Some((_, cell)) = pooled {
+            return self.started(entry, parsed, cell).await;
+        }
         let cell_dir = self.daemon_dir.join("cells").join(&name);
         let _ = std::fs::remove_dir_all(&cell_dir);
         std::fs::create_dir_all(&cell_dir).map_err(|e| {
@@ -245,11 +265,23 @@ impl Harness {
                 ))));
             }
         };
+        self.started(entry, parsed, cell).await
+    }
+
+    /// A cell that takes execs becomes one of the daemon's: kept, supervised, watched.
+    async fn started(
+        self: &Arc<Self>,
+        entry: CellEntry,
+        parsed: warden_policy::Policy,
+        cell: Arc<dyn Cell>,
+    ) -> Result<CellInfo, HarnessError> {
+        let name = entry.name.clone();
         let pid = cell.pid();
         if let Ok(mut cells) = self.cells.lock() {
             cells.insert(name.clone(), cell);
         }
         self.state.put(&entry)?;
+        self.handed_out(&name);
         // A record of an earlier cell of this name is gone with it: copying starts over.
         self.state.set_record_offset(&name, None)?;
         if let Ok(mut copiers) = self.copiers.lock() {

@@ -17,6 +17,7 @@ mod error;
 mod exec;
 mod files;
 mod history;
+mod pool;
 mod process;
 mod record;
 mod state;
@@ -62,6 +63,7 @@ pub use warden_protocol::{
 pub use attached::{AttachedEnd, AttachedRun};
 pub(crate) use cells::{Prepared, create_entry};
 pub use files::READ_LIMIT;
+pub use pool::{PoolSpec, made_ahead};
 pub use process::{Item, KillOnDrop, Process};
 use state::State;
 pub use state::{CellEntry, Grant, PolicySource};
@@ -107,6 +109,8 @@ pub struct Config {
     /// its questions (a command rule that asks a person refuses instead). The journal is the
     /// daemon's, appended to beside it.
     pub ephemeral: bool,
+    /// Cells made ahead, per policy (none for an ephemeral harness).
+    pub pools: Vec<PoolSpec>,
 }
 
 /// The core.
@@ -140,6 +144,8 @@ pub struct Harness {
     events: tokio::sync::broadcast::Sender<Arc<Value>>,
     /// What the live cells used lately.
     usage: usage::UsageBook,
+    /// Cells made ahead, per policy.
+    pools: Vec<pool::Pool>,
 }
 
 /// Where a cell's keeper writes how the cell ended, in the daemon's folder of the cell.
@@ -155,6 +161,15 @@ pub fn now_ms() -> u64 {
 impl Harness {
     /// Opens the journal and the database and reconciles with the cells that exist now.
     pub async fn open(config: Config) -> Result<Arc<Self>, HarnessError> {
+        let pools = match config.ephemeral {
+            false => config
+                .pools
+                .iter()
+                .cloned()
+                .map(pool::Pool::new)
+                .collect::<Result<Vec<_>, _>>()?,
+            true => Vec::new(),
+        };
         let daemon_dir = match config.ephemeral {
             false => config.state.join("daemon"),
             // Keeper logs and endings of this process's cells only.
@@ -210,6 +225,7 @@ impl Harness {
             cells: Mutex::new(HashMap::new()),
             events: tokio::sync::broadcast::channel(1024).0,
             usage: usage::UsageBook::new(),
+            pools,
             tiers: config.tiers,
             store,
             journal,
@@ -233,6 +249,7 @@ impl Harness {
             .next_process
             .store(start.seq * 1000 + 1, Ordering::Relaxed);
         harness.reconcile(cut).await?;
+        harness.start_pools().await?;
         harness.sample_usage();
         Ok(harness)
     }
@@ -248,11 +265,13 @@ impl Harness {
     }
 
     /// Writes the daemon's last journal entry (an ephemeral harness removes its folder).
-    pub async fn shutdown(&self) {
+    /// The cells made ahead and never handed out are ended first.
+    pub async fn shutdown(self: &Arc<Self>) {
         if self.ephemeral {
             let _ = std::fs::remove_dir_all(&self.daemon_dir);
             return;
         }
+        self.drain_pools().await;
         let _ = self.record(None, "daemon.stop", json!({})).await;
     }
 }

@@ -33,6 +33,7 @@ async fn setup_as(ephemeral: bool) -> Setup {
         journal_segments: Default::default(),
         tiers: Arc::new(warden_cell::Tiers::only(fake.clone())),
         ephemeral,
+        pools: Vec::new(),
     })
     .await
     .unwrap();

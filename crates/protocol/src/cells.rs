@@ -143,6 +143,27 @@ pub struct CellUsage {
     pub pids: Option<u64>,
 }
 
+/// Cells of one policy that the daemon keeps made ahead (`warden serve --pool`), so that a
+/// create asking for that policy, with no name, workspace, source or environment of its own,
+/// takes one that is ready instead of waiting for one to start.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct PoolInfo {
+    /// The preset, or the policy file, its cells are made with.
+    pub policy: String,
+    /// The tier they run in.
+    pub tier: String,
+    /// How many it keeps made ahead.
+    pub size: usize,
+    /// How many are ready now.
+    pub ready: usize,
+    /// Memory charged to the ready ones now, in bytes.
+    pub memory_bytes: u64,
+    /// Cells it has handed out since the daemon started.
+    pub taken: u64,
+    /// Why it could not make its last cell (it tries again at the next create it serves).
+    pub error: Option<String>,
+}
+
 /// Recent samples of one cell's use, oldest first.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct UsageHistory {

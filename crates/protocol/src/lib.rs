@@ -19,7 +19,7 @@ pub use agents::{
 pub use approvals::{Answer, Approval, Decision, Scope};
 pub use cells::{
     CellInfo, CellState, CellSummary, CellUsage, Checkpoint, CheckpointRequest, ControlAction,
-    CreateCell, UsageHistory,
+    CreateCell, PoolInfo, UsageHistory,
 };
 pub use error::{ErrorBody, ErrorCode};
 pub use exec::{

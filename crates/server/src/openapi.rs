@@ -161,6 +161,7 @@ pub fn schemas() -> Map<String, Value> {
     answers.subschema_for::<warden_protocol::JournalCheck>();
     answers.subschema_for::<warden_protocol::UsageHistory>();
     answers.subschema_for::<warden_protocol::Checkpoint>();
+    answers.subschema_for::<warden_protocol::PoolInfo>();
     let mut all = answers.take_definitions(true);
     // A type on both sides keeps its reading form.
     all.extend(requests.take_definitions(true));

@@ -340,7 +340,7 @@ fn run_here(request: StartAgent, json: bool) -> Result<i32> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    let config = serve::daemon_harness(Default::default(), 0)?;
+    let config = serve::daemon_harness(Default::default(), 0, Vec::new())?;
     rt.block_on(async move {
         let harness = warden_harness::Harness::open(config).await?;
         let agents = warden_agent::Agents::open(std::sync::Arc::clone(&harness), None);

@@ -24,7 +24,7 @@ pub use agent::{agent, rerun};
 pub use files::{copy, logs};
 pub use journal::{audit, replay};
 pub use relay::{exec, run_through};
-pub use serve::{keep, mcp, serve};
+pub use serve::{ServeArgs, keep, mcp, serve};
 
 fn runtime() -> PathBuf {
     Registry::default_root()
@@ -85,6 +85,17 @@ pub fn dashboard() -> Result<i32> {
 /// The daemon, when one runs.
 pub fn client_if_running() -> Option<Client> {
     Client::detect(&runtime())
+}
+
+/// The running daemon's pools of cells made ahead; `None` when no daemon runs.
+pub fn pools_through_daemon() -> Result<Option<Vec<warden_protocol::PoolInfo>>> {
+    let Some(client) = Client::detect(&runtime()) else {
+        return Ok(None);
+    };
+    current_thread()?
+        .block_on(client.call::<(), _>(Method::GET, "/v1/pools", None))
+        .map(Some)
+        .map_err(Into::into)
 }
 
 /// Every open question the running daemon knows of; `None` when no daemon runs.

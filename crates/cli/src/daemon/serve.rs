@@ -12,6 +12,7 @@ use super::*;
 pub(super) fn daemon_harness(
     segments: warden_journal::Segments,
     keepers_ahead: usize,
+    pools: Vec<warden_harness::PoolSpec>,
 ) -> Result<warden_harness::Config> {
     let keeper_open_files = raise_open_files_limit();
     let tiers = warden_cell::Tiers::built_in(warden_cell::ProcessConfig {
@@ -30,17 +31,74 @@ pub(super) fn daemon_harness(
         journal_segments: segments,
         tiers: std::sync::Arc::new(tiers),
         ephemeral: false,
+        pools,
     })
 }
 
-pub fn serve(
-    listen: Option<std::net::SocketAddr>,
-    token_file: Option<PathBuf>,
-    e2b: Option<std::net::SocketAddr>,
-    journal_segment_mib: u64,
-    journal_keep_segments: Option<usize>,
-    keepers_ahead: usize,
-) -> Result<i32> {
+/// What `warden serve` was asked.
+pub struct ServeArgs {
+    pub listen: Option<std::net::SocketAddr>,
+    pub token_file: Option<PathBuf>,
+    pub e2b: Option<std::net::SocketAddr>,
+    pub journal_segment_mib: u64,
+    pub journal_keep_segments: Option<usize>,
+    pub keepers_ahead: usize,
+    /// `POLICY=N` each.
+    pub pools: Vec<String>,
+}
+
+/// A `--pool POLICY=N`: `e2b:TEMPLATE` (the policy of an E2B template's sandboxes), a
+/// preset's name, else a policy file.
+fn pool_spec(arg: &str) -> Result<warden_harness::PoolSpec> {
+    let (policy, size) = arg
+        .rsplit_once('=')
+        .with_context(|| format!("--pool {arg}: expected POLICY=N, e.g. --pool default=2"))?;
+    let size: usize = size
+        .parse()
+        .ok()
+        .filter(|n| (1..=64).contains(n))
+        .with_context(|| format!("--pool {arg}: `{size}` is not a number of cells from 1 to 64"))?;
+    let source = if let Some(template) = policy.strip_prefix("e2b:") {
+        warden_harness::PolicySource::Yaml(
+            warden_e2b::template_policy(template)
+                .map_err(|why| anyhow::anyhow!("--pool {arg}: {why}"))?,
+        )
+    } else if warden_policy::preset(policy).is_ok() {
+        warden_harness::PolicySource::Preset(policy.to_owned())
+    } else {
+        let yaml = std::fs::read_to_string(policy).with_context(|| {
+            format!(
+                "--pool {arg}: `{policy}` is neither a preset ({}), `e2b:TEMPLATE`, nor a policy file that can be read",
+                warden_policy::PRESETS
+                    .iter()
+                    .map(|(name, _, _)| *name)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        })?;
+        warden_harness::PolicySource::Yaml(yaml)
+    };
+    Ok(warden_harness::PoolSpec {
+        label: policy.to_owned(),
+        policy: source,
+        size,
+    })
+}
+
+pub fn serve(args: ServeArgs) -> Result<i32> {
+    let ServeArgs {
+        listen,
+        token_file,
+        e2b,
+        journal_segment_mib,
+        journal_keep_segments,
+        keepers_ahead,
+        pools,
+    } = args;
+    let pools = pools
+        .iter()
+        .map(|arg| pool_spec(arg))
+        .collect::<Result<Vec<_>>>()?;
     let config = warden_server::ServeConfig {
         harness: daemon_harness(
             warden_journal::Segments {
@@ -48,6 +106,7 @@ pub fn serve(
                 keep: journal_keep_segments,
             },
             keepers_ahead,
+            pools,
         )?,
         listen,
         token_file,
@@ -102,7 +161,7 @@ pub fn mcp() -> Result<i32> {
         });
     }
     // One keeper ahead: an MCP client makes its cells one at a time.
-    let config = daemon_harness(Default::default(), 1)?;
+    let config = daemon_harness(Default::default(), 1, Vec::new())?;
     rt.block_on(async move {
         let harness = warden_harness::Harness::open(config).await?;
         let by = format!(

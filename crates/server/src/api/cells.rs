@@ -295,6 +295,10 @@ pub(super) async fn usage(
     Json(h.usage(q.cell.as_deref()))
 }
 
+pub(super) async fn pools(State(h): State<Shared>) -> Json<Vec<warden_protocol::PoolInfo>> {
+    Json(h.pools())
+}
+
 pub(super) async fn approvals(
     State(harness): State<Shared>,
 ) -> Json<Vec<warden_harness::Approval>> {

@@ -109,6 +109,7 @@ pub fn router(agents: Arc<warden_agent::Agents>, token: Option<String>) -> Route
         .route("/v1/journal", get(journal))
         .route("/v1/journal/verify", get(verify_journal))
         .route("/v1/usage", get(usage))
+        .route("/v1/pools", get(pools))
         .route("/v1/approvals", get(approvals))
         .route("/v1/approvals/{name}/{id}", post(answer))
         .route("/v1/mcp", get(mcp_stream))

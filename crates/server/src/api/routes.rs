@@ -406,6 +406,12 @@ pub const ROUTES: &[Route] = &[
         failures: &[],
     },
     Route {
+        path: "/v1/pools",
+        method: "get",
+        operation: r##"{"operationId":"listPools","responses":{"200":{"content":{"application/json":{"schema":{"items":{"$ref":"#/components/schemas/PoolInfo"},"type":"array"}}},"description":"One entry per pool"}},"summary":"The cells made ahead per policy (`warden serve --pool`): size, how many are ready, their memory, how many were handed out"}"##,
+        failures: &[],
+    },
+    Route {
         path: "/v1/usage",
         method: "get",
         operation: r##"{"operationId":"cellUsage","parameters":[{"description":"Only this cell","in":"query","name":"cell","required":false,"schema":{"type":"string"}}],"responses":{"200":{"content":{"application/json":{"schema":{"items":{"$ref":"#/components/schemas/UsageHistory"},"type":"array"}}},"description":"One history per live cell that accounts for its use"}},"summary":"Recent CPU time, memory and task counts of the live cells, from their cgroups (sampled every 2 s, last 120 samples)"}"##,

@@ -1,0 +1,232 @@
+//! Cells made ahead, through the fake tier: which creates a pool serves and which it leaves to
+//! a fresh start, that it makes a new cell for each one it hands out, that its cells end with
+//! the daemon, and that a daemon ends the ones an earlier daemon left made ahead. The same
+//! through the process tier, with what a cell made ahead saw, is `crates/cli/tests/pool.rs`.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed step is a failed test
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::Value;
+use warden_cell::Backend as _;
+use warden_cell::fake::FakeBackend;
+use warden_harness::{Config, CreateCell, Harness, PolicySource, PoolSpec};
+
+fn pool(policy: PolicySource, size: usize) -> PoolSpec {
+    PoolSpec {
+        label: match &policy {
+            PolicySource::Preset(p) => p.clone(),
+            PolicySource::Yaml(_) => "policy.yaml".to_owned(),
+        },
+        policy,
+        size,
+    }
+}
+
+async fn open(dir: &Path, fake: &Arc<FakeBackend>, pools: Vec<PoolSpec>) -> Arc<Harness> {
+    Harness::open(Config {
+        runtime: dir.join("run"),
+        state: dir.join("state"),
+        journal_segments: Default::default(),
+        tiers: Arc::new(warden_cell::Tiers::only(fake.clone())),
+        ephemeral: false,
+        pools,
+    })
+    .await
+    .unwrap()
+}
+
+/// Whether the fake tier still has `name` running.
+fn alive(fake: &Arc<FakeBackend>, name: &str) -> bool {
+    fake.adopt(name).unwrap().is_some()
+}
+
+async fn ready(harness: &Harness, want: usize) {
+    for _ in 0..400 {
+        if harness.pools()[0].ready == want {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the pool never had {want} ready: {:?}", harness.pools());
+}
+
+async fn all_entries(harness: &Harness) -> Vec<Value> {
+    harness.entries_after(0, None).await.unwrap()
+}
+
+/// The names of the cells the journal says the pool made, in order.
+async fn made(harness: &Harness) -> Vec<String> {
+    all_entries(harness)
+        .await
+        .iter()
+        .filter(|e| e["kind"] == "pool.made")
+        .map(|e| e["data"]["name"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// Whether the journal's `cell.create` of `name` says it came from a pool.
+async fn pooled(harness: &Harness, name: &str) -> bool {
+    let entries = harness
+        .entries_after(0, Some(name.to_owned()))
+        .await
+        .unwrap();
+    let create = entries
+        .iter()
+        .find(|e| e["kind"] == "cell.create")
+        .expect("a cell.create entry");
+    create["data"]["pooled"].as_bool().unwrap()
+}
+
+#[tokio::test]
+async fn a_pool_serves_only_creates_that_ask_for_its_policy_and_nothing_a_cell_starts_with() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = FakeBackend::new(&dir.path().join("cells"));
+    let harness = open(
+        dir.path(),
+        &fake,
+        vec![pool(PolicySource::Preset("default".into()), 2)],
+    )
+    .await;
+    ready(&harness, 2).await;
+    let ahead = made(&harness).await;
+    assert_eq!(ahead.len(), 2, "{ahead:?}");
+    // Made ahead: not cells of anyone's yet.
+    assert!(harness.list().unwrap().is_empty());
+    let info = harness.pools();
+    assert_eq!(
+        (info[0].size, info[0].taken, info[0].tier.as_str()),
+        (2, 0, "process")
+    );
+
+    // A create of the pool's policy, as a preset or as the same policy written out, takes one.
+    let first = harness.create(CreateCell::default()).await.unwrap();
+    assert_eq!(first.name, ahead[0]);
+    assert!(pooled(&harness, &first.name).await);
+    let second = harness
+        .create(CreateCell {
+            policy: Some("version: 1\nextends: default\n".into()),
+            labels: [("who".to_owned(), "me".to_owned())].into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(ahead.contains(&second.name), "{} of {ahead:?}", second.name);
+    assert_eq!(second.labels["who"], "me");
+    assert!(pooled(&harness, &second.name).await);
+    // It makes new ones in their place, never the same cell again.
+    ready(&harness, 2).await;
+    let now = made(&harness).await;
+    assert_eq!(now.len(), 4, "{now:?}");
+    assert!(!ahead.contains(&now[2]) && !ahead.contains(&now[3]));
+    assert_eq!(harness.pools()[0].taken, 2);
+
+    // Anything a cell is started with, or another policy, gets a cell started for it.
+    let ws = tempfile::tempdir().unwrap();
+    let others = [
+        CreateCell {
+            name: Some("named".into()),
+            ..Default::default()
+        },
+        CreateCell {
+            env: [("A".to_owned(), "1".to_owned())].into(),
+            ..Default::default()
+        },
+        CreateCell {
+            workspace: Some(ws.path().display().to_string()),
+            ..Default::default()
+        },
+        CreateCell {
+            policy: Some("version: 1\nextends: default\nlimits:\n  pids: 77\n".into()),
+            ..Default::default()
+        },
+        CreateCell {
+            preset: Some("minimal".into()),
+            ..Default::default()
+        },
+    ];
+    for request in others {
+        let made = harness.create(request.clone()).await.unwrap();
+        assert!(!pooled(&harness, &made.name).await, "{request:?}");
+        assert!(!now.contains(&made.name));
+        let spec = fake.cell(&made.name).unwrap().spec().clone();
+        assert_eq!(
+            spec.env,
+            request.env.clone().into_iter().collect::<Vec<_>>()
+        );
+    }
+    assert_eq!(harness.pools()[0].taken, 2);
+
+    // The daemon stops: the cells made ahead end; the ones handed out stay.
+    harness.shutdown().await;
+    for name in &now[2..] {
+        assert!(!alive(&fake, name), "{name} ended with the daemon");
+    }
+    assert!(alive(&fake, &first.name), "a cell handed out stays");
+}
+
+#[test]
+fn a_daemon_ends_the_cells_an_earlier_one_left_made_ahead() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = FakeBackend::new(&dir.path().join("cells"));
+    let spec = vec![pool(PolicySource::Preset("default".into()), 1)];
+    // A daemon that dies: its runtime goes with every task of its, and no shutdown runs.
+    let crashed = tokio::runtime::Runtime::new().unwrap();
+    let (taken, left) = crashed.block_on(async {
+        let harness = open(dir.path(), &fake, spec.clone()).await;
+        ready(&harness, 1).await;
+        let taken = harness.create(CreateCell::default()).await.unwrap();
+        ready(&harness, 1).await;
+        let left: Vec<String> = made(&harness)
+            .await
+            .into_iter()
+            .filter(|n| *n != taken.name)
+            .collect();
+        (taken, left)
+    });
+    crashed.shutdown_timeout(Duration::from_secs(10));
+    assert_eq!(left.len(), 1);
+    assert!(alive(&fake, &left[0]));
+
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let next = open(dir.path(), &fake, spec).await;
+        assert!(!alive(&fake, &left[0]), "the cell left ahead was ended");
+        assert!(alive(&fake, &taken.name), "the cell handed out was kept");
+        let dropped: Vec<Value> = all_entries(&next)
+            .await
+            .into_iter()
+            .filter(|e| e["kind"] == "pool.drop")
+            .collect();
+        assert_eq!(dropped.len(), 1, "{dropped:?}");
+        assert_eq!(dropped[0]["data"]["name"], left[0]);
+        assert_eq!(next.get(&taken.name).unwrap().name, taken.name);
+        assert!(
+            next.get(&left[0]).is_err(),
+            "a cell made ahead is no cell of the daemon's"
+        );
+        ready(&next, 1).await;
+        next.shutdown().await;
+    });
+}
+
+#[tokio::test]
+async fn a_pool_whose_cells_would_need_a_callers_secrets_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = FakeBackend::new(&dir.path().join("cells"));
+    let yaml = "version: 1\nnetwork:\n  allow:\n    - host: 10.9.8.7\n      credential: api\ncredentials:\n  api: { from_env: API_KEY }\n";
+    let refused = Harness::open(Config {
+        runtime: dir.path().join("run"),
+        state: dir.path().join("state"),
+        journal_segments: Default::default(),
+        tiers: Arc::new(warden_cell::Tiers::only(fake.clone())),
+        ephemeral: false,
+        pools: vec![pool(PolicySource::Yaml(yaml.into()), 1)],
+    })
+    .await;
+    let message = refused.expect_err("refused").to_string();
+    assert!(
+        message.contains("API_KEY") && message.contains("from_env"),
+        "{message}"
+    );
+}
