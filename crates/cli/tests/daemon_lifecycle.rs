@@ -703,6 +703,31 @@ fn a_warm_pool_hands_out_cells_that_saw_nothing_and_goes_with_the_daemon() {
         false
     );
     assert_eq!(pools(&daemon)[0]["taken"], 2);
+    // `warden run` through the daemon is such a create: it takes one too.
+    wait_for("the pool's next cell", || pools(&daemon)[0]["ready"] == 1);
+    let run = daemon
+        .warden()
+        .args(["run", "--", "sh", "-c", "echo ran; exit 3"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        (
+            run.status.code(),
+            String::from_utf8_lossy(&run.stdout).as_ref()
+        ),
+        (Some(3), "ran\n"),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let runs: Vec<Value> = std::fs::read_to_string(daemon.journal())
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|e| e["kind"] == "cell.create" && e["data"]["labels"]["made-by"] == "warden run")
+        .collect();
+    assert_eq!(runs.len(), 1, "{runs:?}");
+    assert_eq!(runs[0]["data"]["pooled"], true, "{runs:?}");
+    assert_eq!(pools(&daemon)[0]["taken"], 3);
 
     // A daemon that crashes leaves its cell made ahead; the next one ends it.
     wait_for("the pool's next cell", || pools(&daemon)[0]["ready"] == 1);

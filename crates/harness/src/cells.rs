@@ -204,15 +204,17 @@ impl Harness {
         }
         let mut created = create_entry(&entry, &request, &from);
         created["pooled"] = json!(pooled.is_some());
-        if let Err(err) = self.record(Some(&name), "cell.create", created).await {
-            if let Some((name, cell)) = pooled {
-                self.give_back_pooled(&parsed, name, cell);
+        if let Some((pooled_name, cell)) = pooled {
+            // It runs already: its create and its start go to the disk in one commit.
+            let started = json!({ "pid": cell.pid() });
+            let entries = vec![("cell.create", created), ("cell.start", started)];
+            if let Err(err) = self.record_all(&name, entries, false).await {
+                self.give_back_pooled(&parsed, pooled_name, cell);
+                return Err(err);
             }
-            return Err(err);
+            return self.keep(entry, parsed, cell);
         }
-        if let Some((_, cell)) = pooled {
-            return self.started(entry, parsed, cell).await;
-        }
+        self.record(Some(&name), "cell.create", created).await?;
         let cell_dir = self.daemon_dir.join("cells").join(&name);
         let _ = std::fs::remove_dir_all(&cell_dir);
         std::fs::create_dir_all(&cell_dir).map_err(|e| {
@@ -268,7 +270,8 @@ impl Harness {
         self.started(entry, parsed, cell).await
     }
 
-    /// A cell that takes execs becomes one of the daemon's: kept, supervised, watched.
+    /// A cell that takes execs becomes one of the daemon's: kept, supervised, watched; its
+    /// start journaled.
     async fn started(
         self: &Arc<Self>,
         entry: CellEntry,
@@ -277,20 +280,32 @@ impl Harness {
     ) -> Result<CellInfo, HarnessError> {
         let name = entry.name.clone();
         let pid = cell.pid();
+        let info = self.keep(entry, parsed, cell)?;
+        self.record(Some(&name), "cell.start", json!({ "pid": pid }))
+            .await?;
+        Ok(info)
+    }
+
+    /// Keeps a running cell as one of the daemon's: its handle, its entry (a record of an
+    /// earlier cell of its name is gone with that one: copying starts over), supervision and a
+    /// watch.
+    fn keep(
+        self: &Arc<Self>,
+        entry: CellEntry,
+        parsed: warden_policy::Policy,
+        cell: Arc<dyn Cell>,
+    ) -> Result<CellInfo, HarnessError> {
+        let name = entry.name.clone();
         if let Ok(mut cells) = self.cells.lock() {
             cells.insert(name.clone(), cell);
         }
-        self.state.put(&entry)?;
+        self.state.put_new(&entry)?;
         self.handed_out(&name);
-        // A record of an earlier cell of this name is gone with it: copying starts over.
-        self.state.set_record_offset(&name, None)?;
         if let Ok(mut copiers) = self.copiers.lock() {
             copiers.insert(name.clone(), Arc::new(tokio::sync::Mutex::new(0)));
         }
         self.adopt_with(&entry, parsed);
-        self.record(Some(&name), "cell.start", json!({ "pid": pid }))
-            .await?;
-        self.watch(name.clone());
+        self.watch(name);
         Ok(self.info(&entry))
     }
 
@@ -454,6 +469,20 @@ impl Harness {
         action: ControlAction,
         by: &str,
     ) -> Result<CellInfo, HarnessError> {
+        self.control_with(name, action, by, false).await?;
+        self.get(name)
+    }
+
+    /// `control`; with `deleting`, the end of a kill is neither noted in the entry nor
+    /// journaled: the caller, which removes the entry next, journals it with its own entries
+    /// (`true`: the cell ended by this kill).
+    async fn control_with(
+        &self,
+        name: &str,
+        action: ControlAction,
+        by: &str,
+        deleting: bool,
+    ) -> Result<bool, HarnessError> {
         let cell = self.live(name)?;
         self.record(
             Some(name),
@@ -495,33 +524,68 @@ impl Harness {
             self.state.put(&entry)?;
         }
         if action == ControlAction::Kill {
-            // Wait (bounded) until the tier has let go of the cell.
+            // Wait (bounded) until the tier has let go of the cell: looked at often at first
+            // (a cell with little in it is gone within a millisecond or two), then every 5 ms.
             let deadline = Instant::now() + Duration::from_secs(10);
+            let mut pause = Duration::from_micros(200);
             while !matches!(cell.status(), Ok(Status::Ended)) && Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(5)).await;
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(5));
             }
             if let Ok(Some(mut entry)) = self.state.get(name)
                 && entry.ended.is_none()
             {
+                if deleting {
+                    return Ok(true);
+                }
                 entry.ended = Some("killed".to_owned());
                 self.state.put(&entry)?;
                 self.record(Some(name), "cell.end", json!({ "reason": "killed" }))
                     .await?;
             }
         }
-        self.get(name)
+        Ok(false)
     }
 
     /// Kills the cell if it runs and forgets it: its workspace layer and egress record go too.
     pub async fn delete(&self, name: &str, by: &str) -> Result<(), HarnessError> {
-        let entry = self.entry(name)?;
-        if entry.ended.is_none() && self.live(name).is_ok() {
-            self.control(name, ControlAction::Kill, by).await?;
+        // The watch of the cell leaves its end to this delete, which journals it.
+        if let Ok(mut killing) = self.killing.lock() {
+            killing.insert(name.to_owned());
         }
-        self.journal_changes(name, "deleted, changes discarded")
-            .await;
-        self.record(Some(name), "cell.delete", json!({ "by": by }))
-            .await?;
+        let deleted = self.delete_now(name, by).await;
+        if let Ok(mut killing) = self.killing.lock() {
+            killing.remove(name);
+        }
+        deleted
+    }
+
+    async fn delete_now(&self, name: &str, by: &str) -> Result<(), HarnessError> {
+        let entry = self.entry(name)?;
+        let killed = match entry.ended.is_none() && self.live(name).is_ok() {
+            true => {
+                self.control_with(name, ControlAction::Kill, by, true)
+                    .await?
+            }
+            false => false,
+        };
+        let end = ("cell.end", json!({ "reason": "killed" }));
+        let delete = ("cell.delete", json!({ "by": by }));
+        if entry.workspace.is_some() {
+            if killed {
+                self.record(Some(name), end.0, end.1).await?;
+            }
+            self.journal_changes(name, "deleted, changes discarded")
+                .await;
+            self.record(Some(name), delete.0, delete.1).await?;
+        } else {
+            // No changes to list: the end and the delete go to the disk in one commit.
+            let entries = match killed {
+                true => vec![end, delete],
+                false => vec![delete],
+            };
+            self.record_all(name, entries, false).await?;
+        }
         if let Ok(mut processes) = self.processes.lock() {
             processes.remove(name);
         }
@@ -538,14 +602,11 @@ impl Harness {
         if let Ok(mut copiers) = self.copiers.lock() {
             copiers.remove(name);
         }
-        let _ = self.state.set_record_offset(name, None);
-        let _ = self.state.forget_questions(name);
-        let _ = self.state.forget_grants_of(name);
         if let Ok(mut grants) = self.grants.lock() {
             grants.retain(|g| g.cell.as_deref() != Some(name));
         }
         let _ = std::fs::remove_dir_all(self.daemon_dir.join("cells").join(name));
-        self.state.remove(name)
+        self.state.forget(name)
     }
 }
 

@@ -134,6 +134,8 @@ pub struct Harness {
     exec_questions: Mutex<HashMap<(String, u64), supervise::ExecQuestion>>,
     /// Cells killed by their wall-clock limit.
     walled: Mutex<std::collections::HashSet<String>>,
+    /// Cells being deleted: the delete journals their end itself.
+    killing: Mutex<std::collections::HashSet<String>>,
     /// The handle of every live cell, from its tier.
     cells: Mutex<HashMap<String, Arc<dyn Cell>>>,
     /// Per cell, how far its egress record is copied into the journal (one copier at a time).
@@ -146,6 +148,11 @@ pub struct Harness {
     usage: usage::UsageBook,
     /// Cells made ahead, per policy.
     pools: Vec<pool::Pool>,
+    /// When this harness opened, and how long after that its latest entry (of anything but
+    /// its pools) was journaled, in microseconds: pools make their cells when the daemon is
+    /// quiet.
+    opened: Instant,
+    last_entry_us: AtomicU64,
 }
 
 /// Where a cell's keeper writes how the cell ended, in the daemon's folder of the cell.
@@ -222,10 +229,13 @@ impl Harness {
             grants: Mutex::new(grants),
             exec_questions: Mutex::new(HashMap::new()),
             walled: Mutex::new(std::collections::HashSet::new()),
+            killing: Mutex::new(std::collections::HashSet::new()),
             cells: Mutex::new(HashMap::new()),
             events: tokio::sync::broadcast::channel(1024).0,
             usage: usage::UsageBook::new(),
             pools,
+            opened: Instant::now(),
+            last_entry_us: AtomicU64::new(0),
             tiers: config.tiers,
             store,
             journal,

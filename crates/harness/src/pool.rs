@@ -95,7 +95,35 @@ impl Pool {
     }
 }
 
+/// How long the daemon journals nothing (but its pools' entries) before a pool makes a cell:
+/// making one takes locks of the kernel's that a create, an exec or a delete under way wait
+/// for (a cgroup v1 attach holds the cgroup lock through an RCU grace period), so cells are
+/// made between requests, not during them.
+const QUIET: Duration = Duration::from_millis(5);
+
+/// The longest a pool waits for quiet before it makes a cell anyway.
+const QUIET_AT_MOST: Duration = Duration::from_millis(250);
+
 impl Harness {
+    /// Notes that the daemon did something now (a pool waits for quiet).
+    pub(crate) fn pools_wait_for_quiet_since_now(&self) {
+        let now = self.opened.elapsed().as_micros() as u64;
+        self.last_entry_us.store(now, Ordering::Relaxed);
+    }
+
+    /// Waits until the daemon journaled nothing for `QUIET`, or `QUIET_AT_MOST` passed.
+    async fn quiet(&self) {
+        let until = Instant::now() + QUIET_AT_MOST;
+        loop {
+            let last = Duration::from_micros(self.last_entry_us.load(Ordering::Relaxed));
+            let since = self.opened.elapsed().saturating_sub(last);
+            if since >= QUIET || Instant::now() >= until {
+                return;
+            }
+            tokio::time::sleep((QUIET - since).max(Duration::from_millis(1))).await;
+        }
+    }
+
     /// The pools, as the API shows them.
     pub fn pools(&self) -> Vec<warden_protocol::PoolInfo> {
         self.pools
@@ -194,6 +222,7 @@ impl Harness {
         tokio::spawn(async move {
             loop {
                 let pool = &harness.pools[index];
+                harness.quiet().await;
                 let made = harness.make_pooled(pool).await;
                 let Ok(mut state) = pool.state.lock() else {
                     return;

@@ -229,6 +229,9 @@ impl Harness {
         kind: &str,
         data: Option<Value>,
     ) {
+        if !kind.starts_with("pool.") {
+            self.pools_wait_for_quiet_since_now();
+        }
         if let Some(data) = data {
             let _ = self.events.send(Arc::new(json!({
                 "seq": receipt.seq,

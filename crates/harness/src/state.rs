@@ -368,6 +368,62 @@ impl State {
         self.store(CELLS, name, None)
     }
 
+    /// A new cell's entry, and no record offset of an earlier cell of its name: one commit.
+    pub fn put_new(&self, entry: &CellEntry) -> Result<(), HarnessError> {
+        let json = serde_json::to_string(entry).map_err(db_error)?;
+        match &self.backing {
+            Backing::Db(db) => {
+                let txn = db.begin_write().map_err(db_error)?;
+                {
+                    let mut cells = txn.open_table(CELLS).map_err(db_error)?;
+                    cells
+                        .insert(entry.name.as_str(), json.as_str())
+                        .map_err(db_error)?;
+                    let mut offsets = txn.open_table(RECORD_OFFSETS).map_err(db_error)?;
+                    offsets.remove(entry.name.as_str()).map_err(db_error)?;
+                }
+                txn.commit().map_err(db_error)
+            }
+            Backing::Memory(_) => {
+                self.put(entry)?;
+                self.set_record_offset(&entry.name, None)
+            }
+        }
+    }
+
+    /// Forgets a cell whole (its entry, record offset, questions and standing grants): one
+    /// commit.
+    pub fn forget(&self, name: &str) -> Result<(), HarnessError> {
+        let questions = format!("{name}/");
+        let grants = format!("cell {name} ");
+        match &self.backing {
+            Backing::Db(db) => {
+                let txn = db.begin_write().map_err(db_error)?;
+                {
+                    let mut table = txn.open_table(RECORD_OFFSETS).map_err(db_error)?;
+                    table.remove(name).map_err(db_error)?;
+                    let mut table = txn.open_table(QUESTIONS).map_err(db_error)?;
+                    table
+                        .retain(|key, _| !key.starts_with(&questions))
+                        .map_err(db_error)?;
+                    let mut table = txn.open_table(GRANTS).map_err(db_error)?;
+                    table
+                        .retain(|key, _| !key.starts_with(&grants))
+                        .map_err(db_error)?;
+                    let mut table = txn.open_table(CELLS).map_err(db_error)?;
+                    table.remove(name).map_err(db_error)?;
+                }
+                txn.commit().map_err(db_error)
+            }
+            Backing::Memory(_) => {
+                self.set_record_offset(name, None)?;
+                self.forget_questions(name)?;
+                self.forget_grants_of(name)?;
+                self.remove(name)
+            }
+        }
+    }
+
     pub fn get(&self, name: &str) -> Result<Option<CellEntry>, HarnessError> {
         self.load(CELLS, name)?
             .map(|text| serde_json::from_str(&text).map_err(db_error))

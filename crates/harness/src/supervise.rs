@@ -181,6 +181,13 @@ impl Harness {
         if let Ok(mut live) = self.live.lock() {
             live.remove(name);
         }
+        // A delete under way journals the end itself.
+        if self.killing.lock().is_ok_and(|k| k.contains(name)) {
+            if let Ok(mut cells) = self.cells.lock() {
+                cells.remove(name);
+            }
+            return;
+        }
         let _ = self.state.forget_questions(name);
         if let Ok(mut cells) = self.cells.lock() {
             cells.remove(name);

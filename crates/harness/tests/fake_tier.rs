@@ -521,3 +521,31 @@ async fn a_run_to_its_end_is_journaled_as_started_before_its_command_runs() {
         .unwrap();
     assert_eq!(end.exit.code, Some(1));
 }
+
+#[tokio::test]
+async fn a_deleted_cell_ends_once_in_the_journal_whatever_its_watch_sees() {
+    let s = setup().await;
+    let names: Vec<String> = (0..20).map(|i| format!("gone{i}")).collect();
+    for (i, name) in names.iter().enumerate() {
+        s.harness.create(create(name, None)).await.unwrap();
+        // Its watch looks every 100 ms: deletes at many points of that period.
+        tokio::time::sleep(Duration::from_millis(i as u64 * 7)).await;
+        s.harness.delete(name, "test").await.unwrap();
+    }
+    // Time for any watch that saw an end to journal one.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for name in &names {
+        assert_eq!(
+            kinds(&s.harness, name).await,
+            [
+                "cell.create",
+                "cell.start",
+                "cell.kill",
+                "cell.end",
+                "cell.delete"
+            ],
+            "{name}"
+        );
+        assert_eq!(s.harness.get(name).unwrap_err().kind, ErrorKind::NotFound);
+    }
+}

@@ -80,11 +80,18 @@ impl ProcessBackend {
         })
     }
 
-    fn handle(&self, record: CellRecord, keeper: Option<Child>) -> Arc<dyn Cell> {
+    /// The handle of a running cell; `line`: one to its init opened already (else the first
+    /// exec opens one).
+    fn handle(
+        &self,
+        record: CellRecord,
+        keeper: Option<Child>,
+        line: Option<Line>,
+    ) -> Arc<dyn Cell> {
         Arc::new(ProcessCell {
             registry: self.registry.clone(),
             record,
-            line: Mutex::new(None),
+            line: Mutex::new(line.map(Arc::new)),
             keeper: Mutex::new(keeper),
         })
     }
@@ -149,7 +156,10 @@ impl Backend for ProcessBackend {
                     .registry
                     .get(&name)
                     .map_err(|e| StartError::Host(e.to_string()))?;
-                Ok(self.handle(record, Some(keeper.child)))
+                // Its line to the init now, not at its first exec (a cell made ahead of its
+                // create has it ready; 1 ms of a first exec here).
+                let line = Line::open(&self.registry, &name).ok();
+                Ok(self.handle(record, Some(keeper.child), line))
             }
             Err(Some(status)) => {
                 let said = log_path
@@ -226,7 +236,7 @@ impl Backend for ProcessBackend {
 
     fn adopt(&self, name: &str) -> Result<Option<Arc<dyn Cell>>, CellError> {
         match self.registry.get(name) {
-            Ok(record) => Ok(Some(self.handle(record, None))),
+            Ok(record) => Ok(Some(self.handle(record, None, None))),
             Err(RegistryError::NotFound(_)) => Ok(None),
             Err(err) => Err(CellError::Host(err.to_string())),
         }
