@@ -206,13 +206,25 @@ impl Harness {
         created["pooled"] = json!(pooled.is_some());
         if let Some((pooled_name, cell)) = pooled {
             // It runs already: its create and its start go to the disk in one commit.
+            // It runs already: its create and its start go into the journal's file, and to
+            // the disk while the database takes its entry.
             let started = json!({ "pid": cell.pid() });
-            let entries = vec![("cell.create", created), ("cell.start", started)];
-            if let Err(err) = self.record_all(&name, entries, false).await {
-                self.give_back_pooled(&parsed, pooled_name, cell);
-                return Err(err);
+            let mut entries = Vec::new();
+            for (kind, data) in [("cell.create", created), ("cell.start", started)] {
+                match self.record_ahead(Some(&name), kind, data).await {
+                    Ok(entry) => entries.push(entry),
+                    // Not handed out: the pool keeps it for the next create.
+                    Err(err) => {
+                        self.give_back_pooled(&parsed, pooled_name, cell);
+                        return Err(err);
+                    }
+                }
             }
-            return self.keep(entry, parsed, cell);
+            let kept = self.keep(entry, parsed, cell);
+            for entry in entries {
+                entry.wait(self).await?;
+            }
+            return kept;
         }
         self.record(Some(&name), "cell.create", created).await?;
         let cell_dir = self.daemon_dir.join("cells").join(&name);
@@ -484,12 +496,15 @@ impl Harness {
         deleting: bool,
     ) -> Result<bool, HarnessError> {
         let cell = self.live(name)?;
-        self.record(
-            Some(name),
-            &format!("cell.{}", action.name()),
-            json!({ "by": by }),
-        )
-        .await?;
+        // In the journal's file before the action (a crash of the warden cannot lose it), on
+        // the disk before it is acknowledged: the sync overlaps the action.
+        let asked = self
+            .record_ahead(
+                Some(name),
+                &format!("cell.{}", action.name()),
+                json!({ "by": by }),
+            )
+            .await?;
         if let Ok(mut live) = self.live.lock()
             && let Some(l) = live.get_mut(name)
         {
@@ -509,6 +524,7 @@ impl Harness {
             ControlAction::Kill => handle.kill(),
         })
         .await?;
+        asked.wait(self).await?;
         match result {
             Ok(()) => {}
             // A cell that ended on its own between the check and the kill is what a kill wants.
@@ -579,13 +595,25 @@ impl Harness {
                 .await;
             self.record(Some(name), delete.0, delete.1).await?;
         } else {
-            // No changes to list: the end and the delete go to the disk in one commit.
-            let entries = match killed {
-                true => vec![end, delete],
-                false => vec![delete],
-            };
-            self.record_all(name, entries, false).await?;
+            // No changes to list: the end and the delete go into the journal's file, and to
+            // the disk while the database forgets the cell (below).
+            let mut entries = Vec::new();
+            if killed {
+                entries.push(self.record_ahead(Some(name), end.0, end.1).await?);
+            }
+            entries.push(self.record_ahead(Some(name), delete.0, delete.1).await?);
+            let forgotten = self.forget_cell(name).await;
+            for entry in entries {
+                entry.wait(self).await?;
+            }
+            return forgotten;
         }
+        self.forget_cell(name).await
+    }
+
+    /// What the daemon holds of a cell that is gone: its handles, its layer and records, its
+    /// folder, its entry in the database.
+    async fn forget_cell(&self, name: &str) -> Result<(), HarnessError> {
         if let Ok(mut processes) = self.processes.lock() {
             processes.remove(name);
         }
