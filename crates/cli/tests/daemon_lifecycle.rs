@@ -764,3 +764,35 @@ fn a_warm_pool_hands_out_cells_that_saw_nothing_and_goes_with_the_daemon() {
     drop(daemon);
     wait_for("every keeper to end", || keepers_of(&runtime).is_empty());
 }
+
+#[test]
+fn a_deleted_cells_name_can_be_taken_again_at_once() {
+    if !cgroups_available("name_again") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let name = unique("again");
+    for round in 0..5 {
+        // A delete answers once the cell's processes are killed; what its keeper holds goes
+        // right after, and a create of the name waits for that, not failing.
+        daemon.create(&name, json!({}));
+        daemon.exec(
+            &name,
+            json!({ "argv": ["sh", "-c", "sleep 300 & echo $$ > /tmp/mine"] }),
+        );
+        let deleted = daemon.call("DELETE", &format!("/v1/cells/{name}"), None);
+        assert_eq!(deleted.status, 204, "round {round}: {}", deleted.text());
+        let gone = daemon.call("GET", &format!("/v1/cells/{name}"), None);
+        assert_eq!(gone.status, 404, "round {round}: {}", gone.text());
+    }
+    let made = daemon.create(&name, json!({}));
+    let events = daemon.exec(
+        &made,
+        json!({ "argv": ["sh", "-c", "cat /tmp/mine 2>&1; pgrep -c sleep || true"] }),
+    );
+    let out = String::from_utf8(stream_bytes(&events, "stdout")).unwrap();
+    assert!(
+        out.ends_with("0\n") && out.contains("No such file"),
+        "a fresh cell: {out}"
+    );
+}

@@ -338,6 +338,11 @@ impl Harness {
         self.names()?
             .check_name(&name)
             .map_err(|e| HarnessError::from(CreateError::Invalid(e.to_string())))?;
+        // A cell of this name was just deleted: what it left goes within moments.
+        let until = Instant::now() + Duration::from_secs(10);
+        while self.killing.lock().is_ok_and(|k| k.contains(&name)) && Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
         let (policy, parsed) = match (&request.policy, &request.preset) {
             (Some(_), Some(_)) => {
                 return Err(HarnessError::from(CreateError::Invalid(
@@ -539,6 +544,12 @@ impl Harness {
             entry.paused = action == ControlAction::Pause;
             self.state.put(&entry)?;
         }
+        if action == ControlAction::Kill && deleting {
+            // Its processes are killed; the delete waits for the tier to let go of it where it
+            // must (see `delete_now`).
+            let ended = self.state.get(name).ok().flatten();
+            return Ok(ended.is_some_and(|e| e.ended.is_none()));
+        }
         if action == ControlAction::Kill {
             // Wait (bounded) until the tier has let go of the cell: looked at often at first
             // (a cell with little in it is gone within a millisecond or two), then every 5 ms.
@@ -551,9 +562,6 @@ impl Harness {
             if let Ok(Some(mut entry)) = self.state.get(name)
                 && entry.ended.is_none()
             {
-                if deleting {
-                    return Ok(true);
-                }
                 entry.ended = Some("killed".to_owned());
                 self.state.put(&entry)?;
                 self.record(Some(name), "cell.end", json!({ "reason": "killed" }))
@@ -564,20 +572,29 @@ impl Harness {
     }
 
     /// Kills the cell if it runs and forgets it: its workspace layer and egress record go too.
-    pub async fn delete(&self, name: &str, by: &str) -> Result<(), HarnessError> {
-        // The watch of the cell leaves its end to this delete, which journals it.
+    pub async fn delete(self: &Arc<Self>, name: &str, by: &str) -> Result<(), HarnessError> {
+        // The watch of the cell leaves its end to this delete, which journals it; a create of
+        // the same name waits until what the cell left is removed.
         if let Ok(mut killing) = self.killing.lock() {
             killing.insert(name.to_owned());
         }
         let deleted = self.delete_now(name, by).await;
-        if let Ok(mut killing) = self.killing.lock() {
-            killing.remove(name);
+        if !matches!(deleted, Ok(Some(_))) {
+            self.done_killing(name);
         }
-        deleted
+        deleted.map(drop)
     }
 
-    async fn delete_now(&self, name: &str, by: &str) -> Result<(), HarnessError> {
+    /// Deletes a cell; `Some(cell)`: it was killed now, and what its tier holds of it is
+    /// being removed in the background once the tier lets go.
+    async fn delete_now(
+        self: &Arc<Self>,
+        name: &str,
+        by: &str,
+    ) -> Result<Option<Arc<dyn Cell>>, HarnessError> {
         let entry = self.entry(name)?;
+        let live = self.cell(name);
+        let tier = self.backend_of(name).ok();
         let killed = match entry.ended.is_none() && self.live(name).is_ok() {
             true => {
                 self.control_with(name, ControlAction::Kill, by, true)
@@ -588,32 +605,65 @@ impl Harness {
         let end = ("cell.end", json!({ "reason": "killed" }));
         let delete = ("cell.delete", json!({ "by": by }));
         if entry.workspace.is_some() {
+            // Its changes are listed from its layer once its tier has let go of it.
+            if killed && let Some(cell) = &live {
+                let cell = Arc::clone(cell);
+                on_own_thread("cell-control", move || wait_ended(&*cell)).await?;
+            }
             if killed {
                 self.record(Some(name), end.0, end.1).await?;
             }
             self.journal_changes(name, "deleted, changes discarded")
                 .await;
             self.record(Some(name), delete.0, delete.1).await?;
-        } else {
-            // No changes to list: the end and the delete go into the journal's file, and to
-            // the disk while the database forgets the cell (below).
-            let mut entries = Vec::new();
-            if killed {
-                entries.push(self.record_ahead(Some(name), end.0, end.1).await?);
-            }
-            entries.push(self.record_ahead(Some(name), delete.0, delete.1).await?);
-            let forgotten = self.forget_cell(name).await;
-            for entry in entries {
-                entry.wait(self).await?;
-            }
-            return forgotten;
+            self.forget_cell(name)?;
+            self.remove_remains(name, tier);
+            return Ok(None);
         }
-        self.forget_cell(name).await
+        // No changes to list: the end and the delete go into the journal's file, and to the
+        // disk while the database forgets the cell; what its tier holds of it (its layer, its
+        // folders) is removed once the tier has let go of it, after the answer (its processes
+        // are killed already).
+        let mut entries = Vec::new();
+        if killed {
+            entries.push(self.record_ahead(Some(name), end.0, end.1).await?);
+        }
+        entries.push(self.record_ahead(Some(name), delete.0, delete.1).await?);
+        let forgotten = self.forget_cell(name);
+        for entry in entries {
+            entry.wait(self).await?;
+        }
+        forgotten?;
+        match live.filter(|_| killed) {
+            Some(cell) => {
+                let harness = Arc::clone(self);
+                let gone = name.to_owned();
+                let waited = Arc::clone(&cell);
+                tokio::spawn(async move {
+                    let _ = on_own_thread("cell-reap", move || wait_ended(&*waited)).await;
+                    harness.remove_remains(&gone, tier);
+                    harness.done_killing(&gone);
+                });
+                Ok(Some(cell))
+            }
+            None => {
+                self.remove_remains(name, tier);
+                Ok(None)
+            }
+        }
     }
 
-    /// What the daemon holds of a cell that is gone: its handles, its layer and records, its
-    /// folder, its entry in the database.
-    async fn forget_cell(&self, name: &str) -> Result<(), HarnessError> {
+    fn done_killing(&self, name: &str) {
+        if let Ok(mut killing) = self.killing.lock() {
+            killing.remove(name);
+        }
+    }
+
+    /// What the daemon holds of a deleted cell: its handles and its entry in the database.
+    fn forget_cell(&self, name: &str) -> Result<(), HarnessError> {
+        if let Ok(mut live) = self.live.lock() {
+            live.remove(name);
+        }
         if let Ok(mut processes) = self.processes.lock() {
             processes.remove(name);
         }
@@ -623,18 +673,33 @@ impl Harness {
         if let Ok(mut cells) = self.cells.lock() {
             cells.remove(name);
         }
-        if let Ok(tier) = self.backend_of(name) {
-            let _ = tier.remove_layer(name);
-        }
-        let _ = std::fs::remove_file(self.store.net_log_path(name));
         if let Ok(mut copiers) = self.copiers.lock() {
             copiers.remove(name);
         }
         if let Ok(mut grants) = self.grants.lock() {
             grants.retain(|g| g.cell.as_deref() != Some(name));
         }
-        let _ = std::fs::remove_dir_all(self.daemon_dir.join("cells").join(name));
         self.state.forget(name)
+    }
+
+    /// What a deleted cell left on disk: its layer, its egress record, its folder.
+    fn remove_remains(&self, name: &str, tier: Option<Arc<dyn Backend>>) {
+        if let Some(tier) = tier {
+            let _ = tier.remove_layer(name);
+        }
+        let _ = std::fs::remove_file(self.store.net_log_path(name));
+        let _ = std::fs::remove_dir_all(self.daemon_dir.join("cells").join(name));
+    }
+}
+
+/// Waits (bounded) until a killed cell's tier has let go of it: looked at often at first (a
+/// cell with little in it is gone within a millisecond or two), then every 5 ms.
+fn wait_ended(cell: &dyn Cell) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut pause = Duration::from_micros(200);
+    while !matches!(cell.status(), Ok(Status::Ended)) && Instant::now() < deadline {
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(5));
     }
 }
 

@@ -131,9 +131,20 @@ impl Harness {
     pub(crate) fn watch(self: &Arc<Self>, name: String) {
         let harness = Arc::clone(self);
         let cell = name.clone();
+        // The cell this watch is for: once its handle is gone (deleted, and maybe another
+        // cell made under its name since), its end is the delete's to journal, not this watch's.
+        let watched = self.cell(&name);
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(TICK).await;
+                let current = harness.cell(&cell);
+                let same = match (&current, &watched) {
+                    (Some(now), Some(then)) => Arc::ptr_eq(now, then),
+                    _ => false,
+                };
+                if watched.is_some() && !same {
+                    return;
+                }
                 match harness.alive(&cell) {
                     // Gone: the rest of its record, then its end.
                     Some(false) => {
