@@ -165,33 +165,13 @@ fn time_through(daemon: &warden_bench::Daemon, through: Through, n: usize) -> Re
         Through::Daemon => format!(r#"{{"name":"cold{n}"}}"#),
     };
     let start = Instant::now();
-    let (status, raw) = request(&daemon.socket, "POST", "/v1/cells", &create)?;
-    if status != 201 {
-        bail!("creating a cell failed: {raw}");
+    let name = warden_bench::create_exec_delete(&daemon.socket, &create)?;
+    let took = start.elapsed();
+    // A cell of the pool's has a name the daemon drew.
+    if through == Through::Pool && !name.starts_with("cell-") {
+        bail!("the create was not the pool's: {name}");
     }
-    let name = raw
-        .split("\"name\":\"")
-        .nth(1)
-        .and_then(|r| r.split('"').next())
-        .context("no name in the create's answer")?
-        .to_owned();
-    if through == Through::Pool && !raw.contains("cell-") {
-        bail!("the create was not the pool's: {raw}");
-    }
-    let (_, raw) = request(
-        &daemon.socket,
-        "POST",
-        &format!("/v1/cells/{name}/exec"),
-        r#"{"argv":["true"]}"#,
-    )?;
-    if !raw.contains("event: exit") || !raw.contains("\"code\":0") {
-        bail!("exec failed: {raw}");
-    }
-    let (status, raw) = request(&daemon.socket, "DELETE", &format!("/v1/cells/{name}"), "")?;
-    if status != 204 {
-        bail!("deleting {name} failed: {raw}");
-    }
-    Ok(start.elapsed())
+    Ok(took)
 }
 
 fn time_once(argv: &[String]) -> Result<Duration> {

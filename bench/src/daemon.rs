@@ -13,7 +13,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use warden_bench::{Daemon, is_root, ms, percentile, request, table, tree_memory, which};
+use warden_bench::{
+    Daemon, create_exec_delete, is_root, ms, percentile, request, string_field, table, tree_memory,
+    which,
+};
 
 struct Args {
     runs: usize,
@@ -134,26 +137,7 @@ fn lifecycle(daemon: &Daemon, runs: usize) -> Result<Vec<(String, Vec<Duration>)
     let mut api = Vec::new();
     for i in 0..runs + 3 {
         let start = Instant::now();
-        let name = format!("life{i}");
-        let (status, raw) = request(
-            &daemon.socket,
-            "POST",
-            "/v1/cells",
-            &format!(r#"{{"name":"{name}"}}"#),
-        )?;
-        if status != 201 {
-            bail!("creating a cell failed: {raw}");
-        }
-        let (_, raw) = request(
-            &daemon.socket,
-            "POST",
-            &format!("/v1/cells/{name}/exec"),
-            r#"{"argv":["true"]}"#,
-        )?;
-        if !raw.contains("event: exit") {
-            bail!("exec failed: {raw}");
-        }
-        request(&daemon.socket, "DELETE", &format!("/v1/cells/{name}"), "")?;
+        create_exec_delete(&daemon.socket, &format!(r#"{{"name":"life{i}"}}"#))?;
         if i >= 3 {
             api.push(start.elapsed());
         }
@@ -281,12 +265,7 @@ fn agent_turns(daemon: &Daemon, turns: usize) -> Result<Vec<Duration>> {
     if status != 201 {
         bail!("starting the session failed: {raw}");
     }
-    let id = raw
-        .split("\"id\":\"")
-        .nth(1)
-        .and_then(|r| r.split('"').next())
-        .context("no session id")?
-        .to_owned();
+    let id = string_field(&raw, "id").context("no session id")?;
     let (_, end) = request(&daemon.socket, "GET", &format!("/v1/agents/{id}/wait"), "")?;
     if !end.contains("\"state\":\"done\"") {
         bail!("the session did not finish: {end}");

@@ -55,6 +55,33 @@ pub fn request(socket: &Path, method: &str, path: &str, body: &str) -> Result<(u
     Ok((status, raw))
 }
 
+/// The first string field `key` of a raw answer's JSON body, if it has one.
+pub fn string_field(raw: &str, key: &str) -> Option<String> {
+    raw.split(&format!("\"{key}\":\""))
+        .nth(1)
+        .and_then(|r| r.split('"').next())
+        .map(str::to_owned)
+}
+
+/// Through a daemon's API: creates a cell (`body`), runs `true` in it, deletes it; its name.
+pub fn create_exec_delete(socket: &Path, body: &str) -> Result<String> {
+    let (status, raw) = request(socket, "POST", "/v1/cells", body)?;
+    if status != 201 {
+        bail!("creating a cell failed: {raw}");
+    }
+    let name = string_field(&raw, "name").context("no name in the create's answer")?;
+    let exec = format!("/v1/cells/{name}/exec");
+    let (_, raw) = request(socket, "POST", &exec, r#"{"argv":["true"]}"#)?;
+    if !raw.contains("event: exit") || !raw.contains("\"code\":0") {
+        bail!("exec failed: {raw}");
+    }
+    let (status, raw) = request(socket, "DELETE", &format!("/v1/cells/{name}"), "")?;
+    if status != 204 {
+        bail!("deleting {name} failed: {raw}");
+    }
+    Ok(name)
+}
+
 /// A `warden serve` of the benchmark's own, with its runtime and state under `dir`.
 #[derive(Debug)]
 pub struct Daemon {
