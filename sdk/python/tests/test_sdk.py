@@ -208,6 +208,84 @@ class Sync(unittest.TestCase):
             self.assertIn("warden serve", str(e.exception))
 
 
+class MadeAhead(unittest.TestCase):
+    """The daemon of these tests keeps one cell of `default` made ahead (`--pool default=1`)."""
+
+    def test_an_unnamed_create_takes_a_cell_made_ahead_and_the_pool_says_so(self):
+        with Warden() as w:
+            deadline = time.monotonic() + 20
+            while w.pools()[0].ready < 1:
+                self.assertLess(time.monotonic(), deadline, "the pool made no cell")
+                time.sleep(0.05)
+            pool = w.pools()[0]
+            self.assertEqual((pool.policy, pool.tier, pool.size), ("default", "process", 1))
+            self.assertGreater(pool.memory_bytes, 0)
+            taken = pool.taken
+            cell = w.cells.create(labels={"t": "pool"})
+            self.assertEqual(w.pools()[0].taken, taken + 1)
+            self.assertEqual(cell.info.labels, {"t": "pool"})
+            self.assertEqual(cell.exec("echo ready").stdout, "ready\n")
+            # A named one is started for its create.
+            named = w.cells.create(unique("named"))
+            self.assertEqual(w.pools()[0].taken, taken + 1)
+            cell.delete()
+            named.delete()
+
+        async def flow():
+            async with AsyncWarden() as w:
+                self.assertEqual([p.policy for p in await w.pools()], ["default"])
+
+        asyncio.run(flow())
+
+
+COUNTER = ("setsid sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/n.new; "
+           "mv /tmp/n.new /tmp/n; sleep 0.05; done' </dev/null >/dev/null 2>&1 &")
+
+
+def count(cell):
+    deadline = time.monotonic() + 10
+    while True:
+        out = cell.exec("cat /tmp/n 2>/dev/null").stdout.strip()
+        if out.isdigit():
+            return int(out)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no count in {cell.name}: {out!r}")
+        time.sleep(0.05)
+
+
+class Checkpoints(unittest.TestCase):
+    def test_a_restored_checkpoint_goes_on_where_it_stopped(self):
+        with Warden() as w:
+            try:
+                cell = w.cells.create(unique("ckpt"),
+                                      policy="version: 1\nextends: default\ntier: gvisor\n",
+                                      workspace=os.environ["WARDEN_TEST_WORKSPACE"])
+            except warden_cells.WardenError as e:
+                self.skipTest(f"no gvisor tier here: {e}")
+            cell.exec(COUNTER)
+            deadline = time.monotonic() + 20
+            while count(cell) < 10:
+                self.assertLess(time.monotonic(), deadline, "the counter does not run")
+                time.sleep(0.05)
+            before = count(cell)
+            saved = cell.checkpoint("c1")
+            self.assertEqual(saved.id, f"{cell.name}@c1")
+            self.assertGreater(saved.memory_bytes, 0)
+            self.assertEqual(cell.refresh().state, "ended")
+            back = w.cells.restore(saved.id, unique("back"))
+            self.assertEqual(back.info.tier, "gvisor")
+            first = count(back)
+            self.assertTrue(before <= first < before + 200, (before, first))
+            time.sleep(0.3)
+            self.assertGreater(count(back), first)
+            # Its workspace came back with it.
+            self.assertEqual(back.files.read("notes.txt"), b"from the host\n")
+            with self.assertRaises(warden_cells.NotFound):
+                w.cells.restore(f"{cell.name}@nope")
+            back.delete()
+            cell.delete()
+
+
 class Async(unittest.TestCase):
     def test_the_async_client_does_the_same(self):
         async def flow():

@@ -9,8 +9,8 @@ import httpx
 
 from . import _ops as ops
 from ._errors import ConnectionFailed, error_of
-from ._types import (AgentInfo, Approval, CellInfo, ExitInfo, FileInfo, JournalCheck, JournalPage,
-                     ProcessInfo, Ran, Snapshot, UsageHistory, _from)
+from ._types import (AgentInfo, Approval, CellInfo, Checkpoint, ExitInfo, FileInfo, JournalCheck,
+                     JournalPage, PoolInfo, ProcessInfo, Ran, Snapshot, UsageHistory, _from)
 
 Event = Tuple[str, Any]
 
@@ -109,6 +109,12 @@ class Warden:
         """The live cells' recent CPU time, memory and tasks, from their cgroups."""
         return self._run(ops.usage(cell))
 
+    def pools(self) -> List[PoolInfo]:
+        """The cells the daemon keeps made ahead, per policy: how many are ready, their
+        memory, how many were handed out. A `cells.create()` with no name, workspace, source
+        or environment of its own, of a pool's policy, takes one."""
+        return self._run(ops.pools())
+
     def events(self, cell: Optional[str] = None, after: Optional[int] = None
                ) -> Iterator[Dict[str, Any]]:
         """Journal entries as they are written (`after`: those after this sequence number
@@ -152,6 +158,14 @@ class Cells:
         info = self._w._run(ops.create(name=name, preset=preset, policy=policy,
                                        workspace=workspace, env=env, labels=labels,
                                        from_=from_, secrets=secrets))
+        return Cell(self._w, info)
+
+    def restore(self, checkpoint: str, name: Optional[str] = None,
+                labels: Optional[Dict[str, str]] = None) -> "Cell":
+        """Brings back a checkpoint (`CELL@CKPT`, from `Cell.checkpoint`) as a new cell: its
+        processes go on where they were, its workspace is as it was, its policy is the
+        checkpointed cell's."""
+        info = self._w._run(ops.create(name=name, restore=checkpoint, labels=labels))
         return Cell(self._w, info)
 
     def list(self) -> List["Cell"]:
@@ -236,6 +250,11 @@ class Cell:
 
     def snapshots(self) -> List[Snapshot]:
         return self._w._run(ops.snapshots(self.name))
+
+    def checkpoint(self, name: Optional[str] = None) -> Checkpoint:
+        """Saves the cell's memory and workspace (tiers that have memory snapshots: gVisor);
+        the cell ends there. `cells.restore(ckpt.id)` brings it back."""
+        return self._w._run(ops.checkpoint(self.name, name))
 
     def reset(self, to: Optional[str] = None) -> None:
         self._w._run(ops.reset(self.name, to))
@@ -537,6 +556,9 @@ class AsyncWarden:
     async def usage(self, cell: Optional[str] = None) -> List[UsageHistory]:
         return await self._run(ops.usage(cell))
 
+    async def pools(self) -> List[PoolInfo]:
+        return await self._run(ops.pools())
+
     async def approvals(self) -> List[Approval]:
         return await self._run(ops.approvals())
 
@@ -550,6 +572,11 @@ class AsyncCells:
 
     async def create(self, name: Optional[str] = None, **kwargs: Any) -> "AsyncCell":
         info = await self._w._run(ops.create(name=name, **kwargs))
+        return AsyncCell(self._w, info)
+
+    async def restore(self, checkpoint: str, name: Optional[str] = None,
+                      labels: Optional[Dict[str, str]] = None) -> "AsyncCell":
+        info = await self._w._run(ops.create(name=name, restore=checkpoint, labels=labels))
         return AsyncCell(self._w, info)
 
     async def list(self) -> List["AsyncCell"]:
@@ -616,6 +643,9 @@ class AsyncCell:
 
     async def diff(self) -> Dict[str, Any]:
         return await self._w._run(ops.diff(self.name))
+
+    async def checkpoint(self, name: Optional[str] = None) -> Checkpoint:
+        return await self._w._run(ops.checkpoint(self.name, name))
 
     async def snapshot(self, name: Optional[str] = None) -> Snapshot:
         return await self._w._run(ops.snapshot(self.name, name))

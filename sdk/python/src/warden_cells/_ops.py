@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 from urllib.parse import quote
 
-from ._types import (AgentInfo, Approval, CellInfo, ExitInfo, FileInfo, JournalCheck, JournalPage,
-                     ProcessInfo, Snapshot, UsageHistory, _from)
+from ._types import (AgentInfo, Approval, CellInfo, Checkpoint, ExitInfo, FileInfo, JournalCheck,
+                     JournalPage, PoolInfo, ProcessInfo, Snapshot, UsageHistory, _from)
 
 Argv = Union[str, Iterable[str]]
 
@@ -203,6 +203,15 @@ def move(name: str, source: str, dest: str) -> Op:
 def snapshot(name: str, as_name: Optional[str]) -> Op:
     body = {"as": as_name} if as_name else {}
     return Op("POST", f"/v1/cells/{seg(name)}/snapshot", json=body, parse=one(Snapshot))
+
+
+def checkpoint(name: str, as_name: Optional[str]) -> Op:
+    body = {"as": as_name} if as_name else {}
+    return Op("POST", f"/v1/cells/{seg(name)}/checkpoint", json=body, parse=one(Checkpoint))
+
+
+def pools() -> Op:
+    return Op("GET", "/v1/pools", parse=list_of(PoolInfo))
 
 
 def snapshots(name: str) -> Op:

@@ -105,6 +105,29 @@ class Snapshot:
 
 
 @dataclass
+class Checkpoint:
+    """A cell's memory and workspace saved at one moment (the cell ended there); bring it back
+    with `cells.restore(id)`."""
+
+    id: str  # CELL@CKPT
+    memory_bytes: int
+    workspace_bytes: int
+
+
+@dataclass
+class PoolInfo:
+    """Cells of one policy the daemon keeps made ahead (`warden serve --pool POLICY=N`)."""
+
+    policy: str
+    tier: str
+    size: int
+    ready: int
+    memory_bytes: int
+    taken: int
+    error: Optional[str] = None
+
+
+@dataclass
 class Ran:
     """A command run to its end: its exit and everything it printed."""
 
@@ -227,6 +250,8 @@ SCHEMAS = {
     FileInfo: "FileInfo",
     Approval: "Approval",
     Snapshot: "Snapshot",
+    Checkpoint: "Checkpoint",
+    PoolInfo: "PoolInfo",
     TokenUsage: "TokenUsage",
     TurnInfo: "TurnInfo",
     AgentInfo: "AgentInfo",
