@@ -205,7 +205,6 @@ impl Harness {
         let mut created = create_entry(&entry, &request, &from);
         created["pooled"] = json!(pooled.is_some());
         if let Some((pooled_name, cell)) = pooled {
-            // It runs already: its create and its start go to the disk in one commit.
             // It runs already: its create and its start go into the journal's file, and to
             // the disk while the database takes its entry.
             let started = json!({ "pid": cell.pid() });
