@@ -571,26 +571,19 @@ impl Harness {
     }
 
     /// Kills the cell if it runs and forgets it: its workspace layer and egress record go too.
-    pub async fn delete(self: &Arc<Self>, name: &str, by: &str) -> Result<(), HarnessError> {
+    /// It answers once the cell is gone, its keeper included.
+    pub async fn delete(&self, name: &str, by: &str) -> Result<(), HarnessError> {
         // The watch of the cell leaves its end to this delete, which journals it; a create of
-        // the same name waits until what the cell left is removed.
+        // the same name waits until the delete is done.
         if let Ok(mut killing) = self.killing.lock() {
             killing.insert(name.to_owned());
         }
         let deleted = self.delete_now(name, by).await;
-        if !matches!(deleted, Ok(Some(_))) {
-            self.done_killing(name);
-        }
-        deleted.map(drop)
+        self.done_killing(name);
+        deleted
     }
 
-    /// Deletes a cell; `Some(cell)`: it was killed now, and what its tier holds of it is
-    /// being removed in the background once the tier lets go.
-    async fn delete_now(
-        self: &Arc<Self>,
-        name: &str,
-        by: &str,
-    ) -> Result<Option<Arc<dyn Cell>>, HarnessError> {
+    async fn delete_now(&self, name: &str, by: &str) -> Result<(), HarnessError> {
         let entry = self.entry(name)?;
         let live = self.cell(name);
         let tier = self.backend_of(name).ok();
@@ -601,13 +594,17 @@ impl Harness {
             }
             false => false,
         };
+        // Until its tier has let go of it (its keeper ends once its processes are gone).
+        let gone = match (killed, live) {
+            (true, Some(cell)) => Some(tokio::task::spawn_blocking(move || wait_ended(&*cell))),
+            _ => None,
+        };
         let end = ("cell.end", json!({ "reason": "killed" }));
         let delete = ("cell.delete", json!({ "by": by }));
         if entry.workspace.is_some() {
             // Its changes are listed from its layer once its tier has let go of it.
-            if killed && let Some(cell) = &live {
-                let cell = Arc::clone(cell);
-                on_own_thread("cell-control", move || wait_ended(&*cell)).await?;
+            if let Some(gone) = gone {
+                let _ = gone.await;
             }
             if killed {
                 self.record(Some(name), end.0, end.1).await?;
@@ -616,40 +613,25 @@ impl Harness {
                 .await;
             self.record(Some(name), delete.0, delete.1).await?;
             self.forget_cell(name)?;
-            self.remove_remains(name, tier);
-            return Ok(None);
-        }
-        // No changes to list: the end and the delete go into the journal's file, and to the
-        // disk while the database forgets the cell; what its tier holds of it (its layer, its
-        // folders) is removed once the tier has let go of it, after the answer (its processes
-        // are killed already).
-        let mut entries = Vec::new();
-        if killed {
-            entries.push(self.record_ahead(Some(name), end.0, end.1).await?);
-        }
-        entries.push(self.record_ahead(Some(name), delete.0, delete.1).await?);
-        let forgotten = self.forget_cell(name);
-        for entry in entries {
-            entry.wait(self).await?;
-        }
-        forgotten?;
-        match live.filter(|_| killed) {
-            Some(cell) => {
-                let harness = Arc::clone(self);
-                let gone = name.to_owned();
-                let waited = Arc::clone(&cell);
-                tokio::spawn(async move {
-                    let _ = on_own_thread("cell-reap", move || wait_ended(&*waited)).await;
-                    harness.remove_remains(&gone, tier);
-                    harness.done_killing(&gone);
-                });
-                Ok(Some(cell))
+        } else {
+            // No changes to list: the end and the delete go into the journal's file, and to
+            // the disk while the database forgets the cell, both while its keeper ends.
+            let mut entries = Vec::new();
+            if killed {
+                entries.push(self.record_ahead(Some(name), end.0, end.1).await?);
             }
-            None => {
-                self.remove_remains(name, tier);
-                Ok(None)
+            entries.push(self.record_ahead(Some(name), delete.0, delete.1).await?);
+            let forgotten = self.forget_cell(name);
+            for entry in entries {
+                entry.wait(self).await?;
+            }
+            forgotten?;
+            if let Some(gone) = gone {
+                let _ = gone.await;
             }
         }
+        self.remove_remains(name, tier);
+        Ok(())
     }
 
     fn done_killing(&self, name: &str) {
