@@ -773,8 +773,8 @@ fn a_deleted_cells_name_can_be_taken_again_at_once() {
     let daemon = Daemon::start(&[]);
     let name = unique("again");
     for round in 0..5 {
-        // A delete answers once the cell's processes are killed; what its keeper holds goes
-        // right after, and a create of the name waits for that, not failing.
+        // A delete answers once the cell is gone; the next create of the name is a new cell,
+        // which no watch of the old one may end.
         daemon.create(&name, json!({}));
         daemon.exec(
             &name,
