@@ -31,6 +31,8 @@ pub struct FakeBackend {
     cells: Mutex<HashMap<String, Arc<FakeCell>>>,
     /// Names whose start is refused, with what to say.
     refuse: Mutex<HashMap<String, String>>,
+    /// How long each start takes (none by default).
+    start_delay: Mutex<std::time::Duration>,
 }
 
 impl FakeBackend {
@@ -39,7 +41,15 @@ impl FakeBackend {
             root: root.to_path_buf(),
             cells: Mutex::new(HashMap::new()),
             refuse: Mutex::new(HashMap::new()),
+            start_delay: Mutex::new(std::time::Duration::ZERO),
         })
+    }
+
+    /// Each start from now on takes `delay` (a tier whose cells take time to come up).
+    pub fn delay_starts(&self, delay: std::time::Duration) {
+        if let Ok(mut d) = self.start_delay.lock() {
+            *d = delay;
+        }
     }
 
     /// The cell of this name, as the harness made it.
@@ -95,6 +105,11 @@ impl Backend for FakeBackend {
     }
 
     fn start(&self, spec: CellSpec) -> Result<Arc<dyn Cell>, StartError> {
+        let delay = self
+            .start_delay
+            .lock()
+            .map_or(std::time::Duration::ZERO, |d| *d);
+        std::thread::sleep(delay);
         let dir = self.cell_dir(&spec.name)?;
         let cell = Arc::new(FakeCell {
             name: spec.name.clone(),

@@ -223,17 +223,21 @@ impl Harness {
             loop {
                 let pool = &harness.pools[index];
                 harness.quiet().await;
+                // The daemon stops: nothing more is made.
+                if pool.state.lock().is_ok_and(|s| s.closed) {
+                    if let Ok(mut state) = pool.state.lock() {
+                        state.making -= 1;
+                    }
+                    return;
+                }
                 let made = harness.make_pooled(pool).await;
                 let Ok(mut state) = pool.state.lock() else {
                     return;
                 };
                 state.making -= 1;
                 match made {
-                    Ok((name, cell)) if state.closed => {
-                        drop(state);
-                        harness.discard_pooled(pool, name, cell, "the daemon stopped");
-                        return;
-                    }
+                    // Made while the daemon stops: its drain, which waits for what is being
+                    // made, ends it with the rest.
                     Ok(cell) => {
                         state.error = None;
                         state.ready.push_back(cell);
@@ -244,7 +248,7 @@ impl Harness {
                         return;
                     }
                 }
-                if state.ready.len() + state.making >= pool.spec.size {
+                if state.closed || state.ready.len() + state.making >= pool.spec.size {
                     return;
                 }
                 state.making += 1;
@@ -396,12 +400,24 @@ impl Harness {
 
     /// Ends every cell the pools hold (the daemon stops; cells handed out stay).
     pub(crate) async fn drain_pools(self: &Arc<Self>) {
+        // No more are made; those being made are waited for (bounded), then all are ended.
+        for pool in &self.pools {
+            if let Ok(mut state) = pool.state.lock() {
+                state.closed = true;
+            }
+        }
+        let until = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < until
+            && self
+                .pools
+                .iter()
+                .any(|p| p.state.lock().is_ok_and(|s| s.making > 0))
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         for pool in &self.pools {
             let ready: Vec<_> = match pool.state.lock() {
-                Ok(mut state) => {
-                    state.closed = true;
-                    state.ready.drain(..).collect()
-                }
+                Ok(mut state) => state.ready.drain(..).collect(),
                 Err(_) => continue,
             };
             for (name, cell) in ready {

@@ -167,6 +167,45 @@ async fn a_pool_serves_only_creates_that_ask_for_its_policy_and_nothing_a_cell_s
 }
 
 #[test]
+fn a_cell_being_made_when_the_daemon_stops_ends_with_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = FakeBackend::new(&dir.path().join("cells"));
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let (taken, harness) = runtime.block_on(async {
+        let harness = open(
+            dir.path(),
+            &fake,
+            vec![pool(PolicySource::Preset("default".into()), 1)],
+        )
+        .await;
+        ready(&harness, 1).await;
+        // The next cell takes a while to come up: the daemon stops while it does.
+        fake.delay_starts(Duration::from_millis(400));
+        let taken = harness.create(CreateCell::default()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        harness.shutdown().await;
+        (taken, harness)
+    });
+    // As a daemon's process does next: its runtime goes, with every task of it.
+    runtime.shutdown_timeout(Duration::from_secs(5));
+    std::thread::sleep(Duration::from_millis(500));
+    drop(harness);
+    // Every cell the tier started: the one handed out runs, none other does.
+    let started: Vec<String> = std::fs::read_dir(dir.path().join("cells"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(started.len(), 2, "{started:?}");
+    for name in &started {
+        assert_eq!(
+            alive(&fake, name),
+            *name == taken.name,
+            "{name} of {started:?}"
+        );
+    }
+}
+
+#[test]
 fn a_daemon_ends_the_cells_an_earlier_one_left_made_ahead() {
     let dir = tempfile::tempdir().unwrap();
     let fake = FakeBackend::new(&dir.path().join("cells"));
