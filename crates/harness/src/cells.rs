@@ -550,14 +550,7 @@ impl Harness {
             return Ok(ended.is_some_and(|e| e.ended.is_none()));
         }
         if action == ControlAction::Kill {
-            // Wait (bounded) until the tier has let go of the cell: looked at often at first
-            // (a cell with little in it is gone within a millisecond or two), then every 5 ms.
-            let deadline = Instant::now() + Duration::from_secs(10);
-            let mut pause = Duration::from_micros(200);
-            while !matches!(cell.status(), Ok(Status::Ended)) && Instant::now() < deadline {
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_millis(5));
-            }
+            on_own_thread("cell-control", move || wait_ended(&*cell)).await?;
             if let Ok(Some(mut entry)) = self.state.get(name)
                 && entry.ended.is_none()
             {
@@ -674,11 +667,18 @@ impl Harness {
 }
 
 /// Waits (bounded) until a killed cell's tier has let go of it: looked at often at first (a
-/// cell with little in it is gone within a millisecond or two), then every 5 ms.
-fn wait_ended(cell: &dyn Cell) {
+/// cell with little in it is gone within a millisecond or two), then every 5 ms; whether it
+/// did.
+pub(crate) fn wait_ended(cell: &dyn Cell) -> bool {
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut pause = Duration::from_micros(200);
-    while !matches!(cell.status(), Ok(Status::Ended)) && Instant::now() < deadline {
+    loop {
+        if matches!(cell.status(), Ok(Status::Ended)) {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
         std::thread::sleep(pause);
         pause = (pause * 2).min(Duration::from_millis(5));
     }

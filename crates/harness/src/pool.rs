@@ -440,14 +440,5 @@ impl Harness {
 /// Kills a cell and waits (bounded) until its tier has let go of it; whether it did.
 fn end_cell(cell: &dyn Cell) -> bool {
     let _ = cell.kill();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if matches!(cell.status(), Ok(Status::Ended)) {
-            return true;
-        }
-        if Instant::now() > deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    crate::cells::wait_ended(cell)
 }
