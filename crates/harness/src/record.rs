@@ -84,15 +84,16 @@ impl Harness {
 
     /// Appends an entry and answers once it is written to the journal's file, not waiting for
     /// the disk: for a record of what the warden saw (an agent's model exchange, say) that no
-    /// effect waits on. The next entry that is waited for (the journal syncs its file as a
-    /// whole) makes it durable too; it goes to the events stream once it is on disk.
+    /// effect waits on. It takes no fdatasync of its own: the next entry that is waited for
+    /// (the journal syncs its file as a whole) makes it durable too, or the journal's syncer
+    /// within a few milliseconds; it goes to the events stream once it is on disk.
     pub async fn record_soon(
         self: &Arc<Self>,
         cell: Option<&str>,
         kind: &str,
         data: Value,
     ) -> Result<Receipt, HarnessError> {
-        let durable = self.record_ahead(cell, kind, data).await?;
+        let durable = self.record_written(cell, kind, data, true).await?;
         let receipt = durable.receipt.clone();
         let harness = Arc::clone(self);
         tokio::spawn(async move {
@@ -199,20 +200,33 @@ impl Harness {
         kind: &str,
         data: Value,
     ) -> Result<Durable, HarnessError> {
+        self.record_written(cell, kind, data, false).await
+    }
+
+    /// `record_ahead`, or with `soon` for an entry no effect waits on: it then takes no
+    /// fdatasync of its own, but rides with the next entry that is waited for (or goes to the
+    /// disk within a few milliseconds).
+    pub(crate) async fn record_written(
+        &self,
+        cell: Option<&str>,
+        kind: &str,
+        data: Value,
+        soon: bool,
+    ) -> Result<Durable, HarnessError> {
         let (written_tx, written_rx) = tokio::sync::oneshot::channel();
         let (tx, rx) = tokio::sync::oneshot::channel();
         let event = Some(data.clone());
-        self.journal.submit_ahead(
-            cell,
-            kind,
-            data,
-            move |result| {
-                let _ = written_tx.send(result);
-            },
-            move |result| {
-                let _ = tx.send(result);
-            },
-        );
+        let written = move |result| {
+            let _ = written_tx.send(result);
+        };
+        let synced = move |result| {
+            let _ = tx.send(result);
+        };
+        if soon {
+            self.journal.submit_soon(cell, kind, data, written, synced);
+        } else {
+            self.journal.submit_ahead(cell, kind, data, written, synced);
+        }
         let receipt = journaled(written_rx.await)?;
         Ok(Durable {
             receipt,

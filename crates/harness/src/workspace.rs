@@ -2,6 +2,7 @@
 //! library calls (on blocking threads), their errors classified by what they are.
 
 use serde_json::json;
+use std::sync::Arc;
 use warden_cell::tier::{ChangesError, SnapshotError};
 use warden_workspace::WorkspaceError as LayerError;
 
@@ -86,55 +87,104 @@ impl Harness {
         name: &str,
         as_name: Option<&str>,
     ) -> Result<Snapshot, HarnessError> {
-        self.snapshot_then(name, as_name, |_| {}).await
+        // In the file before the snapshot is taken; on disk with its end, which is waited for
+        // (a snapshot changes nothing outside the warden, so nothing waits on the disk first).
+        let begun = self.snapshot_begins(name, as_name).await?;
+        let made = self.snapshot_made(name, as_name).await;
+        let done = match made {
+            Ok(snapshot) => self
+                .record(
+                    Some(name),
+                    "workspace.snapshot.done",
+                    json!({ "id": snapshot.id, "size": snapshot.size }),
+                )
+                .await
+                .map(|_| snapshot),
+            Err(err) => Err(err),
+        };
+        begun.wait(self).await?;
+        done
     }
 
     /// A snapshot, with `taken` called as soon as it is taken (the cell running again, its
     /// copy made), before its end is journaled: for a caller whose next step only needs the
-    /// copy made (an agent's next tool call), while the journal's disk catches up.
+    /// copy made (an agent's next tool call). Its entries take no fdatasync of their own: they
+    /// go to the disk with the next entry that is waited for (the next tool call's start), or
+    /// within a few milliseconds; what is built on the snapshot later (a rewind, a fork) is
+    /// journaled with a wait, which takes them along.
     pub async fn snapshot_then(
-        &self,
+        self: &Arc<Self>,
         name: &str,
         as_name: Option<&str>,
         taken: impl FnOnce(&Snapshot) + Send,
     ) -> Result<Snapshot, HarnessError> {
+        let begun = self.snapshot_begins_soon(name, as_name).await?;
+        let harness = Arc::clone(self);
+        tokio::spawn(async move {
+            let _ = begun.wait(&harness).await;
+        });
+        let snapshot = self.snapshot_made(name, as_name).await?;
+        taken(&snapshot);
+        self.record_soon(
+            Some(name),
+            "workspace.snapshot.done",
+            json!({ "id": snapshot.id, "size": snapshot.size }),
+        )
+        .await?;
+        Ok(snapshot)
+    }
+
+    async fn snapshot_begins(
+        &self,
+        name: &str,
+        as_name: Option<&str>,
+    ) -> Result<crate::record::Durable, HarnessError> {
+        self.check_snapshot(name, as_name)?;
+        self.record_ahead(Some(name), "workspace.snapshot", json!({ "as": as_name }))
+            .await
+    }
+
+    async fn snapshot_begins_soon(
+        &self,
+        name: &str,
+        as_name: Option<&str>,
+    ) -> Result<crate::record::Durable, HarnessError> {
+        self.check_snapshot(name, as_name)?;
+        self.record_written(
+            Some(name),
+            "workspace.snapshot",
+            json!({ "as": as_name }),
+            true,
+        )
+        .await
+    }
+
+    fn check_snapshot(&self, name: &str, as_name: Option<&str>) -> Result<(), HarnessError> {
         self.entry(name)?;
         if let Some(snap) = as_name {
             warden_cell::check_name(snap).map_err(|e| {
                 HarnessError::from(WorkspaceError::Invalid(format!("snapshot name: {e}")))
             })?;
         }
-        // In the file before the snapshot is taken; on disk with its end, which is waited for
-        // (a snapshot changes nothing outside the warden, so nothing waits on the disk first).
-        let begun = self
-            .record_ahead(Some(name), "workspace.snapshot", json!({ "as": as_name }))
-            .await?;
+        Ok(())
+    }
+
+    /// The tier's snapshot, on a blocking thread.
+    async fn snapshot_made(
+        &self,
+        name: &str,
+        as_name: Option<&str>,
+    ) -> Result<Snapshot, HarnessError> {
         let snap = as_name.map(str::to_owned);
-        let made = self
+        let info = self
             .blocking(name, move |tier, cell| {
                 tier.snapshot(cell, snap.as_deref()).map_err(snapshot_error)
             })
-            .await;
-        let info = match made {
-            Ok(info) => info,
-            Err(err) => {
-                begun.wait(self).await?;
-                return Err(err);
-            }
-        };
-        let snapshot = Snapshot {
+            .await?;
+        Ok(Snapshot {
             id: info.id,
             size: info.size,
-        };
-        taken(&snapshot);
-        self.record(
-            Some(name),
-            "workspace.snapshot.done",
-            json!({ "id": snapshot.id, "size": snapshot.size }),
-        )
-        .await?;
-        begun.wait(self).await?;
-        Ok(snapshot)
+        })
     }
 
     /// Journals what the cell changed in its workspace (paths, kinds, sizes and hashes; not the

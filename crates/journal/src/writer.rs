@@ -35,6 +35,9 @@ const CHECKPOINT_EVERY: u64 = 1024;
 const CHECKPOINT_AFTER: Duration = Duration::from_secs(5);
 /// How long the syncer stays awake for an appender's round to end, when entries wait behind it.
 const SPIN_FOR: Duration = Duration::from_millis(2);
+/// The longest an entry submitted `soon` waits for an entry that is waited for to take it to
+/// the disk, before the syncer takes it there alone.
+const SOON_WITHIN: Duration = Duration::from_millis(10);
 /// The lock that appending processes take in turn, in the journal directory.
 pub const LOCK_FILE: &str = "journal.lock";
 /// How the journal keeps its segments.
@@ -72,6 +75,9 @@ struct Pending {
     /// Called once the entry is in the file, before the fdatasync that makes it durable.
     written: Option<Ack>,
     ack: Ack,
+    /// Nothing waits on its fdatasync: it goes to the disk with the next entry that is waited
+    /// for, or within `SOON_WITHIN`.
+    soon: bool,
 }
 
 /// An open journal. Appends from any thread; dropping it writes a last checkpoint.
@@ -173,6 +179,8 @@ impl Journal {
             stopped: None,
             closing: false,
             unsynced: Vec::new(),
+            urgent: 0,
+            soon_since: None,
             unwritten: Vec::new(),
             syncing: false,
         };
@@ -256,6 +264,7 @@ impl Journal {
             data,
             written: None,
             ack: Box::new(ack),
+            soon: false,
         });
     }
 
@@ -277,6 +286,29 @@ impl Journal {
             data,
             written: Some(Box::new(written)),
             ack: Box::new(ack),
+            soon: false,
+        });
+    }
+
+    /// Like `submit_ahead`, for an entry that nothing waits on (a record of what the warden
+    /// saw, not of an effect to come): it is in the file when `written` is called, and it
+    /// takes no fdatasync of its own. It goes to the disk with the next entry that is waited
+    /// for, or at the latest `SOON_WITHIN` later; `ack` is called then.
+    pub fn submit_soon(
+        &self,
+        cell: Option<&str>,
+        kind: &str,
+        data: Value,
+        written: impl FnOnce(Result<Receipt, JournalError>) + Send + 'static,
+        ack: impl FnOnce(Result<Receipt, JournalError>) + Send + 'static,
+    ) {
+        self.queue(Pending {
+            cell: cell.map(str::to_owned),
+            kind: kind.to_owned(),
+            data,
+            written: Some(Box::new(written)),
+            ack: Box::new(ack),
+            soon: true,
         });
     }
 
@@ -299,9 +331,9 @@ impl Journal {
         };
         // Alone: nothing else waits and no round is under way. Otherwise the syncer is (or is
         // about to be) at work, and a round of its own would only come between.
-        let alone = !state.syncing && state.unsynced.is_empty();
+        let alone = !state.syncing && state.urgent == 0;
         match state.append(cell.map(str::to_owned), kind.to_owned(), data, false) {
-            Ok(receipt) => state.unsynced.push((receipt, ack)),
+            Ok(receipt) => state.wait_for_disk(receipt, ack, false),
             Err(err) => {
                 drop(state);
                 return ack(Err(err));
@@ -330,7 +362,7 @@ impl Journal {
             Ok(state) => state,
             Err(_) => return ack(Err(JournalError::Stopped("the writer failed".to_owned()))),
         };
-        let alone = !state.syncing && state.unsynced.is_empty();
+        let alone = !state.syncing && state.urgent == 0;
         let mut receipts = Vec::with_capacity(entries.len());
         for (kind, data) in entries {
             match state.append(cell.map(str::to_owned), kind, data, false) {
@@ -350,12 +382,13 @@ impl Journal {
             drop(state);
             return ack(Ok(Vec::new()));
         };
-        state.unsynced.push((
+        state.wait_for_disk(
             last,
             Box::new(move |result: Result<Receipt, JournalError>| {
                 ack(result.map(|_| receipts));
             }),
-        ));
+            false,
+        );
         if alone {
             self.shared.sync_round(state);
         } else {
@@ -373,20 +406,26 @@ impl Journal {
             data,
             written,
             ack,
+            soon,
         } = pending;
         let appended = match self.shared.state.lock() {
             Ok(mut state) => match state.append(cell, kind, data, written.is_some()) {
                 Ok(receipt) => {
-                    state.unsynced.push((receipt.clone(), ack));
-                    Ok(receipt)
+                    // The syncer is woken for an entry that is waited for, and for the first
+                    // of those that are not (so that it knows how long it may sleep).
+                    let first_soon = soon && state.unsynced.is_empty();
+                    state.wait_for_disk(receipt.clone(), ack, soon);
+                    Ok((receipt, !soon || first_soon))
                 }
                 Err(err) => Err((err, ack)),
             },
             Err(_) => Err((JournalError::Stopped("the writer failed".to_owned()), ack)),
         };
         match appended {
-            Ok(receipt) => {
-                self.wake();
+            Ok((receipt, wake)) => {
+                if wake {
+                    self.wake();
+                }
                 if let Some(written) = written {
                     written(Ok(receipt));
                 }
@@ -581,6 +620,10 @@ struct WriterState {
     closing: bool,
     /// Sealed entries that wait for the next fdatasync, with their acknowledgements.
     unsynced: Vec<(Receipt, Ack)>,
+    /// How many of them are waited for (the others were submitted `soon`) ...
+    urgent: usize,
+    /// ... and since when the oldest of those submitted `soon` waits.
+    soon_since: Option<Instant>,
     /// Their lines not yet written, in chain order.
     unwritten: Vec<u8>,
     /// A round of the group commit is between its write and its acknowledgements.
@@ -597,7 +640,13 @@ impl Shared {
             };
             let mut spinning: Option<Instant> = None;
             loop {
-                if !state.unsynced.is_empty() && !state.syncing {
+                let soon_left = state
+                    .soon_since
+                    .map(|since| SOON_WITHIN.saturating_sub(since.elapsed()));
+                let due = state.urgent > 0
+                    || soon_left.is_some_and(|left| left.is_zero())
+                    || (state.closing && !state.unsynced.is_empty());
+                if due && !state.syncing {
                     break;
                 }
                 if state.closing && !state.syncing {
@@ -613,8 +662,9 @@ impl Shared {
                     state.checkpoint_and_sync();
                     continue;
                 }
+                let wait = soon_left.map_or(wait, |left| wait.min(left));
                 if state.syncing
-                    && !state.unsynced.is_empty()
+                    && state.urgent > 0
                     && spinning.get_or_insert_with(Instant::now).elapsed() < SPIN_FOR
                 {
                     // Entries wait behind an appender's round, which usually ends within one
@@ -630,7 +680,7 @@ impl Shared {
                 }
                 state = match self
                     .work
-                    .wait_timeout(state, wait.max(Duration::from_millis(1)))
+                    .wait_timeout(state, wait.max(Duration::from_micros(100)))
                 {
                     Ok((state, _)) => state,
                     Err(_) => return,
@@ -647,6 +697,8 @@ impl Shared {
     fn sync_round(&self, mut state: std::sync::MutexGuard<'_, WriterState>) {
         if let Err(err) = state.write_unwritten() {
             let batch = std::mem::take(&mut state.unsynced);
+            state.urgent = 0;
+            state.soon_since = None;
             drop(state);
             for (_, ack) in batch {
                 ack(Err(err.clone()));
@@ -655,6 +707,8 @@ impl Shared {
         }
         state.syncing = true;
         let batch = std::mem::take(&mut state.unsynced);
+        state.urgent = 0;
+        state.soon_since = None;
         let file = Arc::clone(&state.file);
         drop(state);
         let result = file.sync_data();
@@ -687,6 +741,16 @@ impl Shared {
 }
 
 impl WriterState {
+    /// Leaves a sealed entry's acknowledgement for the fdatasync that takes it to the disk.
+    fn wait_for_disk(&mut self, receipt: Receipt, ack: Ack, soon: bool) {
+        if soon {
+            self.soon_since.get_or_insert_with(Instant::now);
+        } else {
+            self.urgent += 1;
+        }
+        self.unsynced.push((receipt, ack));
+    }
+
     /// Seals one entry (and a checkpoint when one is due); `write_now` writes it (and all
     /// sealed before it) to the file before returning.
     fn append(
@@ -1225,6 +1289,53 @@ mod tests {
             "{report:?} (a last checkpoint follows)"
         );
         assert!(report.segments >= 5, "{report:?}");
+    }
+
+    #[test]
+    fn an_entry_submitted_soon_rides_with_the_next_waited_entry_or_goes_alone_in_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Arc::new(Journal::open(dir.path()).unwrap());
+        let file = dir.path().join(JOURNAL_FILE);
+        let (tx, rx) = mpsc::channel();
+        let soon = |kind: &'static str| {
+            let (written, durable) = (tx.clone(), tx.clone());
+            let seen = file.clone();
+            journal.submit_soon(
+                None,
+                kind,
+                json!({}),
+                move |r| {
+                    let text = fs::read_to_string(&seen).unwrap();
+                    assert!(text.contains(kind), "not in the file when written: {text}");
+                    let _ = written.send((kind, "written", r.unwrap().seq));
+                },
+                move |r| {
+                    let _ = durable.send((kind, "durable", r.unwrap().seq));
+                },
+            );
+        };
+        soon("t.seen");
+        assert_eq!(rx.recv().unwrap().1, "written");
+        // No fdatasync of its own: nothing is acknowledged before an entry that is waited for
+        // comes (the syncer would take it alone only after SOON_WITHIN).
+        assert!(
+            rx.recv_timeout(SOON_WITHIN / 3).is_err(),
+            "an entry submitted soon was synced at once"
+        );
+        let started = Instant::now();
+        let waited = journal.append(None, "t.effect", json!({})).unwrap();
+        let (kind, what, seq) = rx.recv().unwrap();
+        assert_eq!((kind, what), ("t.seen", "durable"));
+        assert!(seq < waited.seq);
+        assert!(
+            started.elapsed() < SOON_WITHIN,
+            "the waited entry took the other along, it did not wait for it"
+        );
+        // Alone, it still reaches the disk in time.
+        soon("t.alone");
+        assert_eq!(rx.recv().unwrap().1, "written");
+        let (kind, what, _) = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert_eq!((kind, what), ("t.alone", "durable"));
     }
 
     #[test]
