@@ -33,20 +33,49 @@ pub enum ChangesError {
     Registry(#[from] RegistryError),
 }
 
-/// Thaws the cell again however the read ends.
+/// Keeps a running cell's layer still while a read (or a copy) of it lasts: the cell frozen,
+/// thawed again however the read ends; or, when the init alone ran, the cell's starts held
+/// back (`starts`), let go at the end.
 #[derive(Debug)]
-pub struct Frozen(Option<CellCgroup>);
+pub struct Frozen {
+    cgroup: Option<CellCgroup>,
+    _quiet: Option<std::os::fd::OwnedFd>,
+}
 
 impl Drop for Frozen {
     fn drop(&mut self) {
-        if let Some(cgroup) = &self.0 {
+        if let Some(cgroup) = &self.cgroup {
             let _ = cgroup.thaw();
         }
     }
 }
 
-/// Opens a cell's layer and freezes the cell while the caller holds the guard.
+/// Opens a cell's layer and keeps it still while the caller holds the guard: without a freeze
+/// when nothing but the init runs in the cell and no start is under way (the starts are held
+/// back instead), frozen otherwise.
 pub fn hold(
+    registry: &Registry,
+    store: &Store,
+    name: &str,
+) -> Result<(Layer, LayerMeta, Frozen), ChangesError> {
+    let (layer, meta) = open(store, name)?;
+    if let Some(quiet) = quiet(registry, name) {
+        return Ok((
+            layer,
+            meta,
+            Frozen {
+                cgroup: None,
+                _quiet: Some(quiet),
+            },
+        ));
+    }
+    let frozen = freeze(registry, name)?;
+    Ok((layer, meta, frozen))
+}
+
+/// Like `hold`, always with a freeze (for a reset, which writes the layer through the cell's
+/// own mount while it holds it).
+pub fn hold_frozen(
     registry: &Registry,
     store: &Store,
     name: &str,
@@ -54,6 +83,17 @@ pub fn hold(
     let (layer, meta) = open(store, name)?;
     let frozen = freeze(registry, name)?;
     Ok((layer, meta, frozen))
+}
+
+/// The cell's starts lock, held exclusive, when the cell runs in a cgroup of its own that holds
+/// its init and nothing else, and no start is under way: then nothing can change its layer
+/// until the lock is let go.
+fn quiet(registry: &Registry, name: &str) -> Option<std::os::fd::OwnedFd> {
+    let record = registry.get(name).ok()?;
+    let cgroup = record.cgroup.as_ref()?;
+    let lock = super::starts::quiet(&registry.starts_lock(name))?;
+    // Taken first, then looked: a start that came before the lock is in the cgroup by now.
+    (cgroup.pids() == [record.pid] && !cgroup.is_frozen()).then_some(lock)
 }
 
 fn open(store: &Store, name: &str) -> Result<(Layer, LayerMeta), ChangesError> {
@@ -91,7 +131,10 @@ fn freeze(registry: &Registry, name: &str) -> Result<Frozen, ChangesError> {
     if let Some(cg) = &cgroup {
         cg.freeze()?;
     }
-    Ok(Frozen(cgroup))
+    Ok(Frozen {
+        cgroup,
+        _quiet: None,
+    })
 }
 
 /// The changes of a cell's workspace, running or stopped.

@@ -146,6 +146,8 @@ pub enum ExecError {
 pub struct ExecSession {
     cell: String,
     socket: OwnedFd,
+    /// The cell's starts lock, held shared until the init answers the request (`starts`).
+    starting: std::sync::Mutex<Option<OwnedFd>>,
 }
 
 impl ExecSession {
@@ -189,6 +191,11 @@ impl ExecSession {
             cell: line.cell.clone(),
             source,
         })?;
+        let starting = super::starts::starting(&line.starts).map_err(|source| ExecError::Io {
+            what: "taking the cell's starts lock",
+            cell: line.cell.clone(),
+            source,
+        })?;
         match send_request(&line.cell, &line.socket, message, Some(&theirs), stdio) {
             Err(ExecError::Io { source, .. })
                 if matches!(
@@ -202,6 +209,7 @@ impl ExecSession {
             Ok(()) => Ok(Self {
                 cell: line.cell.clone(),
                 socket: ours,
+                starting: std::sync::Mutex::new(Some(starting)),
             }),
         }
     }
@@ -224,6 +232,10 @@ impl ExecSession {
             cell: self.cell.clone(),
             source,
         })?;
+        // The init answered (or went): the start is over, and with it its hold on the lock.
+        if let Ok(mut starting) = self.starting.lock() {
+            starting.take();
+        }
         let Some((payload, fds)) = received else {
             return Err(ExecError::CellEnded(self.cell.clone()));
         };
@@ -303,6 +315,8 @@ fn send_request(
 pub struct Line {
     cell: String,
     socket: OwnedFd,
+    /// The cell's starts lock (`starts`).
+    starts: PathBuf,
 }
 
 impl Line {
@@ -315,6 +329,7 @@ impl Line {
         Ok(Self {
             cell: name.to_owned(),
             socket,
+            starts: registry.starts_lock(name),
         })
     }
 }

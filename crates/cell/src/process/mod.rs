@@ -24,5 +24,6 @@ pub(crate) mod rootfs;
 pub mod run;
 pub mod seccomp;
 pub mod snapshot;
+pub(crate) mod starts;
 pub mod store;
 pub(crate) mod sys;

@@ -117,6 +117,12 @@ impl Registry {
         self.root.join("cells").join(name)
     }
 
+    /// The lock that keeps a cell's process starts and a look at its workspace without a
+    /// freeze apart (see `starts`).
+    pub(crate) fn starts_lock(&self, name: &str) -> PathBuf {
+        self.cell_dir(name).join(super::starts::LOCK_FILE)
+    }
+
     /// Claims `name` for a new cell (reclaiming a folder left by a dead warden). The folder is
     /// made under a name no cell can have, with its lock taken, and renamed into place only if
     /// the name is free: a sweep by another warden (`list`) never finds it unlocked half-made.

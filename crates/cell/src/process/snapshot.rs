@@ -535,7 +535,7 @@ pub fn reset(
     name: &str,
     to: Option<&str>,
 ) -> Result<(), SnapshotError> {
-    let (layer, meta, frozen) = changes::hold(registry, store, name)?;
+    let (layer, meta, frozen) = changes::hold_frozen(registry, store, name)?;
     match registry.get(name) {
         Ok(record) => {
             let _pinned = super::sys::pidfd_open(record.pid)
