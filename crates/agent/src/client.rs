@@ -132,7 +132,7 @@ impl Model {
         request: &Request<'_>,
         mut on_delta: impl FnMut(Delta),
     ) -> Result<Called, ModelError> {
-        let body = serde_json::to_vec(&self.format.body(request)).unwrap_or_default();
+        let body = self.format.write_body(request);
         let started = Instant::now();
         let mut wait = BACKOFF;
         let mut attempt = 0;

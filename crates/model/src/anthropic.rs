@@ -3,6 +3,7 @@
 //! (`input_json_delta` fragments of a tool's input), `message_delta` (stop reason, usage) and
 //! `message_stop`.
 
+use serde::Serialize;
 use serde_json::{Value, json};
 
 use crate::{Calls, Delta, Item, Reply, Request, Stop, Usage, WireError, number, string};
@@ -10,26 +11,24 @@ use crate::{Calls, Delta, Item, Reply, Request, Stop, Usage, WireError, number, 
 /// What a reply may hold when the request names no limit (Messages requires one).
 const DEFAULT_MAX_TOKENS: u64 = 8192;
 
-pub(crate) fn body(request: &Request) -> Value {
+/// The request body, written straight from the conversation (no copy of its texts).
+pub(crate) fn write_body<'a>(request: &Request<'a>, out: &mut Vec<u8>) -> serde_json::Result<()> {
     // Messages alternate user and assistant: tool results and the words after them are blocks
     // of one user message.
-    let mut messages: Vec<Value> = Vec::new();
-    let mut push = |role: &str, block: Value| {
-        if let Some(last) = messages.last_mut()
-            && last["role"] == role
-            && let Some(blocks) = last["content"].as_array_mut()
-        {
-            blocks.push(block);
-            return;
-        }
-        messages.push(json!({ "role": role, "content": [block] }));
+    let mut messages: Vec<Message<'a>> = Vec::new();
+    let mut push = |role: &'static str, block: Block<'a>| match messages.last_mut() {
+        Some(last) if last.role == role => last.content.push(block),
+        _ => messages.push(Message {
+            role,
+            content: vec![block],
+        }),
     };
     for item in request.items {
         match item {
-            Item::User { text } => push("user", json!({ "type": "text", "text": text })),
+            Item::User { text } => push("user", Block::Text { text }),
             Item::Assistant { text, calls } => {
                 if !text.is_empty() {
-                    push("assistant", json!({ "type": "text", "text": text }));
+                    push("assistant", Block::Text { text });
                 }
                 for call in calls {
                     // The input goes back as the object it was; input that never parsed goes
@@ -40,7 +39,11 @@ pub(crate) fn body(request: &Request) -> Value {
                         .unwrap_or_else(|| json!({}));
                     push(
                         "assistant",
-                        json!({ "type": "tool_use", "id": call.id, "name": call.name, "input": input }),
+                        Block::ToolUse {
+                            id: &call.id,
+                            name: &call.name,
+                            input,
+                        },
                     );
                 }
             }
@@ -50,29 +53,77 @@ pub(crate) fn body(request: &Request) -> Value {
                 error,
             } => push(
                 "user",
-                json!({ "type": "tool_result", "tool_use_id": call_id, "content": output, "is_error": error }),
+                Block::ToolResult {
+                    tool_use_id: call_id,
+                    content: output,
+                    is_error: *error,
+                },
             ),
         }
     }
-    let mut body = json!({
-        "model": request.model,
-        "max_tokens": request.max_output_tokens.unwrap_or(DEFAULT_MAX_TOKENS),
-        "messages": messages,
-    });
-    if !request.instructions.is_empty() {
-        body["system"] = request.instructions.into();
-    }
-    if !request.tools.is_empty() {
-        body["tools"] = request
-            .tools
-            .iter()
-            .map(|t| json!({ "name": t.name, "description": t.description, "input_schema": t.parameters }))
-            .collect();
-    }
-    if request.stream {
-        body["stream"] = true.into();
-    }
-    body
+    serde_json::to_writer(
+        out,
+        &Body {
+            model: request.model,
+            max_tokens: request.max_output_tokens.unwrap_or(DEFAULT_MAX_TOKENS),
+            messages,
+            system: (!request.instructions.is_empty()).then_some(request.instructions),
+            tools: request
+                .tools
+                .iter()
+                .map(|t| ToolSpec {
+                    name: &t.name,
+                    description: &t.description,
+                    input_schema: &t.parameters,
+                })
+                .collect(),
+            stream: request.stream,
+        },
+    )
+}
+
+#[derive(Serialize)]
+struct Body<'a> {
+    model: &'a str,
+    max_tokens: u64,
+    messages: Vec<Message<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    system: Option<&'a str>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    tools: Vec<ToolSpec<'a>>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    stream: bool,
+}
+
+#[derive(Serialize)]
+struct Message<'a> {
+    role: &'static str,
+    content: Vec<Block<'a>>,
+}
+
+#[derive(Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum Block<'a> {
+    Text {
+        text: &'a str,
+    },
+    ToolUse {
+        id: &'a str,
+        name: &'a str,
+        input: Value,
+    },
+    ToolResult {
+        tool_use_id: &'a str,
+        content: &'a str,
+        is_error: bool,
+    },
+}
+
+#[derive(Serialize)]
+struct ToolSpec<'a> {
+    name: &'a str,
+    description: &'a str,
+    input_schema: &'a Value,
 }
 
 fn stop(reason: &str) -> Stop {

@@ -1,54 +1,129 @@
 //! OpenAI-compatible Chat Completions: `messages` in, `choices[0]` out; streamed as chunks of
 //! `delta`s, tool calls in fragments by `index`, ended by `data: [DONE]`.
 
-use serde_json::{Value, json};
+use serde::Serialize;
+use serde_json::Value;
 
 use crate::{Calls, Delta, Item, Reply, Request, Stop, Usage, WireError, number, string};
 
-pub(crate) fn body(request: &Request) -> Value {
-    let mut messages = Vec::with_capacity(request.items.len() + 1);
-    if !request.instructions.is_empty() {
-        messages.push(json!({ "role": "system", "content": request.instructions }));
-    }
-    for item in request.items {
-        messages.push(match item {
-            Item::User { text } => json!({ "role": "user", "content": text }),
-            Item::Assistant { text, calls } => {
-                let mut message = json!({
-                    "role": "assistant",
-                    "content": if text.is_empty() { Value::Null } else { Value::from(text.as_str()) },
-                });
-                if !calls.is_empty() {
-                    message["tool_calls"] = calls
-                        .iter()
-                        .map(|c| {
-                            json!({
-                                "id": c.id,
-                                "type": "function",
-                                "function": { "name": c.name, "arguments": c.arguments },
-                            })
-                        })
-                        .collect();
-                }
-                message
-            }
-            Item::Result {
-                call_id, output, ..
-            } => json!({ "role": "tool", "tool_call_id": call_id, "content": output }),
+/// The request body, written straight from the conversation (no copy of its texts).
+pub(crate) fn write_body(request: &Request, out: &mut Vec<u8>) -> serde_json::Result<()> {
+    serde_json::to_writer(
+        out,
+        &Body {
+            model: request.model,
+            messages: Messages(request),
+            tools: (!request.tools.is_empty()).then_some(crate::FunctionTools {
+                tools: request.tools,
+                nested: true,
+            }),
+            max_completion_tokens: request.max_output_tokens,
+            stream: request.stream,
+            stream_options: request.stream.then_some(StreamOptions {
+                include_usage: true,
+            }),
+        },
+    )
+}
+
+#[derive(Serialize)]
+struct Body<'a> {
+    model: &'a str,
+    messages: Messages<'a>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tools: Option<crate::FunctionTools<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_completion_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    stream: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stream_options: Option<StreamOptions>,
+}
+
+#[derive(Serialize)]
+struct StreamOptions {
+    include_usage: bool,
+}
+
+/// The system message, then one message per item.
+struct Messages<'a>(&'a Request<'a>);
+
+impl Serialize for Messages<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let request = self.0;
+        let system = (!request.instructions.is_empty()).then_some(Message::System {
+            content: request.instructions,
         });
+        serializer.collect_seq(system.into_iter().chain(request.items.iter().map(
+            |item| match item {
+                Item::User { text } => Message::User { content: text },
+                Item::Assistant { text, calls } => Message::Assistant {
+                    content: (!text.is_empty()).then_some(text.as_str()),
+                    tool_calls: ToolCalls(calls),
+                },
+                Item::Result {
+                    call_id, output, ..
+                } => Message::Tool {
+                    tool_call_id: call_id,
+                    content: output,
+                },
+            },
+        )))
     }
-    let mut body = json!({ "model": request.model, "messages": messages });
-    if !request.tools.is_empty() {
-        body["tools"] = crate::function_tools(request.tools, true);
+}
+
+#[derive(Serialize)]
+#[serde(tag = "role", rename_all = "lowercase")]
+enum Message<'a> {
+    System {
+        content: &'a str,
+    },
+    User {
+        content: &'a str,
+    },
+    Assistant {
+        content: Option<&'a str>,
+        #[serde(skip_serializing_if = "ToolCalls::is_empty")]
+        tool_calls: ToolCalls<'a>,
+    },
+    Tool {
+        tool_call_id: &'a str,
+        content: &'a str,
+    },
+}
+
+/// An assistant message's tool calls.
+struct ToolCalls<'a>(&'a [crate::ToolCall]);
+
+impl ToolCalls<'_> {
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
     }
-    if let Some(max) = request.max_output_tokens {
-        body["max_completion_tokens"] = max.into();
+}
+
+impl Serialize for ToolCalls<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Call<'a> {
+            id: &'a str,
+            #[serde(rename = "type")]
+            kind: &'static str,
+            function: Function<'a>,
+        }
+        #[derive(Serialize)]
+        struct Function<'a> {
+            name: &'a str,
+            arguments: &'a str,
+        }
+        serializer.collect_seq(self.0.iter().map(|c| Call {
+            id: &c.id,
+            kind: "function",
+            function: Function {
+                name: &c.name,
+                arguments: &c.arguments,
+            },
+        }))
     }
-    if request.stream {
-        body["stream"] = true.into();
-        body["stream_options"] = json!({ "include_usage": true });
-    }
-    body
 }
 
 fn stop(reason: &str) -> Stop {

@@ -8,7 +8,7 @@
 //! reads the same streams when it observes an agent inside a cell; both use these decoders.
 
 use serde::{Deserialize, Serialize};
-use serde_json::{Value, json};
+use serde_json::Value;
 
 mod anthropic;
 mod chat;
@@ -99,13 +99,23 @@ impl Format {
         }
     }
 
-    /// The request body for a conversation.
+    /// The request body for a conversation, as bytes: serialized straight from the
+    /// conversation, whose texts (each turn sends it whole) are not copied on the way.
+    pub fn write_body(self, request: &Request) -> Vec<u8> {
+        let mut out = Vec::with_capacity(4096);
+        let written = match self {
+            Self::Chat => chat::write_body(request, &mut out),
+            Self::Responses => responses::write_body(request, &mut out),
+            Self::Anthropic => anthropic::write_body(request, &mut out),
+        };
+        // Strings, numbers and JSON values only: writing them to memory cannot fail.
+        debug_assert!(written.is_ok());
+        out
+    }
+
+    /// The request body for a conversation, as a JSON value (what `write_body` writes).
     pub fn body(self, request: &Request) -> Value {
-        match self {
-            Self::Chat => chat::body(request),
-            Self::Responses => responses::body(request),
-            Self::Anthropic => anthropic::body(request),
-        }
+        serde_json::from_slice(&self.write_body(request)).unwrap_or(Value::Null)
     }
 
     /// Reads a whole (not streamed) reply.
@@ -405,24 +415,55 @@ impl Calls {
 }
 
 /// The tools in the OpenAI function shape (`{"type":"function", ...}`), nested or flat.
-fn function_tools(tools: &[Tool], nested: bool) -> Value {
-    Value::Array(
-        tools
-            .iter()
-            .map(|t| match nested {
-                true => json!({
-                    "type": "function",
-                    "function": { "name": t.name, "description": t.description, "parameters": t.parameters },
-                }),
-                false => json!({
-                    "type": "function",
-                    "name": t.name,
-                    "description": t.description,
-                    "parameters": t.parameters,
-                }),
-            })
-            .collect(),
-    )
+/// Function tools as OpenAI's APIs take them: `{type, function: {name, ...}}` (Chat
+/// Completions, `nested`) or `{type, name, ...}` (Responses).
+struct FunctionTools<'a> {
+    tools: &'a [Tool],
+    nested: bool,
+}
+
+impl Serialize for FunctionTools<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Function<'a> {
+            name: &'a str,
+            description: &'a str,
+            parameters: &'a Value,
+        }
+        #[derive(Serialize)]
+        #[serde(untagged)]
+        enum Spec<'a> {
+            Nested {
+                #[serde(rename = "type")]
+                kind: &'static str,
+                function: Function<'a>,
+            },
+            Flat {
+                #[serde(rename = "type")]
+                kind: &'static str,
+                #[serde(flatten)]
+                function: Function<'a>,
+            },
+        }
+        serializer.collect_seq(self.tools.iter().map(|t| {
+            let function = Function {
+                name: &t.name,
+                description: &t.description,
+                parameters: &t.parameters,
+            };
+            if self.nested {
+                Spec::Nested {
+                    kind: "function",
+                    function,
+                }
+            } else {
+                Spec::Flat {
+                    kind: "function",
+                    function,
+                }
+            }
+        }))
+    }
 }
 
 #[cfg(test)]

@@ -2,51 +2,103 @@
 //! as typed events (`response.output_item.added`, `response.function_call_arguments.delta`,
 //! `response.output_text.delta`, ... `response.completed`).
 
-use serde_json::{Value, json};
+use serde::Serialize;
+use serde_json::Value;
 
 use crate::{Calls, Delta, Item, Reply, Request, Stop, Usage, WireError, number, string};
 
-pub(crate) fn body(request: &Request) -> Value {
-    let mut input = Vec::with_capacity(request.items.len());
-    for item in request.items {
-        match item {
-            Item::User { text } => input.push(json!({ "role": "user", "content": text })),
-            Item::Assistant { text, calls } => {
-                if !text.is_empty() {
-                    input.push(json!({ "role": "assistant", "content": text }));
-                }
-                for call in calls {
-                    input.push(json!({
-                        "type": "function_call",
-                        "call_id": call.id,
-                        "name": call.name,
-                        "arguments": call.arguments,
-                    }));
-                }
-            }
-            Item::Result {
-                call_id, output, ..
-            } => input.push(json!({
-                "type": "function_call_output",
-                "call_id": call_id,
-                "output": output,
-            })),
-        }
+/// The request body, written straight from the conversation (no copy of its texts).
+pub(crate) fn write_body(request: &Request, out: &mut Vec<u8>) -> serde_json::Result<()> {
+    serde_json::to_writer(
+        out,
+        &Body {
+            model: request.model,
+            input: Input(request.items),
+            store: false,
+            instructions: (!request.instructions.is_empty()).then_some(request.instructions),
+            tools: (!request.tools.is_empty()).then_some(crate::FunctionTools {
+                tools: request.tools,
+                nested: false,
+            }),
+            max_output_tokens: request.max_output_tokens,
+            stream: request.stream,
+        },
+    )
+}
+
+#[derive(Serialize)]
+struct Body<'a> {
+    model: &'a str,
+    input: Input<'a>,
+    store: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    instructions: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tools: Option<crate::FunctionTools<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_output_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    stream: bool,
+}
+
+/// The input items: messages, and an assistant's calls each as an item of its own.
+struct Input<'a>(&'a [Item]);
+
+#[derive(Serialize)]
+#[serde(untagged)]
+enum InputItem<'a> {
+    Message {
+        role: &'static str,
+        content: &'a str,
+    },
+    Call {
+        #[serde(rename = "type")]
+        kind: &'static str,
+        call_id: &'a str,
+        name: &'a str,
+        arguments: &'a str,
+    },
+    Output {
+        #[serde(rename = "type")]
+        kind: &'static str,
+        call_id: &'a str,
+        output: &'a str,
+    },
+}
+
+impl Serialize for Input<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(self.0.iter().flat_map(|item| {
+            let items: Box<dyn Iterator<Item = InputItem<'_>>> = match item {
+                Item::User { text } => Box::new(std::iter::once(InputItem::Message {
+                    role: "user",
+                    content: text,
+                })),
+                Item::Assistant { text, calls } => Box::new(
+                    (!text.is_empty())
+                        .then_some(InputItem::Message {
+                            role: "assistant",
+                            content: text,
+                        })
+                        .into_iter()
+                        .chain(calls.iter().map(|call| InputItem::Call {
+                            kind: "function_call",
+                            call_id: &call.id,
+                            name: &call.name,
+                            arguments: &call.arguments,
+                        })),
+                ),
+                Item::Result {
+                    call_id, output, ..
+                } => Box::new(std::iter::once(InputItem::Output {
+                    kind: "function_call_output",
+                    call_id,
+                    output,
+                })),
+            };
+            items
+        }))
     }
-    let mut body = json!({ "model": request.model, "input": input, "store": false });
-    if !request.instructions.is_empty() {
-        body["instructions"] = request.instructions.into();
-    }
-    if !request.tools.is_empty() {
-        body["tools"] = crate::function_tools(request.tools, false);
-    }
-    if let Some(max) = request.max_output_tokens {
-        body["max_output_tokens"] = max.into();
-    }
-    if request.stream {
-        body["stream"] = true.into();
-    }
-    body
 }
 
 fn usage(response: &Value) -> Usage {
