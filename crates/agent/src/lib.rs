@@ -101,10 +101,7 @@ impl Agents {
             if path.extension().is_none_or(|e| e != "json") {
                 continue;
             }
-            let Some(mut saved) = std::fs::read(&path)
-                .ok()
-                .and_then(|b| serde_json::from_slice::<Saved>(&b).ok())
-            else {
+            let Some(mut saved) = Saved::read(&path) else {
                 continue;
             };
             let was_running = !saved.info.state.is_over();
@@ -291,6 +288,7 @@ impl Agents {
             request.paused,
             None,
             json!({ "task": request.task, "by": by }),
+            None,
         )
         .await
     }
@@ -311,6 +309,7 @@ impl Agents {
         paused: bool,
         forked_from: Option<String>,
         mut start: serde_json::Value,
+        say: Option<(&str, &str)>,
     ) -> Result<AgentInfo, HarnessError> {
         if let Some(key) = model.key() {
             self.harness.journal().add_redactions([key.to_owned()]);
@@ -352,6 +351,7 @@ impl Agents {
             info,
             instructions,
             items,
+            conversation: None,
             pending: Vec::new(),
             budgets,
             modes,
@@ -362,6 +362,10 @@ impl Agents {
             sessions.insert(id, Arc::clone(&session));
         }
         session.save();
+        // Words for its first turn are there before the loop starts.
+        if let Some((text, by)) = say {
+            return session.say(text, by).await;
+        }
         session.spawn();
         Ok(session.info())
     }
@@ -498,6 +502,12 @@ impl Agents {
         by: &str,
     ) -> Result<AgentInfo, HarnessError> {
         let original = self.session(id)?;
+        if request.say.as_deref().is_some_and(|t| t.trim().is_empty()) {
+            return Err(HarnessError::from(AgentError::Invalid(
+                "say something: the instruction for the fork is empty (leave `say` out for none)"
+                    .into(),
+            )));
+        }
         original.settle().await?;
         let info = original.info();
         let target = session::turn_info(&info, request.turn)?;
@@ -541,14 +551,12 @@ impl Agents {
                 request.paused,
                 Some(from.clone()),
                 json!({ "fork_of": id, "at_turn": request.turn, "by": by }),
+                request.say.as_deref().map(|text| (text, by)),
             )
             .await?;
         self.harness
             .record(Some(&info.cell), "agent.fork", json!({ "id": id, "turn": request.turn, "into": agent.id, "cell": agent.cell, "by": by }))
             .await?;
-        if let Some(text) = request.say {
-            return self.say(&agent.id, &text, by).await;
-        }
         Ok(agent)
     }
 }

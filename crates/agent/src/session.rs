@@ -45,21 +45,77 @@ enum Mode {
     Stop,
 }
 
-/// What the daemon keeps of a session on disk (never the key).
+/// What the daemon keeps of a session on disk (never the key): `ID.json`, and the
+/// conversation in `ID.items.jsonl`, one item a line, appended as it grows (a turn writes its
+/// new items, not the whole conversation again) and written anew when it is cut (a rewind).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct Saved {
     pub info: AgentInfo,
     pub instructions: String,
+    /// The conversation, where it is kept in this file (and as it is read back).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub items: Vec<Item>,
+    /// How many items of the conversation file are the conversation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conversation: Option<usize>,
     pub pending: Vec<String>,
     pub budgets: Budgets,
     pub modes: BTreeMap<String, ToolMode>,
 }
 
+impl Saved {
+    /// Reads a session's state, with its conversation.
+    pub(crate) fn read(path: &std::path::Path) -> Option<Self> {
+        let mut saved: Self = serde_json::from_slice(&std::fs::read(path).ok()?).ok()?;
+        if let Some(count) = saved.conversation.take() {
+            let text = std::fs::read_to_string(conversation_file(path)).ok()?;
+            // A crash between a rewind's new file and the state that counts it leaves fewer
+            // lines than counted: the cut conversation, which is what the rewind made.
+            saved.items = text
+                .lines()
+                .take(count)
+                .map(serde_json::from_str)
+                .collect::<Result<_, _>>()
+                .ok()?;
+        }
+        Some(saved)
+    }
+}
+
+/// The file beside a session's state that holds its conversation.
+pub(crate) fn conversation_file(state: &std::path::Path) -> PathBuf {
+    state.with_extension("items.jsonl")
+}
+
+/// Writes a session's conversation file: the items from `from` on, appended to the first `from`
+/// (or, from 0, a new file in place of the old, atomically).
+fn write_conversation(path: &std::path::Path, from: usize, items: &[Item]) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let mut text = Vec::new();
+    for item in items {
+        serde_json::to_writer(&mut text, item)?;
+        text.push(b'\n');
+    }
+    if from == 0 {
+        let tmp = path.with_extension("jsonl.new");
+        std::fs::write(&tmp, &text)?;
+        return std::fs::rename(&tmp, path);
+    }
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(path)?
+        .write_all(&text)
+}
+
 #[derive(Debug)]
 struct Inner {
     info: AgentInfo,
-    items: Vec<Item>,
+    /// The conversation: shared with the model call under way (each turn sends it whole),
+    /// copied only if it changes while one is.
+    items: Arc<Vec<Item>>,
+    /// How many of `items` the conversation file holds, as they are; `None`: the file is to be
+    /// written anew (the conversation was cut or changed, or never written).
+    logged: Option<usize>,
     pending: Vec<String>,
     mode: Mode,
     /// A loop task runs.
@@ -114,8 +170,23 @@ fn clipped(text: &str) -> Value {
 }
 
 /// Answers every call of the conversation that has none (a stop cut the turn it was in), so
-/// that the conversation can be sent again.
-fn close_calls(items: &mut Vec<Item>) {
+/// that the conversation can be sent again; whether it answered any.
+fn close_calls(items: &mut Vec<Item>) -> bool {
+    // Usually every call has its answer: the conversation is left as it is.
+    let mut open: Vec<&str> = Vec::new();
+    let mut unanswered = false;
+    for item in items.iter() {
+        match item {
+            Item::Result { call_id, .. } => open.retain(|id| id != call_id),
+            _ => unanswered |= !open.is_empty(),
+        }
+        if let Item::Assistant { calls, .. } = item {
+            open = calls.iter().map(|c| c.id.as_str()).collect();
+        }
+    }
+    if !unanswered && open.is_empty() {
+        return false;
+    }
     let mut out = Vec::with_capacity(items.len());
     let mut open: Vec<String> = Vec::new();
     for item in items.drain(..) {
@@ -144,12 +215,13 @@ fn close_calls(items: &mut Vec<Item>) {
         });
     }
     *items = out;
+    true
 }
 
 /// Snapshots a cell's workspace; `None` for a cell with no workspace layer (an existing cell
 /// made without one), whose turns cannot be gone back to.
 pub(crate) async fn snapshot(
-    harness: &Harness,
+    harness: &Arc<Harness>,
     cell: &str,
 ) -> Result<Option<String>, HarnessError> {
     snapshot_then(harness, cell, |_| {}).await
@@ -157,7 +229,7 @@ pub(crate) async fn snapshot(
 
 /// Like [`snapshot`], calling `taken` once the copy is made.
 async fn snapshot_then(
-    harness: &Harness,
+    harness: &Arc<Harness>,
     cell: &str,
     taken: impl FnOnce(&warden_protocol::Snapshot) + Send,
 ) -> Result<Option<String>, HarnessError> {
@@ -207,6 +279,7 @@ impl Session {
             info,
             instructions,
             items,
+            conversation: _,
             pending,
             budgets,
             modes,
@@ -221,7 +294,8 @@ impl Session {
             modes,
             inner: Mutex::new(Inner {
                 info,
-                items,
+                items: Arc::new(items),
+                logged: None,
                 pending,
                 mode: if mode_paused { Mode::Pause } else { Mode::Run },
                 looping: false,
@@ -263,7 +337,7 @@ impl Session {
         let items = self
             .inner
             .lock()
-            .map(|i| i.items.clone())
+            .map(|i| i.items.as_ref().clone())
             .unwrap_or_default();
         warden_protocol::Transcript {
             id: self.id.clone(),
@@ -272,12 +346,33 @@ impl Session {
         }
     }
 
-    pub(crate) fn saved(&self) -> Option<Saved> {
-        let inner = self.inner.lock().ok()?;
+    /// The session's state to save, once the conversation file holds its conversation (its
+    /// new items are appended here, in order, under the lock; a cut conversation is written
+    /// anew).
+    fn saved(&self, path: &std::path::Path) -> Option<Saved> {
+        let mut inner = self.inner.lock().ok()?;
+        let from = inner.logged.unwrap_or(0);
+        let file = conversation_file(path);
+        let conversation = if from == inner.items.len() {
+            from
+        } else {
+            match write_conversation(&file, from, &inner.items[from..]) {
+                Ok(()) => {
+                    inner.logged = Some(inner.items.len());
+                    inner.items.len()
+                }
+                Err(_) => {
+                    // Half an append may be in the file: it is written anew next time.
+                    inner.logged = None;
+                    return None;
+                }
+            }
+        };
         Some(Saved {
             info: inner.info.clone(),
             instructions: self.instructions.clone(),
-            items: inner.items.clone(),
+            items: Vec::new(),
+            conversation: Some(conversation),
             pending: inner.pending.clone(),
             budgets: self.budgets.clone(),
             modes: self.modes.clone(),
@@ -299,7 +394,10 @@ impl Session {
 
     /// A write older than one already made is skipped.
     fn save_with(&self, later: bool) {
-        let (Some(path), Some(saved)) = (self.saved_at.clone(), self.saved()) else {
+        let Some(path) = self.saved_at.clone() else {
+            return;
+        };
+        let Some(saved) = self.saved(&path) else {
             return;
         };
         let order = self
@@ -554,10 +652,12 @@ impl Session {
                     return Ok((AgentState::Stopped, reason));
                 }
                 inner.info.state = AgentState::Running;
-                close_calls(&mut inner.items);
+                if close_calls(Arc::make_mut(&mut inner.items)) {
+                    inner.logged = None;
+                }
                 let said = std::mem::take(&mut inner.pending);
                 for text in &said {
-                    inner.items.push(Item::User {
+                    Arc::make_mut(&mut inner.items).push(Item::User {
                         text: format!("[operator] {text}"),
                     });
                 }
@@ -584,6 +684,8 @@ impl Session {
                     return Ok((AgentState::Stopped, format!("the wall-time budget ({} s) is spent", self.budgets.wall_s.unwrap_or(0))));
                 }
             };
+            // The conversation is the session's alone again (what the turn adds is not copied).
+            drop(items);
             let Some(called) = called else { continue };
             let called = match called {
                 Ok(called) => called,
@@ -622,7 +724,7 @@ impl Session {
                 if !self.current(epoch) {
                     continue;
                 }
-                inner.items.push(Item::Assistant {
+                Arc::make_mut(&mut inner.items).push(Item::Assistant {
                     text: reply.text.clone(),
                     calls: reply.calls.clone(),
                 });
@@ -641,7 +743,7 @@ impl Session {
                 if !self.current(epoch) {
                     break;
                 }
-                inner.items.push(Item::Result {
+                Arc::make_mut(&mut inner.items).push(Item::Result {
                     call_id: call.id.clone(),
                     output: outcome.output,
                     error: outcome.error,
@@ -941,7 +1043,8 @@ impl Session {
             let mut inner = self.inner.lock().map_err(|_| lost())?;
             inner.mode = Mode::Pause;
             self.epoch.send_modify(|e| *e += 1);
-            inner.items.truncate(target.items);
+            Arc::make_mut(&mut inner.items).truncate(target.items);
+            inner.logged = None;
             inner.info.turns.retain(|t| t.turn <= turn);
             inner.info.turn = turn;
             inner.info.summary = None;
