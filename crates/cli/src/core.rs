@@ -195,7 +195,22 @@ impl Warden for InProcess {
         match action {
             ControlAction::Pause => cell.freeze()?,
             ControlAction::Resume => cell.thaw()?,
-            ControlAction::Kill => cell.kill()?,
+            ControlAction::Kill => {
+                cell.kill()?;
+                // Killed means gone: its keeper too, so that what comes next (`warden rm`)
+                // finds the cell ended.
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+                let mut pause = std::time::Duration::from_micros(200);
+                while !matches!(cell.status(), Ok(warden_cell::Status::Ended)) {
+                    if std::time::Instant::now() > deadline {
+                        bail!(
+                            "cell `{name}` was killed but has not ended after 10 s; see `warden ps`"
+                        );
+                    }
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(std::time::Duration::from_millis(5));
+                }
+            }
         }
         Ok(())
     }
