@@ -174,7 +174,8 @@ impl Harness {
                 .iter()
                 .cloned()
                 .map(pool::Pool::new)
-                .collect::<Result<Vec<_>, _>>()?,
+                .collect::<Result<Vec<_>, _>>()
+                .and_then(pool::distinct)?,
             true => Vec::new(),
         };
         let daemon_dir = match config.ephemeral {

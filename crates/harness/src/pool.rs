@@ -95,6 +95,23 @@ impl Pool {
     }
 }
 
+/// Refuses two pools of one policy (once resolved): a create takes from the first that
+/// matches, so the second would make cells nobody takes.
+pub(crate) fn distinct(pools: Vec<Pool>) -> Result<Vec<Pool>, HarnessError> {
+    for (i, pool) in pools.iter().enumerate() {
+        if let Some(first) = pools[..i].iter().find(|p| p.policy == pool.policy) {
+            return Err(HarnessError::from(CreateError::Invalid(format!(
+                "pools `{}` and `{}` have the same policy (once resolved), and a create takes from the first only; give one pool the size of both (`--pool {}={}`)",
+                first.spec.label,
+                pool.spec.label,
+                first.spec.label,
+                (first.spec.size + pool.spec.size).min(64)
+            ))));
+        }
+    }
+    Ok(pools)
+}
+
 /// How long the daemon journals nothing (but its pools' entries) before a pool makes a cell:
 /// making one takes locks of the kernel's that a create, an exec or a delete under way wait
 /// for (a cgroup v1 attach holds the cgroup lock through an RCU grace period), so cells are

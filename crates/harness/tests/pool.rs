@@ -269,3 +269,41 @@ async fn a_pool_whose_cells_would_need_a_callers_secrets_is_refused() {
         "{message}"
     );
 }
+
+/// Two pools of one policy, however it is named: the second would make cells that no create
+/// takes (a create takes from the first that matches), so the daemon refuses to start.
+#[tokio::test]
+async fn two_pools_of_one_policy_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = FakeBackend::new(&dir.path().join("cells"));
+    // The default preset's own text: the same policy under another name.
+    let same = "version: 1\n".to_owned();
+    let refused = Harness::open(Config {
+        runtime: dir.path().join("run"),
+        state: dir.path().join("state"),
+        journal_segments: Default::default(),
+        tiers: Arc::new(warden_cell::Tiers::only(fake.clone())),
+        ephemeral: false,
+        pools: vec![
+            pool(PolicySource::Preset("default".into()), 2),
+            pool(PolicySource::Yaml(same), 3),
+        ],
+    })
+    .await;
+    let message = refused.expect_err("refused").to_string();
+    assert!(
+        message.contains("same policy") && message.contains("--pool default=5"),
+        "{message}"
+    );
+    // Two pools of different policies are fine.
+    let harness = open(
+        dir.path(),
+        &fake,
+        vec![
+            pool(PolicySource::Preset("default".into()), 1),
+            pool(PolicySource::Preset("minimal".into()), 1),
+        ],
+    )
+    .await;
+    assert_eq!(harness.pools().len(), 2);
+}
