@@ -222,11 +222,12 @@ impl Harness {
         let synced = move |result| {
             let _ = tx.send(result);
         };
-        if soon {
-            self.journal.submit_soon(cell, kind, data, written, synced);
-        } else {
-            self.journal.submit_ahead(cell, kind, data, written, synced);
-        }
+        let urgency = match soon {
+            true => warden_journal::Urgency::Soon,
+            false => warden_journal::Urgency::Waited,
+        };
+        self.journal
+            .submit_ahead(cell, kind, data, urgency, written, synced);
         let receipt = journaled(written_rx.await)?;
         Ok(Durable {
             receipt,

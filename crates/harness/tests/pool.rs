@@ -24,17 +24,19 @@ fn pool(policy: PolicySource, size: usize) -> PoolSpec {
     }
 }
 
-async fn open(dir: &Path, fake: &Arc<FakeBackend>, pools: Vec<PoolSpec>) -> Arc<Harness> {
-    Harness::open(Config {
+fn config(dir: &Path, fake: &Arc<FakeBackend>, pools: Vec<PoolSpec>) -> Config {
+    Config {
         runtime: dir.join("run"),
         state: dir.join("state"),
         journal_segments: Default::default(),
         tiers: Arc::new(warden_cell::Tiers::only(fake.clone())),
         ephemeral: false,
         pools,
-    })
-    .await
-    .unwrap()
+    }
+}
+
+async fn open(dir: &Path, fake: &Arc<FakeBackend>, pools: Vec<PoolSpec>) -> Arc<Harness> {
+    Harness::open(config(dir, fake, pools)).await.unwrap()
 }
 
 /// Whether the fake tier still has `name` running.
@@ -254,14 +256,11 @@ async fn a_pool_whose_cells_would_need_a_callers_secrets_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let fake = FakeBackend::new(&dir.path().join("cells"));
     let yaml = "version: 1\nnetwork:\n  allow:\n    - host: 10.9.8.7\n      credential: api\ncredentials:\n  api: { from_env: API_KEY }\n";
-    let refused = Harness::open(Config {
-        runtime: dir.path().join("run"),
-        state: dir.path().join("state"),
-        journal_segments: Default::default(),
-        tiers: Arc::new(warden_cell::Tiers::only(fake.clone())),
-        ephemeral: false,
-        pools: vec![pool(PolicySource::Yaml(yaml.into()), 1)],
-    })
+    let refused = Harness::open(config(
+        dir.path(),
+        &fake,
+        vec![pool(PolicySource::Yaml(yaml.into()), 1)],
+    ))
     .await;
     let message = refused.expect_err("refused").to_string();
     assert!(
@@ -278,17 +277,14 @@ async fn two_pools_of_one_policy_are_refused() {
     let fake = FakeBackend::new(&dir.path().join("cells"));
     // The default preset's own text: the same policy under another name.
     let same = "version: 1\n".to_owned();
-    let refused = Harness::open(Config {
-        runtime: dir.path().join("run"),
-        state: dir.path().join("state"),
-        journal_segments: Default::default(),
-        tiers: Arc::new(warden_cell::Tiers::only(fake.clone())),
-        ephemeral: false,
-        pools: vec![
+    let refused = Harness::open(config(
+        dir.path(),
+        &fake,
+        vec![
             pool(PolicySource::Preset("default".into()), 2),
             pool(PolicySource::Yaml(same), 3),
         ],
-    })
+    ))
     .await;
     let message = refused.expect_err("refused").to_string();
     assert!(

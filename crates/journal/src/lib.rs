@@ -31,4 +31,4 @@ pub use export::{Format, export};
 pub use keys::{KEY_FILE, PUBLIC_FILE, SigningKeys};
 pub use segments::{JOURNAL_FILE, segment_first_seq, segments};
 pub use verify::{Report, VerifyError, verify};
-pub use writer::{Journal, Receipt, Segments};
+pub use writer::{Journal, Receipt, Segments, Urgency};

@@ -59,6 +59,15 @@ impl Default for Segments {
     }
 }
 
+/// How soon an entry submitted ahead must reach the disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Urgency {
+    /// Something waits on it: synced at once (with whatever else waits).
+    Waited,
+    /// Nothing waits on it: no fdatasync of its own (see `Journal::submit_ahead`).
+    Soon,
+}
+
 /// Proof that an entry is on disk.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Receipt {
@@ -271,12 +280,16 @@ impl Journal {
     /// Like `submit`, and `written` is called first, before this returns, once the entry is in
     /// the file (where a crash of this process cannot take it) but not yet through the
     /// fdatasync that makes it survive a power cut: work that must follow the entry can overlap
-    /// that wait, while what acknowledges it waits for `ack`.
+    /// that wait, while what acknowledges it waits for `ack`. With `Urgency::Soon` (an entry
+    /// that nothing waits on: a record of what the warden saw, not of an effect to come) it
+    /// takes no fdatasync of its own: it goes to the disk with the next entry that is waited
+    /// for, or at the latest `SOON_WITHIN` later, and `ack` is called then.
     pub fn submit_ahead(
         &self,
         cell: Option<&str>,
         kind: &str,
         data: Value,
+        urgency: Urgency,
         written: impl FnOnce(Result<Receipt, JournalError>) + Send + 'static,
         ack: impl FnOnce(Result<Receipt, JournalError>) + Send + 'static,
     ) {
@@ -286,29 +299,7 @@ impl Journal {
             data,
             written: Some(Box::new(written)),
             ack: Box::new(ack),
-            soon: false,
-        });
-    }
-
-    /// Like `submit_ahead`, for an entry that nothing waits on (a record of what the warden
-    /// saw, not of an effect to come): it is in the file when `written` is called, and it
-    /// takes no fdatasync of its own. It goes to the disk with the next entry that is waited
-    /// for, or at the latest `SOON_WITHIN` later; `ack` is called then.
-    pub fn submit_soon(
-        &self,
-        cell: Option<&str>,
-        kind: &str,
-        data: Value,
-        written: impl FnOnce(Result<Receipt, JournalError>) + Send + 'static,
-        ack: impl FnOnce(Result<Receipt, JournalError>) + Send + 'static,
-    ) {
-        self.queue(Pending {
-            cell: cell.map(str::to_owned),
-            kind: kind.to_owned(),
-            data,
-            written: Some(Box::new(written)),
-            ack: Box::new(ack),
-            soon: true,
+            soon: urgency == Urgency::Soon,
         });
     }
 
@@ -1300,10 +1291,11 @@ mod tests {
         let soon = |kind: &'static str| {
             let (written, durable) = (tx.clone(), tx.clone());
             let seen = file.clone();
-            journal.submit_soon(
+            journal.submit_ahead(
                 None,
                 kind,
                 json!({}),
+                Urgency::Soon,
                 move |r| {
                     let text = fs::read_to_string(&seen).unwrap();
                     assert!(text.contains(kind), "not in the file when written: {text}");
@@ -1350,6 +1342,7 @@ mod tests {
             Some("c"),
             "exec.start",
             json!({ "n": 1 }),
+            Urgency::Waited,
             move |receipt| {
                 let text = fs::read_to_string(&seen).unwrap();
                 let _ = written_tx.send(("written", receipt.unwrap().seq, text));

@@ -58,19 +58,15 @@ pub fn hold(
     store: &Store,
     name: &str,
 ) -> Result<(Layer, LayerMeta, Frozen), ChangesError> {
+    let Some(quiet) = quiet(registry, name) else {
+        return hold_frozen(registry, store, name);
+    };
     let (layer, meta) = open(store, name)?;
-    if let Some(quiet) = quiet(registry, name) {
-        return Ok((
-            layer,
-            meta,
-            Frozen {
-                cgroup: None,
-                _quiet: Some(quiet),
-            },
-        ));
-    }
-    let frozen = freeze(registry, name)?;
-    Ok((layer, meta, frozen))
+    let still = Frozen {
+        cgroup: None,
+        _quiet: Some(quiet),
+    };
+    Ok((layer, meta, still))
 }
 
 /// Like `hold`, always with a freeze (for a reset, which writes the layer through the cell's
