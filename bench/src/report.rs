@@ -122,6 +122,9 @@ fn main() -> Result<()> {
     for bench in BENCHES {
         let args = if quick { bench.quick } else { bench.args };
         eprintln!("bench-report: {} {}", bench.binary, args.join(" "));
+        // What the last benchmark wrote goes to the disk first (a workspace benchmark leaves
+        // seconds of writeback, under which every fdatasync of the next one waits longer).
+        settle_disk();
         let started = std::time::Instant::now();
         let run = Command::new(dir.join(bench.binary)).args(args).output();
         doc.push_str(&format!(
@@ -373,4 +376,10 @@ fn bar_chart(path: &Path, title: &str, rows: &[(String, f64)]) -> Result<()> {
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     root.present().map_err(|e| anyhow::anyhow!("{e}"))?;
     Ok(())
+}
+
+/// Writes out every dirty page (`sync`), then gives the disk a moment to go quiet.
+fn settle_disk() {
+    let _ = Command::new("sync").status();
+    std::thread::sleep(std::time::Duration::from_secs(2));
 }
