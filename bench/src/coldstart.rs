@@ -147,19 +147,9 @@ fn contenders(warden: &str, baseline: Option<&str>) -> Vec<Contender> {
 /// Create, exec `true`, delete through the daemon's API; a cell of the pool's (waited for,
 /// untimed) or one started for a named create.
 fn time_through(daemon: &warden_bench::Daemon, through: Through, n: usize) -> Result<Duration> {
-    use warden_bench::request;
     let create = match through {
         Through::Pool => {
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while !request(&daemon.socket, "GET", "/v1/pools", "")?
-                .1
-                .contains("\"ready\":2")
-            {
-                if Instant::now() > deadline {
-                    bail!("the daemon's pool made no cell within 10 s");
-                }
-                std::thread::sleep(Duration::from_millis(2));
-            }
+            warden_bench::wait_for_pool(&daemon.socket, 2, Duration::from_secs(10))?;
             "{}".to_owned()
         }
         Through::Daemon => format!(r#"{{"name":"cold{n}"}}"#),

@@ -136,16 +136,7 @@ const GVISOR_POLICY: &str = "version: 1\nextends: default\ntier: gvisor\n";
 /// Create, exec `true`, delete through the API of a daemon whose pool keeps gVisor cells made
 /// ahead (the pool's refill waited for, untimed); `taken`: how many the pool handed out before.
 fn through_pool(pool: &Daemon, taken: usize) -> Result<Duration> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !request(&pool.socket, "GET", "/v1/pools", "")?
-        .1
-        .contains("\"ready\":2")
-    {
-        if Instant::now() > deadline {
-            bail!("the daemon's gVisor pool made no cell within 30 s");
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    warden_bench::wait_for_pool(&pool.socket, 2, Duration::from_secs(30))?;
     let body = serde_json::json!({ "policy": GVISOR_POLICY }).to_string();
     let start = Instant::now();
     warden_bench::create_exec_delete(&pool.socket, &body)?;

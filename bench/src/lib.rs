@@ -82,6 +82,19 @@ pub fn create_exec_delete(socket: &Path, body: &str) -> Result<String> {
     Ok(name)
 }
 
+/// Waits until the daemon's (only) pool has `ready` cells made ahead, for at most `within`.
+pub fn wait_for_pool(socket: &Path, ready: usize, within: Duration) -> Result<()> {
+    let deadline = Instant::now() + within;
+    let want = format!("\"ready\":{ready}");
+    while !request(socket, "GET", "/v1/pools", "")?.1.contains(&want) {
+        if Instant::now() > deadline {
+            bail!("the daemon's pool had no {ready} cells ready within {within:?}");
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    Ok(())
+}
+
 /// A `warden serve` of the benchmark's own, with its runtime and state under `dir`.
 #[derive(Debug)]
 pub struct Daemon {

@@ -126,6 +126,23 @@ pub trait Cell: Send + Sync + Debug {
     fn thaw(&self) -> Result<(), CellError>;
     /// Ends every process of the cell, frozen or not. `Ended` when it had ended already.
     fn kill(&self) -> Result<(), CellError>;
+    /// Waits (bounded, 10 s) until a killed cell's tier has let go of it, its keeper included:
+    /// looked at often at first (a cell with little in it is gone within a millisecond or two),
+    /// then every 5 ms; whether it did.
+    fn wait_ended(&self) -> bool {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let mut pause = std::time::Duration::from_micros(200);
+        loop {
+            if matches!(self.status(), Ok(Status::Ended)) {
+                return true;
+            }
+            if std::time::Instant::now() > deadline {
+                return false;
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(std::time::Duration::from_millis(5));
+        }
+    }
     /// Starts a process: with these descriptors as its stdin, stdout and stderr, or, where the
     /// request asks for a terminal, on one of the cell's own (its master comes back).
     fn exec(

@@ -199,16 +199,8 @@ impl Warden for InProcess {
                 cell.kill()?;
                 // Killed means gone: its keeper too, so that what comes next (`warden rm`)
                 // finds the cell ended.
-                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-                let mut pause = std::time::Duration::from_micros(200);
-                while !matches!(cell.status(), Ok(warden_cell::Status::Ended)) {
-                    if std::time::Instant::now() > deadline {
-                        bail!(
-                            "cell `{name}` was killed but has not ended after 10 s; see `warden ps`"
-                        );
-                    }
-                    std::thread::sleep(pause);
-                    pause = (pause * 2).min(std::time::Duration::from_millis(5));
+                if !cell.wait_ended() {
+                    bail!("cell `{name}` was killed but has not ended after 10 s; see `warden ps`");
                 }
             }
         }

@@ -550,7 +550,7 @@ impl Harness {
             return Ok(ended.is_some_and(|e| e.ended.is_none()));
         }
         if action == ControlAction::Kill {
-            on_own_thread("cell-control", move || wait_ended(&*cell)).await?;
+            on_own_thread("cell-control", move || cell.wait_ended()).await?;
             if let Ok(Some(mut entry)) = self.state.get(name)
                 && entry.ended.is_none()
             {
@@ -589,7 +589,7 @@ impl Harness {
         };
         // Until its tier has let go of it (its keeper ends once its processes are gone).
         let gone = match (killed, live) {
-            (true, Some(cell)) => Some(tokio::task::spawn_blocking(move || wait_ended(&*cell))),
+            (true, Some(cell)) => Some(tokio::task::spawn_blocking(move || cell.wait_ended())),
             _ => None,
         };
         let end = ("cell.end", json!({ "reason": "killed" }));
@@ -663,24 +663,6 @@ impl Harness {
         }
         let _ = std::fs::remove_file(self.store.net_log_path(name));
         let _ = std::fs::remove_dir_all(self.daemon_dir.join("cells").join(name));
-    }
-}
-
-/// Waits (bounded) until a killed cell's tier has let go of it: looked at often at first (a
-/// cell with little in it is gone within a millisecond or two), then every 5 ms; whether it
-/// did.
-pub(crate) fn wait_ended(cell: &dyn Cell) -> bool {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut pause = Duration::from_micros(200);
-    loop {
-        if matches!(cell.status(), Ok(Status::Ended)) {
-            return true;
-        }
-        if Instant::now() > deadline {
-            return false;
-        }
-        std::thread::sleep(pause);
-        pause = (pause * 2).min(Duration::from_millis(5));
     }
 }
 

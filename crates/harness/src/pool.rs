@@ -457,5 +457,5 @@ impl Harness {
 /// Kills a cell and waits (bounded) until its tier has let go of it; whether it did.
 fn end_cell(cell: &dyn Cell) -> bool {
     let _ = cell.kill();
-    crate::cells::wait_ended(cell)
+    cell.wait_ended()
 }

@@ -93,7 +93,9 @@ impl Harness {
         kind: &str,
         data: Value,
     ) -> Result<Receipt, HarnessError> {
-        let durable = self.record_written(cell, kind, data, true).await?;
+        let durable = self
+            .record_written(cell, kind, data, warden_journal::Urgency::Soon)
+            .await?;
         let receipt = durable.receipt.clone();
         let harness = Arc::clone(self);
         tokio::spawn(async move {
@@ -200,18 +202,19 @@ impl Harness {
         kind: &str,
         data: Value,
     ) -> Result<Durable, HarnessError> {
-        self.record_written(cell, kind, data, false).await
+        self.record_written(cell, kind, data, warden_journal::Urgency::Waited)
+            .await
     }
 
-    /// `record_ahead`, or with `soon` for an entry no effect waits on: it then takes no
+    /// `record_ahead`, or, `Urgency::Soon`, for an entry no effect waits on: it then takes no
     /// fdatasync of its own, but rides with the next entry that is waited for (or goes to the
     /// disk within a few milliseconds).
-    pub(crate) async fn record_written(
+    async fn record_written(
         &self,
         cell: Option<&str>,
         kind: &str,
         data: Value,
-        soon: bool,
+        urgency: warden_journal::Urgency,
     ) -> Result<Durable, HarnessError> {
         let (written_tx, written_rx) = tokio::sync::oneshot::channel();
         let (tx, rx) = tokio::sync::oneshot::channel();
@@ -221,10 +224,6 @@ impl Harness {
         };
         let synced = move |result| {
             let _ = tx.send(result);
-        };
-        let urgency = match soon {
-            true => warden_journal::Urgency::Soon,
-            false => warden_journal::Urgency::Waited,
         };
         self.journal
             .submit_ahead(cell, kind, data, urgency, written, synced);

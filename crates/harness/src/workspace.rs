@@ -89,7 +89,7 @@ impl Harness {
     ) -> Result<Snapshot, HarnessError> {
         // In the file before the snapshot is taken; on disk with its end, which is waited for
         // (a snapshot changes nothing outside the warden, so nothing waits on the disk first).
-        let begun = self.snapshot_begins(name, as_name, false).await?;
+        let begun = self.snapshot_begins(name, as_name).await?;
         let made = self.snapshot_made(name, as_name).await;
         let done = match made {
             Ok(snapshot) => self
@@ -118,11 +118,9 @@ impl Harness {
         as_name: Option<&str>,
         taken: impl FnOnce(&Snapshot) + Send,
     ) -> Result<Snapshot, HarnessError> {
-        let begun = self.snapshot_begins(name, as_name, true).await?;
-        let harness = Arc::clone(self);
-        tokio::spawn(async move {
-            let _ = begun.wait(&harness).await;
-        });
+        self.check_snapshot(name, as_name)?;
+        self.record_soon(Some(name), "workspace.snapshot", json!({ "as": as_name }))
+            .await?;
         let snapshot = self.snapshot_made(name, as_name).await?;
         taken(&snapshot);
         self.record_soon(
@@ -134,27 +132,26 @@ impl Harness {
         Ok(snapshot)
     }
 
-    /// The snapshot's first entry, in the file before it is taken; `soon`: with no fdatasync
-    /// of its own.
+    /// The snapshot's first entry, in the file before it is taken.
     async fn snapshot_begins(
         &self,
         name: &str,
         as_name: Option<&str>,
-        soon: bool,
     ) -> Result<crate::record::Durable, HarnessError> {
+        self.check_snapshot(name, as_name)?;
+        self.record_ahead(Some(name), "workspace.snapshot", json!({ "as": as_name }))
+            .await
+    }
+
+    /// The cell exists, and the snapshot's name (if any) is one.
+    fn check_snapshot(&self, name: &str, as_name: Option<&str>) -> Result<(), HarnessError> {
         self.entry(name)?;
         if let Some(snap) = as_name {
             warden_cell::check_name(snap).map_err(|e| {
                 HarnessError::from(WorkspaceError::Invalid(format!("snapshot name: {e}")))
             })?;
         }
-        self.record_written(
-            Some(name),
-            "workspace.snapshot",
-            json!({ "as": as_name }),
-            soon,
-        )
-        .await
+        Ok(())
     }
 
     /// The tier's snapshot, on a blocking thread.
