@@ -104,11 +104,24 @@ try {
 
   step('log in with the token');
   await page.fill('#token', TOKEN);
+  const loggedIn = page.waitForResponse((r) => r.url().endsWith('/ui/login') && r.request().method() === 'POST');
   await page.click('#login-form button');
+  const setCookie = (await (await loggedIn).headerValue('set-cookie')) || '';
+  const said = setCookie.split(';').map((p) => p.trim().toLowerCase());
+  if (!setCookie.startsWith('warden_session=') || !said.includes('httponly') || !said.includes('samesite=strict')) {
+    fail(`the login's Set-Cookie is not an HttpOnly, SameSite=Strict session cookie: ${JSON.stringify(setCookie)}`);
+  }
   await page.waitForSelector('#nav', { state: 'visible' });
-  const cookies = await context.cookies();
-  const session = cookies.find((c) => c.name === 'warden_session');
-  if (!session || !session.httpOnly || session.sameSite !== 'Strict') fail(`the session cookie is not HttpOnly and SameSite=Strict: ${JSON.stringify(session)}`);
+  // The browser's own view of the cookie (its store is written apart from the page's work, so
+  // it is read until it shows the cookie, within a few seconds).
+  let session;
+  let cookies = [];
+  for (const until = Date.now() + 5000; ; await sleep(100)) {
+    cookies = await context.cookies();
+    session = cookies.find((c) => c.name === 'warden_session');
+    if (session || Date.now() > until) break;
+  }
+  if (!session || !session.httpOnly || session.sameSite !== 'Strict') fail(`the browser does not hold the session cookie as HttpOnly and SameSite=Strict: ${JSON.stringify(cookies)}`);
   if (await page.evaluate(() => document.cookie.includes('warden_session'))) fail('the page script can read the session cookie');
   // The link `warden dashboard` prints, opened again in a browser that has a session.
   await page.goto(`${URL_}/ui/#token=${TOKEN}`);
