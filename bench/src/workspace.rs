@@ -3,6 +3,11 @@
 //! copy-on-write workspace beside one without. Each figure is the wall time of the whole
 //! `warden` command, as a user sees it.
 //!
+//! Then, through a daemon of its own, the curve of a snapshot and of a reset to a snapshot by how
+//! many of the 10,000 files the cell changed (10 to 10,000): of a cell whose init runs alone
+//! (its upper layer turned into the snapshot's, nothing copied), beside the same snapshot of the
+//! same cell with a process running (copied). Each figure is the time of the API request.
+//!
 //! Usage: `workspace-ops [--runs N] [--warden PATH]` (as root or as an ordinary user).
 
 use std::path::Path;
@@ -79,6 +84,10 @@ fn main() -> Result<()> {
     let tree = tmp.join("tree");
     make_tree(&tree)?;
     let result = measure(&bin, &tree, runs);
+    let curve = result
+        .as_ref()
+        .ok()
+        .map(|_| curve(&bin, &tmp, &tree, runs.min(20)));
     let _ = std::fs::remove_dir_all(&tmp);
     let stats = result?;
     println!(
@@ -116,7 +125,123 @@ fn main() -> Result<()> {
         get("fork from a snapshot, run `true`") - get("cold start, no workspace"),
         get("cold start, copy-on-write workspace") - get("cold start, no workspace"),
     );
+    let curve = curve.context("no curve")??;
+    println!();
+    println!(
+        "through the daemon: snapshot and reset by files changed (of {}), median ms ({} runs each)",
+        DIRS * FILES_PER_DIR,
+        runs.min(20)
+    );
+    println!();
+    println!(
+        "| {:>13} | {:>16} | {:>26} | {:>24} |",
+        "files changed", "snapshot (quiet)", "reset to snapshot (quiet)", "snapshot (process runs)"
+    );
+    println!("|{:->15}|{:->18}|{:->28}|{:->26}|", "", "", "", "");
+    for row in &curve {
+        println!(
+            "| {:>13} | {:>16.2} | {:>26.2} | {:>24.2} |",
+            row.changed,
+            ms(row.snapshot),
+            ms(row.reset),
+            ms(row.copied)
+        );
+    }
+    println!();
+    println!(
+        "quiet: the cell's init runs alone, and its upper layer becomes the snapshot's (a reset \
+         mounts the target's layers again); process runs: a `sleep` holds the workspace, and the \
+         snapshot is a copy of what changed"
+    );
     Ok(())
+}
+
+/// One point of the curve: medians.
+struct Point {
+    changed: usize,
+    snapshot: Duration,
+    reset: Duration,
+    copied: Duration,
+}
+
+/// Snapshots and resets of daemon cells on `tree` that changed 10 to 10,000 of its files.
+fn curve(bin: &str, tmp: &Path, tree: &Path, runs: usize) -> Result<Vec<Point>> {
+    let daemon = warden_bench::Daemon::start(Path::new(bin), &tmp.join("daemon"), &[])?;
+    let call = |method: &str, path: &str, body: &str| -> Result<Duration> {
+        let start = Instant::now();
+        let (status, raw) = warden_bench::request(&daemon.socket, method, path, body)?;
+        let took = start.elapsed();
+        // An exec's stream ends with its exit event, which must say it exited with 0.
+        let failed =
+            raw.contains("event: exit") && !raw.contains("\"reason\":\"exited\",\"code\":0");
+        if status >= 300 || failed {
+            bail!("{method} {path} answered {status}: {raw}");
+        }
+        Ok(took)
+    };
+    let mut out = Vec::new();
+    for (i, changed) in [10usize, 100, 1000, 10_000].into_iter().enumerate() {
+        let cell = format!("curve{i}");
+        call(
+            "POST",
+            "/v1/cells",
+            &format!(r#"{{"name":"{cell}","workspace":"{}"}}"#, tree.display()),
+        )?;
+        // Each round rewrites `changed` files (untimed) with new content.
+        let change = |round: usize| {
+            let script = format!(
+                "cd /workspace && n=0; for f in d*/f*.txt; do echo {round} > $f; n=$((n+1)); \
+                 [ $n -ge {changed} ] && break; done"
+            );
+            call(
+                "POST",
+                &format!("/v1/cells/{cell}/exec"),
+                &serde_json::json!({ "argv": ["sh", "-c", script] }).to_string(),
+            )
+        };
+        let snapshot = |name: &str| {
+            call(
+                "POST",
+                &format!("/v1/cells/{cell}/snapshot"),
+                &format!(r#"{{"as":"{name}"}}"#),
+            )
+        };
+        change(0)?;
+        snapshot("base")?;
+        let (mut snaps, mut resets, mut copies) = (Vec::new(), Vec::new(), Vec::new());
+        for round in 1..=runs {
+            change(round)?;
+            quiesce()?;
+            snaps.push(snapshot(&format!("q{round}"))?);
+            change(round)?;
+            quiesce()?;
+            resets.push(call(
+                "POST",
+                &format!("/v1/cells/{cell}/reset"),
+                r#"{"to":"base"}"#,
+            )?);
+        }
+        // The same, with a process holding the workspace: copied.
+        call(
+            "POST",
+            &format!("/v1/cells/{cell}/exec"),
+            r#"{"argv":["sleep","3600"],"background":true}"#,
+        )?;
+        for round in 1..=runs {
+            change(round + runs)?;
+            quiesce()?;
+            copies.push(snapshot(&format!("c{round}"))?);
+        }
+        call("DELETE", &format!("/v1/cells/{cell}"), "")?;
+        let median = |samples: &mut Vec<Duration>| warden_bench::percentile(samples, 0.5);
+        out.push(Point {
+            changed,
+            snapshot: median(&mut snaps),
+            reset: median(&mut resets),
+            copied: median(&mut copies),
+        });
+    }
+    Ok(out)
 }
 
 /// The warden's state directory, as it chooses it (see `Store::default_root`).

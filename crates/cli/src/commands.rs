@@ -92,7 +92,10 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         }
         Command::Snapshot { name, as_name } => {
             let info = crate::core::for_cell(&name)?.snapshot(&name, as_name.as_deref())?;
-            println!("{} ({} bytes)", info.id, info.size);
+            match info.size {
+                Some(size) => println!("{} ({size} bytes)", info.id),
+                None => println!("{} (taken without a copy)", info.id),
+            }
             Ok(0)
         }
         Command::Snapshots { json } => snapshots(json),
@@ -661,7 +664,7 @@ fn net(name: &str, json: bool) -> Result<i32> {
 }
 
 fn snapshots(json: bool) -> Result<i32> {
-    let all = snapshot::list(&store()?);
+    let all = snapshot::listed(&store()?);
     if json {
         println!("{}", serde_json::to_string_pretty(&all)?);
         return Ok(0);
@@ -680,7 +683,7 @@ fn snapshots(json: bool) -> Result<i32> {
         println!(
             "{:<32} {:>12} {:>7}  {:<10}  {}",
             snap.id,
-            warden_policy::ByteSize(snap.size).to_string(),
+            warden_policy::ByteSize(snap.size.unwrap_or(0)).to_string(),
             snap.stack().len(),
             memory,
             snap.lower.display()

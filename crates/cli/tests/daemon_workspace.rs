@@ -758,3 +758,237 @@ fn unnamed_snapshots_count_on_and_start_over_for_a_cell_made_again() {
     );
     assert_eq!(snapshot(json!({})), format!("{name}@s1"));
 }
+
+/// A snapshot of a cell whose init runs alone copies nothing: the cell's upper layer becomes the
+/// snapshot's layer (the very files, by inode), the cell goes on on a fresh one, and what it
+/// writes next never reaches the snapshot. A reset mounts the target's layers again under a
+/// fresh upper. A process started after either is fenced as before; a cell with a process
+/// running gets a copy instead.
+#[test]
+fn a_quiet_cells_snapshot_and_reset_turn_layers_over_without_copies() {
+    use std::os::unix::fs::MetadataExt as _;
+    if !cgroups_available("daemon_turn_over") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let host = tempdir();
+    std::fs::write(host.path().join("a.txt"), "host\n").unwrap();
+    let cell = daemon.create(
+        &unique("turn"),
+        json!({ "workspace": host.path().display().to_string() }),
+    );
+    let run = |script: &str| {
+        let events = daemon.exec(&cell, json!({ "argv": ["sh", "-c", script] }));
+        let code = exit_of(&events)["code"].as_i64();
+        (
+            code,
+            String::from_utf8_lossy(&stream_bytes(&events, "stdout")).into_owned(),
+            String::from_utf8_lossy(&stream_bytes(&events, "stderr")).into_owned(),
+        )
+    };
+    let made = run("echo one > a.txt && mkdir d && for i in 1 2 3 4 5; do echo $i > d/f$i; done");
+    assert_eq!(made.0, Some(0), "{made:?}");
+    // The layer's upper directory: in its file system of its own (the default disk limit), or
+    // beside its record.
+    let layer = daemon.state().join("layers").join(&cell);
+    let layer = match layer.join("fs/upper").exists() {
+        true => layer.join("fs"),
+        false => layer,
+    };
+    let snapshot_layer = |snap: &str| -> std::path::PathBuf {
+        let record = daemon
+            .state()
+            .join("snapshots")
+            .join(format!("{cell}@{snap}"))
+            .join("snapshot.json");
+        let record: Value = serde_json::from_str(&read_file(&record)).unwrap();
+        record["layer"].as_str().unwrap().into()
+    };
+    let ino = |path: &std::path::Path| std::fs::symlink_metadata(path).unwrap().ino();
+    let written = ino(&layer.join("upper/a.txt"));
+
+    let snap = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/snapshot"),
+        Some(json!({"as": "one"})),
+    );
+    assert_eq!(snap.status, 201, "{}", String::from_utf8_lossy(&snap.body));
+    let own = snapshot_layer("one");
+    assert_eq!(
+        ino(&own.join("a.txt")),
+        written,
+        "the snapshot's layer is the file the cell wrote, not a copy of it"
+    );
+    assert_eq!(std::fs::read_dir(layer.join("upper")).unwrap().count(), 0);
+
+    // The cell goes on, on its fresh layer; the snapshot keeps what it had.
+    let next = run("echo two > a.txt && rm d/f1 && echo new > b.txt && cat a.txt");
+    assert_eq!((next.0, next.1.as_str()), (Some(0), "two\n"), "{next:?}");
+    assert_eq!(std::fs::read_to_string(own.join("a.txt")).unwrap(), "one\n");
+    assert!(own.join("d/f1").exists());
+    assert_eq!(
+        daemon.changed_paths(&cell),
+        ["a.txt", "b.txt", "d", "d/f2", "d/f3", "d/f4", "d/f5"]
+    );
+    // Fenced as before the swap: the workspace and /tmp are writable, nothing else is.
+    let fenced = run("echo x > /proc/self/comm");
+    assert_ne!(fenced.0, Some(0), "{fenced:?}");
+    assert!(fenced.2.contains("Permission denied"), "{fenced:?}");
+
+    // Back to the snapshot: its layers mounted again under a fresh upper layer.
+    let upper = ino(&layer.join("upper"));
+    let reset = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/reset"),
+        Some(json!({ "to": "one" })),
+    );
+    assert!(
+        reset.status < 300,
+        "{}",
+        String::from_utf8_lossy(&reset.body)
+    );
+    assert_ne!(
+        ino(&layer.join("upper")),
+        upper,
+        "the reset mounted a fresh upper layer"
+    );
+    let back = run("cat a.txt d/f1; test -e b.txt || echo no-b; echo three > a.txt; cat a.txt");
+    assert_eq!(
+        (back.0, back.1.as_str()),
+        (Some(0), "one\n1\nno-b\nthree\n"),
+        "{back:?}"
+    );
+    let reset = daemon.call("POST", &format!("/v1/cells/{cell}/reset"), Some(json!({})));
+    assert!(
+        reset.status < 300,
+        "{}",
+        String::from_utf8_lossy(&reset.body)
+    );
+    let start = run("cat a.txt; test -e d || echo no-d; echo four > a.txt");
+    assert_eq!(
+        (start.0, start.1.as_str()),
+        (Some(0), "host\nno-d\n"),
+        "{start:?}"
+    );
+    assert!(daemon.changed_paths(&cell) == ["a.txt"]);
+
+    // A process running holds the workspace: the snapshot is a copy, of the same content.
+    let started = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["sleep", "30"], "background": true })),
+    );
+    assert_eq!(started.status, 201);
+    let written = ino(&layer.join("upper/a.txt"));
+    let snap = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/snapshot"),
+        Some(json!({"as": "busy"})),
+    );
+    assert_eq!(snap.status, 201, "{}", String::from_utf8_lossy(&snap.body));
+    let copied = snapshot_layer("busy").join("a.txt");
+    assert_ne!(ino(&copied), written);
+    assert_eq!(std::fs::read_to_string(copied).unwrap(), "four\n");
+    assert_eq!(ino(&layer.join("upper/a.txt")), written);
+}
+
+/// Snapshots of a quiet cell stack on each other: removing an older one takes its name, and
+/// its layer stays as long as a later snapshot (or the cell) stacks it. When the cell is
+/// deleted, the snapshot layers kept in its file system of its own are moved out: a fork from
+/// them after the cell is gone sees everything they held.
+#[test]
+fn stacked_snapshots_outlive_their_names_and_their_cell() {
+    if !cgroups_available("daemon_stacked") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let host = tempdir();
+    std::fs::write(host.path().join("a.txt"), "host\n").unwrap();
+    let cell = daemon.create(
+        &unique("stack"),
+        json!({ "workspace": host.path().display().to_string() }),
+    );
+    let run = |cell: &str, script: &str| {
+        let events = daemon.exec(cell, json!({ "argv": ["sh", "-c", script] }));
+        assert_eq!(exit_of(&events)["code"], 0, "{script}: {events:?}");
+        String::from_utf8_lossy(&stream_bytes(&events, "stdout")).into_owned()
+    };
+    let snapshot = |name: &str| {
+        let answer = daemon.call(
+            "POST",
+            &format!("/v1/cells/{cell}/snapshot"),
+            Some(json!({ "as": name })),
+        );
+        assert_eq!(answer.status, 201, "{}", answer.text());
+    };
+    run(&cell, "echo one > one.txt");
+    snapshot("k1");
+    run(&cell, "echo two > two.txt && rm a.txt");
+    snapshot("k2");
+    run(&cell, "echo three > three.txt");
+    // k1's name goes; k2, built on its layer, keeps all it had.
+    let rm = daemon
+        .warden()
+        .args(["rm", &format!("{cell}@k1")])
+        .output()
+        .unwrap();
+    assert!(rm.status.success(), "{rm:?}");
+    let listed =
+        String::from_utf8_lossy(&daemon.warden().arg("snapshots").output().unwrap().stdout)
+            .into_owned();
+    assert!(!listed.contains(&format!("{cell}@k1")), "{listed}");
+    assert!(listed.contains(&format!("{cell}@k2")), "{listed}");
+    let reset = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/reset"),
+        Some(json!({ "to": "k2" })),
+    );
+    assert!(reset.status < 300, "{}", reset.text());
+    assert_eq!(
+        run(&cell, "cat one.txt two.txt; ls"),
+        "one\ntwo\none.txt\ntwo.txt\n"
+    );
+    // The cell goes; its snapshot stays whole, and a fork from it sees it all.
+    assert_eq!(
+        daemon
+            .call("DELETE", &format!("/v1/cells/{cell}"), None)
+            .status,
+        204
+    );
+    let fork = daemon.create(
+        &unique("stackfork"),
+        json!({ "from": format!("{cell}@k2") }),
+    );
+    assert_eq!(
+        run(&fork, "cat one.txt two.txt; ls"),
+        "one\ntwo\none.txt\ntwo.txt\n"
+    );
+    // Nothing is kept once nothing stacks it: the fork and the snapshot removed, no layer is
+    // left behind.
+    assert_eq!(
+        daemon
+            .call("DELETE", &format!("/v1/cells/{fork}"), None)
+            .status,
+        204
+    );
+    let rm = daemon
+        .warden()
+        .args(["rm", &format!("{cell}@k2")])
+        .output()
+        .unwrap();
+    assert!(rm.status.success(), "{rm:?}");
+    let kept: Vec<_> = std::fs::read_dir(daemon.state().join("snapshots"))
+        .unwrap()
+        .flatten()
+        .flat_map(|e| {
+            let path = e.path();
+            match std::fs::read_dir(&path) {
+                Ok(inner) if e.file_name() == ".kept" => {
+                    inner.flatten().map(|i| i.path()).collect::<Vec<_>>()
+                }
+                _ => vec![path],
+            }
+        })
+        .collect();
+    assert!(kept.is_empty(), "left behind: {kept:?}");
+}

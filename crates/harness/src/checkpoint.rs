@@ -96,7 +96,7 @@ impl Harness {
             let mut workspace_bytes = 0;
             let mut while_held = || {
                 tier.snapshot(&cell_name, Some(&snap_name))
-                    .map(|info| workspace_bytes = info.size)
+                    .map(|info| workspace_bytes = info.size.unwrap_or(0))
                     .map_err(|e| format!("snapshotting the workspace: {e}"))
             };
             tier.checkpoint(&cell_name, &image_dir, &mut while_held)

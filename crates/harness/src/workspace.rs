@@ -329,7 +329,7 @@ impl Harness {
     pub fn snapshots(&self, name: &str) -> Result<Vec<Snapshot>, HarnessError> {
         self.entry(name)?;
         let prefix = format!("{name}@");
-        Ok(warden_cell::snapshot::list(&self.store)
+        Ok(warden_cell::snapshot::listed(&self.store)
             .into_iter()
             .filter(|s| s.id.starts_with(&prefix))
             .map(|s| Snapshot {

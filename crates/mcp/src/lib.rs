@@ -435,7 +435,10 @@ goes back to it; `fork_cell` starts a new cell from it."
                 .await
             {
                 Ok(snap) => {
-                    let text = format!("snapshot {} ({} bytes)", snap.id, snap.size);
+                    let text = match snap.size {
+                        Some(size) => format!("snapshot {} ({size} bytes)", snap.id),
+                        None => format!("snapshot {} (its size is being counted)", snap.id),
+                    };
                     answer(&snap, text)
                 }
                 Err(err) => failed(err),

@@ -7,8 +7,10 @@ use serde::{Deserialize, Serialize};
 pub struct Snapshot {
     /// `CELL@SNAP`.
     pub id: String,
-    /// Bytes of file data it holds.
-    pub size: u64,
+    /// Bytes of file data it holds; `null` while they are being counted (a snapshot that took
+    /// the cell's layer instead of a copy is counted just after it is taken; listing the
+    /// snapshots counts it at once).
+    pub size: Option<u64>,
 }
 
 /// Which workspace changes to apply, and how.

@@ -25,9 +25,14 @@ pub struct LayerMeta {
     pub started: SystemTime,
     /// Paths relative to the workspace whose changes need explicit naming.
     pub protected: Vec<String>,
-    /// Snapshot layers under this one (topmost first), when the cell was forked from a snapshot.
+    /// Snapshot layers under this one (topmost first): those the cell was forked from, and the
+    /// snapshots of its own that were taken by turning its upper layer into one.
     #[serde(default)]
     pub base: Vec<PathBuf>,
+    /// The layers the cell started on, once `base` is no longer them (what a reset to the start
+    /// goes back to); `None` while `base` is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start: Option<Vec<PathBuf>>,
     /// Where the workspace appears inside the cell.
     #[serde(default = "default_mount")]
     pub mount: PathBuf,
@@ -105,9 +110,22 @@ impl Layer {
         fs::write(self.dir.join("layer.json"), text)
     }
 
+    /// Records `meta` in place of what was recorded (written aside, then renamed over).
+    pub fn write_meta(&self, meta: &LayerMeta) -> io::Result<()> {
+        let text = serde_json::to_string_pretty(meta).map_err(io::Error::other)?;
+        let aside = self.dir.join("layer.json.new");
+        fs::write(&aside, text)?;
+        fs::rename(&aside, self.dir.join("layer.json"))
+    }
+
     pub fn meta(&self) -> io::Result<LayerMeta> {
         let text = fs::read_to_string(self.dir.join("layer.json"))?;
         serde_json::from_str(&text).map_err(io::Error::other)
+    }
+
+    /// The layers the cell started on (topmost first).
+    pub fn start(meta: &LayerMeta) -> &[PathBuf] {
+        meta.start.as_deref().unwrap_or(&meta.base)
     }
 
     /// Every layer of the cell's workspace, topmost first (the host directory excluded).

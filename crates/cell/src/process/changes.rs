@@ -35,11 +35,14 @@ pub enum ChangesError {
 
 /// Keeps a running cell's layer still while a read (or a copy) of it lasts: the cell frozen,
 /// thawed again however the read ends; or, when the init alone ran, the cell's starts held
-/// back (`starts`), let go at the end.
+/// back (`starts`), let go at the end. It also holds the layer's own lock: shared by reads,
+/// exclusive for what changes which directories the layer is made of (a snapshot that turns
+/// the upper layer over, a reset), so that no read sees a layer half made over.
 #[derive(Debug)]
 pub struct Frozen {
     cgroup: Option<CellCgroup>,
     _quiet: Option<std::os::fd::OwnedFd>,
+    _layer: Option<std::os::fd::OwnedFd>,
 }
 
 impl Drop for Frozen {
@@ -50,34 +53,88 @@ impl Drop for Frozen {
     }
 }
 
-/// Opens a cell's layer and keeps it still while the caller holds the guard: without a freeze
-/// when nothing but the init runs in the cell and no start is under way (the starts are held
-/// back instead), frozen otherwise.
+/// What a hold is for: reading the layer, or changing what it is made of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Use {
+    Read,
+    Change,
+}
+
+/// Opens a cell's layer to read it, and keeps it still while the caller holds the guard:
+/// without a freeze when nothing but the init runs in the cell and no start is under way (the
+/// starts are held back instead), frozen otherwise.
 pub fn hold(
     registry: &Registry,
     store: &Store,
     name: &str,
 ) -> Result<(Layer, LayerMeta, Frozen), ChangesError> {
+    hold_for(registry, store, name, Use::Read)
+}
+
+/// Like `hold`, for `what`.
+pub fn hold_for(
+    registry: &Registry,
+    store: &Store,
+    name: &str,
+    what: Use,
+) -> Result<(Layer, LayerMeta, Frozen), ChangesError> {
     let Some(quiet) = quiet(registry, name) else {
-        return hold_frozen(registry, store, name);
+        return hold_frozen_for(registry, store, name, what);
     };
-    let (layer, meta) = open(store, name)?;
+    let (layer, meta, lock) = open(store, name, what)?;
     let still = Frozen {
         cgroup: None,
         _quiet: Some(quiet),
+        _layer: Some(lock),
     };
     Ok((layer, meta, still))
 }
 
-/// Like `hold`, always with a freeze (for a reset, which writes the layer through the cell's
-/// own mount while it holds it).
+/// Like `hold` to change the layer, when the init runs alone and no start is under way; `None`
+/// (nothing held, nothing frozen) otherwise.
+pub fn hold_quiet(
+    registry: &Registry,
+    store: &Store,
+    name: &str,
+) -> Result<Option<(Layer, LayerMeta, Frozen)>, ChangesError> {
+    let Some(quiet) = quiet(registry, name) else {
+        return Ok(None);
+    };
+    let (layer, meta, lock) = open(store, name, Use::Change)?;
+    let still = Frozen {
+        cgroup: None,
+        _quiet: Some(quiet),
+        _layer: Some(lock),
+    };
+    Ok(Some((layer, meta, still)))
+}
+
+impl Frozen {
+    /// Whether the cell is held by its starts lock with its init alone (not frozen).
+    pub fn is_quiet(&self) -> bool {
+        self._quiet.is_some()
+    }
+}
+
+/// Like `hold` to change the layer, always with a freeze (for a reset, which writes the layer
+/// through the cell's own mount while it holds it).
 pub fn hold_frozen(
     registry: &Registry,
     store: &Store,
     name: &str,
 ) -> Result<(Layer, LayerMeta, Frozen), ChangesError> {
-    let (layer, meta) = open(store, name)?;
-    let frozen = freeze(registry, name)?;
+    hold_frozen_for(registry, store, name, Use::Change)
+}
+
+fn hold_frozen_for(
+    registry: &Registry,
+    store: &Store,
+    name: &str,
+    what: Use,
+) -> Result<(Layer, LayerMeta, Frozen), ChangesError> {
+    let (layer, meta, lock) = open(store, name, what)?;
+    let mut frozen = freeze(registry, name)?;
+    frozen._layer = Some(lock);
     Ok((layer, meta, frozen))
 }
 
@@ -86,13 +143,32 @@ pub fn hold_frozen(
 /// until the lock is let go.
 fn quiet(registry: &Registry, name: &str) -> Option<std::os::fd::OwnedFd> {
     let record = registry.get(name).ok()?;
-    let cgroup = record.cgroup.as_ref()?;
     let lock = super::starts::quiet(&registry.starts_lock(name))?;
     // Taken first, then looked: a start that came before the lock is in the cgroup by now.
-    (cgroup.pids() == [record.pid] && !cgroup.is_frozen()).then_some(lock)
+    let alone = match &record.cgroup {
+        Some(cgroup) => cgroup.pids() == [record.pid] && !cgroup.is_frozen(),
+        // Without a cgroup of its own (a rootless cell where none is delegated): every process
+        // of the cell descends from its init, and one whose parent ended is the init's child.
+        None => {
+            let children = std::fs::read_to_string(format!(
+                "/proc/{pid}/task/{pid}/children",
+                pid = record.pid
+            ));
+            children.is_ok_and(|c| c.trim().is_empty())
+                && super::sys::process_start_ticks(record.pid) == Some(record.pid_start)
+        }
+    };
+    alone.then_some(lock)
 }
 
-fn open(store: &Store, name: &str) -> Result<(Layer, LayerMeta), ChangesError> {
+/// Opens a cell's layer with its lock taken for `what` (waiting for whoever holds it). A layer
+/// whose making over was cut short (the warden was killed in the middle) is finished first.
+fn open(
+    store: &Store,
+    name: &str,
+    what: Use,
+) -> Result<(Layer, LayerMeta, std::os::fd::OwnedFd), ChangesError> {
+    use rustix::fs::{FlockOperation, flock};
     if super::plan::check_name(name).is_err() {
         return Err(ChangesError::NoLayer(name.to_owned()));
     }
@@ -100,16 +176,40 @@ fn open(store: &Store, name: &str) -> Result<(Layer, LayerMeta), ChangesError> {
     if !layer.exists() {
         return Err(ChangesError::NoLayer(name.to_owned()));
     }
-    let meta = layer.meta().map_err(|source| ChangesError::Layer {
+    let failed = |source: std::io::Error| ChangesError::Layer {
         name: name.to_owned(),
         source,
-    })?;
+    };
+    let lock: std::os::fd::OwnedFd = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(layer.dir().join("layer.lock"))
+        .map_err(failed)?
+        .into();
+    let mode = match what {
+        Use::Read => FlockOperation::LockShared,
+        Use::Change => FlockOperation::LockExclusive,
+    };
+    flock(&lock, mode).map_err(|e| failed(e.into()))?;
     // A layer with a file system of its own whose mount went (a reboot) is mounted again.
-    super::disk::attach(&layer).map_err(|e| ChangesError::Layer {
-        name: name.to_owned(),
-        source: std::io::Error::other(e.to_string()),
-    })?;
-    Ok((layer, meta))
+    super::disk::attach(&layer).map_err(|e| failed(std::io::Error::other(e.to_string())))?;
+    if super::snapshot::interrupted(&layer) {
+        if what == Use::Read {
+            flock(&lock, FlockOperation::LockExclusive).map_err(|e| failed(e.into()))?;
+        }
+        super::snapshot::finish_interrupted(store, &layer)
+            .map_err(|e| failed(std::io::Error::other(e.to_string())))?;
+        if what == Use::Read {
+            flock(&lock, FlockOperation::LockShared).map_err(|e| failed(e.into()))?;
+        }
+    }
+    let meta = layer.meta().map_err(failed)?;
+    // So are those that keep the snapshots it stacks.
+    for base in &meta.base {
+        super::snapshot::attach_for(store, base);
+    }
+    Ok((layer, meta, lock))
 }
 
 fn options(meta: &LayerMeta) -> DiffOptions {
@@ -130,6 +230,7 @@ fn freeze(registry: &Registry, name: &str) -> Result<Frozen, ChangesError> {
     Ok(Frozen {
         cgroup,
         _quiet: None,
+        _layer: None,
     })
 }
 
@@ -173,9 +274,15 @@ pub fn remove(registry: &Registry, store: &Store, name: &str) -> Result<(), Chan
     if registry.get(name).is_ok() {
         return Err(ChangesError::Running(name.to_owned()));
     }
-    let (layer, _) = open(store, name)?;
+    let (layer, _, _lock) = open(store, name, Use::Change)?;
+    super::snapshot::release(store, &layer, name).map_err(|e| ChangesError::Layer {
+        name: name.to_owned(),
+        source: std::io::Error::other(format!("moving its snapshots out of its layer: {e}")),
+    })?;
     layer.remove().map_err(|source| ChangesError::Layer {
         name: name.to_owned(),
         source,
-    })
+    })?;
+    super::snapshot::released(store);
+    Ok(())
 }

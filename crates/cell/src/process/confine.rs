@@ -2,7 +2,8 @@
 //! privilege gain, then lock the file system (Landlock) and the system call surface (seccomp).
 
 use std::io;
-use std::path::PathBuf;
+use std::os::fd::{AsFd as _, BorrowedFd, OwnedFd};
+use std::path::{Path, PathBuf};
 
 use caps::CapSet;
 use nix::unistd::{Gid, Uid, setgroups, setresgid, setresuid};
@@ -86,8 +87,43 @@ pub fn confine(plan: &CellPlan, rlimit_fallback: bool) -> Result<(), ConfineErro
         source,
     })?;
 
-    let mut read_write: Vec<PathBuf> =
-        vec!["/tmp".into(), "/dev".into(), plan.workspace_mount.clone()];
+    landlock::restrict(&init_rules(plan))?;
+
+    sys::install_seccomp(&seccomp::deny_filter()?).map_err(ConfineError::SeccompInstall)?;
+    Ok(())
+}
+
+/// Whether the cell's workspace may be mounted again while the cell runs: a copy-on-write
+/// workspace, whose layers a snapshot or a reset turns over.
+fn swappable(plan: &CellPlan) -> bool {
+    plan.workspace.as_ref().is_some_and(|w| w.overlay.is_some())
+}
+
+/// What every process of the cell may write: its /tmp, /dev, the workspace, and the binds the
+/// policy made writable; everything else is read-only.
+pub fn process_rules(plan: &CellPlan) -> landlock::FsRules {
+    rules(plan, plan.workspace_mount.clone())
+}
+
+/// The init's own rules: those of its processes, but for a workspace that a snapshot may mount
+/// again (a new mount has a new root, which no rule made now could name), the directory the
+/// workspace is mounted in. Nothing but the init runs under these: every process it starts is
+/// put under `process_rules` as well (see [`Narrowing`]), and Landlock keeps a process of that
+/// nested domain from tracing or signalling its way into the init's.
+fn init_rules(plan: &CellPlan) -> landlock::FsRules {
+    let workspace = if swappable(plan) {
+        plan.workspace_mount
+            .parent()
+            .unwrap_or(Path::new("/"))
+            .to_path_buf()
+    } else {
+        plan.workspace_mount.clone()
+    };
+    rules(plan, workspace)
+}
+
+fn rules(plan: &CellPlan, workspace: PathBuf) -> landlock::FsRules {
+    let mut read_write: Vec<PathBuf> = vec!["/tmp".into(), "/dev".into(), workspace];
     read_write.extend(plan.entries.iter().filter_map(|e| match e {
         super::plan::Entry::Bind {
             path,
@@ -96,11 +132,55 @@ pub fn confine(plan: &CellPlan, rlimit_fallback: bool) -> Result<(), ConfineErro
         } => Some(path.clone()),
         _ => None,
     }));
-    landlock::restrict(&landlock::FsRules {
+    landlock::FsRules {
         read_only: vec!["/".into()],
         read_write,
-    })?;
+    }
+}
 
-    sys::install_seccomp(&seccomp::deny_filter()?).map_err(ConfineError::SeccompInstall)?;
-    Ok(())
+/// The Landlock layer the init puts every process it starts under: `process_rules`, made for
+/// the workspace mounted now, and made again when a snapshot or a reset mounted another.
+pub struct Narrowing {
+    workspace: PathBuf,
+    rules: Option<landlock::FsRules>,
+    made: Option<((u64, u64), OwnedFd)>,
+}
+
+impl Narrowing {
+    /// For a cell whose workspace can be mounted again; a cell whose init is confined by its
+    /// processes' own rules needs no second layer.
+    pub fn new(plan: &CellPlan) -> Self {
+        Self {
+            workspace: plan.workspace_mount.clone(),
+            rules: swappable(plan).then(|| process_rules(plan)),
+            made: None,
+        }
+    }
+
+    /// The ruleset for a process started now, or `None` when none is needed.
+    pub fn current(&mut self) -> Result<Option<BorrowedFd<'_>>, landlock::LandlockError> {
+        let Some(rules) = &self.rules else {
+            return Ok(None);
+        };
+        // The mount's id tells one mount from the next (a device number and an inode number
+        // do not: an unmounted overlay's device is given to the next, and a root's inode number
+        // can be the same). The unique id (Linux 6.8) is never given again; on an older kernel
+        // the warden swaps no workspace (see `swap`), so the id never changes.
+        let statx = rustix::fs::statx(
+            rustix::fs::CWD,
+            &self.workspace,
+            rustix::fs::AtFlags::empty(),
+            rustix::fs::StatxFlags::MNT_ID
+                | rustix::fs::StatxFlags::from_bits_retain(super::swap::STATX_MNT_ID_UNIQUE),
+        )
+        .map_err(|e| landlock::LandlockError::Workspace(io::Error::from(e)))?;
+        let key = (
+            statx.stx_mnt_id,
+            u64::from(statx.stx_mask & super::swap::STATX_MNT_ID_UNIQUE),
+        );
+        if self.made.as_ref().is_none_or(|(made, _)| *made != key) {
+            self.made = Some((key, landlock::prepare(rules)?));
+        }
+        Ok(self.made.as_ref().map(|(_, fd)| fd.as_fd()))
+    }
 }

@@ -20,11 +20,21 @@ use super::sys;
 
 /// Clones the mount tree of `host` with the owner of `host` mapped to the cell's user.
 pub fn workspace_tree(host: &Path, ids: &IdMapping) -> Result<OwnedFd, RunError> {
+    workspace_tree_for(
+        host,
+        ids.host_uid_of_cell_user(),
+        ids.host_gid_of_cell_group(),
+    )
+}
+
+/// Clones the mount tree of `host` with its owner mapped to the host ids `uid` and `gid` (those
+/// a cell's user and group run as).
+pub fn workspace_tree_for(host: &Path, uid: u32, gid: u32) -> Result<OwnedFd, RunError> {
     let os = |what| move |source| RunError::Os { what, source };
     let meta = fs::metadata(host).map_err(os("reading the workspace owner"))?;
     let userns = mapping_namespace(
-        &format!("{} {} 1\n", meta.uid(), ids.host_uid_of_cell_user()),
-        &format!("{} {} 1\n", meta.gid(), ids.host_gid_of_cell_group()),
+        &format!("{} {uid} 1\n", meta.uid()),
+        &format!("{} {gid} 1\n", meta.gid()),
     )
     .map_err(os("creating the workspace id mapping"))?;
     sys::idmapped_clone(host, &userns).map_err(os("creating the id-mapped workspace mount (needs kernel 5.12+ and a file system that supports id-mapped mounts)"))

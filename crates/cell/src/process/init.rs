@@ -203,17 +203,22 @@ fn setup_and_start(plan: &CellPlan, fds: &InitFds) -> SetupResult<Started> {
         .map_err(failed("creating a signalfd"))?;
 
     let exec = fds.exec.map(|_| owned(EXEC_FD));
+    let mut narrowing = confine::Narrowing::new(plan);
     // A cell that serves execs may start without a command of its own.
     let main = if plan.argv.is_empty() && exec.is_some() {
         None
     } else {
         let env: Vec<(OsString, OsString)> = plan.env.clone();
-        Some(spawn(&plan.argv, &env, &plan.cwd, None, false)?)
+        let layer = narrowing
+            .current()
+            .map_err(|e| (SETUP_FAILED, e.to_string()))?;
+        Some(spawn(&plan.argv, &env, &plan.cwd, None, false, layer)?)
     };
     let mut status = status_file();
     let _ = writeln!(status, "ok");
     Ok(Started {
         main,
+        narrowing,
         signals,
         lifeline: sync,
         exec,
@@ -229,6 +234,7 @@ fn spawn(
     cwd: &std::path::Path,
     stdio: Option<[OwnedFd; 3]>,
     terminal: bool,
+    landlock: Option<std::os::fd::BorrowedFd<'_>>,
 ) -> SetupResult<Pid> {
     let Some((program, args)) = argv.split_first() else {
         return Err((NOT_EXECUTABLE, "no command".to_owned()));
@@ -261,6 +267,9 @@ fn spawn(
         }
         sys::controlling_terminal_on_exec(&mut command);
         sys::unblock_signals_on_exec(&mut command);
+        if let Some(fd) = landlock {
+            sys::landlock_on_exec(&mut command, fd);
+        }
         command.spawn().map(|child| child.id() as i32)
     } else {
         use std::os::fd::AsFd as _;
@@ -272,6 +281,7 @@ fn spawn(
             stdio: stdio
                 .as_ref()
                 .map(|[a, b, c]| [a.as_fd(), b.as_fd(), c.as_fd()]),
+            landlock,
         })
     };
     started.map(Pid::from_raw).map_err(|err| match err.kind() {
@@ -366,6 +376,8 @@ fn wait_for_warden(sync: &mut std::fs::File) -> u8 {
 struct Started {
     /// The cell's first command; `None` for a cell that only serves execs.
     main: Option<Pid>,
+    /// The Landlock layer of every process started from here on.
+    narrowing: confine::Narrowing,
     signals: SignalFd,
     /// The sync pipe: the warden keeps its end open for the cell's whole life, so a hang-up means
     /// the warden died (a parent-death signal would not do: credential changes clear it).
@@ -389,6 +401,7 @@ struct Exec {
 fn supervise(
     Started {
         main,
+        mut narrowing,
         signals,
         lifeline,
         exec,
@@ -459,7 +472,7 @@ fn supervise(
                             lines.push(line);
                         }
                     } else {
-                        start_exec(&payload, received, plan, &mut execs);
+                        start_exec(&payload, received, plan, &mut narrowing, &mut execs);
                     }
                 }
                 // The keeper is gone: so is the cell.
@@ -475,7 +488,7 @@ fn supervise(
             }
             match sys::try_receive_message(line.as_fd()) {
                 Ok(Some((payload, received))) => {
-                    start_exec(&payload, received, plan, &mut execs);
+                    start_exec(&payload, received, plan, &mut narrowing, &mut execs);
                     true
                 }
                 Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => true,
@@ -568,6 +581,7 @@ fn start_exec(
     payload: &[u8],
     mut received: Vec<OwnedFd>,
     plan: &CellPlan,
+    narrowing: &mut confine::Narrowing,
     execs: &mut std::collections::HashMap<Pid, Exec>,
 ) {
     let (id, request) = match serde_json::from_slice::<Request>(payload) {
@@ -591,6 +605,12 @@ fn start_exec(
             &[],
         );
     };
+    // Every process started from here is put under the processes' Landlock layer; none starts
+    // without it.
+    let layer = match narrowing.current() {
+        Ok(layer) => layer,
+        Err(err) => return fail(format!("starting a process: {err}")),
+    };
     let Some(request) = request else {
         let Ok(Request::Files { root, file, .. }) = serde_json::from_slice::<Request>(payload)
         else {
@@ -599,7 +619,7 @@ fn start_exec(
         let Ok(stdio) = <[OwnedFd; 3]>::try_from(received) else {
             return fail("a file operation needs stdin, stdout and stderr".to_owned());
         };
-        return match start_file_operation(&root, file, stdio) {
+        return match start_file_operation(&root, file, stdio, layer) {
             Ok(pid) => {
                 send_event(
                     &client,
@@ -649,7 +669,7 @@ fn start_exec(
     }
     let cwd = request.cwd.map_or_else(|| plan.cwd.clone(), Into::into);
     let argv: Vec<OsString> = request.argv.into_iter().map(Into::into).collect();
-    match spawn(&argv, &env, &cwd, Some(stdio), master.is_some()) {
+    match spawn(&argv, &env, &cwd, Some(stdio), master.is_some(), layer) {
         Ok(pid) => {
             use std::os::fd::AsRawFd as _;
             let fds: Vec<RawFd> = master.iter().map(|m| m.as_raw_fd()).collect();
@@ -679,6 +699,7 @@ fn start_file_operation(
     root: &str,
     op: super::files::FileOp,
     stdio: [OwnedFd; 3],
+    landlock: Option<std::os::fd::BorrowedFd<'_>>,
 ) -> std::io::Result<Pid> {
     use std::os::fd::AsRawFd as _;
     let pid = sys::clone_process(0)?;
@@ -694,6 +715,11 @@ fn start_file_operation(
         }
     }
     std::mem::forget(stdio);
+    if let Some(fd) = landlock
+        && sys::landlock_restrict_self(fd).is_err()
+    {
+        sys::exit_now(SETUP_FAILED);
+    }
     let _ = sys::close_from(3);
     let _ = SigSet::empty().thread_set_mask();
     sys::exit_now(super::files::serve(root, op))

@@ -17,6 +17,8 @@ pub enum LandlockError {
     Ruleset(#[from] landlock::RulesetError),
     #[error("Landlock is not enforced by this kernel (see `warden doctor`)")]
     NotEnforced,
+    #[error("looking at the workspace before a process starts: {0}")]
+    Workspace(std::io::Error),
 }
 
 /// Paths (inside the cell, after pivot_root) and what may be done beneath them.
@@ -54,6 +56,24 @@ pub fn restrict(rules: &FsRules) -> Result<Enforcement, LandlockError> {
         RulesetStatus::PartiallyEnforced => Ok(Enforcement::Partial),
         RulesetStatus::NotEnforced => Err(LandlockError::NotEnforced),
     }
+}
+
+/// A ruleset of `rules` (file system access only) for processes to put themselves under later,
+/// as a layer on top of the domain they inherit.
+pub fn prepare(rules: &FsRules) -> Result<std::os::fd::OwnedFd, LandlockError> {
+    let all = AccessFs::from_all(TARGET_ABI);
+    let read = AccessFs::from_read(TARGET_ABI);
+    let mut ruleset = Ruleset::default()
+        .set_compatibility(CompatLevel::BestEffort)
+        .handle_access(all)?
+        .create()?;
+    for path in &rules.read_only {
+        ruleset = add(ruleset, path, read)?;
+    }
+    for path in &rules.read_write {
+        ruleset = add(ruleset, path, all)?;
+    }
+    Option::<std::os::fd::OwnedFd>::from(ruleset).ok_or(LandlockError::NotEnforced)
 }
 
 fn add(

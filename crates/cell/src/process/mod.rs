@@ -26,4 +26,5 @@ pub mod seccomp;
 pub mod snapshot;
 pub(crate) mod starts;
 pub mod store;
+pub(crate) mod swap;
 pub(crate) mod sys;

@@ -427,17 +427,20 @@ fn mount_copy_on_write(
     let fd_path =
         |fd: std::os::fd::RawFd, rel: &Path| PathBuf::from(format!("/proc/self/fd/{fd}")).join(rel);
     let mut lowers: Vec<PathBuf> = Vec::new();
+    // A base layer kept elsewhere than the snapshots directory (in the file system of its own of
+    // the cell whose snapshot it is) is cloned alone.
+    let mut apart = Vec::new();
     if let Some(snapshots) = &snapshots {
         use std::os::fd::AsRawFd as _;
         for base in &overlay.base {
-            let rel = base
-                .strip_prefix(&overlay.snapshots_dir)
-                .map_err(|_| SetupError {
-                    step: "stacking the snapshot",
-                    path: base.clone(),
-                    source: std::io::Error::other("not in the snapshots directory"),
-                })?;
-            lowers.push(fd_path(snapshots.as_raw_fd(), rel));
+            match base.strip_prefix(&overlay.snapshots_dir) {
+                Ok(rel) => lowers.push(fd_path(snapshots.as_raw_fd(), rel)),
+                Err(_) => {
+                    let clone = detached(base, true)?;
+                    lowers.push(fd_path(clone.as_raw_fd(), Path::new("")));
+                    apart.push(clone);
+                }
+            }
         }
     }
     if let Some(fd) = lower_fd {

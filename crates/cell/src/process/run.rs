@@ -698,6 +698,7 @@ pub(crate) fn prepare(
 /// the cell ran and changed something worth reviewing.
 pub(crate) struct LayerGuard {
     layer: Layer,
+    store: Store,
     armed: bool,
     /// The disk limit, when the warden's watch keeps it (the layer has no file system of its
     /// own).
@@ -729,10 +730,12 @@ impl LayerGuard {
             started: SystemTime::now(),
             protected: policy.filesystem.workspace.protect.clone(),
             base: base.to_vec(),
+            start: None,
             mount: policy.filesystem.workspace.mount.clone(),
         };
         let mut guard = Self {
             layer,
+            store: store.clone(),
             armed: true,
             watched: None,
         };
@@ -795,8 +798,14 @@ impl LayerGuard {
 
     /// Keeps the layer when the cell changed something (and changes are not discarded).
     pub(crate) fn finish(mut self, discard: bool) -> bool {
-        let changed =
-            fs::read_dir(self.layer.upper()).is_ok_and(|mut entries| entries.next().is_some());
+        // What it changed is in its upper layer, and in the layers its snapshots turned over
+        // (when its stack is no longer the one it started on).
+        let turned = self
+            .layer
+            .meta()
+            .is_ok_and(|meta| meta.start.as_ref().is_some_and(|start| *start != meta.base));
+        let changed = turned
+            || fs::read_dir(self.layer.upper()).is_ok_and(|mut entries| entries.next().is_some());
         self.armed = discard || !changed;
         !self.armed
     }
@@ -805,6 +814,17 @@ impl LayerGuard {
 impl Drop for LayerGuard {
     fn drop(&mut self) {
         if !self.armed {
+            return;
+        }
+        // Snapshots kept in the layer's file system of its own are moved out first.
+        let name = self
+            .layer
+            .dir()
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if super::snapshot::release(&self.store, &self.layer, &name).is_err() {
+            // Their layers stay where they are, and the cell's layer with them.
             return;
         }
         // Out of the way at once (the name is free for the next cell), removed in the
@@ -826,6 +846,7 @@ impl Drop for LayerGuard {
                 let _ = self.layer.remove();
             }
         }
+        super::snapshot::released(&self.store);
     }
 }
 

@@ -32,8 +32,10 @@ pub struct SnapshotInfo {
     pub base: Vec<PathBuf>,
     pub protected: Vec<String>,
     pub created: SystemTime,
-    /// Bytes of file content in the snapshot's own layer.
-    pub size: u64,
+    /// Bytes of file content in the snapshot's own layer; `None` while it is being counted (a
+    /// snapshot that took the cell's layer instead of a copy is counted after it is taken).
+    #[serde(default)]
+    pub size: Option<u64>,
 }
 
 impl SnapshotInfo {
@@ -94,10 +96,104 @@ pub fn get(store: &Store, id: &str) -> Result<SnapshotInfo, SnapshotError> {
     }
     let path = record_path(store, id);
     let text = fs::read_to_string(&path).map_err(|_| SnapshotError::NotFound(id.to_owned()))?;
-    serde_json::from_str(&text).map_err(|e| SnapshotError::Record {
+    let info: SnapshotInfo = serde_json::from_str(&text).map_err(|e| SnapshotError::Record {
         path,
         source: io::Error::other(e),
-    })
+    })?;
+    attach_for(store, &info.layer);
+    Ok(info)
+}
+
+/// Records a snapshot (written aside, then renamed over).
+fn write_record(store: &Store, info: &SnapshotInfo) -> Result<(), SnapshotError> {
+    let path = record_path(store, &info.id);
+    let text = serde_json::to_vec_pretty(info).map_err(|e| SnapshotError::Record {
+        path: path.clone(),
+        source: io::Error::other(e),
+    })?;
+    let aside = path.with_extension("json.new");
+    fs::write(&aside, text)
+        .and_then(|()| fs::rename(&aside, &path))
+        .map_err(|source| SnapshotError::Record { path, source })
+}
+
+/// Mounts the file system of its own of the cell's layer that `path` is in, if it has one and
+/// it is not mounted (after a reboot): a snapshot's layer may be kept there.
+pub(super) fn attach_for(store: &Store, path: &Path) {
+    let Ok(rel) = path.strip_prefix(store.root().join("layers")) else {
+        return;
+    };
+    let Some(std::path::Component::Normal(name)) = rel.components().next() else {
+        return;
+    };
+    let layer = store.layer(&name.to_string_lossy());
+    if layer.has_image() && !layer.is_attached() {
+        let _ = super::disk::attach(&layer);
+    }
+}
+
+/// Before the layer of cell `name` is removed: the snapshot layers kept in the layer's file
+/// system of its own that anything else still stacks are moved out (copied into the snapshots
+/// directory), and every record that stacks them is told where they are now.
+pub fn release(store: &Store, layer: &Layer, name: &str) -> Result<(), SnapshotError> {
+    if !layer.has_image() {
+        return Ok(());
+    }
+    if !layer.is_attached() {
+        super::disk::attach(layer).map_err(|e| SnapshotError::Copy {
+            path: layer.image(),
+            source: io::Error::other(e.to_string()),
+        })?;
+    }
+    let inside = upper_dir(layer);
+    let mut used: Vec<(PathBuf, Option<String>)> = Vec::new();
+    for info in list(store) {
+        if info.layer.starts_with(&inside) {
+            used.push((info.layer.clone(), Some(info.id.clone())));
+        }
+        used.extend(
+            info.base
+                .iter()
+                .filter(|l| l.starts_with(&inside))
+                .map(|l| (l.clone(), None)),
+        );
+    }
+    for (cell, meta) in store.layers() {
+        if cell != name {
+            used.extend(
+                stacks(&meta)
+                    .filter(|l| l.starts_with(&inside))
+                    .map(|l| (l.clone(), None)),
+            );
+        }
+    }
+    let mut moves: Vec<(PathBuf, PathBuf)> = Vec::new();
+    for (path, id) in used {
+        if moves.iter().any(|(from, _)| *from == path) {
+            continue;
+        }
+        let to = match id {
+            Some(id) => snapshots_dir(store).join(id).join("layer"),
+            None => kept_dir(store).join(format!(
+                "{name}-{}",
+                path.file_name()
+                    .map_or_else(String::new, |n| n.to_string_lossy().into_owned())
+            )),
+        };
+        // What an earlier, interrupted attempt left.
+        let _ = Layer::at(to.clone()).remove_tree();
+        if let Some(parent) = to.parent() {
+            fs::create_dir_all(parent).map_err(copy_err(parent))?;
+        }
+        copy_tree(&path, &to)?;
+        moves.push((path, to));
+    }
+    relocate(store, &moves)
+}
+
+/// After a cell's layer is gone: the kept layers nothing stacks any more go too.
+pub fn released(store: &Store) {
+    collect(store);
 }
 
 /// Every snapshot, by id.
@@ -111,6 +207,17 @@ pub fn list(store: &Store) -> Vec<SnapshotInfo> {
         .collect();
     out.sort_by(|a, b| a.id.cmp(&b.id));
     out
+}
+
+/// Every snapshot, by id, each with its size (those not counted yet are counted now).
+pub fn listed(store: &Store) -> Vec<SnapshotInfo> {
+    list(store)
+        .into_iter()
+        .map(|info| match info.size {
+            Some(_) => info,
+            None => counted(store, &info.id).unwrap_or(info),
+        })
+        .collect()
 }
 
 /// The next number to try for a cell's unnamed snapshot (`s1`, `s2`, ...), by store and cell:
@@ -179,7 +286,7 @@ pub fn take(
     if let Some(name) = name {
         super::plan::check_name(name).map_err(|_| SnapshotError::Name(name.to_owned()))?;
     }
-    let (layer, meta, _frozen) = changes::hold(registry, store, cell)?;
+    let (layer, meta, frozen) = changes::hold_for(registry, store, cell, changes::Use::Change)?;
     store.prepare().map_err(|e| SnapshotError::Copy {
         path: store.root().to_path_buf(),
         source: io::Error::other(e.to_string()),
@@ -189,8 +296,22 @@ pub fn take(
         source,
     })?;
     let (id, dir) = claim(store, cell, name)?;
-    let own = dir.join("layer");
-    let result = copy_tree(&layer.upper(), &own).map(|size| SnapshotInfo {
+    // A cell whose init runs alone gives its upper layer up as the snapshot and goes on on a
+    // fresh one: nothing is copied.
+    let turned = match frozen.is_quiet() {
+        true => turn_over(registry, store, &layer, &meta, cell, &id, &dir),
+        false => Ok(None),
+    };
+    let mut own = dir.join("layer");
+    let result = match turned {
+        Ok(Some(turned)) => {
+            own = turned;
+            Ok(None)
+        }
+        Ok(None) => copy_tree(&layer.upper(), &own).map(Some),
+        Err(err) => Err(err),
+    };
+    let result = result.map(|size| SnapshotInfo {
         id: id.clone(),
         cell: cell.to_owned(),
         lower: meta.lower.clone(),
@@ -207,53 +328,451 @@ pub fn take(
             return Err(err);
         }
     };
-    let path = record_path(store, &id);
-    let text = serde_json::to_vec_pretty(&info).map_err(|e| SnapshotError::Record {
-        path: path.clone(),
-        source: io::Error::other(e),
-    })?;
-    fs::write(&path, text).map_err(|source| SnapshotError::Record { path, source })?;
+    write_record(store, &info)?;
+    if info.size.is_none() {
+        // Counted aside (a walk of every file it holds); `list` counts what this did not.
+        let (store, id) = (store.clone(), info.id.clone());
+        std::thread::spawn(move || {
+            let _ = counted(&store, &id);
+        });
+    }
     Ok(info)
 }
 
-/// Removes a snapshot nothing is built on.
+/// Counts the size of snapshot `id` if it is not counted yet, and records it.
+fn counted(store: &Store, id: &str) -> Result<SnapshotInfo, SnapshotError> {
+    let info = get(store, id)?;
+    if info.size.is_some() {
+        return Ok(info);
+    }
+    let size = layer_size(&info.layer);
+    // Recorded unless the snapshot changed meanwhile (removed, or its layer moved).
+    let now = get(store, id)?;
+    if now.layer != info.layer || now.size.is_some() {
+        return Ok(now);
+    }
+    let info = SnapshotInfo {
+        size: Some(size),
+        ..now
+    };
+    write_record(store, &info)?;
+    Ok(info)
+}
+
+/// Takes the snapshot of a quiet running cell by turning its upper layer into the snapshot's
+/// layer `own` and mounting the workspace again on a fresh upper above it (see `swap`).
+/// `Ok(false)`: not possible now (the layer has a file system of its own, its stack is deep,
+/// something holds the workspace), nothing changed, the caller copies instead.
+fn turn_over(
+    registry: &Registry,
+    store: &Store,
+    layer: &Layer,
+    meta: &LayerMeta,
+    cell: &str,
+    id: &str,
+    dir: &Path,
+) -> Result<Option<PathBuf>, SnapshotError> {
+    if meta.base.len() >= super::swap::MAX_DEPTH {
+        return Ok(None);
+    }
+    let Ok(record) = registry.get(cell) else {
+        return Ok(None);
+    };
+    // The upper layer is renamed to be the snapshot's: into the snapshot's folder, or, for a
+    // layer with a file system of its own, within that file system (where it counts against
+    // the cell's disk limit until the cell is removed, when it is moved out).
+    let own = if layer.has_image() {
+        let turned = upper_dir(layer).join("snapshots");
+        fs::create_dir_all(&turned).map_err(copy_err(&turned))?;
+        turned.join(id)
+    } else {
+        dir.join("layer")
+    };
+    let same_fs = fs::metadata(upper_dir(layer))
+        .ok()
+        .zip(own.parent().and_then(|p| fs::metadata(p).ok()))
+        .is_some_and(|(a, b)| a.dev() == b.dev());
+    if !same_fs {
+        return Ok(None);
+    }
+    let upper = layer.upper();
+    let work = layer.work();
+    let (fresh, turned) = fresh_dirs(layer)?;
+    let turned = turned.join("upper.turned");
+    let _ = fs::remove_dir_all(&turned);
+    empty_like(&upper, &turned)?;
+    let old = super::swap::Stack {
+        lowers: meta.base.clone(),
+        upper: upper.clone(),
+        work: work.clone(),
+    };
+    let mut lowers = vec![turned.clone()];
+    lowers.extend(meta.base.iter().cloned());
+    let new = super::swap::Stack {
+        lowers,
+        upper: fresh.upper.clone(),
+        work: fresh.work.clone(),
+    };
+    let turn = super::swap::Turn {
+        from: upper.clone(),
+        into: turned.clone(),
+    };
+    let mut stacked = vec![own.clone()];
+    stacked.extend(meta.base.iter().cloned());
+    let mut making = Making {
+        made: false,
+        base: stacked.clone(),
+        snapshot: Some(SnapshotInfo {
+            id: id.to_owned(),
+            cell: cell.to_owned(),
+            lower: meta.lower.clone(),
+            layer: own.clone(),
+            base: meta.base.clone(),
+            protected: meta.protected.clone(),
+            created: SystemTime::now(),
+            size: None,
+        }),
+    };
+    making.write(layer)?;
+    let swapped = super::swap::swap(
+        registry,
+        &place(store, layer, meta, cell, record.pid),
+        &old,
+        &new,
+        Some(&turn),
+    );
+    if let Err(err) = swapped {
+        fresh.remove();
+        let _ = fs::remove_dir(&turned);
+        Making::done(layer);
+        return match err {
+            // Nothing changed in the cell: the copy does it.
+            super::swap::SwapError::Busy(_) | super::swap::SwapError::Failed { .. } => Ok(None),
+            err => Err(SnapshotError::Remount {
+                cell: cell.to_owned(),
+                source: io::Error::other(err.to_string()),
+            }),
+        };
+    }
+    making.made = true;
+    making.write(layer)?;
+    // The overlay holds its layers by their directories, not their names: the mounted
+    // workspace stays as it is while they take the names the records give them.
+    fs::rename(&turned, &own).map_err(copy_err(&turned))?;
+    swap_in(layer, "upper")?;
+    swap_in(layer, "work")?;
+    write_meta(layer, &on(meta, stacked))?;
+    Making::done(layer);
+    Ok(Some(own))
+}
+
+/// A layer being made over (mounted again on other directories), recorded before the cell's
+/// mount is touched: if the warden is killed before the layer's records say what it is made of
+/// now, the next one to open the layer finishes it (see `finish_interrupted`).
+#[derive(Debug, Serialize, Deserialize)]
+struct Making {
+    /// The layer's stack once made over.
+    base: Vec<PathBuf>,
+    /// For a snapshot's turn-over: the snapshot, its layer where it goes.
+    snapshot: Option<SnapshotInfo>,
+    /// The new overlay is the cell's: what is left is renaming and recording.
+    #[serde(default)]
+    made: bool,
+}
+
+impl Making {
+    fn path(layer: &Layer) -> PathBuf {
+        layer.dir().join("making.json")
+    }
+
+    fn write(&self, layer: &Layer) -> Result<(), SnapshotError> {
+        let path = Self::path(layer);
+        let text = serde_json::to_vec(self).map_err(|e| SnapshotError::Record {
+            path: path.clone(),
+            source: io::Error::other(e),
+        })?;
+        fs::write(&path, text).map_err(|source| SnapshotError::Record { path, source })
+    }
+
+    fn done(layer: &Layer) {
+        let _ = fs::remove_file(Self::path(layer));
+    }
+}
+
+/// Whether the making over of `layer` was cut short.
+pub(super) fn interrupted(layer: &Layer) -> bool {
+    Making::path(layer).exists()
+}
+
+/// Finishes the making over of `layer` that was cut short (the caller holds the layer's lock
+/// exclusive): when the new overlay was made (its fresh work directory has overlayfs's own
+/// `work` in it), the directories take their names and the records say what the layer is made
+/// of; otherwise what was readied is removed and the layer is as it was.
+pub(super) fn finish_interrupted(store: &Store, layer: &Layer) -> Result<(), SnapshotError> {
+    let path = Making::path(layer);
+    let text = fs::read(&path).map_err(|source| SnapshotError::Record {
+        path: path.clone(),
+        source,
+    })?;
+    let making: Making = serde_json::from_slice(&text).map_err(|e| SnapshotError::Record {
+        path: path.clone(),
+        source: io::Error::other(e),
+    })?;
+    let dir = upper_dir(layer);
+    let turned = dir.join("upper.turned");
+    if making.made || dir.join("work.new").join("work").exists() {
+        if let Some(info) = &making.snapshot {
+            if turned.exists() {
+                fs::rename(&turned, &info.layer).map_err(copy_err(&turned))?;
+            }
+            if get(store, &info.id).is_err() {
+                write_record(store, info)?;
+            }
+        }
+        if dir.join("upper.new").exists() {
+            swap_in(layer, "upper")?;
+        }
+        if dir.join("work.new").exists() {
+            swap_in(layer, "work")?;
+        }
+        let meta = layer.meta().map_err(|source| SnapshotError::Record {
+            path: layer.dir().join("layer.json"),
+            source,
+        })?;
+        write_meta(layer, &on(&meta, making.base))?;
+    } else {
+        // The old overlay is the cell's: what was moved out of its upper layer goes back.
+        if let Ok(entries) = fs::read_dir(&turned) {
+            for entry in entries.flatten() {
+                let back = layer.upper().join(entry.file_name());
+                fs::rename(entry.path(), &back).map_err(copy_err(&back))?;
+            }
+        }
+        let _ = fs::remove_dir(&turned);
+        Fresh {
+            upper: dir.join("upper.new"),
+            work: dir.join("work.new"),
+        }
+        .remove();
+        if let Some(info) = &making.snapshot
+            && get(store, &info.id).is_err()
+        {
+            let _ = fs::remove_dir_all(snapshots_dir(store).join(&info.id));
+        }
+    }
+    Making::done(layer);
+    Ok(())
+}
+
+/// A fresh upper and work directory for a workspace mounted again (`upper.new`, `work.new`
+/// beside the current ones, which the old mount keeps until it is torn down), and the directory
+/// they are in.
+struct Fresh {
+    upper: PathBuf,
+    work: PathBuf,
+}
+
+impl Fresh {
+    fn remove(&self) {
+        let _ = fs::remove_dir(&self.upper);
+        let _ = Layer::at(self.work.clone()).remove_tree();
+    }
+}
+
+fn fresh_dirs(layer: &Layer) -> Result<(Fresh, PathBuf), SnapshotError> {
+    let dir = upper_dir(layer);
+    let fresh = Fresh {
+        upper: dir.join("upper.new"),
+        work: dir.join("work.new"),
+    };
+    fresh.remove();
+    empty_like(&layer.upper(), &fresh.upper)?;
+    if let Err(err) = empty_like(&layer.work(), &fresh.work) {
+        fresh.remove();
+        return Err(err);
+    }
+    Ok((fresh, dir))
+}
+
+fn place<'a>(
+    store: &Store,
+    layer: &'a Layer,
+    meta: &'a LayerMeta,
+    cell: &'a str,
+    pid: i32,
+) -> super::swap::Place<'a> {
+    super::swap::Place {
+        cell,
+        pid,
+        host: &meta.lower,
+        layer_dir: upper_dir(layer),
+        snapshots_dir: snapshots_dir(store),
+        mount: &meta.mount,
+    }
+}
+
+/// Makes `fresh` an empty directory with the mode and owner of `like`.
+fn empty_like(like: &Path, fresh: &Path) -> Result<(), SnapshotError> {
+    let meta = fs::symlink_metadata(like).map_err(copy_err(like))?;
+    fs::create_dir(fresh).map_err(copy_err(fresh))?;
+    fs::set_permissions(fresh, fs::Permissions::from_mode(meta.mode() & 0o7777))
+        .map_err(copy_err(fresh))?;
+    std::os::unix::fs::lchown(fresh, Some(meta.uid()), Some(meta.gid())).map_err(copy_err(fresh))
+}
+
+/// Bytes of file content in a layer (its files' sizes; a read of the directory tree only).
+fn layer_size(dir: &Path) -> u64 {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|entry| match entry.file_type() {
+            Ok(t) if t.is_dir() => layer_size(&entry.path()),
+            Ok(t) if t.is_file() => entry.metadata().map_or(0, |m| m.len()),
+            _ => 0,
+        })
+        .sum()
+}
+
+/// Removes a snapshot: its name at once, its layer once nothing stacks on it any more. A snapshot
+/// that another cell was forked from stays until that cell is removed.
 pub fn remove(store: &Store, id: &str) -> Result<(), SnapshotError> {
     let info = get(store, id)?;
-    for (cell, meta) in store.layers() {
-        if meta.base.contains(&info.layer) {
+    let cells = store.layers();
+    for (cell, meta) in &cells {
+        if *cell != info.cell && stacks(meta).any(|l| *l == info.layer) {
             return Err(SnapshotError::InUse {
                 id: id.to_owned(),
                 user: format!("cell `{cell}`"),
             });
         }
     }
-    for other in list(store) {
-        if other.base.contains(&info.layer) {
-            return Err(SnapshotError::InUse {
-                id: id.to_owned(),
-                user: format!("snapshot `{}`", other.id),
-            });
-        }
-    }
+    // Its own cell, or snapshots taken later, still stack it (a snapshot of a cell whose init
+    // ran alone is the layer the next one is on): the layer is kept, nameless, until they go.
+    let used = cells
+        .iter()
+        .any(|(_, meta)| stacks(meta).any(|l| *l == info.layer))
+        || list(store)
+            .iter()
+            .any(|other| other.id != info.id && other.base.contains(&info.layer));
     let dir = snapshots_dir(store).join(id);
-    fs::remove_dir_all(&dir).map_err(|source| SnapshotError::Copy { path: dir, source })
+    if used {
+        let stamp = SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let kept = match info.layer.starts_with(&dir) {
+            true => kept_dir(store).join(format!("{id}-{stamp}")),
+            false => info.layer.with_file_name(format!(".kept-{id}-{stamp}")),
+        };
+        if let Some(parent) = kept.parent() {
+            fs::create_dir_all(parent).map_err(copy_err(parent))?;
+        }
+        fs::rename(&info.layer, &kept).map_err(copy_err(&info.layer))?;
+        relocate(store, &[(info.layer.clone(), kept)])?;
+    } else if !info.layer.starts_with(&dir) {
+        // Kept in its cell's file system of its own.
+        Layer::at(info.layer.clone())
+            .remove_tree()
+            .map_err(copy_err(&info.layer))?;
+    }
+    fs::remove_dir_all(&dir).map_err(|source| SnapshotError::Copy { path: dir, source })?;
+    collect(store);
+    Ok(())
 }
 
-/// The upper layer a reset starts from: a copy of the snapshot's layer, or an empty directory
-/// with the current upper's mode and owner. Built next to the current one, as `upper.new`.
-fn fresh_upper(
+/// Where the layers of removed snapshots wait while something still stacks them.
+fn kept_dir(store: &Store) -> PathBuf {
+    snapshots_dir(store).join(".kept")
+}
+
+/// Every layer a cell's workspace stacks, or goes back to on a reset to its start.
+fn stacks(meta: &LayerMeta) -> impl Iterator<Item = &PathBuf> {
+    meta.base.iter().chain(meta.start.iter().flatten())
+}
+
+/// Tells every record (snapshots, cells' layers) that stacks a layer of `moves` where it is now.
+fn relocate(store: &Store, moves: &[(PathBuf, PathBuf)]) -> Result<(), SnapshotError> {
+    let now = |path: &PathBuf| -> PathBuf {
+        moves
+            .iter()
+            .find(|(from, _)| from == path)
+            .map_or_else(|| path.clone(), |(_, to)| to.clone())
+    };
+    for info in list(store) {
+        let told = SnapshotInfo {
+            layer: now(&info.layer),
+            base: info.base.iter().map(now).collect(),
+            ..info.clone()
+        };
+        if told != info {
+            write_record(store, &told)?;
+        }
+    }
+    for (name, meta) in store.layers() {
+        let told = LayerMeta {
+            base: meta.base.iter().map(now).collect(),
+            start: meta.start.as_ref().map(|s| s.iter().map(now).collect()),
+            ..meta.clone()
+        };
+        if told != meta {
+            write_meta(&store.layer(&name), &told)?;
+        }
+    }
+    Ok(())
+}
+
+/// Every layer some record stacks.
+fn referenced(store: &Store) -> std::collections::HashSet<PathBuf> {
+    let mut out = std::collections::HashSet::new();
+    for info in list(store) {
+        out.insert(info.layer.clone());
+        out.extend(info.base.iter().cloned());
+    }
+    for (_, meta) in store.layers() {
+        out.extend(stacks(&meta).cloned());
+    }
+    out
+}
+
+/// Removes the kept layers of removed snapshots that nothing stacks any more.
+fn collect(store: &Store) {
+    let used = referenced(store);
+    let mut kept: Vec<PathBuf> = fs::read_dir(kept_dir(store))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    for (name, _) in store.layers() {
+        let layer = store.layer(&name);
+        if layer.has_image() {
+            let turned = upper_dir(&layer).join("snapshots");
+            kept.extend(
+                fs::read_dir(turned)
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .filter(|e| e.file_name().to_string_lossy().starts_with(".kept-"))
+                    .map(|e| e.path()),
+            );
+        }
+    }
+    for path in kept {
+        if !used.contains(&path) {
+            let _ = Layer::at(path).remove_tree();
+        }
+    }
+}
+
+/// The layers a reset goes back to: the snapshot's (which must be one of `cell`'s), or the
+/// cell's start.
+fn target_stack(
     store: &Store,
-    layer: &Layer,
+    meta: &LayerMeta,
     cell: &str,
     to: Option<&str>,
-) -> Result<PathBuf, SnapshotError> {
-    let upper = layer.upper();
-    let fresh = upper_dir(layer).join("upper.new");
-    let _ = fs::remove_dir_all(&fresh);
-    let copy_err = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| SnapshotError::Copy { path, source }
-    };
+) -> Result<Vec<PathBuf>, SnapshotError> {
     match to {
         Some(id) => {
             let info = get(store, id)?;
@@ -263,18 +782,29 @@ fn fresh_upper(
                     cell: cell.to_owned(),
                 });
             }
-            copy_tree(&info.layer, &fresh)?;
+            Ok(info.stack())
         }
-        None => {
-            fs::create_dir(&fresh).map_err(copy_err(&fresh))?;
-            let meta = fs::symlink_metadata(&upper).map_err(copy_err(&upper))?;
-            fs::set_permissions(&fresh, fs::Permissions::from_mode(meta.mode() & 0o7777))
-                .map_err(copy_err(&fresh))?;
-            std::os::unix::fs::lchown(&fresh, Some(meta.uid()), Some(meta.gid()))
-                .map_err(copy_err(&fresh))?;
-        }
+        // The start: the layers the cell was forked from (none for a plain cell).
+        None => Ok(Layer::start(meta).to_vec()),
     }
-    Ok(fresh)
+}
+
+/// The record of a layer whose stack is now `base`.
+fn on(meta: &LayerMeta, base: Vec<PathBuf>) -> LayerMeta {
+    LayerMeta {
+        base,
+        start: Some(Layer::start(meta).to_vec()),
+        ..meta.clone()
+    }
+}
+
+fn write_meta(layer: &Layer, meta: &LayerMeta) -> Result<(), SnapshotError> {
+    layer
+        .write_meta(meta)
+        .map_err(|source| SnapshotError::Record {
+            path: layer.dir().join("layer.json"),
+            source,
+        })
 }
 
 /// The directory that holds the layer's `upper/` (its own file system, when it has one).
@@ -293,10 +823,17 @@ fn swap_in(layer: &Layer, name: &str) -> Result<(), SnapshotError> {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
     let old = upper_dir(layer).join(format!("{name}.old-{stamp}"));
-    fs::rename(&current, &old).map_err(|source| SnapshotError::Copy {
-        path: current.clone(),
-        source,
-    })?;
+    // (Gone already when an interrupted swap is finished.)
+    match fs::rename(&current, &old) {
+        Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+        Err(source) => {
+            return Err(SnapshotError::Copy {
+                path: current.clone(),
+                source,
+            });
+        }
+        Ok(()) => {}
+    }
     fs::rename(&fresh, &current).map_err(|source| SnapshotError::Copy {
         path: current.clone(),
         source,
@@ -331,14 +868,24 @@ pub(super) fn remove_in_background(dir: PathBuf) {
     }
 }
 
-/// Returns a stopped cell's workspace to a snapshot of it, or to its start.
+/// Returns a stopped cell's workspace to a snapshot of it, or to its start: the target's
+/// layers become the layer's stack, under an empty upper layer (nothing is copied).
 pub fn reset_stopped(
     store: &Store,
     layer: &Layer,
     cell: &str,
     to: Option<&str>,
 ) -> Result<(), SnapshotError> {
-    fresh_upper(store, layer, cell, to)?;
+    let meta = layer.meta().map_err(|source| SnapshotError::Record {
+        path: layer.dir().join("layer.json"),
+        source,
+    })?;
+    let target = target_stack(store, &meta, cell, to)?;
+    let upper = layer.upper();
+    let fresh = upper_dir(layer).join("upper.new");
+    let _ = fs::remove_dir_all(&fresh);
+    empty_like(&upper, &fresh)?;
+    write_meta(layer, &on(&meta, target))?;
     swap_in(layer, "upper")
 }
 
@@ -353,20 +900,7 @@ pub fn reset_running(
     cell_pid: i32,
     to: Option<&str>,
 ) -> Result<(), SnapshotError> {
-    let target = match to {
-        Some(id) => {
-            let info = get(store, id)?;
-            if info.cell != cell {
-                return Err(SnapshotError::Foreign {
-                    id: id.to_owned(),
-                    cell: cell.to_owned(),
-                });
-            }
-            info.stack()
-        }
-        // The start: the layers the cell was forked from (none for a plain cell).
-        None => meta.base.clone(),
-    };
+    let target = target_stack(store, meta, cell, to)?;
     Ok(super::reset::in_place(
         registry,
         meta,
@@ -375,6 +909,68 @@ pub fn reset_running(
         &layer.stack(meta),
         &target,
     )?)
+}
+
+/// Resets a quiet running cell by mounting its workspace again on the target's layers under a
+/// fresh upper layer (see `swap`): nothing is copied. `Ok(false)`: not possible now, nothing
+/// changed.
+fn reset_by_swap(
+    registry: &Registry,
+    store: &Store,
+    layer: &Layer,
+    meta: &LayerMeta,
+    cell: &str,
+    to: Option<&str>,
+) -> Result<bool, SnapshotError> {
+    let target = target_stack(store, meta, cell, to)?;
+    if target.len() > super::swap::MAX_DEPTH {
+        return Ok(false);
+    }
+    let Ok(record) = registry.get(cell) else {
+        return Ok(false);
+    };
+    let (fresh, _) = fresh_dirs(layer)?;
+    let old = super::swap::Stack {
+        lowers: meta.base.clone(),
+        upper: layer.upper(),
+        work: layer.work(),
+    };
+    let new = super::swap::Stack {
+        lowers: target.clone(),
+        upper: fresh.upper.clone(),
+        work: fresh.work.clone(),
+    };
+    let mut making = Making {
+        base: target.clone(),
+        snapshot: None,
+        made: false,
+    };
+    making.write(layer)?;
+    let swapped = super::swap::swap(
+        registry,
+        &place(store, layer, meta, cell, record.pid),
+        &old,
+        &new,
+        None,
+    );
+    if let Err(err) = swapped {
+        fresh.remove();
+        Making::done(layer);
+        return match err {
+            super::swap::SwapError::Busy(_) | super::swap::SwapError::Failed { .. } => Ok(false),
+            err => Err(SnapshotError::Remount {
+                cell: cell.to_owned(),
+                source: io::Error::other(err.to_string()),
+            }),
+        };
+    }
+    making.made = true;
+    making.write(layer)?;
+    swap_in(layer, "work")?;
+    write_meta(layer, &on(meta, target))?;
+    swap_in(layer, "upper")?;
+    Making::done(layer);
+    Ok(true)
 }
 
 /// Copies an overlayfs layer: directories with their overlay xattrs (opaque), files, symlinks,
@@ -535,6 +1131,11 @@ pub fn reset(
     name: &str,
     to: Option<&str>,
 ) -> Result<(), SnapshotError> {
+    if let Some((layer, meta, _quiet)) = changes::hold_quiet(registry, store, name)?
+        && reset_by_swap(registry, store, &layer, &meta, name, to)?
+    {
+        return Ok(());
+    }
     let (layer, meta, frozen) = changes::hold_frozen(registry, store, name)?;
     match registry.get(name) {
         Ok(record) => {

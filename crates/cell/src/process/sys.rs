@@ -98,6 +98,24 @@ pub fn pidfd_send_signal(pidfd: &OwnedFd, signal: libc::c_int) -> io::Result<()>
 }
 
 /// Closes every descriptor from `first` upwards.
+/// Closes every descriptor from 3 on but those in `keep` (which nothing else of the caller's
+/// may own either).
+pub fn close_except(keep: &[RawFd]) -> io::Result<()> {
+    let mut keep: Vec<RawFd> = keep.iter().copied().filter(|fd| *fd >= 3).collect();
+    keep.sort_unstable();
+    let mut first = 3;
+    for fd in keep {
+        if fd > first {
+            // SAFETY: closes a range the caller has no live object in (see above).
+            check(unsafe {
+                libc::syscall(libc::SYS_close_range, first as u32, (fd - 1) as u32, 0u32)
+            })?;
+        }
+        first = fd + 1;
+    }
+    close_from(first)
+}
+
 pub fn close_from(first: RawFd) -> io::Result<()> {
     // SAFETY: closing descriptors the caller no longer needs; the caller guarantees no live
     // Rust object owns a descriptor in that range.
@@ -392,13 +410,48 @@ pub struct Spawn<'a> {
     pub cwd: &'a Path,
     /// Its stdin, stdout and stderr; the caller's own when `None`.
     pub stdio: Option<[BorrowedFd<'a>; 3]>,
+    /// A Landlock ruleset the process is restricted by before its program starts (on top of
+    /// the caller's own domain).
+    pub landlock: Option<BorrowedFd<'a>>,
 }
 
-/// Starts a process with posix_spawn: a vfork, so neither the caller's memory is copied nor
-/// its pages faulted in again. The process runs in `cwd`, in a process group of its own, with
-/// an empty signal mask and every signal at its default action (but an ignored SIGXFSZ). Fails
-/// with the errno of the failed step (ENOENT, EACCES, ...): the process exists only if its program started.
+/// Puts the process `command` starts under the Landlock ruleset `fd` just before its program
+/// runs.
+pub fn landlock_on_exec(command: &mut std::process::Command, fd: BorrowedFd<'_>) {
+    use std::os::unix::process::CommandExt as _;
+    let raw = fd.as_raw_fd();
+    // SAFETY: the hook makes one raw system call on a descriptor the caller keeps open for as
+    // long as the command is spawned (it is borrowed for the spawn); nothing is allocated.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::syscall(libc::SYS_landlock_restrict_self, raw, 0u32) == 0 {
+                Ok(())
+            } else {
+                Err(io::Error::last_os_error())
+            }
+        });
+    }
+}
+
+/// Restricts the calling thread by the Landlock ruleset `fd` (a layer on top of its domain).
+pub fn landlock_restrict_self(fd: BorrowedFd<'_>) -> io::Result<()> {
+    // SAFETY: a plain syscall on a borrowed, open descriptor; no memory is passed.
+    let ret = unsafe { libc::syscall(libc::SYS_landlock_restrict_self, fd.as_raw_fd(), 0u32) };
+    if ret == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Starts a process the way posix_spawn does (a vfork: neither the caller's memory is copied
+/// nor its pages faulted in again), with one step posix_spawn has no room for: the Landlock
+/// layer of `what.landlock`. The process runs in `cwd`, in a process group of its own, with an
+/// empty signal mask and every signal at its default action (but an ignored SIGXFSZ). Fails
+/// with the errno of the failed step (ENOENT, EACCES, ...): the process exists only if its
+/// program started.
 pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
+    use std::sync::atomic::{AtomicI32, Ordering};
     let c = |bytes: &[u8]| {
         CString::new(bytes).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
     };
@@ -415,87 +468,107 @@ pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
         .map(|(k, v)| c(&[k.as_bytes(), b"=", v.as_bytes()].concat()))
         .collect::<io::Result<Vec<_>>>()?;
     let pointers = |strings: &[CString]| {
-        let mut list: Vec<*mut libc::c_char> =
-            strings.iter().map(|s| s.as_ptr().cast_mut()).collect();
-        list.push(std::ptr::null_mut());
+        let mut list: Vec<*const libc::c_char> = strings.iter().map(|s| s.as_ptr()).collect();
+        list.push(std::ptr::null());
         list
     };
     let (argv_p, env_p) = (pointers(&argv), pointers(&env));
-    let errno = |ret: libc::c_int| match ret {
-        0 => Ok(()),
-        err => Err(io::Error::from_raw_os_error(err)),
-    };
+    let stdio: Option<[RawFd; 3]> = what.stdio.map(|fds| fds.map(|fd| fd.as_raw_fd()));
+    let landlock: Option<RawFd> = what.landlock.map(|fd| fd.as_raw_fd());
+    // What the child failed at, if it did: it shares this memory until it execs or exits.
+    let failed = AtomicI32::new(0);
+    let mut stack = vec![0u8; 64 * 1024];
 
-    struct Actions(libc::posix_spawn_file_actions_t);
-    impl Drop for Actions {
-        fn drop(&mut self) {
-            // SAFETY: made only from an initialised object (below), and dropped once.
-            unsafe { libc::posix_spawn_file_actions_destroy(&mut self.0) };
-        }
-    }
-    struct Attr(libc::posix_spawnattr_t);
-    impl Drop for Attr {
-        fn drop(&mut self) {
-            // SAFETY: made only from an initialised object (below), and dropped once.
-            unsafe { libc::posix_spawnattr_destroy(&mut self.0) };
-        }
-    }
-    // SAFETY: both objects are plain C structs (no pointers into themselves, so they may move)
-    // that their init functions fill in before any other use; a guard takes each only once it
-    // is initialised and destroys it exactly once, after posix_spawn returned. Every pointer
-    // handed over (paths, argv, envp and their NULL-terminated arrays) points into locals that
-    // outlive the call, and the descriptors are borrowed, so open.
+    // SAFETY: the child runs on `stack`, in this process's memory (CLONE_VM) while this thread
+    // is suspended (CLONE_VFORK) until it execs or exits, so everything it reads (the C strings,
+    // their pointer arrays, the descriptors) stays alive and unchanged. It allocates nothing,
+    // takes no lock and makes only async-signal-safe calls; its one write to shared memory is
+    // the atomic `failed`. Every signal is blocked in this thread around the clone, so no
+    // handler of the caller's runs on the child's side; the child sets its own mask before it
+    // execs. The saved mask is restored whatever the clone did.
     unsafe {
-        let mut raw = std::mem::zeroed();
-        errno(libc::posix_spawn_file_actions_init(&mut raw))?;
-        let mut actions = Actions(raw);
-        if let Some(stdio) = &what.stdio {
-            for (target, fd) in stdio.iter().enumerate() {
-                errno(libc::posix_spawn_file_actions_adddup2(
-                    &mut actions.0,
-                    fd.as_raw_fd(),
-                    target as libc::c_int,
-                ))?;
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        let mut saved: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut saved);
+        let last_signal = libc::SIGRTMAX();
+        let keep_xfsz = {
+            let mut current: libc::sigaction = std::mem::zeroed();
+            libc::sigaction(libc::SIGXFSZ, std::ptr::null(), &mut current) == 0
+                && current.sa_sigaction == libc::SIG_IGN
+        };
+        let child = || -> isize {
+            let fail = |step: i32| -> isize {
+                let errno = *libc::__errno_location();
+                failed.store(if errno == 0 { step } else { errno }, Ordering::SeqCst);
+                libc::_exit(127)
+            };
+            // Signals the caller ignores would stay ignored across exec: back to default (a
+            // handled one is reset by exec itself).
+            for signal in 1..=last_signal {
+                if signal == libc::SIGKILL || signal == libc::SIGSTOP {
+                    continue;
+                }
+                if signal == libc::SIGXFSZ && keep_xfsz {
+                    continue;
+                }
+                let mut current: libc::sigaction = std::mem::zeroed();
+                if libc::sigaction(signal, std::ptr::null(), &mut current) == 0
+                    && current.sa_sigaction == libc::SIG_IGN
+                {
+                    let mut default: libc::sigaction = std::mem::zeroed();
+                    default.sa_sigaction = libc::SIG_DFL;
+                    libc::sigaction(signal, &default, std::ptr::null_mut());
+                }
+            }
+            if libc::setpgid(0, 0) != 0 {
+                return fail(libc::EPERM);
+            }
+            if let Some(fds) = stdio {
+                for (target, fd) in fds.iter().enumerate() {
+                    if *fd == target as RawFd {
+                        // dup2 onto itself keeps close-on-exec: clear it instead.
+                        let flags = libc::fcntl(*fd, libc::F_GETFD);
+                        if flags < 0
+                            || libc::fcntl(*fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0
+                        {
+                            return fail(libc::EBADF);
+                        }
+                    } else if libc::dup2(*fd, target as RawFd) < 0 {
+                        return fail(libc::EBADF);
+                    }
+                }
+            }
+            if libc::chdir(cwd.as_ptr()) != 0 {
+                return fail(libc::ENOENT);
+            }
+            if let Some(fd) = landlock
+                && libc::syscall(libc::SYS_landlock_restrict_self, fd, 0u32) != 0
+            {
+                return fail(libc::EPERM);
+            }
+            let mut none: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut none);
+            libc::pthread_sigmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
+            libc::execve(program.as_ptr(), argv_p.as_ptr(), env_p.as_ptr());
+            fail(libc::ENOEXEC)
+        };
+        let cloned = nix::sched::clone(
+            Box::new(child),
+            &mut stack,
+            nix::sched::CloneFlags::CLONE_VM | nix::sched::CloneFlags::CLONE_VFORK,
+            Some(libc::SIGCHLD),
+        );
+        libc::pthread_sigmask(libc::SIG_SETMASK, &saved, std::ptr::null_mut());
+        let pid = cloned.map_err(|e| io::Error::from_raw_os_error(e as i32))?;
+        match failed.load(Ordering::SeqCst) {
+            0 => Ok(pid.as_raw()),
+            errno => {
+                // The child exited without starting its program: reap it here.
+                let _ = nix::sys::wait::waitpid(pid, None);
+                Err(io::Error::from_raw_os_error(errno))
             }
         }
-        errno(libc::posix_spawn_file_actions_addchdir_np(
-            &mut actions.0,
-            cwd.as_ptr(),
-        ))?;
-        let mut raw = std::mem::zeroed();
-        errno(libc::posix_spawnattr_init(&mut raw))?;
-        let mut attr = Attr(raw);
-        let mut none: libc::sigset_t = std::mem::zeroed();
-        let mut all: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut none);
-        libc::sigfillset(&mut all);
-        // An ignored SIGXFSZ (the per-file part of a disk limit) stays ignored, so that a
-        // write past the limit fails with EFBIG rather than killing the writer.
-        let mut current: libc::sigaction = std::mem::zeroed();
-        if libc::sigaction(libc::SIGXFSZ, std::ptr::null(), &mut current) == 0
-            && current.sa_sigaction == libc::SIG_IGN
-        {
-            libc::sigdelset(&mut all, libc::SIGXFSZ);
-        }
-        errno(libc::posix_spawnattr_setsigmask(&mut attr.0, &none))?;
-        errno(libc::posix_spawnattr_setsigdefault(&mut attr.0, &all))?;
-        errno(libc::posix_spawnattr_setpgroup(&mut attr.0, 0))?;
-        errno(libc::posix_spawnattr_setflags(
-            &mut attr.0,
-            (libc::POSIX_SPAWN_SETSIGMASK
-                | libc::POSIX_SPAWN_SETSIGDEF
-                | libc::POSIX_SPAWN_SETPGROUP) as libc::c_short,
-        ))?;
-        let mut pid: libc::pid_t = 0;
-        errno(libc::posix_spawn(
-            &mut pid,
-            program.as_ptr(),
-            &actions.0,
-            &attr.0,
-            argv_p.as_ptr(),
-            env_p.as_ptr(),
-        ))?;
-        Ok(pid)
     }
 }
 
