@@ -298,7 +298,9 @@ pub fn take(
     let (id, dir) = claim(store, cell, name)?;
     // A cell whose init runs alone gives its upper layer up as the snapshot and goes on on a
     // fresh one: nothing is copied.
-    let turned = match frozen.is_quiet() {
+    // A few small changes are copied all the same: that is quicker than mounting the workspace
+    // again (a few milliseconds, whatever changed), and the next turn-over takes them along.
+    let turned = match frozen.is_quiet() && !copied_quicker(&layer.upper()) {
         true => turn_over(registry, store, &layer, &meta, cell, &id, &dir),
         false => Ok(None),
     };
@@ -620,19 +622,63 @@ fn empty_like(like: &Path, fresh: &Path) -> Result<(), SnapshotError> {
     std::os::unix::fs::lchown(fresh, Some(meta.uid()), Some(meta.gid())).map_err(copy_err(fresh))
 }
 
-/// Bytes of file content in a layer (its files' sizes; a read of the directory tree only).
+/// Whether copying the upper layer `dir` takes less time than turning it over: at most 100
+/// entries and 4 MiB of file content (a copy of that takes about as long as a turn-over; the
+/// walk stops as soon as either is passed).
+fn copied_quicker(dir: &Path) -> bool {
+    const ENTRIES: usize = 100;
+    const BYTES: u64 = 4 << 20;
+    fn walk(dir: &Path, entries: &mut usize, bytes: &mut u64) -> bool {
+        let Ok(read) = fs::read_dir(dir) else {
+            return false;
+        };
+        for entry in read.flatten() {
+            *entries += 1;
+            let Ok(kind) = entry.file_type() else {
+                return false;
+            };
+            if kind.is_dir() {
+                if !walk(&entry.path(), entries, bytes) {
+                    return false;
+                }
+            } else if kind.is_file() {
+                *bytes += entry.metadata().map_or(u64::MAX / 2, |m| m.len());
+            }
+            if *entries > ENTRIES || *bytes > BYTES {
+                return false;
+            }
+        }
+        true
+    }
+    walk(dir, &mut 0, &mut 0)
+}
+
+/// Bytes of file content in a layer, counted as a copy counts them: a file's data (its holes
+/// not counted), a hard-linked file once. A read of the directory tree only.
 fn layer_size(dir: &Path) -> u64 {
-    let Ok(entries) = fs::read_dir(dir) else {
-        return 0;
-    };
-    entries
-        .flatten()
-        .map(|entry| match entry.file_type() {
-            Ok(t) if t.is_dir() => layer_size(&entry.path()),
-            Ok(t) if t.is_file() => entry.metadata().map_or(0, |m| m.len()),
-            _ => 0,
-        })
-        .sum()
+    fn walk(dir: &Path, seen: &mut std::collections::HashSet<(u64, u64)>) -> u64 {
+        let Ok(entries) = fs::read_dir(dir) else {
+            return 0;
+        };
+        let mut sum = 0;
+        for entry in entries.flatten() {
+            match entry.file_type() {
+                Ok(t) if t.is_dir() => sum += walk(&entry.path(), seen),
+                Ok(t) if t.is_file() => {
+                    let Ok(meta) = entry.metadata() else {
+                        continue;
+                    };
+                    if meta.nlink() > 1 && !seen.insert((meta.dev(), meta.ino())) {
+                        continue;
+                    }
+                    sum += meta.len().min(meta.blocks() * 512);
+                }
+                _ => {}
+            }
+        }
+        sum
+    }
+    walk(dir, &mut std::collections::HashSet::new())
 }
 
 /// Removes a snapshot: its name at once, its layer once nothing stacks on it any more. A snapshot
@@ -1149,5 +1195,95 @@ pub fn reset(
             result
         }
         Err(_) => reset_stopped(store, &layer, name, to),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A store with the layer of cell `c` and its claimed snapshot `c@s1`, as a turn-over that
+    /// was cut short left them: the old upper's entries moved to `upper.turned`, fresh `upper.new`
+    /// and `work.new` beside. `made`: the new overlay had been made (overlayfs made its `work`).
+    fn cut_short(made: bool, recorded: bool) -> (tempfile::TempDir, Store, Layer) {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = Store::open(tmp.path().to_path_buf()).unwrap();
+        let layer = store.layer("c");
+        let meta = LayerMeta {
+            lower: tmp.path().join("host"),
+            started: SystemTime::now(),
+            protected: Vec::new(),
+            base: Vec::new(),
+            start: None,
+            mount: "/workspace".into(),
+        };
+        layer.create(&meta).unwrap();
+        let dir = layer.dir().to_path_buf();
+        fs::create_dir(dir.join("upper.turned")).unwrap();
+        fs::write(dir.join("upper.turned/before.txt"), "before").unwrap();
+        fs::create_dir(dir.join("upper.new")).unwrap();
+        fs::create_dir(dir.join("work.new")).unwrap();
+        if made {
+            fs::create_dir(dir.join("work.new/work")).unwrap();
+            fs::write(dir.join("upper.new/after.txt"), "after").unwrap();
+        }
+        let claimed = snapshots_dir(&store).join("c@s1");
+        fs::create_dir_all(&claimed).unwrap();
+        let info = SnapshotInfo {
+            id: "c@s1".into(),
+            cell: "c".into(),
+            lower: meta.lower.clone(),
+            layer: claimed.join("layer"),
+            base: Vec::new(),
+            protected: Vec::new(),
+            created: SystemTime::now(),
+            size: None,
+        };
+        Making {
+            base: vec![info.layer.clone()],
+            snapshot: Some(info),
+            made: made && recorded,
+        }
+        .write(&layer)
+        .unwrap();
+        (tmp, store, layer)
+    }
+
+    #[test]
+    fn a_turn_over_cut_short_after_the_new_overlay_was_made_is_finished() {
+        for recorded in [true, false] {
+            let (_tmp, store, layer) = cut_short(true, recorded);
+            assert!(interrupted(&layer));
+            finish_interrupted(&store, &layer).unwrap();
+            assert!(!interrupted(&layer));
+            let info = get(&store, "c@s1").unwrap();
+            assert_eq!(fs::read_to_string(info.layer.join("before.txt")).unwrap(), "before");
+            assert_eq!(fs::read_to_string(layer.upper().join("after.txt")).unwrap(), "after");
+            let meta = layer.meta().unwrap();
+            assert_eq!(meta.base, vec![info.layer.clone()]);
+            assert_eq!(meta.start, Some(Vec::new()));
+            for gone in ["upper.turned", "upper.new", "work.new"] {
+                assert!(!layer.dir().join(gone).exists(), "{gone} is left");
+            }
+            assert!(layer.work().exists());
+        }
+    }
+
+    #[test]
+    fn a_turn_over_cut_short_before_the_new_overlay_was_made_is_undone() {
+        let (_tmp, store, layer) = cut_short(false, false);
+        finish_interrupted(&store, &layer).unwrap();
+        assert!(!interrupted(&layer));
+        assert_eq!(
+            fs::read_to_string(layer.upper().join("before.txt")).unwrap(),
+            "before"
+        );
+        let meta = layer.meta().unwrap();
+        assert!(meta.base.is_empty() && meta.start.is_none(), "{meta:?}");
+        for gone in ["upper.turned", "upper.new", "work.new"] {
+            assert!(!layer.dir().join(gone).exists(), "{gone} is left");
+        }
+        assert!(get(&store, "c@s1").is_err());
+        assert!(!snapshots_dir(&store).join("c@s1").exists());
     }
 }
