@@ -787,7 +787,9 @@ fn a_quiet_cells_snapshot_and_reset_turn_layers_over_without_copies() {
         )
     };
     // More than a copy is quicker for (a hundred small files).
-    let made = run("echo one > a.txt && mkdir d && i=1; while [ $i -le 150 ]; do echo $i > d/f$i; i=$((i+1)); done");
+    let made = run(
+        "echo one > a.txt && mkdir d && i=1; while [ $i -le 150 ]; do echo $i > d/f$i; i=$((i+1)); done",
+    );
     assert_eq!(made.0, Some(0), "{made:?}");
     // The layer's upper directory: in its file system of its own (the default disk limit), or
     // beside its record.
@@ -922,10 +924,15 @@ fn stacked_snapshots_outlive_their_names_and_their_cell() {
         assert_eq!(answer.status, 201, "{}", answer.text());
     };
     // Each step changes more than a copy is quicker for.
-    let many = |dir: &str| format!("mkdir {dir} && i=0; while [ $i -lt 120 ]; do echo $i > {dir}/$i; i=$((i+1)); done");
+    let many = |dir: &str| {
+        format!("mkdir {dir} && i=0; while [ $i -lt 120 ]; do echo $i > {dir}/$i; i=$((i+1)); done")
+    };
     run(&cell, &format!("echo one > one.txt && {}", many("m1")));
     snapshot("k1");
-    run(&cell, &format!("echo two > two.txt && rm a.txt && {}", many("m2")));
+    run(
+        &cell,
+        &format!("echo two > two.txt && rm a.txt && {}", many("m2")),
+    );
     snapshot("k2");
     let layer = daemon.state().join("layers").join(&cell).join("layer.json");
     let stacked: Value = serde_json::from_str(&read_file(&layer)).unwrap();

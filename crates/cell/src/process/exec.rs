@@ -417,6 +417,24 @@ pub struct Namespaces {
     pub root: Option<OwnedFd>,
 }
 
+impl Namespaces {
+    /// Joins the cell's user namespace, unless the caller is in it already (a sandbox's keeper
+    /// is in the host's, which a process may not join again).
+    pub(crate) fn join_user(&self) -> nix::Result<()> {
+        let same = rustix::fs::fstat(&self.user)
+            .ok()
+            .zip(std::fs::metadata("/proc/self/ns/user").ok())
+            .is_some_and(|(theirs, ours)| {
+                use std::os::unix::fs::MetadataExt as _;
+                theirs.st_ino == ours.ino() && theirs.st_dev == ours.dev()
+            });
+        match same {
+            true => Ok(()),
+            false => nix::sched::setns(&self.user, nix::sched::CloneFlags::CLONE_NEWUSER),
+        }
+    }
+}
+
 /// The keeper's router: accepts clients on `path` and passes each one's request, with the
 /// client's own socket, to the init's `channel` (a cell that takes no execs has none: it
 /// answers only for its namespaces), on a thread of its own for the rest of the keeper's life.

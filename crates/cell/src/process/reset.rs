@@ -290,19 +290,8 @@ fn run_inside(
     steps: &[Step],
 ) -> Result<(), String> {
     use nix::sched::{CloneFlags, setns};
-    // A sandbox's keeper is in the host's user namespace, which the helper is in already (and
-    // may not join again).
-    let same_user = rustix::fs::fstat(&ns.user)
-        .ok()
-        .zip(fs::metadata("/proc/self/ns/user").ok())
-        .is_some_and(|(theirs, ours)| {
-            use std::os::unix::fs::MetadataExt as _;
-            theirs.st_ino == ours.ino() && theirs.st_dev == ours.dev()
-        });
-    if !same_user {
-        setns(&ns.user, CloneFlags::CLONE_NEWUSER)
-            .map_err(|e| format!("joining the cell's user namespace: {e}"))?;
-    }
+    ns.join_user()
+        .map_err(|e| format!("joining the cell's user namespace: {e}"))?;
     setns(&ns.mnt, CloneFlags::CLONE_NEWNS)
         .map_err(|e| format!("joining the cell's mount namespace: {e}"))?;
     if let Some(root) = &ns.root {

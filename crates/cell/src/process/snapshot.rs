@@ -447,14 +447,8 @@ fn turn_over(
         fresh.remove();
         let _ = fs::remove_dir(&turned);
         Making::done(layer);
-        return match err {
-            // Nothing changed in the cell: the copy does it.
-            super::swap::SwapError::Busy(_) | super::swap::SwapError::Failed { .. } => Ok(None),
-            err => Err(SnapshotError::Remount {
-                cell: cell.to_owned(),
-                source: io::Error::other(err.to_string()),
-            }),
-        };
+        // Nothing changed in the cell: the copy does it.
+        return not_swapped(err, cell).map(|()| None);
     }
     making.made = true;
     making.write(layer)?;
@@ -466,6 +460,18 @@ fn turn_over(
     write_meta(layer, &on(meta, stacked))?;
     Making::done(layer);
     Ok(Some(own))
+}
+
+/// What a swap that did not happen means: nothing changed in the cell (`Ok`: the caller goes
+/// the slower way), or the cell has no workspace mounted.
+fn not_swapped(err: super::swap::SwapError, cell: &str) -> Result<(), SnapshotError> {
+    match err {
+        super::swap::SwapError::Busy(_) | super::swap::SwapError::Failed { .. } => Ok(()),
+        err => Err(SnapshotError::Remount {
+            cell: cell.to_owned(),
+            source: io::Error::other(err.to_string()),
+        }),
+    }
 }
 
 /// A layer being made over (mounted again on other directories), recorded before the cell's
@@ -894,16 +900,7 @@ pub(super) fn remove_in_background(dir: PathBuf) {
     match sys::clone_process(0) {
         Ok(0) => {
             // Let go of the caller's stdio, so that nobody waits on this child's pipes.
-            if let Ok(null) = fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open("/dev/null")
-            {
-                use std::os::fd::AsRawFd as _;
-                for fd in 0..3 {
-                    let _ = sys::dup_onto(null.as_raw_fd(), fd);
-                }
-            }
+            sys::stdio_to_null();
             let _ = Layer::at(dir).remove_tree();
             sys::exit_now(0);
         }
@@ -1002,13 +999,7 @@ fn reset_by_swap(
     if let Err(err) = swapped {
         fresh.remove();
         Making::done(layer);
-        return match err {
-            super::swap::SwapError::Busy(_) | super::swap::SwapError::Failed { .. } => Ok(false),
-            err => Err(SnapshotError::Remount {
-                cell: cell.to_owned(),
-                source: io::Error::other(err.to_string()),
-            }),
-        };
+        return not_swapped(err, cell).map(|()| false);
     }
     making.made = true;
     making.write(layer)?;
@@ -1257,8 +1248,14 @@ mod tests {
             finish_interrupted(&store, &layer).unwrap();
             assert!(!interrupted(&layer));
             let info = get(&store, "c@s1").unwrap();
-            assert_eq!(fs::read_to_string(info.layer.join("before.txt")).unwrap(), "before");
-            assert_eq!(fs::read_to_string(layer.upper().join("after.txt")).unwrap(), "after");
+            assert_eq!(
+                fs::read_to_string(info.layer.join("before.txt")).unwrap(),
+                "before"
+            );
+            assert_eq!(
+                fs::read_to_string(layer.upper().join("after.txt")).unwrap(),
+                "after"
+            );
             let meta = layer.meta().unwrap();
             assert_eq!(meta.base, vec![info.layer.clone()]);
             assert_eq!(meta.start, Some(Vec::new()));

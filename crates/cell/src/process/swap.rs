@@ -199,17 +199,8 @@ fn inside(
     turn: Option<&Turn>,
 ) -> Result<(), Outcome> {
     use nix::sched::{CloneFlags, setns, unshare};
-    let same_user = rustix::fs::fstat(&ns.user)
-        .ok()
-        .zip(fs::metadata("/proc/self/ns/user").ok())
-        .is_some_and(|(theirs, ours)| {
-            use std::os::unix::fs::MetadataExt as _;
-            theirs.st_ino == ours.ino() && theirs.st_dev == ours.dev()
-        });
-    if !same_user {
-        setns(&ns.user, CloneFlags::CLONE_NEWUSER)
-            .map_err(|e| ("joining the cell's user namespace", e))?;
-    }
+    ns.join_user()
+        .map_err(|e| ("joining the cell's user namespace", e))?;
     // A private copy of the warden's mount tree, owned by the cell's user namespace: the layers
     // are cloned from here, as the cell's own setup cloned them.
     unshare(CloneFlags::CLONE_NEWNS).map_err(|e| ("making a private mount namespace", e))?;
@@ -439,15 +430,7 @@ fn let_go_later(held: OwnedFd) {
             drop(gone_w);
             // Nothing of the helper's is kept but the mount and the pipe (its caller reads the
             // helper's report to its end, and others may read its stdio).
-            if let Ok(null) = fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open("/dev/null")
-            {
-                for fd in 0..3 {
-                    let _ = sys::dup_onto(null.as_raw_fd(), fd);
-                }
-            }
+            sys::stdio_to_null();
             let _ = sys::close_except(&[held.as_raw_fd(), gone_r.as_raw_fd()]);
             let mut byte = [0u8; 1];
             // End of file once the helper has ended.

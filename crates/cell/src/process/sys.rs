@@ -98,6 +98,20 @@ pub fn pidfd_send_signal(pidfd: &OwnedFd, signal: libc::c_int) -> io::Result<()>
 }
 
 /// Closes every descriptor from `first` upwards.
+/// Points stdin, stdout and stderr at /dev/null (a background child lets go of its caller's
+/// stdio, so that nobody waits on it for their end).
+pub fn stdio_to_null() {
+    if let Ok(null) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/null")
+    {
+        for fd in 0..3 {
+            let _ = dup_onto(null.as_raw_fd(), fd);
+        }
+    }
+}
+
 /// Closes every descriptor from 3 on but those in `keep` (which nothing else of the caller's
 /// may own either).
 pub fn close_except(keep: &[RawFd]) -> io::Result<()> {

@@ -101,7 +101,9 @@ class Approval:
 @dataclass
 class Snapshot:
     id: str  # CELL@SNAP
-    size: int
+    # Bytes of file data; None while they are being counted (a snapshot that took the cell's
+    # layer instead of a copy is counted just after it is taken; listing counts it at once).
+    size: Optional[int] = None
 
 
 @dataclass
