@@ -1004,3 +1004,62 @@ fn stacked_snapshots_outlive_their_names_and_their_cell() {
         .collect();
     assert!(kept.is_empty(), "left behind: {kept:?}");
 }
+
+/// As root, a cell's layer is a file system of the disk limit's size, and the snapshots taken
+/// without a copy keep their layers in it while the cell runs: only while it is at most half
+/// full. Past that, a snapshot copies (out of it), so that a session's snapshots never fill the
+/// cell's disk.
+#[test]
+fn snapshots_kept_in_a_cells_disk_stop_at_half_of_it() {
+    use std::os::unix::fs::MetadataExt as _;
+    if !cgroups_available("daemon_half_disk") || !is_root() {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let host = tempdir();
+    let cell = daemon.create(
+        &unique("halfdisk"),
+        json!({
+            "workspace": host.path().display().to_string(),
+            "policy": "version: 1\nlimits:\n  disk: 64MiB\n",
+        }),
+    );
+    let layer = daemon.state().join("layers").join(&cell).join("fs");
+    assert!(layer.join("upper").exists(), "no file system of its own");
+    let write = |script: &str| {
+        let events = daemon.exec(&cell, json!({ "argv": ["sh", "-c", script] }));
+        assert_eq!(exit_of(&events)["code"], 0, "{script}: {events:?}");
+    };
+    let many = "mkdir -p m && i=0; while [ $i -lt 120 ]; do echo $i > m/$i; i=$((i+1)); done";
+    let snapshot = |name: &str| -> std::path::PathBuf {
+        let answer = daemon.call(
+            "POST",
+            &format!("/v1/cells/{cell}/snapshot"),
+            Some(json!({ "as": name })),
+        );
+        assert_eq!(answer.status, 201, "{}", answer.text());
+        let record = daemon
+            .state()
+            .join("snapshots")
+            .join(format!("{cell}@{name}"))
+            .join("snapshot.json");
+        let record: Value = serde_json::from_str(&read_file(&record)).unwrap();
+        record["layer"].as_str().unwrap().into()
+    };
+    // A quarter of the disk: kept in it, not copied.
+    write(&format!("head -c 16777216 /dev/urandom > big && {many}"));
+    let ino = std::fs::metadata(layer.join("upper/big")).unwrap().ino();
+    let first = snapshot("quarter");
+    assert!(first.starts_with(&layer), "{first:?}");
+    assert_eq!(std::fs::metadata(first.join("big")).unwrap().ino(), ino);
+    // Past half of it: copied out.
+    write(&format!(
+        "head -c 20971520 /dev/urandom > bigger && rm -r m && {many}"
+    ));
+    let second = snapshot("half");
+    assert!(!second.starts_with(&layer), "{second:?}");
+    assert_eq!(
+        std::fs::metadata(second.join("bigger")).unwrap().len(),
+        20 << 20
+    );
+}

@@ -381,8 +381,13 @@ fn turn_over(
         return Ok(None);
     };
     // The upper layer is renamed to be the snapshot's: into the snapshot's folder, or, for a
-    // layer with a file system of its own, within that file system (where it counts against
-    // the cell's disk limit until the cell is removed, when it is moved out).
+    // layer with a file system of its own, within that file system, where it counts against
+    // the cell's disk limit until the cell is removed (when it is moved out). So that the
+    // snapshots of a long session cannot fill the cell's disk, they are kept there while it is
+    // at most half full; past that, snapshots copy (out of it), as they always may.
+    if layer.has_image() && !half_free(&upper_dir(layer)) {
+        return Ok(None);
+    }
     let own = if layer.has_image() {
         let turned = upper_dir(layer).join("snapshots");
         fs::create_dir_all(&turned).map_err(copy_err(&turned))?;
@@ -626,6 +631,11 @@ fn empty_like(like: &Path, fresh: &Path) -> Result<(), SnapshotError> {
     fs::set_permissions(fresh, fs::Permissions::from_mode(meta.mode() & 0o7777))
         .map_err(copy_err(fresh))?;
     std::os::unix::fs::lchown(fresh, Some(meta.uid()), Some(meta.gid())).map_err(copy_err(fresh))
+}
+
+/// Whether the file system `dir` is on has at least half of its blocks free.
+fn half_free(dir: &Path) -> bool {
+    rustix::fs::statvfs(dir).is_ok_and(|s| s.f_bfree.saturating_mul(2) >= s.f_blocks)
 }
 
 /// Whether copying the upper layer `dir` takes less time than turning it over: at most 100
