@@ -1063,3 +1063,79 @@ fn snapshots_kept_in_a_cells_disk_stop_at_half_of_it() {
         20 << 20
     );
 }
+
+/// A cell's stack of its own snapshots' layers is merged into one once it is deep: the next
+/// snapshot mounts the merged layer in their place, and the cell, its snapshots and a reset to
+/// an old one all read as before.
+#[test]
+fn a_deep_stack_of_snapshots_is_squashed() {
+    if !cgroups_available("daemon_squash") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let host = tempdir();
+    std::fs::write(host.path().join("host.txt"), "host\n").unwrap();
+    let cell = daemon.create(
+        &unique("squash"),
+        json!({ "workspace": host.path().display().to_string() }),
+    );
+    let run = |script: &str| {
+        let events = daemon.exec(&cell, json!({ "argv": ["sh", "-c", script] }));
+        assert_eq!(exit_of(&events)["code"], 0, "{script}: {events:?}");
+        String::from_utf8_lossy(&stream_bytes(&events, "stdout")).into_owned()
+    };
+    let record = daemon.state().join("layers").join(&cell).join("layer.json");
+    let depth = || {
+        let meta: Value = serde_json::from_str(&read_file(&record)).unwrap();
+        meta["base"].as_array().unwrap().len()
+    };
+    let turn = |i: usize| {
+        // More than a copy is quicker for; a file changed every time; one turn's directory
+        // removed by the next, the host's file removed once.
+        let mut script = format!(
+            "mkdir t{i} && j=0; while [ $j -lt 110 ]; do echo {i} > t{i}/$j; j=$((j+1)); done; echo {i} > f"
+        );
+        if i > 0 && i.is_multiple_of(3) {
+            script.push_str(&format!(" && rm -r t{}", i - 1));
+        }
+        if i == 5 {
+            script.push_str(" && rm host.txt");
+        }
+        run(&script);
+        let answer = daemon.call(
+            "POST",
+            &format!("/v1/cells/{cell}/snapshot"),
+            Some(json!({ "as": format!("s{i}") })),
+        );
+        assert_eq!(answer.status, 201, "{}", answer.text());
+    };
+    for i in 0..12 {
+        turn(i);
+        assert_eq!(depth(), i + 1);
+    }
+    // Twelve of its own: merged aside, then mounted by the next snapshot.
+    let note = daemon
+        .state()
+        .join("layers")
+        .join(&cell)
+        .join("squashed.json");
+    let until = std::time::Instant::now() + Duration::from_secs(20);
+    while !note.exists() {
+        assert!(std::time::Instant::now() < until, "no squash was made");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    turn(12);
+    assert_eq!(depth(), 2, "{}", read_file(&record));
+    let listed = |dir: &str| run(&format!("ls {dir} | tr '\\n' ' '"));
+    assert_eq!(listed("."), "f t0 t1 t10 t12 t3 t4 t6 t7 t9 ");
+    assert_eq!(run("cat f t0/0 t12/109"), "12\n0\n12\n");
+    // An old snapshot reads as it did.
+    let reset = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/reset"),
+        Some(json!({ "to": "s4" })),
+    );
+    assert!(reset.status < 300, "{}", reset.text());
+    assert_eq!(listed("."), "f host.txt t0 t1 t3 t4 ");
+    assert_eq!(run("cat f host.txt"), "4\nhost\n");
+}

@@ -24,6 +24,7 @@ pub(crate) mod rootfs;
 pub mod run;
 pub mod seccomp;
 pub mod snapshot;
+pub(crate) mod squash;
 pub(crate) mod starts;
 pub mod store;
 pub(crate) mod swap;

@@ -413,8 +413,11 @@ fn turn_over(
         upper: upper.clone(),
         work: work.clone(),
     };
+    // Under the turned layer: the cell's stack, with its own snapshots' layers merged into one
+    // when a squash of them is ready.
+    let base = super::squash::base_for(layer, meta);
     let mut lowers = vec![turned.clone()];
-    lowers.extend(meta.base.iter().cloned());
+    lowers.extend(base.iter().cloned());
     let new = super::swap::Stack {
         lowers,
         upper: fresh.upper.clone(),
@@ -425,7 +428,7 @@ fn turn_over(
         into: turned.clone(),
     };
     let mut stacked = vec![own.clone()];
-    stacked.extend(meta.base.iter().cloned());
+    stacked.extend(base.iter().cloned());
     let mut making = Making {
         made: false,
         base: stacked.clone(),
@@ -462,8 +465,23 @@ fn turn_over(
     fs::rename(&turned, &own).map_err(copy_err(&turned))?;
     swap_in(layer, "upper")?;
     swap_in(layer, "work")?;
-    write_meta(layer, &on(meta, stacked))?;
+    let now = on(meta, stacked);
+    write_meta(layer, &now)?;
     Making::done(layer);
+    if base != meta.base {
+        super::squash::forget(layer);
+    }
+    // A deep stack is merged aside for the next turn-over.
+    let stamp = SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let merged = match layer.has_image() {
+        true => upper_dir(layer)
+            .join("snapshots")
+            .join(format!(".kept-squash-{stamp}")),
+        false => kept_dir(store).join(format!("{cell}-squash-{stamp}")),
+    };
+    super::squash::start(layer, &now, merged);
     Ok(Some(own))
 }
 
@@ -791,8 +809,11 @@ fn referenced(store: &Store) -> std::collections::HashSet<PathBuf> {
         out.insert(info.layer.clone());
         out.extend(info.base.iter().cloned());
     }
-    for (_, meta) in store.layers() {
+    for (name, meta) in store.layers() {
         out.extend(stacks(&meta).cloned());
+        if let Some(ready) = super::squash::ready(&store.layer(&name)) {
+            out.insert(ready.merged);
+        }
     }
     out
 }

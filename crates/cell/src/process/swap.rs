@@ -284,8 +284,12 @@ fn inside(
         lowers.push(format!("/proc/self/fd/{}", lower.as_raw_fd()));
         let fs = rustix::mount::fsopen("overlay", FsOpenFlags::FSOPEN_CLOEXEC)
             .map_err(|e| ("opening an overlay", e))?;
-        rustix::mount::fsconfig_set_string(fs.as_fd(), "lowerdir", lowers.join(":"))
-            .map_err(|e| ("the overlay's lower layers", e))?;
+        // One layer at a time (`lowerdir+`, Linux 6.8, which a swap needs anyway): a string
+        // given to `fsconfig` may be 256 bytes at most.
+        for lower in &lowers {
+            rustix::mount::fsconfig_set_string(fs.as_fd(), "lowerdir+", lower.as_str())
+                .map_err(|e| ("the overlay's lower layers", e))?;
+        }
         rustix::mount::fsconfig_set_string(fs.as_fd(), "upperdir", translate(&stack.upper)?)
             .map_err(|e| ("the overlay's upper layer", e))?;
         rustix::mount::fsconfig_set_string(fs.as_fd(), "workdir", translate(&stack.work)?)
