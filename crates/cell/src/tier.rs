@@ -275,7 +275,7 @@ pub trait Backend: Send + Sync + Debug {
     /// Removes a stopped cell's workspace layer (its unapplied changes are lost).
     fn remove_layer(&self, name: &str) -> Result<(), ChangesError> {
         let layers = self.no_layers(name)?;
-        crate::changes::remove(&layers.registry, &layers.store, name)
+        crate::snapshot::remove_layer(&layers.registry, &layers.store, name)
     }
 
     #[doc(hidden)]

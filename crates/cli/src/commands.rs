@@ -50,7 +50,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
                 // A cell that only has an egress log left still counts as something to remove.
                 let log = store.net_log_path(&name);
                 let had_log = warden_cell::check_name(&name).is_ok() && log.exists();
-                match changes::remove(&registry()?, &store, &name) {
+                match snapshot::remove_layer(&registry()?, &store, &name) {
                     Err(changes::ChangesError::NoLayer(_)) if had_log => {}
                     other => other?,
                 }

@@ -72,6 +72,9 @@ impl ProcessBackend {
             Store::open(config.state.clone()).map_err(|e| CellError::Host(e.to_string()))?;
         // Listing removes the runtime folders and cgroups of cells whose keepers died.
         let _ = registry.list();
+        // A snapshot or reset cut short by a killed warden is finished before anything reads
+        // the layer.
+        super::snapshot::finish_all_interrupted(&store);
         Ok(Self {
             ahead: super::ahead::Ahead::new(config.clone()),
             config,

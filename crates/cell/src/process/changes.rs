@@ -161,14 +161,36 @@ fn quiet(registry: &Registry, name: &str) -> Option<std::os::fd::OwnedFd> {
     alone.then_some(lock)
 }
 
+/// Where a making over of `layer` (mounting it again on other directories) is recorded while
+/// it lasts (see `snapshot`).
+pub(super) fn making_path(layer: &Layer) -> std::path::PathBuf {
+    layer.dir().join("making.json")
+}
+
+/// Takes the lock of `layer` for `what`, waiting for whoever holds it.
+pub(super) fn lock(layer: &Layer, what: Use) -> std::io::Result<std::os::fd::OwnedFd> {
+    use rustix::fs::{FlockOperation, flock};
+    let lock: std::os::fd::OwnedFd = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(layer.dir().join("layer.lock"))?
+        .into();
+    let mode = match what {
+        Use::Read => FlockOperation::LockShared,
+        Use::Change => FlockOperation::LockExclusive,
+    };
+    flock(&lock, mode)?;
+    Ok(lock)
+}
+
 /// Opens a cell's layer with its lock taken for `what` (waiting for whoever holds it). A layer
-/// whose making over was cut short (the warden was killed in the middle) is finished first.
-fn open(
+/// whose making over was cut short is refused until the warden has finished it.
+pub(super) fn open(
     store: &Store,
     name: &str,
     what: Use,
 ) -> Result<(Layer, LayerMeta, std::os::fd::OwnedFd), ChangesError> {
-    use rustix::fs::{FlockOperation, flock};
     if super::plan::check_name(name).is_err() {
         return Err(ChangesError::NoLayer(name.to_owned()));
     }
@@ -180,34 +202,18 @@ fn open(
         name: name.to_owned(),
         source,
     };
-    let lock: std::os::fd::OwnedFd = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(layer.dir().join("layer.lock"))
-        .map_err(failed)?
-        .into();
-    let mode = match what {
-        Use::Read => FlockOperation::LockShared,
-        Use::Change => FlockOperation::LockExclusive,
-    };
-    flock(&lock, mode).map_err(|e| failed(e.into()))?;
+    let lock = lock(&layer, what).map_err(failed)?;
     // A layer with a file system of its own whose mount went (a reboot) is mounted again.
     super::disk::attach(&layer).map_err(|e| failed(std::io::Error::other(e.to_string())))?;
-    if super::snapshot::interrupted(&layer) {
-        if what == Use::Read {
-            flock(&lock, FlockOperation::LockExclusive).map_err(|e| failed(e.into()))?;
-        }
-        super::snapshot::finish_interrupted(store, &layer)
-            .map_err(|e| failed(std::io::Error::other(e.to_string())))?;
-        if what == Use::Read {
-            flock(&lock, FlockOperation::LockShared).map_err(|e| failed(e.into()))?;
-        }
+    if making_path(&layer).exists() {
+        return Err(failed(std::io::Error::other(
+            "its last snapshot or reset was cut short (the warden was killed); the warden finishes it when it starts: start `warden serve` again, or run any `warden` command",
+        )));
     }
     let meta = layer.meta().map_err(failed)?;
     // So are those that keep the snapshots it stacks.
     for base in &meta.base {
-        super::snapshot::attach_for(store, base);
+        super::disk::attach_holding(store, base);
     }
     Ok((layer, meta, lock))
 }
@@ -267,22 +273,4 @@ pub fn apply(
         &diff,
         &options,
     )?)
-}
-
-/// Removes a stopped cell's layer (its unapplied changes are lost).
-pub fn remove(registry: &Registry, store: &Store, name: &str) -> Result<(), ChangesError> {
-    if registry.get(name).is_ok() {
-        return Err(ChangesError::Running(name.to_owned()));
-    }
-    let (layer, _, _lock) = open(store, name, Use::Change)?;
-    super::snapshot::release(store, &layer, name).map_err(|e| ChangesError::Layer {
-        name: name.to_owned(),
-        source: std::io::Error::other(format!("moving its snapshots out of its layer: {e}")),
-    })?;
-    layer.remove().map_err(|source| ChangesError::Layer {
-        name: name.to_owned(),
-        source,
-    })?;
-    super::snapshot::released(store);
-    Ok(())
 }

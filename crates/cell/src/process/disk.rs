@@ -306,3 +306,18 @@ fn look(upper: &Path, limit: u64, userns: Option<&OwnedFd>) -> io::Result<u64> {
         bytes => Ok(bytes),
     }
 }
+
+/// Mounts the file system of its own of the cell's layer that `path` is in (a snapshot's layer
+/// may be kept there), if it has one and it is not mounted (after a reboot).
+pub fn attach_holding(store: &super::store::Store, path: &std::path::Path) {
+    let Ok(rel) = path.strip_prefix(store.root().join("layers")) else {
+        return;
+    };
+    let Some(std::path::Component::Normal(name)) = rel.components().next() else {
+        return;
+    };
+    let layer = store.layer(&name.to_string_lossy());
+    if layer.has_image() && !layer.is_attached() {
+        let _ = attach(&layer);
+    }
+}

@@ -100,7 +100,7 @@ pub fn get(store: &Store, id: &str) -> Result<SnapshotInfo, SnapshotError> {
         path,
         source: io::Error::other(e),
     })?;
-    attach_for(store, &info.layer);
+    super::disk::attach_holding(store, &info.layer);
     Ok(info)
 }
 
@@ -117,18 +117,44 @@ fn write_record(store: &Store, info: &SnapshotInfo) -> Result<(), SnapshotError>
         .map_err(|source| SnapshotError::Record { path, source })
 }
 
-/// Mounts the file system of its own of the cell's layer that `path` is in, if it has one and
-/// it is not mounted (after a reboot): a snapshot's layer may be kept there.
-pub(super) fn attach_for(store: &Store, path: &Path) {
-    let Ok(rel) = path.strip_prefix(store.root().join("layers")) else {
+/// Removes a stopped cell's layer (its unapplied changes are lost); the snapshot layers kept in
+/// its file system of its own are moved out first (see `release`).
+pub fn remove_layer(registry: &Registry, store: &Store, name: &str) -> Result<(), ChangesError> {
+    if registry.get(name).is_ok() {
+        return Err(ChangesError::Running(name.to_owned()));
+    }
+    let (layer, _, _lock) = changes::open(store, name, changes::Use::Change)?;
+    release(store, &layer, name).map_err(|e| ChangesError::Layer {
+        name: name.to_owned(),
+        source: io::Error::other(format!("moving its snapshots out of its layer: {e}")),
+    })?;
+    layer.remove().map_err(|source| ChangesError::Layer {
+        name: name.to_owned(),
+        source,
+    })?;
+    released(store);
+    Ok(())
+}
+
+/// Finishes every making over of a layer that was cut short (the warden was killed in the
+/// middle of a snapshot or a reset): called when the process tier is opened.
+pub fn finish_all_interrupted(store: &Store) {
+    let Ok(marks) = fs::read_dir(Making::marks(store)) else {
         return;
     };
-    let Some(std::path::Component::Normal(name)) = rel.components().next() else {
-        return;
-    };
-    let layer = store.layer(&name.to_string_lossy());
-    if layer.has_image() && !layer.is_attached() {
-        let _ = super::disk::attach(&layer);
+    for mark in marks.flatten() {
+        let layer = store.layer(&mark.file_name().to_string_lossy());
+        if !interrupted(&layer) {
+            let _ = fs::remove_file(mark.path());
+            continue;
+        }
+        let Ok(_lock) = changes::lock(&layer, changes::Use::Change) else {
+            continue;
+        };
+        // Finished by another opener meanwhile, or left for the next.
+        if interrupted(&layer) {
+            let _ = finish_interrupted(store, &layer);
+        }
     }
 }
 
@@ -443,7 +469,7 @@ fn turn_over(
             size: None,
         }),
     };
-    making.write(layer)?;
+    making.write(store, layer)?;
     let swapped = super::swap::swap(
         registry,
         &place(store, layer, meta, cell, record.pid),
@@ -454,12 +480,12 @@ fn turn_over(
     if let Err(err) = swapped {
         fresh.remove();
         let _ = fs::remove_dir(&turned);
-        Making::done(layer);
+        Making::done(store, layer);
         // Nothing changed in the cell: the copy does it.
         return not_swapped(err, cell).map(|()| None);
     }
     making.made = true;
-    making.write(layer)?;
+    making.write(store, layer)?;
     // The overlay holds its layers by their directories, not their names: the mounted
     // workspace stays as it is while they take the names the records give them.
     fs::rename(&turned, &own).map_err(copy_err(&turned))?;
@@ -467,7 +493,7 @@ fn turn_over(
     swap_in(layer, "work")?;
     let now = on(meta, stacked);
     write_meta(layer, &now)?;
-    Making::done(layer);
+    Making::done(store, layer);
     if base != meta.base {
         super::squash::forget(layer);
     }
@@ -513,20 +539,35 @@ struct Making {
 
 impl Making {
     fn path(layer: &Layer) -> PathBuf {
-        layer.dir().join("making.json")
+        changes::making_path(layer)
     }
 
-    fn write(&self, layer: &Layer) -> Result<(), SnapshotError> {
+    /// The marks of layers being made over, one file named after each cell: what the warden
+    /// looks at when it starts (one directory read, nothing when there is none).
+    fn marks(store: &Store) -> PathBuf {
+        store.root().join("making")
+    }
+
+    fn mark(store: &Store, layer: &Layer) -> PathBuf {
+        Self::marks(store).join(layer.dir().file_name().unwrap_or_default())
+    }
+
+    fn write(&self, store: &Store, layer: &Layer) -> Result<(), SnapshotError> {
         let path = Self::path(layer);
         let text = serde_json::to_vec(self).map_err(|e| SnapshotError::Record {
             path: path.clone(),
             source: io::Error::other(e),
         })?;
+        let marks = Self::marks(store);
+        fs::create_dir_all(&marks)
+            .and_then(|()| fs::write(Self::mark(store, layer), b""))
+            .map_err(copy_err(&marks))?;
         fs::write(&path, text).map_err(|source| SnapshotError::Record { path, source })
     }
 
-    fn done(layer: &Layer) {
+    fn done(store: &Store, layer: &Layer) {
         let _ = fs::remove_file(Self::path(layer));
+        let _ = fs::remove_file(Self::mark(store, layer));
     }
 }
 
@@ -591,7 +632,7 @@ pub(super) fn finish_interrupted(store: &Store, layer: &Layer) -> Result<(), Sna
             let _ = fs::remove_dir_all(snapshots_dir(store).join(&info.id));
         }
     }
-    Making::done(layer);
+    Making::done(store, layer);
     Ok(())
 }
 
@@ -1019,7 +1060,7 @@ fn reset_by_swap(
         snapshot: None,
         made: false,
     };
-    making.write(layer)?;
+    making.write(store, layer)?;
     let swapped = super::swap::swap(
         registry,
         &place(store, layer, meta, cell, record.pid),
@@ -1029,15 +1070,15 @@ fn reset_by_swap(
     );
     if let Err(err) = swapped {
         fresh.remove();
-        Making::done(layer);
+        Making::done(store, layer);
         return not_swapped(err, cell).map(|()| false);
     }
     making.made = true;
-    making.write(layer)?;
+    making.write(store, layer)?;
     swap_in(layer, "work")?;
     write_meta(layer, &on(meta, target))?;
     swap_in(layer, "upper")?;
-    Making::done(layer);
+    Making::done(store, layer);
     Ok(true)
 }
 
@@ -1266,7 +1307,7 @@ mod tests {
             snapshot: Some(info),
             made: made && recorded,
         }
-        .write(&layer)
+        .write(&store, &layer)
         .unwrap();
         (tmp, store, layer)
     }
@@ -1276,7 +1317,7 @@ mod tests {
         for recorded in [true, false] {
             let (_tmp, store, layer) = cut_short(true, recorded);
             assert!(interrupted(&layer));
-            finish_interrupted(&store, &layer).unwrap();
+            finish_all_interrupted(&store);
             assert!(!interrupted(&layer));
             let info = get(&store, "c@s1").unwrap();
             assert_eq!(
@@ -1300,7 +1341,7 @@ mod tests {
     #[test]
     fn a_turn_over_cut_short_before_the_new_overlay_was_made_is_undone() {
         let (_tmp, store, layer) = cut_short(false, false);
-        finish_interrupted(&store, &layer).unwrap();
+        finish_all_interrupted(&store);
         assert!(!interrupted(&layer));
         assert_eq!(
             fs::read_to_string(layer.upper().join("before.txt")).unwrap(),
