@@ -1038,7 +1038,7 @@ fn reset_by_swap(
     to: Option<&str>,
 ) -> Result<bool, SnapshotError> {
     let target = target_stack(store, meta, cell, to)?;
-    if target.len() > super::swap::MAX_DEPTH {
+    if target.len() > super::swap::MAX_DEPTH || fs::create_dir_all(snapshots_dir(store)).is_err() {
         return Ok(false);
     }
     let Ok(record) = registry.get(cell) else {

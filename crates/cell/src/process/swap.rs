@@ -219,6 +219,19 @@ fn inside(
     let snapshots = sys::detached_clone(&place.snapshots_dir)
         .map_err(|e| ("cloning the snapshots directory", e))?;
     sys::restrict_detached(&snapshots).map_err(|e| ("making the snapshots read-only", e))?;
+    // A layer elsewhere (a snapshot kept in another cell's own file system) is cloned alone.
+    let mut apart = std::collections::HashMap::new();
+    for path in old.lowers.iter().chain(&new.lowers) {
+        if !path.starts_with(&place.layer_dir)
+            && !path.starts_with(&place.snapshots_dir)
+            && !apart.contains_key(path)
+        {
+            let clone = sys::detached_clone(path).map_err(|e| ("cloning a snapshot's layer", e))?;
+            sys::restrict_detached(&clone)
+                .map_err(|e| ("making a snapshot's layer read-only", e))?;
+            apart.insert(path.clone(), clone);
+        }
+    }
     let lower = match tree {
         Some(tree) => {
             // The id-mapped tree belongs to the host's namespaces: attached for a moment in
@@ -242,19 +255,6 @@ fn inside(
         None => sys::detached_clone(place.host).map_err(|e| ("cloning the workspace", e))?,
     };
     sys::restrict_detached(&lower).map_err(|e| ("making the workspace read-only", e))?;
-    // A layer elsewhere (a snapshot kept in another cell's own file system) is cloned alone.
-    let mut apart = std::collections::HashMap::new();
-    for path in old.lowers.iter().chain(&new.lowers) {
-        if !path.starts_with(&place.layer_dir)
-            && !path.starts_with(&place.snapshots_dir)
-            && !apart.contains_key(path)
-        {
-            let clone = sys::detached_clone(path).map_err(|e| ("cloning a snapshot's layer", e))?;
-            sys::restrict_detached(&clone)
-                .map_err(|e| ("making a snapshot's layer read-only", e))?;
-            apart.insert(path.clone(), clone);
-        }
-    }
     let translate = |path: &Path| -> Result<String, Outcome> {
         let (fd, rel) = if let Some(fd) = apart.get(path) {
             (fd, Path::new(""))
@@ -340,9 +340,14 @@ fn inside(
         Err(e) => return Err(("unmounting the workspace", e).into()),
     }
     let moved = match turn {
-        Some((from, into)) => move_entries(&from, &into)
-            .map_err(|e| format!("moving the upper layer's entries: {e}"))
-            .map(|()| Some((from, into))),
+        Some((from, into)) => match move_entries(&from, &into) {
+            Ok(()) => Ok(Some((from, into))),
+            Err(e) => {
+                // What was moved goes back before the old overlay is mounted again.
+                let _ = move_entries(&into, &from);
+                Err(format!("moving the upper layer's entries: {e}"))
+            }
+        },
         None => Ok(None),
     };
     let attach = |fs: &OwnedFd| -> rustix::io::Result<()> {
