@@ -32,12 +32,35 @@ pub fn workspace_tree(host: &Path, ids: &IdMapping) -> Result<OwnedFd, RunError>
 pub fn workspace_tree_for(host: &Path, uid: u32, gid: u32) -> Result<OwnedFd, RunError> {
     let os = |what| move |source| RunError::Os { what, source };
     let meta = fs::metadata(host).map_err(os("reading the workspace owner"))?;
-    let userns = mapping_namespace(
-        &format!("{} {uid} 1\n", meta.uid()),
-        &format!("{} {gid} 1\n", meta.gid()),
-    )
-    .map_err(os("creating the workspace id mapping"))?;
+    let userns = mapping((meta.uid(), meta.gid(), uid, gid))
+        .map_err(os("creating the workspace id mapping"))?;
     sys::idmapped_clone(host, &userns).map_err(os("creating the id-mapped workspace mount (needs kernel 5.12+ and a file system that supports id-mapped mounts)"))
+}
+
+/// The user namespace that maps a workspace's owner (`owner_uid`, `owner_gid`) to a cell's
+/// user and group: made once per such pair in a process (each costs a child process, ~1 ms),
+/// then kept (a descriptor each: the mapping never changes, and an id-mapped mount only reads
+/// it when it is made).
+fn mapping(key: (u32, u32, u32, u32)) -> io::Result<OwnedFd> {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    /// The workspace owner's uid and gid, the cell's user's and group's host ids.
+    type Pair = (u32, u32, u32, u32);
+    static MADE: Mutex<Option<HashMap<Pair, OwnedFd>>> = Mutex::new(None);
+    let mut made = MADE
+        .lock()
+        .map_err(|_| io::Error::other("a thread panicked"))?;
+    let made = made.get_or_insert_with(HashMap::new);
+    if let Some(userns) = made.get(&key) {
+        return userns.try_clone();
+    }
+    let (owner_uid, owner_gid, uid, gid) = key;
+    let userns = mapping_namespace(
+        &format!("{owner_uid} {uid} 1\n"),
+        &format!("{owner_gid} {gid} 1\n"),
+    )?;
+    made.insert(key, userns.try_clone()?);
+    Ok(userns)
 }
 
 /// Creates a user namespace with the given maps and returns a descriptor to it. The namespace
