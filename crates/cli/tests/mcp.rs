@@ -137,6 +137,15 @@ fn mcp_over_stdio_without_a_daemon_runs_the_core_in_warden_mcp() {
             ],
             &[("CELL", &unique("mcp-cancel"))],
         );
+        // The core's cells outlive it by design: ended and removed here, with their layers
+        // (and so their file systems' mounts).
+        for args in [["kill", cell.as_str()], ["rm", cell.as_str()]] {
+            let _ = warden()
+                .env("WARDEN_RUNTIME_DIR", &runtime)
+                .env("WARDEN_STATE_DIR", &state)
+                .args(args)
+                .output();
+        }
     }
 }
 

@@ -291,15 +291,14 @@ impl Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
-        // End every cell (their keepers outlive the daemon by design), then the daemon.
+        // Delete every cell (their keepers outlive the daemon by design), ended ones too (with
+        // their layers, and so their file systems' mounts), then end the daemon.
         if self.child.is_some() {
             let list = self.call("GET", "/v1/cells", None);
             if let Ok(Value::Array(cells)) = serde_json::from_slice::<Value>(&list.body) {
                 for cell in cells {
-                    if cell["state"] != "ended" {
-                        let name = cell["name"].as_str().unwrap_or_default();
-                        let _ = self.call("DELETE", &format!("/v1/cells/{name}"), None);
-                    }
+                    let name = cell["name"].as_str().unwrap_or_default();
+                    let _ = self.call("DELETE", &format!("/v1/cells/{name}"), None);
                 }
             }
             if let Some(mut child) = self.child.take() {
