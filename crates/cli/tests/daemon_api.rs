@@ -191,7 +191,41 @@ fn api_end_to_end_create_exec_background_pause_kill_delete() {
         );
     }
     assert!(journal.contains(r#""argv":["sh","-c","echo out; echo err >&2; id -u; exit 7"]"#));
+    // Its end once, though the kill and the daemon's watch both see it.
+    assert_eq!(
+        kinds.iter().filter(|k| *k == "cell.end").count(),
+        1,
+        "{kinds:?}"
+    );
     daemon.assert_journal_verifies();
+}
+
+/// A killed cell's end is journaled once: the kill and the daemon's watch of its cells both
+/// see it end, and only the first to mark it journals it.
+#[test]
+fn a_killed_cells_end_is_journaled_once() {
+    if !cgroups_available("killed_once") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let cells: Vec<String> = (0..8)
+        .map(|_| daemon.create(&unique("once"), json!({})))
+        .collect();
+    for cell in &cells {
+        let killed = daemon.call("POST", &format!("/v1/cells/{cell}/kill"), None);
+        assert_eq!(killed.json()["state"], "ended", "{}", killed.text());
+    }
+    // The watch looks every 100 ms: give it its turns.
+    std::thread::sleep(Duration::from_millis(400));
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    for cell in &cells {
+        let ends = journal
+            .lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .filter(|e| e["cell"] == cell.as_str() && e["kind"] == "cell.end")
+            .count();
+        assert_eq!(ends, 1, "{cell} ended {ends} times in the journal");
+    }
 }
 
 #[test]

@@ -551,16 +551,30 @@ impl Harness {
         }
         if action == ControlAction::Kill {
             on_own_thread("cell-control", move || cell.wait_ended()).await?;
-            if let Ok(Some(mut entry)) = self.state.get(name)
-                && entry.ended.is_none()
-            {
-                entry.ended = Some("killed".to_owned());
-                self.state.put(&entry)?;
+            if self.mark_ended(name, "killed")? {
                 self.record(Some(name), "cell.end", json!({ "reason": "killed" }))
                     .await?;
             }
         }
         Ok(false)
+    }
+
+    /// Marks cell `name` ended for `reason` unless it is already: whether this call did (and so
+    /// journals the end). The look and the mark are one step, so that a cell whose end two
+    /// see at once (a kill, the watch) is ended, and journaled, once.
+    pub(crate) fn mark_ended(&self, name: &str, reason: &str) -> Result<bool, HarnessError> {
+        let _one = self
+            .ends
+            .lock()
+            .map_err(|_| HarnessError::internal("a thread panicked"))?;
+        match self.state.get(name) {
+            Ok(Some(mut entry)) if entry.ended.is_none() => {
+                entry.ended = Some(reason.to_owned());
+                self.state.put(&entry)?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
     }
 
     /// Kills the cell if it runs and forgets it: its workspace layer and egress record go too.

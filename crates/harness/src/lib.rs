@@ -136,6 +136,8 @@ pub struct Harness {
     walled: Mutex<std::collections::HashSet<String>>,
     /// Cells being deleted: the delete journals their end itself.
     killing: Mutex<std::collections::HashSet<String>>,
+    /// Held while a cell's end is checked and marked (see `mark_ended`).
+    ends: Mutex<()>,
     /// The handle of every live cell, from its tier.
     cells: Mutex<HashMap<String, Arc<dyn Cell>>>,
     /// Per cell, how far its egress record is copied into the journal (one copier at a time).
@@ -231,6 +233,7 @@ impl Harness {
             exec_questions: Mutex::new(HashMap::new()),
             walled: Mutex::new(std::collections::HashSet::new()),
             killing: Mutex::new(std::collections::HashSet::new()),
+            ends: Mutex::new(()),
             cells: Mutex::new(HashMap::new()),
             events: tokio::sync::broadcast::channel(1024).0,
             usage: usage::UsageBook::new(),

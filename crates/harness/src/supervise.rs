@@ -203,7 +203,7 @@ impl Harness {
         if let Ok(mut cells) = self.cells.lock() {
             cells.remove(name);
         }
-        if let Ok(Some(mut entry)) = self.state.get(name)
+        if let Ok(Some(entry)) = self.state.get(name)
             && entry.ended.is_none()
         {
             let ending = self.ending_of(name);
@@ -226,8 +226,10 @@ impl Harness {
             } else {
                 "its processes ended".to_owned()
             };
-            entry.ended = Some(reason.clone());
-            let _ = self.state.put(&entry);
+            // A kill that saw the end at the same moment journals it instead.
+            if !self.mark_ended(name, &reason).unwrap_or(false) {
+                return;
+            }
             let _ = self
                 .record(
                     Some(name),
