@@ -78,9 +78,19 @@ pub fn hold_for(
     name: &str,
     what: Use,
 ) -> Result<(Layer, LayerMeta, Frozen), ChangesError> {
-    let Some(quiet) = quiet(registry, name) else {
-        return hold_frozen_for(registry, store, name, what);
-    };
+    match quiet(registry, name) {
+        Some(quiet) => hold_still(store, name, what, quiet),
+        None => hold_frozen_for(registry, store, name, what),
+    }
+}
+
+/// The layer open for `what`, held by the cell's starts lock `quiet` (the init alone).
+fn hold_still(
+    store: &Store,
+    name: &str,
+    what: Use,
+    quiet: std::os::fd::OwnedFd,
+) -> Result<(Layer, LayerMeta, Frozen), ChangesError> {
     let (layer, meta, lock) = open(store, name, what)?;
     let still = Frozen {
         cgroup: None,
@@ -97,16 +107,9 @@ pub fn hold_quiet(
     store: &Store,
     name: &str,
 ) -> Result<Option<(Layer, LayerMeta, Frozen)>, ChangesError> {
-    let Some(quiet) = quiet(registry, name) else {
-        return Ok(None);
-    };
-    let (layer, meta, lock) = open(store, name, Use::Change)?;
-    let still = Frozen {
-        cgroup: None,
-        _quiet: Some(quiet),
-        _layer: Some(lock),
-    };
-    Ok(Some((layer, meta, still)))
+    quiet(registry, name)
+        .map(|quiet| hold_still(store, name, Use::Change, quiet))
+        .transpose()
 }
 
 impl Frozen {

@@ -37,20 +37,7 @@ pub enum Enforcement {
 
 /// Restricts the calling thread (and its future children) to `rules`.
 pub fn restrict(rules: &FsRules) -> Result<Enforcement, LandlockError> {
-    let all = AccessFs::from_all(TARGET_ABI);
-    let read = AccessFs::from_read(TARGET_ABI);
-    let mut ruleset = Ruleset::default()
-        .set_compatibility(CompatLevel::BestEffort)
-        .handle_access(all)?
-        .scope(Scope::from_all(TARGET_ABI))?
-        .create()?;
-    for path in &rules.read_only {
-        ruleset = add(ruleset, path, read)?;
-    }
-    for path in &rules.read_write {
-        ruleset = add(ruleset, path, all)?;
-    }
-    let status = ruleset.restrict_self()?;
+    let status = ruleset(rules, true)?.restrict_self()?;
     match status.ruleset {
         RulesetStatus::FullyEnforced => Ok(Enforcement::Full),
         RulesetStatus::PartiallyEnforced => Ok(Enforcement::Partial),
@@ -61,19 +48,27 @@ pub fn restrict(rules: &FsRules) -> Result<Enforcement, LandlockError> {
 /// A ruleset of `rules` (file system access only) for processes to put themselves under later,
 /// as a layer on top of the domain they inherit.
 pub fn prepare(rules: &FsRules) -> Result<std::os::fd::OwnedFd, LandlockError> {
+    Option::<std::os::fd::OwnedFd>::from(ruleset(rules, false)?).ok_or(LandlockError::NotEnforced)
+}
+
+/// The ruleset of `rules`, with the scoping of abstract unix sockets and signals when `scoped`.
+fn ruleset(rules: &FsRules, scoped: bool) -> Result<landlock::RulesetCreated, LandlockError> {
     let all = AccessFs::from_all(TARGET_ABI);
     let read = AccessFs::from_read(TARGET_ABI);
     let mut ruleset = Ruleset::default()
         .set_compatibility(CompatLevel::BestEffort)
-        .handle_access(all)?
-        .create()?;
+        .handle_access(all)?;
+    if scoped {
+        ruleset = ruleset.scope(Scope::from_all(TARGET_ABI))?;
+    }
+    let mut ruleset = ruleset.create()?;
     for path in &rules.read_only {
         ruleset = add(ruleset, path, read)?;
     }
     for path in &rules.read_write {
         ruleset = add(ruleset, path, all)?;
     }
-    Option::<std::os::fd::OwnedFd>::from(ruleset).ok_or(LandlockError::NotEnforced)
+    Ok(ruleset)
 }
 
 fn add(

@@ -816,14 +816,18 @@ impl Drop for LayerGuard {
         if !self.armed {
             return;
         }
-        // Snapshots kept in the layer's file system of its own are moved out first.
+        // A layer that was made over (a snapshot turned it over, a reset mounted it again) may
+        // keep snapshots in its file system of its own, and stack kept layers: those are moved
+        // out first, and let go of after. Any other (the usual `run --rm`) has neither, and
+        // nothing of the store is read for it.
+        let made_over = self.layer.meta().is_ok_and(|meta| meta.start.is_some());
         let name = self
             .layer
             .dir()
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
-        if super::snapshot::release(&self.store, &self.layer, &name).is_err() {
+        if made_over && super::snapshot::release(&self.store, &self.layer, &name).is_err() {
             // Their layers stay where they are, and the cell's layer with them.
             return;
         }
@@ -846,7 +850,9 @@ impl Drop for LayerGuard {
                 let _ = self.layer.remove();
             }
         }
-        super::snapshot::released(&self.store);
+        if made_over {
+            super::snapshot::released(&self.store);
+        }
     }
 }
 

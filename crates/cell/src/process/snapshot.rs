@@ -469,23 +469,21 @@ fn turn_over(
             size: None,
         }),
     };
-    making.write(store, layer)?;
-    let swapped = super::swap::swap(
+    let place = place(store, layer, meta, cell, record.pid);
+    if !make_over(
         registry,
-        &place(store, layer, meta, cell, record.pid),
-        &old,
-        &new,
+        store,
+        layer,
+        &place,
+        &mut making,
+        [&old, &new],
         Some(&turn),
-    );
-    if let Err(err) = swapped {
-        fresh.remove();
-        let _ = fs::remove_dir(&turned);
-        Making::done(store, layer);
+        &fresh,
+    )? {
         // Nothing changed in the cell: the copy does it.
-        return not_swapped(err, cell).map(|()| None);
+        let _ = fs::remove_dir(&turned);
+        return Ok(None);
     }
-    making.made = true;
-    making.write(store, layer)?;
     // The overlay holds its layers by their directories, not their names: the mounted
     // workspace stays as it is while they take the names the records give them.
     fs::rename(&turned, &own).map_err(copy_err(&turned))?;
@@ -511,15 +509,41 @@ fn turn_over(
     Ok(Some(own))
 }
 
-/// What a swap that did not happen means: nothing changed in the cell (`Ok`: the caller goes
-/// the slower way), or the cell has no workspace mounted.
-fn not_swapped(err: super::swap::SwapError, cell: &str) -> Result<(), SnapshotError> {
-    match err {
-        super::swap::SwapError::Busy(_) | super::swap::SwapError::Failed { .. } => Ok(()),
-        err => Err(SnapshotError::Remount {
-            cell: cell.to_owned(),
-            source: io::Error::other(err.to_string()),
-        }),
+/// Records `making`, mounts the cell's workspace again from `old` on `new` (see `swap`), and
+/// records that the new overlay is the cell's. `Ok(false)`: it was not made and nothing changed
+/// in the cell (the fresh directories and the record are gone again); the caller goes the
+/// slower way. An error: the cell has no workspace mounted.
+#[allow(clippy::too_many_arguments)]
+fn make_over(
+    registry: &Registry,
+    store: &Store,
+    layer: &Layer,
+    place: &super::swap::Place<'_>,
+    making: &mut Making,
+    [old, new]: [&super::swap::Stack; 2],
+    turn: Option<&super::swap::Turn>,
+    fresh: &Fresh,
+) -> Result<bool, SnapshotError> {
+    making.write(store, layer)?;
+    match super::swap::swap(registry, place, old, new, turn) {
+        Ok(()) => {
+            making.made = true;
+            making.write(store, layer)?;
+            Ok(true)
+        }
+        Err(err) => {
+            fresh.remove();
+            Making::done(store, layer);
+            match err {
+                super::swap::SwapError::Busy(_) | super::swap::SwapError::Failed { .. } => {
+                    Ok(false)
+                }
+                err => Err(SnapshotError::Remount {
+                    cell: place.cell.to_owned(),
+                    source: io::Error::other(err.to_string()),
+                }),
+            }
+        }
     }
 }
 
@@ -1060,21 +1084,19 @@ fn reset_by_swap(
         snapshot: None,
         made: false,
     };
-    making.write(store, layer)?;
-    let swapped = super::swap::swap(
+    let place = place(store, layer, meta, cell, record.pid);
+    if !make_over(
         registry,
-        &place(store, layer, meta, cell, record.pid),
-        &old,
-        &new,
+        store,
+        layer,
+        &place,
+        &mut making,
+        [&old, &new],
         None,
-    );
-    if let Err(err) = swapped {
-        fresh.remove();
-        Making::done(store, layer);
-        return not_swapped(err, cell).map(|()| false);
+        &fresh,
+    )? {
+        return Ok(false);
     }
-    making.made = true;
-    making.write(store, layer)?;
     swap_in(layer, "work")?;
     write_meta(layer, &on(meta, target))?;
     swap_in(layer, "upper")?;

@@ -36,13 +36,16 @@ pub const STATX_MNT_ID_UNIQUE: u32 = 0x4000;
 /// Whether this kernel gives mounts ids that are never used again (else the init could not tell
 /// a new workspace mount from the old one, and none is swapped).
 fn unique_mount_ids() -> bool {
-    rustix::fs::statx(
-        rustix::fs::CWD,
-        "/",
-        rustix::fs::AtFlags::empty(),
-        rustix::fs::StatxFlags::from_bits_retain(STATX_MNT_ID_UNIQUE),
-    )
-    .is_ok_and(|s| s.stx_mask & STATX_MNT_ID_UNIQUE != 0)
+    static UNIQUE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *UNIQUE.get_or_init(|| {
+        rustix::fs::statx(
+            rustix::fs::CWD,
+            "/",
+            rustix::fs::AtFlags::empty(),
+            rustix::fs::StatxFlags::from_bits_retain(STATX_MNT_ID_UNIQUE),
+        )
+        .is_ok_and(|s| s.stx_mask & STATX_MNT_ID_UNIQUE != 0)
+    })
 }
 
 /// What a swap could not do.

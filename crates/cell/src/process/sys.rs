@@ -437,20 +437,21 @@ pub fn landlock_on_exec(command: &mut std::process::Command, fd: BorrowedFd<'_>)
     // SAFETY: the hook makes one raw system call on a descriptor the caller keeps open for as
     // long as the command is spawned (it is borrowed for the spawn); nothing is allocated.
     unsafe {
-        command.pre_exec(move || {
-            if libc::syscall(libc::SYS_landlock_restrict_self, raw, 0u32) == 0 {
-                Ok(())
-            } else {
-                Err(io::Error::last_os_error())
-            }
-        });
+        command.pre_exec(move || restrict_raw(raw));
     }
 }
 
 /// Restricts the calling thread by the Landlock ruleset `fd` (a layer on top of its domain).
 pub fn landlock_restrict_self(fd: BorrowedFd<'_>) -> io::Result<()> {
-    // SAFETY: a plain syscall on a borrowed, open descriptor; no memory is passed.
-    let ret = unsafe { libc::syscall(libc::SYS_landlock_restrict_self, fd.as_raw_fd(), 0u32) };
+    restrict_raw(fd.as_raw_fd())
+}
+
+/// `landlock_restrict_self(fd, 0)`: one system call, nothing allocated (a forked child or an
+/// exec hook may make it).
+fn restrict_raw(fd: RawFd) -> io::Result<()> {
+    // SAFETY: a plain syscall on a descriptor number; no memory is passed. A closed or wrong
+    // descriptor is an error the kernel reports.
+    let ret = unsafe { libc::syscall(libc::SYS_landlock_restrict_self, fd, 0u32) };
     if ret == 0 {
         Ok(())
     } else {
@@ -557,7 +558,7 @@ pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
                 return fail(libc::ENOENT);
             }
             if let Some(fd) = landlock
-                && libc::syscall(libc::SYS_landlock_restrict_self, fd, 0u32) != 0
+                && restrict_raw(fd).is_err()
             {
                 return fail(libc::EPERM);
             }
