@@ -533,7 +533,10 @@ fn a_reflecting_upstream_cannot_hand_the_cell_its_secret() {
     }
     for line in [lines[2], lines[5]] {
         assert!(line.starts_with("/always-gzip 502 "), "{line}");
-        assert!(line.contains("cannot inspect for the secret"), "{line}");
+        assert!(
+            line.contains("cannot be inspected for a credential"),
+            "{line}"
+        );
     }
     // The upstreams did get the secret: it is the reflection that is the limit.
     for saw in [plain_saw, tls_saw] {

@@ -141,3 +141,104 @@ fn through_the_gateway(tls: bool) {
         .any(|l| l.contains("\"net.decision\"") && l.contains("token budget"));
     assert!(refused, "the refusal past the budget is journaled");
 }
+
+/// An agent that speaks to its provider itself, over HTTPS, past the route: the destination
+/// binds the key, so the gateway opens the TLS, and each call is read and journaled as on the
+/// route, and counted against the same budget (the route's upstream is never called).
+#[test]
+fn a_model_api_the_cell_calls_itself_over_https_is_read_and_budgeted_the_same_way() {
+    let pydeps = std::fs::canonicalize(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../target/pydeps/openai-agents-0.24.0"
+    ))
+    .expect("the openai package is installed (.ci/run installs it with openai-agents)");
+    let (server, ca) = ModelServer::start_tls_on(
+        "127.0.0.2",
+        vec![
+            Step::Text("hello from the model".into()),
+            Step::Text("hello again".into()),
+        ],
+    );
+    let route = ModelServer::start(vec![]);
+    let dir = tempfile::tempdir().unwrap();
+    let ca_file = dir.path().join("model-ca.pem");
+    std::fs::write(&ca_file, ca).unwrap();
+    let policy = dir.path().join("policy.yaml");
+    std::fs::write(
+        &policy,
+        format!(
+            "version: 1\nextends: default\nnetwork:\n  extra_ca: {}\n  allow:\n    - host: 127.0.0.2\n      ports: [{}]\n      credential: openai\n  inference:\n    upstream: http://127.0.0.1:{}/v1\n    max_tokens: 200\ncredentials:\n  openai: {{ from_env: OPENAI_API_KEY }}\nfilesystem:\n  read_only: [{}]\n",
+            ca_file.display(),
+            server.port,
+            route.port,
+            pydeps.display()
+        ),
+    )
+    .unwrap();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/inference_direct.py");
+    let out = support::warden()
+        .env("WARDEN_RUNTIME_DIR", dir.path().join("run"))
+        .env("WARDEN_STATE_DIR", dir.path().join("state"))
+        .env("OPENAI_API_KEY", KEY)
+        .arg("run")
+        .arg("--policy")
+        .arg(&policy)
+        .args(["--env", &format!("PYTHONPATH={}", pydeps.display())])
+        .args(["--env", &format!("UPSTREAM_PORT={}", server.port)])
+        .args([
+            "--",
+            "python3",
+            "-c",
+            &std::fs::read_to_string(script).unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("streamed: hello from the model")
+            && stdout.contains("responses: hello again"),
+        "{stdout}\n{stderr}"
+    );
+    assert!(
+        stdout.contains("third: RateLimitError 429") && stdout.contains("token budget"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains(KEY) && !stderr.contains(KEY));
+    let requests = server.requests();
+    assert_eq!(requests.len(), 2, "{requests:?}");
+    for r in &requests {
+        assert_eq!(
+            r.header("authorization"),
+            Some(format!("Bearer {KEY}").as_str())
+        );
+        // Asked unencoded, so that the reply can be read on its way.
+        assert_eq!(r.header("accept-encoding"), Some("identity"));
+    }
+    assert!(route.requests().is_empty());
+    let journal = std::fs::read_to_string(dir.path().join("state/journal/journal.jsonl")).unwrap();
+    assert!(!journal.contains(KEY));
+    let exchanges: Vec<Value> = journal
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|e| e["kind"] == "net.decision" && !e["data"]["inference"].is_null())
+        .map(|e| e["data"].clone())
+        .collect();
+    assert_eq!(exchanges.len(), 2, "{journal}");
+    assert_eq!(exchanges[0]["kind"], "https", "{}", exchanges[0]);
+    let read = |i: usize| exchanges[i]["inference"].clone();
+    assert_eq!(read(0)["format"], "openai");
+    assert_eq!(read(0)["stream"], true);
+    assert_eq!(read(0)["text"], "hello from the model");
+    assert_eq!(read(0)["usage"]["output"], 20);
+    assert_eq!(read(1)["format"], "openai-responses");
+    assert_eq!(read(1)["text"], "hello again");
+    assert_eq!(read(1)["tokens_used"], 240);
+    let refused = journal
+        .lines()
+        .any(|l| l.contains("\"net.decision\"") && l.contains("token budget"));
+    assert!(refused, "the refusal past the budget is journaled");
+}

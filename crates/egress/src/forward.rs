@@ -319,7 +319,9 @@ impl Gateway {
             decision.reason = reason;
             return self.deny(&mut conn, &decision);
         }
-        if inference
+        // A model call off the route is read and counted too, and held to the same budget.
+        let read = inference || crate::inference::model_call(&method, &target.path);
+        if read
             && decision.allowed
             && let Some(reason) = self.inference_refusal()
         {
@@ -330,7 +332,7 @@ impl Gateway {
                 &mut conn,
                 429,
                 "Too Many Requests",
-                &json!({ "error": { "message": decision.reason, "type": "warden_token_budget", "code": "token_budget" } }),
+                &crate::inference::budget_spent_body(&decision.reason),
             );
             return;
         }
@@ -377,6 +379,7 @@ impl Gateway {
             &authority(host, port, default_port),
             &headers,
             credential,
+            read,
         );
         let idle = Some(self.bounds.idle);
         let _ = upstream.set_read_timeout(idle);
@@ -387,7 +390,7 @@ impl Gateway {
                 inner: &mut *up,
                 kept: &mut request_kept,
             };
-            let to: &mut dyn io::Write = if inference { &mut tap } else { tap.inner };
+            let to: &mut dyn io::Write = if read { &mut tap } else { tap.inner };
             http::send_body(
                 &early,
                 &mut &conn,
@@ -416,12 +419,12 @@ impl Gateway {
             }
         }
         let _tracked = self.track(host, port, Some((&method, &target.path)), &conn, &upstream);
-        decision.bytes_down = if credential.is_some() || inference {
+        decision.bytes_down = if credential.is_some() || read {
             let mut tap = Tap {
                 inner: &conn,
                 kept: &mut response_kept,
             };
-            let to: &mut dyn io::Write = if inference { &mut tap } else { &mut tap.inner };
+            let to: &mut dyn io::Write = if read { &mut tap } else { &mut tap.inner };
             let from: &mut dyn Duplex = match secured.as_mut() {
                 Some(stream) => stream,
                 None => &mut plain,
@@ -450,13 +453,14 @@ impl Gateway {
             n
         };
         let _ = conn.shutdown(Shutdown::Both);
-        if inference {
-            decision.inference = Some(self.read_exchange(
+        if read {
+            decision.inference = self.read_exchange(
                 &target.path,
                 &request_kept,
                 &response_kept,
                 started.elapsed(),
-            ));
+                inference,
+            );
         }
         self.log_decision(&decision);
     }

@@ -331,20 +331,23 @@ fn dropped(name: &str) -> bool {
 /// one `Host` (the authority that was decided), no proxy or hop-by-hop headers, `Connection:
 /// close`, and the bound credential (if any) in its header instead of whatever the cell sent.
 /// A request that carries a credential accepts only an unencoded response, so that the secret
-/// cannot come back compressed past the scrubber.
+/// cannot come back compressed past the scrubber; so does one whose exchange is `read` (a
+/// model call), so that the reply can be read as it passes.
 pub(crate) fn upstream_request(
     method: &str,
     target: &str,
     authority: &str,
     headers: &[(String, Vec<u8>)],
     credential: Option<&Secret>,
+    read: bool,
 ) -> Vec<u8> {
     let mut out = format!("{method} {target} HTTP/1.1\r\nHost: {authority}\r\n").into_bytes();
     let injected = credential.map(|c| c.header.to_ascii_lowercase());
+    let unencoded = credential.is_some() || read;
     for (name, value) in headers {
         if dropped(name)
             || Some(name) == injected.as_ref()
-            || (credential.is_some() && name == "accept-encoding")
+            || (unencoded && name == "accept-encoding")
         {
             continue;
         }
@@ -356,12 +359,15 @@ pub(crate) fn upstream_request(
     if let Some(secret) = credential {
         out.extend_from_slice(
             format!(
-                "{}: {}\r\nAccept-Encoding: identity\r\n",
+                "{}: {}\r\n",
                 secret.header,
                 secret.format.replace("{}", &secret.value)
             )
             .as_bytes(),
         );
+    }
+    if unencoded {
+        out.extend_from_slice(b"Accept-Encoding: identity\r\n");
     }
     out.extend_from_slice(b"Connection: close\r\n\r\n");
     out
@@ -382,7 +388,8 @@ impl From<io::Error> for ResponseError {
     }
 }
 
-/// Relays the response to a request that carried a credential, with every secret replaced by
+/// Relays the response to a request that carried a credential (or is read: a model call), with
+/// every secret replaced by
 /// its placeholder in what the client receives. The head is read first: a response the
 /// gateway cannot inspect (an encoded body, a transfer encoding other than `chunked`, a switch
 /// of protocols) is refused before any of it reaches the client; a chunked body is decoded
@@ -440,7 +447,7 @@ pub(crate) fn relay_inspected(
             .find(|e| !e.trim_ascii().eq_ignore_ascii_case(b"identity"))
         {
             return refuse(format!(
-                "the upstream answered a request carrying a credential with a `{}`-encoded body, which the gateway cannot inspect for the secret",
+                "the upstream answered with a `{}`-encoded body although the gateway asked for none (Accept-Encoding: identity); it cannot be inspected for a credential or read as a model reply",
                 String::from_utf8_lossy(encoding)
             ));
         }
@@ -698,6 +705,7 @@ mod tests {
                 ("authorization", "Bearer PLACEHOLDERXYZ"),
             ]),
             Some(secret),
+            false,
         );
         let text = String::from_utf8(out).unwrap();
         assert_eq!(

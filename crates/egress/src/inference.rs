@@ -1,7 +1,10 @@
-//! A cell's model traffic (`network.inference`): requests to the route's name are sent to its
-//! upstream; every exchange with the upstream is read in its wire format (`warden-model`: Chat
+//! A cell's model traffic. Requests to `network.inference`'s name are sent to its upstream;
+//! every exchange with the upstream is read in its wire format (`warden-model`: Chat
 //! Completions, Responses, Anthropic Messages, streamed or whole) and recorded with the
-//! decision; the cell's tokens are counted against the route's budget.
+//! decision; the cell's tokens are counted against the route's budget. A model call that goes
+//! elsewhere through the gateway, where it sees the request (plain HTTP, or HTTPS it opens:
+//! a destination with a credential or with method and path rules), is read, recorded and
+//! counted the same way: an agent in a cell that speaks to its provider itself is seen as well.
 
 use std::io::{self, Write};
 use std::sync::atomic::Ordering;
@@ -57,16 +60,22 @@ impl Gateway {
     }
 
     /// Reads an exchange (the request's body, the response as the client got it: head and
-    /// decoded body) and counts its tokens; the record's `inference` field.
+    /// decoded body) and counts its tokens; the record's `inference` field. One off the route
+    /// (`routed` false) is read only when its request is a model call's (a JSON object naming
+    /// a `model`): a REST API's `/messages` is not counted as tokens.
     pub(crate) fn read_exchange(
         &self,
         path: &str,
         request: &[u8],
         response: &[u8],
         latency: Duration,
-    ) -> Value {
+        routed: bool,
+    ) -> Option<Value> {
         let format = warden_model::Format::of_path(path);
         let body: Value = serde_json::from_slice(request).unwrap_or(Value::Null);
+        if !routed && !body.get("model").is_some_and(Value::is_string) {
+            return None;
+        }
         let (head, reply) = match response.windows(4).position(|w| w == b"\r\n\r\n") {
             Some(at) => (&response[..at], &response[at + 4..]),
             None => (response, &[][..]),
@@ -85,7 +94,7 @@ impl Gateway {
         });
         let Some(format) = format else {
             out["error"] = "not a model API path the warden reads".into();
-            return out;
+            return Some(out);
         };
         let summary = format.summarize(&body);
         out["model"] = json!(summary.model);
@@ -137,8 +146,20 @@ impl Gateway {
             }
             Err(err) => out["error"] = err.to_string().into(),
         }
-        out
+        Some(out)
     }
+}
+
+/// Whether a request is a model call the gateway reads wherever it goes: a `POST` to one of the
+/// three model API endpoints (whether its body names a model is seen once it has passed).
+pub(crate) fn model_call(method: &str, path: &str) -> bool {
+    method == "POST" && warden_model::Format::of_path(path).is_some()
+}
+
+/// The answer to a model request past the cell's token budget: 429 with the body the model
+/// APIs use for errors, so that a client's own error reads it.
+pub(crate) fn budget_spent_body(reason: &str) -> Value {
+    json!({ "error": { "message": reason, "type": "warden_token_budget", "code": "token_budget" } })
 }
 
 /// Why a request may not take the route: only what the model APIs take (a `POST` of a
@@ -162,4 +183,57 @@ pub(crate) fn is_inference(rule: &str) -> bool {
 
 fn clip(text: &str) -> String {
     warden_model::clip(text, TEXT_LIMIT)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gateway() -> Gateway {
+        let log = std::env::temp_dir().join(format!(
+            "warden-inference-test-{}.jsonl",
+            std::process::id()
+        ));
+        let gateway = Gateway::new(
+            crate::Rules::compile(&warden_policy::Network::default()).unwrap(),
+            &log,
+            "test",
+            crate::Secrets::default(),
+            None,
+            crate::Bounds::default(),
+        )
+        .unwrap();
+        let _ = std::fs::remove_file(&log);
+        gateway
+    }
+
+    const REPLY: &[u8] = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{\"id\":\"c\",\"object\":\"chat.completion\",\"model\":\"m\",\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":\"hi\"},\"finish_reason\":\"stop\"}],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":3}}";
+
+    #[test]
+    fn a_call_off_the_route_is_read_only_when_it_names_a_model() {
+        let gateway = gateway();
+        let call = br#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#;
+        let read = gateway
+            .read_exchange("/v1/chat/completions", call, REPLY, Duration::ZERO, false)
+            .expect("a model call is read");
+        assert_eq!(read["text"], "hi");
+        assert_eq!(read["tokens_used"], 10);
+        // A REST API's own `/messages` (no model named) is neither read nor counted.
+        let other = br#"{"to":"someone","body":"hello"}"#;
+        let none = gateway.read_exchange("/api/messages", other, REPLY, Duration::ZERO, false);
+        assert!(none.is_none());
+        assert_eq!(gateway.inference_tokens.load(Ordering::Relaxed), 10);
+        // On the route, every exchange is read, whatever its body.
+        let routed = gateway.read_exchange("/v1/messages", other, b"", Duration::ZERO, true);
+        assert!(routed.is_some_and(|r| r.get("error").is_some()));
+    }
+
+    #[test]
+    fn model_calls_are_posts_to_the_model_endpoints() {
+        assert!(model_call("POST", "/v1/chat/completions"));
+        assert!(model_call("POST", "/v1/messages?beta=true"));
+        assert!(model_call("POST", "/openai/v1/responses"));
+        assert!(!model_call("GET", "/v1/responses"));
+        assert!(!model_call("POST", "/v1/embeddings"));
+    }
 }

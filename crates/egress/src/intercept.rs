@@ -2,7 +2,7 @@
 //! with the cell's CA toward the client, one request checked and decided as a plain one is
 //! (its Host included: it must name the host the tunnel was opened for), the bound credential
 //! added, TLS verified toward the upstream, and the response inspected for secrets on its way
-//! back.
+//! back. A model call in it is read and counted (`inference`).
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -13,6 +13,7 @@ use serde_json::json;
 use crate::forward::{Checked, authority, placeholder_refusal};
 use crate::host::Host;
 use crate::http::{self, ParsedRequest, RequestError, ResponseError, write_reply};
+use crate::inference::Tap;
 use crate::prefixed::Prefixed;
 use crate::proxy::{Gateway, Via, refusal_body};
 use crate::secrets::Replacer;
@@ -91,6 +92,26 @@ impl Gateway {
                 sni.unwrap_or_default()
             );
         }
+        // A model call (a coding agent speaking to its provider itself) is read and counted as
+        // on the inference route, and held to its budget.
+        let read = crate::inference::model_call(&method, &target.path);
+        if read
+            && decision.allowed
+            && let Some(reason) = self.inference_refusal()
+        {
+            decision.allowed = false;
+            decision.reason = reason;
+            self.log_decision(&decision);
+            write_reply(
+                &mut client,
+                429,
+                "Too Many Requests",
+                &crate::inference::budget_spent_body(&decision.reason),
+            );
+            client.conn.send_close_notify();
+            let _ = client.flush();
+            return;
+        }
         let upstream_tcp = if decision.allowed {
             match self.connect_via(&host, port, via) {
                 Ok((tcp, addr)) => {
@@ -143,12 +164,20 @@ impl Gateway {
             &authority(&host, port, 443),
             &headers,
             credential,
+            read,
         );
+        let started = Instant::now();
+        let (mut request_kept, mut response_kept) = (Vec::new(), Vec::new());
         let sent = upstream.write_all(&out).and_then(|()| {
+            let mut tap = Tap {
+                inner: &mut upstream,
+                kept: &mut request_kept,
+            };
+            let to: &mut dyn Write = if read { &mut tap } else { tap.inner };
             http::send_body(
                 &rest,
                 &mut client,
-                &mut upstream,
+                &mut &mut *to,
                 body,
                 credential,
                 &self.secrets,
@@ -173,8 +202,15 @@ impl Gateway {
                 );
             }
         }
-        if credential.is_some() {
-            match http::relay_inspected(&mut upstream, &mut client, &self.secrets, &method) {
+        if credential.is_some() || read {
+            let mut tap = Tap {
+                inner: &mut client,
+                kept: &mut response_kept,
+            };
+            let to: &mut dyn Write = if read { &mut tap } else { tap.inner };
+            let relayed =
+                http::relay_inspected(&mut upstream, &mut &mut *to, &self.secrets, &method);
+            match relayed {
                 Ok(n) => decision.bytes_down = n,
                 Err(ResponseError::Refused(reason)) => {
                     decision.allowed = false;
@@ -190,6 +226,15 @@ impl Gateway {
             }
             client.conn.send_close_notify();
             let _ = client.flush();
+            if read {
+                decision.inference = self.read_exchange(
+                    &target.path,
+                    &request_kept,
+                    &response_kept,
+                    started.elapsed(),
+                    false,
+                );
+            }
         } else {
             let mut scrubbed = Replacer::scrubbing(&mut client, &self.secrets);
             let mut buf = vec![0u8; 64 * 1024];

@@ -46,7 +46,8 @@ pub struct Decision {
     /// has none and stands for itself.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub repeats: u64,
-    /// A model exchange through `network.inference`, as read from its wire format (model,
+    /// A model exchange (through `network.inference`, or a model call the gateway saw on its
+    /// way elsewhere), as read from its wire format (model,
     /// tokens, latency, stop reason, the text up to a limit): such a line is never folded into
     /// another.
     #[serde(default, skip_serializing_if = "Option::is_none")]

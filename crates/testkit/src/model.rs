@@ -128,8 +128,14 @@ impl ModelServer {
     /// The same server behind TLS, with a certificate for 127.0.0.1 from a CA of its own
     /// (returned as PEM, for the client to trust).
     pub fn start_tls(script: Vec<Step>) -> (Self, String) {
-        let (config, ca) = super::tls_server_config("127.0.0.1");
-        let (server, listener) = Self::listening(script);
+        Self::start_tls_on("127.0.0.1", script)
+    }
+
+    /// The same behind TLS on another loopback address (`ip`, its certificate's name): one a
+    /// cell's clients send through the gateway, where 127.0.0.1 is theirs (`NO_PROXY`).
+    pub fn start_tls_on(ip: &str, script: Vec<Step>) -> (Self, String) {
+        let (config, ca) = super::tls_server_config(ip);
+        let (server, listener) = Self::listening_on(ip, script);
         let accepting = server.clone();
         std::thread::spawn(move || {
             for stream in listener.incoming().flatten() {
@@ -146,7 +152,11 @@ impl ModelServer {
 
     /// A server with this script, and its listener on a free loopback port.
     fn listening(script: Vec<Step>) -> (Self, TcpListener) {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        Self::listening_on("127.0.0.1", script)
+    }
+
+    fn listening_on(ip: &str, script: Vec<Step>) -> (Self, TcpListener) {
+        let listener = TcpListener::bind((ip, 0)).unwrap();
         let port = listener.local_addr().unwrap().port();
         let state = Arc::new((
             Mutex::new(State {
