@@ -421,6 +421,29 @@ pub enum ImageCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Fetch an image from a registry (Docker Hub, ghcr.io, a registry of one's own) and import
+    /// it: the manifest for linux on this machine's architecture (or --platform), its
+    /// configuration and layers, each checked against its digest, then unpacked as an import
+    /// is. The registry is reached from the host, not from a cell; a login comes from
+    /// WARDEN_REGISTRY_USER and WARDEN_REGISTRY_PASSWORD (anonymous without them).
+    Pull {
+        /// [REGISTRY/]REPOSITORY[:TAG][@DIGEST], like python:3.12-slim or
+        /// ghcr.io/org/tools:1 (Docker Hub when no registry is named).
+        reference: String,
+        /// The name cells use (`image: NAME`); default: the reference as given.
+        #[arg(long)]
+        name: Option<String>,
+        /// OS/ARCH[/VARIANT] to take from a multi-platform image (default: linux and this
+        /// machine's architecture).
+        #[arg(long)]
+        platform: Option<String>,
+        /// A registry (HOST[:PORT]) to speak plain HTTP to, for one of your own without TLS
+        /// (repeatable).
+        #[arg(long = "insecure-registry", value_name = "HOST[:PORT]")]
+        insecure: Vec<String>,
+        #[arg(long)]
+        json: bool,
+    },
     /// List the imported images.
     Ls {
         #[arg(long)]

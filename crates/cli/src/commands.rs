@@ -782,7 +782,7 @@ fn doctor(json: bool) -> Result<i32> {
     Ok(if process_ok { 0 } else { 1 })
 }
 
-/// `warden image import|ls|rm`: the image store under the state directory, which the process
+/// `warden image import|pull|ls|rm`: the image store under the state directory, which the process
 /// tier reads when a policy names an `image`.
 fn image(command: crate::cli::ImageCommand) -> Result<i32> {
     use crate::cli::ImageCommand;
@@ -806,6 +806,51 @@ fn image(command: crate::cli::ImageCommand) -> Result<i32> {
             } else {
                 println!("imported {}", line(&image));
                 println!("use it with `image: {}` in a policy", image.name);
+            }
+        }
+        ImageCommand::Pull {
+            reference,
+            name,
+            platform,
+            insecure,
+            json,
+        } => {
+            let login = match (
+                std::env::var("WARDEN_REGISTRY_USER"),
+                std::env::var("WARDEN_REGISTRY_PASSWORD"),
+            ) {
+                (Ok(user), Ok(password)) => Some((user, password)),
+                (Ok(_), Err(_)) | (Err(_), Ok(_)) => bail!(
+                    "set both WARDEN_REGISTRY_USER and WARDEN_REGISTRY_PASSWORD for a registry login, or neither for an anonymous pull"
+                ),
+                _ => None,
+            };
+            let options = warden_image::PullOptions {
+                platform,
+                insecure,
+                login,
+            };
+            let pulled = images
+                .pull(&reference, name.as_deref(), &options)
+                .with_context(|| format!("pulling {reference} (nothing was kept)"))?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&serde_json::json!({
+                        "image": pulled.image,
+                        "reference": pulled.reference,
+                        "manifest": pulled.manifest,
+                        "fetched_bytes": pulled.fetched,
+                    }))?
+                );
+            } else {
+                println!(
+                    "pulled {} ({} fetched from {})",
+                    line(&pulled.image),
+                    warden_policy::ByteSize(pulled.fetched),
+                    pulled.reference
+                );
+                println!("use it with `image: {}` in a policy", pulled.image.name);
             }
         }
         ImageCommand::Ls { json } => {

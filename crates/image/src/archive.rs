@@ -201,7 +201,7 @@ fn document(dir: &Path, digest: &str, what: &str) -> Result<Vec<u8>, ImageError>
     Ok(bytes)
 }
 
-fn host_arch() -> &'static str {
+pub(crate) fn host_arch() -> &'static str {
     match std::env::consts::ARCH {
         "x86_64" => "amd64",
         "aarch64" => "arm64",

@@ -7,12 +7,14 @@
 //! its name, its manifest's digest, its layers bottom first, and the defaults of its
 //! configuration (environment, working directory, user, command).
 //!
-//! Nothing here reaches a registry; the store is plain files, written through a staging folder
-//! and renamed into place, so an import that fails leaves nothing behind.
+//! Only `warden image pull` reaches a registry (`pull`: into a staging layout, then imported
+//! as above). The store is plain files, written through a staging folder and renamed into
+//! place, so an import or a pull that fails leaves nothing behind.
 
 mod archive;
 mod defaults;
 pub mod extract;
+mod pull;
 #[cfg(test)]
 mod tests;
 
@@ -22,6 +24,7 @@ use serde::{Deserialize, Serialize};
 
 pub use defaults::Defaults;
 pub use extract::{Limits, Unpacked};
+pub use pull::{PullOptions, Pulled};
 
 /// One imported image.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

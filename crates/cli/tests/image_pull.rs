@@ -1,0 +1,454 @@
+//! `warden image pull` against a real registry (the `docker-registry` package: the distribution
+//! project's registry, run here on loopback with its own storage): an image built in the test
+//! from host files is pushed through the registry's HTTP API, pulled by tag under an index of
+//! two platforms, and run as a cell; a registry whose stored layer was changed behind its back,
+//! a platform the image lacks and a tag that does not exist are refused, with nothing kept.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed step is a failed test
+
+mod support;
+
+use std::io::{Read as _, Write as _};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use sha2::Digest as _;
+use support::*;
+
+const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
+const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
+
+fn sha(bytes: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(sha2::Sha256::digest(bytes)))
+}
+
+/// A registry of the test's own, killed when dropped.
+struct Registry {
+    child: Child,
+    port: u16,
+    storage: PathBuf,
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Registry {
+    fn start(dir: &Path) -> Self {
+        let binary = ["/usr/bin/docker-registry", "/usr/bin/registry"]
+            .into_iter()
+            .find(|p| Path::new(p).exists())
+            .expect("the registry is installed (apt-get install docker-registry; .ci/run does it)");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let storage = dir.join("registry");
+        let config = dir.join("registry.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: 127.0.0.1:{port}\n",
+                storage.display()
+            ),
+        )
+        .unwrap();
+        let child = Command::new(binary)
+            .arg("serve")
+            .arg(&config)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let registry = Self {
+            child,
+            port,
+            storage,
+        };
+        let until = Instant::now() + Duration::from_secs(20);
+        while registry.request("GET", "/v2/", &[], b"").0 != 200 {
+            assert!(Instant::now() < until, "the registry did not come up");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        registry
+    }
+
+    fn address(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// One HTTP/1.1 exchange: the status, the `Location` header and the body.
+    fn request(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> (u16, String, Vec<u8>) {
+        let Ok(mut tcp) = TcpStream::connect(("127.0.0.1", self.port)) else {
+            return (0, String::new(), Vec::new());
+        };
+        let mut head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nContent-Length: {}\r\n",
+            self.address(),
+            body.len()
+        );
+        for (name, value) in headers {
+            head.push_str(&format!("{name}: {value}\r\n"));
+        }
+        head.push_str("\r\n");
+        tcp.write_all(head.as_bytes()).unwrap();
+        tcp.write_all(body).unwrap();
+        let mut answer = Vec::new();
+        let _ = tcp.read_to_end(&mut answer);
+        let split = answer
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .unwrap_or(answer.len());
+        let head = String::from_utf8_lossy(&answer[..split]).into_owned();
+        let status = head
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        let location = head
+            .lines()
+            .find_map(|l| {
+                let (name, value) = l.split_once(':')?;
+                name.eq_ignore_ascii_case("location")
+                    .then(|| value.trim().to_owned())
+            })
+            .unwrap_or_default();
+        (
+            status,
+            location,
+            answer[(split + 4).min(answer.len())..].to_vec(),
+        )
+    }
+
+    /// Uploads a blob (monolithic upload) and returns its digest.
+    fn push_blob(&self, repository: &str, data: &[u8]) -> String {
+        let digest = sha(data);
+        let (status, location, body) = self.request(
+            "POST",
+            &format!("/v2/{repository}/blobs/uploads/"),
+            &[],
+            b"",
+        );
+        assert_eq!(status, 202, "{}", String::from_utf8_lossy(&body));
+        let path = location
+            .strip_prefix(&format!("http://{}", self.address()))
+            .unwrap_or(&location)
+            .to_owned();
+        let joiner = if path.contains('?') { '&' } else { '?' };
+        let (status, _, body) = self.request(
+            "PUT",
+            &format!("{path}{joiner}digest={digest}"),
+            &[("Content-Type", "application/octet-stream")],
+            data,
+        );
+        assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
+        digest
+    }
+
+    fn push_manifest(&self, repository: &str, reference: &str, kind: &str, doc: &Value) -> String {
+        let bytes = doc.to_string().into_bytes();
+        let (status, _, body) = self.request(
+            "PUT",
+            &format!("/v2/{repository}/manifests/{reference}"),
+            &[("Content-Type", kind)],
+            &bytes,
+        );
+        assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
+        sha(&bytes)
+    }
+
+    /// Pushes an image of these (uncompressed) layers, gzipped as registries serve them, and
+    /// returns its manifest's descriptor.
+    fn push_image(&self, repository: &str, layers: &[Vec<u8>], arch: &str) -> Value {
+        let mut descriptors = Vec::new();
+        for layer in layers {
+            let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+            gz.write_all(layer).unwrap();
+            let gz = gz.finish().unwrap();
+            let digest = self.push_blob(repository, &gz);
+            descriptors.push(json!({
+                "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
+                "digest": digest, "size": gz.len(),
+            }));
+        }
+        let config = json!({
+            "architecture": arch, "os": "linux",
+            "config": { "Env": ["GREETING=pulled", "PATH=/bin"], "WorkingDir": "/" },
+            "rootfs": { "type": "layers", "diff_ids": layers.iter().map(|l| sha(l)).collect::<Vec<_>>() },
+        })
+        .to_string();
+        let config_digest = self.push_blob(repository, config.as_bytes());
+        let manifest = json!({
+            "schemaVersion": 2, "mediaType": OCI_MANIFEST,
+            "config": { "mediaType": "application/vnd.oci.image.config.v1+json", "digest": config_digest, "size": config.len() },
+            "layers": descriptors,
+        });
+        let size = manifest.to_string().len();
+        let digest = self.push_manifest(
+            repository,
+            &sha(manifest.to_string().as_bytes()),
+            OCI_MANIFEST,
+            &manifest,
+        );
+        json!({ "mediaType": OCI_MANIFEST, "digest": digest, "size": size,
+                "platform": { "os": "linux", "architecture": arch } })
+    }
+
+    /// Where the registry keeps a blob's bytes (its filesystem driver's layout).
+    fn blob_file(&self, digest: &str) -> PathBuf {
+        let hex = digest.strip_prefix("sha256:").unwrap();
+        self.storage
+            .join("docker/registry/v2/blobs/sha256")
+            .join(&hex[..2])
+            .join(hex)
+            .join("data")
+    }
+}
+
+fn append(b: &mut tar::Builder<Vec<u8>>, path: &str, mode: u32, data: &[u8]) {
+    let mut h = tar::Header::new_gnu();
+    h.set_path(path).unwrap();
+    h.set_mode(mode);
+    h.set_size(data.len() as u64);
+    h.set_entry_type(tar::EntryType::Regular);
+    h.set_cksum();
+    b.append(&h, data).unwrap();
+}
+
+/// `/bin/sh` of the host and what `ldd` says it loads, at their paths, and a file of its own.
+fn shell_layer(note: &[u8]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    let ldd = Command::new("ldd").arg("/bin/sh").output().unwrap();
+    let mut files = vec![PathBuf::from("/bin/sh")];
+    for line in String::from_utf8_lossy(&ldd.stdout).lines() {
+        let path = line
+            .split("=>")
+            .last()
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap_or("");
+        if path.starts_with('/') {
+            files.push(PathBuf::from(path));
+        }
+    }
+    for file in &files {
+        let data = std::fs::read(file).unwrap();
+        append(
+            &mut b,
+            file.to_str().unwrap().trim_start_matches('/'),
+            0o755,
+            &data,
+        );
+    }
+    append(&mut b, "etc/note", 0o644, note);
+    b.into_inner().unwrap()
+}
+
+fn warden_in(state: &Path) -> Command {
+    let mut cmd = warden();
+    cmd.env("WARDEN_STATE_DIR", state)
+        .env_remove("WARDEN_REGISTRY_USER")
+        .env_remove("WARDEN_REGISTRY_PASSWORD");
+    cmd
+}
+
+fn host_arch() -> &'static str {
+    match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        other => other,
+    }
+}
+
+/// What the image store holds besides its records: nothing of a failed pull may stay.
+fn store_entries(state: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    for sub in ["images", "images/layers"] {
+        if let Ok(entries) = std::fs::read_dir(state.join(sub)) {
+            for e in entries.flatten() {
+                out.push(format!("{sub}/{}", e.file_name().to_string_lossy()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn an_image_pulled_from_a_registry_runs_as_a_cell_and_a_changed_blob_is_refused() {
+    let dir = tempdir();
+    let registry = Registry::start(dir.path());
+    let state = dir.path().join("state");
+    let other = if host_arch() == "arm64" {
+        "amd64"
+    } else {
+        "arm64"
+    };
+    // Two platforms under one tag: this machine's runs the host's shell; the other's only
+    // says which it is.
+    let ours = registry.push_image(
+        "tools/mini",
+        &[shell_layer(b"this platform\n")],
+        host_arch(),
+    );
+    let theirs = registry.push_image("tools/mini", &[shell_layer(b"the other platform\n")], other);
+    let index = json!({ "schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [theirs, ours] });
+    registry.push_manifest("tools/mini", "1", OCI_INDEX, &index);
+    let reference = format!("{}/tools/mini:1", registry.address());
+
+    let pulled = warden_in(&state)
+        .args([
+            "image",
+            "pull",
+            "--insecure-registry",
+            &registry.address(),
+            "--json",
+        ])
+        .arg(&reference)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&pulled.stdout);
+    assert!(
+        pulled.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&pulled.stderr)
+    );
+    let pulled: Value = serde_json::from_str(&said).unwrap();
+    assert_eq!(pulled["image"]["name"], reference.as_str());
+    assert_eq!(
+        pulled["manifest"], ours["digest"],
+        "this machine's manifest was taken"
+    );
+    assert_eq!(pulled["image"]["layers"].as_array().unwrap().len(), 1);
+
+    let policy = policy(dir.path(), &format!("version: 1\nimage: \"{reference}\"\n"));
+    let ran = warden_in(&state)
+        .arg("run")
+        .arg("--policy")
+        .arg(&policy)
+        .args([
+            "--",
+            "/bin/sh",
+            "-c",
+            "while read -r l; do echo \"$l\"; done < /etc/note; echo \"greeting=$GREETING\"",
+        ])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&ran.stdout);
+    assert!(
+        ran.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&ran.stderr)
+    );
+    assert!(
+        out.contains("this platform") && out.contains("greeting=pulled"),
+        "{out}"
+    );
+
+    // The other platform, asked for by name, under another name.
+    let theirs_name = "mini-other:1";
+    let pulled = warden_in(&state)
+        .args(["image", "pull", "--insecure-registry", &registry.address()])
+        .args([
+            "--platform",
+            &format!("linux/{other}"),
+            "--name",
+            theirs_name,
+        ])
+        .arg(&reference)
+        .output()
+        .unwrap();
+    assert!(
+        pulled.status.success(),
+        "{}",
+        String::from_utf8_lossy(&pulled.stderr)
+    );
+    let before = store_entries(&state);
+
+    // A platform the image lacks, and a tag that is not there: refused, nothing kept.
+    let refused = warden_in(&state)
+        .args(["image", "pull", "--insecure-registry", &registry.address()])
+        .args(["--platform", "linux/s390x", "--name", "nope:1"])
+        .arg(&reference)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success());
+    assert!(
+        err.contains("no manifest for linux/s390x") && err.contains(&format!("linux/{other}")),
+        "{err}"
+    );
+    let missing = warden_in(&state)
+        .args(["image", "pull", "--insecure-registry", &registry.address()])
+        .arg(format!("{}/tools/mini:404", registry.address()))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&missing.stderr);
+    assert!(!missing.status.success());
+    assert!(
+        err.contains("tools/mini:404") && err.contains("nothing was kept"),
+        "{err}"
+    );
+
+    // A registry whose stored layer was changed behind its back serves other bytes under the
+    // same digest: the pull says so and keeps nothing.
+    let changed = registry.push_image("tools/changed", &[shell_layer(b"as pushed\n")], host_arch());
+    registry.push_manifest(
+        "tools/changed",
+        "1",
+        OCI_INDEX,
+        &json!({ "schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [changed] }),
+    );
+    let manifest_file = registry.blob_file(changed["digest"].as_str().unwrap());
+    let manifest: Value = serde_json::from_slice(&std::fs::read(manifest_file).unwrap()).unwrap();
+    let layer_file = registry.blob_file(manifest["layers"][0]["digest"].as_str().unwrap());
+    // One byte changed, the length kept: only the digest can tell.
+    let mut bytes = std::fs::read(&layer_file).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x5a;
+    std::fs::write(&layer_file, &bytes).unwrap();
+    let refused = warden_in(&state)
+        .args(["image", "pull", "--insecure-registry", &registry.address()])
+        .arg(format!("{}/tools/changed:1", registry.address()))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success());
+    let layer_digest = manifest["layers"][0]["digest"].as_str().unwrap();
+    assert!(
+        err.to_lowercase().contains("digest") && err.contains(layer_digest),
+        "{err}"
+    );
+    assert_eq!(
+        store_entries(&state),
+        before,
+        "a refused pull left something"
+    );
+
+    let ls = warden_in(&state)
+        .args(["image", "ls", "--json"])
+        .output()
+        .unwrap();
+    let listed: Value = serde_json::from_slice(&ls.stdout).unwrap();
+    let names: Vec<&str> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names.len(), 2, "{names:?}");
+    assert!(names.contains(&reference.as_str()) && names.contains(&theirs_name));
+}

@@ -1,0 +1,439 @@
+//! `warden image pull REF`: an image fetched from a registry (the OCI distribution API, through
+//! the `oci-client` crate: token handshakes, the registry's own redirects) into a staging OCI
+//! image layout, then imported from it like any other layout, so that every check of an import
+//! holds for a pull as well: each blob against its digest (the manifest's too), each layer
+//! against its configuration's diff id, every entry of every layer (see `extract`).
+//!
+//! An index (a multi-platform image) is resolved here to the manifest for linux on this
+//! machine's architecture, or for the platform asked; only that manifest, its configuration
+//! and its layers are fetched. A blob the registry sends longer than its descriptor says is cut
+//! off and refused. Nothing is kept of a pull that fails.
+
+use std::path::Path;
+
+use oci_client::client::{ClientConfig, ClientProtocol};
+use oci_client::manifest::{
+    IMAGE_MANIFEST_LIST_MEDIA_TYPE, IMAGE_MANIFEST_MEDIA_TYPE, OCI_IMAGE_INDEX_MEDIA_TYPE,
+    OCI_IMAGE_MEDIA_TYPE,
+};
+use oci_client::secrets::RegistryAuth;
+use oci_client::{Client, Reference};
+use serde_json::{Value, json};
+use tokio::io::AsyncWriteExt as _;
+
+use crate::{Image, ImageError, Store};
+
+/// The most bytes of a manifest or an index (the distribution spec suggests 4 MiB).
+const MANIFEST_LIMIT: usize = 4 << 20;
+/// The most bytes of an image's configuration.
+const CONFIG_LIMIT: u64 = 8 << 20;
+
+/// How to reach the registry.
+#[derive(Debug, Clone, Default)]
+pub struct PullOptions {
+    /// `OS/ARCH[/VARIANT]` of the manifest to take from an index; default `linux/` and this
+    /// machine's architecture.
+    pub platform: Option<String>,
+    /// Registries (`HOST[:PORT]`) spoken to in plain HTTP, for a registry of one's own without
+    /// TLS; every other is HTTPS, verified against the host's roots.
+    pub insecure: Vec<String>,
+    /// User and password (or token) for the registry; anonymous when absent.
+    pub login: Option<(String, String)>,
+}
+
+/// What a pull fetched, beside the image it imported.
+#[derive(Debug, Clone)]
+pub struct Pulled {
+    pub image: Image,
+    /// The reference as the registry resolved it (`registry/repository:tag`).
+    pub reference: String,
+    /// The digest of the manifest taken (the platform's, under an index).
+    pub manifest: String,
+    /// Bytes fetched: manifest, configuration and layers as sent.
+    pub fetched: u64,
+}
+
+impl Store {
+    /// Fetches `reference` (`python:3.12-slim`, `registry.example/tools/base@sha256:...`) from
+    /// its registry and imports it as `name`, by default the reference as given.
+    pub fn pull(
+        &self,
+        reference: &str,
+        name: Option<&str>,
+        options: &PullOptions,
+    ) -> Result<Pulled, ImageError> {
+        let parsed: Reference = reference.parse().map_err(|e| {
+            ImageError::BadName(format!(
+                "{reference:?} is not an image reference ({e}): write it as [REGISTRY/]REPOSITORY[:TAG][@DIGEST], like python:3.12-slim"
+            ))
+        })?;
+        let name = name.unwrap_or(reference);
+        crate::check_name(name)?;
+        if self.get(name).is_ok() {
+            return Err(ImageError::Exists(name.to_owned()));
+        }
+        let platform = Platform::parse(options.platform.as_deref())?;
+        std::fs::create_dir_all(self.root())
+            .map_err(|e| ImageError::io("creating the image store", self.root(), e))?;
+        // The layout is staged in the store (same file system as the layers it feeds) and goes
+        // whatever happens.
+        let staging = staging_dir(self.root())?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| ImageError::io("starting the pull's runtime", self.root(), e))?;
+        let fetched = runtime.block_on(fetch(&parsed, &platform, options, staging.path()))?;
+        let image = self.import(staging.path(), Some(name))?;
+        Ok(Pulled {
+            image,
+            reference: parsed.whole(),
+            manifest: fetched.manifest,
+            fetched: fetched.bytes,
+        })
+    }
+}
+
+/// A folder that is removed when dropped.
+struct Staging(std::path::PathBuf);
+
+impl Staging {
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn staging_dir(root: &Path) -> Result<Staging, ImageError> {
+    use std::time::{SystemTime, UNIX_EPOCH};
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let dir = root.join(format!(".pull-{}-{nanos}", std::process::id()));
+    std::fs::create_dir_all(dir.join("blobs").join("sha256"))
+        .map_err(|e| ImageError::io("creating the pull's staging folder", &dir, e))?;
+    Ok(Staging(dir))
+}
+
+/// The platform whose manifest is taken from an index.
+#[derive(Debug, Clone)]
+struct Platform {
+    os: String,
+    architecture: String,
+    variant: Option<String>,
+}
+
+impl Platform {
+    fn parse(text: Option<&str>) -> Result<Self, ImageError> {
+        let Some(text) = text else {
+            return Ok(Self {
+                os: "linux".to_owned(),
+                architecture: crate::archive::host_arch().to_owned(),
+                variant: None,
+            });
+        };
+        let parts: Vec<&str> = text.split('/').collect();
+        match parts.as_slice() {
+            [os, arch] | [os, arch, _] if !os.is_empty() && !arch.is_empty() => Ok(Self {
+                os: (*os).to_owned(),
+                architecture: (*arch).to_owned(),
+                variant: parts.get(2).map(|v| (*v).to_owned()),
+            }),
+            _ => Err(ImageError::BadName(format!(
+                "--platform {text:?}: write it as OS/ARCH[/VARIANT], like linux/amd64 or linux/arm64/v8"
+            ))),
+        }
+    }
+
+    fn matches(&self, entry: &Value) -> bool {
+        let p = &entry["platform"];
+        p["os"] == self.os.as_str()
+            && p["architecture"] == self.architecture.as_str()
+            && self.variant.as_deref().is_none_or(|v| p["variant"] == v)
+    }
+
+    fn shown(&self) -> String {
+        match &self.variant {
+            Some(v) => format!("{}/{}/{v}", self.os, self.architecture),
+            None => format!("{}/{}", self.os, self.architecture),
+        }
+    }
+}
+
+struct Fetched {
+    manifest: String,
+    bytes: u64,
+}
+
+fn registry_error(
+    reference: &Reference,
+    what: &str,
+    e: oci_client::errors::OciDistributionError,
+) -> ImageError {
+    ImageError::Format(format!(
+        "pulling {} from {}: {what}: {e}",
+        reference.whole(),
+        reference.resolve_registry()
+    ))
+}
+
+async fn fetch(
+    reference: &Reference,
+    platform: &Platform,
+    options: &PullOptions,
+    dir: &Path,
+) -> Result<Fetched, ImageError> {
+    // One process-wide TLS provider; another part of the warden may have set it already.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let client = Client::new(ClientConfig {
+        protocol: if options.insecure.is_empty() {
+            ClientProtocol::Https
+        } else {
+            ClientProtocol::HttpsExcept(options.insecure.clone())
+        },
+        connect_timeout: Some(std::time::Duration::from_secs(15)),
+        read_timeout: Some(std::time::Duration::from_secs(120)),
+        ..Default::default()
+    });
+    let auth = match &options.login {
+        Some((user, password)) => RegistryAuth::Basic(user.clone(), password.clone()),
+        None => RegistryAuth::Anonymous,
+    };
+    let accepted = [
+        OCI_IMAGE_INDEX_MEDIA_TYPE,
+        IMAGE_MANIFEST_LIST_MEDIA_TYPE,
+        OCI_IMAGE_MEDIA_TYPE,
+        IMAGE_MANIFEST_MEDIA_TYPE,
+    ];
+    let mut fetched = 0u64;
+    let mut target = reference.clone();
+    let (raw, digest, document) = loop {
+        let (raw, digest) = client
+            .pull_manifest_raw(&target, &auth, &accepted)
+            .await
+            .map_err(|e| registry_error(reference, "its manifest", e))?;
+        fetched += raw.len() as u64;
+        if raw.len() > MANIFEST_LIMIT {
+            return Err(ImageError::Format(format!(
+                "the registry's manifest for {} is {} bytes, more than the {MANIFEST_LIMIT} a manifest may be",
+                reference.whole(),
+                raw.len()
+            )));
+        }
+        let document: Value = serde_json::from_slice(&raw).map_err(|e| {
+            ImageError::Format(format!("the manifest {digest} does not parse: {e}"))
+        })?;
+        let is_index = matches!(
+            document["mediaType"].as_str(),
+            Some(OCI_IMAGE_INDEX_MEDIA_TYPE | IMAGE_MANIFEST_LIST_MEDIA_TYPE)
+        ) || (document.get("manifests").is_some()
+            && document.get("layers").is_none());
+        if !is_index {
+            break (raw, digest, document);
+        }
+        if target.digest().is_some() && target.digest() != reference.digest() {
+            return Err(ImageError::Format(format!(
+                "the registry's index for {} names another index",
+                reference.whole()
+            )));
+        }
+        let entries = document["manifests"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let Some(chosen) = entries.iter().find(|e| platform.matches(e)) else {
+            let offered: Vec<String> = entries
+                .iter()
+                .filter_map(|e| {
+                    let p = &e["platform"];
+                    Some(format!(
+                        "{}/{}",
+                        p["os"].as_str()?,
+                        p["architecture"].as_str()?
+                    ))
+                })
+                .collect();
+            return Err(ImageError::Format(format!(
+                "{} has no manifest for {} (it has {}); name one with --platform",
+                reference.whole(),
+                platform.shown(),
+                offered.join(", ")
+            )));
+        };
+        let Some(chosen) = chosen["digest"].as_str() else {
+            return Err(ImageError::Format(format!(
+                "the index for {} has an entry without a digest",
+                reference.whole()
+            )));
+        };
+        target = Reference::with_digest(
+            reference.registry().to_owned(),
+            reference.repository().to_owned(),
+            chosen.to_owned(),
+        );
+    };
+    // The manifest exactly as sent: the layout's index names it by this digest, which the
+    // import checks against its bytes.
+    write_blob(dir, &digest, &raw)?;
+    let media_type = document["mediaType"]
+        .as_str()
+        .unwrap_or(OCI_IMAGE_MEDIA_TYPE)
+        .to_owned();
+    let config = descriptor(&document["config"], "its configuration")?;
+    if config.size > CONFIG_LIMIT {
+        return Err(ImageError::Format(format!(
+            "the image's configuration is said to be {} bytes, more than the {CONFIG_LIMIT} one may be",
+            config.size
+        )));
+    }
+    let layers = document["layers"]
+        .as_array()
+        .ok_or_else(|| ImageError::Format(format!("the manifest {digest} lists no layers")))?
+        .iter()
+        .map(|l| descriptor(l, "a layer"))
+        .collect::<Result<Vec<_>, _>>()?;
+    for (i, blob) in std::iter::once(&config).chain(&layers).enumerate() {
+        let what = match i {
+            0 => "its configuration".to_owned(),
+            n => format!("layer {n} ({})", blob.digest),
+        };
+        fetched += pull_blob(&client, &target, blob, dir, &what)
+            .await
+            .map_err(|e| match e {
+                Failed::Registry(e) => registry_error(reference, &what, e),
+                Failed::Local(e) => e,
+            })?;
+    }
+    let tag = reference.tag().unwrap_or("latest");
+    let index = json!({
+        "schemaVersion": 2,
+        "mediaType": OCI_IMAGE_INDEX_MEDIA_TYPE,
+        "manifests": [{
+            "mediaType": media_type,
+            "digest": digest,
+            "size": raw.len(),
+            "annotations": { "org.opencontainers.image.ref.name": tag },
+        }],
+    });
+    write_file(&dir.join("index.json"), index.to_string().as_bytes())?;
+    write_file(
+        &dir.join("oci-layout"),
+        br#"{"imageLayoutVersion":"1.0.0"}"#,
+    )?;
+    Ok(Fetched {
+        manifest: digest,
+        bytes: fetched,
+    })
+}
+
+/// A blob as a manifest names it.
+struct Blob {
+    digest: String,
+    size: u64,
+    media_type: String,
+}
+
+fn descriptor(value: &Value, what: &str) -> Result<Blob, ImageError> {
+    let digest = value["digest"].as_str().unwrap_or_default();
+    if crate::sha256_hex(digest).is_none() {
+        return Err(ImageError::Format(format!(
+            "the manifest names {what} by {digest:?}, not a sha256 digest"
+        )));
+    }
+    Ok(Blob {
+        digest: digest.to_owned(),
+        size: value["size"].as_u64().unwrap_or(0),
+        media_type: value["mediaType"].as_str().unwrap_or_default().to_owned(),
+    })
+}
+
+enum Failed {
+    Registry(oci_client::errors::OciDistributionError),
+    Local(ImageError),
+}
+
+/// Streams one blob into the layout, refusing more bytes than its descriptor names; returns
+/// the bytes written.
+async fn pull_blob(
+    client: &Client,
+    reference: &Reference,
+    blob: &Blob,
+    dir: &Path,
+    what: &str,
+) -> Result<u64, Failed> {
+    use futures_util::StreamExt as _;
+    let hex = crate::sha256_hex(&blob.digest).unwrap_or_default();
+    let path = dir.join("blobs").join("sha256").join(hex);
+    let descriptor = oci_client::manifest::OciDescriptor {
+        media_type: blob.media_type.clone(),
+        digest: blob.digest.clone(),
+        size: blob.size as i64,
+        ..Default::default()
+    };
+    let mut stream = client
+        .pull_blob_stream(reference, &descriptor)
+        .await
+        .map_err(Failed::Registry)?;
+    if let Some(length) = stream.content_length.filter(|n| *n > blob.size) {
+        return Err(Failed::Local(ImageError::Format(format!(
+            "the registry announces {length} bytes of {what}, more than the {} its manifest names",
+            blob.size
+        ))));
+    }
+    let mut file = tokio::fs::File::create(&path)
+        .await
+        .map_err(|e| Failed::Local(ImageError::io("writing a pulled blob", &path, e)))?;
+    let mut written = 0u64;
+    let mut hashing = <sha2::Sha256 as sha2::Digest>::new();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk
+            .map_err(|e| Failed::Local(ImageError::Format(format!("receiving {what}: {e}"))))?;
+        written += chunk.len() as u64;
+        if written > blob.size {
+            return Err(Failed::Local(ImageError::Format(format!(
+                "the registry sent more of {what} than the {} bytes its manifest names",
+                blob.size
+            ))));
+        }
+        sha2::Digest::update(&mut hashing, &chunk);
+        file.write_all(&chunk)
+            .await
+            .map_err(|e| Failed::Local(ImageError::io("writing a pulled blob", &path, e)))?;
+    }
+    file.flush()
+        .await
+        .map_err(|e| Failed::Local(ImageError::io("writing a pulled blob", &path, e)))?;
+    if written != blob.size {
+        return Err(Failed::Local(ImageError::Format(format!(
+            "the registry sent {written} bytes of {what}, not the {} its manifest names",
+            blob.size
+        ))));
+    }
+    // Checked here, before anything is unpacked (the import checks it again).
+    let got = format!("sha256:{}", hex::encode(sha2::Digest::finalize(hashing)));
+    if got != blob.digest {
+        return Err(Failed::Local(ImageError::Digest {
+            what: format!("{what}, as the registry sent it,"),
+            expected: blob.digest.clone(),
+            got,
+        }));
+    }
+    Ok(written)
+}
+
+fn write_blob(dir: &Path, digest: &str, bytes: &[u8]) -> Result<(), ImageError> {
+    let hex = crate::sha256_hex(digest).ok_or_else(|| {
+        ImageError::Format(format!(
+            "the registry named the manifest by {digest:?}, not a sha256 digest"
+        ))
+    })?;
+    write_file(&dir.join("blobs").join("sha256").join(hex), bytes)
+}
+
+fn write_file(path: &Path, bytes: &[u8]) -> Result<(), ImageError> {
+    std::fs::write(path, bytes).map_err(|e| ImageError::io("writing the pulled layout", path, e))
+}
