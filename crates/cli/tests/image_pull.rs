@@ -438,6 +438,38 @@ fn an_image_pulled_from_a_registry_runs_as_a_cell_and_a_changed_blob_is_refused(
         "a refused pull left something"
     );
 
+    // One that sends more than its descriptor says (the stored blob grown by 1 MiB): cut off
+    // at the size named and refused.
+    let longer = registry.push_image("tools/longer", &[shell_layer(b"as pushed\n")], host_arch());
+    registry.push_manifest(
+        "tools/longer",
+        "1",
+        OCI_INDEX,
+        &json!({ "schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [longer] }),
+    );
+    let manifest_file = registry.blob_file(longer["digest"].as_str().unwrap());
+    let manifest: Value = serde_json::from_slice(&std::fs::read(manifest_file).unwrap()).unwrap();
+    let layer_file = registry.blob_file(manifest["layers"][0]["digest"].as_str().unwrap());
+    let mut bytes = std::fs::read(&layer_file).unwrap();
+    bytes.extend(std::iter::repeat_n(0u8, 1 << 20));
+    std::fs::write(&layer_file, &bytes).unwrap();
+    let refused = warden_in(&state)
+        .args(["image", "pull", "--insecure-registry", &registry.address()])
+        .arg(format!("{}/tools/longer:1", registry.address()))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success());
+    assert!(
+        err.contains("more than the") && err.contains("its manifest names"),
+        "{err}"
+    );
+    assert_eq!(
+        store_entries(&state),
+        before,
+        "a refused pull left something"
+    );
+
     let ls = warden_in(&state)
         .args(["image", "ls", "--json"])
         .output()
