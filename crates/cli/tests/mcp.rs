@@ -19,7 +19,7 @@ use support::*;
 const CLIENT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/mcp_client.py");
 
 /// A host directory for a cell's workspace, with one file in it.
-fn workspace() -> tempfile::TempDir {
+fn workspace() -> TestDir {
     let dir = tempdir();
     std::fs::write(dir.path().join("notes.txt"), "from the host\n").unwrap();
     dir

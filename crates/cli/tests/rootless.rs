@@ -14,7 +14,7 @@ const NOBODY: u32 = 65534;
 
 /// A copy of the warden binary that an unprivileged user can execute, and a directory it owns.
 struct Rootless {
-    _dir: tempfile::TempDir,
+    _dir: TestDir,
     bin: PathBuf,
     workspace: PathBuf,
     runtime: PathBuf,

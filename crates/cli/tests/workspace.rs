@@ -51,7 +51,7 @@ fn spawn_in(name: &str, workspace: &std::path::Path, script: &str) -> std::proce
         .unwrap()
 }
 
-fn project() -> tempfile::TempDir {
+fn project() -> TestDir {
     let ws = tempdir();
     let p = ws.path();
     std::fs::create_dir_all(p.join("src")).unwrap();

@@ -305,6 +305,8 @@ impl Drop for Daemon {
                 unsafe_free_terminate(&mut child);
             }
         }
+        // What a cell's keeper still held (a cell the daemon could not delete).
+        crate::unmount_beneath(self.dir.path());
     }
 }
 

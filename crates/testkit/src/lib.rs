@@ -113,11 +113,72 @@ pub fn outside_tmp() -> &'static Path {
     })
 }
 
-pub fn tempdir() -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix("warden-test-")
-        .tempdir()
-        .unwrap()
+pub fn tempdir() -> TestDir {
+    TestDir(Some(
+        tempfile::Builder::new()
+            .prefix("warden-test-")
+            .tempdir()
+            .unwrap(),
+    ))
+}
+
+/// A test's temporary folder, removed when dropped together with whatever is still mounted
+/// beneath it: a cell run without a daemon keeps the layer of a workspace it changed (its own
+/// file system, under the disk limit) mounted until `warden rm`, which a test that only checks
+/// the run does not call; without this the folder's removal fails on the mount and leaves it.
+#[derive(Debug)]
+pub struct TestDir(Option<tempfile::TempDir>);
+
+impl TestDir {
+    pub fn path(&self) -> &Path {
+        self.0
+            .as_ref()
+            .expect("the folder is there until dropped")
+            .path()
+    }
+}
+
+impl AsRef<Path> for TestDir {
+    fn as_ref(&self) -> &Path {
+        self.path()
+    }
+}
+
+impl Drop for TestDir {
+    fn drop(&mut self) {
+        if let Some(dir) = self.0.take() {
+            unmount_beneath(dir.path());
+        }
+    }
+}
+
+/// Detaches every mount beneath `dir` (deepest first), as `umount -l` does; what cannot be
+/// unmounted (not ours, not root) is left.
+pub fn unmount_beneath(dir: &Path) {
+    let Ok(table) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return;
+    };
+    let prefix = format!("{}/", dir.display());
+    let mut points: Vec<String> = table
+        .lines()
+        .filter_map(|line| line.split(' ').nth(4))
+        .map(|field| {
+            field
+                .replace("\\040", " ")
+                .replace("\\011", "\t")
+                .replace("\\012", "\n")
+                .replace("\\134", "\\")
+        })
+        .filter(|point| point.starts_with(&prefix))
+        .collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.len()));
+    for point in points {
+        let _ = std::process::Command::new("umount")
+            .args(["-l", "--"])
+            .arg(&point)
+            .stderr(std::process::Stdio::null())
+            .status();
+    }
 }
 
 /// Host processes whose command line contains `marker`.
