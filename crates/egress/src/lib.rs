@@ -27,6 +27,7 @@ mod sni;
 mod tls;
 mod transparent;
 mod tunnel;
+mod workers;
 
 pub use approvals::{AnswerError, Approvals, Question, answer, pending};
 pub use bounds::Bounds;

@@ -64,6 +64,8 @@ pub struct Gateway {
     /// How names become addresses: the host's resolver, unless replaced.
     resolver: Lookup,
     slots: Arc<Slots>,
+    /// The threads that serve connections (and a tunnel's second direction), kept between them.
+    pub(crate) workers: Arc<crate::workers::Workers>,
     pub(crate) bounds: Bounds,
     /// Tokens the cell's model exchanges used (`network.inference.max_tokens` bounds them).
     pub(crate) inference_tokens: Arc<AtomicU64>,
@@ -131,6 +133,7 @@ impl Gateway {
             approvals: None,
             resolver: Lookup(Arc::new(host_resolver)),
             slots: Slots::new(bounds.connections),
+            workers: crate::workers::Workers::new("egress-conn"),
             bounds,
             inference_tokens: Arc::new(AtomicU64::new(0)),
         })
@@ -260,7 +263,8 @@ impl Gateway {
     }
 
     /// Accepts connections on `listener` (a socket in the cell's network namespace) until it
-    /// fails; each connection is served on its own thread, up to the cell's connection limit.
+    /// fails; each connection is served on a thread of its own (one that served an earlier
+    /// connection, where one waits), up to the cell's connection limit.
     pub fn serve(self, listener: TcpListener) -> io::Result<std::thread::JoinHandle<()>> {
         self.accept_loop(listener, "egress-proxy", |gateway, conn| {
             gateway.handle(conn)
@@ -289,6 +293,7 @@ impl Gateway {
         serve: fn(&Self, TcpStream),
     ) -> io::Result<std::thread::JoinHandle<()>> {
         let proxy = name == "egress-proxy";
+        let workers = Arc::clone(&self.workers);
         std::thread::Builder::new()
             .name(name.to_owned())
             .spawn(move || {
@@ -321,12 +326,10 @@ impl Gateway {
                         continue;
                     };
                     let gateway = self.clone();
-                    let started = std::thread::Builder::new()
-                        .name("egress-conn".to_owned())
-                        .spawn(move || {
-                            let _slot: Slot = slot;
-                            serve(&gateway, conn);
-                        });
+                    let started = workers.run(move || {
+                        let _slot: Slot = slot;
+                        serve(&gateway, conn);
+                    });
                     if started.is_err() {
                         // No thread to be had: the connection (moved into the closure) is
                         // closed as the closure is dropped, and its slot given back.

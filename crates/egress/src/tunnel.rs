@@ -73,7 +73,8 @@ impl Gateway {
         mut decision: Decision,
     ) {
         let _tracked = self.track(host, port, None, &conn, &upstream);
-        let (up, down, refused) = tunnel_bytes(conn, upstream, early, host, self.bounds.idle);
+        let (up, down, refused) =
+            tunnel_bytes(&self.workers, conn, upstream, early, host, self.bounds.idle);
         decision.bytes_up = up;
         decision.bytes_down = down;
         if let Some(reason) = refused {
@@ -173,6 +174,7 @@ pub(crate) fn refused_hello(bytes: &[u8], host: &Host) -> Option<String> {
 /// server may speak first). Returns the bytes each way, and the refusal if the hello was
 /// refused. Each direction ends after `idle` without a byte; so the tunnel does, once both have.
 fn tunnel_bytes(
+    workers: &std::sync::Arc<crate::workers::Workers>,
     client: TcpStream,
     upstream: TcpStream,
     early: &[u8],
@@ -181,40 +183,16 @@ fn tunnel_bytes(
 ) -> (u64, u64, Option<String>) {
     let _ = client.set_read_timeout(Some(idle));
     let _ = upstream.set_read_timeout(Some(idle));
-    let (Ok(mut client_read), Ok(mut upstream_write)) = (client.try_clone(), upstream.try_clone())
-    else {
+    let (Ok(client_read), Ok(upstream_write)) = (client.try_clone(), upstream.try_clone()) else {
         return (0, 0, None);
     };
     let early = early.to_vec();
     let host = host.clone();
-    let up = std::thread::Builder::new()
-        .name("egress-tunnel".to_owned())
-        .spawn(move || {
-            let Some(first) =
-                first_bytes(&mut client_read, early, idle, crate::bounds::HEAD_TIMEOUT)
-            else {
-                let _ = upstream_write.shutdown(Shutdown::Write);
-                return (0, None);
-            };
-            let _ = client_read.set_read_timeout(Some(idle));
-            if first.is_empty() {
-                // Silent for the whole idle limit.
-                let _ = upstream_write.shutdown(Shutdown::Write);
-                return (0, None);
-            }
-            if let Some(reason) = refused_hello(&first, &host) {
-                let _ = upstream_write.shutdown(Shutdown::Both);
-                let _ = client_read.shutdown(Shutdown::Both);
-                return (0, Some(reason));
-            }
-            let mut sent = 0u64;
-            if upstream_write.write_all(&first).is_ok() {
-                sent = first.len() as u64 + pump(&client_read, &upstream_write);
-            }
-            let _ = upstream_write.shutdown(Shutdown::Write);
-            (sent, None)
-        });
-    let Ok(up) = up else {
+    let (done, up) = std::sync::mpsc::sync_channel(1);
+    let started = workers.run(move || {
+        let _ = done.send(relay_up(client_read, upstream_write, early, &host, idle));
+    });
+    if started.is_err() {
         // No thread for the other direction: the tunnel cannot be relayed.
         let _ = client.shutdown(Shutdown::Both);
         return (
@@ -222,12 +200,45 @@ fn tunnel_bytes(
             0,
             Some("the warden could not start the tunnel's relay".to_owned()),
         );
-    };
+    }
     let (upstream_read, client_write) = (upstream, client);
     let down = pump(&upstream_read, &client_write);
     let _ = client_write.shutdown(Shutdown::Write);
-    let (up, refused) = up.join().unwrap_or((0, None));
+    let (up, refused) = up.recv().unwrap_or((0, None));
     (up, down, refused)
+}
+
+/// The client-to-upstream direction of a tunnel, on a thread of its own: the first bytes are
+/// checked, then the rest pumped. Returns the bytes sent and the refusal of a hello, if any.
+fn relay_up(
+    mut client_read: TcpStream,
+    upstream_write: TcpStream,
+    early: Vec<u8>,
+    host: &Host,
+    idle: Duration,
+) -> (u64, Option<String>) {
+    let Some(first) = first_bytes(&mut client_read, early, idle, crate::bounds::HEAD_TIMEOUT)
+    else {
+        let _ = upstream_write.shutdown(Shutdown::Write);
+        return (0, None);
+    };
+    let _ = client_read.set_read_timeout(Some(idle));
+    if first.is_empty() {
+        // Silent for the whole idle limit.
+        let _ = upstream_write.shutdown(Shutdown::Write);
+        return (0, None);
+    }
+    if let Some(reason) = refused_hello(&first, host) {
+        let _ = upstream_write.shutdown(Shutdown::Both);
+        let _ = client_read.shutdown(Shutdown::Both);
+        return (0, Some(reason));
+    }
+    let mut sent = 0u64;
+    if (&upstream_write).write_all(&first).is_ok() {
+        sent = first.len() as u64 + pump(&client_read, &upstream_write);
+    }
+    let _ = upstream_write.shutdown(Shutdown::Write);
+    (sent, None)
 }
 
 #[cfg(test)]
