@@ -484,3 +484,72 @@ fn an_image_pulled_from_a_registry_runs_as_a_cell_and_a_changed_blob_is_refused(
     assert_eq!(names.len(), 2, "{names:?}");
     assert!(names.contains(&reference.as_str()) && names.contains(&theirs_name));
 }
+
+/// A registry that answers a manifest with an endless body: the pull stops reading at the
+/// size a manifest may be and says so, rather than filling the warden's memory.
+#[test]
+fn an_endless_manifest_is_cut_off() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let sent = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let counter = sent.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            let counter = counter.clone();
+            std::thread::spawn(move || {
+                let mut conn = conn;
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") {
+                    match conn.read(&mut byte) {
+                        Ok(1) => head.push(byte[0]),
+                        _ => return,
+                    }
+                }
+                let line = String::from_utf8_lossy(&head)
+                    .lines()
+                    .next()
+                    .unwrap_or("")
+                    .to_owned();
+                if line.starts_with("GET /v2/ ") {
+                    let _ = conn.write_all(
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
+                    );
+                    return;
+                }
+                let _ = conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/vnd.oci.image.manifest.v1+json\r\nTransfer-Encoding: chunked\r\n\r\n");
+                let chunk = format!("10000\r\n{}\r\n", " ".repeat(0x10000));
+                while conn.write_all(chunk.as_bytes()).is_ok() {
+                    counter.fetch_add(0x10000, std::sync::atomic::Ordering::Relaxed);
+                }
+            });
+        }
+    });
+    let dir = tempdir();
+    let state = dir.path().join("state");
+    let started = Instant::now();
+    let refused = warden_in(&state)
+        .args([
+            "image",
+            "pull",
+            "--insecure-registry",
+            &format!("127.0.0.1:{port}"),
+        ])
+        .arg(format!("127.0.0.1:{port}/endless/manifest:1"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success());
+    assert!(
+        err.contains("more than the 4194304 bytes a manifest may be"),
+        "{err}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(30));
+    // It stopped reading near the limit (what the socket buffers held besides).
+    let read = sent.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        read < 64 << 20,
+        "{read} bytes were sent before the pull stopped"
+    );
+    assert!(store_entries(&state).iter().all(|e| !e.contains(".pull-")));
+}

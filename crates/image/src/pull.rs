@@ -17,7 +17,7 @@ use oci_client::manifest::{
     OCI_IMAGE_MEDIA_TYPE,
 };
 use oci_client::secrets::RegistryAuth;
-use oci_client::{Client, Reference};
+use oci_client::{Client, Reference, RegistryOperation};
 use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt as _;
 
@@ -211,19 +211,54 @@ async fn fetch(
     ];
     let mut fetched = 0u64;
     let mut target = reference.clone();
+    // The token for the repository (none where the registry asks for none): manifests are read
+    // here, not by the client, so that one can be cut off at the size a manifest may be.
+    let token = client
+        .auth(reference, &auth, RegistryOperation::Pull)
+        .await
+        .map_err(|e| registry_error(reference, "signing in", e))?;
+    let http = reqwest::Client::builder()
+        .connect_timeout(std::time::Duration::from_secs(15))
+        .read_timeout(std::time::Duration::from_secs(60))
+        .build()
+        .map_err(|e| ImageError::Format(format!("making the registry's client: {e}")))?;
+    let scheme = if options
+        .insecure
+        .iter()
+        .any(|r| r == reference.resolve_registry())
+    {
+        "http"
+    } else {
+        "https"
+    };
     let (raw, digest, document) = loop {
-        let (raw, digest) = client
-            .pull_manifest_raw(&target, &auth, &accepted)
-            .await
-            .map_err(|e| registry_error(reference, "its manifest", e))?;
-        fetched += raw.len() as u64;
-        if raw.len() > MANIFEST_LIMIT {
-            return Err(ImageError::Format(format!(
-                "the registry's manifest for {} is {} bytes, more than the {MANIFEST_LIMIT} a manifest may be",
-                reference.whole(),
-                raw.len()
-            )));
+        let url = format!(
+            "{scheme}://{}/v2/{}/manifests/{}",
+            reference.resolve_registry(),
+            reference.repository(),
+            target.digest().or(target.tag()).unwrap_or("latest")
+        );
+        let mut request = http.get(&url).header("Accept", accepted.join(", "));
+        request = match (&token, &options.login) {
+            (Some(token), _) => request.bearer_auth(token),
+            (None, Some((user, password))) => request.basic_auth(user, Some(password)),
+            (None, None) => request,
+        };
+        let raw = read_manifest(request, reference, &url).await?;
+        let digest = format!(
+            "sha256:{}",
+            hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&raw))
+        );
+        if let Some(asked) = target.digest()
+            && asked != digest
+        {
+            return Err(ImageError::Digest {
+                what: format!("the manifest of {}", reference.whole()),
+                expected: asked.to_owned(),
+                got: digest,
+            });
         }
+        fetched += raw.len() as u64;
         let document: Value = serde_json::from_slice(&raw).map_err(|e| {
             ImageError::Format(format!("the manifest {digest} does not parse: {e}"))
         })?;
@@ -328,6 +363,62 @@ async fn fetch(
         manifest: digest,
         bytes: fetched,
     })
+}
+
+/// A manifest's bytes as the registry sends them, refused past [`MANIFEST_LIMIT`] without
+/// reading further.
+async fn read_manifest(
+    request: reqwest::RequestBuilder,
+    reference: &Reference,
+    url: &str,
+) -> Result<Vec<u8>, ImageError> {
+    use futures_util::StreamExt as _;
+    let failed = |e: reqwest::Error| {
+        ImageError::Format(format!(
+            "pulling {} from {}: its manifest ({url}): {e}",
+            reference.whole(),
+            reference.resolve_registry()
+        ))
+    };
+    let response = request.send().await.map_err(failed)?;
+    let status = response.status();
+    let too_large = || {
+        ImageError::Format(format!(
+            "the registry's manifest for {} is more than the {MANIFEST_LIMIT} bytes a manifest may be",
+            reference.whole()
+        ))
+    };
+    if response
+        .content_length()
+        .is_some_and(|n| n > MANIFEST_LIMIT as u64)
+    {
+        return Err(too_large());
+    }
+    let mut body = Vec::new();
+    let mut stream = response.bytes_stream();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(failed)?;
+        if body.len() + chunk.len() > MANIFEST_LIMIT {
+            return Err(too_large());
+        }
+        body.extend_from_slice(&chunk);
+    }
+    if !status.is_success() {
+        let said = String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned();
+        let hint = match status.as_u16() {
+            401 | 403 => {
+                " (a private image needs WARDEN_REGISTRY_USER and WARDEN_REGISTRY_PASSWORD)"
+            }
+            404 => " (no such repository or tag)",
+            _ => "",
+        };
+        return Err(ImageError::Format(format!(
+            "pulling {} from {}: its manifest: the registry answered {status}{hint}: {said}",
+            reference.whole(),
+            reference.resolve_registry()
+        )));
+    }
+    Ok(body)
 }
 
 /// A blob as a manifest names it.
