@@ -1064,6 +1064,65 @@ fn snapshots_kept_in_a_cells_disk_stop_at_half_of_it() {
     );
 }
 
+/// The same bound counts files, not only bytes: a disk whose inodes are half used keeps no
+/// more snapshots, although its blocks are nearly all free (a session of many small files would
+/// otherwise run the cell out of inodes with snapshots it cannot see).
+#[test]
+fn snapshots_kept_in_a_cells_disk_stop_at_half_of_its_files() {
+    if !cgroups_available("daemon_half_inodes") || !is_root() {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let host = tempdir();
+    let cell = daemon.create(
+        &unique("halfinodes"),
+        json!({
+            "workspace": host.path().display().to_string(),
+            "policy": "version: 1\nlimits:\n  disk: 64MiB\n",
+        }),
+    );
+    let layer = daemon.state().join("layers").join(&cell).join("fs");
+    let df = std::process::Command::new("df")
+        .args(["--output=itotal", "-B1"])
+        .arg(&layer)
+        .output()
+        .unwrap();
+    let inodes: u64 = String::from_utf8_lossy(&df.stdout)
+        .lines()
+        .nth(1)
+        .and_then(|l| l.trim().parse().ok())
+        .expect("df gives the layer's inodes");
+    let snapshot = |name: &str| -> std::path::PathBuf {
+        let answer = daemon.call(
+            "POST",
+            &format!("/v1/cells/{cell}/snapshot"),
+            Some(json!({ "as": name })),
+        );
+        assert_eq!(answer.status, 201, "{}", answer.text());
+        let record = daemon
+            .state()
+            .join("snapshots")
+            .join(format!("{cell}@{name}"))
+            .join("snapshot.json");
+        let record: Value = serde_json::from_str(&read_file(&record)).unwrap();
+        record["layer"].as_str().unwrap().into()
+    };
+    let files = |dir: &str, n: u64| {
+        let script = format!("mkdir -p {dir} && cd {dir} && seq {n} | xargs touch");
+        let events = daemon.exec(&cell, json!({ "argv": ["sh", "-c", script] }));
+        assert_eq!(exit_of(&events)["code"], 0, "{events:?}");
+    };
+    // A tenth of its files, no data: kept in it.
+    files("a", inodes / 10);
+    let first = snapshot("tenth");
+    assert!(first.starts_with(&layer), "{first:?}");
+    // Past half of its files (still hardly a block of data): copied out.
+    files("b", inodes / 2);
+    let second = snapshot("half");
+    assert!(!second.starts_with(&layer), "{second:?}");
+    assert!(second.join("b").join("1").exists());
+}
+
 /// A cell's stack of its own snapshots' layers is merged into one once it is deep: the next
 /// snapshot mounts the merged layer in their place, and the cell, its snapshots and a reset to
 /// an old one all read as before.

@@ -194,6 +194,9 @@ failures! {
         /// The cell has no workspace, the changes conflict, a snapshot is in use or the name
         /// is taken, or the cell's tier cannot do it.
         Conflict => Conflict "conflict",
+        /// No room was left to write the copy it needs: the cell's own disk (its
+        /// `limits.disk`), or the host's.
+        Full => Conflict "disk-full",
         /// The layers could not be read or written.
         Failed => Internal "workspace-failed",
     }

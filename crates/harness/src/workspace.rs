@@ -36,6 +36,16 @@ fn snapshot_error(err: SnapshotError) -> HarnessError {
         SnapshotError::Changes(inner) => return changes_error(inner),
         other => other,
     };
+    // Out of room for the copy it makes: said so, with what to do.
+    if let SnapshotError::Copy { path, source } = &err
+        && matches!(source.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT))
+    {
+        return WorkspaceError::Full(format!(
+            "{err}: no room is left to write {}. If it is in the cell's own disk (its layer's `fs`, bounded by limits.disk), remove snapshots of the cell it no longer needs (`warden rm CELL@SNAPSHOT`) or give it a larger limits.disk; else free space on the host",
+            path.display()
+        ))
+        .into();
+    }
     let failure = match &err {
         SnapshotError::Changes(_) => WorkspaceError::Failed,
         SnapshotError::Name(_) | SnapshotError::Foreign { .. } => WorkspaceError::Invalid,
@@ -445,5 +455,27 @@ impl Harness {
         )
         .await?;
         Ok(closed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_copy_out_of_room_is_disk_full_with_what_to_do() {
+        let full = snapshot_error(SnapshotError::Copy {
+            path: "/state/layers/c/fs/upper.new".into(),
+            source: std::io::Error::from_raw_os_error(libc::ENOSPC),
+        });
+        assert_eq!(full.kind, crate::ErrorKind::Conflict);
+        assert_eq!(full.reason, "disk-full");
+        assert!(full.message.contains("limits.disk") && full.message.contains("warden rm"));
+        // Any other failure to copy stays the warden's own.
+        let other = snapshot_error(SnapshotError::Copy {
+            path: "/x".into(),
+            source: std::io::Error::from_raw_os_error(libc::EIO),
+        });
+        assert_eq!(other.reason, "workspace-failed");
     }
 }

@@ -410,7 +410,8 @@ fn turn_over(
     // layer with a file system of its own, within that file system, where it counts against
     // the cell's disk limit until the cell is removed (when it is moved out). So that the
     // snapshots of a long session cannot fill the cell's disk, they are kept there while it is
-    // at most half full; past that, snapshots copy (out of it), as they always may.
+    // at most half full (its blocks and its inodes); past that, snapshots copy (out of it), as
+    // they always may.
     if layer.has_image() && !half_free(&upper_dir(layer)) {
         return Ok(None);
     }
@@ -716,9 +717,12 @@ fn empty_like(like: &Path, fresh: &Path) -> Result<(), SnapshotError> {
     std::os::unix::fs::lchown(fresh, Some(meta.uid()), Some(meta.gid())).map_err(copy_err(fresh))
 }
 
-/// Whether the file system `dir` is on has at least half of its blocks free.
+/// Whether the file system `dir` is on has at least half of its blocks and half of its inodes
+/// free: a session of many small files runs out of inodes long before blocks.
 fn half_free(dir: &Path) -> bool {
-    rustix::fs::statvfs(dir).is_ok_and(|s| s.f_bfree.saturating_mul(2) >= s.f_blocks)
+    rustix::fs::statvfs(dir).is_ok_and(|s| {
+        s.f_bfree.saturating_mul(2) >= s.f_blocks && s.f_ffree.saturating_mul(2) >= s.f_files
+    })
 }
 
 /// Whether copying the upper layer `dir` takes less time than turning it over: at most 100
