@@ -151,10 +151,16 @@ fn main() -> Result<()> {
     println!(
         "quiet: the cell's init runs alone, and its upper layer becomes the snapshot's (a reset \
          mounts the target's layers again); process runs: a `sleep` holds the workspace, and the \
-         snapshot is a copy of what changed"
+         snapshot is a copy of what changed. Each cell keeps its rounds' snapshots, on an 8 GiB \
+         disk limit (past half of a disk's inodes or blocks, snapshots copy instead)"
     );
     Ok(())
 }
+
+/// The curve's cells keep every round's snapshot, each up to 10,000 files: their disk is
+/// large enough that those stay under half of its inodes, where snapshots are turned over
+/// rather than copied (past half, they copy out of it by design).
+const CURVE_POLICY: &str = "version: 1\nextends: default\nlimits:\n  disk: 8GiB\n";
 
 /// One point of the curve: medians.
 struct Point {
@@ -185,7 +191,12 @@ fn curve(bin: &str, tmp: &Path, tree: &Path, runs: usize) -> Result<Vec<Point>> 
         call(
             "POST",
             "/v1/cells",
-            &format!(r#"{{"name":"{cell}","workspace":"{}"}}"#, tree.display()),
+            &serde_json::json!({
+                "name": cell,
+                "workspace": tree.display().to_string(),
+                "policy": CURVE_POLICY,
+            })
+            .to_string(),
         )?;
         // Each round rewrites `changed` files (untimed) with new content.
         let change = |round: usize| {

@@ -18,64 +18,26 @@ fn sha(bytes: &[u8]) -> String {
     format!("sha256:{}", hex::encode(sha2::Sha256::digest(bytes)))
 }
 
-fn append(b: &mut tar::Builder<Vec<u8>>, path: &str, mode: u32, data: &[u8]) {
-    let mut h = tar::Header::new_gnu();
-    h.set_path(path).unwrap();
-    h.set_mode(mode);
-    h.set_size(data.len() as u64);
-    h.set_entry_type(tar::EntryType::Regular);
-    h.set_cksum();
-    b.append(&h, data).unwrap();
-}
-
-/// `/bin/sh` of the host and what `ldd` says it loads, at their paths.
+/// `/bin/sh` of the host and what `ldd` says it loads, at their paths, with the image's own
+/// `/etc` files.
 fn shell_layer() -> Vec<u8> {
-    let mut b = tar::Builder::new(Vec::new());
-    let ldd = Command::new("ldd").arg("/bin/sh").output().unwrap();
-    let mut files = vec![PathBuf::from("/bin/sh")];
-    for line in String::from_utf8_lossy(&ldd.stdout).lines() {
-        let path = line
-            .split("=>")
-            .last()
-            .unwrap()
-            .split_whitespace()
-            .next()
-            .unwrap_or("");
-        if path.starts_with('/') {
-            files.push(PathBuf::from(path));
-        }
-    }
-    for file in &files {
-        let data = std::fs::read(file).unwrap();
-        append(
-            &mut b,
-            file.to_str().unwrap().trim_start_matches('/'),
-            0o755,
-            &data,
-        );
-    }
-    append(&mut b, "etc/hello", 0o644, b"hello from the image\n");
-    // The user the configuration names, by name.
-    append(
-        &mut b,
-        "etc/passwd",
-        0o644,
-        b"root:x:0:0::/root:/bin/sh\napp:x:2345:2346::/srv:/bin/sh\n",
-    );
-    append(&mut b, "etc/group", 0o644, b"root:x:0:\napp:x:2346:\n");
-    append(
-        &mut b,
-        "etc/gone",
-        0o644,
-        b"the second layer removes this\n",
-    );
-    b.into_inner().unwrap()
+    host_shell_layer(&[
+        ("etc/hello", 0o644, b"hello from the image\n"),
+        // The user the configuration names, by name.
+        (
+            "etc/passwd",
+            0o644,
+            b"root:x:0:0::/root:/bin/sh\napp:x:2345:2346::/srv:/bin/sh\n",
+        ),
+        ("etc/group", 0o644, b"root:x:0:\napp:x:2346:\n"),
+        ("etc/gone", 0o644, b"the second layer removes this\n"),
+    ])
 }
 
 fn second_layer() -> Vec<u8> {
     let mut b = tar::Builder::new(Vec::new());
-    append(&mut b, "etc/.wh.gone", 0o644, b"");
-    append(&mut b, "srv/data", 0o644, b"layer two\n");
+    tar_file(&mut b, "etc/.wh.gone", 0o644, b"");
+    tar_file(&mut b, "srv/data", 0o644, b"layer two\n");
     b.into_inner().unwrap()
 }
 

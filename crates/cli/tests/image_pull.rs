@@ -217,44 +217,9 @@ impl Registry {
     }
 }
 
-fn append(b: &mut tar::Builder<Vec<u8>>, path: &str, mode: u32, data: &[u8]) {
-    let mut h = tar::Header::new_gnu();
-    h.set_path(path).unwrap();
-    h.set_mode(mode);
-    h.set_size(data.len() as u64);
-    h.set_entry_type(tar::EntryType::Regular);
-    h.set_cksum();
-    b.append(&h, data).unwrap();
-}
-
-/// `/bin/sh` of the host and what `ldd` says it loads, at their paths, and a file of its own.
+/// `/bin/sh` of the host and what `ldd` says it loads, and a file of its own.
 fn shell_layer(note: &[u8]) -> Vec<u8> {
-    let mut b = tar::Builder::new(Vec::new());
-    let ldd = Command::new("ldd").arg("/bin/sh").output().unwrap();
-    let mut files = vec![PathBuf::from("/bin/sh")];
-    for line in String::from_utf8_lossy(&ldd.stdout).lines() {
-        let path = line
-            .split("=>")
-            .last()
-            .unwrap()
-            .split_whitespace()
-            .next()
-            .unwrap_or("");
-        if path.starts_with('/') {
-            files.push(PathBuf::from(path));
-        }
-    }
-    for file in &files {
-        let data = std::fs::read(file).unwrap();
-        append(
-            &mut b,
-            file.to_str().unwrap().trim_start_matches('/'),
-            0o755,
-            &data,
-        );
-    }
-    append(&mut b, "etc/note", 0o644, note);
-    b.into_inner().unwrap()
+    host_shell_layer(&[("etc/note", 0o644, note)])
 }
 
 fn warden_in(state: &Path) -> Command {

@@ -6,12 +6,64 @@
 
 mod support;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 use support::model::{ModelServer, Step};
 
 const KEY: &str = "sk-upstream-7d1e4f0a9b3c2851";
+
+/// Runs `script` (a file of this folder) with python3 in a cell under `policy`, the openai
+/// package on its path and the key in the caller's environment; returns its stdout and stderr,
+/// having checked that it succeeded.
+fn run_client(
+    dir: &Path,
+    policy: &Path,
+    pydeps: &Path,
+    port: u16,
+    script: &str,
+) -> (String, String) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests")
+        .join(script);
+    let out = support::warden()
+        .env("WARDEN_RUNTIME_DIR", dir.join("run"))
+        .env("WARDEN_STATE_DIR", dir.join("state"))
+        .env("OPENAI_API_KEY", KEY)
+        .arg("run")
+        .arg("--policy")
+        .arg(policy)
+        .args(["--env", &format!("PYTHONPATH={}", pydeps.display())])
+        .args(["--env", &format!("UPSTREAM_PORT={port}")])
+        .args([
+            "--",
+            "python3",
+            "-c",
+            &std::fs::read_to_string(script).unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    (stdout, stderr)
+}
+
+/// The journal of the run in `dir` (which must not hold the key), and the data of its
+/// decisions that carry a model exchange, in order.
+fn journal_and_exchanges(dir: &Path) -> (String, Vec<Value>) {
+    let journal = std::fs::read_to_string(dir.join("state/journal/journal.jsonl")).unwrap();
+    assert!(!journal.contains(KEY));
+    let exchanges = journal
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|e| e["kind"] == "net.decision" && !e["data"]["inference"].is_null())
+        .map(|e| e["data"].clone())
+        .collect();
+    (journal, exchanges)
+}
 
 #[test]
 fn an_openai_client_in_a_cell_reaches_the_model_only_through_the_gateway() {
@@ -59,29 +111,13 @@ fn through_the_gateway(tls: bool) {
         ),
     )
     .unwrap();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/inference_client.py");
-    let out = support::warden()
-        .env("WARDEN_RUNTIME_DIR", dir.path().join("run"))
-        .env("WARDEN_STATE_DIR", dir.path().join("state"))
-        .env("OPENAI_API_KEY", KEY)
-        .arg("run")
-        .arg("--policy")
-        .arg(&policy)
-        .args(["--env", &format!("PYTHONPATH={}", pydeps.display())])
-        .args(["--env", &format!("UPSTREAM_PORT={}", server.port)])
-        .args([
-            "--",
-            "python3",
-            "-c",
-            &std::fs::read_to_string(script).unwrap(),
-        ])
-        .output()
-        .unwrap();
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
+    let (stdout, stderr) = run_client(
+        dir.path(),
+        &policy,
+        &pydeps,
+        server.port,
+        "inference_client.py",
     );
-    assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(
         stdout.contains("streamed: hello from the model"),
         "{stdout}\n{stderr}"
@@ -119,14 +155,8 @@ fn through_the_gateway(tls: bool) {
     assert_eq!(requests[0].path, "/v1/chat/completions");
     assert_eq!(requests[1].path, "/v1/responses");
     // Each exchange is journaled with what the gateway read of it; the key is not.
-    let journal = std::fs::read_to_string(dir.path().join("state/journal/journal.jsonl")).unwrap();
-    assert!(!journal.contains(KEY));
-    let exchanges: Vec<Value> = journal
-        .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap())
-        .filter(|e| e["kind"] == "net.decision" && !e["data"]["inference"].is_null())
-        .map(|e| e["data"]["inference"].clone())
-        .collect();
+    let (journal, decisions) = journal_and_exchanges(dir.path());
+    let exchanges: Vec<Value> = decisions.iter().map(|d| d["inference"].clone()).collect();
     assert_eq!(exchanges.len(), 2, "{journal}");
     assert_eq!(exchanges[0]["format"], "openai");
     assert_eq!(exchanges[0]["model"], "scripted-1");
@@ -175,29 +205,13 @@ fn a_model_api_the_cell_calls_itself_over_https_is_read_and_budgeted_the_same_wa
         ),
     )
     .unwrap();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/inference_direct.py");
-    let out = support::warden()
-        .env("WARDEN_RUNTIME_DIR", dir.path().join("run"))
-        .env("WARDEN_STATE_DIR", dir.path().join("state"))
-        .env("OPENAI_API_KEY", KEY)
-        .arg("run")
-        .arg("--policy")
-        .arg(&policy)
-        .args(["--env", &format!("PYTHONPATH={}", pydeps.display())])
-        .args(["--env", &format!("UPSTREAM_PORT={}", server.port)])
-        .args([
-            "--",
-            "python3",
-            "-c",
-            &std::fs::read_to_string(script).unwrap(),
-        ])
-        .output()
-        .unwrap();
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
+    let (stdout, stderr) = run_client(
+        dir.path(),
+        &policy,
+        &pydeps,
+        server.port,
+        "inference_direct.py",
     );
-    assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(
         stdout.contains("streamed: hello from the model")
             && stdout.contains("responses: hello again"),
@@ -219,14 +233,7 @@ fn a_model_api_the_cell_calls_itself_over_https_is_read_and_budgeted_the_same_wa
         assert_eq!(r.header("accept-encoding"), Some("identity"));
     }
     assert!(route.requests().is_empty());
-    let journal = std::fs::read_to_string(dir.path().join("state/journal/journal.jsonl")).unwrap();
-    assert!(!journal.contains(KEY));
-    let exchanges: Vec<Value> = journal
-        .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap())
-        .filter(|e| e["kind"] == "net.decision" && !e["data"]["inference"].is_null())
-        .map(|e| e["data"].clone())
-        .collect();
+    let (journal, exchanges) = journal_and_exchanges(dir.path());
     assert_eq!(exchanges.len(), 2, "{journal}");
     assert_eq!(exchanges[0]["kind"], "https", "{}", exchanges[0]);
     let read = |i: usize| exchanges[i]["inference"].clone();

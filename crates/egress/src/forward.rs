@@ -323,18 +323,9 @@ impl Gateway {
         let read = inference || crate::inference::model_call(&method, &target.path);
         if read
             && decision.allowed
-            && let Some(reason) = self.inference_refusal()
+            && let Some(body) = self.refuse_over_budget(&mut decision)
         {
-            decision.allowed = false;
-            decision.reason = reason;
-            self.log_decision(&decision);
-            http::reply(
-                &mut conn,
-                429,
-                "Too Many Requests",
-                &crate::inference::budget_spent_body(&decision.reason),
-            );
-            return;
+            return http::reply(&mut conn, 429, "Too Many Requests", &body);
         }
         let Some(upstream) = self.open_upstream(&mut conn, host, port, &mut decision, via) else {
             return;

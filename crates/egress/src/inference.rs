@@ -59,6 +59,16 @@ impl Gateway {
         })
     }
 
+    /// Refuses and records a model call past the cell's token budget; the body to answer it
+    /// with (429). `None`: within the budget, nothing done.
+    pub(crate) fn refuse_over_budget(&self, decision: &mut crate::Decision) -> Option<Value> {
+        let reason = self.inference_refusal()?;
+        decision.allowed = false;
+        decision.reason = reason;
+        self.log_decision(decision);
+        Some(budget_spent_body(&decision.reason))
+    }
+
     /// Reads an exchange (the request's body, the response as the client got it: head and
     /// decoded body) and counts its tokens; the record's `inference` field. One off the route
     /// (`routed` false) is read only when its request is a model call's (a JSON object naming
@@ -158,7 +168,7 @@ pub(crate) fn model_call(method: &str, path: &str) -> bool {
 
 /// The answer to a model request past the cell's token budget: 429 with the body the model
 /// APIs use for errors, so that a client's own error reads it.
-pub(crate) fn budget_spent_body(reason: &str) -> Value {
+fn budget_spent_body(reason: &str) -> Value {
     json!({ "error": { "message": reason, "type": "warden_token_budget", "code": "token_budget" } })
 }
 

@@ -97,17 +97,9 @@ impl Gateway {
         let read = crate::inference::model_call(&method, &target.path);
         if read
             && decision.allowed
-            && let Some(reason) = self.inference_refusal()
+            && let Some(body) = self.refuse_over_budget(&mut decision)
         {
-            decision.allowed = false;
-            decision.reason = reason;
-            self.log_decision(&decision);
-            write_reply(
-                &mut client,
-                429,
-                "Too Many Requests",
-                &crate::inference::budget_spent_body(&decision.reason),
-            );
+            write_reply(&mut client, 429, "Too Many Requests", &body);
             client.conn.send_close_notify();
             let _ = client.flush();
             return;

@@ -398,3 +398,48 @@ pub fn tls_server_config(ip: &str) -> (std::sync::Arc<rustls::ServerConfig>, Str
     .unwrap();
     (std::sync::Arc::new(config), ca.pem())
 }
+
+/// Adds a regular file to a layer's tar.
+pub fn tar_file(b: &mut tar::Builder<Vec<u8>>, path: &str, mode: u32, data: &[u8]) {
+    let mut h = tar::Header::new_gnu();
+    h.set_path(path).unwrap();
+    h.set_mode(mode);
+    h.set_size(data.len() as u64);
+    h.set_entry_type(tar::EntryType::Regular);
+    h.set_cksum();
+    b.append(&h, data).unwrap();
+}
+
+/// An image layer (an uncompressed tar) of the host's `/bin/sh` and what `ldd` says it loads, at
+/// their paths, and `extra` files (path, mode, content): enough for a cell to run `sh` from an
+/// image built from host files.
+pub fn host_shell_layer(extra: &[(&str, u32, &[u8])]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    let ldd = Command::new("ldd").arg("/bin/sh").output().unwrap();
+    let mut files = vec![PathBuf::from("/bin/sh")];
+    for line in String::from_utf8_lossy(&ldd.stdout).lines() {
+        let path = line
+            .split("=>")
+            .last()
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap_or("");
+        if path.starts_with('/') {
+            files.push(PathBuf::from(path));
+        }
+    }
+    for file in &files {
+        let data = std::fs::read(file).unwrap();
+        tar_file(
+            &mut b,
+            file.to_str().unwrap().trim_start_matches('/'),
+            0o755,
+            &data,
+        );
+    }
+    for (path, mode, data) in extra {
+        tar_file(&mut b, path, *mode, data);
+    }
+    b.into_inner().unwrap()
+}
