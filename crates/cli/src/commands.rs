@@ -34,7 +34,9 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             apply(&name, request, json)
         }
         Command::Rm { name, force } => {
-            if name.contains('@') {
+            if name.contains('@') && crate::daemon::remove_snapshot_through_daemon(&name)? {
+                // The daemon removed it, and journaled it.
+            } else if name.contains('@') {
                 let store = store()?;
                 snapshot::remove(&store, &name)?;
                 // A checkpoint's memory image goes with its workspace snapshot.

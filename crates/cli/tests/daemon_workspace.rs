@@ -1123,6 +1123,82 @@ fn snapshots_kept_in_a_cells_disk_stop_at_half_of_its_files() {
     assert!(second.join("b").join("1").exists());
 }
 
+/// A snapshot is removed through the API (and `warden rm CELL@SNAP` goes through it when a
+/// daemon runs), journaled; a name that is none, or no snapshot's, is refused as such.
+#[test]
+fn snapshots_are_removed_through_the_daemon_and_journaled() {
+    if !cgroups_available("daemon_snapshot_rm") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let host = tempdir();
+    let cell = daemon.create(
+        &unique("snaprm"),
+        json!({ "workspace": host.path().display().to_string() }),
+    );
+    for (file, snap) in [("one", "first"), ("two", "second")] {
+        let events = daemon.exec(
+            &cell,
+            json!({ "argv": ["sh", "-c", format!("echo {file} > {file}")] }),
+        );
+        assert_eq!(exit_of(&events)["code"], 0, "{events:?}");
+        let answer = daemon.call(
+            "POST",
+            &format!("/v1/cells/{cell}/snapshot"),
+            Some(json!({ "as": snap })),
+        );
+        assert_eq!(answer.status, 201, "{}", answer.text());
+    }
+    let listed = |daemon: &Daemon| -> Vec<String> {
+        let answer = daemon.call("GET", &format!("/v1/cells/{cell}/snapshots"), None);
+        answer
+            .json()
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(
+        listed(&daemon),
+        [format!("{cell}@first"), format!("{cell}@second")]
+    );
+    let removed = daemon.call("DELETE", &format!("/v1/snapshots/{cell}@first"), None);
+    assert_eq!(removed.status, 204, "{}", removed.text());
+    assert_eq!(listed(&daemon), [format!("{cell}@second")]);
+    let again = daemon.call("DELETE", &format!("/v1/snapshots/{cell}@first"), None);
+    assert_eq!(again.status, 404, "{}", again.text());
+    assert_eq!(again.json()["reason"], "no-such-snapshot");
+    let nonsense = daemon.call("DELETE", "/v1/snapshots/no-at-sign", None);
+    assert_eq!(nonsense.status, 400, "{}", nonsense.text());
+    // The CLI goes through the daemon.
+    let rm = daemon
+        .warden()
+        .args(["rm", &format!("{cell}@second")])
+        .output()
+        .unwrap();
+    assert!(
+        rm.status.success(),
+        "{}",
+        String::from_utf8_lossy(&rm.stderr)
+    );
+    assert!(listed(&daemon).is_empty());
+    let journal = read_file(&daemon.journal());
+    let removals: Vec<&str> = journal
+        .lines()
+        .filter(|l| l.contains("\"workspace.snapshot.remove\""))
+        .collect();
+    assert_eq!(removals.len(), 2, "{journal}");
+    assert!(
+        removals[0].contains(&format!("{cell}@first"))
+            && removals[1].contains(&format!("{cell}@second"))
+    );
+    // The cell reads on as before: the first snapshot's layer is still under it.
+    let events = daemon.exec(&cell, json!({ "argv": ["cat", "one", "two"] }));
+    let out = String::from_utf8(stream_bytes(&events, "stdout")).unwrap();
+    assert_eq!(out, "one\ntwo\n", "{events:?}");
+}
+
 /// A cell's stack of its own snapshots' layers is merged into one once it is deep: the next
 /// snapshot mounts the merged layer in their place, and the cell, its snapshots and a reset to
 /// an old one all read as before.

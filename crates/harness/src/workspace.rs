@@ -349,6 +349,50 @@ impl Harness {
             .collect())
     }
 
+    /// Removes snapshot `CELL@SNAP`, of a cell that runs or of one removed since, with the
+    /// memory image of a checkpoint of that name: its name goes at once, its layer when nothing
+    /// stacks it any more (a later snapshot, the cell itself); refused while another cell was
+    /// forked from it. Journaled before it is done.
+    pub async fn remove_snapshot(&self, id: &str) -> Result<(), HarnessError> {
+        let Some((cell, _)) = id.split_once('@') else {
+            return Err(WorkspaceError::Invalid(format!(
+                "`{id}` is not a snapshot: they are named CELL@SNAPSHOT (`warden snapshots CELL` lists a cell's)"
+            ))
+            .into());
+        };
+        // Known before anything is journaled: a name that is none is refused as such.
+        let store = self.store.clone();
+        let named = id.to_owned();
+        tokio::task::spawn_blocking(move || warden_cell::snapshot::get(&store, &named))
+            .await
+            .map_err(|e| WorkspaceError::Failed(format!("looking up the snapshot: {e}")))?
+            .map_err(snapshot_error)?;
+        let live = self.entry(cell).is_ok();
+        self.record(
+            live.then_some(cell),
+            "workspace.snapshot.remove",
+            json!({ "id": id, "cell": cell }),
+        )
+        .await?;
+        let store = self.store.clone();
+        let id = id.to_owned();
+        tokio::task::spawn_blocking(move || {
+            warden_cell::snapshot::remove(&store, &id).map_err(snapshot_error)?;
+            let image = store.root().join("checkpoints").join(&id);
+            if image.is_dir() {
+                std::fs::remove_dir_all(&image).map_err(|e| {
+                    HarnessError::from(WorkspaceError::Failed(format!(
+                        "removing the checkpoint's memory image {}: {e}",
+                        image.display()
+                    )))
+                })?;
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|e| WorkspaceError::Failed(format!("removing the snapshot: {e}")))?
+    }
+
     /// Returns the cell's workspace to a snapshot of it (`SNAP` or `CELL@SNAP`), or to its start.
     pub async fn reset(&self, name: &str, to: Option<&str>) -> Result<(), HarnessError> {
         self.entry(name)?;

@@ -112,6 +112,17 @@ pub fn approvals_through_daemon() -> Result<Option<Vec<warden_protocol::Approval
 /// Removes a cell the running daemon keeps; `false` when no daemon keeps it. One that still runs
 /// is refused unless `force` (it is then killed, and its unapplied changes dropped, which is
 /// said).
+/// `warden rm CELL@SNAP` with a daemon running: removed (and journaled) by it. `false`: no
+/// daemon runs.
+pub fn remove_snapshot_through_daemon(id: &str) -> Result<bool> {
+    let Some(client) = Client::detect(&runtime()) else {
+        return Ok(false);
+    };
+    let rt = current_thread()?;
+    rt.block_on(client.json(Method::DELETE, &format!("/v1/snapshots/{id}"), None))?;
+    Ok(true)
+}
+
 pub fn remove_through_daemon(name: &str, force: bool) -> Result<bool> {
     let Some(client) = Client::detect(&runtime()) else {
         return Ok(false);

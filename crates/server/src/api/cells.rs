@@ -113,6 +113,14 @@ pub(super) async fn snapshots(
     Ok(Json(h.snapshots(&name)?).into_response())
 }
 
+pub(super) async fn remove_snapshot(
+    State(h): State<Shared>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    h.remove_snapshot(&id).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct ResetBody {

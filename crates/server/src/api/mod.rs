@@ -9,7 +9,7 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{StatusCode, header};
 use axum::middleware;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use serde_json::json;
 use warden_harness::Harness;
@@ -101,6 +101,7 @@ pub fn router(agents: Arc<warden_agent::Agents>, token: Option<String>) -> Route
         .route("/v1/cells/{name}/snapshot", post(snapshot))
         .route("/v1/cells/{name}/checkpoint", post(checkpoint))
         .route("/v1/cells/{name}/snapshots", get(snapshots))
+        .route("/v1/snapshots/{id}", delete(remove_snapshot))
         .route("/v1/cells/{name}/reset", post(reset))
         .route("/v1/cells/{name}/diff", get(diff))
         .route("/v1/cells/{name}/apply", post(apply))

@@ -376,6 +376,12 @@ pub const ROUTES: &[Route] = &[
         failures: &[WorkspaceError::FAILURES, CellFailure::FAILURES],
     },
     Route {
+        path: "/v1/snapshots/{id}",
+        method: "delete",
+        operation: r##"{"operationId":"removeSnapshot","responses":{"204":{"description":"Removed"}},"summary":"Remove a snapshot (CELL@SNAPSHOT) of a running or removed cell, and a checkpoint's memory image of that name: the name goes at once, its layer once nothing stacks it; refused while a cell forked from it runs","parameters":[{"in":"path","name":"id","required":true,"schema":{"type":"string"}}]}"##,
+        failures: &[WorkspaceError::FAILURES],
+    },
+    Route {
         path: "/v1/events",
         method: "get",
         operation: r#"{"operationId":"events","parameters":[{"description":"Only this cell's entries","in":"query","name":"cell","required":false,"schema":{"type":"string"}},{"description":"Start after this entry's seq: the ones written since come first (`Last-Event-ID` does the same)","in":"query","name":"after","required":false,"schema":{"minimum":0,"type":"integer"}},{"description":"Also `usage` events: each round of the live cells' use (an array of `{cell, usage}` with `usage` a `CellUsage`), every 2 s","in":"query","name":"usage","required":false,"schema":{"type":"boolean"}}],"responses":{"200":{"content":{"text/event-stream":{}},"description":"Event stream"}},"summary":"Journal entries as they are written: server-sent `entry` events `{seq, cell, kind, data}` with the seq as event id (`lagged` when a slow reader missed some)"}"#,
