@@ -94,6 +94,11 @@ class Sync(unittest.TestCase):
         self.assertEqual(fork.files.read("d/e/moved.txt"), b"alpha\n")
         fork.kill()
         fork.delete()
+        cell.snapshot("spare")
+        cell.remove_snapshot("spare")
+        self.assertNotIn(f"{cell.name}@spare", {s.id for s in cell.snapshots()})
+        with self.assertRaises(warden_cells.NotFound):
+            cell.remove_snapshot("spare")
 
         diff = cell.diff()
         self.assertIn("d/e/moved.txt", json.dumps(diff))
@@ -104,7 +109,7 @@ class Sync(unittest.TestCase):
         entries = w.replay(cell.name)
         kinds = [e["kind"] for e in entries]
         for kind in ["cell.create", "exec.start", "exec.exit", "file.write",
-                     "workspace.snapshot", "workspace.apply"]:
+                     "workspace.snapshot", "workspace.snapshot.remove", "workspace.apply"]:
             self.assertIn(kind, kinds)
 
         self.assertEqual(cell.kill().state, "ended")

@@ -251,6 +251,11 @@ class Cell:
     def snapshots(self) -> List[Snapshot]:
         return self._w._run(ops.snapshots(self.name))
 
+    def remove_snapshot(self, snapshot: str) -> None:
+        """Removes a snapshot of this cell (`SNAP` or `CELL@SNAP`); journaled. `NotFound` when
+        there is none of that name; refused while a cell forked from it runs."""
+        self._w._run(ops.remove_snapshot(self.name, snapshot))
+
     def checkpoint(self, name: Optional[str] = None) -> Checkpoint:
         """Saves the cell's memory and workspace (tiers that have memory snapshots: gVisor);
         the cell ends there. `cells.restore(ckpt.id)` brings it back."""
@@ -649,6 +654,9 @@ class AsyncCell:
 
     async def snapshot(self, name: Optional[str] = None) -> Snapshot:
         return await self._w._run(ops.snapshot(self.name, name))
+
+    async def remove_snapshot(self, snapshot: str) -> None:
+        await self._w._run(ops.remove_snapshot(self.name, snapshot))
 
     async def reset(self, to: Optional[str] = None) -> None:
         await self._w._run(ops.reset(self.name, to))

@@ -218,6 +218,11 @@ def snapshots(name: str) -> Op:
     return Op("GET", f"/v1/cells/{seg(name)}/snapshots", parse=list_of(Snapshot))
 
 
+def remove_snapshot(name: str, snapshot: str) -> Op:
+    snapshot_id = snapshot if "@" in snapshot else f"{name}@{snapshot}"
+    return Op("DELETE", f"/v1/snapshots/{seg(snapshot_id)}")
+
+
 def reset(name: str, to: Optional[str]) -> Op:
     return Op("POST", f"/v1/cells/{seg(name)}/reset", json={"to": to} if to else {})
 
