@@ -798,15 +798,7 @@ fn a_quiet_cells_snapshot_and_reset_turn_layers_over_without_copies() {
         true => layer.join("fs"),
         false => layer,
     };
-    let snapshot_layer = |snap: &str| -> std::path::PathBuf {
-        let record = daemon
-            .state()
-            .join("snapshots")
-            .join(format!("{cell}@{snap}"))
-            .join("snapshot.json");
-        let record: Value = serde_json::from_str(&read_file(&record)).unwrap();
-        record["layer"].as_str().unwrap().into()
-    };
+    let snapshot_layer = |snap: &str| snapshot_layer(&daemon, &cell, snap);
     let ino = |path: &std::path::Path| std::fs::symlink_metadata(path).unwrap().ino();
     let written = ino(&layer.join("upper/a.txt"));
 
@@ -915,14 +907,7 @@ fn stacked_snapshots_outlive_their_names_and_their_cell() {
         assert_eq!(exit_of(&events)["code"], 0, "{script}: {events:?}");
         String::from_utf8_lossy(&stream_bytes(&events, "stdout")).into_owned()
     };
-    let snapshot = |name: &str| {
-        let answer = daemon.call(
-            "POST",
-            &format!("/v1/cells/{cell}/snapshot"),
-            Some(json!({ "as": name })),
-        );
-        assert_eq!(answer.status, 201, "{}", answer.text());
-    };
+    let snapshot = |name: &str| snapshot_as(&daemon, &cell, name);
     // Each step changes more than a copy is quicker for.
     let many = |dir: &str| {
         format!("mkdir {dir} && i=0; while [ $i -lt 120 ]; do echo $i > {dir}/$i; i=$((i+1)); done")
@@ -1031,20 +1016,9 @@ fn snapshots_kept_in_a_cells_disk_stop_at_half_of_it() {
         assert_eq!(exit_of(&events)["code"], 0, "{script}: {events:?}");
     };
     let many = "mkdir -p m && i=0; while [ $i -lt 120 ]; do echo $i > m/$i; i=$((i+1)); done";
-    let snapshot = |name: &str| -> std::path::PathBuf {
-        let answer = daemon.call(
-            "POST",
-            &format!("/v1/cells/{cell}/snapshot"),
-            Some(json!({ "as": name })),
-        );
-        assert_eq!(answer.status, 201, "{}", answer.text());
-        let record = daemon
-            .state()
-            .join("snapshots")
-            .join(format!("{cell}@{name}"))
-            .join("snapshot.json");
-        let record: Value = serde_json::from_str(&read_file(&record)).unwrap();
-        record["layer"].as_str().unwrap().into()
+    let snapshot = |name: &str| {
+        snapshot_as(&daemon, &cell, name);
+        snapshot_layer(&daemon, &cell, name)
     };
     // A quarter of the disk: kept in it, not copied.
     write(&format!("head -c 16777216 /dev/urandom > big && {many}"));
@@ -1092,20 +1066,9 @@ fn snapshots_kept_in_a_cells_disk_stop_at_half_of_its_files() {
         .nth(1)
         .and_then(|l| l.trim().parse().ok())
         .expect("df gives the layer's inodes");
-    let snapshot = |name: &str| -> std::path::PathBuf {
-        let answer = daemon.call(
-            "POST",
-            &format!("/v1/cells/{cell}/snapshot"),
-            Some(json!({ "as": name })),
-        );
-        assert_eq!(answer.status, 201, "{}", answer.text());
-        let record = daemon
-            .state()
-            .join("snapshots")
-            .join(format!("{cell}@{name}"))
-            .join("snapshot.json");
-        let record: Value = serde_json::from_str(&read_file(&record)).unwrap();
-        record["layer"].as_str().unwrap().into()
+    let snapshot = |name: &str| {
+        snapshot_as(&daemon, &cell, name);
+        snapshot_layer(&daemon, &cell, name)
     };
     let files = |dir: &str, n: u64| {
         let script = format!("mkdir -p {dir} && cd {dir} && seq {n} | xargs touch");
@@ -1142,12 +1105,7 @@ fn snapshots_are_removed_through_the_daemon_and_journaled() {
             json!({ "argv": ["sh", "-c", format!("echo {file} > {file}")] }),
         );
         assert_eq!(exit_of(&events)["code"], 0, "{events:?}");
-        let answer = daemon.call(
-            "POST",
-            &format!("/v1/cells/{cell}/snapshot"),
-            Some(json!({ "as": snap })),
-        );
-        assert_eq!(answer.status, 201, "{}", answer.text());
+        snapshot_as(&daemon, &cell, snap);
     }
     let listed = |daemon: &Daemon| -> Vec<String> {
         let answer = daemon.call("GET", &format!("/v1/cells/{cell}/snapshots"), None);
@@ -1273,4 +1231,25 @@ fn a_deep_stack_of_snapshots_is_squashed() {
     assert!(reset.status < 300, "{}", reset.text());
     assert_eq!(listed("."), "f host.txt t0 t1 t3 t4 ");
     assert_eq!(run("cat f host.txt"), "4\nhost\n");
+}
+
+/// Takes snapshot `name` of `cell` through the API.
+fn snapshot_as(daemon: &Daemon, cell: &str, name: &str) {
+    let answer = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/snapshot"),
+        Some(json!({ "as": name })),
+    );
+    assert_eq!(answer.status, 201, "{}", answer.text());
+}
+
+/// Where snapshot `CELL@NAME`'s layer is, as its record says.
+fn snapshot_layer(daemon: &Daemon, cell: &str, name: &str) -> std::path::PathBuf {
+    let record = daemon
+        .state()
+        .join("snapshots")
+        .join(format!("{cell}@{name}"))
+        .join("snapshot.json");
+    let record: Value = serde_json::from_str(&read_file(&record)).unwrap();
+    record["layer"].as_str().unwrap().into()
 }
