@@ -68,6 +68,90 @@ fn fork_bomb_is_contained_and_the_host_stays_responsive() {
     assert!(cgroup_dirs_of(&name).is_empty(), "cgroups left behind");
 }
 
+/// The init moves itself into the v1 hierarchies (one thread through `tasks`) and the warden
+/// places it in the v2 ones: either way, every process of the cell is in every directory of
+/// its cgroup, whole, from the start.
+#[test]
+fn every_process_of_a_cell_is_whole_in_each_directory_of_its_cgroup() {
+    if !cgroups_available("every_process_of_a_cell_is_whole_in_each_directory_of_its_cgroup") {
+        return;
+    }
+    let dir = tempdir();
+    let name = unique("member");
+    let policy = policy(dir.path(), "version: 1\nlimits:\n  pids: 64\n  wall: 20s\n");
+    let mut cell = warden()
+        .args(["run", "--name", &name, "--policy", policy.to_str().unwrap()])
+        .args(["--", "sh", "-c", "sleep 30 & exec sleep 30"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let read_ids = |file: std::path::PathBuf| -> std::collections::BTreeSet<u32> {
+        std::fs::read_to_string(&file)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect()
+    };
+    // The init, the shell's background sleep and the sleep the shell became.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let dirs = loop {
+        let dirs = cgroup_dirs_of(&name);
+        if !dirs.is_empty()
+            && dirs
+                .iter()
+                .all(|d| read_ids(d.join("cgroup.procs")).len() >= 3)
+        {
+            break dirs;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the cell's cgroup never held its 3 processes: {dirs:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let procs: Vec<_> = dirs
+        .iter()
+        .map(|d| read_ids(d.join("cgroup.procs")))
+        .collect();
+    assert!(
+        procs.iter().all(|p| *p == procs[0]),
+        "the directories hold different processes: {dirs:?} {procs:?}"
+    );
+    for (dir, procs) in dirs.iter().zip(&procs) {
+        for pid in procs {
+            // Each process's own view: the same directory in that hierarchy.
+            let own = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+            assert!(
+                own.lines().any(|l| l.ends_with(&format!("/{name}"))),
+                "process {pid} listed in {} is not in the cell's cgroup: {own}",
+                dir.display()
+            );
+        }
+        // A v1 directory lists threads too: every thread of each process is in it.
+        if dir.join("tasks").exists() {
+            let tasks = read_ids(dir.join("tasks"));
+            for pid in procs {
+                let threads: std::collections::BTreeSet<u32> =
+                    std::fs::read_dir(format!("/proc/{pid}/task"))
+                        .map(|d| {
+                            d.flatten()
+                                .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                assert!(
+                    threads.is_subset(&tasks),
+                    "threads of {pid} outside {}: {threads:?} vs {tasks:?}",
+                    dir.display()
+                );
+            }
+        }
+    }
+    let _ = Command::new(bin()).args(["kill", &name]).status();
+    let _ = cell.kill();
+    let _ = cell.wait();
+}
+
 #[test]
 fn process_limit_makes_fork_fail_inside() {
     if !cgroups_available("process_limit_makes_fork_fail_inside") {

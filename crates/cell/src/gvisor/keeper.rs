@@ -246,7 +246,7 @@ pub fn keep(
         .stdout(stdout_w)
         .stderr(stderr_w);
     sys::unblock_signals_on_exec(&mut command);
-    sys::join_cgroups_on_exec(&mut command, &cell_cgroup.procs_files())
+    sys::join_cgroups_on_exec(&mut command, &cell_cgroup.join_files())
         .map_err(os("preparing runsc"))?;
     let _copies = sys::arrange_on_exec(&mut command, &[], Some(libc::SIGKILL))
         .map_err(os("preparing runsc"))?;

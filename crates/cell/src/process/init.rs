@@ -41,6 +41,10 @@ const FORWARDED: [Signal; 6] = [
 /// The descriptors the warden hands to the cell's first process.
 #[derive(Debug)]
 pub struct InitFds {
+    /// The `tasks` file of each v1 directory of the cell's cgroup, opened by the warden: the
+    /// init writes `0` into each, first thing, to move itself in (see
+    /// `CellCgroup::join_files`).
+    pub cgroup_joins: Vec<RawFd>,
     pub stdin: RawFd,
     pub stdout: RawFd,
     pub stderr: RawFd,
@@ -160,10 +164,21 @@ fn arrange_fds(fds: &InitFds) -> SetupResult<()> {
 
 fn setup_and_start(plan: &CellPlan, fds: &InitFds) -> SetupResult<Started> {
     let _ = sys::set_parent_death_signal(libc::SIGKILL);
+    // Into the cell's v1 cgroups before anything else, so that nothing this init starts is
+    // born outside them. (Its only thread moves: that is the whole process.)
+    let joined = fds
+        .cgroup_joins
+        .iter()
+        .try_for_each(|fd| sys::write_raw(*fd, b"0"));
+    for fd in &fds.cgroup_joins {
+        sys::close_quietly(*fd);
+    }
     arrange_fds(fds)?;
+    joined.map_err(failed("joining the cell's cgroup"))?;
     // The warden writes our id maps, then (in parallel with the mounts below, because moving a
-    // process between cgroups can wait for an RCU grace period) places us in the cell's cgroup.
-    // Each step is acknowledged with one byte; nothing of the command runs before both.
+    // process into a v2 cgroup can wait for an RCU grace period) places us in the v2 part of
+    // the cell's cgroup, if any. Each step is acknowledged with one byte; nothing of the
+    // command runs before both.
     let mut sync = std::fs::File::from(owned(SYNC_FD));
     wait_for_warden(&mut sync);
     let (sgid, suid) = (

@@ -188,7 +188,46 @@ pub fn run_with(
     for (k, (i, _)) in sources.iter().enumerate() {
         plan.sources[*i] = Some(init::SOURCES_FD + k as i32);
     }
+    // The cell's cgroup is made before its init, which moves itself in through the v1 `tasks`
+    // files opened here, first thing (see `CellCgroup::join_files`: a move of the whole
+    // process from out here would wait for an RCU grace period, 10-15 ms on an idle host).
+    let limits = cgroup::Limits {
+        memory_bytes: policy.limits.memory.map(|m| m.0),
+        pids: policy.limits.pids,
+        cpus: policy.limits.cpus,
+    };
+    let cell_cgroup = match CellCgroup::create(&cgroup::discover(), &name, &limits) {
+        Ok(cg) => Some(cg),
+        Err(err) if !privileged => {
+            notices.push(format!(
+                "no writable cgroup for this user ({err}); memory and process limits fall back to \
+                 per-process rlimits, cpu is not limited, and pause is unavailable"
+            ));
+            None
+        }
+        Err(err) => return Err(err.into()),
+    };
+    let mut guard = CellGuard {
+        cgroup: cell_cgroup.clone(),
+        pid: None,
+    };
+    let cgroup_joins = cell_cgroup
+        .as_ref()
+        .map_or_else(Vec::new, CellCgroup::v1_join_files)
+        .iter()
+        .map(|path| {
+            fs::OpenOptions::new()
+                .write(true)
+                .open(path)
+                .map(std::os::fd::OwnedFd::from)
+                .map_err(|e| RunError::Os {
+                    what: "opening the cell's cgroup",
+                    source: io::Error::other(format!("{}: {e}", path.display())),
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     let fds = InitFds {
+        cgroup_joins: cgroup_joins.iter().map(AsRawFd::as_raw_fd).collect(),
         sources: sources.iter().map(|(_, fd)| fd.as_raw_fd()).collect(),
         exec: exec_channel.as_ref().map(|(_, child)| child.as_raw_fd()),
         gateway: gateway_channel.as_ref().map(|(_, child)| child.as_raw_fd()),
@@ -234,11 +273,17 @@ pub fn run_with(
             return Err(RunError::Namespaces { source });
         }
     };
-    let mut guard = CellGuard {
-        cgroup: None,
-        pid: Some(pid),
-    };
-    drop((stdin_r, stdout_w, stderr_w, sync_r, status_w, tree, sources));
+    guard.pid = Some(pid);
+    drop((
+        stdin_r,
+        stdout_w,
+        stderr_w,
+        sync_r,
+        status_w,
+        tree,
+        sources,
+        cgroup_joins,
+    ));
     let gateway_channel = gateway_channel.map(|(warden_end, _child_end)| warden_end);
     let exec_channel = exec_channel.map(|(warden_end, _child_end)| warden_end);
 
@@ -263,27 +308,11 @@ pub fn run_with(
     // A failed go-ahead means the init ended already: why is on the status pipe (read below).
     let mut go_ahead = sync.write_all(&[init::GO_MAPPED]);
 
-    // While the cell assembles its root, make its cgroup and move it in: moving a process
-    // between cgroups may wait for an RCU grace period, which then overlaps the mounts.
-    let limits = cgroup::Limits {
-        memory_bytes: policy.limits.memory.map(|m| m.0),
-        pids: policy.limits.pids,
-        cpus: policy.limits.cpus,
-    };
-    let cell_cgroup = match CellCgroup::create(&cgroup::discover(), &name, &limits) {
-        Ok(cg) => Some(cg),
-        Err(err) if !privileged => {
-            notices.push(format!(
-                "no writable cgroup for this user ({err}); memory and process limits fall back to \
-                 per-process rlimits, cpu is not limited, and pause is unavailable"
-            ));
-            None
-        }
-        Err(err) => return Err(err.into()),
-    };
-    guard.cgroup = cell_cgroup.clone();
+    // The init moved itself into the v1 directories first thing; the v2 ones (which have no
+    // quick way in) take it here, while it assembles its root: that move may wait for an RCU
+    // grace period, which then overlaps the mounts.
     if let Some(cg) = &cell_cgroup {
-        cg.add(pid.as_raw())?;
+        cg.add_to_v2(pid.as_raw())?;
     }
     reservation.publish(&CellRecord {
         name: name.clone(),

@@ -587,10 +587,22 @@ pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
     }
 }
 
+/// Writes `bytes` to `fd` with one `write(2)` (a cgroup file takes one value per write).
+pub fn write_raw(fd: RawFd, bytes: &[u8]) -> io::Result<()> {
+    // SAFETY: write(2) reads `bytes.len()` bytes of a live slice; a bad `fd` is an error.
+    let written = unsafe { libc::write(fd, bytes.as_ptr().cast(), bytes.len()) };
+    match usize::try_from(written) {
+        Ok(n) if n == bytes.len() => Ok(()),
+        Ok(_) => Err(io::Error::new(io::ErrorKind::WriteZero, "a short write")),
+        Err(_) => Err(io::Error::last_os_error()),
+    }
+}
+
 /// Closes `fd` if it is open; a descriptor slot the caller knows nothing else uses.
 pub fn close_quietly(fd: RawFd) {
-    // SAFETY: only called by the cell's init for its own fixed descriptor slots, which no Rust
-    // object owns; EBADF for a slot that is already closed is ignored.
+    // SAFETY: only called by the cell's init for its own fixed descriptor slots and the
+    // descriptors it inherited from the warden's forked memory, which no Rust object of the
+    // init will drop; EBADF for a slot that is already closed is ignored.
     unsafe {
         libc::close(fd);
     }
@@ -1033,8 +1045,9 @@ pub fn enter_root(dir: &Path) -> io::Result<()> {
     check(unsafe { libc::chdir(c"/".as_ptr()) }.into()).map(drop)
 }
 
-/// Makes `command` join the cgroups whose `cgroup.procs` files are `procs` before it execs, so
-/// that everything it starts is born in them.
+/// Makes `command` join the cgroups through their join files (`CellCgroup::join_files`: `0`
+/// written into each moves the writer) before it execs, so that everything it starts is born
+/// in them. The forked child has one thread, so a v1 `tasks` file moves all of it.
 pub fn join_cgroups_on_exec(
     command: &mut std::process::Command,
     procs: &[std::path::PathBuf],
