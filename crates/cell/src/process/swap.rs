@@ -443,6 +443,7 @@ fn let_go_later(held: OwnedFd) {
             // Nothing of the helper's is kept but the mount and the pipe (its caller reads the
             // helper's report to its end, and others may read its stdio).
             sys::stdio_to_null();
+            sys::run_when_idle();
             let _ = sys::close_except(&[held.as_raw_fd(), gone_r.as_raw_fd()]);
             let mut byte = [0u8; 1];
             // End of file once the helper has ended.
