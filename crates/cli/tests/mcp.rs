@@ -78,6 +78,7 @@ fn assert_journaled(journal: &Path, cell: &str, by: &str) {
         "file.read",
         "file.write",
         "workspace.snapshot",
+        "workspace.snapshot.remove",
         "cell.kill",
         "cell.end",
     ] {

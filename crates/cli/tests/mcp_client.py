@@ -18,8 +18,8 @@ from mcp.client.streamable_http import streamable_http_client
 
 TOOLS = {
     "create_cell", "list_cells", "kill_cell", "exec", "read_file", "write_file", "edit_file",
-    "list_files", "search_files", "diff", "apply", "snapshot", "reset", "fork_cell",
-    "list_approvals", "answer_approval",
+    "list_files", "search_files", "diff", "apply", "snapshot", "list_snapshots",
+    "remove_snapshot", "reset", "fork_cell", "list_approvals", "answer_approval",
 }
 
 POLICY = """version: 1
@@ -133,8 +133,20 @@ async def finish(c, cell):
     check(not r.is_error, "fork_cell", r)
     r = await c.call_tool("read_file", {"cell": f"{cell}-fork", "path": "new.txt"})
     check(not r.is_error and r.content[0].text == "alpha\ngamma\n", "the fork has the files", r)
+    r = await c.call_tool("remove_snapshot", {"snapshot": f"{cell}@s1"})
+    check(r.is_error and "base of" in r.content[0].text, "a fork's base is not removed", r)
     r = await c.call_tool("kill_cell", {"cell": f"{cell}-fork", "delete": True})
     check(not r.is_error, "kill the fork", r)
+    r = await c.call_tool("list_snapshots", {"cell": cell})
+    ids = [s["id"] for s in r.structured_content["snapshots"]]
+    check(not r.is_error and f"{cell}@s1" in ids, f"list_snapshots: {ids}", r)
+    r = await c.call_tool("remove_snapshot", {"snapshot": f"{cell}@s1"})
+    check(not r.is_error and r.structured_content["removed"] == f"{cell}@s1", "remove_snapshot", r)
+    r = await c.call_tool("list_snapshots", {"cell": cell})
+    ids = [s["id"] for s in r.structured_content["snapshots"]]
+    check(f"{cell}@s1" not in ids, f"the removed snapshot is still listed: {ids}", r)
+    r = await c.call_tool("remove_snapshot", {"snapshot": f"{cell}@s1"})
+    check(r.is_error and "no snapshot" in r.content[0].text, "a removed snapshot again", r)
     r = await c.call_tool("kill_cell", {"cell": cell})
     check(not r.is_error and r.structured_content["state"] == "ended", "kill_cell", r)
     r = await c.call_tool("list_cells", {})

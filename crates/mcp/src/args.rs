@@ -157,6 +157,13 @@ pub struct SnapshotArgs {
 
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+pub struct SnapshotId {
+    /// The snapshot, `CELL@NAME` (as `snapshot` or `list_snapshots` gave it).
+    pub snapshot: String,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct ResetArgs {
     /// The cell's name.
     pub cell: String,

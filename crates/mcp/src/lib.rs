@@ -447,6 +447,45 @@ goes back to it; `fork_cell` starts a new cell from it."
     }
 
     #[tool(
+        description = "List a cell's snapshots (`CELL@NAME`), oldest first, with the bytes of \
+file data each holds."
+    )]
+    async fn list_snapshots(&self, Parameters(args): Parameters<CellArg>) -> ToolResult {
+        Ok(match self.harness.snapshots(&args.cell) {
+            Ok(snapshots) => {
+                let text = if snapshots.is_empty() {
+                    format!("cell `{}` has no snapshots", args.cell)
+                } else {
+                    snapshots
+                        .iter()
+                        .map(|s| match s.size {
+                            Some(size) => format!("{} ({size} bytes)", s.id),
+                            None => format!("{} (size being counted)", s.id),
+                        })
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                };
+                answer(&json!({ "snapshots": snapshots }), text)
+            }
+            Err(err) => failed(err),
+        })
+    }
+
+    #[tool(
+        description = "Remove a snapshot (`CELL@NAME`) and the disk it takes. Refused while a \
+cell was forked from it and still keeps its files."
+    )]
+    async fn remove_snapshot(&self, Parameters(args): Parameters<SnapshotId>) -> ToolResult {
+        Ok(match self.harness.remove_snapshot(&args.snapshot).await {
+            Ok(()) => answer(
+                &json!({ "removed": args.snapshot }),
+                format!("removed {}", args.snapshot),
+            ),
+            Err(err) => failed(err),
+        })
+    }
+
+    #[tool(
         description = "Put a cell's workspace back as it was at a snapshot (default: as it was at \
 the cell's start). Its processes keep running; files they hold open may be stale."
     )]
