@@ -2,7 +2,9 @@
 //! project's registry, run here on loopback with its own storage): an image built in the test
 //! from host files is pushed through the registry's HTTP API, pulled by tag under an index of
 //! two platforms, and run as a cell; a registry whose stored layer was changed behind its back,
-//! a platform the image lacks and a tag that does not exist are refused, with nothing kept.
+//! a platform the image lacks and a tag that does not exist are refused, with nothing kept. A
+//! front of the test's own puts the registry behind a token service, to pull through the
+//! `Bearer` sign-in, and answers a manifest or a token without end, to be cut off.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed step is a failed test
 
 mod support;
@@ -511,6 +513,203 @@ fn an_endless_manifest_is_cut_off() {
     );
     assert!(started.elapsed() < Duration::from_secs(30));
     // It stopped reading near the limit (what the socket buffers held besides).
+    let read = sent.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        read < 64 << 20,
+        "{read} bytes were sent before the pull stopped"
+    );
+    assert!(store_entries(&state).iter().all(|e| !e.contains(".pull-")));
+}
+
+/// What the sign-in front answers at its token endpoint.
+#[derive(Clone, Copy)]
+enum TokenAnswer {
+    /// `{"token": "granted-token"}`.
+    Granted,
+    /// A chunked body without end.
+    Endless,
+}
+
+/// A front of the test's own before `registry` that asks for a bearer token, as a registry
+/// behind a token service does: `GET /v2/` and every request without `Bearer granted-token`
+/// get 401 with a `Bearer` challenge naming its `/token` endpoint; the others are passed to the
+/// registry. Returns its address, the request heads it saw, and the bytes of token answer
+/// it sent.
+fn bearer_front(
+    registry_port: u16,
+    answer: TokenAnswer,
+) -> (
+    String,
+    std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    std::sync::Arc<std::sync::atomic::AtomicU64>,
+) {
+    use std::sync::atomic::Ordering;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sent = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let (heads, counter, realm) = (seen.clone(), sent.clone(), address.clone());
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            let (heads, counter, realm) = (heads.clone(), counter.clone(), realm.clone());
+            std::thread::spawn(move || {
+                let mut conn = conn;
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") {
+                    match conn.read(&mut byte) {
+                        Ok(1) => head.push(byte[0]),
+                        _ => return,
+                    }
+                }
+                let text = String::from_utf8_lossy(&head).into_owned();
+                heads.lock().unwrap().push(text.clone());
+                let line = text.lines().next().unwrap_or("").to_owned();
+                if line.starts_with("GET /token?") {
+                    match answer {
+                        TokenAnswer::Granted => {
+                            let body = br#"{"token":"granted-token","expires_in":300}"#;
+                            let _ = conn.write_all(
+                                format!(
+                                    "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                                    body.len()
+                                )
+                                .as_bytes(),
+                            );
+                            let _ = conn.write_all(body);
+                        }
+                        TokenAnswer::Endless => {
+                            let _ = conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n");
+                            let chunk = format!("10000\r\n{}\r\n", " ".repeat(0x10000));
+                            while conn.write_all(chunk.as_bytes()).is_ok() {
+                                counter.fetch_add(0x10000, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                    return;
+                }
+                let signed = text
+                    .lines()
+                    .any(|l| l.eq_ignore_ascii_case("authorization: bearer granted-token"));
+                if line.starts_with("GET /v2/ ") || !signed {
+                    let _ = conn.write_all(
+                        format!(
+                            "HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer realm=\"http://{realm}/token\",service=\"test \\\"front\\\"\"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                        )
+                        .as_bytes(),
+                    );
+                    return;
+                }
+                // Passed on as it came, but for the connection, which ends with the answer.
+                let Ok(mut upstream) = TcpStream::connect(("127.0.0.1", registry_port)) else {
+                    return;
+                };
+                let passed: String = text
+                    .split_inclusive("\r\n")
+                    .filter(|l| !l.to_ascii_lowercase().starts_with("connection:"))
+                    .collect::<String>()
+                    .replacen("\r\n", "\r\nConnection: close\r\n", 1);
+                let _ = upstream.write_all(passed.as_bytes());
+                let _ = std::io::copy(&mut upstream, &mut conn);
+            });
+        }
+    });
+    (address, seen, sent)
+}
+
+/// A registry behind a token service: the pull signs in at the challenge's realm with the
+/// login, for the repository's pull scope, and sends the token with every manifest and blob
+/// request. A realm that answers without end is cut off at the size a token answer may be.
+#[test]
+fn a_registry_behind_a_token_service_is_pulled_with_its_token_and_an_endless_answer_is_cut_off() {
+    let dir = tempdir();
+    let registry = Registry::start(dir.path());
+    let state = dir.path().join("state");
+    let pushed = registry.push_image(
+        "team/tool",
+        &[shell_layer(b"behind a token\n")],
+        host_arch(),
+    );
+    let index = json!({ "schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [pushed] });
+    registry.push_manifest("team/tool", "2", OCI_INDEX, &index);
+
+    let (front, seen, _) = bearer_front(registry.port, TokenAnswer::Granted);
+    let reference = format!("{front}/team/tool:2");
+    let pulled = warden_in(&state)
+        .args(["image", "pull", "--insecure-registry", &front, "--json"])
+        .arg(&reference)
+        .env("WARDEN_REGISTRY_USER", "ci")
+        .env("WARDEN_REGISTRY_PASSWORD", "s3cret")
+        .output()
+        .unwrap();
+    assert!(
+        pulled.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&pulled.stdout),
+        String::from_utf8_lossy(&pulled.stderr)
+    );
+    let heads = seen.lock().unwrap().clone();
+    let token_asks: Vec<&String> = heads
+        .iter()
+        .filter(|h| h.starts_with("GET /token?"))
+        .collect();
+    assert_eq!(token_asks.len(), 1, "one sign-in: {heads:?}");
+    let ask = token_asks[0];
+    assert!(
+        ask.contains("scope=repository%3Ateam%2Ftool%3Apull")
+            && ask.contains("service=test+%22front%22"),
+        "{ask}"
+    );
+    // The login goes to the realm, as HTTP Basic (ci:s3cret).
+    assert!(
+        ask.lines()
+            .any(|l| l.eq_ignore_ascii_case("authorization: basic Y2k6czNjcmV0")),
+        "{ask}"
+    );
+    // Manifest, configuration and layer, each with the token.
+    let fetches: Vec<&String> = heads
+        .iter()
+        .filter(|h| h.starts_with("GET /v2/team/tool/"))
+        .collect();
+    assert!(fetches.len() >= 3, "{heads:?}");
+    assert!(
+        fetches.iter().all(|h| h.contains("granted-token")),
+        "a request without the token: {fetches:?}"
+    );
+    let policy = policy(dir.path(), &format!("version: 1\nimage: \"{reference}\"\n"));
+    let ran = warden_in(&state)
+        .arg("run")
+        .arg("--policy")
+        .arg(&policy)
+        .args([
+            "--",
+            "/bin/sh",
+            "-c",
+            "while read -r l; do echo \"$l\"; done < /etc/note",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&ran.stdout),
+        "behind a token\n",
+        "{ran:?}"
+    );
+
+    // A realm that never stops answering.
+    let (front, _, sent) = bearer_front(registry.port, TokenAnswer::Endless);
+    let started = Instant::now();
+    let refused = warden_in(&state)
+        .args(["image", "pull", "--insecure-registry", &front])
+        .arg(format!("{front}/team/tool:2"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success());
+    assert!(
+        err.contains("signing in") && err.contains("more than the 65536 bytes"),
+        "{err}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(30));
     let read = sent.load(std::sync::atomic::Ordering::Relaxed);
     assert!(
         read < 64 << 20,

@@ -1,23 +1,23 @@
-//! `warden image pull REF`: an image fetched from a registry (the OCI distribution API, through
-//! the `oci-client` crate: token handshakes, the registry's own redirects) into a staging OCI
-//! image layout, then imported from it like any other layout, so that every check of an import
-//! holds for a pull as well: each blob against its digest (the manifest's too), each layer
+//! `warden image pull REF`: an image fetched from a registry (the OCI distribution API: the
+//! token handshake, manifests, blobs and the registry's redirects of them, spoken with reqwest;
+//! references parsed by the `oci-client` crate) into a staging OCI image layout, then imported
+//! from it like any other layout, so that every check of an import holds for a pull as well: each blob against its digest (the manifest's too), each layer
 //! against its configuration's diff id, every entry of every layer (see `extract`).
 //!
 //! An index (a multi-platform image) is resolved here to the manifest for linux on this
 //! machine's architecture, or for the platform asked; only that manifest, its configuration
 //! and its layers are fetched. A blob the registry sends longer than its descriptor says is cut
-//! off and refused. Nothing is kept of a pull that fails.
+//! off and refused; so is a manifest past 4 MiB and a sign-in answer past 64 KiB, as they
+//! stream: a registry cannot make the warden read without end. Nothing is kept of a pull that
+//! fails.
 
 use std::path::Path;
 
-use oci_client::client::{ClientConfig, ClientProtocol};
+use oci_client::Reference;
 use oci_client::manifest::{
     IMAGE_MANIFEST_LIST_MEDIA_TYPE, IMAGE_MANIFEST_MEDIA_TYPE, OCI_IMAGE_INDEX_MEDIA_TYPE,
     OCI_IMAGE_MEDIA_TYPE,
 };
-use oci_client::secrets::RegistryAuth;
-use oci_client::{Client, Reference, RegistryOperation};
 use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt as _;
 
@@ -27,6 +27,8 @@ use crate::{Image, ImageError, Store};
 const MANIFEST_LIMIT: usize = 4 << 20;
 /// The most bytes of an image's configuration.
 const CONFIG_LIMIT: u64 = 8 << 20;
+/// The most bytes of a sign-in answer (a token in a small JSON document).
+const TOKEN_LIMIT: usize = 64 << 10;
 
 /// How to reach the registry.
 #[derive(Debug, Clone, Default)]
@@ -169,18 +171,6 @@ struct Fetched {
     bytes: u64,
 }
 
-fn registry_error(
-    reference: &Reference,
-    what: &str,
-    e: oci_client::errors::OciDistributionError,
-) -> ImageError {
-    ImageError::Format(format!(
-        "pulling {} from {}: {what}: {e}",
-        reference.whole(),
-        reference.resolve_registry()
-    ))
-}
-
 async fn fetch(
     reference: &Reference,
     platform: &Platform,
@@ -189,20 +179,6 @@ async fn fetch(
 ) -> Result<Fetched, ImageError> {
     // One process-wide TLS provider; another part of the warden may have set it already.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let client = Client::new(ClientConfig {
-        protocol: if options.insecure.is_empty() {
-            ClientProtocol::Https
-        } else {
-            ClientProtocol::HttpsExcept(options.insecure.clone())
-        },
-        connect_timeout: Some(std::time::Duration::from_secs(15)),
-        read_timeout: Some(std::time::Duration::from_secs(120)),
-        ..Default::default()
-    });
-    let auth = match &options.login {
-        Some((user, password)) => RegistryAuth::Basic(user.clone(), password.clone()),
-        None => RegistryAuth::Anonymous,
-    };
     let accepted = [
         OCI_IMAGE_INDEX_MEDIA_TYPE,
         IMAGE_MANIFEST_LIST_MEDIA_TYPE,
@@ -211,15 +187,12 @@ async fn fetch(
     ];
     let mut fetched = 0u64;
     let mut target = reference.clone();
-    // The token for the repository (none where the registry asks for none): manifests are read
-    // here, not by the client, so that one can be cut off at the size a manifest may be.
-    let token = client
-        .auth(reference, &auth, RegistryOperation::Pull)
-        .await
-        .map_err(|e| registry_error(reference, "signing in", e))?;
+    // Redirects (of blobs, to a store of the registry's) are followed, at most 10, and carry
+    // no credentials to another host.
     let http = reqwest::Client::builder()
         .connect_timeout(std::time::Duration::from_secs(15))
         .read_timeout(std::time::Duration::from_secs(60))
+        .redirect(reqwest::redirect::Policy::limited(10))
         .build()
         .map_err(|e| ImageError::Format(format!("making the registry's client: {e}")))?;
     let scheme = if options
@@ -231,19 +204,23 @@ async fn fetch(
     } else {
         "https"
     };
+    let registry = Registry {
+        http,
+        base: format!("{scheme}://{}", reference.resolve_registry()),
+        auth: Auth::None,
+    };
+    let registry = Registry {
+        auth: sign_in(&registry, reference, options.login.as_ref()).await?,
+        ..registry
+    };
     let (raw, digest, document) = loop {
         let url = format!(
-            "{scheme}://{}/v2/{}/manifests/{}",
-            reference.resolve_registry(),
+            "{}/v2/{}/manifests/{}",
+            registry.base,
             reference.repository(),
             target.digest().or(target.tag()).unwrap_or("latest")
         );
-        let mut request = http.get(&url).header("Accept", accepted.join(", "));
-        request = match (&token, &options.login) {
-            (Some(token), _) => request.bearer_auth(token),
-            (None, Some((user, password))) => request.basic_auth(user, Some(password)),
-            (None, None) => request,
-        };
+        let request = registry.get(&url).header("Accept", accepted.join(", "));
         let raw = read_manifest(request, reference, &url).await?;
         let digest = format!(
             "sha256:{}",
@@ -336,12 +313,7 @@ async fn fetch(
             0 => "its configuration".to_owned(),
             n => format!("layer {n} ({})", blob.digest),
         };
-        fetched += pull_blob(&client, &target, blob, dir, &what)
-            .await
-            .map_err(|e| match e {
-                Failed::Registry(e) => registry_error(reference, &what, e),
-                Failed::Local(e) => e,
-            })?;
+        fetched += pull_blob(&registry, &target, blob, dir, &what).await?;
     }
     let tag = reference.tag().unwrap_or("latest");
     let index = json!({
@@ -365,6 +337,193 @@ async fn fetch(
     })
 }
 
+/// How the warden signs its requests to the registry.
+#[derive(Debug, Clone)]
+enum Auth {
+    None,
+    Basic(String, String),
+    Bearer(String),
+}
+
+/// A registry, and how to ask it.
+struct Registry {
+    http: reqwest::Client,
+    /// `SCHEME://HOST[:PORT]`.
+    base: String,
+    auth: Auth,
+}
+
+impl Registry {
+    /// A GET signed for the registry (the client drops the credentials on a redirect to
+    /// another host).
+    fn get(&self, url: &str) -> reqwest::RequestBuilder {
+        let request = self.http.get(url);
+        match &self.auth {
+            Auth::None => request,
+            Auth::Basic(user, password) => request.basic_auth(user, Some(password)),
+            Auth::Bearer(token) => request.bearer_auth(token),
+        }
+    }
+}
+
+/// How to sign in for pulling `reference`, as the registry's `GET /v2/` says: nothing when it
+/// asks for nothing; the login as HTTP Basic when it asks for that; else (a `Bearer` challenge)
+/// a token from the challenge's realm, asked with the login if there is one, for the scope
+/// `repository:REPO:pull`. The realm's answer is read up to [`TOKEN_LIMIT`] bytes.
+async fn sign_in(
+    registry: &Registry,
+    reference: &Reference,
+    login: Option<&(String, String)>,
+) -> Result<Auth, ImageError> {
+    let fail = |what: String| {
+        ImageError::Format(format!(
+            "pulling {} from {}: signing in: {what}",
+            reference.whole(),
+            reference.resolve_registry()
+        ))
+    };
+    let url = format!("{}/v2/", registry.base);
+    // Its body is not read.
+    let answer = registry
+        .http
+        .get(&url)
+        .send()
+        .await
+        .map_err(|e| fail(format!("{url}: {e}")))?;
+    let basic = || match login {
+        Some((user, password)) => Auth::Basic(user.clone(), password.clone()),
+        None => Auth::None,
+    };
+    if answer.status() != reqwest::StatusCode::UNAUTHORIZED {
+        return Ok(basic());
+    }
+    let challenge = answer
+        .headers()
+        .get_all(reqwest::header::WWW_AUTHENTICATE)
+        .iter()
+        .filter_map(|h| h.to_str().ok())
+        .find_map(bearer_challenge);
+    drop(answer);
+    let Some(challenge) = challenge else {
+        return Ok(basic());
+    };
+    let Some(realm) = challenge.get("realm") else {
+        return Err(fail(
+            "the registry's Bearer challenge names no realm".to_owned(),
+        ));
+    };
+    let mut realm = reqwest::Url::parse(realm)
+        .map_err(|e| fail(format!("the registry's sign-in address {realm:?}: {e}")))?;
+    if !matches!(realm.scheme(), "https" | "http") {
+        return Err(fail(format!(
+            "the registry's sign-in address {realm} is not HTTP(S)"
+        )));
+    }
+    {
+        let mut query = realm.query_pairs_mut();
+        query.append_pair(
+            "scope",
+            &format!("repository:{}:pull", reference.repository()),
+        );
+        if let Some(service) = challenge.get("service") {
+            query.append_pair("service", service);
+        }
+    }
+    let mut request = registry.http.get(realm.clone());
+    if let Some((user, password)) = login {
+        request = request.basic_auth(user, Some(password));
+    }
+    let response = request
+        .send()
+        .await
+        .map_err(|e| fail(format!("{realm}: {e}")))?;
+    let status = response.status();
+    let body = read_bounded(response, TOKEN_LIMIT)
+        .await
+        .map_err(|e| fail(format!("{realm}: {e}")))?;
+    if !status.is_success() {
+        let said = String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned();
+        return Err(fail(format!(
+            "{realm} answered {status}{}: {said}",
+            if login.is_none() {
+                " (a private image needs WARDEN_REGISTRY_USER and WARDEN_REGISTRY_PASSWORD)"
+            } else {
+                ""
+            }
+        )));
+    }
+    let document: Value = serde_json::from_slice(&body)
+        .map_err(|e| fail(format!("{realm} answered what is not JSON: {e}")))?;
+    match document["token"]
+        .as_str()
+        .or(document["access_token"].as_str())
+    {
+        Some(token) if !token.is_empty() => Ok(Auth::Bearer(token.to_owned())),
+        _ => Err(fail(format!("{realm} answered no token"))),
+    }
+}
+
+/// The parameters of a `Bearer` challenge (`Bearer realm="...",service="...",scope="..."`);
+/// `None` for a challenge of another scheme.
+fn bearer_challenge(header: &str) -> Option<std::collections::HashMap<String, String>> {
+    let (scheme, rest) = header.trim().split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return None;
+    }
+    let mut params = std::collections::HashMap::new();
+    let mut rest = rest.trim_start();
+    while !rest.is_empty() {
+        let (key, after) = rest.split_once('=')?;
+        let key = key.trim().to_ascii_lowercase();
+        let (value, after) = match after.strip_prefix('"') {
+            Some(quoted) => {
+                // A quoted string, with backslash escapes.
+                let mut value = String::new();
+                let mut chars = quoted.char_indices();
+                let mut end = None;
+                while let Some((i, c)) = chars.next() {
+                    match c {
+                        '\\' => value.extend(chars.next().map(|(_, c)| c)),
+                        '"' => {
+                            end = Some(i + 1);
+                            break;
+                        }
+                        c => value.push(c),
+                    }
+                }
+                (value, &quoted[end?..])
+            }
+            None => {
+                let end = after.find(',').unwrap_or(after.len());
+                (after[..end].trim().to_owned(), &after[end..])
+            }
+        };
+        params.insert(key, value);
+        rest = after.trim_start().trim_start_matches(',').trim_start();
+    }
+    Some(params)
+}
+
+/// A response's body, refused once it passes `limit` bytes (announced or sent) without
+/// reading further.
+async fn read_bounded(response: reqwest::Response, limit: usize) -> Result<Vec<u8>, String> {
+    use futures_util::StreamExt as _;
+    let too_large = || format!("the answer is more than the {limit} bytes it may be");
+    if response.content_length().is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    let mut body = Vec::new();
+    let mut stream = response.bytes_stream();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| e.to_string())?;
+        if body.len() + chunk.len() > limit {
+            return Err(too_large());
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
+}
+
 /// A manifest's bytes as the registry sends them, refused past [`MANIFEST_LIMIT`] without
 /// reading further.
 async fn read_manifest(
@@ -372,37 +531,25 @@ async fn read_manifest(
     reference: &Reference,
     url: &str,
 ) -> Result<Vec<u8>, ImageError> {
-    use futures_util::StreamExt as _;
-    let failed = |e: reqwest::Error| {
+    let failed = |e: String| {
         ImageError::Format(format!(
             "pulling {} from {}: its manifest ({url}): {e}",
             reference.whole(),
             reference.resolve_registry()
         ))
     };
-    let response = request.send().await.map_err(failed)?;
+    let response = request.send().await.map_err(|e| failed(e.to_string()))?;
     let status = response.status();
-    let too_large = || {
-        ImageError::Format(format!(
-            "the registry's manifest for {} is more than the {MANIFEST_LIMIT} bytes a manifest may be",
-            reference.whole()
-        ))
-    };
-    if response
-        .content_length()
-        .is_some_and(|n| n > MANIFEST_LIMIT as u64)
-    {
-        return Err(too_large());
-    }
-    let mut body = Vec::new();
-    let mut stream = response.bytes_stream();
-    while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(failed)?;
-        if body.len() + chunk.len() > MANIFEST_LIMIT {
-            return Err(too_large());
+    let body = read_bounded(response, MANIFEST_LIMIT).await.map_err(|e| {
+        if e.starts_with("the answer is more than") {
+            ImageError::Format(format!(
+                "the registry's manifest for {} is more than the {MANIFEST_LIMIT} bytes a manifest may be",
+                reference.whole()
+            ))
+        } else {
+            failed(e)
         }
-        body.extend_from_slice(&chunk);
-    }
+    })?;
     if !status.is_success() {
         let said = String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned();
         let hint = match status.as_u16() {
@@ -425,7 +572,6 @@ async fn read_manifest(
 struct Blob {
     digest: String,
     size: u64,
-    media_type: String,
 }
 
 fn descriptor(value: &Value, what: &str) -> Result<Blob, ImageError> {
@@ -438,80 +584,90 @@ fn descriptor(value: &Value, what: &str) -> Result<Blob, ImageError> {
     Ok(Blob {
         digest: digest.to_owned(),
         size: value["size"].as_u64().unwrap_or(0),
-        media_type: value["mediaType"].as_str().unwrap_or_default().to_owned(),
     })
-}
-
-enum Failed {
-    Registry(oci_client::errors::OciDistributionError),
-    Local(ImageError),
 }
 
 /// Streams one blob into the layout, refusing more bytes than its descriptor names; returns
 /// the bytes written.
 async fn pull_blob(
-    client: &Client,
+    registry: &Registry,
     reference: &Reference,
     blob: &Blob,
     dir: &Path,
     what: &str,
-) -> Result<u64, Failed> {
+) -> Result<u64, ImageError> {
     use futures_util::StreamExt as _;
     let hex = crate::sha256_hex(&blob.digest).unwrap_or_default();
     let path = dir.join("blobs").join("sha256").join(hex);
-    let descriptor = oci_client::manifest::OciDescriptor {
-        media_type: blob.media_type.clone(),
-        digest: blob.digest.clone(),
-        size: blob.size as i64,
-        ..Default::default()
+    let url = format!(
+        "{}/v2/{}/blobs/{}",
+        registry.base,
+        reference.repository(),
+        blob.digest
+    );
+    let failed = |e: String| {
+        ImageError::Format(format!(
+            "pulling {} from {}: {what}: {e}",
+            reference.whole(),
+            reference.resolve_registry()
+        ))
     };
-    let mut stream = client
-        .pull_blob_stream(reference, &descriptor)
+    let response = registry
+        .get(&url)
+        .send()
         .await
-        .map_err(Failed::Registry)?;
-    if let Some(length) = stream.content_length.filter(|n| *n > blob.size) {
-        return Err(Failed::Local(ImageError::Format(format!(
+        .map_err(|e| failed(e.to_string()))?;
+    let status = response.status();
+    if !status.is_success() {
+        let said = read_bounded(response, 512)
+            .await
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default();
+        return Err(failed(format!("the registry answered {status}: {said}")));
+    }
+    if let Some(length) = response.content_length().filter(|n| *n > blob.size) {
+        return Err(ImageError::Format(format!(
             "the registry announces {length} bytes of {what}, more than the {} its manifest names",
             blob.size
-        ))));
+        )));
     }
+    let mut stream = response.bytes_stream();
     let mut file = tokio::fs::File::create(&path)
         .await
-        .map_err(|e| Failed::Local(ImageError::io("writing a pulled blob", &path, e)))?;
+        .map_err(|e| ImageError::io("writing a pulled blob", &path, e))?;
     let mut written = 0u64;
     let mut hashing = <sha2::Sha256 as sha2::Digest>::new();
     while let Some(chunk) = stream.next().await {
-        let chunk = chunk
-            .map_err(|e| Failed::Local(ImageError::Format(format!("receiving {what}: {e}"))))?;
+        let chunk = chunk.map_err(|e| ImageError::Format(format!("receiving {what}: {e}")))?;
         written += chunk.len() as u64;
         if written > blob.size {
-            return Err(Failed::Local(ImageError::Format(format!(
+            return Err(ImageError::Format(format!(
                 "the registry sent more of {what} than the {} bytes its manifest names",
                 blob.size
-            ))));
+            )));
         }
         sha2::Digest::update(&mut hashing, &chunk);
         file.write_all(&chunk)
             .await
-            .map_err(|e| Failed::Local(ImageError::io("writing a pulled blob", &path, e)))?;
+            .map_err(|e| ImageError::io("writing a pulled blob", &path, e))?;
     }
     file.flush()
         .await
-        .map_err(|e| Failed::Local(ImageError::io("writing a pulled blob", &path, e)))?;
+        .map_err(|e| ImageError::io("writing a pulled blob", &path, e))?;
     if written != blob.size {
-        return Err(Failed::Local(ImageError::Format(format!(
+        return Err(ImageError::Format(format!(
             "the registry sent {written} bytes of {what}, not the {} its manifest names",
             blob.size
-        ))));
+        )));
     }
     // Checked here, before anything is unpacked (the import checks it again).
     let got = format!("sha256:{}", hex::encode(sha2::Digest::finalize(hashing)));
     if got != blob.digest {
-        return Err(Failed::Local(ImageError::Digest {
+        return Err(ImageError::Digest {
             what: format!("{what}, as the registry sent it,"),
             expected: blob.digest.clone(),
             got,
-        }));
+        });
     }
     Ok(written)
 }
