@@ -414,9 +414,17 @@ async fn sign_in(
     };
     let mut realm = reqwest::Url::parse(realm)
         .map_err(|e| fail(format!("the registry's sign-in address {realm:?}: {e}")))?;
-    if !matches!(realm.scheme(), "https" | "http") {
+    // Plain HTTP only for a registry spoken to in plain HTTP (`--insecure-registry`): an HTTPS
+    // registry may not send the login, or the token, over the clear.
+    let plain_allowed = registry.base.starts_with("http://");
+    if !(realm.scheme() == "https" || (realm.scheme() == "http" && plain_allowed)) {
         return Err(fail(format!(
-            "the registry's sign-in address {realm} is not HTTP(S)"
+            "the registry sends the sign-in to {realm}, which is not HTTPS{}",
+            if realm.scheme() == "http" {
+                " (only a registry named with --insecure-registry may)"
+            } else {
+                ""
+            }
         )));
     }
     {
@@ -683,4 +691,23 @@ fn write_blob(dir: &Path, digest: &str, bytes: &[u8]) -> Result<(), ImageError> 
 
 fn write_file(path: &Path, bytes: &[u8]) -> Result<(), ImageError> {
     std::fs::write(path, bytes).map_err(|e| ImageError::io("writing the pulled layout", path, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bearer_challenge;
+
+    #[test]
+    fn a_bearer_challenge_is_read_with_its_quoted_parameters() {
+        let c = bearer_challenge(
+            r#"Bearer realm="https://auth.example/token",service="reg, \"one\"",scope=repository:a/b:pull"#,
+        )
+        .unwrap();
+        assert_eq!(c["realm"], "https://auth.example/token");
+        assert_eq!(c["service"], r#"reg, "one""#);
+        assert_eq!(c["scope"], "repository:a/b:pull");
+        assert!(bearer_challenge(r#"Basic realm="registry""#).is_none());
+        // An unterminated quote is no challenge at all.
+        assert!(bearer_challenge(r#"Bearer realm="https://auth.example"#).is_none());
+    }
 }
