@@ -301,19 +301,12 @@ fn an_image_pulled_from_a_registry_runs_as_a_cell_and_a_changed_blob_is_refused(
     );
     assert_eq!(pulled["image"]["layers"].as_array().unwrap().len(), 1);
 
-    let policy = policy(dir.path(), &format!("version: 1\nimage: \"{reference}\"\n"));
-    let ran = warden_in(&state)
-        .arg("run")
-        .arg("--policy")
-        .arg(&policy)
-        .args([
-            "--",
-            "/bin/sh",
-            "-c",
-            "while read -r l; do echo \"$l\"; done < /etc/note; echo \"greeting=$GREETING\"",
-        ])
-        .output()
-        .unwrap();
+    let ran = run_in_image(
+        &state,
+        dir.path(),
+        &reference,
+        "while read -r l; do echo \"$l\"; done < /etc/note; echo \"greeting=$GREETING\"",
+    );
     let out = String::from_utf8_lossy(&ran.stdout);
     assert!(
         ran.status.success(),
@@ -465,30 +458,17 @@ fn an_endless_manifest_is_cut_off() {
             let counter = counter.clone();
             std::thread::spawn(move || {
                 let mut conn = conn;
-                let mut head = Vec::new();
-                let mut byte = [0u8; 1];
-                while !head.ends_with(b"\r\n\r\n") {
-                    match conn.read(&mut byte) {
-                        Ok(1) => head.push(byte[0]),
-                        _ => return,
-                    }
-                }
-                let line = String::from_utf8_lossy(&head)
-                    .lines()
-                    .next()
-                    .unwrap_or("")
-                    .to_owned();
+                let Some(head) = read_head(&mut conn) else {
+                    return;
+                };
+                let line = head.lines().next().unwrap_or("").to_owned();
                 if line.starts_with("GET /v2/ ") {
                     let _ = conn.write_all(
                         b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
                     );
                     return;
                 }
-                let _ = conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/vnd.oci.image.manifest.v1+json\r\nTransfer-Encoding: chunked\r\n\r\n");
-                let chunk = format!("10000\r\n{}\r\n", " ".repeat(0x10000));
-                while conn.write_all(chunk.as_bytes()).is_ok() {
-                    counter.fetch_add(0x10000, std::sync::atomic::Ordering::Relaxed);
-                }
+                send_endless(&mut conn, OCI_MANIFEST, &counter);
             });
         }
     });
@@ -521,6 +501,46 @@ fn an_endless_manifest_is_cut_off() {
     assert!(store_entries(&state).iter().all(|e| !e.contains(".pull-")));
 }
 
+/// A request's head, read byte by byte up to its blank line (`None`: the client went away).
+fn read_head(conn: &mut TcpStream) -> Option<String> {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        match conn.read(&mut byte) {
+            Ok(1) => head.push(byte[0]),
+            _ => return None,
+        }
+    }
+    Some(String::from_utf8_lossy(&head).into_owned())
+}
+
+/// Answers 200 with a chunked body of `content_type` that never ends (until the client hangs
+/// up), counting the bytes sent into `counter`.
+fn send_endless(conn: &mut TcpStream, content_type: &str, counter: &std::sync::atomic::AtomicU64) {
+    let _ = conn.write_all(
+        format!(
+            "HTTP/1.1 200 OK\r\nContent-Type: {content_type}\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        .as_bytes(),
+    );
+    let chunk = format!("10000\r\n{}\r\n", " ".repeat(0x10000));
+    while conn.write_all(chunk.as_bytes()).is_ok() {
+        counter.fetch_add(0x10000, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Runs `script` with `/bin/sh` in a cell on image `reference`.
+fn run_in_image(state: &Path, dir: &Path, reference: &str, script: &str) -> std::process::Output {
+    let policy = policy(dir, &format!("version: 1\nimage: \"{reference}\"\n"));
+    warden_in(state)
+        .arg("run")
+        .arg("--policy")
+        .arg(&policy)
+        .args(["--", "/bin/sh", "-c", script])
+        .output()
+        .unwrap()
+}
+
 /// What the sign-in front answers at its token endpoint.
 #[derive(Clone, Copy)]
 enum TokenAnswer {
@@ -543,7 +563,6 @@ fn bearer_front(
     std::sync::Arc<std::sync::Mutex<Vec<String>>>,
     std::sync::Arc<std::sync::atomic::AtomicU64>,
 ) {
-    use std::sync::atomic::Ordering;
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let address = listener.local_addr().unwrap().to_string();
     let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -554,15 +573,9 @@ fn bearer_front(
             let (heads, counter, realm) = (heads.clone(), counter.clone(), realm.clone());
             std::thread::spawn(move || {
                 let mut conn = conn;
-                let mut head = Vec::new();
-                let mut byte = [0u8; 1];
-                while !head.ends_with(b"\r\n\r\n") {
-                    match conn.read(&mut byte) {
-                        Ok(1) => head.push(byte[0]),
-                        _ => return,
-                    }
-                }
-                let text = String::from_utf8_lossy(&head).into_owned();
+                let Some(text) = read_head(&mut conn) else {
+                    return;
+                };
                 heads.lock().unwrap().push(text.clone());
                 let line = text.lines().next().unwrap_or("").to_owned();
                 if line.starts_with("GET /token?") {
@@ -579,11 +592,7 @@ fn bearer_front(
                             let _ = conn.write_all(body);
                         }
                         TokenAnswer::Endless => {
-                            let _ = conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n");
-                            let chunk = format!("10000\r\n{}\r\n", " ".repeat(0x10000));
-                            while conn.write_all(chunk.as_bytes()).is_ok() {
-                                counter.fetch_add(0x10000, Ordering::Relaxed);
-                            }
+                            send_endless(&mut conn, "application/json", &counter);
                         }
                     }
                     return;
@@ -676,19 +685,12 @@ fn a_registry_behind_a_token_service_is_pulled_with_its_token_and_an_endless_ans
         fetches.iter().all(|h| h.contains("granted-token")),
         "a request without the token: {fetches:?}"
     );
-    let policy = policy(dir.path(), &format!("version: 1\nimage: \"{reference}\"\n"));
-    let ran = warden_in(&state)
-        .arg("run")
-        .arg("--policy")
-        .arg(&policy)
-        .args([
-            "--",
-            "/bin/sh",
-            "-c",
-            "while read -r l; do echo \"$l\"; done < /etc/note",
-        ])
-        .output()
-        .unwrap();
+    let ran = run_in_image(
+        &state,
+        dir.path(),
+        &reference,
+        "while read -r l; do echo \"$l\"; done < /etc/note",
+    );
     assert_eq!(
         String::from_utf8_lossy(&ran.stdout),
         "behind a token\n",
