@@ -97,7 +97,6 @@ pub fn pidfd_send_signal(pidfd: &OwnedFd, signal: libc::c_int) -> io::Result<()>
     check(ret).map(drop)
 }
 
-/// Closes every descriptor from `first` upwards.
 /// Puts the calling thread in the `SCHED_IDLE` class: it runs only when nothing else wants the
 /// CPU, and any other thread that wakes takes the CPU from it at once. For the warden's work
 /// after an answer that only reads or lets go of memory (an old workspace's teardown, a
@@ -143,6 +142,7 @@ pub fn close_except(keep: &[RawFd]) -> io::Result<()> {
     close_from(first)
 }
 
+/// Closes every descriptor from `first` upwards.
 pub fn close_from(first: RawFd) -> io::Result<()> {
     // SAFETY: closing descriptors the caller no longer needs; the caller guarantees no live
     // Rust object owns a descriptor in that range.
