@@ -1,8 +1,9 @@
 //! `warden image pull REF`: an image fetched from a registry (the OCI distribution API: the
 //! token handshake, manifests, blobs and the registry's redirects of them, spoken with reqwest;
 //! references parsed by the `oci-client` crate) into a staging OCI image layout, then imported
-//! from it like any other layout, so that every check of an import holds for a pull as well: each blob against its digest (the manifest's too), each layer
-//! against its configuration's diff id, every entry of every layer (see `extract`).
+//! from it like any other layout, so that every check of an import holds for a pull as well:
+//! each blob against its digest (the manifest's too), each layer against its configuration's
+//! diff id, every entry of every layer (see `extract`).
 //!
 //! An index (a multi-platform image) is resolved here to the manifest for linux on this
 //! machine's architecture, or for the platform asked; only that manifest, its configuration
@@ -337,8 +338,7 @@ async fn fetch(
     })
 }
 
-/// How the warden signs its requests to the registry.
-#[derive(Debug, Clone)]
+/// How the warden signs its requests to the registry. (No `Debug`: it holds secrets.)
 enum Auth {
     None,
     Basic(String, String),
@@ -512,20 +512,38 @@ fn bearer_challenge(header: &str) -> Option<std::collections::HashMap<String, St
     Some(params)
 }
 
+/// Why a body was not read whole.
+enum Unread {
+    /// It passed the limit (announced or sent).
+    TooLarge(usize),
+    /// The connection failed.
+    Failed(String),
+}
+
+impl std::fmt::Display for Unread {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::TooLarge(limit) => {
+                write!(f, "the answer is more than the {limit} bytes it may be")
+            }
+            Self::Failed(why) => f.write_str(why),
+        }
+    }
+}
+
 /// A response's body, refused once it passes `limit` bytes (announced or sent) without
 /// reading further.
-async fn read_bounded(response: reqwest::Response, limit: usize) -> Result<Vec<u8>, String> {
+async fn read_bounded(response: reqwest::Response, limit: usize) -> Result<Vec<u8>, Unread> {
     use futures_util::StreamExt as _;
-    let too_large = || format!("the answer is more than the {limit} bytes it may be");
     if response.content_length().is_some_and(|n| n > limit as u64) {
-        return Err(too_large());
+        return Err(Unread::TooLarge(limit));
     }
     let mut body = Vec::new();
     let mut stream = response.bytes_stream();
     while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(|e| e.to_string())?;
+        let chunk = chunk.map_err(|e| Unread::Failed(e.to_string()))?;
         if body.len() + chunk.len() > limit {
-            return Err(too_large());
+            return Err(Unread::TooLarge(limit));
         }
         body.extend_from_slice(&chunk);
     }
@@ -548,16 +566,15 @@ async fn read_manifest(
     };
     let response = request.send().await.map_err(|e| failed(e.to_string()))?;
     let status = response.status();
-    let body = read_bounded(response, MANIFEST_LIMIT).await.map_err(|e| {
-        if e.starts_with("the answer is more than") {
-            ImageError::Format(format!(
+    let body = read_bounded(response, MANIFEST_LIMIT)
+        .await
+        .map_err(|e| match e {
+            Unread::TooLarge(_) => ImageError::Format(format!(
                 "the registry's manifest for {} is more than the {MANIFEST_LIMIT} bytes a manifest may be",
                 reference.whole()
-            ))
-        } else {
-            failed(e)
-        }
-    })?;
+            )),
+            Unread::Failed(why) => failed(why),
+        })?;
     if !status.is_success() {
         let said = String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned();
         let hint = match status.as_u16() {
