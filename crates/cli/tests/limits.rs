@@ -117,16 +117,20 @@ fn every_process_of_a_cell_is_whole_in_each_directory_of_its_cgroup() {
         procs.iter().all(|p| *p == procs[0]),
         "the directories hold different processes: {dirs:?} {procs:?}"
     );
+    for pid in &procs[0] {
+        // Each process's own view: the cell's directory in as many hierarchies as it has.
+        let own = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+        let inside = own
+            .lines()
+            .filter(|l| l.ends_with(&format!("/{name}")))
+            .count();
+        assert_eq!(
+            inside,
+            dirs.len(),
+            "process {pid} is not in each of {dirs:?}: {own}"
+        );
+    }
     for (dir, procs) in dirs.iter().zip(&procs) {
-        for pid in procs {
-            // Each process's own view: the same directory in that hierarchy.
-            let own = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
-            assert!(
-                own.lines().any(|l| l.ends_with(&format!("/{name}"))),
-                "process {pid} listed in {} is not in the cell's cgroup: {own}",
-                dir.display()
-            );
-        }
         // A v1 directory lists threads too: every thread of each process is in it.
         if dir.join("tasks").exists() {
             let tasks = read_ids(dir.join("tasks"));
