@@ -295,13 +295,18 @@ class Async(unittest.TestCase):
     def test_the_async_client_does_the_same(self):
         async def flow():
             async with AsyncWarden() as w:
-                cell = await w.cells.create(unique("async"))
+                cell = await w.cells.create(
+                    unique("async"), workspace=os.environ["WARDEN_TEST_WORKSPACE"])
                 r = await cell.exec("echo async; exit 4")
                 self.assertEqual((r.stdout, r.exit.code), ("async\n", 4))
                 chunks = [d async for k, d in cell.exec_stream("echo x; echo y") if k == "stdout"]
                 self.assertEqual("".join(chunks), "x\ny\n")
                 await cell.write("f.txt", b"data")
                 self.assertEqual(await cell.read("f.txt"), b"data")
+                snap = await cell.snapshot("kept")
+                self.assertIn(snap.id, {s.id for s in await cell.snapshots()})
+                await cell.remove_snapshot("kept")
+                self.assertNotIn(snap.id, {s.id for s in await cell.snapshots()})
                 p = await cell.exec(["sleep", "0.1"], background=True)
                 self.assertEqual((await cell.wait(p.id)).code, 0)
                 with self.assertRaises(warden_cells.NotFound):

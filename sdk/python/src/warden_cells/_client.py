@@ -655,6 +655,9 @@ class AsyncCell:
     async def snapshot(self, name: Optional[str] = None) -> Snapshot:
         return await self._w._run(ops.snapshot(self.name, name))
 
+    async def snapshots(self) -> List[Snapshot]:
+        return await self._w._run(ops.snapshots(self.name))
+
     async def remove_snapshot(self, snapshot: str) -> None:
         await self._w._run(ops.remove_snapshot(self.name, snapshot))
 
