@@ -550,6 +550,23 @@ async fn read_bounded(response: reqwest::Response, limit: usize) -> Result<Vec<u
     Ok(body)
 }
 
+/// The first `limit` bytes of a response's body, or fewer: what an error answer says, for a
+/// message. The rest is not read.
+async fn read_prefix(response: reqwest::Response, limit: usize) -> Vec<u8> {
+    use futures_util::StreamExt as _;
+    let mut body = Vec::new();
+    let mut stream = response.bytes_stream();
+    while body.len() < limit {
+        match stream.next().await {
+            Some(Ok(chunk)) => {
+                body.extend_from_slice(&chunk[..chunk.len().min(limit - body.len())])
+            }
+            _ => break,
+        }
+    }
+    body
+}
+
 /// A manifest's bytes as the registry sends them, refused past [`MANIFEST_LIMIT`] without
 /// reading further.
 async fn read_manifest(
@@ -644,10 +661,7 @@ async fn pull_blob(
         .map_err(|e| failed(e.to_string()))?;
     let status = response.status();
     if !status.is_success() {
-        let said = read_bounded(response, 512)
-            .await
-            .map(|b| String::from_utf8_lossy(&b).into_owned())
-            .unwrap_or_default();
+        let said = String::from_utf8_lossy(&read_prefix(response, 512).await).into_owned();
         return Err(failed(format!("the registry answered {status}: {said}")));
     }
     if let Some(length) = response.content_length().filter(|n| *n > blob.size) {
