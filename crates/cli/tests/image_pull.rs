@@ -208,6 +208,24 @@ impl Registry {
                 "platform": { "os": "linux", "architecture": arch } })
     }
 
+    /// An image of one layer for this machine, tagged `1` under an index in `repository`:
+    /// its layer's digest, and the file the registry keeps its bytes in.
+    fn push_one_layer(&self, repository: &str) -> (String, PathBuf) {
+        let pushed = self.push_image(repository, &[shell_layer(b"as pushed\n")], host_arch());
+        self.push_manifest(
+            repository,
+            "1",
+            OCI_INDEX,
+            &json!({ "schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [pushed] }),
+        );
+        let manifest_file = self.blob_file(pushed["digest"].as_str().unwrap());
+        let manifest: Value =
+            serde_json::from_slice(&std::fs::read(manifest_file).unwrap()).unwrap();
+        let digest = manifest["layers"][0]["digest"].as_str().unwrap().to_owned();
+        let file = self.blob_file(&digest);
+        (digest, file)
+    }
+
     /// Where the registry keeps a blob's bytes (its filesystem driver's layout).
     fn blob_file(&self, digest: &str) -> PathBuf {
         let hex = digest.strip_prefix("sha256:").unwrap();
@@ -238,6 +256,17 @@ fn host_arch() -> &'static str {
         "aarch64" => "arm64",
         other => other,
     }
+}
+
+/// Pulls `REPOSITORY:TAG` from `registry`, which must refuse it; returns what it said.
+fn pull_refused(state: &Path, registry: &Registry, reference: &str) -> String {
+    let refused = warden_in(state)
+        .args(["image", "pull", "--insecure-registry", &registry.address()])
+        .arg(format!("{}/{reference}", registry.address()))
+        .output()
+        .unwrap();
+    assert!(!refused.status.success(), "{reference} was pulled");
+    String::from_utf8_lossy(&refused.stderr).into_owned()
 }
 
 /// What the image store holds besides its records: nothing of a failed pull may stay.
@@ -351,13 +380,7 @@ fn an_image_pulled_from_a_registry_runs_as_a_cell_and_a_changed_blob_is_refused(
         err.contains("no manifest for linux/s390x") && err.contains(&format!("linux/{other}")),
         "{err}"
     );
-    let missing = warden_in(&state)
-        .args(["image", "pull", "--insecure-registry", &registry.address()])
-        .arg(format!("{}/tools/mini:404", registry.address()))
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&missing.stderr);
-    assert!(!missing.status.success());
+    let err = pull_refused(&state, &registry, "tools/mini:404");
     assert!(
         err.contains("tools/mini:404") && err.contains("nothing was kept"),
         "{err}"
@@ -365,31 +388,15 @@ fn an_image_pulled_from_a_registry_runs_as_a_cell_and_a_changed_blob_is_refused(
 
     // A registry whose stored layer was changed behind its back serves other bytes under the
     // same digest: the pull says so and keeps nothing.
-    let changed = registry.push_image("tools/changed", &[shell_layer(b"as pushed\n")], host_arch());
-    registry.push_manifest(
-        "tools/changed",
-        "1",
-        OCI_INDEX,
-        &json!({ "schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [changed] }),
-    );
-    let manifest_file = registry.blob_file(changed["digest"].as_str().unwrap());
-    let manifest: Value = serde_json::from_slice(&std::fs::read(manifest_file).unwrap()).unwrap();
-    let layer_file = registry.blob_file(manifest["layers"][0]["digest"].as_str().unwrap());
+    let (layer_digest, layer_file) = registry.push_one_layer("tools/changed");
     // One byte changed, the length kept: only the digest can tell.
     let mut bytes = std::fs::read(&layer_file).unwrap();
     let middle = bytes.len() / 2;
     bytes[middle] ^= 0x5a;
     std::fs::write(&layer_file, &bytes).unwrap();
-    let refused = warden_in(&state)
-        .args(["image", "pull", "--insecure-registry", &registry.address()])
-        .arg(format!("{}/tools/changed:1", registry.address()))
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&refused.stderr);
-    assert!(!refused.status.success());
-    let layer_digest = manifest["layers"][0]["digest"].as_str().unwrap();
+    let err = pull_refused(&state, &registry, "tools/changed:1");
     assert!(
-        err.to_lowercase().contains("digest") && err.contains(layer_digest),
+        err.to_lowercase().contains("digest") && err.contains(&layer_digest),
         "{err}"
     );
     assert_eq!(
@@ -400,26 +407,11 @@ fn an_image_pulled_from_a_registry_runs_as_a_cell_and_a_changed_blob_is_refused(
 
     // One that sends more than its descriptor says (the stored blob grown by 1 MiB): cut off
     // at the size named and refused.
-    let longer = registry.push_image("tools/longer", &[shell_layer(b"as pushed\n")], host_arch());
-    registry.push_manifest(
-        "tools/longer",
-        "1",
-        OCI_INDEX,
-        &json!({ "schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [longer] }),
-    );
-    let manifest_file = registry.blob_file(longer["digest"].as_str().unwrap());
-    let manifest: Value = serde_json::from_slice(&std::fs::read(manifest_file).unwrap()).unwrap();
-    let layer_file = registry.blob_file(manifest["layers"][0]["digest"].as_str().unwrap());
+    let (_, layer_file) = registry.push_one_layer("tools/longer");
     let mut bytes = std::fs::read(&layer_file).unwrap();
     bytes.extend(std::iter::repeat_n(0u8, 1 << 20));
     std::fs::write(&layer_file, &bytes).unwrap();
-    let refused = warden_in(&state)
-        .args(["image", "pull", "--insecure-registry", &registry.address()])
-        .arg(format!("{}/tools/longer:1", registry.address()))
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&refused.stderr);
-    assert!(!refused.status.success());
+    let err = pull_refused(&state, &registry, "tools/longer:1");
     assert!(
         err.contains("more than the") && err.contains("its manifest names"),
         "{err}"
