@@ -104,11 +104,22 @@ pub struct Daemon {
 
 impl Daemon {
     pub fn start(warden: &Path, dir: &Path, extra: &[&str]) -> Result<Self> {
+        Self::start_with_env(warden, dir, extra, &[])
+    }
+
+    /// The same, with these variables in the daemon's environment.
+    pub fn start_with_env(
+        warden: &Path,
+        dir: &Path,
+        extra: &[&str],
+        envs: &[(&str, &str)],
+    ) -> Result<Self> {
         let runtime = dir.join("run");
         let state = dir.join("state");
         let child = Command::new(warden)
             .arg("serve")
             .args(extra)
+            .envs(envs.iter().copied())
             .env("WARDEN_RUNTIME_DIR", &runtime)
             .env("WARDEN_STATE_DIR", &state)
             .stdin(Stdio::null())

@@ -84,10 +84,29 @@ fn main() -> Result<()> {
     let tree = tmp.join("tree");
     make_tree(&tree)?;
     let result = measure(&bin, &tree, runs);
-    let curve = result
-        .as_ref()
-        .ok()
-        .map(|_| curve(&bin, &tmp, &tree, runs.min(20)));
+    // Each file system a layer's disk can have, where this host can make it.
+    let kinds: Vec<&str> = ["btrfs", "ext4"]
+        .into_iter()
+        .filter(|kind| {
+            let program = match *kind {
+                "btrfs" => "mkfs.btrfs",
+                _ => "mke2fs",
+            };
+            ["/usr/sbin", "/sbin", "/usr/bin"]
+                .iter()
+                .any(|dir| Path::new(dir).join(program).exists())
+        })
+        .collect();
+    let curves = result.as_ref().ok().map(|_| {
+        kinds
+            .iter()
+            .map(|kind| {
+                let curve = curve(&bin, &tmp, &tree, runs.min(20), kind)?;
+                let cost = kernel_cost(&bin, &tmp, &tree, kind)?;
+                Ok((*kind, curve, cost))
+            })
+            .collect::<Result<Vec<_>>>()
+    });
     let _ = std::fs::remove_dir_all(&tmp);
     let stats = result?;
     println!(
@@ -125,54 +144,92 @@ fn main() -> Result<()> {
         get("fork from a snapshot, run `true`") - get("cold start, no workspace"),
         get("cold start, copy-on-write workspace") - get("cold start, no workspace"),
     );
-    let curve = curve.context("no curve")??;
+    let curves = curves.context("no curve")??;
     println!();
     println!(
-        "through the daemon: snapshot and reset by files changed (of {}), median ms ({} runs each)",
+        "through the daemon: snapshot and reset by files changed (of {}), median ms ({} runs each), by the file system of the cell's disk",
         DIRS * FILES_PER_DIR,
         runs.min(20)
     );
     println!();
-    println!(
-        "| {:>13} | {:>16} | {:>26} | {:>24} |",
-        "files changed", "snapshot (quiet)", "reset to snapshot (quiet)", "snapshot (process runs)"
-    );
-    println!("|{:->15}|{:->18}|{:->28}|{:->26}|", "", "", "", "");
-    for row in &curve {
-        println!(
-            "| {:>13} | {:>16.2} | {:>26.2} | {:>24.2} |",
-            row.changed,
-            ms(row.snapshot),
-            ms(row.reset),
-            ms(row.copied)
-        );
+    let mut head = format!("| {:>13} |", "files changed");
+    let mut rule = format!("|{:->15}|", "");
+    for (kind, _, _) in &curves {
+        for column in [
+            "snapshot (quiet)",
+            "snapshot (process runs)",
+            "reset (quiet)",
+        ] {
+            let name = format!("{kind}: {column}");
+            head.push_str(&format!(" {name:>30} |"));
+            rule.push_str(&format!("{:->32}|", ""));
+        }
+    }
+    println!("{head}");
+    println!("{rule}");
+    for (i, changed) in CURVE_POINTS.iter().enumerate() {
+        let mut line = format!("| {changed:>13} |");
+        for (_, curve, _) in &curves {
+            let row = &curve[i];
+            for value in [row.snapshot, row.copied, row.reset] {
+                line.push_str(&format!(" {:>30.2} |", ms(value)));
+            }
+        }
+        println!("{line}");
     }
     println!();
     println!(
-        "quiet: the cell's init runs alone, and its upper layer becomes the snapshot's (a reset \
-         mounts the target's layers again); process runs: a `sleep` holds the workspace, and the \
-         snapshot is a copy of what changed. Each cell keeps its rounds' snapshots, on an 8 GiB \
-         disk limit (past half of a disk's inodes or blocks, snapshots copy instead)"
+        "quiet: the cell's init runs alone; process runs: a `sleep` holds the workspace. btrfs: a \
+         snapshot is a clone of the disk's tree, taken while the cell is frozen or quiet; ext4: a \
+         quiet cell's upper layer becomes the snapshot's and the workspace is mounted again on a \
+         fresh one, a running cell's is copied. A reset of a quiet cell mounts the target's \
+         layers again. Up to 100 entries are copied on either. Each cell keeps its rounds' \
+         snapshots, on an 8 GiB disk limit (past half of a disk's inodes or blocks, snapshots copy \
+         instead)"
+    );
+    println!();
+    println!(
+        "what a mounted disk costs the kernel ({KERNEL_CELLS} daemon cells with a workspace, each with a disk of its own, against none)"
+    );
+    println!();
+    println!(
+        "| {:<17} | {:>33} | {:>23} |",
+        "disk file system", "kernel memory per cell (KiB)", "kernel threads per cell"
+    );
+    println!("|{:-<19}|{:->35}|{:->25}|", "", "", "");
+    for (kind, _, (memory, threads)) in &curves {
+        println!("| {kind:<17} | {memory:>33} | {threads:>23.1} |");
+    }
+    println!();
+    println!(
+        "kernel memory: unreclaimable slab and kernel stacks, read from /proc/meminfo before and after (the cells' other kernel objects, namespaces and cgroups, are in both rows alike)"
     );
     Ok(())
 }
 
 /// The curve's cells keep every round's snapshot, each up to 10,000 files: their disk is
-/// large enough that those stay under half of its inodes, where snapshots are turned over
-/// rather than copied (past half, they copy out of it by design).
+/// large enough that those stay under half of its inodes, where snapshots are kept in it
+/// (turned over or cloned) rather than copied (past half, they copy out of it by design).
 const CURVE_POLICY: &str = "version: 1\nextends: default\nlimits:\n  disk: 8GiB\n";
 
 /// One point of the curve: medians.
 struct Point {
-    changed: usize,
     snapshot: Duration,
     reset: Duration,
     copied: Duration,
 }
 
 /// Snapshots and resets of daemon cells on `tree` that changed 10 to 10,000 of its files.
-fn curve(bin: &str, tmp: &Path, tree: &Path, runs: usize) -> Result<Vec<Point>> {
-    let daemon = warden_bench::Daemon::start(Path::new(bin), &tmp.join("daemon"), &[])?;
+/// Files changed at each point of the curve.
+const CURVE_POINTS: [usize; 4] = [10, 100, 1000, 10_000];
+
+fn curve(bin: &str, tmp: &Path, tree: &Path, runs: usize, kind: &str) -> Result<Vec<Point>> {
+    let daemon = warden_bench::Daemon::start_with_env(
+        Path::new(bin),
+        &tmp.join(format!("daemon-{kind}")),
+        &[],
+        &[("WARDEN_LAYER_FS", kind)],
+    )?;
     let call = |method: &str, path: &str, body: &str| -> Result<Duration> {
         let start = Instant::now();
         let (status, raw) = warden_bench::request(&daemon.socket, method, path, body)?;
@@ -186,7 +243,7 @@ fn curve(bin: &str, tmp: &Path, tree: &Path, runs: usize) -> Result<Vec<Point>> 
         Ok(took)
     };
     let mut out = Vec::new();
-    for (i, changed) in [10usize, 100, 1000, 10_000].into_iter().enumerate() {
+    for (i, changed) in CURVE_POINTS.into_iter().enumerate() {
         let cell = format!("curve{i}");
         call(
             "POST",
@@ -246,13 +303,84 @@ fn curve(bin: &str, tmp: &Path, tree: &Path, runs: usize) -> Result<Vec<Point>> 
         call("DELETE", &format!("/v1/cells/{cell}"), "")?;
         let median = |samples: &mut Vec<Duration>| warden_bench::percentile(samples, 0.5);
         out.push(Point {
-            changed,
             snapshot: median(&mut snaps),
             reset: median(&mut resets),
             copied: median(&mut copies),
         });
     }
     Ok(out)
+}
+
+/// Cells made for the kernel's share.
+const KERNEL_CELLS: usize = 20;
+
+/// What the kernel holds per daemon cell with a workspace whose disk is `kind`: KiB of
+/// unreclaimable slab and kernel stacks, and kernel threads.
+fn kernel_cost(bin: &str, tmp: &Path, tree: &Path, kind: &str) -> Result<(i64, f64)> {
+    let daemon = warden_bench::Daemon::start_with_env(
+        Path::new(bin),
+        &tmp.join(format!("kernel-{kind}")),
+        &[],
+        &[("WARDEN_LAYER_FS", kind)],
+    )?;
+    let memory = || -> Result<i64> {
+        let info = std::fs::read_to_string("/proc/meminfo")?;
+        Ok(info
+            .lines()
+            .filter(|l| l.starts_with("SUnreclaim:") || l.starts_with("KernelStack:"))
+            .filter_map(|l| l.split_whitespace().nth(1)?.parse::<i64>().ok())
+            .sum())
+    };
+    // Kernel threads: children of kthreadd (pid 2).
+    let threads = || -> i64 {
+        std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .bytes()
+                    .all(|b| b.is_ascii_digit())
+            })
+            .filter(|e| {
+                std::fs::read_to_string(e.path().join("stat")).is_ok_and(|stat| {
+                    stat.rsplit(')')
+                        .next()
+                        .and_then(|rest| rest.split_whitespace().nth(1))
+                        == Some("2")
+                })
+            })
+            .count() as i64
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    let (memory_before, threads_before) = (memory()?, threads());
+    for i in 0..KERNEL_CELLS {
+        let body = serde_json::json!({
+            "name": format!("kernel{i}"),
+            "workspace": tree.display().to_string(),
+        });
+        let (status, raw) =
+            warden_bench::request(&daemon.socket, "POST", "/v1/cells", &body.to_string())?;
+        if status != 201 {
+            bail!("creating a cell failed: {raw}");
+        }
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let (memory_after, threads_after) = (memory()?, threads());
+    for i in 0..KERNEL_CELLS {
+        let _ = warden_bench::request(
+            &daemon.socket,
+            "DELETE",
+            &format!("/v1/cells/kernel{i}"),
+            "",
+        );
+    }
+    let cells = KERNEL_CELLS as i64;
+    Ok((
+        (memory_after - memory_before) / cells,
+        (threads_after - threads_before) as f64 / cells as f64,
+    ))
 }
 
 /// The warden's state directory, as it chooses it (see `Store::default_root`).

@@ -770,7 +770,9 @@ fn a_quiet_cells_snapshot_and_reset_turn_layers_over_without_copies() {
     if !cgroups_available("daemon_turn_over") {
         return;
     }
-    let daemon = Daemon::start(&[]);
+    // Layers turned over, as on an ext4 disk (a btrfs one clones its tree instead: see
+    // `a_running_cells_snapshot_in_a_btrfs_disk_is_a_clone_not_a_copy`).
+    let daemon = Daemon::start_with(&[], &[("WARDEN_LAYER_FS", "ext4")]);
     let host = tempdir();
     std::fs::write(host.path().join("a.txt"), "host\n").unwrap();
     let cell = daemon.create(
@@ -886,6 +888,140 @@ fn a_quiet_cells_snapshot_and_reset_turn_layers_over_without_copies() {
     assert_eq!(ino(&layer.join("upper/a.txt")), written);
 }
 
+/// In a btrfs disk of the cell's own, a snapshot of a cell whose processes run (one writes a
+/// file a hundred times a second throughout) is a clone of the disk's tree taken while the cell
+/// is frozen (as is one of a cell whose init runs alone, without mounting its workspace again):
+/// the snapshot's files are the cell's by inode (a copy would have made new ones),
+/// hold what they held at that moment, and nothing the cell writes afterwards reaches them. The
+/// writer goes on. A fork sees the moment; when the cell is deleted, the clone the fork stacks
+/// is moved out and the fork still reads it; removing the snapshot then lets go of it.
+#[test]
+fn a_running_cells_snapshot_in_a_btrfs_disk_is_a_clone_not_a_copy() {
+    use std::os::unix::fs::MetadataExt as _;
+    if !cgroups_available("daemon_btrfs_clone") || !is_root() {
+        return;
+    }
+    if !std::path::Path::new("/usr/sbin/mkfs.btrfs").exists()
+        && !std::path::Path::new("/sbin/mkfs.btrfs").exists()
+    {
+        eprintln!("skipped: mkfs.btrfs (btrfs-progs) is not installed");
+        return;
+    }
+    let daemon = Daemon::start_with(&[], &[("WARDEN_LAYER_FS", "btrfs")]);
+    let host = tempdir();
+    let cell = daemon.create(
+        &unique("clone"),
+        json!({ "workspace": host.path().display().to_string() }),
+    );
+    let fs_dir = daemon.state().join("layers").join(&cell).join("fs");
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
+    assert!(
+        mounts
+            .lines()
+            .any(|l| l.contains(&format!("{} btrfs ", fs_dir.display()))),
+        "the cell's disk is no btrfs: {mounts}"
+    );
+    let run = |script: &str| {
+        let events = daemon.exec(&cell, json!({ "argv": ["sh", "-c", script] }));
+        assert_eq!(exit_of(&events)["code"], 0, "{script}: {events:?}");
+        String::from_utf8_lossy(&stream_bytes(&events, "stdout")).into_owned()
+    };
+    // Three hundred files (more than a copy is quicker for).
+    run("mkdir d && i=1; while [ $i -le 300 ]; do echo $i > d/f$i; i=$((i+1)); done");
+    let ino = |path: &std::path::Path| std::fs::symlink_metadata(path).unwrap().ino();
+    // With nothing but the init running, a clone too: no layer turned over, no new mount.
+    snapshot_as(&daemon, &cell, "quiet");
+    let quiet = snapshot_layer(&daemon, &cell, "quiet");
+    assert_eq!(ino(quiet.parent().unwrap()), 256, "{quiet:?} is no clone");
+    assert_eq!(ino(&quiet.join("d/f7")), ino(&fs_dir.join("upper/d/f7")));
+    // And a writer that never stops.
+    let writer = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({
+            "argv": ["sh", "-c", "i=0; while :; do echo $i > live; i=$((i+1)); sleep 0.01; done"],
+            "background": true,
+        })),
+    );
+    assert_eq!(writer.status, 201, "{}", writer.text());
+    let live = || run("cat live").trim().parse::<u64>().unwrap_or(0);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while live() < 5 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the writer did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    snapshot_as(&daemon, &cell, "busy");
+    let own = snapshot_layer(&daemon, &cell, "busy");
+    assert!(
+        own.starts_with(fs_dir.join("snapshots")) && own.ends_with("upper"),
+        "{own:?}"
+    );
+    // A clone's root is a subvolume's (inode 256), and its files keep their inode numbers.
+    assert_eq!(ino(own.parent().unwrap()), 256, "the snapshot is no clone");
+    for file in ["d/f1", "d/f150", "d/f300"] {
+        assert_eq!(
+            ino(&own.join(file)),
+            ino(&fs_dir.join("upper").join(file)),
+            "{file} was copied"
+        );
+    }
+    let seen: u64 = std::fs::read_to_string(own.join("live"))
+        .unwrap()
+        .trim()
+        .parse()
+        .expect("the snapshot holds a whole line of the writer's");
+    // The writer goes on, and nothing it writes reaches the snapshot.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while live() < seen + 5 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the writer stopped at the snapshot"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    run("echo after > d/f1 && rm d/f2 && echo new > e");
+    assert_eq!(
+        std::fs::read_to_string(own.join("live")).unwrap().trim(),
+        seen.to_string()
+    );
+    assert_eq!(std::fs::read_to_string(own.join("d/f1")).unwrap(), "1\n");
+    assert!(own.join("d/f2").exists() && !own.join("e").exists());
+
+    // A fork sees the moment; the cell's deletion moves the clone out, and the fork reads on.
+    let fork = daemon.create(
+        &unique("clonefork"),
+        json!({ "from": format!("{cell}@busy") }),
+    );
+    let read_fork = |script: &str| {
+        let events = daemon.exec(&fork, json!({ "argv": ["sh", "-c", script] }));
+        assert_eq!(exit_of(&events)["code"], 0, "{events:?}");
+        String::from_utf8_lossy(&stream_bytes(&events, "stdout")).into_owned()
+    };
+    let expected = format!("1\n2\n{seen}\n");
+    assert_eq!(read_fork("cat d/f1 d/f2 live"), expected);
+    let deleted = daemon.call("DELETE", &format!("/v1/cells/{cell}"), None);
+    assert!(deleted.status < 300, "{}", deleted.text());
+    let moved = snapshot_layer(&daemon, &cell, "busy");
+    assert!(
+        !moved.starts_with(daemon.state().join("layers")),
+        "{moved:?}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(moved.join("d/f300")).unwrap(),
+        "300\n"
+    );
+    assert_eq!(read_fork("cat d/f1 d/f2 live"), expected);
+    let gone = daemon.call("DELETE", &format!("/v1/cells/{fork}"), None);
+    assert!(gone.status < 300, "{}", gone.text());
+    let removed = daemon.call("DELETE", &format!("/v1/snapshots/{cell}@busy"), None);
+    assert!(removed.status < 300, "{}", removed.text());
+    assert!(!moved.exists());
+}
+
 /// Snapshots of a quiet cell stack on each other: removing an older one takes its name, and
 /// its layer stays as long as a later snapshot (or the cell) stacks it. When the cell is
 /// deleted, the snapshot layers kept in its file system of its own are moved out: a fork from
@@ -895,7 +1031,9 @@ fn stacked_snapshots_outlive_their_names_and_their_cell() {
     if !cgroups_available("daemon_stacked") {
         return;
     }
-    let daemon = Daemon::start(&[]);
+    // Layers turned over, as on an ext4 disk (a btrfs one clones its tree instead: see
+    // `a_running_cells_snapshot_in_a_btrfs_disk_is_a_clone_not_a_copy`).
+    let daemon = Daemon::start_with(&[], &[("WARDEN_LAYER_FS", "ext4")]);
     let host = tempdir();
     std::fs::write(host.path().join("a.txt"), "host\n").unwrap();
     let cell = daemon.create(
@@ -1046,7 +1184,8 @@ fn snapshots_kept_in_a_cells_disk_stop_at_half_of_its_files() {
     if !cgroups_available("daemon_half_inodes") || !is_root() {
         return;
     }
-    let daemon = Daemon::start(&[]);
+    // ext4's inodes are fixed when it is made (btrfs makes them as it goes: no such bound).
+    let daemon = Daemon::start_with(&[], &[("WARDEN_LAYER_FS", "ext4")]);
     let host = tempdir();
     let cell = daemon.create(
         &unique("halfinodes"),
@@ -1165,7 +1304,9 @@ fn a_deep_stack_of_snapshots_is_squashed() {
     if !cgroups_available("daemon_squash") {
         return;
     }
-    let daemon = Daemon::start(&[]);
+    // Layers turned over, as on an ext4 disk (a btrfs one clones its tree instead: see
+    // `a_running_cells_snapshot_in_a_btrfs_disk_is_a_clone_not_a_copy`).
+    let daemon = Daemon::start_with(&[], &[("WARDEN_LAYER_FS", "ext4")]);
     let host = tempdir();
     std::fs::write(host.path().join("host.txt"), "host\n").unwrap();
     let cell = daemon.create(

@@ -1,9 +1,12 @@
 //! The disk limit of a cell's workspace layer (`limits.disk`).
 //!
-//! **As root** the layer's `upper/` and `work/` live in an ext4 file system of exactly the limit:
-//! a sparse image in the layer's directory (`disk.img`; it takes on the host only what the cell
+//! **As root** the layer's `upper/` and `work/` live in a file system of exactly the limit: a
+//! sparse image in the layer's directory (`disk.img`; it takes on the host only what the cell
 //! wrote, never more than the limit), attached to a loop device and mounted on the layer's `fs/`
-//! (`nosuid`, `nodev`) for as long as the layer exists. The kernel refuses a write past it with
+//! (`nosuid`, `nodev`) for as long as the layer exists. The file system is btrfs where
+//! `mkfs.btrfs` is installed (a snapshot of a running cell is then a clone of the file system's
+//! tree, whatever the cell changed: see `snapshot::clone_tree`), else ext4;
+//! `WARDEN_LAYER_FS=ext4` (or `btrfs`) chooses. The kernel refuses a write past it with
 //! ENOSPC; nothing else on the host is touched, and the cell goes on. A layer whose mount is gone
 //! (after a reboot) is attached again when it is next read. One image is never attached twice
 //! (two file systems over one image would corrupt it): attaching takes a lock on the image and
@@ -39,8 +42,81 @@ pub enum DiskError {
         #[source]
         source: io::Error,
     },
-    #[error("making the workspace's file system with mke2fs failed: {0}")]
+    #[error("making the workspace's file system failed: {0}")]
     Mkfs(String),
+}
+
+/// The file system of a layer's image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Ext4,
+    Btrfs,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Ext4 => "ext4",
+            Self::Btrfs => "btrfs",
+        }
+    }
+
+    /// The program that makes it, where it is installed.
+    fn mkfs(self) -> Option<PathBuf> {
+        let names: &[&str] = match self {
+            Self::Ext4 => &["/usr/sbin/mke2fs", "/sbin/mke2fs", "/usr/bin/mke2fs"],
+            Self::Btrfs => &[
+                "/usr/sbin/mkfs.btrfs",
+                "/sbin/mkfs.btrfs",
+                "/usr/bin/mkfs.btrfs",
+            ],
+        };
+        names.iter().map(PathBuf::from).find(|p| p.exists())
+    }
+
+    /// The kind new layers get: `WARDEN_LAYER_FS` when set, else btrfs where `mkfs.btrfs` is
+    /// installed and the kernel has it, else ext4.
+    pub fn chosen() -> Result<Self, String> {
+        match std::env::var("WARDEN_LAYER_FS").ok().as_deref() {
+            Some("ext4") => return Ok(Self::Ext4),
+            Some("btrfs") => return Ok(Self::Btrfs),
+            Some("") | None => {}
+            Some(other) => {
+                return Err(format!(
+                    "WARDEN_LAYER_FS={other}: the workspace's file system is `btrfs` or `ext4`"
+                ));
+            }
+        }
+        let kernel_has_btrfs = fs::read_to_string("/proc/filesystems").is_ok_and(|all| {
+            all.lines()
+                .any(|l| l.split_whitespace().last() == Some("btrfs"))
+        });
+        Ok(match Self::Btrfs.mkfs().is_some() && kernel_has_btrfs {
+            true => Self::Btrfs,
+            false => Self::Ext4,
+        })
+    }
+
+    /// The kind of the file system in `image`, by its superblock's magic number.
+    pub fn of_image(image: &Path) -> io::Result<Self> {
+        use std::os::unix::fs::FileExt as _;
+        let file = fs::File::open(image)?;
+        let mut magic = [0u8; 8];
+        // btrfs: "_BHRfS_M" 64 bytes into the superblock at 64 KiB.
+        if file.read_exact_at(&mut magic, 0x10040).is_ok() && &magic == b"_BHRfS_M" {
+            return Ok(Self::Btrfs);
+        }
+        // ext2/3/4: 0xEF53 56 bytes into the superblock at 1 KiB.
+        let mut ext = [0u8; 2];
+        file.read_exact_at(&mut ext, 1024 + 56)?;
+        match u16::from_le_bytes(ext) {
+            0xEF53 => Ok(Self::Ext4),
+            _ => Err(io::Error::other(format!(
+                "{} holds no file system a layer is made with (btrfs or ext4)",
+                image.display()
+            ))),
+        }
+    }
 }
 
 fn os(what: impl Into<String>) -> impl FnOnce(io::Error) -> DiskError {
@@ -53,17 +129,17 @@ pub fn unavailable() -> Option<String> {
     if !Path::new("/dev/loop-control").exists() {
         return Some("the host has no /dev/loop-control (the loop module is not loaded)".into());
     }
-    if mkfs().is_none() {
-        return Some("mke2fs (e2fsprogs) is not installed".into());
+    // A choice that names no file system fails the layer's creation, where it is said.
+    let Ok(kind) = Kind::chosen() else {
+        return None;
+    };
+    if kind.mkfs().is_none() {
+        return Some(match kind {
+            Kind::Ext4 => "mke2fs (e2fsprogs) is not installed".into(),
+            Kind::Btrfs => "mkfs.btrfs (btrfs-progs) is not installed".into(),
+        });
     }
     None
-}
-
-fn mkfs() -> Option<PathBuf> {
-    ["/usr/sbin/mke2fs", "/sbin/mke2fs", "/usr/bin/mke2fs"]
-        .into_iter()
-        .map(PathBuf::from)
-        .find(|p| p.exists())
 }
 
 /// Gives `layer` (whose directory exists, with nothing in it yet) a file system of `size` bytes
@@ -71,7 +147,8 @@ fn mkfs() -> Option<PathBuf> {
 /// state directory (`disk-templates/`), and each layer gets a sparse copy of it: the few
 /// hundred KiB `mke2fs` wrote, not a new run of it.
 pub fn create(layer: &Layer, templates: &Path, size: u64) -> Result<(), DiskError> {
-    let template = template(templates, size)?;
+    let kind = Kind::chosen().map_err(DiskError::Mkfs)?;
+    let template = template(templates, kind, size)?;
     let image = layer.image();
     let copied = (|| -> io::Result<()> {
         let source = fs::File::open(&template)?;
@@ -94,16 +171,21 @@ pub fn create(layer: &Layer, templates: &Path, size: u64) -> Result<(), DiskErro
     })
 }
 
-/// The template file system of `size` bytes, made now if there is none yet.
-fn template(templates: &Path, size: u64) -> Result<PathBuf, DiskError> {
-    let path = templates.join(format!("ext4-{size}.img"));
+/// The template file system of `kind` and `size` bytes, made now if there is none yet.
+fn template(templates: &Path, kind: Kind, size: u64) -> Result<PathBuf, DiskError> {
+    let path = templates.join(format!("{}-{size}.img", kind.name()));
     if path.exists() {
         return Ok(path);
     }
     fs::create_dir_all(templates).map_err(os(format!("creating {}", templates.display())))?;
     // Made under another name and renamed into place: a template is whole or absent.
-    let partial = templates.join(format!(".ext4-{size}.img.{}", std::process::id()));
+    let partial = templates.join(format!(
+        ".{}-{size}.img.{}",
+        kind.name(),
+        std::process::id()
+    ));
     let file = fs::OpenOptions::new()
+        .read(true)
         .write(true)
         .create(true)
         .truncate(true)
@@ -111,38 +193,96 @@ fn template(templates: &Path, size: u64) -> Result<PathBuf, DiskError> {
         .map_err(os(format!("creating {}", partial.display())))?;
     file.set_len(size)
         .map_err(os(format!("sizing {}", partial.display())))?;
-    drop(file);
-    let Some(mkfs) = mkfs() else {
+    let Some(mkfs) = kind.mkfs() else {
         let _ = fs::remove_file(&partial);
-        return Err(DiskError::Mkfs("mke2fs is not installed".into()));
+        return Err(DiskError::Mkfs(format!(
+            "{} is not installed",
+            match kind {
+                Kind::Ext4 => "mke2fs (e2fsprogs)",
+                Kind::Btrfs => "mkfs.btrfs (btrfs-progs)",
+            }
+        )));
     };
-    // No reserved blocks (the cell is the only user); the inode tables and the journal are
-    // initialised lazily, so that the template holds a few hundred KiB of data.
-    let made = Command::new(mkfs)
-        .args([
-            "-q",
-            "-F",
-            "-t",
-            "ext4",
-            "-m",
-            "0",
-            "-L",
-            "warden-layer",
-            "-E",
-        ])
-        .arg("lazy_itable_init=1,lazy_journal_init=1,nodiscard")
+    let mut command = Command::new(mkfs);
+    match kind {
+        // No reserved blocks (the cell is the only user); the inode tables and the journal are
+        // initialised lazily, so that the template holds a few hundred KiB of data.
+        Kind::Ext4 => command
+            .args([
+                "-q",
+                "-F",
+                "-t",
+                "ext4",
+                "-m",
+                "0",
+                "-L",
+                "warden-layer",
+                "-E",
+            ])
+            .arg("lazy_itable_init=1,lazy_journal_init=1,nodiscard"),
+        // One copy of the metadata (the image is a cell's scratch space, on the host's own
+        // disk); below 1 GiB data and metadata share their space, as mkfs.btrfs advises for
+        // small file systems (it cannot make a plain one under 114 MiB).
+        Kind::Btrfs => command
+            .args(["-q", "-f", "-L", "warden-layer", "--nodiscard"])
+            .args(match size < 1 << 30 {
+                true => &["--mixed"][..],
+                false => &["-m", "single", "-d", "single"][..],
+            }),
+    };
+    let made = command
         .arg(&partial)
         .stdin(std::process::Stdio::null())
         .output()
-        .map_err(os("running mke2fs"))?;
+        .map_err(os(format!(
+            "running {}",
+            kind.mkfs().unwrap_or_default().display()
+        )))?;
     if !made.status.success() {
         let _ = fs::remove_file(&partial);
         return Err(DiskError::Mkfs(
             String::from_utf8_lossy(&made.stderr).trim().to_owned(),
         ));
     }
+    // mkfs.btrfs writes zeros over the first and last MiBs of the device (to wipe what an old
+    // file system left there): as holes they cost each layer's copy nothing.
+    punch_zeros(&file).map_err(os(format!("thinning {}", partial.display())))?;
+    drop(file);
     fs::rename(&partial, &path).map_err(os(format!("placing {}", path.display())))?;
     Ok(path)
+}
+
+/// Turns every block of zeros in `file` into a hole.
+fn punch_zeros(file: &fs::File) -> io::Result<()> {
+    use rustix::fs::{FallocateFlags, SeekFrom, fallocate, seek};
+    use std::os::unix::fs::FileExt as _;
+    const BLOCK: usize = 4096;
+    let length = file.metadata()?.len();
+    let mut block = vec![0u8; BLOCK];
+    let mut at = 0u64;
+    while at < length {
+        let start = match seek(file, SeekFrom::Data(at)) {
+            Ok(start) => start,
+            Err(rustix::io::Errno::NXIO) => break,
+            Err(e) => return Err(e.into()),
+        };
+        let end = seek(file, SeekFrom::Hole(start))?.min(length);
+        let mut offset = start - start % BLOCK as u64;
+        while offset < end {
+            let n = file.read_at(&mut block, offset)?;
+            if n == BLOCK && block.iter().all(|b| *b == 0) {
+                fallocate(
+                    file,
+                    FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
+                    offset,
+                    BLOCK as u64,
+                )?;
+            }
+            offset += BLOCK as u64;
+        }
+        at = end.max(start + 1);
+    }
+    Ok(())
 }
 
 /// Mounts the layer's file system on its `fs/` unless it is mounted already; a layer without
@@ -178,6 +318,7 @@ pub fn attach(layer: &Layer) -> Result<(), DiskError> {
         .map_err(os(format!("opening {}", image.display())))?;
     let mount_point = layer.fs_dir();
     fs::create_dir_all(&mount_point).map_err(os(format!("creating {}", mount_point.display())))?;
+    let kind = Kind::of_image(&image).map_err(os(format!("reading {}", image.display())))?;
     let (device, path) = sys::attach_loop(file.as_fd()).map_err(os(format!(
         "attaching {} to a loop device",
         image.display()
@@ -185,7 +326,7 @@ pub fn attach(layer: &Layer) -> Result<(), DiskError> {
     let mounted = nix::mount::mount(
         Some(&path),
         &mount_point,
-        Some("ext4"),
+        Some(kind.name()),
         nix::mount::MsFlags::MS_NOSUID | nix::mount::MsFlags::MS_NODEV,
         None::<&str>,
     );

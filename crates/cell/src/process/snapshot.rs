@@ -4,6 +4,7 @@
 
 use std::fs;
 use std::io;
+use std::os::fd::AsFd as _;
 use std::os::unix::fs::{
     FileTypeExt as _, MetadataExt as _, OpenOptionsExt as _, PermissionsExt as _,
 };
@@ -322,13 +323,22 @@ pub fn take(
         source,
     })?;
     let (id, dir) = claim(store, cell, name)?;
-    // A cell whose init runs alone gives its upper layer up as the snapshot and goes on on a
-    // fresh one: nothing is copied.
-    // A few small changes are copied all the same: that is quicker than mounting the workspace
-    // again (a few milliseconds, whatever changed), and the next turn-over takes them along.
-    let turned = match frozen.is_quiet() && !copied_quicker(&layer.upper()) {
-        true => turn_over(registry, store, &layer, &meta, cell, &id, &dir),
-        false => Ok(None),
+    // A few small changes are copied: that is quicker than either way below (a few
+    // milliseconds, whatever changed), and a later turn-over takes them along.
+    let small = copied_quicker(&layer.upper());
+    // In a btrfs file system of the layer's own, the snapshot is a clone of its tree, taken
+    // while the cell is frozen (or its init runs alone): nothing is copied, whatever runs.
+    let cloned = match small {
+        true => Ok(None),
+        false => clone_tree(&layer, &id),
+    };
+    // Else a cell whose init runs alone gives its upper layer up as the snapshot and goes on
+    // on a fresh one: nothing is copied either.
+    let turned = match cloned {
+        Ok(None) if frozen.is_quiet() && !small => {
+            turn_over(registry, store, &layer, &meta, cell, &id, &dir)
+        }
+        other => other,
     };
     let mut own = dir.join("layer");
     let result = match turned {
@@ -356,7 +366,12 @@ pub fn take(
             return Err(err);
         }
     };
-    write_record(store, &info)?;
+    if let Err(err) = write_record(store, &info) {
+        if let Some((parent, name)) = clone_of(&info.layer) {
+            let _ = destroy_clone(&parent, &name);
+        }
+        return Err(err);
+    }
     if info.size.is_none() {
         // Counted aside (a walk of every file it holds); `list` counts what this did not.
         let (store, id) = (store.clone(), info.id.clone());
@@ -386,6 +401,62 @@ fn counted(store: &Store, id: &str) -> Result<SnapshotInfo, SnapshotError> {
     };
     write_record(store, &info)?;
     Ok(info)
+}
+
+/// Where the clones of a btrfs layer's tree are kept, in its file system: `snapshots/.sv-ID`,
+/// the snapshot's layer being the clone's `upper/`. (A removed one still stacked is renamed
+/// `.kept-sv-ID-STAMP` until nothing stacks it.)
+const CLONE: &str = ".sv-";
+const KEPT_CLONE: &str = ".kept-sv-";
+
+/// Takes the snapshot of a frozen (or quiet) cell whose layer has a btrfs file system of its
+/// own as a clone of that file system's tree: the snapshot's layer is the clone's `upper/`, in
+/// the cell's disk like a turned-over layer (and so kept there only while the disk is at most
+/// half full). The clone shares every block with the cell's tree until either changes, costs a
+/// few milliseconds however much changed (the file system writes out what is still in memory
+/// first), and needs no new mount: the cell goes on on the same upper layer. `Ok(None)`: the
+/// layer is no such, the caller turns it over or copies.
+fn clone_tree(layer: &Layer, id: &str) -> Result<Option<PathBuf>, SnapshotError> {
+    let root = upper_dir(layer);
+    if !layer.has_image() || !sys::on_btrfs(&root) || !half_free(&root) {
+        return Ok(None);
+    }
+    let turned = root.join("snapshots");
+    fs::create_dir_all(&turned).map_err(copy_err(&turned))?;
+    let open = |dir: &Path| {
+        fs::File::open(dir).map_err(|source| SnapshotError::Copy {
+            path: dir.to_path_buf(),
+            source,
+        })
+    };
+    let (source, into) = (open(&root)?, open(&turned)?);
+    let name = format!("{CLONE}{id}");
+    sys::btrfs_snapshot(source.as_fd(), into.as_fd(), &name).map_err(|source| {
+        SnapshotError::Copy {
+            path: turned.join(&name),
+            source,
+        }
+    })?;
+    Ok(Some(turned.join(name).join("upper")))
+}
+
+/// The clone (its directory and name) whose `upper/` `layer` is, if it is one.
+fn clone_of(layer: &Path) -> Option<(PathBuf, String)> {
+    if layer.file_name()? != "upper" {
+        return None;
+    }
+    let clone = layer.parent()?;
+    let name = clone.file_name()?.to_string_lossy().into_owned();
+    (name.starts_with(CLONE) || name.starts_with(KEPT_CLONE))
+        .then(|| (clone.parent().map(Path::to_path_buf), name))
+        .and_then(|(parent, name)| Some((parent?, name)))
+}
+
+/// Removes the clone `name` of directory `parent` at once (the file system frees its blocks
+/// afterwards).
+fn destroy_clone(parent: &Path, name: &str) -> io::Result<()> {
+    let dir = fs::File::open(parent)?;
+    sys::btrfs_destroy(dir.as_fd(), name)
 }
 
 /// Takes the snapshot of a quiet running cell by turning its upper layer into the snapshot's
@@ -811,15 +882,31 @@ pub fn remove(store: &Store, id: &str) -> Result<(), SnapshotError> {
         let stamp = SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
-        let kept = match info.layer.starts_with(&dir) {
-            true => kept_dir(store).join(format!("{id}-{stamp}")),
-            false => info.layer.with_file_name(format!(".kept-{id}-{stamp}")),
+        let kept = match (info.layer.starts_with(&dir), clone_of(&info.layer)) {
+            (true, _) => kept_dir(store).join(format!("{id}-{stamp}")),
+            // A clone is renamed whole: its `upper/` cannot leave it.
+            (false, Some((parent, _))) => parent
+                .join(format!("{KEPT_CLONE}{id}-{stamp}"))
+                .join("upper"),
+            (false, None) => info.layer.with_file_name(format!(".kept-{id}-{stamp}")),
         };
-        if let Some(parent) = kept.parent() {
+        let (from, to) = match clone_of(&info.layer) {
+            Some(_) => (
+                info.layer
+                    .parent()
+                    .map(Path::to_path_buf)
+                    .unwrap_or_default(),
+                kept.parent().map(Path::to_path_buf).unwrap_or_default(),
+            ),
+            None => (info.layer.clone(), kept.clone()),
+        };
+        if let Some(parent) = to.parent() {
             fs::create_dir_all(parent).map_err(copy_err(parent))?;
         }
-        fs::rename(&info.layer, &kept).map_err(copy_err(&info.layer))?;
+        fs::rename(&from, &to).map_err(copy_err(&from))?;
         relocate(store, &[(info.layer.clone(), kept)])?;
+    } else if let Some((parent, name)) = clone_of(&info.layer) {
+        destroy_clone(&parent, &name).map_err(copy_err(&info.layer))?;
     } else if !info.layer.starts_with(&dir) {
         // Kept in its cell's file system of its own.
         Layer::at(info.layer.clone())
@@ -907,13 +994,26 @@ fn collect(store: &Store) {
                     .flatten()
                     .flatten()
                     .filter(|e| e.file_name().to_string_lossy().starts_with(".kept-"))
-                    .map(|e| e.path()),
+                    .map(
+                        |e| match e.file_name().to_string_lossy().starts_with(KEPT_CLONE) {
+                            true => e.path().join("upper"),
+                            false => e.path(),
+                        },
+                    ),
             );
         }
     }
     for path in kept {
-        if !used.contains(&path) {
-            let _ = Layer::at(path).remove_tree();
+        if used.contains(&path) {
+            continue;
+        }
+        match clone_of(&path) {
+            Some((parent, name)) => {
+                let _ = destroy_clone(&parent, &name);
+            }
+            None => {
+                let _ = Layer::at(path).remove_tree();
+            }
         }
     }
 }

@@ -993,6 +993,66 @@ pub fn attach_loop(file: BorrowedFd<'_>) -> io::Result<(OwnedFd, std::path::Path
     Err(last)
 }
 
+/// The arguments of a btrfs subvolume ioctl that names a subvolume `name` in the directory it
+/// is called on.
+fn btrfs_args(name: &str) -> io::Result<linux_raw_sys::btrfs::btrfs_ioctl_vol_args_v2> {
+    // SAFETY: all zeros is a valid btrfs_ioctl_vol_args_v2 (no flags, an empty name).
+    let mut args: linux_raw_sys::btrfs::btrfs_ioctl_vol_args_v2 = unsafe { std::mem::zeroed() };
+    // SAFETY: `name` is the union's member for calls that name a subvolume; writing it is
+    // writing bytes into the struct.
+    let field = unsafe { &mut args.__bindgen_anon_2.name };
+    if name.is_empty() || name.len() >= field.len() || name.contains(['/', '\0']) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("`{name}` cannot name a subvolume"),
+        ));
+    }
+    for (slot, byte) in field.iter_mut().zip(name.bytes()) {
+        *slot = byte as libc::c_char;
+    }
+    Ok(args)
+}
+
+/// Makes `name` in directory `into` a writable snapshot of the btrfs subvolume whose root
+/// `source` is: the same tree, its extents shared, whatever it holds (the kernel writes out what
+/// is still in memory first).
+pub fn btrfs_snapshot(source: BorrowedFd<'_>, into: BorrowedFd<'_>, name: &str) -> io::Result<()> {
+    use linux_raw_sys::ioctl::BTRFS_IOC_SNAP_CREATE_V2;
+    let mut args = btrfs_args(name)?;
+    args.fd = i64::from(source.as_raw_fd());
+    // SAFETY: `args` is a valid btrfs_ioctl_vol_args_v2 for the duration of the call.
+    let ret = unsafe {
+        libc::ioctl(
+            into.as_raw_fd(),
+            BTRFS_IOC_SNAP_CREATE_V2 as libc::c_ulong,
+            &args as *const linux_raw_sys::btrfs::btrfs_ioctl_vol_args_v2,
+        )
+    };
+    check(ret.into()).map(drop)
+}
+
+/// Removes the btrfs subvolume `name` of directory `parent` with all it holds (its blocks are
+/// freed by the file system's cleaner afterwards).
+pub fn btrfs_destroy(parent: BorrowedFd<'_>, name: &str) -> io::Result<()> {
+    use linux_raw_sys::ioctl::BTRFS_IOC_SNAP_DESTROY_V2;
+    let args = btrfs_args(name)?;
+    // SAFETY: `args` is a valid btrfs_ioctl_vol_args_v2 for the duration of the call.
+    let ret = unsafe {
+        libc::ioctl(
+            parent.as_raw_fd(),
+            BTRFS_IOC_SNAP_DESTROY_V2 as libc::c_ulong,
+            &args as *const linux_raw_sys::btrfs::btrfs_ioctl_vol_args_v2,
+        )
+    };
+    check(ret.into()).map(drop)
+}
+
+/// Whether `dir` is on a btrfs file system.
+pub fn on_btrfs(dir: &std::path::Path) -> bool {
+    const BTRFS_SUPER_MAGIC: i64 = 0x9123_683E;
+    rustix::fs::statfs(dir).is_ok_and(|s| s.f_type == BTRFS_SUPER_MAGIC)
+}
+
 /// Lets go of a loop device's file (for a device whose mount failed: autoclear needs a mount).
 pub fn detach_loop(device: BorrowedFd<'_>) -> io::Result<()> {
     use linux_raw_sys::loop_device::LOOP_CLR_FD;
