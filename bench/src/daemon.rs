@@ -519,7 +519,9 @@ fn main() -> Result<()> {
         }
     }
     let create_each = created.elapsed() / args.cells.max(1) as u32;
-    std::thread::sleep(Duration::from_secs(1));
+    // Idle: each cell up for two seconds or more (a keeper lets go of its start's pages after
+    // one).
+    std::thread::sleep(Duration::from_secs(2));
     let (after_pss, after_rss, processes) = tree_memory(daemon.child.id());
     let n = args.cells.max(1) as f64;
     println!(

@@ -69,7 +69,16 @@ pub fn serve(cell: &Cell, channel: OwnedFd, lifeline: OwnedFd) -> ! {
     };
     let mut execs: HashMap<i32, Exec> = HashMap::new();
     let mut lines: Vec<OwnedFd> = Vec::new();
+    // Once set up a while, the start's pages go (at a poll's timeout: this process has one
+    // thread, and forks).
+    let mut let_go_at = Some(std::time::Instant::now() + sys::STARTUP_LINGER);
     loop {
+        if let Some(at) = let_go_at
+            && std::time::Instant::now() >= at
+        {
+            sys::let_go_of_startup();
+            let_go_at = None;
+        }
         // The sources polled this round: fixed ones, lines, pid pipes, clients.
         let starting: Vec<i32> = execs
             .iter()
@@ -102,7 +111,12 @@ pub fn serve(cell: &Cell, channel: OwnedFd, lifeline: OwnedFd) -> ! {
             let client = execs.get(pid)?.client.as_ref()?;
             Some(PollFd::new(client.as_fd(), PollFlags::POLLIN))
         }));
-        match poll(&mut fds, PollTimeout::NONE) {
+        let timeout = let_go_at.map_or(PollTimeout::NONE, |at| {
+            let left = at.saturating_duration_since(std::time::Instant::now());
+            PollTimeout::try_from(left.as_millis().min(1000) as i32 + 1)
+                .unwrap_or(PollTimeout::NONE)
+        });
+        match poll(&mut fds, timeout) {
             Ok(_) | Err(nix::Error::EINTR) => {}
             Err(_) => sys::exit_now(SETUP_FAILED),
         }

@@ -307,6 +307,10 @@ pub fn keep(
     crate::process::exec::serve(&reservation.file(EXEC_SOCKET), channel, Some(namespaces))
         .map_err(os("opening the cell's exec socket"))?;
     crate::process::run::say_ready(request.ready.as_deref());
+    if request.ready.is_some() {
+        // A daemon's keeper: it now watches its cell for as long as it lives.
+        sys::let_go_of_startup_soon();
+    }
     // The one command's stdin is this process's (a cell that serves execs has none).
     match serves {
         true => drop(stdin_w),

@@ -429,6 +429,10 @@ pub fn run_with(
     )
     .map_err(os("opening the cell's exec socket"))?;
     say_ready(request.ready.as_deref());
+    if request.ready.is_some() {
+        // A daemon's keeper: it now watches its cell for as long as it lives.
+        super::sys::let_go_of_startup_soon();
+    }
     let signals = SignalFd::with_flags(&forwarded, SfdFlags::SFD_CLOEXEC)
         .map_err(nix_os("creating a signalfd"))?;
     spawn_stdin_pump(stdin_w);

@@ -1047,6 +1047,86 @@ pub fn btrfs_destroy(parent: BorrowedFd<'_>, name: &str) -> io::Result<()> {
     check(ret.into()).map(drop)
 }
 
+/// Lets go of what a long-lived helper (a keeper, its host side) needed only to start, once it
+/// is set up: the heap's free memory goes back to the system, and the pages of the warden's own
+/// code and constants that it touched while starting leave its page tables. Those stay in the
+/// page cache, shared with every process that runs them, and come back on the next touch as
+/// minor faults; what nothing else maps becomes clean cache the kernel may reclaim. A mapping
+/// that holds pages of the process's own (relocated data, anything written) is left as it is.
+pub fn let_go_of_startup() {
+    // SAFETY: malloc_trim only returns free heap memory to the system.
+    unsafe { libc::malloc_trim(0) };
+    let Ok(smaps) = std::fs::read_to_string("/proc/self/smaps") else {
+        return;
+    };
+    // The warden's binary: the file of the mapping this function's code is in (by device and
+    // inode: a cell's mount namespace may show the path otherwise).
+    let here = let_go_of_startup as *const () as usize;
+    let mut mappings: Vec<(usize, usize, bool, String, u64)> = Vec::new();
+    for line in smaps.lines() {
+        let mut fields = line.split_whitespace();
+        let first = fields.next().unwrap_or_default();
+        if let Some((start, end)) = first.split_once('-')
+            && let (Ok(start), Ok(end)) = (
+                usize::from_str_radix(start, 16),
+                usize::from_str_radix(end, 16),
+            )
+        {
+            let perms = fields.next().unwrap_or_default();
+            let _offset = fields.next();
+            let file = format!(
+                "{} {}",
+                fields.next().unwrap_or_default(),
+                fields.next().unwrap_or_default()
+            );
+            mappings.push((start, end, !perms.contains('w'), file, u64::MAX));
+        } else if let Some(kib) = line.strip_prefix("Anonymous:")
+            && let Some(last) = mappings.last_mut()
+        {
+            last.4 = kib
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse()
+                .unwrap_or(u64::MAX);
+        }
+    }
+    let Some(binary) = mappings
+        .iter()
+        .find(|(start, end, ..)| (*start..*end).contains(&here))
+        .map(|m| m.3.clone())
+    else {
+        return;
+    };
+    if binary.ends_with(" 0") {
+        return; // not a file's
+    }
+    for (start, end, read_only, file, anonymous) in mappings {
+        if read_only && anonymous == 0 && file == binary {
+            // SAFETY: the range is a whole mapping of this process, read-only and holding no
+            // page of its own: MADV_DONTNEED only drops its page-table entries, and the file's
+            // pages come back unchanged on the next touch.
+            unsafe {
+                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED);
+            }
+        }
+    }
+}
+
+/// How long a helper waits, once set up, before it lets go of its start's pages: a cell is
+/// usually used at once (its first exec), and the work should not compete with that.
+pub const STARTUP_LINGER: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// [`let_go_of_startup`] after [`STARTUP_LINGER`], on a thread of its own in the idle class, for
+/// a process that may have threads (a keeper).
+pub fn let_go_of_startup_soon() {
+    let _ = std::thread::Builder::new().name("let-go".into()).spawn(|| {
+        run_when_idle();
+        std::thread::sleep(STARTUP_LINGER);
+        let_go_of_startup();
+    });
+}
+
 /// Whether `dir` is on a btrfs file system.
 pub fn on_btrfs(dir: &std::path::Path) -> bool {
     const BTRFS_SUPER_MAGIC: i64 = 0x9123_683E;
@@ -1206,6 +1286,53 @@ pub fn process_start_ticks(pid: i32) -> Option<u64> {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    /// Resident KiB of this process's read-only mappings of the file its code is in.
+    fn resident_code_kib() -> u64 {
+        let exe = std::fs::metadata("/proc/self/exe").unwrap();
+        let id = format!("{}", std::os::unix::fs::MetadataExt::ino(&exe));
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut total = 0;
+        let mut ours = false;
+        for line in smaps.lines() {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            if fields
+                .first()
+                .is_some_and(|f| f.contains('-') && !f.ends_with(':'))
+            {
+                ours = fields.get(4) == Some(&id.as_str()) && !fields[1].contains('w');
+            } else if ours && fields.first() == Some(&"Rss:") {
+                total += fields[1].parse::<u64>().unwrap();
+            }
+        }
+        total
+    }
+
+    #[test]
+    fn letting_go_of_startup_drops_the_code_pages_and_keeps_everything_working() {
+        // Touch a good part of the binary's code and constants first, as a keeper's start does
+        // (policies, their rules, serde).
+        let text = format!("{:?}", (1..200).map(|i| i.to_string()).collect::<Vec<_>>());
+        for name in ["default", "python", "node", "rust"] {
+            let policy = warden_policy::preset(name).unwrap();
+            let compiled = warden_egress::Rules::compile(&policy.network);
+            assert!(compiled.is_ok(), "{name}");
+            assert!(!serde_json::to_string(&policy).unwrap().is_empty());
+        }
+        let before = resident_code_kib();
+        let_go_of_startup();
+        let after = resident_code_kib();
+        // What is back is what the look itself ran (with the kernel's fault-around).
+        assert!(
+            after + 1024 < before,
+            "{before} KiB resident before, {after} after"
+        );
+        // Relocated data (vtables, formatting) and code are whole: they come back as they were.
+        let again = format!("{:?}", (1..200).map(|i| i.to_string()).collect::<Vec<_>>());
+        assert_eq!(text, again);
+        let error: Box<dyn std::error::Error> = Box::new(io::Error::other("still here"));
+        assert_eq!(error.to_string(), "still here");
+    }
 
     #[test]
     fn a_listener_that_stopped_accepting_is_reported_at_once() {
