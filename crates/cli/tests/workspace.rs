@@ -369,11 +369,23 @@ fn layers_are_kept_only_when_there_is_something_to_review() {
     );
     assert_eq!(ran.code, 0);
     assert!(!warden_ok(&["ps", "--all"]).stdout.contains(&discarded));
+    // Nothing is left to review, and nothing says there is.
+    assert!(
+        !ran.stderr.contains("changed its workspace"),
+        "{}",
+        ran.stderr
+    );
 
     let kept = unique("kept");
-    run_sh(
+    let ran = run_sh(
         &["--name", &kept, "--workspace", ws.path().to_str().unwrap()],
         "echo x > /workspace/x",
+    );
+    assert!(
+        ran.stderr
+            .contains(&format!("cell {kept} changed its workspace")),
+        "{}",
+        ran.stderr
     );
     let ps = warden_ok(&["ps", "--all"]).stdout;
     assert!(

@@ -274,6 +274,8 @@ impl Harness {
             },
             attached: Attached {
                 name: name.to_owned(),
+                // What `--rm` discarded is not kept, whatever the tier left for this to remove.
+                kept_changes: kept,
                 ..attached
             },
         })
