@@ -367,3 +367,60 @@ fn paths_the_cell_could_not_see_are_refused_before_it_starts_with_the_reason() {
             .contains("implemented: yes")
     );
 }
+
+/// The workspace disk's file system: `doctor` names it and what its snapshots cost; a choice
+/// that names none is said there, and a cell with a workspace is refused with it, before
+/// anything of the cell is made.
+#[test]
+fn a_workspace_disk_of_no_known_file_system_is_refused_and_doctor_says_which_there_are() {
+    if !is_root() {
+        return; // rootless cells keep the disk limit without a disk of their own
+    }
+    let doctor = |kind: &str| {
+        let out = warden()
+            .env("WARDEN_LAYER_FS", kind)
+            .arg("doctor")
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .find(|l| l.contains("workspace disk"))
+            .unwrap_or_default()
+            .to_owned()
+    };
+    assert!(
+        doctor("ext4").contains("[ok  ] process  workspace disk   ext4 (WARDEN_LAYER_FS)"),
+        "{}",
+        doctor("ext4")
+    );
+    let wrong = doctor("zfs");
+    assert!(
+        wrong.starts_with("[warn]") && wrong.contains("`btrfs` or `ext4`"),
+        "{wrong}"
+    );
+    let ws = tempdir();
+    let state = tempdir();
+    let ran = Ran::from(
+        warden()
+            .env("WARDEN_LAYER_FS", "zfs")
+            .env("WARDEN_STATE_DIR", state.path())
+            .args(["run", "--rm", "-w"])
+            .arg(ws.path())
+            .args(["--", "true"])
+            .output()
+            .unwrap(),
+    );
+    assert_ne!(ran.code, 0, "{ran:?}");
+    assert!(
+        ran.stderr.contains("WARDEN_LAYER_FS=zfs") && ran.stderr.contains("`btrfs` or `ext4`"),
+        "{ran:?}"
+    );
+    assert!(
+        !state.path().join("layers").exists()
+            || std::fs::read_dir(state.path().join("layers"))
+                .unwrap()
+                .next()
+                .is_none(),
+        "a layer was left"
+    );
+}

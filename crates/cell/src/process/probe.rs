@@ -38,6 +38,7 @@ pub fn checks() -> Vec<Check> {
     ];
     out.extend(cgroups());
     out.push(cgroup_attach());
+    out.push(workspace_disk());
     out.push(redirect());
     out
 }
@@ -205,37 +206,89 @@ fn cgroups() -> Vec<Check> {
     out
 }
 
-/// Moving a process into a cgroup takes the kernel's `cgroup_threadgroup_rwsem` for writing,
-/// which waits for an RCU grace period unless the hierarchy is mounted with `favordynmods`.
+/// Moving a whole process into a cgroup (`cgroup.procs`) takes the kernel's
+/// `cgroup_threadgroup_rwsem` for writing, which waits for an RCU grace period unless the
+/// hierarchy is mounted with `favordynmods`. A cell's init joins its v1 directories itself by
+/// writing `0` into each `tasks` file (one thread moves without that lock); v2 has no such file,
+/// so a v2 directory is joined through `cgroup.procs`.
 fn cgroup_attach() -> Check {
     let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    let cgroup_mounts: Vec<&str> = mountinfo
+    let favordynmods = mountinfo
         .lines()
         .filter_map(|line| line.split_once(" - ").map(|(_, right)| right))
-        .filter(|right| right.starts_with("cgroup ") || right.starts_with("cgroup2 "))
-        .collect();
-    let fast =
-        !cgroup_mounts.is_empty() && cgroup_mounts.iter().any(|m| m.contains("favordynmods"));
-    if fast {
-        check(
+        .any(|right| right.starts_with("cgroup2 ") && right.contains("favordynmods"));
+    let hierarchies = cgroup::discover();
+    let v2 = hierarchies.iter().any(|h| h.version == Version::V2);
+    match (v2, favordynmods) {
+        (false, _) if !hierarchies.is_empty() => check(
             "process",
             "cgroup attach",
             Status::Ok,
-            "favordynmods: placing a cell in its cgroups is fast".to_owned(),
+            "v1 only: a cell's init joins its cgroups itself (a write to each `tasks` file), with no RCU grace period to wait for"
+                .to_owned(),
             None,
-        )
-    } else {
-        check(
+        ),
+        (true, true) => check(
+            "process",
+            "cgroup attach",
+            Status::Ok,
+            "cgroup v2 mounted with favordynmods: placing a cell in its cgroups is fast".to_owned(),
+            None,
+        ),
+        _ => check(
             "process",
             "cgroup attach",
             Status::Warn,
-            "placing each new cell in its cgroups waits for an RCU grace period (often 10-20 ms)"
+            "placing each new cell in its cgroup v2 directory waits for an RCU grace period (often 10-20 ms)"
                 .to_owned(),
             Some(
-                "for faster cell starts, mount the cgroup hierarchies with the favordynmods option (Linux 6.1+)",
+                "for faster cell starts, mount cgroup2 with the favordynmods option (Linux 6.1+)",
             ),
-        )
+        ),
     }
+}
+
+/// The file system a root cell's workspace disk gets (`limits.disk`), and what its snapshots
+/// cost there.
+fn workspace_disk() -> Check {
+    let chosen = std::env::var_os("WARDEN_LAYER_FS").is_some();
+    let (status, detail, fix) = if !nix::unistd::geteuid().is_root() {
+        (
+            Status::Ok,
+            "rootless: a cell's disk limit is kept per file by the kernel and for the whole workspace by the warden's watch (loop devices are root's)".to_owned(),
+            None,
+        )
+    } else {
+        match (super::disk::unavailable(), super::disk::Kind::chosen()) {
+            (_, Err(why)) => (
+                Status::Warn,
+                why,
+                Some("set WARDEN_LAYER_FS to btrfs or ext4, or unset it"),
+            ),
+            (None, Ok(super::disk::Kind::Btrfs)) => (
+                Status::Ok,
+                "btrfs: a snapshot is a clone of the cell's tree, whether its processes run or not"
+                    .to_owned(),
+                None,
+            ),
+            (None, Ok(super::disk::Kind::Ext4)) => (
+                Status::Ok,
+                format!(
+                    "ext4{}: a snapshot of a cell whose processes run copies what it changed",
+                    if chosen { " (WARDEN_LAYER_FS)" } else { "" }
+                ),
+                (!chosen).then_some("for snapshots that never copy: apt-get install btrfs-progs"),
+            ),
+            (Some(why), _) => (
+                Status::Warn,
+                format!(
+                    "{why}: a cell's disk limit is kept per file by the kernel and for the whole workspace by the warden's watch"
+                ),
+                Some("apt-get install btrfs-progs (or e2fsprogs), and load the loop module"),
+            ),
+        }
+    };
+    check("process", "workspace disk", status, detail, fix)
 }
 
 fn writable(dir: &Path) -> bool {
