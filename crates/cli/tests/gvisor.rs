@@ -178,6 +178,40 @@ fn a_restored_checkpoint_goes_on_from_where_it_stopped() {
     );
     daemon.assert_journal_verifies();
 
+    // A cell no exec was ever started in (its files written through the files API) has no
+    // execs of the warden's to end: it is saved as it is, and comes back whole.
+    let quiet = daemon.create(
+        &unique("ckptquiet"),
+        json!({ "policy": GVISOR, "workspace": host.path().display().to_string() }),
+    );
+    let put = daemon.request(
+        "PUT",
+        &format!("/v1/cells/{quiet}/files/content?path=note.txt"),
+        Some("written, not exec'd\n"),
+    );
+    assert!(put.status < 300, "{}", put.text());
+    let marker = |cell: &str| daemon.runtime().join("cells").join(cell).join("execs");
+    assert!(
+        !marker(&quiet).exists(),
+        "an exec is marked in a cell that had none"
+    );
+    assert!(marker(&new).exists(), "the execs of a cell are not marked");
+    let saved = daemon.call(
+        "POST",
+        &format!("/v1/cells/{quiet}/checkpoint"),
+        Some(json!({ "as": "q" })),
+    );
+    assert_eq!(saved.status, 201, "{}", saved.text());
+    let back = daemon.call(
+        "POST",
+        "/v1/cells",
+        Some(json!({ "name": unique("quietback"), "restore": format!("{quiet}@q") })),
+    );
+    assert_eq!(back.status, 201, "{}", back.text());
+    let back = back.json()["name"].as_str().unwrap().to_owned();
+    let events = daemon.exec(&back, json!({ "argv": ["cat", "note.txt"] }));
+    assert_eq!(stdout(&events), "written, not exec'd\n");
+
     // An unknown checkpoint, and a restore that also names a policy, are refused.
     let unknown = daemon.call(
         "POST",

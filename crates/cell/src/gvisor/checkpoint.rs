@@ -15,6 +15,10 @@ use crate::tier::CellError;
 /// runsc's words when it cannot save a cell that uses the host's network stack.
 const HOSTINET: &str = "hostinet";
 
+/// The file in a cell's runtime folder that says an exec was ever started in it (the host side
+/// makes it before its first `runsc exec`).
+pub const EXECS_MARKER: &str = "execs";
+
 /// Runs a runsc command to its end with pipes of its own; its stderr's last line on failure.
 fn quietly(command: &mut std::process::Command) -> Result<(), String> {
     let out = command
@@ -51,19 +55,23 @@ fn release(runsc: &Runsc, name: &str, user: (u32, u32)) -> Result<(), CellError>
     .map_err(|e| CellError::Refused(format!("ending the execs of cell `{name}`: {e}")))
 }
 
-/// Ends the warden's execs in the cell (see `release`), holds the sandbox still (`runsc
+/// Ends the warden's execs in the cell (see `release`; not needed, and not paid for, while
+/// `execs` does not exist: no exec was ever started in it), holds the sandbox still (`runsc
 /// pause`: gVisor stops its tasks, the sandbox still answers runsc), calls `while_held`, then
 /// saves the image into `image` or, when that or `while_held` fails, lets the cell go on.
 pub fn save(
     runsc: &Runsc,
     name: &str,
     user: (u32, u32),
-    image: &Path,
+    (image, execs): (&Path, &Path),
     while_held: &mut dyn FnMut() -> Result<(), String>,
 ) -> Result<(), CellError> {
     std::fs::create_dir_all(image)
         .map_err(|e| CellError::Host(format!("creating {}: {e}", image.display())))?;
-    release(runsc, name, user)?;
+    let released = execs.exists();
+    if released {
+        release(runsc, name, user)?;
+    }
     quietly(runsc.command("pause").arg(name))
         .map_err(|e| CellError::Refused(format!("holding cell `{name}` still: {e}")))?;
     let saved = while_held().and_then(|()| {
@@ -80,6 +88,11 @@ pub fn save(
         Err(message) => {
             let _ = quietly(runsc.command("resume").arg(name));
             let _ = std::fs::remove_dir_all(image);
+            if !released {
+                // Should anything but an exec have left a descriptor of the host in the cell,
+                // the next checkpoint looks for it.
+                let _ = std::fs::File::create(execs);
+            }
             Err(if message.contains(HOSTINET) {
                 CellError::Unsupported(format!(
                     "cell `{name}` lets traffic out through the gateway, on its namespace's network stack, whose sockets runsc cannot save; only a gVisor cell with no network (no `network.allow`, `ask` or `inference`) can be checkpointed"

@@ -36,6 +36,17 @@ pub struct Cell {
     pub id: String,
     /// The cell's plan: its root as assembled on the host, its user, environment, directory.
     pub plan: CellPlan,
+    /// Made before the first `runsc exec` into the sandbox: until then no process of the cell
+    /// holds a descriptor of the host, and a checkpoint has none to end (see `checkpoint`).
+    pub execs_marker: PathBuf,
+}
+
+/// Makes the cell's mark of execs, once.
+fn mark_execs(cell: &Cell) {
+    static MARKED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !MARKED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        let _ = std::fs::File::create(&cell.execs_marker);
+    }
 }
 
 /// One process started for a client.
@@ -339,6 +350,7 @@ fn spawn_exec(
     }
     std::io::Write::write_all(&mut std::fs::File::from(spec_w), &process)
         .map_err(failed("writing the process's description"))?;
+    mark_execs(cell);
     let mut command = cell.runsc.command("exec");
     command
         .args([
@@ -526,6 +538,7 @@ fn signal_group(cell: &Cell, group: i32, signal: i32) {
     let Ok((quiet_r, quiet_w)) = sys::pipe() else {
         return;
     };
+    mark_execs(cell);
     let mut command = cell.runsc.command("exec");
     command
         .arg("--user")

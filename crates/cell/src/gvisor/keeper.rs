@@ -174,6 +174,7 @@ pub fn keep(
             runsc: runsc.clone(),
             id: name.clone(),
             plan: plan.clone(),
+            execs_marker: reservation.file(super::checkpoint::EXECS_MARKER),
         };
         let host_pid = match sys::clone_process(0).map_err(os("starting the cell's host side"))? {
             0 => {

@@ -117,7 +117,14 @@ impl Backend for GvisorBackend {
             .process()
             .as_ref()
             .map_or((0, 0), |p| (p.user().uid(), p.user().gid()));
-        checkpoint::save(&runsc, name, user, image, while_held)?;
+        let execs = self
+            .keepers
+            .config()
+            .runtime
+            .join("cells")
+            .join(name)
+            .join(checkpoint::EXECS_MARKER);
+        checkpoint::save(&runsc, name, user, (image, &execs), while_held)?;
         // The image is whole; the cell ends there (runsc leaves a container it saved paused).
         match self.keepers.adopt(name)? {
             Some(cell) => cell.kill(),
