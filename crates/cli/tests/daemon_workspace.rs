@@ -770,9 +770,7 @@ fn a_quiet_cells_snapshot_and_reset_turn_layers_over_without_copies() {
     if !cgroups_available("daemon_turn_over") {
         return;
     }
-    // Layers turned over, as on an ext4 disk (a btrfs one clones its tree instead: see
-    // `a_running_cells_snapshot_in_a_btrfs_disk_is_a_clone_not_a_copy`).
-    let daemon = Daemon::start_with(&[], &[("WARDEN_LAYER_FS", "ext4")]);
+    let daemon = Daemon::start(&[]);
     let host = tempdir();
     std::fs::write(host.path().join("a.txt"), "host\n").unwrap();
     let cell = daemon.create(
@@ -890,8 +888,7 @@ fn a_quiet_cells_snapshot_and_reset_turn_layers_over_without_copies() {
 
 /// In a btrfs disk of the cell's own, a snapshot of a cell whose processes run (one writes a
 /// file a hundred times a second throughout) is a clone of the disk's tree taken while the cell
-/// is frozen (as is one of a cell whose init runs alone, without mounting its workspace again):
-/// the snapshot's files are the cell's by inode (a copy would have made new ones),
+/// is frozen: the snapshot's files are the cell's by inode (a copy would have made new ones),
 /// hold what they held at that moment, and nothing the cell writes afterwards reaches them. The
 /// writer goes on. A fork sees the moment; when the cell is deleted, the clone the fork stacks
 /// is moved out and the fork still reads it; removing the snapshot then lets go of it.
@@ -929,11 +926,35 @@ fn a_running_cells_snapshot_in_a_btrfs_disk_is_a_clone_not_a_copy() {
     // Three hundred files (more than a copy is quicker for).
     run("mkdir d && i=1; while [ $i -le 300 ]; do echo $i > d/f$i; i=$((i+1)); done");
     let ino = |path: &std::path::Path| std::fs::symlink_metadata(path).unwrap().ino();
-    // With nothing but the init running, a clone too: no layer turned over, no new mount.
-    snapshot_as(&daemon, &cell, "quiet");
-    let quiet = snapshot_layer(&daemon, &cell, "quiet");
-    assert_eq!(ino(quiet.parent().unwrap()), 256, "{quiet:?} is no clone");
-    assert_eq!(ino(&quiet.join("d/f7")), ino(&fs_dir.join("upper/d/f7")));
+    // The cell cannot make files share extents (a reflink, a dedupe, a copy_file_range, which
+    // btrfs would turn into one): its files' data stays within its disk, and so does any copy
+    // of them. cp falls back to reading and writing.
+    let shared = run(r#"python3 -c '
+import errno, fcntl, os
+open("big", "wb").write(os.urandom(1 << 20))
+src = os.open("big", os.O_RDONLY)
+dst = os.open("twin", os.O_WRONLY | os.O_CREAT)
+def tried(call):
+    try:
+        call()
+        return "made"
+    except OSError as e:
+        return errno.errorcode[e.errno]
+print(tried(lambda: fcntl.ioctl(dst, 0x40049409, src)))
+rng = bytearray(32)
+rng[0:4] = src.to_bytes(4, "little")
+print(tried(lambda: fcntl.ioctl(dst, 0x4020940d, rng)))
+print(tried(lambda: os.copy_file_range(src, dst, 1 << 20)))
+' && cp big copy && cmp big copy && echo copied"#);
+    assert_eq!(
+        shared,
+        "EPERM
+EPERM
+ENOSYS
+copied
+",
+        "{shared}"
+    );
     // And a writer that never stops.
     let writer = daemon.call(
         "POST",
@@ -1031,9 +1052,7 @@ fn stacked_snapshots_outlive_their_names_and_their_cell() {
     if !cgroups_available("daemon_stacked") {
         return;
     }
-    // Layers turned over, as on an ext4 disk (a btrfs one clones its tree instead: see
-    // `a_running_cells_snapshot_in_a_btrfs_disk_is_a_clone_not_a_copy`).
-    let daemon = Daemon::start_with(&[], &[("WARDEN_LAYER_FS", "ext4")]);
+    let daemon = Daemon::start(&[]);
     let host = tempdir();
     std::fs::write(host.path().join("a.txt"), "host\n").unwrap();
     let cell = daemon.create(
@@ -1304,9 +1323,7 @@ fn a_deep_stack_of_snapshots_is_squashed() {
     if !cgroups_available("daemon_squash") {
         return;
     }
-    // Layers turned over, as on an ext4 disk (a btrfs one clones its tree instead: see
-    // `a_running_cells_snapshot_in_a_btrfs_disk_is_a_clone_not_a_copy`).
-    let daemon = Daemon::start_with(&[], &[("WARDEN_LAYER_FS", "ext4")]);
+    let daemon = Daemon::start(&[]);
     let host = tempdir();
     std::fs::write(host.path().join("host.txt"), "host\n").unwrap();
     let cell = daemon.create(

@@ -74,6 +74,12 @@ const DENIED: &[i64] = &[
 ];
 
 const TIOCSTI: u64 = 0x5412;
+/// Sharing extents between files (reflinks and deduplication): on a btrfs disk a cell could make
+/// files whose data is far larger than its disk, which a copy out of the disk (a snapshot past
+/// half of it, a removal that moves snapshots out) would then write in full on the host.
+const FICLONE: u64 = 0x4004_9409;
+const FICLONERANGE: u64 = 0x4020_940d;
+const FIDEDUPERANGE: u64 = 0xc018_9436;
 const TIOCLINUX: u64 = 0x541C;
 const AF_NETLINK: u64 = 16;
 const AF_PACKET: u64 = 17;
@@ -119,6 +125,9 @@ pub fn deny_filter() -> Result<BpfProgram, SeccompError> {
         vec![
             rule(vec![cond(1, Len::Dword, Op::Eq, TIOCSTI)?])?,
             rule(vec![cond(1, Len::Dword, Op::Eq, TIOCLINUX)?])?,
+            rule(vec![cond(1, Len::Dword, Op::Eq, FICLONE)?])?,
+            rule(vec![cond(1, Len::Dword, Op::Eq, FICLONERANGE)?])?,
+            rule(vec![cond(1, Len::Dword, Op::Eq, FIDEDUPERANGE)?])?,
         ],
     );
     // Sockets that reach past the network namespace or the host's kernel internals.
@@ -177,7 +186,8 @@ const ARCH_CHECK_LEN: usize = 3;
 /// Checks that run before the per-syscall rules: refuse x32 system calls (numbers with bit 30
 /// set share the x86_64 audit architecture and would otherwise slip past a deny list), and make
 /// `clone3` and `openat2` fail with ENOSYS: both pass their flags in memory a filter cannot read,
-/// and libc then falls back to `clone` and `openat`, whose arguments the rules check.
+/// and libc then falls back to `clone` and `openat`, whose arguments the rules check. So does
+/// `copy_file_range` (programs then read and write), which on a btrfs disk shares extents.
 fn prelude() -> Vec<sock_filter> {
     const BPF_LD_W_ABS: u16 = 0x20;
     const BPF_JMP_JEQ_K: u16 = 0x15;
@@ -196,8 +206,9 @@ fn prelude() -> Vec<sock_filter> {
         stmt(BPF_LD_W_ABS, SECCOMP_DATA_NR),
         jump(BPF_JMP_JGE_K, X32_SYSCALL_BIT, 0, 1),
         stmt(BPF_RET_K, libc::SECCOMP_RET_ERRNO | libc::EPERM as u32),
-        jump(BPF_JMP_JEQ_K, libc::SYS_clone3 as u32, 1, 0),
-        jump(BPF_JMP_JEQ_K, libc::SYS_openat2 as u32, 0, 1),
+        jump(BPF_JMP_JEQ_K, libc::SYS_clone3 as u32, 2, 0),
+        jump(BPF_JMP_JEQ_K, libc::SYS_openat2 as u32, 1, 0),
+        jump(BPF_JMP_JEQ_K, libc::SYS_copy_file_range as u32, 0, 1),
         stmt(BPF_RET_K, libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32),
     ]
 }

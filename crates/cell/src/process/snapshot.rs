@@ -326,18 +326,18 @@ pub fn take(
     // A few small changes are copied: that is quicker than either way below (a few
     // milliseconds, whatever changed), and a later turn-over takes them along.
     let small = copied_quicker(&layer.upper());
-    // In a btrfs file system of the layer's own, the snapshot is a clone of its tree, taken
-    // while the cell is frozen (or its init runs alone): nothing is copied, whatever runs.
-    let cloned = match small {
-        true => Ok(None),
-        false => clone_tree(&layer, &id),
+    // A cell whose init runs alone gives its upper layer up as the snapshot and goes on on a
+    // fresh one: nothing is copied, and each snapshot's layer holds only what changed since
+    // the one before.
+    let turned = match frozen.is_quiet() && !small {
+        true => turn_over(registry, store, &layer, &meta, cell, &id, &dir),
+        false => Ok(None),
     };
-    // Else a cell whose init runs alone gives its upper layer up as the snapshot and goes on
-    // on a fresh one: nothing is copied either.
-    let turned = match cloned {
-        Ok(None) if frozen.is_quiet() && !small => {
-            turn_over(registry, store, &layer, &meta, cell, &id, &dir)
-        }
+    // Else (a process runs), in a btrfs file system of the layer's own, the snapshot is a clone
+    // of its tree, taken while the cell is frozen: nothing is copied either. (A clone holds the
+    // whole upper layer of its moment, as a copy would.)
+    let turned = match turned {
+        Ok(None) if !small => clone_tree(&layer, &id),
         other => other,
     };
     let mut own = dir.join("layer");
