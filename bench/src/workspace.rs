@@ -179,11 +179,11 @@ fn main() -> Result<()> {
     }
     println!();
     println!(
-        "quiet: the cell's init runs alone; process runs: a `sleep` holds the workspace. btrfs: a \
-         snapshot is a clone of the disk's tree, taken while the cell is frozen or quiet; ext4: a \
-         quiet cell's upper layer becomes the snapshot's and the workspace is mounted again on a \
-         fresh one, a running cell's is copied. A reset of a quiet cell mounts the target's \
-         layers again. Up to 100 entries are copied on either. Each cell keeps its rounds' \
+        "quiet: the cell's init runs alone, and its upper layer becomes the snapshot's (the \
+         workspace is mounted again on a fresh one); process runs: a `sleep` holds the \
+         workspace, and the snapshot is a clone of the disk's tree taken while the cell is \
+         frozen (btrfs) or a copy (ext4). A reset of a quiet cell mounts the target's layers \
+         again. Up to 100 entries are copied on either. Each cell keeps its rounds' \
          snapshots, on an 8 GiB disk limit (past half of a disk's inodes or blocks, snapshots copy \
          instead)"
     );
