@@ -258,10 +258,16 @@ fn host_arch() -> &'static str {
     }
 }
 
+/// `warden image pull` in `state`, from the plain-HTTP registry at `address`.
+fn pull_from(state: &Path, address: &str) -> Command {
+    let mut cmd = warden_in(state);
+    cmd.args(["image", "pull", "--insecure-registry", address]);
+    cmd
+}
+
 /// Pulls `REPOSITORY:TAG` from `registry`, which must refuse it; returns what it said.
 fn pull_refused(state: &Path, registry: &Registry, reference: &str) -> String {
-    let refused = warden_in(state)
-        .args(["image", "pull", "--insecure-registry", &registry.address()])
+    let refused = pull_from(state, &registry.address())
         .arg(format!("{}/{reference}", registry.address()))
         .output()
         .unwrap();
@@ -305,14 +311,8 @@ fn an_image_pulled_from_a_registry_runs_as_a_cell_and_a_changed_blob_is_refused(
     registry.push_manifest("tools/mini", "1", OCI_INDEX, &index);
     let reference = format!("{}/tools/mini:1", registry.address());
 
-    let pulled = warden_in(&state)
-        .args([
-            "image",
-            "pull",
-            "--insecure-registry",
-            &registry.address(),
-            "--json",
-        ])
+    let pulled = pull_from(&state, &registry.address())
+        .arg("--json")
         .arg(&reference)
         .output()
         .unwrap();
@@ -349,8 +349,7 @@ fn an_image_pulled_from_a_registry_runs_as_a_cell_and_a_changed_blob_is_refused(
 
     // The other platform, asked for by name, under another name.
     let theirs_name = "mini-other:1";
-    let pulled = warden_in(&state)
-        .args(["image", "pull", "--insecure-registry", &registry.address()])
+    let pulled = pull_from(&state, &registry.address())
         .args([
             "--platform",
             &format!("linux/{other}"),
@@ -368,8 +367,7 @@ fn an_image_pulled_from_a_registry_runs_as_a_cell_and_a_changed_blob_is_refused(
     let before = store_entries(&state);
 
     // A platform the image lacks, and a tag that is not there: refused, nothing kept.
-    let refused = warden_in(&state)
-        .args(["image", "pull", "--insecure-registry", &registry.address()])
+    let refused = pull_from(&state, &registry.address())
         .args(["--platform", "linux/s390x", "--name", "nope:1"])
         .arg(&reference)
         .output()
@@ -467,13 +465,7 @@ fn an_endless_manifest_is_cut_off() {
     let dir = tempdir();
     let state = dir.path().join("state");
     let started = Instant::now();
-    let refused = warden_in(&state)
-        .args([
-            "image",
-            "pull",
-            "--insecure-registry",
-            &format!("127.0.0.1:{port}"),
-        ])
+    let refused = pull_from(&state, &format!("127.0.0.1:{port}"))
         .arg(format!("127.0.0.1:{port}/endless/manifest:1"))
         .output()
         .unwrap();
@@ -650,8 +642,8 @@ fn a_registry_behind_a_token_service_is_pulled_with_its_token_and_an_endless_ans
 
     let (front, seen, _) = bearer_front(registry.port, TokenAnswer::Granted);
     let reference = format!("{front}/team/tool:2");
-    let pulled = warden_in(&state)
-        .args(["image", "pull", "--insecure-registry", &front, "--json"])
+    let pulled = pull_from(&state, &front)
+        .arg("--json")
         .arg(&reference)
         .env("WARDEN_REGISTRY_USER", "ci")
         .env("WARDEN_REGISTRY_PASSWORD", "s3cret")
@@ -706,8 +698,7 @@ fn a_registry_behind_a_token_service_is_pulled_with_its_token_and_an_endless_ans
     // A realm that never stops answering.
     let (front, _, sent) = bearer_front(registry.port, TokenAnswer::Endless);
     let started = Instant::now();
-    let refused = warden_in(&state)
-        .args(["image", "pull", "--insecure-registry", &front])
+    let refused = pull_from(&state, &front)
         .arg(format!("{front}/team/tool:2"))
         .output()
         .unwrap();

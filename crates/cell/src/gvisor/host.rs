@@ -17,7 +17,7 @@ use std::os::fd::{AsFd as _, AsRawFd as _, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt as _;
 use std::path::{Path, PathBuf};
 
-use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::poll::{PollFd, PollFlags, poll};
 use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 
@@ -82,14 +82,9 @@ pub fn serve(cell: &Cell, channel: OwnedFd, lifeline: OwnedFd) -> ! {
     let mut lines: Vec<OwnedFd> = Vec::new();
     // Once set up a while, the start's pages go (at a poll's timeout: this process has one
     // thread, and forks).
-    let mut let_go_at = Some(std::time::Instant::now() + sys::STARTUP_LINGER);
+    let mut let_go = sys::LetGo::after_linger(true);
     loop {
-        if let Some(at) = let_go_at
-            && std::time::Instant::now() >= at
-        {
-            sys::let_go_of_startup();
-            let_go_at = None;
-        }
+        let_go.when_due();
         // The sources polled this round: fixed ones, lines, pid pipes, clients.
         let starting: Vec<i32> = execs
             .iter()
@@ -122,12 +117,7 @@ pub fn serve(cell: &Cell, channel: OwnedFd, lifeline: OwnedFd) -> ! {
             let client = execs.get(pid)?.client.as_ref()?;
             Some(PollFd::new(client.as_fd(), PollFlags::POLLIN))
         }));
-        let timeout = let_go_at.map_or(PollTimeout::NONE, |at| {
-            let left = at.saturating_duration_since(std::time::Instant::now());
-            PollTimeout::try_from(left.as_millis().min(1000) as i32 + 1)
-                .unwrap_or(PollTimeout::NONE)
-        });
-        match poll(&mut fds, timeout) {
+        match poll(&mut fds, let_go.poll_timeout()) {
             Ok(_) | Err(nix::Error::EINTR) => {}
             Err(_) => sys::exit_now(SETUP_FAILED),
         }

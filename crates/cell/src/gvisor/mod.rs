@@ -102,28 +102,15 @@ impl Backend for GvisorBackend {
     ) -> Result<(), CellError> {
         let runsc = runsc::Runsc::find(&self.keepers.config().state)
             .ok_or_else(|| CellError::Unsupported(keeper::GvisorError::NoRunsc.to_string()))?;
-        // The cell's user, as its bundle says.
-        let bundle = self
-            .keepers
-            .config()
-            .runtime
-            .join("cells")
-            .join(name)
-            .join("bundle")
-            .join("config.json");
-        let spec = oci_spec::runtime::Spec::load(&bundle)
+        // The cell's runtime folder: its bundle, which says its user, and its mark of execs.
+        let folder = self.keepers.config().runtime.join("cells").join(name);
+        let spec = oci_spec::runtime::Spec::load(folder.join("bundle").join("config.json"))
             .map_err(|e| CellError::Ended(format!("cell `{name}` has no bundle ({e})")))?;
         let user = spec
             .process()
             .as_ref()
             .map_or((0, 0), |p| (p.user().uid(), p.user().gid()));
-        let execs = self
-            .keepers
-            .config()
-            .runtime
-            .join("cells")
-            .join(name)
-            .join(checkpoint::EXECS_MARKER);
+        let execs = folder.join(checkpoint::EXECS_MARKER);
         checkpoint::save(&runsc, name, user, (image, &execs), while_held)?;
         // The image is whole; the cell ends there (runsc leaves a container it saved paused).
         match self.keepers.adopt(name)? {

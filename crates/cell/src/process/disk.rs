@@ -74,6 +74,14 @@ impl Kind {
         names.iter().map(PathBuf::from).find(|p| p.exists())
     }
 
+    /// What to install for it, when `mkfs` finds nothing.
+    fn missing(self) -> String {
+        match self {
+            Self::Ext4 => "mke2fs (e2fsprogs) is not installed".to_owned(),
+            Self::Btrfs => "mkfs.btrfs (btrfs-progs) is not installed".to_owned(),
+        }
+    }
+
     /// The kind new layers get: `WARDEN_LAYER_FS` when set, else btrfs where `mkfs.btrfs` is
     /// installed and the kernel has it, else ext4.
     pub fn chosen() -> Result<Self, String> {
@@ -87,14 +95,18 @@ impl Kind {
                 ));
             }
         }
-        let kernel_has_btrfs = fs::read_to_string("/proc/filesystems").is_ok_and(|all| {
-            all.lines()
-                .any(|l| l.split_whitespace().last() == Some("btrfs"))
-        });
-        Ok(match Self::Btrfs.mkfs().is_some() && kernel_has_btrfs {
-            true => Self::Btrfs,
-            false => Self::Ext4,
-        })
+        // What this host offers does not change while the warden runs: looked at once.
+        static FOUND: std::sync::OnceLock<Kind> = std::sync::OnceLock::new();
+        Ok(*FOUND.get_or_init(|| {
+            let kernel_has_btrfs = fs::read_to_string("/proc/filesystems").is_ok_and(|all| {
+                all.lines()
+                    .any(|l| l.split_whitespace().last() == Some("btrfs"))
+            });
+            match Self::Btrfs.mkfs().is_some() && kernel_has_btrfs {
+                true => Self::Btrfs,
+                false => Self::Ext4,
+            }
+        }))
     }
 
     /// The kind of the file system in `image`, by its superblock's magic number.
@@ -133,13 +145,7 @@ pub fn unavailable() -> Option<String> {
     let Ok(kind) = Kind::chosen() else {
         return None;
     };
-    if kind.mkfs().is_none() {
-        return Some(match kind {
-            Kind::Ext4 => "mke2fs (e2fsprogs) is not installed".into(),
-            Kind::Btrfs => "mkfs.btrfs (btrfs-progs) is not installed".into(),
-        });
-    }
-    None
+    kind.mkfs().is_none().then(|| kind.missing())
 }
 
 /// Gives `layer` (whose directory exists, with nothing in it yet) a file system of `size` bytes
@@ -177,6 +183,7 @@ fn template(templates: &Path, kind: Kind, size: u64) -> Result<PathBuf, DiskErro
     if path.exists() {
         return Ok(path);
     }
+    let mkfs = kind.mkfs().ok_or_else(|| DiskError::Mkfs(kind.missing()))?;
     fs::create_dir_all(templates).map_err(os(format!("creating {}", templates.display())))?;
     // Made under another name and renamed into place: a template is whole or absent.
     let partial = templates.join(format!(
@@ -193,17 +200,7 @@ fn template(templates: &Path, kind: Kind, size: u64) -> Result<PathBuf, DiskErro
         .map_err(os(format!("creating {}", partial.display())))?;
     file.set_len(size)
         .map_err(os(format!("sizing {}", partial.display())))?;
-    let Some(mkfs) = kind.mkfs() else {
-        let _ = fs::remove_file(&partial);
-        return Err(DiskError::Mkfs(format!(
-            "{} is not installed",
-            match kind {
-                Kind::Ext4 => "mke2fs (e2fsprogs)",
-                Kind::Btrfs => "mkfs.btrfs (btrfs-progs)",
-            }
-        )));
-    };
-    let mut command = Command::new(mkfs);
+    let mut command = Command::new(&mkfs);
     match kind {
         // No reserved blocks (the cell is the only user); the inode tables and the journal are
         // initialised lazily, so that the template holds a few hundred KiB of data.
@@ -234,10 +231,7 @@ fn template(templates: &Path, kind: Kind, size: u64) -> Result<PathBuf, DiskErro
         .arg(&partial)
         .stdin(std::process::Stdio::null())
         .output()
-        .map_err(os(format!(
-            "running {}",
-            kind.mkfs().unwrap_or_default().display()
-        )))?;
+        .map_err(os(format!("running {}", mkfs.display())))?;
     if !made.status.success() {
         let _ = fs::remove_file(&partial);
         return Err(DiskError::Mkfs(
@@ -254,33 +248,19 @@ fn template(templates: &Path, kind: Kind, size: u64) -> Result<PathBuf, DiskErro
 
 /// Turns every block of zeros in `file` into a hole.
 fn punch_zeros(file: &fs::File) -> io::Result<()> {
-    use rustix::fs::{FallocateFlags, SeekFrom, fallocate, seek};
+    use rustix::fs::{FallocateFlags, fallocate};
     use std::os::unix::fs::FileExt as _;
-    const BLOCK: usize = 4096;
-    let length = file.metadata()?.len();
-    let mut block = vec![0u8; BLOCK];
-    let mut at = 0u64;
-    while at < length {
-        let start = match seek(file, SeekFrom::Data(at)) {
-            Ok(start) => start,
-            Err(rustix::io::Errno::NXIO) => break,
-            Err(e) => return Err(e.into()),
-        };
-        let end = seek(file, SeekFrom::Hole(start))?.min(length);
-        let mut offset = start - start % BLOCK as u64;
-        while offset < end {
+    const BLOCK: u64 = 4096;
+    let mut block = [0u8; BLOCK as usize];
+    for extent in sys::data_extents(file, file.metadata()?.len()) {
+        let (start, end) = extent?;
+        for offset in (start - start % BLOCK..end).step_by(BLOCK as usize) {
             let n = file.read_at(&mut block, offset)?;
-            if n == BLOCK && block.iter().all(|b| *b == 0) {
-                fallocate(
-                    file,
-                    FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
-                    offset,
-                    BLOCK as u64,
-                )?;
+            if n == block.len() && block.iter().all(|b| *b == 0) {
+                let holed = FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE;
+                fallocate(file, holed, offset, BLOCK)?;
             }
-            offset += BLOCK as u64;
         }
-        at = end.max(start + 1);
     }
     Ok(())
 }

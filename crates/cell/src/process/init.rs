@@ -424,7 +424,7 @@ fn supervise(
     }: Started,
     plan: &CellPlan,
 ) -> ! {
-    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    use nix::poll::{PollFd, PollFlags, poll};
     use std::collections::HashMap;
     use std::os::fd::AsFd as _;
     let mut execs: HashMap<Pid, Exec> = HashMap::new();
@@ -433,16 +433,9 @@ fn supervise(
     // A cell that serves execs: its init waits for them for as long as the cell lives, and
     // lets go of its start's pages once it has been set up a while (single-threaded: at a
     // poll's timeout, not on a thread).
-    let mut let_go_at = main
-        .is_none()
-        .then(|| std::time::Instant::now() + sys::STARTUP_LINGER);
+    let mut let_go = sys::LetGo::after_linger(main.is_none());
     loop {
-        if let Some(at) = let_go_at
-            && std::time::Instant::now() >= at
-        {
-            sys::let_go_of_startup();
-            let_go_at = None;
-        }
+        let_go.when_due();
         // Clients still connected, watched for their signals and their hang-up.
         let watched: Vec<Pid> = execs
             .iter()
@@ -469,12 +462,7 @@ fn supervise(
                 .filter_map(|pid| execs.get(pid).and_then(|e| e.client.as_ref()))
                 .map(|client| PollFd::new(client.as_fd(), PollFlags::POLLIN)),
         );
-        let timeout = let_go_at.map_or(PollTimeout::NONE, |at| {
-            let left = at.saturating_duration_since(std::time::Instant::now());
-            PollTimeout::try_from(left.as_millis().min(1000) as i32 + 1)
-                .unwrap_or(PollTimeout::NONE)
-        });
-        match poll(&mut fds, timeout) {
+        match poll(&mut fds, let_go.poll_timeout()) {
             Ok(_) | Err(nix::Error::EINTR) => {}
             Err(_) => sys::exit_now(SETUP_FAILED),
         }

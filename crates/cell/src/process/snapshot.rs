@@ -447,9 +447,8 @@ fn clone_of(layer: &Path) -> Option<(PathBuf, String)> {
     }
     let clone = layer.parent()?;
     let name = clone.file_name()?.to_string_lossy().into_owned();
-    (name.starts_with(CLONE) || name.starts_with(KEPT_CLONE))
-        .then(|| (clone.parent().map(Path::to_path_buf), name))
-        .and_then(|(parent, name)| Some((parent?, name)))
+    let is_clone = name.starts_with(CLONE) || name.starts_with(KEPT_CLONE);
+    is_clone.then_some((clone.parent()?.to_path_buf(), name))
 }
 
 /// Removes the clone `name` of directory `parent` at once (the file system frees its blocks
@@ -882,23 +881,21 @@ pub fn remove(store: &Store, id: &str) -> Result<(), SnapshotError> {
         let stamp = SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
-        let kept = match (info.layer.starts_with(&dir), clone_of(&info.layer)) {
-            (true, _) => kept_dir(store).join(format!("{id}-{stamp}")),
-            // A clone is renamed whole: its `upper/` cannot leave it.
-            (false, Some((parent, _))) => parent
-                .join(format!("{KEPT_CLONE}{id}-{stamp}"))
-                .join("upper"),
-            (false, None) => info.layer.with_file_name(format!(".kept-{id}-{stamp}")),
-        };
-        let (from, to) = match clone_of(&info.layer) {
-            Some(_) => (
-                info.layer
-                    .parent()
-                    .map(Path::to_path_buf)
-                    .unwrap_or_default(),
-                kept.parent().map(Path::to_path_buf).unwrap_or_default(),
-            ),
-            None => (info.layer.clone(), kept.clone()),
+        // What is renamed (a clone whole: its `upper/` cannot leave it), where to, and where the
+        // layer then is.
+        let (from, to, kept) = match clone_of(&info.layer) {
+            _ if info.layer.starts_with(&dir) => {
+                let kept = kept_dir(store).join(format!("{id}-{stamp}"));
+                (info.layer.clone(), kept.clone(), kept)
+            }
+            Some((parent, name)) => {
+                let to = parent.join(format!("{KEPT_CLONE}{id}-{stamp}"));
+                (parent.join(name), to.clone(), to.join("upper"))
+            }
+            None => {
+                let kept = info.layer.with_file_name(format!(".kept-{id}-{stamp}"));
+                (info.layer.clone(), kept.clone(), kept)
+            }
         };
         if let Some(parent) = to.parent() {
             fs::create_dir_all(parent).map_err(copy_err(parent))?;

@@ -1013,38 +1013,41 @@ fn btrfs_args(name: &str) -> io::Result<linux_raw_sys::btrfs::btrfs_ioctl_vol_ar
     Ok(args)
 }
 
-/// Makes `name` in directory `into` a writable snapshot of the btrfs subvolume whose root
-/// `source` is: the same tree, its extents shared, whatever it holds (the kernel writes out what
-/// is still in memory first).
-pub fn btrfs_snapshot(source: BorrowedFd<'_>, into: BorrowedFd<'_>, name: &str) -> io::Result<()> {
-    use linux_raw_sys::ioctl::BTRFS_IOC_SNAP_CREATE_V2;
-    let mut args = btrfs_args(name)?;
-    args.fd = i64::from(source.as_raw_fd());
+/// Calls the btrfs subvolume ioctl `request` on directory `dir` with `args`.
+fn btrfs_ioctl(
+    dir: BorrowedFd<'_>,
+    request: u32,
+    args: &linux_raw_sys::btrfs::btrfs_ioctl_vol_args_v2,
+) -> io::Result<()> {
     // SAFETY: `args` is a valid btrfs_ioctl_vol_args_v2 for the duration of the call.
     let ret = unsafe {
         libc::ioctl(
-            into.as_raw_fd(),
-            BTRFS_IOC_SNAP_CREATE_V2 as libc::c_ulong,
-            &args as *const linux_raw_sys::btrfs::btrfs_ioctl_vol_args_v2,
+            dir.as_raw_fd(),
+            request as libc::c_ulong,
+            args as *const linux_raw_sys::btrfs::btrfs_ioctl_vol_args_v2,
         )
     };
     check(ret.into()).map(drop)
 }
 
+/// Makes `name` in directory `into` a writable snapshot of the btrfs subvolume whose root
+/// `source` is: the same tree, its extents shared, whatever it holds (the kernel writes out what
+/// is still in memory first).
+pub fn btrfs_snapshot(source: BorrowedFd<'_>, into: BorrowedFd<'_>, name: &str) -> io::Result<()> {
+    let mut args = btrfs_args(name)?;
+    args.fd = i64::from(source.as_raw_fd());
+    btrfs_ioctl(into, linux_raw_sys::ioctl::BTRFS_IOC_SNAP_CREATE_V2, &args)
+}
+
 /// Removes the btrfs subvolume `name` of directory `parent` with all it holds (its blocks are
 /// freed by the file system's cleaner afterwards).
 pub fn btrfs_destroy(parent: BorrowedFd<'_>, name: &str) -> io::Result<()> {
-    use linux_raw_sys::ioctl::BTRFS_IOC_SNAP_DESTROY_V2;
     let args = btrfs_args(name)?;
-    // SAFETY: `args` is a valid btrfs_ioctl_vol_args_v2 for the duration of the call.
-    let ret = unsafe {
-        libc::ioctl(
-            parent.as_raw_fd(),
-            BTRFS_IOC_SNAP_DESTROY_V2 as libc::c_ulong,
-            &args as *const linux_raw_sys::btrfs::btrfs_ioctl_vol_args_v2,
-        )
-    };
-    check(ret.into()).map(drop)
+    btrfs_ioctl(
+        parent,
+        linux_raw_sys::ioctl::BTRFS_IOC_SNAP_DESTROY_V2,
+        &args,
+    )
 }
 
 /// Lets go of what a long-lived helper (a keeper, its host side) needed only to start, once it
@@ -1116,6 +1119,36 @@ pub fn let_go_of_startup() {
 /// How long a helper waits, once set up, before it lets go of its start's pages: a cell is
 /// usually used at once (its first exec), and the work should not compete with that.
 pub const STARTUP_LINGER: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// When a single-threaded loop (a cell's init, a gVisor cell's host side) lets go of its
+/// start: [`STARTUP_LINGER`] after it was made, at a poll's timeout (such a process forks, so no
+/// thread of its own does it).
+#[derive(Debug)]
+pub struct LetGo(Option<std::time::Instant>);
+
+impl LetGo {
+    /// Due after [`STARTUP_LINGER`] when `wanted`, else never.
+    pub fn after_linger(wanted: bool) -> Self {
+        Self(wanted.then(|| std::time::Instant::now() + STARTUP_LINGER))
+    }
+
+    /// Lets go of the start, once, when its time has come.
+    pub fn when_due(&mut self) {
+        if self.0.is_some_and(|at| std::time::Instant::now() >= at) {
+            let_go_of_startup();
+            self.0 = None;
+        }
+    }
+
+    /// How long a poll may wait before [`LetGo::when_due`] has work.
+    pub fn poll_timeout(&self) -> nix::poll::PollTimeout {
+        self.0.map_or(nix::poll::PollTimeout::NONE, |at| {
+            let left = at.saturating_duration_since(std::time::Instant::now());
+            nix::poll::PollTimeout::try_from(left.as_millis().min(1000) as i32 + 1)
+                .unwrap_or(nix::poll::PollTimeout::NONE)
+        })
+    }
+}
 
 /// [`let_go_of_startup`] after [`STARTUP_LINGER`], on a thread of its own in the idle class, for
 /// a process that may have threads (a keeper).
@@ -1239,21 +1272,10 @@ pub(crate) fn copy_data(
     target: &std::fs::File,
     length: u64,
 ) -> std::io::Result<u64> {
-    use rustix::fs::{SeekFrom, seek};
     let mut copied = 0u64;
-    let mut at = 0u64;
     let mut buf = vec![0u8; 1 << 20];
-    while at < length {
-        let start = match seek(source, SeekFrom::Data(at)) {
-            Ok(start) => start,
-            // No data after `at`: the rest is a hole.
-            Err(rustix::io::Errno::NXIO) => break,
-            Err(e) => return Err(e.into()),
-        };
-        let end = match seek(source, SeekFrom::Hole(start)) {
-            Ok(end) => end.min(length),
-            Err(e) => return Err(e.into()),
-        };
+    for extent in data_extents(source, length) {
+        let (start, end) = extent?;
         let mut offset = start;
         while offset < end {
             let want = buf.len().min((end - offset) as usize);
@@ -1268,10 +1290,42 @@ pub(crate) fn copy_data(
             offset += n as u64;
             copied += n as u64;
         }
-        at = end.max(start + 1);
     }
     rustix::fs::ftruncate(target, length)?;
     Ok(copied)
+}
+
+/// The data extents of the first `length` bytes of `file` (`SEEK_DATA`/`SEEK_HOLE`), each as
+/// `(start, end)`: what is between them are holes.
+pub(crate) fn data_extents(
+    file: &std::fs::File,
+    length: u64,
+) -> impl Iterator<Item = std::io::Result<(u64, u64)>> + '_ {
+    use rustix::fs::{SeekFrom, seek};
+    let mut at = 0u64;
+    std::iter::from_fn(move || {
+        if at >= length {
+            return None;
+        }
+        let start = match seek(file, SeekFrom::Data(at)) {
+            Ok(start) => start,
+            // No data after `at`: the rest is a hole.
+            Err(rustix::io::Errno::NXIO) => return None,
+            Err(e) => {
+                at = length;
+                return Some(Err(e.into()));
+            }
+        };
+        let end = match seek(file, SeekFrom::Hole(start)) {
+            Ok(end) => end.min(length),
+            Err(e) => {
+                at = length;
+                return Some(Err(e.into()));
+            }
+        };
+        at = end.max(start + 1);
+        Some(Ok((start, end)))
+    })
 }
 
 /// Field 22 of /proc/PID/stat: start time in clock ticks after boot.
