@@ -331,6 +331,14 @@ fn idle_memory(setup: &Setup, daemon: &Daemon, cells: usize) -> Result<()> {
         (cell_pss / n) as i64 - (own_pss / n) as i64,
         (cell_rss / n) as i64 - (own_rss / n) as i64
     );
+    // Once per daemon, not per cell (as the daemon itself): the server that forks keepers.
+    for server in warden_bench::children_named(daemon.child.id(), "keepers") {
+        let (pss, rss) = warden_bench::memory_kib(server);
+        println!(
+            "{:<44} {:>8} KiB {:>8} KiB {:>10}",
+            "(once per daemon) the keepers' fork server", pss, rss, 1
+        );
+    }
     for i in 0..cells {
         let _ = request(&daemon.socket, "DELETE", &format!("/v1/cells/idle{i}"), "");
     }

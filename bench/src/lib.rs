@@ -174,6 +174,25 @@ pub fn memory_kib(pid: u32) -> (u64, u64) {
 }
 
 /// PSS and RSS (KiB) of `root` and every process below it, and how many they are.
+/// The children of `parent` whose command line is `BINARY WHAT ...` (a warden subcommand).
+pub fn children_named(parent: u32, what: &str) -> Vec<u32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        let ppid = stat
+            .rfind(')')
+            .and_then(|i| stat[i + 2..].split(' ').nth(1)?.parse::<u32>().ok());
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        if ppid == Some(parent) && cmdline.split(|b| *b == 0).nth(1) == Some(what.as_bytes()) {
+            found.push(pid);
+        }
+    }
+    found
+}
+
 pub fn tree_memory(root: u32) -> (u64, u64, usize) {
     let mut parents: Vec<(u32, u32)> = Vec::new();
     for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {

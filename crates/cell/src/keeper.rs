@@ -10,6 +10,9 @@ use crate::process::registry::{Registry, RegistryError};
 use crate::process::run::RunRequest;
 use crate::process::store::Store;
 
+/// `warden keepers`: the keepers' fork server of a daemon (see `process::forks`).
+pub use crate::process::forks::serve as serve_forks;
+
 /// Why a keeper could not keep its cell.
 #[derive(Debug, thiserror::Error)]
 pub enum KeepError {

@@ -27,7 +27,7 @@ pub mod tiers;
 pub mod fake;
 
 #[cfg(target_os = "linux")]
-pub use keeper::{KeepError, keep};
+pub use keeper::{KeepError, keep, serve_forks};
 #[cfg(target_os = "linux")]
 pub use process::{
     backend::KEEP_REQUEST,

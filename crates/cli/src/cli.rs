@@ -248,6 +248,10 @@ pub enum Command {
     /// serialized cell spec, comes as JSON on stdin.
     #[command(hide = true)]
     Keep,
+    /// Fork cell keepers for the daemon (started by `warden serve`, not by hand): each request
+    /// comes on stdin, a socket, with the keeper's stdio.
+    #[command(hide = true)]
+    Keepers,
 }
 
 #[derive(Debug, clap::Args)]

@@ -191,6 +191,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             false => crate::daemon::replay(&name, json),
         },
         Command::Keep => crate::daemon::keep(),
+        Command::Keepers => crate::daemon::keepers(),
     }
 }
 

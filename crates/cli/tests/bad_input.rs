@@ -424,3 +424,27 @@ fn a_workspace_disk_of_no_known_file_system_is_refused_and_doctor_says_which_the
         "a layer was left"
     );
 }
+
+/// The keepers' fork server, started by hand, says that the daemon starts it, and what it
+/// needs, and does nothing.
+#[test]
+fn the_keepers_fork_server_started_by_hand_says_it_is_the_daemons() {
+    let out = warden()
+        .arg("keepers")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let ran = Ran::from(out);
+    assert_eq!(ran.code, 125, "{ran:?}");
+    assert!(ran.stderr.contains("is started by the daemon"), "{ran:?}");
+    let (ours, theirs) = std::os::unix::net::UnixDatagram::pair().unwrap();
+    let out = warden()
+        .arg("keepers")
+        .stdin(std::os::fd::OwnedFd::from(theirs))
+        .output()
+        .unwrap();
+    drop(ours);
+    let ran = Ran::from(out);
+    assert_eq!(ran.code, 125, "{ran:?}");
+    assert!(ran.stderr.contains("datagram-sequence socket"), "{ran:?}");
+}

@@ -506,23 +506,7 @@ fn a_cell_frozen_by_a_cut_hold_is_thawed_by_the_next_daemon() {
 
 /// The `warden keep` processes whose runtime directory is `runtime`.
 fn keepers_of(runtime: &std::path::Path) -> Vec<u32> {
-    let wanted = format!("WARDEN_RUNTIME_DIR={}", runtime.display());
-    let mut found = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
-        let environ = std::fs::read(entry.path().join("environ")).unwrap_or_default();
-        let is_keeper = cmdline.split(|b| *b == 0).nth(1) == Some(b"keep".as_slice());
-        if is_keeper
-            && environ
-                .split(|b| *b == 0)
-                .any(|var| var == wanted.as_bytes())
-        {
-            found.push(pid);
-        }
-    }
+    let mut found = processes_of(runtime, "keep");
     found.sort_unstable();
     found
 }
@@ -578,6 +562,163 @@ fn keepers_started_ahead_keep_the_next_cells_and_go_with_the_daemon() {
             .status,
         204
     );
+}
+
+/// The processes of `runtime`'s daemon whose command line is `warden WHAT`.
+fn processes_of(runtime: &std::path::Path, what: &str) -> Vec<u32> {
+    let wanted = format!("WARDEN_RUNTIME_DIR={}", runtime.display());
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let environ = std::fs::read(entry.path().join("environ")).unwrap_or_default();
+        if cmdline.split(|b| *b == 0).nth(1) == Some(what.as_bytes())
+            && environ.split(|b| *b == 0).any(|v| v == wanted.as_bytes())
+        {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+/// The parent of process `pid`.
+fn parent_of(pid: u32) -> u32 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after = &stat[stat.rfind(')').unwrap() + 2..];
+    after.split(' ').nth(1).unwrap().parse().unwrap()
+}
+
+/// The pages of process `pid`'s relocated data (the warden binary's mapping that is read-only
+/// now, and was written at the start: its anonymous pages): their addresses and page frames.
+fn relocated_pages(pid: u32) -> Vec<(u64, u64)> {
+    use std::os::unix::fs::FileExt as _;
+    let exe = std::fs::metadata(env!("CARGO_BIN_EXE_warden")).unwrap();
+    let inode = std::os::unix::fs::MetadataExt::ino(&exe).to_string();
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
+    let mut ranges = Vec::new();
+    let mut current: Option<(u64, u64)> = None;
+    for line in smaps.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        if fields
+            .first()
+            .is_some_and(|f| f.contains('-') && !f.ends_with(':'))
+        {
+            current = None;
+            if fields.get(4) == Some(&inode.as_str()) && fields[1] == "r--p" {
+                let (from, to) = fields[0].split_once('-').unwrap();
+                current = Some((
+                    u64::from_str_radix(from, 16).unwrap(),
+                    u64::from_str_radix(to, 16).unwrap(),
+                ));
+            }
+        } else if fields.first() == Some(&"Anonymous:")
+            && fields[1] != "0"
+            && let Some(range) = current
+        {
+            ranges.push(range);
+        }
+    }
+    let pagemap = std::fs::File::open(format!("/proc/{pid}/pagemap")).unwrap();
+    let mut pages = Vec::new();
+    for (from, to) in ranges {
+        for address in (from..to).step_by(4096) {
+            let mut entry = [0u8; 8];
+            pagemap
+                .read_exact_at(&mut entry, address / 4096 * 8)
+                .unwrap();
+            let entry = u64::from_le_bytes(entry);
+            // Present, and the frame number (bits 0-54; root reads them).
+            if entry >> 63 == 1 {
+                pages.push((address, entry & ((1 << 55) - 1)));
+            }
+        }
+    }
+    pages
+}
+
+/// A daemon's keepers are forked by one fork server (`warden keepers`), whatever the tier:
+/// each is the daemon's child, and its relocated data is the very memory of the server's (the
+/// same page frames), not a copy written by the dynamic loader of a process of its own. A
+/// server killed from outside is replaced at the next keeper, and it ends with the daemon.
+#[test]
+fn keepers_are_forked_by_one_server_and_share_its_relocated_data() {
+    if !is_root() || !cgroups_available("keeper_forks") {
+        return; // page frames in /proc/PID/pagemap are root's to read
+    }
+    let mut daemon = Daemon::start(&[]);
+    let runtime = daemon.runtime().to_path_buf();
+    let daemon_pid = daemon.pid().unwrap();
+    wait_for("keepers started ahead", || keepers_of(&runtime).len() >= 2);
+    let servers = processes_of(&runtime, "keepers");
+    assert_eq!(servers.len(), 1, "fork servers: {servers:?}");
+    let server = servers[0];
+    let keeper_of = |cell: &str| -> u32 {
+        let record: Value = serde_json::from_str(
+            &std::fs::read_to_string(runtime.join("cells").join(cell).join("cell.json")).unwrap(),
+        )
+        .unwrap();
+        record["warden_pid"].as_u64().unwrap() as u32
+    };
+    let shared_with = |keeper: u32, server: u32| -> (usize, usize) {
+        let theirs: std::collections::HashMap<u64, u64> =
+            relocated_pages(server).into_iter().collect();
+        let ours = relocated_pages(keeper);
+        let same = ours
+            .iter()
+            .filter(|(address, frame)| theirs.get(address) == Some(frame))
+            .count();
+        (same, ours.len())
+    };
+    let cell = daemon.create(&unique("forked"), json!({}));
+    let keeper = keeper_of(&cell);
+    assert_eq!(
+        parent_of(keeper),
+        daemon_pid,
+        "the keeper is not the daemon's child"
+    );
+    let (same, all) = shared_with(keeper, server);
+    assert!(
+        all >= 16 && same * 10 >= all * 9,
+        "{same} of the keeper's {all} pages of relocated data are the server's"
+    );
+    let events = daemon.exec(&cell, json!({ "argv": ["echo", "forked"] }));
+    assert_eq!(stream_bytes(&events, "stdout"), b"forked\n");
+    // Killed from outside: the next keeper comes from a new server.
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-KILL", &server.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    wait_for("the killed server to be gone", || {
+        !processes_of(&runtime, "keepers").contains(&server)
+    });
+    let mut next = None;
+    for i in 0..4 {
+        // The keepers started ahead by the old server are taken first.
+        let cell = daemon.create(&unique(&format!("reforked{i}")), json!({}));
+        let servers = processes_of(&runtime, "keepers");
+        if let [new] = servers[..]
+            && new != server
+            && shared_with(keeper_of(&cell), new).0 > 0
+        {
+            next = Some((cell, new));
+            break;
+        }
+    }
+    let (cell, new) = next.expect("no keeper came from a new fork server");
+    let (same, all) = shared_with(keeper_of(&cell), new);
+    assert!(same * 10 >= all * 9, "{same} of {all} pages shared");
+    let events = daemon.exec(&cell, json!({ "argv": ["echo", "again"] }));
+    assert_eq!(stream_bytes(&events, "stdout"), b"again\n");
+    daemon.crash();
+    wait_for("the fork server to end with the daemon", || {
+        processes_of(&runtime, "keepers").is_empty()
+    });
+    daemon.restart();
 }
 
 /// KiB of process `pid`'s read-only mappings of the warden's binary that are in its page tables.

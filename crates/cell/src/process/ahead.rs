@@ -1,11 +1,12 @@
-//! Keepers started ahead of the cells they will keep. Starting a keeper is starting the
-//! `warden` binary (about 2.5 ms of a daemon's 13 ms create on this host, measured); a keeper
-//! started ahead waits for its request on its line, a socket that is its stdin, and answers
-//! `ready` on the same line once its cell takes execs. A keeper is no cell: it holds nothing of
-//! any policy until its request comes, so one started ahead serves any cell. A cell whose
-//! caller hands it secrets gets a keeper of its own, started then (the secrets travel in its
-//! environment only). A keeper whose line closes with no request ends quietly: that is how the
-//! ones left idle go when their daemon does.
+//! Keepers started ahead of the cells they will keep. A keeper started ahead waits for its
+//! request on its line, a socket that is its stdin, and answers `ready` on the same line once
+//! its cell takes execs. A keeper is no cell: it holds nothing of any policy until its request
+//! comes, so one started ahead serves any cell. Where keepers are started ahead (a daemon), the
+//! keepers' fork server (`forks`) forks them; elsewhere each is the `warden` binary started
+//! anew (about 2.5 ms). A cell whose caller hands it secrets gets a keeper of its own, started
+//! then as `warden keep` (the secrets travel in its environment only). A keeper whose line
+//! closes with no request ends quietly: that is how the ones left idle go when their daemon
+//! does.
 
 use std::fs::File;
 use std::io::{Read as _, Write as _};
@@ -17,13 +18,46 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::forks::{ForkedKeeper, Forks};
 use crate::tier::ProcessConfig;
 
 /// A keeper process and the line its request goes down and its `ready` comes up.
 #[derive(Debug)]
 pub(crate) struct Keeper {
-    pub(crate) child: Child,
+    pub(crate) child: KeeperProcess,
     pub(crate) line: UnixStream,
+}
+
+/// A keeper: started as `warden keep`, or forked by the keepers' fork server; the daemon's
+/// child either way.
+#[derive(Debug)]
+pub(crate) enum KeeperProcess {
+    Started(Child),
+    Forked(ForkedKeeper),
+}
+
+impl KeeperProcess {
+    /// Its exit status, reaping it, once it ended.
+    pub(crate) fn try_wait(&mut self) -> std::io::Result<Option<ExitStatus>> {
+        match self {
+            Self::Started(child) => child.try_wait(),
+            Self::Forked(forked) => forked.try_wait(),
+        }
+    }
+
+    pub(crate) fn kill(&mut self) -> std::io::Result<()> {
+        match self {
+            Self::Started(child) => child.kill(),
+            Self::Forked(forked) => forked.kill(),
+        }
+    }
+
+    pub(crate) fn wait(&mut self) -> std::io::Result<ExitStatus> {
+        match self {
+            Self::Started(child) => child.wait(),
+            Self::Forked(forked) => forked.wait(),
+        }
+    }
 }
 
 /// Starts a keeper (`warden keep`) that waits for its request on its line; `log`: where its
@@ -59,7 +93,10 @@ pub(crate) fn spawn(
         // Its own process group: signals meant for the caller's terminal are not its.
         .process_group(0)
         .spawn()?;
-    Ok(Keeper { child, line })
+    Ok(Keeper {
+        child: KeeperProcess::Started(child),
+        line,
+    })
 }
 
 impl Keeper {
@@ -117,20 +154,23 @@ impl Keeper {
     }
 }
 
-/// Keepers started ahead, up to a number, and started again as they are taken.
+/// Keepers started ahead, up to a number, and started again as they are taken; and, where
+/// keepers are started ahead (a daemon's), the fork server that starts them.
 #[derive(Debug)]
 pub(crate) struct Ahead {
     config: ProcessConfig,
     idle: Mutex<Vec<Keeper>>,
     refilling: AtomicBool,
+    forks: Option<Arc<Forks>>,
 }
 
 impl Ahead {
     pub(crate) fn new(config: ProcessConfig) -> Arc<Self> {
         let ahead = Arc::new(Self {
-            config,
             idle: Mutex::new(Vec::new()),
             refilling: AtomicBool::new(false),
+            forks: (config.keepers_ahead > 0).then(|| Forks::shared(&config)),
+            config,
         });
         ahead.refill();
         ahead
@@ -151,6 +191,46 @@ impl Ahead {
         keeper
     }
 
+    /// Starts a keeper: forked by the fork server where keepers are started ahead (a server that
+    /// cannot be started or fails is left, and the keeper started as `warden keep`), else as
+    /// `warden keep`. `log` and `secrets` as for [`spawn`]. A keeper given secrets is started
+    /// as `warden keep`, with them in its environment: they never pass through the server,
+    /// whose memory every keeper it forks later would copy.
+    pub(crate) fn start(
+        &self,
+        secrets: &[(String, String)],
+        log: Option<File>,
+    ) -> std::io::Result<Keeper> {
+        if self.forks.is_some() && secrets.is_empty() {
+            match self.fork(log.as_ref()) {
+                Ok(keeper) => return Ok(keeper),
+                Err(err) => eprintln!(
+                    "warden: note: the keepers' fork server failed ({err}); this keeper is started as `warden keep`"
+                ),
+            }
+        }
+        spawn(&self.config, secrets, log)
+    }
+
+    fn fork(&self, log: Option<&File>) -> std::io::Result<Keeper> {
+        let Some(forks) = &self.forks else {
+            return Err(std::io::Error::other("no fork server here"));
+        };
+        let (line, theirs) = UnixStream::pair()?;
+        let (out, err) = match log {
+            Some(log) => (log.try_clone()?.into(), log.try_clone()?.into()),
+            None => (
+                File::options().write(true).open("/dev/null")?.into(),
+                File::options().write(true).open("/dev/null")?.into(),
+            ),
+        };
+        let forked = forks.fork(theirs.into(), out, err)?;
+        Ok(Keeper {
+            child: KeeperProcess::Forked(forked),
+            line,
+        })
+    }
+
     /// Keepers started idle now.
     pub(crate) fn idle(&self) -> usize {
         self.idle.lock().map_or(0, |idle| idle.len())
@@ -166,7 +246,7 @@ impl Ahead {
             .name("keepers-ahead".to_owned())
             .spawn(move || {
                 while ahead.idle() < ahead.config.keepers_ahead {
-                    match spawn(&ahead.config, &[], None) {
+                    match ahead.start(&[], None) {
                         Ok(keeper) => match ahead.idle.lock() {
                             Ok(mut idle) => idle.push(keeper),
                             Err(_) => break,

@@ -6,13 +6,13 @@
 
 use std::os::fd::OwnedFd;
 use std::path::Path;
-use std::process::Child;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use warden_policy::Tier;
 
+use super::ahead::KeeperProcess;
 use super::control::{self, ApprovalError, ControlError, PolicySetError};
 use super::exec::{ExecError, ExecSession, Line};
 use super::registry::{CellRecord, Registry, RegistryError};
@@ -88,7 +88,7 @@ impl ProcessBackend {
     fn handle(
         &self,
         record: CellRecord,
-        keeper: Option<Child>,
+        keeper: Option<KeeperProcess>,
         line: Option<Line>,
     ) -> Arc<dyn Cell> {
         Arc::new(ProcessCell {
@@ -136,7 +136,7 @@ impl Backend for ProcessBackend {
                     })?),
                     None => None,
                 };
-                super::ahead::spawn(&self.config, &spec.secrets, log).map_err(|e| {
+                self.ahead.start(&spec.secrets, log).map_err(|e| {
                     StartError::Host(format!(
                         "starting the keeper {}: {e}",
                         self.config.warden_exe.display()
@@ -268,7 +268,7 @@ pub struct ProcessCell {
     registry: Registry,
     record: CellRecord,
     line: Mutex<Option<Arc<Line>>>,
-    keeper: Mutex<Option<Child>>,
+    keeper: Mutex<Option<KeeperProcess>>,
 }
 
 impl ProcessCell {

@@ -9,6 +9,7 @@ pub mod control;
 pub mod disk;
 pub mod exec;
 pub mod files;
+pub(crate) mod forks;
 pub(crate) mod idmap;
 pub mod ids;
 pub(crate) mod init;

@@ -344,6 +344,26 @@ pub fn dup_onto(fd: RawFd, target: RawFd) -> io::Result<()> {
     check(unsafe { libc::dup2(fd, target) }.into()).map(drop)
 }
 
+/// Waits until `fd` can be read (or its peer hung up); `false` when `wait` passed first.
+pub fn wait_readable(fd: BorrowedFd<'_>, wait: std::time::Duration) -> io::Result<bool> {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    let until = std::time::Instant::now() + wait;
+    loop {
+        let left = until.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Ok(false);
+        }
+        let timeout = PollTimeout::try_from(left.as_millis().min(10_000) as i32 + 1)
+            .unwrap_or(PollTimeout::NONE);
+        let mut fds = [PollFd::new(fd, PollFlags::POLLIN)];
+        match poll(&mut fds, timeout) {
+            Ok(0) | Err(nix::Error::EINTR) => continue,
+            Ok(_) => return Ok(true),
+            Err(e) => return Err(io::Error::from_raw_os_error(e as i32)),
+        }
+    }
+}
+
 /// Marks `fd` close-on-exec.
 pub fn set_cloexec(fd: RawFd) -> io::Result<()> {
     // SAFETY: fcntl with integer arguments on a descriptor the caller owns.

@@ -24,7 +24,7 @@ pub use agent::{agent, rerun};
 pub use files::{copy, logs};
 pub use journal::{audit, replay};
 pub use relay::{exec, run_through};
-pub use serve::{ServeArgs, keep, mcp, serve};
+pub use serve::{ServeArgs, keep, keepers, mcp, serve};
 
 fn runtime() -> PathBuf {
     Registry::default_root()

@@ -227,6 +227,25 @@ pub fn keep() -> Result<i32> {
     Ok(status)
 }
 
+/// `warden keepers`: the keepers' fork server of one daemon. Each keeper it forks runs
+/// [`keep`], as `warden keep` would, and exits with its status.
+pub fn keepers() -> Result<i32> {
+    warden_cell::serve_forks(forked_keeper).context("serving the daemon's keeper forks")?;
+    Ok(0)
+}
+
+/// A keeper forked by `warden keepers`: what `warden keep` does, its error said as `main` says
+/// it.
+fn forked_keeper() -> i32 {
+    match keep() {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("warden: {err:#}");
+            warden_protocol::exit::WARDEN_ERROR
+        }
+    }
+}
+
 /// Whether `fd` is a socket.
 fn is_socket(fd: std::os::fd::BorrowedFd<'_>) -> bool {
     rustix::fs::fstat(fd).is_ok_and(|st| {

@@ -1,0 +1,318 @@
+//! The keepers' fork server (`warden keepers`): one process per daemon, started once, that
+//! forks each keeper the daemon asks for.
+//!
+//! A keeper started as a new `warden keep` runs the dynamic loader over the whole binary: about
+//! 2.5 ms, and ~600 KiB of relocated data written into pages of its own, which it and its cell's
+//! init then hold as long as the cell lives. A keeper forked from the server shares those pages
+//! with the server and with every other keeper, and starts in a fraction of a millisecond.
+//!
+//! The fork is `CLONE_PARENT`: the keeper is the daemon's child, exactly as one the daemon
+//! started itself, so the daemon reaps it, reads its exit status, and its keepers outlive it in
+//! the same way. The server itself holds nothing of any cell: it is single-threaded, reads one
+//! request at a time, and ends when the daemon's end of its socket closes.
+//!
+//! Every keeper forked from one server has the server's address-space layout, as a zygote's
+//! children do. The daemon, which parses what clients send, keeps a layout of its own; each
+//! cell's init is made undumpable, so no cell reads its keeper's layout from `/proc`.
+//!
+//! Only keepers without secrets are forked: a keeper given secrets is started as `warden keep`
+//! with them in its environment, so that they never pass through the server's memory, which
+//! every keeper it forks later would copy.
+//!
+//! The protocol: the server's stdin is a `SOCK_SEQPACKET` socket. A request is one message, one
+//! byte, with three descriptors: the keeper's line (its stdin), its stdout and its stderr. The
+//! answer is one message, a [`ForkAnswer`] as JSON.
+
+use std::io;
+use std::os::fd::{AsFd as _, AsRawFd as _, OwnedFd};
+use std::os::unix::process::CommandExt as _;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::sys;
+use crate::tier::ProcessConfig;
+
+/// A request: this one byte, with the keeper's three descriptors.
+const FORK: &[u8] = b"k";
+
+/// The server's answer: the keeper's pid, or why it could not fork one.
+#[derive(Serialize, Deserialize)]
+enum ForkAnswer {
+    Forked { pid: i32 },
+    Failed { error: String },
+}
+
+/// How long the daemon waits for the server's answer before it starts keepers itself.
+const ANSWER_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Serves forks on stdin until the daemon closes it. Each forked keeper runs `keep` and exits
+/// with the status it returns.
+pub fn serve(keep: fn() -> i32) -> io::Result<()> {
+    let stdin = std::io::stdin();
+    let socket = stdin.as_fd();
+    use nix::sys::socket::{SockType, getsockopt, sockopt};
+    let kind = getsockopt(&socket, sockopt::SockType).map_err(|_| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "`warden keepers` is started by the daemon, with a socket as its stdin",
+        )
+    })?;
+    if kind != SockType::SeqPacket {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "`warden keepers` needs a datagram-sequence socket as its stdin",
+        ));
+    }
+    // What it ran only to start (the command line's parser, mostly) is not the keepers'.
+    sys::let_go_of_startup();
+    loop {
+        let Some((payload, fds)) = sys::receive_message(socket)? else {
+            return Ok(());
+        };
+        let answer = match fork_one(&payload, fds, keep) {
+            Ok(pid) => ForkAnswer::Forked { pid },
+            Err(error) => ForkAnswer::Failed { error },
+        };
+        let answer = serde_json::to_vec(&answer).map_err(io::Error::other)?;
+        sys::send_message(socket, &answer, &[])?;
+    }
+}
+
+/// Forks one keeper as the request asks; its pid. Runs `keep` in the child, which never
+/// returns from here.
+fn fork_one(payload: &[u8], fds: Vec<OwnedFd>, keep: fn() -> i32) -> Result<i32, String> {
+    if payload != FORK {
+        return Err(format!("{} bytes that are not a request", payload.len()));
+    }
+    let [line, out, err]: [OwnedFd; 3] = fds
+        .try_into()
+        .map_err(|fds: Vec<OwnedFd>| format!("{} descriptors sent, not 3", fds.len()))?;
+    // The server is single-threaded: the child is a whole copy of it.
+    match sys::clone_process(libc::CLONE_PARENT).map_err(|e| format!("forking a keeper: {e}"))? {
+        0 => {
+            let code = match become_keeper(line, out, err) {
+                Ok(()) => keep(),
+                Err(e) => {
+                    eprintln!("warden: setting up a forked keeper: {e}");
+                    warden_protocol::exit::WARDEN_ERROR
+                }
+            };
+            std::process::exit(code)
+        }
+        // The descriptors are the keeper's now; the server's copies close here.
+        pid => Ok(pid),
+    }
+}
+
+/// In the forked child: takes the keeper's stdio, process group and name.
+fn become_keeper(line: OwnedFd, out: OwnedFd, err: OwnedFd) -> io::Result<()> {
+    // Its stdin, the server's socket until now, becomes the line.
+    sys::dup_onto(line.as_raw_fd(), 0)?;
+    sys::dup_onto(out.as_raw_fd(), 1)?;
+    sys::dup_onto(err.as_raw_fd(), 2)?;
+    drop((line, out, err));
+    // Its own process group: signals meant for the daemon's terminal are not its.
+    rustix::process::setpgid(None, None)?;
+    // `warden keep`, as a keeper started on its own reads in `ps`.
+    let exe = std::env::args_os().next().unwrap_or_default();
+    let _ = sys::replace_cmdline(&format!("{}\0keep", exe.to_string_lossy()));
+    Ok(())
+}
+
+/// The fork server of one configuration (binary, directories, environment), shared by every
+/// tier's backend of this process that starts keepers ahead with it; ended when the last
+/// of them goes.
+#[derive(Debug)]
+pub(crate) struct Forks {
+    config: ProcessConfig,
+    server: Mutex<Option<ForkServer>>,
+}
+
+/// The fork servers of this process, one per configuration in use.
+static SHARED: Mutex<Vec<Weak<Forks>>> = Mutex::new(Vec::new());
+
+impl Forks {
+    /// The fork server for `config`: the one in use, or one started at its first fork.
+    pub(crate) fn shared(config: &ProcessConfig) -> Arc<Self> {
+        let same = |other: &ProcessConfig| {
+            other.warden_exe == config.warden_exe
+                && other.runtime == config.runtime
+                && other.state == config.state
+                && other.keeper_env == config.keeper_env
+        };
+        let mut shared = SHARED
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        shared.retain(|weak| weak.strong_count() > 0);
+        if let Some(forks) = shared
+            .iter()
+            .filter_map(Weak::upgrade)
+            .find(|forks| same(&forks.config))
+        {
+            return forks;
+        }
+        let forks = Arc::new(Self {
+            config: config.clone(),
+            server: Mutex::new(None),
+        });
+        shared.push(Arc::downgrade(&forks));
+        forks
+    }
+
+    /// Forks a keeper with `line` as its stdin and `out`, `err` as its stdout and stderr. A
+    /// server that is gone or fails is replaced at the next fork.
+    pub(crate) fn fork(
+        &self,
+        line: OwnedFd,
+        out: OwnedFd,
+        err: OwnedFd,
+    ) -> io::Result<ForkedKeeper> {
+        let mut server = self
+            .server
+            .lock()
+            .map_err(|_| io::Error::other("the fork server's lock is poisoned"))?;
+        if !server.as_mut().is_some_and(ForkServer::alive) {
+            *server = Some(ForkServer::start(&self.config)?);
+        }
+        let Some(running) = server.as_mut() else {
+            return Err(io::Error::other("no fork server"));
+        };
+        let forked = running.fork(line, out, err);
+        if forked.is_err() {
+            *server = None;
+        }
+        forked
+    }
+}
+
+/// The daemon's side: the server process and its socket.
+#[derive(Debug)]
+struct ForkServer {
+    child: Child,
+    socket: OwnedFd,
+}
+
+impl ForkServer {
+    /// Starts `warden keepers` with the environment every keeper gets.
+    fn start(config: &ProcessConfig) -> io::Result<Self> {
+        let (socket, theirs) = sys::seqpacket_pair()?;
+        let child = Command::new(&config.warden_exe)
+            .arg("keepers")
+            .envs(config.keeper_env.iter().map(|(k, v)| (k, v)))
+            .env("WARDEN_RUNTIME_DIR", &config.runtime)
+            .env("WARDEN_STATE_DIR", &config.state)
+            .stdin(Stdio::from(theirs))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()?;
+        Ok(Self { child, socket })
+    }
+
+    /// Has the server fork a keeper with `line` as its stdin and `out`, `err` as its stdout and
+    /// stderr.
+    fn fork(&mut self, line: OwnedFd, out: OwnedFd, err: OwnedFd) -> io::Result<ForkedKeeper> {
+        sys::send_message(
+            self.socket.as_fd(),
+            FORK,
+            &[line.as_raw_fd(), out.as_raw_fd(), err.as_raw_fd()],
+        )?;
+        drop((line, out, err));
+        if !sys::wait_readable(self.socket.as_fd(), ANSWER_DEADLINE)? {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the keepers' fork server did not answer",
+            ));
+        }
+        let Some((answer, _)) = sys::receive_message(self.socket.as_fd())? else {
+            return Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "the keepers' fork server ended",
+            ));
+        };
+        match serde_json::from_slice(&answer).map_err(io::Error::other)? {
+            ForkAnswer::Forked { pid } => Ok(ForkedKeeper {
+                // Our child (CLONE_PARENT): its pid is not reused before we reap it.
+                pidfd: sys::pidfd_open(pid)?,
+                status: None,
+            }),
+            ForkAnswer::Failed { error } => Err(io::Error::other(error)),
+        }
+    }
+
+    /// Whether the server still runs.
+    fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for ForkServer {
+    /// The server holds nothing: it is ended and reaped (its keepers are the daemon's).
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A keeper the server forked: the daemon's child, known by a pidfd.
+#[derive(Debug)]
+pub(crate) struct ForkedKeeper {
+    pidfd: OwnedFd,
+    status: Option<ExitStatus>,
+}
+
+impl ForkedKeeper {
+    /// Its exit status, reaping it, once it ended.
+    pub(crate) fn try_wait(&mut self) -> io::Result<Option<ExitStatus>> {
+        self.wait_with(rustix::process::WaitIdOptions::NOHANG)
+    }
+
+    pub(crate) fn wait(&mut self) -> io::Result<ExitStatus> {
+        self.wait_with(rustix::process::WaitIdOptions::empty())?
+            .ok_or_else(|| io::Error::other("the keeper was reaped elsewhere"))
+    }
+
+    pub(crate) fn kill(&mut self) -> io::Result<()> {
+        if self.status.is_some() {
+            return Ok(());
+        }
+        rustix::process::pidfd_send_signal(self.pidfd.as_fd(), rustix::process::Signal::KILL)
+            .map_err(io::Error::from)
+    }
+
+    fn wait_with(
+        &mut self,
+        extra: rustix::process::WaitIdOptions,
+    ) -> io::Result<Option<ExitStatus>> {
+        use std::os::unix::process::ExitStatusExt as _;
+        if let Some(status) = self.status {
+            return Ok(Some(status));
+        }
+        let options = rustix::process::WaitIdOptions::EXITED | extra;
+        let found = loop {
+            match rustix::process::waitid(
+                rustix::process::WaitId::PidFd(self.pidfd.as_fd()),
+                options,
+            ) {
+                Err(rustix::io::Errno::INTR) => continue,
+                found => break found?,
+            }
+        };
+        let Some(found) = found else {
+            return Ok(None);
+        };
+        // As a wait status: the code in the second byte, or the signal (0x80: a core dumped).
+        let raw = match (found.exit_status(), found.terminating_signal()) {
+            (Some(code), _) => (code & 0xff) << 8,
+            (None, Some(signal)) if found.dumped() => signal | 0x80,
+            (None, Some(signal)) => signal,
+            (None, None) => 0,
+        };
+        let status = ExitStatus::from_raw(raw);
+        self.status = Some(status);
+        Ok(Some(status))
+    }
+}
