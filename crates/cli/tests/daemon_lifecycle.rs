@@ -583,6 +583,15 @@ fn processes_of(runtime: &std::path::Path, what: &str) -> Vec<u32> {
     found
 }
 
+/// The pid of cell `cell`'s init, from its registry record.
+fn record_pid(runtime: &std::path::Path, cell: &str) -> u32 {
+    let record: Value = serde_json::from_str(
+        &std::fs::read_to_string(runtime.join("cells").join(cell).join("cell.json")).unwrap(),
+    )
+    .unwrap();
+    record["pid"].as_u64().unwrap() as u32
+}
+
 /// The parent of process `pid`.
 fn parent_of(pid: u32) -> u32 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
@@ -683,6 +692,26 @@ fn keepers_are_forked_by_one_server_and_share_its_relocated_data() {
         all >= 16 && same * 10 >= all * 9,
         "{same} of the keeper's {all} pages of relocated data are the server's"
     );
+    // The server's socket (its stdin) stays the server's: a keeper holds no way to ask it
+    // for more keepers.
+    let server_socket = std::fs::read_link(format!("/proc/{server}/fd/0")).unwrap();
+    assert!(
+        server_socket.to_string_lossy().starts_with("socket:"),
+        "{server_socket:?}"
+    );
+    for pid in [keeper, record_pid(&runtime, &cell)] {
+        for fd in std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .flatten()
+        {
+            assert_ne!(
+                std::fs::read_link(fd.path()).ok().as_ref(),
+                Some(&server_socket),
+                "process {pid} of the cell holds the fork server's socket as fd {:?}",
+                fd.file_name()
+            );
+        }
+    }
     let events = daemon.exec(&cell, json!({ "argv": ["echo", "forked"] }));
     assert_eq!(stream_bytes(&events, "stdout"), b"forked\n");
     // Killed from outside: the next keeper comes from a new server.
