@@ -280,6 +280,9 @@ fn idle_memory(setup: &Setup, daemon: &Daemon, cells: usize) -> Result<()> {
     }
     std::thread::sleep(Duration::from_secs(2));
     let (mut cell_pss, mut cell_rss, mut cell_procs) = (0, 0, 0);
+    // Of those, the warden's own processes (the keeper, the host side of its execs).
+    let warden = std::fs::canonicalize(&setup.warden).unwrap_or_default();
+    let (mut warden_pss, mut warden_rss) = (0, 0);
     for i in 0..cells {
         // The cell's keeper (its registry record names it) and everything below it.
         let record: serde_json::Value = serde_json::from_slice(&std::fs::read(
@@ -292,6 +295,13 @@ fn idle_memory(setup: &Setup, daemon: &Daemon, cells: usize) -> Result<()> {
         let keeper = record["warden_pid"]
             .as_u64()
             .context("the cell's record has no keeper")? as u32;
+        for pid in warden_bench::tree_pids(keeper) {
+            if std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|exe| exe == warden) {
+                let (pss, rss) = warden_bench::memory_kib(pid);
+                warden_pss += pss;
+                warden_rss += rss;
+            }
+        }
         let (pss, rss, procs) = tree_memory(keeper);
         cell_pss += pss;
         cell_rss += rss;
@@ -330,6 +340,13 @@ fn idle_memory(setup: &Setup, daemon: &Daemon, cells: usize) -> Result<()> {
         "the warden's own part",
         (cell_pss / n) as i64 - (own_pss / n) as i64,
         (cell_rss / n) as i64 - (own_rss / n) as i64
+    );
+    println!(
+        "{:<44} {:>8} KiB {:>8} KiB {:>10}",
+        "  of it, the keeper and its host side",
+        warden_pss / n,
+        warden_rss / n,
+        2
     );
     // Once per daemon, not per cell (as the daemon itself): the server that forks keepers.
     for server in warden_bench::children_named(daemon.child.id(), "keepers") {

@@ -194,6 +194,18 @@ pub fn children_named(parent: u32, what: &str) -> Vec<u32> {
 }
 
 pub fn tree_memory(root: u32) -> (u64, u64, usize) {
+    let tree = tree_pids(root);
+    let (mut pss, mut rss) = (0, 0);
+    for pid in &tree {
+        let (p, r) = memory_kib(*pid);
+        pss += p;
+        rss += r;
+    }
+    (pss, rss, tree.len())
+}
+
+/// `root` and every process below it.
+pub fn tree_pids(root: u32) -> Vec<u32> {
     let mut parents: Vec<(u32, u32)> = Vec::new();
     for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
@@ -219,13 +231,7 @@ pub fn tree_memory(root: u32) -> (u64, u64, usize) {
         );
         i += 1;
     }
-    let (mut pss, mut rss) = (0, 0);
-    for pid in &tree {
-        let (p, r) = memory_kib(*pid);
-        pss += p;
-        rss += r;
-    }
-    (pss, rss, tree.len())
+    tree
 }
 
 pub fn is_root() -> bool {

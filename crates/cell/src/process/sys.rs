@@ -1077,14 +1077,22 @@ pub fn btrfs_destroy(parent: BorrowedFd<'_>, name: &str) -> io::Result<()> {
 /// minor faults; what nothing else maps becomes clean cache the kernel may reclaim. A mapping
 /// that holds pages of the process's own (relocated data, anything written) is left as it is.
 pub fn let_go_of_startup() {
+    drop_startup_code();
+    // Last: what reading the mappings allocated (`/proc/self/smaps` is ~100 KiB of text, at the
+    // heap's top) is free by now, and goes back with the rest.
     // SAFETY: malloc_trim only returns free heap memory to the system.
     unsafe { libc::malloc_trim(0) };
+}
+
+/// The pages of the warden's own code and constants out of this process's page tables (see
+/// [`let_go_of_startup`]).
+fn drop_startup_code() {
     let Ok(smaps) = std::fs::read_to_string("/proc/self/smaps") else {
         return;
     };
     // The warden's binary: the file of the mapping this function's code is in (by device and
     // inode: a cell's mount namespace may show the path otherwise).
-    let here = let_go_of_startup as *const () as usize;
+    let here = drop_startup_code as *const () as usize;
     let mut mappings: Vec<(usize, usize, bool, String, u64)> = Vec::new();
     for line in smaps.lines() {
         let mut fields = line.split_whitespace();
