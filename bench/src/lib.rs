@@ -176,21 +176,32 @@ pub fn memory_kib(pid: u32) -> (u64, u64) {
 /// PSS and RSS (KiB) of `root` and every process below it, and how many they are.
 /// The children of `parent` whose command line is `BINARY WHAT ...` (a warden subcommand).
 pub fn children_named(parent: u32, what: &str) -> Vec<u32> {
-    let mut found = Vec::new();
+    parents()
+        .into_iter()
+        .filter(|(pid, ppid)| {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            *ppid == parent && cmdline.split(|b| *b == 0).nth(1) == Some(what.as_bytes())
+        })
+        .map(|(pid, _)| pid)
+        .collect()
+}
+
+/// Every process, with its parent: (pid, ppid).
+fn parents() -> Vec<(u32, u32)> {
+    let mut parents = Vec::new();
     for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
             continue;
         };
         let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
-        let ppid = stat
-            .rfind(')')
-            .and_then(|i| stat[i + 2..].split(' ').nth(1)?.parse::<u32>().ok());
-        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
-        if ppid == Some(parent) && cmdline.split(|b| *b == 0).nth(1) == Some(what.as_bytes()) {
-            found.push(pid);
+        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else {
+            continue;
+        };
+        if let Some(ppid) = rest.split(' ').nth(1).and_then(|p| p.parse().ok()) {
+            parents.push((pid, ppid));
         }
     }
-    found
+    parents
 }
 
 pub fn tree_memory(root: u32) -> (u64, u64, usize) {
@@ -206,19 +217,7 @@ pub fn tree_memory(root: u32) -> (u64, u64, usize) {
 
 /// `root` and every process below it.
 pub fn tree_pids(root: u32) -> Vec<u32> {
-    let mut parents: Vec<(u32, u32)> = Vec::new();
-    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
-        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else {
-            continue;
-        };
-        if let Some(ppid) = rest.split(' ').nth(1).and_then(|p| p.parse().ok()) {
-            parents.push((pid, ppid));
-        }
-    }
+    let parents = parents();
     let mut tree = vec![root];
     let mut i = 0;
     while i < tree.len() {

@@ -219,10 +219,10 @@ struct Point {
     copied: Duration,
 }
 
-/// Snapshots and resets of daemon cells on `tree` that changed 10 to 10,000 of its files.
 /// Files changed at each point of the curve.
 const CURVE_POINTS: [usize; 4] = [10, 100, 1000, 10_000];
 
+/// Snapshots and resets of daemon cells on `tree` that changed 10 to 10,000 of its files.
 fn curve(bin: &str, tmp: &Path, tree: &Path, runs: usize, kind: &str) -> Result<Vec<Point>> {
     let daemon = warden_bench::Daemon::start_with_env(
         Path::new(bin),

@@ -537,11 +537,7 @@ fn keepers_started_ahead_keep_the_next_cells_and_go_with_the_daemon() {
     });
     let ahead = keepers_of(&runtime);
     let cell = daemon.create(&unique("ahead"), json!({}));
-    let record: Value = serde_json::from_str(
-        &std::fs::read_to_string(runtime.join("cells").join(&cell).join("cell.json")).unwrap(),
-    )
-    .unwrap();
-    let keeper = record["warden_pid"].as_u64().unwrap() as u32;
+    let keeper = record_of(&runtime, &cell)["warden_pid"].as_u64().unwrap() as u32;
     assert!(
         ahead.contains(&keeper),
         "the cell's keeper {keeper} is not one of those started ahead {ahead:?}"
@@ -583,13 +579,12 @@ fn processes_of(runtime: &std::path::Path, what: &str) -> Vec<u32> {
     found
 }
 
-/// The pid of cell `cell`'s init, from its registry record.
-fn record_pid(runtime: &std::path::Path, cell: &str) -> u32 {
-    let record: Value = serde_json::from_str(
+/// Cell `cell`'s registry record (`pid`: its init's; `warden_pid`: its keeper's).
+fn record_of(runtime: &std::path::Path, cell: &str) -> Value {
+    serde_json::from_str(
         &std::fs::read_to_string(runtime.join("cells").join(cell).join("cell.json")).unwrap(),
     )
-    .unwrap();
-    record["pid"].as_u64().unwrap() as u32
+    .unwrap()
 }
 
 /// The parent of process `pid`.
@@ -599,52 +594,79 @@ fn parent_of(pid: u32) -> u32 {
     after.split(' ').nth(1).unwrap().parse().unwrap()
 }
 
-/// The pages of process `pid`'s relocated data (the warden binary's mapping that is read-only
-/// now, and was written at the start: its anonymous pages): their addresses and page frames.
-fn relocated_pages(pid: u32) -> Vec<(u64, u64)> {
-    use std::os::unix::fs::FileExt as _;
+/// One mapping of the warden's binary in a process, from its `/proc/PID/smaps`.
+struct Mapping {
+    from: u64,
+    to: u64,
+    perms: String,
+    rss_kib: u64,
+    anonymous_kib: u64,
+}
+
+/// The mappings of the warden's binary in process `pid`.
+fn binary_mappings(pid: u32) -> Vec<Mapping> {
     let exe = std::fs::metadata(env!("CARGO_BIN_EXE_warden")).unwrap();
     let inode = std::os::unix::fs::MetadataExt::ino(&exe).to_string();
     let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
-    let mut ranges = Vec::new();
-    let mut current: Option<(u64, u64)> = None;
+    let mut mappings = Vec::new();
+    let mut ours = false;
     for line in smaps.lines() {
         let fields: Vec<&str> = line.split_whitespace().collect();
+        let kib = || fields[1].parse::<u64>().unwrap();
         if fields
             .first()
             .is_some_and(|f| f.contains('-') && !f.ends_with(':'))
         {
-            current = None;
-            if fields.get(4) == Some(&inode.as_str()) && fields[1] == "r--p" {
+            ours = fields.get(4) == Some(&inode.as_str());
+            if ours {
                 let (from, to) = fields[0].split_once('-').unwrap();
-                current = Some((
-                    u64::from_str_radix(from, 16).unwrap(),
-                    u64::from_str_radix(to, 16).unwrap(),
-                ));
+                mappings.push(Mapping {
+                    from: u64::from_str_radix(from, 16).unwrap(),
+                    to: u64::from_str_radix(to, 16).unwrap(),
+                    perms: fields[1].to_owned(),
+                    rss_kib: 0,
+                    anonymous_kib: 0,
+                });
             }
-        } else if fields.first() == Some(&"Anonymous:")
-            && fields[1] != "0"
-            && let Some(range) = current
-        {
-            ranges.push(range);
+        } else if let (true, Some(last)) = (ours, mappings.last_mut()) {
+            match fields.first() {
+                Some(&"Rss:") => last.rss_kib = kib(),
+                Some(&"Anonymous:") => last.anonymous_kib = kib(),
+                _ => {}
+            }
         }
     }
+    mappings
+}
+
+/// The pages of `[from, to)` in process `pid`'s page tables: their addresses and page frames
+/// (`/proc/PID/pagemap`, whose frame numbers root reads).
+fn present_pages(pid: u32, from: u64, to: u64) -> Vec<(u64, u64)> {
+    use std::os::unix::fs::FileExt as _;
     let pagemap = std::fs::File::open(format!("/proc/{pid}/pagemap")).unwrap();
     let mut pages = Vec::new();
-    for (from, to) in ranges {
-        for address in (from..to).step_by(4096) {
-            let mut entry = [0u8; 8];
-            pagemap
-                .read_exact_at(&mut entry, address / 4096 * 8)
-                .unwrap();
-            let entry = u64::from_le_bytes(entry);
-            // Present, and the frame number (bits 0-54; root reads them).
-            if entry >> 63 == 1 {
-                pages.push((address, entry & ((1 << 55) - 1)));
-            }
+    for address in (from..to).step_by(4096) {
+        let mut entry = [0u8; 8];
+        pagemap
+            .read_exact_at(&mut entry, address / 4096 * 8)
+            .unwrap();
+        let entry = u64::from_le_bytes(entry);
+        // Present (bit 63), and the frame number (bits 0-54).
+        if entry >> 63 == 1 {
+            pages.push((address, entry & ((1 << 55) - 1)));
         }
     }
     pages
+}
+
+/// The pages of process `pid`'s relocated data (the warden binary's mapping that is read-only
+/// now, and was written at the start: its anonymous pages): their addresses and page frames.
+fn relocated_pages(pid: u32) -> Vec<(u64, u64)> {
+    binary_mappings(pid)
+        .iter()
+        .filter(|m| m.perms == "r--p" && m.anonymous_kib > 0)
+        .flat_map(|m| present_pages(pid, m.from, m.to))
+        .collect()
 }
 
 /// A daemon's keepers are forked by one fork server (`warden keepers`), whatever the tier:
@@ -663,13 +685,8 @@ fn keepers_are_forked_by_one_server_and_share_its_relocated_data() {
     let servers = processes_of(&runtime, "keepers");
     assert_eq!(servers.len(), 1, "fork servers: {servers:?}");
     let server = servers[0];
-    let keeper_of = |cell: &str| -> u32 {
-        let record: Value = serde_json::from_str(
-            &std::fs::read_to_string(runtime.join("cells").join(cell).join("cell.json")).unwrap(),
-        )
-        .unwrap();
-        record["warden_pid"].as_u64().unwrap() as u32
-    };
+    let keeper_of =
+        |cell: &str| -> u32 { record_of(&runtime, cell)["warden_pid"].as_u64().unwrap() as u32 };
     let shared_with = |keeper: u32, server: u32| -> (usize, usize) {
         let theirs: std::collections::HashMap<u64, u64> =
             relocated_pages(server).into_iter().collect();
@@ -699,7 +716,10 @@ fn keepers_are_forked_by_one_server_and_share_its_relocated_data() {
         server_socket.to_string_lossy().starts_with("socket:"),
         "{server_socket:?}"
     );
-    for pid in [keeper, record_pid(&runtime, &cell)] {
+    for pid in [
+        keeper,
+        record_of(&runtime, &cell)["pid"].as_u64().unwrap() as u32,
+    ] {
         for fd in std::fs::read_dir(format!("/proc/{pid}/fd"))
             .unwrap()
             .flatten()
@@ -752,22 +772,11 @@ fn keepers_are_forked_by_one_server_and_share_its_relocated_data() {
 
 /// KiB of process `pid`'s read-only mappings of the warden's binary that are in its page tables.
 fn resident_code_kib(pid: u32) -> u64 {
-    let exe = std::fs::metadata(env!("CARGO_BIN_EXE_warden")).unwrap();
-    let inode = std::os::unix::fs::MetadataExt::ino(&exe).to_string();
-    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
-    let (mut total, mut ours) = (0, false);
-    for line in smaps.lines() {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        if fields
-            .first()
-            .is_some_and(|f| f.contains('-') && !f.ends_with(':'))
-        {
-            ours = fields.get(4) == Some(&inode.as_str()) && !fields[1].contains('w');
-        } else if ours && fields.first() == Some(&"Rss:") {
-            total += fields[1].parse::<u64>().unwrap();
-        }
-    }
-    total
+    binary_mappings(pid)
+        .iter()
+        .filter(|m| !m.perms.contains('w'))
+        .map(|m| m.rss_kib)
+        .sum()
 }
 
 /// A daemon cell's keeper and init, once set up a while, let go of the pages of code they ran
@@ -780,11 +789,7 @@ fn an_idle_cells_keeper_and_init_let_go_of_their_start() {
     }
     let daemon = Daemon::start(&[]);
     let cell = daemon.create(&unique("letgo"), json!({}));
-    let record: Value = serde_json::from_str(
-        &std::fs::read_to_string(daemon.runtime().join("cells").join(&cell).join("cell.json"))
-            .unwrap(),
-    )
-    .unwrap();
+    let record = record_of(daemon.runtime(), &cell);
     let keeper = record["warden_pid"].as_u64().unwrap() as u32;
     let init = record["pid"].as_u64().unwrap() as u32;
     let started = [resident_code_kib(keeper), resident_code_kib(init)];
@@ -828,19 +833,12 @@ fn resident_heap(pid: u32) -> Vec<u8> {
     else {
         return Vec::new();
     };
-    let pagemap = std::fs::File::open(format!("/proc/{pid}/pagemap")).unwrap();
     let memory = std::fs::File::open(format!("/proc/{pid}/mem")).unwrap();
     let mut resident = Vec::new();
-    for address in (from..to).step_by(4096) {
-        let mut entry = [0u8; 8];
-        pagemap
-            .read_exact_at(&mut entry, address / 4096 * 8)
-            .unwrap();
-        if u64::from_le_bytes(entry) >> 63 == 1 {
-            let mut page = vec![0u8; 4096];
-            memory.read_exact_at(&mut page, address).unwrap();
-            resident.extend(page);
-        }
+    for (address, _) in present_pages(pid, from, to) {
+        let mut page = vec![0u8; 4096];
+        memory.read_exact_at(&mut page, address).unwrap();
+        resident.extend(page);
     }
     resident
 }

@@ -154,6 +154,24 @@ impl Keeper {
     }
 }
 
+/// A keeper forked by `forks`; `log`: where its stdout and stderr go (none: nowhere until its
+/// request names a log).
+fn fork(forks: &Forks, log: Option<&File>) -> std::io::Result<Keeper> {
+    let (line, theirs) = UnixStream::pair()?;
+    let (out, err) = match log {
+        Some(log) => (log.try_clone()?.into(), log.try_clone()?.into()),
+        None => (
+            File::options().write(true).open("/dev/null")?.into(),
+            File::options().write(true).open("/dev/null")?.into(),
+        ),
+    };
+    let forked = forks.fork(theirs.into(), out, err)?;
+    Ok(Keeper {
+        child: KeeperProcess::Forked(forked),
+        line,
+    })
+}
+
 /// Keepers started ahead, up to a number, and started again as they are taken; and, where
 /// keepers are started ahead (a daemon's), the fork server that starts them.
 #[derive(Debug)]
@@ -201,8 +219,8 @@ impl Ahead {
         secrets: &[(String, String)],
         log: Option<File>,
     ) -> std::io::Result<Keeper> {
-        if self.forks.is_some() && secrets.is_empty() {
-            match self.fork(log.as_ref()) {
+        if let (Some(forks), true) = (&self.forks, secrets.is_empty()) {
+            match fork(forks, log.as_ref()) {
                 Ok(keeper) => return Ok(keeper),
                 Err(err) => eprintln!(
                     "warden: note: the keepers' fork server failed ({err}); this keeper is started as `warden keep`"
@@ -210,25 +228,6 @@ impl Ahead {
             }
         }
         spawn(&self.config, secrets, log)
-    }
-
-    fn fork(&self, log: Option<&File>) -> std::io::Result<Keeper> {
-        let Some(forks) = &self.forks else {
-            return Err(std::io::Error::other("no fork server here"));
-        };
-        let (line, theirs) = UnixStream::pair()?;
-        let (out, err) = match log {
-            Some(log) => (log.try_clone()?.into(), log.try_clone()?.into()),
-            None => (
-                File::options().write(true).open("/dev/null")?.into(),
-                File::options().write(true).open("/dev/null")?.into(),
-            ),
-        };
-        let forked = forks.fork(theirs.into(), out, err)?;
-        Ok(Keeper {
-            child: KeeperProcess::Forked(forked),
-            line,
-        })
     }
 
     /// Keepers started idle now.

@@ -174,11 +174,10 @@ impl Forks {
             .server
             .lock()
             .map_err(|_| io::Error::other("the fork server's lock is poisoned"))?;
-        if !server.as_mut().is_some_and(ForkServer::alive) {
-            *server = Some(ForkServer::start(&self.config)?);
-        }
-        let Some(running) = server.as_mut() else {
-            return Err(io::Error::other("no fork server"));
+        let alive = server.as_mut().is_some_and(ForkServer::alive);
+        let running = match server.take() {
+            Some(running) if alive => server.insert(running),
+            _ => server.insert(ForkServer::start(&self.config)?),
         };
         let forked = running.fork(line, out, err);
         if forked.is_err() {
