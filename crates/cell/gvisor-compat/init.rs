@@ -17,22 +17,43 @@
 //!   the host (`host:[N]` in its `/proc/PID/fd`: the pipes and terminals of the warden's execs),
 //!   which runsc could not bring back; says how many on its stdout.
 
-use std::io::Write;
+#![no_main]
 
+use std::ffi::{CStr, CString, OsString, c_char, c_int, c_void};
+use std::io::Write;
+use std::os::unix::ffi::OsStringExt as _;
 use std::sync::atomic::{AtomicI32, Ordering};
 
 unsafe extern "C" {
-    fn wait(status: *mut i32) -> i32;
-    fn pause() -> i32;
-    fn kill(pid: i32, signal: i32) -> i32;
-    fn signal(signal: i32, handler: extern "C" fn(i32)) -> usize;
+    fn wait(status: *mut c_int) -> c_int;
+    fn pause() -> c_int;
+    fn kill(pid: c_int, signal: c_int) -> c_int;
+    fn signal(signal: c_int, handler: extern "C" fn(c_int)) -> usize;
+    fn clone(
+        child: extern "C" fn(*mut c_void) -> c_int,
+        stack: *mut c_void,
+        flags: c_int,
+        arg: *mut c_void,
+    ) -> c_int;
+    fn setpgid(pid: c_int, group: c_int) -> c_int;
+    fn execve(path: *const c_char, argv: *const *const c_char, env: *const *const c_char)
+    -> c_int;
+    fn _exit(code: c_int) -> !;
+    fn __errno_location() -> *mut c_int;
+    static environ: *const *const c_char;
 }
+
+const CLONE_VM: c_int = 0x100;
+const CLONE_VFORK: c_int = 0x4000;
+const SIGCHLD: c_int = 17;
+const ENOENT: c_int = 2;
+const EACCES: c_int = 13;
 
 /// The command's process group, for the signal handler.
 static GROUP: AtomicI32 = AtomicI32::new(0);
 
 /// Passes a signal on to the command's group (async-signal-safe: an atomic load and kill).
-extern "C" fn forward(sig: i32) {
+extern "C" fn forward(sig: c_int) {
     let group = GROUP.load(Ordering::Relaxed);
     if group > 1 {
         // SAFETY: kill(2) with plain integers.
@@ -40,32 +61,118 @@ extern "C" fn forward(sig: i32) {
     }
 }
 
+/// What the command's child needs, prepared before the clone (the child allocates nothing):
+/// the paths to try in order (the program, or each PATH entry joined with it), the argument
+/// vector, and where the child leaves the errno of its failure.
+struct Start {
+    candidates: Vec<CString>,
+    argv: Vec<*const c_char>,
+    failed: AtomicI32,
+}
+
+/// The child of the clone: its own process group, then the first candidate that executes. It
+/// runs on its own stack in the init's memory (`CLONE_VM | CLONE_VFORK`: the init waits until
+/// it execs or exits) and makes only async-signal-safe calls.
+extern "C" fn child(arg: *mut c_void) -> c_int {
+    // SAFETY: `arg` is the `Start` the init keeps alive, unchanged, until this child has exec'd
+    // or exited; its only write is the atomic `failed`.
+    let start = unsafe { &*(arg as *const Start) };
+    // SAFETY: plain system calls on valid, NUL-terminated strings and pointer arrays.
+    unsafe {
+        setpgid(0, 0);
+        let mut errno = ENOENT;
+        let mut denied = false;
+        for path in &start.candidates {
+            execve(path.as_ptr(), start.argv.as_ptr(), environ);
+            errno = *__errno_location();
+            denied |= errno == EACCES;
+        }
+        start
+            .failed
+            .store(if denied { EACCES } else { errno }, Ordering::SeqCst);
+        _exit(127)
+    }
+}
+
+/// The paths `program` is tried at: itself when it names a path, else each entry of PATH (as
+/// the shell searches it; an empty entry is the working directory).
+fn candidates(program: &[u8]) -> Vec<CString> {
+    let path = |bytes: Vec<u8>| CString::new(bytes).ok();
+    if program.contains(&b'/') {
+        return path(program.to_vec()).into_iter().collect();
+    }
+    let search = std::env::var_os("PATH")
+        .unwrap_or_else(|| OsString::from("/usr/local/bin:/usr/bin:/bin"))
+        .into_vec();
+    search
+        .split(|&b| b == b':')
+        .filter_map(|dir| match dir {
+            [] => path(program.to_vec()),
+            dir => path([dir, b"/", program].concat()),
+        })
+        .collect()
+}
+
+/// Starts `argv` in a process group of its own with the init's environment; the errno of its
+/// failure if it did not start. A clone with `CLONE_VM | CLONE_VFORK` (what `posix_spawn`
+/// does, without its reset of every signal's disposition, one system call each: this init
+/// changes none before the command starts, so the command gets the defaults it got itself).
+fn spawn(argv: &[CString]) -> Result<c_int, c_int> {
+    let mut pointers: Vec<*const c_char> = argv.iter().map(|a| a.as_ptr()).collect();
+    pointers.push(std::ptr::null());
+    let start = Start {
+        candidates: candidates(argv[0].as_bytes()),
+        argv: pointers,
+        failed: AtomicI32::new(0),
+    };
+    let mut stack = vec![0u8; 64 * 1024];
+    // SAFETY: the child runs on `stack` (its top, 16-byte aligned as the ABI wants) and reads
+    // `start`, both alive until clone returns: CLONE_VFORK suspends this thread until the child
+    // has exec'd or exited.
+    let pid = unsafe {
+        let top = stack.as_mut_ptr().add(stack.len()) as usize & !15;
+        clone(
+            child,
+            top as *mut c_void,
+            CLONE_VM | CLONE_VFORK | SIGCHLD,
+            &start as *const Start as *mut c_void,
+        )
+    };
+    if pid < 0 {
+        // SAFETY: reads this thread's errno.
+        return Err(unsafe { *__errno_location() });
+    }
+    match start.failed.load(Ordering::SeqCst) {
+        0 => Ok(pid),
+        errno => {
+            let mut status = 0;
+            // SAFETY: wait(2) writes one int through a valid pointer; the child has exited.
+            unsafe { wait(&mut status) };
+            Err(errno)
+        }
+    }
+}
+
 /// Runs one command as described above; never returns.
-fn run(argv: &[String]) -> ! {
-    use std::os::unix::process::{CommandExt as _, ExitStatusExt as _};
+fn run(argv: &[CString]) -> ! {
     let _ = std::io::stdout().write_all(b"ready\n");
     let _ = std::io::stdout().flush();
-    let Some((program, args)) = argv.split_first() else {
+    if argv.is_empty() {
         eprintln!("warden: no command");
         std::process::exit(126);
-    };
-    let child = std::process::Command::new(program)
-        .args(args)
-        .process_group(0)
-        .spawn();
-    let child = match child {
-        Ok(child) => child,
-        Err(e) => {
-            let (code, why) = match e.kind() {
-                std::io::ErrorKind::NotFound => (127, "command not found"),
-                std::io::ErrorKind::PermissionDenied => (126, "permission denied"),
+    }
+    let pid = match spawn(argv) {
+        Ok(pid) => pid,
+        Err(errno) => {
+            let (code, why) = match errno {
+                ENOENT => (127, "command not found"),
+                EACCES => (126, "permission denied"),
                 _ => (126, "cannot execute"),
             };
-            eprintln!("warden: {why}: {program}");
+            eprintln!("warden: {why}: {}", argv[0].to_string_lossy());
             std::process::exit(code);
         }
     };
-    let pid = child.id() as i32;
     GROUP.store(pid, Ordering::Relaxed);
     for sig in [1, 2, 3, 10, 12, 15, 28] {
         // SAFETY: installs `forward`, which is async-signal-safe, for a catchable signal.
@@ -76,11 +183,10 @@ fn run(argv: &[String]) -> ! {
         // SAFETY: wait(2) writes one int through a valid pointer.
         let reaped = unsafe { wait(&mut status) };
         if reaped == pid {
-            let status = std::process::ExitStatus::from_raw(status);
-            std::process::exit(match (status.code(), status.signal()) {
-                (Some(code), _) => code,
-                (None, Some(sig)) => 128 + sig,
-                _ => 125,
+            // The command's exit code, or 128 + the signal that ended it.
+            std::process::exit(match (status & 0x7f, (status >> 8) & 0xff) {
+                (0, code) => code,
+                (sig, _) => 128 + sig,
             });
         }
         if reaped < 0 && std::io::Error::last_os_error().raw_os_error() != Some(4) {
@@ -130,25 +236,35 @@ fn release() -> usize {
     ended.len()
 }
 
-fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    if args.len() >= 2 && args[1] == "run" {
+/// The C entry point: no Rust runtime start (`no_main`), so that nothing changes a signal's
+/// disposition (the runtime would ignore SIGPIPE, which the command would then have to be given
+/// back) and nothing reads `/proc/self/maps` for a guard page: every system call costs a trip
+/// through gVisor's platform.
+#[unsafe(no_mangle)]
+pub extern "C" fn main(argc: c_int, argv: *const *const c_char) -> c_int {
+    let args: Vec<CString> = (0..usize::try_from(argc).unwrap_or(0))
+        // SAFETY: the C runtime passes `argc` valid NUL-terminated strings in `argv`.
+        .map(|i| unsafe { CStr::from_ptr(*argv.add(i)) }.to_owned())
+        .collect();
+    let word = |i: usize| args.get(i).map(|a| a.as_bytes());
+    if word(1) == Some(b"run") {
         run(&args[2..]);
     }
-    if args.len() == 2 && args[1] == "release" {
+    if args.len() == 2 && word(1) == Some(b"release") {
         println!("{}", release());
-        return;
+        return 0;
     }
-    if args.len() == 4 && args[1] == "kill" {
-        let (Ok(signal), Ok(group)) = (args[2].parse::<i32>(), args[3].parse::<i32>()) else {
-            std::process::exit(2);
+    if args.len() == 4 && word(1) == Some(b"kill") {
+        let number = |i: usize| args[i].to_str().ok().and_then(|s| s.parse::<c_int>().ok());
+        let (Some(signal), Some(group)) = (number(2), number(3)) else {
+            return 2;
         };
         if group <= 1 {
-            std::process::exit(2);
+            return 2;
         }
         // SAFETY: kill(2) with plain integers.
         let sent = unsafe { kill(-group, signal) };
-        std::process::exit(if sent == 0 { 0 } else { 1 });
+        return if sent == 0 { 0 } else { 1 };
     }
     let _ = std::io::stdout().write_all(b"ready\n");
     let _ = std::io::stdout().flush();

@@ -735,6 +735,14 @@ fn run_without_a_daemon_keeps_statuses_stdin_and_changes(tier: Tier) {
             "{ran:?}"
         );
     }
+    // The command starts with every signal at its default: a writer into a closed pipe ends
+    // on SIGPIPE (an ignored one would have `yes` say "Broken pipe" and fail).
+    let piped = run_sh(&["--policy", &policy], "yes | head -n 1");
+    assert_eq!(
+        (piped.code, piped.stdout.as_str(), piped.stderr.as_str()),
+        (0, "y\n", ""),
+        "{piped:?}"
+    );
     // Stdin, a missing program, a signal, the wall-clock limit.
     let mut child = warden()
         .args(["run", "--policy", &policy, "--", "tr", "a-z", "A-Z"])
