@@ -315,6 +315,71 @@ fn a_gvisor_cell_outlives_a_crashed_daemon() {
     assert_eq!(killed.json()["state"], "ended");
 }
 
+/// What a process of the cell tries against the init (pid 1), which starts the cell's
+/// processes and holds the host side's socket: trace it, read its memory, open its socket,
+/// copy its descriptor.
+const TAKE_OVER_THE_INIT: &str = r#"
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+def attempt(name, f):
+    try:
+        print(name, "REACHED", f())
+    except OSError as e:
+        print(name, "refused")
+def ptrace():
+    if libc.ptrace(16, 1, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "ptrace")
+def getfd():
+    pidfd = libc.syscall(434, 1, 0)
+    if pidfd < 0:
+        raise OSError(ctypes.get_errno(), "pidfd_open")
+    if libc.syscall(438, pidfd, 0, 0) < 0:
+        raise OSError(ctypes.get_errno(), "pidfd_getfd")
+attempt("ptrace", ptrace)
+attempt("mem", lambda: open("/proc/1/mem", "rb").read(1))
+attempt("socket", lambda: os.open("/proc/1/fd/0", os.O_RDWR))
+attempt("getfd", getfd)
+"#;
+
+#[test]
+fn a_gvisor_cells_processes_are_started_by_its_init_which_no_process_takes_over() {
+    needs_gvisor!("a_gvisor_cells_processes_are_started_by_its_init_which_no_process_takes_over");
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("init"), json!({ "policy": GVISOR }));
+    // Started by the init (a `runsc exec` would have no parent in the sandbox), with its own
+    // session, the cell's user and nothing of the init's open but its stdio.
+    let events = daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "echo $PPID; ps -o sid= -p $$; id -u; ls /proc/self/fd | wc -l"] }),
+    );
+    assert_eq!(exit_of(&events)["code"].as_i64(), Some(0), "{events:?}");
+    let out = stdout(&events);
+    let lines: Vec<&str> = out.lines().map(str::trim).collect();
+    assert_eq!(lines.first(), Some(&"1"), "{out}");
+    assert_ne!(lines.get(1), Some(&"1"), "its own session: {out}");
+    assert_eq!(lines.get(2), Some(&"1000"), "{out}");
+    // 0, 1, 2 and the directory `ls` reads.
+    assert_eq!(lines.get(3), Some(&"4"), "{out}");
+    let events = daemon.exec(
+        &cell,
+        json!({ "argv": ["python3", "-c", TAKE_OVER_THE_INIT] }),
+    );
+    assert_eq!(
+        stdout(&events),
+        "ptrace refused\nmem refused\nsocket refused\ngetfd refused\n",
+        "{events:?}"
+    );
+    // Exit statuses come from the init's own wait: exact, where runsc's exec said 128 + N for
+    // a signal and so could not tell an `exit 130` from SIGINT.
+    let events = daemon.exec(&cell, json!({ "argv": ["sh", "-c", "exit 130"] }));
+    let exit = exit_of(&events);
+    assert_eq!(
+        (exit["reason"].as_str(), exit["code"].as_i64()),
+        (Some("exited"), Some(130)),
+        "{exit}"
+    );
+}
+
 #[test]
 fn the_gvisor_tier_is_refused_where_it_cannot_run_and_doctor_says_why() {
     // As root with runsc, doctor says the tier is usable here; as an unprivileged user, a

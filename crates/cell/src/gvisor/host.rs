@@ -6,8 +6,12 @@
 //!
 //! It is a single-threaded process the keeper forks before starting any thread (a fork per file
 //! operation is then a plain copy of it), in the keeper's mount namespace, where the cell's
-//! root is assembled. Each exec is a `runsc exec` of its own, given the client's pipes (or a
-//! terminal made here) as the process's stdio: the process writes straight into them. Each
+//! root is assembled. Each exec is started by Warden's init in the sandbox (pid 1), asked on
+//! its socket (the init's stdin) with the client's pipes passed along as the process's stdio:
+//! the process writes straight into them, and the init says its pid and, when it reaps it, its
+//! wait status. An exec on a terminal (one made here) is a `runsc exec` of its own, and so is
+//! every exec while the init has not said it serves (a sandbox restored from an older init's
+//! image). Each
 //! file operation is a fork that enters the cell's root (`chroot`) as the cell's user and runs
 //! the same file service as the process tier's.
 
@@ -66,8 +70,121 @@ struct Exec {
     file: bool,
 }
 
-/// Runs the host side until the keeper goes (`lifeline` hangs up). Never returns.
-pub fn serve(cell: &Cell, channel: OwnedFd, lifeline: OwnedFd) -> ! {
+/// The host side's socket to the init, and the execs it started or is starting.
+struct InitLink {
+    socket: OwnedFd,
+    /// Whether the init said it serves (`h`, or `p` to a restored one's ping).
+    serves: bool,
+    next_token: u64,
+    /// Asked for, not yet started (by token).
+    starting: HashMap<u64, Exec>,
+    /// Started, not yet reaped (by pid in the sandbox).
+    running: HashMap<i32, Exec>,
+}
+
+impl InitLink {
+    fn say(&self, message: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
+        sys::send_message(self.socket.as_fd(), message, fds)
+    }
+
+    /// Sends `signal` to the process group `group` of the sandbox.
+    fn signal_group(&self, group: i32, signal: i32) {
+        let _ = self.say(format!("k\0{signal}\0{group}").as_bytes(), &[]);
+    }
+
+    /// Reads what the init said; `false` once its socket closed (the sandbox is going).
+    fn read(&mut self) -> bool {
+        loop {
+            let message = match sys::try_receive_message(self.socket.as_fd()) {
+                Ok(Some((payload, _))) => payload,
+                Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => return true,
+                Ok(None) | Err(_) => return false,
+            };
+            let text = String::from_utf8_lossy(&message);
+            let mut words = text.split(' ');
+            let (kind, a, b) = (words.next(), words.next(), words.next());
+            let number = |w: Option<&str>| w.and_then(|w| w.parse::<i64>().ok());
+            match (kind, number(a), number(b)) {
+                (Some("h" | "p"), _, _) => self.serves = true,
+                (Some("s"), Some(token), Some(pid)) => {
+                    let Some(mut exec) = self.starting.remove(&(token as u64)) else {
+                        continue;
+                    };
+                    let pid = pid as i32;
+                    exec.inside = Some(pid);
+                    if let Some(client) = &exec.client {
+                        send(client, &ExecEvent::Started { id: exec.id, pid }, &[]);
+                    }
+                    for signal in std::mem::take(&mut exec.pending) {
+                        self.signal_group(pid, signal);
+                    }
+                    self.running.insert(pid, exec);
+                }
+                (Some("f"), Some(token), Some(errno)) => {
+                    let Some(exec) = self.starting.remove(&(token as u64)) else {
+                        continue;
+                    };
+                    let errno = errno as i32;
+                    let code = if errno == libc::ENOENT {
+                        NOT_FOUND
+                    } else {
+                        NOT_EXECUTABLE
+                    };
+                    if let Some(client) = &exec.client {
+                        let message = format!(
+                            "the sandbox could not start the process: {}",
+                            std::io::Error::from_raw_os_error(errno)
+                        );
+                        send(
+                            client,
+                            &ExecEvent::Failed {
+                                id: exec.id,
+                                code,
+                                message,
+                            },
+                            &[],
+                        );
+                    }
+                }
+                (Some("e"), Some(pid), Some(status)) => {
+                    if let Some(mut exec) = self.running.remove(&(pid as i32)) {
+                        let status = status as i32;
+                        let ended = match status & 0x7f {
+                            0 => Ok((status >> 8) & 0xff),
+                            signal => Err(signal),
+                        };
+                        finish_reaped(&mut exec, ended);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// The init is gone (and the sandbox with it): what it was starting failed, what it ran
+    /// was killed.
+    fn lost(&mut self) {
+        for (_, exec) in self.starting.drain() {
+            if let Some(client) = &exec.client {
+                let message = "the sandbox ended before the process started".to_owned();
+                let event = ExecEvent::Failed {
+                    id: exec.id,
+                    code: NOT_EXECUTABLE,
+                    message,
+                };
+                send(client, &event, &[]);
+            }
+        }
+        for (_, mut exec) in self.running.drain() {
+            finish_reaped(&mut exec, Err(libc::SIGKILL));
+        }
+    }
+}
+
+/// Runs the host side until the keeper goes (`lifeline` hangs up). Never returns. `init`: the
+/// socket to the init (its stdin); `restored`: the init is asked whether it serves, as a
+/// restored one said so before it was saved.
+pub fn serve(cell: &Cell, channel: OwnedFd, lifeline: OwnedFd, init: OwnedFd, restored: bool) -> ! {
     let _ = sys::set_parent_death_signal(libc::SIGKILL);
     let mut mask = SigSet::empty();
     mask.add(Signal::SIGCHLD);
@@ -80,6 +197,16 @@ pub fn serve(cell: &Cell, channel: OwnedFd, lifeline: OwnedFd) -> ! {
     };
     let mut execs: HashMap<i32, Exec> = HashMap::new();
     let mut lines: Vec<OwnedFd> = Vec::new();
+    let mut init = Some(InitLink {
+        socket: init,
+        serves: false,
+        next_token: 1,
+        starting: HashMap::new(),
+        running: HashMap::new(),
+    });
+    if restored && let Some(link) = &init {
+        let _ = link.say(b"p", &[]);
+    }
     // Once set up a while, the start's pages go (at a poll's timeout: this process has one
     // thread, and forks).
     let mut let_go = sys::LetGo::after_linger(true);
@@ -96,11 +223,23 @@ pub fn serve(cell: &Cell, channel: OwnedFd, lifeline: OwnedFd) -> ! {
             .filter(|(_, e)| e.client.is_some())
             .map(|(pid, _)| *pid)
             .collect();
+        // The clients of the init's processes (by pid in the sandbox).
+        let watched_inside: Vec<i32> = init.as_ref().map_or_else(Vec::new, |link| {
+            link.running
+                .iter()
+                .filter(|(_, e)| e.client.is_some())
+                .map(|(pid, _)| *pid)
+                .collect()
+        });
         let mut fds = vec![
             PollFd::new(signals.as_fd(), PollFlags::POLLIN),
             PollFd::new(lifeline.as_fd(), PollFlags::POLLIN),
             PollFd::new(channel.as_fd(), PollFlags::POLLIN),
         ];
+        if let Some(link) = &init {
+            fds.push(PollFd::new(link.socket.as_fd(), PollFlags::POLLIN));
+        }
+        let init_index = init.as_ref().map(|_| fds.len() - 1);
         let first_line = fds.len();
         fds.extend(
             lines
@@ -117,6 +256,13 @@ pub fn serve(cell: &Cell, channel: OwnedFd, lifeline: OwnedFd) -> ! {
             let client = execs.get(pid)?.client.as_ref()?;
             Some(PollFd::new(client.as_fd(), PollFlags::POLLIN))
         }));
+        let first_inside = fds.len();
+        if let Some(link) = &init {
+            fds.extend(watched_inside.iter().filter_map(|pid| {
+                let client = link.running.get(pid)?.client.as_ref()?;
+                Some(PollFd::new(client.as_fd(), PollFlags::POLLIN))
+            }));
+        }
         match poll(&mut fds, let_go.poll_timeout()) {
             Ok(_) | Err(nix::Error::EINTR) => {}
             Err(_) => sys::exit_now(SETUP_FAILED),
@@ -144,7 +290,23 @@ pub fn serve(cell: &Cell, channel: OwnedFd, lifeline: OwnedFd) -> ! {
             .filter(|(i, _)| ready(first_client + i))
             .map(|(_, pid)| *pid)
             .collect();
+        let inside_ready: Vec<i32> = watched_inside
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| ready(first_inside + i))
+            .map(|(_, pid)| *pid)
+            .collect();
+        let init_ready = init_index.is_some_and(ready);
         drop(fds);
+        // The init first: its hello comes before the cell is said to be ready, so no exec
+        // asked for after that goes to runsc while the init serves.
+        if init_ready
+            && let Some(link) = init.as_mut()
+            && !link.read()
+        {
+            link.lost();
+            init = None;
+        }
         if channel_ready {
             match sys::receive_message(channel.as_fd()) {
                 Ok(Some((payload, mut received))) => {
@@ -153,7 +315,7 @@ pub fn serve(cell: &Cell, channel: OwnedFd, lifeline: OwnedFd) -> ! {
                             lines.push(line);
                         }
                     } else {
-                        start(cell, &payload, received, &mut execs);
+                        start(cell, &payload, received, &mut execs, init.as_mut());
                     }
                 }
                 Ok(None) | Err(_) => sys::exit_now(SETUP_FAILED),
@@ -167,7 +329,7 @@ pub fn serve(cell: &Cell, channel: OwnedFd, lifeline: OwnedFd) -> ! {
             }
             match sys::try_receive_message(line.as_fd()) {
                 Ok(Some((payload, received))) => {
-                    start(cell, &payload, received, &mut execs);
+                    start(cell, &payload, received, &mut execs, init.as_mut());
                     true
                 }
                 Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => true,
@@ -176,19 +338,27 @@ pub fn serve(cell: &Cell, channel: OwnedFd, lifeline: OwnedFd) -> ! {
         });
         for pid in started_ready {
             if let Some(exec) = execs.get_mut(&pid) {
-                read_inside_pid(cell, exec);
+                read_inside_pid(cell, init.as_ref(), exec);
             }
         }
         for pid in clients_ready {
             if let Some(exec) = execs.get_mut(&pid) {
-                serve_client(cell, pid, exec);
+                serve_client(cell, init.as_ref(), pid, exec);
+            }
+        }
+        if let Some(link) = init.as_mut() {
+            for pid in inside_ready {
+                if let Some(mut exec) = link.running.remove(&pid) {
+                    serve_client(cell, Some(link), pid, &mut exec);
+                    link.running.insert(pid, exec);
+                }
             }
         }
         if signal_ready {
             while let Ok(Some(_)) = signals.read_signal() {}
             while let Ok(Some(reaped)) = sys::reap_any() {
                 if let Some(mut exec) = execs.remove(&reaped.pid) {
-                    finish(cell, &mut exec, reaped.status);
+                    finish(cell, init.as_ref(), &mut exec, reaped.status);
                 }
             }
         }
@@ -204,7 +374,13 @@ fn send(client: &OwnedFd, event: &ExecEvent, fds: &[RawFd]) {
 }
 
 /// Starts what a request asks for; a request that cannot be started is answered `failed`.
-fn start(cell: &Cell, payload: &[u8], mut received: Vec<OwnedFd>, execs: &mut HashMap<i32, Exec>) {
+fn start(
+    cell: &Cell,
+    payload: &[u8],
+    mut received: Vec<OwnedFd>,
+    execs: &mut HashMap<i32, Exec>,
+    init: Option<&mut InitLink>,
+) {
     let (id, request, file) = match serde_json::from_slice::<Request>(payload) {
         Ok(Request::Exec { id, request }) => (id, Some(request), None),
         Ok(Request::Files { id, root, file }) => (id, None, Some((root, file))),
@@ -269,6 +445,25 @@ fn start(cell: &Cell, payload: &[u8], mut received: Vec<OwnedFd>, execs: &mut Ha
             }
         },
     };
+    if let (Some(link), None) = (init.filter(|link| link.serves), &master) {
+        return match start_in_init(cell, link, &request, &stdio) {
+            Ok(token) => {
+                link.starting.insert(
+                    token,
+                    Exec {
+                        id,
+                        client: Some(client),
+                        pid_pipe: None,
+                        inside: None,
+                        master: None,
+                        pending: Vec::new(),
+                        file: false,
+                    },
+                );
+            }
+            Err((code, message)) => fail(code, message),
+        };
+    }
     match spawn_exec(cell, &request, &stdio) {
         Ok((pid, pid_pipe)) => {
             execs.insert(
@@ -300,6 +495,53 @@ fn exec_env(cell: &Cell, request: &ExecRequest) -> (Vec<(OsString, OsString)>, P
         .as_ref()
         .map_or_else(|| cell.plan.cwd.clone(), PathBuf::from);
     (env, cwd)
+}
+
+/// Asks the init to start a request's process with `stdio` as its stdin, stdout and stderr;
+/// the token its answer will name.
+fn start_in_init(
+    cell: &Cell,
+    link: &mut InitLink,
+    request: &ExecRequest,
+    stdio: &[OwnedFd; 3],
+) -> Result<u64, (i32, String)> {
+    let (env, cwd) = exec_env(cell, request);
+    let Some(program) = request.argv.first() else {
+        return Err((NOT_EXECUTABLE, "no command".to_owned()));
+    };
+    resolve(&cell.plan.root, program, &env, &cwd)?;
+    let token = link.next_token;
+    link.next_token += 1;
+    let mut fields: Vec<Vec<u8>> = vec![
+        b"x".to_vec(),
+        token.to_string().into_bytes(),
+        cwd.as_os_str().as_bytes().to_vec(),
+        request.argv.len().to_string().into_bytes(),
+    ];
+    fields.extend(request.argv.iter().map(|a| a.as_bytes().to_vec()));
+    fields.extend(
+        env.iter()
+            .map(|(k, v)| [k.as_bytes(), b"=", v.as_bytes()].concat()),
+    );
+    if fields.iter().any(|f| f.contains(&0)) {
+        return Err((
+            NOT_EXECUTABLE,
+            "an argument, variable or directory contains a NUL byte".to_owned(),
+        ));
+    }
+    let message = fields.join(&0u8);
+    if message.len() > 60_000 {
+        return Err((
+            NOT_EXECUTABLE,
+            "the process's environment and arguments are too large for gVisor's exec (60 kB)"
+                .to_owned(),
+        ));
+    }
+    mark_execs(cell);
+    let fds: Vec<RawFd> = stdio.iter().map(|fd| fd.as_raw_fd()).collect();
+    link.say(&message, &fds)
+        .map_err(|e| (SETUP_FAILED, format!("asking the sandbox's init: {e}")))?;
+    Ok(token)
 }
 
 /// Starts `runsc exec` for a request, with `stdio` as the process's; returns its host pid and
@@ -466,7 +708,7 @@ fn metadata_in_root(root: &Path, path: &Path) -> Option<(bool, bool)> {
 }
 
 /// Reads the process's pid in the sandbox once runsc wrote it, and tells the client it started.
-fn read_inside_pid(cell: &Cell, exec: &mut Exec) {
+fn read_inside_pid(cell: &Cell, init: Option<&InitLink>, exec: &mut Exec) {
     let Some(pipe) = exec.pid_pipe.take() else {
         return;
     };
@@ -487,13 +729,13 @@ fn read_inside_pid(cell: &Cell, exec: &mut Exec) {
     }
     exec.master = None;
     for signal in std::mem::take(&mut exec.pending) {
-        signal_group(cell, pid, signal);
+        signal_group(cell, init, pid, signal);
     }
 }
 
 /// A client's message: a signal for its process's group, or its hang-up, which kills the
 /// process's group (nobody is left to hear how it ends).
-fn serve_client(cell: &Cell, pid: i32, exec: &mut Exec) {
+fn serve_client(cell: &Cell, init: Option<&InitLink>, pid: i32, exec: &mut Exec) {
     let Some(client) = &exec.client else { return };
     let signal = match sys::try_receive_message(client.as_fd()) {
         Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => return,
@@ -516,15 +758,19 @@ fn serve_client(cell: &Cell, pid: i32, exec: &mut Exec) {
         return;
     }
     match exec.inside {
-        Some(inside) => signal_group(cell, inside, signal),
+        Some(inside) => signal_group(cell, init, inside, signal),
         None => exec.pending.push(signal),
     }
 }
 
 /// Sends `signal` to the process group `group` of the sandbox, through the cell's own init
-/// (runsc signals single processes only). The helper is a process of the sandbox like any
-/// exec, run as the cell's user; it is reaped with the others and nobody waits for it.
-fn signal_group(cell: &Cell, group: i32, signal: i32) {
+/// (runsc signals single processes only): asked on its socket where it serves, else a `runsc
+/// exec` of it as a helper (a process of the sandbox like any exec, run as the cell's user;
+/// it is reaped with the others and nobody waits for it).
+fn signal_group(cell: &Cell, init: Option<&InitLink>, group: i32, signal: i32) {
+    if let Some(link) = init.filter(|link| link.serves) {
+        return link.signal_group(group, signal);
+    }
     let Ok((quiet_r, quiet_w)) = sys::pipe() else {
         return;
     };
@@ -553,10 +799,10 @@ fn signal_group(cell: &Cell, group: i32, signal: i32) {
 
 /// Says how a process ended: a `runsc exec` exits with the process's status, 128 + N for a
 /// process a signal N ended (the one way it tells); a file operation is a process of ours.
-fn finish(cell: &Cell, exec: &mut Exec, status: Result<i32, i32>) {
+fn finish(cell: &Cell, init: Option<&InitLink>, exec: &mut Exec, status: Result<i32, i32>) {
     if exec.pid_pipe.is_some() {
         // Ended before its pid was read: it may still be there.
-        read_inside_pid(cell, exec);
+        read_inside_pid(cell, init, exec);
     }
     let Some(client) = exec.client.take() else {
         return;
@@ -581,6 +827,27 @@ fn finish(cell: &Cell, exec: &mut Exec, status: Result<i32, i32>) {
             signal: code - 128,
             usage: None,
         },
+        Ok(code) => ExecEvent::Exited {
+            id,
+            code,
+            usage: None,
+        },
+        Err(signal) => ExecEvent::Signaled {
+            id,
+            signal,
+            usage: None,
+        },
+    };
+    send(&client, &event, &[]);
+}
+
+/// Says how a process the init started ended: its exit code, or the signal that ended it.
+fn finish_reaped(exec: &mut Exec, ended: Result<i32, i32>) {
+    let Some(client) = exec.client.take() else {
+        return;
+    };
+    let id = exec.id;
+    let event = match ended {
         Ok(code) => ExecEvent::Exited {
             id,
             code,

@@ -167,8 +167,12 @@ pub fn keep(
     // (a cell that serves execs only).
     let mut host_guard = HostGuard(None);
     let mut channel = None;
+    // The init's stdin, in a cell that serves execs: the host side's socket to it.
+    let mut init_socket = None;
     if serves {
         let (ours, served) = sys::seqpacket_pair().map_err(os("creating the exec channel"))?;
+        let (to_init, init_end) =
+            sys::seqpacket_pair().map_err(os("creating the init's socket"))?;
         let (lifeline_r, lifeline_w) = sys::pipe().map_err(os("creating pipes"))?;
         let host = super::host::Cell {
             runsc: runsc.clone(),
@@ -178,12 +182,14 @@ pub fn keep(
         };
         let host_pid = match sys::clone_process(0).map_err(os("starting the cell's host side"))? {
             0 => {
-                drop((ours, lifeline_w));
-                super::host::serve(&host, served, lifeline_r)
+                drop((ours, lifeline_w, init_end));
+                // A restored init has said hello before it was saved: it is asked instead.
+                super::host::serve(&host, served, lifeline_r, to_init, restore.is_some())
             }
             pid => pid,
         };
-        drop((served, lifeline_r));
+        drop((served, lifeline_r, to_init));
+        init_socket = Some(init_end);
         // The host side watches the lifeline for the keeper's end; it is held here.
         std::mem::forget(lifeline_w);
         host_guard = HostGuard(Some(Pid::from_raw(host_pid)));
@@ -229,6 +235,13 @@ pub fn keep(
     }
 
     let (stdin_r, stdin_w) = sys::pipe().map_err(os("creating pipes"))?;
+    let init_stdin = match init_socket {
+        Some(socket) => {
+            drop(stdin_r);
+            socket
+        }
+        None => stdin_r,
+    };
     let (stdout_r, stdout_w) = sys::pipe().map_err(os("creating pipes"))?;
     let (stderr_r, stderr_w) = sys::pipe().map_err(os("creating pipes"))?;
     let mut command = match restore {
@@ -243,7 +256,7 @@ pub fn keep(
         .arg("--bundle")
         .arg(&bundle)
         .arg(&name)
-        .stdin(stdin_r)
+        .stdin(init_stdin)
         .stdout(stdout_w)
         .stderr(stderr_w);
     sys::unblock_signals_on_exec(&mut command);
