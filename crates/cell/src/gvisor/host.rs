@@ -83,8 +83,10 @@ struct InitLink {
 }
 
 impl InitLink {
+    /// Sends one request, without waiting: an init that does not read (its sandbox paused, or
+    /// stuck) must not hold the host side, which serves every client of the cell.
     fn say(&self, message: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
-        sys::send_message(self.socket.as_fd(), message, fds)
+        sys::send_message_nowait(self.socket.as_fd(), message, fds)
     }
 
     /// Sends `signal` to the process group `group` of the sandbox.
@@ -539,8 +541,18 @@ fn start_in_init(
     }
     mark_execs(cell);
     let fds: Vec<RawFd> = stdio.iter().map(|fd| fd.as_raw_fd()).collect();
-    link.say(&message, &fds)
-        .map_err(|e| (SETUP_FAILED, format!("asking the sandbox's init: {e}")))?;
+    link.say(&message, &fds).map_err(|e| {
+        let why = match e.kind() {
+            std::io::ErrorKind::WouldBlock => {
+                "it takes no requests now (is the cell paused?); try again once it runs".to_owned()
+            }
+            _ => e.to_string(),
+        };
+        (
+            SETUP_FAILED,
+            format!("asking the sandbox's init to start the process: {why}"),
+        )
+    })?;
     Ok(token)
 }
 
