@@ -816,44 +816,26 @@ fn finish(cell: &Cell, init: Option<&InitLink>, exec: &mut Exec, status: Result<
         // Ended before its pid was read: it may still be there.
         read_inside_pid(cell, init, exec);
     }
-    let Some(client) = exec.client.take() else {
-        return;
-    };
     if exec.inside.is_none() {
-        send(
-            &client,
-            &ExecEvent::Failed {
+        if let Some(client) = exec.client.take() {
+            let message = "gVisor could not start the process (runsc said why on its stderr)";
+            let event = ExecEvent::Failed {
                 id: exec.id,
                 code: NOT_EXECUTABLE,
-                message: "gVisor could not start the process (runsc said why on its stderr)"
-                    .to_owned(),
-            },
-            &[],
-        );
+                message: message.to_owned(),
+            };
+            send(&client, &event, &[]);
+        }
         return;
     }
-    let id = exec.id;
-    let event = match status {
-        Ok(code) if !exec.file && (129..=128 + 64).contains(&code) => ExecEvent::Signaled {
-            id,
-            signal: code - 128,
-            usage: None,
-        },
-        Ok(code) => ExecEvent::Exited {
-            id,
-            code,
-            usage: None,
-        },
-        Err(signal) => ExecEvent::Signaled {
-            id,
-            signal,
-            usage: None,
-        },
+    let ended = match status {
+        Ok(code) if !exec.file && (129..=128 + 64).contains(&code) => Err(code - 128),
+        ended => ended,
     };
-    send(&client, &event, &[]);
+    finish_reaped(exec, ended);
 }
 
-/// Says how a process the init started ended: its exit code, or the signal that ended it.
+/// Says how a process ended: its exit code, or the signal that ended it.
 fn finish_reaped(exec: &mut Exec, ended: Result<i32, i32>) {
     let Some(client) = exec.client.take() else {
         return;
