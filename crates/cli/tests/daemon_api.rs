@@ -850,8 +850,9 @@ fn a_file_the_cell_controls_cannot_freeze_the_harness() {
         json!({ "argv": ["sh", "-c", "mkfifo pipe && ln -s pipe link && mkdir d && mkfifo d/p && mkdir out && mkfifo out/x"] }),
     );
     let threads_before = threads_of(daemon.pid().unwrap());
-    // 600 reads and writes of FIFOs at once (more than the runtime's blocking pool), each
-    // client giving up after two seconds.
+    // 600 reads and writes of FIFOs at once (more than the runtime's blocking pool). A request
+    // that opened a FIFO would hang until the operation's deadline (60 s) and then answer that
+    // it timed out; each client gives up well before that.
     let socket = daemon.socket();
     let askers: Vec<_> = (0..600)
         .map(|i| {
@@ -866,7 +867,7 @@ fn a_file_the_cell_controls_cannot_freeze_the_harness() {
                 };
                 let mut stream = std::os::unix::net::UnixStream::connect(&socket).unwrap();
                 stream
-                    .set_read_timeout(Some(Duration::from_secs(2)))
+                    .set_read_timeout(Some(Duration::from_secs(30)))
                     .unwrap();
                 use std::io::{Read as _, Write as _};
                 let _ = write!(

@@ -9,7 +9,10 @@
 //!
 //! Nothing a cell controls can hold the harness: only regular files are read or written, each
 //! operation has a deadline ([`FILE_DEADLINE`]) after which it is killed, and one whose caller
-//! goes away is killed with it (the init kills a process whose client hangs up).
+//! goes away is killed with it (the init kills a process whose client hangs up). At most
+//! [`FILE_SLOTS`] operations of one cell run at once; the others wait their turn (within the
+//! same deadline), so a flood of requests for one cell is not a flood of processes in it, and
+//! the daemon's time goes on serving the rest (another cell's pause or kill lands at once).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,8 +28,10 @@ use crate::{CellFailure, FilesError, Harness, HarnessError};
 
 /// Largest file read or archive made through the API.
 pub const READ_LIMIT: u64 = 64 * 1024 * 1024;
-/// Longest a file operation may take before it is killed.
+/// Longest a file operation may take before it is killed (its wait for a place included).
 pub const FILE_DEADLINE: Duration = Duration::from_secs(60);
+/// File operations of one cell that run at once.
+pub const FILE_SLOTS: usize = 8;
 
 /// The API's view of an entry (its mode in octal).
 fn file_info(entry: FileEntry) -> FileInfo {
@@ -93,7 +98,22 @@ impl Harness {
         stdin: Option<Vec<u8>>,
         limit: u64,
     ) -> Result<Vec<u8>, HarnessError> {
+        let deadline = tokio::time::Instant::now() + FILE_DEADLINE;
         let root = self.files_root(name)?;
+        let slots = self
+            .live
+            .lock()
+            .ok()
+            .and_then(|l| l.get(name).map(|l| Arc::clone(&l.file_slots)))
+            .ok_or_else(|| {
+                HarnessError::from(CellFailure::Ended(format!("cell `{name}` has ended")))
+            })?;
+        let Ok(Ok(_slot)) = tokio::time::timeout_at(deadline, slots.acquire_owned()).await else {
+            return Err(HarnessError::from(FilesError::TimedOut(format!(
+                "cell `{name}` had {FILE_SLOTS} file operations under way for {} s, and this one did not get its turn; try again when they have ended",
+                FILE_DEADLINE.as_secs()
+            ))));
+        };
         let (cell, status) = self.live_with_status(name)?;
         if status == Status::Paused {
             return Err(HarnessError::from(CellFailure::Paused(format!(
@@ -148,7 +168,7 @@ impl Harness {
             text
         };
         let all = async { tokio::join!(feed, collect, complaints, events.last()) };
-        let Ok(((), out, complaint, end)) = tokio::time::timeout(FILE_DEADLINE, all).await else {
+        let Ok(((), out, complaint, end)) = tokio::time::timeout_at(deadline, all).await else {
             let _ = session.signal(libc::SIGKILL);
             return Err(HarnessError::from(FilesError::TimedOut(format!(
                 "the file operation in cell `{name}` did not finish within {} s and was killed (the cell may hold the file, or its disk is slow)",

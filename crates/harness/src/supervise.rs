@@ -58,6 +58,8 @@ pub(crate) struct Live {
     wall_done: bool,
     /// Questions seen (by id) and whether the daemon answered them.
     asked: HashMap<u64, Question>,
+    /// Places for the cell's file operations under way (see [`crate::files::FILE_SLOTS`]).
+    pub(crate) file_slots: Arc<tokio::sync::Semaphore>,
 }
 
 impl Live {
@@ -83,6 +85,7 @@ impl Live {
             paused: false,
             wall_done: false,
             asked: HashMap::new(),
+            file_slots: Arc::new(tokio::sync::Semaphore::new(crate::files::FILE_SLOTS)),
         }
     }
 }
