@@ -1,9 +1,9 @@
 //! The first process of a gVisor cell, and its helper for signals to a process group.
 //!
-//! Built by `build.rs` as a static binary (it must run in any root: the host's directories or an
-//! image without the host's C library) and bound read-only into every gVisor cell at
-//! `/.warden/init`. It holds no power over the cell: the warden controls the sandbox from
-//! outside (runsc, the cgroup); this process only keeps the container alive.
+//! Built by `build.rs` as a static binary without a C library (it must run in any root: the
+//! host's directories or an image without the host's C library). It is bound read-only into
+//! every gVisor cell at `/.warden/init`. It holds no power over the cell: the warden controls
+//! the sandbox from outside (runsc, the cgroup); this process only keeps the container alive.
 //!
 //! - no arguments: pid 1 of the sandbox's container, which starts the cell's processes. Its
 //!   stdin is the host side's socket (`SOCK_SEQPACKET`, a descriptor of the host): each request
@@ -22,344 +22,781 @@
 //! - `release`: before a checkpoint, ends every process (but pid 1) that holds a descriptor of
 //!   the host (`host:[N]` in its `/proc/PID/fd`: the pipes and terminals of the warden's execs),
 //!   which runsc could not bring back; says how many on its stdout.
+//!
+//! Why no C library: the static C library's start costs a gVisor sandbox on the ptrace platform
+//! about 4-5 ms (its self-relocation's page faults and its CPU-feature probes, each a `cpuid`
+//! that gVisor traps and emulates), paid by every cell's start. So this program has its own
+//! entry point (`_start`), makes its system calls itself (x86-64 only), allocates nothing (its
+//! buffers are static) and is linked at a fixed address (nothing to relocate). Its start is then
+//! a handful of page faults.
 
+#![no_std]
 #![no_main]
 
-use std::ffi::{CStr, CString, OsString, c_char, c_int, c_void};
-use std::io::Write;
-use std::os::unix::ffi::OsStringExt as _;
-use std::sync::atomic::{AtomicI32, Ordering};
+use core::arch::global_asm;
+use core::sync::atomic::{AtomicI32, Ordering};
 
-unsafe extern "C" {
-    fn wait(status: *mut c_int) -> c_int;
-    fn waitpid(pid: c_int, status: *mut c_int, options: c_int) -> c_int;
-    fn pause() -> c_int;
-    fn kill(pid: c_int, signal: c_int) -> c_int;
-    fn signal(signal: c_int, handler: extern "C" fn(c_int)) -> usize;
-    fn clone(
-        child: extern "C" fn(*mut c_void) -> c_int,
-        stack: *mut c_void,
-        flags: c_int,
-        arg: *mut c_void,
-    ) -> c_int;
-    fn setpgid(pid: c_int, group: c_int) -> c_int;
-    fn setsid() -> c_int;
-    fn dup2(fd: c_int, target: c_int) -> c_int;
-    fn fcntl(fd: c_int, command: c_int, ...) -> c_int;
-    fn chdir(path: *const c_char) -> c_int;
-    fn close(fd: c_int) -> c_int;
-    fn read(fd: c_int, buf: *mut c_void, len: usize) -> isize;
-    fn poll(fds: *mut PollFd, count: u64, timeout: c_int) -> c_int;
-    fn sigprocmask(how: c_int, set: *const SigSet, old: *mut SigSet) -> c_int;
-    fn signalfd(fd: c_int, set: *const SigSet, flags: c_int) -> c_int;
-    fn prctl(option: c_int, ...) -> c_int;
-    fn recvmsg(socket: c_int, message: *mut MsgHdr, flags: c_int) -> isize;
-    fn send(socket: c_int, buf: *const c_void, len: usize, flags: c_int) -> isize;
-    fn execve(path: *const c_char, argv: *const *const c_char, env: *const *const c_char)
-    -> c_int;
-    fn _exit(code: c_int) -> !;
-    fn __errno_location() -> *mut c_int;
-    static environ: *const *const c_char;
+#[cfg(not(target_arch = "x86_64"))]
+compile_error!("the gVisor tier's init makes its own system calls: x86-64 only");
+
+mod sys {
+    //! The system calls this program makes, each a `syscall` instruction; a failure comes back
+    //! as `Err(errno)`.
+
+    use core::arch::asm;
+
+    pub const READ: usize = 0;
+    pub const WRITE: usize = 1;
+    pub const CLOSE: usize = 3;
+    pub const POLL: usize = 7;
+    pub const RT_SIGACTION: usize = 13;
+    pub const RT_SIGPROCMASK: usize = 14;
+    pub const DUP2: usize = 33;
+    pub const PAUSE: usize = 34;
+    pub const NANOSLEEP: usize = 35;
+    pub const GETPID: usize = 39;
+    pub const SENDTO: usize = 44;
+    pub const RECVMSG: usize = 47;
+    pub const EXECVE: usize = 59;
+    pub const EXIT: usize = 60;
+    pub const WAIT4: usize = 61;
+    pub const KILL: usize = 62;
+    pub const FCNTL: usize = 72;
+    pub const CHDIR: usize = 80;
+    pub const SETPGID: usize = 109;
+    pub const SETSID: usize = 112;
+    pub const PRCTL: usize = 157;
+    pub const GETDENTS64: usize = 217;
+    pub const EXIT_GROUP: usize = 231;
+    pub const OPENAT: usize = 257;
+    pub const READLINKAT: usize = 267;
+    pub const SIGNALFD4: usize = 289;
+
+    /// A system call with up to six arguments.
+    ///
+    /// # Safety
+    /// The arguments must be what system call `number` takes (pointers to live memory of the
+    /// sizes it reads or writes).
+    pub unsafe fn call(number: usize, args: [usize; 6]) -> Result<usize, i32> {
+        let ret: isize;
+        // SAFETY: the caller's word; `syscall` clobbers rcx and r11 only.
+        unsafe {
+            asm!(
+                "syscall",
+                inlateout("rax") number as isize => ret,
+                in("rdi") args[0],
+                in("rsi") args[1],
+                in("rdx") args[2],
+                in("r10") args[3],
+                in("r8") args[4],
+                in("r9") args[5],
+                lateout("rcx") _,
+                lateout("r11") _,
+                options(nostack),
+            );
+        }
+        if (-4095..0).contains(&ret) {
+            Err(-ret as i32)
+        } else {
+            Ok(ret as usize)
+        }
+    }
+
+    /// A system call with plain-integer arguments, that touches no memory of this process.
+    pub fn plain(number: usize, args: [usize; 6]) -> Result<usize, i32> {
+        // SAFETY: only used for calls whose arguments are all integers (kill, close, setsid,
+        // setpgid, dup2, fcntl's F_SETFD, prctl's PR_SET_DUMPABLE, exit, pause).
+        unsafe { call(number, args) }
+    }
+
+    /// Ends this process with `code`.
+    pub fn exit_group(code: i32) -> ! {
+        let _ = plain(EXIT_GROUP, [code as usize, 0, 0, 0, 0, 0]);
+        loop {}
+    }
 }
 
-const CLONE_VM: c_int = 0x100;
-const CLONE_VFORK: c_int = 0x4000;
-const SIGCHLD: c_int = 17;
-const ENOENT: c_int = 2;
-const EACCES: c_int = 13;
-const EINTR: c_int = 4;
-const EINVAL: c_int = 22;
-const WNOHANG: c_int = 1;
-const F_SETFD: c_int = 2;
-const SIG_BLOCK: c_int = 0;
-const SIG_SETMASK: c_int = 2;
-const SFD_CLOEXEC: c_int = 0o2000000;
-const SFD_NONBLOCK: c_int = 0o4000;
-const PR_SET_DUMPABLE: c_int = 4;
+const CLONE_VM: usize = 0x100;
+const CLONE_VFORK: usize = 0x4000;
+const SIGCHLD: i32 = 17;
+const ENOENT: i32 = 2;
+const EACCES: i32 = 13;
+const EINTR: i32 = 4;
+const EINVAL: i32 = 22;
+const ENAMETOOLONG: i32 = 36;
+const WNOHANG: usize = 1;
+const F_SETFD: usize = 2;
+const SIG_BLOCK: usize = 0;
+const SIG_SETMASK: usize = 2;
+const SFD_CLOEXEC: usize = 0o2000000;
+const SFD_NONBLOCK: usize = 0o4000;
+const PR_SET_DUMPABLE: usize = 4;
 const POLLIN: i16 = 1;
-const MSG_CMSG_CLOEXEC: c_int = 0x4000_0000;
-const MSG_NOSIGNAL: c_int = 0x4000;
-const MSG_TRUNC: c_int = 0x20;
-const MSG_CTRUNC: c_int = 0x8;
-const SOL_SOCKET: c_int = 1;
-const SCM_RIGHTS: c_int = 1;
+const MSG_CMSG_CLOEXEC: usize = 0x4000_0000;
+const MSG_NOSIGNAL: usize = 0x4000;
+const MSG_TRUNC: i32 = 0x20;
+const MSG_CTRUNC: i32 = 0x8;
+const SOL_SOCKET: i32 = 1;
+const SCM_RIGHTS: i32 = 1;
+const SA_RESTORER: u64 = 0x0400_0000;
+const SA_RESTART: u64 = 0x1000_0000;
+const AT_FDCWD: usize = -100isize as usize;
+const O_DIRECTORY_CLOEXEC: usize = 0o200000 | 0o2000000;
 
-/// The C library's `sigset_t` (1,024 bits).
-#[repr(C)]
-struct SigSet([u64; 16]);
+/// The largest request the host side sends is 60,000 bytes (`host.rs`); one byte more is room
+/// for the NUL that ends its last field.
+const REQUEST_MAX: usize = 64 * 1024;
+/// Fields of a request: at most one per byte, and one more.
+const FIELDS_MAX: usize = REQUEST_MAX + 2;
+/// Process ids in a pid namespace stay below 2^22 (the kernel's PID_MAX_LIMIT).
+const PIDS: usize = 1 << 22;
 
 #[repr(C)]
 struct PollFd {
-    fd: c_int,
+    fd: i32,
     events: i16,
     revents: i16,
 }
 
 #[repr(C)]
 struct IoVec {
-    base: *mut c_void,
+    base: *mut u8,
     len: usize,
 }
 
 #[repr(C)]
 struct MsgHdr {
-    name: *mut c_void,
+    name: *mut u8,
     name_len: u32,
     iov: *mut IoVec,
     iov_len: usize,
-    control: *mut c_void,
+    control: *mut u8,
     control_len: usize,
-    flags: c_int,
+    flags: i32,
 }
 
 /// The header of a control message (`struct cmsghdr`), followed by its data.
 #[repr(C)]
 struct CmsgHdr {
     len: usize,
-    level: c_int,
-    kind: c_int,
+    level: i32,
+    kind: i32,
+}
+
+/// The kernel's `struct sigaction` (x86-64).
+#[repr(C)]
+struct SigAction {
+    handler: usize,
+    flags: u64,
+    restorer: usize,
+    mask: u64,
+}
+
+/// A set of process ids, one bit each (static, so only the pages of the ids used are ever
+/// touched).
+struct PidSet([u64; PIDS / 64]);
+
+impl PidSet {
+    fn slot(pid: i32) -> Option<(usize, u64)> {
+        let pid = usize::try_from(pid).ok().filter(|&p| p < PIDS)?;
+        Some((pid / 64, 1 << (pid % 64)))
+    }
+
+    fn insert(&mut self, pid: i32) -> bool {
+        let Some((word, bit)) = Self::slot(pid) else {
+            return false;
+        };
+        let fresh = self.0[word] & bit == 0;
+        self.0[word] |= bit;
+        fresh
+    }
+
+    /// Whether `pid` was in the set (it no longer is).
+    fn remove(&mut self, pid: i32) -> bool {
+        let Some((word, bit)) = Self::slot(pid) else {
+            return false;
+        };
+        let was = self.0[word] & bit != 0;
+        self.0[word] &= !bit;
+        was
+    }
+}
+
+/// This program's memory, static (it allocates nothing). One thread uses it: while a clone
+/// runs, the init is suspended, and the child writes only its own stack and `Start::failed`.
+/// A request from the host side, and the NUL after it.
+static mut REQUEST: [u8; REQUEST_MAX + 1] = [0; REQUEST_MAX + 1];
+/// Where each field of the request starts.
+static mut FIELDS: [*const u8; FIELDS_MAX] = [core::ptr::null(); FIELDS_MAX];
+/// A process's argument and environment vectors, each ending in null.
+static mut VECTORS: [*const u8; FIELDS_MAX + 2] = [core::ptr::null(); FIELDS_MAX + 2];
+/// The processes started for the host side and not reaped yet.
+static mut STARTED: PidSet = PidSet([0; PIDS / 64]);
+/// The processes `release` ended.
+static mut ENDED: PidSet = PidSet([0; PIDS / 64]);
+/// The stack of the clone that becomes a new process.
+static mut CHILD_STACK: ChildStack = ChildStack([0; 64 * 1024]);
+
+#[repr(C, align(16))]
+struct ChildStack([u8; 64 * 1024]);
+
+// The entry point: the kernel leaves argc, the argument vector and the environment on the
+// stack. `start` gets a pointer to them, on a stack aligned as the ABI wants.
+global_asm!(
+    ".globl _start",
+    "_start:",
+    "xor ebp, ebp",
+    "mov rdi, rsp",
+    "and rsp, -16",
+    "call {start}",
+    "ud2",
+    start = sym start,
+);
+
+// `clone(CLONE_VM | CLONE_VFORK | SIGCHLD)` onto a stack of its own, the child running
+// `child(start)`: rdi flags, rsi the stack's top, rdx `child`, rcx its argument. The child gets
+// the registers as they are, so it finds `child` and its argument in r12 and r13 (saved for the
+// caller and put back once the child has exec'd or exited). Returns the pid, or -errno.
+global_asm!(
+    ".globl warden_spawn",
+    "warden_spawn:",
+    "push r12",
+    "push r13",
+    "mov r12, rdx",
+    "mov r13, rcx",
+    "xor edx, edx",
+    "xor r10d, r10d",
+    "xor r8d, r8d",
+    "mov eax, 56",
+    "syscall",
+    "test rax, rax",
+    "jnz 2f",
+    "mov rdi, r13",
+    "call r12",
+    "mov edi, 127",
+    "mov eax, 60",
+    "syscall",
+    "ud2",
+    "2:",
+    "pop r13",
+    "pop r12",
+    "ret",
+    // A signal handler's return: rt_sigreturn.
+    ".globl warden_restore",
+    "warden_restore:",
+    "mov eax, 15",
+    "syscall",
+    "ud2",
+);
+
+unsafe extern "C" {
+    fn warden_spawn(
+        flags: usize,
+        stack_top: *mut u8,
+        child: extern "C" fn(*const u8) -> i32,
+        start: *const u8,
+    ) -> isize;
+    fn warden_restore();
+}
+
+/// What the compiler's code may call for copies and fills (there is no C library to have
+/// them). Written with string instructions, so that they cannot be compiled into calls of
+/// themselves.
+mod mem {
+    use core::arch::asm;
+
+    /// # Safety
+    /// As C's `memcpy`.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "C" fn memcpy(dest: *mut u8, src: *const u8, n: usize) -> *mut u8 {
+        // SAFETY: the caller's ranges.
+        unsafe {
+            asm!("rep movsb", inout("rdi") dest => _, inout("rsi") src => _,
+                 inout("rcx") n => _, options(nostack, preserves_flags));
+        }
+        dest
+    }
+
+    /// # Safety
+    /// As C's `memmove`.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "C" fn memmove(dest: *mut u8, src: *const u8, n: usize) -> *mut u8 {
+        if (dest as usize) <= (src as usize) || (dest as usize) >= (src as usize) + n {
+            // SAFETY: a forward copy is right when the destination starts before the source
+            // or after its end.
+            return unsafe { memcpy(dest, src, n) };
+        }
+        // SAFETY: the caller's ranges, copied from the end down.
+        unsafe {
+            asm!("std", "rep movsb", "cld",
+                 inout("rdi") dest.add(n - 1) => _, inout("rsi") src.add(n - 1) => _,
+                 inout("rcx") n => _, options(nostack));
+        }
+        dest
+    }
+
+    /// # Safety
+    /// As C's `memset`.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "C" fn memset(dest: *mut u8, c: i32, n: usize) -> *mut u8 {
+        // SAFETY: the caller's range.
+        unsafe {
+            asm!("rep stosb", inout("rdi") dest => _, inout("rcx") n => _, in("al") c as u8,
+                 options(nostack, preserves_flags));
+        }
+        dest
+    }
+
+    /// # Safety
+    /// As C's `memcmp`.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "C" fn memcmp(a: *const u8, b: *const u8, n: usize) -> i32 {
+        let mut i = 0;
+        while i < n {
+            // SAFETY: the caller's ranges; volatile reads keep this loop a loop.
+            let (x, y) = unsafe {
+                (
+                    core::ptr::read_volatile(a.add(i)),
+                    core::ptr::read_volatile(b.add(i)),
+                )
+            };
+            if x != y {
+                return i32::from(x) - i32::from(y);
+            }
+            i += 1;
+        }
+        0
+    }
+
+    /// # Safety
+    /// As C's `strlen`.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "C" fn strlen(s: *const u8) -> usize {
+        let mut n = 0;
+        // SAFETY: the caller's string, read up to its NUL; volatile reads keep this loop a loop.
+        while unsafe { core::ptr::read_volatile(s.add(n)) } != 0 {
+            n += 1;
+        }
+        n
+    }
+
+    /// # Safety
+    /// As C's `bcmp`.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "C" fn bcmp(a: *const u8, b: *const u8, n: usize) -> i32 {
+        // SAFETY: the caller's ranges.
+        unsafe { memcmp(a, b, n) }
+    }
+}
+
+/// The precompiled `core` names an unwinding personality; nothing unwinds here (panics abort),
+/// so it is never called.
+#[unsafe(no_mangle)]
+pub extern "C" fn rust_eh_personality() {}
+
+#[panic_handler]
+fn panicked(_: &core::panic::PanicInfo) -> ! {
+    write_all(2, b"warden: the cell's init failed\n");
+    sys::exit_group(125)
+}
+
+/// Writes all of `bytes` to `fd` (what does not go is dropped: nobody reads any more).
+fn write_all(fd: i32, mut bytes: &[u8]) {
+    while !bytes.is_empty() {
+        // SAFETY: write(2) reads `bytes.len()` bytes of a live slice.
+        match unsafe {
+            sys::call(
+                sys::WRITE,
+                [fd as usize, bytes.as_ptr() as usize, bytes.len(), 0, 0, 0],
+            )
+        } {
+            Ok(0) => return,
+            Ok(n) => bytes = &bytes[n..],
+            Err(EINTR) => {}
+            Err(_) => return,
+        }
+    }
+}
+
+/// Text of up to a few numbers, built without allocating.
+struct Line {
+    bytes: [u8; 96],
+    len: usize,
+}
+
+impl Line {
+    fn new() -> Self {
+        Self {
+            bytes: [0; 96],
+            len: 0,
+        }
+    }
+
+    fn text(mut self, text: &[u8]) -> Self {
+        let n = text.len().min(self.bytes.len() - self.len);
+        self.bytes[self.len..self.len + n].copy_from_slice(&text[..n]);
+        self.len += n;
+        self
+    }
+
+    fn number(self, value: i64) -> Self {
+        let mut digits = [0u8; 20];
+        let mut at = digits.len();
+        let mut rest = value.unsigned_abs();
+        loop {
+            at -= 1;
+            digits[at] = b'0' + (rest % 10) as u8;
+            rest /= 10;
+            if rest == 0 {
+                break;
+            }
+        }
+        let line = if value < 0 { self.text(b"-") } else { self };
+        line.text(&digits[at..])
+    }
+
+    fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
+}
+
+/// A decimal number (an optional sign, then digits).
+fn parse(text: &[u8]) -> Option<i64> {
+    let (negative, digits) = match text {
+        [b'-', rest @ ..] => (true, rest),
+        [b'+', rest @ ..] => (false, rest),
+        rest => (false, rest),
+    };
+    if digits.is_empty() || digits.len() > 18 {
+        return None;
+    }
+    let mut value: i64 = 0;
+    for &d in digits {
+        if !d.is_ascii_digit() {
+            return None;
+        }
+        value = value * 10 + i64::from(d - b'0');
+    }
+    Some(if negative { -value } else { value })
+}
+
+/// The bytes of the NUL-terminated string at `p`.
+///
+/// # Safety
+/// `p` points at a NUL-terminated string that lives as long as the result is used.
+unsafe fn c_bytes<'a>(p: *const u8) -> &'a [u8] {
+    // SAFETY: the caller's word.
+    unsafe { core::slice::from_raw_parts(p, mem::strlen(p)) }
+}
+
+/// A null-terminated vector of C strings (argv, envp) as a slice, without its null.
+///
+/// # Safety
+/// `v` points at such a vector, alive while the result is used.
+unsafe fn vector<'a>(v: *const *const u8) -> &'a [*const u8] {
+    let mut n = 0;
+    // SAFETY: the caller's word: the vector ends in null.
+    while !unsafe { *v.add(n) }.is_null() {
+        n += 1;
+    }
+    // SAFETY: `n` entries were just read.
+    unsafe { core::slice::from_raw_parts(v, n) }
+}
+
+/// The value of variable `name` in an environment vector (its last setting).
+fn variable<'a>(env: &[*const u8], name: &[u8]) -> Option<&'a [u8]> {
+    env.iter().rev().find_map(|&e| {
+        // SAFETY: the environment's strings are NUL-terminated and live for the process.
+        let entry = unsafe { c_bytes(e) };
+        entry
+            .strip_prefix(name)
+            .and_then(|rest| rest.strip_prefix(b"="))
+    })
 }
 
 /// The command's process group, for the signal handler.
 static GROUP: AtomicI32 = AtomicI32::new(0);
 
 /// Passes a signal on to the command's group (async-signal-safe: an atomic load and kill).
-extern "C" fn forward(sig: c_int) {
+extern "C" fn forward(sig: i32) {
     let group = GROUP.load(Ordering::Relaxed);
     if group > 1 {
-        // SAFETY: kill(2) with plain integers.
-        unsafe { kill(-group, sig) };
+        let _ = sys::plain(sys::KILL, [(-group) as usize, sig as usize, 0, 0, 0, 0]);
     }
 }
 
-/// The errno of the last failed call.
-fn errno() -> c_int {
-    // SAFETY: reads this thread's errno.
-    unsafe { *__errno_location() }
-}
-
-/// What a process to start needs, prepared before the clone (the child allocates nothing): the
-/// paths to try in order (the program, or each PATH entry joined with it), the argument and
+/// What a process to start needs, prepared before the clone (the child allocates nothing):
+/// the program and the PATH to look it up in (`None`: it names a path), the argument and
 /// environment vectors, its stdio (the init's own when `None`), its directory, whether it leads
 /// a session of its own (an exec) or only a process group (`run`'s command), and where the
 /// child leaves the errno of its failure.
-struct Start {
-    candidates: Vec<CString>,
-    argv: Vec<*const c_char>,
-    env: *const *const c_char,
-    stdio: Option<[c_int; 3]>,
-    cwd: Option<CString>,
+struct Start<'a> {
+    program: &'a [u8],
+    search: Option<&'a [u8]>,
+    argv: *const *const u8,
+    env: *const *const u8,
+    stdio: Option<[i32; 3]>,
+    cwd: Option<*const u8>,
     session: bool,
     failed: AtomicI32,
 }
 
-/// The child of the clone: its session or process group, its stdio and directory, every signal
-/// unblocked, then the first candidate that executes. It runs on its own stack in the init's
-/// memory (`CLONE_VM | CLONE_VFORK`: the init waits until it execs or exits) and makes only
-/// async-signal-safe calls.
-extern "C" fn child(arg: *mut c_void) -> c_int {
-    // SAFETY: `arg` is the `Start` the init keeps alive, unchanged, until this child has exec'd
-    // or exited; its only write is the atomic `failed`.
-    let start = unsafe { &*(arg as *const Start) };
-    let fail = |errno: c_int| -> ! {
-        start.failed.store(errno.max(1), Ordering::SeqCst);
-        // SAFETY: ends this child without touching the memory it shares.
-        unsafe { _exit(127) }
-    };
-    // SAFETY: plain system calls on valid descriptors, NUL-terminated strings and pointer
-    // arrays.
-    unsafe {
-        if start.session {
-            setsid();
-        } else {
-            setpgid(0, 0);
+/// Tries to execute `parts` joined (a path built on the child's stack); the errno of the
+/// failure.
+fn try_exec(start: &Start, parts: &[&[u8]]) -> i32 {
+    let mut path = [0u8; 4096];
+    let mut len = 0;
+    for part in parts {
+        if len + part.len() >= path.len() {
+            return ENAMETOOLONG;
         }
-        if let Some(fds) = start.stdio {
-            for (target, fd) in (0..).zip(fds) {
-                // A descriptor already in its place keeps it, without close-on-exec.
-                let placed = if fd == target {
-                    fcntl(fd, F_SETFD, 0)
-                } else {
-                    dup2(fd, target)
-                };
-                if placed < 0 {
-                    fail(errno());
-                }
+        path[len..len + part.len()].copy_from_slice(part);
+        len += part.len();
+    }
+    path[len] = 0;
+    // SAFETY: execve(2) with a NUL-terminated path and the null-terminated vectors of `start`.
+    match unsafe {
+        sys::call(
+            sys::EXECVE,
+            [
+                path.as_ptr() as usize,
+                start.argv as usize,
+                start.env as usize,
+                0,
+                0,
+                0,
+            ],
+        )
+    } {
+        Err(errno) => errno,
+        Ok(_) => EINVAL,
+    }
+}
+
+/// The child of the clone: its session or process group, its stdio and directory, every signal
+/// unblocked, then the first candidate path that executes (the program, or each PATH entry
+/// joined with it; an empty entry is the working directory). It runs on its own stack in the
+/// init's memory (`CLONE_VM | CLONE_VFORK`: the init waits until it execs or exits), and writes
+/// only its stack and `failed`.
+extern "C" fn child(start: *const u8) -> i32 {
+    // SAFETY: `start` is the `Start` the init keeps alive, unchanged, until this child has
+    // exec'd or exited.
+    let start = unsafe { &*(start as *const Start) };
+    let fail = |errno: i32| -> ! {
+        start.failed.store(errno.max(1), Ordering::SeqCst);
+        let _ = sys::plain(sys::EXIT, [127, 0, 0, 0, 0, 0]);
+        loop {}
+    };
+    let _ = if start.session {
+        sys::plain(sys::SETSID, [0; 6])
+    } else {
+        sys::plain(sys::SETPGID, [0; 6])
+    };
+    if let Some(fds) = start.stdio {
+        for (target, fd) in (0..).zip(fds) {
+            // A descriptor already in its place keeps it, without close-on-exec.
+            let placed = if fd == target {
+                sys::plain(sys::FCNTL, [fd as usize, F_SETFD, 0, 0, 0, 0])
+            } else {
+                sys::plain(sys::DUP2, [fd as usize, target as usize, 0, 0, 0, 0])
+            };
+            if let Err(errno) = placed {
+                fail(errno);
             }
         }
-        if let Some(cwd) = &start.cwd
-            && chdir(cwd.as_ptr()) != 0
-        {
-            fail(errno());
-        }
-        let none = SigSet([0; 16]);
-        sigprocmask(SIG_SETMASK, &none, std::ptr::null_mut());
-        let mut last = ENOENT;
-        let mut denied = false;
-        for path in &start.candidates {
-            execve(path.as_ptr(), start.argv.as_ptr(), start.env);
-            last = errno();
-            denied |= last == EACCES;
-        }
-        fail(if denied { EACCES } else { last })
     }
-}
-
-/// The paths `program` is tried at: itself when it names a path, else each entry of `search`
-/// (a PATH; an empty entry is the working directory).
-fn candidates(program: &[u8], search: &[u8]) -> Vec<CString> {
-    let path = |bytes: Vec<u8>| CString::new(bytes).ok();
-    if program.contains(&b'/') {
-        return path(program.to_vec()).into_iter().collect();
+    if let Some(cwd) = start.cwd {
+        // SAFETY: chdir(2) with a NUL-terminated path.
+        if let Err(errno) = unsafe { sys::call(sys::CHDIR, [cwd as usize, 0, 0, 0, 0, 0]) } {
+            fail(errno);
+        }
     }
-    search
-        .split(|&b| b == b':')
-        .filter_map(|dir| match dir {
-            [] => path(program.to_vec()),
-            dir => path([dir, b"/", program].concat()),
-        })
-        .collect()
-}
-
-/// The PATH of this process's environment, or the usual one.
-fn own_path() -> Vec<u8> {
-    std::env::var_os("PATH")
-        .unwrap_or_else(|| OsString::from("/usr/local/bin:/usr/bin:/bin"))
-        .into_vec()
+    let none: u64 = 0;
+    // SAFETY: rt_sigprocmask(2) reads one 8-byte set.
+    let _ = unsafe {
+        sys::call(
+            sys::RT_SIGPROCMASK,
+            [SIG_SETMASK, &raw const none as usize, 0, 8, 0, 0],
+        )
+    };
+    let Some(search) = start.search else {
+        fail(try_exec(start, &[start.program]));
+    };
+    let mut last = ENOENT;
+    let mut denied = false;
+    for dir in search.split(|&b| b == b':') {
+        last = match dir {
+            [] => try_exec(start, &[start.program]),
+            dir => try_exec(start, &[dir, b"/", start.program]),
+        };
+        denied |= last == EACCES;
+    }
+    fail(if denied { EACCES } else { last })
 }
 
 /// Starts a process as `start` says; its pid, or the errno of its failure. A clone with
 /// `CLONE_VM | CLONE_VFORK` (what `posix_spawn` does, without its reset of every signal's
 /// disposition, one system call each: this init ignores none, and its only handlers, `run`'s,
 /// are installed after its command starts and reset by any exec).
-fn spawn(start: &Start) -> Result<c_int, c_int> {
-    let mut stack = vec![0u8; 64 * 1024];
-    // SAFETY: the child runs on `stack` (its top, 16-byte aligned as the ABI wants) and reads
-    // `start`, both alive until clone returns: CLONE_VFORK suspends this thread until the child
-    // has exec'd or exited.
+fn spawn(start: &Start) -> Result<i32, i32> {
+    let stack = &raw mut CHILD_STACK;
+    // SAFETY: the child runs on the static stack (its top is 16-byte aligned) and reads
+    // `start`, both alive until the clone returns: CLONE_VFORK suspends this thread until the
+    // child has exec'd or exited, and no other clone runs meanwhile.
     let pid = unsafe {
-        let top = stack.as_mut_ptr().add(stack.len()) as usize & !15;
-        clone(
+        let top = (stack as *mut u8).add(core::mem::size_of::<ChildStack>());
+        warden_spawn(
+            CLONE_VM | CLONE_VFORK | SIGCHLD as usize,
+            top,
             child,
-            top as *mut c_void,
-            CLONE_VM | CLONE_VFORK | SIGCHLD,
-            start as *const Start as *mut c_void,
+            start as *const Start as *const u8,
         )
     };
     if pid < 0 {
-        return Err(errno());
+        return Err(-pid as i32);
     }
+    let pid = pid as i32;
     match start.failed.load(Ordering::SeqCst) {
         0 => Ok(pid),
         errno => {
-            let mut status = 0;
-            // SAFETY: waitpid(2) writes one int through a valid pointer; the child has exited.
-            unsafe { waitpid(pid, &mut status, 0) };
+            let _ = wait(pid, 0);
             Err(errno)
         }
     }
 }
 
-/// A pointer array for `execve`, ending in null.
-fn pointers(strings: &[CString]) -> Vec<*const c_char> {
-    strings
-        .iter()
-        .map(|s| s.as_ptr())
-        .chain(std::iter::once(std::ptr::null()))
-        .collect()
+/// wait4(2) for `pid` (-1: any child): the pid reaped (0 with WNOHANG and none) and its status.
+fn wait(pid: i32, options: usize) -> Result<(i32, i32), i32> {
+    let mut status: i32 = 0;
+    // SAFETY: wait4(2) writes one int through a valid pointer.
+    let reaped = unsafe {
+        sys::call(
+            sys::WAIT4,
+            [pid as usize, &raw mut status as usize, options, 0, 0, 0],
+        )
+    }?;
+    Ok((reaped as i32, status))
 }
 
 /// Sends one message on the host side's socket (a host side that went away is not waited for).
 fn say(text: &[u8]) {
-    // SAFETY: send(2) reads `text.len()` bytes of a live slice.
-    unsafe { send(0, text.as_ptr().cast(), text.len(), MSG_NOSIGNAL) };
+    // SAFETY: sendto(2) reads `text.len()` bytes of a live slice; no address.
+    let _ = unsafe {
+        sys::call(
+            sys::SENDTO,
+            [0, text.as_ptr() as usize, text.len(), MSG_NOSIGNAL, 0, 0],
+        )
+    };
 }
 
-/// One message from the host side: its bytes and the descriptors that came with it (close on
-/// exec). `None` once the socket closed or failed.
-fn receive(buf: &mut [u8]) -> Option<(usize, Vec<c_int>)> {
+/// One message from the host side, into `buf`: its length and the descriptors that came with
+/// it (close on exec; at most 8, the rest closed). `None` once the socket closed or failed. A
+/// message too large to take is dropped, its descriptors closed (length 0).
+fn receive(buf: &mut [u8]) -> Option<(usize, [i32; 8], usize)> {
     let mut control = [0u64; 8];
     let mut iov = IoVec {
-        base: buf.as_mut_ptr().cast(),
+        base: buf.as_mut_ptr(),
         len: buf.len(),
     };
     let mut message = MsgHdr {
-        name: std::ptr::null_mut(),
+        name: core::ptr::null_mut(),
         name_len: 0,
         iov: &mut iov,
         iov_len: 1,
         control: control.as_mut_ptr().cast(),
-        control_len: std::mem::size_of_val(&control),
+        control_len: core::mem::size_of_val(&control),
         flags: 0,
     };
     let n = loop {
         // SAFETY: every pointer in `message` points at live buffers of the lengths given.
-        let n = unsafe { recvmsg(0, &mut message, MSG_CMSG_CLOEXEC) };
-        if n >= 0 || errno() != EINTR {
-            break n;
+        match unsafe {
+            sys::call(
+                sys::RECVMSG,
+                [0, &raw mut message as usize, MSG_CMSG_CLOEXEC, 0, 0, 0],
+            )
+        } {
+            Err(EINTR) => {}
+            Err(_) | Ok(0) => return None,
+            Ok(n) => break n,
         }
     };
-    let n = usize::try_from(n).ok().filter(|&n| n > 0)?;
-    let mut fds = Vec::new();
-    let header = std::mem::size_of::<CmsgHdr>();
+    let mut fds = [-1i32; 8];
+    let mut count = 0;
+    let header = core::mem::size_of::<CmsgHdr>();
     if message.control_len >= header {
         // SAFETY: the kernel wrote at least one header at the start of `control`, which is
         // aligned for it; its data follows within `control_len` bytes.
         unsafe {
             let cmsg = &*(control.as_ptr() as *const CmsgHdr);
             if cmsg.level == SOL_SOCKET && cmsg.kind == SCM_RIGHTS {
-                let count = (cmsg.len.min(message.control_len) - header) / 4;
-                let data = (control.as_ptr() as *const u8).add(header) as *const c_int;
-                fds.extend((0..count).map(|i| *data.add(i)));
+                let given = (cmsg.len.min(message.control_len) - header) / 4;
+                let data = (control.as_ptr() as *const u8).add(header) as *const i32;
+                for i in 0..given {
+                    let fd = *data.add(i);
+                    if count < fds.len() {
+                        fds[count] = fd;
+                        count += 1;
+                    } else {
+                        let _ = sys::plain(sys::CLOSE, [fd as usize, 0, 0, 0, 0, 0]);
+                    }
+                }
             }
         }
     }
     if message.flags & (MSG_TRUNC | MSG_CTRUNC) != 0 {
-        for fd in fds.drain(..) {
-            // SAFETY: closes a descriptor that came with a message too large to take.
-            unsafe { close(fd) };
-        }
-        return Some((0, fds));
+        close_all(&fds[..count]);
+        return Some((0, fds, 0));
     }
-    Some((n, fds))
+    Some((n, fds, count))
+}
+
+fn close_all(fds: &[i32]) {
+    for &fd in fds {
+        let _ = sys::plain(sys::CLOSE, [fd as usize, 0, 0, 0, 0, 0]);
+    }
 }
 
 /// Starts the process a request describes (`token`, directory, argument count, the arguments
-/// and the environment, NUL-separated) with `fds` as its stdin, stdout and stderr; what the
-/// host side is told.
-fn exec_request(fields: &[&[u8]], fds: &[c_int]) -> Result<(Vec<u8>, c_int), (Vec<u8>, c_int)> {
-    let token = fields.first().copied().unwrap_or_default().to_vec();
+/// and the environment: `fields`, each NUL-terminated in place) with `fds` as its stdin, stdout
+/// and stderr; the token and the pid, or the token and the errno of the failure.
+fn exec_request<'a>(
+    fields: &[*const u8],
+    fds: &[i32],
+    vectors: &mut [*const u8],
+) -> Result<(&'a [u8], i32), (&'a [u8], i32)> {
+    // SAFETY: each field is a NUL-terminated string in the request buffer, which lives until
+    // the next request.
+    let field = |i: usize| fields.get(i).map(|&f| unsafe { c_bytes(f) });
+    let token = field(0).unwrap_or_default();
     let parsed = (|| {
-        let stdio: [c_int; 3] = fds.try_into().ok()?;
-        let cwd = CString::new(*fields.get(1)?).ok()?;
-        let argc: usize = std::str::from_utf8(fields.get(2)?).ok()?.parse().ok()?;
-        let argv: Vec<CString> = fields
-            .get(3..3 + argc)?
-            .iter()
-            .map(|a| CString::new(*a).ok())
-            .collect::<Option<_>>()?;
-        let env: Vec<CString> = fields[3 + argc..]
-            .iter()
-            .map(|e| CString::new(*e).ok())
-            .collect::<Option<_>>()?;
+        let stdio: [i32; 3] = fds.try_into().ok()?;
+        let cwd = *fields.get(1)?;
+        let argc = usize::try_from(parse(field(2)?)?).ok()?;
+        let argv = fields.get(3..3 + argc)?;
+        let env = &fields[3 + argc..];
         Some((stdio, cwd, argv, env))
     })();
     let Some((stdio, cwd, argv, env)) = parsed else {
         return Err((token, EINVAL));
     };
-    let Some(program) = argv.first() else {
+    let Some(&program) = argv.first() else {
         return Err((token, ENOENT));
     };
-    let search = env
-        .iter()
-        .rev()
-        .find_map(|e| e.as_bytes().strip_prefix(b"PATH="))
-        .map_or_else(|| b"/bin:/usr/bin".to_vec(), <[u8]>::to_vec);
-    let env_pointers = pointers(&env);
+    // The two vectors, each ending in null, one after the other.
+    vectors[..argv.len()].copy_from_slice(argv);
+    vectors[argv.len()] = core::ptr::null();
+    let env_at = argv.len() + 1;
+    vectors[env_at..env_at + env.len()].copy_from_slice(env);
+    vectors[env_at + env.len()] = core::ptr::null();
+    // SAFETY: a field of the request, NUL-terminated.
+    let program = unsafe { c_bytes(program) };
+    let search = variable(env, b"PATH").unwrap_or(b"/bin:/usr/bin");
     let start = Start {
-        candidates: candidates(program.as_bytes(), &search),
-        argv: pointers(&argv),
-        env: env_pointers.as_ptr(),
+        program,
+        search: (!program.contains(&b'/')).then_some(search),
+        argv: vectors.as_ptr(),
+        // SAFETY: within `vectors`.
+        env: unsafe { vectors.as_ptr().add(env_at) },
         stdio: Some(stdio),
         cwd: Some(cwd),
         session: true,
@@ -373,25 +810,42 @@ fn exec_request(fields: &[&[u8]], fds: &[c_int]) -> Result<(Vec<u8>, c_int), (Ve
 
 /// Serves the host side's requests on stdin and reaps every child, for ever (see the top).
 fn serve() -> ! {
-    // SAFETY: plain system calls with valid pointers.
+    let _ = sys::plain(sys::PRCTL, [PR_SET_DUMPABLE, 0, 0, 0, 0, 0]);
+    let chld: u64 = 1 << (SIGCHLD - 1);
+    // SAFETY: rt_sigprocmask(2) and signalfd4(2) read one 8-byte set.
     let signals = unsafe {
-        prctl(PR_SET_DUMPABLE, 0 as std::ffi::c_ulong);
-        let mut chld = SigSet([0; 16]);
-        chld.0[0] = 1 << (SIGCHLD - 1);
-        sigprocmask(SIG_BLOCK, &chld, std::ptr::null_mut());
-        signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK)
+        let _ = sys::call(
+            sys::RT_SIGPROCMASK,
+            [SIG_BLOCK, &raw const chld as usize, 0, 8, 0, 0],
+        );
+        sys::call(
+            sys::SIGNALFD4,
+            [
+                -1isize as usize,
+                &raw const chld as usize,
+                8,
+                SFD_CLOEXEC | SFD_NONBLOCK,
+                0,
+                0,
+            ],
+        )
     };
-    let mut serving = signals >= 0;
-    if serving {
-        say(b"h");
-    }
-    let _ = std::io::stdout().write_all(b"ready\n");
-    let _ = std::io::stdout().flush();
-    if !serving {
+    let Ok(signals) = signals.map(|fd| fd as i32) else {
+        write_all(1, b"ready\n");
         reap_forever();
-    }
-    let mut started: Vec<c_int> = Vec::new();
-    let mut buf = vec![0u8; 256 * 1024];
+    };
+    let mut serving = true;
+    say(b"h");
+    write_all(1, b"ready\n");
+    // SAFETY: this process's only users of these statics (see their comment).
+    let (request, fields_at, vectors, started) = unsafe {
+        (
+            &mut *(&raw mut REQUEST),
+            &mut *(&raw mut FIELDS),
+            &mut *(&raw mut VECTORS),
+            &mut *(&raw mut STARTED),
+        )
+    };
     loop {
         let mut fds = [
             PollFd {
@@ -406,96 +860,145 @@ fn serve() -> ! {
             },
         ];
         // SAFETY: poll(2) on an array of two live entries.
-        if unsafe { poll(fds.as_mut_ptr(), 2, -1) } < 0 {
+        if unsafe {
+            sys::call(
+                sys::POLL,
+                [fds.as_mut_ptr() as usize, 2, -1isize as usize, 0, 0, 0],
+            )
+        }
+        .is_err()
+        {
             continue;
         }
         if fds[0].revents != 0 {
             let mut drained = [0u8; 128];
             // SAFETY: reads into a live buffer of its length (the signalfd does not block).
-            while unsafe { read(signals, drained.as_mut_ptr().cast(), drained.len()) } > 0 {}
-            loop {
-                let mut status = 0;
-                // SAFETY: waitpid(2) writes one int through a valid pointer.
-                let reaped = unsafe { waitpid(-1, &mut status, WNOHANG) };
+            while unsafe {
+                sys::call(
+                    sys::READ,
+                    [
+                        signals as usize,
+                        drained.as_mut_ptr() as usize,
+                        drained.len(),
+                        0,
+                        0,
+                        0,
+                    ],
+                )
+            }
+            .is_ok_and(|n| n > 0)
+            {}
+            while let Ok((reaped, status)) = wait(-1, WNOHANG) {
                 if reaped <= 0 {
                     break;
                 }
-                if let Some(at) = started.iter().position(|&p| p == reaped) {
-                    started.swap_remove(at);
-                    say(format!("e {reaped} {status}").as_bytes());
+                if started.remove(reaped) {
+                    say(Line::new()
+                        .text(b"e ")
+                        .number(reaped.into())
+                        .text(b" ")
+                        .number(status.into())
+                        .as_bytes());
                 }
             }
         }
         if fds[1].revents == 0 {
             continue;
         }
-        let Some((n, received)) = receive(&mut buf) else {
+        let Some((n, received, count)) = receive(&mut request[..REQUEST_MAX]) else {
             // The host side is gone (the sandbox goes with its keeper): only reap from now on.
             serving = false;
             continue;
         };
-        let fields: Vec<&[u8]> = buf[..n].split(|&b| b == 0).collect();
-        match fields.first().copied() {
-            Some(b"x") => match exec_request(&fields[1..], &received) {
+        let received = &received[..count];
+        request[n] = 0;
+        // Each field NUL-terminated in place, where it starts noted.
+        let mut fields = 0;
+        let mut at = 0;
+        while fields < FIELDS_MAX {
+            fields_at[fields] = request[at..].as_ptr();
+            fields += 1;
+            match request[at..n].iter().position(|&b| b == 0) {
+                Some(end) => at += end + 1,
+                None => break,
+            }
+        }
+        let fields = &fields_at[..fields];
+        // SAFETY: the first field, NUL-terminated in the buffer.
+        let kind = unsafe { c_bytes(fields[0]) };
+        match kind {
+            b"x" => match exec_request(&fields[1..], received, vectors) {
                 Ok((token, pid)) => {
-                    started.push(pid);
-                    say(&[b"s ", &token[..], format!(" {pid}").as_bytes()].concat());
+                    started.insert(pid);
+                    say(Line::new()
+                        .text(b"s ")
+                        .text(token)
+                        .text(b" ")
+                        .number(pid.into())
+                        .as_bytes());
                 }
                 Err((token, errno)) => {
-                    say(&[b"f ", &token[..], format!(" {errno}").as_bytes()].concat());
+                    say(Line::new()
+                        .text(b"f ")
+                        .text(token)
+                        .text(b" ")
+                        .number(errno.into())
+                        .as_bytes());
                 }
             },
-            Some(b"k") => {
+            b"k" => {
+                // SAFETY: fields of the request, NUL-terminated.
                 let number = |i: usize| {
                     fields
                         .get(i)
-                        .and_then(|f| std::str::from_utf8(f).ok())
-                        .and_then(|f| f.parse::<c_int>().ok())
+                        .and_then(|&f| parse(unsafe { c_bytes(f) }))
+                        .and_then(|v| i32::try_from(v).ok())
                 };
                 if let (Some(signal), Some(group)) = (number(1), number(2))
                     && group > 1
                 {
-                    // SAFETY: kill(2) with plain integers.
-                    unsafe { kill(-group, signal) };
+                    let _ = sys::plain(sys::KILL, [(-group) as usize, signal as usize, 0, 0, 0, 0]);
                 }
             }
-            Some(b"p") => say(b"p"),
+            b"p" => say(b"p"),
             _ => {}
         }
-        for fd in received {
-            // SAFETY: the descriptors that came with the message are this process's; the
-            // started process has its own copies.
-            unsafe { close(fd) };
-        }
+        // The descriptors that came with the message are this process's; a started process
+        // has its own copies.
+        close_all(received);
     }
 }
 
 /// Reaps orphans for ever.
 fn reap_forever() -> ! {
     loop {
-        let mut status = 0;
-        // SAFETY: wait(2) writes one int through a valid pointer.
-        if unsafe { wait(&mut status) } < 0 {
+        if wait(-1, 0).is_err() {
             // No child now: sleep until a signal (SIGCHLD of an orphan) comes.
-            // SAFETY: pause(2) takes nothing.
-            unsafe { pause() };
+            let _ = sys::plain(sys::PAUSE, [0; 6]);
         }
     }
 }
 
 /// Runs one command as described above; never returns.
-fn run(argv: &[CString]) -> ! {
-    let _ = std::io::stdout().write_all(b"ready\n");
-    let _ = std::io::stdout().flush();
-    if argv.is_empty() {
-        eprintln!("warden: no command");
-        std::process::exit(126);
-    }
+fn run(
+    argv: &[*const u8],
+    argv_vector: *const *const u8,
+    env: &[*const u8],
+    envp: *const *const u8,
+) -> ! {
+    write_all(1, b"ready\n");
+    let Some(&program) = argv.first() else {
+        write_all(2, b"warden: no command\n");
+        sys::exit_group(126);
+    };
+    // SAFETY: an argument of this process, NUL-terminated.
+    let program = unsafe { c_bytes(program) };
     let start = Start {
-        candidates: candidates(argv[0].as_bytes(), &own_path()),
-        argv: pointers(argv),
-        // SAFETY: the C library's environment, unchanged by this process.
-        env: unsafe { environ },
+        program,
+        search: (!program.contains(&b'/'))
+            .then(|| variable(env, b"PATH").unwrap_or(b"/usr/local/bin:/usr/bin:/bin")),
+        argv: argv_vector,
+        env: envp,
         stdio: None,
         cwd: None,
         session: false,
@@ -504,107 +1007,207 @@ fn run(argv: &[CString]) -> ! {
     let pid = match spawn(&start) {
         Ok(pid) => pid,
         Err(errno) => {
-            let (code, why) = match errno {
-                ENOENT => (127, "command not found"),
-                EACCES => (126, "permission denied"),
-                _ => (126, "cannot execute"),
+            let (code, why): (i32, &[u8]) = match errno {
+                ENOENT => (127, b"command not found"),
+                EACCES => (126, b"permission denied"),
+                _ => (126, b"cannot execute"),
             };
-            eprintln!("warden: {why}: {}", argv[0].to_string_lossy());
-            std::process::exit(code);
+            write_all(2, b"warden: ");
+            write_all(2, why);
+            write_all(2, b": ");
+            write_all(2, program);
+            write_all(2, b"\n");
+            sys::exit_group(code);
         }
     };
     GROUP.store(pid, Ordering::Relaxed);
-    for sig in [1, 2, 3, 10, 12, 15, 28] {
-        // SAFETY: installs `forward`, which is async-signal-safe, for a catchable signal.
-        unsafe { signal(sig, forward) };
+    for sig in [1usize, 2, 3, 10, 12, 15, 28] {
+        let action = SigAction {
+            handler: forward as extern "C" fn(i32) as usize,
+            flags: SA_RESTORER | SA_RESTART,
+            restorer: warden_restore as unsafe extern "C" fn() as usize,
+            mask: 0,
+        };
+        // SAFETY: installs `forward`, which is async-signal-safe, for a catchable signal, with
+        // the return through rt_sigreturn.
+        let _ = unsafe {
+            sys::call(
+                sys::RT_SIGACTION,
+                [sig, &raw const action as usize, 0, 8, 0, 0],
+            )
+        };
     }
     loop {
-        let mut status = 0;
-        // SAFETY: wait(2) writes one int through a valid pointer.
-        let reaped = unsafe { wait(&mut status) };
-        if reaped == pid {
+        match wait(-1, 0) {
             // The command's exit code, or 128 + the signal that ended it.
-            std::process::exit(match (status & 0x7f, (status >> 8) & 0xff) {
-                (0, code) => code,
-                (sig, _) => 128 + sig,
-            });
-        }
-        if reaped < 0 && std::io::Error::last_os_error().raw_os_error() != Some(4) {
-            std::process::exit(125);
+            Ok((reaped, status)) if reaped == pid => {
+                sys::exit_group(match (status & 0x7f, (status >> 8) & 0xff) {
+                    (0, code) => code,
+                    (sig, _) => 128 + sig,
+                })
+            }
+            Ok(_) | Err(EINTR) => {}
+            Err(_) => sys::exit_group(125),
         }
     }
 }
 
-/// Whether process `pid` holds a descriptor of the host.
-fn holds_host_fd(pid: &str) -> bool {
-    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+/// Calls `each` with the name of every entry of the directory `path` names (relative to
+/// `dir`), but `.` and `..`. False when it cannot be read.
+fn each_entry(dir: usize, path: &[u8], each: &mut dyn FnMut(i32, &[u8]) -> bool) -> bool {
+    let mut name = [0u8; 64];
+    if path.len() >= name.len() {
+        return false;
+    }
+    name[..path.len()].copy_from_slice(path);
+    // SAFETY: openat(2) with a NUL-terminated path (the rest of `name` is zero).
+    let Ok(fd) = (unsafe {
+        sys::call(
+            sys::OPENAT,
+            [dir, name.as_ptr() as usize, O_DIRECTORY_CLOEXEC, 0, 0, 0],
+        )
+    }) else {
         return false;
     };
-    fds.flatten().any(|fd| {
-        std::fs::read_link(fd.path())
-            .is_ok_and(|target| target.to_string_lossy().starts_with("host:["))
-    })
+    let fd = fd as i32;
+    let mut buf = [0u64; 512];
+    'read: loop {
+        // SAFETY: getdents64(2) writes at most the buffer's size.
+        let n = match unsafe {
+            sys::call(
+                sys::GETDENTS64,
+                [fd as usize, buf.as_mut_ptr() as usize, 4096, 0, 0, 0],
+            )
+        } {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        let bytes = buf.as_ptr() as *const u8;
+        let mut at = 0;
+        while at + 19 < n {
+            // SAFETY: a `linux_dirent64` the kernel wrote: its 2-byte length at 16, its name,
+            // NUL-terminated, at 19.
+            let (len, entry) = unsafe {
+                (
+                    usize::from(core::ptr::read_unaligned(bytes.add(at + 16) as *const u16)),
+                    c_bytes(bytes.add(at + 19)),
+                )
+            };
+            if len == 0 {
+                break;
+            }
+            if entry != b"." && entry != b".." && !each(fd, entry) {
+                break 'read;
+            }
+            at += len;
+        }
+    }
+    let _ = sys::plain(sys::CLOSE, [fd as usize, 0, 0, 0, 0, 0]);
+    true
+}
+
+/// Whether process `pid` holds a descriptor of the host.
+fn holds_host_fd(pid: &[u8]) -> bool {
+    let mut path = Line::new().text(b"/proc/").text(pid).text(b"/fd");
+    if path.len >= path.bytes.len() {
+        return false;
+    }
+    path.bytes[path.len] = 0;
+    let mut holds = false;
+    each_entry(AT_FDCWD, path.as_bytes(), &mut |dir, fd| {
+        let mut name = [0u8; 32];
+        if fd.len() >= name.len() {
+            return true;
+        }
+        name[..fd.len()].copy_from_slice(fd);
+        let mut target = [0u8; 64];
+        // SAFETY: readlinkat(2) writes at most the buffer's size; the name is NUL-terminated.
+        if let Ok(n) = unsafe {
+            sys::call(
+                sys::READLINKAT,
+                [
+                    dir as usize,
+                    name.as_ptr() as usize,
+                    target.as_mut_ptr() as usize,
+                    target.len(),
+                    0,
+                    0,
+                ],
+            )
+        } {
+            holds |= target[..n].starts_with(b"host:[");
+        }
+        !holds
+    });
+    holds
 }
 
 /// Ends the processes that hold a descriptor of the host, until none is left (or a while has
 /// passed); how many were ended.
-fn release() -> usize {
-    let me = std::process::id().to_string();
-    let mut ended = std::collections::BTreeSet::new();
+fn release() -> u64 {
+    let me = sys::plain(sys::GETPID, [0; 6]).unwrap_or(0) as i64;
+    // SAFETY: this process's only user of it (see its comment).
+    let ended_set = unsafe { &mut *(&raw mut ENDED) };
+    let mut ended = 0;
     for _ in 0..100 {
-        let Ok(procs) = std::fs::read_dir("/proc") else {
-            break;
-        };
-        let holding: Vec<String> = procs
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|pid| pid.bytes().all(|b| b.is_ascii_digit()) && pid != "1" && *pid != me)
-            .filter(|pid| holds_host_fd(pid))
-            .collect();
-        if holding.is_empty() {
-            break;
-        }
-        for pid in holding {
-            if let Ok(number) = pid.parse::<i32>() {
-                // SAFETY: kill(2) with plain integers.
-                unsafe { kill(number, 9) };
-                ended.insert(number);
+        let mut any = false;
+        let readable = each_entry(AT_FDCWD, b"/proc", &mut |_, name| {
+            let Some(pid) = parse(name).filter(|&p| p > 1 && p != me && name[0] != b'+') else {
+                return true;
+            };
+            if holds_host_fd(name) {
+                any = true;
+                let _ = sys::plain(sys::KILL, [pid as usize, 9, 0, 0, 0, 0]);
+                if ended_set.insert(pid as i32) {
+                    ended += 1;
+                }
             }
+            true
+        });
+        if !readable || !any {
+            break;
         }
-        std::thread::sleep(std::time::Duration::from_millis(20));
+        let pause: [i64; 2] = [0, 20_000_000];
+        // SAFETY: nanosleep(2) reads one timespec.
+        let _ = unsafe { sys::call(sys::NANOSLEEP, [pause.as_ptr() as usize, 0, 0, 0, 0, 0]) };
     }
-    ended.len()
+    ended
 }
 
-/// The C entry point: no Rust runtime start (`no_main`), so that nothing changes a signal's
-/// disposition (the runtime would ignore SIGPIPE, which the command would then have to be given
-/// back) and nothing reads `/proc/self/maps` for a guard page: every system call costs a trip
-/// through gVisor's platform.
-#[unsafe(no_mangle)]
-pub extern "C" fn main(argc: c_int, argv: *const *const c_char) -> c_int {
-    let args: Vec<CString> = (0..usize::try_from(argc).unwrap_or(0))
-        // SAFETY: the C runtime passes `argc` valid NUL-terminated strings in `argv`.
-        .map(|i| unsafe { CStr::from_ptr(*argv.add(i)) }.to_owned())
-        .collect();
-    let word = |i: usize| args.get(i).map(|a| a.as_bytes());
+/// Where the kernel's entry leaves: argc, then the argument vector and the environment, each
+/// ending in null.
+extern "C" fn start(stack: *const usize) -> ! {
+    // SAFETY: the layout the kernel gives a new program.
+    let (argv_vector, envp) = unsafe {
+        let argc = *stack;
+        let argv = stack.add(1) as *const *const u8;
+        (argv, argv.add(argc + 1))
+    };
+    // SAFETY: the kernel's vectors, alive for the whole process.
+    let (args, env) = unsafe { (vector(argv_vector), vector(envp)) };
+    // SAFETY: this process's arguments, NUL-terminated.
+    let word = |i: usize| args.get(i).map(|&a| unsafe { c_bytes(a) });
     if word(1) == Some(b"run") {
-        run(&args[2..]);
+        // SAFETY: within the argument vector, which ends in null.
+        run(&args[2..], unsafe { argv_vector.add(2) }, env, envp);
     }
     if args.len() == 2 && word(1) == Some(b"release") {
-        println!("{}", release());
-        return 0;
+        write_all(
+            1,
+            Line::new().number(release() as i64).text(b"\n").as_bytes(),
+        );
+        sys::exit_group(0);
     }
     if args.len() == 4 && word(1) == Some(b"kill") {
-        let number = |i: usize| args[i].to_str().ok().and_then(|s| s.parse::<c_int>().ok());
+        let number = |i: usize| word(i).and_then(parse).and_then(|v| i32::try_from(v).ok());
         let (Some(signal), Some(group)) = (number(2), number(3)) else {
-            return 2;
+            sys::exit_group(2);
         };
         if group <= 1 {
-            return 2;
+            sys::exit_group(2);
         }
-        // SAFETY: kill(2) with plain integers.
-        let sent = unsafe { kill(-group, signal) };
-        return if sent == 0 { 0 } else { 1 };
+        let sent = sys::plain(sys::KILL, [(-group) as usize, signal as usize, 0, 0, 0, 0]);
+        sys::exit_group(if sent.is_ok() { 0 } else { 1 });
     }
     serve()
 }
