@@ -106,6 +106,18 @@ pub fn keep(
     if gateway.is_some() {
         runsc.network = super::runsc::Network::Host;
     }
+    // A cell that runs one command forks no host side: its network namespace is made on a
+    // thread of its own meanwhile, while the root is assembled (the mount namespace below is
+    // this thread's alone; the other stays in the host's, which it does not use). A cell that
+    // serves execs makes it after the host side's fork, with one thread.
+    let serves = request.serve_exec;
+    let mut early_network = match serves {
+        true => None,
+        false => Some(
+            super::network::Namespace::start(gateway.is_some())
+                .map_err(sandbox("making the cell's network namespace"))?,
+        ),
+    };
     // The keeper's own mount namespace: the cell's root is assembled here, and runsc (its
     // child) serves it from here. Nothing of it is seen by the host. (Made after the layer:
     // a layer's own file system is mounted where every warden process sees it, as the
@@ -135,7 +147,6 @@ pub fn keep(
 
     // A cell that runs one command (`warden run`): a program that cannot start is said so
     // before anything is made, as the process tier says it.
-    let serves = request.serve_exec;
     let first: Vec<String> = request
         .argv
         .iter()
@@ -196,8 +207,11 @@ pub fn keep(
         channel = Some(ours);
     }
 
-    let network = super::network::Namespace::make(gateway.is_some())
-        .map_err(sandbox("making the cell's network namespace"))?;
+    let network = match early_network.take() {
+        Some(making) => making.finish(),
+        None => super::network::Namespace::make(gateway.is_some()),
+    }
+    .map_err(sandbox("making the cell's network namespace"))?;
     let limits = cgroup::Limits {
         memory_bytes: policy.limits.memory.map(|m| m.0),
         pids: policy.limits.pids,

@@ -21,6 +21,12 @@ impl Namespace {
     /// rest of the keeper, the gateway's outgoing connections among it, stays in the host's),
     /// brings up its loopback, and opens the gateway's sockets when `gateway`.
     pub fn make(gateway: bool) -> io::Result<Self> {
+        Self::start(gateway)?.finish()
+    }
+
+    /// `make` begun: the namespace is made on its thread while the caller goes on; `finish`
+    /// waits for it.
+    pub fn start(gateway: bool) -> io::Result<Making> {
         std::thread::Builder::new()
             .name("cell-netns".to_owned())
             .spawn(move || -> io::Result<Self> {
@@ -34,7 +40,19 @@ impl Namespace {
                     false => None,
                 };
                 Ok(Self { fd, sockets })
-            })?
+            })
+            .map(Making)
+    }
+}
+
+/// A network namespace being made (`Namespace::start`).
+#[derive(Debug)]
+pub struct Making(std::thread::JoinHandle<io::Result<Namespace>>);
+
+impl Making {
+    /// The namespace, once its thread has made it.
+    pub fn finish(self) -> io::Result<Namespace> {
+        self.0
             .join()
             .map_err(|_| io::Error::other("the thread making the network namespace failed"))?
     }
