@@ -729,7 +729,7 @@ fn receive(buf: &mut [u8]) -> Option<(usize, [i32; 8], usize)> {
         unsafe {
             let cmsg = &*(control.as_ptr() as *const CmsgHdr);
             if cmsg.level == SOL_SOCKET && cmsg.kind == SCM_RIGHTS {
-                let given = (cmsg.len.min(message.control_len) - header) / 4;
+                let given = cmsg.len.min(message.control_len).saturating_sub(header) / 4;
                 let data = (control.as_ptr() as *const u8).add(header) as *const i32;
                 for i in 0..given {
                     let fd = *data.add(i);
@@ -927,25 +927,22 @@ fn serve() -> ! {
         // SAFETY: the first field, NUL-terminated in the buffer.
         let kind = unsafe { c_bytes(fields[0]) };
         match kind {
-            b"x" => match exec_request(&fields[1..], received, vectors) {
-                Ok((token, pid)) => {
-                    started.insert(pid);
-                    say(Line::new()
-                        .text(b"s ")
-                        .text(token)
-                        .text(b" ")
-                        .number(pid.into())
-                        .as_bytes());
-                }
-                Err((token, errno)) => {
-                    say(Line::new()
-                        .text(b"f ")
-                        .text(token)
-                        .text(b" ")
-                        .number(errno.into())
-                        .as_bytes());
-                }
-            },
+            b"x" => {
+                let (word, token, value): (&[u8], _, i32) =
+                    match exec_request(&fields[1..], received, vectors) {
+                        Ok((token, pid)) => {
+                            started.insert(pid);
+                            (b"s ", token, pid)
+                        }
+                        Err((token, errno)) => (b"f ", token, errno),
+                    };
+                say(Line::new()
+                    .text(word)
+                    .text(token)
+                    .text(b" ")
+                    .number(value.into())
+                    .as_bytes());
+            }
             b"k" => {
                 // SAFETY: fields of the request, NUL-terminated.
                 let number = |i: usize| {
