@@ -892,7 +892,9 @@ fn serve() -> ! {
                 if reaped <= 0 {
                     break;
                 }
-                if started.remove(reaped) {
+                // A pid the set cannot hold (none on Linux, whose pids stay below 2^22) is
+                // reported whatever it was: the host side ignores pids it did not start.
+                if started.remove(reaped) || PidSet::slot(reaped).is_none() {
                     say(Line::new()
                         .text(b"e ")
                         .number(reaped.into())
