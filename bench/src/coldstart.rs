@@ -225,7 +225,7 @@ fn main() -> Result<()> {
             "--warden" => warden = args.next().context("--warden needs a path")?,
             "--baseline" => baseline = Some(args.next().context("--baseline needs a path")?),
             "--help" | "-h" => {
-                println!("{USAGE}");
+                warden_bench::say!("{USAGE}");
                 return Ok(());
             }
             other => bail!("unknown argument {other}; {USAGE}"),
@@ -292,21 +292,31 @@ fn main() -> Result<()> {
         s.sort();
         percentile(&s, 0.5)
     };
-    println!("cold start: create a sandbox, run `true`, tear it down ({runs} rounds, interleaved)");
-    println!();
-    println!(
-        "| {:<28} | {:>5} | {:>11} | {:>8} | {:>17} |",
-        "sandbox", "runs", "median (ms)", "p90 (ms)", "median vs warden"
+    warden_bench::say!(
+        "cold start: create a sandbox, run `true`, tear it down ({runs} rounds, interleaved)"
     );
-    println!(
+    warden_bench::say!();
+    warden_bench::say!(
+        "| {:<28} | {:>5} | {:>11} | {:>8} | {:>17} |",
+        "sandbox",
+        "runs",
+        "median (ms)",
+        "p90 (ms)",
+        "median vs warden"
+    );
+    warden_bench::say!(
         "|{:-<30}|{:->7}|{:->13}|{:->10}|{:->19}|",
-        "", "", "", "", ""
+        "",
+        "",
+        "",
+        "",
+        ""
     );
     for (name, mut samples) in results {
         samples.sort();
         let median = percentile(&samples, 0.5);
         let p90 = percentile(&samples, 0.9);
-        println!(
+        warden_bench::say!(
             "| {:<28} | {:>5} | {:>11.2} | {:>8.2} | {:>16.2}x |",
             name,
             samples.len(),

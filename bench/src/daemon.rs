@@ -426,7 +426,7 @@ fn main() -> Result<()> {
         bail!("creating a cell failed: {raw}");
     }
 
-    println!(
+    warden_bench::say!(
         "exec round trip of `true` ({} runs each, warden and fork/exec interleaved, 2-core VM)",
         args.runs
     );
@@ -473,7 +473,7 @@ fn main() -> Result<()> {
     table(&mut rows, "median/warden");
     let exec_median = percentile(&mut rows[0].1.clone(), 0.5);
 
-    println!(
+    warden_bench::say!(
         "\nthe warden's agent loop, per turn ({} turns of one exec of `true`; a model server that answers at once, Chat Completions streamed)",
         args.runs
     );
@@ -500,12 +500,12 @@ fn main() -> Result<()> {
     );
 
     let runs = args.runs.min(50);
-    println!(
+    warden_bench::say!(
         "\nsandbox lifecycle ({runs} rounds each: the daemon's API beside the real e2b SDK against its E2B-compatible API)"
     );
     table(&mut lifecycle(&daemon, runs)?, "median/API");
 
-    println!(
+    warden_bench::say!(
         "\nmemory of idle cells ({} cells, PSS and RSS of the daemon, keepers and cell inits)",
         args.cells
     );
@@ -524,33 +524,36 @@ fn main() -> Result<()> {
     std::thread::sleep(Duration::from_secs(2));
     let (after_pss, after_rss, processes) = tree_memory(daemon.child.id());
     let n = args.cells.max(1) as f64;
-    println!(
+    warden_bench::say!(
         "{:<40} {:>10.0} KiB PSS {:>10.0} KiB RSS  ({processes} processes)",
-        "total", after_pss as f64, after_rss as f64
+        "total",
+        after_pss as f64,
+        after_rss as f64
     );
-    println!(
+    warden_bench::say!(
         "{:<40} {:>10.0} KiB PSS {:>10.0} KiB RSS",
         "per idle cell",
         (after_pss - before_pss) as f64 / n,
         (after_rss - before_rss) as f64 / n
     );
-    println!(
+    warden_bench::say!(
         "{:<40} {:>10}",
         "create, each (sequential)",
         ms(create_each)
     );
     drop(daemon);
 
-    println!(
+    warden_bench::say!(
         "\njournal with fdatasync before acknowledgement ({} entries, 64 writers)",
         args.entries
     );
     let (rate, single) = journal_rate(args.entries, 64)?;
-    println!(
+    warden_bench::say!(
         "{:<40} {:>10.0} entries/s",
-        "group commit, 64 concurrent writers", rate
+        "group commit, 64 concurrent writers",
+        rate
     );
-    println!("{:<40} {:>10}", "one writer alone, per entry", ms(single));
+    warden_bench::say!("{:<40} {:>10}", "one writer alone, per entry", ms(single));
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }

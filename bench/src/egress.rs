@@ -292,7 +292,7 @@ fn serve_gateway(args: &[String]) -> Result<()> {
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let proxy = listener.local_addr()?;
     gateway.serve(listener)?;
-    println!("{} {}", proxy.port(), dns_address.port());
+    warden_bench::say!("{} {}", proxy.port(), dns_address.port());
     std::io::stdout().flush()?;
     // Until the parent goes (it kills this process; a closed stdin says it went).
     let _ = std::io::stdin().read(&mut [0u8; 1]);
@@ -755,24 +755,34 @@ fn main() -> Result<()> {
     let lookups = lookups(requests, dns_address)?;
     drop(relays);
     let _ = std::fs::remove_file(&ca_file);
-    println!(
+    warden_bench::say!(
         "egress on loopback: {requests} small requests (a new connection each), {DOWNLOADS} downloads of 100 MiB (median rate); each relay in its own process, its CPU time read from /proc around its downloads"
     );
     if !missing.is_empty() {
-        println!("not installed, left out: {}", missing.join("; "));
+        warden_bench::say!("not installed, left out: {}", missing.join("; "));
     }
-    println!();
-    println!(
+    warden_bench::say!();
+    warden_bench::say!(
         "| {:<30} | {:>11} | {:>9} | {:>10} | {:>14} | {:>13} |",
-        "path", "median (ms)", "p99 (ms)", "conns/s", "download MiB/s", "CPU s per GiB"
+        "path",
+        "median (ms)",
+        "p99 (ms)",
+        "conns/s",
+        "download MiB/s",
+        "CPU s per GiB"
     );
-    println!(
+    warden_bench::say!(
         "|{:-<32}|{:->13}|{:->11}|{:->12}|{:->16}|{:->15}|",
-        "", "", "", "", "", ""
+        "",
+        "",
+        "",
+        "",
+        "",
+        ""
     );
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     for (row, m) in rows.iter().zip(&measured) {
-        println!(
+        warden_bench::say!(
             "| {:<30} | {:>11.3} | {:>9.3} | {:>10.0} | {:>14.0} | {:>13} |",
             row.name,
             ms(m.median),
@@ -783,7 +793,7 @@ fn main() -> Result<()> {
                 .map_or_else(|| "-".to_owned(), |c| format!("{c:.2}"))
         );
     }
-    println!();
+    warden_bench::say!();
     let find = |name: &str| {
         rows.iter()
             .position(|r| r.name == name)
@@ -791,7 +801,7 @@ fn main() -> Result<()> {
     };
     let ratio = |label: &str, a: &str, b: &str| {
         if let (Some(x), Some(y)) = (find(a), find(b)) {
-            println!(
+            warden_bench::say!(
                 "{label}: throughput {:.2}x, added median latency {:+.3} ms, CPU per GiB {}",
                 x.mibs / y.mibs,
                 ms(x.median) - ms(y.median),
@@ -837,23 +847,25 @@ fn main() -> Result<()> {
         "HTTPS, warden interception",
         "HTTPS, squid ssl-bump",
     );
-    println!();
-    println!("name lookups of `localhost`, {requests} each (median, p99 in ms):");
-    println!();
-    println!(
+    warden_bench::say!();
+    warden_bench::say!("name lookups of `localhost`, {requests} each (median, p99 in ms):");
+    warden_bench::say!();
+    warden_bench::say!(
         "| {:<34} | {:>11} | {:>9} |",
-        "path", "median (ms)", "p99 (ms)"
+        "path",
+        "median (ms)",
+        "p99 (ms)"
     );
-    println!("|{:-<36}|{:->13}|{:->11}|", "", "", "");
+    warden_bench::say!("|{:-<36}|{:->13}|{:->11}|", "", "", "");
     for (name, samples) in &lookups {
-        println!(
+        warden_bench::say!(
             "| {:<34} | {:>11.3} | {:>9.3} |",
             name,
             ms(percentile(samples, 0.5)),
             ms(percentile(samples, 0.99))
         );
     }
-    println!(
+    warden_bench::say!(
         "DNS through the gateway: {:.1}x the host resolver's median",
         ms(percentile(&lookups[1].1, 0.5)) / ms(percentile(&lookups[0].1, 0.5))
     );

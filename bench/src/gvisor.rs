@@ -315,9 +315,12 @@ fn idle_memory(setup: &Setup, daemon: &Daemon, cells: usize) -> Result<()> {
         own_procs += procs;
     }
     let n = cells as u64;
-    println!(
+    warden_bench::say!(
         "{:<44} {:>12} {:>12} {:>10}",
-        "per cell", "PSS", "RSS", "processes"
+        "per cell",
+        "PSS",
+        "RSS",
+        "processes"
     );
     for (name, pss, rss, procs) in [
         (
@@ -333,15 +336,15 @@ fn idle_memory(setup: &Setup, daemon: &Daemon, cells: usize) -> Result<()> {
             own_procs / cells,
         ),
     ] {
-        println!("{name:<44} {:>8} KiB {:>8} KiB {procs:>10}", pss, rss);
+        warden_bench::say!("{name:<44} {:>8} KiB {:>8} KiB {procs:>10}", pss, rss);
     }
-    println!(
+    warden_bench::say!(
         "{:<44} {:>+8} KiB {:>+8} KiB",
         "the warden's own part",
         (cell_pss / n) as i64 - (own_pss / n) as i64,
         (cell_rss / n) as i64 - (own_rss / n) as i64
     );
-    println!(
+    warden_bench::say!(
         "{:<44} {:>8} KiB {:>8} KiB {:>10}",
         "  of it, the keeper and its host side",
         warden_pss / n,
@@ -351,9 +354,12 @@ fn idle_memory(setup: &Setup, daemon: &Daemon, cells: usize) -> Result<()> {
     // Once per daemon, not per cell (as the daemon itself): the server that forks keepers.
     for server in warden_bench::children_named(daemon.child.id(), "keepers") {
         let (pss, rss) = warden_bench::memory_kib(server);
-        println!(
+        warden_bench::say!(
             "{:<44} {:>8} KiB {:>8} KiB {:>10}",
-            "(once per daemon) the keepers' fork server", pss, rss, 1
+            "(once per daemon) the keepers' fork server",
+            pss,
+            rss,
+            1
         );
     }
     for i in 0..cells {
@@ -492,7 +498,7 @@ fn main() -> Result<()> {
         dir: dir.clone(),
     };
 
-    println!("cold start: create, run `true`, tear down ({runs} rounds, interleaved)");
+    warden_bench::say!("cold start: create, run `true`, tear down ({runs} rounds, interleaved)");
     // A daemon of its own (its pool's cells are not idle cells of the memory table below).
     let pool_dir = dir.join("pool");
     std::fs::create_dir_all(&pool_dir)?;
@@ -519,17 +525,17 @@ fn main() -> Result<()> {
             bail!("creating cell {name} failed: {raw}");
         }
     }
-    println!("\nexec round trip of `true` ({runs} runs each, interleaved)");
+    warden_bench::say!("\nexec round trip of `true` ({runs} runs each, interleaved)");
     let mut rows = exec_round_trip(&setup, &daemon, runs)?;
     rows.swap(0, 1);
     table(&mut rows, "median/runsc exec");
 
     let cells = 5;
-    println!("\nmemory of an idle cell ({cells} idle cells of each kind, at once)");
+    warden_bench::say!("\nmemory of an idle cell ({cells} idle cells of each kind, at once)");
     idle_memory(&setup, &daemon, cells)?;
 
     let rounds = (runs / 5).max(3);
-    println!(
+    warden_bench::say!(
         "\ncheckpoint and restore ({rounds} rounds; a cell running `sleep`, a workspace with nothing changed)"
     );
     let mut rows = checkpoints(&setup, &daemon, rounds)?;

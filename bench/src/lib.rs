@@ -9,6 +9,17 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
+/// `println!` that does not end the benchmark when its output is closed (a reader such as
+/// `head` that has seen enough): the rest of the run goes on unseen and cleans up after itself
+/// (its daemon's cells, sandboxes made by hand), where a panic would leave them behind.
+#[macro_export]
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
 /// The `p`th percentile of `samples` (sorted in place).
 pub fn percentile(samples: &mut [Duration], p: f64) -> Duration {
     samples.sort();
@@ -23,11 +34,11 @@ pub fn ms(d: Duration) -> String {
 /// Median and p99 of each row, and the median's ratio to the first row's.
 pub fn table(rows: &mut [(String, Vec<Duration>)], versus: &str) {
     let base = percentile(&mut rows[0].1.clone(), 0.5);
-    println!("{:<44} {:>11} {:>11} {:>14}", "", "median", "p99", versus);
+    say!("{:<44} {:>11} {:>11} {:>14}", "", "median", "p99", versus);
     for (name, samples) in rows.iter_mut() {
         let median = percentile(samples, 0.5);
         let p99 = percentile(samples, 0.99);
-        println!(
+        say!(
             "{name:<44} {:>11} {:>11} {:>13.2}x",
             ms(median),
             ms(p99),

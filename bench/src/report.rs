@@ -185,7 +185,7 @@ fn main() -> Result<()> {
         }
     }
     std::fs::write(&out, &doc).with_context(|| format!("writing {}", out.display()))?;
-    println!(
+    warden_bench::say!(
         "wrote {} and its charts in {}",
         out.display(),
         charts_dir.display()

@@ -109,22 +109,24 @@ fn main() -> Result<()> {
     });
     let _ = std::fs::remove_dir_all(&tmp);
     let stats = result?;
-    println!(
+    warden_bench::say!(
         "workspace of {} files, {CHANGED} changed by the cell ({runs} runs each)",
         DIRS * FILES_PER_DIR
     );
-    println!();
-    println!(
+    warden_bench::say!();
+    warden_bench::say!(
         "| {:<40} | {:>11} | {:>8} |",
-        "operation", "median (ms)", "p90 (ms)"
+        "operation",
+        "median (ms)",
+        "p90 (ms)"
     );
-    println!("|{:-<42}|{:->13}|{:->10}|", "", "", "");
+    warden_bench::say!("|{:-<42}|{:->13}|{:->10}|", "", "", "");
     let mut medians = Vec::new();
     for mut s in stats {
         s.samples.sort();
         let median = percentile(&s.samples, 0.5);
         medians.push((s.name, median));
-        println!(
+        warden_bench::say!(
             "| {:<40} | {:>11.2} | {:>8.2} |",
             s.name,
             ms(median),
@@ -138,20 +140,20 @@ fn main() -> Result<()> {
             .map(|(_, d)| ms(*d))
             .unwrap_or(0.0)
     };
-    println!();
-    println!(
+    warden_bench::say!();
+    warden_bench::say!(
         "fork beyond a plain cold start: {:.2} ms; overlay workspace beyond no workspace: {:.2} ms",
         get("fork from a snapshot, run `true`") - get("cold start, no workspace"),
         get("cold start, copy-on-write workspace") - get("cold start, no workspace"),
     );
     let curves = curves.context("no curve")??;
-    println!();
-    println!(
+    warden_bench::say!();
+    warden_bench::say!(
         "through the daemon: snapshot and reset by files changed (of {}), median ms ({} runs each), by the file system of the cell's disk",
         DIRS * FILES_PER_DIR,
         runs.min(20)
     );
-    println!();
+    warden_bench::say!();
     let mut head = format!("| {:>13} |", "files changed");
     let mut rule = format!("|{:->15}|", "");
     for (kind, _, _) in &curves {
@@ -165,8 +167,8 @@ fn main() -> Result<()> {
             rule.push_str(&format!("{:->32}|", ""));
         }
     }
-    println!("{head}");
-    println!("{rule}");
+    warden_bench::say!("{head}");
+    warden_bench::say!("{rule}");
     for (i, changed) in CURVE_POINTS.iter().enumerate() {
         let mut line = format!("| {changed:>13} |");
         for (_, curve, _) in &curves {
@@ -175,10 +177,10 @@ fn main() -> Result<()> {
                 line.push_str(&format!(" {:>30.2} |", ms(value)));
             }
         }
-        println!("{line}");
+        warden_bench::say!("{line}");
     }
-    println!();
-    println!(
+    warden_bench::say!();
+    warden_bench::say!(
         "quiet: the cell's init runs alone, and its upper layer becomes the snapshot's (the \
          workspace is mounted again on a fresh one); process runs: a `sleep` holds the \
          workspace, and the snapshot is a clone of the disk's tree taken while the cell is \
@@ -187,21 +189,23 @@ fn main() -> Result<()> {
          snapshots, on an 8 GiB disk limit (past half of a disk's inodes or blocks, snapshots copy \
          instead)"
     );
-    println!();
-    println!(
+    warden_bench::say!();
+    warden_bench::say!(
         "what a mounted disk costs the kernel ({KERNEL_CELLS} daemon cells with a workspace, each with a disk of its own, against none)"
     );
-    println!();
-    println!(
+    warden_bench::say!();
+    warden_bench::say!(
         "| {:<17} | {:>33} | {:>23} |",
-        "disk file system", "kernel memory per cell (KiB)", "kernel threads per cell"
+        "disk file system",
+        "kernel memory per cell (KiB)",
+        "kernel threads per cell"
     );
-    println!("|{:-<19}|{:->35}|{:->25}|", "", "", "");
+    warden_bench::say!("|{:-<19}|{:->35}|{:->25}|", "", "", "");
     for (kind, _, (memory, threads)) in &curves {
-        println!("| {kind:<17} | {memory:>33} | {threads:>23.1} |");
+        warden_bench::say!("| {kind:<17} | {memory:>33} | {threads:>23.1} |");
     }
-    println!();
-    println!(
+    warden_bench::say!();
+    warden_bench::say!(
         "kernel memory: unreclaimable slab and kernel stacks, read from /proc/meminfo before and after (the cells' other kernel objects, namespaces and cgroups, are in both rows alike)"
     );
     Ok(())
