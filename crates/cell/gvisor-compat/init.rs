@@ -978,13 +978,10 @@ fn reap_forever() -> ! {
     }
 }
 
-/// Runs one command as described above; never returns.
-fn run(
-    argv: &[*const u8],
-    argv_vector: *const *const u8,
-    env: &[*const u8],
-    envp: *const *const u8,
-) -> ! {
+/// Runs one command as described above; never returns. `argv` and `env` are tails of the
+/// kernel's vectors, so each is followed by the null that ends it: their pointers are what
+/// `execve` takes.
+fn run(argv: &[*const u8], env: &[*const u8]) -> ! {
     write_all(1, b"ready\n");
     let Some(&program) = argv.first() else {
         write_all(2, b"warden: no command\n");
@@ -996,8 +993,8 @@ fn run(
         program,
         search: (!program.contains(&b'/'))
             .then(|| variable(env, b"PATH").unwrap_or(b"/usr/local/bin:/usr/bin:/bin")),
-        argv: argv_vector,
-        env: envp,
+        argv: argv.as_ptr(),
+        env: env.as_ptr(),
         stdio: None,
         cwd: None,
         session: false,
@@ -1187,8 +1184,7 @@ extern "C" fn start(stack: *const usize) -> ! {
     // SAFETY: this process's arguments, NUL-terminated.
     let word = |i: usize| args.get(i).map(|&a| unsafe { c_bytes(a) });
     if word(1) == Some(b"run") {
-        // SAFETY: within the argument vector, which ends in null.
-        run(&args[2..], unsafe { argv_vector.add(2) }, env, envp);
+        run(&args[2..], env);
     }
     if args.len() == 2 && word(1) == Some(b"release") {
         write_all(

@@ -111,7 +111,7 @@ pub fn keep(
     // this thread's alone; the other stays in the host's, which it does not use). A cell that
     // serves execs makes it after the host side's fork, with one thread.
     let serves = request.serve_exec;
-    let mut early_network = match serves {
+    let early_network = match serves {
         true => None,
         false => Some(
             super::network::Namespace::start(gateway.is_some())
@@ -207,7 +207,7 @@ pub fn keep(
         channel = Some(ours);
     }
 
-    let network = match early_network.take() {
+    let network = match early_network {
         Some(making) => making.finish(),
         None => super::network::Namespace::make(gateway.is_some()),
     }
