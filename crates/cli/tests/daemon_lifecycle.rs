@@ -579,6 +579,28 @@ fn processes_of(runtime: &std::path::Path, what: &str) -> Vec<u32> {
     found
 }
 
+/// The children of `pid` that have ended and wait to be reaped.
+fn zombies_of(pid: u32) -> Vec<u32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(child) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let Some(close) = stat.rfind(')') else {
+            continue;
+        };
+        let mut fields = stat[close + 2..].split(' ');
+        let (state, parent) = (fields.next(), fields.next());
+        if state == Some("Z") && parent == Some(pid.to_string().as_str()) {
+            found.push(child);
+        }
+    }
+    found
+}
+
 /// Cell `cell`'s registry record (`pid`: its init's; `warden_pid`: its keeper's).
 fn record_of(runtime: &std::path::Path, cell: &str) -> Value {
     serde_json::from_str(
@@ -1061,4 +1083,38 @@ fn a_deleted_cells_name_can_be_taken_again_at_once() {
         out.ends_with("0\n") && out.contains("No such file"),
         "a fresh cell: {out}"
     );
+}
+
+/// Every process the daemon starts is reaped when it ends: a deleted cell's keeper (the
+/// daemon's child) and the remover of a reset cell's old layer are not left zombies, one per
+/// cell or per reset, in a daemon that runs for months.
+#[test]
+fn a_daemon_leaves_no_zombie_of_deleted_cells_or_resets() {
+    if !cgroups_available("no_zombies") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    for _ in 0..3 {
+        let cell = daemon.create(&unique("reaped"), json!({}));
+        daemon.exec(&cell, json!({ "argv": ["true"] }));
+        let deleted = daemon.call("DELETE", &format!("/v1/cells/{cell}"), None);
+        assert_eq!(deleted.status, 204, "{}", deleted.text());
+    }
+    // A reset removes the cell's old layer in the background.
+    let host = tempdir();
+    let workspace = host.path().display().to_string();
+    let kept = daemon.create(&unique("reset"), json!({ "workspace": workspace }));
+    for _ in 0..3 {
+        daemon.exec(&kept, json!({ "argv": ["sh", "-c", "echo x > written"] }));
+        let reset = daemon.call("POST", &format!("/v1/cells/{kept}/reset"), Some(json!({})));
+        assert_eq!(reset.status, 200, "{}", reset.text());
+    }
+    let deleted = daemon.call("DELETE", &format!("/v1/cells/{kept}"), None);
+    assert_eq!(deleted.status, 204, "{}", deleted.text());
+    // Each deleted cell's keeper was the daemon's child, and so was each remover of an old
+    // layer: all are reaped, none is left a zombie of the daemon.
+    let daemon_pid = daemon.pid().unwrap();
+    wait_for("the daemon's ended children to be reaped", || {
+        zombies_of(daemon_pid).is_empty()
+    });
 }

@@ -320,6 +320,26 @@ impl ProcessCell {
     }
 }
 
+impl Drop for ProcessCell {
+    /// A keeper this process started is its child and must be reaped, or it stays a zombie of a
+    /// long-lived daemon (one per cell ever deleted). Reaped here if it has ended; otherwise (a
+    /// cell deleted a moment ago has a keeper still tearing its cell down) by a small thread
+    /// that waits for its end.
+    fn drop(&mut self) {
+        let Some(mut keeper) = self.keeper.get_mut().ok().and_then(Option::take) else {
+            return;
+        };
+        if matches!(keeper.try_wait(), Ok(None)) {
+            let _ = std::thread::Builder::new()
+                .name("keeper-reaper".to_owned())
+                .stack_size(64 * 1024)
+                .spawn(move || {
+                    let _ = keeper.wait();
+                });
+        }
+    }
+}
+
 impl Cell for ProcessCell {
     fn name(&self) -> &str {
         &self.record.name
