@@ -145,7 +145,7 @@ fn lifecycle(daemon: &Daemon, runs: usize) -> Result<Vec<(String, Vec<Duration>)
     let mut rows = vec![("API: create + exec + delete".to_owned(), api)];
     let sdk = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/pydeps/e2b-2.63.0");
     if !sdk.join("e2b").is_dir() {
-        eprintln!(
+        warden_bench::tell!(
             "(no e2b SDK in {}: its rows are left out; .ci/run installs it)",
             sdk.display()
         );

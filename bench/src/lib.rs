@@ -20,6 +20,15 @@ macro_rules! say {
     }};
 }
 
+/// `eprintln!` that, like `say!`, lets a closed standard error pass (`2>&1 | head`).
+#[macro_export]
+macro_rules! tell {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 /// The `p`th percentile of `samples` (sorted in place).
 pub fn percentile(samples: &mut [Duration], p: f64) -> Duration {
     samples.sort();

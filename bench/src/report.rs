@@ -121,7 +121,7 @@ fn main() -> Result<()> {
     let mut failed = Vec::new();
     for bench in BENCHES {
         let args = if quick { bench.quick } else { bench.args };
-        eprintln!("bench-report: {} {}", bench.binary, args.join(" "));
+        warden_bench::tell!("bench-report: {} {}", bench.binary, args.join(" "));
         // What the last benchmark wrote goes to the disk first (a workspace benchmark leaves
         // seconds of writeback, under which every fdatasync of the next one waits longer).
         settle_disk();
