@@ -1118,3 +1118,50 @@ fn a_daemon_leaves_no_zombie_of_deleted_cells_or_resets() {
         zombies_of(daemon_pid).is_empty()
     });
 }
+
+/// Two wardens on one host (two daemons, or a `warden run` beside a daemon) may each have a
+/// cell of one name. Their cgroups are apart: the end of one, or its pause, does not reach the
+/// other. (They once shared `warden/NAME`: a `warden run --name` of a daemon cell's name ended
+/// that cell with its own, and a pause of one froze both.)
+#[test]
+fn cells_of_one_name_in_two_wardens_share_no_cgroup() {
+    if !is_root() || !cgroups_available("two_wardens") {
+        return; // rootless cgroups are the user's own subtree, one per user
+    }
+    let first = Daemon::start(&[]);
+    let second = Daemon::start(&[]);
+    let name = unique("twin");
+    first.create(&name, json!({}));
+    second.create(&name, json!({}));
+    let dirs = |daemon: &Daemon| record_of(daemon.runtime(), &name)["cgroup"]["dirs"].clone();
+    assert_ne!(dirs(&first), dirs(&second), "one cgroup for two cells");
+    let alive = |daemon: &Daemon, what: &str| {
+        let events = daemon.exec(&name, json!({ "argv": ["echo", "alive"] }));
+        assert_eq!(
+            stream_bytes(&events, "stdout"),
+            b"alive\n",
+            "{what}: {events:?}"
+        );
+    };
+    // A one-shot cell of the same name, in a runtime directory of its own, comes and goes.
+    let apart = tempdir();
+    let ran = std::process::Command::new(bin())
+        .env("WARDEN_RUNTIME_DIR", apart.path().join("run"))
+        .env("WARDEN_STATE_DIR", apart.path().join("state"))
+        .args(["run", "--name", &name, "--", "true"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert!(ran.status.success(), "{ran:?}");
+    alive(&first, "after a one-shot cell of its name ended");
+    alive(&second, "after a one-shot cell of its name ended");
+    // The second's pause does not freeze the first; its delete does not end it.
+    let paused = second.call("POST", &format!("/v1/cells/{name}/pause"), None);
+    assert_eq!(paused.status, 200, "{}", paused.text());
+    alive(&first, "while the other daemon's cell is paused");
+    let deleted = second.call("DELETE", &format!("/v1/cells/{name}"), None);
+    assert_eq!(deleted.status, 204, "{}", deleted.text());
+    alive(&first, "after the other daemon's cell was deleted");
+    let state = first.call("GET", &format!("/v1/cells/{name}"), None).json();
+    assert_eq!(state["state"], "running", "{state}");
+}

@@ -217,8 +217,8 @@ pub fn keep(
         pids: policy.limits.pids,
         cpus: policy.limits.cpus,
     };
-    let cell_cgroup =
-        CellCgroup::create(&cgroup::discover(), &name, &limits).map_err(RunError::from)?;
+    let cell_cgroup = CellCgroup::create(&cgroup::discover(), &registry.instance(), &name, &limits)
+        .map_err(RunError::from)?;
     let mut guard = CellGuard {
         cgroup: Some(cell_cgroup.clone()),
         pid: None,

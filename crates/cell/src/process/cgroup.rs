@@ -214,16 +214,18 @@ pub struct Limits {
 const CPU_PERIOD_US: u64 = 100_000;
 
 impl CellCgroup {
-    /// Creates `warden/<id>` in every hierarchy that has one of the controllers, and writes the
-    /// limits. On error, whatever was created is removed again.
+    /// Creates `warden/<instance>/<id>` in every hierarchy that has one of the controllers, and
+    /// writes the limits. On error, whatever was created is removed again. `instance` keeps
+    /// the cells of one registry apart from another's of the same name (`Registry::instance`).
     pub fn create(
         hierarchies: &[Hierarchy],
+        instance: &str,
         id: &str,
         limits: &Limits,
     ) -> Result<Self, CgroupError> {
         let mut cgroup = Self::default();
         let result = cgroup
-            .create_dirs(hierarchies, id)
+            .create_dirs(hierarchies, instance, id)
             .and_then(|()| cgroup.apply(limits));
         if let Err(err) = result {
             cgroup.remove();
@@ -232,26 +234,28 @@ impl CellCgroup {
         Ok(cgroup)
     }
 
-    fn create_dirs(&mut self, hierarchies: &[Hierarchy], id: &str) -> Result<(), CgroupError> {
+    fn create_dirs(
+        &mut self,
+        hierarchies: &[Hierarchy],
+        instance: &str,
+        id: &str,
+    ) -> Result<(), CgroupError> {
         let mut v2_prepared: Vec<PathBuf> = Vec::new();
         for h in hierarchies {
             let base = h.own.join("warden");
-            let path = base.join(id);
+            let path = base.join(instance).join(id);
             if h.version == Version::V2 && !v2_prepared.contains(&h.own) {
                 let wanted: Vec<&str> = hierarchies
                     .iter()
                     .filter(|o| o.version == Version::V2 && o.controller != Controller::Freezer)
                     .map(|o| o.controller.name())
                     .collect();
-                enable_v2(&h.own, &base, &wanted)?;
+                enable_v2(&h.own, &[base.clone(), base.join(instance)], &wanted)?;
                 v2_prepared.push(h.own.clone());
             }
             // Several v2 controllers share one directory.
             if !self.dirs.iter().any(|d| d.path == path) {
-                fs::create_dir_all(&path).map_err(|source| CgroupError::Create {
-                    path: path.clone(),
-                    source,
-                })?;
+                create_leaf(&path)?;
             }
             self.dirs.push(CgroupDir {
                 controller: h.controller,
@@ -547,19 +551,40 @@ impl CellCgroup {
                     Err(_) => break,
                 }
             }
-            // The shared `warden/` parent goes too once the last cell has left it.
-            if let Some(parent) = dir.path.parent() {
-                let _ = fs::remove_dir(parent);
+            // The shared `warden/<instance>/` and `warden/` parents go too once the last cell
+            // has left them.
+            for parent in dir.path.ancestors().skip(1).take(2) {
+                if fs::remove_dir(parent).is_err() {
+                    break;
+                }
             }
         }
     }
 }
 
-fn enable_v2(own: &Path, base: &Path, controllers: &[&str]) -> Result<(), CgroupError> {
-    fs::create_dir_all(base).map_err(|source| CgroupError::Create {
-        path: base.to_path_buf(),
-        source,
-    })?;
+/// Makes a cell's cgroup directory and its parents. A parent that another cell's teardown
+/// removed between the two (it was the last of its instance) is made again.
+fn create_leaf(path: &Path) -> Result<(), CgroupError> {
+    let mut tries = 0;
+    loop {
+        match fs::create_dir_all(path) {
+            Err(source) if source.kind() == io::ErrorKind::NotFound && tries < 5 => tries += 1,
+            result => {
+                return result.map_err(|source| CgroupError::Create {
+                    path: path.to_path_buf(),
+                    source,
+                });
+            }
+        }
+    }
+}
+
+/// Gives the cgroups below `own` the v2 `controllers`: in `own` and in each of `parents` (the
+/// cells' parents, made here), outermost first.
+fn enable_v2(own: &Path, parents: &[PathBuf], controllers: &[&str]) -> Result<(), CgroupError> {
+    if let Some(innermost) = parents.last() {
+        create_leaf(innermost)?;
+    }
     let value = controllers
         .iter()
         .map(|c| format!("+{c}"))
@@ -568,7 +593,7 @@ fn enable_v2(own: &Path, base: &Path, controllers: &[&str]) -> Result<(), Cgroup
     if value.is_empty() {
         return Ok(());
     }
-    for dir in [own, base] {
+    for dir in std::iter::once(own).chain(parents.iter().map(PathBuf::as_path)) {
         let path = dir.join("cgroup.subtree_control");
         let current = fs::read_to_string(&path).unwrap_or_default();
         if controllers

@@ -113,6 +113,17 @@ impl Registry {
         &self.root
     }
 
+    /// What tells this registry's cells from those of another warden on the host (another
+    /// runtime directory: another daemon, or a `warden run` beside it), where both keep cells
+    /// under one name: a short hash of the registry's directory. The cells' cgroups are kept
+    /// apart by it, so that no cell of one can share another's limits, or be frozen or killed
+    /// with it.
+    pub fn instance(&self) -> String {
+        let root = fs::canonicalize(&self.root).unwrap_or_else(|_| self.root.clone());
+        let hash = blake3::hash(root.as_os_str().as_encoded_bytes()).to_hex();
+        hash[..12].to_owned()
+    }
+
     fn cell_dir(&self, name: &str) -> PathBuf {
         self.root.join("cells").join(name)
     }

@@ -196,17 +196,18 @@ pub fn run_with(
         pids: policy.limits.pids,
         cpus: policy.limits.cpus,
     };
-    let cell_cgroup = match CellCgroup::create(&cgroup::discover(), &name, &limits) {
-        Ok(cg) => Some(cg),
-        Err(err) if !privileged => {
-            notices.push(format!(
+    let cell_cgroup =
+        match CellCgroup::create(&cgroup::discover(), &registry.instance(), &name, &limits) {
+            Ok(cg) => Some(cg),
+            Err(err) if !privileged => {
+                notices.push(format!(
                 "no writable cgroup for this user ({err}); memory and process limits fall back to \
                  per-process rlimits, cpu is not limited, and pause is unavailable"
             ));
-            None
-        }
-        Err(err) => return Err(err.into()),
-    };
+                None
+            }
+            Err(err) => return Err(err.into()),
+        };
     let mut guard = CellGuard {
         cgroup: cell_cgroup.clone(),
         pid: None,
