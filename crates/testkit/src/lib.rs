@@ -217,7 +217,13 @@ pub fn cgroup_dirs_of(name: &str) -> Vec<PathBuf> {
         for entry in entries.flatten() {
             let path = entry.path();
             if entry.file_type().is_ok_and(|t| t.is_dir()) {
-                if entry.file_name().to_string_lossy() == name {
+                // `NAME.INSTANCE` (the instance: a hash of the warden's runtime directory).
+                let file_name = entry.file_name().to_string_lossy().into_owned();
+                if file_name
+                    .split_once('.')
+                    .map_or(file_name.as_str(), |(n, _)| n)
+                    == name
+                {
                     found.push(path.clone());
                 }
                 // Cells live under warden/ in the warden's own cgroup; no need to walk further.

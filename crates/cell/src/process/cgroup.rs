@@ -214,9 +214,11 @@ pub struct Limits {
 const CPU_PERIOD_US: u64 = 100_000;
 
 impl CellCgroup {
-    /// Creates `warden/<instance>/<id>` in every hierarchy that has one of the controllers, and
+    /// Creates `warden/<id>.<instance>` in every hierarchy that has one of the controllers, and
     /// writes the limits. On error, whatever was created is removed again. `instance` keeps
-    /// the cells of one registry apart from another's of the same name (`Registry::instance`).
+    /// the cells of one registry apart from another's of the same name (`Registry::instance`;
+    /// a cell's name has no `.`). One level, as before it was added: each level is a cgroup
+    /// the kernel makes and ends with every one-shot cell.
     pub fn create(
         hierarchies: &[Hierarchy],
         instance: &str,
@@ -243,14 +245,14 @@ impl CellCgroup {
         let mut v2_prepared: Vec<PathBuf> = Vec::new();
         for h in hierarchies {
             let base = h.own.join("warden");
-            let path = base.join(instance).join(id);
+            let path = base.join(format!("{id}.{instance}"));
             if h.version == Version::V2 && !v2_prepared.contains(&h.own) {
                 let wanted: Vec<&str> = hierarchies
                     .iter()
                     .filter(|o| o.version == Version::V2 && o.controller != Controller::Freezer)
                     .map(|o| o.controller.name())
                     .collect();
-                enable_v2(&h.own, &[base.clone(), base.join(instance)], &wanted)?;
+                enable_v2(&h.own, &base, &wanted)?;
                 v2_prepared.push(h.own.clone());
             }
             // Several v2 controllers share one directory.
@@ -551,12 +553,9 @@ impl CellCgroup {
                     Err(_) => break,
                 }
             }
-            // The shared `warden/<instance>/` and `warden/` parents go too once the last cell
-            // has left them.
-            for parent in dir.path.ancestors().skip(1).take(2) {
-                if fs::remove_dir(parent).is_err() {
-                    break;
-                }
+            // The shared `warden/` parent goes too once the last cell has left it.
+            if let Some(parent) = dir.path.parent() {
+                let _ = fs::remove_dir(parent);
             }
         }
     }
@@ -579,12 +578,8 @@ fn create_leaf(path: &Path) -> Result<(), CgroupError> {
     }
 }
 
-/// Gives the cgroups below `own` the v2 `controllers`: in `own` and in each of `parents` (the
-/// cells' parents, made here), outermost first.
-fn enable_v2(own: &Path, parents: &[PathBuf], controllers: &[&str]) -> Result<(), CgroupError> {
-    if let Some(innermost) = parents.last() {
-        create_leaf(innermost)?;
-    }
+fn enable_v2(own: &Path, base: &Path, controllers: &[&str]) -> Result<(), CgroupError> {
+    create_leaf(base)?;
     let value = controllers
         .iter()
         .map(|c| format!("+{c}"))
@@ -593,7 +588,7 @@ fn enable_v2(own: &Path, parents: &[PathBuf], controllers: &[&str]) -> Result<()
     if value.is_empty() {
         return Ok(());
     }
-    for dir in std::iter::once(own).chain(parents.iter().map(PathBuf::as_path)) {
+    for dir in [own, base] {
         let path = dir.join("cgroup.subtree_control");
         let current = fs::read_to_string(&path).unwrap_or_default();
         if controllers
