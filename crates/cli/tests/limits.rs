@@ -122,7 +122,13 @@ fn every_process_of_a_cell_is_whole_in_each_directory_of_its_cgroup() {
         let own = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
         let inside = own
             .lines()
-            .filter(|l| l.ends_with(&format!("/{name}")))
+            .filter(|l| {
+                // `.../warden/NAME.INSTANCE`
+                l.rsplit('/')
+                    .next()
+                    .and_then(|leaf| leaf.split_once('.'))
+                    .is_some_and(|(n, _)| n == name)
+            })
             .count();
         assert_eq!(
             inside,
