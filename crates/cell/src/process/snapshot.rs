@@ -1092,25 +1092,25 @@ fn swap_in(layer: &Layer, name: &str) -> Result<(), SnapshotError> {
     Ok(())
 }
 
-/// Removes a discarded layer directory in a process of its own, so that the caller does not
-/// wait for thousands of unlinks; a leftover goes with the layer when the cell is removed.
-///
-/// The remover is a grandchild: its parent ends at once and is reaped here, so the remover is
-/// nobody's child of ours (the system's init, or the nearest reaper, reaps it) and a daemon
-/// that removes layers all day keeps no zombies.
+/// Removes a discarded layer directory in a child process, so that the caller does not wait
+/// for thousands of unlinks; a leftover goes with the layer when the cell is removed. A small
+/// thread reaps the child when it is done, so that a daemon that removes layers all day keeps
+/// no zombies.
 pub(super) fn remove_in_background(dir: PathBuf) {
     match sys::clone_process(0) {
         Ok(0) => {
-            if !matches!(sys::clone_process(0), Ok(0)) {
-                sys::exit_now(0);
-            }
             // Let go of the caller's stdio, so that nobody waits on this child's pipes.
             sys::stdio_to_null();
             let _ = Layer::at(dir).remove_tree();
             sys::exit_now(0);
         }
         Ok(child) => {
-            let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(child), None);
+            let _ = std::thread::Builder::new()
+                .name("layer-remover".to_owned())
+                .stack_size(64 * 1024)
+                .spawn(move || {
+                    let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(child), None);
+                });
         }
         Err(_) => {
             let _ = Layer::at(dir).remove_tree();
