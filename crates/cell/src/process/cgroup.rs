@@ -246,15 +246,6 @@ impl CellCgroup {
         for h in hierarchies {
             let base = h.own.join("warden");
             let path = base.join(format!("{id}.{instance}"));
-            if h.version == Version::V2 && !v2_prepared.contains(&h.own) {
-                let wanted: Vec<&str> = hierarchies
-                    .iter()
-                    .filter(|o| o.version == Version::V2 && o.controller != Controller::Freezer)
-                    .map(|o| o.controller.name())
-                    .collect();
-                enable_v2(&h.own, &base, &wanted)?;
-                v2_prepared.push(h.own.clone());
-            }
             // Several v2 controllers share one directory.
             if !self.dirs.iter().any(|d| d.path == path) {
                 create_leaf(&path)?;
@@ -264,6 +255,19 @@ impl CellCgroup {
                 version: h.version,
                 path,
             });
+            // After the cell's directory, not before: another cell's teardown cannot remove
+            // the shared `warden/` under it (it is not empty), as it could between the two,
+            // leaving a `warden/` made again without the controllers; and a controller
+            // enabled in a parent reaches the children it has.
+            if h.version == Version::V2 && !v2_prepared.contains(&h.own) {
+                let wanted: Vec<&str> = hierarchies
+                    .iter()
+                    .filter(|o| o.version == Version::V2 && o.controller != Controller::Freezer)
+                    .map(|o| o.controller.name())
+                    .collect();
+                enable_v2(&h.own, &base, &wanted)?;
+                v2_prepared.push(h.own.clone());
+            }
         }
         Ok(())
     }
