@@ -1354,7 +1354,7 @@ impl Copy {
     }
 }
 
-fn copy_overlay_xattrs(from: &Path, to: &Path) -> io::Result<()> {
+pub(super) fn copy_overlay_xattrs(from: &Path, to: &Path) -> io::Result<()> {
     for name in xattr::list(from)? {
         let text = name.to_string_lossy();
         if (text.starts_with("user.overlay.") || text.starts_with("trusted.overlay."))

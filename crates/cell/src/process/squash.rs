@@ -6,7 +6,9 @@
 
 use std::fs;
 use std::io;
-use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _, PermissionsExt as _};
+use std::os::unix::fs::{
+    FileTypeExt as _, MetadataExt as _, OpenOptionsExt as _, PermissionsExt as _,
+};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -97,6 +99,39 @@ pub fn start(layer: &Layer, meta: &LayerMeta, merged: PathBuf) {
     });
 }
 
+/// `source` (a file, link or FIFO of a layer no hard link reaches) made again at `target`: a
+/// regular file as a clone of its extents where the file system can (no data is copied), else
+/// a copy; its mode, owner (as root), times and overlay marks kept.
+fn copy_across(source: &Path, target: &Path, meta: &fs::Metadata) -> io::Result<()> {
+    if !meta.file_type().is_file() {
+        return super::snapshot::copy_tree(source, target)
+            .map(drop)
+            .map_err(io::Error::other);
+    }
+    let from = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(source)?;
+    let to = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(target)?;
+    if rustix::fs::ioctl_ficlone(&to, &from).is_err() {
+        super::sys::copy_data(&from, &to, meta.len())?;
+    }
+    to.set_permissions(fs::Permissions::from_mode(meta.mode() & 0o7777))?;
+    if nix::unistd::geteuid().is_root() {
+        std::os::unix::fs::fchown(&to, Some(meta.uid()), Some(meta.gid()))?;
+    }
+    super::snapshot::copy_overlay_xattrs(source, target)?;
+    to.set_times(
+        fs::FileTimes::new()
+            .set_accessed(meta.accessed()?)
+            .set_modified(meta.modified()?),
+    )
+}
+
 /// Builds at `into` the one layer that `layers` (topmost first, one file system) stack to:
 /// each applied over the ones below it as overlayfs reads them (a whiteout hides, an opaque
 /// directory replaces, any other directory merges), files hard-linked.
@@ -106,11 +141,19 @@ pub fn merge(layers: &[PathBuf], into: &Path) -> io::Result<()> {
     };
     let building = into.with_extension("building");
     let _ = Layer::at(building.clone()).remove_tree();
-    make_dir_like(top, &building)?;
-    for layer in layers.iter().rev() {
-        apply(layer, &building)?;
+    let built = make_dir_like(top, &building)
+        .and_then(|()| {
+            layers
+                .iter()
+                .rev()
+                .try_for_each(|layer| apply(layer, &building))
+        })
+        .and_then(|()| fs::rename(&building, into));
+    if built.is_err() {
+        // Nothing half-built is left in the cell's disk.
+        let _ = Layer::at(building).remove_tree();
     }
-    fs::rename(&building, into)
+    built
 }
 
 fn is_whiteout(meta: &fs::Metadata) -> bool {
@@ -184,9 +227,14 @@ fn apply(from: &Path, to: &Path) -> io::Result<()> {
             )
             .map_err(io::Error::from)?;
             let _ = std::os::unix::fs::lchown(&target, Some(meta.uid()), Some(meta.gid()));
-        } else {
-            // A file, a link or a FIFO: the same inode (the layers never change).
-            fs::hard_link(&source, &target)?;
+        } else if let Err(err) = fs::hard_link(&source, &target) {
+            // A file, a link or a FIFO: the same inode (the layers never change); one of a
+            // layer in another btrfs subvolume (a clone's, which a reset to it put in the
+            // stack) cannot be linked from here, and is made again instead.
+            if err.raw_os_error() != Some(libc::EXDEV) {
+                return Err(err);
+            }
+            copy_across(&source, &target, &meta)?;
         }
     }
     Ok(())
