@@ -217,8 +217,8 @@ impl CellCgroup {
     /// Creates `warden/<id>.<instance>` in every hierarchy that has one of the controllers, and
     /// writes the limits. On error, whatever was created is removed again. `instance` keeps
     /// the cells of one registry apart from another's of the same name (`Registry::instance`;
-    /// a cell's name has no `.`). One level, as before it was added: each level is a cgroup
-    /// the kernel makes and ends with every one-shot cell.
+    /// a cell's name has no `.`). A suffix, not a level of its own: each level is one more
+    /// cgroup the kernel makes and ends with every one-shot cell.
     pub fn create(
         hierarchies: &[Hierarchy],
         instance: &str,
@@ -565,8 +565,8 @@ impl CellCgroup {
     }
 }
 
-/// Makes a cell's cgroup directory and its parents. A parent that another cell's teardown
-/// removed between the two (it was the last of its instance) is made again.
+/// Makes a cgroup directory and its parents. The shared `warden/`, if another cell's teardown
+/// removed it between the two (its last cell had gone), is made again.
 fn create_leaf(path: &Path) -> Result<(), CgroupError> {
     let mut tries = 0;
     loop {
