@@ -895,21 +895,9 @@ fn a_quiet_cells_snapshot_and_reset_turn_layers_over_without_copies() {
 #[test]
 fn a_running_cells_snapshot_in_a_btrfs_disk_is_a_clone_not_a_copy() {
     use std::os::unix::fs::MetadataExt as _;
-    if !cgroups_available("daemon_btrfs_clone") || !is_root() {
+    let Some((daemon, _host, cell)) = btrfs_cell("daemon_btrfs_clone", "clone") else {
         return;
-    }
-    if !std::path::Path::new("/usr/sbin/mkfs.btrfs").exists()
-        && !std::path::Path::new("/sbin/mkfs.btrfs").exists()
-    {
-        eprintln!("skipped: mkfs.btrfs (btrfs-progs) is not installed");
-        return;
-    }
-    let daemon = Daemon::start_with(&[], &[("WARDEN_LAYER_FS", "btrfs")]);
-    let host = tempdir();
-    let cell = daemon.create(
-        &unique("clone"),
-        json!({ "workspace": host.path().display().to_string() }),
-    );
+    };
     let fs_dir = daemon.state().join("layers").join(&cell).join("fs");
     let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
     assert!(
@@ -1365,16 +1353,7 @@ fn a_deep_stack_of_snapshots_is_squashed() {
         assert_eq!(depth(), i + 1);
     }
     // Twelve of its own: merged aside, then mounted by the next snapshot.
-    let note = daemon
-        .state()
-        .join("layers")
-        .join(&cell)
-        .join("squashed.json");
-    let until = std::time::Instant::now() + Duration::from_secs(20);
-    while !note.exists() {
-        assert!(std::time::Instant::now() < until, "no squash was made");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_squash(&daemon, &cell);
     turn(12);
     assert_eq!(depth(), 2, "{}", read_file(&record));
     let listed = |dir: &str| run(&format!("ls {dir} | tr '\\n' ' '"));
@@ -1398,21 +1377,9 @@ fn a_deep_stack_of_snapshots_is_squashed() {
 /// leave a `.building` directory there, and the stack grew without bound.)
 #[test]
 fn a_deep_stack_over_a_clone_is_squashed() {
-    if !cgroups_available("daemon_squash_clone") || !is_root() {
+    let Some((daemon, _host, cell)) = btrfs_cell("daemon_squash_clone", "squashclone") else {
         return;
-    }
-    if !std::path::Path::new("/usr/sbin/mkfs.btrfs").exists()
-        && !std::path::Path::new("/sbin/mkfs.btrfs").exists()
-    {
-        eprintln!("skipped: mkfs.btrfs (btrfs-progs) is not installed");
-        return;
-    }
-    let daemon = Daemon::start_with(&[], &[("WARDEN_LAYER_FS", "btrfs")]);
-    let host = tempdir();
-    let cell = daemon.create(
-        &unique("squashclone"),
-        json!({ "workspace": host.path().display().to_string() }),
-    );
+    };
     let run = |script: &str| {
         let events = daemon.exec(&cell, json!({ "argv": ["sh", "-c", script] }));
         assert_eq!(exit_of(&events)["code"], 0, "{script}: {events:?}");
@@ -1471,16 +1438,7 @@ fn a_deep_stack_over_a_clone_is_squashed() {
         turn(i);
         assert_eq!(depth(), i + 2);
     }
-    let note = daemon
-        .state()
-        .join("layers")
-        .join(&cell)
-        .join("squashed.json");
-    let until = std::time::Instant::now() + Duration::from_secs(20);
-    while !note.exists() {
-        assert!(std::time::Instant::now() < until, "no squash was made");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_squash(&daemon, &cell);
     turn(11);
     assert_eq!(depth(), 2, "{}", read_file(&record));
     assert_eq!(run("cat c/0 c/149 t0/0 t11/109"), "c0\nc149\n0\n11\n");
@@ -1501,6 +1459,42 @@ fn a_deep_stack_over_a_clone_is_squashed() {
         .filter(|n| n.ends_with(".building"))
         .collect();
     assert!(building.is_empty(), "{building:?}");
+}
+
+/// A daemon whose cells' disks are btrfs, and a cell of it (named from `prefix`) on a fresh
+/// host directory; none where this host cannot make one (not root, no cgroups, no
+/// `mkfs.btrfs`).
+fn btrfs_cell(test: &str, prefix: &str) -> Option<(Daemon, TestDir, String)> {
+    if !cgroups_available(test) || !is_root() {
+        return None;
+    }
+    if !std::path::Path::new("/usr/sbin/mkfs.btrfs").exists()
+        && !std::path::Path::new("/sbin/mkfs.btrfs").exists()
+    {
+        eprintln!("skipped: mkfs.btrfs (btrfs-progs) is not installed");
+        return None;
+    }
+    let daemon = Daemon::start_with(&[], &[("WARDEN_LAYER_FS", "btrfs")]);
+    let host = tempdir();
+    let cell = daemon.create(
+        &unique(prefix),
+        json!({ "workspace": host.path().display().to_string() }),
+    );
+    Some((daemon, host, cell))
+}
+
+/// Waits (20 s at most) until the merged layer of `cell`'s own snapshot layers is ready.
+fn wait_for_squash(daemon: &Daemon, cell: &str) {
+    let note = daemon
+        .state()
+        .join("layers")
+        .join(cell)
+        .join("squashed.json");
+    let until = std::time::Instant::now() + Duration::from_secs(20);
+    while !note.exists() {
+        assert!(std::time::Instant::now() < until, "no squash was made");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// Takes snapshot `name` of `cell` through the API.
