@@ -1294,6 +1294,8 @@ impl Copy {
             if as_root {
                 std::os::unix::fs::lchown(to, owner.0, owner.1).map_err(copy_err(to))?;
             }
+            // Last: each entry made in it changed its times.
+            keep_times(to, meta).map_err(copy_err(to))?;
             return Ok(size);
         }
         if file_type.is_file() {
@@ -1333,6 +1335,7 @@ impl Copy {
                 std::os::unix::fs::fchown(&target, owner.0, owner.1).map_err(copy_err(to))?;
             }
             copy_overlay_xattrs(from, to).map_err(copy_err(to))?;
+            rustix::fs::futimens(&target, &times_of(meta)).map_err(|e| copy_err(to)(e.into()))?;
             return Ok(size);
         }
         if file_type.is_symlink() {
@@ -1350,7 +1353,33 @@ impl Copy {
         if as_root {
             std::os::unix::fs::lchown(to, owner.0, owner.1).map_err(copy_err(to))?;
         }
+        keep_times(to, meta).map_err(copy_err(to))?;
         Ok(0)
+    }
+}
+
+/// Gives `to` (never followed, if a link) the access and modification times of `meta`: a copy
+/// of a layer (a snapshot, or one moved out of a cell's disk) shows the times the cell saw,
+/// which build tools compare.
+fn keep_times(to: &Path, meta: &fs::Metadata) -> io::Result<()> {
+    rustix::fs::utimensat(
+        rustix::fs::CWD,
+        to,
+        &times_of(meta),
+        rustix::fs::AtFlags::SYMLINK_NOFOLLOW,
+    )
+    .map_err(io::Error::from)
+}
+
+/// The access and modification times of `meta`.
+fn times_of(meta: &fs::Metadata) -> rustix::fs::Timestamps {
+    let time = |sec: i64, nsec: i64| rustix::fs::Timespec {
+        tv_sec: sec,
+        tv_nsec: nsec as _,
+    };
+    rustix::fs::Timestamps {
+        last_access: time(meta.atime(), meta.atime_nsec()),
+        last_modification: time(meta.mtime(), meta.mtime_nsec()),
     }
 }
 
@@ -1469,6 +1498,54 @@ mod tests {
             }
             assert!(layer.work().exists());
         }
+    }
+
+    /// A copied layer keeps its entries' modification times (files, directories, links), as
+    /// a hard link or a clone would.
+    #[test]
+    fn a_copy_keeps_the_times_of_what_it_copies() {
+        let tmp = tempfile::tempdir().unwrap();
+        let from = tmp.path().join("from");
+        fs::create_dir_all(from.join("dir")).unwrap();
+        fs::write(from.join("dir/file"), "data").unwrap();
+        std::os::unix::fs::symlink("file", from.join("dir/link")).unwrap();
+        let old = |secs: i64| rustix::fs::Timestamps {
+            last_access: rustix::fs::Timespec {
+                tv_sec: secs,
+                tv_nsec: 5,
+            },
+            last_modification: rustix::fs::Timespec {
+                tv_sec: secs,
+                tv_nsec: 7,
+            },
+        };
+        for (path, secs) in [("dir/file", 1_000_000), ("dir/link", 2_000_000)] {
+            rustix::fs::utimensat(
+                rustix::fs::CWD,
+                from.join(path),
+                &old(secs),
+                rustix::fs::AtFlags::SYMLINK_NOFOLLOW,
+            )
+            .unwrap();
+        }
+        rustix::fs::utimensat(
+            rustix::fs::CWD,
+            from.join("dir"),
+            &old(3_000_000),
+            rustix::fs::AtFlags::empty(),
+        )
+        .unwrap();
+        let to = tmp.path().join("to");
+        copy_tree(&from, &to).unwrap();
+        for (path, secs) in [
+            ("dir/file", 1_000_000),
+            ("dir/link", 2_000_000),
+            ("dir", 3_000_000),
+        ] {
+            let meta = fs::symlink_metadata(to.join(path)).unwrap();
+            assert_eq!((meta.mtime(), meta.mtime_nsec()), (secs, 7), "{path}");
+        }
+        assert_eq!(fs::read_to_string(to.join("dir/file")).unwrap(), "data");
     }
 
     #[test]
