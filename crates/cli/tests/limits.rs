@@ -123,11 +123,9 @@ fn every_process_of_a_cell_is_whole_in_each_directory_of_its_cgroup() {
         let inside = own
             .lines()
             .filter(|l| {
-                // `.../warden/NAME.INSTANCE`
                 l.rsplit('/')
                     .next()
-                    .and_then(|leaf| leaf.split_once('.'))
-                    .is_some_and(|(n, _)| n == name)
+                    .is_some_and(|leaf| is_cgroup_of(leaf, &name))
             })
             .count();
         assert_eq!(

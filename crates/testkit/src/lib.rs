@@ -206,6 +206,14 @@ pub fn host_processes_with(marker: &str) -> Vec<i32> {
     found
 }
 
+/// Whether a cgroup directory's name is cell `name`'s: `NAME.INSTANCE` (the instance: a hash
+/// of the warden's runtime directory).
+pub fn is_cgroup_of(dir_name: &str, name: &str) -> bool {
+    dir_name
+        .split_once('.')
+        .is_some_and(|(cell, _)| cell == name)
+}
+
 /// Every cgroup directory named after the cell, in any hierarchy.
 pub fn cgroup_dirs_of(name: &str) -> Vec<PathBuf> {
     let mut found = Vec::new();
@@ -217,13 +225,7 @@ pub fn cgroup_dirs_of(name: &str) -> Vec<PathBuf> {
         for entry in entries.flatten() {
             let path = entry.path();
             if entry.file_type().is_ok_and(|t| t.is_dir()) {
-                // `NAME.INSTANCE` (the instance: a hash of the warden's runtime directory).
-                let file_name = entry.file_name().to_string_lossy().into_owned();
-                if file_name
-                    .split_once('.')
-                    .map_or(file_name.as_str(), |(n, _)| n)
-                    == name
-                {
+                if is_cgroup_of(&entry.file_name().to_string_lossy(), name) {
                     found.push(path.clone());
                 }
                 // Cells live under warden/ in the warden's own cgroup; no need to walk further.

@@ -582,8 +582,9 @@ fn create_leaf(path: &Path) -> Result<(), CgroupError> {
     }
 }
 
+/// Gives the cgroups below `own` the v2 `controllers`, in `own` and in `base` (made already:
+/// the cell's directory is in it).
 fn enable_v2(own: &Path, base: &Path, controllers: &[&str]) -> Result<(), CgroupError> {
-    create_leaf(base)?;
     let value = controllers
         .iter()
         .map(|c| format!("+{c}"))
