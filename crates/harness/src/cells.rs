@@ -206,23 +206,19 @@ impl Harness {
         created["pooled"] = json!(pooled.is_some());
         if let Some((pooled_name, cell)) = pooled {
             // It runs already: its create and its start go into the journal's file, and to
-            // the disk while the database takes its entry.
+            // the disk (one round) while the database takes its entry.
             let started = json!({ "pid": cell.pid() });
-            let mut entries = Vec::new();
-            for (kind, data) in [("cell.create", created), ("cell.start", started)] {
-                match self.record_ahead(Some(&name), kind, data).await {
-                    Ok(entry) => entries.push(entry),
-                    // Not handed out: the pool keeps it for the next create.
-                    Err(err) => {
-                        self.give_back_pooled(&parsed, pooled_name, cell);
-                        return Err(err);
-                    }
+            let entries = [("cell.create", created), ("cell.start", started)];
+            let written = match self.record_all_ahead(&name, entries.into()) {
+                Ok(written) => written,
+                // Not handed out: the pool keeps it for the next create.
+                Err(err) => {
+                    self.give_back_pooled(&parsed, pooled_name, cell);
+                    return Err(err);
                 }
-            }
+            };
             let kept = self.keep(entry, parsed, cell);
-            for entry in entries {
-                entry.wait(self).await?;
-            }
+            written.wait(self).await?;
             return kept;
         }
         self.record(Some(&name), "cell.create", created).await?;
@@ -625,13 +621,12 @@ impl Harness {
             // the disk while the database forgets the cell, both while its keeper ends.
             let mut entries = Vec::new();
             if killed {
-                entries.push(self.record_ahead(Some(name), end.0, end.1).await?);
+                entries.push(end);
             }
-            entries.push(self.record_ahead(Some(name), delete.0, delete.1).await?);
+            entries.push(delete);
+            let written = self.record_all_ahead(name, entries)?;
             let forgotten = self.forget_cell(name);
-            for entry in entries {
-                entry.wait(self).await?;
-            }
+            written.wait(self).await?;
             forgotten?;
             if let Some(gone) = gone {
                 let _ = gone.await;

@@ -206,6 +206,30 @@ impl Harness {
             .await
     }
 
+    /// `record_ahead` for entries about one cell: all in the journal's file when this returns,
+    /// and on disk in one round of the group commit when the returned `DurableAll` resolves.
+    pub(crate) fn record_all_ahead(
+        &self,
+        cell: &str,
+        entries: Vec<(&str, Value)>,
+    ) -> Result<DurableAll, HarnessError> {
+        let events: Vec<(String, Value)> = entries
+            .into_iter()
+            .map(|(kind, data)| (kind.to_owned(), data))
+            .collect();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.journal
+            .submit_batch_ahead(Some(cell), events.clone(), move |result| {
+                let _ = tx.send(result);
+            })
+            .map_err(|err| HarnessError::from(CellFailure::Journal(err.to_string())))?;
+        Ok(DurableAll {
+            cell: cell.to_owned(),
+            synced: rx,
+            events,
+        })
+    }
+
     /// `record_ahead`, or, `Urgency::Soon`, for an entry no effect waits on: it then takes no
     /// fdatasync of its own, but rides with the next entry that is waited for (or goes to the
     /// disk within a few milliseconds).
@@ -254,6 +278,21 @@ impl Harness {
                 "data": data,
             })));
         }
+    }
+}
+
+/// Entries in the journal's file that are still on their way to the disk.
+pub(crate) struct DurableAll {
+    cell: String,
+    synced: tokio::sync::oneshot::Receiver<Result<Vec<Receipt>, warden_journal::JournalError>>,
+    events: Vec<(String, Value)>,
+}
+
+impl DurableAll {
+    /// Waits until the entries are on disk.
+    pub(crate) async fn wait(self, harness: &Harness) -> Result<Vec<Receipt>, HarnessError> {
+        let receipts = self.synced.await.unwrap_or_else(|_| Err(writer_gone()));
+        harness.announce_all(&self.cell, receipts, self.events)
     }
 }
 

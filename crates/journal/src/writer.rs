@@ -388,6 +388,53 @@ impl Journal {
         }
     }
 
+    /// Entries about one cell, sealed in order and written to the file in one write before
+    /// this returns (a crash of the warden cannot lose them), and synced by the syncer: `ack`
+    /// gets their receipts once all are on disk. For effects that may start while the disk
+    /// catches up, like `submit_ahead`, but one round of the group commit for all (entries
+    /// submitted one by one can straddle a round that began between them, and wait for two).
+    /// An error: none was written (those sealed before it go with the next round, unacknowledged).
+    pub fn submit_batch_ahead(
+        &self,
+        cell: Option<&str>,
+        entries: Vec<(String, Value)>,
+        ack: impl FnOnce(Result<Vec<Receipt>, JournalError>) + Send + 'static,
+    ) -> Result<Vec<Receipt>, JournalError> {
+        let mut state = self
+            .shared
+            .state
+            .lock()
+            .map_err(|_| JournalError::Stopped("the writer failed".to_owned()))?;
+        let count = entries.len();
+        let mut receipts = Vec::with_capacity(count);
+        for (i, (kind, data)) in entries.into_iter().enumerate() {
+            match state.append(cell.map(str::to_owned), kind, data, i + 1 == count) {
+                Ok(receipt) => receipts.push(receipt),
+                Err(err) => {
+                    drop(state);
+                    self.wake();
+                    return Err(err);
+                }
+            }
+        }
+        let Some(last) = receipts.last().cloned() else {
+            drop(state);
+            ack(Ok(Vec::new()));
+            return Ok(Vec::new());
+        };
+        let all = receipts.clone();
+        state.wait_for_disk(
+            last,
+            Box::new(move |result: Result<Receipt, JournalError>| {
+                ack(result.map(|_| all));
+            }),
+            false,
+        );
+        drop(state);
+        self.wake();
+        Ok(receipts)
+    }
+
     /// Seals the entry here, in the caller's thread (and writes it, when it is submitted
     /// ahead), and leaves its acknowledgement to the syncer.
     fn queue(&self, pending: Pending) {
@@ -1355,6 +1402,45 @@ mod tests {
         assert!(text.contains("\"exec.start\""), "{text}");
         let (second, durable_seq, _) = rx.recv().unwrap();
         assert_eq!((second, durable_seq), ("durable", seq));
+    }
+
+    #[test]
+    fn a_batch_submitted_ahead_is_in_the_file_when_it_returns_and_acknowledged_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path()).unwrap();
+        let file = dir.path().join(JOURNAL_FILE);
+        let (tx, rx) = mpsc::channel();
+        let entries = vec![
+            ("cell.create".to_owned(), json!({ "n": 1 })),
+            ("cell.start".to_owned(), json!({ "n": 2 })),
+        ];
+        let written = journal
+            .submit_batch_ahead(Some("c"), entries, move |receipts| {
+                let _ = tx.send(receipts);
+            })
+            .unwrap();
+        // Both in the file, in order, before the disk is waited for.
+        let text = fs::read_to_string(&file).unwrap();
+        let (create, start) = (
+            text.find("\"cell.create\"").expect("create written"),
+            text.find("\"cell.start\"").expect("start written"),
+        );
+        assert!(create < start, "{text}");
+        assert_eq!(written.len(), 2);
+        assert_eq!(written[1].seq, written[0].seq + 1);
+        let durable = rx.recv_timeout(Duration::from_secs(5)).unwrap().unwrap();
+        assert_eq!(durable, written);
+        // Nothing is acknowledged for an empty batch but that it is empty.
+        let (tx, rx) = mpsc::channel();
+        let none = journal
+            .submit_batch_ahead(Some("c"), Vec::new(), move |r| {
+                let _ = tx.send(r);
+            })
+            .unwrap();
+        assert!(none.is_empty() && rx.recv().unwrap().unwrap().is_empty());
+        journal.close();
+        let report = crate::verify(dir.path(), None).unwrap();
+        assert!(report.last_seq >= written[1].seq);
     }
 
     #[test]
