@@ -1387,7 +1387,8 @@ fn a_deep_stack_over_a_clone_is_squashed() {
     };
     run(
         "mkdir c && j=0; while [ $j -lt 150 ]; do echo c$j > c/$j; j=$((j+1)); done; \
-         touch -d '2001-02-03 04:05:06 UTC' c/7",
+         touch -d '2001-02-03 04:05:06 UTC' c/7; \
+         mkdir h && echo linked > h/a && ln h/a h/b && ln h/a c/a",
     );
     // A process runs while the snapshot is taken: a clone.
     let sleeper = daemon.call(
@@ -1446,6 +1447,16 @@ fn a_deep_stack_over_a_clone_is_squashed() {
         run("stat -c %Y c/7"),
         "981173106\n",
         "the clone's file kept its time"
+    );
+    // Three names of one file in the clone are one file in the merged layer.
+    let inodes = run("stat -c '%h %i' h/a h/b c/a");
+    let inodes: Vec<&str> = inodes.lines().collect();
+    assert!(
+        inodes.len() == 3
+            && inodes
+                .iter()
+                .all(|l| *l == inodes[0] && l.starts_with("3 ")),
+        "{inodes:?}"
     );
     let snapshots = daemon
         .state()

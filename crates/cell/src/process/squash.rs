@@ -4,6 +4,7 @@
 //! immutable, so the merged one shares their files and copies no data), and the next turn-over
 //! mounts the merged layer in their place. The snapshots keep their own stacks.
 
+use std::collections::HashMap;
 use std::fs;
 use std::io;
 use std::os::unix::fs::{
@@ -146,7 +147,9 @@ pub fn merge(layers: &[PathBuf], into: &Path) -> io::Result<()> {
             layers
                 .iter()
                 .rev()
-                .try_for_each(|layer| apply(layer, &building))
+                // Hard links never reach from one layer into another: what was linked in a
+                // layer copied across is linked again, within that layer's application.
+                .try_for_each(|layer| apply(layer, &building, &mut HashMap::new()))
         })
         .and_then(|()| fs::rename(&building, into));
     if built.is_err() {
@@ -187,8 +190,10 @@ fn remove_entry(path: &Path) -> io::Result<()> {
     }
 }
 
-/// Applies the layer directory `from` over the merged directory `to`.
-fn apply(from: &Path, to: &Path) -> io::Result<()> {
+/// Applies the layer directory `from` over the merged directory `to`. `across`: the entries of
+/// this layer made again at a path of the merged layer, by inode (`copy_across`), so that
+/// another name of one of them is a hard link to it there, as it is in the layer.
+fn apply(from: &Path, to: &Path, across: &mut HashMap<(u64, u64), PathBuf>) -> io::Result<()> {
     for entry in fs::read_dir(from)? {
         let entry = entry?;
         let (source, target) = (entry.path(), to.join(entry.file_name()));
@@ -214,7 +219,7 @@ fn apply(from: &Path, to: &Path) -> io::Result<()> {
                     xattr::set(&target, name, b"y")?;
                 }
             }
-            apply(&source, &target)?;
+            apply(&source, &target, across)?;
             continue;
         }
         remove_entry(&target)?;
@@ -234,7 +239,16 @@ fn apply(from: &Path, to: &Path) -> io::Result<()> {
             if err.raw_os_error() != Some(libc::EXDEV) {
                 return Err(err);
             }
-            copy_across(&source, &target, &meta)?;
+            let inode = (meta.dev(), meta.ino());
+            match across.get(&inode) {
+                Some(first) if meta.nlink() > 1 => fs::hard_link(first, &target)?,
+                _ => {
+                    copy_across(&source, &target, &meta)?;
+                    if meta.nlink() > 1 {
+                        across.insert(inode, target);
+                    }
+                }
+            }
         }
     }
     Ok(())
