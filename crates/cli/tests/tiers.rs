@@ -587,6 +587,8 @@ fn kill_ends_every_process_of_the_cell(tier: Tier) {
         204
     );
     assert!(cgroup_dirs_of(&cell).is_empty(), "no cgroup is left behind");
+    let folder = daemon.runtime().join("cells").join(&cell);
+    assert!(!folder.exists(), "{folder:?} is left behind");
 }
 
 /// What an upstream received: each request's head.
@@ -715,6 +717,14 @@ fn run_without_a_daemon_keeps_statuses_stdin_and_changes(tier: Tier) {
         std::fs::read_to_string(dir.path().join("a.txt")).unwrap(),
         "original\n"
     );
+    // The cell's folder in the runtime directory (the default one, as root) went with it,
+    // before any other command could sweep it.
+    let runtime = std::env::var_os("WARDEN_RUNTIME_DIR")
+        .map(std::path::PathBuf::from)
+        .or_else(|| is_root().then(|| "/run/warden".into()));
+    if let Some(folder) = runtime.map(|r| r.join("cells").join(&name)) {
+        assert!(!folder.exists(), "{folder:?} is left behind");
+    }
     let diff = warden().args(["diff", &name, "--stat"]).output().unwrap();
     let diff = String::from_utf8_lossy(&diff.stdout);
     assert!(

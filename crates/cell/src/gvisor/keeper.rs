@@ -390,6 +390,10 @@ pub fn keep(
     if runsc.has_state(&name) {
         let _ = quiet(runsc.command("delete").args(["--force", &name])).status();
     }
+    // The root was assembled on the cell's folder in this keeper's mount namespace, where it
+    // is a mount point that the folder's removal could not take (the folder was left behind
+    // until the next warden command swept it): it is let go of first.
+    let _ = nix::mount::umount2(&plan.root, nix::mount::MntFlags::MNT_DETACH);
     Ok(crate::process::run::finish(
         store,
         &request,
