@@ -78,6 +78,7 @@ pub fn keep(
         report: spec.report,
         checked: false,
         ready: ready.map(std::sync::Arc::new),
+        signals_from: request.signals_from,
     };
     let registry = Registry::open(Registry::default_root())?;
     // The keeper keeps a cell of the tier its policy names.

@@ -779,6 +779,56 @@ fn run_without_a_daemon_keeps_statuses_stdin_and_changes(tier: Tier) {
         124
     );
     assert!(begun.elapsed() < Duration::from_secs(20));
+    signals_reach_the_command_once(&policy);
+}
+
+/// A signal to `warden run`'s process group (a terminal's Ctrl-C) reaches the command once, one
+/// to warden's own pid (a supervisor's `kill`) reaches it too, and a SIGTERM runs the command's
+/// own handler, whose exit status is warden's.
+fn signals_reach_the_command_once(policy: &str) {
+    use std::io::BufRead as _;
+    use std::os::unix::process::CommandExt as _;
+    let script = "n=0; trap 'n=$((n+1)); echo INT $n' INT; \
+                  trap 'echo TERM after $n; exit 9' TERM; echo ready; \
+                  i=0; while [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done; echo timeout";
+    let mut child = warden()
+        .args(["run", "--policy", policy, "--", "sh", "-c", script])
+        .process_group(0)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, lines) = std::sync::mpsc::channel();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines() {
+            let _ = tx.send(line.unwrap_or_default());
+        }
+    });
+    let next = || {
+        lines
+            .recv_timeout(Duration::from_secs(20))
+            .unwrap_or_else(|e| panic!("the command's next line: {e}"))
+    };
+    assert_eq!(next(), "ready");
+    let pid = child.id().to_string();
+    let kill = |args: &[&str]| {
+        assert!(
+            std::process::Command::new("kill")
+                .args(args)
+                .status()
+                .unwrap()
+                .success()
+        );
+    };
+    kill(&["-INT", "--", &format!("-{pid}")]);
+    assert_eq!(next(), "INT 1");
+    // Not twice: nothing more comes meanwhile.
+    assert!(lines.recv_timeout(Duration::from_millis(700)).is_err());
+    kill(&["-INT", &pid]);
+    assert_eq!(next(), "INT 2");
+    kill(&["-TERM", &pid]);
+    assert_eq!(next(), "TERM after 2");
+    assert_eq!(child.wait().unwrap().code(), Some(9));
 }
 
 fn confinement_holds(tier: Tier) {

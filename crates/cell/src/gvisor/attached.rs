@@ -34,8 +34,16 @@ pub fn run(
         argv,
         discard_changes,
         log_to: None,
+        // This process forwards the signals it gets (its caller's) to the keeper.
+        signals_from: Some(std::process::id() as i32),
     })
     .map_err(|e| StartError::Host(format!("writing the keeper's request: {e}")))?;
+    // A process of one thread forks the keeper (it runs what `warden keep` would, at once): a
+    // new `warden keep` would first run the dynamic loader over the whole binary (~2.5 ms).
+    if forkable(config) {
+        let status = fork_keeper(&request)?;
+        return ended(config, name, &report, status);
+    }
     // The request in a file of this user's alone (the command's stdin is the caller's).
     let request_file = config
         .runtime
@@ -61,7 +69,7 @@ pub fn run(
         .env("WARDEN_STATE_DIR", &config.state)
         .env(crate::process::backend::KEEP_REQUEST, &request_file);
     let spawned = command.spawn();
-    let mut child = match spawned {
+    let child = match spawned {
         Ok(child) => child,
         Err(e) => {
             let _ = std::fs::remove_file(&request_file);
@@ -71,14 +79,112 @@ pub fn run(
             )));
         }
     };
-    let status = child
-        .wait()
-        .map_err(|e| StartError::Host(format!("waiting for the keeper: {e}")))?;
-    let ended = std::fs::read(&report)
+    let status = wait_forwarding(child.id() as i32);
+    let _ = std::fs::remove_file(&request_file);
+    let status = status?;
+    ended(config, name, &report, status)
+}
+
+/// Whether the keeper may be forked from this process: it has one thread (the child is a copy
+/// of the calling thread, and would find a lock another thread held for ever held), and the
+/// keeper's directories and environment are this process's own.
+fn forkable(config: &crate::tier::ProcessConfig) -> bool {
+    let one_thread = std::fs::read_to_string("/proc/self/status").is_ok_and(|status| {
+        status
+            .lines()
+            .any(|l| l.split_whitespace().eq(["Threads:", "1"]))
+    });
+    one_thread
+        && config.keeper_env.is_empty()
+        && config.runtime == crate::process::registry::Registry::default_root()
+        && config.state == Store::default_root()
+}
+
+/// Forks the keeper, which keeps the cell of `request` as `warden keep` would and leaves with
+/// its status; waits for it.
+fn fork_keeper(request: &[u8]) -> Result<std::process::ExitStatus, StartError> {
+    match crate::process::sys::fork_process() {
+        Ok(0) => {
+            let code = match crate::keeper::keep(request, None) {
+                Ok((status, notices)) => {
+                    for notice in &notices {
+                        eprintln!("warden: note: {notice}");
+                    }
+                    status
+                }
+                Err(err) => {
+                    eprintln!("warden: {err}");
+                    warden_protocol::exit::WARDEN_ERROR
+                }
+            };
+            crate::process::sys::exit_now(code)
+        }
+        Ok(pid) => wait_forwarding(pid),
+        Err(e) => Err(StartError::Host(format!("forking the keeper: {e}"))),
+    }
+}
+
+/// Waits for the keeper `pid` to end, forwarding to it the signals that would end this process
+/// (a `kill` of `warden run`'s pid, a terminal's Ctrl-C): the keeper passes on only those this
+/// process sends, so a signal to the whole process group reaches the cell once.
+fn wait_forwarding(pid: i32) -> Result<std::process::ExitStatus, StartError> {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    use nix::sys::signalfd::{SfdFlags, SignalFd};
+    use std::os::fd::AsFd as _;
+    use std::os::unix::process::ExitStatusExt as _;
+    let host = |what: &str, e: &dyn std::fmt::Display| {
+        StartError::Host(format!("waiting for the keeper ({what}): {e}"))
+    };
+    let forwarded = crate::process::run::forwarded_signals();
+    forwarded
+        .thread_block()
+        .map_err(|e| host("blocking signals", &e))?;
+    let signals = SignalFd::with_flags(&forwarded, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)
+        .map_err(|e| host("a signalfd", &e))?;
+    let keeper = nix::unistd::Pid::from_raw(pid);
+    let pidfd = crate::process::sys::pidfd_open(pid).map_err(|e| host("its pidfd", &e))?;
+    loop {
+        let (signalled, ended) = {
+            let mut fds = [
+                PollFd::new(signals.as_fd(), PollFlags::POLLIN),
+                PollFd::new(pidfd.as_fd(), PollFlags::POLLIN),
+            ];
+            match poll(&mut fds, PollTimeout::NONE) {
+                Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+                Err(e) => return Err(host("polling", &e)),
+            }
+            let ready = |fd: &PollFd<'_>| fd.revents().is_some_and(|r| !r.is_empty());
+            (ready(&fds[0]), ready(&fds[1]))
+        };
+        if signalled && let Ok(Some(info)) = signals.read_signal() {
+            let _ = crate::process::sys::forward_signal(pid, info.ssi_signo as i32);
+        }
+        if ended {
+            return match nix::sys::wait::waitpid(keeper, None) {
+                Ok(nix::sys::wait::WaitStatus::Exited(_, code)) => {
+                    Ok(std::process::ExitStatus::from_raw(code << 8))
+                }
+                Ok(nix::sys::wait::WaitStatus::Signaled(_, signal, _)) => {
+                    Ok(std::process::ExitStatus::from_raw(signal as i32))
+                }
+                Ok(other) => Err(host("its status", &format!("{other:?}"))),
+                Err(e) => Err(host("its status", &e)),
+            };
+        }
+    }
+}
+
+/// How the cell of a keeper that ended with `status` ended, from its report.
+fn ended(
+    config: &crate::tier::ProcessConfig,
+    name: String,
+    report: &std::path::Path,
+    status: std::process::ExitStatus,
+) -> Result<Attached, StartError> {
+    let ended = std::fs::read(report)
         .ok()
         .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes).ok());
-    let _ = std::fs::remove_file(&report);
-    let _ = std::fs::remove_file(&request_file);
+    let _ = std::fs::remove_file(report);
     let Some(ended) = ended else {
         // The keeper said why on the caller's stderr.
         return Err(StartError::Refused(format!(

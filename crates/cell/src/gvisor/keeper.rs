@@ -14,9 +14,11 @@
 use std::fs;
 use std::io::Read as _;
 use std::os::fd::{AsFd as _, AsRawFd as _, OwnedFd};
+use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use nix::sys::signal::Signal;
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::unistd::Pid;
 
@@ -72,7 +74,11 @@ pub fn keep(
     let mut runsc = Runsc::find(store.root()).ok_or(GvisorError::NoRunsc)?;
     // The signals that would end the keeper are read from a signalfd (the relay's), for every
     // thread started from here on.
-    let forwarded = crate::process::run::forwarded_signals();
+    let forwarded = match request.signals_from {
+        // The caller's signals come as the forwarding signal (`sys::forward_signal`).
+        Some(_) => sys::with_forwarding(&crate::process::run::forwarded_signals()),
+        None => crate::process::run::forwarded_signals(),
+    };
     forwarded
         .thread_block()
         .map_err(nix_os("blocking signals"))?;
@@ -272,7 +278,12 @@ pub fn keep(
         .arg(&name)
         .stdin(init_stdin)
         .stdout(stdout_w)
-        .stderr(stderr_w);
+        .stderr(stderr_w)
+        // A process group of its own: a signal to the caller's group (a terminal's Ctrl-C)
+        // reached runsc too, which a SIGINT or SIGTERM could end under the command; the
+        // keeper passes signals on through the cell's init instead. (runsc reads no terminal:
+        // its stdio are the keeper's pipes and the init's socket.)
+        .process_group(0);
     sys::unblock_signals_on_exec(&mut command);
     sys::join_cgroups_on_exec(&mut command, &cell_cgroup.join_files())
         .map_err(os("preparing runsc"))?;
@@ -346,6 +357,13 @@ pub fn keep(
     }
     let signals = SignalFd::with_flags(&forwarded, SfdFlags::SFD_CLOEXEC)
         .map_err(nix_os("creating a signalfd"))?;
+    // A cell that runs one command: a signal goes to the sandbox's first process, Warden's
+    // init, which passes it on to the command's process group (runsc itself, sent one, would
+    // not pass it on: a SIGTERM ended the sandbox under the command, a SIGINT did nothing).
+    let through_init = |signal: Signal| {
+        let number = (signal as i32).to_string();
+        let _ = quiet(runsc.command("kill").args([name.as_str(), number.as_str()])).status();
+    };
     let relay = Relay {
         policy_watch,
         pid,
@@ -354,6 +372,8 @@ pub fn keep(
         stdout: Some(stdout_r),
         stderr: Some(stderr_r),
         signals,
+        signals_from: request.signals_from,
+        forward: (!serves).then_some(&through_init as &dyn Fn(Signal)),
         deadline: policy.limits.wall.map(|w| (started + w.0, w.0)),
         output_cap: policy.limits.output.map(|o| o.0),
         // A cell that serves execs outlives an OOM (the kernel kills the process that went

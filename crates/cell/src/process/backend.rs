@@ -41,6 +41,11 @@ pub struct KeeperRequest {
     /// none); none: where they went when it was started.
     #[serde(default)]
     pub log_to: Option<std::path::PathBuf>,
+    /// The process that passes the caller's signals on (a `warden run` that waits for this
+    /// keeper, with `sys::forward_signal`): only those go on to the cell. A terminal's or a
+    /// group's signal reaches both processes, and the cell then gets it once.
+    #[serde(default)]
+    pub signals_from: Option<i32>,
 }
 
 /// The environment variable that names a file holding the keeper's request, where its stdin
@@ -150,6 +155,7 @@ impl Backend for ProcessBackend {
             argv: Vec::new(),
             discard_changes: false,
             log_to,
+            signals_from: None,
         })
         .map_err(|e| StartError::Host(format!("writing the keeper's request: {e}")))?;
         keeper.send(&request);
@@ -222,6 +228,7 @@ impl Backend for ProcessBackend {
             // `warden run` checks before it opens the journal (`Backend::check`).
             checked: true,
             ready: None,
+            signals_from: None,
         };
         let outcome = super::run::run_with(&self.registry, &store, request, before_start).map_err(
             |e| match e {

@@ -43,6 +43,10 @@ pub(crate) struct Relay<'a> {
     pub(crate) stdout: Option<OwnedFd>,
     pub(crate) stderr: Option<OwnedFd>,
     pub(crate) signals: SignalFd,
+    /// Only signals from this process are forwarded (`RunRequest::signals_from`).
+    pub(crate) signals_from: Option<i32>,
+    /// How a signal is passed on to the cell; none: sent to `pid`.
+    pub(crate) forward: Option<&'a dyn Fn(Signal)>,
     pub(crate) deadline: Option<(Instant, Duration)>,
     pub(crate) output_cap: Option<u64>,
     pub(crate) memory_limit: Option<u64>,
@@ -142,9 +146,28 @@ impl Relay<'_> {
             let readable: Vec<bool> = slots.iter().map(|slot| ready(*slot)).collect();
             drop(fds);
 
-            if signal_ready && let Ok(Some(info)) = self.signals.read_signal() {
-                let _ =
-                    nix::sys::signal::kill(self.pid, Signal::try_from(info.ssi_signo as i32).ok());
+            let read = match signal_ready {
+                true => self.signals.read_signal(),
+                false => Ok(None),
+            };
+            let passed = match read {
+                Ok(Some(info)) => match self.signals_from {
+                    None => Some(info.ssi_signo as i32),
+                    // Only what the caller passes on (a signal to the caller's process
+                    // group reaches this process too: that one is dropped).
+                    Some(from) => (info.ssi_signo as i32 == sys::forwarding_signal()
+                        && info.ssi_pid == from as u32)
+                        .then_some(info.ssi_int),
+                },
+                _ => None,
+            };
+            if let Some(number) = passed {
+                match (self.forward, Signal::try_from(number).ok()) {
+                    (Some(forward), Some(signal)) => forward(signal),
+                    (_, signal) => {
+                        let _ = nix::sys::signal::kill(self.pid, signal);
+                    }
+                }
             }
             let sinks: [&mut dyn Write; 2] = [&mut stdout, &mut stderr];
             for ((source, sink), readable) in sources.iter_mut().zip(sinks).zip(readable) {

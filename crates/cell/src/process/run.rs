@@ -54,6 +54,9 @@ pub struct RunRequest {
     /// Told `ready` once the cell takes execs (its exec socket is there and its record
     /// published): how whoever started the keeper learns it without looking again and again.
     pub ready: Option<std::sync::Arc<std::os::fd::OwnedFd>>,
+    /// Only signals this process passes on (`sys::forward_signal`) go on to the cell (see
+    /// `KeeperRequest::signals_from`); none: every signal the keeper gets.
+    pub signals_from: Option<i32>,
 }
 
 /// Says `ready` on the line of whoever waits for the cell (the keeper's starter).
@@ -445,6 +448,8 @@ pub fn run_with(
         stdout: Some(stdout_r),
         stderr: Some(stderr_r),
         signals,
+        signals_from: request.signals_from,
+        forward: None,
         deadline: policy.limits.wall.map(|w| (started + w.0, w.0)),
         output_cap: policy.limits.output.map(|o| o.0),
         // A cell that serves execs outlives an OOM: the kernel kills the process that went

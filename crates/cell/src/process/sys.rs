@@ -953,6 +953,32 @@ pub fn reap_any() -> io::Result<Option<Reaped>> {
     }
 }
 
+/// The real-time signal a `warden run` passes a signal it got on to its keeper with (the
+/// signal's number as the value): real-time signals queue, so one forwarded while the keeper
+/// has the same signal pending from the caller's process group is not merged into that one.
+pub fn forwarding_signal() -> libc::c_int {
+    libc::SIGRTMIN() + 3
+}
+
+/// Sends `forwarding_signal()` to `pid` with `signal` as its value.
+pub fn forward_signal(pid: libc::pid_t, signal: libc::c_int) -> io::Result<()> {
+    let value = libc::sigval {
+        sival_ptr: signal as usize as *mut libc::c_void,
+    };
+    // SAFETY: sigqueue(3) reads only its arguments.
+    check(unsafe { libc::sigqueue(pid, forwarding_signal(), value) }.into()).map(drop)
+}
+
+/// `set` and `forwarding_signal()`.
+pub fn with_forwarding(set: &nix::sys::signal::SigSet) -> nix::sys::signal::SigSet {
+    let mut raw: libc::sigset_t = *set.as_ref();
+    // SAFETY: sigaddset(3) writes the live set it is given; the signal is a valid one.
+    unsafe {
+        libc::sigaddset(&mut raw, forwarding_signal());
+        nix::sys::signal::SigSet::from_sigset_t_unchecked(raw)
+    }
+}
+
 /// `fork()`: the C library's, so that its locks (the allocator's among them) are taken around
 /// the fork and usable in the child even when other threads held them. Returns 0 in the child.
 pub fn fork_process() -> io::Result<libc::pid_t> {
