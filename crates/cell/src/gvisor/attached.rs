@@ -103,6 +103,12 @@ fn forkable(config: &crate::tier::ProcessConfig) -> bool {
 /// Forks the keeper, which keeps the cell of `request` as `warden keep` would and leaves with
 /// its status; waits for it.
 fn fork_keeper(request: &[u8]) -> Result<std::process::ExitStatus, StartError> {
+    // The keeper is born with the signal it is passed signals with blocked (its default
+    // action would end it before it reads them).
+    let passing = crate::process::sys::with_forwarding(&crate::process::run::forwarded_signals());
+    passing
+        .thread_block()
+        .map_err(|e| StartError::Host(format!("blocking signals: {e}")))?;
     match crate::process::sys::fork_process() {
         Ok(0) => {
             let code = match crate::keeper::keep(request, None) {
