@@ -460,3 +460,53 @@ fn policy_text_run(yaml: &str) -> Ran {
     let policy = policy(dir.path(), yaml);
     run_sh(&["--policy", &policy.display().to_string()], "echo ran")
 }
+
+/// A `warden run` killed with SIGKILL (nothing of it runs to clean up) takes its gVisor cell
+/// with it, as a process-tier cell goes with its `warden run`: the keeper hears of it and ends
+/// the sandbox, and the cell's folder goes.
+#[test]
+fn a_killed_warden_run_takes_its_gvisor_cell_with_it() {
+    needs_gvisor!("a_killed_warden_run_takes_its_gvisor_cell_with_it");
+    use std::io::BufRead as _;
+    let dir = tempdir();
+    let policy = policy(dir.path(), GVISOR);
+    let name = unique("gv-killed");
+    let mut child = warden()
+        .args(["run", "--policy"])
+        .arg(&policy)
+        .args(["--name", &name, "--", "sh", "-c", "echo ready; sleep 60"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut ready = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut ready)
+        .unwrap();
+    assert_eq!(ready, "ready\n");
+    // The sandbox runs under the cell's name.
+    let sandboxes = || -> Vec<String> {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+            .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+            .filter(|c| c.contains("runsc") && c.trim_end().ends_with(&name))
+            .collect()
+    };
+    assert!(!sandboxes().is_empty(), "no sandbox of {name} runs");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !sandboxes().is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(sandboxes().is_empty(), "left running: {:?}", sandboxes());
+    let runtime = std::env::var_os("WARDEN_RUNTIME_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| "/run/warden".into());
+    let folder = runtime.join("cells").join(&name);
+    while folder.exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!folder.exists(), "{folder:?} is left behind");
+}

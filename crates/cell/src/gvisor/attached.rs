@@ -68,6 +68,13 @@ pub fn run(
         .env("WARDEN_RUNTIME_DIR", &config.runtime)
         .env("WARDEN_STATE_DIR", &config.state)
         .env(crate::process::backend::KEEP_REQUEST, &request_file);
+    // Should `warden run` go, the keeper hears it (see `fork_keeper`).
+    let _copies = crate::process::sys::arrange_on_exec(
+        &mut command,
+        &[],
+        Some(crate::process::sys::forwarding_signal()),
+    )
+    .map_err(|e| StartError::Host(format!("preparing the keeper: {e}")))?;
     let spawned = command.spawn();
     let child = match spawned {
         Ok(child) => child,
@@ -109,8 +116,17 @@ fn fork_keeper(request: &[u8]) -> Result<std::process::ExitStatus, StartError> {
     passing
         .thread_block()
         .map_err(|e| StartError::Host(format!("blocking signals: {e}")))?;
+    let caller = std::process::id() as i32;
     match crate::process::sys::fork_process() {
         Ok(0) => {
+            // Should `warden run` go (a SIGKILL), the keeper hears it (a forwarding signal
+            // without a number) and ends the cell, as the process tier's cell ends with it.
+            let heard = crate::process::sys::set_parent_death_signal(
+                crate::process::sys::forwarding_signal(),
+            );
+            if heard.is_err() || nix::unistd::getppid().as_raw() != caller {
+                crate::process::sys::exit_now(warden_protocol::exit::WARDEN_ERROR);
+            }
             let code = match crate::keeper::keep(request, None) {
                 Ok((status, notices)) => {
                     for notice in &notices {

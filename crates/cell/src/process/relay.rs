@@ -161,6 +161,12 @@ impl Relay<'_> {
                 },
                 _ => None,
             };
+            // The caller's parent-death signal carries no number: it is gone (killed), and
+            // the cell goes with it, as a cell of the process tier goes with its `warden run`.
+            if passed == Some(0) && limit.is_none() {
+                self.kill();
+                limit = Some(Ending::Killed);
+            }
             if let Some(number) = passed {
                 match (self.forward, Signal::try_from(number).ok()) {
                     (Some(forward), Some(signal)) => forward(signal),
