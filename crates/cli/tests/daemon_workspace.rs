@@ -1341,12 +1341,7 @@ fn a_deep_stack_of_snapshots_is_squashed() {
             script.push_str(" && rm host.txt");
         }
         run(&script);
-        let answer = daemon.call(
-            "POST",
-            &format!("/v1/cells/{cell}/snapshot"),
-            Some(json!({ "as": format!("s{i}") })),
-        );
-        assert_eq!(answer.status, 201, "{}", answer.text());
+        snapshot_as(&daemon, &cell, &format!("s{i}"));
     };
     for i in 0..12 {
         turn(i);

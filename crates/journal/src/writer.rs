@@ -354,18 +354,15 @@ impl Journal {
             Err(_) => return ack(Err(JournalError::Stopped("the writer failed".to_owned()))),
         };
         let alone = !state.syncing && state.urgent == 0;
-        let mut receipts = Vec::with_capacity(entries.len());
-        for (kind, data) in entries {
-            match state.append(cell.map(str::to_owned), kind, data, false) {
-                Ok(receipt) => receipts.push(receipt),
-                Err(err) => {
-                    // Those sealed already go on with the next round, unacknowledged here.
-                    drop(state);
-                    self.wake();
-                    return ack(Err(err));
-                }
+        let receipts = match state.append_all(cell, entries, false) {
+            Ok(receipts) => receipts,
+            Err(err) => {
+                // Those sealed already go on with the next round, unacknowledged here.
+                drop(state);
+                self.wake();
+                return ack(Err(err));
             }
-        }
+        };
         if sign && state.since_checkpoint > 0 {
             state.push_checkpoint();
         }
@@ -405,18 +402,14 @@ impl Journal {
             .state
             .lock()
             .map_err(|_| JournalError::Stopped("the writer failed".to_owned()))?;
-        let count = entries.len();
-        let mut receipts = Vec::with_capacity(count);
-        for (i, (kind, data)) in entries.into_iter().enumerate() {
-            match state.append(cell.map(str::to_owned), kind, data, i + 1 == count) {
-                Ok(receipt) => receipts.push(receipt),
-                Err(err) => {
-                    drop(state);
-                    self.wake();
-                    return Err(err);
-                }
+        let receipts = match state.append_all(cell, entries, true) {
+            Ok(receipts) => receipts,
+            Err(err) => {
+                drop(state);
+                self.wake();
+                return Err(err);
             }
-        }
+        };
         let Some(last) = receipts.last().cloned() else {
             drop(state);
             ack(Ok(Vec::new()));
@@ -787,6 +780,29 @@ impl WriterState {
             self.urgent += 1;
         }
         self.unsynced.push((receipt, ack));
+    }
+
+    /// Seals `entries` in order (`append` each); `write_now`: the last one writes them all to
+    /// the file before returning. An error stops at that entry (those sealed before it stay).
+    fn append_all(
+        &mut self,
+        cell: Option<&str>,
+        entries: Vec<(String, Value)>,
+        write_now: bool,
+    ) -> Result<Vec<Receipt>, JournalError> {
+        let count = entries.len();
+        entries
+            .into_iter()
+            .enumerate()
+            .map(|(i, (kind, data))| {
+                self.append(
+                    cell.map(str::to_owned),
+                    kind,
+                    data,
+                    write_now && i + 1 == count,
+                )
+            })
+            .collect()
     }
 
     /// Seals one entry (and a checkpoint when one is due); `write_now` writes it (and all
