@@ -603,22 +603,24 @@ fn spawn_exec(
             "--internal-pid-file",
             "/proc/self/fd/4",
         ])
-        .arg(&cell.id)
-        .stdin(stdio[0].try_clone().map_err(failed("passing stdin"))?)
-        .stdout(stdio[1].try_clone().map_err(failed("passing stdout"))?)
-        .stderr(stdio[2].try_clone().map_err(failed("passing stderr"))?);
-    sys::unblock_signals_on_exec(&mut command);
-    let copies = sys::arrange_on_exec(
-        &mut command,
-        &[(spec_r.as_fd(), 3), (pid_w.as_fd(), 4)],
-        Some(libc::SIGKILL),
-    )
-    .map_err(failed("passing descriptors to runsc"))?;
-    let child = command
-        .spawn()
-        .map_err(|e| (SETUP_FAILED, format!("starting runsc exec: {e}")))?;
-    drop((copies, spec_r, pid_w));
-    Ok((child.id() as i32, pid_r))
+        .arg(&cell.id);
+    // Started as posix_spawn starts a process (a vfork), not forked: see `sys::spawn`.
+    let described = sys::Described::of(&command);
+    let pid = sys::spawn(&sys::Spawn {
+        program: &described.program,
+        argv: &described.argv,
+        env: &described.env,
+        cwd: &described.cwd,
+        stdio: Some([stdio[0].as_fd(), stdio[1].as_fd(), stdio[2].as_fd()]),
+        landlock: None,
+        fds: &[(spec_r.as_fd(), 3), (pid_w.as_fd(), 4)],
+        cgroups: &[],
+        parent_death: Some(libc::SIGKILL),
+        own_group: false,
+    })
+    .map_err(|e| (SETUP_FAILED, format!("starting runsc exec: {e}")))?;
+    drop((spec_r, pid_w));
+    Ok((pid, pid_r))
 }
 
 /// Whether the program of an exec can be started, looked for in the cell's root as the

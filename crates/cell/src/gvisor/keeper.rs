@@ -14,7 +14,6 @@
 use std::fs;
 use std::io::Read as _;
 use std::os::fd::{AsFd as _, AsRawFd as _, OwnedFd};
-use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -272,34 +271,51 @@ pub fn keep(
         }
         None => runsc.command("run"),
     };
-    command
-        .arg("--bundle")
-        .arg(&bundle)
-        .arg(&name)
-        .stdin(init_stdin)
-        .stdout(stdout_w)
-        .stderr(stderr_w)
-        // A process group of its own: a signal to the caller's group (a terminal's Ctrl-C)
-        // reached runsc too, which a SIGINT or SIGTERM could end under the command; the
-        // keeper passes signals on through the cell's init instead. (runsc reads no terminal:
-        // its stdio are the keeper's pipes and the init's socket.)
-        .process_group(0);
-    sys::unblock_signals_on_exec(&mut command);
-    sys::join_cgroups_on_exec(&mut command, &cell_cgroup.join_files())
-        .map_err(os("preparing runsc"))?;
-    let _copies = sys::arrange_on_exec(&mut command, &[], Some(libc::SIGKILL))
-        .map_err(os("preparing runsc"))?;
-    let mut child = command
-        .spawn()
-        .map_err(|e| GvisorError::Sandbox(format!("starting {}: {e}", runsc.binary.display())))?;
-    drop(command);
-    let pid = Pid::from_raw(child.id() as i32);
+    command.arg("--bundle").arg(&bundle).arg(&name);
+    // Started as posix_spawn starts a process (a vfork): a fork of the keeper, a process of
+    // the warden's size, and that copy's teardown at exec took 1-5 ms before runsc ran. runsc
+    // joins the cell's cgroups before it runs, so that its sandbox and gofer are the cell's
+    // from their first instruction; it dies with the keeper (SIGKILL). It has a process group
+    // of its own: a signal to the caller's group (a terminal's Ctrl-C) reached runsc too,
+    // which a SIGINT or SIGTERM could end under the command; the keeper passes signals on
+    // through the cell's init instead. (runsc reads no terminal: its stdio are the keeper's
+    // pipes and the init's socket.)
+    let joins = cell_cgroup
+        .join_files()
+        .iter()
+        .map(|path| {
+            fs::OpenOptions::new()
+                .write(true)
+                .open(path)
+                .map(OwnedFd::from)
+                .map_err(|e| {
+                    GvisorError::Sandbox(format!("opening {} for runsc: {e}", path.display()))
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let joins: Vec<_> = joins.iter().map(|fd| fd.as_fd()).collect();
+    let described = sys::Described::of(&command);
+    let spawned = sys::spawn(&sys::Spawn {
+        program: &described.program,
+        argv: &described.argv,
+        env: &described.env,
+        cwd: &described.cwd,
+        stdio: Some([init_stdin.as_fd(), stdout_w.as_fd(), stderr_w.as_fd()]),
+        landlock: None,
+        fds: &[],
+        cgroups: &joins,
+        parent_death: Some(libc::SIGKILL),
+        own_group: true,
+    })
+    .map_err(|e| GvisorError::Sandbox(format!("starting {}: {e}", runsc.binary.display())))?;
+    drop((command, joins, init_stdin, stdout_w, stderr_w));
+    let pid = Pid::from_raw(spawned);
     guard.pid = Some(pid);
     let started = Instant::now();
     let pidfd = sys::pidfd_open(pid.as_raw()).map_err(os("opening a pidfd for runsc"))?;
     let ready = match restore {
         // A restored init said `ready` before it was saved: runsc says when it runs again.
-        Some(_) => wait_restored(&runsc, &name, &mut child, &stderr_r),
+        Some(_) => wait_restored(&runsc, &name, pid, &stderr_r),
         None => wait_ready(&stdout_r, &stderr_r),
     };
     if let Err(message) = ready {
@@ -519,12 +535,18 @@ fn wait_ready(stdout: &OwnedFd, stderr: &OwnedFd) -> Result<(), String> {
 fn wait_restored(
     runsc: &Runsc,
     name: &str,
-    child: &mut std::process::Child,
+    runsc_pid: Pid,
     stderr: &OwnedFd,
 ) -> Result<(), String> {
+    use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
     let deadline = Instant::now() + START_DEADLINE;
     while Instant::now() < deadline {
-        if let Ok(Some(status)) = child.try_wait() {
+        let ended = match waitpid(runsc_pid, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::Exited(_, code)) => Some(format!("exit status: {code}")),
+            Ok(WaitStatus::Signaled(_, signal, _)) => Some(format!("signal: {signal}")),
+            _ => None,
+        };
+        if let Some(status) = ended {
             let mut said = String::new();
             let _ = fs::File::from(stderr.try_clone().map_err(|e| e.to_string())?)
                 .read_to_string(&mut said);

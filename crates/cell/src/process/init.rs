@@ -297,6 +297,10 @@ fn spawn(
                 .as_ref()
                 .map(|[a, b, c]| [a.as_fd(), b.as_fd(), c.as_fd()]),
             landlock,
+            fds: &[],
+            cgroups: &[],
+            parent_death: None,
+            own_group: true,
         })
     };
     started.map(Pid::from_raw).map_err(|err| match err.kind() {

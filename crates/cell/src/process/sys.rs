@@ -460,6 +460,16 @@ pub struct Spawn<'a> {
     /// A Landlock ruleset the process is restricted by before its program starts (on top of
     /// the caller's own domain).
     pub landlock: Option<BorrowedFd<'a>>,
+    /// More descriptors for the process, each at the number given (above its stdio).
+    pub fds: &'a [(BorrowedFd<'a>, RawFd)],
+    /// Cgroup membership files (`cgroup.procs`, or `tasks` of a v1 hierarchy), opened for
+    /// writing: the process joins each before its program starts, so that it and every process
+    /// it makes count against the cell's limits from their first instruction.
+    pub cgroups: &'a [BorrowedFd<'a>],
+    /// The signal the process gets should the calling thread end (`PR_SET_PDEATHSIG`).
+    pub parent_death: Option<libc::c_int>,
+    /// A process group of its own (otherwise the caller's).
+    pub own_group: bool,
 }
 
 /// Puts the process `command` starts under the Landlock ruleset `fd` just before its program
@@ -493,11 +503,13 @@ fn restrict_raw(fd: RawFd) -> io::Result<()> {
 }
 
 /// Starts a process the way posix_spawn does (a vfork: neither the caller's memory is copied
-/// nor its pages faulted in again), with one step posix_spawn has no room for: the Landlock
-/// layer of `what.landlock`. The process runs in `cwd`, in a process group of its own, with an
-/// empty signal mask and every signal at its default action (but an ignored SIGXFSZ). Fails
-/// with the errno of the failed step (ENOENT, EACCES, ...): the process exists only if its
-/// program started.
+/// nor its pages faulted in again, nor the copy torn down again at exec, which for a process
+/// of the warden's size costs milliseconds), with the steps posix_spawn has no room for: the
+/// Landlock layer of `what.landlock`, the cgroups to join and the parent-death signal. The
+/// process runs in `cwd`, in a process group of its own where `own_group`, with an empty
+/// signal mask and every signal at its default action (but an ignored SIGXFSZ). Fails with the
+/// errno of the failed step (ENOENT, EACCES, ...): the process exists only if its program
+/// started.
 pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
     use std::sync::atomic::{AtomicI32, Ordering};
     let c = |bytes: &[u8]| {
@@ -523,6 +535,19 @@ pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
     let (argv_p, env_p) = (pointers(&argv), pointers(&env));
     let stdio: Option<[RawFd; 3]> = what.stdio.map(|fds| fds.map(|fd| fd.as_raw_fd()));
     let landlock: Option<RawFd> = what.landlock.map(|fd| fd.as_raw_fd());
+    // Copies of the extra descriptors above every number wanted (and above stdio), so that
+    // placing one never overwrites another's source; closed here once the child has execed.
+    let floor = what.fds.iter().map(|(_, n)| *n).max().unwrap_or(2).max(2) + 64;
+    let mut copies = Vec::with_capacity(what.fds.len());
+    let mut moves = Vec::with_capacity(what.fds.len());
+    for (fd, number) in what.fds {
+        let copy = dup_above(fd.as_raw_fd(), floor)?;
+        // SAFETY: `dup_above` made this descriptor; nothing else owns it.
+        copies.push(unsafe { OwnedFd::from_raw_fd(copy) });
+        moves.push((copy, *number));
+    }
+    let cgroups: Vec<RawFd> = what.cgroups.iter().map(|fd| fd.as_raw_fd()).collect();
+    let (own_group, parent_death) = (what.own_group, what.parent_death);
     // What the child failed at, if it did: it shares this memory until it execs or exits.
     let failed = AtomicI32::new(0);
     let mut stack = vec![0u8; 64 * 1024];
@@ -569,8 +594,14 @@ pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
                     libc::sigaction(signal, &default, std::ptr::null_mut());
                 }
             }
-            if libc::setpgid(0, 0) != 0 {
+            if own_group && libc::setpgid(0, 0) != 0 {
                 return fail(libc::EPERM);
+            }
+            // "0": the writing process itself.
+            for fd in &cgroups {
+                if libc::write(*fd, c"0".as_ptr().cast(), 1) != 1 {
+                    return fail(libc::EIO);
+                }
             }
             if let Some(fds) = stdio {
                 for (target, fd) in fds.iter().enumerate() {
@@ -587,8 +618,18 @@ pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
                     }
                 }
             }
+            for (from, to) in &moves {
+                if libc::dup2(*from, *to) < 0 {
+                    return fail(libc::EBADF);
+                }
+            }
             if libc::chdir(cwd.as_ptr()) != 0 {
                 return fail(libc::ENOENT);
+            }
+            if let Some(signal) = parent_death
+                && libc::prctl(libc::PR_SET_PDEATHSIG, signal as libc::c_ulong) < 0
+            {
+                return fail(libc::EPERM);
             }
             if let Some(fd) = landlock
                 && restrict_raw(fd).is_err()
@@ -608,6 +649,7 @@ pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
             Some(libc::SIGCHLD),
         );
         libc::pthread_sigmask(libc::SIG_SETMASK, &saved, std::ptr::null_mut());
+        drop(copies);
         let pid = cloned.map_err(|e| io::Error::from_raw_os_error(e as i32))?;
         match failed.load(Ordering::SeqCst) {
             0 => Ok(pid.as_raw()),
@@ -616,6 +658,44 @@ pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
                 let _ = nix::sys::wait::waitpid(pid, None);
                 Err(io::Error::from_raw_os_error(errno))
             }
+        }
+    }
+}
+
+/// What a `Command` built elsewhere starts, for [`spawn`]: its program (a path), arguments,
+/// environment (this process's with the command's changes; a command's `env_clear` is not
+/// seen) and directory (this process's unless set). Its stdio settings are not read.
+#[derive(Debug)]
+pub struct Described {
+    pub program: std::path::PathBuf,
+    pub argv: Vec<std::ffi::OsString>,
+    pub env: Vec<(std::ffi::OsString, std::ffi::OsString)>,
+    pub cwd: std::path::PathBuf,
+}
+
+impl Described {
+    pub fn of(command: &std::process::Command) -> Self {
+        let program = std::path::PathBuf::from(command.get_program());
+        let argv = std::iter::once(command.get_program().to_owned())
+            .chain(command.get_args().map(ToOwned::to_owned))
+            .collect();
+        let mut env: std::collections::BTreeMap<_, _> = std::env::vars_os().collect();
+        for (key, value) in command.get_envs() {
+            match value {
+                Some(value) => env.insert(key.to_owned(), value.to_owned()),
+                None => env.remove(key),
+            };
+        }
+        let cwd = command
+            .get_current_dir()
+            .map(ToOwned::to_owned)
+            .or_else(|| std::env::current_dir().ok())
+            .unwrap_or_else(|| "/".into());
+        Self {
+            program,
+            argv,
+            env: env.into_iter().collect(),
+            cwd,
         }
     }
 }
@@ -1283,40 +1363,6 @@ pub fn enter_root(dir: &Path) -> io::Result<()> {
     check(unsafe { libc::chroot(path.as_ptr()) }.into())?;
     // SAFETY: as above.
     check(unsafe { libc::chdir(c"/".as_ptr()) }.into()).map(drop)
-}
-
-/// Makes `command` join the cgroups through their join files (`CellCgroup::join_files`: `0`
-/// written into each moves the writer) before it execs, so that everything it starts is born
-/// in them. The forked child has one thread, so a v1 `tasks` file moves all of it.
-pub fn join_cgroups_on_exec(
-    command: &mut std::process::Command,
-    procs: &[std::path::PathBuf],
-) -> io::Result<()> {
-    use std::os::unix::process::CommandExt as _;
-    let paths: Vec<CString> = procs
-        .iter()
-        .map(|p| cstring(p))
-        .collect::<io::Result<_>>()?;
-    // SAFETY: the closure runs in the forked child before exec and calls only open, write and
-    // close on strings allocated before the fork: all async-signal-safe.
-    unsafe {
-        command.pre_exec(move || {
-            for path in &paths {
-                let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                if fd < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                // "0": the writing process itself.
-                let written = libc::write(fd, c"0".as_ptr().cast(), 1);
-                libc::close(fd);
-                if written < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-            }
-            Ok(())
-        });
-    }
-    Ok(())
 }
 
 /// Copies the data of a file of `length` bytes, extent by extent: holes are skipped (and stay
