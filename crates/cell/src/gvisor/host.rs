@@ -610,7 +610,7 @@ fn spawn_exec(
         program: &described.program,
         argv: &described.argv,
         env: &described.env,
-        cwd: &described.cwd,
+        cwd: described.cwd.as_deref(),
         stdio: Some([stdio[0].as_fd(), stdio[1].as_fd(), stdio[2].as_fd()]),
         landlock: None,
         fds: &[(spec_r.as_fd(), 3), (pid_w.as_fd(), 4)],

@@ -299,7 +299,7 @@ pub fn keep(
         program: &described.program,
         argv: &described.argv,
         env: &described.env,
-        cwd: &described.cwd,
+        cwd: described.cwd.as_deref(),
         stdio: Some([init_stdin.as_fd(), stdout_w.as_fd(), stderr_w.as_fd()]),
         landlock: None,
         fds: &[],

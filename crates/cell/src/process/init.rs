@@ -292,7 +292,7 @@ fn spawn(
             program: &path,
             argv,
             env,
-            cwd,
+            cwd: Some(cwd),
             stdio: stdio
                 .as_ref()
                 .map(|[a, b, c]| [a.as_fd(), b.as_fd(), c.as_fd()]),

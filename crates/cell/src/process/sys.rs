@@ -454,7 +454,8 @@ pub struct Spawn<'a> {
     pub program: &'a Path,
     pub argv: &'a [std::ffi::OsString],
     pub env: &'a [(std::ffi::OsString, std::ffi::OsString)],
-    pub cwd: &'a Path,
+    /// Its directory; the caller's when `None`.
+    pub cwd: Option<&'a Path>,
     /// Its stdin, stdout and stderr; the caller's own when `None`.
     pub stdio: Option<[BorrowedFd<'a>; 3]>,
     /// A Landlock ruleset the process is restricted by before its program starts (on top of
@@ -506,17 +507,20 @@ fn restrict_raw(fd: RawFd) -> io::Result<()> {
 /// nor its pages faulted in again, nor the copy torn down again at exec, which for a process
 /// of the warden's size costs milliseconds), with the steps posix_spawn has no room for: the
 /// Landlock layer of `what.landlock`, the cgroups to join and the parent-death signal. The
-/// process runs in `cwd`, in a process group of its own where `own_group`, with an empty
-/// signal mask and every signal at its default action (but an ignored SIGXFSZ). Fails with the
-/// errno of the failed step (ENOENT, EACCES, ...): the process exists only if its program
-/// started.
+/// process runs in `cwd` (or the caller's directory), in a process group of its own where
+/// `own_group`, with an empty signal mask and every signal at its default action (but an
+/// ignored SIGXFSZ). Fails with the errno of the failed step (ENOENT, EACCES, ...): the process
+/// exists only if its program started.
 pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
     use std::sync::atomic::{AtomicI32, Ordering};
     let c = |bytes: &[u8]| {
         CString::new(bytes).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
     };
     let program = c(what.program.as_os_str().as_bytes())?;
-    let cwd = c(what.cwd.as_os_str().as_bytes())?;
+    let cwd = what
+        .cwd
+        .map(|dir| c(dir.as_os_str().as_bytes()))
+        .transpose()?;
     let argv = what
         .argv
         .iter()
@@ -623,7 +627,9 @@ pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
                     return fail(libc::EBADF);
                 }
             }
-            if libc::chdir(cwd.as_ptr()) != 0 {
+            if let Some(cwd) = &cwd
+                && libc::chdir(cwd.as_ptr()) != 0
+            {
                 return fail(libc::ENOENT);
             }
             if let Some(signal) = parent_death
@@ -664,13 +670,13 @@ pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
 
 /// What a `Command` built elsewhere starts, for [`spawn`]: its program (a path), arguments,
 /// environment (this process's with the command's changes; a command's `env_clear` is not
-/// seen) and directory (this process's unless set). Its stdio settings are not read.
+/// seen) and directory (`None`: this process's). Its stdio settings are not read.
 #[derive(Debug)]
 pub struct Described {
     pub program: std::path::PathBuf,
     pub argv: Vec<std::ffi::OsString>,
     pub env: Vec<(std::ffi::OsString, std::ffi::OsString)>,
-    pub cwd: std::path::PathBuf,
+    pub cwd: Option<std::path::PathBuf>,
 }
 
 impl Described {
@@ -686,11 +692,7 @@ impl Described {
                 None => env.remove(key),
             };
         }
-        let cwd = command
-            .get_current_dir()
-            .map(ToOwned::to_owned)
-            .or_else(|| std::env::current_dir().ok())
-            .unwrap_or_else(|| "/".into());
+        let cwd = command.get_current_dir().map(ToOwned::to_owned);
         Self {
             program,
             argv,
@@ -1440,6 +1442,7 @@ pub fn process_start_ticks(pid: i32) -> Option<u64> {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use std::os::fd::AsFd as _;
 
     /// Resident KiB of this process's read-only mappings of the file its code is in.
     fn resident_code_kib() -> u64 {
@@ -1486,6 +1489,68 @@ mod tests {
         assert_eq!(text, again);
         let error: Box<dyn std::error::Error> = Box::new(io::Error::other("still here"));
         assert_eq!(error.to_string(), "still here");
+    }
+
+    /// The process group of process `pid` (field 5 of /proc/PID/stat).
+    fn group_of(pid: libc::pid_t) -> libc::pid_t {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        let after = &stat[stat.rfind(')').unwrap() + 2..];
+        after.split(' ').nth(2).unwrap().parse().unwrap()
+    }
+
+    #[test]
+    fn spawn_places_descriptors_groups_and_the_parent_death_signal() {
+        use std::io::Read as _;
+        let (to_read, to_write) = pipe().unwrap();
+        let (out_r, out_w) = pipe().unwrap();
+        let null = std::fs::File::open("/dev/null").unwrap();
+        let argv = ["sh", "-c", "echo placed >&3; exec sleep 30"].map(std::ffi::OsString::from);
+        let start = |own_group: bool, parent_death: Option<libc::c_int>| {
+            spawn(&Spawn {
+                program: Path::new("/bin/sh"),
+                argv: &argv,
+                env: &[],
+                cwd: None,
+                stdio: Some([null.as_fd(), out_w.as_fd(), out_w.as_fd()]),
+                landlock: None,
+                fds: &[(to_write.as_fd(), 3)],
+                cgroups: &[],
+                parent_death,
+                own_group,
+            })
+            .unwrap()
+        };
+        // Descriptor 3 is the pipe; the process stays in the caller's group.
+        let pid = start(false, None);
+        let mut said = [0u8; 7];
+        let came = wait_readable(to_read.as_fd(), std::time::Duration::from_secs(10)).unwrap();
+        assert!(came, "nothing came on descriptor 3");
+        std::fs::File::from(to_read.try_clone().unwrap())
+            .read_exact(&mut said)
+            .unwrap();
+        assert_eq!(&said, b"placed\n");
+        assert_eq!(group_of(pid), group_of(std::process::id() as i32));
+        let pid_fd = pidfd_open(pid).unwrap();
+        pidfd_send_signal(&pid_fd, libc::SIGKILL).unwrap();
+        let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), None);
+        // A group of its own; and the signal comes when the thread that started it ends.
+        let started = std::thread::scope(|scope| {
+            scope
+                .spawn(|| start(true, Some(libc::SIGTERM)))
+                .join()
+                .unwrap()
+        });
+        assert_eq!(group_of(started), started);
+        let status = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(started), None).unwrap();
+        assert_eq!(
+            status,
+            nix::sys::wait::WaitStatus::Signaled(
+                nix::unistd::Pid::from_raw(started),
+                nix::sys::signal::Signal::SIGTERM,
+                false
+            )
+        );
+        drop((out_r, to_read));
     }
 
     #[test]
