@@ -164,6 +164,7 @@ impl Backend for FakeBackend {
             ending,
             notices: Vec::new(),
             kept_changes: false,
+            release: Default::default(),
         })
     }
 

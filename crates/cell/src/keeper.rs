@@ -79,6 +79,7 @@ pub fn keep(
         checked: false,
         ready: ready.map(std::sync::Arc::new),
         signals_from: request.signals_from,
+        release_later: false,
     };
     let registry = Registry::open(Registry::default_root())?;
     // The keeper keeps a cell of the tier its policy names.

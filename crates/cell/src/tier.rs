@@ -22,7 +22,7 @@ use warden_policy::{Policy, Tier};
 
 pub use crate::process::exec::{ExecEvent, ExecRequest};
 pub use crate::process::files::{FileEntry, FileError, FileErrorKind, FileOp};
-pub use crate::process::outcome::Ending;
+pub use crate::process::outcome::{Ending, Release};
 pub use warden_egress::Question;
 
 /// Everything a tier needs to make one cell: a serialized request, the same for every tier
@@ -176,6 +176,9 @@ pub struct Attached {
     pub notices: Vec<String>,
     /// The cell changed its copy-on-write workspace, and the layer was kept for review.
     pub kept_changes: bool,
+    /// The release of the cell's name, where it goes on meanwhile: waited for before its layer
+    /// is touched, and at the latest when dropped.
+    pub release: Release,
 }
 
 /// Where a tier keeps its cells' workspace layers (the registry of running cells, which says

@@ -234,7 +234,9 @@ impl Harness {
         });
         let end_entry = json!({ "reason": ending_reason(&attached.ending) });
         let kept = attached.kept_changes && !run.discard_changes;
-        // The end in one group commit, signed: this harness's journal closes right after.
+        // The end in one group commit, signed: this harness's journal closes right after. The
+        // tier releases the cell's name meanwhile (its runtime folder goes); the layer is
+        // touched only once that is done.
         let exit = if kept {
             let receipts = self
                 .record_all(
@@ -243,10 +245,14 @@ impl Harness {
                     false,
                 )
                 .await?;
+            attached.release.wait();
             self.journal_changes(name, "ended, changes kept for review")
                 .await;
             receipts
         } else {
+            if attached.kept_changes {
+                attached.release.wait();
+            }
             self.discard(name, run.discard_changes);
             self.record_all(
                 name,

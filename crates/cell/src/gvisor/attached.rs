@@ -221,5 +221,6 @@ fn ended(
         name,
         ending,
         notices: Vec::new(),
+        release: Default::default(),
     })
 }

@@ -229,6 +229,7 @@ impl Backend for ProcessBackend {
             checked: true,
             ready: None,
             signals_from: None,
+            release_later: true,
         };
         let outcome = super::run::run_with(&self.registry, &store, request, before_start).map_err(
             |e| match e {
@@ -241,6 +242,7 @@ impl Backend for ProcessBackend {
             ending: outcome.ending,
             notices: outcome.notices,
             kept_changes: outcome.kept_changes,
+            release: outcome.release,
         })
     }
 

@@ -109,6 +109,61 @@ pub struct RunOutcome {
     pub notices: Vec<String>,
     /// The cell changed its copy-on-write workspace, and the layer was kept for review.
     pub kept_changes: bool,
+    /// The release of the cell's name, where it goes on after the run returns.
+    pub release: Release,
+}
+
+/// The release of an ended cell's name (its runtime folder removed, its lock let go of) going
+/// on on a thread of its own, where the caller has other work meanwhile: `warden run` journals
+/// the end while the folder goes (on a disk mounted with `discard`, a directory's removal
+/// waits for the device, 0.5-2 ms). Waited for by `wait`, or when the last copy is dropped;
+/// the default is a release already done.
+#[derive(Debug, Clone, Default)]
+pub struct Release(Option<std::sync::Arc<Pending>>);
+
+#[derive(Debug)]
+pub struct Pending(std::sync::Mutex<Option<std::thread::JoinHandle<()>>>);
+
+impl Release {
+    /// Drops `what`, whose drop is the release, on a thread of its own (a thread that cannot
+    /// be started drops it at once, here).
+    pub(crate) fn dropping(what: impl Send + 'static) -> Self {
+        match std::thread::Builder::new()
+            .name("cell-release".to_owned())
+            .spawn(move || drop(what))
+        {
+            Ok(handle) => Self(Some(std::sync::Arc::new(Pending(std::sync::Mutex::new(
+                Some(handle),
+            ))))),
+            Err(_) => Self::default(),
+        }
+    }
+
+    /// Waits until the name is released.
+    pub fn wait(&self) {
+        if let Some(pending) = &self.0 {
+            pending.wait();
+        }
+    }
+}
+
+impl Pending {
+    fn wait(&self) {
+        let handle = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(handle) = handle {
+            let _ = handle.join();
+        }
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.wait();
+    }
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -57,6 +57,9 @@ pub struct RunRequest {
     /// Only signals this process passes on (`sys::forward_signal`) go on to the cell (see
     /// `KeeperRequest::signals_from`); none: every signal the keeper gets.
     pub signals_from: Option<i32>,
+    /// The cell's name is released on a thread of its own after the run (see `Release`): the
+    /// caller has work to do meanwhile, and waits for it before it ends.
+    pub release_later: bool,
 }
 
 /// Says `ready` on the line of whoever waits for the cell (the keeper's starter).
@@ -373,12 +376,14 @@ pub fn run_with(
                 ending: Ending::CommandNotFound(message.to_owned()),
                 notices,
                 kept_changes: false,
+                release: Default::default(),
             }),
             Ok(init::NOT_EXECUTABLE) => Ok(RunOutcome {
                 name,
                 ending: Ending::CannotExecute(message.to_owned()),
                 notices,
                 kept_changes: false,
+                release: Default::default(),
             }),
             _ => Err(RunError::Setup(message.to_owned())),
         };
@@ -519,7 +524,13 @@ pub(crate) fn finish(
             let _ = fs::rename(&tmp, path);
         }
     }
-    drop(reservation);
+    let release = match request.release_later {
+        true => super::outcome::Release::dropping(reservation),
+        false => {
+            drop(reservation);
+            super::outcome::Release::default()
+        }
+    };
     let kept_changes = layer.is_some_and(|layer| layer.finish(request.discard_changes));
     if request.discard_changes {
         let _ = fs::remove_file(store.net_log_path(&name));
@@ -529,6 +540,7 @@ pub(crate) fn finish(
         ending,
         notices,
         kept_changes,
+        release,
     }
 }
 
