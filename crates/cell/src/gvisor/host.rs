@@ -607,16 +607,9 @@ fn spawn_exec(
     // Started as posix_spawn starts a process (a vfork), not forked: see `sys::spawn`.
     let described = sys::Described::of(&command);
     let pid = sys::spawn(&sys::Spawn {
-        program: &described.program,
-        argv: &described.argv,
-        env: &described.env,
-        cwd: described.cwd.as_deref(),
-        stdio: Some([stdio[0].as_fd(), stdio[1].as_fd(), stdio[2].as_fd()]),
-        landlock: None,
         fds: &[(spec_r.as_fd(), 3), (pid_w.as_fd(), 4)],
-        cgroups: &[],
         parent_death: Some(libc::SIGKILL),
-        own_group: false,
+        ..described.spawn_with([stdio[0].as_fd(), stdio[1].as_fd(), stdio[2].as_fd()])
     })
     .map_err(|e| (SETUP_FAILED, format!("starting runsc exec: {e}")))?;
     drop((spec_r, pid_w));

@@ -296,16 +296,10 @@ pub fn keep(
     let joins: Vec<_> = joins.iter().map(|fd| fd.as_fd()).collect();
     let described = sys::Described::of(&command);
     let spawned = sys::spawn(&sys::Spawn {
-        program: &described.program,
-        argv: &described.argv,
-        env: &described.env,
-        cwd: described.cwd.as_deref(),
-        stdio: Some([init_stdin.as_fd(), stdout_w.as_fd(), stderr_w.as_fd()]),
-        landlock: None,
-        fds: &[],
         cgroups: &joins,
         parent_death: Some(libc::SIGKILL),
         own_group: true,
+        ..described.spawn_with([init_stdin.as_fd(), stdout_w.as_fd(), stderr_w.as_fd()])
     })
     .map_err(|e| GvisorError::Sandbox(format!("starting {}: {e}", runsc.binary.display())))?;
     drop((command, joins, init_stdin, stdout_w, stderr_w));

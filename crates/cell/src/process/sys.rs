@@ -680,6 +680,23 @@ pub struct Described {
 }
 
 impl Described {
+    /// What [`spawn`] starts for this, with `stdio`; nothing else set (the caller's group, no
+    /// extra descriptors, cgroups, Landlock layer or parent-death signal).
+    pub fn spawn_with<'a>(&'a self, stdio: [BorrowedFd<'a>; 3]) -> Spawn<'a> {
+        Spawn {
+            program: &self.program,
+            argv: &self.argv,
+            env: &self.env,
+            cwd: self.cwd.as_deref(),
+            stdio: Some(stdio),
+            landlock: None,
+            fds: &[],
+            cgroups: &[],
+            parent_death: None,
+            own_group: false,
+        }
+    }
+
     pub fn of(command: &std::process::Command) -> Self {
         let program = std::path::PathBuf::from(command.get_program());
         let argv = std::iter::once(command.get_program().to_owned())
