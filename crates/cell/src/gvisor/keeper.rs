@@ -418,7 +418,7 @@ pub fn keep(
     host_guard.end();
     reap_orphans(Duration::from_secs(2));
     if runsc.has_state(&name) {
-        let _ = quiet(runsc.command("delete").args(["--force", &name])).status();
+        delete_reaping(&runsc, &name);
     }
     // The root was assembled on the cell's folder in this keeper's mount namespace, where it
     // is a mount point that the folder's removal could not take (the folder was left behind
@@ -578,6 +578,44 @@ fn reap_orphans(grace: Duration) {
             }
             Ok(nix::sys::wait::WaitStatus::StillAlive) | Err(_) => return,
             Ok(_) => {}
+        }
+    }
+}
+
+/// `runsc delete --force` of a container whose runsc was killed, reaping meanwhile every
+/// orphan of the sandbox that ends: the keeper is their reaper, and runsc waits for a sandbox
+/// process it killed to be gone, which a zombie never is. (A sandbox slower to die than
+/// `reap_orphans`' grace, on a loaded host, left runsc waiting on the keeper, and the keeper on
+/// runsc.) Gives up after a minute, killing runsc.
+fn delete_reaping(runsc: &Runsc, name: &str) {
+    use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+    let null = std::process::Stdio::null;
+    let Ok(child) = runsc
+        .command("delete")
+        .args(["--force", name])
+        .stdin(null())
+        .stdout(null())
+        .stderr(null())
+        .spawn()
+    else {
+        return;
+    };
+    let pid = Pid::from_raw(child.id() as i32);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::StillAlive) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Ok(WaitStatus::StillAlive) => {
+                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+                let _ = waitpid(pid, None);
+                return;
+            }
+            Ok(status) if status.pid() == Some(pid) => return,
+            Ok(_) => {}
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(_) => return,
         }
     }
 }
