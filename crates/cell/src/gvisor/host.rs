@@ -796,12 +796,9 @@ fn signal_group(cell: &Cell, init: Option<&InitLink>, group: i32, signal: i32) {
             &signal.to_string(),
             &group.to_string(),
         ]);
-    let (Ok(out), Ok(err)) = (quiet_w.try_clone(), quiet_w.try_clone()) else {
-        return;
-    };
-    command.stdin(quiet_r).stdout(out).stderr(err);
-    sys::unblock_signals_on_exec(&mut command);
-    let _ = command.spawn();
+    // Started as posix_spawn starts a process (a vfork), as every runsc here: see `sys::spawn`.
+    let described = sys::Described::of(&command);
+    let _ = sys::spawn(&described.spawn_with([quiet_r.as_fd(), quiet_w.as_fd(), quiet_w.as_fd()]));
 }
 
 /// Says how a process ended: a `runsc exec` exits with the process's status, 128 + N for a

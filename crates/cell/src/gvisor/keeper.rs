@@ -416,7 +416,7 @@ pub fn keep(
     };
     drop(guard);
     host_guard.end();
-    reap_orphans(Duration::from_secs(2));
+    reap_children(Duration::from_secs(2), None);
     if runsc.has_state(&name) {
         delete_reaping(&runsc, &name);
     }
@@ -567,28 +567,31 @@ fn wait_restored(
     ))
 }
 
-/// Reaps the children left (the sandbox's processes, orphaned and killed with the cell) until
-/// none is left or `grace` has passed.
-fn reap_orphans(grace: Duration) {
+/// Reaps the keeper's children as they end (the sandbox's processes, orphaned and killed with
+/// the cell) until `awaited` is reaped (with none: until none is left) or `grace` has passed;
+/// whether that came before the grace ran out.
+fn reap_children(grace: Duration, awaited: Option<Pid>) -> bool {
+    use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
     let deadline = Instant::now() + grace;
     loop {
-        match nix::sys::wait::waitpid(None, Some(nix::sys::wait::WaitPidFlag::WNOHANG)) {
-            Ok(nix::sys::wait::WaitStatus::StillAlive) if Instant::now() < deadline => {
+        match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::StillAlive) if Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_millis(2));
             }
-            Ok(nix::sys::wait::WaitStatus::StillAlive) | Err(_) => return,
-            Ok(_) => {}
+            Ok(WaitStatus::StillAlive) => return false,
+            Ok(status) if awaited.is_some() && status.pid() == awaited => return true,
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+            // No child is left.
+            Err(_) => return true,
         }
     }
 }
 
 /// `runsc delete --force` of a container whose runsc was killed, reaping meanwhile every
 /// orphan of the sandbox that ends: the keeper is their reaper, and runsc waits for a sandbox
-/// process it killed to be gone, which a zombie never is. (A sandbox slower to die than
-/// `reap_orphans`' grace, on a loaded host, left runsc waiting on the keeper, and the keeper on
-/// runsc.) Gives up after a minute, killing runsc.
+/// process it killed to be gone, which a zombie never is (should one be slower to die than
+/// the first reaping's grace). Gives up after a minute, killing runsc.
 fn delete_reaping(runsc: &Runsc, name: &str) {
-    use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
     let null = std::process::Stdio::null;
     let Ok(child) = runsc
         .command("delete")
@@ -601,22 +604,9 @@ fn delete_reaping(runsc: &Runsc, name: &str) {
         return;
     };
     let pid = Pid::from_raw(child.id() as i32);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
-            Ok(WaitStatus::StillAlive) if Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            Ok(WaitStatus::StillAlive) => {
-                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
-                let _ = waitpid(pid, None);
-                return;
-            }
-            Ok(status) if status.pid() == Some(pid) => return,
-            Ok(_) => {}
-            Err(nix::errno::Errno::EINTR) => {}
-            Err(_) => return,
-        }
+    if !reap_children(Duration::from_secs(60), Some(pid)) {
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+        let _ = nix::sys::wait::waitpid(pid, None);
     }
 }
 

@@ -122,7 +122,7 @@ pub struct RunOutcome {
 pub struct Release(Option<std::sync::Arc<Pending>>);
 
 #[derive(Debug)]
-pub struct Pending(std::sync::Mutex<Option<std::thread::JoinHandle<()>>>);
+struct Pending(std::sync::Mutex<Option<std::thread::JoinHandle<()>>>);
 
 impl Release {
     /// Drops `what`, whose drop is the release, on a thread of its own (a thread that cannot

@@ -539,17 +539,8 @@ pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
     let (argv_p, env_p) = (pointers(&argv), pointers(&env));
     let stdio: Option<[RawFd; 3]> = what.stdio.map(|fds| fds.map(|fd| fd.as_raw_fd()));
     let landlock: Option<RawFd> = what.landlock.map(|fd| fd.as_raw_fd());
-    // Copies of the extra descriptors above every number wanted (and above stdio), so that
-    // placing one never overwrites another's source; closed here once the child has execed.
-    let floor = what.fds.iter().map(|(_, n)| *n).max().unwrap_or(2).max(2) + 64;
-    let mut copies = Vec::with_capacity(what.fds.len());
-    let mut moves = Vec::with_capacity(what.fds.len());
-    for (fd, number) in what.fds {
-        let copy = dup_above(fd.as_raw_fd(), floor)?;
-        // SAFETY: `dup_above` made this descriptor; nothing else owns it.
-        copies.push(unsafe { OwnedFd::from_raw_fd(copy) });
-        moves.push((copy, *number));
-    }
+    // The extra descriptors' copies are closed here once the child has execed.
+    let (copies, moves) = copies_to_place(what.fds)?;
     let cgroups: Vec<RawFd> = what.cgroups.iter().map(|fd| fd.as_raw_fd()).collect();
     let (own_group, parent_death) = (what.own_group, what.parent_death);
     // What the child failed at, if it did: it shares this memory until it execs or exits.
@@ -1336,16 +1327,16 @@ pub fn set_signal_ignored(signal: libc::c_int) -> io::Result<()> {
     Ok(())
 }
 
-/// Makes `command` find each descriptor of `fds` at its number (`(descriptor, number)`), and
-/// end with the signal `parent_death` when the thread that spawned it goes. Returns the copies
-/// the child takes them from: keep them until the command is spawned, then drop them.
-pub fn arrange_on_exec(
-    command: &mut std::process::Command,
+/// Descriptor moves a child makes with dup2: `(source, number)`.
+type Moves = Vec<(RawFd, RawFd)>;
+
+/// Copies of `fds` (`(descriptor, number)`) above every number wanted (and above stdio), so
+/// that placing one at its number in a child never overwrites another's source; and the
+/// `(copy, number)` moves the child makes with dup2. Keep the copies until the child has
+/// started its program.
+fn copies_to_place(
     fds: &[(BorrowedFd<'_>, RawFd)],
-    parent_death: Option<libc::c_int>,
-) -> io::Result<Vec<OwnedFd>> {
-    use std::os::unix::process::CommandExt as _;
-    // Above every number wanted, so that placing one never overwrites another's source.
+) -> io::Result<(Vec<OwnedFd>, Moves)> {
     let floor = fds.iter().map(|(_, n)| *n).max().unwrap_or(2).max(2) + 64;
     let mut copies = Vec::with_capacity(fds.len());
     let mut moves = Vec::with_capacity(fds.len());
@@ -1355,6 +1346,19 @@ pub fn arrange_on_exec(
         copies.push(unsafe { OwnedFd::from_raw_fd(copy) });
         moves.push((copy, *number));
     }
+    Ok((copies, moves))
+}
+
+/// Makes `command` find each descriptor of `fds` at its number (`(descriptor, number)`), and
+/// end with the signal `parent_death` when the thread that spawned it goes. Returns the copies
+/// the child takes them from: keep them until the command is spawned, then drop them.
+pub fn arrange_on_exec(
+    command: &mut std::process::Command,
+    fds: &[(BorrowedFd<'_>, RawFd)],
+    parent_death: Option<libc::c_int>,
+) -> io::Result<Vec<OwnedFd>> {
+    use std::os::unix::process::CommandExt as _;
+    let (copies, moves) = copies_to_place(fds)?;
     // SAFETY: the closure runs in the forked child before exec and calls only dup2 and prctl
     // with integers, both async-signal-safe; it reads a vector allocated before the fork.
     unsafe {
