@@ -1334,9 +1334,7 @@ type Moves = Vec<(RawFd, RawFd)>;
 /// that placing one at its number in a child never overwrites another's source; and the
 /// `(copy, number)` moves the child makes with dup2. Keep the copies until the child has
 /// started its program.
-fn copies_to_place(
-    fds: &[(BorrowedFd<'_>, RawFd)],
-) -> io::Result<(Vec<OwnedFd>, Moves)> {
+fn copies_to_place(fds: &[(BorrowedFd<'_>, RawFd)]) -> io::Result<(Vec<OwnedFd>, Moves)> {
     let floor = fds.iter().map(|(_, n)| *n).max().unwrap_or(2).max(2) + 64;
     let mut copies = Vec::with_capacity(fds.len());
     let mut moves = Vec::with_capacity(fds.len());
