@@ -44,6 +44,22 @@ pub fn keep(
     input: impl std::io::Read,
     ready: Option<std::os::fd::OwnedFd>,
 ) -> Result<(i32, Vec<String>), KeepError> {
+    keep_with(input, ready, None)
+}
+
+/// [`keep`], for a keeper forked by `warden run`, with its lines to it.
+pub(crate) fn keep_forked(
+    input: impl std::io::Read,
+    lines: crate::process::run::RunLines,
+) -> Result<(i32, Vec<String>), KeepError> {
+    keep_with(input, None, Some(lines))
+}
+
+fn keep_with(
+    input: impl std::io::Read,
+    ready: Option<std::os::fd::OwnedFd>,
+    lines: Option<crate::process::run::RunLines>,
+) -> Result<(i32, Vec<String>), KeepError> {
     // Read, and let go of, before anything else: `input` may hold the lock of this process's
     // stdin, which the cell's init (a copy of this process) and the helpers it forks would
     // then find held for ever.
@@ -80,6 +96,7 @@ pub fn keep(
         ready: ready.map(std::sync::Arc::new),
         signals_from: request.signals_from,
         release_later: false,
+        lines: lines.map(std::sync::Arc::new),
     };
     let registry = Registry::open(Registry::default_root())?;
     // The keeper keeps a cell of the tier its policy names.

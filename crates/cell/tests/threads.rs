@@ -23,6 +23,7 @@ fn a_cell_is_not_started_from_a_process_with_other_threads() {
         ready: None,
         signals_from: None,
         release_later: false,
+        lines: None,
     };
     let err = warden_cell::run(&registry, &store, request).unwrap_err();
     assert!(

@@ -514,3 +514,88 @@ fn a_killed_warden_run_takes_its_gvisor_cell_with_it() {
     }
     assert!(!folder.exists(), "{folder:?} is left behind");
 }
+
+/// `warden run` journals a gVisor cell's start while the keeper it forked makes the cell, and
+/// the keeper starts the command only once the start is in the journal. Here the journal
+/// refuses the start: a file-size limit below the size its file already has (every file the
+/// keeper writes is smaller). The run fails with the journal's reason, the command never ran
+/// (it would have made a file in a folder of the host's), and nothing of the cell is left.
+#[test]
+fn a_gvisor_command_waits_for_its_start_in_the_journal() {
+    needs_gvisor!("a_gvisor_command_waits_for_its_start_in_the_journal");
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = tempfile::Builder::new()
+        .prefix("warden-test-")
+        .tempdir_in(outside_tmp())
+        .unwrap();
+    let (state, runtime, host) = (
+        dir.path().join("state"),
+        dir.path().join("run"),
+        dir.path().join("host"),
+    );
+    std::fs::create_dir(&host).unwrap();
+    // The cell's user writes there.
+    std::fs::set_permissions(&host, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let policy = policy(
+        dir.path(),
+        &format!("{GVISOR}filesystem:\n  read_write: [{}]\n", host.display()),
+    );
+    let run = |limit: Option<u64>, argv: &[&str]| {
+        let mut command = match limit {
+            // Ignored, SIGXFSZ leaves the refusal to the write (EFBIG).
+            Some(blocks) => {
+                let mut sh = std::process::Command::new("sh");
+                sh.args([
+                    "-c",
+                    &format!("trap '' XFSZ; ulimit -f {blocks}; exec \"$0\" \"$@\""),
+                    BIN,
+                ]);
+                sh
+            }
+            None => warden(),
+        };
+        command
+            .env("WARDEN_STATE_DIR", &state)
+            .env("WARDEN_RUNTIME_DIR", &runtime)
+            .args(["run", "--policy"])
+            .arg(&policy)
+            .arg("--")
+            .args(argv)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap()
+    };
+    // A journal past 100 KB: one run with a long argument.
+    let long = "a".repeat(100_000);
+    let first = run(None, &["true", &long]);
+    assert!(first.status.success(), "{first:?}");
+    let journal = state.join("journal").join("journal.jsonl");
+    let size = std::fs::metadata(&journal).unwrap().len();
+    assert!(size > 100_000, "the journal has {size} bytes");
+    let ran = host.join("ran");
+    let touch = format!("touch {}", ran.display());
+    let refused = run(Some(size / 512 - 1), &["sh", "-c", &touch]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(125), "{refused:?}");
+    assert!(
+        stderr.contains("journal") && stderr.contains("File too large"),
+        "{stderr}"
+    );
+    // Only the journal's reason: the keeper, told not to start, says nothing.
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        !ran.exists(),
+        "the command ran before its start was journaled"
+    );
+    let left: Vec<_> = std::fs::read_dir(runtime.join("cells"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    assert_eq!(std::fs::metadata(&journal).unwrap().len(), size);
+    // The same run, with the journal taking entries again, runs.
+    let again = run(None, &["sh", "-c", &touch]);
+    assert!(again.status.success(), "{again:?}");
+    assert!(ran.exists());
+}

@@ -8,8 +8,11 @@ use std::io::Write as _;
 use std::os::unix::fs::OpenOptionsExt as _;
 use std::process::Command;
 
+use std::os::fd::OwnedFd;
+
+use super::keeper::GvisorError;
 use crate::process::backend::{KeeperRequest, ProcessBackend};
-use crate::process::outcome::Ending;
+use crate::process::outcome::{Ending, Release};
 use crate::process::store::Store;
 use crate::tier::{Attached, CellSpec, StartError};
 
@@ -22,12 +25,19 @@ pub fn run(
 ) -> Result<Attached, StartError> {
     let config = keepers.config();
     let name = spec.name.clone();
-    // The start is journaled before anything of the cell exists: its command cannot run first.
-    before_start().map_err(StartError::Host)?;
+    let forked = forkable(config);
+    // Where the keeper is started from here (`warden keep`), the start is journaled before
+    // anything of the cell exists; a forked keeper makes the cell meanwhile, and starts the
+    // command once told (see `fork_keeper`).
+    if !forked {
+        before_start().map_err(StartError::Host)?;
+    }
     let report = config
         .runtime
         .join(format!(".run-{name}-{}.json", std::process::id()));
-    spec.report = Some(report.clone());
+    // A forked keeper says the ending on its line instead (no file that a killed `warden run`
+    // would leave behind).
+    spec.report = (!forked).then(|| report.clone());
     let request = serde_json::to_vec(&KeeperRequest {
         spec,
         open_files: config.keeper_open_files,
@@ -40,9 +50,23 @@ pub fn run(
     .map_err(|e| StartError::Host(format!("writing the keeper's request: {e}")))?;
     // A process of one thread forks the keeper (it runs what `warden keep` would, at once): a
     // new `warden keep` would first run the dynamic loader over the whole binary (~2.5 ms).
-    if forkable(config) {
-        let status = fork_keeper(&request)?;
-        return ended(config, name, &report, status);
+    if forked {
+        return match fork_keeper(&request, before_start)? {
+            Forked::EndedEarly {
+                ending,
+                kept_changes,
+                keeper,
+            } => Ok(Attached {
+                name,
+                ending,
+                kept_changes,
+                notices: Vec::new(),
+                // The keeper takes the cell down meanwhile; its end is waited for before the
+                // layer is touched, and before this returns.
+                release: Release::dropping(Reaped(keeper)),
+            }),
+            Forked::Exited(status) => ended(config, name, &report, status),
+        };
     }
     // The request in a file of this user's alone (the command's stdin is the caller's).
     let request_file = config
@@ -86,10 +110,14 @@ pub fn run(
             )));
         }
     };
-    let status = wait_forwarding(child.id() as i32);
+    let waited = wait_forwarding(child.id() as i32, None);
     let _ = std::fs::remove_file(&request_file);
-    let status = status?;
-    ended(config, name, &report, status)
+    match waited? {
+        Forked::Exited(status) => ended(config, name, &report, status),
+        Forked::EndedEarly { .. } => Err(StartError::Host(
+            "the keeper said its cell's end on a line it was not given".to_owned(),
+        )),
+    }
 }
 
 /// Whether the keeper may be forked from this process: it has one thread (the child is a copy
@@ -107,9 +135,40 @@ fn forkable(config: &crate::tier::ProcessConfig) -> bool {
         && config.state == Store::default_root()
 }
 
-/// Forks the keeper, which keeps the cell of `request` as `warden keep` would and leaves with
-/// its status; waits for it.
-fn fork_keeper(request: &[u8]) -> Result<std::process::ExitStatus, StartError> {
+/// How a forked keeper's cell ended: said on the line before the keeper took the cell down, or
+/// (a keeper that ended before its cell ran, or that said nothing) its exit status.
+enum Forked {
+    EndedEarly {
+        ending: Ending,
+        kept_changes: bool,
+        keeper: i32,
+    },
+    Exited(std::process::ExitStatus),
+}
+
+/// A forked keeper still taking its cell down: reaped when dropped.
+struct Reaped(i32);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(self.0), None);
+    }
+}
+
+/// Forks the keeper, which keeps the cell of `request` as `warden keep` would. The start is
+/// journaled (`before_start`) while the keeper makes the cell, which starts the command once
+/// that is done (and not at all when it failed); the keeper says how the cell ended before it
+/// takes it down, or leaves with its status.
+fn fork_keeper(
+    request: &[u8],
+    before_start: &mut dyn FnMut() -> Result<(), String>,
+) -> Result<Forked, StartError> {
+    let pipes = |what| {
+        crate::process::sys::pipe()
+            .map_err(|e| StartError::Host(format!("creating the keeper's {what} line: {e}")))
+    };
+    let (go_r, go_w) = pipes("start")?;
+    let (ended_r, ended_w) = pipes("end")?;
     // The keeper is born with the signal it is passed signals with blocked (its default
     // action would end it before it reads them).
     let passing = crate::process::sys::with_forwarding(&crate::process::run::forwarded_signals());
@@ -127,12 +186,21 @@ fn fork_keeper(request: &[u8]) -> Result<std::process::ExitStatus, StartError> {
             if heard.is_err() || nix::unistd::getppid().as_raw() != caller {
                 crate::process::sys::exit_now(warden_protocol::exit::WARDEN_ERROR);
             }
-            let code = match crate::keeper::keep(request, None) {
+            drop((go_w, ended_r));
+            let lines = crate::process::run::RunLines {
+                go: go_r,
+                ended: ended_w,
+            };
+            let code = match crate::keeper::keep_forked(request, lines) {
                 Ok((status, notices)) => {
                     for notice in &notices {
                         eprintln!("warden: note: {notice}");
                     }
                     status
+                }
+                // `warden run` says why.
+                Err(crate::keeper::KeepError::Gvisor(GvisorError::CalledOff)) => {
+                    warden_protocol::exit::WARDEN_ERROR
                 }
                 Err(err) => {
                     eprintln!("warden: {err}");
@@ -141,15 +209,35 @@ fn fork_keeper(request: &[u8]) -> Result<std::process::ExitStatus, StartError> {
             };
             crate::process::sys::exit_now(code)
         }
-        Ok(pid) => wait_forwarding(pid),
+        Ok(pid) => {
+            drop((go_r, ended_w));
+            let started = before_start();
+            if started.is_ok() {
+                // A keeper that ended already (its command was not found) reads nothing.
+                let _ = rustix::io::write(&go_w, &[crate::process::run::GO]);
+            }
+            // Without the byte, the end of the pipe: the keeper takes down what it made.
+            drop(go_w);
+            let waited = wait_forwarding(pid, started.is_ok().then_some(&ended_r));
+            match (started, waited) {
+                (Err(why), waited) => {
+                    if let Ok(Forked::EndedEarly { keeper, .. }) = waited {
+                        let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(keeper), None);
+                    }
+                    Err(StartError::Host(why))
+                }
+                (Ok(()), waited) => waited,
+            }
+        }
         Err(e) => Err(StartError::Host(format!("forking the keeper: {e}"))),
     }
 }
 
-/// Waits for the keeper `pid` to end, forwarding to it the signals that would end this process
-/// (a `kill` of `warden run`'s pid, a terminal's Ctrl-C): the keeper passes on only those this
-/// process sends, so a signal to the whole process group reaches the cell once.
-fn wait_forwarding(pid: i32) -> Result<std::process::ExitStatus, StartError> {
+/// Waits for the keeper `pid` to end, or to say on `ended` how its cell ended, forwarding to it
+/// the signals that would end this process (a `kill` of `warden run`'s pid, a terminal's
+/// Ctrl-C): the keeper passes on only those this process sends, so a signal to the whole
+/// process group reaches the cell once.
+fn wait_forwarding(pid: i32, mut ended: Option<&OwnedFd>) -> Result<Forked, StartError> {
     use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
     use nix::sys::signalfd::{SfdFlags, SignalFd};
     use std::os::fd::AsFd as _;
@@ -165,35 +253,69 @@ fn wait_forwarding(pid: i32) -> Result<std::process::ExitStatus, StartError> {
         .map_err(|e| host("a signalfd", &e))?;
     let keeper = nix::unistd::Pid::from_raw(pid);
     let pidfd = crate::process::sys::pidfd_open(pid).map_err(|e| host("its pidfd", &e))?;
+    let mut said = Vec::new();
     loop {
-        let (signalled, ended) = {
-            let mut fds = [
+        let (signalled, exited, telling) = {
+            let mut fds = vec![
                 PollFd::new(signals.as_fd(), PollFlags::POLLIN),
                 PollFd::new(pidfd.as_fd(), PollFlags::POLLIN),
             ];
+            if let Some(line) = ended {
+                fds.push(PollFd::new(line.as_fd(), PollFlags::POLLIN));
+            }
             match poll(&mut fds, PollTimeout::NONE) {
                 Ok(_) | Err(nix::errno::Errno::EINTR) => {}
                 Err(e) => return Err(host("polling", &e)),
             }
             let ready = |fd: &PollFd<'_>| fd.revents().is_some_and(|r| !r.is_empty());
-            (ready(&fds[0]), ready(&fds[1]))
+            (
+                ready(&fds[0]),
+                ready(&fds[1]),
+                fds.get(2).is_some_and(ready),
+            )
         };
         if signalled && let Ok(Some(info)) = signals.read_signal() {
             let _ = crate::process::sys::forward_signal(pid, info.ssi_signo as i32);
         }
-        if ended {
+        if telling && let Some(line) = ended {
+            let mut buf = [0u8; 512];
+            match rustix::io::read(line, &mut buf) {
+                Ok(0) | Err(_) => ended = None,
+                Ok(n) => said.extend_from_slice(&buf[..n]),
+            }
+            if let Some(end) = said.iter().position(|&b| b == b'\n') {
+                if let Some((ending, kept_changes)) = early_ending(&said[..end]) {
+                    return Ok(Forked::EndedEarly {
+                        ending,
+                        kept_changes,
+                        keeper: pid,
+                    });
+                }
+                // Not a report: the keeper's exit and its report file tell instead.
+                ended = None;
+            }
+        }
+        if exited {
             return match nix::sys::wait::waitpid(keeper, None) {
-                Ok(nix::sys::wait::WaitStatus::Exited(_, code)) => {
-                    Ok(std::process::ExitStatus::from_raw(code << 8))
-                }
-                Ok(nix::sys::wait::WaitStatus::Signaled(_, signal, _)) => {
-                    Ok(std::process::ExitStatus::from_raw(signal as i32))
-                }
+                Ok(nix::sys::wait::WaitStatus::Exited(_, code)) => Ok(Forked::Exited(
+                    std::process::ExitStatus::from_raw(code << 8),
+                )),
+                Ok(nix::sys::wait::WaitStatus::Signaled(_, signal, _)) => Ok(Forked::Exited(
+                    std::process::ExitStatus::from_raw(signal as i32),
+                )),
                 Ok(other) => Err(host("its status", &format!("{other:?}"))),
                 Err(e) => Err(host("its status", &e)),
             };
         }
     }
+}
+
+/// The ending a forked keeper said (`RunLines::say_ended`), and whether the cell's workspace
+/// changes are kept.
+fn early_ending(line: &[u8]) -> Option<(Ending, bool)> {
+    let report: serde_json::Value = serde_json::from_slice(line).ok()?;
+    let kept_changes = report["kept_changes"].as_bool()?;
+    Some((Ending::from_report(&report)?, kept_changes))
 }
 
 /// How the cell of a keeper that ended with `status` ended, from its report.

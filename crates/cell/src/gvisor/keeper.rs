@@ -50,6 +50,10 @@ pub enum GvisorError {
     NotRoot,
     #[error("the gvisor tier: {0}")]
     Sandbox(String),
+    /// `warden run` said the command was not to start (it could not journal its start, and
+    /// says why itself).
+    #[error("the cell's start was called off")]
+    CalledOff,
     #[error(transparent)]
     Run(#[from] RunError),
 }
@@ -142,6 +146,8 @@ pub fn keep(
         (PathBuf::from(INIT_IN_CELL), compat.init.clone()),
         (PathBuf::from(STATX_IN_CELL), compat.statx.clone()),
     ];
+    // Let go of before the cell's folder is removed, whichever way this ends.
+    let root_mount = RootMount(plan.root.clone());
     rootfs::assemble(
         &plan,
         tree.as_ref(),
@@ -166,6 +172,13 @@ pub fn keep(
                     crate::process::init::NOT_FOUND => Ending::CommandNotFound(message),
                     _ => Ending::CannotExecute(message),
                 };
+                if let Some(lines) = &request.lines {
+                    let kept = layer
+                        .as_ref()
+                        .is_some_and(|layer| layer.keeps(request.discard_changes));
+                    lines.say_ended(&ending, kept);
+                }
+                drop(root_mount);
                 return Ok(crate::process::run::finish(
                     store,
                     &request,
@@ -294,6 +307,13 @@ pub fn keep(
         })
         .collect::<Result<Vec<_>, _>>()?;
     let joins: Vec<_> = joins.iter().map(|fd| fd.as_fd()).collect();
+    // Forked by `warden run`, which journals the start meanwhile: the command starts once it
+    // is in the journal (what was made so far is taken down by the guards).
+    if let Some(lines) = &request.lines
+        && !lines.wait_for_go()
+    {
+        return Err(GvisorError::CalledOff);
+    }
     let described = sys::Described::of(&command);
     let spawned = sys::spawn(&sys::Spawn {
         cgroups: &joins,
@@ -414,16 +434,20 @@ pub fn keep(
             }
         }
     };
+    // `warden run` journals the end while the cell is taken down.
+    if let Some(lines) = &request.lines {
+        let kept = layer
+            .as_ref()
+            .is_some_and(|layer| layer.keeps(request.discard_changes));
+        lines.say_ended(&ending, kept);
+    }
     drop(guard);
     host_guard.end();
     reap_children(Duration::from_secs(2), None);
     if runsc.has_state(&name) {
         delete_reaping(&runsc, &name);
     }
-    // The root was assembled on the cell's folder in this keeper's mount namespace, where it
-    // is a mount point that the folder's removal could not take (the folder was left behind
-    // until the next warden command swept it): it is let go of first.
-    let _ = nix::mount::umount2(&plan.root, nix::mount::MntFlags::MNT_DETACH);
+    drop(root_mount);
     Ok(crate::process::run::finish(
         store,
         &request,
@@ -433,6 +457,18 @@ pub fn keep(
         ending,
         notices,
     ))
+}
+
+/// The cell's root, assembled on its folder in the keeper's mount namespace, where it is a
+/// mount point that the folder's removal could not take (the folder was left behind until the
+/// next warden command swept it): unmounted when dropped, before the folder goes, on every way
+/// out (a setup that failed half way, a start called off, an end).
+struct RootMount(PathBuf);
+
+impl Drop for RootMount {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
+    }
 }
 
 /// A command with no stdio of the caller's (runsc would take them over).

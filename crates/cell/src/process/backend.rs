@@ -230,6 +230,7 @@ impl Backend for ProcessBackend {
             ready: None,
             signals_from: None,
             release_later: true,
+            lines: None,
         };
         let outcome = super::run::run_with(&self.registry, &store, request, before_start).map_err(
             |e| match e {

@@ -60,7 +60,48 @@ pub struct RunRequest {
     /// The cell's name is released on a thread of its own after the run (see `Release`): the
     /// caller has work to do meanwhile, and waits for it before it ends.
     pub release_later: bool,
+    /// A keeper forked by `warden run` (the gVisor tier): its lines to the process that forked
+    /// it, which journals the start while the keeper makes the cell, and the end while the
+    /// keeper takes it down.
+    pub lines: Option<std::sync::Arc<RunLines>>,
 }
+
+/// The two pipes between a keeper forked by `warden run` and `warden run`.
+#[derive(Debug)]
+pub struct RunLines {
+    /// Read before the command may start: one byte once its start is in the journal, the end
+    /// of the pipe when it is not to start (the start could not be journaled).
+    pub go: std::os::fd::OwnedFd,
+    /// Where the ending goes (one line: the report's JSON, with `kept_changes`) as soon as it
+    /// is known, before the cell is taken down.
+    pub ended: std::os::fd::OwnedFd,
+}
+
+impl RunLines {
+    /// Waits for the word to start; whether it came.
+    pub(crate) fn wait_for_go(&self) -> bool {
+        let mut byte = [0u8; 1];
+        loop {
+            match rustix::io::read(&self.go, &mut byte) {
+                Ok(1) => return byte[0] == GO,
+                Err(rustix::io::Errno::INTR) => {}
+                _ => return false,
+            }
+        }
+    }
+
+    /// Says how the cell ended, and whether its workspace changes are kept.
+    pub(crate) fn say_ended(&self, ending: &Ending, kept_changes: bool) {
+        let mut report = ending.report();
+        report["kept_changes"] = serde_json::Value::Bool(kept_changes);
+        let mut line = report.to_string().into_bytes();
+        line.push(b'\n');
+        let _ = rustix::io::write(&self.ended, &line);
+    }
+}
+
+/// The byte `RunLines::go` carries.
+pub const GO: u8 = b'g';
 
 /// Says `ready` on the line of whoever waits for the cell (the keeper's starter).
 pub(crate) fn say_ready(ready: Option<&std::os::fd::OwnedFd>) {
@@ -849,6 +890,12 @@ impl LayerGuard {
 
     /// Keeps the layer when the cell changed something (and changes are not discarded).
     pub(crate) fn finish(mut self, discard: bool) -> bool {
+        self.armed = !self.keeps(discard);
+        !self.armed
+    }
+
+    /// Whether `finish` would keep the layer: it changed, and is not to be discarded.
+    pub(crate) fn keeps(&self, discard: bool) -> bool {
         // What it changed is in its upper layer, and in the layers its snapshots turned over
         // (when its stack is no longer the one it started on).
         let turned = self
@@ -857,8 +904,7 @@ impl LayerGuard {
             .is_ok_and(|meta| meta.start.as_ref().is_some_and(|start| *start != meta.base));
         let changed = turned
             || fs::read_dir(self.layer.upper()).is_ok_and(|mut entries| entries.next().is_some());
-        self.armed = discard || !changed;
-        !self.armed
+        !discard && changed
     }
 }
 
