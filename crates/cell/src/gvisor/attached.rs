@@ -5,10 +5,9 @@
 //! cell ended comes back in its report.
 
 use std::io::Write as _;
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::OpenOptionsExt as _;
 use std::process::Command;
-
-use std::os::fd::OwnedFd;
 
 use super::keeper::GvisorError;
 use crate::process::backend::{KeeperRequest, ProcessBackend};
