@@ -172,12 +172,7 @@ pub fn keep(
                     crate::process::init::NOT_FOUND => Ending::CommandNotFound(message),
                     _ => Ending::CannotExecute(message),
                 };
-                if let Some(lines) = &request.lines {
-                    let kept = layer
-                        .as_ref()
-                        .is_some_and(|layer| layer.keeps(request.discard_changes));
-                    lines.say_ended(&ending, kept);
-                }
+                crate::process::run::tell_ending(&request, layer.as_ref(), &ending);
                 drop(root_mount);
                 return Ok(crate::process::run::finish(
                     store,
@@ -435,12 +430,7 @@ pub fn keep(
         }
     };
     // `warden run` journals the end while the cell is taken down.
-    if let Some(lines) = &request.lines {
-        let kept = layer
-            .as_ref()
-            .is_some_and(|layer| layer.keeps(request.discard_changes));
-        lines.say_ended(&ending, kept);
-    }
+    crate::process::run::tell_ending(&request, layer.as_ref(), &ending);
     drop(guard);
     host_guard.end();
     reap_children(Duration::from_secs(2), None);

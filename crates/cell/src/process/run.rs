@@ -91,12 +91,21 @@ impl RunLines {
     }
 
     /// Says how the cell ended, and whether its workspace changes are kept.
-    pub(crate) fn say_ended(&self, ending: &Ending, kept_changes: bool) {
+    fn say_ended(&self, ending: &Ending, kept_changes: bool) {
         let mut report = ending.report();
         report["kept_changes"] = serde_json::Value::Bool(kept_changes);
         let mut line = report.to_string().into_bytes();
         line.push(b'\n');
         let _ = rustix::io::write(&self.ended, &line);
+    }
+}
+
+/// Tells the `warden run` that forked this keeper, if one did, how its cell ended and whether
+/// the changes of its workspace `layer` are kept, before the cell is taken down.
+pub(crate) fn tell_ending(request: &RunRequest, layer: Option<&LayerGuard>, ending: &Ending) {
+    if let Some(lines) = &request.lines {
+        let kept = layer.is_some_and(|layer| layer.keeps(request.discard_changes));
+        lines.say_ended(ending, kept);
     }
 }
 
