@@ -145,7 +145,7 @@ fn contenders(warden: &str, baseline: Option<&str>) -> Vec<Contender> {
 }
 
 /// Create, exec `true`, delete through the daemon's API; a cell of the pool's (waited for,
-/// untimed) or one started for a named create.
+/// untimed, and its refill waited for after, untimed) or one started for a named create.
 fn time_through(daemon: &warden_bench::Daemon, through: Through, n: usize) -> Result<Duration> {
     let create = match through {
         Through::Pool => {
@@ -160,6 +160,10 @@ fn time_through(daemon: &warden_bench::Daemon, through: Through, n: usize) -> Re
     // A cell of the pool's has a name the daemon drew.
     if through == Through::Pool && !name.starts_with("cell-") {
         bail!("the create was not the pool's: {name}");
+    }
+    // The pool's refill (a cell's start) is not left running under the next row.
+    if through == Through::Pool {
+        warden_bench::wait_for_pool(&daemon.socket, 2, Duration::from_secs(10))?;
     }
     Ok(took)
 }

@@ -134,7 +134,8 @@ impl Setup {
 const GVISOR_POLICY: &str = "version: 1\nextends: default\ntier: gvisor\n";
 
 /// Create, exec `true`, delete through the API of a daemon whose pool keeps gVisor cells made
-/// ahead (the pool's refill waited for, untimed); `taken`: how many the pool handed out before.
+/// ahead (the pool's refill waited for, untimed, before and after); `taken`: how many the pool
+/// handed out before.
 fn through_pool(pool: &Daemon, taken: usize) -> Result<Duration> {
     warden_bench::wait_for_pool(&pool.socket, 2, Duration::from_secs(30))?;
     let body = serde_json::json!({ "policy": GVISOR_POLICY }).to_string();
@@ -145,6 +146,8 @@ fn through_pool(pool: &Daemon, taken: usize) -> Result<Duration> {
     if !pools.contains(&format!("\"taken\":{}", taken + 1)) {
         bail!("the create was not the pool's: {pools}");
     }
+    // The refill (a whole gVisor cell's start) is not left running under the next row.
+    warden_bench::wait_for_pool(&pool.socket, 2, Duration::from_secs(30))?;
     Ok(took)
 }
 
