@@ -31,12 +31,14 @@ pub fn run(
     if !forked {
         before_start().map_err(StartError::Host)?;
     }
-    let report = config
-        .runtime
-        .join(format!(".run-{name}-{}.json", std::process::id()));
     // A forked keeper says the ending on its line instead (no file that a killed `warden run`
     // would leave behind).
-    spec.report = (!forked).then(|| report.clone());
+    let report = (!forked).then(|| {
+        config
+            .runtime
+            .join(format!(".run-{name}-{}.json", std::process::id()))
+    });
+    spec.report = report.clone();
     let request = serde_json::to_vec(&KeeperRequest {
         spec,
         open_files: config.keeper_open_files,
@@ -64,7 +66,8 @@ pub fn run(
                 // layer is touched, and before this returns.
                 release: Release::dropping(Reaped(keeper)),
             }),
-            Forked::Exited(status) => ended(config, name, &report, status),
+            // It ended before it said anything: it said why on the caller's stderr.
+            Forked::Exited(status) => Err(keeper_ended(status)),
         };
     }
     // The request in a file of this user's alone (the command's stdin is the caller's).
@@ -112,7 +115,7 @@ pub fn run(
     let waited = wait_forwarding(child.id() as i32, None);
     let _ = std::fs::remove_file(&request_file);
     match waited? {
-        Forked::Exited(status) => ended(config, name, &report, status),
+        Forked::Exited(status) => ended(config, name, report.as_deref(), status),
         Forked::EndedEarly { .. } => Err(StartError::Host(
             "the keeper said its cell's end on a line it was not given".to_owned(),
         )),
@@ -218,15 +221,8 @@ fn fork_keeper(
             // Without the byte, the end of the pipe: the keeper takes down what it made.
             drop(go_w);
             let waited = wait_forwarding(pid, started.is_ok().then_some(&ended_r));
-            match (started, waited) {
-                (Err(why), waited) => {
-                    if let Ok(Forked::EndedEarly { keeper, .. }) = waited {
-                        let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(keeper), None);
-                    }
-                    Err(StartError::Host(why))
-                }
-                (Ok(()), waited) => waited,
-            }
+            // Without the line (the start failed), only the keeper's exit ends the wait.
+            started.map_err(StartError::Host).and(waited)
         }
         Err(e) => Err(StartError::Host(format!("forking the keeper: {e}"))),
     }
@@ -290,7 +286,7 @@ fn wait_forwarding(pid: i32, mut ended: Option<&OwnedFd>) -> Result<Forked, Star
                         keeper: pid,
                     });
                 }
-                // Not a report: the keeper's exit and its report file tell instead.
+                // Not a report: the keeper's exit tells instead.
                 ended = None;
             }
         }
@@ -309,6 +305,13 @@ fn wait_forwarding(pid: i32, mut ended: Option<&OwnedFd>) -> Result<Forked, Star
     }
 }
 
+/// A keeper that ended, with `status`, before its cell did.
+fn keeper_ended(status: std::process::ExitStatus) -> StartError {
+    StartError::Refused(format!(
+        "the cell's keeper ended ({status}) before the cell did"
+    ))
+}
+
 /// The ending a forked keeper said (`RunLines::say_ended`), and whether the cell's workspace
 /// changes are kept.
 fn early_ending(line: &[u8]) -> Option<(Ending, bool)> {
@@ -317,22 +320,21 @@ fn early_ending(line: &[u8]) -> Option<(Ending, bool)> {
     Some((Ending::from_report(&report)?, kept_changes))
 }
 
-/// How the cell of a keeper that ended with `status` ended, from its report.
+/// How the cell of a keeper that ended with `status` ended, from its `report`.
 fn ended(
     config: &crate::tier::ProcessConfig,
     name: String,
-    report: &std::path::Path,
+    report: Option<&std::path::Path>,
     status: std::process::ExitStatus,
 ) -> Result<Attached, StartError> {
-    let ended = std::fs::read(report)
-        .ok()
-        .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes).ok());
-    let _ = std::fs::remove_file(report);
+    let ended = report.and_then(|report| {
+        let bytes = std::fs::read(report).ok();
+        let _ = std::fs::remove_file(report);
+        serde_json::from_slice::<serde_json::Value>(&bytes?).ok()
+    });
     let Some(ended) = ended else {
         // The keeper said why on the caller's stderr.
-        return Err(StartError::Refused(format!(
-            "the cell's keeper ended ({status}) before the cell did"
-        )));
+        return Err(keeper_ended(status));
     };
     let ending = Ending::from_report(&ended)
         .ok_or_else(|| StartError::Host(format!("the keeper's report is not one: {ended}")))?;

@@ -110,7 +110,7 @@ pub(crate) fn tell_ending(request: &RunRequest, layer: Option<&LayerGuard>, endi
 }
 
 /// The byte `RunLines::go` carries.
-pub const GO: u8 = b'g';
+pub(crate) const GO: u8 = b'g';
 
 /// Says `ready` on the line of whoever waits for the cell (the keeper's starter).
 pub(crate) fn say_ready(ready: Option<&std::os::fd::OwnedFd>) {
