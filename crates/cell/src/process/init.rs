@@ -5,7 +5,7 @@
 
 use std::ffi::OsString;
 use std::io::{Read, Write};
-use std::os::fd::{OwnedFd, RawFd};
+use std::os::fd::{AsFd as _, AsRawFd as _, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt as _;
 use std::process::Command;
 
@@ -41,13 +41,12 @@ const FORWARDED: [Signal; 6] = [
 /// The descriptors the warden hands to the cell's first process.
 #[derive(Debug)]
 pub struct InitFds {
-    /// The `tasks` file of each v1 directory of the cell's cgroup, opened by the warden: the
-    /// init writes `0` into each, first thing, to move itself in (see
-    /// `CellCgroup::join_files`).
-    pub cgroup_joins: Vec<RawFd>,
     pub stdin: RawFd,
     pub stdout: RawFd,
     pub stderr: RawFd,
+    /// The sync channel (a unix datagram-sequence socket): the warden's go-ahead bytes, the
+    /// last one with the `tasks` file of each v1 directory of the cell's cgroup, and the
+    /// cell's lifeline.
     pub sync: RawFd,
     pub status: RawFd,
     pub tree: Option<RawFd>,
@@ -164,21 +163,9 @@ fn arrange_fds(fds: &InitFds) -> SetupResult<()> {
 
 fn setup_and_start(plan: &CellPlan, fds: &InitFds) -> SetupResult<Started> {
     let _ = sys::set_parent_death_signal(libc::SIGKILL);
-    // Into the cell's v1 cgroups before anything else, so that nothing this init starts is
-    // born outside them. (Its only thread moves: that is the whole process.)
-    let joined = fds
-        .cgroup_joins
-        .iter()
-        .try_for_each(|fd| sys::write_raw(*fd, b"0"));
-    for fd in &fds.cgroup_joins {
-        sys::close_quietly(*fd);
-    }
     arrange_fds(fds)?;
-    joined.map_err(failed("joining the cell's cgroup"))?;
-    // The warden writes our id maps, then (in parallel with the mounts below, because moving a
-    // process into a v2 cgroup can wait for an RCU grace period) places us in the v2 part of
-    // the cell's cgroup, if any. Each step is acknowledged with one byte; nothing of the
-    // command runs before both.
+    // The warden writes our id maps, then makes the cell's cgroup while we assemble the root.
+    // Each step is acknowledged with a go-ahead; nothing of the command runs before the last.
     let mut sync = std::fs::File::from(owned(SYNC_FD));
     wait_for_warden(&mut sync);
     let (sgid, suid) = (
@@ -192,7 +179,7 @@ fn setup_and_start(plan: &CellPlan, fds: &InitFds) -> SetupResult<Started> {
     drop(tree);
     // The host's sources are mounted or copied: nothing of the cell may inherit them.
     sys::close_from(SOURCES_FD).map_err(failed("closing the host's sources"))?;
-    let in_cgroup = wait_for_warden(&mut sync) == GO_IN_CGROUP;
+    let in_cgroup = join_cgroup(&sync)?;
     if in_cgroup {
         unshare(CloneFlags::CLONE_NEWCGROUP).map_err(failed("creating the cgroup namespace"))?;
     }
@@ -381,8 +368,25 @@ fn hand_over_gateway_socket() -> SetupResult<()> {
     Ok(())
 }
 
-/// Blocks until the warden sends the next go-ahead byte; a closed pipe means the warden gave
-/// up on this cell.
+/// Waits for the last go-ahead, and with it the `tasks` file of each v1 directory of the
+/// cell's cgroup, opened by the warden: writing `0` into each moves this init, single-threaded
+/// and with nothing started yet, into the cell's cgroup (see `CellCgroup::v1_join_files`; the
+/// kernel checks the opener's credentials, the warden's). Whether the cell has a cgroup, or
+/// keeps its limits by rlimits instead.
+fn join_cgroup(sync: &std::fs::File) -> SetupResult<bool> {
+    let (go, joins) = match sys::receive_fds(sync.as_fd()) {
+        Ok((go @ (GO_IN_CGROUP | GO_RLIMITS), joins)) => (go, joins),
+        // The warden gave up on this cell (or said something it never says).
+        _ => sys::exit_now(SETUP_FAILED),
+    };
+    for join in &joins {
+        sys::write_raw(join.as_raw_fd(), b"0").map_err(failed("joining the cell's cgroup"))?;
+    }
+    Ok(go == GO_IN_CGROUP)
+}
+
+/// Blocks until the warden sends the next go-ahead byte; a hang-up means the warden gave up on
+/// this cell.
 fn wait_for_warden(sync: &mut std::fs::File) -> u8 {
     let mut go = [0u8; 1];
     if !matches!(sync.read(&mut go), Ok(1)) {

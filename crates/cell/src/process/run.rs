@@ -3,8 +3,8 @@
 
 use std::ffi::OsString;
 use std::fs;
-use std::io::{self, BufRead, BufReader, Read, Write};
-use std::os::fd::AsRawFd;
+use std::io::{self, BufRead, BufReader, Read};
+use std::os::fd::{AsFd as _, AsRawFd};
 use std::os::unix::ffi::OsStrExt as _;
 use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
@@ -195,7 +195,8 @@ pub fn run_with(
     let (stdin_r, stdin_w) = sys::pipe().map_err(os("creating pipes"))?;
     let (stdout_r, stdout_w) = sys::pipe().map_err(os("creating pipes"))?;
     let (stderr_r, stderr_w) = sys::pipe().map_err(os("creating pipes"))?;
-    let (sync_r, sync_w) = sys::pipe().map_err(os("creating pipes"))?;
+    // A socket rather than a pipe: the last go-ahead carries the cgroup's `tasks` files.
+    let (sync_w, sync_r) = sys::seqpacket_pair().map_err(os("creating the sync channel"))?;
     let (status_r, status_w) = sys::pipe().map_err(os("creating pipes"))?;
     let gateway_channel = match &gateway_rules {
         Some(_) => Some(sys::seqpacket_pair().map_err(os("creating the gateway channel"))?),
@@ -244,47 +245,18 @@ pub fn run_with(
     for (k, (i, _)) in sources.iter().enumerate() {
         plan.sources[*i] = Some(init::SOURCES_FD + k as i32);
     }
-    // The cell's cgroup is made before its init, which moves itself in through the v1 `tasks`
-    // files opened here, first thing (see `CellCgroup::join_files`: a move of the whole
-    // process from out here would wait for an RCU grace period, 10-15 ms on an idle host).
+    // The cell's cgroup is made after its init is cloned, while the init assembles its root
+    // (see below).
     let limits = cgroup::Limits {
         memory_bytes: policy.limits.memory.map(|m| m.0),
         pids: policy.limits.pids,
         cpus: policy.limits.cpus,
     };
-    let cell_cgroup =
-        match CellCgroup::create(&cgroup::discover(), &registry.instance(), &name, &limits) {
-            Ok(cg) => Some(cg),
-            Err(err) if !privileged => {
-                notices.push(format!(
-                "no writable cgroup for this user ({err}); memory and process limits fall back to \
-                 per-process rlimits, cpu is not limited, and pause is unavailable"
-            ));
-                None
-            }
-            Err(err) => return Err(err.into()),
-        };
     let mut guard = CellGuard {
-        cgroup: cell_cgroup.clone(),
+        cgroup: None,
         pid: None,
     };
-    let cgroup_joins = cell_cgroup
-        .as_ref()
-        .map_or_else(Vec::new, CellCgroup::v1_join_files)
-        .iter()
-        .map(|path| {
-            fs::OpenOptions::new()
-                .write(true)
-                .open(path)
-                .map(std::os::fd::OwnedFd::from)
-                .map_err(|e| RunError::Os {
-                    what: "opening the cell's cgroup",
-                    source: io::Error::other(format!("{}: {e}", path.display())),
-                })
-        })
-        .collect::<Result<Vec<_>, _>>()?;
     let fds = InitFds {
-        cgroup_joins: cgroup_joins.iter().map(AsRawFd::as_raw_fd).collect(),
         sources: sources.iter().map(|(_, fd)| fd.as_raw_fd()).collect(),
         exec: exec_channel.as_ref().map(|(_, child)| child.as_raw_fd()),
         gateway: gateway_channel.as_ref().map(|(_, child)| child.as_raw_fd()),
@@ -331,16 +303,7 @@ pub fn run_with(
         }
     };
     guard.pid = Some(pid);
-    drop((
-        stdin_r,
-        stdout_w,
-        stderr_w,
-        sync_r,
-        status_w,
-        tree,
-        sources,
-        cgroup_joins,
-    ));
+    drop((stdin_r, stdout_w, stderr_w, sync_r, status_w, tree, sources));
     let gateway_channel = gateway_channel.map(|(warden_end, _child_end)| warden_end);
     let exec_channel = exec_channel.map(|(warden_end, _child_end)| warden_end);
 
@@ -361,13 +324,44 @@ pub fn run_with(
         }),
         _ => None,
     };
-    let mut sync = fs::File::from(sync_w);
+    let sync = sync_w;
     // A failed go-ahead means the init ended already: why is on the status pipe (read below).
-    let mut go_ahead = sync.write_all(&[init::GO_MAPPED]);
+    let mut go_ahead = sys::send_message(sync.as_fd(), &[init::GO_MAPPED], &[]);
 
-    // The init moved itself into the v1 directories first thing; the v2 ones (which have no
-    // quick way in) take it here, while it assembles its root: that move may wait for an RCU
-    // grace period, which then overlaps the mounts.
+    // The cell's cgroup, made while the init assembles its root. The init moves itself into
+    // the v1 directories through their `tasks` files, opened here and handed over with the
+    // last go-ahead, before it starts anything (see `CellCgroup::v1_join_files`: a move of a
+    // whole process from out here would wait for an RCU grace period, 10-15 ms on an idle
+    // host); the v2 ones, which have no quick way in, take it from here, overlapped with the
+    // mounts too.
+    let cell_cgroup =
+        match CellCgroup::create(&cgroup::discover(), &registry.instance(), &name, &limits) {
+            Ok(cg) => Some(cg),
+            Err(err) if !privileged => {
+                notices.push(format!(
+                "no writable cgroup for this user ({err}); memory and process limits fall back to \
+                 per-process rlimits, cpu is not limited, and pause is unavailable"
+            ));
+                None
+            }
+            Err(err) => return Err(err.into()),
+        };
+    guard.cgroup = cell_cgroup.clone();
+    let cgroup_joins = cell_cgroup
+        .as_ref()
+        .map_or_else(Vec::new, CellCgroup::v1_join_files)
+        .iter()
+        .map(|path| {
+            fs::OpenOptions::new()
+                .write(true)
+                .open(path)
+                .map(std::os::fd::OwnedFd::from)
+                .map_err(|e| RunError::Os {
+                    what: "opening the cell's cgroup",
+                    source: io::Error::other(format!("{}: {e}", path.display())),
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     if let Some(cg) = &cell_cgroup {
         cg.add_to_v2(pid.as_raw())?;
     }
@@ -399,8 +393,10 @@ pub fn run_with(
         init::GO_RLIMITS
     };
     if go_ahead.is_ok() {
-        go_ahead = sync.write_all(&[go]);
+        let joins: Vec<_> = cgroup_joins.iter().map(AsRawFd::as_raw_fd).collect();
+        go_ahead = sys::send_message(sync.as_fd(), &[go], &joins);
     }
+    drop(cgroup_joins);
 
     // The init answers "ok" once the command runs, or "err CODE MESSAGE".
     let mut line = String::new();
@@ -442,7 +438,7 @@ pub fn run_with(
     let mut policy_watch = None;
     if let (Some(planned), Some(channel)) = (gateway_rules, &gateway_channel) {
         let (flag, sockets) =
-            sys::receive_fds(channel).map_err(os("receiving the gateway sockets"))?;
+            sys::receive_fds(channel.as_fd()).map_err(os("receiving the gateway sockets"))?;
         let sockets =
             crate::gateway::Sockets::from_ordered(sockets, flag == b't').ok_or_else(|| {
                 RunError::Setup("the cell did not hand over the gateway's sockets".to_owned())
@@ -544,12 +540,19 @@ pub fn run_with(
             }
         }
     };
-    drop(guard);
+    // The cgroups go with the name, on the release's thread where there is one.
+    let leftovers = match request.release_later {
+        true => Some(guard),
+        false => {
+            drop(guard);
+            None
+        }
+    };
     Ok(finish(
         store,
         &request,
         name,
-        reservation,
+        (leftovers, reservation),
         layer,
         ending,
         notices,
@@ -559,11 +562,14 @@ pub fn run_with(
 /// The end of a run, the same on every tier: how the cell ended written where the caller
 /// looks for it, before the name is released (whoever sees the lock go finds it already); the
 /// name released; the layer kept for review or removed, with the egress record, as asked.
+/// `reservation`: whatever the name's release is (its drop), with what goes before it (a
+/// process cell's cgroups, a tuple's first part): on a thread of its own where the caller
+/// releases later (see `Release`), while it journals the end.
 pub(crate) fn finish(
     store: &Store,
     request: &RunRequest,
     name: String,
-    reservation: super::registry::Reservation,
+    reservation: impl Send + 'static,
     layer: Option<LayerGuard>,
     ending: Ending,
     notices: Vec<String>,

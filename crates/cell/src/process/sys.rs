@@ -743,7 +743,7 @@ pub fn seqpacket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
 }
 
 /// Receives the descriptors sent with SCM_RIGHTS on `channel`, with the one-byte message.
-pub fn receive_fds(channel: &OwnedFd) -> io::Result<(u8, Vec<OwnedFd>)> {
+pub fn receive_fds(channel: BorrowedFd<'_>) -> io::Result<(u8, Vec<OwnedFd>)> {
     use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
     let mut byte = [0u8; 1];
     let mut iov = [io::IoSliceMut::new(&mut byte)];
