@@ -4,6 +4,38 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 
+/// The command line. `warden run ...`, the command whose start is a cell's cold start, is
+/// read by a parser of its own arguments alone: the parser of every subcommand takes longer to
+/// build than the rest of `warden run` takes before its cell is cloned, bar the binary's own
+/// start. Whatever that parser does not accept as it stands (help, a mistake) goes to the
+/// whole parser, so that every message and status is the whole parser's.
+pub fn parse() -> Cli {
+    parse_from(std::env::args_os())
+}
+
+pub fn parse_from(argv: impl IntoIterator<Item = std::ffi::OsString>) -> Cli {
+    let argv: Vec<std::ffi::OsString> = argv.into_iter().collect();
+    if let Some(args) = parse_run(&argv) {
+        return Cli {
+            command: Command::Run(args),
+        };
+    }
+    Cli::parse_from(argv)
+}
+
+/// `warden run ...` read by `RunArgs`'s own parser; `None` for anything else, and for what
+/// that parser does not take.
+fn parse_run(argv: &[std::ffi::OsString]) -> Option<RunArgs> {
+    use clap::{Args as _, FromArgMatches as _};
+    if argv.get(1).is_none_or(|word| word != "run") {
+        return None;
+    }
+    // "run" stands where a parser expects its program's name.
+    let parser = RunArgs::augment_args(clap::Command::new("run"));
+    let matches = parser.try_get_matches_from(&argv[1..]).ok()?;
+    RunArgs::from_arg_matches(&matches).ok()
+}
+
 #[derive(Debug, Parser)]
 #[command(
     name = "warden",
@@ -571,4 +603,75 @@ pub enum PolicyCommand {
     Presets,
     /// Replace the network rules of a running cell (open connections they forbid are closed).
     Set { name: String, file: PathBuf },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn words(line: &str) -> Vec<std::ffi::OsString> {
+        line.split(' ').map(Into::into).collect()
+    }
+
+    /// `warden run`'s own parser takes exactly what the whole parser takes, and reads it the
+    /// same; what it does not take goes to the whole parser (its help and errors).
+    #[test]
+    fn the_run_parser_reads_what_the_whole_parser_reads() {
+        let taken = [
+            "warden run -- true",
+            "warden run --rm -e A=b --env C=d -w /tmp --name n1 -- sh -c x",
+            "warden run --preset default --rw /tmp --ro /usr -- echo -- --rm",
+            "warden run --policy p.yaml --allow example.com:443 --allow b.org -- x",
+            "warden run --tier gvisor --memory 64M --cpus 1 --pids 9 --timeout 5s --disk 1G -- x",
+            "warden run --policy p.yaml --preset default -- x",
+            "warden run -e=A=b -- x",
+            "warden run --rm --rm -- x",
+        ];
+        for line in taken {
+            let argv = words(line);
+            let whole = Cli::try_parse_from(&argv);
+            let own = parse_run(&argv);
+            match (whole, own) {
+                (Ok(whole), Some(own)) => assert_eq!(
+                    format!("{whole:?}"),
+                    format!(
+                        "{:?}",
+                        Cli {
+                            command: Command::Run(own)
+                        }
+                    ),
+                    "{line}"
+                ),
+                (Err(_), None) => {}
+                (whole, own) => panic!("{line}: the whole parser: {whole:?}; run's: {own:?}"),
+            }
+        }
+        let refused = [
+            "warden run",
+            "warden run true",
+            "warden run -h",
+            "warden run --help",
+            "warden run --version",
+            "warden run --bogus -- x",
+            "warden run --name -- x",
+            "warden run -e -- x",
+            "warden ps",
+            "warden runx -- x",
+            "warden",
+        ];
+        for line in refused {
+            let argv = words(line);
+            assert!(parse_run(&argv).is_none(), "{line}: run's parser took it");
+        }
+        assert!(
+            Cli::try_parse_from(words("warden run --help")).is_err(),
+            "help is the whole parser's"
+        );
+        // Every line the whole parser takes as a run goes through `parse_from` the same way.
+        let cli = parse_from(words("warden run --rm -- true"));
+        assert!(matches!(
+            cli.command,
+            Command::Run(RunArgs { rm: true, .. })
+        ));
+    }
 }

@@ -12,10 +12,8 @@ mod render;
 
 use std::process::ExitCode;
 
-use clap::Parser;
-
 fn main() -> ExitCode {
-    let args = cli::Cli::parse();
+    let args = cli::parse();
     // Commands that only read and print end quietly, as other tools do, when their reader
     // goes (`warden ps | head`). The others keep SIGPIPE ignored: they hold a cell, serve, or
     // talk to the daemon, and must see a failed write as an error they can report or clean

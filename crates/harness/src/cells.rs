@@ -324,7 +324,7 @@ impl Harness {
     pub(crate) async fn prepare(
         self: &Arc<Self>,
         request: &CreateCell,
-        parsed: Option<warden_policy::Policy>,
+        mut parsed: Option<warden_policy::Policy>,
     ) -> Result<Prepared, HarnessError> {
         let name = match &request.name {
             Some(name) => name.clone(),
@@ -338,6 +338,7 @@ impl Harness {
         while self.killing.lock().is_ok_and(|k| k.contains(&name)) && Instant::now() < until {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
+        let handed = parsed.is_some();
         let (policy, parsed) = match (&request.policy, &request.preset) {
             (Some(_), Some(_)) => {
                 return Err(HarnessError::from(CreateError::Invalid(
@@ -346,7 +347,7 @@ impl Harness {
             }
             (Some(yaml), None) => (
                 PolicySource::Yaml(yaml.clone()),
-                match parsed {
+                match parsed.take() {
                     Some(parsed) => parsed,
                     None => warden_policy::from_yaml("policy", yaml)
                         .map_err(|e| HarnessError::from(CreateError::Invalid(e.to_string())))?,
@@ -437,6 +438,9 @@ impl Harness {
             tier: Some(parsed.tier.name().to_owned()),
             preset: match &policy {
                 PolicySource::Preset(p) => Some(p.clone()),
+                // The text is the caller's policy written out: it extends what the policy
+                // says it extends, without a second reading.
+                PolicySource::Yaml(_) if handed => parsed.extends.clone(),
                 PolicySource::Yaml(y) => warden_policy::extended_preset(y),
             },
         };
