@@ -540,9 +540,14 @@ pub fn run_with(
             }
         }
     };
-    // The cgroups go with the name, on the release's thread where there is one.
+    // The cgroups go with the name, on the release's thread where there is one; what is left
+    // of the cell (a process that joined it from outside its pid namespace) is killed here,
+    // before its layer is looked at.
     let leftovers = match request.release_later {
-        true => Some(guard),
+        true => {
+            guard.end_stragglers();
+            Some(guard)
+        }
         false => {
             drop(guard);
             None
@@ -974,16 +979,25 @@ pub(crate) struct CellGuard {
     pub(crate) pid: Option<Pid>,
 }
 
-impl Drop for CellGuard {
-    fn drop(&mut self) {
+impl CellGuard {
+    /// Kills the cell's init, if it is not reaped yet, and every process its cgroup lists.
+    pub(crate) fn end_stragglers(&mut self) {
         if let Some(pid) = self.pid.take() {
             let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
             let _ = waitpid(pid, None);
         }
+        if let Some(cg) = &self.cgroup
+            && !cg.pids().is_empty()
+        {
+            let _ = cg.kill_all();
+        }
+    }
+}
+
+impl Drop for CellGuard {
+    fn drop(&mut self) {
+        self.end_stragglers();
         if let Some(cg) = &self.cgroup {
-            if !cg.pids().is_empty() {
-                let _ = cg.kill_all();
-            }
             cg.remove();
         }
     }
