@@ -196,7 +196,7 @@ pub fn run_with(
     let (stdout_r, stdout_w) = sys::pipe().map_err(os("creating pipes"))?;
     let (stderr_r, stderr_w) = sys::pipe().map_err(os("creating pipes"))?;
     // A socket rather than a pipe: the last go-ahead carries the cgroup's `tasks` files.
-    let (sync_w, sync_r) = sys::seqpacket_pair().map_err(os("creating the sync channel"))?;
+    let (sync, sync_r) = sys::seqpacket_pair().map_err(os("creating the sync channel"))?;
     let (status_r, status_w) = sys::pipe().map_err(os("creating pipes"))?;
     let gateway_channel = match &gateway_rules {
         Some(_) => Some(sys::seqpacket_pair().map_err(os("creating the gateway channel"))?),
@@ -245,13 +245,6 @@ pub fn run_with(
     for (k, (i, _)) in sources.iter().enumerate() {
         plan.sources[*i] = Some(init::SOURCES_FD + k as i32);
     }
-    // The cell's cgroup is made after its init is cloned, while the init assembles its root
-    // (see below).
-    let limits = cgroup::Limits {
-        memory_bytes: policy.limits.memory.map(|m| m.0),
-        pids: policy.limits.pids,
-        cpus: policy.limits.cpus,
-    };
     let mut guard = CellGuard {
         cgroup: None,
         pid: None,
@@ -324,7 +317,6 @@ pub fn run_with(
         }),
         _ => None,
     };
-    let sync = sync_w;
     // A failed go-ahead means the init ended already: why is on the status pipe (read below).
     let mut go_ahead = sys::send_message(sync.as_fd(), &[init::GO_MAPPED], &[]);
 
@@ -334,6 +326,11 @@ pub fn run_with(
     // whole process from out here would wait for an RCU grace period, 10-15 ms on an idle
     // host); the v2 ones, which have no quick way in, take it from here, overlapped with the
     // mounts too.
+    let limits = cgroup::Limits {
+        memory_bytes: policy.limits.memory.map(|m| m.0),
+        pids: policy.limits.pids,
+        cpus: policy.limits.cpus,
+    };
     let cell_cgroup =
         match CellCgroup::create(&cgroup::discover(), &registry.instance(), &name, &limits) {
             Ok(cg) => Some(cg),
