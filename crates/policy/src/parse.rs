@@ -106,7 +106,30 @@ pub fn preset(name: &str) -> Result<Policy, PolicyError> {
             known,
         });
     };
-    from_yaml(&format!("preset {name}"), yaml)
+    // A daemon resolves the same preset at every create: each is read once per HOME (a
+    // preset's `~/` is HOME's).
+    static READ: std::sync::Mutex<Vec<(&'static str, Option<std::ffi::OsString>, Policy)>> =
+        std::sync::Mutex::new(Vec::new());
+    let home = std::env::var_os("HOME");
+    let known = |read: &[(&str, Option<std::ffi::OsString>, Policy)]| {
+        read.iter()
+            .find(|(n, h, _)| *n == name && *h == home)
+            .map(|(_, _, p)| p.clone())
+    };
+    if let Some(policy) = READ.lock().ok().and_then(|read| known(&read)) {
+        return Ok(policy);
+    }
+    let policy = from_yaml(&format!("preset {name}"), yaml)?;
+    if let Some(name) = crate::preset::PRESETS
+        .iter()
+        .map(|(n, _, _)| *n)
+        .find(|n| *n == name)
+        && let Ok(mut read) = READ.lock()
+        && read.len() < 64
+    {
+        read.push((name, home, policy.clone()));
+    }
+    Ok(policy)
 }
 
 /// The policy a document with `extends: base` means: the preset's, with the document's lists
@@ -529,6 +552,20 @@ fn validate(origin: &str, policy: &Policy) -> Result<(), PolicyError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_preset_read_again_is_the_same_preset() {
+        for (name, _, _) in crate::preset::PRESETS {
+            let fresh = from_yaml("fresh", crate::preset::yaml(name).unwrap()).unwrap();
+            // The first reading is kept, the second is that one.
+            assert_eq!(preset(name).unwrap(), fresh, "{name}");
+            assert_eq!(preset(name).unwrap(), fresh, "{name}");
+        }
+        assert!(matches!(
+            preset("no-such-preset"),
+            Err(PolicyError::UnknownPreset { .. })
+        ));
+    }
 
     #[test]
     fn sections_are_those_the_document_writes_out() {

@@ -369,6 +369,29 @@ impl CellCgroup {
         }
     }
 
+    /// Whether the cell's freezer is thawed, neither frozen nor freezing (true without a
+    /// freezer, or when its state cannot be read).
+    pub fn is_thawed(&self) -> bool {
+        let Some(dir) = self.dir(Controller::Freezer) else {
+            return true;
+        };
+        match dir.version {
+            Version::V1 => fs::read_to_string(dir.path.join("freezer.state"))
+                .map_or(true, |s| s.trim() == "THAWED"),
+            Version::V2 => {
+                fs::read_to_string(dir.path.join("cgroup.freeze")).map_or(true, |s| s.trim() == "0")
+            }
+        }
+    }
+
+    /// Whether `kill_all` is one write (cgroup v2's `cgroup.kill`), not a freeze, a kill of
+    /// each process and a thaw.
+    pub fn kill_is_cheap(&self) -> bool {
+        self.dirs
+            .iter()
+            .any(|d| d.version == Version::V2 && d.path.join("cgroup.kill").exists())
+    }
+
     /// Freezes every process of the cell and waits until the kernel reports them frozen.
     pub fn freeze(&self) -> Result<(), CgroupError> {
         self.set_frozen(true)

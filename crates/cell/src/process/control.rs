@@ -72,14 +72,18 @@ pub fn kill(registry: &Registry, name: &str) -> Result<CellRecord, ControlError>
             source,
         }
     })?;
-    if let Some(cgroup) = &record.cgroup {
-        // The init's death usually empties and removes the cgroup at once; what is still listed
-        // (a frozen cell, stragglers) is killed through the cgroup.
-        if let Err(err) = cgroup.kill_all()
-            && !cgroup.pids().is_empty()
-        {
-            return Err(err.into());
-        }
+    // The init's death takes every process of its pid namespace with it; the keeper kills what
+    // its cgroup lists after that (a process that joined the cell from outside its namespace)
+    // before it removes the cgroup. A frozen cell needs the cgroup's kill now: a v1 freezer
+    // holds a SIGKILL'd init until it is thawed.
+    if let Some(cgroup) = record
+        .cgroup
+        .as_ref()
+        .filter(|cg| cg.kill_is_cheap() || !cg.is_thawed())
+        && let Err(err) = cgroup.kill_all()
+        && !cgroup.pids().is_empty()
+    {
+        return Err(err.into());
     }
     Ok(record)
 }
