@@ -72,12 +72,12 @@ fn cli_create_exec_and_the_exit_status() {
         String::from_utf8_lossy(&out.stdout),
         "first:one\nsecond:two\n"
     );
-    // -t gives the process a terminal of the cell, sized like the client's.
+    // -t gives the process a terminal of the cell, sized like the client's (the size is set
+    // before the client starts: one set while it starts races its first look).
     let script = format!(
         "import os, pty, struct, fcntl, termios, sys\n\
          pid, fd = pty.fork()\n\
-         if pid == 0:\n    os.execv({BIN:?}, ['warden', 'exec', '-t', {name:?}, '--', 'sh', '-c', 'tty; stty size'])\n\
-         fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack('HHHH', 33, 99, 0, 0))\n\
+         if pid == 0:\n    fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack('HHHH', 33, 99, 0, 0))\n    os.execv({BIN:?}, ['warden', 'exec', '-t', {name:?}, '--', 'sh', '-c', 'tty; stty size'])\n\
          out = b''\n\
          while True:\n    try:\n        chunk = os.read(fd, 4096)\n    except OSError:\n        break\n    if not chunk:\n        break\n    out += chunk\n\
          _, status = os.waitpid(pid, 0)\n\

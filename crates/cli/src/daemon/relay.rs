@@ -274,6 +274,16 @@ async fn relay(
     let mut quit = listen(SignalKind::quit())?;
     let mut winch = listen(SignalKind::window_change())?;
     let resize_path = format!("/v1/cells/{cell}/processes/{id}/resize");
+    // A resize between the size's first reading and the listener above went unheard: the
+    // terminal is looked at again now.
+    if let (true, Some((rows, cols))) = (tty, terminal_size())
+        && spec.tty.is_some_and(|t| (t.rows, t.cols) != (rows, cols))
+    {
+        let size = warden_protocol::TtySize { rows, cols };
+        let _ = client
+            .call::<_, Value>(Method::POST, &resize_path, Some(&size))
+            .await;
+    }
     let output_path = format!("/v1/cells/{cell}/processes/{id}/output");
     let mut exit: Option<warden_protocol::ExitInfo> = None;
     let mut output = Box::pin(
