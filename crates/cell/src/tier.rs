@@ -128,10 +128,11 @@ pub trait Cell: Send + Sync + Debug {
     fn kill(&self) -> Result<(), CellError>;
     /// Waits (bounded, 10 s) until a killed cell's tier has let go of it, its keeper included:
     /// looked at often at first (a cell with little in it is gone within a millisecond or two),
-    /// then every 5 ms; whether it did.
+    /// then every 5 ms, and at once when its `end_waker` wakes; whether it did.
     fn wait_ended(&self) -> bool {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         let mut pause = std::time::Duration::from_micros(200);
+        let mut waker = self.end_waker();
         loop {
             if matches!(self.status(), Ok(Status::Ended)) {
                 return true;
@@ -139,9 +140,20 @@ pub trait Cell: Send + Sync + Debug {
             if std::time::Instant::now() > deadline {
                 return false;
             }
-            std::thread::sleep(pause);
+            match &waker {
+                // Readable once for good: from then on, plain sleeps.
+                Some(fd) if readable_within(fd, pause) => waker = None,
+                Some(_) => {}
+                None => std::thread::sleep(pause),
+            }
             pause = (pause * 2).min(std::time::Duration::from_millis(5));
         }
+    }
+    /// A descriptor that becomes readable when the tier is about to let go of the cell (the
+    /// process tier: a pidfd of its keeper), so that `wait_ended` need not sleep past it. The
+    /// status still decides: a waker that wakes early only makes the wait look again.
+    fn end_waker(&self) -> Option<OwnedFd> {
+        None
     }
     /// Starts a process: with these descriptors as its stdin, stdout and stderr, or, where the
     /// request asks for a terminal, on one of the cell's own (its master comes back).
@@ -323,4 +335,16 @@ pub struct ProcessConfig {
     /// Keepers to start ahead of the cells they will keep (a daemon's: a cell made then
     /// does not wait for the `warden` binary to start); 0: each when its cell is made.
     pub keepers_ahead: usize,
+}
+
+/// Waits at most `wait` (to the microsecond, unlike `poll`'s milliseconds) for `fd` to be
+/// readable: whether it is.
+fn readable_within(fd: &OwnedFd, wait: std::time::Duration) -> bool {
+    use rustix::event::{PollFd, PollFlags, Timespec, poll};
+    let timeout = Timespec {
+        tv_sec: wait.as_secs() as _,
+        tv_nsec: wait.subsec_nanos() as _,
+    };
+    let mut fds = [PollFd::new(fd, PollFlags::IN)];
+    matches!(poll(&mut fds, Some(&timeout)), Ok(n) if n > 0)
 }

@@ -6,8 +6,9 @@ use clap::{Parser, Subcommand};
 
 /// The command line. `warden run ...`, the command whose start is a cell's cold start, is
 /// read by a parser of its own arguments alone: building the parser of every subcommand took
-/// about 0.4 ms of each cold start on the development VM. Whatever that parser does not accept as it stands (help, a mistake) goes to the
-/// whole parser, so that every message and status is the whole parser's.
+/// about 0.4 ms of each cold start on the development VM. Whatever that parser does not accept
+/// as it stands (help, a mistake) goes to the whole parser, so that every message and status is
+/// the whole parser's.
 pub fn parse() -> Cli {
     parse_from(std::env::args_os())
 }

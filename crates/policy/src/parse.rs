@@ -108,26 +108,18 @@ pub fn preset(name: &str) -> Result<Policy, PolicyError> {
     };
     // A daemon resolves the same preset at every create: each is read once per HOME (a
     // preset's `~/` is HOME's).
-    static READ: std::sync::Mutex<Vec<(&'static str, Option<std::ffi::OsString>, Policy)>> =
-        std::sync::Mutex::new(Vec::new());
-    let home = std::env::var_os("HOME");
-    let known = |read: &[(&str, Option<std::ffi::OsString>, Policy)]| {
-        read.iter()
-            .find(|(n, h, _)| *n == name && *h == home)
-            .map(|(_, _, p)| p.clone())
-    };
+    type Read = Vec<((String, Option<std::ffi::OsString>), Policy)>;
+    static READ: std::sync::Mutex<Read> = std::sync::Mutex::new(Vec::new());
+    let key = (name.to_owned(), std::env::var_os("HOME"));
+    let known = |read: &Read| read.iter().find(|(k, _)| *k == key).map(|(_, p)| p.clone());
     if let Some(policy) = READ.lock().ok().and_then(|read| known(&read)) {
         return Ok(policy);
     }
     let policy = from_yaml(&format!("preset {name}"), yaml)?;
-    if let Some(name) = crate::preset::PRESETS
-        .iter()
-        .map(|(n, _, _)| *n)
-        .find(|n| *n == name)
-        && let Ok(mut read) = READ.lock()
+    if let Ok(mut read) = READ.lock()
         && read.len() < 64
     {
-        read.push((name, home, policy.clone()));
+        read.push((key, policy.clone()));
     }
     Ok(policy)
 }

@@ -368,29 +368,10 @@ impl Cell for ProcessCell {
         })
     }
 
-    /// As the trait's, but woken by the keeper's exit (its pidfd) rather than only by the end
-    /// of a sleep: the keeper ends once its cell is gone. The status still decides; a pidfd
-    /// of a later process that took a gone keeper's pid only makes the wait look again.
-    fn wait_ended(&self) -> bool {
-        use std::os::fd::AsFd;
-        let mut keeper = super::sys::pidfd_open(self.record.warden_pid).ok();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let mut pause = Duration::from_micros(200);
-        loop {
-            if matches!(self.status(), Ok(Status::Ended)) {
-                return true;
-            }
-            if Instant::now() > deadline {
-                return false;
-            }
-            match &keeper {
-                // Readable once it exited: from then on, plain sleeps.
-                Some(fd) if super::sys::readable_within(fd.as_fd(), pause) => keeper = None,
-                Some(_) => {}
-                None => std::thread::sleep(pause),
-            }
-            pause = (pause * 2).min(Duration::from_millis(5));
-        }
+    /// The keeper's pidfd: it ends once its cell is gone. (A later process that took a gone
+    /// keeper's pid only makes the wait look again.)
+    fn end_waker(&self) -> Option<OwnedFd> {
+        super::sys::pidfd_open(self.record.warden_pid).ok()
     }
 
     fn oom_kills(&self) -> Option<u64> {

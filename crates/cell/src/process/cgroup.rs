@@ -387,9 +387,16 @@ impl CellCgroup {
     /// Whether `kill_all` is one write (cgroup v2's `cgroup.kill`), not a freeze, a kill of
     /// each process and a thaw.
     pub fn kill_is_cheap(&self) -> bool {
+        self.kill_file().is_some()
+    }
+
+    /// Cgroup v2's `cgroup.kill`, where the cell has one.
+    fn kill_file(&self) -> Option<PathBuf> {
         self.dirs
             .iter()
-            .any(|d| d.version == Version::V2 && d.path.join("cgroup.kill").exists())
+            .filter(|d| d.version == Version::V2)
+            .map(|d| d.path.join("cgroup.kill"))
+            .find(|path| path.exists())
     }
 
     /// Freezes every process of the cell and waits until the kernel reports them frozen.
@@ -461,12 +468,8 @@ impl CellCgroup {
     /// signals or keep forking: v2 uses `cgroup.kill`; v1 freezes, kills each listed process by
     /// id, then thaws so the kills take effect.
     pub fn kill_all(&self) -> Result<(), CgroupError> {
-        if let Some(dir) = self
-            .dirs
-            .iter()
-            .find(|d| d.version == Version::V2 && d.path.join("cgroup.kill").exists())
-        {
-            return write(&dir.path.join("cgroup.kill"), "1");
+        if let Some(file) = self.kill_file() {
+            return write(&file, "1");
         }
         let freezable = self.dir(Controller::Freezer).is_some();
         if freezable {

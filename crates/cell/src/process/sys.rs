@@ -364,18 +364,6 @@ pub fn wait_readable(fd: BorrowedFd<'_>, wait: std::time::Duration) -> io::Resul
     }
 }
 
-/// Waits at most `wait` (to the microsecond, unlike `poll`'s milliseconds) for `fd` to be
-/// readable: whether it is.
-pub fn readable_within(fd: BorrowedFd<'_>, wait: std::time::Duration) -> bool {
-    use rustix::event::{PollFd, PollFlags, Timespec, poll};
-    let timeout = Timespec {
-        tv_sec: wait.as_secs() as _,
-        tv_nsec: wait.subsec_nanos() as _,
-    };
-    let mut fds = [PollFd::new(&fd, PollFlags::IN)];
-    matches!(poll(&mut fds, Some(&timeout)), Ok(n) if n > 0)
-}
-
 /// Marks `fd` close-on-exec.
 pub fn set_cloexec(fd: RawFd) -> io::Result<()> {
     // SAFETY: fcntl with integer arguments on a descriptor the caller owns.

@@ -276,13 +276,16 @@ async fn relay(
     let resize_path = format!("/v1/cells/{cell}/processes/{id}/resize");
     // A resize between the size's first reading and the listener above went unheard: the
     // terminal is looked at again now.
-    if let (true, Some((rows, cols))) = (tty, terminal_size())
-        && spec.tty.is_some_and(|t| (t.rows, t.cols) != (rows, cols))
-    {
-        let size = warden_protocol::TtySize { rows, cols };
-        let _ = client
-            .call::<_, Value>(Method::POST, &resize_path, Some(&size))
-            .await;
+    let resize = || async {
+        if let (true, Some((rows, cols))) = (tty, terminal_size()) {
+            let size = warden_protocol::TtySize { rows, cols };
+            let _ = client
+                .call::<_, Value>(Method::POST, &resize_path, Some(&size))
+                .await;
+        }
+    };
+    if tty && spec.tty.map(|t| (t.rows, t.cols)) != terminal_size() {
+        resize().await;
     }
     let output_path = format!("/v1/cells/{cell}/processes/{id}/output");
     let mut exit: Option<warden_protocol::ExitInfo> = None;
@@ -319,10 +322,7 @@ async fn relay(
             _ = hangup.recv() => libc::SIGHUP,
             _ = quit.recv() => libc::SIGQUIT,
             _ = winch.recv() => {
-                if let (true, Some((rows, cols))) = (tty, terminal_size()) {
-                    let size = warden_protocol::TtySize { rows, cols };
-                    let _ = client.call::<_, Value>(Method::POST, &resize_path, Some(&size)).await;
-                }
+                resize().await;
                 continue;
             }
         };
