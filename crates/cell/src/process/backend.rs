@@ -96,12 +96,19 @@ impl ProcessBackend {
         keeper: Option<KeeperProcess>,
         line: Option<Line>,
     ) -> Arc<dyn Cell> {
-        Arc::new(ProcessCell {
+        let mut cell = ProcessCell {
             registry: self.registry.clone(),
+            publisher: super::sys::pidfd_open(record.warden_pid).ok(),
             record,
             line: Mutex::new(line.map(Arc::new)),
             keeper: Mutex::new(keeper),
-        })
+        };
+        // The pidfd is the publisher's if the record is still current once it is open (a pid
+        // reused before the open would be some other process's): else the registry decides.
+        if cell.publisher.is_some() && !matches!(cell.current(), Ok(Some(_))) {
+            cell.publisher = None;
+        }
+        Arc::new(cell)
     }
 }
 
@@ -279,6 +286,11 @@ pub struct ProcessCell {
     record: CellRecord,
     line: Mutex<Option<Arc<Line>>>,
     keeper: Mutex<Option<KeeperProcess>>,
+    /// A pidfd of the process that published the record (the cell's keeper), opened while the
+    /// record was current. A name goes to another cell only once its keeper has ended, so while
+    /// this process lives the record is still this cell's: a status needs no look at the
+    /// registry (its lock and record files, several system calls on every exec).
+    publisher: Option<OwnedFd>,
 }
 
 impl ProcessCell {
@@ -361,17 +373,24 @@ impl Cell for ProcessCell {
 
     fn status(&self) -> Result<Status, CellError> {
         self.reap();
-        Ok(match self.current()? {
-            Some(record) if control::is_paused(&record) => Status::Paused,
-            Some(_) => Status::Running,
-            None => Status::Ended,
+        let current = match &self.publisher {
+            Some(publisher) => !super::sys::has_ended(publisher),
+            None => self.current()?.is_some(),
+        };
+        Ok(match current {
+            true if control::is_paused(&self.record) => Status::Paused,
+            true => Status::Running,
+            false => Status::Ended,
         })
     }
 
     /// The keeper's pidfd: it ends once its cell is gone. (A later process that took a gone
     /// keeper's pid only makes the wait look again.)
     fn end_waker(&self) -> Option<OwnedFd> {
-        super::sys::pidfd_open(self.record.warden_pid).ok()
+        match &self.publisher {
+            Some(publisher) => publisher.try_clone().ok(),
+            None => super::sys::pidfd_open(self.record.warden_pid).ok(),
+        }
     }
 
     fn oom_kills(&self) -> Option<u64> {
