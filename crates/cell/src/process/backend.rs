@@ -96,19 +96,26 @@ impl ProcessBackend {
         keeper: Option<KeeperProcess>,
         line: Option<Line>,
     ) -> Arc<dyn Cell> {
-        let mut cell = ProcessCell {
+        // The lock held open, if it is still the record's once open (else the registry
+        // decides each time, as it would have).
+        let lock = match self.registry.get_locked(&record.name) {
+            Ok((now, lock)) if now.pid == record.pid && now.pid_start == record.pid_start => {
+                Some(lock)
+            }
+            _ => None,
+        };
+        Arc::new(ProcessCell {
             registry: self.registry.clone(),
-            publisher: super::sys::pidfd_open(record.warden_pid).ok(),
+            watched: record
+                .cgroup
+                .as_ref()
+                .map(|cg| cg.watched())
+                .unwrap_or_default(),
             record,
             line: Mutex::new(line.map(Arc::new)),
             keeper: Mutex::new(keeper),
-        };
-        // The pidfd is the publisher's if the record is still current once it is open (a pid
-        // reused before the open would be some other process's): else the registry decides.
-        if cell.publisher.is_some() && !matches!(cell.current(), Ok(Some(_))) {
-            cell.publisher = None;
-        }
-        Arc::new(cell)
+            lock,
+        })
     }
 }
 
@@ -286,11 +293,12 @@ pub struct ProcessCell {
     record: CellRecord,
     line: Mutex<Option<Arc<Line>>>,
     keeper: Mutex<Option<KeeperProcess>>,
-    /// A pidfd of the process that published the record (the cell's keeper), opened while the
-    /// record was current. A name goes to another cell only once its keeper has ended, so while
-    /// this process lives the record is still this cell's: a status needs no look at the
-    /// registry (its lock and record files, several system calls on every exec).
-    publisher: Option<OwnedFd>,
+    /// The cell's lock file, opened while the record was current: while it is held the record
+    /// is still this cell's, so a status asks it (one `flock`) rather than the registry (its
+    /// lock and record files opened and read again, eight system calls, on every exec).
+    lock: Option<super::registry::Lock>,
+    /// Its cgroup's freezer and OOM files, held open (a status and each exec read them).
+    watched: super::cgroup::Watched,
 }
 
 impl ProcessCell {
@@ -373,12 +381,14 @@ impl Cell for ProcessCell {
 
     fn status(&self) -> Result<Status, CellError> {
         self.reap();
-        let current = match &self.publisher {
-            Some(publisher) => !super::sys::has_ended(publisher),
+        let current = match &self.lock {
+            Some(lock) => lock
+                .held()
+                .map_err(|e| CellError::Host(format!("the lock of cell `{}`: {e}", self.name())))?,
             None => self.current()?.is_some(),
         };
         Ok(match current {
-            true if control::is_paused(&self.record) => Status::Paused,
+            true if self.watched.is_frozen() => Status::Paused,
             true => Status::Running,
             false => Status::Ended,
         })
@@ -387,14 +397,14 @@ impl Cell for ProcessCell {
     /// The keeper's pidfd: it ends once its cell is gone. (A later process that took a gone
     /// keeper's pid only makes the wait look again.)
     fn end_waker(&self) -> Option<OwnedFd> {
-        match &self.publisher {
-            Some(publisher) => publisher.try_clone().ok(),
-            None => super::sys::pidfd_open(self.record.warden_pid).ok(),
-        }
+        super::sys::pidfd_open(self.record.warden_pid).ok()
     }
 
     fn oom_kills(&self) -> Option<u64> {
-        self.record.cgroup.as_ref().map(|cg| cg.oom_kills())
+        self.record
+            .cgroup
+            .as_ref()
+            .map(|_| self.watched.oom_kills())
     }
 
     fn usage(&self) -> Option<warden_protocol::CellUsage> {

@@ -361,11 +361,21 @@ impl CellCgroup {
         let Some(dir) = self.dir(Controller::Freezer) else {
             return false;
         };
-        match dir.version {
-            Version::V1 => fs::read_to_string(dir.path.join("freezer.state"))
-                .is_ok_and(|s| s.trim() == "FROZEN"),
-            Version::V2 => fs::read_to_string(dir.path.join("cgroup.events"))
-                .is_ok_and(|s| s.lines().any(|l| l == "frozen 1")),
+        fs::read_to_string(dir.path.join(freezer_file(dir.version)))
+            .is_ok_and(|text| frozen_in(&text, dir.version))
+    }
+
+    /// The files a cell's handle reads again and again (whether it is frozen, its count of OOM
+    /// kills), held open.
+    pub fn watched(&self) -> Watched {
+        let open = |controller, file: fn(Version) -> &'static str| {
+            let dir = self.dir(controller)?;
+            let opened = fs::File::open(dir.path.join(file(dir.version))).ok()?;
+            Some((opened, dir.version))
+        };
+        Watched {
+            freezer: open(Controller::Freezer, freezer_file),
+            oom: open(Controller::Memory, oom_file),
         }
     }
 
@@ -493,19 +503,8 @@ impl CellCgroup {
         let Some(dir) = self.dir(Controller::Memory) else {
             return 0;
         };
-        let file = match dir.version {
-            Version::V2 => "memory.events",
-            Version::V1 => "memory.oom_control",
-        };
-        let Ok(text) = fs::read_to_string(dir.path.join(file)) else {
-            return 0;
-        };
-        text.lines()
-            .find_map(|l| {
-                l.strip_prefix("oom_kill ")
-                    .and_then(|n| n.trim().parse().ok())
-            })
-            .unwrap_or(0)
+        fs::read_to_string(dir.path.join(oom_file(dir.version)))
+            .map_or(0, |text| oom_kills_in(&text))
     }
 
     /// What the cell uses now: memory charged to it and its task count from the memory and
@@ -672,9 +671,125 @@ fn process_cpu_usec(pid: i32) -> Option<u64> {
     Some(ticks * 1_000_000 / per_second)
 }
 
+/// The file that says whether a cgroup is frozen.
+fn freezer_file(version: Version) -> &'static str {
+    match version {
+        Version::V1 => "freezer.state",
+        Version::V2 => "cgroup.events",
+    }
+}
+
+fn frozen_in(text: &str, version: Version) -> bool {
+    match version {
+        Version::V1 => text.trim() == "FROZEN",
+        Version::V2 => text.lines().any(|l| l == "frozen 1"),
+    }
+}
+
+/// The file that counts a cgroup's OOM kills.
+fn oom_file(version: Version) -> &'static str {
+    match version {
+        Version::V1 => "memory.oom_control",
+        Version::V2 => "memory.events",
+    }
+}
+
+fn oom_kills_in(text: &str) -> u64 {
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix("oom_kill ")
+                .and_then(|n| n.trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// A cell's freezer and OOM files held open (`CellCgroup::watched`): each look is one `pread`
+/// from the start of the file, where a look by path opens, `statx`es, reads and closes it. A
+/// file whose cgroup was removed reads as nothing: not frozen, no OOM kills, as by path.
+#[derive(Debug, Default)]
+pub struct Watched {
+    freezer: Option<(fs::File, Version)>,
+    oom: Option<(fs::File, Version)>,
+}
+
+impl Watched {
+    fn read(file: &fs::File) -> Option<String> {
+        use std::os::unix::fs::FileExt as _;
+        // Both files are a few short lines (`memory.oom_control` is the longest, ~60 bytes).
+        let mut buf = [0u8; 256];
+        let len = file.read_at(&mut buf, 0).ok()?;
+        String::from_utf8(buf[..len].to_vec()).ok()
+    }
+
+    /// Whether the cell is frozen, as `CellCgroup::is_frozen` says.
+    pub fn is_frozen(&self) -> bool {
+        self.freezer.as_ref().is_some_and(|(file, version)| {
+            Self::read(file).is_some_and(|text| frozen_in(&text, *version))
+        })
+    }
+
+    /// The cell's count of OOM kills, as `CellCgroup::oom_kills` says.
+    pub fn oom_kills(&self) -> u64 {
+        self.oom
+            .as_ref()
+            .and_then(|(file, _)| Self::read(file))
+            .map_or(0, |text| oom_kills_in(&text))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Held open, each look reads the file again from its start: a state that changed after
+    /// the open (a pause, an OOM kill) is seen, in both versions' formats.
+    #[test]
+    fn watched_files_are_read_again_at_each_look() {
+        let dir = tempfile::tempdir().unwrap();
+        for version in [Version::V1, Version::V2] {
+            let freezer = dir.path().join(format!("freezer-{version:?}"));
+            let oom = dir.path().join(format!("oom-{version:?}"));
+            let (thawed, frozen) = match version {
+                Version::V1 => ("THAWED\n", "FROZEN\n"),
+                Version::V2 => ("populated 1\nfrozen 0\n", "populated 1\nfrozen 1\n"),
+            };
+            let (none, two) = match version {
+                Version::V1 => (
+                    "oom_kill_disable 0\nunder_oom 0\noom_kill 0\n",
+                    "oom_kill_disable 0\nunder_oom 0\noom_kill 2\n",
+                ),
+                Version::V2 => (
+                    "low 0\nhigh 0\nmax 3\noom 2\noom_kill 0\noom_group_kill 0\n",
+                    "low 0\nhigh 0\nmax 3\noom 2\noom_kill 2\noom_group_kill 0\n",
+                ),
+            };
+            fs::write(&freezer, thawed).unwrap();
+            fs::write(&oom, none).unwrap();
+            let watched = Watched {
+                freezer: Some((fs::File::open(&freezer).unwrap(), version)),
+                oom: Some((fs::File::open(&oom).unwrap(), version)),
+            };
+            assert!(!watched.is_frozen(), "{version:?}");
+            assert_eq!(watched.oom_kills(), 0, "{version:?}");
+            // Rewritten in place, as the kernel's files are: the same open files.
+            fs::OpenOptions::new()
+                .write(true)
+                .open(&freezer)
+                .and_then(|mut f| std::io::Write::write_all(&mut f, frozen.as_bytes()))
+                .unwrap();
+            fs::OpenOptions::new()
+                .write(true)
+                .open(&oom)
+                .and_then(|mut f| std::io::Write::write_all(&mut f, two.as_bytes()))
+                .unwrap();
+            assert!(watched.is_frozen(), "{version:?}");
+            assert_eq!(watched.oom_kills(), 2, "{version:?}");
+        }
+        // Nothing held (no such controller): never frozen, no kills.
+        let none = Watched::default();
+        assert!(!none.is_frozen());
+        assert_eq!(none.oom_kills(), 0);
+    }
 
     #[test]
     fn hybrid_host_uses_v1_for_controllers_missing_from_v2() {

@@ -222,6 +222,30 @@ impl Registry {
         locked(&path).map_err(|source| RegistryError::Io { path, source })
     }
 
+    /// The lock of the live cell `name` with its record, the lock held open: while someone
+    /// holds it (`Lock::held`), the record is still this cell's, since a name goes to another
+    /// cell only with a new folder and lock, once the lock is free.
+    pub fn get_locked(&self, name: &str) -> Result<(CellRecord, Lock), RegistryError> {
+        let path = self.cell_dir(name).join("lock");
+        let file = File::open(&path).map_err(|source| match source.kind() {
+            io::ErrorKind::NotFound => RegistryError::NotFound(name.to_owned()),
+            _ => RegistryError::Io {
+                path: path.clone(),
+                source,
+            },
+        })?;
+        // Opened first: a record read after is the one of this lock's cell.
+        let lock = Lock(file);
+        let record = self.get(name)?;
+        if !lock
+            .held()
+            .map_err(|source| RegistryError::Io { path, source })?
+        {
+            return Err(RegistryError::NotFound(name.to_owned()));
+        }
+        Ok((record, lock))
+    }
+
     /// Reads the record of a live cell: `NotFound` only when the cell is gone.
     pub fn get(&self, name: &str) -> Result<CellRecord, RegistryError> {
         if super::plan::check_name(name).is_err() || !self.is_live(name)? {
@@ -291,6 +315,30 @@ impl Registry {
     pub fn mark_killed(&self, name: &str) -> Result<(), RegistryError> {
         let path = self.cell_dir(name).join("killed");
         fs::write(&path, b"").map_err(io_at(&path))
+    }
+}
+
+/// A cell's lock file, held open to be asked whether its cell still lives.
+#[derive(Debug)]
+pub struct Lock(File);
+
+impl Lock {
+    /// Whether it is still in its folder and someone holds it (as `Registry::get` would say:
+    /// a lock file removed, the cell's folder on its way out, is nobody's): a `fstat` and a
+    /// `flock` that does not wait.
+    pub fn held(&self) -> io::Result<bool> {
+        use rustix::fs::{FlockOperation, flock};
+        if rustix::fs::fstat(&self.0)?.st_nlink == 0 {
+            return Ok(false);
+        }
+        match flock(&self.0, FlockOperation::NonBlockingLockShared) {
+            Ok(()) => {
+                flock(&self.0, FlockOperation::Unlock)?;
+                Ok(false)
+            }
+            Err(rustix::io::Errno::WOULDBLOCK) => Ok(true),
+            Err(err) => Err(err.into()),
+        }
     }
 }
 

@@ -82,17 +82,6 @@ pub fn pidfd_open(pid: libc::pid_t) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-/// Whether the process behind `pidfd` has ended (its pidfd is readable), without waiting.
-pub fn has_ended(pidfd: &OwnedFd) -> bool {
-    use rustix::event::{PollFd, PollFlags, Timespec, poll};
-    let mut fds = [PollFd::new(pidfd, PollFlags::IN)];
-    let now = Timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    matches!(poll(&mut fds, Some(&now)), Ok(n) if n > 0)
-}
-
 /// Sends `signal` to the process behind `pidfd`.
 pub fn pidfd_send_signal(pidfd: &OwnedFd, signal: libc::c_int) -> io::Result<()> {
     // SAFETY: plain syscall; a NULL siginfo means "as kill() would send it".
