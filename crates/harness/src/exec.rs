@@ -238,11 +238,17 @@ impl Harness {
             }
         };
         let (input, outputs) = match ours {
+            // A foreground process given no input reads its end at once: the pipe's end is
+            // closed here rather than handed to the runtime only to be closed after the start.
+            Some((stdin_w, stdout_r, stderr_r)) if spec.stdin.is_none() && !spec.background => {
+                drop(stdin_w);
+                (None, process::Outputs::Pipes([stdout_r, stderr_r]))
+            }
             Some((stdin_w, stdout_r, stderr_r)) => {
                 let stdin = tokio::net::unix::pipe::Sender::from_owned_fd(stdin_w)
                     .map_err(|e| ExecError::Failed(format!("stdin pipe: {e}")))?;
                 (
-                    process::Input::Pipe(stdin),
+                    Some(process::Input::Pipe(stdin)),
                     process::Outputs::Pipes([stdout_r, stderr_r]),
                 )
             }
@@ -255,7 +261,7 @@ impl Harness {
                 };
                 let master = Arc::new(master);
                 (
-                    process::Input::Tty(Arc::clone(&master)),
+                    Some(process::Input::Tty(Arc::clone(&master))),
                     process::Outputs::Tty(master),
                 )
             }
@@ -268,7 +274,7 @@ impl Harness {
                 spec.background,
                 pid,
                 session,
-                Some(input),
+                input,
             )
             .with_output_limit(spec.output_limit),
         );
@@ -279,7 +285,8 @@ impl Harness {
             tokio::spawn(async move {
                 let _ = writer.write_stdin(&input, true).await;
             });
-        } else if !spec.background {
+        } else if !spec.background && spec.tty.is_some() {
+            // A foreground terminal given no input: its end of input (a pipe's was closed).
             let _ = process.write_stdin(&[], true).await;
         }
         let harness = Arc::clone(self);
