@@ -592,7 +592,9 @@ fn network_rules_change_while_the_cell_runs() {
         ),
     );
     let name = unique("live-net");
-    // The cell keeps a tunnel open and polls an HTTP URL, printing each change it sees.
+    // The cell keeps a tunnel open and polls an HTTP URL, printing each change it sees. A poll
+    // under way when the rules change is cut with the other open connections (`cut`): the
+    // loop goes on to the next.
     let code = format!(
         "import socket, time, urllib.request, urllib.error, sys\n\
          t = socket.create_connection(('127.0.0.1', 3128))\n\
@@ -601,6 +603,7 @@ fn network_rules_change_while_the_cell_runs() {
          while True:\n\
          \x20   try:\n        status = urllib.request.urlopen('http://127.0.0.2:{port}/').status\n\
          \x20   except urllib.error.HTTPError as e: status = e.code\n\
+         \x20   except OSError: status = 'cut'\n\
          \x20   try:\n        t.sendall(b'x'); tunnel = 'tunnel open' if t.recv(1) == b'x' else 'tunnel closed'\n\
          \x20   except OSError: tunnel = 'tunnel closed'\n\
          \x20   now = f'{{status}} {{tunnel}}'\n\
@@ -625,12 +628,13 @@ fn network_rules_change_while_the_cell_runs() {
     });
     let wait = |wanted: &str| {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let mut seen = Vec::new();
         loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             match lines.recv_timeout(left) {
                 Ok(line) if line == wanted => return,
-                Ok(_) => {}
-                Err(_) => panic!("the cell never printed {wanted:?}"),
+                Ok(line) => seen.push(line),
+                Err(_) => panic!("the cell never printed {wanted:?}; it printed {seen:?}"),
             }
         }
     };
