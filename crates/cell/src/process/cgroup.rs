@@ -713,27 +713,27 @@ pub struct Watched {
 }
 
 impl Watched {
-    fn read(file: &fs::File) -> Option<String> {
+    /// `parse` of the file's text now, read into a buffer on the stack.
+    fn read<T>(
+        held: &Option<(fs::File, Version)>,
+        parse: impl FnOnce(&str, Version) -> T,
+    ) -> Option<T> {
         use std::os::unix::fs::FileExt as _;
-        // Both files are a few short lines (`memory.oom_control` is the longest, ~60 bytes).
+        let (file, version) = held.as_ref()?;
+        // Both files are a few short lines (`memory.events` is the longest, ~60 bytes).
         let mut buf = [0u8; 256];
         let len = file.read_at(&mut buf, 0).ok()?;
-        String::from_utf8(buf[..len].to_vec()).ok()
+        Some(parse(std::str::from_utf8(&buf[..len]).ok()?, *version))
     }
 
     /// Whether the cell is frozen, as `CellCgroup::is_frozen` says.
     pub fn is_frozen(&self) -> bool {
-        self.freezer.as_ref().is_some_and(|(file, version)| {
-            Self::read(file).is_some_and(|text| frozen_in(&text, *version))
-        })
+        Self::read(&self.freezer, frozen_in).unwrap_or(false)
     }
 
     /// The cell's count of OOM kills, as `CellCgroup::oom_kills` says.
     pub fn oom_kills(&self) -> u64 {
-        self.oom
-            .as_ref()
-            .and_then(|(file, _)| Self::read(file))
-            .map_or(0, |text| oom_kills_in(&text))
+        Self::read(&self.oom, |text, _| oom_kills_in(text)).unwrap_or(0)
     }
 }
 

@@ -344,15 +344,10 @@ impl Lock {
 
 /// Whether someone holds the lock at `path` (a missing file is nobody's).
 fn locked(path: &Path) -> io::Result<bool> {
-    let file = match File::open(path) {
-        Ok(file) => file,
-        Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(false),
-        Err(err) => return Err(err),
-    };
-    match Flock::lock(file, FlockArg::LockSharedNonblock) {
-        Ok(_released_on_drop) => Ok(false),
-        Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(true),
-        Err((_, errno)) => Err(errno.into()),
+    match File::open(path) {
+        Ok(file) => Lock(file).held(),
+        Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(err) => Err(err),
     }
 }
 
