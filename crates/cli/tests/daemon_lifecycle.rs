@@ -1085,6 +1085,48 @@ fn a_deleted_cells_name_can_be_taken_again_at_once() {
     );
 }
 
+/// A deleted cell's folder in the daemon's state leaves its place at once and is removed
+/// behind the delete's answer; what a killed daemon left on its way out goes at the next start.
+/// A cell killed (not deleted) is journaled as killed.
+#[test]
+fn a_deleted_cells_folder_goes_and_a_crash_leaves_none_behind() {
+    if !cgroups_available("folder_gone") {
+        return;
+    }
+    let mut daemon = Daemon::start(&[]);
+    let cells = daemon.state().join("daemon").join("cells");
+    let gone = daemon.state().join("daemon").join("gone");
+    let name = unique("folder");
+    daemon.create(&name, json!({}));
+    assert!(cells.join(&name).is_dir(), "no folder of the cell");
+    let deleted = daemon.call("DELETE", &format!("/v1/cells/{name}"), None);
+    assert_eq!(deleted.status, 204, "{}", deleted.text());
+    assert!(
+        !cells.join(&name).exists(),
+        "the folder is still in its place"
+    );
+    wait_for("the deleted cell's folder to go", || {
+        std::fs::read_dir(&gone).map_or(true, |mut d| d.next().is_none())
+    });
+    // A kill journals its reason, whichever of the kill and the watch sees the end first.
+    let killed = unique("killed");
+    daemon.create(&killed, json!({}));
+    let answer = daemon.call("POST", &format!("/v1/cells/{killed}/kill"), None);
+    assert!(answer.status < 300, "{}", answer.text());
+    wait_for("the kill's end in the journal", || {
+        !journal_entries_of(&daemon, "cell.end", &killed).is_empty()
+    });
+    let ends = journal_entries_of(&daemon, "cell.end", &killed);
+    assert_eq!(ends.len(), 1, "{ends:?}");
+    assert_eq!(ends[0]["data"]["reason"], "killed", "{ends:?}");
+    // Left behind by a daemon killed before its remover was done.
+    let left = gone.join("cell-left-1");
+    std::fs::create_dir_all(left.join("deep")).unwrap();
+    std::fs::write(left.join("deep").join("keeper.log"), "x").unwrap();
+    daemon.restart();
+    wait_for("what a killed daemon left to go", || !left.exists());
+}
+
 /// Every process the daemon starts is reaped when it ends: a deleted cell's keeper (the
 /// daemon's child) and the remover of a reset cell's old layer are not left zombies, one per
 /// cell or per reset, in a daemon that runs for months.

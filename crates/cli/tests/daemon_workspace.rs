@@ -1135,6 +1135,67 @@ fn stacked_snapshots_outlive_their_names_and_their_cell() {
     assert!(kept.is_empty(), "left behind: {kept:?}");
 }
 
+/// The same stack, reset while a process of the cell runs (so the reset is made in place, file
+/// by file, through the cell's own mount): after the older snapshot's name is removed, a reset
+/// to the later one still reads the older one's layer where its removal moved it, and the
+/// process that ran throughout sees the reset tree.
+#[test]
+fn a_busy_cell_resets_to_a_snapshot_stacked_on_a_removed_one() {
+    if !cgroups_available("daemon_stacked_busy") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let host = tempdir();
+    std::fs::write(host.path().join("a.txt"), "host\n").unwrap();
+    let cell = daemon.create(
+        &unique("stackbusy"),
+        json!({ "workspace": host.path().display().to_string() }),
+    );
+    let run = |script: &str| {
+        let events = daemon.exec(&cell, json!({ "argv": ["sh", "-c", script] }));
+        assert_eq!(exit_of(&events)["code"], 0, "{script}: {events:?}");
+        String::from_utf8_lossy(&stream_bytes(&events, "stdout")).into_owned()
+    };
+    let many = |dir: &str| {
+        format!("mkdir {dir} && i=0; while [ $i -lt 120 ]; do echo $i > {dir}/$i; i=$((i+1)); done")
+    };
+    run(&format!("echo one > one.txt && {}", many("m1")));
+    snapshot_as(&daemon, &cell, "k1");
+    run(&format!("echo two > two.txt && rm a.txt && {}", many("m2")));
+    snapshot_as(&daemon, &cell, "k2");
+    run("echo three > three.txt");
+    // A process holds the workspace from here on: no reset can mount it again.
+    let busy = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["sleep", "600"], "background": true })),
+    );
+    assert_eq!(busy.status, 201, "{}", busy.text());
+    let rm = daemon
+        .warden()
+        .args(["rm", &format!("{cell}@k1")])
+        .output()
+        .unwrap();
+    assert!(rm.status.success(), "{rm:?}");
+    for round in 0..3 {
+        let reset = daemon.call(
+            "POST",
+            &format!("/v1/cells/{cell}/reset"),
+            Some(json!({ "to": "k2" })),
+        );
+        assert!(reset.status < 300, "round {round}: {}", reset.text());
+        assert_eq!(
+            run("cat one.txt two.txt m1/7 m2/119; ls; echo more > three.txt"),
+            "one\ntwo\n7\n119\nm1\nm2\none.txt\ntwo.txt\n",
+            "round {round}"
+        );
+    }
+    let listed = run(
+        "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done | grep -c '^sleep 600'",
+    );
+    assert_eq!(listed.trim(), "1", "the busy process ended");
+}
+
 /// As root, a cell's layer is a file system of the disk limit's size, and the snapshots taken
 /// without a copy keep their layers in it while the cell runs: only while it is at most half
 /// full. Past that, a snapshot copies (out of it), so that a session's snapshots never fill the

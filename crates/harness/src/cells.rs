@@ -518,14 +518,21 @@ impl Harness {
                 l.last_activity = Instant::now();
             }
         }
-        if action == ControlAction::Kill {
-            let _ = std::fs::write(self.daemon_dir.join("cells").join(name).join("killed"), "");
-        }
+        // The daemon's own note of a kill (for a later daemon that finds the end), written once
+        // the signal is out: the watch that sees the end also reads the keeper's word for it.
+        let marker = (action == ControlAction::Kill)
+            .then(|| self.daemon_dir.join("cells").join(name).join("killed"));
         let handle = Arc::clone(&cell);
         let result = on_own_thread("cell-control", move || match action {
             ControlAction::Pause => handle.freeze(),
             ControlAction::Resume => handle.thaw(),
-            ControlAction::Kill => handle.kill(),
+            ControlAction::Kill => {
+                let killed = handle.kill();
+                if let Some(marker) = marker {
+                    let _ = std::fs::write(marker, "");
+                }
+                killed
+            }
         })
         .await?;
         asked.wait(self).await?;
@@ -675,9 +682,75 @@ impl Harness {
             let _ = tier.remove_layer(name);
         }
         let _ = std::fs::remove_file(self.store.net_log_path(name));
-        let _ = std::fs::remove_dir_all(self.daemon_dir.join("cells").join(name));
+        self.discard_folder(self.daemon_dir.join("cells").join(name));
+    }
+
+    /// Takes a folder the daemon is done with out of the way at once, renamed into `gone/` (its
+    /// name is free for a new cell), and removes it on a thread of its own: on a disk mounted
+    /// with `discard`, a directory's removal waits for the device, and a delete need not. What
+    /// a killed daemon left in `gone/` goes at the next start (`sweep_gone`).
+    pub(crate) fn discard_folder(&self, dir: PathBuf) {
+        let Some(file_name) = dir.file_name() else {
+            return;
+        };
+        let gone = self.daemon_dir.join(GONE_DIR);
+        let stamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let aside = gone.join(format!("{}-{stamp}", file_name.to_string_lossy()));
+        let renamed = match std::fs::rename(&dir, &aside) {
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound && !gone.is_dir() => {
+                std::fs::create_dir_all(&gone).and_then(|()| std::fs::rename(&dir, &aside))
+            }
+            other => other,
+        };
+        match renamed {
+            Ok(()) => self.remove_later(aside),
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound && !dir.exists() => {}
+            // Not renamed (another file system, a name in the way): removed here and now.
+            Err(_) => {
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+        }
+    }
+
+    /// Removes what an earlier daemon left in `gone/`, on the remover's thread.
+    pub(crate) fn sweep_gone(&self) {
+        let left = std::fs::read_dir(self.daemon_dir.join(GONE_DIR));
+        for entry in left.into_iter().flatten().flatten() {
+            self.remove_later(entry.path());
+        }
+    }
+
+    /// Hands a folder to the remover's thread (started at the first one); removed here when no
+    /// thread can be started.
+    fn remove_later(&self, dir: PathBuf) {
+        let remover = self.remover.get_or_init(|| {
+            let (tx, rx) = std::sync::mpsc::channel::<PathBuf>();
+            let started = std::thread::Builder::new()
+                .name("folder-remover".to_owned())
+                .spawn(move || {
+                    for dir in rx {
+                        let _ = std::fs::remove_dir_all(dir);
+                    }
+                });
+            started.ok().map(|_| tx)
+        });
+        match remover {
+            Some(tx) => {
+                if let Err(std::sync::mpsc::SendError(dir)) = tx.send(dir) {
+                    let _ = std::fs::remove_dir_all(dir);
+                }
+            }
+            None => {
+                let _ = std::fs::remove_dir_all(dir);
+            }
+        }
     }
 }
+
+/// Where the folders of deleted cells wait for their removal, in the daemon's folder.
+const GONE_DIR: &str = "gone";
 
 pub(crate) fn generate_name() -> String {
     let mut bytes = [0u8; 4];

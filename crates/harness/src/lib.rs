@@ -155,6 +155,9 @@ pub struct Harness {
     /// quiet.
     opened: Instant,
     last_entry_us: AtomicU64,
+    /// The thread that removes folders the daemon is done with (see `discard_folder`), once started;
+    /// `None` where it could not be.
+    remover: std::sync::OnceLock<Option<std::sync::mpsc::Sender<PathBuf>>>,
 }
 
 /// Where a cell's keeper writes how the cell ended, in the daemon's folder of the cell.
@@ -240,6 +243,7 @@ impl Harness {
             pools,
             opened: Instant::now(),
             last_entry_us: AtomicU64::new(0),
+            remover: std::sync::OnceLock::new(),
             tiers: config.tiers,
             store,
             journal,
@@ -262,6 +266,7 @@ impl Harness {
         harness
             .next_process
             .store(start.seq * 1000 + 1, Ordering::Relaxed);
+        harness.sweep_gone();
         harness.reconcile(cut).await?;
         harness.start_pools().await?;
         harness.sample_usage();

@@ -368,7 +368,7 @@ impl Harness {
             let _ = backend.remove_layer(name);
         }
         let _ = std::fs::remove_file(self.store.net_log_path(name));
-        let _ = std::fs::remove_dir_all(self.daemon_dir.join("cells").join(name));
+        self.discard_folder(self.daemon_dir.join("cells").join(name));
         self.handed_out(name);
     }
 

@@ -218,7 +218,9 @@ impl Harness {
             );
             let reason = if let Ok(id) = checkpointed {
                 format!("checkpointed as {id}")
-            } else if self.kill_requested(name) {
+            } else if self.kill_requested(name)
+                || ending.as_ref().is_some_and(|e| e["reason"] == "killed")
+            {
                 "killed".to_owned()
             } else if let Some(message) = ending
                 .as_ref()

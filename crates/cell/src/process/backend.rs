@@ -307,6 +307,17 @@ impl ProcessCell {
     }
 
     /// The registry's record, if it is still this cell's (not a later one of the same name).
+    /// Whether the handle's record is still the cell's: the held lock tells (a `fstat` and a
+    /// `flock`), else the registry by path.
+    fn is_current(&self) -> Result<bool, CellError> {
+        match &self.lock {
+            Some(lock) => lock
+                .held()
+                .map_err(|e| CellError::Host(format!("the lock of cell `{}`: {e}", self.name()))),
+            None => Ok(self.current()?.is_some()),
+        }
+    }
+
     fn current(&self) -> Result<Option<CellRecord>, CellError> {
         match self.registry.get(&self.record.name) {
             Ok(record)
@@ -381,13 +392,7 @@ impl Cell for ProcessCell {
 
     fn status(&self) -> Result<Status, CellError> {
         self.reap();
-        let current = match &self.lock {
-            Some(lock) => lock
-                .held()
-                .map_err(|e| CellError::Host(format!("the lock of cell `{}`: {e}", self.name())))?,
-            None => self.current()?.is_some(),
-        };
-        Ok(match current {
+        Ok(match self.is_current()? {
             true if self.watched.is_frozen() => Status::Paused,
             true => Status::Running,
             false => Status::Ended,
@@ -424,12 +429,10 @@ impl Cell for ProcessCell {
     }
 
     fn kill(&self) -> Result<(), CellError> {
-        if self.current()?.is_none() {
+        if !self.is_current()? {
             return Err(self.ended());
         }
-        control::kill(&self.registry, &self.record.name)
-            .map(|_| ())
-            .map_err(control_error)
+        control::kill_record(&self.registry, &self.record).map_err(control_error)
     }
 
     fn exec(

@@ -59,6 +59,14 @@ pub fn is_paused(record: &CellRecord) -> bool {
 /// the cgroup kill covers a frozen cell too.
 pub fn kill(registry: &Registry, name: &str) -> Result<CellRecord, ControlError> {
     let record = registry.get(name)?;
+    kill_record(registry, &record)?;
+    Ok(record)
+}
+
+/// `kill` of the cell `record` describes, where the caller knows the record is current (it
+/// holds the cell's lock file open and sees it held).
+pub fn kill_record(registry: &Registry, record: &CellRecord) -> Result<(), ControlError> {
+    let name = record.name.as_str();
     registry.mark_killed(name)?;
     // The pidfd pins the process: once it is open and the start time still matches, the signal
     // cannot reach a later process that reused the pid.
@@ -85,7 +93,7 @@ pub fn kill(registry: &Registry, name: &str) -> Result<CellRecord, ControlError>
     {
         return Err(err.into());
     }
-    Ok(record)
+    Ok(())
 }
 
 #[derive(Debug, thiserror::Error)]
