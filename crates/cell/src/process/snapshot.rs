@@ -112,10 +112,49 @@ fn write_record(store: &Store, info: &SnapshotInfo) -> Result<(), SnapshotError>
         path: path.clone(),
         source: io::Error::other(e),
     })?;
-    let aside = path.with_extension("json.new");
-    fs::write(&aside, text)
-        .and_then(|()| fs::rename(&aside, &path))
-        .map_err(|source| SnapshotError::Record { path, source })
+    // A name of this writer's own: two writers of one record never share the file aside.
+    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let aside = path.with_extension(format!("json.new-{}-{n}", std::process::id()));
+    let written = fs::write(&aside, text).and_then(|()| fs::rename(&aside, &path));
+    if written.is_err() {
+        let _ = fs::remove_file(&aside);
+    }
+    written.map_err(|source| SnapshotError::Record { path, source })
+}
+
+/// Held while snapshot records are read, changed and written back (a size counted aside, the
+/// layers a removal or a cell's end moves): two such updates never interleave, so that neither
+/// writes back a record the other changed meanwhile (a moved layer's old place, in the record
+/// of a snapshot stacked on it). Every process of the store takes it (a `flock`).
+struct RecordsLock {
+    _held: fs::File,
+}
+
+impl RecordsLock {
+    fn take(store: &Store) -> Result<Self, SnapshotError> {
+        // Beside the snapshots' folder, not in it (where every entry is a snapshot's).
+        let dir = snapshots_dir(store);
+        let path = dir.with_file_name("snapshots.lock");
+        let opened = fs::create_dir_all(&dir).and_then(|()| {
+            fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&path)
+        });
+        let file = opened.map_err(|source| SnapshotError::Record {
+            path: path.clone(),
+            source,
+        })?;
+        rustix::fs::flock(&file, rustix::fs::FlockOperation::LockExclusive).map_err(|e| {
+            SnapshotError::Record {
+                path,
+                source: e.into(),
+            }
+        })?;
+        Ok(Self { _held: file })
+    }
 }
 
 /// Removes a stopped cell's layer (its unapplied changes are lost); the snapshot layers kept in
@@ -390,7 +429,9 @@ fn counted(store: &Store, id: &str) -> Result<SnapshotInfo, SnapshotError> {
         return Ok(info);
     }
     let size = layer_size(&info.layer);
-    // Recorded unless the snapshot changed meanwhile (removed, or its layer moved).
+    // Recorded unless the snapshot changed meanwhile (removed, or its layer moved); read again
+    // and written under the records' lock, so that a move recorded meanwhile is kept.
+    let _records = RecordsLock::take(store)?;
     let now = get(store, id)?;
     if now.layer != info.layer || now.size.is_some() {
         return Ok(now);
@@ -900,8 +941,10 @@ pub fn remove(store: &Store, id: &str) -> Result<(), SnapshotError> {
         if let Some(parent) = to.parent() {
             fs::create_dir_all(parent).map_err(copy_err(parent))?;
         }
+        // The move and the records that follow it, as one update of the records.
+        let _records = RecordsLock::take(store)?;
         fs::rename(&from, &to).map_err(copy_err(&from))?;
-        relocate(store, &[(info.layer.clone(), kept)])?;
+        relocate_held(store, &[(info.layer.clone(), kept)])?;
     } else if let Some((parent, name)) = clone_of(&info.layer) {
         destroy_clone(&parent, &name).map_err(copy_err(&info.layer))?;
     } else if !info.layer.starts_with(&dir) {
@@ -910,7 +953,11 @@ pub fn remove(store: &Store, id: &str) -> Result<(), SnapshotError> {
             .remove_tree()
             .map_err(copy_err(&info.layer))?;
     }
-    fs::remove_dir_all(&dir).map_err(|source| SnapshotError::Copy { path: dir, source })?;
+    {
+        // Not while a size counted aside is written into it.
+        let _records = RecordsLock::take(store)?;
+        fs::remove_dir_all(&dir).map_err(|source| SnapshotError::Copy { path: dir, source })?;
+    }
     collect(store);
     Ok(())
 }
@@ -927,6 +974,12 @@ fn stacks(meta: &LayerMeta) -> impl Iterator<Item = &PathBuf> {
 
 /// Tells every record (snapshots, cells' layers) that stacks a layer of `moves` where it is now.
 fn relocate(store: &Store, moves: &[(PathBuf, PathBuf)]) -> Result<(), SnapshotError> {
+    let _records = RecordsLock::take(store)?;
+    relocate_held(store, moves)
+}
+
+/// `relocate`, the records' lock held by the caller.
+fn relocate_held(store: &Store, moves: &[(PathBuf, PathBuf)]) -> Result<(), SnapshotError> {
     let now = |path: &PathBuf| -> PathBuf {
         moves
             .iter()
@@ -1564,5 +1617,67 @@ mod tests {
         }
         assert!(get(&store, "c@s1").is_err());
         assert!(!snapshots_dir(&store).join("c@s1").exists());
+    }
+
+    /// A snapshot's size, counted aside while a removal moves a layer it stacks: whichever
+    /// writes its record last, the record keeps both the size and the layer's new place (the
+    /// count writes back what it read only under the records' lock). Many rounds, the two on
+    /// threads of their own, the count made slow enough to overlap.
+    #[test]
+    fn a_size_counted_aside_never_undoes_a_layers_move() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = Store::open(tmp.path().to_path_buf()).unwrap();
+        let own = tmp.path().join("own");
+        fs::create_dir_all(&own).unwrap();
+        for i in 0..200 {
+            fs::write(own.join(format!("f{i}")), "x").unwrap();
+        }
+        let mut lost = Vec::new();
+        for round in 0..150 {
+            let id = format!("c@s{round}");
+            let (from, to) = (
+                tmp.path().join(format!("k{round}")),
+                tmp.path().join(format!("moved-k{round}")),
+            );
+            let info = SnapshotInfo {
+                id: id.clone(),
+                cell: "c".into(),
+                lower: tmp.path().join("host"),
+                layer: own.clone(),
+                base: vec![from.clone()],
+                protected: Vec::new(),
+                created: SystemTime::now(),
+                size: None,
+            };
+            fs::create_dir_all(snapshots_dir(&store).join(&id)).unwrap();
+            write_record(&store, &info).unwrap();
+            let counting = {
+                let (store, id) = (store.clone(), id.clone());
+                std::thread::spawn(move || counted(&store, &id).map(drop))
+            };
+            let moving = {
+                let store = store.clone();
+                std::thread::spawn(move || relocate(&store, &[(from, to)]))
+            };
+            counting.join().unwrap().unwrap();
+            moving.join().unwrap().unwrap();
+            let now = get(&store, &id).unwrap();
+            if now.base != [tmp.path().join(format!("moved-k{round}"))] || now.size.is_none() {
+                lost.push(round);
+            }
+        }
+        assert!(
+            lost.is_empty(),
+            "rounds whose record lost an update: {lost:?}"
+        );
+        // Nothing of the writers is left beside the records.
+        for entry in fs::read_dir(snapshots_dir(&store)).unwrap().flatten() {
+            let names: Vec<_> = fs::read_dir(entry.path())
+                .unwrap()
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect();
+            assert_eq!(names, ["snapshot.json"], "{}", entry.path().display());
+        }
     }
 }
