@@ -838,7 +838,11 @@ impl LayerGuard {
             lower: host.to_path_buf(),
             started: SystemTime::now(),
             protected: policy.filesystem.workspace.protect.clone(),
-            base: base.to_vec(),
+            // Where its layers are now, should a removal have moved one since it was read.
+            base: match base.is_empty() {
+                true => Vec::new(),
+                false => super::snapshot::stack_now(store, base).unwrap_or_else(|_| base.to_vec()),
+            },
             start: None,
             mount: policy.filesystem.workspace.mount.clone(),
         };

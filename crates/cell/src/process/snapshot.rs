@@ -405,12 +405,15 @@ pub fn take(
             return Err(err);
         }
     };
-    if let Err(err) = write_record(store, &info) {
-        if let Some((parent, name)) = clone_of(&info.layer) {
-            let _ = destroy_clone(&parent, &name);
+    let info = match write_new_record(store, &info) {
+        Ok(info) => info,
+        Err(err) => {
+            if let Some((parent, name)) = clone_of(&info.layer) {
+                let _ = destroy_clone(&parent, &name);
+            }
+            return Err(err);
         }
-        return Err(err);
-    }
+    };
     if info.size.is_none() {
         // Counted aside (a walk of every file it holds); `list` counts what this did not.
         let (store, id) = (store.clone(), info.id.clone());
@@ -603,7 +606,7 @@ fn turn_over(
     swap_in(layer, "upper")?;
     swap_in(layer, "work")?;
     let now = on(meta, stacked);
-    write_meta(layer, &now)?;
+    write_meta(store, layer, &now)?;
     Making::done(store, layer);
     if base != meta.base {
         super::squash::forget(layer);
@@ -735,7 +738,7 @@ pub(super) fn finish_interrupted(store: &Store, layer: &Layer) -> Result<(), Sna
                 fs::rename(&turned, &info.layer).map_err(copy_err(&turned))?;
             }
             if get(store, &info.id).is_err() {
-                write_record(store, info)?;
+                write_new_record(store, info)?;
             }
         }
         if dir.join("upper.new").exists() {
@@ -748,7 +751,7 @@ pub(super) fn finish_interrupted(store: &Store, layer: &Layer) -> Result<(), Sna
             path: layer.dir().join("layer.json"),
             source,
         })?;
-        write_meta(layer, &on(&meta, making.base))?;
+        write_meta(store, layer, &on(&meta, making.base))?;
     } else {
         // The old overlay is the cell's: what was moved out of its upper layer goes back.
         if let Ok(entries) = fs::read_dir(&turned) {
@@ -980,6 +983,7 @@ fn relocate(store: &Store, moves: &[(PathBuf, PathBuf)]) -> Result<(), SnapshotE
 
 /// `relocate`, the records' lock held by the caller.
 fn relocate_held(store: &Store, moves: &[(PathBuf, PathBuf)]) -> Result<(), SnapshotError> {
+    log_moves(store, moves)?;
     let now = |path: &PathBuf| -> PathBuf {
         moves
             .iter()
@@ -1003,10 +1007,84 @@ fn relocate_held(store: &Store, moves: &[(PathBuf, PathBuf)]) -> Result<(), Snap
             ..meta.clone()
         };
         if told != meta {
-            write_meta(&store.layer(&name), &told)?;
+            write_meta_held(&store.layer(&name), &told)?;
         }
     }
     Ok(())
+}
+
+/// Where the moves of layers are logged (see `placed`), beside the snapshots' folder.
+fn moves_path(store: &Store) -> PathBuf {
+    snapshots_dir(store).with_file_name("snapshots.moves")
+}
+
+/// The logged moves of layers, oldest first (the records' lock held).
+fn logged_moves(store: &Store) -> Vec<(PathBuf, PathBuf)> {
+    fs::read(moves_path(store))
+        .ok()
+        .and_then(|text| serde_json::from_slice(&text).ok())
+        .unwrap_or_default()
+}
+
+/// Adds `moves` to the log, and leaves out those whose layer is gone from where they lead
+/// (collected: nothing can stack it).
+fn log_moves(store: &Store, moves: &[(PathBuf, PathBuf)]) -> Result<(), SnapshotError> {
+    let mut all = logged_moves(store);
+    all.extend(moves.iter().cloned());
+    let leads = |to: &PathBuf| placed(&all, std::slice::from_ref(to))[0].exists();
+    let kept: Vec<bool> = all.iter().map(|(_, to)| leads(to)).collect();
+    let mut kept = kept.into_iter();
+    all.retain(|_| kept.next().unwrap_or(false));
+    let path = moves_path(store);
+    let aside = path.with_extension(format!("new-{}", std::process::id()));
+    let text = serde_json::to_vec(&all).map_err(|e| SnapshotError::Record {
+        path: path.clone(),
+        source: io::Error::other(e),
+    })?;
+    fs::write(&aside, text)
+        .and_then(|()| fs::rename(&aside, &path))
+        .map_err(|source| SnapshotError::Record { path, source })
+}
+
+/// `paths` as they are now: each that is not where it was read, and that a logged move took
+/// elsewhere, at its new place (a move of a move followed). A record made from what was read
+/// before a removal or a cell's end moved a layer it stacks (a turn-over under way meanwhile)
+/// is written with the layer's new place, not its old one. The records' lock is held.
+fn placed(moves: &[(PathBuf, PathBuf)], paths: &[PathBuf]) -> Vec<PathBuf> {
+    paths
+        .iter()
+        .map(|path| {
+            let mut now = path.clone();
+            for _ in 0..moves.len() {
+                if now.exists() {
+                    break;
+                }
+                match moves.iter().rev().find(|(from, _)| *from == now) {
+                    Some((_, to)) => now = to.clone(),
+                    None => break,
+                }
+            }
+            now
+        })
+        .collect()
+}
+
+/// The layers of `paths` where they are now (see `placed`), under the records' lock: for a
+/// layer about to be made on a snapshot's stack.
+pub fn stack_now(store: &Store, paths: &[PathBuf]) -> Result<Vec<PathBuf>, SnapshotError> {
+    let _records = RecordsLock::take(store)?;
+    Ok(placed(&logged_moves(store), paths))
+}
+
+/// Writes a new snapshot's record, its stack as it is now (see `placed`).
+fn write_new_record(store: &Store, info: &SnapshotInfo) -> Result<SnapshotInfo, SnapshotError> {
+    let _records = RecordsLock::take(store)?;
+    let info = SnapshotInfo {
+        base: placed(&logged_moves(store), &info.base),
+        ..info.clone()
+    };
+    write_record(store, &info)?;
+    Ok(info)
 }
 
 /// Every layer some record stacks.
@@ -1101,7 +1179,20 @@ fn on(meta: &LayerMeta, base: Vec<PathBuf>) -> LayerMeta {
     }
 }
 
-fn write_meta(layer: &Layer, meta: &LayerMeta) -> Result<(), SnapshotError> {
+/// Writes a layer's record, its stack as it is now (see `placed`), under the records' lock.
+fn write_meta(store: &Store, layer: &Layer, meta: &LayerMeta) -> Result<(), SnapshotError> {
+    let _records = RecordsLock::take(store)?;
+    let moves = logged_moves(store);
+    let meta = LayerMeta {
+        base: placed(&moves, &meta.base),
+        start: meta.start.as_ref().map(|s| placed(&moves, s)),
+        ..meta.clone()
+    };
+    write_meta_held(layer, &meta)
+}
+
+/// Writes a layer's record as it is (the records' lock held by the caller).
+fn write_meta_held(layer: &Layer, meta: &LayerMeta) -> Result<(), SnapshotError> {
     layer
         .write_meta(meta)
         .map_err(|source| SnapshotError::Record {
@@ -1188,7 +1279,7 @@ pub fn reset_stopped(
     let fresh = upper_dir(layer).join("upper.new");
     let _ = fs::remove_dir_all(&fresh);
     empty_like(&upper, &fresh)?;
-    write_meta(layer, &on(&meta, target))?;
+    write_meta(store, layer, &on(&meta, target))?;
     swap_in(layer, "upper")
 }
 
@@ -1262,7 +1353,7 @@ fn reset_by_swap(
         return Ok(false);
     }
     swap_in(layer, "work")?;
-    write_meta(layer, &on(meta, target))?;
+    write_meta(store, layer, &on(meta, target))?;
     swap_in(layer, "upper")?;
     Making::done(store, layer);
     Ok(true)
@@ -1679,5 +1770,80 @@ mod tests {
                 .collect();
             assert_eq!(names, ["snapshot.json"], "{}", entry.path().display());
         }
+    }
+
+    /// A layer's record made from what was read before a removal moved a layer it stacks (a
+    /// turn-over or a reset under way meanwhile), and a new snapshot's record likewise, are
+    /// written with the layer's new place: a reset or fork from them finds it, and the kept
+    /// layer is not taken for one nothing stacks. A move of a move is followed; a layer made
+    /// again at an old place is not redirected.
+    #[test]
+    fn a_record_written_from_a_read_before_a_move_names_the_new_place() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = Store::open(tmp.path().to_path_buf()).unwrap();
+        let layer = store.layer("c");
+        let (k1, k2) = (tmp.path().join("k1"), tmp.path().join("k2"));
+        for dir in [&k1, &k2] {
+            fs::create_dir_all(dir).unwrap();
+        }
+        let meta = LayerMeta {
+            lower: tmp.path().join("host"),
+            started: SystemTime::now(),
+            protected: Vec::new(),
+            base: vec![k2.clone(), k1.clone()],
+            start: Some(vec![k1.clone()]),
+            mount: "/workspace".into(),
+        };
+        layer.create(&meta).unwrap();
+        // Read by a turn-over; then a removal moves k1 (twice over) and tells the records.
+        let read = layer.meta().unwrap();
+        let (kept, again) = (tmp.path().join("kept-k1"), tmp.path().join("kept-again"));
+        fs::rename(&k1, &kept).unwrap();
+        relocate(&store, &[(k1.clone(), kept.clone())]).unwrap();
+        fs::rename(&kept, &again).unwrap();
+        relocate(&store, &[(kept.clone(), again.clone())]).unwrap();
+        assert_eq!(layer.meta().unwrap().base, [k2.clone(), again.clone()]);
+        // The turn-over writes what it made from its read.
+        let own = tmp.path().join("own");
+        fs::create_dir_all(&own).unwrap();
+        let mut stacked = vec![own.clone()];
+        stacked.extend(read.base.iter().cloned());
+        write_meta(&store, &layer, &on(&read, stacked)).unwrap();
+        let now = layer.meta().unwrap();
+        assert_eq!(
+            now.base,
+            [own.clone(), k2.clone(), again.clone()],
+            "{now:?}"
+        );
+        assert_eq!(now.start, Some(vec![again.clone()]), "{now:?}");
+        // Its snapshot's record too.
+        fs::create_dir_all(snapshots_dir(&store).join("c@s1")).unwrap();
+        let info = SnapshotInfo {
+            id: "c@s1".into(),
+            cell: "c".into(),
+            lower: read.lower.clone(),
+            layer: own.clone(),
+            base: read.base.clone(),
+            protected: Vec::new(),
+            created: SystemTime::now(),
+            size: Some(0),
+        };
+        let written = write_new_record(&store, &info).unwrap();
+        assert_eq!(written.base, [k2.clone(), again.clone()]);
+        assert_eq!(
+            get(&store, "c@s1").unwrap().base,
+            [k2.clone(), again.clone()]
+        );
+        // A layer at an old place again is that one.
+        fs::create_dir_all(&k1).unwrap();
+        assert_eq!(stack_now(&store, std::slice::from_ref(&k1)).unwrap(), [k1]);
+        // Once the moved layer is gone, its moves leave the log.
+        fs::remove_dir_all(&again).unwrap();
+        relocate(&store, &[]).unwrap();
+        assert!(
+            logged_moves(&store).is_empty(),
+            "{:?}",
+            logged_moves(&store)
+        );
     }
 }
