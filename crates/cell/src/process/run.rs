@@ -709,7 +709,7 @@ pub(crate) fn prepare(
                     .to_path_buf(),
                 upper,
                 work: layer.layer.work(),
-                base: base.clone(),
+                base: layer.base.clone(),
                 snapshots_dir: store.root().join("snapshots"),
             });
             ws.protect.clear(); // reviewed at apply time instead
@@ -812,6 +812,8 @@ pub(crate) struct LayerGuard {
     /// The disk limit, when the warden's watch keeps it (the layer has no file system of its
     /// own).
     watched: Option<u64>,
+    /// The layers it stacks, where they are now (as its record says).
+    base: Vec<PathBuf>,
 }
 
 impl LayerGuard {
@@ -838,11 +840,7 @@ impl LayerGuard {
             lower: host.to_path_buf(),
             started: SystemTime::now(),
             protected: policy.filesystem.workspace.protect.clone(),
-            // Where its layers are now, should a removal have moved one since it was read.
-            base: match base.is_empty() {
-                true => Vec::new(),
-                false => super::snapshot::stack_now(store, base).unwrap_or_else(|_| base.to_vec()),
-            },
+            base: base.to_vec(),
             start: None,
             mount: policy.filesystem.workspace.mount.clone(),
         };
@@ -851,6 +849,7 @@ impl LayerGuard {
             store: store.clone(),
             armed: true,
             watched: None,
+            base: Vec::new(),
         };
         if let Some(disk) = policy.limits.disk {
             let why_not = match privileged {
@@ -877,10 +876,9 @@ impl LayerGuard {
                 }
             }
         }
-        guard
-            .layer
-            .create(&meta)
-            .map_err(os("creating the workspace layer"))?;
+        // Where its layers are now, should a removal have moved one since they were read.
+        guard.base = super::snapshot::create_layer(store, &guard.layer, &meta)
+            .map_err(|e| RunError::Setup(format!("creating the workspace layer: {e}")))?;
         // The merged workspace root takes its owner and mode from the upper directory: make
         // them those of the host directory as the cell sees it.
         let host_meta = fs::metadata(host).map_err(os("reading the workspace"))?;

@@ -902,6 +902,10 @@ fn layer_size(dir: &Path) -> u64 {
 /// Removes a snapshot: its name at once, its layer once nothing stacks on it any more. A snapshot
 /// that another cell was forked from stays until that cell is removed.
 pub fn remove(store: &Store, id: &str) -> Result<(), SnapshotError> {
+    get(store, id)?;
+    // The look for what stacks it and what follows from it, as one update of the records: a
+    // layer made on it meanwhile (a fork) is either seen here or finds it gone.
+    let records = RecordsLock::take(store)?;
     let info = get(store, id)?;
     let cells = store.layers();
     for (cell, meta) in &cells {
@@ -944,8 +948,6 @@ pub fn remove(store: &Store, id: &str) -> Result<(), SnapshotError> {
         if let Some(parent) = to.parent() {
             fs::create_dir_all(parent).map_err(copy_err(parent))?;
         }
-        // The move and the records that follow it, as one update of the records.
-        let _records = RecordsLock::take(store)?;
         fs::rename(&from, &to).map_err(copy_err(&from))?;
         relocate_held(store, &[(info.layer.clone(), kept)])?;
     } else if let Some((parent, name)) = clone_of(&info.layer) {
@@ -956,11 +958,8 @@ pub fn remove(store: &Store, id: &str) -> Result<(), SnapshotError> {
             .remove_tree()
             .map_err(copy_err(&info.layer))?;
     }
-    {
-        // Not while a size counted aside is written into it.
-        let _records = RecordsLock::take(store)?;
-        fs::remove_dir_all(&dir).map_err(|source| SnapshotError::Copy { path: dir, source })?;
-    }
+    fs::remove_dir_all(&dir).map_err(|source| SnapshotError::Copy { path: dir, source })?;
+    drop(records);
     collect(store);
     Ok(())
 }
@@ -1069,11 +1068,47 @@ fn placed(moves: &[(PathBuf, PathBuf)], paths: &[PathBuf]) -> Vec<PathBuf> {
         .collect()
 }
 
-/// The layers of `paths` where they are now (see `placed`), under the records' lock: for a
-/// layer about to be made on a snapshot's stack.
-pub fn stack_now(store: &Store, paths: &[PathBuf]) -> Result<Vec<PathBuf>, SnapshotError> {
+/// The layers of `paths` where they are now (see `placed`), under the records' lock.
+#[cfg(test)]
+fn stack_now(store: &Store, paths: &[PathBuf]) -> Result<Vec<PathBuf>, SnapshotError> {
     let _records = RecordsLock::take(store)?;
     Ok(placed(&logged_moves(store), paths))
+}
+
+/// Makes a cell's layer on `meta.base` (a snapshot's stack, read before): under the records'
+/// lock, with each layer where it is now (see `placed`), and only while each still exists, so
+/// that a removal of the snapshot at the same moment either sees this layer stack it (and
+/// keeps it) or has removed it first (and this is refused with what to do). The stack as
+/// recorded.
+pub fn create_layer(
+    store: &Store,
+    layer: &Layer,
+    meta: &LayerMeta,
+) -> Result<Vec<PathBuf>, SnapshotError> {
+    let record_err = |source| SnapshotError::Record {
+        path: layer.dir().join("layer.json"),
+        source,
+    };
+    if meta.base.is_empty() {
+        return layer.create(meta).map(|()| Vec::new()).map_err(record_err);
+    }
+    let _records = RecordsLock::take(store)?;
+    let base = placed(&logged_moves(store), &meta.base);
+    if let Some(gone) = base.iter().find(|l| !l.is_dir()) {
+        return Err(SnapshotError::Copy {
+            path: gone.clone(),
+            source: io::Error::new(
+                io::ErrorKind::NotFound,
+                "a layer of the snapshot this starts from was removed meanwhile (list them with `warden snapshots`)",
+            ),
+        });
+    }
+    let meta = LayerMeta {
+        base,
+        ..meta.clone()
+    };
+    layer.create(&meta).map_err(record_err)?;
+    Ok(meta.base)
 }
 
 /// Writes a new snapshot's record, its stack as it is now (see `placed`).
@@ -1105,6 +1140,10 @@ fn referenced(store: &Store) -> std::collections::HashSet<PathBuf> {
 
 /// Removes the kept layers of removed snapshots that nothing stacks any more.
 fn collect(store: &Store) {
+    // Under the records' lock: a layer made on a kept one meanwhile is seen as its user.
+    let Ok(_records) = RecordsLock::take(store) else {
+        return;
+    };
     let used = referenced(store);
     let mut kept: Vec<PathBuf> = fs::read_dir(kept_dir(store))
         .into_iter()
@@ -1845,5 +1884,63 @@ mod tests {
             "{:?}",
             logged_moves(&store)
         );
+    }
+
+    /// A layer made on a snapshot's stack read before the snapshot's removal: where the
+    /// removal kept the layer (a later snapshot stacks it), the new layer stacks it where it
+    /// was kept; where the removal took it (nothing stacked it), the new layer is refused, and
+    /// nothing of it is made.
+    #[test]
+    fn a_layer_made_on_a_removed_snapshot_finds_it_kept_or_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = Store::open(tmp.path().to_path_buf()).unwrap();
+        let snapshot = |name: &str, base: Vec<PathBuf>| {
+            let id = format!("c@{name}");
+            let layer = snapshots_dir(&store).join(&id).join("layer");
+            fs::create_dir_all(&layer).unwrap();
+            fs::write(layer.join(format!("{name}.txt")), name).unwrap();
+            write_record(
+                &store,
+                &SnapshotInfo {
+                    id,
+                    cell: "c".into(),
+                    lower: tmp.path().join("host"),
+                    layer: layer.clone(),
+                    base,
+                    protected: Vec::new(),
+                    created: SystemTime::now(),
+                    size: Some(1),
+                },
+            )
+            .unwrap();
+            layer
+        };
+        let meta_on = |base: Vec<PathBuf>| LayerMeta {
+            lower: tmp.path().join("host"),
+            started: SystemTime::now(),
+            protected: Vec::new(),
+            base,
+            start: None,
+            mount: "/workspace".into(),
+        };
+        let s1 = snapshot("s1", Vec::new());
+        snapshot("s2", vec![s1.clone()]);
+        let s3 = snapshot("s3", Vec::new());
+        // Read before: s1's stack, s3's stack. Then both are removed.
+        remove(&store, "c@s1").unwrap();
+        remove(&store, "c@s3").unwrap();
+        assert!(!s1.exists() && !s3.exists());
+        let kept = get(&store, "c@s2").unwrap().base;
+        assert_ne!(kept.as_slice(), std::slice::from_ref(&s1));
+        let on_kept = create_layer(&store, &store.layer("f"), &meta_on(vec![s1])).unwrap();
+        assert_eq!(on_kept, kept);
+        assert_eq!(store.layer("f").meta().unwrap().base, kept);
+        assert_eq!(fs::read_to_string(kept[0].join("s1.txt")).unwrap(), "s1");
+        let refused = create_layer(&store, &store.layer("g"), &meta_on(vec![s3])).unwrap_err();
+        assert!(
+            refused.to_string().contains("removed meanwhile"),
+            "{refused}"
+        );
+        assert!(!store.layer("g").dir().join("layer.json").exists());
     }
 }
