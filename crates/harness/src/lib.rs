@@ -155,8 +155,8 @@ pub struct Harness {
     /// quiet.
     opened: Instant,
     last_entry_us: AtomicU64,
-    /// The thread that removes folders the daemon is done with (see `discard_folder`), once started;
-    /// `None` where it could not be.
+    /// The thread that removes folders the daemon is done with (see `discard_folder`), once
+    /// started; `None` where it could not be.
     remover: std::sync::OnceLock<Option<std::sync::mpsc::Sender<PathBuf>>>,
 }
 

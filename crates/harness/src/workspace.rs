@@ -50,7 +50,9 @@ fn snapshot_error(err: SnapshotError) -> HarnessError {
         SnapshotError::Changes(_) => WorkspaceError::Failed,
         SnapshotError::Name(_) | SnapshotError::Foreign { .. } => WorkspaceError::Invalid,
         SnapshotError::NotFound(_) => WorkspaceError::Missing,
-        SnapshotError::Exists(_) | SnapshotError::InUse { .. } => WorkspaceError::Conflict,
+        SnapshotError::Exists(_) | SnapshotError::InUse { .. } | SnapshotError::LayerGone(_) => {
+            WorkspaceError::Conflict
+        }
         SnapshotError::Copy { .. }
         | SnapshotError::Record { .. }
         | SnapshotError::Remount { .. } => WorkspaceError::Failed,

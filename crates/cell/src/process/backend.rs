@@ -306,7 +306,6 @@ impl ProcessCell {
         CellError::Ended(format!("cell `{}` has ended", self.record.name))
     }
 
-    /// The registry's record, if it is still this cell's (not a later one of the same name).
     /// Whether the handle's record is still the cell's: the held lock tells (a `fstat` and a
     /// `flock`), else the registry by path.
     fn is_current(&self) -> Result<bool, CellError> {
@@ -318,6 +317,7 @@ impl ProcessCell {
         }
     }
 
+    /// The registry's record, if it is still this cell's (not a later one of the same name).
     fn current(&self) -> Result<Option<CellRecord>, CellError> {
         match self.registry.get(&self.record.name) {
             Ok(record)

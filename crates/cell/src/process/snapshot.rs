@@ -68,6 +68,12 @@ pub enum SnapshotError {
     Record { path: PathBuf, source: io::Error },
     #[error("remounting the workspace of cell `{cell}`: {source}")]
     Remount { cell: String, source: io::Error },
+    /// A layer of the stack a cell was being made on was removed meanwhile (its snapshot, by
+    /// a removal at the same moment).
+    #[error(
+        "the snapshot layer {0} was removed while a cell was being made on it; make it from a snapshot `warden snapshots` lists"
+    )]
+    LayerGone(PathBuf),
 }
 
 impl From<super::reset::ResetError> for SnapshotError {
@@ -1095,13 +1101,7 @@ pub fn create_layer(
     let _records = RecordsLock::take(store)?;
     let base = placed(&logged_moves(store), &meta.base);
     if let Some(gone) = base.iter().find(|l| !l.is_dir()) {
-        return Err(SnapshotError::Copy {
-            path: gone.clone(),
-            source: io::Error::new(
-                io::ErrorKind::NotFound,
-                "a layer of the snapshot this starts from was removed meanwhile (list them with `warden snapshots`)",
-            ),
-        });
+        return Err(SnapshotError::LayerGone(gone.clone()));
     }
     let meta = LayerMeta {
         base,
@@ -1937,10 +1937,7 @@ mod tests {
         assert_eq!(store.layer("f").meta().unwrap().base, kept);
         assert_eq!(fs::read_to_string(kept[0].join("s1.txt")).unwrap(), "s1");
         let refused = create_layer(&store, &store.layer("g"), &meta_on(vec![s3])).unwrap_err();
-        assert!(
-            refused.to_string().contains("removed meanwhile"),
-            "{refused}"
-        );
+        assert!(matches!(&refused, SnapshotError::LayerGone(_)), "{refused}");
         assert!(!store.layer("g").dir().join("layer.json").exists());
     }
 }
