@@ -1047,16 +1047,10 @@ fn stacked_snapshots_outlive_their_names_and_their_cell() {
         &unique("stack"),
         json!({ "workspace": host.path().display().to_string() }),
     );
-    let run = |cell: &str, script: &str| {
-        let events = daemon.exec(cell, json!({ "argv": ["sh", "-c", script] }));
-        assert_eq!(exit_of(&events)["code"], 0, "{script}: {events:?}");
-        String::from_utf8_lossy(&stream_bytes(&events, "stdout")).into_owned()
-    };
+    let run = |cell: &str, script: &str| sh_ok(&daemon, cell, script);
     let snapshot = |name: &str| snapshot_as(&daemon, &cell, name);
     // Each step changes more than a copy is quicker for.
-    let many = |dir: &str| {
-        format!("mkdir {dir} && i=0; while [ $i -lt 120 ]; do echo $i > {dir}/$i; i=$((i+1)); done")
-    };
+    let many = many_files;
     run(&cell, &format!("echo one > one.txt && {}", many("m1")));
     snapshot("k1");
     run(
@@ -1151,14 +1145,8 @@ fn a_busy_cell_resets_to_a_snapshot_stacked_on_a_removed_one() {
         &unique("stackbusy"),
         json!({ "workspace": host.path().display().to_string() }),
     );
-    let run = |script: &str| {
-        let events = daemon.exec(&cell, json!({ "argv": ["sh", "-c", script] }));
-        assert_eq!(exit_of(&events)["code"], 0, "{script}: {events:?}");
-        String::from_utf8_lossy(&stream_bytes(&events, "stdout")).into_owned()
-    };
-    let many = |dir: &str| {
-        format!("mkdir {dir} && i=0; while [ $i -lt 120 ]; do echo $i > {dir}/$i; i=$((i+1)); done")
-    };
+    let run = |script: &str| sh_ok(&daemon, &cell, script);
+    let many = many_files;
     run(&format!("echo one > one.txt && {}", many("m1")));
     snapshot_as(&daemon, &cell, "k1");
     run(&format!("echo two > two.txt && rm a.txt && {}", many("m2")));
@@ -1565,6 +1553,18 @@ fn wait_for_squash(daemon: &Daemon, cell: &str) {
 }
 
 /// Takes snapshot `name` of `cell` through the API.
+/// Runs `script` with `sh -c` in `cell`, which must end with 0; its output.
+fn sh_ok(daemon: &Daemon, cell: &str, script: &str) -> String {
+    let events = daemon.exec(cell, json!({ "argv": ["sh", "-c", script] }));
+    assert_eq!(exit_of(&events)["code"], 0, "{script}: {events:?}");
+    String::from_utf8_lossy(&stream_bytes(&events, "stdout")).into_owned()
+}
+
+/// A script that makes directory `dir` with 120 small files (more than a copy is quicker for).
+fn many_files(dir: &str) -> String {
+    format!("mkdir {dir} && i=0; while [ $i -lt 120 ]; do echo $i > {dir}/$i; i=$((i+1)); done")
+}
+
 fn snapshot_as(daemon: &Daemon, cell: &str, name: &str) {
     let answer = daemon.call(
         "POST",
