@@ -956,18 +956,71 @@ pub fn remove(store: &Store, id: &str) -> Result<(), SnapshotError> {
         }
         fs::rename(&from, &to).map_err(copy_err(&from))?;
         relocate_held(store, &[(info.layer.clone(), kept)])?;
-    } else if let Some((parent, name)) = clone_of(&info.layer) {
-        destroy_clone(&parent, &name).map_err(copy_err(&info.layer))?;
-    } else if !info.layer.starts_with(&dir) {
-        // Kept in its cell's file system of its own.
-        Layer::at(info.layer.clone())
-            .remove_tree()
-            .map_err(copy_err(&info.layer))?;
     }
-    fs::remove_dir_all(&dir).map_err(|source| SnapshotError::Copy { path: dir, source })?;
+    // What goes leaves its name under the lock and is deleted after it: a long deletion (a
+    // copied layer of many files) holds up no other update of the records.
+    let mut doomed = Vec::new();
+    if !used {
+        if let Some((parent, name)) = clone_of(&info.layer) {
+            // A clone goes at once (its file system frees its blocks afterwards).
+            destroy_clone(&parent, &name).map_err(copy_err(&info.layer))?;
+        } else if !info.layer.starts_with(&dir) {
+            // Kept in its cell's file system of its own.
+            doomed.push(doom(&info.layer)?);
+        }
+    }
+    doomed.push(doom(&dir)?);
     drop(records);
+    for tree in doomed {
+        Layer::at(tree.clone())
+            .remove_tree()
+            .map_err(|source| SnapshotError::Copy { path: tree, source })?;
+    }
     collect(store);
     Ok(())
+}
+
+/// The prefix of a tree renamed out of the records' way to be deleted (see `doom`).
+const DOOMED: &str = ".removing-";
+
+/// Renames `path` beside itself to a name no record uses and no collection looks at (with this
+/// process's id, for a later collection to finish what a killed process left); the new name.
+fn doom(path: &Path) -> Result<PathBuf, SnapshotError> {
+    let to = path.with_file_name(doomed_name());
+    fs::rename(path, &to).map_err(copy_err(path))?;
+    Ok(to)
+}
+
+/// `.removing-PID-N-TIME`: N counts this process's renames (TIME keeps a later process that
+/// got the same id from meeting a name left by a killed one).
+fn doomed_name() -> String {
+    static DOOMS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = DOOMS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let stamp = SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{DOOMED}{}-{n}-{stamp}", std::process::id())
+}
+
+/// Trees left renamed for deletion in `dir` by a process that is gone (killed before it
+/// deleted them).
+fn doomed_by_the_gone(dir: &Path) -> Vec<PathBuf> {
+    fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            let name = e.file_name();
+            let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(DOOMED)) else {
+                return false;
+            };
+            rest.split('-')
+                .next()
+                .and_then(|pid| pid.parse::<u32>().ok())
+                .is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists())
+        })
+        .map(|e| e.path())
+        .collect()
 }
 
 /// Where the layers of removed snapshots wait while something still stacks them.
@@ -1141,7 +1194,7 @@ fn referenced(store: &Store) -> std::collections::HashSet<PathBuf> {
 /// Removes the kept layers of removed snapshots that nothing stacks any more.
 fn collect(store: &Store) {
     // Under the records' lock: a layer made on a kept one meanwhile is seen as its user.
-    let Ok(_records) = RecordsLock::take(store) else {
+    let Ok(records) = RecordsLock::take(store) else {
         return;
     };
     let used = referenced(store);
@@ -1170,6 +1223,15 @@ fn collect(store: &Store) {
             );
         }
     }
+    // What a killed process left renamed for deletion: the snapshots' folder and the cells'
+    // own file systems' folders of snapshots.
+    let mut doomed = doomed_by_the_gone(&snapshots_dir(store));
+    for (name, _) in store.layers() {
+        let layer = store.layer(&name);
+        if layer.has_image() {
+            doomed.extend(doomed_by_the_gone(&upper_dir(&layer).join("snapshots")));
+        }
+    }
     for path in kept {
         if used.contains(&path) {
             continue;
@@ -1178,11 +1240,30 @@ fn collect(store: &Store) {
             Some((parent, name)) => {
                 let _ = destroy_clone(&parent, &name);
             }
-            None => {
-                let _ = Layer::at(path).remove_tree();
-            }
+            // Renamed out of the kept ones now, deleted once the lock is let go of.
+            None => match doom_aside(store, &path) {
+                Ok(to) => doomed.push(to),
+                Err(_) => {
+                    let _ = Layer::at(path).remove_tree();
+                }
+            },
         }
     }
+    drop(records);
+    for tree in doomed {
+        let _ = Layer::at(tree).remove_tree();
+    }
+}
+
+/// `doom` for a kept layer: one in the kept folder goes to the snapshots' folder (where the
+/// kept ones are not looked for), one in a cell's own file system stays beside itself.
+fn doom_aside(store: &Store, path: &Path) -> Result<PathBuf, SnapshotError> {
+    if path.parent() != Some(kept_dir(store).as_path()) {
+        return doom(path);
+    }
+    let to = snapshots_dir(store).join(doomed_name());
+    fs::rename(path, &to).map_err(copy_err(path))?;
+    Ok(to)
 }
 
 /// The layers a reset goes back to: the snapshot's (which must be one of `cell`'s), or the
@@ -1939,5 +2020,52 @@ mod tests {
         let refused = create_layer(&store, &store.layer("g"), &meta_on(vec![s3])).unwrap_err();
         assert!(matches!(&refused, SnapshotError::LayerGone(_)), "{refused}");
         assert!(!store.layer("g").dir().join("layer.json").exists());
+    }
+
+    /// A removal renames what it deletes out of the records' way (under their lock) and deletes
+    /// it after: nothing of it is left once it answers. What a killed process left renamed is
+    /// deleted by a later collection; what a live one is deleting is not touched.
+    #[test]
+    fn what_a_removal_deletes_leaves_no_name_behind_and_a_killed_ones_is_collected() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = Store::open(tmp.path().to_path_buf()).unwrap();
+        let dir = snapshots_dir(&store).join("c@s1");
+        let layer = dir.join("layer");
+        fs::create_dir_all(layer.join("sub")).unwrap();
+        for i in 0..50 {
+            fs::write(layer.join("sub").join(format!("f{i}")), "x").unwrap();
+        }
+        write_record(
+            &store,
+            &SnapshotInfo {
+                id: "c@s1".into(),
+                cell: "c".into(),
+                lower: tmp.path().join("host"),
+                layer: layer.clone(),
+                base: Vec::new(),
+                protected: Vec::new(),
+                created: SystemTime::now(),
+                size: Some(50),
+            },
+        )
+        .unwrap();
+        remove(&store, "c@s1").unwrap();
+        let left: Vec<_> = fs::read_dir(snapshots_dir(&store))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
+        // Left by a process that is gone (no pid 0 under /proc), and by this one.
+        let gone = snapshots_dir(&store).join(format!("{DOOMED}0-3-1"));
+        let live = snapshots_dir(&store).join(doomed_name());
+        for tree in [&gone, &live] {
+            fs::create_dir_all(tree.join("deep")).unwrap();
+            fs::write(tree.join("deep").join("f"), "x").unwrap();
+        }
+        collect(&store);
+        assert!(!gone.exists(), "a killed process's tree is left");
+        assert!(live.exists(), "a live process's tree was taken");
+        assert!(list(&store).is_empty());
     }
 }
