@@ -698,26 +698,21 @@ impl Harness {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
         let aside = gone.join(format!("{}-{stamp}", file_name.to_string_lossy()));
-        let renamed = match std::fs::rename(&dir, &aside) {
-            Err(err) if err.kind() == std::io::ErrorKind::NotFound && !gone.is_dir() => {
-                std::fs::create_dir_all(&gone).and_then(|()| std::fs::rename(&dir, &aside))
-            }
-            other => other,
-        };
-        match renamed {
+        match std::fs::rename(&dir, &aside) {
             Ok(()) => self.remove_later(aside),
-            Err(err) if err.kind() == std::io::ErrorKind::NotFound && !dir.exists() => {}
-            // Not renamed (another file system, a name in the way): removed here and now.
-            Err(_) => {
+            // Not renamed (no `gone/`, another file system): removed here and now.
+            Err(_) if dir.exists() => {
                 let _ = std::fs::remove_dir_all(&dir);
             }
+            Err(_) => {}
         }
     }
 
-    /// Removes what an earlier daemon left in `gone/`, on the remover's thread.
+    /// Makes `gone/`, and removes what an earlier daemon left in it on the remover's thread.
     pub(crate) fn sweep_gone(&self) {
-        let left = std::fs::read_dir(self.daemon_dir.join(GONE_DIR));
-        for entry in left.into_iter().flatten().flatten() {
+        let gone = self.daemon_dir.join(GONE_DIR);
+        let _ = std::fs::create_dir_all(&gone);
+        for entry in std::fs::read_dir(gone).into_iter().flatten().flatten() {
             self.remove_later(entry.path());
         }
     }

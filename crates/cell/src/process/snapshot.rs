@@ -118,15 +118,22 @@ fn write_record(store: &Store, info: &SnapshotInfo) -> Result<(), SnapshotError>
         path: path.clone(),
         source: io::Error::other(e),
     })?;
-    // A name of this writer's own: two writers of one record never share the file aside.
+    replace_file(&path, &text).map_err(|source| SnapshotError::Record { path, source })
+}
+
+/// Writes `path` whole: aside under a name of this writer's own (two writers of one file never
+/// share it), then renamed over it.
+fn replace_file(path: &Path, text: &[u8]) -> io::Result<()> {
     static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let aside = path.with_extension(format!("json.new-{}-{n}", std::process::id()));
-    let written = fs::write(&aside, text).and_then(|()| fs::rename(&aside, &path));
+    let mut aside = path.as_os_str().to_owned();
+    aside.push(format!(".new-{}-{n}", std::process::id()));
+    let aside = PathBuf::from(aside);
+    let written = fs::write(&aside, text).and_then(|()| fs::rename(&aside, path));
     if written.is_err() {
         let _ = fs::remove_file(&aside);
     }
-    written.map_err(|source| SnapshotError::Record { path, source })
+    written
 }
 
 /// Held while snapshot records are read, changed and written back (a size counted aside, the
@@ -908,7 +915,6 @@ fn layer_size(dir: &Path) -> u64 {
 /// Removes a snapshot: its name at once, its layer once nothing stacks on it any more. A snapshot
 /// that another cell was forked from stays until that cell is removed.
 pub fn remove(store: &Store, id: &str) -> Result<(), SnapshotError> {
-    get(store, id)?;
     // The look for what stacks it and what follows from it, as one update of the records: a
     // layer made on it meanwhile (a fork) is either seen here or finds it gone.
     let records = RecordsLock::take(store)?;
@@ -1089,19 +1095,17 @@ fn logged_moves(store: &Store) -> Vec<(PathBuf, PathBuf)> {
 fn log_moves(store: &Store, moves: &[(PathBuf, PathBuf)]) -> Result<(), SnapshotError> {
     let mut all = logged_moves(store);
     all.extend(moves.iter().cloned());
-    let leads = |to: &PathBuf| placed(&all, std::slice::from_ref(to))[0].exists();
-    let kept: Vec<bool> = all.iter().map(|(_, to)| leads(to)).collect();
-    let mut kept = kept.into_iter();
-    all.retain(|_| kept.next().unwrap_or(false));
+    let leading: Vec<_> = all
+        .iter()
+        .filter(|(_, to)| placed(&all, std::slice::from_ref(to))[0].exists())
+        .cloned()
+        .collect();
     let path = moves_path(store);
-    let aside = path.with_extension(format!("new-{}", std::process::id()));
-    let text = serde_json::to_vec(&all).map_err(|e| SnapshotError::Record {
+    let text = serde_json::to_vec(&leading).map_err(|e| SnapshotError::Record {
         path: path.clone(),
         source: io::Error::other(e),
     })?;
-    fs::write(&aside, text)
-        .and_then(|()| fs::rename(&aside, &path))
-        .map_err(|source| SnapshotError::Record { path, source })
+    replace_file(&path, &text).map_err(|source| SnapshotError::Record { path, source })
 }
 
 /// `paths` as they are now: each that is not where it was read, and that a logged move took
@@ -1125,13 +1129,6 @@ fn placed(moves: &[(PathBuf, PathBuf)], paths: &[PathBuf]) -> Vec<PathBuf> {
             now
         })
         .collect()
-}
-
-/// The layers of `paths` where they are now (see `placed`), under the records' lock.
-#[cfg(test)]
-fn stack_now(store: &Store, paths: &[PathBuf]) -> Result<Vec<PathBuf>, SnapshotError> {
-    let _records = RecordsLock::take(store)?;
-    Ok(placed(&logged_moves(store), paths))
 }
 
 /// Makes a cell's layer on `meta.base` (a snapshot's stack, read before): under the records'
@@ -1204,10 +1201,13 @@ fn collect(store: &Store) {
         .flatten()
         .map(|e| e.path())
         .collect();
+    // And what a killed process left renamed for deletion, there and in the snapshots' folder.
+    let mut doomed = doomed_by_the_gone(&snapshots_dir(store));
     for (name, _) in store.layers() {
         let layer = store.layer(&name);
         if layer.has_image() {
             let turned = upper_dir(&layer).join("snapshots");
+            doomed.extend(doomed_by_the_gone(&turned));
             kept.extend(
                 fs::read_dir(turned)
                     .into_iter()
@@ -1221,15 +1221,6 @@ fn collect(store: &Store) {
                         },
                     ),
             );
-        }
-    }
-    // What a killed process left renamed for deletion: the snapshots' folder and the cells'
-    // own file systems' folders of snapshots.
-    let mut doomed = doomed_by_the_gone(&snapshots_dir(store));
-    for (name, _) in store.layers() {
-        let layer = store.layer(&name);
-        if layer.has_image() {
-            doomed.extend(doomed_by_the_gone(&upper_dir(&layer).join("snapshots")));
         }
     }
     for path in kept {
@@ -1956,7 +1947,10 @@ mod tests {
         );
         // A layer at an old place again is that one.
         fs::create_dir_all(&k1).unwrap();
-        assert_eq!(stack_now(&store, std::slice::from_ref(&k1)).unwrap(), [k1]);
+        assert_eq!(
+            placed(&logged_moves(&store), std::slice::from_ref(&k1)),
+            [k1]
+        );
         // Once the moved layer is gone, its moves leave the log.
         fs::remove_dir_all(&again).unwrap();
         relocate(&store, &[]).unwrap();
