@@ -593,11 +593,42 @@ fn a_gvisor_command_waits_for_its_start_in_the_journal() {
         .map(|e| e.file_name())
         .collect();
     assert!(left.is_empty(), "left behind: {left:?}");
+    // runsc starts before the start is journaled, its spec held back: it went with the cell,
+    // and made no container.
+    let runsc_left = || {
+        let containers: Vec<_> = std::fs::read_dir(state.join("gvisor").join("runsc"))
+            .map(|dir| dir.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        let processes = processes_naming(&state);
+        (containers, processes)
+    };
+    let (containers, processes) = runsc_left();
+    assert!(containers.is_empty(), "runsc's state left: {containers:?}");
+    assert!(processes.is_empty(), "processes left: {processes:?}");
     assert_eq!(std::fs::metadata(&journal).unwrap().len(), size);
     // The same run, with the journal taking entries again, runs.
     let again = run(None, &["sh", "-c", &touch]);
     assert!(again.status.success(), "{again:?}");
     assert!(ran.exists());
+    // A command that is not there ends the run before its sandbox starts, runsc with it.
+    let missing = run(None, &["no-such-program-here"]);
+    assert_eq!(missing.status.code(), Some(127), "{missing:?}");
+    let (containers, processes) = runsc_left();
+    assert!(containers.is_empty(), "runsc's state left: {containers:?}");
+    assert!(processes.is_empty(), "processes left: {processes:?}");
+}
+
+/// The command lines of the processes that name `path` (a test's own state folder).
+fn processes_naming(path: &std::path::Path) -> Vec<String> {
+    let needle = path.to_string_lossy().into_owned();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().parse::<u32>().is_ok())
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .map(|raw| String::from_utf8_lossy(&raw).replace('\0', " "))
+        .filter(|line| line.contains(&needle))
+        .collect()
 }
 
 /// GNU coreutils pass `AT_NO_AUTOMOUNT` to every `statx`, which this runsc refuses: the shim

@@ -1,15 +1,17 @@
 //! The keeper of a gVisor cell (`warden keep` for a policy with `tier: gvisor`): what the
 //! process tier's keeper and init do for their cell, done around a sandbox.
 //!
-//! In order: a mount namespace of its own, where the cell's root is assembled from the same
-//! plan as a process-tier cell's (the policy's host paths or an image's layers, the
-//! copy-on-write workspace, Warden's `/etc` files); the host side of the cell's processes,
-//! forked while the keeper is still single-threaded; the network namespace with the gateway's
-//! sockets; the cell's cgroup, with its limits; the bundle; then `runsc run` in the foreground
-//! (attached: the sandbox goes when runsc does, and runsc goes when the keeper does), born in
-//! the cell's cgroup. Once the cell's init says it is up, the cell is published in the registry
-//! and served like any other: the daemon finds the keeper's `exec.sock`, freezes and kills the
-//! cell through its cgroup, diffs and resets its workspace layer.
+//! In order: a mount namespace of its own; the host side of the cell's processes, forked while
+//! the keeper is still single-threaded; the cell's cgroup, with its limits; then `runsc run` in
+//! the foreground (attached: the sandbox goes when runsc does, and runsc goes when the keeper
+//! does), born in the cell's cgroup, its spec held back ([`SpecGate`]) while the keeper
+//! assembles the cell's root in its mount namespace from the same plan as a process-tier
+//! cell's (the policy's host paths or an image's layers, the copy-on-write workspace, Warden's
+//! `/etc` files), makes the network namespace with the gateway's sockets, writes the bundle's
+//! spec and waits for the start to be journaled. Once the cell's init says it is up, the cell
+//! is published in the registry and served like any other: the daemon finds the keeper's
+//! `exec.sock`, freezes and kills the cell through its cgroup, diffs and resets its workspace
+//! layer.
 
 use std::fs;
 use std::io::Read as _;
@@ -20,6 +22,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use nix::sys::signal::Signal;
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::unistd::Pid;
+use oci_spec::OciSpecError;
 
 use super::compat::{Compat, INIT_IN_CELL, STATX_IN_CELL};
 use super::runsc::Runsc;
@@ -137,55 +140,11 @@ pub fn keep(
     // without it (see `gvisor-compat/statx.rs`).
     plan.extra_etc
         .push(("ld.so.preload".to_owned(), format!("{STATX_IN_CELL}\n")));
-    let tree = plan
-        .workspace
-        .as_ref()
-        .map(|ws| idmap::workspace_tree(&ws.host, &ids))
-        .transpose()?;
-    let files = [
-        (PathBuf::from(INIT_IN_CELL), compat.init.clone()),
-        (PathBuf::from(STATX_IN_CELL), compat.statx.clone()),
-    ];
-    // Let go of before the cell's folder is removed, whichever way this ends.
-    let root_mount = RootMount(plan.root.clone());
-    rootfs::assemble(
-        &plan,
-        tree.as_ref(),
-        Some(rootfs::Sandbox { files: &files }),
-    )
-    .map_err(|e| RunError::Setup(e.to_string()))?;
-    drop(tree);
-
-    // A cell that runs one command (`warden run`): a program that cannot start is said so
-    // before anything is made, as the process tier says it.
     let first: Vec<String> = request
         .argv
         .iter()
         .map(|a| a.to_string_lossy().into_owned())
         .collect();
-    if !serves {
-        let program = first.first().map(String::as_str).unwrap_or_default();
-        match super::host::resolve(&plan.root, program, &plan.env, &plan.cwd) {
-            Ok(()) => {}
-            Err((code, message)) => {
-                let ending = match code {
-                    crate::process::init::NOT_FOUND => Ending::CommandNotFound(message),
-                    _ => Ending::CannotExecute(message),
-                };
-                crate::process::run::tell_ending(&request, layer.as_ref(), &ending);
-                drop(root_mount);
-                return Ok(crate::process::run::finish(
-                    store,
-                    &request,
-                    name,
-                    reservation,
-                    layer,
-                    ending,
-                    notices,
-                ));
-            }
-        }
-    }
 
     // The host side of the cell's processes, forked now, while this process has one thread
     // (a cell that serves execs only).
@@ -220,11 +179,6 @@ pub fn keep(
         channel = Some(ours);
     }
 
-    let network = match early_network {
-        Some(making) => making.finish(),
-        None => super::network::Namespace::make(gateway.is_some()),
-    }
-    .map_err(sandbox("making the cell's network namespace"))?;
     let limits = cgroup::Limits {
         memory_bytes: policy.limits.memory.map(|m| m.0),
         pids: policy.limits.pids,
@@ -239,27 +193,12 @@ pub fn keep(
 
     let bundle = reservation.file("bundle");
     fs::create_dir_all(&bundle).map_err(os("creating the cell's bundle"))?;
-    let netns = PathBuf::from(format!(
-        "/proc/{}/fd/{}",
-        std::process::id(),
-        network.fd.as_raw_fd()
-    ));
-    // The sandbox's first process: Warden's init, alone (it then takes execs) or running the
-    // one command.
-    let init_args: Vec<String> = match serves {
-        true => vec![INIT_IN_CELL.to_owned()],
-        false => [INIT_IN_CELL.to_owned(), "run".to_owned()]
-            .into_iter()
-            .chain(first.iter().cloned())
-            .collect(),
-    };
-    super::bundle::spec(&plan, &netns, init_args)
-        .and_then(|spec| spec.save(bundle.join("config.json")))
-        .map_err(|e| GvisorError::Sandbox(format!("writing the cell's bundle: {e}")))?;
     // What an earlier keeper of this name may have left in runsc's state (it was killed).
     if runsc.has_state(&name) {
         let _ = quiet(runsc.command("delete").args(["--force", &name])).status();
     }
+    let spec_path = bundle.join("config.json");
+    let gate = SpecGate::take(&spec_path);
 
     let (stdin_r, stdin_w) = sys::pipe().map_err(os("creating pipes"))?;
     let init_stdin = match init_socket {
@@ -280,14 +219,8 @@ pub fn keep(
         None => runsc.command("run"),
     };
     command.arg("--bundle").arg(&bundle).arg(&name);
-    // Started as posix_spawn starts a process (a vfork): a fork of the keeper, a process of
-    // the warden's size, and that copy's teardown at exec took 1-5 ms before runsc ran. runsc
-    // joins the cell's cgroups before it runs, so that its sandbox and gofer are the cell's
-    // from their first instruction; it dies with the keeper (SIGKILL). It has a process group
-    // of its own: a signal to the caller's group (a terminal's Ctrl-C) reached runsc too,
-    // which a SIGINT or SIGTERM could end under the command; the keeper passes signals on
-    // through the cell's init instead. (runsc reads no terminal: its stdio are the keeper's
-    // pipes and the init's socket.)
+    // runsc joins the cell's cgroups before it runs, so that its sandbox and gofer are the
+    // cell's from their first instruction.
     let joins = cell_cgroup
         .join_files()
         .iter()
@@ -301,7 +234,97 @@ pub fn keep(
                 })
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let joins: Vec<_> = joins.iter().map(|fd| fd.as_fd()).collect();
+    let described = sys::Described::of(&command);
+    let start_runsc = || {
+        let joins: Vec<_> = joins.iter().map(|fd| fd.as_fd()).collect();
+        start(
+            &runsc,
+            &described,
+            &joins,
+            [init_stdin.as_fd(), stdout_w.as_fd(), stderr_w.as_fd()],
+        )
+    };
+    // runsc's own start (a Go program's, and a `membarrier` registration that waits for an
+    // RCU grace period) takes 10-15 ms here before it reads its spec: where the spec can be
+    // held back (`SpecGate`), runsc starts now, and the cell's root, network and journaled
+    // start are made meanwhile.
+    if gate.is_some() {
+        guard.pid = Some(start_runsc()?);
+    }
+
+    let tree = plan
+        .workspace
+        .as_ref()
+        .map(|ws| idmap::workspace_tree(&ws.host, &ids))
+        .transpose()?;
+    let files = [
+        (PathBuf::from(INIT_IN_CELL), compat.init.clone()),
+        (PathBuf::from(STATX_IN_CELL), compat.statx.clone()),
+    ];
+    // Let go of before the cell's folder is removed, whichever way this ends.
+    let root_mount = RootMount(plan.root.clone());
+    rootfs::assemble(
+        &plan,
+        tree.as_ref(),
+        Some(rootfs::Sandbox { files: &files }),
+    )
+    .map_err(|e| RunError::Setup(e.to_string()))?;
+    drop(tree);
+
+    // A cell that runs one command (`warden run`): a program that cannot start is said so
+    // before the command's sandbox starts, as the process tier says it (runsc, if started, is
+    // still waiting for its spec: the guards end it).
+    if !serves {
+        let program = first.first().map(String::as_str).unwrap_or_default();
+        match super::host::resolve(&plan.root, program, &plan.env, &plan.cwd) {
+            Ok(()) => {}
+            Err((code, message)) => {
+                let ending = match code {
+                    crate::process::init::NOT_FOUND => Ending::CommandNotFound(message),
+                    _ => Ending::CannotExecute(message),
+                };
+                crate::process::run::tell_ending(&request, layer.as_ref(), &ending);
+                drop((gate, guard, root_mount));
+                return Ok(crate::process::run::finish(
+                    store,
+                    &request,
+                    name,
+                    reservation,
+                    layer,
+                    ending,
+                    notices,
+                ));
+            }
+        }
+    }
+
+    let network = match early_network {
+        Some(making) => making.finish(),
+        None => super::network::Namespace::make(gateway.is_some()),
+    }
+    .map_err(sandbox("making the cell's network namespace"))?;
+    let netns = PathBuf::from(format!(
+        "/proc/{}/fd/{}",
+        std::process::id(),
+        network.fd.as_raw_fd()
+    ));
+    // The sandbox's first process: Warden's init, alone (it then takes execs) or running the
+    // one command.
+    let init_args: Vec<String> = match serves {
+        true => vec![INIT_IN_CELL.to_owned()],
+        false => [INIT_IN_CELL.to_owned(), "run".to_owned()]
+            .into_iter()
+            .chain(first.iter().cloned())
+            .collect(),
+    };
+    let spec = super::bundle::spec(&plan, &netns, init_args)
+        .and_then(|spec| serde_json::to_vec(&spec).map_err(OciSpecError::from))
+        .map_err(|e| GvisorError::Sandbox(format!("writing the cell's bundle: {e}")))?;
+    let written = match &gate {
+        Some(gate) => gate.write(&spec),
+        None => write_spec(&spec_path, &spec),
+    };
+    written.map_err(|e| GvisorError::Sandbox(format!("writing the cell's bundle: {e}")))?;
     // Forked by `warden run`, which journals the start meanwhile: the command starts once it
     // is in the journal (what was made so far is taken down by the guards).
     if let Some(lines) = &request.lines
@@ -309,17 +332,16 @@ pub fn keep(
     {
         return Err(GvisorError::CalledOff);
     }
-    let described = sys::Described::of(&command);
-    let spawned = sys::spawn(&sys::Spawn {
-        cgroups: &joins,
-        parent_death: Some(libc::SIGKILL),
-        own_group: true,
-        ..described.spawn_with([init_stdin.as_fd(), stdout_w.as_fd(), stderr_w.as_fd()])
-    })
-    .map_err(|e| GvisorError::Sandbox(format!("starting {}: {e}", runsc.binary.display())))?;
+    match gate {
+        Some(gate) => gate
+            .open()
+            .map_err(|e| GvisorError::Sandbox(format!("handing runsc its spec: {e}")))?,
+        None => guard.pid = Some(start_runsc()?),
+    }
     drop((command, joins, init_stdin, stdout_w, stderr_w));
-    let pid = Pid::from_raw(spawned);
-    guard.pid = Some(pid);
+    let Some(pid) = guard.pid else {
+        return Err(GvisorError::Sandbox("runsc was not started".to_owned()));
+    };
     let started = Instant::now();
     let pidfd = sys::pidfd_open(pid.as_raw()).map_err(os("opening a pidfd for runsc"))?;
     let ready = match restore {
@@ -636,6 +658,89 @@ fn delete_reaping(runsc: &Runsc, name: &str) {
     }
 }
 
+/// Starts runsc as posix_spawn starts a process (a vfork: a fork of the keeper, a process of
+/// the warden's size, and that copy's teardown at exec took 1-5 ms before runsc ran), born in
+/// the cell's cgroups (`joins`); it dies with the keeper (SIGKILL). It has a process group of
+/// its own: a signal to the caller's group (a terminal's Ctrl-C) reached runsc too, which a
+/// SIGINT or SIGTERM could end under the command; the keeper passes signals on through the
+/// cell's init instead. (runsc reads no terminal: its stdio are the keeper's pipes and the
+/// init's socket.)
+fn start(
+    runsc: &Runsc,
+    described: &sys::Described,
+    joins: &[std::os::fd::BorrowedFd<'_>],
+    stdio: [std::os::fd::BorrowedFd<'_>; 3],
+) -> Result<Pid, GvisorError> {
+    sys::spawn(&sys::Spawn {
+        cgroups: joins,
+        parent_death: Some(libc::SIGKILL),
+        own_group: true,
+        ..described.spawn_with(stdio)
+    })
+    .map(Pid::from_raw)
+    .map_err(|e| GvisorError::Sandbox(format!("starting {}: {e}", runsc.binary.display())))
+}
+
+/// The bundle's spec, held back from runsc by a write lease on its file: runsc is started
+/// before the cell is assembled, and its open of the spec waits until the keeper has written
+/// it and lets go of the lease ([`SpecGate::open`]). Only the keeper has the file open when it
+/// takes the lease, and nothing is told of runsc's wait (no `SIGIO`: the file has no owner);
+/// should the keeper end first, the lease goes with it and runsc finds no spec, and ends.
+struct SpecGate(fs::File);
+
+impl SpecGate {
+    /// The spec's file, made empty and leased; `None` where this host grants no lease (leases
+    /// turned off, a file system without them): the spec is then written before runsc starts.
+    fn take(path: &Path) -> Option<SpecGate> {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let _ = fs::remove_file(path);
+        let file = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path)
+            .ok()?;
+        let fd = file.as_raw_fd();
+        // Taking a lease makes this process the file's owner, to be sent `SIGIO` (which would
+        // end it) when an open waits on the lease: no owner, no signal.
+        let leased = sys::set_lease(fd, libc::F_WRLCK)
+            .and_then(|()| sys::clear_owner(fd))
+            .inspect_err(|_| {
+                let _ = sys::set_lease(fd, libc::F_UNLCK);
+            });
+        if leased.is_err() {
+            drop(file);
+            let _ = fs::remove_file(path);
+            return None;
+        }
+        Some(SpecGate(file))
+    }
+
+    fn write(&self, spec: &[u8]) -> std::io::Result<()> {
+        use std::io::Write as _;
+        (&self.0).write_all(spec)
+    }
+
+    /// Lets runsc read the spec.
+    fn open(self) -> std::io::Result<()> {
+        sys::set_lease(self.0.as_raw_fd(), libc::F_UNLCK)
+    }
+}
+
+/// The bundle's spec written whole, where no lease holds it back (runsc starts after this).
+fn write_spec(path: &Path, spec: &[u8]) -> std::io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?
+        .write_all(spec)
+}
+
 /// Ends the host side with the keeper.
 struct HostGuard(Option<Pid>);
 
@@ -680,5 +785,38 @@ mod tests {
         drop((out_w, err_w));
         let err = wait_ready(&out_r, &err_r).unwrap_err();
         assert_eq!(err, "runsc: the last word");
+    }
+
+    /// A reader that opens the spec while the keeper holds it back waits, and then reads it
+    /// whole; the keeper is sent nothing meanwhile (a `SIGIO` would end this test's process).
+    #[test]
+    fn a_held_back_spec_is_read_whole_once_let_go_of() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.json");
+        let gate = SpecGate::take(&path).expect("this host grants leases");
+        let mut reader = std::process::Command::new("cat")
+            .arg(&path)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(
+            reader.try_wait().unwrap().is_none(),
+            "the reader read the spec before it was let go of"
+        );
+        let spec = br#"{"ociVersion":"1.0.2","written":"in two parts"}"#;
+        gate.write(&spec[..20]).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(reader.try_wait().unwrap().is_none());
+        gate.write(&spec[20..]).unwrap();
+        gate.open().unwrap();
+        let out = reader.wait_with_output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        assert_eq!(out.stdout, spec);
+        // Taken again (a keeper of the same name after a crash): the old file goes.
+        let again = SpecGate::take(&path).unwrap();
+        again.write(b"{}").unwrap();
+        again.open().unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"{}");
     }
 }

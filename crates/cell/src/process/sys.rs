@@ -364,6 +364,19 @@ pub fn wait_readable(fd: BorrowedFd<'_>, wait: std::time::Duration) -> io::Resul
     }
 }
 
+/// A file lease on `fd` (`F_SETLEASE`: `libc::F_WRLCK`, `F_RDLCK` or `F_UNLCK`).
+pub fn set_lease(fd: RawFd, kind: libc::c_int) -> io::Result<()> {
+    // SAFETY: fcntl with integer arguments on a descriptor the caller owns.
+    check(unsafe { libc::fcntl(fd, libc::F_SETLEASE, kind) }.into()).map(drop)
+}
+
+/// Leaves `fd` with no owner (`F_SETOWN` 0): nothing is sent `SIGIO` for it, nor for a lease
+/// on it that an open waits on.
+pub fn clear_owner(fd: RawFd) -> io::Result<()> {
+    // SAFETY: fcntl with integer arguments on a descriptor the caller owns.
+    check(unsafe { libc::fcntl(fd, libc::F_SETOWN, 0) }.into()).map(drop)
+}
+
 /// Marks `fd` close-on-exec.
 pub fn set_cloexec(fd: RawFd) -> io::Result<()> {
     // SAFETY: fcntl with integer arguments on a descriptor the caller owns.
