@@ -126,6 +126,13 @@ pub trait Cell: Send + Sync + Debug {
     fn thaw(&self) -> Result<(), CellError>;
     /// Ends every process of the cell, frozen or not. `Ended` when it had ended already.
     fn kill(&self) -> Result<(), CellError>;
+    /// Waits (bounded, 10 s) until no process of a killed cell can run any more (for a tier
+    /// whose cell ends with one process, its pid namespace's init, that process's end); its
+    /// keeper may still be taking down its cgroups and files ([`Cell::wait_ended`] waits for
+    /// that too, which is this by default); whether it did.
+    fn wait_stopped(&self) -> bool {
+        self.wait_ended()
+    }
     /// Waits (bounded, 10 s) until a killed cell's tier has let go of it, its keeper included:
     /// looked at often at first (a cell with little in it is gone within a millisecond or two),
     /// then every 5 ms, and at once when its `end_waker` wakes; whether it did.
@@ -339,7 +346,7 @@ pub struct ProcessConfig {
 
 /// Waits at most `wait` (to the microsecond, unlike `poll`'s milliseconds) for `fd` to be
 /// readable: whether it is.
-fn readable_within(fd: &OwnedFd, wait: std::time::Duration) -> bool {
+pub(crate) fn readable_within(fd: &OwnedFd, wait: std::time::Duration) -> bool {
     use rustix::event::{PollFd, PollFlags, Timespec, poll};
     let timeout = Timespec {
         tv_sec: wait.as_secs() as _,

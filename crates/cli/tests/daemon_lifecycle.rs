@@ -1127,6 +1127,75 @@ fn a_deleted_cells_folder_goes_and_a_crash_leaves_none_behind() {
     wait_for("what a killed daemon left to go", || !left.exists());
 }
 
+/// A delete answers once no process of the cell runs (its keeper may still be taking down its
+/// cgroups then), and the name is the cell's until its keeper is gone: a create of the same
+/// name at once waits for it and makes a new cell, with none of the old one's processes.
+#[test]
+fn a_deleted_cell_runs_nothing_once_deleted_and_its_name_is_free_after() {
+    if !cgroups_available("deleted_runs_nothing") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    for round in 0..5 {
+        let name = unique("stopped");
+        daemon.create(&name, json!({}));
+        // Processes of the cell, found on the host by a word of their command lines.
+        // (A second interval of sleep's, so a number.)
+        let word = format!("0.{}{round:02}", std::process::id());
+        // Many, so that their end takes the kernel a while.
+        for argv in [
+            json!(["sleep", "1000", word]),
+            json!([
+                "sh",
+                "-c",
+                format!("for i in $(seq 200); do sleep 1001 {word} & done; sleep 1002 {word}")
+            ]),
+        ] {
+            let started = daemon.call(
+                "POST",
+                &format!("/v1/cells/{name}/exec"),
+                Some(json!({ "argv": argv, "background": true })),
+            );
+            assert!(started.status < 300, "{}", started.text());
+        }
+        // The sleeps, and the shell unless it ran the last one itself.
+        wait_for("the cell's processes to run", || {
+            running_with(&word).len() >= 202
+        });
+        let deleted = daemon.call("DELETE", &format!("/v1/cells/{name}"), None);
+        assert_eq!(deleted.status, 204, "{}", deleted.text());
+        let left = running_with(&word);
+        assert!(
+            left.is_empty(),
+            "running after the delete answered: {left:?}"
+        );
+        // The same name at once: a new cell, which runs.
+        daemon.create(&name, json!({}));
+        let ran = daemon.exec(&name, json!({ "argv": ["sh", "-c", "echo again"] }));
+        assert_eq!(stream_bytes(&ran, "stdout"), b"again\n", "{ran:?}");
+        let deleted = daemon.call("DELETE", &format!("/v1/cells/{name}"), None);
+        assert_eq!(deleted.status, 204, "{}", deleted.text());
+    }
+}
+
+/// Processes of the host whose command lines have `word`, and the zombies named like them (a
+/// zombie's command line is empty: its name is `sleep`, which no other process of this test's
+/// has; a zombie left by a killed cell is one its init has not reaped).
+fn running_with(word: &str) -> Vec<String> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().parse::<u32>().is_ok())
+        .filter_map(|e| {
+            let line = std::fs::read(e.path().join("cmdline")).ok()?;
+            let line = String::from_utf8_lossy(&line).replace('\0', " ");
+            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+            let zombie_sleep = stat.contains("(sleep) Z");
+            (line.contains(word) || zombie_sleep).then(|| format!("{line} [{stat}]"))
+        })
+        .collect()
+}
+
 /// Every process the daemon starts is reaped when it ends: a deleted cell's keeper (the
 /// daemon's child) and the remover of a reset cell's old layer are not left zombies, one per
 /// cell or per reset, in a daemon that runs for months.

@@ -498,7 +498,7 @@ impl Harness {
         action: ControlAction,
         by: &str,
         deleting: bool,
-    ) -> Result<bool, HarnessError> {
+    ) -> Result<(bool, Option<crate::record::Durable>), HarnessError> {
         let cell = self.live(name)?;
         // In the journal's file before the action (a crash of the warden cannot lose it), on
         // the disk before it is acknowledged: the sync overlaps the action.
@@ -535,7 +535,16 @@ impl Harness {
             }
         })
         .await?;
-        asked.wait(self).await?;
+        // A delete's kill is acknowledged with the delete, whose own entries are on the disk
+        // after this one (one file, synced in order; a failed sync stops the journal): the
+        // delete waits for both at once, rather than for this one before it goes on.
+        let asked = match (deleting, &result) {
+            (true, Ok(()) | Err(CellError::Ended(_))) => Some(asked),
+            _ => {
+                asked.wait(self).await?;
+                None
+            }
+        };
         match result {
             Ok(()) => {}
             // A cell that ended on its own between the check and the kill is what a kill wants.
@@ -554,7 +563,7 @@ impl Harness {
             // Its processes are killed; the delete waits for the tier to let go of it where it
             // must (see `delete_now`).
             let ended = self.state.get(name).ok().flatten();
-            return Ok(ended.is_some_and(|e| e.ended.is_none()));
+            return Ok((ended.is_some_and(|e| e.ended.is_none()), asked));
         }
         if action == ControlAction::Kill {
             on_own_thread("cell-control", move || cell.wait_ended()).await?;
@@ -563,7 +572,7 @@ impl Harness {
                     .await?;
             }
         }
-        Ok(false)
+        Ok((false, asked))
     }
 
     /// Marks cell `name` ended for `reason` unless it is already: whether this call did (and so
@@ -585,33 +594,63 @@ impl Harness {
     }
 
     /// Kills the cell if it runs and forgets it: its workspace layer and egress record go too.
-    /// It answers once the cell is gone, its keeper included.
-    pub async fn delete(&self, name: &str, by: &str) -> Result<(), HarnessError> {
+    /// It answers once no process of the cell can run any more and its end and delete are in
+    /// the journal on disk; a keeper that still takes down the cell's cgroups and files then
+    /// ends behind the answer, and a create of the same name waits for it.
+    pub async fn delete(self: &Arc<Self>, name: &str, by: &str) -> Result<(), HarnessError> {
         // The watch of the cell leaves its end to this delete, which journals it; a create of
         // the same name waits until the delete is done.
         if let Ok(mut killing) = self.killing.lock() {
             killing.insert(name.to_owned());
         }
-        let deleted = self.delete_now(name, by).await;
-        self.done_killing(name);
-        deleted
+        match self.delete_now(name, by).await {
+            Ok(Some((gone, tier))) => {
+                let harness = Arc::clone(self);
+                let name = name.to_owned();
+                tokio::spawn(async move {
+                    let _ = gone.await;
+                    harness.remove_layer_and_record(&name, tier);
+                    harness.done_killing(&name);
+                });
+                Ok(())
+            }
+            deleted => {
+                self.done_killing(name);
+                deleted.map(drop)
+            }
+        }
     }
 
-    async fn delete_now(&self, name: &str, by: &str) -> Result<(), HarnessError> {
+    /// The delete's work; where its tier still lets go of the cell once it answers, the wait
+    /// for that and the tier, whose leftovers of the cell (its layer, record and folder) go
+    /// after it.
+    async fn delete_now(
+        &self,
+        name: &str,
+        by: &str,
+    ) -> Result<Option<(tokio::task::JoinHandle<()>, Option<Arc<dyn Backend>>)>, HarnessError> {
         let entry = self.entry(name)?;
         let live = self.cell(name);
         let tier = self.backend_of(name).ok();
-        let killed = match entry.ended.is_none() && self.live(name).is_ok() {
+        let (killed, asked) = match entry.ended.is_none() && self.live(name).is_ok() {
             true => {
                 self.control_with(name, ControlAction::Kill, by, true)
                     .await?
             }
-            false => false,
+            false => (false, None),
         };
-        // Until its tier has let go of it (its keeper ends once its processes are gone).
-        let gone = match (killed, live) {
-            (true, Some(cell)) => Some(tokio::task::spawn_blocking(move || cell.wait_ended())),
-            _ => None,
+        // Until no process of it runs, then until its tier has let go of it (its keeper ends
+        // once its cgroups and files are gone).
+        let (stopped, gone) = match (killed, live) {
+            (true, Some(cell)) => {
+                let (tx, stopped) = tokio::sync::oneshot::channel();
+                let gone = tokio::task::spawn_blocking(move || {
+                    let _ = tx.send(cell.wait_stopped());
+                    cell.wait_ended();
+                });
+                (Some(stopped), Some(gone))
+            }
+            _ => (None, None),
         };
         let end = ("cell.end", json!({ "reason": "killed" }));
         let delete = ("cell.delete", json!({ "by": by }));
@@ -620,6 +659,9 @@ impl Harness {
             if let Some(gone) = gone {
                 let _ = gone.await;
             }
+            if let Some(asked) = asked {
+                asked.wait(self).await?;
+            }
             if killed {
                 self.record(Some(name), end.0, end.1).await?;
             }
@@ -627,24 +669,39 @@ impl Harness {
                 .await;
             self.record(Some(name), delete.0, delete.1).await?;
             self.forget_cell(name)?;
-        } else {
-            // No changes to list: the end and the delete go into the journal's file, and to
-            // the disk while the database forgets the cell, both while its keeper ends.
-            let mut entries = Vec::new();
-            if killed {
-                entries.push(end);
+            self.remove_remains(name, tier);
+            return Ok(None);
+        }
+        // No changes to list: the end and the delete go into the journal's file, and to the
+        // disk while the database forgets the cell, all while its processes end.
+        let mut entries = Vec::new();
+        if killed {
+            entries.push(end);
+        }
+        entries.push(delete);
+        let written = self.record_all_ahead(name, entries)?;
+        let forgotten = self.forget_cell(name);
+        if let Some(asked) = asked {
+            asked.wait(self).await?;
+        }
+        written.wait(self).await?;
+        forgotten?;
+        if let Some(stopped) = stopped {
+            let _ = stopped.await;
+        }
+        // Its folder leaves its place now (a keeper that writes its ending there after this
+        // finds no folder: a create of the same name waits for the keeper's end); its layer
+        // and record go once its keeper has let go of it, behind the answer.
+        match gone {
+            Some(gone) => {
+                self.discard_folder(self.daemon_dir.join("cells").join(name));
+                Ok(Some((gone, tier)))
             }
-            entries.push(delete);
-            let written = self.record_all_ahead(name, entries)?;
-            let forgotten = self.forget_cell(name);
-            written.wait(self).await?;
-            forgotten?;
-            if let Some(gone) = gone {
-                let _ = gone.await;
+            None => {
+                self.remove_remains(name, tier);
+                Ok(None)
             }
         }
-        self.remove_remains(name, tier);
-        Ok(())
     }
 
     fn done_killing(&self, name: &str) {
@@ -678,11 +735,16 @@ impl Harness {
 
     /// What a deleted cell left on disk: its layer, its egress record, its folder.
     fn remove_remains(&self, name: &str, tier: Option<Arc<dyn Backend>>) {
+        self.remove_layer_and_record(name, tier);
+        self.discard_folder(self.daemon_dir.join("cells").join(name));
+    }
+
+    /// A deleted cell's layer (once its tier has let go of it) and egress record.
+    fn remove_layer_and_record(&self, name: &str, tier: Option<Arc<dyn Backend>>) {
         if let Some(tier) = tier {
             let _ = tier.remove_layer(name);
         }
         let _ = std::fs::remove_file(self.store.net_log_path(name));
-        self.discard_folder(self.daemon_dir.join("cells").join(name));
     }
 
     /// Takes a folder the daemon is done with out of the way at once, renamed into `gone/` (its

@@ -34,7 +34,7 @@ pub struct GvisorBackend {
 impl GvisorBackend {
     pub fn open(config: crate::tier::ProcessConfig) -> Result<Self, CellError> {
         Ok(Self {
-            keepers: ProcessBackend::open(config)?,
+            keepers: ProcessBackend::open(config)?.keeping_sandboxes(),
         })
     }
 }

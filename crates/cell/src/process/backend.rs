@@ -62,9 +62,20 @@ pub struct ProcessBackend {
     store: Store,
     /// Keepers started ahead of their cells (`ProcessConfig::keepers_ahead`).
     ahead: Arc<super::ahead::Ahead>,
+    /// Whether a cell's record names its init, the process whose end takes every process of
+    /// the cell with it (its pid namespace's): so for this tier's cells, not for the gVisor
+    /// tier's (the record names `runsc run`, which its sandbox outlives a moment).
+    pid_is_init: bool,
 }
 
 impl ProcessBackend {
+    /// The keepers of another tier's cells (gVisor's), whose records name a process that is
+    /// not the cell's init.
+    pub fn keeping_sandboxes(mut self) -> Self {
+        self.pid_is_init = false;
+        self
+    }
+
     /// Where the tier keeps things.
     pub fn config(&self) -> &ProcessConfig {
         &self.config
@@ -85,6 +96,7 @@ impl ProcessBackend {
             config,
             registry,
             store,
+            pid_is_init: true,
         })
     }
 
@@ -115,6 +127,7 @@ impl ProcessBackend {
             line: Mutex::new(line.map(Arc::new)),
             keeper: Mutex::new(keeper),
             lock,
+            pid_is_init: self.pid_is_init,
         })
     }
 }
@@ -299,6 +312,8 @@ pub struct ProcessCell {
     lock: Option<super::registry::Lock>,
     /// Its cgroup's freezer and OOM files, held open (a status and each exec read them).
     watched: super::cgroup::Watched,
+    /// See `ProcessBackend::pid_is_init`.
+    pid_is_init: bool,
 }
 
 impl ProcessCell {
@@ -397,6 +412,32 @@ impl Cell for ProcessCell {
             true => Status::Running,
             false => Status::Ended,
         })
+    }
+
+    /// The init's end, where the record names it: its pid namespace's processes are gone
+    /// before it ends (the kernel kills and reaps them first). A process that joined the cell
+    /// from outside (a helper of the warden's) is the keeper's to kill, after.
+    fn wait_stopped(&self) -> bool {
+        if !self.pid_is_init {
+            return self.wait_ended();
+        }
+        let Ok(pidfd) = super::sys::pidfd_open(self.record.pid) else {
+            return true; // gone, and reaped
+        };
+        // The pid may have been taken by a later process once the init was reaped.
+        if super::sys::process_start_ticks(self.record.pid) != Some(self.record.pid_start) {
+            return true;
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if crate::tier::readable_within(&pidfd, left) {
+                return true;
+            }
+            if left.is_zero() {
+                return false;
+            }
+        }
     }
 
     /// The keeper's pidfd: it ends once its cell is gone. (A later process that took a gone
