@@ -134,7 +134,7 @@ impl Backend for FakeBackend {
         spec: CellSpec,
         argv: Vec<std::ffi::OsString>,
         _discard_changes: bool,
-        before_start: &mut dyn FnMut() -> Result<(), String>,
+        before_start: &mut (dyn FnMut() -> Result<(), String> + Send),
     ) -> Result<Attached, StartError> {
         let dir = self.cell_dir(&spec.name)?;
         let Some((program, args)) = argv.split_first() else {

@@ -103,6 +103,7 @@ for_each_tier!(
     kill_ends_every_process_of_the_cell,
     the_gateway_allows_denies_and_injects_credentials,
     run_without_a_daemon_keeps_statuses_stdin_and_changes,
+    a_command_waits_for_its_start_in_the_journal,
     confinement_holds,
 );
 
@@ -694,6 +695,124 @@ fn the_gateway_allows_denies_and_injects_credentials(tier: Tier) {
         "{journal}"
     );
     assert!(!journal.contains(SECRET));
+}
+
+/// `warden run` journals a cell's start while the cell is made (a gVisor cell's keeper, forked,
+/// makes it; a process cell's init assembles its root while the start's own thread journals
+/// it), and the command starts only once the start is in the journal. Here the journal refuses
+/// the start: a file-size limit below the size its file already has (every other file the run
+/// writes is smaller). The run fails with the journal's reason, the command never ran
+/// (it would have made a file in a folder of the host's), and nothing of the cell is left.
+fn a_command_waits_for_its_start_in_the_journal(tier: Tier) {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = tempfile::Builder::new()
+        .prefix("warden-test-")
+        .tempdir_in(outside_tmp())
+        .unwrap();
+    let (state, runtime, host) = (
+        dir.path().join("state"),
+        dir.path().join("run"),
+        dir.path().join("host"),
+    );
+    std::fs::create_dir(&host).unwrap();
+    // The cell's user writes there.
+    std::fs::set_permissions(&host, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let policy = policy(
+        dir.path(),
+        &tier.policy(&format!(
+            "filesystem:\n  read_write: [{}]\n",
+            host.display()
+        )),
+    );
+    let run = |limit: Option<u64>, argv: &[&str]| {
+        let mut command = match limit {
+            // Ignored, SIGXFSZ leaves the refusal to the write (EFBIG).
+            Some(blocks) => {
+                let mut sh = std::process::Command::new("sh");
+                sh.args([
+                    "-c",
+                    &format!("trap '' XFSZ; ulimit -f {blocks}; exec \"$0\" \"$@\""),
+                    BIN,
+                ]);
+                sh
+            }
+            None => warden(),
+        };
+        command
+            .env("WARDEN_STATE_DIR", &state)
+            .env("WARDEN_RUNTIME_DIR", &runtime)
+            .args(["run", "--policy"])
+            .arg(&policy)
+            .arg("--")
+            .args(argv)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap()
+    };
+    // A journal past 100 KB: one run with a long argument.
+    let long = "a".repeat(100_000);
+    let first = run(None, &["true", &long]);
+    assert!(first.status.success(), "{first:?}");
+    let journal = state.join("journal").join("journal.jsonl");
+    let size = std::fs::metadata(&journal).unwrap().len();
+    assert!(size > 100_000, "the journal has {size} bytes");
+    let ran = host.join("ran");
+    let touch = format!("touch {}", ran.display());
+    let refused = run(Some(size / 512 - 1), &["sh", "-c", &touch]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(125), "{refused:?}");
+    assert!(
+        stderr.contains("journal") && stderr.contains("File too large"),
+        "{stderr}"
+    );
+    // Only the journal's reason: the keeper, told not to start, says nothing.
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        !ran.exists(),
+        "the command ran before its start was journaled"
+    );
+    let left: Vec<_> = std::fs::read_dir(runtime.join("cells"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    // No process of the run is left; on gVisor, runsc (which starts before the start is
+    // journaled, its spec held back) went with the cell and made no container.
+    let runsc_left = || {
+        let containers: Vec<_> = std::fs::read_dir(state.join("gvisor").join("runsc"))
+            .map(|dir| dir.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        let processes = processes_naming(&state);
+        (containers, processes)
+    };
+    let (containers, processes) = runsc_left();
+    assert!(containers.is_empty(), "runsc's state left: {containers:?}");
+    assert!(processes.is_empty(), "processes left: {processes:?}");
+    assert_eq!(std::fs::metadata(&journal).unwrap().len(), size);
+    // The same run, with the journal taking entries again, runs.
+    let again = run(None, &["sh", "-c", &touch]);
+    assert!(again.status.success(), "{again:?}");
+    assert!(ran.exists());
+    // A command that is not there ends the run before its sandbox starts, runsc with it.
+    let missing = run(None, &["no-such-program-here"]);
+    assert_eq!(missing.status.code(), Some(127), "{missing:?}");
+    let (containers, processes) = runsc_left();
+    assert!(containers.is_empty(), "runsc's state left: {containers:?}");
+    assert!(processes.is_empty(), "processes left: {processes:?}");
+}
+
+/// The command lines of the processes that name `path` (a test's own state folder).
+fn processes_naming(path: &std::path::Path) -> Vec<String> {
+    let needle = path.to_string_lossy().into_owned();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().parse::<u32>().is_ok())
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .map(|raw| String::from_utf8_lossy(&raw).replace('\0', " "))
+        .filter(|line| line.contains(&needle))
+        .collect()
 }
 
 fn run_without_a_daemon_keeps_statuses_stdin_and_changes(tier: Tier) {

@@ -20,7 +20,7 @@ pub fn run(
     mut spec: CellSpec,
     argv: Vec<std::ffi::OsString>,
     discard_changes: bool,
-    before_start: &mut dyn FnMut() -> Result<(), String>,
+    before_start: &mut (dyn FnMut() -> Result<(), String> + Send),
 ) -> Result<Attached, StartError> {
     let config = keepers.config();
     let name = spec.name.clone();
@@ -163,7 +163,7 @@ impl Drop for Reaped {
 /// takes it down, or leaves with its status.
 fn fork_keeper(
     request: &[u8],
-    before_start: &mut dyn FnMut() -> Result<(), String>,
+    before_start: &mut (dyn FnMut() -> Result<(), String> + Send),
 ) -> Result<Forked, StartError> {
     let pipes = |what| {
         crate::process::sys::pipe()

@@ -73,7 +73,7 @@ impl Backend for GvisorBackend {
         spec: CellSpec,
         argv: Vec<std::ffi::OsString>,
         discard_changes: bool,
-        before_start: &mut dyn FnMut() -> Result<(), String>,
+        before_start: &mut (dyn FnMut() -> Result<(), String> + Send),
     ) -> Result<Attached, StartError> {
         attached::run(&self.keepers, spec, argv, discard_changes, before_start)
     }

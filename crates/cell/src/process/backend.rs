@@ -232,7 +232,7 @@ impl Backend for ProcessBackend {
         spec: CellSpec,
         argv: Vec<std::ffi::OsString>,
         discard_changes: bool,
-        before_start: &mut dyn FnMut() -> Result<(), String>,
+        before_start: &mut (dyn FnMut() -> Result<(), String> + Send),
     ) -> Result<Attached, StartError> {
         let store =
             Store::open(self.config.state.clone()).map_err(|e| StartError::Host(e.to_string()))?;
