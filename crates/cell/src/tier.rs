@@ -346,7 +346,7 @@ pub struct ProcessConfig {
 
 /// Waits at most `wait` (to the microsecond, unlike `poll`'s milliseconds) for `fd` to be
 /// readable: whether it is.
-pub(crate) fn readable_within(fd: &OwnedFd, wait: std::time::Duration) -> bool {
+fn readable_within(fd: &OwnedFd, wait: std::time::Duration) -> bool {
     use rustix::event::{PollFd, PollFlags, Timespec, poll};
     let timeout = Timespec {
         tv_sec: wait.as_secs() as _,

@@ -4,7 +4,7 @@
 //! whoever started them, so a daemon that dies leaves its cells running; the next one adopts
 //! them through the registry.
 
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd as _, OwnedFd};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -428,16 +428,7 @@ impl Cell for ProcessCell {
         if super::sys::process_start_ticks(self.record.pid) != Some(self.record.pid_start) {
             return true;
         }
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if crate::tier::readable_within(&pidfd, left) {
-                return true;
-            }
-            if left.is_zero() {
-                return false;
-            }
-        }
+        super::sys::wait_readable(pidfd.as_fd(), Duration::from_secs(10)).unwrap_or(false)
     }
 
     /// The keeper's pidfd: it ends once its cell is gone. (A later process that took a gone

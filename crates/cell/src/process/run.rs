@@ -341,77 +341,73 @@ pub fn run_with(
         // a move of a whole process from out here would wait for an RCU grace period, 10-15
         // ms on an idle host); the v2 ones, which have no quick way in, take it from here,
         // overlapped with the mounts too.
-        let made = (|| {
-            let limits = cgroup::Limits {
-                memory_bytes: policy.limits.memory.map(|m| m.0),
-                pids: policy.limits.pids,
-                cpus: policy.limits.cpus,
-            };
-            let cell_cgroup = match CellCgroup::create(
-                &cgroup::discover(),
-                &registry.instance(),
-                &name,
-                &limits,
-            ) {
-                Ok(cg) => Some(cg),
-                Err(err) if !privileged => {
-                    notices.push(format!(
-                            "no writable cgroup for this user ({err}); memory and process limits fall back to \
-                             per-process rlimits, cpu is not limited, and pause is unavailable"
-                        ));
-                    None
-                }
-                Err(err) => return Err(RunError::from(err)),
-            };
-            guard.cgroup = cell_cgroup.clone();
-            let cgroup_joins = cell_cgroup
-                .as_ref()
-                .map_or_else(Vec::new, CellCgroup::v1_join_files)
-                .iter()
-                .map(|path| {
-                    fs::OpenOptions::new()
-                        .write(true)
-                        .open(path)
-                        .map(std::os::fd::OwnedFd::from)
-                        .map_err(|e| RunError::Os {
-                            what: "opening the cell's cgroup",
-                            source: io::Error::other(format!("{}: {e}", path.display())),
-                        })
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            if let Some(cg) = &cell_cgroup {
-                cg.add_to_v2(pid.as_raw())?;
+        let limits = cgroup::Limits {
+            memory_bytes: policy.limits.memory.map(|m| m.0),
+            pids: policy.limits.pids,
+            cpus: policy.limits.cpus,
+        };
+        let cell_cgroup = match CellCgroup::create(
+            &cgroup::discover(),
+            &registry.instance(),
+            &name,
+            &limits,
+        ) {
+            Ok(cg) => Some(cg),
+            Err(err) if !privileged => {
+                notices.push(format!(
+                        "no writable cgroup for this user ({err}); memory and process limits fall back to \
+                         per-process rlimits, cpu is not limited, and pause is unavailable"
+                    ));
+                None
             }
-            reservation.publish(&CellRecord {
-                name: name.clone(),
-                pid: pid.as_raw(),
-                pid_start: super::sys::process_start_ticks(pid.as_raw()).unwrap_or(0),
-                warden_pid: std::process::id() as i32,
-                started_unix_ms: SystemTime::now()
-                    .duration_since(UNIX_EPOCH)
-                    .map_or(0, |d| d.as_millis() as u64),
-                argv: request
-                    .argv
-                    .iter()
-                    .map(|a| a.to_string_lossy().into_owned())
-                    .collect(),
-                workspace: plan.workspace.as_ref().map(|w| w.host.clone()),
-                cgroup: cell_cgroup.clone(),
-                gateway: gateway_channel.is_some(),
-                image: policy.image.clone(),
-            })?;
-            Ok((cell_cgroup, cgroup_joins))
-        })();
+            Err(err) => return Err(err.into()),
+        };
+        guard.cgroup = cell_cgroup.clone();
+        let cgroup_joins = cell_cgroup
+            .as_ref()
+            .map_or_else(Vec::new, CellCgroup::v1_join_files)
+            .iter()
+            .map(|path| {
+                fs::OpenOptions::new()
+                    .write(true)
+                    .open(path)
+                    .map(std::os::fd::OwnedFd::from)
+                    .map_err(|e| RunError::Os {
+                        what: "opening the cell's cgroup",
+                        source: io::Error::other(format!("{}: {e}", path.display())),
+                    })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if let Some(cg) = &cell_cgroup {
+            cg.add_to_v2(pid.as_raw())?;
+        }
+        reservation.publish(&CellRecord {
+            name: name.clone(),
+            pid: pid.as_raw(),
+            pid_start: super::sys::process_start_ticks(pid.as_raw()).unwrap_or(0),
+            warden_pid: std::process::id() as i32,
+            started_unix_ms: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
+            argv: request
+                .argv
+                .iter()
+                .map(|a| a.to_string_lossy().into_owned())
+                .collect(),
+            workspace: plan.workspace.as_ref().map(|w| w.host.clone()),
+            cgroup: cell_cgroup.clone(),
+            gateway: gateway_channel.is_some(),
+            image: policy.image.clone(),
+        })?;
         // Here the init is busy with its mounts, and waits for the go-ahead to start the
-        // command.
-        let caller = caller.map_or(Ok(()), |thread| {
+        // command. (On an error above, the scope waits for the caller's work all the same.)
+        if let Some(thread) = caller {
             thread
                 .join()
                 .unwrap_or_else(|_| Err("the work before the start failed".to_owned()))
-        });
-        let made = made?;
-        caller.map_err(RunError::BeforeStart)?;
-        Ok::<_, RunError>(made)
+                .map_err(RunError::BeforeStart)?;
+        }
+        Ok::<_, RunError>((cell_cgroup, cgroup_joins))
     })?;
     let go = if cell_cgroup.is_some() {
         init::GO_IN_CGROUP
