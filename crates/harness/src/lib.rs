@@ -293,9 +293,9 @@ impl Harness {
         self.drain_pools().await;
         // Deletes that answered while their keepers still took their cells down: what those
         // cells left is removed once each keeper has gone (see `delete`).
-        let until = Instant::now() + std::time::Duration::from_secs(5);
+        let until = Instant::now() + Duration::from_secs(5);
         while self.killing.lock().is_ok_and(|k| !k.is_empty()) && Instant::now() < until {
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let _ = self.record(None, "daemon.stop", json!({})).await;
     }
