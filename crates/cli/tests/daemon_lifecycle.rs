@@ -1178,6 +1178,64 @@ fn a_deleted_cell_runs_nothing_once_deleted_and_its_name_is_free_after() {
     }
 }
 
+/// A delete is answered once its entries are in the journal, before the daemon's database has
+/// forgotten the cell (that commit waits for the cell's keeper to be gone): a daemon killed in
+/// between leaves the cell in its database, and the next daemon goes by the journal. Here the
+/// keeper is held stopped past the answer, so the daemon dies before its database forgets.
+#[test]
+fn a_delete_answered_before_a_crash_stays_done_for_the_next_daemon() {
+    if !is_root() || !cgroups_available("delete_before_crash") {
+        return; // the keeper is stopped by pid: root only
+    }
+    let mut daemon = Daemon::start(&[]);
+    let runtime = daemon.runtime().to_path_buf();
+    let cell = daemon.create(&unique("undone"), json!({}));
+    let keeper = record_of(&runtime, &cell)["warden_pid"].as_u64().unwrap() as i32;
+    let signal = |sig| {
+        let pid = rustix::process::Pid::from_raw(keeper).unwrap();
+        rustix::process::kill_process(pid, sig).unwrap();
+    };
+    signal(rustix::process::Signal::STOP);
+    let deleted = daemon.call("DELETE", &format!("/v1/cells/{cell}"), None);
+    assert_eq!(deleted.status, 204, "{}", deleted.text());
+    daemon.crash();
+    signal(rustix::process::Signal::CONT);
+    daemon.restart();
+
+    let gone = daemon.call("GET", &format!("/v1/cells/{cell}"), None);
+    assert_eq!(
+        gone.status,
+        404,
+        "the deleted cell is back: {}",
+        gone.text()
+    );
+    let listed = daemon.call("GET", "/v1/cells", None).text();
+    assert!(!listed.contains(&cell), "listed again: {listed}");
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    let after_delete: Vec<Value> = journal
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .skip_while(|e| !(e["kind"] == "cell.delete" && e["cell"] == cell.as_str()))
+        .skip(1)
+        .filter(|e| e["cell"] == cell.as_str())
+        .collect();
+    assert!(
+        after_delete.is_empty(),
+        "the next daemon journaled the deleted cell again: {after_delete:?}"
+    );
+    daemon.assert_journal_verifies();
+    // What it left goes, and its name is free.
+    wait_for("the deleted cell's keeper to end", || {
+        std::fs::metadata(format!("/proc/{keeper}")).is_err()
+    });
+    wait_for("the deleted cell's cgroups to go", || {
+        cgroup_dirs_of(&cell).is_empty()
+    });
+    daemon.create(&cell, json!({}));
+    let ran = daemon.exec(&cell, json!({ "argv": ["sh", "-c", "echo again"] }));
+    assert_eq!(stream_bytes(&ran, "stdout"), b"again\n", "{ran:?}");
+}
+
 /// Processes of the host whose command lines have `word`, and the zombies named like them (a
 /// zombie's command line is empty: its name is `sleep`, which no other process of this test's
 /// has; a zombie left by a killed cell is one its init has not reaped).

@@ -28,6 +28,12 @@ impl Harness {
             .await?;
         }
         for mut entry in self.state.all()? {
+            if self.journaled.deleted.contains(&entry.name) {
+                // Deleted, and answered, by a daemon that died before its database forgot the
+                // cell: forgotten now, and what the cell left removed once its keeper is gone.
+                self.finish_delete(&entry)?;
+                continue;
+            }
             if entry.ended.is_some() {
                 continue;
             }
@@ -78,6 +84,36 @@ impl Harness {
                     .await?;
             }
         }
+        Ok(())
+    }
+
+    /// The rest of a delete that a daemon answered and then died: the database forgets the
+    /// cell, and its layer, egress record and folder go once its keeper (if it still takes
+    /// the killed cell down) is gone.
+    fn finish_delete(self: &Arc<Self>, entry: &CellEntry) -> Result<(), HarnessError> {
+        let name = entry.name.clone();
+        let tier = entry
+            .tier
+            .as_deref()
+            .and_then(warden_policy::Tier::from_name)
+            .unwrap_or_default();
+        self.state.forget(&name)?;
+        // A create of its name waits until its remains are gone, as after any delete.
+        if let Ok(mut killing) = self.killing.lock() {
+            killing.insert(name.clone());
+        }
+        let backend = self.backend(tier).ok();
+        let cell = backend.as_ref().and_then(|b| b.adopt(&name).ok().flatten());
+        let harness = Arc::clone(self);
+        tokio::task::spawn_blocking(move || {
+            if let Some(cell) = cell {
+                // Its processes were killed before the delete was answered.
+                let _ = cell.kill();
+                cell.wait_ended();
+            }
+            harness.remove_remains(&name, backend);
+            harness.done_killing(&name);
+        });
         Ok(())
     }
 
@@ -609,6 +645,8 @@ impl Harness {
                 let name = name.to_owned();
                 tokio::spawn(async move {
                     let _ = gone.await;
+                    // The database's commit of the forgetting, off the answer's path.
+                    let _ = harness.state.forget_pending(&name);
                     harness.remove_layer_and_record(&name, tier);
                     harness.done_killing(&name);
                 });
@@ -668,24 +706,27 @@ impl Harness {
             self.journal_changes(name, "deleted, changes discarded")
                 .await;
             self.record(Some(name), delete.0, delete.1).await?;
-            self.forget_cell(name)?;
+            self.forget_cell(name, true)?;
             self.remove_remains(name, tier);
             return Ok(None);
         }
         // No changes to list: the end and the delete go into the journal's file, and to the
-        // disk while the database forgets the cell, all while its processes end.
+        // disk while its processes end. The daemon forgets the cell now for all who ask; its
+        // database commits that after the answer, behind the journal's delete (a daemon killed
+        // in between leaves the cell in the database, and the next one forgets it when it
+        // finds the delete in the journal: see `reconcile`), so the answer waits for one
+        // disk's flush, not two.
         let mut entries = Vec::new();
         if killed {
             entries.push(end);
         }
         entries.push(delete);
         let written = self.record_all_ahead(name, entries)?;
-        let forgotten = self.forget_cell(name);
         if let Some(asked) = asked {
             asked.wait(self).await?;
         }
         written.wait(self).await?;
-        forgotten?;
+        self.forget_cell(name, gone.is_none())?;
         if let Some(stopped) = stopped {
             let _ = stopped.await;
         }
@@ -710,8 +751,9 @@ impl Harness {
         }
     }
 
-    /// What the daemon holds of a deleted cell: its handles and its entry in the database.
-    fn forget_cell(&self, name: &str) -> Result<(), HarnessError> {
+    /// What the daemon holds of a deleted cell: its handles and its entry in the database,
+    /// committed there now (`commit`) or once `State::forget_pending` is called for it.
+    fn forget_cell(&self, name: &str, commit: bool) -> Result<(), HarnessError> {
         if let Ok(mut live) = self.live.lock() {
             live.remove(name);
         }
@@ -730,7 +772,10 @@ impl Harness {
         if let Ok(mut grants) = self.grants.lock() {
             grants.retain(|g| g.cell.as_deref() != Some(name));
         }
-        self.state.forget(name)
+        match commit {
+            true => self.state.forget(name),
+            false => self.state.forget_later(name),
+        }
     }
 
     /// What a deleted cell left on disk: its layer, its egress record, its folder.

@@ -142,8 +142,9 @@ pub struct Harness {
     cells: Mutex<HashMap<String, Arc<dyn Cell>>>,
     /// Per cell, how far its egress record is copied into the journal (one copier at a time).
     copiers: Mutex<HashMap<String, Arc<tokio::sync::Mutex<u64>>>>,
-    /// How far the journal's newest entries say each record was copied, as found at open.
-    journaled_ends: HashMap<String, u64>,
+    /// What the journal's newest entries said at open: how far each record was copied, and
+    /// which cells were deleted (see `state::JournalTail`).
+    journaled: state::JournalTail,
     /// Every journaled entry, for the events stream, once it is on disk.
     events: tokio::sync::broadcast::Sender<Arc<Value>>,
     /// What the live cells used lately.
@@ -218,18 +219,18 @@ impl Harness {
         }
         .map_err(|e| HarnessError::from(CellFailure::Core(e.to_string())))?;
         let grants = state.grants()?;
-        let (running, cut, journaled_ends) = match config.ephemeral {
+        let (running, cut, journaled) = match config.ephemeral {
             false => {
                 let (running, cut) = state::RunningLog::open(&daemon_dir.join("running.log"))?;
-                let ends = state::journaled_record_ends(journal.dir(), 16 << 20);
-                (running, cut, ends)
+                let tail = state::journal_tail(journal.dir(), 16 << 20);
+                (running, cut, tail)
             }
-            true => (state::RunningLog::none(), Vec::new(), HashMap::new()),
+            true => (state::RunningLog::none(), Vec::new(), Default::default()),
         };
         let harness = Arc::new(Self {
             ephemeral: config.ephemeral,
             copiers: Mutex::new(HashMap::new()),
-            journaled_ends,
+            journaled,
             running,
             live: Mutex::new(HashMap::new()),
             grants: Mutex::new(grants),
@@ -297,6 +298,8 @@ impl Harness {
         while self.killing.lock().is_ok_and(|k| !k.is_empty()) && Instant::now() < until {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+        // Those whose keepers outlast that wait: the database forgets them now all the same.
+        let _ = self.state.forget_all_pending();
         let _ = self.record(None, "daemon.stop", json!({})).await;
     }
 }

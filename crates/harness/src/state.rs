@@ -99,6 +99,9 @@ pub enum PolicySource {
 #[derive(Debug)]
 pub struct State {
     backing: Backing,
+    /// Cells forgotten already for whoever reads this state, whose removal from the database
+    /// is still to be committed (see [`State::forget_later`]).
+    forgetting: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 #[derive(Debug)]
@@ -169,6 +172,20 @@ impl Column for u64 {
     }
 }
 
+/// The cell an entry of a table belongs to, by its key (a grant for every cell: none).
+fn owner<'a>(table: &str, key: &'a str) -> Option<&'a str> {
+    if table == CELLS.name() || table == RECORD_OFFSETS.name() {
+        Some(key)
+    } else if table == QUESTIONS.name() {
+        key.split('/').next()
+    } else if table == GRANTS.name() {
+        key.strip_prefix("cell ")
+            .and_then(|rest| rest.split(' ').next())
+    } else {
+        None
+    }
+}
+
 fn db_error(err: impl std::fmt::Display) -> HarnessError {
     HarnessError::from(CellFailure::Core(format!(
         "the daemon's state database: {err}"
@@ -202,6 +219,7 @@ impl State {
         txn.commit().map_err(db_error)?;
         Ok(Self {
             backing: Backing::Db(db),
+            forgetting: Default::default(),
         })
     }
 
@@ -211,6 +229,7 @@ impl State {
     pub fn in_memory() -> Self {
         Self {
             backing: Backing::Memory(std::sync::Mutex::new(Memory::new())),
+            forgetting: Default::default(),
         }
     }
 
@@ -219,6 +238,9 @@ impl State {
         table: Table<V>,
         key: &str,
     ) -> Result<Option<V::Owned>, HarnessError> {
+        if self.hidden(table.name(), key) {
+            return Ok(None);
+        }
         match &self.backing {
             Backing::Db(db) => {
                 let txn = db.begin_read().map_err(db_error)?;
@@ -242,6 +264,9 @@ impl State {
         key: &str,
         value: Option<&V::Owned>,
     ) -> Result<(), HarnessError> {
+        if let Some(cell) = owner(table.name(), key) {
+            self.forget_pending(cell)?;
+        }
         match &self.backing {
             Backing::Db(db) => {
                 let txn = db.begin_write().map_err(db_error)?;
@@ -275,8 +300,10 @@ impl State {
                 let table = txn.open_table(table).map_err(db_error)?;
                 let mut out = Vec::new();
                 for item in table.iter().map_err(db_error)? {
-                    let (_, value) = item.map_err(db_error)?;
-                    out.push(V::owned(value.value()));
+                    let (key, value) = item.map_err(db_error)?;
+                    if !self.hidden(table.name(), key.value()) {
+                        out.push(V::owned(value.value()));
+                    }
                 }
                 Ok(out)
             }
@@ -371,6 +398,7 @@ impl State {
     /// A new cell's entry, and no record offset of an earlier cell of its name: one commit.
     pub fn put_new(&self, entry: &CellEntry) -> Result<(), HarnessError> {
         let json = serde_json::to_string(entry).map_err(db_error)?;
+        self.forget_pending(&entry.name)?;
         match &self.backing {
             Backing::Db(db) => {
                 let txn = db.begin_write().map_err(db_error)?;
@@ -413,7 +441,12 @@ impl State {
                     let mut table = txn.open_table(CELLS).map_err(db_error)?;
                     table.remove(name).map_err(db_error)?;
                 }
-                txn.commit().map_err(db_error)
+                txn.commit().map_err(db_error)?;
+                // Gone from the database: nothing left to hide.
+                if let Ok(mut forgetting) = self.forgetting.lock() {
+                    forgetting.remove(name);
+                }
+                Ok(())
             }
             Backing::Memory(_) => {
                 self.set_record_offset(name, None)?;
@@ -422,6 +455,55 @@ impl State {
                 self.remove(name)
             }
         }
+    }
+
+    /// Forgets a cell whole for every reader of this state at once, and in the database when
+    /// [`State::forget_pending`] is called for it (or the cell's name is written again): a
+    /// delete answers without waiting for the database's commit. A daemon that dies before that
+    /// commit leaves the cell in the database; the journal, which has its delete, is what the
+    /// next daemon goes by (see `Harness::reconcile`).
+    pub fn forget_later(&self, name: &str) -> Result<(), HarnessError> {
+        match &self.backing {
+            Backing::Db(_) => {
+                self.forgetting
+                    .lock()
+                    .map_err(poisoned)?
+                    .insert(name.to_owned());
+                Ok(())
+            }
+            Backing::Memory(_) => self.forget(name),
+        }
+    }
+
+    /// Commits the forgetting of `name` that [`State::forget_later`] began, if it is pending.
+    pub fn forget_pending(&self, name: &str) -> Result<(), HarnessError> {
+        let pending = self.forgetting.lock().map_err(poisoned)?.contains(name);
+        if pending {
+            self.forget(name)?;
+        }
+        Ok(())
+    }
+
+    /// Commits every pending forgetting (a daemon that stops).
+    pub fn forget_all_pending(&self) -> Result<(), HarnessError> {
+        let pending: Vec<String> = self
+            .forgetting
+            .lock()
+            .map_err(poisoned)?
+            .iter()
+            .cloned()
+            .collect();
+        pending.iter().try_for_each(|name| self.forget(name))
+    }
+
+    /// Whether the entry `key` of table `table` belongs to a cell whose forgetting is pending.
+    fn hidden(&self, table: &str, key: &str) -> bool {
+        let Some(cell) = owner(table, key) else {
+            return false;
+        };
+        self.forgetting
+            .lock()
+            .is_ok_and(|forgetting| !forgetting.is_empty() && forgetting.contains(cell))
     }
 
     pub fn get(&self, name: &str) -> Result<Option<CellEntry>, HarnessError> {
@@ -534,18 +616,25 @@ impl RunningLog {
     }
 }
 
-/// How far each cell's egress record was copied, as the journal's newest entries say: a crash
-/// between journaling a batch of decisions and noting its end in the database leaves the end
-/// only there. Reads the last `window` bytes of the newest segments; a cell made again within
-/// them starts over.
-pub fn journaled_record_ends(
-    journal: &Path,
-    window: u64,
-) -> std::collections::HashMap<String, u64> {
+/// What the journal's newest entries say that the database may not have yet, after a crash.
+#[derive(Debug, Default)]
+pub struct JournalTail {
+    /// How far each cell's egress record was copied: a crash between journaling a batch of
+    /// decisions and noting its end in the database leaves the end only in the journal.
+    pub record_ends: std::collections::HashMap<String, u64>,
+    /// The cells whose latest lifecycle entry is their delete: a delete answers before the
+    /// database forgets the cell (see [`State::forget_later`]).
+    pub deleted: std::collections::HashSet<String>,
+}
+
+/// Reads the last `window` bytes of the journal's newest segments (see [`JournalTail`]); a
+/// cell made again within them starts over.
+pub fn journal_tail(journal: &Path, window: u64) -> JournalTail {
     use std::io::{Read as _, Seek as _};
     let mut ends = std::collections::HashMap::new();
+    let mut deleted = std::collections::HashSet::new();
     let Ok(segments) = warden_journal::segments(journal) else {
-        return ends;
+        return JournalTail::default();
     };
     // The newest segments, as many as the window reaches, oldest of them first.
     let mut picked = Vec::new();
@@ -580,6 +669,10 @@ pub fn journaled_record_ends(
             match entry.kind.as_str() {
                 "cell.create" => {
                     ends.remove(&cell);
+                    deleted.remove(&cell);
+                }
+                "cell.delete" => {
+                    deleted.insert(cell);
                 }
                 "net.decision" => {
                     if let Some(end) = entry.data["record_end"].as_u64() {
@@ -591,7 +684,10 @@ pub fn journaled_record_ends(
             }
         }
     }
-    ends
+    JournalTail {
+        record_ends: ends,
+        deleted,
+    }
 }
 
 #[cfg(test)]
@@ -653,5 +749,64 @@ mod tests {
             // A number table and a text table of the same key do not meet.
             assert_eq!(state.all().unwrap().len(), 1);
         }
+    }
+
+    /// A cell forgotten for later is gone at once for every reader; the database keeps it until
+    /// the commit (a daemon killed before it finds it again), which writing its name again
+    /// makes first.
+    #[test]
+    fn a_cell_forgotten_for_later_is_hidden_at_once_and_gone_from_the_disk_once_committed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.redb");
+        let grant = |cell: &str| Grant {
+            cell: Some(cell.to_owned()),
+            request: "r".to_owned(),
+            key: None,
+            by: "t".to_owned(),
+        };
+        {
+            let state = State::open(&path).unwrap();
+            for name in ["a", "b", "ab"] {
+                state.put(&entry(name)).unwrap();
+                state.set_record_offset(name, Some(5)).unwrap();
+                state.set_question_id(name, 1, 2, Some(9)).unwrap();
+                state.put_grant(&grant(name)).unwrap();
+            }
+            state.forget_later("a").unwrap();
+            assert!(state.get("a").unwrap().is_none());
+            let names = |state: &State| -> Vec<String> {
+                state.all().unwrap().into_iter().map(|e| e.name).collect()
+            };
+            assert_eq!(names(&state), ["ab", "b"]);
+            assert_eq!(state.record_offset("a").unwrap(), 0);
+            assert_eq!(state.question_id("a", 1, 2).unwrap(), None);
+            assert_eq!(state.grants().unwrap(), vec![grant("ab"), grant("b")]);
+            assert_eq!(state.record_offset("ab").unwrap(), 5);
+            state.forget_later("b").unwrap();
+            // Dropped without the commits: a daemon killed.
+        }
+        {
+            let state = State::open(&path).unwrap();
+            assert_eq!(state.all().unwrap().len(), 3, "lost before its commit");
+            state.forget_later("a").unwrap();
+            state.forget_later("b").unwrap();
+            state.forget_pending("a").unwrap();
+            // A new cell of a name being forgotten: the old one's forgetting comes first.
+            let mut new = entry("b");
+            new.created_ms = 8;
+            state.put_new(&new).unwrap();
+            assert_eq!(state.get("b").unwrap().unwrap().created_ms, 8);
+            assert_eq!(state.record_offset("b").unwrap(), 0);
+            assert_eq!(state.question_id("b", 1, 2).unwrap(), None);
+        }
+        let state = State::open(&path).unwrap();
+        assert!(state.get("a").unwrap().is_none());
+        assert_eq!(state.get("b").unwrap().unwrap().created_ms, 8);
+        assert_eq!(state.grants().unwrap(), vec![grant("ab")]);
+        // In memory, forgetting for later is forgetting.
+        let memory = State::in_memory();
+        memory.put(&entry("a")).unwrap();
+        memory.forget_later("a").unwrap();
+        assert!(memory.get("a").unwrap().is_none());
     }
 }

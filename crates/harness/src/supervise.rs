@@ -261,7 +261,7 @@ impl Harness {
                     .state
                     .record_offset(name)
                     .unwrap_or(0)
-                    .max(self.journaled_ends.get(name).copied().unwrap_or(0));
+                    .max(self.journaled.record_ends.get(name).copied().unwrap_or(0));
                 Arc::new(tokio::sync::Mutex::new(offset))
             }))
         };
