@@ -234,8 +234,8 @@ pub trait Backend: Send + Sync + Debug {
     /// goes on without the others: call it while the process has no other thread (a lock one
     /// of them held at that moment would be held in the cell's init for ever). `before_start`
     /// is called once the cell is made and before its command may run (after the clone: it
-    /// may start threads; perhaps on a thread of its own, so it is `Send`); when it fails, the cell ends with nothing run and the call fails
-    /// with `StartError::Host` and its message.
+    /// may start threads; perhaps on a thread of its own, so it is `Send`); when it fails, the
+    /// cell ends with nothing run and the call fails with `StartError::Host` and its message.
     fn run_attached(
         &self,
         spec: CellSpec,

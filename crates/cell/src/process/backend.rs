@@ -421,13 +421,9 @@ impl Cell for ProcessCell {
         if !self.pid_is_init {
             return self.wait_ended();
         }
-        let Ok(pidfd) = super::sys::pidfd_open(self.record.pid) else {
+        let Some(pidfd) = self.record.init_pidfd() else {
             return true; // gone, and reaped
         };
-        // The pid may have been taken by a later process once the init was reaped.
-        if super::sys::process_start_ticks(self.record.pid) != Some(self.record.pid_start) {
-            return true;
-        }
         super::sys::wait_readable(pidfd.as_fd(), Duration::from_secs(10)).unwrap_or(false)
     }
 

@@ -6,7 +6,6 @@ use nix::sys::signal::Signal;
 use super::cgroup::CgroupError;
 use super::registry::{CellRecord, Registry, RegistryError};
 use super::sys;
-use super::sys::process_start_ticks;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
@@ -68,12 +67,10 @@ pub fn kill(registry: &Registry, name: &str) -> Result<CellRecord, ControlError>
 pub fn kill_record(registry: &Registry, record: &CellRecord) -> Result<(), ControlError> {
     let name = record.name.as_str();
     registry.mark_killed(name)?;
-    // The pidfd pins the process: once it is open and the start time still matches, the signal
-    // cannot reach a later process that reused the pid.
-    let pidfd = sys::pidfd_open(record.pid).map_err(|_| ControlError::Gone(name.to_owned()))?;
-    if process_start_ticks(record.pid) != Some(record.pid_start) {
-        return Err(ControlError::Gone(name.to_owned()));
-    }
+    // The signal cannot reach a later process that reused the pid.
+    let pidfd = record
+        .init_pidfd()
+        .ok_or_else(|| ControlError::Gone(name.to_owned()))?;
     sys::pidfd_send_signal(&pidfd, Signal::SIGKILL as i32).map_err(|source| {
         ControlError::Signal {
             name: name.to_owned(),

@@ -35,6 +35,16 @@ pub struct CellRecord {
     pub image: Option<String>,
 }
 
+impl CellRecord {
+    /// A pidfd of the record's init while its pid is still that process: opened first, then
+    /// its start time checked, so that a pid a later process took is never taken for it (the
+    /// pidfd pins the process from then on). `None` once the init is gone.
+    pub fn init_pidfd(&self) -> Option<std::os::fd::OwnedFd> {
+        let pidfd = super::sys::pidfd_open(self.pid).ok()?;
+        (super::sys::process_start_ticks(self.pid) == Some(self.pid_start)).then_some(pidfd)
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum RegistryError {
     #[error("runtime directory {path}: {source}")]
