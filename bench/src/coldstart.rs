@@ -26,6 +26,8 @@ struct Contender {
 enum Through {
     Daemon,
     Pool,
+    /// A cell of the pool's, in one call (`POST /v1/run`).
+    PoolRun,
 }
 
 /// Runs a command as `nobody`, so that rootless sandboxes can be measured from a root shell;
@@ -133,6 +135,7 @@ fn contenders(warden: &str, baseline: Option<&str>) -> Vec<Contender> {
         for (name, through) in [
             ("warden (daemon)", Through::Daemon),
             ("warden (daemon, warm pool)", Through::Pool),
+            ("warden (daemon, warm pool, one call)", Through::PoolRun),
         ] {
             out.push(Contender {
                 name: name.to_owned(),
@@ -145,24 +148,31 @@ fn contenders(warden: &str, baseline: Option<&str>) -> Vec<Contender> {
 }
 
 /// Create, exec `true`, delete through the daemon's API; a cell of the pool's (waited for,
-/// untimed, and its refill waited for after, untimed) or one started for a named create.
+/// untimed, and its refill waited for after, untimed), in three calls or in one, or one
+/// started for a named create.
 fn time_through(daemon: &warden_bench::Daemon, through: Through, n: usize) -> Result<Duration> {
-    let create = match through {
-        Through::Pool => {
+    let pooled = through != Through::Daemon;
+    let create = match pooled {
+        true => {
             warden_bench::wait_for_pool(&daemon.socket, 2, Duration::from_secs(10))?;
             "{}".to_owned()
         }
-        Through::Daemon => format!(r#"{{"name":"cold{n}"}}"#),
+        false => format!(r#"{{"name":"cold{n}"}}"#),
     };
     let start = Instant::now();
-    let name = warden_bench::create_exec_delete(&daemon.socket, &create)?;
+    let name = match through {
+        Through::PoolRun => warden_bench::run_once(&daemon.socket, &create)?,
+        Through::Pool | Through::Daemon => {
+            warden_bench::create_exec_delete(&daemon.socket, &create)?
+        }
+    };
     let took = start.elapsed();
     // A cell of the pool's has a name the daemon drew.
-    if through == Through::Pool && !name.starts_with("cell-") {
+    if pooled && !name.starts_with("cell-") {
         bail!("the create was not the pool's: {name}");
     }
     // The pool's refill (a cell's start) is not left running under the next row.
-    if through == Through::Pool {
+    if pooled {
         warden_bench::wait_for_pool(&daemon.socket, 2, Duration::from_secs(10))?;
     }
     Ok(took)
@@ -301,7 +311,7 @@ fn main() -> Result<()> {
     );
     warden_bench::say!();
     warden_bench::say!(
-        "| {:<28} | {:>5} | {:>11} | {:>8} | {:>17} |",
+        "| {:<36} | {:>5} | {:>11} | {:>8} | {:>17} |",
         "sandbox",
         "runs",
         "median (ms)",
@@ -309,7 +319,7 @@ fn main() -> Result<()> {
         "median vs warden"
     );
     warden_bench::say!(
-        "|{:-<30}|{:->7}|{:->13}|{:->10}|{:->19}|",
+        "|{:-<38}|{:->7}|{:->13}|{:->10}|{:->19}|",
         "",
         "",
         "",
@@ -321,7 +331,7 @@ fn main() -> Result<()> {
         let median = percentile(&samples, 0.5);
         let p90 = percentile(&samples, 0.9);
         warden_bench::say!(
-            "| {:<28} | {:>5} | {:>11.2} | {:>8.2} | {:>16.2}x |",
+            "| {:<36} | {:>5} | {:>11.2} | {:>8.2} | {:>16.2}x |",
             name,
             samples.len(),
             ms(median),

@@ -102,6 +102,20 @@ pub fn create_exec_delete(socket: &Path, body: &str) -> Result<String> {
     Ok(name)
 }
 
+/// Through a daemon's API, in one call (`POST /v1/run`): a cell made from `cell` (a create's
+/// body) runs `true` and is deleted before the answer ends; the cell's name.
+pub fn run_once(socket: &Path, cell: &str) -> Result<String> {
+    let body = format!(r#"{{"cell":{cell},"exec":{{"argv":["true"]}}}}"#);
+    let (status, raw) = request(socket, "POST", "/v1/run", &body)?;
+    if status != 200 || !raw.contains("event: exit") || !raw.contains("\"code\":0") {
+        bail!("the run failed: {raw}");
+    }
+    if raw.contains("event: error") {
+        bail!("the run's cell was not deleted: {raw}");
+    }
+    string_field(&raw, "cell").context("no cell named in the run's `started`")
+}
+
 /// Waits until the daemon's (only) pool has `ready` cells made ahead, for at most `within`.
 pub fn wait_for_pool(socket: &Path, ready: usize, within: Duration) -> Result<()> {
     let deadline = Instant::now() + within;

@@ -1053,6 +1053,190 @@ fn a_warm_pool_hands_out_cells_that_saw_nothing_and_goes_with_the_daemon() {
     wait_for("every keeper to end", || keepers_of(&runtime).is_empty());
 }
 
+/// The kinds of the journal's entries about `cell`, in order.
+fn kinds_of(daemon: &Daemon, cell: &str) -> Vec<String> {
+    std::fs::read_to_string(daemon.journal())
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|e| e["cell"] == cell)
+        .map(|e| e["kind"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// Whether a process of this host has `marker` in its command line.
+fn host_runs(marker: &str) -> bool {
+    std::fs::read_dir("/proc").unwrap().flatten().any(|e| {
+        std::fs::read(e.path().join("cmdline"))
+            .is_ok_and(|c| String::from_utf8_lossy(&c).contains(marker))
+    })
+}
+
+#[test]
+fn a_run_makes_its_cell_runs_one_command_and_deletes_the_cell_before_it_answers() {
+    if !cgroups_available("run_once") {
+        return;
+    }
+    let mut daemon = Daemon::start(&["--pool", "default=1"]);
+    wait_for("the pool's cell", || pools(&daemon)[0]["ready"] == 1);
+    let run = |body: Value| daemon.call("POST", "/v1/run", Some(body));
+    let cells = || daemon.call("GET", "/v1/cells", None).json();
+
+    // From the pool: the command's streams and status, a process it left behind ended, and
+    // the cell gone (and journaled so) before the last event.
+    let marker = format!("sleep 31{}", std::process::id() % 1000 + 1000);
+    let answer = run(json!({
+        "cell": {},
+        "exec": { "argv": ["sh", "-c", format!("{marker} & echo out; echo err >&2; exit 3")] }
+    }));
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    let events = answer.events();
+    let cell = events[0].1["cell"].as_str().unwrap().to_owned();
+    assert_eq!(events[0].0, "started", "{events:?}");
+    assert!(
+        cell.starts_with("cell-"),
+        "a cell of the pool's: {events:?}"
+    );
+    assert_eq!(stream_bytes(&events, "stdout"), b"out\n");
+    assert_eq!(stream_bytes(&events, "stderr"), b"err\n");
+    let (last, exit) = events.last().unwrap();
+    assert_eq!(
+        (last.as_str(), exit["code"].as_i64()),
+        ("exit", Some(3)),
+        "{events:?}"
+    );
+    assert!(!events.iter().any(|(e, _)| e == "error"), "{events:?}");
+    assert_eq!(
+        daemon
+            .call("GET", &format!("/v1/cells/{cell}"), None)
+            .status,
+        404
+    );
+    assert!(
+        !host_runs(&marker),
+        "what the command left running ended with its cell"
+    );
+    assert_eq!(
+        kinds_of(&daemon, &cell),
+        [
+            "cell.create",
+            "cell.start",
+            "exec.start",
+            "exec.exit",
+            "cell.kill",
+            "cell.end",
+            "cell.delete"
+        ],
+    );
+    assert_eq!(
+        journal_entries_of(&daemon, "cell.create", &cell)[0]["data"]["pooled"],
+        true
+    );
+
+    // A named cell is made for it (not the pool's), and goes the same way.
+    let named = unique("once");
+    let answer = run(json!({ "cell": { "name": named }, "exec": { "argv": ["true"] } }));
+    let events = answer.events();
+    assert_eq!(events.last().unwrap().1["code"], 0, "{events:?}");
+    assert_eq!(
+        journal_entries_of(&daemon, "cell.create", &named)[0]["data"]["pooled"],
+        false
+    );
+    assert_eq!(
+        kinds_of(&daemon, &named).last().map(String::as_str),
+        Some("cell.delete")
+    );
+
+    // A program that is not there: its failure is the run's exit, and the cell is deleted.
+    wait_for("the pool's next cell", || pools(&daemon)[0]["ready"] == 1);
+    let answer = run(json!({ "cell": {}, "exec": { "argv": ["/no/such/program"] } }));
+    let events = answer.events();
+    let cell = events.last().unwrap().1.clone();
+    assert_eq!(cell["reason"], "failed", "{events:?}");
+    assert_eq!(cells(), json!([]));
+
+    // Refused: a background process (it would outlive its cell), before any cell is made; a
+    // command the cell's rules deny, with the cell made for it deleted before the answer.
+    let taken = pools(&daemon)[0]["taken"].clone();
+    let answer = run(json!({ "cell": {}, "exec": { "argv": ["true"], "background": true } }));
+    assert_eq!(answer.status, 400, "{}", answer.text());
+    assert!(answer.text().contains("background"), "{}", answer.text());
+    assert_eq!(pools(&daemon)[0]["taken"], taken, "no cell taken for it");
+    let denied = unique("denied");
+    let answer = run(json!({
+        "cell": { "name": denied, "policy": "version: 1\ncommands:\n  deny: [\"rm *\"]\n" },
+        "exec": { "argv": ["rm", "-rf", "/tmp/x"] }
+    }));
+    assert_eq!(answer.status, 403, "{}", answer.text());
+    assert_eq!(
+        kinds_of(&daemon, &denied).last().map(String::as_str),
+        Some("cell.delete")
+    );
+    // Bad input: a clear error and nothing made.
+    let answer = run(json!({ "cell": {}, "exec": { "argv": ["true"], "bogus": 1 } }));
+    assert_eq!(answer.status, 422, "{}", answer.text());
+    assert!(answer.text().contains("bogus"), "{}", answer.text());
+    assert_eq!(cells(), json!([]));
+
+    // A client that goes away: its command is killed and its cell deleted all the same.
+    wait_for("the pool's next cell", || pools(&daemon)[0]["ready"] == 1);
+    let (cell, stream) = run_started(&daemon, "sleep 300");
+    drop(stream);
+    wait_for("the abandoned run's cell to be deleted", || {
+        kinds_of(&daemon, &cell).last().map(String::as_str) == Some("cell.delete")
+    });
+    assert_eq!(cells(), json!([]));
+
+    // A daemon killed during a run: the next one takes the run's cell back and deletes it.
+    // (Its command goes with the daemon's end of the exec; the cell stays.)
+    let (cell, _stream) = run_started(&daemon, "sleep 301");
+    let record = daemon.runtime().join("cells").join(&cell).join("cell.json");
+    daemon.crash();
+    assert!(record.exists(), "a crash leaves the cell running");
+    daemon.restart();
+    wait_for("the cell of the cut run to be deleted", || {
+        kinds_of(&daemon, &cell).last().map(String::as_str) == Some("cell.delete")
+    });
+    assert_eq!(
+        daemon
+            .call("GET", &format!("/v1/cells/{cell}"), None)
+            .status,
+        404
+    );
+    wait_for("the cut run's cell to go", || !record.exists());
+    daemon.assert_journal_verifies();
+}
+
+/// Starts a run of `command` (a shell's) from the pool and reads its answer up to its
+/// `started`: the cell's name, and the connection, open.
+fn run_started(daemon: &Daemon, command: &str) -> (String, std::os::unix::net::UnixStream) {
+    use std::io::{Read as _, Write as _};
+    let mut stream = std::os::unix::net::UnixStream::connect(daemon.socket()).unwrap();
+    let body = json!({ "cell": {}, "exec": { "argv": ["sh", "-c", command] } }).to_string();
+    write!(
+        stream,
+        "POST /v1/run HTTP/1.1\r\nHost: w\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("\"cell\":") {
+        let n = stream.read(&mut buf).unwrap();
+        assert!(n > 0, "{}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    let seen = String::from_utf8_lossy(&seen).into_owned();
+    let cell = seen
+        .split("\"cell\":\"")
+        .nth(1)
+        .unwrap()
+        .split('"')
+        .next()
+        .unwrap();
+    (cell.to_owned(), stream)
+}
+
 #[test]
 fn a_deleted_cells_name_can_be_taken_again_at_once() {
     if !cgroups_available("name_again") {

@@ -27,12 +27,17 @@ impl Harness {
             )
             .await?;
         }
+        let mut runs = Vec::new();
         for mut entry in self.state.all()? {
             if self.journaled.deleted.contains(&entry.name) {
                 // Deleted, and answered, by a daemon that died before its database forgot the
                 // cell: forgotten now, and what the cell left removed once its keeper is gone.
                 self.finish_delete(&entry)?;
                 continue;
+            }
+            if entry.run {
+                // A run's cell: deleted below, as its run would have, once taken back.
+                runs.push(entry.name.clone());
             }
             if entry.ended.is_some() {
                 continue;
@@ -83,6 +88,13 @@ impl Harness {
                 self.record(Some(&entry.name), "cell.lost", json!({ "reason": reason }))
                     .await?;
             }
+        }
+        for name in runs {
+            self.delete(
+                &name,
+                "the warden: the daemon of the cell's run stopped before the run ended",
+            )
+            .await?;
         }
         Ok(())
     }
@@ -216,6 +228,20 @@ impl Harness {
 
     /// Makes a cell and waits until it takes execs.
     pub async fn create(self: &Arc<Self>, request: CreateCell) -> Result<CellInfo, HarnessError> {
+        self.create_with(request, false).await.map(|(info, _)| info)
+    }
+
+    /// A create; `run`: for a run (`run_once`), whose cell is marked so in the database, and
+    /// which, for a cell taken from a pool, is answered once the cell's entries are in the
+    /// journal's file, with the round that makes them durable handed back to be waited for
+    /// (the run's exec, whose start is journaled after them, waits for that round or a later
+    /// one before anything of its command is told); otherwise `None`, as for any other cell,
+    /// whose entries are durable when this returns.
+    pub(crate) async fn create_with(
+        self: &Arc<Self>,
+        request: CreateCell,
+        run: bool,
+    ) -> Result<(CellInfo, Option<crate::record::DurableAll>), HarnessError> {
         let (request, restore) = self.restoring(request)?;
         let Prepared {
             mut name,
@@ -223,6 +249,7 @@ impl Harness {
             from,
             mut entry,
         } = self.prepare(&request, None).await?;
+        entry.run = run;
         // A cell made ahead, where the request asks for nothing a cell is started with.
         let poolable = request.name.is_none()
             && request.workspace.is_none()
@@ -254,8 +281,11 @@ impl Harness {
                 }
             };
             let kept = self.keep(entry, parsed, cell);
+            if run && kept.is_ok() {
+                return kept.map(|info| (info, Some(written)));
+            }
             written.wait(self).await?;
-            return kept;
+            return kept.map(|info| (info, None));
         }
         self.record(Some(&name), "cell.create", created).await?;
         let cell_dir = self.daemon_dir.join("cells").join(&name);
@@ -310,7 +340,9 @@ impl Harness {
                 ))));
             }
         };
-        self.started(entry, parsed, cell).await
+        self.started(entry, parsed, cell)
+            .await
+            .map(|info| (info, None))
     }
 
     /// A cell that takes execs becomes one of the daemon's: kept, supervised, watched; its
@@ -462,6 +494,7 @@ impl Harness {
             None => request.workspace.clone(),
         };
         let entry = CellEntry {
+            run: false,
             paused: false,
             name: name.clone(),
             created_ms: now_ms(),

@@ -22,6 +22,16 @@ impl Harness {
         name: &str,
         spec: ExecSpec,
     ) -> Result<Arc<Process>, HarnessError> {
+        self.exec_then(name, spec, None).await
+    }
+
+    /// `exec`, with what follows the process's end (a run's delete of its cell).
+    pub(crate) async fn exec_then(
+        self: &Arc<Self>,
+        name: &str,
+        spec: ExecSpec,
+        then: Option<crate::once::Then>,
+    ) -> Result<Arc<Process>, HarnessError> {
         // The start runs to its end on a task of its own, so that a caller that goes away
         // half-way (a client hanging up) cannot leave a process started but unwatched, with no
         // end in the journal; such a process, unless it was asked for in the background, has
@@ -31,7 +41,7 @@ impl Harness {
         let name = name.to_owned();
         let background = spec.background;
         tokio::spawn(async move {
-            let started = harness.start(&name, spec, &tx).await;
+            let started = harness.start(&name, spec, then, &tx).await;
             if let Err(Ok(process)) = tx.send(started)
                 && !background
             {
@@ -46,6 +56,7 @@ impl Harness {
         self: &Arc<Self>,
         name: &str,
         spec: ExecSpec,
+        then: Option<crate::once::Then>,
         caller: &tokio::sync::oneshot::Sender<Result<Arc<Process>, HarnessError>>,
     ) -> Result<Arc<Process>, HarnessError> {
         let (cell, mut status) = self.live_with_status(name)?;
@@ -206,15 +217,18 @@ impl Harness {
                     )
                     .await?;
                 self.running.remove(id);
-                let process = Arc::new(Process::new(
-                    id,
-                    name.to_owned(),
-                    spec.argv.clone(),
-                    spec.background,
-                    0,
-                    session,
-                    None,
-                ));
+                let process = Arc::new(
+                    Process::new(
+                        id,
+                        name.to_owned(),
+                        spec.argv.clone(),
+                        spec.background,
+                        0,
+                        session,
+                        None,
+                    )
+                    .with_then(then),
+                );
                 process.finish(ExitInfo {
                     reason: ExitReason::Failed,
                     code: Some(code),
@@ -276,7 +290,8 @@ impl Harness {
                 session,
                 input,
             )
-            .with_output_limit(spec.output_limit),
+            .with_output_limit(spec.output_limit)
+            .with_then(then),
         );
         self.remember(name, &process);
         if let Some(input) = &spec.stdin {
@@ -408,27 +423,42 @@ impl Harness {
         let (counts, captured) = process.totals();
         let duration_ms = begun.elapsed().as_millis() as u64;
         let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
-        let receipt = self
-            .record(
-                Some(&process.cell),
-                "exec.exit",
-                json!({
-                    "process": process.id,
-                    "start_seq": start_seq,
-                    "reason": reason.name(),
-                    "code": code,
-                    "signal": signal,
-                    "message": message,
-                    "duration_ms": duration_ms,
-                    "usage": usage,
-                    "stdout_bytes": counts[0],
-                    "stderr_bytes": counts[1],
-                    "stdout": text(&captured[0]),
-                    "stderr": text(&captured[1]),
-                    "output_truncated": counts[0] as usize > process::JOURNALED_OUTPUT || counts[1] as usize > process::JOURNALED_OUTPUT,
-                }),
-            )
-            .await;
+        let exit = json!({
+            "process": process.id,
+            "start_seq": start_seq,
+            "reason": reason.name(),
+            "code": code,
+            "signal": signal,
+            "message": message,
+            "duration_ms": duration_ms,
+            "usage": usage,
+            "stdout_bytes": counts[0],
+            "stderr_bytes": counts[1],
+            "stdout": text(&captured[0]),
+            "stderr": text(&captured[1]),
+            "output_truncated": counts[0] as usize > process::JOURNALED_OUTPUT || counts[1] as usize > process::JOURNALED_OUTPUT,
+        });
+        let receipt = match process.take_then() {
+            None => self.record(Some(&process.cell), "exec.exit", exit).await,
+            // A run's: its cell is deleted first, and the exit goes to the disk with the
+            // delete's entries (it takes no round of its own); the process is told ended once
+            // both are durable.
+            Some(then) => {
+                let written = self
+                    .record_written(
+                        Some(&process.cell),
+                        "exec.exit",
+                        exit,
+                        warden_journal::Urgency::Soon,
+                    )
+                    .await;
+                then.delete(&self, &process.cell).await;
+                match written {
+                    Ok(durable) => durable.wait(&self).await,
+                    Err(err) => Err(err),
+                }
+            }
+        };
         if receipt.is_ok() {
             self.running.remove(process.id);
         }

@@ -17,6 +17,7 @@ mod error;
 mod exec;
 mod files;
 mod history;
+mod once;
 mod pool;
 mod process;
 mod record;
@@ -57,12 +58,13 @@ impl Harness {
 use warden_journal::{Journal, Receipt};
 pub use warden_protocol::{
     ApplyRequest, Approval, CellInfo, CellState, ControlAction, CreateCell, ExecSpec, ExitInfo,
-    ExitReason, FileInfo, FileKind, ProcessInfo, Scope, Snapshot, Stream, TtySize, Usage,
+    ExitReason, FileInfo, FileKind, ProcessInfo, RunOnce, Scope, Snapshot, Stream, TtySize, Usage,
 };
 
 pub use attached::{AttachedEnd, AttachedRun};
 pub(crate) use cells::{Prepared, create_entry};
 pub use files::READ_LIMIT;
+pub use once::RunningOnce;
 pub use pool::{PoolSpec, made_ahead};
 pub use process::{Item, KillOnDrop, Process};
 use state::State;

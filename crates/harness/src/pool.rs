@@ -197,6 +197,9 @@ impl Harness {
         for (name, cell) in dead {
             self.discard_pooled(pool, name, cell, "it ended while it waited");
         }
+        // The hand-out is the daemon at work: the refill waits for its quiet like after any
+        // entry (the create's own are journaled later, after the exec's start for a run).
+        self.pools_wait_for_quiet_since_now();
         self.fill_pool(index);
         taken
     }

@@ -127,6 +127,8 @@ pub struct Process {
     terminal: Mutex<Option<Arc<OwnedFd>>>,
     output_limit: Option<u64>,
     over_limit: AtomicBool,
+    /// A run's process: its cell is deleted once it ends, before its end is told.
+    then: Mutex<Option<crate::once::Then>>,
 }
 
 impl Process {
@@ -157,12 +159,25 @@ impl Process {
             terminal: Mutex::new(terminal),
             output_limit: None,
             over_limit: AtomicBool::new(false),
+            then: Mutex::new(None),
         }
     }
 
     pub(crate) fn with_output_limit(mut self, limit: Option<u64>) -> Self {
         self.output_limit = limit;
         self
+    }
+
+    pub(crate) fn with_then(self, then: Option<crate::once::Then>) -> Self {
+        if let Ok(mut slot) = self.then.lock() {
+            *slot = then;
+        }
+        self
+    }
+
+    /// What follows the process's end, for whoever gets to it first (once).
+    pub(crate) fn take_then(&self) -> Option<crate::once::Then> {
+        self.then.lock().ok().and_then(|mut then| then.take())
     }
 
     pub(crate) fn output_limit(&self) -> Option<u64> {

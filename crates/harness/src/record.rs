@@ -233,7 +233,7 @@ impl Harness {
     /// `record_ahead`, or, `Urgency::Soon`, for an entry no effect waits on: it then takes no
     /// fdatasync of its own, but rides with the next entry that is waited for (or goes to the
     /// disk within a few milliseconds).
-    async fn record_written(
+    pub(crate) async fn record_written(
         &self,
         cell: Option<&str>,
         kind: &str,

@@ -67,6 +67,10 @@ pub struct CellEntry {
     pub tier: Option<String>,
     #[serde(default)]
     pub preset: Option<String>,
+    /// Made for one command (`POST /v1/run`) and deleted at its end: a daemon that finds it
+    /// after its run's daemon stopped deletes it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub run: bool,
 }
 
 impl CellEntry {
@@ -708,6 +712,7 @@ mod tests {
             replaced: None,
             tier: None,
             preset: None,
+            run: false,
         }
     }
 

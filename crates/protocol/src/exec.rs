@@ -47,6 +47,20 @@ pub struct ExecSpec {
     pub user: Option<u32>,
 }
 
+/// A request to run one command in a cell made for it, deleted once the command ends
+/// (`POST /v1/run`): a create and a foreground exec in one call, the cell's delete before the
+/// answer's last event.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RunOnce {
+    /// The cell, as for a create; an unnamed one of a pool's policy with no workspace, secrets
+    /// or environment is taken from the pool.
+    #[serde(default)]
+    pub cell: crate::CreateCell,
+    /// The command, as for an exec, in the foreground (`background` is refused).
+    pub exec: ExecSpec,
+}
+
 /// Why a process ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]

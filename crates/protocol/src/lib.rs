@@ -23,7 +23,8 @@ pub use cells::{
 };
 pub use error::{ErrorBody, ErrorCode};
 pub use exec::{
-    Chunk, ExecSpec, ExitInfo, ExitReason, ProcessInfo, SignalBody, Started, Stream, TtySize, Usage,
+    Chunk, ExecSpec, ExitInfo, ExitReason, ProcessInfo, RunOnce, SignalBody, Started, Stream,
+    TtySize, Usage,
 };
 pub use files::{FileInfo, FileKind};
 pub use journal::{JournalCheck, JournalEntry, JournalPage, JournalQuery};

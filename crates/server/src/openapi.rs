@@ -134,6 +134,7 @@ pub fn schemas() -> Map<String, Value> {
     let mut requests = generator(Contract::Deserialize);
     requests.subschema_for::<warden_protocol::CreateCell>();
     requests.subschema_for::<warden_protocol::ExecSpec>();
+    requests.subschema_for::<warden_protocol::RunOnce>();
     requests.subschema_for::<warden_protocol::TtySize>();
     requests.subschema_for::<warden_protocol::SignalBody>();
     requests.subschema_for::<warden_protocol::Answer>();

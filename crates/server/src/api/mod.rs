@@ -73,6 +73,7 @@ pub fn router(agents: Arc<warden_agent::Agents>, token: Option<String>) -> Route
         .route("/v1/cells/{name}/resume", post(resume))
         .route("/v1/cells/{name}/kill", post(kill))
         .route("/v1/cells/{name}/exec", post(exec))
+        .route("/v1/run", post(run))
         .route("/v1/cells/{name}/processes", get(processes))
         .route("/v1/cells/{name}/processes/{id}", get(process))
         .route("/v1/cells/{name}/processes/{id}/output", get(output))

@@ -1,7 +1,7 @@
 //! Processes in cells: exec, output streams, stdin, signals, terminal sizes.
 
 use axum::Json;
-use axum::extract::State;
+use axum::extract::{Extension, State};
 use axum::http::StatusCode;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -12,7 +12,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_stream::wrappers::ReceiverStream;
-use warden_harness::{ExecSpec, HarnessError, Item, KillOnDrop, Process, Stream};
+use warden_harness::{ExecSpec, HarnessError, Item, KillOnDrop, Process, RunOnce, Stream};
 
 use super::*;
 
@@ -29,7 +29,26 @@ pub(super) async fn exec(
     if background {
         return Ok((StatusCode::CREATED, Json(process.info())).into_response());
     }
-    Ok(stream_output(process, 0, true, true))
+    Ok(stream_output(process, 0, true, true, None))
+}
+
+/// Runs one command in a cell made for it (`POST /v1/run`): the answer is the exec's event
+/// stream, its `started` naming the cell too, and its `exit` sent once the cell is deleted
+/// (an `error` event before it says why, where the cell could not be); the process is killed
+/// if the client goes away first, and the cell deleted all the same.
+pub(super) async fn run(
+    State(harness): State<Shared>,
+    by: Option<Extension<Caller>>,
+    Body(request): Body<RunOnce>,
+) -> Result<Response, ApiError> {
+    let running = harness.run_once(request, &caller(by)).await?;
+    Ok(stream_output(
+        running.process,
+        0,
+        true,
+        true,
+        Some((running.cell, running.deleted)),
+    ))
 }
 
 #[derive(Debug, Deserialize)]
@@ -53,6 +72,7 @@ pub(super) async fn output(
         query.from,
         false,
         query.follow.unwrap_or(true),
+        None,
     ))
 }
 
@@ -136,11 +156,14 @@ pub(super) async fn signal(
 /// the bytes are UTF-8, else `{"base64": ...}`; a UTF-8 character is never split), `dropped`
 /// when kept output was discarded before this reader got to it, and a last `exit` (or, when
 /// not following, `live` once caught up with a process that still runs).
+/// The event stream of a process's output and exit, from chunk `from`; `run`: the cell made
+/// for it (named in `started`) and its delete, awaited before the `exit`.
 pub(super) fn stream_output(
     process: Arc<Process>,
     from: u64,
     kill_on_disconnect: bool,
     follow: bool,
+    run: Option<(String, tokio::sync::oneshot::Receiver<Result<(), String>>)>,
 ) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     tokio::spawn(async move {
@@ -148,7 +171,10 @@ pub(super) fn stream_output(
         // A process that could not start (not found, not executable) never ran: its stream is
         // its `exit` alone.
         if process.pid != 0 {
-            let started = json!({ "process": process.id, "pid": process.pid });
+            let mut started = json!({ "process": process.id, "pid": process.pid });
+            if let Some((cell, _)) = &run {
+                started["cell"] = json!(cell);
+            }
             if tx
                 .send(Ok(Event::default()
                     .event("started")
@@ -196,6 +222,21 @@ pub(super) fn stream_output(
                 Item::Exit(exit) => {
                     for (stream, slot) in [(Stream::Stdout, 0), (Stream::Stderr, 1)] {
                         if let Some(event) = output_event(stream, &mut pending[slot], true) {
+                            let _ = tx.send(Ok(event)).await;
+                        }
+                    }
+                    if let Some((cell, deleted)) = run {
+                        let failed = match deleted.await {
+                            Ok(Ok(())) => None,
+                            Ok(Err(message)) => Some(message),
+                            Err(_) => Some(format!(
+                                "the delete of cell `{cell}` stopped before it ended (the daemon stops?)"
+                            )),
+                        };
+                        if let Some(message) = failed {
+                            let event = Event::default()
+                                .event("error")
+                                .data(json!({ "message": message }).to_string());
                             let _ = tx.send(Ok(event)).await;
                         }
                     }

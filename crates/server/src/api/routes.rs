@@ -418,6 +418,18 @@ pub const ROUTES: &[Route] = &[
         failures: &[],
     },
     Route {
+        path: "/v1/run",
+        method: "post",
+        operation: r##"{"operationId":"run","requestBody":{"content":{"application/json":{"schema":{"$ref":"#/components/schemas/RunOnce"}}},"required":true},"responses":{"200":{"content":{"text/event-stream":{"schema":{"type":"string"}}},"description":"Server-sent events as for a foreground exec: `started` {process, pid, cell}; `stdout`/`stderr`; `dropped`; last `exit` (an ExitInfo), sent once the cell is deleted; an `error` {message} before it where the cell could not be deleted."}},"summary":"Run one command in a cell made for it (a create and a foreground exec in one call; an unnamed cell of a pool's policy is taken from the pool) and delete the cell when the command ends. The command is killed if the client disconnects, and the cell deleted all the same. A command that cannot start deletes the cell before the error is answered."}"##,
+        failures: &[
+            CreateError::FAILURES,
+            WorkspaceError::FAILURES,
+            ExecError::FAILURES,
+            ApprovalError::FAILURES,
+            CellFailure::FAILURES,
+        ],
+    },
+    Route {
         path: "/v1/usage",
         method: "get",
         operation: r##"{"operationId":"cellUsage","parameters":[{"description":"Only this cell","in":"query","name":"cell","required":false,"schema":{"type":"string"}}],"responses":{"200":{"content":{"application/json":{"schema":{"items":{"$ref":"#/components/schemas/UsageHistory"},"type":"array"}}},"description":"One history per live cell that accounts for its use"}},"summary":"Recent CPU time, memory and task counts of the live cells, from their cgroups (sampled every 2 s, last 120 samples)"}"##,
