@@ -242,6 +242,27 @@ class MadeAhead(unittest.TestCase):
 
         asyncio.run(flow())
 
+    def test_a_run_makes_a_cell_for_one_command_and_deletes_it(self):
+        with Warden() as w:
+            ran = w.cells.run("echo out; echo err >&2; exit 3")
+            self.assertEqual((ran.exit.code, ran.stdout, ran.stderr), (3, "out\n", "err\n"))
+            events = list(w.cells.run_stream(["sh", "-c", "echo hi"], cell={"labels": {"t": "run"}}))
+            self.assertEqual(events[0][0], "started")
+            self.assertEqual([e for e in events if e[0] == "stdout"], [("stdout", "hi\n")])
+            self.assertEqual((events[-1][0], events[-1][1].code), ("exit", 0))
+            with self.assertRaises(warden_cells.NotFound):
+                w.cells.get(events[0][1]["cell"])
+            with self.assertRaises(warden_cells.BadRequest) as refused:
+                w.cells.run(["true"], background=True)
+            self.assertIn("background", str(refused.exception))
+
+        async def flow():
+            async with AsyncWarden() as w:
+                ran = await w.cells.run(["sh", "-c", "echo async"], cell={"preset": "default"})
+                self.assertEqual((ran.exit.code, ran.stdout), (0, "async\n"))
+
+        asyncio.run(flow())
+
 
 COUNTER = ("setsid sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/n.new; "
            "mv /tmp/n.new /tmp/n; sleep 0.05; done' </dev/null >/dev/null 2>&1 &")

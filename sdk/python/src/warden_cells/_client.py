@@ -14,6 +14,53 @@ from ._types import (AgentInfo, Approval, CellInfo, Checkpoint, ExitInfo, FileIn
 
 Event = Tuple[str, Any]
 
+RUN_DOC = """Runs one command in a cell made for it and deleted once the command ends
+        (`POST /v1/run`; an unnamed cell of a pool's policy is taken from the pool). `cell`: what
+        `create` takes (name, preset, policy, workspace, env, labels, from_, secrets); the other
+        arguments are an exec's."""
+
+
+def _event(name: str, data: Any) -> Event:
+    """An exec's event as the SDK gives it: text for output, an `ExitInfo` for the exit, a
+    count for dropped bytes, the server's message for an error."""
+    if name in ("stdout", "stderr"):
+        return name, ops.chunk_text(data)
+    if name == "exit":
+        return name, _from(ExitInfo, data)
+    if name == "dropped":
+        return name, data.get("bytes", 0)
+    if name == "error":
+        return name, data.get("message", "")
+    return name, data
+
+
+class _Collect:
+    """A command's events gathered into a `Ran`; a run's `error` (its cell not deleted) is
+    raised once the exit is in."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.out: Dict[str, List[str]] = {"stdout": [], "stderr": []}
+        self.dropped = 0
+        self.error: Optional[str] = None
+
+    def add(self, name: str, data: Any) -> Optional[Ran]:
+        if name in self.out:
+            self.out[name].append(data)
+        elif name == "dropped":
+            self.dropped += data
+        elif name == "error":
+            self.error = data
+        elif name == "exit":
+            if self.error is not None:
+                raise ConnectionFailed(0, "unavailable", f"{self.what}: {self.error}")
+            return Ran(data, "".join(self.out["stdout"]), "".join(self.out["stderr"]),
+                       self.dropped)
+        return None
+
+    def missing(self) -> ConnectionFailed:
+        return ConnectionFailed(0, "unavailable", f"{self.what}'s stream ended without its exit")
+
 
 def _transport_args(socket: Optional[str], url: Optional[str], token: Optional[str]):
     headers = {}
@@ -160,6 +207,28 @@ class Cells:
                                        from_=from_, secrets=secrets))
         return Cell(self._w, info)
 
+    def run_stream(self, argv: ops.Argv, *, cell: Optional[Dict[str, Any]] = None,
+                   **kwargs: Any) -> Iterator[Event]:
+        for name, data, _ in self._w._stream(ops.run(ops.cell_body(**(cell or {})),
+                                                     ops.exec_spec(argv, **kwargs))):
+            yield _event(name, data)
+
+    run_stream.__doc__ = RUN_DOC + """ Yields as `Cell.exec_stream` does (read it to its
+        end: the exit is the last event); `started` names the cell too; an ("error", message)
+        before the exit says the cell could not be deleted."""
+
+    def run(self, argv: ops.Argv, *, cell: Optional[Dict[str, Any]] = None,
+            **kwargs: Any) -> Ran:
+        collect = _Collect("the run")
+        ran = None
+        for name, data in self.run_stream(argv, cell=cell, **kwargs):
+            ran = collect.add(name, data) or ran
+        if ran is None:
+            raise collect.missing()
+        return ran
+
+    run.__doc__ = RUN_DOC + """ To its end: its exit, stdout and stderr (`Ran`)."""
+
     def restore(self, checkpoint: str, name: Optional[str] = None,
                 labels: Optional[Dict[str, str]] = None) -> "Cell":
         """Brings back a checkpoint (`CELL@CKPT`, from `Cell.checkpoint`) as a new cell: its
@@ -210,15 +279,9 @@ class Cell:
         spec = ops.exec_spec(argv, **kwargs)
         spec.pop("background", None)
         for name, data, _ in self._w._stream(ops.exec_(self.name, spec)):
-            if name in ("stdout", "stderr"):
-                yield name, ops.chunk_text(data)
-            elif name == "exit":
-                yield name, _from(ExitInfo, data)
+            yield _event(name, data)
+            if name == "exit":
                 return
-            elif name == "dropped":
-                yield name, data.get("bytes", 0)
-            else:
-                yield name, data
 
     def exec(self, argv: ops.Argv, *, background: bool = False, **kwargs: Any
              ) -> Union[Ran, "Process"]:
@@ -228,16 +291,12 @@ class Cell:
             info = self._w._run(ops.exec_(self.name, ops.exec_spec(argv, background=True,
                                                                    **kwargs)))
             return Process(self._w, self.name, info)
-        out: Dict[str, List[str]] = {"stdout": [], "stderr": []}
-        dropped = 0
+        collect = _Collect("the exec")
         for name, data in self.exec_stream(argv, **kwargs):
-            if name in out:
-                out[name].append(data)
-            elif name == "dropped":
-                dropped += data
-            elif name == "exit":
-                return Ran(data, "".join(out["stdout"]), "".join(out["stderr"]), dropped)
-        raise ConnectionFailed(0, "unavailable", "the exec's stream ended without its exit")
+            ran = collect.add(name, data)
+            if ran is not None:
+                return ran
+        raise collect.missing()
 
     def processes(self) -> List["Process"]:
         return [Process(self._w, self.name, p) for p in self._w._run(ops.processes(self.name))]
@@ -579,6 +638,26 @@ class AsyncCells:
         info = await self._w._run(ops.create(name=name, **kwargs))
         return AsyncCell(self._w, info)
 
+    async def run_stream(self, argv: ops.Argv, *, cell: Optional[Dict[str, Any]] = None,
+                         **kwargs: Any) -> AsyncIterator[Event]:
+        async for name, data, _ in self._w._stream(ops.run(ops.cell_body(**(cell or {})),
+                                                           ops.exec_spec(argv, **kwargs))):
+            yield _event(name, data)
+
+    run_stream.__doc__ = Cells.run_stream.__doc__
+
+    async def run(self, argv: ops.Argv, *, cell: Optional[Dict[str, Any]] = None,
+                  **kwargs: Any) -> Ran:
+        collect = _Collect("the run")
+        ran = None
+        async for name, data in self.run_stream(argv, cell=cell, **kwargs):
+            ran = collect.add(name, data) or ran
+        if ran is None:
+            raise collect.missing()
+        return ran
+
+    run.__doc__ = Cells.run.__doc__
+
     async def restore(self, checkpoint: str, name: Optional[str] = None,
                       labels: Optional[Dict[str, str]] = None) -> "AsyncCell":
         info = await self._w._run(ops.create(name=name, restore=checkpoint, labels=labels))
@@ -613,26 +692,21 @@ class AsyncCell:
         spec = ops.exec_spec(argv, **kwargs)
         spec.pop("background", None)
         async for name, data, _ in self._w._stream(ops.exec_(self.name, spec)):
-            if name in ("stdout", "stderr"):
-                yield name, ops.chunk_text(data)
-            elif name == "exit":
-                yield name, _from(ExitInfo, data)
+            yield _event(name, data)
+            if name == "exit":
                 return
-            else:
-                yield name, data
 
     async def exec(self, argv: ops.Argv, *, background: bool = False, **kwargs: Any
                    ) -> Union[Ran, ProcessInfo]:
         if background:
             return await self._w._run(ops.exec_(self.name, ops.exec_spec(
                 argv, background=True, **kwargs)))
-        out: Dict[str, List[str]] = {"stdout": [], "stderr": []}
+        collect = _Collect("the exec")
         async for name, data in self.exec_stream(argv, **kwargs):
-            if name in out:
-                out[name].append(data)
-            elif name == "exit":
-                return Ran(data, "".join(out["stdout"]), "".join(out["stderr"]))
-        raise ConnectionFailed(0, "unavailable", "the exec's stream ended without its exit")
+            ran = collect.add(name, data)
+            if ran is not None:
+                return ran
+        raise collect.missing()
 
     async def wait(self, pid: int) -> ExitInfo:
         return await self._w._run(ops.wait(self.name, pid))

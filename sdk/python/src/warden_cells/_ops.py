@@ -65,11 +65,21 @@ def one(cls):
 
 # Cells.
 
-def create(**kwargs: Any) -> Op:
+def cell_body(**kwargs: Any) -> Dict[str, Any]:
+    """A create's body: the arguments given, `from_` as `from`."""
     body = {k: v for k, v in kwargs.items() if v is not None}
     if "from_" in body:
         body["from"] = body.pop("from_")
-    return Op("POST", "/v1/cells", json=body, parse=one(CellInfo))
+    return body
+
+
+def create(**kwargs: Any) -> Op:
+    return Op("POST", "/v1/cells", json=cell_body(**kwargs), parse=one(CellInfo))
+
+
+def run(cell: Dict[str, Any], spec: Dict[str, Any]) -> Op:
+    """One command in a cell made for it, deleted once it ends: a create's body and an exec's."""
+    return Op("POST", "/v1/run", json={"cell": cell, "exec": spec}, stream=True)
 
 
 def cells() -> Op:
