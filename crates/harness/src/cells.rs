@@ -554,28 +554,35 @@ impl Harness {
         action: ControlAction,
         by: &str,
     ) -> Result<CellInfo, HarnessError> {
-        self.control_with(name, action, by, false).await?;
+        self.control_with(name, action, by, None).await?;
         self.get(name)
     }
 
-    /// `control`; with `deleting`, the end of a kill is neither noted in the entry nor
-    /// journaled: the caller, which removes the entry next, journals it with its own entries
-    /// (`true`: the cell ended by this kill).
+    /// `control`; with `deleting` (a delete's kill, its harness), the end of a kill is neither
+    /// noted in the entry nor journaled here: the cell's end (`true`: it ended by this kill)
+    /// and delete are written to the journal's file as soon as the signal is out, on the
+    /// kill's own thread, and come back with the kill's entry, which takes no round of its own
+    /// (the one of the entries after it makes it durable), for the delete to wait on.
     async fn control_with(
         &self,
         name: &str,
         action: ControlAction,
         by: &str,
-        deleting: bool,
-    ) -> Result<(bool, Option<crate::record::Durable>), HarnessError> {
+        deleting: Option<Arc<Harness>>,
+    ) -> Result<Killed, HarnessError> {
         let cell = self.live(name)?;
+        let follow = deleting.filter(|_| action == ControlAction::Kill);
         // In the journal's file before the action (a crash of the warden cannot lose it), on
         // the disk before it is acknowledged: the sync overlaps the action.
         let asked = self
-            .record_ahead(
+            .record_written(
                 Some(name),
                 &format!("cell.{}", action.name()),
                 json!({ "by": by }),
+                match follow {
+                    Some(_) => warden_journal::Urgency::Soon,
+                    None => warden_journal::Urgency::Waited,
+                },
             )
             .await?;
         if let Ok(mut live) = self.live.lock()
@@ -592,22 +599,31 @@ impl Harness {
         let marker = (action == ControlAction::Kill)
             .then(|| self.daemon_dir.join("cells").join(name).join("killed"));
         let handle = Arc::clone(&cell);
-        let result = on_own_thread("cell-control", move || match action {
-            ControlAction::Pause => handle.freeze(),
-            ControlAction::Resume => handle.thaw(),
+        let deleted = follow.is_some();
+        let follow = follow.map(|harness| (harness, name.to_owned(), by.to_owned()));
+        let (result, written) = on_own_thread("cell-control", move || match action {
+            ControlAction::Pause => (handle.freeze(), None),
+            ControlAction::Resume => (handle.thaw(), None),
             ControlAction::Kill => {
                 let killed = handle.kill();
+                let written = match (&killed, follow) {
+                    (Ok(()) | Err(CellError::Ended(_)), Some((harness, name, by))) => {
+                        Some(harness.write_end_and_delete(&name, &by))
+                    }
+                    _ => None,
+                };
                 if let Some(marker) = marker {
                     let _ = std::fs::write(marker, "");
                 }
-                killed
+                (killed, written)
             }
         })
         .await?;
+        let written = written.transpose()?;
         // A delete's kill is acknowledged with the delete, whose own entries are on the disk
         // after this one (one file, synced in order; a failed sync stops the journal): the
         // delete waits for both at once, rather than for this one before it goes on.
-        let asked = match (deleting, &result) {
+        let asked = match (deleted, &result) {
             (true, Ok(()) | Err(CellError::Ended(_))) => Some(asked),
             _ => {
                 asked.wait(self).await?;
@@ -628,11 +644,14 @@ impl Harness {
             entry.paused = action == ControlAction::Pause;
             self.state.put(&entry)?;
         }
-        if action == ControlAction::Kill && deleting {
+        if let Some((killed, written)) = written {
             // Its processes are killed; the delete waits for the tier to let go of it where it
             // must (see `delete_now`).
-            let ended = self.state.get(name).ok().flatten();
-            return Ok((ended.is_some_and(|e| e.ended.is_none()), asked));
+            return Ok(Killed {
+                killed,
+                asked,
+                written: Some(written),
+            });
         }
         if action == ControlAction::Kill {
             on_own_thread("cell-control", move || cell.wait_ended()).await?;
@@ -641,7 +660,28 @@ impl Harness {
                     .await?;
             }
         }
-        Ok((false, asked))
+        Ok(Killed {
+            killed: false,
+            asked,
+            written: None,
+        })
+    }
+
+    /// A deleted cell's end (where it had not ended yet: then `true`) and delete, written to
+    /// the journal's file (its round started) from the thread that sent the kill.
+    fn write_end_and_delete(
+        &self,
+        name: &str,
+        by: &str,
+    ) -> Result<(bool, crate::record::DurableAll), HarnessError> {
+        let entry = self.state.get(name).ok().flatten();
+        let killed = entry.is_some_and(|e| e.ended.is_none());
+        let mut entries = Vec::new();
+        if killed {
+            entries.push(("cell.end", json!({ "reason": "killed" })));
+        }
+        entries.push(("cell.delete", json!({ "by": by })));
+        Ok((killed, self.record_all_ahead(name, entries)?))
     }
 
     /// Marks cell `name` ended for `reason` unless it is already: whether this call did (and so
@@ -696,19 +736,30 @@ impl Harness {
     /// for that and the tier, whose leftovers of the cell (its layer, record and folder) go
     /// after it.
     async fn delete_now(
-        &self,
+        self: &Arc<Self>,
         name: &str,
         by: &str,
     ) -> Result<Option<(tokio::task::JoinHandle<()>, Option<Arc<dyn Backend>>)>, HarnessError> {
         let entry = self.entry(name)?;
         let live = self.cell(name);
         let tier = self.backend_of(name).ok();
-        let (killed, asked) = match entry.ended.is_none() && self.live(name).is_ok() {
+        let Killed {
+            killed,
+            asked,
+            written,
+        } = match entry.ended.is_none() && self.live(name).is_ok() {
             true => {
-                self.control_with(name, ControlAction::Kill, by, true)
+                // A cell without a workspace has its end and delete written as soon as the
+                // signal is out; one with a workspace lists its changes first.
+                let follow = entry.workspace.is_none().then(|| Arc::clone(self));
+                self.control_with(name, ControlAction::Kill, by, follow)
                     .await?
             }
-            false => (false, None),
+            false => Killed {
+                killed: false,
+                asked: None,
+                written: None,
+            },
         };
         // Until no process of it runs, then until its tier has let go of it (its keeper ends
         // once its cgroups and files are gone).
@@ -749,12 +800,17 @@ impl Harness {
         // in between leaves the cell in the database, and the next one forgets it when it
         // finds the delete in the journal: see `reconcile`), so the answer waits for one
         // disk's flush, not two.
-        let mut entries = Vec::new();
-        if killed {
-            entries.push(end);
-        }
-        entries.push(delete);
-        let written = self.record_all_ahead(name, entries)?;
+        let written = match written {
+            Some(written) => written,
+            None => {
+                let mut entries = Vec::new();
+                if killed {
+                    entries.push(end);
+                }
+                entries.push(delete);
+                self.record_all_ahead(name, entries)?
+            }
+        };
         if let Some(asked) = asked {
             asked.wait(self).await?;
         }
@@ -929,4 +985,12 @@ pub(crate) fn create_entry(
 /// A cell's status as its tier tells it, if it can.
 fn cell_status(harness: &Harness, name: &str) -> Option<Status> {
     harness.cell(name)?.status().ok()
+}
+
+/// What a control's kill leaves a delete: whether the cell ended by it, the kill's entry (for a
+/// delete, still on its way to the disk), and the end and delete written after it.
+pub(crate) struct Killed {
+    killed: bool,
+    asked: Option<crate::record::Durable>,
+    written: Option<crate::record::DurableAll>,
 }
