@@ -554,24 +554,27 @@ impl Harness {
         action: ControlAction,
         by: &str,
     ) -> Result<CellInfo, HarnessError> {
-        self.control_with(name, action, by, None).await?;
+        self.control_with(name, action, by, false, None).await?;
         self.get(name)
     }
 
-    /// `control`; with `deleting` (a delete's kill, its harness), the end of a kill is neither
-    /// noted in the entry nor journaled here: the cell's end (`true`: it ended by this kill)
-    /// and delete are written to the journal's file as soon as the signal is out, on the
-    /// kill's own thread, and come back with the kill's entry, which takes no round of its own
-    /// (the one of the entries after it makes it durable), for the delete to wait on.
+    /// `control`; with `deleting`, the end of a kill is neither noted in the entry nor
+    /// journaled here: the caller, which removes the entry next, journals it with its own
+    /// entries (`true`: the cell ended by this kill). With `follow` (a delete's kill, its
+    /// harness), those are the cell's end and delete, written to the journal's file as soon as
+    /// the signal is out, on the kill's own thread, and they come back with the kill's entry,
+    /// which then takes no round of its own (theirs makes it durable), for the delete to wait
+    /// on.
     async fn control_with(
         &self,
         name: &str,
         action: ControlAction,
         by: &str,
-        deleting: Option<Arc<Harness>>,
+        deleting: bool,
+        follow: Option<Arc<Harness>>,
     ) -> Result<Killed, HarnessError> {
         let cell = self.live(name)?;
-        let follow = deleting.filter(|_| action == ControlAction::Kill);
+        let follow = follow.filter(|_| deleting && action == ControlAction::Kill);
         // In the journal's file before the action (a crash of the warden cannot lose it), on
         // the disk before it is acknowledged: the sync overlaps the action.
         let asked = self
@@ -599,7 +602,6 @@ impl Harness {
         let marker = (action == ControlAction::Kill)
             .then(|| self.daemon_dir.join("cells").join(name).join("killed"));
         let handle = Arc::clone(&cell);
-        let deleted = follow.is_some();
         let follow = follow.map(|harness| (harness, name.to_owned(), by.to_owned()));
         let (result, written) = on_own_thread("cell-control", move || match action {
             ControlAction::Pause => (handle.freeze(), None),
@@ -623,7 +625,7 @@ impl Harness {
         // A delete's kill is acknowledged with the delete, whose own entries are on the disk
         // after this one (one file, synced in order; a failed sync stops the journal): the
         // delete waits for both at once, rather than for this one before it goes on.
-        let asked = match (deleted, &result) {
+        let asked = match (deleting, &result) {
             (true, Ok(()) | Err(CellError::Ended(_))) => Some(asked),
             _ => {
                 asked.wait(self).await?;
@@ -644,13 +646,20 @@ impl Harness {
             entry.paused = action == ControlAction::Pause;
             self.state.put(&entry)?;
         }
-        if let Some((killed, written)) = written {
+        if action == ControlAction::Kill && deleting {
             // Its processes are killed; the delete waits for the tier to let go of it where it
             // must (see `delete_now`).
+            let (killed, written) = match written {
+                Some((killed, written)) => (killed, Some(written)),
+                None => {
+                    let ended = self.state.get(name).ok().flatten();
+                    (ended.is_some_and(|e| e.ended.is_none()), None)
+                }
+            };
             return Ok(Killed {
                 killed,
                 asked,
-                written: Some(written),
+                written,
             });
         }
         if action == ControlAction::Kill {
@@ -752,7 +761,7 @@ impl Harness {
                 // A cell without a workspace has its end and delete written as soon as the
                 // signal is out; one with a workspace lists its changes first.
                 let follow = entry.workspace.is_none().then(|| Arc::clone(self));
-                self.control_with(name, ControlAction::Kill, by, follow)
+                self.control_with(name, ControlAction::Kill, by, true, follow)
                     .await?
             }
             false => Killed {
