@@ -330,6 +330,14 @@ pub fn keep(
     if let Some(lines) = &request.lines
         && !lines.wait_for_go()
     {
+        // runsc, started ahead and held back by its spec, may have made its state's lock
+        // already: it is ended (and its sandbox reaped), and what it made removed, before the
+        // keeper ends (a later keeper of the name would remove it, but none may come).
+        drop(guard);
+        reap_children(Duration::from_secs(2), None);
+        if runsc.has_state(&name) {
+            delete_reaping(&runsc, &name);
+        }
         return Err(GvisorError::CalledOff);
     }
     match gate {
