@@ -1151,8 +1151,8 @@ fn a_run_makes_its_cell_runs_one_command_and_deletes_the_cell_before_it_answers(
     wait_for("the pool's next cell", || pools(&daemon)[0]["ready"] == 1);
     let answer = run(json!({ "cell": {}, "exec": { "argv": ["/no/such/program"] } }));
     let events = answer.events();
-    let cell = events.last().unwrap().1.clone();
-    assert_eq!(cell["reason"], "failed", "{events:?}");
+    let exit = &events.last().unwrap().1;
+    assert_eq!(exit["reason"], "failed", "{events:?}");
     assert_eq!(cells(), json!([]));
 
     // Refused: a background process (it would outlive its cell), before any cell is made; a

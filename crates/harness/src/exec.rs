@@ -217,18 +217,19 @@ impl Harness {
                     )
                     .await?;
                 self.running.remove(id);
-                let process = Arc::new(
-                    Process::new(
-                        id,
-                        name.to_owned(),
-                        spec.argv.clone(),
-                        spec.background,
-                        0,
-                        session,
-                        None,
-                    )
-                    .with_then(then),
-                );
+                // A run's cell goes before the end is told, as after a process that ran.
+                if let Some(then) = then {
+                    then.delete(self, name).await;
+                }
+                let process = Arc::new(Process::new(
+                    id,
+                    name.to_owned(),
+                    spec.argv.clone(),
+                    spec.background,
+                    0,
+                    session,
+                    None,
+                ));
                 process.finish(ExitInfo {
                     reason: ExitReason::Failed,
                     code: Some(code),

@@ -48,6 +48,8 @@ impl Harness {
             Some(written) => written.wait(self).await.map(drop),
             None => Ok(()),
         };
+        // The process's watch deletes the cell once the process has ended (the start, where
+        // the program could not start).
         let process = match started.and_then(|process| durable.map(|()| process)) {
             Ok(process) => process,
             Err(err) => {
@@ -56,18 +58,6 @@ impl Harness {
                 return Err(err);
             }
         };
-        // The process's watch deletes the cell at its end; one that never started has none,
-        // and ends here.
-        let harness = Arc::clone(self);
-        let ended = Arc::clone(&process);
-        let cell = name.clone();
-        tokio::spawn(async move {
-            let mut cursor = u64::MAX; // output is the reader's: only the end matters here
-            while !matches!(ended.next(&mut cursor).await, Item::Exit(_)) {}
-            if let Some(then) = ended.take_then() {
-                then.delete(&harness, &cell).await;
-            }
-        });
         Ok(RunningOnce {
             cell: name,
             process,

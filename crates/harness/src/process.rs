@@ -175,7 +175,7 @@ impl Process {
         self
     }
 
-    /// What follows the process's end, for whoever gets to it first (once).
+    /// What follows the process's end, taken once by its watch when it ends.
     pub(crate) fn take_then(&self) -> Option<crate::once::Then> {
         self.then.lock().ok().and_then(|mut then| then.take())
     }

@@ -334,10 +334,7 @@ pub fn keep(
         // already: it is ended (and its sandbox reaped), and what it made removed, before the
         // keeper ends (a later keeper of the name would remove it, but none may come).
         drop(guard);
-        reap_children(Duration::from_secs(2), None);
-        if runsc.has_state(&name) {
-            delete_reaping(&runsc, &name);
-        }
+        remove_runsc_leftovers(&runsc, &name);
         return Err(GvisorError::CalledOff);
     }
     match gate {
@@ -463,10 +460,7 @@ pub fn keep(
     crate::process::run::tell_ending(&request, layer.as_ref(), &ending);
     drop(guard);
     host_guard.end();
-    reap_children(Duration::from_secs(2), None);
-    if runsc.has_state(&name) {
-        delete_reaping(&runsc, &name);
-    }
+    remove_runsc_leftovers(&runsc, &name);
     drop(root_mount);
     Ok(crate::process::run::finish(
         store,
@@ -647,6 +641,15 @@ fn reap_children(grace: Duration, awaited: Option<Pid>) -> bool {
 /// orphan of the sandbox that ends: the keeper is their reaper, and runsc waits for a sandbox
 /// process it killed to be gone, which a zombie never is (should one be slower to die than
 /// the first reaping's grace). Gives up after a minute, killing runsc.
+/// Once runsc is ended: its sandbox and gofer reaped, and whatever it kept of container `name`
+/// removed.
+fn remove_runsc_leftovers(runsc: &Runsc, name: &str) {
+    reap_children(Duration::from_secs(2), None);
+    if runsc.has_state(name) {
+        delete_reaping(runsc, name);
+    }
+}
+
 fn delete_reaping(runsc: &Runsc, name: &str) {
     let null = std::process::Stdio::null;
     let Ok(child) = runsc
