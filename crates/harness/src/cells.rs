@@ -167,9 +167,20 @@ impl Harness {
     }
 
     pub(crate) fn entry(&self, name: &str) -> Result<CellEntry, HarnessError> {
-        self.state
-            .get(name)?
-            .ok_or_else(|| HarnessError::not_found(name))
+        // A run's cell being handed out, its database commit still under way (looked at
+        // first: it leaves this map only once the database has it).
+        let handing = self
+            .handing
+            .lock()
+            .ok()
+            .and_then(|handing| handing.get(name).cloned());
+        match handing {
+            Some(entry) => Ok(entry),
+            None => self
+                .state
+                .get(name)?
+                .ok_or_else(|| HarnessError::not_found(name)),
+        }
     }
 
     /// The handle of a live cell of this daemon's.
@@ -242,7 +253,7 @@ impl Harness {
         self: &Arc<Self>,
         request: CreateCell,
         run: bool,
-    ) -> Result<(CellInfo, Option<crate::record::DurableAll>), HarnessError> {
+    ) -> Result<(CellInfo, Option<crate::once::Handing>), HarnessError> {
         let (request, restore) = self.restoring(request)?;
         let Prepared {
             mut name,
@@ -270,10 +281,17 @@ impl Harness {
         created["pooled"] = json!(pooled.is_some());
         if let Some((pooled_name, cell)) = pooled {
             // It runs already: its create and its start go into the journal's file, and to
-            // the disk (one round) while the database takes its entry.
+            // the disk (one round) while the database takes its entry. A run's take no round
+            // of their own: they go with its command's start, and the database's commit
+            // overlaps that start too (see `once::Handing`).
+            self.handing_out(&name);
             let started = json!({ "pid": cell.pid() });
             let entries = [("cell.create", created), ("cell.start", started)];
-            let written = match self.record_all_ahead(&name, entries.into()) {
+            let urgency = match run {
+                true => warden_journal::Urgency::Soon,
+                false => warden_journal::Urgency::Waited,
+            };
+            let written = match self.record_all_ahead(&name, entries.into(), urgency) {
                 Ok(written) => written,
                 // Not handed out: the pool keeps it for the next create.
                 Err(err) => {
@@ -281,10 +299,11 @@ impl Harness {
                     return Err(err);
                 }
             };
-            let kept = self.keep(entry, parsed, cell);
-            if run && kept.is_ok() {
-                return kept.map(|info| (info, Some(written)));
+            if run {
+                let (info, kept) = self.keep_behind(entry, parsed, cell);
+                return Ok((info, Some(crate::once::Handing::new(written, kept))));
             }
+            let kept = self.keep(entry, parsed, cell);
             written.wait(self).await?;
             return kept.map(|info| (info, None));
         }
@@ -383,6 +402,41 @@ impl Harness {
         self.adopt_with(&entry, parsed);
         self.watch(name);
         Ok(self.info(&entry))
+    }
+
+    /// `keep` for a run's cell from a pool, with the database's commit of its entry (and the
+    /// removal of its pool marker) on a thread of their own, so that the commit's flush of the
+    /// disk overlaps the command's start: the returned `Kept` says when it is done.
+    fn keep_behind(
+        self: &Arc<Self>,
+        entry: CellEntry,
+        parsed: warden_policy::Policy,
+        cell: Arc<dyn Cell>,
+    ) -> (CellInfo, crate::once::Kept) {
+        let name = entry.name.clone();
+        if let Ok(mut cells) = self.cells.lock() {
+            cells.insert(name.clone(), cell);
+        }
+        if let Ok(mut copiers) = self.copiers.lock() {
+            copiers.insert(name.clone(), Arc::new(tokio::sync::Mutex::new(0)));
+        }
+        self.adopt_with(&entry, parsed);
+        let info = self.info(&entry);
+        if let Ok(mut handing) = self.handing.lock() {
+            handing.insert(name.clone(), entry.clone());
+        }
+        let harness = Arc::clone(self);
+        let kept = crate::once::Kept::spawn(move || {
+            let kept = harness.state.put_new(&entry);
+            if let Ok(mut handing) = harness.handing.lock() {
+                handing.remove(&entry.name);
+            }
+            kept?;
+            harness.handed_out(&entry.name);
+            Ok(())
+        });
+        self.watch(name);
+        (info, kept)
     }
 
     /// Checks a request for a cell (name, policy, environment, secrets, workspace, that no cell
@@ -691,7 +745,10 @@ impl Harness {
             entries.push(("cell.end", json!({ "reason": "killed" })));
         }
         entries.push(("cell.delete", json!({ "by": by })));
-        Ok((killed, self.record_all_ahead(name, entries)?))
+        Ok((
+            killed,
+            self.record_all_ahead(name, entries, warden_journal::Urgency::Waited)?,
+        ))
     }
 
     /// Marks cell `name` ended for `reason` unless it is already: whether this call did (and so
@@ -818,7 +875,7 @@ impl Harness {
                     entries.push(end);
                 }
                 entries.push(delete);
-                self.record_all_ahead(name, entries)?
+                self.record_all_ahead(name, entries, warden_journal::Urgency::Waited)?
             }
         };
         if let Some(asked) = asked {

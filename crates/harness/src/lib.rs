@@ -138,6 +138,9 @@ pub struct Harness {
     walled: Mutex<std::collections::HashSet<String>>,
     /// Cells being deleted: the delete journals their end itself.
     killing: Mutex<std::collections::HashSet<String>>,
+    /// Entries of run's cells from a pool whose database commit is under way (see
+    /// `keep_behind`): what `entry` reads until the database has them.
+    handing: Mutex<std::collections::HashMap<String, CellEntry>>,
     /// Held while a cell's end is checked and marked (see `mark_ended`).
     ends: Mutex<()>,
     /// The handle of every live cell, from its tier.
@@ -239,6 +242,7 @@ impl Harness {
             exec_questions: Mutex::new(HashMap::new()),
             walled: Mutex::new(std::collections::HashSet::new()),
             killing: Mutex::new(std::collections::HashSet::new()),
+            handing: Mutex::new(std::collections::HashMap::new()),
             ends: Mutex::new(()),
             cells: Mutex::new(HashMap::new()),
             events: tokio::sync::broadcast::channel(1024).0,

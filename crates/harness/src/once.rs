@@ -35,17 +35,18 @@ impl Harness {
             )
             .into());
         }
-        let (info, written) = self.create_with(cell, true).await?;
+        let (info, handing) = self.create_with(cell, true).await?;
         let name = info.name;
         let (tx, deleted) = tokio::sync::oneshot::channel();
         let then = Then {
             by: by.to_owned(),
             deleted: tx,
+            kept: handing.as_ref().map(|h| h.kept.done.clone()),
         };
         let started = self.exec_then(&name, exec, Some(then)).await;
-        // Written before the start's entry: durable by the start's round at the latest.
-        let durable = match written {
-            Some(written) => written.wait(self).await.map(drop),
+        // Written before the start's entry, and durable with it (one round).
+        let durable = match handing {
+            Some(handing) => handing.wait(self).await,
             None => Ok(()),
         };
         // The process's watch deletes the cell once the process has ended (the start, where
@@ -72,14 +73,67 @@ impl Harness {
 pub(crate) struct Then {
     by: String,
     deleted: tokio::sync::oneshot::Sender<Result<(), String>>,
+    /// For a cell from a pool: whether its entry is in the database yet (the delete reads it).
+    kept: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 impl Then {
     pub(crate) async fn delete(self, harness: &Arc<Harness>, cell: &str) {
+        if let Some(mut kept) = self.kept {
+            // Done or failed alike: a sender gone says so too.
+            let _ = kept.wait_for(|done| *done).await;
+        }
         let outcome = harness
             .delete(cell, &self.by)
             .await
             .map_err(|err| format!("deleting cell `{cell}` after its command: {err}"));
         let _ = self.deleted.send(outcome);
+    }
+}
+
+/// A run's cell from a pool, being handed out: its create's entries in the journal's file
+/// (durable with the command's start), its database entry on its way.
+pub(crate) struct Handing {
+    written: crate::record::DurableAll,
+    kept: Kept,
+}
+
+impl Handing {
+    pub(crate) fn new(written: crate::record::DurableAll, kept: Kept) -> Self {
+        Self { written, kept }
+    }
+
+    /// Waits until the entries are on disk and the database holds the cell.
+    async fn wait(self, harness: &Harness) -> Result<(), HarnessError> {
+        let kept = self.kept.task.await.unwrap_or_else(|e| {
+            Err(HarnessError::internal(format!(
+                "keeping the cell in the database: {e}"
+            )))
+        });
+        let written = self.written.wait(harness).await;
+        kept?;
+        written.map(drop)
+    }
+}
+
+/// The database's commit of a cell's entry, on a thread of its own.
+#[derive(Debug)]
+pub(crate) struct Kept {
+    task: tokio::task::JoinHandle<Result<(), HarnessError>>,
+    /// Turns `true` once the commit is done (or failed).
+    done: tokio::sync::watch::Receiver<bool>,
+}
+
+impl Kept {
+    pub(crate) fn spawn(
+        commit: impl FnOnce() -> Result<(), HarnessError> + Send + 'static,
+    ) -> Self {
+        let (tx, done) = tokio::sync::watch::channel(false);
+        let task = tokio::task::spawn_blocking(move || {
+            let result = commit();
+            let _ = tx.send(true);
+            result
+        });
+        Self { task, done }
     }
 }

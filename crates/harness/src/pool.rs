@@ -46,6 +46,9 @@ struct PoolState {
     closed: bool,
 }
 
+/// What a marker holds after its tier's name once its cell is being handed out.
+const HANDING_OUT: &[u8] = b"\nhanding out";
+
 /// Where the markers of cells made ahead are.
 fn markers(daemon_dir: &Path) -> PathBuf {
     daemon_dir.join("pool")
@@ -211,12 +214,24 @@ impl Harness {
         name: String,
         cell: Arc<dyn Cell>,
     ) {
+        let _ = std::fs::write(markers(&self.daemon_dir).join(&name), policy.tier.name());
         if let Some(pool) = self.pools.iter().find(|p| p.policy == *policy)
             && let Ok(mut state) = pool.state.lock()
         {
             state.taken = state.taken.saturating_sub(1);
             state.ready.push_front((name, cell));
         }
+    }
+
+    /// Marks a cell made ahead as being handed out, before its create goes into the journal:
+    /// a daemon that stops before the cell is in its database leaves a marker that says so,
+    /// and the next one journals the cell's end (see `start_pools`).
+    pub(crate) fn handing_out(&self, name: &str) {
+        let marker = markers(&self.daemon_dir).join(name);
+        let _ = std::fs::OpenOptions::new()
+            .append(true)
+            .open(marker)
+            .and_then(|mut file| std::io::Write::write_all(&mut file, HANDING_OUT));
     }
 
     /// The marker of a cell made ahead goes once the cell is a cell of the daemon's like any.
@@ -384,18 +399,22 @@ impl Harness {
                 .flatten()
                 .filter_map(|e| {
                     let name = e.file_name().into_string().ok()?;
-                    let tier = std::fs::read_to_string(e.path()).unwrap_or_default();
-                    Some((name, tier))
+                    let marker = std::fs::read_to_string(e.path()).unwrap_or_default();
+                    Some((name, marker))
                 })
                 .collect(),
             Err(_) => Vec::new(),
         };
-        for (name, tier) in left {
+        for (name, marker) in left {
             // Handed out, and the daemon stopped before the marker went: a cell like any.
             if matches!(self.state.get(&name), Ok(Some(_))) {
                 self.handed_out(&name);
                 continue;
             }
+            let (tier, handing) = match marker.split_once('\n') {
+                Some((tier, rest)) => (tier, rest.as_bytes() == &HANDING_OUT[1..]),
+                None => (marker.as_str(), false),
+            };
             let tier = warden_policy::Tier::from_name(tier.trim()).unwrap_or_default();
             let adopted = self.backend(tier)?.adopt(&name).ok().flatten();
             let ended = match adopted {
@@ -405,6 +424,25 @@ impl Harness {
                 None => true,
             };
             self.forget_pooled(&name, tier);
+            if handing {
+                // Its create (and maybe a command's start) may be in the journal, which then
+                // has its end and delete too: the cell is gone.
+                let reason =
+                    "the daemon stopped while the cell was handed out, before the database kept it";
+                self.record(
+                    Some(&name),
+                    "cell.end",
+                    json!({ "reason": reason, "ended": ended }),
+                )
+                .await?;
+                self.record(
+                    Some(&name),
+                    "cell.delete",
+                    json!({ "by": format!("the warden: {reason}") }),
+                )
+                .await?;
+                continue;
+            }
             self.record(
                 None,
                 "pool.drop",

@@ -208,10 +208,13 @@ impl Harness {
 
     /// `record_ahead` for entries about one cell: all in the journal's file when this returns,
     /// and on disk in one round of the group commit when the returned `DurableAll` resolves.
+    /// `Urgency::Soon`: they start no round of their own, but go with the next entry that is
+    /// waited for (one the caller submits next, so that one round takes both).
     pub(crate) fn record_all_ahead(
         &self,
         cell: &str,
         entries: Vec<(&str, Value)>,
+        urgency: warden_journal::Urgency,
     ) -> Result<DurableAll, HarnessError> {
         let events: Vec<(String, Value)> = entries
             .into_iter()
@@ -219,7 +222,7 @@ impl Harness {
             .collect();
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.journal
-            .submit_batch_ahead(Some(cell), events.clone(), move |result| {
+            .submit_batch_ahead(Some(cell), events.clone(), urgency, move |result| {
                 let _ = tx.send(result);
             })
             .map_err(|err| HarnessError::from(CellFailure::Journal(err.to_string())))?;

@@ -251,6 +251,52 @@ fn a_daemon_ends_the_cells_an_earlier_one_left_made_ahead() {
     });
 }
 
+#[test]
+fn a_daemon_ends_and_deletes_a_cell_an_earlier_one_stopped_with_while_handing_it_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = FakeBackend::new(&dir.path().join("cells"));
+    let spec = vec![pool(PolicySource::Preset("default".into()), 1)];
+    let crashed = tokio::runtime::Runtime::new().unwrap();
+    let left = crashed.block_on(async {
+        let harness = open(dir.path(), &fake, spec.clone()).await;
+        ready(&harness, 1).await;
+        made(&harness).await.remove(0)
+    });
+    crashed.shutdown_timeout(Duration::from_secs(10));
+    assert!(alive(&fake, &left));
+    // Where a hand-out stops when the daemon dies after its mark and before the database's
+    // commit (a run's create may be in the journal by then, its command started).
+    let marker = dir.path().join("state/daemon/pool").join(&left);
+    let tier = std::fs::read_to_string(&marker).unwrap();
+    assert!(
+        !tier.contains('\n'),
+        "a marker of a cell not handed out: {tier:?}"
+    );
+    std::fs::write(&marker, format!("{tier}\nhanding out")).unwrap();
+
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let next = open(dir.path(), &fake, spec).await;
+        assert!(!alive(&fake, &left), "the cell being handed out was ended");
+        let entries = next.entries_after(0, Some(left.clone())).await.unwrap();
+        let kinds: Vec<&str> = entries
+            .iter()
+            .map(|e| e["kind"].as_str().unwrap())
+            .collect();
+        assert_eq!(kinds, ["cell.end", "cell.delete"], "{entries:?}");
+        assert!(
+            !all_entries(&next)
+                .await
+                .iter()
+                .any(|e| e["kind"] == "pool.drop" && e["data"]["name"] == left),
+            "a cell handed out is no pool's to drop"
+        );
+        assert!(next.get(&left).is_err());
+        assert!(!marker.exists());
+        ready(&next, 1).await;
+        next.shutdown().await;
+    });
+}
+
 #[tokio::test]
 async fn a_pool_whose_cells_would_need_a_callers_secrets_is_refused() {
     let dir = tempfile::tempdir().unwrap();

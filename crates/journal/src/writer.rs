@@ -390,11 +390,15 @@ impl Journal {
     /// gets their receipts once all are on disk. For effects that may start while the disk
     /// catches up, like `submit_ahead`, but one round of the group commit for all (entries
     /// submitted one by one can straddle a round that began between them, and wait for two).
-    /// An error: none was written (those sealed before it go with the next round, unacknowledged).
+    /// With `Urgency::Soon` the batch starts no round of its own: it goes to the disk with the
+    /// next entry that is waited for (an effect's, submitted right after it), or within
+    /// `SOON_WITHIN`. An error: none was written (those sealed before it go with the next
+    /// round, unacknowledged).
     pub fn submit_batch_ahead(
         &self,
         cell: Option<&str>,
         entries: Vec<(String, Value)>,
+        urgency: Urgency,
         ack: impl FnOnce(Result<Vec<Receipt>, JournalError>) + Send + 'static,
     ) -> Result<Vec<Receipt>, JournalError> {
         let mut state = self
@@ -421,7 +425,7 @@ impl Journal {
             Box::new(move |result: Result<Receipt, JournalError>| {
                 ack(result.map(|_| all));
             }),
-            false,
+            urgency == Urgency::Soon,
         );
         drop(state);
         self.wake();
@@ -1393,6 +1397,42 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_submitted_soon_waits_for_the_next_waited_entry_and_goes_to_the_disk_with_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path()).unwrap();
+        let file = dir.path().join(JOURNAL_FILE);
+        let (tx, rx) = mpsc::channel();
+        let entries = vec![
+            ("cell.create".to_owned(), json!({ "n": 1 })),
+            ("cell.start".to_owned(), json!({ "n": 2 })),
+        ];
+        let written = journal
+            .submit_batch_ahead(Some("c"), entries, Urgency::Soon, move |receipts| {
+                let _ = tx.send(receipts);
+            })
+            .unwrap();
+        let text = fs::read_to_string(&file).unwrap();
+        assert!(
+            text.contains("\"cell.create\"") && text.contains("\"cell.start\""),
+            "not in the file when submitted: {text}"
+        );
+        // No fdatasync of its own ...
+        assert!(
+            rx.recv_timeout(SOON_WITHIN / 3).is_err(),
+            "a batch submitted soon was synced at once"
+        );
+        // ... but on the disk by the time the next waited entry's append returns.
+        let waited = journal.append(Some("c"), "exec.start", json!({})).unwrap();
+        let durable = rx
+            .try_recv()
+            .expect("the batch submitted soon was not on disk with the next waited entry")
+            .unwrap();
+        assert_eq!(durable, written);
+        assert_eq!(waited.seq, written[1].seq + 1);
+        journal.close();
+    }
+
+    #[test]
     fn an_entry_submitted_ahead_is_in_the_file_before_its_acknowledgement() {
         let dir = tempfile::tempdir().unwrap();
         let journal = Arc::new(Journal::open(dir.path()).unwrap());
@@ -1431,7 +1471,7 @@ mod tests {
             ("cell.start".to_owned(), json!({ "n": 2 })),
         ];
         let written = journal
-            .submit_batch_ahead(Some("c"), entries, move |receipts| {
+            .submit_batch_ahead(Some("c"), entries, Urgency::Waited, move |receipts| {
                 let _ = tx.send(receipts);
             })
             .unwrap();
@@ -1449,7 +1489,7 @@ mod tests {
         // Nothing is acknowledged for an empty batch but that it is empty.
         let (tx, rx) = mpsc::channel();
         let none = journal
-            .submit_batch_ahead(Some("c"), Vec::new(), move |r| {
+            .submit_batch_ahead(Some("c"), Vec::new(), Urgency::Waited, move |r| {
                 let _ = tx.send(r);
             })
             .unwrap();
