@@ -156,6 +156,12 @@ pub trait Cell: Send + Sync + Debug {
             pause = (pause * 2).min(std::time::Duration::from_millis(5));
         }
     }
+    /// Whether an exec asked for as the cell's last (`ExecRequest::last`) ends the cell once
+    /// its end is told (the process tier: the init exits); `false`: the flag is ignored, and
+    /// the cell runs on until it is killed.
+    fn ends_with_last_process(&self) -> bool {
+        false
+    }
     /// A descriptor that becomes readable when the tier is about to let go of the cell (the
     /// process tier: a pidfd of its keeper), so that `wait_ended` need not sleep past it. The
     /// status still decides: a waker that wakes early only makes the wait look again.

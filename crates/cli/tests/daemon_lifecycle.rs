@@ -1082,8 +1082,9 @@ fn a_run_makes_its_cell_runs_one_command_and_deletes_the_cell_before_it_answers(
     let run = |body: Value| daemon.call("POST", "/v1/run", Some(body));
     let cells = || daemon.call("GET", "/v1/cells", None).json();
 
-    // From the pool: the command's streams and status, a process it left behind ended, and
-    // the cell gone (and journaled so) before the last event.
+    // From the pool: the command's streams and status, a process it left behind ended with
+    // the cell (which ends with its command: no kill), and the cell gone (and journaled so)
+    // before the last event.
     let marker = format!("sleep 31{}", std::process::id() % 1000 + 1000);
     let answer = run(json!({
         "cell": {},
@@ -1123,10 +1124,13 @@ fn a_run_makes_its_cell_runs_one_command_and_deletes_the_cell_before_it_answers(
             "cell.start",
             "exec.start",
             "exec.exit",
-            "cell.kill",
             "cell.end",
             "cell.delete"
         ],
+    );
+    assert_eq!(
+        journal_entries_of(&daemon, "cell.end", &cell)[0]["data"]["reason"],
+        "its run's command ended"
     );
     assert_eq!(
         journal_entries_of(&daemon, "cell.create", &cell)[0]["data"]["pooled"],

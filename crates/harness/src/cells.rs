@@ -665,7 +665,7 @@ impl Harness {
                 let killed = handle.kill();
                 let written = match (&killed, follow) {
                     (Ok(()) | Err(CellError::Ended(_)), Some((harness, name, by))) => {
-                        Some(harness.write_end_and_delete(&name, &by))
+                        Some(harness.write_end_and_delete(&name, &by, "killed"))
                     }
                     _ => None,
                 };
@@ -731,18 +731,20 @@ impl Harness {
         })
     }
 
-    /// A deleted cell's end (where it had not ended yet: then `true`) and delete, written to
-    /// the journal's file (its round started) from the thread that sent the kill.
+    /// A deleted cell's end, for `reason` (where it had not ended yet: then `true`), and
+    /// delete, written to the journal's file (its round started): from the thread that sent
+    /// the kill, or for a cell that ends by itself.
     fn write_end_and_delete(
         &self,
         name: &str,
         by: &str,
+        reason: &str,
     ) -> Result<(bool, crate::record::DurableAll), HarnessError> {
-        let entry = self.state.get(name).ok().flatten();
+        let entry = self.entry(name).ok();
         let killed = entry.is_some_and(|e| e.ended.is_none());
         let mut entries = Vec::new();
         if killed {
-            entries.push(("cell.end", json!({ "reason": "killed" })));
+            entries.push(("cell.end", json!({ "reason": reason })));
         }
         entries.push(("cell.delete", json!({ "by": by })));
         Ok((
@@ -774,12 +776,24 @@ impl Harness {
     /// the journal on disk; a keeper that still takes down the cell's cgroups and files then
     /// ends behind the answer, and a create of the same name waits for it.
     pub async fn delete(self: &Arc<Self>, name: &str, by: &str) -> Result<(), HarnessError> {
+        self.delete_with(name, by, None).await
+    }
+
+    /// `delete`; `ending`: the cell ends by itself (a run's, whose last process has ended), for
+    /// that reason: it is not killed, its end is journaled with that reason, and the answer
+    /// waits for its end as for a kill's.
+    pub(crate) async fn delete_with(
+        self: &Arc<Self>,
+        name: &str,
+        by: &str,
+        ending: Option<&str>,
+    ) -> Result<(), HarnessError> {
         // The watch of the cell leaves its end to this delete, which journals it; a create of
         // the same name waits until the delete is done.
         if let Ok(mut killing) = self.killing.lock() {
             killing.insert(name.to_owned());
         }
-        match self.delete_now(name, by).await {
+        match self.delete_now(name, by, ending).await {
             Ok(Some((gone, tier))) => {
                 let harness = Arc::clone(self);
                 let name = name.to_owned();
@@ -806,23 +820,36 @@ impl Harness {
         self: &Arc<Self>,
         name: &str,
         by: &str,
+        ending: Option<&str>,
     ) -> Result<Option<(tokio::task::JoinHandle<()>, Option<Arc<dyn Backend>>)>, HarnessError> {
         let entry = self.entry(name)?;
         let live = self.cell(name);
         let tier = self.backend_of(name).ok();
+        let own_end =
+            ending.filter(|_| entry.ended.is_none() && entry.workspace.is_none() && live.is_some());
         let Killed {
             killed,
             asked,
             written,
-        } = match entry.ended.is_none() && self.live(name).is_ok() {
-            true => {
+        } = match (own_end, entry.ended.is_none() && self.live(name).is_ok()) {
+            // Ending by itself (or ended, its end not seen yet): not killed, but waited for as
+            // a killed cell is.
+            (Some(reason), _) => {
+                let (killed, written) = self.write_end_and_delete(name, by, reason)?;
+                Killed {
+                    killed,
+                    asked: None,
+                    written: Some(written),
+                }
+            }
+            (None, true) => {
                 // A cell without a workspace has its end and delete written as soon as the
                 // signal is out; one with a workspace lists its changes first.
                 let follow = entry.workspace.is_none().then(|| Arc::clone(self));
                 self.control_with(name, ControlAction::Kill, by, true, follow)
                     .await?
             }
-            false => Killed {
+            (None, false) => Killed {
                 killed: false,
                 asked: None,
                 written: None,
@@ -830,11 +857,29 @@ impl Harness {
         };
         // Until no process of it runs, then until its tier has let go of it (its keeper ends
         // once its cgroups and files are gone).
+        let ends_itself = own_end.is_some();
         let (stopped, gone) = match (killed, live) {
             (true, Some(cell)) => {
                 let (tx, stopped) = tokio::sync::oneshot::channel();
+                let harness = Arc::clone(self);
+                let cell_name = name.to_owned();
                 let gone = tokio::task::spawn_blocking(move || {
-                    let _ = tx.send(cell.wait_stopped());
+                    let mut stopped = cell.wait_stopped();
+                    if !stopped && ends_itself {
+                        // It did not end with its last process, as its tier said it would:
+                        // killed now (and journaled so), before the delete answers.
+                        let _ = harness.record_all_ahead(
+                            &cell_name,
+                            vec![(
+                                "cell.kill",
+                                json!({ "by": "the warden: the cell did not end with its run's command" }),
+                            )],
+                            warden_journal::Urgency::Waited,
+                        );
+                        let _ = cell.kill();
+                        stopped = cell.wait_stopped();
+                    }
+                    let _ = tx.send(stopped);
                     cell.wait_ended();
                 });
                 (Some(stopped), Some(gone))

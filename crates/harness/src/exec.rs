@@ -170,6 +170,8 @@ impl Harness {
             env: spec.env.clone().into_iter().collect(),
             cwd: spec.cwd.clone(),
             tty: spec.tty,
+            // A run's: its cell ends with it, where its tier can.
+            last: then.as_ref().is_some_and(|then| then.ends_itself),
         };
         let begun = Instant::now();
         // Sending the request on the line to the init does not wait on the cell (nor does the
@@ -219,7 +221,7 @@ impl Harness {
                 self.running.remove(id);
                 // A run's cell goes before the end is told, as after a process that ran.
                 if let Some(then) = then {
-                    then.delete(self, name).await;
+                    then.delete(self, name, false).await;
                 }
                 let process = Arc::new(Process::new(
                     id,
@@ -359,6 +361,11 @@ impl Harness {
                 abort.abort();
             }
         }
+        // The init told the process's end (and a cell that ends with it is ending).
+        let told_end = matches!(
+            &ended,
+            Ok(ExecEvent::Exited { .. } | ExecEvent::Signaled { .. })
+        );
         let usage = match &ended {
             Ok(ExecEvent::Exited { usage, .. } | ExecEvent::Signaled { usage, .. }) => *usage,
             _ => None,
@@ -453,7 +460,7 @@ impl Harness {
                         warden_journal::Urgency::Soon,
                     )
                     .await;
-                then.delete(&self, &process.cell).await;
+                then.delete(&self, &process.cell, told_end).await;
                 match written {
                     Ok(durable) => durable.wait(&self).await,
                     Err(err) => Err(err),

@@ -42,6 +42,11 @@ impl Harness {
             by: by.to_owned(),
             deleted: tx,
             kept: handing.as_ref().map(|h| h.kept.done.clone()),
+            // (One with a workspace is killed, as any: its changes are listed after.)
+            ends_itself: self
+                .cell(&name)
+                .is_some_and(|cell| cell.ends_with_last_process())
+                && self.entry(&name).is_ok_and(|e| e.workspace.is_none()),
         };
         let started = self.exec_then(&name, exec, Some(then)).await;
         // Written before the start's entry, and durable with it (one round).
@@ -75,16 +80,22 @@ pub(crate) struct Then {
     deleted: tokio::sync::oneshot::Sender<Result<(), String>>,
     /// For a cell from a pool: whether its entry is in the database yet (the delete reads it).
     kept: Option<tokio::sync::watch::Receiver<bool>>,
+    /// The cell's tier ends it with the run's process (`ExecRequest::last`): its end starts as
+    /// the process's does, not after a kill that follows the news of it.
+    pub(crate) ends_itself: bool,
 }
 
 impl Then {
-    pub(crate) async fn delete(self, harness: &Arc<Harness>, cell: &str) {
+    /// Deletes the cell; `ended`: the run's process ran and ended (so a cell that
+    /// `ends_itself` is ending already).
+    pub(crate) async fn delete(self, harness: &Arc<Harness>, cell: &str, ended: bool) {
         if let Some(mut kept) = self.kept {
             // Done or failed alike: a sender gone says so too.
             let _ = kept.wait_for(|done| *done).await;
         }
+        let ending = (ended && self.ends_itself).then_some("its run's command ended");
         let outcome = harness
-            .delete(cell, &self.by)
+            .delete_with(cell, &self.by, ending)
             .await
             .map_err(|err| format!("deleting cell `{cell}` after its command: {err}"));
         let _ = self.deleted.send(outcome);

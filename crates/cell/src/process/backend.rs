@@ -427,6 +427,10 @@ impl Cell for ProcessCell {
         super::sys::wait_readable(pidfd.as_fd(), Duration::from_secs(10)).unwrap_or(false)
     }
 
+    fn ends_with_last_process(&self) -> bool {
+        true
+    }
+
     /// The keeper's pidfd: it ends once its cell is gone. (A later process that took a gone
     /// keeper's pid only makes the wait look again.)
     fn end_waker(&self) -> Option<OwnedFd> {

@@ -417,6 +417,8 @@ struct Started {
 struct Exec {
     id: u64,
     client: Option<OwnedFd>,
+    /// The cell's last process (`ExecRequest::last`): the init exits once its end is told.
+    last: bool,
 }
 
 /// Reaps every process until the command exits, then exits with its status; forwards signals;
@@ -549,6 +551,7 @@ fn supervise(
                 if let Some(Exec {
                     id,
                     client: Some(client),
+                    last,
                 }) = execs.remove(&pid)
                 {
                     let usage = Some(Usage {
@@ -561,6 +564,13 @@ fn supervise(
                         Err(signal) => ExecEvent::Signaled { id, signal, usage },
                     };
                     send_event(&client, &event, &[]);
+                    if last {
+                        // The cell ends with its last process (its end is in the client's
+                        // socket): exiting makes the kernel kill everything in the pid
+                        // namespace. (One whose client went away leaves the cell to its
+                        // warden.)
+                        sys::exit_now(reaped.status.unwrap_or_else(|signal| 128 + signal));
+                    }
                 }
             }
         } else if let (Ok(signal), Some(main)) = (Signal::try_from(info.ssi_signo as i32), main) {
@@ -662,6 +672,7 @@ fn start_exec(
                     Exec {
                         id,
                         client: Some(client),
+                        last: false,
                     },
                 );
             }
@@ -696,6 +707,7 @@ fn start_exec(
         env.push((key.into(), value.into()));
     }
     let cwd = request.cwd.map_or_else(|| plan.cwd.clone(), Into::into);
+    let last = request.last;
     let argv: Vec<OsString> = request.argv.into_iter().map(Into::into).collect();
     match spawn(&argv, &env, &cwd, Some(stdio), master.is_some(), layer) {
         Ok(pid) => {
@@ -714,6 +726,7 @@ fn start_exec(
                 Exec {
                     id,
                     client: Some(client),
+                    last,
                 },
             );
         }
