@@ -849,6 +849,19 @@ impl Harness {
                 self.control_with(name, ControlAction::Kill, by, true, follow)
                     .await?
             }
+            // Ended by itself, its end not journaled yet (its watch looks only every so
+            // often): journaled now, before the delete, with the reason the watch would give.
+            (None, false)
+                if entry.ended.is_none() && entry.workspace.is_none() && live.is_some() =>
+            {
+                let (reason, _) = self.end_reason(name);
+                let (killed, written) = self.write_end_and_delete(name, by, &reason)?;
+                Killed {
+                    killed,
+                    asked: None,
+                    written: Some(written),
+                }
+            }
             (None, false) => Killed {
                 killed: false,
                 asked: None,

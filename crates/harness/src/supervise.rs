@@ -209,28 +209,7 @@ impl Harness {
         if let Ok(Some(entry)) = self.state.get(name)
             && entry.ended.is_none()
         {
-            let ending = self.ending_of(name);
-            let checkpointed = std::fs::read_to_string(
-                self.daemon_dir
-                    .join("cells")
-                    .join(name)
-                    .join(crate::checkpoint::CHECKPOINTED),
-            );
-            let reason = if let Ok(id) = checkpointed {
-                format!("checkpointed as {id}")
-            } else if self.kill_requested(name)
-                || ending.as_ref().is_some_and(|e| e["reason"] == "killed")
-            {
-                "killed".to_owned()
-            } else if let Some(message) = ending
-                .as_ref()
-                .filter(|e| e["reason"] == "memory-limit" || e["reason"] == "disk-limit")
-                .and_then(|e| e["message"].as_str())
-            {
-                message.to_owned()
-            } else {
-                "its processes ended".to_owned()
-            };
+            let (reason, ending) = self.end_reason(name);
             // A kill that saw the end at the same moment journals it instead.
             if !self.mark_ended(name, &reason).unwrap_or(false) {
                 return;
@@ -245,6 +224,34 @@ impl Harness {
             self.journal_changes(name, "ended, changes kept for review")
                 .await;
         }
+    }
+
+    /// Why a cell that ended by itself ended, from what its keeper and the daemon left in its
+    /// folder; with the keeper's own word for it.
+    pub(crate) fn end_reason(&self, name: &str) -> (String, Option<serde_json::Value>) {
+        let ending = self.ending_of(name);
+        let checkpointed = std::fs::read_to_string(
+            self.daemon_dir
+                .join("cells")
+                .join(name)
+                .join(crate::checkpoint::CHECKPOINTED),
+        );
+        let reason = if let Ok(id) = checkpointed {
+            format!("checkpointed as {id}")
+        } else if self.kill_requested(name)
+            || ending.as_ref().is_some_and(|e| e["reason"] == "killed")
+        {
+            "killed".to_owned()
+        } else if let Some(message) = ending
+            .as_ref()
+            .filter(|e| e["reason"] == "memory-limit" || e["reason"] == "disk-limit")
+            .and_then(|e| e["message"].as_str())
+        {
+            message.to_owned()
+        } else {
+            "its processes ended".to_owned()
+        };
+        (reason, ending)
     }
 
     /// Copies up to [`DECISION_BATCH`] new lines of the cell's egress record into the journal

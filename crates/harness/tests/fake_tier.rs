@@ -416,6 +416,29 @@ async fn a_cell_that_ends_under_the_harness_is_noticed_and_journaled_once() {
     assert_eq!(s.harness.get("six").unwrap_err().kind, ErrorKind::NotFound);
 }
 
+#[tokio::test]
+async fn a_cell_deleted_right_after_it_ended_by_itself_has_its_end_journaled_before_its_delete() {
+    let s = setup().await;
+    s.harness.create(create("seven", None)).await.unwrap();
+    // Ended by the tier, and deleted before the cell's watch has looked at it.
+    use warden_cell::Cell as _;
+    s.fake.cell("seven").unwrap().kill().unwrap();
+    s.harness.delete("seven", "test").await.unwrap();
+    let entries = entries(&s.harness, "seven").await;
+    let kinds: Vec<&str> = entries
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        kinds,
+        ["cell.create", "cell.start", "cell.end", "cell.delete"]
+    );
+    assert_eq!(entries[2]["data"]["reason"], "its processes ended");
+    // The watch, looking later, journals nothing more.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(self::kinds(&s.harness, "seven").await.len(), 4);
+}
+
 fn attached(argv: &[&str]) -> AttachedRun {
     AttachedRun {
         argv: argv.iter().map(Into::into).collect(),
