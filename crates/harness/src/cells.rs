@@ -831,7 +831,11 @@ impl Harness {
             killed,
             asked,
             written,
-        } = match (own_end, entry.ended.is_none() && self.live(name).is_ok()) {
+        } = match (
+            own_end,
+            // (Looked at only where it decides.)
+            own_end.is_none() && entry.ended.is_none() && self.live(name).is_ok(),
+        ) {
             // Ending by itself (or ended, its end not seen yet): not killed, but waited for as
             // a killed cell is.
             (Some(reason), _) => {
