@@ -427,11 +427,12 @@ impl Harness {
         }
         let harness = Arc::clone(self);
         let kept = crate::once::Kept::spawn(move || {
-            let kept = harness.state.put_new(&entry);
+            // Where the commit fails, the entry stays in the map (until the cell is
+            // forgotten), so that the run's delete still finds the cell and ends it.
+            harness.state.put_new(&entry)?;
             if let Ok(mut handing) = harness.handing.lock() {
                 handing.remove(&entry.name);
             }
-            kept?;
             harness.handed_out(&entry.name);
             Ok(())
         });
@@ -989,6 +990,9 @@ impl Harness {
         }
         if let Ok(mut grants) = self.grants.lock() {
             grants.retain(|g| g.cell.as_deref() != Some(name));
+        }
+        if let Ok(mut handing) = self.handing.lock() {
+            handing.remove(name);
         }
         match commit {
             true => self.state.forget(name),
