@@ -381,6 +381,53 @@ fn a_gvisor_cells_processes_are_started_by_its_init_which_no_process_takes_over(
 }
 
 #[test]
+fn a_run_on_gvisor_kills_its_cell_once_its_command_has_ended() {
+    needs_gvisor!("a_run_on_gvisor_kills_its_cell_once_its_command_has_ended");
+    let daemon = Daemon::start(&[]);
+    let answer = daemon.call(
+        "POST",
+        "/v1/run",
+        Some(json!({ "cell": { "policy": GVISOR }, "exec": { "argv": ["sh", "-c", "exit 4"] } })),
+    );
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    let events = answer.events();
+    assert_eq!(exit_of(&events)["code"].as_i64(), Some(4), "{events:?}");
+    let cell = events[0].1["cell"].as_str().unwrap().to_owned();
+    // Its init does not end the cell with its last process (the process tier's does): the
+    // delete kills it, as any, before the answer ends.
+    let entries: Vec<Value> = std::fs::read_to_string(daemon.journal())
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|e| e["cell"] == cell.as_str())
+        .collect();
+    let kinds: Vec<&str> = entries
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            "cell.create",
+            "cell.start",
+            "exec.start",
+            "exec.exit",
+            "cell.kill",
+            "cell.end",
+            "cell.delete"
+        ],
+        "{entries:?}"
+    );
+    assert_eq!(entries[5]["data"]["reason"], "killed");
+    assert_eq!(
+        daemon
+            .call("GET", &format!("/v1/cells/{cell}"), None)
+            .status,
+        404
+    );
+}
+
+#[test]
 fn the_gvisor_tier_is_refused_where_it_cannot_run_and_doctor_says_why() {
     // As root with runsc, doctor says the tier is usable here; as an unprivileged user, a
     // gVisor cell is refused with the reason, and nothing falls back to another tier.

@@ -427,8 +427,10 @@ impl Cell for ProcessCell {
         super::sys::wait_readable(pidfd.as_fd(), Duration::from_secs(10)).unwrap_or(false)
     }
 
+    /// Where the cell's pid 1 is Warden's init (not gVisor's `runsc`, whose sandbox's init
+    /// speaks a protocol of its own).
     fn ends_with_last_process(&self) -> bool {
-        true
+        self.pid_is_init
     }
 
     /// The keeper's pidfd: it ends once its cell is gone. (A later process that took a gone
