@@ -1396,21 +1396,34 @@ mod tests {
         assert_eq!((kind, what), ("t.alone", "durable"));
     }
 
-    #[test]
-    fn a_batch_submitted_soon_waits_for_the_next_waited_entry_and_goes_to_the_disk_with_it() {
-        let dir = tempfile::tempdir().unwrap();
-        let journal = Journal::open(dir.path()).unwrap();
-        let file = dir.path().join(JOURNAL_FILE);
+    /// A cell's create and start submitted as one batch ahead: their receipts, and where the
+    /// acknowledgement of both comes.
+    fn create_and_start(
+        journal: &Journal,
+        urgency: Urgency,
+    ) -> (
+        Vec<Receipt>,
+        mpsc::Receiver<Result<Vec<Receipt>, JournalError>>,
+    ) {
         let (tx, rx) = mpsc::channel();
         let entries = vec![
             ("cell.create".to_owned(), json!({ "n": 1 })),
             ("cell.start".to_owned(), json!({ "n": 2 })),
         ];
         let written = journal
-            .submit_batch_ahead(Some("c"), entries, Urgency::Soon, move |receipts| {
+            .submit_batch_ahead(Some("c"), entries, urgency, move |receipts| {
                 let _ = tx.send(receipts);
             })
             .unwrap();
+        (written, rx)
+    }
+
+    #[test]
+    fn a_batch_submitted_soon_waits_for_the_next_waited_entry_and_goes_to_the_disk_with_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path()).unwrap();
+        let file = dir.path().join(JOURNAL_FILE);
+        let (written, rx) = create_and_start(&journal, Urgency::Soon);
         let text = fs::read_to_string(&file).unwrap();
         assert!(
             text.contains("\"cell.create\"") && text.contains("\"cell.start\""),
@@ -1465,16 +1478,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let journal = Journal::open(dir.path()).unwrap();
         let file = dir.path().join(JOURNAL_FILE);
-        let (tx, rx) = mpsc::channel();
-        let entries = vec![
-            ("cell.create".to_owned(), json!({ "n": 1 })),
-            ("cell.start".to_owned(), json!({ "n": 2 })),
-        ];
-        let written = journal
-            .submit_batch_ahead(Some("c"), entries, Urgency::Waited, move |receipts| {
-                let _ = tx.send(receipts);
-            })
-            .unwrap();
+        let (written, rx) = create_and_start(&journal, Urgency::Waited);
         // Both in the file, in order, before the disk is waited for.
         let text = fs::read_to_string(&file).unwrap();
         let (create, start) = (
