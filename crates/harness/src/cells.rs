@@ -826,19 +826,24 @@ impl Harness {
         let entry = self.entry(name)?;
         let live = self.cell(name);
         let tier = self.backend_of(name).ok();
-        let own_end =
-            ending.filter(|_| entry.ended.is_none() && entry.workspace.is_none() && live.is_some());
+        // A cell that ends by itself (a run's, `ending`), or that ended by itself before its
+        // watch's next look (which would journal its end): not killed, its end journaled
+        // with why, and waited for as a killed cell is.
+        let unkilled = entry.ended.is_none() && entry.workspace.is_none() && live.is_some();
+        // (Looked at only where it decides.)
+        let is_live =
+            !(unkilled && ending.is_some()) && entry.ended.is_none() && self.live(name).is_ok();
+        let own_end = match (ending, is_live) {
+            _ if !unkilled => None,
+            (Some(reason), _) => Some(reason.to_owned()),
+            (None, false) => Some(self.end_reason(name).0),
+            (None, true) => None,
+        };
         let Killed {
             killed,
             asked,
             written,
-        } = match (
-            own_end,
-            // (Looked at only where it decides.)
-            own_end.is_none() && entry.ended.is_none() && self.live(name).is_ok(),
-        ) {
-            // Ending by itself (or ended, its end not seen yet): not killed, but waited for as
-            // a killed cell is.
+        } = match (&own_end, is_live) {
             (Some(reason), _) => {
                 let (killed, written) = self.write_end_and_delete(name, by, reason)?;
                 Killed {
@@ -854,28 +859,16 @@ impl Harness {
                 self.control_with(name, ControlAction::Kill, by, true, follow)
                     .await?
             }
-            // Ended by itself, its end not journaled yet (its watch looks only every so
-            // often): journaled now, before the delete, with the reason the watch would give.
-            (None, false)
-                if entry.ended.is_none() && entry.workspace.is_none() && live.is_some() =>
-            {
-                let (reason, _) = self.end_reason(name);
-                let (killed, written) = self.write_end_and_delete(name, by, &reason)?;
-                Killed {
-                    killed,
-                    asked: None,
-                    written: Some(written),
-                }
-            }
             (None, false) => Killed {
                 killed: false,
                 asked: None,
                 written: None,
             },
         };
+        // (A run's: one whose tier said it would end by itself.)
+        let ends_itself = ending.is_some() && own_end.is_some();
         // Until no process of it runs, then until its tier has let go of it (its keeper ends
         // once its cgroups and files are gone).
-        let ends_itself = own_end.is_some();
         let (stopped, gone) = match (killed, live) {
             (true, Some(cell)) => {
                 let (tx, stopped) = tokio::sync::oneshot::channel();

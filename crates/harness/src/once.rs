@@ -37,16 +37,17 @@ impl Harness {
         }
         let (info, handing) = self.create_with(cell, true).await?;
         let name = info.name;
+        // (One with a workspace is killed, as any: its changes are listed after.)
+        let ends_itself = info.workspace.is_none()
+            && self
+                .cell(&name)
+                .is_some_and(|cell| cell.ends_with_last_process());
         let (tx, deleted) = tokio::sync::oneshot::channel();
         let then = Then {
             by: by.to_owned(),
             deleted: tx,
             kept: handing.as_ref().map(|h| h.kept.done.clone()),
-            // (One with a workspace is killed, as any: its changes are listed after.)
-            ends_itself: self
-                .cell(&name)
-                .is_some_and(|cell| cell.ends_with_last_process())
-                && self.entry(&name).is_ok_and(|e| e.workspace.is_none()),
+            ends_itself,
         };
         let started = self.exec_then(&name, exec, Some(then)).await;
         // Written before the start's entry, and durable with it (one round).

@@ -47,7 +47,7 @@ struct PoolState {
 }
 
 /// What a marker holds after its tier's name once its cell is being handed out.
-const HANDING_OUT: &[u8] = b"\nhanding out";
+const HANDING_OUT: &str = "\nhanding out";
 
 /// Where the markers of cells made ahead are.
 fn markers(daemon_dir: &Path) -> PathBuf {
@@ -231,7 +231,7 @@ impl Harness {
         let _ = std::fs::OpenOptions::new()
             .append(true)
             .open(marker)
-            .and_then(|mut file| std::io::Write::write_all(&mut file, HANDING_OUT));
+            .and_then(|mut file| std::io::Write::write_all(&mut file, HANDING_OUT.as_bytes()));
     }
 
     /// The marker of a cell made ahead goes once the cell is a cell of the daemon's like any.
@@ -411,10 +411,8 @@ impl Harness {
                 self.handed_out(&name);
                 continue;
             }
-            let (tier, handing) = match marker.split_once('\n') {
-                Some((tier, rest)) => (tier, rest.as_bytes() == &HANDING_OUT[1..]),
-                None => (marker.as_str(), false),
-            };
+            let handing = marker.ends_with(HANDING_OUT);
+            let tier = marker.lines().next().unwrap_or_default();
             let tier = warden_policy::Tier::from_name(tier.trim()).unwrap_or_default();
             let adopted = self.backend(tier)?.adopt(&name).ok().flatten();
             let ended = match adopted {
