@@ -867,6 +867,10 @@ impl Harness {
         };
         // (A run's: one whose tier said it would end by itself.)
         let ends_itself = ending.is_some() && own_end.is_some();
+        // One with a workspace that ended by itself before its watch's next look (which would
+        // have journaled why): its end goes before its changes.
+        let ended_unseen =
+            !killed && own_end.is_none() && entry.ended.is_none() && live.is_some() && !is_live;
         // Until no process of it runs, then until its tier has let go of it (its keeper ends
         // once its cgroups and files are gone).
         let (stopped, gone) = match (killed, live) {
@@ -909,6 +913,10 @@ impl Harness {
             }
             if killed {
                 self.record(Some(name), end.0, end.1).await?;
+            } else if ended_unseen {
+                let (reason, _) = self.end_reason(name);
+                self.record(Some(name), "cell.end", json!({ "reason": reason }))
+                    .await?;
             }
             self.journal_changes(name, "deleted, changes discarded")
                 .await;

@@ -439,6 +439,40 @@ async fn a_cell_deleted_right_after_it_ended_by_itself_has_its_end_journaled_bef
     assert_eq!(self::kinds(&s.harness, "seven").await.len(), 4);
 }
 
+#[tokio::test]
+async fn a_cell_with_a_workspace_deleted_right_after_it_ended_by_itself_has_its_end_journaled() {
+    let s = setup().await;
+    let workspace = tempfile::tempdir().unwrap();
+    let request = CreateCell {
+        workspace: Some(workspace.path().to_string_lossy().into_owned()),
+        ..create("eight", None)
+    };
+    s.harness.create(request).await.unwrap();
+    use warden_cell::Cell as _;
+    s.fake.cell("eight").unwrap().kill().unwrap();
+    s.harness.delete("eight", "test").await.unwrap();
+    let entries = entries(&s.harness, "eight").await;
+    let kinds: Vec<&str> = entries
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap())
+        .collect();
+    // Its end, then what its delete says of its changes, then the delete.
+    assert_eq!(kinds.first(), Some(&"cell.create"));
+    let end = kinds.iter().position(|k| *k == "cell.end");
+    let delete = kinds.iter().position(|k| *k == "cell.delete");
+    assert!(
+        matches!((end, delete), (Some(e), Some(d)) if e < d),
+        "entries: {kinds:?}"
+    );
+    assert_eq!(kinds.iter().filter(|k| **k == "cell.end").count(), 1);
+    assert_eq!(
+        entries[end.unwrap()]["data"]["reason"],
+        "its processes ended"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(self::kinds(&s.harness, "eight").await.len(), kinds.len());
+}
+
 fn attached(argv: &[&str]) -> AttachedRun {
     AttachedRun {
         argv: argv.iter().map(Into::into).collect(),
