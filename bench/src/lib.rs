@@ -1,7 +1,7 @@
 //! What the benchmarks share: a daemon of their own, requests over its unix socket, the
 //! memory of process trees, percentiles and tables.
 
-use std::io::{Read as _, Write as _};
+use std::io::Write as _;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -56,8 +56,10 @@ pub fn table(rows: &mut [(String, Vec<Duration>)], versus: &str) {
     }
 }
 
-/// One HTTP/1.1 request on a fresh unix connection, read to its end: the status and the raw
-/// answer.
+/// One HTTP/1.1 request on a fresh unix connection, read to the end of its answer (as its
+/// framing says: a `Content-Length`, the last chunk of a chunked body, or none for a 204), not
+/// to the connection's close, which a client of the API does not wait for: the status and the
+/// raw answer.
 pub fn request(socket: &Path, method: &str, path: &str, body: &str) -> Result<(u16, String)> {
     let mut stream = UnixStream::connect(socket).context("connecting to the daemon")?;
     write!(
@@ -65,14 +67,68 @@ pub fn request(socket: &Path, method: &str, path: &str, body: &str) -> Result<(u
         "{method} {path} HTTP/1.1\r\nHost: w\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     )?;
-    let mut raw = String::new();
-    stream.read_to_string(&mut raw)?;
+    let raw = read_answer(&mut std::io::BufReader::new(stream))?;
     let status = raw
         .split(' ')
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
     Ok((status, raw))
+}
+
+/// An HTTP/1.1 answer, its head and body as they came (chunk sizes too), up to its end.
+fn read_answer(reader: &mut impl std::io::BufRead) -> Result<String> {
+    let mut raw = String::new();
+    let mut length = None;
+    let mut chunked = false;
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line)? == 0 {
+            bail!("the daemon closed the connection within an answer's head: {raw}");
+        }
+        raw.push_str(&line);
+        let header = line.trim_end().to_ascii_lowercase();
+        if header.is_empty() {
+            break;
+        }
+        if let Some(value) = header.strip_prefix("content-length:") {
+            length = value.trim().parse::<usize>().ok();
+        }
+        if header.starts_with("transfer-encoding:") && header.contains("chunked") {
+            chunked = true;
+        }
+    }
+    let status = raw.split(' ').nth(1).unwrap_or_default();
+    if chunked {
+        loop {
+            let mut size = String::new();
+            if reader.read_line(&mut size)? == 0 {
+                bail!("the daemon closed the connection within a chunked answer: {raw}");
+            }
+            raw.push_str(&size);
+            let n = usize::from_str_radix(size.trim().split(';').next().unwrap_or("0"), 16)
+                .with_context(|| format!("a chunk's size in: {raw}"))?;
+            // The chunk and its CRLF; after the last (empty) chunk, the CRLF that ends it.
+            let mut chunk = vec![0; n + 2];
+            reader.read_exact(&mut chunk)?;
+            raw.push_str(&String::from_utf8_lossy(&chunk));
+            if n == 0 {
+                return Ok(raw);
+            }
+        }
+    }
+    match length {
+        Some(n) => {
+            let mut body = vec![0; n];
+            reader.read_exact(&mut body)?;
+            raw.push_str(&String::from_utf8_lossy(&body));
+        }
+        None if status == "204" || status == "304" => {}
+        None => {
+            reader.read_to_string(&mut raw)?;
+        }
+    }
+    Ok(raw)
 }
 
 /// The first string field `key` of a raw answer's JSON body, if it has one.
@@ -278,4 +334,33 @@ pub fn which(name: &str) -> Option<PathBuf> {
     std::env::split_paths(&path)
         .map(|d| d.join(name))
         .find(|p| p.is_file())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::read_answer;
+
+    fn read(raw: &str) -> String {
+        read_answer(&mut std::io::Cursor::new(raw.as_bytes())).unwrap()
+    }
+
+    #[test]
+    fn an_answer_ends_where_its_framing_says_not_at_the_close() {
+        let chunked = "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n3\r\nabc\r\n0\r\n\r\n";
+        assert_eq!(read(&format!("{chunked}left over")), chunked);
+        let sized = "HTTP/1.1 201 Created\r\nContent-Length: 4\r\n\r\n{\"a\"";
+        assert_eq!(read(&format!("{sized}}} more")), sized);
+        let empty = "HTTP/1.1 204 No Content\r\n\r\n";
+        assert_eq!(read(&format!("{empty}junk")), empty);
+        // Without framing, the close ends it.
+        let closed = "HTTP/1.1 200 OK\r\n\r\nuntil the end";
+        assert_eq!(read(closed), closed);
+    }
+
+    #[test]
+    fn an_answer_cut_short_is_an_error() {
+        let cut = "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhel";
+        assert!(read_answer(&mut std::io::Cursor::new(cut.as_bytes())).is_err());
+        assert!(read_answer(&mut std::io::Cursor::new(b"HTTP/1.1 200 OK\r\n".as_slice())).is_err());
+    }
 }
