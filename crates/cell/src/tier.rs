@@ -156,9 +156,10 @@ pub trait Cell: Send + Sync + Debug {
             pause = (pause * 2).min(std::time::Duration::from_millis(5));
         }
     }
-    /// Whether an exec asked for as the cell's last (`ExecRequest::last`) ends the cell once
-    /// its end is told (the process tier: the init exits); `false`: the flag is ignored, and
-    /// the cell runs on until it is killed.
+    /// Whether an exec asked for as the cell's last (`ExecRequest::last`) ends the cell: its end
+    /// is told only once every other process of the cell has been killed and reaped, and the
+    /// cell then ends (the process tier: the init ends the others, tells the end, and exits);
+    /// `false`: the flag is ignored, and the cell runs on until it is killed.
     fn ends_with_last_process(&self) -> bool {
         false
     }

@@ -1091,6 +1091,11 @@ fn a_run_makes_its_cell_runs_one_command_and_deletes_the_cell_before_it_answers(
         "exec": { "argv": ["sh", "-c", format!("{marker} & echo out; echo err >&2; exit 3")] }
     }));
     assert_eq!(answer.status, 200, "{}", answer.text());
+    // Looked at first: no process of the cell is left once the run has answered.
+    assert!(
+        !host_runs(&marker),
+        "what the command left running ended with its cell"
+    );
     let events = answer.events();
     let cell = events[0].1["cell"].as_str().unwrap().to_owned();
     assert_eq!(events[0].0, "started", "{events:?}");
@@ -1112,10 +1117,6 @@ fn a_run_makes_its_cell_runs_one_command_and_deletes_the_cell_before_it_answers(
             .call("GET", &format!("/v1/cells/{cell}"), None)
             .status,
         404
-    );
-    assert!(
-        !host_runs(&marker),
-        "what the command left running ended with its cell"
     );
     assert_eq!(
         kinds_of(&daemon, &cell),

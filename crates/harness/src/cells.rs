@@ -947,7 +947,11 @@ impl Harness {
         }
         written.wait(self).await?;
         self.forget_cell(name, gone.is_none())?;
-        if let Some(stopped) = stopped {
+        // A run's cell that ended with its command has had every other process of it ended
+        // and reaped before the command's end was told (`Cell::ends_with_last_process`): the
+        // teardown of its init, which runs nothing of the cell's, is not waited for (its watch
+        // above still kills it should it not end).
+        if let Some(stopped) = stopped.filter(|_| !ends_itself) {
             let _ = stopped.await;
         }
         // Its folder leaves its place now (a keeper that writes its ending there after this

@@ -41,8 +41,8 @@ pub struct ExecRequest {
     /// master comes back with the `started` event, and no stdio descriptors are sent.
     #[serde(default)]
     pub tty: Option<TtySize>,
-    /// The cell's last process: once its end is told, the cell ends (its init exits, and every
-    /// other process of the cell goes with it), where the tier can (see
+    /// The cell's last process: every other process of the cell is ended before its end is
+    /// told, and the cell ends (its init exits), where the tier can (see
     /// `Cell::ends_with_last_process`); a cell that cannot is left running.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub last: bool,

@@ -563,14 +563,18 @@ fn supervise(
                         Ok(code) => ExecEvent::Exited { id, code, usage },
                         Err(signal) => ExecEvent::Signaled { id, signal, usage },
                     };
-                    send_event(&client, &event, &[]);
                     if last {
-                        // The cell ends with its last process (its end is in the client's
-                        // socket): exiting makes the kernel kill everything in the pid
-                        // namespace. (One whose client went away leaves the cell to its
-                        // warden.)
+                        // The cell ends with its last process: whatever else of it runs is
+                        // ended and reaped before its end is told, so the warden that hears
+                        // it knows no process of the cell is left (but this one, which exits
+                        // right after: the kernel's teardown of a pid namespace's init is not
+                        // waited for). One whose client went away leaves the cell to its
+                        // warden.
+                        sys::end_all_others(std::time::Duration::from_secs(1));
+                        send_event(&client, &event, &[]);
                         sys::exit_now(reaped.status.unwrap_or_else(|signal| 128 + signal));
                     }
+                    send_event(&client, &event, &[]);
                 }
             }
         } else if let (Ok(signal), Some(main)) = (Signal::try_from(info.ssi_signo as i32), main) {

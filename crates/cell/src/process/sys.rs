@@ -1019,6 +1019,32 @@ pub struct Reaped {
     pub max_rss_kib: u64,
 }
 
+/// From a pid namespace's init: SIGKILL to every other process of the namespace (none of them
+/// runs another instruction of its own after this: a killed process only leaves the kernel to
+/// die, and one in the middle of a fork has its child undone), then reaps them, for at most
+/// `bound` (one stuck in the kernel is left to die there).
+pub fn end_all_others(bound: std::time::Duration) {
+    // SAFETY: kill takes plain integers; -1 from a namespace's init means every process of
+    // the namespace but itself.
+    unsafe {
+        libc::kill(-1, libc::SIGKILL);
+    }
+    let deadline = std::time::Instant::now() + bound;
+    let mut status: libc::c_int = 0;
+    loop {
+        // SAFETY: waitpid writes the status through a pointer to a live local.
+        let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
+        match pid {
+            0 if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_micros(100));
+            }
+            p if p > 0 => {}
+            -1 if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) => {}
+            _ => return,
+        }
+    }
+}
+
 /// Reaps one ended child without waiting (`None` when no child has ended).
 pub fn reap_any() -> io::Result<Option<Reaped>> {
     let mut status: libc::c_int = 0;
