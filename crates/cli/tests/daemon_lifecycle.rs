@@ -1055,11 +1055,9 @@ fn a_warm_pool_hands_out_cells_that_saw_nothing_and_goes_with_the_daemon() {
 
 /// The kinds of the journal's entries about `cell`, in order.
 fn kinds_of(daemon: &Daemon, cell: &str) -> Vec<String> {
-    std::fs::read_to_string(daemon.journal())
-        .unwrap()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|e| e["cell"] == cell)
+    daemon
+        .entries_of(cell)
+        .iter()
         .map(|e| e["kind"].as_str().unwrap().to_owned())
         .collect()
 }

@@ -395,12 +395,7 @@ fn a_run_on_gvisor_kills_its_cell_once_its_command_has_ended() {
     let cell = events[0].1["cell"].as_str().unwrap().to_owned();
     // Its init does not end the cell with its last process (the process tier's does): the
     // delete kills it, as any, before the answer ends.
-    let entries: Vec<Value> = std::fs::read_to_string(daemon.journal())
-        .unwrap()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|e| e["cell"] == cell.as_str())
-        .collect();
+    let entries = daemon.entries_of(&cell);
     let kinds: Vec<&str> = entries
         .iter()
         .map(|e| e["kind"].as_str().unwrap())

@@ -826,15 +826,16 @@ impl Harness {
         let entry = self.entry(name)?;
         let live = self.cell(name);
         let tier = self.backend_of(name).ok();
-        // A cell that ends by itself (a run's, `ending`), or that ended by itself before its
-        // watch's next look (which would journal its end): not killed, its end journaled
-        // with why, and waited for as a killed cell is.
-        let unkilled = entry.ended.is_none() && entry.workspace.is_none() && live.is_some();
+        // A cell that ends by itself (a run's, `ending`: never one with a workspace), or that
+        // ended by itself before its watch's next look (which would journal its end): not
+        // killed, its end journaled with why (one with a workspace: before its changes,
+        // below), and waited for as a killed cell is.
+        let unended = entry.ended.is_none() && live.is_some();
         // (Looked at only where it decides.)
         let is_live =
-            !(unkilled && ending.is_some()) && entry.ended.is_none() && self.live(name).is_ok();
+            !(unended && ending.is_some()) && entry.ended.is_none() && self.live(name).is_ok();
         let own_end = match (ending, is_live) {
-            _ if !unkilled => None,
+            _ if !unended => None,
             (Some(reason), _) => Some(reason.to_owned()),
             (None, false) => Some(self.end_reason(name).0),
             (None, true) => None,
@@ -844,7 +845,7 @@ impl Harness {
             asked,
             written,
         } = match (&own_end, is_live) {
-            (Some(reason), _) => {
+            (Some(reason), _) if entry.workspace.is_none() => {
                 let (killed, written) = self.write_end_and_delete(name, by, reason)?;
                 Killed {
                     killed,
@@ -859,7 +860,7 @@ impl Harness {
                 self.control_with(name, ControlAction::Kill, by, true, follow)
                     .await?
             }
-            (None, false) => Killed {
+            (Some(_), _) | (None, false) => Killed {
                 killed: false,
                 asked: None,
                 written: None,
@@ -867,10 +868,6 @@ impl Harness {
         };
         // (A run's: one whose tier said it would end by itself.)
         let ends_itself = ending.is_some() && own_end.is_some();
-        // One with a workspace that ended by itself before its watch's next look (which would
-        // have journaled why): its end goes before its changes.
-        let ended_unseen =
-            !killed && own_end.is_none() && entry.ended.is_none() && live.is_some() && !is_live;
         // Until no process of it runs, then until its tier has let go of it (its keeper ends
         // once its cgroups and files are gone).
         let (stopped, gone) = match (killed, live) {
@@ -913,8 +910,7 @@ impl Harness {
             }
             if killed {
                 self.record(Some(name), end.0, end.1).await?;
-            } else if ended_unseen {
-                let (reason, _) = self.end_reason(name);
+            } else if let Some(reason) = &own_end {
                 self.record(Some(name), "cell.end", json!({ "reason": reason }))
                     .await?;
             }

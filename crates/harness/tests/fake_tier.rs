@@ -57,10 +57,17 @@ fn exec(argv: &[&str]) -> ExecSpec {
 
 /// Kinds of the journal's entries about `cell`, in order.
 async fn kinds(harness: &Harness, cell: &str) -> Vec<String> {
-    entries(harness, cell)
-        .await
+    kinds_in(&entries(harness, cell).await)
+        .into_iter()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The kinds of `entries`, in order.
+fn kinds_in(entries: &[Value]) -> Vec<&str> {
+    entries
         .iter()
-        .map(|e| e["kind"].as_str().unwrap_or_default().to_owned())
+        .map(|e| e["kind"].as_str().unwrap_or_default())
         .collect()
 }
 
@@ -135,10 +142,7 @@ async fn a_cell_is_made_from_a_typed_spec_and_an_exec_is_journaled_from_start_to
     assert_eq!((out.as_str(), err.as_str()), ("hello\n", "oops\n"));
     assert_eq!((exit.reason, exit.code), (ExitReason::Exited, Some(3)));
     let journal = entries(&s.harness, "one").await;
-    let kinds: Vec<&str> = journal
-        .iter()
-        .map(|e| e["kind"].as_str().unwrap())
-        .collect();
+    let kinds = kinds_in(&journal);
     assert_eq!(
         kinds,
         ["cell.create", "cell.start", "exec.start", "exec.exit"]
@@ -425,10 +429,7 @@ async fn a_cell_deleted_right_after_it_ended_by_itself_has_its_end_journaled_bef
     s.fake.cell("seven").unwrap().kill().unwrap();
     s.harness.delete("seven", "test").await.unwrap();
     let entries = entries(&s.harness, "seven").await;
-    let kinds: Vec<&str> = entries
-        .iter()
-        .map(|e| e["kind"].as_str().unwrap())
-        .collect();
+    let kinds = kinds_in(&entries);
     assert_eq!(
         kinds,
         ["cell.create", "cell.start", "cell.end", "cell.delete"]
@@ -452,10 +453,7 @@ async fn a_cell_with_a_workspace_deleted_right_after_it_ended_by_itself_has_its_
     s.fake.cell("eight").unwrap().kill().unwrap();
     s.harness.delete("eight", "test").await.unwrap();
     let entries = entries(&s.harness, "eight").await;
-    let kinds: Vec<&str> = entries
-        .iter()
-        .map(|e| e["kind"].as_str().unwrap())
-        .collect();
+    let kinds = kinds_in(&entries);
     // Its end, then what its delete says of its changes, then the delete.
     assert_eq!(kinds.first(), Some(&"cell.create"));
     let end = kinds.iter().position(|k| *k == "cell.end");

@@ -221,6 +221,16 @@ impl Daemon {
         self.state.join("journal").join("journal.jsonl")
     }
 
+    /// The journal's entries about `cell`, in order, read from its file.
+    pub fn entries_of(&self, cell: &str) -> Vec<Value> {
+        std::fs::read_to_string(self.journal())
+            .unwrap()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|e| e["cell"] == cell)
+            .collect()
+    }
+
     /// `kill -9` of the daemon, as a crash.
     pub fn crash(&mut self) {
         if let Some(mut child) = self.child.take() {
