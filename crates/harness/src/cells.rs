@@ -167,8 +167,7 @@ impl Harness {
     }
 
     pub(crate) fn entry(&self, name: &str) -> Result<CellEntry, HarnessError> {
-        // A run's cell being handed out, its database commit still under way (looked at
-        // first: it leaves this map only once the database has it).
+        // A run's cell from a pool (kept in memory only, for its run's life).
         let handing = self
             .handing
             .lock()
@@ -181,6 +180,28 @@ impl Harness {
                 .get(name)?
                 .ok_or_else(|| HarnessError::not_found(name)),
         }
+    }
+
+    /// Changes cell `name`'s entry where it is kept (a run's cell from a pool: in memory;
+    /// any other: in the database) if it has one and `change` says it changed it: whether it
+    /// did.
+    pub(crate) fn update_entry(
+        &self,
+        name: &str,
+        change: impl FnOnce(&mut CellEntry) -> bool,
+    ) -> Result<bool, HarnessError> {
+        if let Ok(mut runs) = self.handing.lock()
+            && let Some(entry) = runs.get_mut(name)
+        {
+            return Ok(change(entry));
+        }
+        let Some(mut entry) = self.state.get(name)? else {
+            return Ok(false);
+        };
+        if !change(&mut entry) {
+            return Ok(false);
+        }
+        self.state.put(&entry).map(|()| true)
     }
 
     /// The handle of a live cell of this daemon's.
@@ -231,7 +252,12 @@ impl Harness {
     }
 
     pub fn list(&self) -> Result<Vec<CellInfo>, HarnessError> {
-        Ok(self.state.all()?.iter().map(|e| self.info(e)).collect())
+        let mut all = self.state.all()?;
+        if let Ok(runs) = self.handing.lock() {
+            all.extend(runs.values().cloned());
+        }
+        all.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(all.iter().map(|e| self.info(e)).collect())
     }
 
     pub fn get(&self, name: &str) -> Result<CellInfo, HarnessError> {
@@ -243,8 +269,8 @@ impl Harness {
         self.create_with(request, false).await.map(|(info, _)| info)
     }
 
-    /// A create; `run`: for a run (`run_once`), whose cell is marked so in the database, and
-    /// which, for a cell taken from a pool, is answered once the cell's entries are in the
+    /// A create; `run`: for a run (`run_once`), whose cell is marked so in its entry, and
+    /// which, for a cell taken from a pool (its entry kept in memory only, see `keep_behind`), is answered once the cell's entries are in the
     /// journal's file, with the round that makes them durable handed back to be waited for
     /// (the run's exec, whose start is journaled after them, waits for that round or a later
     /// one before anything of its command is told); otherwise `None`, as for any other cell,
@@ -282,8 +308,8 @@ impl Harness {
         if let Some((pooled_name, cell)) = pooled {
             // It runs already: its create and its start go into the journal's file, and to
             // the disk (one round) while the database takes its entry. A run's take no round
-            // of their own: they go with its command's start, and the database's commit
-            // overlaps that start too (see `once::Handing`).
+            // of their own: they go with its command's start, and its entry stays in memory
+            // (see `keep_behind` and `once::Handing`).
             self.handing_out(&name);
             let started = json!({ "pid": cell.pid() });
             let entries = [("cell.create", created), ("cell.start", started)];
@@ -300,8 +326,8 @@ impl Harness {
                 }
             };
             if run {
-                let (info, kept) = self.keep_behind(entry, parsed, cell);
-                return Ok((info, Some(crate::once::Handing::new(written, kept))));
+                let info = self.keep_behind(entry, parsed, cell);
+                return Ok((info, Some(crate::once::Handing::new(written))));
             }
             let kept = self.keep(entry, parsed, cell);
             written.wait(self).await?;
@@ -404,15 +430,17 @@ impl Harness {
         Ok(self.info(&entry))
     }
 
-    /// `keep` for a run's cell from a pool, with the database's commit of its entry (and the
-    /// removal of its pool marker) on a thread of their own, so that the commit's flush of the
-    /// disk overlaps the command's start: the returned `Kept` says when it is done.
+    /// `keep` for a run's cell from a pool: its entry is kept in memory only, for the run's
+    /// life (a run's cell lives for one call), with no commit of the database and no flush of
+    /// the disk beside the command's start. Its pool marker says it is being handed out until
+    /// its delete is durable: a daemon that stops meanwhile leaves the marker, and the next one
+    /// ends the cell and journals its end and delete (`start_pools`).
     fn keep_behind(
         self: &Arc<Self>,
         entry: CellEntry,
         parsed: warden_policy::Policy,
         cell: Arc<dyn Cell>,
-    ) -> (CellInfo, crate::once::Kept) {
+    ) -> CellInfo {
         let name = entry.name.clone();
         if let Ok(mut cells) = self.cells.lock() {
             cells.insert(name.clone(), cell);
@@ -423,21 +451,10 @@ impl Harness {
         self.adopt_with(&entry, parsed);
         let info = self.info(&entry);
         if let Ok(mut handing) = self.handing.lock() {
-            handing.insert(name.clone(), entry.clone());
+            handing.insert(name.clone(), entry);
         }
-        let harness = Arc::clone(self);
-        let kept = crate::once::Kept::spawn(move || {
-            // Where the commit fails, the entry stays in the map (until the cell is
-            // forgotten), so that the run's delete still finds the cell and ends it.
-            harness.state.put_new(&entry)?;
-            if let Ok(mut handing) = harness.handing.lock() {
-                handing.remove(&entry.name);
-            }
-            harness.handed_out(&entry.name);
-            Ok(())
-        });
         self.watch(name);
-        (info, kept)
+        info
     }
 
     /// Checks a request for a cell (name, policy, environment, secrets, workspace, that no cell
@@ -696,11 +713,11 @@ impl Harness {
                 return Err(HarnessError::from(ControlError::Refused(err.to_string())));
             }
         }
-        if action != ControlAction::Kill
-            && let Ok(Some(mut entry)) = self.state.get(name)
-        {
-            entry.paused = action == ControlAction::Pause;
-            self.state.put(&entry)?;
+        if action != ControlAction::Kill {
+            self.update_entry(name, |entry| {
+                entry.paused = action == ControlAction::Pause;
+                true
+            })?;
         }
         if action == ControlAction::Kill && deleting {
             // Its processes are killed; the delete waits for the tier to let go of it where it
@@ -708,7 +725,7 @@ impl Harness {
             let (killed, written) = match written {
                 Some((killed, written)) => (killed, Some(written)),
                 None => {
-                    let ended = self.state.get(name).ok().flatten();
+                    let ended = self.entry(name).ok();
                     (ended.is_some_and(|e| e.ended.is_none()), None)
                 }
             };
@@ -762,14 +779,13 @@ impl Harness {
             .ends
             .lock()
             .map_err(|_| HarnessError::internal("a thread panicked"))?;
-        match self.state.get(name) {
-            Ok(Some(mut entry)) if entry.ended.is_none() => {
+        self.update_entry(name, |entry| {
+            let unended = entry.ended.is_none();
+            if unended {
                 entry.ended = Some(reason.to_owned());
-                self.state.put(&entry)?;
-                Ok(true)
             }
-            _ => Ok(false),
-        }
+            unended
+        })
     }
 
     /// Kills the cell if it runs and forgets it: its workspace layer and egress record go too.
@@ -992,8 +1008,17 @@ impl Harness {
         if let Ok(mut grants) = self.grants.lock() {
             grants.retain(|g| g.cell.as_deref() != Some(name));
         }
-        if let Ok(mut handing) = self.handing.lock() {
-            handing.remove(name);
+        let run = self
+            .handing
+            .lock()
+            .ok()
+            .and_then(|mut handing| handing.remove(name))
+            .is_some();
+        if run {
+            // A run's cell from a pool, never in the database: its pool marker goes now that
+            // its delete is durable (a daemon that stops first finds the delete in the
+            // journal's tail: see `start_pools`).
+            self.remove_marker_later(name);
         }
         match commit {
             true => self.state.forget(name),
@@ -1047,30 +1072,31 @@ impl Harness {
         }
     }
 
-    /// Hands a folder to the remover's thread (started at the first one); removed here when no
-    /// thread can be started.
-    fn remove_later(&self, dir: PathBuf) {
+    /// Hands a folder (or a file) to the remover's thread (started at the first one); removed
+    /// here when no thread can be started.
+    pub(crate) fn remove_later(&self, path: PathBuf) {
         let remover = self.remover.get_or_init(|| {
             let (tx, rx) = std::sync::mpsc::channel::<PathBuf>();
             let started = std::thread::Builder::new()
                 .name("folder-remover".to_owned())
-                .spawn(move || {
-                    for dir in rx {
-                        let _ = std::fs::remove_dir_all(dir);
-                    }
-                });
+                .spawn(move || rx.into_iter().for_each(|path| remove_path(&path)));
             started.ok().map(|_| tx)
         });
         match remover {
             Some(tx) => {
-                if let Err(std::sync::mpsc::SendError(dir)) = tx.send(dir) {
-                    let _ = std::fs::remove_dir_all(dir);
+                if let Err(std::sync::mpsc::SendError(path)) = tx.send(path) {
+                    remove_path(&path);
                 }
             }
-            None => {
-                let _ = std::fs::remove_dir_all(dir);
-            }
+            None => remove_path(&path),
         }
+    }
+}
+
+/// Removes a folder with all it holds, or a file.
+fn remove_path(path: &std::path::Path) {
+    if std::fs::remove_dir_all(path).is_err() {
+        let _ = std::fs::remove_file(path);
     }
 }
 

@@ -156,13 +156,16 @@ impl Harness {
         {
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
+        let reason = format!("checkpointed as {id}");
         if matches!(cell.status(), Ok(warden_cell::Status::Ended))
-            && let Ok(Some(mut entry)) = self.state.get(name)
-            && entry.ended.is_none()
+            && self.update_entry(name, |entry| {
+                let unended = entry.ended.is_none();
+                if unended {
+                    entry.ended = Some(reason.clone());
+                }
+                unended
+            })?
         {
-            let reason = format!("checkpointed as {id}");
-            entry.ended = Some(reason.clone());
-            self.state.put(&entry)?;
             self.record(Some(name), "cell.end", json!({ "reason": reason }))
                 .await?;
         }

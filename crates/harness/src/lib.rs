@@ -138,8 +138,8 @@ pub struct Harness {
     walled: Mutex<std::collections::HashSet<String>>,
     /// Cells being deleted: the delete journals their end itself.
     killing: Mutex<std::collections::HashSet<String>>,
-    /// Entries of run's cells from a pool whose database commit is under way (see
-    /// `keep_behind`): what `entry` reads until the database has them.
+    /// Entries of run's cells from a pool, kept here for the run's life and never in the
+    /// database (see `keep_behind`): what `entry` reads for them.
     handing: Mutex<std::collections::HashMap<String, CellEntry>>,
     /// Held while a cell's end is checked and marked (see `mark_ended`).
     ends: Mutex<()>,

@@ -46,7 +46,6 @@ impl Harness {
         let then = Then {
             by: by.to_owned(),
             deleted: tx,
-            kept: handing.as_ref().map(|h| h.kept.done.clone()),
             ends_itself,
         };
         let started = self.exec_then(&name, exec, Some(then)).await;
@@ -79,8 +78,6 @@ impl Harness {
 pub(crate) struct Then {
     by: String,
     deleted: tokio::sync::oneshot::Sender<Result<(), String>>,
-    /// For a cell from a pool: whether its entry is in the database yet (the delete reads it).
-    kept: Option<tokio::sync::watch::Receiver<bool>>,
     /// The cell's tier ends it with the run's process (`ExecRequest::last`): its end starts as
     /// the process's does, not after a kill that follows the news of it.
     pub(crate) ends_itself: bool,
@@ -90,10 +87,6 @@ impl Then {
     /// Deletes the cell; `ended`: the run's process ran and ended (so a cell that
     /// `ends_itself` is ending already).
     pub(crate) async fn delete(self, harness: &Arc<Harness>, cell: &str, ended: bool) {
-        if let Some(mut kept) = self.kept {
-            // Done or failed alike: a sender gone says so too.
-            let _ = kept.wait_for(|done| *done).await;
-        }
         let ending = (ended && self.ends_itself).then_some("its run's command ended");
         let outcome = harness
             .delete_with(cell, &self.by, ending)
@@ -103,49 +96,19 @@ impl Then {
     }
 }
 
-/// A run's cell from a pool, being handed out: its create's entries in the journal's file
-/// (durable with the command's start), its database entry on its way.
+/// A run's cell from a pool, being handed out: its create's entries in the journal's file,
+/// durable with the command's start.
 pub(crate) struct Handing {
     written: crate::record::DurableAll,
-    kept: Kept,
 }
 
 impl Handing {
-    pub(crate) fn new(written: crate::record::DurableAll, kept: Kept) -> Self {
-        Self { written, kept }
+    pub(crate) fn new(written: crate::record::DurableAll) -> Self {
+        Self { written }
     }
 
-    /// Waits until the entries are on disk and the database holds the cell.
+    /// Waits until the entries are on disk.
     async fn wait(self, harness: &Harness) -> Result<(), HarnessError> {
-        let kept = self.kept.task.await.unwrap_or_else(|e| {
-            Err(HarnessError::internal(format!(
-                "keeping the cell in the database: {e}"
-            )))
-        });
-        let written = self.written.wait(harness).await;
-        kept?;
-        written.map(drop)
-    }
-}
-
-/// The database's commit of a cell's entry, on a thread of its own.
-#[derive(Debug)]
-pub(crate) struct Kept {
-    task: tokio::task::JoinHandle<Result<(), HarnessError>>,
-    /// Turns `true` once the commit is done (or failed).
-    done: tokio::sync::watch::Receiver<bool>,
-}
-
-impl Kept {
-    pub(crate) fn spawn(
-        commit: impl FnOnce() -> Result<(), HarnessError> + Send + 'static,
-    ) -> Self {
-        let (tx, done) = tokio::sync::watch::channel(false);
-        let task = tokio::task::spawn_blocking(move || {
-            let result = commit();
-            let _ = tx.send(true);
-            result
-        });
-        Self { task, done }
+        self.written.wait(harness).await.map(drop)
     }
 }

@@ -239,6 +239,12 @@ impl Harness {
         let _ = std::fs::remove_file(markers(&self.daemon_dir).join(name));
     }
 
+    /// The marker of a run's cell goes, on the remover's thread (behind the run's answer),
+    /// once the cell's delete is durable.
+    pub(crate) fn remove_marker_later(&self, name: &str) {
+        self.remove_later(markers(&self.daemon_dir).join(name));
+    }
+
     /// Makes cells for pool `index` on a task of its own until it has as many as it keeps.
     pub(crate) fn fill_pool(self: &Arc<Self>, index: usize) {
         let Some(pool) = self.pools.get(index) else {
@@ -423,10 +429,15 @@ impl Harness {
             };
             self.forget_pooled(&name, tier);
             if handing {
+                // A run's cell whose delete is durable already: the daemon stopped before its
+                // marker went, and the journal has said all there is.
+                if self.journaled.deleted.contains(&name) {
+                    continue;
+                }
                 // Its create (and maybe a command's start) may be in the journal, which then
-                // has its end and delete too: the cell is gone.
-                let reason =
-                    "the daemon stopped while the cell was handed out, before the database kept it";
+                // has its end and delete too: the cell is gone. (A run's cell is never in the
+                // database; a create's is once it was handed out.)
+                let reason = "the daemon stopped while the cell was handed out or ran its run";
                 self.record(
                     Some(&name),
                     "cell.end",

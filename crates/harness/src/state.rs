@@ -424,28 +424,40 @@ impl State {
     }
 
     /// Forgets a cell whole (its entry, record offset, questions and standing grants): one
-    /// commit.
+    /// commit, or none where the database holds nothing of it (a run's cell from a pool is
+    /// never written there).
     pub fn forget(&self, name: &str) -> Result<(), HarnessError> {
         let questions = format!("{name}/");
         let grants = format!("cell {name} ");
         match &self.backing {
             Backing::Db(db) => {
                 let txn = db.begin_write().map_err(db_error)?;
+                let mut changed = false;
                 {
                     let mut table = txn.open_table(RECORD_OFFSETS).map_err(db_error)?;
-                    table.remove(name).map_err(db_error)?;
+                    changed |= table.remove(name).map_err(db_error)?.is_some();
                     let mut table = txn.open_table(QUESTIONS).map_err(db_error)?;
-                    table
-                        .retain(|key, _| !key.starts_with(&questions))
-                        .map_err(db_error)?;
+                    if holds_prefix(&table, &questions)? {
+                        changed = true;
+                        table
+                            .retain(|key, _| !key.starts_with(&questions))
+                            .map_err(db_error)?;
+                    }
                     let mut table = txn.open_table(GRANTS).map_err(db_error)?;
-                    table
-                        .retain(|key, _| !key.starts_with(&grants))
-                        .map_err(db_error)?;
+                    if holds_prefix(&table, &grants)? {
+                        changed = true;
+                        table
+                            .retain(|key, _| !key.starts_with(&grants))
+                            .map_err(db_error)?;
+                    }
                     let mut table = txn.open_table(CELLS).map_err(db_error)?;
-                    table.remove(name).map_err(db_error)?;
+                    changed |= table.remove(name).map_err(db_error)?.is_some();
                 }
-                txn.commit().map_err(db_error)?;
+                match changed {
+                    true => txn.commit().map_err(db_error)?,
+                    // Nothing to write: no commit, and no flush of the disk.
+                    false => txn.abort().map_err(db_error)?,
+                }
                 // Gone from the database: nothing left to hide.
                 if let Ok(mut forgetting) = self.forgetting.lock() {
                     forgetting.remove(name);
@@ -546,6 +558,18 @@ impl State {
             .map(|text| serde_json::from_str(text).map_err(db_error))
             .collect()
     }
+}
+
+/// Whether `table` has a key that starts with `prefix`.
+fn holds_prefix<V: redb::Value + 'static>(
+    table: &impl redb::ReadableTable<&'static str, V>,
+    prefix: &str,
+) -> Result<bool, HarnessError> {
+    let mut after = table.range(prefix..).map_err(db_error)?;
+    Ok(match after.next() {
+        Some(first) => first.map_err(db_error)?.0.value().starts_with(prefix),
+        None => false,
+    })
 }
 
 /// Notes of running processes, so that a new daemon can journal the ones a crash cut: an

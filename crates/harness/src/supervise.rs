@@ -206,7 +206,7 @@ impl Harness {
         if let Ok(mut cells) = self.cells.lock() {
             cells.remove(name);
         }
-        if let Ok(Some(entry)) = self.state.get(name)
+        if let Ok(entry) = self.entry(name)
             && entry.ended.is_none()
         {
             let (reason, ending) = self.end_reason(name);

@@ -428,7 +428,7 @@ impl Harness {
     /// is made: the document may leave them out or repeat them, and one that changes them is
     /// refused with nothing changed. Returns how many connections were closed.
     pub async fn replace_policy(&self, name: &str, yaml: &str) -> Result<u64, HarnessError> {
-        let mut entry = self.entry(name)?;
+        let entry = self.entry(name)?;
         self.live(name)?;
         let policy = warden_policy::from_yaml("policy", yaml)
             .map_err(|e| HarnessError::from(WorkspaceError::Invalid(e.to_string())))?;
@@ -487,8 +487,10 @@ impl Harness {
         } else {
             0
         };
-        entry.replaced = Some(yaml.to_owned());
-        self.state.put(&entry)?;
+        self.update_entry(name, |entry| {
+            entry.replaced = Some(yaml.to_owned());
+            true
+        })?;
         if let Ok(mut live) = self.live.lock()
             && let Some(l) = live.get_mut(name)
         {

@@ -349,3 +349,103 @@ async fn two_pools_of_one_policy_are_refused() {
     .await;
     assert_eq!(harness.pools().len(), 2);
 }
+
+/// Waits (bounded) until `done` holds.
+async fn until(what: &str, mut done: impl FnMut() -> bool) {
+    for _ in 0..500 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{what} did not happen");
+}
+
+/// A run's cell from a pool lives for its call: listed while its command runs, its pool
+/// marker saying it is being handed out (no database commit is made for it), and the marker
+/// gone once its delete is durable; a daemon that stopped before the marker went says no more
+/// about a cell whose delete its journal has.
+#[test]
+fn a_runs_cell_from_a_pool_lives_for_its_call_and_leaves_nothing_once_deleted() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = FakeBackend::new(&dir.path().join("cells"));
+    let spec = vec![pool(PolicySource::Preset("default".into()), 1)];
+    let markers = dir.path().join("state/daemon/pool");
+    let go = dir.path().join("go");
+    let first = tokio::runtime::Runtime::new().unwrap();
+    let name = first.block_on(async {
+        let harness = open(dir.path(), &fake, spec.clone()).await;
+        ready(&harness, 1).await;
+        let wait = format!("while [ ! -e {} ]; do sleep 0.01; done", go.display());
+        let request = warden_harness::RunOnce {
+            cell: CreateCell::default(),
+            exec: warden_harness::ExecSpec {
+                argv: vec!["sh".into(), "-c".into(), wait],
+                ..Default::default()
+            },
+        };
+        let database = dir.path().join("state/daemon/state.redb");
+        let written = || {
+            let meta = std::fs::metadata(&database).unwrap();
+            (meta.len(), meta.modified().unwrap())
+        };
+        let before = written();
+        let running = harness.run_once(request, "test").await.unwrap();
+        let name = running.cell.clone();
+        assert!(pooled(&harness, &name).await, "not the pool's cell");
+        // While it runs: a cell like any to those who look, its marker says so.
+        let listed: Vec<String> = harness
+            .list()
+            .unwrap()
+            .into_iter()
+            .map(|c| c.name)
+            .collect();
+        assert!(listed.contains(&name), "{listed:?}");
+        assert_eq!(harness.get(&name).unwrap().name, name);
+        let marker = std::fs::read_to_string(markers.join(&name)).unwrap();
+        assert!(marker.ends_with("\nhanding out"), "{marker:?}");
+        std::fs::write(&go, "").unwrap();
+        running.deleted.await.unwrap().unwrap();
+        until("the run's exit", || running.process.exit().is_some()).await;
+        assert_eq!(running.process.exit().unwrap().code, Some(0));
+        assert!(harness.get(&name).is_err(), "the run's cell is still there");
+        assert!(harness.list().unwrap().iter().all(|c| c.name != name));
+        until("the run's marker to go", || !markers.join(&name).exists()).await;
+        // Nothing of the run went through the database (a commit rewrites its file).
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(
+            written(),
+            before,
+            "the database was written for a run's cell"
+        );
+        harness.shutdown().await;
+        name
+    });
+    first.shutdown_timeout(Duration::from_secs(10));
+    // As if the daemon had stopped after the delete and before its marker went.
+    std::fs::write(markers.join(&name), "process\nhanding out").unwrap();
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let next = open(dir.path(), &fake, spec).await;
+        let entries = next.entries_after(0, Some(name.clone())).await.unwrap();
+        let kinds: Vec<&str> = entries
+            .iter()
+            .map(|e| e["kind"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                "cell.create",
+                "cell.start",
+                "exec.start",
+                "exec.exit",
+                // (The fake tier's cells do not end with their last process.)
+                "cell.kill",
+                "cell.end",
+                "cell.delete"
+            ],
+            "the run's cell was ended or deleted twice: {entries:?}"
+        );
+        assert!(!markers.join(&name).exists(), "the marker stayed");
+        next.shutdown().await;
+    });
+}

@@ -28,6 +28,11 @@ fn open(path: &Path) -> io::Result<OwnedFd> {
     .map_err(io::Error::from)
 }
 
+/// Makes the lock's file (with the cell's folder; a start makes it where it is missing).
+pub fn create(path: &Path) -> io::Result<()> {
+    open(path).map(drop)
+}
+
 /// Holds the lock shared, for one start: a look without a freeze under way is waited for.
 pub fn starting(path: &Path) -> io::Result<OwnedFd> {
     let fd = open(path)?;
