@@ -254,7 +254,9 @@ impl Harness {
     pub fn list(&self) -> Result<Vec<CellInfo>, HarnessError> {
         let mut all = self.state.all()?;
         if let Ok(runs) = self.handing.lock() {
-            all.extend(runs.values().cloned());
+            let kept: std::collections::HashSet<String> =
+                all.iter().map(|e| e.name.clone()).collect();
+            all.extend(runs.values().filter(|e| !kept.contains(&e.name)).cloned());
         }
         all.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(all.iter().map(|e| self.info(e)).collect())

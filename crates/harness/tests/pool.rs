@@ -1,7 +1,8 @@
 //! Cells made ahead, through the fake tier: which creates a pool serves and which it leaves to
 //! a fresh start, that it makes a new cell for each one it hands out, that its cells end with
 //! the daemon, and that a daemon ends the ones an earlier daemon left made ahead. The same
-//! through the process tier, with what a cell made ahead saw, is `crates/cli/tests/pool.rs`.
+//! through the process tier, with what a cell made ahead saw, is in
+//! `crates/cli/tests/daemon_lifecycle.rs`.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed step is a failed test
 
 use std::path::Path;
