@@ -58,3 +58,19 @@ fn reservations_survive_sweeps_running_beside_them() {
     drop(held);
     registry.reserve("held").unwrap();
 }
+
+/// A cell that takes execs has its starts lock in its folder from the start (its first exec
+/// does not make the file); one that runs one command has none.
+#[test]
+fn a_cell_that_takes_execs_has_its_starts_lock_made_with_its_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = Registry::open(dir.path().to_path_buf()).unwrap();
+    let lock = |name: &str| dir.path().join("cells").join(name).join("starts.lock");
+    let _execs = registry.reserve_with("execs", true).unwrap();
+    let _once = registry.reserve_with("once", false).unwrap();
+    assert!(lock("execs").is_file(), "no starts lock in the folder");
+    assert!(
+        !lock("once").exists(),
+        "a starts lock for a cell that takes no execs"
+    );
+}

@@ -148,6 +148,17 @@ impl Registry {
     /// made under a name no cell can have, with its lock taken, and renamed into place only if
     /// the name is free: a sweep by another warden (`list`) never finds it unlocked half-made.
     pub fn reserve(&self, name: &str) -> Result<Reservation, RegistryError> {
+        self.reserve_with(name, false)
+    }
+
+    /// `reserve`; `takes_execs`: the folder gets the cell's starts lock too (made here, not at
+    /// the cell's first exec: a file's creation costs that exec 50-120 us on an ext4 disk, its
+    /// open 2 us; a cell that runs one command and takes no execs has no need of it).
+    pub fn reserve_with(
+        &self,
+        name: &str,
+        takes_execs: bool,
+    ) -> Result<Reservation, RegistryError> {
         use std::sync::atomic::{AtomicU64, Ordering};
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let dir = self.cell_dir(name);
@@ -179,10 +190,10 @@ impl Registry {
                 .mode(0o711)
                 .create(&root)
                 .map_err(io_at(&root))?;
-            // Made with the folder, not at the cell's first exec: a file's creation costs that
-            // exec 50-120 us on an ext4 disk, its open 2 us.
-            let starts = new.join(super::starts::LOCK_FILE);
-            super::starts::create(&starts).map_err(io_at(&starts))?;
+            if takes_execs {
+                let starts = new.join(super::starts::LOCK_FILE);
+                super::starts::create(&starts).map_err(io_at(&starts))?;
+            }
             Ok(lock)
         })();
         let lock = match made {

@@ -712,7 +712,8 @@ pub(crate) fn prepare(
         && policy.filesystem.workspace.mode == WorkspaceMode::Overlay)
         || !base.is_empty();
 
-    let reservation = registry.reserve(&name)?;
+    // A cell that takes execs has its starts lock made with its folder (see `Registry`).
+    let reservation = registry.reserve_with(&name, request.serve_exec)?;
     let mut notices = Vec::new();
     let mut workspace = workspace;
     let layer = match (&mut workspace, overlay) {
