@@ -817,6 +817,9 @@ impl Harness {
                 let harness = Arc::clone(self);
                 let name = name.to_owned();
                 tokio::spawn(async move {
+                    // A run's cell's pool marker, now that its delete is durable (a daemon that
+                    // stops first finds the delete in the journal's tail: see `start_pools`).
+                    harness.handed_out(&name);
                     let _ = gone.await;
                     // The database's commit of the forgetting, off the answer's path.
                     let _ = harness.state.forget_pending(&name);
@@ -826,6 +829,9 @@ impl Harness {
                 Ok(())
             }
             deleted => {
+                if deleted.is_ok() {
+                    self.handed_out(name);
+                }
                 self.done_killing(name);
                 deleted.map(drop)
             }
@@ -1010,17 +1016,10 @@ impl Harness {
         if let Ok(mut grants) = self.grants.lock() {
             grants.retain(|g| g.cell.as_deref() != Some(name));
         }
-        let run = self
-            .handing
-            .lock()
-            .ok()
-            .and_then(|mut handing| handing.remove(name))
-            .is_some();
-        if run {
-            // A run's cell from a pool, never in the database: its pool marker goes now that
-            // its delete is durable (a daemon that stops first finds the delete in the
-            // journal's tail: see `start_pools`).
-            self.remove_marker_later(name);
+        // (A run's cell from a pool, never in the database: its pool marker goes once the
+        // delete has answered, see `delete_with`.)
+        if let Ok(mut handing) = self.handing.lock() {
+            handing.remove(name);
         }
         match commit {
             true => self.state.forget(name),
@@ -1074,31 +1073,30 @@ impl Harness {
         }
     }
 
-    /// Hands a folder (or a file) to the remover's thread (started at the first one); removed
-    /// here when no thread can be started.
-    pub(crate) fn remove_later(&self, path: PathBuf) {
+    /// Hands a folder to the remover's thread (started at the first one); removed here when no
+    /// thread can be started.
+    fn remove_later(&self, dir: PathBuf) {
         let remover = self.remover.get_or_init(|| {
             let (tx, rx) = std::sync::mpsc::channel::<PathBuf>();
             let started = std::thread::Builder::new()
                 .name("folder-remover".to_owned())
-                .spawn(move || rx.into_iter().for_each(|path| remove_path(&path)));
+                .spawn(move || {
+                    for dir in rx {
+                        let _ = std::fs::remove_dir_all(dir);
+                    }
+                });
             started.ok().map(|_| tx)
         });
         match remover {
             Some(tx) => {
-                if let Err(std::sync::mpsc::SendError(path)) = tx.send(path) {
-                    remove_path(&path);
+                if let Err(std::sync::mpsc::SendError(dir)) = tx.send(dir) {
+                    let _ = std::fs::remove_dir_all(dir);
                 }
             }
-            None => remove_path(&path),
+            None => {
+                let _ = std::fs::remove_dir_all(dir);
+            }
         }
-    }
-}
-
-/// Removes a folder with all it holds, or a file.
-fn remove_path(path: &std::path::Path) {
-    if std::fs::remove_dir_all(path).is_err() {
-        let _ = std::fs::remove_file(path);
     }
 }
 

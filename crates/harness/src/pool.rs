@@ -55,12 +55,16 @@ fn markers(daemon_dir: &Path) -> PathBuf {
 }
 
 /// The names of the cells a daemon whose state directory is `state` holds made ahead, not
-/// handed out (`warden ps` lists them as its pools, not as cells).
+/// handed out (`warden ps` lists them as its pools, not as cells; a run's cell keeps its
+/// marker, marked as handed out, for its run's life, and is a cell).
 pub fn made_ahead(state: &Path) -> std::collections::HashSet<String> {
     std::fs::read_dir(markers(&state.join("daemon")))
         .map(|entries| {
             entries
                 .flatten()
+                .filter(|e| {
+                    !std::fs::read_to_string(e.path()).is_ok_and(|m| m.ends_with(HANDING_OUT))
+                })
                 .filter_map(|e| e.file_name().into_string().ok())
                 .collect()
         })
@@ -237,12 +241,6 @@ impl Harness {
     /// The marker of a cell made ahead goes once the cell is a cell of the daemon's like any.
     pub(crate) fn handed_out(&self, name: &str) {
         let _ = std::fs::remove_file(markers(&self.daemon_dir).join(name));
-    }
-
-    /// The marker of a run's cell goes, on the remover's thread (behind the run's answer),
-    /// once the cell's delete is durable.
-    pub(crate) fn remove_marker_later(&self, name: &str) {
-        self.remove_later(markers(&self.daemon_dir).join(name));
     }
 
     /// Makes cells for pool `index` on a task of its own until it has as many as it keeps.
@@ -431,6 +429,9 @@ impl Harness {
             if handing {
                 // A run's cell whose delete is durable already: the daemon stopped before its
                 // marker went, and the journal has said all there is.
+                // What else the database holds of it (its record's offset, questions,
+                // grants) goes either way.
+                let _ = self.state.forget(&name);
                 if self.journaled.deleted.contains(&name) {
                     continue;
                 }

@@ -69,6 +69,14 @@ async fn made(harness: &Harness) -> Vec<String> {
         .collect()
 }
 
+/// The kinds of journal entries, in order.
+fn kinds(entries: &[Value]) -> Vec<&str> {
+    entries
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap())
+        .collect()
+}
+
 /// Whether the journal's `cell.create` of `name` says it came from a pool.
 async fn pooled(harness: &Harness, name: &str) -> bool {
     let entries = harness
@@ -279,10 +287,7 @@ fn a_daemon_ends_and_deletes_a_cell_an_earlier_one_stopped_with_while_handing_it
         let next = open(dir.path(), &fake, spec).await;
         assert!(!alive(&fake, &left), "the cell being handed out was ended");
         let entries = next.entries_after(0, Some(left.clone())).await.unwrap();
-        let kinds: Vec<&str> = entries
-            .iter()
-            .map(|e| e["kind"].as_str().unwrap())
-            .collect();
+        let kinds = kinds(&entries);
         assert_eq!(kinds, ["cell.end", "cell.delete"], "{entries:?}");
         assert!(
             !all_entries(&next)
@@ -405,6 +410,9 @@ fn a_runs_cell_from_a_pool_lives_for_its_call_and_leaves_nothing_once_deleted() 
         assert_eq!(harness.get(&name).unwrap().name, name);
         let marker = std::fs::read_to_string(markers.join(&name)).unwrap();
         assert!(marker.ends_with("\nhanding out"), "{marker:?}");
+        // `warden ps` lists it as a cell, not as one of the pool's made ahead.
+        let ahead = warden_harness::made_ahead(&dir.path().join("state"));
+        assert!(!ahead.contains(&name), "{ahead:?}");
         std::fs::write(&go, "").unwrap();
         running.deleted.await.unwrap().unwrap();
         until("the run's exit", || running.process.exit().is_some()).await;
@@ -428,10 +436,7 @@ fn a_runs_cell_from_a_pool_lives_for_its_call_and_leaves_nothing_once_deleted() 
     tokio::runtime::Runtime::new().unwrap().block_on(async {
         let next = open(dir.path(), &fake, spec).await;
         let entries = next.entries_after(0, Some(name.clone())).await.unwrap();
-        let kinds: Vec<&str> = entries
-            .iter()
-            .map(|e| e["kind"].as_str().unwrap())
-            .collect();
+        let kinds = kinds(&entries);
         assert_eq!(
             kinds,
             [
