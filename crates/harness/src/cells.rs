@@ -817,10 +817,11 @@ impl Harness {
                 let harness = Arc::clone(self);
                 let name = name.to_owned();
                 tokio::spawn(async move {
-                    // A run's cell's pool marker, now that its delete is durable (a daemon that
-                    // stops first finds the delete in the journal's tail: see `start_pools`).
-                    harness.handed_out(&name);
                     let _ = gone.await;
+                    // A run's cell's pool marker, its delete durable and answered (a daemon
+                    // that stops first finds the delete in the journal's tail: see
+                    // `start_pools`).
+                    harness.handed_out(&name);
                     // The database's commit of the forgetting, off the answer's path.
                     let _ = harness.state.forget_pending(&name);
                     harness.remove_layer_and_record(&name, tier);
