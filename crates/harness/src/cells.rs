@@ -726,10 +726,7 @@ impl Harness {
             // must (see `delete_now`).
             let (killed, written) = match written {
                 Some((killed, written)) => (killed, Some(written)),
-                None => {
-                    let ended = self.entry(name).ok();
-                    (ended.is_some_and(|e| e.ended.is_none()), None)
-                }
+                None => (self.unended(name), None),
             };
             return Ok(Killed {
                 killed,
@@ -760,8 +757,7 @@ impl Harness {
         by: &str,
         reason: &str,
     ) -> Result<(bool, crate::record::DurableAll), HarnessError> {
-        let entry = self.entry(name).ok();
-        let killed = entry.is_some_and(|e| e.ended.is_none());
+        let killed = self.unended(name);
         let mut entries = Vec::new();
         if killed {
             entries.push(("cell.end", json!({ "reason": reason })));
@@ -773,14 +769,19 @@ impl Harness {
         ))
     }
 
-    /// Marks cell `name` ended for `reason` unless it is already: whether this call did (and so
-    /// journals the end). The look and the mark are one step, so that a cell whose end two
-    /// see at once (a kill, the watch) is ended, and journaled, once.
+    /// Marks cell `name` ended for `reason` unless it is already, or a delete of it is under
+    /// way (the delete journals its end): whether this call did (and so journals the end). The
+    /// look and the mark are one step, and a delete's look at whether the cell ended is taken
+    /// under the same lock (`write_end_and_delete`, `control_with`), so that a cell whose end
+    /// two see at once (a kill, the watch, a delete) is ended, and journaled, once.
     pub(crate) fn mark_ended(&self, name: &str, reason: &str) -> Result<bool, HarnessError> {
         let _one = self
             .ends
             .lock()
             .map_err(|_| HarnessError::internal("a thread panicked"))?;
+        if self.killing.lock().is_ok_and(|k| k.contains(name)) {
+            return Ok(false);
+        }
         self.update_entry(name, |entry| {
             let unended = entry.ended.is_none();
             if unended {
@@ -788,6 +789,13 @@ impl Harness {
             }
             unended
         })
+    }
+
+    /// Whether cell `name` has an entry not marked ended, looked at under the lock `mark_ended`
+    /// takes (a delete's look: a kill or watch that marks the end first journals it).
+    fn unended(&self, name: &str) -> bool {
+        let _one = self.ends.lock();
+        self.entry(name).is_ok_and(|e| e.ended.is_none())
     }
 
     /// Kills the cell if it runs and forgets it: its workspace layer and egress record go too.

@@ -604,3 +604,39 @@ async fn a_deleted_cell_ends_once_in_the_journal_whatever_its_watch_sees() {
         assert_eq!(s.harness.get(name).unwrap_err().kind, ErrorKind::NotFound);
     }
 }
+
+#[tokio::test]
+async fn a_cell_killed_and_deleted_at_once_ends_once_in_the_journal() {
+    let s = setup().await;
+    let names: Vec<String> = (0..12).map(|i| format!("both{i}")).collect();
+    for name in &names {
+        s.harness.create(create(name, None)).await.unwrap();
+    }
+    for (i, name) in names.iter().enumerate() {
+        // The kill at many points of the delete's way, and before it.
+        let kill = async {
+            tokio::time::sleep(Duration::from_micros(i as u64 * 100)).await;
+            s.harness
+                .control(name, warden_harness::ControlAction::Kill, "test")
+                .await
+        };
+        let delete = async {
+            tokio::time::sleep(Duration::from_micros(300)).await;
+            s.harness.delete(name, "test").await
+        };
+        let (_, deleted) = tokio::join!(kill, delete);
+        deleted.unwrap();
+    }
+    // Time for a kill's or a watch's late entry.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for name in &names {
+        let kinds = kinds(&s.harness, name).await;
+        let ends = kinds.iter().filter(|k| *k == "cell.end").count();
+        assert_eq!(ends, 1, "{name}: {kinds:?}");
+        assert_eq!(
+            kinds.last().map(String::as_str),
+            Some("cell.delete"),
+            "{name}: {kinds:?}"
+        );
+    }
+}
