@@ -1347,11 +1347,16 @@ fn a_deleted_cell_runs_nothing_once_deleted_and_its_name_is_free_after() {
         }
         // The sleeps, and the shell unless it ran the last one itself.
         wait_for("the cell's processes to run", || {
-            running_with(&word).len() >= 202
+            running_with(&word, &[]).len() >= 202
         });
+        // The cell's session: a zombie of it has no command line to find it by.
+        let sessions: Vec<String> = running_with(&word, &[])
+            .iter()
+            .filter_map(|p| session_of(p))
+            .collect();
         let deleted = daemon.call("DELETE", &format!("/v1/cells/{name}"), None);
         assert_eq!(deleted.status, 204, "{}", deleted.text());
-        let left = running_with(&word);
+        let left = running_with(&word, &sessions);
         assert!(
             left.is_empty(),
             "running after the delete answered: {left:?}"
@@ -1423,10 +1428,11 @@ fn a_delete_answered_before_a_crash_stays_done_for_the_next_daemon() {
     assert_eq!(stream_bytes(&ran, "stdout"), b"again\n", "{ran:?}");
 }
 
-/// Processes of the host whose command lines have `word`, and the zombies named like them (a
-/// zombie's command line is empty: its name is `sleep`, which no other process of this test's
-/// has; a zombie left by a killed cell is one its init has not reaped).
-fn running_with(word: &str) -> Vec<String> {
+/// Processes of the host whose command lines have `word`, and the zombies named like them in
+/// one of `sessions` (a zombie's command line is empty: its name is `sleep`; a zombie left by a
+/// killed cell is one its init has not reaped; other tests' cells, running beside, have their
+/// own sessions and their own passing zombies).
+fn running_with(word: &str, sessions: &[String]) -> Vec<String> {
     std::fs::read_dir("/proc")
         .unwrap()
         .flatten()
@@ -1435,10 +1441,18 @@ fn running_with(word: &str) -> Vec<String> {
             let line = std::fs::read(e.path().join("cmdline")).ok()?;
             let line = String::from_utf8_lossy(&line).replace('\0', " ");
             let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
-            let zombie_sleep = stat.contains("(sleep) Z");
-            (line.contains(word) || zombie_sleep).then(|| format!("{line} [{stat}]"))
+            let shown = format!("{line} [{stat}]");
+            let zombie_sleep = stat.contains("(sleep) Z")
+                && session_of(&shown).is_some_and(|s| sessions.contains(&s));
+            (line.contains(word) || zombie_sleep).then_some(shown)
         })
         .collect()
+}
+
+/// The session of a process as `running_with` shows it (the sixth field of its `stat`).
+fn session_of(shown: &str) -> Option<String> {
+    let (_, after_name) = shown.rsplit_once(") ")?;
+    after_name.split_whitespace().nth(3).map(str::to_owned)
 }
 
 /// Every process the daemon starts is reaped when it ends: a deleted cell's keeper (the
