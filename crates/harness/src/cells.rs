@@ -272,10 +272,11 @@ impl Harness {
     }
 
     /// A create; `run`: for a run (`run_once`), whose cell is marked so in its entry, and
-    /// which, for a cell taken from a pool (its entry kept in memory only, see `keep_behind`), is answered once the cell's entries are in the
-    /// journal's file, with the round that makes them durable handed back to be waited for
-    /// (the run's exec, whose start is journaled after them, waits for that round or a later
-    /// one before anything of its command is told); otherwise `None`, as for any other cell,
+    /// which, for a cell taken from a pool (its entry kept in memory only, see `keep_behind`),
+    /// is answered once the cell's entries are in the journal's file, with the round that
+    /// makes them durable handed back to be waited for (the run's exec, whose start is
+    /// journaled after them, waits for that round or a later one before anything of its
+    /// command is told); otherwise `None`, as for any other cell,
     /// whose entries are durable when this returns.
     pub(crate) async fn create_with(
         self: &Arc<Self>,
