@@ -427,11 +427,11 @@ impl Harness {
             };
             self.forget_pooled(&name, tier);
             if handing {
+                // What the database holds of it (its record's offset, questions, grants) goes
+                // either way.
+                let _ = self.state.forget(&name);
                 // A run's cell whose delete is durable already: the daemon stopped before its
                 // marker went, and the journal has said all there is.
-                // What else the database holds of it (its record's offset, questions,
-                // grants) goes either way.
-                let _ = self.state.forget(&name);
                 if self.journaled.deleted.contains(&name) {
                     continue;
                 }
