@@ -442,27 +442,62 @@ impl Namespaces {
 
 /// The keeper's router: accepts clients on `path` and passes each one's request, with the
 /// client's own socket, to the init's `channel` (a cell that takes no execs has none: it
-/// answers only for its namespaces), on a thread of its own for the rest of the keeper's life.
-/// From then on the init and the client talk directly (events out, signals and the hang-up
-/// in), so no event waits on a relay.
+/// answers only for its namespaces), on a thread of its own until the returned [`Router`] is
+/// dropped. From then on the init and the client talk directly (events out, signals and the
+/// hang-up in), so no event waits on a relay.
 pub(crate) fn serve(
     path: &Path,
     channel: Option<OwnedFd>,
     namespaces: Option<Namespaces>,
-) -> io::Result<()> {
+) -> io::Result<Router> {
     let listener = sys::seqpacket_listen(path)?;
+    let (stop_r, stop_w) = sys::pipe()?;
     let path: PathBuf = path.to_path_buf();
-    std::thread::Builder::new()
+    let thread = std::thread::Builder::new()
         .name("exec-clients".to_owned())
         .spawn(move || {
             let keeper = Keeper {
                 channel,
                 namespaces,
             };
-            serve_clients(&listener, &keeper);
+            serve_clients(&listener, &stop_r, &keeper);
             let _ = std::fs::remove_file(&path);
+            // The listener and the namespaces go here, off the caller's way: the last hold on
+            // the cell's mount namespace tears its mounts down (an expedited RCU grace period),
+            // and the socket's file is the last hold on the cell's folder once it is removed.
+            drop((listener, keeper));
         })?;
-    Ok(())
+    Ok(Router {
+        stop: Some(stop_w),
+        thread: Some(thread),
+    })
+}
+
+/// A running router: `stop` tells it to stop, and dropping it also waits until its socket, its
+/// listener and the cell's namespaces it held are gone. A cell's run stops it as soon as the
+/// cell has ended, so that this goes on beside the run's own end, and drops it on the thread
+/// that releases the cell's name (see `Release`).
+#[derive(Debug)]
+pub(crate) struct Router {
+    stop: Option<OwnedFd>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Router {
+    /// Tells the router to stop, without waiting for it.
+    pub(crate) fn stop(&mut self) {
+        // The pipe's hang-up wakes the router's poll.
+        drop(self.stop.take());
+    }
+}
+
+impl Drop for Router {
+    fn drop(&mut self) {
+        self.stop();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 /// What the keeper's router holds.
@@ -472,15 +507,17 @@ struct Keeper {
 }
 
 /// The keeper's one thread for every client: accepts them and passes each one's request to the
-/// init (a client sends it as it connects, so it is usually there at once).
-fn serve_clients(listener: &OwnedFd, keeper: &Keeper) {
+/// init (a client sends it as it connects, so it is usually there at once), until `stop` hangs
+/// up.
+fn serve_clients(listener: &OwnedFd, stop: &OwnedFd, keeper: &Keeper) {
     use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
     // Clients whose request has not come yet.
     let mut waiting: Vec<OwnedFd> = Vec::new();
     let mut next_id = 1u64;
     loop {
         let ready: Vec<bool> = {
-            let mut fds: Vec<PollFd<'_>> = std::iter::once(listener.as_fd())
+            let mut fds: Vec<PollFd<'_>> = [listener.as_fd(), stop.as_fd()]
+                .into_iter()
                 .chain(waiting.iter().map(OwnedFd::as_fd))
                 .map(|fd| PollFd::new(fd, PollFlags::POLLIN))
                 .collect();
@@ -493,7 +530,10 @@ fn serve_clients(listener: &OwnedFd, keeper: &Keeper) {
                 .map(|fd| fd.revents().is_some_and(|r| !r.is_empty()))
                 .collect()
         };
-        let mut index = 0;
+        if ready[1] {
+            return;
+        }
+        let mut index = 1;
         waiting.retain(|client| {
             index += 1;
             if !ready[index] {
@@ -610,5 +650,46 @@ fn hand_out_line(client: &OwnedFd, channel: &OwnedFd) {
     let payload = serde_json::to_vec(&Request::Line).unwrap_or_default();
     if sys::send_message(channel.as_fd(), &payload, &[for_init.as_raw_fd()]).is_ok() {
         let _ = sys::send_message(client.as_fd(), &payload, &[for_client.as_raw_fd()]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stopped router lets go of everything it held by the time its drop returns: its
+    /// socket's file, its listener (a client is refused) and the namespaces handed to it.
+    #[test]
+    fn a_dropped_router_has_let_go_of_its_socket_and_namespaces() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(EXEC_SOCKET);
+        // Stand-ins for the namespaces: a pipe whose other end shows when they are dropped.
+        let (user_peer, user) = sys::pipe().unwrap();
+        let (mnt_peer, mnt) = sys::pipe().unwrap();
+        let namespaces = Namespaces {
+            user,
+            mnt,
+            root: None,
+        };
+        let mut router = serve(&path, None, Some(namespaces)).unwrap();
+        // It serves while it runs: a client is accepted and answered.
+        let client = sys::seqpacket_connect(&path).unwrap();
+        sys::send_message(client.as_fd(), br#"{"exec":{}}"#, &[]).unwrap();
+        let answer = sys::receive_message(client.as_fd()).unwrap();
+        assert!(answer.is_some(), "the router did not answer a client");
+        router.stop();
+        drop(router);
+        assert!(!path.exists(), "the router's socket file is still there");
+        let refused = sys::seqpacket_connect(&path).unwrap_err();
+        assert_eq!(refused.kind(), io::ErrorKind::NotFound, "{refused}");
+        for (peer, what) in [(user_peer, "user"), (mnt_peer, "mount")] {
+            let mut byte = [0u8; 1];
+            // The write ends were the router's only: once it dropped them, a read sees the end.
+            let read = rustix::io::read(&peer, &mut byte);
+            assert!(
+                matches!(read, Ok(0)),
+                "the {what} namespace is still held: {read:?}"
+            );
+        }
     }
 }

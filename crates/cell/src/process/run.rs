@@ -499,7 +499,7 @@ pub fn run_with(
         },
         _ => None,
     };
-    super::exec::serve(
+    let mut router = super::exec::serve(
         &reservation.file(super::exec::EXEC_SOCKET),
         exec_channel,
         namespaces,
@@ -536,6 +536,7 @@ pub fn run_with(
     };
     let relayed = relay.run();
     drop(sync); // the cell's lifeline: held until the cell is gone
+    router.stop();
     let _ = old_mask.thread_set_mask();
     if relayed.is_ok() {
         guard.pid = None; // the relay reaped the init
@@ -562,9 +563,9 @@ pub fn run_with(
             }
         }
     };
-    // The cgroups go with the name, on the release's thread where there is one; what is left
-    // of the cell (a process that joined it from outside its pid namespace) is killed here,
-    // before its layer is looked at.
+    // The cgroups go with the name, on the release's thread where there is one, and the
+    // router's end is waited for there after; what is left of the cell (a process that joined
+    // it from outside its pid namespace) is killed here, before its layer is looked at.
     let leftovers = match request.release_later {
         true => {
             guard.end_stragglers();
@@ -579,7 +580,7 @@ pub fn run_with(
         store,
         &request,
         name,
-        (leftovers, reservation),
+        (leftovers, reservation, router),
         layer,
         ending,
         notices,
@@ -589,9 +590,10 @@ pub fn run_with(
 /// The end of a run, the same on every tier: how the cell ended written where the caller
 /// looks for it, before the name is released (whoever sees the lock go finds it already); the
 /// name released; the layer kept for review or removed, with the egress record, as asked.
-/// `reservation`: whatever the name's release is (its drop), with what goes before it (a
-/// process cell's cgroups, a tuple's first part): on a thread of its own where the caller
-/// releases later (see `Release`), while it journals the end.
+/// `reservation`: whatever the name's release is (its drop), with what goes before and after
+/// it (a process cell's cgroups, a tuple's first part, and its router's end, the last): on a
+/// thread of its own where the caller releases later (see `Release`), while it journals the
+/// end.
 pub(crate) fn finish(
     store: &Store,
     request: &RunRequest,
