@@ -208,16 +208,6 @@ fn time_once(argv: &[String]) -> Result<Duration> {
     Ok(took)
 }
 
-/// Fisher-Yates with a xorshift: the order needs no more than to differ from round to round.
-fn shuffle(items: &mut [usize], seed: &mut u64) {
-    for i in (1..items.len()).rev() {
-        *seed ^= *seed << 13;
-        *seed ^= *seed >> 7;
-        *seed ^= *seed << 17;
-        items.swap(i, (*seed % (i as u64 + 1)) as usize);
-    }
-}
-
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     let index = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[index.min(sorted.len() - 1)]
@@ -289,9 +279,9 @@ fn main() -> Result<()> {
         }
     }
     let mut order: Vec<usize> = (0..contenders.len()).collect();
-    let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut seed = warden_bench::SHUFFLE_SEED;
     for round in 0..runs {
-        shuffle(&mut order, &mut seed);
+        warden_bench::shuffle(&mut order, &mut seed);
         for &i in &order {
             let c = &contenders[i];
             // gVisor is two orders of magnitude slower; sample it less often.

@@ -336,6 +336,21 @@ pub fn which(name: &str) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// Where [`shuffle`]'s orders start: the same from run to run.
+pub const SHUFFLE_SEED: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// Fisher-Yates with a xorshift, for the order of a benchmark's rows in each round: what one
+/// row leaves behind falls on whichever runs next, so no row may always follow the same one.
+/// The order needs no more than to differ from round to round.
+pub fn shuffle(items: &mut [usize], seed: &mut u64) {
+    for i in (1..items.len()).rev() {
+        *seed ^= *seed << 13;
+        *seed ^= *seed >> 7;
+        *seed ^= *seed << 17;
+        items.swap(i, (*seed % (i as u64 + 1)) as usize);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::read_answer;

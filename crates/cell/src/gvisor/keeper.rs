@@ -395,8 +395,9 @@ pub fn keep(
     // Joining the cell from outside (a reset of its workspace): the keeper's namespaces, and
     // the cell's root in them.
     let namespaces = namespaces(&plan.root).map_err(os("holding the cell's namespaces"))?;
-    crate::process::exec::serve(&reservation.file(EXEC_SOCKET), channel, Some(namespaces))
-        .map_err(os("opening the cell's exec socket"))?;
+    let mut router =
+        crate::process::exec::serve(&reservation.file(EXEC_SOCKET), channel, Some(namespaces))
+            .map_err(os("opening the cell's exec socket"))?;
     crate::process::run::say_ready(request.ready.as_deref());
     if request.ready.is_some() {
         // A daemon's keeper: it now watches its cell for as long as it lives.
@@ -437,6 +438,7 @@ pub fn keep(
         disk: None,
     };
     let relayed = relay.run();
+    router.stop();
     if relayed.is_ok() {
         guard.pid = None; // the relay reaped runsc
     }
@@ -462,15 +464,11 @@ pub fn keep(
     host_guard.end();
     remove_runsc_leftovers(&runsc, &name);
     drop(root_mount);
-    Ok(crate::process::run::finish(
-        store,
-        &request,
-        name,
-        reservation,
-        layer,
-        ending,
-        notices,
-    ))
+    let outcome =
+        crate::process::run::finish(store, &request, name, reservation, layer, ending, notices);
+    // Stopped since the relay ended, the router is long gone by now: this waits for nothing.
+    drop(router);
+    Ok(outcome)
 }
 
 /// The cell's root, assembled on its folder in the keeper's mount namespace, where it is a

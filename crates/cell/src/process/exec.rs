@@ -460,11 +460,15 @@ pub(crate) fn serve(
                 channel,
                 namespaces,
             };
-            serve_clients(&listener, &stop_r, &keeper);
-            let _ = std::fs::remove_file(&path);
+            // Told to stop, the router leaves its socket's file to the removal of the cell's
+            // folder (which may be under way); ended on its own, it takes the file away.
+            if !serve_clients(&listener, &stop_r, &keeper) {
+                let _ = std::fs::remove_file(&path);
+            }
             // The listener and the namespaces go here, off the caller's way: the last hold on
             // the cell's mount namespace tears its mounts down (an expedited RCU grace period),
-            // and the socket's file is the last hold on the cell's folder once it is removed.
+            // and the listener, holding its socket's file, is the last hold on the cell's
+            // folder once that is removed (its blocks are freed, and discarded, at the close).
             drop((listener, keeper));
         })?;
     Ok(Router {
@@ -473,11 +477,12 @@ pub(crate) fn serve(
     })
 }
 
-/// A running router: `stop` tells it to stop, and dropping it also waits until its socket, its
-/// listener and the cell's namespaces it held are gone. A cell's run stops it as soon as the
+/// A running router: `stop` tells it to stop, and dropping it also waits until its listener
+/// and the cell's namespaces it held are gone. A cell's run stops it as soon as the
 /// cell has ended, so that this goes on beside the run's own end, and drops it on the thread
 /// that releases the cell's name (see `Release`).
 #[derive(Debug)]
+#[must_use = "the router stops when dropped"]
 pub(crate) struct Router {
     stop: Option<OwnedFd>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -508,8 +513,8 @@ struct Keeper {
 
 /// The keeper's one thread for every client: accepts them and passes each one's request to the
 /// init (a client sends it as it connects, so it is usually there at once), until `stop` hangs
-/// up.
-fn serve_clients(listener: &OwnedFd, stop: &OwnedFd, keeper: &Keeper) {
+/// up (true) or the listener fails (false).
+fn serve_clients(listener: &OwnedFd, stop: &OwnedFd, keeper: &Keeper) -> bool {
     use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
     // Clients whose request has not come yet.
     let mut waiting: Vec<OwnedFd> = Vec::new();
@@ -524,14 +529,14 @@ fn serve_clients(listener: &OwnedFd, stop: &OwnedFd, keeper: &Keeper) {
             match poll(&mut fds, PollTimeout::NONE) {
                 Ok(_) => {}
                 Err(nix::Error::EINTR) => continue,
-                Err(_) => return,
+                Err(_) => return false,
             }
             fds.iter()
                 .map(|fd| fd.revents().is_some_and(|r| !r.is_empty()))
                 .collect()
         };
         if ready[1] {
-            return;
+            return true;
         }
         let mut index = 1;
         waiting.retain(|client| {
@@ -546,7 +551,7 @@ fn serve_clients(listener: &OwnedFd, stop: &OwnedFd, keeper: &Keeper) {
         });
         if ready[0] {
             let Ok(client) = sys::accept(listener.as_fd()) else {
-                return;
+                return false;
             };
             match sys::try_receive_message(client.as_fd()) {
                 Err(err) if err.kind() == io::ErrorKind::WouldBlock => waiting.push(client),
@@ -658,7 +663,7 @@ mod tests {
     use super::*;
 
     /// A stopped router lets go of everything it held by the time its drop returns: its
-    /// socket's file, its listener (a client is refused) and the namespaces handed to it.
+    /// listener (a client is refused) and the namespaces handed to it.
     #[test]
     fn a_dropped_router_has_let_go_of_its_socket_and_namespaces() {
         let dir = tempfile::tempdir().unwrap();
@@ -679,9 +684,13 @@ mod tests {
         assert!(answer.is_some(), "the router did not answer a client");
         router.stop();
         drop(router);
-        assert!(!path.exists(), "the router's socket file is still there");
+        // Its file is left to the folder's removal, but nothing listens there any more.
         let refused = sys::seqpacket_connect(&path).unwrap_err();
-        assert_eq!(refused.kind(), io::ErrorKind::NotFound, "{refused}");
+        assert_eq!(
+            refused.kind(),
+            io::ErrorKind::ConnectionRefused,
+            "{refused}"
+        );
         for (peer, what) in [(user_peer, "user"), (mnt_peer, "mount")] {
             let mut byte = [0u8; 1];
             // The write ends were the router's only: once it dropped them, a read sees the end.
