@@ -184,7 +184,8 @@ pub fn deny_filter() -> Result<BpfProgram, SeccompError> {
     Ok(program)
 }
 
-/// A binary search over the system calls that have rules (`ruled`, sorted), with the number
+/// A binary search over the system calls that have rules (`ruled`: sorted, each once, as the
+/// rules' map gives them), with the number
 /// still loaded by the prelude: one of them goes on to seccompiler's rules, which follow; any
 /// other is allowed at once, as the rules would allow it (their default action). seccompiler's
 /// rules test the numbers one after the other, so every allowed call walked all of them: the
@@ -220,11 +221,8 @@ fn dispatch(ruled: &[u32]) -> Result<Vec<sock_filter>, SeccompError> {
             }
         }
     }
-    let mut sorted = ruled.to_vec();
-    sorted.sort_unstable();
-    sorted.dedup();
     let mut nodes = Vec::new();
-    build(&sorted, &mut nodes);
+    build(ruled, &mut nodes);
     let allow = nodes.len();
     let offset = |from: usize, to: To| -> Result<u8, SeccompError> {
         let target = match to {
@@ -300,28 +298,24 @@ mod tests {
             prelude()[..]
         );
         // The rules, after the dispatch, start by loading the syscall number again.
-        let rules_at = program
+        assert_eq!(program[rules_at(&program)], program[ARCH_CHECK_LEN]);
+    }
+
+    /// Where seccompiler's rules start in the filter: after the dispatch's closing allow.
+    fn rules_at(program: &[sock_filter]) -> usize {
+        let dispatch_at = ARCH_CHECK_LEN + prelude().len();
+        let allow = program[dispatch_at..]
             .iter()
-            .skip(ARCH_CHECK_LEN + prelude().len())
             .position(|i| i.code == 0x06 && i.k == libc::SECCOMP_RET_ALLOW)
-            .map(|i| ARCH_CHECK_LEN + prelude().len() + i + 1)
             .expect("the dispatch ends with its allow");
-        assert_eq!(program[rules_at], program[ARCH_CHECK_LEN]);
+        dispatch_at + allow + 1
     }
 
     /// The seccompiler program the filter is made of, before the prelude and the dispatch.
     fn without_dispatch() -> BpfProgram {
         let full = deny_filter().unwrap();
-        let rules_at = full
-            .iter()
-            .skip(ARCH_CHECK_LEN + prelude().len())
-            .position(|i| i.code == 0x06 && i.k == libc::SECCOMP_RET_ALLOW)
-            .unwrap()
-            + ARCH_CHECK_LEN
-            + prelude().len()
-            + 1;
         let mut program = full[..ARCH_CHECK_LEN + prelude().len()].to_vec();
-        program.extend_from_slice(&full[rules_at..]);
+        program.extend_from_slice(&full[rules_at(&full)..]);
         program
     }
 
