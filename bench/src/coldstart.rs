@@ -245,6 +245,9 @@ fn main() -> Result<()> {
     };
     let warden = found(&warden)?;
     let baseline = baseline.as_deref().map(found).transpose()?;
+    for binary in std::iter::once(&warden).chain(baseline.as_ref()) {
+        warden_bench::settle(std::path::Path::new(binary))?;
+    }
     let contenders = contenders(&warden, baseline.as_deref());
     let daemon_dir = std::env::temp_dir().join(format!("warden-coldstart-{}", std::process::id()));
     let daemon = match contenders.iter().any(|c| c.through.is_some()) {

@@ -417,6 +417,7 @@ fn main() -> Result<()> {
             warden.display()
         );
     }
+    warden_bench::settle(&warden)?;
     let dir = std::env::temp_dir().join(format!("warden-bench-daemon-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o711))?;

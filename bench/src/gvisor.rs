@@ -493,6 +493,7 @@ fn main() -> Result<()> {
             warden.display()
         );
     }
+    warden_bench::settle(&warden)?;
     let dir = std::env::temp_dir().join(format!("warden-bench-gvisor-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let setup = Setup {

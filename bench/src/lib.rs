@@ -336,6 +336,24 @@ pub fn which(name: &str) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// Puts a binary's file in the page cache as an installed one's is: written to the disk and
+/// dropped from memory, so that its first start reads it back (as after a reboot) and every
+/// start after that maps what was read. A binary just linked by cargo (written in small
+/// pieces) started about 0.15 ms slower, with 15 more page faults, than the same bytes read
+/// back, and copies of one file differed by up to 0.4 ms (`warden run -- true`, 300
+/// interleaved runs): without this, a build measured right after it was made is measured at a
+/// disadvantage that no user has.
+pub fn settle(binary: &Path) -> Result<()> {
+    use std::os::fd::AsFd as _;
+    let file = std::fs::File::open(binary)
+        .with_context(|| format!("opening {} to settle it", binary.display()))?;
+    file.sync_data()
+        .with_context(|| format!("writing {} to the disk", binary.display()))?;
+    rustix::fs::fadvise(file.as_fd(), 0, None, rustix::fs::Advice::DontNeed)
+        .with_context(|| format!("dropping {} from the page cache", binary.display()))?;
+    Ok(())
+}
+
 /// Where [`shuffle`]'s orders start: the same from run to run.
 pub const SHUFFLE_SEED: u64 = 0x9e37_79b9_7f4a_7c15;
 

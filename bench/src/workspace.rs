@@ -80,6 +80,7 @@ fn main() -> Result<()> {
     let bin = std::fs::canonicalize(&bin)
         .with_context(|| format!("{bin} not found; build with `cargo build --release`"))?;
     let bin = bin.to_str().context("warden path is not UTF-8")?.to_owned();
+    warden_bench::settle(std::path::Path::new(&bin))?;
     let tmp = std::env::temp_dir().join(format!("warden-bench-ws-{}", std::process::id()));
     let tree = tmp.join("tree");
     make_tree(&tree)?;

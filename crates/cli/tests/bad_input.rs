@@ -448,3 +448,36 @@ fn the_keepers_fork_server_started_by_hand_says_it_is_the_daemons() {
     assert_eq!(ran.code, 125, "{ran:?}");
     assert!(ran.stderr.contains("datagram-sequence socket"), "{ran:?}");
 }
+
+/// Started with its stdin, stdout or stderr closed, the warden puts `/dev/null` there before
+/// it opens anything: no file of its own (a policy, the journal, a socket) takes the number and
+/// is read as the cell's input or written with its output.
+#[test]
+fn closed_stdio_takes_nothing_of_the_wardens() {
+    let dir = tempdir();
+    let file = policy(dir.path(), "version: 1\n");
+    // stdin closed: the cell's `cat` reads an empty input, not a file the warden opened.
+    let out = std::process::Command::new("sh")
+        .args([
+            "-c",
+            r#"exec "$0" run --policy "$1" -- cat <&-"#,
+            bin().to_str().unwrap(),
+            file.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let ran = Ran::from(out);
+    assert_eq!(ran.code, 0, "{ran:?}");
+    assert!(ran.stdout.is_empty(), "the cell read something: {ran:?}");
+    // stdout and stderr closed: the command's output goes nowhere, and the run still works.
+    let status = std::process::Command::new("sh")
+        .args([
+            "-c",
+            r#"exec "$0" run --policy "$1" -- sh -c 'echo out; echo err >&2' >&- 2>&-"#,
+            bin().to_str().unwrap(),
+            file.to_str().unwrap(),
+        ])
+        .status()
+        .unwrap();
+    assert_eq!(status.code(), Some(0));
+}
