@@ -92,7 +92,7 @@ fn keep_with(
         discard_changes: request.discard_changes,
         from,
         report: spec.report,
-        checked: false,
+        checked: request.checked,
         ready: ready.map(std::sync::Arc::new),
         signals_from: request.signals_from,
         release_later: false,

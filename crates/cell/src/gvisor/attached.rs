@@ -47,6 +47,9 @@ pub fn run(
         log_to: None,
         // This process forwards the signals it gets (its caller's) to the keeper.
         signals_from: Some(std::process::id() as i32),
+        // A run's cell is checked by the tier before its start is journaled (`warden run`,
+        // or the harness's `run_attached`).
+        checked: true,
     })
     .map_err(|e| StartError::Host(format!("writing the keeper's request: {e}")))?;
     // A process of one thread forks the keeper (it runs what `warden keep` would, at once): a

@@ -46,6 +46,10 @@ pub struct KeeperRequest {
     /// group's signal reaches both processes, and the cell then gets it once.
     #[serde(default)]
     pub signals_from: Option<i32>,
+    /// The caller has had the tier check this cell's policy and workspace (`Backend::check`)
+    /// just before, as `warden run` does: the keeper does not walk the host's paths again.
+    #[serde(default)]
+    pub checked: bool,
 }
 
 /// The environment variable that names a file holding the keeper's request, where its stdin
@@ -183,6 +187,7 @@ impl Backend for ProcessBackend {
             discard_changes: false,
             log_to,
             signals_from: None,
+            checked: false,
         })
         .map_err(|e| StartError::Host(format!("writing the keeper's request: {e}")))?;
         keeper.send(&request);
