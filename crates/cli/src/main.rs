@@ -3,7 +3,8 @@
 //! Every subcommand turns its arguments into a typed request and calls the same core functions
 //! (`warden_cell`, `warden_policy`); no confinement logic lives here.
 
-#![no_main]
+// (The unit tests keep the test harness's own `main`.)
+#![cfg_attr(not(test), no_main)]
 
 mod cli;
 mod commands;
@@ -18,6 +19,7 @@ mod render;
 /// 2.13 ms, `warden run -- true` 10.08 against 10.23 ms (400 interleaved runs each). A stack
 /// overflow still ends the process (SIGSEGV), without the runtime's message. After `run`: the
 /// runtime's cleanup (stdout flushed) and the exit, as it would.
+#[cfg(not(test))]
 #[allow(unsafe_code)]
 #[unsafe(no_mangle)]
 extern "C" fn main(_argc: libc::c_int, _argv: *const *const libc::c_char) -> libc::c_int {
@@ -31,6 +33,7 @@ extern "C" fn main(_argc: libc::c_int, _argv: *const *const libc::c_char) -> lib
 
 /// What the runtime would do before `main`: a closed stdin, stdout or stderr is opened on
 /// `/dev/null` (so that no file this process opens takes its number), and SIGPIPE is ignored.
+#[cfg(not(test))]
 #[allow(unsafe_code)]
 fn runtime_start() {
     let mut fds = [0, 1, 2].map(|fd| libc::pollfd {
@@ -56,6 +59,7 @@ fn runtime_start() {
     }
 }
 
+#[cfg_attr(test, allow(dead_code))]
 fn run() -> i32 {
     let args = cli::parse();
     // Commands that only read and print end quietly, as other tools do, when their reader
