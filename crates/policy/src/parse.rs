@@ -115,7 +115,22 @@ pub fn preset(name: &str) -> Result<Policy, PolicyError> {
     if let Some(policy) = READ.lock().ok().and_then(|read| known(&read)) {
         return Ok(policy);
     }
-    let policy = from_yaml(&format!("preset {name}"), yaml)?;
+    let origin = format!("preset {name}");
+    let policy = match yaml.trim() {
+        // The empty document (the default preset): the model's own defaults, which is what the
+        // YAML parser makes of it too (a test holds the two equal), without the parser's first
+        // run in a new process, 0.13 against 0.03 ms.
+        "version: 1" => {
+            let policy: Policy = serde_json::from_value(serde_json::json!({ "version": 1 }))
+                .map_err(|e| PolicyError::Unlocated {
+                    origin: origin.clone(),
+                    message: e.to_string(),
+                })?;
+            validate(&origin, &policy)?;
+            policy
+        }
+        _ => from_yaml(&origin, yaml)?,
+    };
     if let Ok(mut read) = READ.lock()
         && read.len() < 64
     {
@@ -549,7 +564,8 @@ mod tests {
     fn a_preset_read_again_is_the_same_preset() {
         for (name, _, _) in crate::preset::PRESETS {
             let fresh = from_yaml("fresh", crate::preset::yaml(name).unwrap()).unwrap();
-            // The first reading is kept, the second is that one.
+            // (The default preset is made without the YAML parser: this holds it to the
+            // parser's reading.) The first reading is kept, the second is that one.
             assert_eq!(preset(name).unwrap(), fresh, "{name}");
             assert_eq!(preset(name).unwrap(), fresh, "{name}");
         }
