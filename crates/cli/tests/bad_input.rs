@@ -456,27 +456,24 @@ fn the_keepers_fork_server_started_by_hand_says_it_is_the_daemons() {
 fn closed_stdio_takes_nothing_of_the_wardens() {
     let dir = tempdir();
     let file = policy(dir.path(), "version: 1\n");
-    // stdin closed: the cell's `cat` reads an empty input, not a file the warden opened.
-    let out = std::process::Command::new("sh")
-        .args([
+    // `warden run --policy FILE -- ARGS` through a shell that closes what `redirect` says.
+    let run = |args: &str, redirect: &str| {
+        let script = format!(r#"exec "$0" run --policy "$1" -- {args} {redirect}"#);
+        let mut command = std::process::Command::new("sh");
+        command.args([
             "-c",
-            r#"exec "$0" run --policy "$1" -- cat <&-"#,
+            &script,
             bin().to_str().unwrap(),
             file.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    let ran = Ran::from(out);
+        ]);
+        command
+    };
+    // stdin closed: the cell's `cat` reads an empty input, not a file the warden opened.
+    let ran = Ran::from(run("cat", "<&-").output().unwrap());
     assert_eq!(ran.code, 0, "{ran:?}");
     assert!(ran.stdout.is_empty(), "the cell read something: {ran:?}");
     // stdout and stderr closed: the command's output goes nowhere, and the run still works.
-    let status = std::process::Command::new("sh")
-        .args([
-            "-c",
-            r#"exec "$0" run --policy "$1" -- sh -c 'echo out; echo err >&2' >&- 2>&-"#,
-            bin().to_str().unwrap(),
-            file.to_str().unwrap(),
-        ])
+    let status = run("sh -c 'echo out; echo err >&2'", ">&- 2>&-")
         .status()
         .unwrap();
     assert_eq!(status.code(), Some(0));
