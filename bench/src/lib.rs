@@ -339,10 +339,10 @@ pub fn which(name: &str) -> Option<PathBuf> {
 /// Puts a binary's file in the page cache as an installed one's is: written to the disk and
 /// dropped from memory, so that its first start reads it back (as after a reboot) and every
 /// start after that maps what was read. A binary just linked by cargo (written in small
-/// pieces) started about 0.15 ms slower, with 15 more page faults, than the same bytes read
-/// back, and copies of one file differed by up to 0.4 ms (`warden run -- true`, 300
-/// interleaved runs): without this, a build measured right after it was made is measured at a
-/// disadvantage that no user has.
+/// pieces) ran `warden --version` 0.25-0.35 ms slower, with 18 more page faults, than a copy of
+/// it, and two copies of one build differed by 0.4 ms in `warden run -- true` (300 interleaved
+/// runs): without this, a build measured right after it was made is measured at a disadvantage
+/// that no user has.
 pub fn settle(binary: &Path) -> Result<()> {
     use std::os::fd::AsFd as _;
     let file = std::fs::File::open(binary)
