@@ -119,13 +119,9 @@ pub fn preset(name: &str) -> Result<Policy, PolicyError> {
     let policy = match yaml.trim() {
         // The empty document (the default preset): the model's own defaults, which is what the
         // YAML parser makes of it too (a test holds the two equal), without the parser's first
-        // run in a new process, 0.13 against 0.03 ms.
+        // run in a new process (0.13 ms).
         "version: 1" => {
-            let policy: Policy = serde_json::from_value(serde_json::json!({ "version": 1 }))
-                .map_err(|e| PolicyError::Unlocated {
-                    origin: origin.clone(),
-                    message: e.to_string(),
-                })?;
+            let policy = Policy::default();
             validate(&origin, &policy)?;
             policy
         }

@@ -194,9 +194,6 @@ pub fn deny_filter() -> Result<BpfProgram, SeccompError> {
 /// (a chain of 450 comparisons alone takes 1 ms), and each call whose arguments it looks at
 /// walked the chain again.
 fn dispatch(ruled: &[u32]) -> Result<Vec<sock_filter>, SeccompError> {
-    const BPF_JMP_JEQ_K: u16 = 0x15;
-    const BPF_JMP_JGE_K: u16 = 0x35;
-    const BPF_RET_K: u16 = 0x06;
     #[derive(Clone, Copy)]
     enum To {
         Node(usize),
@@ -253,16 +250,18 @@ fn dispatch(ruled: &[u32]) -> Result<Vec<sock_filter>, SeccompError> {
 
 const ARCH_CHECK_LEN: usize = 3;
 
+// The classic BPF instructions the prelude and the dispatch are written in.
+const BPF_LD_W_ABS: u16 = 0x20;
+const BPF_JMP_JEQ_K: u16 = 0x15;
+const BPF_JMP_JGE_K: u16 = 0x35;
+const BPF_RET_K: u16 = 0x06;
+
 /// Checks that run before the per-syscall rules: refuse x32 system calls (numbers with bit 30
 /// set share the x86_64 audit architecture and would otherwise slip past a deny list), and make
 /// `clone3` and `openat2` fail with ENOSYS: both pass their flags in memory a filter cannot read,
 /// and libc then falls back to `clone` and `openat`, whose arguments the rules check. So does
 /// `copy_file_range` (programs then read and write), which on a btrfs disk shares extents.
 fn prelude() -> Vec<sock_filter> {
-    const BPF_LD_W_ABS: u16 = 0x20;
-    const BPF_JMP_JEQ_K: u16 = 0x15;
-    const BPF_JMP_JGE_K: u16 = 0x35;
-    const BPF_RET_K: u16 = 0x06;
     const SECCOMP_DATA_NR: u32 = 0;
     const X32_SYSCALL_BIT: u32 = 0x4000_0000;
     let stmt = |code, k| sock_filter {
@@ -306,7 +305,7 @@ mod tests {
         let dispatch_at = ARCH_CHECK_LEN + prelude().len();
         let allow = program[dispatch_at..]
             .iter()
-            .position(|i| i.code == 0x06 && i.k == libc::SECCOMP_RET_ALLOW)
+            .position(|i| i.code == BPF_RET_K && i.k == libc::SECCOMP_RET_ALLOW)
             .expect("the dispatch ends with its allow");
         dispatch_at + allow + 1
     }
