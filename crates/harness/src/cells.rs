@@ -868,18 +868,37 @@ impl Harness {
         // (Looked at only where it decides.)
         let is_live =
             !(unended && ending.is_some()) && entry.ended.is_none() && self.live(name).is_ok();
-        let own_end = match (ending, is_live) {
+        let mut own_end = match (ending, is_live) {
             _ if !unended => None,
             (Some(reason), _) => Some(reason.to_owned()),
             (None, false) => Some(self.end_reason(name).0),
             (None, true) => None,
         };
+        let mut kill_outcome = None;
+        if is_live && own_end.is_none() {
+            // A cell without a workspace has its end and delete written as soon as the signal
+            // is out; one with a workspace lists its changes first.
+            let follow = entry.workspace.is_none().then(|| Arc::clone(self));
+            match self
+                .control_with(name, ControlAction::Kill, by, true, follow)
+                .await
+            {
+                Ok(killed) => kill_outcome = Some(killed),
+                // It ended between the look above and the kill's own (its last process, or a
+                // kill of another's): deleted as a cell that had ended, its end journaled once.
+                Err(err) if err.reason == "cell-ended" && unended => {
+                    own_end = Some(self.end_reason(name).0);
+                }
+                Err(err) => return Err(err),
+            }
+        }
         let Killed {
             killed,
             asked,
             written,
-        } = match (&own_end, is_live) {
-            (Some(reason), _) if entry.workspace.is_none() => {
+        } = match (&own_end, kill_outcome) {
+            (_, Some(killed)) => killed,
+            (Some(reason), None) if entry.workspace.is_none() => {
                 let (killed, written) = self.write_end_and_delete(name, by, reason)?;
                 Killed {
                     killed,
@@ -887,14 +906,7 @@ impl Harness {
                     written: Some(written),
                 }
             }
-            (None, true) => {
-                // A cell without a workspace has its end and delete written as soon as the
-                // signal is out; one with a workspace lists its changes first.
-                let follow = entry.workspace.is_none().then(|| Arc::clone(self));
-                self.control_with(name, ControlAction::Kill, by, true, follow)
-                    .await?
-            }
-            (Some(_), _) | (None, false) => Killed {
+            _ => Killed {
                 killed: false,
                 asked: None,
                 written: None,
@@ -944,7 +956,9 @@ impl Harness {
             }
             if killed {
                 self.record(Some(name), end.0, end.1).await?;
-            } else if let Some(reason) = &own_end {
+            } else if let Some(reason) = &own_end
+                && self.unended(name)
+            {
                 self.record(Some(name), "cell.end", json!({ "reason": reason }))
                     .await?;
             }
