@@ -478,3 +478,56 @@ fn closed_stdio_takes_nothing_of_the_wardens() {
         .unwrap();
     assert_eq!(status.code(), Some(0));
 }
+
+/// A journal whose last entry does not verify stops a run before its command, with the
+/// journal's reason and what to do, and leaves the journal as it was and no cell behind (the
+/// journal is opened while the cell is made, and the command waits for its start in it).
+#[test]
+fn a_journal_that_does_not_verify_stops_a_run_before_its_command() {
+    let dir = tempfile::Builder::new()
+        .prefix("warden-test-")
+        .tempdir_in(outside_tmp())
+        .unwrap();
+    let (state, runtime, host) = (
+        dir.path().join("state"),
+        dir.path().join("run"),
+        dir.path().join("host"),
+    );
+    std::fs::create_dir_all(state.join("journal")).unwrap();
+    std::fs::create_dir(&host).unwrap();
+    // The cell's user writes there.
+    std::fs::set_permissions(&host, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let journal = state.join("journal").join("journal.jsonl");
+    let bad = "{\"seq\":1,\"time_ms\":1,\"cell\":null,\"kind\":\"t\",\"data\":{},\"prev\":\"0\",\"hash\":\"0\"}\n";
+    std::fs::write(&journal, bad).unwrap();
+    let file = policy(
+        dir.path(),
+        &format!(
+            "version: 1\nfilesystem:\n  read_write: [{}]\n",
+            host.display()
+        ),
+    );
+    let ran = Ran::from(
+        warden()
+            .env("WARDEN_STATE_DIR", &state)
+            .env("WARDEN_RUNTIME_DIR", &runtime)
+            .args(["run", "--policy"])
+            .arg(&file)
+            .args(["--", "sh", "-c"])
+            .arg(format!("touch {}/ran; echo ran", host.display()))
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(ran.code, 125, "{ran:?}");
+    assert!(
+        ran.stderr.contains("does not verify") && ran.stderr.contains("warden audit verify"),
+        "{ran:?}"
+    );
+    assert!(!ran.stdout.contains("ran"), "{ran:?}");
+    assert!(!host.join("ran").exists(), "the command ran");
+    assert_eq!(std::fs::read_to_string(&journal).unwrap(), bad);
+    let left: Vec<_> = std::fs::read_dir(runtime.join("cells"))
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}

@@ -16,7 +16,7 @@ use std::io::{self, Read as _, Seek as _, SeekFrom, Write as _};
 use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
-use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -91,13 +91,21 @@ struct Pending {
 
 /// An open journal. Appends from any thread; dropping it writes a last checkpoint.
 pub struct Journal {
-    shared: Arc<Shared>,
+    /// The writer: made at the open, or, for a journal opened deferred, at its first use (how
+    /// that went, for every later use).
+    opened: OnceLock<Result<Opened, JournalError>>,
+    segments: Segments,
     /// The syncer thread, once started (at the open, or, for a journal opened deferred, by
     /// the first entry that needs it).
     syncer: Mutex<Option<JoinHandle<()>>>,
     redactions: Arc<RwLock<Vec<String>>>,
-    public_key: String,
     dir: PathBuf,
+}
+
+/// What opening the journal's files made.
+struct Opened {
+    shared: Arc<Shared>,
+    public_key: String,
 }
 
 impl std::fmt::Debug for Journal {
@@ -117,22 +125,47 @@ impl Journal {
     /// `segments.bytes`, and keeping `segments.keep` closed ones.
     pub fn open_with(dir: &Path, segments: Segments) -> Result<Self, JournalError> {
         let journal = Self::open_deferred(dir, segments)?;
+        journal.shared()?;
         journal.start_syncer()?;
         Ok(journal)
     }
 
-    /// Like `open_with`, but the syncer thread starts only when an entry needs it (one that
+    /// Like `open_with`, but the journal's files are opened (its key read, its tail checked)
+    /// at its first use, and the syncer thread starts only when an entry needs it (one that
     /// finds a round under way, or is submitted to be synced later); until then every entry is
     /// written and synced by the thread that appends it, and the process has no thread of the
-    /// journal's. For a process that must stay single-threaded for a while (`warden run`
-    /// without a daemon clones its cell from itself). Checkpoints then wait for the close, or
-    /// for the syncer.
+    /// journal's. For a process that must stay single-threaded for a while and whose first
+    /// entry can wait beside other work (`warden run` without a daemon clones its cell from
+    /// itself, and journals its start while the cell is made: the open goes with that). A
+    /// journal whose files cannot be opened fails each entry with the reason. Checkpoints then
+    /// wait for the close, or for the syncer.
     pub fn open_deferred(dir: &Path, segments: Segments) -> Result<Self, JournalError> {
         fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
             .create(dir)
             .map_err(JournalError::io("creating the journal directory", dir))?;
+        Ok(Self {
+            opened: OnceLock::new(),
+            segments,
+            syncer: Mutex::new(None),
+            redactions: Arc::new(RwLock::new(Vec::new())),
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    /// The writer, the journal's files opened at the first call.
+    fn shared(&self) -> Result<&Arc<Shared>, JournalError> {
+        match self.opened.get_or_init(|| self.open_files()) {
+            Ok(opened) => Ok(&opened.shared),
+            Err(err) => Err(err.clone()),
+        }
+    }
+
+    /// Opens the journal's files: its key, its append lock, its active segment, whose tail is
+    /// checked (a torn last line, never acknowledged, is cut off and the cut journaled).
+    fn open_files(&self) -> Result<Opened, JournalError> {
+        let (dir, segments) = (self.dir.as_path(), self.segments);
         let keys = SigningKeys::load_or_create(dir)?;
         let mut lock = AppendLock::open(dir)?;
         lock.hold()?;
@@ -168,7 +201,6 @@ impl Journal {
             .ino();
         lock.release();
         let public_key = keys.public_hex();
-        let redactions = Arc::new(RwLock::new(Vec::new()));
         let state = WriterState {
             lock,
             inode,
@@ -184,7 +216,7 @@ impl Journal {
             prev,
             since_checkpoint: 0,
             oldest_unsigned: None,
-            redactions: Arc::clone(&redactions),
+            redactions: Arc::clone(&self.redactions),
             stopped: None,
             closing: false,
             unsynced: Vec::new(),
@@ -197,21 +229,28 @@ impl Journal {
             state: Mutex::new(state),
             work: Condvar::new(),
         });
-        let journal = Self {
-            shared,
-            syncer: Mutex::new(None),
-            redactions,
-            public_key,
-            dir: dir.to_path_buf(),
-        };
         if tail.cut_bytes > 0 {
-            journal.append(
+            // Before any entry of this process's, in a round of its own.
+            let mut state = shared
+                .state
+                .lock()
+                .map_err(|_| JournalError::Stopped("the writer failed".to_owned()))?;
+            let receipt = state.append(
                 None,
-                "journal.recovered",
+                "journal.recovered".to_owned(),
                 json!({ "cut_bytes": tail.cut_bytes, "reason": "a torn last line, never acknowledged, was removed" }),
+                false,
             )?;
+            let (tx, rx) = mpsc::sync_channel(1);
+            let ack: Ack = Box::new(move |result| {
+                let _ = tx.send(result);
+            });
+            state.wait_for_disk(receipt, ack, false);
+            shared.sync_round(state);
+            rx.recv()
+                .unwrap_or_else(|_| Err(JournalError::Stopped("the writer is gone".to_owned())))?;
         }
-        Ok(journal)
+        Ok(Opened { shared, public_key })
     }
 
     pub fn dir(&self) -> &Path {
@@ -225,7 +264,7 @@ impl Journal {
             .lock()
             .map_err(|_| JournalError::Stopped("the writer failed".to_owned()))?;
         if syncer.is_none() {
-            let shared = Arc::clone(&self.shared);
+            let shared = Arc::clone(self.shared()?);
             *syncer = Some(
                 std::thread::Builder::new()
                     .name("journal".to_owned())
@@ -240,12 +279,19 @@ impl Journal {
     fn wake(&self) {
         // A thread that cannot start leaves the entries to the next round or the close.
         let _ = self.start_syncer();
-        self.shared.work.notify_one();
+        if let Ok(shared) = self.shared() {
+            shared.work.notify_one();
+        }
     }
 
-    /// The hex public key that verifies this journal's checkpoints.
+    /// The hex public key that verifies this journal's checkpoints (empty for a journal
+    /// opened deferred whose files cannot be opened: its entries fail with the reason).
     pub fn public_key(&self) -> &str {
-        &self.public_key
+        let _ = self.shared();
+        match self.opened.get() {
+            Some(Ok(opened)) => &opened.public_key,
+            _ => "",
+        }
     }
 
     /// Adds strings that must never be written: each is replaced by `[redacted]`.
@@ -316,7 +362,11 @@ impl Journal {
         ack: impl FnOnce(Result<Receipt, JournalError>) + Send + 'static,
     ) {
         let ack: Ack = Box::new(ack);
-        let mut state = match self.shared.state.lock() {
+        let shared = match self.shared() {
+            Ok(shared) => shared,
+            Err(err) => return ack(Err(err)),
+        };
+        let mut state = match shared.state.lock() {
             Ok(state) => state,
             Err(_) => return ack(Err(JournalError::Stopped("the writer failed".to_owned()))),
         };
@@ -331,7 +381,7 @@ impl Journal {
             }
         }
         if alone {
-            self.shared.sync_round(state);
+            shared.sync_round(state);
         } else {
             drop(state);
             self.wake();
@@ -349,7 +399,11 @@ impl Journal {
         sign: bool,
         ack: impl FnOnce(Result<Vec<Receipt>, JournalError>) + Send + 'static,
     ) {
-        let mut state = match self.shared.state.lock() {
+        let shared = match self.shared() {
+            Ok(shared) => shared,
+            Err(err) => return ack(Err(err)),
+        };
+        let mut state = match shared.state.lock() {
             Ok(state) => state,
             Err(_) => return ack(Err(JournalError::Stopped("the writer failed".to_owned()))),
         };
@@ -378,7 +432,7 @@ impl Journal {
             false,
         );
         if alone {
-            self.shared.sync_round(state);
+            shared.sync_round(state);
         } else {
             drop(state);
             self.wake();
@@ -402,7 +456,7 @@ impl Journal {
         ack: impl FnOnce(Result<Vec<Receipt>, JournalError>) + Send + 'static,
     ) -> Result<Vec<Receipt>, JournalError> {
         let mut state = self
-            .shared
+            .shared()?
             .state
             .lock()
             .map_err(|_| JournalError::Stopped("the writer failed".to_owned()))?;
@@ -443,7 +497,16 @@ impl Journal {
             ack,
             soon,
         } = pending;
-        let appended = match self.shared.state.lock() {
+        let shared = match self.shared() {
+            Ok(shared) => shared,
+            Err(err) => {
+                if let Some(written) = written {
+                    written(Err(err.clone()));
+                }
+                return ack(Err(err));
+            }
+        };
+        let appended = match shared.state.lock() {
             Ok(mut state) => match state.append(cell, kind, data, written.is_some()) {
                 Ok(receipt) => {
                     // The syncer is woken for an entry that is waited for, and for the first
@@ -495,11 +558,16 @@ impl Journal {
     }
 
     fn shut_down(&mut self) {
+        // A journal opened deferred and never used has nothing to close.
+        let Some(Ok(opened)) = self.opened.get() else {
+            return;
+        };
+        let shared = Arc::clone(&opened.shared);
         let syncer = self.syncer.lock().ok().and_then(|mut s| s.take());
         let Some(syncer) = syncer else {
             // No syncer ever ran: every round was an appender's, and none is under way. The
             // last checkpoint is this thread's.
-            if let Ok(mut state) = self.shared.state.lock()
+            if let Ok(mut state) = shared.state.lock()
                 && !state.closing
             {
                 state.closing = true;
@@ -507,10 +575,10 @@ impl Journal {
             }
             return;
         };
-        if let Ok(mut state) = self.shared.state.lock() {
+        if let Ok(mut state) = shared.state.lock() {
             state.closing = true;
         }
-        self.shared.work.notify_one();
+        shared.work.notify_one();
         let _ = syncer.join();
     }
 }
@@ -561,8 +629,10 @@ fn read_tail(file: &mut File, path: &Path) -> Result<Tail, JournalError> {
             cut_bytes: 0,
         });
     }
-    // Read backwards in blocks until the last two newlines (or the start) are in view.
-    let mut block = 64 * 1024u64;
+    // Read backwards in blocks until the last two newlines (or the start) are in view: most
+    // entries fit the first block (a larger first read costs every open its copy and its
+    // fresh heap pages), and each further read takes four times as much.
+    let mut block = 8 * 1024u64;
     loop {
         let start = len.saturating_sub(block);
         file.seek(SeekFrom::Start(start))
@@ -1153,6 +1223,80 @@ mod tests {
     }
 
     #[test]
+    fn a_last_entry_longer_than_the_first_read_is_found_when_the_journal_opens_again() {
+        for pad in [5_000, 40_000, 300_000] {
+            let dir = tempfile::tempdir().unwrap();
+            let journal = Journal::open(dir.path()).unwrap();
+            journal.append(None, "t.short", json!({})).unwrap();
+            let long = journal
+                .append(None, "t.long", json!({ "pad": "x".repeat(pad) }))
+                .unwrap();
+            // Ended without its closing checkpoint (a killed process): the long entry is last,
+            // and a torn write after it.
+            std::mem::forget(journal);
+            let path = dir.path().join(JOURNAL_FILE);
+            let mut file = OpenOptions::new().append(true).open(&path).unwrap();
+            file.write_all(b"{\"seq\":").unwrap();
+            drop(file);
+            let journal = Journal::open(dir.path()).unwrap();
+            let next = journal.append(None, "t.next", json!({})).unwrap();
+            drop(journal);
+            // The recovery note follows the long entry, then the next one.
+            assert_eq!(next.seq, long.seq + 2, "pad {pad}");
+            let report = verify(dir.path(), None).unwrap();
+            // The two, the recovery note, the next one and the closing checkpoint.
+            assert_eq!(report.entries, 5, "pad {pad}: {report:?}");
+        }
+    }
+
+    #[test]
+    fn a_deferred_journal_opens_its_files_at_its_first_entry_and_fails_each_entry_with_why() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(JOURNAL_FILE);
+        // A last line that does not verify (its hash is not its content's).
+        let bad = "{\"seq\":1,\"time_ms\":1,\"cell\":null,\"kind\":\"t\",\"data\":{},\"prev\":\"0\",\"hash\":\"0\"}\n";
+        fs::write(&path, bad).unwrap();
+        let journal = Journal::open_deferred(dir.path(), Segments::default()).unwrap();
+        // Nothing read or made yet: not even the signing key.
+        assert!(!dir.path().join(crate::keys::KEY_FILE).exists());
+        for _ in 0..2 {
+            let err = journal.append(None, "t.after", json!({})).unwrap_err();
+            assert!(matches!(err, JournalError::Corrupt { .. }), "{err}");
+            assert!(err.to_string().contains("warden audit verify"), "{err}");
+        }
+        let (tx, rx) = mpsc::channel();
+        journal.submit_ahead(
+            None,
+            "t.ahead",
+            json!({}),
+            Urgency::Waited,
+            {
+                let tx = tx.clone();
+                move |r| tx.send(r.is_err()).unwrap()
+            },
+            move |r| tx.send(r.is_err()).unwrap(),
+        );
+        assert_eq!((rx.recv().unwrap(), rx.recv().unwrap()), (true, true));
+        assert_eq!(journal.public_key(), "");
+        drop(journal);
+        // Left as it was.
+        assert_eq!(fs::read_to_string(&path).unwrap(), bad);
+        // A good one, opened deferred and never used, is not touched either; used, it chains on.
+        let good = tempfile::tempdir().unwrap();
+        drop(Journal::open_deferred(good.path(), Segments::default()).unwrap());
+        assert!(!good.path().join(JOURNAL_FILE).exists());
+        let journal = Journal::open_deferred(good.path(), Segments::default()).unwrap();
+        assert_eq!(journal.append(None, "t.one", json!({})).unwrap().seq, 1);
+        assert_eq!(journal.public_key().len(), 64);
+        drop(journal);
+        let journal = Journal::open_deferred(good.path(), Segments::default()).unwrap();
+        let two = journal.append(None, "t.two", json!({})).unwrap();
+        drop(journal);
+        assert!(two.seq > 1);
+        verify(good.path(), None).unwrap();
+    }
+
+    #[test]
     fn an_entry_alone_is_synced_by_its_own_thread_and_others_by_the_syncer() {
         let dir = tempfile::tempdir().unwrap();
         let journal = Arc::new(Journal::open(dir.path()).unwrap());
@@ -1170,7 +1314,7 @@ mod tests {
         // While a round is under way (marked so here by hand), a leading entry is left to the
         // syncer thread.
         {
-            let mut state = journal.shared.state.lock().unwrap();
+            let mut state = journal.shared().unwrap().state.lock().unwrap();
             state.syncing = true;
         }
         let acked = tx.clone();
@@ -1183,8 +1327,8 @@ mod tests {
             rx.try_recv().is_err(),
             "not synced by the caller while a round runs"
         );
-        journal.shared.state.lock().unwrap().syncing = false;
-        journal.shared.work.notify_one();
+        journal.shared().unwrap().state.lock().unwrap().syncing = false;
+        journal.shared().unwrap().work.notify_one();
         let (seq, by) = rx.recv_timeout(Duration::from_secs(5)).unwrap();
         assert_eq!(seq, 2);
         assert_ne!(by, me, "the syncer acknowledged it");

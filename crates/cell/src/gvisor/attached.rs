@@ -129,11 +129,12 @@ pub fn run(
 /// of the calling thread, and would find a lock another thread held for ever held), and the
 /// keeper's directories and environment are this process's own.
 fn forkable(config: &crate::tier::ProcessConfig) -> bool {
-    let one_thread = std::fs::read_to_string("/proc/self/status").is_ok_and(|status| {
-        status
-            .lines()
-            .any(|l| l.split_whitespace().eq(["Threads:", "1"]))
-    });
+    let one_thread =
+        crate::process::sys::read_kernel_file("/proc/self/status").is_ok_and(|status| {
+            status
+                .lines()
+                .any(|l| l.split_whitespace().eq(["Threads:", "1"]))
+        });
     one_thread
         && config.keeper_env.is_empty()
         && config.runtime == crate::process::registry::Registry::default_root()

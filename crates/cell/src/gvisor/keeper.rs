@@ -91,8 +91,6 @@ pub fn keep(
     // runsc's sandbox and gofer outlive `runsc run` for a moment when it is killed: the keeper
     // reaps them, so that they are gone (not zombies) when runsc cleans up after them.
     sys::set_child_subreaper().map_err(os("becoming the cell's reaper"))?;
-    let compat = Compat::install(&store.root().join("gvisor").join("compat"))
-        .map_err(sandbox("installing the cell's init"))?;
     let policy = request.policy.clone();
     // No user namespace: the sandbox's user is the host id of the same number (gVisor is the
     // boundary); the workspace is id-mapped to it, and its layer made its.
@@ -118,18 +116,7 @@ pub fn keep(
     if gateway.is_some() {
         runsc.network = super::runsc::Network::Host;
     }
-    // A cell that runs one command forks no host side: its network namespace is made on a
-    // thread of its own meanwhile, while the root is assembled (the mount namespace below is
-    // this thread's alone; the other stays in the host's, which it does not use). A cell that
-    // serves execs makes it after the host side's fork, with one thread.
     let serves = request.serve_exec;
-    let early_network = match serves {
-        true => None,
-        false => Some(
-            super::network::Namespace::start(gateway.is_some())
-                .map_err(sandbox("making the cell's network namespace"))?,
-        ),
-    };
     // The keeper's own mount namespace: the cell's root is assembled here, and runsc (its
     // child) serves it from here. Nothing of it is seen by the host. (Made after the layer:
     // a layer's own file system is mounted where every warden process sees it, as the
@@ -251,6 +238,19 @@ pub fn keep(
     if gate.is_some() {
         guard.pid = Some(start_runsc()?);
     }
+    // What runsc does not need before it reads its spec is made once it runs. A cell that runs
+    // one command forks no host side: its network namespace is made on a thread of its own
+    // meanwhile, while the root is assembled. A cell that serves execs makes it below, after
+    // the host side's fork, with one thread.
+    let early_network = match serves {
+        true => None,
+        false => Some(
+            super::network::Namespace::start(gateway.is_some())
+                .map_err(sandbox("making the cell's network namespace"))?,
+        ),
+    };
+    let compat = Compat::install(&store.root().join("gvisor").join("compat"))
+        .map_err(sandbox("installing the cell's init"))?;
 
     let tree = plan
         .workspace

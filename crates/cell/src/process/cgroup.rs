@@ -78,10 +78,10 @@ pub enum CgroupError {
 
 /// Finds the hierarchy of each controller a cell needs. Controllers the host lacks are absent.
 pub fn discover() -> Vec<Hierarchy> {
-    let Ok(mountinfo) = fs::read_to_string("/proc/self/mountinfo") else {
+    let Ok(mountinfo) = super::sys::read_kernel_file("/proc/self/mountinfo") else {
         return Vec::new();
     };
-    let Ok(own) = fs::read_to_string("/proc/self/cgroup") else {
+    let Ok(own) = super::sys::read_kernel_file("/proc/self/cgroup") else {
         return Vec::new();
     };
     discover_from(&mountinfo, &own)
@@ -655,7 +655,7 @@ fn write_if_present(path: &Path, value: &str) -> Result<(), CgroupError> {
 /// A process's CPU time with that of the children it has reaped (`/proc/PID/stat` fields 14
 /// to 17), in microseconds.
 fn process_cpu_usec(pid: i32) -> Option<u64> {
-    let text = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let text = super::sys::read_kernel_file(format!("/proc/{pid}/stat")).ok()?;
     // The command name is in parentheses and may hold spaces: fields count from after it.
     let rest = &text[text.rfind(')')? + 1..];
     let fields: Vec<&str> = rest.split_whitespace().collect();
