@@ -484,19 +484,13 @@ fn closed_stdio_takes_nothing_of_the_wardens() {
 /// journal is opened while the cell is made, and the command waits for its start in it).
 #[test]
 fn a_journal_that_does_not_verify_stops_a_run_before_its_command() {
-    let dir = tempfile::Builder::new()
-        .prefix("warden-test-")
-        .tempdir_in(outside_tmp())
-        .unwrap();
-    let (state, runtime, host) = (
-        dir.path().join("state"),
-        dir.path().join("run"),
-        dir.path().join("host"),
-    );
+    let RunDirs {
+        dir,
+        state,
+        runtime,
+        host,
+    } = run_dirs();
     std::fs::create_dir_all(state.join("journal")).unwrap();
-    std::fs::create_dir(&host).unwrap();
-    // The cell's user writes there.
-    std::fs::set_permissions(&host, std::fs::Permissions::from_mode(0o777)).unwrap();
     let journal = state.join("journal").join("journal.jsonl");
     let bad = "{\"seq\":1,\"time_ms\":1,\"cell\":null,\"kind\":\"t\",\"data\":{},\"prev\":\"0\",\"hash\":\"0\"}\n";
     std::fs::write(&journal, bad).unwrap();

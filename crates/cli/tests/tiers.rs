@@ -704,19 +704,12 @@ fn the_gateway_allows_denies_and_injects_credentials(tier: Tier) {
 /// writes is smaller). The run fails with the journal's reason, the command never ran
 /// (it would have made a file in a folder of the host's), and nothing of the cell is left.
 fn a_command_waits_for_its_start_in_the_journal(tier: Tier) {
-    use std::os::unix::fs::PermissionsExt as _;
-    let dir = tempfile::Builder::new()
-        .prefix("warden-test-")
-        .tempdir_in(outside_tmp())
-        .unwrap();
-    let (state, runtime, host) = (
-        dir.path().join("state"),
-        dir.path().join("run"),
-        dir.path().join("host"),
-    );
-    std::fs::create_dir(&host).unwrap();
-    // The cell's user writes there.
-    std::fs::set_permissions(&host, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let RunDirs {
+        dir,
+        state,
+        runtime,
+        host,
+    } = run_dirs();
     let policy = policy(
         dir.path(),
         &tier.policy(&format!(

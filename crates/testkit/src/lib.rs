@@ -113,6 +113,38 @@ pub fn outside_tmp() -> &'static Path {
     })
 }
 
+/// A run's own folders, outside /tmp: Warden's state and runtime directories, and a host
+/// directory the cell's user may write (for a policy's `read_write`, to see whether a command
+/// ran).
+#[derive(Debug)]
+pub struct RunDirs {
+    pub dir: tempfile::TempDir,
+    pub state: PathBuf,
+    pub runtime: PathBuf,
+    pub host: PathBuf,
+}
+
+pub fn run_dirs() -> RunDirs {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = tempfile::Builder::new()
+        .prefix("warden-test-")
+        .tempdir_in(outside_tmp())
+        .unwrap();
+    let (state, runtime, host) = (
+        dir.path().join("state"),
+        dir.path().join("run"),
+        dir.path().join("host"),
+    );
+    std::fs::create_dir(&host).unwrap();
+    std::fs::set_permissions(&host, std::fs::Permissions::from_mode(0o777)).unwrap();
+    RunDirs {
+        dir,
+        state,
+        runtime,
+        host,
+    }
+}
+
 pub fn tempdir() -> TestDir {
     TestDir(Some(
         tempfile::Builder::new()
