@@ -484,18 +484,14 @@ fn closed_stdio_takes_nothing_of_the_wardens() {
 /// journal is opened while the cell is made, and the command waits for its start in it).
 #[test]
 fn a_journal_that_does_not_verify_stops_a_run_before_its_command() {
-    let RunDirs {
-        dir,
-        state,
-        runtime,
-        host,
-    } = run_dirs();
+    let dirs = run_dirs();
+    let (state, runtime, host) = (&dirs.state, &dirs.runtime, &dirs.host);
     std::fs::create_dir_all(state.join("journal")).unwrap();
     let journal = state.join("journal").join("journal.jsonl");
     let bad = "{\"seq\":1,\"time_ms\":1,\"cell\":null,\"kind\":\"t\",\"data\":{},\"prev\":\"0\",\"hash\":\"0\"}\n";
     std::fs::write(&journal, bad).unwrap();
     let file = policy(
-        dir.path(),
+        dirs.dir.path(),
         &format!(
             "version: 1\nfilesystem:\n  read_write: [{}]\n",
             host.display()
@@ -503,8 +499,8 @@ fn a_journal_that_does_not_verify_stops_a_run_before_its_command() {
     );
     let ran = Ran::from(
         warden()
-            .env("WARDEN_STATE_DIR", &state)
-            .env("WARDEN_RUNTIME_DIR", &runtime)
+            .env("WARDEN_STATE_DIR", state)
+            .env("WARDEN_RUNTIME_DIR", runtime)
             .args(["run", "--policy"])
             .arg(&file)
             .args(["--", "sh", "-c"])
