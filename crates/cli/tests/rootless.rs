@@ -375,3 +375,43 @@ fn rootless_a_workspace_is_held_to_its_disk_limit() {
         "{under:?}"
     );
 }
+
+/// A user who may not write Warden's state directory (`nobody`'s default, under a home of
+/// /nonexistent) is told where it is and how to move it, and nothing runs.
+#[test]
+fn rootless_a_state_directory_it_may_not_write_is_named_with_what_to_do() {
+    let env = setup();
+    // A directory nobody but root may write into (root-owned when the tests run as root).
+    let closed = env.state.parent().unwrap().join("closed");
+    std::fs::create_dir(&closed).unwrap();
+    std::fs::set_permissions(&closed, std::fs::Permissions::from_mode(0o555)).unwrap();
+    let state = closed.join("state");
+    let marker = env.workspace.join("ran");
+    let out = as_user(
+        &env,
+        &[
+            "run",
+            "-w",
+            env.workspace.to_str().unwrap(),
+            "--",
+            "sh",
+            "-c",
+            "touch /workspace/ran",
+        ],
+    )
+    .env("WARDEN_STATE_DIR", &state)
+    .output()
+    .unwrap();
+    let ran = Ran::from(out);
+    assert_eq!(ran.code, 125, "{ran:?}");
+    assert!(
+        ran.stderr.contains("Permission denied")
+            && ran.stderr.contains(&state.display().to_string())
+            && ran.stderr.contains("set WARDEN_STATE_DIR"),
+        "{ran:?}"
+    );
+    assert!(!marker.exists());
+    assert!(!state.exists());
+    // The folder can go with the test's.
+    std::fs::set_permissions(&closed, std::fs::Permissions::from_mode(0o755)).unwrap();
+}

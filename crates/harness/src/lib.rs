@@ -222,7 +222,19 @@ impl Harness {
             false => Journal::open_with(&journal_dir, config.journal_segments),
             true => Journal::open_deferred(&journal_dir, config.journal_segments),
         }
-        .map_err(|e| HarnessError::from(CellFailure::Core(e.to_string())))?;
+        .map_err(|e| {
+            // A user whose home cannot be written (`nobody`'s is /nonexistent) is told where
+            // Warden keeps its state and how to move it.
+            let denied = matches!(&e, warden_journal::JournalError::Io { source, .. }
+                if source.kind() == std::io::ErrorKind::PermissionDenied);
+            HarnessError::from(CellFailure::Core(match denied {
+                true => format!(
+                    "{e}: Warden keeps its journal and layers in its state directory {}; set WARDEN_STATE_DIR to a directory this user may write",
+                    config.state.display()
+                ),
+                false => e.to_string(),
+            }))
+        })?;
         let grants = state.grants()?;
         let (running, cut, journaled) = match config.ephemeral {
             false => {
