@@ -300,12 +300,19 @@ impl State {
     fn load_all<V: Column>(&self, table: Table<V>) -> Result<Vec<V::Owned>, HarnessError> {
         match &self.backing {
             Backing::Db(db) => {
+                // The cells being forgotten, taken before the read: one whose forgetting is
+                // committed (and no longer pending) after the read began is still in what the
+                // read sees, and must still be hidden (a listing showed a deleted cell so).
+                let forgetting = self.forgetting.lock().map_err(poisoned)?.clone();
                 let txn = db.begin_read().map_err(db_error)?;
                 let table = txn.open_table(table).map_err(db_error)?;
                 let mut out = Vec::new();
                 for item in table.iter().map_err(db_error)? {
                     let (key, value) = item.map_err(db_error)?;
-                    if !self.hidden(table.name(), key.value()) {
+                    let hidden = !forgetting.is_empty()
+                        && owner(table.name(), key.value())
+                            .is_some_and(|cell| forgetting.contains(cell));
+                    if !hidden {
                         out.push(V::owned(value.value()));
                     }
                 }
@@ -778,6 +785,51 @@ mod tests {
             // A number table and a text table of the same key do not meet.
             assert_eq!(state.all().unwrap().len(), 1);
         }
+    }
+
+    /// A cell forgotten for later stays hidden from a listing whose read began before its
+    /// forgetting was committed (the read sees the database as it was; the forgetting is no
+    /// longer pending once committed): a deleted cell was listed so, as ended, in a test.
+    #[test]
+    fn a_listing_under_way_never_shows_a_cell_whose_forgetting_commits_meanwhile() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        let dir = tempfile::tempdir().unwrap();
+        let state = Arc::new(State::open(&dir.path().join("s.redb")).unwrap());
+        // Cells `gone0`, `gone1`, ... below `hidden` are forgotten (pending or committed) when
+        // a listing begins: none of them may be in it.
+        let (hidden, stop) = (
+            Arc::new(AtomicUsize::new(0)),
+            Arc::new(AtomicBool::new(false)),
+        );
+        let lister = {
+            let (state, hidden, stop) = (state.clone(), hidden.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let (mut lists, mut shown) = (0, Vec::new());
+                while !stop.load(Ordering::SeqCst) {
+                    let before = hidden.load(Ordering::SeqCst);
+                    for entry in state.all().unwrap() {
+                        let round = entry.name.strip_prefix("gone").map(|n| n.parse().unwrap());
+                        if round.is_some_and(|r: usize| r < before) {
+                            shown.push(entry.name);
+                        }
+                    }
+                    lists += 1;
+                }
+                (lists, shown)
+            })
+        };
+        for round in 0..300 {
+            let name = format!("gone{round}");
+            state.put(&entry(&name)).unwrap();
+            state.forget_later(&name).unwrap();
+            hidden.store(round + 1, Ordering::SeqCst);
+            state.forget_pending(&name).unwrap();
+        }
+        stop.store(true, Ordering::SeqCst);
+        let (lists, shown) = lister.join().unwrap();
+        assert!(lists > 10, "the listing ran {lists} times");
+        assert!(shown.is_empty(), "listed after their delete: {shown:?}");
     }
 
     /// A cell forgotten for later is gone at once for every reader; the database keeps it until
