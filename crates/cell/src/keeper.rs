@@ -47,12 +47,14 @@ pub fn keep(
     keep_with(input, ready, None)
 }
 
-/// [`keep`], for a keeper forked by `warden run`, with its lines to it.
+/// [`keep`], for a keeper forked by `warden run`, with its lines to it: the request is the
+/// one `warden run` made, in the memory the fork copied (not written out and read back: the
+/// parse's allocations were the keeper's first writes, each page of them copied).
 pub(crate) fn keep_forked(
-    input: impl std::io::Read,
+    request: KeeperRequest,
     lines: crate::process::run::RunLines,
 ) -> Result<(i32, Vec<String>), KeepError> {
-    keep_with(input, None, Some(lines))
+    keep_request(request, None, Some(lines))
 }
 
 fn keep_with(
@@ -69,6 +71,14 @@ fn keep_with(
     }
     let request: KeeperRequest =
         serde_json::from_slice(&text).map_err(|e| KeepError::Request(e.to_string()))?;
+    keep_request(request, ready, lines)
+}
+
+fn keep_request(
+    request: KeeperRequest,
+    ready: Option<std::os::fd::OwnedFd>,
+    lines: Option<crate::process::run::RunLines>,
+) -> Result<(i32, Vec<String>), KeepError> {
     if let Some(log) = &request.log_to {
         log_to(log).map_err(|e| KeepError::Log(log.clone(), e))?;
     }

@@ -39,7 +39,7 @@ pub fn run(
             .join(format!(".run-{name}-{}.json", std::process::id()))
     });
     spec.report = report.clone();
-    let request = serde_json::to_vec(&KeeperRequest {
+    let request = KeeperRequest {
         spec,
         open_files: config.keeper_open_files,
         argv,
@@ -50,12 +50,11 @@ pub fn run(
         // A run's cell is checked by the tier before its start is journaled (`warden run`,
         // or the harness's `run_attached`).
         checked: true,
-    })
-    .map_err(|e| StartError::Host(format!("writing the keeper's request: {e}")))?;
+    };
     // A process of one thread forks the keeper (it runs what `warden keep` would, at once): a
     // new `warden keep` would first run the dynamic loader over the whole binary (~2.5 ms).
     if forked {
-        return match fork_keeper(&request, before_start)? {
+        return match fork_keeper(request, before_start)? {
             Forked::EndedEarly {
                 ending,
                 kept_changes,
@@ -73,6 +72,8 @@ pub fn run(
             Forked::Exited(status) => Err(keeper_ended(status)),
         };
     }
+    let request = serde_json::to_vec(&request)
+        .map_err(|e| StartError::Host(format!("writing the keeper's request: {e}")))?;
     // The request in a file of this user's alone (the command's stdin is the caller's).
     let request_file = config
         .runtime
@@ -166,7 +167,7 @@ impl Drop for Reaped {
 /// that is done (and not at all when it failed); the keeper says how the cell ended before it
 /// takes it down, or leaves with its status.
 fn fork_keeper(
-    request: &[u8],
+    request: KeeperRequest,
     before_start: &mut (dyn FnMut() -> Result<(), String> + Send),
 ) -> Result<Forked, StartError> {
     let pipes = |what| {

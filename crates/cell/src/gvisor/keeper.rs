@@ -460,10 +460,20 @@ pub fn keep(
     };
     // `warden run` journals the end while the cell is taken down.
     crate::process::run::tell_ending(&request, layer.as_ref(), &ending);
-    drop(guard);
-    host_guard.end();
-    remove_runsc_leftovers(&runsc, &name);
-    drop(root_mount);
+    // The root's unmount waits for an RCU grace period: it runs on a thread of its own while
+    // the cgroups go and runsc's leftovers are reaped (where no thread can start, the closure
+    // is dropped, and the root unmounted, at once).
+    std::thread::scope(|scope| {
+        let unmounting = std::thread::Builder::new()
+            .name("cell-root".to_owned())
+            .spawn_scoped(scope, move || drop(root_mount));
+        drop(guard);
+        host_guard.end();
+        remove_runsc_leftovers(&runsc, &name);
+        if let Ok(unmounting) = unmounting {
+            let _ = unmounting.join();
+        }
+    });
     let outcome =
         crate::process::run::finish(store, &request, name, reservation, layer, ending, notices);
     // Stopped since the relay ended, the router is long gone by now: this waits for nothing.
