@@ -177,6 +177,11 @@ impl Column for u64 {
 }
 
 /// The cell an entry of a table belongs to, by its key (a grant for every cell: none).
+/// Whether the entry `key` of table `table` belongs to one of the cells `forgetting`.
+fn among(forgetting: &std::collections::HashSet<String>, table: &str, key: &str) -> bool {
+    !forgetting.is_empty() && owner(table, key).is_some_and(|cell| forgetting.contains(cell))
+}
+
 fn owner<'a>(table: &str, key: &'a str) -> Option<&'a str> {
     if table == CELLS.name() || table == RECORD_OFFSETS.name() {
         Some(key)
@@ -309,10 +314,7 @@ impl State {
                 let mut out = Vec::new();
                 for item in table.iter().map_err(db_error)? {
                     let (key, value) = item.map_err(db_error)?;
-                    let hidden = !forgetting.is_empty()
-                        && owner(table.name(), key.value())
-                            .is_some_and(|cell| forgetting.contains(cell));
-                    if !hidden {
+                    if !among(&forgetting, table.name(), key.value()) {
                         out.push(V::owned(value.value()));
                     }
                 }
@@ -521,12 +523,9 @@ impl State {
 
     /// Whether the entry `key` of table `table` belongs to a cell whose forgetting is pending.
     fn hidden(&self, table: &str, key: &str) -> bool {
-        let Some(cell) = owner(table, key) else {
-            return false;
-        };
         self.forgetting
             .lock()
-            .is_ok_and(|forgetting| !forgetting.is_empty() && forgetting.contains(cell))
+            .is_ok_and(|forgetting| among(&forgetting, table, key))
     }
 
     pub fn get(&self, name: &str) -> Result<Option<CellEntry>, HarnessError> {

@@ -154,12 +154,17 @@ impl Journal {
         })
     }
 
-    /// The writer, the journal's files opened at the first call.
+    /// The writer (see `opened`).
     fn shared(&self) -> Result<&Arc<Shared>, JournalError> {
-        match self.opened.get_or_init(|| self.open_files()) {
-            Ok(opened) => Ok(&opened.shared),
-            Err(err) => Err(err.clone()),
-        }
+        self.opened().map(|opened| &opened.shared)
+    }
+
+    /// What opening the journal's files made, opening them at the first call.
+    fn opened(&self) -> Result<&Opened, JournalError> {
+        self.opened
+            .get_or_init(|| self.open_files())
+            .as_ref()
+            .map_err(Clone::clone)
     }
 
     /// Opens the journal's files: its key, its append lock, its active segment, whose tail is
@@ -287,11 +292,7 @@ impl Journal {
     /// The hex public key that verifies this journal's checkpoints (empty for a journal
     /// opened deferred whose files cannot be opened: its entries fail with the reason).
     pub fn public_key(&self) -> &str {
-        let _ = self.shared();
-        match self.opened.get() {
-            Some(Ok(opened)) => &opened.public_key,
-            _ => "",
-        }
+        self.opened().map_or("", |opened| &opened.public_key)
     }
 
     /// Adds strings that must never be written: each is replaced by `[redacted]`.
