@@ -15,7 +15,11 @@ fn main() {
     println!("cargo:rerun-if-changed=gvisor-compat");
     if !target.contains("linux") {
         // Only Linux has a gVisor tier: empty stand-ins keep the crate building elsewhere.
-        for name in ["warden-gvisor-init", "warden-gvisor-statx.so"] {
+        for name in [
+            "warden-gvisor-init",
+            "warden-gvisor-statx.so",
+            "warden-gvisor-statx-ro.so",
+        ] {
             if let Err(e) = std::fs::write(out.join(name), b"") {
                 panic!("writing {name}: {e}");
             }
@@ -83,5 +87,33 @@ fn main() {
             "warden-gvisor-statx.so",
             &["--crate-type=cdylib"],
         );
+    }
+    // The same shim laid out for a C library that leaves a read-only dynamic section as it is
+    // (glibc 2.35 and later): every byte it maps from its file is in one read-only segment, and
+    // what the loader writes (the two addresses it looks up) is in a segment with no bytes in
+    // the file, so no page of the file is ever copied on write. In a gVisor sandbox each page
+    // of a file a process first touches, and each page it copies, is a costly fault; see
+    // `gvisor-compat/statx.ld`. Where that cannot be linked, the plain layout stands in.
+    let script = compat.join("statx.ld");
+    let script = std::fs::canonicalize(&script).unwrap_or(script);
+    let mut script_arg = std::ffi::OsString::from("link-arg=-Wl,-T,");
+    script_arg.push(&script);
+    let Some(script_arg) = script_arg.to_str() else {
+        panic!("the path of {} is not UTF-8", script.display())
+    };
+    let one_page = [
+        "--crate-type=cdylib",
+        "-C",
+        "link-arg=-nostartfiles",
+        "-C",
+        script_arg,
+    ];
+    if !run("statx.rs", "warden-gvisor-statx-ro.so", &one_page).is_ok_and(|s| s.success())
+        && let Err(e) = std::fs::copy(
+            out.join("warden-gvisor-statx.so"),
+            out.join("warden-gvisor-statx-ro.so"),
+        )
+    {
+        panic!("copying the gVisor statx shim: {e}");
     }
 }

@@ -572,4 +572,19 @@ fn gnu_tools_work_in_a_gvisor_cell() {
     );
     assert_eq!(ran.code, 0, "{ran:?}");
     assert_eq!(ran.stdout, "regular file\ncopied\n", "{ran:?}");
+    // In a cell of the host's directories (glibc 2.36 here) the shim is the read-only layout:
+    // one mapping of its file, not writable (its two loader-filled words are in zeroed memory
+    // of no file), and the preload file is its name with nothing after it, so the loader
+    // writes no page of either file.
+    let ran = run_sh(
+        &["--rm", "--policy", &policy.display().to_string()],
+        "grep statx.so /proc/self/maps; printf '[%s]' \"$(od -An -c /etc/ld.so.preload | tr -d ' \n')\"",
+    );
+    assert_eq!(ran.code, 0, "{ran:?}");
+    let (maps, preload) = ran.stdout.rsplit_once('\n').unwrap_or(("", &ran.stdout));
+    let mapped: Vec<&str> = maps.lines().collect();
+    assert_eq!(mapped.len(), 1, "{ran:?}");
+    let perms = mapped[0].split_whitespace().nth(1).unwrap_or_default();
+    assert!(perms.starts_with("r-x"), "{ran:?}");
+    assert_eq!(preload, "[/.warden/statx.so]", "{ran:?}");
 }

@@ -10,16 +10,28 @@ use std::path::{Path, PathBuf};
 
 const INIT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/warden-gvisor-init"));
 const STATX: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/warden-gvisor-statx.so"));
+const STATX_RO: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/warden-gvisor-statx-ro.so"));
 
 /// Where each appears in the cell.
 pub const INIT_IN_CELL: &str = "/.warden/init";
 pub const STATX_IN_CELL: &str = "/.warden/statx.so";
 
+/// What the cell's `/etc/ld.so.preload` holds: the shim's path, without a line's end. glibc's
+/// loader maps the file writable and puts a NUL over its last separator, which copies the
+/// file's page; a file that is one name with nothing after it is read as it is (the loader
+/// copies the name to its stack instead), and a page of a file a process only reads is one
+/// fault less in a gVisor sandbox than one it writes (see ARCHITECTURE, "The statx shim").
+pub const PRELOAD: &str = STATX_IN_CELL;
+
 /// The files on the host.
 #[derive(Debug, Clone)]
 pub struct Compat {
     pub init: PathBuf,
+    /// The shim as any glibc loads it.
     pub statx: PathBuf,
+    /// The shim with nothing of its file written when it is loaded (`gvisor-compat/statx.ld`),
+    /// for glibc 2.35 and later.
+    pub statx_read_only: PathBuf,
 }
 
 impl Compat {
@@ -31,7 +43,35 @@ impl Compat {
         Ok(Self {
             init: write_once(dir, "init", INIT, 0o555)?,
             statx: write_once(dir, "statx.so", STATX, 0o444)?,
+            statx_read_only: write_once(dir, "statx-ro.so", STATX_RO, 0o444)?,
         })
+    }
+
+    /// The shim for a cell whose root is the host's own directories (`host_root`) or an
+    /// image's. The read-only layout needs a loader that leaves a read-only dynamic section
+    /// alone (glibc 2.35 and later; an older one writes into it and every program would fault):
+    /// the host's directories have the host's loader, whose version is this process's C
+    /// library's; an image's loader is its own, so an image gets the layout every glibc loads.
+    pub fn statx_for(&self, host_root: bool) -> &Path {
+        if host_root && host_glibc_at_least(2, 35) {
+            &self.statx_read_only
+        } else {
+            &self.statx
+        }
+    }
+}
+
+/// Whether the C library this process runs with (the host's) is glibc `major.minor` or later.
+fn host_glibc_at_least(major: u32, minor: u32) -> bool {
+    crate::process::sys::glibc_version().is_some_and(|v| glibc_version_at_least(&v, major, minor))
+}
+
+/// `version` ("2.36", "2.35.1") is `major.minor` or later; anything else is not.
+fn glibc_version_at_least(version: &str, major: u32, minor: u32) -> bool {
+    let mut parts = version.trim().split('.').map(str::parse::<u32>);
+    match (parts.next(), parts.next()) {
+        (Some(Ok(a)), Some(Ok(b))) => (a, b) >= (major, minor),
+        _ => false,
     }
 }
 
@@ -74,6 +114,170 @@ mod tests {
         let (size, count) = (u16_at(0x36) as usize, u16_at(0x38) as usize);
         let types = (0..count).map(|i| u32_at(phoff + i * size)).collect();
         (u16_at(0x10), types)
+    }
+
+    /// A program header: type, flags, size in the file.
+    #[derive(Debug, Clone, Copy)]
+    struct Header {
+        kind: u32,
+        flags: u32,
+        in_file: u64,
+    }
+
+    const PT_LOAD: u32 = 1;
+    const PT_DYNAMIC: u32 = 2;
+    const PT_GNU_STACK: u32 = 0x6474_e551;
+    const PF_X: u32 = 1;
+    const PF_W: u32 = 2;
+
+    fn headers(bytes: &[u8]) -> Vec<Header> {
+        elf_shape(bytes);
+        let u16_at = |at: usize| u16::from_le_bytes([bytes[at], bytes[at + 1]]);
+        let u32_at = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());
+        let u64_at = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
+        let phoff = u64_at(0x20) as usize;
+        let (size, count) = (u16_at(0x36) as usize, u16_at(0x38) as usize);
+        (0..count)
+            .map(|i| phoff + i * size)
+            .map(|at| Header {
+                kind: u32_at(at),
+                flags: u32_at(at + 4),
+                in_file: u64_at(at + 0x20),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_read_only_shim_maps_no_byte_of_its_file_writable() {
+        let all = headers(STATX_RO);
+        let loads: Vec<Header> = all.iter().copied().filter(|h| h.kind == PT_LOAD).collect();
+        let from_file: Vec<&Header> = loads.iter().filter(|h| h.in_file > 0).collect();
+        assert_eq!(
+            from_file.len(),
+            1,
+            "segments with bytes in the file: {all:?}"
+        );
+        assert_eq!(
+            from_file[0].flags & PF_W,
+            0,
+            "its one segment is writable: {all:?}"
+        );
+        for load in loads.iter().filter(|h| h.flags & PF_W != 0) {
+            assert_eq!(load.in_file, 0, "a writable segment maps the file: {all:?}");
+        }
+        let dynamic = all.iter().find(|h| h.kind == PT_DYNAMIC).unwrap();
+        assert_eq!(
+            dynamic.flags & PF_W,
+            0,
+            "the dynamic section says it is writable"
+        );
+        // Without a PT_GNU_STACK, glibc would make the stack of every program executable.
+        let stack = all.iter().find(|h| h.kind == PT_GNU_STACK).unwrap();
+        assert_eq!(
+            stack.flags & PF_X,
+            0,
+            "the shim asks for an executable stack"
+        );
+        // The plain shim keeps its dynamic section writable: glibc before 2.35 writes into it.
+        let plain = headers(STATX);
+        let dynamic = plain.iter().find(|h| h.kind == PT_DYNAMIC).unwrap();
+        assert_ne!(
+            dynamic.flags & PF_W,
+            0,
+            "the plain shim's dynamic section is read-only"
+        );
+        let stack = plain.iter().find(|h| h.kind == PT_GNU_STACK).unwrap();
+        assert_eq!(
+            stack.flags & PF_X,
+            0,
+            "the plain shim asks for an executable stack"
+        );
+    }
+
+    #[test]
+    fn glibc_versions_are_compared_by_number() {
+        assert!(glibc_version_at_least("2.35", 2, 35));
+        assert!(glibc_version_at_least("2.36", 2, 35));
+        assert!(glibc_version_at_least("2.40.1", 2, 35));
+        assert!(glibc_version_at_least("3.0", 2, 35));
+        assert!(!glibc_version_at_least("2.34", 2, 35));
+        assert!(!glibc_version_at_least("2.9", 2, 35));
+        assert!(!glibc_version_at_least("", 2, 35));
+        assert!(!glibc_version_at_least("2", 2, 35));
+        assert!(!glibc_version_at_least("two.35", 2, 35));
+    }
+
+    #[test]
+    fn the_preload_file_is_one_name_with_nothing_after_it() {
+        assert_eq!(PRELOAD, STATX_IN_CELL);
+        assert!(
+            !PRELOAD.contains(|c: char| c.is_whitespace() || c == ':' || c == '#'),
+            "{PRELOAD:?}"
+        );
+    }
+
+    /// Each shim, loaded by this host's glibc into a program that asks `statx` with
+    /// `AT_NO_AUTOMOUNT` (GNU `stat`): the answer and the error are the C library's, and the
+    /// read-only shim's file is never copied on write (`Anonymous` of each of its mappings).
+    #[test]
+    fn each_shim_loads_into_a_host_program_and_the_read_only_one_copies_no_page() {
+        if !host_glibc_at_least(2, 35) {
+            eprintln!("skipped: this host's glibc is older than 2.35");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let compat = Compat::install(dir.path()).unwrap();
+        for shim in [&compat.statx, &compat.statx_read_only] {
+            let out = Command::new("stat")
+                .args(["-c", "%F", "/", "/no/such/path"])
+                .env("LD_PRELOAD", shim)
+                .output()
+                .unwrap();
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{shim:?}: {stdout} {stderr}");
+            assert_eq!(stdout, "directory\n", "{shim:?}: {stderr}");
+            assert!(
+                stderr.contains("No such file or directory"),
+                "{shim:?}: {stderr}"
+            );
+            assert!(!stderr.contains("ld.so"), "{shim:?}: {stderr}");
+        }
+        let out = Command::new("cat")
+            .arg("/proc/self/smaps")
+            .env("LD_PRELOAD", &compat.statx_read_only)
+            .output()
+            .unwrap();
+        let smaps = String::from_utf8_lossy(&out.stdout);
+        // Each mapping is a line `START-END PERMS OFFSET DEV INODE PATH` and its fields after it.
+        let is_mapping = |line: &str| {
+            line.split_whitespace()
+                .next()
+                .is_some_and(|range| range.contains('-') && !range.ends_with(':'))
+        };
+        let name = compat.statx_read_only.to_string_lossy().into_owned();
+        let mut mappings = 0;
+        let mut lines = smaps.lines().peekable();
+        while let Some(line) = lines.next() {
+            let fields: Vec<&str> =
+                std::iter::from_fn(|| lines.next_if(|l| !is_mapping(l))).collect();
+            if !line.ends_with(name.as_str()) {
+                continue;
+            }
+            mappings += 1;
+            let perms = line.split_whitespace().nth(1).unwrap();
+            assert!(
+                !perms.contains('w'),
+                "a writable mapping of the file: {line}"
+            );
+            let anonymous = fields.iter().find(|l| l.starts_with("Anonymous:")).unwrap();
+            assert_eq!(
+                anonymous.split_whitespace().nth(1),
+                Some("0"),
+                "{line}: {anonymous}"
+            );
+        }
+        assert_eq!(mappings, 1, "{smaps}");
     }
 
     #[test]

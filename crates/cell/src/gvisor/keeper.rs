@@ -125,8 +125,10 @@ pub fn keep(
         .map_err(|e| GvisorError::Sandbox(format!("making the keeper's mount namespace: {e}")))?;
     // Debian 12's runsc refuses a statx flag that GNU tools always pass: the shim asks again
     // without it (see `gvisor-compat/statx.rs`).
-    plan.extra_etc
-        .push(("ld.so.preload".to_owned(), format!("{STATX_IN_CELL}\n")));
+    plan.extra_etc.push((
+        "ld.so.preload".to_owned(),
+        super::compat::PRELOAD.to_owned(),
+    ));
     let first: Vec<String> = request
         .argv
         .iter()
@@ -259,7 +261,10 @@ pub fn keep(
         .transpose()?;
     let files = [
         (PathBuf::from(INIT_IN_CELL), compat.init.clone()),
-        (PathBuf::from(STATX_IN_CELL), compat.statx.clone()),
+        (
+            PathBuf::from(STATX_IN_CELL),
+            compat.statx_for(plan.image.is_empty()).to_path_buf(),
+        ),
     ];
     // Let go of before the cell's folder is removed, whichever way this ends.
     let root_mount = RootMount(plan.root.clone());

@@ -1506,6 +1506,20 @@ pub fn process_start_ticks(pid: i32) -> Option<u64> {
     rest.split(' ').nth(19)?.parse().ok()
 }
 
+/// The version of the C library this process runs with, where it is glibc ("2.36").
+pub fn glibc_version() -> Option<String> {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: glibc returns a pointer to a static, NUL-terminated string.
+        let version = unsafe { std::ffi::CStr::from_ptr(libc::gnu_get_libc_version()) };
+        Some(version.to_string_lossy().into_owned())
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        None
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
