@@ -228,6 +228,15 @@ fn setup_and_start(plan: &CellPlan, fds: &InitFds) -> SetupResult<Started> {
     })
 }
 
+/// The signals the init ignores (those it was born ignoring, SIGPIPE among them), asked once:
+/// after its setup the init changes no signal's disposition (it reads the signals it takes on
+/// a signalfd, with handlers that do nothing set before its first command). Each start then
+/// sets back to default only these, not asks for each of the 64 in the child.
+fn ignored_signals() -> &'static [libc::c_int] {
+    static IGNORED: std::sync::OnceLock<Vec<libc::c_int>> = std::sync::OnceLock::new();
+    IGNORED.get_or_init(sys::ignored_signals)
+}
+
 /// Starts a command of the cell (its first, or an exec) in its own process group, or on a
 /// terminal as the leader of a session of its own.
 fn spawn(
@@ -288,6 +297,7 @@ fn spawn(
             cgroups: &[],
             parent_death: None,
             own_group: true,
+            ignored: Some(ignored_signals()),
         })
     };
     started.map(Pid::from_raw).map_err(|err| match err.kind() {

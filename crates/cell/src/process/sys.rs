@@ -510,6 +510,26 @@ pub struct Spawn<'a> {
     pub parent_death: Option<libc::c_int>,
     /// A process group of its own (otherwise the caller's).
     pub own_group: bool,
+    /// The signals the caller ignores, where it knows them (`ignored_signals`, asked once by
+    /// a caller whose dispositions no longer change): only these are set back to their
+    /// default in the child. `None`: the child asks for each of the 64 (a system call each,
+    /// a tenth of the child's time before its exec).
+    pub ignored: Option<&'a [libc::c_int]>,
+}
+
+/// The signals this process ignores now (`SIG_IGN`), which would stay ignored across an exec.
+pub fn ignored_signals() -> Vec<libc::c_int> {
+    (1..=libc::SIGRTMAX())
+        .filter(|&signal| signal != libc::SIGKILL && signal != libc::SIGSTOP)
+        .filter(|&signal| {
+            // SAFETY: sigaction(2) only reads the disposition into a zeroed, plain struct.
+            unsafe {
+                let mut current: libc::sigaction = std::mem::zeroed();
+                libc::sigaction(signal, std::ptr::null(), &mut current) == 0
+                    && current.sa_sigaction == libc::SIG_IGN
+            }
+        })
+        .collect()
 }
 
 /// Puts the process `command` starts under the Landlock ruleset `fd` just before its program
@@ -582,6 +602,7 @@ pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
     let (copies, moves) = copies_to_place(what.fds)?;
     let cgroups: Vec<RawFd> = what.cgroups.iter().map(|fd| fd.as_raw_fd()).collect();
     let (own_group, parent_death) = (what.own_group, what.parent_death);
+    let ignored = what.ignored;
     // What the child failed at, if it did: it shares this memory until it execs or exits.
     let failed = AtomicI32::new(0);
     let mut stack = vec![0u8; 64 * 1024];
@@ -612,20 +633,34 @@ pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
             };
             // Signals the caller ignores would stay ignored across exec: back to default (a
             // handled one is reset by exec itself).
-            for signal in 1..=last_signal {
-                if signal == libc::SIGKILL || signal == libc::SIGSTOP {
-                    continue;
+            let to_default = |signal: libc::c_int| {
+                let mut default: libc::sigaction = std::mem::zeroed();
+                default.sa_sigaction = libc::SIG_DFL;
+                libc::sigaction(signal, &default, std::ptr::null_mut());
+            };
+            match ignored {
+                Some(ignored) => {
+                    for &signal in ignored {
+                        if !(signal == libc::SIGXFSZ && keep_xfsz) {
+                            to_default(signal);
+                        }
+                    }
                 }
-                if signal == libc::SIGXFSZ && keep_xfsz {
-                    continue;
-                }
-                let mut current: libc::sigaction = std::mem::zeroed();
-                if libc::sigaction(signal, std::ptr::null(), &mut current) == 0
-                    && current.sa_sigaction == libc::SIG_IGN
-                {
-                    let mut default: libc::sigaction = std::mem::zeroed();
-                    default.sa_sigaction = libc::SIG_DFL;
-                    libc::sigaction(signal, &default, std::ptr::null_mut());
+                None => {
+                    for signal in 1..=last_signal {
+                        if signal == libc::SIGKILL
+                            || signal == libc::SIGSTOP
+                            || (signal == libc::SIGXFSZ && keep_xfsz)
+                        {
+                            continue;
+                        }
+                        let mut current: libc::sigaction = std::mem::zeroed();
+                        if libc::sigaction(signal, std::ptr::null(), &mut current) == 0
+                            && current.sa_sigaction == libc::SIG_IGN
+                        {
+                            to_default(signal);
+                        }
+                    }
                 }
             }
             if own_group && libc::setpgid(0, 0) != 0 {
@@ -724,6 +759,7 @@ impl Described {
             cgroups: &[],
             parent_death: None,
             own_group: false,
+            ignored: None,
         }
     }
 
@@ -1615,6 +1651,7 @@ mod tests {
                 cgroups: &[],
                 parent_death,
                 own_group,
+                ignored: None,
             })
             .unwrap()
         };
@@ -1649,6 +1686,50 @@ mod tests {
             )
         );
         drop((out_r, to_read));
+    }
+
+    /// The child's ignored signals (`SigIgn` of its status) when spawned with `ignored`.
+    fn ignored_in_child(ignored: Option<&[libc::c_int]>) -> u64 {
+        use std::io::Read as _;
+        let (out_r, out_w) = pipe().unwrap();
+        let null = std::fs::File::open("/dev/null").unwrap();
+        let argv = ["sh", "-c", "grep SigIgn /proc/self/status"].map(std::ffi::OsString::from);
+        let pid = spawn(&Spawn {
+            program: Path::new("/bin/sh"),
+            argv: &argv,
+            env: &[],
+            cwd: None,
+            stdio: Some([null.as_fd(), out_w.as_fd(), out_w.as_fd()]),
+            landlock: None,
+            fds: &[],
+            cgroups: &[],
+            parent_death: None,
+            own_group: false,
+            ignored,
+        })
+        .unwrap();
+        drop(out_w);
+        let mut said = String::new();
+        std::fs::File::from(out_r)
+            .read_to_string(&mut said)
+            .unwrap();
+        let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), None);
+        let hex = said.trim().strip_prefix("SigIgn:").unwrap().trim();
+        u64::from_str_radix(hex, 16).unwrap()
+    }
+
+    #[test]
+    fn a_spawned_program_ignores_no_signal_the_caller_ignored() {
+        // The test harness, like every Rust program, ignores SIGPIPE.
+        let pipe_bit = 1u64 << (libc::SIGPIPE - 1);
+        let ignored = ignored_signals();
+        assert!(ignored.contains(&libc::SIGPIPE), "{ignored:?}");
+        // Asked in the child, or named by the caller: SIGPIPE is at its default again (the
+        // shell itself ignores none of bits 0-14 unless told to).
+        assert_eq!(ignored_in_child(None) & pipe_bit, 0);
+        assert_eq!(ignored_in_child(Some(&ignored)) & pipe_bit, 0);
+        // Only the named ones are reset: an empty list leaves SIGPIPE ignored.
+        assert_ne!(ignored_in_child(Some(&[])) & pipe_bit, 0);
     }
 
     #[test]
