@@ -430,3 +430,42 @@ fn a_process_cannot_open_more_files_than_its_limit_or_raise_it() {
     assert!((55..64).contains(&opened), "{ran:?}");
     assert_eq!(why, "Too many open files");
 }
+
+/// `Cpus_allowed_list` of a `/proc/PID/status` text.
+fn cpus_allowed(status: &str) -> String {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .map(|v| v.trim().to_owned())
+        .unwrap_or_default()
+}
+
+/// The warden keeps a cell's init off its own CPU while the init assembles the root, and the
+/// init takes the rest back: the cell's command runs on every CPU its caller may use, and
+/// on no other (a caller narrowed by `taskset` narrows the cell).
+#[test]
+fn a_cell_runs_on_the_cpus_its_caller_may_use() {
+    let ours = cpus_allowed(&std::fs::read_to_string("/proc/self/status").unwrap());
+    let ran = run_sh(&[], "cat /proc/self/status");
+    assert_eq!(ran.code, 0, "{ran:?}");
+    assert_eq!(cpus_allowed(&ran.stdout), ours, "{ran:?}");
+    // And its exec'd processes, started by the init later.
+    let ran = run_sh(&[], "sh -c 'cat /proc/self/status' | cat");
+    assert_eq!(cpus_allowed(&ran.stdout), ours, "{ran:?}");
+    let first = ours.split([',', '-']).next().expect("a CPU").to_owned();
+    let warden = warden();
+    let mut narrowed = Command::new("taskset");
+    narrowed
+        .args(["-c", &first])
+        .arg(warden.get_program())
+        .args(["run", "--", "cat", "/proc/self/status"]);
+    for (key, value) in warden.get_envs() {
+        match value {
+            Some(value) => narrowed.env(key, value),
+            None => narrowed.env_remove(key),
+        };
+    }
+    let ran: Ran = narrowed.output().expect("taskset runs").into();
+    assert_eq!(ran.code, 0, "{ran:?}");
+    assert_eq!(cpus_allowed(&ran.stdout), first, "{ran:?}");
+}

@@ -58,6 +58,10 @@ pub struct InitFds {
     /// warden: the cell's setup reaches them through these even below a directory it may not
     /// search (a home directory of mode 0700, as root's is).
     pub sources: Vec<RawFd>,
+    /// The CPUs the warden's thread may run on, where more than one: the warden keeps the
+    /// init off its own CPU while the init assembles the root (see `sys::keep_off_this_cpu`),
+    /// and the init takes them all back once it runs.
+    pub affinity: Option<nix::sched::CpuSet>,
 }
 
 /// Outcome codes sent on the status pipe.
@@ -168,6 +172,9 @@ fn setup_and_start(plan: &CellPlan, fds: &InitFds) -> SetupResult<Started> {
     // Each step is acknowledged with a go-ahead; nothing of the command runs before the last.
     let mut sync = std::fs::File::from(owned(SYNC_FD));
     wait_for_warden(&mut sync);
+    if let Some(cpus) = &fds.affinity {
+        sys::take_back_cpus(cpus);
+    }
     let (sgid, suid) = (
         Gid::from_raw(plan.ids.setup_gid()),
         Uid::from_raw(plan.ids.setup_uid()),

@@ -260,6 +260,7 @@ pub fn run_with(
         sync: sync_r.as_raw_fd(),
         status: status_w.as_raw_fd(),
         tree: tree.as_ref().map(|t| t.as_raw_fd()),
+        affinity: sys::spread_affinity(),
     };
 
     // Signals that would end the warden are read from a signalfd and forwarded instead; the
@@ -323,6 +324,11 @@ pub fn run_with(
         }),
         _ => None,
     };
+    // The init assembles the root beside what this thread does next (the cgroup, the
+    // record): off this thread's CPU, where the wake-up could queue it behind this thread.
+    if let Some(cpus) = &fds.affinity {
+        sys::keep_off_this_cpu(pid.as_raw(), cpus);
+    }
     // A failed go-ahead means the init ended already: why is on the status pipe (read below).
     let mut go_ahead = sys::send_message(sync.as_fd(), &[init::GO_MAPPED], &[]);
 
