@@ -453,9 +453,15 @@ pub(crate) fn serve(
     let listener = sys::seqpacket_listen(path)?;
     let (stop_r, stop_w) = sys::pipe()?;
     let path: PathBuf = path.to_path_buf();
+    let tid = std::sync::Arc::new(std::sync::atomic::AtomicI32::new(0));
+    let its_tid = tid.clone();
     let thread = std::thread::Builder::new()
         .name("exec-clients".to_owned())
         .spawn(move || {
+            its_tid.store(
+                nix::unistd::gettid().as_raw(),
+                std::sync::atomic::Ordering::Release,
+            );
             let keeper = Keeper {
                 channel,
                 namespaces,
@@ -471,13 +477,17 @@ pub(crate) fn serve(
             // socket's file, is the last hold on the cell's folder once that is removed (its
             // blocks are freed, and discarded, at the close). At the least priority: woken by
             // the stop while the run goes on to its end, this thread took the CPU from it
-            // (traced: 0.25 ms of `warden run -- true`'s end).
-            super::sys::lower_priority();
+            // (traced: 0.25 ms of `warden run -- true`'s end). The stop lowers it before it
+            // wakes it; this is for a router that ended on its own.
+            super::sys::lower_priority(0);
             drop((listener, keeper));
+            // Its id is no longer this thread's to lower once it ends.
+            its_tid.store(0, std::sync::atomic::Ordering::Release);
         })?;
     Ok(Router {
         stop: Some(stop_w),
         thread: Some(thread),
+        tid,
     })
 }
 
@@ -490,11 +500,23 @@ pub(crate) fn serve(
 pub(crate) struct Router {
     stop: Option<OwnedFd>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// The router thread's id, once it runs (0 before).
+    tid: std::sync::Arc<std::sync::atomic::AtomicI32>,
 }
 
 impl Router {
     /// Tells the router to stop, without waiting for it.
     pub(crate) fn stop(&mut self) {
+        if self.stop.is_none() {
+            return;
+        }
+        // Lowered before it is woken: a thread woken at the normal priority takes the CPU
+        // from its waker at once, here the run on its way to its end.
+        let tid = self.tid.load(std::sync::atomic::Ordering::Acquire);
+        let running = self.thread.as_ref().is_some_and(|t| !t.is_finished());
+        if tid > 0 && running {
+            super::sys::lower_priority(tid);
+        }
         // The pipe's hang-up wakes the router's poll.
         drop(self.stop.take());
     }

@@ -120,20 +120,17 @@ pub fn run_when_idle() {
     let _ = unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
 }
 
-/// Lowers the calling thread to the least priority of the normal class (nice 19): when it
-/// wakes it does not take the CPU from a thread of the normal priority, and a busy CPU still
-/// gives it a share. For teardown beside a caller that is still at work on a machine of two
+/// Lowers thread `tid` of this process (0: the calling thread) to the least priority of the
+/// normal class (nice 19): when it wakes it does not take the CPU from a thread of the normal
+/// priority, and a busy CPU still gives it a share. For teardown beside a caller that is still at work on a machine of two
 /// cores (a cell's mount namespace, whose end is a quarter of a millisecond of the CPU): in
 /// the idle class (`run_when_idle`) a thread preempted while it holds the kernel's mount lock,
 /// which that end takes for a moment, would hold up every mount on the host for as long as the
 /// machine stays busy. Best effort: a failure leaves the thread as it was.
-pub fn lower_priority() {
-    // SAFETY: gettid(2) has no arguments; setpriority(2) on that thread id changes only its
-    // nice value (raising it needs no privilege).
-    unsafe {
-        let tid = libc::gettid();
-        let _ = libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 19);
-    }
+pub fn lower_priority(tid: libc::pid_t) {
+    // SAFETY: setpriority(2) on a thread id (0: the caller) changes only that thread's nice
+    // value; raising it needs no privilege, and an id that is gone fails with ESRCH.
+    let _ = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid.max(0) as libc::id_t, 19) };
 }
 
 /// The CPUs the calling thread may run on, where it may run on more than one.
