@@ -431,6 +431,31 @@ pub fn run_with(
     }
     drop(cgroup_joins);
 
+    // The cell's exec socket and its router, made while the init starts the command (its
+    // answer came after the command's start; a command that cannot start takes the router
+    // down with the run's early end below). Requests that come before the init serves wait
+    // in the init's channel.
+    // (A rootless disk watch looks from inside the cell's user namespace: held from here.)
+    let watches_disk = watched_disk.is_some()
+        && plan
+            .workspace
+            .as_ref()
+            .is_some_and(|ws| ws.overlay.is_some());
+    let disk_userns = match (&namespaces, privileged) {
+        (Some(ns), false) if watches_disk => Some(
+            ns.user
+                .try_clone()
+                .map_err(os("holding the cell's user namespace"))?,
+        ),
+        _ => None,
+    };
+    let mut router = super::exec::serve(
+        &reservation.file(super::exec::EXEC_SOCKET),
+        exec_channel,
+        namespaces,
+    )
+    .map_err(os("opening the cell's exec socket"))?;
+
     // The init answers "ok" once the command runs, or "err CODE MESSAGE".
     let mut line = String::new();
     let mut status_reader = BufReader::new(fs::File::from(status_r));
@@ -493,16 +518,8 @@ pub fn run_with(
         (Some(limit), Some(ws)) => match &ws.overlay {
             Some(overlay) => {
                 // Rootless, the watch looks from inside the cell's user namespace.
-                let userns = match (&namespaces, privileged) {
-                    (Some(ns), false) => Some(
-                        ns.user
-                            .try_clone()
-                            .map_err(os("holding the cell's user namespace"))?,
-                    ),
-                    _ => None,
-                };
                 Some(
-                    super::disk::Watch::start(overlay.upper.clone(), limit, userns)
+                    super::disk::Watch::start(overlay.upper.clone(), limit, disk_userns)
                         .map_err(os("starting the disk watch"))?,
                 )
             }
@@ -510,12 +527,6 @@ pub fn run_with(
         },
         _ => None,
     };
-    let mut router = super::exec::serve(
-        &reservation.file(super::exec::EXEC_SOCKET),
-        exec_channel,
-        namespaces,
-    )
-    .map_err(os("opening the cell's exec socket"))?;
     say_ready(request.ready.as_deref());
     if request.ready.is_some() {
         // A daemon's keeper: it now watches its cell for as long as it lives.
