@@ -1725,19 +1725,17 @@ mod tests {
         use std::io::Read as _;
         let (out_r, out_w) = pipe().unwrap();
         let null = std::fs::File::open("/dev/null").unwrap();
-        let argv = ["sh", "-c", "grep SigIgn /proc/self/status"].map(std::ffi::OsString::from);
-        let pid = spawn(&Spawn {
-            program: Path::new("/bin/sh"),
-            argv: &argv,
-            env: &[],
+        let shell = Described {
+            program: "/bin/sh".into(),
+            argv: ["sh", "-c", "grep SigIgn /proc/self/status"]
+                .map(Into::into)
+                .to_vec(),
+            env: Vec::new(),
             cwd: None,
-            stdio: Some([null.as_fd(), out_w.as_fd(), out_w.as_fd()]),
-            landlock: None,
-            fds: &[],
-            cgroups: &[],
-            parent_death: None,
-            own_group: false,
+        };
+        let pid = spawn(&Spawn {
             ignored,
+            ..shell.spawn_with([null.as_fd(), out_w.as_fd(), out_w.as_fd()])
         })
         .unwrap();
         drop(out_w);
