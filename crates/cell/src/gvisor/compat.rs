@@ -103,19 +103,6 @@ mod tests {
     use std::process::{Command, Stdio};
     use std::time::{Duration, Instant};
 
-    /// The program headers' types of a 64-bit little-endian ELF file, and its type.
-    fn elf_shape(bytes: &[u8]) -> (u16, Vec<u32>) {
-        assert_eq!(&bytes[..4], b"\x7fELF", "not an ELF file");
-        assert_eq!(bytes[4], 2, "not a 64-bit ELF file");
-        let u16_at = |at: usize| u16::from_le_bytes([bytes[at], bytes[at + 1]]);
-        let u32_at = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());
-        let u64_at = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
-        let phoff = u64_at(0x20) as usize;
-        let (size, count) = (u16_at(0x36) as usize, u16_at(0x38) as usize);
-        let types = (0..count).map(|i| u32_at(phoff + i * size)).collect();
-        (u16_at(0x10), types)
-    }
-
     /// A program header: type, flags, size in the file.
     #[derive(Debug, Clone, Copy)]
     struct Header {
@@ -130,26 +117,44 @@ mod tests {
     const PF_X: u32 = 1;
     const PF_W: u32 = 2;
 
-    fn headers(bytes: &[u8]) -> Vec<Header> {
-        elf_shape(bytes);
+    /// The type of a 64-bit little-endian ELF file, and its program headers.
+    fn program_headers(bytes: &[u8]) -> (u16, Vec<Header>) {
+        assert_eq!(&bytes[..4], b"\x7fELF", "not an ELF file");
+        assert_eq!(bytes[4], 2, "not a 64-bit ELF file");
         let u16_at = |at: usize| u16::from_le_bytes([bytes[at], bytes[at + 1]]);
         let u32_at = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());
         let u64_at = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
         let phoff = u64_at(0x20) as usize;
         let (size, count) = (u16_at(0x36) as usize, u16_at(0x38) as usize);
-        (0..count)
+        let headers = (0..count)
             .map(|i| phoff + i * size)
             .map(|at| Header {
                 kind: u32_at(at),
                 flags: u32_at(at + 4),
                 in_file: u64_at(at + 0x20),
             })
-            .collect()
+            .collect();
+        (u16_at(0x10), headers)
+    }
+
+    /// The program headers' types of a 64-bit little-endian ELF file, and its type.
+    fn elf_shape(bytes: &[u8]) -> (u16, Vec<u32>) {
+        let (kind, headers) = program_headers(bytes);
+        (kind, headers.iter().map(|h| h.kind).collect())
+    }
+
+    /// The flags of the one header of type `kind`.
+    fn flags_of(headers: &[Header], kind: u32) -> u32 {
+        headers
+            .iter()
+            .find(|h| h.kind == kind)
+            .unwrap_or_else(|| panic!("no program header of type {kind:#x}: {headers:?}"))
+            .flags
     }
 
     #[test]
     fn the_read_only_shim_maps_no_byte_of_its_file_writable() {
-        let all = headers(STATX_RO);
+        let (_, all) = program_headers(STATX_RO);
         let loads: Vec<Header> = all.iter().copied().filter(|h| h.kind == PT_LOAD).collect();
         let from_file: Vec<&Header> = loads.iter().filter(|h| h.in_file > 0).collect();
         assert_eq!(
@@ -165,30 +170,22 @@ mod tests {
         for load in loads.iter().filter(|h| h.flags & PF_W != 0) {
             assert_eq!(load.in_file, 0, "a writable segment maps the file: {all:?}");
         }
-        let dynamic = all.iter().find(|h| h.kind == PT_DYNAMIC).unwrap();
-        assert_eq!(
-            dynamic.flags & PF_W,
-            0,
-            "the dynamic section says it is writable"
-        );
+        let dynamic = flags_of(&all, PT_DYNAMIC);
+        assert_eq!(dynamic & PF_W, 0, "the dynamic section says it is writable");
         // Without a PT_GNU_STACK, glibc would make the stack of every program executable.
-        let stack = all.iter().find(|h| h.kind == PT_GNU_STACK).unwrap();
-        assert_eq!(
-            stack.flags & PF_X,
-            0,
-            "the shim asks for an executable stack"
-        );
+        let stack = flags_of(&all, PT_GNU_STACK);
+        assert_eq!(stack & PF_X, 0, "the shim asks for an executable stack");
         // The plain shim keeps its dynamic section writable: glibc before 2.35 writes into it.
-        let plain = headers(STATX);
-        let dynamic = plain.iter().find(|h| h.kind == PT_DYNAMIC).unwrap();
+        let (_, plain) = program_headers(STATX);
+        let dynamic = flags_of(&plain, PT_DYNAMIC);
         assert_ne!(
-            dynamic.flags & PF_W,
+            dynamic & PF_W,
             0,
             "the plain shim's dynamic section is read-only"
         );
-        let stack = plain.iter().find(|h| h.kind == PT_GNU_STACK).unwrap();
+        let stack = flags_of(&plain, PT_GNU_STACK);
         assert_eq!(
-            stack.flags & PF_X,
+            stack & PF_X,
             0,
             "the plain shim asks for an executable stack"
         );

@@ -122,8 +122,9 @@ pub fn run_when_idle() {
 
 /// Lowers thread `tid` of this process (0: the calling thread) to the least priority of the
 /// normal class (nice 19): when it wakes it does not take the CPU from a thread of the normal
-/// priority, and a busy CPU still gives it a share. For teardown beside a caller that is still at work on a machine of two
-/// cores (a cell's mount namespace, whose end is a quarter of a millisecond of the CPU): in
+/// priority, and a busy CPU still gives it a share. For teardown beside a caller that is still
+/// at work on a machine of two cores (a cell's mount namespace, whose end is a quarter of a
+/// millisecond of the CPU): in
 /// the idle class (`run_when_idle`) a thread preempted while it holds the kernel's mount lock,
 /// which that end takes for a moment, would hold up every mount on the host for as long as the
 /// machine stays busy. Best effort: a failure leaves the thread as it was.
@@ -544,8 +545,7 @@ pub struct Spawn<'a> {
     pub own_group: bool,
     /// The signals the caller ignores, where it knows them (`ignored_signals`, asked once by
     /// a caller whose dispositions no longer change): only these are set back to their
-    /// default in the child. `None`: the child asks for each of the 64 (a system call each,
-    /// a tenth of the child's time before its exec).
+    /// default in the child. `None`: `spawn` asks for each of the 64 (a system call each).
     pub ignored: Option<&'a [libc::c_int]>,
 }
 
@@ -634,7 +634,15 @@ pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
     let (copies, moves) = copies_to_place(what.fds)?;
     let cgroups: Vec<RawFd> = what.cgroups.iter().map(|fd| fd.as_raw_fd()).collect();
     let (own_group, parent_death) = (what.own_group, what.parent_death);
-    let ignored = what.ignored;
+    // Asked here where the caller does not name them: the child shares these dispositions.
+    let asked;
+    let ignored = match what.ignored {
+        Some(named) => named,
+        None => {
+            asked = ignored_signals();
+            &asked
+        }
+    };
     // What the child failed at, if it did: it shares this memory until it execs or exits.
     let failed = AtomicI32::new(0);
     let mut stack = vec![0u8; 64 * 1024];
@@ -651,12 +659,6 @@ pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
         let mut saved: libc::sigset_t = std::mem::zeroed();
         libc::sigfillset(&mut all);
         libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut saved);
-        let last_signal = libc::SIGRTMAX();
-        let keep_xfsz = {
-            let mut current: libc::sigaction = std::mem::zeroed();
-            libc::sigaction(libc::SIGXFSZ, std::ptr::null(), &mut current) == 0
-                && current.sa_sigaction == libc::SIG_IGN
-        };
         let child = || -> isize {
             let fail = |step: i32| -> isize {
                 let errno = *libc::__errno_location();
@@ -664,35 +666,12 @@ pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
                 libc::_exit(127)
             };
             // Signals the caller ignores would stay ignored across exec: back to default (a
-            // handled one is reset by exec itself).
-            let to_default = |signal: libc::c_int| {
-                let mut default: libc::sigaction = std::mem::zeroed();
-                default.sa_sigaction = libc::SIG_DFL;
-                libc::sigaction(signal, &default, std::ptr::null_mut());
-            };
-            match ignored {
-                Some(ignored) => {
-                    for &signal in ignored {
-                        if !(signal == libc::SIGXFSZ && keep_xfsz) {
-                            to_default(signal);
-                        }
-                    }
-                }
-                None => {
-                    for signal in 1..=last_signal {
-                        if signal == libc::SIGKILL
-                            || signal == libc::SIGSTOP
-                            || (signal == libc::SIGXFSZ && keep_xfsz)
-                        {
-                            continue;
-                        }
-                        let mut current: libc::sigaction = std::mem::zeroed();
-                        if libc::sigaction(signal, std::ptr::null(), &mut current) == 0
-                            && current.sa_sigaction == libc::SIG_IGN
-                        {
-                            to_default(signal);
-                        }
-                    }
+            // handled one is reset by exec itself), but for an ignored SIGXFSZ, kept.
+            for &signal in ignored {
+                if signal != libc::SIGXFSZ {
+                    let mut default: libc::sigaction = std::mem::zeroed();
+                    default.sa_sigaction = libc::SIG_DFL;
+                    libc::sigaction(signal, &default, std::ptr::null_mut());
                 }
             }
             if own_group && libc::setpgid(0, 0) != 0 {
