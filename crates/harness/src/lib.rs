@@ -257,7 +257,13 @@ impl Harness {
             handing: Mutex::new(std::collections::HashMap::new()),
             ends: Mutex::new(()),
             cells: Mutex::new(HashMap::new()),
-            events: tokio::sync::broadcast::channel(1024).0,
+            // Nothing subscribes to an ephemeral harness's entries (no face serves it): a
+            // ring of one, not 1,024 slots made and written at every `warden run`.
+            events: tokio::sync::broadcast::channel(match config.ephemeral {
+                true => 1,
+                false => 1024,
+            })
+            .0,
             usage: usage::UsageBook::new(),
             pools,
             opened: Instant::now(),

@@ -273,7 +273,9 @@ impl Harness {
         if !kind.starts_with("pool.") {
             self.pools_wait_for_quiet_since_now();
         }
-        if let Some(data) = data {
+        if let Some(data) = data
+            && self.events.receiver_count() > 0
+        {
             let _ = self.events.send(Arc::new(json!({
                 "seq": receipt.seq,
                 "cell": cell,
