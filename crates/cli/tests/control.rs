@@ -222,6 +222,48 @@ fn a_killed_warden_leaves_nothing_behind() {
 }
 
 #[test]
+fn a_run_returns_with_all_its_output_and_nothing_of_its_cell_left() {
+    // The init tells the command's end once everything else of the cell is ended and reaped,
+    // and lets go of the command's pipes first; the run goes on while the kernel tears the init
+    // down, and waits for that only before the cell's cgroups and folder go. When `warden run`
+    // returns, all the output is out and nothing of the cell is left.
+    let name = unique("ended");
+    let marker = format!("{}.{}", 800 + std::process::id() % 97, std::process::id());
+    let out = warden()
+        .args([
+            "run",
+            "--policy",
+            &direct_policy(),
+            "--name",
+            &name,
+            "--",
+            "sh",
+            "-c",
+            &format!(
+                "sleep {marker} & (trap '' TERM HUP INT; exec sleep {marker}) & seq 200000; \
+                 echo to-stderr >&2; exit 7"
+            ),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(7), "{out:?}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(stdout.lines().count(), 200_000);
+    assert_eq!(stdout.lines().last(), Some("200000"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("to-stderr"));
+    assert_eq!(
+        host_processes_with(&format!("sleep {marker}")),
+        Vec::<i32>::new()
+    );
+    assert!(cgroup_dirs_of(&name).is_empty(), "cgroups left behind");
+    assert!(!Path::new("/run/warden/cells").join(&name).exists() || !is_root());
+    assert_eq!(state_of(&name), None);
+    // A command killed by a signal is told as such (pid 1 itself cannot die of it).
+    let killed = run_sh(&[], "kill -KILL $$");
+    assert_eq!(killed.code, 128 + 9, "{}", killed.stderr);
+}
+
+#[test]
 fn the_command_starts_with_no_signal_blocked_and_signals_at_their_defaults() {
     // The init blocks signals for itself (it reads them from a signalfd); none of that may
     // reach the command, or a SIGTERM sent from outside would never end it.

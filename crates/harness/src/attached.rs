@@ -289,7 +289,11 @@ impl Harness {
 
     /// Removes the cell's layer, and with `record` its egress record.
     fn discard(&self, name: &str, record: bool) {
-        if let Ok(tier) = self.backend_of(name) {
+        // Most runs leave no layer (no workspace, or one that went with the cell): nothing to
+        // look up then, on the way to the end's record.
+        if self.store.layer(name).exists()
+            && let Ok(tier) = self.backend_of(name)
+        {
             let _ = tier.remove_layer(name);
         }
         if record {

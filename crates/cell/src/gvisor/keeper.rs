@@ -441,13 +441,15 @@ pub fn keep(
             false => policy.limits.memory.map(|m| m.0),
         },
         disk: None,
+        status: None,
     };
     let relayed = relay.run();
     router.stop();
-    if relayed.is_ok() {
+    let relayed = relayed?;
+    if relayed.init_reaped {
         guard.pid = None; // the relay reaped runsc
     }
-    let ending = match relayed? {
+    let ending = match relayed.stop {
         Stop::Limit(ending) => ending,
         Stop::Exited(status) => {
             let oom = cell_cgroup.oom_kills() > 0;

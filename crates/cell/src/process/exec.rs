@@ -455,6 +455,8 @@ pub(crate) fn serve(
     let path: PathBuf = path.to_path_buf();
     let tid = std::sync::Arc::new(std::sync::atomic::AtomicI32::new(0));
     let its_tid = tid.clone();
+    let after: std::sync::Arc<std::sync::Mutex<Option<OwnedFd>>> = Default::default();
+    let its_after = after.clone();
     let thread = std::thread::Builder::new()
         .name("exec-clients".to_owned())
         .spawn(move || {
@@ -479,7 +481,21 @@ pub(crate) fn serve(
             // the stop while the run goes on to its end, this thread took the CPU from it
             // (traced: 0.25 ms of `warden run -- true`'s end). The stop lowers it before it
             // wakes it; this is for a router that ended on its own.
-            super::sys::lower_priority(0);
+            // Stopped once the cell's command ended: the namespaces are held until the init
+            // is gone too, so that this thread, not the init's exit, tears the mounts down
+            // (the init's end is waited for before the cell's cgroup goes), at the normal
+            // priority: the run's end waits for it.
+            let init = its_after.lock().ok().and_then(|mut slot| slot.take());
+            match init {
+                Some(init) => {
+                    let mut fds = [nix::poll::PollFd::new(
+                        init.as_fd(),
+                        nix::poll::PollFlags::POLLIN,
+                    )];
+                    let _ = nix::poll::poll(&mut fds, INIT_END_WAIT_MS);
+                }
+                None => super::sys::lower_priority(0),
+            }
             drop((listener, keeper));
             // Its id is no longer this thread's to lower once it ends.
             its_tid.store(0, std::sync::atomic::Ordering::Release);
@@ -488,8 +504,13 @@ pub(crate) fn serve(
         stop: Some(stop_w),
         thread: Some(thread),
         tid,
+        after,
     })
 }
+
+/// How long a stopped router waits for the init's end before it lets go of the namespaces
+/// (milliseconds).
+const INIT_END_WAIT_MS: u16 = 5000;
 
 /// A running router: `stop` tells it to stop, and dropping it also waits until its listener
 /// and the cell's namespaces it held are gone. A cell's run stops it as soon as the
@@ -502,9 +523,31 @@ pub(crate) struct Router {
     thread: Option<std::thread::JoinHandle<()>>,
     /// The router thread's id, once it runs (0 before).
     tid: std::sync::Arc<std::sync::atomic::AtomicI32>,
+    /// The init's pidfd, for a router stopped before the init is gone (see `stop_after`).
+    after: std::sync::Arc<std::sync::Mutex<Option<OwnedFd>>>,
 }
 
 impl Router {
+    /// Tells the router to stop, and to hold the cell's namespaces until the process behind
+    /// `init` (a pidfd) has exited: the last hold on the cell's mount namespace tears its
+    /// mounts down, which is then this thread's work beside the run's end, not the init's
+    /// exit that the run waits for (an expedited RCU grace period and a quarter of a
+    /// millisecond of the CPU).
+    pub(crate) fn stop_after(&mut self, init: &OwnedFd) {
+        let held = match (init.try_clone(), self.after.lock()) {
+            (Ok(copy), Ok(mut slot)) => {
+                *slot = Some(copy);
+                true
+            }
+            _ => false,
+        };
+        match held {
+            // Woken at the normal priority: it only waits until the init is gone.
+            true => drop(self.stop.take()),
+            false => self.stop(),
+        }
+    }
+
     /// Tells the router to stop, without waiting for it.
     pub(crate) fn stop(&mut self) {
         if self.stop.is_none() {

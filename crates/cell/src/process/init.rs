@@ -38,6 +38,24 @@ const FORWARDED: [Signal; 6] = [
     Signal::SIGUSR2,
 ];
 
+/// The status pipe's last line, once the command has ended and nothing else of the cell is
+/// left: `exited CODE` or `signaled NUMBER`.
+pub const END_EXITED: &str = "exited ";
+pub const END_SIGNALED: &str = "signaled ";
+
+/// How the command ended, from the status pipe's last line.
+pub fn parse_end(line: &str) -> Option<super::outcome::Ending> {
+    use super::outcome::Ending;
+    let line = line.trim_end();
+    if let Some(code) = line.strip_prefix(END_EXITED) {
+        return code.parse().ok().map(Ending::Exited);
+    }
+    line.strip_prefix(END_SIGNALED)?
+        .parse()
+        .ok()
+        .map(Ending::Signaled)
+}
+
 /// The descriptors the warden hands to the cell's first process.
 #[derive(Debug)]
 pub struct InitFds {
@@ -424,9 +442,9 @@ struct Started {
     lifeline: std::fs::File,
     /// The exec channel to the keeper, for cells that serve execs.
     exec: Option<OwnedFd>,
-    /// The status pipe: after "ok", the one more thing the warden is told is that the first
-    /// command was killed by a signal (pid 1 cannot die of it, so its exit code alone would
-    /// not tell `exit 137` from SIGKILL).
+    /// The status pipe: after "ok", the one more thing the warden is told is how the first
+    /// command ended (`END_EXITED`, `END_SIGNALED`: pid 1 cannot die of a signal, so its exit
+    /// code alone would not tell `exit 137` from SIGKILL), once nothing else of the cell runs.
     status: std::fs::File,
 }
 
@@ -560,9 +578,18 @@ fn supervise(
             while let Ok(Some(reaped)) = sys::reap_any() {
                 let pid = Pid::from_raw(reaped.pid);
                 if Some(pid) == main {
-                    if let Err(signal) = reaped.status {
-                        let _ = writeln!(status, "signaled {signal}");
-                    }
+                    // Whatever else of the cell runs is ended and reaped before the end is
+                    // told, as for a cell's last exec below: the warden that reads it knows
+                    // that nothing of the cell is left but this process, which exits right
+                    // after, and goes on without waiting for the kernel's teardown of it.
+                    sys::end_all_others(std::time::Duration::from_secs(1));
+                    // The command's pipes end with its last holder: the warden drains them
+                    // to their end before it goes on.
+                    sys::close_stdio();
+                    let _ = match reaped.status {
+                        Ok(code) => writeln!(status, "{END_EXITED}{code}"),
+                        Err(signal) => writeln!(status, "{END_SIGNALED}{signal}"),
+                    };
                     sys::exit_now(reaped.status.unwrap_or_else(|signal| 128 + signal));
                 }
                 if let Some(Exec {

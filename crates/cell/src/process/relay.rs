@@ -30,6 +30,15 @@ pub(crate) enum Stop {
     Limit(Ending),
 }
 
+/// How a relay ended.
+pub(crate) struct Relayed {
+    pub(crate) stop: Stop,
+    /// Whether the relay reaped the init (and so its pid is free for reuse). Not where the
+    /// init told the command's end on its status pipe: the relay returns then, while the
+    /// kernel tears the init down, and the caller reaps it.
+    pub(crate) init_reaped: bool,
+}
+
 const POLICY_POLL: Duration = Duration::from_millis(100);
 
 /// How often the relay reads the disk watch's last look.
@@ -52,6 +61,9 @@ pub(crate) struct Relay<'a> {
     pub(crate) memory_limit: Option<u64>,
     /// The disk limit, where the warden's watch keeps it.
     pub(crate) disk: Option<super::disk::Watch>,
+    /// The init's status pipe, past its "ok": its last line tells how the command ended
+    /// (`init::parse_end`), once nothing else of the cell runs.
+    pub(crate) status: Option<&'a mut io::BufReader<fs::File>>,
 }
 
 impl Relay<'_> {
@@ -62,14 +74,18 @@ impl Relay<'_> {
         }
     }
 
-    pub(crate) fn run(mut self) -> Result<Stop, RunError> {
+    pub(crate) fn run(mut self) -> Result<Relayed, RunError> {
         // Each stream is dropped (closing our end) at EOF, or when the caller stops reading it:
         // the cell's writer then gets EPIPE, as in a shell pipeline.
         let mut sources = [self.stdout.take(), self.stderr.take()];
         let mut exited: Option<(Ending, Instant)> = None;
+        let mut init_reaped = false;
+        let mut status = self.status.take();
         let mut limit: Option<Ending> = None;
         let mut relayed: u64 = 0;
-        let mut buf = vec![0u8; STDIO_CHUNK];
+        // Read into spare capacity: a zeroed buffer had its 16 pages written at every start,
+        // for a command that may print nothing.
+        let mut buf: Vec<u8> = Vec::with_capacity(STDIO_CHUNK);
         let mut stdout = io::stdout().lock();
         let mut stderr = io::stderr().lock();
         loop {
@@ -114,8 +130,15 @@ impl Relay<'_> {
                 watch.check();
                 wait = wait.min(POLICY_POLL);
             }
-            let timeout = PollTimeout::try_from(wait.as_millis().min(60_000) as i32 + 1)
-                .unwrap_or(PollTimeout::MAX);
+            // A line the status pipe's reader holds already is not seen by `poll`.
+            let status_held = status
+                .as_ref()
+                .is_some_and(|reader| reader.buffer().contains(&b'\n'));
+            let timeout = match status_held {
+                true => PollTimeout::ZERO,
+                false => PollTimeout::try_from(wait.as_millis().min(60_000) as i32 + 1)
+                    .unwrap_or(PollTimeout::MAX),
+            };
 
             let mut fds = Vec::with_capacity(4);
             fds.push(PollFd::new(self.signals.as_fd(), PollFlags::POLLIN));
@@ -123,6 +146,13 @@ impl Relay<'_> {
                 fds.push(PollFd::new(self.pidfd.as_fd(), PollFlags::POLLIN));
                 fds.len() - 1
             });
+            let status_slot = match (&status, exited.is_none()) {
+                (Some(reader), true) => {
+                    fds.push(PollFd::new(reader.get_ref().as_fd(), PollFlags::POLLIN));
+                    Some(fds.len() - 1)
+                }
+                _ => None,
+            };
             let slots: Vec<Option<usize>> = sources
                 .iter()
                 .map(|source| {
@@ -143,6 +173,7 @@ impl Relay<'_> {
             };
             let signal_ready = ready(Some(0));
             let pid_ready = ready(pid_slot);
+            let status_ready = status_held || ready(status_slot);
             let readable: Vec<bool> = slots.iter().map(|slot| ready(*slot)).collect();
             drop(fds);
 
@@ -180,7 +211,8 @@ impl Relay<'_> {
                 let Some(fd) = source.as_ref().filter(|_| readable) else {
                     continue;
                 };
-                let n = match nix::unistd::read(fd, &mut buf) {
+                buf.clear();
+                let n = match rustix::io::read(fd, rustix::buffer::spare_capacity(&mut buf)) {
                     Ok(0) | Err(_) => {
                         *source = None;
                         continue;
@@ -207,12 +239,29 @@ impl Relay<'_> {
                     self.kill();
                 }
             }
+            // The init's word first: when it has told the end, it is on its way out with
+            // nothing else of the cell left, and its teardown is not waited for here.
+            if status_ready
+                && exited.is_none()
+                && let Some(reader) = status.as_mut()
+            {
+                let mut line = String::new();
+                match io::BufRead::read_line(*reader, &mut line) {
+                    Ok(0) | Err(_) => status = None,
+                    Ok(_) => {
+                        if let Some(ending) = init::parse_end(&line) {
+                            exited = Some((ending, Instant::now()));
+                        }
+                    }
+                }
+            }
             if pid_ready && exited.is_none() {
                 let ending = match waitpid(self.pid, None) {
                     Ok(WaitStatus::Exited(_, code)) => Ending::Exited(code),
                     Ok(WaitStatus::Signaled(_, signal, _)) => Ending::Signaled(signal as i32),
                     _ => Ending::Exited(init::SETUP_FAILED),
                 };
+                init_reaped = true;
                 exited = Some((ending, Instant::now()));
             }
         }
@@ -220,9 +269,12 @@ impl Relay<'_> {
             watch.close_record();
         }
         let ending = exited.map_or(Ending::Exited(init::SETUP_FAILED), |(e, _)| e);
-        Ok(match limit {
-            Some(limit) => Stop::Limit(limit),
-            None => Stop::Exited(ending),
+        Ok(Relayed {
+            stop: match limit {
+                Some(limit) => Stop::Limit(limit),
+                None => Stop::Exited(ending),
+            },
+            init_reaped,
         })
     }
 }

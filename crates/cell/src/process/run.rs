@@ -215,13 +215,14 @@ pub fn run_with(
     let mut sources = Vec::new();
     if privileged {
         let mut reach = plan::Reach::new();
+        let mut resolver = plan::Resolver::default();
         for (i, entry) in plan.entries.iter().enumerate() {
             let (path, bind) = match entry {
                 plan::Entry::Bind { path, .. } => (path, true),
                 plan::Entry::Copy { path } => (path, false),
                 plan::Entry::Symlink { .. } => continue,
             };
-            let canonical = fs::canonicalize(path).unwrap_or_else(|_| path.clone());
+            let canonical = resolver.canonicalize(path).unwrap_or_else(|_| path.clone());
             if reach.check("", &canonical).is_ok() {
                 continue;
             }
@@ -555,28 +556,31 @@ pub fn run_with(
             policy.limits.memory.map(|m| m.0)
         },
         disk: disk_watch,
+        status: Some(&mut status_reader),
     };
     let relayed = relay.run();
     drop(sync); // the cell's lifeline: held until the cell is gone
-    router.stop();
-    let _ = old_mask.thread_set_mask();
-    if relayed.is_ok() {
-        guard.pid = None; // the relay reaped the init
+    match &relayed {
+        // The init has told the end (and exits), or was reaped.
+        Ok(_) => router.stop_after(&pidfd),
+        // It may live on until the guard kills it, after the router's end is waited for.
+        Err(_) => router.stop(),
     }
-    let ending = match relayed? {
+    let _ = old_mask.thread_set_mask();
+    let relayed = relayed?;
+    if relayed.init_reaped {
+        guard.pid = None;
+    }
+    let ending = match relayed.stop {
         Stop::Limit(ending) => ending,
         Stop::Exited(status) => {
-            // The init exits with 128 + the signal that killed the first command, and says so.
+            // Reaped without its word read (it came with the exit): the init exits with 128
+            // + the signal that killed the first command, and its line tells which.
             let mut said = String::new();
-            let _ = status_reader.read_line(&mut said);
-            let status = match (status, said.trim_end().strip_prefix("signaled ")) {
-                (Ending::Exited(code), Some(signal))
-                    if signal.parse::<i32>().is_ok_and(|s| 128 + s == code) =>
-                {
-                    Ending::Signaled(code - 128)
-                }
-                (status, _) => status,
-            };
+            if relayed.init_reaped {
+                let _ = status_reader.read_line(&mut said);
+            }
+            let status = init::parse_end(&said).unwrap_or(status);
             let oom = cell_cgroup.as_ref().is_some_and(|cg| cg.oom_kills() > 0);
             match (oom, policy.limits.memory) {
                 (true, Some(limit)) => Ending::MemoryLimit { limit: limit.0 },
@@ -590,7 +594,12 @@ pub fn run_with(
     // it from outside its pid namespace) is killed here, before its layer is looked at.
     let leftovers = match request.release_later {
         true => {
-            guard.end_stragglers();
+            // The init that told the command's end is reaped on the release's thread (the
+            // kernel's teardown of it overlaps the end's record), unless a layer is looked at
+            // next: nothing of the cell may run by then.
+            if layer.is_some() {
+                guard.end_stragglers();
+            }
             Some(guard)
         }
         false => {
