@@ -426,6 +426,27 @@ impl Reservation {
     }
 }
 
+impl Reservation {
+    /// Removes everything in the cell's folder but its lock, which keeps the name: what a
+    /// removal waits for (the discard of each freed block, on a disk mounted with `discard`)
+    /// is then done while the cell's last process is torn down, not after it.
+    pub(crate) fn clear_all_but_the_lock(&self) {
+        let Ok(entries) = fs::read_dir(&self.dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            if entry.file_name() == "lock" {
+                continue;
+            }
+            let path = entry.path();
+            let _ = match entry.file_type() {
+                Ok(kind) if kind.is_dir() => fs::remove_dir_all(&path),
+                _ => fs::remove_file(&path),
+            };
+        }
+    }
+}
+
 impl Drop for Reservation {
     fn drop(&mut self) {
         let _ = fs::remove_dir_all(&self.dir);

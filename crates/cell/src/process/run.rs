@@ -611,7 +611,11 @@ pub fn run_with(
         store,
         &request,
         name,
-        (leftovers, reservation, router),
+        EndOfCell {
+            guard: leftovers,
+            reservation,
+            _router: router,
+        },
         layer,
         ending,
         notices,
@@ -1032,6 +1036,22 @@ impl Drop for LayerGuard {
 }
 
 /// Kills whatever is left of the cell and removes its cgroups, on every way out of `run`.
+/// What is let go of at a cell's end, in this order: its folder but the lock (while the
+/// kernel tears the init down), the init and the cgroups (the guard waits for the first, then
+/// removes the second), the name (the folder, with its lock), the router (its end waited for).
+struct EndOfCell {
+    guard: Option<CellGuard>,
+    reservation: super::registry::Reservation,
+    _router: super::exec::Router,
+}
+
+impl Drop for EndOfCell {
+    fn drop(&mut self) {
+        self.reservation.clear_all_but_the_lock();
+        drop(self.guard.take());
+    }
+}
+
 pub(crate) struct CellGuard {
     pub(crate) cgroup: Option<CellCgroup>,
     pub(crate) pid: Option<Pid>,
