@@ -477,14 +477,14 @@ pub(crate) fn serve(
             // the cell's mount namespace tears its mounts down (an expedited RCU grace period
             // and a quarter of a millisecond of the CPU), and the listener, holding its
             // socket's file, is the last hold on the cell's folder once that is removed (its
-            // blocks are freed, and discarded, at the close). At the least priority: woken by
-            // the stop while the run goes on to its end, this thread took the CPU from it
-            // (traced: 0.25 ms of `warden run -- true`'s end). The stop lowers it before it
-            // wakes it; this is for a router that ended on its own.
-            // Stopped once the cell's command ended: the namespaces are held until the init
-            // is gone too, so that this thread, not the init's exit, tears the mounts down
-            // (the init's end is waited for before the cell's cgroup goes), at the normal
-            // priority: the run's end waits for it.
+            // blocks are freed, and discarded, at the close). Stopped with the init's pidfd
+            // (`stop_after`), it holds the namespaces until the init is gone, so that this
+            // thread, not the init's exit, tears the mounts down (the init's end is waited for
+            // before the cell's cgroup goes), at the normal priority: the run's end waits for
+            // it. Otherwise at the least priority: woken by the stop while the run goes on to
+            // its end, this thread took the CPU from it (traced: 0.25 ms of `warden run --
+            // true`'s end); `stop` lowers it before it wakes it, and this is for a router that
+            // ended on its own.
             let init = its_after.lock().ok().and_then(|mut slot| slot.take());
             match init {
                 Some(init) => {

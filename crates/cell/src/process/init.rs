@@ -586,10 +586,12 @@ fn supervise(
                     // The command's pipes end with its last holder: the warden drains them
                     // to their end before it goes on.
                     sys::close_stdio();
-                    let _ = match reaped.status {
-                        Ok(code) => writeln!(status, "{END_EXITED}{code}"),
-                        Err(signal) => writeln!(status, "{END_SIGNALED}{signal}"),
+                    // One write: the warden never reads half a line.
+                    let end = match reaped.status {
+                        Ok(code) => format!("{END_EXITED}{code}\n"),
+                        Err(signal) => format!("{END_SIGNALED}{signal}\n"),
                     };
+                    let _ = status.write_all(end.as_bytes());
                     sys::exit_now(reaped.status.unwrap_or_else(|signal| 128 + signal));
                 }
                 if let Some(Exec {

@@ -70,6 +70,9 @@ pub struct Registry {
     root: PathBuf,
 }
 
+/// The file in a cell's folder whose lock, held for the cell's whole life, keeps its name.
+const LOCK: &str = "lock";
+
 /// A reserved cell folder; dropping it releases the name and removes the folder.
 #[derive(Debug)]
 pub struct Reservation {
@@ -172,7 +175,7 @@ impl Registry {
             .create(&new)
             .map_err(io_at(&new))?;
         let made = (|| {
-            let lock_path = new.join("lock");
+            let lock_path = new.join(LOCK);
             let file = OpenOptions::new()
                 .create(true)
                 .truncate(false)
@@ -243,7 +246,7 @@ impl Registry {
     /// nobody holds, says the cell is gone; a check that fails for another reason (out of
     /// descriptors, say) is an error, never taken for the cell's end.
     fn is_live(&self, name: &str) -> Result<bool, RegistryError> {
-        let path = self.cell_dir(name).join("lock");
+        let path = self.cell_dir(name).join(LOCK);
         locked(&path).map_err(|source| RegistryError::Io { path, source })
     }
 
@@ -251,7 +254,7 @@ impl Registry {
     /// holds it (`Lock::held`), the record is still this cell's, since a name goes to another
     /// cell only with a new folder and lock, once the lock is free.
     pub fn get_locked(&self, name: &str) -> Result<(CellRecord, Lock), RegistryError> {
-        let path = self.cell_dir(name).join("lock");
+        let path = self.cell_dir(name).join(LOCK);
         let file = File::open(&path).map_err(|source| match source.kind() {
             io::ErrorKind::NotFound => RegistryError::NotFound(name.to_owned()),
             _ => RegistryError::Io {
@@ -309,7 +312,7 @@ impl Registry {
                     .and_then(|t| t.elapsed().ok())
                     .is_some_and(|age| age > std::time::Duration::from_secs(60));
                 // (A lock that cannot be told is left alone, as a live one.)
-                if old && matches!(locked(&entry.path().join("lock")), Ok(false)) {
+                if old && matches!(locked(&entry.path().join(LOCK)), Ok(false)) {
                     let _ = fs::remove_dir_all(entry.path());
                 }
                 continue;
@@ -424,9 +427,7 @@ impl Reservation {
     pub fn kill_requested(&self) -> bool {
         self.dir.join("killed").exists()
     }
-}
 
-impl Reservation {
     /// Removes everything in the cell's folder but its lock, which keeps the name: what a
     /// removal waits for (the discard of each freed block, on a disk mounted with `discard`)
     /// is then done while the cell's last process is torn down, not after it.
@@ -435,7 +436,7 @@ impl Reservation {
             return;
         };
         for entry in entries.flatten() {
-            if entry.file_name() == "lock" {
+            if entry.file_name() == LOCK {
                 continue;
             }
             let path = entry.path();

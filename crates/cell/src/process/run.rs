@@ -1035,7 +1035,6 @@ impl Drop for LayerGuard {
     }
 }
 
-/// Kills whatever is left of the cell and removes its cgroups, on every way out of `run`.
 /// What is let go of at a cell's end, in this order: its folder but the lock (while the
 /// kernel tears the init down), the init and the cgroups (the guard waits for the first, then
 /// removes the second), the name (the folder, with its lock), the router (its end waited for).
@@ -1052,6 +1051,7 @@ impl Drop for EndOfCell {
     }
 }
 
+/// Kills whatever is left of the cell and removes its cgroups, on every way out of `run`.
 pub(crate) struct CellGuard {
     pub(crate) cgroup: Option<CellCgroup>,
     pub(crate) pid: Option<Pid>,
