@@ -35,9 +35,10 @@ fn reservations_survive_sweeps_running_beside_them() {
                     let reservation = registry
                         .reserve(&name)
                         .unwrap_or_else(|e| panic!("reserving {name}: {e}"));
-                    // The reserved folder is whole: its root and lock are there.
-                    assert!(reservation.root_dir().is_dir(), "{name} lost its folder");
+                    // The reserved folder is whole (its lock is there), and the cells' mount
+                    // point is left alone.
                     assert!(reservation.file("lock").is_file(), "{name} lost its lock");
+                    assert!(registry.mount_point().is_dir(), "the mount point went");
                     drop(reservation);
                 }
             })

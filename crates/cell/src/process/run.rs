@@ -831,7 +831,7 @@ pub(crate) fn prepare(
             .hostname
             .clone()
             .unwrap_or_else(|| name.replace('_', "-")),
-        root: reservation.root_dir(),
+        root: registry.mount_point(),
         image: image_lowers,
         entries: plan::entries(policy),
         hidden: policy.filesystem.hidden.clone(),
