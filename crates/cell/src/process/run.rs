@@ -271,11 +271,12 @@ pub fn run_with(
         .thread_swap_mask(nix::sys::signal::SigmaskHow::SIG_BLOCK)
         .map_err(nix_os("blocking signals"))?;
 
-    // Where the cgroup controllers are, read before the clone: the read of
-    // `/proc/self/mountinfo` holds the kernel's lock of all mount namespaces while it writes
-    // the text, and the init's first mounts, right after the clone, waited for it (0.5 ms in a
+    // Where the cgroup controllers are, found before the clone: a read of
+    // `/proc/self/mountinfo` (where the runtime directory's copy of what it said is not of
+    // these very mounts) holds the kernel's lock of all mount namespaces while it writes the
+    // text, and the init's first mounts, right after the clone, waited for it (0.5 ms in a
     // traced run).
-    let hierarchies = cgroup::discover();
+    let hierarchies = cgroup::discover_cached(&registry.root().join(cgroup::MOUNTS_CACHE));
     let flags = libc::CLONE_NEWUSER
         | libc::CLONE_NEWNS
         | libc::CLONE_NEWPID

@@ -35,6 +35,52 @@ pub fn clone_process(flags: libc::c_int) -> io::Result<libc::pid_t> {
     check(ret).map(|pid| pid as libc::pid_t)
 }
 
+/// The unique ids of every mount of this process's mount namespace (`listmount(2)`, Linux 6.8;
+/// an id is never given to another mount until the next boot), in the kernel's order; `None`
+/// where the kernel lacks the call or refuses it.
+pub fn mount_ids() -> Option<Vec<u64>> {
+    // `listmount`'s number, the same on every architecture of the kernel's common table.
+    const SYS_LISTMOUNT: libc::c_long = 458;
+    // `struct mnt_id_req`, version 0: the size, a spare word, the mount whose children are
+    // listed (`LSMT_ROOT`: the whole namespace) and the last id already had.
+    #[repr(C)]
+    struct Request {
+        size: u32,
+        spare: u32,
+        mnt_id: u64,
+        param: u64,
+    }
+    const LSMT_ROOT: u64 = u64::MAX;
+    let mut ids: Vec<u64> = Vec::with_capacity(256);
+    loop {
+        let request = Request {
+            size: std::mem::size_of::<Request>() as u32,
+            spare: 0,
+            mnt_id: LSMT_ROOT,
+            param: ids.last().copied().unwrap_or(0),
+        };
+        let room = ids.capacity() - ids.len();
+        // SAFETY: the request is a valid `mnt_id_req` of the size it says; the kernel writes at
+        // most `room` ids into the vector's spare capacity, and returns how many it wrote.
+        let ret = unsafe {
+            libc::syscall(
+                SYS_LISTMOUNT,
+                &request as *const Request,
+                ids.as_mut_ptr().add(ids.len()),
+                room,
+                0u32,
+            )
+        };
+        let got = usize::try_from(check(ret).ok()?).ok()?.min(room);
+        // SAFETY: the kernel initialized `got` more ids (no more than there was room for).
+        unsafe { ids.set_len(ids.len() + got) };
+        if got < room {
+            return Some(ids);
+        }
+        ids.reserve(ids.len());
+    }
+}
+
 /// Reads a file of the kernel's (`/proc`, `/sys`) whole, in one read where it fits 16 KiB: such
 /// a file says its size is 0, and `fs::read_to_string` would read it in growing steps from 32
 /// bytes (nine reads for this host's `/proc/self/mountinfo`).
