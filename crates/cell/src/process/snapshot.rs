@@ -1350,13 +1350,21 @@ fn swap_in(layer: &Layer, name: &str) -> Result<(), SnapshotError> {
 /// Removes a discarded layer directory in a child process, so that the caller does not wait
 /// for thousands of unlinks; a leftover goes with the layer when the cell is removed. A small
 /// thread reaps the child when it is done, so that a daemon that removes layers all day keeps
-/// no zombies.
+/// no zombies. A file system of the layer's own that is still mounted is let go of first: a
+/// look at the layer (its changes) may have mounted it again between its owner's unmount and
+/// the move out of the way, and its removal would then delete the image under the mount, which
+/// stayed on the host for good (one cell in 18 whose daemon deleted it at once).
 pub(super) fn remove_in_background(dir: PathBuf) {
+    let remove = |dir: PathBuf| {
+        let layer = Layer::at(dir);
+        let _ = layer.detach();
+        let _ = layer.remove_tree();
+    };
     match sys::clone_process(0) {
         Ok(0) => {
             // Let go of the caller's stdio, so that nobody waits on this child's pipes.
             sys::stdio_to_null();
-            let _ = Layer::at(dir).remove_tree();
+            remove(dir);
             sys::exit_now(0);
         }
         Ok(child) => {
@@ -1367,9 +1375,7 @@ pub(super) fn remove_in_background(dir: PathBuf) {
                     let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(child), None);
                 });
         }
-        Err(_) => {
-            let _ = Layer::at(dir).remove_tree();
-        }
+        Err(_) => remove(dir),
     }
 }
 
@@ -2061,5 +2067,42 @@ mod tests {
         assert!(!gone.exists(), "a killed process's tree is left");
         assert!(live.exists(), "a live process's tree was taken");
         assert!(list(&store).is_empty());
+    }
+
+    /// A layer whose file system of its own is mounted when it is moved out of the way (mounted
+    /// again by a look at its changes after its owner's unmount) is let go of by the remover,
+    /// not left mounted on a deleted image.
+    #[test]
+    fn the_remover_unmounts_a_layer_moved_out_while_mounted() {
+        if !nix::unistd::geteuid().is_root() || super::super::disk::unavailable().is_some() {
+            eprintln!("skipped: needs root and loop devices");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let store = Store::open(tmp.path().join("state")).unwrap();
+        let layer = store.layer("c");
+        fs::create_dir_all(layer.dir()).unwrap();
+        super::super::disk::create(&layer, &tmp.path().join("templates"), 64 << 20).unwrap();
+        assert!(layer.is_attached());
+        fs::write(layer.fs_dir().join("kept.txt"), "x").unwrap();
+        let gone = layer.dir().with_file_name(".gone-c-1");
+        fs::rename(layer.dir(), &gone).unwrap();
+        let mounted = || {
+            fs::read_to_string("/proc/self/mountinfo")
+                .unwrap()
+                .contains(&*gone.to_string_lossy())
+        };
+        assert!(mounted());
+        remove_in_background(gone.clone());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while (gone.exists() || mounted()) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let leaked = mounted();
+        if leaked {
+            let _ = rustix::mount::unmount(gone.join("fs"), rustix::mount::UnmountFlags::DETACH);
+        }
+        assert!(!leaked, "the layer's file system is still mounted");
+        assert!(!gone.exists(), "the layer's directory is still there");
     }
 }
