@@ -230,7 +230,7 @@ fn machine() -> String {
         .map_or("?".to_owned(), |s| s.trim_matches('"').to_owned());
     let kernel = read("/proc/sys/kernel/osrelease").trim().to_owned();
     // Every new mount namespace copies the host's mount table: sandboxes' cold starts grow
-    // with it (41 tmpfs mounts added here: bwrap's 0.48 ms slower, a cell's alike).
+    // with it (41 tmpfs mounts added here: bwrap's 0.48 ms slower; a cell's, not measurably).
     let mounts = read("/proc/self/mountinfo").lines().count();
     let mut out = format!(
         "## Machine\n\n| | |\n|---|---|\n| CPU | {cpu}, {cores} cores |\n| memory | {memory} |\n| system | {os}, Linux {kernel} |\n| host mounts | {mounts} (each new mount namespace copies them) |\n| user | {} |\n| run | {} |\n\n",
