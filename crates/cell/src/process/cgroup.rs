@@ -102,6 +102,9 @@ pub fn discover_cached(cache: &Path) -> Vec<Hierarchy> {
     let cached = namespace.as_ref().and_then(|key| {
         let text = fs::read(cache).ok()?;
         let cached: MountsCache = serde_json::from_slice(&text).ok()?;
+        if &cached.namespace != key {
+            return None;
+        }
         // A mount moved elsewhere keeps its id: each is checked to be a cgroup file system
         // of its kind still (a `statfs` each).
         let still = cached.mounts.iter().all(|mount| {
@@ -111,7 +114,7 @@ pub fn discover_cached(cache: &Path) -> Vec<Hierarchy> {
             };
             rustix::fs::statfs(&mount.path).is_ok_and(|fs| fs.f_type as u64 == magic)
         });
-        (&cached.namespace == key && still).then_some(cached.mounts)
+        still.then_some(cached.mounts)
     });
     if let Some(mounts) = cached {
         return discover_from_mounts(&mounts, &own);
@@ -131,7 +134,10 @@ pub fn discover_cached(cache: &Path) -> Vec<Hierarchy> {
         };
         if let Ok(text) = serde_json::to_vec(&entry) {
             let tmp = cache.with_extension(format!("tmp-{}", std::process::id()));
-            if fs::write(&tmp, text).is_ok() && fs::rename(&tmp, cache).is_err() {
+            if fs::write(&tmp, text)
+                .and_then(|()| fs::rename(&tmp, cache))
+                .is_err()
+            {
                 let _ = fs::remove_file(&tmp);
             }
         }
