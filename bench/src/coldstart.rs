@@ -184,14 +184,7 @@ fn time_once(argv: &[String]) -> Result<Duration> {
     if argv[0] == "setpriv" {
         // Rootless runs keep their state where `nobody` may create it.
         command
-            .env(
-                "WARDEN_RUNTIME_DIR",
-                std::env::temp_dir().join("warden-bench-nobody"),
-            )
-            .env(
-                "WARDEN_STATE_DIR",
-                std::env::temp_dir().join("warden-bench-nobody-state"),
-            )
+            .envs(warden_bench::nobody_env())
             .env_remove("XDG_RUNTIME_DIR");
     }
     let status = command

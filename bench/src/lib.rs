@@ -29,6 +29,17 @@ macro_rules! tell {
     }};
 }
 
+/// Where a rootless run as `nobody` keeps its runtime and state folders (where `nobody` may
+/// make them): the environment `coldstart` and `order-startup` give such a run, with
+/// `XDG_RUNTIME_DIR` (root's) removed.
+pub fn nobody_env() -> [(&'static str, PathBuf); 2] {
+    let tmp = std::env::temp_dir();
+    [
+        ("WARDEN_RUNTIME_DIR", tmp.join("warden-bench-nobody")),
+        ("WARDEN_STATE_DIR", tmp.join("warden-bench-nobody-state")),
+    ]
+}
+
 /// The `p`th percentile of `samples` (sorted in place).
 pub fn percentile(samples: &mut [Duration], p: f64) -> Duration {
     samples.sort();

@@ -65,17 +65,17 @@ fn run() -> Result<()> {
     let args = args()?;
     let warden = std::fs::canonicalize(&args.warden)
         .with_context(|| format!("the build to sample, {}", args.warden.display()))?;
-    let symbols = Command::new("nm")
+    // (`nm` says "no symbols" of a stripped binary, but ends with success.)
+    let sections = Command::new("readelf")
+        .args(["-S", "-W"])
         .arg(&warden)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
+        .stderr(Stdio::inherit())
         .output()
-        .context("running nm (binutils)")?;
-    if !symbols.status.success() {
+        .context("running readelf (binutils)")?;
+    if !String::from_utf8_lossy(&sections.stdout).contains(" .symtab ") {
         bail!(
-            "{} has no symbols (a release build keeps them; see Cargo.toml): {}",
-            warden.display(),
-            String::from_utf8_lossy(&symbols.stderr).trim()
+            "{} has no symbol table (a release build keeps it; see Cargo.toml)",
+            warden.display()
         );
     }
     let dir = std::env::temp_dir().join(format!("warden-order-{}", std::process::id()));
@@ -102,15 +102,16 @@ fn run() -> Result<()> {
 /// folders where `nobody` may make them, as `coldstart` runs it) where this runs as root. Each
 /// is tried once first, so that a run that fails says why.
 fn sample(warden: &Path, runs: u32, data: &Path) -> Result<()> {
-    let quoted = format!("'{}'", warden.display().to_string().replace('\'', r"'\''"));
+    let quoted = quote(&warden.display().to_string());
     let mut scenarios = vec![format!("{quoted} run -- true")];
     if rustix::process::geteuid().is_root() {
-        let tmp = std::env::temp_dir();
+        let env: String = warden_bench::nobody_env()
+            .iter()
+            .map(|(name, dir)| format!("{name}={} ", quote(&dir.display().to_string())))
+            .collect();
         scenarios.push(format!(
-            "env -u XDG_RUNTIME_DIR WARDEN_RUNTIME_DIR='{}' WARDEN_STATE_DIR='{}' \
-             setpriv --reuid=65534 --regid=65534 --clear-groups -- {quoted} run -- true",
-            tmp.join("warden-bench-nobody").display(),
-            tmp.join("warden-bench-nobody-state").display(),
+            "env -u XDG_RUNTIME_DIR {env}\
+             setpriv --reuid=65534 --regid=65534 --clear-groups -- {quoted} run -- true"
         ));
     }
     for scenario in &scenarios {
@@ -144,6 +145,11 @@ fn sample(warden: &Path, runs: u32, data: &Path) -> Result<()> {
         bail!("sampling the runs failed ({status}): see above");
     }
     Ok(())
+}
+
+/// `text` as one word of the shell.
+fn quote(text: &str) -> String {
+    format!("'{}'", text.replace('\'', r"'\''"))
 }
 
 /// The functions of `warden` seen in the samples (see `order_of`).
