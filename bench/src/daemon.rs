@@ -3,7 +3,9 @@
 //! entries per second with fsync.
 //!
 //! `cargo build --release --workspace && target/release/daemon-bench [--runs N] [--cells N]`
-//! (as root, for cgroups and runsc).
+//! (as root, for cgroups and runsc). `--exec-only` stops after the exec round trip;
+//! `--baseline PATH` runs a second daemon from another `warden` binary beside the first and
+//! interleaves its exec round trips with the others (a change's own effect on this noisy host).
 
 use std::io::{BufRead as _, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -22,6 +24,8 @@ struct Args {
     runs: usize,
     cells: usize,
     entries: usize,
+    exec_only: bool,
+    baseline: Option<PathBuf>,
 }
 
 fn args() -> Result<Args> {
@@ -29,9 +33,26 @@ fn args() -> Result<Args> {
         runs: 200,
         cells: 100,
         entries: 200_000,
+        exec_only: false,
+        baseline: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
+        match arg.as_str() {
+            "--exec-only" => {
+                out.exec_only = true;
+                continue;
+            }
+            "--baseline" => {
+                let path = PathBuf::from(it.next().context("a warden binary must follow")?);
+                if !path.is_file() {
+                    bail!("--baseline {}: no such file", path.display());
+                }
+                out.baseline = Some(path);
+                continue;
+            }
+            _ => {}
+        }
         let mut value = || -> Result<usize> {
             it.next()
                 .context("a number must follow")?
@@ -42,7 +63,9 @@ fn args() -> Result<Args> {
             "--runs" => out.runs = value()?,
             "--cells" => out.cells = value()?,
             "--entries" => out.entries = value()?,
-            other => bail!("unknown argument {other}; use --runs N --cells N --entries N"),
+            other => bail!(
+                "unknown argument {other}; use --runs N --cells N --entries N --exec-only --baseline PATH"
+            ),
         }
     }
     Ok(out)
@@ -435,7 +458,37 @@ fn main() -> Result<()> {
     // Interleaved, one of each per round, so that all see the same moments of a noisy host.
     let (mut api, mut plain, mut mcp) = (Vec::new(), Vec::new(), Vec::new());
     let mut session = McpSession::open(&daemon.socket)?;
+    let mut baseline = match &args.baseline {
+        Some(binary) => {
+            warden_bench::settle(binary)?;
+            let dir = dir.join("baseline");
+            std::fs::create_dir_all(&dir)?;
+            let other = Daemon::start(binary, &dir, &[])?;
+            let (status, raw) = request(&other.socket, "POST", "/v1/cells", r#"{"name":"bench"}"#)?;
+            if status != 201 {
+                bail!("creating a cell in the baseline's daemon failed: {raw}");
+            }
+            Some((other, Vec::new()))
+        }
+        None => None,
+    };
     for i in 0..args.runs + 10 {
+        if let Some((other, samples)) = &mut baseline {
+            let start = Instant::now();
+            let (status, raw) = request(
+                &other.socket,
+                "POST",
+                "/v1/cells/bench/exec",
+                r#"{"argv":["true"]}"#,
+            )?;
+            let took = start.elapsed();
+            if status != 200 || !raw.contains("event: exit") {
+                bail!("exec in the baseline's daemon failed: {raw}");
+            }
+            if i >= 10 {
+                samples.push(took);
+            }
+        }
         let start = Instant::now();
         let answer = session.call(
             "tools/call",
@@ -468,11 +521,22 @@ fn main() -> Result<()> {
     rows.push(("warden exec (API, unix socket)".to_owned(), api));
     rows.push(("warden exec (MCP tool, one session)".to_owned(), mcp));
     rows.push(("fork/exec on the host".to_owned(), plain));
-    if let Some(samples) = runsc_exec(args.runs.min(100))? {
+    if let Some((other, samples)) = baseline {
+        rows.push(("baseline exec (API, unix socket)".to_owned(), samples));
+        drop(other);
+    }
+    if !args.exec_only
+        && let Some(samples) = runsc_exec(args.runs.min(100))?
+    {
         rows.push(("runsc exec (running gVisor container)".to_owned(), samples));
     }
     table(&mut rows, "median/warden");
     let exec_median = percentile(&mut rows[0].1.clone(), 0.5);
+    if args.exec_only {
+        drop(daemon);
+        let _ = std::fs::remove_dir_all(&dir);
+        return Ok(());
+    }
 
     warden_bench::say!(
         "\nthe warden's agent loop, per turn ({} turns of one exec of `true`; a model server that answers at once, Chat Completions streamed)",

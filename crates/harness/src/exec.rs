@@ -14,6 +14,17 @@ use crate::process::{self, Process};
 use crate::{CellFailure, ExecError, ExecSpec, Harness, HarnessError, TtySize};
 use crate::{ExitInfo, ExitReason, ProcessInfo};
 
+/// What the task that started a process watches until its end.
+struct Watch {
+    process: Arc<Process>,
+    events: Events,
+    outputs: process::Outputs,
+    begun: Instant,
+    timeout_ms: Option<u64>,
+    start_seq: u64,
+    oom_before: Option<u64>,
+}
+
 impl Harness {
     /// Starts a process in a running cell. Its output and ending are read through the returned
     /// process; the journal has its start before it runs and its end once it ended.
@@ -40,12 +51,19 @@ impl Harness {
         let harness = Arc::clone(self);
         let name = name.to_owned();
         let background = spec.background;
+        // The same task then watches the process to its end (one task per exec, not two).
         tokio::spawn(async move {
-            let started = harness.start(&name, spec, then, &tx).await;
+            let (started, watch) = match harness.start(&name, spec, then, &tx).await {
+                Ok((process, watch)) => (Ok(process), watch),
+                Err(err) => (Err(err), None),
+            };
             if let Err(Ok(process)) = tx.send(started)
                 && !background
             {
                 process.signal(libc::SIGKILL).await;
+            }
+            if let Some(watch) = watch {
+                harness.monitor(watch).await;
             }
         });
         rx.await
@@ -58,7 +76,7 @@ impl Harness {
         spec: ExecSpec,
         then: Option<crate::once::Then>,
         caller: &tokio::sync::oneshot::Sender<Result<Arc<Process>, HarnessError>>,
-    ) -> Result<Arc<Process>, HarnessError> {
+    ) -> Result<(Arc<Process>, Option<Watch>), HarnessError> {
         let (cell, mut status) = self.live_with_status(name)?;
         let (idle_paused, controlled) = self
             .live
@@ -126,10 +144,21 @@ impl Harness {
         }
         let oom_before = cell.oom_kills();
         let id = self.next_process.fetch_add(1, Ordering::Relaxed);
+        let pipe = || {
+            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+                .map_err(|e| ExecError::Failed(format!("creating pipes: {e}")))
+        };
+        // Pipes, or nothing when the cell makes a terminal (its master comes back).
+        let pipes = if spec.tty.is_none() {
+            Some((pipe()?, pipe()?, pipe()?))
+        } else {
+            None
+        };
         // The start is in the journal's file before the process starts; the fdatasync that makes
-        // it durable overlaps the start, and nothing is acknowledged before it is done.
-        let durable = self
-            .record_ahead(
+        // it durable runs here once the request is on its way to the cell (overlapping the
+        // process's start), and nothing is acknowledged before it is done.
+        let mut durable = self
+            .record_led(
                 Some(name),
                 "exec.start",
                 json!({
@@ -148,16 +177,6 @@ impl Harness {
             id,
             &json!({ "cell": name, "argv": spec.argv, "start_seq": started.seq }),
         );
-        let pipe = || {
-            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
-                .map_err(|e| ExecError::Failed(format!("creating pipes: {e}")))
-        };
-        // Pipes, or nothing when the cell makes a terminal (its master comes back).
-        let pipes = if spec.tty.is_none() {
-            Some((pipe()?, pipe()?, pipe()?))
-        } else {
-            None
-        };
         let (ours, theirs) = match pipes {
             Some(((stdin_r, stdin_w), (stdout_r, stdout_w), (stderr_r, stderr_w))) => (
                 Some((stdin_w, stdout_r, stderr_r)),
@@ -179,9 +198,11 @@ impl Harness {
         // answer is awaited on the runtime.
         let opened = async {
             let stdio = theirs.as_ref().map(|[a, b, c]| [a, b, c]);
-            let session = cell.exec(&request, stdio)?;
+            let session = cell.exec(&request, stdio);
             drop(theirs);
-            let events = Events::new(Arc::clone(&session), name)?;
+            durable.lead(self);
+            let session = session?;
+            let events = Events::new(Arc::clone(&session), name);
             let (first, fds) = events.next().await?;
             Ok::<_, CellError>((session, events, first, fds))
         }
@@ -246,7 +267,7 @@ impl Harness {
                 // Listed like any other: its id can be looked up, waited for and read.
                 self.remember(name, &process);
                 self.forget_old(name);
-                return Ok(process);
+                return Ok((process, None));
             }
             other => {
                 return Err(
@@ -307,59 +328,60 @@ impl Harness {
             // A foreground terminal given no input: its end of input (a pipe's was closed).
             let _ = process.write_stdin(&[], true).await;
         }
-        let harness = Arc::clone(self);
-        let monitored = Arc::clone(&process);
-        tokio::spawn(async move {
-            harness
-                .monitor(
-                    monitored,
-                    events,
-                    outputs,
-                    begun,
-                    spec.timeout_ms,
-                    (started.seq, oom_before),
-                )
-                .await;
-        });
-        Ok(process)
+        let watch = Watch {
+            process: Arc::clone(&process),
+            events,
+            outputs,
+            begun,
+            timeout_ms: spec.timeout_ms,
+            start_seq: started.seq,
+            oom_before,
+        };
+        Ok((process, Some(watch)))
     }
 
     /// Relays a process's output into its log, waits for its end, and journals it.
-    async fn monitor(
-        self: Arc<Self>,
-        process: Arc<Process>,
-        events: Events,
-        outputs: process::Outputs,
-        begun: Instant,
-        timeout_ms: Option<u64>,
-        (start_seq, oom_before): (u64, Option<u64>),
-    ) {
+    async fn monitor(self: Arc<Self>, watch: Watch) {
+        let Watch {
+            process,
+            events,
+            outputs,
+            begun,
+            timeout_ms,
+            start_seq,
+            oom_before,
+        } = watch;
+        // The output is read in this task too: the process's end closes its pipes as the
+        // init learns of it, and the two wake this one task.
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let readers = outputs.start(&process, &stop);
+        let reading = outputs.read(&process, &stop);
+        tokio::pin!(reading);
+        let mut read_all = false;
+        let last = events.last();
+        tokio::pin!(last);
+        let deadline = timeout_ms.map(|ms| tokio::time::Instant::now() + Duration::from_millis(ms));
         let mut timed_out = false;
-        let ended = match timeout_ms {
-            Some(ms) => {
-                let last = events.last();
-                tokio::pin!(last);
-                tokio::select! {
-                    ended = &mut last => ended,
-                    () = tokio::time::sleep(Duration::from_millis(ms)) => {
-                        timed_out = true;
-                        process.signal(libc::SIGKILL).await;
-                        last.await
-                    }
+        let ended = loop {
+            tokio::select! {
+                ended = &mut last => break ended,
+                () = &mut reading, if !read_all => read_all = true,
+                () = tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)),
+                    if deadline.is_some() && !timed_out =>
+                {
+                    timed_out = true;
+                    process.signal(libc::SIGKILL).await;
                 }
             }
-            None => events.last().await,
         };
         // Output written just before the end is still in the pipes: drain it (bounded, since
-        // a process the exec started in the background may hold them open).
-        let drained_by = tokio::time::Instant::now() + Duration::from_secs(2);
-        for reader in readers {
-            let abort = reader.abort_handle();
-            if tokio::time::timeout_at(drained_by, reader).await.is_err() {
-                abort.abort();
-            }
+        // a process the exec started in the background may hold them open; a terminal's
+        // reader is then told to stop).
+        if !read_all
+            && tokio::time::timeout(Duration::from_secs(2), &mut reading)
+                .await
+                .is_err()
+        {
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
         }
         // The init told the process's end (and a cell that ends with it is ending).
         let told_end = matches!(
@@ -646,7 +668,12 @@ pub(crate) fn spec_limit(process: &Process) -> u64 {
 
 /// The events of one exec'd process, awaited on the runtime: no thread waits for a process.
 pub(crate) struct Events {
-    socket: AsyncFd<Watched>,
+    session: Arc<dyn Session>,
+    cell: String,
+    /// Registered with the runtime's reactor the first time an event is not there yet: the
+    /// `started` that came while the start's journal entry was synced is read without it (a
+    /// socket registered with a message waiting wakes the thread that waits on the reactor).
+    socket: tokio::sync::OnceCell<AsyncFd<Watched>>,
 }
 
 /// A session, watched by the runtime's reactor through its descriptor.
@@ -659,30 +686,52 @@ impl std::os::fd::AsRawFd for Watched {
 }
 
 impl Events {
+    pub(crate) fn new(session: Arc<dyn Session>, cell: &str) -> Self {
+        Self {
+            session,
+            cell: cell.to_owned(),
+            socket: tokio::sync::OnceCell::new(),
+        }
+    }
+
     // The one `unsafe` outside the cell tier's `sys.rs`: registering a descriptor with the
     // runtime's reactor.
     #[allow(unsafe_code)]
-    pub(crate) fn new(session: Arc<dyn Session>, cell: &str) -> Result<Self, CellError> {
-        // SAFETY: the session owns its descriptor and closes it only when dropped; the `Arc`
-        // given to the registration keeps the session alive, so the descriptor stays open (and
-        // the same) until the registration is dropped.
-        let registered = unsafe {
-            AsyncFd::register_with_interest(Watched(session), tokio::io::Interest::READABLE)
-        };
-        let socket = registered.map_err(|err| {
-            CellError::Host(format!(
-                "watching the exec channel of cell `{cell}`: {}",
-                err.into_parts().1
-            ))
-        })?;
-        Ok(Self { socket })
+    async fn registered(&self) -> Result<&AsyncFd<Watched>, CellError> {
+        self.socket
+            .get_or_try_init(|| async {
+                // SAFETY: the session owns its descriptor and closes it only when dropped; the
+                // `Arc` given to the registration keeps the session alive, so the descriptor
+                // stays open (and the same) until the registration is dropped.
+                let registered = unsafe {
+                    AsyncFd::register_with_interest(
+                        Watched(Arc::clone(&self.session)),
+                        tokio::io::Interest::READABLE,
+                    )
+                };
+                registered.map_err(|err| {
+                    CellError::Host(format!(
+                        "watching the exec channel of cell `{}`: {}",
+                        self.cell,
+                        err.into_parts().1
+                    ))
+                })
+            })
+            .await
     }
 
     /// The next event and the descriptors that came with it.
     async fn next(&self) -> Result<(ExecEvent, Vec<std::os::fd::OwnedFd>), CellError> {
+        if !self.socket.initialized() {
+            // One that comes between this look and the registration is not missed: a socket
+            // registered while readable is reported ready at once.
+            if let Some(event) = self.session.try_next_event()? {
+                return Ok(event);
+            }
+        }
+        let socket = self.registered().await?;
         loop {
-            let mut ready = self
-                .socket
+            let mut ready = socket
                 .readable()
                 .await
                 .map_err(|e| CellError::Host(format!("waiting for exec events: {e}")))?;

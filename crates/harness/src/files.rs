@@ -131,8 +131,7 @@ impl Harness {
             .file_op(&root, &op, [&stdin_r, &stdout_w, &stderr_w])
             .map_err(|e| HarnessError::from(FilesError::State(e.to_string())))?;
         drop((stdin_r, stdout_w, stderr_w));
-        let events = Events::new(Arc::clone(&session), name)
-            .map_err(|e| HarnessError::from(FilesError::Failed(e.to_string())))?;
+        let events = Events::new(Arc::clone(&session), name);
         let io_error = |e: std::io::Error| {
             HarnessError::from(FilesError::Failed(format!("file operation: {e}")))
         };

@@ -54,57 +54,65 @@ pub(crate) enum Outputs {
 }
 
 impl Outputs {
-    /// Starts copying output into the process's log; `stop` ends a terminal reader that a
-    /// left-behind process of the cell keeps open.
-    pub(crate) fn start(
+    /// Copies output into the process's log, to the end of every pipe (or of the terminal);
+    /// `stop` ends a terminal reader that a left-behind process of the cell keeps open. The
+    /// pipes are read by the returned future itself, so that the task that awaits it is the
+    /// one woken when they close; a terminal by a blocking thread, whose end it awaits.
+    pub(crate) fn read(
         self,
         process: &Arc<Process>,
         stop: &Arc<AtomicBool>,
-    ) -> Vec<tokio::task::JoinHandle<()>> {
-        match self {
-            Self::Pipes([stdout, stderr]) => [(Stream::Stdout, stdout), (Stream::Stderr, stderr)]
-                .into_iter()
-                .map(|(stream, fd)| {
-                    let process = Arc::clone(process);
-                    tokio::spawn(async move {
-                        use tokio::io::AsyncReadExt as _;
-                        let Ok(mut pipe) = tokio::net::unix::pipe::Receiver::from_owned_fd(fd)
-                        else {
-                            return;
-                        };
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let process = Arc::clone(process);
+        let stop = Arc::clone(stop);
+        async move {
+            match self {
+                Self::Pipes([stdout, stderr]) => {
+                    tokio::join!(
+                        copy_pipe(Stream::Stdout, stdout, &process),
+                        copy_pipe(Stream::Stderr, stderr, &process)
+                    );
+                }
+                Self::Tty(master) => {
+                    let _ = tokio::task::spawn_blocking(move || {
+                        use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
                         let mut buf = vec![0u8; 64 * 1024];
-                        while let Ok(n) = pipe.read(&mut buf).await {
-                            if n == 0 {
-                                break;
+                        while !stop.load(Ordering::Relaxed) {
+                            let mut fds = [PollFd::new(master.as_fd(), PollFlags::POLLIN)];
+                            match poll(&mut fds, PollTimeout::from(200u16)) {
+                                Ok(0) | Err(nix::Error::EINTR) => continue,
+                                Ok(_) => {}
+                                Err(_) => break,
                             }
-                            process.push(stream, &buf[..n]);
+                            match nix::unistd::read(master.as_fd(), &mut buf) {
+                                Ok(0) => break,
+                                Ok(n) => process.push(Stream::Stdout, &buf[..n]),
+                                Err(nix::Error::EINTR | nix::Error::EAGAIN) => continue,
+                                // EIO: every holder of the terminal's slave side is gone.
+                                Err(_) => break,
+                            }
                         }
                     })
-                })
-                .collect(),
-            Self::Tty(master) => {
-                let process = Arc::clone(process);
-                let stop = Arc::clone(stop);
-                vec![tokio::task::spawn_blocking(move || {
-                    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
-                    let mut buf = vec![0u8; 64 * 1024];
-                    while !stop.load(Ordering::Relaxed) {
-                        let mut fds = [PollFd::new(master.as_fd(), PollFlags::POLLIN)];
-                        match poll(&mut fds, PollTimeout::from(200u16)) {
-                            Ok(0) | Err(nix::Error::EINTR) => continue,
-                            Ok(_) => {}
-                            Err(_) => break,
-                        }
-                        match nix::unistd::read(master.as_fd(), &mut buf) {
-                            Ok(0) => break,
-                            Ok(n) => process.push(Stream::Stdout, &buf[..n]),
-                            Err(nix::Error::EINTR | nix::Error::EAGAIN) => continue,
-                            // EIO: every holder of the terminal's slave side is gone.
-                            Err(_) => break,
-                        }
-                    }
-                })]
+                    .await;
+                }
             }
+        }
+    }
+}
+
+/// Copies one output pipe into the process's log until its end.
+async fn copy_pipe(stream: Stream, fd: OwnedFd, process: &Process) {
+    use tokio::io::AsyncReadExt as _;
+    let Ok(mut pipe) = tokio::net::unix::pipe::Receiver::from_owned_fd(fd) else {
+        return;
+    };
+    // Read into its spare room: nothing to zero first.
+    let mut buf = Vec::with_capacity(64 * 1024);
+    loop {
+        buf.clear();
+        match pipe.read_buf(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(_) => process.push(stream, &buf),
         }
     }
 }

@@ -206,6 +206,20 @@ impl Harness {
             .await
     }
 
+    /// `record_ahead` for an effect its caller starts at once: the entry's fdatasync waits for
+    /// `Durable::lead`, called once the effect's start is under way, which runs it on the
+    /// caller's thread where no round is under way (the two overlap without a wake-up of the
+    /// journal's syncer thread and back); `Durable::wait` leads where nothing did.
+    pub(crate) async fn record_led(
+        &self,
+        cell: Option<&str>,
+        kind: &str,
+        data: Value,
+    ) -> Result<Durable, HarnessError> {
+        self.record_written(cell, kind, data, warden_journal::Urgency::Led)
+            .await
+    }
+
     /// `record_ahead` for entries about one cell: all in the journal's file when this returns,
     /// and on disk in one round of the group commit when the returned `DurableAll` resolves.
     /// `Urgency::Soon`: they start no round of their own, but go with the next entry that is
@@ -257,6 +271,7 @@ impl Harness {
         let receipt = journaled(written_rx.await)?;
         Ok(Durable {
             receipt,
+            led: urgency == warden_journal::Urgency::Led,
             synced: rx,
             event: event.map(|data| (cell.map(str::to_owned), kind.to_owned(), data)),
         })
@@ -304,13 +319,24 @@ impl DurableAll {
 /// An entry in the journal's file that is still on its way to the disk.
 pub(crate) struct Durable {
     pub(crate) receipt: Receipt,
+    /// Submitted `Urgency::Led`: its round waits for `lead`.
+    led: bool,
     synced: tokio::sync::oneshot::Receiver<Result<Receipt, warden_journal::JournalError>>,
     event: Option<(Option<String>, String, Value)>,
 }
 
 impl Durable {
+    /// Takes a led entry to the disk: in this thread, blocking it for the fdatasync, where no
+    /// round is under way, else in the syncer's next round.
+    pub(crate) fn lead(&mut self, harness: &Harness) {
+        if std::mem::take(&mut self.led) {
+            harness.journal.lead();
+        }
+    }
+
     /// Waits until the entry is on disk.
-    pub(crate) async fn wait(self, harness: &Harness) -> Result<Receipt, HarnessError> {
+    pub(crate) async fn wait(mut self, harness: &Harness) -> Result<Receipt, HarnessError> {
+        self.lead(harness);
         let receipt = journaled(self.synced.await)?;
         if let Some((cell, kind, data)) = self.event {
             harness.announce(&receipt, cell.as_deref(), &kind, Some(data));

@@ -66,6 +66,9 @@ pub enum Urgency {
     Waited,
     /// Nothing waits on it: no fdatasync of its own (see `Journal::submit_ahead`).
     Soon,
+    /// Something waits on it, and the caller leads its round itself (`Journal::lead`) once the
+    /// work that may overlap the fdatasync is under way: the syncer is not woken for it.
+    Led,
 }
 
 /// Proof that an entry is on disk.
@@ -84,9 +87,8 @@ struct Pending {
     /// Called once the entry is in the file, before the fdatasync that makes it durable.
     written: Option<Ack>,
     ack: Ack,
-    /// Nothing waits on its fdatasync: it goes to the disk with the next entry that is waited
-    /// for, or within `SOON_WITHIN`.
-    soon: bool,
+    /// How soon it must reach the disk (`Waited` for an entry submitted not ahead).
+    urgency: Urgency,
 }
 
 /// An open journal. Appends from any thread; dropping it writes a last checkpoint.
@@ -320,7 +322,7 @@ impl Journal {
             data,
             written: None,
             ack: Box::new(ack),
-            soon: false,
+            urgency: Urgency::Waited,
         });
     }
 
@@ -346,8 +348,30 @@ impl Journal {
             data,
             written: Some(Box::new(written)),
             ack: Box::new(ack),
-            soon: urgency == Urgency::Soon,
+            urgency,
         });
+    }
+
+    /// Takes entries submitted `Urgency::Led` to the disk: when no round of the group commit
+    /// is under way, the calling thread runs one itself (and their acknowledgements are called
+    /// before this returns); else the syncer takes them in its next round. Nothing is done
+    /// when no entry that is waited for is left (a round took them already).
+    pub fn lead(&self) {
+        let Ok(shared) = self.shared() else {
+            return;
+        };
+        let Ok(state) = shared.state.lock() else {
+            return;
+        };
+        if state.urgent == 0 {
+            return;
+        }
+        if state.syncing {
+            drop(state);
+            self.wake();
+        } else {
+            shared.sync_round(state);
+        }
     }
 
     /// Like `submit`, but when no round of the group commit is under way, the calling thread
@@ -496,8 +520,9 @@ impl Journal {
             data,
             written,
             ack,
-            soon,
+            urgency,
         } = pending;
+        let soon = urgency == Urgency::Soon;
         let shared = match self.shared() {
             Ok(shared) => shared,
             Err(err) => {
@@ -511,10 +536,11 @@ impl Journal {
             Ok(mut state) => match state.append(cell, kind, data, written.is_some()) {
                 Ok(receipt) => {
                     // The syncer is woken for an entry that is waited for, and for the first
-                    // of those that are not (so that it knows how long it may sleep).
+                    // of those that are not (so that it knows how long it may sleep); one
+                    // submitted `Led` wakes nobody: its caller leads its round.
                     let first_soon = soon && state.unsynced.is_empty();
                     state.wait_for_disk(receipt.clone(), ack, soon);
-                    Ok((receipt, !soon || first_soon))
+                    Ok((receipt, urgency == Urgency::Waited || first_soon))
                 }
                 Err(err) => Err((err, ack)),
             },
@@ -1539,6 +1565,58 @@ mod tests {
         assert_eq!(rx.recv().unwrap().1, "written");
         let (kind, what, _) = rx.recv_timeout(Duration::from_secs(5)).unwrap();
         assert_eq!((kind, what), ("t.alone", "durable"));
+    }
+
+    #[test]
+    fn an_entry_submitted_led_waits_for_its_lead_which_syncs_it_in_the_callers_thread() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path()).unwrap();
+        let (tx, rx) = mpsc::channel();
+        let led = |kind: &'static str| {
+            let (written, durable) = (tx.clone(), tx.clone());
+            journal.submit_ahead(
+                None,
+                kind,
+                json!({}),
+                Urgency::Led,
+                move |r| {
+                    let _ = written.send((kind, "written", std::thread::current().id(), r.is_ok()));
+                },
+                move |r| {
+                    let _ = durable.send((kind, "durable", std::thread::current().id(), r.is_ok()));
+                },
+            );
+        };
+        let here = std::thread::current().id();
+        // The syncer settles after the open's first round.
+        journal.append(None, "t.first", json!({})).unwrap();
+        led("t.start");
+        assert_eq!(rx.recv().unwrap(), ("t.start", "written", here, true));
+        // Nobody was woken for it: it waits for its lead (the syncer would have taken an entry
+        // submitted `Waited` at once).
+        let early = rx.recv_timeout(Duration::from_millis(300));
+        assert!(
+            early.is_err(),
+            "an entry submitted led was synced before its lead: {early:?}"
+        );
+        // The lead syncs it in this thread, before it returns.
+        journal.lead();
+        assert_eq!(rx.try_recv(), Ok(("t.start", "durable", here, true)));
+        // A lead that finds nothing waiting does nothing.
+        journal.lead();
+        assert!(rx.try_recv().is_err());
+        // A round started by another entry that is waited for takes a led one with it.
+        led("t.other");
+        assert_eq!(rx.recv().unwrap().1, "written");
+        let waited = journal.append(None, "t.effect", json!({})).unwrap();
+        let (kind, what, _, ok) = rx
+            .try_recv()
+            .expect("a led entry was not on disk with the next round");
+        assert_eq!((kind, what, ok), ("t.other", "durable", true));
+        journal.lead();
+        assert!(rx.try_recv().is_err(), "{waited:?}");
+        let report = crate::verify(dir.path(), None).unwrap();
+        assert!(report.entries >= 4, "{report:?}");
     }
 
     /// A cell's create and start submitted as one batch ahead: their receipts, and where the

@@ -268,7 +268,7 @@ fn spawn(
     argv: &[OsString],
     env: &[(OsString, OsString)],
     cwd: &std::path::Path,
-    stdio: Option<[OwnedFd; 3]>,
+    stdio: Option<&[OwnedFd; 3]>,
     terminal: bool,
     landlock: Option<std::os::fd::BorrowedFd<'_>>,
 ) -> SetupResult<Pid> {
@@ -299,7 +299,15 @@ fn spawn(
             .envs(env.iter().map(|(k, v)| (k, v)))
             .current_dir(cwd);
         if let Some([stdin, stdout, stderr]) = stdio {
-            command.stdin(stdin).stdout(stdout).stderr(stderr);
+            let copy = |fd: &OwnedFd| fd.try_clone().map(std::process::Stdio::from);
+            match (copy(stdin), copy(stdout), copy(stderr)) {
+                (Ok(stdin), Ok(stdout), Ok(stderr)) => {
+                    command.stdin(stdin).stdout(stdout).stderr(stderr);
+                }
+                (Err(err), ..) | (_, Err(err), _) | (.., Err(err)) => {
+                    return Err((NOT_EXECUTABLE, format!("cannot start {shown}: {err}")));
+                }
+            }
         }
         sys::controlling_terminal_on_exec(&mut command);
         sys::unblock_signals_on_exec(&mut command);
@@ -314,9 +322,7 @@ fn spawn(
             argv,
             env,
             cwd: Some(cwd),
-            stdio: stdio
-                .as_ref()
-                .map(|[a, b, c]| [a.as_fd(), b.as_fd(), c.as_fd()]),
+            stdio: stdio.map(|[a, b, c]| [a.as_fd(), b.as_fd(), c.as_fd()]),
             landlock,
             fds: &[],
             cgroups: &[],
@@ -454,6 +460,10 @@ struct Exec {
     client: Option<OwnedFd>,
     /// The cell's last process (`ExecRequest::last`): the init exits once its end is told.
     last: bool,
+    /// The init's copies of the process's stdout and stderr, closed once its end is told: the
+    /// warden then hears the end and, where no other process holds them, the pipes' end at
+    /// once (one wake-up, not one for the pipes as the process exits and one for its end).
+    output: Option<[OwnedFd; 2]>,
 }
 
 /// Reaps every process until the command exits, then exits with its status; forwards signals;
@@ -598,6 +608,7 @@ fn supervise(
                     id,
                     client: Some(client),
                     last,
+                    output,
                 }) = execs.remove(&pid)
                 {
                     let usage = Some(Usage {
@@ -621,6 +632,7 @@ fn supervise(
                         sys::exit_now(reaped.status.unwrap_or_else(|signal| 128 + signal));
                     }
                     send_event(&client, &event, &[]);
+                    drop(output);
                 }
             }
         } else if let (Ok(signal), Some(main)) = (Signal::try_from(info.ssi_signo as i32), main) {
@@ -723,6 +735,7 @@ fn start_exec(
                         id,
                         client: Some(client),
                         last: false,
+                        output: None,
                     },
                 );
             }
@@ -759,8 +772,12 @@ fn start_exec(
     let cwd = request.cwd.map_or_else(|| plan.cwd.clone(), Into::into);
     let last = request.last;
     let argv: Vec<OsString> = request.argv.into_iter().map(Into::into).collect();
-    match spawn(&argv, &env, &cwd, Some(stdio), master.is_some(), layer) {
+    match spawn(&argv, &env, &cwd, Some(&stdio), master.is_some(), layer) {
         Ok(pid) => {
+            // A terminal's slave is let go of at once (its master reads to the end of its
+            // last holder); a pipe's stdout and stderr are kept until the end is told.
+            let [_stdin, stdout, stderr] = stdio;
+            let output = master.is_none().then_some([stdout, stderr]);
             use std::os::fd::AsRawFd as _;
             let fds: Vec<RawFd> = master.iter().map(|m| m.as_raw_fd()).collect();
             send_event(
@@ -777,6 +794,7 @@ fn start_exec(
                     id,
                     client: Some(client),
                     last,
+                    output,
                 },
             );
         }

@@ -699,7 +699,14 @@ pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
     };
     // What the child failed at, if it did: it shares this memory until it execs or exits.
     let failed = AtomicI32::new(0);
-    let mut stack = ChildStack::map(CHILD_STACK)?;
+    let mut stack = match SPARE_STACK
+        .try_lock()
+        .ok()
+        .and_then(|mut spare| spare.take())
+    {
+        Some(stack) => stack,
+        None => ChildStack::map(CHILD_STACK)?,
+    };
 
     // SAFETY: the child runs on `stack`, in this process's memory (CLONE_VM) while this thread
     // is suspended (CLONE_VFORK) until it execs or exits, so everything it reads (the C strings,
@@ -786,6 +793,10 @@ pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
         );
         libc::pthread_sigmask(libc::SIG_SETMASK, &saved, std::ptr::null_mut());
         drop(copies);
+        // The child is done with its stack (it execed or exited): kept for the next spawn.
+        if let Ok(mut spare) = SPARE_STACK.try_lock() {
+            *spare = Some(stack);
+        }
         let pid = cloned.map_err(|e| io::Error::from_raw_os_error(e as i32))?;
         match failed.load(Ordering::SeqCst) {
             0 => Ok(pid.as_raw()),
@@ -801,8 +812,14 @@ pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
 /// The stack a [`spawn`] child runs on until it execs.
 const CHILD_STACK: usize = 64 * 1024;
 
-/// A stack for a vfork child, mapped for one spawn: its pages become resident only where the
-/// child touches them (two or three), and below it lies no memory of the caller's. A zeroed
+/// The stack of the last spawn, kept for the next one (a cell's init spawns every exec'd
+/// process): its mapping and the pages a child touched are made once, not at every spawn.
+/// Taken and put back with `try_lock` only, so that a process forked while another thread
+/// held it never waits on it (that spawn maps a stack of its own).
+static SPARE_STACK: std::sync::Mutex<Option<ChildStack>> = std::sync::Mutex::new(None);
+
+/// A stack for a vfork child, mapped for it: its pages become resident only where the child
+/// touches them (two or three), and below it lies no memory of the caller's. A zeroed
 /// buffer from the heap had all its 16 pages written (and, in a freshly forked init, copied)
 /// before every clone.
 struct ChildStack {
@@ -838,6 +855,10 @@ impl ChildStack {
         unsafe { std::slice::from_raw_parts_mut(self.base, self.len) }
     }
 }
+
+// SAFETY: the mapping is owned by the one `ChildStack` value that refers to it (nothing else
+// holds its address once a spawn's clone returned), so it may move to another thread.
+unsafe impl Send for ChildStack {}
 
 impl Drop for ChildStack {
     fn drop(&mut self) {

@@ -166,25 +166,21 @@ pub(super) fn stream_output(
     run: Option<(String, tokio::sync::oneshot::Receiver<Result<(), String>>)>,
 ) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
+    // A process that could not start (not found, not executable) never ran: its stream is its
+    // `exit` alone. The `started` event is in the stream before the answer goes out, so that
+    // its head and this event leave in one write (one wake-up of the client, not two).
+    if process.pid != 0 {
+        let mut started = json!({ "process": process.id, "pid": process.pid });
+        if let Some((cell, _)) = &run {
+            started["cell"] = json!(cell);
+        }
+        // The channel is new and empty: there is room.
+        let _ = tx.try_send(Ok(Event::default()
+            .event("started")
+            .data(started.to_string())));
+    }
     tokio::spawn(async move {
         let _guard = kill_on_disconnect.then(|| KillOnDrop(Arc::clone(&process)));
-        // A process that could not start (not found, not executable) never ran: its stream is
-        // its `exit` alone.
-        if process.pid != 0 {
-            let mut started = json!({ "process": process.id, "pid": process.pid });
-            if let Some((cell, _)) = &run {
-                started["cell"] = json!(cell);
-            }
-            if tx
-                .send(Ok(Event::default()
-                    .event("started")
-                    .data(started.to_string())))
-                .await
-                .is_err()
-            {
-                return;
-            }
-        }
         let mut cursor = from;
         let mut pending: [Vec<u8>; 2] = [Vec::new(), Vec::new()];
         loop {
