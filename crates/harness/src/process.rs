@@ -103,7 +103,17 @@ impl Outputs {
 /// Copies one output pipe into the process's log until its end.
 async fn copy_pipe(stream: Stream, fd: OwnedFd, process: &Process) {
     use tokio::io::AsyncReadExt as _;
-    let Ok(mut pipe) = tokio::net::unix::pipe::Receiver::from_owned_fd(fd) else {
+    // Made non-blocking with one call (the end is ours alone: the process's end is another
+    // open file, which stays blocking), not the checked conversion's three.
+    if nix::fcntl::fcntl(
+        &fd,
+        nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
+    )
+    .is_err()
+    {
+        return;
+    }
+    let Ok(mut pipe) = tokio::net::unix::pipe::Receiver::from_owned_fd_unchecked(fd) else {
         return;
     };
     // Read into its spare room: nothing to zero first.
