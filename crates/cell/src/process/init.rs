@@ -629,6 +629,9 @@ fn supervise(
                         // warden.
                         sys::end_all_others(std::time::Duration::from_secs(1));
                         send_event(&client, &event, &[]);
+                        // Closed here, not by the exit: the kernel takes the init's memory
+                        // down before its files, and the warden drains the pipes to their end.
+                        drop(output);
                         sys::exit_now(reaped.status.unwrap_or_else(|signal| 128 + signal));
                     }
                     send_event(&client, &event, &[]);
