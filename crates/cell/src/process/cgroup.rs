@@ -483,6 +483,15 @@ impl CellCgroup {
         }
     }
 
+    /// The cell's OOM counter alone, held open (`Watched::oom_kills`).
+    pub fn oom_watch(&self) -> Watched {
+        let oom = self.dir(Controller::Memory).and_then(|dir| {
+            let opened = fs::File::open(dir.path.join(oom_file(dir.version))).ok()?;
+            Some((opened, dir.version))
+        });
+        Watched { freezer: None, oom }
+    }
+
     /// Whether the cell's freezer is thawed, neither frozen nor freezing (true without a
     /// freezer, or when its state cannot be read).
     pub fn is_thawed(&self) -> bool {

@@ -37,6 +37,9 @@ pub(crate) struct Relayed {
     /// init told the command's end on its status pipe: the relay returns then, while the
     /// kernel tears the init down, and the caller reaps it.
     pub(crate) init_reaped: bool,
+    /// The cell's OOM counter, held open where the relay watched it (the memory limit):
+    /// the caller's last look at it reads it again without opening it.
+    pub(crate) oom: Option<super::cgroup::Watched>,
 }
 
 const POLICY_POLL: Duration = Duration::from_millis(100);
@@ -78,6 +81,12 @@ impl Relay<'_> {
         // Each stream is dropped (closing our end) at EOF, or when the caller stops reading it:
         // the cell's writer then gets EPIPE, as in a shell pipeline.
         let mut sources = [self.stdout.take(), self.stderr.take()];
+        // Held open for the loop's looks, each one read instead of an open, a stat, three
+        // reads and a close.
+        let oom = self
+            .memory_limit
+            .and(self.cgroup)
+            .map(CellCgroup::oom_watch);
         let mut exited: Option<(Ending, Instant)> = None;
         let mut init_reaped = false;
         let mut status = self.status.take();
@@ -102,8 +111,8 @@ impl Relay<'_> {
                     limit = Some(Ending::WallLimit { limit: wall });
                     self.kill();
                 }
-                if let (Some(cg), Some(bytes)) = (self.cgroup, self.memory_limit)
-                    && cg.oom_kills() > 0
+                if let (Some(watch), Some(bytes)) = (&oom, self.memory_limit)
+                    && watch.oom_kills() > 0
                 {
                     limit = Some(Ending::MemoryLimit { limit: bytes });
                     self.kill();
@@ -275,6 +284,7 @@ impl Relay<'_> {
                 None => Stop::Exited(ending),
             },
             init_reaped,
+            oom,
         })
     }
 }
