@@ -449,6 +449,43 @@ fn a_hundred_concurrent_exec_streams_from_twenty_cells_deliver_every_byte_in_ord
     }
 }
 
+/// One task reads both pipes of an exec, the cell's init holds its copies until it has told
+/// the end, and the end waits for the pipes' end: every byte of both streams arrives, what a
+/// process writes right before it exits included, and so does what a child it left behind
+/// writes to the same pipe a moment after, all before the `exit` that counts them.
+#[test]
+fn both_streams_arrive_whole_with_what_a_child_left_behind_writes_after_the_end() {
+    if !cgroups_available("exec_streams") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("streams"), json!({}));
+    let script = "(sleep 0.3; echo late) & seq 1 20000; seq 1 20000 >&2; echo last";
+    let events = daemon.exec(&cell, json!({ "argv": ["sh", "-c", script] }));
+    let numbers: String = (1..=20000).map(|n| format!("{n}\n")).collect();
+    let expected_out = format!("{numbers}last\nlate\n");
+    let out = stream_bytes(&events, "stdout");
+    assert!(
+        out == expected_out.as_bytes(),
+        "stdout: {} bytes, {} expected; ends with {:?}",
+        out.len(),
+        expected_out.len(),
+        String::from_utf8_lossy(&out[out.len().saturating_sub(20)..])
+    );
+    assert!(
+        stream_bytes(&events, "stderr") == numbers.as_bytes(),
+        "stderr changed"
+    );
+    let exit = exit_of(&events);
+    assert_eq!(exit["code"], 0, "{exit}");
+    assert_eq!(
+        exit["stdout_bytes"].as_u64(),
+        Some(expected_out.len() as u64)
+    );
+    assert_eq!(exit["stderr_bytes"].as_u64(), Some(numbers.len() as u64));
+    assert_eq!(events.last().map(|(event, _)| event.as_str()), Some("exit"));
+}
+
 #[test]
 fn fuzzed_api_input_gets_4xx_answers_and_leaves_the_daemon_well() {
     if !cgroups_available("daemon_fuzz") {
