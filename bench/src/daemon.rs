@@ -431,22 +431,6 @@ fn journal_rate(entries: usize, threads: usize) -> Result<(f64, Duration)> {
     ))
 }
 
-/// One exec of `true` in the cell `bench` through the API, timed to its `exit` event.
-fn timed_exec(socket: &Path) -> Result<Duration> {
-    let start = Instant::now();
-    let (status, raw) = request(
-        socket,
-        "POST",
-        "/v1/cells/bench/exec",
-        r#"{"argv":["true"]}"#,
-    )?;
-    let took = start.elapsed();
-    if status != 200 || !raw.contains("event: exit") {
-        bail!("exec failed: {raw}");
-    }
-    Ok(took)
-}
-
 fn main() -> Result<()> {
     let args = args()?;
     let warden = std::env::current_exe()?.with_file_name("warden");
@@ -490,7 +474,8 @@ fn main() -> Result<()> {
     };
     for i in 0..args.runs + 10 {
         if let Some((other, samples)) = &mut baseline {
-            let took = timed_exec(&other.socket).context("the baseline's daemon")?;
+            let took = warden_bench::timed_exec(&other.socket, "bench")
+                .context("the baseline's daemon")?;
             if i >= 10 {
                 samples.push(took);
             }
@@ -504,7 +489,7 @@ fn main() -> Result<()> {
         if !answer.contains(r#""status":0"#) {
             bail!("the MCP exec failed: {answer}");
         }
-        let took = timed_exec(&daemon.socket)?;
+        let took = warden_bench::timed_exec(&daemon.socket, "bench")?;
         let start = Instant::now();
         Command::new("true").status()?;
         let forked = start.elapsed();

@@ -220,20 +220,7 @@ fn exec_round_trip(
     .spawn()?;
     setup.runsc.wait_running(id)?;
     let (mut api, mut by_hand, mut process) = (Vec::new(), Vec::new(), Vec::new());
-    let exec = |cell: &str| -> Result<Duration> {
-        let start = Instant::now();
-        let (status, raw) = request(
-            &daemon.socket,
-            "POST",
-            &format!("/v1/cells/{cell}/exec"),
-            r#"{"argv":["true"]}"#,
-        )?;
-        let took = start.elapsed();
-        if status != 200 || !raw.contains("event: exit") {
-            bail!("exec failed: {raw}");
-        }
-        Ok(took)
-    };
+    let exec = |cell: &str| warden_bench::timed_exec(&daemon.socket, cell);
     for i in 0..runs + 3 {
         let a = exec("gv")?;
         let b = run(setup

@@ -169,6 +169,22 @@ pub fn create_exec_delete(socket: &Path, body: &str) -> Result<String> {
     Ok(name)
 }
 
+/// One exec of `true` in `cell` through a daemon's API, timed until its `exit` event is read.
+pub fn timed_exec(socket: &Path, cell: &str) -> Result<Duration> {
+    let start = Instant::now();
+    let (status, raw) = request(
+        socket,
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        r#"{"argv":["true"]}"#,
+    )?;
+    let took = start.elapsed();
+    if status != 200 || !raw.contains("event: exit") {
+        bail!("exec in cell `{cell}` failed: {raw}");
+    }
+    Ok(took)
+}
+
 /// Through a daemon's API, in one call (`POST /v1/run`): a cell made from `cell` (a create's
 /// body) runs `true` and is deleted before the answer ends; the cell's name.
 pub fn run_once(socket: &Path, cell: &str) -> Result<String> {

@@ -158,7 +158,7 @@ impl Harness {
         // it durable runs here once the request is on its way to the cell (overlapping the
         // process's start), and nothing is acknowledged before it is done.
         let mut durable = self
-            .record_led(
+            .record_written(
                 Some(name),
                 "exec.start",
                 json!({
@@ -170,6 +170,7 @@ impl Harness {
                     "background": spec.background,
                     "timeout_ms": spec.timeout_ms,
                 }),
+                warden_journal::Urgency::Led,
             )
             .await?;
         let started = durable.receipt.clone();

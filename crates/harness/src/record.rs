@@ -206,20 +206,6 @@ impl Harness {
             .await
     }
 
-    /// `record_ahead` for an effect its caller starts at once: the entry's fdatasync waits for
-    /// `Durable::lead`, called once the effect's start is under way, which runs it on the
-    /// caller's thread where no round is under way (the two overlap without a wake-up of the
-    /// journal's syncer thread and back); `Durable::wait` leads where nothing did.
-    pub(crate) async fn record_led(
-        &self,
-        cell: Option<&str>,
-        kind: &str,
-        data: Value,
-    ) -> Result<Durable, HarnessError> {
-        self.record_written(cell, kind, data, warden_journal::Urgency::Led)
-            .await
-    }
-
     /// `record_ahead` for entries about one cell: all in the journal's file when this returns,
     /// and on disk in one round of the group commit when the returned `DurableAll` resolves.
     /// `Urgency::Soon`: they start no round of their own, but go with the next entry that is
@@ -249,7 +235,11 @@ impl Harness {
 
     /// `record_ahead`, or, `Urgency::Soon`, for an entry no effect waits on: it then takes no
     /// fdatasync of its own, but rides with the next entry that is waited for (or goes to the
-    /// disk within a few milliseconds).
+    /// disk within a few milliseconds). `Urgency::Led`, for an effect the caller starts at
+    /// once: the fdatasync waits for `Durable::lead`, called once the effect's start is under
+    /// way, which runs it on the caller's thread where no round is under way (the two overlap
+    /// without a wake-up of the journal's syncer thread and back); `Durable::wait` leads where
+    /// nothing did.
     pub(crate) async fn record_written(
         &self,
         cell: Option<&str>,

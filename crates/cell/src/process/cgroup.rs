@@ -472,24 +472,29 @@ impl CellCgroup {
     /// The files a cell's handle reads again and again (whether it is frozen, its count of OOM
     /// kills), held open.
     pub fn watched(&self) -> Watched {
-        let open = |controller, file: fn(Version) -> &'static str| {
-            let dir = self.dir(controller)?;
-            let opened = fs::File::open(dir.path.join(file(dir.version))).ok()?;
-            Some((opened, dir.version))
-        };
         Watched {
-            freezer: open(Controller::Freezer, freezer_file),
-            oom: open(Controller::Memory, oom_file),
+            freezer: self.held(Controller::Freezer, freezer_file),
+            oom: self.held(Controller::Memory, oom_file),
         }
     }
 
     /// The cell's OOM counter alone, held open (`Watched::oom_kills`).
     pub fn oom_watch(&self) -> Watched {
-        let oom = self.dir(Controller::Memory).and_then(|dir| {
-            let opened = fs::File::open(dir.path.join(oom_file(dir.version))).ok()?;
-            Some((opened, dir.version))
-        });
-        Watched { freezer: None, oom }
+        Watched {
+            freezer: None,
+            oom: self.held(Controller::Memory, oom_file),
+        }
+    }
+
+    /// One of the controller's files, opened to be read again at each look.
+    fn held(
+        &self,
+        controller: Controller,
+        file: fn(Version) -> &'static str,
+    ) -> Option<(fs::File, Version)> {
+        let dir = self.dir(controller)?;
+        let opened = fs::File::open(dir.path.join(file(dir.version))).ok()?;
+        Some((opened, dir.version))
     }
 
     /// Whether the cell's freezer is thawed, neither frozen nor freezing (true without a

@@ -37,8 +37,8 @@ pub(crate) struct Relayed {
     /// init told the command's end on its status pipe: the relay returns then, while the
     /// kernel tears the init down, and the caller reaps it.
     pub(crate) init_reaped: bool,
-    /// The cell's OOM counter, held open where the relay watched it (the memory limit):
-    /// the caller's last look at it reads it again without opening it.
+    /// The cell's OOM counter, held open by the relay (where the cell has a cgroup): the
+    /// caller's last look at it reads it again without opening it.
     pub(crate) oom: Option<super::cgroup::Watched>,
 }
 
@@ -81,12 +81,9 @@ impl Relay<'_> {
         // Each stream is dropped (closing our end) at EOF, or when the caller stops reading it:
         // the cell's writer then gets EPIPE, as in a shell pipeline.
         let mut sources = [self.stdout.take(), self.stderr.take()];
-        // Held open for the loop's looks, each one read instead of an open, a stat, three
-        // reads and a close.
-        let oom = self
-            .memory_limit
-            .and(self.cgroup)
-            .map(CellCgroup::oom_watch);
+        // Held open for the looks (the loop's under a memory limit, the caller's last one),
+        // each one read instead of an open, a stat, three reads and a close.
+        let oom = self.cgroup.map(CellCgroup::oom_watch);
         let mut exited: Option<(Ending, Instant)> = None;
         let mut init_reaped = false;
         let mut status = self.status.take();

@@ -582,10 +582,10 @@ pub fn run_with(
                 let _ = status_reader.read_line(&mut said);
             }
             let status = init::parse_end(&said).unwrap_or(status);
-            let oom = match &relayed.oom {
-                Some(watch) => watch.oom_kills() > 0,
-                None => cell_cgroup.as_ref().is_some_and(|cg| cg.oom_kills() > 0),
-            };
+            let oom = relayed
+                .oom
+                .as_ref()
+                .is_some_and(|watch| watch.oom_kills() > 0);
             match (oom, policy.limits.memory) {
                 (true, Some(limit)) => Ending::MemoryLimit { limit: limit.0 },
                 _ if reservation.kill_requested() => Ending::Killed,
