@@ -500,6 +500,64 @@ fn reset_of_a_running_cell_reverts_what_its_processes_see() {
     warden_ok(&["rm", &format!("{name}@edited")]);
 }
 
+/// A running cell's reset writes a changed file over in place where it can: never through a
+/// second name that links to the same file, and never leaving old data where the host's file
+/// has a hole.
+#[test]
+fn reset_in_place_keeps_linked_names_apart_and_fills_no_hole() {
+    use std::os::unix::fs::FileExt as _;
+    let ws = project();
+    let p = ws.path();
+    std::fs::write(p.join("a.txt"), "host a\n").unwrap();
+    std::fs::write(p.join("b.txt"), "host b\n").unwrap();
+    // A MiB hole between two bytes of data.
+    let sparse = std::fs::File::create(p.join("sparse.bin")).unwrap();
+    sparse.write_all_at(b"A", 0).unwrap();
+    sparse.write_all_at(b"B", 1 << 20).unwrap();
+    drop(sparse);
+    // The owner's alone: the cell reads it as the owner (the reset too).
+    std::fs::set_permissions(
+        p.join("a.txt"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
+    let name = unique("inplace");
+    // b.txt becomes a second name of a.txt (written through either, both change), the sparse
+    // file all data of another byte, and a `sleep` holds the workspace, so that the reset is
+    // made in place.
+    let script = "cd /workspace && rm b.txt && ln a.txt b.txt && echo cell > a.txt && chmod 640 a.txt \
+                  && head -c 1048577 /dev/zero | tr '\\0' x > sparse.bin && echo ready && exec sleep 600";
+    let mut cell = warden()
+        .args(["run", "--name", &name, "--workspace"])
+        .arg(p)
+        .args(["--", "sh", "-c", script])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let lines = line_reader(&mut cell);
+    wait_for_line(&lines, "ready");
+    let before = warden_ok(&["diff", &name, "--stat"]).stdout;
+    for path in ["a.txt", "b.txt", "sparse.bin"] {
+        assert!(before.contains(&format!("M {path}")), "{before}");
+    }
+
+    warden_ok(&["reset", &name]);
+    // Content and modes as the host's, each name its own file again.
+    let after = warden_ok(&["diff", &name, "--stat"]).stdout;
+    assert!(after.contains("0 changed"), "{after}");
+    let ps = warden_ok(&["ps"]).stdout;
+    assert!(
+        ps.lines()
+            .any(|l| l.starts_with(&name) && l.contains("running")),
+        "{ps}"
+    );
+
+    warden_ok(&["kill", &name]);
+    let _ = cell.wait();
+    warden_ok(&["rm", &name]);
+}
+
 #[test]
 fn forks_start_from_a_snapshot_and_run_independently() {
     let ws = project();

@@ -161,8 +161,8 @@ impl Walker<'_> {
     }
 
     fn entry(&mut self, rel: &Path, name: &OsStr) -> Result<(), WorkspaceError> {
-        let path = match locate_checked(self.layers, rel) {
-            Ok(Some(path)) => path,
+        let (path, meta) = match locate_checked(self.layers, rel) {
+            Ok(Some(found)) => found,
             Ok(None) => return Ok(()),
             // Never dropped without a word: a path the host cannot name (longer than PATH_MAX,
             // say) is listed, and refused.
@@ -173,7 +173,6 @@ impl Walker<'_> {
                 return Ok(());
             }
         };
-        let meta = fs::symlink_metadata(&path).map_err(Self::read_err(&path))?;
         let lower = self.lower_meta(rel);
         let shown = display(rel);
         if name.to_str().is_none() {
@@ -246,7 +245,13 @@ impl Walker<'_> {
             return Ok(());
         }
         let new = read_upper(&path)?;
-        let old = if same_type {
+        // The host's copy is read only where it could be the same or a patch could be made of it:
+        // a file of another size changed, and a patch needs both sides under the limit.
+        let limit = self.options.max_patch_bytes;
+        let old_size = lower.as_ref().filter(|_| same_type).map(|l| l.len());
+        let unread =
+            old_size.is_some_and(|old| old != meta.len() && (old > limit || meta.len() > limit));
+        let old = if same_type && !unread {
             self.lower.read(rel).ok()
         } else {
             None
@@ -255,7 +260,7 @@ impl Walker<'_> {
             return Ok(()); // copied up, but nothing changed
         }
         change.hash = Some(blake3::hash(&new).to_hex().to_string());
-        if let Some(patch) = self.patch(&shown, old.as_deref(), &new) {
+        if !unread && let Some(patch) = self.patch(&shown, old.as_deref(), &new) {
             change.patch = Some(patch);
         }
         let gains_exec = change.new_mode.is_some_and(|m| m & 0o111 != 0)
@@ -439,15 +444,19 @@ fn display(rel: &Path) -> String {
 
 /// The topmost layer's copy of `rel`, if any layer has it.
 pub(crate) fn locate(layers: &[PathBuf], rel: &Path) -> Option<PathBuf> {
-    locate_checked(layers, rel).ok().flatten()
+    locate_checked(layers, rel)
+        .ok()
+        .flatten()
+        .map(|(path, _)| path)
 }
 
-/// Like [`locate`], with the error when a layer could not be looked at (not only lacked it).
-fn locate_checked(layers: &[PathBuf], rel: &Path) -> io::Result<Option<PathBuf>> {
+/// Like [`locate`], with what it found there (never followed), and the error when a layer
+/// could not be looked at (not only lacked it).
+fn locate_checked(layers: &[PathBuf], rel: &Path) -> io::Result<Option<(PathBuf, fs::Metadata)>> {
     for layer in layers {
         let path = layer.join(rel);
         match fs::symlink_metadata(&path) {
-            Ok(_) => return Ok(Some(path)),
+            Ok(meta) => return Ok(Some((path, meta))),
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(e),
         }

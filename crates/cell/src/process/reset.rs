@@ -59,10 +59,12 @@ pub(super) enum Step {
         path: String,
         mode: u32,
     },
+    /// `over`: a file is there now, to be written over where it can be (one inode of its own).
     File {
         path: String,
         mode: u32,
         from: Option<usize>,
+        over: bool,
     },
     Link {
         path: String,
@@ -70,7 +72,12 @@ pub(super) enum Step {
     },
 }
 
-fn want(change: &Change, stack: &[PathBuf]) -> Want {
+/// A file's layer, where it is never read (the current tree's): not looked up.
+const SOME_LAYER: usize = usize::MAX;
+
+/// What `change` makes the path; `stack`: where a file's content is then read from (the
+/// topmost of these layers that has it), `None` where it is never read.
+fn want(change: &Change, stack: Option<&[PathBuf]>) -> Want {
     if change.kind == ChangeKind::Deleted {
         return Want::Absent;
     }
@@ -86,9 +93,12 @@ fn want(change: &Change, stack: &[PathBuf]) -> Want {
         EntryKind::File => Want::File {
             mode: change.new_mode.unwrap_or(0o644),
             hash: change.hash.clone(),
-            from: stack
-                .iter()
-                .position(|layer| fs::symlink_metadata(layer.join(&change.path)).is_ok()),
+            from: match stack {
+                Some(stack) => stack
+                    .iter()
+                    .position(|layer| fs::symlink_metadata(layer.join(&change.path)).is_ok()),
+                None => Some(SOME_LAYER),
+            },
         },
     }
 }
@@ -106,8 +116,19 @@ pub(super) fn plan(
         max_patch_bytes: 0,
         max_file_bytes: u64::MAX,
     };
-    let now = warden_workspace::diff(lower, current, &options)?;
-    let then = warden_workspace::diff(lower, target, &options)?;
+    // The two trees are read side by side (the cell is frozen meanwhile).
+    let (now, then) = std::thread::scope(|scope| {
+        let then = scope.spawn(|| warden_workspace::diff(lower, target, &options));
+        let now = warden_workspace::diff(lower, current, &options);
+        let then = then.join().unwrap_or_else(|_| {
+            Err(warden_workspace::WorkspaceError::Read {
+                path: lower.to_path_buf(),
+                source: io::Error::other("the thread reading the target panicked"),
+            })
+        });
+        (now, then)
+    });
+    let (now, then) = (now?, then?);
     let now: BTreeMap<&str, &Change> = now.changes.iter().map(|c| (c.path.as_str(), c)).collect();
     let then: BTreeMap<&str, &Change> = then.changes.iter().map(|c| (c.path.as_str(), c)).collect();
     let host_state = |path: &str| -> Want {
@@ -134,10 +155,10 @@ pub(super) fn plan(
     for path in paths {
         let is = now
             .get(path)
-            .map_or_else(|| host_state(path), |c| want(c, current));
+            .map_or_else(|| host_state(path), |c| want(c, None));
         let should = then
             .get(path)
-            .map_or_else(|| host_state(path), |c| want(c, target));
+            .map_or_else(|| host_state(path), |c| want(c, Some(target)));
         let same = match (&is, &should) {
             // Both read from the host directory, unchanged: the same file.
             (
@@ -170,10 +191,19 @@ pub(super) fn plan(
         if same {
             continue;
         }
-        let replaced = !matches!(
+        // A file of the cell's layers that stays a file is written over, not removed first:
+        // through the overlay a removal of a host file's name leaves a whiteout, and the new file
+        // then takes its place. (A host file the cell never changed is replaced: written over,
+        // it would be copied up first.)
+        let over = matches!(
             (&is, &should),
-            (Want::Dir { .. }, Want::Dir { .. }) | (Want::Absent, _)
+            (Want::File { from: Some(_), .. }, Want::File { .. })
         );
+        let replaced = !over
+            && !matches!(
+                (&is, &should),
+                (Want::Dir { .. }, Want::Dir { .. }) | (Want::Absent, _)
+            );
         if replaced {
             removals.push(path.to_owned());
         }
@@ -187,6 +217,7 @@ pub(super) fn plan(
                 path: path.to_owned(),
                 mode,
                 from,
+                over,
             }),
             Want::Link { target } => makes.push(Step::Link {
                 path: path.to_owned(),
@@ -229,7 +260,17 @@ pub(super) fn in_place(
         )
         .map_err(io::Error::from)
     };
-    let lower = open_dir(&meta.lower).map_err(remount_err)?;
+    // A root-started cell sees the host directory through an id-mapped mount (its owner shown as
+    // the cell's user): the helper, in the cell's user namespace, reads the host's files through
+    // one like it, so that it may read what the cell may (a file of the owner's mode 600, say),
+    // and no more.
+    let lower = if nix::unistd::geteuid().is_root() {
+        let (uid, gid) = super::swap::cell_ids(pid).map_err(remount_err)?;
+        super::idmap::workspace_tree_for(&meta.lower, uid, gid)
+            .map_err(|e| remount_err(io::Error::other(e.to_string())))?
+    } else {
+        open_dir(&meta.lower).map_err(remount_err)?
+    };
     let layers: Vec<OwnedFd> = target
         .iter()
         .map(|l| open_dir(l))
@@ -309,8 +350,12 @@ fn run_inside(
     // What the cell sees as the workspace's owner owns what the reset makes.
     let owner = rustix::fs::fstat(&root).map_err(|e| format!("reading the workspace: {e}"))?;
     let owner = (owner.st_uid, owner.st_gid);
+    let mut parents = Parents {
+        root: &root,
+        last: None,
+    };
     for step in steps {
-        carry_out(&root, lower, layers, step, owner)
+        carry_out(&mut parents, lower, layers, step, owner)
             .map_err(|e| format!("{}: {e}", step_path(step)))?;
     }
     Ok(())
@@ -325,33 +370,51 @@ fn step_path(step: &Step) -> &str {
     }
 }
 
-/// Splits a workspace path into its directory (opened beneath `root`, never through a link)
-/// and its last component.
-fn parent_of<'p>(root: &OwnedFd, path: &'p str) -> io::Result<(OwnedFd, &'p str)> {
-    let (dir, name) = match path.rsplit_once('/') {
-        Some((dir, name)) => (dir, name),
-        None => ("", path),
-    };
-    let mut fd = root.as_fd().try_clone_to_owned()?;
-    for part in dir.split('/').filter(|p| !p.is_empty()) {
-        fd = rustix::fs::openat(
-            &fd,
-            part,
-            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::empty(),
-        )?;
+/// The directories the steps work in, opened beneath the workspace's root, never through a link.
+/// The last one stays open for the next step: the steps are in path order, so a directory's
+/// files come one after another. A step changes only its own path, never its directory, and the
+/// step that removes a directory opens that directory's parent first: the one kept open is
+/// never one a step removed.
+struct Parents<'r> {
+    root: &'r OwnedFd,
+    last: Option<(String, OwnedFd)>,
+}
+
+impl Parents<'_> {
+    /// Splits a workspace path into its directory (opened) and its last component.
+    fn of<'p>(&mut self, path: &'p str) -> io::Result<(std::os::fd::BorrowedFd<'_>, &'p str)> {
+        let (dir, name) = match path.rsplit_once('/') {
+            Some((dir, name)) => (dir, name),
+            None => ("", path),
+        };
+        if self.last.as_ref().is_none_or(|(open, _)| open != dir) {
+            let mut fd = self.root.as_fd().try_clone_to_owned()?;
+            for part in dir.split('/').filter(|p| !p.is_empty()) {
+                fd = rustix::fs::openat(
+                    &fd,
+                    part,
+                    OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                    Mode::empty(),
+                )?;
+            }
+            self.last = Some((dir.to_owned(), fd));
+        }
+        let (_, fd) = self
+            .last
+            .as_ref()
+            .ok_or_else(|| io::Error::other("no directory"))?;
+        Ok((fd.as_fd(), name))
     }
-    Ok((fd, name))
 }
 
 fn carry_out(
-    root: &OwnedFd,
+    parents: &mut Parents<'_>,
     lower: &OwnedFd,
     layers: &[OwnedFd],
     step: &Step,
     (uid, gid): (u32, u32),
 ) -> io::Result<()> {
-    let chown = |dir: &OwnedFd, name: &str| {
+    let chown = |dir: std::os::fd::BorrowedFd<'_>, name: &str| {
         rustix::fs::chownat(
             dir,
             name,
@@ -362,25 +425,30 @@ fn carry_out(
     };
     match step {
         Step::Remove(path) => {
-            let (dir, name) = parent_of(root, path)?;
-            remove_all(&dir, name)
+            let (dir, name) = parents.of(path)?;
+            remove_all(dir, name)
         }
         Step::Dir { path, mode } => {
-            let (dir, name) = parent_of(root, path)?;
-            match rustix::fs::mkdirat(&dir, name, Mode::from_raw_mode(mode & 0o777)) {
-                Ok(()) => chown(&dir, name)?,
+            let (dir, name) = parents.of(path)?;
+            match rustix::fs::mkdirat(dir, name, Mode::from_raw_mode(mode & 0o777)) {
+                Ok(()) => chown(dir, name)?,
                 Err(rustix::io::Errno::EXIST) => {}
                 Err(e) => return Err(e.into()),
             }
             rustix::fs::chmodat(
-                &dir,
+                dir,
                 name,
                 Mode::from_raw_mode(mode & 0o777),
                 AtFlags::empty(),
             )?;
             Ok(())
         }
-        Step::File { path, mode, from } => {
+        Step::File {
+            path,
+            mode,
+            from,
+            over,
+        } => {
             let source_dir = match from {
                 Some(i) => layers
                     .get(*i)
@@ -393,20 +461,24 @@ fn carry_out(
                 OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
                 Mode::empty(),
             )?;
-            let (dir, name) = parent_of(root, path)?;
+            let source = fs::File::from(source);
+            let length = source.metadata()?.len();
+            let (dir, name) = parents.of(path)?;
+            if *over && overwrite(dir, name, &source, length, *mode, (uid, gid)).is_ok() {
+                return Ok(());
+            }
             let temporary = format!(".warden-reset-{}-{name}", std::process::id());
             let target = rustix::fs::openat(
-                &dir,
+                dir,
                 temporary.as_str(),
                 OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
                 Mode::from_raw_mode(mode & 0o777),
             )?;
-            let length = rustix::fs::fstat(&source)?.st_size as u64;
-            let copied = sys::copy_data(&fs::File::from(source), &fs::File::from(target), length)
-                .and_then(|_| chown(&dir, &temporary).map_err(io::Error::from))
+            let copied = sys::copy_data(&source, &fs::File::from(target), length)
+                .and_then(|_| chown(dir, &temporary).map_err(io::Error::from))
                 .and_then(|()| {
                     rustix::fs::chmodat(
-                        &dir,
+                        dir,
                         temporary.as_str(),
                         Mode::from_raw_mode(mode & 0o777),
                         AtFlags::empty(),
@@ -414,25 +486,65 @@ fn carry_out(
                     .map_err(io::Error::from)
                 })
                 .and_then(|()| {
-                    rustix::fs::renameat(&dir, temporary.as_str(), &dir, name)
+                    rustix::fs::renameat(dir, temporary.as_str(), dir, name)
                         .map_err(io::Error::from)
                 });
             if copied.is_err() {
-                let _ = rustix::fs::unlinkat(&dir, temporary.as_str(), AtFlags::empty());
+                let _ = rustix::fs::unlinkat(dir, temporary.as_str(), AtFlags::empty());
             }
             copied
         }
         Step::Link { path, target } => {
-            let (dir, name) = parent_of(root, path)?;
-            rustix::fs::symlinkat(target.as_str(), &dir, name)?;
-            let _ = chown(&dir, name);
+            let (dir, name) = parents.of(path)?;
+            rustix::fs::symlinkat(target.as_str(), dir, name)?;
+            let _ = chown(dir, name);
             Ok(())
         }
     }
 }
 
+/// Writes `source` over the regular file `name` in `dir`, which no other name links to (so that
+/// nothing but this path changes), and gives it `mode` and the workspace's owner: an open, the
+/// data and a close, where a new file in its place costs a create, a rename and, through the
+/// overlay, a whiteout. An error leaves it to the caller to put a new file in its place.
+fn overwrite(
+    dir: std::os::fd::BorrowedFd<'_>,
+    name: &str,
+    source: &fs::File,
+    length: u64,
+    mode: u32,
+    (uid, gid): (u32, u32),
+) -> io::Result<()> {
+    // Never blocks: a FIFO put there would be refused below, not waited on.
+    let target = rustix::fs::openat(
+        dir,
+        name,
+        OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    let stat = rustix::fs::fstat(&target)?;
+    if FileType::from_raw_mode(stat.st_mode) != FileType::RegularFile || stat.st_nlink != 1 {
+        return Err(io::Error::other("not a file of one name"));
+    }
+    let target = fs::File::from(target);
+    sys::copy_data_over(source, &target, length, stat.st_size as u64)?;
+    if (stat.st_uid, stat.st_gid) != (uid, gid) {
+        rustix::fs::fchown(
+            &target,
+            Some(rustix::fs::Uid::from_raw(uid)),
+            Some(rustix::fs::Gid::from_raw(gid)),
+        )?;
+    }
+    // A mode with set-id bits differs from any `mode & 0o777`: the write and the chown, which
+    // clear those bits, change nothing else of it.
+    if stat.st_mode & 0o7777 != mode & 0o777 {
+        rustix::fs::fchmod(&target, Mode::from_raw_mode(mode & 0o777))?;
+    }
+    Ok(())
+}
+
 /// Removes `name` in `dir`, a whole tree if it is a directory, following no link.
-fn remove_all(dir: &OwnedFd, name: &str) -> io::Result<()> {
+fn remove_all(dir: std::os::fd::BorrowedFd<'_>, name: &str) -> io::Result<()> {
     let stat = match rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW) {
         Ok(stat) => stat,
         Err(rustix::io::Errno::NOENT) => return Ok(()),
@@ -453,7 +565,7 @@ fn remove_all(dir: &OwnedFd, name: &str) -> io::Result<()> {
         .filter(|n| n != "." && n != "..")
         .collect();
     for child in names {
-        remove_all(&inner, &child)?;
+        remove_all(inner.as_fd(), &child)?;
     }
     rustix::fs::unlinkat(dir, name, AtFlags::REMOVEDIR).map_err(Into::into)
 }
@@ -491,16 +603,17 @@ mod tests {
                 Step::Remove("newdir/deep/x".into()),
                 Step::Remove("newdir/deep".into()),
                 Step::Remove("newdir".into()),
-                Step::Remove("edited".into()),
                 Step::File {
                     path: "edited".into(),
                     mode: 0o644,
-                    from: None
+                    from: None,
+                    over: true,
                 },
                 Step::File {
                     path: "snap-only".into(),
                     mode: 0o644,
-                    from: Some(0)
+                    from: Some(0),
+                    over: false,
                 },
             ]
         );

@@ -167,7 +167,7 @@ pub fn swap(
 }
 
 /// The host uid and gid the cell's init runs as.
-fn cell_ids(pid: i32) -> io::Result<(u32, u32)> {
+pub(super) fn cell_ids(pid: i32) -> io::Result<(u32, u32)> {
     let status = fs::read_to_string(format!("/proc/{pid}/status"))?;
     let field = |name: &str| -> io::Result<u32> {
         status

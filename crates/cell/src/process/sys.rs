@@ -1629,10 +1629,39 @@ pub(crate) fn copy_data(
     target: &std::fs::File,
     length: u64,
 ) -> std::io::Result<u64> {
+    copy_data_over(source, target, length, 0)
+}
+
+/// [`copy_data`] onto a target that holds `old` bytes already, written over in place: the
+/// source's holes are punched where the target held data, and the target is truncated only where
+/// its size would not come out right (a truncation to zero would have the file system write the
+/// file out when it is closed).
+pub(crate) fn copy_data_over(
+    source: &std::fs::File,
+    target: &std::fs::File,
+    length: u64,
+    old: u64,
+) -> std::io::Result<u64> {
+    use rustix::fs::FallocateFlags;
+    let punch = |from: u64, to: u64| -> std::io::Result<()> {
+        let to = to.min(old);
+        if from < to {
+            rustix::fs::fallocate(
+                target,
+                FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
+                from,
+                to - from,
+            )?;
+        }
+        Ok(())
+    };
     let mut copied = 0u64;
-    let mut buf = vec![0u8; 1 << 20];
+    // No bigger than the file: a zeroed megabyte for each small file was most of its copy.
+    let mut buf = vec![0u8; length.clamp(1, 1 << 20) as usize];
+    let mut reached = 0u64;
     for extent in data_extents(source, length) {
         let (start, end) = extent?;
+        punch(reached, start)?;
         let mut offset = start;
         while offset < end {
             let want = buf.len().min((end - offset) as usize);
@@ -1647,8 +1676,12 @@ pub(crate) fn copy_data(
             offset += n as u64;
             copied += n as u64;
         }
+        reached = reached.max(offset);
     }
-    rustix::fs::ftruncate(target, length)?;
+    punch(reached, length)?;
+    if old.max(reached) != length {
+        rustix::fs::ftruncate(target, length)?;
+    }
     Ok(copied)
 }
 
