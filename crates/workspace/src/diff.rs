@@ -55,6 +55,7 @@ pub fn diff(
         layers,
         options,
         changes: Vec::new(),
+        split: true,
     };
     walker.walk_dir(Path::new(""), true)?;
     let mut changes = walker.changes;
@@ -67,6 +68,9 @@ struct Walker<'a> {
     layers: &'a [PathBuf],
     options: &'a DiffOptions,
     changes: Vec<Change>,
+    /// Whether the first directory of more than one entry is still to be split between two
+    /// threads: a diff's cost is its many small files, each a few system calls.
+    split: bool,
 }
 
 fn mode(meta_mode: u32) -> u32 {
@@ -118,6 +122,35 @@ impl Walker<'_> {
         names.sort();
         if lower_is_dir && hides_lower {
             self.hidden_lower_children(rel, &names)?;
+        }
+        if self.split && names.len() > 1 {
+            self.split = false;
+            let (mine, theirs) = names.split_at(names.len() / 2);
+            let mut other = Walker {
+                changes: Vec::new(),
+                split: false,
+                ..*self
+            };
+            let theirs = std::thread::scope(|scope| {
+                let other = scope.spawn(|| {
+                    theirs
+                        .iter()
+                        .try_for_each(|name| other.entry(&rel.join(name), name))
+                        .map(|()| other.changes)
+                });
+                let mine = mine
+                    .iter()
+                    .try_for_each(|name| self.entry(&rel.join(name), name));
+                let theirs = other.join().unwrap_or_else(|_| {
+                    Err(WorkspaceError::Read {
+                        path: rel.to_path_buf(),
+                        source: io::Error::other("a thread of the diff panicked"),
+                    })
+                });
+                mine.and(theirs)
+            })?;
+            self.changes.extend(theirs);
+            return Ok(());
         }
         for name in names {
             self.entry(&rel.join(&name), &name)?;

@@ -191,19 +191,25 @@ pub(super) fn plan(
         if same {
             continue;
         }
-        // A file of the cell's layers that stays a file is written over, not removed first:
-        // through the overlay a removal of a host file's name leaves a whiteout, and the new file
-        // then takes its place. (A host file the cell never changed is replaced: written over,
-        // it would be copied up first.)
-        let over = matches!(
+        // A file of the cell's layers that stays a file is written over: a new file in its place
+        // costs a create and a rename (and, had the name been removed first, a whiteout through
+        // the overlay). That includes a copy of the host's file (copied up, or written back to
+        // it by a reset), which the diff does not list. A host file the cell never touched is
+        // replaced: written over, it would be copied up first.
+        let over = match (&is, &should) {
+            (Want::File { from: Some(_), .. }, Want::File { .. }) => true,
+            (Want::File { from: None, .. }, Want::File { .. }) => current
+                .iter()
+                .any(|layer| fs::symlink_metadata(layer.join(path)).is_ok()),
+            _ => false,
+        };
+        // A file that stays a file is never removed first: a new one is renamed over it.
+        let replaced = !matches!(
             (&is, &should),
-            (Want::File { from: Some(_), .. }, Want::File { .. })
+            (Want::Dir { .. }, Want::Dir { .. })
+                | (Want::File { .. }, Want::File { .. })
+                | (Want::Absent, _)
         );
-        let replaced = !over
-            && !matches!(
-                (&is, &should),
-                (Want::Dir { .. }, Want::Dir { .. }) | (Want::Absent, _)
-            );
         if replaced {
             removals.push(path.to_owned());
         }
@@ -505,8 +511,8 @@ fn carry_out(
 
 /// Writes `source` over the regular file `name` in `dir`, which no other name links to (so that
 /// nothing but this path changes), and gives it `mode` and the workspace's owner: an open, the
-/// data and a close, where a new file in its place costs a create, a rename and, through the
-/// overlay, a whiteout. An error leaves it to the caller to put a new file in its place.
+/// data and a close, where a new file in its place costs a create, a chown, a chmod and a
+/// rename. An error leaves it to the caller to put a new file in its place.
 fn overwrite(
     dir: std::os::fd::BorrowedFd<'_>,
     name: &str,
@@ -591,6 +597,14 @@ mod tests {
         fs::write(now.join("both"), "same in both\n").unwrap();
         fs::write(then.join("both"), "same in both\n").unwrap();
         fs::write(then.join("snap-only"), "s\n").unwrap();
+        // In the cell's layer as the host has it (copied up): not a change, but written over.
+        fs::write(lower.join("copied"), "host\n").unwrap();
+        fs::write(now.join("copied"), "host\n").unwrap();
+        fs::write(then.join("copied"), "snapshot\n").unwrap();
+        // The host's alone: a new file renamed over it, never written over (that would copy it up
+        // first), nor removed first.
+        fs::write(lower.join("untouched"), "host\n").unwrap();
+        fs::write(then.join("untouched"), "snapshot\n").unwrap();
         let steps = plan(
             &lower,
             std::slice::from_ref(&now),
@@ -604,6 +618,12 @@ mod tests {
                 Step::Remove("newdir/deep".into()),
                 Step::Remove("newdir".into()),
                 Step::File {
+                    path: "copied".into(),
+                    mode: 0o644,
+                    from: Some(0),
+                    over: true,
+                },
+                Step::File {
                     path: "edited".into(),
                     mode: 0o644,
                     from: None,
@@ -611,6 +631,12 @@ mod tests {
                 },
                 Step::File {
                     path: "snap-only".into(),
+                    mode: 0o644,
+                    from: Some(0),
+                    over: false,
+                },
+                Step::File {
+                    path: "untouched".into(),
                     mode: 0o644,
                     from: Some(0),
                     over: false,
