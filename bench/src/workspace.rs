@@ -381,6 +381,22 @@ fn kernel_cost(bin: &str, tmp: &Path, tree: &Path, kind: &str) -> Result<(i64, f
             "",
         );
     }
+    // The layers of cells that went are removed in the background: the daemon stays until they
+    // are (its end would leave their disks mounted).
+    let layers = tmp.join(format!("kernel-{kind}")).join("state/layers");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::fs::read_dir(&layers).is_ok_and(|entries| {
+        entries.flatten().any(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.starts_with("kernel") || name.contains(".gone-")
+        })
+    }) {
+        if Instant::now() > deadline {
+            bail!("the layers of the removed cells were not removed within 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(daemon);
     let cells = KERNEL_CELLS as i64;
     Ok((
         (memory_after - memory_before) / cells,
