@@ -126,31 +126,37 @@ impl Walker<'_> {
         if self.split && names.len() > 1 {
             self.split = false;
             let (mine, theirs) = names.split_at(names.len() / 2);
-            let mut other = Walker {
+            let other = Walker {
                 changes: Vec::new(),
                 split: false,
                 ..*self
             };
-            let theirs = std::thread::scope(|scope| {
-                let other = scope.spawn(|| {
-                    theirs
-                        .iter()
-                        .try_for_each(|name| other.entry(&rel.join(name), name))
-                        .map(|()| other.changes)
-                });
+            let split = std::thread::scope(|scope| {
+                // Where no thread is to be had, every entry is read here, below.
+                let handle = std::thread::Builder::new()
+                    .spawn_scoped(scope, move || {
+                        let mut other = other;
+                        theirs
+                            .iter()
+                            .try_for_each(|name| other.entry(&rel.join(name), name))
+                            .map(|()| other.changes)
+                    })
+                    .ok()?;
                 let mine = mine
                     .iter()
                     .try_for_each(|name| self.entry(&rel.join(name), name));
-                let theirs = other.join().unwrap_or_else(|_| {
+                let theirs = handle.join().unwrap_or_else(|_| {
                     Err(WorkspaceError::Read {
                         path: rel.to_path_buf(),
                         source: io::Error::other("a thread of the diff panicked"),
                     })
                 });
-                mine.and(theirs)
-            })?;
-            self.changes.extend(theirs);
-            return Ok(());
+                Some(mine.and(theirs))
+            });
+            if let Some(theirs) = split {
+                self.changes.extend(theirs?);
+                return Ok(());
+            }
         }
         for name in names {
             self.entry(&rel.join(&name), &name)?;

@@ -116,16 +116,21 @@ pub(super) fn plan(
         max_patch_bytes: 0,
         max_file_bytes: u64::MAX,
     };
-    // The two trees are read side by side (the cell is frozen meanwhile).
+    // The two trees are read side by side (the cell is frozen meanwhile); one after the other
+    // where no thread is to be had.
     let (now, then) = std::thread::scope(|scope| {
-        let then = scope.spawn(|| warden_workspace::diff(lower, target, &options));
+        let then = std::thread::Builder::new()
+            .spawn_scoped(scope, || warden_workspace::diff(lower, target, &options));
         let now = warden_workspace::diff(lower, current, &options);
-        let then = then.join().unwrap_or_else(|_| {
-            Err(warden_workspace::WorkspaceError::Read {
-                path: lower.to_path_buf(),
-                source: io::Error::other("the thread reading the target panicked"),
-            })
-        });
+        let then = match then {
+            Ok(then) => then.join().unwrap_or_else(|_| {
+                Err(warden_workspace::WorkspaceError::Read {
+                    path: lower.to_path_buf(),
+                    source: io::Error::other("the thread reading the target panicked"),
+                })
+            }),
+            Err(_) => warden_workspace::diff(lower, target, &options),
+        };
         (now, then)
     });
     let (now, then) = (now?, then?);
