@@ -384,18 +384,11 @@ fn kernel_cost(bin: &str, tmp: &Path, tree: &Path, kind: &str) -> Result<(i64, f
     // The layers of cells that went are removed in the background: the daemon stays until they
     // are (its end would leave their disks mounted).
     let layers = tmp.join(format!("kernel-{kind}")).join("state/layers");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while std::fs::read_dir(&layers).is_ok_and(|entries| {
-        entries.flatten().any(|e| {
-            let name = e.file_name().to_string_lossy().into_owned();
-            name.starts_with("kernel") || name.contains(".gone-")
-        })
-    }) {
-        if Instant::now() > deadline {
-            bail!("the layers of the removed cells were not removed within 30 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_while(
+        Duration::from_secs(30),
+        "the layers of the removed cells were not removed",
+        || holds(&layers, |n| n.starts_with("kernel") || n.contains(".gone-")),
+    )?;
     drop(daemon);
     let cells = KERNEL_CELLS as i64;
     Ok((
@@ -435,20 +428,34 @@ fn quiesce() -> Result<()> {
 /// Waits (untimed) until a reset's old layer, removed in the background, is gone, so that the
 /// next measurement does not share the disk with it.
 fn settle(layer_dir: &Path) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(10);
     // A reset's old upper in the layer, and layers of cells that went (`.gone-*`) beside it.
-    let busy = |dir: &Path, mark: &str| {
-        std::fs::read_dir(dir).is_ok_and(|entries| {
-            entries
-                .flatten()
-                .any(|e| e.file_name().to_string_lossy().contains(mark))
-        })
-    };
     let layers = layer_dir.parent().unwrap_or(layer_dir);
-    while busy(layer_dir, ".old-") || busy(&layer_dir.join("fs"), ".old-") || busy(layers, ".gone-")
-    {
+    wait_while(
+        Duration::from_secs(10),
+        "the old layers of a reset were not removed",
+        || {
+            holds(layer_dir, |n| n.contains(".old-"))
+                || holds(&layer_dir.join("fs"), |n| n.contains(".old-"))
+                || holds(layers, |n| n.contains(".gone-"))
+        },
+    )
+}
+
+/// Whether `dir` holds an entry whose name `matches`.
+fn holds(dir: &Path, matches: impl Fn(&str) -> bool) -> bool {
+    std::fs::read_dir(dir).is_ok_and(|entries| {
+        entries
+            .flatten()
+            .any(|e| matches(&e.file_name().to_string_lossy()))
+    })
+}
+
+/// Waits (untimed) while `busy()` holds, at most `limit`; `what` says what did not happen.
+fn wait_while(limit: Duration, what: &str, busy: impl Fn() -> bool) -> Result<()> {
+    let deadline = Instant::now() + limit;
+    while busy() {
         if Instant::now() > deadline {
-            bail!("the old layers of a reset were not removed within 10 s");
+            bail!("{what} within {} s", limit.as_secs());
         }
         std::thread::sleep(Duration::from_millis(5));
     }

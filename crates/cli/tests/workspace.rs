@@ -431,6 +431,24 @@ fn line_reader(child: &mut std::process::Child) -> std::sync::mpsc::Receiver<Str
     rx
 }
 
+/// Starts `script` in a cell named `name` with `workspace` at /workspace, and the lines it prints.
+fn spawn_watched(
+    name: &str,
+    workspace: &Path,
+    script: &str,
+) -> (std::process::Child, std::sync::mpsc::Receiver<String>) {
+    let mut cell = warden()
+        .args(["run", "--name", name, "--workspace"])
+        .arg(workspace)
+        .args(["--", "sh", "-c", script])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let lines = line_reader(&mut cell);
+    (cell, lines)
+}
+
 fn wait_for_line(rx: &std::sync::mpsc::Receiver<String>, wanted: &str) {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -450,23 +468,7 @@ fn reset_of_a_running_cell_reverts_what_its_processes_see() {
     // The cell edits README.md, then keeps printing it whenever it differs from what it last saw.
     let script = "echo edited > /workspace/README.md; last=; while true; do now=$(head -n 1 /workspace/README.md); \
                   if [ \"$now\" != \"$last\" ]; then echo \"$now\"; last=$now; fi; sleep 0.02; done";
-    let mut cell = warden()
-        .args([
-            "run",
-            "--name",
-            &name,
-            "--workspace",
-            ws.path().to_str().unwrap(),
-            "--",
-            "sh",
-            "-c",
-            script,
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let lines = line_reader(&mut cell);
+    let (mut cell, lines) = spawn_watched(&name, ws.path(), script);
     wait_for_line(&lines, "edited");
     let snap = warden_ok(&["snapshot", &name, "--as", "edited"]);
     assert!(
@@ -527,15 +529,7 @@ fn reset_in_place_keeps_linked_names_apart_and_fills_no_hole() {
     // made in place.
     let script = "cd /workspace && rm b.txt && ln a.txt b.txt && echo cell > a.txt && chmod 640 a.txt \
                   && head -c 1048577 /dev/zero | tr '\\0' x > sparse.bin && echo ready && exec sleep 600";
-    let mut cell = warden()
-        .args(["run", "--name", &name, "--workspace"])
-        .arg(p)
-        .args(["--", "sh", "-c", script])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let lines = line_reader(&mut cell);
+    let (mut cell, lines) = spawn_watched(&name, p, script);
     wait_for_line(&lines, "ready");
     let before = warden_ok(&["diff", &name, "--stat"]).stdout;
     for path in ["a.txt", "b.txt", "sparse.bin"] {
