@@ -9,7 +9,11 @@
 //! CPU seconds per GiB relayed are read from `/proc` around each download. Then name lookups:
 //! the gateway's DNS answering over UDP beside the host's own resolver for the same name.
 //!
-//! Usage: `egress [--requests N]`.
+//! Usage: `egress [--requests N] [--baseline PATH]`. `--baseline` serves a second gateway from
+//! another build of this program (an older one) and adds its rows, so that a change to the
+//! gateway is measured against what it changed in one run. The small requests take turns
+//! across the paths (one request each, round after round), as the downloads do, so that a slow
+//! moment of the host falls on all of them alike.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
@@ -506,14 +510,16 @@ fn squid(upstream_ca: &std::path::Path) -> Result<Option<Squid>> {
 
 /// The gateway in a process of its own (this program again).
 fn gateway(
+    program: &std::path::Path,
+    name: &'static str,
     plain: SocketAddr,
     tunnel: SocketAddr,
     intercepted: SocketAddr,
     ca_file: &std::path::Path,
 ) -> Result<(Relay, SocketAddr, SocketAddr, String)> {
-    let dir = bench_dir("gateway")?;
+    let dir = bench_dir(&name.replace(' ', "-"))?;
     let out_ca = dir.join("cell-ca.pem");
-    let mut child = std::process::Command::new(std::env::current_exe()?)
+    let mut child = std::process::Command::new(program)
         .arg("--serve-gateway")
         .args([plain.port(), tunnel.port(), intercepted.port()].map(|p| p.to_string()))
         .arg(ca_file)
@@ -531,11 +537,7 @@ fn gateway(
         bail!("the gateway process said {line:?}");
     };
     let ca = std::fs::read_to_string(&out_ca)?;
-    let relay = Relay {
-        name: "warden gateway",
-        child,
-        dir,
-    };
+    let relay = Relay { name, child, dir };
     Ok((
         relay,
         SocketAddr::from(([127, 0, 0, 1], proxy)),
@@ -557,11 +559,23 @@ fn main() -> Result<()> {
         return serve_gateway(&all[1..]);
     }
     let mut requests = 2000usize;
+    let mut baseline = None;
     let mut args = all.into_iter();
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--requests" => requests = args.next().context("--requests needs a number")?.parse()?,
-            other => bail!("unknown argument {other}; usage: egress [--requests N]"),
+            "--baseline" => {
+                let path = std::path::PathBuf::from(
+                    args.next().context("--baseline needs an egress binary")?,
+                );
+                if !path.is_file() {
+                    bail!("--baseline {}: no such file", path.display());
+                }
+                baseline = Some(path);
+            }
+            other => {
+                bail!("unknown argument {other}; usage: egress [--requests N] [--baseline PATH]")
+            }
         }
     }
     // The second TLS upstream is tunnelled by the gateway without being opened.
@@ -572,7 +586,14 @@ fn main() -> Result<()> {
     let upstream_trust = client_config(&upstream_ca)?;
 
     let mut relays: Vec<Relay> = Vec::new();
-    let (gw, proxy, dns_address, cell_ca) = gateway(plain, tunnel_tls, tls, &ca_file)?;
+    let (gw, proxy, dns_address, cell_ca) = gateway(
+        &std::env::current_exe()?,
+        "warden gateway",
+        plain,
+        tunnel_tls,
+        tls,
+        &ca_file,
+    )?;
     relays.push(gw);
     let cell_trust = client_config(&cell_ca)?;
     let mut rows = vec![
@@ -695,6 +716,45 @@ fn main() -> Result<()> {
         });
     }
 
+    if let Some(program) = &baseline {
+        let (relay, proxy, _, ca) = gateway(
+            program,
+            "baseline gateway",
+            plain,
+            tunnel_tls,
+            tls,
+            &ca_file,
+        )?;
+        relays.push(relay);
+        let index = Some(relays.len() - 1);
+        rows.push(Row {
+            name: "HTTP, baseline gateway",
+            path: Path::Proxied {
+                proxy,
+                upstream: plain,
+            },
+            relay: index,
+        });
+        rows.push(Row {
+            name: "HTTPS tunnel, baseline gateway",
+            path: Path::Tunnel {
+                proxy,
+                upstream: tunnel_tls,
+                trust: upstream_trust.clone(),
+            },
+            relay: index,
+        });
+        rows.push(Row {
+            name: "HTTPS, baseline interception",
+            path: Path::Tunnel {
+                proxy,
+                upstream: tls,
+                trust: client_config(&ca)?,
+            },
+            relay: index,
+        });
+    }
+
     struct Measured {
         median: Duration,
         p99: Duration,
@@ -702,28 +762,35 @@ fn main() -> Result<()> {
         mibs: f64,
         cpu_per_gib: Option<f64>,
     }
-    let mut measured = Vec::new();
     for row in &rows {
         for _ in 0..20 {
             get(&row.path, "/small").with_context(|| row.name)?;
         }
-        let mut samples = Vec::with_capacity(requests);
-        let started = Instant::now();
-        for _ in 0..requests {
+    }
+    // One request per path a round: the samples of every path spread over the same time. The
+    // rate of new connections is each path's own time summed (its requests one after another).
+    let mut samples = vec![Vec::with_capacity(requests); rows.len()];
+    for _ in 0..requests {
+        for (row, samples) in rows.iter().zip(&mut samples) {
             let t = Instant::now();
             get(&row.path, "/small").with_context(|| row.name)?;
             samples.push(t.elapsed());
         }
-        let per_second = requests as f64 / started.elapsed().as_secs_f64();
-        samples.sort();
-        measured.push(Measured {
-            median: percentile(&samples, 0.5),
-            p99: percentile(&samples, 0.99),
-            per_second,
-            mibs: 0.0,
-            cpu_per_gib: None,
-        });
     }
+    let mut measured: Vec<Measured> = samples
+        .into_iter()
+        .map(|mut samples| {
+            let total: Duration = samples.iter().sum();
+            samples.sort();
+            Measured {
+                median: percentile(&samples, 0.5),
+                p99: percentile(&samples, 0.99),
+                per_second: requests as f64 / total.as_secs_f64(),
+                mibs: 0.0,
+                cpu_per_gib: None,
+            }
+        })
+        .collect();
     // Downloads take turns across the paths, so that a slow moment of the host falls on all of
     // them alike rather than on whichever path ran then; each relay's CPU time is read around
     // each of its downloads (one runs at a time).
@@ -846,6 +913,21 @@ fn main() -> Result<()> {
         "interception / squid ssl-bump",
         "HTTPS, warden interception",
         "HTTPS, squid ssl-bump",
+    );
+    ratio(
+        "gateway / baseline (HTTP)",
+        "HTTP, warden gateway",
+        "HTTP, baseline gateway",
+    );
+    ratio(
+        "gateway / baseline (HTTPS tunnel)",
+        "HTTPS tunnel, warden gateway",
+        "HTTPS tunnel, baseline gateway",
+    );
+    ratio(
+        "interception / baseline",
+        "HTTPS, warden interception",
+        "HTTPS, baseline interception",
     );
     warden_bench::say!();
     warden_bench::say!("name lookups of `localhost`, {requests} each (median, p99 in ms):");

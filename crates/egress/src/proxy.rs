@@ -265,78 +265,17 @@ impl Gateway {
     /// Accepts connections on `listener` (a socket in the cell's network namespace) until it
     /// fails; each connection is served on a thread of its own (one that served an earlier
     /// connection, where one waits), up to the cell's connection limit.
-    pub fn serve(self, listener: TcpListener) -> io::Result<std::thread::JoinHandle<()>> {
-        self.accept_loop(listener, "egress-proxy", |gateway, conn| {
-            gateway.handle(conn)
-        })
+    pub fn serve(self, listener: TcpListener) -> io::Result<()> {
+        Acceptor::start(self, listener, true, |gateway, conn| gateway.handle(conn))
     }
 
     /// Accepts connections redirected from the cell's namespace (clients that ignore the proxy
     /// variables): the destination is the original one, the name the client's TLS server name or
     /// Host header, which must resolve to that destination.
-    pub fn serve_transparent(
-        self,
-        listener: TcpListener,
-    ) -> io::Result<std::thread::JoinHandle<()>> {
-        self.accept_loop(listener, "egress-redirected", |gateway, conn| {
+    pub fn serve_transparent(self, listener: TcpListener) -> io::Result<()> {
+        Acceptor::start(self, listener, false, |gateway, conn| {
             gateway.transparent(conn);
         })
-    }
-
-    /// The loop both listeners share: a connection beyond the cell's limit is refused at once
-    /// (a 503 that says why on the proxy port, a reset on the redirected one) and never gets a
-    /// thread.
-    fn accept_loop(
-        self,
-        listener: TcpListener,
-        name: &str,
-        serve: fn(&Self, TcpStream),
-    ) -> io::Result<std::thread::JoinHandle<()>> {
-        let proxy = name == "egress-proxy";
-        let workers = Arc::clone(&self.workers);
-        std::thread::Builder::new()
-            .name(name.to_owned())
-            .spawn(move || {
-                loop {
-                    let conn = match listener.accept() {
-                        Ok((conn, _)) => conn,
-                        Err(e)
-                            if matches!(
-                                e.kind(),
-                                io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted
-                            ) =>
-                        {
-                            continue;
-                        }
-                        // Out of descriptors or memory, for now: try again in a moment.
-                        Err(e)
-                            if matches!(
-                                e.raw_os_error(),
-                                Some(EMFILE | ENFILE | ENOBUFS | ENOMEM)
-                            ) =>
-                        {
-                            std::thread::sleep(Duration::from_millis(20));
-                            continue;
-                        }
-                        // The cell's network is gone.
-                        Err(_) => return,
-                    };
-                    let Some(slot) = self.slots.take() else {
-                        self.refuse_busy(conn, proxy);
-                        continue;
-                    };
-                    let gateway = self.clone();
-                    let started = workers.run(move || {
-                        let _slot: Slot = slot;
-                        serve(&gateway, conn);
-                    });
-                    if started.is_err() {
-                        // No thread to be had: the connection (moved into the closure) is
-                        // closed as the closure is dropped, and its slot given back.
-                        std::thread::sleep(Duration::from_millis(20));
-                    }
-                }
-            })
     }
 
     /// Refuses a connection past the cell's limit, without waiting on it.
@@ -533,6 +472,78 @@ impl Gateway {
 }
 
 /// The JSON body of a 403: what was refused and why, so that an agent can correct itself.
+/// The accepting side of one listener, handed from thread to thread: the thread that accepts a
+/// connection serves it itself, and passes the listener to a waiting thread of the gateway's
+/// (or a new one) first, so that a connection costs no wake-up of a second thread before it
+/// is served (the accept's own is the only one), and a long connection never keeps the next
+/// one waiting. A connection beyond the cell's limit is refused at once (a 503 that says why
+/// on the proxy port, a reset on the redirected one) and never gets a thread.
+#[derive(Clone)]
+struct Acceptor {
+    gateway: Gateway,
+    listener: Arc<TcpListener>,
+    proxy: bool,
+    serve: fn(&Gateway, TcpStream),
+}
+
+impl Acceptor {
+    fn start(
+        gateway: Gateway,
+        listener: TcpListener,
+        proxy: bool,
+        serve: fn(&Gateway, TcpStream),
+    ) -> io::Result<()> {
+        let workers = Arc::clone(&gateway.workers);
+        let acceptor = Self {
+            gateway,
+            listener: Arc::new(listener),
+            proxy,
+            serve,
+        };
+        workers.run(move || acceptor.accept())
+    }
+
+    /// Accepts until a connection comes that this thread serves (having passed the listener
+    /// on), or the listener fails (the cell's network is gone).
+    fn accept(self) {
+        loop {
+            let conn = match self.listener.accept() {
+                Ok((conn, _)) => conn,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted
+                    ) =>
+                {
+                    continue;
+                }
+                // Out of descriptors or memory, for now: try again in a moment.
+                Err(e) if matches!(e.raw_os_error(), Some(EMFILE | ENFILE | ENOBUFS | ENOMEM)) => {
+                    std::thread::sleep(Duration::from_millis(20));
+                    continue;
+                }
+                // The cell's network is gone.
+                Err(_) => return,
+            };
+            let Some(slot) = self.gateway.slots.take() else {
+                self.gateway.refuse_busy(conn, self.proxy);
+                continue;
+            };
+            let next = self.clone();
+            if self.gateway.workers.run(move || next.accept()).is_err() {
+                // No thread to take the listener: this one keeps it, and the connection is
+                // closed (with its slot given back) rather than left without an acceptor.
+                drop((conn, slot));
+                std::thread::sleep(Duration::from_millis(20));
+                continue;
+            }
+            let _slot: Slot = slot;
+            (self.serve)(&self.gateway, conn);
+            return;
+        }
+    }
+}
+
 pub(crate) fn refusal_body(decision: &Decision) -> serde_json::Value {
     json!({
         "error": "blocked by the warden egress policy",
