@@ -85,11 +85,66 @@ impl Walker<'_> {
         }
     }
 
-    fn lower_meta(&self, rel: &Path) -> Option<cap_std::fs::Metadata> {
-        if rel.as_os_str().is_empty() {
-            return self.lower.dir_metadata().ok();
-        }
-        self.lower.symlink_metadata(rel).ok()
+    fn lower_meta(&self, rel: &Path) -> Option<LowerEntry> {
+        let meta = if rel.as_os_str().is_empty() {
+            self.lower.dir_metadata().ok()
+        } else {
+            self.lower.symlink_metadata(rel).ok()
+        }?;
+        Some(LowerEntry {
+            kind: lower_kind(&meta),
+            mode: mode(meta.mode()),
+            len: meta.len(),
+        })
+    }
+
+    /// The host's file `name` in its directory `parent` (`rel` from the host directory, where
+    /// that directory could not be opened), of `size` bytes when it was looked up.
+    fn lower_read(
+        &self,
+        parent: Option<&Dir>,
+        rel: &Path,
+        name: &OsStr,
+        size: u64,
+    ) -> Option<Vec<u8>> {
+        let Some(parent) = parent else {
+            return self.lower.read(rel).ok();
+        };
+        let file = rustix::fs::openat(
+            parent,
+            name,
+            // Never waits: a FIFO put there since the lookup is not opened for a writer.
+            rustix::fs::OFlags::RDONLY
+                | rustix::fs::OFlags::NOFOLLOW
+                | rustix::fs::OFlags::NONBLOCK
+                | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )
+        .ok()?;
+        let mut out = Vec::with_capacity(usize::try_from(size).unwrap_or(0).saturating_add(1));
+        Plain(&fs::File::from(file)).read_to_end(&mut out).ok()?;
+        Some(out)
+    }
+
+    /// The host directory's entry `name` in its directory `parent` (opened beneath the host
+    /// directory), or at `rel` where that directory could not be opened: one `statx` of a
+    /// single name that is not followed, where a lookup of the whole path from the host
+    /// directory is three calls (an `openat2` beneath it, a `statx` and a `close`).
+    fn lower_entry(&self, parent: Option<&Dir>, rel: &Path, name: &OsStr) -> Option<LowerEntry> {
+        let Some(parent) = parent else {
+            return self.lower_meta(rel);
+        };
+        let stat = rustix::fs::statat(parent, name, rustix::fs::AtFlags::SYMLINK_NOFOLLOW).ok()?;
+        let t = rustix::fs::FileType::from_raw_mode(stat.st_mode);
+        Some(LowerEntry {
+            kind: entry_kind(
+                t == rustix::fs::FileType::Directory,
+                t == rustix::fs::FileType::Symlink,
+                t == rustix::fs::FileType::RegularFile,
+            ),
+            mode: mode(stat.st_mode),
+            len: u64::try_from(stat.st_size).unwrap_or(0),
+        })
     }
 
     fn walk_dir(&mut self, rel: &Path, lower_is_dir: bool) -> Result<(), WorkspaceError> {
@@ -123,6 +178,13 @@ impl Walker<'_> {
         if lower_is_dir && hides_lower {
             self.hidden_lower_children(rel, &names)?;
         }
+        // The host's side of this directory, opened once for its entries' lookups.
+        let lower_dir = match (lower_is_dir, rel.as_os_str().is_empty()) {
+            (false, _) => None,
+            (true, true) => self.lower.try_clone().ok(),
+            (true, false) => self.lower.open_dir(rel).ok(),
+        };
+        let lower_dir = lower_dir.as_ref();
         if self.split && names.len() > 1 {
             self.split = false;
             let (mine, theirs) = names.split_at(names.len() / 2);
@@ -138,13 +200,13 @@ impl Walker<'_> {
                         let mut other = other;
                         theirs
                             .iter()
-                            .try_for_each(|name| other.entry(&rel.join(name), name))
+                            .try_for_each(|name| other.entry(&rel.join(name), name, lower_dir))
                             .map(|()| other.changes)
                     })
                     .ok()?;
                 let mine = mine
                     .iter()
-                    .try_for_each(|name| self.entry(&rel.join(name), name));
+                    .try_for_each(|name| self.entry(&rel.join(name), name, lower_dir));
                 let theirs = handle.join().unwrap_or_else(|_| {
                     Err(WorkspaceError::Read {
                         path: rel.to_path_buf(),
@@ -159,7 +221,7 @@ impl Walker<'_> {
             }
         }
         for name in names {
-            self.entry(&rel.join(&name), &name)?;
+            self.entry(&rel.join(&name), &name, lower_dir)?;
         }
         Ok(())
     }
@@ -183,9 +245,8 @@ impl Walker<'_> {
             }
             let child = rel.join(&name);
             if let Some(meta) = self.lower_meta(&child) {
-                let mut change =
-                    Change::new(display(&child), ChangeKind::Deleted, lower_kind(&meta));
-                change.old_mode = Some(mode(meta.mode()));
+                let mut change = Change::new(display(&child), ChangeKind::Deleted, meta.kind);
+                change.old_mode = Some(meta.mode);
                 self.push(change);
             }
         }
@@ -199,7 +260,12 @@ impl Walker<'_> {
         self.changes.push(change);
     }
 
-    fn entry(&mut self, rel: &Path, name: &OsStr) -> Result<(), WorkspaceError> {
+    fn entry(
+        &mut self,
+        rel: &Path,
+        name: &OsStr,
+        lower_dir: Option<&Dir>,
+    ) -> Result<(), WorkspaceError> {
         let (path, meta) = match locate_checked(self.layers, rel) {
             Ok(Some(found)) => found,
             Ok(None) => return Ok(()),
@@ -212,7 +278,7 @@ impl Walker<'_> {
                 return Ok(());
             }
         };
-        let lower = self.lower_meta(rel);
+        let lower = self.lower_entry(lower_dir, rel, name);
         let shown = display(rel);
         if name.to_str().is_none() {
             let mut change = Change::new(shown, ChangeKind::Added, kind_of(&meta));
@@ -224,8 +290,8 @@ impl Walker<'_> {
         if file_type.is_char_device() && meta.rdev() == 0 {
             // A whiteout: the path was deleted in the cell.
             if let Some(lower) = lower {
-                let mut change = Change::new(shown, ChangeKind::Deleted, lower_kind(&lower));
-                change.old_mode = Some(mode(lower.mode()));
+                let mut change = Change::new(shown, ChangeKind::Deleted, lower.kind);
+                change.old_mode = Some(lower.mode);
                 self.push(change);
             }
             return Ok(());
@@ -235,15 +301,13 @@ impl Walker<'_> {
         } else {
             ChangeKind::Added
         };
-        let old_mode = lower.as_ref().map(|l| mode(l.mode()));
-        let same_type = lower
-            .as_ref()
-            .is_some_and(|l| lower_kind(l) == kind_of(&meta));
+        let old_mode = lower.as_ref().map(|l| l.mode);
+        let same_type = lower.as_ref().is_some_and(|l| l.kind == kind_of(&meta));
         let mut change = Change::new(shown.clone(), kind, kind_of(&meta));
         change.old_mode = old_mode;
         change.new_mode = Some(mode(meta.mode()));
         if file_type.is_dir() {
-            let lower_is_dir = lower.as_ref().is_some_and(|l| l.is_dir());
+            let lower_is_dir = lower.as_ref().is_some_and(|l| l.kind == EntryKind::Dir);
             if !same_type || old_mode != change.new_mode {
                 self.push(change);
             }
@@ -283,15 +347,15 @@ impl Walker<'_> {
             self.push(change);
             return Ok(());
         }
-        let new = read_upper(&path)?;
+        let new = read_upper(&path, meta.len())?;
         // The host's copy is read only where it could be the same or a patch could be made of it:
         // a file of another size changed, and a patch needs both sides under the limit.
         let limit = self.options.max_patch_bytes;
-        let old_size = lower.as_ref().filter(|_| same_type).map(|l| l.len());
+        let old_size = lower.as_ref().filter(|_| same_type).map(|l| l.len);
         let unread =
             old_size.is_some_and(|old| old != meta.len() && (old > limit || meta.len() > limit));
         let old = if same_type && !unread {
-            self.lower.read(rel).ok()
+            self.lower_read(lower_dir, rel, name, old_size.unwrap_or(0))
         } else {
             None
         };
@@ -412,8 +476,27 @@ fn text(bytes: &[u8]) -> Option<&str> {
     }
 }
 
-fn read_upper(path: &Path) -> Result<Vec<u8>, WorkspaceError> {
-    let mut file = fs::OpenOptions::new()
+/// What the host directory has at a path (never followed).
+struct LowerEntry {
+    kind: EntryKind,
+    mode: u32,
+    len: u64,
+}
+
+/// A file read through `Read` alone: `File`'s own `read_to_end` first asks the kernel for the
+/// file's size and position (a `statx` and an `lseek`), which the caller knows already.
+struct Plain<'a>(&'a fs::File);
+
+impl Read for Plain<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        (&mut &*self.0).read(buf)
+    }
+}
+
+/// The upper layer's file at `path`, of `size` bytes when it was looked up (read to its end
+/// whatever its size now: the buffer is only sized from it).
+fn read_upper(path: &Path, size: u64) -> Result<Vec<u8>, WorkspaceError> {
+    let file = fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW)
         .open(path)
@@ -421,8 +504,9 @@ fn read_upper(path: &Path) -> Result<Vec<u8>, WorkspaceError> {
             path: path.to_path_buf(),
             source,
         })?;
-    let mut out = Vec::new();
-    file.read_to_end(&mut out)
+    let mut out = Vec::with_capacity(usize::try_from(size).unwrap_or(0).saturating_add(1));
+    Plain(&file)
+        .read_to_end(&mut out)
         .map_err(|source| WorkspaceError::Read {
             path: path.to_path_buf(),
             source,

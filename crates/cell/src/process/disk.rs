@@ -162,7 +162,8 @@ pub fn create(layer: &Layer, templates: &Path, size: u64) -> Result<(), DiskErro
             .write(true)
             .create_new(true)
             .open(&image)?;
-        super::sys::copy_data(&source, &target, size)?;
+        // A sparse template: its holes are found and kept.
+        super::sys::copy_data(&source, &target, size, None)?;
         Ok(())
     })();
     if let Err(source) = copied {

@@ -1590,7 +1590,8 @@ impl Copy {
                 .custom_flags(libc::O_NOFOLLOW)
                 .open(from)
                 .map_err(copy_err(from))?;
-            let size = sys::copy_data(&source, &target, meta.len()).map_err(copy_err(to))?;
+            let size = sys::copy_data(&source, &target, meta.len(), Some(meta.blocks() * 512))
+                .map_err(copy_err(to))?;
             target.set_permissions(mode).map_err(copy_err(to))?;
             if as_root {
                 std::os::unix::fs::fchown(&target, owner.0, owner.1).map_err(copy_err(to))?;

@@ -119,7 +119,7 @@ fn copy_across(source: &Path, target: &Path, meta: &fs::Metadata) -> io::Result<
         .mode(0o600)
         .open(target)?;
     if rustix::fs::ioctl_ficlone(&to, &from).is_err() {
-        super::sys::copy_data(&from, &to, meta.len())?;
+        super::sys::copy_data(&from, &to, meta.len(), Some(meta.blocks() * 512))?;
     }
     to.set_permissions(fs::Permissions::from_mode(meta.mode() & 0o7777))?;
     if nix::unistd::geteuid().is_root() {

@@ -1624,12 +1624,17 @@ pub fn enter_root(dir: &Path) -> io::Result<()> {
 
 /// Copies the data of a file of `length` bytes, extent by extent: holes are skipped (and stay
 /// holes, the target being set to the full length). Returns the bytes of data copied.
+/// `allocated`: the bytes the file system holds for the source, where the caller knows them
+/// (its `st_blocks` times 512): a file with as many as its length has no hole worth looking
+/// for, and is copied without asking where its data is (two `lseek`s, a lookup each in the
+/// file system's extent tree; most of a small file's copy).
 pub(crate) fn copy_data(
     source: &std::fs::File,
     target: &std::fs::File,
     length: u64,
+    allocated: Option<u64>,
 ) -> std::io::Result<u64> {
-    copy_data_over(source, target, length, 0)
+    copy_data_over(source, target, length, allocated, 0)
 }
 
 /// [`copy_data`] onto a target that holds `old` bytes already, written over in place: the
@@ -1640,6 +1645,7 @@ pub(crate) fn copy_data_over(
     source: &std::fs::File,
     target: &std::fs::File,
     length: u64,
+    allocated: Option<u64>,
     old: u64,
 ) -> std::io::Result<u64> {
     use rustix::fs::FallocateFlags;
@@ -1659,7 +1665,14 @@ pub(crate) fn copy_data_over(
     // No bigger than the file: a zeroed megabyte for each small file was most of its copy.
     let mut buf = vec![0u8; length.clamp(1, 1 << 20) as usize];
     let mut reached = 0u64;
-    for extent in data_extents(source, length) {
+    // Blocks held past the end (kept by `fallocate`) can make a file with a hole look whole:
+    // its hole is then copied as the zeros it reads as, the same content.
+    let whole = allocated.is_some_and(|bytes| bytes >= length);
+    let extents: Box<dyn Iterator<Item = std::io::Result<(u64, u64)>>> = match whole {
+        true => Box::new(std::iter::once(Ok((0, length)))),
+        false => Box::new(data_extents(source, length)),
+    };
+    for extent in extents {
         let (start, end) = extent?;
         punch(reached, start)?;
         let mut offset = start;
@@ -1917,5 +1930,49 @@ mod tests {
         // A connected socket is blocking again.
         let flags = nix::fcntl::fcntl(&kept[0], nix::fcntl::FcntlArg::F_GETFL).unwrap();
         assert_eq!(flags & libc::O_NONBLOCK, 0);
+    }
+
+    /// A copy keeps a source's holes as holes, whether or not the caller says how much the
+    /// source holds (a sparse file holds less than its length), and a fully written source is
+    /// copied whole without looking for holes; written over a longer file with data where the
+    /// source has a hole, the result reads as the source does.
+    #[test]
+    fn copies_keep_holes_and_come_out_as_the_source_reads() {
+        use std::io::Write as _;
+        use std::os::unix::fs::{FileExt as _, MetadataExt as _};
+        let dir = tempfile::tempdir().unwrap();
+        let sparse = dir.path().join("sparse");
+        let file = std::fs::File::create(&sparse).unwrap();
+        file.write_all_at(b"A", 0).unwrap();
+        file.write_all_at(b"B", 4 << 20).unwrap();
+        drop(file);
+        let dense = dir.path().join("dense");
+        std::fs::File::create(&dense)
+            .unwrap()
+            .write_all(&vec![b'd'; 10_000])
+            .unwrap();
+        for (source, name) in [(&sparse, "sparse"), (&dense, "dense")] {
+            let from = std::fs::File::open(source).unwrap();
+            let meta = from.metadata().unwrap();
+            for allocated in [None, Some(meta.blocks() * 512)] {
+                let to_path = dir.path().join(format!("{name}-copy"));
+                // Something longer, all data, to be written over.
+                std::fs::write(&to_path, vec![b'x'; (5 << 20) + 7]).unwrap();
+                let to = std::fs::OpenOptions::new().write(true).open(&to_path).unwrap();
+                let old = to.metadata().unwrap().len();
+                copy_data_over(&from, &to, meta.len(), allocated, old).unwrap();
+                drop(to);
+                assert_eq!(
+                    std::fs::read(&to_path).unwrap(),
+                    std::fs::read(source).unwrap(),
+                    "{name}, {allocated:?}"
+                );
+                if name == "sparse" {
+                    let held = std::fs::metadata(&to_path).unwrap().blocks() * 512;
+                    assert!(held < 1 << 20, "the copy of a sparse file holds {held} bytes");
+                }
+                std::fs::remove_file(&to_path).unwrap();
+            }
+        }
     }
 }
