@@ -471,7 +471,6 @@ impl Gateway {
     }
 }
 
-/// The JSON body of a 403: what was refused and why, so that an agent can correct itself.
 /// The accepting side of one listener, handed from thread to thread: the thread that accepts a
 /// connection serves it itself, and passes the listener to a waiting thread of the gateway's
 /// (or a new one) first, so that a connection costs no wake-up of a second thread before it
@@ -544,6 +543,7 @@ impl Acceptor {
     }
 }
 
+/// The JSON body of a 403: what was refused and why, so that an agent can correct itself.
 pub(crate) fn refusal_body(decision: &Decision) -> serde_json::Value {
     json!({
         "error": "blocked by the warden egress policy",

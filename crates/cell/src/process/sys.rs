@@ -1958,7 +1958,10 @@ mod tests {
                 let to_path = dir.path().join(format!("{name}-copy"));
                 // Something longer, all data, to be written over.
                 std::fs::write(&to_path, vec![b'x'; (5 << 20) + 7]).unwrap();
-                let to = std::fs::OpenOptions::new().write(true).open(&to_path).unwrap();
+                let to = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&to_path)
+                    .unwrap();
                 let old = to.metadata().unwrap().len();
                 copy_data_over(&from, &to, meta.len(), allocated, old).unwrap();
                 drop(to);
@@ -1969,7 +1972,10 @@ mod tests {
                 );
                 if name == "sparse" {
                     let held = std::fs::metadata(&to_path).unwrap().blocks() * 512;
-                    assert!(held < 1 << 20, "the copy of a sparse file holds {held} bytes");
+                    assert!(
+                        held < 1 << 20,
+                        "the copy of a sparse file holds {held} bytes"
+                    );
                 }
                 std::fs::remove_file(&to_path).unwrap();
             }
