@@ -24,6 +24,11 @@ pub struct DiffOptions {
     pub max_patch_bytes: u64,
     /// Files larger than this are refused (and never read in full).
     pub max_file_bytes: u64,
+    /// Whether a changed file's content is read and hashed where its lookup alone shows it
+    /// changed (the host has no file there, or one of another size): false for a caller that
+    /// compares such files itself where it needs to (they then come without `hash` or patch).
+    /// A file of the host's size is read either way, to tell a copy from a change.
+    pub hash_changed: bool,
 }
 
 impl Default for DiffOptions {
@@ -32,6 +37,7 @@ impl Default for DiffOptions {
             sensitivity: Sensitivity::default(),
             max_patch_bytes: 256 * 1024,
             max_file_bytes: 1 << 30,
+            hash_changed: true,
         }
     }
 }
@@ -347,24 +353,30 @@ impl Walker<'_> {
             self.push(change);
             return Ok(());
         }
-        let new = read_upper(&path, meta.len())?;
-        // The host's copy is read only where it could be the same or a patch could be made of it:
-        // a file of another size changed, and a patch needs both sides under the limit.
         let limit = self.options.max_patch_bytes;
         let old_size = lower.as_ref().filter(|_| same_type).map(|l| l.len);
-        let unread =
-            old_size.is_some_and(|old| old != meta.len() && (old > limit || meta.len() > limit));
-        let old = if same_type && !unread {
-            self.lower_read(lower_dir, rel, name, old_size.unwrap_or(0))
-        } else {
-            None
-        };
-        if old.as_deref() == Some(new.as_slice()) && old_mode == change.new_mode {
-            return Ok(()); // copied up, but nothing changed
-        }
-        change.hash = Some(blake3::hash(&new).to_hex().to_string());
-        if !unread && let Some(patch) = self.patch(&shown, old.as_deref(), &new) {
-            change.patch = Some(patch);
+        // Its lookup alone shows that it changed: the host has no file there, or one of
+        // another size.
+        let sized_apart = old_size.is_none_or(|old| old != meta.len());
+        if self.options.hash_changed || !sized_apart {
+            let new = read_upper(&path, meta.len())?;
+            // The host's copy is read only where it could be the same or a patch could be made
+            // of it: a file of another size changed, and a patch needs both sides under the
+            // limit.
+            let unread = old_size
+                .is_some_and(|old| old != meta.len() && (old > limit || meta.len() > limit));
+            let old = if same_type && !unread {
+                self.lower_read(lower_dir, rel, name, old_size.unwrap_or(0))
+            } else {
+                None
+            };
+            if old.as_deref() == Some(new.as_slice()) && old_mode == change.new_mode {
+                return Ok(()); // copied up, but nothing changed
+            }
+            change.hash = Some(blake3::hash(&new).to_hex().to_string());
+            if !unread && let Some(patch) = self.patch(&shown, old.as_deref(), &new) {
+                change.patch = Some(patch);
+            }
         }
         let gains_exec = change.new_mode.is_some_and(|m| m & 0o111 != 0)
             && old_mode.is_none_or(|m| m & 0o111 == 0);

@@ -103,11 +103,38 @@ impl Root {
         self.stat(rel).is_some()
     }
 
+    /// The regular file at `rel` (not followed, never waited on), with its length.
+    fn file(&self, rel: &str) -> Option<(fs::File, u64)> {
+        let fd = rustix::fs::openat(
+            self.0.as_ref()?,
+            rel,
+            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .ok()?;
+        let stat = rustix::fs::fstat(&fd).ok()?;
+        (FileType::from_raw_mode(stat.st_mode) == FileType::RegularFile)
+            .then(|| (fs::File::from(fd), u64::try_from(stat.st_size).unwrap_or(0)))
+    }
+
     /// The target of the link at `rel`.
     fn link(&self, rel: &str) -> Option<String> {
         let target = rustix::fs::readlinkat(self.0.as_ref()?, rel, Vec::new()).ok()?;
         Some(target.to_string_lossy().into_owned())
     }
+}
+
+/// Whether the files at `rel` of `a` and of `b` hold the same bytes (false where either cannot
+/// be read: the reset then writes the target's over the current one).
+fn same_content(a: &Root, b: &Root, rel: &str) -> bool {
+    let (Some((mut a, a_len)), Some((mut b, b_len))) = (a.file(rel), b.file(rel)) else {
+        return false;
+    };
+    if a_len != b_len {
+        return false;
+    }
+    let (mut x, mut y) = (Vec::new(), Vec::new());
+    a.read_to_end(&mut x).is_ok() && b.read_to_end(&mut y).is_ok() && x == y
 }
 
 /// What `change` makes the path; `stack`: where a file's content is then read from (the
@@ -144,10 +171,13 @@ pub(super) fn plan(
     current: &[PathBuf],
     target: &[PathBuf],
 ) -> Result<Vec<Step>, warden_workspace::WorkspaceError> {
+    // A file that the host has at another size, or not at all, is not read by the diffs: it
+    // changed, and where both trees hold such a file it is compared here, from the two layers.
     let options = DiffOptions {
         sensitivity: Sensitivity::default(),
         max_patch_bytes: 0,
         max_file_bytes: u64::MAX,
+        hash_changed: false,
     };
     // The two trees are read side by side (the cell is frozen meanwhile); one after the other
     // where no thread is to be had.
@@ -238,6 +268,29 @@ pub(super) fn plan(
                     ..
                 },
             ) => a == b && m == n,
+            // Both of the layers' and unread (the host has neither): their bytes compared.
+            (
+                Want::File {
+                    hash: None,
+                    from: Some(SOME_LAYER),
+                    mode: m,
+                },
+                Want::File {
+                    hash: None,
+                    from: Some(layer),
+                    mode: n,
+                },
+            ) => {
+                m == n
+                    && current_roots
+                        .iter()
+                        .find(|root| root.has(path))
+                        .is_some_and(|now| {
+                            target_roots
+                                .get(*layer)
+                                .is_some_and(|then| same_content(now, then, path))
+                        })
+            }
             (Want::File { .. }, Want::File { .. }) => false,
             (a, b) => a == b,
         };
@@ -652,6 +705,14 @@ mod tests {
         fs::write(now.join("edited"), "new\n").unwrap();
         fs::write(now.join("both"), "same in both\n").unwrap();
         fs::write(then.join("both"), "same in both\n").unwrap();
+        // Changed alike in both trees (the host's of another size): read by neither diff, their
+        // bytes compared, and left alone.
+        fs::write(lower.join("changed-alike"), "old\n").unwrap();
+        fs::write(now.join("changed-alike"), "newer\n").unwrap();
+        fs::write(then.join("changed-alike"), "newer\n").unwrap();
+        // Of one size in both trees, the host has none: compared byte by byte, and they differ.
+        fs::write(now.join("same-size"), "aaaa\n").unwrap();
+        fs::write(then.join("same-size"), "bbbb\n").unwrap();
         fs::write(then.join("snap-only"), "s\n").unwrap();
         // In the cell's layer as the host has it (copied up): not a change, but written over.
         fs::write(lower.join("copied"), "host\n").unwrap();
@@ -683,6 +744,12 @@ mod tests {
                     path: "edited".into(),
                     mode: 0o644,
                     from: None,
+                    over: true,
+                },
+                Step::File {
+                    path: "same-size".into(),
+                    mode: 0o644,
+                    from: Some(0),
                     over: true,
                 },
                 Step::File {
