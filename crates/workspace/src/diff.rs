@@ -127,9 +127,7 @@ impl Walker<'_> {
             rustix::fs::Mode::empty(),
         )
         .ok()?;
-        let mut out = Vec::with_capacity(usize::try_from(size).unwrap_or(0).saturating_add(1));
-        Plain(&fs::File::from(file)).read_to_end(&mut out).ok()?;
-        Some(out)
+        read_sized(&fs::File::from(file), size).ok()
     }
 
     /// The host directory's entry `name` in its directory `parent` (opened beneath the host
@@ -505,25 +503,25 @@ impl Read for Plain<'_> {
     }
 }
 
-/// The upper layer's file at `path`, of `size` bytes when it was looked up (read to its end
-/// whatever its size now: the buffer is only sized from it).
+/// All of `file`, of `size` bytes when it was looked up (read to its end whatever its size now:
+/// only the buffer is sized from it).
+fn read_sized(file: &fs::File, size: u64) -> io::Result<Vec<u8>> {
+    let mut out = Vec::with_capacity(usize::try_from(size).unwrap_or(0).saturating_add(1));
+    Plain(file).read_to_end(&mut out)?;
+    Ok(out)
+}
+
+/// The upper layer's file at `path`, of `size` bytes when it was looked up.
 fn read_upper(path: &Path, size: u64) -> Result<Vec<u8>, WorkspaceError> {
-    let file = fs::OpenOptions::new()
+    fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW)
         .open(path)
+        .and_then(|file| read_sized(&file, size))
         .map_err(|source| WorkspaceError::Read {
             path: path.to_path_buf(),
             source,
-        })?;
-    let mut out = Vec::with_capacity(usize::try_from(size).unwrap_or(0).saturating_add(1));
-    Plain(&file)
-        .read_to_end(&mut out)
-        .map_err(|source| WorkspaceError::Read {
-            path: path.to_path_buf(),
-            source,
-        })?;
-    Ok(out)
+        })
 }
 
 fn is_opaque(dir: &Path) -> bool {
