@@ -95,6 +95,9 @@ impl ProcessBackend {
         // A snapshot or reset cut short by a killed warden is finished before anything reads
         // the layer.
         super::snapshot::finish_all_interrupted(&store);
+        if super::background::outlives_requests() {
+            super::background::sweep_gone_layers(&store.root().join("layers"));
+        }
         Ok(Self {
             ahead: super::ahead::Ahead::new(config.clone()),
             config,

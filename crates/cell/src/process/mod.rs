@@ -2,6 +2,7 @@
 
 mod ahead;
 pub mod backend;
+pub mod background;
 pub mod cgroup;
 pub mod changes;
 mod confine;

@@ -1347,36 +1347,18 @@ fn swap_in(layer: &Layer, name: &str) -> Result<(), SnapshotError> {
     Ok(())
 }
 
-/// Removes a discarded layer directory in a child process, so that the caller does not wait
-/// for thousands of unlinks; a leftover goes with the layer when the cell is removed. A small
-/// thread reaps the child when it is done, so that a daemon that removes layers all day keeps
-/// no zombies. A file system of the layer's own that is still mounted is let go of first: a
+/// Removes a discarded layer directory in the background (`background::run`), so that the
+/// caller does not wait for thousands of unlinks; a leftover goes with the layer when the cell
+/// is removed. A file system of the layer's own that is still mounted is let go of first: a
 /// look at the layer (its changes) may have mounted it again between its owner's unmount and
 /// the move out of the way, and its removal would then delete the image under the mount, which
 /// stayed on the host for good (one cell in 18 whose daemon deleted it at once).
 pub(super) fn remove_in_background(dir: PathBuf) {
-    let remove = |dir: PathBuf| {
+    super::background::run(move || {
         let layer = Layer::at(dir);
         let _ = layer.detach();
         let _ = layer.remove_tree();
-    };
-    match sys::clone_process(0) {
-        Ok(0) => {
-            // Let go of the caller's stdio, so that nobody waits on this child's pipes.
-            sys::stdio_to_null();
-            remove(dir);
-            sys::exit_now(0);
-        }
-        Ok(child) => {
-            let _ = std::thread::Builder::new()
-                .name("layer-remover".to_owned())
-                .stack_size(64 * 1024)
-                .spawn(move || {
-                    let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(child), None);
-                });
-        }
-        Err(_) => remove(dir),
-    }
+    });
 }
 
 /// Returns a stopped cell's workspace to a snapshot of it, or to its start: the target's

@@ -133,11 +133,14 @@ pub fn swap(
         None
     };
     let (report_r, report_w) = sys::pipe().map_err(|e| failed(e.to_string()))?;
+    // The old overlay's last mount comes back on this, to be let go of in the background.
+    let (held_r, held_w) = sys::seqpacket_pair().map_err(|e| failed(e.to_string()))?;
     let child = sys::clone_process(0).map_err(|e| failed(e.to_string()))?;
     if child == 0 {
         drop(report_r);
+        drop(held_r);
         let mut report = fs::File::from(report_w);
-        let code = match inside(&ns, tree, place, old, new, turn) {
+        let code = match inside(&ns, tree, place, old, new, turn, held_w) {
             Ok(()) => 0,
             Err(Outcome::Busy) => 2,
             Err(Outcome::Failed(message)) => {
@@ -152,8 +155,13 @@ pub fn swap(
         sys::exit_now(code);
     }
     drop(report_w);
+    drop(held_w);
     let mut message = String::new();
     let _ = fs::File::from(report_r).read_to_string(&mut message);
+    // Sent before the helper's end, if it swapped.
+    if let Ok(Some((_, held))) = sys::try_receive_message(held_r.as_fd()) {
+        super::background::let_go(held);
+    }
     match nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(child), None) {
         Ok(nix::sys::wait::WaitStatus::Exited(_, 0)) => Ok(()),
         Ok(nix::sys::wait::WaitStatus::Exited(_, 2)) => Err(SwapError::Busy(place.cell.to_owned())),
@@ -200,6 +208,7 @@ fn inside(
     old: &Stack,
     new: &Stack,
     turn: Option<&Turn>,
+    hand_back: OwnedFd,
 ) -> Result<(), Outcome> {
     use nix::sched::{CloneFlags, setns, unshare};
     ns.join_user()
@@ -334,8 +343,8 @@ fn inside(
     }
     // A clone of the old overlay's mount keeps its file system alive past the unmount, so that
     // its teardown (every inode it cached is let go: a walk as long as what the cell touched)
-    // happens after, in the background. It does not make the unmount busy: only what the cell
-    // holds does.
+    // happens after, in the background (the caller's, `hand_back`). It does not make the
+    // unmount busy: only what the cell holds does.
     let held = sys::detached_clone(place.mount).map_err(|e| ("holding the old workspace", e))?;
     match rustix::mount::unmount(place.mount, UnmountFlags::empty()) {
         Ok(()) => {}
@@ -372,7 +381,8 @@ fn inside(
         Ok(moved) => match attach(&fresh) {
             Ok(()) => {
                 let _ = (&again, &moved);
-                let_go_later(held);
+                // Where it cannot be sent, the teardown happens here, before the helper ends.
+                let _ = sys::send_message(hand_back.as_fd(), b"h", &[held.as_raw_fd()]);
                 return Ok(());
             }
             Err(err) => {
@@ -428,35 +438,4 @@ fn move_entries(source: &OwnedFd, target: &OwnedFd) -> io::Result<()> {
         }
     }
     Ok(())
-}
-
-/// Lets go of the old overlay's last mount in a process of its own, which outlives the helper:
-/// the helper's caller does not wait for the teardown. (The helper lets go of its own copy
-/// first; the other process waits for the helper to end, so that its copy is the last.)
-fn let_go_later(held: OwnedFd) {
-    let Ok((gone_r, gone_w)) = sys::pipe() else {
-        return drop(held);
-    };
-    match sys::clone_process(0) {
-        Ok(0) => {
-            drop(gone_w);
-            // Nothing of the helper's is kept but the mount and the pipe (its caller reads the
-            // helper's report to its end, and others may read its stdio).
-            sys::stdio_to_null();
-            sys::run_when_idle();
-            let _ = sys::close_except(&[held.as_raw_fd(), gone_r.as_raw_fd()]);
-            let mut byte = [0u8; 1];
-            // End of file once the helper has ended.
-            let _ = fs::File::from(gone_r).read(&mut byte);
-            drop(held);
-            sys::exit_now(0);
-        }
-        Ok(_) => {
-            drop(gone_r);
-            drop(held);
-            // `gone_w` goes with this process.
-            std::mem::forget(gone_w);
-        }
-        Err(_) => drop(held),
-    }
 }

@@ -99,6 +99,9 @@ pub fn serve(args: ServeArgs) -> Result<i32> {
         .iter()
         .map(|arg| pool_spec(arg))
         .collect::<Result<Vec<_>>>()?;
+    // Work a request leaves behind (a discarded layer's removal) runs on a thread of the
+    // daemon's, not in a fork of it.
+    warden_cell::outlive_requests();
     let config = warden_server::ServeConfig {
         harness: daemon_harness(
             warden_journal::Segments {

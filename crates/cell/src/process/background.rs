@@ -1,0 +1,292 @@
+//! Work that a request leaves behind and does not wait for: removing a discarded layer,
+//! letting go of an old overlay (its teardown lets go of every inode it cached).
+//!
+//! In a process that outlives its requests (the daemon, once it calls [`outlive_requests`]),
+//! the work goes to one thread of its own, at the lowest priority of the normal class, one
+//! piece after another. A fork of the daemon for it would cost the request about a millisecond
+//! (the kernel copies the page tables of its tens of MiB, and every page the daemon writes
+//! afterwards is copied once more), which is most of what a quick snapshot or reset costs. A
+//! piece still waiting when the daemon is killed is lost: what it would have removed is a
+//! leftover that goes with its cell's layer (`upper.old-*`), or, for a removed cell's layer
+//! (`.gone-*`), is removed by the next daemon's start ([`sweep_gone_layers`]).
+//!
+//! In a process that ends with its request (`warden snapshot` without a daemon), a forked
+//! child does the work, so that it is done after the caller has exited; a small thread reaps
+//! the child, so that a caller that forks many keeps no zombies.
+
+use std::io::Read as _;
+use std::os::fd::{AsRawFd as _, OwnedFd, RawFd};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, OnceLock, mpsc};
+
+use super::sys;
+
+type Job = Box<dyn FnOnce() + Send + 'static>;
+
+static OUTLIVES_REQUESTS: AtomicBool = AtomicBool::new(false);
+
+/// The worker thread's queue, made with the first piece of work.
+static QUEUE: OnceLock<Mutex<Option<mpsc::Sender<Job>>>> = OnceLock::new();
+
+/// Says that this process outlives the requests it serves (the daemon): background work runs
+/// on a thread of its own from now on.
+pub fn outlive_requests() {
+    OUTLIVES_REQUESTS.store(true, Ordering::Relaxed);
+}
+
+/// Whether this process said it outlives its requests.
+pub fn outlives_requests() -> bool {
+    OUTLIVES_REQUESTS.load(Ordering::Relaxed)
+}
+
+/// Runs `job` after the caller goes on: on the background thread in a process that outlives
+/// its requests, else in a forked child that holds none of the caller's descriptors (no lock
+/// of the caller's stays held while it works). Where neither can be had, `job` runs here and
+/// now.
+pub fn run(job: impl FnOnce() + Send + 'static) {
+    dispatch(Box::new(job), &[]);
+}
+
+/// Lets go of `held` after the caller goes on (the last reference to a detached mount: its
+/// teardown), as `run` does its work; the caller's own copies must be gone by then (a forked
+/// child lets go of its copies once the caller has dropped the ones it had).
+pub fn let_go(held: Vec<OwnedFd>) {
+    let raw: Vec<RawFd> = held.iter().map(|fd| fd.as_raw_fd()).collect();
+    dispatch(Box::new(move || drop(held)), &raw);
+}
+
+/// `job` to the thread or to a child that keeps the descriptors `keep` only.
+fn dispatch(job: Job, keep: &[RawFd]) {
+    let job = match OUTLIVES_REQUESTS.load(Ordering::Relaxed) {
+        true => match queue(job) {
+            Ok(()) => return,
+            Err(job) => job,
+        },
+        false => match fork(job, keep) {
+            Ok(()) => return,
+            Err(job) => job,
+        },
+    };
+    job();
+}
+
+/// Hands `job` to the background thread (started with the first): `Err(job)` where the thread
+/// cannot be had.
+fn queue(job: Job) -> Result<(), Job> {
+    let slot = QUEUE.get_or_init(|| Mutex::new(start()));
+    let Ok(mut sender) = slot.lock() else {
+        return Err(job);
+    };
+    let Some(tx) = sender.as_ref() else {
+        return Err(job);
+    };
+    match tx.send(job) {
+        Ok(()) => Ok(()),
+        Err(mpsc::SendError(job)) => {
+            // The thread ended (a piece of work panicked): the next piece starts another.
+            *sender = start();
+            match sender.as_ref() {
+                Some(tx) => tx.send(job).map_err(|mpsc::SendError(job)| job),
+                None => Err(job),
+            }
+        }
+    }
+}
+
+/// The background thread: `None` where it cannot be started.
+fn start() -> Option<mpsc::Sender<Job>> {
+    let (tx, rx) = mpsc::channel::<Job>();
+    std::thread::Builder::new()
+        .name("background".to_owned())
+        .spawn(move || {
+            // Below the requests, yet never starved: a piece of work may take the kernel's
+            // mount lock for a moment (an overlay's teardown), which the idle class could hold
+            // up for as long as the machine stays busy.
+            sys::lower_priority(0);
+            for job in rx {
+                job();
+            }
+        })
+        .ok()
+        .map(|_| tx)
+}
+
+/// Runs `job` in a forked child that exits after it, with the descriptors `keep` and none
+/// other of the caller's: `Err(job)` where the fork failed. The child starts once the caller
+/// has dropped its own copy of `job` (so that the child's copies of what it holds are the last).
+fn fork(job: Job, keep: &[RawFd]) -> Result<(), Job> {
+    let Ok((go_r, go_w)) = sys::pipe() else {
+        return Err(job);
+    };
+    match sys::clone_process(0) {
+        Ok(0) => {
+            drop(go_w);
+            // Let go of the caller's stdio, so that nobody waits on this child's pipes.
+            sys::stdio_to_null();
+            let mut keep = keep.to_vec();
+            keep.push(go_r.as_raw_fd());
+            let _ = sys::close_except(&keep);
+            // End of file once the caller has dropped its copies (and every other process
+            // that was forked meanwhile has ended or let go of the pipe).
+            let _ = std::fs::File::from(go_r).read(&mut [0u8; 1]);
+            job();
+            sys::exit_now(0);
+        }
+        Ok(child) => {
+            drop(job);
+            drop((go_r, go_w));
+            let _ = std::thread::Builder::new()
+                .name("background-reaper".to_owned())
+                .stack_size(64 * 1024)
+                .spawn(move || {
+                    let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(child), None);
+                });
+            Ok(())
+        }
+        Err(_) => Err(job),
+    }
+}
+
+/// Removes the layers of removed cells (`.gone-*` in `layers`) that a killed warden left
+/// behind, in the background. For a daemon's start.
+pub fn sweep_gone_layers(layers: &Path) {
+    let Ok(entries) = std::fs::read_dir(layers) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        if entry.file_name().to_string_lossy().starts_with(".gone-") {
+            super::snapshot::remove_in_background(entry.path());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    /// Both ways run the work after the caller has gone on: the forked child in a process of
+    /// its own, the thread in this one, in order.
+    #[test]
+    fn work_runs_after_the_caller_in_a_child_or_on_the_thread() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mark = tmp.path().join("forked");
+        let pid = std::process::id();
+        let (mark_in_child, owner) = (mark.clone(), tmp.path().join("owner"));
+        fork(
+            Box::new(move || {
+                // The child's own pid, not the caller's.
+                let _ = std::fs::write(&owner, std::process::id().to_string());
+                let _ = std::fs::write(&mark_in_child, "done");
+            }),
+            &[],
+        )
+        .unwrap_or_else(|_| panic!("fork failed"));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !mark.exists() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(mark.exists(), "the forked child did not run the work");
+        let owner: u32 = std::fs::read_to_string(tmp.path().join("owner"))
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert_ne!(owner, pid, "the work ran in the caller");
+
+        let (tx, rx) = mpsc::channel();
+        for i in 0..3 {
+            let tx = tx.clone();
+            queue(Box::new(move || {
+                let on = std::thread::current().name().map(str::to_owned);
+                let _ = tx.send((i, on));
+            }))
+            .unwrap_or_else(|_| panic!("no background thread"));
+        }
+        let got: Vec<_> = (0..3)
+            .map(|_| rx.recv_timeout(Duration::from_secs(10)).unwrap())
+            .collect();
+        assert_eq!(
+            got.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+            [0, 1, 2],
+            "the pieces ran out of order"
+        );
+        assert!(
+            got.iter()
+                .all(|(_, on)| on.as_deref() == Some("background")),
+            "a piece ran elsewhere: {got:?}"
+        );
+    }
+
+    /// A forked child keeps no descriptor of the caller's but those it is given: a lock the
+    /// caller lets go of is free while the child still works; the descriptor it was given
+    /// stays open in it until its work drops it (a pipe's far end sees its end then).
+    #[test]
+    fn a_forked_child_holds_only_what_it_was_given() {
+        use std::os::fd::AsFd as _;
+        let tmp = tempfile::tempdir().unwrap();
+        let lock_path = tmp.path().join("lock");
+        let lock = std::fs::File::create(&lock_path).unwrap();
+        rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive).unwrap();
+        let (given_r, given_w) = sys::pipe().unwrap();
+        let (done_r, done_w) = sys::pipe().unwrap();
+        let raw = [given_w.as_raw_fd(), done_w.as_raw_fd()];
+        fork(
+            Box::new(move || {
+                // Says it has started, holds on a moment, then lets go of both.
+                let mut started = std::fs::File::from(done_w);
+                let _ = std::io::Write::write_all(&mut started, b"s");
+                std::thread::sleep(Duration::from_secs(2));
+                drop((given_w, started));
+            }),
+            &raw,
+        )
+        .unwrap_or_else(|_| panic!("fork failed"));
+        let mut done = std::fs::File::from(done_r);
+        let mut byte = [0u8; 1];
+        assert_eq!(done.read(&mut byte).unwrap(), 1, "the work did not start");
+        drop(lock);
+        // The child still works: the lock is free all the same (tried for a second: another
+        // test's child forked meanwhile holds a copy for a moment).
+        let again = std::fs::File::open(&lock_path).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while rustix::fs::flock(&again, rustix::fs::FlockOperation::NonBlockingLockExclusive)
+            .is_err()
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the forked child holds the caller's lock"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(
+            !sys::wait_readable(given_r.as_fd(), Duration::from_millis(50)).unwrap(),
+            "the child let go of what it was given before its work"
+        );
+        assert_eq!(done.read(&mut byte).unwrap(), 0, "a second byte came");
+        assert!(
+            sys::wait_readable(given_r.as_fd(), Duration::from_secs(5)).unwrap(),
+            "the child did not let go of what it was given"
+        );
+    }
+
+    /// A daemon's start removes the layers of removed cells that a killed warden left, and no
+    /// cell's layer.
+    #[test]
+    fn the_sweep_removes_only_layers_on_their_way_out() {
+        let tmp = tempfile::tempdir().unwrap();
+        let gone = tmp.path().join(".gone-c-1");
+        let kept = tmp.path().join("c");
+        for dir in [&gone, &kept] {
+            std::fs::create_dir_all(dir.join("upper/d")).unwrap();
+            std::fs::write(dir.join("upper/d/f"), "x").unwrap();
+        }
+        sweep_gone_layers(tmp.path());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while gone.exists() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(!gone.exists(), "the left layer is still there");
+        assert!(kept.join("upper/d/f").exists(), "a cell's layer went");
+    }
+}
