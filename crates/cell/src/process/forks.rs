@@ -38,6 +38,10 @@ use crate::tier::ProcessConfig;
 /// A request: this one byte, with the keeper's three descriptors.
 const FORK: &[u8] = b"k";
 
+/// A request for a helper (a workspace's swap, `swap::helper`): this byte, then the helper's
+/// job as JSON, with its descriptors.
+const HELPER: u8 = b'h';
+
 /// The server's answer: the keeper's pid, or why it could not fork one.
 #[derive(Serialize, Deserialize)]
 enum ForkAnswer {
@@ -81,9 +85,12 @@ pub fn serve(keep: fn() -> i32) -> io::Result<()> {
     }
 }
 
-/// Forks one keeper as the request asks; its pid. Runs `keep` in the child, which never
-/// returns from here.
+/// Forks one keeper or helper as the request asks; its pid. Runs `keep` (or the helper) in
+/// the child, which never returns from here.
 fn fork_one(payload: &[u8], fds: Vec<OwnedFd>, keep: fn() -> i32) -> Result<i32, String> {
+    if let Some((&HELPER, job)) = payload.split_first() {
+        return fork_helper(job, fds);
+    }
     if payload != FORK {
         return Err(format!("{} bytes that are not a request", payload.len()));
     }
@@ -103,6 +110,18 @@ fn fork_one(payload: &[u8], fds: Vec<OwnedFd>, keep: fn() -> i32) -> Result<i32,
             std::process::exit(code)
         }
         // The descriptors are the keeper's now; the server's copies close here.
+        pid => Ok(pid),
+    }
+}
+
+/// Forks a helper that does `job` with `fds` (see `swap::helper`) and exits with its code: the
+/// daemon's child (`CLONE_PARENT`), which the daemon waits for. A fork of this small process
+/// costs a fraction of a fork of the daemon (about a millisecond there: the page tables of its
+/// tens of MiB copied, and each page it writes afterwards copied again).
+fn fork_helper(job: &[u8], fds: Vec<OwnedFd>) -> Result<i32, String> {
+    match sys::clone_process(libc::CLONE_PARENT).map_err(|e| format!("forking a helper: {e}"))? {
+        0 => sys::exit_now(super::swap::helper(job, fds)),
+        // The descriptors are the helper's now; the server's copies close here.
         pid => Ok(pid),
     }
 }
@@ -170,6 +189,18 @@ impl Forks {
         out: OwnedFd,
         err: OwnedFd,
     ) -> io::Result<ForkedKeeper> {
+        self.with_server(|running| running.fork(line, out, err))
+    }
+
+    /// Forks a helper that does `job` (JSON) with `fds` (see `swap::helper`): its pid, a child
+    /// of this process's to wait for.
+    pub(crate) fn helper(&self, job: &[u8], fds: &[std::os::fd::RawFd]) -> io::Result<i32> {
+        self.with_server(|running| running.helper(job, fds))
+    }
+
+    /// `ask` of the running server (started where none runs); a server that fails it is
+    /// replaced at the next request.
+    fn with_server<T>(&self, ask: impl FnOnce(&mut ForkServer) -> io::Result<T>) -> io::Result<T> {
         let mut server = self
             .server
             .lock()
@@ -179,12 +210,21 @@ impl Forks {
             Some(running) if alive => server.insert(running),
             _ => server.insert(ForkServer::start(&self.config)?),
         };
-        let forked = running.fork(line, out, err);
-        if forked.is_err() {
+        let answer = ask(running);
+        if answer.is_err() {
             *server = None;
         }
-        forked
+        answer
     }
+}
+
+/// A fork server of this process's (a daemon's), for helpers: `None` where none is in use (a
+/// command without a daemon forks its helpers itself).
+pub(crate) fn helper_server() -> Option<Arc<Forks>> {
+    let shared = SHARED
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    shared.iter().find_map(Weak::upgrade)
 }
 
 /// The daemon's side: the server process and its socket.
@@ -214,12 +254,27 @@ impl ForkServer {
     /// Has the server fork a keeper with `line` as its stdin and `out`, `err` as its stdout and
     /// stderr.
     fn fork(&mut self, line: OwnedFd, out: OwnedFd, err: OwnedFd) -> io::Result<ForkedKeeper> {
-        sys::send_message(
-            self.socket.as_fd(),
-            FORK,
-            &[line.as_raw_fd(), out.as_raw_fd(), err.as_raw_fd()],
-        )?;
+        let fds = [line.as_raw_fd(), out.as_raw_fd(), err.as_raw_fd()];
+        let pid = self.ask(FORK, &fds)?;
         drop((line, out, err));
+        Ok(ForkedKeeper {
+            // Our child (CLONE_PARENT): its pid is not reused before we reap it.
+            pidfd: sys::pidfd_open(pid)?,
+            status: None,
+        })
+    }
+
+    /// Has the server fork a helper: its pid.
+    fn helper(&mut self, job: &[u8], fds: &[std::os::fd::RawFd]) -> io::Result<i32> {
+        let mut payload = Vec::with_capacity(job.len() + 1);
+        payload.push(HELPER);
+        payload.extend_from_slice(job);
+        self.ask(&payload, fds)
+    }
+
+    /// Sends one request with `fds`: the pid of the process the server forked.
+    fn ask(&mut self, payload: &[u8], fds: &[std::os::fd::RawFd]) -> io::Result<i32> {
+        sys::send_message(self.socket.as_fd(), payload, fds)?;
         if !sys::wait_readable(self.socket.as_fd(), ANSWER_DEADLINE)? {
             return Err(io::Error::new(
                 io::ErrorKind::TimedOut,
@@ -233,11 +288,7 @@ impl ForkServer {
             ));
         };
         match serde_json::from_slice(&answer).map_err(io::Error::other)? {
-            ForkAnswer::Forked { pid } => Ok(ForkedKeeper {
-                // Our child (CLONE_PARENT): its pid is not reused before we reap it.
-                pidfd: sys::pidfd_open(pid)?,
-                status: None,
-            }),
+            ForkAnswer::Forked { pid } => Ok(pid),
             ForkAnswer::Failed { error } => Err(io::Error::other(error)),
         }
     }

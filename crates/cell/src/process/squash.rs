@@ -77,6 +77,8 @@ pub fn start(layer: &Layer, meta: &LayerMeta, merged: PathBuf) {
     }
     let layer = Layer::at(layer.dir().to_path_buf());
     std::thread::spawn(move || {
+        // Below the requests that come meanwhile (nothing waits for it), as background work.
+        super::sys::lower_priority(0);
         if let Some(parent) = merged.parent() {
             let _ = fs::create_dir_all(parent);
         }

@@ -21,6 +21,7 @@ use std::os::fd::{AsFd as _, AsRawFd as _, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use rustix::mount::{FsMountFlags, FsOpenFlags, MountAttrFlags, MoveMountFlags, UnmountFlags};
+use serde::{Deserialize, Serialize};
 
 use super::registry::Registry;
 use super::sys;
@@ -67,7 +68,7 @@ pub enum SwapError {
 
 /// One overlay: its lower layers (topmost first, each under the layer directory or the
 /// snapshots directory), its upper and work directories (under the layer directory).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Stack {
     pub lowers: Vec<PathBuf>,
     pub upper: PathBuf,
@@ -78,7 +79,7 @@ pub struct Stack {
 /// fresh directory beside it) once the old overlay is unmounted, and `into` is the new overlay's
 /// top lower layer. (The old upper itself cannot be one: the old overlay, whose teardown is left
 /// to the background, still holds it as its upper.)
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Turn {
     pub from: PathBuf,
     pub into: PathBuf,
@@ -132,30 +133,37 @@ pub fn swap(
     } else {
         None
     };
+    let job = Job {
+        host: place.host.to_path_buf(),
+        layer_dir: place.layer_dir.clone(),
+        snapshots_dir: place.snapshots_dir.clone(),
+        mount: place.mount.to_path_buf(),
+        old: old.clone(),
+        new: new.clone(),
+        turn: turn.cloned(),
+    };
+    let job = serde_json::to_vec(&job).map_err(|e| failed(e.to_string()))?;
     let (report_r, report_w) = sys::pipe().map_err(|e| failed(e.to_string()))?;
     // The old overlay's last mount comes back on this, to be let go of in the background.
     let (held_r, held_w) = sys::seqpacket_pair().map_err(|e| failed(e.to_string()))?;
-    let child = sys::clone_process(0).map_err(|e| failed(e.to_string()))?;
-    if child == 0 {
-        drop(report_r);
-        drop(held_r);
-        let mut report = fs::File::from(report_w);
-        let code = match inside(&ns, tree, place, old, new, turn, held_w) {
-            Ok(()) => 0,
-            Err(Outcome::Busy) => 2,
-            Err(Outcome::Failed(message)) => {
-                let _ = write!(report, "{message}");
-                1
+    let mut fds = vec![report_w, held_w, ns.user, ns.mnt];
+    fds.extend(tree);
+    // Forked by the daemon's keepers' fork server where it has one (a server that did not
+    // answer may have forked it all the same: no second one is made here), else from here.
+    let raw: Vec<_> = fds.iter().map(|fd| fd.as_raw_fd()).collect();
+    let child = match super::forks::helper_server() {
+        Some(server) => server
+            .helper(&job, &raw)
+            .map_err(|e| failed(format!("the keepers' fork server: {e}")))?,
+        None => match sys::clone_process(0).map_err(|e| failed(e.to_string()))? {
+            0 => {
+                drop((report_r, held_r));
+                sys::exit_now(helper(&job, fds));
             }
-            Err(Outcome::Broken(message)) => {
-                let _ = write!(report, "{message}");
-                3
-            }
-        };
-        sys::exit_now(code);
-    }
-    drop(report_w);
-    drop(held_w);
+            pid => pid,
+        },
+    };
+    drop(fds);
     let mut message = String::new();
     let _ = fs::File::from(report_r).read_to_string(&mut message);
     // Sent before the helper's end, if it swapped.
@@ -188,6 +196,60 @@ pub(super) fn cell_ids(pid: i32) -> io::Result<(u32, u32)> {
     Ok((field("Uid:")?, field("Gid:")?))
 }
 
+/// What the helper is asked, but for its descriptors: it crosses to the keepers' fork server
+/// as JSON.
+#[derive(Serialize, Deserialize)]
+struct Job {
+    /// The host directory under every layer.
+    host: PathBuf,
+    layer_dir: PathBuf,
+    snapshots_dir: PathBuf,
+    /// Where the workspace is mounted inside the cell.
+    mount: PathBuf,
+    old: Stack,
+    new: Stack,
+    turn: Option<Turn>,
+}
+
+/// The helper, in a child process of its own: does the swap of `job` (JSON) and returns its
+/// exit code (0 done, 2 busy, 1 failed, 3 broken; the message of the last two written to the
+/// report). `fds`: the report's pipe, the socket the old overlay's mount goes back on, the
+/// cell's user and mount namespaces, and for a root-started cell the id-mapped host tree.
+pub(crate) fn helper(job: &[u8], fds: Vec<OwnedFd>) -> i32 {
+    let mut fds = fds.into_iter();
+    let (Some(report), Some(hand_back), Some(user), Some(mnt)) =
+        (fds.next(), fds.next(), fds.next(), fds.next())
+    else {
+        return 1;
+    };
+    let tree = fds.next();
+    let mut report = fs::File::from(report);
+    let job: Job = match serde_json::from_slice(job) {
+        Ok(job) => job,
+        Err(e) => {
+            let _ = write!(report, "the helper's job: {e}");
+            return 1;
+        }
+    };
+    let ns = super::exec::Namespaces {
+        user,
+        mnt,
+        root: None,
+    };
+    match inside(&ns, tree, &job, hand_back) {
+        Ok(()) => 0,
+        Err(Outcome::Busy) => 2,
+        Err(Outcome::Failed(message)) => {
+            let _ = write!(report, "{message}");
+            1
+        }
+        Err(Outcome::Broken(message)) => {
+            let _ = write!(report, "{message}");
+            3
+        }
+    }
+}
+
 enum Outcome {
     Busy,
     Failed(String),
@@ -204,12 +266,10 @@ impl<E: std::fmt::Display> From<(&'static str, E)> for Outcome {
 fn inside(
     ns: &super::exec::Namespaces,
     tree: Option<OwnedFd>,
-    place: &Place<'_>,
-    old: &Stack,
-    new: &Stack,
-    turn: Option<&Turn>,
+    place: &Job,
     hand_back: OwnedFd,
 ) -> Result<(), Outcome> {
+    let (old, new, turn) = (&place.old, &place.new, place.turn.as_ref());
     use nix::sched::{CloneFlags, setns, unshare};
     ns.join_user()
         .map_err(|e| ("joining the cell's user namespace", e))?;
@@ -264,7 +324,7 @@ fn inside(
                 .map_err(|e| ("attaching the id-mapped workspace", e))?;
             sys::detached_clone(&spot).map_err(|e| ("cloning the id-mapped workspace", e))?
         }
-        None => sys::detached_clone(place.host).map_err(|e| ("cloning the workspace", e))?,
+        None => sys::detached_clone(&place.host).map_err(|e| ("cloning the workspace", e))?,
     };
     sys::restrict_detached(&lower).map_err(|e| ("making the workspace read-only", e))?;
     let translate = |path: &Path| -> Result<String, Outcome> {
@@ -332,7 +392,7 @@ fn inside(
     let again = configure(old)?;
     setns(&ns.mnt, CloneFlags::CLONE_NEWNS)
         .map_err(|e| ("joining the cell's mount namespace", e))?;
-    let is_overlay = rustix::fs::statfs(place.mount)
+    let is_overlay = rustix::fs::statfs(&place.mount)
         .map(|s| s.f_type == libc::OVERLAYFS_SUPER_MAGIC)
         .unwrap_or(false);
     if !is_overlay {
@@ -345,8 +405,8 @@ fn inside(
     // its teardown (every inode it cached is let go: a walk as long as what the cell touched)
     // happens after, in the background (the caller's, `hand_back`). It does not make the
     // unmount busy: only what the cell holds does.
-    let held = sys::detached_clone(place.mount).map_err(|e| ("holding the old workspace", e))?;
-    match rustix::mount::unmount(place.mount, UnmountFlags::empty()) {
+    let held = sys::detached_clone(&place.mount).map_err(|e| ("holding the old workspace", e))?;
+    match rustix::mount::unmount(&place.mount, UnmountFlags::empty()) {
         Ok(()) => {}
         Err(rustix::io::Errno::BUSY) => return Err(Outcome::Busy),
         Err(e) => return Err(("unmounting the workspace", e).into()),
@@ -373,7 +433,7 @@ fn inside(
             mount.as_fd(),
             "",
             rustix::fs::CWD,
-            place.mount,
+            &place.mount,
             MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
         )
     };

@@ -1052,7 +1052,7 @@ fn receive_into(
     buf: &mut [u8],
 ) -> io::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
     use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
-    let mut space = nix::cmsg_space!([RawFd; 4]);
+    let mut space = nix::cmsg_space!([RawFd; 8]);
     let (len, flags, fds) = loop {
         let mut iov = [io::IoSliceMut::new(buf)];
         let msg = match recvmsg::<()>(
