@@ -9,6 +9,12 @@
 //! CPU seconds per GiB relayed are read from `/proc` around each download. Then name lookups:
 //! the gateway's DNS answering over UDP beside the host's own resolver for the same name.
 //!
+//! As root, the gateway's other way in is measured too: connections redirected to it (nftables)
+//! in a network namespace of the benchmark's own, as a cell's clients that ignore the proxy
+//! variables reach it (no CONNECT: the client speaks to the upstream's address, as through
+//! haproxy's relay). The namespace is held by `unshare -n sleep infinity`; a client thread joins
+//! it, and the gateway binds its transparent listener there from a thread that joins it too.
+//!
 //! Usage: `egress [--requests N] [--baseline PATH]`. `--baseline` serves a second gateway from
 //! another build of this program (an older one) and adds its rows, so that a change to the
 //! gateway is measured against what it changed in one run. The small requests take turns
@@ -122,6 +128,7 @@ fn client_config(ca_pem: &str) -> Result<Arc<rustls::ClientConfig>> {
 }
 
 /// How a request travels.
+#[derive(Clone)]
 enum Path {
     Direct(SocketAddr),
     Proxied {
@@ -268,8 +275,12 @@ fn network(plain: u16, tunnel: u16, intercepted: u16, ca_file: &std::path::Path)
 /// `--serve-gateway PLAIN TUNNEL INTERCEPTED CA_FILE OUT_CA`: the gateway in this process, its
 /// proxy and DNS ports on stdout, its interception CA in OUT_CA; serves until killed.
 fn serve_gateway(args: &[String]) -> Result<()> {
+    let (args, netns) = match args {
+        [rest @ .., netns] if rest.len() == 5 => (rest, Some(std::path::PathBuf::from(netns))),
+        _ => (args, None),
+    };
     let [plain, tunnel, intercepted, ca_file, out_ca] = args else {
-        bail!("--serve-gateway PLAIN TUNNEL INTERCEPTED CA_FILE OUT_CA");
+        bail!("--serve-gateway PLAIN TUNNEL INTERCEPTED CA_FILE OUT_CA [NETNS]");
     };
     let ca_file = std::path::PathBuf::from(ca_file);
     let network = network(
@@ -280,8 +291,11 @@ fn serve_gateway(args: &[String]) -> Result<()> {
     );
     let interceptor = warden_egress::Interceptor::new("bench", Some(&ca_file))?;
     std::fs::write(out_ca, interceptor.ca_pem())?;
-    let log =
-        std::env::temp_dir().join(format!("warden-bench-egress-{}.jsonl", std::process::id()));
+    // Beside the CA, in the relay's folder, which goes with the relay (this process is killed).
+    let log = std::path::Path::new(out_ca)
+        .parent()
+        .unwrap_or(std::path::Path::new("."))
+        .join("egress.jsonl");
     let gateway = warden_egress::Gateway::new(
         warden_egress::Rules::compile(&network)?,
         &log,
@@ -295,13 +309,172 @@ fn serve_gateway(args: &[String]) -> Result<()> {
     gateway.clone().serve_dns(dns)?;
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let proxy = listener.local_addr()?;
-    gateway.serve(listener)?;
+    gateway.clone().serve(listener)?;
+    if let Some(netns) = netns {
+        // Bound in the namespace by a thread that joins it; served from here, so that the
+        // gateway's own connections to the upstreams are made on the host.
+        let listener = std::thread::spawn(move || -> Result<TcpListener> {
+            join_netns(&netns)?;
+            Ok(TcpListener::bind(("127.0.0.1", REDIRECT_PORT))?)
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("the thread that binds the redirected port panicked"))??;
+        gateway.serve_transparent(listener)?;
+    }
     warden_bench::say!("{} {}", proxy.port(), dns_address.port());
     std::io::stdout().flush()?;
     // Until the parent goes (it kills this process; a closed stdin says it went).
     let _ = std::io::stdin().read(&mut [0u8; 1]);
     let _ = std::fs::remove_file(&log);
     Ok(())
+}
+
+/// The port the gateway's transparent listener has in the benchmark's namespace (a cell's).
+const REDIRECT_PORT: u16 = 3129;
+
+/// Moves the calling thread into the network namespace at `path` (`/proc/PID/ns/net`).
+fn join_netns(path: &std::path::Path) -> Result<()> {
+    use std::os::fd::AsFd as _;
+    let ns = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    rustix::thread::move_into_link_name_space(
+        ns.as_fd(),
+        Some(rustix::thread::LinkNameSpaceType::Network),
+    )
+    .with_context(|| format!("joining the network namespace {}", path.display()))?;
+    Ok(())
+}
+
+/// A request to the client thread in the namespace: the path, the target, where the answer
+/// goes (the bytes read and the time the request took there).
+type Job = (
+    Path,
+    &'static str,
+    std::sync::mpsc::Sender<Result<(usize, Duration)>>,
+);
+
+/// The benchmark's network namespace, in which TCP to the upstreams' ports is redirected to
+/// the gateway's transparent listener, with a client thread in it; the holder is killed when
+/// dropped.
+struct Redirect {
+    holder: std::process::Child,
+    netns: std::path::PathBuf,
+    jobs: std::sync::mpsc::Sender<Job>,
+}
+
+impl Redirect {
+    /// Makes the namespace (as root, with `unshare`, `ip` and `nft`): `Err` says what is
+    /// missing.
+    fn start(ports: &[u16]) -> Result<Self> {
+        if !rustix::process::geteuid().is_root() {
+            bail!("root, for the redirected rows");
+        }
+        let (Some(unshare), Some(ip), Some(nft)) = (which("unshare"), which("ip"), which("nft"))
+        else {
+            bail!(
+                "unshare, ip and nft (apt-get install util-linux iproute2 nftables), for the redirected rows"
+            );
+        };
+        let mut holder = std::process::Command::new(unshare)
+            .args(["--net", "sleep", "infinity"])
+            .stdin(std::process::Stdio::null())
+            .spawn()?;
+        let netns = std::path::PathBuf::from(format!("/proc/{}/ns/net", holder.id()));
+        // Until the holder has its namespace (before, its link is still this process's).
+        let ours = std::fs::read_link("/proc/self/ns/net")?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::fs::read_link(&netns).ok().is_none_or(|l| l == ours) {
+            if Instant::now() > deadline || holder.try_wait()?.is_some() {
+                let _ = holder.kill();
+                bail!("`unshare --net` made no network namespace");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let rules = format!(
+            "table ip warden_bench {{
+  chain out {{
+    type nat hook output priority -100; policy accept;
+    ip daddr 127.0.0.2 tcp dport {{ {} }} redirect to :{REDIRECT_PORT}
+  }}
+}}
+",
+            ports
+                .iter()
+                .map(u16::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        let (jobs, inbox) = std::sync::mpsc::channel::<Job>();
+        let (ready_tx, ready) = std::sync::mpsc::channel::<Result<()>>();
+        let path = netns.clone();
+        std::thread::spawn(move || {
+            let setup = (|| -> Result<()> {
+                join_netns(&path)?;
+                // Started from this thread: in its namespace.
+                let up = std::process::Command::new(&ip)
+                    .args(["link", "set", "lo", "up"])
+                    .status()?;
+                if !up.success() {
+                    bail!("`ip link set lo up` failed in the namespace");
+                }
+                let mut load = std::process::Command::new(&nft)
+                    .args(["-f", "-"])
+                    .stdin(std::process::Stdio::piped())
+                    .spawn()?;
+                load.stdin
+                    .take()
+                    .context("nft's stdin")?
+                    .write_all(rules.as_bytes())?;
+                if !load.wait()?.success() {
+                    bail!("nft refused the redirect rules");
+                }
+                Ok(())
+            })();
+            let ok = setup.is_ok();
+            let _ = ready_tx.send(setup);
+            if !ok {
+                return;
+            }
+            for (path, target, answer) in inbox {
+                let t = Instant::now();
+                let got = get(&path, target).map(|bytes| (bytes, t.elapsed()));
+                let _ = answer.send(got);
+            }
+        });
+        match ready.recv() {
+            Ok(Ok(())) => Ok(Self {
+                holder,
+                netns,
+                jobs,
+            }),
+            Ok(Err(e)) => {
+                let _ = holder.kill();
+                let _ = holder.wait();
+                Err(e)
+            }
+            Err(_) => {
+                let _ = holder.kill();
+                let _ = holder.wait();
+                bail!("the client thread in the namespace ended")
+            }
+        }
+    }
+
+    /// One request from inside the namespace: the bytes read and the time it took there.
+    fn get(&self, path: &Path, target: &'static str) -> Result<(usize, Duration)> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.jobs
+            .send((path.clone(), target, tx))
+            .map_err(|_| anyhow::anyhow!("the client thread in the namespace ended"))?;
+        rx.recv()
+            .map_err(|_| anyhow::anyhow!("the client thread in the namespace ended"))?
+    }
+}
+
+impl Drop for Redirect {
+    fn drop(&mut self) {
+        let _ = self.holder.kill();
+        let _ = self.holder.wait();
+    }
 }
 
 /// A relay in a process of its own, killed when dropped.
@@ -516,6 +689,7 @@ fn gateway(
     tunnel: SocketAddr,
     intercepted: SocketAddr,
     ca_file: &std::path::Path,
+    netns: Option<&std::path::Path>,
 ) -> Result<(Relay, SocketAddr, SocketAddr, String)> {
     let dir = bench_dir(&name.replace(' ', "-"))?;
     let out_ca = dir.join("cell-ca.pem");
@@ -524,6 +698,7 @@ fn gateway(
         .args([plain.port(), tunnel.port(), intercepted.port()].map(|p| p.to_string()))
         .arg(ca_file)
         .arg(&out_ca)
+        .args(netns)
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .spawn()?;
@@ -546,11 +721,30 @@ fn gateway(
     ))
 }
 
-/// One row of the table: a way of reaching an upstream, and which relay (by index) carries it.
+/// One row of the table: a way of reaching an upstream, which relay (by index) carries it, and
+/// whether the client is in the benchmark's namespace (its connections redirected).
 struct Row {
     name: &'static str,
     path: Path,
     relay: Option<usize>,
+    redirected: bool,
+}
+
+/// One request of `row`'s: the bytes read and the time it took.
+fn timed(
+    row: &Row,
+    redirect: Option<&Redirect>,
+    target: &'static str,
+) -> Result<(usize, Duration)> {
+    match (row.redirected, redirect) {
+        (true, Some(redirect)) => redirect.get(&row.path, target),
+        (true, None) => bail!("{}: no namespace to send it from", row.name),
+        (false, _) => {
+            let t = Instant::now();
+            let bytes = get(&row.path, target)?;
+            Ok((bytes, t.elapsed()))
+        }
+    }
 }
 
 fn main() -> Result<()> {
@@ -585,6 +779,14 @@ fn main() -> Result<()> {
     std::fs::write(&ca_file, &upstream_ca)?;
     let upstream_trust = client_config(&upstream_ca)?;
 
+    let mut missing = Vec::new();
+    let redirect = match Redirect::start(&[plain.port(), tunnel_tls.port()]) {
+        Ok(redirect) => Some(redirect),
+        Err(e) => {
+            missing.push(format!("{e:#}"));
+            None
+        }
+    };
     let mut relays: Vec<Relay> = Vec::new();
     let (gw, proxy, dns_address, cell_ca) = gateway(
         &std::env::current_exe()?,
@@ -593,6 +795,7 @@ fn main() -> Result<()> {
         tunnel_tls,
         tls,
         &ca_file,
+        redirect.as_ref().map(|r| r.netns.as_path()),
     )?;
     relays.push(gw);
     let cell_trust = client_config(&cell_ca)?;
@@ -601,6 +804,7 @@ fn main() -> Result<()> {
             name: "HTTP, direct",
             path: Path::Direct(plain),
             relay: None,
+            redirected: false,
         },
         Row {
             name: "HTTP, warden gateway",
@@ -609,11 +813,11 @@ fn main() -> Result<()> {
                 upstream: plain,
             },
             relay: Some(0),
+            redirected: false,
         },
     ];
     let squid = squid(&ca_file)?;
     let haproxy = haproxy(&[plain, tunnel_tls])?;
-    let mut missing = Vec::new();
     let mut squid_bump = None;
     if let Some(Squid {
         relay,
@@ -629,15 +833,17 @@ fn main() -> Result<()> {
                 upstream: plain,
             },
             relay: Some(relays.len() - 1),
+            redirected: false,
         });
         match bump {
             Some((port, ca)) => squid_bump = Some((relays.len() - 1, port, client_config(&ca)?)),
             None => missing.push(
-                "squid built with OpenSSL (apt-get install squid-openssl), for its ssl-bump row",
+                "squid built with OpenSSL (apt-get install squid-openssl), for its ssl-bump row"
+                    .to_owned(),
             ),
         }
     } else {
-        missing.push("squid (apt-get install squid-openssl)");
+        missing.push("squid (apt-get install squid-openssl)".to_owned());
     }
     let haproxy_fronts = if let Some((relay, fronts)) = haproxy {
         relays.push(relay);
@@ -648,16 +854,26 @@ fn main() -> Result<()> {
                 upstream: plain,
             },
             relay: Some(relays.len() - 1),
+            redirected: false,
         });
         Some((relays.len() - 1, fronts))
     } else {
-        missing.push("haproxy (apt-get install haproxy)");
+        missing.push("haproxy (apt-get install haproxy)".to_owned());
         None
     };
+    if redirect.is_some() {
+        rows.push(Row {
+            name: "HTTP, warden (redirected)",
+            path: Path::Direct(plain),
+            relay: Some(0),
+            redirected: true,
+        });
+    }
     rows.push(Row {
         name: "HTTPS, direct",
         path: Path::DirectTls(tunnel_tls, upstream_trust.clone()),
         relay: None,
+        redirected: false,
     });
     rows.push(Row {
         name: "HTTPS tunnel, warden gateway",
@@ -667,6 +883,7 @@ fn main() -> Result<()> {
             trust: upstream_trust.clone(),
         },
         relay: Some(0),
+        redirected: false,
     });
     if let Some(index) = relays.iter().position(|r| r.name == "squid") {
         let addr = rows.iter().find_map(|r| match (&r.path, r.relay) {
@@ -682,6 +899,7 @@ fn main() -> Result<()> {
                     trust: upstream_trust.clone(),
                 },
                 relay: Some(index),
+                redirected: false,
             });
         }
     }
@@ -693,6 +911,15 @@ fn main() -> Result<()> {
                 trust: upstream_trust.clone(),
             },
             relay: Some(*index),
+            redirected: false,
+        });
+    }
+    if redirect.is_some() {
+        rows.push(Row {
+            name: "HTTPS, warden (redirected)",
+            path: Path::DirectTls(tunnel_tls, upstream_trust.clone()),
+            relay: Some(0),
+            redirected: true,
         });
     }
     rows.push(Row {
@@ -703,6 +930,7 @@ fn main() -> Result<()> {
             trust: cell_trust,
         },
         relay: Some(0),
+        redirected: false,
     });
     if let Some((index, port, trust)) = squid_bump {
         rows.push(Row {
@@ -713,6 +941,7 @@ fn main() -> Result<()> {
                 trust,
             },
             relay: Some(index),
+            redirected: false,
         });
     }
 
@@ -724,6 +953,7 @@ fn main() -> Result<()> {
             tunnel_tls,
             tls,
             &ca_file,
+            None,
         )?;
         relays.push(relay);
         let index = Some(relays.len() - 1);
@@ -734,6 +964,7 @@ fn main() -> Result<()> {
                 upstream: plain,
             },
             relay: index,
+            redirected: false,
         });
         rows.push(Row {
             name: "HTTPS tunnel, baseline gateway",
@@ -743,6 +974,7 @@ fn main() -> Result<()> {
                 trust: upstream_trust.clone(),
             },
             relay: index,
+            redirected: false,
         });
         rows.push(Row {
             name: "HTTPS, baseline interception",
@@ -752,6 +984,7 @@ fn main() -> Result<()> {
                 trust: client_config(&ca)?,
             },
             relay: index,
+            redirected: false,
         });
     }
 
@@ -762,9 +995,10 @@ fn main() -> Result<()> {
         mibs: f64,
         cpu_per_gib: Option<f64>,
     }
+    let redirect = redirect.as_ref();
     for row in &rows {
         for _ in 0..20 {
-            get(&row.path, "/small").with_context(|| row.name)?;
+            timed(row, redirect, "/small").with_context(|| row.name)?;
         }
     }
     // One request per path a round: the samples of every path spread over the same time. The
@@ -772,9 +1006,8 @@ fn main() -> Result<()> {
     let mut samples = vec![Vec::with_capacity(requests); rows.len()];
     for _ in 0..requests {
         for (row, samples) in rows.iter().zip(&mut samples) {
-            let t = Instant::now();
-            get(&row.path, "/small").with_context(|| row.name)?;
-            samples.push(t.elapsed());
+            let (_, took) = timed(row, redirect, "/small").with_context(|| row.name)?;
+            samples.push(took);
         }
     }
     let mut measured: Vec<Measured> = samples
@@ -799,9 +1032,7 @@ fn main() -> Result<()> {
     for _ in 0..DOWNLOADS {
         for (i, row) in rows.iter().enumerate() {
             let before = row.relay.map(|r| relays[r].cpu_seconds());
-            let t = Instant::now();
-            let bytes = get(&row.path, "/big")?;
-            let elapsed = t.elapsed();
+            let (bytes, elapsed) = timed(row, redirect, "/big").with_context(|| row.name)?;
             if bytes < DOWNLOAD {
                 bail!("{}: the download ended after {bytes} bytes", row.name);
             }
@@ -897,6 +1128,16 @@ fn main() -> Result<()> {
     ratio(
         "gateway / haproxy (HTTPS tunnel)",
         "HTTPS tunnel, warden gateway",
+        "HTTPS, haproxy (TCP relay)",
+    );
+    ratio(
+        "redirected to the gateway / haproxy (HTTP)",
+        "HTTP, warden (redirected)",
+        "HTTP, haproxy (TCP relay)",
+    );
+    ratio(
+        "redirected to the gateway / haproxy (HTTPS)",
+        "HTTPS, warden (redirected)",
         "HTTPS, haproxy (TCP relay)",
     );
     ratio(

@@ -31,7 +31,7 @@ pub use keeper::{KeepError, keep, serve_forks};
 #[cfg(target_os = "linux")]
 pub use process::{
     backend::KEEP_REQUEST,
-    background::outlive_requests,
+    background::{finish as finish_background, outlive_requests},
     changes, control,
     exec::resize as resize_terminal,
     outcome::{Ending, RunError, RunOutcome},

@@ -6,9 +6,11 @@
 //! piece after another. A fork of the daemon for it would cost the request about a millisecond
 //! (the kernel copies the page tables of its tens of MiB, and every page the daemon writes
 //! afterwards is copied once more), which is most of what a quick snapshot or reset costs. A
-//! piece still waiting when the daemon is killed is lost: what it would have removed is a
-//! leftover that goes with its cell's layer (`upper.old-*`), or, for a removed cell's layer
-//! (`.gone-*`), is removed by the next daemon's start ([`sweep_gone_layers`]).
+//! daemon that is told to end finishes what is queued first ([`finish`]); a piece still waiting
+//! when the daemon is killed is lost: what it would have removed is a leftover that goes with
+//! its cell's layer (`upper.old-*`), or, for a removed cell's layer (`.gone-*`), is removed by
+//! the next daemon's start ([`sweep_gone_layers`]); a layer's own file system is unmounted
+//! before its removal is queued, so no mount is left.
 //!
 //! In a process that ends with its request (`warden snapshot` without a daemon), a forked
 //! child does the work, so that it is done after the caller has exited; a small thread reaps
@@ -69,6 +71,27 @@ fn dispatch(job: Job, keep: &[RawFd]) {
         },
     };
     job();
+}
+
+/// Waits, at most `within`, until the work handed to the background thread so far is done:
+/// for a daemon's end, so that what its last requests left behind is not left undone. Whether
+/// it was done (or there was none).
+pub fn finish(within: std::time::Duration) -> bool {
+    let Some(slot) = QUEUE.get() else {
+        return true;
+    };
+    let (done_tx, done) = mpsc::channel::<()>();
+    let sent = match slot.lock() {
+        Ok(sender) => sender.as_ref().is_some_and(|tx| {
+            let mark: Job = Box::new(move || {
+                let _ = done_tx.send(());
+            });
+            tx.send(mark).is_ok()
+        }),
+        Err(_) => false,
+    };
+    // The pieces run in order: this one runs once those before it have.
+    !sent || done.recv_timeout(within).is_ok()
 }
 
 /// Hands `job` to the background thread (started with the first): `Err(job)` where the thread
@@ -288,5 +311,24 @@ mod tests {
         }
         assert!(!gone.exists(), "the left layer is still there");
         assert!(kept.join("upper/d/f").exists(), "a cell's layer went");
+    }
+
+    /// A daemon's end waits for what it queued, and no longer than it said.
+    #[test]
+    fn finishing_waits_for_the_work_queued_before() {
+        use std::sync::atomic::AtomicBool;
+        let done = std::sync::Arc::new(AtomicBool::new(false));
+        let flag = std::sync::Arc::clone(&done);
+        queue(Box::new(move || {
+            std::thread::sleep(Duration::from_millis(400));
+            flag.store(true, Ordering::SeqCst);
+        }))
+        .unwrap_or_else(|_| panic!("no background thread"));
+        assert!(
+            !finish(Duration::from_millis(50)),
+            "finished before the work was done"
+        );
+        assert!(finish(Duration::from_secs(10)), "the work did not finish");
+        assert!(done.load(Ordering::SeqCst), "finished before the work ran");
     }
 }

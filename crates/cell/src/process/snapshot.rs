@@ -1354,6 +1354,8 @@ fn swap_in(layer: &Layer, name: &str) -> Result<(), SnapshotError> {
 /// the move out of the way, and its removal would then delete the image under the mount, which
 /// stayed on the host for good (one cell in 18 whose daemon deleted it at once).
 pub(super) fn remove_in_background(dir: PathBuf) {
+    // At once as well: work left undone by a killed daemon then leaves no mount behind.
+    let _ = Layer::at(dir.clone()).detach();
     super::background::run(move || {
         let layer = Layer::at(dir);
         let _ = layer.detach();

@@ -119,7 +119,7 @@ pub fn serve(args: ServeArgs) -> Result<i32> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    rt.block_on(warden_server::serve(config, |socket, tcp| {
+    let served = rt.block_on(warden_server::serve(config, |socket, tcp| {
         eprintln!("warden: serving the API on {}", socket.display());
         if let Some(addr) = tcp {
             eprintln!(
@@ -135,7 +135,15 @@ pub fn serve(args: ServeArgs) -> Result<i32> {
                 runtime().join(warden_server::E2B_KEY_FILE).display()
             );
         }
-    }))?;
+    }));
+    // What the last requests left to the background (a removed cell's layer) is done before
+    // the daemon goes, whether it served to the end or failed.
+    if !warden_cell::finish_background(std::time::Duration::from_secs(30)) {
+        eprintln!(
+            "warden: the removal of discarded layers did not finish within 30 s; what is left goes with its cell, or at the next daemon's start"
+        );
+    }
+    served?;
     Ok(0)
 }
 
