@@ -266,6 +266,28 @@ fn punch_zeros(file: &fs::File) -> io::Result<()> {
     Ok(())
 }
 
+/// Holds off `attach` of `layer` (its `disk.lock`, exclusive) while the caller unmounts the
+/// layer's file system and moves the layer out of the way: an `attach` under way (a look at the
+/// layer's changes, from another process) has either mounted it before (and the unmount takes
+/// that mount) or finds the layer gone from its path after (and mounts nothing). Without it,
+/// such a look's mount, whose path was looked up before the move and which ended after the
+/// unmount (a btrfs mount takes milliseconds), stayed on the host over the removed image.
+/// `None`: the layer has no file system of its own.
+pub fn hold_off_attach(layer: &Layer) -> Option<fs::File> {
+    if !layer.has_image() {
+        return None;
+    }
+    let lock = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(layer.dir().join("disk.lock"))
+        .ok()?;
+    rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive).ok()?;
+    Some(lock)
+}
+
 /// Mounts the layer's file system on its `fs/` unless it is mounted already; a layer without
 /// one needs nothing.
 pub fn attach(layer: &Layer) -> Result<(), DiskError> {
@@ -291,6 +313,20 @@ pub fn attach(layer: &Layer) -> Result<(), DiskError> {
     })?;
     if layer.is_attached() {
         return Ok(());
+    }
+    // Moved out of the way (to be removed) while this waited for the lock: the lock's path no
+    // longer leads to the file locked, and nothing is mounted (the image and the mount point
+    // are found by their paths below).
+    let same = |a: &fs::Metadata, b: &fs::Metadata| a.dev() == b.dev() && a.ino() == b.ino();
+    let moved = match (lock.metadata(), fs::metadata(&lock_path)) {
+        (Ok(held), Ok(here)) => !same(&held, &here),
+        _ => true,
+    };
+    if moved {
+        return Err(DiskError::Os {
+            what: format!("mounting {}: the layer was moved away", image.display()),
+            source: io::Error::from(io::ErrorKind::NotFound),
+        });
     }
     let file = fs::OpenOptions::new()
         .read(true)

@@ -1016,6 +1016,8 @@ impl Drop for LayerGuard {
         }
         // Out of the way at once (the name is free for the next cell), removed in the
         // background: freeing a layer's file system image takes the host a few milliseconds.
+        // No look at the layer mounts its file system again between the unmount and the move.
+        let attaching = super::disk::hold_off_attach(&self.layer);
         let _ = self.layer.detach();
         let dir = self.layer.dir();
         let stamp = SystemTime::now()
@@ -1027,7 +1029,9 @@ impl Drop for LayerGuard {
                 .map(|n| n.to_string_lossy())
                 .unwrap_or_default()
         ));
-        match fs::rename(dir, &gone) {
+        let renamed = fs::rename(dir, &gone);
+        drop(attaching);
+        match renamed {
             Ok(()) => super::snapshot::remove_in_background(gone),
             Err(_) => {
                 let _ = self.layer.remove();
