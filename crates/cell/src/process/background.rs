@@ -60,17 +60,13 @@ pub fn let_go(held: Vec<OwnedFd>) {
 
 /// `job` to the thread or to a child that keeps the descriptors `keep` only.
 fn dispatch(job: Job, keep: &[RawFd]) {
-    let job = match OUTLIVES_REQUESTS.load(Ordering::Relaxed) {
-        true => match queue(job) {
-            Ok(()) => return,
-            Err(job) => job,
-        },
-        false => match fork(job, keep) {
-            Ok(()) => return,
-            Err(job) => job,
-        },
+    let handed = match outlives_requests() {
+        true => queue(job),
+        false => fork(job, keep),
     };
-    job();
+    if let Err(job) = handed {
+        job();
+    }
 }
 
 /// Waits, at most `within`, until the work handed to the background thread so far is done:

@@ -277,15 +277,26 @@ pub fn hold_off_attach(layer: &Layer) -> Option<fs::File> {
     if !layer.has_image() {
         return None;
     }
+    attachments_lock(&layer.dir().join("disk.lock")).ok()
+}
+
+/// `disk.lock` at `path`, opened (made where missing) and locked exclusive: whoever holds it
+/// attaches the layer's image, or keeps others from attaching it.
+fn attachments_lock(path: &Path) -> Result<fs::File, DiskError> {
     let lock = fs::OpenOptions::new()
         .read(true)
         .write(true)
         .create(true)
         .truncate(false)
-        .open(layer.dir().join("disk.lock"))
-        .ok()?;
-    rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive).ok()?;
-    Some(lock)
+        .open(path)
+        .map_err(os(format!("opening {}", path.display())))?;
+    rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive).map_err(|e| {
+        DiskError::Os {
+            what: format!("locking {}", path.display()),
+            source: e.into(),
+        }
+    })?;
+    Ok(lock)
 }
 
 /// Mounts the layer's file system on its `fs/` unless it is mounted already; a layer without
@@ -298,19 +309,7 @@ pub fn attach(layer: &Layer) -> Result<(), DiskError> {
     // One attachment per image, whoever asks at once. (The lock is on a file of its own: the
     // loop device keeps the image's open file, and a lock on it, for as long as it is attached.)
     let lock_path = layer.dir().join("disk.lock");
-    let lock = fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&lock_path)
-        .map_err(os(format!("opening {}", lock_path.display())))?;
-    rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive).map_err(|e| {
-        DiskError::Os {
-            what: format!("locking {}", lock_path.display()),
-            source: e.into(),
-        }
-    })?;
+    let lock = attachments_lock(&lock_path)?;
     if layer.is_attached() {
         return Ok(());
     }

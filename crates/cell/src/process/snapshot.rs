@@ -2057,26 +2057,38 @@ mod tests {
     /// A layer whose file system of its own is mounted when it is moved out of the way (mounted
     /// again by a look at its changes after its owner's unmount) is let go of by the remover,
     /// not left mounted on a deleted image.
-    #[test]
-    fn the_remover_unmounts_a_layer_moved_out_while_mounted() {
+    /// A store with the layer of cell `c` given a 64 MiB file system of its own (mounted); `None`
+    /// (the test skipped) without root or loop devices.
+    fn layer_with_disk() -> Option<(tempfile::TempDir, Store, Layer)> {
         if !nix::unistd::geteuid().is_root() || super::super::disk::unavailable().is_some() {
             eprintln!("skipped: needs root and loop devices");
-            return;
+            return None;
         }
         let tmp = tempfile::tempdir().unwrap();
         let store = Store::open(tmp.path().join("state")).unwrap();
         let layer = store.layer("c");
         fs::create_dir_all(layer.dir()).unwrap();
         super::super::disk::create(&layer, &tmp.path().join("templates"), 64 << 20).unwrap();
+        Some((tmp, store, layer))
+    }
+
+    /// Whether something is mounted at or below `path` in this process's mount namespace.
+    fn mounted_under(path: &Path) -> bool {
+        fs::read_to_string("/proc/self/mountinfo")
+            .unwrap()
+            .contains(&*path.to_string_lossy())
+    }
+
+    #[test]
+    fn the_remover_unmounts_a_layer_moved_out_while_mounted() {
+        let Some((_tmp, _store, layer)) = layer_with_disk() else {
+            return;
+        };
         assert!(layer.is_attached());
         fs::write(layer.fs_dir().join("kept.txt"), "x").unwrap();
         let gone = layer.dir().with_file_name(".gone-c-1");
         fs::rename(layer.dir(), &gone).unwrap();
-        let mounted = || {
-            fs::read_to_string("/proc/self/mountinfo")
-                .unwrap()
-                .contains(&*gone.to_string_lossy())
-        };
+        let mounted = || mounted_under(&gone);
         assert!(mounted());
         remove_in_background(gone.clone());
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
@@ -2098,15 +2110,9 @@ mod tests {
     #[test]
     fn no_mount_comes_between_a_layers_unmount_and_its_move() {
         use super::super::disk;
-        if !nix::unistd::geteuid().is_root() || disk::unavailable().is_some() {
-            eprintln!("skipped: needs root and loop devices");
+        let Some((_tmp, _store, layer)) = layer_with_disk() else {
             return;
-        }
-        let tmp = tempfile::tempdir().unwrap();
-        let store = Store::open(tmp.path().join("state")).unwrap();
-        let layer = store.layer("c");
-        fs::create_dir_all(layer.dir()).unwrap();
-        disk::create(&layer, &tmp.path().join("templates"), 64 << 20).unwrap();
+        };
         let held = disk::hold_off_attach(&layer).expect("the layer has a disk");
         layer.detach().unwrap();
         let look = {
@@ -2120,9 +2126,7 @@ mod tests {
         fs::rename(layer.dir(), &gone).unwrap();
         drop(held);
         let looked = look.join().unwrap();
-        let mounted = fs::read_to_string("/proc/self/mountinfo")
-            .unwrap()
-            .contains(&*gone.to_string_lossy());
+        let mounted = mounted_under(&gone);
         if mounted {
             let _ = rustix::mount::unmount(gone.join("fs"), rustix::mount::UnmountFlags::DETACH);
         }
