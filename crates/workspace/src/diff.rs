@@ -27,8 +27,14 @@ pub struct DiffOptions {
     /// Whether a changed file's content is read and hashed where its lookup alone shows it
     /// changed (the host has no file there, or one of another size): false for a caller that
     /// compares such files itself where it needs to (they then come without `hash` or patch).
-    /// A file of the host's size is read either way, to tell a copy from a change.
+    /// A file of the host's size is read either way, to tell a copy from a change (unless
+    /// `tell_copies` is false).
     pub hash_changed: bool,
+    /// With `hash_changed` false: whether a file of the host's size is read, with the host's,
+    /// to tell a copy (listed as nothing) from a change; false lists it as modified, without
+    /// `hash` or patch, for a caller that compares it itself where its decision needs the
+    /// bytes (a reset, which often has another version to write there whatever this one holds).
+    pub tell_copies: bool,
 }
 
 impl Default for DiffOptions {
@@ -38,6 +44,7 @@ impl Default for DiffOptions {
             max_patch_bytes: 256 * 1024,
             max_file_bytes: 1 << 30,
             hash_changed: true,
+            tell_copies: true,
         }
     }
 }
@@ -356,7 +363,7 @@ impl Walker<'_> {
         // Its lookup alone shows that it changed: the host has no file there, or one of
         // another size.
         let sized_apart = old_size.is_none_or(|old| old != meta.len());
-        if self.options.hash_changed || !sized_apart {
+        if self.options.hash_changed || (!sized_apart && self.options.tell_copies) {
             let new = read_upper(&path, meta.len())?;
             // The host's copy is read only where it could be the same or a patch could be made
             // of it: a file of another size changed, and a patch needs both sides under the

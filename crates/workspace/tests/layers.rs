@@ -592,3 +592,44 @@ fn a_symlink_with_an_absolute_target_applies_when_named() {
         "the link was followed"
     );
 }
+
+#[test]
+fn a_caller_that_compares_itself_gets_same_size_files_unread() {
+    let f = fixture();
+    write(&f.upper.join("keep.txt"), "unchanged\n"); // a copy: the host's bytes
+    write(&f.upper.join("edit.txt"), "ONE\nTWO\nTHREE\n"); // changed, at the host's size
+    write(&f.upper.join("dir/a"), "longer\n"); // changed, at another size
+    let unread = DiffOptions {
+        hash_changed: false,
+        tell_copies: false,
+        ..DiffOptions::default()
+    };
+    let told = DiffOptions {
+        tell_copies: true,
+        ..unread.clone()
+    };
+    let paths = |options: &DiffOptions| -> Vec<(String, Option<String>)> {
+        diff(&f.lower, std::slice::from_ref(&f.upper), options)
+            .unwrap()
+            .changes
+            .into_iter()
+            .map(|c| (c.path, c.hash))
+            .collect()
+    };
+    // Told apart by their bytes: the copy is no change, the same-size edit is one (hashed, as
+    // it was read).
+    let told = paths(&told);
+    assert!(!told.iter().any(|(p, _)| p == "keep.txt"), "{told:?}");
+    assert!(
+        told.iter().any(|(p, h)| p == "edit.txt" && h.is_some()),
+        "{told:?}"
+    );
+    // Unread: both listed, neither hashed; the one of another size as either way.
+    let unread = paths(&unread);
+    for path in ["keep.txt", "edit.txt", "dir/a"] {
+        assert!(
+            unread.iter().any(|(p, h)| p == path && h.is_none()),
+            "{path} in {unread:?}"
+        );
+    }
+}

@@ -39,11 +39,12 @@ enum Want {
     Dir {
         mode: u32,
     },
-    /// A file with this content hash (when known); read from target layer `from` (an index into
-    /// the target stack), or from the host directory (`None`).
+    /// A file with this content hash (when known) and length (when known); read from target
+    /// layer `from` (an index into the target stack), or from the host directory (`None`).
     File {
         mode: u32,
         hash: Option<String>,
+        len: Option<u64>,
         from: Option<usize>,
     },
     Link {
@@ -165,6 +166,7 @@ fn want(change: &Change, stack: Option<&[Root]>) -> Want {
         EntryKind::File => Want::File {
             mode: change.new_mode.unwrap_or(0o644),
             hash: change.hash.clone(),
+            len: change.size,
             from: match stack {
                 Some(stack) => stack.iter().position(|layer| layer.has(&change.path)),
                 None => Some(SOME_LAYER),
@@ -183,18 +185,28 @@ pub(super) fn plan(
 ) -> Result<Vec<Step>, warden_workspace::WorkspaceError> {
     // A file that the host has at another size, or not at all, is not read by the diffs: it
     // changed, and where both trees hold such a file it is compared here, from the two layers.
-    let options = DiffOptions {
+    let target_options = DiffOptions {
         sensitivity: Sensitivity::default(),
         max_patch_bytes: 0,
         max_file_bytes: u64::MAX,
         hash_changed: false,
+        tell_copies: true,
+    };
+    // Nor does the current tree's diff read a file of the host's size (a copy, or a change of
+    // the same size): most of what a cell changed since its last reset or snapshot gets the
+    // target's version whatever it holds, and the lengths alone tell most of the rest apart;
+    // where they do not, it is compared here with the version the target has.
+    let current_options = DiffOptions {
+        tell_copies: false,
+        ..target_options.clone()
     };
     // The two trees are read side by side (the cell is frozen meanwhile); one after the other
     // where no thread is to be had.
     let (now, then) = std::thread::scope(|scope| {
-        let then = std::thread::Builder::new()
-            .spawn_scoped(scope, || warden_workspace::diff(lower, target, &options));
-        let now = warden_workspace::diff(lower, current, &options);
+        let then = std::thread::Builder::new().spawn_scoped(scope, || {
+            warden_workspace::diff(lower, target, &target_options)
+        });
+        let now = warden_workspace::diff(lower, current, &current_options);
         let then = match then {
             Ok(then) => then.join().unwrap_or_else(|_| {
                 Err(warden_workspace::WorkspaceError::Read {
@@ -202,7 +214,7 @@ pub(super) fn plan(
                     source: io::Error::other("the thread reading the target panicked"),
                 })
             }),
-            Err(_) => warden_workspace::diff(lower, target, &options),
+            Err(_) => warden_workspace::diff(lower, target, &target_options),
         };
         (now, then)
     });
@@ -238,6 +250,7 @@ pub(super) fn plan(
             _ => Want::File {
                 mode: stat.st_mode & 0o7777,
                 hash: None,
+                len: u64::try_from(stat.st_size).ok(),
                 from: None,
             },
         }
@@ -259,11 +272,13 @@ pub(super) fn plan(
                     from: None,
                     hash: None,
                     mode: a,
+                    ..
                 },
                 Want::File {
                     from: None,
                     hash: None,
                     mode: b,
+                    ..
                 },
             ) => a == b,
             (
@@ -278,27 +293,34 @@ pub(super) fn plan(
                     ..
                 },
             ) => a == b && m == n,
-            // Both of the layers' and unread (the host has neither): their bytes compared.
+            // The cell's file, unread (its diff reads none): of another length than the
+            // target's version, it differs; of the same, its bytes are compared with that
+            // version's (a target layer's, or the host's).
             (
                 Want::File {
-                    hash: None,
                     from: Some(SOME_LAYER),
                     mode: m,
+                    len: a,
+                    ..
                 },
                 Want::File {
-                    hash: None,
-                    from: Some(layer),
+                    from,
                     mode: n,
+                    len: b,
+                    ..
                 },
             ) => {
                 m == n
+                    && !matches!((a, b), (Some(a), Some(b)) if a != b)
                     && current_roots
                         .iter()
                         .find(|root| root.has(path))
                         .is_some_and(|now| {
-                            target_roots
-                                .get(*layer)
-                                .is_some_and(|then| same_content(now, then, path))
+                            let then = match from {
+                                Some(layer) => target_roots.get(*layer),
+                                None => Some(&host),
+                            };
+                            then.is_some_and(|then| same_content(now, then, path))
                         })
             }
             (Want::File { .. }, Want::File { .. }) => false,
@@ -728,6 +750,18 @@ mod tests {
         fs::write(lower.join("copied"), "host\n").unwrap();
         fs::write(now.join("copied"), "host\n").unwrap();
         fs::write(then.join("copied"), "snapshot\n").unwrap();
+        // The cell's diff reads no file of the host's size: the plan tells these apart. A copy
+        // of the host's where the target has the host's: left alone.
+        fs::write(lower.join("copy-kept"), "host\n").unwrap();
+        fs::write(now.join("copy-kept"), "host\n").unwrap();
+        // Changed alike in both trees at the host's size: left alone.
+        fs::write(lower.join("alike-at-size"), "aaa\n").unwrap();
+        fs::write(now.join("alike-at-size"), "bbb\n").unwrap();
+        fs::write(then.join("alike-at-size"), "bbb\n").unwrap();
+        // A copy of the host's where the target changed it at the same size: written over.
+        fs::write(lower.join("copy-then-changed"), "hhhh\n").unwrap();
+        fs::write(now.join("copy-then-changed"), "hhhh\n").unwrap();
+        fs::write(then.join("copy-then-changed"), "tttt\n").unwrap();
         // The host's alone: a new file renamed over it, never written over (that would copy it up
         // first), nor removed first.
         fs::write(lower.join("untouched"), "host\n").unwrap();
@@ -746,6 +780,12 @@ mod tests {
                 Step::Remove("newdir".into()),
                 Step::File {
                     path: "copied".into(),
+                    mode: 0o644,
+                    from: Some(0),
+                    over: true,
+                },
+                Step::File {
+                    path: "copy-then-changed".into(),
                     mode: 0o644,
                     from: Some(0),
                     over: true,
