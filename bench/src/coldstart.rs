@@ -211,6 +211,7 @@ fn ms(d: Duration) -> f64 {
 }
 
 fn main() -> Result<()> {
+    warden_bench::end_on_signal()?;
     let mut runs = 200usize;
     let mut warden = String::from("target/release/warden");
     let mut baseline = None;

@@ -432,6 +432,7 @@ fn journal_rate(entries: usize, threads: usize) -> Result<(f64, Duration)> {
 }
 
 fn main() -> Result<()> {
+    warden_bench::end_on_signal()?;
     let args = args()?;
     let warden = std::env::current_exe()?.with_file_name("warden");
     if !warden.exists() {

@@ -752,6 +752,7 @@ fn main() -> Result<()> {
     if all.first().is_some_and(|a| a == "--serve-gateway") {
         return serve_gateway(&all[1..]);
     }
+    warden_bench::end_on_signal()?;
     let mut requests = 2000usize;
     let mut baseline = None;
     let mut args = all.into_iter();

@@ -461,6 +461,7 @@ fn checkpoints(
 }
 
 fn main() -> Result<()> {
+    warden_bench::end_on_signal()?;
     let mut runs = 30usize;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {

@@ -3,6 +3,7 @@
 
 use std::io::Write as _;
 use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -233,6 +234,8 @@ impl Daemon {
     ) -> Result<Self> {
         let runtime = dir.join("run");
         let state = dir.join("state");
+        // In a process group of its own: a terminal's Ctrl-C reaches the benchmark, which
+        // deletes the daemon's cells before it ends it (`end_on_signal`), not the daemon first.
         let child = Command::new(warden)
             .arg("serve")
             .args(extra)
@@ -242,9 +245,11 @@ impl Daemon {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
+            .process_group(0)
             .spawn()
             .with_context(|| format!("starting {}", warden.display()))?;
         let socket = runtime.join("daemon.sock");
+        daemons().push((socket.clone(), child.id()));
         let deadline = Instant::now() + Duration::from_secs(20);
         while UnixStream::connect(&socket).is_err() {
             if Instant::now() > deadline {
@@ -263,18 +268,119 @@ impl Daemon {
 impl Drop for Daemon {
     /// Deletes every cell (their keepers outlive a daemon by design), then ends the daemon.
     fn drop(&mut self) {
-        if let Ok((_, raw)) = request(&self.socket, "GET", "/v1/cells", "") {
-            for name in raw.split("\"name\":\"").skip(1) {
-                if let Some(name) = name.split('"').next() {
-                    let _ = request(&self.socket, "DELETE", &format!("/v1/cells/{name}"), "");
-                }
-            }
-        }
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
+        let pid = self.child.id();
+        daemons().retain(|(_, p)| *p != pid);
+        delete_cells(&self.socket);
+        terminate(pid);
         let _ = self.child.wait();
     }
+}
+
+/// The daemons of this benchmark that are up: their sockets and pids.
+fn daemons() -> std::sync::MutexGuard<'static, Vec<(PathBuf, u32)>> {
+    static DAEMONS: std::sync::Mutex<Vec<(PathBuf, u32)>> = std::sync::Mutex::new(Vec::new());
+    DAEMONS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Deletes every cell of the daemon at `socket`.
+fn delete_cells(socket: &Path) {
+    if let Ok((_, raw)) = request(socket, "GET", "/v1/cells", "") {
+        for name in raw.split("\"name\":\"").skip(1) {
+            if let Some(name) = name.split('"').next() {
+                let _ = request(socket, "DELETE", &format!("/v1/cells/{name}"), "");
+            }
+        }
+    }
+}
+
+fn terminate(pid: u32) {
+    signal(pid, nix::sys::signal::Signal::SIGTERM);
+}
+
+fn signal(pid: u32, signal: nix::sys::signal::Signal) {
+    if let Ok(pid) = i32::try_from(pid) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), signal);
+    }
+}
+
+/// How long the processes below a stopped benchmark have to end before they are killed (a
+/// daemon finishes the removal of its cells' layers first, for up to 30 s).
+const STOP_WITHIN: Duration = Duration::from_secs(40);
+
+/// Makes a stop by SIGINT, SIGTERM or SIGHUP end what the benchmark started rather than leave
+/// it behind: each daemon of the benchmark's own has its cells deleted and is ended (a cell's
+/// keeper outlives its daemon by design), the benchmark's other children get SIGTERM (a `warden
+/// run` ends its cell, a benchmark run by `bench-report` its own daemons), and what is still
+/// below the benchmark after `STOP_WITHIN` SIGKILL; then the benchmark exits with 128 and the
+/// signal's number. The signals are taken by a thread of their own (handlers, not a blocked
+/// mask, which the processes the benchmark starts would inherit: a daemon that inherited them
+/// blocked never heard its SIGTERM).
+pub fn end_on_signal() -> Result<()> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
+        .context("taking the signals that stop a benchmark")?;
+    std::thread::Builder::new()
+        .name("stop".to_owned())
+        .spawn(move || {
+            if let Some(signal) = signals.forever().next() {
+                let name = signal_hook::low_level::signal_name(signal).unwrap_or("a signal");
+                tell!("{name}: ending what the benchmark started");
+                end_all();
+                std::process::exit(128 + signal);
+            }
+        })
+        .context("starting the thread that takes the signals that stop a benchmark")?;
+    Ok(())
+}
+
+/// Ends every daemon of the benchmark's (their cells deleted first), then the benchmark's other
+/// children (each ends what it started: a `warden run` its cell, a benchmark run by
+/// `bench-report` its own daemons), and kills what is still below the benchmark at the end.
+fn end_all() {
+    let up = std::mem::take(&mut *daemons());
+    for (socket, pid) in &up {
+        delete_cells(socket);
+        terminate(*pid);
+    }
+    let me = std::process::id();
+    for (pid, _) in parents().into_iter().filter(|(_, parent)| *parent == me) {
+        terminate(pid);
+    }
+    let below = || -> Vec<u32> {
+        tree_pids(me)
+            .into_iter()
+            .filter(|pid| *pid != me && !is_zombie(*pid))
+            .collect()
+    };
+    let deadline = Instant::now() + STOP_WITHIN;
+    loop {
+        let left = below();
+        if left.is_empty() {
+            return;
+        }
+        if Instant::now() > deadline {
+            tell!(
+                "killing {} processes still up {} s after the stop",
+                left.len(),
+                STOP_WITHIN.as_secs()
+            );
+            for pid in left {
+                signal(pid, nix::sys::signal::Signal::SIGKILL);
+            }
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Whether `pid` has ended and waits for its parent to reap it.
+fn is_zombie(pid: u32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    stat.rfind(')')
+        .and_then(|i| stat.get(i + 2..i + 3))
+        .is_none_or(|state| state == "Z")
 }
 
 /// PSS and RSS of one process, in KiB.

@@ -24,7 +24,7 @@ use warden_bench::{say, tell};
 const RUN_GAP_S: f64 = 0.004;
 
 fn main() {
-    if let Err(err) = run() {
+    if let Err(err) = warden_bench::end_on_signal().and_then(|()| run()) {
         tell!("order-startup: {err:#}");
         std::process::exit(1);
     }

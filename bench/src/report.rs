@@ -90,6 +90,7 @@ const BENCHES: &[Bench] = &[
 ];
 
 fn main() -> Result<()> {
+    warden_bench::end_on_signal()?;
     let mut quick = false;
     let mut out = PathBuf::from("docs/benchmarks.md");
     let mut args = std::env::args().skip(1);

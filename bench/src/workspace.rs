@@ -65,6 +65,7 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 }
 
 fn main() -> Result<()> {
+    warden_bench::end_on_signal()?;
     let mut runs = 15usize;
     let mut bin = String::from("target/release/warden");
     let mut args = std::env::args().skip(1);
