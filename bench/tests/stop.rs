@@ -15,37 +15,6 @@ fn wait_for(what: &str, within: Duration, mut done: impl FnMut() -> bool) {
     }
 }
 
-/// `root` and every process below it, from `/proc`.
-fn tree(root: u32) -> Vec<u32> {
-    let mut parents = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
-        if let Some(ppid) = stat
-            .rfind(')')
-            .and_then(|i| stat[i + 2..].split(' ').nth(1))
-            .and_then(|p| p.parse::<u32>().ok())
-        {
-            parents.push((pid, ppid));
-        }
-    }
-    let mut tree = vec![root];
-    let mut i = 0;
-    while i < tree.len() {
-        let parent = tree[i];
-        tree.extend(
-            parents
-                .iter()
-                .filter(|(_, p)| *p == parent)
-                .map(|(c, _)| *c),
-        );
-        i += 1;
-    }
-    tree
-}
-
 fn alive(pid: u32) -> bool {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     stat.rfind(')')
@@ -92,7 +61,7 @@ fn a_benchmark_stopped_by_sigterm_leaves_no_daemon_cell_or_cgroup() {
     });
     // Running execs in the cell for a moment.
     std::thread::sleep(Duration::from_millis(300));
-    let started = tree(child.id());
+    let started = warden_bench::tree_pids(child.id());
     let _leftovers = Leftovers(started.clone(), dir.clone());
     assert!(
         started.len() >= 4,
