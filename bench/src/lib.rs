@@ -236,7 +236,7 @@ impl Daemon {
         let state = dir.join("state");
         // In a process group of its own: a terminal's Ctrl-C reaches the benchmark, which
         // deletes the daemon's cells before it ends it (`end_on_signal`), not the daemon first.
-        let child = Command::new(warden)
+        let mut child = Command::new(warden)
             .arg("serve")
             .args(extra)
             .envs(envs.iter().copied())
@@ -249,14 +249,16 @@ impl Daemon {
             .spawn()
             .with_context(|| format!("starting {}", warden.display()))?;
         let socket = runtime.join("daemon.sock");
-        daemons().push((socket.clone(), child.id()));
         let deadline = Instant::now() + Duration::from_secs(20);
         while UnixStream::connect(&socket).is_err() {
             if Instant::now() > deadline {
-                bail!("the daemon did not come up");
+                let _ = child.kill();
+                let _ = child.wait();
+                bail!("the daemon did not come up within 20 s");
             }
             std::thread::sleep(Duration::from_millis(10));
         }
+        daemons().push((socket.clone(), child.id()));
         Ok(Self { child, socket })
     }
 
@@ -351,7 +353,7 @@ fn end_all() {
     let below = || -> Vec<u32> {
         tree_pids(me)
             .into_iter()
-            .filter(|pid| *pid != me && !is_zombie(*pid))
+            .filter(|pid| *pid != me && !ended(*pid))
             .collect()
     };
     let deadline = Instant::now() + STOP_WITHIN;
@@ -375,8 +377,8 @@ fn end_all() {
     }
 }
 
-/// Whether `pid` has ended and waits for its parent to reap it.
-fn is_zombie(pid: u32) -> bool {
+/// Whether `pid` has ended: gone, or a zombie its parent has not reaped yet.
+fn ended(pid: u32) -> bool {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     stat.rfind(')')
         .and_then(|i| stat.get(i + 2..i + 3))

@@ -192,10 +192,10 @@ pub(super) fn plan(
         hash_changed: false,
         tell_copies: true,
     };
-    // Nor does the current tree's diff read a file of the host's size (a copy, or a change of
-    // the same size): most of what a cell changed since its last reset or snapshot gets the
-    // target's version whatever it holds, and the lengths alone tell most of the rest apart;
-    // where they do not, it is compared here with the version the target has.
+    // Nor does the current tree's diff read a file of the host's size (a copy of the host's, or
+    // a change of the same size): the plan compares it with the version the target has there
+    // (a target layer's or the host's), by length, and byte by byte only where the lengths
+    // agree. Told apart by the diff, it was read and compared with the host's first.
     let current_options = DiffOptions {
         tell_copies: false,
         ..target_options.clone()
