@@ -378,7 +378,7 @@ fn end_all() {
 }
 
 /// Whether `pid` has ended: gone, or a zombie its parent has not reaped yet.
-fn ended(pid: u32) -> bool {
+pub fn ended(pid: u32) -> bool {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     stat.rfind(')')
         .and_then(|i| stat.get(i + 2..i + 3))

@@ -15,20 +15,13 @@ fn wait_for(what: &str, within: Duration, mut done: impl FnMut() -> bool) {
     }
 }
 
-fn alive(pid: u32) -> bool {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    stat.rfind(')')
-        .and_then(|i| stat.get(i + 2..i + 3))
-        .is_some_and(|state| state != "Z")
-}
-
 /// Where the test fails, what the benchmark left is killed (its cell's cgroups stay) and its
 /// folder removed.
 struct Leftovers(Vec<u32>, PathBuf);
 
 impl Drop for Leftovers {
     fn drop(&mut self) {
-        for pid in self.0.iter().filter(|pid| alive(**pid)) {
+        for pid in self.0.iter().filter(|pid| !warden_bench::ended(**pid)) {
             let _ = nix::sys::signal::kill(
                 nix::unistd::Pid::from_raw(*pid as i32),
                 nix::sys::signal::Signal::SIGKILL,
@@ -106,7 +99,7 @@ fn a_benchmark_stopped_by_sigterm_leaves_no_daemon_cell_or_cgroup() {
     wait_for(
         "every process the benchmark started to end",
         Duration::from_secs(30),
-        || started.iter().all(|pid| !alive(*pid)),
+        || started.iter().all(|pid| warden_bench::ended(*pid)),
     );
     assert!(!cell.exists(), "the cell's folder is left: {cell:?}");
     let left: Vec<&PathBuf> = cgroups.iter().filter(|c| c.exists()).collect();
