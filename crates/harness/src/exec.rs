@@ -746,6 +746,8 @@ impl Events {
     /// The process's final event.
     pub(crate) async fn last(&self) -> Result<ExecEvent, CellError> {
         loop {
+            // What comes with the end (the init's copies of the process's output pipes) is
+            // closed here at once: the pipes then end where no other process holds them.
             let (event, _) = self.next().await?;
             if event.is_final() {
                 return Ok(event);

@@ -460,9 +460,9 @@ struct Exec {
     client: Option<OwnedFd>,
     /// The cell's last process (`ExecRequest::last`): the init exits once its end is told.
     last: bool,
-    /// The init's copies of the process's stdout and stderr, closed once its end is told: the
-    /// warden then hears the end and, where no other process holds them, the pipes' end at
-    /// once (one wake-up, not one for the pipes as the process exits and one for its end).
+    /// The init's copies of the process's stdout and stderr, handed to the client with the
+    /// process's end (`tell_end`): the pipes do not end as the process exits, before the init
+    /// has told it, so the warden hears both at once.
     output: Option<[OwnedFd; 2]>,
 }
 
@@ -628,14 +628,12 @@ fn supervise(
                         // waited for). One whose client went away leaves the cell to its
                         // warden.
                         sys::end_all_others(std::time::Duration::from_secs(1));
-                        send_event(&client, &event, &[]);
-                        // Closed here, not by the exit: the kernel takes the init's memory
+                        // Let go of here, not by the exit: the kernel takes the init's memory
                         // down before its files, and the warden drains the pipes to their end.
-                        drop(output);
+                        tell_end(&client, &event, output);
                         sys::exit_now(reaped.status.unwrap_or_else(|signal| 128 + signal));
                     }
-                    send_event(&client, &event, &[]);
-                    drop(output);
+                    tell_end(&client, &event, output);
                 }
             }
         } else if let (Ok(signal), Some(main)) = (Signal::try_from(info.ssi_signo as i32), main) {
@@ -653,6 +651,22 @@ fn send_event(client: &OwnedFd, event: &ExecEvent, fds: &[RawFd]) {
         &serde_json::to_vec(event).unwrap_or_default(),
         fds,
     );
+}
+
+/// Tells an exec's client how its process ended, and lets go of the init's copies of the
+/// process's stdout and stderr by handing them over with the event: the client closes them as
+/// it reads it, so the pipes end (where no other process holds them) while the client runs,
+/// and the end wakes it once. Closed here after the event, each copy's close woke the client
+/// on its own, its thread running before the init's next step: three wake-ups.
+fn tell_end(client: &OwnedFd, event: &ExecEvent, output: Option<[OwnedFd; 2]>) {
+    let fds: Vec<RawFd> = output.iter().flatten().map(|fd| fd.as_raw_fd()).collect();
+    let payload = serde_json::to_vec(event).unwrap_or_default();
+    if sys::send_message_nowait(client.as_fd(), &payload, &fds).is_err() && !fds.is_empty() {
+        // A client that cannot take descriptors still hears the end; the pipes end with the
+        // init's copies, closed below.
+        let _ = sys::send_message_nowait(client.as_fd(), &payload, &[]);
+    }
+    drop(output);
 }
 
 /// A message from an exec's client: a signal for its process's group; or its hang-up, which

@@ -11,7 +11,6 @@ use serde_json::json;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio_stream::wrappers::ReceiverStream;
 use warden_harness::{ExecSpec, HarnessError, Item, KillOnDrop, Process, RunOnce, Stream};
 
 use super::*;
@@ -158,6 +157,11 @@ pub(super) async fn signal(
 /// not following, `live` once caught up with a process that still runs).
 /// The event stream of a process's output and exit, from chunk `from`; `run`: the cell made
 /// for it (named in `started`) and its delete, awaited before the `exit`.
+///
+/// The stream reads the process's log itself as the connection asks for the next event (no
+/// task and channel in between: each of them was one more wake-up of a task per event, the
+/// process's end included), and a client that goes away drops it, and with it what kills the
+/// process.
 pub(super) fn stream_output(
     process: Arc<Process>,
     from: u64,
@@ -165,92 +169,128 @@ pub(super) fn stream_output(
     follow: bool,
     run: Option<(String, tokio::sync::oneshot::Receiver<Result<(), String>>)>,
 ) -> Response {
-    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let mut feed = Feed {
+        guard: kill_on_disconnect.then(|| KillOnDrop(Arc::clone(&process))),
+        process,
+        cursor: from,
+        pending: [Vec::new(), Vec::new()],
+        follow,
+        run,
+        ready: std::collections::VecDeque::new(),
+        done: false,
+    };
     // A process that could not start (not found, not executable) never ran: its stream is its
-    // `exit` alone. The `started` event is in the stream before the answer goes out, so that
-    // its head and this event leave in one write (one wake-up of the client, not two).
-    if process.pid != 0 {
-        let mut started = json!({ "process": process.id, "pid": process.pid });
-        if let Some((cell, _)) = &run {
+    // `exit` alone. The `started` event is ready before the answer goes out, so that its head
+    // and this event leave in one write (one wake-up of the client, not two).
+    if feed.process.pid != 0 {
+        let mut started = json!({ "process": feed.process.id, "pid": feed.process.pid });
+        if let Some((cell, _)) = &feed.run {
             started["cell"] = json!(cell);
         }
-        // The channel is new and empty: there is room.
-        let _ = tx.try_send(Ok(Event::default()
-            .event("started")
-            .data(started.to_string())));
+        feed.ready
+            .push_back(Event::default().event("started").data(started.to_string()));
     }
-    tokio::spawn(async move {
-        let _guard = kill_on_disconnect.then(|| KillOnDrop(Arc::clone(&process)));
-        let mut cursor = from;
-        let mut pending: [Vec<u8>; 2] = [Vec::new(), Vec::new()];
+    let events = futures_util::stream::unfold(feed, |mut feed| async move {
         loop {
-            let item = if follow {
-                tokio::select! {
-                    item = process.next(&mut cursor) => item,
-                    () = tx.closed() => return,
-                }
-            } else if let Some(item) = process.try_next(&mut cursor) {
-                item
-            } else {
-                for (stream, slot) in [(Stream::Stdout, 0), (Stream::Stderr, 1)] {
-                    if let Some(event) = output_event(stream, &mut pending[slot], true) {
-                        let _ = tx.send(Ok(event)).await;
-                    }
-                }
-                let event = Event::default()
-                    .event("live")
-                    .data(json!({ "running": true, "next": cursor }).to_string());
-                let _ = tx.send(Ok(event)).await;
-                return;
-            };
-            let event = match item {
-                Item::Output(stream, data) => {
-                    let slot = stream as usize;
-                    pending[slot].extend_from_slice(&data);
-                    match output_event(stream, &mut pending[slot], false) {
-                        Some(event) => event,
-                        None => continue,
-                    }
-                }
-                Item::Dropped(bytes) => Event::default()
-                    .event("dropped")
-                    .data(json!({ "bytes": bytes }).to_string()),
-                Item::Exit(exit) => {
-                    for (stream, slot) in [(Stream::Stdout, 0), (Stream::Stderr, 1)] {
-                        if let Some(event) = output_event(stream, &mut pending[slot], true) {
-                            let _ = tx.send(Ok(event)).await;
-                        }
-                    }
-                    if let Some((cell, deleted)) = run {
-                        let failed = match deleted.await {
-                            Ok(Ok(())) => None,
-                            Ok(Err(message)) => Some(message),
-                            Err(_) => Some(format!(
-                                "the delete of cell `{cell}` stopped before it ended (the daemon stops?)"
-                            )),
-                        };
-                        if let Some(message) = failed {
-                            let event = Event::default()
-                                .event("error")
-                                .data(json!({ "message": message }).to_string());
-                            let _ = tx.send(Ok(event)).await;
-                        }
-                    }
-                    let event = Event::default()
-                        .event("exit")
-                        .data(serde_json::to_string(&exit).unwrap_or_default());
-                    let _ = tx.send(Ok(event)).await;
-                    return;
-                }
-            };
-            if tx.send(Ok(event)).await.is_err() {
-                return;
+            if let Some(event) = feed.ready.pop_front() {
+                return Some((Ok::<_, Infallible>(event), feed));
             }
+            if feed.done {
+                return None;
+            }
+            feed.step().await;
         }
     });
-    Sse::new(ReceiverStream::<Result<Event, Infallible>>::new(rx))
+    Sse::new(events)
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
         .into_response()
+}
+
+/// What an output stream has read of its process's log, and the events ready to go.
+struct Feed {
+    process: Arc<Process>,
+    /// Kills the process when the stream is dropped before its end (a foreground exec's
+    /// client went away).
+    guard: Option<KillOnDrop>,
+    cursor: u64,
+    /// Bytes of each stream not sent yet (a UTF-8 character's first bytes).
+    pending: [Vec<u8>; 2],
+    follow: bool,
+    run: Option<(String, tokio::sync::oneshot::Receiver<Result<(), String>>)>,
+    ready: std::collections::VecDeque<Event>,
+    /// The last event is among `ready`.
+    done: bool,
+}
+
+impl Feed {
+    /// Reads the next item of the log (waiting for it when following), and makes the events
+    /// it gives ready.
+    async fn step(&mut self) {
+        let item = if self.follow {
+            self.process.next(&mut self.cursor).await
+        } else if let Some(item) = self.process.try_next(&mut self.cursor) {
+            item
+        } else {
+            self.flush();
+            self.ready.push_back(
+                Event::default()
+                    .event("live")
+                    .data(json!({ "running": true, "next": self.cursor }).to_string()),
+            );
+            self.done = true;
+            return;
+        };
+        match item {
+            Item::Output(stream, data) => {
+                let slot = stream as usize;
+                self.pending[slot].extend_from_slice(&data);
+                if let Some(event) = output_event(stream, &mut self.pending[slot], false) {
+                    self.ready.push_back(event);
+                }
+            }
+            Item::Dropped(bytes) => self.ready.push_back(
+                Event::default()
+                    .event("dropped")
+                    .data(json!({ "bytes": bytes }).to_string()),
+            ),
+            Item::Exit(exit) => {
+                self.flush();
+                if let Some((cell, deleted)) = self.run.take() {
+                    let failed = match deleted.await {
+                        Ok(Ok(())) => None,
+                        Ok(Err(message)) => Some(message),
+                        Err(_) => Some(format!(
+                            "the delete of cell `{cell}` stopped before it ended (the daemon stops?)"
+                        )),
+                    };
+                    if let Some(message) = failed {
+                        self.ready.push_back(
+                            Event::default()
+                                .event("error")
+                                .data(json!({ "message": message }).to_string()),
+                        );
+                    }
+                }
+                self.ready.push_back(
+                    Event::default()
+                        .event("exit")
+                        .data(serde_json::to_string(&exit).unwrap_or_default()),
+                );
+                // Ended: nothing is left to kill.
+                self.guard = None;
+                self.done = true;
+            }
+        }
+    }
+
+    /// What is left of both streams' bytes, as events.
+    fn flush(&mut self) {
+        for (stream, slot) in [(Stream::Stdout, 0), (Stream::Stderr, 1)] {
+            if let Some(event) = output_event(stream, &mut self.pending[slot], true) {
+                self.ready.push_back(event);
+            }
+        }
+    }
 }
 
 /// The server-sent event of what can be sent from `pending` (see `output_chunk`).
