@@ -457,8 +457,9 @@ fn main() -> Result<()> {
     );
     let mut rows: Vec<(String, Vec<Duration>)> = Vec::new();
     // Interleaved, one of each per round, so that all see the same moments of a noisy host.
-    let (mut api, mut plain, mut mcp) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut api, mut plain, mut mcp, mut kept) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut session = McpSession::open(&daemon.socket)?;
+    let mut connection = warden_bench::Kept::open(&daemon.socket)?;
     let mut baseline = match &args.baseline {
         Some(binary) => {
             warden_bench::settle(binary)?;
@@ -491,16 +492,19 @@ fn main() -> Result<()> {
             bail!("the MCP exec failed: {answer}");
         }
         let took = warden_bench::timed_exec(&daemon.socket, "bench")?;
+        let on_kept = warden_bench::timed_exec_on(&mut connection, "bench")?;
         let start = Instant::now();
         Command::new("true").status()?;
         let forked = start.elapsed();
         if i >= 10 {
             api.push(took);
+            kept.push(on_kept);
             plain.push(forked);
             mcp.push(by_mcp);
         }
     }
     rows.push(("warden exec (API, unix socket)".to_owned(), api));
+    rows.push(("warden exec (API, one kept connection)".to_owned(), kept));
     rows.push(("warden exec (MCP tool, one session)".to_owned(), mcp));
     rows.push(("fork/exec on the host".to_owned(), plain));
     if let Some((other, samples)) = baseline {

@@ -88,6 +88,42 @@ pub fn request(socket: &Path, method: &str, path: &str, body: &str) -> Result<(u
     Ok((status, raw))
 }
 
+/// One connection to the daemon's API kept for many requests, as an SDK's HTTP client keeps
+/// its connections: no connect and accept per request.
+#[derive(Debug)]
+pub struct Kept {
+    reader: std::io::BufReader<UnixStream>,
+    writer: UnixStream,
+}
+
+impl Kept {
+    pub fn open(socket: &Path) -> Result<Self> {
+        let writer = UnixStream::connect(socket).context("connecting to the daemon")?;
+        let reader = std::io::BufReader::new(writer.try_clone()?);
+        Ok(Self { reader, writer })
+    }
+
+    /// One request on the connection, read to the end of its answer: the status and the raw
+    /// answer.
+    pub fn request(&mut self, method: &str, path: &str, body: &str) -> Result<(u16, String)> {
+        write!(
+            self.writer,
+            "{method} {path} HTTP/1.1\r\nHost: w\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )?;
+        let raw = read_answer(&mut self.reader)?;
+        if raw.to_ascii_lowercase().contains("\r\nconnection: close") {
+            bail!("the daemon closed a kept connection: {raw}");
+        }
+        let status = raw
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        Ok((status, raw))
+    }
+}
+
 /// An HTTP/1.1 answer, its head and body as they came (chunk sizes too), up to its end.
 fn read_answer(reader: &mut impl std::io::BufRead) -> Result<String> {
     let mut raw = String::new();
@@ -175,6 +211,21 @@ pub fn timed_exec(socket: &Path, cell: &str) -> Result<Duration> {
     let start = Instant::now();
     let (status, raw) = request(
         socket,
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        r#"{"argv":["true"]}"#,
+    )?;
+    let took = start.elapsed();
+    if status != 200 || !raw.contains("event: exit") {
+        bail!("exec in cell `{cell}` failed: {raw}");
+    }
+    Ok(took)
+}
+
+/// Like `timed_exec`, on a kept connection.
+pub fn timed_exec_on(connection: &mut Kept, cell: &str) -> Result<Duration> {
+    let start = Instant::now();
+    let (status, raw) = connection.request(
         "POST",
         &format!("/v1/cells/{cell}/exec"),
         r#"{"argv":["true"]}"#,
