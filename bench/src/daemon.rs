@@ -623,5 +623,7 @@ fn main() -> Result<()> {
     );
     warden_bench::say!("{:<40} {:>10}", "one writer alone, per entry", ms(single));
     let _ = std::fs::remove_dir_all(&dir);
+    // The snapshot cell's workspace, once its daemon (and the cell) are gone.
+    let _ = std::fs::remove_dir_all(tempfile_dir()?);
     Ok(())
 }
