@@ -1,7 +1,6 @@
 //! What the benchmarks share: a daemon of their own, requests over its unix socket, the
 //! memory of process trees, percentiles and tables.
 
-use std::io::Write as _;
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
@@ -74,18 +73,33 @@ pub fn table(rows: &mut [(String, Vec<Duration>)], versus: &str) {
 /// raw answer.
 pub fn request(socket: &Path, method: &str, path: &str, body: &str) -> Result<(u16, String)> {
     let mut stream = UnixStream::connect(socket).context("connecting to the daemon")?;
+    send(&mut stream, method, path, body, "Connection: close\r\n")?;
+    let raw = read_answer(&mut std::io::BufReader::new(stream))?;
+    Ok((status_of(&raw), raw))
+}
+
+/// Writes one request; `more`: header lines of its own, each ending in CRLF.
+fn send(
+    to: &mut impl std::io::Write,
+    method: &str,
+    path: &str,
+    body: &str,
+    more: &str,
+) -> Result<()> {
     write!(
-        stream,
-        "{method} {path} HTTP/1.1\r\nHost: w\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        to,
+        "{method} {path} HTTP/1.1\r\nHost: w\r\n{more}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     )?;
-    let raw = read_answer(&mut std::io::BufReader::new(stream))?;
-    let status = raw
-        .split(' ')
+    Ok(())
+}
+
+/// An answer's status (0 where its first line has none).
+fn status_of(raw: &str) -> u16 {
+    raw.split(' ')
         .nth(1)
         .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    Ok((status, raw))
+        .unwrap_or(0)
 }
 
 /// One connection to the daemon's API kept for many requests, as an SDK's HTTP client keeps
@@ -106,21 +120,12 @@ impl Kept {
     /// One request on the connection, read to the end of its answer: the status and the raw
     /// answer.
     pub fn request(&mut self, method: &str, path: &str, body: &str) -> Result<(u16, String)> {
-        write!(
-            self.writer,
-            "{method} {path} HTTP/1.1\r\nHost: w\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        )?;
+        send(&mut self.writer, method, path, body, "")?;
         let raw = read_answer(&mut self.reader)?;
         if raw.to_ascii_lowercase().contains("\r\nconnection: close") {
             bail!("the daemon closed a kept connection: {raw}");
         }
-        let status = raw
-            .split(' ')
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0);
-        Ok((status, raw))
+        Ok((status_of(&raw), raw))
     }
 }
 
@@ -208,28 +213,18 @@ pub fn create_exec_delete(socket: &Path, body: &str) -> Result<String> {
 
 /// One exec of `true` in `cell` through a daemon's API, timed until its `exit` event is read.
 pub fn timed_exec(socket: &Path, cell: &str) -> Result<Duration> {
-    let start = Instant::now();
-    let (status, raw) = request(
-        socket,
-        "POST",
-        &format!("/v1/cells/{cell}/exec"),
-        r#"{"argv":["true"]}"#,
-    )?;
-    let took = start.elapsed();
-    if status != 200 || !raw.contains("event: exit") {
-        bail!("exec in cell `{cell}` failed: {raw}");
-    }
-    Ok(took)
+    timed(cell, |path, body| request(socket, "POST", path, body))
 }
 
 /// Like `timed_exec`, on a kept connection.
 pub fn timed_exec_on(connection: &mut Kept, cell: &str) -> Result<Duration> {
+    timed(cell, |path, body| connection.request("POST", path, body))
+}
+
+/// How long the exec of `true` in `cell` takes, sent by `post` (a path and a body).
+fn timed(cell: &str, post: impl FnOnce(&str, &str) -> Result<(u16, String)>) -> Result<Duration> {
     let start = Instant::now();
-    let (status, raw) = connection.request(
-        "POST",
-        &format!("/v1/cells/{cell}/exec"),
-        r#"{"argv":["true"]}"#,
-    )?;
+    let (status, raw) = post(&format!("/v1/cells/{cell}/exec"), r#"{"argv":["true"]}"#)?;
     let took = start.elapsed();
     if status != 200 || !raw.contains("event: exit") {
         bail!("exec in cell `{cell}` failed: {raw}");
