@@ -615,6 +615,64 @@ fn fuzzed_api_input_gets_4xx_answers_and_leaves_the_daemon_well() {
     daemon.assert_journal_verifies();
 }
 
+/// A foreground exec whose client goes away (the connection closed mid-stream) has nobody left
+/// to stream to: its process is killed, and its end journaled.
+#[test]
+fn a_foreground_exec_whose_client_goes_away_is_killed_and_its_end_journaled() {
+    use std::io::{Read as _, Write as _};
+    if !cgroups_available("exec_hangup") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("hangup"), json!({}));
+    let mut stream = std::os::unix::net::UnixStream::connect(daemon.socket()).unwrap();
+    let body = json!({ "argv": ["sleep", "300"] }).to_string();
+    write!(
+        stream,
+        "POST /v1/cells/{cell}/exec HTTP/1.1\r\nHost: w\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("\"pid\":") {
+        let n = stream.read(&mut buf).unwrap();
+        assert!(n > 0, "{}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    let seen = String::from_utf8_lossy(&seen).into_owned();
+    let id: u64 = seen
+        .split("\"process\":")
+        .nth(1)
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no process id in {seen}"));
+    let info = |id: u64| {
+        daemon
+            .call("GET", &format!("/v1/cells/{cell}/processes/{id}"), None)
+            .json()
+    };
+    assert_eq!(info(id)["running"], true, "{}", info(id));
+    drop(stream);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while info(id)["running"] == true {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the process of a client that went away still runs: {}",
+            info(id)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let exit = info(id)["exit"].clone();
+    assert_eq!(exit["signal"], 9, "{exit}");
+    let ended = daemon
+        .entries_of(&cell)
+        .into_iter()
+        .filter(|e| e["kind"] == "exec.exit" && e["data"]["process"] == id)
+        .count();
+    assert_eq!(ended, 1);
+}
+
 #[test]
 fn ended_processes_leave_no_descriptors_or_threads_behind() {
     if !cgroups_available("daemon_release") {
