@@ -8,9 +8,12 @@
 //!
 //! Appends are group-committed: entries are sealed by the threads that append them, and one
 //! syncer thread writes what waits, calls `fdatasync` once, and only then acknowledges them (an
-//! entry that finds nothing else waiting is written and synced by its own thread). An
-//! acknowledged entry survives a crash of the process; a torn last line (written but never
-//! acknowledged) is cut off at the next open.
+//! entry that finds nothing else waiting is written and synced by its own thread). The
+//! `fdatasync` is of the journal's ring, a file of fixed size that holds a copy of the active
+//! segment's newest bytes (see the `ring` module): an acknowledged entry survives a crash of
+//! the process and of the host, from the segment or, where the crash took it from there, from
+//! the ring at the next open. A torn last line (written but never acknowledged) is cut off at
+//! the next open.
 //!
 //! The chain lives in segments: the active `journal.jsonl`, and, once it grew past the rotation
 //! size, closed segments `journal-<first seq>.jsonl` that the chain runs through unbroken. Each
@@ -21,6 +24,7 @@ mod entry;
 mod error;
 mod export;
 mod keys;
+mod ring;
 mod segments;
 mod verify;
 mod writer;
@@ -29,6 +33,7 @@ pub use entry::{CHECKPOINT, Entry, GENESIS, redact};
 pub use error::JournalError;
 pub use export::{Format, export};
 pub use keys::{KEY_FILE, PUBLIC_FILE, SigningKeys};
+pub use ring::RING_FILE;
 pub use segments::{JOURNAL_FILE, segment_first_seq, segments};
 pub use verify::{Report, VerifyError, verify};
 pub use writer::{Journal, Receipt, Segments, Urgency};

@@ -107,6 +107,7 @@ pub fn serve(args: ServeArgs) -> Result<i32> {
             warden_journal::Segments {
                 bytes: journal_segment_mib.saturating_mul(1024 * 1024),
                 keep: journal_keep_segments,
+                ..Default::default()
             },
             keepers_ahead,
             pools,
