@@ -17,9 +17,9 @@
 //! segment before its first entry). It is written only after such a sync, so whenever it is
 //! on disk it is true.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io;
-use std::os::unix::fs::{FileExt as _, OpenOptionsExt as _};
+use std::os::unix::fs::FileExt as _;
 use std::path::Path;
 
 /// The ring's file in the journal directory.
@@ -50,14 +50,7 @@ impl Ring {
     /// none, or the one there is not whole; `true` with a ring made now, whose header knows
     /// nothing of the segment.
     pub fn open(dir: &Path, bytes: u64) -> io::Result<(Self, Header, bool)> {
-        let path = dir.join(RING_FILE);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .open(&path)?;
+        let file = crate::segments::open_own(&dir.join(RING_FILE))?;
         let len = file.metadata()?.len();
         if let Some(header) = read_header(&file)?
             && header.bytes > 0
@@ -236,7 +229,7 @@ mod tests {
         ring.note_durable(3, 10).unwrap();
         drop(ring);
         let path = dir.path().join(RING_FILE);
-        let file = OpenOptions::new().write(true).open(&path).unwrap();
+        let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
         file.set_len(DATA_AT + 100).unwrap();
         let (_, header, made) = Ring::open(dir.path(), 4096).unwrap();
         assert!(

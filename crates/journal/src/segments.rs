@@ -40,3 +40,16 @@ pub fn segments(dir: &std::path::Path) -> std::io::Result<Vec<std::path::PathBuf
     }
     Ok(closed)
 }
+
+/// Opens (making it, mode 0600, where it is not there) one of the journal's own files for
+/// reading and writing, without cutting it.
+pub(crate) fn open_own(path: &std::path::Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(path)
+}

@@ -1405,13 +1405,7 @@ struct AppendLock {
 impl AppendLock {
     fn open(dir: &Path) -> Result<Self, JournalError> {
         let path = dir.join(LOCK_FILE);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .open(&path)
+        let file = crate::segments::open_own(&path)
             .map_err(JournalError::io("opening the journal's lock", &path))?;
         Ok(Self { file, held: false })
     }
@@ -1494,6 +1488,16 @@ mod tests {
             .unwrap()
     }
 
+    /// The segment at `path` cut back to `len` bytes, as a crash can leave it.
+    fn cut_to(path: &Path, len: u64) {
+        OpenOptions::new()
+            .write(true)
+            .open(path)
+            .unwrap()
+            .set_len(len)
+            .unwrap();
+    }
+
     /// The entries of the active segment.
     fn entries_in(dir: &Path) -> Vec<Entry> {
         fs::read_to_string(dir.join(JOURNAL_FILE))
@@ -1526,12 +1530,7 @@ mod tests {
         // synced when the ring was made, and the entries since went to the disk in the ring.
         assert!(durable_by_header(dir.path()) <= kept);
         std::mem::forget(journal);
-        OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .unwrap()
-            .set_len(kept)
-            .unwrap();
+        cut_to(&path, kept);
         let journal = with_ring(dir.path(), 64 * 1024);
         let next = journal.append(None, "t.after", json!({})).unwrap();
         journal.close();
@@ -1576,12 +1575,7 @@ mod tests {
         }
         std::mem::forget(journal);
         let lost = fs::read(&path).unwrap();
-        OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .unwrap()
-            .set_len(kept)
-            .unwrap();
+        cut_to(&path, kept);
         // The second lost entry's copy altered in the ring (its `n` now 7: its hash no longer
         // matches): the first comes back, and nothing after the altered one.
         let second = lost[kept as usize..]
@@ -1645,12 +1639,7 @@ mod tests {
             "{durable} of {size} on disk"
         );
         std::mem::forget(journal);
-        OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .unwrap()
-            .set_len(durable)
-            .unwrap();
+        cut_to(&path, durable);
         // (A journal opened deferred opens its files, and restores, at its first entry.)
         let journal = with_ring(dir.path(), 4096);
         journal.append(None, "t.after", json!({})).unwrap();
