@@ -302,7 +302,8 @@ fn agent_turns(daemon: &Daemon, turns: usize) -> Result<Vec<Duration>> {
 
 /// The round trip of a workspace snapshot of a cell with one changed file.
 fn snapshot_round_trips(daemon: &Daemon, runs: usize) -> Result<Vec<Duration>> {
-    let dir = tempfile_dir()?;
+    let dir = workspace_dir();
+    std::fs::create_dir_all(&dir)?;
     let body = format!(r#"{{"name":"snapbench","workspace":"{}"}}"#, dir.display());
     let (status, raw) = request(&daemon.socket, "POST", "/v1/cells", &body)?;
     if status != 201 {
@@ -326,10 +327,9 @@ fn snapshot_round_trips(daemon: &Daemon, runs: usize) -> Result<Vec<Duration>> {
     Ok(out)
 }
 
-fn tempfile_dir() -> Result<PathBuf> {
-    let dir = std::env::temp_dir().join(format!("warden-bench-ws-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    Ok(dir)
+/// The snapshot cell's workspace folder.
+fn workspace_dir() -> PathBuf {
+    std::env::temp_dir().join(format!("warden-bench-ws-{}", std::process::id()))
 }
 
 fn runsc_exec(runs: usize) -> Result<Option<Vec<Duration>>> {
@@ -624,6 +624,6 @@ fn main() -> Result<()> {
     warden_bench::say!("{:<40} {:>10}", "one writer alone, per entry", ms(single));
     let _ = std::fs::remove_dir_all(&dir);
     // The snapshot cell's workspace, once its daemon (and the cell) are gone.
-    let _ = std::fs::remove_dir_all(tempfile_dir()?);
+    let _ = std::fs::remove_dir_all(workspace_dir());
     Ok(())
 }

@@ -986,16 +986,17 @@ impl Shared {
         state.urgent = 0;
         state.soon_since = None;
         // The ring, which has a copy of all that was written, unless a write could not go
-        // there too: then the segment itself.
-        let segment = (state.ring.is_none() || state.sync_segment)
-            .then(|| (Arc::clone(&state.file), state.size, state.inode));
-        let ring = state.ring.clone();
+        // there too (or there is none): then the segment itself.
+        let ring = match state.sync_segment {
+            true => None,
+            false => state.ring.clone(),
+        };
+        let (file, size, inode) = (Arc::clone(&state.file), state.size, state.inode);
         state.sync_segment = false;
         drop(state);
-        let result = match (&segment, &ring) {
-            (Some((file, ..)), _) => file.sync_data(),
-            (None, Some(ring)) => ring.sync(),
-            (None, None) => Ok(()),
+        let result = match &ring {
+            Some(ring) => ring.sync(),
+            None => file.sync_data(),
         };
         let stopped = result.as_ref().err().map(|err| {
             self.state
@@ -1014,9 +1015,7 @@ impl Shared {
             return;
         };
         state.syncing = false;
-        if result.is_ok()
-            && let Some((_, size, inode)) = segment
-        {
+        if result.is_ok() && ring.is_none() {
             state.segment_on_disk(size, inode);
         }
         if state.size >= state.rotate_bytes && state.stopped.is_none() {
@@ -1476,16 +1475,12 @@ mod tests {
         Journal::open_deferred(dir, segments).unwrap()
     }
 
-    /// What the ring's header says is on disk of the active segment.
+    /// What the ring's header says is on disk of the active segment (a ring that is there is
+    /// opened as it is).
     fn durable_by_header(dir: &Path) -> u64 {
-        let text = fs::read(dir.join(RING_FILE)).unwrap();
-        let line = String::from_utf8_lossy(&text[..text.iter().position(|b| *b == b'\n').unwrap()])
-            .into_owned();
-        line.split_whitespace()
-            .find_map(|f| f.strip_prefix("durable="))
-            .unwrap()
-            .parse()
-            .unwrap()
+        let (_, header, made) = Ring::open(dir, 1).unwrap();
+        assert!(!made, "no ring was there");
+        header.durable
     }
 
     /// The segment at `path` cut back to `len` bytes, as a crash can leave it.
