@@ -502,6 +502,98 @@ fn reset_of_a_running_cell_reverts_what_its_processes_see() {
     warden_ok(&["rm", &format!("{name}@edited")]);
 }
 
+/// A reset in place of more files than one thread is given (the helper writes them side by
+/// side) leaves each one as the target has it: every file written, made or removed, to the
+/// snapshot and then to the start, with a process of the cell in the workspace throughout.
+#[test]
+fn a_reset_in_place_of_many_files_leaves_each_as_the_target_has_it() {
+    use std::io::{BufRead as _, Write as _};
+    let ws = tempdir();
+    let mut host = Vec::new();
+    for d in 0..4 {
+        std::fs::create_dir(ws.path().join(format!("d{d}"))).unwrap();
+        for f in 0..60 {
+            let path = format!("./d{d}/f{f}.txt");
+            std::fs::write(ws.path().join(&path), format!("host {d} {f}\n")).unwrap();
+            host.push(path);
+        }
+    }
+    host.sort();
+    let name = unique("many");
+    // Each line read is a round; `list` prints every file and link with what it holds.
+    let script = "cd /workspace; echo ready; while read what; do case $what in \
+        edit) for f in d*/f*.txt; do echo \"snap ./$f\" > \"$f\"; done; mkdir -p n/m; i=0; \
+              while [ $i -lt 40 ]; do echo \"n$i\" > \"n/m/x$i\"; i=$((i+1)); done; \
+              ln -s d0/f1.txt link; echo edited;; \
+        again) for f in d*/f*.txt; do echo \"later ./$f\" > \"$f\"; done; \
+               rm -r n link d3/f5.txt; echo extra > extra.txt; echo again;; \
+        list) find . -type f -o -type l | while read p; do \
+                if [ -L \"$p\" ]; then echo \"$p -> $(readlink \"$p\")\"; \
+                else echo \"$p: $(cat \"$p\")\"; fi; done; echo end;; \
+        esac; done";
+    let mut cell = warden()
+        .args(["run", "--name", &name, "--workspace"])
+        .arg(ws.path())
+        .args(["--", "sh", "-c", script])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut stdin = cell.stdin.take().unwrap();
+    let mut lines = std::io::BufReader::new(cell.stdout.take().unwrap()).lines();
+    let mut next = || lines.next().unwrap().unwrap();
+    assert_eq!(next(), "ready");
+    let mut round = |what: &str, next: &mut dyn FnMut() -> String| {
+        writeln!(stdin, "{what}").unwrap();
+        let mut seen = Vec::new();
+        loop {
+            let line = next();
+            if line == "end" || line == "edited" || line == "again" {
+                seen.sort();
+                return seen;
+            }
+            seen.push(line);
+        }
+    };
+    round("edit", &mut next);
+    warden_ok(&["snapshot", &name, "--as", "many"]);
+    round("again", &mut next);
+    warden_ok(&["reset", &name, "--to", "many"]);
+    let mut snapshot: Vec<String> = host.iter().map(|p| format!("{p}: snap {p}")).collect();
+    snapshot.push("./link -> d0/f1.txt".to_owned());
+    snapshot.extend((0..40).map(|i| format!("./n/m/x{i}: n{i}")));
+    snapshot.sort();
+    assert_eq!(
+        round("list", &mut next),
+        snapshot,
+        "after the reset to the snapshot"
+    );
+    warden_ok(&["reset", &name]);
+    let start: Vec<String> = host
+        .iter()
+        .map(|p| {
+            let (d, f) = p
+                .trim_start_matches("./d")
+                .trim_end_matches(".txt")
+                .split_once("/f")
+                .unwrap();
+            format!("{p}: host {d} {f}")
+        })
+        .collect();
+    let mut start = start;
+    start.sort();
+    assert_eq!(
+        round("list", &mut next),
+        start,
+        "after the reset to the start"
+    );
+    warden_ok(&["kill", &name]);
+    let _ = cell.wait();
+    warden_ok(&["rm", &name]);
+    warden_ok(&["rm", &format!("{name}@many")]);
+}
+
 /// A running cell's reset writes a changed file over in place where it can: never through a
 /// second name that links to the same file, and never leaving old data where the host's file
 /// has a hole.

@@ -16,6 +16,7 @@ use std::io::{self, Read as _, Write as _};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 use warden_workspace::{Change, ChangeKind, DiffOptions, EntryKind, LayerMeta, Sensitivity};
@@ -72,6 +73,11 @@ pub(super) enum Step {
         target: String,
     },
 }
+
+/// The most threads a reset writes files with, and the fewest files each thread is given (a
+/// thread's start costs about as much as a few files' writes).
+const MAX_THREADS: usize = 4;
+const SPREAD_AT: usize = 32;
 
 /// A file's layer, where it is never read (the current tree's): not looked up.
 const SOME_LAYER: usize = usize::MAX;
@@ -421,11 +427,13 @@ pub(super) fn in_place(
         .collect::<io::Result<_>>()
         .map_err(remount_err)?;
     let ns = namespaces(registry, cell, pid).map_err(remount_err)?;
+    // Asked out here: inside the cell, the helper would read the cell's own view of the machine.
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(MAX_THREADS));
     let (report_r, report_w) = sys::pipe().map_err(remount_err)?;
     let child = sys::clone_process(0).map_err(remount_err)?;
     if child == 0 {
         drop(report_r);
-        let result = run_inside(&ns, &meta.mount, &lower, &layers, &steps);
+        let result = run_inside(&ns, &meta.mount, &lower, &layers, &steps, threads);
         let mut report = fs::File::from(report_w);
         if let Err(err) = result {
             let _ = write!(report, "{err}");
@@ -473,6 +481,7 @@ fn run_inside(
     lower: &OwnedFd,
     layers: &[OwnedFd],
     steps: &[Step],
+    threads: usize,
 ) -> Result<(), String> {
     use nix::sched::{CloneFlags, setns};
     ns.join_user()
@@ -494,15 +503,58 @@ fn run_inside(
     // What the cell sees as the workspace's owner owns what the reset makes.
     let owner = rustix::fs::fstat(&root).map_err(|e| format!("reading the workspace: {e}"))?;
     let owner = (owner.st_uid, owner.st_gid);
-    let mut parents = Parents {
-        root: &root,
-        last: None,
+    // Removals and directories first, in their order (a directory goes after what it held, a
+    // parent before what it holds); then the files and links, each of which changes its own
+    // path only, in runs of neighbouring paths side by side.
+    let (ordered, spread): (Vec<&Step>, Vec<&Step>) = steps
+        .iter()
+        .partition(|step| matches!(step, Step::Remove(_) | Step::Dir { .. }));
+    let run = |steps: &[&Step], stop: &AtomicBool| -> Result<(), String> {
+        let mut parents = Parents {
+            root: &root,
+            last: None,
+        };
+        for step in steps {
+            if stop.load(Ordering::Relaxed) {
+                break;
+            }
+            carry_out(&mut parents, lower, layers, step, owner).map_err(|e| {
+                stop.store(true, Ordering::Relaxed);
+                format!("{}: {e}", step_path(step))
+            })?;
+        }
+        Ok(())
     };
-    for step in steps {
-        carry_out(&mut parents, lower, layers, step, owner)
-            .map_err(|e| format!("{}: {e}", step_path(step)))?;
-    }
-    Ok(())
+    let stop = AtomicBool::new(false);
+    run(&ordered, &stop)?;
+    let threads = threads.clamp(1, spread.len().div_ceil(SPREAD_AT).max(1));
+    let runs: Vec<&[&Step]> = spread
+        .chunks(spread.len().div_ceil(threads).max(1))
+        .collect();
+    let results: Vec<Result<(), String>> = std::thread::scope(|scope| {
+        let started: Vec<_> = runs
+            .iter()
+            .skip(1)
+            .map(|steps| {
+                let (run, stop) = (&run, &stop);
+                std::thread::Builder::new()
+                    .spawn_scoped(scope, move || run(steps, stop))
+                    .map_err(|_| *steps)
+            })
+            .collect();
+        // The first run here; a run no thread could be had for, here after it.
+        let mut results = vec![runs.first().map_or(Ok(()), |steps| run(steps, &stop))];
+        for started in started {
+            results.push(match started {
+                Ok(thread) => thread
+                    .join()
+                    .unwrap_or_else(|_| Err("a thread of the reset failed".to_owned())),
+                Err(steps) => run(steps, &stop),
+            });
+        }
+        results
+    });
+    results.into_iter().collect()
 }
 
 fn step_path(step: &Step) -> &str {

@@ -1640,7 +1640,9 @@ pub(crate) fn copy_data(
 /// [`copy_data`] onto a target that holds `old` bytes already, written over in place: the
 /// source's holes are punched where the target held data, and the target is truncated only where
 /// its size would not come out right (a truncation to zero would have the file system write the
-/// file out when it is closed).
+/// file out when it is closed). A target longer than the source is cut before the writes: cut
+/// after them, btrfs writes the file out first (its `btrfs_truncate` waits for the written
+/// range), which made each such file of a reset a write to the disk.
 pub(crate) fn copy_data_over(
     source: &std::fs::File,
     target: &std::fs::File,
@@ -1649,6 +1651,13 @@ pub(crate) fn copy_data_over(
     old: u64,
 ) -> std::io::Result<u64> {
     use rustix::fs::FallocateFlags;
+    let old = match old > length {
+        true => {
+            rustix::fs::ftruncate(target, length)?;
+            length
+        }
+        false => old,
+    };
     let punch = |from: u64, to: u64| -> std::io::Result<()> {
         let to = to.min(old);
         if from < to {
