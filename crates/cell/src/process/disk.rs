@@ -61,7 +61,6 @@ impl Kind {
         }
     }
 
-    /// The program that makes it, where it is installed.
     /// The name of its templates: another for each change of how they are made, so that a
     /// template made by an earlier build is not used for new disks.
     fn template_name(self) -> &'static str {
@@ -71,6 +70,7 @@ impl Kind {
         }
     }
 
+    /// The program that makes it, where it is installed.
     fn mkfs(self) -> Option<PathBuf> {
         let names: &[&str] = match self {
             Self::Ext4 => &["/usr/sbin/mke2fs", "/sbin/mke2fs", "/usr/bin/mke2fs"],
