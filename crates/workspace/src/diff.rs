@@ -4,13 +4,15 @@
 //! snapshots it was forked from, topmost first; the host directory is the bottom.
 
 use std::ffi::OsStr;
-use std::fs::{self, Metadata};
+use std::fs;
 use std::io::{self, Read};
-use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use cap_std::ambient_authority;
 use cap_std::fs::{Dir, MetadataExt as _};
+use rustix::fs::OFlags;
 
 use crate::WorkspaceError;
 use crate::change::{Change, ChangeKind, Diff, EntryKind};
@@ -163,28 +165,49 @@ impl Walker<'_> {
         // it is opaque (or not a directory): that layer hides everything below it.
         let mut names: Vec<std::ffi::OsString> = Vec::new();
         let mut hides_lower = false;
+        // Each layer's copy of this directory, opened once: its entries are looked up by name
+        // from it (a layer without it, or below an opaque one, has none).
+        let mut dirs: Vec<Option<OwnedFd>> = Vec::with_capacity(self.layers.len());
         for layer in self.layers {
             let dir = layer.join(rel);
-            match fs::symlink_metadata(&dir) {
-                Ok(meta) if meta.is_dir() => {
-                    for entry in fs::read_dir(&dir).map_err(Self::read_err(&dir))?.flatten() {
-                        let name = entry.file_name();
-                        if !names.contains(&name) {
-                            names.push(name);
-                        }
-                    }
-                    if is_opaque(&dir) {
+            let opened = rustix::fs::open(
+                &dir,
+                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                rustix::fs::Mode::empty(),
+            );
+            let is_dir = match &opened {
+                Ok(_) => true,
+                // Not opened as a directory: looked at as before (a file or a link hides what
+                // is below it; what cannot be looked at is passed over).
+                Err(_) => match fs::symlink_metadata(&dir) {
+                    Ok(meta) if meta.is_dir() => true,
+                    Ok(_) => {
                         hides_lower = true;
                         break;
                     }
+                    Err(_) => false,
+                },
+            };
+            if !is_dir {
+                dirs.push(None);
+                continue;
+            }
+            for entry in fs::read_dir(&dir).map_err(Self::read_err(&dir))?.flatten() {
+                let name = entry.file_name();
+                if !names.contains(&name) {
+                    names.push(name);
                 }
-                Ok(_) => {
-                    hides_lower = true;
-                    break;
-                }
-                Err(_) => {}
+            }
+            dirs.push(opened.ok());
+            if is_opaque(&dir) {
+                hides_lower = true;
+                break;
             }
         }
+        let dirs = &Layers {
+            paths: self.layers,
+            dirs,
+        };
         names.sort();
         if lower_is_dir && hides_lower {
             self.hidden_lower_children(rel, &names)?;
@@ -211,13 +234,15 @@ impl Walker<'_> {
                         let mut other = other;
                         theirs
                             .iter()
-                            .try_for_each(|name| other.entry(&rel.join(name), name, lower_dir))
+                            .try_for_each(|name| {
+                                other.entry(&rel.join(name), name, dirs, lower_dir)
+                            })
                             .map(|()| other.changes)
                     })
                     .ok()?;
                 let mine = mine
                     .iter()
-                    .try_for_each(|name| self.entry(&rel.join(name), name, lower_dir));
+                    .try_for_each(|name| self.entry(&rel.join(name), name, dirs, lower_dir));
                 let theirs = handle.join().unwrap_or_else(|_| {
                     Err(WorkspaceError::Read {
                         path: rel.to_path_buf(),
@@ -232,7 +257,7 @@ impl Walker<'_> {
             }
         }
         for name in names {
-            self.entry(&rel.join(&name), &name, lower_dir)?;
+            self.entry(&rel.join(&name), &name, dirs, lower_dir)?;
         }
         Ok(())
     }
@@ -275,9 +300,10 @@ impl Walker<'_> {
         &mut self,
         rel: &Path,
         name: &OsStr,
+        dirs: &Layers<'_>,
         lower_dir: Option<&Dir>,
     ) -> Result<(), WorkspaceError> {
-        let (path, meta) = match locate_checked(self.layers, rel) {
+        let (path, meta) = match dirs.locate(rel, name) {
             Ok(Some(found)) => found,
             Ok(None) => return Ok(()),
             // Never dropped without a word: a path the host cannot name (longer than PATH_MAX,
@@ -297,8 +323,8 @@ impl Walker<'_> {
             self.push(change);
             return Ok(());
         }
-        let file_type = meta.file_type();
-        if file_type.is_char_device() && meta.rdev() == 0 {
+        let file_type = rustix::fs::FileType::from_raw_mode(meta.st_mode);
+        if file_type == rustix::fs::FileType::CharacterDevice && meta.st_rdev == 0 {
             // A whiteout: the path was deleted in the cell.
             if let Some(lower) = lower {
                 let mut change = Change::new(shown, ChangeKind::Deleted, lower.kind);
@@ -316,15 +342,15 @@ impl Walker<'_> {
         let same_type = lower.as_ref().is_some_and(|l| l.kind == kind_of(&meta));
         let mut change = Change::new(shown.clone(), kind, kind_of(&meta));
         change.old_mode = old_mode;
-        change.new_mode = Some(mode(meta.mode()));
-        if file_type.is_dir() {
+        change.new_mode = Some(mode(meta.st_mode));
+        if file_type == rustix::fs::FileType::Directory {
             let lower_is_dir = lower.as_ref().is_some_and(|l| l.kind == EntryKind::Dir);
             if !same_type || old_mode != change.new_mode {
                 self.push(change);
             }
             return self.walk_dir(rel, lower_is_dir);
         }
-        if file_type.is_symlink() {
+        if file_type == rustix::fs::FileType::Symlink {
             let target = fs::read_link(&path).map_err(Self::read_err(&path))?;
             let before = if same_type {
                 self.lower.read_link(rel).ok()
@@ -342,18 +368,18 @@ impl Walker<'_> {
             self.push(change);
             return Ok(());
         }
-        if !file_type.is_file() {
-            change.refused = Some(format!("{} cannot be applied", special_name(&meta)));
+        if file_type != rustix::fs::FileType::RegularFile {
+            change.refused = Some(format!("{} cannot be applied", special_name(file_type)));
             change.entry = EntryKind::Special;
             self.push(change);
             return Ok(());
         }
-        change.size = Some(meta.len());
-        if meta.len() > self.options.max_file_bytes {
+        let len = u64::try_from(meta.st_size).unwrap_or(0);
+        change.size = Some(len);
+        if len > self.options.max_file_bytes {
             change.refused = Some(format!(
                 "{} bytes is more than apply's limit of {} bytes",
-                meta.len(),
-                self.options.max_file_bytes
+                len, self.options.max_file_bytes
             ));
             self.push(change);
             return Ok(());
@@ -362,14 +388,13 @@ impl Walker<'_> {
         let old_size = lower.as_ref().filter(|_| same_type).map(|l| l.len);
         // Its lookup alone shows that it changed: the host has no file there, or one of
         // another size.
-        let sized_apart = old_size.is_none_or(|old| old != meta.len());
+        let sized_apart = old_size.is_none_or(|old| old != len);
         if self.options.hash_changed || (!sized_apart && self.options.tell_copies) {
-            let new = read_upper(&path, meta.len())?;
+            let new = read_upper(&path, len)?;
             // The host's copy is read only where it could be the same or a patch could be made
             // of it: a file of another size changed, and a patch needs both sides under the
             // limit.
-            let unread = old_size
-                .is_some_and(|old| old != meta.len() && (old > limit || meta.len() > limit));
+            let unread = old_size.is_some_and(|old| old != len && (old > limit || len > limit));
             let old = if same_type && !unread {
                 self.lower_read(lower_dir, rel, name, old_size.unwrap_or(0))
             } else {
@@ -537,9 +562,13 @@ fn is_opaque(dir: &Path) -> bool {
         .any(|name| matches!(xattr::get(dir, name), Ok(Some(v)) if v == b"y"))
 }
 
-fn kind_of(meta: &Metadata) -> EntryKind {
-    let t = meta.file_type();
-    entry_kind(t.is_dir(), t.is_symlink(), t.is_file())
+fn kind_of(stat: &rustix::fs::Stat) -> EntryKind {
+    let t = rustix::fs::FileType::from_raw_mode(stat.st_mode);
+    entry_kind(
+        t == rustix::fs::FileType::Directory,
+        t == rustix::fs::FileType::Symlink,
+        t == rustix::fs::FileType::RegularFile,
+    )
 }
 
 fn lower_kind(meta: &cap_std::fs::Metadata) -> EntryKind {
@@ -556,14 +585,43 @@ fn entry_kind(dir: bool, symlink: bool, file: bool) -> EntryKind {
     }
 }
 
-fn special_name(meta: &Metadata) -> &'static str {
-    let t = meta.file_type();
-    if t.is_fifo() {
-        "a FIFO"
-    } else if t.is_socket() {
-        "a socket"
-    } else {
-        "a device node"
+fn special_name(t: rustix::fs::FileType) -> &'static str {
+    match t {
+        rustix::fs::FileType::Fifo => "a FIFO",
+        rustix::fs::FileType::Socket => "a socket",
+        _ => "a device node",
+    }
+}
+
+/// The layers' copies of the directory being walked, opened, for lookups of its entries by
+/// name: one `statx` each, where a lookup from the layer's root walks the whole path again.
+struct Layers<'a> {
+    paths: &'a [PathBuf],
+    /// Beside `paths`, as far as the walk read them.
+    dirs: Vec<Option<OwnedFd>>,
+}
+
+impl Layers<'_> {
+    /// The topmost layer's copy of `rel` (whose last component is `name`), never followed,
+    /// with the error where a layer could not be looked at (not only lacked it).
+    fn locate(&self, rel: &Path, name: &OsStr) -> io::Result<Option<(PathBuf, rustix::fs::Stat)>> {
+        for (i, path) in self.paths.iter().enumerate() {
+            // A path the host cannot name is refused as the host would refuse its lookup:
+            // whatever is done with it later goes by that path.
+            let full = path.join(rel);
+            if full.as_os_str().len() >= libc::PATH_MAX as usize {
+                return Err(io::Error::from_raw_os_error(libc::ENAMETOOLONG));
+            }
+            let Some(Some(dir)) = self.dirs.get(i) else {
+                continue;
+            };
+            match rustix::fs::statat(dir, name, rustix::fs::AtFlags::SYMLINK_NOFOLLOW) {
+                Ok(stat) => return Ok(Some((full, stat))),
+                Err(rustix::io::Errno::NOENT) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(None)
     }
 }
 
