@@ -509,16 +509,18 @@ fn reset_of_a_running_cell_reverts_what_its_processes_see() {
 fn a_reset_in_place_of_many_files_leaves_each_as_the_target_has_it() {
     use std::io::{BufRead as _, Write as _};
     let ws = tempdir();
-    let mut host = Vec::new();
+    // The host's files, and what each reads as `list` prints it.
+    let (mut host, mut start) = (Vec::new(), Vec::new());
     for d in 0..4 {
         std::fs::create_dir(ws.path().join(format!("d{d}"))).unwrap();
         for f in 0..60 {
             let path = format!("./d{d}/f{f}.txt");
             std::fs::write(ws.path().join(&path), format!("host {d} {f}\n")).unwrap();
+            start.push(format!("{path}: host {d} {f}"));
             host.push(path);
         }
     }
-    host.sort();
+    start.sort();
     let name = unique("many");
     // Each line read is a round; `list` prints every file and link with what it holds.
     let script = "cd /workspace; echo ready; while read what; do case $what in \
@@ -542,13 +544,13 @@ fn a_reset_in_place_of_many_files_leaves_each_as_the_target_has_it() {
         .unwrap();
     let mut stdin = cell.stdin.take().unwrap();
     let mut lines = std::io::BufReader::new(cell.stdout.take().unwrap()).lines();
-    let mut next = || lines.next().unwrap().unwrap();
-    assert_eq!(next(), "ready");
-    let mut round = |what: &str, next: &mut dyn FnMut() -> String| {
+    assert_eq!(lines.next().unwrap().unwrap(), "ready");
+    // A round's lines, sorted, up to the one that ends it.
+    let mut round = |what: &str| {
         writeln!(stdin, "{what}").unwrap();
         let mut seen = Vec::new();
         loop {
-            let line = next();
+            let line = lines.next().unwrap().unwrap();
             if line == "end" || line == "edited" || line == "again" {
                 seen.sort();
                 return seen;
@@ -556,38 +558,17 @@ fn a_reset_in_place_of_many_files_leaves_each_as_the_target_has_it() {
             seen.push(line);
         }
     };
-    round("edit", &mut next);
+    round("edit");
     warden_ok(&["snapshot", &name, "--as", "many"]);
-    round("again", &mut next);
+    round("again");
     warden_ok(&["reset", &name, "--to", "many"]);
     let mut snapshot: Vec<String> = host.iter().map(|p| format!("{p}: snap {p}")).collect();
     snapshot.push("./link -> d0/f1.txt".to_owned());
     snapshot.extend((0..40).map(|i| format!("./n/m/x{i}: n{i}")));
     snapshot.sort();
-    assert_eq!(
-        round("list", &mut next),
-        snapshot,
-        "after the reset to the snapshot"
-    );
+    assert_eq!(round("list"), snapshot, "after the reset to the snapshot");
     warden_ok(&["reset", &name]);
-    let start: Vec<String> = host
-        .iter()
-        .map(|p| {
-            let (d, f) = p
-                .trim_start_matches("./d")
-                .trim_end_matches(".txt")
-                .split_once("/f")
-                .unwrap();
-            format!("{p}: host {d} {f}")
-        })
-        .collect();
-    let mut start = start;
-    start.sort();
-    assert_eq!(
-        round("list", &mut next),
-        start,
-        "after the reset to the start"
-    );
+    assert_eq!(round("list"), start, "after the reset to the start");
     warden_ok(&["kill", &name]);
     let _ = cell.wait();
     warden_ok(&["rm", &name]);

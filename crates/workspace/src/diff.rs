@@ -6,7 +6,7 @@
 use std::ffi::OsStr;
 use std::fs;
 use std::io::{self, Read};
-use std::os::fd::OwnedFd;
+use std::os::unix::ffi::OsStrExt as _;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
@@ -165,9 +165,14 @@ impl Walker<'_> {
         // it is opaque (or not a directory): that layer hides everything below it.
         let mut names: Vec<std::ffi::OsString> = Vec::new();
         let mut hides_lower = false;
-        // Each layer's copy of this directory, opened once: its entries are looked up by name
-        // from it (a layer without it, or below an opaque one, has none).
-        let mut dirs: Vec<Option<OwnedFd>> = Vec::with_capacity(self.layers.len());
+        // Each layer's copy of this directory, opened once: its entries are read, and looked up
+        // by name, through it (a layer without it, or below an opaque one, has none).
+        let mut dirs: Vec<Option<rustix::fs::Dir>> = Vec::with_capacity(self.layers.len());
+        let found = |names: &mut Vec<std::ffi::OsString>, name: &OsStr| {
+            if name != "." && name != ".." && !names.iter().any(|n| n == name) {
+                names.push(name.to_owned());
+            }
+        };
         for layer in self.layers {
             let dir = layer.join(rel);
             let opened = rustix::fs::open(
@@ -175,30 +180,34 @@ impl Walker<'_> {
                 OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
                 rustix::fs::Mode::empty(),
             );
-            let is_dir = match &opened {
-                Ok(_) => true,
-                // Not opened as a directory: looked at as before (a file or a link hides what
-                // is below it; what cannot be looked at is passed over).
+            match opened {
+                Ok(fd) => {
+                    let mut listing =
+                        rustix::fs::Dir::new(fd).map_err(|e| Self::read_err(&dir)(e.into()))?;
+                    for entry in listing.by_ref().flatten() {
+                        found(&mut names, OsStr::from_bytes(entry.file_name().to_bytes()));
+                    }
+                    dirs.push(Some(listing));
+                }
+                // Not opened as a directory: looked at as before (a file or a link hides what is
+                // below it; what cannot be looked at is passed over).
                 Err(_) => match fs::symlink_metadata(&dir) {
-                    Ok(meta) if meta.is_dir() => true,
+                    Ok(meta) if meta.is_dir() => {
+                        for entry in fs::read_dir(&dir).map_err(Self::read_err(&dir))?.flatten() {
+                            found(&mut names, &entry.file_name());
+                        }
+                        dirs.push(None);
+                    }
                     Ok(_) => {
                         hides_lower = true;
                         break;
                     }
-                    Err(_) => false,
+                    Err(_) => {
+                        dirs.push(None);
+                        continue;
+                    }
                 },
-            };
-            if !is_dir {
-                dirs.push(None);
-                continue;
             }
-            for entry in fs::read_dir(&dir).map_err(Self::read_err(&dir))?.flatten() {
-                let name = entry.file_name();
-                if !names.contains(&name) {
-                    names.push(name);
-                }
-            }
-            dirs.push(opened.ok());
             if is_opaque(&dir) {
                 hides_lower = true;
                 break;
@@ -598,7 +607,7 @@ fn special_name(t: rustix::fs::FileType) -> &'static str {
 struct Layers<'a> {
     paths: &'a [PathBuf],
     /// Beside `paths`, as far as the walk read them.
-    dirs: Vec<Option<OwnedFd>>,
+    dirs: Vec<Option<rustix::fs::Dir>>,
 }
 
 impl Layers<'_> {
@@ -615,7 +624,7 @@ impl Layers<'_> {
             let Some(Some(dir)) = self.dirs.get(i) else {
                 continue;
             };
-            match rustix::fs::statat(dir, name, rustix::fs::AtFlags::SYMLINK_NOFOLLOW) {
+            match rustix::fs::statat(dir.fd()?, name, rustix::fs::AtFlags::SYMLINK_NOFOLLOW) {
                 Ok(stat) => return Ok(Some((full, stat))),
                 Err(rustix::io::Errno::NOENT) => {}
                 Err(e) => return Err(e.into()),
