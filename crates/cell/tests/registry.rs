@@ -75,3 +75,76 @@ fn a_cell_that_takes_execs_has_its_starts_lock_made_with_its_folder() {
         "a starts lock for a cell that takes no execs"
     );
 }
+
+/// An ended cell's folder is emptied and kept for the next cell (its directory's block is never
+/// freed, which on a disk mounted with `discard` is a wait for the device at each cell's end);
+/// no more than four are kept, and no listing shows one.
+#[test]
+fn an_ended_cells_folder_is_emptied_and_taken_by_the_next() {
+    use std::os::unix::fs::MetadataExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    let registry = Registry::open(dir.path().to_path_buf()).unwrap();
+    let cells = dir.path().join("cells");
+    let entries = || {
+        let mut names: Vec<String> = std::fs::read_dir(&cells)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    let first = registry.reserve("a").unwrap();
+    std::fs::write(first.file("cell.json"), "{}").unwrap();
+    std::fs::create_dir(first.file("state")).unwrap();
+    std::fs::write(first.file("state").join("deep"), "x").unwrap();
+    let folder = std::fs::metadata(first.dir()).unwrap().ino();
+    drop(first);
+    assert_eq!(entries(), vec![".spare-0"], "the folder was not kept");
+    let spare = cells.join(".spare-0");
+    assert_eq!(std::fs::metadata(&spare).unwrap().ino(), folder);
+    assert_eq!(
+        std::fs::read_dir(&spare).unwrap().count(),
+        0,
+        "the kept folder was not emptied"
+    );
+    assert!(registry.list().unwrap().is_empty(), "a spare was listed");
+    assert!(spare.exists(), "a listing swept the spare");
+    let second = registry.reserve("b").unwrap();
+    assert_eq!(std::fs::metadata(second.dir()).unwrap().ino(), folder);
+    assert!(second.file("lock").is_file());
+    assert_eq!(entries(), vec!["b"]);
+    // The name of an ended cell is free at once.
+    drop(registry.reserve("a").unwrap());
+    let many: Vec<_> = (0..6)
+        .map(|i| registry.reserve(&format!("m{i}")).unwrap())
+        .collect();
+    drop(many);
+    let mut kept: Vec<String> = ["b", ".spare-0", ".spare-1", ".spare-2", ".spare-3"]
+        .map(str::to_owned)
+        .into();
+    kept.sort();
+    assert_eq!(entries(), kept, "more than four folders were kept");
+    drop(second);
+    assert!(registry.reserve("b").is_ok(), "the name stayed taken");
+}
+
+/// A folder being made is told from a dead warden's half-made one by the age of its last
+/// change of status, which taking a spare folder (a rename) sets: a spare's modification time
+/// may be hours old, and a sweep beside the reservation must not take the folder from it.
+#[test]
+fn a_folder_being_made_from_an_old_spare_is_not_swept() {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = Registry::open(dir.path().to_path_buf()).unwrap();
+    let made = dir.path().join("cells").join(".new-1-0");
+    std::fs::create_dir(&made).unwrap();
+    let hours_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(7200);
+    std::fs::File::open(&made)
+        .unwrap()
+        .set_modified(hours_ago)
+        .unwrap();
+    registry.list().unwrap();
+    assert!(
+        made.exists(),
+        "a fresh folder with an old modification time was swept"
+    );
+}

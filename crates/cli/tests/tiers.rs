@@ -764,11 +764,7 @@ fn a_command_waits_for_its_start_in_the_journal(tier: Tier) {
         !ran.exists(),
         "the command ran before its start was journaled"
     );
-    let left: Vec<_> = std::fs::read_dir(runtime.join("cells"))
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name())
-        .collect();
+    let left = cell_folders_left(&runtime);
     assert!(left.is_empty(), "left behind: {left:?}");
     // No process of the run is left; on gVisor, runsc (which starts before the start is
     // journaled, its spec held back) went with the cell and made no container.

@@ -270,6 +270,23 @@ pub fn cgroup_dirs_of(name: &str) -> Vec<PathBuf> {
     found
 }
 
+/// What is left in a runtime directory's `cells/` but the emptied folders of ended cells that it
+/// keeps for the next ones (`.spare-N`): a spare with anything in it is listed too.
+pub fn cell_folders_left(runtime: &Path) -> Vec<std::ffi::OsString> {
+    std::fs::read_dir(runtime.join("cells"))
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter(|e| {
+                    !e.file_name().to_string_lossy().starts_with(".spare-")
+                        || std::fs::read_dir(e.path()).map_or(true, |mut d| d.next().is_some())
+                })
+                .map(|e| e.file_name())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 pub fn is_root() -> bool {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)

@@ -90,8 +90,8 @@ impl ProcessBackend {
             Registry::open(config.runtime.clone()).map_err(|e| CellError::Host(e.to_string()))?;
         let store =
             Store::open(config.state.clone()).map_err(|e| CellError::Host(e.to_string()))?;
-        // Listing removes the runtime folders and cgroups of cells whose keepers died.
-        let _ = registry.list();
+        // The runtime folders and cgroups of cells whose keepers died go.
+        let _ = registry.sweep();
         // A snapshot or reset cut short by a killed warden is finished before anything reads
         // the layer.
         super::snapshot::finish_all_interrupted(&store);

@@ -34,13 +34,33 @@ pub enum ConfineError {
     SeccompInstall(io::Error),
 }
 
+/// Empties the calling thread's bounding set: every capability the kernel has is dropped, one
+/// `prctl` each, up to the first one it does not know (`EINVAL`). (`caps::clear` asks whether
+/// each is there before it drops it, two calls a capability, and drops only those it knows of.)
+fn clear_bounding_set() -> Result<(), ConfineError> {
+    for index in 0..u64::BITS {
+        let capability = rustix::thread::CapabilitySet::from_bits_retain(1 << index);
+        match rustix::thread::remove_capability_from_bounding_set(capability) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::INVAL) if index > 0 => break,
+            Err(e) => {
+                return Err(ConfineError::Prctl {
+                    what: "PR_CAPBSET_DROP",
+                    source: e.into(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Applies every restriction to the calling process; its children inherit them all. Without a
 /// cgroup, `rlimit_fallback` approximates the memory and process limits with rlimits.
 pub fn confine(plan: &CellPlan, rlimit_fallback: bool) -> Result<(), ConfineError> {
     let uid = plan.ids.inside_uid;
     let gid = plan.ids.inside_gid;
     // The bounding set can only be cleared while CAP_SETPCAP is still held.
-    caps::clear(None, CapSet::Bounding)?;
+    clear_bounding_set()?;
     caps::clear(None, CapSet::Ambient)?;
     caps::clear(None, CapSet::Inheritable)?;
     let ids_error = |source: nix::Error| ConfineError::Ids {

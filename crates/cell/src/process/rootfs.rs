@@ -273,7 +273,7 @@ fn place(root: &Path, entry: &Entry, source: Source, made: &mut Made) -> Result<
                 Source::Path => path.clone(),
                 Source::Slot(slot) => PathBuf::from(format!("/proc/self/fd/{slot}")),
             };
-            fs::copy(from, &dst).map(drop).map_err(at("copying", path))
+            copy_file(&from, &dst).map_err(at("copying", path))
         }
         Entry::Bind {
             path,
@@ -288,6 +288,36 @@ fn place(root: &Path, entry: &Entry, source: Source, made: &mut Made) -> Result<
             bind_from("bind-mounting", path, source, &dst)
         }
     }
+}
+
+/// A host file copied into the tree being assembled: its bytes and its permission bits. Seven system calls, where `fs::copy` makes ten: it tries
+/// `copy_file_range` first, which a copy from the host's disk into the cell's tmpfs is refused,
+/// looks at the new file again, and reads on to the end past the size it was told.
+fn copy_file(from: &Path, to: &Path) -> io::Result<()> {
+    use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt as _};
+    let source = fs::File::open(from)?;
+    let meta = source.metadata()?;
+    if !meta.is_file() {
+        return Err(io::Error::other("not a regular file"));
+    }
+    let mode = meta.mode() & 0o7777;
+    let target = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(mode)
+        .open(to)?;
+    // The mode as the host has it, whatever the umask took from it.
+    target.set_permissions(fs::Permissions::from_mode(mode))?;
+    let mut left = meta.len();
+    while left > 0 {
+        let count = usize::try_from(left).unwrap_or(usize::MAX).min(1 << 30);
+        match rustix::fs::sendfile(&target, &source, None, count)? {
+            0 => break, // shrank meanwhile
+            sent => left = left.saturating_sub(sent as u64),
+        }
+    }
+    Ok(())
 }
 
 /// The directories of the tree being assembled that are known to exist, so that the entries
