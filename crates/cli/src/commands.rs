@@ -482,6 +482,9 @@ fn diff(name: &str, json: bool, stat: bool) -> Result<i32> {
         println!("{}", serde_json::to_string_pretty(&diff)?);
         return Ok(0);
     }
+    use std::io::Write as _;
+    // Written in blocks, not a write per line (a thousand changes: a thousand writes).
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
     let (mut added, mut modified, mut deleted) = (0, 0, 0);
     for change in &diff.changes {
         match change.kind {
@@ -489,26 +492,30 @@ fn diff(name: &str, json: bool, stat: bool) -> Result<i32> {
             ChangeKind::Modified => modified += 1,
             ChangeKind::Deleted => deleted += 1,
         }
-        println!("{}", describe(change));
+        writeln!(out, "{}", describe(change))?;
     }
     if !stat {
         for change in diff.changes.iter().filter(|c| c.patch.is_some()) {
-            print!(
+            write!(
+                out,
                 "\n{}",
                 crate::render::safe_lines(change.patch.as_deref().unwrap_or_default())
-            );
+            )?;
         }
     }
-    println!(
+    writeln!(
+        out,
         "\n{} changed: {added} added, {modified} modified, {deleted} deleted",
         diff.changes.len()
-    );
+    )?;
     if !diff.changes.is_empty() {
-        println!(
+        writeln!(
+            out,
             "digest {}: `warden apply {name} --digest {}` applies exactly this, or nothing",
             diff.digest, diff.digest
-        );
+        )?;
     }
+    out.flush()?;
     Ok(0)
 }
 

@@ -534,21 +534,41 @@ struct LowerEntry {
     len: u64,
 }
 
-/// A file read through `Read` alone: `File`'s own `read_to_end` first asks the kernel for the
-/// file's size and position (a `statx` and an `lseek`), which the caller knows already.
-struct Plain<'a>(&'a fs::File);
+/// A file of `size` bytes when it was looked up, read through `Read` alone: `File`'s own
+/// `read_to_end` first asks the kernel for the file's size and position (a `statx` and an
+/// `lseek`), which the caller knows already. A read that returns less than it was asked for,
+/// having reached `size`, is the file's end: a regular file's read comes back short only there,
+/// so the read of nothing that would say so is not made (one read a small file, not two).
+struct Plain<'a> {
+    file: &'a fs::File,
+    size: u64,
+    read: u64,
+    ended: bool,
+}
 
 impl Read for Plain<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        (&mut &*self.0).read(buf)
+        if self.ended {
+            return Ok(0);
+        }
+        let n = (&mut &*self.file).read(buf)?;
+        self.read += n as u64;
+        self.ended = n < buf.len() && self.read == self.size;
+        Ok(n)
     }
 }
 
 /// All of `file`, of `size` bytes when it was looked up (read to its end whatever its size now:
-/// only the buffer is sized from it).
+/// only the buffer is sized from it, and a short read at that size ends it).
 fn read_sized(file: &fs::File, size: u64) -> io::Result<Vec<u8>> {
     let mut out = Vec::with_capacity(usize::try_from(size).unwrap_or(0).saturating_add(1));
-    Plain(file).read_to_end(&mut out)?;
+    Plain {
+        file,
+        size,
+        read: 0,
+        ended: false,
+    }
+    .read_to_end(&mut out)?;
     Ok(out)
 }
 
