@@ -88,34 +88,44 @@ pub fn discover() -> Vec<Hierarchy> {
 }
 
 /// `discover`, with the cgroup file systems' mounts taken from `cache` (a file of the runtime
-/// directory) while the mount namespace has exactly the mounts it had when the file was written
-/// (the same unique mount ids, which the kernel never gives again until the next boot: one
-/// `listmount`), else read from `/proc/self/mountinfo` and the file written anew. The kernel
-/// writes the mount table's text for every read, under the lock of all mount namespaces: 0.3
-/// ms of a cold start on this host (62 mounts), and more on a host with hundreds. A kernel
-/// without `listmount` (before 6.8) reads the table every time.
+/// directory) while the mount namespace has the cgroup mounts it had when the file was written,
+/// else read from `/proc/self/mountinfo` and the file written anew. The kernel writes the mount
+/// table's text for every read, under the lock of all mount namespaces: 0.3 ms of a cold start
+/// on this host (62 mounts), and more on a host with hundreds. A kernel without `listmount`
+/// (before 6.8) reads the table every time.
+///
+/// The namespace's mounts are told by their unique ids (one `listmount`; the kernel never gives
+/// an id again until the next boot). The same ids as the file's: the file holds. Other ids (a
+/// cell's workspace disk mounted since, say): it holds while none of the cgroup mounts it names
+/// is gone and none of the mounts since is a cgroup file system (a `statmount` of each), and is
+/// not written again (each cell with a disk of its own changes the mounts: rewritten every
+/// time, the old file's block was freed, and on a disk mounted with `discard` waited for).
 pub fn discover_cached(cache: &Path) -> Vec<Hierarchy> {
     let Ok(own) = super::sys::read_kernel_file("/proc/self/cgroup") else {
         return Vec::new();
     };
-    let namespace = super::sys::mount_ids().map(|ids| namespace_key(&ids));
-    let cached = namespace.as_ref().and_then(|key| {
-        let text = fs::read(cache).ok()?;
-        let cached: MountsCache = serde_json::from_slice(&text).ok()?;
-        if &cached.namespace != key {
-            return None;
-        }
-        // A mount moved elsewhere keeps its id: each is checked to be a cgroup file system
-        // of its kind still (a `statfs` each).
-        let still = cached.mounts.iter().all(|mount| {
-            let magic = match mount.v1_options {
-                Some(_) => CGROUP_SUPER_MAGIC,
-                None => CGROUP2_SUPER_MAGIC,
-            };
-            rustix::fs::statfs(&mount.path).is_ok_and(|fs| fs.f_type as u64 == magic)
+    let ids = super::sys::mount_ids();
+    let namespace = ids.as_deref().map(namespace_key);
+    let cached = ids
+        .as_deref()
+        .zip(namespace.as_ref())
+        .and_then(|(ids, key)| {
+            let text = fs::read(cache).ok()?;
+            let cached: MountsCache = serde_json::from_slice(&text).ok()?;
+            if &cached.namespace != key && !cached.same_cgroup_mounts(ids) {
+                return None;
+            }
+            // A mount moved elsewhere keeps its id: each is checked to be a cgroup file system
+            // of its kind still (a `statfs` each).
+            let still = cached.mounts.iter().all(|mount| {
+                let magic = match mount.v1_options {
+                    Some(_) => CGROUP_SUPER_MAGIC,
+                    None => CGROUP2_SUPER_MAGIC,
+                };
+                rustix::fs::statfs(&mount.path).is_ok_and(|fs| fs.f_type as u64 == magic)
+            });
+            still.then_some(cached.mounts)
         });
-        still.then_some(cached.mounts)
-    });
     if let Some(mounts) = cached {
         return discover_from_mounts(&mounts, &own);
     }
@@ -125,11 +135,26 @@ pub fn discover_cached(cache: &Path) -> Vec<Hierarchy> {
     let mounts = cgroup_mounts(&mountinfo);
     // Written only where the namespace did not change while it was read (else the next run
     // reads the table again).
-    if let Some(namespace) = namespace
-        .filter(|key| super::sys::mount_ids().is_some_and(|ids| &namespace_key(&ids) == key))
+    if let Some((ids, namespace)) = ids.zip(namespace)
+        && super::sys::mount_ids().is_some_and(|now| namespace_key(&now) == namespace)
     {
+        // Which of them are cgroup file systems, where the kernel can say (else only the same
+        // ids will do).
+        let cgroup_ids = ids
+            .iter()
+            .map(|id| super::sys::mount_fs_magic(*id).map(|magic| (*id, magic)))
+            .collect::<Option<Vec<_>>>()
+            .map(|magics| {
+                magics
+                    .into_iter()
+                    .filter(|(_, magic)| is_cgroup_magic(*magic))
+                    .map(|(id, _)| id)
+                    .collect()
+            });
         let entry = MountsCache {
             namespace,
+            ids: cgroup_ids.as_ref().map(|_| ids.clone()).unwrap_or_default(),
+            cgroup_ids: cgroup_ids.unwrap_or_default(),
             mounts: mounts.clone(),
         };
         if let Ok(text) = serde_json::to_vec(&entry) {
@@ -151,12 +176,50 @@ pub const MOUNTS_CACHE: &str = "cgroup-mounts.json";
 const CGROUP_SUPER_MAGIC: u64 = 0x0027_e0eb;
 const CGROUP2_SUPER_MAGIC: u64 = 0x6367_7270;
 
+fn is_cgroup_magic(magic: u64) -> bool {
+    magic == CGROUP_SUPER_MAGIC || magic == CGROUP2_SUPER_MAGIC
+}
+
 /// What `discover_cached` keeps: the cgroup mounts of a mount namespace, with the namespace's
-/// mounts' ids (hashed) when they were read.
+/// mounts' ids (hashed, and listed with those of its cgroup file systems, where the kernel could
+/// tell them) when they were read.
 #[derive(Debug, Serialize, Deserialize)]
 struct MountsCache {
     namespace: String,
+    #[serde(default)]
+    ids: Vec<u64>,
+    #[serde(default)]
+    cgroup_ids: Vec<u64>,
     mounts: Vec<CgroupMount>,
+}
+
+/// The most mounts made since the file was written that are looked at one by one (a
+/// `statmount` each) before the mount table is read again and the file written anew.
+const MOST_NEW_MOUNTS: usize = 64;
+
+impl MountsCache {
+    /// Whether the namespace, whose mounts' ids are now `ids`, has the cgroup mounts it had
+    /// when this was written: none of them is gone, and none of the mounts made since is a
+    /// cgroup file system. False where the ids were not kept, or too many are new.
+    fn same_cgroup_mounts(&self, ids: &[u64]) -> bool {
+        if self.ids.is_empty() {
+            return false;
+        }
+        let now: std::collections::HashSet<u64> = ids.iter().copied().collect();
+        if !self.cgroup_ids.iter().all(|id| now.contains(id)) {
+            return false;
+        }
+        let then: std::collections::HashSet<u64> = self.ids.iter().copied().collect();
+        let new: Vec<u64> = ids
+            .iter()
+            .copied()
+            .filter(|id| !then.contains(id))
+            .collect();
+        new.len() <= MOST_NEW_MOUNTS
+            && new.iter().all(|id| {
+                super::sys::mount_fs_magic(*id).is_some_and(|magic| !is_cgroup_magic(magic))
+            })
+    }
 }
 
 fn namespace_key(ids: &[u64]) -> String {
@@ -932,6 +995,8 @@ mod tests {
         // A cache whose v1 mounts offer no controller (the same paths): it is believed.
         let stripped = MountsCache {
             namespace: made.namespace.clone(),
+            ids: made.ids.clone(),
+            cgroup_ids: made.cgroup_ids.clone(),
             mounts: made
                 .mounts
                 .iter()
@@ -951,9 +1016,75 @@ mod tests {
             assert_ne!(believed, truth);
         }
 
-        // Another namespace's: read from the table again, and written anew.
+        // Mounts made since that are no cgroup file systems (here: the ids of such mounts of
+        // this namespace, taken out of the file's list), with another key: still believed.
+        // (Other tests may mount meanwhile: the file's own list is the one taken apart.)
+        let ids = made.ids.clone();
+        let magic = |id: &u64| super::super::sys::mount_fs_magic(*id);
+        assert!(
+            !ids.is_empty() && !made.cgroup_ids.is_empty(),
+            "the file lists the mounts and the cgroup mounts among them: {made:?}"
+        );
+        assert!(
+            made.cgroup_ids
+                .iter()
+                .all(|id| magic(id).is_some_and(is_cgroup_magic))
+        );
+        let plain: Vec<u64> = ids
+            .iter()
+            .copied()
+            .filter(|id| magic(id).is_some_and(|m| !is_cgroup_magic(m)))
+            .take(3)
+            .collect();
+        assert!(
+            !plain.is_empty(),
+            "this host has mounts of other file systems"
+        );
+        let since = MountsCache {
+            namespace: "1:0".to_owned(),
+            ids: ids
+                .iter()
+                .copied()
+                .filter(|id| !plain.contains(id))
+                .collect(),
+            cgroup_ids: stripped.cgroup_ids.clone(),
+            mounts: stripped.mounts.clone(),
+        };
+        fs::write(&cache, serde_json::to_vec(&since).unwrap()).unwrap();
+        assert_eq!(discover_cached(&cache), believed, "other mounts made since");
+        let kept: MountsCache = serde_json::from_slice(&fs::read(&cache).unwrap()).unwrap();
+        assert_eq!(kept.namespace, "1:0", "the file was written again");
+
+        // A cgroup file system among the mounts made since: read from the table again.
+        let cgroup_since = MountsCache {
+            namespace: "1:0".to_owned(),
+            ids: ids
+                .iter()
+                .copied()
+                .filter(|id| !made.cgroup_ids[..1].contains(id))
+                .collect(),
+            cgroup_ids: stripped.cgroup_ids[1..].to_vec(),
+            mounts: stripped.mounts.clone(),
+        };
+        fs::write(&cache, serde_json::to_vec(&cgroup_since).unwrap()).unwrap();
+        assert_eq!(discover_cached(&cache), truth, "a cgroup mount made since");
+
+        // A cgroup mount it names that is gone (an id no mount has): read again.
+        let gone = MountsCache {
+            namespace: "1:0".to_owned(),
+            ids: ids.clone(),
+            cgroup_ids: vec![u64::MAX - 1],
+            mounts: stripped.mounts.clone(),
+        };
+        fs::write(&cache, serde_json::to_vec(&gone).unwrap()).unwrap();
+        assert_eq!(discover_cached(&cache), truth, "a cgroup mount gone");
+
+        // Another namespace's, without its ids (as an earlier build wrote it): read from the
+        // table again, and written anew.
         let other = MountsCache {
             namespace: "1:0".to_owned(),
+            ids: Vec::new(),
+            cgroup_ids: Vec::new(),
             ..stripped
         };
         fs::write(&cache, serde_json::to_vec(&other).unwrap()).unwrap();
@@ -964,6 +1095,8 @@ mod tests {
         // A path that is no longer a cgroup file system (a mount moved away keeps its id).
         let moved = MountsCache {
             namespace: made.namespace.clone(),
+            ids: made.ids.clone(),
+            cgroup_ids: made.cgroup_ids.clone(),
             mounts: vec![CgroupMount {
                 path: dir.path().to_owned(),
                 v1_options: Some(vec!["memory".to_owned()]),

@@ -1347,7 +1347,7 @@ fn swap_in(layer: &Layer, name: &str) -> Result<(), SnapshotError> {
     Ok(())
 }
 
-/// Removes a discarded layer directory in the background (`background::run`), so that the
+/// Removes a discarded layer directory in the background (`background::run_holding`), so that the
 /// caller does not wait for thousands of unlinks; a leftover goes with the layer when the cell
 /// is removed. A file system of the layer's own that is still mounted is let go of first: a
 /// look at the layer (its changes) may have mounted it again between its owner's unmount and
@@ -1356,10 +1356,19 @@ fn swap_in(layer: &Layer, name: &str) -> Result<(), SnapshotError> {
 pub(super) fn remove_in_background(dir: PathBuf) {
     // At once as well: work left undone by a killed daemon then leaves no mount behind.
     let _ = Layer::at(dir.clone()).detach();
-    super::background::run(move || {
+    super::background::run_holding(move || {
         let layer = Layer::at(dir);
         let _ = layer.detach();
+        // Its image held (a path's hold is enough), so that its blocks are freed when this
+        // lets go of it, not when the loop device under a cell's last mount does.
+        let image = rustix::fs::open(
+            layer.image(),
+            rustix::fs::OFlags::PATH | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )
+        .ok();
         let _ = layer.remove_tree();
+        image
     });
 }
 

@@ -81,6 +81,46 @@ pub fn mount_ids() -> Option<Vec<u64>> {
     }
 }
 
+/// The magic number of the file system of the mount whose unique id is `id` (`statmount(2)`,
+/// Linux 6.8, its super block's basics only); `None` where the kernel lacks the call, or the
+/// mount is gone.
+pub fn mount_fs_magic(id: u64) -> Option<u64> {
+    // `statmount`'s number, the same on every architecture of the kernel's common table.
+    const SYS_STATMOUNT: libc::c_long = 457;
+    const STATMOUNT_SB_BASIC: u64 = 1;
+    // `struct mnt_id_req`, version 0: the size, a spare word, the mount and what is asked.
+    #[repr(C)]
+    struct Request {
+        size: u32,
+        spare: u32,
+        mnt_id: u64,
+        param: u64,
+    }
+    let request = Request {
+        size: std::mem::size_of::<Request>() as u32,
+        spare: 0,
+        mnt_id: id,
+        param: STATMOUNT_SB_BASIC,
+    };
+    // Room for `struct statmount`'s fixed part (512 bytes), as 64-bit words: its `mask` is the
+    // second, its `sb_magic` the fourth (after the size and options words, the mask, and the
+    // device's major and minor numbers).
+    let mut out = [0u64; 64];
+    // SAFETY: the request is a valid `mnt_id_req` of the size it says; the kernel writes at most
+    // the buffer's size into it, and asks for no strings.
+    let ret = unsafe {
+        libc::syscall(
+            SYS_STATMOUNT,
+            &request as *const Request,
+            out.as_mut_ptr(),
+            std::mem::size_of_val(&out),
+            0u32,
+        )
+    };
+    check(ret).ok()?;
+    (out[1] & STATMOUNT_SB_BASIC != 0).then_some(out[3])
+}
+
 /// Reads a file of the kernel's (`/proc`, `/sys`) whole, in one read where it fits 16 KiB: such
 /// a file says its size is 0, and `fs::read_to_string` would read it in growing steps from 32
 /// bytes (nine reads for this host's `/proc/self/mountinfo`).
