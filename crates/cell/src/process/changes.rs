@@ -170,6 +170,17 @@ pub(super) fn making_path(layer: &Layer) -> std::path::PathBuf {
     layer.dir().join("making.json")
 }
 
+/// The same record once the layer's new overlay is the cell's.
+pub(super) fn making_made_path(layer: &Layer) -> std::path::PathBuf {
+    layer.dir().join("making.made.json")
+}
+
+/// Whether a making over of `layer` (a quiet snapshot or reset) was cut short: its record is
+/// there, under either name.
+pub(super) fn making_cut_short(layer: &Layer) -> bool {
+    making_path(layer).exists() || making_made_path(layer).exists()
+}
+
 /// Takes the lock of `layer` for `what`, waiting for whoever holds it.
 pub(super) fn lock(layer: &Layer, what: Use) -> std::io::Result<std::os::fd::OwnedFd> {
     use rustix::fs::{FlockOperation, flock};
@@ -208,7 +219,7 @@ pub(super) fn open(
     let lock = lock(&layer, what).map_err(failed)?;
     // A layer with a file system of its own whose mount went (a reboot) is mounted again.
     super::disk::attach(&layer).map_err(|e| failed(std::io::Error::other(e.to_string())))?;
-    if making_path(&layer).exists() {
+    if making_cut_short(&layer) {
         return Err(failed(std::io::Error::other(
             "its last snapshot or reset was cut short (the warden was killed); the warden finishes it when it starts: start `warden serve` again, or run any `warden` command",
         )));
