@@ -53,6 +53,51 @@ fn reservations_survive_sweeps_running_beside_them() {
         sweeps > 10,
         "the sweeps ran beside the reservations ({sweeps})"
     );
+    // One name taken and let go of by three wardens at once, beside the sweeps: a warden's
+    // folder is never moved or removed under it by another's end (which lets go of the name
+    // and keeps its folder as a spare), so its lock stays in place while it holds the name.
+    let done = Arc::new(AtomicBool::new(false));
+    let sweepers: Vec<_> = (0..2)
+        .map(|_| {
+            let (registry, done) = (Arc::clone(&registry), Arc::clone(&done));
+            std::thread::spawn(move || {
+                while !done.load(Ordering::Relaxed) {
+                    registry.list().unwrap();
+                }
+            })
+        })
+        .collect();
+    let contenders: Vec<_> = (0..3)
+        .map(|_| {
+            let registry = Arc::clone(&registry);
+            std::thread::spawn(move || {
+                let mut held = 0;
+                for _ in 0..400 {
+                    match registry.reserve("shared") {
+                        Ok(reservation) => {
+                            held += 1;
+                            for _ in 0..3 {
+                                assert!(
+                                    reservation.file("lock").is_file(),
+                                    "a held name's folder was moved or removed"
+                                );
+                                std::thread::yield_now();
+                            }
+                        }
+                        Err(warden_cell::RegistryError::Taken(_)) => {}
+                        Err(e) => panic!("reserving a contended name: {e}"),
+                    }
+                }
+                held
+            })
+        })
+        .collect();
+    let held: u32 = contenders.into_iter().map(|c| c.join().unwrap()).sum();
+    done.store(true, Ordering::Relaxed);
+    for sweeper in sweepers {
+        sweeper.join().unwrap();
+    }
+    assert!(held > 100, "the name was held {held} times");
     // A name is still taken while its reservation lives, and free once it went.
     let held = registry.reserve("held").unwrap();
     assert!(registry.reserve("held").is_err());

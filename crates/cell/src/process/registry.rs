@@ -85,6 +85,10 @@ const CELL_ROOT: &str = "cell-root";
 /// ended cell frees nothing and is made no more.
 const SPARES: usize = 4;
 
+/// The names an ending cell's folder has while it is emptied (`.ending-PID-N`, a name no cell
+/// can have); one left by a warden that died there is swept.
+const ENDING: &str = ".ending-";
+
 /// The name of spare folder `k` (a name no cell can have: it starts with a dot).
 fn spare_name(k: usize) -> String {
     format!(".spare-{k}")
@@ -359,12 +363,14 @@ impl Registry {
                 // An ended cell's folder, emptied, kept for the next cell.
                 continue;
             }
-            if name.starts_with(".new-") {
-                // A folder being made (see `reserve`), or one a warden that died left half-made:
-                // swept once nobody holds its lock, and only when it is old enough that its
-                // maker cannot be between making it and taking the lock. Its age is its
-                // status change's, which the rename of a spare into this name sets too (a
-                // spare's modification time can be of any age).
+            if name.starts_with(".new-") || name.starts_with(ENDING) {
+                // A folder being made (see `reserve`) or emptied at its cell's end, or one a
+                // warden that died left so: swept once nobody holds its lock, and only when it
+                // is old enough that its maker cannot be between making it and taking the lock,
+                // nor its owner between letting go of the lock and keeping it as a spare (a
+                // removal under way goes on in the folder it opened, whatever name the folder
+                // has by then: a spare's, or the next cell's). Its age is its status change's,
+                // which a rename sets too (a spare's modification time can be of any age).
                 let old = entry
                     .metadata()
                     .ok()
@@ -443,18 +449,77 @@ fn locked(path: &Path) -> io::Result<bool> {
 
 /// Removes what a warden that died (SIGKILL, power cut) left of its cell: the cell's processes
 /// died with it (the init has a parent-death signal), but its cgroup directories and runtime
-/// folder remain until someone finds them.
+/// folder remain until someone finds them. Only the folder found at `dir` when it is opened is
+/// touched, through that descriptor: its lock is looked at again (one that is someone's is left
+/// alone), its record read and its entries removed; the name goes last, which fails harmlessly
+/// where another cell's folder has taken it meanwhile (a folder takes a name with its lock in
+/// it, never empty). By its path, a removal could take the folder of a cell that took the name
+/// between the look at the lock and the removal (three wardens on one name, one of them ending).
 fn clean_stale(dir: &Path) {
-    let record = fs::read_to_string(dir.join("cell.json"))
-        .ok()
-        .and_then(|text| serde_json::from_str::<CellRecord>(&text).ok());
+    use rustix::fs::{AtFlags, Mode, OFlags};
+    let Ok(folder) = rustix::fs::open(
+        dir,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    ) else {
+        return;
+    };
+    match rustix::fs::openat(
+        &folder,
+        LOCK,
+        OFlags::RDONLY | OFlags::CLOEXEC,
+        Mode::empty(),
+    ) {
+        Ok(lock) => {
+            if !matches!(Lock(File::from(lock)).held(), Ok(false)) {
+                return;
+            }
+        }
+        Err(rustix::io::Errno::NOENT) => {}
+        Err(_) => return,
+    }
+    let record = rustix::fs::openat(
+        &folder,
+        "cell.json",
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .ok()
+    .and_then(|fd| io::read_to_string(File::from(fd)).ok())
+    .and_then(|text| serde_json::from_str::<CellRecord>(&text).ok());
     if let Some(cgroup) = record.and_then(|r| r.cgroup) {
         if !cgroup.pids().is_empty() {
             let _ = cgroup.kill_all();
         }
         cgroup.remove();
     }
-    let _ = fs::remove_dir_all(dir);
+    remove_entries(&folder);
+    let _ = rustix::fs::unlinkat(rustix::fs::CWD, dir, AtFlags::REMOVEDIR);
+}
+
+/// Removes everything in the directory `dir` (a descriptor), following no link.
+fn remove_entries(dir: &std::os::fd::OwnedFd) {
+    use rustix::fs::{AtFlags, Mode, OFlags};
+    let Ok(listing) = rustix::fs::Dir::read_from(dir) else {
+        return;
+    };
+    for entry in listing.flatten() {
+        let name = entry.file_name();
+        if name == c"." || name == c".." {
+            continue;
+        }
+        if let Err(rustix::io::Errno::ISDIR) = rustix::fs::unlinkat(dir, name, AtFlags::empty()) {
+            if let Ok(inner) = rustix::fs::openat(
+                dir,
+                name,
+                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::empty(),
+            ) {
+                remove_entries(&inner);
+            }
+            let _ = rustix::fs::unlinkat(dir, name, AtFlags::REMOVEDIR);
+        }
+    }
 }
 
 impl Reservation {
@@ -507,18 +572,34 @@ impl Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        // Emptied, the lock last (the name is free from then on: another warden may sweep the
-        // folder meanwhile, which only leaves no spare), then kept as a spare where one of the
-        // spares' names is free, else removed.
+        // Out of the name first, its lock still held (nobody else may take the folder for a dead
+        // warden's while it is held, so the rename moves this folder and no other), under a
+        // name no cell can have; emptied there, the lock last; then kept as a spare where one of
+        // the spares' names is free, else removed. (Removed by its path once its lock was gone,
+        // a folder could meanwhile have been swept and another cell's put in its place.)
         self.clear_all_but_the_lock();
-        let _ = fs::remove_file(self.dir.join(LOCK));
         let Some(cells) = self.dir.parent() else {
             return;
         };
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let ending = cells.join(format!(
+            "{ENDING}{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        let dir = match fs::rename(&self.dir, &ending) {
+            Ok(()) => ending,
+            Err(_) => {
+                let _ = fs::remove_dir_all(&self.dir);
+                return;
+            }
+        };
+        let _ = fs::remove_file(dir.join(LOCK));
         let kept = (0..SPARES).any(|k| {
             rustix::fs::renameat_with(
                 rustix::fs::CWD,
-                &self.dir,
+                &dir,
                 rustix::fs::CWD,
                 cells.join(spare_name(k)),
                 rustix::fs::RenameFlags::NOREPLACE,
@@ -526,7 +607,7 @@ impl Drop for Reservation {
             .is_ok()
         });
         if !kept {
-            let _ = fs::remove_dir_all(&self.dir);
+            let _ = fs::remove_dir_all(&dir);
         }
     }
 }
