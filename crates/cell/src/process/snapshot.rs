@@ -1727,10 +1727,9 @@ pub fn reset(
 mod tests {
     use super::*;
 
-    /// A store with the layer of cell `c` and its claimed snapshot `c@s1`, as a turn-over that
-    /// was cut short left them: the old upper's entries moved to `upper.turned`, fresh `upper.new`
-    /// and `work.new` beside. `made`: the new overlay had been made (overlayfs made its `work`).
-    fn cut_short(made: bool, recorded: bool) -> (tempfile::TempDir, Store, Layer) {
+    /// A store with the layer of cell `c` (on a host directory that is not there), and the
+    /// layer's record.
+    fn store_with_layer() -> (tempfile::TempDir, Store, Layer, LayerMeta) {
         let tmp = tempfile::tempdir().unwrap();
         let store = Store::open(tmp.path().to_path_buf()).unwrap();
         let layer = store.layer("c");
@@ -1743,6 +1742,14 @@ mod tests {
             mount: "/workspace".into(),
         };
         layer.create(&meta).unwrap();
+        (tmp, store, layer, meta)
+    }
+
+    /// A store with the layer of cell `c` and its claimed snapshot `c@s1`, as a turn-over that
+    /// was cut short left them: the old upper's entries moved to `upper.turned`, fresh `upper.new`
+    /// and `work.new` beside. `made`: the new overlay had been made (overlayfs made its `work`).
+    fn cut_short(made: bool, recorded: bool) -> (tempfile::TempDir, Store, Layer) {
+        let (tmp, store, layer, meta) = store_with_layer();
         let dir = layer.dir().to_path_buf();
         fs::create_dir(dir.join("upper.turned")).unwrap();
         fs::write(dir.join("upper.turned/before.txt"), "before").unwrap();
@@ -1793,19 +1800,7 @@ mod tests {
     /// removed file frees its block, which a disk mounted with `discard` waits for.
     #[test]
     fn a_making_over_record_is_renamed_through_its_states_and_never_removed() {
-        let tmp = tempfile::tempdir().unwrap();
-        let store = Store::open(tmp.path().to_path_buf()).unwrap();
-        let layer = store.layer("c");
-        layer
-            .create(&LayerMeta {
-                lower: tmp.path().join("host"),
-                started: SystemTime::now(),
-                protected: Vec::new(),
-                base: Vec::new(),
-                start: None,
-                mount: "/workspace".into(),
-            })
-            .unwrap();
+        let (_tmp, store, layer, _) = store_with_layer();
         let making = Making {
             base: Vec::new(),
             snapshot: None,

@@ -35,21 +35,24 @@ pub fn clone_process(flags: libc::c_int) -> io::Result<libc::pid_t> {
     check(ret).map(|pid| pid as libc::pid_t)
 }
 
+/// `struct mnt_id_req`, version 0, of `listmount(2)` and `statmount(2)`: the size, a spare
+/// word, the mount (listed from, or looked at) and the call's parameter.
+#[repr(C)]
+struct Request {
+    size: u32,
+    spare: u32,
+    mnt_id: u64,
+    param: u64,
+}
+
 /// The unique ids of every mount of this process's mount namespace (`listmount(2)`, Linux 6.8;
 /// an id is never given to another mount until the next boot), in the kernel's order; `None`
 /// where the kernel lacks the call or refuses it.
 pub fn mount_ids() -> Option<Vec<u64>> {
     // `listmount`'s number, the same on every architecture of the kernel's common table.
     const SYS_LISTMOUNT: libc::c_long = 458;
-    // `struct mnt_id_req`, version 0: the size, a spare word, the mount whose children are
-    // listed (`LSMT_ROOT`: the whole namespace) and the last id already had.
-    #[repr(C)]
-    struct Request {
-        size: u32,
-        spare: u32,
-        mnt_id: u64,
-        param: u64,
-    }
+    // The mount whose children are listed: the whole namespace. The request's `param` is the
+    // last id already had.
     const LSMT_ROOT: u64 = u64::MAX;
     let mut ids: Vec<u64> = Vec::with_capacity(256);
     loop {
@@ -88,14 +91,6 @@ pub fn mount_fs_magic(id: u64) -> Option<u64> {
     // `statmount`'s number, the same on every architecture of the kernel's common table.
     const SYS_STATMOUNT: libc::c_long = 457;
     const STATMOUNT_SB_BASIC: u64 = 1;
-    // `struct mnt_id_req`, version 0: the size, a spare word, the mount and what is asked.
-    #[repr(C)]
-    struct Request {
-        size: u32,
-        spare: u32,
-        mnt_id: u64,
-        param: u64,
-    }
     let request = Request {
         size: std::mem::size_of::<Request>() as u32,
         spare: 0,
