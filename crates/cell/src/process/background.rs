@@ -52,20 +52,25 @@ pub fn outlives_requests() -> bool {
 /// image held here, that is this child, not the caller's end (whose mount namespace, torn down
 /// as the caller ends, holds the image's file system and so its loop device). On the background
 /// thread, it is let go of at once.
-pub fn run_holding(job: impl FnOnce() -> Option<OwnedFd> + Send + 'static) {
+///
+/// `also` is held the same way from the start (the caller's holds on what it names: a detached
+/// mount of the layer's file system, whose teardown, a commit of the file system and the loop
+/// device's end, is then the child's too, not the caller's end's).
+pub fn run_holding(also: Vec<OwnedFd>, job: impl FnOnce() -> Option<OwnedFd> + Send + 'static) {
     if outlives_requests() {
-        return dispatch(Box::new(move || drop(job())), &[]);
+        return dispatch(Box::new(move || drop((job(), also))), &[]);
     }
     // The caller, watched by the child (opened here: the child's parent may have ended
     // before it looks).
     let Ok(caller) = sys::pidfd_open(std::process::id() as libc::pid_t) else {
-        return dispatch(Box::new(move || drop(job())), &[]);
+        return dispatch(Box::new(move || drop((job(), also))), &[]);
     };
-    let raw = caller.as_raw_fd();
+    let mut keep: Vec<RawFd> = also.iter().map(|fd| fd.as_raw_fd()).collect();
+    keep.push(caller.as_raw_fd());
     dispatch(
         Box::new(move || {
-            let held = job();
-            if held.is_some() {
+            let held = (job(), also);
+            if held.0.is_some() || !held.1.is_empty() {
                 let mut fds = [nix::poll::PollFd::new(
                     std::os::fd::AsFd::as_fd(&caller),
                     nix::poll::PollFlags::POLLIN,
@@ -75,7 +80,7 @@ pub fn run_holding(job: impl FnOnce() -> Option<OwnedFd> + Send + 'static) {
             }
             drop(held);
         }),
-        &[raw],
+        &keep,
     );
 }
 
@@ -294,7 +299,7 @@ mod tests {
             0 => {
                 drop(end_w);
                 let path = fifo.clone();
-                run_holding(move || {
+                run_holding(Vec::new(), move || {
                     rustix::fs::open(
                         &path,
                         rustix::fs::OFlags::WRONLY

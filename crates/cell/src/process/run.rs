@@ -1018,6 +1018,17 @@ impl Drop for LayerGuard {
         // background: freeing a layer's file system image takes the host a few milliseconds.
         // No look at the layer mounts its file system again between the unmount and the move.
         let attaching = super::disk::hold_off_attach(&self.layer);
+        // A hold on its file system, taken before it is detached, for the remover.
+        let mount = self.layer.is_attached().then(|| {
+            rustix::fs::open(
+                self.layer.fs_dir(),
+                rustix::fs::OFlags::PATH
+                    | rustix::fs::OFlags::DIRECTORY
+                    | rustix::fs::OFlags::CLOEXEC,
+                rustix::fs::Mode::empty(),
+            )
+            .ok()
+        });
         let _ = self.layer.detach();
         let dir = self.layer.dir();
         let stamp = SystemTime::now()
@@ -1032,7 +1043,7 @@ impl Drop for LayerGuard {
         let renamed = fs::rename(dir, &gone);
         drop(attaching);
         match renamed {
-            Ok(()) => super::snapshot::remove_in_background(gone),
+            Ok(()) => super::snapshot::remove_in_background_holding(gone, mount.flatten()),
             Err(_) => {
                 let _ = self.layer.remove();
             }

@@ -1399,9 +1399,17 @@ fn swap_in(layer: &Layer, name: &str) -> Result<(), SnapshotError> {
 /// the move out of the way, and its removal would then delete the image under the mount, which
 /// stayed on the host for good (one cell in 18 whose daemon deleted it at once).
 pub(super) fn remove_in_background(dir: PathBuf) {
+    remove_in_background_holding(dir, None);
+}
+
+/// `remove_in_background`, with `mount` (a hold on the layer's file system, taken before it was
+/// detached) let go of by the remover once its caller has ended: the file system's teardown
+/// (its commit, the loop device's end) is then the remover's, not the end of a `warden run`
+/// whose cell's mount namespace was the file system's last user.
+pub(super) fn remove_in_background_holding(dir: PathBuf, mount: Option<std::os::fd::OwnedFd>) {
     // At once as well: work left undone by a killed daemon then leaves no mount behind.
     let _ = Layer::at(dir.clone()).detach();
-    super::background::run_holding(move || {
+    super::background::run_holding(mount.into_iter().collect(), move || {
         let layer = Layer::at(dir);
         let _ = layer.detach();
         // Its image held (a path's hold is enough), so that its blocks are freed when this
