@@ -193,3 +193,53 @@ fn a_folder_being_made_from_an_old_spare_is_not_swept() {
         "a fresh folder with an old modification time was swept"
     );
 }
+
+/// A folder that could not be emptied (a mount left in it) is never kept for the next cell:
+/// whatever is left must not meet it (a `killed` mark would end it).
+#[test]
+fn a_folder_that_could_not_be_emptied_is_not_kept() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: mounting needs root");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let registry = Registry::open(dir.path().to_path_buf()).unwrap();
+    let cells = dir.path().join("cells");
+    let reservation = registry.reserve("stuck").unwrap();
+    let held = reservation.file("held");
+    std::fs::create_dir(&held).unwrap();
+    nix::mount::mount(
+        Some("tmpfs"),
+        &held,
+        Some("tmpfs"),
+        nix::mount::MsFlags::empty(),
+        None::<&str>,
+    )
+    .unwrap();
+    std::fs::write(reservation.file("killed"), "").unwrap();
+    drop(reservation);
+    let names: Vec<String> = std::fs::read_dir(&cells)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    // The mount is found wherever the folder went, and let go of.
+    let left: Vec<_> = names
+        .iter()
+        .filter(|n| cells.join(n).join("held").exists())
+        .collect();
+    for name in &left {
+        nix::mount::umount2(
+            &cells.join(name).join("held"),
+            nix::mount::MntFlags::MNT_DETACH,
+        )
+        .unwrap();
+    }
+    assert_eq!(left.len(), 1, "the mount went somewhere unseen: {names:?}");
+    assert!(
+        names.iter().all(|n| !n.starts_with(".spare-")),
+        "a folder with a mount in it was kept as a spare: {names:?}"
+    );
+    // The next cell is made afresh, without the mark.
+    let next = registry.reserve("next").unwrap();
+    assert!(!next.file("killed").exists());
+}

@@ -596,16 +596,20 @@ impl Drop for Reservation {
             }
         };
         let _ = fs::remove_file(dir.join(LOCK));
-        let kept = (0..SPARES).any(|k| {
-            rustix::fs::renameat_with(
-                rustix::fs::CWD,
-                &dir,
-                rustix::fs::CWD,
-                cells.join(spare_name(k)),
-                rustix::fs::RenameFlags::NOREPLACE,
-            )
-            .is_ok()
-        });
+        // Kept only empty: what could not be removed (a mount left in it, say) must not meet
+        // the next cell (a `killed` mark would end it).
+        let empty = fs::read_dir(&dir).is_ok_and(|mut entries| entries.next().is_none());
+        let kept = empty
+            && (0..SPARES).any(|k| {
+                rustix::fs::renameat_with(
+                    rustix::fs::CWD,
+                    &dir,
+                    rustix::fs::CWD,
+                    cells.join(spare_name(k)),
+                    rustix::fs::RenameFlags::NOREPLACE,
+                )
+                .is_ok()
+            });
         if !kept {
             let _ = fs::remove_dir_all(&dir);
         }
