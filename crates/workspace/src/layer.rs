@@ -117,19 +117,10 @@ impl Layer {
     /// for on a disk mounted with `discard` (0.17-0.46 ms of a quiet reset, traced). A first
     /// record, or a file system without exchanges, is renamed into place.
     pub fn write_meta(&self, meta: &LayerMeta) -> io::Result<()> {
-        use std::os::unix::fs::FileExt as _;
         let text = serde_json::to_string_pretty(meta).map_err(io::Error::other)?;
         let aside = self.dir.join("layer.json.new");
         let record = self.dir.join("layer.json");
-        // Written over from the start and cut to its length (within its block: nothing freed).
-        let file = fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&aside)?;
-        file.write_all_at(text.as_bytes(), 0)?;
-        file.set_len(text.len() as u64)?;
-        drop(file);
+        write_over(&aside, text.as_bytes())?;
         match rustix::fs::renameat_with(
             rustix::fs::CWD,
             &aside,
@@ -181,6 +172,20 @@ impl Layer {
             _ => Ok(()),
         }
     }
+}
+
+/// Makes the file at `path` (made where missing) hold `bytes`: written over from its start and
+/// cut to their length, so that a file of a block or less keeps its block (a file truncated to
+/// nothing, or removed, frees it, which a disk mounted with `discard` waits for).
+pub fn write_over(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    use std::os::unix::fs::FileExt as _;
+    let file = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)?;
+    file.write_all_at(bytes, 0)?;
+    file.set_len(bytes.len() as u64)
 }
 
 /// Gives the owner access to every directory below `dir` (not following symlinks).

@@ -15,7 +15,7 @@ mod sensitive;
 pub use apply::{ApplyOptions, ApplyReport, apply};
 pub use change::{Change, ChangeKind, Diff, EntryKind};
 pub use diff::{DiffOptions, diff};
-pub use layer::{Layer, LayerMeta};
+pub use layer::{Layer, LayerMeta, write_over};
 pub use sensitive::Sensitivity;
 
 use std::path::PathBuf;

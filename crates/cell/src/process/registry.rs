@@ -89,6 +89,17 @@ const SPARES: usize = 4;
 /// can have); one left by a warden that died there is swept.
 const ENDING: &str = ".ending-";
 
+/// A folder name of this process's own that no cell can have: `prefix`, the pid, a count.
+fn private_name(prefix: &str) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "{prefix}{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
 /// The name of spare folder `k` (a name no cell can have: it starts with a dot).
 fn spare_name(k: usize) -> String {
     format!(".spare-{k}")
@@ -193,14 +204,8 @@ impl Registry {
         name: &str,
         takes_execs: bool,
     ) -> Result<Reservation, RegistryError> {
-        use std::sync::atomic::{AtomicU64, Ordering};
-        static NEXT: AtomicU64 = AtomicU64::new(0);
         let dir = self.cell_dir(name);
-        let new = self.root.join("cells").join(format!(
-            ".new-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
+        let new = self.root.join("cells").join(private_name(".new-"));
         if !self.claim_spare(&new) {
             fs::DirBuilder::new()
                 .mode(0o711)
@@ -493,33 +498,8 @@ fn clean_stale(dir: &Path) {
         }
         cgroup.remove();
     }
-    remove_entries(&folder);
+    let _ = super::sys::remove_entries_at(std::os::fd::AsFd::as_fd(&folder));
     let _ = rustix::fs::unlinkat(rustix::fs::CWD, dir, AtFlags::REMOVEDIR);
-}
-
-/// Removes everything in the directory `dir` (a descriptor), following no link.
-fn remove_entries(dir: &std::os::fd::OwnedFd) {
-    use rustix::fs::{AtFlags, Mode, OFlags};
-    let Ok(listing) = rustix::fs::Dir::read_from(dir) else {
-        return;
-    };
-    for entry in listing.flatten() {
-        let name = entry.file_name();
-        if name == c"." || name == c".." {
-            continue;
-        }
-        if let Err(rustix::io::Errno::ISDIR) = rustix::fs::unlinkat(dir, name, AtFlags::empty()) {
-            if let Ok(inner) = rustix::fs::openat(
-                dir,
-                name,
-                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-                Mode::empty(),
-            ) {
-                remove_entries(&inner);
-            }
-            let _ = rustix::fs::unlinkat(dir, name, AtFlags::REMOVEDIR);
-        }
-    }
 }
 
 impl Reservation {
@@ -581,13 +561,7 @@ impl Drop for Reservation {
         let Some(cells) = self.dir.parent() else {
             return;
         };
-        use std::sync::atomic::{AtomicU64, Ordering};
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let ending = cells.join(format!(
-            "{ENDING}{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
+        let ending = cells.join(private_name(ENDING));
         let dir = match fs::rename(&self.dir, &ending) {
             Ok(()) => ending,
             Err(_) => {

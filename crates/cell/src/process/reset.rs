@@ -622,7 +622,8 @@ fn carry_out(
     match step {
         Step::Remove(path) => {
             let (dir, name) = parents.of(path)?;
-            remove_all(dir, name)
+            let name = std::ffi::CString::new(name).map_err(io::Error::other)?;
+            sys::remove_tree_at(dir, &name)
         }
         Step::Dir { path, mode } => {
             let (dir, name) = parents.of(path)?;
@@ -740,33 +741,6 @@ fn overwrite(
         rustix::fs::fchmod(&target, Mode::from_raw_mode(mode & 0o777))?;
     }
     Ok(())
-}
-
-/// Removes `name` in `dir`, a whole tree if it is a directory, following no link.
-fn remove_all(dir: std::os::fd::BorrowedFd<'_>, name: &str) -> io::Result<()> {
-    let stat = match rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW) {
-        Ok(stat) => stat,
-        Err(rustix::io::Errno::NOENT) => return Ok(()),
-        Err(e) => return Err(e.into()),
-    };
-    if FileType::from_raw_mode(stat.st_mode) != FileType::Directory {
-        return rustix::fs::unlinkat(dir, name, AtFlags::empty()).map_err(Into::into);
-    }
-    let inner = rustix::fs::openat(
-        dir,
-        name,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?;
-    let names: Vec<String> = rustix::fs::Dir::read_from(&inner)?
-        .filter_map(Result::ok)
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n != "." && n != "..")
-        .collect();
-    for child in names {
-        remove_all(inner.as_fd(), &child)?;
-    }
-    rustix::fs::unlinkat(dir, name, AtFlags::REMOVEDIR).map_err(Into::into)
 }
 
 #[cfg(test)]

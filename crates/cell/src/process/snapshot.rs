@@ -719,7 +719,6 @@ impl Making {
     }
 
     fn write(&self, store: &Store, layer: &Layer) -> Result<(), SnapshotError> {
-        use std::os::unix::fs::FileExt as _;
         let path = Self::path(layer);
         let text = serde_json::to_vec(self).map_err(|e| SnapshotError::Record {
             path: path.clone(),
@@ -734,17 +733,9 @@ impl Making {
             source,
         };
         let idle = Self::idle(layer);
-        // Written whole over the idle file (cut to its length within its block), then named
-        // the record: one that is there is the whole record.
-        let file = fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&idle)
-            .map_err(record_err)?;
-        file.write_all_at(&text, 0).map_err(record_err)?;
-        file.set_len(text.len() as u64).map_err(record_err)?;
-        drop(file);
+        // Written whole over the idle file, then named the record: one that is there is the
+        // whole record.
+        warden_workspace::write_over(&idle, &text).map_err(record_err)?;
         fs::rename(&idle, &path).map_err(record_err)
     }
 

@@ -116,6 +116,41 @@ pub fn mount_fs_magic(id: u64) -> Option<u64> {
     (out[1] & STATMOUNT_SB_BASIC != 0).then_some(out[3])
 }
 
+/// Removes `name` in the directory `dir` (a descriptor), a whole tree if it is a directory,
+/// following no link and never leaving the tree `dir` opened (nothing there: no error).
+pub fn remove_tree_at(dir: BorrowedFd<'_>, name: &std::ffi::CStr) -> io::Result<()> {
+    use rustix::fs::{AtFlags, FileType, Mode, OFlags};
+    let stat = match rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW) {
+        Ok(stat) => stat,
+        Err(rustix::io::Errno::NOENT) => return Ok(()),
+        Err(e) => return Err(e.into()),
+    };
+    if FileType::from_raw_mode(stat.st_mode) != FileType::Directory {
+        return rustix::fs::unlinkat(dir, name, AtFlags::empty()).map_err(Into::into);
+    }
+    let inner = rustix::fs::openat(
+        dir,
+        name,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    remove_entries_at(std::os::fd::AsFd::as_fd(&inner))?;
+    rustix::fs::unlinkat(dir, name, AtFlags::REMOVEDIR).map_err(Into::into)
+}
+
+/// Removes everything in the directory `dir` (a descriptor), as `remove_tree_at` does each entry.
+pub fn remove_entries_at(dir: BorrowedFd<'_>) -> io::Result<()> {
+    let names: Vec<std::ffi::CString> = rustix::fs::Dir::read_from(dir)?
+        .filter_map(Result::ok)
+        .map(|entry| entry.file_name().to_owned())
+        .filter(|name| name.as_bytes() != b"." && name.as_bytes() != b"..")
+        .collect();
+    for name in names {
+        remove_tree_at(dir, &name)?;
+    }
+    Ok(())
+}
+
 /// Reads a file of the kernel's (`/proc`, `/sys`) whole, in one read where it fits 16 KiB: such
 /// a file says its size is 0, and `fs::read_to_string` would read it in growing steps from 32
 /// bytes (nine reads for this host's `/proc/self/mountinfo`).
