@@ -51,7 +51,7 @@ impl Ring {
     /// nothing of the segment.
     pub fn open(dir: &Path, bytes: u64) -> io::Result<(Self, Header, bool)> {
         let file = crate::segments::open_own(&dir.join(RING_FILE))?;
-        let len = file.metadata()?.len();
+        let (_, len) = crate::segments::shape(&file)?;
         if let Some(header) = read_header(&file)?
             && header.bytes > 0
             && len >= DATA_AT + header.bytes

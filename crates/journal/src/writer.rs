@@ -13,7 +13,7 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read as _, Seek as _, SeekFrom, Write as _};
-use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _, OpenOptionsExt as _};
+use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
@@ -28,7 +28,7 @@ use crate::entry::{Entry, GENESIS, redact};
 use crate::error::JournalError;
 use crate::keys::SigningKeys;
 use crate::ring::{RING_FILE, Ring};
-use crate::segments::{JOURNAL_FILE, segment_name, segments};
+use crate::segments::{JOURNAL_FILE, segment_name, segments, shape, shape_at};
 
 /// A checkpoint after this many entries ...
 const CHECKPOINT_EVERY: u64 = 1024;
@@ -219,10 +219,7 @@ impl Journal {
             Some(entry) => (entry.seq + 1, entry.hash.clone()),
             None => (1, GENESIS.to_owned()),
         };
-        let size = file
-            .metadata()
-            .map_err(JournalError::io("opening the journal", &path))?
-            .len();
+        let (inode, size) = shape(&file).map_err(JournalError::io("opening the journal", &path))?;
         let segment_first = match size {
             0 => next_seq,
             _ => first_seq(&path)?.unwrap_or(next_seq),
@@ -242,10 +239,6 @@ impl Journal {
             Some((_, header, _)) if header.segment == segment_first => header.durable.min(size),
             Some(_) => 0,
         };
-        let inode = file
-            .metadata()
-            .map_err(JournalError::io("opening the journal", &path))?
-            .ino();
         lock.release();
         let public_key = keys.public_hex();
         let state = WriterState {
@@ -706,7 +699,7 @@ fn restore_from_ring(
         Some(entry) => (entry.seq + 1, entry.hash.clone()),
         None => (1, GENESIS.to_owned()),
     };
-    let end = file.metadata().map_err(io("reading the journal"))?.len();
+    let (_, end) = shape(file).map_err(io("reading the journal"))?;
     let (mut found, mut newest, mut count) = (Vec::new(), None, 0u64);
     let (mut read, mut pending) = (0u64, Vec::new());
     // A first read the size of an entry or two: where nothing was lost, the bytes there are
@@ -1244,7 +1237,7 @@ impl WriterState {
     /// when another process closed the one this process had open.
     fn catch_up(&mut self) -> Result<(), JournalError> {
         let io = |what| JournalError::io(what, &self.path);
-        let at_path = fs::metadata(&self.path).ok().map(|m| m.ino());
+        let at_path = shape_at(&self.path).ok().map(|(inode, _)| inode);
         if at_path != Some(self.inode) {
             let mut file = OpenOptions::new()
                 .read(true)
@@ -1258,23 +1251,19 @@ impl WriterState {
                 Some(entry) => Some(entry),
                 None => last_closed_entry(&self.dir)?,
             };
-            let meta = file.metadata().map_err(io("opening the journal"))?;
+            let (inode, size) = shape(&file).map_err(io("opening the journal"))?;
             self.chain_on(last.as_ref());
-            self.segment_first = match meta.len() {
+            self.segment_first = match size {
                 0 => self.next_seq,
                 _ => first_seq(&self.path)?.unwrap_or(self.next_seq),
             };
-            self.size = meta.len();
-            self.inode = meta.ino();
+            self.size = size;
+            self.inode = inode;
             self.file = Arc::new(file);
             self.durable = self.durable_by_ring();
             return Ok(());
         }
-        let len = self
-            .file
-            .metadata()
-            .map_err(io("reading the journal"))?
-            .len();
+        let (_, len) = shape(&*self.file).map_err(io("reading the journal"))?;
         if len == self.size {
             return Ok(());
         }
@@ -1284,7 +1273,7 @@ impl WriterState {
             .open(&self.path)
             .map_err(io("reading the journal"))?;
         let tail = read_tail(&mut reader, &self.path)?;
-        self.size = reader.metadata().map_err(io("reading the journal"))?.len();
+        self.size = shape(&reader).map_err(io("reading the journal"))?.1;
         self.chain_on(tail.last.as_ref());
         self.durable = self.durable.max(self.durable_by_ring());
         Ok(())
@@ -1336,7 +1325,7 @@ impl WriterState {
             });
         match reopened {
             Ok(file) => {
-                self.inode = file.metadata().map_or(0, |m| m.ino());
+                self.inode = shape(&file).map_or(0, |(inode, _)| inode);
                 self.file = Arc::new(file);
                 self.size = 0;
                 self.segment_first = self.next_seq;
