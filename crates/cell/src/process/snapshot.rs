@@ -891,7 +891,9 @@ fn half_free(dir: &Path) -> bool {
 
 /// Whether copying the upper layer `dir` takes less time than turning it over: at most 100
 /// entries and 4 MiB of file content (a copy of that takes about as long as a turn-over; the
-/// walk stops as soon as either is passed).
+/// walk stops as soon as either is passed). A directory's entries are counted before any of
+/// them is looked at or walked: a layer with more than 100 entries at its top is known as such
+/// from one listing, where a walk into its first directory looked at every file there first.
 fn copied_quicker(dir: &Path) -> bool {
     const ENTRIES: usize = 100;
     const BYTES: u64 = 4 << 20;
@@ -899,8 +901,12 @@ fn copied_quicker(dir: &Path) -> bool {
         let Ok(read) = fs::read_dir(dir) else {
             return false;
         };
-        for entry in read.flatten() {
-            *entries += 1;
+        let listed: Vec<fs::DirEntry> = read.flatten().collect();
+        *entries += listed.len();
+        if *entries > ENTRIES {
+            return false;
+        }
+        for entry in listed {
             let Ok(kind) = entry.file_type() else {
                 return false;
             };
@@ -911,7 +917,7 @@ fn copied_quicker(dir: &Path) -> bool {
             } else if kind.is_file() {
                 *bytes += entry.metadata().map_or(u64::MAX / 2, |m| m.len());
             }
-            if *entries > ENTRIES || *bytes > BYTES {
+            if *bytes > BYTES {
                 return false;
             }
         }
@@ -1792,6 +1798,34 @@ mod tests {
             .unwrap();
         }
         (tmp, store, layer)
+    }
+
+    /// A layer of at most 100 entries and 4 MiB is copied; one entry or one byte more is
+    /// turned over (a directory counts as an entry, and so does each of its entries).
+    #[test]
+    fn a_layer_is_copied_up_to_100_entries_and_4_mib() {
+        let tmp = tempfile::tempdir().unwrap();
+        let layer = |name: &str, dirs: usize, files: usize, bytes: usize| {
+            let root = tmp.path().join(name);
+            for d in 0..dirs {
+                let dir = root.join(format!("d{d}"));
+                fs::create_dir_all(&dir).unwrap();
+                for f in 0..files {
+                    fs::write(dir.join(format!("f{f}")), vec![b'x'; bytes]).unwrap();
+                }
+            }
+            root
+        };
+        assert!(copied_quicker(&layer("one-dir-99", 1, 99, 10)));
+        assert!(!copied_quicker(&layer("one-dir-100", 1, 100, 10)));
+        assert!(copied_quicker(&layer("ten-dirs", 10, 9, 10)));
+        let one_more = layer("ten-dirs-one-more", 10, 9, 10);
+        fs::write(one_more.join("top-file"), b"x").unwrap();
+        assert!(!copied_quicker(&one_more));
+        assert!(copied_quicker(&layer("4-mib", 1, 4, 1 << 20)));
+        assert!(!copied_quicker(&layer("past-4-mib", 1, 5, 1 << 20)));
+        // Many top entries: not copied, whatever they hold.
+        assert!(!copied_quicker(&layer("top", 101, 0, 0)));
     }
 
     /// A making over's record goes from name to name (written over the last one's file,
