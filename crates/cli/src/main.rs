@@ -233,6 +233,8 @@ extern "C" fn hold(holder: *mut libc::c_void) -> libc::c_int {
     // SAFETY: the pidfd stays open in this process until it exits.
     let pidfd = unsafe { std::os::fd::BorrowedFd::borrow_raw(holder.pidfd) };
     let mut fds = [PollFd::new(&pidfd, PollFlags::IN)];
-    while poll(&mut fds, None).is_err() {}
+    // (Another error than an interruption ends it at once: the caller's exit, the last, then
+    // takes the memory down, as it did without a holder.)
+    while let Err(rustix::io::Errno::INTR) = poll(&mut fds, None) {}
     0
 }
