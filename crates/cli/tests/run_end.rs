@@ -14,20 +14,32 @@ use support::*;
 /// `warden run` hands the teardown of its memory to a process that shares it and ends right
 /// after it (see `leave_memory_behind`). That process must not hold the run's output open past
 /// the run's end: a caller that has waited for the run reads the end of its output at once.
-/// And it must end: every orphan the runs left is reaped here within seconds, none is left.
+/// Nor may it show the run's arguments once the run has ended (it shares the memory they are
+/// in). And it must end: every orphan the runs left is reaped here within seconds.
 #[test]
 fn a_runs_output_ends_with_it_and_nothing_it_left_lives_on() {
     rustix::process::set_child_subreaper(Some(rustix::process::getpid())).unwrap();
     let rounds = 20;
     for round in 0..rounds {
+        // A word only this run's arguments hold: once the run has ended, no process may show it.
+        let marker = format!("marker-{}-{round}", std::process::id());
         let mut child = warden()
-            .args(["run", "--policy", &direct_policy(), "--", "echo", "out"])
+            .args([
+                "run",
+                "--policy",
+                &direct_policy(),
+                "--",
+                "echo",
+                "out",
+                &marker,
+            ])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
         let (mut stdout, mut stderr) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
         let status = child.wait().unwrap();
+        let showing = processes_showing(&marker);
         rustix::fs::fcntl_setfl(&stdout, rustix::fs::OFlags::NONBLOCK).unwrap();
         rustix::fs::fcntl_setfl(&stderr, rustix::fs::OFlags::NONBLOCK).unwrap();
         let (mut out, mut err) = (Vec::new(), Vec::new());
@@ -40,7 +52,16 @@ fn a_runs_output_ends_with_it_and_nothing_it_left_lives_on() {
                 panic!("round {round}: the run has ended but its output has not: {e}");
             }
         }
-        assert_eq!(out, b"out\n", "round {round}: {err}");
+        assert_eq!(
+            out,
+            format!("out {marker}\n").as_bytes(),
+            "round {round}: {err}"
+        );
+        assert_eq!(
+            showing,
+            Vec::<i32>::new(),
+            "round {round}: processes show the ended run's arguments"
+        );
     }
     // Orphans (the runs' memory holders among them) come to this process: all end.
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -62,4 +83,23 @@ fn a_runs_output_ends_with_it_and_nothing_it_left_lives_on() {
         std::thread::sleep(Duration::from_millis(5));
     }
     eprintln!("{reaped} orphans of {rounds} runs reaped");
+}
+
+/// Processes (this one aside) whose command line shows `word`, whatever they are.
+fn processes_showing(word: &str) -> Vec<i32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        if pid == std::process::id() as i32 {
+            continue;
+        }
+        if let Ok(cmdline) = std::fs::read(entry.path().join("cmdline"))
+            && String::from_utf8_lossy(&cmdline).contains(word)
+        {
+            found.push(pid);
+        }
+    }
+    found
 }
