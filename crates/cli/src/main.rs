@@ -21,8 +21,8 @@ mod render;
 /// stdout flushed (the runtime's cleanup), then the exit itself (`_exit`), without the C
 /// library's exit handlers: this program registers none, and what they did (the linked
 /// libraries' destructors, libgcc's among them, unregistering frame tables; faulting in the
-/// code that does it) took about 0.1 ms of a `warden run`'s end (`perf record` of 60 runs),
-/// to free memory the exit frees anyway.
+/// code that does it) freed memory the exit frees anyway. (Under `perf record`, a tenth of a
+/// millisecond of a `warden run`'s end; timed by scheduler events, within their noise.)
 #[cfg(not(test))]
 #[allow(unsafe_code)]
 #[unsafe(no_mangle)]
