@@ -57,11 +57,13 @@ pub(crate) fn open_own(path: &std::path::Path) -> std::io::Result<std::fs::File>
 /// A journal file's inode number and length, asked of the kernel without its times.
 ///
 /// A look at a file's change time has the kernel give that file's next write a fine-grained
-/// time stamp (multigrain time stamps, Linux 6.13), and every file written after it then sees
-/// the clock move too, where it would otherwise move once a tick. On an ext4 without a
-/// journal, a write that moves a file's time ties its inode's block to it, which the
-/// `fdatasync` of the ring then writes as well: a third request to the disk, one after the
-/// other, on every round. A `metadata()` asks for every field, the times included.
+/// time stamp (multigrain time stamps, Linux 6.13) where the coarse clock would show no change
+/// (the file was written within this tick, as the segment is by back-to-back entries); and a
+/// fine-grained stamp moves the clock that every file written after it sees, where it would
+/// otherwise move once a tick. On an ext4 without a journal, a write that moves a file's time
+/// ties its inode's block to it, which the `fdatasync` of the ring then writes as well: a
+/// third request to the disk, one after the other, on most rounds. A `metadata()` asks for
+/// every field, the times included.
 pub(crate) fn shape(file: &impl std::os::fd::AsFd) -> std::io::Result<(u64, u64)> {
     use rustix::fs::{AtFlags, StatxFlags, statx};
     let stat = statx(
