@@ -39,7 +39,7 @@ fn a_runs_output_ends_with_it_and_nothing_it_left_lives_on() {
             .unwrap();
         let (mut stdout, mut stderr) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
         let status = child.wait().unwrap();
-        let showing = processes_showing(&marker);
+        let showing = processes_whose_command_line(|cmdline| cmdline.contains(&marker));
         rustix::fs::fcntl_setfl(&stdout, rustix::fs::OFlags::NONBLOCK).unwrap();
         rustix::fs::fcntl_setfl(&stderr, rustix::fs::OFlags::NONBLOCK).unwrap();
         let (mut out, mut err) = (Vec::new(), Vec::new());
@@ -83,23 +83,4 @@ fn a_runs_output_ends_with_it_and_nothing_it_left_lives_on() {
         std::thread::sleep(Duration::from_millis(5));
     }
     eprintln!("{reaped} orphans of {rounds} runs reaped");
-}
-
-/// Processes (this one aside) whose command line shows `word`, whatever they are.
-fn processes_showing(word: &str) -> Vec<i32> {
-    let mut found = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        if pid == std::process::id() as i32 {
-            continue;
-        }
-        if let Ok(cmdline) = std::fs::read(entry.path().join("cmdline"))
-            && String::from_utf8_lossy(&cmdline).contains(word)
-        {
-            found.push(pid);
-        }
-    }
-    found
 }

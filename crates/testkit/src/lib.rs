@@ -215,6 +215,16 @@ pub fn unmount_beneath(dir: &Path) {
 
 /// Host processes whose command line contains `marker`.
 pub fn host_processes_with(marker: &str) -> Vec<i32> {
+    // The warden that launched the cell carries the marker in its own arguments.
+    processes_whose_command_line(|cmdline| {
+        cmdline.contains(marker)
+            && !cmdline.contains(&*bin().to_string_lossy())
+            && !cmdline.starts_with("warden")
+    })
+}
+
+/// Host processes (this one aside) whose command line (its arguments joined by spaces) `is`.
+pub fn processes_whose_command_line(is: impl Fn(&str) -> bool) -> Vec<i32> {
     let mut found = Vec::new();
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
         let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
@@ -226,12 +236,7 @@ pub fn host_processes_with(marker: &str) -> Vec<i32> {
         let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
             continue;
         };
-        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
-        // The warden that launched the cell carries the marker in its own arguments.
-        if cmdline.contains(marker)
-            && !cmdline.contains(&*bin().to_string_lossy())
-            && !cmdline.starts_with("warden")
-        {
+        if is(&String::from_utf8_lossy(&cmdline).replace('\0', " ")) {
             found.push(pid);
         }
     }
