@@ -65,24 +65,20 @@ pub(crate) fn open_own(path: &std::path::Path) -> std::io::Result<std::fs::File>
 /// third request to the disk, one after the other, on most rounds. A `metadata()` asks for
 /// every field, the times included.
 pub(crate) fn shape(file: &impl std::os::fd::AsFd) -> std::io::Result<(u64, u64)> {
-    use rustix::fs::{AtFlags, StatxFlags, statx};
-    let stat = statx(
-        file,
-        "",
-        AtFlags::EMPTY_PATH,
-        StatxFlags::INO | StatxFlags::SIZE,
-    )?;
-    Ok((stat.stx_ino, stat.stx_size))
+    shape_of(file.as_fd(), "".as_ref(), rustix::fs::AtFlags::EMPTY_PATH)
 }
 
 /// As `shape`, of the file at `path` (its symbolic link followed).
 pub(crate) fn shape_at(path: &std::path::Path) -> std::io::Result<(u64, u64)> {
-    use rustix::fs::{AtFlags, CWD, StatxFlags, statx};
-    let stat = statx(
-        CWD,
-        path,
-        AtFlags::empty(),
-        StatxFlags::INO | StatxFlags::SIZE,
-    )?;
+    shape_of(rustix::fs::CWD, path, rustix::fs::AtFlags::empty())
+}
+
+fn shape_of(
+    dir: std::os::fd::BorrowedFd<'_>,
+    path: &std::path::Path,
+    flags: rustix::fs::AtFlags,
+) -> std::io::Result<(u64, u64)> {
+    use rustix::fs::StatxFlags;
+    let stat = rustix::fs::statx(dir, path, flags, StatxFlags::INO | StatxFlags::SIZE)?;
     Ok((stat.stx_ino, stat.stx_size))
 }

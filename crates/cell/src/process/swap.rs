@@ -470,11 +470,7 @@ fn inside(
 /// Moves every entry of the directory `source` into the directory `target` (both on one file
 /// system), and the overlay's marks on `source` itself with them.
 fn move_entries(source: &OwnedFd, target: &OwnedFd) -> io::Result<()> {
-    let names: Vec<std::ffi::CString> = rustix::fs::Dir::read_from(source)?
-        .filter_map(Result::ok)
-        .map(|e| e.file_name().to_owned())
-        .filter(|n| n.as_bytes() != b"." && n.as_bytes() != b"..")
-        .collect();
+    let names = sys::entry_names(source.as_fd())?;
     for name in &names {
         rustix::fs::renameat(source, name.as_c_str(), target, name.as_c_str())?;
     }

@@ -140,15 +140,20 @@ pub fn remove_tree_at(dir: BorrowedFd<'_>, name: &std::ffi::CStr) -> io::Result<
 
 /// Removes everything in the directory `dir` (a descriptor), as `remove_tree_at` does each entry.
 pub fn remove_entries_at(dir: BorrowedFd<'_>) -> io::Result<()> {
-    let names: Vec<std::ffi::CString> = rustix::fs::Dir::read_from(dir)?
-        .filter_map(Result::ok)
-        .map(|entry| entry.file_name().to_owned())
-        .filter(|name| name.as_bytes() != b"." && name.as_bytes() != b"..")
-        .collect();
-    for name in names {
+    for name in entry_names(dir)? {
         remove_tree_at(dir, &name)?;
     }
     Ok(())
+}
+
+/// The names of the entries of the directory `dir` (a descriptor), `.` and `..` left out,
+/// listed whole before the caller changes any.
+pub fn entry_names(dir: BorrowedFd<'_>) -> io::Result<Vec<std::ffi::CString>> {
+    Ok(rustix::fs::Dir::read_from(dir)?
+        .filter_map(Result::ok)
+        .map(|entry| entry.file_name().to_owned())
+        .filter(|name| name.as_bytes() != b"." && name.as_bytes() != b"..")
+        .collect())
 }
 
 /// Reads a file of the kernel's (`/proc`, `/sys`) whole, in one read where it fits 16 KiB: such
