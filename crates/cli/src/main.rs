@@ -72,6 +72,12 @@ fn runtime_start() {
 fn run() -> (i32, bool) {
     let args = cli::parse();
     let hand_over_memory = matches!(args.command, cli::Command::Run(_));
+    // The holder of the memory keeps the run's last holds on its cell's namespaces too: their
+    // teardown then comes after the caller has been woken, with the memory's.
+    #[cfg(not(test))]
+    if hand_over_memory && holder_possible() {
+        warden_cell::leave_namespaces_to_exit();
+    }
     // Commands that only read and print end quietly, as other tools do, when their reader
     // goes (`warden ps | head`). The others keep SIGPIPE ignored: they hold a cell, serve, or
     // talk to the daemon, and must see a failed write as an error they can report or clean
@@ -143,8 +149,9 @@ fn default_sigpipe() {
 /// 0.41 ms from its `exit_group` to its caller's wake-up, 0.04 ms with the holder. The holder
 /// runs with every signal blocked. It closes its copies of this process's descriptors before
 /// this process goes on to exit (a pipe to the caller must end with this process: a caller
-/// that has waited for it reads the pipe's end), then waits for this process's end on a pidfd
-/// and exits; the init, or the caller's reaper, reaps it. It touches no thread-local data (it
+/// that has waited for it reads the pipe's end), but those the run left to its end
+/// (`warden_cell::left_to_exit`: the last holds on its cell's namespaces, whose teardown is
+/// then the holder's too), then waits for this process's end on a pidfd and exits; the init, or the caller's reaper, reaps it. It touches no thread-local data (it
 /// shares this thread's, and a failed libc call sets `errno` there): rustix's raw calls, and
 /// `close_range`s that cannot fail.
 #[cfg(not(test))]
@@ -154,18 +161,25 @@ fn leave_memory_behind() -> bool {
     use rustix::thread::futex;
     use std::sync::atomic::{AtomicU32, Ordering};
     const STACK: usize = 64 * 1024;
-    // The holder closes with `close_range` (Linux 5.9), which must not fail there: a kernel
-    // without it gets no holder. (Asked to close one number that no descriptor has.)
-    // SAFETY: closes nothing; the arguments are integers.
-    if unsafe { libc::close_range(u32::MAX, u32::MAX, 0) } != 0 {
+    if !holder_possible() {
         return false;
     }
     let Ok(pidfd) = pidfd_open(getpid(), PidfdFlags::empty()) else {
         return false;
     };
+    let pidfd = std::os::fd::IntoRawFd::into_raw_fd(pidfd);
+    // What it keeps open until this process has ended: the pidfd, and the holds on the cell's
+    // namespaces that the run left to its end.
+    let mut kept: Vec<u32> = std::iter::once(pidfd)
+        .chain(warden_cell::left_to_exit())
+        .filter_map(|fd| u32::try_from(fd).ok())
+        .collect();
+    kept.sort_unstable();
+    kept.dedup();
     // Never freed: the holder reads it after this process has stopped running.
     let holder: &'static mut Holder = Box::leak(Box::new(Holder {
-        pidfd: std::os::fd::IntoRawFd::into_raw_fd(pidfd),
+        pidfd,
+        kept: kept.leak(),
         closed: AtomicU32::new(0),
     }));
     // SAFETY: a fresh anonymous mapping for the holder's stack, never unmapped; `clone` with
@@ -202,6 +216,16 @@ fn leave_memory_behind() -> bool {
     started
 }
 
+/// Whether a holder of the memory can be had: it closes with `close_range` (Linux 5.9), which
+/// must not fail there; a kernel without it gets no holder. (Asked to close one number that no
+/// descriptor has.)
+#[cfg(not(test))]
+#[allow(unsafe_code)]
+fn holder_possible() -> bool {
+    // SAFETY: closes nothing; the arguments are integers.
+    unsafe { libc::close_range(u32::MAX, u32::MAX, 0) == 0 }
+}
+
 /// Blanks this process's arguments but its program's name where the kernel keeps them (what
 /// `/proc/PID/cmdline` shows), once the holder of its memory is started: the holder shares that
 /// memory, so it showed the run's arguments until it ended, a moment after the run. A look for
@@ -226,11 +250,13 @@ fn blank_arguments(argc: libc::c_int, argv: *const *const libc::c_char) {
     }
 }
 
-/// What the holder of this process's memory is given: the pidfd of this process to wait on
-/// (its one descriptor kept), and where it says that it has closed the others.
+/// What the holder of this process's memory is given: the pidfd of this process to wait on,
+/// the descriptors it keeps (that one, and those the run left to its end), in order, and where
+/// it says that it has closed the others.
 #[cfg(not(test))]
 struct Holder {
     pidfd: i32,
+    kept: &'static [u32],
     closed: std::sync::atomic::AtomicU32,
 }
 
@@ -244,14 +270,18 @@ extern "C" fn hold(holder: *mut libc::c_void) -> libc::c_int {
     // SAFETY: the leaked `Holder` that `leave_memory_behind` passed, only read but for its
     // atomic flag.
     let holder = unsafe { &*holder.cast::<Holder>() };
-    let kept = holder.pidfd.unsigned_abs();
     // SAFETY: this process's own copies of the descriptors, not used again; `close_range` is
-    // there (the caller asked) and the ranges are valid, so that it sets no `errno`.
+    // there (the caller asked) and each range is valid (its first number no greater than its
+    // last), so that it sets no `errno`.
     unsafe {
-        if kept > 0 {
-            libc::close_range(0, kept - 1, 0);
+        let mut from = 0u32;
+        for &kept in holder.kept {
+            if kept > from {
+                libc::close_range(from, kept - 1, 0);
+            }
+            from = kept.saturating_add(1);
         }
-        libc::close_range(kept + 1, u32::MAX, 0);
+        libc::close_range(from, u32::MAX, 0);
     }
     holder.closed.store(1, std::sync::atomic::Ordering::Release);
     let _ = futex::wake(&holder.closed, futex::Flags::PRIVATE, 1);

@@ -15,10 +15,65 @@ use support::*;
 /// after it (see `leave_memory_behind`). That process must not hold the run's output open past
 /// the run's end: a caller that has waited for the run reads the end of its output at once.
 /// Nor may it show the run's arguments once the run has ended (it shares the memory they are
-/// in). And it must end: every orphan the runs left is reaped here within seconds.
+/// in). It also keeps the run's last holds on its cell's namespaces, where the cell has no
+/// workspace: those go with it; a cell with a workspace has none left once the run has ended.
+/// And it must end: every orphan the runs left is reaped here within seconds.
 #[test]
 fn a_runs_output_ends_with_it_and_nothing_it_left_lives_on() {
     rustix::process::set_child_subreaper(Some(rustix::process::getpid())).unwrap();
+    let workspace = tempdir();
+    for (round, workspace) in [None, Some(workspace.path())].into_iter().enumerate() {
+        let mut run = warden();
+        run.args(["run", "--policy", &direct_policy()]);
+        if let Some(dir) = workspace {
+            run.arg("--workspace").arg(dir);
+        }
+        let mut child = run
+            .args(["--", "readlink", "/proc/self/ns/mnt"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut ns = String::new();
+        child
+            .stdout
+            .take()
+            .unwrap()
+            .read_to_string(&mut ns)
+            .unwrap();
+        let status = child.wait().unwrap();
+        // First a quick look at the run's orphans (its holder, reparented here), while the
+        // holder may still live (it takes the run's memory down first).
+        let orphans = children_of_this_process();
+        assert!(status.success(), "{status:?}");
+        let ns = ns.trim().to_owned();
+        assert!(ns.starts_with("mnt:["), "{ns:?}");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut look = Some(orphans);
+        loop {
+            let holders = match look.take() {
+                Some(orphans) => {
+                    let holders = holding(orphans, &ns);
+                    eprintln!("round {round}: right after the run, held by {holders:?}");
+                    holders
+                }
+                None => holding(all_processes(), &ns),
+            };
+            if holders.is_empty() {
+                break;
+            }
+            assert!(
+                workspace.is_none(),
+                "round {round}: a cell with a workspace: processes {holders:?} hold its mount \
+                 namespace after the run ended"
+            );
+            assert!(
+                Instant::now() < deadline,
+                "round {round}: processes {holders:?} hold the cell's mount namespace 10 s after \
+                 the run ended"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
     let rounds = 20;
     for round in 0..rounds {
         // A word only this run's arguments hold: once the run has ended, no process may show it.
@@ -83,4 +138,42 @@ fn a_runs_output_ends_with_it_and_nothing_it_left_lives_on() {
         std::thread::sleep(Duration::from_millis(5));
     }
     eprintln!("{reaped} orphans of {rounds} runs reaped");
+}
+
+/// The processes of `pids` that hold the namespace `ns` (as `/proc/PID/ns/*` shows it,
+/// `mnt:[N]`): as their own, or by a descriptor.
+fn holding(pids: Vec<i32>, ns: &str) -> Vec<i32> {
+    let is_it = |link: std::path::PathBuf| {
+        std::fs::read_link(link).is_ok_and(|target| target.as_os_str() == ns)
+    };
+    pids.into_iter()
+        .filter(|pid| {
+            let by_fd = std::fs::read_dir(format!("/proc/{pid}/fd"))
+                .map(|fds| fds.flatten().any(|fd| is_it(fd.path())))
+                .unwrap_or(false);
+            by_fd || is_it(format!("/proc/{pid}/ns/mnt").into())
+        })
+        .collect()
+}
+
+fn all_processes() -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_string_lossy().parse().ok())
+        .collect()
+}
+
+/// The children of this process's threads (the orphans it reaps among them).
+fn children_of_this_process() -> Vec<i32> {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("children")).ok())
+        .flat_map(|list| {
+            list.split_whitespace()
+                .filter_map(|pid| pid.parse().ok())
+                .collect::<Vec<i32>>()
+        })
+        .collect()
 }

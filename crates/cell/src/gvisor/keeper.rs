@@ -400,9 +400,13 @@ pub fn keep(
     // Joining the cell from outside (a reset of its workspace): the keeper's namespaces, and
     // the cell's root in them.
     let namespaces = namespaces(&plan.root).map_err(os("holding the cell's namespaces"))?;
-    let mut router =
-        crate::process::exec::serve(&reservation.file(EXEC_SOCKET), channel, Some(namespaces))
-            .map_err(os("opening the cell's exec socket"))?;
+    let mut router = crate::process::exec::serve(
+        &reservation.file(EXEC_SOCKET),
+        channel,
+        Some(namespaces),
+        false,
+    )
+    .map_err(os("opening the cell's exec socket"))?;
     crate::process::run::say_ready(request.ready.as_deref());
     if request.ready.is_some() {
         // A daemon's keeper: it now watches its cell for as long as it lives.

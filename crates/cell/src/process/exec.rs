@@ -16,7 +16,7 @@
 //! other process of the cell can ptrace it or write its memory.
 
 use std::io;
-use std::os::fd::{AsFd as _, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd as _, AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -445,10 +445,13 @@ impl Namespaces {
 /// answers only for its namespaces), on a thread of its own until the returned [`Router`] is
 /// dropped. From then on the init and the client talk directly (events out, signals and the
 /// hang-up in), so no event waits on a relay.
+/// `leave`: once stopped, the router leaves its listener and the namespaces to this process's
+/// end where it said it ends with this cell (see [`leave_namespaces_to_exit`]).
 pub(crate) fn serve(
     path: &Path,
     channel: Option<OwnedFd>,
     namespaces: Option<Namespaces>,
+    leave: bool,
 ) -> io::Result<Router> {
     let listener = sys::seqpacket_listen(path)?;
     let (stop_r, stop_w) = sys::pipe()?;
@@ -470,8 +473,30 @@ pub(crate) fn serve(
             };
             // Told to stop, the router leaves its socket's file to the removal of the cell's
             // folder (which may be under way); ended on its own, it takes the file away.
-            if !serve_clients(&listener, &stop_r, &keeper) {
+            let stopped = serve_clients(&listener, &stop_r, &keeper);
+            if !stopped {
                 let _ = std::fs::remove_file(&path);
+            }
+            if stopped && leave {
+                let Keeper {
+                    channel,
+                    namespaces,
+                } = keeper;
+                let held = [Some(listener), channel]
+                    .into_iter()
+                    .chain(
+                        namespaces
+                            .into_iter()
+                            .flat_map(|ns| [Some(ns.user), Some(ns.mnt), ns.root]),
+                    )
+                    .flatten()
+                    .collect();
+                // Left to the process's end, which the holder of its memory keeps them past:
+                // the mount namespace's teardown then comes after the run's caller has been
+                // woken. (Where they cannot be left, they go here and now.)
+                let _ = leave_to_exit(held);
+                its_tid.store(0, std::sync::atomic::Ordering::Release);
+                return;
             }
             // The listener and the namespaces go here, off the caller's way: the last hold on
             // the cell's mount namespace tears its mounts down (an expedited RCU grace period
@@ -506,6 +531,51 @@ pub(crate) fn serve(
         tid,
         after,
     })
+}
+
+/// What this process leaves to its end (see [`leave_namespaces_to_exit`]): the pid that said
+/// so (a fork of it, such as a gVisor keeper, lets go of its own holds) and the holds.
+static LEFT_TO_EXIT: std::sync::Mutex<(u32, Vec<OwnedFd>)> = std::sync::Mutex::new((0, Vec::new()));
+
+/// Says that this process ends as soon as its one cell's run has (`warden run`), and that
+/// whoever takes its memory's teardown over after its exit (the run's holder of its memory)
+/// keeps the descriptors [`left_to_exit`] lists until then. A stopped router of a cell without
+/// a workspace or an image then leaves its last holds on the cell's namespaces to the
+/// process's end, where they go after the run's caller has been woken: the last hold on a
+/// mount namespace tears its mounts down (an expedited RCU grace period and a quarter of a
+/// millisecond of the CPU), which the run's end waited for. A cell with a workspace or an
+/// image is let go of before the run ends: a mount of its layer or its image kept a moment
+/// longer would be in the way of the next run of that workspace, or of the image's removal.
+pub fn leave_namespaces_to_exit() {
+    if let Ok(mut left) = LEFT_TO_EXIT.lock() {
+        left.0 = std::process::id();
+    }
+}
+
+/// The descriptors this process leaves to its end (see [`leave_namespaces_to_exit`]).
+pub fn left_to_exit() -> Vec<RawFd> {
+    LEFT_TO_EXIT
+        .lock()
+        .map(|left| left.1.iter().map(AsRawFd::as_raw_fd).collect())
+        .unwrap_or_default()
+}
+
+/// Whether this process leaves a cell's namespaces to its end.
+pub(crate) fn leaves_to_exit() -> bool {
+    LEFT_TO_EXIT
+        .lock()
+        .is_ok_and(|left| left.0 == std::process::id())
+}
+
+/// Keeps `held` open until this process ends, where it said so: `Err(held)` otherwise.
+fn leave_to_exit(held: Vec<OwnedFd>) -> Result<(), Vec<OwnedFd>> {
+    match LEFT_TO_EXIT.lock() {
+        Ok(mut left) if left.0 == std::process::id() => {
+            left.1.extend(held);
+            Ok(())
+        }
+        _ => Err(held),
+    }
 }
 
 /// How long a stopped router waits for the init's end before it lets go of the namespaces
@@ -745,7 +815,7 @@ mod tests {
             mnt,
             root: None,
         };
-        let mut router = serve(&path, None, Some(namespaces)).unwrap();
+        let mut router = serve(&path, None, Some(namespaces), false).unwrap();
         // It serves while it runs: a client is accepted and answered.
         let client = sys::seqpacket_connect(&path).unwrap();
         sys::send_message(client.as_fd(), br#"{"exec":{}}"#, &[]).unwrap();

@@ -455,6 +455,7 @@ pub fn run_with(
         &reservation.file(super::exec::EXEC_SOCKET),
         exec_channel,
         namespaces,
+        plan.workspace.is_none() && policy.image.is_none() && super::exec::leaves_to_exit(),
     )
     .map_err(os("opening the cell's exec socket"))?;
 
