@@ -250,6 +250,13 @@ pub trait Backend: Send + Sync + Debug {
         discard_changes: bool,
         before_start: &mut (dyn FnMut() -> Result<(), String> + Send),
     ) -> Result<Attached, StartError>;
+    /// Starts making ahead what a `run_attached` of a cell of `policy`, to come in this
+    /// process, can use (the process tier, as root: the cell's network namespace), on threads
+    /// of its own that are gone before anything is cloned: call it once the signals the run
+    /// forwards are blocked (threads take their maker's mask). Nothing, by default.
+    fn prepare_run(&self, policy: &Policy) {
+        let _ = policy;
+    }
     /// Takes back a cell started earlier (by this process or another): `None` once it has
     /// ended; `Err` when that cannot be told now.
     fn adopt(&self, name: &str) -> Result<Option<Arc<dyn Cell>>, CellError>;

@@ -302,10 +302,12 @@ fn run_in_process(
         keeper_env: Vec::new(),
         keepers_ahead: 0,
     });
+    // What the tier can make ahead of the cell starts now (the process tier, as root: its
+    // network namespace, on a thread of its own, while this thread goes on to the cell).
+    let tier = tiers.get(policy.tier)?;
+    tier.prepare_run(policy);
     // What only the tier and this host can tell, before the journal is opened.
-    tiers
-        .get(policy.tier)?
-        .check(policy, args.workspace.as_deref())?;
+    tier.check(policy, args.workspace.as_deref())?;
     let workspace = match &args.workspace {
         Some(dir) => Some(
             std::fs::canonicalize(dir)

@@ -177,9 +177,10 @@ fn default_sigpipe() {
 /// this process goes on to exit (a pipe to the caller must end with this process: a caller
 /// that has waited for it reads the pipe's end), but those the run left to its end
 /// (`warden_cell::left_to_exit`: the last holds on its cell's namespaces, whose teardown is
-/// then the holder's too), then waits for this process's end on a pidfd and exits; the init, or the caller's reaper, reaps it. It touches no thread-local data (it
-/// shares this thread's, and a failed libc call sets `errno` there): rustix's raw calls, and
-/// `close_range`s that cannot fail.
+/// then the holder's too), then waits for this process's end on a pidfd and exits; the init,
+/// or the caller's reaper, reaps it. It touches no thread-local data (it shares this thread's,
+/// and a failed libc call sets `errno` there): rustix's raw calls, and `close_range`s that
+/// cannot fail.
 #[cfg(not(test))]
 #[allow(unsafe_code)]
 fn leave_memory_behind() -> bool {

@@ -269,6 +269,50 @@ fn terminal_injection_with_tiocsti_is_refused() {
     assert_eq!(ran.stdout, "errno EPERM\nno-tty\n", "{ran:?}");
 }
 
+/// Each cell is in a network namespace of its own (as root one made on a thread of its own
+/// while the run plans the cell, and the cell cloned inside it), whose one device is its
+/// loopback, up, and which nothing in the cell may change. Two cells at once: each its own.
+#[test]
+fn each_cell_has_a_network_of_its_own_with_its_loopback_alone() {
+    let code = "import os, socket, fcntl, struct, errno, time\n\
+                print(os.readlink('/proc/self/ns/net'))\n\
+                devices = [l.split(':')[0].strip() for l in open('/proc/net/dev').readlines()[2:]]\n\
+                print(' '.join(sorted(devices)))\n\
+                s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(1)\n\
+                c = socket.create_connection(s.getsockname(), timeout=5)\n\
+                a, _ = s.accept(); c.sendall(b'x'); print('loopback', a.recv(1).decode())\n\
+                try:\n\
+                \x20   fcntl.ioctl(c, 0x8914, struct.pack('16sh', b'lo', 0)); print('changed')\n\
+                except OSError as e: print('errno', errno.errorcode[e.errno])\n\
+                time.sleep(1)";
+    let cells: Vec<_> = (0..2)
+        .map(|_| std::thread::spawn(move || run_py(&[], code)))
+        .collect();
+    let ran: Vec<Ran> = cells.into_iter().map(|c| c.join().unwrap()).collect();
+    let host = std::fs::read_link("/proc/self/ns/net").unwrap();
+    let mut seen = Vec::new();
+    for ran in &ran {
+        let lines: Vec<&str> = ran.stdout.lines().collect();
+        assert_eq!(
+            lines.get(1..),
+            Some(&["lo", "loopback x", "errno EPERM"][..]),
+            "{ran:?}"
+        );
+        let ns = lines[0];
+        assert!(ns.starts_with("net:["), "{ran:?}");
+        assert_ne!(
+            std::path::Path::new(ns),
+            host,
+            "a cell is in the host's network"
+        );
+        seen.push(ns.to_owned());
+    }
+    assert_ne!(
+        seen[0], seen[1],
+        "two cells at once share a network namespace"
+    );
+}
+
 #[test]
 fn tcp_to_a_host_loopback_listener_is_unreachable() {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();

@@ -70,6 +70,8 @@ pub struct ProcessBackend {
     /// the cell with it (its pid namespace's): so for this tier's cells, not for the gVisor
     /// tier's (the record names `runsc run`, which its sandbox outlives a moment).
     pid_is_init: bool,
+    /// A network namespace under way for the `run_attached` to come (`prepare_run`).
+    network_ahead: Mutex<Option<super::run::NetworkAhead>>,
 }
 
 impl ProcessBackend {
@@ -104,6 +106,7 @@ impl ProcessBackend {
             registry,
             store,
             pid_is_init: true,
+            network_ahead: Mutex::new(None),
         })
     }
 
@@ -235,6 +238,12 @@ impl Backend for ProcessBackend {
         }
     }
 
+    fn prepare_run(&self, policy: &warden_policy::Policy) {
+        if let Ok(mut ahead) = self.network_ahead.lock() {
+            *ahead = Some(super::run::NetworkAhead::for_policy(policy));
+        }
+    }
+
     fn run_attached(
         &self,
         spec: CellSpec,
@@ -267,12 +276,17 @@ impl Backend for ProcessBackend {
             release_later: true,
             lines: None,
         };
-        let outcome = super::run::run_with(&self.registry, &store, request, before_start).map_err(
-            |e| match e {
+        let network = self
+            .network_ahead
+            .lock()
+            .ok()
+            .and_then(|mut ahead| ahead.take())
+            .unwrap_or_else(|| super::run::NetworkAhead::for_policy(&request.policy));
+        let outcome = super::run::run_with(&self.registry, &store, request, network, before_start)
+            .map_err(|e| match e {
                 super::outcome::RunError::BeforeStart(message) => StartError::Host(message),
                 e => StartError::Refused(e.to_string()),
-            },
-        )?;
+            })?;
         Ok(Attached {
             name: outcome.name,
             ending: outcome.ending,

@@ -80,6 +80,9 @@ pub struct InitFds {
     /// init off its own CPU while the init assembles the root (see `sys::keep_off_this_cpu`),
     /// and the init takes them all back once it runs.
     pub affinity: Option<nix::sched::CpuSet>,
+    /// The cell was started in a network namespace made for it ahead, whose loopback is up
+    /// (see `run::NetworkAhead`): the init has no network to set up.
+    pub network_ready: bool,
 }
 
 /// Outcome codes sent on the status pipe.
@@ -209,7 +212,9 @@ fn setup_and_start(plan: &CellPlan, fds: &InitFds) -> SetupResult<Started> {
         unshare(CloneFlags::CLONE_NEWCGROUP).map_err(failed("creating the cgroup namespace"))?;
     }
     sethostname(&plan.hostname).map_err(failed("setting the host name"))?;
-    sys::loopback_up().map_err(failed("bringing up loopback"))?;
+    if !fds.network_ready {
+        sys::loopback_up().map_err(failed("bringing up loopback"))?;
+    }
     if fds.gateway.is_some() {
         hand_over_gateway_socket()?;
     }

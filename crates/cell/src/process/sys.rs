@@ -1815,6 +1815,56 @@ pub(crate) fn data_extents(
     })
 }
 
+/// How many threads this process has, one joined a moment ago not counted: the kernel wakes
+/// a thread's joiner (the clear of its id, as it lets go of the memory) before it takes the
+/// thread out of the process's list, so the list is looked at again, for 50 ms at most.
+pub(crate) fn thread_count_once_joined() -> usize {
+    let count = || std::fs::read_dir("/proc/self/task").map_or(1, |d| d.count());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_millis(50);
+    loop {
+        let threads = count();
+        if threads <= 1 || std::time::Instant::now() >= deadline {
+            return threads;
+        }
+        std::thread::yield_now();
+    }
+}
+
+/// The thread of this process other than the calling one, where there is exactly one.
+pub(crate) fn only_other_thread() -> Option<libc::pid_t> {
+    let me = rustix::thread::gettid().as_raw_nonzero().get();
+    let mut others = std::fs::read_dir("/proc/self/task")
+        .ok()?
+        .flatten()
+        .filter_map(|task| task.file_name().to_str()?.parse::<libc::pid_t>().ok())
+        .filter(|&tid| tid != me);
+    let other = others.next()?;
+    others.next().is_none().then_some(other)
+}
+
+/// Makes a network namespace with its loopback up, for a cell, on the calling thread (which
+/// is in it from then on: a thread of its own, that ends after): its descriptor.
+pub(crate) fn new_network_namespace() -> io::Result<OwnedFd> {
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).map_err(io::Error::from)?;
+    loopback_up()?;
+    network_namespace_of_this_thread()
+}
+
+/// The network namespace the calling thread is in.
+pub(crate) fn network_namespace_of_this_thread() -> io::Result<OwnedFd> {
+    rustix::fs::open(
+        "/proc/thread-self/ns/net",
+        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )
+    .map_err(io::Error::from)
+}
+
+/// Moves the calling thread into the network namespace `ns`.
+pub(crate) fn enter_network_namespace(ns: BorrowedFd<'_>) -> io::Result<()> {
+    nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET).map_err(io::Error::from)
+}
+
 /// Field 22 of /proc/PID/stat: start time in clock ticks after boot.
 pub fn process_start_ticks(pid: i32) -> Option<u64> {
     let stat = read_kernel_file(format!("/proc/{pid}/stat")).ok()?;
