@@ -153,8 +153,9 @@ pub fn run(
 /// Like [`run`], calling `before_start` once the cell is made, on a thread of its own while its
 /// init assembles the cell's root and this thread makes its cgroup, and before its command may
 /// start: work of the caller's that must be done before the command runs overlaps the cell's
-/// own setup there. When it fails, the cell ends
-/// without running anything and the run fails with its message.
+/// own setup there. When it fails, the cell ends without running anything and the run fails
+/// with its message. `network`: the cell's network namespace, under way since the caller had
+/// the policy (see `NetworkAhead`; one of another policy's is let go of).
 pub fn run_with(
     registry: &Registry,
     store: &Store,
