@@ -229,13 +229,6 @@ table ip6 warden {
 /// gateway. Needs `ip` and `nft` on the host; says whether it worked.
 fn redirect() -> bool {
     use std::process::{Command, Stdio};
-    let quiet = |cmd: &mut Command| {
-        cmd.stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    };
     let ip = ["/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip"]
         .into_iter()
         .find(|p| Path::new(p).exists());
@@ -245,25 +238,45 @@ fn redirect() -> bool {
     let (Some(ip), Some(nft)) = (ip, nft) else {
         return false;
     };
-    let routed = quiet(Command::new(ip).args(["route", "add", "default", "dev", "lo"]))
-        && quiet(Command::new(ip).args(["-6", "route", "add", "default", "dev", "lo"]));
-    if !routed {
-        return false;
-    }
-    let Ok(mut child) = Command::new(nft)
-        .args(["-f", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-    else {
-        return false;
+    // The three at once, each waited for after: none needs another's work, and one after the
+    // other they were most of what a cell with a gateway adds to a cold start (`ip` 0.7 ms and
+    // `nft` 1.2 ms more than `true` in a fresh network namespace here).
+    let start = |program: &str, args: &[&str], input: bool| {
+        Command::new(program)
+            .args(args)
+            .stdin(if input { Stdio::piped() } else { Stdio::null() })
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
     };
-    let written = child
-        .stdin
-        .take()
-        .is_some_and(|mut stdin| stdin.write_all(REDIRECT_RULES.as_bytes()).is_ok());
-    child.wait().is_ok_and(|s| s.success()) && written
+    let started = [
+        start(ip, &["route", "add", "default", "dev", "lo"], false),
+        start(ip, &["-6", "route", "add", "default", "dev", "lo"], false),
+        start(nft, &["-f", "-"], true),
+    ];
+    let mut children = Vec::new();
+    for child in started {
+        match child {
+            Ok(child) => children.push(child),
+            Err(_) => {
+                for mut child in children {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                }
+                return false;
+            }
+        }
+    }
+    // The rules go to `nft` first (its stdin, closed after), then each is waited for.
+    let written = children
+        .iter_mut()
+        .filter_map(|child| child.stdin.take())
+        .all(|mut stdin| stdin.write_all(REDIRECT_RULES.as_bytes()).is_ok());
+    let succeeded = children
+        .iter_mut()
+        .map(|child| child.wait().is_ok_and(|s| s.success()))
+        .fold(true, |all, ok| all && ok);
+    succeeded && written
 }
 
 /// The notice of a cell whose namespace could not be redirected.
