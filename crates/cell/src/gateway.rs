@@ -272,11 +272,12 @@ fn redirect() -> bool {
         .iter_mut()
         .filter_map(|child| child.stdin.take())
         .all(|mut stdin| stdin.write_all(REDIRECT_RULES.as_bytes()).is_ok());
-    let succeeded = children
+    // Every one waited for, whatever the others did.
+    let waited: Vec<bool> = children
         .iter_mut()
         .map(|child| child.wait().is_ok_and(|s| s.success()))
-        .fold(true, |all, ok| all && ok);
-    succeeded && written
+        .collect();
+    waited.into_iter().all(|ok| ok) && written
 }
 
 /// The notice of a cell whose namespace could not be redirected.
