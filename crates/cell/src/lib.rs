@@ -16,6 +16,8 @@ mod gvisor;
 #[cfg(target_os = "linux")]
 mod keeper;
 mod microvm;
+#[cfg(target_os = "linux")]
+mod netns;
 pub mod probe;
 #[cfg(target_os = "linux")]
 mod process;

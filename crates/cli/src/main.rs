@@ -94,14 +94,14 @@ fn populate_stack() {
 
 #[cfg_attr(test, allow(dead_code))]
 /// The exit status, and whether the memory's teardown is handed over (`leave_memory_behind`):
-/// for `warden run`, whose end a script or a harness waits for between steps.
+/// for `warden run`, whose end a script or a harness waits for between steps, where a holder
+/// can be had.
 fn run() -> (i32, bool) {
     let args = cli::parse();
-    let hand_over_memory = matches!(args.command, cli::Command::Run(_));
+    let hand_over_memory = matches!(args.command, cli::Command::Run(_)) && holder_possible();
     // The holder of the memory keeps the run's last holds on its cell's namespaces too: their
     // teardown then comes after the caller has been woken, with the memory's.
-    #[cfg(not(test))]
-    if hand_over_memory && holder_possible() {
+    if hand_over_memory {
         warden_cell::leave_namespaces_to_exit();
     }
     // Commands that only read and print end quietly, as other tools do, when their reader
@@ -180,7 +180,7 @@ fn default_sigpipe() {
 /// then the holder's too), then waits for this process's end on a pidfd and exits; the init,
 /// or the caller's reaper, reaps it. It touches no thread-local data (it shares this thread's,
 /// and a failed libc call sets `errno` there): rustix's raw calls, and `close_range`s that
-/// cannot fail.
+/// cannot fail. Called only where `holder_possible` said so.
 #[cfg(not(test))]
 #[allow(unsafe_code)]
 fn leave_memory_behind() -> bool {
@@ -188,9 +188,6 @@ fn leave_memory_behind() -> bool {
     use rustix::thread::futex;
     use std::sync::atomic::{AtomicU32, Ordering};
     const STACK: usize = 64 * 1024;
-    if !holder_possible() {
-        return false;
-    }
     let Ok(pidfd) = pidfd_open(getpid(), PidfdFlags::empty()) else {
         return false;
     };
@@ -246,7 +243,7 @@ fn leave_memory_behind() -> bool {
 /// Whether a holder of the memory can be had: it closes with `close_range` (Linux 5.9), which
 /// must not fail there; a kernel without it gets no holder. (Asked to close one number that no
 /// descriptor has.)
-#[cfg(not(test))]
+#[cfg_attr(test, allow(dead_code))]
 #[allow(unsafe_code)]
 fn holder_possible() -> bool {
     // SAFETY: closes nothing; the arguments are integers.

@@ -247,7 +247,7 @@ pub fn keep(
     let early_network = match serves {
         true => None,
         false => Some(
-            super::network::Namespace::start(gateway.is_some())
+            crate::netns::Namespace::start(gateway.is_some())
                 .map_err(sandbox("making the cell's network namespace"))?,
         ),
     };
@@ -305,7 +305,7 @@ pub fn keep(
 
     let network = match early_network {
         Some(making) => making.finish(),
-        None => super::network::Namespace::make(gateway.is_some()),
+        None => crate::netns::Namespace::make(gateway.is_some()),
     }
     .map_err(sandbox("making the cell's network namespace"))?;
     let netns = PathBuf::from(format!(

@@ -11,7 +11,6 @@ mod checkpoint;
 pub mod compat;
 mod host;
 pub mod keeper;
-mod network;
 pub mod probe;
 pub mod runsc;
 

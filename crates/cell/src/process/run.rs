@@ -663,8 +663,9 @@ pub fn run_with(
 /// loopback is up already), as nothing in the cell could before, having no capability once its
 /// command runs. One is made for each cell, and used by none other. Its thread is joined before
 /// the clone (which is made with no other thread), or when this is dropped.
+/// (The namespace is made as the gVisor keeper makes its cell's: `netns::Namespace`.)
 #[derive(Debug)]
-pub(crate) struct NetworkAhead(Option<std::thread::JoinHandle<io::Result<std::os::fd::OwnedFd>>>);
+pub(crate) struct NetworkAhead(Option<crate::netns::Making>);
 
 impl NetworkAhead {
     /// Starts making one for a cell of `policy` where it takes one (and a thread can be had).
@@ -672,19 +673,16 @@ impl NetworkAhead {
         if !Self::wanted(policy) {
             return Self(None);
         }
-        let thread = std::thread::Builder::new()
-            .name("cell-network".to_owned())
-            .spawn(sys::new_network_namespace)
-            .ok();
+        let making = crate::netns::Namespace::start(false).ok();
         // Off this thread's CPU: the scheduler queued a new thread behind its maker on the
         // maker's CPU now and then, while the other idled (traced: 0.4-1.1 ms before it ran, in
         // 17 starts of 40), and this thread goes on working.
-        if let (Some(_), Some(cpus)) = (&thread, sys::spread_affinity())
+        if let (Some(_), Some(cpus)) = (&making, sys::spread_affinity())
             && let Some(tid) = sys::only_other_thread()
         {
             sys::keep_off_this_cpu(tid, &cpus);
         }
-        Self(thread)
+        Self(making)
     }
 
     /// Whether a cell of `policy` takes one: as root, in the process tier, without a gateway
@@ -697,7 +695,7 @@ impl NetworkAhead {
 
     /// The namespace, once its thread is gone: `None` where none was made.
     fn take(&mut self) -> Option<std::os::fd::OwnedFd> {
-        self.0.take()?.join().ok()?.ok()
+        self.0.take()?.finish().ok().map(|made| made.fd)
     }
 }
 

@@ -1815,15 +1815,27 @@ pub(crate) fn data_extents(
     })
 }
 
+/// The ids of this process's threads (none where `/proc` cannot be read).
+fn thread_ids() -> Vec<libc::pid_t> {
+    std::fs::read_dir("/proc/self/task").map_or_else(
+        |_| Vec::new(),
+        |tasks| {
+            tasks
+                .flatten()
+                .filter_map(|task| task.file_name().to_str()?.parse().ok())
+                .collect()
+        },
+    )
+}
+
 /// How many threads this process has, one joined a moment ago not counted: the kernel wakes
 /// a thread's joiner (the clear of its id, as it lets go of the memory) before it takes the
 /// thread out of the process's list, so the list is looked at again, for 50 ms at most.
 pub(crate) fn thread_count_once_joined() -> usize {
-    let count = || std::fs::read_dir("/proc/self/task").map_or(1, |d| d.count());
     let deadline = std::time::Instant::now() + std::time::Duration::from_millis(50);
     loop {
-        let threads = count();
-        if threads <= 1 || std::time::Instant::now() >= deadline {
+        let threads = thread_ids().len().max(1);
+        if threads == 1 || std::time::Instant::now() >= deadline {
             return threads;
         }
         std::thread::yield_now();
@@ -1833,21 +1845,14 @@ pub(crate) fn thread_count_once_joined() -> usize {
 /// The thread of this process other than the calling one, where there is exactly one.
 pub(crate) fn only_other_thread() -> Option<libc::pid_t> {
     let me = rustix::thread::gettid().as_raw_nonzero().get();
-    let mut others = std::fs::read_dir("/proc/self/task")
-        .ok()?
-        .flatten()
-        .filter_map(|task| task.file_name().to_str()?.parse::<libc::pid_t>().ok())
-        .filter(|&tid| tid != me);
-    let other = others.next()?;
-    others.next().is_none().then_some(other)
-}
-
-/// Makes a network namespace with its loopback up, for a cell, on the calling thread (which
-/// is in it from then on: a thread of its own, that ends after): its descriptor.
-pub(crate) fn new_network_namespace() -> io::Result<OwnedFd> {
-    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).map_err(io::Error::from)?;
-    loopback_up()?;
-    network_namespace_of_this_thread()
+    match thread_ids()
+        .into_iter()
+        .filter(|&tid| tid != me)
+        .collect::<Vec<_>>()[..]
+    {
+        [other] => Some(other),
+        _ => None,
+    }
 }
 
 /// The network namespace the calling thread is in.

@@ -1,13 +1,16 @@
-//! The network namespace of a gVisor cell: made by the keeper, with loopback only, and, where
-//! the policy lets anything out, the gateway's sockets bound in it and the rest of its traffic
-//! redirected to them, exactly as the process tier's cell does it for itself. runsc joins it
-//! (`--network=host` with the namespace's path in the bundle), so the sandbox's sockets are
-//! this namespace's: every egress rule, credential and record holds unchanged.
+//! A cell's network namespace, made on a thread of its own (a network namespace is a thread's:
+//! the rest of the process stays in the host's), with loopback only, and, where the policy lets
+//! anything out, the gateway's sockets bound in it and the rest of its traffic redirected to
+//! them, exactly as the process tier's cell does it for itself. Made so by the gVisor tier's
+//! keeper (runsc joins it: `--network=host` with the namespace's path in the bundle, so the
+//! sandbox's sockets are this namespace's: every egress rule, credential and record holds
+//! unchanged), and by a root `warden run` for a process cell without a gateway, ahead of the
+//! cell's clone (`process::run::NetworkAhead`).
 
 use std::io;
 use std::os::fd::OwnedFd;
 
-/// A network namespace the keeper holds for the cell's life.
+/// A cell's network namespace (the gVisor keeper holds it for the cell's life).
 #[derive(Debug)]
 pub struct Namespace {
     /// The namespace itself (`/proc/self/fd/N` of it is what runsc is given).
@@ -34,7 +37,7 @@ impl Namespace {
                     io::Error::other(format!("creating the network namespace: {e}"))
                 })?;
                 crate::process::sys::loopback_up()?;
-                let fd = std::fs::File::open("/proc/thread-self/ns/net")?.into();
+                let fd = crate::process::sys::network_namespace_of_this_thread()?;
                 let sockets = match gateway {
                     true => Some(crate::gateway::Sockets::open()?),
                     false => None,
