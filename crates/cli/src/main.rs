@@ -38,6 +38,17 @@ extern "C" fn main(argc: libc::c_int, argv: *const *const libc::c_char) -> libc:
     unsafe { libc::_exit(code) }
 }
 
+/// The one function of the C library's maths library (`libm.so.6`) this program calls (tokio's
+/// scheduler weighs its tasks' poll times with it), given here from the `libm` crate
+/// (rust-lang's port of musl's), so that the loader maps no second library at every start for
+/// it (`build.rs`). The linker binds the program's calls to this definition.
+#[cfg(not(test))]
+#[allow(unsafe_code)]
+#[unsafe(no_mangle)]
+extern "C" fn pow(x: f64, y: f64) -> f64 {
+    libm::pow(x, y)
+}
+
 /// What the runtime would do before `main`: a closed stdin, stdout or stderr is opened on
 /// `/dev/null` (so that no file this process opens takes its number), and SIGPIPE is ignored.
 #[cfg(not(test))]
