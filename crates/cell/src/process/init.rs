@@ -203,7 +203,8 @@ fn setup_and_start(plan: &CellPlan, fds: &InitFds) -> SetupResult<Started> {
     setresgid(sgid, sgid, sgid).map_err(failed("taking the setup group id"))?;
     setresuid(suid, suid, suid).map_err(failed("taking the setup user id"))?;
     let tree = fds.tree.map(|_| owned(TREE_FD));
-    rootfs::build(plan, tree.as_ref()).map_err(|e| (SETUP_FAILED, e.to_string()))?;
+    let host_root =
+        rootfs::build(plan, tree.as_ref()).map_err(|e| (SETUP_FAILED, e.to_string()))?;
     drop(tree);
     // The host's sources are mounted or copied: nothing of the cell may inherit them.
     sys::close_from(SOURCES_FD).map_err(failed("closing the host's sources"))?;
@@ -234,6 +235,10 @@ fn setup_and_start(plan: &CellPlan, fds: &InitFds) -> SetupResult<Started> {
     let signals = SignalFd::with_flags(&mask, SfdFlags::SFD_CLOEXEC)
         .map_err(failed("creating a signalfd"))?;
 
+    // Nothing of the cell runs before the host's root is gone from its mount namespace.
+    host_root
+        .done()
+        .map_err(|e| (SETUP_FAILED, e.to_string()))?;
     let exec = fds.exec.map(|_| owned(EXEC_FD));
     let mut narrowing = confine::Narrowing::new(plan);
     // A cell that serves execs may start without a command of its own.

@@ -8,7 +8,7 @@ use std::io;
 use std::os::unix::fs::{PermissionsExt, symlink};
 use std::path::{Path, PathBuf};
 
-use nix::mount::{MntFlags, MsFlags, mount, umount2};
+use nix::mount::{MsFlags, mount};
 
 use super::overlay;
 use super::plan::{CellPlan, Entry, OverlayPlan, WorkspacePlan};
@@ -51,11 +51,12 @@ const PROC_MASKED_DIRS: &[&str] = &["acpi", "scsi", "asound", "firmware", "drive
 /// `/proc` directories kept visible but read-only.
 const PROC_READ_ONLY: &[&str] = &["sys", "irq", "bus", "fs"];
 
-/// Assembles the root described by `plan` on `plan.root` and pivots into it.
+/// Assembles the root described by `plan` on `plan.root` and pivots into it; the host's root
+/// is still being detached when this returns.
 pub fn build(
     plan: &CellPlan,
     workspace_tree: Option<&std::os::fd::OwnedFd>,
-) -> Result<(), SetupError> {
+) -> Result<HostRootDetaching, SetupError> {
     assemble(plan, workspace_tree, None)?;
     let root = plan.root.as_path();
     mount_dev(root, plan.shm_size)?;
@@ -604,14 +605,33 @@ fn hide(path: &Path) -> Result<(), SetupError> {
     }
 }
 
-fn pivot(root: &Path) -> Result<(), SetupError> {
+fn pivot(root: &Path) -> Result<HostRootDetaching, SetupError> {
     std::env::set_current_dir(root).map_err(at("entering", root))?;
     nix::unistd::pivot_root(".", ".")
         .map_err(errno)
         .map_err(at("pivot_root into", root))?;
-    // The old root is now stacked on top of the new one at "/"; detach it.
-    umount2(".", MntFlags::MNT_DETACH)
-        .map_err(errno)
+    // The old root is now stacked on top of the new one at "/"; detached by a child while the
+    // init goes on with its setup (this process's paths start below it, at its new root).
+    let detaching = sys::Detaching::start(Path::new("."))
         .map_err(at("detaching the host root", Path::new("/")))?;
-    std::env::set_current_dir("/").map_err(at("entering", Path::new("/")))
+    std::env::set_current_dir("/").map_err(at("entering", Path::new("/")))?;
+    Ok(HostRootDetaching(detaching))
+}
+
+/// The host's root, stacked on the cell's by `pivot_root` and being detached from the cell's
+/// mount namespace by a child of the init (`sys::Detaching`): the mounts leave the namespace at
+/// once, and the unmount's wait for the kernel's grace period (0.15-0.2 ms, every unmount ends
+/// with one) is the child's, beside the init's next steps, rather than on the way to the
+/// command. `done` must say so before anything of the cell's runs.
+#[derive(Debug)]
+#[must_use = "the command may start only once the host's root is detached"]
+pub struct HostRootDetaching(sys::Detaching);
+
+impl HostRootDetaching {
+    /// Waits until the host's root is detached; an error if it could not be.
+    pub fn done(self) -> Result<(), SetupError> {
+        self.0
+            .wait()
+            .map_err(at("detaching the host root", Path::new("/")))
+    }
 }
