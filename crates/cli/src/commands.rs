@@ -317,9 +317,12 @@ fn run_in_process(
         ),
         None => None,
     };
+    // A preset as it is goes by its name (its text is not written out only to be kept).
+    let preset = crate::policy::preset_as_is(&args.policy);
     let request = warden_protocol::CreateCell {
         name: args.name,
-        policy: Some(warden_policy::to_yaml(policy)),
+        policy: preset.is_none().then(|| warden_policy::to_yaml(policy)),
+        preset,
         workspace,
         from,
         labels: [("made-by".to_owned(), "warden run".to_owned())].into(),

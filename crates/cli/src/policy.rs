@@ -13,12 +13,9 @@ pub fn load(file: Option<&std::path::Path>, preset: Option<&str>) -> Result<Poli
     })
 }
 
-/// The policy a new cell gets: the file or preset, with the command line's knobs on top, checked
-/// again as a whole.
-pub fn effective(args: &crate::cli::PolicyArgs) -> Result<Policy> {
-    use warden_policy::{ByteSize, Duration as PolicyDuration};
-    let mut policy = load(args.file.as_deref(), args.preset.as_deref())?;
-    let knobs = args.memory.is_some()
+/// Whether the command line sets anything of the policy beside its file or preset.
+fn has_knobs(args: &crate::cli::PolicyArgs) -> bool {
+    args.memory.is_some()
         || args.tier.is_some()
         || args.disk.is_some()
         || args.cpus.is_some()
@@ -26,8 +23,23 @@ pub fn effective(args: &crate::cli::PolicyArgs) -> Result<Policy> {
         || args.timeout.is_some()
         || !args.allow.is_empty()
         || !args.read_only.is_empty()
-        || !args.read_write.is_empty();
-    if !knobs {
+        || !args.read_write.is_empty()
+}
+
+/// The preset the policy is, as it is, where the command line names no file and no knob: a
+/// cell's request (and its journal entry) then names the preset, as a daemon's create of a
+/// preset does, rather than carrying its text.
+pub fn preset_as_is(args: &crate::cli::PolicyArgs) -> Option<String> {
+    (args.file.is_none() && !has_knobs(args))
+        .then(|| args.preset.clone().unwrap_or_else(|| "default".to_owned()))
+}
+
+/// The policy a new cell gets: the file or preset, with the command line's knobs on top, checked
+/// again as a whole.
+pub fn effective(args: &crate::cli::PolicyArgs) -> Result<Policy> {
+    use warden_policy::{ByteSize, Duration as PolicyDuration};
+    let mut policy = load(args.file.as_deref(), args.preset.as_deref())?;
+    if !has_knobs(args) {
         return Ok(policy);
     }
     let none = |text: &str| matches!(text.trim(), "none" | "unlimited");

@@ -499,8 +499,11 @@ impl Harness {
             ),
             (None, preset) => {
                 let preset = preset.clone().unwrap_or_else(|| "default".to_owned());
-                let parsed = warden_policy::preset(&preset)
-                    .map_err(|e| HarnessError::from(CreateError::Invalid(e.to_string())))?;
+                let parsed = match parsed.take() {
+                    Some(parsed) => parsed,
+                    None => warden_policy::preset(&preset)
+                        .map_err(|e| HarnessError::from(CreateError::Invalid(e.to_string())))?,
+                };
                 (PolicySource::Preset(preset), parsed)
             }
         };
