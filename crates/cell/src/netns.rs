@@ -33,6 +33,12 @@ impl Namespace {
         std::thread::Builder::new()
             .name("cell-netns".to_owned())
             .spawn(move || -> io::Result<Self> {
+                // The CPU's features, which the standard library asks the CPU about once per
+                // process (a dozen `cpuid`s, each a trap to the hypervisor in a VM: 30 us
+                // here), asked here, beside the caller, before its first need of them
+                // (hashing the journal, searching bytes).
+                #[cfg(target_arch = "x86_64")]
+                let _ = std::arch::is_x86_feature_detected!("avx2");
                 nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).map_err(|e| {
                     io::Error::other(format!("creating the network namespace: {e}"))
                 })?;
