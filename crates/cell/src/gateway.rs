@@ -154,10 +154,26 @@ impl Sockets {
     /// namespace's other traffic to them (TCP to the transparent port, DNS to the warden's
     /// resolver, the rest dropped). Port 53 needs the capability to bind it.
     pub fn open() -> io::Result<Self> {
+        let (mut sockets, redirecting) = Self::open_redirecting()?;
+        sockets.redirected = redirecting.is_some_and(Redirecting::finish);
+        Ok(sockets)
+    }
+
+    /// `open`, with the redirection's programs started and not waited for (`redirected` is
+    /// false until the caller has `Redirecting::finish` say so): until they are done, the
+    /// namespace's other traffic has no route out. `None`: the host lacks `ip` or `nft`, or
+    /// they could not be started.
+    pub fn open_redirecting() -> io::Result<(Self, Option<Redirecting>)> {
+        let sockets = Self::open_unredirected()?;
+        Ok((sockets, Redirecting::start()))
+    }
+
+    /// The sockets alone, the namespace's other traffic not redirected to them (`redirected`
+    /// false): see `Redirecting`.
+    pub fn open_unredirected() -> io::Result<Self> {
         let proxy = TcpListener::bind(("127.0.0.1", warden_egress::GATEWAY_PORT))?;
         let transparent = TcpListener::bind(("127.0.0.1", warden_egress::TRANSPARENT_PORT))?;
         let dns = UdpSocket::bind(("127.0.0.1", 53))?;
-        let redirected = redirect();
         // IPv6 connections are redirected to [::1]; a kernel without IPv6 simply has none.
         let transparent6 = TcpListener::bind(("::1", warden_egress::TRANSPARENT_PORT)).ok();
         // The proxy port on IPv6 too, for clients that reach `localhost` over ::1 (only where
@@ -171,7 +187,7 @@ impl Sockets {
             dns: dns.into(),
             transparent6: transparent6.map(Into::into),
             proxy6: proxy6.map(Into::into),
-            redirected,
+            redirected: false,
         })
     }
 
@@ -224,60 +240,95 @@ table ip6 warden {
 }
 ";
 
-/// Gives the calling thread's network namespace a default route through loopback (so that
-/// connections to other addresses reach the output hook at all) and redirects them to the
-/// gateway. Needs `ip` and `nft` on the host; says whether it worked.
-fn redirect() -> bool {
-    use std::process::{Command, Stdio};
-    let ip = ["/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip"]
-        .into_iter()
-        .find(|p| Path::new(p).exists());
-    let nft = ["/usr/sbin/nft", "/sbin/nft"]
-        .into_iter()
-        .find(|p| Path::new(p).exists());
-    let (Some(ip), Some(nft)) = (ip, nft) else {
-        return false;
-    };
-    // The three at once, each waited for after: none needs another's work, and one after the
-    // other they were most of what a cell with a gateway adds to a cold start (`ip` 0.7 ms and
-    // `nft` 1.2 ms more than `true` in a fresh network namespace here).
-    let start = |program: &str, args: &[&str], input: bool| {
-        Command::new(program)
-            .args(args)
-            .stdin(if input { Stdio::piped() } else { Stdio::null() })
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-    };
-    let started = [
-        start(ip, &["route", "add", "default", "dev", "lo"], false),
-        start(ip, &["-6", "route", "add", "default", "dev", "lo"], false),
-        start(nft, &["-f", "-"], true),
-    ];
-    let mut children = Vec::new();
-    for child in started {
-        match child {
-            Ok(child) => children.push(child),
-            Err(_) => {
-                for mut child in children {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                }
-                return false;
-            }
+/// The programs that give a network namespace a default route through loopback (so that
+/// connections to other addresses reach the output hook at all) and redirect its traffic to
+/// the gateway (`ip` twice, `nft` with `REDIRECT_RULES`), started by a thread in that namespace
+/// (a process takes the namespace of the thread that starts it) and waited for by
+/// `finish`, from any thread of the process. Dropped unfinished, they are killed and waited
+/// for.
+#[derive(Debug)]
+pub struct Redirecting {
+    children: Vec<std::process::Child>,
+    /// Whether the rules went to `nft` whole.
+    written: bool,
+}
+
+impl Redirecting {
+    /// Starts the three programs at once (none needs another's work, and one after the other
+    /// they were most of what a cell with a gateway adds to a cold start: `ip` 0.7 ms and
+    /// `nft` 1.2 ms more than `true` in a fresh network namespace here). `None` where the host
+    /// lacks `ip` or `nft`, or one could not be started (those started are ended).
+    fn start() -> Option<Self> {
+        use std::process::{Command, Stdio};
+        let ip = ["/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip"]
+            .into_iter()
+            .find(|p| Path::new(p).exists())?;
+        let nft = ["/usr/sbin/nft", "/sbin/nft"]
+            .into_iter()
+            .find(|p| Path::new(p).exists())?;
+        let start = |program: &str, args: &[&str], input: bool| {
+            Command::new(program)
+                .args(args)
+                .stdin(if input { Stdio::piped() } else { Stdio::null() })
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+        };
+        // `nft` first: it takes longest (its libraries, its netlink cache), 2-3 ms here.
+        let started = [
+            start(nft, &["-f", "-"], true),
+            start(ip, &["route", "add", "default", "dev", "lo"], false),
+            start(ip, &["-6", "route", "add", "default", "dev", "lo"], false),
+        ];
+        let mut redirecting = Self {
+            children: Vec::new(),
+            written: false,
+        };
+        for child in started {
+            // Those started already are ended by the drop.
+            redirecting.children.push(child.ok()?);
+        }
+        // The rules go to `nft` (its stdin, closed after).
+        redirecting.written = redirecting
+            .children
+            .iter_mut()
+            .filter_map(|child| child.stdin.take())
+            .all(|mut stdin| stdin.write_all(REDIRECT_RULES.as_bytes()).is_ok());
+        Some(redirecting)
+    }
+
+    /// The whole redirection of the network namespace `netns` (programs started and waited
+    /// for), on a thread of its own that enters it: whether it is redirected. For a namespace
+    /// whose sockets were opened without it (`Sockets::open_unredirected`), by a caller that
+    /// has other work meanwhile.
+    pub fn start_in(netns: OwnedFd) -> io::Result<std::thread::JoinHandle<bool>> {
+        std::thread::Builder::new()
+            .name("cell-redirect".to_owned())
+            .spawn(move || {
+                crate::process::sys::enter_network_namespace(std::os::fd::AsFd::as_fd(&netns))
+                    .is_ok()
+                    && Self::start().is_some_and(Self::finish)
+            })
+    }
+
+    /// Waits for every one of the programs, whatever the others did: whether the namespace
+    /// is redirected.
+    pub fn finish(mut self) -> bool {
+        let waited: Vec<bool> = std::mem::take(&mut self.children)
+            .into_iter()
+            .map(|mut child| child.wait().is_ok_and(|s| s.success()))
+            .collect();
+        waited.into_iter().all(|ok| ok) && self.written
+    }
+}
+
+impl Drop for Redirecting {
+    fn drop(&mut self) {
+        for child in &mut self.children {
+            let _ = child.kill();
+            let _ = child.wait();
         }
     }
-    // The rules go to `nft` first (its stdin, closed after), then each is waited for.
-    let written = children
-        .iter_mut()
-        .filter_map(|child| child.stdin.take())
-        .all(|mut stdin| stdin.write_all(REDIRECT_RULES.as_bytes()).is_ok());
-    // Every one waited for, whatever the others did.
-    let waited: Vec<bool> = children
-        .iter_mut()
-        .map(|child| child.wait().is_ok_and(|s| s.success()))
-        .collect();
-    waited.into_iter().all(|ok| ok) && written
 }
 
 /// The notice of a cell whose namespace could not be redirected.

@@ -30,37 +30,79 @@ impl Namespace {
     /// `make` begun: the namespace is made on its thread while the caller goes on; `finish`
     /// waits for it.
     pub fn start(gateway: bool) -> io::Result<Making> {
+        Self::start_with(gateway, true)
+    }
+
+    /// `start`, with the gateway's sockets opened but its redirection left to the caller
+    /// (`gateway::Redirecting::start_in`), who can start it later, beside other work: the
+    /// thread is then done sooner.
+    pub fn start_unredirected(gateway: bool) -> io::Result<Making> {
+        Self::start_with(gateway, false)
+    }
+
+    fn start_with(gateway: bool, redirect: bool) -> io::Result<Making> {
         std::thread::Builder::new()
             .name("cell-netns".to_owned())
-            .spawn(move || -> io::Result<Self> {
-                // The CPU's features, which the standard library asks the CPU about once per
-                // process (a dozen `cpuid`s, each a trap to the hypervisor in a VM: 30 us
-                // here), asked here, beside the caller, before its first need of them
-                // (hashing the journal, searching bytes).
-                #[cfg(target_arch = "x86_64")]
-                let _ = std::arch::is_x86_feature_detected!("avx2");
+            .spawn(move || -> io::Result<Made> {
                 nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).map_err(|e| {
                     io::Error::other(format!("creating the network namespace: {e}"))
                 })?;
                 crate::process::sys::loopback_up()?;
                 let fd = crate::process::sys::network_namespace_of_this_thread()?;
-                let sockets = match gateway {
-                    true => Some(crate::gateway::Sockets::open()?),
-                    false => None,
+                let (sockets, redirecting) = match (gateway, redirect) {
+                    (true, true) => {
+                        let (sockets, redirecting) = crate::gateway::Sockets::open_redirecting()?;
+                        (Some(sockets), redirecting)
+                    }
+                    (true, false) => (Some(crate::gateway::Sockets::open_unredirected()?), None),
+                    (false, _) => (None, None),
                 };
-                Ok(Self { fd, sockets })
+                Ok(Made {
+                    namespace: Self { fd, sockets },
+                    redirecting,
+                })
             })
             .map(Making)
     }
 }
 
+/// A network namespace made, its gateway's redirection (where it has a gateway) perhaps still
+/// under way: the programs that set it up run in their own processes, which outlive the
+/// thread that started them.
+#[derive(Debug)]
+pub struct Made {
+    pub namespace: Namespace,
+    pub redirecting: Option<crate::gateway::Redirecting>,
+}
+
+impl Made {
+    /// The namespace, once its redirection is done (its sockets say whether it worked).
+    pub fn redirected(self) -> Namespace {
+        let Self {
+            mut namespace,
+            redirecting,
+        } = self;
+        let done = redirecting.is_some_and(crate::gateway::Redirecting::finish);
+        if let Some(sockets) = &mut namespace.sockets {
+            sockets.redirected = done;
+        }
+        namespace
+    }
+}
+
 /// A network namespace being made (`Namespace::start`).
 #[derive(Debug)]
-pub struct Making(std::thread::JoinHandle<io::Result<Namespace>>);
+pub struct Making(std::thread::JoinHandle<io::Result<Made>>);
 
 impl Making {
-    /// The namespace, once its thread has made it.
+    /// The namespace, once its thread has made it and its redirection is done.
     pub fn finish(self) -> io::Result<Namespace> {
+        Ok(self.joined()?.redirected())
+    }
+
+    /// The namespace, once its thread has made it (and is gone); its redirection may still be
+    /// under way.
+    pub fn joined(self) -> io::Result<Made> {
         self.0
             .join()
             .map_err(|_| io::Error::other("the thread making the network namespace failed"))?

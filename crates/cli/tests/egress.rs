@@ -738,6 +738,34 @@ fn clients_that_ignore_the_proxy_variables_are_still_decided_by_the_gateway() {
     assert!(warden().args(["rm", &name]).status().unwrap().success());
 }
 
+/// The redirection of a cell's other traffic to its gateway, which (as root) the warden makes
+/// from outside the cell, beside its setup, is in place when its command starts: the
+/// command's first act reads the cell's routes, and the default one through loopback is there
+/// every time. (Without the warden's redirection, none is.)
+#[test]
+fn the_redirection_is_in_place_when_the_command_starts() {
+    let dir = tempdir();
+    let policy = net_policy(
+        dir.path(),
+        "  allow:\n    - host: 127.0.0.2\n      ports: [80]\n",
+    );
+    for _ in 0..5 {
+        let ran = Ran::from(
+            warden()
+                .args(["run", "--policy", &policy, "--", "cat", "/proc/net/route"])
+                .output()
+                .unwrap(),
+        );
+        assert_eq!(ran.code, 0, "{ran:?}");
+        assert!(
+            ran.stdout
+                .lines()
+                .any(|line| line.starts_with("lo\t00000000\t")),
+            "no default route when the command started: {ran:?}"
+        );
+    }
+}
+
 #[test]
 fn redirected_plain_http_is_decided_on_method_and_path() {
     let dir = tempdir();

@@ -286,9 +286,22 @@ pub fn run_with(
         | libc::CLONE_NEWPID
         | libc::CLONE_NEWIPC
         | libc::CLONE_NEWUTS;
-    // The network namespace made ahead, its thread gone (or none: the clone makes one). Only
-    // a cell whose network is its loopback alone may have one.
-    let ready_network = network.take().filter(|_| NetworkAhead::wanted(policy));
+    // The network namespace made ahead, its thread gone (or none: the clone makes one, and
+    // the init opens the gateway's sockets in it), with the gateway's sockets where the cell
+    // has a gateway (then the init has none to open: its channel is not handed to it).
+    let (ready_network, mut gateway_ahead) =
+        match network.take().filter(|_| NetworkAhead::wanted(policy)) {
+            Some(made) => match (made.namespace.sockets, gateway_rules.is_some()) {
+                (Some(sockets), true) => (Some(made.namespace.fd), Some((sockets, None))),
+                (None, false) => (Some(made.namespace.fd), None),
+                // Made for another policy: let go of.
+                _ => (None, None),
+            },
+            None => (None, None),
+        };
+    if gateway_ahead.is_some() {
+        fds.gateway = None;
+    }
     // The child goes on as a copy of this thread alone: a lock another thread holds now
     // would stay held in the init for ever. Refused instead of risked.
     let threads = sys::thread_count_once_joined();
@@ -316,7 +329,9 @@ pub fn run_with(
         init::run(&plan, &fds)
     }
     let back = back_to.map(|own| sys::enter_network_namespace(own.as_fd()));
-    drop(ready_network);
+    // A gateway's namespace made ahead is redirected by a thread of its own, started once the
+    // init has its go-ahead (below).
+    let redirect_in = ready_network.filter(|_| gateway_ahead.is_some());
     let pid = match cloned {
         Ok(pid) => Pid::from_raw(pid),
         Err(source) => {
@@ -360,6 +375,12 @@ pub fn run_with(
     }
     // A failed go-ahead means the init ended already: why is on the status pipe (read below).
     let mut go_ahead = sys::send_message(sync.as_fd(), &[init::GO_MAPPED], &[]);
+    // The redirection's programs (`nft` 2-3 ms here) run beside the init's setup; the last
+    // go-ahead waits for them. One that cannot be started leaves the namespace unredirected
+    // (said in a notice, as where the host lacks the programs).
+    if let (Some(netns), Some((_, redirecting))) = (redirect_in, &mut gateway_ahead) {
+        *redirecting = crate::gateway::Redirecting::start_in(netns).ok();
+    }
 
     // The caller's work before the command may start (`warden run` journals the start, with
     // its fdatasync) runs on a thread of its own from here, beside the cgroup and the record
@@ -449,6 +470,13 @@ pub fn run_with(
         }
         Ok::<_, RunError>((cell_cgroup, cgroup_joins))
     })?;
+    // The gateway's redirection of a namespace made ahead is in place before anything of the
+    // cell runs.
+    if let Some((sockets, redirecting)) = &mut gateway_ahead {
+        sockets.redirected = redirecting
+            .take()
+            .is_some_and(|thread| thread.join().unwrap_or(false));
+    }
     let go = if cell_cgroup.is_some() {
         init::GO_IN_CGROUP
     } else {
@@ -525,12 +553,16 @@ pub fn run_with(
 
     let mut policy_watch = None;
     if let (Some(planned), Some(channel)) = (gateway_rules, &gateway_channel) {
-        let (flag, sockets) =
-            sys::receive_fds(channel.as_fd()).map_err(os("receiving the gateway sockets"))?;
-        let sockets =
-            crate::gateway::Sockets::from_ordered(sockets, flag == b't').ok_or_else(|| {
-                RunError::Setup("the cell did not hand over the gateway's sockets".to_owned())
-            })?;
+        let sockets = match gateway_ahead.take() {
+            Some((sockets, _)) => sockets,
+            None => {
+                let (flag, sockets) = sys::receive_fds(channel.as_fd())
+                    .map_err(os("receiving the gateway sockets"))?;
+                crate::gateway::Sockets::from_ordered(sockets, flag == b't').ok_or_else(|| {
+                    RunError::Setup("the cell did not hand over the gateway's sockets".to_owned())
+                })?
+            }
+        };
         if !sockets.redirected {
             notices.push(crate::gateway::NOT_REDIRECTED.to_owned());
         }
@@ -654,16 +686,20 @@ pub fn run_with(
     ))
 }
 
-/// A network namespace made for a cell on a thread of its own (as root, for a cell without a
-/// gateway, whose network is its loopback alone), while the run's thread plans the cell; the
-/// cell is cloned inside it. The clone made it before: 0.6-0.8 ms of the kernel's (the
-/// namespace's devices, its sysctl tables, its loopback) on the run's one thread, while the
-/// other core idled. The namespace belongs to the warden's own user namespace rather than to
-/// the cell's: nothing in the cell may change it (its init has nothing to set up there; its
-/// loopback is up already), as nothing in the cell could before, having no capability once its
-/// command runs. One is made for each cell, and used by none other. Its thread is joined before
-/// the clone (which is made with no other thread), or when this is dropped.
-/// (The namespace is made as the gVisor keeper makes its cell's: `netns::Namespace`.)
+/// A network namespace made for a cell on a thread of its own (as root), while the run's
+/// thread plans the cell; the cell is cloned inside it. The clone made it before: 0.6-0.8 ms of
+/// the kernel's (the namespace's devices, its sysctl tables, its loopback) on the run's one
+/// thread, while the other core idled. For a cell with a gateway, the thread also binds the
+/// gateway's sockets in it and starts the programs that redirect its other traffic to them
+/// (`gateway::Redirecting`), which the cell's init did after its mounts: they now run beside
+/// the init's setup, and are waited for before the init's last go-ahead (nothing of the cell
+/// runs before). The namespace belongs to the warden's own user namespace rather than to the
+/// cell's: nothing in the cell may change it (its init has nothing to set up there), not even
+/// while its setup holds capabilities, where the cell's init could change a namespace of its
+/// own (its routes, its rules) until it dropped them. One is made for each cell, and used by
+/// none other. Its thread is joined before the clone (which is made with no other thread), or
+/// when this is dropped. (The namespace is made as the gVisor keeper makes its cell's:
+/// `netns::Namespace`.)
 #[derive(Debug)]
 pub(crate) struct NetworkAhead(Option<crate::netns::Making>);
 
@@ -673,7 +709,7 @@ impl NetworkAhead {
         if !Self::wanted(policy) {
             return Self(None);
         }
-        let making = crate::netns::Namespace::start(false).ok();
+        let making = crate::netns::Namespace::start_unredirected(policy.network.has_gateway()).ok();
         // Off this thread's CPU: the scheduler queued a new thread behind its maker on the
         // maker's CPU now and then, while the other idled (traced: 0.4-1.1 ms before it ran, in
         // 17 starts of 40), and this thread goes on working.
@@ -685,17 +721,15 @@ impl NetworkAhead {
         Self(making)
     }
 
-    /// Whether a cell of `policy` takes one: as root, in the process tier, without a gateway
-    /// (whose sockets and redirection the init sets up in the cell's network).
+    /// Whether a cell of `policy` takes one: as root, in the process tier.
     fn wanted(policy: &Policy) -> bool {
-        policy.tier == Tier::Process
-            && !policy.network.has_gateway()
-            && nix::unistd::geteuid().is_root()
+        policy.tier == Tier::Process && nix::unistd::geteuid().is_root()
     }
 
-    /// The namespace, once its thread is gone: `None` where none was made.
-    fn take(&mut self) -> Option<std::os::fd::OwnedFd> {
-        self.0.take()?.finish().ok().map(|made| made.fd)
+    /// The namespace, once its thread is gone (its gateway's redirection may still be under
+    /// way): `None` where none was made.
+    fn take(&mut self) -> Option<crate::netns::Made> {
+        self.0.take()?.joined().ok()
     }
 }
 
