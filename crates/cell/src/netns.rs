@@ -1,11 +1,12 @@
 //! A cell's network namespace, made on a thread of its own (a network namespace is a thread's:
 //! the rest of the process stays in the host's), with loopback only, and, where the policy lets
 //! anything out, the gateway's sockets bound in it and the rest of its traffic redirected to
-//! them, exactly as the process tier's cell does it for itself. Made so by the gVisor tier's
+//! them, exactly as a rootless process cell's init does it for itself. Made so by the gVisor tier's
 //! keeper (runsc joins it: `--network=host` with the namespace's path in the bundle, so the
 //! sandbox's sockets are this namespace's: every egress rule, credential and record holds
-//! unchanged), and by a root `warden run` for a process cell without a gateway, ahead of the
-//! cell's clone (`process::run::NetworkAhead`).
+//! unchanged), and by a root warden for a process cell, ahead of the cell's clone
+//! (`process::run::NetworkAhead`), where a cell with a gateway has its redirection made after
+//! the clone, beside the init's setup (`start_unredirected`, `gateway::Redirecting::start_in`).
 
 use std::io;
 use std::os::fd::OwnedFd;
