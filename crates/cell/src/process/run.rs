@@ -299,9 +299,6 @@ pub fn run_with(
             },
             None => (None, None),
         };
-    if gateway_ahead.is_some() {
-        fds.gateway = None;
-    }
     // The child goes on as a copy of this thread alone: a lock another thread holds now
     // would stay held in the init for ever. Refused instead of risked.
     let threads = sys::thread_count_once_joined();
@@ -322,6 +319,12 @@ pub fn run_with(
     match back_to {
         Some(_) => fds.network_ready = true,
         None => flags |= libc::CLONE_NEWNET,
+    }
+    // The gateway's sockets are the ones made ahead only where the cell is cloned in their
+    // namespace (else its init opens them in its own, as without one made ahead).
+    match back_to {
+        Some(_) if gateway_ahead.is_some() => fds.gateway = None,
+        _ => gateway_ahead = None,
     }
     let cloned = sys::clone_process(flags);
     if matches!(cloned, Ok(0)) {
@@ -690,10 +693,10 @@ pub fn run_with(
 /// thread plans the cell; the cell is cloned inside it. The clone made it before: 0.6-0.8 ms of
 /// the kernel's (the namespace's devices, its sysctl tables, its loopback) on the run's one
 /// thread, while the other core idled. For a cell with a gateway, the thread also binds the
-/// gateway's sockets in it and starts the programs that redirect its other traffic to them
-/// (`gateway::Redirecting`), which the cell's init did after its mounts: they now run beside
-/// the init's setup, and are waited for before the init's last go-ahead (nothing of the cell
-/// runs before). The namespace belongs to the warden's own user namespace rather than to the
+/// gateway's sockets in it, and once the cell is cloned another thread runs the programs that
+/// redirect its other traffic to them (`gateway::Redirecting::start_in`), which the cell's init
+/// ran after its mounts: they now run beside the init's setup, and are waited for before the
+/// init's last go-ahead (nothing of the cell runs before). The namespace belongs to the warden's own user namespace rather than to the
 /// cell's: nothing in the cell may change it (its init has nothing to set up there), not even
 /// while its setup holds capabilities, where the cell's init could change a namespace of its
 /// own (its routes, its rules) until it dropped them. One is made for each cell, and used by
@@ -726,8 +729,8 @@ impl NetworkAhead {
         policy.tier == Tier::Process && nix::unistd::geteuid().is_root()
     }
 
-    /// The namespace, once its thread is gone (its gateway's redirection may still be under
-    /// way): `None` where none was made.
+    /// The namespace (with the gateway's sockets, unredirected, where it was made for a
+    /// gateway), once its thread is gone: `None` where none was made.
     fn take(&mut self) -> Option<crate::netns::Made> {
         self.0.take()?.joined().ok()
     }
