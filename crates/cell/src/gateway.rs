@@ -154,22 +154,13 @@ impl Sockets {
     /// namespace's other traffic to them (TCP to the transparent port, DNS to the warden's
     /// resolver, the rest dropped). Port 53 needs the capability to bind it.
     pub fn open() -> io::Result<Self> {
-        let (mut sockets, redirecting) = Self::open_redirecting()?;
-        sockets.redirected = redirecting.is_some_and(Redirecting::finish);
+        let mut sockets = Self::open_unredirected()?;
+        sockets.redirected = Redirecting::start().is_some_and(Redirecting::finish);
         Ok(sockets)
     }
 
-    /// `open`, with the redirection's programs started and not waited for (`redirected` is
-    /// false until the caller has `Redirecting::finish` say so): until they are done, the
-    /// namespace's other traffic has no route out. `None`: the host lacks `ip` or `nft`, or
-    /// they could not be started.
-    pub fn open_redirecting() -> io::Result<(Self, Option<Redirecting>)> {
-        let sockets = Self::open_unredirected()?;
-        Ok((sockets, Redirecting::start()))
-    }
-
     /// The sockets alone, the namespace's other traffic not redirected to them (`redirected`
-    /// false): see `Redirecting`.
+    /// false): see `redirect_in`.
     pub fn open_unredirected() -> io::Result<Self> {
         let proxy = TcpListener::bind(("127.0.0.1", warden_egress::GATEWAY_PORT))?;
         let transparent = TcpListener::bind(("127.0.0.1", warden_egress::TRANSPARENT_PORT))?;
@@ -240,14 +231,25 @@ table ip6 warden {
 }
 ";
 
+/// The whole redirection of the network namespace `netns` (see `Redirecting`), on a thread of
+/// its own that enters it: whether it is redirected. For a namespace whose sockets were opened
+/// without it (`Sockets::open_unredirected`), by a caller that has other work meanwhile.
+pub fn redirect_in(netns: OwnedFd) -> io::Result<std::thread::JoinHandle<bool>> {
+    std::thread::Builder::new()
+        .name("cell-redirect".to_owned())
+        .spawn(move || {
+            crate::process::sys::enter_network_namespace(std::os::fd::AsFd::as_fd(&netns)).is_ok()
+                && Redirecting::start().is_some_and(Redirecting::finish)
+        })
+}
+
 /// The programs that give a network namespace a default route through loopback (so that
 /// connections to other addresses reach the output hook at all) and redirect its traffic to
 /// the gateway (`ip` twice, `nft` with `REDIRECT_RULES`), started by a thread in that namespace
-/// (a process takes the namespace of the thread that starts it) and waited for by
-/// `finish`, from any thread of the process. Dropped unfinished, they are killed and waited
-/// for.
+/// (a process takes the namespace of the thread that starts it) and waited for by `finish`.
+/// Dropped unfinished, they are killed and waited for.
 #[derive(Debug)]
-pub struct Redirecting {
+struct Redirecting {
     children: Vec<std::process::Child>,
     /// Whether the rules went to `nft` whole.
     written: bool,
@@ -297,23 +299,9 @@ impl Redirecting {
         Some(redirecting)
     }
 
-    /// The whole redirection of the network namespace `netns` (programs started and waited
-    /// for), on a thread of its own that enters it: whether it is redirected. For a namespace
-    /// whose sockets were opened without it (`Sockets::open_unredirected`), by a caller that
-    /// has other work meanwhile.
-    pub fn start_in(netns: OwnedFd) -> io::Result<std::thread::JoinHandle<bool>> {
-        std::thread::Builder::new()
-            .name("cell-redirect".to_owned())
-            .spawn(move || {
-                crate::process::sys::enter_network_namespace(std::os::fd::AsFd::as_fd(&netns))
-                    .is_ok()
-                    && Self::start().is_some_and(Self::finish)
-            })
-    }
-
     /// Waits for every one of the programs, whatever the others did: whether the namespace
     /// is redirected.
-    pub fn finish(mut self) -> bool {
+    fn finish(mut self) -> bool {
         let waited: Vec<bool> = std::mem::take(&mut self.children)
             .into_iter()
             .map(|mut child| child.wait().is_ok_and(|s| s.success()))

@@ -6,7 +6,7 @@
 //! sandbox's sockets are this namespace's: every egress rule, credential and record holds
 //! unchanged), and by a root warden for a process cell, ahead of the cell's clone
 //! (`process::run::NetworkAhead`), where a cell with a gateway has its redirection made after
-//! the clone, beside the init's setup (`start_unredirected`, `gateway::Redirecting::start_in`).
+//! the clone, beside the init's setup (`start_unredirected`, `gateway::redirect_in`).
 
 use std::io;
 use std::os::fd::OwnedFd;
@@ -35,8 +35,8 @@ impl Namespace {
     }
 
     /// `start`, with the gateway's sockets opened but its redirection left to the caller
-    /// (`gateway::Redirecting::start_in`), who can start it later, beside other work: the
-    /// thread is then done sooner.
+    /// (`gateway::redirect_in`), who can start it later, beside other work: the thread is then
+    /// done sooner.
     pub fn start_unredirected(gateway: bool) -> io::Result<Making> {
         Self::start_with(gateway, false)
     }
@@ -44,66 +44,30 @@ impl Namespace {
     fn start_with(gateway: bool, redirect: bool) -> io::Result<Making> {
         std::thread::Builder::new()
             .name("cell-netns".to_owned())
-            .spawn(move || -> io::Result<Made> {
+            .spawn(move || -> io::Result<Self> {
                 nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).map_err(|e| {
                     io::Error::other(format!("creating the network namespace: {e}"))
                 })?;
                 crate::process::sys::loopback_up()?;
                 let fd = crate::process::sys::network_namespace_of_this_thread()?;
-                let (sockets, redirecting) = match (gateway, redirect) {
-                    (true, true) => {
-                        let (sockets, redirecting) = crate::gateway::Sockets::open_redirecting()?;
-                        (Some(sockets), redirecting)
-                    }
-                    (true, false) => (Some(crate::gateway::Sockets::open_unredirected()?), None),
-                    (false, _) => (None, None),
+                let sockets = match (gateway, redirect) {
+                    (true, true) => Some(crate::gateway::Sockets::open()?),
+                    (true, false) => Some(crate::gateway::Sockets::open_unredirected()?),
+                    (false, _) => None,
                 };
-                Ok(Made {
-                    namespace: Self { fd, sockets },
-                    redirecting,
-                })
+                Ok(Self { fd, sockets })
             })
             .map(Making)
     }
 }
 
-/// A network namespace made, its gateway's redirection (where it has a gateway) perhaps still
-/// under way: the programs that set it up run in their own processes, which outlive the
-/// thread that started them.
-#[derive(Debug)]
-pub struct Made {
-    pub namespace: Namespace,
-    pub redirecting: Option<crate::gateway::Redirecting>,
-}
-
-impl Made {
-    /// The namespace, once its redirection is done (its sockets say whether it worked).
-    pub fn redirected(self) -> Namespace {
-        let Self {
-            mut namespace,
-            redirecting,
-        } = self;
-        let done = redirecting.is_some_and(crate::gateway::Redirecting::finish);
-        if let Some(sockets) = &mut namespace.sockets {
-            sockets.redirected = done;
-        }
-        namespace
-    }
-}
-
 /// A network namespace being made (`Namespace::start`).
 #[derive(Debug)]
-pub struct Making(std::thread::JoinHandle<io::Result<Made>>);
+pub struct Making(std::thread::JoinHandle<io::Result<Namespace>>);
 
 impl Making {
-    /// The namespace, once its thread has made it and its redirection is done.
+    /// The namespace, once its thread has made it (and is gone).
     pub fn finish(self) -> io::Result<Namespace> {
-        Ok(self.joined()?.redirected())
-    }
-
-    /// The namespace, once its thread has made it (and is gone); its redirection may still be
-    /// under way.
-    pub fn joined(self) -> io::Result<Made> {
         self.0
             .join()
             .map_err(|_| io::Error::other("the thread making the network namespace failed"))?

@@ -285,9 +285,9 @@ pub fn run_with(
     // has a gateway (then the init has none to open: its channel is not handed to it).
     let (ready_network, mut gateway_ahead) =
         match network.take().filter(|_| NetworkAhead::wanted(policy)) {
-            Some(made) => match (made.namespace.sockets, gateway_rules.is_some()) {
-                (Some(sockets), true) => (Some(made.namespace.fd), Some((sockets, None))),
-                (None, false) => (Some(made.namespace.fd), None),
+            Some(made) => match (made.sockets, gateway_rules.is_some()) {
+                (Some(sockets), true) => (Some(made.fd), Some(sockets)),
+                (None, false) => (Some(made.fd), None),
                 // Made for another policy: let go of.
                 _ => (None, None),
             },
@@ -310,15 +310,19 @@ pub fn run_with(
         sys::enter_network_namespace(ready.as_fd()).ok()?;
         Some(own)
     });
-    match back_to {
-        Some(_) => fds.network_ready = true,
-        None => flags |= libc::CLONE_NEWNET,
-    }
     // The gateway's sockets are the ones made ahead only where the cell is cloned in their
     // namespace (else its init opens them in its own, as without one made ahead).
     match back_to {
-        Some(_) if gateway_ahead.is_some() => fds.gateway = None,
-        _ => gateway_ahead = None,
+        Some(_) => {
+            fds.network_ready = true;
+            if gateway_ahead.is_some() {
+                fds.gateway = None;
+            }
+        }
+        None => {
+            flags |= libc::CLONE_NEWNET;
+            gateway_ahead = None;
+        }
     }
     let cloned = sys::clone_process(flags);
     if matches!(cloned, Ok(0)) {
@@ -328,7 +332,7 @@ pub fn run_with(
     let back = back_to.map(|own| sys::enter_network_namespace(own.as_fd()));
     // A gateway's namespace made ahead is redirected by a thread of its own, started once the
     // init has its go-ahead (below).
-    let redirect_in = ready_network.filter(|_| gateway_ahead.is_some());
+    let redirect_netns = ready_network.filter(|_| gateway_ahead.is_some());
     let pid = match cloned {
         Ok(pid) => Pid::from_raw(pid),
         Err(source) => {
@@ -375,9 +379,7 @@ pub fn run_with(
     // The redirection's programs (`nft` 2-3 ms here) run beside the init's setup; the last
     // go-ahead waits for them. One that cannot be started leaves the namespace unredirected
     // (said in a notice, as where the host lacks the programs).
-    if let (Some(netns), Some((_, redirecting))) = (redirect_in, &mut gateway_ahead) {
-        *redirecting = crate::gateway::Redirecting::start_in(netns).ok();
-    }
+    let redirecting = redirect_netns.and_then(|netns| crate::gateway::redirect_in(netns).ok());
 
     // The caller's work before the command may start (`warden run` journals the start, with
     // its fdatasync) runs on a thread of its own from here, beside the cgroup and the record
@@ -477,10 +479,8 @@ pub fn run_with(
     })?;
     // The gateway's redirection of a namespace made ahead is in place before anything of the
     // cell runs.
-    if let Some((sockets, redirecting)) = &mut gateway_ahead {
-        sockets.redirected = redirecting
-            .take()
-            .is_some_and(|thread| thread.join().unwrap_or(false));
+    if let Some(sockets) = &mut gateway_ahead {
+        sockets.redirected = redirecting.is_some_and(|thread| thread.join().unwrap_or(false));
     }
     let go = if cell_cgroup.is_some() {
         init::GO_IN_CGROUP
@@ -559,7 +559,7 @@ pub fn run_with(
     let mut policy_watch = None;
     if let (Some(planned), Some(channel)) = (gateway_rules, &gateway_channel) {
         let sockets = match gateway_ahead.take() {
-            Some((sockets, _)) => sockets,
+            Some(sockets) => sockets,
             None => {
                 let (flag, sockets) = sys::receive_fds(channel.as_fd())
                     .map_err(os("receiving the gateway sockets"))?;
@@ -696,12 +696,12 @@ pub fn run_with(
 /// the kernel's (the namespace's devices, its sysctl tables, its loopback) on the run's one
 /// thread, while the other core idled. For a cell with a gateway, the thread also binds the
 /// gateway's sockets in it, and once the cell is cloned another thread runs the programs that
-/// redirect its other traffic to them (`gateway::Redirecting::start_in`), which the cell's init
-/// ran after its mounts: they now run beside the init's setup, and are waited for before the
-/// init's last go-ahead (nothing of the cell runs before). The namespace belongs to the warden's own user namespace rather than to the
-/// cell's: nothing in the cell may change it (its init has nothing to set up there), not even
-/// while its setup holds capabilities, where the cell's init could change a namespace of its
-/// own (its routes, its rules) until it dropped them. One is made for each cell, and used by
+/// redirect its other traffic to them (`gateway::redirect_in`), which the cell's init ran after
+/// its mounts: they now run beside the init's setup, and are waited for before the init's last
+/// go-ahead (nothing of the cell runs before). The namespace belongs to the warden's own user
+/// namespace rather than to the cell's: nothing in the cell may change it (its init has
+/// nothing to set up there), not even while its setup holds capabilities, where the cell's
+/// init could change a namespace of its own (its routes, its rules) until it dropped them. One is made for each cell, and used by
 /// none other. Its thread is joined before the clone (which is made with no other thread), or
 /// when this is dropped. (The namespace is made as the gVisor keeper makes its cell's:
 /// `netns::Namespace`.)
@@ -733,8 +733,8 @@ impl NetworkAhead {
 
     /// The namespace (with the gateway's sockets, unredirected, where it was made for a
     /// gateway), once its thread is gone: `None` where none was made.
-    fn take(&mut self) -> Option<crate::netns::Made> {
-        self.0.take()?.joined().ok()
+    fn take(&mut self) -> Option<crate::netns::Namespace> {
+        self.0.take()?.finish().ok()
     }
 }
 
