@@ -18,6 +18,8 @@ mod keeper;
 mod microvm;
 #[cfg(target_os = "linux")]
 mod netns;
+#[cfg(target_os = "linux")]
+pub use netns::{let_go_of_early as let_go_of_early_network, start_early as start_network_early};
 pub mod probe;
 #[cfg(target_os = "linux")]
 mod process;
@@ -35,7 +37,10 @@ pub use process::{
     backend::KEEP_REQUEST,
     background::{finish as finish_background, outlive_requests},
     changes, control,
-    exec::{leave_namespaces_to_exit, left_to_exit, resize as resize_terminal},
+    exec::{
+        cgroups_left_to_exit, leave_namespaces_to_exit, left_to_exit, remove_cgroups_left_to_exit,
+        resize as resize_terminal,
+    },
     outcome::{Ending, RunError, RunOutcome},
     plan::{Identity, check_name, check_paths, identity},
     registry::{CellRecord, Registry, RegistryError},

@@ -253,9 +253,12 @@ pub trait Backend: Send + Sync + Debug {
     /// Starts making ahead what a `run_attached` of a cell of `policy`, to come in this
     /// process, can use (the process tier, as root: the cell's network namespace), on threads
     /// of its own that are gone before anything is cloned: call it once the signals the run
-    /// forwards are blocked (threads take their maker's mask). Nothing, by default.
+    /// forwards are blocked (threads take their maker's mask). By default, nothing, and a
+    /// network namespace begun at the run's start (`start_network_early`) is let go of.
     fn prepare_run(&self, policy: &Policy) {
         let _ = policy;
+        #[cfg(target_os = "linux")]
+        crate::netns::let_go_of_early();
     }
     /// Takes back a cell started earlier (by this process or another): `None` once it has
     /// ended; `Err` when that cannot be told now.

@@ -217,6 +217,7 @@ fn run(args: RunArgs, from: Option<SnapshotInfo>) -> Result<i32> {
     }
     // With a daemon running, the run goes through it (and into its journal).
     if let Some(client) = crate::daemon::client_if_running() {
+        warden_cell::let_go_of_early_network();
         return crate::daemon::run_through(&client, &args, &policy, &env, from.map(|f| f.id));
     }
     let outcome = match run_in_process(args, &policy, env, from.map(|f| f.id))? {

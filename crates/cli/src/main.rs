@@ -33,6 +33,9 @@ extern "C" fn main(argc: libc::c_int, argv: *const *const libc::c_char) -> libc:
     let _ = std::io::Write::flush(&mut std::io::stdout());
     if hand_over_memory && leave_memory_behind() {
         blank_arguments(argc, argv);
+    } else {
+        // What the run left to a holder that could not be had is done here.
+        warden_cell::remove_cgroups_left_to_exit();
     }
     // SAFETY: ends the process; stdout is flushed, and stderr has no buffer.
     unsafe { libc::_exit(code) }
@@ -108,6 +111,12 @@ fn populate_stack() {
 /// for `warden run`, whose end a script or a harness waits for between steps, where a holder
 /// can be had.
 fn run() -> (i32, bool) {
+    // A run's network namespace is begun before its arguments are parsed (`run` is the first
+    // of them where `cli::parse` takes it as a run: `parse_run`), and made beside the parse,
+    // the reading of its policy and its journal's opening.
+    if std::env::args_os().nth(1).is_some_and(|word| word == "run") {
+        warden_cell::start_network_early();
+    }
     let args = cli::parse();
     let hand_over_memory = matches!(args.command, cli::Command::Run(_)) && holder_possible();
     // The holder of the memory keeps the run's last holds on its cell's namespaces too: their
@@ -211,10 +220,28 @@ fn leave_memory_behind() -> bool {
         .collect();
     kept.sort_unstable();
     kept.dedup();
+    // The cgroups of the run's cell, for the holder to remove once this process and the
+    // cell's init have ended, as C strings made here: the holder allocates nothing.
+    let cgroups: Vec<(i32, Vec<std::ffi::CString>)> = warden_cell::cgroups_left_to_exit()
+        .into_iter()
+        .map(|(init, dirs)| {
+            let dirs = dirs
+                .into_iter()
+                .filter_map(|dir| {
+                    std::ffi::CString::new(std::os::unix::ffi::OsStringExt::into_vec(
+                        dir.into_os_string(),
+                    ))
+                    .ok()
+                })
+                .collect();
+            (init.unwrap_or(-1), dirs)
+        })
+        .collect();
     // Never freed: the holder reads it after this process has stopped running.
     let holder: &'static mut Holder = Box::leak(Box::new(Holder {
         pidfd,
         kept: kept.leak(),
+        cgroups: cgroups.leak(),
         closed: AtomicU32::new(0),
     }));
     // SAFETY: a fresh anonymous mapping for the holder's stack, never unmapped; `clone` with
@@ -292,6 +319,10 @@ fn blank_arguments(argc: libc::c_int, argv: *const *const libc::c_char) {
 struct Holder {
     pidfd: i32,
     kept: &'static [u32],
+    /// The cgroups the run left to its end (`warden_cell::cgroups_left_to_exit`): each cell's
+    /// init's pidfd (-1: reaped already, by the run) and its directories, in the order they
+    /// are removed.
+    cgroups: &'static [(i32, Vec<std::ffi::CString>)],
     closed: std::sync::atomic::AtomicU32,
 }
 
@@ -326,5 +357,44 @@ extern "C" fn hold(holder: *mut libc::c_void) -> libc::c_int {
     // (Another error than an interruption ends it at once: the caller's exit, the last, then
     // takes the memory down, as it did without a holder.)
     while let Err(rustix::io::Errno::INTR) = poll(&mut fds, None) {}
+    remove_left_cgroups(holder.cgroups);
     0
+}
+
+/// In the holder, once the run has ended: each cell's cgroups, removed once its init has ended
+/// (waited for five seconds at most), each retried for five seconds while the kernel still
+/// counts a process in it, as the run's own removal does. Raw system calls on the strings
+/// made for it: nothing is allocated.
+#[cfg(not(test))]
+#[allow(unsafe_code)]
+fn remove_left_cgroups(cgroups: &[(i32, Vec<std::ffi::CString>)]) {
+    use rustix::event::{PollFd, PollFlags, Timespec, poll};
+    use rustix::fs::{AtFlags, CWD, unlinkat};
+    const RETRY: Timespec = Timespec {
+        tv_sec: 0,
+        tv_nsec: 2_000_000,
+    };
+    const TRIES: u32 = 2_500;
+    let bound = Timespec {
+        tv_sec: 5,
+        tv_nsec: 0,
+    };
+    for (init, dirs) in cgroups {
+        if *init >= 0 {
+            // SAFETY: the init's pidfd, kept open by the holder (it is listed in `kept`).
+            let init = unsafe { std::os::fd::BorrowedFd::borrow_raw(*init) };
+            let mut fds = [PollFd::new(&init, PollFlags::IN)];
+            while let Err(rustix::io::Errno::INTR) = poll(&mut fds, Some(&bound)) {}
+        }
+        for dir in dirs {
+            for _ in 0..TRIES {
+                match unlinkat(CWD, dir.as_c_str(), AtFlags::REMOVEDIR) {
+                    Err(rustix::io::Errno::BUSY) => {
+                        let _ = rustix::thread::nanosleep(&RETRY);
+                    }
+                    _ => break,
+                }
+            }
+        }
+    }
 }

@@ -791,6 +791,53 @@ fn a_command_waits_for_its_start_in_the_journal(tier: Tier) {
     assert!(processes.is_empty(), "processes left: {processes:?}");
 }
 
+/// A root `warden run` begins its cell's network namespace before it has read its policy, and
+/// a cell of the gVisor tier lets go of it: the run is back to one thread before it starts the
+/// keeper, which it then forks (the keeper shows the run's own command line) rather than
+/// starting `warden keep`, which it does only from a process of more threads.
+#[test]
+fn a_gvisor_run_lets_go_of_its_early_network_and_forks_its_keeper() {
+    if let Some(why) = Tier::Gvisor.unavailable() {
+        eprintln!("skipped: the gvisor tier cannot run here: {why}");
+        return;
+    }
+    let name = unique("forked-keeper");
+    let mut run = warden()
+        .args(["run", "--tier", "gvisor", "--name", &name, "--"])
+        .args(["sh", "-c", "echo up; exec sleep 30"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut up = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(run.stdout.take().unwrap()),
+        &mut up,
+    )
+    .unwrap();
+    assert_eq!(up, "up\n");
+    // The cell runs: its keeper, started before it, is what it will be.
+    let children: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            std::fs::read_to_string(e.path().join("status")).is_ok_and(|status| {
+                status
+                    .lines()
+                    .any(|l| l.split_whitespace().eq(["PPid:", &run.id().to_string()]))
+            })
+        })
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .map(|raw| String::from_utf8_lossy(&raw).replace('\0', " "))
+        .collect();
+    let _ = warden().args(["kill", &name]).status();
+    let _ = run.wait();
+    assert!(
+        !children.is_empty() && children.iter().all(|c| c.contains(" run ")),
+        "the run's children: {children:?}"
+    );
+}
+
 /// The command lines of the processes that name `path` (a test's own state folder).
 fn processes_naming(path: &std::path::Path) -> Vec<String> {
     let needle = path.to_string_lossy().into_owned();
