@@ -37,10 +37,7 @@ pub use process::{
     backend::KEEP_REQUEST,
     background::{finish as finish_background, outlive_requests},
     changes, control,
-    exec::{
-        cgroups_left_to_exit, leave_namespaces_to_exit, left_to_exit, remove_cgroups_left_to_exit,
-        resize as resize_terminal,
-    },
+    exec::{leave_namespaces_to_exit, left_to_exit, resize as resize_terminal},
     outcome::{Ending, RunError, RunOutcome},
     plan::{Identity, check_name, check_paths, identity},
     registry::{CellRecord, Registry, RegistryError},

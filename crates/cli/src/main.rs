@@ -33,9 +33,6 @@ extern "C" fn main(argc: libc::c_int, argv: *const *const libc::c_char) -> libc:
     let _ = std::io::Write::flush(&mut std::io::stdout());
     if hand_over_memory && leave_memory_behind() {
         blank_arguments(argc, argv);
-    } else {
-        // What the run left to a holder that could not be had is done here.
-        warden_cell::remove_cgroups_left_to_exit();
     }
     // SAFETY: ends the process; stdout is flushed, and stderr has no buffer.
     unsafe { libc::_exit(code) }
@@ -196,13 +193,12 @@ fn default_sigpipe() {
 /// first closes its descriptors (a pipe to the caller must end with this process: a caller
 /// that has waited for it reads the pipe's end) but those the run left to its end
 /// (`warden_cell::left_to_exit`: the last holds on its cell's namespaces, whose teardown is
-/// then the holder's too, and the pidfds of the inits whose cgroups the holder removes), so
-/// that the holder's copy of the table holds those alone and this process exits at once. The
-/// holder runs with every signal blocked, waits for this process's end on a pidfd, removes
-/// the cgroups the run left to it (`remove_left_cgroups`) and exits; the init, or the caller's
-/// reaper, reaps it. It touches no thread-local data (it shares this thread's, and a failed
-/// libc call sets `errno` there): rustix's raw calls. Called only where `holder_possible` said
-/// so (`close_range`, which must not fail here).
+/// then the holder's too), so that the holder's copy of the table holds those alone and this
+/// process exits at once. The holder runs with every signal blocked, waits for this process's
+/// end on a pidfd and exits; the init, or the caller's reaper, reaps it. It touches no
+/// thread-local data (it shares this thread's, and a failed libc call sets `errno` there):
+/// rustix's raw calls. Called only where `holder_possible` said so (`close_range`, which must
+/// not fail here).
 #[cfg(not(test))]
 #[allow(unsafe_code)]
 fn leave_memory_behind() -> bool {
@@ -220,28 +216,8 @@ fn leave_memory_behind() -> bool {
         .collect();
     kept.sort_unstable();
     kept.dedup();
-    // The cgroups of the run's cell, for the holder to remove once this process and the
-    // cell's init have ended, as C strings made here: the holder allocates nothing.
-    let cgroups: Vec<(i32, Vec<std::ffi::CString>)> = warden_cell::cgroups_left_to_exit()
-        .into_iter()
-        .map(|(init, dirs)| {
-            let dirs = dirs
-                .into_iter()
-                .filter_map(|dir| {
-                    std::ffi::CString::new(std::os::unix::ffi::OsStringExt::into_vec(
-                        dir.into_os_string(),
-                    ))
-                    .ok()
-                })
-                .collect();
-            (init.unwrap_or(-1), dirs)
-        })
-        .collect();
     // Never freed: the holder reads it after this process has stopped running.
-    let holder: &'static mut Holder = Box::leak(Box::new(Holder {
-        pidfd,
-        cgroups: cgroups.leak(),
-    }));
+    let holder: &'static mut Holder = Box::leak(Box::new(Holder { pidfd }));
     // SAFETY: a fresh anonymous mapping for the holder's stack, never unmapped; the closes are
     // of this process's own descriptors, which nothing uses any more (it exits right after),
     // each range valid (its first number no greater than its last); `clone` with `CLONE_VM`
@@ -317,15 +293,10 @@ fn blank_arguments(argc: libc::c_int, argv: *const *const libc::c_char) {
     }
 }
 
-/// What the holder of this process's memory is given: the pidfd of this process to wait on,
-/// and the cgroups it removes after.
+/// What the holder of this process's memory is given: the pidfd of this process to wait on.
 #[cfg(not(test))]
 struct Holder {
     pidfd: i32,
-    /// The cgroups the run left to its end (`warden_cell::cgroups_left_to_exit`): each cell's
-    /// init's pidfd (-1: reaped already, by the run) and its directories, in the order they
-    /// are removed.
-    cgroups: &'static [(i32, Vec<std::ffi::CString>)],
 }
 
 /// The holder (see `leave_memory_behind`): rustix's raw system calls (`errno` is the
@@ -342,44 +313,5 @@ extern "C" fn hold(holder: *mut libc::c_void) -> libc::c_int {
     // (Another error than an interruption ends it at once: the caller's exit, the last, then
     // takes the memory down, as it did without a holder.)
     while let Err(rustix::io::Errno::INTR) = poll(&mut fds, None) {}
-    remove_left_cgroups(holder.cgroups);
     0
-}
-
-/// In the holder, once the run has ended: each cell's cgroups, removed once its init has ended
-/// (waited for five seconds at most), each retried for five seconds while the kernel still
-/// counts a process in it, as the run's own removal does. Raw system calls on the strings
-/// made for it: nothing is allocated.
-#[cfg(not(test))]
-#[allow(unsafe_code)]
-fn remove_left_cgroups(cgroups: &[(i32, Vec<std::ffi::CString>)]) {
-    use rustix::event::{PollFd, PollFlags, Timespec, poll};
-    use rustix::fs::{AtFlags, CWD, unlinkat};
-    const RETRY: Timespec = Timespec {
-        tv_sec: 0,
-        tv_nsec: 2_000_000,
-    };
-    const TRIES: u32 = 2_500;
-    let bound = Timespec {
-        tv_sec: 5,
-        tv_nsec: 0,
-    };
-    for (init, dirs) in cgroups {
-        if *init >= 0 {
-            // SAFETY: the init's pidfd, kept open by the holder (it is listed in `kept`).
-            let init = unsafe { std::os::fd::BorrowedFd::borrow_raw(*init) };
-            let mut fds = [PollFd::new(&init, PollFlags::IN)];
-            while let Err(rustix::io::Errno::INTR) = poll(&mut fds, Some(&bound)) {}
-        }
-        for dir in dirs {
-            for _ in 0..TRIES {
-                match unlinkat(CWD, dir.as_c_str(), AtFlags::REMOVEDIR) {
-                    Err(rustix::io::Errno::BUSY) => {
-                        let _ = rustix::thread::nanosleep(&RETRY);
-                    }
-                    _ => break,
-                }
-            }
-        }
-    }
 }

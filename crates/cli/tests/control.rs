@@ -4,7 +4,7 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
@@ -101,7 +101,7 @@ fn pause_stops_progress_and_resume_continues_it() {
 }
 
 fn cell_gone(name: &str) -> bool {
-    state_of(name).is_none() && cgroup_dirs_left(name).is_empty()
+    state_of(name).is_none() && cgroup_dirs_of(name).is_empty()
 }
 
 #[test]
@@ -225,9 +225,8 @@ fn a_killed_warden_leaves_nothing_behind() {
 fn a_run_returns_with_all_its_output_and_nothing_of_its_cell_left() {
     // The init tells the command's end once everything else of the cell is ended and reaped,
     // and lets go of the command's pipes first; the run goes on while the kernel tears the init
-    // down. When `warden run` returns, all the output is out, no process of the cell is left
-    // but the init on its way out, and the cell's name and folder are gone; its cgroups go
-    // right after, once the init is gone (the holder of the run's memory removes them).
+    // down, and waits for that only before the cell's cgroups and folder go. When `warden run`
+    // returns, all the output is out and nothing of the cell is left.
     let name = unique("ended");
     let marker = format!("{}.{}", 800 + std::process::id() % 97, std::process::id());
     let out = warden()
@@ -256,13 +255,9 @@ fn a_run_returns_with_all_its_output_and_nothing_of_its_cell_left() {
         host_processes_with(&format!("sleep {marker}")),
         Vec::<i32>::new()
     );
+    assert!(cgroup_dirs_of(&name).is_empty(), "cgroups left behind");
     assert!(!Path::new("/run/warden/cells").join(&name).exists() || !is_root());
     assert_eq!(state_of(&name), None);
-    assert_eq!(
-        cgroup_dirs_left(&name),
-        Vec::<PathBuf>::new(),
-        "cgroups left behind"
-    );
     // A command killed by a signal is told as such (pid 1 itself cannot die of it).
     let killed = run_sh(&[], "kill -KILL $$");
     assert_eq!(killed.code, 128 + 9, "{}", killed.stderr);

@@ -65,7 +65,7 @@ fn fork_bomb_is_contained_and_the_host_stays_responsive() {
         counts.iter().all(|c| *c <= 64),
         "pids above the limit: {counts:?}"
     );
-    assert!(cgroup_dirs_left(&name).is_empty(), "cgroups left behind");
+    assert!(cgroup_dirs_of(&name).is_empty(), "cgroups left behind");
 }
 
 /// The init moves itself into the v1 hierarchies (one thread through `tasks`) and the warden

@@ -275,20 +275,6 @@ pub fn cgroup_dirs_of(name: &str) -> Vec<PathBuf> {
     found
 }
 
-/// The cgroup directories of cell `name` still there five seconds after the call at most: a
-/// `warden run` leaves its cell's cgroups to be removed just after its end, once the kernel has
-/// torn the cell's init down (by the holder of its memory).
-pub fn cgroup_dirs_left(name: &str) -> Vec<PathBuf> {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    loop {
-        let found = cgroup_dirs_of(name);
-        if found.is_empty() || std::time::Instant::now() > deadline {
-            return found;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-}
-
 /// What is left in a runtime directory's `cells/` but the emptied folders of ended cells that it
 /// keeps for the next ones (`.spare-N`): a spare with anything in it is listed too.
 pub fn cell_folders_left(runtime: &Path) -> Vec<std::ffi::OsString> {

@@ -758,26 +758,15 @@ impl CellCgroup {
     /// at the next start took 0.15-0.25 ms of each run, interleaved runs with and without it
     /// kept).
     pub fn remove(&self) {
-        remove_dirs(&self.removal_order());
-    }
-
-    /// The cell's cgroup directories, in the order `remove` removes them.
-    pub(crate) fn removal_order(&self) -> Vec<PathBuf> {
-        self.dirs.iter().rev().map(|dir| dir.path.clone()).collect()
-    }
-}
-
-/// Removes cgroup directories in turn, each retried for up to five seconds while the kernel
-/// still counts a process in it.
-pub(crate) fn remove_dirs(dirs: &[PathBuf]) {
-    for dir in dirs {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while dir.exists() {
-            match fs::remove_dir(dir) {
-                Ok(()) => break,
-                Err(err) if err.kind() == io::ErrorKind::NotFound => break,
-                Err(_) if Instant::now() < deadline => sleep(Duration::from_millis(2)),
-                Err(_) => break,
+        for dir in self.dirs.iter().rev() {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while dir.path.exists() {
+                match fs::remove_dir(&dir.path) {
+                    Ok(()) => break,
+                    Err(err) if err.kind() == io::ErrorKind::NotFound => break,
+                    Err(_) if Instant::now() < deadline => sleep(Duration::from_millis(2)),
+                    Err(_) => break,
+                }
             }
         }
     }

@@ -552,71 +552,12 @@ pub fn leave_namespaces_to_exit() {
     }
 }
 
-/// The descriptors this process leaves to its end (see [`leave_namespaces_to_exit`]), the
-/// pidfds of the inits whose cgroups it leaves ([`cgroups_left_to_exit`]) among them.
+/// The descriptors this process leaves to its end (see [`leave_namespaces_to_exit`]).
 pub fn left_to_exit() -> Vec<RawFd> {
-    let mut fds: Vec<RawFd> = LEFT_TO_EXIT
+    LEFT_TO_EXIT
         .lock()
         .map(|left| left.1.iter().map(AsRawFd::as_raw_fd).collect())
-        .unwrap_or_default();
-    fds.extend(
-        cgroups_left_to_exit()
-            .into_iter()
-            .filter_map(|(init, _)| init),
-    );
-    fds
-}
-
-/// The cgroups of the cells this process let go of before their inits had ended (see
-/// [`leave_cgroups_to_exit`]), each with its init's pidfd.
-type LeftCgroups = Vec<(Option<OwnedFd>, Vec<PathBuf>)>;
-static CGROUPS_LEFT_TO_EXIT: std::sync::Mutex<LeftCgroups> = std::sync::Mutex::new(Vec::new());
-
-/// Leaves the removal of a cell's cgroup directories (`dirs`, in the order they are removed)
-/// to whoever takes over after this process's end (the holder of its memory), once the cell's
-/// init (`init`, its pidfd, where it was not reaped) has ended: a `warden run`'s end then waits
-/// neither for the kernel's teardown of the init nor for the removals (four `rmdir`s on a
-/// cgroup v1 host), which it did after the end's record. `Err` where this process does not
-/// leave to its end.
-pub(crate) fn leave_cgroups_to_exit(init: Option<OwnedFd>, dirs: Vec<PathBuf>) -> Result<(), ()> {
-    if !leaves_to_exit() {
-        return Err(());
-    }
-    let mut left = CGROUPS_LEFT_TO_EXIT.lock().map_err(drop)?;
-    left.push((init, dirs));
-    Ok(())
-}
-
-/// The cgroups left to this process's end: for each cell, its init's pidfd (where it was not
-/// reaped) and its cgroup directories, to be removed in this order once the init has ended.
-pub fn cgroups_left_to_exit() -> Vec<(Option<RawFd>, Vec<PathBuf>)> {
-    CGROUPS_LEFT_TO_EXIT
-        .lock()
-        .map(|left| {
-            left.iter()
-                .map(|(init, dirs)| (init.as_ref().map(AsRawFd::as_raw_fd), dirs.clone()))
-                .collect()
-        })
         .unwrap_or_default()
-}
-
-/// Removes the cgroups left to this process's end here and now, each once its init has ended
-/// (waited for at most [`INIT_END_WAIT_MS`]): for a process that could not hand them over.
-pub fn remove_cgroups_left_to_exit() {
-    let left = match CGROUPS_LEFT_TO_EXIT.lock() {
-        Ok(mut left) => std::mem::take(&mut *left),
-        Err(_) => return,
-    };
-    for (init, dirs) in left {
-        if let Some(init) = init {
-            let mut fds = [nix::poll::PollFd::new(
-                init.as_fd(),
-                nix::poll::PollFlags::POLLIN,
-            )];
-            let _ = nix::poll::poll(&mut fds, INIT_END_WAIT_MS);
-        }
-        super::cgroup::remove_dirs(&dirs);
-    }
 }
 
 /// Whether this process leaves a cell's namespaces to its end.

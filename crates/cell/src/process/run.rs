@@ -1212,57 +1212,9 @@ impl CellGuard {
 
 impl Drop for CellGuard {
     fn drop(&mut self) {
-        if self.leave_to_exit() {
-            return;
-        }
         self.end_stragglers();
         if let Some(cg) = &self.cgroup {
             cg.remove();
-        }
-    }
-}
-
-impl CellGuard {
-    /// Where this process ends with its cell's run (`warden run`, see
-    /// `exec::leave_namespaces_to_exit`) and nothing of the cell is left but its init, which
-    /// has told the end (or is killed here), or none: the init's reaping and the cgroups'
-    /// removal are left to after this process's end (`exec::leave_cgroups_to_exit`). The run's
-    /// caller is woken without waiting for the kernel's teardown of the init (0.15 ms traced)
-    /// and the removals (0.13 ms), which ended after the end's record did. The init is reaped
-    /// by whoever this process's children go to when it ends. `false`: nothing was left, the
-    /// caller ends the cell here.
-    fn leave_to_exit(&mut self) -> bool {
-        let Some(cgroup) = &self.cgroup else {
-            return false;
-        };
-        if !super::exec::leaves_to_exit() {
-            return false;
-        }
-        // A process that joined the cell from outside its pid namespace outlives the init: the
-        // cell is ended here, as before.
-        let init = self.pid;
-        if cgroup
-            .pids()
-            .iter()
-            .any(|&listed| Some(listed) != init.map(Pid::as_raw))
-        {
-            return false;
-        }
-        // Not reaped yet, the init's pid is still this process's child's.
-        let pidfd = match init.map(|pid| sys::pidfd_open(pid.as_raw())) {
-            Some(Ok(pidfd)) => Some(pidfd),
-            Some(Err(_)) => return false,
-            None => None,
-        };
-        if let Some(pid) = init {
-            let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
-        }
-        match super::exec::leave_cgroups_to_exit(pidfd, cgroup.removal_order()) {
-            Ok(()) => {
-                self.pid = None;
-                true
-            }
-            Err(()) => false,
         }
     }
 }
