@@ -656,17 +656,29 @@ impl Harness {
         let follow = follow.filter(|_| deleting && action == ControlAction::Kill);
         // In the journal's file before the action (a crash of the warden cannot lose it), on
         // the disk before it is acknowledged: the sync overlaps the action.
-        let asked = self
-            .record_written(
-                Some(name),
-                &format!("cell.{}", action.name()),
-                json!({ "by": by }),
-                match follow {
-                    Some(_) => warden_journal::Urgency::Soon,
-                    None => warden_journal::Urgency::Waited,
-                },
-            )
-            .await?;
+        let urgency = match follow {
+            Some(_) => warden_journal::Urgency::Soon,
+            None => warden_journal::Urgency::Waited,
+        };
+        let kind = format!("cell.{}", action.name());
+        let submitted = {
+            // A control that comes once a delete of the cell is under way (which kills it and
+            // journals its end and delete) is refused, its entry never written: looked at and
+            // submitted under the lock the delete takes to say so, its entry is either before
+            // the delete's or not at all. (A kill's entry came after the cell's delete in the
+            // journal now and then.)
+            let killing = self
+                .killing
+                .lock()
+                .map_err(|_| HarnessError::internal("a thread panicked"))?;
+            if !deleting && killing.contains(name) {
+                return Err(HarnessError::from(CellFailure::Ended(format!(
+                    "cell `{name}` is being deleted"
+                ))));
+            }
+            self.submit_written(Some(name), &kind, json!({ "by": by }), urgency)
+        };
+        let asked = submitted.written().await?;
         if let Ok(mut live) = self.live.lock()
             && let Some(l) = live.get_mut(name)
         {

@@ -247,6 +247,21 @@ impl Harness {
         data: Value,
         urgency: warden_journal::Urgency,
     ) -> Result<Durable, HarnessError> {
+        self.submit_written(cell, kind, data, urgency)
+            .written()
+            .await
+    }
+
+    /// `record_written`'s entry, given its place in the journal here and now (entries are
+    /// written in the order they are submitted), for a caller that decides it under a lock;
+    /// `Submitted::written` waits until it is in the journal's file.
+    pub(crate) fn submit_written(
+        &self,
+        cell: Option<&str>,
+        kind: &str,
+        data: Value,
+        urgency: warden_journal::Urgency,
+    ) -> Submitted {
         let (written_tx, written_rx) = tokio::sync::oneshot::channel();
         let (tx, rx) = tokio::sync::oneshot::channel();
         let event = Some(data.clone());
@@ -258,13 +273,12 @@ impl Harness {
         };
         self.journal
             .submit_ahead(cell, kind, data, urgency, written, synced);
-        let receipt = journaled(written_rx.await)?;
-        Ok(Durable {
-            receipt,
-            led: urgency == warden_journal::Urgency::Led,
+        Submitted {
+            written: written_rx,
             synced: rx,
+            led: urgency == warden_journal::Urgency::Led,
             event: event.map(|data| (cell.map(str::to_owned), kind.to_owned(), data)),
-        })
+        }
     }
 
     /// Sends a journaled entry to the events stream.
@@ -288,6 +302,28 @@ impl Harness {
                 "data": data,
             })));
         }
+    }
+}
+
+/// An entry submitted to the journal (`Harness::submit_written`), not yet known to be in its
+/// file.
+pub(crate) struct Submitted {
+    written: tokio::sync::oneshot::Receiver<Result<Receipt, warden_journal::JournalError>>,
+    synced: tokio::sync::oneshot::Receiver<Result<Receipt, warden_journal::JournalError>>,
+    led: bool,
+    event: Option<(Option<String>, String, Value)>,
+}
+
+impl Submitted {
+    /// Once the entry is in the journal's file: its `Durable`.
+    pub(crate) async fn written(self) -> Result<Durable, HarnessError> {
+        let receipt = journaled(self.written.await)?;
+        Ok(Durable {
+            receipt,
+            led: self.led,
+            synced: self.synced,
+            event: self.event,
+        })
     }
 }
 
