@@ -605,6 +605,40 @@ async fn a_deleted_cell_ends_once_in_the_journal_whatever_its_watch_sees() {
     }
 }
 
+/// A control that comes once a delete of the cell has begun is refused and leaves no entry:
+/// its entry could otherwise land after the cell's delete in the journal.
+#[tokio::test]
+async fn a_control_that_comes_while_a_delete_is_under_way_is_refused_and_not_journaled() {
+    let s = setup().await;
+    s.harness.create(create("during", None)).await.unwrap();
+    let harness = Arc::clone(&s.harness);
+    let delete = tokio::spawn(async move { harness.delete("during", "the-delete").await });
+    // This runtime has one thread: the delete runs until its first wait, having marked the
+    // cell as being deleted, before this goes on.
+    tokio::task::yield_now().await;
+    let refused = s
+        .harness
+        .control(
+            "during",
+            warden_harness::ControlAction::Kill,
+            "the-late-kill",
+        )
+        .await;
+    delete.await.unwrap().unwrap();
+    let err = refused.expect_err("a kill during the delete was taken");
+    assert!(err.message.contains("being deleted"), "{err:?}");
+    let entries = entries(&s.harness, "during").await;
+    assert!(
+        !entries.iter().any(|e| e["data"]["by"] == "the-late-kill"),
+        "{entries:?}"
+    );
+    assert_eq!(
+        kinds_in(&entries).last(),
+        Some(&"cell.delete"),
+        "{entries:?}"
+    );
+}
+
 #[tokio::test]
 async fn a_cell_killed_and_deleted_at_once_ends_once_in_the_journal() {
     let s = setup().await;
