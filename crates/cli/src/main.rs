@@ -189,20 +189,21 @@ fn default_sigpipe() {
 /// ends a moment after this one: the kernel takes an address space down when its last user
 /// exits, and this process's parent waits for that exit, not for the teardown. Freeing a
 /// `warden run`'s memory (its heap, its threads' stacks, the mappings of a 24 MiB binary) took
-/// 0.41 ms from its `exit_group` to its caller's wake-up, 0.04 ms with the holder. This process
-/// first closes its descriptors (a pipe to the caller must end with this process: a caller
-/// that has waited for it reads the pipe's end) but those the run left to its end
+/// 0.41 ms from its `exit_group` to its caller's wake-up, 0.04 ms with the holder. The holder
+/// runs with every signal blocked. It closes its copies of this process's descriptors before
+/// this process goes on to exit (a pipe to the caller must end with this process: a caller
+/// that has waited for it reads the pipe's end), but those the run left to its end
 /// (`warden_cell::left_to_exit`: the last holds on its cell's namespaces, whose teardown is
-/// then the holder's too), so that the holder's copy of the table holds those alone and this
-/// process exits at once. The holder runs with every signal blocked, waits for this process's
-/// end on a pidfd and exits; the init, or the caller's reaper, reaps it. It touches no
-/// thread-local data (it shares this thread's, and a failed libc call sets `errno` there):
-/// rustix's raw calls. Called only where `holder_possible` said so (`close_range`, which must
-/// not fail here).
+/// then the holder's too), then waits for this process's end on a pidfd and exits; the init,
+/// or the caller's reaper, reaps it. It touches no thread-local data (it shares this thread's,
+/// and a failed libc call sets `errno` there): rustix's raw calls, and `close_range`s that
+/// cannot fail. Called only where `holder_possible` said so.
 #[cfg(not(test))]
 #[allow(unsafe_code)]
 fn leave_memory_behind() -> bool {
     use rustix::process::{PidfdFlags, getpid, pidfd_open};
+    use rustix::thread::futex;
+    use std::sync::atomic::{AtomicU32, Ordering};
     const STACK: usize = 64 * 1024;
     let Ok(pidfd) = pidfd_open(getpid(), PidfdFlags::empty()) else {
         return false;
@@ -217,14 +218,15 @@ fn leave_memory_behind() -> bool {
     kept.sort_unstable();
     kept.dedup();
     // Never freed: the holder reads it after this process has stopped running.
-    let holder: &'static mut Holder = Box::leak(Box::new(Holder { pidfd }));
-    // SAFETY: a fresh anonymous mapping for the holder's stack, never unmapped; the closes are
-    // of this process's own descriptors, which nothing uses any more (it exits right after),
-    // each range valid (its first number no greater than its last); `clone` with `CLONE_VM`
-    // runs `hold` on the stack with a pointer to the leaked `Holder`; the signal masks are
-    // whole sets. Nothing of this process is changed but its descriptors and its mask, which
-    // is put back.
-    unsafe {
+    let holder: &'static mut Holder = Box::leak(Box::new(Holder {
+        pidfd,
+        kept: kept.leak(),
+        closed: AtomicU32::new(0),
+    }));
+    // SAFETY: a fresh anonymous mapping for the holder's stack, never unmapped; `clone` with
+    // `CLONE_VM` runs `hold` on it with a pointer to the leaked `Holder`; the signal masks are
+    // whole sets. Nothing of this process is changed but its mask, which is put back.
+    let started = unsafe {
         let stack = libc::mmap(
             std::ptr::null_mut(),
             STACK,
@@ -236,14 +238,6 @@ fn leave_memory_behind() -> bool {
         if stack == libc::MAP_FAILED {
             return false;
         }
-        let mut from = 0u32;
-        for &kept in &kept {
-            if kept > from {
-                libc::close_range(from, kept - 1, 0);
-            }
-            from = kept.saturating_add(1);
-        }
-        libc::close_range(from, u32::MAX, 0);
         let mut all: libc::sigset_t = std::mem::zeroed();
         let mut before: libc::sigset_t = std::mem::zeroed();
         libc::sigfillset(&raw mut all);
@@ -256,7 +250,11 @@ fn leave_memory_behind() -> bool {
         );
         libc::pthread_sigmask(libc::SIG_SETMASK, &raw const before, std::ptr::null_mut());
         pid > 0
+    };
+    while started && holder.closed.load(Ordering::Acquire) == 0 {
+        let _ = futex::wait(&holder.closed, futex::Flags::PRIVATE, 0, None);
     }
+    started
 }
 
 /// Whether a holder of the memory can be had: it closes with `close_range` (Linux 5.9), which
@@ -293,20 +291,41 @@ fn blank_arguments(argc: libc::c_int, argv: *const *const libc::c_char) {
     }
 }
 
-/// What the holder of this process's memory is given: the pidfd of this process to wait on.
+/// What the holder of this process's memory is given: the pidfd of this process to wait on,
+/// the descriptors it keeps (that one, and those the run left to its end), in order, and where
+/// it says that it has closed the others.
 #[cfg(not(test))]
 struct Holder {
     pidfd: i32,
+    kept: &'static [u32],
+    closed: std::sync::atomic::AtomicU32,
 }
 
-/// The holder (see `leave_memory_behind`): rustix's raw system calls (`errno` is the
-/// thread-local data of the thread that cloned it). Its return ends it.
+/// The holder (see `leave_memory_behind`): system calls that cannot fail (`errno` is the
+/// thread-local data of the thread that cloned it) and rustix's raw ones. Its return ends it.
 #[cfg(not(test))]
 #[allow(unsafe_code)]
 extern "C" fn hold(holder: *mut libc::c_void) -> libc::c_int {
     use rustix::event::{PollFd, PollFlags, poll};
-    // SAFETY: the leaked `Holder` that `leave_memory_behind` passed, only read.
+    use rustix::thread::futex;
+    // SAFETY: the leaked `Holder` that `leave_memory_behind` passed, only read but for its
+    // atomic flag.
     let holder = unsafe { &*holder.cast::<Holder>() };
+    // SAFETY: this process's own copies of the descriptors, not used again; `close_range` is
+    // there (the caller asked) and each range is valid (its first number no greater than its
+    // last), so that it sets no `errno`.
+    unsafe {
+        let mut from = 0u32;
+        for &kept in holder.kept {
+            if kept > from {
+                libc::close_range(from, kept - 1, 0);
+            }
+            from = kept.saturating_add(1);
+        }
+        libc::close_range(from, u32::MAX, 0);
+    }
+    holder.closed.store(1, std::sync::atomic::Ordering::Release);
+    let _ = futex::wake(&holder.closed, futex::Flags::PRIVATE, 1);
     // SAFETY: the pidfd stays open in this process until it exits.
     let pidfd = unsafe { std::os::fd::BorrowedFd::borrow_raw(holder.pidfd) };
     let mut fds = [PollFd::new(&pidfd, PollFlags::IN)];
