@@ -31,18 +31,20 @@ impl Namespace {
     /// `make` begun: the namespace is made on its thread while the caller goes on; `finish`
     /// waits for it.
     pub fn start(gateway: bool) -> io::Result<Making> {
-        Self::start_with(gateway, true)
+        Self::spawn(Gateway::Known {
+            gateway,
+            redirect: true,
+        })
     }
 
     /// `start`, with the gateway's sockets opened but its redirection left to the caller
     /// (`gateway::redirect_in`), who can start it later, beside other work: the thread is then
     /// done sooner.
     pub fn start_unredirected(gateway: bool) -> io::Result<Making> {
-        Self::start_with(gateway, false)
-    }
-
-    fn start_with(gateway: bool, redirect: bool) -> io::Result<Making> {
-        Self::spawn(Gateway::Known { gateway, redirect })
+        Self::spawn(Gateway::Known {
+            gateway,
+            redirect: false,
+        })
     }
 
     /// Starts making a namespace before the policy of the cell it is for is known (a root
