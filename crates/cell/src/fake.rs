@@ -33,6 +33,8 @@ pub struct FakeBackend {
     refuse: Mutex<HashMap<String, String>>,
     /// How long each start takes (none by default).
     start_delay: Mutex<std::time::Duration>,
+    /// How long each kill takes before the cell ends (none by default).
+    kill_delay: Mutex<std::time::Duration>,
 }
 
 impl FakeBackend {
@@ -42,7 +44,16 @@ impl FakeBackend {
             cells: Mutex::new(HashMap::new()),
             refuse: Mutex::new(HashMap::new()),
             start_delay: Mutex::new(std::time::Duration::ZERO),
+            kill_delay: Mutex::new(std::time::Duration::ZERO),
         })
+    }
+
+    /// Each kill of a cell started from now on takes `delay` before the cell ends (a tier
+    /// whose cells take time to stop); [`FakeCell::kill_begun`] says when one has begun.
+    pub fn delay_kills(&self, delay: std::time::Duration) {
+        if let Ok(mut d) = self.kill_delay.lock() {
+            *d = delay;
+        }
     }
 
     /// Each start from now on takes `delay` (a tier whose cells take time to come up).
@@ -118,6 +129,11 @@ impl Backend for FakeBackend {
             spec,
             paused: AtomicBool::new(false),
             ended: AtomicBool::new(false),
+            kill_delay: self
+                .kill_delay
+                .lock()
+                .map_or(std::time::Duration::ZERO, |d| *d),
+            kill_begun: AtomicBool::new(false),
             groups: Mutex::new(Vec::new()),
             questions: Mutex::new(Vec::new()),
             answers: Mutex::new(Vec::new()),
@@ -194,6 +210,9 @@ pub struct FakeCell {
     spec: CellSpec,
     paused: AtomicBool,
     ended: AtomicBool,
+    /// How long a kill takes before the cell ends.
+    kill_delay: std::time::Duration,
+    kill_begun: AtomicBool,
     /// Process groups of the processes started in it.
     groups: Mutex<Vec<i32>>,
     questions: Mutex<Vec<Question>>,
@@ -214,6 +233,12 @@ impl FakeCell {
 
     pub fn is_paused(&self) -> bool {
         self.paused.load(Ordering::SeqCst)
+    }
+
+    /// Whether a kill of it has begun (it may not have ended yet: see
+    /// [`FakeBackend::delay_kills`]).
+    pub fn kill_begun(&self) -> bool {
+        self.kill_begun.load(Ordering::SeqCst)
     }
 
     /// As a gateway's `ask` rule would: a question that waits for an answer; its id.
@@ -299,6 +324,11 @@ impl Cell for FakeCell {
     }
 
     fn kill(&self) -> Result<(), CellError> {
+        if !self.kill_delay.is_zero() && !self.ended.load(Ordering::SeqCst) {
+            self.kill_begun.store(true, Ordering::SeqCst);
+            std::thread::sleep(self.kill_delay);
+        }
+        self.kill_begun.store(true, Ordering::SeqCst);
         if self.ended.swap(true, Ordering::SeqCst) {
             return Err(self.ended());
         }

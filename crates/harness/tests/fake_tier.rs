@@ -610,12 +610,14 @@ async fn a_deleted_cell_ends_once_in_the_journal_whatever_its_watch_sees() {
 #[tokio::test]
 async fn a_control_that_comes_while_a_delete_is_under_way_is_refused_and_not_journaled() {
     let s = setup().await;
+    // The delete's kill takes a while: the kill below comes while it is under way, the cell
+    // not yet ended (so only the delete's mark can refuse it).
+    s.fake.delay_kills(Duration::from_millis(400));
     s.harness.create(create("during", None)).await.unwrap();
     let harness = Arc::clone(&s.harness);
     let delete = tokio::spawn(async move { harness.delete("during", "the-delete").await });
-    // This runtime has one thread: the delete runs until its first wait, having marked the
-    // cell as being deleted, before this goes on.
-    tokio::task::yield_now().await;
+    let fake = s.fake.cell("during").unwrap();
+    wait_for("the delete's kill", async || fake.kill_begun()).await;
     let refused = s
         .harness
         .control(
