@@ -173,6 +173,11 @@ pub(crate) fn refused_hello(bytes: &[u8], host: &Host) -> Option<String> {
 /// they are a TLS ClientHello, whose server name must be `host`'s (whenever they come: the
 /// server may speak first). Returns the bytes each way, and the refusal if the hello was
 /// refused. Each direction ends after `idle` without a byte; so the tunnel does, once both have.
+///
+/// First bytes that came whole with the connection (`early`: a redirected client's request or
+/// ClientHello, read to learn where it goes) are checked and sent up by this thread, before
+/// the thread for the client-to-upstream direction is woken: the upstream gets them without
+/// waiting for that wake-up.
 fn tunnel_bytes(
     workers: &std::sync::Arc<crate::workers::Workers>,
     client: TcpStream,
@@ -183,14 +188,28 @@ fn tunnel_bytes(
 ) -> (u64, u64, Option<String>) {
     let _ = client.set_read_timeout(Some(idle));
     let _ = upstream.set_read_timeout(Some(idle));
+    let first = if !early.is_empty() && (early.len() >= MAX_INPUT || !needs_more(early)) {
+        if let Some(reason) = refused_hello(early, host) {
+            let _ = upstream.shutdown(Shutdown::Both);
+            let _ = client.shutdown(Shutdown::Both);
+            return (0, 0, Some(reason));
+        }
+        First::Sent(
+            (&upstream)
+                .write_all(early)
+                .is_ok()
+                .then_some(early.len() as u64),
+        )
+    } else {
+        First::Held(early.to_vec())
+    };
     let (Ok(client_read), Ok(upstream_write)) = (client.try_clone(), upstream.try_clone()) else {
         return (0, 0, None);
     };
-    let early = early.to_vec();
     let host = host.clone();
     let (done, up) = std::sync::mpsc::sync_channel(1);
     let started = workers.run(move || {
-        let _ = done.send(relay_up(client_read, upstream_write, early, &host, idle));
+        let _ = done.send(relay_up(client_read, upstream_write, first, &host, idle));
     });
     if started.is_err() {
         // No thread for the other direction: the tunnel cannot be relayed.
@@ -208,15 +227,36 @@ fn tunnel_bytes(
     (up, down, refused)
 }
 
+/// A tunnel's first bytes from the client, for the thread of its client-to-upstream direction.
+enum First {
+    /// Not yet checked: what came with the connection (maybe nothing), to be read on to a
+    /// whole ClientHello or HTTP head.
+    Held(Vec<u8>),
+    /// Checked and sent up already: how many (`None`: the upstream would not take them).
+    Sent(Option<u64>),
+}
+
 /// The client-to-upstream direction of a tunnel, on a thread of its own: the first bytes are
 /// checked, then the rest pumped. Returns the bytes sent and the refusal of a hello, if any.
 fn relay_up(
     mut client_read: TcpStream,
     upstream_write: TcpStream,
-    early: Vec<u8>,
+    first: First,
     host: &Host,
     idle: Duration,
 ) -> (u64, Option<String>) {
+    let early = match first {
+        First::Held(early) => early,
+        First::Sent(Some(n)) => {
+            let sent = n + pump(&client_read, &upstream_write);
+            let _ = upstream_write.shutdown(Shutdown::Write);
+            return (sent, None);
+        }
+        First::Sent(None) => {
+            let _ = upstream_write.shutdown(Shutdown::Write);
+            return (0, None);
+        }
+    };
     let Some(first) = first_bytes(&mut client_read, early, idle, crate::bounds::HEAD_TIMEOUT)
     else {
         let _ = upstream_write.shutdown(Shutdown::Write);
@@ -281,6 +321,66 @@ mod tests {
         );
         drop(server);
         let _ = trickle.join();
+    }
+
+    /// First bytes that came whole with the connection go up from the tunnel's own thread,
+    /// and what follows is pumped after them; a whole hello naming another host sends nothing.
+    #[test]
+    fn whole_first_bytes_are_checked_and_sent_before_the_rest() {
+        let workers = crate::workers::Workers::new("test-tunnel");
+        let host = Host::Name("a.test".into());
+        // An HTTP head that came with the connection, then more from the client.
+        let (mut client, gateway_side) = pair();
+        let (upstream_side, mut upstream) = pair();
+        let relay = {
+            let workers = std::sync::Arc::clone(&workers);
+            let host = host.clone();
+            std::thread::spawn(move || {
+                tunnel_bytes(
+                    &workers,
+                    gateway_side,
+                    upstream_side,
+                    b"GET / HTTP/1.1\r\nHost: a.test\r\n\r\n",
+                    &host,
+                    Duration::from_secs(5),
+                )
+            })
+        };
+        let mut got = vec![0u8; 32];
+        upstream.read_exact(&mut got).unwrap();
+        assert_eq!(got, b"GET / HTTP/1.1\r\nHost: a.test\r\n\r\n");
+        client.write_all(b"body").unwrap();
+        client.shutdown(Shutdown::Write).unwrap();
+        let mut rest = Vec::new();
+        upstream.read_to_end(&mut rest).unwrap();
+        assert_eq!(rest, b"body");
+        upstream.write_all(b"answer").unwrap();
+        drop(upstream);
+        let mut answer = Vec::new();
+        client.read_to_end(&mut answer).unwrap();
+        assert_eq!(answer, b"answer");
+        assert_eq!(relay.join().unwrap(), (36, 6, None));
+        // A whole hello for another host: refused, and the upstream gets no byte of it.
+        let (client, gateway_side) = pair();
+        let (upstream_side, mut upstream) = pair();
+        let hello = crate::sni::tests::hello_with_sni("b.test");
+        let (up, down, refused) = tunnel_bytes(
+            &workers,
+            gateway_side,
+            upstream_side,
+            &hello,
+            &host,
+            Duration::from_secs(5),
+        );
+        assert_eq!((up, down), (0, 0));
+        assert_eq!(
+            refused.as_deref(),
+            Some("the TLS server name `b.test` is not the CONNECT host `a.test`")
+        );
+        let mut seen = Vec::new();
+        upstream.read_to_end(&mut seen).unwrap();
+        assert!(seen.is_empty(), "{} bytes reached the upstream", seen.len());
+        drop(client);
     }
 
     #[test]
