@@ -1237,8 +1237,8 @@ impl WriterState {
     /// when another process closed the one this process had open.
     fn catch_up(&mut self) -> Result<(), JournalError> {
         let io = |what| JournalError::io(what, &self.path);
-        let at_path = shape_at(&self.path).ok().map(|(inode, _)| inode);
-        if at_path != Some(self.inode) {
+        let at_path = shape_at(&self.path).ok();
+        let Some((_, len)) = at_path.filter(|&(inode, _)| inode == self.inode) else {
             let mut file = OpenOptions::new()
                 .read(true)
                 .append(true)
@@ -1262,8 +1262,9 @@ impl WriterState {
             self.file = Arc::new(file);
             self.durable = self.durable_by_ring();
             return Ok(());
-        }
-        let (_, len) = shape(&*self.file).map_err(io("reading the journal"))?;
+        };
+        // The file at the path is this one: its length is the one looked at there (a second
+        // look through the descriptor asked the same inode again, at every entry).
         if len == self.size {
             return Ok(());
         }
