@@ -266,20 +266,22 @@ impl Gateway {
     /// fails; each connection is served on a thread of its own (one that served an earlier
     /// connection, where one waits), up to the cell's connection limit.
     pub fn serve(self, listener: TcpListener) -> io::Result<()> {
-        Acceptor::start(self, listener, true, |gateway, conn| gateway.handle(conn))
+        Acceptor::start(self, listener, true, |gateway, conn, _| {
+            gateway.handle(conn)
+        })
     }
 
     /// Accepts connections redirected from the cell's namespace (clients that ignore the proxy
     /// variables): the destination is the original one, the name the client's TLS server name or
     /// Host header, which must resolve to that destination.
     pub fn serve_transparent(self, listener: TcpListener) -> io::Result<()> {
-        Acceptor::start(self, listener, false, |gateway, conn| {
-            gateway.transparent(conn);
+        Acceptor::start(self, listener, false, |gateway, conn, ipv6| {
+            gateway.transparent(conn, ipv6);
         })
     }
 
     /// Refuses a connection past the cell's limit, without waiting on it.
-    fn refuse_busy(&self, mut conn: TcpStream, proxy: bool) {
+    fn refuse_busy(&self, mut conn: TcpStream, proxy: bool, ipv6: bool) {
         let reason = format!(
             "the cell has {} connections open through its gateway, its limit (limits.connections)",
             self.slots.max()
@@ -287,7 +289,7 @@ impl Gateway {
         let verdict = Verdict::new(false, "limits.connections", &reason);
         let kind = if proxy { "proxy" } else { "transparent" };
         let mut decision = self.record(kind, "", 0, None, &verdict);
-        if !proxy && let Some(destination) = crate::redirected::original_destination(&conn) {
+        if !proxy && let Some(destination) = crate::redirected::original_destination(&conn, ipv6) {
             decision.host = destination.ip().to_string();
             decision.port = destination.port();
         }
@@ -344,9 +346,8 @@ impl Gateway {
         }
     }
 
+    /// A connection to the proxy port (`TCP_NODELAY` on: see `Acceptor`).
     fn handle(&self, mut conn: TcpStream) {
-        // Small TLS records and request heads must not wait for delayed acknowledgements.
-        let _ = conn.set_nodelay(true);
         let until = std::time::Instant::now() + crate::bounds::HEAD_TIMEOUT;
         let read = crate::http::read_request(&mut crate::http::Until {
             inner: &conn,
@@ -482,7 +483,12 @@ struct Acceptor {
     gateway: Gateway,
     listener: Arc<TcpListener>,
     proxy: bool,
-    serve: fn(&Gateway, TcpStream),
+    /// The listener's family, which its connections have.
+    ipv6: bool,
+    /// Whether its connections have `TCP_NODELAY` from it (set once on the listener, a
+    /// connection takes it at its accept), or need it set each.
+    nodelay_inherited: bool,
+    serve: fn(&Gateway, TcpStream, bool),
 }
 
 impl Acceptor {
@@ -490,13 +496,19 @@ impl Acceptor {
         gateway: Gateway,
         listener: TcpListener,
         proxy: bool,
-        serve: fn(&Gateway, TcpStream),
+        serve: fn(&Gateway, TcpStream, bool),
     ) -> io::Result<()> {
         let workers = Arc::clone(&gateway.workers);
+        // Small TLS records and request heads must not wait for delayed acknowledgements.
+        let nodelay_inherited =
+            nix::sys::socket::setsockopt(&listener, nix::sys::socket::sockopt::TcpNoDelay, &true)
+                .is_ok();
         let acceptor = Self {
             gateway,
+            ipv6: listener.local_addr().is_ok_and(|a| a.is_ipv6()),
             listener: Arc::new(listener),
             proxy,
+            nodelay_inherited,
             serve,
         };
         workers.run(move || acceptor.accept())
@@ -525,7 +537,7 @@ impl Acceptor {
                 Err(_) => return,
             };
             let Some(slot) = self.gateway.slots.take() else {
-                self.gateway.refuse_busy(conn, self.proxy);
+                self.gateway.refuse_busy(conn, self.proxy, self.ipv6);
                 continue;
             };
             let next = self.clone();
@@ -536,8 +548,11 @@ impl Acceptor {
                 std::thread::sleep(Duration::from_millis(20));
                 continue;
             }
+            if !self.nodelay_inherited {
+                let _ = conn.set_nodelay(true);
+            }
             let _slot: Slot = slot;
-            (self.serve)(&self.gateway, conn);
+            (self.serve)(&self.gateway, conn, self.ipv6);
             return;
         }
     }

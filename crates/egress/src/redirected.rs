@@ -2,11 +2,13 @@
 
 use std::net::{SocketAddr, TcpStream};
 
-/// Where a redirected connection was going before nftables sent it to the gateway.
-pub(crate) fn original_destination(conn: &TcpStream) -> Option<SocketAddr> {
+/// Where a redirected connection was going before nftables sent it to the gateway; `ipv6`: the
+/// connection's family (its listener's, known once, where each connection's own address was
+/// looked up for it).
+pub(crate) fn original_destination(conn: &TcpStream, ipv6: bool) -> Option<SocketAddr> {
     use nix::sys::socket::{getsockopt, sockopt};
     use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-    if conn.local_addr().ok()?.is_ipv6() {
+    if ipv6 {
         let original = getsockopt(conn, sockopt::Ip6tOriginalDst).ok()?;
         let ip = Ipv6Addr::from(original.sin6_addr.s6_addr);
         Some(SocketAddr::new(

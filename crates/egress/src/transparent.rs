@@ -17,9 +17,10 @@ use crate::tunnel::{first_bytes, looks_http};
 const FIRST_BYTES_WAIT: Duration = Duration::from_secs(3);
 
 impl Gateway {
-    pub(crate) fn transparent(&self, mut conn: TcpStream) {
-        let _ = conn.set_nodelay(true);
-        let Some(destination) = original_destination(&conn) else {
+    /// A redirected connection (`TCP_NODELAY` on: see `proxy::Acceptor`), accepted on an IPv6
+    /// listener or not.
+    pub(crate) fn transparent(&self, mut conn: TcpStream, ipv6: bool) {
+        let Some(destination) = original_destination(&conn, ipv6) else {
             return;
         };
         // The client's first bytes name the host (TLS server name or HTTP Host); a client that
