@@ -313,6 +313,25 @@ fn main() -> Result<()> {
         "",
         ""
     );
+    // A build against the one before: each round measured both, so the difference within a
+    // round leaves out the host's slow and quick stretches that the medians of the two rows
+    // each take in.
+    let paired: Vec<(String, Vec<f64>)> = [
+        ("warden run", "baseline"),
+        ("warden run (rootless)", "baseline (rootless)"),
+    ]
+    .into_iter()
+    .filter_map(|(this, before)| {
+        let find = |name: &str| results.iter().find(|(n, _)| *n == name).map(|(_, s)| s);
+        let (this_samples, before_samples) = (find(this)?, find(before)?);
+        let differences = this_samples
+            .iter()
+            .zip(before_samples)
+            .map(|(a, b)| ms(*a) - ms(*b))
+            .collect();
+        Some((this.to_owned(), differences))
+    })
+    .collect();
     for (name, mut samples) in results {
         samples.sort();
         let median = percentile(&samples, 0.5);
@@ -326,7 +345,68 @@ fn main() -> Result<()> {
             ms(median) / ms(warden_median)
         );
     }
+    for (name, differences) in &paired {
+        let (median, low, high) = median_with_interval(differences);
+        warden_bench::say!(
+            "{name} against the baseline, round by round: {median:+.3} ms median difference (95% interval {low:+.3} to {high:+.3}, {} rounds)",
+            differences.len()
+        );
+    }
     drop(daemon);
     let _ = std::fs::remove_dir_all(&daemon_dir);
     Ok(())
+}
+
+/// The median of `values`, and a 95% interval for it by resampling `values` with replacement
+/// (2,000 resamples, a fixed seed: the same samples give the same interval).
+fn median_with_interval(values: &[f64]) -> (f64, f64, f64) {
+    fn median(sorted: &mut [f64]) -> f64 {
+        sorted.sort_by(f64::total_cmp);
+        sorted[sorted.len() / 2]
+    }
+    if values.is_empty() {
+        return (0.0, 0.0, 0.0);
+    }
+    let mut seed = warden_bench::SHUFFLE_SEED;
+    let mut medians: Vec<f64> = (0..2000)
+        .map(|_| {
+            let mut resample: Vec<f64> = (0..values.len())
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    values[(seed % values.len() as u64) as usize]
+                })
+                .collect();
+            median(&mut resample)
+        })
+        .collect();
+    medians.sort_by(f64::total_cmp);
+    let at = |p: f64| medians[((medians.len() - 1) as f64 * p).round() as usize];
+    (median(&mut values.to_vec()), at(0.025), at(0.975))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::median_with_interval;
+
+    #[test]
+    fn the_interval_holds_the_median_and_narrows_with_more_rounds() {
+        let few: Vec<f64> = (0..20).map(|i| f64::from(i % 7) - 3.0).collect();
+        let many: Vec<f64> = (0..2000).map(|i| f64::from(i % 7) - 3.0).collect();
+        let (m, low, high) = median_with_interval(&few);
+        assert!(low <= m && m <= high, "{low} {m} {high}");
+        let (m2, low2, high2) = median_with_interval(&many);
+        assert_eq!(m2, 0.0);
+        assert!(
+            high2 - low2 <= high - low,
+            "{low2}..{high2} against {low}..{high}"
+        );
+        assert!(low2 <= 0.0 && high2 >= 0.0);
+        // A shift shows as an interval that leaves zero out.
+        let shifted: Vec<f64> = many.iter().map(|v| v + 5.0).collect();
+        let (m3, low3, _) = median_with_interval(&shifted);
+        assert_eq!(m3, 5.0);
+        assert!(low3 > 0.0, "{low3}");
+    }
 }
