@@ -188,7 +188,9 @@ fn tunnel_bytes(
 ) -> (u64, u64, Option<String>) {
     let _ = client.set_read_timeout(Some(idle));
     let _ = upstream.set_read_timeout(Some(idle));
-    let first = if !early.is_empty() && (early.len() >= MAX_INPUT || !needs_more(early)) {
+    // (Whole, and small enough for the sockets' buffers to take at once: a write of it here
+    // does not wait on the upstream's reading before the downward relay begins.)
+    let first = if !early.is_empty() && early.len() <= SENT_AHEAD && !needs_more(early) {
         if let Some(reason) = refused_hello(early, host) {
             let _ = upstream.shutdown(Shutdown::Both);
             let _ = client.shutdown(Shutdown::Both);
@@ -226,6 +228,10 @@ fn tunnel_bytes(
     let (up, refused) = up.recv().unwrap_or((0, None));
     (up, down, refused)
 }
+
+/// The most first bytes the accepting thread sends up itself (a ClientHello or a request head
+/// is a few KiB).
+const SENT_AHEAD: usize = 16 * 1024;
 
 /// A tunnel's first bytes from the client, for the thread of its client-to-upstream direction.
 enum First {
