@@ -372,10 +372,7 @@ fn median_with_interval(values: &[f64]) -> (f64, f64, f64) {
         .map(|_| {
             let mut resample: Vec<f64> = (0..values.len())
                 .map(|_| {
-                    seed ^= seed << 13;
-                    seed ^= seed >> 7;
-                    seed ^= seed << 17;
-                    values[(seed % values.len() as u64) as usize]
+                    values[(warden_bench::next_random(&mut seed) % values.len() as u64) as usize]
                 })
                 .collect();
             median(&mut resample)

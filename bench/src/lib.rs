@@ -543,11 +543,17 @@ pub const SHUFFLE_SEED: u64 = 0x9e37_79b9_7f4a_7c15;
 /// The order needs no more than to differ from round to round.
 pub fn shuffle(items: &mut [usize], seed: &mut u64) {
     for i in (1..items.len()).rev() {
-        *seed ^= *seed << 13;
-        *seed ^= *seed >> 7;
-        *seed ^= *seed << 17;
-        items.swap(i, (*seed % (i as u64 + 1)) as usize);
+        items.swap(i, (next_random(seed) % (i as u64 + 1)) as usize);
     }
+}
+
+/// The next number of a xorshift sequence (`seed` is its state): for a benchmark's orders and
+/// resamples, the same every run.
+pub fn next_random(seed: &mut u64) -> u64 {
+    *seed ^= *seed << 13;
+    *seed ^= *seed >> 7;
+    *seed ^= *seed << 17;
+    *seed
 }
 
 #[cfg(test)]

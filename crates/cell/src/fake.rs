@@ -324,11 +324,10 @@ impl Cell for FakeCell {
     }
 
     fn kill(&self) -> Result<(), CellError> {
+        self.kill_begun.store(true, Ordering::SeqCst);
         if !self.kill_delay.is_zero() && !self.ended.load(Ordering::SeqCst) {
-            self.kill_begun.store(true, Ordering::SeqCst);
             std::thread::sleep(self.kill_delay);
         }
-        self.kill_begun.store(true, Ordering::SeqCst);
         if self.ended.swap(true, Ordering::SeqCst) {
             return Err(self.ended());
         }

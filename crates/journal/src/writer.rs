@@ -1237,8 +1237,10 @@ impl WriterState {
     /// when another process closed the one this process had open.
     fn catch_up(&mut self) -> Result<(), JournalError> {
         let io = |what| JournalError::io(what, &self.path);
-        let at_path = shape_at(&self.path).ok();
-        let Some((_, len)) = at_path.filter(|&(inode, _)| inode == self.inode) else {
+        let same = shape_at(&self.path)
+            .ok()
+            .filter(|&(inode, _)| inode == self.inode);
+        let Some((_, len)) = same else {
             let mut file = OpenOptions::new()
                 .read(true)
                 .append(true)
