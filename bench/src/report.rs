@@ -3,13 +3,17 @@
 //! peers (SVG, drawn with `plotters`), the machine it ran on and the peers' versions. Run it as
 //! root from the repository's root after `cargo build --release --workspace`.
 //!
-//! Usage: `bench-report [--quick] [--out FILE]` (`--quick`: fewer rounds, for a look).
+//! Usage: `bench-report [--quick] [--out FILE]` (`--quick`: fewer rounds, for a look);
+//! `bench-report --check FILE` prints the targets' section (`targets.rs`) for the figures of a
+//! report written before, without running anything.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 use plotters::prelude::*;
+
+mod targets;
 
 /// One benchmark: its binary, its arguments (full and quick), and what to chart of its table.
 struct Bench {
@@ -98,7 +102,21 @@ fn main() -> Result<()> {
         match arg.as_str() {
             "--quick" => quick = true,
             "--out" => out = PathBuf::from(args.next().context("--out needs a file")?),
-            other => bail!("unknown argument {other}; usage: bench-report [--quick] [--out FILE]"),
+            "--check" => {
+                let path = args.next().context("--check needs a report's file")?;
+                let report = std::fs::read_to_string(&path)
+                    .with_context(|| format!("reading the report {path}"))?;
+                // Each benchmark's tables are in the report as it printed them.
+                let outputs = BENCHES
+                    .iter()
+                    .map(|bench| (bench.binary, report.clone()))
+                    .collect();
+                print!("{}", targets::section(&targets::check(&outputs)));
+                return Ok(());
+            }
+            other => bail!(
+                "unknown argument {other}; usage: bench-report [--quick] [--out FILE] | --check FILE"
+            ),
         }
     }
     let dir = std::env::current_exe()?
@@ -119,6 +137,9 @@ fn main() -> Result<()> {
          ```sh\ncargo build --release --workspace\nsudo target/release/bench-report   # as root: the root and rootless rows\n```\n\n",
     );
     doc.push_str(&machine());
+    // The targets' section goes here, once every benchmark has run.
+    let targets_at = doc.len();
+    let mut outputs = std::collections::HashMap::new();
     let mut failed = Vec::new();
     for bench in BENCHES {
         let args = if quick { bench.quick } else { bench.args };
@@ -174,6 +195,7 @@ fn main() -> Result<()> {
             doc.push_str("```\n");
         }
         doc.push('\n');
+        outputs.insert(bench.binary, output.clone());
         for chart in bench.charts {
             let Some(rows) = column(&output, chart.column) else {
                 continue;
@@ -185,6 +207,7 @@ fn main() -> Result<()> {
             doc.push_str(&format!("![{}]({})\n\n", chart.title, rel.display()));
         }
     }
+    doc.insert_str(targets_at, &targets::section(&targets::check(&outputs)));
     std::fs::write(&out, &doc).with_context(|| format!("writing {}", out.display()))?;
     warden_bench::say!(
         "wrote {} and its charts in {}",
@@ -289,19 +312,12 @@ fn date() -> String {
 /// The rows (first cell, number in `name`'s column) of the first markdown table with that
 /// column.
 fn column(output: &str, name: &str) -> Option<Vec<(String, f64)>> {
-    let cells = |line: &str| -> Vec<String> {
-        line.trim()
-            .trim_matches('|')
-            .split('|')
-            .map(|c| c.trim().to_owned())
-            .collect()
-    };
     let mut lines = output.lines().peekable();
     while let Some(line) = lines.next() {
         if !line.starts_with('|') {
             continue;
         }
-        let header = cells(line);
+        let header = targets::cells(line);
         let Some(index) = header.iter().position(|h| h == name) else {
             continue;
         };
@@ -310,16 +326,14 @@ fn column(output: &str, name: &str) -> Option<Vec<(String, f64)>> {
             if !row.starts_with('|') {
                 break;
             }
-            let row = cells(row);
+            let row = targets::cells(row);
             if row
                 .iter()
                 .all(|c| c.chars().all(|ch| ch == '-' || ch == ':'))
             {
                 continue;
             }
-            let value = row
-                .get(index)
-                .and_then(|v| v.trim_end_matches('x').parse::<f64>().ok());
+            let value = row.get(index).and_then(|v| targets::number(v));
             if let (Some(label), Some(value)) = (row.first(), value) {
                 rows.push((label.clone(), value));
             }
