@@ -279,8 +279,19 @@ impl Redirecting {
         // `nft` first: it takes longest (its libraries, its netlink cache), 2-3 ms here.
         let started = [
             start(nft, &["-f", "-"], true),
-            start(ip, &["route", "add", "default", "dev", "lo"], false),
-            start(ip, &["-6", "route", "add", "default", "dev", "lo"], false),
+            // With the loopback address as the source: a route through `lo` alone gives a
+            // connection to another network's IPv4 address the source 0.0.0.0, to which the
+            // gateway's answers cannot be sent back (IPv6 takes ::1 either way; said for both).
+            start(
+                ip,
+                &["route", "add", "default", "dev", "lo", "src", "127.0.0.1"],
+                false,
+            ),
+            start(
+                ip,
+                &["-6", "route", "add", "default", "dev", "lo", "src", "::1"],
+                false,
+            ),
         ];
         let mut redirecting = Self {
             children: Vec::new(),

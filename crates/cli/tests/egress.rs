@@ -724,8 +724,11 @@ fn clients_that_ignore_the_proxy_variables_are_still_decided_by_the_gateway() {
         lines[1].starts_with("HTTP/1.1 403 Forbidden localhost does not resolve to 127.0.0.2"),
         "{ran:?}"
     );
+    // (Checked before its request is: the address itself, which no rule names.)
     assert!(
-        lines[2].starts_with("HTTP/1.1 403 Forbidden no rule allows"),
+        lines[2].starts_with(
+            "HTTP/1.1 403 Forbidden 127.0.0.3 is a private, loopback, link-local or metadata address that no rule names"
+        ),
         "{ran:?}"
     );
     assert_eq!(up.hits.load(Ordering::SeqCst), 1);
@@ -1570,4 +1573,191 @@ fn a_server_name_the_cell_chose_cannot_steer_the_terminal_of_warden_net() {
     assert!(!text.contains('\x1b') && !text.contains('\r'), "{text:?}");
     assert!(text.contains("DENY"), "{text}");
     assert!(warden().args(["rm", &name]).status().unwrap().success());
+}
+
+/// Python that sends `request` on a connection of its own (through the proxy, through a
+/// CONNECT tunnel opened first, or straight to the address, redirected), and prints what
+/// came back, one line: the status line and the body.
+fn exchanges(requests: &[(&str, &str)]) -> String {
+    let mut code = String::from(
+        "import socket\n\
+         def ask(way, request):\n\
+         \x20   kind, _, where = way.partition(' ')\n\
+         \x20   if kind == 'direct':\n\
+         \x20       host, _, port = where.rpartition(':')\n\
+         \x20       s = socket.create_connection((host.strip('[]'), int(port)), timeout=10)\n\
+         \x20   else:\n\
+         \x20       s = socket.create_connection(('127.0.0.1', 3128), timeout=10)\n\
+         \x20   if kind == 'connect':\n\
+         \x20       s.sendall(f'CONNECT {where} HTTP/1.1\\r\\n\\r\\n'.encode())\n\
+         \x20       head = b''\n\
+         \x20       while b'\\r\\n\\r\\n' not in head:\n\
+         \x20           more = s.recv(1)\n\
+         \x20           if not more: break\n\
+         \x20           head += more\n\
+         \x20   data = b''\n\
+         \x20   if kind != 'connect' or b' 200 ' in head.split(b'\\r\\n')[0]:\n\
+         \x20       s.sendall(request.encode())\n\
+         \x20   else:\n\
+         \x20       data = head\n\
+         \x20   try:\n\
+         \x20       while True:\n\
+         \x20           more = s.recv(4096)\n\
+         \x20           if not more: break\n\
+         \x20           data += more\n\
+         \x20   except OSError as e:\n\
+         \x20       data += f'[{e}]'.encode()\n\
+         \x20   head, _, body = data.partition(b'\\r\\n\\r\\n')\n\
+         \x20   return head.split(b'\\r\\n')[0].decode() + ' | ' + body.decode(errors='replace').replace('\\n', ' ')\n",
+    );
+    for (way, request) in requests {
+        code.push_str(&format!("print(ask({way:?}, {request:?}), flush=True)\n"));
+    }
+    code
+}
+
+#[test]
+fn a_rule_on_paths_holds_in_tunnels_redirected_connections_and_against_doubled_slashes() {
+    let dir = tempdir();
+    let up = http_upstream();
+    let port = up.port;
+    let policy = net_policy(
+        dir.path(),
+        &format!(
+            "  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n  deny:\n    - host: 127.0.0.2\n      paths: [\"/admin/**\"]\n"
+        ),
+    );
+    let get = |path: &str| format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.2:{port}\r\n\r\n");
+    let absolute = |path: &str| {
+        format!("GET http://127.0.0.2:{port}{path} HTTP/1.1\r\nHost: 127.0.0.2:{port}\r\n\r\n")
+    };
+    let tunnel = format!("connect 127.0.0.2:{port}");
+    let direct = format!("direct 127.0.0.2:{port}");
+    // A kept-alive redirected connection that carries a second request for another host.
+    let two = format!(
+        "{}GET /second HTTP/1.1\r\nHost: evil.test:{port}\r\n\r\n",
+        get("/public/1")
+    );
+    let requests = [
+        ("proxy", absolute("/admin/x")),
+        ("proxy", absolute("//admin/x")),
+        ("proxy", absolute("/public/a")),
+        (tunnel.as_str(), get("/admin/x")),
+        (tunnel.as_str(), get("//admin/x")),
+        (tunnel.as_str(), get("/public/b")),
+        (direct.as_str(), get("/admin/x")),
+        (direct.as_str(), get("//admin//x")),
+        (direct.as_str(), two.clone()),
+    ];
+    let asked: Vec<(&str, &str)> = requests.iter().map(|(w, r)| (*w, r.as_str())).collect();
+    let ran = run_py(&["--rm", "--policy", &policy], &exchanges(&asked));
+    let lines: Vec<&str> = ran.stdout.lines().collect();
+    assert_eq!(lines.len(), requests.len(), "{ran:?}");
+    for (i, line) in lines.iter().enumerate() {
+        let refused = requests[i].1.contains("admin");
+        if refused {
+            assert!(
+                line.starts_with("HTTP/1.1 403 ") && line.contains("deny[0]"),
+                "request {i} ({:?}) was not refused by the rule: {line}",
+                requests[i]
+            );
+        } else {
+            assert!(
+                line.starts_with("HTTP/1.1 200 ") && line.contains("upstream saw GET /public/"),
+                "request {i} ({:?}): {line}",
+                requests[i]
+            );
+        }
+    }
+    // The second request of the kept-alive connection never went out: one request a connection.
+    assert!(!lines[8].contains("second"), "{}", lines[8]);
+    assert_eq!(up.hits.load(Ordering::SeqCst), 3, "{ran:?}");
+}
+
+#[test]
+fn a_name_or_an_address_form_that_leads_to_a_denied_address_is_refused() {
+    let dir = tempdir();
+    let denied = http_upstream_on("127.0.0.3");
+    let fine = http_upstream();
+    // The gateway's names come from an /etc/hosts of the run's own (a private mount
+    // namespace): no lookup leaves the machine.
+    let hosts = dir.path().join("hosts");
+    std::fs::write(
+        &hosts,
+        "127.0.0.1 localhost\n127.0.0.3 secret.corp.test\n127.0.0.2 fine.corp.test\n",
+    )
+    .unwrap();
+    let policy = net_policy(
+        dir.path(),
+        "  default: allow\n  allow:\n    - host: 127.0.0.0/8\n    - host: \"*.corp.test\"\n  deny:\n    - host: 127.0.0.3\n",
+    );
+    let (dp, fp) = (denied.port, fine.port);
+    let get = |host: &str, port: u16| format!("GET / HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n");
+    let absolute = |host: &str, port: u16| {
+        format!("GET http://{host}:{port}/ HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n")
+    };
+    let requests = [
+        ("proxy".to_owned(), absolute("secret.corp.test", dp)),
+        ("proxy".to_owned(), absolute("[::ffff:127.0.0.3]", dp)),
+        (format!("connect secret.corp.test:{dp}"), "ping".to_owned()),
+        (
+            format!("direct 127.0.0.3:{dp}"),
+            get("secret.corp.test", dp),
+        ),
+        ("proxy".to_owned(), absolute("fine.corp.test", fp)),
+    ];
+    let asked: Vec<(&str, &str)> = requests
+        .iter()
+        .map(|(w, r)| (w.as_str(), r.as_str()))
+        .collect();
+    let script = format!(
+        "mount --bind {} /etc/hosts && exec \"$0\" \"$@\"",
+        hosts.display()
+    );
+    let out = std::process::Command::new("unshare")
+        .args(["-m", "--propagation", "private", "sh", "-c", &script])
+        .arg(bin())
+        .args(["run", "--rm", "--policy", &policy, "--", "python3", "-c"])
+        .arg(exchanges(&asked))
+        .output()
+        .unwrap();
+    let ran = Ran::from(out);
+    let lines: Vec<&str> = ran.stdout.lines().collect();
+    assert_eq!(lines.len(), requests.len(), "{ran:?}");
+    for line in &lines[..4] {
+        assert!(
+            line.starts_with("HTTP/1.1 403 ") && line.contains("deny[0]"),
+            "not refused by the rule that names the address: {line}\n{ran:?}"
+        );
+    }
+    assert!(lines[4].contains("upstream saw GET /"), "{}", lines[4]);
+    assert_eq!(denied.hits.load(Ordering::SeqCst), 0, "{ran:?}");
+    assert_eq!(fine.hits.load(Ordering::SeqCst), 1, "{ran:?}");
+}
+
+#[test]
+fn a_redirected_connection_to_another_network_is_answered() {
+    // Nothing these clients ask for is allowed: the gateway's refusal must come back to them,
+    // which needs a source address the answer can be sent to (the loopback's, not 0.0.0.0).
+    let dir = tempdir();
+    let policy = net_policy(
+        dir.path(),
+        "  default: deny\n  allow:\n    - host: 127.0.0.2\n      ports: [9]\n",
+    );
+    let requests = [
+        (
+            "direct 192.0.2.1:80",
+            "GET / HTTP/1.1\r\nHost: 192.0.2.1\r\n\r\n",
+        ),
+        (
+            "direct [2001:db8::1]:80",
+            "GET / HTTP/1.1\r\nHost: [2001:db8::1]\r\n\r\n",
+        ),
+    ];
+    let ran = run_py(&["--rm", "--policy", &policy], &exchanges(&requests));
+    let lines: Vec<&str> = ran.stdout.lines().collect();
+    assert_eq!(lines.len(), 2, "{ran:?}");
+    for line in lines {
+        assert!(line.starts_with("HTTP/1.1 403 "), "{line}\n{ran:?}");
+    }
 }

@@ -273,6 +273,19 @@ impl Gateway {
         );
     }
 
+    /// A plain-HTTP request that a CONNECT tunnel to `host:port` carried: decided and relayed
+    /// as a proxied one, its Host header held to the tunnel's host.
+    pub(crate) fn forward_in_tunnel(
+        &self,
+        conn: TcpStream,
+        host: &Host,
+        port: u16,
+        path: &str,
+        request: ParsedRequest,
+    ) {
+        self.forward_to(conn, host, port, path, request, Via::Proxy, true, None);
+    }
+
     /// Checks, decides and relays one request with an origin-form `path` to `host:port`;
     /// with `tls` (an `https://` model API route), the gateway speaks TLS to the upstream
     /// itself, verifying it against the host's roots and the policy's `extra_ca`.

@@ -32,7 +32,9 @@ impl Host {
             .and_then(|r| r.strip_suffix(']'))
             .unwrap_or(raw);
         if let Ok(ip) = trimmed.parse::<IpAddr>() {
-            return Ok(Self::Ip(ip));
+            // `::ffff:a.b.c.d` is the IPv4 address a.b.c.d: one spelling, so that a rule
+            // naming the IPv4 address also decides its mapped form.
+            return Ok(Self::Ip(ip.to_canonical()));
         }
         let name = trimmed
             .strip_suffix('.')
@@ -115,6 +117,14 @@ mod tests {
             Ok(Host::Ip("127.0.0.1".parse().unwrap()))
         );
         assert_eq!(Host::parse("[::1]"), Ok(Host::Ip("::1".parse().unwrap())));
+        assert_eq!(
+            Host::parse("[::ffff:198.51.100.7]"),
+            Ok(Host::Ip("198.51.100.7".parse().unwrap()))
+        );
+        assert_eq!(
+            Host::parse("[::FFFF:c633:6407]"),
+            Ok(Host::Ip("198.51.100.7".parse().unwrap()))
+        );
     }
 
     #[test]

@@ -37,6 +37,21 @@ impl Gateway {
         {
             return;
         }
+        // A client that speaks plain HTTP in the tunnel (`curl --proxytunnel` of an http://
+        // URL, undici's ProxyAgent) has its request decided as a proxied one.
+        let early = match via {
+            Via::Proxy if early.is_empty() => crate::tunnel::first_bytes(
+                &mut conn,
+                early,
+                crate::bounds::HEAD_TIMEOUT,
+                crate::bounds::HEAD_TIMEOUT,
+            )
+            .unwrap_or_default(),
+            _ => early,
+        };
+        if matches!(via, Via::Proxy) && crate::tunnel::looks_http(&early) {
+            return self.tunnel_http(conn, &host, port, early);
+        }
         let (Ok(config), Ok(inner)) = (interceptor.server_for(&name), conn.try_clone()) else {
             return;
         };

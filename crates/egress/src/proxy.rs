@@ -159,6 +159,23 @@ impl Gateway {
     /// Decides `request` by `rules`; where an ask rule matches, holds it for a person's answer.
     pub(crate) fn decide(&self, rules: &Rules, request: &Request<'_>) -> Verdict {
         let mut verdict = rules.decide(request);
+        // A deny rule that names an address (or a network) refuses a name that leads there:
+        // the name is resolved to see (the connection resolves it again, and keeps away from
+        // such addresses itself, see `connect`).
+        if (verdict.allowed || verdict.ask)
+            && rules.denies_addresses()
+            && let Host::Name(name) = request.host
+            && let Ok(addresses) = self.lookup(name)
+            && let Some((ip, rule)) = addresses
+                .iter()
+                .find_map(|ip| rules.denied_at(request, *ip).map(|rule| (ip, rule)))
+        {
+            return Verdict::new(
+                false,
+                rule,
+                &format!("denied by rule: {name} resolves to {ip}, which the rule names"),
+            );
+        }
         if !verdict.ask {
             return verdict;
         }
@@ -393,11 +410,30 @@ impl Gateway {
                 .map(|ip| SocketAddr::new(ip, port))
                 .collect(),
         };
+        // Never an address a deny rule names for any request to it, whatever the name resolved
+        // to when the request was decided.
+        let tunnel = Request {
+            host,
+            port,
+            http: None,
+        };
+        let denied: Vec<(SocketAddr, &str)> = candidates
+            .iter()
+            .filter_map(|a| rules.denied_at(&tunnel, a.ip()).map(|rule| (*a, rule)))
+            .collect();
         let allowed: Vec<SocketAddr> = candidates
             .iter()
             .copied()
             .filter(|a| rules.address_allowed(host, a.ip(), port))
+            .filter(|a| denied.iter().all(|(d, _)| d != a))
             .collect();
+        if let (true, Some((address, rule))) = (allowed.is_empty(), denied.first()) {
+            return Err(format!(
+                "{} resolves to {}, which {rule} denies",
+                host.as_text(),
+                address.ip()
+            ));
+        }
         if allowed.is_empty() {
             let shown: Vec<String> = candidates.iter().map(|a| a.ip().to_string()).collect();
             return Err(format!(

@@ -203,7 +203,7 @@ impl Rules {
     /// Decides a request by its host name or address, before any resolution: deny rules win,
     /// then ask rules (the verdict says a person must decide), then allow rules, then the default.
     pub fn decide(&self, request: &Request<'_>) -> Verdict {
-        if let Some(rule) = self.deny.iter().find(|r| r.matches(request)) {
+        if let Some(rule) = self.deny.iter().find(|r| r.matches_any_form(request)) {
             return Verdict::new(false, &rule.label, "denied by rule");
         }
         if let Some(rule) = self.ask.iter().find(|r| r.matches(request)) {
@@ -244,8 +244,9 @@ impl Rules {
         )
     }
 
-    /// Whether a tunnel to `host:port` must be opened up (TLS interception): an allow or ask rule
-    /// for it restricts methods or paths, or binds a credential, and no deny rule refuses it
+    /// Whether a tunnel to `host:port` must be opened up (TLS interception): a rule for it
+    /// restricts methods or paths (an allow, ask or deny rule: a deny rule on a path can only be
+    /// held to where each request is seen), or binds a credential, and no deny rule refuses it
     /// outright.
     pub fn intercepts(&self, host: &Host, port: u16) -> bool {
         let tunnel = Request {
@@ -254,11 +255,39 @@ impl Rules {
             http: None,
         };
         !self.deny.iter().any(|r| r.matches(&tunnel))
-            && self.allow.iter().chain(&self.ask).any(|r| {
-                r.host_matches(host)
-                    && r.port_matches(port)
-                    && (r.is_l7() || r.credential.is_some())
-            })
+            && self
+                .allow
+                .iter()
+                .chain(&self.ask)
+                .chain(&self.deny)
+                .any(|r| {
+                    r.host_matches(host)
+                        && r.port_matches(port)
+                        && (r.is_l7() || r.credential.is_some())
+                })
+    }
+
+    /// The deny rule that refuses `request` once its host is known to be at `ip` (a rule that
+    /// names the address, or a network holding it), if one does: a name that resolves to a
+    /// denied address, or a redirected connection to one, is refused like the address itself.
+    pub fn denied_at(&self, request: &Request<'_>, ip: IpAddr) -> Option<&str> {
+        let at = Host::Ip(ip.to_canonical());
+        let request = Request {
+            host: &at,
+            ..request.clone()
+        };
+        self.deny
+            .iter()
+            .filter(|r| matches!(r.host, HostMatch::Ip(_) | HostMatch::Net(_)))
+            .find(|r| r.matches_any_form(&request))
+            .map(|r| r.label.as_str())
+    }
+
+    /// Whether some deny rule names an address or a network (`denied_at` can refuse).
+    pub fn denies_addresses(&self) -> bool {
+        self.deny
+            .iter()
+            .any(|r| matches!(r.host, HostMatch::Ip(_) | HostMatch::Net(_)))
     }
 
     /// Whether a name may be resolved for the cell: some allow rule covers it on some port (or
@@ -315,6 +344,7 @@ impl Rules {
         self.allow
             .iter()
             .chain(&self.ask)
+            .chain(&self.deny)
             .any(|r| r.is_l7() || r.credential.is_some())
     }
 
@@ -363,20 +393,55 @@ impl Rule {
         match (&self.host, host) {
             (HostMatch::Exact(name), Host::Name(n)) => name == n,
             (HostMatch::Subdomains(glob), Host::Name(n)) => glob.is_match(n),
-            (HostMatch::Ip(ip), Host::Ip(asked)) => ip == asked,
-            (HostMatch::Net(net), Host::Ip(asked)) => net.contains(asked),
+            (HostMatch::Ip(_) | HostMatch::Net(_), Host::Ip(asked)) => {
+                // An address that carries an IPv4 one (NAT64, 6to4, ...) leads there too.
+                let leads_to = |ip: &IpAddr| match &self.host {
+                    HostMatch::Ip(rule) => rule == ip,
+                    HostMatch::Net(net) => net.contains(ip),
+                    _ => false,
+                };
+                leads_to(asked)
+                    || matches!(asked, IpAddr::V6(v6) if embedded_v4(*v6)
+                        .into_iter()
+                        .any(|v4| leads_to(&IpAddr::V4(v4))))
+            }
             _ => false,
         }
     }
 
+    /// Whether the rule decides `request`; a path must match both as written and with runs of
+    /// `/` merged (see `matches_any_form`): an allow rule covers what every server reads.
     fn matches(&self, request: &Request<'_>) -> bool {
+        self.matches_path_by(request, |paths, path| {
+            paths.is_match(path) && (!path.contains("//") || paths.is_match(merge_slashes(path)))
+        })
+    }
+
+    /// `matches`, where a path matches in any of the forms servers read it in: as written, and
+    /// with runs of `/` merged (`//admin/x` is `/admin/x` to a server that merges slashes), so
+    /// that a deny rule on a path cannot be dodged by doubling a slash. An allow or ask rule
+    /// must match every form (`matches` and this together).
+    fn matches_any_form(&self, request: &Request<'_>) -> bool {
+        self.matches_path_by(request, |paths, path| {
+            paths.is_match(path) || (path.contains("//") && paths.is_match(merge_slashes(path)))
+        })
+    }
+
+    fn matches_path_by(
+        &self,
+        request: &Request<'_>,
+        path_matches: impl Fn(&GlobSet, &str) -> bool,
+    ) -> bool {
         if !self.host_matches(request.host) || !self.port_matches(request.port) {
             return false;
         }
         match request.http {
             Some((method, path)) => {
                 (self.methods.is_empty() || self.methods.iter().any(|m| m == method))
-                    && self.paths.as_ref().is_none_or(|paths| paths.is_match(path))
+                    && self
+                        .paths
+                        .as_ref()
+                        .is_none_or(|paths| path_matches(paths, path))
             }
             // A tunnel shows no method or path and carries no credential: only rules that need
             // neither allow it (the others apply inside intercepted TLS).
@@ -391,7 +456,7 @@ fn compile_rule(rule: &NetRule, label: &str) -> Result<Rule, RulesError> {
         message,
     };
     let host = if let Ok(ip) = rule.host.parse::<IpAddr>() {
-        HostMatch::Ip(ip)
+        HostMatch::Ip(ip.to_canonical())
     } else if let Ok(net) = rule.host.parse::<IpNet>() {
         HostMatch::Net(net.trunc())
     } else if let Some(domain) = rule.host.strip_prefix("*.") {
@@ -424,6 +489,17 @@ fn compile_rule(rule: &NetRule, label: &str) -> Result<Rule, RulesError> {
         paths,
         dns: rule.dns,
     })
+}
+
+/// `path` with each run of `/` made one.
+fn merge_slashes(path: &str) -> String {
+    let mut merged = String::with_capacity(path.len());
+    for c in path.chars() {
+        if !(c == '/' && merged.ends_with('/')) {
+            merged.push(c);
+        }
+    }
+    merged
 }
 
 /// Addresses that lead into the host, its networks or a cloud's metadata service. An IPv6
@@ -591,6 +667,100 @@ mod tests {
         assert!(!tunnel.allowed, "{tunnel:?}");
         assert!(r.intercepts(&host, 443));
         assert!(!r.intercepts(&name("other.org"), 443));
+    }
+
+    #[test]
+    fn a_deny_rule_on_paths_opens_tunnels_up_and_catches_doubled_slashes() {
+        let mut admin = rule("good.test");
+        admin.paths = vec!["/admin/**".into()];
+        let r = rules(vec![rule("good.test")], vec![admin], NetworkDefault::Deny);
+        let host = name("good.test");
+        let http = |p| {
+            r.decide(&Request {
+                host: &host,
+                port: 80,
+                http: Some(("GET", p)),
+            })
+            .allowed
+        };
+        assert!(http("/public/x"));
+        assert!(!http("/admin/x"));
+        // What a server that merges slashes reads as /admin/x.
+        assert!(!http("//admin/x"));
+        assert!(!http("/admin//x"));
+        // Only a request shows its path: the tunnel is opened up, so each request is decided.
+        assert!(r.intercepts(&host, 443));
+        assert!(r.need_interception());
+        // A deny rule that refuses the host outright needs no interception.
+        let r = rules(vec![], vec![rule("good.test")], NetworkDefault::Allow);
+        assert!(!r.intercepts(&host, 443));
+        // An allow rule on paths covers a path only in every form a server may read.
+        let mut public = rule("good.test");
+        public.paths = vec!["/public/**".into()];
+        let r = rules(vec![public], vec![], NetworkDefault::Deny);
+        let allowed = |p| {
+            r.decide(&Request {
+                host: &host,
+                port: 80,
+                http: Some(("GET", p)),
+            })
+            .allowed
+        };
+        assert!(allowed("/public/a//b"));
+        assert!(!allowed("//public/../admin"));
+    }
+
+    #[test]
+    fn a_denied_address_is_denied_in_every_form_and_behind_every_name() {
+        let r = rules(
+            vec![rule("*.example.test")],
+            vec![rule("198.51.100.7"), rule("203.0.113.0/24")],
+            NetworkDefault::Allow,
+        );
+        let tunnel = |h: &str| {
+            r.decide(&Request {
+                host: &name(h),
+                port: 80,
+                http: None,
+            })
+        };
+        for form in [
+            "198.51.100.7",
+            "[::ffff:198.51.100.7]",
+            "[::ffff:c633:6407]",
+            "[64:ff9b::c633:6407]",
+            "[2002:c633:6407::1]",
+            "[::ffff:203.0.113.9]",
+        ] {
+            let verdict = tunnel(form);
+            assert!(!verdict.allowed, "{form}: {verdict:?}");
+            assert!(verdict.rule.starts_with("deny["), "{form}: {verdict:?}");
+        }
+        assert!(tunnel("198.51.100.8").allowed);
+        // A name decided as a name is allowed; once known to be at a denied address, not.
+        let request = Request {
+            host: &name("denied-ip.example.test"),
+            port: 80,
+            http: Some(("GET", "/")),
+        };
+        assert!(r.decide(&request).allowed);
+        assert!(r.denies_addresses());
+        assert_eq!(
+            r.denied_at(&request, "198.51.100.7".parse().unwrap()),
+            Some("deny[0] host=198.51.100.7")
+        );
+        assert_eq!(
+            r.denied_at(&request, "::ffff:203.0.113.200".parse().unwrap()),
+            Some("deny[1] host=203.0.113.0/24")
+        );
+        assert_eq!(r.denied_at(&request, "198.51.100.8".parse().unwrap()), None);
+        // A deny rule by name names no address.
+        let by_name = rules(vec![], vec![rule("evil.test")], NetworkDefault::Allow);
+        assert!(!by_name.denies_addresses());
+        assert_eq!(
+            by_name.denied_at(&request, "198.51.100.7".parse().unwrap()),
+            None
+        );
     }
 
     #[test]

@@ -63,9 +63,13 @@ impl Gateway {
         };
         let rules = self.rules();
         let port = destination.port();
-        if rules.intercepts(&host, port) && (tls || http) {
-            // Rules on methods, paths or credentials: each request is decided inside, as for a
-            // proxied one, once the name is known to lead where the client connected.
+        // Plain HTTP is always decided request by request (and one request a connection, as
+        // through the proxy): relayed raw after its first head, a kept-alive connection could
+        // carry a next request for another host at the same address. TLS is opened up where
+        // rules on methods, paths or credentials decide what goes through it.
+        if http || (tls && rules.intercepts(&host, port)) {
+            // Each request is decided inside, as for a proxied one, once the name is known to
+            // lead where the client connected.
             if let Err(verdict) = self.pinned(&rules, &host, destination) {
                 let mut decision =
                     self.record("transparent", &host.as_text(), port, None, &verdict);
@@ -134,7 +138,7 @@ impl Gateway {
             return;
         };
         let _ = upstream.set_nodelay(true);
-        self.relay_tunnel(conn, upstream, &host, port, &early, decision);
+        self.relay_tunnel(conn, upstream, &host, port, &early, decision, None);
     }
 
     /// A redirected connection goes where the client connected: its name (if it has one) must
@@ -155,6 +159,21 @@ impl Gateway {
                     ),
                 ));
             }
+        }
+        let request = Request {
+            host,
+            port: destination.port(),
+            http: None,
+        };
+        if let Some(rule) = rules.denied_at(&request, destination.ip()) {
+            return Err(Verdict::new(
+                false,
+                rule,
+                &format!(
+                    "the client connected to {}, which the rule denies",
+                    destination.ip()
+                ),
+            ));
         }
         if !rules.address_allowed(host, destination.ip(), destination.port()) {
             return Err(Verdict::new(

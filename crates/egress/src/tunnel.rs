@@ -58,11 +58,48 @@ impl Gateway {
         {
             return;
         }
-        self.relay_tunnel(conn, upstream, &host, port, &early, decision);
+        // Plain HTTP in the tunnel is served as a proxied request would be: decided on its own,
+        // its Host held to the tunnel's host, one request for the connection.
+        let gateway = self.clone();
+        let (named, at) = (host.clone(), port);
+        let take_over: TakeOver = Box::new(move |client, first| {
+            gateway.tunnel_http(client, &named, at, first);
+        });
+        self.relay_tunnel(
+            conn,
+            upstream,
+            &host,
+            port,
+            &early,
+            decision,
+            Some(take_over),
+        );
+    }
+
+    /// A plain HTTP request a CONNECT tunnel carried (its first bytes `first`), decided and
+    /// relayed like a proxied one, for the tunnel's host only.
+    pub(crate) fn tunnel_http(&self, mut conn: TcpStream, host: &Host, port: u16, first: Vec<u8>) {
+        let until = Instant::now() + crate::bounds::HEAD_TIMEOUT;
+        let read = crate::http::read_request(&mut crate::http::Until {
+            inner: std::io::Read::chain(first.as_slice(), &conn),
+            socket: &conn,
+            until,
+        });
+        let Some(request) = crate::http::answer_bad_request(&mut conn, read) else {
+            return;
+        };
+        if !request.target.starts_with('/') {
+            let target = format!("{} {}", request.method, request.target);
+            let reason = "a request in a CONNECT tunnel must name a path, not a URL".to_owned();
+            return self.refuse(&mut conn, "http", &target, reason);
+        }
+        let path = request.target.clone();
+        self.forward_in_tunnel(conn, host, port, &path, request);
     }
 
     /// Relays a tunnel the gateway let out until either side ends it, then records it with the
     /// bytes each way (and the reason, where the relay refused the client's first bytes).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn relay_tunnel(
         &self,
         conn: TcpStream,
@@ -71,15 +108,31 @@ impl Gateway {
         port: u16,
         early: &[u8],
         mut decision: Decision,
+        take_over: Option<TakeOver>,
     ) {
-        let _tracked = self.track(host, port, None, &conn, &upstream);
-        let (up, down, refused) =
-            tunnel_bytes(&self.workers, conn, upstream, early, host, self.bounds.idle);
+        let tracked = self.track(host, port, None, &conn, &upstream);
+        let (up, down, end) = tunnel_bytes(
+            &self.workers,
+            conn,
+            upstream,
+            early,
+            host,
+            self.bounds.idle,
+            take_over,
+        );
+        drop(tracked);
         decision.bytes_up = up;
         decision.bytes_down = down;
-        if let Some(reason) = refused {
-            decision.allowed = false;
-            decision.reason = reason;
+        match end {
+            End::Relayed => {}
+            End::Refused(reason) => {
+                decision.allowed = false;
+                decision.reason = reason;
+            }
+            End::TakenOver => {
+                decision.reason =
+                    "the tunnel carried a plain HTTP request, decided on its own".to_owned();
+            }
         }
         self.log_decision(&decision);
     }
@@ -143,9 +196,130 @@ fn needs_more(bytes: &[u8]) -> bool {
     }
 }
 
-/// Whether a client's first bytes look like an HTTP request line.
+/// Whether a client's first bytes look like an HTTP/1 request line: a method (capital
+/// letters) and a space, or the start of one. (`SSH-2.0-...`, which also begins with a
+/// capital, is not; nor is HTTP/2's preface, `PRI * HTTP/2.0`, which is relayed as another
+/// protocol would be.)
 pub(crate) fn looks_http(bytes: &[u8]) -> bool {
-    bytes.first().is_some_and(u8::is_ascii_uppercase)
+    if bytes.starts_with(b"PRI * HTTP/2") {
+        return false;
+    }
+    let method = bytes.iter().take_while(|b| b.is_ascii_uppercase()).count();
+    method > 0
+        && match bytes.get(method) {
+            Some(b' ') => true,
+            Some(_) => false,
+            // Capitals so far: a method still coming.
+            None => method < 16,
+        }
+}
+
+/// A plain HTTP request head at the start of a tunnel's first bytes: whether it asks for an
+/// upgrade (a WebSocket's), and the host its Host header names (`Err`: there are several).
+struct Head {
+    upgrade: bool,
+    host: Result<Option<String>, ()>,
+}
+
+/// The request head that `bytes` begin with: `Ok(None)` where they do not look like one,
+/// `Err` where they do but cannot be read whole.
+fn http_head(bytes: &[u8]) -> Result<Option<Head>, ()> {
+    if !looks_http(bytes) {
+        return Ok(None);
+    }
+    let mut headers = [httparse::EMPTY_HEADER; 100];
+    let mut request = httparse::Request::new(&mut headers);
+    let Ok(httparse::Status::Complete(_)) = request.parse(bytes) else {
+        return Err(());
+    };
+    let named = |name: &'static str| {
+        request
+            .headers
+            .iter()
+            .filter(move |h| h.name.eq_ignore_ascii_case(name))
+    };
+    let hosts: Vec<&[u8]> = named("host").map(|h| h.value).collect();
+    let host = match hosts.as_slice() {
+        [] => Ok(None),
+        [one] => Ok(Some(String::from_utf8_lossy(one).trim().to_owned())),
+        _ => Err(()),
+    };
+    Ok(Some(Head {
+        upgrade: named("upgrade").next().is_some(),
+        host,
+    }))
+}
+
+/// What becomes of a tunnel's first bytes (whole, or all that came in time).
+#[derive(Debug, PartialEq, Eq)]
+enum Opening {
+    /// Relayed as they are: TLS for the tunnel's host, a protocol the gateway does not read,
+    /// or a request to upgrade (a WebSocket's) that names the tunnel's host, after which the
+    /// connection carries no more HTTP requests.
+    Relay,
+    /// A plain HTTP request: decided on its own, never relayed raw (a kept-alive connection
+    /// could carry a next request for another host at the same address).
+    Http,
+    Refused(String),
+}
+
+fn opening(bytes: &[u8], host: &Host) -> Opening {
+    if let Some(reason) = refused_hello(bytes, host) {
+        return Opening::Refused(reason);
+    }
+    let head = match http_head(bytes) {
+        Ok(None) => return Opening::Relay,
+        Ok(Some(head)) => head,
+        Err(()) => {
+            return Opening::Refused(
+                "the tunnel's first bytes begin like an HTTP request that the gateway cannot read whole"
+                    .to_owned(),
+            );
+        }
+    };
+    if !head.upgrade {
+        return Opening::Http;
+    }
+    let expected = host.as_text();
+    match head.host {
+        Ok(Some(named))
+            if split_authority(&named, 0)
+                .or_else(|_| Host::parse(&named).map(|h| (h, 0)))
+                .is_ok_and(|(h, _)| h == *host) =>
+        {
+            Opening::Relay
+        }
+        Ok(Some(named)) => Opening::Refused(format!(
+            "the request's Host `{named}` is not the tunnel's host `{expected}`"
+        )),
+        Ok(None) => Opening::Refused(format!(
+            "the upgrade request names no Host, and the tunnel was opened for `{expected}`"
+        )),
+        Err(()) => Opening::Refused("the request has several Host headers".to_owned()),
+    }
+}
+
+/// How a tunnel's relay ended.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum End {
+    Relayed,
+    /// Its first bytes were refused: nothing of them reached the upstream.
+    Refused(String),
+    /// Its first bytes were a plain HTTP request, handed to the gateway's request path.
+    TakenOver,
+}
+
+/// Serves a tunnel's connection from its first bytes on, where they are a plain HTTP request.
+pub(crate) type TakeOver = Box<dyn FnOnce(TcpStream, Vec<u8>) + Send>;
+
+/// Answers a client that spoke plain HTTP in a tunnel that cannot decide requests (nothing
+/// can take its request over) with a 403 that says why, then closes it.
+fn refuse_http(client: &mut TcpStream, reason: &str) {
+    let body = serde_json::json!({
+        "error": "plain HTTP is not relayed through this connection",
+        "reason": reason,
+    });
+    crate::http::reply(client, 403, "Forbidden", &body);
 }
 
 /// Why a tunnel's first bytes are refused for a tunnel opened for `host`, if they are.
@@ -180,38 +354,62 @@ pub(crate) fn refused_hello(bytes: &[u8], host: &Host) -> Option<String> {
 /// waiting for that wake-up.
 fn tunnel_bytes(
     workers: &std::sync::Arc<crate::workers::Workers>,
-    client: TcpStream,
+    mut client: TcpStream,
     upstream: TcpStream,
     early: &[u8],
     host: &Host,
     idle: Duration,
-) -> (u64, u64, Option<String>) {
+    take_over: Option<TakeOver>,
+) -> (u64, u64, End) {
     let _ = client.set_read_timeout(Some(idle));
     let _ = upstream.set_read_timeout(Some(idle));
     // (Whole, and small enough for the sockets' buffers to take at once: a write of it here
     // does not wait on the upstream's reading before the downward relay begins.)
     let first = if !early.is_empty() && early.len() <= SENT_AHEAD && !needs_more(early) {
-        if let Some(reason) = refused_hello(early, host) {
-            let _ = upstream.shutdown(Shutdown::Both);
-            let _ = client.shutdown(Shutdown::Both);
-            return (0, 0, Some(reason));
+        match opening(early, host) {
+            Opening::Relay => First::Sent(
+                (&upstream)
+                    .write_all(early)
+                    .is_ok()
+                    .then_some(early.len() as u64),
+            ),
+            Opening::Http => {
+                let _ = upstream.shutdown(Shutdown::Both);
+                return match take_over {
+                    Some(take_over) => {
+                        take_over(client, early.to_vec());
+                        (0, 0, End::TakenOver)
+                    }
+                    None => {
+                        let reason = NO_REQUESTS.to_owned();
+                        refuse_http(&mut client, &reason);
+                        (0, 0, End::Refused(reason))
+                    }
+                };
+            }
+            Opening::Refused(reason) => {
+                let _ = upstream.shutdown(Shutdown::Both);
+                let _ = client.shutdown(Shutdown::Both);
+                return (0, 0, End::Refused(reason));
+            }
         }
-        First::Sent(
-            (&upstream)
-                .write_all(early)
-                .is_ok()
-                .then_some(early.len() as u64),
-        )
     } else {
         First::Held(early.to_vec())
     };
     let (Ok(client_read), Ok(upstream_write)) = (client.try_clone(), upstream.try_clone()) else {
-        return (0, 0, None);
+        return (0, 0, End::Relayed);
     };
     let host = host.clone();
     let (done, up) = std::sync::mpsc::sync_channel(1);
     let started = workers.run(move || {
-        let _ = done.send(relay_up(client_read, upstream_write, first, &host, idle));
+        let _ = done.send(relay_up(
+            client_read,
+            upstream_write,
+            first,
+            &host,
+            idle,
+            take_over,
+        ));
     });
     if started.is_err() {
         // No thread for the other direction: the tunnel cannot be relayed.
@@ -219,15 +417,21 @@ fn tunnel_bytes(
         return (
             0,
             0,
-            Some("the warden could not start the tunnel's relay".to_owned()),
+            End::Refused("the warden could not start the tunnel's relay".to_owned()),
         );
     }
     let (upstream_read, client_write) = (upstream, client);
     let down = pump(&upstream_read, &client_write);
-    let _ = client_write.shutdown(Shutdown::Write);
-    let (up, refused) = up.recv().unwrap_or((0, None));
-    (up, down, refused)
+    // The other direction's end first: a connection it handed over is not the relay's to close.
+    let (up, end) = up.recv().unwrap_or((0, End::Relayed));
+    if end != End::TakenOver {
+        let _ = client_write.shutdown(Shutdown::Write);
+    }
+    (up, down, end)
 }
+
+/// Why plain HTTP is refused in a tunnel whose requests nothing decides.
+const NO_REQUESTS: &str = "plain HTTP through a redirected connection that was not decided as HTTP (the client waited before it spoke) is not relayed: connect again and send the request at once";
 
 /// The most first bytes the accepting thread sends up itself (a ClientHello or a request head
 /// is a few KiB).
@@ -243,48 +447,67 @@ enum First {
 }
 
 /// The client-to-upstream direction of a tunnel, on a thread of its own: the first bytes are
-/// checked, then the rest pumped. Returns the bytes sent and the refusal of a hello, if any.
+/// checked, then the rest pumped. Returns the bytes sent and how the relay ended.
 fn relay_up(
     mut client_read: TcpStream,
     upstream_write: TcpStream,
     first: First,
     host: &Host,
     idle: Duration,
-) -> (u64, Option<String>) {
+    take_over: Option<TakeOver>,
+) -> (u64, End) {
     let early = match first {
         First::Held(early) => early,
         First::Sent(Some(n)) => {
             let sent = n + pump(&client_read, &upstream_write);
             let _ = upstream_write.shutdown(Shutdown::Write);
-            return (sent, None);
+            return (sent, End::Relayed);
         }
         First::Sent(None) => {
             let _ = upstream_write.shutdown(Shutdown::Write);
-            return (0, None);
+            return (0, End::Relayed);
         }
     };
     let Some(first) = first_bytes(&mut client_read, early, idle, crate::bounds::HEAD_TIMEOUT)
     else {
         let _ = upstream_write.shutdown(Shutdown::Write);
-        return (0, None);
+        return (0, End::Relayed);
     };
     let _ = client_read.set_read_timeout(Some(idle));
     if first.is_empty() {
         // Silent for the whole idle limit.
         let _ = upstream_write.shutdown(Shutdown::Write);
-        return (0, None);
+        return (0, End::Relayed);
     }
-    if let Some(reason) = refused_hello(&first, host) {
-        let _ = upstream_write.shutdown(Shutdown::Both);
-        let _ = client_read.shutdown(Shutdown::Both);
-        return (0, Some(reason));
+    match opening(&first, host) {
+        Opening::Relay => {}
+        Opening::Http => {
+            // The upstream connection made for the tunnel goes unused (its end ends the other
+            // direction's pump); the request is decided and sent on a connection of its own.
+            let _ = upstream_write.shutdown(Shutdown::Both);
+            return match take_over {
+                Some(take_over) => {
+                    take_over(client_read, first);
+                    (0, End::TakenOver)
+                }
+                None => {
+                    refuse_http(&mut client_read, NO_REQUESTS);
+                    (0, End::Refused(NO_REQUESTS.to_owned()))
+                }
+            };
+        }
+        Opening::Refused(reason) => {
+            let _ = upstream_write.shutdown(Shutdown::Both);
+            let _ = client_read.shutdown(Shutdown::Both);
+            return (0, End::Refused(reason));
+        }
     }
     let mut sent = 0u64;
     if (&upstream_write).write_all(&first).is_ok() {
         sent = first.len() as u64 + pump(&client_read, &upstream_write);
     }
     let _ = upstream_write.shutdown(Shutdown::Write);
-    (sent, None)
+    (sent, End::Relayed)
 }
 
 #[cfg(test)]
@@ -338,6 +561,8 @@ mod tests {
         // An HTTP head that came with the connection, then more from the client.
         let (mut client, gateway_side) = pair();
         let (upstream_side, mut upstream) = pair();
+        // (A request to upgrade, a WebSocket's: after it the connection carries no more HTTP.)
+        const UPGRADE: &[u8] = b"GET / HTTP/1.1\r\nHost: a.test\r\nUpgrade: websocket\r\n\r\n";
         let relay = {
             let workers = std::sync::Arc::clone(&workers);
             let host = host.clone();
@@ -346,15 +571,16 @@ mod tests {
                     &workers,
                     gateway_side,
                     upstream_side,
-                    b"GET / HTTP/1.1\r\nHost: a.test\r\n\r\n",
+                    UPGRADE,
                     &host,
                     Duration::from_secs(5),
+                    None,
                 )
             })
         };
-        let mut got = vec![0u8; 32];
+        let mut got = vec![0u8; UPGRADE.len()];
         upstream.read_exact(&mut got).unwrap();
-        assert_eq!(got, b"GET / HTTP/1.1\r\nHost: a.test\r\n\r\n");
+        assert_eq!(got, UPGRADE);
         client.write_all(b"body").unwrap();
         client.shutdown(Shutdown::Write).unwrap();
         let mut rest = Vec::new();
@@ -365,23 +591,27 @@ mod tests {
         let mut answer = Vec::new();
         client.read_to_end(&mut answer).unwrap();
         assert_eq!(answer, b"answer");
-        assert_eq!(relay.join().unwrap(), (36, 6, None));
+        assert_eq!(
+            relay.join().unwrap(),
+            (UPGRADE.len() as u64 + 4, 6, End::Relayed)
+        );
         // A whole hello for another host: refused, and the upstream gets no byte of it.
         let (client, gateway_side) = pair();
         let (upstream_side, mut upstream) = pair();
         let hello = crate::sni::tests::hello_with_sni("b.test");
-        let (up, down, refused) = tunnel_bytes(
+        let (up, down, end) = tunnel_bytes(
             &workers,
             gateway_side,
             upstream_side,
             &hello,
             &host,
             Duration::from_secs(5),
+            None,
         );
         assert_eq!((up, down), (0, 0));
         assert_eq!(
-            refused.as_deref(),
-            Some("the TLS server name `b.test` is not the CONNECT host `a.test`")
+            end,
+            End::Refused("the TLS server name `b.test` is not the CONNECT host `a.test`".into())
         );
         let mut seen = Vec::new();
         upstream.read_to_end(&mut seen).unwrap();
@@ -397,5 +627,95 @@ mod tests {
         let split = crate::sni::tests::hello_with_sni("b.test");
         assert!(refused_hello(&split, &named).is_some());
         assert_eq!(refused_hello(b"SSH-2.0-x\r\n", &named), None);
+    }
+
+    #[test]
+    fn first_bytes_are_told_apart() {
+        let host = Host::Name("a.test".into());
+        assert!(looks_http(b"GET / HTTP/1.1\r\n"));
+        assert!(looks_http(b"GE"));
+        assert!(!looks_http(b"SSH-2.0-OpenSSH_9.2\r\n"));
+        assert!(!looks_http(b"\x16\x03\x01"));
+        assert!(!looks_http(b"ping"));
+        assert!(!looks_http(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"));
+        let hello = crate::sni::tests::hello_with_sni("a.test");
+        assert_eq!(opening(&hello, &host), Opening::Relay);
+        assert_eq!(opening(b"SSH-2.0-x\r\n", &host), Opening::Relay);
+        assert_eq!(
+            opening(b"GET /admin HTTP/1.1\r\nHost: a.test\r\n\r\n", &host),
+            Opening::Http
+        );
+        // Another host in the head is the request path's to refuse; an upgrade is relayed
+        // only for the tunnel's host.
+        assert_eq!(
+            opening(b"GET / HTTP/1.1\r\nHost: evil.test\r\n\r\n", &host),
+            Opening::Http
+        );
+        assert_eq!(
+            opening(
+                b"GET / HTTP/1.1\r\nHost: a.test:8080\r\nUpgrade: websocket\r\n\r\n",
+                &host
+            ),
+            Opening::Relay
+        );
+        assert!(matches!(
+            opening(b"GET / HTTP/1.1\r\nHost: evil.test\r\nUpgrade: websocket\r\n\r\n", &host),
+            Opening::Refused(reason) if reason.contains("evil.test")
+        ));
+        assert!(matches!(
+            opening(b"GET / HTTP/1.1\r\nBad Header\r\n\r\n", &host),
+            Opening::Refused(_)
+        ));
+    }
+
+    /// A plain HTTP request in a tunnel never reaches the upstream raw: it is handed to the
+    /// request path where one is given, and refused with a 403 where none is.
+    #[test]
+    fn plain_http_in_a_tunnel_is_never_relayed_raw() {
+        let workers = crate::workers::Workers::new("test-tunnel-http");
+        let host = Host::Name("a.test".into());
+        const REQUEST: &[u8] = b"GET /admin HTTP/1.1\r\nHost: evil.test\r\n\r\n";
+        for (early, take) in [(true, true), (false, true), (false, false)] {
+            let (mut client, gateway_side) = pair();
+            let (upstream_side, mut upstream) = pair();
+            let (handed, taken) = std::sync::mpsc::channel();
+            let take_over: Option<TakeOver> = take.then(|| {
+                Box::new(move |conn: TcpStream, first: Vec<u8>| {
+                    let _ = handed.send(first);
+                    drop(conn);
+                }) as TakeOver
+            });
+            let relay = {
+                let workers = std::sync::Arc::clone(&workers);
+                let host = host.clone();
+                std::thread::spawn(move || {
+                    tunnel_bytes(
+                        &workers,
+                        gateway_side,
+                        upstream_side,
+                        if early { REQUEST } else { b"" },
+                        &host,
+                        Duration::from_secs(5),
+                        take_over,
+                    )
+                })
+            };
+            if !early {
+                client.write_all(REQUEST).unwrap();
+            }
+            let (_, _, end) = relay.join().unwrap();
+            let mut seen = Vec::new();
+            upstream.read_to_end(&mut seen).unwrap();
+            assert!(seen.is_empty(), "{early} {take}: the upstream got {seen:?}");
+            if take {
+                assert_eq!(end, End::TakenOver);
+                assert_eq!(taken.recv().unwrap(), REQUEST);
+            } else {
+                assert!(matches!(end, End::Refused(_)), "{end:?}");
+                let mut answer = String::new();
+                client.read_to_string(&mut answer).unwrap();
+                assert!(answer.starts_with("HTTP/1.1 403 "), "{answer}");
+            }
+        }
     }
 }
