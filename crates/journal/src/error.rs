@@ -19,6 +19,16 @@ pub enum JournalError {
         "the last entry of {path} does not verify ({reason}); run `warden audit verify` to find the first bad entry, and move the journal aside to start a new one"
     )]
     Corrupt { path: PathBuf, reason: String },
+    #[error(
+        "the journal {path} lost entries that this process wrote and acknowledged: {found}, where this process had written up to entry {written}. It was cut or rewritten from outside, and the journal's ring (journal.ring) does not hold the missing entries as they were written (or there is none); no entry is written or signed until the file holds them again: restore it from a backup, run `warden audit verify`, and append again (or move the journal aside to start a new one)"
+    )]
+    Cut {
+        path: PathBuf,
+        /// What the file holds now, in words.
+        found: String,
+        /// The newest entry this process had written to it.
+        written: u64,
+    },
     #[error("the journal stopped accepting entries after a write failure: {0}")]
     Stopped(String),
 }

@@ -13,7 +13,9 @@
 //! segment's newest bytes (see the `ring` module): an acknowledged entry survives a crash of
 //! the process and of the host, from the segment or, where the crash took it from there, from
 //! the ring at the next open. A torn last line (written but never acknowledged) is cut off at
-//! the next open.
+//! the next open. Entries cut from the segment from outside while a writer has it open come
+//! back from the ring at that writer's next entry, or the writer refuses entries (and signs
+//! nothing) until the file holds them again: it never gives a number twice.
 //!
 //! The chain lives in segments: the active `journal.jsonl`, and, once it grew past the rotation
 //! size, closed segments `journal-<first seq>.jsonl` that the chain runs through unbroken. Each

@@ -84,6 +84,23 @@ impl Ring {
         Ok((ring, header, true))
     }
 
+    /// The ring in `dir` as it is, opened only to be read (for `verify`, which changes no
+    /// file): none where there is none, or where it is not whole.
+    pub fn open_to_read(dir: &Path) -> io::Result<Option<Self>> {
+        let file = match File::open(dir.join(RING_FILE)) {
+            Ok(file) => file,
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(err) => return Err(err),
+        };
+        let (_, len) = crate::segments::shape(&file)?;
+        Ok(read_header(&file)?
+            .filter(|header| header.bytes > 0 && len >= DATA_AT + header.bytes)
+            .map(|header| Self {
+                file,
+                bytes: header.bytes,
+            }))
+    }
+
     pub fn bytes(&self) -> u64 {
         self.bytes
     }

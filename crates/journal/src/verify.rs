@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 use crate::entry::CHECKPOINT;
 use crate::entry::{Entry, GENESIS};
 use crate::keys::{self, PUBLIC_FILE};
-use crate::writer::check_line;
+use crate::ring::{RING_FILE, Ring};
+use crate::writer::{Receipt, check_line, ring_continuation};
 
 /// What a successful verification saw.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -24,8 +25,31 @@ pub struct Report {
     pub key: String,
     /// Entries after the last checkpoint (chained, not yet signed).
     pub unsigned_tail: u64,
-    /// Bytes of a torn last line (a write cut by a crash, never acknowledged).
+    /// Bytes of a torn last line (a write cut by a crash, never acknowledged: the journal's
+    /// ring holds no entry from there on that continues the chain, else `verify` fails with
+    /// `VerifyError::Missing`).
     pub torn_bytes: u64,
+}
+
+impl Report {
+    /// How the chain read ends before `written`, the newest entry a running writer had
+    /// written (`Journal::written_head`) when the read began; none where it ends there or
+    /// beyond it (another process may have appended since).
+    pub fn behind(&self, written: &Receipt) -> Option<String> {
+        if self.last_seq < written.seq {
+            Some(format!(
+                "the journal's files end at entry {} but the running writer had written up to entry {}: entries it wrote are missing from them",
+                self.last_seq, written.seq
+            ))
+        } else if self.last_seq == written.seq && self.head != written.hash {
+            Some(format!(
+                "the journal's files end at entry {}, but not at the one the running writer wrote with that number (another hash)",
+                self.last_seq
+            ))
+        } else {
+            None
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -44,6 +68,20 @@ pub enum VerifyError {
         /// The entry's sequence number as it should be.
         seq: u64,
         reason: String,
+    },
+    #[error(
+        "{file} lacks {count} acknowledged entries ({first} to {last}) that the journal's ring ({RING_FILE}) holds as written past its end, after entry {after}{torn}: they were cut from it (from outside, or by a crash of the host before the journal was next opened); the journal's next open puts back what the ring holds, or restore the file from a backup"
+    )]
+    Missing {
+        /// The active segment's name.
+        file: String,
+        /// The entry the segment's complete lines end with.
+        after: u64,
+        count: u64,
+        first: u64,
+        last: u64,
+        /// What stands in the segment after `after`, in words (empty: nothing).
+        torn: String,
     },
 }
 
@@ -82,20 +120,104 @@ pub fn verify(dir: &Path, key: Option<&str>) -> Result<Report, VerifyError> {
         unsigned_tail: 0,
         torn_bytes: 0,
     };
+    let mut active = None;
     for (index, path) in files.iter().enumerate() {
         let last_file = index + 1 == files.len();
-        verify_segment(path, last_file, &public, &key_hex, &mut report)?;
+        let file = File::open(path).map_err(|source| VerifyError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        let end = verify_segment(path, &file, last_file, &public, &key_hex, &mut report)?;
+        if last_file && path.ends_with(crate::segments::JOURNAL_FILE) {
+            active = Some((path, file, end));
+        }
     }
+    check_ring(dir, active, &report)?;
     Ok(report)
 }
 
+/// Fails where the ring holds, past the end of the active segment's complete lines, entries
+/// that continue the chain: entries written and acknowledged that the segment lacks (a torn
+/// last line there is then not a write that was never acknowledged). `active`: the active
+/// segment as read, and where its complete lines end (none: there is no active segment, and
+/// the ring is read from the start of one).
+fn check_ring(
+    dir: &Path,
+    active: Option<(&PathBuf, File, u64)>,
+    report: &Report,
+) -> Result<(), VerifyError> {
+    let ring_path = dir.join(RING_FILE);
+    let ring_io = |source| VerifyError::Io {
+        path: ring_path.clone(),
+        source,
+    };
+    let Some(ring) = Ring::open_to_read(dir).map_err(ring_io)? else {
+        return Ok(());
+    };
+    let end = active.as_ref().map_or(0, |(_, _, end)| *end);
+    let found = ring_continuation(&ring, end, report.last_seq, &report.head).map_err(ring_io)?;
+    if found.count == 0 {
+        return Ok(());
+    }
+    // A writer appends to the segment before it copies to the ring: entries appended since
+    // the segment was read are in it now, and are not missing.
+    let mut now = vec![0u8; found.bytes.len()];
+    let mut have = 0;
+    if let Some((path, file, _)) = &active {
+        use std::os::unix::fs::FileExt as _;
+        while have < now.len() {
+            match file.read_at(&mut now[have..], end + have as u64) {
+                Ok(0) => break,
+                Ok(n) => have += n,
+                Err(source) => {
+                    return Err(VerifyError::Io {
+                        path: path.to_path_buf(),
+                        source,
+                    });
+                }
+            }
+        }
+    }
+    let same = found
+        .bytes
+        .iter()
+        .zip(&now[..have])
+        .take_while(|(a, b)| a == b)
+        .count();
+    let present = found.bytes[..same].iter().filter(|b| **b == b'\n').count() as u64;
+    if present == found.count {
+        return Ok(());
+    }
+    // What stands in the segment after the entry it ends with, where none came since.
+    let torn = match (present, report.torn_bytes) {
+        (0, 0) if active.is_none() => " (there is no active segment)".to_owned(),
+        (0, n) if n > 0 => format!(
+            ", where it ends in a partial line of {n} bytes that is not a write cut by a crash and never acknowledged"
+        ),
+        _ => String::new(),
+    };
+    let after = report.last_seq + present;
+    let count = found.count - present;
+    Err(VerifyError::Missing {
+        file: crate::segments::JOURNAL_FILE.to_owned(),
+        after,
+        count,
+        first: after + 1,
+        last: after + count,
+        torn,
+    })
+}
+
+/// Verifies one segment, read from `file` (at `path`), on from `report`; how many bytes its
+/// complete lines hold.
 fn verify_segment(
     path: &Path,
+    file: &File,
     last_file: bool,
     public: &ed25519_dalek::VerifyingKey,
     key_hex: &str,
     report: &mut Report,
-) -> Result<(), VerifyError> {
+) -> Result<u64, VerifyError> {
     let io = |source| VerifyError::Io {
         path: path.to_path_buf(),
         source,
@@ -104,9 +226,10 @@ fn verify_segment(
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let mut reader = BufReader::new(File::open(path).map_err(io)?);
+    let mut reader = BufReader::new(file);
     let mut line = Vec::new();
     let mut number = 0u64;
+    let mut complete = 0u64;
     loop {
         line.clear();
         let read = reader.read_until(b'\n', &mut line).map_err(io)?;
@@ -177,8 +300,9 @@ fn verify_segment(
         report.entries += 1;
         report.last_seq = entry.seq;
         report.head = entry.hash;
+        complete += read as u64;
     }
-    Ok(())
+    Ok(complete)
 }
 
 fn check_checkpoint(
@@ -252,6 +376,78 @@ mod tests {
                 other => panic!("a flip at byte {at} was not caught: {other:?}"),
             }
         }
+    }
+
+    /// A copy of a journal (its ring with it) whose active segment lost its last lines: the
+    /// ring holds them as written, so they were acknowledged, and verify fails saying so.
+    #[test]
+    fn acknowledged_entries_cut_from_the_segment_that_the_ring_holds_fail_the_check() {
+        let (dir, path) = journal_with(6);
+        let whole = std::fs::read(&path).unwrap();
+        let copy = tempfile::tempdir().unwrap();
+        for name in [JOURNAL_FILE, crate::RING_FILE, PUBLIC_FILE] {
+            std::fs::copy(dir.path().join(name), copy.path().join(name)).unwrap();
+        }
+        let copied = copy.path().join(JOURNAL_FILE);
+        // The last three lines cut (the closing checkpoint and two entries before it).
+        let mut end = whole.len();
+        for _ in 0..3 {
+            end = whole[..end - 1].iter().rposition(|b| *b == b'\n').unwrap() + 1;
+        }
+        std::fs::write(&copied, &whole[..end]).unwrap();
+        let err = verify(copy.path(), None).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                VerifyError::Missing {
+                    after: 4,
+                    count: 3,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let text = err.to_string();
+        assert!(
+            text.contains("lacks 3 acknowledged entries (5 to 7)"),
+            "{text}"
+        );
+
+        // The last entry changed and its newline taken off: not a torn write never
+        // acknowledged, since the ring holds the entry as it was written.
+        let last = &whole[whole[..whole.len() - 1]
+            .iter()
+            .rposition(|b| *b == b'\n')
+            .unwrap()
+            + 1..];
+        let changed = String::from_utf8(last.to_vec())
+            .unwrap()
+            .replace("\"head_seq\":6", "\"head_seq\":5");
+        let mut bytes = whole[..whole.len() - last.len()].to_vec();
+        bytes.extend_from_slice(changed.trim_end().as_bytes());
+        std::fs::write(&copied, &bytes).unwrap();
+        let err = verify(copy.path(), None).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            matches!(
+                err,
+                VerifyError::Missing {
+                    after: 6,
+                    count: 1,
+                    ..
+                }
+            ),
+            "{text}"
+        );
+        assert!(text.contains("is not a write cut by a crash"), "{text}");
+
+        // Whole, or with a torn line that the ring does not hold as an entry: as before.
+        std::fs::write(&copied, &whole).unwrap();
+        assert_eq!(verify(copy.path(), None).unwrap().last_seq, 7);
+        let mut torn = whole.clone();
+        torn.extend_from_slice(b"{\"seq\":8,\"time");
+        std::fs::write(&copied, &torn).unwrap();
+        assert_eq!(verify(copy.path(), None).unwrap().torn_bytes, 14);
     }
 
     #[test]

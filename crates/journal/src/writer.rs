@@ -252,6 +252,10 @@ impl Journal {
             rotate_bytes: segments.bytes.max(1),
             keep_segments: segments.keep,
             keys,
+            written: Receipt {
+                seq: next_seq - 1,
+                hash: prev.clone(),
+            },
             next_seq,
             prev,
             since_checkpoint: 0,
@@ -340,6 +344,17 @@ impl Journal {
     /// opened deferred whose files cannot be opened: its entries fail with the reason).
     pub fn public_key(&self) -> &str {
         self.opened().map_or("", |opened| &opened.public_key)
+    }
+
+    /// The newest entry in the journal's file as this writer knows it: the newest it wrote
+    /// there (sealed entries that wait for their write are not), or the one another process
+    /// had written when this one last caught up with it. None for a journal opened deferred
+    /// that is not open yet, or could not be. A check of the file that begins after this was
+    /// read must find the chain at this entry or beyond it (`Report::behind`).
+    pub fn written_head(&self) -> Option<Receipt> {
+        let opened = self.opened.get()?.as_ref().ok()?;
+        let state = opened.shared.state.lock().ok()?;
+        Some(state.written.clone())
     }
 
     /// Adds strings that must never be written: each is replaced by `[redacted]`.
@@ -695,20 +710,45 @@ fn restore_from_ring(
     last: Option<&Entry>,
 ) -> Result<(u64, Option<Entry>), JournalError> {
     let io = |what| JournalError::io(what, path);
-    let (mut seq, mut prev) = match last {
-        Some(entry) => (entry.seq + 1, entry.hash.clone()),
-        None => (1, GENESIS.to_owned()),
-    };
     let (_, end) = shape(file).map_err(io("reading the journal"))?;
+    let (seq, hash) = last.map_or((0, GENESIS), |e| (e.seq, e.hash.as_str()));
+    let found =
+        ring_continuation(ring, end, seq, hash).map_err(io("reading the journal's ring"))?;
+    if found.count > 0 {
+        file.write_all(&found.bytes)
+            .and_then(|()| file.sync_data())
+            .map_err(io("restoring the journal from its ring"))?;
+    }
+    Ok((found.count, found.newest))
+}
+
+/// Entries the ring holds past a segment's end that continue the chain there.
+pub(crate) struct Continuation {
+    /// Their lines, each with its newline, as the ring has them.
+    pub bytes: Vec<u8>,
+    pub count: u64,
+    pub newest: Option<Entry>,
+}
+
+/// The entries that the ring holds from offset `end` of the active segment on and that
+/// continue the chain from entry `seq` whose hash is `hash` (the entry that ends the segment
+/// there; 0 and `GENESIS`: the chain's start). A copy of older bytes, or a torn one, does not
+/// continue the chain, and ends what is taken. Shared by the open's restore after a crash, the
+/// appender's after a cut from outside, and `verify`, which says what the segment lacks.
+pub(crate) fn ring_continuation(
+    ring: &Ring,
+    end: u64,
+    seq: u64,
+    hash: &str,
+) -> io::Result<Continuation> {
+    let (mut seq, mut prev) = (seq + 1, hash.to_owned());
     let (mut found, mut newest, mut count) = (Vec::new(), None, 0u64);
     let (mut read, mut pending) = (0u64, Vec::new());
     // A first read the size of an entry or two: where nothing was lost, the bytes there are
     // an older copy, and the first line tells.
     let mut chunk = 8 * 1024;
     'reading: while read < ring.bytes() {
-        let bytes = ring
-            .read(end + read, chunk.min(ring.bytes() - read))
-            .map_err(io("reading the journal's ring"))?;
+        let bytes = ring.read(end + read, chunk.min(ring.bytes() - read))?;
         read += bytes.len() as u64;
         pending.extend_from_slice(&bytes);
         let mut start = 0;
@@ -744,12 +784,11 @@ fn restore_from_ring(
         pending.drain(..start);
         chunk = 64 * 1024;
     }
-    if count > 0 {
-        file.write_all(&found)
-            .and_then(|()| file.sync_data())
-            .map_err(io("restoring the journal from its ring"))?;
-    }
-    Ok((count, newest))
+    Ok(Continuation {
+        bytes: found,
+        count,
+        newest,
+    })
 }
 
 struct Tail {
@@ -820,6 +859,32 @@ fn read_tail(file: &mut File, path: &Path) -> Result<Tail, JournalError> {
     }
 }
 
+/// The last complete line within the first `end` bytes of `file` (without its newline), and
+/// where it ends (past its newline); none where those bytes hold no newline. Read backwards
+/// in blocks, as `read_tail` does, without changing the file.
+fn last_line_within(file: &File, end: u64) -> io::Result<Option<(Vec<u8>, u64)>> {
+    use std::os::unix::fs::FileExt as _;
+    let mut block = 8 * 1024u64;
+    loop {
+        let start = end.saturating_sub(block);
+        let mut buf = vec![0u8; (end - start) as usize];
+        file.read_exact_at(&mut buf, start)?;
+        let Some(newline) = buf.iter().rposition(|b| *b == b'\n') else {
+            if start == 0 {
+                return Ok(None);
+            }
+            block *= 4;
+            continue;
+        };
+        let line_end = start + newline as u64 + 1;
+        match buf[..newline].iter().rposition(|b| *b == b'\n') {
+            Some(before) => return Ok(Some((buf[before + 1..newline].to_vec(), line_end))),
+            None if start == 0 => return Ok(Some((buf[..newline].to_vec(), line_end))),
+            None => block *= 4,
+        }
+    }
+}
+
 /// Parses one line and checks that it is canonical and that its hash is right.
 pub(crate) fn check_line(line: &[u8]) -> Result<Entry, String> {
     let entry: Entry =
@@ -858,6 +923,9 @@ struct WriterState {
     keys: SigningKeys,
     next_seq: u64,
     prev: String,
+    /// The newest entry in the file as far as this process knows: the newest it wrote, or
+    /// that another process had written when this one caught up.
+    written: Receipt,
     since_checkpoint: u64,
     oldest_unsigned: Option<Instant>,
     redactions: Arc<RwLock<Vec<String>>>,
@@ -1214,6 +1282,10 @@ impl WriterState {
             self.sync_segment = true;
         }
         self.size += len;
+        if len > 0 {
+            self.written.seq = self.next_seq - 1;
+            self.written.hash.clone_from(&self.prev);
+        }
         self.unwritten.clear();
         if release {
             self.lock.release();
@@ -1234,7 +1306,11 @@ impl WriterState {
     }
 
     /// Reads where the chain stands now: the active segment's tail, or the new active segment
-    /// when another process closed the one this process had open.
+    /// when another process closed the one this process had open. What others appended is
+    /// chained on from; a file that lost entries this process wrote (cut or rewritten from
+    /// outside) is not: those entries come back from the ring where it holds them as written,
+    /// and otherwise the entry is refused (`JournalError::Cut`), so that no sequence number
+    /// is given twice and no checkpoint signs a chain without them.
     fn catch_up(&mut self) -> Result<(), JournalError> {
         let io = |what| JournalError::io(what, &self.path);
         let same = shape_at(&self.path)
@@ -1253,6 +1329,11 @@ impl WriterState {
                 Some(entry) => Some(entry),
                 None => last_closed_entry(&self.dir)?,
             };
+            // Another process closes the segment only once it chained on from this
+            // process's entries: a chain that now ends before them was cut from outside.
+            if let Some(found) = self.behind_head(last.as_ref()) {
+                return Err(self.cut(format!("{found} (a new active segment)")));
+            }
             let (inode, size) = shape(&file).map_err(io("opening the journal"))?;
             self.chain_on(last.as_ref());
             self.segment_first = match size {
@@ -1275,11 +1356,167 @@ impl WriterState {
             .write(true)
             .open(&self.path)
             .map_err(io("reading the journal"))?;
+        // Others only append: the file is at least as long as this process left it, and its
+        // line that ends there is this process's last entry.
+        if let Some(found) = self.lost_own(&reader, len)? {
+            return self.restore_own(&reader, len, found);
+        }
         let tail = read_tail(&mut reader, &self.path)?;
+        let last = match tail.last {
+            Some(entry) => Some(entry),
+            None => last_closed_entry(&self.dir)?,
+        };
+        if let Some(found) = self.behind_head(last.as_ref()) {
+            return Err(self.cut(found));
+        }
         self.size = shape(&reader).map_err(io("reading the journal"))?.1;
-        self.chain_on(tail.last.as_ref());
+        self.chain_on(last.as_ref());
         self.durable = self.durable.max(self.durable_by_ring());
         Ok(())
+    }
+
+    /// What is wrong with `last`, the entry the chain now ends at, where it is behind the
+    /// newest entry this process sealed (an earlier one, or another with its number).
+    fn behind_head(&self, last: Option<&Entry>) -> Option<String> {
+        let head = self.next_seq - 1;
+        match last {
+            None if head > 0 => Some("it holds no entry".to_owned()),
+            Some(entry) if entry.seq < head => Some(format!("it ends at entry {}", entry.seq)),
+            Some(entry) if entry.seq == head && entry.hash != self.prev => Some(format!(
+                "it ends at entry {head}, but not the one this process wrote (another hash)"
+            )),
+            _ => None,
+        }
+    }
+
+    /// Whether the active segment (`reader`, `len` bytes long now) lost entries this process
+    /// wrote to it: shorter than this process left it, or its line that ends there is not
+    /// this process's last entry. What it holds now, in words, if so.
+    fn lost_own(&self, reader: &File, len: u64) -> Result<Option<String>, JournalError> {
+        if self.size == 0 {
+            // Nothing of this process's in this segment (its entries end the closed one).
+            return Ok(None);
+        }
+        let io = JournalError::io("reading the journal", &self.path);
+        if len > self.size {
+            let ours = last_line_within(reader, self.size).map_err(io)?;
+            let head = self.next_seq - 1;
+            if let Some((line, end)) = ours
+                && end == self.size
+                && check_line(&line).is_ok_and(|e| e.seq == head && e.hash == self.prev)
+            {
+                return Ok(None);
+            }
+            return Ok(Some(format!(
+                "the line that ended at byte {} is no longer entry {head}, and {}",
+                self.size,
+                self.describe_end(reader, len)?
+            )));
+        }
+        Ok(Some(format!(
+            "{} bytes where this process left {}, and {}",
+            len,
+            self.size,
+            self.describe_end(reader, len)?
+        )))
+    }
+
+    /// Where the active segment's first `len` bytes end, in words.
+    fn describe_end(&self, reader: &File, len: u64) -> Result<String, JournalError> {
+        let last = last_line_within(reader, len)
+            .map_err(JournalError::io("reading the journal", &self.path))?;
+        Ok(match last {
+            None if len == 0 => "it is empty".to_owned(),
+            None => format!("it holds no complete line ({len} bytes)"),
+            Some((line, end)) => {
+                let entry = match check_line(&line) {
+                    Ok(entry) => format!("it ends at entry {}", entry.seq),
+                    Err(reason) => format!("its last line is not a sound entry ({reason})"),
+                };
+                match len - end {
+                    0 => entry,
+                    partial => format!("{entry}, then {partial} bytes of a partial line"),
+                }
+            }
+        })
+    }
+
+    /// Brings back from the ring the entries this process wrote that the active segment lost
+    /// (see `lost_own`), where the ring holds all of them, as they were written, from the
+    /// end of the segment's last complete line on (a partial line after it is cut, as at an
+    /// open after a crash), and journals `journal.recovered`; else refuses (`JournalError::Cut`)
+    /// and changes nothing.
+    fn restore_own(&mut self, reader: &File, len: u64, found: String) -> Result<(), JournalError> {
+        let io = |what| JournalError::io(what, &self.path);
+        let Some(ring) = self.ring.clone() else {
+            return Err(self.cut(found));
+        };
+        // The entry the segment's complete lines end with (the one before the segment, where
+        // it holds none).
+        let (end, seq, hash) = match last_line_within(reader, len)
+            .map_err(io("reading the journal"))?
+        {
+            Some((line, end)) => match check_line(&line) {
+                Ok(entry) => (end, entry.seq, entry.hash),
+                Err(_) => return Err(self.cut(found)),
+            },
+            None if self.segment_first <= 1 => (0, 0, GENESIS.to_owned()),
+            None => match last_closed_entry(&self.dir)? {
+                Some(entry) if entry.seq + 1 == self.segment_first => (0, entry.seq, entry.hash),
+                _ => return Err(self.cut(found)),
+            },
+        };
+        let back =
+            ring_continuation(&ring, end, seq, &hash).map_err(io("reading the journal's ring"))?;
+        let whole = back
+            .newest
+            .as_ref()
+            .is_some_and(|e| e.seq + 1 == self.next_seq && e.hash == self.prev)
+            && end + back.bytes.len() as u64 == self.size;
+        if !whole {
+            return Err(self.cut(found));
+        }
+        // Cut back to the complete lines, the entries appended (the descriptor appends), and
+        // the segment synced: the ring's copies of them stay true.
+        let restored = (if end < len {
+            reader.set_len(end)
+        } else {
+            Ok(())
+        })
+        .and_then(|()| (&*self.file).write_all(&back.bytes))
+        .and_then(|()| self.file.sync_data());
+        if let Err(err) = restored {
+            return Err(JournalError::Stopped(self.stop(&err)));
+        }
+        self.durable = self.size;
+        if let Some(ring) = &self.ring {
+            let _ = ring.note_durable(self.segment_first, self.size);
+        }
+        let entry = self.seal(
+            None,
+            "journal.recovered".to_owned(),
+            json!({
+                "cut_bytes": len - end,
+                "restored": back.count,
+                "reason": "entries this process had written were cut from the segment from outside while it was open, and came back from the ring",
+                "found": found,
+            }),
+        );
+        self.unwritten.extend_from_slice(&entry.to_line());
+        self.unwritten.push(b'\n');
+        self.since_checkpoint += 1;
+        self.oldest_unsigned.get_or_insert_with(Instant::now);
+        // Written now, the lock kept: the entry this hold is for follows it.
+        self.write_out(false)
+    }
+
+    /// The error for a segment that lost entries this process wrote.
+    fn cut(&self, found: String) -> JournalError {
+        JournalError::Cut {
+            path: self.path.clone(),
+            found,
+            written: self.next_seq - 1,
+        }
     }
 
     fn chain_on(&mut self, last: Option<&Entry>) {
@@ -1288,6 +1525,8 @@ impl WriterState {
             None => (1, GENESIS.to_owned()),
         };
         self.next_seq = next_seq;
+        self.written.seq = next_seq - 1;
+        self.written.hash.clone_from(&prev);
         self.prev = prev;
     }
 
@@ -1647,6 +1886,183 @@ mod tests {
             .unwrap();
         assert!(recovered.data["restored"].as_u64().unwrap() > 0);
         verify(dir.path(), None).unwrap();
+    }
+
+    /// The active segment at `path` without its last `lines` lines, as someone may cut it
+    /// from outside; its bytes before.
+    fn cut_lines(path: &Path, lines: usize) -> Vec<u8> {
+        let before = fs::read(path).unwrap();
+        let mut end = before.len();
+        for _ in 0..lines {
+            end = before[..end - 1]
+                .iter()
+                .rposition(|b| *b == b'\n')
+                .map_or(0, |i| i + 1);
+        }
+        cut_to(path, end as u64);
+        before
+    }
+
+    /// Entries this writer wrote and acknowledged, cut from its open segment from outside: the
+    /// next entry does not take their numbers; the ring, which holds them as written, puts
+    /// them back first, and the restore is journaled.
+    #[test]
+    fn entries_cut_from_the_open_segment_from_outside_come_back_from_the_ring_before_the_next() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = with_ring(dir.path(), 64 * 1024);
+        let acknowledged: Vec<Receipt> = (0..10)
+            .map(|n| {
+                journal
+                    .append(Some("a"), "t.entry", json!({ "n": n }))
+                    .unwrap()
+            })
+            .collect();
+        let path = dir.path().join(JOURNAL_FILE);
+        let whole = cut_lines(&path, 3);
+        let next = journal.append(None, "t.after", json!({})).unwrap();
+        assert!(
+            next.seq > acknowledged[9].seq,
+            "entry {} was given again",
+            next.seq
+        );
+        // The segment is whole again, byte for byte, before what follows.
+        let now = fs::read(&path).unwrap();
+        assert_eq!(&now[..whole.len()], &whole[..]);
+        let entries = entries_in(dir.path());
+        let recovered = entries
+            .iter()
+            .find(|e| e.kind == "journal.recovered")
+            .unwrap();
+        assert_eq!(recovered.seq, acknowledged[9].seq + 1);
+        assert_eq!(recovered.data["restored"], 3, "{recovered:?}");
+        assert!(
+            recovered.data["found"]
+                .as_str()
+                .unwrap()
+                .contains("it ends at entry 7"),
+            "{recovered:?}"
+        );
+        assert_eq!(next.seq, recovered.seq + 1);
+        // The last entry changed and its newline taken off: cut as a partial line, and put
+        // back as it was written.
+        let text = fs::read_to_string(&path).unwrap();
+        let changed = text
+            .strip_suffix('\n')
+            .unwrap()
+            .replace("t.after", "t.other");
+        fs::write(&path, &changed).unwrap();
+        let later = journal.append(None, "t.later", json!({})).unwrap();
+        assert_eq!(later.seq, next.seq + 2, "after a second journal.recovered");
+        let entries = entries_in(dir.path());
+        assert!(
+            entries
+                .iter()
+                .any(|e| e.seq == next.seq && e.hash == next.hash)
+        );
+        let second = entries
+            .iter()
+            .rfind(|e| e.kind == "journal.recovered")
+            .unwrap();
+        assert_eq!(second.data["restored"], 1, "{second:?}");
+        assert!(second.data["cut_bytes"].as_u64().unwrap() > 0, "{second:?}");
+        journal.close();
+        verify(dir.path(), None).unwrap();
+    }
+
+    /// Cut from outside where no ring holds what was cut: the entry is refused with what was
+    /// found and what to do, nothing is signed over the cut (not even at the close), and once
+    /// the file is whole again entries go on where they were.
+    #[test]
+    fn entries_cut_from_the_open_segment_that_no_ring_holds_stop_appends_and_signatures() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = with_ring(dir.path(), 0);
+        for n in 0..10 {
+            journal.append(None, "t.entry", json!({ "n": n })).unwrap();
+        }
+        let path = dir.path().join(JOURNAL_FILE);
+        let whole = cut_lines(&path, 3);
+        let cut = fs::read(&path).unwrap();
+        for _ in 0..2 {
+            let err = journal.append(None, "t.after", json!({})).unwrap_err();
+            assert!(
+                matches!(err, JournalError::Cut { written: 10, .. }),
+                "{err}"
+            );
+            let text = err.to_string();
+            for needle in [
+                "it ends at entry 7",
+                "up to entry 10",
+                "journal.jsonl",
+                "warden audit verify",
+            ] {
+                assert!(text.contains(needle), "{needle}: {text}");
+            }
+        }
+        // A checkpoint (as the syncer signs them) finds the same, and signs nothing.
+        journal
+            .shared()
+            .unwrap()
+            .state
+            .lock()
+            .unwrap()
+            .checkpoint_and_sync();
+        assert_eq!(fs::read(&path).unwrap(), cut);
+        // Grown past its length since the cut, by an entry chained on from the cut (another
+        // process's, say): still refused.
+        let eight: Entry =
+            serde_json::from_slice(whole[cut.len()..].split(|b| *b == b'\n').next().unwrap())
+                .unwrap();
+        let pad = "x".repeat(whole.len());
+        let other = Entry::seal(
+            8,
+            1,
+            None,
+            "t.other".to_owned(),
+            json!({ "pad": pad }),
+            eight.prev,
+        );
+        let mut forked = cut.clone();
+        forked.extend_from_slice(&other.to_line());
+        forked.push(b'\n');
+        assert!(forked.len() > whole.len());
+        fs::write(&path, &forked).unwrap();
+        let err = journal.append(None, "t.after", json!({})).unwrap_err();
+        assert!(matches!(err, JournalError::Cut { .. }), "{err}");
+        // A cut copy put in its place (another file at the path): still refused.
+        let copy = dir.path().join("cut-copy");
+        fs::write(&copy, &cut).unwrap();
+        fs::rename(&copy, &path).unwrap();
+        let err = journal.append(None, "t.after", json!({})).unwrap_err();
+        assert!(err.to_string().contains("it ends at entry 7"), "{err}");
+        // Restored from a backup: on from entry 11.
+        fs::write(&path, &whole).unwrap();
+        let next = journal.append(None, "t.after", json!({})).unwrap();
+        assert_eq!(next.seq, 11);
+        journal.close();
+        let report = verify(dir.path(), None).unwrap();
+        assert_eq!(report.last_seq, 12, "{report:?} (a closing checkpoint)");
+    }
+
+    /// The head a running writer has written, against the chain as `verify` reads it.
+    #[test]
+    fn the_writers_head_tells_a_file_that_lost_its_entries() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = with_ring(dir.path(), 0);
+        for n in 0..5 {
+            journal.append(None, "t.entry", json!({ "n": n })).unwrap();
+        }
+        let head = journal.written_head().unwrap();
+        assert_eq!(head.seq, 5);
+        fs::write(dir.path().join(crate::PUBLIC_FILE), journal.public_key()).unwrap();
+        assert_eq!(verify(dir.path(), None).unwrap().behind(&head), None);
+        cut_lines(&dir.path().join(JOURNAL_FILE), 2);
+        let report = verify(dir.path(), None).unwrap();
+        let why = report.behind(&head).unwrap();
+        assert!(
+            why.contains("end at entry 3") && why.contains("up to entry 5"),
+            "{why}"
+        );
+        std::mem::forget(journal);
     }
 
     #[test]

@@ -37,7 +37,10 @@ pub fn audit(command: AuditCommand) -> Result<i32> {
                     }
                     Ok(0)
                 }
-                Err(err @ warden_journal::VerifyError::Bad { .. }) => {
+                Err(
+                    err @ (warden_journal::VerifyError::Bad { .. }
+                    | warden_journal::VerifyError::Missing { .. }),
+                ) => {
                     println!("FAILED: {err}");
                     Ok(1)
                 }
