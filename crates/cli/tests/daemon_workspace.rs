@@ -172,9 +172,21 @@ fn files_round_trip_and_paths_cannot_leave_the_cell() {
     stream.read_to_end(&mut raw).unwrap();
     let text = String::from_utf8_lossy(&raw);
     assert!(
-        text.starts_with("HTTP/1.1 400"),
-        "tar refuses the `..` member: {text}"
+        text.starts_with("HTTP/1.1 400") && text.contains("../evil"),
+        "the `..` member is refused: {text}"
     );
+    // Refused before anything was written: the directory was not even made. The same archive
+    // without its bad member unpacks.
+    assert_eq!(
+        daemon.call("GET", &files("stat", "unpacked"), None).status,
+        404
+    );
+    let good = put_bytes(
+        &daemon,
+        &files("archive", "unpacked"),
+        &tar_of(&[("ok.txt", Member::File(b"fine\n"))]),
+    );
+    assert_eq!(good.status, 204, "{}", good.text());
     let events = daemon.exec(&cell, json!({ "argv": ["sh", "-c", "cat /workspace/unpacked/ok.txt; ls /workspace/evil /evil 2>&1 | wc -l"] }));
     let out = String::from_utf8(stream_bytes(&events, "stdout")).unwrap();
     assert!(out.starts_with("fine\n"), "{out}");
@@ -229,6 +241,162 @@ fn files_round_trip_and_paths_cannot_leave_the_cell() {
             "file.upload",
             "file.read",
         ],
+    );
+}
+
+/// What a member of a test archive is.
+enum Member<'a> {
+    File(&'a [u8]),
+    Symlink(&'a str),
+}
+
+/// A tar archive whose members' names are written as they are (`..` included, which the
+/// `tar` crate's builder would refuse to write).
+fn tar_of(members: &[(&str, Member)]) -> Vec<u8> {
+    let mut out = tar::Builder::new(Vec::new());
+    for (name, member) in members {
+        let mut header = tar::Header::new_gnu();
+        header.as_old_mut().name[..name.len()].copy_from_slice(name.as_bytes());
+        header.set_mode(0o644);
+        let data: &[u8] = match member {
+            Member::File(data) => {
+                header.set_entry_type(tar::EntryType::Regular);
+                data
+            }
+            Member::Symlink(target) => {
+                header.set_entry_type(tar::EntryType::Symlink);
+                header.as_old_mut().linkname[..target.len()].copy_from_slice(target.as_bytes());
+                b""
+            }
+        };
+        header.set_size(data.len() as u64);
+        header.set_cksum();
+        out.append(&header, data).unwrap();
+    }
+    out.into_inner().unwrap()
+}
+
+/// A PUT of raw bytes over the daemon's socket.
+fn put_bytes(daemon: &Daemon, url: &str, body: &[u8]) -> Answer {
+    use std::io::{Read as _, Write as _};
+    let mut stream = std::os::unix::net::UnixStream::connect(daemon.socket()).unwrap();
+    let head = format!(
+        "PUT {url} HTTP/1.1\r\nHost: w\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    // A body refused before it is all read may meet a closed socket; the answer is still there.
+    let _ = stream.write_all(body);
+    let mut raw = Vec::new();
+    let _ = stream.read_to_end(&mut raw);
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("an HTTP answer");
+    let headers = String::from_utf8_lossy(&raw[..split]).into_owned();
+    Answer {
+        status: headers.split(' ').nth(1).unwrap().parse().unwrap(),
+        headers,
+        body: raw[split + 4..].to_vec(),
+    }
+}
+
+#[test]
+fn a_refused_archive_leaves_the_cell_as_it_was() {
+    if !cgroups_available("daemon_archive_refused") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("archive"), json!({}));
+    let files = |op: &str, query: &str| format!("/v1/cells/{cell}/files/{op}?path={query}");
+    daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "mkdir dest && echo before > dest/kept.txt"] }),
+    );
+    let tree = || {
+        let events = daemon.exec(
+            &cell,
+            json!({ "argv": ["sh", "-c", "find . -mindepth 1 -printf '%p %y %s %l\\n' | sort"] }),
+        );
+        String::from_utf8(stream_bytes(&events, "stdout")).unwrap()
+    };
+    let before = tree();
+    let listed_before = daemon.call("GET", &files("list", "dest"), None).json();
+    assert!(before.contains("./dest/kept.txt f 7"), "{before}");
+    // A file, then a symlink out of the cell's files, then a member through that symlink.
+    let through = tar_of(&[
+        ("ok.txt", Member::File(b"ok\n")),
+        ("lnk", Member::Symlink("/somewhere/outside")),
+        ("lnk/escape.txt", Member::File(b"escaped\n")),
+    ]);
+    let refused = put_bytes(&daemon, &files("archive", "dest"), &through);
+    assert_eq!(refused.status, 400, "{}", refused.text());
+    let message = refused.json()["error"].as_str().unwrap().to_owned();
+    assert!(message.contains("lnk/escape.txt"), "{message}");
+    assert_eq!(tree(), before, "the refused archive left something behind");
+    assert_eq!(
+        daemon.call("GET", &files("list", "dest"), None).json(),
+        listed_before
+    );
+    // A first member that climbs out: the directory it was to go to is not made.
+    let climbing = tar_of(&[
+        ("../x", Member::File(b"x\n")),
+        ("ok.txt", Member::File(b"ok\n")),
+    ]);
+    let refused = put_bytes(&daemon, &files("archive", "fresh"), &climbing);
+    assert_eq!(refused.status, 400, "{}", refused.text());
+    let message = refused.json()["error"].as_str().unwrap().to_owned();
+    assert!(message.contains("../x"), "{message}");
+    assert_eq!(tree(), before, "the refused archive left something behind");
+    assert_eq!(
+        daemon.call("GET", &files("stat", "fresh"), None).status,
+        404
+    );
+}
+
+#[test]
+fn an_upload_over_the_limit_is_a_json_error_that_says_what_to_do() {
+    if !cgroups_available("daemon_upload_limit") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("upload-limit"), json!({}));
+    let over = vec![b'x'; 64 * 1024 * 1024 + 1];
+    for (op, says) in [
+        ("content", "write a larger file in parts"),
+        ("archive", "split the files into several archives"),
+    ] {
+        let answer = put_bytes(
+            &daemon,
+            &format!("/v1/cells/{cell}/files/{op}?path=big"),
+            &over,
+        );
+        assert_eq!(answer.status, 413, "{op}: {}", answer.text());
+        assert!(
+            answer
+                .headers
+                .to_ascii_lowercase()
+                .contains("content-type: application/json"),
+            "{op}: {}",
+            answer.headers
+        );
+        let body = answer.json();
+        assert_eq!(body["code"], "too-large", "{op}: {body}");
+        let message = body["error"].as_str().unwrap();
+        assert!(
+            message.contains("64 MiB") && message.contains(says),
+            "{op}: {message}"
+        );
+    }
+    assert_eq!(
+        daemon
+            .call(
+                "GET",
+                &format!("/v1/cells/{cell}/files/stat?path=big"),
+                None
+            )
+            .status,
+        404
     );
 }
 
@@ -441,6 +609,87 @@ fn diff_and_apply_over_the_api_with_apply_held_for_a_person() {
     assert_has_kinds(
         &journal,
         &["workspace.apply", "approval.answer", "workspace.applied"],
+    );
+
+    // An apply with `include_sensitive` or `force` says what they add, and a grant for the
+    // plain apply of the same changes does not cover it: the cell makes a Makefile (which the
+    // host executes) while the host edits a file the cell changed.
+    daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "printf 'all:\\n\\ttrue\\n' > /workspace/Makefile"] }),
+    );
+    std::fs::write(host.path().join("kept.txt"), "edited on the host\n").unwrap();
+    let ask = |body: Value| {
+        let applying = {
+            let daemon = std::sync::Arc::clone(&daemon);
+            let cell = cell.clone();
+            std::thread::spawn(move || {
+                daemon.call("POST", &format!("/v1/cells/{cell}/apply"), Some(body))
+            })
+        };
+        let mut question = None;
+        for _ in 0..200 {
+            let list = daemon.call("GET", "/v1/approvals", None).json();
+            if let Some(q) = list.as_array().unwrap().iter().find(|q| q["cell"] == cell) {
+                question = Some((
+                    q["id"].as_u64().unwrap(),
+                    q["request"].as_str().unwrap().to_owned(),
+                ));
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        (applying, question)
+    };
+    let answer = |id: u64, body: Value| {
+        let answered = daemon.call("POST", &format!("/v1/approvals/{cell}/{id}"), Some(body));
+        assert_eq!(answered.status, 204, "{}", answered.text());
+    };
+    // The plain apply, granted for the cell: it leaves the Makefile out, and stops at the
+    // host's edit.
+    let (applying, question) = ask(json!({}));
+    let (id, plain) = question.expect("the plain apply asks");
+    assert!(
+        !plain.contains("Makefile") && !plain.contains("force"),
+        "{plain}"
+    );
+    answer(id, json!({ "decision": "approve", "scope": "cell" }));
+    let applied = applying.join().unwrap();
+    assert_eq!(applied.status, 409, "{}", applied.text());
+    assert!(applied.text().contains("kept.txt"), "{}", applied.text());
+    // Each flag asks again, naming what it adds; refused, nothing is written.
+    for (body, says) in [
+        (
+            json!({ "include_sensitive": true }),
+            "including sensitive changes it leaves out without --include-sensitive: Makefile",
+        ),
+        (
+            json!({ "force": true }),
+            "with --force: overwriting what the host changed since the cell started at kept.txt",
+        ),
+    ] {
+        let (applying, question) = ask(body.clone());
+        let Some((id, request)) = question else {
+            let applied = applying.join().unwrap();
+            panic!(
+                "{body}: the grant for the plain apply covered it: {} {}",
+                applied.status,
+                applied.text()
+            );
+        };
+        assert!(request.starts_with(&plain), "{request}");
+        assert!(
+            request.contains(says),
+            "{body}: `{request}` should say `{says}`"
+        );
+        answer(id, json!({ "decision": "deny" }));
+        let refused = applying.join().unwrap();
+        assert_eq!(refused.status, 403, "{body}: {}", refused.text());
+    }
+    assert!(!host.path().join("Makefile").exists());
+    assert_eq!(
+        std::fs::read_to_string(host.path().join("kept.txt")).unwrap(),
+        "edited on the host\n"
     );
 }
 

@@ -320,6 +320,83 @@ fn strangers_and_unsupported_calls_get_clear_refusals() {
     assert!(raw(&e2b, &delete).0.contains(" 404 "));
 }
 
+/// Reads one answer from a kept-alive connection; its status, or `None` where the connection
+/// ended (or stayed silent) first.
+fn status_of_answer(tcp: &mut std::net::TcpStream) -> Option<u16> {
+    tcp.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    let mut raw = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        if let Some(end) = raw.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&raw[..end]).to_ascii_lowercase();
+            let length: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .map_or(0, |n| n.trim().parse().unwrap());
+            if raw.len() >= end + 4 + length {
+                return head.split(' ').nth(1)?.parse().ok();
+            }
+        }
+        match tcp.read(&mut buf) {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => raw.extend_from_slice(&buf[..n]),
+        }
+    }
+}
+
+#[test]
+fn strangers_answered_404_cannot_lock_the_key_holder_out() {
+    // Few descriptors: the listener admits a quarter of them, 25 connections.
+    let daemon = Daemon::start_wrapped_with(
+        &["prlimit", "--nofile=100", "--"],
+        &["--e2b", "127.0.0.1:0"],
+    );
+    let addr = std::fs::read_to_string(daemon.runtime().join("e2b.addr")).unwrap();
+    let key = std::fs::read_to_string(daemon.runtime().join("e2b.key")).unwrap();
+    // Strangers without a key, on kept-alive connections, whose requests are answered 404: a
+    // sandbox nobody made on an envd path, and a route there is none of.
+    let mut strangers = Vec::new();
+    let mut answers = Vec::new();
+    for i in 0..60 {
+        let mut tcp = std::net::TcpStream::connect(&addr).unwrap();
+        let path = if i % 2 == 0 {
+            "/health"
+        } else {
+            "/process.Process/NoSuchCall/at/all"
+        };
+        // A connection the listener had no room for may be closed before the request is sent.
+        let sent = write!(
+            tcp,
+            "GET {path} HTTP/1.1\r\nHost: x\r\nE2b-Sandbox-Id: nope\r\n\r\n"
+        );
+        let answer = sent.ok().and_then(|()| status_of_answer(&mut tcp));
+        answers.push((path, answer));
+        strangers.push(tcp);
+    }
+    // The key holder still gets in, at once.
+    let begun = std::time::Instant::now();
+    let mut tcp = std::net::TcpStream::connect(&addr).unwrap();
+    let sent = write!(
+        tcp,
+        "GET /sandboxes HTTP/1.1\r\nHost: x\r\nX-API-KEY: {key}\r\n\r\n"
+    );
+    let status = sent.ok().and_then(|()| status_of_answer(&mut tcp));
+    let waited = begun.elapsed();
+    assert_eq!(
+        status,
+        Some(200),
+        "the key holder was locked out by {} strangers: {answers:?}",
+        strangers.len()
+    );
+    assert!(waited < std::time::Duration::from_secs(2), "{waited:?}");
+    // Each stranger was answered, and answered 404: none of them was refused room.
+    for (path, answer) in &answers {
+        assert_eq!(*answer, Some(404), "{path}: {answers:?}");
+    }
+    drop(strangers);
+}
+
 #[test]
 fn the_e2b_api_listens_on_loopback_only() {
     let dir = support::tempdir();

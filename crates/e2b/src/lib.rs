@@ -183,8 +183,16 @@ async fn unsupported(request: Request) -> Response {
     )
 }
 
+/// Marks a response to a request that proved its caller (a valid `X-API-KEY`, or the access
+/// token of the sandbox it names). The listener keeps the connection of such a caller when it
+/// is full: any other answer (a 404 for a sandbox nobody made, a refusal) proves nothing, and a
+/// connection that carried only those is made room with like a stranger's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Authenticated;
+
 /// Who may call: the API key on the control plane; on envd's paths, the access token of the
-/// sandbox the call names (`E2b-Sandbox-Id`), which create and connect gave its caller.
+/// sandbox the call names (`E2b-Sandbox-Id`), which create and connect gave its caller. What
+/// passes is answered with [`Authenticated`] in its extensions.
 async fn auth(
     State(state): State<Shared>,
     headers: HeaderMap,
@@ -233,7 +241,9 @@ async fn auth(
             "a valid X-API-KEY is required: the key `warden serve --e2b` wrote to e2b.key in its runtime directory (E2B_API_KEY)",
         );
     }
-    next.run(request).await
+    let mut response = next.run(request).await;
+    response.extensions_mut().insert(Authenticated);
+    response
 }
 
 /// Ends sandboxes whose timeout passed: killed and deleted, or paused with `autoPause`.

@@ -360,6 +360,8 @@ impl Harness {
     /// Unpacks a tar archive into a directory of the cell (made if missing): members with `..`
     /// are refused, leading `/` stripped, owners and set-id bits not kept, device nodes and
     /// FIFOs refused, and no member is written through a symlink that leads out of the root.
+    /// What the archive alone decides is checked before anything is written (see
+    /// [`crate::archive`]): an archive refused for it leaves the cell as it was.
     pub async fn upload(
         &self,
         name: &str,
@@ -367,6 +369,11 @@ impl Harness {
         archive: Vec<u8>,
     ) -> Result<(), HarnessError> {
         let (_, full) = self.cell_path(name, path)?;
+        crate::archive::check(&archive).map_err(|refused| {
+            HarnessError::from(FilesError::Invalid(format!(
+                "unpacking into {full}: {refused}; nothing was written"
+            )))
+        })?;
         self.record(
             Some(name),
             "file.upload",

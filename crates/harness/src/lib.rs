@@ -10,6 +10,7 @@
 //! the daemon: `kill -9` of the daemon leaves every cell running, and the next daemon adopts
 //! them through the backend.
 
+mod archive;
 mod attached;
 mod cells;
 mod checkpoint;

@@ -302,9 +302,14 @@ impl Harness {
                 digest = self.diff(name).await?["digest"].as_str().map(str::to_owned);
             }
             let shown = digest.as_deref().map_or("", |d| &d[..d.len().min(16)]);
-            let question = format!("apply {what} of {name} to {host} (changes {shown})");
-            // A standing grant covers exactly these changes: another apply asks again.
-            let grant = format!("apply {question}");
+            let flags = self.what_flags_add(name, request, digest.clone()).await?;
+            let question = format!("apply {what} of {name} to {host} (changes {shown}){flags}");
+            // A standing grant covers exactly these changes, written this way: another apply,
+            // or this one with `force` or `include_sensitive`, asks again.
+            let grant = format!(
+                "apply {question} [force: {}, include sensitive: {}]",
+                request.force, request.include_sensitive
+            );
             self.ask_person(
                 name,
                 question,
@@ -335,6 +340,92 @@ impl Harness {
         self.record(Some(name), "workspace.applied", report.clone())
             .await?;
         Ok(report)
+    }
+
+    /// What `force` and `include_sensitive` add to an apply, in words for the person asked
+    /// (nothing without them): the sensitive changes written only because of the flag, and the
+    /// host entries changed since the cell started that `force` writes over. Each is learned
+    /// from a dry run of the same apply, so the question says what the apply will do.
+    async fn what_flags_add(
+        &self,
+        name: &str,
+        request: &ApplyRequest,
+        digest: Option<String>,
+    ) -> Result<String, HarnessError> {
+        let (force, include_sensitive) = (request.force, request.include_sensitive);
+        if !force && !include_sensitive {
+            return Ok(String::new());
+        }
+        let paths = request.paths.clone();
+        let (sensitive, overwritten) = self
+            .blocking(name, move |tier, cell| {
+                let dry_run = |include_sensitive: bool, force: bool| {
+                    tier.apply(
+                        cell,
+                        warden_workspace::ApplyOptions {
+                            paths: paths.clone(),
+                            dry_run: true,
+                            force,
+                            include_sensitive,
+                            digest: digest.clone(),
+                            ..warden_workspace::ApplyOptions::default()
+                        },
+                    )
+                };
+                let mut sensitive = Vec::new();
+                if include_sensitive {
+                    let without = dry_run(false, true).map_err(changes_error)?.applied;
+                    sensitive = dry_run(true, true)
+                        .map_err(changes_error)?
+                        .applied
+                        .into_iter()
+                        .filter(|path| !without.contains(path))
+                        .collect();
+                }
+                let mut overwritten = None;
+                if force {
+                    match dry_run(include_sensitive, false) {
+                        Ok(_) => {}
+                        Err(ChangesError::Workspace(LayerError::Conflict { paths, .. })) => {
+                            overwritten = Some(paths);
+                        }
+                        Err(err) => return Err(changes_error(err)),
+                    }
+                }
+                Ok((sensitive, overwritten))
+            })
+            .await?;
+        let mut added = String::new();
+        if include_sensitive {
+            if sensitive.is_empty() {
+                added.push_str(", including sensitive changes (none among these)");
+            } else {
+                const SHOWN: usize = 20;
+                let mut listed = sensitive
+                    .iter()
+                    .take(SHOWN)
+                    .map(String::as_str)
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                if sensitive.len() > SHOWN {
+                    listed.push_str(&format!(" and {} more", sensitive.len() - SHOWN));
+                }
+                added.push_str(&format!(
+                    ", including sensitive changes it leaves out without --include-sensitive: {listed}"
+                ));
+            }
+        }
+        if force {
+            match overwritten {
+                Some(paths) => added.push_str(&format!(
+                    ", with --force: overwriting what the host changed since the cell started at {paths}"
+                )),
+                None => added.push_str(
+                    ", with --force: overwriting anything the host changes since the cell started (nothing yet)",
+                ),
+            }
+        }
+        Ok(added)
     }
 
     /// Snapshots of this cell.

@@ -110,6 +110,27 @@ fn json_text(value: &impl Serialize) -> String {
     serde_json::to_string_pretty(value).unwrap_or_default()
 }
 
+/// What `exec` runs: the shell line, or the argv. Each refusal says what was wrong with what
+/// was given, so that the caller's next try is the right one.
+fn command_of(
+    command: Option<String>,
+    argv: Option<Vec<String>>,
+) -> Result<Vec<String>, &'static str> {
+    match (command, argv) {
+        (Some(line), None) => Ok(vec!["sh".to_owned(), "-c".to_owned(), line]),
+        (None, Some(argv)) if !argv.is_empty() => Ok(argv),
+        (None, Some(_)) => Err(
+            "`argv` is empty: give the program and its arguments (`[\"ls\", \"-l\"]`), or a shell line as `command`",
+        ),
+        (None, None) => Err(
+            "give what to run: `command` (a shell line, run with sh -c) or `argv` (the program and its arguments)",
+        ),
+        (Some(_), Some(_)) => {
+            Err("give `command` (a shell line) or `argv` (the program and its arguments), not both")
+        }
+    }
+}
+
 /// A tool's arguments that cannot be a request (a protocol error: the client sent them wrong).
 fn invalid(message: impl Into<String>) -> ErrorData {
     ErrorData::invalid_params(message.into(), None)
@@ -197,11 +218,7 @@ a person answers. Killed after `timeout_s` (default 120)."
         Parameters(args): Parameters<ExecArgs>,
         context: RequestContext<RoleServer>,
     ) -> ToolResult {
-        let argv = match (args.command, args.argv) {
-            (Some(line), None) => vec!["sh".to_owned(), "-c".to_owned(), line],
-            (None, Some(argv)) if !argv.is_empty() => argv,
-            _ => return Err(invalid("give `command` (a shell line) or `argv`, not both")),
-        };
+        let argv = command_of(args.command, args.argv).map_err(invalid)?;
         let timeout_s = args.timeout_s.unwrap_or(DEFAULT_TIMEOUT_S);
         let spec = ExecSpec {
             argv,
@@ -692,4 +709,31 @@ pub fn http_service(
         LocalSessionManager::default().into(),
         config,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exec_says_what_is_wrong_with_what_it_was_given() {
+        let line = || Some("ls -l".to_owned());
+        let argv = |a: &[&str]| Some(a.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>());
+        assert_eq!(
+            command_of(line(), None),
+            Ok(vec!["sh".to_owned(), "-c".to_owned(), "ls -l".to_owned()])
+        );
+        assert_eq!(
+            command_of(None, argv(&["ls", "-l"])),
+            Ok(vec!["ls".to_owned(), "-l".to_owned()])
+        );
+        let empty = command_of(None, argv(&[])).unwrap_err();
+        assert!(empty.contains("`argv` is empty"), "{empty}");
+        assert!(!empty.contains("not both"), "{empty}");
+        let neither = command_of(None, None).unwrap_err();
+        assert!(neither.starts_with("give what to run"), "{neither}");
+        assert!(!neither.contains("not both"), "{neither}");
+        let both = command_of(line(), argv(&["ls"])).unwrap_err();
+        assert!(both.ends_with("not both"), "{both}");
+    }
 }

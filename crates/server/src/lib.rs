@@ -127,7 +127,7 @@ pub async fn serve(
             std::fs::write(&file, bound.to_string()).map_err(io_at("writing", &file))?;
         }
         let app = warden_e2b::router(Arc::clone(&harness), key)
-            .layer(axum::middleware::from_fn(listen::trust_unless_refused));
+            .layer(axum::middleware::from_fn(listen::trust_if_authenticated));
         tokio::spawn(listen::serve(listener, app, false));
     }
     let _ = std::fs::remove_file(&socket);

@@ -47,16 +47,21 @@ impl Admitted {
     }
 }
 
-/// For a listener whose router checks its callers itself (the E2B-compatible API's key and
-/// tokens): a connection that carried a request not refused as unauthenticated has proven its
-/// caller, and is no longer made room with.
-pub async fn trust_unless_refused(
+/// For the E2B-compatible API's listener, whose router checks its callers itself (its key and
+/// sandboxes' tokens): a connection that carried a request the router answered as
+/// [`warden_e2b::Authenticated`] has proven its caller, and is no longer made room with. Only
+/// that mark counts, never the status: a stranger's request can be answered without a 401 (a
+/// 404 for a sandbox nobody made) and must not earn its connection a place for good.
+pub async fn trust_if_authenticated(
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
     let connection = request.extensions().get::<Arc<Admitted>>().cloned();
     let response = next.run(request).await;
-    if response.status() != axum::http::StatusCode::UNAUTHORIZED
+    if response
+        .extensions()
+        .get::<warden_e2b::Authenticated>()
+        .is_some()
         && let Some(connection) = connection
     {
         connection.trust();

@@ -2,6 +2,7 @@
 //! errors, and the API's error answer.
 
 use axum::Json;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -148,4 +149,26 @@ impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for Query<T
             }),
         }
     }
+}
+
+/// An upload's body (a file's content, an archive), taken as `Result<Bytes, BytesRejection>` so
+/// that a refusal is an API error like every other: one over `limit` is a JSON `too-large` that
+/// says the limit and `instead` (what to do), not the text axum would answer.
+pub(super) fn upload_body(
+    body: Result<axum::body::Bytes, BytesRejection>,
+    limit: usize,
+    instead: &str,
+) -> Result<axum::body::Bytes, ApiError> {
+    body.map_err(|rejection| {
+        let status = rejection.status();
+        let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            format!(
+                "the upload is larger than the {} MiB an upload may be; {instead}",
+                limit / (1024 * 1024)
+            )
+        } else {
+            format!("request body: {}", rejection.body_text())
+        };
+        ApiError::new(status, message)
+    })
 }

@@ -2,6 +2,7 @@
 
 use axum::Json;
 use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
@@ -29,8 +30,13 @@ pub(super) async fn write_file(
     State(h): State<Shared>,
     Path(name): Path<String>,
     Query(q): Query<PathQuery>,
-    body: axum::body::Bytes,
+    body: Result<axum::body::Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
+    let body = upload_body(
+        body,
+        UPLOAD_LIMIT,
+        "write a larger file in parts under the limit (`FILE.part0`, `FILE.part1`, ...) and join them in the cell with an exec (`cat FILE.part* > FILE`)",
+    )?;
     h.write_file(&name, &q.path, body.to_vec()).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
@@ -48,8 +54,13 @@ pub(super) async fn upload(
     State(h): State<Shared>,
     Path(name): Path<String>,
     Query(q): Query<PathQuery>,
-    body: axum::body::Bytes,
+    body: Result<axum::body::Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
+    let body = upload_body(
+        body,
+        UPLOAD_LIMIT,
+        "split the files into several archives under the limit and upload each to the same path (they unpack side by side)",
+    )?;
     h.upload(&name, &q.path, body.to_vec()).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
