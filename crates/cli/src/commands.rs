@@ -525,14 +525,21 @@ fn diff(name: &str, json: bool, stat: bool) -> Result<i32> {
     Ok(0)
 }
 
+/// A path the cell chose, as it may reach a terminal: as it is, or, where it holds what could
+/// steer the terminal, quoted as Rust writes strings (and escaped again, for whatever that
+/// leaves as it is).
+fn shown_path(path: &str) -> String {
+    use crate::render::safe;
+    match safe(path) {
+        std::borrow::Cow::Borrowed(path) => path.to_owned(),
+        std::borrow::Cow::Owned(_) => safe(&format!("{path:?}")).into_owned(),
+    }
+}
+
 /// One line per change: marker, path, details (whatever the cell chose is escaped).
 fn describe(change: &Change) -> String {
     use crate::render::safe;
-    // A name that needs escaping is shown quoted, as Rust writes strings.
-    let path = match safe(&change.path) {
-        std::borrow::Cow::Borrowed(path) => path.to_owned(),
-        std::borrow::Cow::Owned(_) => format!("{:?}", change.path),
-    };
+    let path = shown_path(&change.path);
     let mut line = format!("{} {path}", change.marker());
     match change.entry {
         EntryKind::Dir => line.push('/'),
@@ -715,12 +722,18 @@ fn apply(name: &str, request: warden_protocol::ApplyRequest, json: bool) -> Resu
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(0);
     }
+    // The paths, and the reasons that may quote what the cell chose, are escaped as the diff
+    // escapes them: they reach a terminal.
     let verb = if dry_run { "would apply" } else { "applied" };
     for path in &report.applied {
-        println!("{verb} {path}");
+        println!("{verb} {}", shown_path(path));
     }
     for (path, reason) in &report.skipped {
-        println!("skipped {path}: {reason}");
+        println!(
+            "skipped {}: {}",
+            shown_path(path),
+            crate::render::safe(reason)
+        );
     }
     println!(
         "{} {verb}, {} skipped",

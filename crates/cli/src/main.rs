@@ -149,7 +149,9 @@ fn run() -> (i32, bool) {
         // the status is the one a shell gives a writer ended by SIGPIPE.
         Err(err) if reader_left(&err) => 128 + 13,
         Err(err) => {
-            eprintln!("warden: {err:#}");
+            // Errors can quote what a cell chose (the paths of an apply that was refused or
+            // rolled back): escaped, line by line, before they reach a terminal.
+            eprintln!("warden: {}", render::safe_lines(&format!("{err:#}")));
             warden_protocol::exit::WARDEN_ERROR
         }
     };

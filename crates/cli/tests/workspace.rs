@@ -883,6 +883,104 @@ fn what_the_cell_wrote_cannot_steer_the_reviewers_terminal() {
     warden_ok(&["rm", &name]);
 }
 
+/// A sparse file with many names, which cost the cell nothing, is applied as one file of as
+/// many names, its holes kept: not a full copy per name on the host's disk.
+#[test]
+fn an_apply_writes_a_sparse_file_of_many_names_once() {
+    use std::os::unix::fs::MetadataExt as _;
+    let ws = project();
+    let name = unique("links");
+    let ran = run_sh(
+        &["--name", &name, "--workspace", ws.path().to_str().unwrap()],
+        "cd /workspace && truncate -s 16M big && printf data >> big \
+         && for i in 1 2 3 4 5; do ln big l$i; done",
+    );
+    assert_eq!(ran.code, 0, "{ran:?}");
+    warden_ok(&["apply", &name]);
+    let big = std::fs::metadata(ws.path().join("big")).unwrap();
+    assert_eq!(big.len(), (16 << 20) + 4);
+    assert_eq!(big.nlink(), 6, "each name was written as a file of its own");
+    assert_eq!(
+        std::fs::metadata(ws.path().join("l5")).unwrap().ino(),
+        big.ino()
+    );
+    assert!(big.blocks() * 512 < 1 << 20, "the holes were written out");
+    warden_ok(&["rm", &name]);
+}
+
+/// An apply that would write more file data than its bound is refused whole, saying what it
+/// would write, the bound and how to raise it.
+#[test]
+fn an_apply_past_its_bound_is_refused_and_says_how_to_raise_it() {
+    let ws = project();
+    let before = tree(ws.path());
+    let name = unique("bound");
+    let ran = run_sh(
+        &["--name", &name, "--workspace", ws.path().to_str().unwrap()],
+        "cd /workspace && head -c 8192 /dev/zero | tr '\\0' x > data && echo more >> README.md",
+    );
+    assert_eq!(ran.code, 0, "{ran:?}");
+    let refused = warden()
+        .args(["apply", &name])
+        .env("WARDEN_APPLY_MAX_BYTES", "4096")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&refused.stderr).into_owned();
+    assert!(!refused.status.success(), "{err}");
+    assert!(err.contains("more than its bound of 4096 bytes"), "{err}");
+    assert!(err.contains("WARDEN_APPLY_MAX_BYTES"), "{err}");
+    assert_eq!(tree(ws.path()), before, "the refused apply wrote something");
+    warden_ok(&["apply", &name]);
+    assert_eq!(
+        std::fs::read(ws.path().join("data")).unwrap(),
+        vec![b'x'; 8192]
+    );
+    warden_ok(&["rm", &name]);
+}
+
+/// What an apply prints of the names the cell chose (applied, skipped, refused in an error) is
+/// escaped as the diff escapes it, dry run or not.
+#[test]
+fn what_an_apply_prints_of_the_cells_names_cannot_steer_the_terminal() {
+    let ws = project();
+    let name = unique("ansi-apply");
+    let ran = run_sh(
+        &["--name", &name, "--workspace", ws.path().to_str().unwrap()],
+        "cd /workspace && echo a > \"$(printf 'a\\033[2Kb.txt')\" \
+         && echo x > \"$(printf 'run\\033[31m.sh')\" && chmod +x run*.sh \
+         && mkfifo \"$(printf 'fifo\\033]0;title\\007')\"",
+    );
+    assert_eq!(ran.code, 0, "{ran:?}");
+    let steers = |out: &str| ['\x1b', '\x07'].into_iter().find(|c| out.contains(*c));
+    // Named alone, the FIFO is refused: the error quotes its name.
+    let refused = warden()
+        .args(["apply", &name, "fifo\x1b]0;title\x07"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&refused.stderr).into_owned();
+    assert!(!refused.status.success(), "{err}");
+    assert_eq!(steers(&err), None, "reached the terminal: {err:?}");
+    assert!(err.contains("fifo\\u{1b}]0;title\\u{7}"), "{err}");
+    for args in [&["apply", &name, "--dry-run"][..], &["apply", &name]] {
+        let ran = warden_ok(args);
+        assert_eq!(steers(&ran.stdout), None, "reached the terminal: {ran:?}");
+        assert!(ran.stdout.contains("a\\u{1b}[2Kb.txt"), "{ran:?}");
+        assert!(
+            ran.stdout.contains("skipped \"run\\u{1b}[31m.sh\""),
+            "{ran:?}"
+        );
+        assert!(
+            ran.stdout.contains("skipped \"fifo\\u{1b}]0;title\\u{7}\""),
+            "{ran:?}"
+        );
+    }
+    assert_eq!(
+        std::fs::read_to_string(ws.path().join("a\x1b[2Kb.txt")).unwrap(),
+        "a\n"
+    );
+    warden_ok(&["rm", &name]);
+}
+
 #[test]
 fn a_running_cell_writes_creates_and_deletes_after_a_reset() {
     let ws = project();

@@ -18,7 +18,8 @@ fn changes_error(err: ChangesError) -> HarnessError {
             LayerError::UnknownPath(_) => WorkspaceError::Invalid,
             LayerError::Conflict { .. }
             | LayerError::Refused { .. }
-            | LayerError::Changed { .. } => WorkspaceError::Conflict,
+            | LayerError::Changed { .. }
+            | LayerError::TooLarge { .. } => WorkspaceError::Conflict,
             _ => WorkspaceError::Failed,
         },
         ChangesError::Registry(warden_cell::RegistryError::NotFound(_)) => {

@@ -1,10 +1,16 @@
 //! Applying chosen changes of an upper layer to the host directory: all of them or none, each
 //! file replaced atomically, nothing written outside the directory, no ownership, device nodes or
 //! set-id bits carried over.
+//!
+//! What a cell's layer holds costs the cell little that could cost the host much: a sparse file
+//! of 1 GiB takes no blocks, and a thousand hard links to it take none more. So a file's holes
+//! stay holes on the host, names that share an inode in the layer share one on the host, and the
+//! bytes of file data one apply writes are bounded, counted before anything is written.
 
+use std::collections::HashMap;
 use std::fs;
-use std::io::{self, Read, Write};
-use std::os::unix::fs::OpenOptionsExt;
+use std::io;
+use std::os::unix::fs::{FileExt as _, MetadataExt as _, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -15,8 +21,12 @@ use serde::Serialize;
 use crate::WorkspaceError;
 use crate::change::{Change, ChangeKind, Diff, EntryKind};
 
+/// The most bytes of file data one apply writes unless told otherwise: more than a workspace's
+/// changes usually hold, and little enough that a host disk has room for it.
+pub const DEFAULT_MAX_WRITE_BYTES: u64 = 4 << 30;
+
 /// What to apply and how.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct ApplyOptions {
     /// Paths to apply (a directory selects what is below it); empty applies everything.
     pub paths: Vec<String>,
@@ -32,6 +42,25 @@ pub struct ApplyOptions {
     /// The digest of the diff that was reviewed: the apply goes ahead only while the changes
     /// are still exactly those.
     pub digest: Option<String>,
+    /// The most bytes of file data the apply writes, all files together (holes and the other
+    /// names of a file written already count nothing): an apply that would write more is
+    /// refused before it writes anything.
+    pub max_write_bytes: u64,
+}
+
+impl Default for ApplyOptions {
+    fn default() -> Self {
+        Self {
+            paths: Vec::new(),
+            dry_run: false,
+            force: false,
+            include_sensitive: false,
+            started: None,
+            owner: None,
+            digest: None,
+            max_write_bytes: DEFAULT_MAX_WRITE_BYTES,
+        }
+    }
 }
 
 /// What an apply did (or, with `dry_run`, would do).
@@ -72,6 +101,15 @@ pub fn apply(
     if !options.force {
         check_conflicts(&host, &selected, options.started)?;
     }
+    // Counted up front, so that an apply past the bound is refused whole; the copies count
+    // again as they write (a file the cell filled in meanwhile cannot take them past it).
+    let total = data_to_write(layers, &selected);
+    if total > options.max_write_bytes {
+        return Err(WorkspaceError::TooLarge {
+            total,
+            bound: options.max_write_bytes,
+        });
+    }
     if options.dry_run {
         report.applied = selected.iter().map(|c| c.path.clone()).collect();
         return Ok(report);
@@ -95,6 +133,9 @@ pub fn apply(
         staging_name: &staging_name,
         undo: Vec::new(),
         next: 0,
+        linked: HashMap::new(),
+        written: 0,
+        bound: options.max_write_bytes,
     };
     let result = selected.iter().try_for_each(|change| {
         tx.apply_one(layers, change, options.owner)
@@ -242,6 +283,12 @@ struct Transaction<'a> {
     staging_name: &'a str,
     undo: Vec<Undo>,
     next: usize,
+    /// The layer's files (device, inode) staged so far that have other names, each with the
+    /// staging name that keeps its staged copy: its other names are links to that copy.
+    linked: HashMap<(u64, u64), String>,
+    /// Bytes of file data written so far, and the most that may be.
+    written: u64,
+    bound: u64,
 }
 
 impl Transaction<'_> {
@@ -379,8 +426,27 @@ impl Transaction<'_> {
                             "the file is gone from the cell's layers; run the diff again",
                         )
                     })?;
-                    self.stage_file(&source, &slot, mode, change.size)?;
-                    chown(self.staging, Path::new(&slot), owner)?;
+                    let (input, meta) = open_source(&source)?;
+                    if Some(meta.len()) != change.size {
+                        return Err(io::Error::other(
+                            "the file changed in the cell since the diff; run the diff again",
+                        ));
+                    }
+                    let inode = (meta.dev(), meta.ino());
+                    if let Some(copy) = self.linked.get(&inode) {
+                        // Another name of a file staged already: a link to that copy, as in
+                        // the layer, where a copy of its own would write all its bytes again.
+                        self.staging.hard_link(copy, self.staging, &slot)?;
+                    } else {
+                        self.stage_file(&input, meta.len(), &slot, mode)?;
+                        chown(self.staging, Path::new(&slot), owner)?;
+                        if meta.nlink() > 1 {
+                            // Kept under a name of its own: `slot` leaves staging below.
+                            let copy = self.slot();
+                            self.staging.hard_link(&slot, self.staging, &copy)?;
+                            self.linked.insert(inode, copy);
+                        }
+                    }
                 }
                 self.ensure_parent(&path)?;
                 match self.host.symlink_metadata(&path) {
@@ -407,32 +473,36 @@ impl Transaction<'_> {
         }
     }
 
-    fn stage_file(
-        &self,
-        source: &Path,
-        slot: &str,
-        mode: u32,
-        expected: Option<u64>,
-    ) -> io::Result<()> {
-        let mut input = fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(source)?;
-        let meta = input.metadata()?;
-        if !meta.is_file() || Some(meta.len()) != expected {
-            return Err(io::Error::other(
-                "the file changed in the cell since the diff; run the diff again",
-            ));
-        }
-        let mut output = self.staging.create(slot)?;
+    /// Copies the `len` bytes of `input` to the staging file `slot`: its data only, so that
+    /// its holes stay holes, each byte counted against the apply's bound.
+    fn stage_file(&mut self, input: &fs::File, len: u64, slot: &str, mode: u32) -> io::Result<()> {
+        let output = self.staging.create(slot)?.into_std();
         let mut buf = vec![0u8; 256 * 1024];
-        loop {
-            let n = input.read(&mut buf)?;
-            if n == 0 {
-                break;
+        for extent in data_extents(input, len) {
+            let (start, end) = extent?;
+            let mut at = start;
+            while at < end {
+                let want = usize::try_from(end - at).map_or(buf.len(), |n| n.min(buf.len()));
+                let n = input.read_at(&mut buf[..want], at)?;
+                if n == 0 {
+                    return Err(io::Error::other(
+                        "the file changed in the cell since the diff; run the diff again",
+                    ));
+                }
+                self.written += n as u64;
+                if self.written > self.bound {
+                    return Err(io::Error::other(format!(
+                        "the apply wrote more than its bound of {} bytes (the cell's files grew \
+                         since they were counted)",
+                        self.bound
+                    )));
+                }
+                output.write_all_at(&buf[..n], at)?;
+                at += n as u64;
             }
-            output.write_all(&buf[..n])?;
         }
+        // The length, which a hole at the end gives the file without a block.
+        output.set_len(len)?;
         output.sync_all()?;
         self.staging
             .set_permissions(slot, Permissions::from_mode(mode))
@@ -455,12 +525,145 @@ impl Transaction<'_> {
     }
 }
 
+/// Gives the entry at `path` in `dir` the owner `owner`, never following a symlink: its parent
+/// is opened beneath `dir` without following any symlink on the way (`openat2`), and the entry
+/// is changed by name in that parent, so that a directory swapped for a symlink meanwhile
+/// cannot lead the change anywhere else.
 fn chown(dir: &Dir, path: &Path, owner: Option<(u32, u32)>) -> io::Result<()> {
+    use rustix::fs::{Mode, OFlags, ResolveFlags};
     let Some((uid, gid)) = owner else {
         return Ok(());
     };
-    // cap-std has no chown; resolve through the directory's descriptor path.
-    use std::os::fd::AsRawFd as _;
-    let full = PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd())).join(path);
-    std::os::unix::fs::lchown(full, Some(uid), Some(gid))
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
+    let parent = rustix::fs::openat2(
+        dir,
+        parent.unwrap_or(Path::new(".")),
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+        ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
+    )?;
+    let name = path
+        .file_name()
+        .ok_or_else(|| io::Error::other("a change without a file name"))?;
+    rustix::fs::chownat(
+        &parent,
+        name,
+        Some(rustix::fs::Uid::from_raw(uid)),
+        Some(rustix::fs::Gid::from_raw(gid)),
+        rustix::fs::AtFlags::SYMLINK_NOFOLLOW,
+    )
+    .map_err(io::Error::from)
+}
+
+/// The layer's file at `source`, opened without following a symlink or waiting (a FIFO put
+/// there since the diff is not opened for a writer), with what it is; anything but a regular
+/// file is refused.
+fn open_source(source: &Path) -> io::Result<(fs::File, fs::Metadata)> {
+    let input = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(source)?;
+    let meta = input.metadata()?;
+    if !meta.is_file() {
+        return Err(io::Error::other(
+            "the file changed in the cell since the diff; run the diff again",
+        ));
+    }
+    Ok((input, meta))
+}
+
+/// The bytes of file data applying `selected` writes: each file's data without its holes, and
+/// once for all the names of one file. A file that cannot be read now counts nothing here (its
+/// copy fails, and the apply is rolled back).
+fn data_to_write(layers: &[PathBuf], selected: &[&Change]) -> u64 {
+    let mut seen = std::collections::HashSet::new();
+    let mut total = 0u64;
+    for change in selected {
+        if change.kind == ChangeKind::Deleted || change.entry != EntryKind::File {
+            continue;
+        }
+        let Some(source) = crate::diff::locate(layers, Path::new(&change.path)) else {
+            continue;
+        };
+        let Ok((input, meta)) = open_source(&source) else {
+            continue;
+        };
+        if !seen.insert((meta.dev(), meta.ino())) {
+            continue;
+        }
+        for extent in data_extents(&input, meta.len()) {
+            match extent {
+                Ok((start, end)) => total = total.saturating_add(end - start),
+                // Where the holes cannot be told, every byte counts.
+                Err(_) => {
+                    total = total.saturating_add(meta.len());
+                    break;
+                }
+            }
+        }
+    }
+    total
+}
+
+/// The data of `file`'s first `len` bytes, as `(start, end)` ranges in order: what is between
+/// them (and after the last) is holes, which read as zeros and take no blocks. A file system
+/// that keeps no holes says the whole file is data.
+fn data_extents(file: &fs::File, len: u64) -> impl Iterator<Item = io::Result<(u64, u64)>> + '_ {
+    use rustix::fs::{SeekFrom, seek};
+    let mut at = 0u64;
+    std::iter::from_fn(move || {
+        if at >= len {
+            return None;
+        }
+        let start = match seek(file, SeekFrom::Data(at)) {
+            Ok(start) if start < len => start,
+            // No data after `at` (within `len`): the rest is a hole.
+            Ok(_) | Err(rustix::io::Errno::NXIO) => return None,
+            Err(e) => {
+                at = len;
+                return Some(Err(e.into()));
+            }
+        };
+        let end = match seek(file, SeekFrom::Hole(start)) {
+            Ok(end) => end.clamp(start + 1, len),
+            Err(e) => {
+                at = len;
+                return Some(Err(e.into()));
+            }
+        };
+        at = end;
+        Some(Ok((start, end)))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// The owner is given by name in a parent opened beneath the directory without following
+    /// symlinks: a directory on the way that is (or became) a symlink fails the step, and what
+    /// it leads to keeps its owner.
+    #[test]
+    fn chown_follows_no_symlink_on_the_way() {
+        if fs::metadata("/proc/self").is_ok_and(|m| m.uid() != 0) {
+            eprintln!("skipping: giving files another owner needs root");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let host = tmp.path().join("host");
+        let outside = tmp.path().join("outside");
+        fs::create_dir_all(host.join("real")).unwrap();
+        fs::create_dir_all(&outside).unwrap();
+        fs::write(host.join("real/file"), "in").unwrap();
+        fs::write(outside.join("file"), "out").unwrap();
+        std::os::unix::fs::symlink(&outside, host.join("swapped")).unwrap();
+        let dir = Dir::open_ambient_dir(&host, ambient_authority()).unwrap();
+        let owner = Some((4242, 4343));
+        chown(&dir, Path::new("real/file"), owner).unwrap();
+        let meta = fs::metadata(host.join("real/file")).unwrap();
+        assert_eq!((meta.uid(), meta.gid()), (4242, 4343));
+        assert!(chown(&dir, Path::new("swapped/file"), owner).is_err());
+        assert_eq!(fs::metadata(outside.join("file")).unwrap().uid(), 0);
+    }
 }

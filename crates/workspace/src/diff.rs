@@ -2,7 +2,14 @@
 //! cell: whiteouts are deletions, opaque directories hide everything below them, and every other
 //! entry is compared with the host directory. The layers are the cell's upper layer and the
 //! snapshots it was forked from, topmost first; the host directory is the bottom.
+//!
+//! A diff runs on the host, and what it reads was chosen by the cell, where a file of 1 GiB
+//! costs nothing (it can be all holes) and a thousand more names for it cost nothing more. So
+//! only files a patch can be made of are read whole; larger ones are hashed in a stream through
+//! a fixed buffer, once per file whatever its names; and the bytes one diff reads from the
+//! layers are bounded: a file past the bound is listed, refused, without being read.
 
+use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::fs;
 use std::io::{self, Read};
@@ -37,7 +44,19 @@ pub struct DiffOptions {
     /// `hash` or patch, for a caller that compares it itself where its decision needs the
     /// bytes (a reset, which often has another version to write there whatever this one holds).
     pub tell_copies: bool,
+    /// The most bytes of the layers' files one diff reads (each file once, whatever its
+    /// names): a file past it is listed with its size and refused, not read. Split evenly
+    /// between the diff's two threads, each reading in name order, so that which file is
+    /// refused does not depend on their pace.
+    pub max_read_bytes: u64,
 }
+
+/// The most bytes of the layers' files a diff reads unless told otherwise: what an apply writes
+/// at most by default ([`crate::DEFAULT_MAX_WRITE_BYTES`]).
+pub const DEFAULT_MAX_READ_BYTES: u64 = crate::DEFAULT_MAX_WRITE_BYTES;
+
+/// The buffer a file too large for a patch is hashed through.
+const HASH_BUFFER: usize = 256 * 1024;
 
 impl Default for DiffOptions {
     fn default() -> Self {
@@ -47,6 +66,7 @@ impl Default for DiffOptions {
             max_file_bytes: 1 << 30,
             hash_changed: true,
             tell_copies: true,
+            max_read_bytes: DEFAULT_MAX_READ_BYTES,
         }
     }
 }
@@ -71,6 +91,8 @@ pub fn diff(
         options,
         changes: Vec::new(),
         split: true,
+        hashed: HashMap::new(),
+        budget: options.max_read_bytes,
     };
     walker.walk_dir(Path::new(""), true)?;
     let mut changes = walker.changes;
@@ -86,6 +108,14 @@ struct Walker<'a> {
     /// Whether the first directory of more than one entry is still to be split between two
     /// threads: a diff's cost is its many small files, each a few system calls.
     split: bool,
+    /// The hashes of the layers' files too large for a patch, by (device, inode): another name
+    /// of one is not read again.
+    hashed: HashMap<(u64, u64), String>,
+    /// What is left of the bytes this walker may read from the layers. A split gives each
+    /// thread half, and each its own `hashed`: which file a thread refuses then depends on its
+    /// own walk, in name order, never on the other's pace, so the same layers always give the
+    /// same diff (and digest).
+    budget: u64,
 }
 
 fn mode(meta_mode: u32) -> u32 {
@@ -125,6 +155,21 @@ impl Walker<'_> {
         let Some(parent) = parent else {
             return self.lower.read(rel).ok();
         };
+        read_sized(&Self::lower_open(parent, name)?, size).ok()
+    }
+
+    /// The BLAKE3 hash of the host's file `name` in its directory `parent` (`rel` where that
+    /// directory could not be opened), read in a stream.
+    fn lower_hash(&self, parent: Option<&Dir>, rel: &Path, name: &OsStr) -> Option<String> {
+        let file = match parent {
+            Some(parent) => Self::lower_open(parent, name)?,
+            None => self.lower.open(rel).ok()?.into_std(),
+        };
+        hash_stream(&file, u64::MAX).ok()
+    }
+
+    /// The host's file `name` in its directory `parent`, opened without following it.
+    fn lower_open(parent: &Dir, name: &OsStr) -> Option<fs::File> {
         let file = rustix::fs::openat(
             parent,
             name,
@@ -136,7 +181,7 @@ impl Walker<'_> {
             rustix::fs::Mode::empty(),
         )
         .ok()?;
-        read_sized(&fs::File::from(file), size).ok()
+        Some(fs::File::from(file))
     }
 
     /// The host directory's entry `name` in its directory `parent` (opened beneath the host
@@ -231,9 +276,13 @@ impl Walker<'_> {
         if self.split && names.len() > 1 {
             self.split = false;
             let (mine, theirs) = names.split_at(names.len() / 2);
+            let half = self.budget / 2;
+            self.budget -= half;
             let other = Walker {
                 changes: Vec::new(),
                 split: false,
+                hashed: HashMap::new(),
+                budget: half,
                 ..*self
             };
             let split = std::thread::scope(|scope| {
@@ -399,6 +448,37 @@ impl Walker<'_> {
         // another size.
         let sized_apart = old_size.is_none_or(|old| old != len);
         if self.options.hash_changed || (!sized_apart && self.options.tell_copies) {
+            if len > limit {
+                // No patch is made of it: hashed in a stream, and compared with a host file of
+                // its size by hash.
+                let inode = (meta.st_dev, meta.st_ino);
+                let hash = match self.hashed.get(&inode) {
+                    Some(hash) => hash.clone(),
+                    None => {
+                        if !self.may_read(len) {
+                            self.push_unread(change);
+                            return Ok(());
+                        }
+                        let hash = hash_upper(&path, self.options.max_file_bytes)?;
+                        self.hashed.insert(inode, hash.clone());
+                        hash
+                    }
+                };
+                if same_type
+                    && old_size == Some(len)
+                    && old_mode == change.new_mode
+                    && self.lower_hash(lower_dir, rel, name).as_ref() == Some(&hash)
+                {
+                    return Ok(()); // copied up, but nothing changed
+                }
+                change.hash = Some(hash);
+                self.push_file(change, old_mode);
+                return Ok(());
+            }
+            if !self.may_read(len) {
+                self.push_unread(change);
+                return Ok(());
+            }
             let new = read_upper(&path, len)?;
             // The host's copy is read only where it could be the same or a patch could be made
             // of it: a file of another size changed, and a patch needs both sides under the
@@ -417,6 +497,32 @@ impl Walker<'_> {
                 change.patch = Some(patch);
             }
         }
+        self.push_file(change, old_mode);
+        Ok(())
+    }
+
+    /// Takes `len` bytes of what this walker may still read, if that many are left.
+    fn may_read(&mut self, len: u64) -> bool {
+        match self.budget.checked_sub(len) {
+            Some(left) => {
+                self.budget = left;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Lists a file past the diff's bound on what it reads: with its size, not read, refused.
+    fn push_unread(&mut self, mut change: Change) {
+        change.refused = Some(format!(
+            "not read: the diff has read its bound of {} bytes of the cell's files",
+            self.options.max_read_bytes
+        ));
+        self.push(change);
+    }
+
+    /// Lists a changed file, sensitive where it becomes executable or was so.
+    fn push_file(&mut self, mut change: Change, old_mode: Option<u32>) {
         let gains_exec = change.new_mode.is_some_and(|m| m & 0o111 != 0)
             && old_mode.is_none_or(|m| m & 0o111 == 0);
         let was_exec = old_mode.is_some_and(|m| m & 0o111 != 0);
@@ -426,7 +532,6 @@ impl Walker<'_> {
             change.sensitive = Some("changes the content of an executable file".to_owned());
         }
         self.push(change);
-        Ok(())
     }
 
     /// Why the link at `path` to `target` leads out of the workspace once the links it goes
@@ -570,6 +675,45 @@ fn read_sized(file: &fs::File, size: u64) -> io::Result<Vec<u8>> {
     }
     .read_to_end(&mut out)?;
     Ok(out)
+}
+
+/// The BLAKE3 hash of the upper layer's file at `path`, read in a stream through a buffer of a
+/// fixed size, whatever the file's: a file of more than `max` bytes (it grew since it was
+/// looked up) is an error, not read to its end.
+fn hash_upper(path: &Path, max: u64) -> Result<String, WorkspaceError> {
+    fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .and_then(|file| hash_stream(&file, max))
+        .map_err(|source| WorkspaceError::Read {
+            path: path.to_path_buf(),
+            source,
+        })
+}
+
+/// The BLAKE3 hash of `file` from its position to its end, read through a fixed buffer; an
+/// error past `max` bytes.
+fn hash_stream(file: &fs::File, max: u64) -> io::Result<String> {
+    let mut hasher = blake3::Hasher::new();
+    let mut buf = vec![0u8; HASH_BUFFER];
+    let mut read = 0u64;
+    loop {
+        let n = match (&mut &*file).read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        read += n as u64;
+        if read > max {
+            return Err(io::Error::other(format!(
+                "it grew past {max} bytes while it was read"
+            )));
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(hasher.finalize().to_hex().to_string())
 }
 
 /// The upper layer's file at `path`, of `size` bytes when it was looked up.

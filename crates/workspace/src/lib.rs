@@ -12,9 +12,9 @@ mod diff;
 mod layer;
 mod sensitive;
 
-pub use apply::{ApplyOptions, ApplyReport, apply};
+pub use apply::{ApplyOptions, ApplyReport, DEFAULT_MAX_WRITE_BYTES, apply};
 pub use change::{Change, ChangeKind, Diff, EntryKind};
-pub use diff::{DiffOptions, diff};
+pub use diff::{DEFAULT_MAX_READ_BYTES, DiffOptions, diff};
 pub use layer::{Layer, LayerMeta, write_over};
 pub use sensitive::Sensitivity;
 
@@ -46,6 +46,12 @@ pub enum WorkspaceError {
         "the workspace changed since it was reviewed (digest {expected}, now {found}); nothing was applied: look at `warden diff` again"
     )]
     Changed { expected: String, found: String },
+    #[error(
+        "the apply would write {total} bytes of file data, more than its bound of {bound} bytes; \
+             nothing was applied: apply fewer paths at a time (name them), or raise the bound \
+             (`WARDEN_APPLY_MAX_BYTES` in the environment of the warden that applies)"
+    )]
+    TooLarge { total: u64, bound: u64 },
     #[error("apply failed at `{path}` and was rolled back: {source}")]
     RolledBack {
         path: String,

@@ -633,3 +633,202 @@ fn a_caller_that_compares_itself_gets_same_size_files_unread() {
         );
     }
 }
+
+/// A file of `len` bytes, all holes but `data` at `at`.
+fn sparse(path: &Path, len: u64, at: u64, data: &[u8]) {
+    use std::os::unix::fs::FileExt as _;
+    let file = fs::File::create(path).unwrap();
+    file.set_len(len).unwrap();
+    file.write_all_at(data, at).unwrap();
+}
+
+/// Bytes the file at `path` takes on its disk.
+fn allocated(path: &Path) -> u64 {
+    fs::metadata(path).unwrap().blocks() * 512
+}
+
+/// A sparse file with many names costs the cell nothing: applied, it costs the host one inode
+/// and the blocks of its data, not a full copy per name.
+#[test]
+fn apply_writes_a_file_of_many_names_once_and_keeps_its_holes() {
+    let f = fixture();
+    let len = 64 << 20;
+    sparse(&f.upper.join("big"), len, 1 << 20, b"the only data");
+    for i in 0..5 {
+        fs::hard_link(f.upper.join("big"), f.upper.join(format!("l{i}"))).unwrap();
+    }
+    if allocated(&f.upper.join("big")) >= 1 << 20 {
+        eprintln!("skipping: this file system keeps no holes");
+        return;
+    }
+    let d = diff(&f.lower, std::slice::from_ref(&f.upper), &options()).unwrap();
+    assert_eq!(d.changes.iter().filter(|c| c.size == Some(len)).count(), 6);
+    apply(
+        &f.lower,
+        std::slice::from_ref(&f.upper),
+        &d,
+        &ApplyOptions::default(),
+    )
+    .unwrap();
+    let big = fs::metadata(f.lower.join("big")).unwrap();
+    assert_eq!(big.len(), len);
+    assert_eq!(big.nlink(), 6, "the names were not applied as links");
+    for i in 0..5 {
+        assert_eq!(
+            fs::metadata(f.lower.join(format!("l{i}"))).unwrap().ino(),
+            big.ino()
+        );
+    }
+    assert!(
+        allocated(&f.lower.join("big")) < 1 << 20,
+        "the holes were written out: {} bytes allocated",
+        allocated(&f.lower.join("big"))
+    );
+    let content = fs::read(f.lower.join("l3")).unwrap();
+    assert_eq!(&content[(1 << 20)..(1 << 20) + 13], b"the only data");
+    assert!(content[..1 << 20].iter().all(|&b| b == 0));
+    assert!(
+        !hash_tree(&f.lower)
+            .iter()
+            .any(|(p, _)| p.starts_with(".warden-apply-"))
+    );
+}
+
+/// An apply that would write more file data than its bound is refused before it writes
+/// anything, dry run or not; holes and further names of a file count nothing.
+#[test]
+fn an_apply_past_its_bound_is_refused_whole() {
+    let f = fixture();
+    let data = vec![7u8; 1 << 20];
+    fs::write(f.upper.join("one"), &data).unwrap();
+    fs::write(f.upper.join("two"), &data).unwrap();
+    for i in 0..8 {
+        fs::hard_link(f.upper.join("one"), f.upper.join(format!("one-{i}"))).unwrap();
+    }
+    sparse(&f.upper.join("holes"), 256 << 20, 0, b"x");
+    write(&f.upper.join("edit.txt"), "one\nTWO\nthree\n");
+    let layers = std::slice::from_ref(&f.upper);
+    let d = diff(&f.lower, layers, &options()).unwrap();
+    let before = hash_tree(&f.lower);
+    let bound = 3 << 19; // 1.5 MiB: one of the two files, not both
+    for dry_run in [true, false] {
+        let err = apply(
+            &f.lower,
+            layers,
+            &d,
+            &ApplyOptions {
+                dry_run,
+                max_write_bytes: bound,
+                ..ApplyOptions::default()
+            },
+        )
+        .unwrap_err();
+        match &err {
+            WorkspaceError::TooLarge { total, bound: b } => {
+                assert_eq!(*b, bound);
+                // Both files once, the sparse file's data, the edit: far from 8 + 256 MiB.
+                assert!(*total > 2 << 20 && *total < 3 << 20, "{total}");
+            }
+            other => panic!("not refused for its size: {other}"),
+        }
+        assert!(err.to_string().contains("WARDEN_APPLY_MAX_BYTES"), "{err}");
+        assert_eq!(
+            hash_tree(&f.lower),
+            before,
+            "the refused apply wrote something"
+        );
+    }
+    // Under the bound, without the second file: the links and the holes fit.
+    let applied = apply(
+        &f.lower,
+        layers,
+        &d,
+        &ApplyOptions {
+            paths: (0..8)
+                .map(|i| format!("one-{i}"))
+                .chain(["one".into(), "holes".into(), "edit.txt".into()])
+                .collect(),
+            max_write_bytes: bound,
+            ..ApplyOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(applied.applied.len(), 11);
+    assert_eq!(fs::read(f.lower.join("one-7")).unwrap(), data);
+    assert!(!f.lower.join("two").exists());
+}
+
+/// Every name of a file too large for a patch is listed with its hash, but the file is read
+/// once; and a diff reads no more than its bound: a file past it is listed, refused, unread.
+#[test]
+fn a_diff_reads_a_file_of_many_names_once_and_no_more_than_its_bound() {
+    let f = fixture();
+    let data: Vec<u8> = (0..1 << 20).map(|i| (i % 251) as u8).collect();
+    fs::write(f.upper.join("big"), &data).unwrap();
+    for i in 0..15 {
+        fs::hard_link(f.upper.join("big"), f.upper.join(format!("big-{i:02}"))).unwrap();
+    }
+    // 16 names of 1 MiB each, read within 4 MiB (2 MiB for each of the diff's two threads).
+    let bounded = DiffOptions {
+        max_read_bytes: 4 << 20,
+        ..options()
+    };
+    let layers = std::slice::from_ref(&f.upper);
+    let d = diff(&f.lower, layers, &bounded).unwrap();
+    let hash = blake3::hash(&data).to_hex().to_string();
+    let names: Vec<_> = d
+        .changes
+        .iter()
+        .filter(|c| c.path.starts_with("big"))
+        .collect();
+    assert_eq!(names.len(), 16);
+    for change in &names {
+        assert_eq!(change.refused, None, "{}", change.path);
+        assert_eq!(
+            change.hash.as_deref(),
+            Some(hash.as_str()),
+            "{}",
+            change.path
+        );
+    }
+    // Alone past the bound: not read, and never applied.
+    sparse(&f.upper.join("huge"), 5 << 20, 0, b"y");
+    let d = diff(&f.lower, layers, &bounded).unwrap();
+    let huge = d.changes.iter().find(|c| c.path == "huge").unwrap();
+    assert_eq!(huge.size, Some(5 << 20));
+    assert_eq!(huge.hash, None);
+    assert!(
+        huge.refused.as_deref().unwrap().contains("not read"),
+        "{huge:?}"
+    );
+    let report = apply(&f.lower, layers, &d, &ApplyOptions::default()).unwrap();
+    assert!(report.skipped.iter().any(|(p, _)| p == "huge"));
+    assert!(!f.lower.join("huge").exists());
+}
+
+/// A file too large for a patch, hashed in a stream, is told from a copy of the host's by
+/// its hash: the copy is no change, a change of the same size is one.
+#[test]
+fn a_large_file_is_told_from_a_copy_by_its_streamed_hash() {
+    let f = fixture();
+    let data: Vec<u8> = (0..3 << 20).map(|i| (i % 253) as u8).collect();
+    fs::write(f.lower.join("large"), &data).unwrap();
+    fs::write(f.lower.join("other"), &data).unwrap();
+    fs::write(f.upper.join("large"), &data).unwrap(); // copied up, unchanged
+    let mut changed = data.clone();
+    changed[2 << 20] ^= 1;
+    fs::write(f.upper.join("other"), &changed).unwrap();
+    let d = diff(&f.lower, std::slice::from_ref(&f.upper), &options()).unwrap();
+    assert!(
+        !d.changes.iter().any(|c| c.path == "large"),
+        "{:?}",
+        d.changes
+    );
+    let other = d.changes.iter().find(|c| c.path == "other").unwrap();
+    assert_eq!(other.kind, ChangeKind::Modified);
+    assert_eq!(
+        other.hash.as_deref(),
+        Some(blake3::hash(&changed).to_hex().as_str())
+    );
+    assert_eq!(other.patch, None);
+}

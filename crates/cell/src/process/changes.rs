@@ -232,10 +232,34 @@ pub(super) fn open(
     Ok((layer, meta, lock))
 }
 
-fn options(meta: &LayerMeta) -> DiffOptions {
+fn options(layer: &Layer, meta: &LayerMeta) -> DiffOptions {
     DiffOptions {
         sensitivity: Sensitivity::new(meta.protected.clone()),
+        // Never less than the default: a diff that cannot read a change cannot show it.
+        max_read_bytes: data_bound(layer, meta).max(warden_workspace::DEFAULT_MAX_READ_BYTES),
         ..DiffOptions::default()
+    }
+}
+
+/// The most bytes of file data an apply of the cell's changes writes (and its diff reads):
+/// `WARDEN_APPLY_MAX_BYTES` where set; else, for a layer with a disk limit of its own, that
+/// limit once per layer of its stack (each could hold that much: the upper layer in the disk,
+/// a snapshot in it or copied out of it), which no change the cell could write needs more
+/// than; else the default. A cell's files can take much more room on the host than on its disk
+/// (a file that is all holes, reflinked copies): the bound keeps them from filling the host's.
+fn data_bound(layer: &Layer, meta: &LayerMeta) -> u64 {
+    if let Some(bound) = std::env::var("WARDEN_APPLY_MAX_BYTES")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+    {
+        return bound;
+    }
+    match std::fs::metadata(layer.image()) {
+        Ok(image) => image
+            .len()
+            .saturating_mul(layer.stack(meta).len() as u64)
+            .max(1),
+        Err(_) => warden_workspace::DEFAULT_MAX_WRITE_BYTES,
     }
 }
 
@@ -261,7 +285,7 @@ pub fn diff(
     name: &str,
 ) -> Result<(Diff, LayerMeta), ChangesError> {
     let (layer, meta, _frozen) = hold(registry, store, name)?;
-    let diff = warden_workspace::diff(&meta.lower, &layer.stack(&meta), &options(&meta))?;
+    let diff = warden_workspace::diff(&meta.lower, &layer.stack(&meta), &options(&layer, &meta))?;
     Ok((diff, meta))
 }
 
@@ -273,8 +297,13 @@ pub fn apply(
     mut options: ApplyOptions,
 ) -> Result<ApplyReport, ChangesError> {
     let (layer, meta, _frozen) = hold(registry, store, name)?;
-    let diff = warden_workspace::diff(&meta.lower, &layer.stack(&meta), &self::options(&meta))?;
+    let diff = warden_workspace::diff(
+        &meta.lower,
+        &layer.stack(&meta),
+        &self::options(&layer, &meta),
+    )?;
     options.started = Some(meta.started);
+    options.max_write_bytes = data_bound(&layer, &meta);
     if nix::unistd::geteuid().is_root() {
         // New files belong to the directory's owner, not to root or the cell.
         if let Ok(dir) = std::fs::metadata(&meta.lower) {

@@ -197,6 +197,8 @@ pub(super) fn plan(
         max_file_bytes: u64::MAX,
         hash_changed: false,
         tell_copies: true,
+        // A reset reads what it must to put the target back, whatever its size.
+        max_read_bytes: u64::MAX,
     };
     // Nor does the current tree's diff read a file of the host's size (a copy of the host's, or
     // a change of the same size): the plan compares it with the version the target has there
