@@ -1761,3 +1761,39 @@ fn a_redirected_connection_to_another_network_is_answered() {
         assert!(line.starts_with("HTTP/1.1 403 "), "{line}\n{ran:?}");
     }
 }
+
+#[test]
+fn plain_http_in_a_tunnel_is_decided_as_a_request_for_the_tunnels_host() {
+    // No rule on paths: the tunnel is not opened up, and its relay hands a plain HTTP request
+    // to the request path instead of relaying it raw.
+    // (The upstream's count of connections is not looked at: each tunnel also made the
+    // connection it was opened with, which goes unused.)
+    let dir = tempdir();
+    let port = http_upstream().port;
+    let policy = net_policy(
+        dir.path(),
+        &format!("  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n"),
+    );
+    let tunnel = format!("connect 127.0.0.2:{port}");
+    let own = format!("GET /mine HTTP/1.1\r\nHost: 127.0.0.2:{port}\r\n\r\n");
+    // Another name at the same address (a virtual host the rules never allowed).
+    let other = format!("GET /theirs HTTP/1.1\r\nHost: evil.test:{port}\r\n\r\n");
+    let kept_alive = format!("{own}{other}");
+    let requests = [
+        (tunnel.as_str(), own.as_str()),
+        (tunnel.as_str(), other.as_str()),
+        (tunnel.as_str(), kept_alive.as_str()),
+    ];
+    let ran = run_py(&["--rm", "--policy", &policy], &exchanges(&requests));
+    let lines: Vec<&str> = ran.stdout.lines().collect();
+    assert_eq!(lines.len(), 3, "{ran:?}");
+    assert!(lines[0].contains("upstream saw GET /mine"), "{ran:?}");
+    assert!(
+        lines[1].starts_with("HTTP/1.1 403 ") && lines[1].contains("Host header"),
+        "{ran:?}"
+    );
+    assert!(
+        lines[2].contains("upstream saw GET /mine") && !lines[2].contains("theirs"),
+        "{ran:?}"
+    );
+}

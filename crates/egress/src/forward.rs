@@ -273,17 +273,25 @@ impl Gateway {
         );
     }
 
-    /// A plain-HTTP request that a CONNECT tunnel to `host:port` carried: decided and relayed
-    /// as a proxied one, its Host header held to the tunnel's host.
-    pub(crate) fn forward_in_tunnel(
-        &self,
-        conn: TcpStream,
-        host: &Host,
-        port: u16,
-        path: &str,
-        request: ParsedRequest,
-    ) {
-        self.forward_to(conn, host, port, path, request, Via::Proxy, true, None);
+    /// A plain HTTP request a CONNECT tunnel carried (its first bytes `first`), decided and
+    /// relayed like a proxied one, for the tunnel's host only.
+    pub(crate) fn tunnel_http(&self, mut conn: TcpStream, host: &Host, port: u16, first: Vec<u8>) {
+        let until = std::time::Instant::now() + crate::bounds::HEAD_TIMEOUT;
+        let read = http::read_request(&mut http::Until {
+            inner: std::io::Read::chain(first.as_slice(), &conn),
+            socket: &conn,
+            until,
+        });
+        let Some(request) = http::answer_bad_request(&mut conn, read) else {
+            return;
+        };
+        if !request.target.starts_with('/') {
+            let target = format!("{} {}", request.method, request.target);
+            let reason = "a request in a CONNECT tunnel must name a path, not a URL".to_owned();
+            return self.refuse(&mut conn, "http", &target, reason);
+        }
+        let path = request.target.clone();
+        self.forward_to(conn, host, port, &path, request, Via::Proxy, true, None);
     }
 
     /// Checks, decides and relays one request with an origin-form `path` to `host:port`;

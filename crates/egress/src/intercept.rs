@@ -20,38 +20,18 @@ use crate::secrets::Replacer;
 use crate::tls::Interceptor;
 
 impl Gateway {
+    /// Opens up a connection's TLS (a CONNECT tunnel answered already, or a redirected
+    /// connection), with the client's first bytes `early`.
     pub(crate) fn intercept(
         &self,
         interceptor: &Interceptor,
-        mut conn: TcpStream,
+        conn: TcpStream,
         host: Host,
         port: u16,
         early: Vec<u8>,
         via: Via,
     ) {
         let name = host.as_text();
-        if matches!(via, Via::Proxy)
-            && conn
-                .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
-                .is_err()
-        {
-            return;
-        }
-        // A client that speaks plain HTTP in the tunnel (`curl --proxytunnel` of an http://
-        // URL, undici's ProxyAgent) has its request decided as a proxied one.
-        let early = match via {
-            Via::Proxy if early.is_empty() => crate::tunnel::first_bytes(
-                &mut conn,
-                early,
-                crate::bounds::HEAD_TIMEOUT,
-                crate::bounds::HEAD_TIMEOUT,
-            )
-            .unwrap_or_default(),
-            _ => early,
-        };
-        if matches!(via, Via::Proxy) && crate::tunnel::looks_http(&early) {
-            return self.tunnel_http(conn, &host, port, early);
-        }
         let (Ok(config), Ok(inner)) = (interceptor.server_for(&name), conn.try_clone()) else {
             return;
         };

@@ -37,6 +37,27 @@ impl Gateway {
         if let Some(interceptor) = &self.interceptor
             && self.rules().intercepts(&host, port)
         {
+            if conn
+                .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                .is_err()
+            {
+                return;
+            }
+            // A client that speaks plain HTTP in the tunnel (`curl --proxytunnel` of an
+            // http:// URL, undici's ProxyAgent) has its request decided as a proxied one.
+            let early = match early.is_empty() {
+                true => first_bytes(
+                    &mut conn,
+                    early,
+                    crate::bounds::HEAD_TIMEOUT,
+                    crate::bounds::HEAD_TIMEOUT,
+                )
+                .unwrap_or_default(),
+                false => early,
+            };
+            if looks_http(&early) {
+                return self.tunnel_http(conn, &host, port, early);
+            }
             return self.intercept(interceptor, conn, host, port, early, Via::Proxy);
         }
         let verdict = self.decide(
@@ -74,27 +95,6 @@ impl Gateway {
             decision,
             Some(take_over),
         );
-    }
-
-    /// A plain HTTP request a CONNECT tunnel carried (its first bytes `first`), decided and
-    /// relayed like a proxied one, for the tunnel's host only.
-    pub(crate) fn tunnel_http(&self, mut conn: TcpStream, host: &Host, port: u16, first: Vec<u8>) {
-        let until = Instant::now() + crate::bounds::HEAD_TIMEOUT;
-        let read = crate::http::read_request(&mut crate::http::Until {
-            inner: std::io::Read::chain(first.as_slice(), &conn),
-            socket: &conn,
-            until,
-        });
-        let Some(request) = crate::http::answer_bad_request(&mut conn, read) else {
-            return;
-        };
-        if !request.target.starts_with('/') {
-            let target = format!("{} {}", request.method, request.target);
-            let reason = "a request in a CONNECT tunnel must name a path, not a URL".to_owned();
-            return self.refuse(&mut conn, "http", &target, reason);
-        }
-        let path = request.target.clone();
-        self.forward_in_tunnel(conn, host, port, &path, request);
     }
 
     /// Relays a tunnel the gateway let out until either side ends it, then records it with the
