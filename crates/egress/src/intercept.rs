@@ -100,7 +100,7 @@ impl Gateway {
             return;
         }
         let upstream_tcp = if decision.allowed {
-            match self.connect_via(&host, port, via) {
+            match self.connect_via(&host, port, via, Some((&method, &target.path))) {
                 Ok((tcp, addr)) => {
                     decision.address = Some(addr.to_string());
                     Some(tcp)

@@ -395,10 +395,13 @@ impl Gateway {
     /// Resolves (once) and connects to the first address the rules allow: the connection is
     /// pinned to the address that was checked. The name's addresses are remembered for the
     /// cell's DNS (rules with `dns: connected` answer only from them).
+    /// Connects to an allowed address of `host` (for the request `http`, method and path, where
+    /// the connection carries one).
     pub(crate) fn connect(
         &self,
         host: &Host,
         port: u16,
+        http: Option<(&str, &str)>,
     ) -> Result<(TcpStream, SocketAddr), String> {
         let rules = self.rules();
         let candidates: Vec<SocketAddr> = match host {
@@ -410,16 +413,12 @@ impl Gateway {
                 .map(|ip| SocketAddr::new(ip, port))
                 .collect(),
         };
-        // Never an address a deny rule names for any request to it, whatever the name resolved
-        // to when the request was decided.
-        let tunnel = Request {
-            host,
-            port,
-            http: None,
-        };
+        // Never an address a deny rule names for this request, whatever the name resolved to
+        // when the request was decided.
+        let request = Request { host, port, http };
         let denied: Vec<(SocketAddr, &str)> = candidates
             .iter()
-            .filter_map(|a| rules.denied_at(&tunnel, a.ip()).map(|rule| (*a, rule)))
+            .filter_map(|a| rules.denied_at(&request, a.ip()).map(|rule| (*a, rule)))
             .collect();
         let allowed: Vec<SocketAddr> = candidates
             .iter()
@@ -465,9 +464,10 @@ impl Gateway {
         host: &Host,
         port: u16,
         via: Via,
+        http: Option<(&str, &str)>,
     ) -> Result<(TcpStream, SocketAddr), String> {
         match via {
-            Via::Proxy => self.connect(host, port),
+            Via::Proxy => self.connect(host, port, http),
             Via::Redirected(destination) => {
                 TcpStream::connect_timeout(&destination, CONNECT_TIMEOUT)
                     .map(|stream| {
@@ -493,7 +493,8 @@ impl Gateway {
             self.deny(conn, decision);
             return None;
         }
-        match self.connect_via(host, port, via) {
+        let http = decision.method.as_deref().zip(decision.path.as_deref());
+        match self.connect_via(host, port, via, http) {
             Ok((upstream, addr)) => {
                 decision.address = Some(addr.to_string());
                 Some(upstream)

@@ -754,6 +754,27 @@ mod tests {
             Some("deny[1] host=203.0.113.0/24")
         );
         assert_eq!(r.denied_at(&request, "198.51.100.8".parse().unwrap()), None);
+        // A deny rule on paths that names an address holds for those paths there.
+        let mut admin = rule("198.51.100.7");
+        admin.paths = vec!["/admin/**".into()];
+        let on_paths = rules(vec![], vec![admin], NetworkDefault::Allow);
+        let at = "198.51.100.7".parse().unwrap();
+        let asked = name("denied-ip.example.test");
+        let asking = |http| Request {
+            host: &asked,
+            port: 80,
+            http,
+        };
+        assert!(
+            on_paths
+                .denied_at(&asking(Some(("GET", "//admin/x"))), at)
+                .is_some()
+        );
+        assert_eq!(
+            on_paths.denied_at(&asking(Some(("GET", "/public"))), at),
+            None
+        );
+        assert_eq!(on_paths.denied_at(&asking(None), at), None);
         // A deny rule by name names no address.
         let by_name = rules(vec![], vec![rule("evil.test")], NetworkDefault::Allow);
         assert!(!by_name.denies_addresses());
