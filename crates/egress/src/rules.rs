@@ -283,6 +283,26 @@ impl Rules {
             .map(|r| r.label.as_str())
     }
 
+    /// Whether a deny rule on methods or paths names `ip` (an address or a network holding it)
+    /// for `port`: a connection there must be opened up for its requests to be seen, whatever
+    /// name it was opened for.
+    pub fn decides_requests_at(&self, port: u16, ip: IpAddr) -> bool {
+        let at = Host::Ip(ip.to_canonical());
+        self.deny.iter().any(|r| {
+            matches!(r.host, HostMatch::Ip(_) | HostMatch::Net(_))
+                && r.is_l7()
+                && r.port_matches(port)
+                && r.host_matches(&at)
+        })
+    }
+
+    /// Whether some deny rule on methods or paths names an address or a network.
+    pub fn decides_requests_at_addresses(&self) -> bool {
+        self.deny
+            .iter()
+            .any(|r| matches!(r.host, HostMatch::Ip(_) | HostMatch::Net(_)) && r.is_l7())
+    }
+
     /// Whether some deny rule names an address or a network (`denied_at` can refuse).
     pub fn denies_addresses(&self) -> bool {
         self.deny
@@ -412,24 +432,27 @@ impl Rule {
     /// Whether the rule decides `request`; a path must match both as written and with runs of
     /// `/` merged (see `matches_any_form`): an allow rule covers what every server reads.
     fn matches(&self, request: &Request<'_>) -> bool {
-        self.matches_path_by(request, |paths, path| {
+        self.matches_path_by(request, false, |paths, path| {
             paths.is_match(path) && (!path.contains("//") || paths.is_match(merge_slashes(path)))
         })
     }
 
     /// `matches`, where a path matches in any of the forms servers read it in: as written, and
     /// with runs of `/` merged (`//admin/x` is `/admin/x` to a server that merges slashes), so
-    /// that a deny rule on a path cannot be dodged by doubling a slash. An allow or ask rule
-    /// must match every form (`matches` and this together).
+    /// that a deny rule on a path cannot be dodged by doubling a slash; and a method in any
+    /// case. An allow or ask rule must match every form (`matches`).
     fn matches_any_form(&self, request: &Request<'_>) -> bool {
-        self.matches_path_by(request, |paths, path| {
+        self.matches_path_by(request, true, |paths, path| {
             paths.is_match(path) || (path.contains("//") && paths.is_match(merge_slashes(path)))
         })
     }
 
+    /// `any_case`: a method matches in any case (`delete` is `DELETE` to some servers), where
+    /// a deny rule is matched.
     fn matches_path_by(
         &self,
         request: &Request<'_>,
+        any_case: bool,
         path_matches: impl Fn(&GlobSet, &str) -> bool,
     ) -> bool {
         if !self.host_matches(request.host) || !self.port_matches(request.port) {
@@ -437,7 +460,11 @@ impl Rule {
         }
         match request.http {
             Some((method, path)) => {
-                (self.methods.is_empty() || self.methods.iter().any(|m| m == method))
+                (self.methods.is_empty()
+                    || self
+                        .methods
+                        .iter()
+                        .any(|m| m == method || (any_case && m.eq_ignore_ascii_case(method))))
                     && self
                         .paths
                         .as_ref()
@@ -775,6 +802,27 @@ mod tests {
             None
         );
         assert_eq!(on_paths.denied_at(&asking(None), at), None);
+        // Such a rule opens up a connection to that address, whatever name it was opened for;
+        // a rule without methods or paths refuses it outright instead.
+        assert!(on_paths.decides_requests_at_addresses());
+        assert!(on_paths.decides_requests_at(443, at));
+        assert!(on_paths.decides_requests_at(443, "::ffff:198.51.100.7".parse().unwrap()));
+        assert!(!on_paths.decides_requests_at(443, "198.51.100.8".parse().unwrap()));
+        assert!(!r.decides_requests_at_addresses());
+        assert!(!r.decides_requests_at(443, at));
+        // A deny rule's method matches in any case.
+        let mut delete = rule("api.test");
+        delete.methods = vec!["DELETE".into()];
+        let r = rules(vec![rule("api.test")], vec![delete], NetworkDefault::Deny);
+        let host = name("api.test");
+        for method in ["DELETE", "delete", "Delete"] {
+            let verdict = r.decide(&Request {
+                host: &host,
+                port: 80,
+                http: Some((method, "/x")),
+            });
+            assert!(!verdict.allowed, "{method}");
+        }
         // A deny rule by name names no address.
         let by_name = rules(vec![], vec![rule("evil.test")], NetworkDefault::Allow);
         assert!(!by_name.denies_addresses());

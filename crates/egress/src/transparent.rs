@@ -67,7 +67,9 @@ impl Gateway {
         // through the proxy): relayed raw after its first head, a kept-alive connection could
         // carry a next request for another host at the same address. TLS is opened up where
         // rules on methods, paths or credentials decide what goes through it.
-        if http || (tls && rules.intercepts(&host, port)) {
+        let opened_up =
+            rules.intercepts(&host, port) || rules.decides_requests_at(port, destination.ip());
+        if http || (tls && opened_up) {
             // Each request is decided inside, as for a proxied one, once the name is known to
             // lead where the client connected.
             if let Err(verdict) = self.pinned(&rules, &host, destination) {
@@ -107,7 +109,7 @@ impl Gateway {
                 http: None,
             },
         );
-        if verdict.allowed && rules.intercepts(&host, port) {
+        if verdict.allowed && opened_up {
             verdict = Verdict::new(
                 false,
                 &verdict.rule,

@@ -35,7 +35,7 @@ impl Gateway {
             return self.deny(&mut conn, &decision);
         }
         if let Some(interceptor) = &self.interceptor
-            && self.rules().intercepts(&host, port)
+            && self.opens_up(&self.rules(), &host, port)
         {
             if conn
                 .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
@@ -196,22 +196,78 @@ fn needs_more(bytes: &[u8]) -> bool {
     }
 }
 
-/// Whether a client's first bytes look like an HTTP/1 request line: a method (capital
-/// letters) and a space, or the start of one. (`SSH-2.0-...`, which also begins with a
-/// capital, is not; nor is HTTP/2's preface, `PRI * HTTP/2.0`, which is relayed as another
-/// protocol would be.)
+/// Whether a client's first bytes are (or begin) what an HTTP/1 server reads as a request:
+/// `METHOD TARGET HTTP/...`, the method any token (RFC 9110: servers differ in which they take,
+/// `M-SEARCH`, `_GET`, lower case), after any empty lines (which servers skip, RFC 9112 2.2);
+/// or HTTP/0.9's `GET /path` with no version, which some servers still answer. Anything else
+/// (`SSH-2.0-OpenSSH_9.2p1 Debian-2`, `EHLO mail.test`, a TLS record) is not one. Bytes that
+/// stop short of telling (a lone token, `ping`) are counted as a request: the caller reads on
+/// until they tell, and refuses them if they never do (a client sending a request a byte at a
+/// time, and pausing, must not have it taken for another protocol and relayed raw).
 pub(crate) fn looks_http(bytes: &[u8]) -> bool {
-    if bytes.starts_with(b"PRI * HTTP/2") {
-        return false;
+    request_line(bytes) != Line::Not
+}
+
+/// What a client's first line is, so far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Line {
+    Request,
+    /// Too short to tell yet.
+    Maybe,
+    Not,
+}
+
+fn request_line(bytes: &[u8]) -> Line {
+    let is_token = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
+    let start = bytes
+        .iter()
+        .position(|b| *b != b'\r' && *b != b'\n')
+        .unwrap_or(bytes.len());
+    let line = &bytes[start..];
+    if line.is_empty() {
+        return if bytes.is_empty() {
+            Line::Not
+        } else {
+            Line::Maybe
+        };
     }
-    let method = bytes.iter().take_while(|b| b.is_ascii_uppercase()).count();
-    method > 0
-        && match bytes.get(method) {
-            Some(b' ') => true,
-            Some(_) => false,
-            // Capitals so far: a method still coming.
-            None => method < 16,
+    let method = line.iter().take_while(|b| is_token(**b)).count();
+    match line.get(method) {
+        None if method < 32 => return Line::Maybe,
+        Some(b' ') if method > 0 => {}
+        _ => return Line::Not,
+    }
+    let rest = &line[method + 1..];
+    let target = rest
+        .iter()
+        .take_while(|b| !b.is_ascii_whitespace() && !b.is_ascii_control())
+        .count();
+    match rest.get(target) {
+        None if target < crate::http::MAX_HEAD => Line::Maybe,
+        Some(b' ') if target > 0 => {
+            let version = &rest[target + 1..];
+            let expected = b"HTTP/";
+            let n = version.len().min(expected.len());
+            match version[..n] == expected[..n] {
+                true if n == expected.len() => Line::Request,
+                true => Line::Maybe,
+                false => Line::Not,
+            }
         }
+        // HTTP/0.9: `GET /path` and the line's end.
+        Some(b'\r' | b'\n') if &line[..method] == b"GET" && rest.first() == Some(&b'/') => {
+            Line::Request
+        }
+        _ => Line::Not,
+    }
+}
+
+/// Whether the first bytes are (or begin) HTTP/2's connection preface, spoken without TLS
+/// ("prior knowledge"): its requests name their host inside frames the gateway does not read.
+fn h2_preface(bytes: &[u8]) -> bool {
+    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    let n = bytes.len().min(PREFACE.len());
+    n >= 3 && bytes[..n] == PREFACE[..n]
 }
 
 /// A plain HTTP request head at the start of a tunnel's first bytes: whether it asks for an
@@ -219,6 +275,8 @@ pub(crate) fn looks_http(bytes: &[u8]) -> bool {
 struct Head {
     upgrade: bool,
     host: Result<Option<String>, ()>,
+    /// The head's length in the bytes (what follows it is a body, or a next request).
+    len: usize,
 }
 
 /// The request head that `bytes` begin with: `Ok(None)` where they do not look like one,
@@ -229,7 +287,7 @@ fn http_head(bytes: &[u8]) -> Result<Option<Head>, ()> {
     }
     let mut headers = [httparse::EMPTY_HEADER; 100];
     let mut request = httparse::Request::new(&mut headers);
-    let Ok(httparse::Status::Complete(_)) = request.parse(bytes) else {
+    let Ok(httparse::Status::Complete(len)) = request.parse(bytes) else {
         return Err(());
     };
     let named = |name: &'static str| {
@@ -247,16 +305,22 @@ fn http_head(bytes: &[u8]) -> Result<Option<Head>, ()> {
     Ok(Some(Head {
         upgrade: named("upgrade").next().is_some(),
         host,
+        len,
     }))
 }
 
 /// What becomes of a tunnel's first bytes (whole, or all that came in time).
 #[derive(Debug, PartialEq, Eq)]
 enum Opening {
-    /// Relayed as they are: TLS for the tunnel's host, a protocol the gateway does not read,
-    /// or a request to upgrade (a WebSocket's) that names the tunnel's host, after which the
-    /// connection carries no more HTTP requests.
+    /// Relayed as they are: TLS for the tunnel's host, or a protocol the gateway does not read.
     Relay,
+    /// A request to upgrade (a WebSocket's) that names the tunnel's host, whose head is the
+    /// first `head` bytes: sent up alone, and the rest of the connection relayed only once the
+    /// server has switched protocols (`101`); after any other answer the client's next bytes
+    /// (a next request, for another host at the same address) go nowhere.
+    Upgrade {
+        head: usize,
+    },
     /// A plain HTTP request: decided on its own, never relayed raw (a kept-alive connection
     /// could carry a next request for another host at the same address).
     Http,
@@ -266,6 +330,12 @@ enum Opening {
 fn opening(bytes: &[u8], host: &Host) -> Opening {
     if let Some(reason) = refused_hello(bytes, host) {
         return Opening::Refused(reason);
+    }
+    if h2_preface(bytes) {
+        return Opening::Refused(format!(
+            "HTTP/2 without TLS is not relayed: its requests name their host inside, where the gateway does not look (speak HTTP/1.1 or TLS to `{}`)",
+            host.as_text()
+        ));
     }
     let head = match http_head(bytes) {
         Ok(None) => return Opening::Relay,
@@ -287,7 +357,7 @@ fn opening(bytes: &[u8], host: &Host) -> Opening {
                 .or_else(|_| Host::parse(&named).map(|h| (h, 0)))
                 .is_ok_and(|(h, _)| h == *host) =>
         {
-            Opening::Relay
+            Opening::Upgrade { head: head.len }
         }
         Ok(Some(named)) => Opening::Refused(format!(
             "the request's Host `{named}` is not the tunnel's host `{expected}`"
@@ -343,10 +413,12 @@ pub(crate) fn refused_hello(bytes: &[u8], host: &Host) -> Option<String> {
     }
 }
 
-/// Relays a tunnel both ways. The client's first bytes are held back until they show whether
-/// they are a TLS ClientHello, whose server name must be `host`'s (whenever they come: the
-/// server may speak first). Returns the bytes each way, and the refusal if the hello was
-/// refused. Each direction ends after `idle` without a byte; so the tunnel does, once both have.
+/// Relays a tunnel both ways. The client's first bytes are held back until they show what
+/// they are (`opening`): a TLS ClientHello, whose server name must be `host`'s (whenever they
+/// come: the server may speak first); a plain HTTP request, never relayed raw (handed to
+/// `take_over`, or refused); a request to upgrade, relayed on only once the server switched
+/// protocols. Returns the bytes each way, and how the relay ended. Each direction ends after
+/// `idle` without a byte; so the tunnel does, once both have.
 ///
 /// First bytes that came whole with the connection (`early`: a redirected client's request or
 /// ClientHello, read to learn where it goes) are checked and sent up by this thread, before
@@ -363,6 +435,7 @@ fn tunnel_bytes(
 ) -> (u64, u64, End) {
     let _ = client.set_read_timeout(Some(idle));
     let _ = upstream.set_read_timeout(Some(idle));
+    let gate = std::sync::Arc::new(Gate::default());
     // (Whole, and small enough for the sockets' buffers to take at once: a write of it here
     // does not wait on the upstream's reading before the downward relay begins.)
     let first = if !early.is_empty() && early.len() <= SENT_AHEAD && !needs_more(early) {
@@ -373,6 +446,16 @@ fn tunnel_bytes(
                     .is_ok()
                     .then_some(early.len() as u64),
             ),
+            Opening::Upgrade { head } => {
+                gate.expect_switch();
+                match (&upstream).write_all(&early[..head]) {
+                    Ok(()) => First::Upgrading {
+                        sent: head as u64,
+                        rest: early[head..].to_vec(),
+                    },
+                    Err(_) => First::Sent(None),
+                }
+            }
             Opening::Http => {
                 let _ = upstream.shutdown(Shutdown::Both);
                 return match take_over {
@@ -401,6 +484,7 @@ fn tunnel_bytes(
     };
     let host = host.clone();
     let (done, up) = std::sync::mpsc::sync_channel(1);
+    let up_gate = std::sync::Arc::clone(&gate);
     let started = workers.run(move || {
         let _ = done.send(relay_up(
             client_read,
@@ -409,6 +493,7 @@ fn tunnel_bytes(
             &host,
             idle,
             take_over,
+            &up_gate,
         ));
     });
     if started.is_err() {
@@ -421,13 +506,113 @@ fn tunnel_bytes(
         );
     }
     let (upstream_read, client_write) = (upstream, client);
-    let down = pump(&upstream_read, &client_write);
-    // The other direction's end first: a connection it handed over is not the relay's to close.
-    let (up, end) = up.recv().unwrap_or((0, End::Relayed));
-    if end != End::TakenOver {
+    let down = relay_down(&upstream_read, &client_write, &gate);
+    // The client hears the upstream's end at once, unless the connection was handed over (the
+    // other direction says so before it ends the upstream, which is what ended this one).
+    if !gate.handed_over() {
         let _ = client_write.shutdown(Shutdown::Write);
     }
+    let (up, end) = up.recv().unwrap_or((0, End::Relayed));
     (up, down, end)
+}
+
+/// What the two directions of a tunnel tell each other: whether the connection was handed
+/// over (the downward direction then leaves the client's side alone), and, for a request to
+/// upgrade, whether the server switched protocols.
+#[derive(Debug, Default)]
+struct Gate {
+    state: std::sync::Mutex<GateState>,
+    changed: std::sync::Condvar,
+}
+
+#[derive(Debug, Default)]
+struct GateState {
+    handed_over: bool,
+    /// An upgrade's head went up: the upstream's first bytes are its answer.
+    expecting: bool,
+    /// The answer, once read: `true` for `101 Switching Protocols`.
+    switched: Option<bool>,
+}
+
+impl Gate {
+    fn hand_over(&self) {
+        if let Ok(mut state) = self.state.lock() {
+            state.handed_over = true;
+        }
+    }
+
+    fn handed_over(&self) -> bool {
+        self.state.lock().is_ok_and(|state| state.handed_over)
+    }
+
+    fn expect_switch(&self) {
+        if let Ok(mut state) = self.state.lock() {
+            state.expecting = true;
+        }
+    }
+
+    fn expecting(&self) -> bool {
+        self.state
+            .lock()
+            .is_ok_and(|state| state.expecting && state.switched.is_none())
+    }
+
+    fn answer(&self, switched: bool) {
+        if let Ok(mut state) = self.state.lock() {
+            state.switched = Some(switched);
+        }
+        self.changed.notify_all();
+    }
+
+    /// Waits (at most `within`) for the server's answer to an upgrade: whether it switched.
+    fn switched(&self, within: Duration) -> bool {
+        let Ok(state) = self.state.lock() else {
+            return false;
+        };
+        self.changed
+            .wait_timeout_while(state, within, |state| state.switched.is_none())
+            .is_ok_and(|(state, _)| state.switched == Some(true))
+    }
+}
+
+/// The upstream-to-client direction: pumped, after the status line of an upgrade's answer is
+/// read and told to the other direction (the upstream speaks only after the head it answers,
+/// which the other direction marks as sent before it sends it).
+fn relay_down(upstream: &TcpStream, client: &TcpStream, gate: &Gate) -> u64 {
+    let mut answer = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let mut first = true;
+    loop {
+        if !first && !gate.expecting() {
+            break;
+        }
+        // The first read waits as a pump's would; it tells whether an answer is expected.
+        match (&*upstream).read(&mut chunk) {
+            Ok(0) | Err(_) => {
+                if gate.expecting() {
+                    gate.answer(false);
+                }
+                let _ = (&*client).write_all(&answer);
+                return answer.len() as u64;
+            }
+            Ok(n) => answer.extend_from_slice(&chunk[..n]),
+        }
+        first = false;
+        if !gate.expecting() {
+            break;
+        }
+        // `HTTP/1.1 101`: twelve bytes tell.
+        if answer.len() >= 12 || answer.contains(&b'\n') {
+            let switched =
+                answer.len() >= 12 && answer.starts_with(b"HTTP/1.") && &answer[8..12] == b" 101";
+            gate.answer(switched);
+            break;
+        }
+    }
+    if (&*client).write_all(&answer).is_err() {
+        return 0;
+    }
+    answer.len() as u64 + pump(upstream, client)
 }
 
 /// Why plain HTTP is refused in a tunnel whose requests nothing decides.
@@ -444,6 +629,9 @@ enum First {
     Held(Vec<u8>),
     /// Checked and sent up already: how many (`None`: the upstream would not take them).
     Sent(Option<u64>),
+    /// An upgrade's head sent up (`sent` bytes), what came after it held until the server
+    /// switches protocols.
+    Upgrading { sent: u64, rest: Vec<u8> },
 }
 
 /// The client-to-upstream direction of a tunnel, on a thread of its own: the first bytes are
@@ -455,6 +643,7 @@ fn relay_up(
     host: &Host,
     idle: Duration,
     take_over: Option<TakeOver>,
+    gate: &Gate,
 ) -> (u64, End) {
     let early = match first {
         First::Held(early) => early,
@@ -466,6 +655,9 @@ fn relay_up(
         First::Sent(None) => {
             let _ = upstream_write.shutdown(Shutdown::Write);
             return (0, End::Relayed);
+        }
+        First::Upgrading { sent, rest } => {
+            return upgrade_on(&client_read, &upstream_write, sent, &rest, idle, gate);
         }
     };
     let Some(first) = first_bytes(&mut client_read, early, idle, crate::bounds::HEAD_TIMEOUT)
@@ -481,9 +673,27 @@ fn relay_up(
     }
     match opening(&first, host) {
         Opening::Relay => {}
+        Opening::Upgrade { head } => {
+            gate.expect_switch();
+            if (&upstream_write).write_all(&first[..head]).is_err() {
+                let _ = upstream_write.shutdown(Shutdown::Write);
+                return (0, End::Relayed);
+            }
+            return upgrade_on(
+                &client_read,
+                &upstream_write,
+                head as u64,
+                &first[head..],
+                idle,
+                gate,
+            );
+        }
         Opening::Http => {
             // The upstream connection made for the tunnel goes unused (its end ends the other
             // direction's pump); the request is decided and sent on a connection of its own.
+            if take_over.is_some() {
+                gate.hand_over();
+            }
             let _ = upstream_write.shutdown(Shutdown::Both);
             return match take_over {
                 Some(take_over) => {
@@ -508,6 +718,32 @@ fn relay_up(
     }
     let _ = upstream_write.shutdown(Shutdown::Write);
     (sent, End::Relayed)
+}
+
+/// After an upgrade's head went up (`sent` bytes): what the client sent after it (`rest`) and
+/// everything after that goes up only once the server answered `101`; after another answer the
+/// client's bytes go nowhere (a next request, for another host at the same address, would be
+/// read by the server), the upstream is told the client is done, and its answer still comes
+/// down to the client.
+fn upgrade_on(
+    client_read: &TcpStream,
+    upstream_write: &TcpStream,
+    sent: u64,
+    rest: &[u8],
+    idle: Duration,
+    gate: &Gate,
+) -> (u64, End) {
+    if !gate.switched(idle) {
+        let _ = upstream_write.shutdown(Shutdown::Write);
+        return (sent, End::Relayed);
+    }
+    if (&*upstream_write).write_all(rest).is_err() {
+        let _ = upstream_write.shutdown(Shutdown::Write);
+        return (sent, End::Relayed);
+    }
+    let pumped = pump(client_read, upstream_write);
+    let _ = upstream_write.shutdown(Shutdown::Write);
+    (sent + rest.len() as u64 + pumped, End::Relayed)
 }
 
 #[cfg(test)]
@@ -558,11 +794,10 @@ mod tests {
     fn whole_first_bytes_are_checked_and_sent_before_the_rest() {
         let workers = crate::workers::Workers::new("test-tunnel");
         let host = Host::Name("a.test".into());
-        // An HTTP head that came with the connection, then more from the client.
+        // Bytes of a protocol the gateway does not read, whole with the connection, then more.
         let (mut client, gateway_side) = pair();
         let (upstream_side, mut upstream) = pair();
-        // (A request to upgrade, a WebSocket's: after it the connection carries no more HTTP.)
-        const UPGRADE: &[u8] = b"GET / HTTP/1.1\r\nHost: a.test\r\nUpgrade: websocket\r\n\r\n";
+        const BANNER: &[u8] = b"SSH-2.0-OpenSSH_9.2p1 Debian-2\r\n";
         let relay = {
             let workers = std::sync::Arc::clone(&workers);
             let host = host.clone();
@@ -571,16 +806,16 @@ mod tests {
                     &workers,
                     gateway_side,
                     upstream_side,
-                    UPGRADE,
+                    BANNER,
                     &host,
                     Duration::from_secs(5),
                     None,
                 )
             })
         };
-        let mut got = vec![0u8; UPGRADE.len()];
+        let mut got = vec![0u8; BANNER.len()];
         upstream.read_exact(&mut got).unwrap();
-        assert_eq!(got, UPGRADE);
+        assert_eq!(got, BANNER);
         client.write_all(b"body").unwrap();
         client.shutdown(Shutdown::Write).unwrap();
         let mut rest = Vec::new();
@@ -593,7 +828,7 @@ mod tests {
         assert_eq!(answer, b"answer");
         assert_eq!(
             relay.join().unwrap(),
-            (UPGRADE.len() as u64 + 4, 6, End::Relayed)
+            (BANNER.len() as u64 + 4, 6, End::Relayed)
         );
         // A whole hello for another host: refused, and the upstream gets no byte of it.
         let (client, gateway_side) = pair();
@@ -636,8 +871,11 @@ mod tests {
         assert!(looks_http(b"GE"));
         assert!(!looks_http(b"SSH-2.0-OpenSSH_9.2\r\n"));
         assert!(!looks_http(b"\x16\x03\x01"));
-        assert!(!looks_http(b"ping"));
-        assert!(!looks_http(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"));
+        // A lone token could still become a request (a client may send it a byte at a time):
+        // it is waited on, as a request head is.
+        assert!(looks_http(b"ping"));
+        assert!(!looks_http(b"ping\n"));
+        assert!(!looks_http(b"\x00ping"));
         let hello = crate::sni::tests::hello_with_sni("a.test");
         assert_eq!(opening(&hello, &host), Opening::Relay);
         assert_eq!(opening(b"SSH-2.0-x\r\n", &host), Opening::Relay);
@@ -651,13 +889,43 @@ mod tests {
             opening(b"GET / HTTP/1.1\r\nHost: evil.test\r\n\r\n", &host),
             Opening::Http
         );
+        const UPGRADE: &[u8] = b"GET / HTTP/1.1\r\nHost: a.test:8080\r\nUpgrade: websocket\r\n\r\n";
         assert_eq!(
-            opening(
-                b"GET / HTTP/1.1\r\nHost: a.test:8080\r\nUpgrade: websocket\r\n\r\n",
-                &host
-            ),
-            Opening::Relay
+            opening(UPGRADE, &host),
+            Opening::Upgrade {
+                head: UPGRADE.len()
+            }
         );
+        // What servers read as a request, though not in the plainest form.
+        for request in [
+            &b"\r\nGET / HTTP/1.1\r\nHost: a.test\r\n\r\n"[..],
+            b"\n\nGET / HTTP/1.1\r\nHost: a.test\r\n\r\n",
+            b"M-SEARCH * HTTP/1.1\r\nHost: a.test\r\n\r\n",
+            b"_GET / HTTP/1.1\r\nHost: a.test\r\n\r\n",
+            b"get / HTTP/1.1\r\nHost: a.test\r\n\r\n",
+        ] {
+            assert_eq!(request_line(request), Line::Request, "{request:?}");
+            assert_eq!(opening(request, &host), Opening::Http, "{request:?}");
+        }
+        // HTTP/0.9, which names no host and carries no version: a request, which the request
+        // path refuses.
+        assert_eq!(request_line(b"GET /secret\r\n"), Line::Request);
+        // Not requests: other protocols' first lines.
+        for other in [
+            &b"SSH-2.0-OpenSSH_9.2p1 Debian-2\r\n"[..],
+            b"EHLO mail.test\r\n",
+            b"GET key\r\n",
+            b"*1\r\n$4\r\nPING\r\n",
+        ] {
+            assert_eq!(request_line(other), Line::Not, "{other:?}");
+        }
+        assert_eq!(request_line(b"SSH-2.0-Op"), Line::Maybe);
+        assert_eq!(request_line(b"GET /x HTT"), Line::Maybe);
+        // HTTP/2 without TLS names its hosts where the gateway does not read: refused.
+        assert!(matches!(
+            opening(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", &host),
+            Opening::Refused(reason) if reason.contains("HTTP/2")
+        ));
         assert!(matches!(
             opening(b"GET / HTTP/1.1\r\nHost: evil.test\r\nUpgrade: websocket\r\n\r\n", &host),
             Opening::Refused(reason) if reason.contains("evil.test")
@@ -717,5 +985,112 @@ mod tests {
                 assert!(answer.starts_with("HTTP/1.1 403 "), "{answer}");
             }
         }
+    }
+
+    /// An upgrade's head goes up alone; what the client sends after it goes up only once the
+    /// server has switched protocols.
+    #[test]
+    fn after_an_upgrade_that_was_not_taken_nothing_more_goes_up() {
+        let workers = crate::workers::Workers::new("test-tunnel-upgrade");
+        let host = Host::Name("a.test".into());
+        const HEAD: &[u8] = b"GET /ws HTTP/1.1\r\nHost: a.test\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n";
+        const NEXT: &[u8] = b"GET /theirs HTTP/1.1\r\nHost: evil.test\r\n\r\n";
+        for (early, answer) in [
+            (true, &b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"[..]),
+            (
+                false,
+                b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n",
+            ),
+            (
+                true,
+                b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n",
+            ),
+            (
+                false,
+                b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n",
+            ),
+        ] {
+            let switched = answer.starts_with(b"HTTP/1.1 101");
+            let (mut client, gateway_side) = pair();
+            let (upstream_side, mut upstream) = pair();
+            let first: Vec<u8> = if early {
+                [HEAD, NEXT].concat()
+            } else {
+                Vec::new()
+            };
+            let relay = {
+                let workers = std::sync::Arc::clone(&workers);
+                let host = host.clone();
+                std::thread::spawn(move || {
+                    tunnel_bytes(
+                        &workers,
+                        gateway_side,
+                        upstream_side,
+                        &first,
+                        &host,
+                        Duration::from_secs(5),
+                        None,
+                    )
+                })
+            };
+            if !early {
+                client.write_all(HEAD).unwrap();
+            }
+            let mut got = vec![0u8; HEAD.len()];
+            upstream.read_exact(&mut got).unwrap();
+            assert_eq!(got, HEAD);
+            upstream.write_all(answer).unwrap();
+            if !early {
+                // After the answer: a next request (or, once switched, the protocol's bytes).
+                std::thread::sleep(Duration::from_millis(100));
+                client.write_all(NEXT).unwrap();
+            }
+            let mut answered = vec![0u8; answer.len()];
+            client.read_exact(&mut answered).unwrap();
+            assert_eq!(answered, answer);
+            client.shutdown(Shutdown::Write).unwrap();
+            let mut rest = Vec::new();
+            upstream.read_to_end(&mut rest).unwrap();
+            match switched {
+                true => assert_eq!(rest, NEXT, "{early}"),
+                false => assert!(rest.is_empty(), "{early}: {rest:?} went up"),
+            }
+            drop(upstream);
+            let (_, _, end) = relay.join().unwrap();
+            assert_eq!(end, End::Relayed);
+        }
+    }
+
+    /// The client hears the upstream's end at once, whatever it sends or not after.
+    #[test]
+    fn the_upstreams_end_reaches_the_client_at_once() {
+        let workers = crate::workers::Workers::new("test-tunnel-end");
+        let host = Host::Name("a.test".into());
+        let (mut client, gateway_side) = pair();
+        let (upstream_side, mut upstream) = pair();
+        let relay = {
+            let workers = std::sync::Arc::clone(&workers);
+            std::thread::spawn(move || {
+                tunnel_bytes(
+                    &workers,
+                    gateway_side,
+                    upstream_side,
+                    b"",
+                    &host,
+                    Duration::from_secs(30),
+                    None,
+                )
+            })
+        };
+        upstream.write_all(b"220 hello\r\n").unwrap();
+        drop(upstream);
+        client
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let mut seen = Vec::new();
+        client.read_to_end(&mut seen).unwrap();
+        assert_eq!(seen, b"220 hello\r\n");
+        drop(client);
+        let _ = relay.join().unwrap();
     }
 }
