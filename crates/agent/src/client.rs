@@ -11,6 +11,31 @@ use warden_model::{Delta, Format, Reply, Request, WireError};
 
 /// The most one reply's body may hold.
 const REPLY_LIMIT: usize = 32 << 20;
+/// The most of an error answer's body read, for its message.
+const ERROR_BODY_LIMIT: usize = 64 << 10;
+
+/// Reads `response`'s body up to `limit` bytes: what came, and whether that was all of it
+/// (`Ok(false)`: there was more, left unread), or the error that cut it.
+async fn read_up_to(
+    mut response: reqwest::Response,
+    limit: usize,
+) -> (Vec<u8>, Result<bool, reqwest::Error>) {
+    let mut body = Vec::new();
+    loop {
+        match response.chunk().await {
+            Ok(Some(chunk)) => {
+                if body.len() + chunk.len() > limit {
+                    let room = limit - body.len();
+                    body.extend_from_slice(&chunk[..room]);
+                    return (body, Ok(false));
+                }
+                body.extend_from_slice(&chunk);
+            }
+            Ok(None) => return (body, Ok(true)),
+            Err(e) => return (body, Err(e)),
+        }
+    }
+}
 /// Tries per request, for failures worth another try.
 const ATTEMPTS: u32 = 4;
 /// The first wait before another try; it doubles each time.
@@ -198,7 +223,10 @@ impl Model {
                 .and_then(|v| v.trim().parse::<f64>().ok())
                 .filter(|s| s.is_finite() && *s >= 0.0)
                 .map(Duration::from_secs_f64);
-            let text = response.text().await.unwrap_or_default();
+            // Only enough of an error's body to say what it was: a server that answers an
+            // endless one is not read on.
+            let (body, _) = read_up_to(response, ERROR_BODY_LIMIT).await;
+            let text = String::from_utf8_lossy(&body).into_owned();
             let detail = serde_json::from_str(&text)
                 .ok()
                 .and_then(|v| warden_model::error_message(&v))
@@ -231,12 +259,33 @@ impl Model {
         };
         let mut size = 0;
         if !streamed {
-            let bytes = response.bytes().await.map_err(|e| ModelError {
-                message: format!("reading the model API's reply: {}", error_chain(&e)),
-                retryable: true,
+            // Bounded like a streamed reply: a reply past the limit is refused, never read
+            // whole into memory (its length said up front, or counted as it comes).
+            let too_long = || ModelError {
+                message: format!("the model API's reply is longer than {REPLY_LIMIT} bytes"),
+                retryable: false,
                 retry_after: None,
                 attempts: 0,
-            })?;
+            };
+            if response
+                .content_length()
+                .is_some_and(|length| length > REPLY_LIMIT as u64)
+            {
+                return Err(too_long());
+            }
+            let (bytes, whole) = read_up_to(response, REPLY_LIMIT).await;
+            let bytes = match whole {
+                Ok(true) => bytes,
+                Ok(false) => return Err(too_long()),
+                Err(e) => {
+                    return Err(ModelError {
+                        message: format!("reading the model API's reply: {}", error_chain(&e)),
+                        retryable: true,
+                        retry_after: None,
+                        attempts: 0,
+                    });
+                }
+            };
             let value: serde_json::Value = serde_json::from_slice(&bytes)
                 .map_err(|e| wire(WireError::Malformed(format!("the reply is not JSON: {e}"))))?;
             let reply = self.format.reply(&value).map_err(wire)?;
@@ -283,4 +332,75 @@ fn error_chain(err: &dyn std::error::Error) -> String {
         source = cause.source();
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use std::io::{Read as _, Write as _};
+
+    /// A model server on loopback that answers every request with `head` and then `body_len`
+    /// bytes of a JSON string (sent as it is asked for, so an endless one costs it nothing).
+    fn server(head: String, body_len: usize) -> String {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap();
+        std::thread::spawn(move || {
+            for conn in listener.incoming().flatten() {
+                let head = head.clone();
+                std::thread::spawn(move || {
+                    let mut conn = conn;
+                    let mut request = [0u8; 65536];
+                    let _ = conn.read(&mut request);
+                    let _ = conn.write_all(head.as_bytes());
+                    let chunk = vec![b'a'; 1 << 16];
+                    let _ = conn.write_all(b"{\"x\":\"");
+                    let mut sent = 0;
+                    while sent < body_len {
+                        let n = chunk.len().min(body_len - sent);
+                        if conn.write_all(&chunk[..n]).is_err() {
+                            return;
+                        }
+                        sent += n;
+                    }
+                    let _ = conn.write_all(b"\"}");
+                });
+            }
+        });
+        format!("http://{address}/v1")
+    }
+
+    #[tokio::test]
+    async fn a_reply_longer_than_the_limit_is_refused_unread() {
+        let long = REPLY_LIMIT + (4 << 20);
+        // Its length said up front, and not said (read to the connection's end).
+        for head in [
+            format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+                long + 8
+            ),
+            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
+                .to_owned(),
+            // An error answer that never ends: its message is taken from its first bytes.
+            "HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
+                .to_owned(),
+        ] {
+            let failing = head.contains(" 500 ");
+            let url = server(head, if failing { usize::MAX } else { long });
+            let model = Model::new("openai:fake", Some(&url), Some("k".to_owned())).unwrap();
+            let err = tokio::time::timeout(
+                Duration::from_secs(60),
+                model.once(b"{}", &mut |_| {}),
+            )
+            .await
+            .expect("the reply was read without end")
+            .unwrap_err();
+            if failing {
+                assert!(err.message.contains("500"), "{}", err.message);
+            } else {
+                assert!(err.message.contains("longer than"), "{}", err.message);
+                assert!(!err.retryable);
+            }
+        }
+    }
 }
