@@ -903,15 +903,84 @@ fn agent_run_without_a_daemon_runs_the_session_in_process() {
         String::from_utf8_lossy(&diff.stdout),
         String::from_utf8_lossy(&diff.stderr)
     );
-    // Reviewed: the cell goes (it would otherwise outlive the test, with nobody to end it).
-    for args in [["kill", cell], ["rm", cell]] {
-        let done = support::warden()
-            .env("WARDEN_RUNTIME_DIR", dir.path().join("run"))
-            .env("WARDEN_STATE_DIR", dir.path().join("state"))
-            .args(args)
-            .output()
-            .unwrap();
-        assert!(done.status.success(), "warden {args:?}: {done:?}");
+    // Its processes ended with the session: nothing is left running that nobody controls.
+    let ps = support::warden()
+        .env("WARDEN_RUNTIME_DIR", dir.path().join("run"))
+        .env("WARDEN_STATE_DIR", dir.path().join("state"))
+        .args(["ps", "--json"])
+        .output()
+        .unwrap();
+    let listed = String::from_utf8_lossy(&ps.stdout);
+    assert!(!listed.contains(cell), "the cell still runs: {listed}");
+    // Reviewed: its workspace goes.
+    let done = support::warden()
+        .env("WARDEN_RUNTIME_DIR", dir.path().join("run"))
+        .env("WARDEN_STATE_DIR", dir.path().join("state"))
+        .args(["rm", cell])
+        .output()
+        .unwrap();
+    assert!(done.status.success(), "warden rm: {done:?}");
+}
+
+/// An interrupted run stops its session and ends its cell's processes: a command the agent
+/// started does not run on after it.
+#[test]
+fn an_interrupted_agent_run_leaves_nothing_running() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ModelServer::start(vec![call(
+        "exec",
+        json!({"command": "echo started; exec sleep 3119"}),
+    )]);
+    let mut run = support::warden()
+        .env("WARDEN_RUNTIME_DIR", dir.path().join("run"))
+        .env("WARDEN_STATE_DIR", dir.path().join("state"))
+        .env("OPENAI_API_KEY", KEY)
+        .args([
+            "agent",
+            "run",
+            "--model",
+            "openai:m",
+            "--base-url",
+            &server.base_url("openai"),
+            "sleep a while",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let sleeping = || {
+        std::fs::read_dir("/proc").unwrap().flatten().any(|p| {
+            std::fs::read(p.path().join("cmdline"))
+                .is_ok_and(|c| c.starts_with(b"sleep\x003119\x00"))
+        })
+    };
+    let begun = Instant::now();
+    while !sleeping() {
+        assert!(
+            begun.elapsed() < Duration::from_secs(30),
+            "the agent's command never started"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let pid = rustix::process::Pid::from_child(&run);
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    let ended = Instant::now();
+    let status = run.wait().unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(run.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert!(
+        ended.elapsed() < Duration::from_secs(20),
+        "{:?}: {stderr}",
+        ended.elapsed()
+    );
+    assert!(stderr.contains("interrupted"), "{status:?}: {stderr}");
+    let begun = Instant::now();
+    while sleeping() {
+        assert!(
+            begun.elapsed() < Duration::from_secs(10),
+            "the agent's command runs on after its run was interrupted: {stderr}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 

@@ -334,7 +334,9 @@ fn run(args: AgentRunArgs) -> Result<i32> {
 }
 
 /// `warden agent run` with no daemon: the daemon's core in this process, for this session's
-/// life (its cell is kept, for `warden diff` and `apply`).
+/// life. Its cell's workspace is kept, for `warden diff` and `apply`; its processes end with
+/// the session (nothing is left to control them): when the model is done, and when the run is
+/// interrupted (SIGINT, SIGTERM, SIGHUP), which stops the session first.
 fn run_here(request: StartAgent, json: bool) -> Result<i32> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -362,24 +364,62 @@ fn run_here(request: StartAgent, json: bool) -> Result<i32> {
             "warden: session {} in cell {} ({}), without a daemon",
             info.id, info.cell, info.model
         );
-        loop {
-            match entries.recv().await {
-                Ok(entry) => {
-                    if entry["cell"] == info.cell.as_str() && show(&entry, &info.id) {
-                        break;
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut interrupts = [
+            SignalKind::interrupt(),
+            SignalKind::terminate(),
+            SignalKind::hangup(),
+        ]
+        .map(|kind| signal(kind).ok());
+        let interrupted = async {
+            let [a, b, c] = &mut interrupts;
+            tokio::select! {
+                () = next_signal(a) => {}
+                () = next_signal(b) => {}
+                () = next_signal(c) => {}
+            }
+        };
+        let followed = async {
+            loop {
+                match entries.recv().await {
+                    Ok(entry) => {
+                        if entry["cell"] == info.cell.as_str() && show(&entry, &info.id) {
+                            break;
+                        }
                     }
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                    Err(_) => break,
                 }
-                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
-                Err(_) => break,
+            }
+        };
+        tokio::select! {
+            () = followed => {}
+            () = interrupted => {
+                eprintln!("warden: interrupted: stopping session {}", info.id);
+                let _ = agents.control(&info.id, AgentAction::Stop, &by).await;
             }
         }
         let info = agents
             .settled(&info.id)
             .await
             .map_err(|e| anyhow::anyhow!(e.message))?;
+        // The session is over: its cell's processes go, its workspace stays for review.
+        let _ = harness
+            .control(&info.cell, warden_protocol::ControlAction::Kill, &by)
+            .await;
         harness.shutdown().await;
         finish(&info, json)
     })
+}
+
+/// The next delivery of a signal being waited for (never, where it could not be).
+async fn next_signal(signal: &mut Option<tokio::signal::unix::Signal>) {
+    match signal {
+        Some(signal) => {
+            signal.recv().await;
+        }
+        None => std::future::pending().await,
+    }
 }
 
 fn finish(info: &AgentInfo, json: bool) -> Result<i32> {
