@@ -588,3 +588,138 @@ fn gnu_tools_work_in_a_gvisor_cell() {
     assert!(perms.starts_with("r-x"), "{ran:?}");
     assert_eq!(preload, "[/.warden/statx.so]", "{ran:?}");
 }
+
+/// runsc's gofer, a root process of the host, writes the modes a gVisor cell sets onto the real
+/// files: a `chmod 4755` in the cell made a set-id program in the cell's layer, owned by the
+/// host id of the cell's user (0 with `process: {user: 0}`), which any host user could run as
+/// that id (with `--disk none` the layer is on the host's own file system, reachable by all).
+/// Under Warden's filter on runsc no set-id bit reaches the host: the layer's copy has none, and
+/// `nobody`, running it, stays `nobody`.
+#[test]
+fn a_gvisor_cell_cannot_leave_a_set_id_program_on_the_host() {
+    needs_gvisor!("a_gvisor_cell_cannot_leave_a_set_id_program_on_the_host");
+    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+    let dirs = run_dirs();
+    // Every folder on the way to the layer is open to `nobody`, as a state folder is.
+    std::fs::set_permissions(dirs.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    for (user, uid) in [("", 1000), ("process:\n  user: 0\n", 0)] {
+        let policy = policy(dirs.dir.path(), &format!("{GVISOR}{user}"));
+        let name = unique("gv-setid");
+        let ran: Ran = warden()
+            .env("WARDEN_STATE_DIR", &dirs.state)
+            .env("WARDEN_RUNTIME_DIR", &dirs.runtime)
+            .args(["run", "--disk", "none", "--policy"])
+            .arg(&policy)
+            .args(["--name", &name, "-w"])
+            .arg(&dirs.host)
+            .args([
+                "--",
+                "sh",
+                "-c",
+                "cd /workspace && cp /bin/id setid && chmod 6755 setid; id -u",
+            ])
+            .output()
+            .unwrap()
+            .into();
+        assert_eq!(ran.code, 0, "{ran:?}");
+        assert_eq!(ran.stdout.lines().last(), Some(uid.to_string().as_str()));
+        let copy = dirs.state.join("layers").join(&name).join("upper/setid");
+        let meta = std::fs::metadata(&copy).unwrap();
+        assert_eq!(meta.uid(), uid, "the layer's copy is the cell's user's");
+        let out = std::process::Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+            .arg(&copy)
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            !said.contains("euid=") && !said.contains("egid="),
+            "nobody ran the cell's program with its owner's ids: {said}"
+        );
+        assert_eq!(meta.mode() & 0o6000, 0, "a set-id bit reached the host");
+        let _ = warden()
+            .env("WARDEN_STATE_DIR", &dirs.state)
+            .env("WARDEN_RUNTIME_DIR", &dirs.runtime)
+            .args(["rm", &name])
+            .output();
+    }
+}
+
+/// The host's pids controller counts runsc's own tasks (its threads, its ptrace stubs: about
+/// 8 for each of the cell's processes), not the cell's: given `limits.pids` itself, a sandbox
+/// died at about 50 processes of the default 512. The host bound is sized from that cost, so
+/// 100 processes run; and a fork bomb under `--pids 32` is still bounded, and said.
+#[test]
+fn a_gvisor_cells_processes_are_bounded_by_its_limit_not_by_runscs_threads() {
+    needs_gvisor!("a_gvisor_cells_processes_are_bounded_by_its_limit_not_by_runscs_threads");
+    let dir = tempdir();
+    let policy = policy(dir.path(), GVISOR);
+    let policy = policy.display().to_string();
+    let ran = run_sh(
+        &["--rm", "--policy", &policy],
+        "for i in $(seq 1 100); do sleep 5 & done; echo spawned; ps -e | wc -l; wait",
+    );
+    assert_eq!(ran.code, 0, "{ran:?}");
+    let count: u32 = ran.stdout.lines().nth(1).unwrap().trim().parse().unwrap();
+    assert!(count > 100, "{ran:?}");
+    // The bomb: the cell's processes stay near 32, and the host's tasks under the bound.
+    let name = unique("gv-bomb");
+    let started = Instant::now();
+    let mut bomb = warden()
+        .args([
+            "run",
+            "--rm",
+            "--pids",
+            "32",
+            "--timeout",
+            "20s",
+            "--policy",
+            &policy,
+        ])
+        .args(["--name", &name, "--", "sh", "-c"])
+        .arg("n=0; while [ $n -lt 300 ]; do sleep 10 & n=$((n+1)); done 2>/dev/null; ps -e | wc -l")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut most = 0u64;
+    while bomb.try_wait().unwrap().is_none() && started.elapsed() < Duration::from_secs(30) {
+        for dir in cgroup_dirs_of(&name) {
+            if let Ok(text) = std::fs::read_to_string(dir.join("pids.current")) {
+                most = most.max(text.trim().parse().unwrap_or(0));
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let ran: Ran = bomb.wait_with_output().unwrap().into();
+    assert!(most <= 32 * 8 + 64, "{most} host tasks: {ran:?}");
+    match ran.code {
+        // The cell's own fork failed first: it counted its processes.
+        0 => {
+            let count: u32 = ran.stdout.trim().parse().unwrap();
+            assert!(count <= 40, "{ran:?}");
+        }
+        // runsc could not start a thread, and ended: said.
+        _ => assert!(ran.stderr.contains("host bound of 320 tasks"), "{ran:?}"),
+    }
+}
+
+/// `filesystem.tmp_size` holds on the gVisor tier as on the process tier: gVisor's tmpfs keeps
+/// to the `size=` of the bundle's `/tmp`, and a write past it fails with ENOSPC (without it,
+/// 600 MiB were written into a `/tmp` of 256).
+#[test]
+fn a_gvisor_cells_tmp_is_no_larger_than_its_policy_says() {
+    needs_gvisor!("a_gvisor_cells_tmp_is_no_larger_than_its_policy_says");
+    let dir = tempdir();
+    let policy = policy(
+        dir.path(),
+        &format!("{GVISOR}filesystem:\n  tmp_size: 4MiB\n"),
+    );
+    let ran = run_sh(
+        &["--rm", "--policy", &policy.display().to_string()],
+        "dd if=/dev/zero of=/tmp/big bs=1M count=8 2>&1; echo status=$?",
+    );
+    assert_eq!(ran.code, 0, "{ran:?}");
+    assert!(ran.stdout.contains("No space left on device"), "{ran:?}");
+    assert!(ran.stdout.contains("status=1"), "{ran:?}");
+}

@@ -994,3 +994,33 @@ fn a_running_cell_writes_creates_and_deletes_after_a_reset() {
         &unique("rewrite"),
     );
 }
+
+/// A cell that makes a tree deeper than the warden walks cannot take the warden down with it:
+/// the diff lists the deep directory as refused, and a reset of the running cell is refused
+/// whole, saying why (the walks recursed without bound, and overflowed a thread's stack).
+#[test]
+fn a_tree_deeper_than_the_walks_go_is_refused_not_a_crash() {
+    let ws = project();
+    let name = unique("deep");
+    let script = "cd /workspace && echo edited > README.md && python3 -c \"import os\n\
+                  for i in range(3000): os.mkdir('d'); os.chdir('d')\n\
+                  open('leaf', 'w').write('deep')\" && echo ready && exec sleep 3600";
+    let (mut cell, lines) = spawn_watched(&name, ws.path(), script);
+    wait_for_line(&lines, "ready");
+    let diff = Ran::from(warden().args(["diff", &name, "--stat"]).output().unwrap());
+    assert_eq!(diff.code, 0, "{diff:?}");
+    assert!(diff.stdout.contains("README.md"), "{diff:?}");
+    assert!(diff.stdout.contains("deeper than"), "{diff:?}");
+    let reset = Ran::from(warden().args(["reset", &name]).output().unwrap());
+    assert_ne!(reset.code, 0, "{reset:?}");
+    assert!(
+        reset.code < 128 && reset.stderr.contains("nothing was changed"),
+        "{reset:?}"
+    );
+    // Nothing was changed: the edit is still there.
+    let diff = Ran::from(warden().args(["diff", &name, "--stat"]).output().unwrap());
+    assert!(diff.stdout.contains("README.md"), "{diff:?}");
+    warden_ok(&["kill", &name]);
+    let _ = cell.wait();
+    warden_ok(&["rm", &name]);
+}

@@ -19,7 +19,8 @@ fn changes_error(err: ChangesError) -> HarnessError {
             LayerError::Conflict { .. }
             | LayerError::Refused { .. }
             | LayerError::Changed { .. }
-            | LayerError::TooLarge { .. } => WorkspaceError::Conflict,
+            | LayerError::TooLarge { .. }
+            | LayerError::Unread { .. } => WorkspaceError::Conflict,
             _ => WorkspaceError::Failed,
         },
         ChangesError::Registry(warden_cell::RegistryError::NotFound(_)) => {
@@ -51,9 +52,10 @@ fn snapshot_error(err: SnapshotError) -> HarnessError {
         SnapshotError::Changes(_) => WorkspaceError::Failed,
         SnapshotError::Name(_) | SnapshotError::Foreign { .. } => WorkspaceError::Invalid,
         SnapshotError::NotFound(_) => WorkspaceError::Missing,
-        SnapshotError::Exists(_) | SnapshotError::InUse { .. } | SnapshotError::LayerGone(_) => {
-            WorkspaceError::Conflict
-        }
+        SnapshotError::Exists(_)
+        | SnapshotError::InUse { .. }
+        | SnapshotError::LayerGone(_)
+        | SnapshotError::TooDeep { .. } => WorkspaceError::Conflict,
         SnapshotError::Copy { .. }
         | SnapshotError::Record { .. }
         | SnapshotError::Remount { .. } => WorkspaceError::Failed,

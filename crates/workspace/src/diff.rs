@@ -49,7 +49,19 @@ pub struct DiffOptions {
     /// between the diff's two threads, each reading in name order, so that which file is
     /// refused does not depend on their pace.
     pub max_read_bytes: u64,
+    /// Whether a part of the tree the diff cannot read (a directory deeper than [`MAX_DEPTH`],
+    /// a path the host cannot reach) fails it ([`WorkspaceError::Unread`], naming the path)
+    /// instead of being listed, refused: true for a caller that must see the whole tree or act
+    /// on none of it (a reset, which would leave that part as the cell made it).
+    pub unread_fails: bool,
 }
+
+/// The deepest a diff reads a cell's tree: a directory more than this many levels below the
+/// workspace's root is listed, refused, and not read (nor, then, applied). A cell can make a
+/// tree thousands of levels deep for nothing, where a real project's deepest (a `node_modules`
+/// tree) goes 30 to 60 levels down; each level the walk holds open costs a descriptor per
+/// layer.
+pub const MAX_DEPTH: usize = 256;
 
 /// The most bytes of the layers' files a diff reads unless told otherwise: what an apply writes
 /// at most by default ([`crate::DEFAULT_MAX_WRITE_BYTES`]).
@@ -67,6 +79,7 @@ impl Default for DiffOptions {
             hash_changed: true,
             tell_copies: true,
             max_read_bytes: DEFAULT_MAX_READ_BYTES,
+            unread_fails: false,
         }
     }
 }
@@ -94,7 +107,15 @@ pub fn diff(
         hashed: HashMap::new(),
         budget: options.max_read_bytes,
     };
-    walker.walk_dir(Path::new(""), true)?;
+    match walker.list(Path::new(""), true)? {
+        Ok(root) => walker.walk_listed(&root)?,
+        Err(why) => {
+            return Err(WorkspaceError::Read {
+                path: layers.first().cloned().unwrap_or_default(),
+                source: io::Error::other(why),
+            });
+        }
+    }
     let mut changes = walker.changes;
     changes.sort_by(|a, b| a.path.cmp(&b.path));
     Ok(Diff::new(changes))
@@ -122,7 +143,7 @@ fn mode(meta_mode: u32) -> u32 {
     meta_mode & 0o7777
 }
 
-impl Walker<'_> {
+impl<'a> Walker<'a> {
     fn read_err(path: &Path) -> impl FnOnce(io::Error) -> WorkspaceError + '_ {
         move |source| WorkspaceError::Read {
             path: path.to_path_buf(),
@@ -205,7 +226,22 @@ impl Walker<'_> {
         })
     }
 
-    fn walk_dir(&mut self, rel: &Path, lower_is_dir: bool) -> Result<(), WorkspaceError> {
+    /// Reads the directory `rel` of the merged tree: the union of its layers' entries, in name
+    /// order, with each layer's copy of it and the host's opened for their lookups. An opaque
+    /// copy (or a file in its place) hides the host's entries, which are listed as deleted
+    /// here. `Ok(Err(why))` where it could not be read: too deep, or a layer's copy the host
+    /// cannot reach.
+    fn list(
+        &mut self,
+        rel: &Path,
+        lower_is_dir: bool,
+    ) -> Result<Result<Listed<'a>, String>, WorkspaceError> {
+        // A cell makes a tree as deep as it likes for nothing; no project needs one this deep
+        // (a `node_modules` tree goes 30 to 60 levels down), and each level the walk holds
+        // costs it a descriptor per layer.
+        if rel.components().count() > MAX_DEPTH {
+            return Ok(Err(format!("deeper than {MAX_DEPTH} levels")));
+        }
         // The directory's entries are the union over the layers, down to the first layer where
         // it is opaque (or not a directory): that layer hides everything below it.
         let mut names: Vec<std::ffi::OsString> = Vec::new();
@@ -235,7 +271,7 @@ impl Walker<'_> {
                     dirs.push(Some(listing));
                 }
                 // Not opened as a directory: looked at as before (a file or a link hides what is
-                // below it; what cannot be looked at is passed over).
+                // below it; a layer without it is passed over).
                 Err(_) => match fs::symlink_metadata(&dir) {
                     Ok(meta) if meta.is_dir() => {
                         for entry in fs::read_dir(&dir).map_err(Self::read_err(&dir))?.flatten() {
@@ -247,9 +283,17 @@ impl Walker<'_> {
                         hides_lower = true;
                         break;
                     }
-                    Err(_) => {
+                    Err(e)
+                        if e.kind() == io::ErrorKind::NotFound
+                            || e.raw_os_error() == Some(libc::ENOTDIR) =>
+                    {
                         dirs.push(None);
                         continue;
+                    }
+                    // Never passed over without a word: what a layer holds there (past
+                    // PATH_MAX, say) would be left out of the diff.
+                    Err(e) => {
+                        return Ok(Err(format!("the host cannot reach it ({e})")));
                     }
                 },
             }
@@ -258,10 +302,6 @@ impl Walker<'_> {
                 break;
             }
         }
-        let dirs = &Layers {
-            paths: self.layers,
-            dirs,
-        };
         names.sort();
         if lower_is_dir && hides_lower {
             self.hidden_lower_children(rel, &names)?;
@@ -272,51 +312,126 @@ impl Walker<'_> {
             (true, true) => self.lower.try_clone().ok(),
             (true, false) => self.lower.open_dir(rel).ok(),
         };
-        let lower_dir = lower_dir.as_ref();
-        if self.split && names.len() > 1 {
-            self.split = false;
-            let (mine, theirs) = names.split_at(names.len() / 2);
-            let half = self.budget / 2;
-            self.budget -= half;
-            let other = Walker {
-                changes: Vec::new(),
-                split: false,
-                hashed: HashMap::new(),
-                budget: half,
-                ..*self
-            };
-            let split = std::thread::scope(|scope| {
-                // Where no thread is to be had, every entry is read here, below.
-                let handle = std::thread::Builder::new()
-                    .spawn_scoped(scope, move || {
-                        let mut other = other;
-                        theirs
-                            .iter()
-                            .try_for_each(|name| {
-                                other.entry(&rel.join(name), name, dirs, lower_dir)
-                            })
-                            .map(|()| other.changes)
-                    })
-                    .ok()?;
-                let mine = mine
-                    .iter()
-                    .try_for_each(|name| self.entry(&rel.join(name), name, dirs, lower_dir));
-                let theirs = handle.join().unwrap_or_else(|_| {
-                    Err(WorkspaceError::Read {
-                        path: rel.to_path_buf(),
-                        source: io::Error::other("a thread of the diff panicked"),
-                    })
-                });
-                Some(mine.and(theirs))
+        Ok(Ok(Listed {
+            rel: rel.to_path_buf(),
+            names,
+            next: 0,
+            dirs: Layers {
+                paths: self.layers,
+                dirs,
+            },
+            lower_dir,
+        }))
+    }
+
+    /// Walks the directory `listed` and everything below it.
+    fn walk_listed(&mut self, listed: &Listed<'a>) -> Result<(), WorkspaceError> {
+        let names = &listed.names[listed.next..];
+        if !self.split || names.len() < 2 {
+            return self.walk_entries(listed, names);
+        }
+        self.split = false;
+        let (mine, theirs) = names.split_at(names.len() / 2);
+        let half = self.budget / 2;
+        self.budget -= half;
+        let other = Walker {
+            changes: Vec::new(),
+            split: false,
+            hashed: HashMap::new(),
+            budget: half,
+            ..*self
+        };
+        let split = std::thread::scope(|scope| {
+            // Where no thread is to be had, every entry is read here, below.
+            let handle = std::thread::Builder::new()
+                .spawn_scoped(scope, move || {
+                    let mut other = other;
+                    other.walk_entries(listed, theirs).map(|()| other.changes)
+                })
+                .ok()?;
+            let mine = self.walk_entries(listed, mine);
+            let theirs = handle.join().unwrap_or_else(|_| {
+                Err(WorkspaceError::Read {
+                    path: listed.rel.clone(),
+                    source: io::Error::other("a thread of the diff panicked"),
+                })
             });
-            if let Some(theirs) = split {
+            Some(mine.and(theirs))
+        });
+        match split {
+            Some(theirs) => {
                 self.changes.extend(theirs?);
-                return Ok(());
+                Ok(())
+            }
+            None => self.walk_entries(listed, names),
+        }
+    }
+
+    /// Walks the entries `names` of the directory `within` and everything below them, depth
+    /// first in name order, with a stack of its own on the heap: however deep a tree the cell
+    /// made, the walk never recurses (a recursive walk of a tree 1,900 levels deep overflowed
+    /// a daemon thread's 2 MiB stack, and took the daemon with it). The first directory of more
+    /// than one entry below is split between two threads, as the top was.
+    fn walk_entries(
+        &mut self,
+        within: &Listed<'a>,
+        names: &[std::ffi::OsString],
+    ) -> Result<(), WorkspaceError> {
+        let mut names = names.iter();
+        let mut below: Vec<Listed<'a>> = Vec::new();
+        loop {
+            let (rel, descend) = match below.last_mut() {
+                Some(top) => {
+                    let Some(name) = top.names.get(top.next).cloned() else {
+                        below.pop();
+                        continue;
+                    };
+                    top.next += 1;
+                    let rel = top.rel.join(&name);
+                    let descend = self.entry(&rel, &name, &top.dirs, top.lower_dir.as_ref())?;
+                    (rel, descend)
+                }
+                None => {
+                    let Some(name) = names.next() else {
+                        return Ok(());
+                    };
+                    let rel = within.rel.join(name);
+                    let descend =
+                        self.entry(&rel, name, &within.dirs, within.lower_dir.as_ref())?;
+                    (rel, descend)
+                }
+            };
+            let Some(lower_is_dir) = descend else {
+                continue;
+            };
+            match self.list(&rel, lower_is_dir)? {
+                Ok(listed) if self.split && listed.names.len() > 1 => self.walk_listed(&listed)?,
+                Ok(listed) => below.push(listed),
+                Err(why) => self.refuse_dir(&rel, why)?,
             }
         }
-        for name in names {
-            self.entry(&rel.join(&name), &name, dirs, lower_dir)?;
+    }
+
+    /// Marks the directory `rel`, which could not be read, refused: its own change where
+    /// [`Self::entry`] listed one (the last pushed), else a change of its own. Never left out:
+    /// a reviewer sees that part of the tree went unread, and an apply skips it.
+    /// With [`DiffOptions::unread_fails`], the diff fails there instead.
+    fn refuse_dir(&mut self, rel: &Path, why: String) -> Result<(), WorkspaceError> {
+        let shown = display(rel);
+        if self.options.unread_fails {
+            return Err(WorkspaceError::Unread {
+                path: shown,
+                reason: why,
+            });
         }
+        let why = format!("{why}: not read; a change below it cannot be applied");
+        if let Some(last) = self.changes.last_mut().filter(|c| c.path == shown) {
+            last.refused = Some(why);
+            return Ok(());
+        }
+        let mut change = Change::new(shown, ChangeKind::Modified, EntryKind::Dir);
+        change.refused = Some(why);
+        self.push(change);
         Ok(())
     }
 
@@ -354,23 +469,33 @@ impl Walker<'_> {
         self.changes.push(change);
     }
 
+    /// Lists the change at `rel` (whose last component is `name`), if any; `Some` for a
+    /// directory, whose entries are to be walked next (with whether the host has a directory
+    /// there).
     fn entry(
         &mut self,
         rel: &Path,
         name: &OsStr,
         dirs: &Layers<'_>,
         lower_dir: Option<&Dir>,
-    ) -> Result<(), WorkspaceError> {
+    ) -> Result<Option<bool>, WorkspaceError> {
         let (path, meta) = match dirs.locate(rel, name) {
             Ok(Some(found)) => found,
-            Ok(None) => return Ok(()),
+            Ok(None) => return Ok(None),
             // Never dropped without a word: a path the host cannot name (longer than PATH_MAX,
             // say) is listed, and refused.
             Err(err) => {
+                let why = format!("the host cannot reach it ({err})");
+                if self.options.unread_fails {
+                    return Err(WorkspaceError::Unread {
+                        path: display(rel),
+                        reason: why,
+                    });
+                }
                 let mut change = Change::new(display(rel), ChangeKind::Added, EntryKind::Special);
-                change.refused = Some(format!("the host cannot reach it ({err})"));
+                change.refused = Some(why);
                 self.push(change);
-                return Ok(());
+                return Ok(None);
             }
         };
         let lower = self.lower_entry(lower_dir, rel, name);
@@ -379,7 +504,7 @@ impl Walker<'_> {
             let mut change = Change::new(shown, ChangeKind::Added, kind_of(&meta));
             change.refused = Some("the name is not valid UTF-8".to_owned());
             self.push(change);
-            return Ok(());
+            return Ok(None);
         }
         let file_type = rustix::fs::FileType::from_raw_mode(meta.st_mode);
         if file_type == rustix::fs::FileType::CharacterDevice && meta.st_rdev == 0 {
@@ -389,7 +514,7 @@ impl Walker<'_> {
                 change.old_mode = Some(lower.mode);
                 self.push(change);
             }
-            return Ok(());
+            return Ok(None);
         }
         let kind = if lower.is_some() {
             ChangeKind::Modified
@@ -406,7 +531,7 @@ impl Walker<'_> {
             if !same_type || old_mode != change.new_mode {
                 self.push(change);
             }
-            return self.walk_dir(rel, lower_is_dir);
+            return Ok(Some(lower_is_dir));
         }
         if file_type == rustix::fs::FileType::Symlink {
             let target = fs::read_link(&path).map_err(Self::read_err(&path))?;
@@ -416,7 +541,7 @@ impl Walker<'_> {
                 None
             };
             if before.as_deref() == Some(target.as_path()) {
-                return Ok(());
+                return Ok(None);
             }
             change.sensitive =
                 sensitive::of_link(&shown, &target).or_else(|| self.leads_out(&shown, &target));
@@ -424,13 +549,13 @@ impl Walker<'_> {
             change.old_mode = old_mode.filter(|_| !same_type);
             change.new_mode = None;
             self.push(change);
-            return Ok(());
+            return Ok(None);
         }
         if file_type != rustix::fs::FileType::RegularFile {
             change.refused = Some(format!("{} cannot be applied", special_name(file_type)));
             change.entry = EntryKind::Special;
             self.push(change);
-            return Ok(());
+            return Ok(None);
         }
         let len = u64::try_from(meta.st_size).unwrap_or(0);
         change.size = Some(len);
@@ -440,7 +565,7 @@ impl Walker<'_> {
                 len, self.options.max_file_bytes
             ));
             self.push(change);
-            return Ok(());
+            return Ok(None);
         }
         let limit = self.options.max_patch_bytes;
         let old_size = lower.as_ref().filter(|_| same_type).map(|l| l.len);
@@ -457,7 +582,7 @@ impl Walker<'_> {
                     None => {
                         if !self.may_read(len) {
                             self.push_unread(change);
-                            return Ok(());
+                            return Ok(None);
                         }
                         let hash = hash_upper(&path, self.options.max_file_bytes)?;
                         self.hashed.insert(inode, hash.clone());
@@ -469,15 +594,15 @@ impl Walker<'_> {
                     && old_mode == change.new_mode
                     && self.lower_hash(lower_dir, rel, name).as_ref() == Some(&hash)
                 {
-                    return Ok(()); // copied up, but nothing changed
+                    return Ok(None); // copied up, but nothing changed
                 }
                 change.hash = Some(hash);
                 self.push_file(change, old_mode);
-                return Ok(());
+                return Ok(None);
             }
             if !self.may_read(len) {
                 self.push_unread(change);
-                return Ok(());
+                return Ok(None);
             }
             let new = read_upper(&path, len)?;
             // The host's copy is read only where it could be the same or a patch could be made
@@ -490,7 +615,7 @@ impl Walker<'_> {
                 None
             };
             if old.as_deref() == Some(new.as_slice()) && old_mode == change.new_mode {
-                return Ok(()); // copied up, but nothing changed
+                return Ok(None); // copied up, but nothing changed
             }
             change.hash = Some(blake3::hash(&new).to_hex().to_string());
             if !unread && let Some(patch) = self.patch(&shown, old.as_deref(), &new) {
@@ -498,7 +623,7 @@ impl Walker<'_> {
             }
         }
         self.push_file(change, old_mode);
-        Ok(())
+        Ok(None)
     }
 
     /// Takes `len` bytes of what this walker may still read, if that many are left.
@@ -764,6 +889,16 @@ fn special_name(t: rustix::fs::FileType) -> &'static str {
         rustix::fs::FileType::Socket => "a socket",
         _ => "a device node",
     }
+}
+
+/// A directory of the merged tree, read: its entries in name order (those before `next` walked
+/// already), and its copies in the layers and the host directory, opened for their lookups.
+struct Listed<'a> {
+    rel: PathBuf,
+    names: Vec<std::ffi::OsString>,
+    next: usize,
+    dirs: Layers<'a>,
+    lower_dir: Option<Dir>,
 }
 
 /// The layers' copies of the directory being walked, opened, for lookups of its entries by

@@ -188,13 +188,23 @@ pub fn write_over(path: &Path, bytes: &[u8]) -> io::Result<()> {
     file.set_len(bytes.len() as u64)
 }
 
-/// Gives the owner access to every directory below `dir` (not following symlinks).
+/// Gives the owner access to every directory below `dir` (not following symlinks). With a stack
+/// of its own, not by recursion: the tree is the cell's, as deep as it made it.
 fn open_up(dir: &Path) -> io::Result<()> {
     use std::os::unix::fs::PermissionsExt as _;
     fs::set_permissions(dir, fs::Permissions::from_mode(0o700))?;
-    for entry in fs::read_dir(dir)?.flatten() {
-        if entry.file_type().is_ok_and(|t| t.is_dir()) {
-            let _ = open_up(&entry.path());
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(dir) = pending.pop() {
+        let Ok(entries) = fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                let path = entry.path();
+                if fs::set_permissions(&path, fs::Permissions::from_mode(0o700)).is_ok() {
+                    pending.push(path);
+                }
+            }
         }
     }
     Ok(())

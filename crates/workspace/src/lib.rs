@@ -14,7 +14,7 @@ mod sensitive;
 
 pub use apply::{ApplyOptions, ApplyReport, DEFAULT_MAX_WRITE_BYTES, apply};
 pub use change::{Change, ChangeKind, Diff, EntryKind};
-pub use diff::{DEFAULT_MAX_READ_BYTES, DiffOptions, diff};
+pub use diff::{DEFAULT_MAX_READ_BYTES, DiffOptions, MAX_DEPTH, diff};
 pub use layer::{Layer, LayerMeta, write_over};
 pub use sensitive::Sensitivity;
 
@@ -52,6 +52,12 @@ pub enum WorkspaceError {
              (`WARDEN_APPLY_MAX_BYTES` in the environment of the warden that applies)"
     )]
     TooLarge { total: u64, bound: u64 },
+    /// A part of the tree a diff that must read all of it could not read.
+    #[error(
+        "`{path}` could not be read: {reason}; nothing was changed: remove it in the cell (or \
+             the tree it is in), then try again"
+    )]
+    Unread { path: String, reason: String },
     #[error("apply failed at `{path}` and was rolled back: {source}")]
     RolledBack {
         path: String,

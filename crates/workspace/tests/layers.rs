@@ -832,3 +832,123 @@ fn a_large_file_is_told_from_a_copy_by_its_streamed_hash() {
     );
     assert_eq!(other.patch, None);
 }
+
+/// Makes a chain of `levels` directories named `name` below `top`, one level at a time (a path
+/// from the top would pass PATH_MAX), with a file `deep.txt` at its bottom.
+fn deep_chain(top: &Path, name: &str, levels: usize) {
+    use rustix::fs::{Mode, OFlags, mkdirat, openat};
+    let flags = OFlags::DIRECTORY | OFlags::RDONLY;
+    let mut dir = openat(rustix::fs::CWD, top, flags, Mode::empty()).unwrap();
+    for _ in 0..levels {
+        mkdirat(&dir, name, Mode::from_raw_mode(0o755)).unwrap();
+        dir = openat(&dir, name, flags, Mode::empty()).unwrap();
+    }
+    drop(
+        openat(
+            &dir,
+            "deep.txt",
+            OFlags::CREATE | OFlags::WRONLY,
+            Mode::from_raw_mode(0o644),
+        )
+        .unwrap(),
+    );
+}
+
+#[test]
+fn a_tree_deeper_than_the_diff_goes_is_listed_refused_on_a_small_stack() {
+    let f = fixture();
+    // 3,000 levels: a recursive walk of a tree 1,900 deep overflowed a daemon thread's 2 MiB
+    // stack. A shallow change beside it is listed as ever.
+    deep_chain(&f.upper, "d", 3000);
+    write(&f.upper.join("new.txt"), "new\n");
+    let (lower, upper) = (f.lower.clone(), f.upper.clone());
+    let run = move |options: DiffOptions| {
+        let (lower, upper) = (lower.clone(), upper.clone());
+        std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(move || diff(&lower, std::slice::from_ref(&upper), &options))
+            .unwrap()
+            .join()
+            .unwrap()
+    };
+    let d = run(options()).unwrap();
+    let deepest = vec!["d"; warden_workspace::MAX_DEPTH + 1].join("/");
+    let refused: Vec<_> = d.changes.iter().filter(|c| c.refused.is_some()).collect();
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert_eq!(refused[0].path, deepest);
+    assert_eq!(refused[0].entry, EntryKind::Dir);
+    assert!(
+        refused[0]
+            .refused
+            .as_deref()
+            .unwrap()
+            .contains("deeper than 256 levels: not read; a change below it cannot be applied"),
+        "{:?}",
+        refused[0]
+    );
+    // Every level above it is listed, nothing below it.
+    let dirs = d.changes.iter().filter(|c| c.path.starts_with('d')).count();
+    assert_eq!(dirs, warden_workspace::MAX_DEPTH + 1);
+    assert!(d.changes.iter().any(|c| c.path == "new.txt"));
+    // An apply of everything skips the refused directory, and applies the rest.
+    let report = apply(
+        &f.lower,
+        std::slice::from_ref(&f.upper),
+        &d,
+        &ApplyOptions::default(),
+    );
+    assert!(report.is_ok(), "{report:?}");
+    assert!(f.lower.join("new.txt").exists());
+    assert!(f.lower.join(vec!["d"; 256].join("/")).is_dir());
+    assert!(!f.lower.join(&deepest).exists());
+    // A caller that must read the whole tree is told where it could not, by name.
+    let err = run(DiffOptions {
+        unread_fails: true,
+        ..options()
+    })
+    .unwrap_err();
+    assert!(
+        matches!(&err, WorkspaceError::Unread { path, .. } if *path == deepest),
+        "{err}"
+    );
+    assert!(err.to_string().contains("deeper than 256 levels"), "{err}");
+}
+
+#[test]
+fn a_directory_a_lower_layer_holds_past_path_max_is_refused_not_left_out() {
+    // Two layers: the upper at a short path, the one below at a path 150 characters longer.
+    // A directory both hold at a depth that the upper's path reaches within PATH_MAX and the
+    // lower's does not: its entries in the lower layer cannot be read by path, and went
+    // missing from the diff without a word.
+    let tmp = tempfile::tempdir().unwrap();
+    let lower = tmp.path().join("host");
+    let upper = tmp.path().join("u");
+    let below = tmp.path().join("s".repeat(150));
+    for dir in [&lower, &upper, &below] {
+        fs::create_dir_all(dir).unwrap();
+    }
+    // Levels of 100 characters, as many as keep the upper's path of the deepest well within
+    // PATH_MAX.
+    let name = "n".repeat(100);
+    let levels = (4000 - upper.as_os_str().len()) / 101;
+    deep_chain(&upper, &name, levels);
+    deep_chain(&below, &name, levels);
+    let reach = below.as_os_str().len() + levels * 101;
+    assert!(
+        reach >= 4096,
+        "the lower layer's deepest is reachable: {reach}"
+    );
+    let layers = [upper.clone(), below.clone()];
+    let d = diff(&lower, &layers, &options()).unwrap();
+    let refused: Vec<_> = d.changes.iter().filter(|c| c.refused.is_some()).collect();
+    assert!(
+        refused
+            .iter()
+            .any(|c| c.refused.as_deref().unwrap().contains("cannot reach it")),
+        "{:?}",
+        d.changes
+            .iter()
+            .map(|c| (c.path.len(), &c.refused))
+            .collect::<Vec<_>>()
+    );
+}

@@ -91,12 +91,25 @@ fn writable(plan: &CellPlan, path: &Path) -> Result<Mount, OciSpecError> {
 /// The cell's bundle: `args`, its first process; `netns`, the path of the network namespace the
 /// sandbox joins.
 pub fn spec(plan: &CellPlan, netns: &Path, args: Vec<String>) -> Result<Spec, OciSpecError> {
+    // `/tmp` and `/dev/shm` are as large as the process tier's (`filesystem.tmp_size`, and
+    // `/dev/shm` no larger than the memory limit): gVisor's tmpfs keeps to `size=`, and a
+    // write past it fails with ENOSPC inside the cell.
+    let tmp_size = format!("size={}", plan.tmp_size);
+    let shm_size = format!("size={}", plan.shm_size);
     let mut mounts = vec![
         mount("/proc", "proc", &[])?,
         mount("/dev", "tmpfs", &["nosuid", "strictatime", "mode=755"])?,
         mount("/dev/pts", "devpts", &["nosuid", "noexec", "newinstance"])?,
-        mount("/dev/shm", "tmpfs", &["nosuid", "nodev", "mode=1777"])?,
-        mount("/tmp", "tmpfs", &["nosuid", "nodev", "mode=1777"])?,
+        mount(
+            "/dev/shm",
+            "tmpfs",
+            &["nosuid", "nodev", "mode=1777", &shm_size],
+        )?,
+        mount(
+            "/tmp",
+            "tmpfs",
+            &["nosuid", "nodev", "mode=1777", &tmp_size],
+        )?,
         mount("/sys", "sysfs", &["nosuid", "noexec", "nodev", "ro"])?,
     ];
     for entry in &plan.entries {

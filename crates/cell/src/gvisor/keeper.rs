@@ -40,6 +40,27 @@ use crate::process::{idmap, rootfs, sys};
 /// How long a sandbox may take to come up.
 const START_DEADLINE: Duration = Duration::from_secs(60);
 
+/// The host tasks a sandbox is made of before its cell runs anything but its first process:
+/// runsc, its gofer and its sentry's Go threads, and the first ptrace stubs (57 measured here for
+/// a shell alone on the ptrace platform).
+const SANDBOX_TASKS: u64 = 64;
+/// The host tasks each of the cell's own processes or threads adds on the ptrace platform: a
+/// stub process of its address space with its threads, and the sentry's threads that run it
+/// (measured: 57, 136, 292 and 534 host tasks for a shell with 0, 10, 30 and 60 `sleep`s, 8 each).
+const HOST_TASKS_PER_CELL_TASK: u64 = 8;
+
+/// The host cgroup's bound for a cell whose policy allows it `pids` processes and threads. The
+/// host's pids controller counts runsc's own tasks, not the cell's: given `pids` itself, the
+/// sentry reached it at about 50 of the cell's processes and died (`failed to create new OS
+/// thread`). This runsc bounds nothing inside (its cgroupfs has no pids controller, and an
+/// `RLIMIT_NPROC` in the spec is checked against the host user's count of tasks), so the cell is
+/// held to about `pids` of its own by a bound sized from what each costs on the host, and a fork
+/// bomb is still bounded.
+fn host_tasks(pids: u64) -> u64 {
+    pids.saturating_mul(HOST_TASKS_PER_CELL_TASK)
+        .saturating_add(SANDBOX_TASKS)
+}
+
 /// Why a gVisor cell could not be kept.
 #[derive(Debug, thiserror::Error)]
 pub enum GvisorError {
@@ -170,7 +191,7 @@ pub fn keep(
 
     let limits = cgroup::Limits {
         memory_bytes: policy.limits.memory.map(|m| m.0),
-        pids: policy.limits.pids,
+        pids: policy.limits.pids.map(host_tasks),
         cpus: policy.limits.cpus,
     };
     let cell_cgroup = CellCgroup::create(&cgroup::discover(), &registry.instance(), &name, &limits)
@@ -224,6 +245,13 @@ pub fn keep(
         })
         .collect::<Result<Vec<_>, _>>()?;
     let described = sys::Described::of(&command);
+    // runsc, and every process it starts (its gofer writes the cell's files onto the host's),
+    // may never set a set-id bit: the filter is this thread's from here on, and each process
+    // spawned from it has it (see `setid`).
+    let setid = super::setid::filter()
+        .map_err(|e| GvisorError::Sandbox(format!("building the set-id filter: {e}")))?;
+    super::setid::confine_calling_thread(&setid)
+        .map_err(sandbox("refusing set-id bits to the sandbox"))?;
     let start_runsc = || {
         let joins: Vec<_> = joins.iter().map(|fd| fd.as_fd()).collect();
         start(
@@ -469,6 +497,16 @@ pub fn keep(
             }
         }
     };
+    // The host's bound on the sandbox's tasks, when reached, may have ended runsc itself (its
+    // sentry cannot start a thread, and dies saying so on its own log): said, with the limit.
+    if let Some(pids) = policy.limits.pids
+        && host_bound_was_reached(&cell_cgroup)
+    {
+        notices.push(format!(
+            "the cell's sandbox reached its host bound of {} tasks (limits.pids: {pids}; runsc's own threads and ptrace stubs count, about {HOST_TASKS_PER_CELL_TASK} for each of the cell's processes): a process could not start, and if runsc ended, that is why",
+            host_tasks(pids)
+        ));
+    }
     // `warden run` journals the end while the cell is taken down.
     crate::process::run::tell_ending(&request, layer.as_ref(), &ending);
     // The root's unmount waits for an RCU grace period: it runs on a thread of its own while
@@ -490,6 +528,20 @@ pub fn keep(
     // Stopped since the relay ended, the router is long gone by now: this waits for nothing.
     drop(router);
     Ok(outcome)
+}
+
+/// Whether the cell's pids cgroup ever refused a task (its `pids.events`, v1 or v2).
+fn host_bound_was_reached(cgroup: &CellCgroup) -> bool {
+    cgroup
+        .join_files()
+        .iter()
+        .filter_map(|file| fs::read_to_string(file.parent()?.join("pids.events")).ok())
+        .any(|events| {
+            events
+                .lines()
+                .filter_map(|line| line.strip_prefix("max "))
+                .any(|count| count.trim() != "0")
+        })
 }
 
 /// The cell's root, assembled on its folder in the keeper's mount namespace, where it is a

@@ -13,6 +13,7 @@ mod host;
 pub mod keeper;
 pub mod probe;
 pub mod runsc;
+mod setid;
 
 use std::path::Path;
 use std::sync::Arc;

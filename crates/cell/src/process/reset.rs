@@ -199,6 +199,10 @@ pub(super) fn plan(
         tell_copies: true,
         // A reset reads what it must to put the target back, whatever its size.
         max_read_bytes: u64::MAX,
+        // And all of both trees, or it changes nothing: a part of either it could not read (a
+        // directory deeper than the diff goes) would be left as the cell made it, and the reset
+        // said to be done.
+        unread_fails: true,
     };
     // Nor does the current tree's diff read a file of the host's size (a copy of the host's, or
     // a change of the same size): the plan compares it with the version the target has there
@@ -748,6 +752,65 @@ fn overwrite(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Makes a chain of `levels` directories `d` below `top`, one level at a time (a path from
+    /// the top would pass PATH_MAX), with a file at its bottom.
+    fn deep_chain(top: &Path, levels: usize) {
+        use rustix::fs::{Mode, OFlags, mkdirat, openat};
+        let flags = OFlags::DIRECTORY | OFlags::RDONLY;
+        let mut dir = openat(rustix::fs::CWD, top, flags, Mode::empty()).unwrap();
+        for _ in 0..levels {
+            mkdirat(&dir, "d", Mode::from_raw_mode(0o755)).unwrap();
+            dir = openat(&dir, "d", flags, Mode::empty()).unwrap();
+        }
+        let file = openat(
+            &dir,
+            "deep.txt",
+            OFlags::CREATE | OFlags::WRONLY,
+            Mode::from_raw_mode(0o644),
+        );
+        drop(file.unwrap());
+    }
+
+    /// Runs `f` on a thread with a 2 MiB stack, a daemon's worker thread's.
+    fn on_small_stack<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+        std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(f)
+            .unwrap()
+            .join()
+            .unwrap()
+    }
+
+    /// A tree deeper than a diff goes, in the cell's layer or in the target's: the plan fails,
+    /// naming the directory, rather than leave that part as the cell made it (or overflow the
+    /// thread's stack, as the recursive walk of a tree 1,900 deep did).
+    #[test]
+    fn a_plan_of_a_tree_deeper_than_the_diff_goes_fails_and_names_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (lower, now, then) = (
+            tmp.path().join("lower"),
+            tmp.path().join("now"),
+            tmp.path().join("then"),
+        );
+        for dir in [&lower, &now, &then] {
+            fs::create_dir_all(dir).unwrap();
+        }
+        fs::write(then.join("snap-only"), "s\n").unwrap();
+        deep_chain(&now, 3000);
+        let deepest = vec!["d"; warden_workspace::MAX_DEPTH + 1].join("/");
+        for (current, target) in [(&now, &then), (&then, &now)] {
+            let (lower, current, target) = (lower.clone(), current.clone(), target.clone());
+            let err = on_small_stack(move || plan(&lower, &[current], &[target])).unwrap_err();
+            assert!(
+                matches!(&err, warden_workspace::WorkspaceError::Unread { path, .. } if *path == deepest),
+                "{err}"
+            );
+            let text = err.to_string();
+            assert!(text.contains("deeper than 256 levels"), "{text}");
+            assert!(text.contains("nothing was changed"), "{text}");
+        }
+    }
 
     #[test]
     fn only_what_differs_is_touched_and_removals_come_first() {

@@ -64,6 +64,13 @@ pub enum SnapshotError {
     Foreign { id: String, cell: String },
     #[error("copying {path}: {source}")]
     Copy { path: PathBuf, source: io::Error },
+    /// A directory of a layer deeper than a copy goes: the copy stops there, and fails.
+    #[error(
+        "copying {path}: a directory deeper than {limit} levels, more than a layer's copy goes; \
+         nothing was copied: remove that tree in the cell, or snapshot the cell while none of \
+         its processes runs (that snapshot copies nothing)"
+    )]
+    TooDeep { path: PathBuf, limit: usize },
     #[error("snapshot record {path}: {source}")]
     Record { path: PathBuf, source: io::Error },
     #[error("remounting the workspace of cell `{cell}`: {source}")]
@@ -894,6 +901,7 @@ fn half_free(dir: &Path) -> bool {
 /// walk stops as soon as either is passed). A directory's entries are counted before any of
 /// them is looked at or walked: a layer with more than 100 entries at its top is known as such
 /// from one listing, where a walk into its first directory looked at every file there first.
+/// The walk recurses, but never more than 100 levels: each level is an entry counted.
 fn copied_quicker(dir: &Path) -> bool {
     const ENTRIES: usize = 100;
     const BYTES: u64 = 4 << 20;
@@ -929,14 +937,17 @@ fn copied_quicker(dir: &Path) -> bool {
 /// Bytes of file content in a layer, counted as a copy counts them: a file's data (its holes
 /// not counted), a hard-linked file once. A read of the directory tree only.
 fn layer_size(dir: &Path) -> u64 {
-    fn walk(dir: &Path, seen: &mut std::collections::HashSet<(u64, u64)>) -> u64 {
-        let Ok(entries) = fs::read_dir(dir) else {
-            return 0;
+    // With a stack of its own, not by recursion: the layer is the cell's, as deep as it made it.
+    let mut seen = std::collections::HashSet::new();
+    let mut pending = vec![dir.to_path_buf()];
+    let mut sum = 0;
+    while let Some(dir) = pending.pop() {
+        let Ok(entries) = fs::read_dir(&dir) else {
+            continue;
         };
-        let mut sum = 0;
         for entry in entries.flatten() {
             match entry.file_type() {
-                Ok(t) if t.is_dir() => sum += walk(&entry.path(), seen),
+                Ok(t) if t.is_dir() => pending.push(entry.path()),
                 Ok(t) if t.is_file() => {
                     let Ok(meta) = entry.metadata() else {
                         continue;
@@ -949,9 +960,8 @@ fn layer_size(dir: &Path) -> u64 {
                 _ => {}
             }
         }
-        sum
     }
-    walk(dir, &mut std::collections::HashSet::new())
+    sum
 }
 
 /// Removes a snapshot: its name at once, its layer once nothing stacks on it any more. A snapshot
@@ -1523,14 +1533,18 @@ fn reset_by_swap(
 /// whiteouts and FIFOs, with modes and (as root) owners. A sparse file keeps its holes (only
 /// its data is read and written) and hard links stay links (each inode is copied once).
 /// Returns the bytes of file data copied. The top level is split between two threads: a
-/// snapshot's cost is its many small files.
+/// snapshot's cost is its many small files. Below that the walk keeps a stack of its own, never
+/// recursing, and a directory more than [`warden_workspace::MAX_DEPTH`] levels below `from`
+/// fails the copy ([`SnapshotError::TooDeep`]): a cell makes a tree thousands of levels deep
+/// for nothing, where no project goes that deep, and no diff reads that far. The caller
+/// removes what was copied, as after any failure.
 pub fn copy_tree(from: &Path, to: &Path) -> Result<u64, SnapshotError> {
     let copy = Copy {
         as_root: nix::unistd::geteuid().is_root(),
         linked: std::sync::Mutex::new(std::collections::HashMap::new()),
     };
     let meta = fs::symlink_metadata(from).map_err(copy_err(from))?;
-    copy.entry(from, to, &meta, true)
+    copy.entry(from, to, &meta, 0)
 }
 
 /// One tree copy: whether owners are carried, and where each multiply-linked inode went.
@@ -1552,56 +1566,131 @@ fn nix_copy_err(path: &Path) -> impl FnOnce(nix::Error) -> SnapshotError + use<>
     }
 }
 
+/// What is left of a copy's walk: an entry to copy (with its depth below the top), or a
+/// directory whose entries are all copied, to be given its mode, owner and times.
+enum Work {
+    Copy(PathBuf, PathBuf, fs::Metadata, usize),
+    Close(PathBuf, fs::Metadata),
+}
+
 impl Copy {
+    /// Copies `from` to `to`, `depth` levels below the copy's top, and everything below it.
     fn entry(
         &self,
         from: &Path,
         to: &Path,
         meta: &fs::Metadata,
-        parallel: bool,
+        depth: usize,
     ) -> Result<u64, SnapshotError> {
+        if !meta.is_dir() {
+            return self.leaf(from, to, meta);
+        }
+        let children = self.open_dir(from, to, depth)?;
+        let copy_all = |part: &[(PathBuf, PathBuf, fs::Metadata)]| -> Result<u64, SnapshotError> {
+            part.iter()
+                .try_fold(0, |sum, (f, t, m)| Ok(sum + self.tree(f, t, m, depth + 1)?))
+        };
+        let size = if depth == 0 && children.len() > 8 {
+            let (left, right) = children.split_at(children.len() / 2);
+            std::thread::scope(|scope| {
+                let other = scope.spawn(|| copy_all(right));
+                let mine = copy_all(left);
+                let theirs = other.join().unwrap_or_else(|_| {
+                    Err(SnapshotError::Copy {
+                        path: to.to_path_buf(),
+                        source: io::Error::other("copy thread panicked"),
+                    })
+                });
+                Ok::<u64, SnapshotError>(mine? + theirs?)
+            })?
+        } else {
+            copy_all(&children)?
+        };
+        self.close_dir(to, meta)?;
+        Ok(size)
+    }
+
+    /// Like [`Self::entry`], with a stack of its own on the heap instead of recursion: the
+    /// tree is the cell's, and a recursive copy of one 256 levels deep overflowed a 2 MiB
+    /// stack (a debug build's frames).
+    fn tree(
+        &self,
+        from: &Path,
+        to: &Path,
+        meta: &fs::Metadata,
+        depth: usize,
+    ) -> Result<u64, SnapshotError> {
+        let mut work = vec![Work::Copy(
+            from.to_path_buf(),
+            to.to_path_buf(),
+            meta.clone(),
+            depth,
+        )];
+        let mut size = 0;
+        while let Some(next) = work.pop() {
+            match next {
+                Work::Close(to, meta) => self.close_dir(&to, &meta)?,
+                Work::Copy(from, to, meta, depth) if meta.is_dir() => {
+                    let children = self.open_dir(&from, &to, depth)?;
+                    work.push(Work::Close(to, meta));
+                    // Popped in the order they were listed.
+                    work.extend(
+                        children
+                            .into_iter()
+                            .rev()
+                            .map(|(f, t, m)| Work::Copy(f, t, m, depth + 1)),
+                    );
+                }
+                Work::Copy(from, to, meta, _) => size += self.leaf(&from, &to, &meta)?,
+            }
+        }
+        Ok(size)
+    }
+
+    /// Makes the directory `to` for `from` (`depth` levels below the copy's top), with its
+    /// overlay marks, and lists what is to be copied into it.
+    fn open_dir(
+        &self,
+        from: &Path,
+        to: &Path,
+        depth: usize,
+    ) -> Result<Vec<(PathBuf, PathBuf, fs::Metadata)>, SnapshotError> {
+        if depth > warden_workspace::MAX_DEPTH {
+            return Err(SnapshotError::TooDeep {
+                path: from.to_path_buf(),
+                limit: warden_workspace::MAX_DEPTH,
+            });
+        }
+        fs::create_dir(to).map_err(copy_err(to))?;
+        copy_overlay_xattrs(from, to).map_err(copy_err(to))?;
+        let mut children = Vec::new();
+        for entry in fs::read_dir(from).map_err(copy_err(from))? {
+            let entry = entry.map_err(copy_err(from))?;
+            let meta = entry.metadata().map_err(copy_err(&entry.path()))?; // lstat: never follows
+            children.push((entry.path(), to.join(entry.file_name()), meta));
+        }
+        Ok(children)
+    }
+
+    /// Gives the copied directory `to` the mode, owner (as root) and times of `meta`, once its
+    /// entries are copied.
+    fn close_dir(&self, to: &Path, meta: &fs::Metadata) -> Result<(), SnapshotError> {
+        fs::set_permissions(to, fs::Permissions::from_mode(meta.mode() & 0o7777))
+            .map_err(copy_err(to))?;
+        if self.as_root {
+            std::os::unix::fs::lchown(to, Some(meta.uid()), Some(meta.gid()))
+                .map_err(copy_err(to))?;
+        }
+        // Last: each entry made in it changed its times.
+        keep_times(to, meta).map_err(copy_err(to))
+    }
+
+    /// Copies `from`, anything but a directory, to `to`.
+    fn leaf(&self, from: &Path, to: &Path, meta: &fs::Metadata) -> Result<u64, SnapshotError> {
         let as_root = self.as_root;
         let file_type = meta.file_type();
         let mode = fs::Permissions::from_mode(meta.mode() & 0o7777);
         let owner = (Some(meta.uid()), Some(meta.gid()));
-        if file_type.is_dir() {
-            fs::create_dir(to).map_err(copy_err(to))?;
-            copy_overlay_xattrs(from, to).map_err(copy_err(to))?;
-            let mut children = Vec::new();
-            for entry in fs::read_dir(from).map_err(copy_err(from))? {
-                let entry = entry.map_err(copy_err(from))?;
-                let meta = entry.metadata().map_err(copy_err(&entry.path()))?; // lstat: never follows
-                children.push((entry.path(), to.join(entry.file_name()), meta));
-            }
-            let copy_all =
-                |part: &[(PathBuf, PathBuf, fs::Metadata)]| -> Result<u64, SnapshotError> {
-                    part.iter()
-                        .try_fold(0, |sum, (f, t, m)| Ok(sum + self.entry(f, t, m, false)?))
-                };
-            let size = if parallel && children.len() > 8 {
-                let (left, right) = children.split_at(children.len() / 2);
-                std::thread::scope(|scope| {
-                    let other = scope.spawn(|| copy_all(right));
-                    let mine = copy_all(left);
-                    let theirs = other.join().unwrap_or_else(|_| {
-                        Err(SnapshotError::Copy {
-                            path: to.to_path_buf(),
-                            source: io::Error::other("copy thread panicked"),
-                        })
-                    });
-                    Ok::<u64, SnapshotError>(mine? + theirs?)
-                })?
-            } else {
-                copy_all(&children)?
-            };
-            fs::set_permissions(to, mode).map_err(copy_err(to))?;
-            if as_root {
-                std::os::unix::fs::lchown(to, owner.0, owner.1).map_err(copy_err(to))?;
-            }
-            // Last: each entry made in it changed its times.
-            keep_times(to, meta).map_err(copy_err(to))?;
-            return Ok(size);
-        }
         if file_type.is_file() {
             let create = || {
                 fs::OpenOptions::new()
@@ -1731,6 +1820,67 @@ pub fn reset(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Makes a chain of `levels` directories `d` below `top`, one level at a time (a path from
+    /// the top would pass PATH_MAX), with a file at its bottom.
+    fn deep_chain(top: &Path, levels: usize) {
+        use rustix::fs::{Mode, OFlags, mkdirat, openat};
+        let flags = OFlags::DIRECTORY | OFlags::RDONLY;
+        let mut dir = openat(rustix::fs::CWD, top, flags, Mode::empty()).unwrap();
+        for _ in 0..levels {
+            mkdirat(&dir, "d", Mode::from_raw_mode(0o755)).unwrap();
+            dir = openat(&dir, "d", flags, Mode::empty()).unwrap();
+        }
+        let file = openat(
+            &dir,
+            "deep.txt",
+            OFlags::CREATE | OFlags::WRONLY,
+            Mode::from_raw_mode(0o644),
+        );
+        drop(file.unwrap());
+    }
+
+    /// Runs `f` on a thread with a 2 MiB stack, a daemon's worker thread's.
+    fn on_small_stack<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+        std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(f)
+            .unwrap()
+            .join()
+            .unwrap()
+    }
+
+    /// A copy goes as deep as a diff does, on a daemon thread's stack, and fails past that,
+    /// saying where and what to do; a layer's size is counted however deep it is.
+    #[test]
+    fn a_copy_of_a_tree_deeper_than_it_goes_fails_and_says_so() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (within, past) = (tmp.path().join("within"), tmp.path().join("past"));
+        fs::create_dir_all(&within).unwrap();
+        fs::create_dir_all(&past).unwrap();
+        deep_chain(&within, warden_workspace::MAX_DEPTH);
+        deep_chain(&past, 3000);
+        let (from, to) = (within.clone(), tmp.path().join("within-copy"));
+        on_small_stack(move || copy_tree(&from, &to)).unwrap();
+        let bottom = vec!["d"; warden_workspace::MAX_DEPTH].join("/");
+        assert!(
+            tmp.path()
+                .join("within-copy")
+                .join(bottom)
+                .join("deep.txt")
+                .exists()
+        );
+        let (from, to) = (past.clone(), tmp.path().join("past-copy"));
+        let err = on_small_stack(move || copy_tree(&from, &to)).unwrap_err();
+        let deepest = past.join(vec!["d"; warden_workspace::MAX_DEPTH + 1].join("/"));
+        assert!(
+            matches!(&err, SnapshotError::TooDeep { path, limit: 256 } if *path == deepest),
+            "{err}"
+        );
+        assert!(err.to_string().contains("deeper than 256 levels"), "{err}");
+        let from = past.clone();
+        assert_eq!(on_small_stack(move || layer_size(&from)), 0);
+    }
 
     /// A store with the layer of cell `c` (on a host directory that is not there), and the
     /// layer's record.

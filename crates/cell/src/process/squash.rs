@@ -194,8 +194,35 @@ fn remove_entry(path: &Path) -> io::Result<()> {
 
 /// Applies the layer directory `from` over the merged directory `to`. `across`: the entries of
 /// this layer made again at a path of the merged layer, by inode (`copy_across`), so that
-/// another name of one of them is a hard link to it there, as it is in the layer.
+/// another name of one of them is a hard link to it there, as it is in the layer. The walk
+/// keeps a stack of its own, never recursing (the layers are the cell's, as deep as it made
+/// them), and a directory more than [`warden_workspace::MAX_DEPTH`] levels down fails the
+/// merge, which removes what it built: the snapshots then stay as they are.
 fn apply(from: &Path, to: &Path, across: &mut HashMap<(u64, u64), PathBuf>) -> io::Result<()> {
+    let mut pending = vec![(from.to_path_buf(), to.to_path_buf(), 0)];
+    while let Some((from, to, depth)) = pending.pop() {
+        if depth > warden_workspace::MAX_DEPTH {
+            return Err(io::Error::other(format!(
+                "{} is deeper than {} levels, more than a merge of layers goes",
+                from.display(),
+                warden_workspace::MAX_DEPTH
+            )));
+        }
+        apply_dir(&from, &to, across, |source, target| {
+            pending.push((source, target, depth + 1));
+        })?;
+    }
+    Ok(())
+}
+
+/// Applies the entries of the layer directory `from` over the merged directory `to`, each
+/// directory made or merged, and handed to `descend` for its own entries.
+fn apply_dir(
+    from: &Path,
+    to: &Path,
+    across: &mut HashMap<(u64, u64), PathBuf>,
+    mut descend: impl FnMut(PathBuf, PathBuf),
+) -> io::Result<()> {
     for entry in fs::read_dir(from)? {
         let entry = entry?;
         let (source, target) = (entry.path(), to.join(entry.file_name()));
@@ -221,7 +248,7 @@ fn apply(from: &Path, to: &Path, across: &mut HashMap<(u64, u64), PathBuf>) -> i
                     xattr::set(&target, name, b"y")?;
                 }
             }
-            apply(&source, &target, across)?;
+            descend(source, target);
             continue;
         }
         remove_entry(&target)?;
