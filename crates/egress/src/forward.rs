@@ -233,52 +233,38 @@ impl Gateway {
         self.forward_to(conn, &host, port, &path, request, via, false, None);
     }
 
-    /// A redirected plain-HTTP request to a destination whose rules decide requests, taken with
-    /// the host it was checked for.
-    pub(crate) fn transparent_http(
-        &self,
-        mut conn: TcpStream,
-        host: &Host,
-        early: Vec<u8>,
-        via: Via,
-    ) {
+    /// A redirected plain-HTTP request, taken with the host its connection was checked for.
+    pub(crate) fn transparent_http(&self, conn: TcpStream, host: &Host, early: Vec<u8>, via: Via) {
         let Via::Redirected(destination) = via else {
             return;
         };
-        let until = std::time::Instant::now() + crate::bounds::HEAD_TIMEOUT;
-        let read = http::read_request(&mut http::Until {
-            inner: early.as_slice().chain(&conn),
-            socket: &conn,
-            until,
-        });
-        let Some(request) = http::answer_bad_request(&mut conn, read) else {
-            return;
-        };
-        if !request.target.starts_with('/') {
-            // A URL would name a host of its own; this connection was checked for one already.
-            let target = format!("{} {}", request.method, request.target);
-            let reason = "a redirected request must name a path, not a URL".to_owned();
-            return self.refuse(&mut conn, "transparent", &target, reason);
-        }
-        let path = request.target.clone();
-        self.forward_to(
-            conn,
-            host,
-            destination.port(),
-            &path,
-            request,
-            via,
-            true,
-            None,
-        );
+        let request = "a redirected request";
+        self.request_on(conn, host, destination.port(), early, via, request);
     }
 
     /// A plain HTTP request a CONNECT tunnel carried (its first bytes `first`), decided and
     /// relayed like a proxied one, for the tunnel's host only.
-    pub(crate) fn tunnel_http(&self, mut conn: TcpStream, host: &Host, port: u16, first: Vec<u8>) {
+    pub(crate) fn tunnel_http(&self, conn: TcpStream, host: &Host, port: u16, first: Vec<u8>) {
+        let request = "a request in a CONNECT tunnel";
+        self.request_on(conn, host, port, first, Via::Proxy, request);
+    }
+
+    /// A request on a connection that was decided for `host:port` already (its first bytes
+    /// `first`): read, held to origin form (a URL would name a host of its own; `what` says
+    /// which request it was, in the refusal), then decided and relayed with its `Host` held to
+    /// `host`.
+    fn request_on(
+        &self,
+        mut conn: TcpStream,
+        host: &Host,
+        port: u16,
+        first: Vec<u8>,
+        via: Via,
+        what: &str,
+    ) {
         let until = std::time::Instant::now() + crate::bounds::HEAD_TIMEOUT;
         let read = http::read_request(&mut http::Until {
-            inner: std::io::Read::chain(first.as_slice(), &conn),
+            inner: first.as_slice().chain(&conn),
             socket: &conn,
             until,
         });
@@ -287,11 +273,11 @@ impl Gateway {
         };
         if !request.target.starts_with('/') {
             let target = format!("{} {}", request.method, request.target);
-            let reason = "a request in a CONNECT tunnel must name a path, not a URL".to_owned();
-            return self.refuse(&mut conn, "http", &target, reason);
+            let reason = format!("{what} must name a path, not a URL");
+            return self.refuse(&mut conn, via.kind("http"), &target, reason);
         }
         let path = request.target.clone();
-        self.forward_to(conn, host, port, &path, request, Via::Proxy, true, None);
+        self.forward_to(conn, host, port, &path, request, via, true, None);
     }
 
     /// Checks, decides and relays one request with an origin-form `path` to `host:port`;

@@ -751,6 +751,31 @@ mod tests {
     use super::*;
     use std::net::TcpListener;
 
+    /// `tunnel_bytes` on a thread of its own, as the gateway runs it for a connection.
+    fn spawn_relay(
+        workers: &std::sync::Arc<crate::workers::Workers>,
+        gateway_side: TcpStream,
+        upstream_side: TcpStream,
+        early: Vec<u8>,
+        host: &Host,
+        idle: Duration,
+        take_over: Option<TakeOver>,
+    ) -> std::thread::JoinHandle<(u64, u64, End)> {
+        let workers = std::sync::Arc::clone(workers);
+        let host = host.clone();
+        std::thread::spawn(move || {
+            tunnel_bytes(
+                &workers,
+                gateway_side,
+                upstream_side,
+                &early,
+                &host,
+                idle,
+                take_over,
+            )
+        })
+    }
+
     fn pair() -> (TcpStream, TcpStream) {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let a = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
@@ -798,21 +823,15 @@ mod tests {
         let (mut client, gateway_side) = pair();
         let (upstream_side, mut upstream) = pair();
         const BANNER: &[u8] = b"SSH-2.0-OpenSSH_9.2p1 Debian-2\r\n";
-        let relay = {
-            let workers = std::sync::Arc::clone(&workers);
-            let host = host.clone();
-            std::thread::spawn(move || {
-                tunnel_bytes(
-                    &workers,
-                    gateway_side,
-                    upstream_side,
-                    BANNER,
-                    &host,
-                    Duration::from_secs(5),
-                    None,
-                )
-            })
-        };
+        let relay = spawn_relay(
+            &workers,
+            gateway_side,
+            upstream_side,
+            BANNER.to_vec(),
+            &host,
+            Duration::from_secs(5),
+            None,
+        );
         let mut got = vec![0u8; BANNER.len()];
         upstream.read_exact(&mut got).unwrap();
         assert_eq!(got, BANNER);
@@ -953,21 +972,15 @@ mod tests {
                     drop(conn);
                 }) as TakeOver
             });
-            let relay = {
-                let workers = std::sync::Arc::clone(&workers);
-                let host = host.clone();
-                std::thread::spawn(move || {
-                    tunnel_bytes(
-                        &workers,
-                        gateway_side,
-                        upstream_side,
-                        if early { REQUEST } else { b"" },
-                        &host,
-                        Duration::from_secs(5),
-                        take_over,
-                    )
-                })
-            };
+            let relay = spawn_relay(
+                &workers,
+                gateway_side,
+                upstream_side,
+                (if early { REQUEST } else { b"" }).to_vec(),
+                &host,
+                Duration::from_secs(5),
+                take_over,
+            );
             if !early {
                 client.write_all(REQUEST).unwrap();
             }
@@ -1018,21 +1031,15 @@ mod tests {
             } else {
                 Vec::new()
             };
-            let relay = {
-                let workers = std::sync::Arc::clone(&workers);
-                let host = host.clone();
-                std::thread::spawn(move || {
-                    tunnel_bytes(
-                        &workers,
-                        gateway_side,
-                        upstream_side,
-                        &first,
-                        &host,
-                        Duration::from_secs(5),
-                        None,
-                    )
-                })
-            };
+            let relay = spawn_relay(
+                &workers,
+                gateway_side,
+                upstream_side,
+                first,
+                &host,
+                Duration::from_secs(5),
+                None,
+            );
             if !early {
                 client.write_all(HEAD).unwrap();
             }
@@ -1068,20 +1075,15 @@ mod tests {
         let host = Host::Name("a.test".into());
         let (mut client, gateway_side) = pair();
         let (upstream_side, mut upstream) = pair();
-        let relay = {
-            let workers = std::sync::Arc::clone(&workers);
-            std::thread::spawn(move || {
-                tunnel_bytes(
-                    &workers,
-                    gateway_side,
-                    upstream_side,
-                    b"",
-                    &host,
-                    Duration::from_secs(30),
-                    None,
-                )
-            })
-        };
+        let relay = spawn_relay(
+            &workers,
+            gateway_side,
+            upstream_side,
+            Vec::new(),
+            &host,
+            Duration::from_secs(30),
+            None,
+        );
         upstream.write_all(b"220 hello\r\n").unwrap();
         drop(upstream);
         client

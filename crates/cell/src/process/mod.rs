@@ -7,6 +7,8 @@ pub mod cgroup;
 pub mod changes;
 mod confine;
 pub mod control;
+#[cfg(test)]
+pub(crate) mod deep;
 pub mod disk;
 pub mod exec;
 pub mod files;
