@@ -1784,6 +1784,12 @@ fn plain_http_in_a_tunnel_is_decided_as_a_request_for_the_tunnels_host() {
     // Forms servers read as requests too: an empty line first, a method of their own.
     let blank_first = format!("\r\n{other}");
     let odd_method = format!("M-SEARCH /theirs HTTP/1.1\r\nHost: evil.test:{port}\r\n\r\n");
+    let wide = format!("GET  /theirs  HTTP/1.1\r\nHost: evil.test:{port}\r\n\r\n");
+    let tabbed = format!("GET\t/theirs HTTP/1.1\r\nHost: evil.test:{port}\r\n\r\n");
+    // An upgrade whose target is a URL: a server may serve the URL's host.
+    let upgrade_url = format!(
+        "GET http://evil.test:{port}/theirs HTTP/1.1\r\nHost: 127.0.0.2:{port}\r\nUpgrade: websocket\r\n\r\n"
+    );
     let direct = format!("direct 127.0.0.2:{port}");
     let requests = [
         (tunnel.as_str(), own.as_str()),
@@ -1793,16 +1799,24 @@ fn plain_http_in_a_tunnel_is_decided_as_a_request_for_the_tunnels_host() {
         (tunnel.as_str(), odd_method.as_str()),
         (direct.as_str(), blank_first.as_str()),
         (direct.as_str(), odd_method.as_str()),
+        (tunnel.as_str(), wide.as_str()),
+        (tunnel.as_str(), tabbed.as_str()),
+        (direct.as_str(), wide.as_str()),
+        (tunnel.as_str(), upgrade_url.as_str()),
     ];
     let ran = run_py(&["--rm", "--policy", &policy], &exchanges(&requests));
     let lines: Vec<&str> = ran.stdout.lines().collect();
-    assert_eq!(lines.len(), 7, "{ran:?}");
+    assert_eq!(lines.len(), 11, "{ran:?}");
+    assert!(!ran.stdout.contains("upstream saw GET /theirs"), "{ran:?}");
     // Refused, for its Host (in a tunnel), or as a redirected connection whose name does not
     // lead where it went.
     for line in &lines[3..] {
         assert!(
-            line.starts_with("HTTP/1.1 403 ")
-                && (line.contains("Host header") || line.contains("evil.test does not resolve")),
+            (line.starts_with("HTTP/1.1 403 ")
+                && (line.contains("Host header")
+                    || line.contains("evil.test does not resolve")
+                    || line.contains("not a URL")))
+                || line.starts_with("HTTP/1.1 400 Bad Request | {\"error\":\"malformed"),
             "{line}\n{ran:?}"
         );
     }

@@ -219,45 +219,50 @@ enum Line {
 
 fn request_line(bytes: &[u8]) -> Line {
     let is_token = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
+    // What some server splits a request line at: ASCII white space, and the Latin-1 bytes
+    // Python's `str.split` counts too.
+    let is_space = |b: u8| matches!(b, b' ' | b'\t' | 0x0b | 0x0c | 0x1c..=0x1f | 0x85 | 0xa0);
     let start = bytes
         .iter()
-        .position(|b| *b != b'\r' && *b != b'\n')
+        .position(|b| !is_space(*b) && *b != b'\r' && *b != b'\n')
         .unwrap_or(bytes.len());
     let line = &bytes[start..];
+    let short = bytes.len() < crate::http::MAX_HEAD;
     if line.is_empty() {
-        return if bytes.is_empty() {
-            Line::Not
-        } else {
+        return if !bytes.is_empty() && short {
             Line::Maybe
+        } else {
+            Line::Not
         };
     }
     let method = line.iter().take_while(|b| is_token(**b)).count();
     match line.get(method) {
-        None if method < 32 => return Line::Maybe,
-        Some(b' ') if method > 0 => {}
+        // A token so far, however long: it may still become a method.
+        None if method > 0 && short => return Line::Maybe,
+        Some(b) if method > 0 && is_space(*b) => {}
         _ => return Line::Not,
     }
-    let rest = &line[method + 1..];
-    let target = rest
+    // The rest of the line: a request's is printable (a control byte other than white space
+    // and the line's end is another protocol's), and names its version (`HTTP/`), or, with
+    // none, a path (HTTP/0.9's `GET /path`).
+    let rest = &line[method..];
+    let end = rest.iter().position(|b| *b == b'\n');
+    let upto = &rest[..end.unwrap_or(rest.len())];
+    if upto
         .iter()
-        .take_while(|b| !b.is_ascii_whitespace() && !b.is_ascii_control())
-        .count();
-    match rest.get(target) {
-        None if target < crate::http::MAX_HEAD => Line::Maybe,
-        Some(b' ') if target > 0 => {
-            let version = &rest[target + 1..];
-            let expected = b"HTTP/";
-            let n = version.len().min(expected.len());
-            match version[..n] == expected[..n] {
-                true if n == expected.len() => Line::Request,
-                true => Line::Maybe,
-                false => Line::Not,
-            }
-        }
-        // HTTP/0.9: `GET /path` and the line's end.
-        Some(b'\r' | b'\n') if &line[..method] == b"GET" && rest.first() == Some(&b'/') => {
-            Line::Request
-        }
+        .any(|b| (b.is_ascii_control() || *b == 0x7f) && !is_space(*b) && *b != b'\r')
+    {
+        return Line::Not;
+    }
+    let versioned = upto.windows(5).any(|w| w.eq_ignore_ascii_case(b"HTTP/"));
+    let path = upto
+        .iter()
+        .find(|b| !is_space(**b))
+        .is_some_and(|b| *b == b'/');
+    match (versioned || (end.is_some() && path), end) {
+        (true, _) => Line::Request,
+        // The line is not over: its version may still come.
+        (false, None) if short => Line::Maybe,
         _ => Line::Not,
     }
 }
@@ -277,6 +282,8 @@ struct Head {
     host: Result<Option<String>, ()>,
     /// The head's length in the bytes (what follows it is a body, or a next request).
     len: usize,
+    /// Whether its target is a path (`/...`), not a URL or `*`.
+    origin_form: bool,
 }
 
 /// The request head that `bytes` begin with: `Ok(None)` where they do not look like one,
@@ -306,6 +313,7 @@ fn http_head(bytes: &[u8]) -> Result<Option<Head>, ()> {
         upgrade: named("upgrade").next().is_some(),
         host,
         len,
+        origin_form: request.path.is_some_and(|p| p.starts_with('/')),
     }))
 }
 
@@ -340,14 +348,13 @@ fn opening(bytes: &[u8], host: &Host) -> Opening {
     let head = match http_head(bytes) {
         Ok(None) => return Opening::Relay,
         Ok(Some(head)) => head,
-        Err(()) => {
-            return Opening::Refused(
-                "the tunnel's first bytes begin like an HTTP request that the gateway cannot read whole"
-                    .to_owned(),
-            );
-        }
+        // A request the gateway cannot read whole: the request path answers it with the
+        // reason (a 400), and nothing of it goes up.
+        Err(()) => return Opening::Http,
     };
-    if !head.upgrade {
+    // A request to upgrade is relayed only in origin form: a URL names a host of its own, which
+    // a server may serve instead of the one in `Host`.
+    if !head.upgrade || !head.origin_form {
         return Opening::Http;
     }
     let expected = host.as_text();
@@ -601,18 +608,51 @@ fn relay_down(upstream: &TcpStream, client: &TcpStream, gate: &Gate) -> u64 {
         if !gate.expecting() {
             break;
         }
-        // `HTTP/1.1 101`: twelve bytes tell.
-        if answer.len() >= 12 || answer.contains(&b'\n') {
-            let switched =
-                answer.len() >= 12 && answer.starts_with(b"HTTP/1.") && &answer[8..12] == b" 101";
-            gate.answer(switched);
-            break;
+        match switched(&answer) {
+            Some(switched) => {
+                gate.answer(switched);
+                break;
+            }
+            // An answer that never tells is not waited on for ever.
+            None if answer.len() > crate::http::MAX_HEAD => {
+                gate.answer(false);
+                break;
+            }
+            None => {}
         }
     }
     if (&*client).write_all(&answer).is_err() {
         return 0;
     }
     answer.len() as u64 + pump(upstream, client)
+}
+
+/// Whether the answer to a request to upgrade, as far as it came, switched protocols: its
+/// status line past any `100 Continue` is `HTTP/1.1 101` and then its reason or the line's end
+/// (`None`: not told yet).
+fn switched(answer: &[u8]) -> Option<bool> {
+    let mut at = answer;
+    loop {
+        const INTERIM: &[u8] = b"HTTP/1.1 100";
+        if at.len() >= INTERIM.len() + 1
+            && at.starts_with(INTERIM)
+            && matches!(at[12], b' ' | b'\r')
+        {
+            // An interim answer: the final one follows it.
+            let end = at.windows(4).position(|w| w == b"\r\n\r\n")?;
+            at = &at[end + 4..];
+            continue;
+        }
+        const SWITCHED: &[u8] = b"HTTP/1.1 101";
+        let n = at.len().min(SWITCHED.len() + 1);
+        return match at.get(SWITCHED.len()) {
+            Some(b' ' | b'\r') => Some(at.starts_with(SWITCHED)),
+            Some(_) => Some(false),
+            // Shorter: what came so far must agree, or it is some other answer already.
+            None if SWITCHED[..n] == at[..n] || INTERIM[..n] == at[..n] => None,
+            None => Some(false),
+        };
+    }
 }
 
 /// Why plain HTTP is refused in a tunnel whose requests nothing decides.
@@ -690,10 +730,9 @@ fn relay_up(
         }
         Opening::Http => {
             // The upstream connection made for the tunnel goes unused (its end ends the other
-            // direction's pump); the request is decided and sent on a connection of its own.
-            if take_over.is_some() {
-                gate.hand_over();
-            }
+            // direction's pump); the request is decided and sent on a connection of its own, or
+            // refused with an answer: either way the client's side is this thread's now.
+            gate.hand_over();
             let _ = upstream_write.shutdown(Shutdown::Both);
             return match take_over {
                 Some(take_over) => {
@@ -940,6 +979,20 @@ mod tests {
         }
         assert_eq!(request_line(b"SSH-2.0-Op"), Line::Maybe);
         assert_eq!(request_line(b"GET /x HTT"), Line::Maybe);
+        // White space as servers take it, and methods of any length.
+        for request in [
+            &b"GET  /x HTTP/1.1\r\n"[..],
+            b"GET /x  HTTP/1.1\r\n",
+            b"GET\t/x HTTP/1.1\r\n",
+            b" GET /x HTTP/1.1\r\n",
+            b"AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA /x HTTP/1.1\r\n",
+            b"GET /x http/1.1\r\n",
+        ] {
+            assert_eq!(request_line(request), Line::Request, "{request:?}");
+        }
+        assert_eq!(request_line(&[b'A'; 40]), Line::Maybe);
+        // Binary protocols are told at once.
+        assert_eq!(request_line(b"F\0\0\0\x01\x02"), Line::Not);
         // HTTP/2 without TLS names its hosts where the gateway does not read: refused.
         assert!(matches!(
             opening(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", &host),
@@ -949,10 +1002,39 @@ mod tests {
             opening(b"GET / HTTP/1.1\r\nHost: evil.test\r\nUpgrade: websocket\r\n\r\n", &host),
             Opening::Refused(reason) if reason.contains("evil.test")
         ));
-        assert!(matches!(
+        assert_eq!(
             opening(b"GET / HTTP/1.1\r\nBad Header\r\n\r\n", &host),
-            Opening::Refused(_)
-        ));
+            Opening::Http
+        );
+        // An upgrade that names a URL (a host of its own) is a request for the request path.
+        assert_eq!(
+            opening(
+                b"GET http://evil.test/ HTTP/1.1\r\nHost: a.test\r\nUpgrade: websocket\r\n\r\n",
+                &host
+            ),
+            Opening::Http
+        );
+        // Whether the server switched: its final status line, past interim ones.
+        for (answer, told) in [
+            (&b"HTTP/1.1 101 Switching Protocols\r\n"[..], Some(true)),
+            (b"HTTP/1.1 101\r\n", Some(true)),
+            (b"HTTP/1.1 1010 Odd\r\n", Some(false)),
+            (b"HTTP/1.0 101 Old\r\n", Some(false)),
+            (b"HTTP/1.1 200 OK\r\n", Some(false)),
+            (
+                b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 101 Switching\r\n",
+                Some(true),
+            ),
+            (
+                b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n",
+                Some(false),
+            ),
+            (b"HTTP/1.1 100 Continue\r\n", None),
+            (b"HTTP/1.1 10", None),
+            (b"garbage", Some(false)),
+        ] {
+            assert_eq!(switched(answer), told, "{answer:?}");
+        }
     }
 
     /// A plain HTTP request in a tunnel never reaches the upstream raw: it is handed to the

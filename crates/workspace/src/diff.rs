@@ -456,6 +456,11 @@ impl<'a> Walker<'a> {
             if let Some(meta) = self.lower_meta(&child) {
                 let mut change = Change::new(display(&child), ChangeKind::Deleted, meta.kind);
                 change.old_mode = Some(meta.mode);
+                // Shown with its bytes replaced, the name could be another host file's
+                // (`a\xff` shows as `a\u{fffd}`), which an apply would then remove.
+                if name.to_str().is_none() {
+                    change.refused = Some("the name is not valid UTF-8".to_owned());
+                }
                 self.push(change);
             }
         }

@@ -157,6 +157,46 @@ fn opaque_directories_delete_what_they_hide() {
     );
 }
 
+/// A name an opaque directory hides that is not UTF-8 is shown with its bytes replaced: that
+/// text can be another host file's name, which an apply of the deletion would remove instead.
+#[test]
+fn a_hidden_name_that_is_not_utf8_is_refused_not_taken_for_another() {
+    if !is_root() {
+        eprintln!("skipping: trusted.* extended attributes need root");
+        return;
+    }
+    use std::os::unix::ffi::OsStrExt as _;
+    let f = fixture();
+    let odd = std::ffi::OsStr::from_bytes(b"x\xff");
+    write(&f.lower.join("dir").join(odd), "the cell removed me\n");
+    write(&f.lower.join("dir/x\u{fffd}"), "the cell kept me\n");
+    // The cell's directory is made anew with the second file only.
+    fs::create_dir_all(f.upper.join("dir")).unwrap();
+    xattr::set(f.upper.join("dir"), "trusted.overlay.opaque", b"y").unwrap();
+    fs::copy(f.lower.join("dir/x\u{fffd}"), f.upper.join("dir/x\u{fffd}")).unwrap();
+    let d = diff(&f.lower, std::slice::from_ref(&f.upper), &options()).unwrap();
+    let odd_change = d
+        .changes
+        .iter()
+        .find(|c| c.path == "dir/x\u{fffd}" && c.kind == ChangeKind::Deleted)
+        .expect("the deletion is listed");
+    assert_eq!(
+        odd_change.refused.as_deref(),
+        Some("the name is not valid UTF-8")
+    );
+    apply(
+        &f.lower,
+        std::slice::from_ref(&f.upper),
+        &d,
+        &ApplyOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(
+        fs::read_to_string(f.lower.join("dir/x\u{fffd}")).unwrap(),
+        "the cell kept me\n"
+    );
+}
+
 #[test]
 fn apply_makes_the_host_equal_to_what_the_cell_saw() {
     let f = fixture();
