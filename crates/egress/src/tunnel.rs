@@ -634,10 +634,7 @@ fn switched(answer: &[u8]) -> Option<bool> {
     let mut at = answer;
     loop {
         const INTERIM: &[u8] = b"HTTP/1.1 100";
-        if at.len() >= INTERIM.len() + 1
-            && at.starts_with(INTERIM)
-            && matches!(at[12], b' ' | b'\r')
-        {
+        if at.len() > INTERIM.len() && at.starts_with(INTERIM) && matches!(at[12], b' ' | b'\r') {
             // An interim answer: the final one follows it.
             let end = at.windows(4).position(|w| w == b"\r\n\r\n")?;
             at = &at[end + 4..];
