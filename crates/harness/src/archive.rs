@@ -33,6 +33,9 @@ pub(crate) fn check(archive: &[u8]) -> Result<(), String> {
     let mut made: BTreeMap<String, Made> = BTreeMap::new();
     // Hard links, by member, with the member they link to.
     let mut hard_links: Vec<(String, String)> = Vec::new();
+    // Hard links to a name the archive had not made when they came (a file of the cell's, or
+    // one the archive makes later, which the unpacker could not link to yet).
+    let mut later: Vec<(String, String)> = Vec::new();
     let mut tar = tar::Archive::new(archive);
     let entries = tar
         .entries()
@@ -84,7 +87,27 @@ pub(crate) fn check(archive: &[u8]) -> Result<(), String> {
                         "the hard link {member} climbs out with `..`; refused"
                     ));
                 }
-                hard_links.push((path.clone(), normal(target)));
+                let target = normal(target);
+                // What the unpacker can make: a second name of a file made before it (or of
+                // one in the cell already), under a name not made yet (it does not replace).
+                if target == path {
+                    return Err(format!("the hard link {member} links to itself; refused"));
+                }
+                if let Some(kind) = made.get(&target).filter(|k| **k != Made::File) {
+                    return Err(format!(
+                        "the hard link {member} links to `{target}`, which the same archive makes {}: only a file can have a second name; refused",
+                        kind.name()
+                    ));
+                }
+                if made.contains_key(&path) {
+                    return Err(format!(
+                        "the hard link {member} names `{path}`, which the archive made already; refused"
+                    ));
+                }
+                if !made.contains_key(&target) {
+                    later.push((member.to_owned(), target.clone()));
+                }
+                hard_links.push((path.clone(), target));
                 Made::File
             }
             other => {
@@ -130,6 +153,11 @@ pub(crate) fn check(archive: &[u8]) -> Result<(), String> {
                 kind.name()
             ));
         }
+    }
+    if let Some((member, target)) = later.iter().find(|(_, t)| made.contains_key(t)) {
+        return Err(format!(
+            "the hard link {member} links to `{target}`, which comes later in the archive; refused"
+        ));
     }
     for (path, target) in &hard_links {
         if let Some((ancestor, kind)) = under(target) {
@@ -236,7 +264,7 @@ mod tests {
 
     #[test]
     fn names_types_and_shapes_that_cannot_be_unpacked_are_refused_by_member() {
-        let cases: [(&[Member], &str); 6] = [
+        let cases: [(&[Member], &str); 10] = [
             (
                 &[Member::File("ok.txt"), Member::File("../x")],
                 "`../x` climbs out",
@@ -254,6 +282,32 @@ mod tests {
             (
                 &[Member::Dir("d"), Member::File("d")],
                 "`d` is both a directory and a file",
+            ),
+            // Hard links the unpacker cannot make: to a member that comes later, to itself,
+            // to a directory, over a name made already.
+            (
+                &[
+                    Member::File("a.txt"),
+                    Member::HardLink("h", "later.txt"),
+                    Member::File("later.txt"),
+                ],
+                "comes later in the archive",
+            ),
+            (
+                &[Member::File("b.txt"), Member::HardLink("b.txt", "b.txt")],
+                "links to itself",
+            ),
+            (
+                &[Member::Dir("sub"), Member::HardLink("hl", "sub")],
+                "only a file can have a second name",
+            ),
+            (
+                &[
+                    Member::File("c.txt"),
+                    Member::File("d.txt"),
+                    Member::HardLink("d.txt", "c.txt"),
+                ],
+                "made already",
             ),
         ];
         for (members, says) in cases {

@@ -179,7 +179,10 @@ fn now_nanos() -> u128 {
 
 fn under(path: &str, prefix: &str) -> bool {
     let prefix = prefix.trim_end_matches('/');
-    prefix.is_empty() || prefix == "." || path == prefix || path.starts_with(&format!("{prefix}/"))
+    prefix.is_empty()
+        || prefix == "."
+        || path == prefix
+        || (path.starts_with(prefix) && path.as_bytes().get(prefix.len()) == Some(&b'/'))
 }
 
 fn select<'d>(
@@ -193,6 +196,10 @@ fn select<'d>(
         }
     }
     let mut selected = Vec::new();
+    // The deleted (or replaced) paths selected so far: what lies below one is looked up by its
+    // ancestors, one lookup each, not against every change selected (a diff of tens of
+    // thousands of changes took minutes so).
+    let mut deleted: std::collections::HashSet<&str> = std::collections::HashSet::new();
     for change in &diff.changes {
         let named_exactly = options
             .paths
@@ -224,10 +231,15 @@ fn select<'d>(
             continue;
         }
         // Below a deleted or replaced directory there is nothing left to do separately.
-        if selected.iter().any(|s: &&Change| {
-            s.kind == ChangeKind::Deleted && under(&change.path, &s.path) && s.path != change.path
-        }) {
+        if change
+            .path
+            .match_indices('/')
+            .any(|(at, _)| deleted.contains(&change.path[..at]))
+        {
             continue;
+        }
+        if change.kind == ChangeKind::Deleted {
+            deleted.insert(change.path.as_str());
         }
         selected.push(change);
     }
