@@ -712,8 +712,10 @@ fn restore_from_ring(
     let io = |what| JournalError::io(what, path);
     let (_, end) = shape(file).map_err(io("reading the journal"))?;
     let (seq, hash) = last.map_or((0, GENESIS), |e| (e.seq, e.hash.as_str()));
-    let found =
-        ring_continuation(ring, end, seq, hash).map_err(io("reading the journal's ring"))?;
+    let found = ring_continuation(ring, end, seq, hash).map_err(JournalError::io(
+        "reading the journal's ring",
+        &path.with_file_name(crate::ring::RING_FILE),
+    ))?;
     if found.count > 0 {
         file.write_all(&found.bytes)
             .and_then(|()| file.sync_data())
@@ -1466,8 +1468,10 @@ impl WriterState {
                 _ => return Err(self.cut(found)),
             },
         };
-        let back =
-            ring_continuation(&ring, end, seq, &hash).map_err(io("reading the journal's ring"))?;
+        let back = ring_continuation(&ring, end, seq, &hash).map_err(JournalError::io(
+            "reading the journal's ring",
+            &self.path.with_file_name(crate::ring::RING_FILE),
+        ))?;
         let whole = back
             .newest
             .as_ref()
