@@ -843,6 +843,19 @@ fn budgets_and_lasting_failures_end_sessions_with_their_reason() {
 
 /// Without a daemon, `warden agent run` runs the session in its own process, journaled the
 /// same way.
+/// `warden agent run` without a daemon, its state in `dir`, against `server`; the caller adds
+/// the rest of the command line.
+fn agent_run_here(dir: &std::path::Path, server: &ModelServer) -> std::process::Command {
+    let mut command = support::warden();
+    command
+        .env("WARDEN_RUNTIME_DIR", dir.join("run"))
+        .env("WARDEN_STATE_DIR", dir.join("state"))
+        .env("OPENAI_API_KEY", KEY)
+        .args(["agent", "run", "--model", "openai:m", "--base-url"])
+        .arg(server.base_url("openai"));
+    command
+}
+
 #[test]
 fn agent_run_without_a_daemon_runs_the_session_in_process() {
     let dir = tempfile::tempdir().unwrap();
@@ -854,19 +867,8 @@ fn agent_run_without_a_daemon_runs_the_session_in_process() {
         ),
         Step::Text("wrote made.txt".into()),
     ]);
-    let out = support::warden()
-        .env("WARDEN_RUNTIME_DIR", dir.path().join("run"))
-        .env("WARDEN_STATE_DIR", dir.path().join("state"))
-        .env("OPENAI_API_KEY", KEY)
-        .args([
-            "agent",
-            "run",
-            "--model",
-            "openai:m",
-            "--base-url",
-            &server.base_url("openai"),
-            "-w",
-        ])
+    let out = agent_run_here(dir.path(), &server)
+        .arg("-w")
         .arg(workspace.path())
         .arg("make a file")
         .output()
@@ -931,19 +933,8 @@ fn an_interrupted_agent_run_leaves_nothing_running() {
         "exec",
         json!({"command": "echo started; exec sleep 3119"}),
     )]);
-    let mut run = support::warden()
-        .env("WARDEN_RUNTIME_DIR", dir.path().join("run"))
-        .env("WARDEN_STATE_DIR", dir.path().join("state"))
-        .env("OPENAI_API_KEY", KEY)
-        .args([
-            "agent",
-            "run",
-            "--model",
-            "openai:m",
-            "--base-url",
-            &server.base_url("openai"),
-            "sleep a while",
-        ])
+    let mut run = agent_run_here(dir.path(), &server)
+        .arg("sleep a while")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
