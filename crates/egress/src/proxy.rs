@@ -410,11 +410,10 @@ impl Gateway {
         self.deny(conn, &decision);
     }
 
-    /// Resolves (once) and connects to the first address the rules allow: the connection is
-    /// pinned to the address that was checked. The name's addresses are remembered for the
-    /// cell's DNS (rules with `dns: connected` answer only from them).
-    /// Connects to an allowed address of `host` (for the request `http`, method and path, where
-    /// the connection carries one).
+    /// Resolves (once) and connects to the first address the rules allow for the request
+    /// `http` (method and path, where the connection carries one): the connection is pinned to
+    /// the address that was checked. The name's addresses are remembered for the cell's DNS
+    /// (rules with `dns: connected` answer only from them).
     pub(crate) fn connect(
         &self,
         host: &Host,
