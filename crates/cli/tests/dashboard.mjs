@@ -166,6 +166,25 @@ try {
   if (!heldOut.includes('held-2')) fail(`the approved command printed ${JSON.stringify(heldOut)}`);
   await page.waitForFunction(() => document.querySelector('#badge').hidden);
 
+  step('a review keeps its choices, and Apply waits while the cell changes what is under review');
+  await run('dash', ['sh', '-c', 'printf "left out\\n" > other.txt; printf "first\\n" > note.txt']);
+  await page.click('a[data-view="cells"]');
+  await page.click('a[href="#/cell/dash"]');
+  await page.waitForSelector('input[data-path="other.txt"]', { timeout: 15000 });
+  await page.uncheck('input[data-path="other.txt"]');
+  await page.click('[data-show="note.txt"]');
+  // The cell changes a file under review (its exec reloads the diff).
+  await run('dash', ['sh', '-c', 'printf "then this\\n" >> note.txt']);
+  await page.waitForSelector('#diff-moved', { timeout: 15000 });
+  if (await page.isChecked('input[data-path="other.txt"]')) fail('a reload chose again what the operator left out');
+  if (!(await page.isDisabled('[data-act="apply"]'))) fail('Apply is offered for changes that moved since they were looked at');
+  if (!(await page.$eval('#view .sbs', (el) => el.textContent.includes('then this')))) fail('the change on view is not the one the operator chose');
+  await page.click('[data-act="review-again"]');
+  await page.waitForSelector('#diff-moved', { state: 'detached', timeout: 15000 });
+  if (await page.isDisabled('[data-act="apply"]')) fail('Apply is still held after the review was taken again');
+  if (await page.isChecked('input[data-path="other.txt"]')) fail('looking again chose what the operator left out');
+  await run('dash', ['rm', 'other.txt']);
+
   step('a diff applied by clicking changes the host file');
   await run('dash', ['sh', '-c', 'printf "changed by the cell\\n" > note.txt']);
   await page.click('a[data-view="cells"]');

@@ -310,10 +310,15 @@ function viewCell(el, name) {
         h('td', {}, p.running ? 'running' : exitText(p.exit)),
         h('td', {}, button(p.running ? 'Attach' : 'Output', () => attach(name, p), { dataset: { act: 'attach' } })))))));
   };
-  renderHead(); loadProcs(); loadDiff(name, diffBox);
+  // What the operator is reviewing: the changes as first shown (their digest), the paths
+  // they chose or left out, the change on view. The cell may change its workspace meanwhile
+  // (every exec reloads the diff): a reload never undoes a choice, and Apply stays bound to the
+  // changes that were looked at until the operator looks again.
+  const review = { digest: null, choice: new Map(), shown: null };
+  renderHead(); loadProcs(); loadDiff(name, diffBox, review);
   onUsage(renderHead);
   state.refresh = async () => { await loadCells(); renderHead(); await loadProcs(); };
-  onEntry((e) => { if (e.cell === name && (e.kind.startsWith('workspace.') || e.kind === 'exec.exit' || e.kind.startsWith('file.'))) loadDiff(name, diffBox); });
+  onEntry((e) => { if (e.cell === name && (e.kind.startsWith('workspace.') || e.kind === 'exec.exit' || e.kind.startsWith('file.'))) loadDiff(name, diffBox, review); });
 }
 
 function exitText(exit) {
@@ -379,11 +384,16 @@ async function newShell(cell) {
 
 // ---------- workspace ----------
 
-async function loadDiff(cell, box) {
+async function loadDiff(cell, box, review) {
   let diff;
   try { diff = await api('GET', `/v1/cells/${enc(cell)}/diff`); } catch (e) { box.replaceChildren(h('p', { class: 'muted' }, e.message)); return; }
   if (diff.changes.length === 0) { box.replaceChildren(h('p', { class: 'muted' }, 'no changes')); return; }
-  const chosen = new Set(diff.changes.filter((c) => !c.refused && !c.sensitive).map((c) => c.path));
+  if (review.digest === null) review.digest = diff.digest;
+  // Chosen: what is chosen by default (neither refused nor sensitive), unless the operator
+  // chose otherwise, which a reload keeps.
+  const chosen = new Set(diff.changes
+    .filter((c) => !c.refused && (review.choice.get(c.path) ?? !c.sensitive))
+    .map((c) => c.path));
   const shown = h('div', {});
   const tree = h('div', { class: 'tree' });
   let lastDir = null;
@@ -391,25 +401,35 @@ async function loadDiff(cell, box) {
     const dir = c.path.includes('/') ? c.path.slice(0, c.path.lastIndexOf('/')) : '';
     if (dir !== lastDir) { if (dir) tree.append(h('div', { class: 'dir' }, `${dir}/`)); lastDir = dir; }
     const box2 = h('input', { type: 'checkbox', checked: chosen.has(c.path), disabled: !!c.refused, dataset: { path: c.path } });
-    box2.addEventListener('change', () => { if (box2.checked) chosen.add(c.path); else chosen.delete(c.path); });
+    box2.addEventListener('change', () => {
+      review.choice.set(c.path, box2.checked);
+      if (box2.checked) chosen.add(c.path); else chosen.delete(c.path);
+    });
     const name = h('span', { class: 'clickable', dataset: { show: c.path }, title: 'show the change' },
       h('span', { class: c.kind === 'deleted' ? 'error' : c.kind === 'added' ? '' : 'muted' }, c.kind[0].toUpperCase()), ' ',
       c.path.slice(dir ? dir.length + 1 : 0));
-    name.addEventListener('click', () => showChange(shown, c));
+    name.addEventListener('click', () => { review.shown = c.path; showChange(shown, c); });
     const label = h('div', { class: 'change', style: dir ? 'padding-left:1rem' : '' }, box2, ' ', name,
       c.refused ? h('span', { class: 'error' }, ` (${c.refused})`) : '', c.sensitive ? h('span', { class: 'muted' }, ` (sensitive: ${c.sensitive})`) : '');
     tree.append(label);
   }
+  // The changes moved since they were looked at: Apply waits until the operator looks again.
+  const moved = diff.digest !== review.digest;
   const apply = button('Apply chosen', async () => {
     const paths = [...chosen];
     if (paths.length === 0) throw new Error('choose at least one path');
     toast('applying (the policy may ask for an approval first)');
-    const r = await api('POST', `/v1/cells/${enc(cell)}/apply`, { paths, digest: diff.digest, include_sensitive: paths.some((p) => diff.changes.find((c) => c.path === p)?.sensitive) });
+    const r = await api('POST', `/v1/cells/${enc(cell)}/apply`, { paths, digest: review.digest, include_sensitive: paths.some((p) => diff.changes.find((c) => c.path === p)?.sensitive) });
     toast(`applied ${r.applied.length}${r.skipped.length ? `, skipped ${r.skipped.map((s) => s.join(': ')).join('; ')}` : ''}`);
-    loadDiff(cell, box);
+    review.digest = null; review.choice.clear(); review.shown = null;
+    loadDiff(cell, box, review);
   }, { class: 'primary', dataset: { act: 'apply' } });
-  box.replaceChildren(h('div', { class: 'diff' }, h('div', {}, tree, h('div', { style: 'margin-top:.6rem' }, apply)), shown));
-  showChange(shown, diff.changes[0]);
+  apply.disabled = moved;
+  const again = moved ? h('div', { class: 'error', id: 'diff-moved' },
+    'The cell changed its workspace since you began this review: look at the changes again. ',
+    button('Review again', async () => { review.digest = diff.digest; loadDiff(cell, box, review); }, { dataset: { act: 'review-again' } })) : '';
+  box.replaceChildren(h('div', { class: 'diff' }, h('div', {}, again, tree, h('div', { style: 'margin-top:.6rem' }, apply)), shown));
+  showChange(shown, diff.changes.find((c) => c.path === review.shown) ?? diff.changes[0]);
 }
 
 // A unified patch side by side: removed lines left, added right, context on both.
