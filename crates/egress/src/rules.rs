@@ -276,11 +276,16 @@ impl Rules {
             host: &at,
             ..request.clone()
         };
+        self.address_denials()
+            .find(|r| r.matches_any_form(&request))
+            .map(|r| r.label.as_str())
+    }
+
+    /// The deny rules that name an address or a network.
+    fn address_denials(&self) -> impl Iterator<Item = &Rule> {
         self.deny
             .iter()
             .filter(|r| matches!(r.host, HostMatch::Ip(_) | HostMatch::Net(_)))
-            .find(|r| r.matches_any_form(&request))
-            .map(|r| r.label.as_str())
     }
 
     /// Whether a deny rule on methods or paths names `ip` (an address or a network holding it)
@@ -288,26 +293,18 @@ impl Rules {
     /// name it was opened for.
     pub fn decides_requests_at(&self, port: u16, ip: IpAddr) -> bool {
         let at = Host::Ip(ip.to_canonical());
-        self.deny.iter().any(|r| {
-            matches!(r.host, HostMatch::Ip(_) | HostMatch::Net(_))
-                && r.is_l7()
-                && r.port_matches(port)
-                && r.host_matches(&at)
-        })
+        self.address_denials()
+            .any(|r| r.is_l7() && r.port_matches(port) && r.host_matches(&at))
     }
 
     /// Whether some deny rule on methods or paths names an address or a network.
     pub fn decides_requests_at_addresses(&self) -> bool {
-        self.deny
-            .iter()
-            .any(|r| matches!(r.host, HostMatch::Ip(_) | HostMatch::Net(_)) && r.is_l7())
+        self.address_denials().any(Rule::is_l7)
     }
 
     /// Whether some deny rule names an address or a network (`denied_at` can refuse).
     pub fn denies_addresses(&self) -> bool {
-        self.deny
-            .iter()
-            .any(|r| matches!(r.host, HostMatch::Ip(_) | HostMatch::Net(_)))
+        self.address_denials().next().is_some()
     }
 
     /// Whether a name may be resolved for the cell: some allow rule covers it on some port (or

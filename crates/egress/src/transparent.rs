@@ -218,26 +218,8 @@ impl Gateway {
 /// whole: its body, or the bytes of a second request, never name the host). Several Host
 /// headers are an error.
 fn http_host(bytes: &[u8]) -> Option<Result<String, String>> {
-    let mut headers = [httparse::EMPTY_HEADER; 100];
-    let mut request = httparse::Request::new(&mut headers);
-    let Ok(httparse::Status::Complete(_)) = request.parse(bytes) else {
-        return None;
-    };
-    let hosts: Vec<&[u8]> = request
-        .headers
-        .iter()
-        .filter(|h| h.name.eq_ignore_ascii_case("host"))
-        .map(|h| h.value)
-        .collect();
-    match hosts.as_slice() {
-        [] => None,
-        [one] => Some(
-            std::str::from_utf8(one)
-                .map(|h| h.trim().to_owned())
-                .map_err(|_| "the Host header is not text".to_owned()),
-        ),
-        _ => Some(Err("the request has several Host headers".to_owned())),
-    }
+    let head = crate::tunnel::http_head(bytes).ok()??;
+    head.host.transpose()
 }
 
 #[cfg(test)]

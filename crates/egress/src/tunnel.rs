@@ -14,6 +14,9 @@ use crate::record::Decision;
 use crate::rules::Request;
 use crate::sni::{Hello, MAX_INPUT, client_hello};
 
+/// The answer to a CONNECT the gateway lets through.
+const ESTABLISHED: &[u8] = b"HTTP/1.1 200 Connection established\r\n\r\n";
+
 impl Gateway {
     pub(crate) fn tunnel(&self, mut conn: TcpStream, target: &str, early: Vec<u8>) {
         let (host, port) = match split_authority(target, 443) {
@@ -37,10 +40,7 @@ impl Gateway {
         if let Some(interceptor) = &self.interceptor
             && self.opens_up(&self.rules(), &host, port)
         {
-            if conn
-                .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
-                .is_err()
-            {
+            if conn.write_all(ESTABLISHED).is_err() {
                 return;
             }
             // A client that speaks plain HTTP in the tunnel (`curl --proxytunnel` of an
@@ -73,10 +73,7 @@ impl Gateway {
         else {
             return;
         };
-        if conn
-            .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
-            .is_err()
-        {
+        if conn.write_all(ESTABLISHED).is_err() {
             return;
         }
         // Plain HTTP in the tunnel is served as a proxied request would be: decided on its own,
@@ -196,14 +193,11 @@ fn needs_more(bytes: &[u8]) -> bool {
     }
 }
 
-/// Whether a client's first bytes are (or begin) what an HTTP/1 server reads as a request:
-/// `METHOD TARGET HTTP/...`, the method any token (RFC 9110: servers differ in which they take,
-/// `M-SEARCH`, `_GET`, lower case), after any empty lines (which servers skip, RFC 9112 2.2);
-/// or HTTP/0.9's `GET /path` with no version, which some servers still answer. Anything else
-/// (`SSH-2.0-OpenSSH_9.2p1 Debian-2`, `EHLO mail.test`, a TLS record) is not one. Bytes that
-/// stop short of telling (a lone token, `ping`) are counted as a request: the caller reads on
-/// until they tell, and refuses them if they never do (a client sending a request a byte at a
-/// time, and pausing, must not have it taken for another protocol and relayed raw).
+/// Whether a client's first bytes are (or begin) what an HTTP/1 server reads as a request
+/// (`request_line` says what that takes). Bytes that stop short of telling (a lone token,
+/// `ping`) are counted as a request: the caller reads on until they tell, and refuses them if
+/// they never do (a client sending a request a piece at a time, and pausing, must not have it
+/// taken for another protocol and relayed raw).
 pub(crate) fn looks_http(bytes: &[u8]) -> bool {
     request_line(bytes) != Line::Not
 }
@@ -217,6 +211,10 @@ enum Line {
     Not,
 }
 
+/// What servers read as a request line: a method of any token (RFC 9110; `M-SEARCH`, `_GET`,
+/// `get`), of any length, after any white space or empty lines (RFC 9112 2.2), then white space
+/// of any kind, and a line that names a version (`HTTP/`, in any case) or, with none, a path
+/// (HTTP/0.9). `SSH-2.0-OpenSSH_9.2p1 Debian-2`, `EHLO mail.test` or a TLS record are not one.
 fn request_line(bytes: &[u8]) -> Line {
     let is_token = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
     // What some server splits a request line at: ASCII white space, and the Latin-1 bytes
@@ -275,11 +273,12 @@ fn h2_preface(bytes: &[u8]) -> bool {
     n >= 3 && bytes[..n] == PREFACE[..n]
 }
 
-/// A plain HTTP request head at the start of a tunnel's first bytes: whether it asks for an
-/// upgrade (a WebSocket's), and the host its Host header names (`Err`: there are several).
-struct Head {
+/// A plain HTTP request head at the start of a connection's first bytes: whether it asks for
+/// an upgrade (a WebSocket's), and the host its Host header names (`Err`: why none can be
+/// taken from it).
+pub(crate) struct Head {
     upgrade: bool,
-    host: Result<Option<String>, ()>,
+    pub(crate) host: Result<Option<String>, String>,
     /// The head's length in the bytes (what follows it is a body, or a next request).
     len: usize,
     /// Whether its target is a path (`/...`), not a URL or `*`.
@@ -287,8 +286,9 @@ struct Head {
 }
 
 /// The request head that `bytes` begin with: `Ok(None)` where they do not look like one,
-/// `Err` where they do but cannot be read whole.
-fn http_head(bytes: &[u8]) -> Result<Option<Head>, ()> {
+/// `Err` where they do but cannot be read whole (its body, or the bytes of a second request,
+/// never name the host).
+pub(crate) fn http_head(bytes: &[u8]) -> Result<Option<Head>, ()> {
     if !looks_http(bytes) {
         return Ok(None);
     }
@@ -306,8 +306,10 @@ fn http_head(bytes: &[u8]) -> Result<Option<Head>, ()> {
     let hosts: Vec<&[u8]> = named("host").map(|h| h.value).collect();
     let host = match hosts.as_slice() {
         [] => Ok(None),
-        [one] => Ok(Some(String::from_utf8_lossy(one).trim().to_owned())),
-        _ => Err(()),
+        [one] => std::str::from_utf8(one)
+            .map(|h| Some(h.trim().to_owned()))
+            .map_err(|_| "the Host header is not text".to_owned()),
+        _ => Err("the request has several Host headers".to_owned()),
     };
     Ok(Some(Head {
         upgrade: named("upgrade").next().is_some(),
@@ -359,11 +361,7 @@ fn opening(bytes: &[u8], host: &Host) -> Opening {
     }
     let expected = host.as_text();
     match head.host {
-        Ok(Some(named))
-            if split_authority(&named, 0)
-                .or_else(|_| Host::parse(&named).map(|h| (h, 0)))
-                .is_ok_and(|(h, _)| h == *host) =>
-        {
+        Ok(Some(named)) if split_authority(&named, 0).is_ok_and(|(h, _)| h == *host) => {
             Opening::Upgrade { head: head.len }
         }
         Ok(Some(named)) => Opening::Refused(format!(
@@ -372,7 +370,7 @@ fn opening(bytes: &[u8], host: &Host) -> Opening {
         Ok(None) => Opening::Refused(format!(
             "the upgrade request names no Host, and the tunnel was opened for `{expected}`"
         )),
-        Err(()) => Opening::Refused("the request has several Host headers".to_owned()),
+        Err(reason) => Opening::Refused(reason),
     }
 }
 

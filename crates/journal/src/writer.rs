@@ -12,7 +12,7 @@
 //! that dies holding the lock loses it with its descriptors; a line it tore is cut by the next.
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, Read as _, Seek as _, SeekFrom, Write as _};
+use std::io::{self, Seek as _, SeekFrom, Write as _};
 use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -810,60 +810,38 @@ fn read_tail(file: &mut File, path: &Path) -> Result<Tail, JournalError> {
             cut_bytes: 0,
         });
     }
-    // Read backwards in blocks until the last two newlines (or the start) are in view: most
-    // entries fit the first block (a larger first read costs every open its copy and its
-    // fresh heap pages), and each further read takes four times as much.
-    let mut block = 8 * 1024u64;
-    loop {
-        let start = len.saturating_sub(block);
-        file.seek(SeekFrom::Start(start))
-            .map_err(io("reading the journal"))?;
-        let mut buf = Vec::with_capacity((len - start) as usize);
-        file.read_to_end(&mut buf)
-            .map_err(io("reading the journal"))?;
-        let end_of_complete = buf.iter().rposition(|b| *b == b'\n').map(|i| i + 1);
-        let Some(end) = end_of_complete else {
-            if start == 0 {
-                // Not one complete line: the whole file is a torn first write.
-                file.set_len(0).map_err(io("cutting a torn last line"))?;
-                file.sync_all().map_err(io("cutting a torn last line"))?;
-                return Ok(Tail {
-                    last: None,
-                    cut_bytes: len,
-                });
-            }
-            block *= 4;
-            continue;
-        };
-        let line_start = buf[..end - 1]
-            .iter()
-            .rposition(|b| *b == b'\n')
-            .map(|i| i + 1);
-        if line_start.is_none() && start > 0 {
-            block *= 4;
-            continue;
-        }
-        let line = &buf[line_start.unwrap_or(0)..end - 1];
-        let cut = (buf.len() - end) as u64;
-        let entry = check_line(line).map_err(|reason| JournalError::Corrupt {
-            path: path.to_path_buf(),
-            reason,
-        })?;
-        if cut > 0 {
-            file.set_len(len - cut)
-                .map_err(io("cutting a torn last line"))?;
-            file.sync_all().map_err(io("cutting a torn last line"))?;
-        }
+    // The last complete line (`last_line_within`: read backwards in blocks, most entries in the
+    // first one); what follows it is a torn write.
+    let last = last_line_within(file, len).map_err(io("reading the journal"))?;
+    let Some((line, end)) = last else {
+        // Not one complete line: the whole file is a torn first write.
+        file.set_len(0).map_err(io("cutting a torn last line"))?;
+        file.sync_all().map_err(io("cutting a torn last line"))?;
         return Ok(Tail {
-            last: Some(entry),
-            cut_bytes: cut,
+            last: None,
+            cut_bytes: len,
         });
+    };
+    let entry = check_line(&line).map_err(|reason| JournalError::Corrupt {
+        path: path.to_path_buf(),
+        reason,
+    })?;
+    let cut = len - end;
+    if cut > 0 {
+        file.set_len(end).map_err(io("cutting a torn last line"))?;
+        file.sync_all().map_err(io("cutting a torn last line"))?;
     }
+    Ok(Tail {
+        last: Some(entry),
+        cut_bytes: cut,
+    })
 }
 
 /// The last complete line within the first `end` bytes of `file` (without its newline), and
-/// where it ends (past its newline); none where those bytes hold no newline. Read backwards
-/// in blocks, as `read_tail` does, without changing the file.
+/// where it ends (past its newline); none where those bytes hold no newline. Read backwards in
+/// blocks until the last two newlines (or the start) are in view: most entries fit the first
+/// block (a larger first read costs every open its copy and its fresh heap pages), and each
+/// further read takes four times as much. The file is not changed.
 fn last_line_within(file: &File, end: u64) -> io::Result<Option<(Vec<u8>, u64)>> {
     use std::os::unix::fs::FileExt as _;
     let mut block = 8 * 1024u64;

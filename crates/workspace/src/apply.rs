@@ -620,7 +620,10 @@ fn data_to_write(layers: &[PathBuf], selected: &[&Change]) -> u64 {
 /// The data of `file`'s first `len` bytes, as `(start, end)` ranges in order: what is between
 /// them (and after the last) is holes, which read as zeros and take no blocks. A file system
 /// that keeps no holes says the whole file is data.
-fn data_extents(file: &fs::File, len: u64) -> impl Iterator<Item = io::Result<(u64, u64)>> + '_ {
+pub fn data_extents(
+    file: &fs::File,
+    len: u64,
+) -> impl Iterator<Item = io::Result<(u64, u64)>> + '_ {
     use rustix::fs::{SeekFrom, seek};
     let mut at = 0u64;
     std::iter::from_fn(move || {

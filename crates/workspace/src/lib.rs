@@ -12,7 +12,7 @@ mod diff;
 mod layer;
 mod sensitive;
 
-pub use apply::{ApplyOptions, ApplyReport, DEFAULT_MAX_WRITE_BYTES, apply};
+pub use apply::{ApplyOptions, ApplyReport, DEFAULT_MAX_WRITE_BYTES, apply, data_extents};
 pub use change::{Change, ChangeKind, Diff, EntryKind};
 pub use diff::{DEFAULT_MAX_READ_BYTES, DiffOptions, MAX_DEPTH, diff};
 pub use layer::{Layer, LayerMeta, write_over};

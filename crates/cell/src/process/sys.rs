@@ -1927,38 +1927,9 @@ pub(crate) fn copy_data_over(
     Ok(copied)
 }
 
-/// The data extents of the first `length` bytes of `file` (`SEEK_DATA`/`SEEK_HOLE`), each as
-/// `(start, end)`: what is between them are holes.
-pub(crate) fn data_extents(
-    file: &std::fs::File,
-    length: u64,
-) -> impl Iterator<Item = std::io::Result<(u64, u64)>> + '_ {
-    use rustix::fs::{SeekFrom, seek};
-    let mut at = 0u64;
-    std::iter::from_fn(move || {
-        if at >= length {
-            return None;
-        }
-        let start = match seek(file, SeekFrom::Data(at)) {
-            Ok(start) => start,
-            // No data after `at`: the rest is a hole.
-            Err(rustix::io::Errno::NXIO) => return None,
-            Err(e) => {
-                at = length;
-                return Some(Err(e.into()));
-            }
-        };
-        let end = match seek(file, SeekFrom::Hole(start)) {
-            Ok(end) => end.min(length),
-            Err(e) => {
-                at = length;
-                return Some(Err(e.into()));
-            }
-        };
-        at = end.max(start + 1);
-        Some(Ok((start, end)))
-    })
-}
+/// The data extents of the first bytes of a file (`SEEK_DATA`/`SEEK_HOLE`), each as
+/// `(start, end)`: what is between them are holes. The workspace's apply reads them alike.
+pub(crate) use warden_workspace::data_extents;
 
 /// The ids of this process's threads (none where `/proc` cannot be read).
 fn thread_ids() -> Vec<libc::pid_t> {
