@@ -151,7 +151,7 @@ fn run() -> (i32, bool) {
         Err(err) => {
             // Errors can quote what a cell chose (the paths of an apply that was refused or
             // rolled back): escaped, line by line, before they reach a terminal.
-            eprintln!("warden: {}", render::safe_lines(&format!("{err:#}")));
+            eprintln!("warden: {}", render::safe_lines(&render::error_text(&err)));
             warden_protocol::exit::WARDEN_ERROR
         }
     };

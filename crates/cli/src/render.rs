@@ -22,6 +22,24 @@ pub fn safe(text: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
+/// An error and its causes, as `{:#}` writes them (`: ` between), each said once: a message
+/// that already ends with its cause's text (an error type that quotes its source) is not
+/// followed by that text again.
+pub fn error_text(err: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in err.chain() {
+        let said = cause.to_string();
+        if text.ends_with(&said) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&said);
+    }
+    text
+}
+
 /// A multi-line text (a patch) made safe line by line: its line breaks stay breaks.
 pub fn safe_lines(text: &str) -> String {
     text.split_inclusive('\n')
@@ -50,5 +68,21 @@ mod tests {
         assert_eq!(safe("\u{9b}31m"), "\\u{9b}31m");
         assert_eq!(safe("evil\u{202e}txt.exe"), "evil\\u{202e}txt.exe");
         assert_eq!(safe_lines("+a\r\n-b\x08\n"), "+a\\u{d}\n-b\\u{8}\n");
+    }
+
+    #[test]
+    fn an_error_that_quotes_its_cause_is_not_followed_by_it_again() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("cannot read policy p.yaml: {source}")]
+        struct Quoting {
+            source: std::io::Error,
+        }
+        let io = || std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
+        let err = anyhow::Error::new(Quoting { source: io() });
+        assert_eq!(error_text(&err), "cannot read policy p.yaml: no such file");
+        // A cause the message does not quote is still said, after it.
+        let err = anyhow::Error::new(io()).context("reading the plan");
+        assert_eq!(error_text(&err), "reading the plan: no such file");
+        assert_eq!(error_text(&err), format!("{err:#}"));
     }
 }

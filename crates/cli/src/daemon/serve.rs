@@ -252,7 +252,7 @@ fn forked_keeper() -> i32 {
     match keep() {
         Ok(code) => code,
         Err(err) => {
-            eprintln!("warden: {err:#}");
+            eprintln!("warden: {}", crate::render::error_text(&err));
             warden_protocol::exit::WARDEN_ERROR
         }
     }
