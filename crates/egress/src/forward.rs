@@ -103,13 +103,15 @@ impl Gateway {
             }
         }
         let rules = self.rules();
-        let verdict = self.decide(
+        let query = target.forwarded.split_once('?').map(|(_, query)| query);
+        let verdict = self.decide_showing(
             &rules,
             &Request {
                 host,
                 port,
                 http: Some((method, &target.path)),
             },
+            query,
         );
         let mut decision = self.record(
             kind,
@@ -318,9 +320,27 @@ impl Gateway {
             body,
         } = checked;
         let inference = crate::inference::is_inference(&verdict.rule);
-        if inference
-            && decision.allowed
-            && let Some(reason) = crate::inference::refused_request(&method, &target.path)
+        // An `https://` upstream gets its credential inside the TLS the gateway speaks to it
+        // (the route), never in plain HTTP a cell sent to its address itself.
+        let refused = if inference
+            && tls.is_none()
+            && self
+                .rules()
+                .inference
+                .as_ref()
+                .is_some_and(|route| route.tls.is_some())
+        {
+            Some(format!(
+                "the inference upstream speaks TLS; plain HTTP to {}:{port} would carry its credential in clear (send model requests to the route's name)",
+                host.as_text()
+            ))
+        } else if inference {
+            crate::inference::refused_request(&method, &target.path)
+        } else {
+            None
+        };
+        if decision.allowed
+            && let Some(reason) = refused
         {
             decision.allowed = false;
             decision.reason = reason;
@@ -551,6 +571,160 @@ pub(crate) fn placeholder_refusal(err: &io::Error) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A gateway whose one rule asks about `127.0.0.2:9`, serving a proxy port; returns the
+    /// port's address and the questions it asks (each answered by the timeout: refused).
+    fn asking_gateway() -> (
+        std::net::SocketAddr,
+        std::sync::Arc<std::sync::Mutex<Vec<crate::approvals::Question>>>,
+    ) {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let place =
+            std::env::temp_dir().join(format!("warden-forward-test-{}-{n}", std::process::id()));
+        let network = warden_policy::Network {
+            ask: vec![warden_policy::NetRule {
+                host: "127.0.0.2".into(),
+                ports: vec![9],
+                methods: vec![],
+                paths: vec!["/**".into()],
+                credential: None,
+                dns: warden_policy::NameLookup::Any,
+            }],
+            ..warden_policy::Network::default()
+        };
+        let asked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = asked.clone();
+        let approvals = crate::Approvals::new(
+            &place.join("approvals"),
+            std::time::Duration::ZERO,
+            false,
+            move |q| seen.lock().unwrap().push(q.clone()),
+        )
+        .unwrap();
+        let gateway = Gateway::new(
+            crate::Rules::compile(&network).unwrap(),
+            &place.join("net.jsonl"),
+            "test",
+            crate::Secrets::default(),
+            None,
+            crate::Bounds::default(),
+        )
+        .unwrap()
+        .with_approvals(approvals);
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap();
+        gateway.serve(listener).unwrap();
+        (address, asked)
+    }
+
+    /// What the cell puts in a path or a query reaches the person asked as printable text that
+    /// cannot act on their terminal (C1 `CSI` is U+009B) or pass for something else, and the
+    /// query they are asked to let through is shown too.
+    #[test]
+    fn a_question_shows_the_whole_target_and_nothing_a_terminal_acts_on() {
+        use std::io::Write as _;
+        let (address, asked) = asking_gateway();
+        let mut conn = TcpStream::connect(address).unwrap();
+        let mut request = b"GET http://127.0.0.2:9/api/items".to_vec();
+        request.extend_from_slice("\u{9b}2K\u{9b}1G\u{a0}GET\u{202e}safe.test/x".as_bytes());
+        request.extend_from_slice(b"?delete=everything HTTP/1.1\r\nHost: 127.0.0.2:9\r\n\r\n");
+        conn.write_all(&request).unwrap();
+        let mut answer = String::new();
+        let _ = conn.read_to_string(&mut answer);
+        assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
+        let questions = asked.lock().unwrap();
+        assert_eq!(questions.len(), 1, "{questions:?}");
+        assert_eq!(
+            questions[0].request,
+            "GET 127.0.0.2:9/api/items%C2%9B2K%C2%9B1G%C2%A0GET%E2%80%AEsafe.test/x?delete=everything"
+        );
+    }
+
+    /// With an `https://` inference upstream, a cell that sends plain HTTP to the upstream's
+    /// address itself (not the route's name) is refused, and the upstream gets no byte: before,
+    /// the gateway sent it the request with the API key in its header, in clear.
+    #[test]
+    fn plain_http_to_an_https_inference_upstream_never_carries_its_key() {
+        use std::io::Write as _;
+        const KEY: &str = "sk-REAL-SECRET-abcdef0123";
+        // The upstream: a TLS port that records whatever comes.
+        let upstream = std::net::TcpListener::bind("127.0.0.2:0").unwrap();
+        let port = upstream.local_addr().unwrap().port();
+        let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let kept = got.clone();
+        std::thread::spawn(move || {
+            for conn in upstream.incoming().flatten() {
+                let _ = conn.set_read_timeout(Some(std::time::Duration::from_secs(2)));
+                let mut bytes = Vec::new();
+                let _ = (&conn).read_to_end(&mut bytes);
+                kept.lock().unwrap().extend_from_slice(&bytes);
+            }
+        });
+        let network = warden_policy::Network {
+            inference: Some(warden_policy::Inference {
+                upstream: format!("https://127.0.0.2:{port}"),
+                credential: Some("openai".into()),
+                name: "inference.warden".into(),
+                max_tokens: None,
+            }),
+            ..warden_policy::Network::default()
+        };
+        let secrets = crate::Secrets {
+            all: vec![crate::secrets::Secret {
+                name: "openai".into(),
+                placeholder: "placeholder-abcdefghij".into(),
+                value: KEY.into(),
+                header: "Authorization".into(),
+                format: "Bearer {}".into(),
+                env: None,
+                in_body: false,
+            }],
+        };
+        let log = std::env::temp_dir().join(format!(
+            "warden-forward-inference-{}.jsonl",
+            std::process::id()
+        ));
+        let gateway = Gateway::new(
+            crate::Rules::compile(&network).unwrap(),
+            &log,
+            "test",
+            secrets,
+            None,
+            crate::Bounds::default(),
+        )
+        .unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap();
+        gateway.serve(listener).unwrap();
+        let body = r#"{"model":"m","messages":[]}"#;
+        let mut conn = TcpStream::connect(address).unwrap();
+        write!(
+            conn,
+            "POST http://127.0.0.2:{port}/v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.2:{port}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut answer = String::new();
+        let _ = conn.read_to_string(&mut answer);
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let upstream_got = String::from_utf8_lossy(&got.lock().unwrap()).into_owned();
+        assert!(
+            !upstream_got.contains(KEY),
+            "the key went in clear: {upstream_got}"
+        );
+        assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
+        assert!(answer.contains("speaks TLS"), "{answer}");
+        let _ = std::fs::remove_file(&log);
+    }
+
+    #[test]
+    fn a_long_target_is_shown_in_part_with_the_count_of_the_rest() {
+        let target = format!("/{}", "a".repeat(5000));
+        let shown = crate::proxy::shown_target(&target);
+        assert!(shown.ends_with("... (2953 bytes more)"), "{shown}");
+        assert!(shown.len() < 2100);
+    }
 
     #[test]
     fn method_overrides_are_found_in_headers_and_the_query() {

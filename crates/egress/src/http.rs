@@ -446,9 +446,11 @@ pub(crate) fn relay_inspected(
             .iter()
             .find(|e| !e.trim_ascii().eq_ignore_ascii_case(b"identity"))
         {
+            // The value is the upstream's: it goes to the cell and the record scrubbed like
+            // the response itself would have been.
             return refuse(format!(
                 "the upstream answered with a `{}`-encoded body although the gateway asked for none (Accept-Encoding: identity); it cannot be inspected for a credential or read as a model reply",
-                String::from_utf8_lossy(encoding)
+                secrets.scrubbed_text(&String::from_utf8_lossy(encoding))
             ));
         }
         let transfer: Vec<&[u8]> = named
@@ -689,6 +691,25 @@ mod tests {
         );
         assert!(text.contains("X-Echo: Bearer PLACEHOLDERXYZ"), "{text}");
         assert!(text.ends_with("\r\n\r\nok"), "{text}");
+    }
+
+    #[test]
+    fn a_refusal_never_hands_the_cell_a_secret_the_upstream_put_in_the_refused_header() {
+        let secrets = secrets();
+        // An upstream that reflects the request's Authorization into the header the refusal
+        // names.
+        let response = "HTTP/1.1 200 OK\r\nContent-Encoding: Bearer s3cr3t-t0ken-9\r\nContent-Length: 2\r\n\r\nok";
+        let mut out = Vec::new();
+        let result = relay_inspected(&mut response.as_bytes(), &mut out, &secrets, "GET");
+        let Err(ResponseError::Refused(reason)) = result else {
+            panic!("not refused: {result:?}");
+        };
+        assert!(!reason.contains("s3cr3t-t0ken-9"), "{reason}");
+        assert!(
+            reason.contains("`Bearer PLACEHOLDERXYZ`-encoded"),
+            "{reason}"
+        );
+        assert!(out.is_empty());
     }
 
     #[test]

@@ -81,6 +81,10 @@ impl Gateway {
         latency: Duration,
         routed: bool,
     ) -> Option<Value> {
+        // The request is kept as it went upstream: a credential bound `in_body` is the secret
+        // there, and the record gets the placeholder the cell sent instead.
+        let request = self.secrets.scrubbed(request);
+        let request = request.as_slice();
         let format = warden_model::Format::of_path(path);
         let body: Value = serde_json::from_slice(request).unwrap_or(Value::Null);
         if !routed && !body.get("model").is_some_and(Value::is_string) {
@@ -200,15 +204,21 @@ mod tests {
     use super::*;
 
     fn gateway() -> Gateway {
+        gateway_with(crate::Secrets::default())
+    }
+
+    fn gateway_with(secrets: crate::Secrets) -> Gateway {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let log = std::env::temp_dir().join(format!(
-            "warden-inference-test-{}.jsonl",
-            std::process::id()
+            "warden-inference-test-{}-{}.jsonl",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
         ));
         let gateway = Gateway::new(
             crate::Rules::compile(&warden_policy::Network::default()).unwrap(),
             &log,
             "test",
-            crate::Secrets::default(),
+            secrets,
             None,
             crate::Bounds::default(),
         )
@@ -236,6 +246,30 @@ mod tests {
         // On the route, every exchange is read, whatever its body.
         let routed = gateway.read_exchange("/v1/messages", other, b"", Duration::ZERO, true);
         assert!(routed.is_some_and(|r| r.get("error").is_some()));
+    }
+
+    /// A credential bound `in_body` is the secret in the body that went upstream; the record
+    /// read from that body names the placeholder, never the secret.
+    #[test]
+    fn the_record_of_a_model_call_never_holds_a_secret_put_in_its_body() {
+        let secret = crate::secrets::Secret {
+            name: "api".into(),
+            placeholder: "placeholder-0123456789".into(),
+            value: "s3cr3t-VALUE-abcdefghi".into(),
+            header: "Authorization".into(),
+            format: "Bearer {}".into(),
+            env: None,
+            in_body: true,
+        };
+        let gateway = gateway_with(crate::Secrets { all: vec![secret] });
+        let sent =
+            br#"{"model":"s3cr3t-VALUE-abcdefghi","messages":[{"role":"user","content":"x"}]}"#;
+        let read = gateway
+            .read_exchange("/v1/chat/completions", sent, REPLY, Duration::ZERO, false)
+            .expect("a model call is read");
+        let text = read.to_string();
+        assert!(!text.contains("s3cr3t-VALUE"), "{text}");
+        assert_eq!(read["model"], "placeholder-0123456789");
     }
 
     #[test]

@@ -99,12 +99,15 @@ pub fn normalize(target: &str) -> Result<Target, PathError> {
 /// upper-cases the others; refuses the ones servers read differently.
 fn decode_segment(raw: &str) -> Result<String, &'static str> {
     let bytes = raw.as_bytes();
-    let mut out = String::with_capacity(raw.len());
+    // Bytes, not chars: a character of several bytes (`é`) goes on as the same bytes, where
+    // each byte taken as a char of its own would write it twice encoded (`Ã©`), C1 controls
+    // among them.
+    let mut out = Vec::with_capacity(raw.len());
     let mut i = 0;
     while i < bytes.len() {
         let byte = bytes[i];
         if byte != b'%' {
-            out.push(char::from(byte));
+            out.push(byte);
             i += 1;
             continue;
         }
@@ -119,13 +122,14 @@ fn decode_segment(raw: &str) -> Result<String, &'static str> {
             0 => return Err("it contains `%00`, an encoded NUL"),
             b'%' => return Err("it contains `%25`, an encoded `%` that some servers decode again"),
             b if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') => {
-                out.push(char::from(b));
+                out.push(b);
             }
-            b => out.push_str(&format!("%{b:02X}")),
+            b => out.extend_from_slice(format!("%{b:02X}").as_bytes()),
         }
         i += 3;
     }
-    Ok(out)
+    // Whole characters of `raw` and ASCII in place of its `%XX`: still UTF-8.
+    String::from_utf8(out).map_err(|_| "it is not UTF-8")
 }
 
 #[cfg(test)]
@@ -145,6 +149,9 @@ mod tests {
         assert_eq!(path("/public/./x"), "/public/x");
         assert_eq!(path("/public/%7euser"), "/public/~user");
         assert_eq!(path("/a%20b/%c3%a9"), "/a%20b/%C3%A9");
+        // A character of several bytes goes on as its own bytes, not each byte encoded again.
+        assert_eq!(path("/caf\u{e9}/x"), "/caf\u{e9}/x");
+        assert_eq!(path("/a\u{9b}2K"), "/a\u{9b}2K");
         assert_eq!(path("/a/b/.."), "/a/");
         assert_eq!(path("/a/b/%2e"), "/a/b/");
         assert_eq!(path("/"), "/");

@@ -158,6 +158,17 @@ impl Gateway {
 
     /// Decides `request` by `rules`; where an ask rule matches, holds it for a person's answer.
     pub(crate) fn decide(&self, rules: &Rules, request: &Request<'_>) -> Verdict {
+        self.decide_showing(rules, request, None)
+    }
+
+    /// [`Gateway::decide`] for a request whose target has a `query` (after `?`): a person asked
+    /// about it sees the query too, since it goes upstream with what they allow.
+    pub(crate) fn decide_showing(
+        &self,
+        rules: &Rules,
+        request: &Request<'_>,
+        query: Option<&str>,
+    ) -> Verdict {
         let mut verdict = rules.decide(request);
         // A deny rule that names an address (or a network) refuses a name that leads there:
         // the name is resolved to see (the connection resolves it again, and keeps away from
@@ -185,7 +196,16 @@ impl Gateway {
         };
         let target = match request.http {
             Some((method, path)) => {
-                format!("{method} {}:{}{path}", request.host.as_text(), request.port)
+                let target = match query {
+                    Some(query) => format!("{path}?{query}"),
+                    None => path.to_owned(),
+                };
+                format!(
+                    "{method} {}:{}{}",
+                    request.host.as_text(),
+                    request.port,
+                    shown_target(&target)
+                )
             }
             None => format!("connect {}:{}", request.host.as_text(), request.port),
         };
@@ -524,6 +544,30 @@ impl Gateway {
             }
         }
     }
+}
+
+/// The most of a request's target a question shows; the rest is counted.
+const SHOWN_TARGET: usize = 2048;
+
+/// A request's target as a person is shown it in a question (a terminal line, `warden
+/// approvals`, the dashboard): every byte that is not printable ASCII percent-encoded, so that
+/// escape sequences (C0 and C1 controls), bidirectional overrides and look-alike characters the
+/// cell put in its path or query neither act on the terminal nor pass for something else; and
+/// at most `SHOWN_TARGET` bytes of it, with the count of the rest.
+pub(crate) fn shown_target(target: &str) -> String {
+    let mut shown = String::with_capacity(target.len().min(SHOWN_TARGET) + 32);
+    for (at, byte) in target.bytes().enumerate() {
+        if shown.len() >= SHOWN_TARGET {
+            shown.push_str(&format!("... ({} bytes more)", target.len() - at));
+            break;
+        }
+        if (0x21..=0x7e).contains(&byte) {
+            shown.push(char::from(byte));
+        } else {
+            shown.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    shown
 }
 
 /// The accepting side of one listener, handed from thread to thread: the thread that accepts a

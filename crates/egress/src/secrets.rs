@@ -97,6 +97,23 @@ impl Secrets {
         self.all.iter().find(|s| s.name == name)
     }
 
+    /// `bytes` with every secret replaced by its placeholder: for whatever the gateway writes
+    /// from bytes that may hold a secret (a record, a refusal) other than through a [`Replacer`].
+    pub fn scrubbed(&self, bytes: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut scrubber = Replacer::scrubbing(&mut out, self);
+        // Writing to a vector cannot fail.
+        let _ = scrubber
+            .write_all(bytes)
+            .and_then(|()| scrubber.finish().map(drop));
+        out
+    }
+
+    /// `text` with every secret replaced by its placeholder.
+    pub fn scrubbed_text(&self, text: &str) -> String {
+        String::from_utf8_lossy(&self.scrubbed(text.as_bytes())).into_owned()
+    }
+
     /// The credential whose placeholder appears in `bytes`, if any.
     pub fn placeholder_in(&self, bytes: &[u8]) -> Option<&Secret> {
         self.all

@@ -100,6 +100,76 @@ impl Harness {
         Ok(())
     }
 
+    /// Ends the cells whose create a daemon journaled and started, and then stopped (killed)
+    /// before it kept them: its folder of the cell is made after the create's entry is on
+    /// disk and before the tier starts the cell, and the database takes the cell's entry once
+    /// it runs; a folder with no entry (and no pool's marker, whose cells `start_pools` ends)
+    /// is such a create's. Its keeper outlives the daemon, as every keeper does: a daemon
+    /// killed during a create left the cell running, listed by no daemon, outside its limits
+    /// the daemon applies (wall-clock, idle) and its name taken, for good. Called before
+    /// `reconcile`, while every cell the database holds is still there to tell apart.
+    pub(crate) async fn end_cut_creates(self: &Arc<Self>) -> Result<(), HarnessError> {
+        let pooled: std::collections::HashSet<String> =
+            std::fs::read_dir(self.daemon_dir.join("pool"))
+                .map(|entries| {
+                    entries
+                        .flatten()
+                        .filter_map(|e| e.file_name().into_string().ok())
+                        .collect()
+                })
+                .unwrap_or_default();
+        let folders: Vec<String> = std::fs::read_dir(self.daemon_dir.join("cells"))
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .filter_map(|e| e.file_name().into_string().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        for name in folders {
+            if pooled.contains(&name) || !matches!(self.state.get(&name), Ok(None)) {
+                continue;
+            }
+            // Whichever tier made it (every tier's cells share one registry).
+            let mut found = None;
+            for tier in warden_policy::Tier::ALL {
+                let Ok(backend) = self.backend(tier) else {
+                    continue;
+                };
+                if let Ok(Some(cell)) = backend.adopt(&name) {
+                    found = Some((backend, cell));
+                    break;
+                }
+            }
+            let Some((backend, cell)) = found else {
+                // Nothing of it runs (its start failed, or never began): what it left goes.
+                self.remove_remains(&name, self.backend(warden_policy::Tier::Process).ok());
+                continue;
+            };
+            let ended = on_own_thread("cell-control", move || {
+                let _ = cell.kill();
+                cell.wait_ended()
+            })
+            .await
+            .unwrap_or(false);
+            self.remove_remains(&name, Some(backend));
+            let reason = "the daemon stopped while it made the cell";
+            self.record(
+                Some(&name),
+                "cell.end",
+                json!({ "reason": reason, "ended": ended }),
+            )
+            .await?;
+            self.record(
+                Some(&name),
+                "cell.delete",
+                json!({ "by": format!("the warden: {reason}") }),
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
     /// The rest of a delete that a daemon answered and then died: the database forgets the
     /// cell, and its layer, egress record and folder go once its keeper (if it still takes
     /// the killed cell down) is gone.
@@ -420,6 +490,7 @@ impl Harness {
         cell: Arc<dyn Cell>,
     ) -> Result<CellInfo, HarnessError> {
         let name = entry.name.clone();
+        self.forget_earlier(&name)?;
         if let Ok(mut cells) = self.cells.lock() {
             cells.insert(name.clone(), cell);
         }
@@ -431,6 +502,50 @@ impl Harness {
         self.adopt_with(&entry, parsed);
         self.watch(name);
         Ok(self.info(&entry))
+    }
+
+    /// What the daemon still holds of an earlier cell of this name (one that ended and was
+    /// not deleted, or one deleted whose questions outlived it) goes before a new cell takes
+    /// the name: a new cell is not the old one, and starts with none of its processes, its
+    /// commands held for approval (approved later, one ran in the new cell: the cell's handle
+    /// asks its keeper by name) or its standing grants of scope `cell` (they answered the new
+    /// cell's questions).
+    fn forget_earlier(&self, name: &str) -> Result<(), HarnessError> {
+        if let Ok(mut processes) = self.processes.lock() {
+            processes.remove(name);
+        }
+        if let Ok(mut walled) = self.walled.lock() {
+            walled.remove(name);
+        }
+        self.drop_exec_questions(name);
+        let granted = self.grants.lock().is_ok_and(|mut grants| {
+            let before = grants.len();
+            grants.retain(|g| g.cell.as_deref() != Some(name));
+            grants.len() != before
+        });
+        if granted {
+            self.state.forget_grants_of(name)?;
+        }
+        Ok(())
+    }
+
+    /// Drops the commands of cell `name` held for a person's approval: each waiting exec is
+    /// refused (its cell ended or was deleted), and the question is no longer listed.
+    pub(crate) fn drop_exec_questions(&self, name: &str) {
+        let dropped: Vec<_> = match self.exec_questions.lock() {
+            Ok(mut questions) => {
+                let keys: Vec<_> = questions
+                    .keys()
+                    .filter(|(cell, _)| cell == name)
+                    .cloned()
+                    .collect();
+                keys.into_iter()
+                    .filter_map(|key| questions.remove(&key))
+                    .collect()
+            }
+            Err(_) => Vec::new(),
+        };
+        drop(dropped);
     }
 
     /// `keep` for a run's cell from a pool: its entry is kept in memory only, for the run's
@@ -445,6 +560,7 @@ impl Harness {
         cell: Arc<dyn Cell>,
     ) -> CellInfo {
         let name = entry.name.clone();
+        let _ = self.forget_earlier(&name);
         if let Ok(mut cells) = self.cells.lock() {
             cells.insert(name.clone(), cell);
         }
@@ -1055,6 +1171,7 @@ impl Harness {
         if let Ok(mut grants) = self.grants.lock() {
             grants.retain(|g| g.cell.as_deref() != Some(name));
         }
+        self.drop_exec_questions(name);
         // (A run's cell from a pool, never in the database: its pool marker goes once the
         // delete has answered, see `delete_with`.)
         if let Ok(mut handing) = self.handing.lock() {

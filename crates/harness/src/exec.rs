@@ -135,6 +135,19 @@ impl Harness {
         }
         self.touch(name);
         self.check_command(name, &spec.argv).await?;
+        // A person's answer can come after the cell asked for ended and another took its name:
+        // the command starts only in the cell it was asked for (the handle's line to its init
+        // is asked for by name, and would reach the new cell).
+        let same = self
+            .cell(name)
+            .is_some_and(|now| std::ptr::addr_eq(Arc::as_ptr(&now), Arc::as_ptr(&cell)));
+        if !same {
+            return Err(CellFailure::Ended(format!(
+                "cell `{name}` ended while `{}` waited for approval; nothing ran",
+                spec.argv.join(" ")
+            ))
+            .into());
+        }
         self.touch(name);
         if caller.is_closed() {
             // Gone while the command rules held the exec: nothing starts.

@@ -293,6 +293,7 @@ impl Harness {
             .next_process
             .store(start.seq * 1000 + 1, Ordering::Relaxed);
         harness.sweep_gone();
+        harness.end_cut_creates().await?;
         harness.reconcile(cut).await?;
         harness.start_pools().await?;
         harness.sample_usage();

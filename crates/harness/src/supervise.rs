@@ -566,9 +566,11 @@ impl Harness {
                 "a person refused `{line}` (question {id})"
             ))
             .into()),
-            Ok(Err(_)) => {
-                Err(CellFailure::Core(format!("the question about `{line}` was dropped")).into())
-            }
+            // Dropped with its cell (deleted, or its name taken by a new cell).
+            Ok(Err(_)) => Err(CellFailure::Ended(format!(
+                "cell `{name}` ended or was deleted while `{line}` waited for approval (question {id}); nothing ran"
+            ))
+            .into()),
             Err(_) => {
                 let held = self
                     .exec_questions

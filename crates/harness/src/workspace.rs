@@ -433,11 +433,13 @@ impl Harness {
 
     /// Snapshots of this cell.
     pub fn snapshots(&self, name: &str) -> Result<Vec<Snapshot>, HarnessError> {
-        self.entry(name)?;
+        let entry = self.entry(name)?;
         let prefix = format!("{name}@");
         Ok(warden_cell::snapshot::listed(&self.store)
             .into_iter()
             .filter(|s| s.id.starts_with(&prefix))
+            // An earlier cell's of this name are not this cell's (see `check_own_snapshot`).
+            .filter(|s| !taken_before(s, &entry))
             .map(|s| Snapshot {
                 id: s.id,
                 size: s.size,
@@ -491,7 +493,7 @@ impl Harness {
 
     /// Returns the cell's workspace to a snapshot of it (`SNAP` or `CELL@SNAP`), or to its start.
     pub async fn reset(&self, name: &str, to: Option<&str>) -> Result<(), HarnessError> {
-        self.entry(name)?;
+        let entry = self.entry(name)?;
         let to = to.map(|t| {
             if t.contains('@') {
                 t.to_owned()
@@ -499,6 +501,9 @@ impl Harness {
                 format!("{name}@{t}")
             }
         });
+        if let Some(id) = &to {
+            self.check_own_snapshot(&entry, id).await?;
+        }
         self.record(Some(name), "workspace.reset", json!({ "to": to }))
             .await?;
         // A running cell's reset forks a helper that joins the cell; `fork` is the C library's,
@@ -507,6 +512,34 @@ impl Harness {
             tier.reset(cell, to.as_deref()).map_err(snapshot_error)
         })
         .await
+    }
+
+    /// A reset goes back to a snapshot of this cell only. Snapshots outlive their cell (a
+    /// fork may start from one later), and their records name the cell by its name alone: a
+    /// new cell that took a deleted one's name was reset to the deleted one's snapshot, whose
+    /// layers (the earlier cell's files, on another workspace) it then held, and an apply
+    /// would have written them into its own workspace. One taken before this cell was made is
+    /// an earlier cell's: refused, with the way to start from it (a fork).
+    async fn check_own_snapshot(
+        &self,
+        entry: &crate::CellEntry,
+        id: &str,
+    ) -> Result<(), HarnessError> {
+        let store = self.store.clone();
+        let named = id.to_owned();
+        let info = tokio::task::spawn_blocking(move || warden_cell::snapshot::get(&store, &named))
+            .await
+            .map_err(|e| WorkspaceError::Failed(format!("looking up the snapshot: {e}")))?;
+        // One that is not there, or of another cell by name, is refused by the tier as before.
+        let Ok(info) = info else { return Ok(()) };
+        if info.cell == entry.name && taken_before(&info, entry) {
+            return Err(WorkspaceError::Invalid(format!(
+                "snapshot `{id}` was taken of an earlier cell named `{}`, which is gone; this cell was made after it, and a reset takes a snapshot of this cell only. Start a new cell from it instead (`from`: `{id}`)",
+                entry.name
+            ))
+            .into());
+        }
+        Ok(())
     }
 
     /// The cell's policy as it was made, and the latest document whose `network` and
@@ -598,6 +631,16 @@ impl Harness {
         .await?;
         Ok(closed)
     }
+}
+
+/// Whether snapshot `info` was taken before the cell of `entry` was made: of an earlier cell
+/// of its name.
+fn taken_before(info: &warden_cell::SnapshotInfo, entry: &crate::CellEntry) -> bool {
+    let taken_ms = info
+        .created
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    taken_ms < entry.created_ms
 }
 
 #[cfg(test)]

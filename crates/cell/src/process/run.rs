@@ -747,7 +747,8 @@ impl Drop for NetworkAhead {
 
 /// The end of a run, the same on every tier: how the cell ended written where the caller
 /// looks for it, before the name is released (whoever sees the lock go finds it already); the
-/// name released; the layer kept for review or removed, with the egress record, as asked.
+/// layer kept for review or moved out of its place to be removed; the name released; the
+/// egress record removed where asked.
 /// `reservation`: whatever the name's release is (its drop), with what goes before and after
 /// it (a process cell's cgroups, a tuple's first part, and its router's end, the last): on a
 /// thread of its own where the caller releases later (see `Release`), while it journals the
@@ -767,6 +768,11 @@ pub(crate) fn finish(
             let _ = fs::rename(&tmp, path);
         }
     }
+    // The layer is kept or moved out of its place before the name is released: whoever sees
+    // the name free may make a cell of it at once, and its layer at the same path, which a
+    // removal decided after (by the path: the new layer's empty upper looked unchanged) took
+    // away from under the new cell's setup.
+    let kept_changes = layer.is_some_and(|layer| layer.finish(request.discard_changes));
     let release = match request.release_later {
         true => super::outcome::Release::dropping(reservation),
         false => {
@@ -774,7 +780,6 @@ pub(crate) fn finish(
             super::outcome::Release::default()
         }
     };
-    let kept_changes = layer.is_some_and(|layer| layer.finish(request.discard_changes));
     if request.discard_changes {
         let _ = fs::remove_file(store.net_log_path(&name));
     }
