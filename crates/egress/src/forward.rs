@@ -357,6 +357,23 @@ impl Gateway {
         let Some(upstream) = self.open_upstream(&mut conn, host, port, &mut decision, via) else {
             return;
         };
+        // A credential goes in clear only to the host's own networks; past them, plain HTTP
+        // would carry the secret over networks nobody here vouches for. (Over TLS, the
+        // gateway's own to an `https://` upstream or one it intercepted, it is encrypted.)
+        if tls.is_none()
+            && let Some(name) = verdict.credential.as_deref()
+            && self.secrets.get(name).is_some()
+            && let Ok(peer) = upstream.peer_addr()
+            && !crate::rules::is_internal(peer.ip())
+        {
+            let _ = upstream.shutdown(std::net::Shutdown::Both);
+            decision.allowed = false;
+            decision.reason = format!(
+                "credential `{name}` goes in clear only to the host's own networks, and {} is outside them; send the request over https:// (the gateway adds the credential inside TLS)",
+                peer.ip()
+            );
+            return self.deny(&mut conn, &decision);
+        }
         let started = std::time::Instant::now();
         let default_port = if tls.is_some() { 443 } else { 80 };
         // Over TLS, the same exchange goes through a client session on the upstream socket.
@@ -716,6 +733,120 @@ mod tests {
         assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
         assert!(answer.contains("speaks TLS"), "{answer}");
         let _ = std::fs::remove_file(&log);
+    }
+
+    /// A credential goes in clear only to the host's own networks. In a network namespace of
+    /// the test's own, a documentation address (198.51.100.7, outside every internal range)
+    /// stands for a host past them: plain HTTP to it is refused and it gets no byte, where an
+    /// upstream on 127.0.0.2 gets the request with the secret, as before.
+    #[test]
+    fn a_credential_never_goes_in_clear_past_the_hosts_networks() {
+        use std::io::Write as _;
+        if !nix::unistd::Uid::effective().is_root() {
+            eprintln!("skipped: a network namespace of the test's own needs root");
+            return;
+        }
+        const KEY: &str = "s3cr3t-VALUE-0123456789";
+        std::thread::spawn(|| {
+            // This thread, and every thread and process it starts, in a network of its own.
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+            for args in [
+                &["link", "set", "lo", "up"][..],
+                &["addr", "add", "198.51.100.7/32", "dev", "lo"][..],
+            ] {
+                let status = std::process::Command::new("ip")
+                    .args(args)
+                    .status()
+                    .unwrap();
+                assert!(status.success(), "ip {args:?}");
+            }
+            // Two upstreams that keep whatever comes, answering each request once.
+            let upstream = |address: &str| {
+                let listener = std::net::TcpListener::bind(address).unwrap();
+                let port = listener.local_addr().unwrap().port();
+                let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+                let kept = got.clone();
+                std::thread::spawn(move || {
+                    for mut conn in listener.incoming().flatten() {
+                        let mut head = [0u8; 4096];
+                        let n = conn.read(&mut head).unwrap_or(0);
+                        kept.lock().unwrap().extend_from_slice(&head[..n]);
+                        let _ = conn.write_all(
+                            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok",
+                        );
+                    }
+                });
+                (port, got)
+            };
+            let (outside, outside_got) = upstream("198.51.100.7:0");
+            let (inside, inside_got) = upstream("127.0.0.2:0");
+            let rule = |host: &str, port| warden_policy::NetRule {
+                host: host.into(),
+                ports: vec![port],
+                methods: vec![],
+                paths: vec![],
+                credential: Some("api".into()),
+                dns: warden_policy::NameLookup::Any,
+            };
+            let network = warden_policy::Network {
+                allow: vec![rule("198.51.100.7", outside), rule("127.0.0.2", inside)],
+                ..warden_policy::Network::default()
+            };
+            let secrets = crate::Secrets {
+                all: vec![crate::secrets::Secret {
+                    name: "api".into(),
+                    placeholder: "placeholder-abcdefghijk".into(),
+                    value: KEY.into(),
+                    header: "Authorization".into(),
+                    format: "Bearer {}".into(),
+                    env: None,
+                    in_body: false,
+                }],
+            };
+            let log = std::env::temp_dir()
+                .join(format!("warden-forward-clear-{}.jsonl", std::process::id()));
+            let gateway = Gateway::new(
+                crate::Rules::compile(&network).unwrap(),
+                &log,
+                "test",
+                secrets,
+                None,
+                crate::Bounds::default(),
+            )
+            .unwrap();
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let address = listener.local_addr().unwrap();
+            gateway.serve(listener).unwrap();
+            let get = |to: &str| {
+                let mut conn = TcpStream::connect(address).unwrap();
+                write!(conn, "GET http://{to}/x HTTP/1.1\r\nHost: {to}\r\n\r\n").unwrap();
+                let mut answer = String::new();
+                let _ = conn.read_to_string(&mut answer);
+                answer
+            };
+            let refused = get(&format!("198.51.100.7:{outside}"));
+            let served = get(&format!("127.0.0.2:{inside}"));
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            let outside_got = String::from_utf8_lossy(&outside_got.lock().unwrap()).into_owned();
+            let inside_got = String::from_utf8_lossy(&inside_got.lock().unwrap()).into_owned();
+            assert!(refused.starts_with("HTTP/1.1 403"), "{refused}");
+            assert!(
+                refused.contains("in clear only to the host's own networks"),
+                "{refused}"
+            );
+            assert_eq!(
+                outside_got, "",
+                "the address past the host's networks got bytes"
+            );
+            assert!(served.starts_with("HTTP/1.1 200"), "{served}");
+            assert!(
+                inside_got.contains(&format!("Bearer {KEY}")),
+                "{inside_got}"
+            );
+            let _ = std::fs::remove_file(&log);
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]
