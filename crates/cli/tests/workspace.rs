@@ -1024,3 +1024,54 @@ fn a_tree_deeper_than_the_walks_go_is_refused_not_a_crash() {
     let _ = cell.wait();
     warden_ok(&["rm", &name]);
 }
+
+#[test]
+fn a_reset_without_a_daemon_takes_no_snapshot_of_an_earlier_cell_of_its_name() {
+    let first = project();
+    let second = tempdir();
+    std::fs::write(second.path().join("two"), "2\n").unwrap();
+    let name = unique("earlier");
+    let ran = run_sh(
+        &[
+            "--name",
+            &name,
+            "--workspace",
+            first.path().to_str().unwrap(),
+        ],
+        "echo earlier > /workspace/secret",
+    );
+    assert_eq!(ran.code, 0, "{ran:?}");
+    warden_ok(&["snapshot", &name, "--as", "s1"]);
+    let snap = format!("{name}@s1");
+    // The cell goes; its snapshot stays (a fork may start from it). A new cell takes the name,
+    // on another workspace.
+    warden_ok(&["rm", &name]);
+    let ran = run_sh(
+        &[
+            "--name",
+            &name,
+            "--workspace",
+            second.path().to_str().unwrap(),
+        ],
+        "echo later > /workspace/own",
+    );
+    assert_eq!(ran.code, 0, "{ran:?}");
+    let reset = Ran::from(
+        warden()
+            .args(["reset", &name, "--to", "s1"])
+            .output()
+            .unwrap(),
+    );
+    let diff = warden_ok(&["diff", &name, "--stat"]).stdout;
+    assert!(
+        !diff.contains("secret"),
+        "a reset gave the new cell the earlier one's files: {diff}"
+    );
+    assert_eq!(reset.code, 125, "{reset:?}");
+    assert!(
+        reset.stderr.contains("an earlier cell named") && reset.stderr.contains("--from"),
+        "{reset:?}"
+    );
+    warden_ok(&["rm", &name]);
+    warden_ok(&["rm", &snap]);
+}

@@ -50,7 +50,9 @@ fn snapshot_error(err: SnapshotError) -> HarnessError {
     }
     let failure = match &err {
         SnapshotError::Changes(_) => WorkspaceError::Failed,
-        SnapshotError::Name(_) | SnapshotError::Foreign { .. } => WorkspaceError::Invalid,
+        SnapshotError::Name(_) | SnapshotError::Foreign { .. } | SnapshotError::Earlier { .. } => {
+            WorkspaceError::Invalid
+        }
         SnapshotError::NotFound(_) => WorkspaceError::Missing,
         SnapshotError::Exists(_)
         | SnapshotError::InUse { .. }

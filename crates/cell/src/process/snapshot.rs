@@ -62,6 +62,10 @@ pub enum SnapshotError {
     InUse { id: String, user: String },
     #[error("snapshot `{id}` belongs to another cell; reset takes a snapshot of `{cell}`")]
     Foreign { id: String, cell: String },
+    #[error(
+        "snapshot `{id}` was taken of an earlier cell named `{cell}`, which is gone; a reset takes a snapshot of this cell only: start a new cell from it instead (`--from {id}`)"
+    )]
+    Earlier { id: String, cell: String },
     #[error("copying {path}: {source}")]
     Copy { path: PathBuf, source: io::Error },
     /// A directory of a layer deeper than a copy goes: the copy stops there, and fails.
@@ -1322,6 +1326,15 @@ fn target_stack(
             let info = get(store, id)?;
             if info.cell != cell {
                 return Err(SnapshotError::Foreign {
+                    id: id.to_owned(),
+                    cell: cell.to_owned(),
+                });
+            }
+            // Records name their cell by its name alone, which outlives the cell: one taken
+            // before this cell's layer was made is an earlier cell's (its files, of another
+            // workspace perhaps, which an apply would then write into this one's).
+            if info.created < meta.started {
+                return Err(SnapshotError::Earlier {
                     id: id.to_owned(),
                     cell: cell.to_owned(),
                 });
