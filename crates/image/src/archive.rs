@@ -54,10 +54,11 @@ fn stage(archive: &Path, staging: &Path, limit: u64) -> Result<(), ImageError> {
     } else {
         Box::new(input)
     };
+    let (reader, meter) = extract::Metered::new(reader);
     let mut tar = tar::Archive::new(reader);
     let mut links: Vec<(PathBuf, PathBuf)> = Vec::new();
     let mut total = 0u64;
-    let entries = tar.entries().map_err(|e| {
+    let mut entries = tar.entries().map_err(|e| {
         ImageError::Format(format!("{} is not a tar archive: {e}", archive.display()))
     })?;
     let not_tar = |e: std::io::Error| {
@@ -66,10 +67,14 @@ fn stage(archive: &Path, staging: &Path, limit: u64) -> Result<(), ImageError> {
             archive.display()
         ))
     };
-    for entry in entries {
+    loop {
+        meter.start();
+        let next = entries.next();
+        meter.stop();
+        let Some(entry) = next else { break };
         let mut entry = entry.map_err(not_tar)?;
         let raw = entry.path_bytes().into_owned();
-        let shown = String::from_utf8_lossy(&raw).into_owned();
+        let shown = extract::shown(&raw);
         let refuse = |why: String| ImageError::Refused {
             entry: shown.clone(),
             why,
@@ -171,14 +176,50 @@ fn lexical(path: &Path) -> Option<PathBuf> {
     (!out.as_os_str().is_empty()).then_some(out)
 }
 
+/// A file of the image opened for reading, if it is a regular file: a layout or archive
+/// folder may hold links to anything, and a device (`/dev/zero`) or a FIFO would be read, or
+/// waited on, without end while the store is locked.
+fn open_regular(path: &Path) -> std::io::Result<std::fs::File> {
+    // Not blocked by a FIFO with no writer.
+    let fd = rustix::fs::open(
+        path,
+        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::NONBLOCK | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )?;
+    let file = std::fs::File::from(fd);
+    if !file.metadata()?.is_file() {
+        return Err(std::io::Error::other(
+            "it is not a regular file (a device, FIFO or folder, or a link to one)",
+        ));
+    }
+    Ok(file)
+}
+
+/// A small document of the image (`index.json`, `manifest.json`, a configuration), read whole
+/// if it is a regular file of at most [`DOCUMENT_LIMIT`] bytes.
+fn read_document(path: &Path) -> Result<Vec<u8>, ImageError> {
+    let file = open_regular(path).map_err(|e| ImageError::io("reading", path, e))?;
+    let mut bytes = Vec::new();
+    file.take(DOCUMENT_LIMIT + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| ImageError::io("reading", path, e))?;
+    if bytes.len() as u64 > DOCUMENT_LIMIT {
+        return Err(ImageError::Format(format!(
+            "{} is larger than {DOCUMENT_LIMIT} bytes, far more than an image's document needs; the archive is hostile or damaged",
+            path.display()
+        )));
+    }
+    Ok(bytes)
+}
+
 /// A blob of an OCI layout by its digest (`sha256:HEX` only), opened.
 fn blob(dir: &Path, digest: &str) -> Result<(PathBuf, std::fs::File), ImageError> {
     let hex = sha256_hex(digest)
         .ok_or_else(|| ImageError::Format(format!("{digest}: only sha256 digests are read")))?;
     let path = dir.join("blobs").join("sha256").join(hex);
-    let file = std::fs::File::open(&path).map_err(|e| {
+    let file = open_regular(&path).map_err(|e| {
         ImageError::Format(format!(
-            "the layout names blob {digest}, which it does not hold ({e})"
+            "the layout names blob {digest}, which it does not hold as a file ({e})"
         ))
     })?;
     Ok((path, file))
@@ -263,7 +304,7 @@ fn pick_manifest(
 
 fn from_oci(store: &Store, dir: &Path, name: Option<&str>) -> Result<Image, ImageError> {
     let index_path = dir.join("index.json");
-    let index = ImageIndex::from_file(&index_path)
+    let index = ImageIndex::from_reader(read_document(&index_path)?.as_slice())
         .map_err(|e| ImageError::Format(format!("{} does not parse: {e}", index_path.display())))?;
     let (digest, manifest) = pick_manifest(dir, &index, 0)?;
     let config_digest = manifest.config().digest().to_string();
@@ -352,7 +393,7 @@ struct DockerManifest {
 
 fn read_docker_manifest(dir: &Path) -> Result<Vec<DockerManifest>, ImageError> {
     let path = dir.join("manifest.json");
-    let bytes = std::fs::read(&path).map_err(|e| ImageError::io("reading", &path, e))?;
+    let bytes = read_document(&path)?;
     serde_json::from_slice(&bytes)
         .map_err(|e| ImageError::Format(format!("{} does not parse: {e}", path.display())))
 }
@@ -378,8 +419,7 @@ fn from_docker(store: &Store, dir: &Path, name: Option<&str>) -> Result<Image, I
         )));
     };
     let config_path = named_file(dir, &manifest.config)?;
-    let config_bytes = std::fs::read(&config_path)
-        .map_err(|e| ImageError::io("reading the image's configuration", &config_path, e))?;
+    let config_bytes = read_document(&config_path)?;
     use sha2::Digest as _;
     let digest = format!(
         "sha256:{}",
@@ -412,7 +452,7 @@ fn from_docker(store: &Store, dir: &Path, name: Option<&str>) -> Result<Image, I
     let mut size = 0;
     for (i, (layer, diff_id)) in manifest.layers.iter().zip(diff_ids).enumerate() {
         let path = named_file(dir, layer)?;
-        let file = std::fs::File::open(&path).map_err(|e| ImageError::io("opening", &path, e))?;
+        let file = open_regular(&path).map_err(|e| ImageError::io("opening", &path, e))?;
         let what = format!("layer {} ({layer})", i + 1);
         let mut buffered = BufReader::new(file);
         let magic = buffered

@@ -3,8 +3,10 @@
 //! on the way (`openat2` with `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`), the last component is
 //! created with `O_EXCL | O_NOFOLLOW`, and what an image has no business carrying is refused
 //! with the entry's name: absolute paths, `..`, hard links to anything but a file of the same
-//! layer, device nodes and FIFOs, sparse files, more bytes than the limit. Set-id bits are
-//! dropped (no process of a cell can use them). Whiteouts become what overlayfs reads: a
+//! layer, device nodes and FIFOs, sparse files, more bytes than the limit, paths more than
+//! [`MAX_DEPTH`] directories deep, and an entry's headers (GNU long names, PAX records) past
+//! [`HEADER_LIMIT`] bytes, which the tar reader would otherwise hold in memory whole. Set-id
+//! bits are dropped (no process of a cell can use them). Whiteouts become what overlayfs reads: a
 //! character device 0:0 for `.wh.NAME`, `user.overlay.opaque=y` for `.wh..wh..opq` (the cells
 //! mount their layers with `userxattr`).
 
@@ -46,6 +48,85 @@ pub struct Unpacked {
     pub whiteouts: u64,
 }
 
+/// The most bytes the tar reader may read by itself for one entry: its header blocks, its GNU
+/// long name and long link and its PAX records (which it keeps in memory whole), and what it
+/// skips of an entry that is not a file. Go's `archive/tar` allows the same 1 MiB.
+pub(crate) const HEADER_LIMIT: u64 = 1 << 20;
+
+/// The most directories an entry's path may go down. Far past any real image; a deeper tree
+/// could not be removed again (the standard library's `remove_dir_all` holds a descriptor for
+/// each level, and runs out of them).
+pub(crate) const MAX_DEPTH: usize = 256;
+const _: () = assert!(
+    MAX_DEPTH == 256,
+    "`relative` names the depth in its message"
+);
+
+/// An entry's name as an error shows it: lossy UTF-8, cut short (a name may be a megabyte).
+pub(crate) fn shown(raw: &[u8]) -> String {
+    const SHOWN: usize = 200;
+    let mut text = String::from_utf8_lossy(&raw[..raw.len().min(SHOWN)]).into_owned();
+    if raw.len() > SHOWN {
+        text.push_str(&format!("... ({} bytes)", raw.len()));
+    }
+    text
+}
+
+/// A reader under a tar reader that counts what the tar reader reads by itself (between the
+/// [`Metered::start`] and [`Metered::stop`] around each `next()` of its entries) and fails it
+/// past [`HEADER_LIMIT`]; what the caller then reads of an entry's data is not counted.
+pub(crate) struct Metered<R> {
+    inner: R,
+    meter: std::rc::Rc<std::cell::Cell<Option<u64>>>,
+}
+
+/// The switch of a [`Metered`] reader, held by the one who iterates the entries.
+#[derive(Clone)]
+pub(crate) struct Meter(std::rc::Rc<std::cell::Cell<Option<u64>>>);
+
+impl Meter {
+    pub(crate) fn start(&self) {
+        self.0.set(Some(0));
+    }
+
+    pub(crate) fn stop(&self) {
+        self.0.set(None);
+    }
+}
+
+impl<R> Metered<R> {
+    pub(crate) fn new(inner: R) -> (Self, Meter) {
+        let meter = std::rc::Rc::new(std::cell::Cell::new(None));
+        (
+            Self {
+                inner,
+                meter: meter.clone(),
+            },
+            Meter(meter),
+        )
+    }
+}
+
+impl<R: Read> Read for Metered<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let Some(used) = self.meter.get() else {
+            return self.inner.read(buf);
+        };
+        // Never more than one byte past the limit, so that passing it is seen.
+        let room = usize::try_from(HEADER_LIMIT + 1 - used.min(HEADER_LIMIT)).unwrap_or(usize::MAX);
+        let take = buf.len().min(room);
+        let n = self.inner.read(&mut buf[..take])?;
+        let used = used + n as u64;
+        self.meter.set(Some(used));
+        if used > HEADER_LIMIT {
+            return Err(io::Error::other(format!(
+                "an entry's headers (its GNU long name or PAX records, or data skipped after an entry that is not a file) pass {HEADER_LIMIT} bytes, which no image needs; the archive is hostile or damaged"
+            )));
+        }
+        Ok(n)
+    }
+}
+
 const WHITEOUT: &str = ".wh.";
 const OPAQUE: &str = ".wh..wh..opq";
 
@@ -61,14 +142,19 @@ pub fn unpack(input: impl Read, root: &Path, limits: Limits) -> Result<Unpacked,
         Mode::empty(),
     )
     .map_err(|e| ImageError::io("opening", root, e.into()))?;
+    let (input, meter) = Metered::new(input);
     let mut archive = tar::Archive::new(input);
     let mut done = Unpacked::default();
     // Directories get their own modes last (a read-only one would refuse what goes in it).
     let mut dir_modes: Vec<(PathBuf, u32)> = Vec::new();
-    let entries = archive
+    let mut entries = archive
         .entries()
         .map_err(|e| ImageError::Format(format!("reading the layer: {e}")))?;
-    for entry in entries {
+    loop {
+        meter.start();
+        let next = entries.next();
+        meter.stop();
+        let Some(entry) = next else { break };
         let mut entry = entry.map_err(|e| ImageError::Format(format!("reading the layer: {e}")))?;
         done.entries += 1;
         if done.entries > limits.entries {
@@ -78,7 +164,7 @@ pub fn unpack(input: impl Read, root: &Path, limits: Limits) -> Result<Unpacked,
             });
         }
         let raw = entry.path_bytes().into_owned();
-        let shown = String::from_utf8_lossy(&raw).into_owned();
+        let shown = shown(&raw);
         let refuse = |why: String| ImageError::Refused {
             entry: shown.clone(),
             why,
@@ -308,9 +394,16 @@ pub(crate) fn relative(raw: &[u8]) -> Result<Option<PathBuf>, &'static str> {
     }
     let path = Path::new(OsStr::from_bytes(raw));
     let mut out = PathBuf::new();
+    let mut depth = 0;
     for component in path.components() {
         match component {
-            Component::Normal(part) => out.push(part),
+            Component::Normal(part) => {
+                depth += 1;
+                if depth > MAX_DEPTH + 1 {
+                    return Err("a path more than 256 directories deep (no image needs one)");
+                }
+                out.push(part)
+            }
             Component::CurDir => {}
             Component::ParentDir => return Err("a path with `..`"),
             Component::RootDir | Component::Prefix(_) => return Err("an absolute path"),

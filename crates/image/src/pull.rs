@@ -85,7 +85,13 @@ impl Store {
             .enable_all()
             .build()
             .map_err(|e| ImageError::io("starting the pull's runtime", self.root(), e))?;
-        let fetched = runtime.block_on(fetch(&parsed, &platform, options, staging.path()))?;
+        let fetched = runtime.block_on(fetch(
+            &parsed,
+            &platform,
+            options,
+            staging.path(),
+            layer_blob_limit(self.limits),
+        ))?;
         let image = self.import(staging.path(), Some(name))?;
         Ok(Pulled {
             image,
@@ -172,11 +178,23 @@ struct Fetched {
     bytes: u64,
 }
 
+/// The most bytes a layer's blob may be: the files a layer may hold, and room for its tar's
+/// headers (a block or two each, however many entries it may have). A manifest that names a
+/// bigger blob is refused before any blob is fetched: the registry picks the size, and would
+/// otherwise fill the store's disk by streaming one blob without end.
+fn layer_blob_limit(limits: crate::Limits) -> u64 {
+    limits
+        .bytes
+        .saturating_add(limits.entries.saturating_mul(1024))
+        .saturating_add(1 << 20)
+}
+
 async fn fetch(
     reference: &Reference,
     platform: &Platform,
     options: &PullOptions,
     dir: &Path,
+    layer_limit: u64,
 ) -> Result<Fetched, ImageError> {
     // One process-wide TLS provider; another part of the warden may have set it already.
     let _ = rustls::crypto::ring::default_provider().install_default();
@@ -309,6 +327,18 @@ async fn fetch(
         .iter()
         .map(|l| descriptor(l, "a layer"))
         .collect::<Result<Vec<_>, _>>()?;
+    if let Some((i, big)) = layers
+        .iter()
+        .enumerate()
+        .find(|(_, l)| l.size > layer_limit)
+    {
+        return Err(ImageError::Format(format!(
+            "the manifest {digest} says layer {} ({}) is {} bytes, more than the {layer_limit} a layer may be (the store's limit of one layer's files and their headers); nothing was fetched",
+            i + 1,
+            big.digest,
+            big.size
+        )));
+    }
     for (i, blob) in std::iter::once(&config).chain(&layers).enumerate() {
         let what = match i {
             0 => "its configuration".to_owned(),
@@ -727,6 +757,85 @@ fn write_file(path: &Path, bytes: &[u8]) -> Result<(), ImageError> {
 #[cfg(test)]
 mod tests {
     use super::bearer_challenge;
+
+    /// A registry on loopback that answers `/v2/` and one manifest, and records every other
+    /// request (answered 404).
+    fn registry(manifest: String) -> (u16, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+        use std::io::{BufRead as _, Write as _};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let asked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let record = asked.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { return };
+                let mut reader = std::io::BufReader::new(stream.try_clone().unwrap());
+                let mut line = String::new();
+                reader.read_line(&mut line).unwrap();
+                let path = line.split(' ').nth(1).unwrap_or_default().to_owned();
+                loop {
+                    let mut header = String::new();
+                    if reader.read_line(&mut header).unwrap() <= 2 {
+                        break;
+                    }
+                }
+                let (status, body) = match path.as_str() {
+                    "/v2/" => ("200 OK", "{}".to_owned()),
+                    "/v2/test/img/manifests/1" => ("200 OK", manifest.clone()),
+                    _ => {
+                        record.lock().unwrap().push(path);
+                        ("404 Not Found", String::new())
+                    }
+                };
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 {status}\r\nContent-Type: application/vnd.oci.image.manifest.v1+json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+        });
+        (port, asked)
+    }
+
+    #[test]
+    fn a_layer_bigger_than_a_layer_may_be_is_never_fetched() {
+        // The registry names the size; once streamed to disk without end.
+        let manifest = serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": { "mediaType": "application/vnd.oci.image.config.v1+json", "digest": format!("sha256:{}", "1".repeat(64)), "size": 100 },
+            "layers": [{ "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": format!("sha256:{}", "0".repeat(64)), "size": 1u64 << 50 }],
+        })
+        .to_string();
+        let (port, asked) = registry(manifest);
+        let tmp = tempfile::tempdir().unwrap();
+        let store = crate::Store::new(tmp.path()).with_limits(crate::Limits {
+            bytes: 1 << 20,
+            entries: 100,
+        });
+        let options = super::PullOptions {
+            insecure: vec![format!("127.0.0.1:{port}")],
+            ..Default::default()
+        };
+        let err = store
+            .pull(
+                &format!("127.0.0.1:{port}/test/img:1"),
+                Some("big:1"),
+                &options,
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("is 1125899906842624 bytes, more than the 2199552 a layer may be"),
+            "{err}"
+        );
+        assert!(
+            asked.lock().unwrap().is_empty(),
+            "{:?}",
+            asked.lock().unwrap()
+        );
+        assert!(store.list().unwrap().is_empty());
+    }
 
     #[test]
     fn a_bearer_challenge_is_read_with_its_quoted_parameters() {

@@ -304,9 +304,14 @@ fn assert_nothing_left(s: &Setup) {
 }
 
 fn refused(s: &Setup, entries: &[E], expect: &str) {
+    refused_layer(s, layer(entries), expect);
+}
+
+/// Like `refused`, for a layer made byte by byte.
+fn refused_layer(s: &Setup, layer: Vec<u8>, expect: &str) -> String {
     let layout = s.base.join(format!("hostile-{}", expect.len()));
     let _ = std::fs::remove_dir_all(&layout);
-    oci_layout(&layout, &[layer(entries)], "hostile:1");
+    oci_layout(&layout, &[layer], "hostile:1");
     let err = s.store.import(&layout, None).unwrap_err();
     let text = err.to_string();
     assert!(text.contains(expect), "{expect:?} not in: {text}");
@@ -317,6 +322,114 @@ fn refused(s: &Setup, entries: &[E], expect: &str) {
     let text = s.store.import(&archive, None).unwrap_err().to_string();
     assert!(text.contains(expect), "{expect:?} not in: {text}");
     assert_nothing_left(s);
+    text
+}
+
+/// A tar of one GNU long name entry of `long` bytes, then a file.
+fn long_name_tar(long: &[u8]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    let mut h = header(
+        "././@LongLink",
+        tar::EntryType::GNULongName,
+        0o644,
+        long.len() as u64,
+    );
+    h.set_cksum();
+    b.append(&h, long).unwrap();
+    let mut h = header("x", tar::EntryType::Regular, 0o644, 1);
+    h.set_cksum();
+    b.append(&h, &b"x"[..]).unwrap();
+    b.into_inner().unwrap()
+}
+
+#[test]
+fn a_long_name_past_the_header_limit_is_refused_before_it_is_held_in_memory() {
+    // Once held whole by the tar reader: a small gzipped blob made gigabytes of memory.
+    let s = setup();
+    let long = vec![b'a'; (extract::HEADER_LIMIT + 4096) as usize];
+    refused_layer(&s, long_name_tar(&long), "pass 1048576 bytes");
+    // The same in the archive around the layout.
+    let archive = s.base.join("long.tar");
+    std::fs::write(&archive, long_name_tar(&long)).unwrap();
+    let text = s.store.import(&archive, None).unwrap_err().to_string();
+    assert!(text.contains("pass 1048576 bytes"), "{text}");
+    assert_nothing_left(&s);
+}
+
+#[test]
+fn a_refused_name_is_shown_cut_short() {
+    let s = setup();
+    let text = refused_layer(&s, long_name_tar(&[b'n'; 300_000]), "refused entry `nnnn");
+    assert!(text.len() < 1000, "{} bytes of error", text.len());
+    assert!(
+        text.contains("(300000 bytes)"),
+        "{}",
+        &text[..text.len().min(1000)]
+    );
+}
+
+#[test]
+fn a_path_too_deep_to_remove_is_refused() {
+    let s = setup();
+    let deep = |depth: usize| {
+        let mut b = tar::Builder::new(Vec::new());
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::Regular);
+        h.set_mode(0o644);
+        h.set_size(1);
+        b.append_data(&mut h, format!("{}f", "d/".repeat(depth)), &b"x"[..])
+            .unwrap();
+        b.into_inner().unwrap()
+    };
+    refused_layer(&s, deep(300), "more than 256 directories deep");
+    // As deep as allowed is imported, and removed again.
+    let layout = s.base.join("deep");
+    oci_layout(&layout, &[deep(256)], "deep:1");
+    s.store.import(&layout, None).unwrap();
+    s.store.remove("deep:1").unwrap();
+    assert_nothing_left(&s);
+}
+
+#[test]
+fn documents_too_big_and_files_that_are_not_files_are_not_read() {
+    let s = setup();
+    // A `docker save` manifest.json of 5 MiB (valid JSON: mostly spaces).
+    let docker = s.base.join("docker");
+    std::fs::create_dir_all(&docker).unwrap();
+    let mut manifest = br#"[{"Config":"c.json","Layers":[]}]"#.to_vec();
+    manifest.resize(5 << 20, b' ');
+    std::fs::write(docker.join("manifest.json"), &manifest).unwrap();
+    let text = s.store.import(&docker, None).unwrap_err().to_string();
+    assert!(text.contains("larger than 4194304 bytes"), "{text}");
+    let archive = s.base.join("docker.tar");
+    tar_of(&docker, &archive);
+    let text = s.store.import(&archive, None).unwrap_err().to_string();
+    assert!(text.contains("larger than 4194304 bytes"), "{text}");
+    // Its configuration a FIFO no one writes to: once waited on forever, with the store locked.
+    std::fs::write(
+        docker.join("manifest.json"),
+        br#"[{"Config":"c.json","Layers":[]}]"#,
+    )
+    .unwrap();
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        docker.join("c.json"),
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(0o600),
+        0,
+    )
+    .unwrap();
+    let text = s.store.import(&docker, None).unwrap_err().to_string();
+    assert!(text.contains("not a regular file"), "{text}");
+    // A layout whose layer blob is a link to /dev/zero: once read without end.
+    let layout = s.base.join("zero");
+    let blobs = oci_layout(&layout, &good_layers(), "zero:1");
+    let path = layout.join("blobs/sha256").join(&blobs[0][7..]);
+    std::fs::remove_file(&path).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", &path).unwrap();
+    let text = s.store.import(&layout, None).unwrap_err().to_string();
+    assert!(text.contains("not a regular file"), "{text}");
+    assert_nothing_left(&s);
 }
 
 #[test]
