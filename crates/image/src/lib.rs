@@ -213,6 +213,12 @@ impl Store {
             std::fs::create_dir_all(&dir).map_err(|e| ImageError::io("making", &dir, e))?;
         }
         let _lock = self.lock()?;
+        // What an import that was killed left in `staging/` (one import at a time: none runs).
+        if let Ok(entries) = std::fs::read_dir(self.root.join("staging")) {
+            for entry in entries.flatten() {
+                let _ = remove_tree(&entry.path());
+            }
+        }
         let staging = tempdir_in(&self.root.join("staging"))?;
         let result = archive::import(self, source, name, staging.path()).and_then(|image| {
             check_name(&image.name)?;

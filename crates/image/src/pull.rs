@@ -102,30 +102,80 @@ impl Store {
     }
 }
 
-/// A folder that is removed when dropped.
-struct Staging(std::path::PathBuf);
+/// A pull's staging folder, removed when dropped; `.pull-ID` in the store, beside its lock
+/// `.pull-ID.lock`, held (`flock`) for as long as the pull runs, so that a later pull can tell a
+/// killed one's folder (its lock free) from a running one's (see `sweep_killed_pulls`).
+struct Staging {
+    dir: std::path::PathBuf,
+    lock: std::path::PathBuf,
+    _held: std::fs::File,
+}
 
 impl Staging {
     fn path(&self) -> &Path {
-        &self.0
+        &self.dir
     }
 }
 
 impl Drop for Staging {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = std::fs::remove_file(&self.lock);
     }
 }
 
 fn staging_dir(root: &Path) -> Result<Staging, ImageError> {
     use std::time::{SystemTime, UNIX_EPOCH};
+    sweep_killed_pulls(root);
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.subsec_nanos());
     let dir = root.join(format!(".pull-{}-{nanos}", std::process::id()));
-    std::fs::create_dir_all(dir.join("blobs").join("sha256"))
-        .map_err(|e| ImageError::io("creating the pull's staging folder", &dir, e))?;
-    Ok(Staging(dir))
+    let lock = dir.with_extension("lock");
+    // The lock first, then the folder: a folder is never without its held lock.
+    let held = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&lock)
+        .and_then(|file| {
+            rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive)?;
+            Ok(file)
+        })
+        .map_err(|e| ImageError::io("locking the pull's staging folder", &lock, e))?;
+    let staging = Staging {
+        dir,
+        lock,
+        _held: held,
+    };
+    std::fs::create_dir_all(staging.dir.join("blobs").join("sha256"))
+        .map_err(|e| ImageError::io("creating the pull's staging folder", &staging.dir, e))?;
+    Ok(staging)
+}
+
+/// Removes what pulls that were killed left in the store: each `.pull-ID` whose lock no
+/// process holds (a pull killed by a timeout had left gigabytes there for good).
+pub(crate) fn sweep_killed_pulls(root: &Path) {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        let Some(id) = name
+            .strip_prefix(".pull-")
+            .and_then(|rest| rest.strip_suffix(".lock"))
+        else {
+            continue;
+        };
+        let Ok(file) = std::fs::OpenOptions::new().write(true).open(entry.path()) else {
+            continue;
+        };
+        if rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_ok() {
+            let _ = crate::remove_tree(&root.join(format!(".pull-{id}")));
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
 }
 
 /// The platform whose manifest is taken from an index.

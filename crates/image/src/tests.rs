@@ -595,3 +595,34 @@ fn bad_names_and_bad_archives_say_what_is_wrong() {
     assert!(missing.contains("nope.tar"), "{missing}");
     assert_nothing_left(&s);
 }
+
+#[test]
+fn what_killed_pulls_and_imports_left_goes_and_a_running_pulls_stays() {
+    let s = setup();
+    let root = s.store.root().to_path_buf();
+    std::fs::create_dir_all(root.join("staging/4242-0/deep")).unwrap();
+    std::fs::write(root.join("staging/4242-0/deep/blob"), vec![7u8; 4096]).unwrap();
+    // A killed pull's folder (its lock held by no one) and a running one's (held here).
+    for id in ["killed-1", "running-2"] {
+        std::fs::create_dir_all(root.join(format!(".pull-{id}/blobs/sha256"))).unwrap();
+        std::fs::write(root.join(format!(".pull-{id}/blobs/sha256/x")), b"x").unwrap();
+    }
+    std::fs::write(root.join(".pull-killed-1.lock"), b"").unwrap();
+    let running = std::fs::File::create(root.join(".pull-running-2.lock")).unwrap();
+    rustix::fs::flock(&running, rustix::fs::FlockOperation::LockExclusive).unwrap();
+
+    crate::pull::sweep_killed_pulls(&root);
+    assert!(!root.join(".pull-killed-1").exists());
+    assert!(!root.join(".pull-killed-1.lock").exists());
+    assert!(root.join(".pull-running-2/blobs/sha256/x").exists());
+
+    // An import (under the store's lock, so no other runs) clears `staging/` first.
+    let dir = s.base.join("layout");
+    oci_layout(&dir, &good_layers(), "demo:1");
+    s.store.import(&dir, Some("demo")).unwrap();
+    assert_eq!(
+        std::fs::read_dir(root.join("staging")).unwrap().count(),
+        0,
+        "a killed import's staging folder stayed"
+    );
+}
