@@ -771,8 +771,11 @@ pub(crate) fn finish(
     // The layer is kept or moved out of its place before the name is released: whoever sees
     // the name free may make a cell of it at once, and its layer at the same path, which a
     // removal decided after (by the path: the new layer's empty upper looked unchanged) took
-    // away from under the new cell's setup.
-    let kept_changes = layer.is_some_and(|layer| layer.finish(request.discard_changes));
+    // away from under the new cell's setup. Only the move comes first; the removal after.
+    let (kept_changes, moved) = match layer {
+        Some(layer) => layer.finish(request.discard_changes),
+        None => (false, None),
+    };
     let release = match request.release_later {
         true => super::outcome::Release::dropping(reservation),
         false => {
@@ -780,6 +783,8 @@ pub(crate) fn finish(
             super::outcome::Release::default()
         }
     };
+    // Its removal, in the background, once the name's release is under way.
+    drop(moved);
     if request.discard_changes {
         let _ = fs::remove_file(store.net_log_path(&name));
     }
@@ -1098,10 +1103,13 @@ impl LayerGuard {
         Ok(guard)
     }
 
-    /// Keeps the layer when the cell changed something (and changes are not discarded).
-    pub(crate) fn finish(mut self, discard: bool) -> bool {
+    /// Keeps the layer when the cell changed something (and changes are not discarded), or
+    /// moves it out of its place; whether it was kept, and what was moved out (removed in the
+    /// background once dropped: after the caller has released the cell's name).
+    pub(crate) fn finish(mut self, discard: bool) -> (bool, Option<Moved>) {
         self.armed = !self.keeps(discard);
-        !self.armed
+        let kept = !self.armed;
+        (kept, self.move_out())
     }
 
     /// Whether `finish` would keep the layer: it changed, and is not to be discarded.
@@ -1118,10 +1126,14 @@ impl LayerGuard {
     }
 }
 
-impl Drop for LayerGuard {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
+impl LayerGuard {
+    /// Moves an armed layer out of its place (`.gone-NAME-TIME`, its file system detached),
+    /// so that its name may go to a new cell's layer at once; what is moved out is removed
+    /// when the returned `Moved` is dropped, in the background. `None` for a layer that is
+    /// kept, or was removed here (its move failed).
+    fn move_out(&mut self) -> Option<Moved> {
+        if !std::mem::take(&mut self.armed) {
+            return None;
         }
         // A layer that was made over (a snapshot turned it over, a reset mounted it again) may
         // keep snapshots in its file system of its own, and stack kept layers: those are moved
@@ -1136,7 +1148,7 @@ impl Drop for LayerGuard {
             .unwrap_or_default();
         if made_over && super::snapshot::release(&self.store, &self.layer, &name).is_err() {
             // Their layers stay where they are, and the cell's layer with them.
-            return;
+            return None;
         }
         // Out of the way at once (the name is free for the next cell), removed in the
         // background: freeing a layer's file system image takes the host a few milliseconds.
@@ -1166,14 +1178,39 @@ impl Drop for LayerGuard {
         ));
         let renamed = fs::rename(dir, &gone);
         drop(attaching);
-        match renamed {
-            Ok(()) => super::snapshot::remove_in_background_holding(gone, mount.flatten()),
+        let moved = match renamed {
+            Ok(()) => Some(Moved {
+                gone: Some(gone),
+                mount: mount.flatten(),
+            }),
             Err(_) => {
                 let _ = self.layer.remove();
+                None
             }
-        }
+        };
         if made_over {
             super::snapshot::released(&self.store);
+        }
+        moved
+    }
+}
+
+impl Drop for LayerGuard {
+    fn drop(&mut self) {
+        drop(self.move_out());
+    }
+}
+
+/// A layer moved out of its place, removed in the background when dropped.
+pub(crate) struct Moved {
+    gone: Option<PathBuf>,
+    mount: Option<std::os::fd::OwnedFd>,
+}
+
+impl Drop for Moved {
+    fn drop(&mut self) {
+        if let Some(gone) = self.gone.take() {
+            super::snapshot::remove_in_background_holding(gone, self.mount.take());
         }
     }
 }
