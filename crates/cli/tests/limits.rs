@@ -469,3 +469,67 @@ fn a_cell_runs_on_the_cpus_its_caller_may_use() {
     assert_eq!(ran.code, 0, "{ran:?}");
     assert_eq!(cpus_allowed(&ran.stdout), first, "{ran:?}");
 }
+
+/// Inotify instances and watches are counted per user in the host's user namespace, and a cell's
+/// are counted to the owner of its user namespace too: a cell whose namespace root owned could
+/// take all of root's (128 instances by default), and then no root process of the host, the
+/// warden among them, could watch a file.
+#[test]
+fn a_cell_cannot_use_up_the_inotify_instances_of_host_root() {
+    if !is_root() {
+        eprintln!("skipped: a_cell_cannot_use_up_the_inotify_instances_of_host_root needs root");
+        return;
+    }
+    let name = unique("inotify");
+    let code = "import ctypes, os, sys, time\n\
+                libc = ctypes.CDLL(None, use_errno=True)\n\
+                fds = []\n\
+                while len(fds) < 4096 and (fd := libc.inotify_init1(0)) >= 0: fds.append(fd)\n\
+                print(len(fds), flush=True)\n\
+                time.sleep(30)\n";
+    let mut cell = warden()
+        .args([
+            "run",
+            "--name",
+            &name,
+            "--timeout",
+            "40s",
+            "--",
+            "python3",
+            "-c",
+            code,
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(cell.stdout.as_mut().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    // While the cell holds every instance it could get, host root can still make one.
+    let host = Command::new("python3")
+        .args([
+            "-c",
+            "import ctypes, os, sys\n\
+             libc = ctypes.CDLL(None, use_errno=True)\n\
+             fd = libc.inotify_init1(0)\n\
+             print(os.strerror(ctypes.get_errno()) if fd < 0 else 'made')",
+        ])
+        .output()
+        .unwrap();
+    let host = String::from_utf8_lossy(&host.stdout).trim().to_owned();
+    let _ = warden().args(["kill", &name]).status();
+    let _ = cell.wait();
+    assert!(
+        line.trim().parse::<u32>().unwrap() > 0,
+        "the cell made no inotify instance: {line:?}"
+    );
+    assert_eq!(
+        host,
+        "made",
+        "host root could not make an inotify instance while the cell held {}",
+        line.trim()
+    );
+}

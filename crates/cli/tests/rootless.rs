@@ -376,6 +376,48 @@ fn rootless_a_workspace_is_held_to_its_disk_limit() {
     );
 }
 
+/// A cell that writes past its disk limit and ends before the watch's next look (a few seconds)
+/// is not let off: a last look at its end tells the breach.
+#[test]
+fn rootless_a_cell_that_ends_past_its_disk_limit_between_looks_is_told() {
+    let env = setup();
+    let ws = env.workspace.to_str().unwrap().to_owned();
+    let policy_path = env.state.join("quick-disk.yaml");
+    std::fs::write(&policy_path, "version: 1\nlimits:\n  disk: 64MiB\n").unwrap();
+    if is_root() {
+        std::os::unix::fs::chown(&policy_path, Some(NOBODY), Some(NOBODY)).unwrap();
+    }
+    let name = unique("rl-disk-quick");
+    let ran = Ran::from(
+        as_user(
+            &env,
+            &[
+                "run",
+                "--rm",
+                "--name",
+                &name,
+                "--policy",
+                policy_path.to_str().unwrap(),
+                "--workspace",
+                &ws,
+                "--",
+                "sh",
+                "-c",
+                "i=0; while [ $i -lt 12 ]; do head -c 8388608 /dev/zero > /workspace/f$i; i=$((i+1)); done; echo written",
+            ],
+        )
+        .output()
+        .unwrap(),
+    );
+    assert_eq!(ran.code, 253, "{ran:?}");
+    assert_eq!(ran.stdout, "written\n", "{ran:?}");
+    assert!(
+        ran.stderr
+            .contains("disk limit 64 MiB of its workspace exceeded"),
+        "{ran:?}"
+    );
+}
+
 /// A user who may not write Warden's state directory (`nobody`'s default, under a home of
 /// /nonexistent) is told where it is and how to move it, and nothing runs.
 #[test]

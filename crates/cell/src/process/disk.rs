@@ -409,6 +409,10 @@ pub struct Watch {
     used: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
     pub limit: u64,
+    /// What the thread looks at, kept for the last look when the cell ends
+    /// ([`Watch::over_at_end`]).
+    upper: PathBuf,
+    userns: Option<Arc<OwnedFd>>,
 }
 
 /// The least time between two looks; a look that takes long makes the next one wait longer
@@ -421,12 +425,20 @@ impl Watch {
         let used = Arc::new(AtomicU64::new(0));
         let stop = Arc::new(AtomicBool::new(false));
         let (seen, done) = (Arc::clone(&used), Arc::clone(&stop));
+        let userns = userns.map(Arc::new);
+        let watch = Self {
+            used,
+            stop,
+            limit,
+            upper: upper.clone(),
+            userns: userns.clone(),
+        };
         std::thread::Builder::new()
             .name("disk-watch".into())
             .spawn(move || {
                 while !done.load(Ordering::Relaxed) {
                     let began = Instant::now();
-                    if let Ok(bytes) = look(&upper, limit, userns.as_ref()) {
+                    if let Ok(bytes) = look(&upper, limit, userns.as_deref()) {
                         seen.store(bytes, Ordering::Relaxed);
                     }
                     let wait = LEAST_INTERVAL.max(began.elapsed() * 10);
@@ -436,12 +448,21 @@ impl Watch {
                     }
                 }
             })?;
-        Ok(Self { used, stop, limit })
+        Ok(watch)
     }
 
     /// Whether the layer was over the limit at the last look.
     pub fn over(&self) -> bool {
         self.used.load(Ordering::Relaxed) > self.limit
+    }
+
+    /// Whether the layer is over the limit now, looked at once more: a cell that wrote past it
+    /// and ended between two looks (a few seconds: 26 times a 64 MiB limit was written and
+    /// kept that way) is told as one the watch ended.
+    pub fn over_at_end(&self) -> bool {
+        self.over()
+            || look(&self.upper, self.limit, self.userns.as_deref())
+                .is_ok_and(|bytes| bytes > self.limit)
     }
 }
 

@@ -10,6 +10,23 @@ use std::fmt::Write as _;
 pub const ROOT_MODE_BASE: u32 = 2_000_000_000;
 /// Size of that block.
 pub const ROOT_MODE_COUNT: u32 = 65536;
+/// First of the host uids that own root-started cells' user namespaces, one picked per cell by
+/// its name: no process runs as any of them, and none is in a cell's mapping. The kernel counts
+/// what is limited per user (inotify instances and watches, fanotify groups and marks) to the
+/// namespace's owner too, in the host's namespace: owned by root, every cell's inotify instances
+/// were root's, and one cell holding 128 left host root (the warden included) none.
+pub const OWNER_BASE: u32 = ROOT_MODE_BASE + ROOT_MODE_COUNT;
+/// How many owner uids there are to pick from.
+pub const OWNER_COUNT: u32 = 1 << 20;
+
+/// The host uid that owns the user namespace of the root-started cell `name`.
+pub fn namespace_owner(name: &str) -> u32 {
+    // FNV-1a: stable across builds, spread enough that two cells rarely share an owner.
+    let hash = name.bytes().fold(0x811c_9dc5u32, |h, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    });
+    OWNER_BASE + hash % OWNER_COUNT
+}
 
 /// One cell's id mapping.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -92,6 +109,16 @@ mod tests {
             format!("0 {ROOT_MODE_BASE} {ROOT_MODE_COUNT}\n")
         );
         assert_eq!(ids.host_uid_of_cell_user(), ROOT_MODE_BASE + 1000);
+    }
+
+    #[test]
+    fn namespace_owners_are_outside_every_mapping_and_differ_by_name() {
+        for name in ["a", "cell-0a1b2c", "dev"] {
+            let owner = namespace_owner(name);
+            assert!((OWNER_BASE..OWNER_BASE + OWNER_COUNT).contains(&owner));
+            assert!(owner >= ROOT_MODE_BASE + ROOT_MODE_COUNT);
+        }
+        assert_ne!(namespace_owner("a"), namespace_owner("b"));
     }
 
     #[test]

@@ -274,6 +274,11 @@ impl Relay<'_> {
         if let Some(watch) = &self.policy_watch {
             watch.close_record();
         }
+        if let Some(watch) = self.disk.as_ref().filter(|_| limit.is_none())
+            && watch.over_at_end()
+        {
+            limit = Some(Ending::DiskLimit { limit: watch.limit });
+        }
         let ending = exited.map_or(Ending::Exited(init::SETUP_FAILED), |(e, _)| e);
         Ok(Relayed {
             stop: match limit {

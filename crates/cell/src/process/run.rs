@@ -324,7 +324,10 @@ pub fn run_with(
             gateway_ahead = None;
         }
     }
-    let cloned = sys::clone_process(flags);
+    let cloned = match privileged {
+        true => sys::clone_process_owned_by(flags, super::ids::namespace_owner(&name)),
+        false => sys::clone_process(flags),
+    };
     if matches!(cloned, Ok(0)) {
         let _ = old_mask.thread_set_mask();
         init::run(&plan, &fds)

@@ -45,6 +45,63 @@ struct Request {
     param: u64,
 }
 
+/// Like [`clone_process`] with `CLONE_NEWUSER` in `flags`, the new user namespace owned by host
+/// uid `owner` rather than by the caller (root): this thread takes `owner` as its effective uid
+/// for the clone alone, keeping its capabilities (`SECBIT_NO_SETUID_FIXUP`, so that a host that
+/// restricts user namespaces made without them treats the clone as before), and both sides put
+/// back the secure bits, the dumpable flag and the parent-death signal the change of uid
+/// touched. Where a step is refused, the clone is a plain one (owned by the caller).
+///
+/// The caller must be single-threaded and its effective uid 0 (the raw calls change this thread
+/// alone).
+pub fn clone_process_owned_by(flags: libc::c_int, owner: u32) -> io::Result<libc::pid_t> {
+    const SECBIT_NO_SETUID_FIXUP: libc::c_long = 1 << 2;
+    const KEEP: libc::c_long = -1;
+    // SAFETY: prctl queries and sets of this process's flags; setresuid of this thread alone
+    // (the raw call, not the C library's, which would signal every thread); no memory is passed.
+    unsafe {
+        let bits = libc::prctl(libc::PR_GET_SECUREBITS) as libc::c_long;
+        let dumpable = libc::prctl(libc::PR_GET_DUMPABLE) as libc::c_long;
+        // A change of effective uid also clears the parent-death signal.
+        let mut death: libc::c_int = 0;
+        if bits < 0
+            || dumpable < 0
+            || libc::prctl(libc::PR_GET_PDEATHSIG, &mut death as *mut libc::c_int) != 0
+            || libc::prctl(libc::PR_SET_SECUREBITS, bits | SECBIT_NO_SETUID_FIXUP) != 0
+        {
+            return clone_process(flags);
+        }
+        let restore = || {
+            libc::prctl(libc::PR_SET_SECUREBITS, bits);
+            libc::prctl(libc::PR_SET_DUMPABLE, dumpable);
+            libc::prctl(libc::PR_SET_PDEATHSIG, death as libc::c_ulong);
+        };
+        if libc::syscall(libc::SYS_setresuid, KEEP, libc::c_long::from(owner), KEEP) != 0 {
+            restore();
+            return clone_process(flags);
+        }
+        let cloned = clone_process(flags);
+        if matches!(cloned, Ok(0)) {
+            // The child: root of its new namespace, with every capability there and the
+            // default secure bits (the kernel's); its uids become the cell's when the warden
+            // has written its maps.
+            libc::prctl(libc::PR_SET_DUMPABLE, dumpable);
+            return cloned;
+        }
+        let back = libc::syscall(libc::SYS_setresuid, KEEP, 0 as libc::c_long, KEEP);
+        restore();
+        if back != 0 {
+            // Not reachable with a saved uid of 0; never go on as another user.
+            let err = io::Error::last_os_error();
+            if let Ok(pid) = cloned {
+                libc::kill(pid, libc::SIGKILL);
+            }
+            return Err(err);
+        }
+        cloned
+    }
+}
+
 /// The unique ids of every mount of this process's mount namespace (`listmount(2)`, Linux 6.8;
 /// an id is never given to another mount until the next boot), in the kernel's order; `None`
 /// where the kernel lacks the call or refuses it.
