@@ -5,9 +5,7 @@
 use std::fs;
 use std::io;
 use std::os::fd::AsFd as _;
-use std::os::unix::fs::{
-    FileTypeExt as _, MetadataExt as _, OpenOptionsExt as _, PermissionsExt as _,
-};
+use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
@@ -1552,9 +1550,20 @@ fn reset_by_swap(
 /// for nothing, where no project goes that deep, and no diff reads that far. The caller
 /// removes what was copied, as after any failure.
 pub fn copy_tree(from: &Path, to: &Path) -> Result<u64, SnapshotError> {
+    let top_dir = rustix::fs::open(
+        from,
+        rustix::fs::OFlags::RDONLY
+            | rustix::fs::OFlags::DIRECTORY
+            | rustix::fs::OFlags::NOFOLLOW
+            | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )
+    .map_err(|e| copy_err(from)(e.into()))?;
     let copy = Copy {
         as_root: nix::unistd::geteuid().is_root(),
         linked: std::sync::Mutex::new(std::collections::HashMap::new()),
+        top: from.to_path_buf(),
+        top_dir,
     };
     let meta = fs::symlink_metadata(from).map_err(copy_err(from))?;
     copy.entry(from, to, &meta, 0)
@@ -1564,6 +1573,14 @@ pub fn copy_tree(from: &Path, to: &Path) -> Result<u64, SnapshotError> {
 struct Copy {
     as_root: bool,
     linked: std::sync::Mutex<std::collections::HashMap<(u64, u64), PathBuf>>,
+    /// The top of the copy, and its directory opened once: every entry below it is opened
+    /// beneath it without following a symlink on the way. The tree may be a running cell's that
+    /// no freezer holds still (rootless, without a cgroup of its own), and the cell can swap a
+    /// directory for a symlink between its listing and its copy: followed by its path, the
+    /// symlink led the copy to any host directory the warden's user may read, into the
+    /// snapshot (and, through a reset or a fork, into the cell).
+    top: PathBuf,
+    top_dir: std::os::fd::OwnedFd,
 }
 
 fn copy_err(path: &Path) -> impl FnOnce(io::Error) -> SnapshotError + use<> {
@@ -1676,13 +1693,72 @@ impl Copy {
         }
         fs::create_dir(to).map_err(copy_err(to))?;
         copy_overlay_xattrs(from, to).map_err(copy_err(to))?;
+        // Listed through the directory opened beneath the top (never through a symlink), each
+        // entry looked at in it (`fstatat`, never following).
+        let dir = self
+            .open_beneath(
+                from,
+                rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY,
+            )
+            .map_err(copy_err(from))?;
+        let listed =
+            Path::new("/proc/self/fd").join(std::os::fd::AsRawFd::as_raw_fd(&dir).to_string());
         let mut children = Vec::new();
-        for entry in fs::read_dir(from).map_err(copy_err(from))? {
+        for entry in fs::read_dir(&listed).map_err(copy_err(from))? {
             let entry = entry.map_err(copy_err(from))?;
-            let meta = entry.metadata().map_err(copy_err(&entry.path()))?; // lstat: never follows
-            children.push((entry.path(), to.join(entry.file_name()), meta));
+            let path = from.join(entry.file_name());
+            let meta = entry.metadata().map_err(copy_err(&path))?; // lstat: never follows
+            children.push((path, to.join(entry.file_name()), meta));
         }
         Ok(children)
+    }
+
+    /// `from`, a path below the copy's top, opened beneath it with `flags`, failing where any
+    /// of its components (the last one too) is a symlink.
+    fn open_beneath(
+        &self,
+        from: &Path,
+        flags: rustix::fs::OFlags,
+    ) -> io::Result<std::os::fd::OwnedFd> {
+        use rustix::fs::OFlags;
+        let rel = from
+            .strip_prefix(&self.top)
+            .map_err(|_| io::Error::other("a path outside the copy"))?;
+        let flags = flags | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        let opened = rustix::fs::openat2(
+            &self.top_dir,
+            if rel.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                rel
+            },
+            flags,
+            rustix::fs::Mode::empty(),
+            rustix::fs::ResolveFlags::BENEATH
+                | rustix::fs::ResolveFlags::NO_SYMLINKS
+                | rustix::fs::ResolveFlags::NO_MAGICLINKS,
+        );
+        match opened {
+            // Before Linux 5.6: one component at a time, none followed.
+            Err(rustix::io::Errno::NOSYS) => {
+                let mut dir = self.top_dir.try_clone()?;
+                let parts: Vec<_> = rel.components().collect();
+                for (i, part) in parts.iter().enumerate() {
+                    let std::path::Component::Normal(name) = part else {
+                        return Err(io::Error::other("an unexpected path component"));
+                    };
+                    let last = i + 1 == parts.len();
+                    let these = if last {
+                        flags
+                    } else {
+                        OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC
+                    };
+                    dir = rustix::fs::openat(&dir, *name, these, rustix::fs::Mode::empty())?;
+                }
+                Ok(dir)
+            }
+            other => other.map_err(io::Error::from),
+        }
     }
 
     /// Gives the copied directory `to` the mode, owner (as root) and times of `meta`, once its
@@ -1730,11 +1806,19 @@ impl Copy {
             } else {
                 create()?
             };
-            let source = fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_NOFOLLOW)
-                .open(from)
+            // Beneath the top, never through a symlink; not waiting on a FIFO swapped in.
+            let source = self
+                .open_beneath(
+                    from,
+                    rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::NONBLOCK,
+                )
+                .map(fs::File::from)
                 .map_err(copy_err(from))?;
+            if !source.metadata().map_err(copy_err(from))?.is_file() {
+                return Err(copy_err(from)(io::Error::other(
+                    "the file changed while it was copied",
+                )));
+            }
             let size = sys::copy_data(&source, &target, meta.len(), Some(meta.blocks() * 512))
                 .map_err(copy_err(to))?;
             target.set_permissions(mode).map_err(copy_err(to))?;
@@ -1746,7 +1830,25 @@ impl Copy {
             return Ok(size);
         }
         if file_type.is_symlink() {
-            let target = fs::read_link(from).map_err(copy_err(from))?;
+            let (parent, name) = match (from.parent(), from.file_name()) {
+                (Some(parent), Some(name)) => (parent, name),
+                _ => return Err(copy_err(from)(io::Error::other("a link without a name"))),
+            };
+            let parent = self
+                .open_beneath(
+                    parent,
+                    rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY,
+                )
+                .map_err(copy_err(from))?;
+            let target = rustix::fs::readlinkat(&parent, name, Vec::new())
+                .map(|target| {
+                    PathBuf::from(
+                        <std::ffi::OsString as std::os::unix::ffi::OsStringExt>::from_vec(
+                            target.into_bytes(),
+                        ),
+                    )
+                })
+                .map_err(|e| copy_err(from)(e.into()))?;
             std::os::unix::fs::symlink(target, to).map_err(copy_err(to))?;
         } else if file_type.is_char_device() && meta.rdev() == 0 {
             mknod(to, SFlag::S_IFCHR, Mode::empty(), 0).map_err(nix_copy_err(to))?;
