@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::fs;
 use std::io;
-use std::os::unix::fs::{FileExt as _, MetadataExt as _, OpenOptionsExt};
+use std::os::unix::fs::{FileExt as _, MetadataExt as _};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -433,12 +433,11 @@ impl Transaction<'_> {
                     let target = change.link_target.clone().unwrap_or_default();
                     rustix::fs::symlinkat(target.as_str(), self.staging, slot.as_str())?;
                 } else {
-                    let source = crate::diff::locate(layers, &path).ok_or_else(|| {
+                    let (input, meta) = open_source(layers, &path)?.ok_or_else(|| {
                         io::Error::other(
                             "the file is gone from the cell's layers; run the diff again",
                         )
                     })?;
-                    let (input, meta) = open_source(&source)?;
                     if Some(meta.len()) != change.size {
                         return Err(io::Error::other(
                             "the file changed in the cell since the diff; run the diff again",
@@ -567,21 +566,48 @@ fn chown(dir: &Dir, path: &Path, owner: Option<(u32, u32)>) -> io::Result<()> {
     .map_err(io::Error::from)
 }
 
-/// The layer's file at `source`, opened without following a symlink or waiting (a FIFO put
-/// there since the diff is not opened for a writer), with what it is; anything but a regular
-/// file is refused.
-fn open_source(source: &Path) -> io::Result<(fs::File, fs::Metadata)> {
-    let input = fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(source)?;
-    let meta = input.metadata()?;
-    if !meta.is_file() {
-        return Err(io::Error::other(
-            "the file changed in the cell since the diff; run the diff again",
-        ));
+/// The file at `rel` in the topmost of `layers` that has it, opened beneath that layer with no
+/// symlink followed on the way (`openat2`) and without waiting (a FIFO put there since the diff
+/// is not opened for a writer), with what it is; anything but a regular file is refused. By
+/// its path alone, a cell that runs unfrozen (rootless, without a cgroup of its own) could swap
+/// a directory on the way for a symlink to a host directory between the diff and the copy, and
+/// have the apply copy a host file the caller may read into the workspace, where the cell sees
+/// it. `None`: no layer has it.
+fn open_source(layers: &[PathBuf], rel: &Path) -> io::Result<Option<(fs::File, fs::Metadata)>> {
+    use rustix::fs::{Mode, OFlags, ResolveFlags};
+    let changed =
+        || io::Error::other("the file changed in the cell since the diff; run the diff again");
+    for layer in layers {
+        let opened = rustix::fs::open(
+            layer,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .and_then(|root| {
+            rustix::fs::openat2(
+                &root,
+                rel,
+                OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+                Mode::empty(),
+                ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
+            )
+        });
+        let input = match opened {
+            Ok(fd) => fs::File::from(fd),
+            Err(rustix::io::Errno::NOENT) => continue,
+            // A symlink where the diff saw a directory or a file.
+            Err(rustix::io::Errno::LOOP | rustix::io::Errno::XDEV | rustix::io::Errno::NOTDIR) => {
+                return Err(changed());
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let meta = input.metadata()?;
+        if !meta.is_file() {
+            return Err(changed());
+        }
+        return Ok(Some((input, meta)));
     }
-    Ok((input, meta))
+    Ok(None)
 }
 
 /// The bytes of file data applying `selected` writes: each file's data without its holes, and
@@ -594,10 +620,7 @@ fn data_to_write(layers: &[PathBuf], selected: &[&Change]) -> u64 {
         if change.kind == ChangeKind::Deleted || change.entry != EntryKind::File {
             continue;
         }
-        let Some(source) = crate::diff::locate(layers, Path::new(&change.path)) else {
-            continue;
-        };
-        let Ok((input, meta)) = open_source(&source) else {
+        let Ok(Some((input, meta))) = open_source(layers, Path::new(&change.path)) else {
             continue;
         };
         if !seen.insert((meta.dev(), meta.ino())) {
@@ -680,5 +703,43 @@ mod tests {
         assert_eq!((meta.uid(), meta.gid()), (4242, 4343));
         assert!(chown(&dir, Path::new("swapped/file"), owner).is_err());
         assert_eq!(fs::metadata(outside.join("file")).unwrap().uid(), 0);
+    }
+
+    /// A source is opened beneath its layer: a directory of the layer that is (or became) a
+    /// symlink to a host directory fails the open, where a path's open followed it to the host
+    /// file; a file of a lower layer is found where the upper lacks it.
+    #[test]
+    fn a_source_is_never_read_through_a_symlink_on_the_way() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (upper, lower, outside) = (
+            tmp.path().join("upper"),
+            tmp.path().join("lower"),
+            tmp.path().join("outside"),
+        );
+        fs::create_dir_all(upper.join("real")).unwrap();
+        fs::create_dir_all(lower.join("deep")).unwrap();
+        fs::create_dir_all(&outside).unwrap();
+        fs::write(upper.join("real/file"), "in the cell").unwrap();
+        fs::write(lower.join("deep/file"), "below").unwrap();
+        fs::write(outside.join("secret"), "the host's").unwrap();
+        std::os::unix::fs::symlink(&outside, upper.join("swapped")).unwrap();
+        let layers = [upper.clone(), lower];
+        let read = |rel: &str| {
+            open_source(&layers, Path::new(rel)).map(|found| {
+                found.map(|(mut file, _)| {
+                    let mut text = String::new();
+                    std::io::Read::read_to_string(&mut file, &mut text).unwrap();
+                    text
+                })
+            })
+        };
+        assert_eq!(read("real/file").unwrap().as_deref(), Some("in the cell"));
+        assert_eq!(read("deep/file").unwrap().as_deref(), Some("below"));
+        assert_eq!(read("missing").unwrap(), None);
+        let through = read("swapped/secret");
+        assert!(through.is_err(), "read through a symlink: {through:?}");
+        // The last component too.
+        std::os::unix::fs::symlink(outside.join("secret"), upper.join("link")).unwrap();
+        assert!(read("link").is_err());
     }
 }
