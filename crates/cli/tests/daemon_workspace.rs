@@ -772,7 +772,7 @@ fn an_apply_writes_what_was_reviewed_and_approved_or_nothing() {
             "--",
             "sh",
             "-c",
-            "echo reviewed > b.txt; sleep 3; echo other > b.txt; sleep 60",
+            "echo reviewed > b.txt; sleep 8; echo other > b.txt; sleep 60",
         ])
         .spawn()
         .unwrap();
@@ -797,7 +797,9 @@ fn an_apply_writes_what_was_reviewed_and_approved_or_nothing() {
         serde_json::from_str::<Value>(&json.stdout).unwrap()["digest"],
         digest
     );
-    std::thread::sleep(Duration::from_secs(4));
+    // (The cell's change comes 8 s after its start: time enough, on a loaded machine, for the
+    // review above to see the first content.)
+    std::thread::sleep(Duration::from_secs(9));
     let refused = Ran::from(
         warden()
             .args(["apply", &name, "--digest", &digest])

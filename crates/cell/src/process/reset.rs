@@ -638,12 +638,15 @@ fn carry_out(
                 Err(rustix::io::Errno::EXIST) => {}
                 Err(e) => return Err(e.into()),
             }
-            rustix::fs::chmodat(
+            // Its mode set through the directory itself, opened without following a symlink
+            // (by name, a symlink put there meanwhile would lead the change elsewhere).
+            let made = rustix::fs::openat(
                 dir,
                 name,
-                Mode::from_raw_mode(mode & 0o777),
-                AtFlags::empty(),
+                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::empty(),
             )?;
+            rustix::fs::fchmod(&made, Mode::from_raw_mode(mode & 0o777))?;
             Ok(())
         }
         Step::File {
@@ -658,14 +661,21 @@ fn carry_out(
                     .ok_or_else(|| io::Error::other("no such target layer"))?,
                 None => lower,
             };
+            // Without waiting: a FIFO found there (the plan names files only) is refused below,
+            // not waited on for a writer with the cell frozen.
             let source = rustix::fs::openat(
                 source_dir,
                 path.as_str(),
-                OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
                 Mode::empty(),
             )?;
             let source = fs::File::from(source);
             let meta = source.metadata()?;
+            if !meta.is_file() {
+                return Err(io::Error::other(format!(
+                    "{path} is no longer a file in the layer the reset reads; the reset stops there"
+                )));
+            }
             let (length, allocated) = (meta.len(), Some(meta.blocks() * 512));
             let (dir, name) = parents.of(path)?;
             if *over
@@ -680,16 +690,20 @@ fn carry_out(
                 OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
                 Mode::from_raw_mode(mode & 0o777),
             )?;
-            let copied = sys::copy_data(&source, &fs::File::from(target), length, allocated)
-                .and_then(|_| chown(dir, &temporary).map_err(io::Error::from))
-                .and_then(|()| {
-                    rustix::fs::chmodat(
-                        dir,
-                        temporary.as_str(),
-                        Mode::from_raw_mode(mode & 0o777),
-                        AtFlags::empty(),
+            let target = fs::File::from(target);
+            // Owner and mode through the new file itself, not its name.
+            let copied = sys::copy_data(&source, &target, length, allocated)
+                .and_then(|_| {
+                    rustix::fs::fchown(
+                        &target,
+                        Some(rustix::fs::Uid::from_raw(uid)),
+                        Some(rustix::fs::Gid::from_raw(gid)),
                     )
                     .map_err(io::Error::from)
+                })
+                .and_then(|()| {
+                    rustix::fs::fchmod(&target, Mode::from_raw_mode(mode & 0o777))
+                        .map_err(io::Error::from)
                 })
                 .and_then(|()| {
                     rustix::fs::renameat(dir, temporary.as_str(), dir, name)
