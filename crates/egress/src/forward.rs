@@ -589,6 +589,28 @@ pub(crate) fn placeholder_refusal(err: &io::Error) -> Option<String> {
 mod tests {
     use super::*;
 
+    /// A gateway of `network` and `secrets` (its record in `log`), serving a proxy port on
+    /// 127.0.0.1: the port's address.
+    fn serving(
+        network: &warden_policy::Network,
+        secrets: crate::Secrets,
+        log: &std::path::Path,
+    ) -> std::net::SocketAddr {
+        let gateway = Gateway::new(
+            crate::Rules::compile(network).unwrap(),
+            log,
+            "test",
+            secrets,
+            None,
+            crate::Bounds::default(),
+        )
+        .unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap();
+        gateway.serve(listener).unwrap();
+        address
+    }
+
     /// A gateway whose one rule asks about `127.0.0.2:9`, serving a proxy port; returns the
     /// port's address and the questions it asks (each answered by the timeout: refused).
     fn asking_gateway() -> (
@@ -702,18 +724,7 @@ mod tests {
             "warden-forward-inference-{}.jsonl",
             std::process::id()
         ));
-        let gateway = Gateway::new(
-            crate::Rules::compile(&network).unwrap(),
-            &log,
-            "test",
-            secrets,
-            None,
-            crate::Bounds::default(),
-        )
-        .unwrap();
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let address = listener.local_addr().unwrap();
-        gateway.serve(listener).unwrap();
+        let address = serving(&network, secrets, &log);
         let body = r#"{"model":"m","messages":[]}"#;
         let mut conn = TcpStream::connect(address).unwrap();
         write!(
@@ -805,18 +816,7 @@ mod tests {
             };
             let log = std::env::temp_dir()
                 .join(format!("warden-forward-clear-{}.jsonl", std::process::id()));
-            let gateway = Gateway::new(
-                crate::Rules::compile(&network).unwrap(),
-                &log,
-                "test",
-                secrets,
-                None,
-                crate::Bounds::default(),
-            )
-            .unwrap();
-            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            let address = listener.local_addr().unwrap();
-            gateway.serve(listener).unwrap();
+            let address = serving(&network, secrets, &log);
             let get = |to: &str| {
                 let mut conn = TcpStream::connect(address).unwrap();
                 write!(conn, "GET http://{to}/x HTTP/1.1\r\nHost: {to}\r\n\r\n").unwrap();

@@ -109,24 +109,10 @@ impl Harness {
     /// the daemon applies (wall-clock, idle) and its name taken, for good. Called before
     /// `reconcile`, while every cell the database holds is still there to tell apart.
     pub(crate) async fn end_cut_creates(self: &Arc<Self>) -> Result<(), HarnessError> {
-        let pooled: std::collections::HashSet<String> =
-            std::fs::read_dir(self.daemon_dir.join("pool"))
-                .map(|entries| {
-                    entries
-                        .flatten()
-                        .filter_map(|e| e.file_name().into_string().ok())
-                        .collect()
-                })
-                .unwrap_or_default();
-        let folders: Vec<String> = std::fs::read_dir(self.daemon_dir.join("cells"))
-            .map(|entries| {
-                entries
-                    .flatten()
-                    .filter_map(|e| e.file_name().into_string().ok())
-                    .collect()
-            })
-            .unwrap_or_default();
-        for name in folders {
+        let pooled: std::collections::HashSet<String> = names_in(&self.daemon_dir.join("pool"))
+            .into_iter()
+            .collect();
+        for name in names_in(&self.daemon_dir.join("cells")) {
             if pooled.contains(&name) || !matches!(self.state.get(&name), Ok(None)) {
                 continue;
             }
@@ -153,20 +139,31 @@ impl Harness {
             .await
             .unwrap_or(false);
             self.remove_remains(&name, Some(backend));
-            let reason = "the daemon stopped while it made the cell";
-            self.record(
-                Some(&name),
-                "cell.end",
-                json!({ "reason": reason, "ended": ended }),
-            )
-            .await?;
-            self.record(
-                Some(&name),
-                "cell.delete",
-                json!({ "by": format!("the warden: {reason}") }),
-            )
-            .await?;
+            self.record_ended_by_warden(&name, "the daemon stopped while it made the cell", ended)
+                .await?;
         }
+        Ok(())
+    }
+
+    /// Journals the end and the delete of a cell the warden ended itself, for `reason`.
+    pub(crate) async fn record_ended_by_warden(
+        &self,
+        name: &str,
+        reason: &str,
+        ended: bool,
+    ) -> Result<(), HarnessError> {
+        self.record(
+            Some(name),
+            "cell.end",
+            json!({ "reason": reason, "ended": ended }),
+        )
+        .await?;
+        self.record(
+            Some(name),
+            "cell.delete",
+            json!({ "by": format!("the warden: {reason}") }),
+        )
+        .await?;
         Ok(())
     }
 
@@ -1309,4 +1306,16 @@ pub(crate) struct Killed {
     killed: bool,
     asked: Option<crate::record::Durable>,
     written: Option<crate::record::DurableAll>,
+}
+
+/// The names of the entries of `dir` (none where it cannot be read).
+fn names_in(dir: &std::path::Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter_map(|e| e.file_name().into_string().ok())
+                .collect()
+        })
+        .unwrap_or_default()
 }

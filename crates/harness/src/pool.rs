@@ -439,18 +439,7 @@ impl Harness {
                 // has its end and delete too: the cell is gone. (A run's cell is never in the
                 // database; a create's is once it was handed out.)
                 let reason = "the daemon stopped while the cell was handed out or ran its run";
-                self.record(
-                    Some(&name),
-                    "cell.end",
-                    json!({ "reason": reason, "ended": ended }),
-                )
-                .await?;
-                self.record(
-                    Some(&name),
-                    "cell.delete",
-                    json!({ "by": format!("the warden: {reason}") }),
-                )
-                .await?;
+                self.record_ended_by_warden(&name, reason, ended).await?;
                 continue;
             }
             self.record(
