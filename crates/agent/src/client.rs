@@ -74,6 +74,25 @@ pub struct Called {
     pub reply_bytes: usize,
 }
 
+/// Text the model API wrote (an error's message), quoted in the session's reason for ending:
+/// every character that could steer a terminal written as `\u{..}`, since `warden agent run`
+/// prints the reason to an operator's terminal.
+fn plain(text: &str) -> String {
+    let steers = |c: char| {
+        (c.is_control() && c != '\t')
+            || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+    };
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if steers(c) {
+            out.push_str(&format!("\\u{{{:x}}}", u32::from(c)));
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// Why a request got no reply.
 #[derive(Debug, Clone)]
 pub struct ModelError {
@@ -231,6 +250,7 @@ impl Model {
                 .ok()
                 .and_then(|v| warden_model::error_message(&v))
                 .unwrap_or_else(|| text.chars().take(300).collect());
+            let detail = plain(&detail);
             let hint = match status.as_u16() {
                 401 | 403 => format!(
                     "; check the key ({} in the environment of the command that started the session)",
@@ -253,7 +273,7 @@ impl Model {
             .is_some_and(|v| v.starts_with("text/event-stream"));
         let wire = |e: WireError| ModelError {
             retryable: matches!(e, WireError::Incomplete),
-            message: e.to_string(),
+            message: plain(&e.to_string()),
             retry_after: None,
             attempts: 0,
         };

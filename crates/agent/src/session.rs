@@ -23,6 +23,8 @@ use crate::tools;
 /// Defaults of the budgets a request leaves out.
 pub const DEFAULT_STEPS: u32 = 50;
 pub const DEFAULT_TOOL_OUTPUT: u64 = 16 * 1024;
+/// The most tool calls one reply may have carried out (the rest are answered "not run").
+pub const CALLS_PER_REPLY: usize = 64;
 /// The most of one text the journal keeps (its byte count is kept whole).
 pub const JOURNAL_TEXT_LIMIT: usize = 8 * 1024;
 
@@ -719,8 +721,9 @@ impl Session {
             .await?;
             {
                 let mut inner = self.inner.lock().map_err(|_| lost())?;
-                inner.info.usage.input += reply.usage.input;
-                inner.info.usage.output += reply.usage.output;
+                inner.info.usage.input = inner.info.usage.input.saturating_add(reply.usage.input);
+                inner.info.usage.output =
+                    inner.info.usage.output.saturating_add(reply.usage.output);
                 if !self.current(epoch) {
                     continue;
                 }
@@ -729,7 +732,21 @@ impl Session {
                     calls: reply.calls.clone(),
                 });
             }
-            for call in &reply.calls {
+            for (n, call) in reply.calls.iter().enumerate() {
+                // A reply's calls past the most one may make are answered without being run:
+                // the step budget counts replies, and one reply could hold thousands of calls.
+                if n >= CALLS_PER_REPLY {
+                    let mut inner = self.inner.lock().map_err(|_| lost())?;
+                    if !self.current(epoch) {
+                        break;
+                    }
+                    Arc::make_mut(&mut inner.items).push(Item::Result {
+                        call_id: call.id.clone(),
+                        output: format!("not run: a reply may make at most {CALLS_PER_REPLY} tool calls; make the rest in your next reply"),
+                        error: true,
+                    });
+                    continue;
+                }
                 // Pause holds here too; a stop or a rewind moved the epoch on.
                 if let Go::Stop = self.checkpoint().await {
                     break;
@@ -835,7 +852,7 @@ impl Session {
     }
 
     /// One tool call: its arguments checked, its mode applied, carried out, journaled. `None`
-    /// when the epoch moved on under it.
+    /// when the epoch moved on under it, or the wall budget was spent.
     async fn call(
         &self,
         turn: u32,
@@ -877,9 +894,14 @@ impl Session {
                     )
                     .await
                 };
+                // The wall budget holds while tools run too: a reply of many long commands
+                // is cut when it is spent (the command killed), and the next checkpoint ends
+                // the session with the budget as its reason.
+                let wall = self.wall_left();
                 tokio::select! {
                     outcome = work => outcome,
                     () = self.cut(epoch) => return Ok(None),
+                    () = tokio::time::sleep(wall) => return Ok(None),
                 }
             }
         };

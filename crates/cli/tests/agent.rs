@@ -1108,3 +1108,154 @@ fn a_rerun_repeats_the_recorded_calls_and_shows_where_they_diverge() {
         "{text}"
     );
 }
+
+/// A hostile model cannot outrun the wall-time budget with its tool calls: a reply of many
+/// long commands (each asking for a long timeout) is cut when the budget is spent, the
+/// command under way killed and the calls after it not run.
+#[test]
+fn the_wall_time_budget_holds_while_tool_calls_run() {
+    let daemon = Daemon::start(&[]);
+    let long = json!({"command": "sleep 10", "timeout_s": 3600}).to_string();
+    let server = ModelServer::start(vec![Step::Calls(
+        (0..5).map(|_| ("exec".to_owned(), long.clone())).collect(),
+    )]);
+    server.then(Step::Text("done".into()));
+    let started = Instant::now();
+    let session = start(
+        &daemon,
+        &server,
+        "openai",
+        json!({ "task": "take your time", "budgets": {"wall_s": 3} }),
+    );
+    let id = session["id"].as_str().unwrap();
+    let ended = settled(&daemon, id);
+    let took = started.elapsed();
+    assert_eq!(ended["state"], "stopped", "{ended}");
+    assert!(
+        ended["ended"]
+            .as_str()
+            .unwrap()
+            .contains("wall-time budget (3 s)"),
+        "{ended}"
+    );
+    assert!(took < Duration::from_secs(20), "the session ran {took:?}");
+    assert_eq!(
+        kinds(&daemon, "agent.tool", id).len(),
+        0,
+        "no call finished"
+    );
+}
+
+/// A reply of thousands of tool calls does not run thousands of commands in one step: the
+/// calls past the most a reply may make are answered "not run", and every call is answered.
+#[test]
+fn a_reply_with_too_many_tool_calls_runs_only_the_first() {
+    let daemon = Daemon::start(&[]);
+    let server = ModelServer::start(vec![Step::Calls(
+        (0..300)
+            .map(|n| {
+                (
+                    "write_file".to_owned(),
+                    json!({"path": format!("f{n}"), "content": "x"}).to_string(),
+                )
+            })
+            .collect(),
+    )]);
+    server.then(Step::Text("done".into()));
+    let session = start(&daemon, &server, "openai", json!({ "task": "many" }));
+    let id = session["id"].as_str().unwrap();
+    let ended = settled(&daemon, id);
+    assert_eq!(ended["state"], "done", "{ended}");
+    assert_eq!(
+        kinds(&daemon, "agent.tool", id).len(),
+        64,
+        "only 64 calls ran"
+    );
+    let answered = results(&server.requests()[1].body);
+    assert_eq!(answered.len(), 300, "every call is answered");
+    assert!(answered[299].contains("not run"), "{}", answered[299]);
+}
+
+/// A hostile model API's error message cannot steer the operator's terminal: the reason the
+/// session ended (printed by `warden agent run`) quotes it with its control characters escaped.
+#[test]
+fn a_model_apis_error_message_reaches_the_reason_escaped() {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for mut stream in listener.incoming().flatten() {
+            let mut seen = Vec::new();
+            let mut buf = [0u8; 65536];
+            // The request's head and body, whatever they hold: the answer does not depend on it.
+            while let Ok(n) = stream.read(&mut buf) {
+                seen.extend_from_slice(&buf[..n]);
+                if n == 0 || seen.windows(4).any(|w| w == b"\r\n\r\n") && seen.ends_with(b"}") {
+                    break;
+                }
+            }
+            let body = json!({"error": {"message": "bad \u{1b}[2J\u{1b}]0;TITLE\u{7} request", "type": "x"}}).to_string();
+            let _ = write!(
+                stream,
+                "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    let daemon = Daemon::start(&[]);
+    let answer = daemon.call(
+        "POST",
+        "/v1/agents",
+        Some(json!({ "task": "x", "model": "openai:m", "api_key": KEY,
+            "base_url": format!("http://127.0.0.1:{port}/v1") })),
+    );
+    status_is(&answer, 201);
+    let id = answer.json()["id"].as_str().unwrap().to_owned();
+    let ended = settled(&daemon, &id);
+    let reason = ended["ended"].as_str().unwrap();
+    assert_eq!(ended["state"], "failed", "{ended}");
+    assert!(
+        reason.contains("bad ") && reason.contains("request"),
+        "{reason}"
+    );
+    assert!(!reason.chars().any(|c| c.is_control()), "{reason:?}");
+}
+
+/// What a hostile model says reaches the operator's terminal made safe: its last words on
+/// stdout, and a tool name it made up in the progress lines on stderr, with every escape
+/// sequence shown, not acted on.
+#[test]
+fn what_the_model_says_cannot_steer_the_operators_terminal() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ModelServer::start(vec![
+        call("no\u{1b}]0;TITLE\u{7}tool", json!({})),
+        Step::Text("all good\u{1b}[2J\u{1b}]0;TITLE\u{7} done".into()),
+    ]);
+    let out = agent_run_here(dir.path(), &server)
+        .arg("do it")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(stdout.contains("all good"), "{stdout}\n{stderr}");
+    for (name, text) in [("stdout", &stdout), ("stderr", &stderr)] {
+        assert!(
+            !text.contains('\u{1b}') && !text.contains('\u{7}'),
+            "an escape sequence reached {name} raw: {text:?}"
+        );
+    }
+    assert!(stdout.contains("\\u{1b}[2J"), "{stdout}");
+    if let Some(cell) = stderr
+        .split("in cell ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+    {
+        let _ = support::warden()
+            .env("WARDEN_RUNTIME_DIR", dir.path().join("run"))
+            .env("WARDEN_STATE_DIR", dir.path().join("state"))
+            .args(["rm", "--force", cell])
+            .output();
+    }
+}

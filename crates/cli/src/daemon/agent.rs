@@ -427,8 +427,10 @@ fn finish(info: &AgentInfo, json: bool) -> Result<i32> {
         println!("{}", serde_json::to_string_pretty(info)?);
         return Ok(exit_status(info));
     }
+    // The model's last words, and why the session ended, are the model's (or its API's) text:
+    // made safe for a terminal, line by line.
     if let Some(summary) = &info.summary {
-        println!("{summary}");
+        println!("{}", crate::render::safe_lines(summary));
     }
     eprintln!(
         "warden: {} {} after {} turns ({} tokens in, {} out): {}",
@@ -437,7 +439,7 @@ fn finish(info: &AgentInfo, json: bool) -> Result<i32> {
         info.turn,
         info.usage.input,
         info.usage.output,
-        info.ended.as_deref().unwrap_or("")
+        crate::render::safe_lines(info.ended.as_deref().unwrap_or(""))
     );
     eprintln!(
         "warden: review the changes with `warden diff {0}`, write them back with `warden apply {0}`",
@@ -486,7 +488,7 @@ fn show(entry: &Value, id: &str) -> bool {
                 let _ = writeln!(
                     out,
                     "[turn {turn}] -> {} {}",
-                    call["name"].as_str().unwrap_or("?"),
+                    one_line(call["name"].as_str().unwrap_or("?"), 80),
                     one_line(call["arguments"].as_str().unwrap_or(""), 160)
                 );
             }
@@ -496,7 +498,7 @@ fn show(entry: &Value, id: &str) -> bool {
             let _ = writeln!(
                 out,
                 "         {mark} {} {} ({} ms)",
-                fields["name"].as_str().unwrap_or("?"),
+                one_line(fields["name"].as_str().unwrap_or("?"), 80),
                 one_line(fields["output"].as_str().unwrap_or(""), 160),
                 fields["ms"]
             );
@@ -560,7 +562,11 @@ fn print_item(item: &warden_model::Item) {
                 println!("model: {}", crate::render::safe_lines(text));
             }
             for c in calls {
-                println!("model -> {} {}", c.name, one_line(&c.arguments, 300));
+                println!(
+                    "model -> {} {}",
+                    one_line(&c.name, 80),
+                    one_line(&c.arguments, 300)
+                );
             }
         }
         Item::Result { output, error, .. } => {
