@@ -1550,7 +1550,7 @@ fn reset_by_swap(
 /// for nothing, where no project goes that deep, and no diff reads that far. The caller
 /// removes what was copied, as after any failure.
 pub fn copy_tree(from: &Path, to: &Path) -> Result<u64, SnapshotError> {
-    let top_dir = rustix::fs::open(
+    let top = rustix::fs::open(
         from,
         rustix::fs::OFlags::RDONLY
             | rustix::fs::OFlags::DIRECTORY
@@ -1562,25 +1562,52 @@ pub fn copy_tree(from: &Path, to: &Path) -> Result<u64, SnapshotError> {
     let copy = Copy {
         as_root: nix::unistd::geteuid().is_root(),
         linked: std::sync::Mutex::new(std::collections::HashMap::new()),
-        top: from.to_path_buf(),
-        top_dir,
     };
     let meta = fs::symlink_metadata(from).map_err(copy_err(from))?;
-    copy.entry(from, to, &meta, 0)
+    copy.top(from, std::sync::Arc::new(fs::File::from(top)), to, &meta)
 }
 
 /// One tree copy: whether owners are carried, and where each multiply-linked inode went.
 struct Copy {
     as_root: bool,
     linked: std::sync::Mutex<std::collections::HashMap<(u64, u64), PathBuf>>,
-    /// The top of the copy, and its directory opened once: every entry below it is opened
-    /// beneath it without following a symlink on the way. The tree may be a running cell's that
-    /// no freezer holds still (rootless, without a cgroup of its own), and the cell can swap a
-    /// directory for a symlink between its listing and its copy: followed by its path, the
-    /// symlink led the copy to any host directory the warden's user may read, into the
-    /// snapshot (and, through a reset or a fork, into the cell).
-    top: PathBuf,
-    top_dir: std::os::fd::OwnedFd,
+}
+
+/// Where an entry of a copy is read: the directory it was listed in and its name there. Every
+/// directory of the copy is opened from its parent's descriptor by one name, never following a
+/// symlink, down from the top: the tree may be a running cell's that no freezer holds still
+/// (rootless, without a cgroup of its own), and the cell can swap a directory for a symlink
+/// between its listing and its copy. Followed by its path, such a symlink led the copy to any
+/// host directory the warden's user may read, into the snapshot (and, through a reset or a
+/// fork, into the cell).
+#[derive(Clone)]
+struct Source {
+    dir: std::sync::Arc<fs::File>,
+    name: std::ffi::OsString,
+}
+
+impl Source {
+    /// The entry, opened with `flags`; a symlink there now fails the open.
+    fn open(&self, flags: rustix::fs::OFlags) -> io::Result<fs::File> {
+        use rustix::fs::OFlags;
+        rustix::fs::openat(
+            &*self.dir,
+            self.name.as_os_str(),
+            flags | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )
+        .map(fs::File::from)
+        .map_err(io::Error::from)
+    }
+}
+
+/// An entry of a copy: where it is read (its path for errors), where it goes, what it is.
+#[derive(Clone)]
+struct Child {
+    from: PathBuf,
+    source: Source,
+    to: PathBuf,
+    meta: fs::Metadata,
 }
 
 fn copy_err(path: &Path) -> impl FnOnce(io::Error) -> SnapshotError + use<> {
@@ -1599,28 +1626,26 @@ fn nix_copy_err(path: &Path) -> impl FnOnce(nix::Error) -> SnapshotError + use<>
 /// What is left of a copy's walk: an entry to copy (with its depth below the top), or a
 /// directory whose entries are all copied, to be given its mode, owner and times.
 enum Work {
-    Copy(PathBuf, PathBuf, fs::Metadata, usize),
+    Copy(Child, usize),
     Close(PathBuf, fs::Metadata),
 }
 
 impl Copy {
-    /// Copies `from` to `to`, `depth` levels below the copy's top, and everything below it.
-    fn entry(
+    /// Copies the directory `from` (opened: `dir`) to `to`, and everything below it; its
+    /// entries are split between two threads.
+    fn top(
         &self,
         from: &Path,
+        dir: std::sync::Arc<fs::File>,
         to: &Path,
         meta: &fs::Metadata,
-        depth: usize,
     ) -> Result<u64, SnapshotError> {
-        if !meta.is_dir() {
-            return self.leaf(from, to, meta);
-        }
-        let children = self.open_dir(from, to, depth)?;
-        let copy_all = |part: &[(PathBuf, PathBuf, fs::Metadata)]| -> Result<u64, SnapshotError> {
+        let children = self.open_dir(from, dir, to, 0)?;
+        let copy_all = |part: &[Child]| -> Result<u64, SnapshotError> {
             part.iter()
-                .try_fold(0, |sum, (f, t, m)| Ok(sum + self.tree(f, t, m, depth + 1)?))
+                .try_fold(0, |sum, child| Ok(sum + self.tree(child, 1)?))
         };
-        let size = if depth == 0 && children.len() > 8 {
+        let size = if children.len() > 8 {
             let (left, right) = children.split_at(children.len() / 2);
             std::thread::scope(|scope| {
                 let other = scope.spawn(|| copy_all(right));
@@ -1640,51 +1665,46 @@ impl Copy {
         Ok(size)
     }
 
-    /// Like [`Self::entry`], with a stack of its own on the heap instead of recursion: the
-    /// tree is the cell's, and a recursive copy of one 256 levels deep overflowed a 2 MiB
-    /// stack (a debug build's frames).
-    fn tree(
-        &self,
-        from: &Path,
-        to: &Path,
-        meta: &fs::Metadata,
-        depth: usize,
-    ) -> Result<u64, SnapshotError> {
-        let mut work = vec![Work::Copy(
-            from.to_path_buf(),
-            to.to_path_buf(),
-            meta.clone(),
-            depth,
-        )];
+    /// Copies `child`, `depth` levels below the copy's top, and everything below it, with a
+    /// stack of its own on the heap instead of recursion: the tree is the cell's, and a
+    /// recursive copy of one 256 levels deep overflowed a 2 MiB stack (a debug build's frames).
+    fn tree(&self, child: &Child, depth: usize) -> Result<u64, SnapshotError> {
+        let mut work = vec![Work::Copy(child.clone(), depth)];
         let mut size = 0;
         while let Some(next) = work.pop() {
             match next {
                 Work::Close(to, meta) => self.close_dir(&to, &meta)?,
-                Work::Copy(from, to, meta, depth) if meta.is_dir() => {
-                    let children = self.open_dir(&from, &to, depth)?;
-                    work.push(Work::Close(to, meta));
+                Work::Copy(child, depth) if child.meta.is_dir() => {
+                    let dir = child
+                        .source
+                        .open(rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY)
+                        .map_err(copy_err(&child.from))?;
+                    let children =
+                        self.open_dir(&child.from, std::sync::Arc::new(dir), &child.to, depth)?;
+                    work.push(Work::Close(child.to, child.meta));
                     // Popped in the order they were listed.
                     work.extend(
                         children
                             .into_iter()
                             .rev()
-                            .map(|(f, t, m)| Work::Copy(f, t, m, depth + 1)),
+                            .map(|child| Work::Copy(child, depth + 1)),
                     );
                 }
-                Work::Copy(from, to, meta, _) => size += self.leaf(&from, &to, &meta)?,
+                Work::Copy(child, _) => size += self.leaf(&child)?,
             }
         }
         Ok(size)
     }
 
-    /// Makes the directory `to` for `from` (`depth` levels below the copy's top), with its
-    /// overlay marks, and lists what is to be copied into it.
+    /// Makes the directory `to` for `from` (opened: `dir`; `depth` levels below the copy's
+    /// top), with its overlay marks, and lists what is to be copied into it.
     fn open_dir(
         &self,
         from: &Path,
+        dir: std::sync::Arc<fs::File>,
         to: &Path,
         depth: usize,
-    ) -> Result<Vec<(PathBuf, PathBuf, fs::Metadata)>, SnapshotError> {
+    ) -> Result<Vec<Child>, SnapshotError> {
         if depth > warden_workspace::MAX_DEPTH {
             return Err(SnapshotError::TooDeep {
                 path: from.to_path_buf(),
@@ -1692,73 +1712,28 @@ impl Copy {
             });
         }
         fs::create_dir(to).map_err(copy_err(to))?;
-        copy_overlay_xattrs(from, to).map_err(copy_err(to))?;
-        // Listed through the directory opened beneath the top (never through a symlink), each
-        // entry looked at in it (`fstatat`, never following).
-        let dir = self
-            .open_beneath(
-                from,
-                rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY,
-            )
-            .map_err(copy_err(from))?;
+        copy_overlay_marks(&dir, to).map_err(copy_err(to))?;
+        // Listed through its descriptor, each entry looked at in it (`fstatat`, never
+        // following).
         let listed =
-            Path::new("/proc/self/fd").join(std::os::fd::AsRawFd::as_raw_fd(&dir).to_string());
+            Path::new("/proc/self/fd").join(std::os::fd::AsRawFd::as_raw_fd(&*dir).to_string());
         let mut children = Vec::new();
         for entry in fs::read_dir(&listed).map_err(copy_err(from))? {
             let entry = entry.map_err(copy_err(from))?;
-            let path = from.join(entry.file_name());
+            let name = entry.file_name();
+            let path = from.join(&name);
             let meta = entry.metadata().map_err(copy_err(&path))?; // lstat: never follows
-            children.push((path, to.join(entry.file_name()), meta));
+            children.push(Child {
+                from: path,
+                to: to.join(&name),
+                meta,
+                source: Source {
+                    dir: std::sync::Arc::clone(&dir),
+                    name,
+                },
+            });
         }
         Ok(children)
-    }
-
-    /// `from`, a path below the copy's top, opened beneath it with `flags`, failing where any
-    /// of its components (the last one too) is a symlink.
-    fn open_beneath(
-        &self,
-        from: &Path,
-        flags: rustix::fs::OFlags,
-    ) -> io::Result<std::os::fd::OwnedFd> {
-        use rustix::fs::OFlags;
-        let rel = from
-            .strip_prefix(&self.top)
-            .map_err(|_| io::Error::other("a path outside the copy"))?;
-        let flags = flags | OFlags::NOFOLLOW | OFlags::CLOEXEC;
-        let opened = rustix::fs::openat2(
-            &self.top_dir,
-            if rel.as_os_str().is_empty() {
-                Path::new(".")
-            } else {
-                rel
-            },
-            flags,
-            rustix::fs::Mode::empty(),
-            rustix::fs::ResolveFlags::BENEATH
-                | rustix::fs::ResolveFlags::NO_SYMLINKS
-                | rustix::fs::ResolveFlags::NO_MAGICLINKS,
-        );
-        match opened {
-            // Before Linux 5.6: one component at a time, none followed.
-            Err(rustix::io::Errno::NOSYS) => {
-                let mut dir = self.top_dir.try_clone()?;
-                let parts: Vec<_> = rel.components().collect();
-                for (i, part) in parts.iter().enumerate() {
-                    let std::path::Component::Normal(name) = part else {
-                        return Err(io::Error::other("an unexpected path component"));
-                    };
-                    let last = i + 1 == parts.len();
-                    let these = if last {
-                        flags
-                    } else {
-                        OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC
-                    };
-                    dir = rustix::fs::openat(&dir, *name, these, rustix::fs::Mode::empty())?;
-                }
-                Ok(dir)
-            }
-            other => other.map_err(io::Error::from),
-        }
     }
 
     /// Gives the copied directory `to` the mode, owner (as root) and times of `meta`, once its
@@ -1774,8 +1749,9 @@ impl Copy {
         keep_times(to, meta).map_err(copy_err(to))
     }
 
-    /// Copies `from`, anything but a directory, to `to`.
-    fn leaf(&self, from: &Path, to: &Path, meta: &fs::Metadata) -> Result<u64, SnapshotError> {
+    /// Copies `child`, anything but a directory.
+    fn leaf(&self, child: &Child) -> Result<u64, SnapshotError> {
+        let (from, to, meta) = (child.from.as_path(), child.to.as_path(), &child.meta);
         let as_root = self.as_root;
         let file_type = meta.file_type();
         let mode = fs::Permissions::from_mode(meta.mode() & 0o7777);
@@ -1806,13 +1782,10 @@ impl Copy {
             } else {
                 create()?
             };
-            // Beneath the top, never through a symlink; not waiting on a FIFO swapped in.
-            let source = self
-                .open_beneath(
-                    from,
-                    rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::NONBLOCK,
-                )
-                .map(fs::File::from)
+            // Never through a symlink; not waiting on a FIFO swapped in.
+            let source = child
+                .source
+                .open(rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::NONBLOCK)
                 .map_err(copy_err(from))?;
             if !source.metadata().map_err(copy_err(from))?.is_file() {
                 return Err(copy_err(from)(io::Error::other(
@@ -1825,30 +1798,24 @@ impl Copy {
             if as_root {
                 std::os::unix::fs::fchown(&target, owner.0, owner.1).map_err(copy_err(to))?;
             }
-            copy_overlay_xattrs(from, to).map_err(copy_err(to))?;
+            copy_overlay_marks(&source, to).map_err(copy_err(to))?;
             rustix::fs::futimens(&target, &times_of(meta)).map_err(|e| copy_err(to)(e.into()))?;
             return Ok(size);
         }
         if file_type.is_symlink() {
-            let (parent, name) = match (from.parent(), from.file_name()) {
-                (Some(parent), Some(name)) => (parent, name),
-                _ => return Err(copy_err(from)(io::Error::other("a link without a name"))),
-            };
-            let parent = self
-                .open_beneath(
-                    parent,
-                    rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY,
+            let target = rustix::fs::readlinkat(
+                &*child.source.dir,
+                child.source.name.as_os_str(),
+                Vec::new(),
+            )
+            .map(|target| {
+                PathBuf::from(
+                    <std::ffi::OsString as std::os::unix::ffi::OsStringExt>::from_vec(
+                        target.into_bytes(),
+                    ),
                 )
-                .map_err(copy_err(from))?;
-            let target = rustix::fs::readlinkat(&parent, name, Vec::new())
-                .map(|target| {
-                    PathBuf::from(
-                        <std::ffi::OsString as std::os::unix::ffi::OsStringExt>::from_vec(
-                            target.into_bytes(),
-                        ),
-                    )
-                })
-                .map_err(|e| copy_err(from)(e.into()))?;
+            })
+            .map_err(|e| copy_err(from)(e.into()))?;
             std::os::unix::fs::symlink(target, to).map_err(copy_err(to))?;
         } else if file_type.is_char_device() && meta.rdev() == 0 {
             mknod(to, SFlag::S_IFCHR, Mode::empty(), 0).map_err(nix_copy_err(to))?;
@@ -1894,14 +1861,32 @@ fn times_of(meta: &fs::Metadata) -> rustix::fs::Timestamps {
 
 pub(super) fn copy_overlay_xattrs(from: &Path, to: &Path) -> io::Result<()> {
     for name in xattr::list(from)? {
-        let text = name.to_string_lossy();
-        if (text.starts_with("user.overlay.") || text.starts_with("trusted.overlay."))
+        if is_overlay_mark(&name)
             && let Some(value) = xattr::get(from, &name)?
         {
             xattr::set(to, &name, &value)?;
         }
     }
     Ok(())
+}
+
+/// `copy_overlay_xattrs` from an open file or directory.
+fn copy_overlay_marks(from: &fs::File, to: &Path) -> io::Result<()> {
+    use xattr::FileExt as _;
+    for name in from.list_xattr()? {
+        if is_overlay_mark(&name)
+            && let Some(value) = from.get_xattr(&name)?
+        {
+            xattr::set(to, &name, &value)?;
+        }
+    }
+    Ok(())
+}
+
+/// Whether an extended attribute is one of overlayfs's marks.
+fn is_overlay_mark(name: &std::ffi::OsStr) -> bool {
+    let text = name.to_string_lossy();
+    text.starts_with("user.overlay.") || text.starts_with("trusted.overlay.")
 }
 
 /// Returns a cell's workspace to a snapshot of it (`to`), or to its start.
