@@ -360,16 +360,20 @@ impl Gateway {
         // A credential goes in clear only to the host's own networks; past them, plain HTTP
         // would carry the secret over networks nobody here vouches for. (Over TLS, the
         // gateway's own to an `https://` upstream or one it intercepted, it is encrypted.)
+        let credential = verdict
+            .credential
+            .as_deref()
+            .and_then(|name| self.secrets.get(name));
         if tls.is_none()
-            && let Some(name) = verdict.credential.as_deref()
-            && self.secrets.get(name).is_some()
+            && let Some(secret) = credential
             && let Ok(peer) = upstream.peer_addr()
             && !crate::rules::is_internal(peer.ip())
         {
             let _ = upstream.shutdown(std::net::Shutdown::Both);
             decision.allowed = false;
             decision.reason = format!(
-                "credential `{name}` goes in clear only to the host's own networks, and {} is outside them; send the request over https:// (the gateway adds the credential inside TLS)",
+                "credential `{}` goes in clear only to the host's own networks, and {} is outside them; send the request over https:// (the gateway adds the credential inside TLS)",
+                secret.name,
                 peer.ip()
             );
             return self.deny(&mut conn, &decision);
@@ -404,10 +408,6 @@ impl Gateway {
             None => &mut plain,
         };
         let (mut request_kept, mut response_kept) = (Vec::new(), Vec::new());
-        let credential = verdict
-            .credential
-            .as_deref()
-            .and_then(|name| self.secrets.get(name));
         let out = http::upstream_request(
             &method,
             &target.forwarded,

@@ -103,7 +103,8 @@ pub fn apply(
     }
     // Counted up front, so that an apply past the bound is refused whole; the copies count
     // again as they write (a file the cell filled in meanwhile cannot take them past it).
-    let total = data_to_write(layers, &selected);
+    let roots = layer_roots(layers);
+    let total = data_to_write(&roots, &selected);
     if total > options.max_write_bytes {
         return Err(WorkspaceError::TooLarge {
             total,
@@ -138,7 +139,7 @@ pub fn apply(
         bound: options.max_write_bytes,
     };
     let result = selected.iter().try_for_each(|change| {
-        tx.apply_one(layers, change, options.owner)
+        tx.apply_one(&roots, change, options.owner)
             .map_err(|e| (change.path.clone(), e))
     });
     if let Err((path, source)) = result {
@@ -381,7 +382,7 @@ impl Transaction<'_> {
 
     fn apply_one(
         &mut self,
-        layers: &[PathBuf],
+        layers: &[LayerRoot],
         change: &Change,
         owner: Option<(u32, u32)>,
     ) -> io::Result<()> {
@@ -566,26 +567,39 @@ fn chown(dir: &Dir, path: &Path, owner: Option<(u32, u32)>) -> io::Result<()> {
     .map_err(io::Error::from)
 }
 
-/// The file at `rel` in the topmost of `layers` that has it, opened beneath that layer with no
-/// symlink followed on the way (`openat2`) and without waiting (a FIFO put there since the diff
-/// is not opened for a writer), with what it is; anything but a regular file is refused. By
-/// its path alone, a cell that runs unfrozen (rootless, without a cgroup of its own) could swap
-/// a directory on the way for a symlink to a host directory between the diff and the copy, and
-/// have the apply copy a host file the caller may read into the workspace, where the cell sees
-/// it. `None`: no layer has it.
-fn open_source(layers: &[PathBuf], rel: &Path) -> io::Result<Option<(fs::File, fs::Metadata)>> {
+/// A layer's top directory, opened once for an apply (or why it could not be).
+type LayerRoot = rustix::io::Result<std::os::fd::OwnedFd>;
+
+/// The top directories of `layers`, topmost first.
+fn layer_roots(layers: &[PathBuf]) -> Vec<LayerRoot> {
+    use rustix::fs::{Mode, OFlags};
+    layers
+        .iter()
+        .map(|layer| {
+            rustix::fs::open(
+                layer,
+                OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                Mode::empty(),
+            )
+        })
+        .collect()
+}
+
+/// The file at `rel` in the topmost of the layers (`roots`) that has it, opened beneath that
+/// layer with no symlink followed on the way (`openat2`) and without waiting (a FIFO put there
+/// since the diff is not opened for a writer), with what it is; anything but a regular file is
+/// refused. By its path alone, a cell that runs unfrozen (rootless, without a cgroup of its
+/// own) could swap a directory on the way for a symlink to a host directory between the diff
+/// and the copy, and have the apply copy a host file the caller may read into the workspace,
+/// where the cell sees it. `None`: no layer has it.
+fn open_source(roots: &[LayerRoot], rel: &Path) -> io::Result<Option<(fs::File, fs::Metadata)>> {
     use rustix::fs::{Mode, OFlags, ResolveFlags};
     let changed =
         || io::Error::other("the file changed in the cell since the diff; run the diff again");
-    for layer in layers {
-        let opened = rustix::fs::open(
-            layer,
-            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
-            Mode::empty(),
-        )
-        .and_then(|root| {
+    for root in roots {
+        let opened = root.as_ref().map_err(|e| *e).and_then(|root| {
             rustix::fs::openat2(
-                &root,
+                root,
                 rel,
                 OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
                 Mode::empty(),
@@ -613,7 +627,7 @@ fn open_source(layers: &[PathBuf], rel: &Path) -> io::Result<Option<(fs::File, f
 /// The bytes of file data applying `selected` writes: each file's data without its holes, and
 /// once for all the names of one file. A file that cannot be read now counts nothing here (its
 /// copy fails, and the apply is rolled back).
-fn data_to_write(layers: &[PathBuf], selected: &[&Change]) -> u64 {
+fn data_to_write(layers: &[LayerRoot], selected: &[&Change]) -> u64 {
     let mut seen = std::collections::HashSet::new();
     let mut total = 0u64;
     for change in selected {
@@ -723,7 +737,7 @@ mod tests {
         fs::write(lower.join("deep/file"), "below").unwrap();
         fs::write(outside.join("secret"), "the host's").unwrap();
         std::os::unix::fs::symlink(&outside, upper.join("swapped")).unwrap();
-        let layers = [upper.clone(), lower];
+        let layers = layer_roots(&[upper.clone(), lower]);
         let read = |rel: &str| {
             open_source(&layers, Path::new(rel)).map(|found| {
                 found.map(|(mut file, _)| {
