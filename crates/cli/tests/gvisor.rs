@@ -723,3 +723,93 @@ fn a_gvisor_cells_tmp_is_no_larger_than_its_policy_says() {
     assert!(ran.stdout.contains("No space left on device"), "{ran:?}");
     assert!(ran.stdout.contains("status=1"), "{ran:?}");
 }
+
+/// The keeper assembles a gVisor cell's root on the host as root, by path, on the image's
+/// merged tree: an image's symbolic link where it makes something led it into the host's own
+/// files. Without the check, an image whose `/.warden` led to a host folder had empty files
+/// `init` and `statx.so` made there, and one with a link at a file the policy copies in had a
+/// host file outside every granted path written over with that file's bytes (the cell then ran
+/// as if nothing happened). The cell is refused, saying where the link is, and nothing of the
+/// host is touched; the same policy with an image without the links runs, the file copied in.
+#[test]
+fn an_images_links_do_not_lead_the_keeper_into_the_hosts_files() {
+    needs_gvisor!("an_images_links_do_not_lead_the_keeper_into_the_hosts_files");
+    let dirs = run_dirs();
+    let base = dirs.dir.path();
+    let victim = base.join("victim");
+    std::fs::create_dir(&victim).unwrap();
+    std::fs::write(victim.join("target"), "the host's own\n").unwrap();
+    let copied = base.join("copied.txt");
+    std::fs::write(&copied, "copied in by the policy\n").unwrap();
+    let mut links = tar::Builder::new(Vec::new());
+    for (path, target) in [
+        (std::path::Path::new("/.warden"), victim.clone()),
+        (copied.as_path(), victim.join("target")),
+    ] {
+        let mut header = tar::Header::new_gnu();
+        header.set_entry_type(tar::EntryType::Symlink);
+        header.set_size(0);
+        header.set_mode(0o777);
+        links
+            .append_link(&mut header, path.strip_prefix("/").unwrap(), &target)
+            .unwrap();
+    }
+    let shell = host_shell_layer(&[]);
+    let import = |layers: &[Vec<u8>], tag: &str| {
+        let out = warden()
+            .env("WARDEN_STATE_DIR", &dirs.state)
+            .args(["image", "import"])
+            .arg(docker_archive(
+                base,
+                layers,
+                tag,
+                json!({ "Env": ["PATH=/bin"] }),
+            ))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+    };
+    import(&[shell.clone(), links.into_inner().unwrap()], "linked:1");
+    import(&[shell], "plain:1");
+    let run = |image: &str| -> Ran {
+        let policy = policy(
+            base,
+            &format!(
+                "version: 1\ntier: gvisor\nimage: {image}\nfilesystem:\n  read_only: [{}]\n",
+                copied.display()
+            ),
+        );
+        warden()
+            .env("WARDEN_STATE_DIR", &dirs.state)
+            .env("WARDEN_RUNTIME_DIR", &dirs.runtime)
+            .args(["run", "--rm", "--policy"])
+            .arg(&policy)
+            .args(["--", "/bin/sh", "-c"])
+            .arg(format!(
+                "read -r line < {}; echo \"$line\"",
+                copied.display()
+            ))
+            .output()
+            .unwrap()
+            .into()
+    };
+    let ran = run("linked:1");
+    assert_eq!(
+        std::fs::read_to_string(victim.join("target")).unwrap(),
+        "the host's own\n",
+        "the host's file was written over: {ran:?}"
+    );
+    let made: Vec<_> = std::fs::read_dir(&victim)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(made, ["target"], "files made in the host's folder: {ran:?}");
+    assert_eq!(ran.code, 125, "{ran:?}");
+    assert!(ran.stderr.contains("has a symbolic link at /"), "{ran:?}");
+    assert!(cell_folders_left(&dirs.runtime).is_empty());
+    // Without the links the same policy runs, the host's file copied in.
+    let ran = run("plain:1");
+    assert_eq!(ran.code, 0, "{ran:?}");
+    assert_eq!(ran.stdout, "copied in by the policy\n", "{ran:?}");
+}

@@ -11,12 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::json;
-use sha2::Digest as _;
 use support::*;
-
-fn sha(bytes: &[u8]) -> String {
-    format!("sha256:{}", hex::encode(sha2::Sha256::digest(bytes)))
-}
 
 /// `/bin/sh` of the host and what `ldd` says it loads, at their paths, with the image's own
 /// `/etc` files.
@@ -41,34 +36,14 @@ fn second_layer() -> Vec<u8> {
     b.into_inner().unwrap()
 }
 
-/// A `docker save`-style archive (manifest.json, config, ID/layer.tar) of these layers.
+/// A `docker save` archive of these layers with the configuration the tests read back.
 fn docker_archive(dir: &Path, layers: &[Vec<u8>], tag: &str) -> PathBuf {
-    let tree = dir.join(format!("tree-{}", unique("img")));
-    std::fs::create_dir_all(&tree).unwrap();
-    let mut names = Vec::new();
-    for (i, layer) in layers.iter().enumerate() {
-        std::fs::create_dir_all(tree.join(format!("l{i}"))).unwrap();
-        std::fs::write(tree.join(format!("l{i}/layer.tar")), layer).unwrap();
-        names.push(format!("l{i}/layer.tar"));
-    }
-    let config = json!({
-        "architecture": "amd64", "os": "linux",
-        "config": { "Env": ["GREETING=from-the-image", "PATH=/bin"], "WorkingDir": "/srv", "User": "app" },
-        "rootfs": { "type": "layers", "diff_ids": layers.iter().map(|l| sha(l)).collect::<Vec<_>>() },
-    })
-    .to_string();
-    let config_name = format!("{}.json", &sha(config.as_bytes())[7..]);
-    std::fs::write(tree.join(&config_name), &config).unwrap();
-    std::fs::write(
-        tree.join("manifest.json"),
-        json!([{ "Config": config_name, "RepoTags": [tag], "Layers": names }]).to_string(),
+    support::docker_archive(
+        dir,
+        layers,
+        tag,
+        json!({ "Env": ["GREETING=from-the-image", "PATH=/bin"], "WorkingDir": "/srv", "User": "app" }),
     )
-    .unwrap();
-    let archive = dir.join(format!("{}.tar", unique("image")));
-    let mut b = tar::Builder::new(std::fs::File::create(&archive).unwrap());
-    b.append_dir_all(".", &tree).unwrap();
-    b.finish().unwrap();
-    archive
 }
 
 fn warden_in(state: &Path) -> Command {

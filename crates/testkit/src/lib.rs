@@ -472,6 +472,43 @@ pub fn tar_file(b: &mut tar::Builder<Vec<u8>>, path: &str, mode: u32, data: &[u8
     b.append(&h, data).unwrap();
 }
 
+/// A `docker save` archive (`manifest.json`, the configuration named by its digest,
+/// `lN/layer.tar`) of these layers (uncompressed tars), tagged `tag`, in a new file in `dir`;
+/// `config` is the image configuration's `config` object (environment, user, working folder).
+pub fn docker_archive(
+    dir: &Path,
+    layers: &[Vec<u8>],
+    tag: &str,
+    config: serde_json::Value,
+) -> PathBuf {
+    use sha2::Digest as _;
+    let sha = |bytes: &[u8]| format!("sha256:{}", hex::encode(sha2::Sha256::digest(bytes)));
+    let mut archive = tar::Builder::new(Vec::new());
+    let mut names = Vec::new();
+    for (i, layer) in layers.iter().enumerate() {
+        names.push(format!("l{i}/layer.tar"));
+        tar_file(&mut archive, &names[i], 0o644, layer);
+    }
+    let config = serde_json::json!({
+        "architecture": "amd64", "os": "linux", "config": config,
+        "rootfs": { "type": "layers", "diff_ids": layers.iter().map(|l| sha(l)).collect::<Vec<_>>() },
+    })
+    .to_string();
+    let config_name = format!("{}.json", &sha(config.as_bytes())[7..]);
+    tar_file(&mut archive, &config_name, 0o644, config.as_bytes());
+    let manifest =
+        serde_json::json!([{ "Config": config_name, "RepoTags": [tag], "Layers": names }]);
+    tar_file(
+        &mut archive,
+        "manifest.json",
+        0o644,
+        manifest.to_string().as_bytes(),
+    );
+    let path = dir.join(format!("{}.tar", unique("image")));
+    std::fs::write(&path, archive.into_inner().unwrap()).unwrap();
+    path
+}
+
 /// An image layer (an uncompressed tar) of the host's `/bin/sh` and what `ldd` says it loads, at
 /// their paths, and `extra` files (path, mode, content): enough for a cell to run `sh` from an
 /// image built from host files.
