@@ -451,6 +451,119 @@ fn an_unprivileged_user_imports_and_runs_an_image() {
     assert_eq!(out, "hello from the image\nwhiteout-ok\nno-host-usr\n");
 }
 
+/// A layer of symbolic links (path in the image, target).
+fn links_layer(links: &[(&Path, &Path)]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for (path, target) in links {
+        let mut header = tar::Header::new_gnu();
+        header.set_entry_type(tar::EntryType::Symlink);
+        header.set_size(0);
+        header.set_mode(0o777);
+        b.append_link(&mut header, path.strip_prefix("/").unwrap(), target)
+            .unwrap();
+    }
+    b.into_inner().unwrap()
+}
+
+/// A process cell's setup assembles an image's root by path before the root is its own: an
+/// image's link where it writes led it into the host's files. As root the setup runs as an
+/// unprivileged id, so what it reached was what anyone may write (rootless, the caller's own
+/// files). Seen without the checks: a world-writable host file outside every granted path
+/// written over with the bytes of a file the policy copies in, and a dangling link at
+/// `/etc/hostname` made a host file of the cell's name. The first image is refused, saying
+/// where its link is; the second runs with the warden's own `/etc/hostname` in place of the
+/// link; the host's files are untouched either way.
+#[test]
+fn an_images_links_do_not_lead_a_cells_setup_into_the_hosts_files() {
+    if !is_root() {
+        eprintln!("skipped: a root-started cell's setup writes as an unprivileged id");
+        return;
+    }
+    // Outside /tmp, which is the cell's own.
+    let dirs = run_dirs();
+    let dir = &dirs.dir;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    let state = dir.path().join("state");
+    let victim = dir.path().join("victim");
+    std::fs::create_dir(&victim).unwrap();
+    std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let target = victim.join("target");
+    std::fs::write(&target, "the host's own\n").unwrap();
+    std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let copied = dir.path().join("copied.txt");
+    std::fs::write(&copied, "copied in by the policy\n").unwrap();
+    std::fs::set_permissions(&copied, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let made = victim.join("made");
+    for (layers, tag) in [
+        (
+            vec![
+                shell_layer(),
+                second_layer(),
+                links_layer(&[(&copied, &target)]),
+            ],
+            "copy-link:1",
+        ),
+        (
+            vec![
+                shell_layer(),
+                second_layer(),
+                links_layer(&[(Path::new("/etc/hostname"), &made)]),
+            ],
+            "etc-link:1",
+        ),
+    ] {
+        let import = warden_in(&state)
+            .args(["image", "import"])
+            .arg(docker_archive(dir.path(), &layers, tag))
+            .output()
+            .unwrap();
+        assert!(import.status.success(), "{import:?}");
+    }
+    let run = |image: &str| {
+        let policy = policy_text(
+            dir.path(),
+            &format!(
+                "version: 1\nimage: {image}\nfilesystem:\n  read_only: [{}]\n",
+                copied.display()
+            ),
+        );
+        let ran = warden_in(&state)
+            .args(["run", "--name", "linked", "--policy"])
+            .arg(&policy)
+            .args(["--", "/bin/sh", "-c"])
+            .arg(format!(
+                "read -r a < {}; read -r b < /etc/hostname; echo \"$a|$b\"",
+                copied.display()
+            ))
+            .output()
+            .unwrap();
+        (
+            ran.status.code(),
+            String::from_utf8_lossy(&ran.stdout).into_owned(),
+            String::from_utf8_lossy(&ran.stderr).into_owned(),
+        )
+    };
+    let (code, out, err) = run("copy-link:1");
+    assert_eq!(
+        std::fs::read_to_string(&target).unwrap(),
+        "the host's own\n",
+        "the host's file was written over: {out}{err}"
+    );
+    assert_ne!(code, Some(0), "{out}{err}");
+    assert!(
+        err.contains(&format!(
+            "has a symbolic link at {} (to {})",
+            copied.display(),
+            target.display()
+        )),
+        "{err}"
+    );
+    let (code, out, err) = run("etc-link:1");
+    assert!(!made.exists(), "the setup made a host file: {out}{err}");
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert_eq!(out, "copied in by the policy|linked\n");
+}
+
 #[test]
 fn an_image_runs_as_a_gvisor_cell_too() {
     if let Some(why) = gvisor_unavailable() {

@@ -74,15 +74,6 @@ pub enum GvisorError {
     NotRoot,
     #[error("the gvisor tier: {0}")]
     Sandbox(String),
-    /// An image's symbolic link where the keeper makes part of the cell's root.
-    #[error(
-        "the image `{image}` has a symbolic link at {path} (to {target}), where the gvisor tier makes a file, directory or mount point of the cell's root: the keeper assembles that root as root on the host, where the link would lead it to the host's own files, so the cell is not made; use an image with a directory (or nothing) there, or have the policy put nothing there"
-    )]
-    ImageLink {
-        image: String,
-        path: PathBuf,
-        target: PathBuf,
-    },
     /// `warden run` said the command was not to start (it could not journal its start, and
     /// says why itself).
     #[error("the cell's start was called off")]
@@ -159,14 +150,17 @@ pub fn keep(
         "ld.so.preload".to_owned(),
         super::compat::PRELOAD.to_owned(),
     ));
-    // An image's links are followed by the host's kernel while the root is assembled on it,
-    // as root: none may lie where the assembly makes or writes anything.
-    if let Some(image) = &policy.image {
-        no_image_links(&plan).map_err(|(path, target)| GvisorError::ImageLink {
+    // `prepare` looked for an image's links where every tier's setup works; the keeper also
+    // binds its own files in (see `CellPlan::image_link`).
+    if let Some(image) = &policy.image
+        && let Some((path, target)) = plan.image_link(&[INIT_IN_CELL, STATX_IN_CELL])
+    {
+        return Err(RunError::from(crate::process::plan::PlanError::ImageLink {
             image: image.clone(),
             path,
             target,
-        })?;
+        })
+        .into());
     }
     let first: Vec<String> = request
         .argv
@@ -546,64 +540,6 @@ pub fn keep(
     // Stopped since the relay ended, the router is long gone by now: this waits for nothing.
     drop(router);
     Ok(outcome)
-}
-
-/// Checks that no layer of the cell's image has a symbolic link where `rootfs::assemble` makes,
-/// writes or mounts on something of the cell's root: there the keeper, root on the host, works
-/// by path on the image's merged tree, so a link (absolute, or climbing out with `..`) would be
-/// followed into the host's own files. Seen: an image whose `/.warden` led to a host folder had
-/// empty files `init` and `statx.so` made there, and one with a link at a file the policy
-/// copies in had a host file outside every granted path written over with that file's bytes.
-/// Every layer is looked at, a link hidden by a layer above included (a refusal, never a miss).
-/// `/etc` itself is the assembly's own directory, above the image's. `Err`: the link's path in
-/// the cell and its target.
-fn no_image_links(plan: &crate::process::plan::CellPlan) -> Result<(), (PathBuf, PathBuf)> {
-    use crate::process::plan::Entry;
-    // Each path, and whether its last component is looked at too (a link there is replaced,
-    // not followed, by what the assembly does with it).
-    let mut paths: Vec<(PathBuf, bool)> = plan
-        .entries
-        .iter()
-        .map(|entry| match entry {
-            Entry::Symlink { path, .. } => (path.clone(), false),
-            Entry::Copy { path } | Entry::Bind { path, .. } => (path.clone(), true),
-        })
-        .collect();
-    paths.extend(
-        [INIT_IN_CELL, STATX_IN_CELL, "/tmp", "/dev", "/proc", "/sys"]
-            .into_iter()
-            .map(|p| (PathBuf::from(p), true)),
-    );
-    paths.push((plan.workspace_mount.clone(), true));
-    paths.extend(
-        plan.etc_files()
-            .into_iter()
-            .map(|(name, _)| (Path::new("/etc").join(name), false)),
-    );
-    for (path, whole) in &paths {
-        let relative = path.strip_prefix("/").unwrap_or(path);
-        let components: Vec<_> = relative.components().collect();
-        let looked = if *whole {
-            components.len()
-        } else {
-            components.len().saturating_sub(1)
-        };
-        let mut prefix = PathBuf::new();
-        for component in &components[..looked] {
-            prefix.push(component);
-            if prefix == Path::new("etc") {
-                continue;
-            }
-            for layer in &plan.image {
-                let at = layer.join(&prefix);
-                if fs::symlink_metadata(&at).is_ok_and(|m| m.file_type().is_symlink()) {
-                    let target = fs::read_link(&at).unwrap_or_default();
-                    return Err((Path::new("/").join(&prefix), target));
-                }
-            }
-        }
-    }
-    Ok(())
 }
 
 /// Whether the cell's pids cgroup ever refused a task (its `pids.events`, v1 or v2).

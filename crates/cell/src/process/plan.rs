@@ -86,7 +86,67 @@ pub struct CellPlan {
     pub extra_etc: Vec<(String, String)>,
 }
 
+/// Where every tier's setup makes something in a cell's root besides the plan's own paths.
+const SETUP_MAKES: &[&str] = &["/.warden", "/tmp", "/dev", "/proc", "/sys"];
+
 impl CellPlan {
+    /// The first symbolic link that a layer of the cell's image has on the way to something the
+    /// cell's setup makes, writes or mounts on in its root (the plan's entries, the workspace's
+    /// mount point, the folders of the generated `/etc` files, [`SETUP_MAKES`] and `more`), with
+    /// its target. The setup works by path on the image's merged tree before the cell's root is
+    /// its own, so the host's kernel would follow such a link (absolute, or climbing out with
+    /// `..`) into the host's files. Every layer is looked at, a link a layer above hides
+    /// included (a refusal, never a miss). `/etc` itself is the setup's own directory, above the
+    /// image's; the last component of an `/etc` file or of a policy's link is replaced, not
+    /// followed.
+    pub fn image_link(&self, more: &[&str]) -> Option<(PathBuf, PathBuf)> {
+        // Each path, and whether its last component is looked at too.
+        let mut paths: Vec<(PathBuf, bool)> = self
+            .entries
+            .iter()
+            .map(|entry| match entry {
+                Entry::Symlink { path, .. } => (path.clone(), false),
+                Entry::Copy { path } | Entry::Bind { path, .. } => (path.clone(), true),
+            })
+            .collect();
+        paths.extend(
+            SETUP_MAKES
+                .iter()
+                .chain(more)
+                .map(|p| (PathBuf::from(p), true)),
+        );
+        paths.push((self.workspace_mount.clone(), true));
+        paths.extend(
+            self.etc_files()
+                .into_iter()
+                .map(|(name, _)| (Path::new("/etc").join(name), false)),
+        );
+        for (path, whole) in &paths {
+            let relative = path.strip_prefix("/").unwrap_or(path);
+            let components: Vec<_> = relative.components().collect();
+            let looked = if *whole {
+                components.len()
+            } else {
+                components.len().saturating_sub(1)
+            };
+            let mut prefix = PathBuf::new();
+            for component in &components[..looked] {
+                prefix.push(component);
+                if prefix == Path::new("etc") {
+                    continue;
+                }
+                for layer in &self.image {
+                    let at = layer.join(&prefix);
+                    if std::fs::symlink_metadata(&at).is_ok_and(|m| m.file_type().is_symlink()) {
+                        let target = std::fs::read_link(&at).unwrap_or_default();
+                        return Some((Path::new("/").join(&prefix), target));
+                    }
+                }
+            }
+        }
+        None
+    }
+
     /// Files generated for the cell's `/etc`.
     pub fn etc_files(&self) -> Vec<(String, String)> {
         let uid = self.ids.inside_uid;
@@ -186,6 +246,15 @@ pub enum PlanError {
         what: &'static str,
         path: PathBuf,
         under: &'static str,
+    },
+    #[error(
+        "the image `{image}` has a symbolic link at {} (to {}), where the cell's setup makes a file, directory or mount point of its root: the setup works on the host, where the link would lead it to the host's own files, so the cell is not made; use an image with a directory (or nothing) there, or a policy that puts nothing there",
+        path.display(), target.display()
+    )]
+    ImageLink {
+        image: String,
+        path: PathBuf,
+        target: PathBuf,
     },
 }
 

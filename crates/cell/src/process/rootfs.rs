@@ -368,7 +368,9 @@ fn write_etc(plan: &CellPlan, made: &mut Made) -> Result<(), SetupError> {
     made.dir(&etc)?;
     for (name, content) in plan.etc_files() {
         let path = etc.join(&name);
-        if path.exists() {
+        // Looked at, not followed: an image's link here, even one that leads nowhere, is
+        // replaced (written through, it would make or fill its target on the host).
+        if fs::symlink_metadata(&path).is_ok() {
             if plan.image.is_empty() {
                 continue; // bound from the host by the policy
             }

@@ -991,6 +991,16 @@ pub(crate) fn prepare(
         rlimit_fsize: watched_disk,
         extra_etc,
     };
+    if let Some(image) = &policy.image
+        && let Some((path, target)) = plan.image_link(&[])
+    {
+        return Err(PlanError::ImageLink {
+            image: image.clone(),
+            path,
+            target,
+        }
+        .into());
+    }
     Ok(Prepared {
         name,
         reservation,
