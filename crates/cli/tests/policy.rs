@@ -326,3 +326,23 @@ fn links_name_what_the_cell_sees_and_grant_nothing_more() {
     assert_eq!(ran.code, 125, "{ran:?}");
     assert!(ran.stderr.contains("absolute"), "{}", ran.stderr);
 }
+
+/// A network rule's host that the gateway would match against no host (`*.evil.test.`, the
+/// trailing dot of a full name: a deny rule of it denied nothing) or against more than it shows
+/// (`10.1.2.3/0`, every IPv4 address) is refused where the policy is read, saying what to write.
+#[test]
+fn a_host_pattern_that_matches_other_than_it_reads_is_refused_with_what_to_write() {
+    let dir = host_dir();
+    for (rule, says) in [
+        ("deny: [{host: \"*.evil.test.\"}]", "write `*.evil.test`"),
+        ("allow: [{host: 10.1.2.3/0}]", "write `0.0.0.0/0`"),
+    ] {
+        let file = policy(
+            dir.path(),
+            &format!("version: 1\nnetwork:\n  default: allow\n  {rule}\n"),
+        );
+        let shown = warden_out(&["policy", "show", "--policy", file.to_str().unwrap()]);
+        assert_ne!(shown.code, 0, "{rule}: {shown:?}");
+        assert!(shown.stderr.contains(says), "{rule}: {shown:?}");
+    }
+}

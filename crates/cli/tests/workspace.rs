@@ -316,10 +316,12 @@ fn hostile_changes_are_refused_or_neutralised() {
             && !ws.path().join("huge").exists()
     );
     assert!(!ws.path().join(".git/hooks/pre-commit").exists());
-    assert_eq!(
-        std::fs::read_to_string(ws.path().join("docs")).unwrap(),
-        "file\n"
+    // A file in place of the host's directory `docs` takes all of it: named, not by default.
+    assert!(
+        diff.contains("M docs (mode 755 -> 644)  ! sensitive"),
+        "{diff}"
     );
+    assert!(ws.path().join("docs").is_dir(), "{applied:?}");
     assert_eq!(
         std::fs::read_to_string(ws.path().join("new\nline")).unwrap(),
         "x"
@@ -1074,4 +1076,99 @@ fn a_reset_without_a_daemon_takes_no_snapshot_of_an_earlier_cell_of_its_name() {
     );
     warden_ok(&["rm", &name]);
     warden_ok(&["rm", &snap]);
+}
+
+/// A file or a link where the host has a directory removes that directory, and all it holds,
+/// when applied: the diff lists what the host holds there as deleted and the change itself as
+/// sensitive (shown as `M lib` with the patch of a new file, the review never named the host
+/// files an apply then removed); and a deleted directory that holds a protected path is
+/// sensitive, as a change of the path itself is.
+#[test]
+fn what_a_replaced_or_deleted_host_directory_held_is_reviewed_before_it_goes() {
+    let ws = tempdir();
+    let p = ws.path();
+    for dir in ["lib/deep", "vendor/pkg", "ci"] {
+        std::fs::create_dir_all(p.join(dir)).unwrap();
+    }
+    for (file, text) in [
+        ("lib/important.txt", "keep\n"),
+        ("lib/deep/x", "deep\n"),
+        ("vendor/pkg/mod.rs", "mod\n"),
+        ("ci/deploy.sh", "deploy\n"),
+        ("ci/notes", "n\n"),
+    ] {
+        std::fs::write(p.join(file), text).unwrap();
+    }
+    let yaml =
+        "version: 1\nextends: minimal\nfilesystem:\n  workspace:\n    protect: [ci/deploy.sh]\n";
+    let policy = policy(p.parent().unwrap(), yaml);
+    let name = unique("replaced");
+    let ran = run_sh(
+        &[
+            "--name",
+            &name,
+            "--policy",
+            policy.to_str().unwrap(),
+            "--workspace",
+            p.to_str().unwrap(),
+        ],
+        "cd /workspace && rm -r lib vendor ci && echo 'just a note' > lib && ln -s lib vendor && echo done",
+    );
+    assert!(ran.stdout.contains("done"), "{ran:?}");
+    let json = warden_ok(&["diff", &name, "--json"]).stdout;
+    let diff: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let changes: Vec<(String, String, bool)> = diff["changes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["kind"].as_str().unwrap().to_owned(),
+                c["path"].as_str().unwrap().to_owned(),
+                !c["sensitive"].is_null(),
+            )
+        })
+        .collect();
+    let expected: Vec<(String, String, bool)> = [
+        ("deleted", "ci", true),
+        ("modified", "lib", true),
+        ("deleted", "lib/deep", false),
+        ("deleted", "lib/important.txt", false),
+        ("modified", "vendor", true),
+        ("deleted", "vendor/pkg", false),
+    ]
+    .iter()
+    .map(|(k, path, s)| ((*k).to_owned(), (*path).to_owned(), *s))
+    .collect();
+    assert_eq!(changes, expected, "{json}");
+
+    // Unnamed, the sensitive changes stay out: the protected file, and the directory the file
+    // and the link would replace, keep what the review did not name.
+    let applied = warden_ok(&["apply", &name]);
+    for skipped in ["ci", "lib", "vendor"] {
+        assert!(
+            applied
+                .stdout
+                .contains(&format!("skipped {skipped}: sensitive")),
+            "{applied:?}"
+        );
+    }
+    assert!(p.join("ci/deploy.sh").is_file(), "{applied:?}");
+    assert!(
+        p.join("lib").is_dir() && p.join("vendor").is_dir(),
+        "{applied:?}"
+    );
+    assert!(!p.join("lib/deep").exists() && !p.join("vendor/pkg").exists());
+    // Named, each goes as the cell left it.
+    warden_ok(&["apply", &name, "--force", "ci", "lib", "vendor"]);
+    assert!(!p.join("ci").exists());
+    assert_eq!(
+        std::fs::read_to_string(p.join("lib")).unwrap(),
+        "just a note\n"
+    );
+    assert_eq!(
+        std::fs::read_link(p.join("vendor")).unwrap(),
+        Path::new("lib")
+    );
+    warden_ok(&["rm", "--force", &name]);
 }

@@ -315,6 +315,77 @@ fn first_line(rendered: &str) -> String {
     }
 }
 
+/// What makes a rule's host (its characters checked already) match other than it reads, if
+/// anything: the gateway compares `*.domain` with the request's host name as text, after taking
+/// its trailing dot off, so a pattern that is not a plain domain (`*.evil.test.`,
+/// `*.evil.test:443`) matches no host at all, and a deny rule of it denies nothing; and it takes
+/// a CIDR block to its network, so `10.1.2.3/0` is every IPv4 address.
+fn host_pattern_problem(host: &str) -> Option<String> {
+    let name_ok = |name: &str| {
+        !name.is_empty()
+            && name.len() <= 253
+            && name.split('.').all(|label| {
+                !label.is_empty()
+                    && label.len() <= 63
+                    && label
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            })
+    };
+    if let Some(domain) = host.strip_prefix("*.") {
+        if let Some(bare) = domain.strip_suffix('.')
+            && name_ok(bare)
+        {
+            return Some(format!(
+                "would match no host (names are compared without their trailing dot); write `*.{bare}`"
+            ));
+        }
+        if !name_ok(domain) {
+            return Some(
+                "would match no host: after `*.` comes a domain name (letters, digits, `-` and dots; a port goes in `ports`)"
+                    .to_owned(),
+            );
+        }
+        return None;
+    }
+    if host.parse::<std::net::IpAddr>().is_ok() {
+        return None;
+    }
+    if let Some((address, prefix)) = host.split_once('/') {
+        let (Ok(address), Ok(prefix)) = (address.parse::<std::net::IpAddr>(), prefix.parse::<u8>())
+        else {
+            return Some("is not a CIDR block (write it like 10.0.0.0/8)".to_owned());
+        };
+        let bits: u32 = if address.is_ipv4() { 32 } else { 128 };
+        if u32::from(prefix) > bits {
+            return Some(format!("has a prefix longer than {bits} bits"));
+        }
+        let value = match address {
+            std::net::IpAddr::V4(v4) => u128::from(u32::from(v4)),
+            std::net::IpAddr::V6(v6) => u128::from(v6),
+        };
+        let host_bits = bits - u32::from(prefix);
+        let mask = 1u128.checked_shl(host_bits).map_or(u128::MAX, |m| m - 1);
+        if value & mask != 0 {
+            let network = value & !mask;
+            let network = match address {
+                std::net::IpAddr::V4(_) => {
+                    std::net::Ipv4Addr::from(u32::try_from(network).unwrap_or(0)).to_string()
+                }
+                std::net::IpAddr::V6(_) => std::net::Ipv6Addr::from(network).to_string(),
+            };
+            return Some(format!(
+                "names {network}/{prefix}, every address of it, not the one address it shows; write `{network}/{prefix}` (or the address alone)"
+            ));
+        }
+        return None;
+    }
+    if host.contains(':') || host.contains('/') {
+        return Some("is not a host name (a port goes in `ports`, a path in `paths`)".to_owned());
+    }
+    None
+}
+
 /// Cells map 65536 ids; ids above that do not exist inside.
 const MAX_INSIDE_ID: u32 = 65535;
 
@@ -394,6 +465,9 @@ fn validate(origin: &str, policy: &Policy) -> Result<(), PolicyError> {
                         "host `{host}` must be a host name, `*.domain`, an IP address or a CIDR block"
                     ),
                 ));
+            }
+            if let Some(problem) = host_pattern_problem(host) {
+                return Err(invalid(list, &format!("host `{host}` {problem}")));
             }
             if let Some(method) = rule
                 .methods
@@ -793,6 +867,48 @@ mod tests {
         .unwrap();
         let back: Policy = serde_json::from_str(&serde_json::to_string(&full).unwrap()).unwrap();
         assert_eq!(back, full);
+    }
+
+    /// A host pattern the gateway would match against nothing, or against more than it shows,
+    /// is refused with what to write: `*.evil.test.` in a deny list denied no host at all.
+    #[test]
+    fn host_patterns_that_match_other_than_they_read_are_refused() {
+        let refused = |host: &str| {
+            let yaml = format!("version: 1\nnetwork:\n  deny: [{{host: \"{host}\"}}]\n");
+            from_yaml("p.yaml", &yaml)
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+                .err()
+        };
+        for (host, says) in [
+            ("*.evil.test.", "write `*.evil.test`"),
+            ("*.evil.test:443", "would match no host"),
+            ("*.evil..test", "would match no host"),
+            ("*.evil.test/x", "would match no host"),
+            ("10.1.2.3/0", "write `0.0.0.0/0`"),
+            ("10.1.2.3/8", "write `10.0.0.0/8`"),
+            ("fd00::1/8", "write `fd00::/8`"),
+            ("10.0.0.0/33", "longer than 32 bits"),
+            ("evil.test:443", "a port goes in `ports`"),
+        ] {
+            let err = refused(host).unwrap_or_else(|| panic!("{host} was taken"));
+            assert!(
+                err.contains("network.deny") && err.contains(says),
+                "{host}: {err}"
+            );
+        }
+        for host in [
+            "*.evil.test",
+            "evil.test.",
+            "10.0.0.0/8",
+            "10.1.2.3/32",
+            "0.0.0.0/0",
+            "::1",
+            "fd00::/8",
+            "192.0.2.7",
+        ] {
+            assert_eq!(refused(host), None, "{host}");
+        }
     }
 
     #[test]

@@ -239,7 +239,9 @@ fn select<'d>(
         {
             continue;
         }
-        if change.kind == ChangeKind::Deleted {
+        // A file or link the host has a directory for replaces all of it: the host's entries
+        // the diff lists as deleted below it go with it.
+        if change.kind == ChangeKind::Deleted || change.entry != EntryKind::Dir {
             deleted.insert(change.path.as_str());
         }
         selected.push(change);

@@ -471,6 +471,9 @@ impl<'a> Walker<'a> {
         if change.sensitive.is_none() {
             change.sensitive = self.options.sensitivity.of_path(&change.path);
         }
+        if change.sensitive.is_none() && change.kind == ChangeKind::Deleted {
+            change.sensitive = self.options.sensitivity.of_removal(&change.path);
+        }
         self.changes.push(change);
     }
 
@@ -521,14 +524,58 @@ impl<'a> Walker<'a> {
             }
             return Ok(None);
         }
+        // A file, link or special file where the host has a directory: an apply removes that
+        // directory, with everything in it, to put this in its place. What the host holds there
+        // is listed as deleted (as below an opaque directory), and the change itself must be
+        // named: shown only as this entry, with a patch of a new file, the review never showed
+        // the host files that went with it.
+        let replaces_dir = file_type != rustix::fs::FileType::Directory
+            && lower.as_ref().is_some_and(|l| l.kind == EntryKind::Dir);
+        let at = self.changes.len();
+        let descend = self.compare(rel, name, &path, &meta, lower, lower_dir, shown)?;
+        if replaces_dir {
+            if let Some(change) = self.changes.get_mut(at) {
+                let why = self
+                    .options
+                    .sensitivity
+                    .of_removal(&change.path)
+                    .unwrap_or_else(|| {
+                        "replaces a directory of the host, and all it holds (listed as deleted \
+                         below it)"
+                            .to_owned()
+                    });
+                change.sensitive = Some(match change.sensitive.take() {
+                    Some(other) => format!("{why}; {other}"),
+                    None => why,
+                });
+            }
+            self.hidden_lower_children(rel, &[])?;
+        }
+        Ok(descend)
+    }
+
+    /// Lists the change at `rel` (not a whiteout), found at `path` in the layers with `meta`,
+    /// against what the host has there (`lower`); as [`Self::entry`].
+    #[allow(clippy::too_many_arguments)]
+    fn compare(
+        &mut self,
+        rel: &Path,
+        name: &OsStr,
+        path: &Path,
+        meta: &rustix::fs::Stat,
+        lower: Option<LowerEntry>,
+        lower_dir: Option<&Dir>,
+        shown: String,
+    ) -> Result<Option<bool>, WorkspaceError> {
+        let file_type = rustix::fs::FileType::from_raw_mode(meta.st_mode);
         let kind = if lower.is_some() {
             ChangeKind::Modified
         } else {
             ChangeKind::Added
         };
         let old_mode = lower.as_ref().map(|l| l.mode);
-        let same_type = lower.as_ref().is_some_and(|l| l.kind == kind_of(&meta));
-        let mut change = Change::new(shown.clone(), kind, kind_of(&meta));
+        let same_type = lower.as_ref().is_some_and(|l| l.kind == kind_of(meta));
+        let mut change = Change::new(shown.clone(), kind, kind_of(meta));
         change.old_mode = old_mode;
         change.new_mode = Some(mode(meta.st_mode));
         if file_type == rustix::fs::FileType::Directory {
@@ -539,7 +586,7 @@ impl<'a> Walker<'a> {
             return Ok(Some(lower_is_dir));
         }
         if file_type == rustix::fs::FileType::Symlink {
-            let target = fs::read_link(&path).map_err(Self::read_err(&path))?;
+            let target = fs::read_link(path).map_err(Self::read_err(path))?;
             let before = if same_type {
                 self.lower.read_link(rel).ok()
             } else {
@@ -589,7 +636,7 @@ impl<'a> Walker<'a> {
                             self.push_unread(change);
                             return Ok(None);
                         }
-                        let hash = hash_upper(&path, self.options.max_file_bytes)?;
+                        let hash = hash_upper(path, self.options.max_file_bytes)?;
                         self.hashed.insert(inode, hash.clone());
                         hash
                     }
@@ -609,7 +656,7 @@ impl<'a> Walker<'a> {
                 self.push_unread(change);
                 return Ok(None);
             }
-            let new = read_upper(&path, len)?;
+            let new = read_upper(path, len)?;
             // The host's copy is read only where it could be the same or a patch could be made
             // of it: a file of another size changed, and a patch needs both sides under the
             // limit.

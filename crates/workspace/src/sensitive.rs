@@ -34,6 +34,18 @@ impl Sensitivity {
             })
         })
     }
+
+    /// Why removing the host's entry at `path` is sensitive, if it is: a protected path lies
+    /// below it, and goes with it (`rm -r sub` in the cell takes a protected `sub/Makefile`
+    /// along, which `of_path` of `sub` alone does not see).
+    pub fn of_removal(&self, path: &str) -> Option<String> {
+        let removed = Path::new(path);
+        self.protected.iter().find_map(|p| {
+            let protected = Path::new(p);
+            (protected != removed && protected.starts_with(removed))
+                .then(|| format!("removes `{p}`, which the host executes or trusts"))
+        })
+    }
 }
 
 /// Names a tool reads in place of one another, in the order it looks for them.
@@ -80,6 +92,16 @@ mod tests {
         assert!(s.of_path(".envrc").is_some());
         assert!(s.of_path(".github/x").is_none());
         assert!(s.of_path("src/.git").is_none());
+    }
+
+    #[test]
+    fn removing_a_directory_that_holds_a_protected_path_is_sensitive() {
+        let s = Sensitivity::new(vec!["ci/deploy.sh".into(), ".git".into()]);
+        assert!(s.of_removal("ci").is_some());
+        assert!(s.of_removal("ci/deploy.sh").is_none(), "of_path's to tell");
+        assert!(s.of_removal("cix").is_none());
+        assert!(s.of_removal("c").is_none());
+        assert!(s.of_removal("src").is_none());
     }
 
     #[test]
