@@ -29,7 +29,11 @@ pub enum JournalError {
         /// The newest entry this process had written to it.
         written: u64,
     },
-    #[error("the journal stopped accepting entries after a write failure: {0}")]
+    /// Nothing is acknowledged after a failed write, for the life of the process: what was
+    /// acknowledged before is on disk, and the next open cuts the torn line a failure may leave.
+    #[error(
+        "the journal stopped accepting entries after a write failure ({0}), so nothing that must be recorded is done: fix the cause (free space on the journal's disk, for one) and restart the warden, whose journal then cuts the torn last line and goes on"
+    )]
     Stopped(String),
 }
 
