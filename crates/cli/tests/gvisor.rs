@@ -813,3 +813,51 @@ fn an_images_links_do_not_lead_the_keeper_into_the_hosts_files() {
     assert_eq!(ran.code, 0, "{ran:?}");
     assert_eq!(ran.stdout, "copied in by the policy\n", "{ran:?}");
 }
+
+/// A gVisor cell whose user is 0 has its file operations (the files API, `warden cp`) run as
+/// the host's uid 0, which kept every capability: they read a file of mode 000 that the cell's
+/// own root, which has none, may not, and wrote into a directory of mode 555. They now have
+/// what the cell's user has, and no more.
+#[test]
+fn a_gvisor_cells_file_operations_have_no_capability_its_user_lacks() {
+    needs_gvisor!("a_gvisor_cells_file_operations_have_no_capability_its_user_lacks");
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(
+        &unique("rootfiles"),
+        json!({ "policy": format!("{GVISOR}process:\n  user: 0\n") }),
+    );
+    let events = daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "echo secret > locked; chmod 000 locked; mkdir ro; chmod 555 ro; id -u; cat locked 2>/dev/null || echo refused; touch ro/in 2>/dev/null || echo refused"] }),
+    );
+    assert_eq!(stdout(&events), "0\nrefused\nrefused\n", "{events:?}");
+    let read = daemon.request(
+        "GET",
+        &format!("/v1/cells/{cell}/files/content?path=locked"),
+        None,
+    );
+    assert!(
+        read.status >= 400 && !read.text().contains("secret"),
+        "the files API read what the cell's root may not: {} {}",
+        read.status,
+        read.text()
+    );
+    assert!(read.text().contains("Permission denied"), "{}", read.text());
+    let write = daemon.request(
+        "PUT",
+        &format!("/v1/cells/{cell}/files/content?path=ro/in"),
+        Some("x"),
+    );
+    assert!(write.status >= 400, "{} {}", write.status, write.text());
+    let events = daemon.exec(&cell, json!({ "argv": ["ls", "ro"] }));
+    assert_eq!(stdout(&events), "", "{events:?}");
+    // What the cell's user may do, the files API does.
+    let put = daemon.request(
+        "PUT",
+        &format!("/v1/cells/{cell}/files/content?path=mine.txt"),
+        Some("mine\n"),
+    );
+    assert!(put.status < 300, "{}", put.text());
+    let events = daemon.exec(&cell, json!({ "argv": ["cat", "mine.txt"] }));
+    assert_eq!(stdout(&events), "mine\n", "{events:?}");
+}

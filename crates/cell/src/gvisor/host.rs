@@ -877,6 +877,21 @@ fn start_file_operation(
         .and_then(|()| nix::unistd::setgroups(&[]).map_err(std::io::Error::from))
         .and_then(|()| nix::unistd::setresgid(gid, gid, gid).map_err(std::io::Error::from))
         .and_then(|()| nix::unistd::setresuid(uid, uid, uid).map_err(std::io::Error::from))
+        // A cell whose user is 0 has its file operations run as the host's uid 0, which keeps
+        // every capability through `setresuid`: without them they may do what the cell's own
+        // root, which has none, may not (read a file of mode 000, make a device node).
+        .and_then(|()| {
+            let none = rustix::thread::CapabilitySet::empty();
+            rustix::thread::set_capabilities(
+                None,
+                rustix::thread::CapabilitySets {
+                    effective: none,
+                    permitted: none,
+                    inheritable: none,
+                },
+            )
+            .map_err(std::io::Error::from)
+        })
         .and_then(|()| sys::set_no_new_privs());
     if entered.is_err() {
         sys::exit_now(SETUP_FAILED);
