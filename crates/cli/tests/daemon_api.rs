@@ -607,6 +607,31 @@ fn fuzzed_api_input_gets_4xx_answers_and_leaves_the_daemon_well() {
             );
         }
     }
+    // A WebSocket's route asked without a WebSocket's opening: the API's error too, for a
+    // process that runs and for one there is none of.
+    let running = daemon
+        .call(
+            "POST",
+            &format!("/v1/cells/{cell}/exec"),
+            Some(json!({ "argv": ["sleep", "30"], "background": true })),
+        )
+        .json()["id"]
+        .as_u64()
+        .unwrap();
+    for (id, status) in [(running, 400), (running + 1000, 404)] {
+        let answer = daemon.request(
+            "GET",
+            &format!("/v1/cells/{cell}/processes/{id}/attach"),
+            None,
+        );
+        assert_eq!(answer.status, status, "{}", answer.text());
+        let value: Value = serde_json::from_slice(&answer.body)
+            .unwrap_or_else(|_| panic!("attach {id}: a non-JSON error: {}", answer.text()));
+        assert!(
+            !value["error"].as_str().unwrap_or_default().is_empty(),
+            "{value}"
+        );
+    }
     assert_eq!(
         std::fs::read_to_string(canary.path().join("canary")).unwrap(),
         "untouched"
@@ -930,6 +955,175 @@ fn strangers_cannot_take_the_daemon_down_or_make_it_forget_a_cell() {
         !journal.contains("\"cell.end\"") && !journal.contains("\"cell.lost\""),
         "the cell was taken for ended"
     );
+}
+
+/// Input that the process does not read (more than its pipe holds) waits for it, but the
+/// attached socket goes on carrying the process's output meanwhile: the input used to be
+/// written in the socket's own loop, which then sent nothing more until the process read it.
+#[test]
+fn an_attached_process_that_does_not_read_its_input_still_streams_its_output() {
+    if !cgroups_available("daemon_ws_input") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("wsin"), json!({}));
+    let started = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["sh", "-c", "echo ready; while :; do echo tick; sleep 0.2; done"], "background": true })),
+    );
+    assert_eq!(started.status, 201, "{}", started.text());
+    let id = started.json()["id"].as_u64().unwrap();
+    let stream = std::os::unix::net::UnixStream::connect(daemon.socket()).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let url = format!("ws://warden/v1/cells/{cell}/processes/{id}/attach");
+    let (mut socket, _) =
+        tungstenite::client::client(url.as_str(), stream).expect("the upgrade succeeds");
+    let mut sent = false;
+    let mut ticks_after = 0;
+    while ticks_after < 3 {
+        let message = socket
+            .read()
+            .unwrap_or_else(|e| panic!("output stopped once input was sent ({sent}): {e}"));
+        let tungstenite::Message::Text(text) = message else {
+            continue;
+        };
+        let event: Value = serde_json::from_str(text.as_str()).unwrap();
+        assert_eq!(event["event"], "stdout", "{event}");
+        if sent {
+            ticks_after += event["text"]
+                .as_str()
+                .unwrap_or_default()
+                .matches("tick")
+                .count();
+        } else {
+            sent = true;
+            // 256 KiB: four times what a pipe holds, and the shell never reads it.
+            let input = json!({ "stdin": "x".repeat(256 * 1024) });
+            socket
+                .send(tungstenite::Message::Text(input.to_string().into()))
+                .unwrap();
+        }
+    }
+    drop(socket);
+    let killed = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/processes/{id}/signal"),
+        Some(json!({ "signal": "KILL" })),
+    );
+    assert_eq!(killed.status, 204, "{}", killed.text());
+}
+
+#[test]
+fn strangers_cannot_make_the_daemon_hold_their_bytes() {
+    use std::io::{Read as _, Write as _};
+    // No cell is needed: what a stranger can send is the listener's and the gate's concern.
+    let daemon = Daemon::start(&["--listen", "127.0.0.1:0"]);
+    let runtime = daemon.socket().parent().unwrap().to_owned();
+    let address: std::net::SocketAddr = read_file(&runtime.join("daemon.addr")).parse().unwrap();
+    let token = read_file(&runtime.join("daemon.token"));
+    let pid = daemon.pid().unwrap();
+    let before = resident_kib(pid);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    // Strangers without the token: 150 logins of 1 MiB each, all but the last byte sent (the
+    // login passes the gate without proof), and 150 heads of 300 KiB that never end.
+    let mut strangers = Vec::new();
+    for i in 0..300 {
+        let mut stream = std::net::TcpStream::connect(address).unwrap();
+        stream
+            .set_write_timeout(Some(Duration::from_secs(2)))
+            .unwrap();
+        let sent = if i % 2 == 0 {
+            let body = vec![b'x'; (1 << 20) - 1];
+            stream
+                .write_all(
+                    format!(
+                        "POST /ui/login HTTP/1.1\r\nHost: {address}\r\nContent-Length: {}\r\n\r\n",
+                        1 << 20
+                    )
+                    .as_bytes(),
+                )
+                .and_then(|()| stream.write_all(&body))
+        } else {
+            let line = format!("X-Filler: {}\r\n", "y".repeat(8000));
+            stream
+                .write_all(format!("GET /ui/ HTTP/1.1\r\nHost: {address}\r\n").as_bytes())
+                .and_then(|()| stream.write_all(line.repeat(300 * 1024 / line.len()).as_bytes()))
+        };
+        // A refusal may close the connection before all is sent.
+        let _ = sent;
+        strangers.push(stream);
+    }
+    // Each is answered (or its connection closed) at once, not held for more of its bytes.
+    let mut held = 0;
+    let mut answers = std::collections::BTreeMap::<String, usize>::new();
+    for stream in &mut strangers {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        stream
+            .set_read_timeout(Some(left.max(Duration::from_millis(1))))
+            .unwrap();
+        let mut answer = [0u8; 256];
+        match stream.read(&mut answer) {
+            Ok(n) => {
+                let text = String::from_utf8_lossy(&answer[..n]);
+                let status = text.split(' ').nth(1).unwrap_or("closed").to_owned();
+                *answers.entry(status).or_default() += 1;
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                held += 1;
+            }
+            Err(_) => *answers.entry("reset".to_owned()).or_default() += 1,
+        }
+    }
+    let grown = resident_kib(pid).saturating_sub(before) / 1024;
+    eprintln!("strangers' answers {answers:?}, {held} held; the daemon grew by {grown} MiB");
+    assert_eq!(
+        held, 0,
+        "{held} strangers were held for more bytes (answers {answers:?}); the daemon grew by {grown} MiB"
+    );
+    assert!(grown < 48, "the daemon grew by {grown} MiB for strangers");
+    for refused in ["413", "431"] {
+        assert!(answers.contains_key(refused), "{answers:?}");
+    }
+    drop(strangers);
+    // A login's body says why it was refused; the owner's requests and heads of a usual size
+    // (a browser's cookies, say) go through as before.
+    let refused = exchange(
+        std::net::TcpStream::connect(address).unwrap(),
+        "POST",
+        "/ui/login",
+        Some(&format!("{{\"token\": \"{}\"}}", "x".repeat(20_000))),
+        &[],
+    );
+    assert_eq!(refused.status, 413, "{}", refused.text());
+    assert!(refused.text().contains("login"), "{}", refused.text());
+    let cookies = format!("other={}", "c".repeat(16_000));
+    let health = exchange(
+        std::net::TcpStream::connect(address).unwrap(),
+        "GET",
+        "/v1/health",
+        None,
+        &[
+            ("Authorization", &format!("Bearer {token}")),
+            ("Cookie", &cookies),
+        ],
+    );
+    assert_eq!(health.status, 200, "{}", health.text());
+    let login = exchange(
+        std::net::TcpStream::connect(address).unwrap(),
+        "POST",
+        "/ui/login",
+        Some(&json!({ "token": token }).to_string()),
+        &[],
+    );
+    assert_eq!(login.status, 200, "{}", login.text());
 }
 
 #[test]

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use warden_harness::{Config, Harness};
 
 pub use api::{OPENAPI, router};
-pub use listen::{HEAD_TIMEOUT, MAX_CONNECTIONS};
+pub use listen::{HEAD_LIMIT, HEAD_TIMEOUT, MAX_CONNECTIONS};
 
 /// The daemon's socket in the runtime directory.
 pub const SOCKET: &str = warden_protocol::DAEMON_SOCKET;

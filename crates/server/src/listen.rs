@@ -2,7 +2,8 @@
 //! is. Each listener admits a bounded number of connections; a connection must send each
 //! request head within [`HEAD_TIMEOUT`] (an idle kept-alive connection too); when the listener
 //! is full, the oldest connection that has not yet carried an authenticated request makes room
-//! for the new one, so that idle or slow strangers cannot keep the API from its owner. Errors
+//! for the new one, so that idle or slow strangers cannot keep the API from its owner; a head
+//! must fit in [`HEAD_LIMIT`], so that what each connection makes the daemon hold is small. Errors
 //! from `accept` (out of descriptors, say) are waited out; they never reach the harness, which
 //! learns of a cell's end only from the cell's keeper.
 
@@ -17,6 +18,10 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 
 /// Time for each request head (and for an idle kept-alive connection to send its next one).
 pub const HEAD_TIMEOUT: Duration = Duration::from_secs(20);
+/// The most a connection's read buffer holds: a request head must fit (hyper answers 431
+/// otherwise). Hyper's own default (about 400 KiB) let each stranger's connection hold that
+/// much with a head it never ended (a thousand connections held 370 MB of the daemon's memory).
+pub const HEAD_LIMIT: usize = 64 * 1024;
 /// Connections each listener holds at once, at most; fewer where the daemon's limit of open
 /// files is low (a quarter of it each), so that connections can never take the descriptors
 /// its cells need.
@@ -176,6 +181,7 @@ pub async fn serve<L: Listener>(listener: L, router: Router, trusted: bool) {
             let serving = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(HEAD_TIMEOUT)
+                .max_buf_size(HEAD_LIMIT)
                 .serve_connection(TokioIo::new(stream), service)
                 .with_upgrades();
             tokio::select! {

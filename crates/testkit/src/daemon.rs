@@ -421,6 +421,18 @@ pub fn upstream() -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
     (port, hits)
 }
 
+/// The resident memory of a process, in KiB (0 when it cannot be read).
+pub fn resident_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|n| n.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
+
 /// Threads of a host process, from its status file.
 pub fn threads_of(pid: u32) -> usize {
     std::fs::read_to_string(format!("/proc/{pid}/status"))

@@ -69,23 +69,70 @@ pub(super) async fn require_token(
             }
             next.run(request).await
         }
-        // The page and its login, before anyone has logged in.
-        Ok(None) => next.run(request).await,
-        Err(refused) => {
-            let unauthorized = refused.status == StatusCode::UNAUTHORIZED;
-            let mut response = refused.into_response();
-            if unauthorized {
-                response.headers_mut().insert(
-                    header::WWW_AUTHENTICATE,
-                    header::HeaderValue::from_static("Bearer"),
-                );
-            }
-            // A connection that failed to prove itself is not kept.
-            response.headers_mut().insert(
-                header::CONNECTION,
-                header::HeaderValue::from_static("close"),
-            );
-            response
-        }
+        // The page and its login, before anyone has logged in: only a small body.
+        Ok(None) => match unproven_body(request).await {
+            Ok(request) => next.run(request).await,
+            Err(refused) => closing(refused),
+        },
+        Err(refused) => closing(refused),
     }
 }
+
+/// A refusal on TCP: a connection that failed to prove itself is not kept.
+fn closing(refused: super::ApiError) -> Response {
+    let unauthorized = refused.status == StatusCode::UNAUTHORIZED;
+    let mut response = refused.into_response();
+    if unauthorized {
+        response.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            header::HeaderValue::from_static("Bearer"),
+        );
+    }
+    response.headers_mut().insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("close"),
+    );
+    response
+}
+
+/// The body of a request that has proven nothing (the dashboard's login, or the page asked
+/// with one), read here whole, and only a small one: the API's limit (1 MiB) was a stranger's
+/// to fill on every connection it opened, and a thousand logins that never sent their last
+/// byte held a gigabyte of the daemon's memory. A larger declared length is refused before a
+/// byte of it is read.
+async fn unproven_body(request: Request) -> Result<Request, super::ApiError> {
+    use futures_util::StreamExt as _;
+    let too_large = || super::ApiError {
+        reason: None,
+        status: StatusCode::PAYLOAD_TOO_LARGE,
+        message: format!(
+            "a request without the token (the dashboard's login) carries at most {} KiB; a login's body is {{\"token\": TOKEN}}",
+            OPEN_BODY_LIMIT / 1024
+        ),
+    };
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > OPEN_BODY_LIMIT as u64) {
+        return Err(too_large());
+    }
+    let (parts, body) = request.into_parts();
+    let mut stream = body.into_data_stream();
+    let mut bytes = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| super::ApiError {
+            reason: None,
+            status: StatusCode::BAD_REQUEST,
+            message: format!("reading the request's body: {e}"),
+        })?;
+        if bytes.len() + chunk.len() > OPEN_BODY_LIMIT {
+            return Err(too_large());
+        }
+        bytes.extend_from_slice(&chunk);
+    }
+    Ok(Request::from_parts(parts, axum::body::Body::from(bytes)))
+}
+
+/// The largest body of a request that has proven nothing (a login is a few dozen bytes).
+pub(super) const OPEN_BODY_LIMIT: usize = 8 * 1024;

@@ -18,9 +18,22 @@ use super::*;
 pub(super) async fn attach(
     State(harness): State<Shared>,
     Path((name, id)): Path<(String, u64)>,
-    upgrade: axum::extract::ws::WebSocketUpgrade,
+    upgrade: Result<
+        axum::extract::ws::WebSocketUpgrade,
+        axum::extract::ws::rejection::WebSocketUpgradeRejection,
+    >,
 ) -> Result<Response, ApiError> {
     let process = harness.process(&name, id)?;
+    // Not a WebSocket's opening: an API error like every other (axum's own is plain text).
+    let upgrade = upgrade.map_err(|rejection| {
+        ApiError::new(
+            rejection.status(),
+            format!(
+                "this endpoint attaches to the process over a WebSocket (a GET with `Connection: upgrade`, `Upgrade: websocket` and its `Sec-WebSocket-*` headers; output and exit are also at .../output and .../wait): {}",
+                rejection.body_text()
+            ),
+        )
+    })?;
     Ok(upgrade.on_upgrade(move |socket| attached(harness, name, process, socket)))
 }
 
@@ -33,6 +46,26 @@ pub(super) async fn attached(
     use axum::extract::ws::Message;
     let mut cursor = 0;
     let mut pending: [Vec<u8>; 2] = [Vec::new(), Vec::new()];
+    // The client's messages are carried out in order by a task of their own: input waits for
+    // the process to read it (a pipe holds 64 KiB), and meanwhile the output goes on (it was
+    // this loop that waited, and the socket carried nothing more until the process read). A
+    // few messages wait their turn; past those, the socket is not read until one is done.
+    let (inputs, mut queue) = tokio::sync::mpsc::channel::<String>(INPUTS_QUEUED);
+    let (refusals, mut refused) = tokio::sync::mpsc::channel::<String>(INPUTS_QUEUED);
+    let carrier = {
+        let (harness, name, id) = (Arc::clone(&harness), name.clone(), process.id);
+        tokio::spawn(async move {
+            while let Some(text) = queue.recv().await {
+                if let Err(error) = attached_input(&harness, &name, id, &text).await
+                    && refusals.send(error.message).await.is_err()
+                {
+                    return;
+                }
+            }
+        })
+    };
+    // The socket gone, what is still queued or under way goes with it.
+    let _carrier = AbortOnDrop(carrier);
     loop {
         tokio::select! {
             item = process.next(&mut cursor) => {
@@ -64,20 +97,42 @@ pub(super) async fn attached(
                     return;
                 }
             }
-            message = socket.recv() => {
+            Some(error) = refused.recv() => {
+                let answer = json!({ "event": "error", "error": error });
+                if socket.send(Message::Text(answer.to_string().into())).await.is_err() {
+                    return;
+                }
+            }
+            // A full queue: wait for room before reading the socket again.
+            room = inputs.reserve(), if inputs.capacity() == 0 => {
+                if room.is_err() {
+                    return;
+                }
+            }
+            message = socket.recv(), if inputs.capacity() > 0 => {
                 let text = match message {
                     Some(Ok(Message::Text(text))) => text,
                     Some(Ok(Message::Close(_))) | None | Some(Err(_)) => return,
                     Some(Ok(_)) => continue,
                 };
-                if let Err(error) = attached_input(&harness, &name, process.id, &text).await {
-                    let answer = json!({ "event": "error", "error": error.message });
-                    if socket.send(Message::Text(answer.to_string().into())).await.is_err() {
-                        return;
-                    }
+                // Room was seen above, and this loop is the only sender.
+                if inputs.try_send(text.as_str().to_owned()).is_err() {
+                    return;
                 }
             }
         }
+    }
+}
+
+/// Messages of an attached client that wait for the one under way.
+const INPUTS_QUEUED: usize = 16;
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
