@@ -250,7 +250,10 @@ fn tcp_needs_the_token_and_cells_cannot_reach_the_daemon() {
         last.expect("the TCP listener answers")
     };
     assert_eq!(tcp(&[]).status, 401);
-    assert_eq!(tcp(&[("Authorization", "Bearer wrong")]).status, 401);
+    let wrong = tcp(&[("Authorization", "Bearer wrong")]);
+    assert_eq!(wrong.status, 401);
+    // The error body's code says what the status does (it said `bad-request`).
+    assert_eq!(wrong.json()["code"], "unauthorized", "{}", wrong.text());
     let bearer = format!("Bearer {token}");
     assert_eq!(tcp(&[("Authorization", bearer.as_str())]).status, 200);
 
@@ -1760,5 +1763,60 @@ fn every_refusal_names_its_failure_for_a_program_to_act_on() {
         malformed.json().get("reason").is_none(),
         "{}",
         malformed.text()
+    );
+}
+
+/// A client that asks for the events from far back (`after=0`) and reads slowly has the daemon
+/// hold a few entries ahead of it, not every entry it missed: read whole into memory, a journal
+/// of about 100 MB grew the daemon by hundreds of MB for as long as the client stayed.
+#[test]
+fn a_client_far_behind_on_the_events_stream_costs_the_daemon_little_memory() {
+    use std::io::{Read as _, Write as _};
+    let mut daemon = Daemon::start(&[]);
+    // A long journal, written while no daemon runs.
+    daemon.crash();
+    let dir = daemon.journal().parent().unwrap().to_path_buf();
+    {
+        let journal = warden_journal::Journal::open(&dir).unwrap();
+        let filler = "x".repeat(2000);
+        for _ in 0..50 {
+            let batch = (0..1000)
+                .map(|_| ("test.filler".to_owned(), json!({ "filler": filler })))
+                .collect();
+            let (tx, rx) = std::sync::mpsc::channel();
+            journal.submit_batch(None, batch, false, move |done| {
+                let _ = tx.send(done.map(|_| ()));
+            });
+            rx.recv().unwrap().unwrap();
+        }
+    }
+    daemon.restart();
+    let pid = daemon.pid().unwrap();
+    let before = resident_kib(pid);
+    let mut stream = std::os::unix::net::UnixStream::connect(daemon.socket()).unwrap();
+    stream
+        .write_all(b"GET /v1/events?after=0 HTTP/1.1\r\nHost: warden\r\n\r\n")
+        .unwrap();
+    // The stream starts with the first entry; then the client reads no more.
+    let mut first = vec![0; 256 * 1024];
+    let mut got = 0;
+    while !String::from_utf8_lossy(&first[..got]).contains("test.filler") {
+        let n = stream.read(&mut first[got..]).unwrap();
+        assert!(
+            n > 0 && got + n < first.len(),
+            "no first entry: {:?}",
+            String::from_utf8_lossy(&first[..got])
+        );
+        got += n;
+    }
+    let mut grown = 0;
+    for _ in 0..30 {
+        std::thread::sleep(Duration::from_millis(100));
+        grown = grown.max(resident_kib(pid).saturating_sub(before));
+    }
+    assert!(
+        grown < 48 * 1024,
+        "the daemon grew by {} MiB for a client far behind",
+        grown / 1024
     );
 }

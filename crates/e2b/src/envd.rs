@@ -73,6 +73,7 @@ pub(crate) fn connect_error(code: &str, message: impl Into<String>) -> Response 
 fn code_of(kind: ErrorKind) -> &'static str {
     match kind {
         ErrorKind::BadRequest => "invalid_argument",
+        ErrorKind::Unauthorized => "unauthenticated",
         ErrorKind::Forbidden => "permission_denied",
         ErrorKind::NotFound => "not_found",
         ErrorKind::Conflict => "failed_precondition",

@@ -39,6 +39,7 @@ impl HarnessError {
 fn code_word(code: ErrorCode) -> &'static str {
     match code {
         ErrorCode::BadRequest => "bad-request",
+        ErrorCode::Unauthorized => "unauthorized",
         ErrorCode::Forbidden => "forbidden",
         ErrorCode::NotFound => "not-found",
         ErrorCode::Conflict => "conflict",

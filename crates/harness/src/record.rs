@@ -4,6 +4,9 @@
 
 use super::*;
 
+/// Entries of a reconnecting client's backlog read ahead of its stream.
+const ENTRIES_AHEAD: usize = 64;
+
 impl Harness {
     /// Journal entries after `after` (their sequence number), of `cell` only when given, as the
     /// events stream shows them: what a client that reconnects missed. Only the segments that
@@ -13,31 +16,69 @@ impl Harness {
         after: u64,
         cell: Option<String>,
     ) -> Result<Vec<Value>, HarnessError> {
+        let mut entries = self.stream_entries_after(after, cell);
+        let mut out = Vec::new();
+        while let Some(entry) = entries.recv().await {
+            out.push(entry?);
+        }
+        Ok(out)
+    }
+
+    /// The entries of [`Self::entries_after`] as they are read, a line at a time, a few ahead
+    /// of the receiver: a client that asks from far back (`after=0` of a journal of gigabytes)
+    /// has the daemon hold a few entries, not every one it missed (read whole, a long journal
+    /// would have taken the daemon's memory). The reading stops once the receiver is gone; an
+    /// error ends the stream.
+    pub fn stream_entries_after(
+        &self,
+        after: u64,
+        cell: Option<String>,
+    ) -> tokio::sync::mpsc::Receiver<Result<Value, HarnessError>> {
+        use std::io::BufRead as _;
         let dir = self.journal.dir().to_path_buf();
+        let (tx, rx) = tokio::sync::mpsc::channel(ENTRIES_AHEAD);
         tokio::task::spawn_blocking(move || {
-            let segments = warden_journal::segments(&dir).map_err(|e| {
-                HarnessError::from(HistoryError::Unreadable(format!(
-                    "listing the journal: {e}"
-                )))
-            })?;
+            let unreadable = |what: String| HarnessError::from(HistoryError::Unreadable(what));
+            let segments = match warden_journal::segments(&dir) {
+                Ok(segments) => segments,
+                Err(e) => {
+                    let _ = tx.blocking_send(Err(unreadable(format!("listing the journal: {e}"))));
+                    return;
+                }
+            };
             // Closed segments are named by their first entry: skip those wholly at or before
             // `after`.
             let mut start = 0;
             for (i, path) in segments.iter().enumerate() {
-                if warden_journal::segment_first_seq(path).is_some_and(|first| first <= after + 1) {
+                if warden_journal::segment_first_seq(path)
+                    .is_some_and(|first| first <= after.saturating_add(1))
+                {
                     start = i;
                 }
             }
-            let mut out = Vec::new();
             for path in &segments[start..] {
-                let text = std::fs::read_to_string(path).map_err(|e| {
-                    HarnessError::from(HistoryError::Unreadable(format!(
-                        "reading {}: {e}",
-                        path.display()
-                    )))
-                })?;
-                for line in text.lines() {
-                    let Ok(entry) = serde_json::from_str::<warden_journal::Entry>(line) else {
+                let file = match std::fs::File::open(path) {
+                    Ok(file) => std::io::BufReader::new(file),
+                    Err(e) => {
+                        let _ = tx.blocking_send(Err(unreadable(format!(
+                            "reading {}: {e}",
+                            path.display()
+                        ))));
+                        return;
+                    }
+                };
+                for line in file.split(b'\n') {
+                    let line = match line {
+                        Ok(line) => line,
+                        Err(e) => {
+                            let _ = tx.blocking_send(Err(unreadable(format!(
+                                "reading {}: {e}",
+                                path.display()
+                            ))));
+                            return;
+                        }
+                    };
+                    let Ok(entry) = serde_json::from_slice::<warden_journal::Entry>(&line) else {
                         continue;
                     };
                     if entry.seq <= after
@@ -47,18 +88,19 @@ impl Harness {
                     {
                         continue;
                     }
-                    out.push(json!({
+                    let event = json!({
                         "seq": entry.seq,
                         "cell": entry.cell,
                         "kind": entry.kind,
                         "data": entry.data,
-                    }));
+                    });
+                    if tx.blocking_send(Ok(event)).is_err() {
+                        return;
+                    }
                 }
             }
-            Ok(out)
-        })
-        .await
-        .map_err(|e| HarnessError::from(HistoryError::Unreadable(e.to_string())))?
+        });
+        rx
     }
 
     /// Appends to the journal and waits until it is on disk. Every entry goes to the events

@@ -79,6 +79,7 @@ fn failed(err: HarnessError) -> CallToolResult {
             "the cell is not in a state for this (ended, paused, or the name is taken)"
         }
         ErrorKind::BadRequest => "change the arguments as the message says",
+        ErrorKind::Unauthorized => "the MCP client's token for the warden is missing or wrong",
         ErrorKind::TooLarge => "ask for less",
         ErrorKind::Unavailable => "the warden cannot do this now; try again later",
         ErrorKind::Internal => "the warden failed; the operator can look in its journal",

@@ -8,6 +8,8 @@ use serde::{Deserialize, Serialize};
 pub enum ErrorCode {
     /// The request is malformed or names something that cannot be (400, 422).
     BadRequest,
+    /// The bearer token (or the dashboard's session) is missing or wrong (401, TCP only).
+    Unauthorized,
     /// A policy, or a person, refused it (403).
     Forbidden,
     /// What it names does not exist (404).
@@ -28,6 +30,7 @@ impl ErrorCode {
     pub fn http_status(self) -> u16 {
         match self {
             Self::BadRequest => 400,
+            Self::Unauthorized => 401,
             Self::Forbidden => 403,
             Self::NotFound => 404,
             Self::Conflict => 409,

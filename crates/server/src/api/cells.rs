@@ -214,10 +214,9 @@ pub(super) async fn events(
     // Subscribed before the journal is read: nothing falls between the two.
     let mut entries = h.subscribe();
     let mut usage = q.usage.then(|| h.subscribe_usage());
-    let missed = match after {
-        Some(after) => h.entries_after(after, q.cell.clone()).await?,
-        None => Vec::new(),
-    };
+    // What it missed, read as it is sent (a client far behind would otherwise have had the
+    // daemon hold every entry it missed at once).
+    let mut missed = after.map(|after| h.stream_entries_after(after, q.cell.clone()));
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     tokio::spawn(async move {
         let entry_event = |entry: &serde_json::Value| {
@@ -228,13 +227,27 @@ pub(super) async fn events(
             }
         };
         let mut last = after.unwrap_or(0);
-        for entry in &missed {
-            last = last.max(entry["seq"].as_u64().unwrap_or(0));
-            if tx
-                .send(Ok::<_, Infallible>(entry_event(entry)))
-                .await
-                .is_err()
-            {
+        while let Some(read) = match missed.as_mut() {
+            Some(missed) => missed.recv().await,
+            None => None,
+        } {
+            let event = match read {
+                Ok(entry) => {
+                    last = last.max(entry["seq"].as_u64().unwrap_or(0));
+                    entry_event(&entry)
+                }
+                // The journal could not be read back: said, and the stream ends (a client
+                // that reconnects asks again).
+                Err(e) => {
+                    let _ = tx
+                        .send(Ok(Event::default()
+                            .event("error")
+                            .data(json!({ "error": e.message }).to_string())))
+                        .await;
+                    return;
+                }
+            };
+            if tx.send(Ok::<_, Infallible>(event)).await.is_err() {
                 return;
             }
         }

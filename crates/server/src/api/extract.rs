@@ -48,6 +48,7 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         use warden_protocol::ErrorCode;
         let code = match self.status {
+            StatusCode::UNAUTHORIZED => ErrorCode::Unauthorized,
             StatusCode::FORBIDDEN => ErrorCode::Forbidden,
             StatusCode::NOT_FOUND | StatusCode::METHOD_NOT_ALLOWED => ErrorCode::NotFound,
             StatusCode::CONFLICT => ErrorCode::Conflict,

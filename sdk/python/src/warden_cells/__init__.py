@@ -30,6 +30,7 @@ from ._errors import (
     Forbidden,
     NotFound,
     TooLarge,
+    Unauthorized,
     Unavailable,
     WardenError,
 )
@@ -57,6 +58,6 @@ __all__ = [
     "Agent", "AgentInfo", "Agents", "AsyncAgent", "AsyncAgents", "Approval", "Approvals", "AsyncCell", "AsyncWarden", "BadRequest", "Cell", "CellInfo",
     "Cells", "Conflict", "ConnectionFailed", "ExitInfo", "FileInfo", "Files", "Forbidden",
     "NotFound", "PendingApproval", "Process", "ProcessInfo", "Ran", "SCHEMAS", "Snapshot",
-    "TooLarge", "Unavailable", "Usage", "Warden", "WardenError", "CellUsage", "UsageHistory",
+    "TooLarge", "Unauthorized", "Unavailable", "Usage", "Warden", "WardenError", "CellUsage", "UsageHistory",
     "JournalEntry", "JournalPage", "JournalCheck", "Checkpoint", "PoolInfo",
 ]

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 class WardenError(Exception):
     """The daemon refused or failed a request: `status` (HTTP), `code` (the API's: bad-request,
-    forbidden, not-found, conflict, too-large, unavailable, internal), `message`, `hint`, and
+    unauthorized, forbidden, not-found, conflict, too-large, unavailable, internal), `message`, `hint`, and
     `reason`, which failure within the code it is (`cell-paused`, `denied`, `no-such-process`,
     ...), where the daemon says."""
 
@@ -26,6 +26,10 @@ class WardenError(Exception):
 
 class BadRequest(WardenError):
     """The request is malformed or names something that cannot be (400, 422)."""
+
+
+class Unauthorized(WardenError):
+    """The token is missing or wrong (401; the daemon's TCP listener only)."""
 
 
 class Forbidden(WardenError):
@@ -54,6 +58,7 @@ class ConnectionFailed(WardenError):
 
 _BY_CODE = {
     "bad-request": BadRequest,
+    "unauthorized": Unauthorized,
     "forbidden": Forbidden,
     "not-found": NotFound,
     "conflict": Conflict,
