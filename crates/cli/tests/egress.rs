@@ -1851,3 +1851,168 @@ fn http2_without_tls_is_not_relayed() {
     assert!(!ran.stdout.contains("SM"), "the preface came back: {ran:?}");
     assert_eq!(received.load(Ordering::SeqCst), 0, "{ran:?}");
 }
+
+/// An upstream that switches protocols for any request asking it to (whatever it names in
+/// `Upgrade`) and then keeps what the client sends after the switch; other requests get a 200.
+/// Returns its port and everything it was sent after a switch.
+fn switching_upstream() -> (u16, Arc<std::sync::Mutex<Vec<u8>>>) {
+    let listener = TcpListener::bind("127.0.0.2:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let after = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let kept = after.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            let kept = kept.clone();
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(conn.try_clone().unwrap());
+                let mut upgrade = None;
+                let mut first = String::new();
+                reader.read_line(&mut first).unwrap_or(0);
+                loop {
+                    let mut header = String::new();
+                    if reader.read_line(&mut header).unwrap_or(0) == 0 || header == "\r\n" {
+                        break;
+                    }
+                    if let Some(v) = header.to_ascii_lowercase().strip_prefix("upgrade:") {
+                        upgrade = Some(v.trim().to_owned());
+                    }
+                }
+                let mut conn = conn;
+                let Some(protocol) = upgrade else {
+                    let answer = format!("upstream saw {} without an upgrade", first.trim());
+                    let _ = write!(
+                        conn,
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{answer}",
+                        answer.len()
+                    );
+                    return;
+                };
+                let _ = write!(
+                    conn,
+                    "HTTP/1.1 101 Switching Protocols\r\nUpgrade: {protocol}\r\nConnection: Upgrade\r\n\r\n"
+                );
+                // What the client says in the new protocol: kept until it pauses.
+                let _ = conn.set_read_timeout(Some(std::time::Duration::from_secs(2)));
+                let mut seen = reader.buffer().to_vec();
+                let mut chunk = [0u8; 4096];
+                while let Ok(n) = reader.get_mut().read(&mut chunk) {
+                    if n == 0 {
+                        break;
+                    }
+                    seen.extend_from_slice(&chunk[..n]);
+                    if seen.ends_with(b"\r\n\r\n") {
+                        break;
+                    }
+                }
+                let _ = write!(
+                    conn,
+                    "switched to {protocol}, then saw {} bytes",
+                    seen.len()
+                );
+                kept.lock().unwrap().extend_from_slice(&seen);
+            });
+        }
+    });
+    (port, after)
+}
+
+#[test]
+fn only_a_websocket_upgrade_is_relayed_raw_in_a_tunnel() {
+    // After `101` a tunnel's bytes go up raw. HTTP/2 (`h2c`) names its hosts inside its frames
+    // and TLS (`TLS/1.2`) its server in a ClientHello the gateway would never read: either
+    // would let the cell reach another host at the allowed address (a virtual host the rules
+    // never allowed), as the HTTP/2 preface spoken first would. Such a request is the request
+    // path's, which sends it without `Upgrade`; a WebSocket's is still relayed.
+    let dir = tempdir();
+    let (port, after) = switching_upstream();
+    let policy = net_policy(
+        dir.path(),
+        &format!("  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n"),
+    );
+    let tunnel = format!("connect 127.0.0.2:{port}");
+    let next = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    let h2c = format!(
+        "GET / HTTP/1.1\r\nHost: 127.0.0.2:{port}\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n\r\n{next}"
+    );
+    let tls = format!(
+        "GET / HTTP/1.1\r\nHost: 127.0.0.2:{port}\r\nConnection: Upgrade\r\nUpgrade: TLS/1.2\r\n\r\n{next}"
+    );
+    let both = format!(
+        "GET / HTTP/1.1\r\nHost: 127.0.0.2:{port}\r\nConnection: Upgrade\r\nUpgrade: websocket, h2c\r\n\r\n{next}"
+    );
+    let websocket = format!(
+        "GET /ws HTTP/1.1\r\nHost: 127.0.0.2:{port}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\nframes\r\n\r\n"
+    );
+    let requests = [
+        (tunnel.as_str(), h2c.as_str()),
+        (tunnel.as_str(), tls.as_str()),
+        (tunnel.as_str(), both.as_str()),
+        (tunnel.as_str(), websocket.as_str()),
+    ];
+    let ran = run_py(&["--rm", "--policy", &policy], &exchanges(&requests));
+    let lines: Vec<&str> = ran.stdout.lines().collect();
+    assert_eq!(lines.len(), 4, "{ran:?}");
+    for line in &lines[..3] {
+        assert!(
+            line.starts_with("HTTP/1.1 200 ") && line.contains("without an upgrade"),
+            "{line}\n{ran:?}"
+        );
+    }
+    assert!(
+        lines[3].starts_with("HTTP/1.1 101 ") && lines[3].contains("switched to websocket"),
+        "{ran:?}"
+    );
+    let after = String::from_utf8_lossy(&after.lock().unwrap()).into_owned();
+    assert_eq!(after, "frames\r\n\r\n", "{ran:?}");
+}
+
+#[test]
+fn a_client_that_waits_to_be_told_to_send_its_body_is_told() {
+    // `Expect: 100-continue`, the body held back until the answer says go on (curl's uploads,
+    // .NET's, Node's `continue` event). The gateway reads the body before it reads the
+    // upstream's answer, so nothing told the client: it waited for its own deadline, or, without
+    // one, for the gateway's idle limit.
+    let dir = tempdir();
+    let upstream = http_upstream();
+    let port = upstream.port;
+    let policy = net_policy(
+        dir.path(),
+        &format!("  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\n"),
+    );
+    let code = format!(
+        r#"
+import socket
+s = socket.create_connection(('127.0.0.1', 3128))
+s.sendall(b'POST http://127.0.0.2:{port}/up HTTP/1.1\r\nHost: 127.0.0.2:{port}\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n')
+s.settimeout(10)
+head = b''
+try:
+    while b'\r\n\r\n' not in head:
+        more = s.recv(1)
+        if not more: break
+        head += more
+except OSError as e:
+    print('not told to go on:', e, flush=True)
+    raise SystemExit
+print(head.split(b'\r\n')[0].decode(), flush=True)
+s.sendall(b'hello')
+data = b''
+while True:
+    more = s.recv(4096)
+    if not more: break
+    data += more
+head, _, body = data.partition(b'\r\n\r\n')
+print(head.split(b'\r\n')[0].decode(), '|', body.decode(), flush=True)
+"#
+    );
+    let ran = run_py(&["--rm", "--policy", &policy], &code);
+    let lines: Vec<&str> = ran.stdout.lines().collect();
+    assert_eq!(
+        lines,
+        [
+            "HTTP/1.1 100 Continue",
+            "HTTP/1.1 200 OK | upstream saw POST /up HTTP/1.1 body=hello"
+        ],
+        "{ran:?}"
+    );
+}

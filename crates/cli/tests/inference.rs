@@ -249,3 +249,62 @@ fn a_model_api_the_cell_calls_itself_over_https_is_read_and_budgeted_the_same_wa
         .any(|l| l.contains("\"net.decision\"") && l.contains("token budget"));
     assert!(refused, "the refusal past the budget is journaled");
 }
+
+/// A model server that is asked to say `100 Continue` says it (Go's and Node's do) before its
+/// answer. The gateway read the first status it kept as the exchange's: 100, not a success,
+/// so the reply was counted as no tokens, and a cell that sent `Expect: 100-continue` on each
+/// call was never held to its budget. An interim answer is passed on and read past.
+#[test]
+fn an_interim_answer_does_not_take_a_model_call_past_the_budget() {
+    let server = ModelServer::start(vec![]);
+    server.then(Step::Text("hello".into()));
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("policy.yaml");
+    std::fs::write(
+        &policy,
+        format!(
+            "version: 1\nnetwork:\n  inference:\n    upstream: http://127.0.0.1:{}/v1\n    max_tokens: 200\n",
+            server.port
+        ),
+    )
+    .unwrap();
+    // Three calls of 120 tokens each, each expecting to be told to go on: the third is past
+    // the budget of 200.
+    let code = r#"
+import socket
+body = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
+for n in range(3):
+    s = socket.create_connection(('127.0.0.1', 3128), timeout=10)
+    s.sendall(b'POST http://inference.warden/v1/chat/completions HTTP/1.1\r\nHost: inference.warden\r\nContent-Type: application/json\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n%s' % (len(body), body))
+    data = b''
+    while True:
+        more = s.recv(4096)
+        if not more: break
+        data += more
+    lines = [l.decode() for l in data.split(b'\r\n') if l.startswith(b'HTTP/1.1 ')]
+    print(' then '.join(lines), flush=True)
+"#;
+    let out = support::warden()
+        .env("WARDEN_RUNTIME_DIR", dir.path().join("run"))
+        .env("WARDEN_STATE_DIR", dir.path().join("state"))
+        .args(["run", "--policy"])
+        .arg(&policy)
+        .args(["--", "python3", "-c", code])
+        .output()
+        .unwrap();
+    let ran = support::Ran::from(out);
+    let lines: Vec<&str> = ran.stdout.lines().collect();
+    assert_eq!(lines.len(), 3, "{ran:?}");
+    for line in &lines[..2] {
+        assert_eq!(
+            *line, "HTTP/1.1 100 Continue then HTTP/1.1 200 OK",
+            "{ran:?}"
+        );
+    }
+    let (journal, exchanges) = journal_and_exchanges(dir.path());
+    assert!(lines[2].starts_with("HTTP/1.1 429 "), "{ran:?}\n{journal}");
+    assert_eq!(server.requests().len(), 2);
+    assert_eq!(exchanges.len(), 2, "{journal}");
+    assert_eq!(exchanges[0]["inference"]["status"], 200, "{journal}");
+    assert_eq!(exchanges[1]["inference"]["tokens_used"], 240, "{journal}");
+}

@@ -421,6 +421,7 @@ impl Gateway {
         let _ = conn.set_read_timeout(idle);
         // Exactly the announced body, then nothing more from this client.
         let sent = io::Write::write_all(&mut *up, &out).and_then(|()| {
+            http::go_on(&mut &conn, &headers, body, &early);
             let mut tap = Tap {
                 inner: &mut *up,
                 kept: &mut request_kept,
@@ -487,7 +488,8 @@ impl Gateway {
             let _ = scrubbed.finish();
             n
         };
-        let _ = conn.shutdown(Shutdown::Both);
+        // A model call is counted before the client hears the end: its next call, made once
+        // this one ended, finds the budget with this one in it.
         if read {
             decision.inference = self.read_exchange(
                 &target.path,
@@ -497,6 +499,7 @@ impl Gateway {
                 inference,
             );
         }
+        let _ = conn.shutdown(Shutdown::Both);
         self.log_decision(&decision);
     }
 }

@@ -170,15 +170,39 @@ pub(crate) fn request_body(headers: &[(String, Vec<u8>)]) -> Result<Body, &'stat
     let encodings = values(headers, "transfer-encoding");
     match (lengths.as_slice(), encodings.as_slice()) {
         ([], []) => Ok(Body::Length(0)),
-        ([one], []) => std::str::from_utf8(one)
+        // Digits only: a number parser's `+5` is read otherwise by some servers.
+        ([one], []) => std::str::from_utf8(one.trim_ascii())
             .ok()
-            .and_then(|s| s.trim().parse().ok())
+            .filter(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|s| s.parse().ok())
             .map(Body::Length)
-            .ok_or("invalid Content-Length"),
+            .ok_or("invalid Content-Length (digits only)"),
         ([], [te]) if te.eq_ignore_ascii_case(b"chunked") => Ok(Body::Chunked),
         ([], _) => Err("a Transfer-Encoding other than a single `chunked` is refused"),
         (_, []) => Err("several Content-Length headers: refused as request smuggling"),
         _ => Err("both Content-Length and Transfer-Encoding: refused as request smuggling"),
+    }
+}
+
+/// Tells a client that asked to be (`Expect: 100-continue`) and has sent none of its body yet
+/// to go on, once its request was decided and its upstream reached: the gateway reads the body
+/// before the upstream's answer, so the upstream's own `100` would reach the client only after
+/// the body it waits to send (a client that waits for it without a deadline of its own waited
+/// until the gateway's idle limit ended the connection).
+pub(crate) fn go_on(
+    client: &mut impl Write,
+    headers: &[(String, Vec<u8>)],
+    body: Body,
+    early: &[u8],
+) {
+    let expects = values(headers, "expect")
+        .iter()
+        .any(|v| v.trim_ascii().eq_ignore_ascii_case(b"100-continue"));
+    if expects && early.is_empty() && body != Body::Length(0) {
+        // A client that went away is seen when its body is read.
+        let _ = client
+            .write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+            .and_then(|()| client.flush());
     }
 }
 
@@ -583,6 +607,9 @@ mod tests {
             headers(&[("content-length", "5"), ("content-length", "6")]),
             headers(&[("transfer-encoding", "gzip, chunked")]),
             headers(&[("content-length", "five")]),
+            headers(&[("content-length", "+5")]),
+            headers(&[("content-length", "-0")]),
+            headers(&[("content-length", "")]),
         ] {
             assert!(request_body(&bad).is_err(), "{bad:?}");
         }

@@ -90,15 +90,25 @@ impl Gateway {
         if !routed && !body.get("model").is_some_and(Value::is_string) {
             return None;
         }
-        let (head, reply) = match response.windows(4).position(|w| w == b"\r\n\r\n") {
-            Some(at) => (&response[..at], &response[at + 4..]),
-            None => (response, &[][..]),
+        // The final answer's head and body: interim answers (`100 Continue`, which a cell
+        // gets by asking for it, `103 Early Hints`) came before it and are read past. (Read as
+        // the exchange's, a 100 was no success, and the reply was counted as no tokens.)
+        let mut rest = response;
+        let (status, reply) = loop {
+            let (head, reply) = match rest.windows(4).position(|w| w == b"\r\n\r\n") {
+                Some(at) => (&rest[..at], &rest[at + 4..]),
+                None => (rest, &[][..]),
+            };
+            let status: u16 = std::str::from_utf8(head)
+                .ok()
+                .and_then(|h| h.split(' ').nth(1))
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(0);
+            match status {
+                100 | 102..=199 if !reply.is_empty() => rest = reply,
+                _ => break (status, reply),
+            }
         };
-        let status: u16 = std::str::from_utf8(head)
-            .ok()
-            .and_then(|h| h.split(' ').nth(1))
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0);
         let mut out = json!({
             "format": format.map(|f| f.provider()),
             "status": status,

@@ -156,6 +156,7 @@ impl Gateway {
         let started = Instant::now();
         let (mut request_kept, mut response_kept) = (Vec::new(), Vec::new());
         let sent = upstream.write_all(&out).and_then(|()| {
+            http::go_on(&mut client, &headers, body, &rest);
             let mut tap = Tap {
                 inner: &mut upstream,
                 kept: &mut request_kept,
@@ -211,8 +212,7 @@ impl Gateway {
                 }
                 Err(ResponseError::Io) => {}
             }
-            client.conn.send_close_notify();
-            let _ = client.flush();
+            // Counted before the client hears the end (as in `forward_to`).
             if read {
                 decision.inference = self.read_exchange(
                     &target.path,
@@ -222,6 +222,8 @@ impl Gateway {
                     false,
                 );
             }
+            client.conn.send_close_notify();
+            let _ = client.flush();
         } else {
             let mut scrubbed = Replacer::scrubbing(&mut client, &self.secrets);
             let mut buf = vec![0u8; 64 * 1024];

@@ -277,6 +277,7 @@ fn h2_preface(bytes: &[u8]) -> bool {
 /// an upgrade (a WebSocket's), and the host its Host header names (`Err`: why none can be
 /// taken from it).
 pub(crate) struct Head {
+    /// Whether it asks to upgrade to a WebSocket, and to nothing else.
     upgrade: bool,
     pub(crate) host: Result<Option<String>, String>,
     /// The head's length in the bytes (what follows it is a body, or a next request).
@@ -311,8 +312,19 @@ pub(crate) fn http_head(bytes: &[u8]) -> Result<Option<Head>, ()> {
             .map_err(|_| "the Host header is not text".to_owned()),
         _ => Err("the request has several Host headers".to_owned()),
     };
+    // Only a WebSocket is relayed raw after the switch: HTTP/2 (`h2c`) names its hosts inside
+    // frames and TLS (`TLS/1.2`) its server in a ClientHello, neither of which the gateway
+    // would read once the connection is relayed. A request that names any other protocol goes
+    // to the request path, which sends it without its `Upgrade`.
+    let mut protocols = named("upgrade")
+        .flat_map(|h| h.value.split(|b| *b == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|p| !p.is_empty())
+        .peekable();
+    let websocket =
+        protocols.peek().is_some() && protocols.all(|p| p.eq_ignore_ascii_case(b"websocket"));
     Ok(Some(Head {
-        upgrade: named("upgrade").next().is_some(),
+        upgrade: websocket,
         host,
         len,
         origin_form: request.path.is_some_and(|p| p.starts_with('/')),
@@ -948,6 +960,24 @@ mod tests {
             Opening::Upgrade {
                 head: UPGRADE.len()
             }
+        );
+        // An upgrade to anything but a WebSocket (HTTP/2, TLS: hosts named where the gateway
+        // would not read once relayed) is a request for the request path, sent without it.
+        for upgrade in [
+            &b"GET / HTTP/1.1\r\nHost: a.test\r\nUpgrade: h2c\r\n\r\n"[..],
+            b"GET / HTTP/1.1\r\nHost: a.test\r\nUpgrade: TLS/1.2\r\n\r\n",
+            b"GET / HTTP/1.1\r\nHost: a.test\r\nUpgrade: websocket, h2c\r\n\r\n",
+            b"GET / HTTP/1.1\r\nHost: a.test\r\nUpgrade: websocket\r\nUpgrade: h2c\r\n\r\n",
+            b"GET / HTTP/1.1\r\nHost: a.test\r\nUpgrade: \r\n\r\n",
+        ] {
+            assert_eq!(opening(upgrade, &host), Opening::Http, "{upgrade:?}");
+        }
+        assert_eq!(
+            opening(
+                b"GET / HTTP/1.1\r\nHost: a.test\r\nUpgrade: WebSocket\r\n\r\n",
+                &host
+            ),
+            Opening::Upgrade { head: 52 }
         );
         // What servers read as a request, though not in the plainest form.
         for request in [

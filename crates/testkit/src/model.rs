@@ -195,6 +195,14 @@ impl ModelServer {
                     headers.push((name.trim().to_owned(), value.trim().to_owned()));
                 }
             }
+            // As the servers of the model APIs do (Go's, Node's): a client that expects to be
+            // told to go on is, before its body is read.
+            let expects = headers.iter().any(|(name, value)| {
+                name.eq_ignore_ascii_case("expect") && value.eq_ignore_ascii_case("100-continue")
+            });
+            if expects && length > 0 {
+                let _ = reader.get_mut().write_all(b"HTTP/1.1 100 Continue\r\n\r\n");
+            }
             let mut body = vec![0; length];
             reader.read_exact(&mut body).unwrap();
             let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
