@@ -861,3 +861,62 @@ fn a_gvisor_cells_file_operations_have_no_capability_its_user_lacks() {
     let events = daemon.exec(&cell, json!({ "argv": ["cat", "mine.txt"] }));
     assert_eq!(stdout(&events), "mine\n", "{events:?}");
 }
+
+/// A disk limit where the workspace cannot have a disk of its own (no loop devices, no mkfs:
+/// here `mkfs` hidden in a mount namespace of the test's own): the process tier keeps it per
+/// file and by a watch, but the sandbox's files are written by runsc's gofer, which has
+/// neither, and a gVisor cell wrote 100 MiB against 32 and ended with status 0. It is refused
+/// before it starts, saying why and what to do.
+#[test]
+fn a_gvisor_cell_whose_disk_limit_cannot_be_kept_is_refused() {
+    needs_gvisor!("a_gvisor_cell_whose_disk_limit_cannot_be_kept_is_refused");
+    let dirs = run_dirs();
+    let policy = policy(
+        dirs.dir.path(),
+        &format!("{GVISOR}limits:\n  disk: 32MiB\n"),
+    );
+    let out = std::process::Command::new("unshare")
+        .args([
+            "-m",
+            "sh",
+            "-c",
+            "mount -t tmpfs tmpfs /usr/sbin && exec \"$0\" \"$@\"",
+        ])
+        .arg(bin())
+        .args(["run", "--policy"])
+        .arg(&policy)
+        .arg("-w")
+        .arg(&dirs.host)
+        .args([
+            "--",
+            "sh",
+            "-c",
+            "head -c 50000000 /dev/zero > big; echo wrote",
+        ])
+        .env("WARDEN_STATE_DIR", &dirs.state)
+        .env("WARDEN_RUNTIME_DIR", &dirs.runtime)
+        .output()
+        .unwrap();
+    let ran: Ran = out.into();
+    assert_eq!(ran.code, 125, "{ran:?}");
+    assert!(!ran.stdout.contains("wrote"), "{ran:?}");
+    assert!(
+        ran.stderr
+            .contains("keeps a disk limit (32 MiB) only with a disk of the workspace's own")
+            && ran.stderr.contains("is not installed"),
+        "{ran:?}"
+    );
+    assert!(cell_folders_left(&dirs.runtime).is_empty());
+    let ps = warden()
+        .env("WARDEN_STATE_DIR", &dirs.state)
+        .env("WARDEN_RUNTIME_DIR", &dirs.runtime)
+        .args(["ps", "--all"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&ps.stdout).lines().count(),
+        1,
+        "a cell or layer was left: {}",
+        String::from_utf8_lossy(&ps.stdout)
+    );
+}

@@ -74,6 +74,14 @@ pub enum GvisorError {
     NotRoot,
     #[error("the gvisor tier: {0}")]
     Sandbox(String),
+    /// A disk limit where the layer cannot have a disk of its own.
+    #[error(
+        "the gvisor tier keeps a disk limit ({limit}) only with a disk of the workspace's own, which this host cannot give it ({why}): install what is missing, or run without the limit (`--disk none`, `limits.disk: null`), or on the process tier, which keeps it per file and by a watch"
+    )]
+    DiskLimit {
+        limit: warden_policy::ByteSize,
+        why: String,
+    },
     /// `warden run` said the command was not to start (it could not journal its start, and
     /// says why itself).
     #[error("the cell's start was called off")]
@@ -130,8 +138,19 @@ pub fn keep(
         mut plan,
         gateway,
         mut notices,
-        watched_disk: _,
+        watched_disk,
     } = crate::process::run::prepare(registry, store, &request, &ids, Some(&ids))?;
+    // The process tier keeps such a limit with an rlimit of its processes and a watch of the
+    // layer; the sandbox's files are written by runsc's gofer, which has neither: the limit
+    // would not hold (a cell wrote 100 MiB against 32).
+    if let Some(limit) = watched_disk {
+        let why = crate::process::disk::unavailable()
+            .unwrap_or_else(|| "no loop device or file system for it".to_owned());
+        return Err(GvisorError::DiskLimit {
+            limit: warden_policy::ByteSize(limit),
+            why,
+        });
+    }
     // A cell that lets nothing out has gVisor's own network stack with loopback only; one
     // with a gateway uses the sockets of the namespace the keeper makes below.
     if gateway.is_some() {

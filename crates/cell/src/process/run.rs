@@ -1078,7 +1078,7 @@ impl LayerGuard {
                 Some(reason) => {
                     if let Some(reason) = reason {
                         notices.push(format!(
-                            "{reason}: the disk limit ({disk}) is kept per file by the kernel and                              for the whole workspace by the warden's watch"
+                            "{reason}: the disk limit ({disk}) is kept per file by the kernel and for the whole workspace by the warden's watch"
                         ));
                     }
                     guard.watched = Some(disk.0);
