@@ -351,6 +351,91 @@ fn sockets_of_families_past_the_allowed_ones_are_refused() {
     );
 }
 
+/// Terminals come from one pool of the kernel's for every devpts but the host's own (4096
+/// less 1024 kept for the host): one process of a cell opened all 3,071 of them, and no other
+/// cell could open a terminal (`warden exec --tty` among them) until it ended. A cell's devpts
+/// holds at most 128.
+#[test]
+fn a_cell_cannot_take_the_terminals_of_other_cells() {
+    let name = unique("ptys");
+    let code = "import os, time\n\
+                fds = []\n\
+                while len(fds) < 4096:\n\
+                \x20   try: fds.append(os.open('/dev/ptmx', os.O_RDWR | os.O_NOCTTY))\n\
+                \x20   except OSError: break\n\
+                print(len(fds), flush=True)\n\
+                time.sleep(30)\n";
+    let mut hog = warden()
+        .args([
+            "run",
+            "--name",
+            &name,
+            "--timeout",
+            "40s",
+            "--",
+            "python3",
+            "-c",
+            code,
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut held = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(hog.stdout.as_mut().unwrap()),
+        &mut held,
+    )
+    .unwrap();
+    // While the first cell holds every terminal it could get, another cell opens one.
+    let other = run_py(
+        &[],
+        "import os\n\
+         try: os.open('/dev/ptmx', os.O_RDWR | os.O_NOCTTY); print('opened')\n\
+         except OSError as e: print(os.strerror(e.errno))",
+    );
+    let _ = warden().args(["kill", &name]).status();
+    let _ = hog.wait();
+    let held: usize = held.trim().parse().unwrap();
+    assert!(held > 0 && held <= 128, "a cell held {held} terminals");
+    assert_eq!(
+        other.stdout.trim(),
+        "opened",
+        "another cell could not open a terminal while one held {held}: {other:?}"
+    );
+}
+
+/// Huge pages come from the host's reserved pool, which no memory limit counts (a cell could
+/// take every page the host keeps for its databases); a terminal's line discipline other than
+/// the plain one is a protocol of the kernel's (HDLC, GSM, SLIP, ...) whose first use loads a
+/// module on many hosts; `open_tree_attr` is the mount API's newest call. Each is refused
+/// before the kernel looks at its arguments (`EPERM` where the kernel answers `ENOMEM`,
+/// `EINVAL` or nothing; a line discipline can be read, not set, since the filter cannot see
+/// which one is asked for), and the plain forms still work.
+#[test]
+fn huge_pages_line_disciplines_and_open_tree_attr_are_refused() {
+    let code = "import ctypes, errno, fcntl, os, pty, struct, termios\n\
+                libc = ctypes.CDLL(None, use_errno=True)\n\
+                libc.mmap.restype = ctypes.c_long\n\
+                libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]\n\
+                def show(name, r):\n\
+                \x20   print(name, errno.errorcode[ctypes.get_errno()] if r == -1 else 'allowed')\n\
+                show('mmap', libc.mmap(None, 2 << 20, 3, 0x22 | 0x40000, -1, 0))\n\
+                show('memfd_create', libc.memfd_create(b'h', 4))\n\
+                show('shmget', libc.shmget(0, 2 << 20, 0o1000 | 0o4000 | 0o600))\n\
+                show('open_tree_attr', libc.syscall(467, -100, b'/', 0x40000000, None, 0))\n\
+                m, s = pty.openpty()\n\
+                try: fcntl.ioctl(s, termios.TIOCSETD, struct.pack('i', 27)); print('TIOCSETD allowed')\n\
+                except OSError as e: print('TIOCSETD', errno.errorcode[e.errno])\n\
+                fcntl.ioctl(s, termios.TIOCGETD, struct.pack('i', 0))\n\
+                show('plain', min(libc.mmap(None, 4096, 3, 0x22, -1, 0), libc.memfd_create(b'p', 0), libc.shmget(0, 4096, 0o1000 | 0o600)))\n";
+    let ran = run_py(&[], code);
+    assert_eq!(
+        ran.stdout,
+        "mmap EPERM\nmemfd_create EPERM\nshmget EPERM\nopen_tree_attr EPERM\nTIOCSETD EPERM\nplain allowed\n",
+        "{ran:?}"
+    );
+}
+
 #[test]
 fn caller_environment_and_inherited_fds_do_not_reach_the_cell() {
     let dir = tempdir();

@@ -209,6 +209,65 @@ fn memory_bomb_is_killed_with_a_clear_message() {
     );
 }
 
+/// The buffers of a cell's sockets are memory too: on cgroup v1 they count to no limit of the
+/// cell's until a TCP limit is written, and one process of a cell limited to 64 MiB held
+/// gigabytes of TCP buffers over its own loopback (the host's whole TCP allowance, which
+/// stalled the host's own connections). The cell fills TCP connections and UDP sockets it
+/// never reads and counts what their queues hold.
+#[test]
+fn socket_buffers_of_a_cell_are_held_to_its_memory_limit() {
+    if !cgroups_available("socket_buffers_of_a_cell_are_held_to_its_memory_limit") {
+        return;
+    }
+    let code = "import socket\n\
+                CAP = 256 << 20\n\
+                def queued(kind):\n\
+                \x20   rows = open('/proc/net/' + kind).readlines()[1:]\n\
+                \x20   return sum(int(q, 16) for r in rows for q in r.split()[4].split(':')) >> 20\n\
+                l = socket.socket(); l.bind(('127.0.0.1', 0)); l.listen(64)\n\
+                held, sent, chunk = [], 0, b'x' * 65536\n\
+                while sent < CAP and len(held) < 200:\n\
+                \x20   a = socket.create_connection(l.getsockname(), timeout=5); b, _ = l.accept()\n\
+                \x20   a.setblocking(False)\n\
+                \x20   try:\n\
+                \x20       while sent < CAP: sent += a.send(chunk)\n\
+                \x20   except OSError: pass\n\
+                \x20   held.append((a, b))\n\
+                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.setblocking(False)\n\
+                for _ in range(200):\n\
+                \x20   r = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+                \x20   r.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20); r.bind(('127.0.0.1', 0))\n\
+                \x20   held.append(r)\n\
+                \x20   for _ in range(150):\n\
+                \x20       try: s.sendto(chunk[:60000], r.getsockname())\n\
+                \x20       except OSError: break\n\
+                print('tcp', queued('tcp'), 'udp', queued('udp'), flush=True)\n";
+    let ran = run_py(&["--memory", "64MiB", "--timeout", "60s"], code);
+    // Where socket memory counts with the rest (cgroup v2), the cell may instead end at its
+    // limit; either way it holds no more than it may.
+    if ran.code == 251 {
+        assert!(
+            ran.stderr.contains("memory limit 64 MiB exceeded: killed"),
+            "{ran:?}"
+        );
+        return;
+    }
+    assert_eq!(ran.code, 0, "{ran:?}");
+    let held: Vec<u64> = ran
+        .stdout
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    assert_eq!(held.len(), 2, "{ran:?}");
+    // 64 MiB of buffers, and what the kernel gives each socket past any limit (one packet).
+    assert!(
+        held.iter().all(|mib| *mib < 128),
+        "a cell limited to 64 MiB held {} MiB in TCP and {} MiB in UDP buffers",
+        held[0],
+        held[1]
+    );
+}
+
 #[test]
 fn wall_timeout_kills_the_whole_process_tree() {
     let dir = tempdir();

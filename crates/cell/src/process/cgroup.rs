@@ -461,6 +461,14 @@ impl CellCgroup {
                         &bytes.to_string(),
                     )?;
                     write_if_present(&dir.path.join("memory.swappiness"), "0")?;
+                    // v1 charges the buffers of a cell's sockets (TCP, UDP) to no counter of
+                    // its group until a TCP limit is written, and then to that counter alone:
+                    // unbounded, one cell held 2.3 GB of TCP buffers under a 64 MiB limit,
+                    // the host's whole TCP allowance, and the host's own connections stalled.
+                    write_if_present(
+                        &dir.path.join("memory.kmem.tcp.limit_in_bytes"),
+                        &bytes.to_string(),
+                    )?;
                 }
             }
         }

@@ -530,12 +530,15 @@ fn mount_dev(root: &Path, shm_size: u64) -> Result<(), SetupError> {
     }
     let pts = dev.join("pts");
     fs::create_dir_all(&pts).map_err(at("creating directory", &pts))?;
+    // Every devpts but the host's own draws on one pool of the kernel's (kernel.pty.max less
+    // kernel.pty.reserve, 3,072 by default): without a bound of its own, one cell took them all
+    // and no other cell could open a terminal.
     mount_fs(
         "mounting devpts on",
         "devpts",
         &pts,
         MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
-        Some("newinstance,ptmxmode=0666,mode=0620"),
+        Some("newinstance,ptmxmode=0666,mode=0620,max=128"),
     )?;
     let shm = dev.join("shm");
     fs::create_dir_all(&shm).map_err(at("creating directory", &shm))?;

@@ -29,6 +29,7 @@ const DENIED: &[i64] = &[
     libc::SYS_fsmount,
     libc::SYS_fspick,
     libc::SYS_mount_setattr,
+    SYS_OPEN_TREE_ATTR,
     // Looking into or steering other processes.
     libc::SYS_ptrace,
     libc::SYS_process_vm_readv,
@@ -81,6 +82,17 @@ const FICLONE: u64 = 0x4004_9409;
 const FICLONERANGE: u64 = 0x4020_940d;
 const FIDEDUPERANGE: u64 = 0xc018_9436;
 const TIOCLINUX: u64 = 0x541C;
+/// Setting a terminal's line discipline: any but the plain one is a protocol of the kernel's
+/// (HDLC, GSM, SLIP, ...) that a cell has no use for, whose first use loads a module on many
+/// hosts, as a socket family's does.
+const TIOCSETD: u64 = 0x5423;
+/// `open_tree` and `mount_setattr` in one call (Linux 6.15), which the libc crate does not name.
+const SYS_OPEN_TREE_ATTR: i64 = 467;
+/// Huge pages (`mmap`, `memfd_create`, `shmget`) come from the host's reserved pool, which no
+/// memory limit counts: a cell could take every page the host keeps for its own programs.
+const MAP_HUGETLB: u64 = libc::MAP_HUGETLB as u64;
+const MFD_HUGETLB: u64 = libc::MFD_HUGETLB as u64;
+const SHM_HUGETLB: u64 = libc::SHM_HUGETLB as u64;
 const AF_UNIX: u64 = 1;
 const AF_INET: u64 = 2;
 const AF_INET6: u64 = 10;
@@ -126,12 +138,14 @@ pub fn deny_filter() -> Result<BpfProgram, SeccompError> {
     let newuser = || cond(0, Len::Qword, Op::MaskedEq(CLONE_NEWUSER), CLONE_NEWUSER);
     rules.insert(libc::SYS_unshare, vec![rule(vec![newuser()?])?]);
     rules.insert(libc::SYS_clone, vec![rule(vec![newuser()?])?]);
-    // Typing into a terminal (TIOCSTI) or driving the console (TIOCLINUX).
+    // Typing into a terminal (TIOCSTI), driving the console (TIOCLINUX), a terminal's line
+    // discipline (TIOCSETD).
     rules.insert(
         libc::SYS_ioctl,
         vec![
             rule(vec![cond(1, Len::Dword, Op::Eq, TIOCSTI)?])?,
             rule(vec![cond(1, Len::Dword, Op::Eq, TIOCLINUX)?])?,
+            rule(vec![cond(1, Len::Dword, Op::Eq, TIOCSETD)?])?,
             rule(vec![cond(1, Len::Dword, Op::Eq, FICLONE)?])?,
             rule(vec![cond(1, Len::Dword, Op::Eq, FICLONERANGE)?])?,
             rule(vec![cond(1, Len::Dword, Op::Eq, FIDEDUPERANGE)?])?,
@@ -158,6 +172,19 @@ pub fn deny_filter() -> Result<BpfProgram, SeccompError> {
     ];
     rules.insert(libc::SYS_socket, socket_rules.clone());
     rules.insert(libc::SYS_socketpair, socket_rules);
+
+    // Huge pages from the host's reserved pool.
+    let flag = |arg: u8, bit: u64| -> Result<Vec<SeccompRule>, SeccompError> {
+        Ok(vec![rule(vec![cond(
+            arg,
+            Len::Dword,
+            Op::MaskedEq(bit),
+            bit,
+        )?])?])
+    };
+    rules.insert(libc::SYS_mmap, flag(3, MAP_HUGETLB)?);
+    rules.insert(libc::SYS_memfd_create, flag(1, MFD_HUGETLB)?);
+    rules.insert(libc::SYS_shmget, flag(2, SHM_HUGETLB)?);
 
     // Setuid and setgid bits: a file the cell creates in a host directory must never become a
     // way for host users to gain the owner's rights.
@@ -403,13 +430,17 @@ mod tests {
             seed ^= seed << 17;
             seed
         };
-        let special: [u64; 14] = [
+        let special: [u64; 18] = [
             0,
             u64::MAX,
             AF_UNIX,
             AF_INET6,
             TIOCSTI,
             TIOCLINUX,
+            TIOCSETD,
+            MAP_HUGETLB | 0x22,
+            MFD_HUGETLB,
+            SHM_HUGETLB,
             FICLONE,
             AF_NETLINK,
             AF_PACKET,
