@@ -19,13 +19,56 @@ pub const OWNER_BASE: u32 = ROOT_MODE_BASE + ROOT_MODE_COUNT;
 /// How many owner uids there are to pick from.
 pub const OWNER_COUNT: u32 = 1 << 20;
 
-/// The host uid that owns the user namespace of the root-started cell `name`.
+/// Where the search for a free owner of the root-started cell `name` starts.
 pub fn namespace_owner(name: &str) -> u32 {
-    // FNV-1a: stable across builds, spread enough that two cells rarely share an owner.
+    // FNV-1a: stable across builds, spread over the owners.
     let hash = name.bytes().fold(0x811c_9dc5u32, |h, b| {
         (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
     });
     OWNER_BASE + hash % OWNER_COUNT
+}
+
+/// The most owners tried before a cell is refused for want of a free one: every one (each try
+/// is one `bind`, about a microsecond), so that a host process squatting names cannot make a
+/// cell fail short of holding a million of them.
+const OWNER_TRIES: u32 = OWNER_COUNT;
+
+/// An owner uid that no other live cell of this host has, held until this is dropped.
+#[derive(Debug)]
+pub struct Owner {
+    pub uid: u32,
+    /// Bound to the owner's abstract name in the warden's network namespace: the kernel frees
+    /// the name when the socket closes (the cell's init closes its copy as it starts).
+    _held: std::os::unix::net::UnixDatagram,
+}
+
+/// Takes an owner uid for the user namespace of the root-started cell `name`, one that no
+/// other live cell of this host holds: the kernel counts inotify instances and watches and
+/// fanotify groups and marks to the owner in the host's namespace, so two cells with one owner
+/// share those limits, and one holding them all leaves the other none. Names share a hash
+/// often enough (even odds that two of ~1,200 cells do; a name can be picked to match
+/// another's), so the hash is only where the search starts; the owners taken are held
+/// as abstract socket names, which every warden process of the host (daemons of any runtime
+/// directory, `warden run`) sees and the kernel lets go of with their holder.
+pub fn reserve_owner(name: &str) -> std::io::Result<Owner> {
+    use std::os::linux::net::SocketAddrExt as _;
+    use std::os::unix::net::{SocketAddr, UnixDatagram};
+    // An odd stride visits every owner once: a run of owners held by others (or squatted by
+    // a host process that bound their names) is stepped over, not searched through.
+    const STRIDE: u32 = 0x0009_e379;
+    let start = namespace_owner(name) - OWNER_BASE;
+    for i in 0..OWNER_TRIES {
+        let uid = OWNER_BASE + (start.wrapping_add(i.wrapping_mul(STRIDE))) % OWNER_COUNT;
+        let address = SocketAddr::from_abstract_name(format!("warden/cell-owner/{uid}"))?;
+        match UnixDatagram::bind_addr(&address) {
+            Ok(held) => return Ok(Owner { uid, _held: held }),
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(std::io::Error::other(format!(
+        "no free owner uid for the cell's user namespace: {OWNER_TRIES} tried, each held by another cell of this host (or a process that bound its name)"
+    )))
 }
 
 /// One cell's id mapping.
@@ -119,6 +162,20 @@ mod tests {
             assert!(owner >= ROOT_MODE_BASE + ROOT_MODE_COUNT);
         }
         assert_ne!(namespace_owner("a"), namespace_owner("b"));
+    }
+
+    #[test]
+    fn two_cells_whose_names_share_a_hash_get_owners_of_their_own() {
+        // FNV-1a of these two is equal modulo 2^20.
+        assert_eq!(namespace_owner("victim"), namespace_owner("hog-1444514"));
+        let first = reserve_owner("victim").unwrap();
+        let second = reserve_owner("hog-1444514").unwrap();
+        assert_ne!(first.uid, second.uid);
+        assert!((OWNER_BASE..OWNER_BASE + OWNER_COUNT).contains(&second.uid));
+        // Let go of, an owner is free again.
+        let uid = first.uid;
+        drop(first);
+        assert_eq!(reserve_owner("victim").unwrap().uid, uid);
     }
 
     #[test]

@@ -250,6 +250,9 @@ pub fn run_with(
     for (k, (i, _)) in sources.iter().enumerate() {
         plan.sources[*i] = Some(init::SOURCES_FD + k as i32);
     }
+    // The owner of the cell's user namespace (root-started), held until the cell is gone;
+    // declared before the guard, so that on a way out it goes after the guard ended the init.
+    let mut owner_held = None;
     let mut guard = CellGuard {
         cgroup: None,
         pid: None,
@@ -303,6 +306,19 @@ pub fn run_with(
             source: io::Error::other(format!("{threads} threads")),
         });
     }
+    // An owner of its own for a root-started cell's user namespace: no other live cell's (see
+    // `ids::reserve_owner`). Taken in the warden's network namespace, where every warden
+    // process of the host takes them, before this thread enters the cell's.
+    if privileged {
+        let owner = super::ids::reserve_owner(&name).map_err(|source| {
+            let _ = old_mask.thread_set_mask();
+            RunError::Os {
+                what: "taking an owner uid for the cell's user namespace",
+                source,
+            }
+        })?;
+        owner_held = Some(owner);
+    }
     // The cell is cloned inside the namespace made ahead, and this thread goes back to its own
     // right after. (Where that cannot be, the clone makes the cell's network namespace.)
     let back_to = ready_network.as_ref().and_then(|ready| {
@@ -324,9 +340,9 @@ pub fn run_with(
             gateway_ahead = None;
         }
     }
-    let cloned = match privileged {
-        true => sys::clone_process_owned_by(flags, super::ids::namespace_owner(&name)),
-        false => sys::clone_process(flags),
+    let cloned = match &owner_held {
+        Some(owner) => sys::clone_process_owned_by(flags, owner.uid),
+        None => sys::clone_process(flags),
     };
     if matches!(cloned, Ok(0)) {
         let _ = old_mask.thread_set_mask();
@@ -687,6 +703,7 @@ pub fn run_with(
             guard: leftovers,
             reservation,
             _router: router,
+            _owner: owner_held,
         },
         layer,
         ending,
@@ -1235,6 +1252,8 @@ struct EndOfCell {
     guard: Option<CellGuard>,
     reservation: super::registry::Reservation,
     _router: super::exec::Router,
+    /// The owner of the cell's user namespace: free for another cell once this one is gone.
+    _owner: Option<super::ids::Owner>,
 }
 
 impl Drop for EndOfCell {
