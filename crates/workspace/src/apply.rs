@@ -98,6 +98,9 @@ pub fn apply(
             source,
         }
     })?;
+    if !options.dry_run {
+        recover_in(&host, lower)?;
+    }
     if !options.force {
         check_conflicts(&host, &selected, options.started)?;
     }
@@ -115,59 +118,282 @@ pub fn apply(
         report.applied = selected.iter().map(|c| c.path.clone()).collect();
         return Ok(report);
     }
-    remove_stale_staging(&host);
-    let staging_name = format!("{STAGING_PREFIX}{}-{}", std::process::id(), now_nanos());
+    let staging_name = staging_name();
     host.create_dir(&staging_name)
         .map_err(|source| WorkspaceError::Write {
             path: lower.join(&staging_name),
             source,
         })?;
-    let staging = host
-        .open_dir(&staging_name)
-        .map_err(|source| WorkspaceError::Write {
-            path: lower.join(&staging_name),
-            source,
-        })?;
+    let opened = host.open_dir(&staging_name).and_then(|staging| {
+        let log = staging.create(LOG)?.into_std();
+        Ok((staging, log))
+    });
+    let (staging, log) = match opened {
+        Ok(opened) => opened,
+        Err(source) => {
+            let _ = host.remove_dir_all(&staging_name);
+            return Err(WorkspaceError::Write {
+                path: lower.join(&staging_name),
+                source,
+            });
+        }
+    };
     let mut tx = Transaction {
         host: &host,
         staging: &staging,
         staging_name: &staging_name,
+        log,
         undo: Vec::new(),
         next: 0,
         linked: HashMap::new(),
         written: 0,
         bound: options.max_write_bytes,
     };
-    let result = selected.iter().try_for_each(|change| {
-        tx.apply_one(&roots, change, options.owner)
-            .map_err(|e| (change.path.clone(), e))
-    });
+    let result = selected
+        .iter()
+        .try_for_each(|change| {
+            tx.apply_one(&roots, change, options.owner)
+                .map_err(|e| (change.path.clone(), e))
+        })
+        // The commit: without its log, staging holds nothing to undo.
+        .and_then(|()| {
+            staging
+                .remove_file(LOG)
+                .map_err(|e| (staging_name.clone(), e))
+        });
     if let Err((path, source)) = result {
-        tx.roll_back();
-        let _ = host.remove_dir_all(&staging_name);
-        return Err(WorkspaceError::RolledBack { path, source });
+        return Err(
+            match settle(&host, &staging, &staging_name, tx.undo.iter().rev()) {
+                Ok(_) => WorkspaceError::RolledBack { path, source },
+                Err((staging, undo)) => WorkspaceError::NotRolledBack {
+                    path,
+                    source,
+                    undo,
+                    staging: lower.join(staging),
+                },
+            },
+        );
     }
     let _ = host.remove_dir_all(&staging_name);
+    let restored = Restored::load(&host);
+    if !restored.entries.is_empty() {
+        restored.save(&host);
+    }
     report.applied = selected.iter().map(|c| c.path.clone()).collect();
     Ok(report)
 }
 
 const STAGING_PREFIX: &str = ".warden-apply-";
 
-/// Removes staging directories left by an apply that was killed (its process is gone). What
-/// that apply had renamed into place stays: each file is either its old or its new version.
-fn remove_stale_staging(host: &Dir) {
-    let Ok(entries) = host.entries() else { return };
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(STAGING_PREFIX)) else {
+/// The log of an apply's steps in its staging folder: each step's undo is written to it before
+/// the step is taken; its removal is the apply's commit.
+const LOG: &str = "log";
+
+/// A fresh staging folder's name: the process's id and start time (which tell whether the
+/// process still runs, the id alone being reused), and the time.
+fn staging_name() -> String {
+    static STARTED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let pid = std::process::id();
+    let started = STARTED.get_or_init(|| started_at(pid).unwrap_or(0));
+    format!("{STAGING_PREFIX}{pid}-{started}-{}", now_nanos())
+}
+
+/// When the process `pid` started (`/proc/PID/stat`, clock ticks since boot), while it runs.
+fn started_at(pid: u32) -> Option<u64> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .nth(19)?
+        .parse()
+        .ok()
+}
+
+/// Whether the staging folder `name` belongs to a process that is gone (`None`: not one).
+fn is_dead(name: &str) -> Option<bool> {
+    let rest = name.strip_prefix(STAGING_PREFIX)?;
+    let mut parts = rest.split('-');
+    let pid = parts.next()?.parse::<u32>().ok()?;
+    match (parts.next(), parts.next(), parts.next()) {
+        (Some(started), Some(_), None) => {
+            let started = started.parse::<u64>().ok()?;
+            Some(started_at(pid) != Some(started))
+        }
+        // Named by an earlier build: the process id alone.
+        (Some(_), None, None) => Some(!Path::new(&format!("/proc/{pid}")).exists()),
+        _ => None,
+    }
+}
+
+/// Undoes what applies to `lower` that were killed before their commit did (their staging
+/// folder still holds their log), in reverse, and removes what every dead apply left there.
+/// Only a step that was taken and is not undone yet is undone, so a recovery killed in turn is
+/// finished by the next. Called by each apply and diff of the directory before it reads it.
+pub fn recover(lower: &Path) -> Result<(), WorkspaceError> {
+    match Dir::open_ambient_dir(lower, ambient_authority()) {
+        Ok(host) => recover_in(&host, lower),
+        // The diff or apply that follows says why it cannot open it.
+        Err(_) => Ok(()),
+    }
+}
+
+fn recover_in(host: &Dir, lower: &Path) -> Result<(), WorkspaceError> {
+    let Ok(entries) = host.entries() else {
+        return Ok(());
+    };
+    let dead: Vec<std::ffi::OsString> = entries
+        .flatten()
+        .map(|entry| entry.file_name())
+        .filter(|name| name.to_str().and_then(is_dead) == Some(true))
+        .collect();
+    for name in dead {
+        // Claimed first, by a rename to a name of this process: of two that find it, one
+        // undoes it. A directory this process may not change is left as it is.
+        let claimed = staging_name();
+        if host.rename(&name, host, &claimed).is_err() {
+            continue;
+        }
+        let Ok(staging) = host.open_dir(&claimed) else {
             continue;
         };
-        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
-            continue;
+        let steps = match staging.read(LOG) {
+            Ok(bytes) => Undo::decode_all(&bytes),
+            Err(_) => Vec::new(),
         };
-        if !Path::new(&format!("/proc/{pid}")).exists() {
-            let _ = host.remove_dir_all(&name);
+        let put_back =
+            settle(host, &staging, &claimed, steps.iter().rev()).map_err(|(staging, source)| {
+                WorkspaceError::Unrecovered {
+                    staging: lower.join(staging),
+                    source,
+                }
+            })?;
+        Restored::record(host, put_back);
+    }
+    Ok(())
+}
+
+/// The host entries a recovery put back (`.warden-apply-restored.json`), each with its inode
+/// and change time then: putting an entry back changes its ctime, which the conflict check
+/// took for an edit on the host, so that each apply after a recovered one was refused without
+/// `--force`. An entry still as the recovery left it is no conflict; one changed since is.
+/// Records of entries changed since are dropped as the file is saved, and the file with the
+/// last of them.
+#[derive(Default, serde::Deserialize, Serialize)]
+struct Restored {
+    entries: Vec<RestoredEntry>,
+}
+
+#[derive(serde::Deserialize, Serialize, PartialEq)]
+struct RestoredEntry {
+    /// The path's bytes (any name, one not UTF-8 too).
+    path: Vec<u8>,
+    dev: u64,
+    ino: u64,
+    ctime: (i64, i64),
+}
+
+const RESTORED: &str = ".warden-apply-restored.json";
+
+impl RestoredEntry {
+    fn of(path: &Path, meta: &cap_std::fs::Metadata) -> Self {
+        use std::os::unix::ffi::OsStrExt as _;
+        Self {
+            path: path.as_os_str().as_bytes().to_vec(),
+            dev: meta.dev(),
+            ino: meta.ino(),
+            ctime: (meta.ctime(), meta.ctime_nsec()),
+        }
+    }
+
+    fn path(&self) -> &Path {
+        use std::os::unix::ffi::OsStrExt as _;
+        Path::new(std::ffi::OsStr::from_bytes(&self.path))
+    }
+}
+
+impl Restored {
+    fn load(host: &Dir) -> Self {
+        host.read(RESTORED)
+            .ok()
+            .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+            .unwrap_or_default()
+    }
+
+    fn holds(&self, path: &Path, meta: &cap_std::fs::Metadata) -> bool {
+        let entry = RestoredEntry::of(path, meta);
+        self.entries.contains(&entry)
+    }
+
+    /// Adds the entries at `put_back`, as they are now.
+    fn record(host: &Dir, put_back: Vec<&Path>) {
+        if put_back.is_empty() {
+            return;
+        }
+        let mut restored = Self::load(host);
+        let again: std::collections::HashSet<&Path> = put_back.iter().copied().collect();
+        restored.entries.retain(|e| !again.contains(e.path()));
+        for path in again {
+            if let Ok(meta) = host.symlink_metadata(path) {
+                restored.entries.push(RestoredEntry::of(path, &meta));
+            }
+        }
+        restored.save(host);
+    }
+
+    /// Writes what still holds (aside, then renamed over), or removes the file.
+    fn save(mut self, host: &Dir) {
+        self.entries.retain(|e| {
+            host.symlink_metadata(e.path())
+                .is_ok_and(|meta| RestoredEntry::of(e.path(), &meta) == *e)
+        });
+        if self.entries.is_empty() {
+            let _ = host.remove_file(RESTORED);
+            return;
+        }
+        let Ok(bytes) = serde_json::to_vec(&self) else {
+            return;
+        };
+        let aside = format!("{RESTORED}.{}", std::process::id());
+        if host.write(&aside, bytes).is_ok() && host.rename(&aside, host, RESTORED).is_err() {
+            let _ = host.remove_file(&aside);
+        }
+    }
+}
+
+/// Undoes `steps` (the last taken first) and removes the staging folder `name`; where a step
+/// cannot be undone, keeps the folder with its log under a name no process owns, for a later
+/// recovery, and says which with the error.
+fn settle<'u>(
+    host: &Dir,
+    staging: &Dir,
+    name: &str,
+    steps: impl Iterator<Item = &'u Undo>,
+) -> Result<Vec<&'u Path>, (String, io::Error)> {
+    let mut failed = None;
+    let mut put_back = Vec::new();
+    for step in steps {
+        match step.undo(host, staging, name) {
+            Ok(Some(path)) => put_back.push(path),
+            Ok(None) => {}
+            Err(e) => {
+                failed.get_or_insert(e);
+            }
+        }
+    }
+    match failed {
+        None => {
+            let _ = staging.remove_file(LOG);
+            let _ = host.remove_dir_all(name);
+            Ok(put_back)
+        }
+        Some(e) => {
+            let kept = format!("{STAGING_PREFIX}0-0-{}", now_nanos());
+            let kept = if host.rename(name, host, &kept).is_ok() {
+                kept
+            } else {
+                name.to_owned()
+            };
+            Err((kept, e))
         }
     }
 }
@@ -258,11 +484,15 @@ fn check_conflicts(
         return Ok(());
     };
     let since = started.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let restored = Restored::load(host);
     let mut conflicts = Vec::new();
     for change in selected {
         let Ok(meta) = host.symlink_metadata(&change.path) else {
             continue;
         };
+        if restored.holds(Path::new(&change.path), &meta) {
+            continue;
+        }
         // ctime cannot be set from user space: any change to the host entry after the cell
         // started moves it past the start time.
         let changed = (meta.ctime() as u64, meta.ctime_nsec() as u32);
@@ -280,22 +510,186 @@ fn check_conflicts(
     }
 }
 
-/// Steps done so far, undone in reverse on failure.
+/// How to undo one step of an apply, recorded (in memory and in the log) before the step is
+/// taken; each undoes only what its step did, so that it is harmless where the step was not
+/// taken, or was undone already.
+#[derive(Debug, PartialEq)]
 enum Undo {
-    /// `path` did not exist before: remove it.
-    Remove { path: PathBuf, dir: bool },
-    /// `path` was moved or linked to the staging entry `backup`: put it back.
+    /// `path` did not exist; the entry `made` (device, inode) was put there: remove it while
+    /// it is that one.
+    Remove { path: PathBuf, made: (u64, u64) },
+    /// `path` was moved or linked to the staging entry `backup`: put it back, where it is.
     Restore { path: PathBuf, backup: String },
     /// `path` had these permissions.
     Permissions { path: PathBuf, mode: u32 },
-    /// `path` and the staging entry `slot` were exchanged: exchange them back.
-    Exchange { path: PathBuf, slot: String },
+    /// `path` and the staging entry `slot`, the new entry `staged` (device, inode), were
+    /// exchanged: exchange them back while `path` is the new entry.
+    Exchange {
+        path: PathBuf,
+        slot: String,
+        staged: (u64, u64),
+    },
+}
+
+impl Undo {
+    /// Undoes the step where it was taken; the host entry it put back, if it did.
+    fn undo(&self, host: &Dir, staging: &Dir, staging_name: &str) -> io::Result<Option<&Path>> {
+        let is = |path: &Path, id: (u64, u64)| {
+            host.symlink_metadata(path)
+                .ok()
+                .filter(|meta| (meta.dev(), meta.ino()) == id)
+        };
+        match self {
+            Undo::Remove { path, made } => match is(path, *made) {
+                Some(meta) if meta.is_dir() => host.remove_dir_all(path).map(|()| None),
+                Some(_) => host.remove_file(path).map(|()| None),
+                None => Ok(None),
+            },
+            Undo::Restore { path, backup } => match staging.symlink_metadata(backup) {
+                // A link beside the entry still there: the rename does nothing.
+                Ok(_) => host
+                    .rename(Path::new(staging_name).join(backup), host, path)
+                    .map(|()| Some(path.as_path())),
+                Err(_) => Ok(None),
+            },
+            Undo::Permissions { path, mode } => {
+                match host.set_permissions(path, Permissions::from_mode(*mode)) {
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+                    done => done.map(|()| Some(path.as_path())),
+                }
+            }
+            Undo::Exchange { path, slot, staged } => match is(path, *staged) {
+                Some(_) => exchange(host, staging, slot, path).map(|()| Some(path.as_path())),
+                None => Ok(None),
+            },
+        }
+    }
+
+    /// The step as a record of the log: a tag, then each field as its length and its bytes,
+    /// so that any name (one with a newline too) reads back as it was.
+    fn encode(&self) -> Vec<u8> {
+        use std::os::unix::ffi::OsStrExt as _;
+        fn field(out: &mut Vec<u8>, bytes: &[u8]) {
+            out.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+            out.extend_from_slice(bytes);
+        }
+        let mut out = Vec::with_capacity(64);
+        match self {
+            Undo::Remove { path, made } => {
+                out.push(b'R');
+                field(&mut out, path.as_os_str().as_bytes());
+                field(&mut out, &made.0.to_le_bytes());
+                field(&mut out, &made.1.to_le_bytes());
+            }
+            Undo::Restore { path, backup } => {
+                out.push(b'B');
+                field(&mut out, path.as_os_str().as_bytes());
+                field(&mut out, backup.as_bytes());
+            }
+            Undo::Permissions { path, mode } => {
+                out.push(b'P');
+                field(&mut out, path.as_os_str().as_bytes());
+                field(&mut out, &mode.to_le_bytes());
+            }
+            Undo::Exchange { path, slot, staged } => {
+                out.push(b'X');
+                field(&mut out, path.as_os_str().as_bytes());
+                field(&mut out, slot.as_bytes());
+                field(&mut out, &staged.0.to_le_bytes());
+                field(&mut out, &staged.1.to_le_bytes());
+            }
+        }
+        out
+    }
+
+    /// The steps a log holds, in order; a record cut short (its step was not taken) or not
+    /// understood ends it.
+    fn decode_all(mut log: &[u8]) -> Vec<Undo> {
+        use std::os::unix::ffi::OsStrExt as _;
+        fn field<'b>(log: &mut &'b [u8]) -> Option<&'b [u8]> {
+            let len = u32::from_le_bytes(log.get(..4)?.try_into().ok()?) as usize;
+            let value = log.get(4..4usize.checked_add(len)?)?;
+            *log = &log[4 + len..];
+            Some(value)
+        }
+        fn path(log: &mut &[u8]) -> Option<PathBuf> {
+            Some(PathBuf::from(std::ffi::OsStr::from_bytes(field(log)?)))
+        }
+        fn text(log: &mut &[u8]) -> Option<String> {
+            String::from_utf8(field(log)?.to_vec()).ok()
+        }
+        fn id(log: &mut &[u8]) -> Option<(u64, u64)> {
+            let dev = u64::from_le_bytes(field(log)?.try_into().ok()?);
+            let ino = u64::from_le_bytes(field(log)?.try_into().ok()?);
+            Some((dev, ino))
+        }
+        fn step(tag: u8, log: &mut &[u8]) -> Option<Undo> {
+            Some(match tag {
+                b'R' => Undo::Remove {
+                    path: path(log)?,
+                    made: id(log)?,
+                },
+                b'B' => Undo::Restore {
+                    path: path(log)?,
+                    backup: text(log)?,
+                },
+                b'P' => Undo::Permissions {
+                    path: path(log)?,
+                    mode: u32::from_le_bytes(field(log)?.try_into().ok()?),
+                },
+                b'X' => Undo::Exchange {
+                    path: path(log)?,
+                    slot: text(log)?,
+                    staged: id(log)?,
+                },
+                _ => return None,
+            })
+        }
+        let mut steps = Vec::new();
+        while let Some((&tag, rest)) = log.split_first() {
+            log = rest;
+            match step(tag, &mut log) {
+                Some(step) => steps.push(step),
+                None => break,
+            }
+        }
+        steps
+    }
+}
+
+/// Atomically exchanges the staging entry `slot` with the host entry at `path`, naming each by
+/// its own directory so that no path is resolved through a symlink.
+fn exchange(host: &Dir, staging: &Dir, slot: &str, path: &Path) -> io::Result<()> {
+    let (parent, name) = parent_of(host, path)?;
+    rustix::fs::renameat_with(
+        staging,
+        slot,
+        &parent,
+        name,
+        rustix::fs::RenameFlags::EXCHANGE,
+    )
+    .map_err(io::Error::from)
+}
+
+/// The directory that holds `path` in `host`, opened, and its name there.
+fn parent_of<'p>(host: &Dir, path: &'p Path) -> io::Result<(Dir, &'p std::ffi::OsStr)> {
+    let parent = match path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(parent) => host.open_dir(parent)?,
+        None => host.try_clone()?,
+    };
+    let name = path
+        .file_name()
+        .ok_or_else(|| io::Error::other("a change without a file name"))?;
+    Ok((parent, name))
 }
 
 struct Transaction<'a> {
     host: &'a Dir,
     staging: &'a Dir,
     staging_name: &'a str,
+    /// The log in staging: each step's undo is written to it before the step is taken, for a
+    /// recovery to undo when this process is killed before its commit.
+    log: fs::File,
     undo: Vec<Undo>,
     next: usize,
     /// The layer's files (device, inode) staged so far that have other names, each with the
@@ -316,41 +710,67 @@ impl Transaction<'_> {
         Path::new(self.staging_name).join(slot)
     }
 
+    /// Records `step` before its step is taken: one write, which the page cache keeps when the
+    /// process is killed.
+    fn record(&mut self, step: Undo) -> io::Result<()> {
+        io::Write::write_all(&mut self.log, &step.encode())?;
+        self.undo.push(step);
+        Ok(())
+    }
+
+    /// The (device, inode) of the staging entry `slot`.
+    fn id_of(&self, slot: &str) -> io::Result<(u64, u64)> {
+        let meta = self.staging.symlink_metadata(slot)?;
+        Ok((meta.dev(), meta.ino()))
+    }
+
     /// Keeps the current host entry at `path` reachable from staging, without removing it.
     fn back_up(&mut self, path: &Path) -> io::Result<()> {
         let Ok(meta) = self.host.symlink_metadata(path) else {
             return Ok(());
         };
         let backup = self.slot();
+        self.record(Undo::Restore {
+            path: path.to_path_buf(),
+            backup: backup.clone(),
+        })?;
         if meta.is_dir() {
             // A directory leaves in one rename: present, then absent.
             self.host.rename(path, self.host, self.staged(&backup))?;
         } else if self.host.hard_link(path, self.staging, &backup).is_err() {
             self.host.rename(path, self.host, self.staged(&backup))?;
         }
-        self.undo.push(Undo::Restore {
-            path: path.to_path_buf(),
-            backup,
-        });
         Ok(())
     }
 
-    /// Atomically exchanges the staging entry `slot` with the host entry at `path`, naming each
-    /// by its own directory so that no path is resolved through a symlink.
-    fn exchange(&self, slot: &str, path: &Path) -> io::Result<()> {
-        let parent = match path.parent().filter(|p| !p.as_os_str().is_empty()) {
-            Some(parent) => self.host.open_dir(parent)?,
-            None => self.host.try_clone()?,
-        };
-        let name = path
-            .file_name()
-            .ok_or_else(|| io::Error::other("a change without a file name"))?;
+    /// Makes the directory `path`, which is not there: in staging first (with `mode` and
+    /// `owner` where given), recorded by its inode, then renamed into place, replacing
+    /// nothing, so that its undo removes this directory and no other.
+    fn make_dir(
+        &mut self,
+        path: &Path,
+        mode: Option<u32>,
+        owner: Option<(u32, u32)>,
+    ) -> io::Result<()> {
+        let slot = self.slot();
+        self.staging.create_dir(&slot)?;
+        if let Some(mode) = mode {
+            self.staging
+                .set_permissions(&slot, Permissions::from_mode(mode))?;
+            chown(self.staging, Path::new(&slot), owner)?;
+        }
+        let made = self.id_of(&slot)?;
+        self.record(Undo::Remove {
+            path: path.to_path_buf(),
+            made,
+        })?;
+        let (parent, name) = parent_of(self.host, path)?;
         rustix::fs::renameat_with(
             self.staging,
-            slot,
+            slot.as_str(),
             &parent,
             name,
-            rustix::fs::RenameFlags::EXCHANGE,
+            rustix::fs::RenameFlags::NOREPLACE,
         )
         .map_err(io::Error::from)
     }
@@ -370,13 +790,7 @@ impl Transaction<'_> {
                         partial.display()
                     )));
                 }
-                Err(_) => {
-                    self.host.create_dir(&partial)?;
-                    self.undo.push(Undo::Remove {
-                        path: partial.clone(),
-                        dir: true,
-                    });
-                }
+                Err(_) => self.make_dir(&partial, None, None)?,
             }
         }
         Ok(())
@@ -403,10 +817,10 @@ impl Transaction<'_> {
                 self.ensure_parent(&path)?;
                 match self.host.symlink_metadata(&path) {
                     Ok(meta) if meta.is_dir() => {
-                        self.undo.push(Undo::Permissions {
+                        self.record(Undo::Permissions {
                             path: path.clone(),
                             mode: meta.mode() & 0o7777,
-                        });
+                        })?;
                         self.host
                             .set_permissions(&path, Permissions::from_mode(mode))
                     }
@@ -417,14 +831,7 @@ impl Transaction<'_> {
                                 self.host.remove_file(&path)?;
                             }
                         }
-                        self.host.create_dir(&path)?;
-                        self.undo.push(Undo::Remove {
-                            path: path.clone(),
-                            dir: true,
-                        });
-                        self.host
-                            .set_permissions(&path, Permissions::from_mode(mode))?;
-                        chown(self.host, &path, owner)
+                        self.make_dir(&path, Some(mode), owner)
                     }
                 }
             }
@@ -463,24 +870,26 @@ impl Transaction<'_> {
                     }
                 }
                 self.ensure_parent(&path)?;
+                let staged = self.id_of(&slot)?;
                 match self.host.symlink_metadata(&path) {
                     Ok(meta) if !meta.is_dir() => {
                         // Swap the staged file and the host's in one atomic step: a reader sees
                         // the old or the new file, and the old inode moves to staging untouched
                         // (so an interrupted apply leaves no false conflict behind).
-                        self.exchange(&slot, &path)?;
-                        self.undo.push(Undo::Exchange {
+                        self.record(Undo::Exchange {
                             path: path.clone(),
-                            slot,
-                        });
-                        return Ok(());
+                            slot: slot.clone(),
+                            staged,
+                        })?;
+                        return exchange(self.host, self.staging, &slot, &path);
                     }
                     Ok(_) => self.back_up(&path)?, // a directory replaced by a file leaves first
-                    Err(_) => self.undo.push(Undo::Remove {
-                        path: path.clone(),
-                        dir: false,
-                    }),
+                    Err(_) => {}
                 }
+                self.record(Undo::Remove {
+                    path: path.clone(),
+                    made: staged,
+                })?;
                 self.host.rename(self.staged(&slot), self.host, &path)
             }
             (_, EntryKind::Special) => Err(io::Error::other("special files are never applied")),
@@ -520,22 +929,6 @@ impl Transaction<'_> {
         output.sync_all()?;
         self.staging
             .set_permissions(slot, Permissions::from_mode(mode))
-    }
-
-    fn roll_back(&mut self) {
-        while let Some(step) = self.undo.pop() {
-            let _ = match step {
-                Undo::Remove { path, dir: true } => self.host.remove_dir_all(&path),
-                Undo::Remove { path, dir: false } => self.host.remove_file(&path),
-                Undo::Restore { path, backup } => {
-                    self.host.rename(self.staged(&backup), self.host, &path)
-                }
-                Undo::Permissions { path, mode } => self
-                    .host
-                    .set_permissions(&path, Permissions::from_mode(mode)),
-                Undo::Exchange { path, slot } => self.exchange(&slot, &path),
-            };
-        }
     }
 }
 
@@ -757,5 +1150,122 @@ mod tests {
         // The last component too.
         std::os::unix::fs::symlink(outside.join("secret"), upper.join("link")).unwrap();
         assert!(read("link").is_err());
+    }
+
+    /// A log reads back as written, names of any bytes too; a record cut short (the process
+    /// was killed while writing it, before its step) ends it.
+    #[test]
+    fn the_log_reads_back_and_a_record_cut_short_ends_it() {
+        use std::os::unix::ffi::OsStrExt as _;
+        let odd = PathBuf::from(std::ffi::OsStr::from_bytes(b"a\nb/\xff\x00c"));
+        let steps = vec![
+            Undo::Remove {
+                path: odd.clone(),
+                made: (7, u64::MAX),
+            },
+            Undo::Restore {
+                path: "x/y".into(),
+                backup: "12".into(),
+            },
+            Undo::Permissions {
+                path: odd,
+                mode: 0o4755,
+            },
+            Undo::Exchange {
+                path: "z".into(),
+                slot: "3".into(),
+                staged: (1, 2),
+            },
+        ];
+        let log: Vec<u8> = steps.iter().flat_map(Undo::encode).collect();
+        assert_eq!(Undo::decode_all(&log), steps);
+        for cut in 0..log.len() {
+            let read = Undo::decode_all(&log[..cut]);
+            assert!(read.len() < steps.len());
+            assert_eq!(read[..], steps[..read.len()]);
+        }
+    }
+
+    /// The log of a dead apply whose steps were taken, not taken, or taken and undone already:
+    /// the recovery undoes exactly the ones taken, touches nothing the apply did not put
+    /// there, and removes the staging folder.
+    #[test]
+    fn a_dead_applys_log_undoes_what_was_done_and_nothing_else() {
+        let tmp = tempfile::tempdir().unwrap();
+        let host = tmp.path();
+        let staging_name = format!("{STAGING_PREFIX}0-0-1");
+        let staging = host.join(&staging_name);
+        fs::create_dir(&staging).unwrap();
+        let id = |path: &Path| {
+            let meta = fs::symlink_metadata(path).unwrap();
+            (meta.dev(), meta.ino())
+        };
+        // Deleted: the host file was linked to staging, then removed.
+        fs::write(staging.join("1"), "deleted").unwrap();
+        // Exchanged: the host has the new file, staging the old.
+        fs::write(host.join("swapped"), "new").unwrap();
+        fs::write(staging.join("2"), "old").unwrap();
+        // An exchange not taken: the host still has the old file, staging the new.
+        fs::write(host.join("unswapped"), "old").unwrap();
+        fs::write(staging.join("3"), "new").unwrap();
+        // A new file put in place, and one whose rename was not taken, where something else
+        // came meanwhile.
+        fs::write(host.join("added"), "new").unwrap();
+        fs::write(host.join("other"), "not the apply's").unwrap();
+        fs::write(staging.join("4"), "new").unwrap();
+        // A directory made, with a new file in it.
+        fs::create_dir(host.join("made")).unwrap();
+        fs::write(host.join("made/inside"), "new").unwrap();
+        let steps = [
+            Undo::Restore {
+                path: "deleted".into(),
+                backup: "1".into(),
+            },
+            Undo::Exchange {
+                path: "swapped".into(),
+                slot: "2".into(),
+                staged: id(&host.join("swapped")),
+            },
+            Undo::Exchange {
+                path: "unswapped".into(),
+                slot: "3".into(),
+                staged: id(&staging.join("3")),
+            },
+            Undo::Remove {
+                path: "added".into(),
+                made: id(&host.join("added")),
+            },
+            Undo::Remove {
+                path: "other".into(),
+                made: id(&staging.join("4")),
+            },
+            Undo::Remove {
+                path: "made".into(),
+                made: id(&host.join("made")),
+            },
+            Undo::Remove {
+                path: "made/inside".into(),
+                made: id(&host.join("made/inside")),
+            },
+            // Never taken: its backup was not made.
+            Undo::Restore {
+                path: "other".into(),
+                backup: "9".into(),
+            },
+        ];
+        let log: Vec<u8> = steps.iter().flat_map(Undo::encode).collect();
+        fs::write(staging.join(LOG), log).unwrap();
+        recover(host).unwrap();
+        let read = |name: &str| fs::read_to_string(host.join(name)).ok();
+        assert_eq!(read("deleted").as_deref(), Some("deleted"));
+        assert_eq!(read("swapped").as_deref(), Some("old"));
+        assert_eq!(read("unswapped").as_deref(), Some("old"));
+        assert_eq!(read("other").as_deref(), Some("not the apply's"));
+        assert_eq!(read("added"), None);
+        assert!(!host.join("made").exists());
+        assert!(!staging.exists());
+        // Again, on what is now the state before: nothing to do.
+        recover(host).unwrap();
+        assert_eq!(read("swapped").as_deref(), Some("old"));
     }
 }

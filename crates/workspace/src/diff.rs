@@ -92,6 +92,9 @@ pub fn diff(
     layers: &[PathBuf],
     options: &DiffOptions,
 ) -> Result<Diff, WorkspaceError> {
+    // An apply killed before its commit is undone first: what it left half done is neither
+    // shown as the host's nor applied over.
+    crate::apply::recover(lower)?;
     let lower_dir = Dir::open_ambient_dir(lower, ambient_authority()).map_err(|source| {
         WorkspaceError::Read {
             path: lower.to_path_buf(),

@@ -12,7 +12,7 @@ mod diff;
 mod layer;
 mod sensitive;
 
-pub use apply::{ApplyOptions, ApplyReport, DEFAULT_MAX_WRITE_BYTES, apply, data_extents};
+pub use apply::{ApplyOptions, ApplyReport, DEFAULT_MAX_WRITE_BYTES, apply, data_extents, recover};
 pub use change::{Change, ChangeKind, Diff, EntryKind};
 pub use diff::{DEFAULT_MAX_READ_BYTES, DiffOptions, MAX_DEPTH, diff};
 pub use layer::{Layer, LayerMeta, write_over};
@@ -61,6 +61,29 @@ pub enum WorkspaceError {
     #[error("apply failed at `{path}` and was rolled back: {source}")]
     RolledBack {
         path: String,
+        source: std::io::Error,
+    },
+    /// An apply failed and undoing its steps failed too: they are kept, with their log, for the
+    /// next apply or diff to undo.
+    #[error(
+        "apply failed at `{path}`: {source}; undoing what it did failed too ({undo}): its log \
+             and backups are kept in {staging}, and the next `warden diff` or apply of this \
+             directory undoes it"
+    )]
+    NotRolledBack {
+        path: String,
+        source: std::io::Error,
+        undo: std::io::Error,
+        staging: PathBuf,
+    },
+    /// An apply that was killed before it finished could not be undone.
+    #[error(
+        "an apply to this directory was killed before it finished, and undoing what it did \
+             failed: {source}; nothing else was changed: its log and backups are kept in \
+             {staging}; fix the cause, then run `warden diff` again to undo it"
+    )]
+    Unrecovered {
+        staging: PathBuf,
         source: std::io::Error,
     },
 }
