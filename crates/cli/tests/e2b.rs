@@ -320,6 +320,207 @@ fn strangers_and_unsupported_calls_get_clear_refusals() {
     assert!(raw(&e2b, &delete).0.contains(" 404 "));
 }
 
+/// Runs a command through envd's `process.Process/Start` to its end: the stream's status and
+/// its envelopes (as text).
+fn run(e2b: &E2b, envd: &str, argv: &[&str]) -> (String, String) {
+    let start =
+        serde_json::json!({ "process": { "cmd": argv[0], "args": &argv[1..] } }).to_string();
+    let mut envelope = vec![0u8];
+    envelope.extend_from_slice(&(start.len() as u32).to_be_bytes());
+    envelope.extend_from_slice(start.as_bytes());
+    let request = format!(
+        "POST /process.Process/Start HTTP/1.1\r\nHost: x\r\n{envd}Content-Type: application/connect+json\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{}",
+        envelope.len(),
+        String::from_utf8(envelope).unwrap()
+    );
+    raw(e2b, &request)
+}
+
+#[test]
+fn a_listing_answers_at_most_its_limit_of_entries() {
+    let e2b = start();
+    let key = format!("X-API-KEY: {}\r\n", e2b.key);
+    let (status, body) = raw(&e2b, &post("/v2/sandboxes", &key, r#"{"timeout":120}"#));
+    assert!(status.contains(" 201 "), "{status} {body}");
+    let sandbox: Value = serde_json::from_str(&body).unwrap();
+    let id = sandbox["sandboxID"].as_str().unwrap();
+    let token = sandbox["envdAccessToken"].as_str().unwrap();
+    let envd = format!("E2b-Sandbox-Id: {id}\r\nX-Access-Token: {token}\r\n");
+    // The cell makes 120,000 entries in three directories: each answers whole, all three to
+    // depth 2 are more than one listing answers (the daemon held them all at once).
+    let make =
+        "for d in 0 1 2; do mkdir t$d && (cd t$d && seq 40000 | xargs touch) || exit 1; done";
+    let (status, body) = run(&e2b, &envd, &["sh", "-c", make]);
+    assert!(
+        status.contains(" 200 ") && body.contains("exit status 0"),
+        "{status} {body}"
+    );
+    let list = |path: &str, depth: u32| {
+        let body = format!(r#"{{"path":"{path}","depth":{depth}}}"#);
+        raw(&e2b, &post("/filesystem.Filesystem/ListDir", &envd, &body))
+    };
+    let (status, body) = list("/home/user/t0", 1);
+    assert!(status.contains(" 200 "), "{status}");
+    assert_eq!(body.matches("\"name\"").count(), 40_000);
+    let (status, body) = list("/home/user", 2);
+    assert!(
+        status.contains(" 429 ")
+            && body.contains("resource_exhausted")
+            && body.contains("more than 100000 entries to depth 2")
+            && body.contains("a smaller depth"),
+        "{status} {}",
+        &body[..body.len().min(300)]
+    );
+    // The sandbox goes on answering.
+    let (status, body) = list("/home/user", 1);
+    assert!(
+        status.contains(" 200 ") && body.contains("t2"),
+        "{status} {body}"
+    );
+}
+
+#[test]
+fn an_upload_refused_for_one_of_its_files_writes_none() {
+    let e2b = start();
+    let key = format!("X-API-KEY: {}\r\n", e2b.key);
+    let (status, body) = raw(&e2b, &post("/v2/sandboxes", &key, r#"{"timeout":120}"#));
+    assert!(status.contains(" 201 "), "{status} {body}");
+    let sandbox: Value = serde_json::from_str(&body).unwrap();
+    let id = sandbox["sandboxID"].as_str().unwrap();
+    let token = sandbox["envdAccessToken"].as_str().unwrap();
+    let envd = format!("E2b-Sandbox-Id: {id}\r\nX-Access-Token: {token}\r\n");
+    // Several files in one upload (the SDK's `write_files`), the last one out of bounds.
+    for (bad, refusal) in [("/etc/passwd", " 403 "), ("sub/../../x", " 400 ")] {
+        let mut body = String::new();
+        for (name, content) in [
+            ("first.txt", "one"),
+            ("dir/second.txt", "two"),
+            (bad, "three"),
+        ] {
+            body.push_str(&format!(
+                "--BOUNDARY\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{name}\"\r\nContent-Type: application/octet-stream\r\n\r\n{content}\r\n"
+            ));
+        }
+        body.push_str("--BOUNDARY--\r\n");
+        let request = format!(
+            "POST /files HTTP/1.1\r\nHost: x\r\n{envd}Content-Type: multipart/form-data; boundary=BOUNDARY\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        let (status, answer) = raw(&e2b, &request);
+        assert!(status.contains(refusal), "{bad}: {status} {answer}");
+        let (_, listing) = raw(
+            &e2b,
+            &post(
+                "/filesystem.Filesystem/ListDir",
+                &envd,
+                r#"{"path":"/home/user","depth":2}"#,
+            ),
+        );
+        assert!(
+            !listing.contains("first.txt") && !listing.contains(r#""name":"dir""#),
+            "{bad}: a refused upload wrote {listing}"
+        );
+        assert!(
+            answer.contains("nothing of the upload was written"),
+            "{answer}"
+        );
+    }
+}
+
+#[test]
+fn a_sandbox_whose_cell_was_deleted_reaches_no_cell_that_takes_its_name() {
+    let e2b = start();
+    let key = format!("X-API-KEY: {}\r\n", e2b.key);
+    let make = |timeout: u64| {
+        let body = format!(r#"{{"timeout":{timeout}}}"#);
+        let (status, body) = raw(&e2b, &post("/v2/sandboxes", &key, &body));
+        assert!(status.contains(" 201 "), "{status} {body}");
+        let sandbox: Value = serde_json::from_str(&body).unwrap();
+        (
+            sandbox["sandboxID"].as_str().unwrap().to_owned(),
+            sandbox["envdAccessToken"].as_str().unwrap().to_owned(),
+        )
+    };
+    // One sandbox for its token, one for its timeout. Each cell is deleted through the
+    // daemon's own API, and a cell of someone else's made under its name.
+    let (id, token) = make(120);
+    let (short, _) = make(2);
+    let made = std::time::Instant::now();
+    for name in [&id, &short] {
+        let deleted = e2b
+            .daemon
+            .call("DELETE", &format!("/v1/cells/{name}"), None);
+        assert_eq!(
+            deleted.status,
+            204,
+            "{}",
+            String::from_utf8_lossy(&deleted.body)
+        );
+        e2b.daemon.create(name, serde_json::json!({}));
+    }
+    // The short sandbox's timeout ends nothing: the cell of its name is not its own (the
+    // reaper looks every 500 ms).
+    let state = |name: &str| {
+        e2b.daemon
+            .call("GET", &format!("/v1/cells/{name}"), None)
+            .json()["state"]
+            .clone()
+    };
+    while made.elapsed() < std::time::Duration::from_secs(4) {
+        assert_eq!(
+            state(&short),
+            "running",
+            "the sandbox's timeout ended another's cell"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    // The old token reaches neither the new cell's files nor its commands.
+    let envd = format!("E2b-Sandbox-Id: {id}\r\nX-Access-Token: {token}\r\n");
+    for (path, body) in [
+        (
+            "/filesystem.Filesystem/ListDir",
+            r#"{"path":"/home/user","depth":1}"#,
+        ),
+        (
+            "/filesystem.Filesystem/MakeDir",
+            r#"{"path":"/home/user/planted"}"#,
+        ),
+    ] {
+        let (status, body) = raw(&e2b, &post(path, &envd, body));
+        assert!(
+            status.contains(" 404 ") && body.contains("no sandbox"),
+            "{path} by a deleted sandbox's token: {status} {body}"
+        );
+    }
+    let (status, body) = run(&e2b, &envd, &["touch", "ran"]);
+    assert!(
+        status.contains(" 404 "),
+        "a command by a deleted sandbox's token: {status} {body}"
+    );
+    let listed = e2b
+        .daemon
+        .call("GET", &format!("/v1/cells/{id}/files/list?path=."), None);
+    let listing = String::from_utf8_lossy(&listed.body);
+    assert!(
+        listed.status == 200 && !listing.contains("planted") && !listing.contains("\"ran\""),
+        "{listing}"
+    );
+    // Neither is a sandbox any more, for the key holder either.
+    for name in [&id, &short] {
+        let get =
+            format!("GET /sandboxes/{name} HTTP/1.1\r\nHost: x\r\n{key}Connection: close\r\n\r\n");
+        assert!(raw(&e2b, &get).0.contains(" 404 "), "{name}");
+    }
+    let (_, list) = raw(
+        &e2b,
+        &format!("GET /sandboxes HTTP/1.1\r\nHost: x\r\n{key}Connection: close\r\n\r\n"),
+    );
+    assert_eq!(list.trim(), "[]", "{list}");
+    for name in [&id, &short] {
+        assert_eq!(state(name), "running", "{name}");
+    }
+}
+
 /// Reads one answer from a kept-alive connection; its status, or `None` where the connection
 /// ended (or stayed silent) first.
 fn status_of_answer(tcp: &mut std::net::TcpStream) -> Option<u16> {

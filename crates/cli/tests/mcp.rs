@@ -248,6 +248,34 @@ fn mcp_over_http_streams_and_answers_only_the_token_and_loopback_hosts() {
 }
 
 #[test]
+fn an_edit_or_a_write_past_the_write_limit_is_refused_and_the_daemon_lives() {
+    // The daemon's address space bounded (4 GiB): an edit that asked for more of it than that
+    // (one letter of a cell's 16 MiB file replaced by 257 bytes throughout) ended the daemon.
+    let daemon = Daemon::start_wrapped_with(
+        &["prlimit", "--as=4294967296", "--"],
+        &["--listen", "127.0.0.1:0"],
+    );
+    let addr = std::fs::read_to_string(daemon.runtime().join("daemon.addr")).unwrap();
+    let token = std::fs::read_to_string(daemon.runtime().join("daemon.token")).unwrap();
+    client(
+        "limits",
+        "auto",
+        &[
+            ("WARDEN_RUNTIME_DIR", daemon.runtime()),
+            ("WARDEN_STATE_DIR", daemon.state()),
+        ],
+        &[
+            ("CELL", &unique("mcp-limits")),
+            ("ADDR", &addr),
+            ("TOKEN", token.trim()),
+        ],
+    );
+    // Still there, and answering.
+    assert_eq!(daemon.call("GET", "/v1/cells", None).status, 200);
+    daemon.assert_journal_verifies();
+}
+
+#[test]
 fn a_daemon_started_beside_a_warden_mcp_without_one_says_who_holds_the_state() {
     let dir = tempdir();
     let (runtime, state) = (dir.path().join("run"), dir.path().join("state"));

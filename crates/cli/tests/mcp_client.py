@@ -206,9 +206,49 @@ async def cancelled(server, mode, cell):
         check(not r.is_error, "kill_cell", r)
 
 
+async def limits(c, stdio, cell):
+    """An edit or a write whose file would be larger than the warden writes is refused before
+    the daemon holds it: the file stays as it was, and the daemon goes on answering. (The
+    write goes over stdio: HTTP takes no body of 64 MiB.)"""
+    r = await c.call_tool("create_cell", {"name": cell})
+    check(not r.is_error, "create_cell", r)
+    r = await c.call_tool("exec", {"cell": cell, "command":
+                                   "head -c 16777216 /dev/zero | tr '\\0' a > big && wc -c < big"})
+    check(r.structured_content["stdout"] == "16777216\n", "a 16 MiB file of one letter", r)
+    # 16 MiB of `a`, each replaced by 257 bytes: 4 GiB asked of the daemon at once.
+    r = await c.call_tool("edit_file", {"cell": cell, "path": "big", "old_text": "a",
+                                        "new_text": "x" * 257, "replace_all": True})
+    check(r.is_error and "16777216 occurrence(s) in big" in text(r)
+          and "more than the 67108864" in text(r), "an edit past the write limit", r)
+    # Over 16 MiB, rmcp's own bound on a line, which dropped the request unanswered.
+    r = await asyncio.wait_for(stdio.call_tool(
+        "write_file", {"cell": cell, "path": "mid", "content": "m" * (20 << 20)}), 120)
+    check(not r.is_error and r.structured_content["size"] == 20 << 20, "a 20 MiB write", r)
+    r = await asyncio.wait_for(stdio.call_tool(
+        "write_file", {"cell": cell, "path": "huge", "content": "b" * ((64 << 20) + 1)}), 120)
+    check(r.is_error and "67108865 bytes is more than the 67108864" in text(r),
+          "a write past the write limit", r)
+    r = await c.call_tool("exec", {"cell": cell, "command": "wc -c < big; wc -c < mid; ls huge 2>&1 || true"})
+    check(r.structured_content["stdout"].startswith("16777216\n20971520\n")
+          and "No such file" in r.structured_content["stdout"],
+          "the file is as it was, and nothing was written", r)
+    r = await c.call_tool("kill_cell", {"cell": cell, "delete": True})
+    check(not r.is_error, "kill_cell", r)
+
+
 async def main():
     scenario, mode = sys.argv[1], sys.argv[2]
     cell = os.environ["CELL"]
+    if scenario == "limits":
+        headers = {"Authorization": f"Bearer {os.environ['TOKEN']}"}
+        server = streamable_http_client(f"http://{os.environ['ADDR']}/mcp",
+                                        http_client=httpx.AsyncClient(headers=headers, timeout=120))
+        stdio = StdioServerParameters(command=os.environ["WARDEN"], args=["mcp"],
+                                      env=dict(os.environ))
+        async with Client(server, mode=mode) as c, Client(stdio, mode=mode) as s:
+            await limits(c, s, cell)
+        print("ok")
+        return
     if scenario.startswith("cancel-"):
         if scenario == "cancel-http":
             headers = {"Authorization": f"Bearer {os.environ['TOKEN']}"}

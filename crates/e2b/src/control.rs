@@ -197,12 +197,12 @@ fn rfc3339(t: SystemTime) -> String {
 
 /// The sandbox, if this face made it and its cell is still there.
 fn known(state: &Shared, id: &str) -> Result<(Sandbox, CellState), Response> {
-    let sandbox = state.sandboxes.lock().ok().and_then(|s| s.get(id).cloned());
-    let missing = || api_error(StatusCode::NOT_FOUND, format!("sandbox `{id}` not found"));
-    let sandbox = sandbox.ok_or_else(missing)?;
-    match state.harness.get(id) {
-        Ok(cell) if cell.state != CellState::Ended => Ok((sandbox, cell.state)),
-        _ => Err(missing()),
+    match state.sandbox(id) {
+        Some((sandbox, cell)) if cell.state != CellState::Ended => Ok((sandbox, cell.state)),
+        _ => Err(api_error(
+            StatusCode::NOT_FOUND,
+            format!("sandbox `{id}` not found"),
+        )),
     }
 }
 
@@ -261,8 +261,8 @@ async fn list(State(state): State<Shared>, Query(query): Query<Vec<(String, Stri
         .map(|s| s.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
         .unwrap_or_default();
     let mut out = Vec::new();
-    for (id, sandbox) in sandboxes {
-        let Ok(cell) = state.harness.get(&id) else {
+    for (id, _) in sandboxes {
+        let Some((sandbox, cell)) = state.sandbox(&id) else {
             continue;
         };
         if cell.state == CellState::Ended {

@@ -631,6 +631,15 @@ async fn filesystem(
                         Ok(listed) => listed,
                         Err(err) => return failed(err),
                     };
+                    if entries.len() + listed.len() > LIST_LIMIT {
+                        return connect_error(
+                            "resource_exhausted",
+                            format!(
+                                "{} holds more than {LIST_LIMIT} entries to depth {depth}, more than one listing answers; list a subdirectory or a smaller depth, or count them with a command (`find {} -maxdepth {depth} | wc -l`)",
+                                request.path, request.path
+                            ),
+                        );
+                    }
                     for info in listed {
                         let path = join(&dir, &info.name);
                         if info.kind == FileKind::Dir {
@@ -770,6 +779,11 @@ async fn filesystem(
         ),
     }
 }
+
+/// The most entries one `ListDir` answers. What the cell made below a directory is the
+/// daemon's to hold while it answers: a million entries (four directories of a quarter million,
+/// listed to depth 2) took 1.9 GB of its memory for one call, and depth multiplied it.
+const LIST_LIMIT: usize = 100_000;
 
 /// The most directory watchers a sandbox may have at once.
 const MAX_WATCHERS: usize = 64;
@@ -1008,17 +1022,30 @@ async fn upload(
     if files.is_empty() {
         return http_error(HarnessError::bad("the upload holds no file"));
     }
-    let mut written = Vec::new();
+    // Every part's path is checked before any is written: an upload refused for one of its
+    // paths writes nothing (it wrote the parts before that one).
+    let mut targets = Vec::with_capacity(files.len());
     for (path, data) in files {
         let rel = match cell_path(&path) {
             Ok(p) => p,
             Err(_) => {
                 return http_error(HarnessError::new(
                     ErrorKind::Forbidden,
-                    format!("{path}: only {HOME} is reachable through this API"),
+                    format!(
+                        "{path}: only {HOME} is reachable through this API; nothing of the upload was written"
+                    ),
                 ));
             }
         };
+        if rel.contains('\0') || rel.split('/').any(|part| part == "..") {
+            return http_error(HarnessError::bad(format!(
+                "{path}: a path may not contain NUL bytes or `..`; nothing of the upload was written"
+            )));
+        }
+        targets.push((rel, data));
+    }
+    let mut written = Vec::new();
+    for (rel, data) in targets {
         // Parent directories are made, as envd does.
         let mut parent = String::new();
         let parts: Vec<&str> = rel.split('/').collect();

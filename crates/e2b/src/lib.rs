@@ -61,6 +61,17 @@ struct Sandbox {
     watchers: HashMap<String, envd::Watcher>,
 }
 
+impl Sandbox {
+    /// Whether `cell` is this sandbox's own cell: the one made for it carries the digest of its
+    /// first token among its labels. A cell that took the name later (the sandbox's own was
+    /// deleted through the daemon's API, and another made under its name) is not: the sandbox's
+    /// token reached that cell's files and commands, and its timeout deleted it.
+    fn owns(&self, cell: &warden_protocol::CellInfo) -> bool {
+        cell.labels.get(label::MADE_BY).map(String::as_str) == Some("e2b")
+            && cell.labels.get(label::TOKEN_DIGEST) == self.token_digests.first()
+    }
+}
+
 /// The face's state: the harness, the API key, and the sandboxes it made.
 #[derive(Debug)]
 pub struct E2b {
@@ -70,6 +81,41 @@ pub struct E2b {
 }
 
 type Shared = Arc<E2b>;
+
+impl E2b {
+    /// Sandbox `id` and its cell, while the cell is still the sandbox's own (running, paused or
+    /// ended, but not deleted). A sandbox whose cell is gone, or whose name another cell has
+    /// taken since, is forgotten here: none of its calls reach a cell again.
+    fn sandbox(&self, id: &str) -> Option<(Sandbox, warden_protocol::CellInfo)> {
+        let sandbox = self.sandboxes.lock().ok()?.get(id).cloned()?;
+        match self.harness.get(id) {
+            Ok(cell) if sandbox.owns(&cell) => Some((sandbox, cell)),
+            Ok(_) => {
+                self.forget(id, &sandbox);
+                None
+            }
+            // Not there: forgotten. A failed look (the daemon's state unreadable now) forgets
+            // nothing, and lets nothing through.
+            Err(err) => {
+                if err.kind == ErrorKind::NotFound {
+                    self.forget(id, &sandbox);
+                }
+                None
+            }
+        }
+    }
+
+    /// Forgets sandbox `id` if the map still holds `sandbox` under it (not one made since).
+    fn forget(&self, id: &str, sandbox: &Sandbox) {
+        if let Ok(mut sandboxes) = self.sandboxes.lock()
+            && sandboxes
+                .get(id)
+                .is_some_and(|s| s.token_digests.first() == sandbox.token_digests.first())
+        {
+            sandboxes.remove(id);
+        }
+    }
+}
 
 /// A random key of the form the SDKs accept (`e2b_` and 40 hex digits).
 pub fn new_key() -> Result<String, String> {
@@ -211,11 +257,7 @@ async fn auth(
     if envd {
         let id = header("e2b-sandbox-id");
         let token = header("x-access-token");
-        let expected = state
-            .sandboxes
-            .lock()
-            .ok()
-            .and_then(|s| s.get(&id).map(|s| s.token_digests.clone()));
+        let expected = state.sandbox(&id).map(|(s, _)| s.token_digests);
         let given = digest(&token);
         match expected {
             Some(expected)
@@ -271,6 +313,10 @@ async fn reap(state: Shared) {
             Err(_) => return,
         };
         for (id, pause) in due {
+            // Only the sandbox's own cell: one that took its name since is another's.
+            if state.sandbox(&id).is_none() {
+                continue;
+            }
             let by = "the E2B sandbox timeout";
             if pause {
                 let _ = state

@@ -28,6 +28,9 @@ use crate::{CellFailure, FilesError, Harness, HarnessError};
 
 /// Largest file read or archive made through the API.
 pub const READ_LIMIT: u64 = 64 * 1024 * 1024;
+/// Largest file written through the API (the faces' upload limit): what a face hands the
+/// harness is held in the daemon's memory whole.
+pub const WRITE_LIMIT: u64 = 64 * 1024 * 1024;
 /// Longest a file operation may take before it is killed (its wait for a place included).
 pub const FILE_DEADLINE: Duration = Duration::from_secs(60);
 /// File operations of one cell that run at once.
@@ -243,6 +246,12 @@ impl Harness {
         data: Vec<u8>,
     ) -> Result<(), HarnessError> {
         let (_, full) = self.cell_path(name, path)?;
+        if data.len() as u64 > WRITE_LIMIT {
+            return Err(HarnessError::from(FilesError::Invalid(format!(
+                "{full}: {} bytes is more than the {WRITE_LIMIT} a file written through the warden may have; write it in smaller parts and join them with a command",
+                data.len()
+            ))));
+        }
         let digest = blake3_hex(&data);
         self.record(
             Some(name),

@@ -64,7 +64,7 @@ pub use warden_protocol::{
 
 pub use attached::{AttachedEnd, AttachedRun};
 pub(crate) use cells::{Prepared, create_entry};
-pub use files::READ_LIMIT;
+pub use files::{READ_LIMIT, WRITE_LIMIT};
 pub use once::RunningOnce;
 pub use pool::{PoolSpec, made_ahead};
 pub use process::{Item, KillOnDrop, Process};

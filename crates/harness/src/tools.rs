@@ -173,7 +173,10 @@ pub fn listing(entries: &[crate::FileInfo]) -> String {
 }
 
 /// `text` with `old` replaced by `new`: `old` must occur exactly once, unless `all`. Answers
-/// the new text and how many were replaced; `path` names the file in the errors.
+/// the new text and how many were replaced; `path` names the file in the errors. An edit whose
+/// result would be larger than a file the warden writes ([`crate::files::WRITE_LIMIT`]) is
+/// refused before it is made: a one-letter `old` replaced throughout a large file by a long
+/// `new` asked for gigabytes of the daemon's memory, which ended it.
 pub fn edit_text(
     path: &str,
     text: &str,
@@ -190,7 +193,17 @@ pub fn edit_text(
         (0, _) => Err(HarnessError::from(FilesError::Invalid(format!(
             "the text to replace does not occur in {path}; read the file and copy the text exactly"
         )))),
-        (n @ 1, _) | (n, true) => Ok((text.replace(old, new), n)),
+        (n @ 1, _) | (n, true) => {
+            let size = (text.len() as u128) - (n as u128) * (old.len() as u128)
+                + (n as u128) * (new.len() as u128);
+            let limit = crate::files::WRITE_LIMIT;
+            if size > u128::from(limit) {
+                return Err(HarnessError::from(FilesError::Invalid(format!(
+                    "replacing {n} occurrence(s) in {path} would make it {size} bytes, more than the {limit} a file written through the warden may have; replace fewer occurrences at a time, or change the file with a command"
+                ))));
+            }
+            Ok((text.replace(old, new), n))
+        }
         (n, false) => Err(HarnessError::from(FilesError::Invalid(format!(
             "the text to replace occurs {n} times in {path}; give more of the text around it, or replace all"
         )))),
@@ -242,5 +255,20 @@ mod tests {
                 .contains("does not occur")
         );
         assert!(edit_text("f", "a", "", "c", false).is_err());
+    }
+
+    #[test]
+    fn an_edit_past_the_write_limit_is_refused_before_it_is_made() {
+        let text = "a".repeat(1 << 20);
+        let long = "x".repeat(65);
+        let refused = edit_text("big", &text, "a", &long, true).unwrap_err();
+        assert!(
+            refused.message.contains("1048576 occurrence(s) in big")
+                && refused.message.contains("more than the 67108864"),
+            "{}",
+            refused.message
+        );
+        let (edited, n) = edit_text("big", &text, "a", &"x".repeat(64), true).unwrap();
+        assert_eq!((edited.len(), n), (64 << 20, 1 << 20));
     }
 }

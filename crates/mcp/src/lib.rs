@@ -657,6 +657,11 @@ async fn run(
     .await
 }
 
+/// The longest request line a byte-stream session reads: room for a `write_file` of the most
+/// the warden writes (64 MiB) with its JSON escapes. rmcp drops a longer line unanswered (its
+/// own default, 16 MiB, left a `write_file` of 20 MiB waiting for an answer for good).
+pub const LINE_LIMIT: usize = 2 * warden_harness::WRITE_LIMIT as usize + (1 << 20);
+
 /// Serves the tools over a byte stream (stdio, or an upgraded connection of the daemon's)
 /// until the client closes it.
 pub async fn serve<T>(tools: Tools, transport: T) -> Result<(), String>
@@ -664,6 +669,9 @@ where
     T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
 {
     use rmcp::ServiceExt as _;
+    let (read, write) = tokio::io::split(transport);
+    let transport = rmcp::transport::async_rw::AsyncRwTransport::new_server(read, write)
+        .with_max_line_length(LINE_LIMIT);
     let running = match tools.serve(transport).await {
         Ok(running) => running,
         // The client went before it asked anything: nothing was left undone.
