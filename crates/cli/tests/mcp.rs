@@ -308,3 +308,48 @@ fn a_daemon_started_beside_a_warden_mcp_without_one_says_who_holds_the_state() {
         "{stderr}"
     );
 }
+
+/// `warden mcp` through a daemon that goes away while the client still has the session open
+/// ends, saying so: it had waited on the client's stdin for good, and the client on answers
+/// that could never come.
+#[test]
+fn warden_mcp_ends_when_its_daemon_goes_away() {
+    use std::io::{BufRead as _, Write as _};
+    let mut daemon = Daemon::start(&[]);
+    let mut mcp = daemon
+        .warden()
+        .arg("mcp")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = mcp.stdin.take().unwrap();
+    writeln!(
+        stdin,
+        r#"{{"jsonrpc":"2.0","id":1,"method":"initialize","params":{{"protocolVersion":"2025-06-18","capabilities":{{}},"clientInfo":{{"name":"t","version":"1"}}}}}}"#
+    )
+    .unwrap();
+    let mut answer = String::new();
+    std::io::BufReader::new(mcp.stdout.take().unwrap())
+        .read_line(&mut answer)
+        .unwrap();
+    assert!(answer.contains("\"id\":1"), "{answer}");
+    daemon.crash();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = mcp.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = mcp.kill();
+            panic!("warden mcp still waits 10 s after its daemon went away");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut mcp.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_ne!(status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("ended the MCP session"), "{stderr}");
+    drop(stdin);
+}

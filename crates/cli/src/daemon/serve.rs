@@ -156,21 +156,11 @@ pub fn mcp() -> Result<i32> {
         .build()
         .context("starting the async runtime")?;
     if let Some(client) = client_if_running() {
-        return rt.block_on(async move {
-            let mut daemon = client
-                .upgrade("/v1/mcp", warden_protocol::MCP_UPGRADE)
-                .await
-                .context("opening an MCP session with the warden daemon")?;
-            let mut stdio = tokio::io::join(tokio::io::stdin(), tokio::io::stdout());
-            // Until the client closes stdin and the daemon has answered all it was asked (or
-            // the client went away without reading the rest).
-            match tokio::io::copy_bidirectional(&mut stdio, &mut daemon).await {
-                Ok(_) => Ok(0),
-                Err(err) if err.kind() == std::io::ErrorKind::BrokenPipe => Ok(0),
-                Err(err) => Err(anyhow::Error::new(err)
-                    .context("relaying the MCP session to the warden daemon")),
-            }
-        });
+        let relayed = rt.block_on(relay_mcp(client));
+        // The read of stdin that may still wait is a blocking thread of the runtime's, which
+        // a drop of the runtime would wait for.
+        rt.shutdown_background();
+        return relayed;
     }
     // One keeper ahead: an MCP client makes its cells one at a time.
     let config = daemon_harness(Default::default(), 1, Vec::new())?;
@@ -188,6 +178,51 @@ pub fn mcp() -> Result<i32> {
         served.map_err(anyhow::Error::msg)?;
         Ok(0)
     })
+}
+
+/// Relays an MCP session between stdio and the daemon: until the client closes stdin and the
+/// daemon has answered all it was asked (or the client went away without reading the rest).
+/// A daemon that ends the session first (it stopped, or was killed) ends the relay with an
+/// error: the client's stdin stays open, and waiting on it left the client waiting for answers
+/// that could never come.
+async fn relay_mcp(client: warden_client::Client) -> Result<i32> {
+    use tokio::io::AsyncWriteExt as _;
+    let daemon = client
+        .upgrade("/v1/mcp", warden_protocol::MCP_UPGRADE)
+        .await
+        .context("opening an MCP session with the warden daemon")?;
+    let (mut from_daemon, mut to_daemon) = tokio::io::split(daemon);
+    let (mut stdin, mut stdout) = (tokio::io::stdin(), tokio::io::stdout());
+    let asked = async {
+        tokio::io::copy(&mut stdin, &mut to_daemon).await?;
+        to_daemon.shutdown().await
+    };
+    let answered = async {
+        tokio::io::copy(&mut from_daemon, &mut stdout).await?;
+        stdout.flush().await
+    };
+    tokio::pin!(asked, answered);
+    let gone = |err: &std::io::Error| err.kind() == std::io::ErrorKind::BrokenPipe;
+    tokio::select! {
+        done = &mut answered => match done {
+            Ok(()) => anyhow::bail!(
+                "the warden daemon ended the MCP session while the client still had it open (the daemon stopped or was restarted); start the session again"
+            ),
+            Err(err) if gone(&err) => Ok(0),
+            Err(err) => Err(anyhow::Error::new(err).context("relaying the MCP session from the warden daemon")),
+        },
+        done = &mut asked => {
+            match done {
+                Ok(()) => {}
+                Err(err) if gone(&err) => {}
+                Err(err) => return Err(anyhow::Error::new(err).context("relaying the MCP session to the warden daemon")),
+            }
+            match answered.await {
+                Err(err) if !gone(&err) => Err(anyhow::Error::new(err).context("relaying the MCP session from the warden daemon")),
+                _ => Ok(0),
+            }
+        }
+    }
 }
 
 /// The daemon holds a few descriptors for every cell and every stream, so it takes the hard
