@@ -930,7 +930,9 @@ fn io_error(what: &str, errno: rustix::io::Errno) -> FileError {
         rustix::io::Errno::EXIST => FileErrorKind::Exists,
         rustix::io::Errno::NOTDIR => FileErrorKind::NotDirectory,
         rustix::io::Errno::ISDIR => FileErrorKind::NotRegular,
-        rustix::io::Errno::LOOP => FileErrorKind::Invalid,
+        rustix::io::Errno::LOOP | rustix::io::Errno::NAMETOOLONG => FileErrorKind::Invalid,
+        // Opening a socket (or a FIFO without a reader, or a device without its driver).
+        rustix::io::Errno::NXIO => FileErrorKind::NotRegular,
         rustix::io::Errno::FBIG | rustix::io::Errno::NOSPC | rustix::io::Errno::DQUOT => {
             FileErrorKind::TooLarge
         }
@@ -951,5 +953,23 @@ fn std_error(what: &str, err: &io::Error) -> FileError {
     match err.raw_os_error() {
         Some(code) => io_error(what, rustix::io::Errno::from_raw_os_error(code)),
         None => error(FileErrorKind::Io, format!("{what}: {err}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What the caller asked wrongly (a name too long, a socket to read) is told as such, not
+    /// as the warden's failure (an API 500 where a 400 is due).
+    #[test]
+    fn errors_of_what_was_asked_are_not_the_wardens() {
+        use rustix::io::Errno;
+        assert_eq!(
+            io_error("x", Errno::NAMETOOLONG).kind,
+            FileErrorKind::Invalid
+        );
+        assert_eq!(io_error("x", Errno::NXIO).kind, FileErrorKind::NotRegular);
+        assert_eq!(io_error("x", Errno::IO).kind, FileErrorKind::Io);
     }
 }
