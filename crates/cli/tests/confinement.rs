@@ -365,27 +365,7 @@ fn a_cell_cannot_take_the_terminals_of_other_cells() {
                 \x20   except OSError: break\n\
                 print(len(fds), flush=True)\n\
                 time.sleep(30)\n";
-    let mut hog = warden()
-        .args([
-            "run",
-            "--name",
-            &name,
-            "--timeout",
-            "40s",
-            "--",
-            "python3",
-            "-c",
-            code,
-        ])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut held = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(hog.stdout.as_mut().unwrap()),
-        &mut held,
-    )
-    .unwrap();
+    let hog = Holding::start(&name, "40s", code);
     // While the first cell holds every terminal it could get, another cell opens one.
     let other = run_py(
         &[],
@@ -393,9 +373,8 @@ fn a_cell_cannot_take_the_terminals_of_other_cells() {
          try: os.open('/dev/ptmx', os.O_RDWR | os.O_NOCTTY); print('opened')\n\
          except OSError as e: print(os.strerror(e.errno))",
     );
-    let _ = warden().args(["kill", &name]).status();
-    let _ = hog.wait();
-    let held: usize = held.trim().parse().unwrap();
+    let held: usize = hog.first_line.trim().parse().unwrap();
+    drop(hog);
     assert!(held > 0 && held <= 128, "a cell held {held} terminals");
     assert_eq!(
         other.stdout.trim(),

@@ -4,8 +4,6 @@
 
 mod support;
 
-use std::io::{BufRead as _, BufReader, Write as _};
-use std::process::Stdio;
 
 use support::*;
 
@@ -19,12 +17,12 @@ fn owner_hash(name: &str) -> u32 {
 
 /// Makes as many inotify instances as it can, says how many, and holds them until its stdin
 /// closes.
-const HOG: &str = "import ctypes, sys\n\
+const HOG: &str = "import ctypes, time\n\
                    libc = ctypes.CDLL(None, use_errno=True)\n\
                    fds = []\n\
                    while len(fds) < 4096 and (fd := libc.inotify_init1(0)) >= 0: fds.append(fd)\n\
                    print(len(fds), flush=True)\n\
-                   sys.stdin.read()\n";
+                   time.sleep(30)\n";
 
 /// The kernel counts a cell's inotify instances (and watches, fanotify groups and marks) to the
 /// owner of its user namespace in the host's namespace. Root-started cells' owners were picked
@@ -45,27 +43,9 @@ fn a_cell_cannot_use_up_the_inotify_instances_of_another_whose_name_shares_its_h
         .map(|i| format!("hog-{i}"))
         .find(|n| owner_hash(n) == target)
         .unwrap();
-    let mut hogging = warden()
-        .args([
-            "run",
-            "--name",
-            &hog,
-            "--timeout",
-            "30s",
-            "--",
-            "python3",
-            "-c",
-            HOG,
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut held = String::new();
-    BufReader::new(hogging.stdout.take().unwrap())
-        .read_line(&mut held)
-        .unwrap();
-    let held: u32 = held
+    let hogging = Holding::start(&hog, "30s", HOG);
+    let held: u32 = hogging
+        .first_line
         .trim()
         .parse()
         .expect("the first cell says how many it holds");
@@ -87,8 +67,7 @@ fn a_cell_cannot_use_up_the_inotify_instances_of_another_whose_name_shares_its_h
         ])
         .output()
         .unwrap();
-    let _ = hogging.stdin.take().unwrap().write_all(b"");
-    let _ = hogging.wait();
+    drop(hogging);
     let made = String::from_utf8_lossy(&made.stdout).trim().to_owned();
     assert!(held > 0, "the first cell made no inotify instance");
     assert_eq!(

@@ -546,27 +546,7 @@ fn a_cell_cannot_use_up_the_inotify_instances_of_host_root() {
                 while len(fds) < 4096 and (fd := libc.inotify_init1(0)) >= 0: fds.append(fd)\n\
                 print(len(fds), flush=True)\n\
                 time.sleep(30)\n";
-    let mut cell = warden()
-        .args([
-            "run",
-            "--name",
-            &name,
-            "--timeout",
-            "40s",
-            "--",
-            "python3",
-            "-c",
-            code,
-        ])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(cell.stdout.as_mut().unwrap()),
-        &mut line,
-    )
-    .unwrap();
+    let cell = Holding::start(&name, "40s", code);
     // While the cell holds every instance it could get, host root can still make one.
     let host = Command::new("python3")
         .args([
@@ -579,8 +559,8 @@ fn a_cell_cannot_use_up_the_inotify_instances_of_host_root() {
         .output()
         .unwrap();
     let host = String::from_utf8_lossy(&host.stdout).trim().to_owned();
-    let _ = warden().args(["kill", &name]).status();
-    let _ = cell.wait();
+    let line = cell.first_line.clone();
+    drop(cell);
     assert!(
         line.trim().parse::<u32>().unwrap() > 0,
         "the cell made no inotify instance: {line:?}"

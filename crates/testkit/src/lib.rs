@@ -86,6 +86,46 @@ pub fn run_py(extra: &[&str], code: &str) -> Ran {
     cmd.output().expect("warden runs").into()
 }
 
+/// A cell named `name` that runs `python3 -c CODE` (ended by `--timeout` after `timeout` at
+/// most), holding what the code takes while the test looks at others; `first_line` is the first
+/// line it printed (the code prints once it holds what it takes). Ended by `warden kill` when
+/// dropped.
+#[derive(Debug)]
+pub struct Holding {
+    name: String,
+    child: std::process::Child,
+    pub first_line: String,
+}
+
+impl Holding {
+    pub fn start(name: &str, timeout: &str, code: &str) -> Self {
+        let mut child = warden()
+            .args(["run", "--name", name, "--timeout", timeout])
+            .args(["--", "python3", "-c", code])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("warden runs");
+        let mut first_line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.as_mut().expect("piped")),
+            &mut first_line,
+        )
+        .expect("the cell's first line");
+        Self {
+            name: name.to_owned(),
+            child,
+            first_line,
+        }
+    }
+}
+
+impl Drop for Holding {
+    fn drop(&mut self) {
+        let _ = warden().args(["kill", &self.name]).status();
+        let _ = self.child.wait();
+    }
+}
+
 /// Writes a policy file into `dir` and returns its path.
 pub fn policy(dir: &Path, yaml: &str) -> PathBuf {
     let path = dir.join(format!("policy-{}.yaml", unique("p")));
