@@ -181,6 +181,20 @@ fn post(path: &str, headers: &str, body: &str) -> String {
     )
 }
 
+/// A sandbox made through the control plane's REST route with `timeout` seconds: its id and
+/// envd access token.
+fn sandbox(e2b: &E2b, timeout: u64) -> (String, String) {
+    let key = format!("X-API-KEY: {}\r\n", e2b.key);
+    let body = format!(r#"{{"timeout":{timeout}}}"#);
+    let (status, body) = raw(e2b, &post("/v2/sandboxes", &key, &body));
+    assert!(status.contains(" 201 "), "{status} {body}");
+    let sandbox: Value = serde_json::from_str(&body).unwrap();
+    (
+        sandbox["sandboxID"].as_str().unwrap().to_owned(),
+        sandbox["envdAccessToken"].as_str().unwrap().to_owned(),
+    )
+}
+
 #[test]
 fn strangers_and_unsupported_calls_get_clear_refusals() {
     let e2b = start();
@@ -202,11 +216,7 @@ fn strangers_and_unsupported_calls_get_clear_refusals() {
     assert!(status.contains(" 400 "), "{status} {body}");
     assert!(body.contains("base") && body.contains("python"), "{body}");
     // A sandbox, then envd calls without its token, or with another's.
-    let (status, body) = raw(&e2b, &post("/v2/sandboxes", &key, r#"{"timeout":60}"#));
-    assert!(status.contains(" 201 "), "{status} {body}");
-    let sandbox: Value = serde_json::from_str(&body).unwrap();
-    let id = sandbox["sandboxID"].as_str().unwrap();
-    let token = sandbox["envdAccessToken"].as_str().unwrap();
+    let (id, token) = sandbox(&e2b, 60);
     let list = r#"{"path":"/home/user","depth":1}"#;
     for headers in [
         format!("E2b-Sandbox-Id: {id}\r\n"),
@@ -339,12 +349,7 @@ fn run(e2b: &E2b, envd: &str, argv: &[&str]) -> (String, String) {
 #[test]
 fn a_listing_answers_at_most_its_limit_of_entries() {
     let e2b = start();
-    let key = format!("X-API-KEY: {}\r\n", e2b.key);
-    let (status, body) = raw(&e2b, &post("/v2/sandboxes", &key, r#"{"timeout":120}"#));
-    assert!(status.contains(" 201 "), "{status} {body}");
-    let sandbox: Value = serde_json::from_str(&body).unwrap();
-    let id = sandbox["sandboxID"].as_str().unwrap();
-    let token = sandbox["envdAccessToken"].as_str().unwrap();
+    let (id, token) = sandbox(&e2b, 120);
     let envd = format!("E2b-Sandbox-Id: {id}\r\nX-Access-Token: {token}\r\n");
     // The cell makes 120,000 entries in three directories: each answers whole, all three to
     // depth 2 are more than one listing answers (the daemon held them all at once).
@@ -382,12 +387,7 @@ fn a_listing_answers_at_most_its_limit_of_entries() {
 #[test]
 fn an_upload_refused_for_one_of_its_files_writes_none() {
     let e2b = start();
-    let key = format!("X-API-KEY: {}\r\n", e2b.key);
-    let (status, body) = raw(&e2b, &post("/v2/sandboxes", &key, r#"{"timeout":120}"#));
-    assert!(status.contains(" 201 "), "{status} {body}");
-    let sandbox: Value = serde_json::from_str(&body).unwrap();
-    let id = sandbox["sandboxID"].as_str().unwrap();
-    let token = sandbox["envdAccessToken"].as_str().unwrap();
+    let (id, token) = sandbox(&e2b, 120);
     let envd = format!("E2b-Sandbox-Id: {id}\r\nX-Access-Token: {token}\r\n");
     // Several files in one upload (the SDK's `write_files`), the last one out of bounds.
     for (bad, refusal) in [("/etc/passwd", " 403 "), ("sub/../../x", " 400 ")] {
@@ -431,20 +431,10 @@ fn an_upload_refused_for_one_of_its_files_writes_none() {
 fn a_sandbox_whose_cell_was_deleted_reaches_no_cell_that_takes_its_name() {
     let e2b = start();
     let key = format!("X-API-KEY: {}\r\n", e2b.key);
-    let make = |timeout: u64| {
-        let body = format!(r#"{{"timeout":{timeout}}}"#);
-        let (status, body) = raw(&e2b, &post("/v2/sandboxes", &key, &body));
-        assert!(status.contains(" 201 "), "{status} {body}");
-        let sandbox: Value = serde_json::from_str(&body).unwrap();
-        (
-            sandbox["sandboxID"].as_str().unwrap().to_owned(),
-            sandbox["envdAccessToken"].as_str().unwrap().to_owned(),
-        )
-    };
     // One sandbox for its token, one for its timeout. Each cell is deleted through the
     // daemon's own API, and a cell of someone else's made under its name.
-    let (id, token) = make(120);
-    let (short, _) = make(2);
+    let (id, token) = sandbox(&e2b, 120);
+    let (short, _) = sandbox(&e2b, 2);
     let made = std::time::Instant::now();
     for name in [&id, &short] {
         let deleted = e2b
