@@ -4,7 +4,6 @@
 
 mod support;
 
-
 use support::*;
 
 /// FNV-1a of a name modulo 2^20: where the search for its cell's user namespace owner starts

@@ -182,12 +182,26 @@ impl Daemon {
         self.child = Some(cmd.spawn().expect("warden serve starts"));
         let deadline = Instant::now() + Duration::from_secs(20);
         while Instant::now() < deadline {
-            if UnixStream::connect(self.socket()).is_ok() {
+            if self.answers() {
                 return;
             }
             std::thread::sleep(Duration::from_millis(10));
         }
         panic!("warden serve did not come up");
+    }
+
+    /// Whether the daemon answers a request on its socket: a socket that takes a connection
+    /// may still be an earlier daemon's, its listener held by a process that outlived it.
+    fn answers(&self) -> bool {
+        let Ok(mut stream) = UnixStream::connect(self.socket()) else {
+            return false;
+        };
+        let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+        let mut head = [0u8; 12];
+        stream
+            .write_all(b"GET /v1/health HTTP/1.1\r\nHost: warden\r\nConnection: close\r\n\r\n")
+            .and_then(|()| stream.read_exact(&mut head))
+            .is_ok_and(|()| head.starts_with(b"HTTP/1.1 2"))
     }
 
     /// `warden audit verify` of this daemon's journal must pass.

@@ -13,7 +13,7 @@
 use std::collections::BTreeMap;
 use std::fs;
 use std::io::{self, Read as _, Write as _};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -439,6 +439,18 @@ pub(super) fn in_place(
     let child = sys::clone_process(0).map_err(remount_err)?;
     if child == 0 {
         drop(report_r);
+        // None of the caller's other descriptors: forked by a daemon, the helper outlives a
+        // daemon that is killed, and with its listening socket it took connections that nobody
+        // answered (and with its database, the next daemon's lock).
+        let mut keep = vec![
+            report_w.as_raw_fd(),
+            lower.as_raw_fd(),
+            ns.user.as_raw_fd(),
+            ns.mnt.as_raw_fd(),
+        ];
+        keep.extend(ns.root.as_ref().map(AsRawFd::as_raw_fd));
+        keep.extend(layers.iter().map(AsRawFd::as_raw_fd));
+        let _ = sys::close_except(&keep);
         let result = run_inside(&ns, &meta.mount, &lower, &layers, &steps, threads);
         let mut report = fs::File::from(report_w);
         if let Err(err) = result {

@@ -315,24 +315,28 @@ static NEXT_UNNAMED: std::sync::Mutex<Option<std::collections::HashMap<(PathBuf,
     std::sync::Mutex::new(None);
 
 /// Makes the snapshot's folder, which claims its id: `name`, or for an unnamed one the first
-/// `sN` free from the hint on.
+/// `sN` free from the hint on. The folder is held (a `flock` of it, the returned file) until
+/// its record is written: one without a record that nobody holds was claimed by a process that
+/// was killed before it finished, and is taken over (see `take_over`).
 fn claim(
     store: &Store,
     cell: &str,
     name: Option<&str>,
-) -> Result<(String, PathBuf), SnapshotError> {
+) -> Result<(String, PathBuf, fs::File), SnapshotError> {
     let make = |id: &str| {
         let dir = snapshots_dir(store).join(id);
-        match fs::create_dir(&dir) {
-            Ok(()) => Ok(Some(dir)),
-            Err(err) if err.kind() == io::ErrorKind::AlreadyExists => Ok(None),
+        match make_held(&dir) {
+            Ok(held) => Ok(Some((dir, held))),
+            Err(err) if err.kind() == io::ErrorKind::AlreadyExists => {
+                Ok(take_over(&dir).map(|held| (dir, held)))
+            }
             Err(source) => Err(SnapshotError::Copy { path: dir, source }),
         }
     };
     if let Some(name) = name {
         let id = format!("{cell}@{name}");
         return match make(&id)? {
-            Some(dir) => Ok((id, dir)),
+            Some((dir, held)) => Ok((id, dir, held)),
             None => Err(SnapshotError::Exists(id)),
         };
     }
@@ -352,16 +356,72 @@ fn claim(
     }
     loop {
         let id = format!("{cell}@s{next}");
-        if let Some(dir) = make(&id)? {
+        if let Some((dir, held)) = make(&id)? {
             if let Ok(mut hints) = NEXT_UNNAMED.lock() {
                 hints
                     .get_or_insert_with(Default::default)
                     .insert(key, next + 1);
             }
-            return Ok((id, dir));
+            return Ok((id, dir, held));
         }
         next += 1;
     }
+}
+
+/// A claim folder being made (`.claim-PID-N`): made and locked here, then renamed to its id.
+const CLAIMING: &str = ".claim-";
+
+/// Makes the folder `dir`, held: made aside, locked, and renamed into place without replacing
+/// anything (so that no other process finds it there unheld). `AlreadyExists` where it is.
+fn make_held(dir: &Path) -> io::Result<fs::File> {
+    static CLAIMS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = CLAIMS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let aside = dir.with_file_name(format!("{CLAIMING}{}-{n}", std::process::id()));
+    let _ = fs::remove_dir_all(&aside);
+    fs::create_dir(&aside)?;
+    let held = fs::File::open(&aside)
+        .and_then(|file| {
+            rustix::fs::flock(&file, rustix::fs::FlockOperation::LockExclusive)?;
+            Ok(file)
+        })
+        .and_then(|file| {
+            rustix::fs::renameat_with(
+                rustix::fs::CWD,
+                &aside,
+                rustix::fs::CWD,
+                dir,
+                rustix::fs::RenameFlags::NOREPLACE,
+            )?;
+            Ok(file)
+        });
+    if held.is_err() {
+        let _ = fs::remove_dir(&aside);
+    }
+    held
+}
+
+/// Takes over the snapshot folder `dir` if a killed process left it claimed (no record, and no
+/// process holds it): what it holds (a part of a copy) is removed, and the folder is this
+/// caller's, held. `None`: it is a snapshot's, or another process's claim.
+fn take_over(dir: &Path) -> Option<fs::File> {
+    let held = abandoned(dir)?;
+    for entry in fs::read_dir(dir).ok()?.flatten() {
+        let path = entry.path();
+        let removed = match entry.file_type().is_ok_and(|t| t.is_dir()) {
+            true => Layer::at(path).remove_tree(),
+            false => fs::remove_file(path),
+        };
+        removed.ok()?;
+    }
+    Some(held)
+}
+
+/// The snapshot folder `dir`, held, if a killed process left it claimed: it has no record and
+/// no process holds it.
+fn abandoned(dir: &Path) -> Option<fs::File> {
+    let file = fs::File::open(dir).ok()?;
+    rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive).ok()?;
+    (!dir.join("snapshot.json").exists()).then_some(file)
 }
 
 /// Takes a snapshot of a cell's workspace (frozen while it is copied, if it runs).
@@ -383,7 +443,15 @@ pub fn take(
         path: snapshots_dir(store),
         source,
     })?;
-    let (id, dir) = claim(store, cell, name)?;
+    // Held until the record is written (or the folder removed).
+    let (id, dir, _claim) = claim(store, cell, name)?;
+    // A clone of the cell's tree a killed snapshot of this id made, and no record names.
+    if layer.has_image() {
+        let stale = upper_dir(&layer).join("snapshots");
+        if stale.join(format!("{CLONE}{id}")).exists() {
+            let _ = destroy_clone(&stale, &format!("{CLONE}{id}"));
+        }
+    }
     // A few small changes are copied: that is quicker than either way below (a few
     // milliseconds, whatever changed), and a later turn-over takes them along.
     let small = copied_quicker(&layer.upper());
@@ -663,7 +731,12 @@ fn make_over(
     fresh: &Fresh,
 ) -> Result<bool, SnapshotError> {
     making.write(store, layer)?;
-    match super::swap::swap(registry, place, old, new, turn) {
+    // Held by the helper too, until it ends (see `finish_interrupted`).
+    let hold = Making::hold(layer).map_err(|source| SnapshotError::Record {
+        path: layer.dir().join("making.lock"),
+        source,
+    })?;
+    match super::swap::swap(registry, place, [old, new], turn, hold.as_fd()) {
         Ok(()) => {
             Making::made(layer)?;
             Ok(true)
@@ -727,6 +800,23 @@ impl Making {
         changes::making_made_path(layer)
     }
 
+    /// Takes `making.lock` of `layer`, waiting for whoever holds it: the warden while it makes
+    /// the layer over, and with it the swap's helper, which goes on when the warden is killed
+    /// (it is a child of the fork server, which outlives the warden by a moment) until it
+    /// ends. The next warden finishes the making over only once the helper has ended: before,
+    /// it took the new overlay for one not made, removed its fresh upper and work directories
+    /// from under the helper, and the helper then mounted the cell's workspace on the removed
+    /// directories, whose records said the old stack.
+    fn hold(layer: &Layer) -> io::Result<fs::File> {
+        let file = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(layer.dir().join("making.lock"))?;
+        rustix::fs::flock(&file, rustix::fs::FlockOperation::LockExclusive)?;
+        Ok(file)
+    }
+
     fn write(&self, store: &Store, layer: &Layer) -> Result<(), SnapshotError> {
         let path = Self::path(layer);
         let text = serde_json::to_vec(self).map_err(|e| SnapshotError::Record {
@@ -775,6 +865,11 @@ pub(super) fn interrupted(layer: &Layer) -> bool {
 /// `work` in it), the directories take their names and the records say what the layer is made
 /// of; otherwise what was readied is removed and the layer is as it was.
 pub(super) fn finish_interrupted(store: &Store, layer: &Layer) -> Result<(), SnapshotError> {
+    // Once the killed warden's helper has ended (it holds this as long as it runs).
+    let _helper_ended = Making::hold(layer).map_err(|source| SnapshotError::Record {
+        path: layer.dir().join("making.lock"),
+        source,
+    })?;
     let renamed = Making::made_path(layer);
     let (path, made) = match renamed.exists() {
         true => (renamed, true),
@@ -1255,13 +1350,34 @@ fn collect(store: &Store) {
         .flatten()
         .map(|e| e.path())
         .collect();
-    // And what a killed process left renamed for deletion, there and in the snapshots' folder.
+    // And what a killed process left renamed for deletion, there and in the snapshots' folder,
+    // and the folders of snapshots it claimed and never recorded (a part of a copy).
     let mut doomed = doomed_by_the_gone(&snapshots_dir(store));
+    doomed.extend(claimed_by_the_gone(store));
     for (name, _) in store.layers() {
         let layer = store.layer(&name);
         if layer.has_image() {
             let turned = upper_dir(&layer).join("snapshots");
             doomed.extend(doomed_by_the_gone(&turned));
+            // Clones a killed snapshot made and never recorded.
+            for entry in fs::read_dir(&turned).into_iter().flatten().flatten() {
+                let clone = entry.file_name().to_string_lossy().into_owned();
+                let Some(id) = clone.strip_prefix(CLONE) else {
+                    continue;
+                };
+                // Its claim's folder gone (collected), or left by a killed process.
+                let folder = snapshots_dir(store).join(id);
+                let _held = match fs::symlink_metadata(&folder) {
+                    Err(_) => None,
+                    Ok(_) => match abandoned(&folder) {
+                        Some(held) => Some(held),
+                        None => continue,
+                    },
+                };
+                if !used.contains(&entry.path().join("upper")) {
+                    let _ = destroy_clone(&turned, &clone);
+                }
+            }
             kept.extend(
                 fs::read_dir(turned)
                     .into_iter()
@@ -1298,6 +1414,35 @@ fn collect(store: &Store) {
     for tree in doomed {
         let _ = Layer::at(tree).remove_tree();
     }
+}
+
+/// The folders of snapshots that killed processes claimed and never recorded, each renamed for
+/// deletion: those nobody holds, but for a cell whose making over is still to be finished
+/// (which may record its snapshot there).
+fn claimed_by_the_gone(store: &Store) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let dir = snapshots_dir(store);
+    for entry in fs::read_dir(&dir).into_iter().flatten().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let claim = name.starts_with(CLAIMING);
+        let cell = match name.split_once('@') {
+            Some((cell, _)) if !claim => cell,
+            _ if claim => "",
+            _ => continue,
+        };
+        if !claim && Making::marks(store).join(cell).exists() {
+            continue;
+        }
+        let path = entry.path();
+        // Held here while it is renamed: a claim under way holds its folder.
+        let Some(_held) = abandoned(&path) else {
+            continue;
+        };
+        if let Ok(to) = doom(&path) {
+            out.push(to);
+        }
+    }
+    out
 }
 
 /// `doom` for a kept layer: one in the kept folder goes to the snapshots' folder (where the

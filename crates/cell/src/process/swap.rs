@@ -101,12 +101,15 @@ pub struct Place<'a> {
 /// from `new`. The caller holds the cell's starts lock and has seen its init alone.
 ///
 /// `new.work` must be a fresh directory: the old overlay keeps its own until it is torn down.
+/// `hold`: a lock the caller holds (its open file), which the helper holds with it until it
+/// ends: should the caller be killed, whoever finishes its making over waits for the helper,
+/// which goes on, rather than undoing what the helper is about to do.
 pub fn swap(
     registry: &Registry,
     place: &Place<'_>,
-    old: &Stack,
-    new: &Stack,
+    [old, new]: [&Stack; 2],
     turn: Option<&Turn>,
+    hold: std::os::fd::BorrowedFd<'_>,
 ) -> Result<(), SwapError> {
     let failed = |message: String| SwapError::Failed {
         cell: place.cell.to_owned(),
@@ -146,7 +149,10 @@ pub fn swap(
     let (report_r, report_w) = sys::pipe().map_err(|e| failed(e.to_string()))?;
     // The old overlay's last mount comes back on this, to be let go of in the background.
     let (held_r, held_w) = sys::seqpacket_pair().map_err(|e| failed(e.to_string()))?;
-    let mut fds = vec![report_w, held_w, ns.user, ns.mnt];
+    let hold = hold
+        .try_clone_to_owned()
+        .map_err(|e| failed(e.to_string()))?;
+    let mut fds = vec![report_w, held_w, ns.user, ns.mnt, hold];
     fds.extend(tree);
     // Forked by the daemon's keepers' fork server where it has one (a server that did not
     // answer may have forked it all the same: no second one is made here), else from here.
@@ -158,6 +164,9 @@ pub fn swap(
         None => match sys::clone_process(0).map_err(|e| failed(e.to_string()))? {
             0 => {
                 drop((report_r, held_r));
+                // None of the daemon's other descriptors (its listening socket, its database),
+                // which a helper that outlives a killed daemon would hold.
+                let _ = sys::close_except(&raw);
                 sys::exit_now(helper(&job, fds));
             }
             pid => pid,
@@ -214,11 +223,12 @@ struct Job {
 /// The helper, in a child process of its own: does the swap of `job` (JSON) and returns its
 /// exit code (0 done, 2 busy, 1 failed, 3 broken; the message of the last two written to the
 /// report). `fds`: the report's pipe, the socket the old overlay's mount goes back on, the
-/// cell's user and mount namespaces, and for a root-started cell the id-mapped host tree.
+/// cell's user and mount namespaces, the caller's hold (kept until the helper ends, see
+/// `Place::hold`), and for a root-started cell the id-mapped host tree.
 pub(crate) fn helper(job: &[u8], fds: Vec<OwnedFd>) -> i32 {
     let mut fds = fds.into_iter();
-    let (Some(report), Some(hand_back), Some(user), Some(mnt)) =
-        (fds.next(), fds.next(), fds.next(), fds.next())
+    let (Some(report), Some(hand_back), Some(user), Some(mnt), Some(_hold)) =
+        (fds.next(), fds.next(), fds.next(), fds.next(), fds.next())
     else {
         return 1;
     };
