@@ -619,11 +619,10 @@ mod tests {
     fn asking_gateway() -> (
         std::net::SocketAddr,
         std::sync::Arc<std::sync::Mutex<Vec<crate::approvals::Question>>>,
+        tempfile::TempDir,
     ) {
-        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let place =
-            std::env::temp_dir().join(format!("warden-forward-test-{}-{n}", std::process::id()));
+        let dir = tempfile::tempdir().unwrap();
+        let place = dir.path();
         let network = warden_policy::Network {
             ask: vec![warden_policy::NetRule {
                 host: "127.0.0.2".into(),
@@ -657,7 +656,7 @@ mod tests {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let address = listener.local_addr().unwrap();
         gateway.serve(listener).unwrap();
-        (address, asked)
+        (address, asked, dir)
     }
 
     /// What the cell puts in a path or a query reaches the person asked as printable text that
@@ -666,7 +665,7 @@ mod tests {
     #[test]
     fn a_question_shows_the_whole_target_and_nothing_a_terminal_acts_on() {
         use std::io::Write as _;
-        let (address, asked) = asking_gateway();
+        let (address, asked, _dir) = asking_gateway();
         let mut conn = TcpStream::connect(address).unwrap();
         let mut request = b"GET http://127.0.0.2:9/api/items".to_vec();
         request.extend_from_slice("\u{9b}2K\u{9b}1G\u{a0}GET\u{202e}safe.test/x".as_bytes());

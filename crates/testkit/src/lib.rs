@@ -374,16 +374,20 @@ pub fn cgroups_available(test: &str) -> bool {
 pub fn direct_policy() -> String {
     static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     PATH.get_or_init(|| {
-        let path =
-            std::env::temp_dir().join(format!("warden-test-direct-{}.yaml", std::process::id()));
+        // One file for every test process, each writing it whole aside and renaming it into
+        // place (a file per process was left behind by each).
+        let path = std::env::temp_dir().join("warden-test-direct.yaml");
+        let aside =
+            std::env::temp_dir().join(format!("warden-test-direct.yaml.{}", std::process::id()));
         std::fs::write(
-            &path,
+            &aside,
             "version: 1\nfilesystem:\n  workspace:\n    mode: direct\n",
         )
         .unwrap();
-        let mut perms = std::fs::metadata(&path).unwrap().permissions();
+        let mut perms = std::fs::metadata(&aside).unwrap().permissions();
         std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o644);
-        std::fs::set_permissions(&path, perms).unwrap();
+        std::fs::set_permissions(&aside, perms).unwrap();
+        std::fs::rename(&aside, &path).unwrap();
         path
     })
     .display()
