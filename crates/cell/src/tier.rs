@@ -274,6 +274,31 @@ pub trait Backend: Send + Sync + Debug {
     /// and change the layers there; a tier that keeps them otherwise overrides those.
     fn layers(&self) -> Option<Layers>;
 
+    /// Undoes what applies to the host directories of this tier's kept layers left half done
+    /// when a warden was killed during them (`warden_workspace::recover`, which the next diff or
+    /// apply of a directory runs too): a daemon calls it as it starts, so that a host directory
+    /// does not stay half applied until then. Each directory it could not undo, with why.
+    fn recover_applies(&self) -> Vec<(std::path::PathBuf, String)> {
+        let Some(layers) = self.layers() else {
+            return Vec::new();
+        };
+        let mut lowers: Vec<std::path::PathBuf> = layers
+            .store
+            .layers()
+            .into_iter()
+            .map(|(_, meta)| meta.lower)
+            .collect();
+        lowers.sort();
+        lowers.dedup();
+        lowers
+            .into_iter()
+            .filter_map(|lower| {
+                let failed = warden_workspace::recover(&lower).err()?;
+                Some((lower, failed.to_string()))
+            })
+            .collect()
+    }
+
     /// What cell `name` changed in its workspace, running or stopped (a running cell is held
     /// still while its layer is read).
     fn diff(

@@ -246,3 +246,79 @@ fn an_apply_killed_at_any_point_is_rolled_back_whole_or_was_done_whole() {
     assert!(staging_left(dir).is_empty());
     eprintln!("{rolled_back} kills rolled back ({midway} midway), {committed} found committed");
 }
+
+/// A daemon killed during an apply of one of its cells undoes it as it starts again: the host
+/// directory is all old, with no staging folder, before any diff or apply of it (until then
+/// it had stayed half applied).
+#[test]
+fn a_daemon_killed_during_an_apply_undoes_it_as_it_starts() {
+    let mut daemon = support::daemon::Daemon::start(&[]);
+    let ws = tempdir();
+    let dir = ws.path();
+    for i in 0..60 {
+        std::fs::write(dir.join(format!("r{i:02}")), format!("old {i}\n")).unwrap();
+    }
+    let old = host_tree(dir);
+    let name = unique("killdaemonapply");
+    let ran = Ran::from(
+        daemon
+            .warden()
+            .args(["run", "--name", &name, "--workspace", dir.to_str().unwrap()])
+            .args([
+                "--",
+                "sh",
+                "-c",
+                "cd /workspace && for i in $(seq -w 0 59); do echo \"new $i\" > r$i; rm -f x; done",
+            ])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(ran.code, 0, "{ran:?}");
+    let watched: Vec<String> = (0..60).map(|i| format!("r{i:02}")).collect();
+    let before: BTreeMap<String, Option<(u64, u32)>> = watched
+        .iter()
+        .map(|rel| {
+            let meta = std::fs::symlink_metadata(dir.join(rel)).ok();
+            (rel.clone(), meta.map(|m| (m.ino(), m.mode())))
+        })
+        .collect();
+    let mut apply = daemon
+        .warden()
+        .args(["apply", "--force", &name])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Killed once its staging folder is there and it has changed some of the files.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        let reached = changed_count(dir, &before);
+        if !staging_left(dir).is_empty() && reached > 0 && reached < watched.len() {
+            break;
+        }
+        std::thread::yield_now();
+    }
+    daemon.crash();
+    let _ = apply.wait();
+    let reached = changed_count(dir, &before);
+    assert!(
+        reached > 0 && reached < watched.len() && !staging_left(dir).is_empty(),
+        "the kill did not land midway ({reached} of {} changed)",
+        watched.len()
+    );
+    daemon.restart();
+    assert_eq!(
+        host_tree(dir),
+        old,
+        "the host directory stayed half applied"
+    );
+    assert_eq!(staging_left(dir), Vec::<String>::new());
+    let ran = Ran::from(
+        daemon
+            .warden()
+            .args(["rm", "--force", &name])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(ran.code, 0, "{ran:?}");
+}

@@ -49,6 +49,25 @@ impl Harness {
             .map_err(|e| HarnessError::from(CreateError::Refused(e.to_string())))
     }
 
+    /// Undoes what applies left half done in the host directories of the kept layers, when a
+    /// warden was killed during them (the tiers share one store: the default tier's answers for
+    /// all). On a thread of its own, before the daemon answers; what could not be undone is
+    /// said, and is undone at the next diff or apply of the directory or refused there.
+    async fn recover_applies(&self) {
+        let Ok(backend) = self.names() else {
+            return;
+        };
+        let failed = tokio::task::spawn_blocking(move || backend.recover_applies())
+            .await
+            .unwrap_or_default();
+        for (lower, why) in failed {
+            eprintln!(
+                "warden: note: an apply to {} was killed before it finished and could not be undone now: {why}",
+                lower.display()
+            );
+        }
+    }
+
     /// The backend that answers for any cell's name (every tier's cells share one registry).
     pub(crate) fn names(&self) -> Result<Arc<dyn Backend>, HarnessError> {
         self.tiers
@@ -294,6 +313,7 @@ impl Harness {
             .store(start.seq * 1000 + 1, Ordering::Relaxed);
         harness.sweep_gone();
         harness.end_cut_creates().await?;
+        harness.recover_applies().await;
         harness.reconcile(cut).await?;
         harness.start_pools().await?;
         harness.sample_usage();
