@@ -280,8 +280,18 @@ fn paths_the_cell_could_not_see_are_refused_before_it_starts_with_the_reason() {
         "version: 1\nfilesystem:\n  read_write: [/tmp/from-the-host]\n",
     );
     let microvm = policy(dir.path(), "version: 1\ntier: microvm\n");
+    // The kernel's controls, writable: a cell could undo its own limits (rootless, with the
+    // caller's cgroups delegated) or change the host's settings.
+    let sys = policy(
+        dir.path(),
+        "version: 1\nfilesystem:\n  read_write: [/sys/fs/cgroup]\n",
+    );
     let cases = vec![
         (under_tmp, "is under /tmp, which is the cell's own"),
+        (
+            sys,
+            "read_write path /sys/fs/cgroup is under /sys, the kernel's own controls",
+        ),
         (
             microvm,
             "the microvm tier is not implemented in this version",

@@ -248,6 +248,11 @@ pub enum PlanError {
         under: &'static str,
     },
     #[error(
+        "read_write path {} is under /sys, the kernel's own controls (cgroups, devices, power, modules' settings): a cell that writes there could undo the limits the warden set on it (its own cgroup's memory.max, where the caller's cgroups are delegated) or change the host's settings; show it with `read_only`, or not at all",
+        path.display()
+    )]
+    KernelControls { path: PathBuf },
+    #[error(
         "the image `{image}` has a symbolic link at {} (to {}), where the cell's setup makes a file, directory or mount point of its root: the setup works on the host, where the link would lead it to the host's own files, so the cell is not made; use an image with a directory (or nothing) there, or a policy that puts nothing there",
         path.display(), target.display()
     )]
@@ -361,6 +366,9 @@ pub fn check_paths(policy: &Policy, state: &Path, runtime: &Path) -> Result<(), 
             check_not_wardens_canonical(what, canonical, &own)?;
         }
         check_not_under_cells_own(what, path)?;
+        if rw && canonical.as_deref().unwrap_or(path).starts_with("/sys") {
+            return Err(PlanError::KernelControls { path: path.clone() });
+        }
         let Some(canonical) = canonical else {
             continue;
         };
