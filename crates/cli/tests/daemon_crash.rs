@@ -348,3 +348,559 @@ fn a_running_cells_snapshot_or_reset_killed_at_any_point_is_whole_or_not_at_all(
         });
     }
 }
+
+/// Every snapshot record names layers that are there (its own and those it stacks).
+fn records_whole(daemon: &Daemon) -> Result<(), String> {
+    let dir = daemon.state().join("snapshots");
+    for entry in std::fs::read_dir(&dir).unwrap().flatten() {
+        let record = entry.path().join("snapshot.json");
+        let Ok(text) = std::fs::read_to_string(&record) else {
+            continue;
+        };
+        let info: Value = serde_json::from_str(&text).unwrap();
+        let mut paths = vec![info["layer"].as_str().unwrap().to_owned()];
+        paths.extend(
+            info["base"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|l| l.as_str().unwrap().to_owned()),
+        );
+        if let Some(gone) = paths.iter().find(|p| !std::path::Path::new(p).is_dir()) {
+            return Err(format!("{}: names {gone}, which is gone", info["id"]));
+        }
+    }
+    Ok(())
+}
+
+/// Writes round `r`'s tree (more than a copy is quicker for, so that a quiet cell turns over).
+fn write_round(daemon: &Daemon, cell: &str, round: u32) {
+    let made = sh(
+        daemon,
+        cell,
+        &format!(
+            "mkdir d{round} && i=1; while [ $i -le 120 ]; do echo {round}-$i > d{round}/f$i; i=$((i+1)); done; echo {round} > a.txt"
+        ),
+    );
+    assert_eq!(made.0, Some(0), "{made:?}");
+}
+
+/// What a cell made of rounds `0..=last` holds: a.txt, its folders, and their sizes.
+const LOOK: &str = "cat a.txt; ls -d d* | wc -l; for d in d*; do ls $d | wc -l; done | sort -u";
+
+/// The removal of a snapshot that later ones and the cell stack (its layer kept, every record
+/// that stacks it told where), killed at growing delays: a snapshot still listed names its
+/// layer where it is, the later snapshots' stacks stay whole (a reset to the last and a fork
+/// from it see every round), and the removal, asked again, is done.
+#[test]
+fn a_stacked_snapshots_removal_killed_at_any_point_keeps_every_stack_whole() {
+    if !cgroups_available("daemon_crash_rm_snapshot") {
+        return;
+    }
+    let mut daemon = Daemon::start(&[]);
+    let mounts_before = mounts_under(daemon.dir.path());
+    let host = tempdir();
+    std::fs::write(host.path().join("a.txt"), "host\n").unwrap();
+    let cell = daemon.create(
+        &unique("crashrm"),
+        json!({ "workspace": host.path().display().to_string() }),
+    );
+    let rounds = 16u32;
+    for round in 0..rounds {
+        write_round(&daemon, &cell, round);
+        let taken = daemon.call(
+            "POST",
+            &format!("/v1/cells/{cell}/snapshot"),
+            Some(json!({ "as": format!("s{round}") })),
+        );
+        assert_eq!(taken.status, 201, "{}", taken.text());
+    }
+    let last = rounds - 1;
+    let whole = format!("{last}\n{rounds}\n120\n");
+    for round in 0..last {
+        let name = format!("s{round}");
+        crash_during(
+            &mut daemon,
+            "DELETE",
+            &format!("/v1/snapshots/{cell}@{name}"),
+            json!({}),
+            Duration::from_micros(u64::from(round) * 250),
+        );
+        if let Err(e) = records_whole(&daemon) {
+            panic!("round {round}: {e}");
+        }
+        if snapshots_of(&daemon, &cell).contains(&name) {
+            let gone = daemon.call("DELETE", &format!("/v1/snapshots/{cell}@{name}"), None);
+            assert!(gone.status < 300, "round {round}: {}", gone.text());
+        }
+        assert!(!snapshots_of(&daemon, &cell).contains(&name));
+        if let Err(e) = records_whole(&daemon) {
+            panic!("round {round}, removed again: {e}");
+        }
+        let reset = daemon.call(
+            "POST",
+            &format!("/v1/cells/{cell}/reset"),
+            Some(json!({ "to": format!("s{last}") })),
+        );
+        assert!(reset.status < 300, "round {round}: {}", reset.text());
+        assert_eq!(sh(&daemon, &cell, LOOK).1, whole, "round {round}");
+    }
+    let fork = daemon.create(
+        &unique("crashrmf"),
+        json!({ "from": format!("{cell}@s{last}") }),
+    );
+    assert_eq!(sh(&daemon, &fork, LOOK).1, whole);
+    for gone in [&fork, &cell] {
+        let answer = daemon.call("DELETE", &format!("/v1/cells/{gone}"), None);
+        assert!(answer.status < 300, "{}", answer.text());
+    }
+    let removed = daemon.call("DELETE", &format!("/v1/snapshots/{cell}@s{last}"), None);
+    assert!(removed.status < 300, "{}", removed.text());
+    assert_nothing_left(&daemon, mounts_before);
+}
+
+/// Once every cell and snapshot is removed: nothing in the snapshots' folder, no layer, no
+/// mount or loop device of the daemon's folder.
+fn assert_nothing_left(daemon: &Daemon, mounts_before: usize) {
+    wait_for(Duration::from_secs(10), "snapshots left behind", || {
+        std::fs::read_dir(daemon.state().join("snapshots"))
+            .unwrap()
+            .flatten()
+            .all(|e| {
+                e.file_name() == ".kept"
+                    && std::fs::read_dir(e.path()).is_ok_and(|mut d| d.next().is_none())
+            })
+    });
+    wait_for(Duration::from_secs(10), "layers left behind", || {
+        std::fs::read_dir(daemon.state().join("layers"))
+            .map(|d| d.flatten().next().is_none())
+            .unwrap_or(true)
+    });
+    wait_for(Duration::from_secs(10), "mounts left behind", || {
+        mounts_under(daemon.dir.path()) <= mounts_before
+    });
+    wait_for(Duration::from_secs(10), "loop devices left behind", || {
+        loops_under(daemon.dir.path()) == 0
+    });
+}
+
+/// The delete of a cell whose disk keeps snapshots (one stacked by another, one not), killed
+/// at growing delays: the cell is listed and can be deleted again, or is gone with its layer;
+/// its snapshots stay whole (copied out of its disk) and a fork from them sees them; nothing
+/// stays mounted or attached once all is removed.
+#[test]
+fn a_cells_delete_killed_at_any_point_keeps_its_snapshots_and_leaves_nothing() {
+    if !cgroups_available("daemon_crash_delete") {
+        return;
+    }
+    let mut daemon = Daemon::start(&[]);
+    let mounts_before = mounts_under(daemon.dir.path());
+    let host = tempdir();
+    std::fs::write(host.path().join("a.txt"), "host\n").unwrap();
+    for round in 0..16u32 {
+        let cell = daemon.create(
+            &unique("crashdel"),
+            json!({ "workspace": host.path().display().to_string() }),
+        );
+        let snapshots = round % 2 == 0;
+        if snapshots {
+            for r in 0..2 {
+                write_round(&daemon, &cell, r);
+                let taken = daemon.call(
+                    "POST",
+                    &format!("/v1/cells/{cell}/snapshot"),
+                    Some(json!({ "as": format!("s{r}") })),
+                );
+                assert_eq!(taken.status, 201, "{}", taken.text());
+            }
+        }
+        // Changes of its own, discarded with it.
+        write_round(&daemon, &cell, 7);
+        crash_during(
+            &mut daemon,
+            "DELETE",
+            &format!("/v1/cells/{cell}"),
+            json!({}),
+            Duration::from_micros(u64::from(round) * 1500),
+        );
+        let listed = daemon.call("GET", &format!("/v1/cells/{cell}"), None);
+        if listed.status == 200 {
+            let gone = daemon.call("DELETE", &format!("/v1/cells/{cell}"), None);
+            assert!(gone.status < 300, "round {round}: {}", gone.text());
+        }
+        // Gone from the list, so gone from the disk (its layer, with its mount).
+        wait_for(
+            Duration::from_secs(5),
+            &format!("round {round}: the layer of deleted cell {cell} stays"),
+            || !daemon.state().join("layers").join(&cell).exists(),
+        );
+        if let Err(e) = records_whole(&daemon) {
+            panic!("round {round}: {e}");
+        }
+        if snapshots {
+            let fork = daemon.create(
+                &unique("crashdelf"),
+                json!({ "from": format!("{cell}@s1") }),
+            );
+            assert_eq!(sh(&daemon, &fork, LOOK).1, "1\n2\n120\n", "round {round}");
+            let gone = daemon.call("DELETE", &format!("/v1/cells/{fork}"), None);
+            assert!(gone.status < 300, "{}", gone.text());
+            for r in 0..2 {
+                let removed = daemon.call("DELETE", &format!("/v1/snapshots/{cell}@s{r}"), None);
+                assert!(removed.status < 300, "{}", removed.text());
+            }
+        }
+        // A new cell in its name starts afresh.
+        let again = daemon.create(
+            &cell,
+            json!({ "workspace": host.path().display().to_string() }),
+        );
+        assert_eq!(sh(&daemon, &again, "ls -d d* 2>/dev/null | wc -l").1, "0\n");
+        let gone = daemon.call("DELETE", &format!("/v1/cells/{again}"), None);
+        assert!(gone.status < 300, "{}", gone.text());
+        assert_nothing_left(&daemon, mounts_before);
+    }
+}
+
+/// A fork from a snapshot (a new cell on the snapshot's stack), killed at growing delays: a
+/// fork listed runs on the whole snapshot; one not listed can be made again in its name; the
+/// snapshot can be removed once its forks are, and nothing stays behind.
+///
+/// Ignored: it finds a race not fixed yet. Under load (beside the other tests of this file), a
+/// kill 2-5 ms into the create left the fork unlisted by the next daemon while its keeper went
+/// on to start it (its layer, disk, loop device and cgroups stayed, and its name was refused as
+/// "already running"): the next daemon's `end_cut_creates` found nothing of it running yet.
+#[test]
+#[ignore = "finds the cut create race not fixed yet (see above)"]
+fn a_fork_killed_at_any_point_runs_whole_or_is_not_there() {
+    if !cgroups_available("daemon_crash_fork") {
+        return;
+    }
+    let mut daemon = Daemon::start(&[]);
+    let mounts_before = mounts_under(daemon.dir.path());
+    let host = tempdir();
+    std::fs::write(host.path().join("a.txt"), "host\n").unwrap();
+    let cell = daemon.create(
+        &unique("crashfk"),
+        json!({ "workspace": host.path().display().to_string() }),
+    );
+    for r in 0..3 {
+        write_round(&daemon, &cell, r);
+        let taken = daemon.call(
+            "POST",
+            &format!("/v1/cells/{cell}/snapshot"),
+            Some(json!({ "as": format!("s{r}") })),
+        );
+        assert_eq!(taken.status, 201, "{}", taken.text());
+    }
+    let mut forks = Vec::new();
+    for round in 0..24u32 {
+        let fork = unique("crashfkf");
+        crash_during(
+            &mut daemon,
+            "POST",
+            "/v1/cells",
+            json!({ "name": fork, "from": format!("{cell}@s2") }),
+            Duration::from_micros(u64::from(round) * 1200),
+        );
+        let listed = daemon.call("GET", &format!("/v1/cells/{fork}"), None);
+        if listed.status != 200 {
+            // Not listed: nothing of it is left to run on.
+            wait_for(
+                Duration::from_secs(5),
+                &format!("round {round}: the layer of fork {fork}, not listed, stays"),
+                || !daemon.state().join("layers").join(&fork).exists(),
+            );
+            let made = daemon.call(
+                "POST",
+                "/v1/cells",
+                Some(json!({ "name": fork, "from": format!("{cell}@s2") })),
+            );
+            assert_eq!(made.status, 201, "round {round}: {}", made.text());
+        }
+        let seen = sh(&daemon, &fork, LOOK);
+        assert_eq!(seen, (Some(0), "2\n3\n120\n".to_owned()), "round {round}");
+        forks.push(fork);
+    }
+    for fork in forks.iter().chain([&cell]) {
+        let gone = daemon.call("DELETE", &format!("/v1/cells/{fork}"), None);
+        assert!(gone.status < 300, "{}", gone.text());
+    }
+    for r in 0..3 {
+        let removed = daemon.call("DELETE", &format!("/v1/snapshots/{cell}@s{r}"), None);
+        assert!(removed.status < 300, "{}", removed.text());
+    }
+    assert_nothing_left(&daemon, mounts_before);
+}
+
+/// A quiet cell's snapshots past the depth at which its stack is merged in the background,
+/// each killed at growing delays (the merge under way, done and not yet noted, noted and not
+/// yet mounted): every snapshot listed is whole, the cell's tree is whole after each, a reset
+/// to the last and a fork from it see every round, and nothing of a merge is left once the
+/// cell and its snapshots are removed.
+#[test]
+fn a_deep_stacks_squash_killed_at_any_point_leaves_the_stack_whole() {
+    if !cgroups_available("daemon_crash_squash") {
+        return;
+    }
+    for fs in ["btrfs", "ext4"] {
+        let mut daemon = Daemon::start_with(&[], &[("WARDEN_LAYER_FS", fs)]);
+        let mounts_before = mounts_under(daemon.dir.path());
+        let host = tempdir();
+        std::fs::write(host.path().join("a.txt"), "host\n").unwrap();
+        let cell = daemon.create(
+            &unique("crashsq"),
+            json!({ "workspace": host.path().display().to_string() }),
+        );
+        let rounds = 26u32;
+        for round in 0..rounds {
+            write_round(&daemon, &cell, round);
+            let name = format!("s{round}");
+            // The first 11 turn over undisturbed; from the 12th each may start a merge.
+            let after = Duration::from_micros(u64::from(round.saturating_sub(11)) * 500);
+            if round < 11 {
+                let taken = daemon.call(
+                    "POST",
+                    &format!("/v1/cells/{cell}/snapshot"),
+                    Some(json!({ "as": name })),
+                );
+                assert_eq!(taken.status, 201, "{}", taken.text());
+                continue;
+            }
+            crash_during(
+                &mut daemon,
+                "POST",
+                &format!("/v1/cells/{cell}/snapshot"),
+                json!({ "as": name }),
+                after,
+            );
+            if !snapshots_of(&daemon, &cell).contains(&name) {
+                let again = daemon.call(
+                    "POST",
+                    &format!("/v1/cells/{cell}/snapshot"),
+                    Some(json!({ "as": name })),
+                );
+                assert_eq!(again.status, 201, "{fs} round {round}: {}", again.text());
+            }
+            if let Err(e) = records_whole(&daemon) {
+                panic!("{fs} round {round}: {e}");
+            }
+            let seen = sh(&daemon, &cell, LOOK);
+            assert_eq!(
+                seen,
+                (Some(0), format!("{round}\n{}\n120\n", round + 1)),
+                "{fs} round {round}"
+            );
+            // What a killed merge left goes when the next begins: at most the one cut short
+            // just now, or the one under way, is there.
+            let building: Vec<_> = std::fs::read_dir(
+                daemon
+                    .state()
+                    .join("layers")
+                    .join(&cell)
+                    .join("fs/snapshots"),
+            )
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains(".building"))
+            .collect();
+            assert!(
+                building.len() <= 1,
+                "{fs} round {round}: merges left half built: {building:?}"
+            );
+        }
+        let last = rounds - 1;
+        let whole = format!("{last}\n{rounds}\n120\n");
+        let reset = daemon.call(
+            "POST",
+            &format!("/v1/cells/{cell}/reset"),
+            Some(json!({ "to": format!("s{last}") })),
+        );
+        assert!(reset.status < 300, "{fs}: {}", reset.text());
+        assert_eq!(sh(&daemon, &cell, LOOK).1, whole, "{fs}");
+        let fork = daemon.create(
+            &unique("crashsqf"),
+            json!({ "from": format!("{cell}@s{last}") }),
+        );
+        assert_eq!(sh(&daemon, &fork, LOOK).1, whole, "{fs}");
+        for gone in [&fork, &cell] {
+            let answer = daemon.call("DELETE", &format!("/v1/cells/{gone}"), None);
+            assert!(answer.status < 300, "{}", answer.text());
+        }
+        for r in 0..rounds {
+            let removed = daemon.call("DELETE", &format!("/v1/snapshots/{cell}@s{r}"), None);
+            assert!(removed.status < 300, "{}", removed.text());
+        }
+        assert_nothing_left(&daemon, mounts_before);
+    }
+}
+
+/// A layer of `files` small files under `dir/`.
+fn files_layer(dir: &str, files: u32) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for i in 0..files {
+        tar_file(
+            &mut b,
+            &format!("{dir}/f{i}"),
+            0o644,
+            format!("{dir} {i}\n").as_bytes(),
+        );
+    }
+    b.into_inner().unwrap()
+}
+
+/// `warden image import` (no daemon) killed at growing delays: an image listed has every layer
+/// whole; one not listed leaves no layer in the store that no image names once the next import
+/// (of another image) is done, nor anything in staging; the import asked again is done.
+#[test]
+fn an_image_import_killed_at_any_point_is_listed_whole_or_leaves_nothing() {
+    let state = tempdir();
+    let store = state.path().join("images");
+    let work = tempdir();
+    let warden = || {
+        let mut cmd = std::process::Command::new(bin());
+        cmd.env("WARDEN_STATE_DIR", state.path())
+            .env("WARDEN_RUNTIME_DIR", state.path().join("run"))
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        cmd
+    };
+    let layers = |tag: &str| {
+        (0..3)
+            .map(|l| files_layer(&format!("{tag}{l}"), 150))
+            .collect::<Vec<_>>()
+    };
+    let listed = |name: &str| {
+        let out = warden()
+            .args(["image", "ls", "--json"])
+            .stdout(std::process::Stdio::piped())
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        let list: Value = serde_json::from_slice(&out.stdout).unwrap();
+        list.as_array()
+            .or_else(|| list["images"].as_array())
+            .unwrap()
+            .iter()
+            .any(|i| {
+                i["name"]
+                    .as_str()
+                    .is_some_and(|n| n == name || n.starts_with(&format!("{name}:")))
+            })
+    };
+    let store_layers = || -> Vec<PathBuf> {
+        std::fs::read_dir(store.join("layers"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .collect()
+    };
+    // One import's length, to spread the kills over.
+    let archive = docker_archive(work.path(), &layers("t"), "timed:1", json!({}));
+    let started = Instant::now();
+    assert!(
+        warden()
+            .args(["image", "import"])
+            .arg(&archive)
+            .status()
+            .unwrap()
+            .success()
+    );
+    let length = started.elapsed();
+    assert!(
+        warden()
+            .args(["image", "rm", "timed:1"])
+            .status()
+            .unwrap()
+            .success()
+    );
+    assert!(store_layers().is_empty());
+    let rounds = 16u32;
+    for round in 0..rounds {
+        let name = format!("k{round}");
+        let archive = docker_archive(work.path(), &layers(&name), &format!("{name}:1"), json!({}));
+        let mut child = warden()
+            .args(["image", "import"])
+            .arg(&archive)
+            .spawn()
+            .unwrap();
+        std::thread::sleep(length * round / rounds);
+        let _ = child.kill();
+        child.wait().unwrap();
+        if listed(&name) {
+            // Whole: its three layers, each of every file.
+            let found = store_layers();
+            assert_eq!(found.len(), 3, "round {round}: {found:?}");
+            for layer in found {
+                let dir = std::fs::read_dir(&layer)
+                    .unwrap()
+                    .flatten()
+                    .next()
+                    .unwrap()
+                    .path();
+                assert_eq!(
+                    std::fs::read_dir(&dir).unwrap().count(),
+                    150,
+                    "round {round}: {dir:?}"
+                );
+            }
+        } else {
+            // Another image's import: the store holds its layers and nothing else.
+            let other = format!("o{round}");
+            let archive = docker_archive(
+                work.path(),
+                &layers(&other),
+                &format!("{other}:1"),
+                json!({}),
+            );
+            assert!(
+                warden()
+                    .args(["image", "import"])
+                    .arg(&archive)
+                    .status()
+                    .unwrap()
+                    .success()
+            );
+            let found = store_layers();
+            assert_eq!(
+                found.len(),
+                3,
+                "round {round}: the killed import's layers are left: {found:?}"
+            );
+            assert!(
+                warden()
+                    .args(["image", "rm", &format!("{other}:1")])
+                    .status()
+                    .unwrap()
+                    .success()
+            );
+            // And the import asked again is done.
+            let archive =
+                docker_archive(work.path(), &layers(&name), &format!("{name}:1"), json!({}));
+            assert!(
+                warden()
+                    .args(["image", "import"])
+                    .arg(&archive)
+                    .status()
+                    .unwrap()
+                    .success()
+            );
+        }
+        assert!(
+            warden()
+                .args(["image", "rm", &format!("{name}:1")])
+                .status()
+                .unwrap()
+                .success()
+        );
+        let left: Vec<_> = [store.join("layers"), store.join("staging")]
+            .iter()
+            .flat_map(|d| std::fs::read_dir(d).into_iter().flatten().flatten())
+            .map(|e| e.path())
+            .collect();
+        assert!(left.is_empty(), "round {round}: left behind: {left:?}");
+    }
+}

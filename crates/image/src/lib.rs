@@ -213,12 +213,23 @@ impl Store {
             std::fs::create_dir_all(&dir).map_err(|e| ImageError::io("making", &dir, e))?;
         }
         let _lock = self.lock()?;
-        // What an import that was killed left in `staging/` (one import at a time: none runs).
+        // What an import that was killed left in `staging/` (one import at a time: none runs),
+        // and the layers it had unpacked and stored before its record was written, which no
+        // record names (an import killed so and not asked again left them for good, unless an
+        // image was removed or an import failed), and its record's temporary file.
         if let Ok(entries) = std::fs::read_dir(self.root.join("staging")) {
             for entry in entries.flatten() {
                 let _ = remove_tree(&entry.path());
             }
         }
+        if let Ok(entries) = std::fs::read_dir(self.records()) {
+            for entry in entries.flatten() {
+                if entry.path().to_string_lossy().ends_with(".json.tmp") {
+                    let _ = std::fs::remove_file(entry.path());
+                }
+            }
+        }
+        self.sweep()?;
         let staging = tempdir_in(&self.root.join("staging"))?;
         let result = archive::import(self, source, name, staging.path()).and_then(|image| {
             check_name(&image.name)?;

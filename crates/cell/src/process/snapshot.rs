@@ -201,6 +201,12 @@ pub fn remove_layer(registry: &Registry, store: &Store, name: &str) -> Result<()
 /// Finishes every making over of a layer that was cut short (the warden was killed in the
 /// middle of a snapshot or a reset): called when the process tier is opened.
 pub fn finish_all_interrupted(store: &Store) {
+    // Records a killed removal or cell's end left naming a layer it had moved.
+    if moving_path(store).exists()
+        && let Ok(_records) = RecordsLock::take(store)
+    {
+        let _ = finish_moves_held(store);
+    }
     let Ok(marks) = fs::read_dir(Making::marks(store)) else {
         return;
     };
@@ -1067,6 +1073,7 @@ pub fn remove(store: &Store, id: &str) -> Result<(), SnapshotError> {
     // The look for what stacks it and what follows from it, as one update of the records: a
     // layer made on it meanwhile (a fork) is either seen here or finds it gone.
     let records = RecordsLock::take(store)?;
+    finish_moves_held(store)?;
     let info = get(store, id)?;
     let cells = store.layers();
     for (cell, meta) in &cells {
@@ -1109,8 +1116,14 @@ pub fn remove(store: &Store, id: &str) -> Result<(), SnapshotError> {
         if let Some(parent) = to.parent() {
             fs::create_dir_all(parent).map_err(copy_err(parent))?;
         }
+        // The move is logged, and marked as not yet told, before it is made: a removal killed
+        // between the rename and the last record's rewrite left records (this snapshot's, still
+        // listed, and those stacking it) naming a place nothing was at, and the next collection
+        // took the kept layer for one nothing stacks and deleted it.
+        let moves = [(info.layer.clone(), kept)];
+        log_moves(store, &moves)?;
         fs::rename(&from, &to).map_err(copy_err(&from))?;
-        relocate_held(store, &[(info.layer.clone(), kept)])?;
+        tell_moves_held(store, &moves)?;
     }
     // What goes leaves its name under the lock and is deleted after it: a long deletion (a
     // copied layer of many files) holds up no other update of the records.
@@ -1197,16 +1210,50 @@ fn relocate(store: &Store, moves: &[(PathBuf, PathBuf)]) -> Result<(), SnapshotE
 /// `relocate`, the records' lock held by the caller.
 fn relocate_held(store: &Store, moves: &[(PathBuf, PathBuf)]) -> Result<(), SnapshotError> {
     log_moves(store, moves)?;
-    let now = |path: &PathBuf| -> PathBuf {
+    tell_moves_held(store, moves)
+}
+
+/// Rewrites every record that names a layer of `moves` (logged, see `log_moves`) with its new
+/// place, then marks the moves told.
+fn tell_moves_held(store: &Store, moves: &[(PathBuf, PathBuf)]) -> Result<(), SnapshotError> {
+    rewrite_records(store, |path| {
         moves
             .iter()
             .find(|(from, _)| from == path)
             .map_or_else(|| path.clone(), |(_, to)| to.clone())
-    };
+    })?;
+    let _ = fs::remove_file(moving_path(store));
+    Ok(())
+}
+
+/// Where a move is marked logged and not yet told to every record (see `finish_moves_held`).
+fn moving_path(store: &Store) -> PathBuf {
+    snapshots_dir(store).with_file_name("snapshots.moving")
+}
+
+/// What a process killed between a logged move and the last record it told left: every record
+/// that names a layer no longer where it was is told its place now (`placed`). The records'
+/// lock is held.
+fn finish_moves_held(store: &Store) -> Result<(), SnapshotError> {
+    if !moving_path(store).exists() {
+        return Ok(());
+    }
+    let moves = logged_moves(store);
+    rewrite_records(store, |path| {
+        placed(&moves, std::slice::from_ref(path))
+            .pop()
+            .unwrap_or_else(|| path.clone())
+    })?;
+    let _ = fs::remove_file(moving_path(store));
+    Ok(())
+}
+
+/// Writes again each record (snapshots, cells' layers) in which `now` changes a layer's path.
+fn rewrite_records(store: &Store, now: impl Fn(&PathBuf) -> PathBuf) -> Result<(), SnapshotError> {
     for info in list(store) {
         let told = SnapshotInfo {
             layer: now(&info.layer),
-            base: info.base.iter().map(now).collect(),
+            base: info.base.iter().map(&now).collect(),
             ..info.clone()
         };
         if told != info {
@@ -1215,8 +1262,8 @@ fn relocate_held(store: &Store, moves: &[(PathBuf, PathBuf)]) -> Result<(), Snap
     }
     for (name, meta) in store.layers() {
         let told = LayerMeta {
-            base: meta.base.iter().map(now).collect(),
-            start: meta.start.as_ref().map(|s| s.iter().map(now).collect()),
+            base: meta.base.iter().map(&now).collect(),
+            start: meta.start.as_ref().map(|s| s.iter().map(&now).collect()),
             ..meta.clone()
         };
         if told != meta {
@@ -1241,14 +1288,22 @@ fn logged_moves(store: &Store) -> Vec<(PathBuf, PathBuf)> {
 
 /// Adds `moves` to the log, and leaves out those whose layer is gone from where they lead
 /// (collected: nothing can stack it).
+/// The moves are marked not yet told (`finish_moves_held`) until `tell_moves_held` is done;
+/// they may be logged before they are made.
 fn log_moves(store: &Store, moves: &[(PathBuf, PathBuf)]) -> Result<(), SnapshotError> {
     let mut all = logged_moves(store);
     all.extend(moves.iter().cloned());
-    let leading: Vec<_> = all
+    let mut leading: Vec<_> = all[..all.len() - moves.len()]
         .iter()
         .filter(|(_, to)| placed(&all, std::slice::from_ref(to))[0].exists())
         .cloned()
         .collect();
+    leading.extend(moves.iter().cloned());
+    let marked = moving_path(store);
+    fs::write(&marked, b"").map_err(|source| SnapshotError::Record {
+        path: marked,
+        source,
+    })?;
     let path = moves_path(store);
     let text = serde_json::to_vec(&leading).map_err(|e| SnapshotError::Record {
         path: path.clone(),
@@ -1343,6 +1398,10 @@ fn collect(store: &Store) {
     let Ok(records) = RecordsLock::take(store) else {
         return;
     };
+    // Not while a record may still name a moved layer's old place.
+    if finish_moves_held(store).is_err() {
+        return;
+    }
     let used = referenced(store);
     let mut kept: Vec<PathBuf> = fs::read_dir(kept_dir(store))
         .into_iter()

@@ -142,8 +142,25 @@ pub fn merge(layers: &[PathBuf], into: &Path) -> io::Result<()> {
     let Some(top) = layers.first() else {
         return Err(io::Error::other("no layers to merge"));
     };
-    let building = into.with_extension("building");
+    // Named by its process: what a killed one left (a daemon killed while it merged, a merge
+    // started again at each turn-over after) is removed here, not left beside the layers,
+    // holding links to their files, until the next collection.
+    let building = into.with_extension(format!("{}{}", &BUILDING[1..], std::process::id()));
     let _ = Layer::at(building.clone()).remove_tree();
+    if let Some(parent) = into.parent() {
+        for entry in fs::read_dir(parent).into_iter().flatten().flatten() {
+            let name = entry.file_name();
+            let Some((_, pid)) = name.to_str().and_then(|n| n.rsplit_once(BUILDING)) else {
+                continue;
+            };
+            let gone = pid
+                .parse::<u32>()
+                .is_ok_and(|pid| !Path::new(&format!("/proc/{pid}")).exists());
+            if gone {
+                let _ = Layer::at(entry.path()).remove_tree();
+            }
+        }
+    }
     let built = make_dir_like(top, &building)
         .and_then(|()| {
             layers
@@ -160,6 +177,10 @@ pub fn merge(layers: &[PathBuf], into: &Path) -> io::Result<()> {
     }
     built
 }
+
+/// What a merged layer's name gets while it is built, followed by the builder's process id
+/// (`with_extension` adds the dot).
+const BUILDING: &str = ".building-";
 
 fn is_whiteout(meta: &fs::Metadata) -> bool {
     meta.file_type().is_char_device() && meta.rdev() == 0
