@@ -282,6 +282,7 @@ pub trait Backend: Send + Sync + Debug {
         let Some(layers) = self.layers() else {
             return Vec::new();
         };
+        let key = layers.store.apply_key();
         let mut lowers: Vec<std::path::PathBuf> = layers
             .store
             .layers()
@@ -293,7 +294,7 @@ pub trait Backend: Send + Sync + Debug {
         lowers
             .into_iter()
             .filter_map(|lower| {
-                let failed = warden_workspace::recover(&lower).err()?;
+                let failed = warden_workspace::recover(&lower, key.as_ref()).err()?;
                 Some((lower, failed.to_string()))
             })
             .collect()

@@ -1172,3 +1172,62 @@ fn what_a_replaced_or_deleted_host_directory_held_is_reviewed_before_it_goes() {
     );
     warden_ok(&["rm", "--force", &name]);
 }
+
+/// A cell cannot have the warden undo an apply it forged. An apply's staging folder and undo
+/// log lie in the host directory, where a cell's files can arrive (by an apply, here, or
+/// written in direct mode); a cell put a staging folder there whose log asked for a host
+/// file's mode to be set-uid, and the next diff of the directory, the warden's recovery of a
+/// "killed" apply, made that file setuid root. Logs are marked with the warden's own key now.
+#[test]
+fn a_cell_cannot_have_the_warden_undo_an_apply_it_forged() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let ws = tempdir();
+    let dir = ws.path();
+    std::fs::write(dir.join("f"), "a host file\n").unwrap();
+    std::fs::set_permissions(dir.join("f"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (forger, other) = (unique("forger"), unique("other"));
+    let forge = "import os, struct\n\
+                 def field(b): return struct.pack('<I', len(b)) + b\n\
+                 d = '/workspace/.warden-apply-999999-1-1'\n\
+                 os.makedirs(d)\n\
+                 open(d + '/log', 'wb').write(b'P' + field(b'f') + field(struct.pack('<I', 0o4755)) + bytes(32))\n";
+    for (name, argv) in [
+        (&forger, vec!["python3", "-c", forge]),
+        (&other, vec!["sh", "-c", "echo z > g"]),
+    ] {
+        let ran = Ran::from(
+            warden()
+                .args([
+                    "run",
+                    "--name",
+                    name,
+                    "--workspace",
+                    dir.to_str().unwrap(),
+                    "--",
+                ])
+                .args(argv)
+                .output()
+                .unwrap(),
+        );
+        assert_eq!(ran.code, 0, "{ran:?}");
+        if name == &forger {
+            // The forged folder reaches the host directory as any change does.
+            let applied = Ran::from(warden().args(["apply", name]).output().unwrap());
+            assert_eq!(applied.code, 0, "{applied:?}");
+            assert!(dir.join(".warden-apply-999999-1-1/log").exists());
+        }
+    }
+    // The next diff of the directory looks for killed applies to undo.
+    let diff = Ran::from(warden().args(["diff", &other]).output().unwrap());
+    let _ = warden().args(["rm", "--force", &other]).output();
+    assert_eq!(diff.code, 0, "{diff:?}");
+    let mode = std::fs::metadata(dir.join("f"))
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o7777;
+    assert_eq!(
+        mode, 0o755,
+        "the warden set the mode a cell's forged log asked for"
+    );
+}

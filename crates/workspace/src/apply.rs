@@ -46,6 +46,12 @@ pub struct ApplyOptions {
     /// names of a file written already count nothing): an apply that would write more is
     /// refused before it writes anything.
     pub max_write_bytes: u64,
+    /// The warden's own key (kept where no cell reaches) with which the apply's undo log and
+    /// its record of restored entries are authenticated: the staging folder and the record lie
+    /// in the host directory, where a cell's files can be (applied, or written in direct mode),
+    /// and a forged log undone by the warden had it set any mode on any host file (a setuid
+    /// root program). Without a key no log is trusted, and none is undone.
+    pub key: Option<[u8; 32]>,
 }
 
 impl Default for ApplyOptions {
@@ -59,6 +65,7 @@ impl Default for ApplyOptions {
             owner: None,
             digest: None,
             max_write_bytes: DEFAULT_MAX_WRITE_BYTES,
+            key: None,
         }
     }
 }
@@ -98,11 +105,13 @@ pub fn apply(
             source,
         }
     })?;
-    if !options.dry_run {
-        recover_in(&host, lower)?;
+    if !options.dry_run
+        && let Some(key) = &options.key
+    {
+        recover_in(&host, lower, key)?;
     }
     if !options.force {
-        check_conflicts(&host, &selected, options.started)?;
+        check_conflicts(&host, &selected, options.started, options.key.as_ref())?;
     }
     // Counted up front, so that an apply past the bound is refused whole; the copies count
     // again as they write (a file the cell filled in meanwhile cannot take them past it).
@@ -143,6 +152,8 @@ pub fn apply(
         staging: &staging,
         staging_name: &staging_name,
         log,
+        key: options.key.unwrap_or_default(),
+        mac: [0; 32],
         undo: Vec::new(),
         next: 0,
         linked: HashMap::new(),
@@ -175,9 +186,11 @@ pub fn apply(
         );
     }
     let _ = host.remove_dir_all(&staging_name);
-    let restored = Restored::load(&host);
-    if !restored.entries.is_empty() {
-        restored.save(&host);
+    if let Some(key) = &options.key {
+        let restored = Restored::load(&host, key);
+        if !restored.entries.is_empty() {
+            restored.save(&host, key);
+        }
     }
     report.applied = selected.iter().map(|c| c.path.clone()).collect();
     Ok(report)
@@ -229,15 +242,19 @@ fn is_dead(name: &str) -> Option<bool> {
 /// folder still holds their log), in reverse, and removes what every dead apply left there.
 /// Only a step that was taken and is not undone yet is undone, so a recovery killed in turn is
 /// finished by the next. Called by each apply and diff of the directory before it reads it.
-pub fn recover(lower: &Path) -> Result<(), WorkspaceError> {
+pub fn recover(lower: &Path, key: Option<&[u8; 32]>) -> Result<(), WorkspaceError> {
+    // Without the warden's key no log is trusted (see `ApplyOptions::key`).
+    let Some(key) = key else {
+        return Ok(());
+    };
     match Dir::open_ambient_dir(lower, ambient_authority()) {
-        Ok(host) => recover_in(&host, lower),
+        Ok(host) => recover_in(&host, lower, key),
         // The diff or apply that follows says why it cannot open it.
         Err(_) => Ok(()),
     }
 }
 
-fn recover_in(host: &Dir, lower: &Path) -> Result<(), WorkspaceError> {
+fn recover_in(host: &Dir, lower: &Path, key: &[u8; 32]) -> Result<(), WorkspaceError> {
     let Ok(entries) = host.entries() else {
         return Ok(());
     };
@@ -256,8 +273,10 @@ fn recover_in(host: &Dir, lower: &Path) -> Result<(), WorkspaceError> {
         let Ok(staging) = host.open_dir(&claimed) else {
             continue;
         };
+        // Only the steps whose records carry the key's mark: a log this process's key did not
+        // write (one a cell put there) undoes nothing.
         let steps = match staging.read(LOG) {
-            Ok(bytes) => Undo::decode_all(&bytes),
+            Ok(bytes) => Undo::decode_all(&bytes, key),
             Err(_) => Vec::new(),
         };
         let put_back =
@@ -267,7 +286,7 @@ fn recover_in(host: &Dir, lower: &Path) -> Result<(), WorkspaceError> {
                     source,
                 }
             })?;
-        Restored::record(host, put_back);
+        Restored::record(host, put_back, key);
     }
     Ok(())
 }
@@ -281,6 +300,26 @@ fn recover_in(host: &Dir, lower: &Path) -> Result<(), WorkspaceError> {
 #[derive(Default, serde::Deserialize, Serialize)]
 struct Restored {
     entries: Vec<RestoredEntry>,
+    /// The key's mark of `entries` (hex): a record a cell wrote would have let its own changes
+    /// over host edits pass the conflict check.
+    #[serde(default)]
+    mac: String,
+}
+
+/// The key's mark of `bytes`, chained from `before`.
+fn mark(key: &[u8; 32], before: &[u8; 32], bytes: &[u8]) -> [u8; 32] {
+    let mut hasher = blake3::Hasher::new_keyed(key);
+    hasher.update(before);
+    hasher.update(bytes);
+    *hasher.finalize().as_bytes()
+}
+
+/// The mark of a restored record's entries.
+fn entries_mark(key: &[u8; 32], entries: &[RestoredEntry]) -> String {
+    let bytes = serde_json::to_vec(entries).unwrap_or_default();
+    blake3::Hash::from(mark(key, &[0; 32], &bytes))
+        .to_hex()
+        .to_string()
 }
 
 #[derive(serde::Deserialize, Serialize, PartialEq)]
@@ -312,10 +351,11 @@ impl RestoredEntry {
 }
 
 impl Restored {
-    fn load(host: &Dir) -> Self {
+    fn load(host: &Dir, key: &[u8; 32]) -> Self {
         host.read(RESTORED)
             .ok()
-            .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+            .and_then(|bytes| serde_json::from_slice::<Self>(&bytes).ok())
+            .filter(|read| read.mac == entries_mark(key, &read.entries))
             .unwrap_or_default()
     }
 
@@ -325,11 +365,11 @@ impl Restored {
     }
 
     /// Adds the entries at `put_back`, as they are now.
-    fn record(host: &Dir, put_back: Vec<&Path>) {
+    fn record(host: &Dir, put_back: Vec<&Path>, key: &[u8; 32]) {
         if put_back.is_empty() {
             return;
         }
-        let mut restored = Self::load(host);
+        let mut restored = Self::load(host, key);
         let again: std::collections::HashSet<&Path> = put_back.iter().copied().collect();
         restored.entries.retain(|e| !again.contains(e.path()));
         for path in again {
@@ -337,11 +377,11 @@ impl Restored {
                 restored.entries.push(RestoredEntry::of(path, &meta));
             }
         }
-        restored.save(host);
+        restored.save(host, key);
     }
 
     /// Writes what still holds (aside, then renamed over), or removes the file.
-    fn save(mut self, host: &Dir) {
+    fn save(mut self, host: &Dir, key: &[u8; 32]) {
         self.entries.retain(|e| {
             host.symlink_metadata(e.path())
                 .is_ok_and(|meta| RestoredEntry::of(e.path(), &meta) == *e)
@@ -350,6 +390,7 @@ impl Restored {
             let _ = host.remove_file(RESTORED);
             return;
         }
+        self.mac = entries_mark(key, &self.entries);
         let Ok(bytes) = serde_json::to_vec(&self) else {
             return;
         };
@@ -479,12 +520,13 @@ fn check_conflicts(
     host: &Dir,
     selected: &[&Change],
     started: Option<SystemTime>,
+    key: Option<&[u8; 32]>,
 ) -> Result<(), WorkspaceError> {
     let Some(started) = started else {
         return Ok(());
     };
     let since = started.duration_since(UNIX_EPOCH).unwrap_or_default();
-    let restored = Restored::load(host);
+    let restored = key.map(|key| Restored::load(host, key)).unwrap_or_default();
     let mut conflicts = Vec::new();
     for change in selected {
         let Ok(meta) = host.symlink_metadata(&change.path) else {
@@ -604,7 +646,7 @@ impl Undo {
 
     /// The steps a log holds, in order; a record cut short (its step was not taken) or not
     /// understood ends it.
-    fn decode_all(mut log: &[u8]) -> Vec<Undo> {
+    fn decode_all(mut log: &[u8], key: &[u8; 32]) -> Vec<Undo> {
         use std::os::unix::ffi::OsStrExt as _;
         fn field<'b>(log: &mut &'b [u8]) -> Option<&'b [u8]> {
             let len = u32::from_le_bytes(log.get(..4)?.try_into().ok()?) as usize;
@@ -646,12 +688,22 @@ impl Undo {
             })
         }
         let mut steps = Vec::new();
+        let mut before = [0u8; 32];
         while let Some((&tag, rest)) = log.split_first() {
+            let record = log;
             log = rest;
-            match step(tag, &mut log) {
-                Some(step) => steps.push(step),
-                None => break,
+            let Some(step) = step(tag, &mut log) else {
+                break;
+            };
+            // The record's own bytes, then its mark: one the key did not make ends the log.
+            let bytes = &record[..record.len() - log.len()];
+            let expected = mark(key, &before, bytes);
+            if log.get(..32) != Some(&expected[..]) {
+                break;
             }
+            log = &log[32..];
+            before = expected;
+            steps.push(step);
         }
         steps
     }
@@ -690,6 +742,10 @@ struct Transaction<'a> {
     /// The log in staging: each step's undo is written to it before the step is taken, for a
     /// recovery to undo when this process is killed before its commit.
     log: fs::File,
+    /// The key each record is marked with, and the last record's mark (each record's is
+    /// chained from the one before, so none can be dropped or moved).
+    key: [u8; 32],
+    mac: [u8; 32],
     undo: Vec<Undo>,
     next: usize,
     /// The layer's files (device, inode) staged so far that have other names, each with the
@@ -713,7 +769,10 @@ impl Transaction<'_> {
     /// Records `step` before its step is taken: one write, which the page cache keeps when the
     /// process is killed.
     fn record(&mut self, step: Undo) -> io::Result<()> {
-        io::Write::write_all(&mut self.log, &step.encode())?;
+        let mut bytes = step.encode();
+        self.mac = mark(&self.key, &self.mac, &bytes);
+        bytes.extend_from_slice(&self.mac);
+        io::Write::write_all(&mut self.log, &bytes)?;
         self.undo.push(step);
         Ok(())
     }
@@ -1177,13 +1236,76 @@ mod tests {
                 staged: (1, 2),
             },
         ];
-        let log: Vec<u8> = steps.iter().flat_map(Undo::encode).collect();
-        assert_eq!(Undo::decode_all(&log), steps);
+        let log = marked(&steps, &KEY);
+        assert_eq!(Undo::decode_all(&log, &KEY), steps);
         for cut in 0..log.len() {
-            let read = Undo::decode_all(&log[..cut]);
+            let read = Undo::decode_all(&log[..cut], &KEY);
             assert!(read.len() < steps.len());
             assert_eq!(read[..], steps[..read.len()]);
         }
+        // Another key's log, one without marks, and one with a record left out are nothing
+        // (or nothing past the gap): a log a cell wrote undoes nothing.
+        assert!(Undo::decode_all(&marked(&steps, &[7; 32]), &KEY).is_empty());
+        let unmarked: Vec<u8> = steps.iter().flat_map(Undo::encode).collect();
+        assert!(Undo::decode_all(&unmarked, &KEY).is_empty());
+        let first = marked(&steps[..1], &KEY).len();
+        let mut gap = log[..first].to_vec();
+        gap.extend_from_slice(&marked(&steps, &KEY)[marked(&steps[..2], &KEY).len()..]);
+        assert_eq!(Undo::decode_all(&gap, &KEY), steps[..1]);
+    }
+
+    /// A staging folder a cell put in the host directory (applied, or written in direct mode),
+    /// with a log of its own making that asks for a host file's mode to be set-id: the warden
+    /// undoes nothing of it (it made a host file setuid root), and the folder goes.
+    #[test]
+    fn a_log_the_warden_did_not_write_undoes_nothing() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let tmp = tempfile::tempdir().unwrap();
+        let host = tmp.path();
+        fs::write(host.join("f"), "a host file").unwrap();
+        fs::set_permissions(host.join("f"), fs::Permissions::from_mode(0o644)).unwrap();
+        let step = [Undo::Permissions {
+            path: "f".into(),
+            mode: 0o4755,
+        }];
+        for (n, log) in [
+            step.iter().flat_map(Undo::encode).collect::<Vec<u8>>(),
+            marked(&step, &[7; 32]),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let staging = host.join(format!("{STAGING_PREFIX}999999-1-{n}"));
+            fs::create_dir(&staging).unwrap();
+            fs::write(staging.join(LOG), log).unwrap();
+            recover(host, Some(&KEY)).unwrap();
+            let mode = fs::metadata(host.join("f")).unwrap().mode() & 0o7777;
+            assert_eq!(mode, 0o644, "a forged log set the mode");
+            assert!(!staging.exists());
+        }
+        // Nor is a record of restored entries the warden did not mark read.
+        fs::write(
+            host.join(RESTORED),
+            r#"{"entries":[{"path":[102],"dev":1,"ino":2,"ctime":[3,4]}],"mac":"00"}"#,
+        )
+        .unwrap();
+        let dir = Dir::open_ambient_dir(host, ambient_authority()).unwrap();
+        assert!(Restored::load(&dir, &KEY).entries.is_empty());
+    }
+
+    const KEY: [u8; 32] = [42; 32];
+
+    /// `steps` as an apply marked with `key` writes them.
+    fn marked(steps: &[Undo], key: &[u8; 32]) -> Vec<u8> {
+        let mut mac = [0u8; 32];
+        let mut out = Vec::new();
+        for step in steps {
+            let bytes = step.encode();
+            mac = mark(key, &mac, &bytes);
+            out.extend_from_slice(&bytes);
+            out.extend_from_slice(&mac);
+        }
+        out
     }
 
     /// The log of a dead apply whose steps were taken, not taken, or taken and undone already:
@@ -1253,9 +1375,8 @@ mod tests {
                 backup: "9".into(),
             },
         ];
-        let log: Vec<u8> = steps.iter().flat_map(Undo::encode).collect();
-        fs::write(staging.join(LOG), log).unwrap();
-        recover(host).unwrap();
+        fs::write(staging.join(LOG), marked(&steps, &KEY)).unwrap();
+        recover(host, Some(&KEY)).unwrap();
         let read = |name: &str| fs::read_to_string(host.join(name)).ok();
         assert_eq!(read("deleted").as_deref(), Some("deleted"));
         assert_eq!(read("swapped").as_deref(), Some("old"));
@@ -1265,7 +1386,7 @@ mod tests {
         assert!(!host.join("made").exists());
         assert!(!staging.exists());
         // Again, on what is now the state before: nothing to do.
-        recover(host).unwrap();
+        recover(host, Some(&KEY)).unwrap();
         assert_eq!(read("swapped").as_deref(), Some("old"));
     }
 }

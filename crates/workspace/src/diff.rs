@@ -54,6 +54,9 @@ pub struct DiffOptions {
     /// instead of being listed, refused: true for a caller that must see the whole tree or act
     /// on none of it (a reset, which would leave that part as the cell made it).
     pub unread_fails: bool,
+    /// The warden's key of applies' undo logs (`ApplyOptions::key`): with it, a diff first
+    /// undoes what a killed apply of the directory left half done; without it, nothing is.
+    pub apply_key: Option<[u8; 32]>,
 }
 
 /// The deepest a diff reads a cell's tree: a directory more than this many levels below the
@@ -80,6 +83,7 @@ impl Default for DiffOptions {
             tell_copies: true,
             max_read_bytes: DEFAULT_MAX_READ_BYTES,
             unread_fails: false,
+            apply_key: None,
         }
     }
 }
@@ -94,7 +98,7 @@ pub fn diff(
 ) -> Result<Diff, WorkspaceError> {
     // An apply killed before its commit is undone first: what it left half done is neither
     // shown as the host's nor applied over.
-    crate::apply::recover(lower)?;
+    crate::apply::recover(lower, options.apply_key.as_ref())?;
     let lower_dir = Dir::open_ambient_dir(lower, ambient_authority()).map_err(|source| {
         WorkspaceError::Read {
             path: lower.to_path_buf(),

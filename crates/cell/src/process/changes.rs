@@ -285,7 +285,11 @@ pub fn diff(
     name: &str,
 ) -> Result<(Diff, LayerMeta), ChangesError> {
     let (layer, meta, _frozen) = hold(registry, store, name)?;
-    let diff = warden_workspace::diff(&meta.lower, &layer.stack(&meta), &options(&layer, &meta))?;
+    let options = DiffOptions {
+        apply_key: store.apply_key(),
+        ..options(&layer, &meta)
+    };
+    let diff = warden_workspace::diff(&meta.lower, &layer.stack(&meta), &options)?;
     Ok((diff, meta))
 }
 
@@ -297,10 +301,14 @@ pub fn apply(
     mut options: ApplyOptions,
 ) -> Result<ApplyReport, ChangesError> {
     let (layer, meta, _frozen) = hold(registry, store, name)?;
+    options.key = store.apply_key();
     let diff = warden_workspace::diff(
         &meta.lower,
         &layer.stack(&meta),
-        &self::options(&layer, &meta),
+        &DiffOptions {
+            apply_key: options.key,
+            ..self::options(&layer, &meta)
+        },
     )?;
     options.started = Some(meta.started);
     options.max_write_bytes = data_bound(&layer, &meta);

@@ -203,6 +203,9 @@ pub(super) fn plan(
         // directory deeper than the diff goes) would be left as the cell made it, and the reset
         // said to be done.
         unread_fails: true,
+        // A reset's plan reads the host directory as it is (a killed apply is undone by the
+        // next diff or apply of the cell, which hold the key).
+        apply_key: None,
     };
     // Nor does the current tree's diff read a file of the host's size (a copy of the host's, or
     // a change of the same size): the plan compares it with the version the target has there

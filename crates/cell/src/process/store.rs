@@ -69,6 +69,44 @@ impl Store {
         &self.root
     }
 
+    /// The key applies mark their undo logs with (`ApplyOptions::key`), made once (32 random
+    /// bytes, owner-only) in the state directory, which no cell sees. `None` where it can be
+    /// neither read nor made: then no killed apply is undone.
+    pub fn apply_key(&self) -> Option<[u8; 32]> {
+        use std::io::{Read as _, Write as _};
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let path = self.root.join("apply.key");
+        let read = |path: &Path| -> Option<[u8; 32]> {
+            let mut key = [0u8; 32];
+            fs::File::open(path).ok()?.read_exact(&mut key).ok()?;
+            Some(key)
+        };
+        if let Some(key) = read(&path) {
+            return Some(key);
+        }
+        let mut key = [0u8; 32];
+        fs::File::open("/dev/urandom")
+            .and_then(|mut random| random.read_exact(&mut key))
+            .ok()?;
+        // Written whole aside, then linked into place: of two wardens that make it at once,
+        // one's is kept and both read it.
+        fs::create_dir_all(&self.root).ok()?;
+        let aside = self.root.join(format!("apply.key.{}", std::process::id()));
+        let written = fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&aside)
+            .and_then(|mut file| file.write_all(&key).and_then(|()| file.sync_all()));
+        let linked = written.and_then(|()| fs::hard_link(&aside, &path));
+        let _ = fs::remove_file(&aside);
+        match linked {
+            Ok(()) => Some(key),
+            Err(_) => read(&path),
+        }
+    }
+
     /// The layer of the cell `name` (which may not exist).
     pub fn layer(&self, name: &str) -> Layer {
         Layer::at(self.root.join("layers").join(name))
