@@ -895,13 +895,27 @@ fn image(command: crate::cli::ImageCommand) -> Result<i32> {
             }
         }
         ImageCommand::Rm { name } => {
-            // Its layers are the root of the cells made from it: they stay while one runs.
-            let users: Vec<String> = registry()?
-                .list()?
-                .into_iter()
-                .filter(|r| r.image.as_deref() == Some(name.as_str()))
-                .map(|r| r.name)
-                .collect();
+            // Its layers are the root of the cells made from it: they stay while one runs. A
+            // cell whose init has ended is still listed while its keeper lets go of it (a
+            // delete answers before that): waited for, a few seconds at most.
+            let users = |registry: &warden_cell::Registry| -> Result<(Vec<String>, bool)> {
+                let users: Vec<_> = registry
+                    .list()?
+                    .into_iter()
+                    .filter(|r| r.image.as_deref() == Some(name.as_str()))
+                    .collect();
+                let ending = users.iter().any(|r| r.init_pidfd().is_none());
+                Ok((users.into_iter().map(|r| r.name).collect(), ending))
+            };
+            let registry = registry()?;
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+            let users = loop {
+                let (users, ending) = users(&registry)?;
+                if !ending || std::time::Instant::now() > deadline {
+                    break users;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            };
             if !users.is_empty() {
                 bail!(
                     "image {name} is the root of running cells: {}; end them first (`warden kill {}`)",

@@ -14,6 +14,17 @@ use serde_json::{Value, json};
 use support::daemon::*;
 use support::*;
 
+/// Waits until nothing of the daemon's folder is mounted beyond `mounts_before` and no loop
+/// device is attached to a file in it.
+fn nothing_mounted(daemon: &Daemon, mounts_before: usize) {
+    wait_for(Duration::from_secs(10), "mounts left behind", || {
+        mounts_under(daemon.dir.path()) <= mounts_before
+    });
+    wait_for(Duration::from_secs(10), "loop devices left behind", || {
+        loops_under(daemon.dir.path()) == 0
+    });
+}
+
 /// Lines of the host's mount table that name `dir` (the daemon's folder).
 fn mounts_under(dir: &std::path::Path) -> usize {
     let table = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
@@ -215,12 +226,7 @@ fn a_quiet_cells_snapshot_or_reset_killed_at_any_point_is_whole_or_not_at_all() 
         let removed = daemon.call("DELETE", &format!("/v1/snapshots/{cell}@s{snap}"), None);
         assert!(removed.status < 300, "{}", removed.text());
     }
-    wait_for(Duration::from_secs(10), "mounts left behind", || {
-        mounts_under(daemon.dir.path()) <= mounts_before
-    });
-    wait_for(Duration::from_secs(10), "loop devices left behind", || {
-        loops_under(daemon.dir.path()) == 0
-    });
+    nothing_mounted(&daemon, mounts_before);
 }
 
 /// A cell with a process running: its snapshot (a clone of its btrfs disk, or a copy, taken
@@ -340,12 +346,7 @@ fn a_running_cells_snapshot_or_reset_killed_at_any_point_is_whole_or_not_at_all(
             left.is_empty(),
             "{fs}: left in the snapshots' folder: {left:?}"
         );
-        wait_for(Duration::from_secs(10), "mounts left behind", || {
-            mounts_under(daemon.dir.path()) <= mounts_before
-        });
-        wait_for(Duration::from_secs(10), "loop devices left behind", || {
-            loops_under(daemon.dir.path()) == 0
-        });
+        nothing_mounted(&daemon, mounts_before);
     }
 }
 
@@ -476,12 +477,7 @@ fn assert_nothing_left(daemon: &Daemon, mounts_before: usize) {
             .map(|d| d.flatten().next().is_none())
             .unwrap_or(true)
     });
-    wait_for(Duration::from_secs(10), "mounts left behind", || {
-        mounts_under(daemon.dir.path()) <= mounts_before
-    });
-    wait_for(Duration::from_secs(10), "loop devices left behind", || {
-        loops_under(daemon.dir.path()) == 0
-    });
+    nothing_mounted(daemon, mounts_before);
 }
 
 /// The delete of a cell whose disk keeps snapshots (one stacked by another, one not), killed
