@@ -88,15 +88,15 @@ fn sh(daemon: &Daemon, cell: &str, script: &str) -> (Option<i64>, String) {
     )
 }
 
-/// The layer folder a snapshot's record names.
-fn snapshot_layer(daemon: &Daemon, cell: &str, name: &str) -> PathBuf {
-    let record = daemon
-        .state()
-        .join("snapshots")
-        .join(format!("{cell}@{name}"))
-        .join("snapshot.json");
-    let record: Value = serde_json::from_str(&read_file(&record)).unwrap();
-    record["layer"].as_str().unwrap().into()
+/// A host folder holding `a.txt` and a cell of `daemon` (named from `prefix`) on it.
+fn cell_on_host(daemon: &Daemon, prefix: &str) -> (TestDir, String) {
+    let host = tempdir();
+    std::fs::write(host.path().join("a.txt"), "host\n").unwrap();
+    let cell = daemon.create(
+        &unique(prefix),
+        json!({ "workspace": host.path().display().to_string() }),
+    );
+    (host, cell)
 }
 
 /// Waits until `done` holds (or panics after `limit`).
@@ -119,12 +119,7 @@ fn a_quiet_cells_snapshot_or_reset_killed_at_any_point_is_whole_or_not_at_all() 
     }
     let mut daemon = Daemon::start(&[]);
     let mounts_before = mounts_under(daemon.dir.path());
-    let host = tempdir();
-    std::fs::write(host.path().join("a.txt"), "host\n").unwrap();
-    let cell = daemon.create(
-        &unique("crashq"),
-        json!({ "workspace": host.path().display().to_string() }),
-    );
+    let (_host, cell) = cell_on_host(&daemon, "crashq");
     let mut taken: Vec<u32> = Vec::new();
     for round in 0..14u32 {
         // More than a copy is quicker for, so that it turns over.
@@ -148,7 +143,7 @@ fn a_quiet_cells_snapshot_or_reset_killed_at_any_point_is_whole_or_not_at_all() 
         let name = format!("s{round}");
         if listed.contains(&name) {
             // Whole: the layer holds every file the round wrote.
-            let layer = snapshot_layer(&daemon, &cell, &name);
+            let layer = daemon.snapshot_layer(&cell, &name);
             let files = std::fs::read_dir(layer.join(format!("d{round}")))
                 .map(|d| d.count())
                 .unwrap_or(0);
@@ -241,12 +236,7 @@ fn a_running_cells_snapshot_or_reset_killed_at_any_point_is_whole_or_not_at_all(
     for fs in ["btrfs", "ext4"] {
         let mut daemon = Daemon::start_with(&[], &[("WARDEN_LAYER_FS", fs)]);
         let mounts_before = mounts_under(daemon.dir.path());
-        let host = tempdir();
-        std::fs::write(host.path().join("a.txt"), "host\n").unwrap();
-        let cell = daemon.create(
-            &unique("crashr"),
-            json!({ "workspace": host.path().display().to_string() }),
-        );
+        let (_host, cell) = cell_on_host(&daemon, "crashr");
         let started = daemon.call(
             "POST",
             &format!("/v1/cells/{cell}/exec"),
@@ -278,7 +268,7 @@ fn a_running_cells_snapshot_or_reset_killed_at_any_point_is_whole_or_not_at_all(
             if snapshots_of(&daemon, &cell).contains(&name) {
                 // (Its layer holds what the round wrote, whether a clone, a copy, or, where the
                 // process went with the daemon, a turn-over.)
-                let layer = snapshot_layer(&daemon, &cell, &name);
+                let layer = daemon.snapshot_layer(&cell, &name);
                 let files = std::fs::read_dir(layer.join(format!("d{round}")))
                     .map(|d| d.count())
                     .unwrap_or(0);
@@ -400,12 +390,7 @@ fn a_stacked_snapshots_removal_killed_at_any_point_keeps_every_stack_whole() {
     }
     let mut daemon = Daemon::start(&[]);
     let mounts_before = mounts_under(daemon.dir.path());
-    let host = tempdir();
-    std::fs::write(host.path().join("a.txt"), "host\n").unwrap();
-    let cell = daemon.create(
-        &unique("crashrm"),
-        json!({ "workspace": host.path().display().to_string() }),
-    );
+    let (_host, cell) = cell_on_host(&daemon, "crashrm");
     let rounds = 16u32;
     for round in 0..rounds {
         write_round(&daemon, &cell, round);
@@ -574,12 +559,7 @@ fn a_fork_killed_at_any_point_runs_whole_or_is_not_there() {
     }
     let mut daemon = Daemon::start(&[]);
     let mounts_before = mounts_under(daemon.dir.path());
-    let host = tempdir();
-    std::fs::write(host.path().join("a.txt"), "host\n").unwrap();
-    let cell = daemon.create(
-        &unique("crashfk"),
-        json!({ "workspace": host.path().display().to_string() }),
-    );
+    let (_host, cell) = cell_on_host(&daemon, "crashfk");
     for r in 0..3 {
         write_round(&daemon, &cell, r);
         let taken = daemon.call(
@@ -642,12 +622,7 @@ fn a_deep_stacks_squash_killed_at_any_point_leaves_the_stack_whole() {
     for fs in ["btrfs", "ext4"] {
         let mut daemon = Daemon::start_with(&[], &[("WARDEN_LAYER_FS", fs)]);
         let mounts_before = mounts_under(daemon.dir.path());
-        let host = tempdir();
-        std::fs::write(host.path().join("a.txt"), "host\n").unwrap();
-        let cell = daemon.create(
-            &unique("crashsq"),
-            json!({ "workspace": host.path().display().to_string() }),
-        );
+        let (_host, cell) = cell_on_host(&daemon, "crashsq");
         let rounds = 26u32;
         for round in 0..rounds {
             write_round(&daemon, &cell, round);

@@ -1049,7 +1049,7 @@ fn a_quiet_cells_snapshot_and_reset_turn_layers_over_without_copies() {
         true => layer.join("fs"),
         false => layer,
     };
-    let snapshot_layer = |snap: &str| snapshot_layer(&daemon, &cell, snap);
+    let snapshot_layer = |snap: &str| daemon.snapshot_layer(&cell, snap);
     let ino = |path: &std::path::Path| std::fs::symlink_metadata(path).unwrap().ino();
     let written = ino(&layer.join("upper/a.txt"));
 
@@ -1215,7 +1215,7 @@ copied
     }
 
     snapshot_as(&daemon, &cell, "busy");
-    let own = snapshot_layer(&daemon, &cell, "busy");
+    let own = daemon.snapshot_layer(&cell, "busy");
     assert!(
         own.starts_with(fs_dir.join("snapshots")) && own.ends_with("upper"),
         "{own:?}"
@@ -1265,7 +1265,7 @@ copied
     assert_eq!(read_fork("cat d/f1 d/f2 live"), expected);
     let deleted = daemon.call("DELETE", &format!("/v1/cells/{cell}"), None);
     assert!(deleted.status < 300, "{}", deleted.text());
-    let moved = snapshot_layer(&daemon, &cell, "busy");
+    let moved = daemon.snapshot_layer(&cell, "busy");
     assert!(
         !moved.starts_with(daemon.state().join("layers")),
         "{moved:?}"
@@ -1463,7 +1463,7 @@ fn snapshots_kept_in_a_cells_disk_stop_at_half_of_it() {
     let many = "mkdir -p m && i=0; while [ $i -lt 120 ]; do echo $i > m/$i; i=$((i+1)); done";
     let snapshot = |name: &str| {
         snapshot_as(&daemon, &cell, name);
-        snapshot_layer(&daemon, &cell, name)
+        daemon.snapshot_layer(&cell, name)
     };
     // A quarter of the disk: kept in it, not copied.
     write(&format!("head -c 16777216 /dev/urandom > big && {many}"));
@@ -1516,7 +1516,7 @@ fn snapshots_kept_in_a_cells_disk_stop_at_half_of_its_files() {
         .expect("df gives the layer's inodes");
     let snapshot = |name: &str| {
         snapshot_as(&daemon, &cell, name);
-        snapshot_layer(&daemon, &cell, name)
+        daemon.snapshot_layer(&cell, name)
     };
     let files = |dir: &str, n: u64| {
         let script = format!("mkdir -p {dir} && cd {dir} && seq {n} | xargs touch");
@@ -1695,7 +1695,7 @@ fn a_deep_stack_over_a_clone_is_squashed() {
     );
     assert_eq!(sleeper.status, 201, "{}", sleeper.text());
     snapshot_as(&daemon, &cell, "clone");
-    let clone = snapshot_layer(&daemon, &cell, "clone");
+    let clone = daemon.snapshot_layer(&cell, "clone");
     assert!(
         clone.ends_with("upper") && clone.to_string_lossy().contains("/.sv-"),
         "{clone:?}"
@@ -1825,15 +1825,4 @@ fn snapshot_as(daemon: &Daemon, cell: &str, name: &str) {
         Some(json!({ "as": name })),
     );
     assert_eq!(answer.status, 201, "{}", answer.text());
-}
-
-/// Where snapshot `CELL@NAME`'s layer is, as its record says.
-fn snapshot_layer(daemon: &Daemon, cell: &str, name: &str) -> std::path::PathBuf {
-    let record = daemon
-        .state()
-        .join("snapshots")
-        .join(format!("{cell}@{name}"))
-        .join("snapshot.json");
-    let record: Value = serde_json::from_str(&read_file(&record)).unwrap();
-    record["layer"].as_str().unwrap().into()
 }

@@ -1033,31 +1033,20 @@ fn a_reset_without_a_daemon_takes_no_snapshot_of_an_earlier_cell_of_its_name() {
     let second = tempdir();
     std::fs::write(second.path().join("two"), "2\n").unwrap();
     let name = unique("earlier");
-    let ran = run_sh(
-        &[
-            "--name",
-            &name,
-            "--workspace",
-            first.path().to_str().unwrap(),
-        ],
-        "echo earlier > /workspace/secret",
-    );
-    assert_eq!(ran.code, 0, "{ran:?}");
+    let run_on = |workspace: &Path, script: &str| {
+        let ran = run_sh(
+            &["--name", &name, "--workspace", workspace.to_str().unwrap()],
+            script,
+        );
+        assert_eq!(ran.code, 0, "{ran:?}");
+    };
+    run_on(first.path(), "echo earlier > /workspace/secret");
     warden_ok(&["snapshot", &name, "--as", "s1"]);
     let snap = format!("{name}@s1");
     // The cell goes; its snapshot stays (a fork may start from it). A new cell takes the name,
     // on another workspace.
     warden_ok(&["rm", &name]);
-    let ran = run_sh(
-        &[
-            "--name",
-            &name,
-            "--workspace",
-            second.path().to_str().unwrap(),
-        ],
-        "echo later > /workspace/own",
-    );
-    assert_eq!(ran.code, 0, "{ran:?}");
+    run_on(second.path(), "echo later > /workspace/own");
     let reset = Ran::from(
         warden()
             .args(["reset", &name, "--to", "s1"])

@@ -235,6 +235,17 @@ impl Daemon {
         self.state.join("journal").join("journal.jsonl")
     }
 
+    /// Where snapshot `CELL@NAME`'s layer is, as its record says.
+    pub fn snapshot_layer(&self, cell: &str, name: &str) -> PathBuf {
+        let record = self
+            .state()
+            .join("snapshots")
+            .join(format!("{cell}@{name}"))
+            .join("snapshot.json");
+        let record: Value = serde_json::from_str(&read_file(&record)).unwrap();
+        record["layer"].as_str().unwrap().into()
+    }
+
     /// The journal's entries about `cell`, in order, read from its file.
     pub fn entries_of(&self, cell: &str) -> Vec<Value> {
         std::fs::read_to_string(self.journal())

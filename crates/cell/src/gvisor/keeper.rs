@@ -172,7 +172,7 @@ pub fn keep(
     // `prepare` looked for an image's links where every tier's setup works; the keeper also
     // binds its own files in (see `CellPlan::image_link`).
     if let Some(image) = &policy.image
-        && let Some((path, target)) = plan.image_link(&[INIT_IN_CELL, STATX_IN_CELL])
+        && let Some((path, target)) = plan.image_link_at(&[INIT_IN_CELL, STATX_IN_CELL])
     {
         return Err(RunError::from(crate::process::plan::PlanError::ImageLink {
             image: image.clone(),

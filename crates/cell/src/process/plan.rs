@@ -92,14 +92,14 @@ const SETUP_MAKES: &[&str] = &["/.warden", "/tmp", "/dev", "/proc", "/sys"];
 impl CellPlan {
     /// The first symbolic link that a layer of the cell's image has on the way to something the
     /// cell's setup makes, writes or mounts on in its root (the plan's entries, the workspace's
-    /// mount point, the folders of the generated `/etc` files, [`SETUP_MAKES`] and `more`), with
+    /// mount point, the folders of the generated `/etc` files and [`SETUP_MAKES`]), with
     /// its target. The setup works by path on the image's merged tree before the cell's root is
     /// its own, so the host's kernel would follow such a link (absolute, or climbing out with
     /// `..`) into the host's files. Every layer is looked at, a link a layer above hides
     /// included (a refusal, never a miss). `/etc` itself is the setup's own directory, above the
     /// image's; the last component of an `/etc` file or of a policy's link is replaced, not
     /// followed.
-    pub fn image_link(&self, more: &[&str]) -> Option<(PathBuf, PathBuf)> {
+    pub fn image_link(&self) -> Option<(PathBuf, PathBuf)> {
         // Each path, and whether its last component is looked at too.
         let mut paths: Vec<(PathBuf, bool)> = self
             .entries
@@ -109,19 +109,27 @@ impl CellPlan {
                 Entry::Copy { path } | Entry::Bind { path, .. } => (path.clone(), true),
             })
             .collect();
-        paths.extend(
-            SETUP_MAKES
-                .iter()
-                .chain(more)
-                .map(|p| (PathBuf::from(p), true)),
-        );
+        paths.extend(SETUP_MAKES.iter().map(|p| (PathBuf::from(p), true)));
         paths.push((self.workspace_mount.clone(), true));
         paths.extend(
             self.etc_files()
                 .into_iter()
                 .map(|(name, _)| (Path::new("/etc").join(name), false)),
         );
-        for (path, whole) in &paths {
+        self.first_image_link(&paths)
+    }
+
+    /// [`Self::image_link`] of `paths` alone, each looked at whole (what a tier's setup makes
+    /// in the root besides what every tier's does).
+    pub fn image_link_at(&self, paths: &[&str]) -> Option<(PathBuf, PathBuf)> {
+        let paths: Vec<(PathBuf, bool)> = paths.iter().map(|p| (PathBuf::from(p), true)).collect();
+        self.first_image_link(&paths)
+    }
+
+    /// The first link of the image's layers on the way to `paths` (and at a path's last
+    /// component where its flag says so), with its target.
+    fn first_image_link(&self, paths: &[(PathBuf, bool)]) -> Option<(PathBuf, PathBuf)> {
+        for (path, whole) in paths {
             let relative = path.strip_prefix("/").unwrap_or(path);
             let components: Vec<_> = relative.components().collect();
             let looked = if *whole {

@@ -1009,7 +1009,7 @@ pub(crate) fn prepare(
         extra_etc,
     };
     if let Some(image) = &policy.image
-        && let Some((path, target)) = plan.image_link(&[])
+        && let Some((path, target)) = plan.image_link()
     {
         return Err(PlanError::ImageLink {
             image: image.clone(),
