@@ -260,6 +260,11 @@ pub trait Backend: Send + Sync + Debug {
         #[cfg(target_os = "linux")]
         crate::netns::let_go_of_early();
     }
+    /// Waits for the starts a killed process left under way (a keeper told its cell's request,
+    /// its starter gone before the cell was ready) to publish their cell or end, so that
+    /// `adopt` then tells a cell that runs from one that is not there. Called by a daemon as it
+    /// starts, before it looks for the cells a killed daemon was making. By default, nothing.
+    fn settle_starts(&self) {}
     /// Takes back a cell started earlier (by this process or another): `None` once it has
     /// ended; `Err` when that cannot be told now.
     fn adopt(&self, name: &str) -> Result<Option<Arc<dyn Cell>>, CellError>;

@@ -112,6 +112,12 @@ impl Harness {
         let pooled: std::collections::HashSet<String> = names_in(&self.daemon_dir.join("pool"))
             .into_iter()
             .collect();
+        // A keeper told its request before the kill may not have reserved or published its
+        // cell yet, and goes on to start it: waited for first (every tier's keepers note
+        // their starts in the registry they share, so one tier's look is every tier's).
+        if let Ok(backend) = self.backend(warden_policy::Tier::Process) {
+            let _ = on_own_thread("cell-control", move || backend.settle_starts()).await;
+        }
         for name in names_in(&self.daemon_dir.join("cells")) {
             if pooled.contains(&name) || !matches!(self.state.get(&name), Ok(None)) {
                 continue;

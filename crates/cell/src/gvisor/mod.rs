@@ -78,6 +78,10 @@ impl Backend for GvisorBackend {
         attached::run(&self.keepers, spec, argv, discard_changes, before_start)
     }
 
+    fn settle_starts(&self) {
+        self.keepers.settle_starts();
+    }
+
     fn adopt(&self, name: &str) -> Result<Option<Arc<dyn Cell>>, CellError> {
         self.keepers.adopt(name)
     }

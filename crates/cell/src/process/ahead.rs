@@ -37,6 +37,13 @@ pub(crate) enum KeeperProcess {
 }
 
 impl KeeperProcess {
+    pub(crate) fn pid(&self) -> i32 {
+        match self {
+            Self::Started(child) => child.id() as i32,
+            Self::Forked(forked) => forked.pid(),
+        }
+    }
+
     /// Its exit status, reaping it, once it ended.
     pub(crate) fn try_wait(&mut self) -> std::io::Result<Option<ExitStatus>> {
         match self {

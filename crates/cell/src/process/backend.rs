@@ -196,6 +196,12 @@ impl Backend for ProcessBackend {
             checked: false,
         })
         .map_err(|e| StartError::Host(format!("writing the keeper's request: {e}")))?;
+        // Noted until the keeper is ready or ended: a daemon killed from here on leaves a
+        // keeper starting a cell that nothing lists yet, which the next waits for.
+        let _noted = self
+            .registry
+            .note_start(&name, keeper.child.pid())
+            .map_err(|e| StartError::Host(e.to_string()))?;
         keeper.send(&request);
         match keeper.wait_ready(Instant::now() + START_DEADLINE) {
             Ok(()) => {
@@ -294,6 +300,10 @@ impl Backend for ProcessBackend {
             kept_changes: outcome.kept_changes,
             release: outcome.release,
         })
+    }
+
+    fn settle_starts(&self) {
+        self.registry.settle_starts(START_DEADLINE);
     }
 
     fn adopt(&self, name: &str) -> Result<Option<Arc<dyn Cell>>, CellError> {

@@ -258,6 +258,7 @@ impl ForkServer {
         let pid = self.ask(FORK, &fds)?;
         drop((line, out, err));
         Ok(ForkedKeeper {
+            pid,
             // Our child (CLONE_PARENT): its pid is not reused before we reap it.
             pidfd: sys::pidfd_open(pid)?,
             status: None,
@@ -310,11 +311,16 @@ impl Drop for ForkServer {
 /// A keeper the server forked: the daemon's child, known by a pidfd.
 #[derive(Debug)]
 pub(crate) struct ForkedKeeper {
+    pid: i32,
     pidfd: OwnedFd,
     status: Option<ExitStatus>,
 }
 
 impl ForkedKeeper {
+    pub(crate) fn pid(&self) -> i32 {
+        self.pid
+    }
+
     /// Its exit status, reaping it, once it ended.
     pub(crate) fn try_wait(&mut self) -> io::Result<Option<ExitStatus>> {
         self.wait_with(rustix::process::WaitIdOptions::NOHANG)

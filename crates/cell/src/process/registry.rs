@@ -85,6 +85,10 @@ const CELL_ROOT: &str = "cell-root";
 /// ended cell frees nothing and is made no more.
 const SPARES: usize = 4;
 
+/// The folder of the notes of cells whose keeper was told its request and whose starter waits
+/// for its `ready` (see `Registry::note_start`).
+const STARTS: &str = "starts";
+
 /// The names an ending cell's folder has while it is emptied (`.ending-PID-N`, a name no cell
 /// can have); one left by a warden that died there is swept.
 const ENDING: &str = ".ending-";
@@ -136,6 +140,12 @@ impl Registry {
     pub fn open(root: PathBuf) -> Result<Self, RegistryError> {
         let cells = root.join("cells");
         let mount_point = root.join(CELL_ROOT);
+        let starts = root.join(STARTS);
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&starts)
+            .map_err(io_at(&starts))?;
         // Search-only for others: a root-started cell's setup runs as an unprivileged host id
         // and must be able to reach its mount point, but may list nothing.
         for dir in [&root, &cells, &mount_point] {
@@ -412,11 +422,90 @@ impl Registry {
         self.cell_dir(name).join(file)
     }
 
+    /// Notes that the keeper `keeper` (a pid) is about to be told the request of cell `name`,
+    /// until the returned note is dropped (once the keeper said `ready`, or ended): between the
+    /// two, the name may be neither reserved nor published yet while the keeper goes on to start
+    /// the cell, outliving its starter. A starter killed there (a daemon) leaves the note, and
+    /// the next one waits for that keeper (`settle_starts`) before it takes a cell that is not
+    /// listed for one that is not there.
+    pub fn note_start(&self, name: &str, keeper: i32) -> Result<StartNote, RegistryError> {
+        let ticks = super::sys::process_start_ticks(keeper).ok_or_else(|| RegistryError::Io {
+            path: PathBuf::from(format!("/proc/{keeper}/stat")),
+            source: io::Error::other("the keeper is not there to be noted"),
+        })?;
+        let path = self.root.join(STARTS).join(name);
+        fs::write(&path, format!("{keeper} {ticks}\n")).map_err(io_at(&path))?;
+        Ok(StartNote(path))
+    }
+
+    /// Waits for each keeper a killed starter left noted (`note_start`) until its cell is
+    /// published (a running cell, for `get` and its starter's successor to take back) or the
+    /// keeper ended; one still starting after `deadline` (which its starter would have given
+    /// it) is killed. The notes go; a note that names no live keeper goes at once.
+    pub fn settle_starts(&self, deadline: std::time::Duration) {
+        let dir = self.root.join(STARTS);
+        let Ok(entries) = fs::read_dir(&dir) else {
+            return;
+        };
+        let until = std::time::Instant::now() + deadline;
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if let Some(keeper) = fs::read_to_string(&path)
+                .ok()
+                .and_then(|text| noted_keeper(&text))
+            {
+                self.wait_for_start(&name, &keeper, until);
+            }
+            let _ = fs::remove_file(&path);
+        }
+    }
+
+    /// Waits until cell `name` is published or its keeper (a pidfd) ended; past `until`, kills
+    /// the keeper and waits (a little) for its end.
+    fn wait_for_start(&self, name: &str, keeper: &std::os::fd::OwnedFd, until: std::time::Instant) {
+        use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+        use std::os::fd::AsFd as _;
+        let ended = |ms: u16| {
+            let mut fds = [PollFd::new(keeper.as_fd(), PollFlags::POLLIN)];
+            matches!(poll(&mut fds, PollTimeout::from(ms)), Ok(n) if n > 0)
+        };
+        loop {
+            if self.get(name).is_ok() || ended(2) {
+                return;
+            }
+            if std::time::Instant::now() > until {
+                let _ = super::sys::pidfd_send_signal(keeper, libc::SIGKILL);
+                let _ = ended(5000);
+                return;
+            }
+        }
+    }
+
     /// Leaves a note that the cell was killed on request, for its owner to report.
     pub fn mark_killed(&self, name: &str) -> Result<(), RegistryError> {
         let path = self.cell_dir(name).join("killed");
         fs::write(&path, b"").map_err(io_at(&path))
     }
+}
+
+/// A note of a start under way (`Registry::note_start`), removed when dropped.
+#[derive(Debug)]
+pub struct StartNote(PathBuf);
+
+impl Drop for StartNote {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(&self.0);
+    }
+}
+
+/// The keeper a start note names, as a pidfd, while that process lives (its start time as
+/// noted: a pid a later process took is not it).
+fn noted_keeper(text: &str) -> Option<std::os::fd::OwnedFd> {
+    let (pid, ticks) = text.trim().split_once(' ')?;
+    let (pid, ticks): (i32, u64) = (pid.parse().ok()?, ticks.parse().ok()?);
+    let pidfd = super::sys::pidfd_open(pid).ok()?;
+    (super::sys::process_start_ticks(pid) == Some(ticks)).then_some(pidfd)
 }
 
 /// A cell's lock file, held open to be asked whether its cell still lives.
