@@ -11,10 +11,44 @@ pub struct ByteSize(pub u64);
 impl ByteSize {
     /// Parses the YAML form; the error names the accepted spellings.
     pub fn parse(text: &str) -> Result<Self, String> {
-        text.trim()
+        let trimmed = text.trim();
+        let size = trimmed
             .parse::<bytesize::ByteSize>()
-            .map(|size| Self(size.as_u64()))
-            .map_err(|_| format!("`{text}` is not a size; write it like 512MiB, 2GiB or 1048576"))
+            .map(|size| size.as_u64())
+            .map_err(|_| {
+                format!("`{text}` is not a size; write it like 512MiB, 2GiB or 1048576")
+            })?;
+        // The parser saturates: a size past 16 EiB would read as the largest there is, which
+        // is no limit at all.
+        if size == u64::MAX && past_u64(trimmed) {
+            return Err(format!(
+                "`{text}` is larger than any size there is (16 EiB); write the limit meant, like 512MiB or 2GiB"
+            ));
+        }
+        Ok(Self(size))
+    }
+}
+
+/// Whether the size `text` spells (a number and a unit) is past what a `u64` holds.
+fn past_u64(text: &str) -> bool {
+    let digits = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(digits);
+    let factor = match unit.trim() {
+        "" => 1,
+        unit => format!("1{unit}")
+            .parse::<bytesize::ByteSize>()
+            .map_or(1, |s| s.as_u64()),
+    };
+    match number.parse::<u128>() {
+        // Whole numbers exactly (a float rounds `u64::MAX` up to 2^64).
+        Ok(n) => n
+            .checked_mul(u128::from(factor))
+            .is_none_or(|n| n > u128::from(u64::MAX)),
+        Err(_) => {
+            number.parse::<f64>().unwrap_or(0.0) * factor as f64 >= 18_446_744_073_709_551_616.0
+        }
     }
 }
 
@@ -112,6 +146,29 @@ mod tests {
         assert_eq!(ByteSize::parse("1 GiB"), Ok(ByteSize(1 << 30)));
         assert!(ByteSize::parse("lots").is_err());
         assert_eq!(ByteSize(256 << 20).to_string(), "256 MiB");
+        assert_eq!(ByteSize::parse("16383PiB"), Ok(ByteSize(16383 << 50)));
+        assert_eq!(
+            ByteSize::parse("18446744073709551615"),
+            Ok(ByteSize(u64::MAX))
+        );
+        assert_eq!(
+            ByteSize::parse("18446744073709551615 B"),
+            Ok(ByteSize(u64::MAX))
+        );
+    }
+
+    /// A size past what a `u64` holds is refused, not read as the largest (no limit).
+    #[test]
+    fn sizes_too_large_to_hold_are_refused() {
+        for text in [
+            "99999999999999TiB",
+            "16EiB",
+            "17179869184GiB",
+            "20000000000000000000 B",
+        ] {
+            let err = ByteSize::parse(text).unwrap_err();
+            assert!(err.contains("larger than any size"), "{text}: {err}");
+        }
     }
 
     #[test]
