@@ -10,6 +10,7 @@ use std::io::{self, Write as _};
 use std::net::{TcpListener, UdpSocket};
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
 use std::time::SystemTime;
 
 use warden_policy::Policy;
@@ -20,6 +21,11 @@ pub const POLICY_UPDATE: &str = "policy-update.yaml";
 pub const POLICY_ACK: &str = "policy-update.json";
 /// The folder of a running cell where `ask` rules leave their questions.
 pub const APPROVALS: &str = "approvals";
+
+/// The most bytes of `ask` rules' questions a gateway tells on its stderr (a daemon's keeper's
+/// is the cell's `keeper.log`): each is a line of up to ~2.2 KiB, and a cell asks as often as it
+/// likes. The questions themselves stay in the approvals folder, and the daemon's queue.
+const QUESTIONS_TOLD: u64 = 1 << 20;
 
 /// The gateway a policy asks for, compiled before the cell exists.
 #[derive(Debug)]
@@ -370,18 +376,32 @@ pub fn start(
         // Questions of `ask` rules: told on this process's stderr, answered by `warden
         // approve` or `warden deny` from anywhere on the host.
         let cell = name.to_owned();
+        let told = std::sync::atomic::AtomicU64::new(0);
         let approvals = warden_egress::Approvals::new(
             &places.folder.join(APPROVALS),
             policy.approvals.timeout.0,
             policy.approvals.on_timeout == warden_policy::ApprovalOutcome::Allow,
             move |q| {
-                let line = format!(
+                let mut line = format!(
                     "warden: cell `{cell}` asks to {} (rule {}): answer with `warden approve {cell} {id}` or `warden deny {cell} {id}` within {} s\n",
                     q.request,
                     q.rule,
                     q.timeout_s,
                     id = q.id
                 );
+                // The cell asks as often as it likes (a question a standing grant answers is
+                // asked all the same), and a daemon's keeper tells them to the cell's log file:
+                // at most `QUESTIONS_TOLD` bytes of them, then one line that says so.
+                let before = told.fetch_add(line.len() as u64, Ordering::Relaxed);
+                if before >= QUESTIONS_TOLD {
+                    return;
+                }
+                if before + line.len() as u64 > QUESTIONS_TOLD {
+                    line = format!(
+                        "warden: cell `{cell}` asks more than {} KiB of questions: no more are told here; `warden approvals {cell}` lists those waiting\n",
+                        QUESTIONS_TOLD >> 10
+                    );
+                }
                 // Straight to the descriptor: a relay may hold the lock of `stderr` while it
                 // forwards the cell's output.
                 let _ = nix::unistd::write(std::io::stderr(), line.as_bytes());

@@ -785,3 +785,86 @@ fn each_gateway_decision_is_journaled_once_across_restarts() {
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(journaled(&daemon), 4, "a decision was journaled twice");
 }
+
+/// A question a standing grant answers is still asked, and told as a line (up to ~2.2 KiB) on
+/// the keeper's stderr, which is the cell's `keeper.log` on the host's disk: a cell that asked
+/// 1,600 times in 15 s wrote 3.3 MB there, and went on for as long as it ran. The lines stop at
+/// 1 MiB, with one that says so; the questions are still answered.
+#[test]
+fn questions_a_cell_asks_in_bulk_fill_its_keeper_log_only_so_far() {
+    if !cgroups_available("daemon_questions_log") {
+        return;
+    }
+    let (port, _) = upstream();
+    let daemon = Daemon::start(&[]);
+    let policy = format!(
+        "version: 1\nnetwork:\n  ask:\n    - host: 127.0.0.2\n      ports: [{port}]\napprovals:\n  timeout: 30s\n"
+    );
+    let cell = daemon.create(&unique("qlog"), json!({ "policy": policy }));
+    // The first question, answered for the cell's life: the rest are answered by the grant.
+    let code =
+        format!("import urllib.request\nurllib.request.urlopen('http://127.0.0.2:{port}/first')");
+    let started = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(json!({ "argv": ["python3", "-c", code], "background": true })),
+    );
+    assert_eq!(started.status, 201, "{}", started.text());
+    let mut id = None;
+    for _ in 0..400 {
+        let open = daemon.call("GET", "/v1/approvals", None).json();
+        id = open
+            .as_array()
+            .unwrap()
+            .first()
+            .map(|q| q["id"].as_u64().unwrap());
+        if id.is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    let id = id.expect("the first question");
+    let answered = daemon.call(
+        "POST",
+        &format!("/v1/approvals/{cell}/{id}"),
+        Some(json!({ "decision": "approve", "scope": "cell" })),
+    );
+    assert!(answered.status < 300, "{}", answered.text());
+    // 640 questions of ~2.1 KiB each (the path is most of it): 1.3 MiB of lines unbounded.
+    let flood = format!(
+        "import urllib.request, threading\n\
+         ok = []\n\
+         def ask(t):\n    for i in range(20):\n        \
+         ok.append(urllib.request.urlopen('http://127.0.0.2:{port}/%s%d_%d' % ('a' * 1900, t, i)).status)\n\
+         threads = [threading.Thread(target=ask, args=(t,)) for t in range(32)]\n\
+         [t.start() for t in threads]\n[t.join() for t in threads]\n\
+         print(ok.count(200))"
+    );
+    let events = daemon.exec(&cell, json!({ "argv": ["python3", "-c", flood] }));
+    let out = String::from_utf8_lossy(&stream_bytes(&events, "stdout")).into_owned();
+    assert_eq!(
+        out.trim(),
+        "640",
+        "every question answered by the grant: {events:?}"
+    );
+
+    let log = daemon
+        .state()
+        .join("daemon")
+        .join("cells")
+        .join(&cell)
+        .join("keeper.log");
+    let told = std::fs::read_to_string(&log).unwrap();
+    eprintln!("keeper.log: {} bytes", told.len());
+    assert!(
+        told.len() < (1 << 20) + 4096,
+        "{} bytes of questions in {}",
+        told.len(),
+        log.display()
+    );
+    assert!(
+        told.contains("no more are told here"),
+        "{}",
+        &told[told.len().saturating_sub(400)..]
+    );
+}

@@ -995,3 +995,46 @@ fn a_directory_a_lower_layer_holds_past_path_max_is_refused_not_left_out() {
             .collect::<Vec<_>>()
     );
 }
+
+/// A cell makes patches for almost nothing: one text file and many more names for it (hard
+/// links take no room). Each name was read and given its patch: 200 KB and 2,000 names made a
+/// diff of 458 MB as JSON that took the daemon 1 GB of memory. Patches stop at the diff's bound
+/// on them; the files past it are listed with their hash, as files too large for a patch are.
+#[test]
+fn patches_of_one_file_under_many_names_stop_at_the_diffs_bound() {
+    const LINKS: usize = 400;
+    let root = tempfile::tempdir().unwrap();
+    let lower = root.path().join("lower");
+    let upper = root.path().join("upper");
+    fs::create_dir_all(&lower).unwrap();
+    fs::create_dir_all(upper.join("l")).unwrap();
+    let text: String = (0..40_000).map(|i| format!("{i}\n")).collect();
+    let first = upper.join("l").join("f");
+    fs::write(&first, &text).unwrap();
+    for i in 0..LINKS {
+        fs::hard_link(&first, upper.join("l").join(format!("n{i:04}"))).unwrap();
+    }
+
+    let d = diff(&lower, &[upper], &DiffOptions::default()).unwrap();
+
+    let files: Vec<_> = d.changes.iter().filter(|c| c.path != "l").collect();
+    assert_eq!(files.len(), LINKS + 1);
+    let hash = blake3::hash(text.as_bytes()).to_hex().to_string();
+    assert!(
+        files
+            .iter()
+            .all(|c| c.hash.as_deref() == Some(hash.as_str()))
+    );
+    let patched = files.iter().filter(|c| c.patch.is_some()).count();
+    let kept: usize = files
+        .iter()
+        .filter_map(|c| c.patch.as_ref())
+        .map(String::len)
+        .sum();
+    eprintln!("{patched} patches of {} names, {kept} bytes", files.len());
+    assert!(patched > 0, "the first files have their patch");
+    assert!(
+        kept as u64 <= warden_workspace::DEFAULT_MAX_PATCHES_BYTES,
+        "{kept} bytes of patches kept"
+    );
+}

@@ -194,6 +194,7 @@ pub(super) fn plan(
     let target_options = DiffOptions {
         sensitivity: Sensitivity::default(),
         max_patch_bytes: 0,
+        max_patches_bytes: 0,
         max_file_bytes: u64::MAX,
         hash_changed: false,
         tell_copies: true,

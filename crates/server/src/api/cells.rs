@@ -141,7 +141,7 @@ pub(super) async fn diff(
     State(h): State<Shared>,
     Path(name): Path<String>,
 ) -> Result<Response, ApiError> {
-    Ok(Json(h.diff(&name).await?).into_response())
+    Ok(Json(h.changes(&name).await?).into_response())
 }
 
 pub(super) async fn apply(
