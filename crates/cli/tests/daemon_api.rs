@@ -1337,7 +1337,10 @@ fn the_dashboard_session_needs_its_csrf_token_and_its_own_origin() {
         headers
     };
 
-    assert_eq!(tcp("GET", "/v1/cells", None, &with(&[])).status, 200);
+    assert_eq!(
+        tcp("GET", "/v1/cells", None, &with(&[("X-Warden-CSRF", csrf)])).status,
+        200
+    );
     // A second login from the same browser (the link opened again) starts a new session.
     let again = tcp(
         "POST",
@@ -1347,7 +1350,13 @@ fn the_dashboard_session_needs_its_csrf_token_and_its_own_origin() {
     );
     assert_eq!(again.status, 200, "{}", again.text());
     assert_eq!(
-        tcp("GET", "/ui/session", None, &with(&[])).json()["csrf"],
+        tcp(
+            "GET",
+            "/ui/session",
+            None,
+            &with(&[("X-Warden-CSRF", csrf)])
+        )
+        .json()["csrf"],
         csrf
     );
     let make = |name: &str| json!({ "name": name, "preset": "minimal" }).to_string();
@@ -1403,7 +1412,7 @@ fn the_dashboard_session_needs_its_csrf_token_and_its_own_origin() {
     );
     assert_eq!(shell.status, 201, "{}", shell.text());
     let id = shell.json()["id"].as_u64().unwrap();
-    let attach = format!("/v1/cells/csrf-ok/processes/{id}/attach");
+    let attach = format!("/v1/cells/csrf-ok/processes/{id}/attach?csrf={csrf}");
     let upgrade: [(&str, &str); 4] = [
         ("Upgrade", "websocket"),
         ("Connection", "Upgrade"),
@@ -1478,6 +1487,189 @@ fn the_dashboard_session_needs_its_csrf_token_and_its_own_origin() {
     );
     assert_eq!(foreign.status, 403);
     assert_eq!(daemon.call("GET", "/v1/cells/csrf-unix", None).status, 404);
+}
+
+/// A browser sends a host's cookies to every port of it, so a server another local user runs
+/// on a loopback port receives the dashboard's session cookie whenever the owner's browser opens
+/// a page there. The cookie alone must prove nothing: without the session's CSRF token (which
+/// only the daemon's own page holds) no read, no change and no WebSocket passes, and the
+/// session's answer does not hand the token out; with it (in the header, or in a GET's query)
+/// everything does, and the page itself still loads.
+#[test]
+fn a_session_cookie_taken_to_another_port_proves_nothing_without_its_csrf_token() {
+    if !cgroups_available("dashboard_cookie_alone") {
+        return;
+    }
+    let daemon = Daemon::start(&["--listen", "127.0.0.1:0"]);
+    let token = std::fs::read_to_string(daemon.runtime.join("daemon.token")).unwrap();
+    let addr = std::fs::read_to_string(daemon.runtime.join("daemon.addr")).unwrap();
+    let tcp = |method: &str, path: &str, body: Option<&str>, headers: &[(&str, &str)]| {
+        let stream = std::net::TcpStream::connect(&addr).expect("the TCP listener answers");
+        exchange(stream, method, path, body, headers)
+    };
+    let login = tcp(
+        "POST",
+        "/ui/login",
+        Some(&json!({ "token": token.trim() }).to_string()),
+        &[],
+    );
+    assert_eq!(login.status, 200, "{}", login.text());
+    let cookie = login
+        .headers
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase().starts_with("set-cookie:").then(|| {
+                l.split_once(':')
+                    .unwrap()
+                    .1
+                    .split(';')
+                    .next()
+                    .unwrap()
+                    .trim()
+                    .to_owned()
+            })
+        })
+        .expect("a session cookie");
+    let csrf = login.json()["csrf"].as_str().unwrap().to_owned();
+    let alone = [("Cookie", cookie.as_str())];
+    // What a thief holding the cookie alone tries: the session (for its token), reads, a
+    // change, the events stream. Each is refused, and says what is missing.
+    let session = tcp("GET", "/ui/session", None, &alone);
+    assert_eq!(session.status, 403, "{}", session.text());
+    assert!(!session.text().contains(&csrf), "{}", session.text());
+    assert!(session.text().contains("CSRF token"), "{}", session.text());
+    for (method, path, body) in [
+        ("GET", "/v1/cells", None),
+        ("GET", "/v1/approvals", None),
+        ("GET", "/v1/events?csrf=00ff", None),
+        ("POST", "/v1/cells", Some(r#"{"name":"stolen"}"#)),
+    ] {
+        let refused = tcp(method, path, body, &alone);
+        assert_eq!(refused.status, 403, "{method} {path}: {}", refused.text());
+    }
+    assert_eq!(daemon.call("GET", "/v1/cells/stolen", None).status, 404);
+    // A WebSocket from the daemon's own origin with the cookie but not the token: refused.
+    let upgrade = |path: &str| {
+        use std::io::{Read as _, Write as _};
+        let mut stream = std::net::TcpStream::connect(&addr).unwrap();
+        let head = format!(
+            "GET {path} HTTP/1.1\r\nHost: {host}\r\nOrigin: http://{host}\r\nCookie: {cookie}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n",
+            host = addr.trim()
+        );
+        stream.write_all(head.as_bytes()).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let mut buf = [0u8; 12];
+        stream.read_exact(&mut buf).unwrap();
+        String::from_utf8_lossy(&buf[9..12]).into_owned()
+    };
+    let shell = daemon.create("cookie-alone", json!({ "preset": "minimal" }));
+    let started = daemon.call(
+        "POST",
+        &format!("/v1/cells/{shell}/exec"),
+        Some(json!({ "argv": ["sleep", "30"], "background": true })),
+    );
+    assert_eq!(started.status, 201, "{}", started.text());
+    let attach = format!(
+        "/v1/cells/{shell}/processes/{}/attach",
+        started.json()["id"].as_u64().unwrap()
+    );
+    assert_eq!(upgrade(&attach), "403");
+    // The page still comes (it asks for a login again).
+    assert_eq!(tcp("GET", "/ui/", None, &alone).status, 401);
+
+    // With the token, as the daemon's own page sends it: in the header, or in a GET's query
+    // (which the handlers never see: their queries take no unknown parameter).
+    let with = [
+        ("Cookie", cookie.as_str()),
+        ("X-Warden-CSRF", csrf.as_str()),
+    ];
+    let session = tcp("GET", "/ui/session", None, &with);
+    assert_eq!(session.status, 200, "{}", session.text());
+    assert_eq!(session.json()["via"], "cookie");
+    assert_eq!(tcp("GET", "/v1/cells", None, &with).status, 200);
+    let usage = tcp("GET", &format!("/v1/usage?csrf={csrf}"), None, &alone);
+    assert_eq!(usage.status, 200, "{}", usage.text());
+    let usage = tcp(
+        "GET",
+        &format!("/v1/usage?cell={shell}&csrf={csrf}"),
+        None,
+        &alone,
+    );
+    assert_eq!(usage.status, 200, "{}", usage.text());
+    // In a query, only for a read: a change carries it in the header.
+    let change = tcp(
+        "POST",
+        &format!("/v1/cells?csrf={csrf}"),
+        Some(r#"{"name":"stolen"}"#),
+        &alone,
+    );
+    assert_eq!(change.status, 403, "{}", change.text());
+    assert_eq!(upgrade(&format!("{attach}?csrf={csrf}")), "101");
+}
+
+/// `--token-file` names the file whose token is the whole API on TCP: one that other local
+/// users can read (or that another user owns) is refused at start, with what to do; an
+/// owner-only one serves.
+#[test]
+fn a_token_file_other_users_can_read_is_refused() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = tempdir();
+    let file = dir.path().join("token");
+    std::fs::write(&file, "a-token-of-the-owners-0123456789\n").unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let mut serve = std::process::Command::new(bin())
+        .env("WARDEN_RUNTIME_DIR", dir.path().join("run"))
+        .env("WARDEN_STATE_DIR", dir.path().join("state"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--token-file"])
+        .arg(&file)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = serve.try_wait().unwrap() {
+            break Some(status);
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = serve.kill();
+            let _ = serve.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut said = String::new();
+    use std::io::Read as _;
+    serve
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut said)
+        .unwrap();
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "a daemon served a token every local user can read ({status:?}): {said}"
+    );
+    assert!(
+        said.contains("has mode 644") && said.contains("chmod 600"),
+        "{said}"
+    );
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let path = file.to_str().unwrap();
+    let daemon = Daemon::start(&["--listen", "127.0.0.1:0", "--token-file", path]);
+    let addr = std::fs::read_to_string(daemon.runtime.join("daemon.addr")).unwrap();
+    let stream = std::net::TcpStream::connect(addr.trim()).unwrap();
+    let cells = exchange(
+        stream,
+        "GET",
+        "/v1/cells",
+        None,
+        &[("Authorization", "Bearer a-token-of-the-owners-0123456789")],
+    );
+    assert_eq!(cells.status, 200, "{}", cells.text());
 }
 
 /// The cells' use over time, from their cgroups: CPU time that grows while a process burns

@@ -786,6 +786,55 @@ fn each_gateway_decision_is_journaled_once_across_restarts() {
     assert_eq!(journaled(&daemon), 4, "a decision was journaled twice");
 }
 
+/// A command held for a person's answer comes from the cell's caller (an agent, through MCP or
+/// the API): its question shows where each argument ends, and nothing in it that would reorder
+/// or hide text where a person reads it (the dashboard puts it in the page as text, where a
+/// bidirectional override reverses what follows it and line breaks push the rest away).
+#[test]
+fn a_command_question_shows_each_argument_and_nothing_that_hides_or_reorders_text() {
+    if !cgroups_available("daemon_exec_ask_shown") {
+        return;
+    }
+    let daemon = std::sync::Arc::new(Daemon::start(&[]));
+    let policy = "version: 1\ncommands:\n  ask: [\"echo*\"]\napprovals:\n  timeout: 20s\n";
+    let cell = daemon.create(&unique("cmdshown"), json!({ "policy": policy }));
+    let held = {
+        let daemon = std::sync::Arc::clone(&daemon);
+        let cell = cell.clone();
+        std::thread::spawn(move || {
+            daemon.call(
+                "POST",
+                &format!("/v1/cells/{cell}/exec"),
+                Some(json!({ "argv": ["echo", "-rf /", "it's", "ok\u{202e}exe.txt\n\n\u{1b}[2K\u{200b}"] })),
+            )
+        })
+    };
+    let mut asked = None;
+    for _ in 0..250 {
+        let list = daemon.call("GET", "/v1/approvals", None).json();
+        if let Some(q) = list.as_array().unwrap().iter().find(|q| q["cell"] == cell) {
+            asked = Some(q.clone());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let asked = asked.expect("the command is held for a person");
+    let request = asked["request"].as_str().unwrap();
+    assert_eq!(
+        request,
+        r"exec echo '-rf /' 'it'\''s' 'ok\u{202e}exe.txt\u{a}\u{a}\u{1b}[2K\u{200b}'",
+    );
+    let journal = daemon.call("GET", "/v1/journal", None).text();
+    assert!(!journal.contains('\u{202e}'), "{journal}");
+    let answered = daemon.call(
+        "POST",
+        &format!("/v1/approvals/{cell}/{}", asked["id"]),
+        Some(json!({ "decision": "deny" })),
+    );
+    assert_eq!(answered.status, 204);
+    assert_eq!(held.join().unwrap().status, 403);
+}
+
 /// A question a standing grant answers is still asked, and told as a line (up to ~2.2 KiB) on
 /// the keeper's stderr, which is the cell's `keeper.log` on the host's disk: a cell that asked
 /// 1,600 times in 15 s wrote 3.3 MB there, and went on for as long as it ran. The lines stop at

@@ -771,3 +771,82 @@ fn runs_without_a_daemon_at_once_leave_one_chain() {
     }
     daemon.assert_journal_verifies();
 }
+
+/// Another user may make a runtime directory before its owner does (the default
+/// `/tmp/warden-UID` where `XDG_RUNTIME_DIR` is unset) and serve a socket of its own there: the
+/// CLI then sent that process what it sends a daemon, a cell's environment and secrets
+/// included. A client talks only to a socket served by its own user or root (the kernel's word,
+/// `SO_PEERCRED`), and `warden serve` says whose socket it found.
+#[test]
+fn the_cli_sends_nothing_to_a_socket_another_user_serves() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let have = |p: &str| std::path::Path::new(p).is_file();
+    if !is_root() || !have("/usr/bin/setpriv") || !have("/usr/bin/python3") {
+        eprintln!("skipped: needs root, setpriv and python3 to serve a socket as another user");
+        return;
+    }
+    let dir = tempdir();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    let runtime = dir.path().join("run");
+    std::fs::create_dir(&runtime).unwrap();
+    std::os::unix::fs::chown(&runtime, Some(65534), Some(65534)).unwrap();
+    let socket = runtime.join("daemon.sock");
+    let heard = runtime.join("heard");
+    // A stranger's "daemon": it keeps what it is sent and answers every request with a cell.
+    let code = r#"
+import socket, sys
+s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(8)
+body = b'{"name":"x","state":"running","pid":1,"created_ms":0,"workspace":null,"labels":{},"ended":null,"processes":0,"tier":"process","preset":"default"}'
+while True:
+    c, _ = s.accept()
+    try:
+        data = c.recv(65536)
+        if data:
+            open(sys.argv[2], 'ab').write(data)
+            c.sendall(b'HTTP/1.1 201 Created\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n' % len(body) + body)
+    except Exception:
+        pass
+    c.close()
+"#;
+    let mut stranger = std::process::Command::new("/usr/bin/setpriv")
+        .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+        .args(["/usr/bin/python3", "-c", code])
+        .arg(&socket)
+        .arg(&heard)
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !socket.exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let warden = |args: &[&str]| {
+        std::process::Command::new(bin())
+            .env("WARDEN_RUNTIME_DIR", &runtime)
+            .env("WARDEN_STATE_DIR", dir.path().join("state"))
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let create = warden(&["create", "secretive", "--env", "API_KEY=s3cret-value"]);
+    let serve = warden(&["serve"]);
+    let _ = stranger.kill();
+    let _ = stranger.wait();
+    let said = String::from_utf8_lossy(&create.stderr).into_owned();
+    let sent = std::fs::read_to_string(&heard).unwrap_or_default();
+    assert!(
+        !sent.contains("s3cret-value"),
+        "the CLI sent the cell's secret to another user's socket:\n{sent}"
+    );
+    assert!(!create.status.success(), "{said}");
+    assert!(
+        said.contains("is served by uid 65534") && said.contains("WARDEN_RUNTIME_DIR"),
+        "{said}"
+    );
+    let said = String::from_utf8_lossy(&serve.stderr);
+    assert!(!serve.status.success(), "{said}");
+    assert!(
+        said.contains("is served by uid 65534, another user"),
+        "{said}"
+    );
+}

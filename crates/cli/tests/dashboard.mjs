@@ -166,6 +166,29 @@ try {
   if (!heldOut.includes('held-2')) fail(`the approved command printed ${JSON.stringify(heldOut)}`);
   await page.waitForFunction(() => document.querySelector('#badge').hidden);
 
+  step('a click meant for a question that went does not approve the one that moved under it');
+  const third = run('dash', ['echo', 'held-3']).catch(() => 'refused');
+  await page.waitForFunction(() => document.querySelector('#badge').textContent === '1');
+  const fourth = run('dash', ['echo', 'held-4']);
+  await page.waitForFunction(() => document.querySelector('#badge').textContent === '2');
+  await sleep(1500); // both rows have settled
+  const queue = await api('GET', '/v1/approvals');
+  const [q3, q4] = ['held-3', 'held-4'].map((w) => queue.find((q) => q.request.endsWith(w)) || fail(`no question for ${w}: ${JSON.stringify(queue)}`));
+  const spot = await (await page.$(`tr[data-approval="${q3.id}"] [data-act="approve"]`)).boundingBox();
+  await page.mouse.move(spot.x + spot.width / 2, spot.y + spot.height / 2);
+  // The question under the pointer goes (answered elsewhere here; a timeout its cell foresaw
+  // does the same), and the next row takes its place just as the person clicks.
+  await api('POST', `/v1/approvals/dash/${q3.id}`, { decision: 'deny' });
+  await page.waitForFunction(() => document.querySelector('#badge').textContent === '1');
+  await page.mouse.down(); await page.mouse.up();
+  await sleep(400);
+  if (!(await api('GET', '/v1/approvals')).some((q) => q.id === q4.id)) fail('the click approved the question that moved under the pointer');
+  await page.click(`tr[data-approval="${q4.id}"] [data-act="approve"]`);
+  const fourthOut = await Promise.race([fourth, sleep(15000).then(() => fail('the approved command did not finish'))]);
+  if (!fourthOut.includes('held-4')) fail(`the approved command printed ${JSON.stringify(fourthOut)}`);
+  if ((await third) !== 'refused') fail('the denied command ran');
+  await page.waitForFunction(() => document.querySelector('#badge').hidden);
+
   step('a review keeps its choices, and Apply waits while the cell changes what is under review');
   await run('dash', ['sh', '-c', 'printf "left out\\n" > other.txt; printf "first\\n" > note.txt']);
   await page.click('a[data-view="cells"]');

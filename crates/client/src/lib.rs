@@ -19,6 +19,16 @@ pub enum ClientError {
         socket: PathBuf,
         source: std::io::Error,
     },
+    /// The socket is served by another user: not this user's daemon (another user may have
+    /// made the runtime directory before it), so nothing is sent to it.
+    #[error(
+        "{socket} is served by uid {uid}, not by you (uid {ours}) or root: it is not your warden daemon, and nothing was sent to it. Another user may have made its runtime directory first (the default /tmp/warden-UID is anyone's to make where XDG_RUNTIME_DIR is unset): remove that directory, or set WARDEN_RUNTIME_DIR to a directory only you can write"
+    )]
+    Stranger {
+        socket: PathBuf,
+        uid: u32,
+        ours: u32,
+    },
     /// The connection broke, or the request could not be sent.
     #[error("{what}: {reason}")]
     Transport { what: &'static str, reason: String },
@@ -90,18 +100,36 @@ impl Client {
         self.send_bytes(method, path, bytes.into_bytes()).await
     }
 
+    /// A connection to the daemon's socket, once the kernel says who serves it: this user or
+    /// root. What a client sends (a cell's environment and secrets, a policy, answers to
+    /// approvals) goes to no other user's process that took the socket's path.
+    async fn connect(&self) -> Result<tokio::net::UnixStream> {
+        let connect_error = |source| ClientError::Connect {
+            socket: self.socket.clone(),
+            source,
+        };
+        let stream = tokio::net::UnixStream::connect(&self.socket)
+            .await
+            .map_err(connect_error)?;
+        let uid = stream.peer_cred().map_err(connect_error)?.uid();
+        let ours = rustix::process::geteuid().as_raw();
+        if uid != ours && uid != 0 {
+            return Err(ClientError::Stranger {
+                socket: self.socket.clone(),
+                uid,
+                ours,
+            });
+        }
+        Ok(stream)
+    }
+
     async fn send_bytes(
         &self,
         method: Method,
         path: &str,
         bytes: Vec<u8>,
     ) -> Result<Response<Incoming>> {
-        let stream = tokio::net::UnixStream::connect(&self.socket)
-            .await
-            .map_err(|source| ClientError::Connect {
-                socket: self.socket.clone(),
-                source,
-            })?;
+        let stream = self.connect().await?;
         let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
             .map_err(transport("talking to the warden daemon"))?;
@@ -151,12 +179,7 @@ impl Client {
         path: &str,
         protocol: &str,
     ) -> Result<TokioIo<hyper::upgrade::Upgraded>> {
-        let stream = tokio::net::UnixStream::connect(&self.socket)
-            .await
-            .map_err(|source| ClientError::Connect {
-                socket: self.socket.clone(),
-                source,
-            })?;
+        let stream = self.connect().await?;
         let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
             .map_err(transport("talking to the warden daemon"))?;

@@ -113,6 +113,44 @@ fn network_grant(rule: &str, destination: &str, request: &str) -> String {
     }
 }
 
+/// A command line as a question shows it: each argument as it is, or in single quotes where it
+/// is empty or holds a blank, a quote or anything else a shell reads specially, so that a person
+/// sees where each argument ends (`["rm", "-rf /"]` and `["rm", "-rf", "/"]` read alike joined
+/// by blanks).
+fn shown_command(argv: &[String]) -> String {
+    let plain = |c: char| c.is_alphanumeric() || "-_./:=@%+,^~".contains(c);
+    argv.iter()
+        .map(|arg| match !arg.is_empty() && arg.chars().all(plain) {
+            true => arg.clone(),
+            false => format!("'{}'", arg.replace('\'', "'\\''")),
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// `text` with every character that could steer a terminal, or hide or reorder text where a
+/// person reads it (a line break, a bidirectional override, a zero-width character), written
+/// as `\u{..}`. A question's text comes from the cell or its agent: `echo \u{202e}...` shows in
+/// a browser with what follows the override reversed, and a run of line breaks pushes the rest
+/// of a command out of sight.
+fn shown(text: &str) -> String {
+    let hides = |c: char| {
+        c.is_control()
+            || matches!(c, '\u{ad}' | '\u{61c}' | '\u{180e}' | '\u{200b}'..='\u{200f}'
+                | '\u{2028}'..='\u{202e}' | '\u{2060}'..='\u{2069}' | '\u{feff}'
+                | '\u{fff9}'..='\u{fffb}')
+    };
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if hides(c) {
+            out.push_str(&format!("\\u{{{:x}}}", u32::from(c)));
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// What a standing grant of a command covers: that command line.
 fn command_grant(line: &str) -> String {
     format!("exec {line}")
@@ -488,7 +526,7 @@ impl Harness {
             return Ok(());
         };
         let line = argv.join(" ");
-        let request = format!("exec {line}");
+        let request = format!("exec {}", shown_command(argv));
         self.ask_person(name, request, command_grant(&line), rule, &approvals)
             .await
     }
@@ -522,6 +560,9 @@ impl Harness {
         rule: String,
         approvals: &warden_policy::Approvals,
     ) -> Result<(), HarnessError> {
+        // What a person reads (the dashboard, the CLI, the journal): a command line, a tool's
+        // arguments or a file's name come from the cell or its agent.
+        let request = shown(&request);
         let line = request.clone();
         if let Some(by) = self.grant_for(name, &grant) {
             self.record(

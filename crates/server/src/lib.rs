@@ -43,6 +43,10 @@ pub enum ServeError {
     #[error("a warden daemon already listens on {0}; stop it first (or use it)")]
     Running(PathBuf),
     #[error(
+        "{socket} is served by uid {uid}, another user: its runtime directory is not yours (another user may have made it first; the default /tmp/warden-UID is anyone's to make where XDG_RUNTIME_DIR is unset). Remove that directory, or set WARDEN_RUNTIME_DIR to a directory only you can write"
+    )]
+    Stranger { socket: PathBuf, uid: u32 },
+    #[error(
         "{0}: the daemon listens on loopback addresses only (127.0.0.1, ::1; for --listen and --e2b alike); put a TLS proxy in front for anything else"
     )]
     NotLoopback(SocketAddr),
@@ -54,6 +58,10 @@ pub enum ServeError {
     },
     #[error("the token in {0} is shorter than 16 characters")]
     WeakToken(PathBuf),
+    #[error(
+        "the token file {path} {why}: another local user could read the token and use the API as you. Make it yours and owner-only (`chmod 600 {path}`), or leave --token-file out and the daemon makes a token in its runtime directory"
+    )]
+    OpenToken { path: PathBuf, why: String },
     #[error(transparent)]
     Harness(#[from] warden_harness::HarnessError),
 }
@@ -80,7 +88,12 @@ pub async fn serve(
     }
     std::fs::create_dir_all(&config.harness.runtime)
         .map_err(io_at("creating", &config.harness.runtime))?;
-    if tokio::net::UnixStream::connect(&socket).await.is_ok() {
+    if let Ok(stream) = tokio::net::UnixStream::connect(&socket).await {
+        // Another user's process on this path is no daemon to use (the clients refuse it too).
+        let uid = stream.peer_cred().map(|c| c.uid()).unwrap_or(0);
+        if uid != 0 && uid != rustix::process::geteuid().as_raw() {
+            return Err(ServeError::Stranger { socket, uid });
+        }
         return Err(ServeError::Running(socket));
     }
     let harness = Harness::open(config.harness.clone()).await?;
@@ -151,6 +164,30 @@ pub async fn serve(
 
 fn load_or_make_token(config: &ServeConfig, default: &Path) -> Result<String, ServeError> {
     if let Some(path) = &config.token_file {
+        // The token is the daemon's owner's whole API on TCP: a file others can read (or
+        // replace) hands it to every local user.
+        use std::os::unix::fs::MetadataExt as _;
+        let meta = std::fs::metadata(path).map_err(io_at("reading the token", path))?;
+        let ours = rustix::process::geteuid().as_raw();
+        let why = if meta.uid() != ours && meta.uid() != 0 {
+            Some(format!(
+                "belongs to uid {}, not to you (uid {ours})",
+                meta.uid()
+            ))
+        } else if meta.mode() & 0o077 != 0 {
+            Some(format!(
+                "has mode {:o}, open to its group or others",
+                meta.mode() & 0o777
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(ServeError::OpenToken {
+                path: path.clone(),
+                why,
+            });
+        }
         let token = std::fs::read_to_string(path)
             .map_err(io_at("reading the token", path))?
             .trim()

@@ -3,8 +3,21 @@
 // from polling. Text from cells, the journal and models is put in the page as text only.
 'use strict';
 
+// The session's CSRF token, kept in this origin's storage (a page of another port of this host
+// cannot read it, though the browser sends it the session cookie): every request made with the
+// cookie carries it.
+const CSRF_KEY = 'warden.csrf';
+const storedCsrf = () => { try { return localStorage.getItem(CSRF_KEY) || ''; } catch { return ''; } };
+function keepCsrf(csrf) {
+  state.csrf = csrf || '';
+  try { if (state.csrf) localStorage.setItem(CSRF_KEY, state.csrf); else localStorage.removeItem(CSRF_KEY); } catch { /* no storage: this tab only */ }
+}
+// A GET the page cannot add a header to (its events stream, a terminal's WebSocket) carries the
+// token in its query.
+const withCsrf = (path) => state.csrf ? `${path}${path.includes('?') ? '&' : '?'}csrf=${enc(state.csrf)}` : path;
+
 const state = {
-  csrf: '',
+  csrf: storedCsrf(),
   via: '',
   cells: [],
   usage: new Map(), // cell -> [CellUsage]
@@ -50,7 +63,9 @@ class ApiError extends Error {
 async function api(method, path, body) {
   const headers = {};
   if (body !== undefined) headers['Content-Type'] = 'application/json';
-  if (method !== 'GET' && state.csrf) headers['X-Warden-CSRF'] = state.csrf;
+  // A login in another tab replaced the session (and the stored token) since this one read it.
+  if (state.via === 'cookie') state.csrf = storedCsrf() || state.csrf;
+  if (state.csrf) headers['X-Warden-CSRF'] = state.csrf;
   const res = await fetch(path, {
     method, headers, credentials: 'same-origin',
     body: body === undefined ? undefined : JSON.stringify(body),
@@ -131,7 +146,7 @@ function showLogin() {
 async function logIn(token) {
   try {
     const r = await api('POST', '/ui/login', { token });
-    state.csrf = r.csrf;
+    keepCsrf(r.csrf);
     $('#login-error').textContent = '';
     await start();
   } catch (e) {
@@ -142,8 +157,10 @@ async function logIn(token) {
 
 async function start() {
   let session;
-  try { session = await api('GET', '/ui/session'); } catch { return; }
-  state.csrf = session.csrf; state.via = session.via;
+  // A cookie without the token this page kept (storage cleared) is refused: log in again.
+  try { session = await api('GET', '/ui/session'); } catch { showLogin(); return; }
+  if (session.via === 'cookie') keepCsrf(session.csrf); else state.csrf = '';
+  state.via = session.via;
   $('#login').hidden = true;
   $('#view').hidden = false;
   $('#nav').hidden = false;
@@ -171,10 +188,14 @@ function soon(what) {
 
 function follow() {
   if (state.events) state.events.close();
-  const es = new EventSource('/v1/events?usage=true');
+  const es = new EventSource(withCsrf('/v1/events?usage=true'));
   state.events = es;
   es.addEventListener('open', () => { $('#live').textContent = 'live'; $('#live').classList.remove('off'); });
-  es.addEventListener('error', () => { $('#live').textContent = 'reconnecting'; $('#live').classList.add('off'); });
+  es.addEventListener('error', () => {
+    $('#live').textContent = 'reconnecting'; $('#live').classList.add('off');
+    // A login in another tab gave a new token: the stream reconnects with it.
+    if (state.via === 'cookie' && storedCsrf() && storedCsrf() !== state.csrf) { state.csrf = storedCsrf(); follow(); }
+  });
   es.addEventListener('entry', (ev) => {
     const entry = JSON.parse(ev.data);
     const kind = entry.kind || '';
@@ -353,7 +374,7 @@ function attach(cell, proc, tty) {
   const isTty = tty ?? !!proc.tty;
   $('#term-title').textContent = `process ${proc.id}: ${(proc.argv || []).join(' ')}`;
   const proto = location.protocol === 'https:' ? 'wss' : 'ws';
-  const ws = new WebSocket(`${proto}://${location.host}/v1/cells/${enc(cell)}/processes/${proc.id}/attach`);
+  const ws = new WebSocket(`${proto}://${location.host}${withCsrf(`/v1/cells/${enc(cell)}/processes/${proc.id}/attach`)}`);
   state.cleanup.push(() => ws.close());
   const decoder = { stdout: new TextDecoder(), stderr: new TextDecoder() };
   ws.addEventListener('message', (ev) => {
@@ -585,12 +606,21 @@ function viewApprovals(el) {
   renderApprovals();
 }
 
+// The questions in the order the table last showed them.
+let approvalsShown = [];
+// How long a row that came or moved cannot be approved: a click meant for the row that was
+// under the pointer (one that went: answered elsewhere, or timed out at a moment its cell can
+// foresee) would otherwise approve the one that took its place.
+const SETTLE_MS = 1000;
+
 function renderApprovals() {
   const box = $('#approvals');
   if (!box) return;
+  const before = approvalsShown;
+  approvalsShown = state.approvals.map((a) => a.id);
   if (state.approvals.length === 0) { box.replaceChildren(h('p', { class: 'muted' }, 'Nothing waits for an answer.')); return; }
   box.replaceChildren(h('table', {}, h('thead', {}, h('tr', {}, ['cell', 'asks', 'rule', 'waiting', 'scope', ''].map((t) => h('th', {}, t)))),
-    h('tbody', {}, state.approvals.map((a) => {
+    h('tbody', {}, state.approvals.map((a, i) => {
       const scope = h('select', {}, h('option', { value: 'once' }, 'this once'), h('option', { value: 'cell' }, 'for this cell'), h('option', { value: 'always' }, 'for every cell'));
       const answer = (decision) => async () => {
         await api('POST', `/v1/approvals/${enc(a.cell)}/${a.id}`, { decision, scope: scope.value });
@@ -598,8 +628,17 @@ function renderApprovals() {
       };
       return h('tr', { dataset: { approval: a.id } }, h('td', {}, a.cell), h('td', { class: 'mono' }, a.request), h('td', { class: 'mono' }, a.rule),
         h('td', {}, age(a.asked_at)), h('td', {}, scope),
-        h('td', { class: 'actions' }, button('Approve', answer('approve'), { class: 'primary', dataset: { act: 'approve' } }), button('Deny', answer('deny'), { class: 'danger', dataset: { act: 'deny' } })));
+        h('td', { class: 'actions' }, settled(button('Approve', answer('approve'), { class: 'primary', dataset: { act: 'approve' } }), before[i] === a.id), button('Deny', answer('deny'), { class: 'danger', dataset: { act: 'deny' } })));
     }))));
+}
+
+// An Approve button that waits SETTLE_MS unless its row is where it was.
+function settled(b, stayed) {
+  if (stayed) return b;
+  b.disabled = true;
+  b.title = 'this row just came or moved here: wait a moment';
+  setTimeout(() => { b.disabled = false; b.title = ''; }, SETTLE_MS);
+  return b;
 }
 
 // ---------- agents ----------
@@ -673,7 +712,7 @@ async function viewAgent(el, id) {
 
 document.addEventListener('DOMContentLoaded', () => {
   $('#login-form').addEventListener('submit', (ev) => { ev.preventDefault(); logIn($('#token').value); });
-  $('#logout').addEventListener('click', async () => { await api('POST', '/ui/logout').catch(() => {}); state.csrf = ''; if (state.events) state.events.close(); showLogin(); });
+  $('#logout').addEventListener('click', async () => { await api('POST', '/ui/logout').catch(() => {}); keepCsrf(''); if (state.events) state.events.close(); showLogin(); });
   // `warden dashboard` links here with the token after `#token=`: it is read, traded for a
   // session and wiped from the address bar (a fragment never reaches the server or its logs),
   // whether the page loads with it or is already open.

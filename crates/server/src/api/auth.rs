@@ -63,6 +63,11 @@ pub(super) async fn require_token(
                 .extensions_mut()
                 .insert(Caller(format!("{how}, over TCP from {peer}")));
             request.extensions_mut().insert(proof);
+            if proof == Proof::Cookie
+                && let Some(uri) = super::dashboard::without_csrf_param(request.uri())
+            {
+                *request.uri_mut() = uri;
+            }
             // The connection has proven its owner: it is not closed to make room for strangers.
             if let Some(conn) = request.extensions().get::<Arc<crate::listen::Admitted>>() {
                 conn.trust();

@@ -2,10 +2,11 @@
 //! `dist/` by its script), and the session that lets a browser use the API with it.
 //!
 //! On TCP, the page's first request trades the daemon's token for a session: an HttpOnly,
-//! SameSite=Strict cookie, and a CSRF token the page reads from `GET /ui/session` (a page of
-//! another site cannot read that answer). A request that rides on the cookie and changes
-//! anything must carry the CSRF token in `X-Warden-CSRF`; a WebSocket opened with the cookie
-//! must come from the daemon's own origin. Every request that a browser marks as sent from
+//! SameSite=Strict cookie, and a CSRF token in the login's answer, which the page keeps in its
+//! origin's storage. Every request that rides on the cookie must carry the CSRF token too (in
+//! `X-Warden-CSRF`, or in the query's `csrf` for a GET: the events stream, a WebSocket): a
+//! browser sends the cookie to every port of the host, so a server on another loopback port
+//! receives it. A WebSocket opened with the cookie must also come from the daemon's own origin. Every request that a browser marks as sent from
 //! another site, or whose `Origin` is not the daemon's, is refused on both listeners. The unix
 //! socket needs no login: whoever can connect to it is the daemon's owner.
 
@@ -130,23 +131,33 @@ impl Gate {
             return Ok(None);
         }
         if let Some((_, session)) = self.session(headers) {
-            let upgrade = headers.contains_key(header::UPGRADE);
-            let changes = !matches!(*request.method(), Method::GET | Method::HEAD);
-            if changes {
-                let given = headers
-                    .get(CSRF_HEADER)
-                    .and_then(|v| v.to_str().ok())
-                    .unwrap_or("");
-                if !bool::from(given.as_bytes().ct_eq(session.csrf.as_bytes())) {
-                    return Err(ApiError {
-                        reason: None,
-                        status: StatusCode::FORBIDDEN,
-                        message: format!(
-                            "a request made with the dashboard's session cookie that changes anything must carry the session's CSRF token in {CSRF_HEADER} (GET /ui/session gives it)"
-                        ),
-                    });
+            // The cookie alone proves nothing: a browser sends it to every port of the host
+            // (cookies are not kept apart by port), so a server another user runs on another
+            // loopback port receives it whenever the browser opens a page there. Every request
+            // made with it must also carry the session's CSRF token, which only the daemon's
+            // own page holds (the login's answer, kept in that origin's storage): in
+            // `X-Warden-CSRF`, or, for what a page cannot add a header to (its events stream,
+            // a WebSocket), in the query's `csrf` of a GET.
+            let reads = matches!(*request.method(), Method::GET | Method::HEAD);
+            let given = headers
+                .get(CSRF_HEADER)
+                .and_then(|v| v.to_str().ok())
+                .or_else(|| reads.then(|| csrf_param(request.uri().query())).flatten())
+                .unwrap_or("");
+            if !bool::from(given.as_bytes().ct_eq(session.csrf.as_bytes())) {
+                // The page and its assets still come (the page then logs in again).
+                if is_open_path(request.method(), request.uri().path()) {
+                    return Ok(None);
                 }
+                return Err(ApiError {
+                    reason: None,
+                    status: StatusCode::FORBIDDEN,
+                    message: format!(
+                        "a request made with the dashboard's session cookie must carry the session's CSRF token (the login's answer gives it) in {CSRF_HEADER}, or for a GET in the query's `csrf`: a browser sends the cookie to every port of this host, so the cookie alone proves nothing; log in again if the page lost the token"
+                    ),
+                });
             }
+            let upgrade = headers.contains_key(header::UPGRADE);
             // A WebSocket cannot carry the CSRF header: it must say where it comes from (and
             // `refuse_other_sites` above has checked that this is the daemon itself).
             if upgrade && !headers.contains_key(header::ORIGIN) {
@@ -165,6 +176,29 @@ impl Gate {
         }
         Err(unauthorized())
     }
+}
+
+/// The `csrf` parameter of a query (a hex token: nothing to decode).
+fn csrf_param(query: Option<&str>) -> Option<&str> {
+    query?
+        .split('&')
+        .find_map(|pair| pair.strip_prefix("csrf="))
+}
+
+/// `uri` without its query's `csrf` parameter, which the gate has read (the handlers' queries
+/// take only their own parameters).
+pub(super) fn without_csrf_param(uri: &axum::http::Uri) -> Option<axum::http::Uri> {
+    let query = uri.query()?;
+    csrf_param(Some(query))?;
+    let rest: Vec<&str> = query
+        .split('&')
+        .filter(|pair| !pair.starts_with("csrf="))
+        .collect();
+    let path_and_query = match rest.is_empty() {
+        true => uri.path().to_owned(),
+        false => format!("{}?{}", uri.path(), rest.join("&")),
+    };
+    path_and_query.parse().ok()
 }
 
 /// What the page needs before anyone has logged in.
