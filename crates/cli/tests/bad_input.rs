@@ -530,3 +530,33 @@ fn a_journal_that_does_not_verify_stops_a_run_before_its_command() {
     let left = cell_folders_left(runtime);
     assert!(left.is_empty(), "left behind: {left:?}");
 }
+
+/// A runtime directory another user made first (the default `/tmp/warden-UID`, where no
+/// `XDG_RUNTIME_DIR` is set, is anyone's to make) would be theirs to fill with cell records,
+/// locks and start notes that this warden then acts on: it is refused, naming its owner and
+/// what to do, and nothing is made in it.
+#[test]
+fn a_runtime_directory_another_user_made_is_refused() {
+    if !is_root() {
+        eprintln!("skipped: it makes a directory of another user's");
+        return;
+    }
+    let dir = tempdir();
+    let runtime = dir.path().join("run");
+    std::fs::create_dir(&runtime).unwrap();
+    std::fs::set_permissions(&runtime, std::fs::Permissions::from_mode(0o777)).unwrap();
+    std::os::unix::fs::chown(&runtime, Some(65534), Some(65534)).unwrap();
+    let ran = Ran::from(
+        warden()
+            .env("WARDEN_RUNTIME_DIR", &runtime)
+            .args(["run", "--", "true"])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(ran.code, 125, "{ran:?}");
+    assert!(
+        ran.stderr.contains("belongs to uid 65534") && ran.stderr.contains("WARDEN_RUNTIME_DIR"),
+        "{ran:?}"
+    );
+    assert_eq!(std::fs::read_dir(&runtime).unwrap().count(), 0);
+}

@@ -59,6 +59,10 @@ pub enum RegistryError {
     NotFound(String),
     #[error("cell record {path} is unreadable: {message}")]
     Corrupt { path: PathBuf, message: String },
+    #[error(
+        "runtime directory {path} belongs to uid {owner}, not to this user (uid {me}): another user may have made it to watch or steer this user's cells; remove it, or set WARDEN_RUNTIME_DIR to a directory of your own"
+    )]
+    NotOwned { path: PathBuf, owner: u32, me: u32 },
 }
 
 fn io_at(path: &Path) -> impl FnOnce(io::Error) -> RegistryError {
@@ -141,17 +145,17 @@ impl Registry {
         let cells = root.join("cells");
         let mount_point = root.join(CELL_ROOT);
         let starts = root.join(STARTS);
-        fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(&starts)
-            .map_err(io_at(&starts))?;
         // Search-only for others: a root-started cell's setup runs as an unprivileged host id
         // and must be able to reach its mount point, but may list nothing.
-        for dir in [&root, &cells, &mount_point] {
+        for (dir, mode) in [
+            (&root, 0o711),
+            (&cells, 0o711),
+            (&mount_point, 0o711),
+            (&starts, 0o700),
+        ] {
             fs::DirBuilder::new()
                 .recursive(true)
-                .mode(0o711)
+                .mode(mode)
                 .create(dir)
                 .map_err(io_at(dir))?;
             let meta = fs::symlink_metadata(dir).map_err(io_at(dir))?;
@@ -161,7 +165,18 @@ impl Registry {
                     source: io::Error::other("not a directory"),
                 });
             }
-            fs::set_permissions(dir, fs::Permissions::from_mode(0o711)).map_err(io_at(dir))?;
+            // One another user made first (the default `/tmp/warden-UID`, where no
+            // `XDG_RUNTIME_DIR` is set, is anyone's to make) is theirs to fill with records,
+            // locks and notes that this warden would act on.
+            let me = rustix::process::geteuid().as_raw();
+            if std::os::unix::fs::MetadataExt::uid(&meta) != me {
+                return Err(RegistryError::NotOwned {
+                    path: dir.clone(),
+                    owner: std::os::unix::fs::MetadataExt::uid(&meta),
+                    me,
+                });
+            }
+            fs::set_permissions(dir, fs::Permissions::from_mode(mode)).map_err(io_at(dir))?;
         }
         Ok(Self { root })
     }
