@@ -838,7 +838,10 @@ fn a_command_question_shows_each_argument_and_nothing_that_hides_or_reorders_tex
 /// A question a standing grant answers is still asked, and told as a line (up to ~2.2 KiB) on
 /// the keeper's stderr, which is the cell's `keeper.log` on the host's disk: a cell that asked
 /// 1,600 times in 15 s wrote 3.3 MB there, and went on for as long as it ran. The lines stop at
-/// 1 MiB, with one that says so; the questions are still answered.
+/// 1 MiB, with one that says so; the questions are still answered. Their journal entries (an
+/// ask and an answer, each with the request) count against `limits.records`, as the egress
+/// record does: past it, each is answered with no entry of its own, and counted (10.6 MB of
+/// journal for 1,600 such requests before).
 #[test]
 fn questions_a_cell_asks_in_bulk_fill_its_keeper_log_only_so_far() {
     if !cgroups_available("daemon_questions_log") {
@@ -847,7 +850,7 @@ fn questions_a_cell_asks_in_bulk_fill_its_keeper_log_only_so_far() {
     let (port, _) = upstream();
     let daemon = Daemon::start(&[]);
     let policy = format!(
-        "version: 1\nnetwork:\n  ask:\n    - host: 127.0.0.2\n      ports: [{port}]\napprovals:\n  timeout: 30s\n"
+        "version: 1\nnetwork:\n  ask:\n    - host: 127.0.0.2\n      ports: [{port}]\napprovals:\n  timeout: 30s\nlimits:\n  records: 256KiB\n"
     );
     let cell = daemon.create(&unique("qlog"), json!({ "policy": policy }));
     // The first question, answered for the cell's life: the rest are answered by the grant.
@@ -915,5 +918,27 @@ fn questions_a_cell_asks_in_bulk_fill_its_keeper_log_only_so_far() {
         told.contains("no more are told here"),
         "{}",
         &told[told.len().saturating_sub(400)..]
+    );
+
+    let entries = daemon.entries_of(&cell);
+    let asked = entries
+        .iter()
+        .filter(|e| e["kind"] == "approval.ask")
+        .count();
+    let counted: Vec<u64> = entries
+        .iter()
+        .filter(|e| e["kind"] == "approval.unrecorded")
+        .map(|e| e["data"]["count"].as_u64().unwrap())
+        .collect();
+    // 256 KiB holds about 55 questions of ~2.1 KiB (an ask and an answer each).
+    assert!(
+        (2..100).contains(&asked),
+        "{asked} questions journaled one by one"
+    );
+    let past = 640 + 1 - asked as u64;
+    assert_eq!(
+        counted.last().copied(),
+        Some(1 << past.ilog2()),
+        "the count of those past the bound: {counted:?}"
     );
 }
