@@ -144,15 +144,10 @@ impl Registry {
     pub fn open(root: PathBuf) -> Result<Self, RegistryError> {
         let cells = root.join("cells");
         let mount_point = root.join(CELL_ROOT);
-        let starts = root.join(STARTS);
         // Search-only for others: a root-started cell's setup runs as an unprivileged host id
-        // and must be able to reach its mount point, but may list nothing.
-        for (dir, mode) in [
-            (&root, 0o711),
-            (&cells, 0o711),
-            (&mount_point, 0o711),
-            (&starts, 0o700),
-        ] {
+        // and must be able to reach its mount point, but may list nothing. (The folder of
+        // start notes is made by the first note: a `warden run` has none.)
+        for (dir, mode) in [(&root, 0o711), (&cells, 0o711), (&mount_point, 0o711)] {
             fs::DirBuilder::new()
                 .recursive(true)
                 .mode(mode)
@@ -176,7 +171,9 @@ impl Registry {
                     me,
                 });
             }
-            fs::set_permissions(dir, fs::Permissions::from_mode(mode)).map_err(io_at(dir))?;
+            if meta.permissions().mode() & 0o7777 != mode {
+                fs::set_permissions(dir, fs::Permissions::from_mode(mode)).map_err(io_at(dir))?;
+            }
         }
         Ok(Self { root })
     }
@@ -448,7 +445,17 @@ impl Registry {
             path: PathBuf::from(format!("/proc/{keeper}/stat")),
             source: io::Error::other("the keeper is not there to be noted"),
         })?;
-        let path = self.root.join(STARTS).join(name);
+        let dir = self.root.join(STARTS);
+        match fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Err(err) if err.kind() != io::ErrorKind::AlreadyExists => {
+                return Err(RegistryError::Io {
+                    path: dir,
+                    source: err,
+                });
+            }
+            _ => {}
+        }
+        let path = dir.join(name);
         fs::write(&path, format!("{keeper} {ticks}\n")).map_err(io_at(&path))?;
         Ok(StartNote(path))
     }
