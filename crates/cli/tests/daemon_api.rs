@@ -1658,17 +1658,41 @@ fn a_token_file_other_users_can_read_is_refused() {
         "{said}"
     );
     std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let path = file.to_str().unwrap();
-    let daemon = Daemon::start(&["--listen", "127.0.0.1:0", "--token-file", path]);
-    let addr = std::fs::read_to_string(daemon.runtime.join("daemon.addr")).unwrap();
-    let stream = std::net::TcpStream::connect(addr.trim()).unwrap();
-    let cells = exchange(
-        stream,
-        "GET",
-        "/v1/cells",
-        None,
-        &[("Authorization", "Bearer a-token-of-the-owners-0123456789")],
+    let mut serve = std::process::Command::new(bin())
+        .env("WARDEN_RUNTIME_DIR", dir.path().join("run"))
+        .env("WARDEN_STATE_DIR", dir.path().join("state"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--token-file"])
+        .arg(&file)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // It says where the token is: the file given, not one of its own.
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(serve.stderr.take().unwrap()));
+    let told = lines
+        .by_ref()
+        .map_while(Result::ok)
+        .find(|l| l.contains("token in"));
+    let cells = told.as_ref().map(|_| {
+        let addr = std::fs::read_to_string(dir.path().join("run").join("daemon.addr")).unwrap();
+        let stream = std::net::TcpStream::connect(addr.trim()).unwrap();
+        exchange(
+            stream,
+            "GET",
+            "/v1/cells",
+            None,
+            &[("Authorization", "Bearer a-token-of-the-owners-0123456789")],
+        )
+    });
+    let _ = serve.kill();
+    let _ = serve.wait();
+    let told = told.expect("the daemon says where its token is");
+    assert!(
+        told.contains(&format!("token in {})", file.display())),
+        "{told}"
     );
+    let cells = cells.unwrap();
     assert_eq!(cells.status, 200, "{}", cells.text());
 }
 

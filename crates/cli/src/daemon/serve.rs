@@ -120,12 +120,17 @@ pub fn serve(args: ServeArgs) -> Result<i32> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
+    // Where the token is: the file given, or the one the daemon makes.
+    let token_at = config
+        .token_file
+        .clone()
+        .unwrap_or_else(|| runtime().join(warden_server::TOKEN_FILE));
     let served = rt.block_on(warden_server::serve(config, |socket, tcp| {
         eprintln!("warden: serving the API on {}", socket.display());
         if let Some(addr) = tcp {
             eprintln!(
                 "warden: and on http://{addr} (token in {})",
-                runtime().join(warden_server::TOKEN_FILE).display()
+                token_at.display()
             );
         }
         if let Ok(addr) = std::fs::read_to_string(runtime().join(warden_server::E2B_ADDR_FILE))
