@@ -147,6 +147,10 @@ impl Model {
             .connect_timeout(Duration::from_secs(10))
             .read_timeout(Duration::from_secs(300))
             .no_proxy()
+            // A redirect is not followed: reqwest drops only `Authorization` on the way to
+            // another host, and the Anthropic key is `x-api-key`; a 307 or 308 would also send
+            // the whole conversation on.
+            .redirect(reqwest::redirect::Policy::none())
             .tcp_nodelay(true)
             .build()
             .map_err(|e| format!("making the model API's client: {e}"))?;
@@ -167,6 +171,17 @@ impl Model {
     /// The key, for the journal's redactions (never for the journal itself).
     pub fn key(&self) -> Option<&str> {
         self.key.as_deref()
+    }
+
+    /// `text` (what the API said, in an error) with the key put out of it: an API that echoes
+    /// the key it was sent (`Incorrect API key provided: sk-...`) had it in the session's
+    /// reason, which the daemon keeps on disk, answers and shows on its dashboard. A key
+    /// shorter than 8 bytes is left alone, not to mangle the words around it.
+    fn without_key(&self, text: &str) -> String {
+        match self.key.as_deref() {
+            Some(key) if key.len() >= 8 => text.replace(key, "[the key]"),
+            _ => text.to_owned(),
+        }
     }
 
     /// Sends a request (streamed) and reads its reply, trying again with backoff where that
@@ -194,6 +209,7 @@ impl Model {
                 }
                 Err(mut err) if !err.retryable || attempt >= ATTEMPTS => {
                     err.attempts = attempt;
+                    err.message = self.without_key(&err.message);
                     if attempt > 1 {
                         err.message = format!("{} (after {attempt} tries)", err.message);
                     }
@@ -242,6 +258,28 @@ impl Model {
                 .and_then(|v| v.trim().parse::<f64>().ok())
                 .filter(|s| s.is_finite() && *s >= 0.0)
                 .map(Duration::from_secs_f64);
+            if status.is_redirection() {
+                let location = response
+                    .headers()
+                    .get("location")
+                    .map(|v| {
+                        plain(
+                            &String::from_utf8_lossy(v.as_bytes())
+                                .chars()
+                                .take(300)
+                                .collect::<String>(),
+                        )
+                    })
+                    .unwrap_or_else(|| "(no Location)".to_owned());
+                return Err(ModelError {
+                    message: format!(
+                        "the model API at {url} answered {status}, a redirect to {location}, which the warden does not follow (the key and the conversation would go with it); if that is the API, give it as the base URL"
+                    ),
+                    retryable: false,
+                    retry_after: None,
+                    attempts: 0,
+                });
+            }
             // Only enough of an error's body to say what it was: a server that answers an
             // endless one is not read on.
             let (body, _) = read_up_to(response, ERROR_BODY_LIMIT).await;
@@ -388,6 +426,91 @@ mod tests {
             }
         });
         format!("http://{address}/v1")
+    }
+
+    /// A model API that redirects the warden elsewhere: the key and the conversation stay
+    /// where they were sent. (reqwest followed a 307 with the body, and dropped only
+    /// `Authorization` on the way to another host: the Anthropic key, `x-api-key`, went on.)
+    #[tokio::test]
+    async fn a_redirect_is_not_followed_with_the_key() {
+        let thief = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let thief_at = thief.local_addr().unwrap();
+        let (got, heard) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for conn in thief.incoming().flatten() {
+                let mut conn = conn;
+                let mut request = vec![0u8; 65536];
+                let n = conn.read(&mut request).unwrap_or(0);
+                let _ = got.send(String::from_utf8_lossy(&request[..n]).into_owned());
+                let _ = conn.write_all(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+            }
+        });
+        for spec in ["anthropic:fake", "openai:fake", "openai-responses:fake"] {
+            for code in [
+                "307 Temporary Redirect",
+                "308 Permanent Redirect",
+                "302 Found",
+            ] {
+                let url = server(
+                    format!(
+                        "HTTP/1.1 {code}\r\nLocation: http://{thief_at}/steal\r\nContent-Length: 0\r\n\r\n"
+                    ),
+                    0,
+                );
+                let model = Model::new(spec, Some(&url), Some("sk-secret-key".to_owned())).unwrap();
+                let err =
+                    tokio::time::timeout(Duration::from_secs(20), model.once(b"{}", &mut |_| {}))
+                        .await
+                        .expect("the call ended")
+                        .unwrap_err();
+                assert!(
+                    err.message.contains("redirect") && err.message.contains("/steal"),
+                    "{spec} {code}: {}",
+                    err.message
+                );
+                assert!(!err.retryable);
+                assert!(!err.message.contains("sk-secret-key"));
+            }
+        }
+        let stolen: Vec<String> = heard.try_iter().collect();
+        assert!(stolen.is_empty(), "the redirect was followed: {stolen:?}");
+    }
+
+    /// A model API that echoes the key in its error: the session's reason (kept on disk by
+    /// the daemon, answered and shown) says it without the key.
+    #[tokio::test]
+    async fn an_error_that_echoes_the_key_is_told_without_it() {
+        let key = "sk-echoed-0123456789abcdef";
+        let body = format!(r#"{{"error":{{"message":"Incorrect API key provided: {key}"}}}}"#);
+        for (code, streamed) in [("401 Unauthorized", false), ("200 OK", true)] {
+            let head = if streamed {
+                let event = format!(r#"data: {{"error":{{"message":"bad key {key}"}}}}"#);
+                format!(
+                    "HTTP/1.1 {code}\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n{event}\n\n"
+                )
+            } else {
+                format!(
+                    "HTTP/1.1 {code}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                    body.len()
+                )
+            };
+            let url = server(head, 0);
+            let model = Model::new("openai:fake", Some(&url), Some(key.to_owned())).unwrap();
+            let request = Request {
+                model: "fake",
+                instructions: "",
+                items: &[],
+                tools: &[],
+                max_output_tokens: None,
+                stream: true,
+            };
+            let err = tokio::time::timeout(Duration::from_secs(20), model.call(&request, |_| {}))
+                .await
+                .expect("the call ended")
+                .unwrap_err();
+            assert!(!err.message.contains(key), "{code}: {}", err.message);
+            assert!(err.message.contains("[the key]"), "{code}: {}", err.message);
+        }
     }
 
     #[tokio::test]

@@ -451,6 +451,25 @@ impl Agents {
                     continue;
                 };
                 let mode = modes.get(&call.name).copied().unwrap_or_default();
+                // Only what ran is carried out again: a call answered "not run" (past the most
+                // a reply may make, or cut by a stop) never ran, and one of an `ask` tool that
+                // was refused (a person said no, or nobody answered and the policy refused) is
+                // not carried out unasked (a rerun ran both).
+                let never_ran = error
+                    && (recorded.starts_with("not run: ")
+                        || (mode == warden_protocol::ToolMode::Ask
+                            && recorded.starts_with("refused (")));
+                if never_ran {
+                    calls.push(RerunCall {
+                        turn,
+                        name: call.name.clone(),
+                        arguments: call.arguments.clone(),
+                        same: true,
+                        now: "not run again: it did not run in the session".to_owned(),
+                        recorded,
+                    });
+                    continue;
+                }
                 let now = match tools::arguments(&call.name, &call.arguments) {
                     Err(outcome) => outcome,
                     Ok(_) if mode == warden_protocol::ToolMode::Deny => {

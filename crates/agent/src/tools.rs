@@ -12,6 +12,9 @@ use warden_model::Tool;
 
 /// The most a call's arguments may hold.
 pub const ARGUMENTS_LIMIT: usize = 1 << 20;
+/// The mark that begins the operator's words in the conversation (the standing instructions
+/// tell the model to follow them).
+pub const OPERATOR_MARK: &str = "[operator]";
 /// How long a command runs when the model does not say.
 const DEFAULT_TIMEOUT_S: u64 = 120;
 /// The longest a command may be given.
@@ -206,7 +209,24 @@ pub async fn run(
         },
         other => Outcome::error(format!("there is no tool `{other}`")),
     };
-    clip(outcome, limit)
+    unmarked(clip(outcome, limit))
+}
+
+/// A result never begins with the operator's mark: a file the cell wrote that began `[operator]
+/// ...`, read back, was a message that began with it, which the standing instructions tell the
+/// model to follow.
+fn unmarked(mut outcome: Outcome) -> Outcome {
+    let start = outcome.output.trim_start();
+    let mark = OPERATOR_MARK.trim_end_matches(']');
+    if start
+        .get(..mark.len())
+        .is_some_and(|s| s.eq_ignore_ascii_case(mark))
+    {
+        outcome
+            .output
+            .insert_str(0, "[a tool's output, not the operator's words] ");
+    }
+    outcome
 }
 
 async fn edit(harness: &Arc<Harness>, cell: &str, args: &Value) -> Outcome {

@@ -308,3 +308,173 @@ for n in range(3):
     assert_eq!(exchanges[0]["inference"]["status"], 200, "{journal}");
     assert_eq!(exchanges[1]["inference"]["tokens_used"], 240, "{journal}");
 }
+
+/// A model server the cell may reach itself (an allowed host of its own) that reports a usage
+/// near 2^64: the gateway added it to the cell's running total, which wrapped round to nothing,
+/// and the cell had its whole budget back for the route. The total saturates instead.
+#[test]
+fn a_reported_usage_near_the_top_of_u64_does_not_wrap_the_budget() {
+    let route = ModelServer::start(vec![]);
+    route.then(Step::Text("hello".into()));
+    // The cell's own "model API": 2^64 - 120 input tokens, so that 120 + that is 2^64.
+    let own_port = own_model_server(u64::MAX - 119);
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("policy.yaml");
+    std::fs::write(
+        &policy,
+        format!(
+            "version: 1\nnetwork:\n  allow:\n    - host: 127.0.0.2\n      ports: [{own_port}]\n  inference:\n    upstream: http://127.0.0.1:{}/v1\n    max_tokens: 200\n",
+            route.port
+        ),
+    )
+    .unwrap();
+    // A route call (120 tokens), the call to its own server, then two more route calls: with
+    // the total wrapped to 0 both passed (360 tokens on a budget of 200), and so on for ever.
+    let code = r#"
+import os, socket
+body = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
+own = 'http://127.0.0.2:%s' % os.environ['OWN_PORT']
+for target in ['http://inference.warden', own, 'http://inference.warden', 'http://inference.warden']:
+    s = socket.create_connection(('127.0.0.1', 3128), timeout=10)
+    host = target.split('//')[1].encode()
+    s.sendall(b'POST %s/v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s' % (target.encode(), host, len(body), body))
+    data = b''
+    while True:
+        more = s.recv(4096)
+        if not more: break
+        data += more
+    print(data.split(b'\r\n')[0].decode(), flush=True)
+"#;
+    let out = support::warden()
+        .env("WARDEN_RUNTIME_DIR", dir.path().join("run"))
+        .env("WARDEN_STATE_DIR", dir.path().join("state"))
+        .args(["run", "--policy"])
+        .arg(&policy)
+        .args(["--env", &format!("OWN_PORT={own_port}")])
+        .args(["--", "python3", "-c", code])
+        .output()
+        .unwrap();
+    let ran = support::Ran::from(out);
+    let lines: Vec<&str> = ran.stdout.lines().collect();
+    assert_eq!(lines.len(), 4, "{ran:?}");
+    let (journal, _) = journal_and_exchanges(dir.path());
+    assert!(lines[0].starts_with("HTTP/1.1 200 "), "{ran:?}\n{journal}");
+    assert!(lines[1].starts_with("HTTP/1.1 200 "), "{ran:?}\n{journal}");
+    for line in &lines[2..] {
+        assert!(
+            line.starts_with("HTTP/1.1 429 "),
+            "the budget came back: {ran:?}\n{journal}"
+        );
+    }
+    assert_eq!(route.requests().len(), 1, "{journal}");
+}
+
+/// A model server on 127.0.0.2 (a cell reaches it through the gateway) that answers every
+/// request with a Chat Completions reply of `prompt_tokens` input tokens; its port.
+fn own_model_server(prompt_tokens: u64) -> u16 {
+    use std::io::{Read as _, Write as _};
+    let own = std::net::TcpListener::bind("127.0.0.2:0").unwrap();
+    let port = own.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for conn in own.incoming().flatten() {
+            std::thread::spawn(move || {
+                let mut conn = conn;
+                // The request, to its end (the gateway closes its side once it is sent).
+                let mut request = Vec::new();
+                let mut buf = vec![0u8; 1 << 16];
+                loop {
+                    match conn.read(&mut buf) {
+                        Ok(n) if n > 0 => request.extend_from_slice(&buf[..n]),
+                        _ => break,
+                    }
+                    let text = String::from_utf8_lossy(&request);
+                    if let Some(at) = text.find("\r\n\r\n") {
+                        let length = text[..at]
+                            .lines()
+                            .find_map(|l| {
+                                let (name, value) = l.split_once(':')?;
+                                name.eq_ignore_ascii_case("content-length")
+                                    .then(|| value.trim().parse::<usize>().ok())?
+                            })
+                            .unwrap_or(0);
+                        if request.len() >= at + 4 + length {
+                            break;
+                        }
+                    }
+                }
+                let body = format!(
+                    r#"{{"id":"c","object":"chat.completion","model":"m","choices":[{{"index":0,"message":{{"role":"assistant","content":"x"}},"finish_reason":"stop"}}],"usage":{{"prompt_tokens":{prompt_tokens},"completion_tokens":0}}}}"#
+                );
+                let _ = conn.write_all(
+                    format!(
+                        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    )
+                    .as_bytes(),
+                );
+            });
+        }
+    });
+    port
+}
+
+/// A model call the cell makes itself, off the route, with blanks inside its JSON (they cost
+/// no tokens) past the first MiB the gateway keeps, or with a chunked body: the request did not
+/// read as JSON, was taken for a REST API's and passed over, and the cell's calls were never
+/// counted nor refused.
+#[test]
+fn a_model_call_padded_past_what_the_gateway_keeps_is_counted() {
+    let own_port = own_model_server(120);
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("policy.yaml");
+    std::fs::write(
+        &policy,
+        format!(
+            "version: 1\nnetwork:\n  allow:\n    - host: 127.0.0.2\n      ports: [{own_port}]\n  inference:\n    upstream: http://127.0.0.1:9/v1\n    max_tokens: 200\n"
+        ),
+    )
+    .unwrap();
+    let code = r#"
+import os, socket
+body = b'{"model":"m",' + b' ' * (1 << 21) + b'"messages":[{"role":"user","content":"hi"}]}'
+host = b'127.0.0.2:' + os.environ['OWN_PORT'].encode()
+plain = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
+for n in range(3):
+    s = socket.create_connection(('127.0.0.1', 3128), timeout=10)
+    head = b'POST http://%s/v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n' % (host, host)
+    if n == 1:
+        # Chunked: the body the gateway kept was the chunks' framing, not JSON.
+        s.sendall(head + b'Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n' % (len(plain), plain))
+    else:
+        s.sendall(head + b'Content-Length: %d\r\n\r\n%s' % (len(body), body))
+    data = b''
+    while True:
+        more = s.recv(4096)
+        if not more: break
+        data += more
+    print(data.split(b'\r\n')[0].decode(), flush=True)
+"#;
+    let out = support::warden()
+        .env("WARDEN_RUNTIME_DIR", dir.path().join("run"))
+        .env("WARDEN_STATE_DIR", dir.path().join("state"))
+        .args(["run", "--policy"])
+        .arg(&policy)
+        .args(["--env", &format!("OWN_PORT={own_port}")])
+        .args(["--", "python3", "-c", code])
+        .output()
+        .unwrap();
+    let ran = support::Ran::from(out);
+    let lines: Vec<&str> = ran.stdout.lines().collect();
+    let (journal, exchanges) = journal_and_exchanges(dir.path());
+    assert_eq!(
+        lines,
+        [
+            "HTTP/1.1 200 OK",
+            "HTTP/1.1 200 OK",
+            "HTTP/1.1 429 Too Many Requests"
+        ],
+        "{ran:?}\n{journal}"
+    );
+    // Counted by the reply's usage, which was read whole.
+    assert_eq!(exchanges[1]["inference"]["tokens_used"], 240, "{journal}");
+}

@@ -497,6 +497,7 @@ impl Gateway {
                 &response_kept,
                 started.elapsed(),
                 inference,
+                (decision.bytes_up, decision.bytes_down),
             );
         }
         let _ = conn.shutdown(Shutdown::Both);

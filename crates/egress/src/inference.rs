@@ -70,9 +70,11 @@ impl Gateway {
     }
 
     /// Reads an exchange (the request's body, the response as the client got it: head and
-    /// decoded body) and counts its tokens; the record's `inference` field. One off the route
-    /// (`routed` false) is read only when its request is a model call's (a JSON object naming
-    /// a `model`): a REST API's `/messages` is not counted as tokens.
+    /// decoded body, each its first `KEPT` bytes; `relayed`: how many bytes went up and came
+    /// down in all) and counts its tokens; the record's `inference` field. One off the route
+    /// (`routed` false) is passed over only when its request, read whole, is JSON that names no
+    /// `model` (a REST API's `/messages` is not counted as tokens); one longer than what is
+    /// kept, or that is not JSON the gateway reads, is counted.
     pub(crate) fn read_exchange(
         &self,
         path: &str,
@@ -80,16 +82,27 @@ impl Gateway {
         response: &[u8],
         latency: Duration,
         routed: bool,
+        relayed: (u64, u64),
     ) -> Option<Value> {
+        let request_cut = request.len() >= KEPT;
         // The request is kept as it went upstream: a credential bound `in_body` is the secret
         // there, and the record gets the placeholder the cell sent instead.
         let request = self.secrets.scrubbed(request);
         let request = request.as_slice();
         let format = warden_model::Format::of_path(path);
-        let body: Value = serde_json::from_slice(request).unwrap_or(Value::Null);
-        if !routed && !body.get("model").is_some_and(Value::is_string) {
+        let body: Option<Value> = serde_json::from_slice(request).ok();
+        // Passed over only when read whole: a request padded past what is kept (blanks inside
+        // its JSON cost no tokens), or one the provider reads and serde does not (a lone
+        // surrogate), was passed over, and its tokens never counted.
+        if !routed
+            && !request_cut
+            && body
+                .as_ref()
+                .is_some_and(|b| !b.get("model").is_some_and(Value::is_string))
+        {
             return None;
         }
+        let body = body.unwrap_or(Value::Null);
         // The final answer's head and body: interim answers (`100 Continue`, which a cell
         // gets by asking for it, `103 Early Hints`) came before it and are read past. (Read as
         // the exchange's, a 100 was no success, and the reply was counted as no tokens.)
@@ -138,12 +151,17 @@ impl Gateway {
                 .and_then(|v| format.reply(&v))
         };
         // Tokens as the reply says, or (no usage in it, a reply longer than what is kept, one
-        // that cannot be read) a count by size: a reply's length never goes uncounted.
-        let by_size = ((request.len() + response.len()) / 4).max(1) as u64;
-        let truncated = request.len() >= KEPT || response.len() >= KEPT;
+        // that cannot be read) a count by size, of all that was relayed, not of what was kept:
+        // a reply's length never goes uncounted. The usage of a reply read whole holds however
+        // long the request was (a request past what is kept was counted by size, a quarter
+        // of a 4 MiB request's tokens).
+        let by_size =
+            ((request.len() as u64).max(relayed.0) + (response.len() as u64).max(relayed.1)) / 4;
+        let by_size = by_size.max(1);
+        let truncated = response.len() >= KEPT;
         let counted = match &parsed {
-            Ok(reply) if !truncated && reply.usage.input + reply.usage.output > 0 => {
-                reply.usage.input + reply.usage.output
+            Ok(reply) if !truncated && reply.usage.input.saturating_add(reply.usage.output) > 0 => {
+                reply.usage.input.saturating_add(reply.usage.output)
             }
             _ if (200..300).contains(&status) => {
                 out["tokens_estimated"] = true.into();
@@ -151,7 +169,16 @@ impl Gateway {
             }
             _ => 0,
         };
-        let total = self.inference_tokens.fetch_add(counted, Ordering::Relaxed) + counted;
+        // Added saturating: the usage is the upstream's word, and an upstream the cell can
+        // make answer (an allowed host of its own) could report one near 2^64 that wrapped the
+        // total round to nothing, the cell's budget whole again.
+        let used = self
+            .inference_tokens
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |used| {
+                Some(used.saturating_add(counted))
+            })
+            .unwrap_or_else(|used| used);
+        let total = used.saturating_add(counted);
         out["tokens_used"] = total.into();
         match parsed {
             Ok(reply) => {
@@ -244,18 +271,80 @@ mod tests {
         let gateway = gateway();
         let call = br#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#;
         let read = gateway
-            .read_exchange("/v1/chat/completions", call, REPLY, Duration::ZERO, false)
+            .read_exchange(
+                "/v1/chat/completions",
+                call,
+                REPLY,
+                Duration::ZERO,
+                false,
+                (0, 0),
+            )
             .expect("a model call is read");
         assert_eq!(read["text"], "hi");
         assert_eq!(read["tokens_used"], 10);
         // A REST API's own `/messages` (no model named) is neither read nor counted.
         let other = br#"{"to":"someone","body":"hello"}"#;
-        let none = gateway.read_exchange("/api/messages", other, REPLY, Duration::ZERO, false);
+        let none =
+            gateway.read_exchange("/api/messages", other, REPLY, Duration::ZERO, false, (0, 0));
         assert!(none.is_none());
         assert_eq!(gateway.inference_tokens.load(Ordering::Relaxed), 10);
         // On the route, every exchange is read, whatever its body.
-        let routed = gateway.read_exchange("/v1/messages", other, b"", Duration::ZERO, true);
+        let routed =
+            gateway.read_exchange("/v1/messages", other, b"", Duration::ZERO, true, (0, 0));
         assert!(routed.is_some_and(|r| r.get("error").is_some()));
+    }
+
+    /// A model call off the route padded past what is kept (blanks inside its JSON cost no
+    /// tokens) was passed over as if it named no model, and never counted; so was one whose
+    /// JSON the gateway does not read (a lone surrogate, which a provider may take). Both are
+    /// counted; a reply read whole by its usage however long the request, and one without
+    /// usage by the size of all that was relayed, not of the first MiB kept.
+    #[test]
+    fn a_model_call_too_long_or_too_odd_to_read_is_counted_all_the_same() {
+        let gateway = gateway();
+        let mut padded = br#"{"model":"m","#.to_vec();
+        padded.resize(KEPT, b' ');
+        let read = gateway
+            .read_exchange(
+                "/v1/chat/completions",
+                &padded,
+                REPLY,
+                Duration::ZERO,
+                false,
+                (3 * KEPT as u64, REPLY.len() as u64),
+            )
+            .expect("a model call padded past what is kept is read");
+        assert_eq!(read["tokens_used"], 10, "{read}");
+        let odd = br#"{"model":"m","messages":[{"role":"user","content":"\ud800"}]}"#;
+        let read = gateway
+            .read_exchange(
+                "/v1/chat/completions",
+                odd,
+                REPLY,
+                Duration::ZERO,
+                false,
+                (odd.len() as u64, REPLY.len() as u64),
+            )
+            .expect("a model call the gateway cannot parse is read");
+        assert_eq!(read["tokens_used"], 20, "{read}");
+        let no_usage = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{\"choices\":[]}";
+        let relayed = 4 << 20;
+        let read = gateway
+            .read_exchange(
+                "/v1/chat/completions",
+                &padded,
+                no_usage,
+                Duration::ZERO,
+                true,
+                (relayed, no_usage.len() as u64),
+            )
+            .unwrap();
+        assert_eq!(read["tokens_estimated"], true, "{read}");
+        assert_eq!(
+            read["tokens_used"],
+            20 + (relayed + no_usage.len() as u64) / 4,
+            "{read}"
+        );
     }
 
     /// A credential bound `in_body` is the secret in the body that went upstream; the record
@@ -275,7 +364,14 @@ mod tests {
         let sent =
             br#"{"model":"s3cr3t-VALUE-abcdefghi","messages":[{"role":"user","content":"x"}]}"#;
         let read = gateway
-            .read_exchange("/v1/chat/completions", sent, REPLY, Duration::ZERO, false)
+            .read_exchange(
+                "/v1/chat/completions",
+                sent,
+                REPLY,
+                Duration::ZERO,
+                false,
+                (0, 0),
+            )
             .expect("a model call is read");
         let text = read.to_string();
         assert!(!text.contains("s3cr3t-VALUE"), "{text}");

@@ -220,6 +220,7 @@ impl Gateway {
                     &response_kept,
                     started.elapsed(),
                     false,
+                    (decision.bytes_up, decision.bytes_down),
                 );
             }
             client.conn.send_close_notify();

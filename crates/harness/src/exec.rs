@@ -43,6 +43,49 @@ impl Harness {
         spec: ExecSpec,
         then: Option<crate::once::Then>,
     ) -> Result<Arc<Process>, HarnessError> {
+        self.exec_checked(name, spec, then, true).await
+    }
+
+    /// Ends every process of a running cell but its init, and waits until that is done: a
+    /// rewound agent session's cut turns may have left a command in the background (`cmd &`,
+    /// `setsid`), which went on changing the workspace the rewind had just reset. `kill -KILL
+    /// -1` from inside the cell's pid namespace reaches every process there but the init and
+    /// the caller. It is the warden's own command, journaled like any exec; the cell's command
+    /// rules are not asked (a rule that held or refused it would hold or refuse the rewind).
+    pub async fn end_processes(self: &Arc<Self>, name: &str) -> Result<(), HarnessError> {
+        if self.live_with_status(name).is_err() {
+            // Ended (or never there): no process runs in it, and what follows says the rest.
+            return Ok(());
+        }
+        let spec = ExecSpec {
+            argv: vec![
+                "sh".to_owned(),
+                "-c".to_owned(),
+                "kill -KILL -1 2>/dev/null; exit 0".to_owned(),
+            ],
+            timeout_ms: Some(30_000),
+            ..Default::default()
+        };
+        let process = self.exec_checked(name, spec, None, false).await?;
+        let ran = crate::tools::run_to_end(process, 4096, std::future::pending(), |_, _| async {})
+            .await?;
+        if ran.status != 0 {
+            return Err(ExecError::Failed(format!(
+                "ending the processes of cell `{name}` (`kill -KILL -1` in it) failed: {}",
+                ran.text()
+            ))
+            .into());
+        }
+        Ok(())
+    }
+
+    async fn exec_checked(
+        self: &Arc<Self>,
+        name: &str,
+        spec: ExecSpec,
+        then: Option<crate::once::Then>,
+        checked: bool,
+    ) -> Result<Arc<Process>, HarnessError> {
         // The start runs to its end on a task of its own, so that a caller that goes away
         // half-way (a client hanging up) cannot leave a process started but unwatched, with no
         // end in the journal; such a process, unless it was asked for in the background, has
@@ -53,7 +96,7 @@ impl Harness {
         let background = spec.background;
         // The same task then watches the process to its end (one task per exec, not two).
         tokio::spawn(async move {
-            let (started, watch) = match harness.start(&name, spec, then, &tx).await {
+            let (started, watch) = match harness.start(&name, spec, then, &tx, checked).await {
                 Ok((process, watch)) => (Ok(process), watch),
                 Err(err) => (Err(err), None),
             };
@@ -76,6 +119,7 @@ impl Harness {
         spec: ExecSpec,
         then: Option<crate::once::Then>,
         caller: &tokio::sync::oneshot::Sender<Result<Arc<Process>, HarnessError>>,
+        checked: bool,
     ) -> Result<(Arc<Process>, Option<Watch>), HarnessError> {
         let (cell, mut status) = self.live_with_status(name)?;
         let (idle_paused, controlled) = self
@@ -134,7 +178,9 @@ impl Harness {
             }
         }
         self.touch(name);
-        self.check_command(name, &spec.argv).await?;
+        if checked {
+            self.check_command(name, &spec.argv).await?;
+        }
         // A person's answer can come after the cell asked for ended and another took its name:
         // the command starts only in the cell it was asked for (the handle's line to its init
         // is asked for by name, and would reach the new cell).
