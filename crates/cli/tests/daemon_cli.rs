@@ -480,6 +480,55 @@ fn copies_removals_logs_events_signals_and_refusals_say_what_they_mean() {
     assert!(String::from_utf8_lossy(&followed.stdout).contains("came-later"));
 }
 
+/// A directory copied out of a cell lands with the caller's umask taken off each mode, as `cp -r`
+/// gives: what the cell made 777 and 666 had landed writable by every user of the host.
+#[test]
+fn a_directory_copied_out_of_a_cell_takes_the_callers_umask() {
+    use std::os::unix::fs::PermissionsExt as _;
+    if !cgroups_available("daemon_cp_modes") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("cpmodes"), json!({}));
+    let made = daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", "mkdir -p /workspace/o/pub && chmod 777 /workspace/o/pub \
+            && echo x > /workspace/o/pub/f && chmod 666 /workspace/o/pub/f"] }),
+    );
+    assert_eq!(exit_of(&made)["code"], 0, "{made:?}");
+    let dir = tempdir();
+    let out = dir.path().join("out");
+    let copied = daemon
+        .warden()
+        .args(["cp", &format!("{cell}:o"), out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(copied.status.success(), "{copied:?}");
+    // The umask the command inherited: this process's.
+    let umask = std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("Umask:"))
+        .map(|m| u32::from_str_radix(m.trim(), 8).unwrap())
+        .unwrap();
+    let mode = |path: &str| {
+        std::fs::metadata(out.join(path))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o7777
+    };
+    assert_eq!(mode("pub"), 0o777 & !umask);
+    assert_eq!(mode("pub/f"), 0o666 & !umask);
+    assert_eq!(std::fs::read_to_string(out.join("pub/f")).unwrap(), "x\n");
+    let rm = daemon
+        .warden()
+        .args(["rm", "--force", &cell])
+        .output()
+        .unwrap();
+    assert!(rm.status.success(), "{rm:?}");
+}
+
 #[test]
 fn credentials_come_from_the_callers_environment_through_the_daemon_too() {
     if !cgroups_available("daemon_callers_secrets") {

@@ -885,6 +885,49 @@ fn what_the_cell_wrote_cannot_steer_the_reviewers_terminal() {
     warden_ok(&["rm", &name]);
 }
 
+/// A file or directory the cell leaves writable by every user is applied only when named: a new
+/// entry's mode is not otherwise in the listing, and a default apply (as root) had made the
+/// files 666 and the directories 777 (a sticky 1777 too, its sticky bit dropped) in the host's
+/// project, where any local user could then change them.
+#[test]
+fn what_every_user_could_write_is_applied_only_when_named() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let ws = project();
+    let name = unique("modes");
+    let ran = run_sh(
+        &["--name", &name, "--workspace", ws.path().to_str().unwrap()],
+        "cd /workspace && echo x > open.txt && chmod 666 open.txt && mkdir pub && chmod 777 pub \
+         && mkdir drop && chmod 1777 drop && chmod o+w src/util.rs && echo ok > fine.txt",
+    );
+    assert_eq!(ran.code, 0, "{ran:?}");
+    let diff = warden_ok(&["diff", &name]).stdout;
+    for line in [
+        "A open.txt  ! sensitive: mode 666: writable by every user of the host",
+        "A pub/  ! sensitive: mode 777: writable by every user of the host",
+        "A drop/  ! sensitive: mode 777: writable by every user of the host",
+        "M src/util.rs (mode 644 -> 646)  ! sensitive: mode 646: writable by every user",
+    ] {
+        assert!(diff.contains(line), "{line:?} not in {diff}");
+    }
+    assert!(diff.contains("A fine.txt\n"), "{diff}");
+    let applied = warden_ok(&["apply", &name]);
+    assert!(applied.stdout.contains("applied fine.txt"), "{applied:?}");
+    for path in ["open.txt", "pub", "drop"] {
+        assert!(!ws.path().join(path).exists(), "{path} applied unnamed");
+    }
+    let mode = |path: &str| {
+        std::fs::metadata(ws.path().join(path))
+            .unwrap()
+            .permissions()
+            .mode()
+    };
+    assert_eq!(mode("src/util.rs") & 0o002, 0, "{applied:?}");
+    // Named, it is the reviewer's call.
+    warden_ok(&["apply", &name, "open.txt"]);
+    assert_eq!(mode("open.txt") & 0o777, 0o666);
+    warden_ok(&["rm", &name]);
+}
+
 /// A sparse file with many names, which cost the cell nothing, is applied as one file of as
 /// many names, its holes kept: not a full copy per name on the host's disk.
 #[test]

@@ -749,8 +749,9 @@ struct Transaction<'a> {
     undo: Vec<Undo>,
     next: usize,
     /// The layer's files (device, inode) staged so far that have other names, each with the
-    /// staging name that keeps its staged copy: its other names are links to that copy.
-    linked: HashMap<(u64, u64), String>,
+    /// staging name that keeps its staged copy (its other names are links to that copy) and
+    /// the hash of what was copied.
+    linked: HashMap<(u64, u64), (String, String)>,
     /// Bytes of file data written so far, and the most that may be.
     written: u64,
     bound: u64,
@@ -913,19 +914,33 @@ impl Transaction<'_> {
                         ));
                     }
                     let inode = (meta.dev(), meta.ino());
-                    if let Some(copy) = self.linked.get(&inode) {
+                    // What is staged is what was reviewed: the hash of the bytes copied (not
+                    // of the file as it is now, which a cell read live can change while it is
+                    // copied) must be the diff's.
+                    let reviewed = change.hash.as_deref().ok_or_else(|| {
+                        io::Error::other("the diff did not hash the file; run the diff again")
+                    })?;
+                    let staged_hash = if let Some((copy, hash)) = self.linked.get(&inode) {
                         // Another name of a file staged already: a link to that copy, as in
                         // the layer, where a copy of its own would write all its bytes again.
                         self.staging.hard_link(copy, self.staging, &slot)?;
+                        hash.clone()
                     } else {
-                        self.stage_file(&input, meta.len(), &slot, mode)?;
+                        let hash = self.stage_file(&input, meta.len(), &slot, mode)?;
                         chown(self.staging, Path::new(&slot), owner)?;
                         if meta.nlink() > 1 {
                             // Kept under a name of its own: `slot` leaves staging below.
                             let copy = self.slot();
                             self.staging.hard_link(&slot, self.staging, &copy)?;
-                            self.linked.insert(inode, copy);
+                            self.linked.insert(inode, (copy, hash.clone()));
                         }
+                        hash
+                    };
+                    if staged_hash != reviewed {
+                        return Err(io::Error::other(
+                            "the file changed in the cell since the diff (its bytes are not \
+                             the ones reviewed); run the diff again",
+                        ));
                     }
                 }
                 self.ensure_parent(&path)?;
@@ -956,12 +971,23 @@ impl Transaction<'_> {
     }
 
     /// Copies the `len` bytes of `input` to the staging file `slot`: its data only, so that
-    /// its holes stay holes, each byte counted against the apply's bound.
-    fn stage_file(&mut self, input: &fs::File, len: u64, slot: &str, mode: u32) -> io::Result<()> {
+    /// its holes stay holes, each byte counted against the apply's bound. Returns the BLAKE3
+    /// hash of what it wrote (holes as the zeros they read as), as the diff hashes a file.
+    fn stage_file(
+        &mut self,
+        input: &fs::File,
+        len: u64,
+        slot: &str,
+        mode: u32,
+    ) -> io::Result<String> {
         let output = self.staging.create(slot)?.into_std();
         let mut buf = vec![0u8; 256 * 1024];
+        let mut hasher = blake3::Hasher::new();
+        let mut hashed = 0u64;
         for extent in data_extents(input, len) {
             let (start, end) = extent?;
+            hash_zeros(&mut hasher, start - hashed.min(start));
+            hashed = hashed.max(start);
             let mut at = start;
             while at < end {
                 let want = usize::try_from(end - at).map_or(buf.len(), |n| n.min(buf.len()));
@@ -980,14 +1006,28 @@ impl Transaction<'_> {
                     )));
                 }
                 output.write_all_at(&buf[..n], at)?;
+                hasher.update(&buf[..n]);
                 at += n as u64;
+                hashed = at;
             }
         }
         // The length, which a hole at the end gives the file without a block.
+        hash_zeros(&mut hasher, len.saturating_sub(hashed));
         output.set_len(len)?;
         output.sync_all()?;
         self.staging
-            .set_permissions(slot, Permissions::from_mode(mode))
+            .set_permissions(slot, Permissions::from_mode(mode))?;
+        Ok(hasher.finalize().to_hex().to_string())
+    }
+}
+
+/// Feeds `hasher` `n` zero bytes: a hole, as a read of it sees it.
+fn hash_zeros(hasher: &mut blake3::Hasher, mut n: u64) {
+    static ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
+    while n > 0 {
+        let take = usize::try_from(n).map_or(ZEROS.len(), |n| n.min(ZEROS.len()));
+        hasher.update(&ZEROS[..take]);
+        n -= take as u64;
     }
 }
 

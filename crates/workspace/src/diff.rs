@@ -501,6 +501,17 @@ impl<'a> Walker<'a> {
         if change.sensitive.is_none() {
             change.sensitive = self.options.sensitivity.of_path(&change.path);
         }
+        // A file or directory any user of the host could then write (an apply gives the mode
+        // as the cell set it, less set-id and sticky bits): a new entry's mode is not shown
+        // otherwise, and a directory the cell made 1777 lands 0777.
+        if let Some(why) =
+            sensitive::of_mode(change.kind, change.entry, change.old_mode, change.new_mode)
+        {
+            change.sensitive = Some(match change.sensitive.take() {
+                Some(other) => format!("{other}; {why}"),
+                None => why,
+            });
+        }
         if change.sensitive.is_none() && change.kind == ChangeKind::Deleted {
             change.sensitive = self.options.sensitivity.of_removal(&change.path);
         }
@@ -899,10 +910,7 @@ fn read_sized(file: &fs::File, size: u64) -> io::Result<Vec<u8>> {
 /// fixed size, whatever the file's: a file of more than `max` bytes (it grew since it was
 /// looked up) is an error, not read to its end.
 fn hash_upper(path: &Path, max: u64) -> Result<String, WorkspaceError> {
-    fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(path)
+    open_upper(path)
         .and_then(|file| hash_stream(&file, max))
         .map_err(|source| WorkspaceError::Read {
             path: path.to_path_buf(),
@@ -934,12 +942,26 @@ fn hash_stream(file: &fs::File, max: u64) -> io::Result<String> {
     Ok(hasher.finalize().to_hex().to_string())
 }
 
+/// The regular file at `path` in a layer, which was one when it was looked up: never followed,
+/// never waited on. A cell read live can put a FIFO in its place between the lookup and the
+/// open; opened without `O_NONBLOCK` it held the diff (and the layer's lock) until the cell
+/// opened it for writing, and read, it would have given the diff what the cell wrote into it.
+fn open_upper(path: &Path) -> io::Result<fs::File> {
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(io::Error::other(
+            "it is no longer a regular file (the cell changed it while it was read)",
+        ));
+    }
+    Ok(file)
+}
+
 /// The upper layer's file at `path`, of `size` bytes when it was looked up.
 fn read_upper(path: &Path, size: u64) -> Result<Vec<u8>, WorkspaceError> {
-    fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(path)
+    open_upper(path)
         .and_then(|file| read_sized(&file, size))
         .map_err(|source| WorkspaceError::Read {
             path: path.to_path_buf(),

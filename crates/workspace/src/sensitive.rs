@@ -1,7 +1,10 @@
 //! Paths whose change deserves a human's explicit choice: files the host later executes or
-//! trusts, links that point outside the workspace, files that become executable.
+//! trusts, links that point outside the workspace, files that become executable, entries that
+//! become writable by every user.
 
 use std::path::{Component, Path};
+
+use crate::change::{ChangeKind, EntryKind};
 
 /// Which changed paths are sensitive.
 #[derive(Debug, Clone, Default)]
@@ -62,6 +65,23 @@ const ALIASES: &[&[&str]] = &[
 ];
 
 /// Why a symlink target is sensitive: it leads outside the workspace.
+/// Why a change that leaves a file or directory writable by every user of the host (and was
+/// not so there) needs naming: the mode, which a listing shows only where it changed.
+pub fn of_mode(
+    kind: ChangeKind,
+    entry: EntryKind,
+    old_mode: Option<u32>,
+    new_mode: Option<u32>,
+) -> Option<String> {
+    if kind == ChangeKind::Deleted || !matches!(entry, EntryKind::File | EntryKind::Dir) {
+        return None;
+    }
+    let new = new_mode?;
+    let others_write = |mode: u32| mode & 0o002 != 0;
+    (others_write(new) && !old_mode.is_some_and(others_write))
+        .then(|| format!("mode {:o}: writable by every user of the host", new & 0o777))
+}
+
 pub fn of_link(path: &str, target: &Path) -> Option<String> {
     if target.is_absolute() {
         return Some("symlink to an absolute path outside the workspace".to_owned());

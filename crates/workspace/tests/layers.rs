@@ -460,6 +460,89 @@ fn a_failure_midway_rolls_everything_back() {
     assert!(matches!(d.changes[0].kind, ChangeKind::Added));
 }
 
+/// A cell read live (rootless, without a cgroup to freeze) can write a file between the diff an
+/// apply checks the digest of and the copy: the same size, other bytes. The copy is held to the
+/// hash that was reviewed, and the apply is rolled back whole.
+#[test]
+fn an_apply_writes_the_bytes_reviewed_or_nothing() {
+    let f = fixture();
+    write(&f.upper.join("a-first.txt"), "first\n");
+    write(&f.upper.join("edit.txt"), "reviewed\n");
+    let d = diff(&f.lower, std::slice::from_ref(&f.upper), &options()).unwrap();
+    // Written in place, as the cell's `printf` would: same inode, same size, other bytes.
+    fs::OpenOptions::new()
+        .write(true)
+        .open(f.upper.join("edit.txt"))
+        .and_then(|file| std::os::unix::fs::FileExt::write_all_at(&file, b"EVIL", 0))
+        .unwrap();
+    let before = hash_tree(&f.lower);
+    let err = apply(
+        &f.lower,
+        std::slice::from_ref(&f.upper),
+        &d,
+        &ApplyOptions {
+            digest: Some(d.digest.clone()),
+            ..ApplyOptions::default()
+        },
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&err, WorkspaceError::RolledBack { .. }) && err.to_string().contains("changed"),
+        "{err}"
+    );
+    assert_eq!(
+        hash_tree(&f.lower),
+        before,
+        "unreviewed bytes reached the host"
+    );
+}
+
+/// A cell read live can put a FIFO where the diff has just looked up a file: the diff neither
+/// waits on it (it had waited for a writer, which the cell decides, holding the layer's lock)
+/// nor reads it.
+#[test]
+fn a_file_swapped_for_a_fifo_while_it_is_read_never_holds_the_diff() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, mpsc};
+    let f = fixture();
+    let stop = Arc::new(AtomicBool::new(false));
+    let flipper = {
+        let (upper, stop) = (f.upper.clone(), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                fs::write(upper.join(".t"), "x\n").unwrap();
+                fs::rename(upper.join(".t"), upper.join("swapped")).unwrap();
+                rustix::fs::mknodat(
+                    rustix::fs::CWD,
+                    upper.join(".p"),
+                    rustix::fs::FileType::Fifo,
+                    rustix::fs::Mode::from_raw_mode(0o644),
+                    0,
+                )
+                .unwrap();
+                fs::rename(upper.join(".p"), upper.join("swapped")).unwrap();
+            }
+        })
+    };
+    let started = std::time::Instant::now();
+    let mut diffs = 0;
+    while started.elapsed() < Duration::from_millis(1500) {
+        let (done, finished) = mpsc::channel();
+        let (lower, upper) = (f.lower.clone(), f.upper.clone());
+        std::thread::spawn(move || {
+            // An error (the file changed while it was read) is an answer too.
+            let _ = done.send(diff(&lower, &[upper], &options()).map(|d| d.changes.len()));
+        });
+        if finished.recv_timeout(Duration::from_secs(5)).is_err() {
+            stop.store(true, Ordering::Relaxed);
+            panic!("diff {diffs} waited on a FIFO the cell swapped in");
+        }
+        diffs += 1;
+    }
+    stop.store(true, Ordering::Relaxed);
+    flipper.join().unwrap();
+}
+
 #[test]
 fn layers_stack_like_overlayfs() {
     // A snapshot layer under the upper layer: the upper's whiteout hides the snapshot's file,

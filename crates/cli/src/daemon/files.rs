@@ -65,8 +65,13 @@ pub fn copy(source: &str, dest: &str) -> Result<i32> {
                 let url = format!("/v1/cells/{cell}/files/archive?path={}", query(path));
                 let archive = rt.block_on(client.bytes(Method::GET, &url, Vec::new()))?;
                 std::fs::create_dir_all(dest).with_context(|| format!("making {dest}"))?;
-                // `unpack` keeps every member inside `dest` (no `..`, no absolute paths).
-                tar::Archive::new(archive.as_slice())
+                // `unpack` keeps every member inside `dest` (no `..`, no absolute paths), and
+                // gives each the mode the cell set less set-id and sticky bits: the caller's
+                // umask is taken off it too, as `cp -r` and `tar` do, so that what the cell made
+                // 777 does not land writable by every user of the host.
+                let mut unpacked = tar::Archive::new(archive.as_slice());
+                unpacked.set_mask(umask());
+                unpacked
                     .unpack(dest)
                     .with_context(|| format!("unpacking into {dest}"))?;
             } else {
@@ -85,6 +90,20 @@ pub fn copy(source: &str, dest: &str) -> Result<i32> {
         _ => bail!("one side of `warden cp` must be CELL:PATH and the other a host path"),
     }
     Ok(0)
+}
+
+/// This process's umask (read, not set: setting it to read it would race other threads), or
+/// 022 where it cannot be told.
+fn umask() -> u32 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix("Umask:"))
+                .and_then(|mask| u32::from_str_radix(mask.trim(), 8).ok())
+        })
+        .unwrap_or(0o022)
 }
 
 pub fn logs(name: &str, follow: bool, only: Option<u64>) -> Result<i32> {
