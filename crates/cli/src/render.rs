@@ -4,22 +4,11 @@
 //! one, so that a DENY reads as an allow. Every such character is shown as an escape instead.
 
 use std::borrow::Cow;
-use std::fmt::Write as _;
 
-/// `text` with every character that could steer a terminal written as `\u{..}` (tabs kept).
+/// `text` with every character that could steer a terminal, or hide or reorder what it shows,
+/// written as `\u{..}` (tabs kept).
 pub fn safe(text: &str) -> Cow<'_, str> {
-    if !text.chars().any(steers) {
-        return Cow::Borrowed(text);
-    }
-    let mut out = String::with_capacity(text.len() + 16);
-    for c in text.chars() {
-        if steers(c) {
-            let _ = write!(out, "\\u{{{:x}}}", u32::from(c));
-        } else {
-            out.push(c);
-        }
-    }
-    Cow::Owned(out)
+    warden_protocol::text::escaped(text, steers)
 }
 
 /// An error and its causes, as `{:#}` writes them (`: ` between), each said once: a message
@@ -50,10 +39,9 @@ pub fn safe_lines(text: &str) -> String {
         .collect()
 }
 
-/// Control characters (C0 but tab, DEL, C1) and the ones that reorder text on screen.
+/// What `warden_protocol::text::hides`, but tabs.
 fn steers(c: char) -> bool {
-    (c.is_control() && c != '\t')
-        || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+    c != '\t' && warden_protocol::text::hides(c)
 }
 
 #[cfg(test)]
@@ -67,6 +55,7 @@ mod tests {
         assert_eq!(safe("x\ry"), "x\\u{d}y");
         assert_eq!(safe("\u{9b}31m"), "\\u{9b}31m");
         assert_eq!(safe("evil\u{202e}txt.exe"), "evil\\u{202e}txt.exe");
+        assert_eq!(safe("README.md\u{200b}"), "README.md\\u{200b}");
         assert_eq!(safe_lines("+a\r\n-b\x08\n"), "+a\\u{d}\n-b\\u{8}\n");
     }
 

@@ -141,21 +141,7 @@ fn shown_command(argv: &[String]) -> String {
 /// a browser with what follows the override reversed, and a run of line breaks pushes the rest
 /// of a command out of sight.
 fn shown(text: &str) -> String {
-    let hides = |c: char| {
-        c.is_control()
-            || matches!(c, '\u{ad}' | '\u{61c}' | '\u{180e}' | '\u{200b}'..='\u{200f}'
-                | '\u{2028}'..='\u{202e}' | '\u{2060}'..='\u{2069}' | '\u{feff}'
-                | '\u{fff9}'..='\u{fffb}')
-    };
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        if hides(c) {
-            out.push_str(&format!("\\u{{{:x}}}", u32::from(c)));
-        } else {
-            out.push(c);
-        }
-    }
-    out
+    warden_protocol::text::escaped(text, warden_protocol::text::hides).into_owned()
 }
 
 /// What a standing grant of a command covers: that command line.

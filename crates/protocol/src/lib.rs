@@ -10,6 +10,7 @@ pub mod error;
 pub mod exec;
 pub mod files;
 pub mod journal;
+pub mod text;
 pub mod workspace;
 
 pub use agents::{
