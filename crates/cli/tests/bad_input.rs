@@ -50,6 +50,64 @@ fn bad_values_point_at_their_line() {
 }
 
 #[test]
+fn yaml_edge_cases_name_their_line_and_what_to_write_not_the_parsers_types() {
+    let dir = tempdir();
+    for (text, at, says) in [
+        (
+            "version: 1\nlimits:\n  memory: 1GiB\n  memory: 2GiB\n",
+            ":4:3:",
+            "`memory` is given twice",
+        ),
+        (
+            "version: 1\nlimits:\n  memory: -5\n",
+            ":3:11:",
+            "not a size",
+        ),
+        (
+            "version: 1\nlimits:\n  memory: 99999999999999999999999\n",
+            ":3:11:",
+            "not a size",
+        ),
+        (
+            "version: 1\nlimits:\n  pids: -1\n",
+            ":3:9:",
+            "expected a whole number from 0 to",
+        ),
+        (
+            "version: 99999999999999999999\n",
+            ":1:10:",
+            "expected a whole number from 0 to",
+        ),
+        (
+            "version: 1\n---\nversion: 1\n",
+            ":3:1:",
+            "a policy is one YAML document",
+        ),
+    ] {
+        let file = policy(dir.path(), text);
+        let ran = Ran::from(
+            warden()
+                .args(["policy", "check", file.to_str().unwrap()])
+                .output()
+                .unwrap(),
+        );
+        assert_eq!(ran.code, 125, "{text:?}: {ran:?}");
+        assert!(
+            ran.stderr.contains(at) && ran.stderr.contains(says),
+            "{text:?}: {ran:?}"
+        );
+        for internal in [
+            "DuplicateKeyPolicy",
+            "untagged enum",
+            "invalid u",
+            "from_str",
+        ] {
+            assert!(!ran.stderr.contains(internal), "{text:?}: {ran:?}");
+        }
+    }
+}
+
+#[test]
 fn valid_policy_checks_and_explains() {
     let dir = tempdir();
     let file = policy(
@@ -559,4 +617,129 @@ fn a_runtime_directory_another_user_made_is_refused() {
         "{ran:?}"
     );
     assert_eq!(std::fs::read_dir(&runtime).unwrap().count(), 0);
+}
+
+/// A daemon that dies under `warden exec` (killed, restarted) breaks its stream: the CLI says
+/// what broke and what to do, with warden's own status, not only the transport's words.
+#[test]
+fn a_daemon_that_dies_mid_exec_is_named_with_what_to_do() {
+    if !cgroups_available("daemon_dies_mid_exec") {
+        return;
+    }
+    let mut daemon = support::daemon::Daemon::start(&[]);
+    let cell = daemon.create(&unique("dies"), serde_json::json!({}));
+    let mut exec = daemon
+        .warden()
+        .args(["exec", &cell, "--", "sh", "-c", "echo up; sleep 30"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(exec.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert_eq!(line, "up\n");
+    daemon.crash();
+    let ran = Ran::from(exec.wait_with_output().unwrap());
+    // A daemon again, which takes the cell back and so deletes it with the rest (before any
+    // assertion, so that a failed one leaves no cell behind).
+    daemon.restart();
+    assert_eq!(ran.code, 125, "{ran:?}");
+    assert!(
+        ran.stderr.contains("the daemon may have stopped")
+            && ran.stderr.contains("`warden serve`")
+            && !ran.stderr.contains("panicked"),
+        "{ran:?}"
+    );
+}
+
+/// A policy or a file to copy that is not a file is refused before it is read: `/dev/zero`
+/// was read without end (memory growing until the warden was killed), a FIFO with no writer
+/// waited forever. A policy may come through a pipe (`--policy <(...)`), up to its limit.
+#[test]
+fn devices_and_endless_streams_are_refused_before_they_are_read() {
+    let within = |args: &[&str]| {
+        Ran::from(
+            std::process::Command::new("timeout")
+                .arg("20")
+                .arg(bin())
+                .args(args)
+                .stdin(std::process::Stdio::null())
+                .output()
+                .unwrap(),
+        )
+    };
+    let dir = tempdir();
+    let fifo = dir.path().join("fifo");
+    assert!(
+        std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success()
+    );
+    let binary = dir.path().join("binary.yaml");
+    std::fs::write(&binary, b"version: 1\n\xff\xfe\n").unwrap();
+    let large = dir.path().join("large.yaml");
+    std::fs::write(&large, "# filler\n".repeat(200_000)).unwrap();
+    let dir_path = dir.path().to_str().unwrap();
+    for (file, says) in [
+        ("/dev/zero", "it is a device or a socket, not a file"),
+        (dir_path, "it is a directory"),
+        (binary.to_str().unwrap(), "it is not UTF-8 text"),
+        (large.to_str().unwrap(), "it is larger than the 1 MiB"),
+    ] {
+        for args in [
+            vec!["policy", "check", file],
+            vec!["run", "--policy", file, "--", "true"],
+        ] {
+            let ran = within(&args);
+            assert_eq!(ran.code, 125, "{args:?}: {ran:?}");
+            assert!(
+                ran.stderr
+                    .contains(&format!("cannot read policy {file}: {says}")),
+                "{args:?}: {ran:?}"
+            );
+        }
+    }
+    // Through a pipe, as `--policy <(...)` gives it.
+    let piped = Ran::from(
+        std::process::Command::new("bash")
+            .args([
+                "-c",
+                &format!("{} policy check <(printf 'version: 1\\n')", bin().display()),
+            ])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(piped.code, 0, "{piped:?}");
+
+    if !cgroups_available("devices_refused") {
+        return;
+    }
+    let daemon = support::daemon::Daemon::start(&[]);
+    for (source, says) in [
+        ("/dev/zero", "is a character device"),
+        (fifo.to_str().unwrap(), "is a FIFO"),
+    ] {
+        let ran = Ran::from(
+            std::process::Command::new("timeout")
+                .arg("20")
+                .arg(bin())
+                .args(["cp", source, "some-cell:x"])
+                .env("WARDEN_RUNTIME_DIR", daemon.runtime())
+                .env("WARDEN_STATE_DIR", daemon.state())
+                .stdin(std::process::Stdio::null())
+                .output()
+                .unwrap(),
+        );
+        assert_eq!(ran.code, 125, "{source}: {ran:?}");
+        assert!(
+            ran.stderr.contains(says) && ran.stderr.contains("warden exec some-cell"),
+            "{source}: {ran:?}"
+        );
+    }
 }

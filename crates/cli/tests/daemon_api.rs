@@ -414,6 +414,103 @@ fn bad_api_input_gets_clear_errors_and_changes_nothing() {
 }
 
 #[test]
+fn nul_bytes_bad_utf8_and_nameless_labels_are_refused_before_anything_is_made() {
+    if !cgroups_available("nul_bytes_refused") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    // JSON can carry a NUL (`\u0000`) where a process's environment or path cannot: a value
+    // with one would make a cell whose every command then failed to start.
+    for (body, says) in [
+        (
+            r#"{"name": "nul-env", "env": {"A": "b\u0000c"}}"#,
+            "may contain NUL",
+        ),
+        (
+            r#"{"name": "nul-label", "labels": {"a\u0000": "b"}}"#,
+            "label",
+        ),
+        (r#"{"name": "empty-label", "labels": {"": "b"}}"#, "label"),
+        (r#"{"name": "nl-label", "labels": {"a\nb": "c"}}"#, "label"),
+    ] {
+        let answer = daemon.request("POST", "/v1/cells", Some(body));
+        assert_eq!(
+            answer.status,
+            400,
+            "{body}: {}",
+            String::from_utf8_lossy(&answer.body)
+        );
+        let message = answer.json()["error"].as_str().unwrap().to_owned();
+        assert!(
+            message.contains(says) && message.contains("nothing was made"),
+            "{body}: {message}"
+        );
+    }
+    let cells = daemon.call("GET", "/v1/cells", None).json();
+    assert_eq!(cells.as_array().unwrap().len(), 0, "{cells}");
+
+    // A working directory with a NUL is the request's fault, refused before anything starts,
+    // not a process that failed.
+    let cell = daemon.create(&unique("nul"), json!({}));
+    let answer = daemon.request(
+        "POST",
+        &format!("/v1/cells/{cell}/exec"),
+        Some(r#"{"argv": ["true"], "cwd": "/tm\u0000p"}"#),
+    );
+    assert_eq!(
+        answer.status,
+        400,
+        "{}",
+        String::from_utf8_lossy(&answer.body)
+    );
+    assert!(
+        answer.json()["error"].as_str().unwrap().contains("`cwd`"),
+        "{}",
+        String::from_utf8_lossy(&answer.body)
+    );
+    let processes = daemon
+        .call("GET", &format!("/v1/cells/{cell}/processes"), None)
+        .json();
+    assert_eq!(processes.as_array().unwrap().len(), 0, "{processes}");
+
+    // A query whose percent-encoding is not UTF-8 is refused, not read as other text (U+FFFD
+    // in place of the bytes): a file looked up by the wrong name, a filter that matches nothing.
+    for path in [
+        format!("/v1/cells/{cell}/files/content?path=a%FFb"),
+        "/v1/journal?cell=%ff".to_owned(),
+        "/v1/usage?c%e9ll=x".to_owned(),
+    ] {
+        let answer = daemon.request("GET", &path, None);
+        assert_eq!(
+            answer.status,
+            400,
+            "{path}: {}",
+            String::from_utf8_lossy(&answer.body)
+        );
+        assert!(
+            answer.json()["error"]
+                .as_str()
+                .unwrap()
+                .contains("not UTF-8"),
+            "{path}: {}",
+            String::from_utf8_lossy(&answer.body)
+        );
+    }
+    // UTF-8, percent-encoded or not, and `+` for a space, still read as text.
+    let answer = daemon.request("GET", "/v1/journal?cell=caf%C3%A9+x", None);
+    assert_eq!(answer.status, 200);
+
+    // A body that ends before its first field says so, without a `?` for where.
+    let answer = daemon.request("POST", "/v1/cells", Some("{"));
+    assert_eq!(answer.status, 400);
+    let message = answer.json()["error"].as_str().unwrap().to_owned();
+    assert!(
+        message.starts_with("request body: EOF") && !message.contains("?:"),
+        "{message}"
+    );
+}
+
+#[test]
 fn a_hundred_concurrent_exec_streams_from_twenty_cells_deliver_every_byte_in_order() {
     if !cgroups_available("exec_load") {
         return;

@@ -52,10 +52,16 @@ impl ClientError {
 
 type Result<T, E = ClientError> = std::result::Result<T, E>;
 
+/// A connection to the daemon that broke: most often the daemon stopped (or was restarted)
+/// under the call, which the message says with what to do.
 fn transport(what: &'static str) -> impl FnOnce(hyper::Error) -> ClientError {
     move |err| ClientError::Transport {
         what,
-        reason: err.to_string(),
+        reason: format!(
+            "{err}; the daemon may have stopped or restarted (a command it was running for \
+             this call may have ended with it): `warden ps` says whether a daemon answers, \
+             `warden serve` starts one"
+        ),
     }
 }
 

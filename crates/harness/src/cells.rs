@@ -626,10 +626,23 @@ impl Harness {
                 (PolicySource::Preset(preset), parsed)
             }
         };
-        for key in request.env.keys() {
-            if key.is_empty() || key.contains(['=', '\0']) {
+        // A NUL in a value cannot reach a process's environment: the cell would be made, and
+        // every command in it would then fail to start.
+        for (key, value) in &request.env {
+            if key.is_empty() || key.contains(['=', '\0']) || value.contains('\0') {
                 return Err(HarnessError::from(CreateError::Invalid(format!(
-                    "environment variable name `{key}` is empty or contains `=` or NUL"
+                    "environment variable `{}`: the name must be non-empty without `=`, and \
+                     neither the name nor the value may contain NUL; nothing was made",
+                    key.escape_debug()
+                ))));
+            }
+        }
+        for (key, value) in &request.labels {
+            if key.is_empty() || key.contains(char::is_control) || value.contains('\0') {
+                return Err(HarnessError::from(CreateError::Invalid(format!(
+                    "label `{}`: a label's key must be non-empty without control characters \
+                     (NUL, newline, tab), and its value may not contain NUL; nothing was made",
+                    key.escape_debug()
                 ))));
             }
         }

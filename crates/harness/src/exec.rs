@@ -157,6 +157,13 @@ impl Harness {
         if spec.argv.iter().any(|a| a.contains('\0')) {
             return Err(ExecError::Invalid("`argv` may not contain NUL bytes".to_owned()).into());
         }
+        if spec.cwd.as_deref().is_some_and(|cwd| cwd.contains('\0')) {
+            return Err(ExecError::Invalid(
+                "`cwd` may not contain NUL bytes; give the working directory's path as it is"
+                    .to_owned(),
+            )
+            .into());
+        }
         check_env(spec.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))?;
         if let Some(user) = spec.user {
             let policy = self

@@ -31,13 +31,54 @@ pub enum PolicyError {
     UnknownPreset { name: String, known: String },
 }
 
+/// The most of a policy file that is read: far more than any policy needs, and a bound on what
+/// a file that never ends (a pipe fed without end) costs.
+const MAX_POLICY_BYTES: u64 = 1 << 20;
+
 /// Reads and validates a policy file.
 pub fn from_file(path: &Path) -> Result<Policy, PolicyError> {
-    let text = std::fs::read_to_string(path).map_err(|source| PolicyError::Read {
+    let text = read_policy(path).map_err(|source| PolicyError::Read {
         path: path.to_path_buf(),
         source,
     })?;
     from_yaml(&path.display().to_string(), &text)
+}
+
+/// A policy file's text: a regular file (or a pipe, as `--policy <(...)` gives) of UTF-8 text,
+/// at most `MAX_POLICY_BYTES`; a directory, a device (`/dev/zero` would be read without end) or
+/// a socket is refused before it is opened.
+fn read_policy(path: &Path) -> std::io::Result<String> {
+    use std::io::Read as _;
+    use std::os::unix::fs::FileTypeExt as _;
+    let unusable = |why: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, why);
+    let kind = std::fs::metadata(path)?.file_type();
+    if kind.is_dir() {
+        return Err(unusable(
+            "it is a directory; give the path of a YAML policy file".to_owned(),
+        ));
+    }
+    if !kind.is_file() && !kind.is_fifo() {
+        return Err(unusable(
+            "it is a device or a socket, not a file; give the path of a YAML policy file"
+                .to_owned(),
+        ));
+    }
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(MAX_POLICY_BYTES + 1)
+        .read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > MAX_POLICY_BYTES {
+        return Err(unusable(format!(
+            "it is larger than the {} MiB a policy may be; is it the policy file?",
+            MAX_POLICY_BYTES >> 20
+        )));
+    }
+    String::from_utf8(bytes).map_err(|err| {
+        unusable(format!(
+            "it is not UTF-8 text (from byte offset {} on); a policy is a YAML text file",
+            err.utf8_error().valid_up_to()
+        ))
+    })
 }
 
 /// The preset a policy document builds on (its `extends:`), if it parses.
@@ -283,6 +324,7 @@ fn syntax_error(origin: &str, err: &serde_saphyr::Error) -> PolicyError {
     if message == "missing field `version`" {
         message = "the policy has no `version`; write `version: 1` as its first line".to_owned();
     }
+    message = in_policy_terms(message);
     match err.location() {
         Some(at) => PolicyError::Syntax {
             origin: origin.to_owned(),
@@ -294,6 +336,32 @@ fn syntax_error(origin: &str, err: &serde_saphyr::Error) -> PolicyError {
             origin: origin.to_owned(),
             message,
         },
+    }
+}
+
+/// The YAML reader's words where they speak of its own options or of Rust's types, in terms of
+/// what to change in the policy.
+fn in_policy_terms(message: String) -> String {
+    if let Some(rest) = message.strip_prefix("duplicate mapping key: ") {
+        let key = rest
+            .split(", set DuplicateKeyPolicy")
+            .next()
+            .unwrap_or(rest);
+        return format!("`{key}` is given twice in the same mapping; keep one of them");
+    }
+    if message.starts_with("multiple YAML documents detected") {
+        return "a policy is one YAML document: remove the `---` or `...` and what follows it \
+                (or put each policy in a file of its own)"
+            .to_owned();
+    }
+    let whole = |max: &str| format!("expected a whole number from 0 to {max} here");
+    match message.as_str() {
+        "invalid u8" => whole("255"),
+        "invalid u16" => whole("65535"),
+        "invalid u32" => whole("4294967295"),
+        "invalid u64" => whole("18446744073709551615"),
+        "invalid floating point" => "expected a number here (like 2 or 0.5)".to_owned(),
+        _ => message,
     }
 }
 

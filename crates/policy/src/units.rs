@@ -89,7 +89,14 @@ impl Serialize for ByteSize {
 
 impl<'de> Deserialize<'de> for ByteSize {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        let raw = SizeOrNumber::deserialize(deserializer)?;
+        // What is neither a whole number of bytes nor text (a negative or fractional number,
+        // one too large for 64 bits, a list) gets the same advice as text that is not a size,
+        // not the name of the type it did not match.
+        let raw = SizeOrNumber::deserialize(deserializer).map_err(|_| {
+            de::Error::custom(
+                "not a size: write a whole number of bytes (1048576) or a size like 512MiB or 2GiB",
+            )
+        })?;
         match raw {
             SizeOrNumber::Number(n) => Ok(Self(n)),
             SizeOrNumber::Text(text) => Self::parse(&text).map_err(de::Error::custom),

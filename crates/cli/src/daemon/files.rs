@@ -7,6 +7,23 @@ use std::io::Write as _;
 
 use super::*;
 
+/// What a file that is neither a regular file nor a directory is, in words.
+fn special_kind(meta: &std::fs::Metadata) -> &'static str {
+    use std::os::unix::fs::FileTypeExt as _;
+    let kind = meta.file_type();
+    if kind.is_char_device() {
+        "a character device"
+    } else if kind.is_block_device() {
+        "a block device"
+    } else if kind.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if kind.is_socket() {
+        "a socket"
+    } else {
+        "a special file"
+    }
+}
+
 /// `CELL:PATH`, when the text names a cell side.
 fn cell_side(text: &str) -> Option<(&str, &str)> {
     let (cell, path) = text.split_once(':')?;
@@ -22,6 +39,16 @@ pub fn copy(source: &str, dest: &str) -> Result<i32> {
             let host = std::path::Path::new(source);
             let meta = std::fs::metadata(host)
                 .with_context(|| format!("{source} (on the host) cannot be copied"))?;
+            // A device or a FIFO would be read without end (`/dev/zero`), or wait for a writer
+            // that never comes, before anything reached the daemon.
+            if !meta.is_dir() && !meta.is_file() {
+                bail!(
+                    "{source} (on the host) is {}, not a regular file or a directory: `warden cp` \
+                     copies those; send a stream through a command in the cell instead \
+                     (`warden exec {cell} -- sh -c 'cat > FILE' < {source}`)",
+                    special_kind(&meta)
+                );
+            }
             if meta.is_dir() {
                 let mut builder = tar::Builder::new(Vec::new());
                 builder.follow_symlinks(false);

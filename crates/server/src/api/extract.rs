@@ -89,7 +89,9 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
                 _ => StatusCode::BAD_REQUEST,
             };
             let path = err.path().to_string();
-            let message = if path == "." {
+            // `.` is the whole body; `?` a place the parser had not named yet (the body ended,
+            // or broke, before its first field): neither is a field to point at.
+            let message = if path == "." || path == "?" {
                 format!("request body: {}", err.inner())
             } else {
                 format!("request body: {path}: {}", err.inner())
@@ -141,6 +143,17 @@ impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for Query<T
         parts: &mut axum::http::request::Parts,
         state: &S,
     ) -> Result<Self, ApiError> {
+        // The query's decoder would put U+FFFD in place of bytes that are not UTF-8, and a
+        // path or name with one would then be looked up as some other text.
+        if let Some(name) = parts.uri.query().and_then(not_utf8) {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "query: parameter `{name}` is not UTF-8 once percent-decoded; \
+                     percent-encode the UTF-8 bytes of the text (`é` is `%C3%A9`)"
+                ),
+            ));
+        }
         match axum::extract::Query::<T>::from_request_parts(parts, state).await {
             Ok(axum::extract::Query(value)) => Ok(Self(value)),
             Err(rejection) => Err(ApiError {
@@ -150,6 +163,31 @@ impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for Query<T
             }),
         }
     }
+}
+
+/// The name (as sent) of the first of a query's parameters whose name or value is not UTF-8
+/// once percent-decoded (`=` and `+` are ASCII, and so break a sequence where they stand as
+/// much as decoding name and value apart, or `+` as a space, would).
+fn not_utf8(query: &str) -> Option<&str> {
+    query.split('&').find_map(|pair| {
+        let name = pair.split('=').next().unwrap_or(pair);
+        let mut bytes = Vec::with_capacity(pair.len());
+        let mut rest = pair.as_bytes();
+        while let Some((&byte, after)) = rest.split_first() {
+            let hex = |at: usize| after.get(at).and_then(|b| char::from(*b).to_digit(16));
+            match (byte, hex(0), hex(1)) {
+                (b'%', Some(high), Some(low)) => {
+                    bytes.push(u8::try_from(high * 16 + low).unwrap_or(b'?'));
+                    rest = &after[2..];
+                }
+                _ => {
+                    bytes.push(byte);
+                    rest = after;
+                }
+            }
+        }
+        std::str::from_utf8(&bytes).is_err().then_some(name)
+    })
 }
 
 /// An upload's body (a file's content, an archive), taken as `Result<Bytes, BytesRejection>` so
