@@ -760,7 +760,11 @@ fn policy(command: PolicyCommand) -> Result<i32> {
         }
         PolicyCommand::Explain { file, preset } => {
             let policy = crate::policy::load(file.as_deref(), preset.as_deref())?;
-            print!("{}", warden_policy::explain(&policy));
+            // The policy's patterns are its author's text, which may be a cell's agent's.
+            print!(
+                "{}",
+                crate::render::safe_lines(&warden_policy::explain(&policy))
+            );
         }
         PolicyCommand::Set { name, file } => {
             if let Some(closed) = crate::daemon::set_policy_through_daemon(&name, &file)? {

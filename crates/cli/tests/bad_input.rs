@@ -743,3 +743,27 @@ fn devices_and_endless_streams_are_refused_before_they_are_read() {
         );
     }
 }
+
+/// `policy explain` prints the policy's patterns, its author's text (an agent may write a
+/// policy): a control character in one is shown escaped, not sent to the terminal.
+#[test]
+fn policy_explain_escapes_what_would_steer_the_terminal() {
+    let dir = tempdir();
+    let file = policy(
+        dir.path(),
+        "version: 1\ncommands:\n  ask: [\"echo \\e]0;title\\a hidden*\"]\n",
+    );
+    let ran = Ran::from(
+        warden()
+            .args(["policy", "explain", file.to_str().unwrap()])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(ran.code, 0, "{ran:?}");
+    assert!(!ran.stdout.contains('\u{1b}'), "{:?}", ran.stdout);
+    assert!(
+        ran.stdout.contains("echo \\u{1b}]0;title\\u{7} hidden*"),
+        "{}",
+        ran.stdout
+    );
+}
