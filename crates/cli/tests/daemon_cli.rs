@@ -836,11 +836,16 @@ fn the_cli_sends_nothing_to_a_socket_another_user_serves() {
     }
     let dir = tempdir();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    // The owner's runtime directory, left open to every user (one another user made is
+    // refused before any socket is tried: `a_runtime_directory_another_user_made_is_refused`).
     let runtime = dir.path().join("run");
     std::fs::create_dir(&runtime).unwrap();
-    std::os::unix::fs::chown(&runtime, Some(65534), Some(65534)).unwrap();
+    std::fs::set_permissions(&runtime, std::fs::Permissions::from_mode(0o777)).unwrap();
     let socket = runtime.join("daemon.sock");
-    let heard = runtime.join("heard");
+    let ear = dir.path().join("ear");
+    std::fs::create_dir(&ear).unwrap();
+    std::fs::set_permissions(&ear, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let heard = ear.join("heard");
     // A stranger's "daemon": it keeps what it is sent and answers every request with a cell.
     let code = r#"
 import socket, sys
