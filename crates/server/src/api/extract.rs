@@ -166,27 +166,15 @@ impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for Query<T
 }
 
 /// The name (as sent) of the first of a query's parameters whose name or value is not UTF-8
-/// once percent-decoded (`=` and `+` are ASCII, and so break a sequence where they stand as
-/// much as decoding name and value apart, or `+` as a space, would).
+/// once percent-decoded (the pair decoded whole: `=` and `+` are ASCII, and break a sequence
+/// where they stand as much as decoding name and value apart, or `+` as a space, would).
 fn not_utf8(query: &str) -> Option<&str> {
     query.split('&').find_map(|pair| {
         let name = pair.split('=').next().unwrap_or(pair);
-        let mut bytes = Vec::with_capacity(pair.len());
-        let mut rest = pair.as_bytes();
-        while let Some((&byte, after)) = rest.split_first() {
-            let hex = |at: usize| after.get(at).and_then(|b| char::from(*b).to_digit(16));
-            match (byte, hex(0), hex(1)) {
-                (b'%', Some(high), Some(low)) => {
-                    bytes.push(u8::try_from(high * 16 + low).unwrap_or(b'?'));
-                    rest = &after[2..];
-                }
-                _ => {
-                    bytes.push(byte);
-                    rest = after;
-                }
-            }
-        }
-        std::str::from_utf8(&bytes).is_err().then_some(name)
+        percent_encoding::percent_decode_str(pair)
+            .decode_utf8()
+            .is_err()
+            .then_some(name)
     })
 }
 
