@@ -42,7 +42,7 @@ fn the_python_sdk_passes_its_tests_against_a_real_daemon() {
         "the SDK's tests failed:\n{stderr}"
     );
     // Every test ran: none was skipped or lost.
-    assert!(stderr.contains("Ran 13 tests"), "{stderr}");
+    assert!(stderr.contains("Ran 14 tests"), "{stderr}");
     // The checkpoint test needs the gVisor tier: as root with runsc, nothing may be skipped.
     let runsc = ["/usr/bin/runsc", "/usr/sbin/runsc", "/usr/local/bin/runsc"]
         .iter()

@@ -206,6 +206,48 @@ class Sync(unittest.TestCase):
                 w.cells.list()
             self.assertEqual(e.exception.status, 401)
 
+    @unittest.skipUnless(os.geteuid() == 0, "serves a socket as another user")
+    def test_a_socket_another_user_serves_is_sent_nothing(self):
+        import socket
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            os.chmod(tmp, 0o777)
+            path, heard = os.path.join(tmp, "daemon.sock"), os.path.join(tmp, "heard")
+            ready_r, ready_w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # a stranger's "daemon", as nobody: it keeps what it is sent
+                try:
+                    os.setgid(65534)
+                    os.setuid(65534)
+                    server = socket.socket(socket.AF_UNIX)
+                    server.bind(path)
+                    server.listen(8)
+                    os.write(ready_w, b"k")
+                    while True:
+                        conn, _ = server.accept()
+                        data = conn.recv(65536)
+                        if data:
+                            with open(heard, "ab") as f:
+                                f.write(data)
+                        conn.close()
+                finally:
+                    os._exit(0)
+            try:
+                os.read(ready_r, 1)
+                with self.assertRaises(warden_cells.ConnectionFailed) as e:
+                    with Warden(socket=path) as w:
+                        w.cells.create(name="secretive", env={"API_KEY": "s3cret-value"})
+                self.assertIn("served by uid 65534", str(e.exception))
+                with self.assertRaises(warden_cells.ConnectionFailed):
+                    AsyncWarden(socket=path)
+                time.sleep(0.2)
+                self.assertFalse(os.path.exists(heard), "something was sent to the stranger")
+            finally:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                os.close(ready_r)
+                os.close(ready_w)
+
     def test_a_missing_daemon_says_so(self):
         with Warden(socket="/nonexistent/daemon.sock") as w:
             with self.assertRaises(warden_cells.ConnectionFailed) as e:

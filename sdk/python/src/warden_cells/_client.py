@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import socket as pysocket
+import struct
 import time
 from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -66,10 +69,38 @@ def _transport_args(socket: Optional[str], url: Optional[str], token: Optional[s
     headers = {}
     if url is None:
         socket = socket or ops.default_socket()
+        _check_server(socket)
         return socket, "http://warden", headers
     if token:
         headers["Authorization"] = f"Bearer {token.strip()}"
     return None, url.rstrip("/"), headers
+
+
+def _check_server(path: str) -> None:
+    """Refuses a socket another user serves (the kernel's word, `SO_PEERCRED`), before anything
+    is sent: what the client sends (a cell's environment and secrets, answers to approvals)
+    goes to no other user's process that took the socket's path. The default runtime directory
+    of a user without `XDG_RUNTIME_DIR`, `/tmp/warden-UID`, is anyone's to make first. A socket
+    nobody serves is left to the first request, which says so."""
+    probe = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+        creds = probe.getsockopt(pysocket.SOL_SOCKET, pysocket.SO_PEERCRED,
+                                 struct.calcsize("3i"))
+    except OSError:
+        return
+    finally:
+        probe.close()
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    ours = os.geteuid()
+    if uid not in (ours, 0):
+        raise ConnectionFailed(
+            0, "unavailable",
+            f"{path} is served by uid {uid}, not by you (uid {ours}) or root: it is not your "
+            "warden daemon, and nothing was sent to it. Another user may have made its runtime "
+            "directory first (the default /tmp/warden-UID is anyone's to make where "
+            "XDG_RUNTIME_DIR is unset): remove that directory, or set WARDEN_RUNTIME_DIR to a "
+            "directory only you can write")
 
 
 def _check(response: httpx.Response) -> None:
