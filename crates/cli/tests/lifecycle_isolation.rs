@@ -11,14 +11,14 @@ use serde_json::{Value, json};
 use support::daemon::*;
 use support::*;
 
-/// The open question of `cell` whose request ends with `tail`, within a few seconds.
-fn question(daemon: &Daemon, cell: &str, tail: &str, within: Duration) -> Option<u64> {
+/// The open question of `cell` whose request holds `part`, within a few seconds.
+fn question(daemon: &Daemon, cell: &str, part: &str, within: Duration) -> Option<u64> {
     let deadline = Instant::now() + within;
     while Instant::now() < deadline {
         let list = daemon.call("GET", "/v1/approvals", None).json();
         if let Some(q) =
             list.as_array().unwrap().iter().find(|q| {
-                q["cell"] == cell && q["request"].as_str().is_some_and(|r| r.ends_with(tail))
+                q["cell"] == cell && q["request"].as_str().is_some_and(|r| r.contains(part))
             })
         {
             return q["id"].as_u64();
