@@ -190,10 +190,23 @@ pub fn remove_layer(registry: &Registry, store: &Store, name: &str) -> Result<()
         name: name.to_owned(),
         source: io::Error::other(format!("moving its snapshots out of its layer: {e}")),
     })?;
-    layer.remove().map_err(|source| ChangesError::Layer {
+    let failed = |source| ChangesError::Layer {
         name: name.to_owned(),
         source,
-    })?;
+    };
+    // Out of its place first, whole (`.gone-NAME-TIME`, its file system detached), then
+    // removed: a removal killed half way had left a layer under the cell's name that no open
+    // could read again (its image or record gone before the rest), and so no later removal
+    // either. What a kill leaves out of place is swept when the tier is next opened.
+    let attaching = super::disk::hold_off_attach(&layer);
+    layer.detach().map_err(failed)?;
+    let stamp = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let gone = layer.dir().with_file_name(format!(".gone-{name}-{stamp}"));
+    fs::rename(layer.dir(), &gone).map_err(failed)?;
+    drop(attaching);
+    Layer::at(gone).remove().map_err(failed)?;
     released(store);
     Ok(())
 }
