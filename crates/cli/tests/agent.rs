@@ -13,6 +13,24 @@ use support::model::{ModelServer, Step, call};
 
 const KEY: &str = "sk-test-4b1d9a7c2e8f6035";
 
+/// The first open question of `cell`, within 30 s.
+fn first_question(daemon: &Daemon, cell: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let pending = daemon.call("GET", "/v1/approvals", None).json();
+        if let Some(q) = pending
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|q| q["cell"] == cell)
+        {
+            return q.clone();
+        }
+        assert!(Instant::now() < deadline, "no question");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn start(daemon: &Daemon, server: &ModelServer, provider: &str, mut body: Value) -> Value {
     body["model"] = format!("{provider}:scripted-1").into();
     body["base_url"] = server.base_url(provider).into();
@@ -762,20 +780,7 @@ fn an_approval_shows_the_arguments_that_run_not_the_text_the_model_wrote() {
         agent["id"].as_str().unwrap().to_owned(),
         agent["cell"].as_str().unwrap().to_owned(),
     );
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let question = loop {
-        let pending = daemon.call("GET", "/v1/approvals", None).json();
-        if let Some(q) = pending
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|q| q["cell"] == cell.as_str())
-        {
-            break q.clone();
-        }
-        assert!(Instant::now() < deadline, "no question");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let question = first_question(&daemon, &cell);
     let request = question["request"].as_str().unwrap();
     assert!(
         request.ends_with(r#"tool exec {"command":"echo ran > proof"}"#),
@@ -1260,20 +1265,7 @@ fn a_rerun_does_not_carry_out_what_never_ran() {
         agent["id"].as_str().unwrap().to_owned(),
         agent["cell"].as_str().unwrap().to_owned(),
     );
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let question = loop {
-        let pending = daemon.call("GET", "/v1/approvals", None).json();
-        if let Some(q) = pending
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|q| q["cell"] == cell.as_str())
-        {
-            break q.clone();
-        }
-        assert!(Instant::now() < deadline, "no question");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let question = first_question(&daemon, &cell);
     let answered = daemon.call(
         "POST",
         &format!("/v1/approvals/{cell}/{}", question["id"]),

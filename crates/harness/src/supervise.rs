@@ -416,6 +416,24 @@ impl Harness {
                 receipt.seq
             }
         };
+        self.note_asked(name, q, seq, grant.clone(), false);
+        if let Some(by) = self.grant_for(name, &grant) {
+            let _ = self
+                .answer_inner(name, seq, true, Scope::Once, &format!("grant: {by}"))
+                .await;
+        }
+        Ok(seq)
+    }
+
+    /// Notes a question of the cell's gateway as seen (`seq`: the id it is shown with; 0: none).
+    fn note_asked(
+        &self,
+        name: &str,
+        q: &warden_egress::Question,
+        seq: u64,
+        grant: String,
+        answered: bool,
+    ) {
         if let Ok(mut live) = self.live.lock()
             && let Some(l) = live.get_mut(name)
         {
@@ -424,18 +442,12 @@ impl Harness {
                 Question {
                     request: q.request.clone(),
                     seq,
-                    grant: grant.clone(),
-                    answered: false,
+                    grant,
+                    answered,
                     asked_at: q.asked_at,
                 },
             );
         }
-        if let Some(by) = self.grant_for(name, &grant) {
-            let _ = self
-                .answer_inner(name, seq, true, Scope::Once, &format!("grant: {by}"))
-                .await;
-        }
-        Ok(seq)
     }
 
     /// Counts a question that a standing grant answers against the cell's `limits.records`,
@@ -467,20 +479,7 @@ impl Harness {
         by: &str,
         count: u64,
     ) -> Result<u64, HarnessError> {
-        if let Ok(mut live) = self.live.lock()
-            && let Some(l) = live.get_mut(name)
-        {
-            l.asked.insert(
-                q.id,
-                Question {
-                    request: q.request.clone(),
-                    seq: 0,
-                    grant,
-                    answered: true,
-                    asked_at: q.asked_at,
-                },
-            );
-        }
+        self.note_asked(name, q, 0, grant, true);
         if count.is_power_of_two() {
             self.record(
                 Some(name),
