@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use serde_json::{Value, json};
 pub(crate) use warden_harness::tools::word;
-use warden_harness::tools::{edit_text, listing, run_to_end, search_argv};
+use warden_harness::tools::{listing, run_to_end, search_argv};
 use warden_harness::{ExecSpec, Harness, HarnessError};
 use warden_model::Tool;
 
@@ -239,21 +239,9 @@ async fn edit(harness: &Arc<Harness>, cell: &str, args: &Value) -> Outcome {
         (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => return e,
     };
     let all = args.get("replace_all").and_then(Value::as_bool) == Some(true);
-    let data = match harness.read_file(cell, path).await {
-        Ok(data) => data,
-        Err(err) => return err.into(),
-    };
-    let Ok(content) = String::from_utf8(data) else {
-        return Outcome::error(format!(
-            "{path} is not UTF-8 text; it cannot be edited by text"
-        ));
-    };
-    match edit_text(path, &content, old, new, all) {
-        Ok((edited, count)) => match harness.write_file(cell, path, edited.into_bytes()).await {
-            Ok(()) => Outcome::ok(format!("replaced {count} occurrence(s) in {path}")),
-            Err(err) => err.into(),
-        },
-        Err(err) => Outcome::error(err.message),
+    match harness.edit_file(cell, path, old, new, all).await {
+        Ok(count) => Outcome::ok(format!("replaced {count} occurrence(s) in {path}")),
+        Err(err) => err.into(),
     }
 }
 

@@ -245,6 +245,50 @@ impl Harness {
         path: &str,
         data: Vec<u8>,
     ) -> Result<(), HarnessError> {
+        self.write_file_if(name, path, data, None).await
+    }
+
+    /// Replaces `old` with `new` in the text file `path` of the cell (every occurrence with
+    /// `all`, else the one there must be; see `tools::edit_text`): read, changed, and written
+    /// back only while the file still holds what was read, so that nothing the cell wrote in
+    /// between is lost (the edit is refused instead, saying to read the file again). How many
+    /// occurrences were replaced.
+    pub async fn edit_file(
+        &self,
+        name: &str,
+        path: &str,
+        old: &str,
+        new: &str,
+        all: bool,
+    ) -> Result<usize, HarnessError> {
+        if old.is_empty() {
+            return Err(HarnessError::from(FilesError::Invalid(
+                "the text to replace may not be empty".into(),
+            )));
+        }
+        let data = self.read_file(name, path).await?;
+        let read = blake3_hex(&data);
+        let Ok(text) = String::from_utf8(data) else {
+            return Err(HarnessError::from(FilesError::Invalid(format!(
+                "{path} is not UTF-8 text; it cannot be edited by text"
+            ))));
+        };
+        let (edited, count) = crate::tools::edit_text(path, &text, old, new, all)?;
+        self.write_file_if(name, path, edited.into_bytes(), Some(read))
+            .await?;
+        Ok(count)
+    }
+
+    /// `write_file`, done only while the file still holds what hashes (BLAKE3, hex) to
+    /// `unchanged_since`, where that is given: an edit (read, changed, written back) refused
+    /// rather than lose what the cell wrote between its read and its write.
+    pub async fn write_file_if(
+        &self,
+        name: &str,
+        path: &str,
+        data: Vec<u8>,
+        unchanged_since: Option<String>,
+    ) -> Result<(), HarnessError> {
         let (_, full) = self.cell_path(name, path)?;
         if data.len() as u64 > WRITE_LIMIT {
             return Err(HarnessError::from(FilesError::Invalid(format!(
@@ -263,6 +307,7 @@ impl Harness {
             name,
             FileOp::Write {
                 path: path.to_owned(),
+                unchanged_since,
             },
             Some(data),
             1 << 16,
@@ -429,9 +474,10 @@ impl Harness {
 fn file_error(err: FileError) -> HarnessError {
     let failure = match err.kind {
         FileErrorKind::NotFound => FilesError::Missing,
-        FileErrorKind::ReadOnly | FileErrorKind::Denied | FileErrorKind::Exists => {
-            FilesError::State
-        }
+        FileErrorKind::ReadOnly
+        | FileErrorKind::Denied
+        | FileErrorKind::Exists
+        | FileErrorKind::Changed => FilesError::State,
         FileErrorKind::Io => FilesError::Failed,
         FileErrorKind::Outside
         | FileErrorKind::NotRegular

@@ -22,7 +22,7 @@ use serde_json::{Value, json};
 use warden_harness::{Caller, ErrorKind, ExecSpec, Harness, HarnessError};
 
 use args::*;
-use warden_harness::tools::{Ran, edit_text, listing, run_to_end, search_argv, word};
+use warden_harness::tools::{Ran, listing, run_to_end, search_argv, word};
 
 /// The most of each output stream (stdout, stderr) an exec's result holds: its head and its
 /// tail, with what was left out between them counted.
@@ -310,33 +310,19 @@ if it exists. The write goes to the cell's copy-on-write layer, not to the host.
         if args.old_text.is_empty() {
             return Err(invalid("`old_text` may not be empty"));
         }
-        let data = match self.harness.read_file(&args.cell, &args.path).await {
-            Ok(data) => data,
-            Err(err) => return Ok(failed(err)),
-        };
-        let Ok(text) = String::from_utf8(data) else {
-            return Ok(failed(HarnessError::bad(format!(
-                "{} is not UTF-8 text; it cannot be edited by text",
-                args.path
-            ))));
-        };
-        let (edited, found) = match edit_text(
-            &args.path,
-            &text,
-            &args.old_text,
-            &args.new_text,
-            args.replace_all,
-        ) {
-            Ok(edited) => edited,
-            Err(err) => return Ok(failed(err)),
-        };
         Ok(
             match self
                 .harness
-                .write_file(&args.cell, &args.path, edited.into_bytes())
+                .edit_file(
+                    &args.cell,
+                    &args.path,
+                    &args.old_text,
+                    &args.new_text,
+                    args.replace_all,
+                )
                 .await
             {
-                Ok(()) => answer(
+                Ok(found) => answer(
                     &json!({ "path": args.path, "replaced": found }),
                     format!("replaced {found} occurrence(s) in {}", args.path),
                 ),

@@ -28,8 +28,13 @@ pub enum FileOp {
         limit: u64,
     },
     /// Stdin becomes the file (replaced whole: a reader sees the old or the new one).
+    /// `unchanged_since`: the BLAKE3 (hex) of what the file held when its writer read it; the
+    /// file is replaced only while it still holds that, looked at just before the replacement
+    /// (an edit's read, change and write must not lose what the cell wrote in between).
     Write {
         path: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        unchanged_since: Option<String>,
     },
     /// The entries of a directory, as a JSON array of [`FileEntry`] on stdout.
     List {
@@ -90,6 +95,8 @@ pub enum FileErrorKind {
     Denied,
     TooLarge,
     Invalid,
+    /// The file no longer holds what its writer read (`FileOp::Write::unchanged_since`).
+    Changed,
     Io,
 }
 
@@ -125,6 +132,37 @@ pub(crate) fn serve(root: &str, op: FileOp) -> i32 {
             let _ = io::stderr().write_all(&serde_json::to_vec(&err).unwrap_or_default());
             1
         }
+    }
+}
+
+/// Whether the regular file `name` in `dir` still holds what hashes (BLAKE3, hex) to `read`:
+/// `Changed` where it holds other bytes, or is gone.
+fn still_holds(dir: &OwnedFd, name: &str, shown: &str, read: &str) -> Result<(), FileError> {
+    let changed = || {
+        error(
+            FileErrorKind::Changed,
+            format!(
+                "{shown} changed since it was read (the cell wrote it meanwhile); read it again and make the change anew"
+            ),
+        )
+    };
+    let fd = match rustix::fs::openat(
+        dir,
+        name,
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+        Mode::empty(),
+    ) {
+        Ok(fd) => fd,
+        Err(rustix::io::Errno::NOENT) => return Err(changed()),
+        Err(e) => return Err(io_error(shown, e)),
+    };
+    let stat = rustix::fs::fstat(&fd).map_err(|e| io_error(shown, e))?;
+    regular(shown, stat.st_mode)?;
+    let mut hasher = blake3::Hasher::new();
+    io::copy(&mut std::fs::File::from(fd), &mut hasher).map_err(|e| std_error(shown, &e))?;
+    match hasher.finalize().to_hex().as_str() == read {
+        true => Ok(()),
+        false => Err(changed()),
     }
 }
 
@@ -166,7 +204,10 @@ impl Walker {
     fn run(&self, op: FileOp) -> Result<(), FileError> {
         match op {
             FileOp::Read { path, limit } => self.read(&path, limit),
-            FileOp::Write { path } => self.write(&path, &mut io::stdin().lock()),
+            FileOp::Write {
+                path,
+                unchanged_since,
+            } => self.write(&path, &mut io::stdin().lock(), unchanged_since.as_deref()),
             FileOp::List { path } => {
                 let entries = self.list(&path)?;
                 print_json(&entries)
@@ -347,7 +388,12 @@ impl Walker {
 
     /// Writes a regular file whole (through a temporary, renamed over it), making missing
     /// directories on the way.
-    fn write(&self, path: &str, data: &mut impl Read) -> Result<(), FileError> {
+    fn write(
+        &self,
+        path: &str,
+        data: &mut impl Read,
+        unchanged_since: Option<&str>,
+    ) -> Result<(), FileError> {
         let shown = self.shown(path);
         let place = self.resolve(path, true, true)?;
         let Some(name) = &place.name else {
@@ -375,7 +421,11 @@ impl Walker {
         let mut file = std::fs::File::from(fd);
         let written = io::copy(data, &mut file)
             .map_err(|e| std_error(&shown, &e))
-            .and_then(|_| {
+            .and_then(|_| match unchanged_since {
+                Some(read) => still_holds(&place.dir, name, &shown, read),
+                None => Ok(()),
+            })
+            .and_then(|()| {
                 rustix::fs::renameat(&place.dir, temporary.as_str(), &place.dir, name.as_str())
                     .map_err(|e| io_error(&shown, e))
             });
@@ -971,5 +1021,45 @@ mod tests {
         );
         assert_eq!(io_error("x", Errno::NXIO).kind, FileErrorKind::NotRegular);
         assert_eq!(io_error("x", Errno::IO).kind, FileErrorKind::Io);
+    }
+
+    /// A write given what the file held when it was read replaces it only while it still
+    /// holds that: an edit whose file the cell wrote (or removed) since its read is refused,
+    /// and the cell's bytes stay.
+    #[test]
+    fn a_write_made_from_a_read_replaces_only_what_was_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().to_str().unwrap();
+        let files = Walker::open(root).unwrap();
+        let file = dir.path().join("notes.txt");
+        std::fs::write(&file, "as read\n").unwrap();
+        let read = blake3::hash(b"as read\n").to_hex().to_string();
+        // The cell writes the file after the edit's read.
+        std::fs::write(&file, "the cell's own\n").unwrap();
+        let err = files
+            .write("notes.txt", &mut &b"edited\n"[..], Some(&read))
+            .unwrap_err();
+        assert_eq!(err.kind, FileErrorKind::Changed, "{err}");
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), "the cell's own\n");
+        // Nothing of the refused write is left beside it.
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+        // Unchanged since the read: replaced.
+        let read = blake3::hash(b"the cell's own\n").to_hex().to_string();
+        files
+            .write("notes.txt", &mut &b"edited\n"[..], Some(&read))
+            .unwrap();
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), "edited\n");
+        // Removed since the read: refused, and not made again.
+        std::fs::remove_file(&file).unwrap();
+        let err = files
+            .write("notes.txt", &mut &b"again\n"[..], Some(&read))
+            .unwrap_err();
+        assert_eq!(err.kind, FileErrorKind::Changed, "{err}");
+        assert!(!file.exists());
+        // A plain write asks nothing of what was there.
+        files
+            .write("notes.txt", &mut &b"plain\n"[..], None)
+            .unwrap();
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), "plain\n");
     }
 }
