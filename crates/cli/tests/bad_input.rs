@@ -195,6 +195,22 @@ fn invalid_cell_names_are_refused() {
 }
 
 #[test]
+fn a_huge_cell_name_is_not_echoed_whole() {
+    let name = "n".repeat(100_000);
+    let ran = run_sh(&["--name", &name], "true");
+    assert_eq!(ran.code, 125);
+    assert!(
+        ran.stderr.contains(&format!(
+            "cell name `{}... (100000 bytes)` is not valid",
+            "n".repeat(256)
+        )),
+        "{}",
+        &ran.stderr[..ran.stderr.len().min(400)]
+    );
+    assert!(ran.stderr.len() < 2000, "{} bytes", ran.stderr.len());
+}
+
+#[test]
 fn stdin_reaches_the_command() {
     use std::io::Write;
     let mut child = warden()

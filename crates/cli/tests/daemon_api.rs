@@ -2133,3 +2133,131 @@ fn a_client_far_behind_on_the_events_stream_costs_the_daemon_little_memory() {
         grown / 1024
     );
 }
+
+/// Asserts `answer` is a refusal with `status` whose message says `says`, and gives it back.
+fn refused(answer: support::daemon::Answer, status: u16, says: &str) -> support::daemon::Answer {
+    assert_eq!(answer.status, status, "{}", answer.text());
+    assert!(
+        answer.json()["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains(says),
+        "{}",
+        answer.text()
+    );
+    answer
+}
+
+/// A wrong method and a missing route name their failure in `reason`; the code stays the
+/// `not-found` clients map.
+#[test]
+fn a_wrong_method_and_a_missing_route_name_their_failure() {
+    let daemon = Daemon::start(&[]);
+    let wrong = refused(daemon.call("DELETE", "/v1/journal", None), 405, "method");
+    assert_eq!(
+        (
+            wrong.json()["code"].as_str(),
+            wrong.json()["reason"].as_str()
+        ),
+        (Some("not-found"), Some("method-not-allowed"))
+    );
+    let missing = refused(
+        daemon.call("GET", "/v1/no-such-thing", None),
+        404,
+        "no such endpoint",
+    );
+    assert_eq!(
+        (
+            missing.json()["code"].as_str(),
+            missing.json()["reason"].as_str()
+        ),
+        (Some("not-found"), Some("no-such-endpoint"))
+    );
+}
+
+/// Endpoints that take no query parameters refuse one by name, as those that take some do,
+/// rather than ignore it.
+#[test]
+fn query_parameters_an_endpoint_does_not_take_are_refused_by_name() {
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("noquery"), json!({}));
+    for path in [
+        "/v1/agents?bogus=1".to_owned(),
+        format!("/v1/cells/{cell}/processes?bogus=1"),
+        format!("/v1/cells/{cell}/processes/1/wait?bogus=1"),
+        "/v1/agents/nobody/wait?bogus=1".to_owned(),
+    ] {
+        refused(daemon.call("GET", &path, None), 400, "bogus");
+    }
+    for path in [
+        "/v1/agents".to_owned(),
+        format!("/v1/cells/{cell}/processes"),
+    ] {
+        assert_eq!(daemon.call("GET", &path, None).status, 200, "{path}");
+    }
+}
+
+/// An empty `cwd` is refused, with what to do, before anything runs.
+#[test]
+fn an_empty_cwd_is_refused_before_anything_runs() {
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("emptycwd"), json!({}));
+    refused(
+        daemon.call(
+            "POST",
+            &format!("/v1/cells/{cell}/exec"),
+            Some(json!({ "argv": ["true"], "cwd": "" })),
+        ),
+        400,
+        "`cwd` is empty",
+    );
+}
+
+/// A journal query whose time window ends before it starts is refused: it could hold nothing.
+#[test]
+fn a_journal_window_that_ends_before_it_starts_is_refused() {
+    let daemon = Daemon::start(&[]);
+    refused(
+        daemon.call("GET", "/v1/journal?since_ms=10&until_ms=5", None),
+        400,
+        "since_ms 10 is after until_ms 5",
+    );
+    assert_eq!(
+        daemon
+            .call("GET", "/v1/journal?since_ms=5&until_ms=10", None)
+            .status,
+        200
+    );
+}
+
+/// A body that begins with a UTF-8 byte-order mark says so, not "expected value".
+#[test]
+fn a_body_with_a_byte_order_mark_says_so() {
+    let daemon = Daemon::start(&[]);
+    refused(
+        daemon.request("POST", "/v1/cells", Some("\u{feff}{}")),
+        400,
+        "byte-order mark",
+    );
+}
+
+/// A huge name (or other text a request sent) is echoed cut, with its length, not whole.
+#[test]
+fn a_huge_name_is_not_echoed_whole() {
+    let daemon = Daemon::start(&[]);
+    let name = "n".repeat(100_000);
+    let cut = format!("`{}... (100000 bytes)`", "n".repeat(256));
+    let made = refused(
+        daemon.call("POST", "/v1/cells", Some(json!({ "name": name }))),
+        400,
+        &cut,
+    );
+    assert!(made.body.len() < 2000, "{} bytes", made.body.len());
+    let name = "m".repeat(10_000);
+    let missing = refused(
+        daemon.call("GET", &format!("/v1/cells/{name}"), None),
+        404,
+        &format!("`{}... (10000 bytes)`", "m".repeat(256)),
+    );
+    assert!(missing.body.len() < 2000, "{} bytes", missing.body.len());
+}

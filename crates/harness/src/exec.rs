@@ -164,6 +164,14 @@ impl Harness {
             )
             .into());
         }
+        if spec.cwd.as_deref() == Some("") {
+            return Err(ExecError::Invalid(
+                "`cwd` is empty; give the working directory's path, or leave `cwd` out for \
+                 the cell's default"
+                    .to_owned(),
+            )
+            .into());
+        }
         check_env(spec.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))?;
         if let Some(user) = spec.user {
             let policy = self

@@ -18,6 +18,14 @@ impl Harness {
                 "limit {limit}: a page holds 1 to {PAGE_MAX} entries; page back with `before`"
             ))));
         }
+        if let (Some(since), Some(until)) = (query.since_ms, query.until_ms)
+            && since > until
+        {
+            return Err(HarnessError::from(HistoryError::Invalid(format!(
+                "since_ms {since} is after until_ms {until}: no entry can be in that window; \
+                 give since_ms at or before until_ms"
+            ))));
+        }
         let dir = self.journal.dir().to_path_buf();
         tokio::task::spawn_blocking(move || read_page(&dir, &query, limit))
             .await

@@ -34,9 +34,81 @@ pub fn escaped(text: &str, escape: impl Fn(char) -> bool) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
+/// How many characters of a name or other echoed text an error message shows.
+pub const ECHO_CHARS: usize = 256;
+
+/// `text` as an error message echoes it: whole up to [`ECHO_CHARS`] characters, else its first
+/// [`ECHO_CHARS`] and how long it was, so that a 100 KB name is not sent back whole.
+/// Text clipped already (by a lower layer) is kept as it is.
+pub fn clipped(text: &str) -> Cow<'_, str> {
+    match text.char_indices().nth(ECHO_CHARS) {
+        None => Cow::Borrowed(text),
+        Some((at, _)) if is_clip(&text[at..]) => Cow::Borrowed(text),
+        Some((at, _)) => Cow::Owned(format!("{}... ({} bytes)", &text[..at], text.len())),
+    }
+}
+
+/// Whether `tail` is what [`clipped`] puts after the characters it keeps.
+fn is_clip(tail: &str) -> bool {
+    tail.strip_prefix("... (")
+        .and_then(|rest| rest.strip_suffix(" bytes)"))
+        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// `message` with each span quoted in backticks (where messages echo what was sent: names,
+/// paths, values) [`clipped`].
+pub fn clip_quoted(message: &str) -> Cow<'_, str> {
+    let mut spans = message.split('`');
+    if !spans
+        .clone()
+        .skip(1)
+        .step_by(2)
+        .any(|s| s.chars().nth(ECHO_CHARS).is_some())
+    {
+        return Cow::Borrowed(message);
+    }
+    let mut out = String::with_capacity(message.len().min(4096));
+    let mut quoted = false;
+    if let Some(first) = spans.next() {
+        out.push_str(first);
+    }
+    for span in spans {
+        quoted = !quoted;
+        out.push('`');
+        match quoted {
+            true => out.push_str(&clipped(span)),
+            false => out.push_str(span),
+        }
+    }
+    Cow::Owned(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn long_quoted_spans_are_clipped_and_short_ones_kept() {
+        assert_eq!(clip_quoted("cell `abc` is gone"), "cell `abc` is gone");
+        let long = "x".repeat(100_000);
+        let message = format!("no cell named `{long}`; see `warden ps`");
+        let clipped = clip_quoted(&message);
+        assert_eq!(
+            clipped,
+            format!(
+                "no cell named `{}... (100000 bytes)`; see `warden ps`",
+                "x".repeat(ECHO_CHARS)
+            )
+        );
+        // Clipped once, kept: a layer above does not clip it again.
+        assert_eq!(clip_quoted(&clipped), clipped);
+        // Characters, not bytes: a cut never splits one.
+        let wide = "é".repeat(300);
+        assert_eq!(
+            super::clipped(&wide),
+            format!("{}... (600 bytes)", "é".repeat(ECHO_CHARS))
+        );
+    }
 
     #[test]
     fn what_hides_or_reorders_text_is_escaped() {

@@ -661,7 +661,9 @@ pub fn check_name(name: &str) -> Result<(), PlanError> {
     if ok {
         Ok(())
     } else {
-        Err(PlanError::Name(name.to_owned()))
+        Err(PlanError::Name(
+            warden_protocol::text::clipped(name).into_owned(),
+        ))
     }
 }
 

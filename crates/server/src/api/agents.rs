@@ -12,7 +12,10 @@ use super::*;
 
 pub(super) type Sessions = Arc<Agents>;
 
-pub(super) async fn list_agents(State(agents): State<Sessions>) -> Response {
+pub(super) async fn list_agents(
+    State(agents): State<Sessions>,
+    Query(NoQuery {}): Query<NoQuery>,
+) -> Response {
     Json(agents.list()).into_response()
 }
 
@@ -43,6 +46,7 @@ pub(super) async fn transcript(
 pub(super) async fn wait_agent(
     State(agents): State<Sessions>,
     Path(id): Path<String>,
+    Query(NoQuery {}): Query<NoQuery>,
 ) -> Result<Response, ApiError> {
     Ok(Json(agents.settled(&id).await?).into_response())
 }

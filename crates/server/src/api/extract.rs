@@ -58,7 +58,8 @@ impl IntoResponse for ApiError {
             _ => ErrorCode::BadRequest,
         };
         let body = warden_protocol::ErrorBody {
-            error: self.message,
+            // What the request sent, echoed in backticks, cut to a sane length.
+            error: warden_protocol::text::clip_quoted(&self.message).into_owned(),
             code,
             hint: None,
             reason: self.reason.map(str::to_owned),
@@ -82,6 +83,13 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
                 status: rejection.status(),
                 message: format!("request body: {}", rejection.body_text()),
             })?;
+        if bytes.starts_with(b"\xEF\xBB\xBF") {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "request body: begins with a UTF-8 byte-order mark (EF BB BF); \
+                 send the JSON without it",
+            ));
+        }
         let mut json = serde_json::Deserializer::from_slice(&bytes);
         let value = serde_path_to_error::deserialize(&mut json).map_err(|err| {
             let status = match err.inner().classify() {
@@ -132,6 +140,12 @@ impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for Path<T>
         }
     }
 }
+
+/// The query of an endpoint that takes no parameters: any parameter is refused by name
+/// rather than silently ignored, as the endpoints that take some do.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NoQuery {}
 
 /// Query parameters whose rejections are API errors.
 pub struct Query<T>(pub T);

@@ -166,7 +166,7 @@ async fn read_small_body(request: axum::extract::Request, next: middleware::Next
 
 async fn no_route() -> ApiError {
     ApiError {
-        reason: None,
+        reason: Some("no-such-endpoint"),
         status: StatusCode::NOT_FOUND,
         message: "no such endpoint; GET /openapi.json lists them".to_owned(),
     }
@@ -174,7 +174,7 @@ async fn no_route() -> ApiError {
 
 async fn wrong_method() -> ApiError {
     ApiError {
-        reason: None,
+        reason: Some("method-not-allowed"),
         status: StatusCode::METHOD_NOT_ALLOWED,
         message: "this endpoint does not take that method; GET /openapi.json lists them".to_owned(),
     }

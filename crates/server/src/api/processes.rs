@@ -78,6 +78,7 @@ pub(super) async fn output(
 pub(super) async fn processes(
     State(harness): State<Shared>,
     Path(name): Path<String>,
+    Query(NoQuery {}): Query<NoQuery>,
 ) -> Result<Response, ApiError> {
     Ok(Json(harness.processes(&name)?).into_response())
 }
@@ -92,6 +93,7 @@ pub(super) async fn process(
 pub(super) async fn wait(
     State(harness): State<Shared>,
     Path((name, id)): Path<(String, u64)>,
+    Query(NoQuery {}): Query<NoQuery>,
 ) -> Result<Response, ApiError> {
     let process = harness.process(&name, id)?;
     let mut cursor = u64::MAX; // skip output: only the ending matters here
