@@ -1535,3 +1535,40 @@ fn cells_of_one_name_in_two_wardens_share_no_cgroup() {
     let state = first.call("GET", &format!("/v1/cells/{name}"), None).json();
     assert_eq!(state["state"], "running", "{state}");
 }
+
+/// Creates of one name at once: one makes the cell, the others are told the name is taken
+/// (409), and the cell made is whole. Before, each passed the name's checks, the later ones
+/// emptied the first one's folder and failed in their keeper with a 400 `tier-refused`.
+#[test]
+fn creates_of_one_name_at_once_make_one_cell_and_refuse_the_rest() {
+    if !cgroups_available("daemon_create_race") {
+        return;
+    }
+    let daemon = std::sync::Arc::new(Daemon::start(&[]));
+    for round in 0..4 {
+        let name = unique("same");
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(5));
+        let racers: Vec<_> = (0..5)
+            .map(|_| {
+                let daemon = std::sync::Arc::clone(&daemon);
+                let barrier = std::sync::Arc::clone(&barrier);
+                let body = json!({ "name": name });
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    daemon.call("POST", "/v1/cells", Some(body))
+                })
+            })
+            .collect();
+        let answers: Vec<Answer> = racers.into_iter().map(|r| r.join().unwrap()).collect();
+        let made = answers.iter().filter(|a| a.status == 201).count();
+        for answer in answers.iter().filter(|a| a.status != 201) {
+            assert_eq!(answer.status, 409, "round {round}: {}", answer.text());
+            assert_eq!(answer.json()["reason"], "name-taken", "{}", answer.text());
+        }
+        assert_eq!(made, 1, "round {round}: one create makes the cell");
+        let events = daemon.exec(&name, json!({ "argv": ["echo", "whole"] }));
+        assert_eq!(stream_bytes(&events, "stdout"), b"whole\n", "round {round}");
+        let deleted = daemon.call("DELETE", &format!("/v1/cells/{name}"), None);
+        assert_eq!(deleted.status, 204, "{}", deleted.text());
+    }
+}

@@ -1902,3 +1902,85 @@ fn a_diff_of_many_changes_costs_the_daemon_little_memory_per_change() {
         "a delete of {changes} changes: +{deleting} KiB"
     );
 }
+
+/// Applies beside uploads of the files API into the same workspace. An upload writes its file
+/// under a temporary name (`.NAME.warden-N`) and renames it; an apply that ran beside it copied
+/// the half-written temporary file to the host, where it stayed (every later apply then
+/// conflicted with it) or failed with a 500. The apply now waits for the cell's file operations.
+#[test]
+fn an_apply_beside_an_upload_copies_no_half_written_file() {
+    if !cgroups_available("daemon_apply_race") {
+        return;
+    }
+    let daemon = std::sync::Arc::new(Daemon::start(&[]));
+    let host = tempdir();
+    let cell = daemon.create(
+        &unique("applyrace"),
+        json!({ "workspace": host.path().display().to_string() }),
+    );
+    let body = "x".repeat(3 << 20);
+    for round in 0..16u64 {
+        let upload = {
+            let daemon = std::sync::Arc::clone(&daemon);
+            let path = format!("/v1/cells/{cell}/files/content?path=big{round}");
+            let body = body.clone();
+            std::thread::spawn(move || daemon.request("PUT", &path, Some(&body)))
+        };
+        std::thread::sleep(Duration::from_millis(2 * (round % 8)));
+        let apply = daemon.call("POST", &format!("/v1/cells/{cell}/apply"), Some(json!({})));
+        assert_eq!(apply.status, 200, "round {round}: {}", apply.text());
+        let uploaded = upload.join().unwrap();
+        assert!(uploaded.status < 300, "{}", uploaded.text());
+        let stray: Vec<_> = std::fs::read_dir(host.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains(".warden-"))
+            .collect();
+        assert!(stray.is_empty(), "round {round}: on the host: {stray:?}");
+    }
+    let apply = daemon.call("POST", &format!("/v1/cells/{cell}/apply"), Some(json!({})));
+    assert_eq!(apply.status, 200, "{}", apply.text());
+    for round in 0..16 {
+        let copied = std::fs::metadata(host.path().join(format!("big{round}"))).unwrap();
+        assert_eq!(copied.len(), 3 << 20, "big{round}");
+    }
+    let deleted = daemon.call("DELETE", &format!("/v1/cells/{cell}"), None);
+    assert_eq!(deleted.status, 204, "{}", deleted.text());
+}
+
+/// Resets beside uploads of the files API: each upload is whole in the cell or waits for the
+/// reset. Before, an upload that a reset met wrote into the overlay the reset replaced, and its
+/// rename failed with a 404 `no-such-file` for the file it was writing.
+#[test]
+fn a_reset_beside_an_upload_leaves_the_upload_whole() {
+    if !cgroups_available("daemon_reset_race") {
+        return;
+    }
+    let daemon = std::sync::Arc::new(Daemon::start(&[]));
+    let host = tempdir();
+    let cell = daemon.create(
+        &unique("resetrace"),
+        json!({ "workspace": host.path().display().to_string() }),
+    );
+    let body = "x".repeat(3 << 20);
+    for round in 0..16u64 {
+        let upload = {
+            let daemon = std::sync::Arc::clone(&daemon);
+            let path = format!("/v1/cells/{cell}/files/content?path=up{round}");
+            let body = body.clone();
+            std::thread::spawn(move || daemon.request("PUT", &path, Some(&body)))
+        };
+        std::thread::sleep(Duration::from_millis(2 * (round % 8)));
+        let reset = daemon.call("POST", &format!("/v1/cells/{cell}/reset"), Some(json!({})));
+        assert_eq!(reset.status, 200, "round {round}: {}", reset.text());
+        let uploaded = upload.join().unwrap();
+        assert!(
+            uploaded.status < 300,
+            "round {round}: {} {}",
+            uploaded.status,
+            uploaded.text()
+        );
+    }
+    let deleted = daemon.call("DELETE", &format!("/v1/cells/{cell}"), None);
+    assert_eq!(deleted.status, 204, "{}", deleted.text());
+}

@@ -357,6 +357,12 @@ impl Harness {
         run: bool,
     ) -> Result<(CellInfo, Option<crate::once::Handing>), HarnessError> {
         let (request, restore) = self.restoring(request)?;
+        // Held to the answer: two creates of one name at once both passed the name's checks,
+        // and the second wiped the first's folder and failed in its keeper (a 400).
+        let _creating = match &request.name {
+            Some(name) => Some(Creating::hold(&self.creating, name)?),
+            None => None,
+        };
         let Prepared {
             mut name,
             parsed,
@@ -1337,4 +1343,38 @@ fn names_in(dir: &std::path::Path) -> Vec<String> {
                 .collect()
         })
         .unwrap_or_default()
+}
+
+/// A name held by a create under way; let go of when the create ends, however it ends.
+pub(crate) struct Creating {
+    names: Arc<Mutex<std::collections::HashSet<String>>>,
+    name: String,
+}
+
+impl Creating {
+    fn hold(
+        names: &Arc<Mutex<std::collections::HashSet<String>>>,
+        name: &str,
+    ) -> Result<Self, HarnessError> {
+        let mut held = names.lock().map_err(|_| {
+            HarnessError::from(CellFailure::Core("the creates' lock is poisoned".into()))
+        })?;
+        if !held.insert(name.to_owned()) {
+            return Err(HarnessError::from(CreateError::NameTaken(format!(
+                "a cell named `{name}` is being created by another request; wait for it, then delete it or pick another name"
+            ))));
+        }
+        Ok(Self {
+            names: Arc::clone(names),
+            name: name.to_owned(),
+        })
+    }
+}
+
+impl Drop for Creating {
+    fn drop(&mut self) {
+        if let Ok(mut held) = self.names.lock() {
+            held.remove(&self.name);
+        }
+    }
 }

@@ -24,7 +24,7 @@ use warden_cell::Status;
 use warden_cell::tier::{ExecEvent, FileEntry, FileError, FileErrorKind, FileOp};
 
 use crate::exec::Events;
-use crate::{CellFailure, FilesError, Harness, HarnessError};
+use crate::{CellFailure, FilesError, Harness, HarnessError, WorkspaceError};
 
 /// Largest file read or archive made through the API.
 pub const READ_LIMIT: u64 = 64 * 1024 * 1024;
@@ -89,6 +89,31 @@ impl Harness {
             format!("{}/{trimmed}", root.trim_end_matches('/'))
         };
         Ok((root, full))
+    }
+
+    /// Every one of the cell's file slots, so that no operation of the files API runs while
+    /// they are held (an apply's copy). Waits for those under way, up to [`FILE_DEADLINE`].
+    /// `None` for a cell that is not live: it runs no file operation.
+    pub(crate) async fn hold_file_slots(
+        &self,
+        name: &str,
+    ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, HarnessError> {
+        let Some(slots) = self
+            .live
+            .lock()
+            .ok()
+            .and_then(|l| l.get(name).map(|l| Arc::clone(&l.file_slots)))
+        else {
+            return Ok(None);
+        };
+        let all = u32::try_from(FILE_SLOTS).unwrap_or(u32::MAX);
+        match tokio::time::timeout(FILE_DEADLINE, slots.acquire_many_owned(all)).await {
+            Ok(Ok(held)) => Ok(Some(held)),
+            _ => Err(HarnessError::from(WorkspaceError::Conflict(format!(
+                "cell `{name}` had file operations under way for {} s; try again when they have ended",
+                FILE_DEADLINE.as_secs()
+            )))),
+        }
     }
 
     /// Runs one file operation inside the cell: `stdin` is fed to it, its answer (at most

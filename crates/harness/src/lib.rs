@@ -158,6 +158,9 @@ pub struct Harness {
     walled: Mutex<std::collections::HashSet<String>>,
     /// Cells being deleted: the delete journals their end itself.
     killing: Mutex<std::collections::HashSet<String>>,
+    /// Names of cells a create is making now (from its checks to its answer): a second
+    /// create of the name is refused while one is under way (see `cells::Creating`).
+    creating: Arc<Mutex<std::collections::HashSet<String>>>,
     /// Entries of run's cells from a pool, kept here for the run's life and never in the
     /// database (see `keep_behind`): what `entry` reads for them.
     handing: Mutex<std::collections::HashMap<String, CellEntry>>,
@@ -274,6 +277,7 @@ impl Harness {
             exec_questions: Mutex::new(HashMap::new()),
             walled: Mutex::new(std::collections::HashSet::new()),
             killing: Mutex::new(std::collections::HashSet::new()),
+            creating: Arc::new(Mutex::new(std::collections::HashSet::new())),
             handing: Mutex::new(std::collections::HashMap::new()),
             ends: Mutex::new(()),
             cells: Mutex::new(HashMap::new()),

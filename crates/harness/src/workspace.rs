@@ -340,6 +340,11 @@ impl Harness {
             digest,
             ..warden_workspace::ApplyOptions::default()
         };
+        // Every file slot of the cell (see `files::FILE_SLOTS`), held through the copy: an
+        // upload of the files API writes its file under a temporary name and renames it, and an
+        // apply beside it copied the half-written temporary file to the host (where it stayed, and
+        // every later apply conflicted with it) or failed with a 500.
+        let _files = self.hold_file_slots(name).await?;
         let report = self
             .blocking(name, move |tier, cell| {
                 tier.apply(cell, options).map_err(changes_error)
@@ -514,6 +519,9 @@ impl Harness {
         if let Some(id) = &to {
             self.check_own_snapshot(&entry, id).await?;
         }
+        // The cell's file slots, as an apply holds them: an upload beside a reset wrote into
+        // the overlay the reset replaced, and its rename failed with a 404 `no-such-file`.
+        let _files = self.hold_file_slots(name).await?;
         self.record(Some(name), "workspace.reset", json!({ "to": to }))
             .await?;
         // A running cell's reset forks a helper that joins the cell; `fork` is the C library's,
