@@ -19,6 +19,7 @@ fn changes_error(err: ChangesError) -> HarnessError {
             LayerError::Conflict { .. }
             | LayerError::Refused { .. }
             | LayerError::Changed { .. }
+            | LayerError::ChangedInCell { .. }
             | LayerError::TooLarge { .. }
             | LayerError::Unread { .. } => WorkspaceError::Conflict,
             _ => WorkspaceError::Failed,

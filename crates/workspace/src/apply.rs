@@ -175,6 +175,9 @@ pub fn apply(
     if let Err((path, source)) = result {
         return Err(
             match settle(&host, &staging, &staging_name, tx.undo.iter().rev()) {
+                Ok(_) if source.get_ref().is_some_and(|e| e.is::<ChangedInCell>()) => {
+                    WorkspaceError::ChangedInCell { path }
+                }
                 Ok(_) => WorkspaceError::RolledBack { path, source },
                 Err((staging, undo)) => WorkspaceError::NotRolledBack {
                     path,
@@ -909,9 +912,7 @@ impl Transaction<'_> {
                         )
                     })?;
                     if Some(meta.len()) != change.size {
-                        return Err(io::Error::other(
-                            "the file changed in the cell since the diff; run the diff again",
-                        ));
+                        return Err(changed_in_cell());
                     }
                     let inode = (meta.dev(), meta.ino());
                     // What is staged is what was reviewed: the hash of the bytes copied (not
@@ -937,10 +938,7 @@ impl Transaction<'_> {
                         hash
                     };
                     if staged_hash != reviewed {
-                        return Err(io::Error::other(
-                            "the file changed in the cell since the diff (its bytes are not \
-                             the ones reviewed); run the diff again",
-                        ));
+                        return Err(changed_in_cell());
                     }
                 }
                 self.ensure_parent(&path)?;
@@ -993,9 +991,7 @@ impl Transaction<'_> {
                 let want = usize::try_from(end - at).map_or(buf.len(), |n| n.min(buf.len()));
                 let n = input.read_at(&mut buf[..want], at)?;
                 if n == 0 {
-                    return Err(io::Error::other(
-                        "the file changed in the cell since the diff; run the diff again",
-                    ));
+                    return Err(changed_in_cell());
                 }
                 self.written += n as u64;
                 if self.written > self.bound {
@@ -1088,8 +1084,7 @@ fn layer_roots(layers: &[PathBuf]) -> Vec<LayerRoot> {
 /// where the cell sees it. `None`: no layer has it.
 fn open_source(roots: &[LayerRoot], rel: &Path) -> io::Result<Option<(fs::File, fs::Metadata)>> {
     use rustix::fs::{Mode, OFlags, ResolveFlags};
-    let changed =
-        || io::Error::other("the file changed in the cell since the diff; run the diff again");
+    let changed = changed_in_cell;
     for root in roots {
         let opened = root.as_ref().map_err(|e| *e).and_then(|root| {
             rustix::fs::openat2(
@@ -1429,4 +1424,22 @@ mod tests {
         recover(host, Some(&KEY)).unwrap();
         assert_eq!(read("swapped").as_deref(), Some("old"));
     }
+}
+
+/// What a step of an apply fails with where the cell's file is not what the diff read (its
+/// size, its bytes, its kind): the apply is rolled back whole, and told as
+/// [`WorkspaceError::ChangedInCell`], the cell's doing, not the warden's failure.
+#[derive(Debug)]
+struct ChangedInCell;
+
+impl std::fmt::Display for ChangedInCell {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the file changed in the cell since the diff")
+    }
+}
+
+impl std::error::Error for ChangedInCell {}
+
+fn changed_in_cell() -> io::Error {
+    io::Error::other(ChangedInCell)
 }

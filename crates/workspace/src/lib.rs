@@ -58,6 +58,14 @@ pub enum WorkspaceError {
              the tree it is in), then try again"
     )]
     Unread { path: String, reason: String },
+    /// A file of the cell was not what the diff read when the apply came to copy it (a cell
+    /// that runs while its changes are applied): rolled back whole.
+    #[error(
+        "`{path}` changed in the cell since the diff (its bytes are not the ones reviewed); the \
+             apply was rolled back and nothing was changed: look at `warden diff` again, and \
+             pause the cell while its changes are applied"
+    )]
+    ChangedInCell { path: String },
     #[error("apply failed at `{path}` and was rolled back: {source}")]
     RolledBack {
         path: String,
