@@ -13,6 +13,14 @@ use support::model::{ModelServer, Step, call};
 
 const KEY: &str = "sk-test-4b1d9a7c2e8f6035";
 
+/// A started session's id and cell.
+fn id_and_cell(agent: &Value) -> (String, String) {
+    (
+        agent["id"].as_str().unwrap().to_owned(),
+        agent["cell"].as_str().unwrap().to_owned(),
+    )
+}
+
 /// The first open question of `cell`, within 30 s.
 fn first_question(daemon: &Daemon, cell: &str) -> Value {
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -324,10 +332,7 @@ fn pause_holds_loop_and_cell_say_reaches_the_model_step_runs_one_turn_stop_ends_
     ]);
     server.then(call("exec", json!({"command": "echo more"})));
     let agent = start(&daemon, &server, "openai", json!({ "task": "count" }));
-    let (id, cell) = (
-        agent["id"].as_str().unwrap().to_owned(),
-        agent["cell"].as_str().unwrap().to_owned(),
-    );
+    let (id, cell) = id_and_cell(&agent);
     // The command counts; pause it half-way.
     server.wait_for(1, Duration::from_secs(20));
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -475,10 +480,7 @@ fn rewind_restores_workspace_and_conversation_and_a_fork_diverges_alone() {
         "openai",
         json!({ "task": "write files", "workspace": workspace.path() }),
     );
-    let (id, cell) = (
-        agent["id"].as_str().unwrap().to_owned(),
-        agent["cell"].as_str().unwrap().to_owned(),
-    );
+    let (id, cell) = id_and_cell(&agent);
     let done = settled(&daemon, &id);
     assert_eq!(done["state"], "done", "{done}");
     assert_eq!(done["turn"], 4);
@@ -628,26 +630,10 @@ fn a_rewind_ends_the_processes_the_cut_turns_left_running() {
         "openai",
         json!({"task": "x", "policy": "version: 1\ncommands:\n  ask: [\"*\"]\napprovals:\n  timeout: 60s\n", "tools": {"exec": "auto"}}),
     );
-    let (id, cell) = (
-        agent["id"].as_str().unwrap().to_owned(),
-        agent["cell"].as_str().unwrap().to_owned(),
-    );
+    let (id, cell) = id_and_cell(&agent);
     // Both commands wait on the rule; approved, they run.
     for _ in 0..2 {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let question = loop {
-            let pending = daemon.call("GET", "/v1/approvals", None).json();
-            if let Some(q) = pending
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|q| q["cell"] == cell.as_str())
-            {
-                break q.clone();
-            }
-            assert!(Instant::now() < deadline, "no question");
-            std::thread::sleep(Duration::from_millis(20));
-        };
+        let question = first_question(&daemon, &cell);
         let answered = daemon.call(
             "POST",
             &format!("/v1/approvals/{cell}/{}", question["id"]),
@@ -695,26 +681,10 @@ fn refused_and_held_calls_reach_the_model_and_the_approval_queue() {
             "tools": {"write_file": "deny", "read_file": "ask"},
         }),
     );
-    let (id, cell) = (
-        agent["id"].as_str().unwrap().to_owned(),
-        agent["cell"].as_str().unwrap().to_owned(),
-    );
+    let (id, cell) = id_and_cell(&agent);
     // Each held call waits in the queue until approved.
     for expected in ["touch held-by-rule", "tool read_file"] {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let question = loop {
-            let pending = daemon.call("GET", "/v1/approvals", None).json();
-            if let Some(q) = pending
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|q| q["cell"] == cell.as_str())
-            {
-                break q.clone();
-            }
-            assert!(Instant::now() < deadline, "no question about {expected}");
-            std::thread::sleep(Duration::from_millis(20));
-        };
+        let question = first_question(&daemon, &cell);
         assert!(
             question["request"].as_str().unwrap().contains(expected),
             "{question}"
@@ -776,10 +746,7 @@ fn an_approval_shows_the_arguments_that_run_not_the_text_the_model_wrote() {
         "openai",
         json!({"task": "x", "policy": "version: 1\napprovals:\n  timeout: 60s\n", "tools": {"exec": "ask"}}),
     );
-    let (id, cell) = (
-        agent["id"].as_str().unwrap().to_owned(),
-        agent["cell"].as_str().unwrap().to_owned(),
-    );
+    let (id, cell) = id_and_cell(&agent);
     let question = first_question(&daemon, &cell);
     let request = question["request"].as_str().unwrap();
     assert!(
@@ -1108,10 +1075,7 @@ fn a_session_comes_back_paused_after_a_daemon_crash_and_goes_on() {
         call("exec", json!({"command": "sleep 30"})),
     ]);
     let agent = start(&daemon, &server, "openai", json!({ "task": "survive" }));
-    let (id, cell) = (
-        agent["id"].as_str().unwrap().to_owned(),
-        agent["cell"].as_str().unwrap().to_owned(),
-    );
+    let (id, cell) = id_and_cell(&agent);
     server.wait_for(2, Duration::from_secs(20));
     until(&daemon, &id, "its first turn", |a| a["turn"] == 1);
     // Paused (its cell frozen) when the daemon goes: the next daemon's resume thaws it.
@@ -1261,10 +1225,7 @@ fn a_rerun_does_not_carry_out_what_never_ran() {
         "openai",
         json!({"task": "x", "policy": "version: 1\napprovals:\n  timeout: 60s\n", "tools": {"exec": "ask"}}),
     );
-    let (id, cell) = (
-        agent["id"].as_str().unwrap().to_owned(),
-        agent["cell"].as_str().unwrap().to_owned(),
-    );
+    let (id, cell) = id_and_cell(&agent);
     let question = first_question(&daemon, &cell);
     let answered = daemon.call(
         "POST",

@@ -99,6 +99,12 @@ fn cell_on_host(daemon: &Daemon, prefix: &str) -> (TestDir, String) {
     (host, cell)
 }
 
+/// DELETEs `path`, which must succeed.
+fn delete(daemon: &Daemon, path: &str) {
+    let answer = daemon.call("DELETE", path, None);
+    assert!(answer.status < 300, "DELETE {path}: {}", answer.text());
+}
+
 /// Waits until `done` holds (or panics after `limit`).
 fn wait_for(limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
     let deadline = Instant::now() + limit;
@@ -215,11 +221,9 @@ fn a_quiet_cells_snapshot_or_reset_killed_at_any_point_is_whole_or_not_at_all() 
         let seen = sh(&daemon, &cell, look);
         assert_eq!(seen.1, reset, "round {round}");
     }
-    let gone = daemon.call("DELETE", &format!("/v1/cells/{cell}"), None);
-    assert!(gone.status < 300, "{}", gone.text());
+    delete(&daemon, &format!("/v1/cells/{cell}"));
     for snap in taken {
-        let removed = daemon.call("DELETE", &format!("/v1/snapshots/{cell}@s{snap}"), None);
-        assert!(removed.status < 300, "{}", removed.text());
+        delete(&daemon, &format!("/v1/snapshots/{cell}@s{snap}"));
     }
     nothing_mounted(&daemon, mounts_before);
 }
@@ -317,11 +321,9 @@ fn a_running_cells_snapshot_or_reset_killed_at_any_point_is_whole_or_not_at_all(
             assert!(again.status < 300, "{fs} round {round}: {}", again.text());
             assert_eq!(sh(&daemon, &cell, look).1, reset, "{fs} round {round}");
         }
-        let gone = daemon.call("DELETE", &format!("/v1/cells/{cell}"), None);
-        assert!(gone.status < 300, "{}", gone.text());
+        delete(&daemon, &format!("/v1/cells/{cell}"));
         for snap in taken {
-            let removed = daemon.call("DELETE", &format!("/v1/snapshots/{cell}@{snap}"), None);
-            assert!(removed.status < 300, "{}", removed.text());
+            delete(&daemon, &format!("/v1/snapshots/{cell}@{snap}"));
         }
         let left: Vec<_> = std::fs::read_dir(daemon.state().join("snapshots"))
             .unwrap()
@@ -416,8 +418,7 @@ fn a_stacked_snapshots_removal_killed_at_any_point_keeps_every_stack_whole() {
             panic!("round {round}: {e}");
         }
         if snapshots_of(&daemon, &cell).contains(&name) {
-            let gone = daemon.call("DELETE", &format!("/v1/snapshots/{cell}@{name}"), None);
-            assert!(gone.status < 300, "round {round}: {}", gone.text());
+            delete(&daemon, &format!("/v1/snapshots/{cell}@{name}"));
         }
         assert!(!snapshots_of(&daemon, &cell).contains(&name));
         if let Err(e) = records_whole(&daemon) {
@@ -437,11 +438,9 @@ fn a_stacked_snapshots_removal_killed_at_any_point_keeps_every_stack_whole() {
     );
     assert_eq!(sh(&daemon, &fork, LOOK).1, whole);
     for gone in [&fork, &cell] {
-        let answer = daemon.call("DELETE", &format!("/v1/cells/{gone}"), None);
-        assert!(answer.status < 300, "{}", answer.text());
+        delete(&daemon, &format!("/v1/cells/{gone}"));
     }
-    let removed = daemon.call("DELETE", &format!("/v1/snapshots/{cell}@s{last}"), None);
-    assert!(removed.status < 300, "{}", removed.text());
+    delete(&daemon, &format!("/v1/snapshots/{cell}@s{last}"));
     assert_nothing_left(&daemon, mounts_before);
 }
 
@@ -515,8 +514,7 @@ fn a_cells_delete_killed_at_any_point_keeps_its_snapshots_and_leaves_nothing() {
         );
         let listed = daemon.call("GET", &format!("/v1/cells/{cell}"), None);
         if listed.status == 200 {
-            let gone = daemon.call("DELETE", &format!("/v1/cells/{cell}"), None);
-            assert!(gone.status < 300, "round {round}: {}", gone.text());
+            delete(&daemon, &format!("/v1/cells/{cell}"));
         }
         // Gone from the list, so gone from the disk (its layer, with its mount).
         wait_for(
@@ -533,11 +531,9 @@ fn a_cells_delete_killed_at_any_point_keeps_its_snapshots_and_leaves_nothing() {
                 json!({ "from": format!("{cell}@s1") }),
             );
             assert_eq!(sh(&daemon, &fork, LOOK).1, "1\n2\n120\n", "round {round}");
-            let gone = daemon.call("DELETE", &format!("/v1/cells/{fork}"), None);
-            assert!(gone.status < 300, "{}", gone.text());
+            delete(&daemon, &format!("/v1/cells/{fork}"));
             for r in 0..2 {
-                let removed = daemon.call("DELETE", &format!("/v1/snapshots/{cell}@s{r}"), None);
-                assert!(removed.status < 300, "{}", removed.text());
+                delete(&daemon, &format!("/v1/snapshots/{cell}@s{r}"));
             }
         }
         // A new cell in its name starts afresh.
@@ -546,8 +542,7 @@ fn a_cells_delete_killed_at_any_point_keeps_its_snapshots_and_leaves_nothing() {
             json!({ "workspace": host.path().display().to_string() }),
         );
         assert_eq!(sh(&daemon, &again, "ls -d d* 2>/dev/null | wc -l").1, "0\n");
-        let gone = daemon.call("DELETE", &format!("/v1/cells/{again}"), None);
-        assert!(gone.status < 300, "{}", gone.text());
+        delete(&daemon, &format!("/v1/cells/{again}"));
         assert_nothing_left(&daemon, mounts_before);
     }
 }
@@ -605,12 +600,10 @@ fn a_fork_killed_at_any_point_runs_whole_or_is_not_there() {
         forks.push(fork);
     }
     for fork in forks.iter().chain([&cell]) {
-        let gone = daemon.call("DELETE", &format!("/v1/cells/{fork}"), None);
-        assert!(gone.status < 300, "{}", gone.text());
+        delete(&daemon, &format!("/v1/cells/{fork}"));
     }
     for r in 0..3 {
-        let removed = daemon.call("DELETE", &format!("/v1/snapshots/{cell}@s{r}"), None);
-        assert!(removed.status < 300, "{}", removed.text());
+        delete(&daemon, &format!("/v1/snapshots/{cell}@s{r}"));
     }
     assert_nothing_left(&daemon, mounts_before);
 }
@@ -702,12 +695,10 @@ fn a_deep_stacks_squash_killed_at_any_point_leaves_the_stack_whole() {
         );
         assert_eq!(sh(&daemon, &fork, LOOK).1, whole, "{fs}");
         for gone in [&fork, &cell] {
-            let answer = daemon.call("DELETE", &format!("/v1/cells/{gone}"), None);
-            assert!(answer.status < 300, "{}", answer.text());
+            delete(&daemon, &format!("/v1/cells/{gone}"));
         }
         for r in 0..rounds {
-            let removed = daemon.call("DELETE", &format!("/v1/snapshots/{cell}@s{r}"), None);
-            assert!(removed.status < 300, "{}", removed.text());
+            delete(&daemon, &format!("/v1/snapshots/{cell}@s{r}"));
         }
         assert_nothing_left(&daemon, mounts_before);
     }

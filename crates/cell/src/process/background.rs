@@ -204,6 +204,20 @@ fn fork(job: Job, keep: &[RawFd]) -> Result<(), Job> {
     }
 }
 
+/// Where a removed cell's layer at `dir` goes out of its place before it is removed:
+/// `.gone-NAME-TIME` beside it, which `sweep_gone_layers` finds where a kill cut the removal.
+pub(super) fn gone_path(dir: &std::path::Path) -> std::path::PathBuf {
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    dir.with_file_name(format!(
+        ".gone-{}-{stamp}",
+        dir.file_name()
+            .map(|n| n.to_string_lossy())
+            .unwrap_or_default()
+    ))
+}
+
 /// Removes the layers of removed cells (`.gone-*` in `layers`) that a killed warden left
 /// behind, in the background. For a daemon's start.
 pub fn sweep_gone_layers(layers: &Path) {

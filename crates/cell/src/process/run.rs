@@ -1197,15 +1197,7 @@ impl LayerGuard {
         });
         let _ = self.layer.detach();
         let dir = self.layer.dir();
-        let stamp = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        let gone = dir.with_file_name(format!(
-            ".gone-{}-{stamp}",
-            dir.file_name()
-                .map(|n| n.to_string_lossy())
-                .unwrap_or_default()
-        ));
+        let gone = super::background::gone_path(dir);
         let renamed = fs::rename(dir, &gone);
         drop(attaching);
         let moved = match renamed {

@@ -200,10 +200,7 @@ pub fn remove_layer(registry: &Registry, store: &Store, name: &str) -> Result<()
     // either. What a kill leaves out of place is swept when the tier is next opened.
     let attaching = super::disk::hold_off_attach(&layer);
     layer.detach().map_err(failed)?;
-    let stamp = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    let gone = layer.dir().with_file_name(format!(".gone-{name}-{stamp}"));
+    let gone = super::background::gone_path(layer.dir());
     fs::rename(layer.dir(), &gone).map_err(failed)?;
     drop(attaching);
     Layer::at(gone).remove().map_err(failed)?;
