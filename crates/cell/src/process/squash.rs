@@ -75,8 +75,15 @@ pub fn start(layer: &Layer, meta: &LayerMeta, merged: PathBuf) {
     if covers.len() < SQUASH_AT || ready(layer).is_some_and(|r| r.covers == covers) {
         return;
     }
+    // One merge per cell at a time: a turn-over while one is under way leaves it be (the next
+    // turn-over after it merges again, from the deeper stack), rather than building a second
+    // beside it.
+    let Some(merging) = Merging::claim(layer.dir()) else {
+        return;
+    };
     let layer = Layer::at(layer.dir().to_path_buf());
     std::thread::spawn(move || {
+        let _merging = merging;
         // Below the requests that come meanwhile (nothing waits for it), as background work.
         super::sys::lower_priority(0);
         if let Some(parent) = merged.parent() {
@@ -100,6 +107,31 @@ pub fn start(layer: &Layer, meta: &LayerMeta, merged: PathBuf) {
             }
         }
     });
+}
+
+/// The cells whose stack this process is merging now (by their layer's directory).
+static MERGING: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+
+/// A cell's claim on merging its stack, given up when dropped.
+struct Merging(PathBuf);
+
+impl Merging {
+    /// The claim for the layer at `dir`; `None` while another merge of it is under way.
+    fn claim(dir: &Path) -> Option<Merging> {
+        let mut merging = MERGING.lock().unwrap_or_else(|e| e.into_inner());
+        if merging.iter().any(|d| d == dir) {
+            return None;
+        }
+        merging.push(dir.to_path_buf());
+        Some(Merging(dir.to_path_buf()))
+    }
+}
+
+impl Drop for Merging {
+    fn drop(&mut self) {
+        let mut merging = MERGING.lock().unwrap_or_else(|e| e.into_inner());
+        merging.retain(|d| *d != self.0);
+    }
 }
 
 /// `source` (a file, link or FIFO of a layer no hard link reaches) made again at `target`: a
@@ -335,6 +367,23 @@ mod tests {
             }
         }
         out
+    }
+
+    #[test]
+    fn one_merge_of_a_cells_stack_runs_at_a_time() {
+        let (a, b) = (Path::new("/cells/a"), Path::new("/cells/b"));
+        let first = Merging::claim(a).expect("nothing merges a yet");
+        assert!(
+            Merging::claim(a).is_none(),
+            "a second merge of a was let start"
+        );
+        let other = Merging::claim(b).expect("another cell merges beside it");
+        drop(first);
+        assert!(
+            Merging::claim(a).is_some(),
+            "a stays claimed after its merge ended"
+        );
+        drop(other);
     }
 
     #[test]
