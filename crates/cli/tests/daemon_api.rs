@@ -1706,6 +1706,47 @@ fn a_session_cookie_taken_to_another_port_proves_nothing_without_its_csrf_token(
     assert_eq!(upgrade(&format!("{attach}?csrf={csrf}")), "101");
 }
 
+/// A daemon killed while it listened on TCP leaves its address behind; the next one, started
+/// without `--listen` (or `--e2b`), removes it, so that `warden dashboard` does not print a
+/// link with the token to whatever program took that port since (a page there reads the
+/// fragment), and no E2B client is sent there with a key that opens nothing.
+#[test]
+fn a_daemon_without_tcp_leaves_no_earlier_daemons_address_to_link_to() {
+    if !cgroups_available("stale_address") {
+        return;
+    }
+    let mut daemon = Daemon::start(&["--listen", "127.0.0.1:0", "--e2b", "127.0.0.1:0"]);
+    let addr = std::fs::read_to_string(daemon.runtime.join("daemon.addr")).unwrap();
+    let link = daemon.warden().arg("dashboard").output().unwrap();
+    assert!(
+        link.status.success(),
+        "{}",
+        String::from_utf8_lossy(&link.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&link.stdout).contains(addr.trim()),
+        "{}",
+        String::from_utf8_lossy(&link.stdout)
+    );
+    daemon.restart_with(&[]);
+    // Another program holds the port the killed daemon listened on.
+    let _squatter = std::net::TcpListener::bind(addr.trim()).unwrap();
+    let link = daemon.warden().arg("dashboard").output().unwrap();
+    let (out, err) = (
+        String::from_utf8_lossy(&link.stdout),
+        String::from_utf8_lossy(&link.stderr),
+    );
+    assert!(!link.status.success(), "{out}");
+    assert!(!out.contains("token="), "{out}");
+    assert!(err.contains("does not listen on TCP"), "{err}");
+    for file in ["daemon.addr", "e2b.addr", "e2b.key"] {
+        assert!(
+            !daemon.runtime.join(file).exists(),
+            "{file} of the killed daemon is left"
+        );
+    }
+}
+
 /// `--token-file` names the file whose token is the whole API on TCP: one that other local
 /// users can read (or that another user owns) is refused at start, with what to do; an
 /// owner-only one serves.

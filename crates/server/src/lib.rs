@@ -101,6 +101,23 @@ pub async fn serve(
         Arc::clone(&harness),
         Some(config.harness.state.join("daemon").join("agents")),
     );
+    // An earlier daemon's addresses (one killed, or one started with other listeners) are not
+    // this one's: `warden dashboard` would hand the token to whatever program holds that port
+    // now, and an E2B client would be pointed at it with a key that no longer opens anything.
+    for (listens, files) in [
+        (config.listen.is_some(), &[ADDR_FILE][..]),
+        (config.e2b.is_some(), &[E2B_ADDR_FILE, E2B_KEY_FILE][..]),
+    ] {
+        for file in files.iter().filter(|_| !listens) {
+            let path = config.harness.runtime.join(file);
+            match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(io_at("removing an earlier daemon's", &path)(e));
+                }
+                _ => {}
+            }
+        }
+    }
     // TCP first (token, port, address file): once the unix socket answers, all is ready.
     let mut tcp_addr = None;
     if let Some(addr) = config.listen {

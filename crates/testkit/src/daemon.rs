@@ -269,6 +269,13 @@ impl Daemon {
         self.spawn();
     }
 
+    /// A crash, and the daemon started again with these arguments to `warden serve` instead.
+    pub fn restart_with(&mut self, extra: &[&str]) {
+        self.crash();
+        self.extra = extra.iter().map(|s| (*s).to_owned()).collect();
+        self.spawn();
+    }
+
     pub fn request(&self, method: &str, path: &str, body: Option<&str>) -> Answer {
         let stream = UnixStream::connect(self.socket()).expect("the daemon's socket answers");
         exchange(stream, method, path, body, &[])
