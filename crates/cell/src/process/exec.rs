@@ -196,10 +196,16 @@ impl ExecSession {
             cell: line.cell.clone(),
             source,
         })?;
-        let starting = super::starts::starting(&line.starts).map_err(|source| ExecError::Io {
-            what: "taking the cell's starts lock",
-            cell: line.cell.clone(),
-            source,
+        let starting = super::starts::starting(&line.starts).map_err(|source| {
+            match source.kind() {
+                // The cell's folder is gone: it ended (a delete under way removed it).
+                io::ErrorKind::NotFound => ExecError::LineClosed(line.cell.clone()),
+                _ => ExecError::Io {
+                    what: "taking the cell's starts lock",
+                    cell: line.cell.clone(),
+                    source,
+                },
+            }
         })?;
         match send_request(&line.cell, &line.socket, message, Some(&theirs), stdio) {
             Err(ExecError::Io { source, .. })
@@ -800,6 +806,34 @@ fn hand_out_line(client: &OwnedFd, channel: &OwnedFd) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A request over a line whose cell's folder is gone (a delete under way removed it) is
+    /// told as the line closed (the caller opens a new one, and hears the cell ended), not as
+    /// a host error about a lock file.
+    #[test]
+    fn a_request_on_a_line_whose_cell_is_gone_is_told_as_closed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (socket, _peer) = sys::seqpacket_pair().unwrap();
+        let line = Line {
+            cell: "gone".to_owned(),
+            socket,
+            starts: dir
+                .path()
+                .join("cells/gone")
+                .join(super::super::starts::LOCK_FILE),
+        };
+        let op = super::super::files::FileOp::Read {
+            path: "a".to_owned(),
+            limit: 1,
+        };
+        let stdio = [0, 1, 2].map(|_| OwnedFd::from(std::fs::File::open("/dev/null").unwrap()));
+        let err = ExecSession::files_on(&line, "/", &op, [&stdio[0], &stdio[1], &stdio[2]])
+            .expect_err("no session on a gone cell's line");
+        assert!(
+            matches!(err, ExecError::LineClosed(ref c) if c == "gone"),
+            "{err}"
+        );
+    }
 
     /// A stopped router lets go of everything it held by the time its drop returns: its
     /// listener (a client is refused) and the namespaces handed to it.
