@@ -170,11 +170,21 @@ impl Client {
             .map(serde_json::to_value)
             .transpose()
             .map_err(|e| ClientError::Answer(format!("writing the request: {e}")))?;
-        let value = self.json(method, path, body.as_ref()).await?;
-        serde_json::from_value(value).map_err(|e| {
-            ClientError::Answer(format!(
+        // Read straight into the answer's type: a tree of `Value`s first took several times
+        // the answer's size (a diff of 500,000 files, 700 MB in the client).
+        let response = self.send(method, path, body.as_ref()).await?;
+        let bytes = read_success(response).await?;
+        let read = match bytes.is_empty() {
+            true => serde_json::from_value(Value::Null),
+            false => serde_json::from_slice(&bytes),
+        };
+        read.map_err(|e| match e.classify() {
+            serde_json::error::Category::Syntax | serde_json::error::Category::Eof => {
+                ClientError::Answer(format!("the daemon's answer is not JSON: {e}"))
+            }
+            _ => ClientError::Answer(format!(
                 "the daemon's answer to {path} is not what this warden understands: {e}"
-            ))
+            )),
         })
     }
 
