@@ -593,6 +593,28 @@ impl Session {
         }
     }
 
+    /// Whether a tool call may start now. At a pause it waits for resume or step; a stop or a
+    /// rewind (the epoch moved on) says no. The mode is read under the lock a control sets it
+    /// under: once a pause is acknowledged, no call starts until the session goes on.
+    async fn go_ahead(&self, epoch: u64) -> bool {
+        loop {
+            match self.mode() {
+                _ if !self.current(epoch) => return false,
+                Some(Mode::Run | Mode::Step) => return true,
+                Some(Mode::Stop) | None => return false,
+                Some(Mode::Pause) => {}
+            }
+            if let Go::Stop = self.checkpoint().await {
+                return false;
+            }
+            self.thaw().await;
+        }
+    }
+
+    fn mode(&self) -> Option<Mode> {
+        self.inner.lock().ok().map(|i| i.mode)
+    }
+
     /// Resolves once the epoch moved past `epoch` (a stop or a rewind).
     async fn cut(&self, epoch: u64) {
         let mut rx = self.epoch.subscribe();
@@ -683,17 +705,39 @@ impl Session {
                 max_output_tokens: None,
                 stream: true,
             };
+            // The call is abandoned (its connection closed) at a stop, a rewind or the end of
+            // the wall budget, however slowly the server trickles its reply: journaled with
+            // why, the session ends (or, rewound, holds).
             let wall = self.wall_left();
+            let asked = Instant::now();
             let called = tokio::select! {
-                called = self.model.call(&request, |_| {}) => Some(called),
-                () = self.cut(epoch) => None,
-                () = tokio::time::sleep(wall) => {
-                    return Ok((AgentState::Stopped, format!("the wall-time budget ({} s) is spent", self.budgets.wall_s.unwrap_or(0))));
-                }
+                called = self.model.call(&request, |_| {}) => Ok(called),
+                () = self.cut(epoch) => Err(None),
+                () = tokio::time::sleep(wall) => Err(Some(format!("the wall-time budget ({} s) is spent", self.budgets.wall_s.unwrap_or(0)))),
             };
             // The conversation is the session's alone again (what the turn adds is not copied).
             drop(items);
-            let Some(called) = called else { continue };
+            let called = match called {
+                Ok(called) => called,
+                Err(budget) => {
+                    let why = budget.clone().unwrap_or_else(|| {
+                        if self.mode() == Some(Mode::Stop) {
+                            "an operator stopped the session".to_owned()
+                        } else {
+                            "an operator rewound the session".to_owned()
+                        }
+                    });
+                    self.record(
+                        "agent.model",
+                        json!({ "turn": turn, "model": self.model.spec(), "abandoned": true, "ms": asked.elapsed().as_millis() as u64, "error": format!("the call was abandoned unanswered: {why}") }),
+                    )
+                    .await?;
+                    match budget {
+                        Some(reason) => return Ok((AgentState::Stopped, reason)),
+                        None => continue,
+                    }
+                }
+            };
             let called = match called {
                 Ok(called) => called,
                 Err(err) => {
@@ -907,6 +951,12 @@ impl Session {
             )),
             Ok(args) => {
                 let work = async {
+                    // A pause or a stop that came after the checkpoint (while the last turn's
+                    // snapshot was taken, while the call waited for approval) holds the call
+                    // or ends it here, before anything of it starts.
+                    if !self.go_ahead(epoch).await {
+                        return None;
+                    }
                     if mode == ToolMode::Ask {
                         // The arguments as they were read, not as the model wrote them: its
                         // text could hide what runs from the person asked (a key given twice,
@@ -917,27 +967,46 @@ impl Session {
                             .ask(&self.cell, request, format!("tools.{}: ask", call.name))
                             .await
                         {
-                            return tools::Outcome::from(err);
+                            return Some(tools::Outcome::from(err));
+                        }
+                        if !self.go_ahead(epoch).await {
+                            return None;
                         }
                     }
-                    tools::run(
-                        &self.harness,
-                        &self.cell,
-                        &call.name,
-                        &args,
-                        limit,
-                        self.cut(epoch),
-                    )
-                    .await
+                    loop {
+                        let outcome = tools::run(
+                            &self.harness,
+                            &self.cell,
+                            &call.name,
+                            &args,
+                            limit,
+                            self.cut(epoch),
+                        )
+                        .await;
+                        // A pause's freeze that came between the go-ahead and the start: the
+                        // cell refused the call, nothing of it ran; it starts at resume.
+                        if outcome.paused && self.mode() == Some(Mode::Pause) {
+                            if !self.go_ahead(epoch).await {
+                                return None;
+                            }
+                            continue;
+                        }
+                        return Some(outcome);
+                    }
                 };
                 // The wall budget holds while tools run too: a reply of many long commands
                 // is cut when it is spent (the command killed), and the next checkpoint ends
                 // the session with the budget as its reason.
                 let wall = self.wall_left();
-                tokio::select! {
+                let outcome = tokio::select! {
+                    biased;
+                    () = self.cut(epoch) => None,
+                    () = tokio::time::sleep(wall) => None,
                     outcome = work => outcome,
-                    () = self.cut(epoch) => return Ok(None),
-                    () = tokio::time::sleep(wall) => return Ok(None),
+                };
+                match outcome {
+                    Some(outcome) => outcome,
+                    None => return Ok(None),
                 }
             }
         };

@@ -89,6 +89,8 @@ pub fn names() -> Vec<String> {
 pub struct Outcome {
     pub output: String,
     pub error: bool,
+    /// Refused because the cell is paused (`cell-paused`): nothing of the call ran.
+    pub paused: bool,
 }
 
 impl Outcome {
@@ -96,19 +98,23 @@ impl Outcome {
         Self {
             output,
             error: false,
+            paused: false,
         }
     }
     pub fn error(output: impl Into<String>) -> Self {
         Self {
             output: output.into(),
             error: true,
+            paused: false,
         }
     }
 }
 
 impl From<HarnessError> for Outcome {
     fn from(err: HarnessError) -> Self {
-        Self::error(format!("refused ({}): {}", word(err.kind), err.message))
+        let mut outcome = Self::error(format!("refused ({}): {}", word(err.kind), err.message));
+        outcome.paused = err.reason == "cell-paused";
+        outcome
     }
 }
 
@@ -272,6 +278,7 @@ async fn command_outcome(
         Ok(ran) => Outcome {
             error: ran.status != 0,
             output: ran.text(),
+            paused: false,
         },
         Err(err) => err.into(),
     }

@@ -1548,3 +1548,146 @@ fn what_the_model_says_cannot_steer_the_operators_terminal() {
             .output();
     }
 }
+
+/// A pause that comes after the model's reply was read, before its call starts (here: while
+/// the call waits for a person's approval), holds the call: approved while paused, it does not
+/// start (nor is it refused because the session froze the cell) until the session is resumed.
+#[test]
+fn a_pause_before_a_call_starts_holds_the_call_until_resume() {
+    let daemon = Daemon::start(&[]);
+    let server = ModelServer::start(vec![
+        call(
+            "exec",
+            json!({"command": "echo ran > ran.txt; echo ran-it"}),
+        ),
+        Step::Text("done".into()),
+    ]);
+    let agent = start(
+        &daemon,
+        &server,
+        "openai",
+        json!({ "task": "run it", "tools": {"exec": "ask"} }),
+    );
+    let (id, cell) = id_and_cell(&agent);
+    let question = first_question(&daemon, &cell);
+    assert_eq!(act(&daemon, &id, "pause")["state"], "paused");
+    let answered = daemon.call(
+        "POST",
+        &format!("/v1/approvals/{cell}/{}", question["id"]),
+        Some(json!({"decision": "approve"})),
+    );
+    status_is(&answered, 204);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(
+        kinds(&daemon, "agent.tool", &id),
+        Vec::<Value>::new(),
+        "a tool call went on while the session was paused"
+    );
+    assert_eq!(server.count(), 1);
+    assert_eq!(info(&daemon, &id)["state"], "paused");
+    act(&daemon, &id, "resume");
+    let done = settled(&daemon, &id);
+    assert_eq!(done["state"], "done", "{done}");
+    assert_eq!(file(&daemon, &cell, "ran.txt").as_deref(), Some("ran\n"));
+    let told = results(&server.requests()[1].body);
+    assert!(told.len() == 1 && told[0].contains("ran-it"), "{told:?}");
+}
+
+/// A model server that trickles its reply (a keep-alive comment a second, for minutes: no
+/// read timeout fires) does not hold the session past its wall-time budget, nor past a stop;
+/// the call cut short is journaled. A pause under way acknowledges at once, and the reply
+/// that then comes is held at the checkpoint before its call.
+#[test]
+fn a_trickling_model_reply_is_cut_by_the_wall_budget_and_by_stop() {
+    let daemon = Daemon::start(&[]);
+    let forever = || {
+        Step::Trickle(
+            Duration::from_secs(600),
+            Box::new(Step::Text("never".into())),
+        )
+    };
+    // The wall budget.
+    let server = ModelServer::start(vec![forever()]);
+    let started = Instant::now();
+    let session = start(
+        &daemon,
+        &server,
+        "openai",
+        json!({ "task": "x", "budgets": {"wall_s": 2} }),
+    );
+    let id = session["id"].as_str().unwrap().to_owned();
+    let ended = settled(&daemon, &id);
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(ended["state"], "stopped", "{ended}");
+    assert!(
+        ended["ended"]
+            .as_str()
+            .unwrap()
+            .contains("wall-time budget (2 s)"),
+        "{ended}"
+    );
+    let model = kinds(&daemon, "agent.model", &id);
+    assert!(
+        model.len() == 1
+            && model[0]["data"]["error"]
+                .as_str()
+                .unwrap()
+                .contains("wall-time"),
+        "{model:?}"
+    );
+    // A stop.
+    let server = ModelServer::start(vec![forever()]);
+    let session = start(&daemon, &server, "anthropic", json!({ "task": "x" }));
+    let id = session["id"].as_str().unwrap().to_owned();
+    server.wait_for(1, Duration::from_secs(20));
+    std::thread::sleep(Duration::from_millis(1500));
+    let asked = Instant::now();
+    act(&daemon, &id, "stop");
+    let ended = settled(&daemon, &id);
+    assert!(
+        asked.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        asked.elapsed()
+    );
+    assert_eq!(ended["state"], "stopped", "{ended}");
+    let model = kinds(&daemon, "agent.model", &id);
+    assert!(
+        model.len() == 1
+            && model[0]["data"]["error"]
+                .as_str()
+                .unwrap()
+                .contains("stopped"),
+        "{model:?}"
+    );
+    // A pause: acknowledged at once; the reply that comes later is held before its call.
+    let server = ModelServer::start(vec![
+        Step::Trickle(
+            Duration::from_secs(3),
+            Box::new(call("exec", json!({"command": "echo ran > ran.txt"}))),
+        ),
+        Step::Text("done".into()),
+    ]);
+    let session = start(&daemon, &server, "openai-responses", json!({ "task": "x" }));
+    let (id, cell) = id_and_cell(&session);
+    server.wait_for(1, Duration::from_secs(20));
+    let asked = Instant::now();
+    assert_eq!(act(&daemon, &id, "pause")["state"], "paused");
+    assert!(
+        asked.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        asked.elapsed()
+    );
+    until(&daemon, &id, "the reply", |_| {
+        !kinds(&daemon, "agent.model", &id).is_empty()
+    });
+    std::thread::sleep(Duration::from_millis(1000));
+    assert_eq!(kinds(&daemon, "agent.tool", &id), Vec::<Value>::new());
+    assert_eq!(file(&daemon, &cell, "ran.txt"), None);
+    act(&daemon, &id, "resume");
+    assert_eq!(settled(&daemon, &id)["state"], "done");
+    assert_eq!(file(&daemon, &cell, "ran.txt").as_deref(), Some("ran\n"));
+}

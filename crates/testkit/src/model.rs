@@ -26,6 +26,10 @@ pub enum Step {
     Cut,
     /// Wait this long before answering with the next step.
     Delay(Duration, Box<Step>),
+    /// A streamed answer that trickles: its headers at once, then an SSE comment (a keep-alive)
+    /// a second for this long, then the step's events (a server that never ends its reply,
+    /// or ends it after minutes; a read timeout that each byte resets never fires).
+    Trickle(Duration, Box<Step>),
 }
 
 /// A tool call with JSON arguments.
@@ -253,12 +257,13 @@ fn pieces(text: &str, n: usize) -> Vec<String> {
 
 /// Answers one request; `false` when the connection is to be closed.
 fn answer(out: &mut impl Write, path: &str, body: &Value, step: Step) -> bool {
-    let step = match step {
+    let (step, trickle) = match step {
         Step::Delay(wait, step) => {
             std::thread::sleep(wait);
-            *step
+            (*step, None)
         }
-        step => step,
+        Step::Trickle(long, step) => (*step, Some(long)),
+        step => (step, None),
     };
     if let Step::Status(code) = step {
         let text = json!({ "error": { "message": format!("scripted status {code}"), "type": "scripted" } }).to_string();
@@ -292,6 +297,22 @@ fn answer(out: &mut impl Write, path: &str, body: &Value, step: Step) -> bool {
         out,
         "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
     );
+    if let Some(long) = trickle {
+        let until = Instant::now() + long;
+        while Instant::now() < until {
+            let comment = ": keep-alive\n\n";
+            if write!(out, "{:x}\r\n{comment}\r\n", comment.len()).is_err() || out.flush().is_err()
+            {
+                // The client went away.
+                return false;
+            }
+            std::thread::sleep(
+                until
+                    .saturating_duration_since(Instant::now())
+                    .min(Duration::from_secs(1)),
+            );
+        }
+    }
     let cut = matches!(step, Step::Cut);
     let total = events.len();
     for (n, (name, data)) in events.into_iter().enumerate() {

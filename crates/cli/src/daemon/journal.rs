@@ -152,6 +152,7 @@ fn summary(entry: &Entry) -> String {
         ),
         "policy.refused" => d["reason"].as_str().unwrap_or_default().to_owned(),
         "agent.model" => match d["error"].as_str() {
+            Some(error) if d["abandoned"] == true => format!("turn {}: {error}", d["turn"]),
             Some(error) => format!("turn {}: the model API failed: {error}", d["turn"]),
             None => {
                 let calls: Vec<String> = d["calls"]
