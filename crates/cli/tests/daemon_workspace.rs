@@ -1984,3 +1984,214 @@ fn a_reset_beside_an_upload_leaves_the_upload_whole() {
     let deleted = daemon.call("DELETE", &format!("/v1/cells/{cell}"), None);
     assert_eq!(deleted.status, 204, "{}", deleted.text());
 }
+
+/// Names that are not UTF-8, made by a cell beside a host file named U+FFFD: `\xff` and `\xfe`
+/// (two names a lossy conversion shows alike, and as that host file), a directory `d\xff`,
+/// and a link `lnk` to `\xff`. Before, the diff listed both files as `\u{fffd}` and the link
+/// as leading to `\u{fffd}`, unrefused: an apply wrote the host a link to the host's own
+/// U+FFFD file (the cell's led to `\xff`); the files API listed the host's U+FFFD file three
+/// times (its size each time) and left out `d\xff`, an archive held the host's bytes three
+/// times and none of the cell's, and reading `lnk` read the host's file. Now each such name is
+/// shown escaped (`\xff`), listed refused and never applied; the files API refuses to name it
+/// (a 400 that names it), and a recursive removal takes it by its own bytes.
+#[test]
+fn names_that_are_not_utf8_are_shown_escaped_refused_and_never_taken_for_another() {
+    if !cgroups_available("daemon_not_utf8") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let host = tempdir();
+    std::fs::write(host.path().join("\u{fffd}"), "host's own\n").unwrap();
+    let cell = daemon.create(
+        &unique("notutf8"),
+        json!({ "workspace": host.path().display().to_string() }),
+    );
+    let made = daemon.exec(
+        &cell,
+        json!({ "argv": ["sh", "-c", r#"cd /workspace && printf one > "$(printf '\377')" \
+            && printf two > "$(printf '\376')" && ln -s "$(printf '\377')" lnk \
+            && mkdir "$(printf 'd\377')" "t" && echo x > "$(printf 'd\377')/in" \
+            && echo y > "$(printf 't/\377')" && cat lnk"#] }),
+    );
+    assert_eq!(stream_bytes(&made, "stdout"), b"one");
+
+    let diff = daemon
+        .call("GET", &format!("/v1/cells/{cell}/diff"), None)
+        .json();
+    let changes = diff["changes"].as_array().unwrap();
+    let paths: Vec<&str> = changes
+        .iter()
+        .map(|c| c["path"].as_str().unwrap())
+        .collect();
+    for expected in [r"\xff", r"\xfe", r"d\xff", r"t/\xff", "lnk"] {
+        let change = changes
+            .iter()
+            .find(|c| c["path"] == expected)
+            .unwrap_or_else(|| panic!("{expected} listed: {paths:?}"));
+        assert!(
+            change["refused"]
+                .as_str()
+                .is_some_and(|r| r.contains("UTF-8")),
+            "{change}"
+        );
+    }
+    let lnk = changes.iter().find(|c| c["path"] == "lnk").unwrap();
+    assert_eq!(lnk["link_target"], r"\xff");
+    let mut unique_paths = paths.clone();
+    unique_paths.sort_unstable();
+    unique_paths.dedup();
+    assert_eq!(unique_paths.len(), paths.len(), "{paths:?}");
+
+    // Named, each is refused; applied whole, each is left out with its reason.
+    for named in ["lnk", r"\xff", r"d\xff"] {
+        let apply = daemon.call(
+            "POST",
+            &format!("/v1/cells/{cell}/apply"),
+            Some(json!({ "paths": [named] })),
+        );
+        assert_eq!(apply.status, 409, "{named}: {}", apply.text());
+        assert!(apply.text().contains("UTF-8"), "{}", apply.text());
+    }
+    let apply = daemon.call("POST", &format!("/v1/cells/{cell}/apply"), Some(json!({})));
+    assert_eq!(apply.status, 200, "{}", apply.text());
+    let mut on_host: Vec<String> = std::fs::read_dir(host.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    on_host.sort();
+    // `t` itself is a new directory the cell made (applied empty); nothing else came.
+    assert_eq!(on_host, ["t", "\u{fffd}"], "{}", apply.text());
+    assert_eq!(
+        std::fs::read_to_string(host.path().join("\u{fffd}")).unwrap(),
+        "host's own\n"
+    );
+    assert_eq!(std::fs::read_dir(host.path().join("t")).unwrap().count(), 0);
+
+    // The files API: a listing, an archive, a read through the link are refused, naming it.
+    let files = |op: &str, query: &str| format!("/v1/cells/{cell}/files/{op}?path={query}");
+    for url in [
+        files("list", "."),
+        files("archive", "."),
+        files("content", "lnk"),
+        files("stat", "lnk"),
+    ] {
+        let answer = daemon.request("GET", &url, None);
+        assert_eq!(answer.status, 400, "{url}: {}", answer.text());
+        assert!(answer.text().contains(r"\\xff"), "{url}: {}", answer.text());
+    }
+    // What names only UTF-8 works as before; a recursive removal takes the name by its bytes.
+    let read = daemon.request("GET", &files("content", "%EF%BF%BD"), None);
+    assert_eq!(read.body, b"host's own\n");
+    let removed = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/files/remove"),
+        Some(json!({"path": "t", "recursive": true})),
+    );
+    assert_eq!(removed.status, 204, "{}", removed.text());
+    assert_eq!(daemon.call("GET", &files("stat", "t"), None).status, 404);
+}
+
+/// Snapshots beside uploads of the files API. An upload writes `.NAME.warden-N` and renames it;
+/// a snapshot taken in between held the temporary file, and a reset to it left the file in the
+/// workspace for good. The snapshot now waits for the cell's file operations, as an apply does.
+#[test]
+fn a_snapshot_beside_an_upload_holds_no_temporary_file() {
+    if !cgroups_available("daemon_snapshot_race") {
+        return;
+    }
+    let daemon = std::sync::Arc::new(Daemon::start(&[]));
+    let host = tempdir();
+    let cell = daemon.create(
+        &unique("snaprace"),
+        json!({ "workspace": host.path().display().to_string() }),
+    );
+    let body = "x".repeat(3 << 20);
+    let mut strays = Vec::new();
+    for round in 0..16u64 {
+        let upload = {
+            let daemon = std::sync::Arc::clone(&daemon);
+            let path = format!("/v1/cells/{cell}/files/content?path=up{round}");
+            let body = body.clone();
+            std::thread::spawn(move || daemon.request("PUT", &path, Some(&body)))
+        };
+        std::thread::sleep(Duration::from_millis(2 * (round % 8)));
+        let snap = daemon.call(
+            "POST",
+            &format!("/v1/cells/{cell}/snapshot"),
+            Some(json!({ "as": format!("s{round}") })),
+        );
+        assert!(snap.status < 300, "round {round}: {}", snap.text());
+        let uploaded = upload.join().unwrap();
+        assert!(uploaded.status < 300, "round {round}: {}", uploaded.text());
+        let reset = daemon.call(
+            "POST",
+            &format!("/v1/cells/{cell}/reset"),
+            Some(json!({ "to": format!("s{round}") })),
+        );
+        assert_eq!(reset.status, 200, "round {round}: {}", reset.text());
+        let list = daemon
+            .call("GET", &format!("/v1/cells/{cell}/files/list?path=."), None)
+            .json();
+        strays.extend(
+            list.as_array()
+                .unwrap()
+                .iter()
+                .filter_map(|e| e["name"].as_str())
+                .filter(|n| n.contains(".warden-"))
+                .map(|n| format!("round {round}: {n}")),
+        );
+    }
+    assert!(
+        strays.is_empty(),
+        "left by a reset to a snapshot: {strays:?}"
+    );
+    let deleted = daemon.call("DELETE", &format!("/v1/cells/{cell}"), None);
+    assert_eq!(deleted.status, 204, "{}", deleted.text());
+}
+
+/// A fork from a snapshot that is removed at the same moment: made, or a 404 that says the
+/// snapshot went. Before, a removal between the create's check and the tier's start made the
+/// fork a 400 `tier-refused` ("could not start: no snapshot ...").
+#[test]
+fn a_fork_from_a_snapshot_removed_meanwhile_is_told_as_the_snapshot_gone() {
+    if !cgroups_available("daemon_fork_race") {
+        return;
+    }
+    let daemon = std::sync::Arc::new(Daemon::start(&[]));
+    let host = tempdir();
+    let cell = daemon.create(
+        &unique("forkrace"),
+        json!({ "workspace": host.path().display().to_string() }),
+    );
+    let mut told = Vec::new();
+    for round in 0..24u64 {
+        let snap = daemon.call(
+            "POST",
+            &format!("/v1/cells/{cell}/snapshot"),
+            Some(json!({ "as": format!("s{round}") })),
+        );
+        assert!(snap.status < 300, "{}", snap.text());
+        let removal = {
+            let daemon = std::sync::Arc::clone(&daemon);
+            let path = format!("/v1/snapshots/{cell}@s{round}");
+            std::thread::spawn(move || daemon.call("DELETE", &path, None))
+        };
+        std::thread::sleep(Duration::from_micros(500 * (round % 6)));
+        let fork = format!("{cell}-f{round}");
+        let forked = daemon.call(
+            "POST",
+            "/v1/cells",
+            Some(json!({ "name": fork, "from": format!("{cell}@s{round}") })),
+        );
+        let removed = removal.join().unwrap();
+        match forked.status {
+            200 | 201 => {
+                let _ = daemon.call("DELETE", &format!("/v1/cells/{fork}"), None);
+            }
+            404 => assert_eq!(forked.json()["reason"], "no-such-snapshot"),
+            other => panic!("round {round}: fork {other}: {}", forked.text()),
+        }
+        told.push((forked.status, removed.status));
+    }
+    eprintln!("(fork, removal) per round: {told:?}");
+}

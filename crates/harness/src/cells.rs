@@ -448,11 +448,25 @@ impl Harness {
             .map_err(|e| {
                 HarnessError::from(CreateError::Failed(format!("starting the cell: {e}")))
             })?;
+        // A fork whose snapshot a removal took meanwhile (after the check above, before its
+        // layer was made on it): told as the snapshot gone, a 404, not as the tier's refusal of
+        // a bad request.
+        let gone = |message: &str| {
+            let id = from.as_deref()?;
+            warden_cell::snapshot::get(&self.store, id).is_err().then(|| {
+                HarnessError::from(CreateError::NoSource(format!(
+                    "snapshot `{id}` was removed while cell `{name}` was being made from it ({message}); nothing was made: fork from a snapshot `warden snapshots` lists"
+                )))
+            })
+        };
         let cell = match started {
             Ok(cell) => cell,
             Err(StartError::Refused(message)) => {
                 self.record(Some(&name), "cell.fail", json!({ "error": message }))
                     .await?;
+                if let Some(gone) = gone(&message) {
+                    return Err(gone);
+                }
                 return Err(HarnessError::from(CreateError::Refused(format!(
                     "cell `{name}` could not start: {message}"
                 ))));
@@ -463,6 +477,9 @@ impl Harness {
             Err(StartError::Host(message)) => {
                 self.record(Some(&name), "cell.fail", json!({ "error": message }))
                     .await?;
+                if let Some(gone) = gone(&message) {
+                    return Err(gone);
+                }
                 return Err(HarnessError::from(CreateError::Unavailable(format!(
                     "cell `{name}` could not start: {message}"
                 ))));

@@ -79,6 +79,8 @@ impl Harness {
                 "`{id}` exists; pick another name or remove it (`warden rm {id}`)"
             ))));
         }
+        // No upload under way meanwhile: its temporary file would be in the snapshot.
+        let _files = self.hold_file_slots(name).await?;
         self.record(
             Some(name),
             "cell.checkpoint",

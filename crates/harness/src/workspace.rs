@@ -179,6 +179,10 @@ impl Harness {
         as_name: Option<&str>,
     ) -> Result<Snapshot, HarnessError> {
         let snap = as_name.map(str::to_owned);
+        // The cell's file slots, as an apply and a reset hold them: a snapshot taken beside an
+        // upload held its temporary file (`.NAME.warden-N`), which a reset to it then left in
+        // the workspace for good.
+        let _files = self.hold_file_slots(name).await?;
         let info = self
             .blocking(name, move |tier, cell| {
                 tier.snapshot(cell, snap.as_deref()).map_err(snapshot_error)

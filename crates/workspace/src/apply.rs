@@ -479,6 +479,18 @@ fn select<'d>(
         if !options.paths.is_empty() && !options.paths.iter().any(|p| under(&change.path, p)) {
             continue;
         }
+        // Below a deleted or replaced directory there is nothing left to do separately: it
+        // goes with the directory, as it went in the cell (a name that is not UTF-8 too, which
+        // is refused only where it would be written or removed by its shown name).
+        let below_deleted = || {
+            change
+                .path
+                .match_indices('/')
+                .any(|(at, _)| deleted.contains(&change.path[..at]))
+        };
+        if !(named_exactly && change.refused.is_some()) && below_deleted() {
+            continue;
+        }
         if let Some(reason) = &change.refused {
             if named_exactly {
                 return Err(WorkspaceError::Refused {
@@ -499,14 +511,6 @@ fn select<'d>(
                 change.path.clone(),
                 format!("sensitive ({reason}): name it or pass --include-sensitive"),
             ));
-            continue;
-        }
-        // Below a deleted or replaced directory there is nothing left to do separately.
-        if change
-            .path
-            .match_indices('/')
-            .any(|(at, _)| deleted.contains(&change.path[..at]))
-        {
             continue;
         }
         // A file or link the host has a directory for replaces all of it: the host's entries

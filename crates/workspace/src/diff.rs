@@ -489,7 +489,7 @@ impl<'a> Walker<'a> {
                 // Shown with its bytes replaced, the name could be another host file's
                 // (`a\xff` shows as `a\u{fffd}`), which an apply would then remove.
                 if name.to_str().is_none() {
-                    change.refused = Some("the name is not valid UTF-8".to_owned());
+                    change.refused = Some(NOT_UTF8.to_owned());
                 }
                 self.push(change);
             }
@@ -549,13 +549,24 @@ impl<'a> Walker<'a> {
         };
         let lower = self.lower_entry(lower_dir, rel, name);
         let shown = display(rel);
+        let file_type = rustix::fs::FileType::from_raw_mode(meta.st_mode);
         if name.to_str().is_none() {
-            let mut change = Change::new(shown, ChangeKind::Added, kind_of(&meta));
-            change.refused = Some("the name is not valid UTF-8".to_owned());
+            let whiteout = file_type == rustix::fs::FileType::CharacterDevice && meta.st_rdev == 0;
+            let mut change = match (&lower, whiteout) {
+                // A host file the cell removed: a deletion, not a new device.
+                (Some(lower), true) => {
+                    let mut change = Change::new(shown, ChangeKind::Deleted, lower.kind);
+                    change.old_mode = Some(lower.mode);
+                    change
+                }
+                (None, true) => return Ok(None),
+                (Some(_), false) => Change::new(shown, ChangeKind::Modified, kind_of(&meta)),
+                (None, false) => Change::new(shown, ChangeKind::Added, kind_of(&meta)),
+            };
+            change.refused = Some(NOT_UTF8.to_owned());
             self.push(change);
             return Ok(None);
         }
-        let file_type = rustix::fs::FileType::from_raw_mode(meta.st_mode);
         if file_type == rustix::fs::FileType::CharacterDevice && meta.st_rdev == 0 {
             // A whiteout: the path was deleted in the cell.
             if let Some(lower) = lower {
@@ -638,7 +649,16 @@ impl<'a> Walker<'a> {
             }
             change.sensitive =
                 sensitive::of_link(&shown, &target).or_else(|| self.leads_out(&shown, &target));
-            change.link_target = Some(target.to_string_lossy().into_owned());
+            change.link_target = Some(escaped(target.as_os_str().as_bytes()));
+            // Written with its bad bytes replaced, the target would be another name (U+FFFD,
+            // or `\xNN` as shown): the host's link would lead elsewhere than the cell's.
+            if target.to_str().is_none() {
+                change.refused = Some(
+                    "the link's target is not valid UTF-8 (its other bytes shown as \\xNN): \
+                     it cannot be applied; make the link again in the cell"
+                        .to_owned(),
+                );
+            }
             change.old_mode = old_mode.filter(|_| !same_type);
             change.new_mode = None;
             self.push(change);
@@ -1060,7 +1080,27 @@ fn components(path: &Path) -> std::collections::VecDeque<String> {
 }
 
 fn display(rel: &Path) -> String {
-    rel.to_string_lossy().into_owned()
+    escaped(rel.as_os_str().as_bytes())
+}
+
+/// What a name that is not UTF-8 is refused with (its bytes shown as `\xNN`, see [`escaped`]).
+pub const NOT_UTF8: &str = "the name is not valid UTF-8 (its other bytes shown as \\xNN): it \
+                            cannot be applied; rename it in the cell";
+
+/// A name or path as text: UTF-8 as it is, each byte of it that is not as `\xNN` (as `ls -b`
+/// shows it). Two names that differ are never shown alike for their bad bytes (U+FFFD, which
+/// a lossy conversion gives each, is also a name of its own); a name that holds `\x` itself can
+/// still look like one that is not UTF-8, which is why such names are only ever refused, never
+/// written or looked up by this text.
+pub fn escaped(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len());
+    for chunk in bytes.utf8_chunks() {
+        out.push_str(chunk.valid());
+        for byte in chunk.invalid() {
+            out.push_str(&format!("\\x{byte:02x}"));
+        }
+    }
+    out
 }
 
 /// The topmost layer's copy of `rel`, if any layer has it.

@@ -14,7 +14,10 @@ mod sensitive;
 
 pub use apply::{ApplyOptions, ApplyReport, DEFAULT_MAX_WRITE_BYTES, apply, data_extents, recover};
 pub use change::{Change, ChangeKind, Diff, EntryKind};
-pub use diff::{DEFAULT_MAX_PATCHES_BYTES, DEFAULT_MAX_READ_BYTES, DiffOptions, MAX_DEPTH, diff};
+pub use diff::{
+    DEFAULT_MAX_PATCHES_BYTES, DEFAULT_MAX_READ_BYTES, DiffOptions, MAX_DEPTH, NOT_UTF8, diff,
+    escaped,
+};
 pub use layer::{Layer, LayerMeta, write_over};
 pub use sensitive::Sensitivity;
 

@@ -157,8 +157,9 @@ fn opaque_directories_delete_what_they_hide() {
     );
 }
 
-/// A name an opaque directory hides that is not UTF-8 is shown with its bytes replaced: that
-/// text can be another host file's name, which an apply of the deletion would remove instead.
+/// A name an opaque directory hides that is not UTF-8 is shown with its bad bytes escaped
+/// (`x\xff`), refused: replaced (U+FFFD) it was another host file's name, which an apply of the
+/// deletion would remove instead.
 #[test]
 fn a_hidden_name_that_is_not_utf8_is_refused_not_taken_for_another() {
     if !is_root() {
@@ -178,11 +179,11 @@ fn a_hidden_name_that_is_not_utf8_is_refused_not_taken_for_another() {
     let odd_change = d
         .changes
         .iter()
-        .find(|c| c.path == "dir/x\u{fffd}" && c.kind == ChangeKind::Deleted)
-        .expect("the deletion is listed");
+        .find(|c| c.path == r"dir/x\xff" && c.kind == ChangeKind::Deleted)
+        .expect("the deletion is listed, its bad byte escaped");
     assert_eq!(
         odd_change.refused.as_deref(),
-        Some("the name is not valid UTF-8")
+        Some(warden_workspace::NOT_UTF8)
     );
     apply(
         &f.lower,

@@ -292,7 +292,9 @@ impl Walker {
                     }
                     let target = rustix::fs::readlinkat(top, component.as_str(), Vec::new())
                         .map_err(|e| io_error(&shown, e))?;
-                    let target = target.to_string_lossy().into_owned();
+                    // With its bad bytes replaced the target would be another path, which
+                    // the walk would then follow instead.
+                    let target = utf8_target(&shown, target)?;
                     let relative = match target.strip_prefix('/') {
                         Some(absolute) => {
                             // An absolute target is the cell's own path: it must be in the root.
@@ -442,7 +444,7 @@ impl Walker {
         let listing = rustix::fs::Dir::read_from(&dir).map_err(|e| io_error(&shown, e))?;
         for entry in listing {
             let entry = entry.map_err(|e| io_error(&shown, e))?;
-            let name = entry.file_name().to_string_lossy().into_owned();
+            let name = utf8_name(&shown, entry.file_name())?;
             if name == "." || name == ".." {
                 continue;
             }
@@ -694,7 +696,10 @@ impl Walker {
             let mut names: Vec<String> = Vec::new();
             for entry in listing {
                 let entry = entry.map_err(|e| io_error(&shown, e))?;
-                let name = entry.file_name().to_string_lossy().into_owned();
+                let name = match prefix.strip_prefix("./") {
+                    Some(rel) => utf8_name(&format!("{shown}/{rel}"), entry.file_name())?,
+                    None => utf8_name(&shown, entry.file_name())?,
+                };
                 if name != "." && name != ".." {
                     names.push(name);
                 }
@@ -764,7 +769,7 @@ impl Walker {
                             .map_err(|e| io_error(&shown_member, e))?;
                         header.set_entry_type(tar::EntryType::Symlink);
                         header.set_size(0);
-                        let target = target.to_string_lossy().into_owned();
+                        let target = utf8_target(&shown_member, target)?;
                         append(
                             &mut builder,
                             &mut header,
@@ -907,7 +912,8 @@ fn describe(dir: &OwnedFd, name: &str) -> Result<FileEntry, FileError> {
     let target = (kind == FileKind::Symlink)
         .then(|| rustix::fs::readlinkat(dir, name, Vec::new()).ok())
         .flatten()
-        .map(|t| t.to_string_lossy().into_owned());
+        .map(|t| utf8_target(name, t))
+        .transpose()?;
     Ok(FileEntry {
         name: name.to_owned(),
         kind,
@@ -922,33 +928,35 @@ fn describe(dir: &OwnedFd, name: &str) -> Result<FileEntry, FileError> {
 /// keeps descriptors, not paths).
 fn remove_tree(parent: &OwnedFd, name: &str, shown: &str) -> Result<(), FileError> {
     // Each level: the directory's descriptor, its parent's, and its name there.
-    let mut stack: Vec<(OwnedFd, OwnedFd, String)> = vec![(
+    // Names as bytes: one that is not UTF-8 is removed by its own name, not by a lossy text
+    // of it (which named nothing, or another file).
+    let mut stack: Vec<(OwnedFd, OwnedFd, Vec<u8>)> = vec![(
         open_dir(parent, name, shown)?,
         dup(parent, shown)?,
-        name.to_owned(),
+        name.as_bytes().to_vec(),
     )];
     while let Some((dir, up, dir_name)) = stack.pop() {
         let mut subdirs = Vec::new();
         let listing = rustix::fs::Dir::read_from(&dir).map_err(|e| io_error(shown, e))?;
         for entry in listing {
             let entry = entry.map_err(|e| io_error(shown, e))?;
-            let child = entry.file_name().to_string_lossy().into_owned();
-            if child == "." || child == ".." {
+            let child = entry.file_name().to_bytes().to_vec();
+            if child == b"." || child == b".." {
                 continue;
             }
-            let is_dir = rustix::fs::statat(&dir, child.as_str(), AtFlags::SYMLINK_NOFOLLOW)
+            let is_dir = rustix::fs::statat(&dir, child.as_slice(), AtFlags::SYMLINK_NOFOLLOW)
                 .is_ok_and(|s| FileType::from_raw_mode(s.st_mode) == FileType::Directory);
             if is_dir {
                 subdirs.push(child);
             } else {
-                match rustix::fs::unlinkat(&dir, child.as_str(), AtFlags::empty()) {
+                match rustix::fs::unlinkat(&dir, child.as_slice(), AtFlags::empty()) {
                     Ok(()) | Err(rustix::io::Errno::NOENT) => {}
                     Err(e) => return Err(io_error(shown, e)),
                 }
             }
         }
         if subdirs.is_empty() {
-            match rustix::fs::unlinkat(&up, dir_name.as_str(), AtFlags::REMOVEDIR) {
+            match rustix::fs::unlinkat(&up, dir_name.as_slice(), AtFlags::REMOVEDIR) {
                 Ok(()) | Err(rustix::io::Errno::NOENT) => {}
                 Err(e) => return Err(io_error(shown, e)),
             }
@@ -958,10 +966,47 @@ fn remove_tree(parent: &OwnedFd, name: &str, shown: &str) -> Result<(), FileErro
         let again = (dup(&dir, shown)?, up, dir_name);
         stack.push(again);
         for child in subdirs {
-            stack.push((open_dir(&dir, &child, shown)?, dup(&dir, shown)?, child));
+            let opened = rustix::fs::openat(
+                &dir,
+                child.as_slice(),
+                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::empty(),
+            )
+            .map_err(|e| io_error(shown, e))?;
+            stack.push((opened, dup(&dir, shown)?, child));
         }
     }
     Ok(())
+}
+
+/// A name read from a directory, as text; refused (naming it, its other bytes as `\xNN`) where
+/// it is not UTF-8. Shown with its bad bytes replaced it would be another name: U+FFFD is a
+/// name of its own, which a listing then showed (and an archive then held) for each such file,
+/// with that file's size and bytes, and the files themselves not at all.
+fn utf8_name(dir: &str, name: &std::ffi::CStr) -> Result<String, FileError> {
+    let bytes = name.to_bytes();
+    std::str::from_utf8(bytes).map(str::to_owned).map_err(|_| {
+        error(
+            FileErrorKind::Invalid,
+            format!(
+                "{dir}/{}: the name is not valid UTF-8 (its other bytes shown as \\xNN), and the files API names files by UTF-8 text only; rename it in the cell (`warden exec`)",
+                warden_workspace::escaped(bytes),
+            ),
+        )
+    })
+}
+
+/// A symlink's target, as text; refused where it is not UTF-8 (as [`utf8_name`]).
+fn utf8_target(link: &str, target: std::ffi::CString) -> Result<String, FileError> {
+    target.into_string().map_err(|e| {
+        error(
+            FileErrorKind::Invalid,
+            format!(
+                "{link}: the link's target `{}` is not valid UTF-8 (its other bytes shown as \\xNN); the files API follows and shows UTF-8 targets only",
+                warden_workspace::escaped(e.into_cstring().as_bytes()),
+            ),
+        )
+    })
 }
 
 fn print_json(value: &impl Serialize) -> Result<(), FileError> {
