@@ -942,3 +942,69 @@ fn questions_a_cell_asks_in_bulk_fill_its_keeper_log_only_so_far() {
         "the count of those past the bound: {counted:?}"
     );
 }
+
+/// A standing grant of a command covers that command, argument by argument: the same words
+/// split otherwise (`sh -c 'echo granted'` against `sh -c echo granted`, which joined by blanks
+/// read alike) are another command, asked about again; the granted one runs unasked.
+#[test]
+fn a_commands_grant_covers_its_arguments_as_they_were_split() {
+    if !cgroups_available("daemon_grant_split") {
+        return;
+    }
+    let daemon = std::sync::Arc::new(Daemon::start(&[]));
+    let policy = "version: 1\ncommands:\n  ask: [\"sh *\"]\napprovals:\n  timeout: 30s\n";
+    let cell = daemon.create(&unique("grantsplit"), json!({ "policy": policy }));
+    let exec = |argv: Value| {
+        let daemon = std::sync::Arc::clone(&daemon);
+        let cell = cell.clone();
+        std::thread::spawn(move || daemon.exec(&cell, json!({ "argv": argv })))
+    };
+    let question = || {
+        for _ in 0..250 {
+            let list = daemon.call("GET", "/v1/approvals", None).json();
+            if let Some(q) = list.as_array().unwrap().iter().find(|q| q["cell"] == cell) {
+                return Some(q.clone());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    };
+    let granted = json!(["sh", "-c", "echo granted"]);
+    let first = exec(granted.clone());
+    let asked = question().expect("the first command is held for a person");
+    let answered = daemon.call(
+        "POST",
+        &format!("/v1/approvals/{cell}/{}", asked["id"]),
+        Some(json!({ "decision": "approve", "scope": "cell" })),
+    );
+    assert!(answered.status < 300, "{}", answered.text());
+    let events = first.join().unwrap();
+    assert_eq!(stream_bytes(&events, "stdout"), b"granted\n", "{events:?}");
+
+    // The same words, split otherwise: asked about again, not covered by the grant.
+    let split = {
+        let daemon = std::sync::Arc::clone(&daemon);
+        let cell = cell.clone();
+        std::thread::spawn(move || {
+            daemon.call(
+                "POST",
+                &format!("/v1/cells/{cell}/exec"),
+                Some(json!({ "argv": ["sh", "-c", "echo", "granted"] })),
+            )
+        })
+    };
+    let asked = question().expect("a command split otherwise is held for a person again");
+    assert_eq!(asked["request"], "exec sh -c echo granted");
+    let answered = daemon.call(
+        "POST",
+        &format!("/v1/approvals/{cell}/{}", asked["id"]),
+        Some(json!({ "decision": "deny" })),
+    );
+    assert_eq!(answered.status, 204);
+    assert_eq!(split.join().unwrap().status, 403);
+
+    // The granted command itself runs unasked.
+    let again = exec(granted);
+    let events = again.join().unwrap();
+    assert_eq!(stream_bytes(&events, "stdout"), b"granted\n", "{events:?}");
+}

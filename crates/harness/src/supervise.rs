@@ -144,9 +144,12 @@ fn shown(text: &str) -> String {
     warden_protocol::text::escaped(text, warden_protocol::text::hides).into_owned()
 }
 
-/// What a standing grant of a command covers: that command line.
-fn command_grant(line: &str) -> String {
-    format!("exec {line}")
+/// What a standing grant of a command covers: that command, argument by argument (as the
+/// person was shown it). Its arguments joined by blanks were ambiguous: a grant of
+/// `sh -c 'make test'` also covered `sh -c make test`, and of `git push origin` a program the
+/// cell named `git push` given `origin`.
+fn command_grant(argv: &[String]) -> String {
+    format!("exec {}", shown_command(argv))
 }
 
 /// A command held for a person's answer; the exec request waits on `answer`.
@@ -585,9 +588,8 @@ impl Harness {
         let CommandVerdict::Ask(rule) = verdict else {
             return Ok(());
         };
-        let line = argv.join(" ");
         let request = format!("exec {}", shown_command(argv));
-        self.ask_person(name, request, command_grant(&line), rule, &approvals)
+        self.ask_person(name, request, command_grant(argv), rule, &approvals)
             .await
     }
 
