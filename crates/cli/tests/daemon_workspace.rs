@@ -1920,13 +1920,7 @@ fn an_apply_beside_an_upload_copies_no_half_written_file() {
     );
     let body = "x".repeat(3 << 20);
     for round in 0..16u64 {
-        let upload = {
-            let daemon = std::sync::Arc::clone(&daemon);
-            let path = format!("/v1/cells/{cell}/files/content?path=big{round}");
-            let body = body.clone();
-            std::thread::spawn(move || daemon.request("PUT", &path, Some(&body)))
-        };
-        std::thread::sleep(Duration::from_millis(2 * (round % 8)));
+        let upload = upload_beside(&daemon, &cell, &format!("big{round}"), &body, round);
         let apply = daemon.call("POST", &format!("/v1/cells/{cell}/apply"), Some(json!({})));
         assert_eq!(apply.status, 200, "round {round}: {}", apply.text());
         let uploaded = upload.join().unwrap();
@@ -1964,13 +1958,7 @@ fn a_reset_beside_an_upload_leaves_the_upload_whole() {
     );
     let body = "x".repeat(3 << 20);
     for round in 0..16u64 {
-        let upload = {
-            let daemon = std::sync::Arc::clone(&daemon);
-            let path = format!("/v1/cells/{cell}/files/content?path=up{round}");
-            let body = body.clone();
-            std::thread::spawn(move || daemon.request("PUT", &path, Some(&body)))
-        };
-        std::thread::sleep(Duration::from_millis(2 * (round % 8)));
+        let upload = upload_beside(&daemon, &cell, &format!("up{round}"), &body, round);
         let reset = daemon.call("POST", &format!("/v1/cells/{cell}/reset"), Some(json!({})));
         assert_eq!(reset.status, 200, "round {round}: {}", reset.text());
         let uploaded = upload.join().unwrap();
@@ -2108,13 +2096,7 @@ fn a_snapshot_beside_an_upload_holds_no_temporary_file() {
     let body = "x".repeat(3 << 20);
     let mut strays = Vec::new();
     for round in 0..16u64 {
-        let upload = {
-            let daemon = std::sync::Arc::clone(&daemon);
-            let path = format!("/v1/cells/{cell}/files/content?path=up{round}");
-            let body = body.clone();
-            std::thread::spawn(move || daemon.request("PUT", &path, Some(&body)))
-        };
-        std::thread::sleep(Duration::from_millis(2 * (round % 8)));
+        let upload = upload_beside(&daemon, &cell, &format!("up{round}"), &body, round);
         let snap = daemon.call(
             "POST",
             &format!("/v1/cells/{cell}/snapshot"),
@@ -2194,4 +2176,23 @@ fn a_fork_from_a_snapshot_removed_meanwhile_is_told_as_the_snapshot_gone() {
         told.push((forked.status, removed.status));
     }
     eprintln!("(fork, removal) per round: {told:?}");
+}
+
+/// An upload of `body` to `path` in `cell` on a thread of its own, and a moment (0 to 14 ms,
+/// by `round`) for it to get under way before what the caller does beside it.
+fn upload_beside(
+    daemon: &std::sync::Arc<Daemon>,
+    cell: &str,
+    path: &str,
+    body: &str,
+    round: u64,
+) -> std::thread::JoinHandle<Answer> {
+    let daemon = std::sync::Arc::clone(daemon);
+    let (url, body) = (
+        format!("/v1/cells/{cell}/files/content?path={path}"),
+        body.to_owned(),
+    );
+    let upload = std::thread::spawn(move || daemon.request("PUT", &url, Some(&body)));
+    std::thread::sleep(Duration::from_millis(2 * (round % 8)));
+    upload
 }
