@@ -1593,6 +1593,19 @@ fn a_pause_before_a_call_starts_holds_the_call_until_resume() {
     assert!(told.len() == 1 && told[0].contains("ran-it"), "{told:?}");
 }
 
+/// The session's one model call was journaled as abandoned, for a reason that says `why`.
+fn abandoned_for(daemon: &Daemon, id: &str, why: &str) {
+    let model = kinds(daemon, "agent.model", id);
+    assert!(
+        model.len() == 1
+            && model[0]["data"]["abandoned"] == true
+            && model[0]["data"]["error"]
+                .as_str()
+                .is_some_and(|e| e.contains(why)),
+        "{model:?}"
+    );
+}
+
 /// A model server that trickles its reply (a keep-alive comment a second, for minutes: no
 /// read timeout fires) does not hold the session past its wall-time budget, nor past a stop;
 /// the call cut short is journaled. A pause under way acknowledges at once, and the reply
@@ -1630,15 +1643,7 @@ fn a_trickling_model_reply_is_cut_by_the_wall_budget_and_by_stop() {
             .contains("wall-time budget (2 s)"),
         "{ended}"
     );
-    let model = kinds(&daemon, "agent.model", &id);
-    assert!(
-        model.len() == 1
-            && model[0]["data"]["error"]
-                .as_str()
-                .unwrap()
-                .contains("wall-time"),
-        "{model:?}"
-    );
+    abandoned_for(&daemon, &id, "wall-time");
     // A stop.
     let server = ModelServer::start(vec![forever()]);
     let session = start(&daemon, &server, "anthropic", json!({ "task": "x" }));
@@ -1654,15 +1659,7 @@ fn a_trickling_model_reply_is_cut_by_the_wall_budget_and_by_stop() {
         asked.elapsed()
     );
     assert_eq!(ended["state"], "stopped", "{ended}");
-    let model = kinds(&daemon, "agent.model", &id);
-    assert!(
-        model.len() == 1
-            && model[0]["data"]["error"]
-                .as_str()
-                .unwrap()
-                .contains("stopped"),
-        "{model:?}"
-    );
+    abandoned_for(&daemon, &id, "stopped");
     // A pause: acknowledged at once; the reply that comes later is held before its call.
     let server = ModelServer::start(vec![
         Step::Trickle(
