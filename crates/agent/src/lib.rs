@@ -83,7 +83,7 @@ fn key_for(model: &str, given: Option<String>) -> Option<String> {
 
 impl Agents {
     /// Opens the sessions a daemon kept in `dir` (they come back paused: their loops ended
-    /// with the daemon that ran them), or none.
+    /// with the daemon that ran them; one an operator had stopped comes back to end), or none.
     pub fn open(harness: Arc<Harness>, dir: Option<PathBuf>) -> Arc<Self> {
         let agents = Arc::new(Self {
             harness,
@@ -105,7 +105,10 @@ impl Agents {
                 continue;
             };
             let was_running = !saved.info.state.is_over();
-            if was_running {
+            // A stop acknowledged before the crash is carried out: the loop, started again in
+            // its stop mode, ends the session at once (journaled, its cell thawed), as the last
+            // daemon's would have.
+            if was_running && !saved.stopping {
                 saved.info.state = AgentState::Paused;
             }
             let key = key_for(&saved.info.model, None);
@@ -355,6 +358,7 @@ impl Agents {
             pending: Vec::new(),
             budgets,
             modes,
+            stopping: false,
         };
         let path = self.dir.as_ref().map(|d| d.join(format!("{id}.json")));
         let session = Session::new(Arc::clone(&self.harness), model, saved, paused, path);

@@ -68,6 +68,10 @@ pub(crate) struct Saved {
     pub pending: Vec<String>,
     pub budgets: Budgets,
     pub modes: BTreeMap<String, ToolMode>,
+    /// An operator's stop was acknowledged and the loop has not ended yet: a daemon that takes
+    /// the session back ends it (a crash between the two must not leave it paused, to go on).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stopping: bool,
 }
 
 impl Saved {
@@ -290,6 +294,7 @@ impl Session {
             pending,
             budgets,
             modes,
+            stopping,
         } = saved;
         Arc::new(Self {
             id: info.id.clone(),
@@ -304,7 +309,11 @@ impl Session {
                 items: Arc::new(items),
                 logged: None,
                 pending,
-                mode: if mode_paused { Mode::Pause } else { Mode::Run },
+                mode: match (stopping, mode_paused) {
+                    (true, _) => Mode::Stop,
+                    (false, true) => Mode::Pause,
+                    (false, false) => Mode::Run,
+                },
                 looping: false,
                 froze: false,
             }),
@@ -356,7 +365,10 @@ impl Session {
     /// The session's state to save, once the conversation file holds its conversation (its
     /// new items are appended here, in order, under the lock; a cut conversation is written
     /// anew).
-    fn saved(&self, path: &std::path::Path) -> Option<Saved> {
+    /// With its place in the order of the saves, taken under the same lock as the state (a
+    /// save whose state is newer comes later: the turn's end saved off the loop's path must not
+    /// overwrite what an operator's action saved just after it copied its state).
+    fn saved(&self, path: &std::path::Path) -> Option<(Saved, u64)> {
         let mut inner = self.inner.lock().ok()?;
         let from = inner.logged.unwrap_or(0);
         let file = conversation_file(path);
@@ -375,7 +387,12 @@ impl Session {
                 }
             }
         };
-        Some(Saved {
+        let order = self
+            .saves
+            .0
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1;
+        let saved = Saved {
             info: inner.info.clone(),
             instructions: self.instructions.clone(),
             items: Vec::new(),
@@ -383,7 +400,9 @@ impl Session {
             pending: inner.pending.clone(),
             budgets: self.budgets.clone(),
             modes: self.modes.clone(),
-        })
+            stopping: inner.mode == Mode::Stop,
+        };
+        Some((saved, order))
     }
 
     /// Writes the session's state beside the daemon's (atomically: a crash leaves the old).
@@ -404,14 +423,9 @@ impl Session {
         let Some(path) = self.saved_at.clone() else {
             return;
         };
-        let Some(saved) = self.saved(&path) else {
+        let Some((saved, order)) = self.saved(&path) else {
             return;
         };
-        let order = self
-            .saves
-            .0
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-            + 1;
         let written = Arc::clone(&self.saves.1);
         let write = move || {
             let Ok(mut last) = written.lock() else { return };

@@ -1688,3 +1688,56 @@ fn a_trickling_model_reply_is_cut_by_the_wall_budget_and_by_stop() {
     assert_eq!(settled(&daemon, &id)["state"], "done");
     assert_eq!(file(&daemon, &cell, "ran.txt").as_deref(), Some("ran\n"));
 }
+
+/// An operator's control acknowledged just before the daemon is killed (no pause between the
+/// answer and the `kill -9`) holds for the next daemon: a stopped session comes back stopped
+/// (not paused, as a running one does), and words said come back with it, for its next turn.
+#[test]
+fn a_stop_or_say_acknowledged_just_before_a_crash_holds_after_it() {
+    let mut daemon = Daemon::start(&[]);
+    let forever = || {
+        Step::Trickle(
+            Duration::from_secs(600),
+            Box::new(Step::Text("never".into())),
+        )
+    };
+    // Stopped while its model call is under way, then a crash at once.
+    let server = ModelServer::start(vec![forever()]);
+    let session = start(&daemon, &server, "openai", json!({ "task": "x" }));
+    let (stopped, _) = id_and_cell(&session);
+    server.wait_for(1, Duration::from_secs(20));
+    act(&daemon, &stopped, "stop");
+    daemon.restart();
+    let back = settled(&daemon, &stopped);
+    assert_eq!(back["state"], "stopped", "{back}");
+    assert!(
+        back["ended"].as_str().unwrap().contains("operator"),
+        "{back}"
+    );
+    assert_eq!(kinds(&daemon, "agent.end", &stopped).len(), 1);
+    // Said while paused, then a crash at once: the next turn carries the words.
+    let server = ModelServer::start(vec![forever(), Step::Text("done".into())]);
+    let session = start(&daemon, &server, "openai", json!({ "task": "y" }));
+    let (id, _) = id_and_cell(&session);
+    server.wait_for(1, Duration::from_secs(20));
+    assert_eq!(act(&daemon, &id, "pause")["state"], "paused");
+    let said = daemon.call(
+        "POST",
+        &format!("/v1/agents/{id}/say"),
+        Some(json!({"text": "keep this in mind"})),
+    );
+    status_is(&said, 200);
+    daemon.restart();
+    assert_eq!(info(&daemon, &id)["state"], "paused");
+    act(&daemon, &id, "resume");
+    let requests = server.wait_for(2, Duration::from_secs(20));
+    assert!(
+        requests[1].text().contains("[operator] keep this in mind"),
+        "{}",
+        requests[1].text()
+    );
+    assert_eq!(settled(&daemon, &id)["state"], "done");
+    // The stopped one stays stopped.
+    assert_eq!(info(&daemon, &stopped)["state"], "stopped");
+    daemon.assert_journal_verifies();
+}

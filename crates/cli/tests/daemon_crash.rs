@@ -872,3 +872,179 @@ fn an_image_import_killed_at_any_point_is_listed_whole_or_leaves_nothing() {
         assert!(left.is_empty(), "round {round}: left behind: {left:?}");
     }
 }
+
+/// Sends `body` to `path` on a thread of its own and returns its handle: a request that waits
+/// (an exec held for approval) while the test goes on; a crash ends it.
+fn in_background(daemon: &Daemon, path: String, body: Value) -> std::thread::JoinHandle<()> {
+    let socket = daemon.socket();
+    std::thread::spawn(move || {
+        let Ok(mut stream) = UnixStream::connect(socket) else {
+            return;
+        };
+        let body = body.to_string();
+        let _ = write!(
+            stream,
+            "POST {path} HTTP/1.1\r\nHost: warden\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        let _ = std::io::Read::read_to_end(&mut stream, &mut Vec::new());
+    })
+}
+
+/// The id of the open question about `request`, waiting for it.
+fn question(daemon: &Daemon, request: &str) -> u64 {
+    let mut found = None;
+    wait_for(Duration::from_secs(20), "no question", || {
+        let list = daemon.call("GET", "/v1/approvals", None).json();
+        found = list
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|q| q["request"] == request)
+            .and_then(|q| q["id"].as_u64());
+        found.is_some()
+    });
+    found.unwrap()
+}
+
+/// Operations acknowledged just before the daemon is killed (no pause between the answer and
+/// the `kill -9`), each found whole by the next daemon: approvals answered (scope `cell` and
+/// `always` answer again; a denial grants nothing), a policy replaced (command and network
+/// rules), a file written through the files API (whole), a cell paused (listed so) and resumed
+/// (running), a cell killed (ended).
+#[test]
+fn operations_acknowledged_just_before_a_crash_hold_after_it() {
+    if !cgroups_available("daemon_crash_acks") {
+        return;
+    }
+    let (port, hits) = upstream();
+    let mut daemon = Daemon::start(&[]);
+    let policy = "version: 1\nnetwork:\n  gateway: true\ncommands:\n  ask: [\"echo push*\"]\napprovals:\n  timeout: 2s\n  on_timeout: deny\n";
+    let cell = daemon.create(&unique("acks"), json!({ "policy": policy }));
+    let exec = |d: &Daemon, cell: &str, argv: &[&str]| {
+        d.call(
+            "POST",
+            &format!("/v1/cells/{cell}/exec"),
+            Some(json!({ "argv": argv })),
+        )
+    };
+    // Approvals: each answered, then a crash at once.
+    for (words, decision, scope) in [
+        ("echo push cell", "approve", "cell"),
+        ("echo push always", "approve", "always"),
+        ("echo push denied", "deny", "once"),
+    ] {
+        let argv: Vec<&str> = words.split(' ').collect();
+        let held = in_background(
+            &daemon,
+            format!("/v1/cells/{cell}/exec"),
+            json!({ "argv": argv }),
+        );
+        let id = question(&daemon, &format!("exec {words}"));
+        let answered = daemon.call(
+            "POST",
+            &format!("/v1/approvals/{cell}/{id}"),
+            Some(json!({ "decision": decision, "scope": scope })),
+        );
+        assert_eq!(answered.status, 204, "{}", answered.text());
+        daemon.restart();
+        let _ = held.join();
+    }
+    // The grants answer; the denial left none (the timeout refuses).
+    let ran = exec(&daemon, &cell, &["echo", "push", "cell"]);
+    assert_eq!(ran.status, 200, "{}", ran.text());
+    assert_eq!(stream_bytes(&ran.events(), "stdout"), b"push cell\n");
+    let other = daemon.create(&unique("acks2"), json!({ "policy": policy }));
+    let ran = exec(&daemon, &other, &["echo", "push", "always"]);
+    assert_eq!(ran.status, 200, "{}", ran.text());
+    let ran = exec(&daemon, &cell, &["echo", "push", "denied"]);
+    assert_eq!(ran.status, 403, "{}", ran.text());
+
+    // A policy replaced: command and network rules, then a crash at once.
+    let replaced = format!(
+        "version: 1\nnetwork:\n  allow:\n    - host: 127.0.0.2\n      ports: [{port}]\ncommands:\n  deny: [\"touch *\"]\n"
+    );
+    let answer = daemon.call(
+        "PUT",
+        &format!("/v1/cells/{cell}/policy"),
+        Some(json!({ "policy": replaced })),
+    );
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    daemon.restart();
+    assert_eq!(exec(&daemon, &cell, &["touch", "x"]).status, 403);
+    let code = format!(
+        "import urllib.request\nprint(urllib.request.urlopen('http://127.0.0.2:{port}/', timeout=10).status)"
+    );
+    let (code_seen, out) = sh(&daemon, &cell, &format!("python3 -c \"{code}\""));
+    assert_eq!((code_seen, out.trim()), (Some(0), "200"));
+    assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 1);
+
+    // A file written through the API, then a crash at once.
+    let data: String = (0..200_000u32).map(|i| format!("{i}\n")).collect();
+    let answer = daemon.request(
+        "PUT",
+        &format!("/v1/cells/{cell}/files/content?path=big.txt"),
+        Some(&data),
+    );
+    assert!(answer.status < 300, "{}", answer.text());
+    daemon.restart();
+    let read = daemon.call(
+        "GET",
+        &format!("/v1/cells/{cell}/files/content?path=big.txt"),
+        None,
+    );
+    assert_eq!(read.status, 200, "{}", read.text());
+    assert!(read.body == data.as_bytes(), "the file came back partial");
+
+    // A pause, then a crash: still paused, listed so; a kill of the other cell: ended.
+    let answer = daemon.call("POST", &format!("/v1/cells/{cell}/pause"), None);
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    daemon.restart();
+    let listed = daemon.call("GET", "/v1/cells", None).json();
+    let state_of = |name: &str| {
+        listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == name)
+            .map(|c| c["state"].clone())
+    };
+    assert_eq!(state_of(&cell), Some(json!("paused")), "{listed}");
+    let answer = daemon.call("POST", &format!("/v1/cells/{other}/kill"), None);
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    daemon.restart();
+    let got = daemon
+        .call("GET", &format!("/v1/cells/{other}"), None)
+        .json();
+    assert_eq!(got["state"], "ended", "{got}");
+    // A resume, then a crash: running.
+    let answer = daemon.call("POST", &format!("/v1/cells/{cell}/resume"), None);
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    daemon.restart();
+    let got = daemon
+        .call("GET", &format!("/v1/cells/{cell}"), None)
+        .json();
+    assert_eq!(got["state"], "running", "{got}");
+    assert_eq!(sh(&daemon, &cell, "echo on").1, "on\n");
+    // Each is on record, once.
+    let once = |name: &str, kinds: &[&str]| {
+        let entries = daemon.entries_of(name);
+        for kind in kinds {
+            let count = entries.iter().filter(|e| e["kind"] == *kind).count();
+            assert_eq!(count, 1, "{name}: {kind} x {count}");
+        }
+    };
+    once(
+        &cell,
+        &["policy.replaced", "file.write", "cell.pause", "cell.resume"],
+    );
+    once(&other, &["cell.kill", "cell.end"]);
+    let answers = daemon
+        .entries_of(&cell)
+        .iter()
+        .filter(|e| e["kind"] == "approval.answer" && e["data"]["id"].is_u64())
+        .map(|e| e["data"]["decision"].as_str().unwrap().to_owned())
+        .collect::<Vec<_>>();
+    assert_eq!(answers, ["approve", "approve", "deny"]);
+    daemon.assert_journal_verifies();
+}
