@@ -478,3 +478,211 @@ for n in range(3):
     // Counted by the reply's usage, which was read whole.
     assert_eq!(exchanges[1]["inference"]["tokens_used"], 240, "{journal}");
 }
+
+/// Runs `code` with python3 in a cell whose route goes to 127.0.0.1:`port` with a budget of
+/// `budget` tokens; its output, the journal and the data of its decisions that carry a model
+/// exchange.
+fn run_budgeted(port: u16, budget: u64, code: &str) -> (support::Ran, String, Vec<Value>) {
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("policy.yaml");
+    std::fs::write(
+        &policy,
+        format!(
+            "version: 1\nnetwork:\n  inference:\n    upstream: http://127.0.0.1:{port}/v1\n    max_tokens: {budget}\n"
+        ),
+    )
+    .unwrap();
+    let out = support::warden()
+        .env("WARDEN_RUNTIME_DIR", dir.path().join("run"))
+        .env("WARDEN_STATE_DIR", dir.path().join("state"))
+        .args(["run", "--policy"])
+        .arg(&policy)
+        .args(["--", "python3", "-c", &format!("{CALL}{code}")])
+        .output()
+        .unwrap();
+    let ran = support::Ran::from(out);
+    let (journal, exchanges) = journal_and_exchanges(dir.path());
+    (ran, journal, exchanges)
+}
+
+/// A model call through the route in Python: `call(cap)` sends a Chat Completions request
+/// (its body over 600 bytes, so that the gateway's estimate of its input, a quarter token a
+/// byte, is more than the 100 input tokens the model server reports) with `max_tokens: cap`
+/// (none where `cap` is None), and returns the status line and the body of the answer.
+const CALL: &str = r#"
+import json, socket, threading, time
+def send(cap, stream=False):
+    body = {"model": "m", "messages": [{"role": "user", "content": "x" * 600}]}
+    if cap is not None:
+        body["max_tokens"] = cap
+    if stream:
+        body["stream"] = True
+    body = json.dumps(body).encode()
+    s = socket.create_connection(('127.0.0.1', 3128), timeout=60)
+    s.sendall(b'POST http://inference.warden/v1/chat/completions HTTP/1.1\r\nHost: inference.warden\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s' % (len(body), body))
+    return s
+def call(cap, stream=False):
+    s = send(cap, stream)
+    data = b''
+    while True:
+        more = s.recv(65536)
+        if not more: break
+        data += more
+    s.close()
+    head, _, rest = data.partition(b'\r\n\r\n')
+    return head.split(b'\r\n')[0].decode(), rest.decode(errors='replace')
+"#;
+
+/// The most tokens the journal says the cell used.
+fn most_used(exchanges: &[Value]) -> u64 {
+    exchanges
+        .iter()
+        .filter_map(|e| e["inference"]["tokens_used"].as_u64())
+        .max()
+        .unwrap_or(0)
+}
+
+/// Many model calls at once: the budget was checked only before each (spent or not), and a
+/// call counted when it ended, so every call sent while the others were under way found the
+/// budget unspent, and 24 calls of 120 tokens went through on a budget of 1000. Each call
+/// now reserves what it may cost (its input, a quarter token a byte, and its `max_tokens`)
+/// while it is under way, and a call whose reservation would take the budget past its end
+/// is refused: the calls let through stay within the budget.
+#[test]
+fn model_calls_made_in_parallel_do_not_overrun_the_token_budget() {
+    let server = ModelServer::start(vec![]);
+    // Slow enough that the calls overlap.
+    server.then(Step::Delay(
+        std::time::Duration::from_millis(1500),
+        Box::new(Step::Text("hello".into())),
+    ));
+    let code = r#"
+results = []
+lock = threading.Lock()
+def one():
+    r = call(20)
+    with lock:
+        results.append(r)
+threads = [threading.Thread(target=one) for _ in range(24)]
+for t in threads: t.start()
+for t in threads: t.join()
+passed = [r for r in results if ' 200 ' in r[0]]
+refused = [r for r in results if ' 429 ' in r[0]]
+print('passed', len(passed), 'refused', len(refused), 'other', len(results) - len(passed) - len(refused), flush=True)
+if refused:
+    print('refusal', refused[0][1], flush=True)
+"#;
+    let budget = 1000;
+    let (ran, journal, exchanges) = run_budgeted(server.port, budget, code);
+    let passed = server.requests().len() as u64;
+    let used = most_used(&exchanges);
+    eprintln!(
+        "{passed} calls let through, {used} tokens used of a budget of {budget}\n{}",
+        ran.stdout
+    );
+    assert!(ran.stdout.contains("passed "), "{ran:?}");
+    assert!(passed >= 1, "{ran:?}");
+    assert!(
+        used <= budget && passed * 120 <= budget,
+        "{passed} calls let through, {used} tokens used on a budget of {budget}: {ran:?}"
+    );
+    // The refusal says what is used, what the calls under way hold, and what to do.
+    assert!(
+        ran.stdout.contains("reserved") && ran.stdout.contains("max_tokens"),
+        "{ran:?}\n{journal}"
+    );
+}
+
+/// One call after another: each within the budget goes through as before; the one whose
+/// `max_tokens` (with its input) would take the cell past its budget is refused before it
+/// leaves, saying why.
+#[test]
+fn model_calls_in_sequence_pass_within_the_budget_and_the_one_that_would_cross_it_is_refused() {
+    let server = ModelServer::start(vec![]);
+    server.then(Step::Text("hello".into()));
+    // Each call asks for about 190 tokens (169 of input by its size, its max_tokens of 20)
+    // and is counted as 120: with 0, 120, 240 and 360 used it fits in 650; with 480, it does
+    // not (before, it went through, and so did a sixth, at 600 used).
+    let code = r#"
+for n in range(5):
+    status, body = call(20)
+    print(status, flush=True)
+    if ' 429 ' in status:
+        print('refusal', body, flush=True)
+"#;
+    let budget = 650;
+    let (ran, journal, exchanges) = run_budgeted(server.port, budget, code);
+    let lines: Vec<&str> = ran.stdout.lines().collect();
+    assert!(lines.len() >= 5, "{ran:?}");
+    for line in &lines[..4] {
+        assert_eq!(*line, "HTTP/1.1 200 OK", "{ran:?}\n{journal}");
+    }
+    // 480 used: the fifth (about 190) would cross 650.
+    assert!(lines[4].starts_with("HTTP/1.1 429 "), "{ran:?}\n{journal}");
+    assert!(
+        lines[5].contains("480 used") && lines[5].contains("max_tokens"),
+        "{ran:?}"
+    );
+    assert_eq!(server.requests().len(), 4, "{journal}");
+    assert_eq!(most_used(&exchanges), 480, "{journal}");
+}
+
+/// A call reserves its cost while it is under way; a client that goes away before its reply
+/// ends gives the reservation back (a reservation kept would lock the cell out of its budget
+/// for good). A call with no `max_tokens` reserves what is left of the budget: while it is
+/// under way no other call starts.
+#[test]
+fn a_client_that_goes_away_mid_reply_gives_its_reservation_back() {
+    let server = ModelServer::start(vec![Step::Trickle(
+        std::time::Duration::from_secs(60),
+        Box::new(Step::Text("slow".into())),
+    )]);
+    server.then(Step::Text("hello".into()));
+    let code = r#"
+s = send(None, stream=True)
+head = b''
+while b'\r\n\r\n' not in head:
+    head += s.recv(4096)
+print('first', head.split(b'\r\n')[0].decode(), flush=True)
+status, body = call(20)
+print('while it runs', status, flush=True)
+s.close()
+deadline = time.time() + 20
+while True:
+    status, body = call(20)
+    if ' 200 ' in status or time.time() > deadline:
+        break
+    time.sleep(0.2)
+print('after', status, flush=True)
+"#;
+    let (ran, journal, _) = run_budgeted(server.port, 1000, code);
+    assert!(
+        ran.stdout.contains("first HTTP/1.1 200 OK"),
+        "{ran:?}\n{journal}"
+    );
+    assert!(
+        ran.stdout.contains("while it runs HTTP/1.1 429 "),
+        "{ran:?}\n{journal}"
+    );
+    assert!(
+        ran.stdout.contains("after HTTP/1.1 200 OK"),
+        "the reservation of the call whose client went away was kept: {ran:?}\n{journal}"
+    );
+}
+
+/// A call the upstream refuses (nothing listens at its port) is answered 403 and gives its
+/// reservation back: a call with no `max_tokens`, which reserves all that is left, left the
+/// next one nothing.
+#[test]
+fn a_call_the_upstream_refuses_gives_its_reservation_back() {
+    let code = r#"
+for cap in [None, None, 20]:
+    print(call(cap)[0], flush=True)
+"#;
+    let (ran, journal, _) = run_budgeted(9, 1000, code);
+    let lines: Vec<&str> = ran.stdout.lines().collect();
+    assert_eq!(lines.len(), 3, "{ran:?}");
+    for line in lines {
+        assert_eq!(line, "HTTP/1.1 403 Forbidden", "{ran:?}\n{journal}");
+    }
+}

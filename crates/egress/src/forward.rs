@@ -300,7 +300,7 @@ impl Gateway {
         let ParsedRequest {
             method,
             headers,
-            rest: early,
+            rest: mut early,
             ..
         } = request;
         let checked = self.check_request(
@@ -348,14 +348,29 @@ impl Gateway {
         }
         // A model call off the route is read and counted too, and held to the same budget.
         let read = inference || crate::inference::model_call(&method, &target.path);
-        if read
-            && decision.allowed
-            && let Some(body) = self.refuse_over_budget(&mut decision)
-        {
-            return http::reply(&mut conn, 429, "Too Many Requests", &body);
-        }
-        let Some(upstream) = self.open_upstream(&mut conn, host, port, &mut decision, via) else {
-            return;
+        // Its reservation of the budget is given back when it is counted, or on any way out;
+        // on a refusal from here on, before the client hears it (a client that went on at
+        // once found the budget still held by the call it had been answered for).
+        let mut reservation = if read && decision.allowed {
+            let _ = conn.set_read_timeout(Some(self.bounds.idle));
+            let admitted = self.admit_call(
+                &mut decision,
+                &mut &conn,
+                &headers,
+                body,
+                &mut early,
+                inference,
+            );
+            match admitted {
+                Ok(reservation) => reservation,
+                Err(body) => return http::reply(&mut conn, 429, "Too Many Requests", &body),
+            }
+        } else {
+            None
+        };
+        let Some(upstream) = self.connect_upstream(host, port, &mut decision, via) else {
+            drop(reservation.take());
+            return self.deny(&mut conn, &decision);
         };
         // A credential goes in clear only to the host's own networks; past them, plain HTTP
         // would carry the secret over networks nobody here vouches for. (Over TLS, the
@@ -376,6 +391,7 @@ impl Gateway {
                 secret.name,
                 peer.ip()
             );
+            drop(reservation.take());
             return self.deny(&mut conn, &decision);
         }
         let started = std::time::Instant::now();
@@ -396,6 +412,7 @@ impl Gateway {
                     )),
                     (Err(e), _) | (_, Err(e)) => {
                         let reason = format!("starting TLS to the upstream: {e}");
+                        drop(reservation.take());
                         return self.bad_gateway(&mut conn, &mut decision, reason);
                     }
                 }
@@ -441,6 +458,7 @@ impl Gateway {
             Err(e) if let Some(reason) = placeholder_refusal(&e) => {
                 decision.allowed = false;
                 decision.reason = reason;
+                drop(reservation.take());
                 return self.deny(&mut conn, &decision);
             }
             // The body did not get through whole (an upstream that answers early, a client
@@ -448,6 +466,7 @@ impl Gateway {
             Err(e) if secured.is_some() => {
                 // Over TLS the session is the only way to the upstream: what failed is said.
                 let reason = format!("talking TLS to the upstream: {e}");
+                drop(reservation.take());
                 return self.bad_gateway(&mut conn, &mut decision, reason);
             }
             Err(_) => {
@@ -465,11 +484,16 @@ impl Gateway {
                 Some(stream) => stream,
                 None => &mut plain,
             };
-            match http::relay_inspected(&mut &mut *from, &mut &mut *to, &self.secrets, &method) {
+            let relayed =
+                http::relay_inspected(&mut &mut *from, &mut &mut *to, &self.secrets, &method, read);
+            match relayed {
                 Ok(n) => n,
                 Err(ResponseError::Refused(reason)) => {
                     decision.allowed = false;
                     decision.reason = format!("response refused: {reason}");
+                    // Given back before the client hears the refusal (the reply is counted
+                    // as nothing, as it was).
+                    drop(reservation.take());
                     http::reply(
                         &mut conn,
                         502,
@@ -498,6 +522,7 @@ impl Gateway {
                 started.elapsed(),
                 inference,
                 (decision.bytes_up, decision.bytes_down),
+                reservation,
             );
         }
         let _ = conn.shutdown(Shutdown::Both);

@@ -418,12 +418,16 @@ impl From<io::Error> for ResponseError {
 /// gateway cannot inspect (an encoded body, a transfer encoding other than `chunked`, a switch
 /// of protocols) is refused before any of it reaches the client; a chunked body is decoded
 /// (and sent on as the end of the connection delimits it), so that a secret split across
-/// chunks is seen whole. Returns the bytes read from the upstream.
+/// chunks is seen whole. With `close_delimited` (a model call's reply, which is counted once
+/// relayed), a body of a known length is sent as the end of the connection delimits it too:
+/// the client hears the end only once the gateway has counted it and closes. Returns the
+/// bytes read from the upstream.
 pub(crate) fn relay_inspected(
     upstream: &mut impl Read,
     client: &mut impl Write,
     secrets: &Secrets,
     request_method: &str,
+    close_delimited: bool,
 ) -> Result<u64, ResponseError> {
     let mut scrubbed = Replacer::scrubbing(client, secrets);
     let mut early = Vec::new();
@@ -509,7 +513,7 @@ pub(crate) fn relay_inspected(
         let mut out = head[..head.iter().position(|b| *b == b'\n').unwrap_or(0) + 1].to_vec();
         let chunked = framing == Framing::Framed(Body::Chunked);
         for ((name, value), spelled) in named.iter().zip(&original) {
-            let reframed = chunked
+            let reframed = (chunked || close_delimited)
                 && matches!(
                     name.as_str(),
                     "transfer-encoding" | "trailer" | "content-length"
@@ -679,13 +683,39 @@ mod tests {
                 b.len()
             );
             let mut out = Vec::new();
-            relay_inspected(&mut response.as_bytes(), &mut out, &secrets, "GET").unwrap();
+            relay_inspected(&mut response.as_bytes(), &mut out, &secrets, "GET", false).unwrap();
             let text = String::from_utf8(out).unwrap();
             assert!(
                 text.ends_with("\r\n\r\nPLACEHOLDERXYZ"),
                 "split at {cut}: {text}"
             );
             assert!(!text.to_ascii_lowercase().contains("transfer-encoding"));
+        }
+    }
+
+    /// A model call's reply is counted once relayed: sent with its length, a client heard its
+    /// end (and sent its next call, to find this one's reservation still held) before it was.
+    /// Sent delimited by the end of the connection, it ends when the gateway closes.
+    #[test]
+    fn a_reply_delimited_by_close_loses_its_length() {
+        let response =
+            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}";
+        for (close_delimited, length) in [(false, true), (true, false)] {
+            let mut out = Vec::new();
+            relay_inspected(
+                &mut response.as_bytes(),
+                &mut out,
+                &Secrets::default(),
+                "POST",
+                close_delimited,
+            )
+            .unwrap();
+            let text = String::from_utf8(out).unwrap();
+            assert_eq!(text.contains("Content-Length"), length, "{text}");
+            assert!(
+                text.contains("Connection: close\r\n\r\n{}") && text.ends_with("{}"),
+                "{text}"
+            );
         }
     }
 
@@ -700,7 +730,8 @@ mod tests {
             "not http at all\r\n\r\n",
         ] {
             let mut out = Vec::new();
-            let result = relay_inspected(&mut response.as_bytes(), &mut out, &secrets, "GET");
+            let result =
+                relay_inspected(&mut response.as_bytes(), &mut out, &secrets, "GET", false);
             assert!(
                 matches!(result, Err(ResponseError::Refused(_))),
                 "{response:?}: {result:?}"
@@ -710,7 +741,7 @@ mod tests {
         // A secret echoed in a header is scrubbed too; an interim response passes before.
         let echoed = "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nX-Echo: Bearer s3cr3t-t0ken-9\r\nContent-Length: 2\r\n\r\nok";
         let mut out = Vec::new();
-        relay_inspected(&mut echoed.as_bytes(), &mut out, &secrets, "GET").unwrap();
+        relay_inspected(&mut echoed.as_bytes(), &mut out, &secrets, "GET", false).unwrap();
         let text = String::from_utf8(out).unwrap();
         assert!(
             text.starts_with("HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n"),
@@ -727,7 +758,7 @@ mod tests {
         // names.
         let response = "HTTP/1.1 200 OK\r\nContent-Encoding: Bearer s3cr3t-t0ken-9\r\nContent-Length: 2\r\n\r\nok";
         let mut out = Vec::new();
-        let result = relay_inspected(&mut response.as_bytes(), &mut out, &secrets, "GET");
+        let result = relay_inspected(&mut response.as_bytes(), &mut out, &secrets, "GET", false);
         let Err(ResponseError::Refused(reason)) = result else {
             panic!("not refused: {result:?}");
         };

@@ -6,13 +6,14 @@
 //! a destination with a credential or with method and path rules), is read, recorded and
 //! counted the same way: an agent in a cell that speaks to its provider itself is seen as well.
 
-use std::io::{self, Write};
-use std::sync::atomic::Ordering;
+use std::io::{self, Read, Write};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use serde_json::{Value, json};
 
 use crate::host::Host;
+use crate::http::Body;
 use crate::proxy::Gateway;
 use crate::rules::{INFERENCE_RULE, InferenceRoute};
 
@@ -49,24 +50,95 @@ impl Gateway {
         matches!(host, Host::Name(name) if *name == route.name).then(|| route.clone())
     }
 
-    /// Why the cell may not send another model request (its token budget is spent).
-    pub(crate) fn inference_refusal(&self) -> Option<String> {
-        let rules = self.rules();
-        let max = rules.inference.as_ref()?.max_tokens?;
-        let used = self.inference_tokens.load(Ordering::Relaxed);
-        (used >= max).then(|| {
-            format!("the cell's inference token budget ({max}, network.inference.max_tokens) is spent: {used} used")
-        })
+    /// Tokens the cell's model calls used so far (those under way not yet in them).
+    #[cfg(test)]
+    pub(crate) fn tokens_used(&self) -> u64 {
+        lock(&self.inference_budget).used
     }
 
-    /// Refuses and records a model call past the cell's token budget; the body to answer it
-    /// with (429). `None`: within the budget, nothing done.
-    pub(crate) fn refuse_over_budget(&self, decision: &mut crate::Decision) -> Option<Value> {
-        let reason = self.inference_refusal()?;
+    /// Lets a model call through the cell's token budget (`network.inference.max_tokens`), or
+    /// refuses and records it; the body to answer a refusal with (429). A call let through
+    /// holds a reservation of what it may cost until its tokens are counted: its input (a
+    /// quarter token a byte of its body) and the output its request caps (`max_tokens` and its
+    /// kin), or, where it caps none, all that is left of the budget (no other call starts
+    /// while it is under way). A call is refused when what is used, what the calls under way
+    /// hold and what it asks for would take the cell past its budget: checked only against
+    /// what was used, calls sent at once all found the budget unspent and overran it as many
+    /// times over. To see its cap, a body announced by its length and shorter than what is
+    /// kept is read here, before anything goes upstream (into `early`, which is sent from);
+    /// a client that asked to be told to go on is, first. `routed`: the call is the route's
+    /// (off it, a body read whole that names no model is a REST API's, counted as nothing,
+    /// and reserves nothing). `None`: no budget, or no reservation to hold.
+    pub(crate) fn admit_call(
+        &self,
+        decision: &mut crate::Decision,
+        client: &mut (impl Read + Write),
+        headers: &[(String, Vec<u8>)],
+        body: Body,
+        early: &mut Vec<u8>,
+        routed: bool,
+    ) -> Result<Option<Reservation>, Value> {
+        let Some(max) = self.rules().inference.as_ref().and_then(|r| r.max_tokens) else {
+            return Ok(None);
+        };
+        // Spent, or held whole by the calls under way: refused unread, as before.
+        if let Some(reason) = refusal(&lock(&self.inference_budget), max, None) {
+            return Err(self.refuse_over_budget(decision, reason));
+        }
+        let length = match body {
+            Body::Length(n) if n < KEPT as u64 => Some(n as usize),
+            _ => None,
+        };
+        if let Some(length) = length
+            && early.len() < length
+        {
+            crate::http::go_on(client, headers, body, early);
+            // A body that does not come whole (a client gone, or silent past the idle limit)
+            // does not read: the call caps nothing, and takes what is left.
+            let _ = client
+                .take((length - early.len()) as u64)
+                .read_to_end(early);
+        }
+        let request: Option<Value> =
+            length.and_then(|n| serde_json::from_slice(&early[..n.min(early.len())]).ok());
+        if !routed
+            && request
+                .as_ref()
+                .is_some_and(|b| !b.get("model").is_some_and(Value::is_string))
+        {
+            return Ok(None);
+        }
+        let ask = length
+            .zip(request.as_ref().and_then(declared_cap))
+            .map(|(length, cap)| Ask {
+                input: length as u64 / 4,
+                cap,
+            });
+        let mut budget = lock(&self.inference_budget);
+        if let Some(reason) = refusal(&budget, max, ask.as_ref()) {
+            drop(budget);
+            return Err(self.refuse_over_budget(decision, reason));
+        }
+        let tokens = match &ask {
+            Some(ask) => ask.tokens(),
+            None => max.saturating_sub(budget.used.saturating_add(budget.reserved)),
+        };
+        budget.reserved = budget.reserved.saturating_add(tokens);
+        budget.under_way += 1;
+        Ok(Some(Reservation {
+            budget: self.inference_budget.clone(),
+            tokens,
+            held: true,
+        }))
+    }
+
+    /// Refuses and records a model call past the cell's token budget for `reason`; the body
+    /// to answer it with (429).
+    fn refuse_over_budget(&self, decision: &mut crate::Decision, reason: String) -> Value {
         decision.allowed = false;
         decision.reason = reason;
         self.log_decision(decision);
-        Some(budget_spent_body(&decision.reason))
+        budget_spent_body(&decision.reason)
     }
 
     /// Reads an exchange (the request's body, the response as the client got it: head and
@@ -74,7 +146,9 @@ impl Gateway {
     /// down in all) and counts its tokens; the record's `inference` field. One off the route
     /// (`routed` false) is passed over only when its request, read whole, is JSON that names no
     /// `model` (a REST API's `/messages` is not counted as tokens); one longer than what is
-    /// kept, or that is not JSON the gateway reads, is counted.
+    /// kept, or that is not JSON the gateway reads, is counted. `held`: the call's reservation
+    /// of the budget (`admit_call`), given back as its tokens are counted.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn read_exchange(
         &self,
         path: &str,
@@ -83,6 +157,7 @@ impl Gateway {
         latency: Duration,
         routed: bool,
         relayed: (u64, u64),
+        held: Option<Reservation>,
     ) -> Option<Value> {
         let request_cut = request.len() >= KEPT;
         // The request is kept as it went upstream: a credential bound `in_body` is the secret
@@ -171,14 +246,16 @@ impl Gateway {
         };
         // Added saturating: the usage is the upstream's word, and an upstream the cell can
         // make answer (an allowed host of its own) could report one near 2^64 that wrapped the
-        // total round to nothing, the cell's budget whole again.
-        let used = self
-            .inference_tokens
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |used| {
-                Some(used.saturating_add(counted))
-            })
-            .unwrap_or_else(|used| used);
-        let total = used.saturating_add(counted);
+        // total round to nothing, the cell's budget whole again. The call's reservation is
+        // given back in the same step: at no moment is it counted neither way.
+        let total = {
+            let mut budget = lock(&self.inference_budget);
+            budget.used = budget.used.saturating_add(counted);
+            if let Some(mut held) = held {
+                held.release(&mut budget);
+            }
+            budget.used
+        };
         out["tokens_used"] = total.into();
         match parsed {
             Ok(reply) => {
@@ -198,6 +275,184 @@ impl Gateway {
             Err(err) => out["error"] = err.to_string().into(),
         }
         Some(out)
+    }
+}
+
+/// The cell's token budget as it stands (one per gateway).
+#[derive(Debug, Default)]
+pub(crate) struct Budget {
+    /// Tokens counted, of the calls that ended.
+    used: u64,
+    /// Tokens reserved by the calls under way (what each may cost), and how many they are.
+    reserved: u64,
+    under_way: u64,
+}
+
+/// What a model call let through holds of the cell's budget while it is under way. Given back
+/// when its tokens are counted (`read_exchange`), and on every other way out (an upstream that
+/// cannot be reached, a refusal after the call was let through, an error, a client gone) when
+/// it is dropped: a reservation kept would hold the cell's budget for good.
+#[derive(Debug)]
+pub(crate) struct Reservation {
+    budget: Arc<Mutex<Budget>>,
+    tokens: u64,
+    held: bool,
+}
+
+impl Reservation {
+    /// Gives the reservation back to `budget` (its own, locked), once.
+    fn release(&mut self, budget: &mut Budget) {
+        if std::mem::take(&mut self.held) {
+            budget.reserved = budget.reserved.saturating_sub(self.tokens);
+            budget.under_way = budget.under_way.saturating_sub(1);
+        }
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if self.held {
+            let budget = self.budget.clone();
+            self.release(&mut lock(&budget));
+        }
+    }
+}
+
+/// The budget, locked (a thread that panicked holding it left numbers that still hold).
+fn lock(budget: &Mutex<Budget>) -> MutexGuard<'_, Budget> {
+    budget.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// What a model call that caps its output asks of the budget.
+#[derive(Debug)]
+struct Ask {
+    /// Its input: a quarter token a byte of its body.
+    input: u64,
+    cap: Cap,
+}
+
+/// The output a request caps, as it names it.
+#[derive(Debug)]
+struct Cap {
+    /// The field (`max_tokens`, `max_completion_tokens`, ...).
+    field: &'static str,
+    tokens: u64,
+    /// Answers asked for (`n`, `candidateCount`), each capped alike.
+    answers: u64,
+}
+
+impl Ask {
+    fn tokens(&self) -> u64 {
+        self.input
+            .saturating_add(self.cap.tokens.saturating_mul(self.cap.answers))
+    }
+}
+
+/// The fields in which the model APIs take a cap on a reply's tokens: Chat Completions
+/// (`max_tokens`, `max_completion_tokens`), Responses (`max_output_tokens`), Anthropic
+/// Messages (`max_tokens`), Gemini (`generationConfig.maxOutputTokens`).
+const CAPS: [(&str, &str); 5] = [
+    ("", "max_tokens"),
+    ("", "max_completion_tokens"),
+    ("", "max_output_tokens"),
+    ("generationConfig", "maxOutputTokens"),
+    ("generation_config", "max_output_tokens"),
+];
+
+/// The output a request caps: the largest of its caps, times the answers it asks for. `None`
+/// where it caps none, or names a cap that is not a whole number (a provider that takes it
+/// some other way is not held to a number the gateway made up).
+fn declared_cap(request: &Value) -> Option<Cap> {
+    let mut found: Option<Cap> = None;
+    for (within, field) in CAPS {
+        let holder = if within.is_empty() {
+            request
+        } else {
+            match request.get(within) {
+                Some(holder) => holder,
+                None => continue,
+            }
+        };
+        match holder.get(field) {
+            None | Some(Value::Null) => {}
+            Some(value) => {
+                let tokens = value.as_u64()?;
+                if found.as_ref().is_none_or(|f| f.tokens < tokens) {
+                    found = Some(Cap {
+                        field,
+                        tokens,
+                        answers: 1,
+                    });
+                }
+            }
+        }
+    }
+    let mut cap = found?;
+    let answers = [
+        request.get("n"),
+        request.get("candidateCount"),
+        request
+            .get("generationConfig")
+            .and_then(|g| g.get("candidateCount")),
+        request
+            .get("generation_config")
+            .and_then(|g| g.get("candidate_count")),
+    ];
+    for answers in answers.into_iter().flatten() {
+        match answers {
+            Value::Null => {}
+            n => cap.answers = cap.answers.max(n.as_u64()?),
+        }
+    }
+    Some(cap)
+}
+
+/// Why a model call asking `ask` (`None`: it caps no output, and would take what is left)
+/// may not start, with the budget as it stands.
+fn refusal(budget: &Budget, max: u64, ask: Option<&Ask>) -> Option<String> {
+    let Budget {
+        used,
+        reserved,
+        under_way,
+    } = *budget;
+    let what = format!("the cell's inference token budget ({max}, network.inference.max_tokens)");
+    if used >= max {
+        return Some(format!("{what} is spent: {used} used"));
+    }
+    let left = max - used.saturating_add(reserved).min(max);
+    let held = match under_way {
+        0 => "none reserved by calls under way".to_owned(),
+        1 => format!("{reserved} reserved by the call under way"),
+        n => format!("{reserved} reserved by the {n} calls under way"),
+    };
+    let wait = if under_way > 0 {
+        ", or wait for the calls under way to end"
+    } else {
+        ""
+    };
+    match ask {
+        None if left == 0 => Some(format!(
+            "{what} is held whole: {used} used, {held}; wait for the calls under way to end"
+        )),
+        None => None,
+        Some(ask) if ask.tokens() <= left => None,
+        Some(ask) => {
+            let Cap {
+                field,
+                tokens,
+                answers,
+            } = &ask.cap;
+            let answers = if *answers > 1 {
+                format!(" for each of {answers} answers")
+            } else {
+                String::new()
+            };
+            Some(format!(
+                "{what} cannot take this call: {used} used, {held}, and this one may take {} ({} of input, a quarter token a byte of its body, and its {field} of {tokens}{answers}), past the {left} left; lower its {field}{wait}",
+                ask.tokens(),
+                ask.input,
+            ))
+        }
     }
 }
 
@@ -239,6 +494,7 @@ fn clip(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::Ordering;
 
     fn gateway() -> Gateway {
         gateway_with(crate::Secrets::default())
@@ -278,19 +534,34 @@ mod tests {
                 Duration::ZERO,
                 false,
                 (0, 0),
+                None,
             )
             .expect("a model call is read");
         assert_eq!(read["text"], "hi");
         assert_eq!(read["tokens_used"], 10);
         // A REST API's own `/messages` (no model named) is neither read nor counted.
         let other = br#"{"to":"someone","body":"hello"}"#;
-        let none =
-            gateway.read_exchange("/api/messages", other, REPLY, Duration::ZERO, false, (0, 0));
+        let none = gateway.read_exchange(
+            "/api/messages",
+            other,
+            REPLY,
+            Duration::ZERO,
+            false,
+            (0, 0),
+            None,
+        );
         assert!(none.is_none());
-        assert_eq!(gateway.inference_tokens.load(Ordering::Relaxed), 10);
+        assert_eq!(gateway.tokens_used(), 10);
         // On the route, every exchange is read, whatever its body.
-        let routed =
-            gateway.read_exchange("/v1/messages", other, b"", Duration::ZERO, true, (0, 0));
+        let routed = gateway.read_exchange(
+            "/v1/messages",
+            other,
+            b"",
+            Duration::ZERO,
+            true,
+            (0, 0),
+            None,
+        );
         assert!(routed.is_some_and(|r| r.get("error").is_some()));
     }
 
@@ -312,6 +583,7 @@ mod tests {
                 Duration::ZERO,
                 false,
                 (3 * KEPT as u64, REPLY.len() as u64),
+                None,
             )
             .expect("a model call padded past what is kept is read");
         assert_eq!(read["tokens_used"], 10, "{read}");
@@ -324,6 +596,7 @@ mod tests {
                 Duration::ZERO,
                 false,
                 (odd.len() as u64, REPLY.len() as u64),
+                None,
             )
             .expect("a model call the gateway cannot parse is read");
         assert_eq!(read["tokens_used"], 20, "{read}");
@@ -337,6 +610,7 @@ mod tests {
                 Duration::ZERO,
                 true,
                 (relayed, no_usage.len() as u64),
+                None,
             )
             .unwrap();
         assert_eq!(read["tokens_estimated"], true, "{read}");
@@ -371,11 +645,105 @@ mod tests {
                 Duration::ZERO,
                 false,
                 (0, 0),
+                None,
             )
             .expect("a model call is read");
         let text = read.to_string();
         assert!(!text.contains("s3cr3t-VALUE"), "{text}");
         assert_eq!(read["model"], "placeholder-0123456789");
+    }
+
+    /// The caps of the wire formats are read, the largest where several are named, times the
+    /// answers asked for; a request with none, or one the gateway cannot take as a number,
+    /// caps nothing.
+    #[test]
+    fn a_request_caps_its_output_in_the_fields_of_its_format() {
+        let cap = |v: Value| declared_cap(&v).map(|c| (c.field, c.tokens * c.answers));
+        assert_eq!(cap(json!({"max_tokens": 50})), Some(("max_tokens", 50)));
+        assert_eq!(
+            cap(json!({"max_tokens": 50, "max_completion_tokens": 70, "n": 3})),
+            Some(("max_completion_tokens", 210))
+        );
+        assert_eq!(
+            cap(json!({"max_output_tokens": 9})),
+            Some(("max_output_tokens", 9))
+        );
+        assert_eq!(
+            cap(json!({"generationConfig": {"maxOutputTokens": 12, "candidateCount": 2}})),
+            Some(("maxOutputTokens", 24))
+        );
+        assert_eq!(cap(json!({"model": "m", "max_tokens": null})), None);
+        assert_eq!(cap(json!({"max_tokens": "50"})), None);
+        assert_eq!(cap(json!({"max_tokens": -1})), None);
+        assert_eq!(cap(json!({"max_tokens": 50, "n": 1.5})), None);
+    }
+
+    /// A reservation is given back when its call is counted, and when it is dropped on any
+    /// other way out; the budget refuses what would take it past its end, saying why.
+    #[test]
+    fn a_reservation_is_given_back_when_counted_or_dropped() {
+        let gateway = gateway();
+        let budget = |g: &Gateway| {
+            let b = lock(&g.inference_budget);
+            (b.used, b.reserved, b.under_way)
+        };
+        let take = |tokens| {
+            let mut b = lock(&gateway.inference_budget);
+            b.reserved += tokens;
+            b.under_way += 1;
+            Reservation {
+                budget: gateway.inference_budget.clone(),
+                tokens,
+                held: true,
+            }
+        };
+        let first = take(100);
+        let second = take(50);
+        assert_eq!(budget(&gateway), (0, 150, 2));
+        let ask = Ask {
+            input: 30,
+            cap: Cap {
+                field: "max_tokens",
+                tokens: 40,
+                answers: 1,
+            },
+        };
+        let why = refusal(&lock(&gateway.inference_budget), 200, Some(&ask)).unwrap();
+        assert!(
+            why.contains("0 used, 150 reserved by the 2 calls under way")
+                && why.contains("may take 70")
+                && why.contains("lower its max_tokens, or wait"),
+            "{why}"
+        );
+        drop(second);
+        assert_eq!(budget(&gateway), (0, 100, 1));
+        assert!(refusal(&lock(&gateway.inference_budget), 200, Some(&ask)).is_none());
+        let read = gateway
+            .read_exchange(
+                "/v1/chat/completions",
+                br#"{"model":"m"}"#,
+                REPLY,
+                Duration::ZERO,
+                true,
+                (0, 0),
+                Some(first),
+            )
+            .unwrap();
+        assert_eq!(read["tokens_used"], 10);
+        assert_eq!(budget(&gateway), (10, 0, 0));
+        // A call passed over (a REST API's) gives its reservation back all the same.
+        let third = take(60);
+        let none = gateway.read_exchange(
+            "/api/messages",
+            br#"{"to":"x"}"#,
+            REPLY,
+            Duration::ZERO,
+            false,
+            (0, 0),
+            Some(third),
+        );
+        assert!(none.is_none());
+        assert_eq!(budget(&gateway), (10, 0, 0));
     }
 
     #[test]

@@ -45,7 +45,7 @@ impl Gateway {
             method,
             target: path,
             headers,
-            rest,
+            mut rest,
         } = match http::read_request(&mut client) {
             Ok(request) => request,
             Err(RequestError::Malformed) => {
@@ -90,15 +90,22 @@ impl Gateway {
         // A model call (a coding agent speaking to its provider itself) is read and counted as
         // on the inference route, and held to its budget.
         let read = crate::inference::model_call(&method, &target.path);
-        if read
-            && decision.allowed
-            && let Some(body) = self.refuse_over_budget(&mut decision)
-        {
-            write_reply(&mut client, 429, "Too Many Requests", &body);
-            client.conn.send_close_notify();
-            let _ = client.flush();
-            return;
-        }
+        // Its reservation of the budget is given back when it is counted, or on any way out;
+        // on a refusal from here on, before the client hears it (as in `forward_to`).
+        let mut reservation = if read && decision.allowed {
+            let _ = conn.set_read_timeout(Some(self.bounds.idle));
+            match self.admit_call(&mut decision, &mut client, &headers, body, &mut rest, false) {
+                Ok(reservation) => reservation,
+                Err(body) => {
+                    write_reply(&mut client, 429, "Too Many Requests", &body);
+                    client.conn.send_close_notify();
+                    let _ = client.flush();
+                    return;
+                }
+            }
+        } else {
+            None
+        };
         let upstream_tcp = if decision.allowed {
             match self.connect_via(&host, port, via, Some((&method, &target.path))) {
                 Ok((tcp, addr)) => {
@@ -125,6 +132,7 @@ impl Gateway {
             upstream_tcp,
             rustls::pki_types::ServerName::try_from(name.clone()),
         ) else {
+            drop(reservation.take());
             return refuse(&mut client, &decision);
         };
         let _tracked = self.track(
@@ -137,6 +145,7 @@ impl Gateway {
         let _ = upstream_tcp.set_read_timeout(Some(self.bounds.idle));
         let _ = conn.set_read_timeout(Some(self.bounds.idle));
         let Ok(tls) = rustls::ClientConnection::new(interceptor.client(), server_name) else {
+            drop(reservation.take());
             return;
         };
         let mut upstream =
@@ -176,11 +185,13 @@ impl Gateway {
             Err(e) if let Some(reason) = placeholder_refusal(&e) => {
                 decision.allowed = false;
                 decision.reason = reason;
+                drop(reservation.take());
                 return refuse(&mut client, &decision);
             }
             Err(e) => {
                 decision.allowed = false;
                 decision.reason = format!("talking TLS to the upstream: {e}");
+                drop(reservation.take());
                 self.log_decision(&decision);
                 return write_reply(
                     &mut client,
@@ -197,12 +208,14 @@ impl Gateway {
             };
             let to: &mut dyn Write = if read { &mut tap } else { tap.inner };
             let relayed =
-                http::relay_inspected(&mut upstream, &mut &mut *to, &self.secrets, &method);
+                http::relay_inspected(&mut upstream, &mut &mut *to, &self.secrets, &method, read);
             match relayed {
                 Ok(n) => decision.bytes_down = n,
                 Err(ResponseError::Refused(reason)) => {
                     decision.allowed = false;
                     decision.reason = format!("response refused: {reason}");
+                    // Given back before the client hears the refusal (as in `forward_to`).
+                    drop(reservation.take());
                     write_reply(
                         &mut client,
                         502,
@@ -221,6 +234,7 @@ impl Gateway {
                     started.elapsed(),
                     false,
                     (decision.bytes_up, decision.bytes_down),
+                    reservation,
                 );
             }
             client.conn.send_close_notify();

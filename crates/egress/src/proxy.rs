@@ -67,8 +67,9 @@ pub struct Gateway {
     /// The threads that serve connections (and a tunnel's second direction), kept between them.
     pub(crate) workers: Arc<crate::workers::Workers>,
     pub(crate) bounds: Bounds,
-    /// Tokens the cell's model exchanges used (`network.inference.max_tokens` bounds them).
-    pub(crate) inference_tokens: Arc<AtomicU64>,
+    /// Tokens the cell's model exchanges used, and those reserved by the calls under way
+    /// (`network.inference.max_tokens` bounds them together).
+    pub(crate) inference_budget: Arc<Mutex<crate::inference::Budget>>,
 }
 
 #[derive(Clone)]
@@ -135,7 +136,7 @@ impl Gateway {
             slots: Slots::new(bounds.connections),
             workers: crate::workers::Workers::new("egress-conn"),
             bounds,
-            inference_tokens: Arc::new(AtomicU64::new(0)),
+            inference_budget: Arc::default(),
         })
     }
 
@@ -526,8 +527,23 @@ impl Gateway {
         decision: &mut Decision,
         via: Via,
     ) -> Option<TcpStream> {
-        if !decision.allowed {
+        let upstream = self.connect_upstream(host, port, decision, via);
+        if upstream.is_none() {
             self.deny(conn, decision);
+        }
+        upstream
+    }
+
+    /// As `open_upstream`, answering nothing: `None` where the request is refused (as it was,
+    /// or now that its upstream cannot be reached), for the caller to answer.
+    pub(crate) fn connect_upstream(
+        &self,
+        host: &Host,
+        port: u16,
+        decision: &mut Decision,
+        via: Via,
+    ) -> Option<TcpStream> {
+        if !decision.allowed {
             return None;
         }
         let http = decision.method.as_deref().zip(decision.path.as_deref());
@@ -539,7 +555,6 @@ impl Gateway {
             Err(reason) => {
                 decision.allowed = false;
                 decision.reason = reason;
-                self.deny(conn, decision);
                 None
             }
         }
