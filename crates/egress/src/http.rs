@@ -141,6 +141,33 @@ pub(crate) fn answer_bad_request(
 
 pub(crate) fn reply(conn: &mut TcpStream, code: u16, text: &str, body: &serde_json::Value) {
     write_reply(conn, code, text, body);
+    close_after_answer(conn);
+}
+
+/// How long, and how many bytes, a refused client's unread request is read and dropped for.
+const LINGER: std::time::Duration = std::time::Duration::from_secs(2);
+const LINGER_BYTES: u64 = 64 << 20;
+
+/// Ends a connection whose answer went out before its request was read whole (a refusal
+/// decided on the head): the write side is shut (the client sees the answer and its end), and
+/// what the client still sends is read and dropped until it closes, for at most `LINGER` and
+/// `LINGER_BYTES`. Closed with unread data, the kernel answers with a reset: a client still
+/// sending a large body got "Broken pipe" or "Connection reset" instead of the answer.
+fn close_after_answer(conn: &mut TcpStream) {
+    let _ = conn.shutdown(std::net::Shutdown::Write);
+    let deadline = Instant::now() + LINGER;
+    let mut left = LINGER_BYTES;
+    let mut buf = [0u8; 16 * 1024];
+    while left > 0 {
+        let now = Instant::now();
+        if now >= deadline || conn.set_read_timeout(Some(deadline - now)).is_err() {
+            break;
+        }
+        match conn.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => left = left.saturating_sub(n as u64),
+        }
+    }
     let _ = conn.shutdown(std::net::Shutdown::Both);
 }
 
@@ -573,6 +600,37 @@ impl<R: Read> Read for Counted<R> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A refusal decided on a request's head, while the client is still sending a body larger
+    /// than the socket buffers hold: the client sends it whole and reads the answer (shut with
+    /// the body unread, the connection was reset and the client got "Broken pipe").
+    #[test]
+    fn a_refused_client_still_sending_its_body_gets_the_answer() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let client = std::thread::spawn(move || {
+            let mut conn = TcpStream::connect(addr).unwrap();
+            let body = vec![b'x'; 16 << 20];
+            let head = format!(
+                "POST http://127.0.0.2/ HTTP/1.1\r\nHost: 127.0.0.2\r\nContent-Length: {}\r\n\r\n",
+                body.len()
+            );
+            conn.write_all(head.as_bytes())
+                .and_then(|()| conn.write_all(&body))
+                .map_err(|e| format!("sending: {e}"))?;
+            let mut answer = String::new();
+            conn.read_to_string(&mut answer)
+                .map_err(|e| format!("reading: {e}"))?;
+            Ok::<_, String>(answer)
+        });
+        let (mut conn, _) = listener.accept().unwrap();
+        let mut head = [0u8; 64];
+        conn.read_exact(&mut head).unwrap();
+        reply(&mut conn, 403, "Forbidden", &json!({ "error": "no" }));
+        let answer = client.join().unwrap().unwrap();
+        assert!(answer.starts_with("HTTP/1.1 403 Forbidden"), "{answer}");
+        assert!(answer.ends_with(r#"{"error":"no"}"#), "{answer}");
+    }
 
     fn headers(pairs: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
         pairs
