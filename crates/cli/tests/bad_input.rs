@@ -240,7 +240,7 @@ fn missing_kernel_feature_is_named_and_points_to_doctor() {
         .unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let inner = dir.path().join("warden");
-    std::fs::copy(BIN, &inner).unwrap();
+    copy_program(BIN, &inner);
     let (bin_dir, inner) = (dir.path().display(), inner.display());
     let file = policy(
         dir.path(),

@@ -397,8 +397,7 @@ fn an_unprivileged_user_imports_and_runs_an_image() {
     let dir = tempdir();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let bin = dir.path().join("warden");
-    std::fs::copy(BIN, &bin).unwrap();
-    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    copy_program(BIN, &bin);
     let (runtime, state) = (dir.path().join("run"), dir.path().join("state"));
     for path in [&runtime, &state] {
         std::fs::create_dir(path).unwrap();

@@ -25,8 +25,7 @@ fn setup() -> Rootless {
     let dir = tempdir();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let bin = dir.path().join("warden");
-    std::fs::copy(BIN, &bin).unwrap();
-    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    copy_program(BIN, &bin);
     let workspace = dir.path().join("ws");
     let runtime = dir.path().join("run");
     let state = dir.path().join("state");

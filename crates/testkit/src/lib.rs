@@ -36,6 +36,21 @@ pub fn bin() -> &'static Path {
     })
 }
 
+/// Copies the program `from` to `to` (mode 0755) by a `cp` of its own: no descriptor that
+/// writes the copy is ever open in this process, where another test's fork could carry it
+/// until that child's exec, and the copy's own exec then fails with "Text file busy".
+pub fn copy_program(from: impl AsRef<Path>, to: &Path) {
+    use std::os::unix::fs::PermissionsExt as _;
+    let copied = Command::new("cp")
+        .arg("--")
+        .arg(from.as_ref())
+        .arg(to)
+        .status()
+        .expect("cp runs");
+    assert!(copied.success(), "cp of {} failed", from.as_ref().display());
+    std::fs::set_permissions(to, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
 /// A unique cell name for this test process.
 pub fn unique(prefix: &str) -> String {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
