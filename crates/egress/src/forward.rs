@@ -474,6 +474,9 @@ impl Gateway {
             }
         }
         let _tracked = self.track(host, port, Some((&method, &target.path)), &conn, &upstream);
+        // Whether the response reached the client cut (either side broke off, or the
+        // upstream's body ended short of its framing): its end is then a reset.
+        let mut cut = false;
         decision.bytes_down = if credential.is_some() || read {
             let mut tap = Tap {
                 inner: &conn,
@@ -502,7 +505,10 @@ impl Gateway {
                     );
                     0
                 }
-                Err(ResponseError::Io) => 0,
+                Err(ResponseError::Io) => {
+                    cut = true;
+                    0
+                }
             }
         } else if self.secrets.all.is_empty() {
             pump(&upstream, &conn)
@@ -525,7 +531,11 @@ impl Gateway {
                 reservation,
             );
         }
-        let _ = conn.shutdown(Shutdown::Both);
+        // A reply cut short ends in a reset: sent on without its length (a model call's,
+        // a chunked one), a clean end would make it look whole to the client.
+        if !(cut && http::reset_on_close(&conn)) {
+            let _ = conn.shutdown(Shutdown::Both);
+        }
         self.log_decision(&decision);
     }
 }
@@ -875,6 +885,80 @@ mod tests {
         })
         .join()
         .unwrap();
+    }
+
+    /// A model call's reply goes to the client without its length (it ends when the gateway
+    /// closes, once it has counted it): one the upstream cut short of the length it declared
+    /// ends in a reset, never in the clean end that would make it look whole (it had ended
+    /// in a FIN, and the client took half a reply for all of it). A whole one ends clean.
+    #[test]
+    fn a_model_reply_cut_short_reaches_the_client_as_cut() {
+        use std::io::Write as _;
+        let upstream = std::net::TcpListener::bind("127.0.0.2:0").unwrap();
+        let port = upstream.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            for mut conn in upstream.incoming().flatten() {
+                // The request whole (closed with some of it unread, the socket would reset).
+                let mut request = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !request.ends_with(br#""messages":[]}"#) {
+                    match conn.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => request.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let whole = String::from_utf8_lossy(&request).contains("/whole");
+                let body = r#"{"id":"c","object":"chat.completion","model":"m","choices":[]}"#;
+                let declared = if whole { body.len() } else { body.len() + 100 };
+                let _ = write!(
+                    conn,
+                    "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {declared}\r\n\r\n{body}"
+                );
+            }
+        });
+        let network = warden_policy::Network {
+            allow: vec![warden_policy::NetRule {
+                host: "127.0.0.2".into(),
+                ports: vec![port],
+                methods: vec![],
+                paths: vec![],
+                credential: None,
+                dns: warden_policy::NameLookup::Any,
+            }],
+            ..warden_policy::Network::default()
+        };
+        let log = std::env::temp_dir().join(format!(
+            "warden-forward-cut-reply-{}.jsonl",
+            std::process::id()
+        ));
+        let address = serving(&network, crate::Secrets::default(), &log);
+        let call = |path: &str| {
+            let body = r#"{"model":"m","messages":[]}"#;
+            let mut conn = TcpStream::connect(address).unwrap();
+            conn.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+                .unwrap();
+            write!(
+                conn,
+                "POST http://127.0.0.2:{port}{path} HTTP/1.1\r\nHost: 127.0.0.2:{port}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .unwrap();
+            let mut answer = Vec::new();
+            let ended = conn.read_to_end(&mut answer);
+            (ended, String::from_utf8_lossy(&answer).into_owned())
+        };
+        let (ended, answer) = call("/whole/v1/chat/completions");
+        assert!(ended.is_ok(), "{ended:?}: {answer}");
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(answer.ends_with(r#""choices":[]}"#), "{answer}");
+        let (ended, answer) = call("/cut/v1/chat/completions");
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert_eq!(
+            ended.as_ref().map_err(io::Error::kind).err(),
+            Some(io::ErrorKind::ConnectionReset),
+            "a reply cut short ended clean: {answer}"
+        );
+        let _ = std::fs::remove_file(&log);
     }
 
     #[test]

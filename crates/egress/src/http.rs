@@ -429,8 +429,25 @@ pub(crate) fn upstream_request(
 pub(crate) enum ResponseError {
     /// It cannot be inspected for the secret; nothing of it reached the client.
     Refused(String),
-    /// The connection to either side broke off.
+    /// The connection to either side broke off, or the upstream's body ended before its
+    /// framing did (short of its length, inside a chunk): the client must not see a clean end
+    /// (`reset_on_close`), which would make a reply sent without its length look whole.
     Io,
+}
+
+/// Makes the last close of `conn` a reset (`SO_LINGER` of zero), and tells whether it could:
+/// how a client hears that a reply it got without its length (delimited by the connection's
+/// end) was cut short, where a clean end would say it came whole.
+pub(crate) fn reset_on_close(conn: &TcpStream) -> bool {
+    nix::sys::socket::setsockopt(
+        conn,
+        nix::sys::socket::sockopt::Linger,
+        &nix::libc::linger {
+            l_onoff: 1,
+            l_linger: 0,
+        },
+    )
+    .is_ok()
 }
 
 impl From<io::Error> for ResponseError {
@@ -560,6 +577,7 @@ pub(crate) fn relay_inspected(
     let mut counted = Counted {
         inner: &mut *upstream,
         count: 0,
+        until_close: framing == Framing::UntilClose,
     };
     match framing {
         Framing::UntilClose => {
@@ -567,7 +585,15 @@ pub(crate) fn relay_inspected(
             io::copy(&mut counted, &mut scrubbed)?;
         }
         Framing::Framed(body) => {
-            copy_content(&early, &mut counted, &mut scrubbed, body)?;
+            let copied = copy_content(&early, &mut counted, &mut scrubbed, body)?;
+            // Short of its length, the body was cut (the upstream closed early): an error,
+            // as a chunked body cut inside a chunk is. Sent on without its length
+            // (`close_delimited`), it would otherwise end as a whole one does.
+            if let Body::Length(length) = body
+                && copied < length
+            {
+                return Err(ResponseError::Io);
+            }
         }
     }
     read += counted.count;
@@ -587,11 +613,18 @@ enum Framing {
 struct Counted<R> {
     inner: R,
     count: u64,
+    /// The body ends when the upstream closes: a TLS upstream that closes without
+    /// `close_notify` (an unexpected end to rustls) has ended it all the same, as the relay
+    /// of a response it does not inspect takes it.
+    until_close: bool,
 }
 
 impl<R: Read> Read for Counted<R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let n = self.inner.read(buf)?;
+        let n = match self.inner.read(buf) {
+            Err(e) if self.until_close && e.kind() == io::ErrorKind::UnexpectedEof => 0,
+            read => read?,
+        };
         self.count += n as u64;
         Ok(n)
     }
@@ -774,6 +807,55 @@ mod tests {
                 text.contains("Connection: close\r\n\r\n{}") && text.ends_with("{}"),
                 "{text}"
             );
+        }
+    }
+
+    /// A body short of its length is an error (the client's end of it is then a reset, not
+    /// the clean end of a whole one); a body delimited by the upstream's close ends there,
+    /// even where a TLS upstream closed without `close_notify` (an unexpected end to rustls).
+    #[test]
+    fn a_body_short_of_its_length_is_cut_and_one_until_close_ends_at_any_close() {
+        struct ThenUnexpectedEnd<'a>(&'a [u8]);
+        impl Read for ThenUnexpectedEnd<'_> {
+            fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+                if self.0.is_empty() {
+                    return Err(io::ErrorKind::UnexpectedEof.into());
+                }
+                let n = self.0.read(buf)?;
+                Ok(n)
+            }
+        }
+        for close_delimited in [false, true] {
+            let cut = "HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n{}";
+            let mut out = Vec::new();
+            let result = relay_inspected(
+                &mut cut.as_bytes(),
+                &mut out,
+                &Secrets::default(),
+                "POST",
+                close_delimited,
+            );
+            assert!(matches!(result, Err(ResponseError::Io)), "{result:?}");
+            let mut out = Vec::new();
+            let result = relay_inspected(
+                &mut ThenUnexpectedEnd(cut.as_bytes()),
+                &mut out,
+                &Secrets::default(),
+                "POST",
+                close_delimited,
+            );
+            assert!(matches!(result, Err(ResponseError::Io)), "{result:?}");
+            let until_close = "HTTP/1.1 200 OK\r\n\r\n{}";
+            let mut out = Vec::new();
+            relay_inspected(
+                &mut ThenUnexpectedEnd(until_close.as_bytes()),
+                &mut out,
+                &Secrets::default(),
+                "POST",
+                close_delimited,
+            )
+            .unwrap();
+            assert!(String::from_utf8(out).unwrap().ends_with("\r\n\r\n{}"));
         }
     }
 

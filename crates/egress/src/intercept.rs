@@ -202,6 +202,7 @@ impl Gateway {
             }
         }
         if credential.is_some() || read {
+            let mut cut = false;
             let mut tap = Tap {
                 inner: &mut client,
                 kept: &mut response_kept,
@@ -223,7 +224,13 @@ impl Gateway {
                         &json!({"error": decision.reason}),
                     );
                 }
-                Err(ResponseError::Io) => {}
+                // Cut (either side broke off, or the upstream's body ended short of its
+                // framing): no close_notify, and a reset, for a clean end would make a reply
+                // sent on without its length look whole to the client.
+                Err(ResponseError::Io) => {
+                    cut = true;
+                    http::reset_on_close(&conn);
+                }
             }
             // Counted before the client hears the end (as in `forward_to`).
             if read {
@@ -237,8 +244,10 @@ impl Gateway {
                     reservation,
                 );
             }
-            client.conn.send_close_notify();
-            let _ = client.flush();
+            if !cut {
+                client.conn.send_close_notify();
+                let _ = client.flush();
+            }
         } else {
             let mut scrubbed = Replacer::scrubbing(&mut client, &self.secrets);
             let mut buf = vec![0u8; 64 * 1024];
