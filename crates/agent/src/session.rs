@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
-use warden_harness::{ControlAction, ErrorKind, Harness, HarnessError};
+use warden_harness::{ControlAction, Harness, HarnessError};
 use warden_model::{Item, Request};
 use warden_protocol::{AgentInfo, AgentState, Budgets, ToolMode, TurnInfo};
 
@@ -246,7 +246,10 @@ async fn snapshot_then(
 ) -> Result<Option<String>, HarnessError> {
     match harness.snapshot_then(cell, None, taken).await {
         Ok(snapshot) => Ok(Some(snapshot.id)),
-        Err(err) if err.kind == ErrorKind::Conflict => Ok(None),
+        // A cell without a workspace layer has no turns to go back to; any other refusal (a
+        // snapshot that waited past its bound behind file operations) fails the turn, rather
+        // than leaving it without a snapshot that a rewind would then miss.
+        Err(err) if err.reason == "no-workspace" => Ok(None),
         Err(err) => Err(err),
     }
 }

@@ -1741,3 +1741,38 @@ fn a_stop_or_say_acknowledged_just_before_a_crash_holds_after_it() {
     assert_eq!(info(&daemon, &stopped)["state"], "stopped");
     daemon.assert_journal_verifies();
 }
+
+/// A session in an existing cell without a workspace layer runs its tools; its turns have no
+/// snapshots (the snapshot's refusal says the cell has no workspace, and only that refusal is
+/// taken for it), and a rewind says why it cannot go back.
+#[test]
+fn a_session_in_a_cell_without_a_workspace_runs_and_its_rewind_says_why_not() {
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(&support::unique("agent-nows"), json!({}));
+    let server = ModelServer::start(vec![
+        call("exec", json!({"command": "echo ran-here"})),
+        Step::Text("done".into()),
+    ]);
+    let agent = start(
+        &daemon,
+        &server,
+        "openai",
+        json!({ "task": "run it", "cell": cell }),
+    );
+    let id = agent["id"].as_str().unwrap().to_owned();
+    let done = settled(&daemon, &id);
+    assert_eq!(done["state"], "done", "{done}");
+    let told = results(&server.requests()[1].body);
+    assert!(told.len() == 1 && told[0].contains("ran-here"), "{told:?}");
+    let rewound = daemon.call(
+        "POST",
+        &format!("/v1/agents/{id}/rewind"),
+        Some(json!({"turn": 1})),
+    );
+    assert_eq!(rewound.status, 409, "{}", rewound.text());
+    assert!(
+        rewound.text().contains("without a workspace layer"),
+        "{}",
+        rewound.text()
+    );
+}

@@ -53,7 +53,7 @@ impl Harness {
             ))));
         }
         if entry.workspace.is_none() {
-            return Err(HarnessError::from(WorkspaceError::Conflict(format!(
+            return Err(HarnessError::from(WorkspaceError::NoWorkspace(format!(
                 "cell `{name}` has no workspace: a checkpoint keeps the cell's workspace beside its memory; make the cell with a workspace (`workspace` in the API, `-w DIR` on the command line)"
             ))));
         }

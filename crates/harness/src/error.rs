@@ -192,9 +192,11 @@ failures! {
         Invalid => BadRequest "invalid-request",
         /// A snapshot or checkpoint that does not exist.
         Missing => NotFound "no-such-snapshot",
-        /// The cell has no workspace, the changes conflict, a snapshot is in use or the name
-        /// is taken, or the cell's tier cannot do it.
+        /// The changes conflict, a snapshot is in use or the name is taken, or the cell's tier
+        /// cannot do it.
         Conflict => Conflict "conflict",
+        /// The cell has no workspace (layer) to diff, apply, snapshot or reset.
+        NoWorkspace => Conflict "no-workspace",
         /// No room was left to write the copy it needs: the cell's own disk (its
         /// `limits.disk`), or the host's.
         Full => Conflict "disk-full",

@@ -13,7 +13,8 @@ use crate::{
 /// A workspace error, classified by what it is (never by its words).
 fn changes_error(err: ChangesError) -> HarnessError {
     let failure = match &err {
-        ChangesError::NoLayer(_) | ChangesError::Running(_) => WorkspaceError::Conflict,
+        ChangesError::NoLayer(_) => WorkspaceError::NoWorkspace,
+        ChangesError::Running(_) => WorkspaceError::Conflict,
         ChangesError::Workspace(e) => match e {
             LayerError::UnknownPath(_) => WorkspaceError::Invalid,
             LayerError::Conflict { .. }
@@ -258,7 +259,7 @@ impl Harness {
     pub async fn changes(&self, name: &str) -> Result<warden_workspace::Diff, HarnessError> {
         let entry = self.entry(name)?;
         if entry.workspace.is_none() {
-            return Err(HarnessError::from(WorkspaceError::Conflict(format!(
+            return Err(HarnessError::from(WorkspaceError::NoWorkspace(format!(
                 "cell `{name}` has no workspace"
             ))));
         }
@@ -283,7 +284,7 @@ impl Harness {
     ) -> Result<serde_json::Value, HarnessError> {
         let entry = self.entry(name)?;
         let Some(host) = entry.workspace.clone() else {
-            return Err(HarnessError::from(WorkspaceError::Conflict(format!(
+            return Err(HarnessError::from(WorkspaceError::NoWorkspace(format!(
                 "cell `{name}` has no workspace"
             ))));
         };
