@@ -677,3 +677,111 @@ fn sandboxes_outlive_a_daemon_crash_and_their_tokens_go_on_working() {
     );
     assert!(raw(&e2b, &delete).0.contains(" 204 "));
 }
+
+/// A raw request of bytes to the E2B listener: its status and body. A refusal may come before
+/// the whole body is read; what could not be sent then is no matter.
+fn raw_bytes(e2b: &E2b, head: &str, body: &[u8]) -> (u16, String) {
+    let mut tcp = std::net::TcpStream::connect(&e2b.addr).unwrap();
+    tcp.write_all(
+        format!(
+            "{head}Host: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .unwrap();
+    let _ = tcp.write_all(body);
+    let mut answer = Vec::new();
+    let _ = tcp.read_to_end(&mut answer);
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+    let status = head.split(' ').nth(1).unwrap_or("0").parse().unwrap_or(0);
+    (status, body.to_owned())
+}
+
+fn connect_envelope(message: &[u8]) -> Vec<u8> {
+    let mut envelope = vec![0u8];
+    envelope.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    envelope.extend_from_slice(message);
+    envelope
+}
+
+#[test]
+fn bad_bodies_envelopes_and_queries_are_refused_in_the_faces_own_shape() {
+    let e2b = start();
+    let key = format!("X-API-KEY: {}\r\n", e2b.key);
+    let (id, token) = sandbox(&e2b, 60);
+    let envd = format!("E2b-Sandbox-Id: {id}\r\nX-Access-Token: {token}\r\n");
+    let big = vec![b' '; 3 << 20];
+    // Bodies over the limit, and a query that cannot be read: the face's JSON errors, not the
+    // web framework's plain text.
+    for (head, body, code) in [
+        (
+            format!("POST /v2/sandboxes HTTP/1.1\r\n{key}Content-Type: application/json\r\n"),
+            &big[..],
+            Value::from(413),
+        ),
+        (
+            format!(
+                "POST /filesystem.Filesystem/ListDir HTTP/1.1\r\n{envd}Content-Type: application/json\r\n"
+            ),
+            &big[..],
+            Value::from("resource_exhausted"),
+        ),
+        (
+            format!("GET /files?path=a&path=b HTTP/1.1\r\n{envd}"),
+            &b""[..],
+            Value::from(400),
+        ),
+    ] {
+        let (status, answer) = raw_bytes(&e2b, &head, body);
+        let answer: Value = serde_json::from_str(&answer)
+            .unwrap_or_else(|e| panic!("{head:?}: {status}, not JSON ({e}): {answer}"));
+        assert_eq!(answer["code"], code, "{head:?}: {answer}");
+        assert!(answer["message"].as_str().is_some(), "{answer}");
+    }
+    // A template name of 100 KB is not echoed whole.
+    let template = serde_json::json!({ "templateID": "x".repeat(100_000) }).to_string();
+    let (status, answer) = raw_bytes(
+        &e2b,
+        &format!("POST /v2/sandboxes HTTP/1.1\r\n{key}Content-Type: application/json\r\n"),
+        template.as_bytes(),
+    );
+    assert_eq!(status, 400, "{}", &answer[..answer.len().min(300)]);
+    assert!(
+        answer.len() < 1000 && answer.contains("not known here"),
+        "{} bytes: {}",
+        answer.len(),
+        &answer[..answer.len().min(300)]
+    );
+    // A stream request with bytes after its one envelope, or a command line longer than
+    // reaches the cell: `invalid_argument` that says why, not a run that ignored the rest or
+    // "Message too long" as if the sandbox were in the wrong state.
+    let start = |body: &[u8]| {
+        raw_bytes(
+            &e2b,
+            &format!(
+                "POST /process.Process/Start HTTP/1.1\r\n{envd}Content-Type: application/connect+json\r\n"
+            ),
+            body,
+        )
+    };
+    let echo = br#"{"process":{"cmd":"echo","args":["hi"]}}"#;
+    let mut trailing = connect_envelope(echo);
+    trailing.extend_from_slice(&connect_envelope(echo));
+    let long = serde_json::json!({ "process": { "cmd": "echo", "args": ["x".repeat(300 << 10)] } })
+        .to_string();
+    for (body, says) in [
+        (trailing, "after its one envelope"),
+        (connect_envelope(long.as_bytes()), "an exec takes"),
+    ] {
+        let (status, answer) = start(&body);
+        assert_eq!(status, 200, "{answer}");
+        assert!(
+            answer.contains("invalid_argument") && answer.contains(says),
+            "{says}: {answer}"
+        );
+        assert!(!answer.contains("\"start\""), "{says}: it ran: {answer}");
+    }
+    assert_eq!(e2b.daemon.call("GET", "/v1/health", None).status, 200);
+}

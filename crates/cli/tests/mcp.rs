@@ -353,3 +353,131 @@ fn warden_mcp_ends_when_its_daemon_goes_away() {
     assert!(stderr.contains("ended the MCP session"), "{stderr}");
     drop(stdin);
 }
+
+/// A raw POST to the daemon's `/mcp` (protocol 2026-07-28, stateless): status and body.
+fn mcp_post(addr: &str, token: &str, method: &str, body: &[u8]) -> (u16, String) {
+    // `tools/call` names its tool in a header too.
+    let (method, name) = method.split_once(' ').unwrap_or((method, ""));
+    let name = if name.is_empty() {
+        String::new()
+    } else {
+        format!("Mcp-Name: {name}\r\n")
+    };
+    let mut tcp = std::net::TcpStream::connect(addr).unwrap();
+    let head = format!(
+        "POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n\
+         Content-Type: application/json\r\nAccept: application/json, text/event-stream\r\n\
+         MCP-Protocol-Version: 2026-07-28\r\nMcp-Method: {method}\r\n{name}Connection: close\r\n\
+         Content-Length: {}\r\n\r\n",
+        body.len()
+    );
+    tcp.write_all(head.as_bytes()).unwrap();
+    // A refusal may come before the whole body is read: what could not be sent is no matter.
+    let _ = tcp.write_all(body);
+    let mut answer = Vec::new();
+    let _ = tcp.read_to_end(&mut answer);
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+    let status = head.split(' ').nth(1).unwrap_or("0").parse().unwrap_or(0);
+    (status, body.to_owned())
+}
+
+/// A `tools/call` of `name` as JSON-RPC, with the `_meta` of protocol 2026-07-28.
+fn call_tool(name: &str, arguments: Value) -> Vec<u8> {
+    serde_json::json!({
+        "jsonrpc": "2.0", "id": 1, "method": "tools/call",
+        "params": {
+            "name": name, "arguments": arguments,
+            "_meta": {
+                "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                "io.modelcontextprotocol/clientCapabilities": {},
+            },
+        },
+    })
+    .to_string()
+    .into_bytes()
+}
+
+#[test]
+fn bodies_that_are_no_jsonrpc_and_oversized_arguments_get_clear_errors() {
+    let daemon = Daemon::start(&["--listen", "127.0.0.1:0"]);
+    let addr = std::fs::read_to_string(daemon.runtime().join("daemon.addr")).unwrap();
+    let token = std::fs::read_to_string(daemon.runtime().join("daemon.token")).unwrap();
+    let token = token.trim();
+    // What is no JSON-RPC request is a JSON-RPC error, not a 415 in plain text.
+    for (body, code, says) in [
+        (&b"{{{"[..], -32700, "not JSON"),
+        (b"\xff\xfe", -32700, "not JSON"),
+        (b"[]", -32600, "batches"),
+        (
+            br#"{"jsonrpc":"2.0","id":{"a":1},"method":"tools/list"}"#,
+            -32600,
+            "an `id` that is a string or a whole number",
+        ),
+    ] {
+        let (status, answer) = mcp_post(&addr, token, "tools/list", body);
+        assert_eq!(status, 400, "{body:?}: {answer}");
+        let answer: Value = serde_json::from_str(&answer)
+            .unwrap_or_else(|e| panic!("{body:?}: not JSON ({e}): {answer}"));
+        assert_eq!(answer["jsonrpc"], "2.0", "{answer}");
+        assert_eq!(answer["error"]["code"], code, "{body:?}: {answer}");
+        let message = answer["error"]["message"].as_str().unwrap();
+        assert!(message.contains(says), "{body:?}: {answer}");
+    }
+    // A method this server has not, or one whose params cannot be read: which, and what to
+    // send (the MCP layer's answer was the method's name alone).
+    let mut odd = serde_json::from_slice::<Value>(&call_tool("exec", Value::Null)).unwrap();
+    odd["params"]["arguments"] = Value::from("not an object");
+    let mut unknown = odd.clone();
+    unknown["method"] = Value::from("no/such");
+    for (method, body) in [
+        ("tools/call exec", odd.to_string()),
+        ("no/such", unknown.to_string()),
+    ] {
+        let (_, answer) = mcp_post(&addr, token, method, body.as_bytes());
+        let answer: Value = serde_json::from_str(&answer).unwrap();
+        let message = answer["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("`params`") && message.contains("tools/list"),
+            "{method}: {answer}"
+        );
+    }
+    let (status, answer) = mcp_post(&addr, token, "tools/list", &vec![b' '; 5 << 20]);
+    assert_eq!(status, 413, "{answer}");
+    let answer: Value = serde_json::from_str(&answer).unwrap();
+    assert!(
+        answer["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("files route"),
+        "{answer}"
+    );
+    // A command line or a path longer than reaches the cell: a bad request that says why, not
+    // the socket's "Message too long" as if the cell were in the wrong state.
+    let cell = daemon.create(&unique("mcp-big"), serde_json::json!({}));
+    let command = format!("echo {}", "x".repeat(300 << 10));
+    let path = "d/".repeat(150 << 10);
+    for (tool, arguments, says) in [
+        (
+            "exec",
+            serde_json::json!({ "cell": cell, "command": command }),
+            "an exec takes",
+        ),
+        (
+            "read_file",
+            serde_json::json!({ "cell": cell, "path": path }),
+            "a path may be",
+        ),
+    ] {
+        let method = format!("tools/call {tool}");
+        let (status, answer) = mcp_post(&addr, token, &method, &call_tool(tool, arguments));
+        assert_eq!(status, 200, "{tool}: {answer}");
+        assert!(
+            answer.contains("refused (bad-request)") && answer.contains(says),
+            "{tool}: {}",
+            &answer[..answer.len().min(2000)]
+        );
+        assert!(!answer.contains("Message too long"), "{tool}: {answer}");
+    }
+    assert_eq!(daemon.call("GET", "/v1/health", None).status, 200);
+}

@@ -91,8 +91,15 @@ pub fn template_policy(template: &str) -> Result<String, String> {
         let known: Vec<&str> = std::iter::once("base")
             .chain(warden_presets().into_iter().filter(|p| *p != "default"))
             .collect();
+        // A name of any length is shown by its head only.
+        let shown: String = template.chars().take(64).collect();
+        let cut = if shown.len() < template.len() {
+            format!("… ({} bytes)", template.len())
+        } else {
+            String::new()
+        };
         return Err(format!(
-            "template `{template}` is not known here; templates are Warden's presets: {}",
+            "template `{shown}`{cut} is not known here; templates are Warden's presets: {}",
             known.join(", ")
         ));
     }

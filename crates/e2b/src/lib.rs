@@ -141,6 +141,7 @@ pub fn router(harness: Arc<Harness>, key: String) -> Router {
     control::routes()
         .merge(envd::routes())
         .fallback(unsupported)
+        .layer(middleware::from_fn(refusals_in_shape))
         .layer(middleware::from_fn_with_state(Arc::clone(&state), auth))
         .with_state(state)
 }
@@ -227,6 +228,47 @@ async fn unsupported(request: Request) -> Response {
             request.uri().path()
         ),
     )
+}
+
+/// The most of a plain-text refusal that is read to answer it in the face's shape.
+const REFUSAL_LIMIT: usize = 64 * 1024;
+
+/// Answers what the web framework refuses before a handler runs (a body over its limit, a
+/// query string that cannot be read) in the shape the SDKs read, as every handler's own
+/// refusals are: `{"code": STATUS, "message"}` on the control plane and envd's `/files`, a
+/// Connect error on envd's services. They were plain text ("Failed to buffer the request
+/// body: length limit exceeded").
+async fn refusals_in_shape(request: Request, next: Next) -> Response {
+    let path = request.uri().path().to_owned();
+    let response = next.run(request).await;
+    let status = response.status();
+    let plain = response
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/plain"));
+    if !plain || !(status.is_client_error() || status.is_server_error()) {
+        return response;
+    }
+    let text = axum::body::to_bytes(response.into_body(), REFUSAL_LIMIT)
+        .await
+        .map(|b| String::from_utf8_lossy(&b).trim().to_owned())
+        .unwrap_or_default();
+    let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
+        format!("{text}: the request is larger than this call takes; send less")
+    } else {
+        text
+    };
+    if envd::is_envd_path(&path) && path != "/files" {
+        let code = match status {
+            StatusCode::PAYLOAD_TOO_LARGE => "resource_exhausted",
+            s if s.is_client_error() => "invalid_argument",
+            _ => "internal",
+        };
+        envd::connect_error(code, message)
+    } else {
+        api_error(status, message)
+    }
 }
 
 /// Marks a response to a request that proved its caller (a valid `X-API-KEY`, or the access

@@ -276,8 +276,18 @@ pub fn unwrap_envelope(body: &[u8]) -> Result<&[u8], String> {
         return Err("compressed messages are not accepted (send `identity`)".to_owned());
     }
     let length = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
-    body.get(5..5 + length)
-        .ok_or_else(|| "the envelope says more bytes than the request has".to_owned())
+    let message = body
+        .get(5..5 + length)
+        .ok_or_else(|| "the envelope says more bytes than the request has".to_owned())?;
+    // One message, and only it: bytes after it (a second envelope, or junk) were left unread.
+    if body.len() > 5 + length {
+        return Err(format!(
+            "the request has {} bytes after its one envelope (of {length} bytes); a \
+             server-streaming call takes exactly one message",
+            body.len() - 5 - length
+        ));
+    }
+    Ok(message)
 }
 
 #[cfg(test)]

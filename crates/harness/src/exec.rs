@@ -173,6 +173,7 @@ impl Harness {
             .into());
         }
         check_env(spec.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))?;
+        check_request_size(&spec)?;
         if let Some(user) = spec.user {
             let policy = self
                 .live
@@ -733,6 +734,26 @@ pub(crate) fn check_env<'a>(
             ))
             .into());
         }
+    }
+    Ok(())
+}
+
+/// The most bytes an exec's command line, environment and working directory may take (as the
+/// JSON that carries them to the cell). The request goes to the cell as one socket message,
+/// and the kernel takes no longer argument than 128 KiB (`MAX_ARG_STRLEN`): a longer one was
+/// refused by the socket, as if the cell were in the wrong state ("Message too long").
+const EXEC_REQUEST_LIMIT: usize = 128 * 1024;
+
+fn check_request_size(spec: &ExecSpec) -> Result<(), HarnessError> {
+    let size =
+        serde_json::to_vec(&(&spec.argv, &spec.env, &spec.cwd)).map_or(usize::MAX, |v| v.len());
+    if size > EXEC_REQUEST_LIMIT {
+        return Err(ExecError::Invalid(format!(
+            "the command line, environment and working directory take {size} bytes, more than \
+             the {EXEC_REQUEST_LIMIT} an exec takes; pass large data on the command's standard \
+             input or in a file of the cell"
+        ))
+        .into());
     }
     Ok(())
 }

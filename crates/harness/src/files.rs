@@ -35,6 +35,8 @@ pub const WRITE_LIMIT: u64 = 64 * 1024 * 1024;
 pub const FILE_DEADLINE: Duration = Duration::from_secs(60);
 /// File operations of one cell that run at once.
 pub const FILE_SLOTS: usize = 8;
+/// The longest path the files API takes (the kernel's `PATH_MAX`).
+const PATH_LIMIT: usize = 4096;
 
 /// The API's view of an entry (its mode in octal).
 fn file_info(entry: FileEntry) -> FileInfo {
@@ -71,6 +73,14 @@ impl Harness {
             return Err(HarnessError::from(FilesError::Invalid(
                 "a path may not contain NUL bytes".into(),
             )));
+        }
+        if path.len() > PATH_LIMIT {
+            // Longer than any path the cell's kernel takes; the request carrying it was refused
+            // by the socket to the cell, as if the cell were in the wrong state.
+            return Err(HarnessError::from(FilesError::Invalid(format!(
+                "a path of {} bytes is longer than the {PATH_LIMIT} a path may be",
+                path.len()
+            ))));
         }
         if path.starts_with('/') {
             return Err(HarnessError::from(FilesError::Invalid(format!(

@@ -125,6 +125,7 @@ pub fn router(agents: Arc<warden_agent::Agents>, token: Option<String>) -> Route
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
         .layer(middleware::from_fn(read_small_body))
+        .layer(middleware::from_fn(mcp_errors_as_jsonrpc))
         .layer(DefaultBodyLimit::max(BODY_LIMIT));
     match tcp {
         true => router.layer(middleware::from_fn_with_state(gate, require_token)),
