@@ -2175,6 +2175,109 @@ fn a_client_far_behind_on_the_events_stream_costs_the_daemon_little_memory() {
     );
 }
 
+/// Subscribers of `/v1/events` that stop reading while cells write large entries (an exec's
+/// journaled output, 64 KiB a stream) hold what their connections buffer and the shared ring
+/// of entries: each had a queue of 64 rendered entries of its own, ~11 MB a subscriber (40 of
+/// them grew the daemon by 545 MB).
+#[test]
+fn stalled_event_subscribers_cost_the_daemon_little_memory() {
+    use std::io::{Read as _, Write as _};
+    if !cgroups_available("stalled_event_subscribers") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let pid = daemon.pid().unwrap();
+    let cell = daemon.create(&unique("loud"), json!({}));
+    daemon.exec(&cell, json!({ "argv": ["true"] }));
+    let mut stalled = Vec::new();
+    for _ in 0..30 {
+        let mut stream = std::os::unix::net::UnixStream::connect(daemon.socket()).unwrap();
+        stream
+            .write_all(b"GET /v1/events HTTP/1.1\r\nHost: warden\r\n\r\n")
+            .unwrap();
+        let mut head = [0u8; 12];
+        stream.read_exact(&mut head).unwrap();
+        assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
+        stalled.push(stream);
+    }
+    let _ = std::fs::write(format!("/proc/{pid}/clear_refs"), "5");
+    let before = peak_kib(pid);
+    let script = "head -c 70000 /dev/urandom; head -c 70000 /dev/urandom >&2";
+    for _ in 0..150 {
+        let events = daemon.exec(&cell, json!({ "argv": ["sh", "-c", script] }));
+        assert_eq!(exit_of(&events)["code"], 0);
+    }
+    let grown = peak_kib(pid).saturating_sub(before);
+    // 150 entries of ~180 KB in the ring, and each connection's buffer.
+    assert!(
+        grown < 100 * 1024,
+        "the daemon grew by {} MiB for 30 stalled subscribers",
+        grown / 1024
+    );
+    drop(stalled);
+}
+
+/// A reader slower than its process loses the oldest output (4 MiB is kept), told by
+/// `dropped` events: each says the bytes this reader missed since the last, so that what it
+/// got and what it missed add up to what the process wrote. Each said all that was ever
+/// dropped, and a client that added them up (the SDK, `run_to_end`) counted gigabytes.
+#[test]
+fn a_slow_reader_is_told_the_bytes_it_missed_and_they_add_up() {
+    use std::io::{Read as _, Write as _};
+    if !cgroups_available("a_slow_reader_is_told_the_bytes_it_missed") {
+        return;
+    }
+    const WRITTEN: u64 = 200 << 20;
+    let daemon = Daemon::start(&[]);
+    let cell = daemon.create(&unique("fast"), json!({}));
+    let body = json!({ "argv": ["sh", "-c", format!("head -c {WRITTEN} /dev/zero | tr '\\0' a")] })
+        .to_string();
+    let mut stream = std::os::unix::net::UnixStream::connect(daemon.socket()).unwrap();
+    // HTTP/1.0: the answer is the stream to the connection's end, not chunked.
+    write!(
+        stream,
+        "POST /v1/cells/{cell}/exec HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = stream.read(&mut buf).unwrap();
+        if n == 0 {
+            break;
+        }
+        raw.extend_from_slice(&buf[..n]);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let text = String::from_utf8_lossy(&raw);
+    let events = parse_events(&text[text.find("\r\n\r\n").unwrap() + 4..]);
+    let exit = exit_of(&events);
+    assert_eq!(exit["stdout_bytes"], WRITTEN, "{exit}");
+    let drops: Vec<u64> = events
+        .iter()
+        .filter(|(name, _)| name == "dropped")
+        .map(|(_, data)| data["bytes"].as_u64().unwrap())
+        .collect();
+    assert!(drops.len() >= 2, "the reader fell behind only {drops:?}");
+    let got = stream_bytes(&events, "stdout").len() as u64;
+    assert_eq!(
+        got + drops.iter().sum::<u64>(),
+        WRITTEN,
+        "got {got} bytes, told of {drops:?} dropped"
+    );
+}
+
+/// The most the daemon's resident memory rose to (`VmHWM`, in KiB).
+fn peak_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|n| n.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
 /// Asserts `answer` is a refusal with `status` whose message says `says`, and gives it back.
 fn refused(answer: support::daemon::Answer, status: u16, says: &str) -> support::daemon::Answer {
     assert_eq!(answer.status, status, "{}", answer.text());

@@ -572,3 +572,70 @@ fn a_cell_cannot_use_up_the_inotify_instances_of_host_root() {
         line.trim()
     );
 }
+
+/// A process that writes a byte at a time, with nobody reading its output, costs the daemon
+/// its kept output's bound (4 MiB), not a chunk's bookkeeping for each write: each read of
+/// its pipe was a chunk of its own (a dozen bytes on average, ~60 bytes of overhead each), and
+/// three such processes grew the daemon by ~80 MB.
+#[test]
+fn output_written_a_byte_at_a_time_is_kept_within_its_bound() {
+    if !cgroups_available("output_written_a_byte_at_a_time") {
+        return;
+    }
+    let daemon = support::daemon::Daemon::start(&[]);
+    let pid = daemon.pid().unwrap();
+    let cell = daemon.create(&unique("bytes"), serde_json::json!({}));
+    daemon.exec(&cell, serde_json::json!({ "argv": ["true"] }));
+    let _ = std::fs::write(format!("/proc/{pid}/clear_refs"), "5");
+    let before = peak_kib(pid);
+    for _ in 0..3 {
+        let answer = daemon.call(
+            "POST",
+            &format!("/v1/cells/{cell}/exec"),
+            Some(serde_json::json!({
+                "argv": ["dd", "if=/dev/zero", "bs=1", "count=100000000"],
+                "background": true,
+            })),
+        );
+        assert_eq!(answer.status, 201, "{}", answer.text());
+    }
+    std::thread::sleep(Duration::from_secs(8));
+    let grown = peak_kib(pid).saturating_sub(before);
+    assert!(
+        grown < 32 * 1024,
+        "the daemon grew by {} MiB for three processes' output",
+        grown / 1024
+    );
+    // Their output is still there to read, gathered into few chunks.
+    let listed = daemon.call("GET", &format!("/v1/cells/{cell}/processes"), None);
+    let listed = listed.json();
+    let id = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["argv"][0] == "dd")
+        .unwrap()["id"]
+        .as_u64()
+        .unwrap();
+    let output = daemon.call(
+        "GET",
+        &format!("/v1/cells/{cell}/processes/{id}/output?follow=false"),
+        None,
+    );
+    let events = output.events();
+    assert!(
+        events.iter().any(|(name, _)| name == "stdout"),
+        "{events:?}"
+    );
+    assert!(events.len() < 1000, "{} events", events.len());
+}
+
+/// The most the daemon's resident memory rose to (`VmHWM`, in KiB).
+fn peak_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|n| n.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}

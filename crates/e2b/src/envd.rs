@@ -180,7 +180,7 @@ async fn process(
             match select(&state, &cell, &request.process) {
                 Ok(process) => {
                     // From now on: what was printed before was for the first reader.
-                    let mut cursor = 0;
+                    let mut cursor = warden_harness::Cursor::start();
                     while process.try_next(&mut cursor).is_some() {}
                     let tty = ttys_of(&state, &cell).contains(&process.info().id);
                     stream(process, cursor, keepalive, tty)
@@ -403,7 +403,7 @@ async fn start(
             s.ttys.push(process.info().id);
         }
     }
-    stream(process, 0, keepalive, on_tty)
+    stream(process, warden_harness::Cursor::start(), keepalive, on_tty)
 }
 
 /// A working directory of the E2B user's, as the cell sees it.
@@ -454,7 +454,7 @@ fn stream_error(code: &str, message: &str) -> Response {
 /// keepalives at the interval the client asked for. The process outlives a reader that goes.
 fn stream(
     process: Arc<Process>,
-    mut cursor: u64,
+    mut cursor: warden_harness::Cursor,
     keepalive: Option<Duration>,
     tty: bool,
 ) -> Response {

@@ -11,17 +11,68 @@ use tokio::sync::watch;
 use warden_cell::Session;
 
 /// Output kept per process for readers that connect late; older chunks are dropped first.
+/// Each chunk also counts `CHUNK_COST` against it, so that a process that writes a byte at a
+/// time cannot make the daemon hold ~60 bytes of bookkeeping for each byte kept.
 const KEPT_OUTPUT: usize = 4 * 1024 * 1024;
+/// What a kept chunk costs beyond its bytes: its place in the queue, its allocation's header.
+const CHUNK_COST: usize = 64;
+/// Output read while no reader asked for it gathers into one chunk up to this size.
+const GATHERED: usize = 64 * 1024;
 /// Ended processes whose output is kept per cell (the oldest are forgotten first).
 pub(crate) const KEPT_ENDED: usize = 16;
 /// Output copied into the journal's exec entry, per stream.
 pub(crate) const JOURNALED_OUTPUT: usize = 64 * 1024;
 
+/// A reader's place in a process's output: the index of its next chunk, and that chunk's
+/// byte offset where the reader knows it, so that output dropped before it got there is told
+/// as the bytes this reader missed (not all that was ever dropped, which readers that add up
+/// their `Dropped` items counted again at each).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cursor {
+    index: u64,
+    offset: Option<u64>,
+}
+
+impl Cursor {
+    /// From the first chunk of the output.
+    pub fn start() -> Self {
+        Self {
+            index: 0,
+            offset: Some(0),
+        }
+    }
+
+    /// From chunk `index` (a reader that comes back with the `next` it was told).
+    pub fn at(index: u64) -> Self {
+        match index {
+            0 => Self::start(),
+            _ => Self {
+                index,
+                offset: None,
+            },
+        }
+    }
+
+    /// Past all output: a reader of the ending alone.
+    pub fn end() -> Self {
+        Self {
+            index: u64::MAX,
+            offset: None,
+        }
+    }
+
+    /// The index of the next chunk.
+    pub fn index(&self) -> u64 {
+        self.index
+    }
+}
+
 /// What a reader gets next.
 #[derive(Debug, Clone)]
 pub enum Item {
     Output(Stream, Arc<[u8]>),
-    /// Output that was dropped before this reader got to it (bytes).
+    /// Output that was dropped before this reader got to it (bytes; all that was dropped
+    /// for a reader that started at a later chunk, whose offset it did not know).
     Dropped(u64),
     Exit(ExitInfo),
 }
@@ -29,13 +80,80 @@ pub enum Item {
 #[derive(Debug, Default)]
 struct Log {
     chunks: VecDeque<(Stream, Arc<[u8]>)>,
+    /// Output read since the last chunk was made, gathered until a reader asks for it (or it
+    /// reaches `GATHERED`, or the stream changes): the chunk after `chunks`.
+    tail: Option<(Stream, Vec<u8>)>,
     /// Index of `chunks[0]` in the process's whole output.
     first: u64,
+    /// Bytes of `chunks` and `tail`, and `CHUNK_COST` for each chunk.
     kept_bytes: usize,
     dropped_bytes: u64,
     counts: [u64; 2],
     captured: [Vec<u8>; 2],
     exit: Option<ExitInfo>,
+}
+
+impl Log {
+    /// Makes the gathered output a chunk of its own.
+    fn seal(&mut self) {
+        if let Some((stream, data)) = self.tail.take() {
+            self.kept_bytes += CHUNK_COST;
+            self.chunks.push_back((stream, Arc::from(data)));
+        }
+    }
+
+    /// Drops the oldest chunks until what is kept is within `KEPT_OUTPUT`.
+    fn trim(&mut self) {
+        while self.kept_bytes > KEPT_OUTPUT {
+            let Some((_, old)) = self.chunks.pop_front() else {
+                break;
+            };
+            self.kept_bytes -= old.len() + CHUNK_COST;
+            self.dropped_bytes += old.len() as u64;
+            self.first += 1;
+        }
+    }
+
+    /// The next item at `cursor` if there is one now, gathered output included.
+    fn take(&mut self, cursor: &mut Cursor) -> Option<Item> {
+        if cursor.index < self.first {
+            return Some(self.skip_dropped(cursor));
+        }
+        let at = (cursor.index - self.first) as usize;
+        if at == self.chunks.len() && self.tail.is_some() {
+            self.seal();
+            self.trim();
+            // Trimming never drops the newest chunk unless it alone is over the bound.
+            if cursor.index < self.first {
+                return Some(self.skip_dropped(cursor));
+            }
+        }
+        let at = (cursor.index - self.first) as usize;
+        let (stream, data) = self.chunks.get(at)?;
+        let start = cursor.offset.unwrap_or_else(|| {
+            self.dropped_bytes
+                + self
+                    .chunks
+                    .range(..at)
+                    .map(|(_, c)| c.len() as u64)
+                    .sum::<u64>()
+        });
+        *cursor = Cursor {
+            index: cursor.index + 1,
+            offset: Some(start + data.len() as u64),
+        };
+        Some(Item::Output(*stream, Arc::clone(data)))
+    }
+
+    /// Moves a cursor that fell behind to the first kept chunk: the bytes it missed.
+    fn skip_dropped(&self, cursor: &mut Cursor) -> Item {
+        let missed = self.dropped_bytes - cursor.offset.unwrap_or(0).min(self.dropped_bytes);
+        *cursor = Cursor {
+            index: self.first,
+            offset: Some(self.dropped_bytes),
+        };
+        Item::Dropped(missed)
+    }
 }
 
 /// Where a process's input goes.
@@ -251,15 +369,24 @@ impl Process {
             let room = JOURNALED_OUTPUT.saturating_sub(log.captured[slot].len());
             let take = room.min(data.len());
             log.captured[slot].extend_from_slice(&data[..take]);
-            log.kept_bytes += data.len();
-            log.chunks.push_back((stream, Arc::from(data)));
-            while log.kept_bytes > KEPT_OUTPUT && log.chunks.len() > 1 {
-                if let Some((_, old)) = log.chunks.pop_front() {
-                    log.kept_bytes -= old.len();
-                    log.dropped_bytes += old.len() as u64;
-                    log.first += 1;
+            // Small reads are gathered into the output no reader took yet, where it is of the
+            // same stream; a large one is a chunk of its own at once (copied once).
+            match &mut log.tail {
+                Some((same, tail)) if *same == stream && tail.len() + data.len() <= GATHERED => {
+                    tail.extend_from_slice(data);
+                }
+                _ if data.len() >= GATHERED / 4 => {
+                    log.seal();
+                    log.kept_bytes += CHUNK_COST;
+                    log.chunks.push_back((stream, Arc::from(data)));
+                }
+                _ => {
+                    log.seal();
+                    log.tail = Some((stream, data.to_vec()));
                 }
             }
+            log.kept_bytes += data.len();
+            log.trim();
         }
         self.version.send_modify(|v| *v += 1);
     }
@@ -279,6 +406,8 @@ impl Process {
 
     pub(crate) fn finish(&self, exit: ExitInfo) {
         if let Ok(mut log) = self.log.lock() {
+            log.seal();
+            log.trim();
             log.exit = Some(exit);
         }
         // What only a running process needs goes now.
@@ -296,34 +425,21 @@ impl Process {
 
     /// The next item after `cursor` if there is one now (`None`: caught up with a running
     /// process).
-    pub fn try_next(&self, cursor: &mut u64) -> Option<Item> {
-        let log = self.log.lock().ok()?;
-        if *cursor < log.first {
-            *cursor = log.first;
-            return Some(Item::Dropped(log.dropped_bytes));
-        }
-        let at = (*cursor - log.first) as usize;
-        if let Some((stream, data)) = log.chunks.get(at) {
-            *cursor += 1;
-            return Some(Item::Output(*stream, Arc::clone(data)));
+    pub fn try_next(&self, cursor: &mut Cursor) -> Option<Item> {
+        let mut log = self.log.lock().ok()?;
+        if let Some(item) = log.take(cursor) {
+            return Some(item);
         }
         log.exit.clone().map(Item::Exit)
     }
 
-    /// The next item after `cursor` (a chunk index), waiting for it; advances the cursor.
-    pub async fn next(&self, cursor: &mut u64) -> Item {
+    /// The next item after `cursor`, waiting for it; advances the cursor.
+    pub async fn next(&self, cursor: &mut Cursor) -> Item {
         loop {
             let mut changed = self.version.subscribe();
-            if let Ok(log) = self.log.lock() {
-                if *cursor < log.first {
-                    let lost: u64 = log.dropped_bytes;
-                    *cursor = log.first;
-                    return Item::Dropped(lost);
-                }
-                let at = (*cursor - log.first) as usize;
-                if let Some((stream, data)) = log.chunks.get(at) {
-                    *cursor += 1;
-                    return Item::Output(*stream, Arc::clone(data));
+            if let Ok(mut log) = self.log.lock() {
+                if let Some(item) = log.take(cursor) {
+                    return item;
                 }
                 if let Some(exit) = &log.exit {
                     return Item::Exit(exit.clone());

@@ -5,7 +5,7 @@
 use super::*;
 
 /// Entries of a reconnecting client's backlog read ahead of its stream.
-const ENTRIES_AHEAD: usize = 64;
+const ENTRIES_AHEAD: usize = 8;
 
 impl Harness {
     /// Journal entries after `after` (their sequence number), of `cell` only when given, as the

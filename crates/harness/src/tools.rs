@@ -111,7 +111,7 @@ where
     let _kill = KillOnDrop(Arc::clone(&process));
     let mut streams = [Capped::new(limit), Capped::new(limit)];
     let mut dropped = 0;
-    let mut cursor = 0;
+    let mut cursor = crate::Cursor::start();
     let mut cancelled = std::pin::pin!(cancelled);
     let exit = loop {
         let item = tokio::select! {

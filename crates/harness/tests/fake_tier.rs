@@ -80,7 +80,7 @@ async fn entries(harness: &Harness, cell: &str) -> Vec<Value> {
 
 /// Reads a process to its end: (stdout, stderr, exit).
 async fn finish(process: &warden_harness::Process) -> (String, String, warden_harness::ExitInfo) {
-    let mut cursor = 0;
+    let mut cursor = warden_harness::Cursor::start();
     let (mut out, mut err) = (Vec::new(), Vec::new());
     loop {
         let item = tokio::time::timeout(Duration::from_secs(20), process.next(&mut cursor))

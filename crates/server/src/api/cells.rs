@@ -9,7 +9,6 @@ use serde::Deserialize;
 use serde_json::json;
 use std::convert::Infallible;
 use std::time::Duration;
-use tokio_stream::wrappers::ReceiverStream;
 use warden_harness::CreateCell;
 
 use super::*;
@@ -212,83 +211,109 @@ pub(super) async fn events(
             .and_then(|v| v.trim().parse().ok())
     });
     // Subscribed before the journal is read: nothing falls between the two.
-    let mut entries = h.subscribe();
-    let mut usage = q.usage.then(|| h.subscribe_usage());
+    let entries = h.subscribe();
+    let usage = q.usage.then(|| h.subscribe_usage());
     // What it missed, read as it is sent (a client far behind would otherwise have had the
     // daemon hold every entry it missed at once).
-    let mut missed = after.map(|after| h.stream_entries_after(after, q.cell.clone()));
-    let (tx, rx) = tokio::sync::mpsc::channel(64);
-    tokio::spawn(async move {
-        let entry_event = |entry: &serde_json::Value| {
-            let event = Event::default().event("entry").data(entry.to_string());
-            match entry["seq"].as_u64() {
-                Some(seq) => event.id(seq.to_string()),
-                None => event,
-            }
-        };
-        let mut last = after.unwrap_or(0);
-        while let Some(read) = match missed.as_mut() {
-            Some(missed) => missed.recv().await,
-            None => None,
-        } {
-            let event = match read {
-                Ok(entry) => {
-                    last = last.max(entry["seq"].as_u64().unwrap_or(0));
-                    entry_event(&entry)
+    let missed = after.map(|after| h.stream_entries_after(after, q.cell.clone()));
+    // The stream reads the next entry when the connection asks for its next event: a client
+    // that stops reading holds what its connection buffers and the shared ring of entries
+    // (`Harness::subscribe`), not a queue of its own (64 entries of up to ~180 KB each were
+    // ~11 MB for each stalled subscriber).
+    let feed = EventsFeed {
+        entries,
+        usage,
+        missed,
+        last: after.unwrap_or(0),
+        cell: q.cell,
+        done: false,
+    };
+    let events = futures_util::stream::unfold(feed, |mut feed| async move {
+        let event = feed.next().await?;
+        Some((Ok::<_, Infallible>(event), feed))
+    });
+    Ok(Sse::new(events)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response())
+}
+
+/// The rounds of the cells' use, as the usage sampler announces them.
+type UsageRounds = tokio::sync::broadcast::Receiver<Arc<Vec<(String, warden_protocol::CellUsage)>>>;
+
+/// What an `/v1/events` stream reads from: the backlog a reconnecting client missed, then the
+/// live entries (and the usage rounds, where asked for).
+struct EventsFeed {
+    entries: tokio::sync::broadcast::Receiver<Arc<serde_json::Value>>,
+    usage: Option<UsageRounds>,
+    missed: Option<
+        tokio::sync::mpsc::Receiver<Result<serde_json::Value, warden_harness::HarnessError>>,
+    >,
+    last: u64,
+    cell: Option<String>,
+    done: bool,
+}
+
+impl EventsFeed {
+    fn entry_event(entry: &serde_json::Value) -> Event {
+        let event = Event::default().event("entry").data(entry.to_string());
+        match entry["seq"].as_u64() {
+            Some(seq) => event.id(seq.to_string()),
+            None => event,
+        }
+    }
+
+    /// The next event (`None`: the stream ends).
+    async fn next(&mut self) -> Option<Event> {
+        if self.done {
+            return None;
+        }
+        if let Some(missed) = self.missed.as_mut() {
+            match missed.recv().await {
+                Some(Ok(entry)) => {
+                    self.last = self.last.max(entry["seq"].as_u64().unwrap_or(0));
+                    return Some(Self::entry_event(&entry));
                 }
                 // The journal could not be read back: said, and the stream ends (a client
                 // that reconnects asks again).
-                Err(e) => {
-                    let _ = tx
-                        .send(Ok(Event::default()
+                Some(Err(e)) => {
+                    self.done = true;
+                    return Some(
+                        Event::default()
                             .event("error")
-                            .data(json!({ "error": e.message }).to_string())))
-                        .await;
-                    return;
+                            .data(json!({ "error": e.message }).to_string()),
+                    );
                 }
-            };
-            if tx.send(Ok::<_, Infallible>(event)).await.is_err() {
-                return;
+                None => self.missed = None,
             }
         }
         loop {
+            let usage = &mut self.usage;
             let entry = tokio::select! {
-                entry = entries.recv() => entry,
+                entry = self.entries.recv() => entry,
                 Some(round) = async { usage.as_mut()?.recv().await.ok() }, if usage.is_some() => {
                     let cells: Vec<serde_json::Value> = round
                         .iter()
                         .map(|(cell, usage)| json!({ "cell": cell, "usage": usage }))
                         .collect();
-                    let event = Event::default().event("usage").data(json!(cells).to_string());
-                    if tx.send(Ok::<_, Infallible>(event)).await.is_err() {
-                        return;
-                    }
-                    continue;
+                    return Some(Event::default().event("usage").data(json!(cells).to_string()));
                 }
-                () = tx.closed() => return,
             };
-            let event = match entry {
+            return Some(match entry {
                 Ok(entry) => {
-                    if q.cell.as_deref().is_some_and(|c| entry["cell"] != c)
-                        || entry["seq"].as_u64().is_some_and(|seq| seq <= last)
+                    if self.cell.as_deref().is_some_and(|c| entry["cell"] != c)
+                        || entry["seq"].as_u64().is_some_and(|seq| seq <= self.last)
                     {
                         continue;
                     }
-                    entry_event(&entry)
+                    Self::entry_event(&entry)
                 }
                 Err(tokio::sync::broadcast::error::RecvError::Lagged(missed)) => Event::default()
                     .event("lagged")
                     .data(json!({ "missed": missed }).to_string()),
-                Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
-            };
-            if tx.send(Ok::<_, Infallible>(event)).await.is_err() {
-                return;
-            }
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
+            });
         }
-    });
-    Ok(Sse::new(ReceiverStream::new(rx))
-        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
-        .into_response())
+    }
 }
 
 pub(super) async fn journal(

@@ -11,7 +11,7 @@ use serde_json::json;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
-use warden_harness::{ExecSpec, HarnessError, Item, KillOnDrop, Process, RunOnce, Stream};
+use warden_harness::{Cursor, ExecSpec, HarnessError, Item, KillOnDrop, Process, RunOnce, Stream};
 
 use super::*;
 
@@ -96,7 +96,7 @@ pub(super) async fn wait(
     Query(NoQuery {}): Query<NoQuery>,
 ) -> Result<Response, ApiError> {
     let process = harness.process(&name, id)?;
-    let mut cursor = u64::MAX; // skip output: only the ending matters here
+    let mut cursor = Cursor::end(); // skip output: only the ending matters here
     loop {
         if let Item::Exit(exit) = process.next(&mut cursor).await {
             return Ok(Json(exit).into_response());
@@ -174,7 +174,7 @@ pub(super) fn stream_output(
     let mut feed = Feed {
         guard: kill_on_disconnect.then(|| KillOnDrop(Arc::clone(&process))),
         process,
-        cursor: from,
+        cursor: Cursor::at(from),
         pending: [Vec::new(), Vec::new()],
         follow,
         run,
@@ -214,7 +214,7 @@ struct Feed {
     /// Kills the process when the stream is dropped before its end (a foreground exec's
     /// client went away).
     guard: Option<KillOnDrop>,
-    cursor: u64,
+    cursor: Cursor,
     /// Bytes of each stream not sent yet (a UTF-8 character's first bytes).
     pending: [Vec<u8>; 2],
     follow: bool,
@@ -237,7 +237,7 @@ impl Feed {
             self.ready.push_back(
                 Event::default()
                     .event("live")
-                    .data(json!({ "running": true, "next": self.cursor }).to_string()),
+                    .data(json!({ "running": true, "next": self.cursor.index() }).to_string()),
             );
             self.done = true;
             return;

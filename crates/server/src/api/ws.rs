@@ -44,7 +44,7 @@ pub(super) async fn attached(
     mut socket: axum::extract::ws::WebSocket,
 ) {
     use axum::extract::ws::Message;
-    let mut cursor = 0;
+    let mut cursor = warden_harness::Cursor::start();
     let mut pending: [Vec<u8>; 2] = [Vec::new(), Vec::new()];
     // The client's messages are carried out in order by a task of their own: input waits for
     // the process to read it (a pipe holds 64 KiB), and meanwhile the output goes on (it was
