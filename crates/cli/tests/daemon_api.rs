@@ -2200,7 +2200,7 @@ fn stalled_event_subscribers_cost_the_daemon_little_memory() {
         assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
         stalled.push(stream);
     }
-    let _ = std::fs::write(format!("/proc/{pid}/clear_refs"), "5");
+    let _ = reset_peak(pid);
     let before = peak_kib(pid);
     let script = "head -c 70000 /dev/urandom; head -c 70000 /dev/urandom >&2";
     for _ in 0..150 {
@@ -2266,16 +2266,6 @@ fn a_slow_reader_is_told_the_bytes_it_missed_and_they_add_up() {
         WRITTEN,
         "got {got} bytes, told of {drops:?} dropped"
     );
-}
-
-/// The most the daemon's resident memory rose to (`VmHWM`, in KiB).
-fn peak_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|n| n.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap()
 }
 
 /// Asserts `answer` is a refusal with `status` whose message says `says`, and gives it back.

@@ -1827,21 +1827,6 @@ fn snapshot_as(daemon: &Daemon, cell: &str, name: &str) {
     assert_eq!(answer.status, 201, "{}", answer.text());
 }
 
-/// The most the daemon's resident memory rose to (`VmHWM`, in KiB) since `reset_peak`.
-fn peak_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|n| n.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap()
-}
-
-/// Starts the peak of `pid`'s resident memory over from what it holds now (root only).
-fn reset_peak(pid: u32) -> bool {
-    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").is_ok()
-}
-
 /// A cell's workspace changes cost the daemon memory per change listed, and a cell makes
 /// changes for nothing (60,000 empty files in a few seconds). The daemon made each diff a JSON
 /// document whole before it wrote it out or journaled the first 1,000 changes at the cell's

@@ -678,25 +678,9 @@ fn sandboxes_outlive_a_daemon_crash_and_their_tokens_go_on_working() {
     assert!(raw(&e2b, &delete).0.contains(" 204 "));
 }
 
-/// A raw request of bytes to the E2B listener: its status and body. A refusal may come before
-/// the whole body is read; what could not be sent then is no matter.
+/// A raw request of bytes to the E2B listener: its status and body.
 fn raw_bytes(e2b: &E2b, head: &str, body: &[u8]) -> (u16, String) {
-    let mut tcp = std::net::TcpStream::connect(&e2b.addr).unwrap();
-    tcp.write_all(
-        format!(
-            "{head}Host: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
-            body.len()
-        )
-        .as_bytes(),
-    )
-    .unwrap();
-    let _ = tcp.write_all(body);
-    let mut answer = Vec::new();
-    let _ = tcp.read_to_end(&mut answer);
-    let answer = String::from_utf8_lossy(&answer).into_owned();
-    let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
-    let status = head.split(' ').nth(1).unwrap_or("0").parse().unwrap_or(0);
-    (status, body.to_owned())
+    support::raw_http(&e2b.addr, &format!("{head}Host: x\r\n"), body)
 }
 
 fn connect_envelope(message: &[u8]) -> Vec<u8> {

@@ -586,7 +586,7 @@ fn output_written_a_byte_at_a_time_is_kept_within_its_bound() {
     let pid = daemon.pid().unwrap();
     let cell = daemon.create(&unique("bytes"), serde_json::json!({}));
     daemon.exec(&cell, serde_json::json!({ "argv": ["true"] }));
-    let _ = std::fs::write(format!("/proc/{pid}/clear_refs"), "5");
+    let _ = reset_peak(pid);
     let before = peak_kib(pid);
     for _ in 0..3 {
         let answer = daemon.call(
@@ -628,14 +628,4 @@ fn output_written_a_byte_at_a_time_is_kept_within_its_bound() {
         "{events:?}"
     );
     assert!(events.len() < 1000, "{} events", events.len());
-}
-
-/// The most the daemon's resident memory rose to (`VmHWM`, in KiB).
-fn peak_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|n| n.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap()
 }

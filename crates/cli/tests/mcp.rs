@@ -363,23 +363,12 @@ fn mcp_post(addr: &str, token: &str, method: &str, body: &[u8]) -> (u16, String)
     } else {
         format!("Mcp-Name: {name}\r\n")
     };
-    let mut tcp = std::net::TcpStream::connect(addr).unwrap();
     let head = format!(
         "POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n\
          Content-Type: application/json\r\nAccept: application/json, text/event-stream\r\n\
-         MCP-Protocol-Version: 2026-07-28\r\nMcp-Method: {method}\r\n{name}Connection: close\r\n\
-         Content-Length: {}\r\n\r\n",
-        body.len()
+         MCP-Protocol-Version: 2026-07-28\r\nMcp-Method: {method}\r\n{name}"
     );
-    tcp.write_all(head.as_bytes()).unwrap();
-    // A refusal may come before the whole body is read: what could not be sent is no matter.
-    let _ = tcp.write_all(body);
-    let mut answer = Vec::new();
-    let _ = tcp.read_to_end(&mut answer);
-    let answer = String::from_utf8_lossy(&answer).into_owned();
-    let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
-    let status = head.split(' ').nth(1).unwrap_or("0").parse().unwrap_or(0);
-    (status, body.to_owned())
+    raw_http(addr, &head, body)
 }
 
 /// A `tools/call` of `name` as JSON-RPC, with the `_meta` of protocol 2026-07-28.

@@ -51,6 +51,47 @@ pub fn copy_program(from: impl AsRef<Path>, to: &Path) {
     std::fs::set_permissions(to, std::fs::Permissions::from_mode(0o755)).unwrap();
 }
 
+/// The most process `pid`'s resident memory rose to (`VmHWM`, in KiB), since it started or
+/// since [`reset_peak`].
+pub fn peak_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|n| n.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+/// Starts the peak of `pid`'s resident memory over from what it holds now (root only):
+/// whether it could.
+pub fn reset_peak(pid: u32) -> bool {
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").is_ok()
+}
+
+/// One raw HTTP/1.1 exchange with `addr`: `head` (the request line and any headers, each
+/// ending in CRLF) is sent with `Connection: close` and the body's length, then `body`; the
+/// answer's status and body. A refusal may come before the whole body is read: what could not
+/// be sent then is no matter.
+pub fn raw_http(addr: &str, head: &str, body: &[u8]) -> (u16, String) {
+    use std::io::{Read as _, Write as _};
+    let mut tcp = std::net::TcpStream::connect(addr).unwrap();
+    tcp.write_all(
+        format!(
+            "{head}Connection: close\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .unwrap();
+    let _ = tcp.write_all(body);
+    let mut answer = Vec::new();
+    let _ = tcp.read_to_end(&mut answer);
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+    let status = head.split(' ').nth(1).unwrap_or("0").parse().unwrap_or(0);
+    (status, body.to_owned())
+}
+
 /// A unique cell name for this test process.
 pub fn unique(prefix: &str) -> String {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
