@@ -20,7 +20,16 @@ pub fn parse_from(argv: impl IntoIterator<Item = std::ffi::OsString>) -> Cli {
             command: Command::Run(args),
         };
     }
-    Cli::parse_from(argv)
+    match Cli::try_parse_from(argv) {
+        Ok(cli) => cli,
+        Err(e) => {
+            // Help and the version are answers (0). Any other command line warden cannot read
+            // is its own failure, 125 as the README's table says: clap's 2 would read as the
+            // status of a command that ran.
+            let _ = e.print();
+            std::process::exit(if e.use_stderr() { 125 } else { 0 })
+        }
+    }
 }
 
 /// `warden run ...` read by `RunArgs`'s own parser; `None` for anything else, and for what

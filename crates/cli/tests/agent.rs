@@ -205,6 +205,11 @@ fn a_scripted_model_carries_out_a_multi_step_task_in_each_wire_format() {
             stderr.contains("-> edit_file"),
             "{provider}: the run shows the calls: {stderr}"
         );
+        // In words, not the journal's kinds and JSON; and not the run's own start as news.
+        assert!(
+            !stderr.contains("agent.control") && !stderr.contains("\"by\""),
+            "{provider}: {stderr}"
+        );
         let requests = server.requests();
         assert_eq!(requests.len(), 5, "{provider}");
         // The parallel calls' results came back, the file's text among them.

@@ -783,3 +783,47 @@ fn policy_explain_escapes_what_would_steer_the_terminal() {
         ran.stdout
     );
 }
+
+#[test]
+fn a_command_line_warden_cannot_read_exits_125_not_a_commands_status() {
+    // 2 (clap's own) is in the range of the command's statuses: a supervisor would read
+    // `warden run --bogus -- true` as a command that failed with 2.
+    for args in [
+        &["run", "--bogus", "--", "true"][..],
+        &["run"][..],
+        &["run", "--memory"][..],
+        &["no-such-command"][..],
+        &["completions", "tcsh"][..],
+        &["ps", "--bogus"][..],
+    ] {
+        let ran = Ran::from(warden().args(args).output().unwrap());
+        assert_eq!(ran.code, 125, "{args:?}: {ran:?}");
+        assert!(ran.stdout.is_empty(), "{args:?}: {ran:?}");
+        assert!(ran.stderr.contains("error:"), "{args:?}: {ran:?}");
+    }
+    // Help and the version are answers, not failures.
+    for args in [&["--help"][..], &["run", "--help"][..], &["--version"][..]] {
+        let ran = Ran::from(warden().args(args).output().unwrap());
+        assert_eq!(ran.code, 0, "{args:?}: {ran:?}");
+        assert!(!ran.stdout.is_empty(), "{args:?}: {ran:?}");
+    }
+}
+
+#[test]
+fn explain_writes_its_sentences_without_runs_of_spaces() {
+    for preset in ["default", "minimal", "python", "node", "rust"] {
+        let ran = Ran::from(
+            warden()
+                .args(["policy", "explain", "--preset", preset])
+                .output()
+                .unwrap(),
+        );
+        assert_eq!(ran.code, 0, "{ran:?}");
+        for line in ran.stdout.lines() {
+            assert!(
+                !line.trim_start().contains("  "),
+                "{preset}: a run of spaces in: {line:?}"
+            );
+        }
+    }
+}

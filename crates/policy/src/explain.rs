@@ -54,7 +54,7 @@ pub fn explain(policy: &Policy) -> String {
     };
     let _ = writeln!(
         out,
-        "  - /tmp is private to the cell, in memory, at most {in_memory} (/dev/shm at most 64 MiB);          what is stored there counts towards the memory limit."
+        "  - /tmp is private to the cell, in memory, at most {in_memory} (/dev/shm at most 64 MiB); what is stored there counts towards the memory limit."
     );
     let _ = writeln!(
         out,
@@ -76,9 +76,9 @@ pub fn explain(policy: &Policy) -> String {
     let _ = writeln!(
         out,
         "  - Nothing else of the host is visible: /etc holds only the files listed above plus \
-         generated passwd, group, hosts and hostname; /dev holds null, zero, full, random, \
-         urandom, tty, pts and shm; /proc shows only the cell's processes, with sensitive \
-         entries masked; there is no /sys."
+         generated passwd, group, hosts, hostname, nsswitch.conf and resolv.conf; /dev holds \
+         null, zero, full, random, urandom, tty, pts and shm; /proc shows only the cell's \
+         processes, with sensitive entries masked; there is no /sys."
     );
 
     let proc = &policy.process;

@@ -504,7 +504,31 @@ fn show(entry: &Value, id: &str) -> bool {
             );
         }
         "agent.say" | "agent.control" | "agent.rewind" | "agent.paused" if mine => {
-            let _ = writeln!(out, "warden: {kind} {}", one_line(&fields.to_string(), 200));
+            let by = fields["by"].as_str().unwrap_or("?");
+            // This command's own resume (the session starts paused until the stream is open)
+            // is no news to the one who ran it.
+            if kind == "agent.control" && by.contains(&format!("(pid {})", std::process::id())) {
+                return false;
+            }
+            let line = match kind {
+                "agent.say" => format!(
+                    "[operator] {} (from {by})",
+                    fields["text"].as_str().unwrap_or("")
+                ),
+                "agent.control" => format!(
+                    "{} (by {by})",
+                    match fields["action"].as_str().unwrap_or("?") {
+                        "pause" => "paused",
+                        "resume" => "resumed",
+                        "step" => "stepping one turn",
+                        "stop" => "stopped",
+                        other => other,
+                    }
+                ),
+                "agent.rewind" => format!("rewound to turn {} (by {by})", fields["turn"]),
+                _ => format!("paused after turn {} ({by})", fields["after_turn"]),
+            };
+            let _ = writeln!(out, "warden: {}", one_line(&line, 200));
         }
         "approval.ask" => {
             let _ = writeln!(
