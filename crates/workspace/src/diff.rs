@@ -127,7 +127,7 @@ pub fn diff(
         budget: options.max_read_bytes,
         patches: options.max_patches_bytes,
     };
-    match walker.list(Path::new(""), true)? {
+    match walker.list(Path::new(""), true, Above::ROOT)? {
         Ok(root) => walker.walk_listed(&root)?,
         Err(why) => {
             return Err(WorkspaceError::Read {
@@ -251,12 +251,15 @@ impl<'a> Walker<'a> {
     /// Reads the directory `rel` of the merged tree: the union of its layers' entries, in name
     /// order, with each layer's copy of it and the host's opened for their lookups. An opaque
     /// copy (or a file in its place) hides the host's entries, which are listed as deleted
-    /// here. `Ok(Err(why))` where it could not be read: too deep, or a layer's copy the host
-    /// cannot reach.
+    /// here. What hid the host or the lower layers from the directory's parent (`above`) hides
+    /// them here too: a directory a cell makes in an opaque one (`rm -r d; mkdir -p d/sub`) is
+    /// not opaque itself, and the host's `d/sub/...` are gone all the same. `Ok(Err(why))`
+    /// where it could not be read: too deep, or a layer's copy the host cannot reach.
     fn list(
         &mut self,
         rel: &Path,
         lower_is_dir: bool,
+        above: Above,
     ) -> Result<Result<Listed<'a>, String>, WorkspaceError> {
         // A cell makes a tree as deep as it likes for nothing; no project needs one this deep
         // (a `node_modules` tree goes 30 to 60 levels down), and each level the walk holds
@@ -267,7 +270,7 @@ impl<'a> Walker<'a> {
         // The directory's entries are the union over the layers, down to the first layer where
         // it is opaque (or not a directory): that layer hides everything below it.
         let mut names: Vec<std::ffi::OsString> = Vec::new();
-        let mut hides_lower = false;
+        let mut hides_lower = above.hides_lower;
         // Each layer's copy of this directory, opened once: its entries are read, and looked up
         // by name, through it (a layer without it, or below an opaque one, has none).
         let mut dirs: Vec<Option<rustix::fs::Dir>> = Vec::with_capacity(self.layers.len());
@@ -279,7 +282,7 @@ impl<'a> Walker<'a> {
                 names.push(name.to_owned());
             }
         };
-        for layer in self.layers {
+        for layer in &self.layers[..above.layers.min(self.layers.len())] {
             let dir = layer.join(rel);
             let opened = rustix::fs::open(
                 &dir,
@@ -338,8 +341,19 @@ impl<'a> Walker<'a> {
             (true, true) => self.lower.try_clone().ok(),
             (true, false) => self.lower.open_dir(rel).ok(),
         };
+        // The layers below the one this directory stopped at are hidden from all below it.
+        let layers = if hides_lower {
+            dirs.len()
+        } else {
+            above.layers
+        };
         Ok(Ok(Listed {
+            below: Above {
+                layers,
+                hides_lower,
+            },
             rel: rel.to_path_buf(),
+            lower_is_dir,
             names,
             next: 0,
             dirs: Layers {
@@ -409,7 +423,7 @@ impl<'a> Walker<'a> {
         let mut names = names.iter();
         let mut below: Vec<Listed<'a>> = Vec::new();
         loop {
-            let (rel, descend) = match below.last_mut() {
+            let (rel, descend, above) = match below.last_mut() {
                 Some(top) => {
                     let Some(name) = top.names.get(top.next).cloned() else {
                         below.pop();
@@ -417,23 +431,24 @@ impl<'a> Walker<'a> {
                     };
                     top.next += 1;
                     let rel = top.rel.join(&name);
-                    let descend = self.entry(&rel, &name, &top.dirs, top.lower_dir.as_ref())?;
-                    (rel, descend)
+                    let lower = top.lower_is_dir.then_some(top.lower_dir.as_ref());
+                    let descend = self.entry(&rel, &name, &top.dirs, lower)?;
+                    (rel, descend, top.below)
                 }
                 None => {
                     let Some(name) = names.next() else {
                         return Ok(());
                     };
                     let rel = within.rel.join(name);
-                    let descend =
-                        self.entry(&rel, name, &within.dirs, within.lower_dir.as_ref())?;
-                    (rel, descend)
+                    let lower = within.lower_is_dir.then_some(within.lower_dir.as_ref());
+                    let descend = self.entry(&rel, name, &within.dirs, lower)?;
+                    (rel, descend, within.below)
                 }
             };
             let Some(lower_is_dir) = descend else {
                 continue;
             };
-            match self.list(&rel, lower_is_dir)? {
+            match self.list(&rel, lower_is_dir, above)? {
                 Ok(listed) if self.split && listed.names.len() > 1 => self.walk_listed(&listed)?,
                 Ok(listed) => below.push(listed),
                 Err(why) => self.refuse_dir(&rel, why)?,
@@ -520,13 +535,16 @@ impl<'a> Walker<'a> {
 
     /// Lists the change at `rel` (whose last component is `name`), if any; `Some` for a
     /// directory, whose entries are to be walked next (with whether the host has a directory
-    /// there).
+    /// there). `lower_dir` is `None` where the host has no directory at `rel`'s parent (then
+    /// it has nothing at `rel`: a lookup by path would follow a host link in that place, and
+    /// take what it leads to for the host's entry), `Some(None)` where it has one that could
+    /// not be opened.
     fn entry(
         &mut self,
         rel: &Path,
         name: &OsStr,
         dirs: &Layers<'_>,
-        lower_dir: Option<&Dir>,
+        lower_dir: Option<Option<&Dir>>,
     ) -> Result<Option<bool>, WorkspaceError> {
         let (path, meta) = match dirs.locate(rel, name) {
             Ok(Some(found)) => found,
@@ -547,7 +565,10 @@ impl<'a> Walker<'a> {
                 return Ok(None);
             }
         };
-        let lower = self.lower_entry(lower_dir, rel, name);
+        let (lower, lower_dir) = match lower_dir {
+            Some(dir) => (self.lower_entry(dir, rel, name), dir),
+            None => (None, None),
+        };
         let shown = display(rel);
         let file_type = rustix::fs::FileType::from_raw_mode(meta.st_mode);
         if name.to_str().is_none() {
@@ -1029,11 +1050,31 @@ fn special_name(t: rustix::fs::FileType) -> &'static str {
 /// A directory of the merged tree, read: its entries in name order (those before `next` walked
 /// already), and its copies in the layers and the host directory, opened for their lookups.
 struct Listed<'a> {
+    /// What its entries see below them.
+    below: Above,
     rel: PathBuf,
+    /// Whether the host has a directory here (`lower_dir`, where it could be opened).
+    lower_is_dir: bool,
     names: Vec<std::ffi::OsString>,
     next: usize,
     dirs: Layers<'a>,
     lower_dir: Option<Dir>,
+}
+
+/// What a directory's entries may see below them: the layers above the first one where an
+/// ancestor (or the directory itself) was opaque, or not a directory, and whether the host is
+/// hidden so.
+#[derive(Debug, Clone, Copy)]
+struct Above {
+    layers: usize,
+    hides_lower: bool,
+}
+
+impl Above {
+    const ROOT: Self = Self {
+        layers: usize::MAX,
+        hides_lower: false,
+    };
 }
 
 /// The layers' copies of the directory being walked, opened, for lookups of its entries by

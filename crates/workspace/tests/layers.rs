@@ -157,6 +157,140 @@ fn opaque_directories_delete_what_they_hide() {
     );
 }
 
+/// A directory a cell makes inside an opaque one (`rm -r dir; mkdir -p dir/sub`) is not opaque
+/// itself (overlayfs looks no further down than its opaque parent), and hides the host's
+/// `dir/sub/...` all the same: they are deleted, not left in place by the apply. Found by the
+/// randomized test `an_apply_of_the_whole_diff_makes_the_host_what_the_cell_saw` (seed 245):
+/// the diff merged the host's `dir/sub` into the cell's, and the apply left its files.
+#[test]
+fn a_directory_made_in_an_opaque_one_hides_what_the_host_has_there() {
+    if !is_root() {
+        eprintln!("skipping: trusted.* extended attributes need root");
+        return;
+    }
+    let f = fixture();
+    write(&f.lower.join("dir/sub/old"), "old\n");
+    write(&f.lower.join("dir/sub/same"), "same\n");
+    fs::create_dir_all(f.upper.join("dir/sub")).unwrap();
+    xattr::set(f.upper.join("dir"), "trusted.overlay.opaque", b"y").unwrap();
+    write(&f.upper.join("dir/sub/same"), "same\n");
+    write(&f.upper.join("dir/sub/new"), "new\n");
+    let d = diff(&f.lower, std::slice::from_ref(&f.upper), &options()).unwrap();
+    let summary: Vec<(char, &str)> = d
+        .changes
+        .iter()
+        .map(|c| (c.marker(), c.path.as_str()))
+        .collect();
+    assert_eq!(
+        summary,
+        vec![
+            ('D', "dir/a"),
+            ('D', "dir/b"),
+            ('A', "dir/sub/new"),
+            ('D', "dir/sub/old")
+        ]
+    );
+    apply(
+        &f.lower,
+        std::slice::from_ref(&f.upper),
+        &d,
+        &ApplyOptions::default(),
+    )
+    .unwrap();
+    let mut names: Vec<String> = fs::read_dir(f.lower.join("dir/sub"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["new", "same"]);
+    assert!(!f.lower.join("dir/a").exists());
+}
+
+/// The same below an opaque directory of a lower layer (a snapshot's): the layers under it are
+/// hidden from everything below it, not only from its own entries.
+#[test]
+fn a_directory_made_in_an_opaque_one_hides_the_layers_under_it() {
+    if !is_root() {
+        eprintln!("skipping: trusted.* extended attributes need root");
+        return;
+    }
+    let f = fixture();
+    let snapshot = f.upper.parent().unwrap().join("snapshot");
+    let base = f.upper.parent().unwrap().join("base");
+    write(&base.join("dir/sub/from-base"), "base\n");
+    fs::create_dir_all(snapshot.join("dir/sub")).unwrap();
+    xattr::set(snapshot.join("dir"), "trusted.overlay.opaque", b"y").unwrap();
+    write(&snapshot.join("dir/sub/from-snapshot"), "snap\n");
+    write(&f.upper.join("dir/sub/from-upper"), "upper\n");
+    let layers = [f.upper.clone(), snapshot, base];
+    let d = diff(&f.lower, &layers, &options()).unwrap();
+    let summary: Vec<(char, &str)> = d
+        .changes
+        .iter()
+        .map(|c| (c.marker(), c.path.as_str()))
+        .collect();
+    assert_eq!(
+        summary,
+        vec![
+            ('D', "dir/a"),
+            ('D', "dir/b"),
+            ('A', "dir/sub"),
+            ('A', "dir/sub/from-snapshot"),
+            ('A', "dir/sub/from-upper")
+        ]
+    );
+}
+
+/// A directory a cell makes where the host has a symlink to a directory: what it puts in it is
+/// new, never compared with what the host's link leads to. The diff looked the host's side up
+/// by path, through the link: `link/f` with the bytes and mode of the host's `dir/f` was taken
+/// for a copy of it and left out, and the apply made `link` an empty directory (another file
+/// was listed as modified, with a patch against `dir/f`). Found by the randomized test
+/// `an_apply_of_the_whole_diff_makes_the_host_what_the_cell_saw` (seeds 92 and 227).
+#[test]
+fn a_directory_in_place_of_a_host_link_is_never_compared_through_it() {
+    let f = fixture();
+    symlink("dir", f.lower.join("link")).unwrap();
+    write(&f.upper.join("link/a"), "a\n");
+    write(&f.upper.join("link/b"), "changed\n");
+    for name in ["link/a", "link/b"] {
+        let mode = fs::metadata(f.lower.join(name)).unwrap().mode();
+        fs::set_permissions(f.upper.join(name), fs::Permissions::from_mode(mode)).unwrap();
+    }
+    let d = diff(&f.lower, std::slice::from_ref(&f.upper), &options()).unwrap();
+    let summary: Vec<(char, &str, Option<&str>)> = d
+        .changes
+        .iter()
+        .map(|c| (c.marker(), c.path.as_str(), c.patch.as_deref()))
+        .collect();
+    assert_eq!(
+        summary,
+        vec![
+            ('M', "link", None),
+            (
+                'A',
+                "link/a",
+                Some("--- /dev/null\n+++ b/link/a\n@@ -0,0 +1 @@\n+a\n")
+            ),
+            (
+                'A',
+                "link/b",
+                Some("--- /dev/null\n+++ b/link/b\n@@ -0,0 +1 @@\n+changed\n")
+            ),
+        ]
+    );
+    apply(
+        &f.lower,
+        std::slice::from_ref(&f.upper),
+        &d,
+        &ApplyOptions::default(),
+    )
+    .unwrap();
+    assert!(f.lower.join("link").symlink_metadata().unwrap().is_dir());
+    assert_eq!(fs::read_to_string(f.lower.join("link/a")).unwrap(), "a\n");
+    assert_eq!(fs::read_to_string(f.lower.join("dir/b")).unwrap(), "b\n");
+}
+
 /// A name an opaque directory hides that is not UTF-8 is shown with its bad bytes escaped
 /// (`x\xff`), refused: replaced (U+FFFD) it was another host file's name, which an apply of the
 /// deletion would remove instead.
