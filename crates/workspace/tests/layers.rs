@@ -62,6 +62,14 @@ fn fixture() -> Fixture {
     }
 }
 
+/// Each change's marker and path, in the diff's order.
+fn summary(d: &warden_workspace::Diff) -> Vec<(char, &str)> {
+    d.changes
+        .iter()
+        .map(|c| (c.marker(), c.path.as_str()))
+        .collect()
+}
+
 fn options() -> DiffOptions {
     DiffOptions {
         sensitivity: Sensitivity::new(vec![".git".into(), ".envrc".into()]),
@@ -146,11 +154,7 @@ fn opaque_directories_delete_what_they_hide() {
     xattr::set(f.upper.join("dir"), "trusted.overlay.opaque", b"y").unwrap();
     write(&f.upper.join("dir/c"), "c\n");
     let d = diff(&f.lower, std::slice::from_ref(&f.upper), &options()).unwrap();
-    let summary: Vec<(char, &str)> = d
-        .changes
-        .iter()
-        .map(|c| (c.marker(), c.path.as_str()))
-        .collect();
+    let summary = summary(&d);
     assert_eq!(
         summary,
         vec![('D', "dir/a"), ('D', "dir/b"), ('A', "dir/c")]
@@ -176,11 +180,7 @@ fn a_directory_made_in_an_opaque_one_hides_what_the_host_has_there() {
     write(&f.upper.join("dir/sub/same"), "same\n");
     write(&f.upper.join("dir/sub/new"), "new\n");
     let d = diff(&f.lower, std::slice::from_ref(&f.upper), &options()).unwrap();
-    let summary: Vec<(char, &str)> = d
-        .changes
-        .iter()
-        .map(|c| (c.marker(), c.path.as_str()))
-        .collect();
+    let summary = summary(&d);
     assert_eq!(
         summary,
         vec![
@@ -224,11 +224,7 @@ fn a_directory_made_in_an_opaque_one_hides_the_layers_under_it() {
     write(&f.upper.join("dir/sub/from-upper"), "upper\n");
     let layers = [f.upper.clone(), snapshot, base];
     let d = diff(&f.lower, &layers, &options()).unwrap();
-    let summary: Vec<(char, &str)> = d
-        .changes
-        .iter()
-        .map(|c| (c.marker(), c.path.as_str()))
-        .collect();
+    let summary = summary(&d);
     assert_eq!(
         summary,
         vec![
@@ -691,11 +687,7 @@ fn layers_stack_like_overlayfs() {
     let whiteouts = whiteout(&f.upper.join("later-deleted.txt"));
     let layers = [f.upper.clone(), snapshot];
     let d = diff(&f.lower, &layers, &options()).unwrap();
-    let summary: Vec<(char, &str)> = d
-        .changes
-        .iter()
-        .map(|c| (c.marker(), c.path.as_str()))
-        .collect();
+    let summary = summary(&d);
     let mut expected = vec![('M', "edit.txt"), ('A', "snap-only.txt")];
     if !whiteouts {
         expected.insert(1, ('A', "later-deleted.txt"));
