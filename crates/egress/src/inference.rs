@@ -104,7 +104,7 @@ impl Gateway {
         if !routed
             && request
                 .as_ref()
-                .is_some_and(|b| !b.get("model").is_some_and(Value::is_string))
+                .is_some_and(|b| b.is_object() && !b.get("model").is_some_and(Value::is_string))
         {
             return Ok(None);
         }
@@ -169,11 +169,13 @@ impl Gateway {
         // Passed over only when read whole: a request padded past what is kept (blanks inside
         // its JSON cost no tokens), or one the provider reads and serde does not (a lone
         // surrogate), was passed over, and its tokens never counted.
+        // And only an object: what was kept of a chunked body the upstream cut off after its
+        // first write is the chunk's size line (`38\r\n`), which reads as a JSON number.
         if !routed
             && !request_cut
             && body
                 .as_ref()
-                .is_some_and(|b| !b.get("model").is_some_and(Value::is_string))
+                .is_some_and(|b| b.is_object() && !b.get("model").is_some_and(Value::is_string))
         {
             return None;
         }
@@ -552,6 +554,21 @@ mod tests {
         );
         assert!(none.is_none());
         assert_eq!(gateway.tokens_used(), 10);
+        // What is kept of a body that is no JSON object (a chunked body cut off after its size
+        // line, which reads as a number) is counted, by size.
+        for kept in [&b"38\r\n"[..], b"\"text\"", b"[1]"] {
+            let read = gateway.read_exchange(
+                "/v1/chat/completions",
+                kept,
+                REPLY,
+                Duration::ZERO,
+                false,
+                (0, 0),
+                None,
+            );
+            assert!(read.is_some(), "{kept:?} was passed over");
+        }
+        assert!(gateway.tokens_used() > 10);
         // On the route, every exchange is read, whatever its body.
         let routed = gateway.read_exchange(
             "/v1/messages",
