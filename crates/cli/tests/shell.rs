@@ -40,7 +40,7 @@ fn bash_completes_warden_subcommands_and_flags() {
         );
     }
     let bad = Ran::from(warden().args(["completions", "tcsh"]).output().unwrap());
-    assert_eq!(bad.code, 2);
+    assert_eq!(bad.code, warden_protocol::exit::WARDEN_ERROR);
     assert!(bad.stderr.contains("possible values"), "{bad:?}");
 }
 
