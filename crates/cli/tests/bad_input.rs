@@ -36,12 +36,7 @@ fn invalid_policy_reports_line_and_column() {
 fn bad_values_point_at_their_line() {
     let dir = tempdir();
     let file = policy(dir.path(), "version: 1\nlimits:\n  wall: forever\n");
-    let ran = Ran::from(
-        warden()
-            .args(["policy", "check", file.to_str().unwrap()])
-            .output()
-            .unwrap(),
-    );
+    let ran = policy_command(&["check", file.to_str().unwrap()]);
     assert_eq!(ran.code, 125);
     assert!(
         ran.stderr.contains(":3:") && ran.stderr.contains("not a duration"),
@@ -85,12 +80,7 @@ fn yaml_edge_cases_name_their_line_and_what_to_write_not_the_parsers_types() {
         ),
     ] {
         let file = policy(dir.path(), text);
-        let ran = Ran::from(
-            warden()
-                .args(["policy", "check", file.to_str().unwrap()])
-                .output()
-                .unwrap(),
-        );
+        let ran = policy_command(&["check", file.to_str().unwrap()]);
         assert_eq!(ran.code, 125, "{text:?}: {ran:?}");
         assert!(
             ran.stderr.contains(at) && ran.stderr.contains(says),
@@ -114,19 +104,9 @@ fn valid_policy_checks_and_explains() {
         dir.path(),
         "version: 1\nlimits:\n  memory: 256MiB\n  pids: 32\n",
     );
-    let ran = Ran::from(
-        warden()
-            .args(["policy", "check", file.to_str().unwrap()])
-            .output()
-            .unwrap(),
-    );
+    let ran = policy_command(&["check", file.to_str().unwrap()]);
     assert_eq!(ran.code, 0, "{ran:?}");
-    let ran = Ran::from(
-        warden()
-            .args(["policy", "explain", file.to_str().unwrap()])
-            .output()
-            .unwrap(),
-    );
+    let ran = policy_command(&["explain", file.to_str().unwrap()]);
     assert_eq!(ran.code, 0, "{ran:?}");
     assert!(ran.stdout.contains("Memory: 256 MiB."), "{}", ran.stdout);
     assert!(
@@ -373,12 +353,7 @@ fn paths_the_cell_could_not_see_are_refused_before_it_starts_with_the_reason() {
     ];
     for (file, reason) in cases {
         // `warden policy check` says it, and so does a run, before anything starts.
-        let checked = Ran::from(
-            warden()
-                .args(["policy", "check", file.to_str().unwrap()])
-                .output()
-                .unwrap(),
-        );
+        let checked = policy_command(&["check", file.to_str().unwrap()]);
         assert_eq!(checked.code, 125, "{checked:?}");
         assert!(checked.stderr.contains(reason), "{checked:?}");
         let ran = run_sh(&["--rm", "--policy", file.to_str().unwrap()], "echo ran");
@@ -769,12 +744,7 @@ fn policy_explain_escapes_what_would_steer_the_terminal() {
         dir.path(),
         "version: 1\ncommands:\n  ask: [\"echo \\e]0;title\\a hidden*\"]\n",
     );
-    let ran = Ran::from(
-        warden()
-            .args(["policy", "explain", file.to_str().unwrap()])
-            .output()
-            .unwrap(),
-    );
+    let ran = policy_command(&["explain", file.to_str().unwrap()]);
     assert_eq!(ran.code, 0, "{ran:?}");
     assert!(!ran.stdout.contains('\u{1b}'), "{:?}", ran.stdout);
     assert!(
@@ -812,12 +782,7 @@ fn a_command_line_warden_cannot_read_exits_125_not_a_commands_status() {
 #[test]
 fn explain_writes_its_sentences_without_runs_of_spaces() {
     for preset in ["default", "minimal", "python", "node", "rust"] {
-        let ran = Ran::from(
-            warden()
-                .args(["policy", "explain", "--preset", preset])
-                .output()
-                .unwrap(),
-        );
+        let ran = policy_command(&["explain", "--preset", preset]);
         assert_eq!(ran.code, 0, "{ran:?}");
         for line in ran.stdout.lines() {
             assert!(
@@ -826,4 +791,9 @@ fn explain_writes_its_sentences_without_runs_of_spaces() {
             );
         }
     }
+}
+
+/// `warden policy ARGS...`, run.
+fn policy_command(args: &[&str]) -> Ran {
+    Ran::from(warden().arg("policy").args(args).output().unwrap())
 }
