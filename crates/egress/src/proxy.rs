@@ -367,11 +367,7 @@ impl Gateway {
             let _ = conn.shutdown(Shutdown::Both);
         } else {
             // A reset: the client learns at once that this connection will not be served.
-            let _ = nix::sys::socket::setsockopt(
-                &conn,
-                nix::sys::socket::sockopt::Linger,
-                &libc_linger_zero(),
-            );
+            crate::http::reset_on_close(&conn);
         }
     }
 
@@ -681,12 +677,4 @@ pub(crate) fn refusal_body(decision: &Decision) -> serde_json::Value {
         "rule": decision.rule,
         "reason": decision.reason,
     })
-}
-
-/// `SO_LINGER` on with a zero timeout: closing sends a reset.
-fn libc_linger_zero() -> nix::libc::linger {
-    nix::libc::linger {
-        l_onoff: 1,
-        l_linger: 0,
-    }
 }
