@@ -128,12 +128,17 @@ fn a_quiet_cells_snapshot_or_reset_killed_at_any_point_is_whole_or_not_at_all() 
     let (_host, cell) = cell_on_host(&daemon, "crashq");
     let mut taken: Vec<u32> = Vec::new();
     for round in 0..14u32 {
-        // More than a copy is quicker for, so that it turns over.
+        // More than a copy is quicker for, so that it turns over; an odd round also writes more
+        // entries at the top than a turn-over moves, so that its upper layer is stacked whole.
+        let top = match round % 2 {
+            1 => format!("; for j in $(seq 1 12); do echo $j > t{round}-$j; done"),
+            _ => String::new(),
+        };
         let made = sh(
             &daemon,
             &cell,
             &format!(
-                "mkdir d{round} && i=1; while [ $i -le 120 ]; do echo {round}-$i > d{round}/f$i; i=$((i+1)); done; echo {round} > a.txt"
+                "mkdir d{round} && i=1; while [ $i -le 120 ]; do echo {round}-$i > d{round}/f$i; i=$((i+1)); done; echo {round} > a.txt{top}"
             ),
         );
         assert_eq!(made.0, Some(0), "{made:?}");
@@ -157,6 +162,14 @@ fn a_quiet_cells_snapshot_or_reset_killed_at_any_point_is_whole_or_not_at_all() 
                 files, 120,
                 "round {round}: snapshot {name} is listed partial"
             );
+            let tops = (1..=12)
+                .filter(|j| layer.join(format!("t{round}-{j}")).exists())
+                .count();
+            assert_eq!(
+                tops,
+                if round % 2 == 1 { 12 } else { 0 },
+                "round {round}: snapshot {name} is listed partial"
+            );
         } else {
             let again = daemon.call(
                 "POST",
@@ -171,11 +184,14 @@ fn a_quiet_cells_snapshot_or_reset_killed_at_any_point_is_whole_or_not_at_all() 
         let seen = sh(
             &daemon,
             &cell,
-            "cat a.txt; for d in d*; do ls $d | wc -l; done | sort -u; ls -d d* | wc -l",
+            "cat a.txt; for d in d*; do ls $d | wc -l; done | sort -u; ls -d d* | wc -l; ls -d t* 2>/dev/null | wc -l",
         );
         assert_eq!(
             seen,
-            (Some(0), format!("{round}\n120\n{}\n", round + 1)),
+            (
+                Some(0),
+                format!("{round}\n120\n{}\n{}\n", round + 1, round.div_ceil(2) * 12)
+            ),
             "round {round}"
         );
         assert!(daemon.changed_paths(&cell).contains(&"a.txt".to_owned()));

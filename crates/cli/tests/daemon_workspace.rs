@@ -1137,6 +1137,104 @@ fn a_quiet_cells_snapshot_and_reset_turn_layers_over_without_copies() {
     assert_eq!(ino(&layer.join("upper/a.txt")), written);
 }
 
+/// A quiet cell that wrote many entries at the top of its workspace: the turn-over stacks its
+/// upper layer as it is (a few entries are moved into a fresh directory; many are not, each move
+/// being a rename). The snapshot's layer is that very directory, with the files the cell wrote
+/// (by inode); the cell goes on, on a fresh upper layer; a second snapshot of the same kind
+/// stacks on the first; a reset, a fork and a diff see each snapshot whole.
+#[test]
+fn a_quiet_cells_snapshot_of_many_top_entries_stacks_its_upper_layer_as_it_is() {
+    use std::os::unix::fs::MetadataExt as _;
+    if !cgroups_available("daemon_turn_over_whole") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let host = tempdir();
+    std::fs::write(host.path().join("kept.txt"), "host\n").unwrap();
+    let cell = daemon.create(
+        &unique("whole"),
+        json!({ "workspace": host.path().display().to_string() }),
+    );
+    let run = |script: &str| {
+        let events = daemon.exec(&cell, json!({ "argv": ["sh", "-c", script] }));
+        assert_eq!(exit_of(&events)["code"], 0, "{script}: {events:?}");
+        String::from_utf8_lossy(&stream_bytes(&events, "stdout")).into_owned()
+    };
+    // 150 files at the top, and a folder of 10.
+    run(
+        "i=1; while [ $i -le 150 ]; do echo one-$i > t$i; i=$((i+1)); done; \
+         mkdir d && for i in 1 2 3 4 5 6 7 8 9 10; do echo $i > d/f$i; done; rm kept.txt",
+    );
+    let layer = daemon.state().join("layers").join(&cell);
+    let layer = match layer.join("fs/upper").exists() {
+        true => layer.join("fs"),
+        false => layer,
+    };
+    let ino = |path: &std::path::Path| std::fs::symlink_metadata(path).unwrap().ino();
+    let upper_before = ino(&layer.join("upper"));
+    let written = ino(&layer.join("upper/t7"));
+    let snapshot = |name: &str| {
+        let snap = daemon.call(
+            "POST",
+            &format!("/v1/cells/{cell}/snapshot"),
+            Some(json!({ "as": name })),
+        );
+        assert_eq!(snap.status, 201, "{}", snap.text());
+        daemon.snapshot_layer(&cell, name)
+    };
+    let one = snapshot("one");
+    assert_eq!(
+        ino(&one),
+        upper_before,
+        "the snapshot's layer is the cell's upper layer"
+    );
+    assert_eq!(ino(&one.join("t7")), written);
+    assert_ne!(ino(&layer.join("upper")), upper_before);
+    assert_eq!(std::fs::read_dir(layer.join("upper")).unwrap().count(), 0);
+
+    // The cell goes on; the snapshot keeps what it had, the removal of a host file with it.
+    run(
+        "i=1; while [ $i -le 150 ]; do echo two-$i > t$i; i=$((i+1)); done; \
+         echo new > n1 && rm d/f1 && rm t150",
+    );
+    assert_eq!(std::fs::read_to_string(one.join("t7")).unwrap(), "one-7\n");
+    assert_eq!(
+        run("cat t7 d/f2; test -e t150 || echo no-t150; test -e kept.txt || echo no-kept"),
+        "two-7\n2\nno-t150\nno-kept\n"
+    );
+    let two = snapshot("two");
+    assert_eq!(std::fs::read_to_string(two.join("t7")).unwrap(), "two-7\n");
+    let changed = daemon.changed_paths(&cell);
+    assert_eq!(changed.len(), 149 + 9 + 1 + 1 + 1, "{changed:?}");
+    assert!(!changed.contains(&"t150".to_owned()) && changed.contains(&"kept.txt".to_owned()));
+
+    // Back to the first: its layer under a fresh upper, the second's changes gone.
+    let reset = daemon.call(
+        "POST",
+        &format!("/v1/cells/{cell}/reset"),
+        Some(json!({ "to": "one" })),
+    );
+    assert!(reset.status < 300, "{}", reset.text());
+    assert_eq!(
+        run("cat t7 t150 d/f1; test -e n1 || echo no-n1; ls | wc -l"),
+        "one-7\none-150\n1\nno-n1\n151\n"
+    );
+    // A fork from the second sees it whole.
+    let fork = daemon.create(
+        &unique("whole-fork"),
+        json!({ "from": format!("{cell}@two") }),
+    );
+    let events = daemon.exec(
+        &fork,
+        json!({ "argv": ["sh", "-c", "cat t7 n1; test -e t150 || echo no-t150; ls | wc -l"] }),
+    );
+    assert_eq!(exit_of(&events)["code"], 0, "{events:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&stream_bytes(&events, "stdout")),
+        "two-7\nnew\nno-t150\n151\n"
+    );
+}
+
 /// In a btrfs disk of the cell's own, a snapshot of a cell whose processes run (one writes a
 /// file a hundred times a second throughout) is a clone of the disk's tree taken while the cell
 /// is frozen: the snapshot's files are the cell's by inode (a copy would have made new ones),
