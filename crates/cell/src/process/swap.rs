@@ -75,10 +75,11 @@ pub struct Stack {
     pub work: PathBuf,
 }
 
-/// A snapshot's turn-over: the entries of the old upper layer `from` are moved into `into` (a
-/// fresh directory beside it) once the old overlay is unmounted, and `into` is the new overlay's
-/// top lower layer. (The old upper itself cannot be one: the old overlay, whose teardown is left
-/// to the background, still holds it as its upper.)
+/// A snapshot's turn-over of a few entries: the entries of the old upper layer `from` are moved
+/// into `into` (a fresh directory beside it) once the old overlay is unmounted, and `into` is
+/// the new overlay's top lower layer. (The old upper itself can be one, as a turn-over of many
+/// entries has it, but the kernel logs a warning for it: the old overlay, whose teardown is
+/// left to the background, still holds it as its upper.)
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Turn {
     pub from: PathBuf,
