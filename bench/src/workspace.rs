@@ -144,6 +144,10 @@ fn main() -> Result<()> {
     };
     warden_bench::say!();
     warden_bench::say!(
+        "{FLOOR}: the {CHANGED} files the reset to a snapshot writes, rewritten in place (open, write, cut to length, close) in a scratch folder of the cell's disk ({}), without the overlay or the cell: what the file system alone takes for them",
+        floor_fs().unwrap_or("the state folder's file system")
+    );
+    warden_bench::say!(
         "fork beyond a plain cold start: {:.2} ms; overlay workspace beyond no workspace: {:.2} ms",
         get("fork from a snapshot, run `true`") - get("cold start, no workspace"),
         get("cold start, copy-on-write workspace") - get("cold start, no workspace"),
@@ -223,6 +227,62 @@ struct Point {
     snapshot: Duration,
     reset: Duration,
     copied: Duration,
+}
+
+/// The row of the file system's own floor under a running cell's reset to a snapshot.
+const FLOOR: &str = "same rewrites, cell's disk, no overlay";
+
+/// The file system the floor was measured on, once measured.
+static FLOOR_FS: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
+
+fn floor_fs() -> Option<&'static str> {
+    FLOOR_FS.get().copied()
+}
+
+/// What the file system alone takes to rewrite the files a running cell's reset to a snapshot
+/// writes: `CHANGED` files of the tree's size, written and synced (untimed), then each opened,
+/// written with the snapshot's content, cut to its length and closed (timed), as the reset's
+/// helper does through the overlay. In a scratch folder of the cell's disk (its file system,
+/// mounted beside the layer), or of the state folder where the cell has none.
+fn rewrite_floor(layer_dir: &Path) -> Result<Duration> {
+    use nix::sys::statfs::{BTRFS_SUPER_MAGIC, EXT4_SUPER_MAGIC, statfs};
+    use std::os::unix::fs::{FileExt as _, MetadataExt as _};
+    let disk = layer_dir.join("fs");
+    // The disk's file system is mounted there (another device than the layer's folder).
+    let mounted = std::fs::metadata(&disk)
+        .ok()
+        .zip(std::fs::metadata(layer_dir).ok())
+        .is_some_and(|(d, l)| d.dev() != l.dev());
+    let kind = statfs(&disk)
+        .ok()
+        .filter(|_| mounted)
+        .map(|s| s.filesystem_type());
+    let (dir, name) = match kind {
+        Some(t) if t == BTRFS_SUPER_MAGIC => (disk, "btrfs"),
+        Some(t) if t == EXT4_SUPER_MAGIC => (disk, "ext4"),
+        Some(_) => (disk, "its file system"),
+        None => (layer_dir.to_path_buf(), "the state folder's file system"),
+    };
+    let _ = FLOOR_FS.set(name);
+    let scratch = dir.join(format!(".bench-floor-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    std::fs::create_dir(&scratch)?;
+    let content = vec![b'x'; 1024];
+    for i in 0..CHANGED {
+        std::fs::write(scratch.join(format!("f{i}")), &content)?;
+    }
+    quiesce()?;
+    let start = Instant::now();
+    for i in 0..CHANGED {
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(scratch.join(format!("f{i}")))?;
+        file.write_all_at(b"changed\n", 0)?;
+        file.set_len(8)?;
+    }
+    let took = start.elapsed();
+    std::fs::remove_dir_all(&scratch)?;
+    Ok(took)
 }
 
 /// Files changed at each point of the curve.
@@ -527,6 +587,10 @@ fn measure(bin: &str, tree: &Path, runs: usize) -> Result<Vec<Stats>> {
                 name: "cold start, no workspace",
                 samples: Vec::new(),
             },
+            Stats {
+                name: FLOOR,
+                samples: Vec::new(),
+            },
         ];
         warden(bin, &["snapshot", &cell, "--as", "base"])?;
         let layers = state_dir().join("layers").join(&cell);
@@ -562,6 +626,7 @@ fn measure(bin: &str, tree: &Path, runs: usize) -> Result<Vec<Stats>> {
             stats[6]
                 .samples
                 .push(warden(bin, &["run", "--rm", "--", "true"])?);
+            stats[7].samples.push(rewrite_floor(&layers)?);
         }
         Ok(stats)
     })();
