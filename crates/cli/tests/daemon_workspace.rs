@@ -1155,11 +1155,7 @@ fn a_quiet_cells_snapshot_of_many_top_entries_stacks_its_upper_layer_as_it_is() 
         &unique("whole"),
         json!({ "workspace": host.path().display().to_string() }),
     );
-    let run = |script: &str| {
-        let events = daemon.exec(&cell, json!({ "argv": ["sh", "-c", script] }));
-        assert_eq!(exit_of(&events)["code"], 0, "{script}: {events:?}");
-        String::from_utf8_lossy(&stream_bytes(&events, "stdout")).into_owned()
-    };
+    let run = |script: &str| daemon.sh_ok(&cell, script);
     // 150 files at the top, and a folder of 10.
     run(
         "i=1; while [ $i -le 150 ]; do echo one-$i > t$i; i=$((i+1)); done; \
@@ -1224,13 +1220,8 @@ fn a_quiet_cells_snapshot_of_many_top_entries_stacks_its_upper_layer_as_it_is() 
         &unique("whole-fork"),
         json!({ "from": format!("{cell}@two") }),
     );
-    let events = daemon.exec(
-        &fork,
-        json!({ "argv": ["sh", "-c", "cat t7 n1; test -e t150 || echo no-t150; ls | wc -l"] }),
-    );
-    assert_eq!(exit_of(&events)["code"], 0, "{events:?}");
     assert_eq!(
-        String::from_utf8_lossy(&stream_bytes(&events, "stdout")),
+        daemon.sh_ok(&fork, "cat t7 n1; test -e t150 || echo no-t150; ls | wc -l"),
         "two-7\nnew\nno-t150\n151\n"
     );
 }
@@ -1718,11 +1709,7 @@ fn a_deep_stack_of_snapshots_is_squashed() {
         &unique("squash"),
         json!({ "workspace": host.path().display().to_string() }),
     );
-    let run = |script: &str| {
-        let events = daemon.exec(&cell, json!({ "argv": ["sh", "-c", script] }));
-        assert_eq!(exit_of(&events)["code"], 0, "{script}: {events:?}");
-        String::from_utf8_lossy(&stream_bytes(&events, "stdout")).into_owned()
-    };
+    let run = |script: &str| daemon.sh_ok(&cell, script);
     let record = daemon.state().join("layers").join(&cell).join("layer.json");
     let depth = || {
         let meta: Value = serde_json::from_str(&read_file(&record)).unwrap();

@@ -329,6 +329,14 @@ impl Daemon {
         );
         answer.events()
     }
+
+    /// Runs `script` with `sh -c` in `cell` and returns what it printed; fails the test unless
+    /// it exits with 0.
+    pub fn sh_ok(&self, cell: &str, script: &str) -> String {
+        let events = self.exec(cell, serde_json::json!({ "argv": ["sh", "-c", script] }));
+        assert_eq!(exit_of(&events)["code"], 0, "{script}: {events:?}");
+        String::from_utf8_lossy(&stream_bytes(&events, "stdout")).into_owned()
+    }
 }
 
 impl Drop for Daemon {
