@@ -138,6 +138,8 @@ impl Backend for FakeBackend {
             questions: Mutex::new(Vec::new()),
             answers: Mutex::new(Vec::new()),
             next_question: AtomicU64::new(1),
+            look_delay: Mutex::new(std::time::Duration::ZERO),
+            slow_look_begun: AtomicBool::new(false),
         });
         if let Ok(mut cells) = self.cells.lock() {
             cells.insert(cell.name.clone(), Arc::clone(&cell));
@@ -218,6 +220,9 @@ pub struct FakeCell {
     questions: Mutex<Vec<Question>>,
     answers: Mutex<Vec<(u64, bool)>>,
     next_question: AtomicU64,
+    /// How long the next look at its status takes (a tier whose look is slow on a busy host).
+    look_delay: Mutex<std::time::Duration>,
+    slow_look_begun: AtomicBool,
 }
 
 impl FakeCell {
@@ -233,6 +238,18 @@ impl FakeCell {
 
     pub fn is_paused(&self) -> bool {
         self.paused.load(Ordering::SeqCst)
+    }
+
+    /// The next look at its status (`Cell::status`) takes `delay` before it answers.
+    pub fn delay_next_look(&self, delay: std::time::Duration) {
+        if let Ok(mut d) = self.look_delay.lock() {
+            *d = delay;
+        }
+    }
+
+    /// Whether the look that [`FakeCell::delay_next_look`] slowed down has begun.
+    pub fn slow_look_begun(&self) -> bool {
+        self.slow_look_begun.load(Ordering::SeqCst)
     }
 
     /// Whether a kill of it has begun (it may not have ended yet: see
@@ -288,6 +305,15 @@ impl Cell for FakeCell {
     }
 
     fn status(&self) -> Result<Status, CellError> {
+        let delay = self
+            .look_delay
+            .lock()
+            .map(|mut d| std::mem::take(&mut *d))
+            .unwrap_or_default();
+        if !delay.is_zero() {
+            self.slow_look_begun.store(true, Ordering::SeqCst);
+            std::thread::sleep(delay);
+        }
         Ok(if self.ended.load(Ordering::SeqCst) {
             Status::Ended
         } else if self.is_paused() {

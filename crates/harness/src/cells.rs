@@ -946,6 +946,17 @@ impl Harness {
     /// under the same lock (`write_end_and_delete`, `control_with`), so that a cell whose end
     /// two see at once (a kill, the watch, a delete) is ended, and journaled, once.
     pub(crate) fn mark_ended(&self, name: &str, reason: &str) -> Result<bool, HarnessError> {
+        self.mark_ended_of(name, reason, None)
+    }
+
+    /// `mark_ended`, where the entry is the one made at `created` (ms), if given: a later cell
+    /// of the name is not marked.
+    pub(crate) fn mark_ended_of(
+        &self,
+        name: &str,
+        reason: &str,
+        created: Option<u64>,
+    ) -> Result<bool, HarnessError> {
         let _one = self
             .ends
             .lock()
@@ -954,7 +965,7 @@ impl Harness {
             return Ok(false);
         }
         self.update_entry(name, |entry| {
-            let unended = entry.ended.is_none();
+            let unended = entry.ended.is_none() && created.is_none_or(|c| c == entry.created_ms);
             if unended {
                 entry.ended = Some(reason.to_owned());
             }

@@ -170,7 +170,9 @@ impl Harness {
         let cell = name.clone();
         // The cell this watch is for: once its handle is gone (deleted, and maybe another
         // cell made under its name since), its end is the delete's to journal, not this watch's.
+        // Its entry, by when it was made: a later cell of the name has another.
         let watched = self.cell(&name);
+        let created = self.entry(&name).ok().map(|e| e.created_ms);
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(TICK).await;
@@ -186,7 +188,7 @@ impl Harness {
                     // Gone: the rest of its record, then its end.
                     Some(false) => {
                         while harness.copy_decisions(&cell).await {}
-                        harness.ended(&cell).await;
+                        harness.ended(&cell, watched.as_ref(), created).await;
                         return;
                     }
                     Some(true) => {}
@@ -225,27 +227,49 @@ impl Harness {
         }
     }
 
-    async fn ended(&self, name: &str) {
-        if let Ok(mut live) = self.live.lock() {
-            live.remove(name);
+    /// The end of the cell a watch is for (`watched`, its handle; `created`, when its entry was
+    /// made). A kill or delete ends a cell before its watch sees it gone, and a create may then
+    /// take its name at once: a watch that looked just before (the look takes time on a busy
+    /// host) must leave the new cell be. So the look at whose handle is there and the removal of
+    /// it and of its supervision are one step under the handles' lock (a create puts its
+    /// handle in before its supervision), and the end is marked only on the watched cell's own
+    /// entry. (It ended a new cell of an ended cell's name: its handle and supervision gone,
+    /// `cell.end` journaled for it, its commands refused as of an ended cell.)
+    async fn ended(
+        &self,
+        name: &str,
+        watched: Option<&Arc<dyn warden_cell::Cell>>,
+        created: Option<u64>,
+    ) {
+        {
+            let Ok(mut cells) = self.cells.lock() else {
+                return;
+            };
+            if let (Some(then), Some(now)) = (watched, cells.get(name))
+                && !Arc::ptr_eq(now, then)
+            {
+                return;
+            }
+            cells.remove(name);
+            if let Ok(mut live) = self.live.lock() {
+                live.remove(name);
+            }
         }
         // A delete under way journals the end itself.
         if self.killing.lock().is_ok_and(|k| k.contains(name)) {
-            if let Ok(mut cells) = self.cells.lock() {
-                cells.remove(name);
-            }
             return;
         }
-        let _ = self.state.forget_questions(name);
-        if let Ok(mut cells) = self.cells.lock() {
-            cells.remove(name);
+        let ours = |entry: &crate::state::CellEntry| created.is_none_or(|c| c == entry.created_ms);
+        if self.entry(name).map_or(true, |entry| ours(&entry)) {
+            let _ = self.state.forget_questions(name);
         }
         if let Ok(entry) = self.entry(name)
             && entry.ended.is_none()
+            && ours(&entry)
         {
             let (reason, ending) = self.end_reason(name);
             // A kill that saw the end at the same moment journals it instead.
-            if !self.mark_ended(name, &reason).unwrap_or(false) {
+            if !self.mark_ended_of(name, &reason, created).unwrap_or(false) {
                 return;
             }
             let _ = self

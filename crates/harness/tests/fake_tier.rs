@@ -605,6 +605,49 @@ async fn a_deleted_cell_ends_once_in_the_journal_whatever_its_watch_sees() {
     }
 }
 
+/// A cell killed, and a new cell made under its name while the old cell's watch is still
+/// looking at the old one (a look that takes long, as on a busy host): once that look says the
+/// old cell ended, the watch leaves the new cell be. It ran, its end was not journaled, and its
+/// commands ran. (The watch took the new cell's handle and supervision away and journaled its
+/// end as "its processes ended": its first exec was refused as of an ended cell.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_cell_of_a_killed_cells_name_is_left_be_by_the_old_cells_watch() {
+    let s = setup().await;
+    s.harness.create(create("again", None)).await.unwrap();
+    s.harness
+        .control("again", ControlAction::Kill, "test")
+        .await
+        .unwrap();
+    let old = s.fake.cell("again").unwrap();
+    old.delay_next_look(Duration::from_millis(400));
+    wait_for("the old cell's watch to look at it", async || {
+        old.slow_look_begun()
+    })
+    .await;
+    // Another millisecond: the new cell's entry is not made in the same one.
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    s.harness.create(create("again", None)).await.unwrap();
+    // Past the watch's look, and a tick after it.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let info = s.harness.get("again").unwrap();
+    assert_eq!(info.state, CellState::Running, "{info:?}");
+    assert_eq!(info.ended, None, "{info:?}");
+    let process = s.harness.exec("again", exec(&["true"])).await.unwrap();
+    let (_, _, exit) = finish(&process).await;
+    assert_eq!((exit.reason, exit.code), (ExitReason::Exited, Some(0)));
+    let kinds = kinds(&s.harness, "again").await;
+    assert_eq!(
+        kinds.iter().filter(|k| *k == "cell.end").count(),
+        1,
+        "only the killed cell's end: {kinds:?}"
+    );
+    assert_eq!(
+        kinds.last().map(String::as_str),
+        Some("exec.exit"),
+        "{kinds:?}"
+    );
+}
+
 /// A control that comes once a delete of the cell has begun is refused and leaves no entry:
 /// its entry could otherwise land after the cell's delete in the journal.
 #[tokio::test]
