@@ -1727,6 +1727,13 @@ fn a_deep_stack_of_snapshots_is_squashed() {
         if i == 5 {
             script.push_str(" && rm host.txt");
         }
+        // Every fourth turn from the second writes more entries at the top than a turn-over
+        // moves: its layer is the cell's upper layer itself, stacked whole.
+        if i % 4 == 1 {
+            script.push_str(&format!(
+                " && for k in 0 1 2 3 4 5 6 7 8; do echo {i} > w{i}-$k; done"
+            ));
+        }
         run(&script);
         snapshot_as(&daemon, &cell, &format!("s{i}"));
     };
@@ -1738,9 +1745,10 @@ fn a_deep_stack_of_snapshots_is_squashed() {
     wait_for_squash(&daemon, &cell);
     turn(12);
     assert_eq!(depth(), 2, "{}", read_file(&record));
-    let listed = |dir: &str| run(&format!("ls {dir} | tr '\\n' ' '"));
+    let listed = |dir: &str| run(&format!("ls {dir} | grep -v '^w' | tr '\\n' ' '"));
     assert_eq!(listed("."), "f t0 t1 t10 t12 t3 t4 t6 t7 t9 ");
     assert_eq!(run("cat f t0/0 t12/109"), "12\n0\n12\n");
+    assert_eq!(run("ls -d w* | wc -l; cat w1-0 w5-4 w9-8"), "27\n1\n5\n9\n");
     // An old snapshot reads as it did.
     let reset = daemon.call(
         "POST",
@@ -1750,6 +1758,7 @@ fn a_deep_stack_of_snapshots_is_squashed() {
     assert!(reset.status < 300, "{}", reset.text());
     assert_eq!(listed("."), "f host.txt t0 t1 t3 t4 ");
     assert_eq!(run("cat f host.txt"), "4\nhost\n");
+    assert_eq!(run("ls -d w* | wc -l; cat w1-8"), "9\n1\n");
 }
 
 /// A deep stack whose bottom layer is a btrfs clone's (a reset to a snapshot taken while a
