@@ -21,15 +21,36 @@ use std::os::fd::{AsRawFd as _, OwnedFd, RawFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock, mpsc};
+use std::time::{Duration, Instant};
 
 use super::sys;
 
 type Job = Box<dyn FnOnce() + Send + 'static>;
 
+/// A piece of work for the background thread, and when it was handed over.
+type Piece = (Instant, Job);
+
+/// How long the background thread lets a piece wait after it was handed over: the request that
+/// left it behind answers meanwhile, its last steps not sharing two cores, and the cell's file
+/// system, with that work. (Begun at once, an old overlay's teardown and a snapshot's size
+/// count ran beside the snapshot's last renames and records. Quiet snapshots of 10,000 and
+/// 1,000 changed files, btrfs, 15 rounds each, taking turns with the build before on a daemon
+/// of its own: medians 4.03 and 4.07 ms against 4.27 and 4.58, p90 5.82 and 5.39 against 8.44
+/// and 7.11.)
+pub(super) const SETTLE: Duration = Duration::from_millis(50);
+
+/// In a process that outlives its requests, waits [`SETTLE`]: for work begun on a thread of
+/// its own after a request left it behind (a snapshot's size count).
+pub(super) fn settle() {
+    if outlives_requests() {
+        std::thread::sleep(SETTLE);
+    }
+}
+
 static OUTLIVES_REQUESTS: AtomicBool = AtomicBool::new(false);
 
 /// The worker thread's queue, made with the first piece of work.
-static QUEUE: OnceLock<Mutex<Option<mpsc::Sender<Job>>>> = OnceLock::new();
+static QUEUE: OnceLock<Mutex<Option<mpsc::Sender<Piece>>>> = OnceLock::new();
 
 /// Says that this process outlives the requests it serves (the daemon): background work runs
 /// on a thread of its own from now on.
@@ -119,7 +140,7 @@ pub fn finish(within: std::time::Duration) -> bool {
             let mark: Job = Box::new(move || {
                 let _ = done_tx.send(());
             });
-            tx.send(mark).is_ok()
+            tx.send((Instant::now(), mark)).is_ok()
         }),
         Err(_) => false,
     };
@@ -137,13 +158,15 @@ fn queue(job: Job) -> Result<(), Job> {
     let Some(tx) = sender.as_ref() else {
         return Err(job);
     };
-    match tx.send(job) {
+    match tx.send((Instant::now(), job)) {
         Ok(()) => Ok(()),
-        Err(mpsc::SendError(job)) => {
+        Err(mpsc::SendError((_, job))) => {
             // The thread ended (a piece of work panicked): the next piece starts another.
             *sender = start();
             match sender.as_ref() {
-                Some(tx) => tx.send(job).map_err(|mpsc::SendError(job)| job),
+                Some(tx) => tx
+                    .send((Instant::now(), job))
+                    .map_err(|mpsc::SendError((_, job))| job),
                 None => Err(job),
             }
         }
@@ -151,8 +174,8 @@ fn queue(job: Job) -> Result<(), Job> {
 }
 
 /// The background thread: `None` where it cannot be started.
-fn start() -> Option<mpsc::Sender<Job>> {
-    let (tx, rx) = mpsc::channel::<Job>();
+fn start() -> Option<mpsc::Sender<Piece>> {
+    let (tx, rx) = mpsc::channel::<Piece>();
     std::thread::Builder::new()
         .name("background".to_owned())
         .spawn(move || {
@@ -160,7 +183,10 @@ fn start() -> Option<mpsc::Sender<Job>> {
             // mount lock for a moment (an overlay's teardown), which the idle class could hold
             // up for as long as the machine stays busy.
             sys::lower_priority(0);
-            for job in rx {
+            for (handed, job) in rx {
+                // Not before the request that left it has answered (`SETTLE` after it was
+                // handed over; a piece that waited behind others that long already goes on).
+                std::thread::sleep((handed + SETTLE).saturating_duration_since(Instant::now()));
                 job();
             }
         })
@@ -234,7 +260,41 @@ pub fn sweep_gone_layers(layers: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::{Duration, Instant};
+
+    /// The thread begins a piece no sooner than `SETTLE` after it was handed over (the request
+    /// that left it answers meanwhile), and pieces handed over together wait that once, not
+    /// once each.
+    #[test]
+    fn a_piece_waits_until_the_request_that_left_it_has_answered() {
+        let (tx, rx) = mpsc::channel();
+        let handed = Instant::now();
+        for i in 0..4 {
+            let tx = tx.clone();
+            queue(Box::new(move || {
+                let _ = tx.send((i, Instant::now()));
+            }))
+            .unwrap_or_else(|_| panic!("no background thread"));
+        }
+        let begun: Vec<(i32, Instant)> = (0..4)
+            .map(|_| rx.recv_timeout(Duration::from_secs(10)).unwrap())
+            .collect();
+        assert_eq!(
+            begun.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+            [0, 1, 2, 3]
+        );
+        for (i, at) in &begun {
+            assert!(
+                at.duration_since(handed) >= SETTLE,
+                "piece {i} began {:?} after it was handed over",
+                at.duration_since(handed)
+            );
+        }
+        let spread = begun[3].1.duration_since(begun[0].1);
+        assert!(
+            spread < SETTLE,
+            "the pieces waited one after another: {spread:?}"
+        );
+    }
 
     /// Both ways run the work after the caller has gone on: the forked child in a process of
     /// its own, the thread in this one, in order.

@@ -524,6 +524,7 @@ pub fn take(
         // Counted aside (a walk of every file it holds); `list` counts what this did not.
         let (store, id) = (store.clone(), info.id.clone());
         std::thread::spawn(move || {
+            super::background::settle();
             sys::run_when_idle();
             let _ = counted(&store, &id);
         });
