@@ -3,7 +3,7 @@
 //!
 //! In a process that outlives its requests (the daemon, once it calls [`outlive_requests`]),
 //! the work goes to one thread of its own, at the lowest priority of the normal class, one
-//! piece after another. A fork of the daemon for it would cost the request about a millisecond
+//! piece after another, each begun once the request that left it has answered ([`SETTLE`]). A fork of the daemon for it would cost the request about a millisecond
 //! (the kernel copies the page tables of its tens of MiB, and every page the daemon writes
 //! afterwards is copied once more), which is most of what a quick snapshot or reset costs. A
 //! daemon that is told to end finishes what is queued first ([`finish`]); a piece still waiting
