@@ -3,9 +3,10 @@
 //!
 //! In a process that outlives its requests (the daemon, once it calls [`outlive_requests`]),
 //! the work goes to one thread of its own, at the lowest priority of the normal class, one
-//! piece after another, each begun once the request that left it has answered ([`SETTLE`]). A fork of the daemon for it would cost the request about a millisecond
-//! (the kernel copies the page tables of its tens of MiB, and every page the daemon writes
-//! afterwards is copied once more), which is most of what a quick snapshot or reset costs. A
+//! piece after another, each begun once the request that left it has answered ([`SETTLE`]). A
+//! fork of the daemon for it would cost the request about a millisecond (the kernel copies the
+//! page tables of its tens of MiB, and every page the daemon writes afterwards is copied once
+//! more), which is most of what a quick snapshot or reset costs. A
 //! daemon that is told to end finishes what is queued first ([`finish`]); a piece still waiting
 //! when the daemon is killed is lost: what it would have removed is a leftover that goes with
 //! its cell's layer (`upper.old-*`), or, for a removed cell's layer (`.gone-*`), is removed by
