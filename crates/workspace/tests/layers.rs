@@ -15,6 +15,15 @@ fn is_root() -> bool {
     fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
 }
 
+/// Whether this test may set `trusted.*` extended attributes (root only); it says so when not.
+fn trusted_xattrs() -> bool {
+    let root = is_root();
+    if !root {
+        eprintln!("skipping: trusted.* extended attributes need root");
+    }
+    root
+}
+
 /// A whiteout is a character device 0:0, which only root can create.
 fn whiteout(path: &Path) -> bool {
     if !is_root() {
@@ -145,8 +154,7 @@ fn diff_names_every_kind_of_change() {
 
 #[test]
 fn opaque_directories_delete_what_they_hide() {
-    if !is_root() {
-        eprintln!("skipping: trusted.* extended attributes need root");
+    if !trusted_xattrs() {
         return;
     }
     let f = fixture();
@@ -168,8 +176,7 @@ fn opaque_directories_delete_what_they_hide() {
 /// the diff merged the host's `dir/sub` into the cell's, and the apply left its files.
 #[test]
 fn a_directory_made_in_an_opaque_one_hides_what_the_host_has_there() {
-    if !is_root() {
-        eprintln!("skipping: trusted.* extended attributes need root");
+    if !trusted_xattrs() {
         return;
     }
     let f = fixture();
@@ -210,8 +217,7 @@ fn a_directory_made_in_an_opaque_one_hides_what_the_host_has_there() {
 /// hidden from everything below it, not only from its own entries.
 #[test]
 fn a_directory_made_in_an_opaque_one_hides_the_layers_under_it() {
-    if !is_root() {
-        eprintln!("skipping: trusted.* extended attributes need root");
+    if !trusted_xattrs() {
         return;
     }
     let f = fixture();
@@ -292,8 +298,7 @@ fn a_directory_in_place_of_a_host_link_is_never_compared_through_it() {
 /// deletion would remove instead.
 #[test]
 fn a_hidden_name_that_is_not_utf8_is_refused_not_taken_for_another() {
-    if !is_root() {
-        eprintln!("skipping: trusted.* extended attributes need root");
+    if !trusted_xattrs() {
         return;
     }
     use std::os::unix::ffi::OsStrExt as _;
