@@ -52,6 +52,19 @@ struct Fixture {
     upper: std::path::PathBuf,
 }
 
+impl Fixture {
+    /// Applies every change of `d` (the diff of this fixture's upper layer) to its lower one.
+    fn apply_all(&self, d: &warden_workspace::Diff) {
+        apply(
+            &self.lower,
+            std::slice::from_ref(&self.upper),
+            d,
+            &ApplyOptions::default(),
+        )
+        .unwrap();
+    }
+}
+
 fn fixture() -> Fixture {
     let tmp = tempfile::tempdir().unwrap();
     let lower = tmp.path().join("lower");
@@ -197,13 +210,7 @@ fn a_directory_made_in_an_opaque_one_hides_what_the_host_has_there() {
             ('D', "dir/sub/old")
         ]
     );
-    apply(
-        &f.lower,
-        std::slice::from_ref(&f.upper),
-        &d,
-        &ApplyOptions::default(),
-    )
-    .unwrap();
+    f.apply_all(&d);
     let mut names: Vec<String> = fs::read_dir(f.lower.join("dir/sub"))
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
@@ -281,13 +288,7 @@ fn a_directory_in_place_of_a_host_link_is_never_compared_through_it() {
             ),
         ]
     );
-    apply(
-        &f.lower,
-        std::slice::from_ref(&f.upper),
-        &d,
-        &ApplyOptions::default(),
-    )
-    .unwrap();
+    f.apply_all(&d);
     assert!(f.lower.join("link").symlink_metadata().unwrap().is_dir());
     assert_eq!(fs::read_to_string(f.lower.join("link/a")).unwrap(), "a\n");
     assert_eq!(fs::read_to_string(f.lower.join("dir/b")).unwrap(), "b\n");
@@ -320,13 +321,7 @@ fn a_hidden_name_that_is_not_utf8_is_refused_not_taken_for_another() {
         odd_change.refused.as_deref(),
         Some(warden_workspace::NOT_UTF8)
     );
-    apply(
-        &f.lower,
-        std::slice::from_ref(&f.upper),
-        &d,
-        &ApplyOptions::default(),
-    )
-    .unwrap();
+    f.apply_all(&d);
     assert_eq!(
         fs::read_to_string(f.lower.join("dir/x\u{fffd}")).unwrap(),
         "the cell kept me\n"
@@ -921,13 +916,7 @@ fn apply_writes_a_file_of_many_names_once_and_keeps_its_holes() {
     }
     let d = diff(&f.lower, std::slice::from_ref(&f.upper), &options()).unwrap();
     assert_eq!(d.changes.iter().filter(|c| c.size == Some(len)).count(), 6);
-    apply(
-        &f.lower,
-        std::slice::from_ref(&f.upper),
-        &d,
-        &ApplyOptions::default(),
-    )
-    .unwrap();
+    f.apply_all(&d);
     let big = fs::metadata(f.lower.join("big")).unwrap();
     assert_eq!(big.len(), len);
     assert_eq!(big.nlink(), 6, "the names were not applied as links");
