@@ -1141,7 +1141,8 @@ fn a_quiet_cells_snapshot_and_reset_turn_layers_over_without_copies() {
 /// upper layer as it is (a few entries are moved into a fresh directory; many are not, each move
 /// being a rename). The snapshot's layer is that very directory, with the files the cell wrote
 /// (by inode); the cell goes on, on a fresh upper layer; a second snapshot of the same kind
-/// stacks on the first; a reset, a fork and a diff see each snapshot whole.
+/// stacks on the first; a reset, a fork and a diff see each snapshot whole. The helpers that
+/// mounted the workspace again are reaped, though the answers did not wait for their end.
 #[test]
 fn a_quiet_cells_snapshot_of_many_top_entries_stacks_its_upper_layer_as_it_is() {
     use std::os::unix::fs::MetadataExt as _;
@@ -1224,6 +1225,43 @@ fn a_quiet_cells_snapshot_of_many_top_entries_stacks_its_upper_layer_as_it_is() 
         daemon.sh_ok(&fork, "cat t7 n1; test -e t150 || echo no-t150; ls | wc -l"),
         "two-7\nnew\nno-t150\n151\n"
     );
+    // The helpers that mounted the workspace again (two turn-overs and a reset) are reaped,
+    // though no answer waited for their end.
+    let pid = daemon.pid().unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let unreaped = zombie_children(pid);
+        if unreaped.is_empty() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the daemon left children unreaped: {unreaped:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The children of `parent` that have ended and are not reaped: their pids and names.
+fn zombie_children(parent: u32) -> Vec<String> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // `PID (NAME) STATE PPID ...`; the name may hold spaces and parentheses.
+        let Some((head, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let mut fields = rest.split_whitespace();
+        let (Some(state), Some(ppid)) = (fields.next(), fields.next()) else {
+            continue;
+        };
+        if state == "Z" && ppid == parent.to_string() {
+            found.push(head.to_owned() + ")");
+        }
+    }
+    found
 }
 
 /// In a btrfs disk of the cell's own, a snapshot of a cell whose processes run (one writes a

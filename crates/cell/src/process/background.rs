@@ -117,6 +117,20 @@ pub fn let_go(held: Vec<OwnedFd>) {
     dispatch(Box::new(move || drop(held)), &raw);
 }
 
+/// Reaps `child` (a child of this process's that is about to end) on the background thread,
+/// or on a small thread of its own where there is none.
+pub(super) fn reap(child: libc::pid_t) {
+    let wait = move || {
+        let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(child), None);
+    };
+    if !outlives_requests() || queue(Box::new(wait)).is_err() {
+        let _ = std::thread::Builder::new()
+            .name("reaper".to_owned())
+            .stack_size(64 * 1024)
+            .spawn(wait);
+    }
+}
+
 /// `job` to the thread or to a child that keeps the descriptors `keep` only.
 fn dispatch(job: Job, keep: &[RawFd]) {
     let handed = match outlives_requests() {

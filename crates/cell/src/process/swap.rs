@@ -180,6 +180,15 @@ pub fn swap(
     if let Ok(Some((_, held))) = sys::try_receive_message(held_r.as_fd()) {
         super::background::let_go(held);
     }
+    if message == SWAPPED && super::background::outlives_requests() {
+        // Swapped, said once the new overlay was the cell's: what the helper has left to do is
+        // let go of its clones of the layers and end, each clone's release a wait for an RCU
+        // grace period, which the request does not wait for. (It holds the caller's hold until
+        // it has ended, as before: a warden killed now is finished after by whoever waits for
+        // that.) Reaped by the background thread.
+        super::background::reap(child);
+        return Ok(());
+    }
     match nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(child), None) {
         Ok(nix::sys::wait::WaitStatus::Exited(_, 0)) => Ok(()),
         Ok(nix::sys::wait::WaitStatus::Exited(_, 2)) => Err(SwapError::Busy(place.cell.to_owned())),
@@ -234,11 +243,13 @@ pub(crate) fn helper(job: &[u8], fds: Vec<OwnedFd>) -> i32 {
         return 1;
     };
     let tree = fds.next();
-    let mut report = fs::File::from(report);
+    let mut report = Some(fs::File::from(report));
     let job: Job = match serde_json::from_slice(job) {
         Ok(job) => job,
         Err(e) => {
-            let _ = write!(report, "the helper's job: {e}");
+            if let Some(report) = &mut report {
+                let _ = write!(report, "the helper's job: {e}");
+            }
             return 1;
         }
     };
@@ -247,19 +258,29 @@ pub(crate) fn helper(job: &[u8], fds: Vec<OwnedFd>) -> i32 {
         mnt,
         root: None,
     };
-    match inside(&ns, tree, &job, hand_back) {
+    let outcome = inside(&ns, tree, &job, hand_back, &mut report);
+    let mut tell = |message: &str| {
+        if let Some(report) = &mut report {
+            let _ = report.write_all(message.as_bytes());
+        }
+    };
+    match outcome {
         Ok(()) => 0,
         Err(Outcome::Busy) => 2,
         Err(Outcome::Failed(message)) => {
-            let _ = write!(report, "{message}");
+            tell(&message);
             1
         }
         Err(Outcome::Broken(message)) => {
-            let _ = write!(report, "{message}");
+            tell(&message);
             3
         }
     }
 }
+
+/// What a helper reports, and closes its report with, once the new overlay is the cell's
+/// (before it lets go of its clones and ends): no message of a failure reads so.
+const SWAPPED: &str = "\0swapped";
 
 enum Outcome {
     Busy,
@@ -279,6 +300,7 @@ fn inside(
     tree: Option<OwnedFd>,
     place: &Job,
     hand_back: OwnedFd,
+    report: &mut Option<fs::File>,
 ) -> Result<(), Outcome> {
     let (old, new, turn) = (&place.old, &place.new, place.turn.as_ref());
     use nix::sched::{CloneFlags, setns, unshare};
@@ -454,6 +476,11 @@ fn inside(
                 let _ = (&again, &moved);
                 // Where it cannot be sent, the teardown happens here, before the helper ends.
                 let _ = sys::send_message(hand_back.as_fd(), b"h", &[held.as_raw_fd()]);
+                // Told, and the report closed (its end of file is what the caller waits
+                // for): the clones above are let go of after.
+                if let Some(mut report) = report.take() {
+                    let _ = report.write_all(SWAPPED.as_bytes());
+                }
                 return Ok(());
             }
             Err(err) => {
