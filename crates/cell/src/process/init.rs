@@ -499,6 +499,13 @@ fn supervise(
     // lets go of its start's pages once it has been set up a while (single-threaded: at a
     // poll's timeout, not on a thread).
     let mut let_go = sys::LetGo::after_linger(main.is_none());
+    if main.is_none() {
+        // What the first exec would do first, done while nothing is asked of the cell (a cell
+        // made ahead waits here for its first exec): the signals it ignores read from the
+        // kernel, and the stack its children start on mapped.
+        ignored_signals();
+        sys::ready_spawn_stack();
+    }
     loop {
         let_go.when_due();
         // Clients still connected, watched for their signals and their hang-up.

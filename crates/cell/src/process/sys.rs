@@ -966,6 +966,17 @@ pub fn spawn(what: &Spawn<'_>) -> io::Result<libc::pid_t> {
     }
 }
 
+/// Maps the stack the next [`spawn`] runs its child on, where none is kept yet: for a process
+/// that spawns later and has nothing to do until then (a cell's init made ahead of its first
+/// exec), so that the spawn does not map it then.
+pub fn ready_spawn_stack() {
+    if let Ok(mut spare) = SPARE_STACK.try_lock()
+        && spare.is_none()
+    {
+        *spare = ChildStack::map(CHILD_STACK).ok();
+    }
+}
+
 /// The stack a [`spawn`] child runs on until it execs.
 const CHILD_STACK: usize = 64 * 1024;
 
