@@ -1408,10 +1408,10 @@ impl Drop for Creating {
     }
 }
 
-/// Leaves the daemon's note `path` (an empty file's name, only ever looked at for whether it is
-/// there) in a cell's folder: a second name for the keeper's log beside it, made without a new
-/// inode, as the registry's own note of a kill is (see `Registry::mark_killed`); where there is
-/// no log to link, an empty file.
+/// Leaves the daemon's note `path` in a cell's folder (a name only ever looked at for whether it
+/// is there): a second name for the keeper's log beside it, made without a new inode, as the
+/// registry's own note of a kill is (see `Registry::mark_killed`); where there is no log to
+/// link, an empty file.
 fn mark(path: &std::path::Path) {
     let log = path.with_file_name("keeper.log");
     if std::fs::hard_link(&log, path).is_err() && !path.exists() {
