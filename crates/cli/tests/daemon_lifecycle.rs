@@ -511,17 +511,6 @@ fn keepers_of(runtime: &std::path::Path) -> Vec<u32> {
     found
 }
 
-fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(15);
-    while !done() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "waited 15 s for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// A daemon starts cell keepers ahead: a cell made is kept by one started before it was asked
 /// for, another is started in its place, and the idle ones end with the daemon (its cells'
 /// keepers do not).
@@ -574,28 +563,6 @@ fn processes_of(runtime: &std::path::Path, what: &str) -> Vec<u32> {
             && environ.split(|b| *b == 0).any(|v| v == wanted.as_bytes())
         {
             found.push(pid);
-        }
-    }
-    found
-}
-
-/// The children of `pid` that have ended and wait to be reaped.
-fn zombies_of(pid: u32) -> Vec<u32> {
-    let mut found = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(child) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
-            continue;
-        };
-        let Some(close) = stat.rfind(')') else {
-            continue;
-        };
-        let mut fields = stat[close + 2..].split(' ');
-        let (state, parent) = (fields.next(), fields.next());
-        if state == Some("Z") && parent == Some(pid.to_string().as_str()) {
-            found.push(child);
         }
     }
     found

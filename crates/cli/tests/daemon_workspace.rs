@@ -1228,40 +1228,9 @@ fn a_quiet_cells_snapshot_of_many_top_entries_stacks_its_upper_layer_as_it_is() 
     // The helpers that mounted the workspace again (two turn-overs and a reset) are reaped,
     // though no answer waited for their end.
     let pid = daemon.pid().unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    loop {
-        let unreaped = zombie_children(pid);
-        if unreaped.is_empty() {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the daemon left children unreaped: {unreaped:?}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// The children of `parent` that have ended and are not reaped: their pids and names.
-fn zombie_children(parent: u32) -> Vec<String> {
-    let mut found = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
-            continue;
-        };
-        // `PID (NAME) STATE PPID ...`; the name may hold spaces and parentheses.
-        let Some((head, rest)) = stat.rsplit_once(')') else {
-            continue;
-        };
-        let mut fields = rest.split_whitespace();
-        let (Some(state), Some(ppid)) = (fields.next(), fields.next()) else {
-            continue;
-        };
-        if state == "Z" && ppid == parent.to_string() {
-            found.push(head.to_owned() + ")");
-        }
-    }
-    found
+    wait_for("the swaps' helpers to be reaped", || {
+        zombies_of(pid).is_empty()
+    });
 }
 
 /// In a btrfs disk of the cell's own, a snapshot of a cell whose processes run (one writes a

@@ -231,7 +231,7 @@ impl Harness {
             .and_then(|bytes| serde_json::from_slice(&bytes).ok())
     }
 
-    /// Whether the daemon noted a kill of the cell (`mark`).
+    /// Whether the daemon noted a kill of the cell.
     pub(crate) fn kill_requested(&self, name: &str) -> bool {
         self.daemon_dir
             .join("cells")
@@ -862,7 +862,8 @@ impl Harness {
                     _ => None,
                 };
                 if let Some(marker) = marker {
-                    mark(&marker);
+                    // A second name for the keeper's log beside it: no new inode.
+                    let _ = warden_workspace::note(&marker, &marker.with_file_name("keeper.log"));
                 }
                 (killed, written)
             }
@@ -1405,48 +1406,5 @@ impl Drop for Creating {
         if let Ok(mut held) = self.names.lock() {
             held.remove(&self.name);
         }
-    }
-}
-
-/// Leaves the daemon's note `path` in a cell's folder (a name only ever looked at for whether it
-/// is there): a second name for the keeper's log beside it, made without a new inode, as the
-/// registry's own note of a kill is (see `Registry::mark_killed`); where there is no log to
-/// link, an empty file.
-fn mark(path: &std::path::Path) {
-    let log = path.with_file_name("keeper.log");
-    if std::fs::hard_link(&log, path).is_err() && !path.exists() {
-        let _ = std::fs::write(path, "");
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::mark;
-    use std::os::unix::fs::MetadataExt as _;
-
-    /// The note is a second name for the keeper's log where there is one (no new inode), an
-    /// empty file where there is none, and a note made twice is one note.
-    #[test]
-    fn a_kill_note_names_the_keepers_log_or_is_an_empty_file() {
-        let dir = tempfile::tempdir().unwrap();
-        let note = dir.path().join("killed");
-        mark(&note);
-        assert_eq!(std::fs::read(&note).unwrap(), b"", "no log: an empty file");
-        std::fs::remove_file(&note).unwrap();
-
-        let log = dir.path().join("keeper.log");
-        std::fs::write(&log, "warden: started\n").unwrap();
-        mark(&note);
-        mark(&note);
-        let (log_meta, note_meta) = (
-            std::fs::metadata(&log).unwrap(),
-            std::fs::metadata(&note).unwrap(),
-        );
-        assert_eq!(
-            note_meta.ino(),
-            log_meta.ino(),
-            "the note is the log's inode"
-        );
-        assert_eq!(log_meta.nlink(), 2);
     }
 }

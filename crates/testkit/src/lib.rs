@@ -339,6 +339,40 @@ pub fn processes_whose_command_line(is: impl Fn(&str) -> bool) -> Vec<i32> {
     found
 }
 
+/// Waits until `done` (looked at every 20 ms), failing the test after 15 s with `what`.
+pub fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    while !done() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "waited 15 s for {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// The children of `pid` that have ended and wait to be reaped.
+pub fn zombies_of(pid: u32) -> Vec<u32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(child) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let Some(close) = stat.rfind(')') else {
+            continue;
+        };
+        let mut fields = stat[close + 2..].split(' ');
+        let (state, parent) = (fields.next(), fields.next());
+        if state == Some("Z") && parent == Some(pid.to_string().as_str()) {
+            found.push(child);
+        }
+    }
+    found
+}
+
 /// Whether a cgroup directory's name is cell `name`'s: `NAME.INSTANCE` (the instance: a hash
 /// of the warden's runtime directory).
 pub fn is_cgroup_of(dir_name: &str, name: &str) -> bool {

@@ -188,6 +188,20 @@ pub fn write_over(path: &Path, bytes: &[u8]) -> io::Result<()> {
     file.set_len(bytes.len() as u64)
 }
 
+/// Leaves a note at `path`, a name only ever looked at for whether it is there: a second name
+/// (`link`) for the file `beside` where there is one, made without a new inode, else an empty
+/// file. On an ext4 without a journal a file made where many were removed in the last minutes
+/// costs 0.3-0.4 ms, as the allocator passes over recently freed inodes (a link 10-20 us), and
+/// a link's removal frees none. A note already there is kept.
+pub fn note(path: &Path, beside: &Path) -> io::Result<()> {
+    match fs::hard_link(beside, path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+        Err(_) if path.exists() => Ok(()),
+        Err(_) => fs::write(path, b""),
+    }
+}
+
 /// Gives the owner access to every directory below `dir` (not following symlinks). With a stack
 /// of its own, not by recursion: the tree is the cell's, as deep as it made it.
 fn open_up(dir: &Path) -> io::Result<()> {
@@ -215,6 +229,32 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use std::os::unix::fs::MetadataExt as _;
+
+    /// A note is a second name for the file beside it where there is one (no new inode), an
+    /// empty file where there is none, and a note made twice is one note.
+    #[test]
+    fn a_note_names_the_file_beside_it_or_is_an_empty_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let (note_at, log) = (dir.path().join("killed"), dir.path().join("keeper.log"));
+        note(&note_at, &log).unwrap();
+        assert_eq!(
+            fs::read(&note_at).unwrap(),
+            b"",
+            "nothing beside: an empty file"
+        );
+        fs::remove_file(&note_at).unwrap();
+
+        fs::write(&log, "warden: started\n").unwrap();
+        note(&note_at, &log).unwrap();
+        note(&note_at, &log).unwrap();
+        let (log_meta, note_meta) = (fs::metadata(&log).unwrap(), fs::metadata(&note_at).unwrap());
+        assert_eq!(
+            note_meta.ino(),
+            log_meta.ino(),
+            "the note is the log's inode"
+        );
+        assert_eq!(log_meta.nlink(), 2);
+    }
 
     /// Each record replaces the last whole, by an exchange of names: the file the last one was
     /// in is the one the next is written over (no file is removed, no block freed), cut to the

@@ -18,7 +18,7 @@ pub use diff::{
     DEFAULT_MAX_PATCHES_BYTES, DEFAULT_MAX_READ_BYTES, DiffOptions, MAX_DEPTH, NOT_UTF8, diff,
     escaped,
 };
-pub use layer::{Layer, LayerMeta, write_over};
+pub use layer::{Layer, LayerMeta, note, write_over};
 pub use sensitive::Sensitivity;
 
 use std::path::PathBuf;

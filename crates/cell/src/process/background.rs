@@ -124,11 +124,19 @@ pub(super) fn reap(child: libc::pid_t) {
         let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(child), None);
     };
     if !outlives_requests() || queue(Box::new(wait)).is_err() {
-        let _ = std::thread::Builder::new()
-            .name("reaper".to_owned())
-            .stack_size(64 * 1024)
-            .spawn(wait);
+        reap_on_own_thread(child);
     }
+}
+
+/// Reaps `child` on a small thread of its own, so that a caller that forks many keeps no
+/// zombies.
+fn reap_on_own_thread(child: libc::pid_t) {
+    let _ = std::thread::Builder::new()
+        .name("background-reaper".to_owned())
+        .stack_size(64 * 1024)
+        .spawn(move || {
+            let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(child), None);
+        });
 }
 
 /// `job` to the thread or to a child that keeps the descriptors `keep` only.
@@ -233,12 +241,7 @@ fn fork(job: Job, keep: &[RawFd]) -> Result<(), Job> {
         Ok(child) => {
             drop(job);
             drop((go_r, go_w));
-            let _ = std::thread::Builder::new()
-                .name("background-reaper".to_owned())
-                .stack_size(64 * 1024)
-                .spawn(move || {
-                    let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(child), None);
-                });
+            reap_on_own_thread(child);
             Ok(())
         }
         Err(_) => Err(job),
