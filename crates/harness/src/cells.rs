@@ -63,7 +63,7 @@ impl Harness {
                 if frozen
                     && !entry.paused
                     && let Some(cell) = self.cell(&entry.name)
-                    && on_own_thread("cell-control", move || cell.thaw())
+                    && on_own_thread(c"cell-control", move || cell.thaw())
                         .await
                         .is_ok()
                 {
@@ -116,7 +116,7 @@ impl Harness {
         // cell yet, and goes on to start it: waited for first (every tier's keepers note
         // their starts in the registry they share, so one tier's look is every tier's).
         if let Ok(backend) = self.backend(warden_policy::Tier::Process) {
-            let _ = on_own_thread("cell-control", move || backend.settle_starts()).await;
+            let _ = on_own_thread(c"cell-control", move || backend.settle_starts()).await;
         }
         for name in names_in(&self.daemon_dir.join("cells")) {
             if pooled.contains(&name) || !matches!(self.state.get(&name), Ok(None)) {
@@ -138,7 +138,7 @@ impl Harness {
                 self.remove_remains(&name, self.backend(warden_policy::Tier::Process).ok());
                 continue;
             };
-            let ended = on_own_thread("cell-control", move || {
+            let ended = on_own_thread(c"cell-control", move || {
                 let _ = cell.kill();
                 cell.wait_ended()
             })
@@ -522,7 +522,7 @@ impl Harness {
             cells.insert(name.clone(), cell);
         }
         self.state.put_new(&entry)?;
-        self.handed_out(&name);
+        self.handed_out_later(&name);
         if let Ok(mut copiers) = self.copiers.lock() {
             copiers.insert(name.clone(), Arc::new(tokio::sync::Mutex::new(0)));
         }
@@ -812,8 +812,9 @@ impl Harness {
         let follow = follow.filter(|_| deleting && action == ControlAction::Kill);
         // In the journal's file before the action (a crash of the warden cannot lose it), on
         // the disk before it is acknowledged: the sync overlaps the action.
+        // (A delete's: its kill's thread leads the round, below.)
         let urgency = match follow {
-            Some(_) => warden_journal::Urgency::Soon,
+            Some(_) => warden_journal::Urgency::Led,
             None => warden_journal::Urgency::Waited,
         };
         let kind = format!("cell.{}", action.name());
@@ -850,20 +851,34 @@ impl Harness {
             .then(|| self.daemon_dir.join("cells").join(name).join("killed"));
         let handle = Arc::clone(&cell);
         let follow = follow.map(|harness| (harness, name.to_owned(), by.to_owned()));
-        let (result, written) = on_own_thread("cell-control", move || match action {
+        let (result, written) = on_own_thread(c"cell-control", move || match action {
             ControlAction::Pause => (handle.freeze(), None),
             ControlAction::Resume => (handle.thaw(), None),
             ControlAction::Kill => {
                 let killed = handle.kill();
-                let written = match (&killed, follow) {
+                let mut written = match (&killed, &follow) {
                     (Ok(()) | Err(CellError::Ended(_)), Some((harness, name, by))) => {
-                        Some(harness.write_end_and_delete(&name, &by, "killed"))
+                        Some(harness.write_end_and_delete(
+                            name,
+                            by,
+                            "killed",
+                            warden_journal::Urgency::Led,
+                        ))
                     }
                     _ => None,
                 };
                 if let Some(marker) = marker {
                     // A second name for the keeper's log beside it: no new inode.
                     let _ = warden_workspace::note(&marker, &marker.with_file_name("keeper.log"));
+                }
+                // A delete's entries (the kill's, the end's and the delete's, all submitted
+                // led) go to the disk in a round run here where none is under way: the
+                // journal's syncer is not woken for them, nor is the delete by it.
+                if let Some((harness, ..)) = &follow {
+                    match &mut written {
+                        Some(Ok((_, durable))) => durable.lead(harness),
+                        _ => harness.journal.lead(),
+                    }
                 }
                 (killed, written)
             }
@@ -908,7 +923,7 @@ impl Harness {
             });
         }
         if action == ControlAction::Kill {
-            on_own_thread("cell-control", move || cell.wait_ended()).await?;
+            on_own_thread(c"cell-control", move || cell.wait_ended()).await?;
             if self.mark_ended(name, "killed")? {
                 self.record(Some(name), "cell.end", json!({ "reason": "killed" }))
                     .await?;
@@ -929,6 +944,7 @@ impl Harness {
         name: &str,
         by: &str,
         reason: &str,
+        urgency: warden_journal::Urgency,
     ) -> Result<(bool, crate::record::DurableAll), HarnessError> {
         let killed = self.unended(name);
         let mut entries = Vec::new();
@@ -936,10 +952,7 @@ impl Harness {
             entries.push(("cell.end", json!({ "reason": reason })));
         }
         entries.push(("cell.delete", json!({ "by": by })));
-        Ok((
-            killed,
-            self.record_all_ahead(name, entries, warden_journal::Urgency::Waited)?,
-        ))
+        Ok((killed, self.record_all_ahead(name, entries, urgency)?))
     }
 
     /// Marks cell `name` ended for `reason` unless it is already, or a delete of it is under
@@ -1082,7 +1095,8 @@ impl Harness {
         } = match (&own_end, kill_outcome) {
             (_, Some(killed)) => killed,
             (Some(reason), None) if entry.workspace.is_none() => {
-                let (killed, written) = self.write_end_and_delete(name, by, reason)?;
+                let (killed, written) =
+                    self.write_end_and_delete(name, by, reason, warden_journal::Urgency::Waited)?;
                 Killed {
                     killed,
                     asked: None,
@@ -1281,16 +1295,17 @@ impl Harness {
         }
     }
 
-    /// Hands a folder to the remover's thread (started at the first one); removed here when no
-    /// thread can be started.
-    fn remove_later(&self, dir: PathBuf) {
+    /// Hands a folder (or a file) to the remover's thread (started at the first one); removed
+    /// here when no thread can be started.
+    pub(crate) fn remove_later(&self, dir: PathBuf) {
         let remover = self.remover.get_or_init(|| {
             let (tx, rx) = std::sync::mpsc::channel::<PathBuf>();
             let started = std::thread::Builder::new()
                 .name("folder-remover".to_owned())
                 .spawn(move || {
                     for dir in rx {
-                        let _ = std::fs::remove_dir_all(dir);
+                        let _ =
+                            std::fs::remove_dir_all(&dir).or_else(|_| std::fs::remove_file(dir));
                     }
                 });
             started.ok().map(|_| tx)
@@ -1298,11 +1313,11 @@ impl Harness {
         match remover {
             Some(tx) => {
                 if let Err(std::sync::mpsc::SendError(dir)) = tx.send(dir) {
-                    let _ = std::fs::remove_dir_all(dir);
+                    let _ = std::fs::remove_dir_all(&dir).or_else(|_| std::fs::remove_file(dir));
                 }
             }
             None => {
-                let _ = std::fs::remove_dir_all(dir);
+                let _ = std::fs::remove_dir_all(&dir).or_else(|_| std::fs::remove_file(dir));
             }
         }
     }

@@ -14,6 +14,7 @@ mod archive;
 mod attached;
 mod cells;
 mod checkpoint;
+mod control;
 mod error;
 mod exec;
 mod files;
@@ -75,6 +76,7 @@ impl Harness {
             .map_err(|e| HarnessError::from(CellFailure::Unavailable(e.to_string())))
     }
 }
+pub(crate) use control::on_own_thread;
 use warden_journal::{Journal, Receipt};
 pub use warden_protocol::{
     ApplyRequest, Approval, CellInfo, CellState, ControlAction, CreateCell, ExecSpec, ExitInfo,
@@ -352,26 +354,4 @@ impl Harness {
         let _ = self.state.forget_all_pending();
         let _ = self.record(None, "daemon.stop", json!({})).await;
     }
-}
-
-/// Runs blocking control work on a thread of its own: freezing, thawing and killing a cell never
-/// wait behind other blocking work (whatever a cell makes slow), and never behind each other.
-pub(crate) async fn on_own_thread<T: Send + 'static>(
-    name: &str,
-    work: impl FnOnce() -> T + Send + 'static,
-) -> Result<T, HarnessError> {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new()
-        .name(name.to_owned())
-        .spawn(move || {
-            let _ = tx.send(work());
-        })
-        .map_err(|e| {
-            HarnessError::from(CellFailure::Unavailable(format!("starting a thread: {e}")))
-        })?;
-    rx.await.map_err(|_| {
-        HarnessError::from(CellFailure::Core(
-            "the control thread ended without an answer".into(),
-        ))
-    })
 }

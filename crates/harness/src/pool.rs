@@ -243,6 +243,13 @@ impl Harness {
         let _ = std::fs::remove_file(markers(&self.daemon_dir).join(name));
     }
 
+    /// `handed_out`, on the remover's thread, off a create's way to its answer (a removal on
+    /// this host's file system took 30-50 us there). A daemon that stops first leaves the
+    /// marker of a cell in its database, which the next one removes (`start_pools`).
+    pub(crate) fn handed_out_later(&self, name: &str) {
+        self.remove_later(markers(&self.daemon_dir).join(name));
+    }
+
     /// Makes cells for pool `index` on a task of its own until it has as many as it keeps.
     pub(crate) fn fill_pool(self: &Arc<Self>, index: usize) {
         let Some(pool) = self.pools.get(index) else {
@@ -372,7 +379,7 @@ impl Harness {
         let why = why.to_owned();
         tokio::spawn(async move {
             let gone = name.clone();
-            let ended = on_own_thread("pool-discard", move || end_cell(&*cell)).await;
+            let ended = on_own_thread(c"pool-discard", move || end_cell(&*cell)).await;
             harness.forget_pooled(&gone, tier);
             let _ = harness
                 .record(
@@ -420,7 +427,7 @@ impl Harness {
             let tier = warden_policy::Tier::from_name(tier.trim()).unwrap_or_default();
             let adopted = self.backend(tier)?.adopt(&name).ok().flatten();
             let ended = match adopted {
-                Some(cell) => on_own_thread("pool-discard", move || end_cell(&*cell))
+                Some(cell) => on_own_thread(c"pool-discard", move || end_cell(&*cell))
                     .await
                     .unwrap_or(false),
                 None => true,
@@ -478,7 +485,7 @@ impl Harness {
                 Err(_) => continue,
             };
             for (name, cell) in ready {
-                let ended = on_own_thread("pool-discard", move || end_cell(&*cell))
+                let ended = on_own_thread(c"pool-discard", move || end_cell(&*cell))
                     .await
                     .unwrap_or(false);
                 self.forget_pooled(&name, pool.policy.tier);

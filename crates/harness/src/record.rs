@@ -270,6 +270,7 @@ impl Harness {
             .map_err(|err| HarnessError::from(CellFailure::Journal(err.to_string())))?;
         Ok(DurableAll {
             cell: cell.to_owned(),
+            led: urgency == warden_journal::Urgency::Led,
             synced: rx,
             events,
         })
@@ -372,13 +373,24 @@ impl Submitted {
 /// Entries in the journal's file that are still on their way to the disk.
 pub(crate) struct DurableAll {
     cell: String,
+    /// Submitted `Urgency::Led`: its round waits for a lead (`Journal::lead`).
+    led: bool,
     synced: tokio::sync::oneshot::Receiver<Result<Vec<Receipt>, warden_journal::JournalError>>,
     events: Vec<(String, Value)>,
 }
 
 impl DurableAll {
-    /// Waits until the entries are on disk.
-    pub(crate) async fn wait(self, harness: &Harness) -> Result<Vec<Receipt>, HarnessError> {
+    /// Takes led entries to the disk: in this thread, blocking it for the fdatasync, where no
+    /// round is under way, else in the syncer's next round.
+    pub(crate) fn lead(&mut self, harness: &Harness) {
+        if std::mem::take(&mut self.led) {
+            harness.journal.lead();
+        }
+    }
+
+    /// Waits until the entries are on disk (leading their round where nothing did).
+    pub(crate) async fn wait(mut self, harness: &Harness) -> Result<Vec<Receipt>, HarnessError> {
+        self.lead(harness);
         let receipts = self.synced.await.unwrap_or_else(|_| Err(writer_gone()));
         harness.announce_all(&self.cell, receipts, self.events)
     }

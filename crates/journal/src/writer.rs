@@ -567,7 +567,10 @@ impl Journal {
             urgency == Urgency::Soon,
         );
         drop(state);
-        self.wake();
+        // One submitted `Led` wakes nobody: its caller leads its round (`lead`).
+        if urgency != Urgency::Led {
+            self.wake();
+        }
         Ok(receipts)
     }
 
@@ -2468,6 +2471,25 @@ mod tests {
             .unwrap();
         assert_eq!(durable, written);
         assert_eq!(waited.seq, written[1].seq + 1);
+        journal.close();
+    }
+
+    #[test]
+    fn a_batch_submitted_led_waits_for_its_lead_which_syncs_it_in_the_callers_thread() {
+        let dir = tempfile::tempdir().unwrap();
+        // Opened deferred, as for a led entry (see above): no syncer runs until woken.
+        let journal = Journal::open_deferred(dir.path(), Segments::default()).unwrap();
+        journal.append(None, "t.first", json!({})).unwrap();
+        let (written, rx) = create_and_start(&journal, Urgency::Led);
+        let text = fs::read_to_string(dir.path().join(JOURNAL_FILE)).unwrap();
+        assert!(text.contains("\"cell.start\""), "not in the file: {text}");
+        let early = rx.recv_timeout(Duration::from_millis(300));
+        assert!(
+            early.is_err(),
+            "a batch submitted led was synced before its lead: {early:?}"
+        );
+        journal.lead();
+        assert_eq!(rx.try_recv().unwrap().unwrap(), written);
         journal.close();
     }
 
