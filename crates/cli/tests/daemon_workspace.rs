@@ -1188,6 +1188,13 @@ fn a_quiet_cells_snapshot_of_many_top_entries_stacks_its_upper_layer_as_it_is() 
     assert_eq!(ino(&one.join("t7")), written);
     assert_ne!(ino(&layer.join("upper")), upper_before);
     assert_eq!(std::fs::read_dir(layer.join("upper")).unwrap().count(), 0);
+    // The daemon forks the next turn-over's helper ahead, behind this one: a spare that waits.
+    let daemon_pid = daemon.pid().unwrap();
+    let mut spares = Vec::new();
+    wait_for("a spare helper of the daemon's", || {
+        spares = children_called(daemon_pid, "helper");
+        spares.len() == 1
+    });
 
     // The cell goes on; the snapshot keeps what it had, the removal of a host file with it.
     run(
@@ -1201,6 +1208,14 @@ fn a_quiet_cells_snapshot_of_many_top_entries_stacks_its_upper_layer_as_it_is() 
     );
     let two = snapshot("two");
     assert_eq!(std::fs::read_to_string(two.join("t7")).unwrap(), "two-7\n");
+    // The spare did this turn-over (and ended): another waits for the next.
+    wait_for(
+        "the spare to do the turn-over and a new one to wait",
+        || {
+            let now = children_called(daemon_pid, "helper");
+            now.len() == 1 && now != spares
+        },
+    );
     let changed = daemon.changed_paths(&cell);
     assert_eq!(changed.len(), 149 + 9 + 1 + 1 + 1, "{changed:?}");
     assert!(!changed.contains(&"t150".to_owned()) && changed.contains(&"kept.txt".to_owned()));
@@ -1227,9 +1242,8 @@ fn a_quiet_cells_snapshot_of_many_top_entries_stacks_its_upper_layer_as_it_is() 
     );
     // The helpers that mounted the workspace again (two turn-overs and a reset) are reaped,
     // though no answer waited for their end.
-    let pid = daemon.pid().unwrap();
     wait_for("the swaps' helpers to be reaped", || {
-        zombies_of(pid).is_empty()
+        zombies_of(daemon_pid).is_empty()
     });
 }
 

@@ -353,6 +353,21 @@ pub fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
 
 /// The children of `pid` that have ended and wait to be reaped.
 pub fn zombies_of(pid: u32) -> Vec<u32> {
+    children_where(pid, |state, _| state == "Z")
+}
+
+/// The live children of `pid` whose command line's second word (a warden's subcommand, or the
+/// title it gave itself) is `what`.
+pub fn children_called(pid: u32, what: &str) -> Vec<u32> {
+    children_where(pid, |state, child| {
+        state != "Z"
+            && std::fs::read(format!("/proc/{child}/cmdline"))
+                .is_ok_and(|line| line.split(|b| *b == 0).nth(1) == Some(what.as_bytes()))
+    })
+}
+
+/// The children of `pid` for which `is` (their state letter, their pid) holds.
+fn children_where(pid: u32, is: impl Fn(&str, u32) -> bool) -> Vec<u32> {
     let mut found = Vec::new();
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
         let Ok(child) = entry.file_name().to_string_lossy().parse::<u32>() else {
@@ -366,7 +381,10 @@ pub fn zombies_of(pid: u32) -> Vec<u32> {
         };
         let mut fields = stat[close + 2..].split(' ');
         let (state, parent) = (fields.next(), fields.next());
-        if state == Some("Z") && parent == Some(pid.to_string().as_str()) {
+        if parent == Some(pid.to_string().as_str())
+            && let Some(state) = state
+            && is(state, child)
+        {
             found.push(child);
         }
     }

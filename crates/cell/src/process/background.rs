@@ -117,6 +117,14 @@ pub fn let_go(held: Vec<OwnedFd>) {
     dispatch(Box::new(move || drop(held)), &raw);
 }
 
+/// Runs `job` on the background thread, in a process that outlives its requests (a daemon's
+/// work made ready for its next request); elsewhere it is not run.
+pub(super) fn later(job: impl FnOnce() + Send + 'static) {
+    if outlives_requests() {
+        let _ = queue(Box::new(job));
+    }
+}
+
 /// Reaps `child` (a child of this process's that is about to end) on the background thread,
 /// or on a small thread of its own where there is none.
 pub(super) fn reap(child: libc::pid_t) {
