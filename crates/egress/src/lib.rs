@@ -37,6 +37,7 @@ pub use record::{Decision, LINES_PER_SECOND, read_log};
 pub use rules::{Request, Rules, RulesError, Verdict};
 pub use secrets::{SecretError, Secrets};
 pub use tls::{Interceptor, TlsError};
+pub use workers::Workers;
 
 /// Port the gateway listens on inside the cell's loopback.
 pub const GATEWAY_PORT: u16 = 3128;

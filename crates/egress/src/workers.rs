@@ -4,6 +4,10 @@
 //! thread (a wake-up) rather than to a new one (a `clone`, a stack mapped and faulted in, the
 //! thread's setup, and its teardown after), which is most of what a short request through the
 //! gateway costs beyond the relaying itself.
+//!
+//! The daemon's control of its cells (a freeze, a thaw, a kill) runs on such threads too, for
+//! the same two reasons: a piece never waits behind another, and a delete's kill does not pay
+//! for a thread's start and end on its way to the answer.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex};
@@ -17,7 +21,7 @@ const KEPT: usize = 16;
 type Job = Box<dyn FnOnce() + Send + 'static>;
 
 /// Threads named `name`, started on demand and kept for a while.
-pub(crate) struct Workers {
+pub struct Workers {
     name: String,
     state: Mutex<State>,
     ready: Condvar,
@@ -37,7 +41,7 @@ struct State {
 }
 
 impl Workers {
-    pub(crate) fn new(name: &str) -> Arc<Self> {
+    pub fn new(name: &str) -> Arc<Self> {
         Arc::new(Self {
             name: name.to_owned(),
             state: Mutex::new(State::default()),
@@ -47,10 +51,7 @@ impl Workers {
 
     /// Runs `job` on a waiting thread, or on a new one when none waits. Fails only when no
     /// thread could be started; the job is then dropped (a connection in it is closed).
-    pub(crate) fn run(
-        self: &Arc<Self>,
-        job: impl FnOnce() + Send + 'static,
-    ) -> std::io::Result<()> {
+    pub fn run(self: &Arc<Self>, job: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
         let job: Job = Box::new(job);
         {
             let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());

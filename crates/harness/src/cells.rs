@@ -63,9 +63,7 @@ impl Harness {
                 if frozen
                     && !entry.paused
                     && let Some(cell) = self.cell(&entry.name)
-                    && on_own_thread(c"cell-control", move || cell.thaw())
-                        .await
-                        .is_ok()
+                    && on_own_thread(move || cell.thaw()).await.is_ok()
                 {
                     self.record(
                         Some(&entry.name),
@@ -116,7 +114,7 @@ impl Harness {
         // cell yet, and goes on to start it: waited for first (every tier's keepers note
         // their starts in the registry they share, so one tier's look is every tier's).
         if let Ok(backend) = self.backend(warden_policy::Tier::Process) {
-            let _ = on_own_thread(c"cell-control", move || backend.settle_starts()).await;
+            let _ = on_own_thread(move || backend.settle_starts()).await;
         }
         for name in names_in(&self.daemon_dir.join("cells")) {
             if pooled.contains(&name) || !matches!(self.state.get(&name), Ok(None)) {
@@ -138,7 +136,7 @@ impl Harness {
                 self.remove_remains(&name, self.backend(warden_policy::Tier::Process).ok());
                 continue;
             };
-            let ended = on_own_thread(c"cell-control", move || {
+            let ended = on_own_thread(move || {
                 let _ = cell.kill();
                 cell.wait_ended()
             })
@@ -851,7 +849,7 @@ impl Harness {
             .then(|| self.daemon_dir.join("cells").join(name).join("killed"));
         let handle = Arc::clone(&cell);
         let follow = follow.map(|harness| (harness, name.to_owned(), by.to_owned()));
-        let (result, written) = on_own_thread(c"cell-control", move || match action {
+        let (result, written) = on_own_thread(move || match action {
             ControlAction::Pause => (handle.freeze(), None),
             ControlAction::Resume => (handle.thaw(), None),
             ControlAction::Kill => {
@@ -923,7 +921,7 @@ impl Harness {
             });
         }
         if action == ControlAction::Kill {
-            on_own_thread(c"cell-control", move || cell.wait_ended()).await?;
+            on_own_thread(move || cell.wait_ended()).await?;
             if self.mark_ended(name, "killed")? {
                 self.record(Some(name), "cell.end", json!({ "reason": "killed" }))
                     .await?;

@@ -14,7 +14,6 @@ mod archive;
 mod attached;
 mod cells;
 mod checkpoint;
-mod control;
 mod error;
 mod exec;
 mod files;
@@ -76,7 +75,6 @@ impl Harness {
             .map_err(|e| HarnessError::from(CellFailure::Unavailable(e.to_string())))
     }
 }
-pub(crate) use control::on_own_thread;
 use warden_journal::{Journal, Receipt};
 pub use warden_protocol::{
     ApplyRequest, Approval, CellInfo, CellState, ControlAction, CreateCell, ExecSpec, ExitInfo,
@@ -354,4 +352,28 @@ impl Harness {
         let _ = self.state.forget_all_pending();
         let _ = self.record(None, "daemon.stop", json!({})).await;
     }
+}
+
+/// Runs blocking control work on a thread that does nothing else meanwhile: freezing, thawing
+/// and killing a cell never wait behind other blocking work (whatever a cell makes slow), nor
+/// behind each other. The thread is one that waits for such work where one does (the
+/// gateway's `Workers`: a thread's start and end were on every delete's way to its answer).
+pub(crate) async fn on_own_thread<T: Send + 'static>(
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, HarnessError> {
+    static CONTROL: std::sync::LazyLock<Arc<warden_egress::Workers>> =
+        std::sync::LazyLock::new(|| warden_egress::Workers::new("cell-control"));
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    CONTROL
+        .run(move || {
+            let _ = tx.send(work());
+        })
+        .map_err(|e| {
+            HarnessError::from(CellFailure::Unavailable(format!("starting a thread: {e}")))
+        })?;
+    rx.await.map_err(|_| {
+        HarnessError::from(CellFailure::Core(
+            "the control thread ended without an answer".into(),
+        ))
+    })
 }

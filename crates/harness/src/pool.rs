@@ -379,7 +379,7 @@ impl Harness {
         let why = why.to_owned();
         tokio::spawn(async move {
             let gone = name.clone();
-            let ended = on_own_thread(c"pool-discard", move || end_cell(&*cell)).await;
+            let ended = on_own_thread(move || end_cell(&*cell)).await;
             harness.forget_pooled(&gone, tier);
             let _ = harness
                 .record(
@@ -427,7 +427,7 @@ impl Harness {
             let tier = warden_policy::Tier::from_name(tier.trim()).unwrap_or_default();
             let adopted = self.backend(tier)?.adopt(&name).ok().flatten();
             let ended = match adopted {
-                Some(cell) => on_own_thread(c"pool-discard", move || end_cell(&*cell))
+                Some(cell) => on_own_thread(move || end_cell(&*cell))
                     .await
                     .unwrap_or(false),
                 None => true,
@@ -485,7 +485,7 @@ impl Harness {
                 Err(_) => continue,
             };
             for (name, cell) in ready {
-                let ended = on_own_thread(c"pool-discard", move || end_cell(&*cell))
+                let ended = on_own_thread(move || end_cell(&*cell))
                     .await
                     .unwrap_or(false);
                 self.forget_pooled(&name, pool.policy.tier);

@@ -632,7 +632,7 @@ impl Harness {
                 )))
             })?;
             let cell = self.live(name)?;
-            crate::on_own_thread(c"cell-policy", move || cell.set_network_rules(&file))
+            crate::on_own_thread(move || cell.set_network_rules(&file))
                 .await?
                 .map_err(|e| HarnessError::from(WorkspaceError::Conflict(e.to_string())))?
         } else {
