@@ -43,6 +43,12 @@ fn args() -> Result<Args> {
                 out.exec_only = true;
                 continue;
             }
+            "--help" | "-h" => {
+                warden_bench::say!(
+                    "usage: daemon-bench [--runs N] [--cells N] [--entries N] [--exec-only] [--baseline PATH]"
+                );
+                std::process::exit(0);
+            }
             "--baseline" => {
                 let path = PathBuf::from(it.next().context("a warden binary must follow")?);
                 if !path.is_file() {

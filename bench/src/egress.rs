@@ -768,6 +768,10 @@ fn main() -> Result<()> {
                 }
                 baseline = Some(path);
             }
+            "--help" | "-h" => {
+                warden_bench::say!("usage: egress [--requests N] [--baseline PATH]");
+                return Ok(());
+            }
             other => {
                 bail!("unknown argument {other}; usage: egress [--requests N] [--baseline PATH]")
             }

@@ -467,6 +467,10 @@ fn main() -> Result<()> {
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--runs" => runs = args.next().context("--runs needs a number")?.parse()?,
+            "--help" | "-h" => {
+                warden_bench::say!("usage: gvisor-bench [--runs N]");
+                return Ok(());
+            }
             other => bail!("unknown argument {other}; use --runs N"),
         }
     }

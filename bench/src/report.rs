@@ -114,6 +114,10 @@ fn main() -> Result<()> {
                 print!("{}", targets::section(&targets::check(&outputs)));
                 return Ok(());
             }
+            "--help" | "-h" => {
+                println!("usage: bench-report [--quick] [--out FILE] | --check FILE");
+                return Ok(());
+            }
             other => bail!(
                 "unknown argument {other}; usage: bench-report [--quick] [--out FILE] | --check FILE"
             ),

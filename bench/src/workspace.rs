@@ -73,6 +73,10 @@ fn main() -> Result<()> {
         match arg.as_str() {
             "--runs" => runs = args.next().context("--runs needs a number")?.parse()?,
             "--warden" => bin = args.next().context("--warden needs a path")?,
+            "--help" | "-h" => {
+                warden_bench::say!("usage: workspace-ops [--runs N] [--warden PATH]");
+                return Ok(());
+            }
             other => {
                 bail!("unknown argument {other}; usage: workspace-ops [--runs N] [--warden PATH]")
             }
