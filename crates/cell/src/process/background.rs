@@ -118,12 +118,20 @@ pub fn let_go(held: Vec<OwnedFd>) {
 }
 
 /// Runs `job` on the background thread, in a process that outlives its requests (a daemon's
-/// work made ready for its next request); elsewhere it is not run.
+/// work made ready for its next request); elsewhere it is not run, nor once the daemon
+/// finishes (`finish`: there is no next request to ready anything for).
 pub(super) fn later(job: impl FnOnce() + Send + 'static) {
     if outlives_requests() {
-        let _ = queue(Box::new(job));
+        let _ = queue(Box::new(move || {
+            if !FINISHING.load(Ordering::Relaxed) {
+                job();
+            }
+        }));
     }
 }
+
+/// The daemon finishes: work that readies its next request is not done any more.
+static FINISHING: AtomicBool = AtomicBool::new(false);
 
 /// Reaps `child` (a child of this process's that is about to end) on the background thread,
 /// or on a small thread of its own where there is none.
@@ -162,6 +170,7 @@ fn dispatch(job: Job, keep: &[RawFd]) {
 /// for a daemon's end, so that what its last requests left behind is not left undone. Whether
 /// it was done (or there was none).
 pub fn finish(within: std::time::Duration) -> bool {
+    FINISHING.store(true, Ordering::Relaxed);
     let Some(slot) = QUEUE.get() else {
         return true;
     };
