@@ -1300,25 +1300,23 @@ impl Harness {
             let (tx, rx) = std::sync::mpsc::channel::<PathBuf>();
             let started = std::thread::Builder::new()
                 .name("folder-remover".to_owned())
-                .spawn(move || {
-                    for dir in rx {
-                        let _ =
-                            std::fs::remove_dir_all(&dir).or_else(|_| std::fs::remove_file(dir));
-                    }
-                });
+                .spawn(move || rx.into_iter().for_each(remove));
             started.ok().map(|_| tx)
         });
         match remover {
             Some(tx) => {
                 if let Err(std::sync::mpsc::SendError(dir)) = tx.send(dir) {
-                    let _ = std::fs::remove_dir_all(&dir).or_else(|_| std::fs::remove_file(dir));
+                    remove(dir);
                 }
             }
-            None => {
-                let _ = std::fs::remove_dir_all(&dir).or_else(|_| std::fs::remove_file(dir));
-            }
+            None => remove(dir),
         }
     }
+}
+
+/// Removes a folder with all it holds, or a file.
+fn remove(path: PathBuf) {
+    let _ = std::fs::remove_dir_all(&path).or_else(|_| std::fs::remove_file(path));
 }
 
 /// Where the folders of deleted cells wait for their removal, in the daemon's folder.
