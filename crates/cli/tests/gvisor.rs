@@ -272,6 +272,96 @@ fn checkpoints_a_cell_cannot_have_are_refused_and_it_goes_on() {
     }
 }
 
+/// A gVisor cell is ended through its sandbox: `runsc run` follows the sandbox's end within
+/// milliseconds, ending the rest of the container and removing the state runsc keeps of it, so
+/// nothing of runsc's is left for the keeper to remove with a `runsc delete` of its own (a start
+/// of runsc that was on the way to every kill's, delete's and checkpoint's answer while runsc
+/// itself was killed). The runsc here is a wrapper that writes down each call's arguments.
+#[test]
+fn a_gvisor_cell_is_ended_through_its_sandbox_and_runsc_cleans_up_after_itself() {
+    needs_gvisor!("a_gvisor_cell_is_ended_through_its_sandbox_and_runsc_cleans_up_after_itself");
+    let real = ["/usr/bin/runsc", "/usr/sbin/runsc", "/usr/local/bin/runsc"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).is_file())
+        .unwrap();
+    let dir = tempdir();
+    let calls = dir.path().join("calls");
+    let wrapper = dir.path().join("runsc");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\necho \"$*\" >> {}\nexec {real} \"$@\"\n",
+            calls.display()
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let daemon = Daemon::start_with(&[], &[("WARDEN_RUNSC", wrapper.to_str().unwrap())]);
+    let host = tempdir();
+    let ws = host.path().display().to_string();
+    let [killed, deleted, saved] = ["kill", "del", "save"]
+        .map(|p| daemon.create(&unique(p), json!({ "policy": GVISOR, "workspace": ws })));
+    for cell in [&killed, &deleted, &saved] {
+        let events = daemon.exec(cell, json!({ "argv": ["echo", "up"] }));
+        assert_eq!(stdout(&events), "up\n", "{cell}");
+    }
+    let answer = daemon.call("POST", &format!("/v1/cells/{killed}/kill"), None);
+    assert_eq!(answer.json()["ended"], "killed", "{}", answer.text());
+    let answer = daemon.call("DELETE", &format!("/v1/cells/{deleted}"), None);
+    assert_eq!(answer.status, 204, "{}", answer.text());
+    let answer = daemon.call(
+        "POST",
+        &format!("/v1/cells/{saved}/checkpoint"),
+        Some(json!({ "as": "c" })),
+    );
+    assert_eq!(answer.status, 201, "{}", answer.text());
+    let info = daemon
+        .call("GET", &format!("/v1/cells/{saved}"), None)
+        .json();
+    assert_eq!(info["state"], "ended", "{info}");
+    // runsc ran each cell and saved one, and was never asked to remove what it kept.
+    let calls = std::fs::read_to_string(&calls).unwrap();
+    for cell in [&killed, &deleted, &saved] {
+        assert!(
+            calls
+                .lines()
+                .any(|l| l.contains(" run ") && l.ends_with(cell.as_str())),
+            "{cell} was not run through the wrapper:\n{calls}"
+        );
+    }
+    assert!(calls.contains(" checkpoint "), "{calls}");
+    assert!(
+        !calls.lines().any(|l| l.contains(" delete ")),
+        "runsc was left state to delete:\n{calls}"
+    );
+    // Nor is anything of theirs left in runsc's own folder, and the ends are journaled.
+    let kept: Vec<String> = std::fs::read_dir(daemon.state().join("gvisor").join("runsc"))
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    for cell in [&killed, &deleted, &saved] {
+        assert!(
+            !kept
+                .iter()
+                .any(|name| name.starts_with(&format!("{cell}_sandbox:"))),
+            "runsc kept state of {cell}: {kept:?}"
+        );
+    }
+    let journal = std::fs::read_to_string(daemon.journal()).unwrap();
+    assert!(
+        journal
+            .lines()
+            .any(|l| l.contains(&format!("\"cell\":\"{killed}\""))
+                && l.contains("\"reason\":\"killed\"")),
+        "the kill's end is journaled"
+    );
+}
+
 #[test]
 fn a_gvisor_cell_outlives_a_crashed_daemon() {
     needs_gvisor!("a_gvisor_cell_outlives_a_crashed_daemon");

@@ -498,6 +498,13 @@ impl Cell for ProcessCell {
         if !self.is_current()? {
             return Err(self.ended());
         }
+        // A gVisor cell's record names `runsc run`: its sandbox is ended first, and runsc
+        // follows, cleaning up after itself.
+        if !self.pid_is_init
+            && control::kill_through_sandbox(&self.registry, &self.record).map_err(control_error)?
+        {
+            return Ok(());
+        }
         control::kill_record(&self.registry, &self.record).map_err(control_error)
     }
 

@@ -93,6 +93,62 @@ pub fn kill_record(registry: &Registry, record: &CellRecord) -> Result<(), Contr
     Ok(())
 }
 
+/// How long `runsc run` is given to follow its killed sandbox (it does within milliseconds)
+/// before it is killed itself.
+const RUNSC_FOLLOWS_WITHIN: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// `kill` of a gVisor cell (its record names `runsc run`, not an init of Warden's), by its
+/// sandbox: runsc follows its sandbox's end within milliseconds, having ended the rest of the
+/// container (its gofer) and removed the state it keeps of it. Killed itself, it left that
+/// state behind, which the keeper then removed with `runsc delete --force`, a start of runsc
+/// (20-25 ms here) on the way to the cell's end. Whether runsc ended so: where it did not (no
+/// sandbox found, a frozen cell, whose processes a signal does not move, a runsc that did not
+/// follow in time), nothing but the sandbox was signalled, and the caller kills as for any
+/// cell (`kill_record`).
+pub fn kill_through_sandbox(
+    registry: &Registry,
+    record: &CellRecord,
+) -> Result<bool, ControlError> {
+    if record.cgroup.as_ref().is_some_and(|cg| !cg.is_thawed()) {
+        return Ok(false);
+    }
+    let Some(runsc) = record.init_pidfd() else {
+        return Ok(false);
+    };
+    let Some(sandbox) = sandbox_of(record.pid) else {
+        return Ok(false);
+    };
+    registry.mark_killed(&record.name)?;
+    if sys::pidfd_send_signal(&sandbox, Signal::SIGKILL as i32).is_err() {
+        return Ok(false);
+    }
+    use std::os::fd::AsFd as _;
+    Ok(sys::wait_readable(runsc.as_fd(), RUNSC_FOLLOWS_WITHIN).unwrap_or(false))
+}
+
+/// A pidfd of the sandbox process `runsc run` (`runsc`) started: its child whose program is
+/// `runsc-sandbox`, checked to be runsc's child once its pidfd is open (a pid reused meanwhile
+/// is not runsc's child).
+fn sandbox_of(runsc: libc::pid_t) -> Option<std::os::fd::OwnedFd> {
+    let tasks = std::fs::read_dir(format!("/proc/{runsc}/task")).ok()?;
+    let children = tasks.flatten().flat_map(|task| {
+        std::fs::read_to_string(task.path().join("children"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|pid| pid.parse::<libc::pid_t>().ok())
+            .collect::<Vec<_>>()
+    });
+    children.into_iter().find_map(|child| {
+        let cmdline = std::fs::read(format!("/proc/{child}/cmdline")).ok()?;
+        let program = cmdline.split(|b| *b == 0).next()?;
+        if program != b"runsc-sandbox" {
+            return None;
+        }
+        let pidfd = sys::pidfd_open(child).ok()?;
+        (sys::parent_of(child) == Some(runsc)).then_some(pidfd)
+    })
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum PolicySetError {
     #[error(transparent)]

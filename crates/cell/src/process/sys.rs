@@ -2072,6 +2072,13 @@ pub fn process_start_ticks(pid: i32) -> Option<u64> {
     rest.split(' ').nth(19)?.parse().ok()
 }
 
+/// Field 4 of /proc/PID/stat: the parent's pid.
+pub fn parent_of(pid: i32) -> Option<i32> {
+    let stat = read_kernel_file(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 2..];
+    rest.split(' ').nth(1)?.parse().ok()
+}
+
 /// The version of the C library this process runs with, where it is glibc ("2.36").
 pub fn glibc_version() -> Option<String> {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
