@@ -321,7 +321,24 @@ fn a_gvisor_cell_is_ended_through_its_sandbox_and_runsc_cleans_up_after_itself()
         .json();
     assert_eq!(info["state"], "ended", "{info}");
     // runsc ran each cell and saved one, and was never asked to remove what it kept.
-    let calls = std::fs::read_to_string(&calls).unwrap();
+    let before_paused = std::fs::read_to_string(&calls).unwrap();
+    // A paused cell's processes a signal does not move: it is killed as before (runsc with
+    // it, and what runsc kept removed by the keeper), and ends all the same.
+    let paused = daemon.create(&unique("paused"), json!({ "policy": GVISOR }));
+    let answer = daemon.call("POST", &format!("/v1/cells/{paused}/pause"), None);
+    assert_eq!(answer.json()["state"], "paused", "{}", answer.text());
+    let answer = daemon.call("DELETE", &format!("/v1/cells/{paused}"), None);
+    assert_eq!(answer.status, 204, "{}", answer.text());
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while !host_processes_with(&paused).is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        host_processes_with(&paused),
+        Vec::<i32>::new(),
+        "a process of the paused cell outlived its delete"
+    );
+    let calls = before_paused;
     for cell in [&killed, &deleted, &saved] {
         assert!(
             calls
@@ -344,7 +361,7 @@ fn a_gvisor_cell_is_ended_through_its_sandbox_and_runsc_cleans_up_after_itself()
                 .collect()
         })
         .unwrap_or_default();
-    for cell in [&killed, &deleted, &saved] {
+    for cell in [&killed, &deleted, &saved, &paused] {
         assert!(
             !kept
                 .iter()
