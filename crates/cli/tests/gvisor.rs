@@ -16,10 +16,9 @@ fn unavailable() -> Option<&'static str> {
     if !is_root() {
         return Some("the gvisor tier needs root");
     }
-    let found = ["/usr/bin/runsc", "/usr/sbin/runsc", "/usr/local/bin/runsc"]
-        .iter()
-        .any(|p| std::path::Path::new(p).is_file());
-    (!found).then_some("runsc is not installed")
+    installed_runsc()
+        .is_none()
+        .then_some("runsc is not installed")
 }
 
 macro_rules! needs_gvisor {
@@ -280,18 +279,16 @@ fn checkpoints_a_cell_cannot_have_are_refused_and_it_goes_on() {
 #[test]
 fn a_gvisor_cell_is_ended_through_its_sandbox_and_runsc_cleans_up_after_itself() {
     needs_gvisor!("a_gvisor_cell_is_ended_through_its_sandbox_and_runsc_cleans_up_after_itself");
-    let real = ["/usr/bin/runsc", "/usr/sbin/runsc", "/usr/local/bin/runsc"]
-        .into_iter()
-        .find(|p| std::path::Path::new(p).is_file())
-        .unwrap();
+    let real = installed_runsc().unwrap();
     let dir = tempdir();
     let calls = dir.path().join("calls");
     let wrapper = dir.path().join("runsc");
     std::fs::write(
         &wrapper,
         format!(
-            "#!/bin/sh\necho \"$*\" >> {}\nexec {real} \"$@\"\n",
-            calls.display()
+            "#!/bin/sh\necho \"$*\" >> {}\nexec {} \"$@\"\n",
+            calls.display(),
+            real.display()
         ),
     )
     .unwrap();

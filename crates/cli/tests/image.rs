@@ -632,8 +632,7 @@ fn gvisor_unavailable() -> Option<&'static str> {
     if !is_root() {
         return Some("the gvisor tier needs root");
     }
-    let found = ["/usr/bin/runsc", "/usr/sbin/runsc", "/usr/local/bin/runsc"]
-        .iter()
-        .any(|p| Path::new(p).is_file());
-    (!found).then_some("runsc is not installed")
+    installed_runsc()
+        .is_none()
+        .then_some("runsc is not installed")
 }

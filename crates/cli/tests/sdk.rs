@@ -44,10 +44,7 @@ fn the_python_sdk_passes_its_tests_against_a_real_daemon() {
     // Every test ran: none was skipped or lost.
     assert!(stderr.contains("Ran 14 tests"), "{stderr}");
     // The checkpoint test needs the gVisor tier: as root with runsc, nothing may be skipped.
-    let runsc = ["/usr/bin/runsc", "/usr/sbin/runsc", "/usr/local/bin/runsc"]
-        .iter()
-        .any(|p| std::path::Path::new(p).is_file());
-    if support::is_root() && runsc {
+    if support::is_root() && support::installed_runsc().is_some() {
         assert!(!stderr.contains("skipped"), "{stderr}");
     }
     daemon.assert_journal_verifies();

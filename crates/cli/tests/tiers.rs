@@ -39,12 +39,8 @@ impl Tier {
                 }
                 let found = std::env::var_os("WARDEN_RUNSC")
                     .map(std::path::PathBuf::from)
-                    .into_iter()
-                    .chain(
-                        ["/usr/bin/runsc", "/usr/sbin/runsc", "/usr/local/bin/runsc"]
-                            .map(Into::into),
-                    )
-                    .any(|p: std::path::PathBuf| p.is_file());
+                    .is_some_and(|p| p.is_file())
+                    || support::installed_runsc().is_some();
                 (!found).then(|| "runsc is not installed (apt-get install runsc)".to_owned())
             }
         }

@@ -440,6 +440,14 @@ pub fn cell_folders_left(runtime: &Path) -> Vec<std::ffi::OsString> {
         .unwrap_or_default()
 }
 
+/// The runsc installed in one of the usual places (the tests' gVisor tier needs one), if any.
+pub fn installed_runsc() -> Option<PathBuf> {
+    ["/usr/bin/runsc", "/usr/sbin/runsc", "/usr/local/bin/runsc"]
+        .into_iter()
+        .map(PathBuf::from)
+        .find(|p| p.is_file())
+}
+
 pub fn is_root() -> bool {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)

@@ -2066,17 +2066,20 @@ pub(crate) fn enter_network_namespace(ns: BorrowedFd<'_>) -> io::Result<()> {
 
 /// Field 22 of /proc/PID/stat: start time in clock ticks after boot.
 pub fn process_start_ticks(pid: i32) -> Option<u64> {
-    let stat = read_kernel_file(format!("/proc/{pid}/stat")).ok()?;
-    // The command name (field 2) may contain spaces and parentheses; count from its end.
-    let rest = &stat[stat.rfind(')')? + 2..];
-    rest.split(' ').nth(19)?.parse().ok()
+    stat_field(pid, 22)
 }
 
 /// Field 4 of /proc/PID/stat: the parent's pid.
 pub fn parent_of(pid: i32) -> Option<i32> {
+    stat_field(pid, 4)
+}
+
+/// Field `field` (numbered as in proc_pid_stat(5), from 3) of /proc/PID/stat.
+fn stat_field<T: std::str::FromStr>(pid: i32, field: usize) -> Option<T> {
     let stat = read_kernel_file(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may contain spaces and parentheses; count from its end.
     let rest = &stat[stat.rfind(')')? + 2..];
-    rest.split(' ').nth(1)?.parse().ok()
+    rest.split(' ').nth(field.checked_sub(3)?)?.parse().ok()
 }
 
 /// The version of the C library this process runs with, where it is glibc ("2.36").
