@@ -317,6 +317,31 @@ fn a_gvisor_cell_is_ended_through_its_sandbox_and_runsc_cleans_up_after_itself()
         .call("GET", &format!("/v1/cells/{saved}"), None)
         .json();
     assert_eq!(info["state"], "ended", "{info}");
+    // Restored, it runs again; that it does is read from runsc's own record of it, where a
+    // `runsc state` (a start of runsc) every 10 ms asked before: runsc is asked at most once a
+    // quarter of a second, for a record that does not read as expected.
+    let began = Instant::now();
+    let answer = daemon.call(
+        "POST",
+        "/v1/cells",
+        Some(json!({ "name": unique("back"), "restore": format!("{saved}@c") })),
+    );
+    let restoring = began.elapsed();
+    assert_eq!(answer.status, 201, "{}", answer.text());
+    let back = answer.json()["name"].as_str().unwrap().to_owned();
+    let events = daemon.exec(&back, json!({ "argv": ["echo", "again"] }));
+    assert_eq!(stdout(&events), "again\n", "{back}");
+    let asked = std::fs::read_to_string(&calls)
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains(" state ") && l.ends_with(back.as_str()))
+        .count();
+    assert!(
+        asked as u128 <= restoring.as_millis() / 250 + 1,
+        "runsc was asked {asked} times whether {back} runs, in a restore of {restoring:?}"
+    );
+    let answer = daemon.call("DELETE", &format!("/v1/cells/{back}"), None);
+    assert_eq!(answer.status, 204, "{}", answer.text());
     // runsc ran each cell and saved one, and was never asked to remove what it kept.
     let before_paused = std::fs::read_to_string(&calls).unwrap();
     // A paused cell's processes a signal does not move: it is killed as before (runsc with
@@ -358,7 +383,7 @@ fn a_gvisor_cell_is_ended_through_its_sandbox_and_runsc_cleans_up_after_itself()
                 .collect()
         })
         .unwrap_or_default();
-    for cell in [&killed, &deleted, &saved, &paused] {
+    for cell in [&killed, &deleted, &saved, &paused, &back] {
         assert!(
             !kept
                 .iter()
