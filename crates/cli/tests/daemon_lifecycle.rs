@@ -1179,6 +1179,102 @@ fn a_run_makes_its_cell_runs_one_command_and_deletes_the_cell_before_it_answers(
     daemon.assert_journal_verifies();
 }
 
+/// A cell's last process (`ExecRequest::last`, what a run asks for): told its end, the cell's
+/// init stays until the client hangs up, and goes then, so that a run's answer goes out before
+/// the cell's teardown takes the CPUs (the daemon lets go once it has answered). Asked here on
+/// the cell's own line, as the daemon asks, so that the hang-up is the test's to time.
+#[test]
+fn a_cells_last_process_keeps_its_init_until_the_client_hangs_up() {
+    use warden_cell::tier::{ExecEvent, ExecRequest};
+    if !cgroups_available("last_linger") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    let name = daemon.create(&unique("last"), json!({}));
+    let init = daemon
+        .call("GET", &format!("/v1/cells/{name}"), None)
+        .json()["pid"]
+        .as_i64()
+        .unwrap();
+    // Running, not ended and waiting to be reaped.
+    let alive = || {
+        std::fs::read_to_string(format!("/proc/{init}/stat")).is_ok_and(|stat| {
+            stat.rsplit(')')
+                .next()
+                .is_some_and(|s| !s.starts_with(" Z"))
+        })
+    };
+    assert!(alive(), "the cell's init {init} runs");
+    let tiers = warden_cell::Tiers::built_in(warden_cell::ProcessConfig {
+        runtime: daemon.runtime().to_owned(),
+        state: daemon.state().to_owned(),
+        warden_exe: bin().to_owned(),
+        keeper_open_files: None,
+        keeper_env: Vec::new(),
+        keepers_ahead: 0,
+    });
+    let cell = tiers
+        .get(warden_policy::Tier::Process)
+        .unwrap()
+        .adopt(&name)
+        .unwrap()
+        .expect("the daemon's cell, adopted");
+    let null = |write: bool| -> std::os::fd::OwnedFd {
+        std::fs::OpenOptions::new()
+            .read(!write)
+            .write(write)
+            .open("/dev/null")
+            .unwrap()
+            .into()
+    };
+    let stdio = [null(false), null(true), null(true)];
+    let request = ExecRequest {
+        argv: vec!["true".to_owned()],
+        last: true,
+        ..Default::default()
+    };
+    let session = cell
+        .exec(&request, Some([&stdio[0], &stdio[1], &stdio[2]]))
+        .unwrap();
+    let mut end = None;
+    wait_for("the last process's end", || {
+        match session.try_next_event().unwrap() {
+            Some((event, _)) if event.is_final() => end = Some(event),
+            _ => {}
+        }
+        end.is_some()
+    });
+    assert!(
+        matches!(end, Some(ExecEvent::Exited { code: 0, .. })),
+        "{end:?}"
+    );
+    // Its end told, the init waits for the hang-up (longer than a teardown takes).
+    std::thread::sleep(Duration::from_millis(400));
+    assert!(alive(), "the init went before its client hung up");
+    let hung_up = std::time::Instant::now();
+    drop(session);
+    wait_for("the init to go at the hang-up", || !alive());
+    // Well within the time an init waits for a client that never hangs up (3 s).
+    assert!(
+        hung_up.elapsed() < Duration::from_millis(1500),
+        "the init went {:?} after the hang-up",
+        hung_up.elapsed()
+    );
+    wait_for("the daemon to see the cell end", || {
+        daemon
+            .call("GET", &format!("/v1/cells/{name}"), None)
+            .json()["state"]
+            != "running"
+    });
+    assert_eq!(
+        daemon
+            .call("DELETE", &format!("/v1/cells/{name}"), None)
+            .status,
+        204
+    );
+    daemon.assert_journal_verifies();
+}
+
 /// Starts a run of `command` (a shell's) from the pool and reads its answer up to its
 /// `started`: the cell's name, and the connection, open.
 fn run_started(daemon: &Daemon, command: &str) -> (String, std::os::unix::net::UnixStream) {

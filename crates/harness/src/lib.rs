@@ -86,7 +86,7 @@ pub(crate) use cells::{Prepared, create_entry};
 pub use files::{READ_LIMIT, WRITE_LIMIT};
 pub use once::RunningOnce;
 pub use pool::{PoolSpec, made_ahead};
-pub use process::{Cursor, Item, KillOnDrop, Process};
+pub use process::{Cursor, Item, KillOnDrop, LineHold, Process};
 use state::State;
 pub use state::{CellEntry, Grant, PolicySource};
 use supervise::Live;

@@ -14,6 +14,10 @@ pub struct RunningOnce {
     pub process: Arc<Process>,
     /// The delete's outcome once the command has ended (an `Err` says why the cell is left).
     pub deleted: tokio::sync::oneshot::Receiver<Result<(), String>>,
+    /// The run's line to its cell, held past the command's end: dropped once the run has
+    /// answered, it lets the cell's teardown begin (a cell that ends with its command waits
+    /// for it), so that the teardown does not take the CPUs from the answer.
+    pub line: crate::LineHold,
 }
 
 impl Harness {
@@ -48,7 +52,14 @@ impl Harness {
             deleted: tx,
             ends_itself,
         };
-        let started = self.exec_then(&name, exec, Some(then)).await;
+        // The line is held at once: a way out below lets go of it.
+        let started = self
+            .exec_then(&name, exec, Some(then))
+            .await
+            .map(|process| {
+                let line = process.hold_line();
+                (process, line)
+            });
         // Written before the start's entry, and durable with it (one round).
         let durable = match handing {
             Some(handing) => handing.wait(self).await,
@@ -56,8 +67,8 @@ impl Harness {
         };
         // The process's watch deletes the cell once the process has ended (the start, where
         // the program could not start).
-        let process = match started.and_then(|process| durable.map(|()| process)) {
-            Ok(process) => process,
+        let (process, line) = match started.and_then(|started| durable.map(|()| started)) {
+            Ok(started) => started,
             Err(err) => {
                 // The delete ends whatever started.
                 let _ = self.delete(&name, by).await;
@@ -68,6 +79,7 @@ impl Harness {
             cell: name,
             process,
             deleted,
+            line,
         })
     }
 }

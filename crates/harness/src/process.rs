@@ -265,6 +265,35 @@ pub struct Process {
     over_limit: AtomicBool,
     /// A run's process: its cell is deleted once it ends, before its end is told.
     then: Mutex<Option<crate::once::Then>>,
+    /// A run's process: its line to the cell, kept past its end until the run has answered.
+    kept_line: Mutex<KeptLine>,
+}
+
+/// A run's line to its cell past the process's end: the cell's init, the last of the cell,
+/// goes (and the cell's teardown begins) when the line hangs up, so the line is let go of
+/// once the run's answer is out ([`LineHold`]).
+#[derive(Debug, Default)]
+struct KeptLine {
+    /// Kept past the end (a run's process).
+    wanted: bool,
+    /// Let go of already: no line is kept from then on.
+    let_go: bool,
+    line: Option<Arc<dyn Session>>,
+}
+
+/// Holds a run's line to its cell past the process's end; dropped once the run has answered
+/// (or its caller went away), which lets the cell's init go. See `KeptLine`.
+#[derive(Debug)]
+pub struct LineHold(Arc<Process>);
+
+impl Drop for LineHold {
+    fn drop(&mut self) {
+        let line = self.0.kept_line.lock().ok().and_then(|mut kept| {
+            kept.let_go = true;
+            kept.line.take()
+        });
+        drop(line);
+    }
 }
 
 impl Process {
@@ -296,6 +325,7 @@ impl Process {
             output_limit: None,
             over_limit: AtomicBool::new(false),
             then: Mutex::new(None),
+            kept_line: Mutex::new(KeptLine::default()),
         }
     }
 
@@ -305,10 +335,18 @@ impl Process {
     }
 
     pub(crate) fn with_then(self, then: Option<crate::once::Then>) -> Self {
+        if let Ok(mut kept) = self.kept_line.lock() {
+            kept.wanted = then.is_some();
+        }
         if let Ok(mut slot) = self.then.lock() {
             *slot = then;
         }
         self
+    }
+
+    /// The hold on a run's line to its cell past the process's end (see `KeptLine`).
+    pub(crate) fn hold_line(self: &Arc<Self>) -> LineHold {
+        LineHold(Arc::clone(self))
     }
 
     /// What follows the process's end, taken once by its watch when it ends.
@@ -410,10 +448,21 @@ impl Process {
             log.trim();
             log.exit = Some(exit);
         }
-        // What only a running process needs goes now.
-        if let Ok(mut session) = self.session.lock() {
-            *session = None;
-        }
+        // What only a running process needs goes now (a run's line, once the run has
+        // answered).
+        let line = self
+            .session
+            .lock()
+            .ok()
+            .and_then(|mut session| session.take());
+        let line = match self.kept_line.lock() {
+            Ok(mut kept) if kept.wanted && !kept.let_go => {
+                kept.line = line;
+                None
+            }
+            _ => line,
+        };
+        drop(line);
         if let Ok(mut terminal) = self.terminal.lock() {
             *terminal = None;
         }
@@ -520,5 +569,89 @@ impl Drop for KillOnDrop {
         {
             std::thread::spawn(move || session.signal(libc::SIGKILL));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // test code: a failed step is a failed test
+
+    use super::*;
+    use std::os::fd::{AsRawFd, RawFd};
+    use warden_cell::{CellError, tier::ExecEvent};
+
+    /// A line to a cell whose hang-up (its drop) is seen.
+    #[derive(Debug)]
+    struct Line(Arc<AtomicBool>, OwnedFd);
+
+    impl AsRawFd for Line {
+        fn as_raw_fd(&self) -> RawFd {
+            self.1.as_raw_fd()
+        }
+    }
+
+    impl Session for Line {
+        fn try_next_event(&self) -> Result<Option<(ExecEvent, Vec<OwnedFd>)>, CellError> {
+            Ok(None)
+        }
+        fn signal(&self, _: i32) -> Result<(), CellError> {
+            Ok(())
+        }
+    }
+
+    impl Drop for Line {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    fn process(run: bool) -> (Arc<Process>, Arc<AtomicBool>) {
+        let hung_up = Arc::new(AtomicBool::new(false));
+        let fd = OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
+        let line = Arc::new(Line(Arc::clone(&hung_up), fd));
+        let process = Process::new(1, "c".into(), vec!["true".into()], false, 2, line, None);
+        process.kept_line.lock().unwrap().wanted = run;
+        (Arc::new(process), hung_up)
+    }
+
+    fn end(process: &Process) {
+        process.finish(ExitInfo {
+            reason: ExitReason::Exited,
+            code: Some(0),
+            signal: None,
+            message: None,
+            duration_ms: 1,
+            usage: None,
+            stdout_bytes: 0,
+            stderr_bytes: 0,
+            journal_seq: None,
+        });
+    }
+
+    #[test]
+    fn a_runs_line_outlives_its_process_until_the_run_lets_go_and_no_other_does() {
+        // A run's: held past the end, let go of with the hold.
+        let (run, hung_up) = process(true);
+        let hold = run.hold_line();
+        end(&run);
+        assert!(run.exit().is_some());
+        assert!(
+            !hung_up.load(Ordering::SeqCst),
+            "let go of before the run answered"
+        );
+        drop(hold);
+        assert!(hung_up.load(Ordering::SeqCst), "kept after the run let go");
+        // A run whose hold went first (its caller went away): let go of at the end.
+        let (run, hung_up) = process(true);
+        drop(run.hold_line());
+        end(&run);
+        assert!(hung_up.load(Ordering::SeqCst), "kept with nobody to let go");
+        // Any other process: let go of at its end.
+        let (other, hung_up) = process(false);
+        end(&other);
+        assert!(
+            hung_up.load(Ordering::SeqCst),
+            "an exec's line kept past its end"
+        );
     }
 }

@@ -648,6 +648,13 @@ fn supervise(
                         // Let go of here, not by the exit: the kernel takes the init's memory
                         // down before its files, and the warden drains the pipes to their end.
                         tell_end(&client, &event, output);
+                        // The cell's teardown (this exit, then its keeper's) waits for the
+                        // client's hang-up: a daemon's run lets go once it has answered, so
+                        // the teardown's work (the kernel's, and its workers' and grace
+                        // periods') does not take the two CPUs from the journal's round and
+                        // the answer. At the least priority past that: nothing waits for it.
+                        linger_until_hang_up(&client, &lifeline);
+                        sys::lower_priority(0);
                         sys::exit_now(reaped.status.unwrap_or_else(|signal| 128 + signal));
                     }
                     tell_end(&client, &event, output);
@@ -684,6 +691,21 @@ fn tell_end(client: &OwnedFd, event: &ExecEvent, output: Option<[OwnedFd; 2]>) {
         let _ = sys::send_message_nowait(client.as_fd(), &payload, &[]);
     }
     drop(output);
+}
+
+/// The longest a cell's last process's end keeps its init once told (a client that never
+/// hangs up, such as a daemon stuck elsewhere, holds no cell longer).
+const LINGER_AT_MOST_MS: u16 = 3000;
+
+/// Waits until the client of the cell's last process hangs up (or says anything more), the
+/// warden goes, or `LINGER_AT_MOST_MS` passes.
+fn linger_until_hang_up(client: &OwnedFd, lifeline: &std::fs::File) {
+    use nix::poll::{PollFd, PollFlags, poll};
+    let mut fds = [
+        PollFd::new(client.as_fd(), PollFlags::POLLIN),
+        PollFd::new(lifeline.as_fd(), PollFlags::POLLIN),
+    ];
+    let _ = poll(&mut fds, LINGER_AT_MOST_MS);
 }
 
 /// A message from an exec's client: a signal for its process's group; or its hang-up, which

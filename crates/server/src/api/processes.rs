@@ -11,7 +11,9 @@ use serde_json::json;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
-use warden_harness::{Cursor, ExecSpec, HarnessError, Item, KillOnDrop, Process, RunOnce, Stream};
+use warden_harness::{
+    Cursor, ExecSpec, HarnessError, Item, KillOnDrop, LineHold, Process, RunOnce, Stream,
+};
 
 use super::*;
 
@@ -28,7 +30,7 @@ pub(super) async fn exec(
     if background {
         return Ok((StatusCode::CREATED, Json(process.info())).into_response());
     }
-    Ok(stream_output(process, 0, true, true, None))
+    Ok(stream_output(process, 0, true, true, None, None))
 }
 
 /// Runs one command in a cell made for it (`POST /v1/run`): the answer is the exec's event
@@ -47,6 +49,7 @@ pub(super) async fn run(
         true,
         true,
         Some((running.cell, running.deleted)),
+        Some(running.line),
     ))
 }
 
@@ -71,6 +74,7 @@ pub(super) async fn output(
         query.from,
         false,
         query.follow.unwrap_or(true),
+        None,
         None,
     ))
 }
@@ -170,6 +174,7 @@ pub(super) fn stream_output(
     kill_on_disconnect: bool,
     follow: bool,
     run: Option<(String, tokio::sync::oneshot::Receiver<Result<(), String>>)>,
+    line: Option<LineHold>,
 ) -> Response {
     let mut feed = Feed {
         guard: kill_on_disconnect.then(|| KillOnDrop(Arc::clone(&process))),
@@ -180,6 +185,7 @@ pub(super) fn stream_output(
         run,
         ready: std::collections::VecDeque::new(),
         done: false,
+        _line: line,
     };
     // A process that could not start (not found, not executable) never ran: its stream is its
     // `exit` alone. The `started` event is ready before the answer goes out, so that its head
@@ -222,6 +228,9 @@ struct Feed {
     ready: std::collections::VecDeque<Event>,
     /// The last event is among `ready`.
     done: bool,
+    /// A run's line to its cell, let go of (and the cell's teardown begun) once the stream is
+    /// over: when its last event has been taken for the answer, or its client went away.
+    _line: Option<LineHold>,
 }
 
 impl Feed {
