@@ -163,6 +163,13 @@ pub trait Cell: Send + Sync + Debug {
     fn ends_with_last_process(&self) -> bool {
         false
     }
+    /// Holds the tier's teardown of the cell once it is killed, until the returned descriptor
+    /// is closed (for as long as the tier allows), where the tier can: a delete takes it before
+    /// its kill and lets go once it has answered, so that the teardown does not share the CPUs
+    /// with the answer.
+    fn hold_teardown(&self) -> Option<OwnedFd> {
+        None
+    }
     /// A descriptor that becomes readable when the tier is about to let go of the cell (the
     /// process tier: a pidfd of its keeper), so that `wait_ended` need not sleep past it. The
     /// status still decides: a waker that wakes early only makes the wait look again.

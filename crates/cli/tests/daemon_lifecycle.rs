@@ -1196,29 +1196,8 @@ fn a_cells_last_process_keeps_its_init_until_the_client_hangs_up() {
         .json()["pid"]
         .as_i64()
         .unwrap();
-    // Running, not ended and waiting to be reaped.
-    let alive = || {
-        std::fs::read_to_string(format!("/proc/{init}/stat")).is_ok_and(|stat| {
-            stat.rsplit(')')
-                .next()
-                .is_some_and(|s| !s.starts_with(" Z"))
-        })
-    };
-    assert!(alive(), "the cell's init {init} runs");
-    let tiers = warden_cell::Tiers::built_in(warden_cell::ProcessConfig {
-        runtime: daemon.runtime().to_owned(),
-        state: daemon.state().to_owned(),
-        warden_exe: bin().to_owned(),
-        keeper_open_files: None,
-        keeper_env: Vec::new(),
-        keepers_ahead: 0,
-    });
-    let cell = tiers
-        .get(warden_policy::Tier::Process)
-        .unwrap()
-        .adopt(&name)
-        .unwrap()
-        .expect("the daemon's cell, adopted");
+    assert!(alive(init), "the cell's init {init} runs");
+    let cell = adopted(&daemon, &name);
     let null = |write: bool| -> std::os::fd::OwnedFd {
         std::fs::OpenOptions::new()
             .read(!write)
@@ -1250,10 +1229,10 @@ fn a_cells_last_process_keeps_its_init_until_the_client_hangs_up() {
     );
     // Its end told, the init waits for the hang-up (longer than a teardown takes).
     std::thread::sleep(Duration::from_millis(400));
-    assert!(alive(), "the init went before its client hung up");
+    assert!(alive(init), "the init went before its client hung up");
     let hung_up = std::time::Instant::now();
     drop(session);
-    wait_for("the init to go at the hang-up", || !alive());
+    wait_for("the init to go at the hang-up", || !alive(init));
     // Well within the time an init waits for a client that never hangs up (3 s).
     assert!(
         hung_up.elapsed() < Duration::from_millis(1500),
@@ -1273,6 +1252,93 @@ fn a_cells_last_process_keeps_its_init_until_the_client_hangs_up() {
         204
     );
     daemon.assert_journal_verifies();
+}
+
+/// A killed cell's keeper takes the cell down only once the hold on its teardown goes (what a
+/// delete takes before its kill and lets go of once it has answered), and at once where nobody
+/// holds it. Held and killed here, through the tier, so that the test times the release.
+#[test]
+fn a_killed_cells_teardown_waits_for_its_hold_and_only_for_it() {
+    if !cgroups_available("teardown_hold") {
+        return;
+    }
+    let daemon = Daemon::start(&[]);
+    for held in [true, false] {
+        let name = daemon.create(&unique("hold"), json!({}));
+        let record = daemon.runtime().join("cells").join(&name);
+        let keeper = serde_json::from_str::<Value>(
+            &std::fs::read_to_string(record.join("cell.json")).unwrap(),
+        )
+        .unwrap()["warden_pid"]
+            .as_i64()
+            .unwrap();
+        assert!(alive(keeper), "the cell's keeper {keeper} runs");
+        let cell = adopted(&daemon, &name);
+        let hold = held.then(|| cell.hold_teardown().expect("a process cell's hold"));
+        cell.kill().unwrap();
+        assert!(cell.wait_stopped(), "the killed cell's init ended");
+        let killed = std::time::Instant::now();
+        if held {
+            // Longer than a keeper's teardown takes: it waits.
+            std::thread::sleep(Duration::from_millis(400));
+            assert!(
+                alive(keeper),
+                "the keeper took its cell down under the hold"
+            );
+            assert!(record.exists(), "the cell's folder went under the hold");
+            let released = std::time::Instant::now();
+            drop(hold);
+            wait_for("the keeper to end once the hold went", || !alive(keeper));
+            // Well within the time a keeper waits for a hold that stays (3 s).
+            assert!(
+                released.elapsed() < Duration::from_millis(1500),
+                "the keeper ended {:?} after the hold went",
+                released.elapsed()
+            );
+        } else {
+            wait_for("the keeper to end", || !alive(keeper));
+            assert!(
+                killed.elapsed() < Duration::from_millis(1500),
+                "the keeper of a cell nobody held ended {:?} after the kill",
+                killed.elapsed()
+            );
+        }
+        wait_for("the cell's folder to go", || !record.exists());
+        let deleted = daemon.call("DELETE", &format!("/v1/cells/{name}"), None);
+        assert!(
+            deleted.status == 204 || deleted.status == 404,
+            "{}",
+            deleted.text()
+        );
+    }
+    daemon.assert_journal_verifies();
+}
+
+/// The daemon's process cell `name`, adopted through the process tier as the daemon's keepers
+/// see it (its runtime and state folders), to act on it from the test as the daemon does.
+fn adopted(daemon: &Daemon, name: &str) -> std::sync::Arc<dyn warden_cell::Cell> {
+    warden_cell::Tiers::built_in(warden_cell::ProcessConfig {
+        runtime: daemon.runtime().to_owned(),
+        state: daemon.state().to_owned(),
+        warden_exe: bin().to_owned(),
+        keeper_open_files: None,
+        keeper_env: Vec::new(),
+        keepers_ahead: 0,
+    })
+    .get(warden_policy::Tier::Process)
+    .unwrap()
+    .adopt(name)
+    .unwrap()
+    .expect("the daemon's cell, adopted")
+}
+
+/// Whether process `pid` runs (not ended and waiting to be reaped).
+fn alive(pid: i64) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit(')')
+            .next()
+            .is_some_and(|s| !s.starts_with(" Z"))
+    })
 }
 
 /// Starts a run of `command` (a shell's) from the pool and reads its answer up to its

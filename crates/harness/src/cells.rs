@@ -1069,6 +1069,12 @@ impl Harness {
             (None, true) => None,
         };
         let mut kill_outcome = None;
+        // A cell without a workspace is deleted once no process of it runs, before its tier
+        // has let go of it: its tier's teardown is held until this delete has answered (let
+        // go of as this returns), so that it does not share the CPUs with the answer.
+        let _teardown = (is_live && own_end.is_none() && entry.workspace.is_none())
+            .then(|| live.as_ref().and_then(|cell| cell.hold_teardown()))
+            .flatten();
         if is_live && own_end.is_none() {
             // A cell without a workspace has its end and delete written as soon as the signal
             // is out; one with a workspace lists its changes first.

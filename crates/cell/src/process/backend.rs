@@ -465,6 +465,13 @@ impl Cell for ProcessCell {
         self.pid_is_init
     }
 
+    /// Its keeper's, where the cell's pid 1 is Warden's init (`Registry::hold_teardown`).
+    fn hold_teardown(&self) -> Option<OwnedFd> {
+        self.pid_is_init
+            .then(|| self.registry.hold_teardown(&self.record.name).ok())
+            .flatten()
+    }
+
     /// The keeper's pidfd: it ends once its cell is gone. (A later process that took a gone
     /// keeper's pid only makes the wait look again.)
     fn end_waker(&self) -> Option<OwnedFd> {

@@ -511,6 +511,25 @@ impl Registry {
         let path = dir.join("killed");
         warden_workspace::note(&path, &dir.join(LOCK)).map_err(io_at(&path))
     }
+
+    /// Holds the teardown of cell `name` by its keeper, once the cell is killed, until the
+    /// returned descriptor is closed: a lock on the cell's folder (nothing else locks the folder
+    /// itself), which the keeper of a killed cell waits for before it takes the cell down
+    /// (`Reservation::wait_for_teardown_hold`, bounded). A delete takes it before its kill and
+    /// lets go once it has answered, so that the teardown (the mount namespace's end, with an
+    /// RCU grace period; the cgroups; the folder) does not share the CPUs with its answer.
+    pub fn hold_teardown(&self, name: &str) -> Result<std::os::fd::OwnedFd, RegistryError> {
+        use rustix::fs::{FlockOperation, Mode, OFlags, flock, open};
+        let dir = self.cell_dir(name);
+        let fd = open(
+            &dir,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| io_at(&dir)(e.into()))?;
+        flock(&fd, FlockOperation::NonBlockingLockExclusive).map_err(|e| io_at(&dir)(e.into()))?;
+        Ok(fd)
+    }
 }
 
 /// A note of a start under way (`Registry::note_start`), removed when dropped.
@@ -619,6 +638,28 @@ impl Reservation {
     /// The cell's folder.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// Waits, `within` at most, until nobody holds the cell's teardown
+    /// (`Registry::hold_teardown`): at once where nobody does.
+    pub(crate) fn wait_for_teardown_hold(&self, within: std::time::Duration) {
+        use rustix::fs::{FlockOperation, Mode, OFlags, flock, open};
+        let Ok(dir) = open(
+            &self.dir,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        ) else {
+            return;
+        };
+        let until = std::time::Instant::now() + within;
+        // Looked at every 250 us: the hold is let go of once a reply is on its way, and the
+        // teardown may begin a little after it.
+        while flock(&dir, FlockOperation::NonBlockingLockShared)
+            == Err(rustix::io::Errno::WOULDBLOCK)
+            && std::time::Instant::now() < until
+        {
+            std::thread::sleep(std::time::Duration::from_micros(250));
+        }
     }
 
     /// A file in the cell's folder.

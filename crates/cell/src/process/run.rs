@@ -644,6 +644,10 @@ pub fn run_with(
         status: Some(&mut status_reader),
     };
     let relayed = relay.run();
+    if request.ready.is_some() && reservation.kill_requested() {
+        // Killed for a delete, whose answer comes first (`Registry::hold_teardown`).
+        reservation.wait_for_teardown_hold(TEARDOWN_HOLD_AT_MOST);
+    }
     drop(sync); // the cell's lifeline: held until the cell is gone
     match &relayed {
         // The init has told the end (and exits), or was reaped.
@@ -710,6 +714,10 @@ pub fn run_with(
         notices,
     ))
 }
+
+/// The longest a killed cell's keeper waits for the hold on its teardown to go (a delete
+/// lets go of it once it has answered, within milliseconds).
+const TEARDOWN_HOLD_AT_MOST: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// A network namespace made for a cell on a thread of its own (as root), while the run's
 /// thread plans the cell; the cell is cloned inside it. The clone made it before: 0.6-0.8 ms of
