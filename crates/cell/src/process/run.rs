@@ -644,8 +644,9 @@ pub fn run_with(
         status: Some(&mut status_reader),
     };
     let relayed = relay.run();
-    if request.ready.is_some() && reservation.kill_requested() {
-        // Killed for a delete, whose answer comes first (`Registry::hold_teardown`).
+    if request.ready.is_some() && relayed.is_ok() && reservation.kill_requested() {
+        // Killed for a delete, whose answer comes first (`Registry::hold_teardown`); the init
+        // has ended (a relay that failed leaves it to the guard below, which nothing holds).
         reservation.wait_for_teardown_hold(TEARDOWN_HOLD_AT_MOST);
     }
     drop(sync); // the cell's lifeline: held until the cell is gone
