@@ -519,14 +519,9 @@ impl Registry {
     /// lets go once it has answered, so that the teardown (the mount namespace's end, with an
     /// RCU grace period; the cgroups; the folder) does not share the CPUs with its answer.
     pub fn hold_teardown(&self, name: &str) -> Result<std::os::fd::OwnedFd, RegistryError> {
-        use rustix::fs::{FlockOperation, Mode, OFlags, flock, open};
+        use rustix::fs::{FlockOperation, flock};
         let dir = self.cell_dir(name);
-        let fd = open(
-            &dir,
-            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-            Mode::empty(),
-        )
-        .map_err(|e| io_at(&dir)(e.into()))?;
+        let fd = open_folder(&dir).map_err(|e| io_at(&dir)(e.into()))?;
         flock(&fd, FlockOperation::NonBlockingLockExclusive).map_err(|e| io_at(&dir)(e.into()))?;
         Ok(fd)
     }
@@ -573,6 +568,17 @@ impl Lock {
             Err(err) => Err(err.into()),
         }
     }
+}
+
+/// A cell's folder, opened for its teardown's hold (`Registry::hold_teardown`), a lock of the
+/// folder itself.
+fn open_folder(dir: &Path) -> rustix::io::Result<std::os::fd::OwnedFd> {
+    use rustix::fs::{Mode, OFlags};
+    rustix::fs::open(
+        dir,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
 }
 
 /// Whether someone holds the lock at `path` (a missing file is nobody's).
@@ -643,12 +649,8 @@ impl Reservation {
     /// Waits, `within` at most, until nobody holds the cell's teardown
     /// (`Registry::hold_teardown`): at once where nobody does.
     pub(crate) fn wait_for_teardown_hold(&self, within: std::time::Duration) {
-        use rustix::fs::{FlockOperation, Mode, OFlags, flock, open};
-        let Ok(dir) = open(
-            &self.dir,
-            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-            Mode::empty(),
-        ) else {
+        use rustix::fs::{FlockOperation, flock};
+        let Ok(dir) = open_folder(&self.dir) else {
             return;
         };
         let until = std::time::Instant::now() + within;
