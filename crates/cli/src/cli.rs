@@ -230,6 +230,10 @@ pub enum Command {
         /// policies; `warden ps` shows them and their memory).
         #[arg(long, value_name = "POLICY=N")]
         pool: Vec<String>,
+        /// Serve the API on this many threads (default: one fewer than the CPUs the daemon may
+        /// use, at least one; the cells' processes and the journal's thread use the rest).
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1024))]
+        api_threads: Option<u64>,
     },
     /// Print the link that opens the daemon's dashboard in a browser, logged in (the daemon
     /// serves it on its TCP listener: `warden serve --listen 127.0.0.1:8787`; the token is in

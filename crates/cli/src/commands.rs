@@ -167,6 +167,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             journal_keep_segments,
             keepers_ahead,
             pool,
+            api_threads,
         } => crate::daemon::serve(crate::daemon::ServeArgs {
             listen,
             token_file,
@@ -175,6 +176,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             journal_keep_segments: journal_keep_segments.map(|n| n as usize),
             keepers_ahead: keepers_ahead as usize,
             pools: pool,
+            api_threads: api_threads.map(|n| n as usize),
         }),
         Command::Agent { command } => crate::daemon::agent(command),
         Command::Create(args) => crate::daemon::create(args),

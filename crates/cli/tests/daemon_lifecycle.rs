@@ -1371,6 +1371,107 @@ fn run_started(daemon: &Daemon, command: &str) -> (String, std::os::unix::net::U
     (cell.to_owned(), stream)
 }
 
+/// A daemon that serves its API on one thread (the default on a machine of two cores) answers
+/// every other request while a command streams, and while the journal's rounds are run by the
+/// requests themselves: creates (one of them the pool's), execs, a run, a list, deletes, and
+/// the exec that lets the streaming command end.
+#[test]
+fn one_api_thread_serves_every_request_while_a_command_streams() {
+    if !cgroups_available("one_api_thread") {
+        return;
+    }
+    let mut daemon = Daemon::start(&["--api-threads", "1", "--pool", "default=1"]);
+    let held = daemon.create(&unique("held"), json!({}));
+    let socket = daemon.socket();
+    let path = format!("/v1/cells/{held}/exec");
+    let streaming = std::thread::spawn(move || {
+        let stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
+        let body = json!({ "argv": ["sh", "-c",
+            "echo waiting; while [ ! -e /tmp/go ]; do sleep 0.02; done; echo went"] })
+        .to_string();
+        exchange(stream, "POST", &path, Some(&body), &[])
+    });
+    let socket = daemon.socket();
+    let (done, finished) = std::sync::mpsc::channel();
+    let other = unique("other");
+    let held_name = held.clone();
+    std::thread::spawn(move || {
+        let call = |method: &str, path: &str, body: Option<Value>| {
+            let stream = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+            exchange(
+                stream,
+                method,
+                path,
+                body.map(|b| b.to_string()).as_deref(),
+                &[],
+            )
+        };
+        let mut seen = Vec::new();
+        for round in 0..3 {
+            let name = format!("{other}-{round}");
+            seen.push(call("POST", "/v1/cells", Some(json!({ "name": name }))).status);
+            let exec = call(
+                "POST",
+                &format!("/v1/cells/{name}/exec"),
+                Some(json!({ "argv": ["true"] })),
+            );
+            seen.push(exec.status);
+            seen.push(u16::from(exit_of(&exec.events())["code"] == 0));
+            seen.push(call("DELETE", &format!("/v1/cells/{name}"), None).status);
+        }
+        // The pool's cell, and a run.
+        let pooled = call("POST", "/v1/cells", Some(json!({})));
+        seen.push(pooled.status);
+        let pooled = pooled.json()["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        seen.push(call("DELETE", &format!("/v1/cells/{pooled}"), None).status);
+        let run = call(
+            "POST",
+            "/v1/run",
+            Some(json!({ "cell": {}, "exec": { "argv": ["true"] } })),
+        );
+        seen.push(run.status);
+        seen.push(u16::from(run.text().contains("\"code\":0")));
+        let listed = call("GET", "/v1/cells", None).json();
+        let streaming_still = listed
+            .as_array()
+            .is_some_and(|cells| cells.iter().any(|c| c["name"] == held_name.as_str()));
+        seen.push(u16::from(streaming_still));
+        let go = call(
+            "POST",
+            &format!("/v1/cells/{held_name}/exec"),
+            Some(json!({ "argv": ["touch", "/tmp/go"] })),
+        );
+        seen.push(u16::from(exit_of(&go.events())["code"] == 0));
+        let _ = done.send(seen);
+    });
+    let Ok(seen) = finished.recv_timeout(Duration::from_secs(60)) else {
+        daemon.crash();
+        panic!(
+            "a daemon on one API thread did not answer the other requests within 60 s while a command streamed"
+        );
+    };
+    let expected: Vec<u16> = [201, 200, 1, 204]
+        .repeat(3)
+        .into_iter()
+        .chain([201, 204, 200, 1, 1, 1])
+        .collect();
+    assert_eq!(
+        seen, expected,
+        "statuses and outcomes (1: as expected) of the other requests"
+    );
+    let streamed = streaming.join().unwrap();
+    let events = streamed.events();
+    assert_eq!(
+        String::from_utf8_lossy(&stream_bytes(&events, "stdout")),
+        "waiting\nwent\n",
+        "the streaming command ran to its end once let go"
+    );
+    assert_eq!(exit_of(&events)["code"], 0);
+}
+
 #[test]
 fn a_deleted_cells_name_can_be_taken_again_at_once() {
     if !cgroups_available("name_again") {
