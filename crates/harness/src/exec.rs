@@ -547,15 +547,16 @@ impl Harness {
         let receipt = match process.take_then() {
             None => self.record(Some(&process.cell), "exec.exit", exit).await,
             // A run's: its cell is deleted first, and the exit goes to the disk with the
-            // delete's entries (it takes no round of its own); the process is told ended once
-            // both are durable.
+            // delete's entries (it takes no round of its own, and wakes no thread: the
+            // delete's entries wake the journal's syncer, or the wait below leads the round
+            // where the delete wrote none); the process is told ended once both are durable.
             Some(then) => {
                 let written = self
                     .record_written(
                         Some(&process.cell),
                         "exec.exit",
                         exit,
-                        warden_journal::Urgency::Soon,
+                        warden_journal::Urgency::Led,
                     )
                     .await;
                 then.delete(&self, &process.cell, told_end).await;
