@@ -1372,9 +1372,9 @@ fn run_started(daemon: &Daemon, command: &str) -> (String, std::os::unix::net::U
 }
 
 /// A daemon that serves its API on one thread (the default on a machine of two cores) answers
-/// every other request while a command streams, and while the journal's rounds are run by the
-/// requests themselves: creates (one of them the pool's), execs, a run, a list, deletes, and
-/// the exec that lets the streaming command end.
+/// every other request while a command streams, another floods its output, and the journal's
+/// rounds are run by the requests themselves: creates (one of them the pool's), execs, a run,
+/// a list, deletes, and the exec that lets the streaming command end.
 #[test]
 fn one_api_thread_serves_every_request_while_a_command_streams() {
     if !cgroups_available("one_api_thread") {
@@ -1382,6 +1382,15 @@ fn one_api_thread_serves_every_request_while_a_command_streams() {
     }
     let mut daemon = Daemon::start(&["--api-threads", "1", "--pool", "default=1"]);
     let held = daemon.create(&unique("held"), json!({}));
+    // A process that writes as fast as the daemon reads, all along.
+    let flood = daemon.call(
+        "POST",
+        &format!("/v1/cells/{held}/exec"),
+        Some(json!({ "argv": ["sh", "-c",
+            "for i in 1 2 3 4; do cat /dev/zero & done; while [ ! -e /tmp/go ]; do sleep 0.02; done; kill $(jobs -p)"],
+            "background": true })),
+    );
+    assert_eq!(flood.status, 201, "{}", flood.text());
     let socket = daemon.socket();
     let path = format!("/v1/cells/{held}/exec");
     let streaming = std::thread::spawn(move || {
