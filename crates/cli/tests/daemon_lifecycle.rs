@@ -1332,15 +1332,6 @@ fn adopted(daemon: &Daemon, name: &str) -> std::sync::Arc<dyn warden_cell::Cell>
     .expect("the daemon's cell, adopted")
 }
 
-/// Whether process `pid` runs (not ended and waiting to be reaped).
-fn alive(pid: i64) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-        stat.rsplit(')')
-            .next()
-            .is_some_and(|s| !s.starts_with(" Z"))
-    })
-}
-
 /// Starts a run of `command` (a shell's) from the pool and reads its answer up to its
 /// `started`: the cell's name, and the connection, open.
 fn run_started(daemon: &Daemon, command: &str) -> (String, std::os::unix::net::UnixStream) {

@@ -547,29 +547,20 @@ fn kill_ends_every_process_of_the_cell(tier: Tier) {
     );
     let killed = daemon.call("POST", &format!("/v1/cells/{cell}/kill"), None);
     assert_eq!(killed.json()["state"], "ended", "{}", killed.text());
-    let alive = || -> Vec<i32> {
+    let living = || -> Vec<i32> {
         pids.iter()
             .copied()
-            .filter(|pid| {
-                std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-                    !stat
-                        .rsplit(')')
-                        .next()
-                        .unwrap_or("")
-                        .trim_start()
-                        .starts_with('Z')
-                })
-            })
+            .filter(|pid| alive(i64::from(*pid)))
             .collect()
     };
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !alive().is_empty() && Instant::now() < deadline {
+    while !living().is_empty() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert!(
-        alive().is_empty(),
+        living().is_empty(),
         "nothing of the cell is left: {:?}",
-        alive()
+        living()
     );
     let refused = daemon.call(
         "POST",

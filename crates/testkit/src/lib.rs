@@ -351,6 +351,15 @@ pub fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
+/// Whether process `pid` runs (neither gone nor ended and waiting to be reaped).
+pub fn alive(pid: i64) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit(')')
+            .next()
+            .is_some_and(|s| !s.trim_start().starts_with('Z'))
+    })
+}
+
 /// The children of `pid` that have ended and wait to be reaped.
 pub fn zombies_of(pid: u32) -> Vec<u32> {
     children_where(pid, |state, _| state == "Z")
