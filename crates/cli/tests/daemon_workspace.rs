@@ -1188,7 +1188,8 @@ fn a_quiet_cells_snapshot_of_many_top_entries_stacks_its_upper_layer_as_it_is() 
     assert_eq!(ino(&one.join("t7")), written);
     assert_ne!(ino(&layer.join("upper")), upper_before);
     assert_eq!(std::fs::read_dir(layer.join("upper")).unwrap().count(), 0);
-    // The daemon forks the next turn-over's helper ahead, behind this one: a spare that waits.
+    // The daemon forks the next turn-over's helper ahead, behind this one: a spare that waits,
+    // called `helper` once the daemon holds it ready for a job.
     let daemon_pid = daemon.pid().unwrap();
     let mut spares = Vec::new();
     wait_for("a spare helper of the daemon's", || {
@@ -1206,7 +1207,9 @@ fn a_quiet_cells_snapshot_of_many_top_entries_stacks_its_upper_layer_as_it_is() 
         run("cat t7 d/f2; test -e t150 || echo no-t150; test -e kept.txt || echo no-kept"),
         "two-7\n2\nno-t150\nno-kept\n"
     );
+    let upper_two = ino(&layer.join("upper"));
     let two = snapshot("two");
+    assert_eq!(ino(&two), upper_two, "the second snapshot turned over too");
     assert_eq!(std::fs::read_to_string(two.join("t7")).unwrap(), "two-7\n");
     // The spare did this turn-over (and ended): another waits for the next.
     wait_for(

@@ -47,6 +47,11 @@ const HELPER: u8 = b'h';
 /// on which the daemon later sends the job and its descriptors as it would send them here.
 const SPARE: &[u8] = b"s";
 
+/// What the daemon sends a spare helper once it holds it ready (while no job can be sent to it
+/// yet): from then on the spare reads `helper` in `ps`, a helper that waits for its job or
+/// does it. Before, it reads `spare`: forked, and not yet the daemon's to hand a job to.
+const HELD: &[u8] = b"k";
+
 /// The server's answer: the keeper's pid, or why it could not fork one.
 #[derive(Serialize, Deserialize)]
 enum ForkAnswer {
@@ -146,11 +151,17 @@ fn fork_spare() -> Result<(i32, OwnedFd), String> {
             drop(theirs);
             // Not to be taken for the fork server in `ps` while it waits.
             let exe = std::env::args_os().next().unwrap_or_default();
-            let _ = sys::replace_cmdline(&format!("{}\0helper", exe.to_string_lossy()));
-            let code = match sys::receive_message(std::io::stdin().as_fd()) {
-                Ok(Some((job, fds))) => super::swap::helper(&job, fds),
-                // Let go of unused (the daemon ends, or had one spare too many).
-                _ => 0,
+            let exe = exe.to_string_lossy();
+            let _ = sys::replace_cmdline(&format!("{exe}\0spare"));
+            let code = loop {
+                match sys::receive_message(std::io::stdin().as_fd()) {
+                    Ok(Some((message, _))) if message == HELD => {
+                        let _ = sys::replace_cmdline(&format!("{exe}\0helper"));
+                    }
+                    Ok(Some((job, fds))) => break super::swap::helper(&job, fds),
+                    // Let go of unused (the daemon ends, or had one spare too many).
+                    _ => break 0,
+                }
             };
             sys::exit_now(code)
         }
@@ -301,7 +312,14 @@ impl Forks {
             return;
         };
         match self.spare.lock() {
-            Ok(mut slot) if slot.is_none() => *slot = Some(spare),
+            // Told while the slot is held: a job, sent once it is taken from there, comes
+            // after on its socket.
+            Ok(mut slot) if slot.is_none() => {
+                match sys::send_message(spare.socket.as_fd(), HELD, &[]) {
+                    Ok(()) => *slot = Some(spare),
+                    Err(_) => spare.let_go(),
+                }
+            }
             _ => spare.let_go(),
         }
     }
