@@ -1652,9 +1652,31 @@ fn a_delete_answered_before_a_crash_stays_done_for_the_next_daemon() {
     wait_for("the deleted cell's keeper to end", || {
         std::fs::metadata(format!("/proc/{keeper}")).is_err()
     });
-    wait_for("the deleted cell's cgroups to go", || {
-        cgroup_dirs_of(&cell).is_empty()
-    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while !cgroup_dirs_of(&cell).is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // (What is left is described: which hierarchies, what each still holds.)
+    let left: Vec<String> = cgroup_dirs_of(&cell)
+        .iter()
+        .map(|dir| {
+            let procs = std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
+            let children = std::fs::read_dir(dir)
+                .map(|d| d.flatten().filter(|e| e.path().is_dir()).count())
+                .unwrap_or(0);
+            format!(
+                "{} (processes: [{}], child groups: {children})",
+                dir.display(),
+                procs.trim()
+            )
+        })
+        .collect();
+    assert!(
+        left.is_empty(),
+        "the deleted cell's cgroups are left 15 s after its keeper ended: {left:#?}; its folder: {:?}",
+        std::fs::read_dir(runtime.join("cells"))
+            .map(|d| d.flatten().map(|e| e.file_name()).collect::<Vec<_>>())
+    );
     daemon.create(&cell, json!({}));
     let ran = daemon.exec(&cell, json!({ "argv": ["sh", "-c", "echo again"] }));
     assert_eq!(stream_bytes(&ran, "stdout"), b"again\n", "{ran:?}");
