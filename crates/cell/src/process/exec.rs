@@ -363,6 +363,49 @@ pub fn namespaces(registry: &Registry, name: &str) -> Result<Namespaces, ExecErr
     Ok(Namespaces { user, mnt, root })
 }
 
+/// The user and mount namespaces of the cell whose init is `pid`, started at `start` (clock
+/// ticks after boot, as its record says), opened here from the init's own: `None` where this
+/// process may not open them (a rootless warden, the init being undumpable), where `pid` is
+/// not such an init (a gVisor cell's record names `runsc`, which is not pid 1 of a namespace
+/// of its own), or where it ended meanwhile; the keeper is asked then ([`namespaces`]).
+pub(crate) fn init_namespaces(pid: i32, start: u64) -> Option<Namespaces> {
+    use std::os::fd::AsFd as _;
+    // Held throughout: a pid that was reused would have let this pidfd's process end first.
+    let pidfd = sys::pidfd_open(pid).ok()?;
+    if sys::process_start_ticks(pid) != Some(start) {
+        return None;
+    }
+    // Pid 1 of a pid namespace of its own, as a cell's init is (and `runsc run` is not).
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let ns_pids = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
+    let ns_pids: Vec<&str> = ns_pids.split_whitespace().collect();
+    if ns_pids.len() < 2 || ns_pids.last() != Some(&"1") {
+        return None;
+    }
+    let open = |kind: &str| -> Option<OwnedFd> {
+        rustix::fs::open(
+            format!("/proc/{pid}/ns/{kind}").as_str(),
+            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )
+        .ok()
+    };
+    let (user, mnt) = (open("user")?, open("mnt")?);
+    // Still running (its pidfd not readable yet): what was opened is that process's.
+    let mut fds = [nix::poll::PollFd::new(
+        pidfd.as_fd(),
+        nix::poll::PollFlags::POLLIN,
+    )];
+    match nix::poll::poll(&mut fds, nix::poll::PollTimeout::ZERO) {
+        Ok(0) => Some(Namespaces {
+            user,
+            mnt,
+            root: None,
+        }),
+        _ => None,
+    }
+}
+
 /// Sends the keeper of cell `name` a request it answers itself (with the same request and
 /// `count` descriptors), and returns the descriptors. The keeper answers at once; one that
 /// does not is not waited for without end.
@@ -806,6 +849,71 @@ fn hand_out_line(client: &OwnedFd, channel: &OwnedFd) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The namespaces are opened from a process only where it is pid 1 of a pid namespace of
+    /// its own and still the one its record names: a plain process (`runsc run` stands so in
+    /// a gVisor cell's record), a start time that is not its own (a pid taken again) and an
+    /// ended process get none, and the keeper is asked instead.
+    #[test]
+    fn namespaces_are_opened_only_from_the_init_the_record_names() {
+        use std::os::unix::fs::MetadataExt as _;
+        if !nix::unistd::geteuid().is_root() {
+            return; // a pid namespace of its own, made by root
+        }
+        let mut unshare = std::process::Command::new("unshare")
+            .args(["--pid", "--fork", "--mount", "sleep", "30"])
+            .spawn()
+            .unwrap();
+        let parent = unshare.id() as i32;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let init = loop {
+            let children =
+                std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children"))
+                    .unwrap_or_default();
+            if let Some(pid) = children.split_whitespace().next() {
+                break pid.parse::<i32>().unwrap();
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no init under unshare"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        };
+        // (Its mount namespace is its own once it runs `sleep`.)
+        let start = loop {
+            let exe = std::fs::read_link(format!("/proc/{init}/exe")).unwrap_or_default();
+            if exe.file_name().is_some_and(|n| n == "sleep") {
+                break sys::process_start_ticks(init).unwrap();
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the init did not start"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        };
+        let ns = init_namespaces(init, start).expect("the init's namespaces");
+        let theirs = std::fs::metadata(format!("/proc/{init}/ns/mnt")).unwrap();
+        let opened = rustix::fs::fstat(&ns.mnt).unwrap();
+        assert_eq!(opened.st_ino, theirs.ino());
+        let ours = std::fs::metadata("/proc/self/ns/mnt").unwrap();
+        assert_ne!(
+            opened.st_ino,
+            ours.ino(),
+            "the host's mount namespace was opened"
+        );
+        assert!(
+            init_namespaces(init, start + 1).is_none(),
+            "another start time"
+        );
+        assert!(init_namespaces(parent, sys::process_start_ticks(parent).unwrap()).is_none());
+        let own = std::process::id() as i32;
+        assert!(init_namespaces(own, sys::process_start_ticks(own).unwrap()).is_none());
+        unshare.kill().unwrap();
+        unshare.wait().unwrap();
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(init), nix::sys::signal::SIGKILL);
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(init_namespaces(init, start).is_none(), "an ended init");
+    }
 
     /// A request over a line whose cell's folder is gone (a delete under way removed it) is
     /// told as the line closed (the caller opens a new one, and hears the cell ended), not as

@@ -707,7 +707,7 @@ fn turn_over(
             size: None,
         }),
     };
-    let place = place(store, layer, meta, cell, record.pid);
+    let place = place(store, layer, meta, cell, (record.pid, record.pid_start));
     if !make_over(
         registry,
         store,
@@ -1007,11 +1007,12 @@ fn place<'a>(
     layer: &'a Layer,
     meta: &'a LayerMeta,
     cell: &'a str,
-    pid: i32,
+    (pid, pid_start): (i32, u64),
 ) -> super::swap::Place<'a> {
     super::swap::Place {
         cell,
         pid,
+        pid_start,
         host: &meta.lower,
         layer_dir: upper_dir(layer),
         snapshots_dir: snapshots_dir(store),
@@ -1773,7 +1774,7 @@ fn reset_by_swap(
         made: false,
         whole: false,
     };
-    let place = place(store, layer, meta, cell, record.pid);
+    let place = place(store, layer, meta, cell, (record.pid, record.pid_start));
     if !make_over(
         registry,
         store,
