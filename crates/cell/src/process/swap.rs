@@ -190,17 +190,12 @@ pub fn swap(
     if message == SWAPPED && super::background::outlives_requests() {
         // Swapped, said once the new overlay was the cell's: what the helper has left to do is
         // let go of its clones of the layers and end, each clone's release a wait for an RCU
-        // grace period (expedited: each one interrupts both CPUs), which the request does not
-        // wait for, nor share the CPUs with: the helper waits for the end of `held_r` first,
-        // let go of on the background thread once the request has answered. (It holds the
-        // caller's hold until it has ended, as before: a warden killed now is finished after
-        // by whoever waits for that.) Reaped by the background thread, after.
-        super::background::let_go(vec![held_r]);
+        // grace period, which the request does not wait for. (It holds the caller's hold until
+        // it has ended, as before: a warden killed now is finished after by whoever waits for
+        // that.) Reaped by the background thread.
         super::background::reap(child);
         return Ok(());
     }
-    // (Its end is waited for here: the helper may go on to it.)
-    drop(held_r);
     match nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(child), None) {
         Ok(nix::sys::wait::WaitStatus::Exited(_, 0)) => Ok(()),
         Ok(nix::sys::wait::WaitStatus::Exited(_, 2)) => Err(SwapError::Busy(place.cell.to_owned())),
@@ -493,9 +488,6 @@ fn inside(
                 if let Some(mut report) = report.take() {
                     let _ = report.write_all(SWAPPED.as_bytes());
                 }
-                // The clones go once the caller lets go of its end of `hand_back` (after its
-                // answer), or ends.
-                let _ = sys::receive_message(hand_back.as_fd());
                 return Ok(());
             }
             Err(err) => {
