@@ -1652,10 +1652,7 @@ fn a_delete_answered_before_a_crash_stays_done_for_the_next_daemon() {
     wait_for("the deleted cell's keeper to end", || {
         std::fs::metadata(format!("/proc/{keeper}")).is_err()
     });
-    let deadline = std::time::Instant::now() + Duration::from_secs(15);
-    while !cgroup_dirs_of(&cell).is_empty() && std::time::Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    waited(|| cgroup_dirs_of(&cell).is_empty());
     // (What is left is described: which hierarchies, what each still holds.)
     let left: Vec<String> = cgroup_dirs_of(&cell)
         .iter()

@@ -340,15 +340,21 @@ pub fn processes_whose_command_line(is: impl Fn(&str) -> bool) -> Vec<i32> {
 }
 
 /// Waits until `done` (looked at every 20 ms), failing the test after 15 s with `what`.
-pub fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+pub fn wait_for(what: &str, done: impl FnMut() -> bool) {
+    assert!(waited(done), "waited 15 s for {what}");
+}
+
+/// Waits until `done` (looked at every 20 ms), 15 s at most: whether it came, for a caller
+/// that says more than `wait_for` when it did not.
+pub fn waited(mut done: impl FnMut() -> bool) -> bool {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
     while !done() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "waited 15 s for {what}"
-        );
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
+    true
 }
 
 /// Whether process `pid` runs (neither gone nor ended and waiting to be reaped).
