@@ -398,17 +398,10 @@ impl Registry {
                 // removal under way goes on in the folder it opened, whatever name the folder
                 // has by then: a spare's, or the next cell's). Its age is its status change's,
                 // which a rename sets too (a spare's modification time can be of any age).
-                let old = entry
-                    .metadata()
-                    .ok()
-                    .and_then(|m| {
-                        use std::os::unix::fs::MetadataExt as _;
-                        let secs = u64::try_from(m.ctime()).ok()?;
-                        let changed = std::time::UNIX_EPOCH
-                            .checked_add(std::time::Duration::from_secs(secs))?;
-                        changed.elapsed().ok()
-                    })
-                    .is_some_and(|age| age > std::time::Duration::from_secs(60));
+                let old = entry.metadata().is_ok_and(|m| {
+                    use std::os::unix::fs::MetadataExt as _;
+                    changed_long_ago(m.ctime())
+                });
                 // (A lock that cannot be told is left alone, as a live one.)
                 if old && matches!(locked(&entry.path().join(LOCK)), Ok(false)) {
                     let _ = fs::remove_dir_all(entry.path());
@@ -590,37 +583,81 @@ fn locked(path: &Path) -> io::Result<bool> {
     }
 }
 
+/// Whether a status change at `ctime` (seconds since the epoch) is over a minute old: long
+/// enough that whoever made or moved the folder cannot still be between that and taking its
+/// lock (or keeping it as a spare).
+fn changed_long_ago(ctime: i64) -> bool {
+    u64::try_from(ctime)
+        .ok()
+        .and_then(|secs| std::time::UNIX_EPOCH.checked_add(std::time::Duration::from_secs(secs)))
+        .and_then(|changed| changed.elapsed().ok())
+        .is_some_and(|age| age > std::time::Duration::from_secs(60))
+}
+
 /// Removes what a warden that died (SIGKILL, power cut) left of its cell: the cell's processes
 /// died with it (the init has a parent-death signal), but its cgroup directories and runtime
 /// folder remain until someone finds them. Only the folder found at `dir` when it is opened is
-/// touched, through that descriptor: its lock is looked at again (one that is someone's is left
-/// alone), its record read and its entries removed; the name goes last, which fails harmlessly
-/// where another cell's folder has taken it meanwhile (a folder takes a name with its lock in
-/// it, never empty). By its path, a removal could take the folder of a cell that took the name
-/// between the look at the lock and the removal (three wardens on one name, one of them ending).
+/// touched, through that descriptor, and only while this process holds its lock: the lock is
+/// taken (one that is someone's is left alone) and then seen to be the one at `dir`, so that
+/// nobody moves the folder or gives it to another cell meanwhile; its record is read and its
+/// entries removed; the name goes last. A lock only looked at was not enough: a folder opened
+/// here could meanwhile be emptied by its cell's end, kept as a spare and taken for another
+/// cell, whose new lock file, not yet held, looked stale, and went with the entries (three
+/// wardens on one name, `reservations_survive_sweeps_running_beside_them`, about 1 run in 40).
+/// A folder at `dir` with no lock file at all (no cell's folder takes a name without one) is
+/// removed only once it has not changed for a minute.
 fn clean_stale(dir: &Path) {
-    use rustix::fs::{AtFlags, Mode, OFlags};
-    let Ok(folder) = rustix::fs::open(
-        dir,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    ) else {
-        return;
+    use rustix::fs::{AtFlags, FlockOperation, Mode, OFlags};
+    let folder_at_dir = || {
+        rustix::fs::open(
+            dir,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .ok()
     };
-    match rustix::fs::openat(
-        &folder,
-        LOCK,
-        OFlags::RDONLY | OFlags::CLOEXEC,
+    // The lock at `dir` now, by its path (a folder on its way to being another cell's has its
+    // new lock elsewhere until that cell holds it), taken and held until the folder is gone.
+    let (folder, _lock) = match rustix::fs::open(
+        dir.join(LOCK),
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
         Mode::empty(),
     ) {
         Ok(lock) => {
-            if !matches!(Lock(File::from(lock)).held(), Ok(false)) {
+            if rustix::fs::flock(&lock, FlockOperation::NonBlockingLockExclusive).is_err() {
                 return;
             }
+            let Some(folder) = folder_at_dir() else {
+                return;
+            };
+            // The folder opened holds this very lock (not one removed meanwhile): nobody moves
+            // it while the lock is held here.
+            let here = rustix::fs::statat(&folder, LOCK, AtFlags::SYMLINK_NOFOLLOW).ok();
+            let held = rustix::fs::fstat(&lock).ok();
+            if !here
+                .zip(held)
+                .is_some_and(|(h, l)| h.st_dev == l.st_dev && h.st_ino == l.st_ino)
+            {
+                return;
+            }
+            (folder, Some(lock))
         }
-        Err(rustix::io::Errno::NOENT) => {}
+        Err(rustix::io::Errno::NOENT) => {
+            let Some(folder) = folder_at_dir() else {
+                return;
+            };
+            let lockless = matches!(
+                rustix::fs::statat(&folder, LOCK, AtFlags::SYMLINK_NOFOLLOW),
+                Err(rustix::io::Errno::NOENT)
+            );
+            if !lockless || !rustix::fs::fstat(&folder).is_ok_and(|m| changed_long_ago(m.st_ctime))
+            {
+                return;
+            }
+            (folder, None)
+        }
         Err(_) => return,
-    }
+    };
     let record = rustix::fs::openat(
         &folder,
         "cell.json",
